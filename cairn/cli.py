@@ -1,0 +1,214 @@
+"""The ``cairn`` command: start the system, run one service, manage tokens."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from libs.common.embedded import EmbeddedPostgres
+from libs.common.settings import CairnSettings
+
+ROLES = ("admin", "service", "user", "worker")
+
+
+def _database(settings: CairnSettings) -> tuple[str, EmbeddedPostgres | None]:
+    """The database URL, and the embedded server if this call started it."""
+    if settings.database_url:
+        return settings.database_url, None
+    server = EmbeddedPostgres(settings.home / "pg")
+    was_running = server.running() if (server.data / "PG_VERSION").exists() else False
+    url = server.start()
+    return url, (None if was_running else server)
+
+
+def _prepare_home(settings: CairnSettings) -> None:
+    settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+async def _create_token(url: str, name: str, role: str) -> str:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from services.core import store
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            return await store.create_token(conn, name, role)
+    finally:
+        await engine.dispose()
+
+
+async def _token_valid(url: str, token: str) -> bool:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from services.core import store
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            principal = await store.principal_for_token(conn, token)
+    finally:
+        await engine.dispose()
+    return principal is not None and principal.role == "admin"
+
+
+def local_admin_token(settings: CairnSettings, url: str) -> str:
+    """The admin token for local use, kept in ``$CAIRN_HOME/admin-token`` (mode 0600)."""
+    path = settings.home / "admin-token"
+    if path.exists():
+        token = path.read_text().strip()
+        if asyncio.run(_token_valid(url, token)):
+            return token
+    token = asyncio.run(_create_token(url, "admin", "admin"))
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def cmd_migrate(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.core import migrate
+
+    _prepare_home(settings)
+    url, started = _database(settings)
+    try:
+        migrate.upgrade(url)
+    finally:
+        if started is not None:
+            started.stop()
+    print("core schema is at the newest migration")
+    return 0
+
+
+def cmd_token_create(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.core import migrate
+
+    _prepare_home(settings)
+    url, started = _database(settings)
+    try:
+        migrate.upgrade(url)
+        token = asyncio.run(_create_token(url, args.name, args.role))
+    except ValueError as exc:
+        print(f"cairn: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if started is not None:
+            started.stop()
+    print(token)
+    return 0
+
+
+def cmd_core(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.core.__main__ import main
+
+    main(args.rest)
+    return 0
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} was not ready after {timeout_s:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
+    """Start the database (embedded unless a URL is set), core, and wait for Ctrl-C."""
+    from services.core import migrate
+
+    _prepare_home(settings)
+    url, started = _database(settings)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        migrate.upgrade(url)
+        token = local_admin_token(settings, url)
+        env = {**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"}
+        core_url = f"http://{settings.bind_host}:{settings.core_port}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.core"], env=env, start_new_session=True
+            )
+        )
+        _wait_ready(core_url, procs[0])
+        print(
+            f"\ncairn is up\n  core      {core_url}  (OpenAPI at {core_url}/docs)\n"
+            f"  database  {'embedded, ' + str(settings.home / 'pg') if started else 'as configured'}\n"
+            f"  token     {token}  (admin; also in {settings.home / 'admin-token'})\n"
+            "Ctrl-C stops everything.\n",
+            flush=True,
+        )
+        while not stopping:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                print(f"cairn: a service exited with status {dead[0].returncode}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as exc:
+        print(f"cairn: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(procs)
+        if started is not None:
+            started.stop()
+        print("cairn stopped", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cairn", description="Cairn task scheduling")
+    parser.add_argument("--home", type=Path, help="data directory (CAIRN_HOME)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start the whole system on loopback").set_defaults(func=cmd_up)
+    core = sub.add_parser("core", help="run core's API and loops", add_help=False)
+    core.add_argument("rest", nargs=argparse.REMAINDER)
+    core.set_defaults(func=cmd_core)
+    sub.add_parser("migrate", help="migrate core's schema").set_defaults(func=cmd_migrate)
+    token = sub.add_parser("token", help="manage bearer tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="create a principal's token and print it")
+    create.add_argument("name")
+    create.add_argument("--role", choices=ROLES, default="user")
+    create.set_defaults(func=cmd_token_create)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    overrides = {"home": args.home} if args.home else {}
+    settings = CairnSettings(**overrides)
+    sys.exit(args.func(settings, args))

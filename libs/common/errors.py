@@ -1,0 +1,137 @@
+"""Cairn's errors, shared by the services (which raise them) and the client (which re-raises
+them from problem+json answers). Each maps to one HTTP status and problem type.
+
+    CairnError
+    ├── InvalidInput          422  a field is missing, malformed or out of bounds
+    ├── PayloadTooLarge       413  the request body is over the limit
+    ├── Unauthorized          401  no token, or an unknown or revoked one
+    ├── Forbidden             403  the role may not call this endpoint
+    ├── NotFound              404  no such object (or not yours: the same answer)
+    ├── Conflict              409  the object is not in a state that allows this
+    │   ├── IllegalTransition       the state machine refuses the move
+    │   ├── StaleAttempt            a report from an attempt that is no longer current
+    │   └── IdempotencyMismatch     the key was used before with a different request
+    └── Unavailable           503  the database cannot be reached right now
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class CairnError(Exception):
+    """Something went wrong."""
+
+    status: ClassVar[int] = 500
+    slug: ClassVar[str] = "internal"
+
+    def __init__(self, detail: str | None = None, **extra: Any) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        self.extra = extra
+        super().__init__(self.detail)
+
+    @property
+    def type_uri(self) -> str:
+        return f"https://cairn.dev/problems/{self.slug}"
+
+    @property
+    def title(self) -> str:
+        return (type(self).__doc__ or "").strip()
+
+    def problem(self, instance: str | None = None) -> dict[str, Any]:
+        """This error as an RFC 9457 problem document."""
+        body: dict[str, Any] = {
+            "type": self.type_uri,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if instance:
+            body["instance"] = instance
+        body.update(self.extra)
+        return body
+
+
+class InvalidInput(CairnError):
+    """The request is invalid."""
+
+    status = 422
+    slug = "invalid-input"
+
+
+class PayloadTooLarge(CairnError):
+    """The request body is too large."""
+
+    status = 413
+    slug = "payload-too-large"
+
+
+class Unauthorized(CairnError):
+    """A valid bearer token is required."""
+
+    status = 401
+    slug = "unauthorized"
+
+
+class Forbidden(CairnError):
+    """Your role may not do this."""
+
+    status = 403
+    slug = "forbidden"
+
+
+class NotFound(CairnError):
+    """No such object."""
+
+    status = 404
+    slug = "not-found"
+
+
+class Conflict(CairnError):
+    """The object is not in a state that allows this."""
+
+    status = 409
+    slug = "conflict"
+
+
+class IllegalTransition(Conflict):
+    """The task's state does not allow this."""
+
+    slug = "illegal-transition"
+
+
+class StaleAttempt(Conflict):
+    """This attempt is no longer the task's current one."""
+
+    slug = "stale-attempt"
+
+
+class IdempotencyMismatch(Conflict):
+    """This idempotency key was used before with a different request."""
+
+    slug = "idempotency-mismatch"
+
+
+class Unavailable(CairnError):
+    """The database cannot be reached right now; try again."""
+
+    status = 503
+    slug = "unavailable"
+
+
+BY_SLUG: dict[str, type[CairnError]] = {
+    cls.slug: cls
+    for cls in (
+        CairnError,
+        InvalidInput,
+        PayloadTooLarge,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        Conflict,
+        IllegalTransition,
+        StaleAttempt,
+        IdempotencyMismatch,
+        Unavailable,
+    )
+}

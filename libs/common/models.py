@@ -1,0 +1,236 @@
+"""The wire format: every request and answer body of core's HTTP API.
+
+Request models refuse unknown fields, so nobody sets ``owner``, ``state`` or ``attempts``
+by hand, and bound every string, list and map.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
+
+from libs.common.states import TaskState
+
+MAX_BATCH = 1000
+MAX_PAGE = 1000
+MAX_WAIT_S = 30.0
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+QueueName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
+]
+Arg = Annotated[str, StringConstraints(max_length=8192, pattern=r"^[^\x00]*$")]
+EnvKey = Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+EnvValue = Annotated[str, StringConstraints(max_length=8192, pattern=r"^[^\x00]*$")]
+LabelKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
+]
+LabelValue = Annotated[str, StringConstraints(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")]
+Path_ = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
+IdempotencyKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+TaskId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+_RESERVED_ENV = re.compile(r"^CAIRN_")
+
+
+def _no_reserved_env(env: dict[str, str]) -> dict[str, str]:
+    reserved = sorted(k for k in env if _RESERVED_ENV.match(k))
+    if reserved:
+        raise ValueError(f"names starting with CAIRN_ are reserved for Cairn: {', '.join(reserved)}")
+    return env
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Artifact(_Input):
+    """Where the executable lives, and the digest it must have."""
+
+    uri: Annotated[
+        str, StringConstraints(min_length=8, max_length=2048, pattern=r"^(s3|https|file)://\S+$")
+    ]
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Resources(_Input):
+    """What one attempt declares it needs."""
+
+    cpu: float = Field(default=1.0, gt=0, le=1024)
+    memory_mb: int = Field(default=512, ge=1, le=4 * 1024 * 1024)
+
+
+class RetryPolicy(_Input):
+    """How failures are retried. With no ``base_s`` the Sidekiq curve applies:
+    ``attempt**4 + 15 + rand(10) * (attempt + 1)`` seconds."""
+
+    max_attempts: int = Field(default=5, ge=1, le=100)
+    base_s: float | None = Field(default=None, gt=0, le=86400)
+    cap_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
+    jitter: bool = True
+    poison_after: int = Field(default=3, ge=1, le=100)
+
+
+class TaskCreate(_Input):
+    """A submission."""
+
+    name: Name
+    artifact: Artifact
+    queue: QueueName = "default"
+    priority: int = Field(default=0, ge=-100, le=100)
+    kind: Literal["task", "service"] = "task"
+    args: list[Arg] = Field(default_factory=list, max_length=256)
+    env: Annotated[dict[EnvKey, EnvValue], AfterValidator(_no_reserved_env)] = Field(
+        default_factory=dict, max_length=128
+    )
+    input_path: Path_ | None = None
+    output_path: Path_ | None = None
+    resources: Resources = Field(default_factory=Resources)
+    preemptible: bool = False
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
+    run_at: AwareDatetime | None = None
+    idempotency_key: IdempotencyKey | None = None
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+
+
+class TaskBatchCreate(_Input):
+    """Up to 1,000 submissions, accepted all together or not at all."""
+
+    tasks: list[TaskCreate] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class Task(_Output):
+    """A task as core stores it."""
+
+    id: int
+    owner: str
+    name: str
+    queue: str
+    priority: int
+    kind: Literal["task", "service"]
+    artifact: Artifact
+    args: list[str]
+    env: dict[str, str]
+    input_path: str | None
+    output_path: str | None
+    resources: Resources
+    preemptible: bool
+    retry: RetryPolicy
+    timeout_s: int | None
+    run_at: datetime
+    idempotency_key: str | None
+    labels: dict[str, str]
+    state: TaskState
+    attempts: int
+    last_error: str | None
+    current_attempt_id: int | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class BatchItem(_Output):
+    id: int
+    state: TaskState
+    created: bool
+
+
+class BatchResult(_Output):
+    """One entry per submitted task, in the order given."""
+
+    tasks: list[BatchItem]
+
+
+class TaskPage(_Output):
+    items: list[Task]
+    next_cursor: str | None
+
+
+class Attempt(_Output):
+    id: int
+    task_id: int
+    number: int
+    worker_id: str | None
+    outcome: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    exit_code: int | None
+    peak_memory_mb: float | None
+    cpu_seconds: float | None
+    error: str | None
+    log_tail: str | None
+
+
+class AttemptList(_Output):
+    items: list[Attempt]
+
+
+class Event(_Output):
+    """One state change of one task; ``seq`` counts the task's own changes from 1."""
+
+    cursor: str
+    task_id: int
+    seq: int
+    owner: str
+    op: str
+    from_state: TaskState | None
+    to_state: TaskState
+    reason: str | None
+    attempt_id: int | None
+    at: datetime
+
+
+class EventList(_Output):
+    items: list[Event]
+
+
+class EventPage(_Output):
+    """A page of the feed. Pass ``next_cursor`` as ``after`` to read on; it moves even
+    when the page is empty, and never skips an event that commits later."""
+
+    items: list[Event]
+    next_cursor: str
+
+
+class QueueInfo(_Output):
+    name: str
+    paused: bool
+    depth: dict[TaskState, int]
+    oldest_waiting_age_s: float | None
+
+
+class QueueList(_Output):
+    items: list[QueueInfo]
+
+
+class Health(_Output):
+    status: Literal["ok", "unavailable"]
+    detail: str | None = None
+
+
+class Problem(_Output):
+    """An RFC 9457 problem document, as every error answer carries."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    errors: list[dict[str, str]] | None = None

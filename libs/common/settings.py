@@ -1,0 +1,79 @@
+"""Settings every Cairn process reads: environment first (``CAIRN_*``), flags override."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def normalise_database_url(url: str) -> str:
+    """Return ``url`` with the SQLAlchemy psycopg 3 driver named explicitly."""
+    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    if not url.startswith("postgresql+psycopg://"):
+        raise ValueError("must be a PostgreSQL URL (postgresql://...)")
+    return url
+
+
+def libpq_url(url: str) -> str:
+    """The same URL as plain libpq understands it (no SQLAlchemy driver suffix)."""
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+class CairnSettings(BaseSettings):
+    """The settings shared by every process; names and defaults are part of the interface."""
+
+    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
+
+    env: Literal["development", "production"] = "development"
+    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
+    database_url: str | None = None
+    url: str = "http://127.0.0.1:8400"
+    token: str | None = None
+    bind_host: str = "127.0.0.1"
+    core_port: int = Field(default=8400, ge=1, le=65535)
+    cron_port: int = Field(default=8401, ge=1, le=65535)
+    dag_port: int = Field(default=8402, ge=1, le=65535)
+    dag_url: str = "http://127.0.0.1:8402"
+    heartbeat_interval_s: float = Field(default=60.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=180.0, gt=0)
+    worker_queues: str = "default"
+    worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
+    worker_memory_mb: int = Field(default_factory=lambda: _host_memory_mb(), gt=0)
+    log_level: str = "info"
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_url(cls, value: str | None) -> str | None:
+        return normalise_database_url(value) if value else None
+
+    @field_validator("home")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _refuse_insecure_production(self) -> CairnSettings:
+        if self.env == "production" and self.database_url is None:
+            raise ValueError("CAIRN_DATABASE_URL is required when CAIRN_ENV=production")
+        return self
+
+    @property
+    def queues(self) -> list[str]:
+        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+
+
+def _host_memory_mb() -> int:
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES")
+        page_size = os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1024
+    return max(1, pages * page_size // (1024 * 1024))

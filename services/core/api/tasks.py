@@ -1,0 +1,169 @@
+"""Tasks: submit, read, list, cancel, retry, and each task's attempts and events."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+
+from libs.common.errors import InvalidInput
+from libs.common.models import (
+    MAX_PAGE,
+    AttemptList,
+    BatchResult,
+    EventList,
+    LabelKey,
+    Problem,
+    QueueName,
+    Task,
+    TaskBatchCreate,
+    TaskCreate,
+    TaskPage,
+)
+from libs.common.states import TaskState
+from services.core import store
+from services.core.deps import Engine, OwnedTask, Reader, Submitter, TaskIdPath
+
+router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
+
+PROBLEMS: dict[int | str, dict[str, object]] = {
+    code: {"model": Problem, "content": {"application/problem+json": {}}}
+    for code in (401, 403, 404, 409, 413, 422, 503)
+}
+
+JSON = "application/json"
+
+
+def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status_code, media_type=JSON)
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=Task,
+    responses={200: {"model": Task, "description": "The idempotency key matched a task"}, **PROBLEMS},
+)
+async def submit_task(spec: TaskCreate, principal: Submitter, engine: Engine) -> Response:
+    """Submit one task. 201 with the new task; 200 with the existing one when the same
+    owner already submitted this ``idempotency_key``."""
+    async with engine.begin() as conn:
+        [(row, created)] = await store.submit(conn, principal.name, [spec])
+    response = _json(store.task_from_row(row), 201 if created else 200)
+    response.headers["Location"] = f"/v1/tasks/{row.id}"
+    return response
+
+
+@router.post(
+    "/batch",
+    status_code=status.HTTP_201_CREATED,
+    response_model=BatchResult,
+    responses=PROBLEMS,
+)
+async def submit_batch(batch: TaskBatchCreate, principal: Submitter, engine: Engine) -> Response:
+    """Submit up to 1,000 tasks in one transaction: all are stored, or none."""
+    async with engine.begin() as conn:
+        rows = await store.submit(conn, principal.name, batch.tasks)
+    result = BatchResult(tasks=[store.batch_item(row, created) for row, created in rows])
+    return _json(result, 201 if any(created for _, created in rows) else 200)
+
+
+@router.get("/{task_id}", response_model=Task, responses=PROBLEMS)
+async def get_task(task: OwnedTask) -> Response:
+    return _json(task)
+
+
+def _decode_cursor(cursor: str) -> int:
+    try:
+        value = int(base64.urlsafe_b64decode(cursor.encode() + b"==").decode())
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise InvalidInput("cursor: not a cursor this API gave out") from None
+    if not 1 <= value <= 2**63 - 1:
+        raise InvalidInput("cursor: not a cursor this API gave out")
+    return value
+
+
+def _encode_cursor(task_id: int) -> str:
+    return base64.urlsafe_b64encode(str(task_id).encode()).decode().rstrip("=")
+
+
+def _parse_labels(labels: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidInput(f"label: {item!r} is not KEY=VALUE")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+@router.get("", response_model=TaskPage, responses=PROBLEMS)
+async def list_tasks(
+    principal: Reader,
+    engine: Engine,
+    state: TaskState | None = None,
+    queue: QueueName | None = None,
+    owner: Annotated[str | None, Query(max_length=100)] = None,
+    label: Annotated[
+        list[Annotated[str, Query(max_length=400)]],
+        Query(max_length=16, description="KEY=VALUE; repeat to require several"),
+    ] = [],  # noqa: B006 - FastAPI copies query defaults
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=40)] = None,
+) -> Response:
+    """Tasks newest first. Users see their own; admins and services see every owner's."""
+    if principal.owner_filter is not None:
+        if owner not in (None, principal.name):
+            return _json(TaskPage(items=[], next_cursor=None))
+        owner = principal.name
+    labels = _parse_labels(label)
+    for key, _ in labels:
+        _check_label_key(key)
+    where = store.TaskFilter(state=state, queue=queue, owner=owner, labels=labels)
+    before = _decode_cursor(cursor) if cursor else None
+    async with engine.connect() as conn:
+        items = await store.list_tasks(conn, where, before, limit)
+    next_cursor = _encode_cursor(items[-1].id) if len(items) == limit else None
+    return _json(TaskPage(items=items, next_cursor=next_cursor))
+
+
+def _check_label_key(key: str) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(LabelKey).validate_python(key)
+    except ValidationError:
+        raise InvalidInput(f"label: {key!r} is not a valid label key") from None
+
+
+@router.post("/{task_id}/cancel", response_model=Task, responses=PROBLEMS)
+async def cancel_task(task_id: TaskIdPath, principal: Reader, engine: Engine) -> Response:
+    """Cancel a task that has not finished. A final task answers 409."""
+    async with engine.begin() as conn:
+        await store.cancel(conn, task_id, principal.owner_filter, f"cancelled by {principal.name}")
+        task = await store.get_task(conn, task_id, None)
+    return _json(task)
+
+
+@router.post("/{task_id}/retry", response_model=Task, responses=PROBLEMS)
+async def retry_task(task_id: TaskIdPath, principal: Reader, engine: Engine) -> Response:
+    """Put a dead, failed or cancelled task back in line, with a fresh budget of attempts."""
+    async with engine.begin() as conn:
+        await store.retry(conn, task_id, principal.owner_filter)
+        task = await store.get_task(conn, task_id, None)
+    return _json(task)
+
+
+@router.get("/{task_id}/attempts", response_model=AttemptList, responses=PROBLEMS)
+async def list_attempts(task: OwnedTask, engine: Engine) -> AttemptList:
+    async with engine.connect() as conn:
+        return AttemptList(items=await store.list_attempts(conn, task.id))
+
+
+@router.get("/{task_id}/events", response_model=EventList, responses=PROBLEMS)
+async def list_task_events(task: OwnedTask, engine: Engine) -> EventList:
+    """Every state change of the task, oldest first."""
+    async with engine.connect() as conn:
+        return EventList(items=await store.task_events_of(conn, task.id))

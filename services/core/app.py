@@ -1,0 +1,58 @@
+"""Core's FastAPI application."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from services.core import loops, problems
+from services.core.api import events, health, queues, tasks
+from services.core.deps import TokenCache
+from services.core.feed import Notifier
+from services.core.limits import BodyLimit
+from services.core.settings import CoreSettings
+
+
+def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
+    """The API over ``database_url``, whose schema must already be migrated."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_async_engine(
+            database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_pool_size,
+            pool_timeout=10,
+        )
+        notifier = Notifier(database_url)
+        notifier.start()
+        app.state.engine = engine
+        app.state.notifier = notifier
+        app.state.tokens = TokenCache(settings.token_cache_s)
+        background = loops.start(engine, settings)
+        try:
+            yield
+        finally:
+            for task in background:
+                task.cancel()
+            for task in background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await notifier.stop()
+            await engine.dispose()
+
+    app = FastAPI(
+        title="Cairn core",
+        version="0.1.0",
+        summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",
+        lifespan=lifespan,
+    )
+    problems.install(app)
+    for module in (tasks, events, queues, health):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

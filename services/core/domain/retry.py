@@ -1,0 +1,27 @@
+"""The retry curve: how long a failed task waits before its next attempt."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A task's retry policy. Without ``base_s`` it is Sidekiq's curve,
+    ``n**4 + 15 + rand(10) * (n + 1)`` seconds for the n-th retry (n from 0);
+    with it, ``base_s * 2**n`` with equal jitter. Both are capped at ``cap_s``."""
+
+    base_s: float | None = None
+    cap_s: float = 86400.0
+    jitter: bool = True
+
+    def delay_s(self, failures: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after the ``failures``-th failed attempt (1 for the first)."""
+        n = max(0, failures - 1)
+        pick = rng or random
+        if self.base_s is None:
+            spread = pick.randrange(10) * (n + 1) if self.jitter else 0
+            return float(min(self.cap_s, n**4 + 15 + spread))
+        delay = min(self.cap_s, self.base_s * 2.0**n)
+        return delay * (0.5 + pick.random() / 2) if self.jitter else delay

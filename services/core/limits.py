@@ -1,0 +1,58 @@
+"""A cap on request bodies, checked before anything parses them."""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from libs.common.errors import PayloadTooLarge
+from services.core.problems import PROBLEM_JSON
+
+
+class BodyLimit:
+    """Refuse a body over ``limit`` bytes with 413: at once when Content-Length says so,
+    or as soon as a chunked body crosses it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > self.limit:
+                    await self._refuse(scope, send)
+                    return
+                break
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, f"the body is over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        import json
+
+        error = PayloadTooLarge(f"the body is over {self.limit} bytes")
+        body = json.dumps(error.problem(instance=scope.get("path"))).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", PROBLEM_JSON.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,73 @@
+"""Core's background work: the promoter (due and paused work) and the retention purge.
+Every replica runs them; SKIP LOCKED keeps replicas out of each other's way."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.core import store
+from services.core.settings import CoreSettings
+
+log = logging.getLogger("cairn.core.loops")
+
+PROMOTE_BATCH = 1000
+
+
+async def promote_once(engine: AsyncEngine) -> int:
+    async with engine.begin() as conn:
+        return await store.promote_and_park(conn, PROMOTE_BATCH)
+
+
+async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete finished tasks past retention, one small transaction per batch."""
+    total = 0
+    while True:
+        async with engine.begin() as conn:
+            gone = await store.purge_finished(
+                conn, settings.retention_days * 86400, settings.retention_batch
+            )
+        total += gone
+        if gone < settings.retention_batch:
+            return total
+        await asyncio.sleep(0)
+
+
+async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
+    """Run ``step`` forever, again at once while it finds work, else every ``interval_s``."""
+    while True:
+        try:
+            moved = await step()
+        except (DBAPIError, OSError) as exc:
+            log.warning("%s: %s; retrying", name, exc)
+            moved = 0
+        if moved == 0:
+            await asyncio.sleep(interval_s)
+        else:
+            await asyncio.sleep(0)
+
+
+def start(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+    return [
+        asyncio.create_task(
+            every(settings.promote_interval_s, "promoter", lambda: promote_once(engine)),
+            name="cairn-promoter",
+        ),
+        asyncio.create_task(
+            every(
+                settings.retention_interval_s,
+                "retention",
+                lambda: _purge_step(engine, settings),
+            ),
+            name="cairn-retention",
+        ),
+    ]
+
+
+async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
+    await purge_once(engine, settings)
+    return 0

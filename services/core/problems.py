@@ -1,0 +1,94 @@
+"""The one place where errors become problem+json answers (RFC 9457)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException
+
+from libs.common.errors import (
+    CairnError,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+)
+
+log = logging.getLogger("cairn.core")
+
+PROBLEM_JSON = "application/problem+json"
+
+_BY_STATUS: dict[int, type[CairnError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    413: PayloadTooLarge,
+    422: InvalidInput,
+}
+
+
+def problem_response(error: CairnError, request: Request) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthorized) else None
+    return JSONResponse(
+        error.problem(instance=request.url.path),
+        status_code=error.status,
+        media_type=PROBLEM_JSON,
+        headers=headers,
+    )
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _validation_problem(exc: RequestValidationError) -> InvalidInput:
+    errors = [
+        {"field": _field(err.get("loc", ())), "reason": str(err.get("msg", "invalid"))}
+        for err in exc.errors()[:50]
+    ]
+    first = errors[0] if errors else {"field": "request", "reason": "invalid"}
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return InvalidInput(f"{first['field']}: {first['reason']}{more}", errors=errors)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn every error into problem+json."""
+
+    @app.exception_handler(CairnError)
+    async def _cairn(request: Request, exc: CairnError) -> JSONResponse:
+        return problem_response(exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return problem_response(_validation_problem(exc), request)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        cls = _BY_STATUS.get(exc.status_code)
+        if cls is None:
+            error = CairnError(str(exc.detail))
+            error.status = exc.status_code  # type: ignore[misc]
+        else:
+            error = cls(str(exc.detail) if exc.detail else None)
+        response = problem_response(error, request)
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(OperationalError)
+    async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return problem_response(Unavailable(), request)
+
+    @app.exception_handler(DBAPIError)
+    async def _db_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        if exc.connection_invalidated:
+            return problem_response(Unavailable(), request)
+        log.exception("database error")
+        return problem_response(CairnError("internal database error"), request)

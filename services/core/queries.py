@@ -1,0 +1,166 @@
+"""The named SQL of core's hot paths: submit, transitions, the feed, promotion, purge.
+Plain reads are written with SQLAlchemy Core in ``store.py``."""
+
+from __future__ import annotations
+
+from sqlalchemy import TextClause, text
+
+TASK_COLUMNS = """
+    id, owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
+    input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
+    backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
+    spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
+    updated_at, finished_at
+"""
+
+# Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
+SUBMIT: TextClause = text(f"""
+WITH input AS (
+    SELECT r.*, e.ord
+    FROM jsonb_array_elements(CAST(:rows AS jsonb)) WITH ORDINALITY AS e(doc, ord),
+    jsonb_to_record(e.doc) AS r(
+        name text, queue text, priority smallint, kind text, artifact_uri text,
+        artifact_sha256 text, args jsonb, env jsonb, input_path text, output_path text,
+        cpu double precision, memory_mb integer, preemptible boolean, max_attempts integer,
+        backoff_base_s double precision, backoff_cap_s double precision,
+        backoff_jitter boolean, poison_after integer, timeout_s integer,
+        run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb
+    )
+), new AS (
+    INSERT INTO core.tasks (
+        owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
+        input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
+        backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
+        spec_hash, labels, state
+    )
+    SELECT
+        :owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
+        input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
+        backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
+        idempotency_key, spec_hash, labels,
+        CASE WHEN run_at > now()
+              OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = input.queue AND q.paused)
+             THEN 'ready' ELSE 'waiting' END
+    FROM input
+    ORDER BY ord
+    ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING {TASK_COLUMNS}
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state)
+    SELECT id, 1, owner, 'submit', NULL, state FROM new
+)
+SELECT {TASK_COLUMNS} FROM new ORDER BY id
+""")
+
+BY_IDEMPOTENCY_KEYS: TextClause = text(f"""
+SELECT {TASK_COLUMNS} FROM core.tasks
+WHERE owner = :owner AND idempotency_key = ANY(CAST(:keys AS text[]))
+""")
+
+# The guarded move of one task: the sub-select locks the row and reads the state it
+# leaves; the UPDATE applies only if that state is one the op may start from.
+TRANSITION: TextClause = text(f"""
+WITH old AS (
+    SELECT id, state FROM core.tasks
+    WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
+    FOR UPDATE
+), moved AS (
+    UPDATE core.tasks t SET
+        state = :target,
+        version = t.version + 1,
+        updated_at = now(),
+        finished_at = CASE WHEN :final THEN now() END,
+        run_at = CASE WHEN :reset_run_at THEN now() ELSE t.run_at END,
+        attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts END,
+        crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes END,
+        current_attempt_id = CASE WHEN :keep_attempt THEN t.current_attempt_id END,
+        last_error = COALESCE(CAST(:error AS text), t.last_error)
+    FROM old
+    WHERE t.id = old.id AND old.state = ANY(CAST(:sources AS text[]))
+    RETURNING t.id, t.owner, t.version, t.state, old.state AS from_state
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
+    SELECT id, version, owner, :op, from_state, state, :reason FROM moved
+)
+SELECT (SELECT state FROM old) AS found_state, (SELECT from_state FROM moved) AS from_state
+""")
+
+# Moves of many tasks at once by one op from one state, in batches that skip locked rows
+# so they never wait on a submit, a claim or each other.
+_BULK = """
+WITH picked AS (
+    SELECT id FROM core.tasks t
+    WHERE t.state = '{source}' AND {condition}
+    ORDER BY {order}
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE core.tasks t SET state = '{target}', version = t.version + 1, updated_at = now()
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.owner, t.version
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
+    SELECT id, version, owner, '{op}', '{source}', '{target}', {reason} FROM moved
+)
+SELECT count(*) FROM moved
+"""
+
+_QUEUE_PAUSED = "EXISTS (SELECT 1 FROM core.queues q WHERE q.name = t.queue AND q.paused)"
+
+
+def _bulk(op: str, source: str, target: str, condition: str, order: str, reason: str) -> TextClause:
+    return text(
+        _BULK.format(
+            op=op, source=source, target=target, condition=condition, order=order, reason=reason
+        )
+    )
+
+
+PROMOTE_READY = _bulk(
+    "promote", "ready", "waiting", f"t.run_at <= now() AND NOT {_QUEUE_PAUSED}", "t.run_at", "NULL"
+)
+PROMOTE_FAILED = _bulk(
+    "promote", "failed", "waiting", f"t.run_at <= now() AND NOT {_QUEUE_PAUSED}", "t.run_at",
+    "'backoff over'",
+)
+PARK_WAITING = _bulk("park", "waiting", "ready", _QUEUE_PAUSED, "t.id", "'queue paused'")
+PARK_FAILED = _bulk(
+    "park", "failed", "ready", f"t.run_at <= now() AND {_QUEUE_PAUSED}", "t.run_at",
+    "'queue paused'",
+)
+
+PURGE_FINISHED: TextClause = text("""
+WITH doomed AS (
+    SELECT id FROM core.tasks
+    WHERE finished_at < now() - make_interval(secs => :age_s)
+    ORDER BY finished_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), gone_events AS (
+    DELETE FROM core.task_events e USING doomed WHERE e.task_id = doomed.id
+)
+DELETE FROM core.tasks t USING doomed WHERE t.id = doomed.id
+""")
+
+# The feed: only events of transactions older than every running one are served, so an
+# event that commits later can never land behind a cursor already handed out.
+FEED: TextClause = text("""
+SELECT e.xid, e.id, e.task_id, e.seq, e.owner, e.op, e.from_state, e.to_state, e.reason,
+       e.attempt_id, e.at, h.horizon
+FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h
+LEFT JOIN LATERAL (
+    SELECT * FROM core.task_events e
+    WHERE (e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon
+      AND (CAST(:owner AS text) IS NULL OR e.owner = :owner)
+    ORDER BY e.xid, e.id
+    LIMIT :limit
+) e ON true
+""")
+
+QUEUE_DEPTHS: TextClause = text("""
+SELECT queue, state, count(*) AS n,
+       EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE state = 'waiting')) AS oldest
+FROM core.tasks
+WHERE state IN ('dead', 'failed', 'ready', 'running', 'waiting')
+GROUP BY queue, state
+""")

@@ -1,0 +1,404 @@
+"""Core's database layer. Every state change goes through ``transition`` (one task) or a
+bulk query of ``queries`` (many), both guarded by the rules of ``domain.transitions``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Row, and_, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
+from libs.common.models import Attempt, BatchItem, Event, QueueInfo, Task, TaskCreate
+from libs.common.states import FINAL, TaskState
+from services.core import queries
+from services.core.domain.transitions import Op, check, sources
+from services.core.tables import attempts, principals, queues, task_events, tasks, tokens
+
+ROLES = ("admin", "service", "user", "worker")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a name (the owner of what it submits) and a role."""
+
+    id: int
+    name: str
+    role: str
+
+    @property
+    def sees_all(self) -> bool:
+        return self.role in ("admin", "service")
+
+    @property
+    def owner_filter(self) -> str | None:
+        """The owner this caller is limited to, or None when it may see every owner."""
+        return None if self.sees_all else self.name
+
+
+# --- submissions --------------------------------------------------------------------------
+
+
+def spec_hash(spec: TaskCreate) -> str:
+    """A digest of a submission, to tell a retried request from a different one."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _row_doc(spec: TaskCreate) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "queue": spec.queue,
+        "priority": spec.priority,
+        "kind": spec.kind,
+        "artifact_uri": spec.artifact.uri,
+        "artifact_sha256": spec.artifact.sha256,
+        "args": spec.args,
+        "env": spec.env,
+        "input_path": spec.input_path,
+        "output_path": spec.output_path,
+        "cpu": spec.resources.cpu,
+        "memory_mb": spec.resources.memory_mb,
+        "preemptible": spec.preemptible,
+        "max_attempts": spec.retry.max_attempts,
+        "backoff_base_s": spec.retry.base_s,
+        "backoff_cap_s": spec.retry.cap_s,
+        "backoff_jitter": spec.retry.jitter,
+        "poison_after": spec.retry.poison_after,
+        "timeout_s": spec.timeout_s,
+        "run_at": spec.run_at.isoformat() if spec.run_at else None,
+        "idempotency_key": spec.idempotency_key,
+        "spec_hash": spec_hash(spec) if spec.idempotency_key else None,
+        "labels": spec.labels,
+    }
+
+
+async def submit(
+    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate]
+) -> list[tuple[Row[Any], bool]]:
+    """Store the submissions in one statement; return each one's task row, in the order
+    given, and whether it was created (False: its idempotency key matched a task)."""
+    docs = [_row_doc(spec) for spec in specs]
+    result = await conn.execute(queries.SUBMIT, {"owner": owner, "rows": json.dumps(docs)})
+    created = list(result)
+    created_keys = {row.idempotency_key for row in created if row.idempotency_key}
+    missing = {d["idempotency_key"] for d in docs if d["idempotency_key"]} - created_keys
+    existing: dict[str, Row[Any]] = {}
+    if missing:
+        found = await conn.execute(
+            queries.BY_IDEMPOTENCY_KEYS, {"owner": owner, "keys": sorted(missing)}
+        )
+        existing = {row.idempotency_key: row for row in found}
+    out: list[tuple[Row[Any], bool]] = []
+    fresh = iter(created)
+    seen: set[str] = set()
+    for doc in docs:
+        key = doc["idempotency_key"]
+        if key is None or (key in created_keys and key not in seen):
+            row = next(fresh)
+            if key:
+                seen.add(key)
+            out.append((row, True))
+            continue
+        row = existing.get(key) or next(r for r, _ in out if r.idempotency_key == key)
+        if row.spec_hash != doc["spec_hash"]:
+            raise IdempotencyMismatch(
+                f"idempotency_key {key!r} was used for task {row.id} with a different request"
+            )
+        out.append((row, False))
+    return out
+
+
+def task_from_row(row: Row[Any]) -> Task:
+    m = row._mapping
+    return Task(
+        id=m["id"],
+        owner=m["owner"],
+        name=m["name"],
+        queue=m["queue"],
+        priority=m["priority"],
+        kind=m["kind"],
+        artifact={"uri": m["artifact_uri"], "sha256": m["artifact_sha256"]},  # type: ignore[arg-type]
+        args=m["args"],
+        env=m["env"],
+        input_path=m["input_path"],
+        output_path=m["output_path"],
+        resources={"cpu": m["cpu"], "memory_mb": m["memory_mb"]},  # type: ignore[arg-type]
+        preemptible=m["preemptible"],
+        retry={  # type: ignore[arg-type]
+            "max_attempts": m["max_attempts"],
+            "base_s": m["backoff_base_s"],
+            "cap_s": m["backoff_cap_s"],
+            "jitter": m["backoff_jitter"],
+            "poison_after": m["poison_after"],
+        },
+        timeout_s=m["timeout_s"],
+        run_at=m["run_at"],
+        idempotency_key=m["idempotency_key"],
+        labels=m["labels"],
+        state=m["state"],
+        attempts=m["attempts"],
+        last_error=m["last_error"],
+        current_attempt_id=m["current_attempt_id"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
+        finished_at=m["finished_at"],
+    )
+
+
+def batch_item(row: Row[Any], created: bool) -> BatchItem:
+    return BatchItem(id=row.id, state=row.state, created=created)
+
+
+# --- reads --------------------------------------------------------------------------------
+
+
+async def get_task(conn: AsyncConnection, task_id: int, owner: str | None) -> Task:
+    """The task, if it exists and ``owner`` (when given) owns it; else ``NotFound``."""
+    query = select(tasks).where(tasks.c.id == task_id)
+    if owner is not None:
+        query = query.where(tasks.c.owner == owner)
+    row = (await conn.execute(query)).first()
+    if row is None:
+        raise NotFound(f"task {task_id} not found")
+    return task_from_row(row)
+
+
+@dataclass(frozen=True)
+class TaskFilter:
+    state: TaskState | None = None
+    queue: str | None = None
+    owner: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+async def list_tasks(
+    conn: AsyncConnection, where: TaskFilter, before_id: int | None, limit: int
+) -> list[Task]:
+    """Newest first; ``before_id`` is the keyset cursor."""
+    query = select(tasks).order_by(tasks.c.id.desc()).limit(limit)
+    conditions = []
+    if where.state is not None:
+        conditions.append(tasks.c.state == where.state.value)
+    if where.queue is not None:
+        conditions.append(tasks.c.queue == where.queue)
+    if where.owner is not None:
+        conditions.append(tasks.c.owner == where.owner)
+    if where.labels:
+        conditions.append(tasks.c.labels.contains(dict(where.labels)))
+    if before_id is not None:
+        conditions.append(tasks.c.id < before_id)
+    if conditions:
+        query = query.where(and_(*conditions))
+    return [task_from_row(row) for row in await conn.execute(query)]
+
+
+async def list_attempts(conn: AsyncConnection, task_id: int) -> list[Attempt]:
+    query = select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.id)
+    return [Attempt.model_validate(row._mapping) for row in await conn.execute(query)]
+
+
+def _event(row: Row[Any]) -> Event:
+    m = row._mapping
+    return Event(
+        cursor=f"{m['xid']}.{m['id']}",
+        task_id=m["task_id"],
+        seq=m["seq"],
+        owner=m["owner"],
+        op=m["op"],
+        from_state=m["from_state"],
+        to_state=m["to_state"],
+        reason=m["reason"],
+        attempt_id=m["attempt_id"],
+        at=m["at"],
+    )
+
+
+async def task_events_of(conn: AsyncConnection, task_id: int) -> list[Event]:
+    query = select(task_events).where(task_events.c.task_id == task_id).order_by(task_events.c.seq)
+    return [_event(row) for row in await conn.execute(query)]
+
+
+async def read_feed(
+    conn: AsyncConnection, after: tuple[int, int], limit: int, owner: str | None
+) -> tuple[list[Event], tuple[int, int]]:
+    """Events after the cursor, oldest first, and the cursor to read on from."""
+    rows = list(
+        await conn.execute(
+            queries.FEED, {"xid": after[0], "id": after[1], "limit": limit, "owner": owner}
+        )
+    )
+    events = [_event(row) for row in rows if row.id is not None]
+    if events:
+        last = rows[-1]
+        return events, (last.xid, last.id)
+    horizon = rows[0].horizon if rows else after[0]
+    # Nothing visible: every event of a transaction below the horizon is already behind
+    # the cursor, so it may jump to the horizon without skipping anything.
+    return [], max(after, (horizon - 1, 2**63 - 1))
+
+
+# --- state changes ------------------------------------------------------------------------
+
+
+async def transition(
+    conn: AsyncConnection,
+    task_id: int,
+    op: Op,
+    target: TaskState,
+    *,
+    owner: str | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    reset_run_at: bool = False,
+    reset_counts: bool = False,
+    keep_attempt: bool = False,
+) -> TaskState:
+    """Move one task by ``op`` to ``target`` if its current state allows it, and append the
+    event; return the state it left. ``NotFound`` if it is missing (or not ``owner``'s),
+    ``IllegalTransition`` if its state refuses the move. Nothing is changed on refusal."""
+    params = {
+        "id": task_id,
+        "owner": owner,
+        "target": target.value,
+        "sources": sources(op, target),
+        "final": target in FINAL,
+        "reset_run_at": reset_run_at,
+        "reset_counts": reset_counts,
+        "keep_attempt": keep_attempt,
+        "error": error,
+        "op": op.value,
+        "reason": reason,
+    }
+    row = (await conn.execute(queries.TRANSITION, params)).one()
+    if row.found_state is None:
+        raise NotFound(f"task {task_id} not found")
+    if row.from_state is None:
+        check(op, TaskState(row.found_state), target)
+        raise IllegalTransition(f"cannot {op.value} a task that is {row.found_state}")
+    return TaskState(row.from_state)
+
+
+async def cancel(conn: AsyncConnection, task_id: int, owner: str | None, reason: str) -> None:
+    await transition(conn, task_id, Op.CANCEL, TaskState.CANCELLED, owner=owner, reason=reason)
+
+
+async def retry(conn: AsyncConnection, task_id: int, owner: str | None) -> None:
+    """A person's retry: a fresh budget of attempts, eligible now (or ready if paused)."""
+    task = await get_task(conn, task_id, owner)
+    target = TaskState.READY if await queue_paused(conn, task.queue) else TaskState.WAITING
+    await transition(
+        conn,
+        task_id,
+        Op.RETRY,
+        target,
+        owner=owner,
+        reason="retried by a person",
+        reset_run_at=True,
+        reset_counts=True,
+    )
+
+
+async def promote_and_park(conn: AsyncConnection, limit: int) -> int:
+    """One pass of the promoter: due work becomes eligible, paused queues' work steps back."""
+    moved = 0
+    for query in (
+        queries.PARK_WAITING,
+        queries.PARK_FAILED,
+        queries.PROMOTE_READY,
+        queries.PROMOTE_FAILED,
+    ):
+        moved += (await conn.execute(query, {"limit": limit})).scalar_one()
+    return moved
+
+
+async def purge_finished(conn: AsyncConnection, age_s: float, limit: int) -> int:
+    """Delete up to ``limit`` tasks finished more than ``age_s`` ago, with their attempts
+    and events; return how many went."""
+    result = await conn.execute(queries.PURGE_FINISHED, {"age_s": age_s, "limit": limit})
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+# --- queues -------------------------------------------------------------------------------
+
+
+async def queue_paused(conn: AsyncConnection, name: str) -> bool:
+    row = (await conn.execute(select(queues.c.paused).where(queues.c.name == name))).first()
+    return bool(row and row.paused)
+
+
+async def set_paused(conn: AsyncConnection, name: str, paused: bool) -> None:
+    stmt = pg_insert(queues).values(name=name, paused=paused)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[queues.c.name], set_={"paused": paused, "updated_at": func.now()}
+    )
+    await conn.execute(stmt)
+
+
+async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
+    infos: dict[str, QueueInfo] = {}
+
+    def info(name: str) -> QueueInfo:
+        return infos.setdefault(
+            name, QueueInfo(name=name, paused=False, depth={}, oldest_waiting_age_s=None)
+        )
+
+    for row in await conn.execute(queries.QUEUE_DEPTHS):
+        entry = info(row.queue)
+        entry.depth[TaskState(row.state)] = row.n
+        if row.oldest is not None:
+            entry.oldest_waiting_age_s = float(row.oldest)
+    for row in await conn.execute(select(queues)):
+        info(row.name).paused = row.paused
+    for entry in infos.values():
+        for state in TaskState:
+            if state not in FINAL or state is TaskState.DEAD:
+                entry.depth.setdefault(state, 0)
+    return sorted(infos.values(), key=lambda q: q.name)
+
+
+# --- principals and tokens ----------------------------------------------------------------
+
+
+def hash_token(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+async def create_token(conn: AsyncConnection, name: str, role: str) -> str:
+    """Create the principal if new (its role must match if not), and a fresh token for it."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    stmt = pg_insert(principals).values(name=name, role=role).on_conflict_do_nothing()
+    await conn.execute(stmt)
+    row = (await conn.execute(select(principals).where(principals.c.name == name))).one()
+    if row.role != role:
+        raise ValueError(f"principal {name!r} exists with role {row.role!r}")
+    token = "cairn_" + secrets.token_urlsafe(32)
+    await conn.execute(insert(tokens).values(principal_id=row.id, token_hash=hash_token(token)))
+    return token
+
+
+async def principal_for_token(conn: AsyncConnection, token: str) -> Principal | None:
+    query = (
+        select(principals.c.id, principals.c.name, principals.c.role)
+        .join(tokens, tokens.c.principal_id == principals.c.id)
+        .where(tokens.c.token_hash == hash_token(token), tokens.c.revoked_at.is_(None))
+    )
+    row = (await conn.execute(query)).first()
+    return Principal(id=row.id, name=row.name, role=row.role) if row else None
+
+
+async def revoke_tokens(conn: AsyncConnection, name: str) -> int:
+    ids = select(principals.c.id).where(principals.c.name == name).scalar_subquery()
+    stmt = (
+        update(tokens)
+        .where(tokens.c.principal_id == ids, tokens.c.revoked_at.is_(None))
+        .values(revoked_at=func.now())
+    )
+    return int((await conn.execute(stmt)).rowcount)  # type: ignore[attr-defined]

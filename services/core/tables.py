@@ -1,0 +1,211 @@
+"""Core's schema as SQLAlchemy Core tables. The migrations build it; a test diffs the two."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Double,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from libs.common.states import FINAL, TaskState
+
+SCHEMA = "core"
+
+metadata = MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    },
+)
+
+
+def _in(column: str, values: object) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in sorted(values))})"  # type: ignore[attr-defined]
+
+
+_FINAL_SQL = _in("state", FINAL)
+_ALL_STATES_SQL = _in("state", TaskState)
+_LIVE = [s for s in TaskState if s not in FINAL] + [TaskState.DEAD]
+
+
+def _now() -> Column[object]:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+principals = Table(
+    "principals",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("role", Text, nullable=False),
+    _now(),
+    CheckConstraint("role IN ('admin', 'service', 'user', 'worker')", name="role"),
+    CheckConstraint("length(name) BETWEEN 1 AND 100", name="name_length"),
+)
+
+tokens = Table(
+    "tokens",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "principal_id",
+        BigInteger,
+        ForeignKey("principals.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("token_hash", LargeBinary, nullable=False, unique=True),
+    _now(),
+    Column("revoked_at", DateTime(timezone=True)),
+)
+
+queues = Table(
+    "queues",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("queue", Text, nullable=False),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
+    Column("kind", Text, nullable=False),
+    Column("artifact_uri", Text, nullable=False),
+    Column("artifact_sha256", Text, nullable=False),
+    Column("args", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("env", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("input_path", Text),
+    Column("output_path", Text),
+    Column("cpu", Double, nullable=False),
+    Column("memory_mb", Integer, nullable=False),
+    Column("preemptible", Boolean, nullable=False, server_default=text("false")),
+    Column("max_attempts", Integer, nullable=False),
+    Column("backoff_base_s", Double),
+    Column("backoff_cap_s", Double, nullable=False),
+    Column("backoff_jitter", Boolean, nullable=False),
+    Column("poison_after", Integer, nullable=False),
+    Column("timeout_s", Integer),
+    Column("run_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("idempotency_key", Text),
+    Column("spec_hash", Text),
+    Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("state", Text, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("crashes", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text),
+    Column("current_attempt_id", BigInteger),
+    Column("version", Integer, nullable=False, server_default=text("1")),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("finished_at", DateTime(timezone=True)),
+    CheckConstraint(_ALL_STATES_SQL, name="state"),
+    CheckConstraint("kind IN ('service', 'task')", name="kind"),
+    CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
+    CheckConstraint("max_attempts > 0", name="max_attempts_positive"),
+    CheckConstraint("poison_after > 0", name="poison_after_positive"),
+    CheckConstraint("attempts >= 0 AND crashes >= 0", name="counts_non_negative"),
+    CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
+    CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
+    CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
+    CheckConstraint(
+        f"state <> 'running' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
+    ),
+    Index(
+        "uq_tasks_owner_idempotency_key",
+        "owner",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+    ),
+    Index(
+        "ix_tasks_waiting",
+        "queue",
+        text("priority DESC"),
+        "id",
+        postgresql_where=text("state = 'waiting'"),
+    ),
+    Index(
+        "ix_tasks_due",
+        "run_at",
+        postgresql_where=text("state IN ('failed', 'ready')"),
+    ),
+    Index(
+        "ix_tasks_live_queue_state",
+        "queue",
+        "state",
+        postgresql_where=text(_in("state", _LIVE)),
+    ),
+    Index("ix_tasks_owner_id", "owner", "id"),
+    Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
+    Index("ix_tasks_labels", "labels", postgresql_using="gin", postgresql_ops={"labels": "jsonb_path_ops"}),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE"), nullable=False, index=True
+    ),
+    Column("number", Integer, nullable=False),
+    Column("worker_id", Text),
+    Column("outcome", Text),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("ended_at", DateTime(timezone=True)),
+    Column("exit_code", Integer),
+    Column("peak_memory_mb", Double),
+    Column("cpu_seconds", Double),
+    Column("error", Text),
+    Column("log_tail", Text),
+    CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
+)
+
+task_events = Table(
+    "task_events",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "xid",
+        BigInteger,
+        nullable=False,
+        server_default=text("(pg_current_xact_id())::text::bigint"),
+    ),
+    Column("task_id", BigInteger, nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("owner", Text, nullable=False),
+    Column("op", Text, nullable=False),
+    Column("from_state", Text),
+    Column("to_state", Text, nullable=False),
+    Column("reason", Text),
+    Column("attempt_id", BigInteger),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("task_id", "seq"),
+    Index("ix_task_events_xid_id", "xid", "id"),
+)
