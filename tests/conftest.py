@@ -1,0 +1,70 @@
+"""A real PostgreSQL for the tests: one embedded server per test process, a template
+database migrated once, and a fresh clone of it for every test."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from libs.common.embedded import EmbeddedPostgres
+from libs.common.settings import libpq_url
+from services.core import migrate
+from tests.support import Core, start_core
+
+TEMPLATE = "cairn_template"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedPostgres]:
+    root = Path(tempfile.mkdtemp(prefix="cairn-test-pg-"))
+    server = EmbeddedPostgres(root / "pg", fast=True)
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _with_database(url: str, name: str) -> str:
+    return url.rsplit("/", 1)[0] + "/" + name
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: EmbeddedPostgres) -> str:
+    admin = libpq_url(pg_server.url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
+        conn.execute(f"CREATE DATABASE {TEMPLATE}")
+    migrate.upgrade(_with_database(pg_server.url, TEMPLATE))
+    return TEMPLATE
+
+
+@pytest.fixture
+def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own."""
+    name = "t_" + uuid.uuid4().hex[:16]
+    admin = libpq_url(pg_server.url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield _with_database(pg_server.url, name)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A plain connection to the test's database, for asserting on what it holds."""
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path)
+    yield server
+    server.stop()

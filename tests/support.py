@@ -1,0 +1,111 @@
+"""Helpers the tests share: a real core server on loopback, tokens, task specs."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from services.core import store
+from services.core.app import create_app
+from services.core.settings import CoreSettings
+
+TRUE_SHA = hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def make_token(db_url: str, name: str, role: str) -> str:
+    async def create() -> str:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                return await store.create_token(conn, name, role)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(create())
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    """A valid submission body, with ``overrides`` applied."""
+    body: dict[str, Any] = {
+        "name": "test-task",
+        "artifact": {"uri": "file:///bin/true", "sha256": TRUE_SHA},
+        "args": [],
+    }
+    body.update(overrides)
+    return body
+
+
+@dataclass
+class Core:
+    """A core server running in a thread, serving real HTTP on 127.0.0.1."""
+
+    url: str
+    db_url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def client(self, name: str = "alice", role: str = "user") -> httpx.Client:
+        if name not in self.tokens:
+            self.tokens[name] = make_token(self.db_url, name, role)
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.tokens[name]}"},
+            timeout=httpx.Timeout(30.0, connect=5.0),
+        )
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_core(db_url: str, home: Path, **settings: Any) -> Core:
+    port = free_port()
+    config = CoreSettings(
+        home=home,
+        database_url=db_url,
+        core_port=port,
+        promote_interval_s=0.05,
+        token_cache_s=0,
+        **settings,
+    )
+    app = create_app(config, config.database_url or db_url)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name=f"core-{port}")
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("core did not start")
+        time.sleep(0.01)
+    return Core(url=f"http://127.0.0.1:{port}", db_url=db_url, server=server, thread=thread)
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
