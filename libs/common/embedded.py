@@ -22,6 +22,7 @@ import importlib.util
 import os
 import pwd
 import secrets
+import shutil
 import socket
 import stat
 import subprocess
@@ -114,9 +115,16 @@ class EmbeddedPostgres:
             pwd.getpwnam(SYSTEM_USER)
         except KeyError:
             subprocess.run(
-                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                 SYSTEM_USER],
-                check=True, capture_output=True,
+                [
+                    shutil.which("useradd") or "/usr/sbin/useradd",
+                    "--system",
+                    "--no-create-home",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    SYSTEM_USER,
+                ],
+                check=True,
+                capture_output=True,
             )
         return SYSTEM_USER
 
@@ -135,8 +143,10 @@ class EmbeddedPostgres:
         try:
             self._run(
                 "initdb",
-                "-D", str(self.data),
-                "-U", DB_USER,
+                "-D",
+                str(self.data),
+                "-U",
+                DB_USER,
                 "--auth=scram-sha-256",
                 "--encoding=UTF8",
                 "--locale=C",
@@ -189,7 +199,9 @@ class EmbeddedPostgres:
     def _pg_ctl(self, *args: str) -> None:
         self._run("pg_ctl", "-D", str(self.data), *args)
 
-    def _run(self, program: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, program: str, *args: str, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         user = self._system_user()
         # Drop root's groups too: a root group would match the group bits of 0701 folders.
         as_user: dict[str, Any] = {"user": user, "group": user, "extra_groups": []} if user else {}

@@ -25,7 +25,9 @@ MAX_BATCH = 1000
 MAX_PAGE = 1000
 MAX_WAIT_S = 30.0
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
 QueueName = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
 ]
@@ -48,7 +50,9 @@ _RESERVED_ENV = re.compile(r"^CAIRN_")
 def _no_reserved_env(env: dict[str, str]) -> dict[str, str]:
     reserved = sorted(k for k in env if _RESERVED_ENV.match(k))
     if reserved:
-        raise ValueError(f"names starting with CAIRN_ are reserved for Cairn: {', '.join(reserved)}")
+        raise ValueError(
+            f"names starting with CAIRN_ are reserved for Cairn: {', '.join(reserved)}"
+        )
     return env
 
 

@@ -59,7 +59,7 @@ WHERE owner = :owner AND idempotency_key = ANY(CAST(:keys AS text[]))
 
 # The guarded move of one task: the sub-select locks the row and reads the state it
 # leaves; the UPDATE applies only if that state is one the op may start from.
-TRANSITION: TextClause = text(f"""
+TRANSITION: TextClause = text("""
 WITH old AS (
     SELECT id, state FROM core.tasks
     WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
@@ -120,12 +120,20 @@ PROMOTE_READY = _bulk(
     "promote", "ready", "waiting", f"t.run_at <= now() AND NOT {_QUEUE_PAUSED}", "t.run_at", "NULL"
 )
 PROMOTE_FAILED = _bulk(
-    "promote", "failed", "waiting", f"t.run_at <= now() AND NOT {_QUEUE_PAUSED}", "t.run_at",
+    "promote",
+    "failed",
+    "waiting",
+    f"t.run_at <= now() AND NOT {_QUEUE_PAUSED}",
+    "t.run_at",
     "'backoff over'",
 )
 PARK_WAITING = _bulk("park", "waiting", "ready", _QUEUE_PAUSED, "t.id", "'queue paused'")
 PARK_FAILED = _bulk(
-    "park", "failed", "ready", f"t.run_at <= now() AND {_QUEUE_PAUSED}", "t.run_at",
+    "park",
+    "failed",
+    "ready",
+    f"t.run_at <= now() AND {_QUEUE_PAUSED}",
+    "t.run_at",
     "'queue paused'",
 )
 

@@ -124,14 +124,14 @@ def task_from_row(row: Row[Any]) -> Task:
         queue=m["queue"],
         priority=m["priority"],
         kind=m["kind"],
-        artifact={"uri": m["artifact_uri"], "sha256": m["artifact_sha256"]},  # type: ignore[arg-type]
+        artifact={"uri": m["artifact_uri"], "sha256": m["artifact_sha256"]},
         args=m["args"],
         env=m["env"],
         input_path=m["input_path"],
         output_path=m["output_path"],
-        resources={"cpu": m["cpu"], "memory_mb": m["memory_mb"]},  # type: ignore[arg-type]
+        resources={"cpu": m["cpu"], "memory_mb": m["memory_mb"]},
         preemptible=m["preemptible"],
-        retry={  # type: ignore[arg-type]
+        retry={
             "max_attempts": m["max_attempts"],
             "base_s": m["backoff_base_s"],
             "cap_s": m["backoff_cap_s"],
@@ -322,7 +322,7 @@ async def purge_finished(conn: AsyncConnection, age_s: float, limit: int) -> int
     """Delete up to ``limit`` tasks finished more than ``age_s`` ago, with their attempts
     and events; return how many went."""
     result = await conn.execute(queries.PURGE_FINISHED, {"age_s": age_s, "limit": limit})
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    return int(result.rowcount)
 
 
 # --- queues -------------------------------------------------------------------------------
@@ -401,4 +401,4 @@ async def revoke_tokens(conn: AsyncConnection, name: str) -> int:
         .where(tokens.c.principal_id == ids, tokens.c.revoked_at.is_(None))
         .values(revoked_at=func.now())
     )
-    return int((await conn.execute(stmt)).rowcount)  # type: ignore[attr-defined]
+    return int((await conn.execute(stmt)).rowcount)

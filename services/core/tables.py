@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -40,8 +42,8 @@ metadata = MetaData(
 )
 
 
-def _in(column: str, values: object) -> str:
-    return f"{column} IN ({', '.join(repr(str(v)) for v in sorted(values))})"  # type: ignore[attr-defined]
+def _in(column: str, values: Iterable[TaskState]) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in sorted(values))})"
 
 
 _FINAL_SQL = _in("state", FINAL)
@@ -135,7 +137,7 @@ tasks = Table(
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
     CheckConstraint(
-        f"state <> 'running' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
+        "state <> 'running' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
     ),
     Index(
         "uq_tasks_owner_idempotency_key",
@@ -164,7 +166,12 @@ tasks = Table(
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
-    Index("ix_tasks_labels", "labels", postgresql_using="gin", postgresql_ops={"labels": "jsonb_path_ops"}),
+    Index(
+        "ix_tasks_labels",
+        "labels",
+        postgresql_using="gin",
+        postgresql_ops={"labels": "jsonb_path_ops"},
+    ),
 )
 
 attempts = Table(
@@ -172,7 +179,11 @@ attempts = Table(
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
     Column(
-        "task_id", BigInteger, ForeignKey("tasks.id", ondelete="CASCADE"), nullable=False, index=True
+        "task_id",
+        BigInteger,
+        ForeignKey("tasks.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
     ),
     Column("number", Integer, nullable=False),
     Column("worker_id", Text),

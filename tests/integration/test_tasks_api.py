@@ -13,7 +13,9 @@ def test_submit_returns_201_and_the_stored_task(core: Core, db) -> None:
     assert task["owner"] == "alice"
     assert task["state"] == "waiting"
     assert answer.headers["location"] == f"/v1/tasks/{task['id']}"
-    row = db.execute("SELECT owner, state, args FROM core.tasks WHERE id = %s", (task["id"],)).fetchone()
+    row = db.execute(
+        "SELECT owner, state, args FROM core.tasks WHERE id = %s", (task["id"],)
+    ).fetchone()
     assert row == ("alice", "waiting", ["a", "b"])
 
 
@@ -30,7 +32,9 @@ def test_future_run_at_is_ready_then_promoted_when_due(core: Core, db) -> None:
     with core.client() as alice:
         task = alice.post("/v1/tasks", json=spec(run_at="2999-01-01T00:00:00Z")).json()
         assert task["state"] == "ready"
-        db.execute("UPDATE core.tasks SET run_at = now() - interval '1 s' WHERE id = %s", (task["id"],))
+        db.execute(
+            "UPDATE core.tasks SET run_at = now() - interval '1 s' WHERE id = %s", (task["id"],)
+        )
         from tests.support import wait_for
 
         wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "waiting")
@@ -84,7 +88,9 @@ def test_batch_is_all_or_nothing(core: Core, db) -> None:
         assert answer.status_code == 422
         assert "tasks.7.priority" in answer.json()["detail"]
         assert db.execute("SELECT count(*) FROM core.tasks").fetchone() == (0,)
-        good = alice.post("/v1/tasks/batch", json={"tasks": [spec(name=f"t{i}") for i in range(10)]})
+        good = alice.post(
+            "/v1/tasks/batch", json={"tasks": [spec(name=f"t{i}") for i in range(10)]}
+        )
     assert good.status_code == 201
     items = good.json()["tasks"]
     assert len(items) == 10 and all(item["created"] for item in items)
@@ -141,7 +147,9 @@ def test_list_filters_and_paginates_by_cursor(core: Core) -> None:
     with core.client("alice") as alice, core.client("bob") as bob:
         bob.post("/v1/tasks", json=spec())
         ids = [
-            alice.post("/v1/tasks", json=spec(queue="q1" if i % 2 else "q2", labels={"n": str(i)})).json()["id"]
+            alice.post(
+                "/v1/tasks", json=spec(queue="q1" if i % 2 else "q2", labels={"n": str(i)})
+            ).json()["id"]
             for i in range(7)
         ]
         seen: list[int] = []

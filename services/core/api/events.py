@@ -45,9 +45,7 @@ async def read_events(
     deadline = asyncio.get_running_loop().time() + wait
     while True:
         async with engine.connect() as conn:
-            events, next_cursor = await store.read_feed(
-                conn, cursor, limit, principal.owner_filter
-            )
+            events, next_cursor = await store.read_feed(conn, cursor, limit, principal.owner_filter)
         remaining = deadline - asyncio.get_running_loop().time()
         if events or remaining <= 0 or await request.is_disconnected():
             return EventPage(items=events, next_cursor=f"{next_cursor[0]}.{next_cursor[1]}")

@@ -44,7 +44,10 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=Task,
-    responses={200: {"model": Task, "description": "The idempotency key matched a task"}, **PROBLEMS},
+    responses={
+        200: {"model": Task, "description": "The idempotency key matched a task"},
+        **PROBLEMS,
+    },
 )
 async def submit_task(spec: TaskCreate, principal: Submitter, engine: Engine) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same

@@ -167,4 +167,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP SCHEMA core CASCADE")
+    op.execute(
+        "DROP TABLE core.task_events, core.attempts, core.tasks, core.tokens,"
+        " core.principals, core.queues CASCADE"
+    )
+    op.execute("DROP FUNCTION core.notify_events()")

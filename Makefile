@@ -1,0 +1,23 @@
+# The two commands that matter: `make up` starts the system, `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install up test bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(BIN)/cairn up
+
+test: install
+	$(BIN)/python -m pytest -n 2
+
+bench: install
+	$(BIN)/python bench/submit.py
