@@ -1,0 +1,3 @@
+from cairn.cli import main
+
+main()

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import httpx
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from services.core import store
+from tests.support import Core, spec
+
+
+def _cairn(core: Core, tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CAIRN_DATABASE_URL": core.db_url, "CAIRN_HOME": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-m", "cairn", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
+    made = _cairn(core, tmp_path, "token", "create", "carol", "--role", "user")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    answer = httpx.post(
+        core.url + "/v1/tasks", json=spec(), headers={"Authorization": f"Bearer {token}"}
+    )
+    assert answer.status_code == 201 and answer.json()["owner"] == "carol"
+
+
+def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
+    assert _cairn(core, tmp_path, "token", "create", "dave", "--role", "user").returncode == 0
+    again = _cairn(core, tmp_path, "token", "create", "dave", "--role", "admin")
+    assert again.returncode == 2 and "exists with role 'user'" in again.stderr
+
+
+def test_a_revoked_token_is_refused(core: Core) -> None:
+    with core.client("erin") as erin:
+        assert erin.get("/v1/tasks").status_code == 200
+
+        async def revoke() -> int:
+            engine = create_async_engine(core.db_url)
+            try:
+                async with engine.begin() as conn:
+                    return await store.revoke_tokens(conn, "erin")
+            finally:
+                await engine.dispose()
+
+        assert asyncio.run(revoke()) == 1
+        refused = erin.get("/v1/tasks")
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == "Bearer"
+
+
+def test_a_worker_token_cannot_read_tasks(core: Core) -> None:
+    with core.client("alice") as alice, core.client("w1", "worker") as worker:
+        task = alice.post("/v1/tasks", json=spec()).json()
+        assert worker.get(f"/v1/tasks/{task['id']}").status_code == 403
