@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -109,3 +113,40 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def spawn_core(db_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """Core as its own process (``python -m services.core``), ready to serve."""
+    environment = {
+        **os.environ,
+        "CAIRN_DATABASE_URL": db_url,
+        "CAIRN_HOME": str(home),
+        "CAIRN_CORE_PORT": str(port),
+        "CAIRN_LOG_LEVEL": "warning",
+        **env,
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=environment)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"core exited with {proc.returncode}")
+        try:
+            return httpx.get(url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, timeout=60, interval=0.1)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    """Send ``sig`` to the process (by its pid) and reap it."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

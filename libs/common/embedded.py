@@ -246,6 +246,8 @@ def _let_user_reach(user: str, data: Path, binaries: Path, initpw: Path) -> None
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As PostgreSQL binds: connections lingering in TIME_WAIT do not make it busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

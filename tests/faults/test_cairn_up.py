@@ -1,0 +1,81 @@
+"""`cairn up` on a fresh home: the embedded database, core, a token; Ctrl-C stops it all,
+and the next start finds the data again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from libs.common.embedded import EmbeddedPostgres
+from tests.support import free_port, spec, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _up(home: Path, port: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "CAIRN_HOME": str(home), "CAIRN_CORE_PORT": str(port)}
+    env.pop("CAIRN_DATABASE_URL", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cairn", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_up(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            return "".join(lines)
+    raise AssertionError("cairn up ended early:\n" + "".join(lines))
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def test_up_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", free_port()
+    proc = _up(home, port)
+    try:
+        banner = _wait_up(proc)
+        token = (home / "admin-token").read_text().strip()
+        assert token in banner
+        assert (home / "admin-token").stat().st_mode & 0o777 == 0o600
+        assert home.stat().st_mode & 0o077 in (0, 0o001)
+        headers = {"Authorization": f"Bearer {token}"}
+        task = httpx.post(f"http://127.0.0.1:{port}/v1/tasks", json=spec(), headers=headers)
+        assert task.status_code == 201
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        _reap(proc)
+    server = EmbeddedPostgres(home / "pg")
+    assert not server.running()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz")
+
+    again = _up(home, port)
+    try:
+        _wait_up(again)
+        found = httpx.get(f"http://127.0.0.1:{port}/v1/tasks/{task.json()['id']}", headers=headers)
+        assert found.status_code == 200 and found.json()["name"] == "test-task"
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0
+    finally:
+        _reap(again)
+    wait_for(lambda: not server.running(), timeout=10)
