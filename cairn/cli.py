@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -33,41 +32,17 @@ def _prepare_home(settings: CairnSettings) -> None:
     settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
-async def _create_token(url: str, name: str, role: str) -> str:
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from services.core import store
-
-    engine = create_async_engine(url)
-    try:
-        async with engine.begin() as conn:
-            return await store.create_token(conn, name, role)
-    finally:
-        await engine.dispose()
-
-
-async def _token_valid(url: str, token: str) -> bool:
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from services.core import store
-
-    engine = create_async_engine(url)
-    try:
-        async with engine.connect() as conn:
-            principal = await store.principal_for_token(conn, token)
-    finally:
-        await engine.dispose()
-    return principal is not None and principal.role == "admin"
-
-
 def local_admin_token(settings: CairnSettings, url: str) -> str:
     """The admin token for local use, kept in ``$CAIRN_HOME/admin-token`` (mode 0600)."""
+    from services.core import admin
+
     path = settings.home / "admin-token"
     if path.exists():
         token = path.read_text().strip()
-        if asyncio.run(_token_valid(url, token)):
+        principal = admin.principal_for(url, token)
+        if principal is not None and principal.role == "admin":
             return token
-    token = asyncio.run(_create_token(url, "admin", "admin"))
+    token = admin.create_token(url, "admin", "admin")
     path.write_text(token + "\n")
     path.chmod(0o600)
     return token
@@ -88,13 +63,13 @@ def cmd_migrate(settings: CairnSettings, args: argparse.Namespace) -> int:
 
 
 def cmd_token_create(settings: CairnSettings, args: argparse.Namespace) -> int:
-    from services.core import migrate
+    from services.core import admin, migrate
 
     _prepare_home(settings)
     url, started = _database(settings)
     try:
         migrate.upgrade(url)
-        token = asyncio.run(_create_token(url, args.name, args.role))
+        token = admin.create_token(url, args.name, args.role)
     except ValueError as exc:
         print(f"cairn: {exc}", file=sys.stderr)
         return 2

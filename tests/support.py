@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import signal
@@ -17,9 +16,8 @@ from typing import Any
 
 import httpx
 import uvicorn
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core import store
+from services.core import admin
 from services.core.app import create_app
 from services.core.settings import CoreSettings
 
@@ -33,15 +31,7 @@ def free_port() -> int:
 
 
 def make_token(db_url: str, name: str, role: str) -> str:
-    async def create() -> str:
-        engine = create_async_engine(db_url)
-        try:
-            async with engine.begin() as conn:
-                return await store.create_token(conn, name, role)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(create())
+    return admin.create_token(db_url, name, role)
 
 
 def spec(**overrides: Any) -> dict[str, Any]:

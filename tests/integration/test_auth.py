@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
 
 import httpx
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core import store
+from services.core import admin
 from tests.support import Core, spec
 
 
@@ -38,16 +36,7 @@ def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
 def test_a_revoked_token_is_refused(core: Core) -> None:
     with core.client("erin") as erin:
         assert erin.get("/v1/tasks").status_code == 200
-
-        async def revoke() -> int:
-            engine = create_async_engine(core.db_url)
-            try:
-                async with engine.begin() as conn:
-                    return await store.revoke_tokens(conn, "erin")
-            finally:
-                await engine.dispose()
-
-        assert asyncio.run(revoke()) == 1
+        assert admin.revoke_tokens(core.db_url, "erin") == 1
         refused = erin.get("/v1/tasks")
     assert refused.status_code == 401
     assert refused.headers["www-authenticate"] == "Bearer"
