@@ -1,0 +1,161 @@
+"""The typed HTTP client of core, for the cron and DAG services, the CLI and scripts.
+
+Every error answer is raised as the matching ``libs.common.errors`` class, rebuilt from
+its problem+json body; a transport failure is raised as httpx's own ``TransportError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from libs.common.errors import BY_SLUG, CairnError
+from libs.common.models import (
+    Attempt,
+    AttemptList,
+    BatchItem,
+    BatchResult,
+    Event,
+    EventList,
+    EventPage,
+    QueueInfo,
+    QueueList,
+    Task,
+    TaskBatchCreate,
+    TaskCreate,
+    TaskPage,
+)
+from libs.common.states import TaskState
+
+DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    """Raise the ``CairnError`` an error answer describes; do nothing on success."""
+    if response.is_success:
+        return
+    try:
+        body: dict[str, Any] = response.json()
+    except ValueError:
+        body = {}
+    slug = str(body.get("type", "")).rsplit("/", 1)[-1]
+    cls = BY_SLUG.get(slug, CairnError)
+    extra = {k: v for k, v in body.items() if k not in ("type", "title", "status", "detail")}
+    error = cls(str(body.get("detail") or response.reason_phrase), **extra)
+    if cls is CairnError:
+        error.status = response.status_code  # type: ignore[misc]
+    raise error
+
+
+class CoreClient:
+    """An async client of core's API. Pass ``transport`` to test without a server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        if "content" in kwargs:
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        response = await self._http.request(method, path, **kwargs)
+        raise_for_problem(response)
+        return response
+
+    async def submit(self, spec: TaskCreate) -> tuple[Task, bool]:
+        """Submit one task; return it and whether this call created it."""
+        response = await self._call("POST", "/v1/tasks", content=spec.model_dump_json())
+        return Task.model_validate_json(response.content), response.status_code == 201
+
+    async def submit_batch(self, specs: Sequence[TaskCreate]) -> list[BatchItem]:
+        body = TaskBatchCreate(tasks=list(specs)).model_dump_json()
+        response = await self._call("POST", "/v1/tasks/batch", content=body)
+        return BatchResult.model_validate_json(response.content).tasks
+
+    async def get_task(self, task_id: int) -> Task:
+        response = await self._call("GET", f"/v1/tasks/{task_id}")
+        return Task.model_validate_json(response.content)
+
+    async def list_tasks(
+        self,
+        *,
+        state: TaskState | None = None,
+        queue: str | None = None,
+        owner: str | None = None,
+        labels: dict[str, str] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        params: dict[str, Any] = {"limit": limit}
+        for key, value in (
+            ("state", state),
+            ("queue", queue),
+            ("owner", owner),
+            ("cursor", cursor),
+        ):
+            if value is not None:
+                params[key] = str(value)
+        if labels:
+            params["label"] = [f"{k}={v}" for k, v in labels.items()]
+        response = await self._call("GET", "/v1/tasks", params=params)
+        return TaskPage.model_validate_json(response.content)
+
+    async def cancel(self, task_id: int) -> Task:
+        response = await self._call("POST", f"/v1/tasks/{task_id}/cancel")
+        return Task.model_validate_json(response.content)
+
+    async def retry(self, task_id: int) -> Task:
+        response = await self._call("POST", f"/v1/tasks/{task_id}/retry")
+        return Task.model_validate_json(response.content)
+
+    async def attempts(self, task_id: int) -> list[Attempt]:
+        response = await self._call("GET", f"/v1/tasks/{task_id}/attempts")
+        return AttemptList.model_validate_json(response.content).items
+
+    async def task_events(self, task_id: int) -> list[Event]:
+        response = await self._call("GET", f"/v1/tasks/{task_id}/events")
+        return EventList.model_validate_json(response.content).items
+
+    async def events(self, after: str = "0.0", limit: int = 100, wait: float = 0) -> EventPage:
+        """One page of the feed; with ``wait`` the call is held until events arrive."""
+        params = {"after": after, "limit": limit, "wait": wait}
+        timeout = httpx.Timeout(5.0 + wait, connect=2.0)
+        response = await self._call("GET", "/v1/events", params=params, timeout=timeout)
+        return EventPage.model_validate_json(response.content)
+
+    async def queues(self) -> list[QueueInfo]:
+        response = await self._call("GET", "/v1/queues")
+        return QueueList.model_validate_json(response.content).items
+
+    async def pause(self, queue: str) -> QueueInfo:
+        response = await self._call("POST", f"/v1/queues/{queue}/pause")
+        return QueueInfo.model_validate_json(response.content)
+
+    async def resume(self, queue: str) -> QueueInfo:
+        response = await self._call("POST", f"/v1/queues/{queue}/resume")
+        return QueueInfo.model_validate_json(response.content)

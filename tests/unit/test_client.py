@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import respx
+
+from libs.common.client import CoreClient
+from libs.common.errors import CairnError, IllegalTransition, InvalidInput, NotFound
+from libs.common.models import TaskCreate
+from tests.support import spec
+
+BASE = "http://core.test"
+
+
+def _problem(slug: str, status: int, detail: str, **extra: object) -> httpx.Response:
+    body = {"type": f"https://cairn.dev/problems/{slug}", "title": "t", "status": status}
+    return httpx.Response(status, json={**body, "detail": detail, **extra})
+
+
+def _run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+@respx.mock
+def test_problem_answers_become_the_matching_errors() -> None:
+    respx.get(f"{BASE}/v1/tasks/7").mock(
+        return_value=_problem("not-found", 404, "task 7 not found")
+    )
+    respx.post(f"{BASE}/v1/tasks/7/cancel").mock(
+        return_value=_problem("illegal-transition", 409, "cannot cancel a task that is succeeded")
+    )
+    respx.post(f"{BASE}/v1/tasks").mock(
+        return_value=_problem(
+            "invalid-input", 422, "body.name: too long", errors=[{"field": "body.name"}]
+        )
+    )
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            with pytest.raises(NotFound, match="task 7 not found"):
+                await client.get_task(7)
+            with pytest.raises(IllegalTransition):
+                await client.cancel(7)
+            with pytest.raises(InvalidInput) as invalid:
+                await client.submit(TaskCreate.model_validate(spec()))
+            assert invalid.value.extra["errors"] == [{"field": "body.name"}]
+
+    _run(calls())
+
+
+@respx.mock
+def test_an_answer_without_a_problem_body_keeps_its_status() -> None:
+    respx.get(f"{BASE}/v1/queues").mock(return_value=httpx.Response(502, text="bad gateway"))
+
+    async def call() -> None:
+        async with CoreClient(BASE, None) as client:
+            await client.queues()
+
+    with pytest.raises(CairnError) as error:
+        _run(call())
+    assert error.value.status == 502
+
+
+@respx.mock
+def test_the_token_is_sent_and_201_means_created() -> None:
+    route = respx.post(f"{BASE}/v1/tasks")
+    task = {
+        "id": 1, "owner": "a", "name": "n", "queue": "default", "priority": 0, "kind": "task",
+        "artifact": spec()["artifact"], "args": [], "env": {}, "input_path": None,
+        "output_path": None, "resources": {"cpu": 1, "memory_mb": 512}, "preemptible": False,
+        "retry": {"max_attempts": 5}, "timeout_s": None, "run_at": "2026-11-30T00:00:00Z",
+        "idempotency_key": None, "labels": {}, "state": "waiting", "attempts": 0,
+        "last_error": None, "current_attempt_id": None, "created_at": "2026-11-30T00:00:00Z",
+        "updated_at": "2026-11-30T00:00:00Z", "finished_at": None,
+    }  # fmt: skip
+    route.mock(side_effect=[httpx.Response(201, json=task), httpx.Response(200, json=task)])
+
+    async def calls() -> list[bool]:
+        async with CoreClient(BASE, "secret") as client:
+            body = TaskCreate.model_validate(spec())
+            return [(await client.submit(body))[1], (await client.submit(body))[1]]
+
+    assert _run(calls()) == [True, False]
+    assert route.calls[0].request.headers["authorization"] == "Bearer secret"
