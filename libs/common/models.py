@@ -7,7 +7,7 @@ by hand, and bound every string, list and map.
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -56,6 +56,20 @@ def _no_reserved_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def _storable_time(value: datetime) -> datetime:
+    """In UTC, and within what PostgreSQL's timestamptz holds."""
+    offset = value.utcoffset()
+    if offset is not None and abs(offset) >= timedelta(hours=16):
+        raise ValueError("the UTC offset must be less than 16 hours")
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range") from None
+    if utc.year < 1970 or utc.year > 9999:
+        raise ValueError("must be between 1970 and 9999")
+    return utc
+
+
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -68,7 +82,10 @@ class Artifact(_Input):
     """Where the executable lives, and the digest it must have."""
 
     uri: Annotated[
-        str, StringConstraints(min_length=8, max_length=2048, pattern=r"^(s3|https|file)://\S+$")
+        str,
+        StringConstraints(
+            min_length=8, max_length=2048, pattern=r"^(s3|https|file)://[^\s\x00-\x1f\x7f]+$"
+        ),
     ]
     sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
@@ -109,7 +126,7 @@ class TaskCreate(_Input):
     preemptible: bool = False
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
-    run_at: AwareDatetime | None = None
+    run_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
     idempotency_key: IdempotencyKey | None = None
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
 

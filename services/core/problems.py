@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.exceptions import HTTPException
 
 from libs.common.errors import (
@@ -26,6 +26,7 @@ log = logging.getLogger("cairn.core")
 PROBLEM_JSON = "application/problem+json"
 
 _BY_STATUS: dict[int, type[CairnError]] = {
+    400: InvalidInput,
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,
@@ -90,5 +91,10 @@ def install(app: FastAPI) -> None:
     async def _db_error(request: Request, exc: DBAPIError) -> JSONResponse:
         if exc.connection_invalidated:
             return problem_response(Unavailable(), request)
+        if isinstance(exc, DataError):
+            # A value the models let through but PostgreSQL cannot hold: still the
+            # caller's input, so a 422, never a 500.
+            log.warning("database refused a value: %s", exc.orig)
+            return problem_response(InvalidInput("a value is outside what can be stored"), request)
         log.exception("database error")
         return problem_response(CairnError("internal database error"), request)

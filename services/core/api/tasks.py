@@ -29,7 +29,12 @@ from services.core.deps import Engine, OwnedTask, Reader, Submitter, TaskIdPath
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
 PROBLEMS: dict[int | str, dict[str, object]] = {
-    code: {"model": Problem, "content": {"application/problem+json": {}}}
+    code: {
+        "model": Problem,
+        "content": {
+            "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}
+        },
+    }
     for code in (401, 403, 404, 409, 413, 422, 503)
 }
 
@@ -63,7 +68,10 @@ async def submit_task(spec: TaskCreate, principal: Submitter, engine: Engine) ->
     "/batch",
     status_code=status.HTTP_201_CREATED,
     response_model=BatchResult,
-    responses=PROBLEMS,
+    responses={
+        200: {"model": BatchResult, "description": "Every idempotency key matched a task"},
+        **PROBLEMS,
+    },
 )
 async def submit_batch(batch: TaskBatchCreate, principal: Submitter, engine: Engine) -> Response:
     """Submit up to 1,000 tasks in one transaction: all are stored, or none."""
@@ -108,9 +116,9 @@ async def list_tasks(
     engine: Engine,
     state: TaskState | None = None,
     queue: QueueName | None = None,
-    owner: Annotated[str | None, Query(max_length=100)] = None,
+    owner: Annotated[str | None, Query(max_length=100, pattern=r"^[^\x00]*$")] = None,
     label: Annotated[
-        list[Annotated[str, Query(max_length=400)]],
+        list[Annotated[str, Query(max_length=400, pattern=r"^[^\x00]*$")]],
         Query(max_length=16, description="KEY=VALUE; repeat to require several"),
     ] = [],  # noqa: B006 - FastAPI copies query defaults
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,

@@ -1,0 +1,177 @@
+"""Schemathesis against a live core: generated requests (valid and invalid) for every
+operation of the published OpenAPI document, as an admin and as a user. No answer may be a
+5xx, and every answer must be documented and match the document."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from libs.common.embedded import EmbeddedPostgres
+from libs.common.settings import libpq_url
+from services.core.app import create_app
+from services.core.settings import CoreSettings
+from tests.support import Core, make_token, start_core
+
+# Bounded: 13 operations, two principals; the whole file stays well under two minutes.
+FUZZ = settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@schemathesis.check
+def errors_are_problem_documents(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> bool | None:
+    """Every 4xx/5xx is application/problem+json with type, title, status and detail, and
+    its status is the answer's; a 401 says how to authenticate. (The OpenAPI document lists
+    application/problem+json with no schema, so the schema checks cannot see this.)"""
+    if response.status_code < 400:
+        return None
+    content_type = response.headers.get("content-type", [""])[0]
+    assert content_type.startswith("application/problem+json"), (
+        f"{response.status_code} answered with content-type {content_type!r}"
+    )
+    body = response.json()
+    assert isinstance(body, dict), f"problem is not an object: {body!r}"
+    for key in ("type", "title", "detail"):
+        assert isinstance(body.get(key), str) and body[key], f"problem lacks {key!r}: {body}"
+    assert body.get("status") == response.status_code, f"problem status mismatch: {body}"
+    if response.status_code == 401:
+        assert "www-authenticate" in {k.lower() for k in response.headers}, (
+            "401 lacks WWW-Authenticate"
+        )
+    return None
+
+
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    schemathesis.checks.status_code_conformance,
+    schemathesis.checks.content_type_conformance,
+    schemathesis.checks.response_schema_conformance,
+    schemathesis.checks.response_headers_conformance,
+    errors_are_problem_documents,
+]
+
+# A long poll on /v1/events may be held for up to 30 s; the fuzzer need not wait that long.
+MAX_WAIT_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def live_core(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[Core]:
+    """One core over one fresh database for the whole module (the fuzzer's cases share it)."""
+    name = "st_" + uuid.uuid4().hex[:16]
+    admin_url = libpq_url(pg_server.url)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    db_url = pg_server.url.rsplit("/", 1)[0] + "/" + name
+    home = Path(tempfile.mkdtemp(prefix="cairn-st-"))
+    server = start_core(db_url, home)
+    server.tokens["root"] = make_token(db_url, "root", "admin")
+    server.tokens["alice"] = make_token(db_url, "alice", "user")
+    # Something to read, cancel and retry: a few tasks of each principal.
+    for who in ("root", "alice"):
+        with server.client(who) as client:
+            for i in range(3):
+                answer = client.post(
+                    "/v1/tasks",
+                    json={
+                        "name": f"seed-{i}",
+                        "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
+                        "labels": {"team": "x"},
+                    },
+                )
+                assert answer.status_code == 201, answer.text
+    yield server
+    server.stop()
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _published_document() -> dict[str, Any]:
+    """The document core serves at /openapi.json, built from the app without a server.
+    (``schemathesis.pytest.from_fixture`` would load it from the live server, but it breaks
+    on pytest 9: it writes ``request.node._nodeid``, which pytest 9 no longer has.)"""
+    config = CoreSettings(database_url="postgresql://cairn@127.0.0.1/unused")
+    document: dict[str, Any] = create_app(config, config.database_url or "").openapi()
+    return document
+
+
+DOCUMENT = _published_document()
+schema = schemathesis.openapi.from_dict(DOCUMENT)
+
+
+def _call(case: schemathesis.Case, core: Core, principal: str) -> None:
+    if case.path == "/v1/events" and isinstance(case.query, dict):
+        wait = case.query.get("wait")
+        if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_WAIT_S:
+            case.query["wait"] = MAX_WAIT_S
+    case.call_and_validate(
+        base_url=core.url,
+        headers={"Authorization": f"Bearer {core.tokens[principal]}"},
+        checks=CHECKS,
+        timeout=15,
+    )
+
+
+def test_openapi_document_is_valid(live_core: Core) -> None:
+    live = schemathesis.openapi.from_url(live_core.url + "/openapi.json", timeout=10)
+    live.validate()  # against the OpenAPI 3.1 meta-schema
+    assert live.raw_schema == DOCUMENT
+    operations = [result.ok() for result in live.get_all_operations()]
+    assert {(op.method.upper(), op.path) for op in operations} >= {
+        ("POST", "/v1/tasks"),
+        ("POST", "/v1/tasks/batch"),
+        ("GET", "/v1/tasks"),
+        ("GET", "/v1/tasks/{task_id}"),
+        ("GET", "/v1/events"),
+        ("POST", "/v1/queues/{name}/pause"),
+    }
+
+
+def test_error_answers_are_documented_as_problem_json_with_a_schema() -> None:
+    """Core answers every error as application/problem+json; the document must say so with
+    the Problem schema, or generated clients and the schema checks cannot read them."""
+    missing = []
+    for path, operations in DOCUMENT["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                if not status.startswith(("4", "5")) or path in ("/healthz", "/readyz"):
+                    continue
+                content = response.get("content", {})
+                shape = content.get("application/problem+json", {}).get("schema", {})
+                ref = shape.get("$ref", "")
+                name = ref.removeprefix("#/components/schemas/")
+                if not shape or (ref and name not in DOCUMENT["components"]["schemas"]):
+                    missing.append(f"{method.upper()} {path} {status}")
+    assert not missing, f"{len(missing)} error answers lack a problem+json schema: {missing[:5]}"
+
+
+@schema.parametrize()
+@FUZZ
+def test_admin_gets_no_server_error_and_conforming_answers(
+    case: schemathesis.Case, live_core: Core
+) -> None:
+    _call(case, live_core, "root")
+
+
+@schema.parametrize()
+@FUZZ
+def test_user_gets_no_server_error_and_conforming_answers(
+    case: schemathesis.Case, live_core: Core
+) -> None:
+    _call(case, live_core, "alice")
