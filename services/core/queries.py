@@ -61,7 +61,7 @@ WHERE owner = :owner AND idempotency_key = ANY(CAST(:keys AS text[]))
 # leaves; the UPDATE applies only if that state is one the op may start from.
 TRANSITION: TextClause = text("""
 WITH old AS (
-    SELECT id, state FROM core.tasks
+    SELECT id, state, current_attempt_id FROM core.tasks
     WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
     FOR UPDATE
 ), moved AS (
@@ -73,14 +73,19 @@ WITH old AS (
         run_at = CASE WHEN :reset_run_at THEN now() ELSE t.run_at END,
         attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts END,
         crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes END,
-        current_attempt_id = CASE WHEN :keep_attempt THEN t.current_attempt_id END,
+        current_attempt_id = COALESCE(
+            CAST(:attempt_id AS bigint), CASE WHEN :keep_attempt THEN t.current_attempt_id END
+        ),
         last_error = COALESCE(CAST(:error AS text), t.last_error)
     FROM old
     WHERE t.id = old.id AND old.state = ANY(CAST(:sources AS text[]))
-    RETURNING t.id, t.owner, t.version, t.state, old.state AS from_state
+    RETURNING t.id, t.owner, t.version, t.state, old.state AS from_state,
+              COALESCE(CAST(:attempt_id AS bigint), old.current_attempt_id) AS attempt_id
 ), events AS (
-    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
-    SELECT id, version, owner, :op, from_state, state, :reason FROM moved
+    INSERT INTO core.task_events (
+        task_id, seq, owner, op, from_state, to_state, reason, attempt_id
+    )
+    SELECT id, version, owner, :op, from_state, state, :reason, attempt_id FROM moved
 )
 SELECT (SELECT state FROM old) AS found_state, (SELECT from_state FROM moved) AS from_state
 """)

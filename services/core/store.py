@@ -259,19 +259,26 @@ async def transition(
     reset_run_at: bool = False,
     reset_counts: bool = False,
     keep_attempt: bool = False,
+    attempt_id: int | None = None,
 ) -> TaskState:
     """Move one task by ``op`` to ``target`` if its current state allows it, and append the
     event; return the state it left. ``NotFound`` if it is missing (or not ``owner``'s),
-    ``IllegalTransition`` if its state refuses the move. Nothing is changed on refusal."""
+    ``IllegalTransition`` if its state refuses the move. Nothing is changed on refusal.
+    ``attempt_id`` becomes the task's current attempt (a claim must name one); otherwise
+    ``keep_attempt`` keeps the current one and any other move clears it."""
+    allowed_from = sources(op, target)
+    if target is TaskState.RUNNING and attempt_id is None and not keep_attempt:
+        raise ValueError("a move to running must name its attempt")
     params = {
         "id": task_id,
         "owner": owner,
         "target": target.value,
-        "sources": sources(op, target),
+        "sources": allowed_from,
         "final": target in FINAL,
         "reset_run_at": reset_run_at,
         "reset_counts": reset_counts,
         "keep_attempt": keep_attempt,
+        "attempt_id": attempt_id,
         "error": error,
         "op": op.value,
         "reason": reason,

@@ -23,5 +23,6 @@ class Backoff:
         if self.base_s is None:
             spread = pick.randrange(10) * (n + 1) if self.jitter else 0
             return float(min(self.cap_s, n**4 + 15 + spread))
-        delay = min(self.cap_s, self.base_s * 2.0**n)
+        # Past 2**1023 a float overflows; the cap has long applied by then.
+        delay = min(self.cap_s, self.base_s * 2.0 ** min(n, 1023))
         return delay * (0.5 + pick.random() / 2) if self.jitter else delay
