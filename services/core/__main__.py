@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 import uvicorn
@@ -22,6 +23,11 @@ def serve(settings: CoreSettings) -> None:
     if settings.migrate_on_start:
         migrate.upgrade(url)
     app = create_app(settings, url)
+    # Requests allocate many short-lived objects: collect the young generation far less
+    # often, and keep what start-up built out of every collection.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     uvicorn.run(
         app,
         host=settings.bind_host,

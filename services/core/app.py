@@ -25,7 +25,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         engine = create_async_engine(
             database_url,
             pool_size=settings.db_pool_size,
-            max_overflow=settings.db_pool_size,
+            max_overflow=0,
             pool_timeout=10,
         )
         notifier = Notifier(database_url)
@@ -33,7 +33,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.engine = engine
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
-        background = loops.start(engine, settings)
+        background = loops.start(engine, notifier, settings)
         try:
             yield
         finally:

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core import store
+from services.core.feed import Notifier
 from services.core.store import Principal
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
@@ -22,12 +23,18 @@ _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token cr
 TaskIdPath = Annotated[int, Path(ge=1, le=2**63 - 1, description="The task's id.")]
 
 
-def get_engine(request: Request) -> AsyncEngine:
+async def get_engine(request: Request) -> AsyncEngine:
     engine: AsyncEngine = request.app.state.engine
     return engine
 
 
+async def get_notifier(request: Request) -> Notifier:
+    notifier: Notifier = request.app.state.notifier
+    return notifier
+
+
 Engine = Annotated[AsyncEngine, Depends(get_engine)]
+Announcer = Annotated[Notifier, Depends(get_notifier)]
 
 
 class TokenCache:

@@ -1,10 +1,20 @@
-"""Wake-ups for long polls: one LISTEN connection per process, fanned out to waiters."""
+"""Wake-ups for long polls and, later, the dispatcher.
+
+Whoever commits new events calls ``Notifier.announce()`` after the commit: it wakes this
+process's waiters at once and sends one ``pg_notify`` for the other replicas, coalesced
+over a few milliseconds on a connection of its own. NOTIFY is deliberately kept out of
+the writing transactions: PostgreSQL serialises the commits of transactions that notify
+on one lock, which capped submits. One LISTEN connection per process receives the
+others' announcements. Lost wake-ups cost latency only: waiters also poll.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg
 
@@ -13,25 +23,35 @@ from libs.common.settings import libpq_url
 log = logging.getLogger("cairn.core.feed")
 
 CHANNEL = "cairn_events"
+COALESCE_S = 0.005
+
+Session = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
 
 
 class Notifier:
-    """Listens on ``cairn_events`` and wakes everyone waiting. Reconnects by itself; while
-    it is down, waiters simply time out and poll, so nothing is lost, only later."""
-
     def __init__(self, database_url: str) -> None:
         self._url = libpq_url(database_url)
         self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._outgoing = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cairn-notifier")
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="cairn-listen"),
+            asyncio.create_task(self._send(), name="cairn-notify"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+
+    def announce(self) -> None:
+        """New events are committed: wake waiters here, and tell the other replicas."""
+        self._wake()
+        self._outgoing.set()
 
     async def wait(self, timeout: float) -> None:
         """Return when an event is announced, or after ``timeout`` seconds."""
@@ -43,19 +63,35 @@ class Notifier:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _run(self) -> None:
+    async def _connected(self, name: str, body: Session) -> None:
         delay = 0.1
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True
                 ) as conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
                     delay = 0.1
-                    self._wake()
-                    async for _ in conn.notifies():
-                        self._wake()
+                    await body(conn)
             except psycopg.Error as exc:
-                log.warning("event listener lost its connection (%s); retrying", exc)
+                log.warning("%s lost its connection (%s); retrying", name, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+    async def _listen(self) -> None:
+        async def body(conn: psycopg.AsyncConnection[Any]) -> None:
+            await conn.execute(f"LISTEN {CHANNEL}")
+            self._wake()
+            async for _ in conn.notifies():
+                self._wake()
+
+        await self._connected("event listener", body)
+
+    async def _send(self) -> None:
+        async def body(conn: psycopg.AsyncConnection[Any]) -> None:
+            while True:
+                await self._outgoing.wait()
+                self._outgoing.clear()
+                await conn.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+                await asyncio.sleep(COALESCE_S)
+
+        await self._connected("event announcer", body)

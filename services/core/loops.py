@@ -11,6 +11,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.core import store
+from services.core.feed import Notifier
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
@@ -18,9 +19,12 @@ log = logging.getLogger("cairn.core.loops")
 PROMOTE_BATCH = 1000
 
 
-async def promote_once(engine: AsyncEngine) -> int:
+async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
     async with engine.begin() as conn:
-        return await store.promote_and_park(conn, PROMOTE_BATCH)
+        moved = await store.promote_and_park(conn, PROMOTE_BATCH)
+    if moved:
+        notifier.announce()
+    return moved
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
@@ -51,10 +55,12 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
             await asyncio.sleep(0)
 
 
-def start(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+def start(
+    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings
+) -> list[asyncio.Task[None]]:
     return [
         asyncio.create_task(
-            every(settings.promote_interval_s, "promoter", lambda: promote_once(engine)),
+            every(settings.promote_interval_s, "promoter", lambda: promote_once(engine, notifier)),
             name="cairn-promoter",
         ),
         asyncio.create_task(

@@ -12,7 +12,7 @@ class CoreSettings(CairnSettings):
 
     retention_days: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    db_pool_size: int = Field(default=10, ge=1, le=200)
+    db_pool_size: int = Field(default=20, ge=1, le=200)
     promote_interval_s: float = Field(default=1.0, gt=0)
     retention_interval_s: float = Field(default=300.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from sqlalchemy import Row, and_, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
-from libs.common.models import Attempt, BatchItem, Event, QueueInfo, Task, TaskCreate
+from libs.common.models import Attempt, Event, QueueInfo, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
 from services.core import queries
 from services.core.domain.transitions import Op, check, sources
@@ -80,20 +81,21 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
 
 
 async def submit(
-    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate]
+    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate], *, brief: bool = False
 ) -> list[tuple[Row[Any], bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
-    given, and whether it was created (False: its idempotency key matched a task)."""
+    given, and whether it was created (False: its idempotency key matched a task).
+    ``brief`` rows hold only id, owner, state, idempotency_key and spec_hash."""
     docs = [_row_doc(spec) for spec in specs]
-    result = await conn.execute(queries.SUBMIT, {"owner": owner, "rows": json.dumps(docs)})
+    query = queries.SUBMIT_BRIEF if brief else queries.SUBMIT
+    result = await conn.execute(query, {"owner": owner, "rows": orjson.dumps(docs).decode()})
     created = list(result)
     created_keys = {row.idempotency_key for row in created if row.idempotency_key}
     missing = {d["idempotency_key"] for d in docs if d["idempotency_key"]} - created_keys
     existing: dict[str, Row[Any]] = {}
     if missing:
-        found = await conn.execute(
-            queries.BY_IDEMPOTENCY_KEYS, {"owner": owner, "keys": sorted(missing)}
-        )
+        by_keys = queries.BY_IDEMPOTENCY_KEYS_BRIEF if brief else queries.BY_IDEMPOTENCY_KEYS
+        found = await conn.execute(by_keys, {"owner": owner, "keys": sorted(missing)})
         existing = {row.idempotency_key: row for row in found}
     out: list[tuple[Row[Any], bool]] = []
     fresh = iter(created)
@@ -150,10 +152,6 @@ def task_from_row(row: Row[Any]) -> Task:
         updated_at=m["updated_at"],
         finished_at=m["finished_at"],
     )
-
-
-def batch_item(row: Row[Any], created: bool) -> BatchItem:
-    return BatchItem(id=row.id, state=row.state, created=created)
 
 
 # --- reads --------------------------------------------------------------------------------

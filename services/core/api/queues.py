@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from libs.common.models import QueueInfo, QueueList, QueueName
 from services.core import store
 from services.core.api.tasks import PROBLEMS
-from services.core.deps import AdminOnly, Engine, Reader
+from services.core.deps import AdminOnly, Announcer, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
 
@@ -19,21 +19,26 @@ async def list_queues(principal: Reader, engine: Engine) -> QueueList:
         return QueueList(items=await store.list_queues(conn))
 
 
-async def _set_paused(engine: Engine, name: str, paused: bool) -> QueueInfo:
+async def _set_paused(engine: Engine, notifier: Announcer, name: str, paused: bool) -> QueueInfo:
     async with engine.begin() as conn:
         await store.set_paused(conn, name, paused)
         await store.promote_and_park(conn, 1000)
+    notifier.announce()
     async with engine.connect() as conn:
         found = [q for q in await store.list_queues(conn) if q.name == name]
     return found[0]
 
 
 @router.post("/{name}/pause", response_model=QueueInfo, responses=PROBLEMS)
-async def pause_queue(name: QueueName, principal: AdminOnly, engine: Engine) -> QueueInfo:
+async def pause_queue(
+    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer
+) -> QueueInfo:
     """Stop handing out the queue's work: its waiting tasks go back to ready."""
-    return await _set_paused(engine, name, True)
+    return await _set_paused(engine, notifier, name, True)
 
 
 @router.post("/{name}/resume", response_model=QueueInfo, responses=PROBLEMS)
-async def resume_queue(name: QueueName, principal: AdminOnly, engine: Engine) -> QueueInfo:
-    return await _set_paused(engine, name, False)
+async def resume_queue(
+    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer
+) -> QueueInfo:
+    return await _set_paused(engine, notifier, name, False)

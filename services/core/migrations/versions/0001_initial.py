@@ -53,17 +53,6 @@ CREATE TABLE core.task_events (
 
 CREATE INDEX ix_task_events_xid_id ON core.task_events (xid, id);
 
--- One wake-up per statement that appends events: the feed's long polls and the
--- dispatcher listen on this channel. NOTIFY is delivered at commit, and folds duplicates.
-CREATE FUNCTION core.notify_events() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify('cairn_events', '');
-    RETURN NULL;
-END;
-$$;
-
-CREATE TRIGGER task_events_notify AFTER INSERT ON core.task_events
-    FOR EACH STATEMENT EXECUTE FUNCTION core.notify_events();
 
 CREATE TABLE core.tasks (
     id BIGINT GENERATED ALWAYS AS IDENTITY,
@@ -171,4 +160,3 @@ def downgrade() -> None:
         "DROP TABLE core.task_events, core.attempts, core.tasks, core.tokens,"
         " core.principals, core.queues CASCADE"
     )
-    op.execute("DROP FUNCTION core.notify_events()")
