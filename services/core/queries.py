@@ -14,7 +14,7 @@ TASK_COLUMNS = """
 """
 
 # Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
-BRIEF_COLUMNS = "id, owner, state, idempotency_key, spec_hash"
+BRIEF_COLUMNS = "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at"
 
 
 def _submit(columns: str) -> TextClause:

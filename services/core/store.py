@@ -121,7 +121,7 @@ async def submit(
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
-    ``brief`` rows hold only id, owner, state, idempotency_key and spec_hash."""
+    ``brief`` rows hold only ``queries.BRIEF_COLUMNS``."""
     docs = [_row_doc(spec) for spec in specs]
     query = queries.SUBMIT_BRIEF if brief else queries.SUBMIT
     rows = orjson.dumps(docs).decode()
@@ -151,6 +151,24 @@ async def submit(
             )
         out.append((row, False))
     return out
+
+
+def new_task(spec: TaskCreate, row: Any) -> Task:
+    """The task a submission just created, from the spec and the brief row: what the
+    database added is only ids, state and times, so nothing needs reading back."""
+    return Task.model_construct(
+        **{name: getattr(spec, name) for name in TaskCreate.model_fields if name != "run_at"},
+        id=row.id,
+        owner=row.owner,
+        state=TaskState(row.state),
+        run_at=row.run_at,
+        attempts=0,
+        last_error=None,
+        current_attempt_id=None,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=None,
+    )
 
 
 def task_from_row(m: Any) -> Task:

@@ -13,6 +13,8 @@ def test_submit_returns_201_and_the_stored_task(core: Core, db) -> None:
     assert task["owner"] == "alice"
     assert task["state"] == "waiting"
     assert answer.headers["location"] == f"/v1/tasks/{task['id']}"
+    with core.client() as alice:
+        assert alice.get(answer.headers["location"]).json() == task
     row = db.execute(
         "SELECT owner, state, args FROM core.tasks WHERE id = %s", (task["id"],)
     ).fetchone()

@@ -63,10 +63,11 @@ async def submit_task(
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
-        [(row, created)] = await store.submit(conn, principal.name, [spec])
+        [(row, created)] = await store.submit(conn, principal.name, [spec], brief=True)
+        task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
         notifier.announce()
-    response = _json(store.task_from_row(row), 201 if created else 200)
+    response = _json(task, 201 if created else 200)
     response.headers["Location"] = f"/v1/tasks/{row.id}"
     return response
 
