@@ -13,12 +13,11 @@ TASK_COLUMNS = """
     updated_at, finished_at
 """
 
+# What a submission reads back: what the database decided. The rest is the spec.
+SUBMITTED_COLUMNS = "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at"
+
 # Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
-BRIEF_COLUMNS = "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at"
-
-
-def _submit(columns: str) -> TextClause:
-    return text(f"""
+SUBMIT: TextClause = text(f"""
 WITH input AS (
     SELECT r.*, e.ord
     FROM jsonb_array_elements(CAST(:rows AS jsonb)) WITH ORDINALITY AS e(doc, ord),
@@ -48,28 +47,19 @@ WITH input AS (
     FROM input
     ORDER BY ord
     ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING {columns}
+    RETURNING {SUBMITTED_COLUMNS}
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state)
     SELECT id, 1, owner, 'submit', NULL, state FROM new
 )
-SELECT {columns} FROM new ORDER BY id
+SELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id
 """)
 
 
-SUBMIT = _submit(TASK_COLUMNS)
-SUBMIT_BRIEF = _submit(BRIEF_COLUMNS)
-
-
-def _by_keys(columns: str) -> TextClause:
-    return text(f"""
-SELECT {columns} FROM core.tasks
+BY_IDEMPOTENCY_KEYS: TextClause = text(f"""
+SELECT {SUBMITTED_COLUMNS} FROM core.tasks
 WHERE owner = :owner AND idempotency_key = ANY(CAST(:keys AS text[]))
 """)
-
-
-BY_IDEMPOTENCY_KEYS = _by_keys(TASK_COLUMNS)
-BY_IDEMPOTENCY_KEYS_BRIEF = _by_keys(BRIEF_COLUMNS)
 
 # The guarded move of one task: the sub-select locks the row and reads the state it
 # leaves; the UPDATE applies only if that state is one the op may start from.

@@ -117,21 +117,21 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
 
 
 async def submit(
-    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate], *, brief: bool = False
+    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate]
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
-    ``brief`` rows hold only ``queries.BRIEF_COLUMNS``."""
+    Rows hold ``queries.SUBMITTED_COLUMNS``."""
     docs = [_row_doc(spec) for spec in specs]
-    query = queries.SUBMIT_BRIEF if brief else queries.SUBMIT
     rows = orjson.dumps(docs).decode()
-    created = await _fetch(conn, query, {"owner": owner, "rows": rows})
+    created = await _fetch(conn, queries.SUBMIT, {"owner": owner, "rows": rows})
     created_keys = {row.idempotency_key for row in created if row.idempotency_key}
     missing = {d["idempotency_key"] for d in docs if d["idempotency_key"]} - created_keys
     existing: dict[str, Any] = {}
     if missing:
-        by_keys = queries.BY_IDEMPOTENCY_KEYS_BRIEF if brief else queries.BY_IDEMPOTENCY_KEYS
-        found = await _fetch(conn, by_keys, {"owner": owner, "keys": sorted(missing)})
+        found = await _fetch(
+            conn, queries.BY_IDEMPOTENCY_KEYS, {"owner": owner, "keys": sorted(missing)}
+        )
         existing = {row.idempotency_key: row for row in found}
     out: list[tuple[Any, bool]] = []
     fresh = iter(created)
@@ -154,7 +154,7 @@ async def submit(
 
 
 def new_task(spec: TaskCreate, row: Any) -> Task:
-    """The task a submission just created, from the spec and the brief row: what the
+    """The task a submission just created, from the spec and its submitted row: what the
     database added is only ids, state and times, so nothing needs reading back."""
     return Task.model_construct(
         **{name: getattr(spec, name) for name in TaskCreate.model_fields if name != "run_at"},

@@ -63,7 +63,7 @@ async def submit_task(
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
-        [(row, created)] = await store.submit(conn, principal.name, [spec], brief=True)
+        [(row, created)] = await store.submit(conn, principal.name, [spec])
         task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
         notifier.announce()
@@ -86,7 +86,7 @@ async def submit_batch(
 ) -> Response:
     """Submit up to 1,000 tasks in one transaction: all are stored, or none."""
     async with engine.begin() as conn:
-        rows = await store.submit(conn, principal.name, batch.tasks, brief=True)
+        rows = await store.submit(conn, principal.name, batch.tasks)
     notifier.announce()
     items = [{"id": row.id, "state": row.state, "created": created} for row, created in rows]
     return Response(
