@@ -74,9 +74,13 @@ WITH old AS (
         version = t.version + 1,
         updated_at = now(),
         finished_at = CASE WHEN :final THEN now() END,
-        run_at = CASE WHEN :reset_run_at THEN now() ELSE t.run_at END,
-        attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts END,
-        crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes END,
+        run_at = CASE
+            WHEN :reset_run_at THEN now()
+            WHEN CAST(:delay_s AS double precision) IS NOT NULL
+                THEN now() + make_interval(secs => CAST(:delay_s AS double precision))
+            ELSE t.run_at END,
+        attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts - :refund END,
+        crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes + :crashed END,
         current_attempt_id = COALESCE(
             CAST(:attempt_id AS bigint), CASE WHEN :keep_attempt THEN t.current_attempt_id END
         ),

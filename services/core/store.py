@@ -312,12 +312,17 @@ async def transition(
     reset_counts: bool = False,
     keep_attempt: bool = False,
     attempt_id: int | None = None,
+    delay_s: float | None = None,
+    crashed: bool = False,
+    refund: bool = False,
 ) -> TaskState:
     """Move one task by ``op`` to ``target`` if its current state allows it, and append the
     event; return the state it left. ``NotFound`` if it is missing (or not ``owner``'s),
     ``IllegalTransition`` if its state refuses the move. Nothing is changed on refusal.
     ``attempt_id`` becomes the task's current attempt (a claim must name one); otherwise
-    ``keep_attempt`` keeps the current one and any other move clears it."""
+    ``keep_attempt`` keeps the current one and any other move clears it. ``delay_s`` sets
+    ``run_at`` that far ahead (a retry's backoff); ``crashed`` counts a lost attempt
+    towards the poison-pill limit; ``refund`` gives back the attempt (handed back)."""
     allowed_from = sources(op, target)
     if target is TaskState.RUNNING and attempt_id is None and not keep_attempt:
         raise ValueError("a move to running must name its attempt")
@@ -331,6 +336,9 @@ async def transition(
         "reset_counts": reset_counts,
         "keep_attempt": keep_attempt,
         "attempt_id": attempt_id,
+        "delay_s": delay_s,
+        "crashed": int(crashed),
+        "refund": int(refund),
         "error": error,
         "op": op.value,
         "reason": reason,

@@ -24,7 +24,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from libs.common.states import FINAL, TaskState
 
@@ -174,6 +174,30 @@ tasks = Table(
     ),
 )
 
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("principal", Text, nullable=False),
+    Column("hostname", Text, nullable=False),
+    Column("queues", ARRAY(Text), nullable=False),
+    Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("cpu", Double, nullable=False),
+    Column("memory_mb", Integer, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'live'")),
+    Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("last_heartbeat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("gone_at", DateTime(timezone=True)),
+    CheckConstraint("state IN ('dead', 'draining', 'left', 'live')", name="state"),
+    CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
+    CheckConstraint("(state IN ('dead', 'left')) = (gone_at IS NOT NULL)", name="gone_has_time"),
+    Index(
+        "ix_workers_heartbeat",
+        "last_heartbeat_at",
+        postgresql_where=text("state IN ('draining', 'live')"),
+    ),
+)
+
 attempts = Table(
     "attempts",
     metadata,
@@ -186,7 +210,7 @@ attempts = Table(
         index=True,
     ),
     Column("number", Integer, nullable=False),
-    Column("worker_id", Text),
+    Column("worker_id", BigInteger, ForeignKey("workers.id", ondelete="SET NULL")),
     Column("outcome", Text),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("ended_at", DateTime(timezone=True)),
@@ -196,6 +220,11 @@ attempts = Table(
     Column("error", Text),
     Column("log_tail", Text),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
+    CheckConstraint(
+        "outcome IN ('cancelled', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')",
+        name="outcome",
+    ),
+    Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),
 )
 
 task_events = Table(

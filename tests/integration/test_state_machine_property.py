@@ -52,7 +52,7 @@ RESET = text(
 )
 NEW_ATTEMPT = text(
     "WITH a AS (INSERT INTO core.attempts (task_id, number, worker_id)"
-    " SELECT id, attempts + 1, 'w1' FROM core.tasks WHERE id = :id RETURNING id, task_id)"
+    " SELECT id, attempts + 1, NULL FROM core.tasks WHERE id = :id RETURNING id, task_id)"
     " UPDATE core.tasks t SET current_attempt_id = a.id FROM a WHERE t.id = a.task_id"
 )
 ROW = text("SELECT * FROM core.tasks WHERE id = :id")
