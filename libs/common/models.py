@@ -252,3 +252,101 @@ class Problem(_Output):
     detail: str
     instance: str | None = None
     errors: list[dict[str, str]] | None = None
+
+
+# --- workers ------------------------------------------------------------------------------
+
+
+class WorkerRegister(_Input):
+    """What a worker agent offers when it starts."""
+
+    hostname: Name
+    queues: list[QueueName] = Field(min_length=1, max_length=64)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    cpu: float = Field(gt=0, le=4096)
+    memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
+
+
+class Worker(_Output):
+    id: int
+    principal: str
+    hostname: str
+    queues: list[str]
+    labels: dict[str, str]
+    cpu: float
+    memory_mb: int
+    state: Literal["live", "draining", "dead", "left"]
+    registered_at: datetime
+    last_heartbeat_at: datetime
+    used_cpu: float = 0
+    used_memory_mb: int = 0
+    running: int = 0
+
+
+class WorkerList(_Output):
+    items: list[Worker]
+
+
+class WorkerRegistered(_Output):
+    worker: Worker
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class Heartbeat(_Input):
+    """The attempts whose processes the sidecar sees alive."""
+
+    attempts: list[TaskId] = Field(default_factory=list, max_length=10_000)
+
+
+class HeartbeatAnswer(_Output):
+    state: Literal["live", "draining", "dead", "left"]
+    #: attempts the worker must stop: cancelled, or no longer current (lost)
+    stop: list[int]
+
+
+class ClaimRequest(_Input):
+    """Room the worker has now; core hands out work that fits it."""
+
+    cpu: float = Field(ge=0, le=4096)
+    memory_mb: int = Field(ge=0, le=64 * 1024 * 1024)
+    max: int = Field(default=16, ge=1, le=256)
+    wait: float = Field(default=0, ge=0, le=MAX_WAIT_S)
+
+
+class Assignment(_Output):
+    """One attempt leased to a worker: everything it needs to run it."""
+
+    attempt_id: int
+    attempt_number: int
+    task_id: int
+    kind: Literal["task", "service"]
+    artifact: Artifact
+    args: list[str]
+    env: dict[str, str]
+    input_path: str | None
+    output_path: str | None
+    resources: Resources
+    timeout_s: int | None
+
+
+class ClaimAnswer(_Output):
+    attempts: list[Assignment]
+
+
+class Report(_Input):
+    """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
+    does not spend an attempt. ``retryable: false`` makes a failure final."""
+
+    outcome: Literal["succeeded", "failed", "timeout", "handed_back"]
+    exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    error: Annotated[str, StringConstraints(max_length=4096)] | None = None
+    retryable: bool = True
+    peak_memory_mb: float | None = Field(default=None, ge=0, le=1e9)
+    cpu_seconds: float | None = Field(default=None, ge=0, le=1e9)
+    log_tail: Annotated[str, StringConstraints(max_length=16384)] | None = None
+
+
+class ReportAnswer(_Output):
+    task_id: int
+    state: TaskState

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import loops, problems
-from services.core.api import events, health, queues, tasks
+from services.core.api import events, health, queues, tasks, workers
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.limits import BodyLimit
@@ -31,6 +31,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         notifier = Notifier(database_url)
         notifier.start()
         app.state.engine = engine
+        app.state.settings = settings
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
         background = loops.start(engine, notifier, settings)
@@ -52,7 +53,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (tasks, events, queues, health):
+    for module in (tasks, events, queues, workers, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.core import store
+from services.core import dispatch, store
 from services.core.feed import Notifier
 from services.core.settings import CoreSettings
 
@@ -55,6 +55,14 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
             await asyncio.sleep(0)
 
 
+async def reap_once(engine: AsyncEngine, notifier: Notifier, timeout_s: float) -> int:
+    async with engine.begin() as conn:
+        changed = await dispatch.reap(conn, timeout_s)
+    if changed:
+        notifier.announce()
+    return changed
+
+
 def start(
     engine: AsyncEngine, notifier: Notifier, settings: CoreSettings
 ) -> list[asyncio.Task[None]]:
@@ -62,6 +70,14 @@ def start(
         asyncio.create_task(
             every(settings.promote_interval_s, "promoter", lambda: promote_once(engine, notifier)),
             name="cairn-promoter",
+        ),
+        asyncio.create_task(
+            every(
+                min(5.0, max(0.1, settings.heartbeat_timeout_s / 4)),
+                "reaper",
+                lambda: reap_once(engine, notifier, settings.heartbeat_timeout_s),
+            ),
+            name="cairn-reaper",
         ),
         asyncio.create_task(
             every(

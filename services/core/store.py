@@ -353,7 +353,14 @@ async def transition(
 
 
 async def cancel(conn: AsyncConnection, task_id: int, owner: str | None, reason: str) -> None:
+    """Cancel the task; a running attempt is closed here, and its worker told to stop it
+    at its next heartbeat."""
     await transition(conn, task_id, Op.CANCEL, TaskState.CANCELLED, owner=owner, reason=reason)
+    await conn.execute(
+        update(attempts)
+        .where(attempts.c.task_id == task_id, attempts.c.outcome.is_(None))
+        .values(outcome="cancelled", ended_at=func.now(), error=reason)
+    )
 
 
 async def retry(conn: AsyncConnection, task_id: int, owner: str | None) -> None:

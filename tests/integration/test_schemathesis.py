@@ -120,6 +120,11 @@ def _call(case: schemathesis.Case, core: Core, principal: str) -> None:
         wait = case.query.get("wait")
         if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_WAIT_S:
             case.query["wait"] = MAX_WAIT_S
+    # The same for a worker's claim, whose wait is in its body.
+    if isinstance(case.body, dict):
+        wait = case.body.get("wait")
+        if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_WAIT_S:
+            case.body["wait"] = MAX_WAIT_S
     case.call_and_validate(
         base_url=core.url,
         headers={"Authorization": f"Bearer {core.tokens[principal]}"},

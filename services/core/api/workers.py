@@ -1,0 +1,153 @@
+"""Worker agents: register, heartbeat, claim attempts, report how they ended; drain."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request, status
+
+from libs.common.models import (
+    ClaimAnswer,
+    ClaimRequest,
+    Heartbeat,
+    HeartbeatAnswer,
+    Report,
+    ReportAnswer,
+    Worker,
+    WorkerList,
+    WorkerRegister,
+    WorkerRegistered,
+)
+from services.core import dispatch
+from services.core.api.tasks import PROBLEMS
+from services.core.deps import AdminOnly, Announcer, Engine, require
+from services.core.settings import CoreSettings
+from services.core.store import Principal
+
+router = APIRouter(prefix="/v1/workers", tags=["workers"])
+
+_POLL_S = 0.5
+WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+AttemptId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+AgentPrincipal = Annotated[Principal, Depends(require("worker", "admin"))]
+Overseer = Annotated[Principal, Depends(require("admin", "service"))]
+
+
+def _settings(request: Request) -> CoreSettings:
+    settings: CoreSettings = request.app.state.settings
+    return settings
+
+
+async def _own_worker(worker_id: WorkerId, principal: AgentPrincipal, engine: Engine) -> Any:
+    """The worker, if the caller registered it (admins reach every worker); else 404."""
+    owner = None if principal.role == "admin" else principal.name
+    async with engine.connect() as conn:
+        return await dispatch.get_worker(conn, worker_id, owner)
+
+
+OwnWorker = Annotated[Any, Depends(_own_worker)]
+
+
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=WorkerRegistered, responses=PROBLEMS
+)
+async def register_worker(
+    offer: WorkerRegister, principal: AgentPrincipal, engine: Engine, request: Request
+) -> WorkerRegistered:
+    """A worker agent starts: it offers capacity for some queues."""
+    settings = _settings(request)
+    async with engine.begin() as conn:
+        worker = await dispatch.register(conn, principal.name, offer)
+    return WorkerRegistered(
+        worker=worker,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_timeout_s=settings.heartbeat_timeout_s,
+    )
+
+
+@router.get("", response_model=WorkerList, responses=PROBLEMS)
+async def list_workers(principal: Overseer, engine: Engine) -> WorkerList:
+    """Every worker with its capacity, what is placed on it, and its last heartbeat."""
+    async with engine.connect() as conn:
+        return WorkerList(items=await dispatch.list_workers(conn))
+
+
+@router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
+async def heartbeat(
+    beat: Heartbeat, worker: OwnWorker, engine: Engine, notifier: Announcer, request: Request
+) -> HeartbeatAnswer:
+    """The sidecar's beat: the worker lives, and these attempts' processes run."""
+    grace = _settings(request).heartbeat_interval_s
+    async with engine.begin() as conn:
+        stop = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
+        state = (await dispatch.get_worker(conn, worker.id, None)).state
+    notifier.announce()
+    return HeartbeatAnswer(state=state, stop=stop)
+
+
+@router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)
+async def claim(
+    room: ClaimRequest,
+    worker: OwnWorker,
+    engine: Engine,
+    notifier: Announcer,
+    request: Request,
+) -> ClaimAnswer:
+    """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
+    work arrives or ``wait`` seconds pass."""
+    deadline = asyncio.get_running_loop().time() + room.wait
+    while True:
+        async with engine.begin() as conn:
+            current = await dispatch.get_worker(conn, worker.id, None)
+            leased = await dispatch.claim(conn, current, room.cpu, room.memory_mb, room.max)
+        if leased:
+            notifier.announce()
+            return ClaimAnswer(attempts=leased)
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0 or current.state != "live" or await request.is_disconnected():
+            return ClaimAnswer(attempts=[])
+        await notifier.wait(min(remaining, _POLL_S))
+
+
+@router.post(
+    "/{worker_id}/attempts/{attempt_id}/report", response_model=ReportAnswer, responses=PROBLEMS
+)
+async def report(
+    attempt_id: AttemptId, outcome: Report, worker: OwnWorker, engine: Engine, notifier: Announcer
+) -> ReportAnswer:
+    """How an attempt ended. A report from an attempt that is no longer the task's current
+    one (its lease was lost) is refused with 409 and changes nothing."""
+    async with engine.begin() as conn:
+        state = await dispatch.report(conn, attempt_id, worker.id, outcome)
+        task_id = await dispatch.task_of(conn, attempt_id)
+    notifier.announce()
+    return ReportAnswer(task_id=task_id, state=state)
+
+
+@router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)
+async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine) -> Worker:
+    """Stop giving the worker new work; what runs finishes (the agent hands back the rest
+    after its grace period)."""
+    return await _set_state(engine, worker_id, "draining")
+
+
+@router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
+async def leave(worker: OwnWorker, engine: Engine) -> Worker:
+    """The agent stops cleanly; attempts it still holds are lost at once."""
+    async with engine.begin() as conn:
+        await dispatch.set_worker_state(conn, worker.id, "left")
+        await dispatch.lose_all(conn, worker.id, "its worker left")
+    return await _get(engine, worker.id)
+
+
+async def _set_state(engine: Engine, worker_id: int, state: str) -> Worker:
+    async with engine.begin() as conn:
+        await dispatch.get_worker(conn, worker_id, None)
+        await dispatch.set_worker_state(conn, worker_id, state)
+    return await _get(engine, worker_id)
+
+
+async def _get(engine: Engine, worker_id: int) -> Worker:
+    async with engine.connect() as conn:
+        return next(w for w in await dispatch.list_workers(conn) if w.id == worker_id)

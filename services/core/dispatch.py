@@ -1,0 +1,387 @@
+"""Workers and their attempts: registration, claims, reports, heartbeats, the reaper.
+
+Every task state change here goes through ``store.transition`` (one task) or a claim
+whose guard comes from the same transitions table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.errors import NotFound, StaleAttempt
+from libs.common.models import Assignment, Report, Worker, WorkerRegister
+from libs.common.states import TaskState
+from services.core import store
+from services.core.domain.retry import Backoff
+from services.core.domain.transitions import Op, sources
+from services.core.tables import attempts, workers
+
+S = TaskState
+
+_CANDIDATES = text("""
+SELECT t.id, t.cpu, t.memory_mb
+FROM core.tasks t
+WHERE t.state = ANY(CAST(:sources AS text[])) AND t.queue = ANY(CAST(:queues AS text[]))
+  AND t.cpu <= :cpu AND t.memory_mb <= :memory_mb
+ORDER BY t.priority DESC, t.id
+LIMIT :limit
+FOR UPDATE SKIP LOCKED
+""")
+
+_CLAIM = text("""
+WITH chosen AS (SELECT unnest(CAST(:ids AS bigint[])) AS id),
+leased AS (
+    INSERT INTO core.attempts (task_id, number, worker_id)
+    SELECT c.id,
+           1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
+           :worker
+    FROM chosen c
+    RETURNING id, task_id, number
+), moved AS (
+    UPDATE core.tasks t SET
+        state = :target, version = t.version + 1, updated_at = now(),
+        current_attempt_id = leased.id, attempts = t.attempts + 1
+    FROM leased
+    WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
+    RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
+    SELECT id, version, owner, :op, 'waiting', state, attempt_id FROM moved
+)
+SELECT * FROM moved ORDER BY priority DESC, id
+""")
+
+_OPEN_ATTEMPTS_OF = text("""
+SELECT a.id, a.task_id FROM core.attempts a
+WHERE a.worker_id = :worker AND a.outcome IS NULL
+""")
+
+_USE = text("""
+SELECT a.worker_id, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
+GROUP BY a.worker_id
+""")
+
+_SILENT_WORKERS = text("""
+UPDATE core.workers SET state = 'dead', gone_at = now()
+WHERE state IN ('draining', 'live')
+  AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
+RETURNING id
+""")
+
+
+def _clean(value: str | None) -> str | None:
+    """PostgreSQL text holds no NUL; a process's output may."""
+    return value.replace("\x00", "\ufffd") if value else value
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The timing a worker is told at registration and the reaper enforces."""
+
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+# --- workers ------------------------------------------------------------------------------
+
+
+def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
+    used = (use or {}).get(row.id)
+    return Worker(
+        id=row.id,
+        principal=row.principal,
+        hostname=row.hostname,
+        queues=list(row.queues),
+        labels=row.labels,
+        cpu=row.cpu,
+        memory_mb=row.memory_mb,
+        state=row.state,
+        registered_at=row.registered_at,
+        last_heartbeat_at=row.last_heartbeat_at,
+        used_cpu=float(used.cpu) if used else 0.0,
+        used_memory_mb=int(used.memory_mb) if used else 0,
+        running=int(used.running) if used else 0,
+    )
+
+
+async def register(conn: AsyncConnection, principal: str, offer: WorkerRegister) -> Worker:
+    stmt = (
+        insert(workers)
+        .values(
+            principal=principal,
+            hostname=offer.hostname,
+            queues=offer.queues,
+            labels=offer.labels,
+            cpu=offer.cpu,
+            memory_mb=offer.memory_mb,
+        )
+        .returning(workers)
+    )
+    return _worker((await conn.execute(stmt)).one())
+
+
+async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | None) -> Any:
+    """The worker's row, if ``principal`` (when given) registered it; else ``NotFound``."""
+    query = select(workers).where(workers.c.id == worker_id)
+    if principal is not None:
+        query = query.where(workers.c.principal == principal)
+    row = (await conn.execute(query)).first()
+    if row is None:
+        raise NotFound(f"worker {worker_id} not found")
+    return row
+
+
+async def list_workers(conn: AsyncConnection) -> list[Worker]:
+    use = {row.worker_id: row for row in await conn.execute(_USE)}
+    rows = await conn.execute(select(workers).order_by(workers.c.id))
+    return [_worker(row, use) for row in rows]
+
+
+async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) -> None:
+    gone = func.now() if state in ("dead", "left") else None
+    await conn.execute(
+        update(workers).where(workers.c.id == worker_id).values(state=state, gone_at=gone)
+    )
+
+
+# --- claims -------------------------------------------------------------------------------
+
+
+async def claim(
+    conn: AsyncConnection, worker: Any, cpu: float, memory_mb: int, most: int
+) -> list[Assignment]:
+    """Lease waiting work of the worker's queues that fits the room it reports, highest
+    priority first, oldest first; rows other claims hold are skipped, never shared."""
+    if worker.state != "live":
+        return []
+    allowed = sources(Op.CLAIM, S.RUNNING)
+    candidates = await conn.execute(
+        _CANDIDATES,
+        {
+            "sources": allowed,
+            "queues": list(worker.queues),
+            "cpu": cpu,
+            "memory_mb": memory_mb,
+            "limit": most * 4,
+        },
+    )
+    chosen: list[int] = []
+    for row in candidates:
+        if len(chosen) == most:
+            break
+        if row.cpu <= cpu and row.memory_mb <= memory_mb:
+            chosen.append(row.id)
+            cpu -= row.cpu
+            memory_mb -= row.memory_mb
+    if not chosen:
+        return []
+    rows = await conn.execute(
+        _CLAIM,
+        {
+            "ids": chosen,
+            "worker": worker.id,
+            "target": S.RUNNING.value,
+            "sources": allowed,
+            "op": Op.CLAIM.value,
+        },
+    )
+    return [_assignment(row) for row in rows]
+
+
+def _assignment(row: Any) -> Assignment:
+    return Assignment(
+        attempt_id=row.attempt_id,
+        attempt_number=row.attempt_number,
+        task_id=row.id,
+        kind=row.kind,
+        artifact={"uri": row.artifact_uri, "sha256": row.artifact_sha256},
+        args=row.args,
+        env=row.env,
+        input_path=row.input_path,
+        output_path=row.output_path,
+        resources={"cpu": row.cpu, "memory_mb": row.memory_mb},
+        timeout_s=row.timeout_s,
+    )
+
+
+# --- how attempts end ---------------------------------------------------------------------
+
+
+async def _current_task(conn: AsyncConnection, attempt_id: int) -> Any:
+    """The task of the attempt, locked, if this attempt is still its current one."""
+    row = (
+        await conn.execute(
+            text("""
+                SELECT t.* FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id
+                WHERE a.id = :attempt FOR UPDATE OF t
+            """),
+            {"attempt": attempt_id},
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"attempt {attempt_id} not found")
+    if row.current_attempt_id != attempt_id or row.state != S.RUNNING:
+        raise StaleAttempt(
+            f"attempt {attempt_id} is not task {row.id}'s current attempt; its report is refused"
+        )
+    return row
+
+
+async def _close_attempt(
+    conn: AsyncConnection, attempt_id: int, outcome: str, **values: Any
+) -> None:
+    await conn.execute(
+        update(attempts)
+        .where(attempts.c.id == attempt_id, attempts.c.outcome.is_(None))
+        .values(outcome=outcome, ended_at=func.now(), **values)
+    )
+
+
+def _backoff(task: Any, failures: int) -> float:
+    curve = Backoff(task.backoff_base_s, task.backoff_cap_s, task.backoff_jitter)
+    return curve.delay_s(failures)
+
+
+async def _after_failure(
+    conn: AsyncConnection, task: Any, attempt_id: int, error: str, *, retryable: bool, crashed: bool
+) -> TaskState:
+    """A failed or lost attempt: retry after backoff, or bury (spent, poison, final)."""
+    crashes = task.crashes + (1 if crashed else 0)
+    if task.kind == "service" and retryable and crashes < task.poison_after:
+        # Services run until cancelled: every exit is restarted, with crash-loop backoff.
+        target, op, reason = S.FAILED, Op.FAIL, "service exited; restarting after backoff"
+    elif not retryable:
+        target, op, reason = S.DEAD, Op.BURY, "not retryable"
+    elif crashes >= task.poison_after:
+        target, op, reason = S.DEAD, Op.BURY, f"poison pill: lost {crashes} times"
+    elif task.attempts >= task.max_attempts:
+        target, op, reason = S.DEAD, Op.BURY, f"attempts spent ({task.attempts})"
+    else:
+        target, op, reason = S.FAILED, Op.FAIL, "retry after backoff"
+    delay = _backoff(task, min(task.attempts, 20)) if target is S.FAILED else None
+    await store.transition(
+        conn,
+        task.id,
+        op,
+        target,
+        reason=reason,
+        error=error,
+        delay_s=delay,
+        crashed=crashed,
+        attempt_id=attempt_id,
+    )
+    return target
+
+
+async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome: Report) -> Any:
+    """Apply a worker's report of how an attempt ended, fenced by the attempt id."""
+    task = await _current_task(conn, attempt_id)
+    owner = (
+        await conn.execute(select(attempts.c.worker_id).where(attempts.c.id == attempt_id))
+    ).scalar_one()
+    if owner != worker_id:
+        raise StaleAttempt(f"attempt {attempt_id} is not leased to worker {worker_id}")
+    error = _clean(outcome.error)
+    await _close_attempt(
+        conn,
+        attempt_id,
+        outcome.outcome,
+        exit_code=outcome.exit_code,
+        error=error,
+        peak_memory_mb=outcome.peak_memory_mb,
+        cpu_seconds=outcome.cpu_seconds,
+        log_tail=_clean(outcome.log_tail),
+    )
+    if outcome.outcome == "succeeded":
+        await store.transition(
+            conn, task.id, Op.SUCCEED, S.SUCCEEDED, reason="exited 0", attempt_id=attempt_id
+        )
+        return S.SUCCEEDED
+    if outcome.outcome == "handed_back":
+        await store.transition(
+            conn,
+            task.id,
+            Op.REQUEUE,
+            S.WAITING,
+            reason=error or "handed back by its worker",
+            refund=True,
+            attempt_id=attempt_id,
+        )
+        return S.WAITING
+    message = error or f"attempt {outcome.outcome}"
+    return await _after_failure(
+        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=False
+    )
+
+
+async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | None:
+    """An attempt whose process is gone without a report: counted as a crash."""
+    try:
+        task = await _current_task(conn, attempt_id)
+    except StaleAttempt:
+        await _close_attempt(conn, attempt_id, "lost", error=why)
+        return None
+    await _close_attempt(conn, attempt_id, "lost", error=why)
+    return await _after_failure(conn, task, attempt_id, why, retryable=True, crashed=True)
+
+
+async def heartbeat(
+    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
+) -> list[int]:
+    """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
+    for those just claimed) are lost. Return the reported attempts it must stop."""
+    await conn.execute(
+        update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
+    )
+    reported = set(alive)
+    missing = await conn.execute(
+        text("""
+            SELECT a.id FROM core.attempts a
+            WHERE a.worker_id = :worker AND a.outcome IS NULL
+              AND a.started_at < now() - make_interval(secs => :grace)
+              AND NOT (a.id = ANY(CAST(:alive AS bigint[])))
+        """),
+        {"worker": worker.id, "grace": grace_s, "alive": sorted(reported)},
+    )
+    for row in list(missing):
+        await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)")
+    if not reported:
+        return []
+    stop = await conn.execute(
+        text("""
+            SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+            WHERE a.id = ANY(CAST(:alive AS bigint[]))
+              AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
+                   OR t.state <> 'running')
+        """),
+        {"alive": sorted(reported)},
+    )
+    return [row.id for row in stop]
+
+
+async def task_of(conn: AsyncConnection, attempt_id: int) -> int:
+    query = select(attempts.c.task_id).where(attempts.c.id == attempt_id)
+    return int((await conn.execute(query)).scalar_one())
+
+
+async def lose_all(conn: AsyncConnection, worker_id: int, why: str) -> int:
+    """Every open attempt of the worker is lost."""
+    rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
+    for row in rows:
+        await lose(conn, row.id, why)
+    return len(rows)
+
+
+async def reap(conn: AsyncConnection, timeout_s: float) -> int:
+    """Workers silent for ``timeout_s`` are dead; their open attempts are lost."""
+    dead = [row.id for row in await conn.execute(_SILENT_WORKERS, {"timeout_s": timeout_s})]
+    lost = 0
+    for worker_id in dead:
+        lost += await lose_all(conn, worker_id, f"its worker {worker_id} stopped heartbeating")
+    return len(dead) + lost

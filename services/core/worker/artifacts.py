@@ -1,0 +1,273 @@
+"""The worker's artifact cache: executables fetched by URI, kept by their sha256.
+
+An artifact lives at ``root/<sha256[:2]>/<sha256>``, mode 0755. A download goes to a
+temporary file in the same directory and becomes visible only by an atomic rename, after
+its digest has been checked, so a reader never sees a partial or wrong file, and two
+fetches of the same digest (in one process or several) cannot corrupt each other.
+
+    ArtifactError        the artifact cannot be had; ``retryable`` says whether a later
+                         attempt may fare better (network trouble, a 5xx) or not (a digest
+                         mismatch, a missing object, an unsupported scheme, over the size cap)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import os
+import tempfile
+import threading
+import urllib.parse
+import urllib.request
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+CHUNK = 1 << 20
+_TRANSIENT_HTTP = frozenset({408, 425, 429})
+_MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
+
+
+class ArtifactError(Exception):
+    """The artifact could not be fetched."""
+
+    def __init__(self, reason: str, *, retryable: bool) -> None:
+        self.reason = reason
+        self.retryable = retryable
+        super().__init__(reason)
+
+
+class _Sink:
+    """Writes a download, hashing and counting as it goes; refuses more than ``limit``."""
+
+    def __init__(self, out: IO[bytes], limit: int) -> None:
+        self._out = out
+        self._limit = limit
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.aborted = threading.Event()
+
+    def write(self, chunk: bytes) -> None:
+        if self.aborted.is_set():
+            raise ArtifactError("download abandoned", retryable=True)
+        self.size += len(chunk)
+        if self.size > self._limit:
+            raise ArtifactError(
+                f"artifact is larger than the {self._limit} byte limit", retryable=False
+            )
+        self._hash.update(chunk)
+        self._out.write(chunk)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class ArtifactCache:
+    """A content-addressed cache of executables under ``root``.
+
+    ``allow_insecure_http`` admits ``http://`` URIs (for tests and trusted networks; the
+    digest still guards the content). ``s3_endpoint_url`` defaults to the environment's
+    ``CAIRN_S3_ENDPOINT_URL``; credentials come from boto3's usual chain.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        s3_endpoint_url: str | None = None,
+        allow_insecure_http: bool = False,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._timeout = timeout
+        self._s3_endpoint_url = s3_endpoint_url or os.environ.get("CAIRN_S3_ENDPOINT_URL")
+        self._allow_http = allow_insecure_http
+        self._transport = transport
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._verified: set[str] = set()
+        self._s3_client: Any = None
+        self._s3_lock = threading.Lock()
+
+    def path_for(self, sha256: str) -> Path:
+        """Where the artifact with this digest is (or will be) kept."""
+        return self.root / sha256[:2] / sha256
+
+    async def fetch(self, uri: str, sha256: str) -> Path:
+        """The local path of the artifact at ``uri``, downloaded unless already cached.
+
+        Raises ``ArtifactError`` when it cannot be had or its digest is not ``sha256``.
+        """
+        digest = sha256.lower()
+        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+            raise ArtifactError(f"not a sha256 digest: {sha256!r}", retryable=False)
+        final = self.path_for(digest)
+        lock = self._locks.get(digest)
+        if lock is None:
+            lock = self._locks[digest] = asyncio.Lock()
+        async with lock:
+            if await self._usable(final, digest):
+                return final
+            await self._download(uri, digest, final)
+            self._verified.add(digest)
+            return final
+
+    async def _usable(self, final: Path, digest: str) -> bool:
+        """Whether the cached copy can be used; checked against its digest once a process."""
+        if not final.exists():
+            self._verified.discard(digest)
+            return False
+        if digest in self._verified:
+            return True
+        if await asyncio.to_thread(_file_digest, final) == digest:
+            self._verified.add(digest)
+            return True
+        final.unlink(missing_ok=True)
+        return False
+
+    async def _download(self, uri: str, digest: str, final: Path) -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{digest[:16]}.", suffix=".part")
+        tmp = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                sink = _Sink(out, self.max_bytes)
+                await self._fetch_into(uri, sink)
+                out.flush()
+                os.fsync(out.fileno())
+            got = sink.hexdigest()
+            if got != digest:
+                raise ArtifactError(
+                    f"sha256 mismatch: expected {digest}, got {got} ({_redact(uri)})",
+                    retryable=False,
+                )
+            tmp.chmod(0o755)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def _fetch_into(self, uri: str, sink: _Sink) -> None:
+        scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+        if scheme == "file":
+            await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink))
+        elif scheme == "https" or (scheme == "http" and self._allow_http):
+            await self._download_http(uri, sink)
+        elif scheme == "s3":
+            await _in_thread(sink, lambda: self._download_s3(uri, sink))
+        else:
+            allowed = "https://, s3:// or file://"
+            if scheme == "http":
+                allowed += " (http:// only with allow_insecure_http)"
+            raise ArtifactError(
+                f"unsupported artifact scheme {scheme or uri!r}: expected {allowed}",
+                retryable=False,
+            )
+
+    async def _download_http(self, uri: str, sink: _Sink) -> None:
+        shown = _redact(uri)
+        try:
+            async with (
+                httpx.AsyncClient(
+                    timeout=self._timeout, transport=self._transport, follow_redirects=True
+                ) as client,
+                client.stream("GET", uri) as response,
+            ):
+                if response.status_code >= 400:
+                    code = response.status_code
+                    raise ArtifactError(
+                        f"GET {shown}: HTTP {code}",
+                        retryable=code >= 500 or code in _TRANSIENT_HTTP,
+                    )
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > self.max_bytes:
+                    raise ArtifactError(
+                        f"artifact is larger than the {self.max_bytes} byte limit "
+                        f"({declared} bytes)",
+                        retryable=False,
+                    )
+                async for chunk in response.aiter_raw(CHUNK):
+                    sink.write(chunk)
+        except httpx.HTTPError as exc:
+            raise ArtifactError(
+                f"GET {shown}: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+
+    def _download_s3(self, uri: str, sink: _Sink) -> None:
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        if not bucket or not key:
+            raise ArtifactError(f"not an s3://bucket/key URI: {uri!r}", retryable=False)
+        botocore = importlib.import_module("botocore.exceptions")
+        try:
+            answer = self._s3().get_object(Bucket=bucket, Key=key)
+            body = answer["Body"]
+            if int(answer.get("ContentLength") or 0) > self.max_bytes:
+                raise ArtifactError(
+                    f"artifact is larger than the {self.max_bytes} byte limit", retryable=False
+                )
+            for chunk in iter(lambda: body.read(CHUNK), b""):
+                sink.write(chunk)
+        except botocore.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            raise ArtifactError(
+                f"s3 GET {uri}: {code or exc}", retryable=code not in _MISSING_S3
+            ) from exc
+        except botocore.BotoCoreError as exc:
+            raise ArtifactError(f"s3 GET {uri}: {exc}", retryable=True) from exc
+
+    def _s3(self) -> Any:
+        # boto3 is imported on first use: only workers that fetch from S3 need it.
+        with self._s3_lock:
+            if self._s3_client is None:
+                boto3 = importlib.import_module("boto3")
+                self._s3_client = boto3.session.Session().client(
+                    "s3", endpoint_url=self._s3_endpoint_url
+                )
+            return self._s3_client
+
+
+async def _in_thread(sink: _Sink, work: Callable[[], None]) -> None:
+    """Run a blocking download in a thread; if we are cancelled, the thread stops soon."""
+    try:
+        await asyncio.to_thread(work)
+    except asyncio.CancelledError:
+        sink.aborted.set()
+        raise
+
+
+def _local_path(uri: str) -> Path:
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.netloc not in ("", "localhost"):
+        raise ArtifactError(f"file:// URI names another host: {uri!r}", retryable=False)
+    return Path(urllib.request.url2pathname(parsed.path))
+
+
+def _copy_file(source: Path, sink: _Sink) -> None:
+    try:
+        with source.open("rb") as src:
+            for chunk in iter(lambda: src.read(CHUNK), b""):
+                sink.write(chunk)
+    except FileNotFoundError:
+        raise ArtifactError(f"no such file: {source}", retryable=False) from None
+    except IsADirectoryError:
+        raise ArtifactError(f"is a directory, not a file: {source}", retryable=False) from None
+    except PermissionError:
+        raise ArtifactError(f"permission denied: {source}", retryable=False) from None
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _redact(uri: str) -> str:
+    """The URI without its query: presigned URLs carry credentials there."""
+    parts = urllib.parse.urlsplit(uri)
+    return urllib.parse.urlunsplit(parts._replace(query="", fragment="")) if parts.query else uri

@@ -1,0 +1,338 @@
+"""Running one attempt on this host: a child process in its own session and working
+directory, its output in a log file, bounded by a hard timeout and a memory limit, and
+measured (peak memory, CPU seconds) when it ends.
+
+Limits are rlimits. The memory limit is ``RLIMIT_DATA``: since Linux 4.7 it bounds a
+process's private writable memory (heap, anonymous mmaps), which is what a memory hog
+grows, while ``RLIMIT_AS`` also counts address space that runtimes such as the JVM, Go
+and V8 reserve without using, and would fail them at start. It is per process, so a task
+that forks N workers may use N times it. CPU is not limited: an rlimit can only cap total
+CPU time, not a share; that needs cgroup v2, which this host does not delegate.
+
+Measurement is the ``wait4`` rusage of the direct child: ``ru_maxrss`` (the largest
+resident set of the child and of the descendants it waited for) and user + system time
+(of the same processes). Descendants that are never waited for are not counted.
+
+The agent must be the only one reaping its children: this module waits for its own
+children with ``wait4`` (through a pidfd), so no ``waitpid(-1)`` child watcher may run
+beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+Outcome = Literal["succeeded", "failed", "timeout", "killed"]
+StopReason = Literal["timeout", "terminated", "cancelled"]
+
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LOG_TAIL_BYTES = 4096
+_Exit = tuple[int, resource.struct_rusage]
+_supervisors: set[asyncio.Task[AttemptResult]] = set()
+
+
+@dataclass(frozen=True)
+class AttemptSpec:
+    """What to run for one attempt, and within which bounds.
+
+    ``env`` is laid over a minimal base (``PATH``, ``HOME`` = ``workdir``, ``LANG``); the
+    ``CAIRN_*`` identity variables are set last and cannot be overridden by it.
+    ``kill_grace_s`` is how long a timed-out attempt has between SIGTERM and SIGKILL.
+    """
+
+    executable: Path
+    workdir: Path
+    log_path: Path
+    task_id: int
+    attempt_id: int
+    attempt_number: int
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    input_path: str | None = None
+    output_path: str | None = None
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+    cpu: float | None = None
+    kill_grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """How an attempt ended.
+
+    ``outcome`` is ``killed`` when the process died of a signal; ``stopped`` then says
+    whether the worker stopped it (``terminated`` or ``cancelled``: hand the task back) or
+    not (``None``: something else killed it, such as the kernel's OOM killer).
+    """
+
+    outcome: Outcome
+    exit_code: int | None
+    signal: int | None
+    peak_memory_mb: float | None
+    cpu_seconds: float | None
+    started_at: datetime
+    ended_at: datetime
+    duration_s: float
+    error: str | None
+    log_tail: str
+    stopped: StopReason | None = None
+
+
+class SpawnError(Exception):
+    """The attempt's process could not be started."""
+
+
+class RunningAttempt:
+    """A started attempt. ``wait()`` for its result, ``terminate()`` to stop it gently
+    (drain, preemption) or ``kill()`` to stop it at once; all act on its process group."""
+
+    def __init__(self, spec: AttemptSpec, process: subprocess.Popen[bytes], started: float):
+        self.spec = spec
+        self.pid = process.pid
+        self._process = process
+        self._started_wall = datetime.now(UTC)
+        self._started = started
+        self._stopped: StopReason | None = None
+        self._exit: asyncio.Future[_Exit] = _watch_exit(process.pid)
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
+        _supervisors.add(self._supervisor)
+        self._supervisor.add_done_callback(_supervisors.discard)
+
+    @property
+    def done(self) -> bool:
+        return self._supervisor.done()
+
+    async def wait(self) -> AttemptResult:
+        """The result, once the process has ended. Cancelling this wait leaves it running."""
+        return await asyncio.shield(self._supervisor)
+
+    async def terminate(self, grace_s: float = 10.0) -> AttemptResult:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; the result."""
+        if self._exit.done():
+            return await self.wait()
+        self._stopped = self._stopped or "terminated"
+        await self._stop(grace_s)
+        return await self.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the process group now."""
+        self._stopped = self._stopped or "cancelled"
+        self._signal(signal.SIGKILL)
+
+    async def _supervise(self) -> AttemptResult:
+        try:
+            try:
+                async with asyncio.timeout(self.spec.timeout_s):
+                    await asyncio.shield(self._exit)
+            except TimeoutError:
+                self._stopped = self._stopped or "timeout"
+                await self._stop(self.spec.kill_grace_s)
+            status, usage = await asyncio.shield(self._exit)
+        except asyncio.CancelledError:
+            self._signal(signal.SIGKILL)
+            raise
+        self._process.returncode = os.waitstatus_to_exitcode(status)
+        return self._result(status, usage)
+
+    async def _stop(self, grace_s: float) -> None:
+        self._signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(grace_s):
+                await asyncio.shield(self._exit)
+        except TimeoutError:
+            self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self._exit.done():  # reaped: the group is gone and its id may be reused
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+    def _result(self, status: int, usage: resource.struct_rusage) -> AttemptResult:
+        exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        outcome, error = _judge(exit_code, signum, self._stopped, self.spec)
+        return AttemptResult(
+            outcome=outcome,
+            exit_code=exit_code,
+            signal=signum,
+            peak_memory_mb=round(usage.ru_maxrss / 1024, 3),  # Linux reports KiB
+            cpu_seconds=round(usage.ru_utime + usage.ru_stime, 3),
+            started_at=self._started_wall,
+            ended_at=datetime.now(UTC),
+            duration_s=time.monotonic() - self._started,
+            error=error,
+            log_tail=read_tail(self.spec.log_path),
+            stopped=self._stopped,
+        )
+
+
+def _judge(
+    exit_code: int | None, signum: int | None, stopped: StopReason | None, spec: AttemptSpec
+) -> tuple[Outcome, str | None]:
+    if stopped == "timeout":
+        return "timeout", f"timed out after {spec.timeout_s:g} s"
+    if stopped is not None:
+        return "killed", f"{stopped} by the worker"
+    if signum is not None:
+        return "killed", f"killed by signal {signum} ({signal.Signals(signum).name})"
+    if exit_code == 0:
+        return "succeeded", None
+    return "failed", f"exited {exit_code}"
+
+
+async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
+    """Start the attempt's process in a new session; raises ``SpawnError`` if it cannot."""
+    spec.workdir.mkdir(parents=True, exist_ok=True)
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with spec.log_path.open("ab") as log:
+        started = time.monotonic()
+        try:
+            process = subprocess.Popen(  # noqa: S603 - no shell; the task's own argv
+                [str(spec.executable), *spec.args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=spec.workdir,
+                env=child_env(spec),
+                start_new_session=True,
+                preexec_fn=_limits(spec),
+            )
+        except OSError as exc:
+            log.write(f"cairn: cannot start {spec.executable}: {exc}\n".encode())
+            raise SpawnError(f"cannot start {spec.executable}: {exc.strerror or exc}") from exc
+    return RunningAttempt(spec, process, started)
+
+
+async def run_attempt(spec: AttemptSpec) -> AttemptResult:
+    """Run the attempt to its end. A process that cannot start is a ``failed`` result.
+
+    Cancelling this kills the process group, then re-raises ``CancelledError``.
+    """
+    try:
+        running = await start_attempt(spec)
+    except SpawnError as exc:
+        now = datetime.now(UTC)
+        return AttemptResult(
+            "failed", None, None, None, None, now, now, 0.0, str(exc), read_tail(spec.log_path)
+        )
+    try:
+        return await running.wait()
+    except asyncio.CancelledError:
+        running.kill()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.wait()
+        raise
+
+
+def child_env(spec: AttemptSpec) -> dict[str, str]:
+    """The child's whole environment."""
+    env = {"PATH": BASE_PATH, "HOME": str(spec.workdir), "LANG": "C.UTF-8"}
+    env.update(spec.env)
+    env.update(
+        CAIRN_TASK_ID=str(spec.task_id),
+        CAIRN_ATTEMPT_ID=str(spec.attempt_id),
+        CAIRN_ATTEMPT_NUMBER=str(spec.attempt_number),
+        CAIRN_INPUT_PATH=spec.input_path or "",
+        CAIRN_OUTPUT_PATH=spec.output_path or "",
+    )
+    return env
+
+
+def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
+    """The last ``size`` bytes of a log, decoded; a character cut in two is dropped."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            tail = f.read()
+    except FileNotFoundError:
+        return ""
+    cut = 0
+    while cut < min(3, len(tail)) and 0x80 <= tail[cut] < 0xC0:
+        cut += 1
+    return tail[cut:].decode("utf-8", errors="replace")
+
+
+def _limits(spec: AttemptSpec) -> Callable[[], None] | None:
+    """What the child runs between fork and exec: only a prepared ``setrlimit`` call."""
+    if spec.memory_mb is None:
+        return None
+    limit = spec.memory_mb * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    pair = (limit, limit)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, pair)
+
+    return apply
+
+
+def _watch_exit(pid: int) -> asyncio.Future[_Exit]:
+    """A future of the child's wait status and rusage, settled the moment it exits."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_Exit] = loop.create_future()
+
+    def settle(reaped: _Exit | BaseException) -> None:
+        if future.done():
+            return
+        if isinstance(reaped, BaseException):
+            future.set_exception(reaped)
+        else:
+            future.set_result(reaped)
+
+    def in_thread() -> None:
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            reaped = _reap(pid, 0)
+            outcome: _Exit | BaseException = reaped or ChildProcessError(pid)
+        except ChildProcessError as exc:
+            outcome = exc
+        loop.call_soon_threadsafe(settle, outcome)
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        threading.Thread(target=in_thread, name=f"wait-{pid}", daemon=True).start()
+        return future
+
+    def readable() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        try:
+            reaped = _reap(pid, os.WNOHANG)
+        except ChildProcessError as exc:
+            settle(exc)
+            return
+        if reaped is None:  # exited, not yet waitable (a thread outlived the leader)
+            threading.Thread(target=in_thread, name=f"wait-{pid}", daemon=True).start()
+        else:
+            settle(reaped)
+
+    loop.add_reader(pidfd, readable)
+    return future
+
+
+def _reap(pid: int, options: int) -> _Exit | None:
+    """Kill what the exited leader left in its group, then reap the leader.
+
+    While the leader is an unreaped zombie its pid, the group id, cannot be reused, so
+    the group signal reaches only the attempt's own processes.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    reaped_pid, status, usage = os.wait4(pid, options)
+    return (status, usage) if reaped_pid == pid else None

@@ -1,0 +1,235 @@
+"""The dispatch API driven over real HTTP by a scripted worker (the agent comes later):
+claims, fenced reports, retries, poison pills, heartbeats, the reaper, drain."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import Core, spec, start_core, wait_for
+
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=TIMEOUT_S)
+    yield server
+    server.stop()
+
+
+_OPEN: list[httpx.Client] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_agents() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+class Agent:
+    """A worker as core sees it: register, claim, beat, report."""
+
+    def __init__(self, core: Core, name: str = "w1", cpu: float = 8, queues=("default",)):
+        self.http = core.client(name, "worker")
+        _OPEN.append(self.http)
+        offer = {"hostname": f"{name}.test", "queues": list(queues), "cpu": cpu, "memory_mb": 16384}
+        answer = self.http.post("/v1/workers", json=offer)
+        assert answer.status_code == 201, answer.text
+        self.id = answer.json()["worker"]["id"]
+        self.cpu = cpu
+
+    def claim(self, most: int = 16, cpu: float | None = None, wait: float = 0) -> list[dict]:
+        room = {
+            "cpu": self.cpu if cpu is None else cpu,
+            "memory_mb": 16384,
+            "max": most,
+            "wait": wait,
+        }
+        answer = self.http.post(f"/v1/workers/{self.id}/claim", json=room)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["attempts"]
+
+    def report(self, attempt: int, outcome: str = "succeeded", **extra) -> httpx.Response:
+        return self.http.post(
+            f"/v1/workers/{self.id}/attempts/{attempt}/report", json={"outcome": outcome, **extra}
+        )
+
+    def beat(self, alive: list[int]) -> dict:
+        return self.http.post(f"/v1/workers/{self.id}/heartbeat", json={"attempts": alive}).json()
+
+
+def test_claim_takes_priority_then_age_and_a_report_finishes_the_task(core: Core, db) -> None:
+    with core.client() as alice:
+        low = alice.post("/v1/tasks", json=spec(priority=0)).json()
+        high = alice.post("/v1/tasks", json=spec(priority=5, args=["x y"])).json()
+    agent = Agent(core)
+    first, second = agent.claim()
+    assert [first["task_id"], second["task_id"]] == [high["id"], low["id"]]
+    assert first["args"] == ["x y"] and first["attempt_number"] == 1
+    done = agent.report(first["attempt_id"], exit_code=0, cpu_seconds=0.5, peak_memory_mb=12)
+    assert done.json() == {"task_id": high["id"], "state": "succeeded"}
+    row = db.execute(
+        "SELECT outcome, exit_code, cpu_seconds, worker_id FROM core.attempts WHERE id = %s",
+        (first["attempt_id"],),
+    ).fetchone()
+    assert row == ("succeeded", 0, 0.5, agent.id)
+    with core.client() as alice:
+        events = alice.get(f"/v1/tasks/{high['id']}/events").json()["items"]
+    assert [(e["op"], e["attempt_id"]) for e in events] == [
+        ("submit", None),
+        ("claim", first["attempt_id"]),
+        ("succeed", first["attempt_id"]),
+    ]
+
+
+def test_claims_fit_the_room_the_worker_reports(core: Core) -> None:
+    with core.client() as alice:
+        for _ in range(3):
+            alice.post("/v1/tasks", json=spec(resources={"cpu": 1.5, "memory_mb": 100}))
+    agent = Agent(core, cpu=2)
+    assert len(agent.claim(cpu=2)) == 1
+    assert len(agent.claim(cpu=1)) == 0
+    assert len(agent.claim(cpu=3.5)) == 2
+
+
+def test_two_workers_never_share_an_attempt(core: Core, db) -> None:
+    with core.client() as alice:
+        alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(200)]})
+    agents = [Agent(core, f"w{i}") for i in range(4)]
+    taken: list[int] = []
+    lock = threading.Lock()
+
+    def drain(agent: Agent) -> None:
+        while batch := agent.claim(most=7):
+            with lock:
+                taken.extend(a["task_id"] for a in batch)
+
+    threads = [threading.Thread(target=drain, args=(a,)) for a in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(taken) == len(set(taken)) == 200
+    assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (200,)
+
+
+def test_a_failure_is_retried_after_the_sidekiq_backoff_then_buried(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec(retry={"max_attempts": 2})).json()
+    agent = Agent(core)
+    [attempt] = agent.claim()
+    assert (
+        agent.report(attempt["attempt_id"], "failed", exit_code=3, error="exited 3").json()["state"]
+        == "failed"
+    )
+    delay = db.execute(
+        "SELECT EXTRACT(EPOCH FROM run_at - updated_at) FROM core.tasks WHERE id = %s",
+        (task["id"],),
+    ).fetchone()[0]
+    assert 15 <= float(delay) <= 24  # 0**4 + 15 + rand(10) * 1
+    db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
+    [again] = agent.claim(wait=5)
+    assert again["attempt_number"] == 2
+    final = agent.report(again["attempt_id"], "failed", exit_code=1).json()
+    assert final["state"] == "dead"
+    last_error = db.execute("SELECT last_error FROM core.tasks").fetchone()[0]
+    assert last_error == "attempt failed"
+
+
+def test_not_retryable_is_dead_at_once(core: Core) -> None:
+    with core.client() as alice:
+        alice.post("/v1/tasks", json=spec())
+    agent = Agent(core)
+    [attempt] = agent.claim()
+    answer = agent.report(attempt["attempt_id"], "failed", retryable=False, error="sha256 mismatch")
+    assert answer.json()["state"] == "dead"
+
+
+def test_a_stale_attempts_late_report_is_refused_and_changes_nothing(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec()).json()
+    cut_off = Agent(core, "w1")
+    [old] = cut_off.claim()
+    # The worker is cut off: no heartbeat; the reaper declares it dead.
+    wait_for(lambda: db.execute("SELECT state FROM core.tasks").fetchone()[0] == "failed", 10)
+    db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
+    healthy = Agent(core, "w2")
+    [new] = healthy.claim(wait=5)
+    late = cut_off.report(old["attempt_id"], "succeeded", exit_code=0)
+    assert late.status_code == 409
+    assert late.json()["type"].endswith("/stale-attempt")
+    assert db.execute("SELECT state, current_attempt_id FROM core.tasks").fetchone() == (
+        "running",
+        new["attempt_id"],
+    )
+    assert healthy.report(new["attempt_id"], "succeeded").json()["state"] == "succeeded"
+    outcomes = db.execute("SELECT outcome FROM core.attempts ORDER BY id").fetchall()
+    assert outcomes == [("lost",), ("succeeded",)]
+
+
+def test_lost_three_times_is_a_poison_pill(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec(retry={"max_attempts": 10})).json()
+    agent = Agent(core)
+    for _ in range(3):
+        db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
+        agent.claim(wait=5)
+        db.execute("UPDATE core.attempts SET started_at = now() - interval '1 min'")
+        assert agent.beat([])["state"] == "live"  # the process is not among the living
+    state, error = db.execute("SELECT state, last_error FROM core.tasks").fetchone()
+    assert state == "dead"
+    with core.client() as alice:
+        events = alice.get(f"/v1/tasks/{task['id']}/events").json()["items"]
+    assert events[-1]["reason"] == "poison pill: lost 3 times"
+    assert "heartbeat" in error
+
+
+def test_cancelling_a_running_task_tells_its_worker_to_stop(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec()).json()
+        agent = Agent(core)
+        [attempt] = agent.claim()
+        assert agent.beat([attempt["attempt_id"]])["stop"] == []
+        alice.post(f"/v1/tasks/{task['id']}/cancel")
+    assert agent.beat([attempt["attempt_id"]])["stop"] == [attempt["attempt_id"]]
+    assert agent.report(attempt["attempt_id"], "failed").status_code == 409
+    assert db.execute("SELECT outcome FROM core.attempts").fetchone() == ("cancelled",)
+
+
+def test_drained_workers_get_no_work_and_hand_back_without_spending(core: Core, db) -> None:
+    with core.client() as alice:
+        alice.post("/v1/tasks", json=spec())
+        alice.post("/v1/tasks", json=spec())
+    agent = Agent(core)
+    [attempt] = agent.claim(most=1)
+    with core.client("root", "admin") as admin:
+        assert admin.post(f"/v1/workers/{agent.id}/drain").json()["state"] == "draining"
+        workers = admin.get("/v1/workers").json()["items"]
+    assert workers[0]["running"] == 1 and workers[0]["used_cpu"] == 1.0
+    assert agent.claim() == []
+    back = agent.report(attempt["attempt_id"], "handed_back", error="drained")
+    assert back.json()["state"] == "waiting"
+    assert db.execute(
+        "SELECT attempts FROM core.tasks WHERE id = %s", (attempt["task_id"],)
+    ).fetchone() == (0,)
+
+
+def test_a_worker_is_reached_only_by_its_own_principal(core: Core) -> None:
+    mine = Agent(core, "w1")
+    with core.client("w2", "worker") as other, core.client("bob") as user:
+        assert (
+            other.post(f"/v1/workers/{mine.id}/claim", json={"cpu": 1, "memory_mb": 1}).status_code
+            == 404
+        )
+        assert (
+            user.post(
+                "/v1/workers", json={"hostname": "h", "queues": ["q"], "cpu": 1, "memory_mb": 1}
+            ).status_code
+            == 403
+        )
