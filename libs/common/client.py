@@ -14,19 +14,29 @@ import httpx
 
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
+    Assignment,
     Attempt,
     AttemptList,
     BatchItem,
     BatchResult,
+    ClaimAnswer,
+    ClaimRequest,
     Event,
     EventList,
     EventPage,
+    Heartbeat,
+    HeartbeatAnswer,
     QueueInfo,
     QueueList,
+    Report,
+    ReportAnswer,
     Task,
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    Worker,
+    WorkerRegister,
+    WorkerRegistered,
 )
 from libs.common.states import TaskState
 
@@ -147,6 +157,36 @@ class CoreClient:
         timeout = httpx.Timeout(5.0 + wait, connect=2.0)
         response = await self._call("GET", "/v1/events", params=params, timeout=timeout)
         return EventPage.model_validate_json(response.content)
+
+    # --- the worker agent's calls ---
+
+    async def register_worker(self, offer: WorkerRegister) -> WorkerRegistered:
+        response = await self._call("POST", "/v1/workers", content=offer.model_dump_json())
+        return WorkerRegistered.model_validate_json(response.content)
+
+    async def heartbeat(self, worker_id: int, alive: Sequence[int]) -> HeartbeatAnswer:
+        body = Heartbeat(attempts=list(alive)).model_dump_json()
+        response = await self._call("POST", f"/v1/workers/{worker_id}/heartbeat", content=body)
+        return HeartbeatAnswer.model_validate_json(response.content)
+
+    async def claim(self, worker_id: int, room: ClaimRequest) -> list[Assignment]:
+        timeout = httpx.Timeout(5.0 + room.wait, connect=2.0)
+        response = await self._call(
+            "POST",
+            f"/v1/workers/{worker_id}/claim",
+            content=room.model_dump_json(),
+            timeout=timeout,
+        )
+        return ClaimAnswer.model_validate_json(response.content).attempts
+
+    async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
+        path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"
+        response = await self._call("POST", path, content=outcome.model_dump_json())
+        return ReportAnswer.model_validate_json(response.content)
+
+    async def leave(self, worker_id: int) -> Worker:
+        response = await self._call("POST", f"/v1/workers/{worker_id}/leave")
+        return Worker.model_validate_json(response.content)
 
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")

@@ -47,6 +47,8 @@ class CairnSettings(BaseSettings):
     worker_queues: str = "default"
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
     worker_memory_mb: int = Field(default_factory=lambda: _host_memory_mb(), gt=0)
+    worker_drain_grace_s: float = Field(default=60.0, ge=0)
+    worker_slots: int = Field(default=64, ge=1, le=4096)
     log_level: str = "info"
 
     @field_validator("database_url")

@@ -128,6 +128,8 @@ class RunningAttempt:
 
     def kill(self) -> None:
         """SIGKILL the process group now."""
+        if self._exit.done():
+            return
         self._stopped = self._stopped or "cancelled"
         self._signal(signal.SIGKILL)
 

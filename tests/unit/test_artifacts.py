@@ -1,0 +1,331 @@
+"""The artifact cache (``services.core.worker.artifacts``): content-addressed, verified
+before it is visible, over file://, http(s):// (a real server on 127.0.0.1 and
+``httpx.MockTransport``) and s3:// (a moto server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from services.core.worker.artifacts import ArtifactCache, ArtifactError
+from services.core.worker.executor import AttemptSpec, run_attempt
+
+T = TypeVar("T")
+TOOL = b"#!/bin/sh\necho fetched and run\n"
+TOOL_SHA = hashlib.sha256(TOOL).hexdigest()
+WRONG_SHA = hashlib.sha256(b"something else").hexdigest()
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def _source(tmp_path: Path, body: bytes = TOOL) -> tuple[Path, str]:
+    path = tmp_path / "src" / "tool.sh"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(body)
+    return path, path.as_uri()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+class _Server:
+    """A plain HTTP server on 127.0.0.1 that serves ``routes`` and counts the GETs."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, bytes]] = {}
+        self.hits: dict[str, int] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server.hits[self.path] = server.hits.get(self.path, 0) + 1
+                status, body = server.routes.get(self.path, (404, b"not found"))
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    srv = _Server()
+    thread = threading.Thread(target=srv.httpd.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    yield srv
+    srv.httpd.shutdown()
+    srv.httpd.server_close()
+    thread.join()
+
+
+def test_file_artifact_is_stored_by_digest_and_executable(tmp_path: Path) -> None:
+    _, uri = _source(tmp_path)
+    cache = ArtifactCache(tmp_path / "cache")
+
+    path = _run(cache.fetch(uri, TOOL_SHA.upper()))
+
+    assert path == tmp_path / "cache" / TOOL_SHA[:2] / TOOL_SHA
+    assert path.read_bytes() == TOOL
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert _files(tmp_path / "cache") == [path]
+
+
+def test_digest_mismatch_is_not_retryable_and_leaves_nothing_runnable(tmp_path: Path) -> None:
+    _, uri = _source(tmp_path)
+    cache = ArtifactCache(tmp_path / "cache")
+
+    with pytest.raises(ArtifactError) as caught:
+        _run(cache.fetch(uri, WRONG_SHA))
+
+    assert caught.value.retryable is False
+    assert str(caught.value).startswith(f"sha256 mismatch: expected {WRONG_SHA}, got {TOOL_SHA}")
+    assert _files(tmp_path / "cache") == []
+
+
+def test_only_a_verified_artifact_is_run(tmp_path: Path) -> None:
+    _, uri = _source(tmp_path)
+    cache = ArtifactCache(tmp_path / "cache")
+
+    async def fetch_then_run() -> str:
+        executable = await cache.fetch(uri, TOOL_SHA)
+        spec = AttemptSpec(executable, tmp_path / "w", tmp_path / "a.log", 1, 1, 1)
+        return (await run_attempt(spec)).log_tail
+
+    assert _run(fetch_then_run()) == "fetched and run\n"
+
+
+def test_a_second_fetch_reuses_the_cached_copy(tmp_path: Path) -> None:
+    source, uri = _source(tmp_path)
+    cache = ArtifactCache(tmp_path / "cache")
+    first = _run(cache.fetch(uri, TOOL_SHA))
+    inode = first.stat().st_ino
+    source.unlink()
+
+    again = _run(cache.fetch(uri, TOOL_SHA))
+    after_restart = _run(ArtifactCache(tmp_path / "cache").fetch(uri, TOOL_SHA))
+
+    assert again == after_restart == first
+    assert first.stat().st_ino == inode
+
+
+def test_a_corrupted_cache_entry_is_fetched_again(tmp_path: Path) -> None:
+    _, uri = _source(tmp_path)
+    path = _run(ArtifactCache(tmp_path / "cache").fetch(uri, TOOL_SHA))
+    path.write_bytes(b"#!/bin/sh\nrm -rf /\n")
+
+    again = _run(ArtifactCache(tmp_path / "cache").fetch(uri, TOOL_SHA))
+
+    assert again.read_bytes() == TOOL
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("file:///nonexistent/tool", "no such file: /nonexistent/tool"),
+        ("ftp://example.com/tool", "unsupported artifact scheme 'ftp'"),
+        ("http://127.0.0.1:9/tool", "http:// only with allow_insecure_http"),
+        ("s3://bucket-only", "not an s3://bucket/key URI"),
+    ],
+)
+def test_unusable_uris_are_not_retryable(tmp_path: Path, uri: str, message: str) -> None:
+    with pytest.raises(ArtifactError, match=message) as caught:
+        _run(ArtifactCache(tmp_path / "cache").fetch(uri, TOOL_SHA))
+
+    assert caught.value.retryable is False
+
+
+def test_a_malformed_digest_is_refused(tmp_path: Path) -> None:
+    _, uri = _source(tmp_path)
+
+    with pytest.raises(ArtifactError, match="not a sha256 digest"):
+        _run(ArtifactCache(tmp_path / "cache").fetch(uri, "../../etc/passwd"))
+
+
+def test_http_download_with_allow_insecure_http(tmp_path: Path, server: _Server) -> None:
+    server.routes["/tool"] = (200, TOOL)
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    path = _run(cache.fetch(f"{server.base}/tool", TOOL_SHA))
+
+    assert path.read_bytes() == TOOL
+
+
+@pytest.mark.parametrize(("status", "retryable"), [(404, False), (403, False), (503, True)])
+def test_http_errors_say_whether_to_retry(
+    tmp_path: Path, server: _Server, status: int, retryable: bool
+) -> None:
+    server.routes["/tool"] = (status, b"no")
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    with pytest.raises(ArtifactError, match=f"HTTP {status}") as caught:
+        _run(cache.fetch(f"{server.base}/tool", TOOL_SHA))
+
+    assert caught.value.retryable is retryable
+    assert _files(tmp_path / "cache") == []
+
+
+def test_an_unreachable_server_is_retryable(tmp_path: Path, server: _Server) -> None:
+    base = server.base
+    server.httpd.shutdown()
+    server.httpd.server_close()
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    with pytest.raises(ArtifactError, match="ConnectError") as caught:
+        _run(cache.fetch(f"{base}/tool", TOOL_SHA))
+
+    assert caught.value.retryable is True
+
+
+def test_artifacts_over_the_size_cap_are_refused(tmp_path: Path, server: _Server) -> None:
+    server.routes["/tool"] = (200, TOOL)
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True, max_bytes=10)
+
+    with pytest.raises(ArtifactError, match="larger than the 10 byte limit") as caught:
+        _run(cache.fetch(f"{server.base}/tool", TOOL_SHA))
+
+    assert caught.value.retryable is False
+
+
+def test_the_size_cap_holds_without_a_content_length(tmp_path: Path) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield TOOL[:10]
+        yield TOOL[10:]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=chunks())
+
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=12, transport=httpx.MockTransport(handler))
+
+    with pytest.raises(ArtifactError, match="larger than the 12 byte limit"):
+        _run(cache.fetch("https://artifacts.test/tool", TOOL_SHA))
+    assert _files(tmp_path / "cache") == []
+
+
+def test_https_errors_do_not_show_presigned_query_strings(tmp_path: Path) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(404))
+    cache = ArtifactCache(tmp_path / "cache", transport=transport)
+
+    with pytest.raises(ArtifactError) as caught:
+        _run(cache.fetch("https://artifacts.test/tool?X-Amz-Signature=secret", TOOL_SHA))
+
+    assert caught.value.reason == "GET https://artifacts.test/tool: HTTP 404"
+
+
+def test_concurrent_fetches_of_one_digest_download_once(tmp_path: Path, server: _Server) -> None:
+    server.routes["/tool"] = (200, TOOL)
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    async def many() -> list[Path]:
+        return list(
+            await asyncio.gather(*(cache.fetch(f"{server.base}/tool", TOOL_SHA) for _ in range(10)))
+        )
+
+    paths = _run(many())
+
+    assert len(set(paths)) == 1
+    assert server.hits == {"/tool": 1}
+    assert _files(tmp_path / "cache") == [paths[0]]
+
+
+def test_two_caches_on_one_root_cannot_corrupt_each_other(tmp_path: Path) -> None:
+    body = os.urandom(4 << 20)
+    digest = hashlib.sha256(body).hexdigest()
+    _, uri = _source(tmp_path, body)
+
+    async def race() -> list[Path]:
+        caches = [ArtifactCache(tmp_path / "cache") for _ in range(4)]
+        return list(await asyncio.gather(*(c.fetch(uri, digest) for c in caches)))
+
+    paths = _run(race())
+
+    assert len(set(paths)) == 1
+    assert hashlib.sha256(paths[0].read_bytes()).hexdigest() == digest
+    assert _files(tmp_path / "cache") == [paths[0]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
+        pytest.skip("moto[server] and boto3 are not installed in this environment")
+    port = _free_port()
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert moto.poll() is None, "the moto server exited"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the moto server did not start"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        moto.terminate()
+        moto.wait(timeout=10)
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "CAIRN_S3_ENDPOINT_URL": s3_endpoint,
+    }.items():
+        monkeypatch.setenv(name, value)
+    client = importlib.import_module("boto3").client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="tools")
+    return client
+
+
+def test_s3_artifact_is_downloaded_and_verified(tmp_path: Path, s3: Any) -> None:
+    s3.put_object(Bucket="tools", Key="team/tool v1.sh", Body=TOOL)
+    cache = ArtifactCache(tmp_path / "cache")
+
+    path = _run(cache.fetch("s3://tools/team/tool v1.sh", TOOL_SHA))
+
+    assert path.read_bytes() == TOOL
+    with pytest.raises(ArtifactError, match="sha256 mismatch") as caught:
+        _run(cache.fetch("s3://tools/team/tool v1.sh", WRONG_SHA))
+    assert caught.value.retryable is False
+
+
+def test_a_missing_s3_object_is_not_retryable(tmp_path: Path, s3: Any) -> None:
+    with pytest.raises(ArtifactError, match="NoSuchKey") as caught:
+        _run(ArtifactCache(tmp_path / "cache").fetch("s3://tools/absent", TOOL_SHA))
+
+    assert caught.value.retryable is False
