@@ -185,7 +185,7 @@ class Attempt(_Output):
     id: int
     task_id: int
     number: int
-    worker_id: str | None
+    worker_id: int | None
     outcome: str | None
     started_at: datetime
     ended_at: datetime | None
@@ -336,9 +336,11 @@ class ClaimAnswer(_Output):
 
 class Report(_Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
-    does not spend an attempt. ``retryable: false`` makes a failure final."""
+    does not spend an attempt. ``crashed``: the process died of a signal the worker did not
+    send; it counts towards the poison-pill limit. ``retryable: false`` makes a failure
+    final."""
 
-    outcome: Literal["succeeded", "failed", "timeout", "handed_back"]
+    outcome: Literal["succeeded", "failed", "timeout", "crashed", "handed_back"]
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     error: Annotated[str, StringConstraints(max_length=4096)] | None = None
     retryable: bool = True

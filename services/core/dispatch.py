@@ -315,8 +315,9 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
         )
         return S.WAITING
     message = error or f"attempt {outcome.outcome}"
+    crashed = outcome.outcome == "crashed"
     return await _after_failure(
-        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=False
+        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=crashed
     )
 
 

@@ -221,7 +221,7 @@ attempts = Table(
     Column("log_tail", Text),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
-        "outcome IN ('cancelled', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')",
+        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')",
         name="outcome",
     ),
     Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),

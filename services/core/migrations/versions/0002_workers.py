@@ -40,7 +40,7 @@ ALTER TABLE core.attempts ALTER COLUMN worker_id TYPE BIGINT USING worker_id::bi
 ALTER TABLE core.attempts ADD CONSTRAINT fk_attempts_worker_id_workers
     FOREIGN KEY (worker_id) REFERENCES core.workers (id) ON DELETE SET NULL;
 ALTER TABLE core.attempts ADD CONSTRAINT ck_attempts_outcome CHECK (
-    outcome IN ('cancelled', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')
+    outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')
 );
 CREATE INDEX ix_attempts_open_by_worker ON core.attempts (worker_id) WHERE outcome IS NULL;
 """

@@ -1,0 +1,3 @@
+from services.core.worker.agent import main
+
+main()

@@ -1,0 +1,255 @@
+"""The worker agent (``cairn worker``): registers the host's capacity with core, claims
+attempts that fit the room it has, runs each in its own process group and reports how it
+ended. Its sidecar heartbeats. SIGTERM drains it: no new work, running attempts get the
+grace period, then the rest are handed back without spending an attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from libs.common.client import CoreClient
+from libs.common.errors import CairnError, Conflict, NotFound
+from libs.common.models import Assignment, ClaimRequest, Report, WorkerRegister
+from libs.common.settings import CairnSettings
+from services.core.worker import state
+from services.core.worker.artifacts import ArtifactCache, ArtifactError
+from services.core.worker.executor import (
+    AttemptResult,
+    AttemptSpec,
+    RunningAttempt,
+    SpawnError,
+    start_attempt,
+)
+
+log = logging.getLogger("cairn.worker")
+
+CLAIM_WAIT_S = 1.0
+REPORT_PATIENCE_S = 300.0
+
+
+def report_of(result: AttemptResult) -> Report | None:
+    """What to tell core about a finished process; None when core already knows (the
+    attempt was cancelled there)."""
+    usage = {
+        "exit_code": result.exit_code,
+        "error": result.error,
+        "peak_memory_mb": result.peak_memory_mb,
+        "cpu_seconds": result.cpu_seconds,
+        "log_tail": result.log_tail,
+    }
+    if result.outcome == "killed" and result.stopped == "cancelled":
+        return None
+    if result.outcome == "killed" and result.stopped == "terminated":
+        return Report(outcome="handed_back", **usage)
+    if result.outcome == "killed":
+        return Report(outcome="crashed", **usage)
+    return Report(outcome=result.outcome, **usage)
+
+
+class Agent:
+    def __init__(self, settings: CairnSettings, client: CoreClient) -> None:
+        self.settings = settings
+        self.client = client
+        self.cache = ArtifactCache(settings.home / "artifacts")
+        self.worker_id = 0
+        self.folder = settings.home
+        self.draining = asyncio.Event()
+        self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sidecar: subprocess.Popen[bytes] | None = None
+
+    # --- lifecycle ---
+
+    async def run(self) -> None:
+        offer = WorkerRegister(
+            hostname=socket.gethostname()[:200] or "worker",
+            queues=self.settings.queues,
+            cpu=self.settings.worker_cpu,
+            memory_mb=self.settings.worker_memory_mb,
+        )
+        registered = await self.client.register_worker(offer)
+        self.worker_id = registered.worker.id
+        self.folder = self.settings.home / "workers" / str(self.worker_id)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._publish()
+        self.sidecar = self._start_sidecar(registered.heartbeat_interval_s)
+        log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.draining.set)
+        try:
+            await self._work()
+            await self._drain()
+        finally:
+            await self._stop_sidecar()
+            with contextlib.suppress(httpx.HTTPError, CairnError):
+                await self.client.leave(self.worker_id)
+
+    def _start_sidecar(self, interval_s: float) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(  # noqa: S603 - our own module, no shell
+            [
+                sys.executable,
+                "-m",
+                "services.core.worker.sidecar",
+                str(self.folder),
+                str(self.worker_id),
+                str(interval_s),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+
+    async def _stop_sidecar(self) -> None:
+        if self.sidecar is not None and self.sidecar.poll() is None:
+            self.sidecar.terminate()
+            await asyncio.to_thread(self.sidecar.wait, 10)
+
+    async def _work(self) -> None:
+        while not self.draining.is_set():
+            self._obey_core()
+            if self.draining.is_set():
+                break
+            cpu, memory_mb, slots = self._room()
+            if slots == 0 or cpu <= 0 or memory_mb <= 0:
+                await self._pause(0.2)
+                continue
+            room = ClaimRequest(cpu=cpu, memory_mb=memory_mb, max=min(slots, 64), wait=CLAIM_WAIT_S)
+            try:
+                leased = await self.client.claim(self.worker_id, room)
+            except (httpx.TransportError, CairnError) as exc:
+                log.warning("claim failed: %s", exc)
+                await self._pause(1.0)
+                continue
+            for assignment in leased:
+                self.running[assignment.attempt_id] = (assignment, None)
+                task = asyncio.create_task(self._attempt(assignment))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.draining.wait(), seconds)
+
+    async def _drain(self) -> None:
+        grace = self.settings.worker_drain_grace_s
+        log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=grace)
+        for _, handle in list(self.running.values()):
+            if handle is not None:
+                await handle.terminate(grace_s=5.0)
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=30)
+
+    # --- what core says through the sidecar ---
+
+    def _obey_core(self) -> None:
+        answer = state.read(self.folder / state.ANSWER)
+        if answer.get("state") in ("draining", "dead", "left"):
+            self.draining.set()
+        for attempt_id in answer.get("stop", []):
+            entry = self.running.get(int(attempt_id))
+            if entry and entry[1] is not None:
+                log.info("attempt %s stopped at core's request", attempt_id)
+                entry[1].kill()
+
+    def _room(self) -> tuple[float, int, int]:
+        cpu = self.settings.worker_cpu - sum(a.resources.cpu for a, _ in self.running.values())
+        memory = self.settings.worker_memory_mb - sum(
+            a.resources.memory_mb for a, _ in self.running.values()
+        )
+        return cpu, memory, self.settings.worker_slots - len(self.running)
+
+    def _publish(self) -> None:
+        pids = {str(a): h.pid for a, (_, h) in self.running.items() if h is not None}
+        state.write(self.folder / state.ATTEMPTS, {"agent_pid": os.getpid(), "attempts": pids})
+
+    # --- one attempt ---
+
+    async def _attempt(self, assignment: Assignment) -> None:
+        attempt = assignment.attempt_id
+        try:
+            report = await self._execute(assignment)
+            if report is not None:
+                await self._report(attempt, report)
+        except Exception:
+            log.exception("attempt %s failed inside the agent", attempt)
+            await self._report(attempt, Report(outcome="failed", error="the agent failed"))
+        finally:
+            self.running.pop(attempt, None)
+            self._publish()
+
+    async def _execute(self, assignment: Assignment) -> Report | None:
+        try:
+            executable = await self.cache.fetch(assignment.artifact.uri, assignment.artifact.sha256)
+        except ArtifactError as exc:
+            return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
+        root = self.settings.home / "attempts" / str(assignment.attempt_id)
+        spec = AttemptSpec(
+            executable=executable,
+            workdir=root / "work",
+            log_path=root / "log",
+            task_id=assignment.task_id,
+            attempt_id=assignment.attempt_id,
+            attempt_number=assignment.attempt_number,
+            args=assignment.args,
+            env=assignment.env,
+            input_path=assignment.input_path,
+            output_path=assignment.output_path,
+            timeout_s=assignment.timeout_s,
+            memory_mb=assignment.resources.memory_mb,
+            cpu=assignment.resources.cpu,
+        )
+        try:
+            handle = await start_attempt(spec)
+        except SpawnError as exc:
+            return Report(outcome="failed", error=str(exc), retryable=False)
+        self.running[assignment.attempt_id] = (assignment, handle)
+        self._publish()
+        return report_of(await handle.wait())
+
+    async def _report(self, attempt_id: int, report: Report) -> None:
+        """Deliver the report; retry through outages; a refusal (stale, gone) is final."""
+        deadline = asyncio.get_running_loop().time() + REPORT_PATIENCE_S
+        delay = 0.2
+        while True:
+            try:
+                await self.client.report(self.worker_id, attempt_id, report)
+                return
+            except (Conflict, NotFound) as exc:
+                log.warning("report of attempt %s refused: %s", attempt_id, exc)
+                return
+            except (httpx.TransportError, CairnError) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    log.error("gave up reporting attempt %s: %s", attempt_id, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    del argv
+    settings = CairnSettings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s worker %(message)s")
+    if not settings.token:
+        sys.exit(
+            "cairn worker: CAIRN_TOKEN must hold a worker token (cairn token create NAME --role worker)"
+        )
+
+    async def run() -> None:
+        async with CoreClient(settings.url, settings.token) as client:
+            await Agent(settings, client).run()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

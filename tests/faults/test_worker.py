@@ -1,0 +1,166 @@
+"""Real worker agents (``python -m services.core.worker``) against a real core: attempts
+run, are killed, lose their worker, and the database says what happened."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import Core, make_token, start_core, stop_process, wait_for
+
+pytestmark = pytest.mark.slow
+
+SH = Path("/bin/sh")
+SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(
+        db_url, tmp_path / "core", heartbeat_interval_s=0.2, heartbeat_timeout_s=TIMEOUT_S
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def workers(core: Core, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        stop_process(proc, signal.SIGKILL)
+
+
+def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subprocess.Popen[bytes]:
+    token = make_token(core.db_url, name, "worker")
+    env = {
+        **os.environ,
+        "CAIRN_URL": core.url,
+        "CAIRN_TOKEN": token,
+        "CAIRN_HOME": str(home),
+        "CAIRN_WORKER_CPU": "4",
+        "CAIRN_WORKER_MEMORY_MB": "8192",
+        "CAIRN_WORKER_DRAIN_GRACE_S": "5",
+        "CAIRN_LOG_LEVEL": "warning",
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=env)
+    started.append(proc)
+    return proc
+
+
+def shell(script: str, **extra) -> dict:
+    body = {
+        "name": "sh",
+        "artifact": {"uri": f"file://{SH}", "sha256": SH_SHA},
+        "args": ["-c", script],
+        "retry": {"max_attempts": 5, "base_s": 0.1, "jitter": False},
+    }
+    body.update(extra)
+    return body
+
+
+def _state(alice, task_id: int) -> str:
+    return alice.get(f"/v1/tasks/{task_id}").json()["state"]
+
+
+def test_a_task_runs_with_its_identity_and_its_log_tail_is_kept(core, workers, tmp_path, db):
+    start_worker(core, tmp_path / "w1", workers)
+    with core.client() as alice:
+        task = alice.post(
+            "/v1/tasks",
+            json=shell(
+                'echo "task=$CAIRN_TASK_ID attempt=$CAIRN_ATTEMPT_NUMBER in=$CAIRN_INPUT_PATH"',
+                input_path="/data/in",
+            ),
+        ).json()
+        wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=30)
+        [attempt] = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+    assert attempt["outcome"] == "succeeded" and attempt["exit_code"] == 0
+    assert f"task={task['id']} attempt=1 in=/data/in" in attempt["log_tail"]
+    assert attempt["cpu_seconds"] is not None
+
+
+def test_a_digest_mismatch_fails_before_anything_runs(core, workers, tmp_path):
+    start_worker(core, tmp_path / "w1", workers)
+    marker = tmp_path / "ran"
+    with core.client() as alice:
+        body = shell(f"touch {marker}")
+        body["artifact"]["sha256"] = "0" * 64
+        task = alice.post("/v1/tasks", json=body).json()
+        wait_for(lambda: _state(alice, task["id"]) == "dead", timeout=30)
+        final = alice.get(f"/v1/tasks/{task['id']}").json()
+    assert "sha256 mismatch" in final["last_error"]
+    assert not marker.exists()
+
+
+def test_a_timeout_kills_the_attempt_and_it_is_retried(core, workers, tmp_path):
+    start_worker(core, tmp_path / "w1", workers)
+    with core.client() as alice:
+        task = alice.post(
+            "/v1/tasks",
+            json=shell("sleep 30", timeout_s=1, retry={"max_attempts": 2, "base_s": 0.1}),
+        ).json()
+        wait_for(lambda: _state(alice, task["id"]) == "dead", timeout=40)
+        attempts = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+    assert [a["outcome"] for a in attempts] == ["timeout", "timeout"]
+
+
+def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, workers, tmp_path, db):
+    first = start_worker(core, tmp_path / "w1", workers, "w1")
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=shell("sleep 3")).json()
+        wait_for(lambda: _state(alice, task["id"]) == "running", timeout=30)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        start_worker(core, tmp_path / "w2", workers, "w2")
+        wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=60)
+    rows = db.execute(
+        "SELECT a.outcome, w.principal FROM core.attempts a JOIN core.workers w ON w.id = a.worker_id"
+        " ORDER BY a.id"
+    ).fetchall()
+    assert rows == [("lost", "w1"), ("succeeded", "w2")]
+
+
+def test_a_killed_process_is_retried_while_its_agent_lives(core, workers, tmp_path, db):
+    start_worker(core, tmp_path / "w1", workers)
+    flag = tmp_path / "second-time"
+    script = f"if [ -e {flag} ]; then exit 0; fi; touch {flag}; kill -9 $$"
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=shell(script)).json()
+        wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=30)
+    outcomes = db.execute("SELECT outcome FROM core.attempts ORDER BY id").fetchall()
+    assert outcomes == [("crashed",), ("succeeded",)]
+
+
+def test_a_task_that_crashes_every_time_is_a_poison_pill(core, workers, tmp_path):
+    start_worker(core, tmp_path / "w1", workers)
+    with core.client() as alice:
+        task = alice.post(
+            "/v1/tasks", json=shell("kill -9 $$", retry={"max_attempts": 10, "base_s": 0.1})
+        ).json()
+        wait_for(lambda: _state(alice, task["id"]) == "dead", timeout=40)
+        events = alice.get(f"/v1/tasks/{task['id']}/events").json()["items"]
+        attempts = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+    assert events[-1]["reason"] == "poison pill: lost 3 times"
+    assert len(attempts) == 3
+
+
+def test_sigterm_drains_and_hands_back_without_spending_an_attempt(core, workers, tmp_path, db):
+    agent = start_worker(core, tmp_path / "w1", workers)
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=shell("sleep 60")).json()
+        wait_for(lambda: _state(alice, task["id"]) == "running", timeout=30)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=40) == 0
+        final = alice.get(f"/v1/tasks/{task['id']}").json()
+    assert final["state"] == "waiting" and final["attempts"] == 0
+    assert db.execute("SELECT outcome FROM core.attempts").fetchall() == [("handed_back",)]
+    assert db.execute("SELECT state FROM core.workers").fetchall() == [("left",)]
