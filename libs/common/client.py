@@ -184,6 +184,23 @@ class CoreClient:
         response = await self._call("POST", path, content=outcome.model_dump_json())
         return ReportAnswer.model_validate_json(response.content)
 
+    async def upload_log(
+        self, worker_id: int, attempt_id: int, content: bytes, *, truncated: bool
+    ) -> None:
+        path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/log"
+        await self._call(
+            "PUT",
+            path,
+            data=content,
+            params={"truncated": str(truncated).lower()},
+            headers={"Content-Type": "text/plain"},
+        )
+
+    async def log(self, task_id: int, attempt_id: int | None = None) -> str:
+        params = {"attempt_id": attempt_id} if attempt_id else {}
+        response = await self._call("GET", f"/v1/tasks/{task_id}/logs", params=params)
+        return response.text
+
     async def leave(self, worker_id: int) -> Worker:
         response = await self._call("POST", f"/v1/workers/{worker_id}/leave")
         return Worker.model_validate_json(response.content)

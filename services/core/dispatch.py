@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
@@ -18,7 +19,7 @@ from libs.common.states import TaskState
 from services.core import store
 from services.core.domain.retry import Backoff
 from services.core.domain.transitions import Op, sources
-from services.core.tables import attempts, workers
+from services.core.tables import attempt_logs, attempts, workers
 
 S = TaskState
 
@@ -364,6 +365,31 @@ async def heartbeat(
         {"alive": sorted(reported)},
     )
     return [row.id for row in stop]
+
+
+MAX_LOG_BYTES = 4 * 1024 * 1024
+
+
+async def save_log(
+    conn: AsyncConnection, worker_id: int, attempt_id: int, body: bytes, truncated: bool
+) -> None:
+    """Keep an attempt's whole log (its last ``MAX_LOG_BYTES`` if longer)."""
+    owner = (
+        await conn.execute(select(attempts.c.worker_id).where(attempts.c.id == attempt_id))
+    ).first()
+    if owner is None or owner.worker_id != worker_id:
+        raise NotFound(f"attempt {attempt_id} not found")
+    if len(body) > MAX_LOG_BYTES:
+        body, truncated = body[-MAX_LOG_BYTES:], True
+    content = _clean(body.decode("utf-8", errors="replace")) or ""
+    stmt = pg_insert(attempt_logs).values(
+        attempt_id=attempt_id, content=content, truncated=truncated
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[attempt_logs.c.attempt_id],
+        set_={"content": content, "truncated": truncated},
+    )
+    await conn.execute(stmt)
 
 
 async def task_of(conn: AsyncConnection, attempt_id: int) -> int:

@@ -227,6 +227,19 @@ attempts = Table(
     Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),
 )
 
+attempt_logs = Table(
+    "attempt_logs",
+    metadata,
+    Column(
+        "attempt_id",
+        BigInteger,
+        ForeignKey("attempts.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("content", Text, nullable=False),
+    Column("truncated", Boolean, nullable=False, server_default=text("false")),
+)
+
 task_events = Table(
     "task_events",
     metadata,

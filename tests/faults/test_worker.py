@@ -83,6 +83,11 @@ def test_a_task_runs_with_its_identity_and_its_log_tail_is_kept(core, workers, t
         ).json()
         wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=30)
         [attempt] = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+        whole = alice.get(f"/v1/tasks/{task['id']}/logs")
+        with core.client("bob") as bob:
+            assert bob.get(f"/v1/tasks/{task['id']}/logs").status_code == 404
+    assert whole.status_code == 200 and whole.headers["x-cairn-attempt"] == str(attempt["id"])
+    assert whole.text.strip() == f"task={task['id']} attempt=1 in=/data/in"
     assert attempt["outcome"] == "succeeded" and attempt["exit_code"] == 0
     assert f"task={task['id']} attempt=1 in=/data/in" in attempt["log_tail"]
     assert attempt["cpu_seconds"] is not None

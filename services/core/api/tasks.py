@@ -8,6 +8,7 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Query, Response, status
+from fastapi.responses import PlainTextResponse
 
 from libs.common.errors import InvalidInput
 from libs.common.models import (
@@ -192,6 +193,25 @@ async def retry_task(
 async def list_attempts(task: OwnedTask, engine: Engine) -> AttemptList:
     async with engine.connect() as conn:
         return AttemptList(items=await store.list_attempts(conn, task.id))
+
+
+@router.get(
+    "/{task_id}/logs",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}}, **PROBLEMS},
+)
+async def read_log(
+    task: OwnedTask,
+    engine: Engine,
+    attempt_id: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> PlainTextResponse:
+    """The whole log (stdout and stderr) of the task's latest attempt, or of ``attempt_id``.
+    ``X-Cairn-Attempt`` names the attempt; ``X-Cairn-Log-Truncated`` says if only its end
+    was kept."""
+    async with engine.connect() as conn:
+        attempt, content, truncated = await store.read_log(conn, task.id, attempt_id)
+    headers = {"X-Cairn-Attempt": str(attempt), "X-Cairn-Log-Truncated": str(truncated).lower()}
+    return PlainTextResponse(content, headers=headers)
 
 
 @router.get("/{task_id}/events", response_model=EventList, responses=PROBLEMS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Request, status
+from fastapi import APIRouter, Depends, Path, Request, Response, status
 
 from libs.common.models import (
     ClaimAnswer,
@@ -78,7 +78,9 @@ async def heartbeat(
     beat: Heartbeat, worker: OwnWorker, engine: Engine, notifier: Announcer, request: Request
 ) -> HeartbeatAnswer:
     """The sidecar's beat: the worker lives, and these attempts' processes run."""
-    grace = _settings(request).heartbeat_interval_s
+    # An attempt claimed after the sidecar read its list is not in this beat: give every
+    # attempt two beats (and a second) before its absence means its process is gone.
+    grace = 2 * _settings(request).heartbeat_interval_s + 1.0
     async with engine.begin() as conn:
         stop = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
         state = (await dispatch.get_worker(conn, worker.id, None)).state
@@ -123,6 +125,26 @@ async def report(
         task_id = await dispatch.task_of(conn, attempt_id)
     notifier.announce()
     return ReportAnswer(task_id=task_id, state=state)
+
+
+@router.put(
+    "/{worker_id}/attempts/{attempt_id}/log",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses=PROBLEMS,
+    openapi_extra={"requestBody": {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def upload_log(
+    attempt_id: AttemptId,
+    worker: OwnWorker,
+    engine: Engine,
+    request: Request,
+    truncated: bool = False,
+) -> Response:
+    """The attempt's whole log, sent by its worker when the attempt ends."""
+    body = await request.body()
+    async with engine.begin() as conn:
+        await dispatch.save_log(conn, worker.id, attempt_id, body, truncated)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)

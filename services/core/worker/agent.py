@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -33,6 +34,7 @@ from services.core.worker.executor import (
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
+MAX_LOG_BYTES = 4 * 1024 * 1024
 REPORT_PATIENCE_S = 300.0
 
 
@@ -133,6 +135,8 @@ class Agent:
                 task = asyncio.create_task(self._attempt(assignment))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
+            if leased:
+                self._publish()
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -169,7 +173,8 @@ class Agent:
         return cpu, memory, self.settings.worker_slots - len(self.running)
 
     def _publish(self) -> None:
-        pids = {str(a): h.pid for a, (_, h) in self.running.items() if h is not None}
+        # 0: claimed, still being prepared (artifact, workdir); the agent holds it.
+        pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
         state.write(self.folder / state.ATTEMPTS, {"agent_pid": os.getpid(), "attempts": pids})
 
     # --- one attempt ---
@@ -214,7 +219,23 @@ class Agent:
             return Report(outcome="failed", error=str(exc), retryable=False)
         self.running[assignment.attempt_id] = (assignment, handle)
         self._publish()
-        return report_of(await handle.wait())
+        result = await handle.wait()
+        await self._upload_log(assignment.attempt_id, spec.log_path)
+        return report_of(result)
+
+    async def _upload_log(self, attempt_id: int, path: Path) -> None:
+        """Send the whole log (its end, past the limit core keeps); best effort: the
+        report carries the tail anyway."""
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as handle:
+                handle.seek(max(0, size - MAX_LOG_BYTES))
+                content = handle.read()
+            await self.client.upload_log(
+                self.worker_id, attempt_id, content, truncated=size > MAX_LOG_BYTES
+            )
+        except (OSError, httpx.TransportError, CairnError) as exc:
+            log.warning("log of attempt %s not uploaded: %s", attempt_id, exc)
 
     async def _report(self, attempt_id: int, report: Report) -> None:
         """Deliver the report; retry through outages; a refusal (stale, gone) is final."""

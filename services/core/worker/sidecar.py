@@ -23,7 +23,7 @@ log = logging.getLogger("cairn.sidecar")
 
 
 def _orphans_killed(attempts: dict[str, int]) -> None:
-    for pid in attempts.values():
+    for pid in filter(None, attempts.values()):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
@@ -39,7 +39,8 @@ async def beat_forever(folder: Path, worker_id: int, interval_s: float, client: 
             )
             _orphans_killed(attempts)
             return
-        living = [int(a) for a, pid in attempts.items() if state.alive(pid)]
+        # pid 0: claimed and being prepared by the (living) agent.
+        living = [int(a) for a, pid in attempts.items() if pid == 0 or state.alive(pid)]
         try:
             answer = await client.heartbeat(worker_id, living)
             state.write(folder / state.ANSWER, answer.model_dump())

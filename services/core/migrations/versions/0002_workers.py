@@ -43,9 +43,19 @@ ALTER TABLE core.attempts ADD CONSTRAINT ck_attempts_outcome CHECK (
     outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')
 );
 CREATE INDEX ix_attempts_open_by_worker ON core.attempts (worker_id) WHERE outcome IS NULL;
+
+CREATE TABLE core.attempt_logs (
+    attempt_id BIGINT NOT NULL,
+    content TEXT NOT NULL,
+    truncated BOOLEAN DEFAULT false NOT NULL,
+    CONSTRAINT pk_attempt_logs PRIMARY KEY (attempt_id),
+    CONSTRAINT fk_attempt_logs_attempt_id_attempts FOREIGN KEY (attempt_id)
+        REFERENCES core.attempts (id) ON DELETE CASCADE
+);
 """
 
 DOWNGRADE = """
+DROP TABLE core.attempt_logs;
 DROP INDEX core.ix_attempts_open_by_worker;
 ALTER TABLE core.attempts DROP CONSTRAINT ck_attempts_outcome;
 ALTER TABLE core.attempts DROP CONSTRAINT fk_attempts_worker_id_workers;
