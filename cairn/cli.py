@@ -32,17 +32,17 @@ def _prepare_home(settings: CairnSettings) -> None:
     settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
-def local_admin_token(settings: CairnSettings, url: str) -> str:
-    """The admin token for local use, kept in ``$CAIRN_HOME/admin-token`` (mode 0600)."""
+def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
+    """A token for local use, kept in ``$CAIRN_HOME/NAME-token`` (mode 0600) and reused."""
     from services.core import admin
 
-    path = settings.home / "admin-token"
+    path = settings.home / f"{name}-token"
     if path.exists():
         token = path.read_text().strip()
         principal = admin.principal_for(url, token)
-        if principal is not None and principal.role == "admin":
+        if principal is not None and principal.role == role:
             return token
-    token = admin.create_token(url, "admin", "admin")
+    token = admin.create_token(url, name, role)
     path.write_text(token + "\n")
     path.chmod(0o600)
     return token
@@ -80,6 +80,13 @@ def cmd_token_create(settings: CairnSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.core.worker.agent import main
+
+    main()
+    return 0
+
+
 def cmd_core(settings: CairnSettings, args: argparse.Namespace) -> int:
     from services.core.__main__ import main
 
@@ -101,14 +108,13 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0
     raise RuntimeError(f"{url} was not ready after {timeout_s:.0f} s")
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
-    for proc in procs:
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 15.0) -> None:
+    """Stop the processes by pid, the last started first (workers hand back through core)."""
+    for proc in reversed(procs):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
         try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -131,7 +137,8 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         migrate.upgrade(url)
-        token = local_admin_token(settings, url)
+        token = local_token(settings, url, "admin", "admin")
+        worker_token = local_token(settings, url, "local-worker", "worker")
         env = {**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"}
         core_url = f"http://{settings.bind_host}:{settings.core_port}"
         procs.append(
@@ -140,8 +147,23 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
             )
         )
         _wait_ready(core_url, procs[0])
+        worker_env = {
+            **env,
+            "CAIRN_URL": core_url,
+            "CAIRN_TOKEN": worker_token,
+            "CAIRN_WORKER_DRAIN_GRACE_S": os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.core.worker"],
+                env=worker_env,
+                start_new_session=True,
+            )
+        )
         print(
             f"\ncairn is up\n  core      {core_url}  (OpenAPI at {core_url}/docs)\n"
+            f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
+            f"{settings.worker_memory_mb} MB\n"
             f"  database  {'embedded, ' + str(settings.home / 'pg') if started else 'as configured'}\n"
             f"  token     {token}  (admin; also in {settings.home / 'admin-token'})\n"
             "Ctrl-C stops everything.\n",
@@ -173,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("rest", nargs=argparse.REMAINDER)
     core.set_defaults(func=cmd_core)
     sub.add_parser("migrate", help="migrate core's schema").set_defaults(func=cmd_migrate)
+    sub.add_parser(
+        "worker", help="run a worker agent (CAIRN_URL, CAIRN_TOKEN of a worker principal)"
+    ).set_defaults(func=cmd_worker)
     token = sub.add_parser("token", help="manage bearer tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="create a principal's token and print it")

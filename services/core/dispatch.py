@@ -299,6 +299,10 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
         cpu_seconds=outcome.cpu_seconds,
         log_tail=_clean(outcome.log_tail),
     )
+    if outcome.outcome == "succeeded" and task.kind == "service":
+        return await _after_failure(
+            conn, task, attempt_id, "service exited 0", retryable=True, crashed=False
+        )
     if outcome.outcome == "succeeded":
         await store.transition(
             conn, task.id, Op.SUCCEED, S.SUCCEEDED, reason="exited 0", attempt_id=attempt_id

@@ -19,7 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "CAIRN_HOME": str(home), "CAIRN_CORE_PORT": str(port)}
+    env = {
+        **os.environ,
+        "CAIRN_HOME": str(home),
+        "CAIRN_CORE_PORT": str(port),
+        "CAIRN_URL": f"http://127.0.0.1:{port}",
+    }
     env.pop("CAIRN_DATABASE_URL", None)
     return subprocess.Popen(
         [sys.executable, "-m", "cairn", "up"],
@@ -60,6 +65,9 @@ def test_up_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         headers = {"Authorization": f"Bearer {token}"}
         task = httpx.post(f"http://127.0.0.1:{port}/v1/tasks", json=spec(), headers=headers)
         assert task.status_code == 201
+        # The local worker runs it (/bin/true).
+        url = f"http://127.0.0.1:{port}/v1/tasks/{task.json()['id']}"
+        wait_for(lambda: httpx.get(url, headers=headers).json()["state"] == "succeeded", 30)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -169,3 +169,27 @@ def test_sigterm_drains_and_hands_back_without_spending_an_attempt(core, workers
     assert final["state"] == "waiting" and final["attempts"] == 0
     assert db.execute("SELECT outcome FROM core.attempts").fetchall() == [("handed_back",)]
     assert db.execute("SELECT state FROM core.workers").fetchall() == [("left",)]
+
+
+def test_a_service_is_restarted_when_it_exits_and_stopped_by_cancel(core, workers, tmp_path, db):
+    start_worker(core, tmp_path / "w1", workers)
+    with core.client() as alice:
+        body = shell("sleep 0.2", kind="service", retry={"max_attempts": 1, "base_s": 0.1})
+        task = alice.post("/v1/tasks", json=body).json()
+
+        def restarted_twice() -> bool:
+            count = db.execute("SELECT count(*) FROM core.attempts").fetchone()[0]
+            return count >= 3 and _state(alice, task["id"]) == "running"
+
+        wait_for(restarted_twice, timeout=30)
+        assert alice.post(f"/v1/tasks/{task['id']}/cancel").json()["state"] == "cancelled"
+        settled = db.execute("SELECT count(*) FROM core.attempts").fetchone()[0]
+        wait_for(
+            lambda: (
+                db.execute("SELECT count(*) FROM core.attempts WHERE outcome IS NULL").fetchone()[0]
+                == 0
+            ),
+            timeout=10,
+        )
+    assert db.execute("SELECT count(*) FROM core.attempts").fetchone()[0] == settled
+    assert db.execute("SELECT state FROM core.tasks").fetchone() == ("cancelled",)
