@@ -67,6 +67,17 @@ def shell(script: str, **extra) -> dict:
     return body
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
+
+
 def _state(alice, task_id: int) -> str:
     return alice.get(f"/v1/tasks/{task_id}").json()["state"]
 
@@ -120,11 +131,16 @@ def test_a_timeout_kills_the_attempt_and_it_is_retried(core, workers, tmp_path):
 
 def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, workers, tmp_path, db):
     first = start_worker(core, tmp_path / "w1", workers, "w1")
+    pidfile = tmp_path / "pid"
     with core.client() as alice:
-        task = alice.post("/v1/tasks", json=shell("sleep 3")).json()
-        wait_for(lambda: _state(alice, task["id"]) == "running", timeout=30)
+        script = f"[ -e {pidfile} ] || echo $$ > {pidfile}; sleep 3"
+        task = alice.post("/v1/tasks", json=shell(script)).json()
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
+        orphan = int(pidfile.read_text())
         first.send_signal(signal.SIGKILL)
         first.wait()
+        # The sidecar sees its agent gone and kills what it left running.
+        wait_for(lambda: not _alive(orphan), timeout=10)
         start_worker(core, tmp_path / "w2", workers, "w2")
         wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=60)
     rows = db.execute(

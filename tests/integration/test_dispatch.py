@@ -119,6 +119,34 @@ def test_two_workers_never_share_an_attempt(core: Core, db) -> None:
     assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (200,)
 
 
+def test_two_core_replicas_never_hand_out_one_attempt_twice(core: Core, db, tmp_path) -> None:
+    other = start_core(core.db_url, tmp_path / "replica", heartbeat_interval_s=0.2)
+    try:
+        with core.client() as alice:
+            alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(150)]})
+        agents = [Agent(core, "w0"), Agent(other, "w1"), Agent(core, "w2"), Agent(other, "w3")]
+        taken: list[int] = []
+        lock = threading.Lock()
+
+        def drain(agent: Agent) -> None:
+            while batch := agent.claim(most=5):
+                with lock:
+                    taken.extend(a["task_id"] for a in batch)
+
+        threads = [threading.Thread(target=drain, args=(a,)) for a in agents]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        other.stop()
+    assert len(taken) == len(set(taken)) == 150
+    assert db.execute("SELECT count(DISTINCT task_id), count(*) FROM core.attempts").fetchone() == (
+        150,
+        150,
+    )
+
+
 def test_a_failure_is_retried_after_the_sidekiq_backoff_then_buried(core: Core, db) -> None:
     with core.client() as alice:
         task = alice.post("/v1/tasks", json=spec(retry={"max_attempts": 2})).json()
