@@ -47,6 +47,7 @@ class CairnSettings(BaseSettings):
     worker_queues: str = "default"
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
     worker_memory_mb: int = Field(default_factory=lambda: _host_memory_mb(), gt=0)
+    worker_labels: str = ""
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
     log_level: str = "info"
@@ -66,6 +67,12 @@ class CairnSettings(BaseSettings):
         if self.env == "production" and self.database_url is None:
             raise ValueError("CAIRN_DATABASE_URL is required when CAIRN_ENV=production")
         return self
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
+        pairs = (item.partition("=") for item in self.worker_labels.split(",") if item.strip())
+        return {key.strip(): value.strip() for key, _, value in pairs}
 
     @property
     def queues(self) -> list[str]:

@@ -49,6 +49,7 @@ def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subp
         "CAIRN_WORKER_CPU": "4",
         "CAIRN_WORKER_MEMORY_MB": "8192",
         "CAIRN_WORKER_DRAIN_GRACE_S": "5",
+        "CAIRN_WORKER_LABELS": "zone=a, disk=ssd",
         "CAIRN_LOG_LEVEL": "warning",
     }
     proc = subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=env)
@@ -102,6 +103,9 @@ def test_a_task_runs_with_its_identity_and_its_log_tail_is_kept(core, workers, t
     assert attempt["outcome"] == "succeeded" and attempt["exit_code"] == 0
     assert f"task={task['id']} attempt=1 in=/data/in" in attempt["log_tail"]
     assert attempt["cpu_seconds"] is not None
+    with core.client("root", "admin") as admin:
+        [worker] = admin.get("/v1/workers").json()["items"]
+    assert worker["labels"] == {"zone": "a", "disk": "ssd"} and worker["state"] == "live"
 
 
 def test_a_digest_mismatch_fails_before_anything_runs(core, workers, tmp_path):

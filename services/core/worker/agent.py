@@ -75,6 +75,7 @@ class Agent:
         offer = WorkerRegister(
             hostname=socket.gethostname()[:200] or "worker",
             queues=self.settings.queues,
+            labels=self.settings.labels,
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
         )
