@@ -196,18 +196,19 @@ async def claim(
 
 
 def _assignment(row: Any) -> Assignment:
+    task = store.task_from_row(row)
     return Assignment(
         attempt_id=row.attempt_id,
         attempt_number=row.attempt_number,
-        task_id=row.id,
-        kind=row.kind,
-        artifact={"uri": row.artifact_uri, "sha256": row.artifact_sha256},
-        args=row.args,
-        env=row.env,
-        input_path=row.input_path,
-        output_path=row.output_path,
-        resources={"cpu": row.cpu, "memory_mb": row.memory_mb},
-        timeout_s=row.timeout_s,
+        task_id=task.id,
+        kind=task.kind,
+        artifact=task.artifact,
+        args=task.args,
+        env=task.env,
+        input_path=task.input_path,
+        output_path=task.output_path,
+        resources=task.resources,
+        timeout_s=task.timeout_s,
     )
 
 

@@ -64,6 +64,24 @@ class Agent:
         return self.http.post(f"/v1/workers/{self.id}/heartbeat", json={"attempts": alive}).json()
 
 
+def _claim_everything(agents: list[Agent], most: int) -> list[int]:
+    """Every agent claims in its own thread until nothing is left; the task ids taken."""
+    taken: list[int] = []
+    lock = threading.Lock()
+
+    def drain(agent: Agent) -> None:
+        while batch := agent.claim(most=most):
+            with lock:
+                taken.extend(a["task_id"] for a in batch)
+
+    threads = [threading.Thread(target=drain, args=(a,)) for a in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return taken
+
+
 def test_claim_takes_priority_then_age_and_a_report_finishes_the_task(core: Core, db) -> None:
     with core.client() as alice:
         low = alice.post("/v1/tasks", json=spec(priority=0)).json()
@@ -101,20 +119,7 @@ def test_claims_fit_the_room_the_worker_reports(core: Core) -> None:
 def test_two_workers_never_share_an_attempt(core: Core, db) -> None:
     with core.client() as alice:
         alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(200)]})
-    agents = [Agent(core, f"w{i}") for i in range(4)]
-    taken: list[int] = []
-    lock = threading.Lock()
-
-    def drain(agent: Agent) -> None:
-        while batch := agent.claim(most=7):
-            with lock:
-                taken.extend(a["task_id"] for a in batch)
-
-    threads = [threading.Thread(target=drain, args=(a,)) for a in agents]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    taken = _claim_everything([Agent(core, f"w{i}") for i in range(4)], most=7)
     assert len(taken) == len(set(taken)) == 200
     assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (200,)
 
@@ -125,19 +130,7 @@ def test_two_core_replicas_never_hand_out_one_attempt_twice(core: Core, db, tmp_
         with core.client() as alice:
             alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(150)]})
         agents = [Agent(core, "w0"), Agent(other, "w1"), Agent(core, "w2"), Agent(other, "w3")]
-        taken: list[int] = []
-        lock = threading.Lock()
-
-        def drain(agent: Agent) -> None:
-            while batch := agent.claim(most=5):
-                with lock:
-                    taken.extend(a["task_id"] for a in batch)
-
-        threads = [threading.Thread(target=drain, args=(a,)) for a in agents]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        taken = _claim_everything(agents, most=5)
     finally:
         other.stop()
     assert len(taken) == len(set(taken)) == 150
