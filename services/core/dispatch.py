@@ -340,9 +340,10 @@ async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | 
 
 async def heartbeat(
     conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
-) -> list[int]:
+) -> tuple[list[int], int]:
     """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
-    for those just claimed) are lost. Return the reported attempts it must stop."""
+    for those just claimed) are lost. Return the reported attempts it must stop, and how
+    many were lost."""
     await conn.execute(
         update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
     )
@@ -356,10 +357,11 @@ async def heartbeat(
         """),
         {"worker": worker.id, "grace": grace_s, "alive": sorted(reported)},
     )
-    for row in list(missing):
+    gone = list(missing)
+    for row in gone:
         await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)")
     if not reported:
-        return []
+        return [], len(gone)
     stop = await conn.execute(
         text("""
             SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
@@ -369,7 +371,7 @@ async def heartbeat(
         """),
         {"alive": sorted(reported)},
     )
-    return [row.id for row in stop]
+    return [row.id for row in stop], len(gone)
 
 
 MAX_LOG_BYTES = 4 * 1024 * 1024

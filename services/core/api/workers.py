@@ -82,9 +82,10 @@ async def heartbeat(
     # attempt two beats (and a second) before its absence means its process is gone.
     grace = 2 * _settings(request).heartbeat_interval_s + 1.0
     async with engine.begin() as conn:
-        stop = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
+        stop, lost = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
         state = (await dispatch.get_worker(conn, worker.id, None)).state
-    notifier.announce()
+    if lost:
+        notifier.announce()
     return HeartbeatAnswer(state=state, stop=stop)
 
 
