@@ -159,7 +159,13 @@ async def claim(
 ) -> list[Assignment]:
     """Lease waiting work of the worker's queues that fits the room it reports, highest
     priority first, oldest first; rows other claims hold are skipped, never shared."""
-    if worker.state != "live":
+    # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
+    current = (
+        await conn.execute(
+            select(workers.c.state).where(workers.c.id == worker.id).with_for_update(read=True)
+        )
+    ).scalar_one()
+    if current != "live":
         return []
     allowed = sources(Op.CLAIM, S.RUNNING)
     candidates = await conn.execute(
@@ -365,11 +371,11 @@ async def heartbeat(
     stop = await conn.execute(
         text("""
             SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-            WHERE a.id = ANY(CAST(:alive AS bigint[]))
+            WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
               AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
                    OR t.state <> 'running')
         """),
-        {"alive": sorted(reported)},
+        {"alive": sorted(reported), "worker": worker.id},
     )
     return [row.id for row in stop], len(gone)
 

@@ -7,7 +7,6 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.core import dispatch, store
@@ -46,8 +45,9 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
     while True:
         try:
             moved = await step()
-        except (DBAPIError, OSError) as exc:
-            log.warning("%s: %s; retrying", name, exc)
+        except Exception:
+            # A loop that dies stops reaping or promoting for good: log, and go on.
+            log.exception("%s failed; retrying", name)
             moved = 0
         if moved == 0:
             await asyncio.sleep(interval_s)

@@ -254,3 +254,22 @@ def test_a_worker_is_reached_only_by_its_own_principal(core: Core) -> None:
             ).status_code
             == 403
         )
+
+
+def test_a_worker_that_left_cannot_be_drained_back_to_life(core: Core) -> None:
+    agent = Agent(core)
+    assert agent.http.post(f"/v1/workers/{agent.id}/leave").json()["state"] == "left"
+    with core.client("root", "admin") as admin:
+        answer = admin.post(f"/v1/workers/{agent.id}/drain")
+    assert answer.status_code == 409
+    assert agent.claim() == []
+
+
+def test_a_heartbeat_says_nothing_of_other_workers_attempts(core: Core) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec()).json()
+        mine, other = Agent(core, "w1"), Agent(core, "w2")
+        [attempt] = mine.claim()
+        alice.post(f"/v1/tasks/{task['id']}/cancel")
+    assert other.beat([attempt["attempt_id"]])["stop"] == []
+    assert mine.beat([attempt["attempt_id"]])["stop"] == [attempt["attempt_id"]]

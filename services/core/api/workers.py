@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response, status
 
+from libs.common.errors import Conflict
 from libs.common.models import (
     ClaimAnswer,
     ClaimRequest,
@@ -166,7 +167,9 @@ async def leave(worker: OwnWorker, engine: Engine) -> Worker:
 
 async def _set_state(engine: Engine, worker_id: int, state: str) -> Worker:
     async with engine.begin() as conn:
-        await dispatch.get_worker(conn, worker_id, None)
+        row = await dispatch.get_worker(conn, worker_id, None)
+        if row.state not in ("live", "draining"):
+            raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
         await dispatch.set_worker_state(conn, worker_id, state)
     return await _get(engine, worker_id)
 

@@ -18,8 +18,14 @@ from pathlib import Path
 import httpx
 
 from libs.common.client import CoreClient
-from libs.common.errors import CairnError, Conflict, NotFound
-from libs.common.models import Assignment, ClaimRequest, Report, WorkerRegister
+from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
+from libs.common.models import (
+    Assignment,
+    ClaimRequest,
+    Report,
+    WorkerRegister,
+    WorkerRegistered,
+)
 from libs.common.settings import CairnSettings
 from services.core.worker import state
 from services.core.worker.artifacts import ArtifactCache, ArtifactError
@@ -68,6 +74,7 @@ class Agent:
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
+        self._beat = (60.0, 180.0)
 
     # --- lifecycle ---
 
@@ -79,12 +86,13 @@ class Agent:
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
         )
-        registered = await self.client.register_worker(offer)
+        registered = await self._register(offer)
         self.worker_id = registered.worker.id
         self.folder = self.settings.home / "workers" / str(self.worker_id)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._publish()
-        self.sidecar = self._start_sidecar(registered.heartbeat_interval_s)
+        self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
+        self.sidecar = self._start_sidecar(*self._beat)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -97,7 +105,7 @@ class Agent:
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
 
-    def _start_sidecar(self, interval_s: float) -> subprocess.Popen[bytes]:
+    def _start_sidecar(self, interval_s: float, timeout_s: float) -> subprocess.Popen[bytes]:
         return subprocess.Popen(  # noqa: S603 - our own module, no shell
             [
                 sys.executable,
@@ -106,9 +114,26 @@ class Agent:
                 str(self.folder),
                 str(self.worker_id),
                 str(interval_s),
+                str(timeout_s),
             ],
             stdin=subprocess.DEVNULL,
         )
+
+    async def _register(self, offer: WorkerRegister) -> WorkerRegistered:
+        """Register, waiting for core if it is not up yet (it may be starting with us)."""
+        delay = 0.2
+        while True:
+            try:
+                return await self.client.register_worker(offer)
+            except (httpx.TransportError, Unavailable) as exc:
+                log.warning("core not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _keep_sidecar(self) -> None:
+        if self.sidecar is not None and self.sidecar.poll() is not None:
+            log.warning("the sidecar exited (%s); starting it again", self.sidecar.returncode)
+            self.sidecar = self._start_sidecar(*self._beat)
 
     async def _stop_sidecar(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is None:
@@ -117,6 +142,7 @@ class Agent:
 
     async def _work(self) -> None:
         while not self.draining.is_set():
+            self._keep_sidecar()
             self._obey_core()
             if self.draining.is_set():
                 break
@@ -131,6 +157,8 @@ class Agent:
                 log.warning("claim failed: %s", exc)
                 await self._pause(1.0)
                 continue
+            if not leased:
+                await self._pause(0.2)  # core answers at once when it will not lease
             for assignment in leased:
                 self.running[assignment.attempt_id] = (assignment, None)
                 task = asyncio.create_task(self._attempt(assignment))
@@ -148,11 +176,14 @@ class Agent:
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=grace)
-        for _, handle in list(self.running.values()):
-            if handle is not None:
-                await handle.terminate(grace_s=5.0)
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=30)
+        # Attempts still being prepared hand themselves back (draining is set); those
+        # running are terminated and handed back.
+        deadline = asyncio.get_running_loop().time() + 30.0
+        while self.tasks and asyncio.get_running_loop().time() < deadline:
+            for _, handle in list(self.running.values()):
+                if handle is not None and not handle.done:
+                    await handle.terminate(grace_s=5.0)
+            await asyncio.wait(set(self.tasks), timeout=1.0)
 
     # --- what core says through the sidecar ---
 
@@ -214,6 +245,8 @@ class Agent:
             memory_mb=assignment.resources.memory_mb,
             cpu=assignment.resources.cpu,
         )
+        if self.draining.is_set():
+            return Report(outcome="handed_back", error="the worker is draining")
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
@@ -221,6 +254,10 @@ class Agent:
         self.running[assignment.attempt_id] = (assignment, handle)
         self._publish()
         result = await handle.wait()
+        # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
+        # or a beat in between would have core declare it lost.
+        self.running[assignment.attempt_id] = (assignment, None)
+        self._publish()
         await self._upload_log(assignment.attempt_id, spec.log_path)
         return report_of(result)
 

@@ -28,7 +28,13 @@ def _orphans_killed(attempts: dict[str, int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-async def beat_forever(folder: Path, worker_id: int, interval_s: float, client: CoreClient) -> None:
+async def beat_forever(
+    folder: Path, worker_id: int, interval_s: float, timeout_s: float, client: CoreClient
+) -> None:
+    """Beat until the agent is gone. Cut off from core for nearly ``timeout_s``, after which
+    core re-places this worker's attempts, it kills them here, so they never run twice."""
+    loop = asyncio.get_running_loop()
+    last_ok = loop.time()
     while True:
         shared = state.read(folder / state.ATTEMPTS)
         agent = int(shared.get("agent_pid", 0))
@@ -44,8 +50,12 @@ async def beat_forever(folder: Path, worker_id: int, interval_s: float, client: 
         try:
             answer = await client.heartbeat(worker_id, living)
             state.write(folder / state.ANSWER, answer.model_dump())
+            last_ok = loop.time()
         except (httpx.TransportError, CairnError) as exc:
             log.warning("heartbeat failed: %s", exc)
+            if loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
+                log.error("cut off from core too long: stopping this worker's attempts")
+                _orphans_killed(attempts)
         await asyncio.sleep(interval_s)
 
 
@@ -54,13 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("worker_id", type=int)
     parser.add_argument("interval_s", type=float)
+    parser.add_argument("timeout_s", type=float)
     args = parser.parse_args(argv)
     settings = CairnSettings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s sidecar %(message)s")
 
     async def run() -> None:
         async with CoreClient(settings.url, settings.token) as client:
-            await beat_forever(args.folder, args.worker_id, args.interval_s, client)
+            await beat_forever(args.folder, args.worker_id, args.interval_s, args.timeout_s, client)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     with contextlib.suppress(KeyboardInterrupt):
