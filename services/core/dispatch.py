@@ -334,13 +334,29 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
 
 
 async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | None:
-    """An attempt whose process is gone without a report: counted as a crash."""
+    """An attempt whose process is gone without a report. Once a heartbeat has shown it
+    running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
+    showed (its claim's answer lost on the way, say) goes back without cost."""
     try:
         task = await _current_task(conn, attempt_id)
     except StaleAttempt:
         await _close_attempt(conn, attempt_id, "lost", error=why)
         return None
+    seen = (
+        await conn.execute(select(attempts.c.seen_at).where(attempts.c.id == attempt_id))
+    ).scalar_one()
     await _close_attempt(conn, attempt_id, "lost", error=why)
+    if seen is None:
+        await store.transition(
+            conn,
+            task.id,
+            Op.REQUEUE,
+            S.WAITING,
+            reason=f"{why}; it never started, so it costs no attempt",
+            refund=True,
+            attempt_id=attempt_id,
+        )
+        return S.WAITING
     return await _after_failure(conn, task, attempt_id, why, retryable=True, crashed=True)
 
 
@@ -354,6 +370,16 @@ async def heartbeat(
         update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
     )
     reported = set(alive)
+    if reported:
+        await conn.execute(
+            update(attempts)
+            .where(
+                attempts.c.worker_id == worker.id,
+                attempts.c.outcome.is_(None),
+                attempts.c.id.in_(sorted(reported)),
+            )
+            .values(seen_at=func.now())
+        )
     missing = await conn.execute(
         text("""
             SELECT a.id FROM core.attempts a

@@ -213,6 +213,7 @@ attempts = Table(
     Column("worker_id", BigInteger, ForeignKey("workers.id", ondelete="SET NULL")),
     Column("outcome", Text),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("seen_at", DateTime(timezone=True)),
     Column("ended_at", DateTime(timezone=True)),
     Column("exit_code", Integer),
     Column("peak_memory_mb", Double),

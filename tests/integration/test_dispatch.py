@@ -177,6 +177,7 @@ def test_a_stale_attempts_late_report_is_refused_and_changes_nothing(core: Core,
         task = alice.post("/v1/tasks", json=spec()).json()
     cut_off = Agent(core, "w1")
     [old] = cut_off.claim()
+    cut_off.beat([old["attempt_id"]])  # seen running, then cut off
     # The worker is cut off: no heartbeat; the reaper declares it dead.
     wait_for(lambda: db.execute("SELECT state FROM core.tasks").fetchone()[0] == "failed", 10)
     db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
@@ -200,7 +201,8 @@ def test_lost_three_times_is_a_poison_pill(core: Core, db) -> None:
     agent = Agent(core)
     for _ in range(3):
         db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
-        agent.claim(wait=5)
+        [attempt] = agent.claim(wait=5)
+        assert agent.beat([attempt["attempt_id"]])["stop"] == []  # seen running
         db.execute("UPDATE core.attempts SET started_at = now() - interval '1 min'")
         assert agent.beat([])["state"] == "live"  # the process is not among the living
     state, error = db.execute("SELECT state, last_error FROM core.tasks").fetchone()
@@ -209,6 +211,20 @@ def test_lost_three_times_is_a_poison_pill(core: Core, db) -> None:
         events = alice.get(f"/v1/tasks/{task['id']}/events").json()["items"]
     assert events[-1]["reason"] == "poison pill: lost 3 times"
     assert "heartbeat" in error
+
+
+def test_a_lease_no_heartbeat_ever_showed_goes_back_without_cost(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec()).json()
+    agent = Agent(core)
+    agent.claim()  # as if this answer never reached the worker
+    db.execute("UPDATE core.attempts SET started_at = now() - interval '1 min'")
+    agent.beat([])
+    row = db.execute(
+        "SELECT state, attempts, crashes FROM core.tasks WHERE id = %s", (task["id"],)
+    ).fetchone()
+    assert row == ("waiting", 0, 0)
+    assert db.execute("SELECT outcome FROM core.attempts").fetchall() == [("lost",)]
 
 
 def test_cancelling_a_running_task_tells_its_worker_to_stop(core: Core, db) -> None:

@@ -43,6 +43,8 @@ ALTER TABLE core.attempts ADD CONSTRAINT ck_attempts_outcome CHECK (
     outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')
 );
 CREATE INDEX ix_attempts_open_by_worker ON core.attempts (worker_id) WHERE outcome IS NULL;
+-- When a heartbeat last showed the attempt's process alive (NULL: never).
+ALTER TABLE core.attempts ADD COLUMN seen_at TIMESTAMP WITH TIME ZONE;
 
 CREATE TABLE core.attempt_logs (
     attempt_id BIGINT NOT NULL,
@@ -56,6 +58,7 @@ CREATE TABLE core.attempt_logs (
 
 DOWNGRADE = """
 DROP TABLE core.attempt_logs;
+ALTER TABLE core.attempts DROP COLUMN seen_at;
 DROP INDEX core.ix_attempts_open_by_worker;
 ALTER TABLE core.attempts DROP CONSTRAINT ck_attempts_outcome;
 ALTER TABLE core.attempts DROP CONSTRAINT fk_attempts_worker_id_workers;
