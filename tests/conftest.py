@@ -14,8 +14,7 @@ import pytest
 
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
-from services.core import migrate
-from tests.support import Core, start_core
+from tests.support import MIGRATIONS, Core, start_core
 
 TEMPLATE = "cairn_template"
 
@@ -40,7 +39,8 @@ def template_db(pg_server: EmbeddedPostgres) -> str:
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
         conn.execute(f"CREATE DATABASE {TEMPLATE}")
-    migrate.upgrade(_with_database(pg_server.url, TEMPLATE))
+    for upgrade in MIGRATIONS:
+        upgrade(_with_database(pg_server.url, TEMPLATE))
     return TEMPLATE
 
 

@@ -18,8 +18,12 @@ import httpx
 import uvicorn
 
 from services.core import admin
+from services.core import migrate as core_migrate
 from services.core.app import create_app
 from services.core.settings import CoreSettings
+
+# Every service's schema, migrated into the template database each test clones.
+MIGRATIONS = [core_migrate.upgrade]
 
 TRUE_SHA = hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest()
 
@@ -69,6 +73,21 @@ class Core:
         self.thread.join(timeout=15)
 
 
+def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
+    """Serve ``app`` on 127.0.0.1:``port`` from a thread; return once it accepts requests."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name=f"{name}-{port}")
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start")
+        time.sleep(0.01)
+    return server, thread
+
+
 def start_core(db_url: str, home: Path, **settings: Any) -> Core:
     port = free_port()
     config = CoreSettings(
@@ -80,16 +99,7 @@ def start_core(db_url: str, home: Path, **settings: Any) -> Core:
         **settings,
     )
     app = create_app(config, config.database_url or db_url)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, daemon=True, name=f"core-{port}")
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("core did not start")
-        time.sleep(0.01)
+    server, thread = serve_in_thread(app, port, "core")
     return Core(url=f"http://127.0.0.1:{port}", db_url=db_url, server=server, thread=thread)
 
 

@@ -34,6 +34,7 @@ from libs.common.models import (
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    WhoAmI,
     Worker,
     WorkerRegister,
     WorkerRegistered,
@@ -41,6 +42,11 @@ from libs.common.models import (
 from libs.common.states import TaskState
 
 DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+ON_BEHALF_OF = "X-Cairn-On-Behalf-Of"
+
+
+def _owner(on_behalf_of: str | None) -> dict[str, str]:
+    return {ON_BEHALF_OF: on_behalf_of} if on_behalf_of else {}
 
 
 def raise_for_problem(response: httpx.Response) -> None:
@@ -92,19 +98,33 @@ class CoreClient:
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         if "content" in kwargs:
-            kwargs["headers"] = {"Content-Type": "application/json"}
+            kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         response = await self._http.request(method, path, **kwargs)
         raise_for_problem(response)
         return response
 
-    async def submit(self, spec: TaskCreate) -> tuple[Task, bool]:
-        """Submit one task; return it and whether this call created it."""
-        response = await self._call("POST", "/v1/tasks", content=spec.model_dump_json())
+    async def whoami(self) -> WhoAmI:
+        """The principal this client's token stands for."""
+        response = await self._call("GET", "/v1/whoami")
+        return WhoAmI.model_validate_json(response.content)
+
+    async def submit(
+        self, spec: TaskCreate, *, on_behalf_of: str | None = None
+    ) -> tuple[Task, bool]:
+        """Submit one task; return it and whether this call created it. A service token
+        may submit ``on_behalf_of`` another owner."""
+        response = await self._call(
+            "POST", "/v1/tasks", content=spec.model_dump_json(), headers=_owner(on_behalf_of)
+        )
         return Task.model_validate_json(response.content), response.status_code == 201
 
-    async def submit_batch(self, specs: Sequence[TaskCreate]) -> list[BatchItem]:
+    async def submit_batch(
+        self, specs: Sequence[TaskCreate], *, on_behalf_of: str | None = None
+    ) -> list[BatchItem]:
         body = TaskBatchCreate(tasks=list(specs)).model_dump_json()
-        response = await self._call("POST", "/v1/tasks/batch", content=body)
+        response = await self._call(
+            "POST", "/v1/tasks/batch", content=body, headers=_owner(on_behalf_of)
+        )
         return BatchResult.model_validate_json(response.content).tasks
 
     async def get_task(self, task_id: int) -> Task:

@@ -238,6 +238,13 @@ class QueueList(_Output):
     items: list[QueueInfo]
 
 
+class WhoAmI(_Output):
+    """The principal a token stands for."""
+
+    name: str
+    role: Literal["user", "admin", "service", "worker"]
+
+
 class Health(_Output):
     status: Literal["ok", "unavailable"]
     detail: str | None = None

@@ -46,3 +46,35 @@ def test_a_worker_token_cannot_read_tasks(core: Core) -> None:
     with core.client("alice") as alice, core.client("w1", "worker") as worker:
         task = alice.post("/v1/tasks", json=spec()).json()
         assert worker.get(f"/v1/tasks/{task['id']}").status_code == 403
+
+
+def test_whoami_names_the_tokens_principal(core: Core) -> None:
+    with core.client("alice") as alice, core.client("cron", role="service") as cron:
+        assert alice.get("/v1/whoami").json() == {"name": "alice", "role": "user"}
+        assert cron.get("/v1/whoami").json() == {"name": "cron", "role": "service"}
+    assert httpx.get(core.url + "/v1/whoami").status_code == 401
+
+
+def test_a_service_submits_on_behalf_of_an_owner(core: Core) -> None:
+    header = {"X-Cairn-On-Behalf-Of": "alice"}
+    with core.client("cron", role="service") as cron, core.client("alice") as alice:
+        made = cron.post("/v1/tasks", json=spec(idempotency_key="k1"), headers=header)
+        assert made.status_code == 201, made.text
+        assert made.json()["owner"] == "alice"
+        # The key lives with the owner: alice's own retry of it finds the same task.
+        again = alice.post("/v1/tasks", json=spec(idempotency_key="k1"))
+        assert again.status_code == 200
+        assert again.json()["id"] == made.json()["id"]
+        batch = cron.post("/v1/tasks/batch", json={"tasks": [spec()]}, headers=header)
+        assert batch.status_code == 201
+        assert alice.get(f"/v1/tasks/{batch.json()['tasks'][0]['id']}").status_code == 200
+
+
+def test_only_the_service_role_may_submit_for_someone_else(core: Core) -> None:
+    with core.client("mallory") as mallory:
+        answer = mallory.post("/v1/tasks", json=spec(), headers={"X-Cairn-On-Behalf-Of": "alice"})
+        assert answer.status_code == 403
+        assert "X-Cairn-On-Behalf-Of" in answer.json()["detail"]
+        # Naming oneself is allowed, and means nothing.
+        own = mallory.post("/v1/tasks", json=spec(), headers={"X-Cairn-On-Behalf-Of": "mallory"})
+        assert own.status_code == 201

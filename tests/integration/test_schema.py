@@ -5,6 +5,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 
+from libs.common.migrations import alembic_config
 from libs.common.settings import libpq_url
 from services.core import migrate
 from services.core.tables import SCHEMA, metadata
@@ -40,7 +41,7 @@ def test_migrating_twice_is_a_no_op(db_url: str) -> None:
 def test_downgrade_then_upgrade_round_trips(db_url: str) -> None:
     from alembic import command
 
-    command.downgrade(migrate.alembic_config(db_url), "base")
+    command.downgrade(alembic_config(migrate.MIGRATIONS, db_url), "base")
     with psycopg.connect(libpq_url(db_url)) as conn:
         left = conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'core'"

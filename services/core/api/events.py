@@ -10,8 +10,8 @@ from fastapi import APIRouter, Query, Request
 
 from libs.common.errors import InvalidInput
 from libs.common.models import MAX_PAGE, MAX_WAIT_S, EventPage
+from libs.common.problems import PROBLEMS
 from services.core import store
-from services.core.api.tasks import PROBLEMS
 from services.core.deps import Engine, Reader
 from services.core.feed import Notifier
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from libs.common.models import QueueInfo, QueueList, QueueName
+from libs.common.problems import PROBLEMS
 from services.core import store
-from services.core.api.tasks import PROBLEMS
 from services.core.deps import AdminOnly, Announcer, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])

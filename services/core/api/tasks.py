@@ -20,28 +20,26 @@ from libs.common.models import (
     BatchResult,
     EventList,
     LabelKey,
-    Problem,
     QueueName,
     Task,
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
 )
+from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
 from services.core import store
-from services.core.deps import Announcer, Engine, OwnedTask, Reader, Submitter, TaskIdPath
+from services.core.deps import (
+    Announcer,
+    Engine,
+    OwnedTask,
+    Reader,
+    SubmittingOwner,
+    TaskIdPath,
+)
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
-PROBLEMS: dict[int | str, dict[str, object]] = {
-    code: {
-        "model": Problem,
-        "content": {
-            "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}
-        },
-    }
-    for code in (401, 403, 404, 409, 413, 422, 503)
-}
 
 JSON = "application/json"
 
@@ -60,14 +58,14 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
     },
 )
 async def submit_task(
-    spec: TaskCreate, principal: Submitter, engine: Engine, notifier: Announcer
+    spec: TaskCreate, owner: SubmittingOwner, engine: Engine, notifier: Announcer
 ) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
     owner already submitted this ``idempotency_key``."""
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
-        [(row, created)] = await store.submit(conn, principal.name, [spec])
+        [(row, created)] = await store.submit(conn, owner, [spec])
         task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
         notifier.announce()
@@ -113,14 +111,14 @@ def _parse(model: type[M], body: bytes) -> M:
     openapi_extra={"requestBody": {"required": True, "content": {JSON: {"schema": _BATCH}}}},
 )
 async def submit_batch(
-    request: Request, principal: Submitter, engine: Engine, notifier: Announcer
+    request: Request, owner: SubmittingOwner, engine: Engine, notifier: Announcer
 ) -> Response:
     """Submit up to 1,000 tasks in one transaction: all are stored, or none."""
     # Parsed by pydantic straight from the bytes: a third cheaper than FastAPI's
     # json.loads then validate, which matters at a thousand tasks a request.
     batch = _parse(TaskBatchCreate, await request.body())
     async with engine.begin() as conn:
-        rows = await store.submit(conn, principal.name, batch.tasks)
+        rows = await store.submit(conn, owner, batch.tasks)
     notifier.announce()
     items = [{"id": row.id, "state": row.state, "created": created} for row, created in rows]
     return Response(

@@ -20,8 +20,8 @@ from libs.common.models import (
     WorkerRegister,
     WorkerRegistered,
 )
+from libs.common.problems import PROBLEMS
 from services.core import dispatch
-from services.core.api.tasks import PROBLEMS
 from services.core.deps import AdminOnly, Announcer, Engine, require
 from services.core.settings import CoreSettings
 from services.core.store import Principal

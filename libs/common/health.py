@@ -1,14 +1,15 @@
-"""Liveness and readiness."""
+"""Liveness and readiness, the same on every service: ``/readyz`` reaches the database
+through the engine the application keeps in ``app.state.engine``."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.models import Health
-from services.core.deps import Engine
 
 router = APIRouter(tags=["health"])
 
@@ -20,8 +21,9 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
-async def readyz(engine: Engine) -> JSONResponse:
+async def readyz(request: Request) -> JSONResponse:
     """The process answers and reaches the database."""
+    engine: AsyncEngine = request.app.state.engine
     try:
         async with engine.connect() as conn:
             await conn.execute(text("SELECT 1"))

@@ -6,7 +6,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from libs.common.errors import PayloadTooLarge
-from services.core.problems import PROBLEM_JSON
+from libs.common.problems import PROBLEM_JSON
 
 
 class BodyLimit:

@@ -21,10 +21,20 @@ from libs.common.errors import (
     Unauthorized,
     Unavailable,
 )
+from libs.common.models import Problem
 
-log = logging.getLogger("cairn.core")
+log = logging.getLogger("cairn.problems")
 
 PROBLEM_JSON = "application/problem+json"
+
+# The error answers an endpoint may give, as OpenAPI shows them.
+PROBLEMS: dict[int | str, dict[str, object]] = {
+    code: {
+        "model": Problem,
+        "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+    }
+    for code in (401, 403, 404, 409, 413, 422, 503)
+}
 
 _BY_STATUS: dict[int, type[CairnError]] = {
     400: InvalidInput,

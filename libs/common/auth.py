@@ -1,0 +1,93 @@
+"""Callers of the cron and DAG services, known through core.
+
+Core holds the tokens. A service that is not core learns who a bearer token stands for by
+asking core's ``GET /v1/whoami`` with that token, and keeps the answer for ``ttl_s`` (so a
+revoked token stops working within that time, as it does in core itself). Core being
+unreachable is a 503, never a 401: the caller's token may be fine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from libs.common.client import CoreClient
+from libs.common.errors import Forbidden, Unauthorized, Unavailable
+
+_bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: a name (the owner of what it creates) and a role."""
+
+    name: str
+    role: str
+
+    @property
+    def sees_all(self) -> bool:
+        return self.role in ("admin", "service")
+
+    @property
+    def owner_filter(self) -> str | None:
+        """The owner this caller is limited to, or None when it may see every owner."""
+        return None if self.sees_all else self.name
+
+
+class RemoteAuth:
+    """Resolves bearer tokens through core, with a small cache of recent answers."""
+
+    def __init__(
+        self,
+        core_url: str,
+        ttl_s: float = 30.0,
+        size: int = 10_000,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.core_url = core_url
+        self.ttl_s = ttl_s
+        self.size = size
+        self._transport = transport
+        self._entries: dict[str, tuple[float, Caller]] = {}
+
+    async def resolve(self, token: str) -> Caller:
+        entry = self._entries.get(token)
+        if entry is not None and entry[0] >= time.monotonic():
+            return entry[1]
+        try:
+            async with CoreClient(self.core_url, token, transport=self._transport) as core:
+                who = await core.whoami()
+        except httpx.TransportError as exc:
+            raise Unavailable(f"core cannot be reached to check the token: {exc}") from None
+        caller = Caller(name=who.name, role=who.role)
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[token] = (time.monotonic() + self.ttl_s, caller)
+        return caller
+
+
+async def current_caller(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Caller:
+    if credentials is None or not credentials.credentials:
+        raise Unauthorized("send 'Authorization: Bearer <token>'")
+    if len(credentials.credentials) > 200:
+        raise Unauthorized("unknown or revoked token")
+    auth: RemoteAuth = request.app.state.auth
+    return await auth.resolve(credentials.credentials)
+
+
+async def _person(caller: Annotated[Caller, Depends(current_caller)]) -> Caller:
+    if caller.role not in ("user", "admin", "service"):
+        raise Forbidden(f"the {caller.role} role may not do this")
+    return caller
+
+
+# Workers may not touch schedules or workflows; everyone else may, each their own.
+Person = Annotated[Caller, Depends(_person)]

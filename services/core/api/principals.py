@@ -1,0 +1,17 @@
+"""Who a token stands for: how the cron and DAG services learn their callers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from libs.common.models import WhoAmI
+from libs.common.problems import PROBLEMS
+from services.core.deps import CurrentPrincipal
+
+router = APIRouter(prefix="/v1", tags=["principals"])
+
+
+@router.get("/whoami", response_model=WhoAmI, responses=PROBLEMS)
+async def whoami(principal: CurrentPrincipal) -> WhoAmI:
+    """The name and role of the caller's token."""
+    return WhoAmI(name=principal.name, role=principal.role)
