@@ -1,0 +1,182 @@
+"""The cron service's wire models (schedules, fires, previews). The expression and zone
+are checked by the service itself (services/cron/domain/timing.py), which names them in
+its 422 answers."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+import orjson
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    model_validator,
+)
+
+from libs.common.models import MAX_PAGE, Name, TaskCreate, _storable_time
+
+MisfirePolicy = Literal["skip", "fire_once", "catch_up"]
+OverlapPolicy = Literal["allow", "forbid", "replace"]
+FireOutcome = Literal["pending", "submitted", "skipped_overlap", "missed", "failed"]
+Expression = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+ZoneName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+Instant = Annotated[AwareDatetime, AfterValidator(_storable_time)]
+MAX_PARAMS_BYTES = 64 * 1024
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TaskTarget(_Input):
+    """Each fire submits this task to core, owned by the schedule's owner."""
+
+    kind: Literal["task"] = "task"
+    task: TaskCreate
+
+    @model_validator(mode="after")
+    def _no_per_fire_fields(self) -> TaskTarget:
+        if self.task.idempotency_key is not None:
+            raise ValueError("task.idempotency_key is set by each fire; leave it out")
+        if self.task.run_at is not None:
+            raise ValueError("task.run_at is the fire time; leave it out")
+        return self
+
+
+def _bounded_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
+        raise ValueError(f"params are larger than {MAX_PARAMS_BYTES} bytes of JSON")
+    return params
+
+
+class DagTarget(_Input):
+    """Each fire starts a run of this workflow in the DAG service."""
+
+    kind: Literal["dag"]
+    workflow: Name
+    params: Annotated[dict[str, JsonValue], AfterValidator(_bounded_params)] = Field(
+        default_factory=dict, max_length=256
+    )
+
+
+Target = Annotated[TaskTarget | DagTarget, Field(discriminator="kind")]
+
+
+class ScheduleCreate(_Input):
+    """A new schedule. Its name is unique per owner."""
+
+    name: Name
+    expression: Expression = Field(
+        description="Five fields (minute hour day-of-month month day-of-week) or a macro "
+        "such as @daily, read in `timezone`'s wall clock."
+    )
+    timezone: ZoneName = "UTC"
+    target: Target
+    misfire_policy: MisfirePolicy = "fire_once"
+    catch_up_limit: int = Field(default=10, ge=1, le=1000)
+    misfire_grace_s: int = Field(default=60, ge=1, le=7 * 86400)
+    overlap_policy: OverlapPolicy = "allow"
+    starts_at: Instant | None = None
+    ends_at: Instant | None = None
+    paused: bool = False
+
+    @model_validator(mode="after")
+    def _window(self) -> ScheduleCreate:
+        if self.starts_at and self.ends_at and self.ends_at <= self.starts_at:
+            raise ValueError("ends_at must be after starts_at")
+        return self
+
+
+class ScheduleUpdate(_Input):
+    """A change to a schedule: only the fields given change."""
+
+    name: Name | None = None
+    expression: Expression | None = None
+    timezone: ZoneName | None = None
+    target: Target | None = None
+    misfire_policy: MisfirePolicy | None = None
+    catch_up_limit: int | None = Field(default=None, ge=1, le=1000)
+    misfire_grace_s: int | None = Field(default=None, ge=1, le=7 * 86400)
+    overlap_policy: OverlapPolicy | None = None
+    starts_at: Instant | None = None
+    ends_at: Instant | None = None
+
+
+class Schedule(_Output):
+    id: int
+    owner: str
+    name: str
+    expression: str
+    timezone: str
+    target: Target
+    misfire_policy: MisfirePolicy
+    catch_up_limit: int
+    misfire_grace_s: int
+    overlap_policy: OverlapPolicy
+    starts_at: datetime | None
+    ends_at: datetime | None
+    paused: bool
+    version: int
+    next_fire_at: datetime | None = Field(description="None: paused, ended, or never fires.")
+    created_at: datetime
+    updated_at: datetime
+
+
+class SchedulePage(_Output):
+    items: list[Schedule]
+    next_after: int | None = Field(description="Pass as `after` for the next page.")
+
+
+class Fire(_Output):
+    """One fire of a schedule: its slot, and what became of it."""
+
+    schedule_id: int
+    fire_time: datetime
+    manual: bool
+    outcome: FireOutcome
+    task_id: int | None
+    run_id: int | None
+    recorded_at: datetime
+    submitted_at: datetime | None
+    lag_ms: float | None = Field(description="submitted_at minus fire_time.")
+    tries: int
+    detail: str | None
+
+
+class FirePage(_Output):
+    items: list[Fire]
+
+
+class NextFire(_Output):
+    utc: datetime
+    local: str = Field(description="The same instant on the schedule's wall clock, with offset.")
+
+
+class NextFires(_Output):
+    schedule_id: int
+    timezone: str
+    after: datetime
+    items: list[NextFire]
+
+
+class CronStatus(_Output):
+    """This replica: whether it leads, and what its engine holds."""
+
+    instance: str
+    leader: bool
+    schedules: int = Field(description="Schedules in the leader's heap (0 on a standby).")
+    pending_fires: int
+    next_fire_at: datetime | None
+
+
+MAX_SCHEDULE_PAGE = MAX_PAGE

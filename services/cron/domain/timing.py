@@ -1,0 +1,171 @@
+"""When a schedule fires: cron expressions read in a time zone's wall clock, mapped to
+instants. Pure functions, no I/O.
+
+The rule, documented in docs/cron.md: an expression names wall-clock times in the
+schedule's zone, and each such time fires once.
+
+- A wall-clock time the zone skips (spring forward) fires at the instant it would have had
+  with the offset in force before the jump: a daily 02:30 in America/New_York fires at
+  03:30 EDT on the day the clock jumps from 02:00 to 03:00. When that instant is also a
+  real wall-clock time of the expression, it fires once.
+- A wall-clock time the zone repeats (fall back) fires at its first occurrence only.
+
+croniter walks naive wall-clock times; this module maps them to instants (``fold=0``, the
+first occurrence, and the pre-jump offset inside a gap) and keeps the fire times strictly
+increasing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
+
+MACROS = frozenset(
+    {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+)
+MAX_EXPRESSION = 200
+# Around a time-zone transition, naive wall-clock order and instant order can differ by
+# the size of the jump; candidates this far past the first are also looked at there.
+_TRANSITION_WINDOW = timedelta(hours=3)
+_ONE_US = timedelta(microseconds=1)
+
+
+class InvalidSchedule(ValueError):
+    """An expression or zone that cannot be used; the message says why."""
+
+
+def parse_expression(expression: str) -> str:
+    """``expression`` normalised (single spaces), or InvalidSchedule saying what is wrong.
+    Five fields (minute hour day-of-month month day-of-week) or one of the macros."""
+    text = " ".join(expression.split())
+    if not text:
+        raise InvalidSchedule("the expression is empty")
+    if len(text) > MAX_EXPRESSION:
+        raise InvalidSchedule(f"the expression is longer than {MAX_EXPRESSION} characters")
+    if text.startswith("@"):
+        if text.lower() not in MACROS:
+            raise InvalidSchedule(f"unknown macro {text!r}; use one of {', '.join(sorted(MACROS))}")
+        return text.lower()
+    fields = text.split(" ")
+    if len(fields) != 5:
+        raise InvalidSchedule(
+            f"{text!r} has {len(fields)} fields; a cron expression has 5 "
+            "(minute hour day-of-month month day-of-week)"
+        )
+    try:
+        croniter(text)
+    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        raise InvalidSchedule(f"{text!r} is not a valid cron expression: {exc}") from None
+    return text
+
+
+def parse_zone(name: str) -> ZoneInfo:
+    """The IANA zone ``name``, or InvalidSchedule."""
+    if not name or len(name) > 64 or name.startswith(("/", ".")) or ".." in name:
+        raise InvalidSchedule(f"{name!r} is not an IANA time zone")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidSchedule(f"{name!r} is not an IANA time zone") from None
+
+
+def _instant(naive: datetime, zone: ZoneInfo) -> datetime:
+    """The instant of wall-clock time ``naive`` in ``zone``: first occurrence when repeated,
+    the pre-jump offset when skipped."""
+    return naive.replace(tzinfo=zone, fold=0).astimezone(UTC)
+
+
+def _near_transition(naive: datetime, zone: ZoneInfo) -> bool:
+    before = (naive - _TRANSITION_WINDOW).replace(tzinfo=zone).utcoffset()
+    after = (naive + _TRANSITION_WINDOW).replace(tzinfo=zone).utcoffset()
+    return before != after
+
+
+def next_after(expression: str, zone: ZoneInfo, after: datetime) -> datetime | None:
+    """The first fire strictly after the instant ``after`` (UTC), or None if there is none
+    within croniter's search horizon."""
+    start = after.astimezone(zone).replace(tzinfo=None)
+    # One hour back: inside a repeated hour the naive time of ``after`` is its second
+    # occurrence, and fires skipped in a gap map one hour later than their wall time.
+    back = timedelta(hours=1) if _near_transition(start, zone) else timedelta(0)
+    walker = croniter(expression, start - back)
+    best: datetime | None = None
+    horizon: datetime | None = None
+    try:
+        for _ in range(100_000):
+            naive: datetime = walker.get_next(datetime)
+            if horizon is not None and naive > horizon:
+                break
+            at = _instant(naive, zone)
+            if at <= after:
+                continue
+            if best is None or at < best:
+                best = at
+            if horizon is None:
+                if not _near_transition(naive, zone):
+                    break
+                horizon = naive + _TRANSITION_WINDOW
+    except CroniterBadDateError:
+        pass
+    return best
+
+
+def fires(expression: str, zone: ZoneInfo, after: datetime) -> Iterator[datetime]:
+    """Every fire strictly after ``after``, in order, without end (or until none is left)."""
+    at: datetime | None = after
+    while at is not None:
+        at = next_after(expression, zone, at)
+        if at is not None:
+            yield at
+
+
+def fires_between(
+    expression: str, zone: ZoneInfo, after: datetime, until: datetime, limit: int
+) -> list[datetime]:
+    """At most ``limit`` fires in ``(after, until]``, oldest first."""
+    found: list[datetime] = []
+    for at in fires(expression, zone, after):
+        if at > until or len(found) >= limit:
+            break
+        found.append(at)
+    return found
+
+
+def latest_between(
+    expression: str, zone: ZoneInfo, after: datetime, until: datetime, limit: int
+) -> list[datetime]:
+    """The newest ``limit`` fires in ``(after, until]``, oldest first, found by walking
+    back from ``until`` (so a long gap costs ``limit`` steps, not one per missed fire)."""
+    if limit <= 0 or until <= after:
+        return []
+    end = until.astimezone(zone).replace(tzinfo=None) + timedelta(hours=1)
+    walker = croniter(expression, end + _ONE_US)
+    found: set[datetime] = set()
+    stop: datetime | None = None
+    try:
+        for _ in range(100_000):
+            naive: datetime = walker.get_prev(datetime)
+            if stop is not None and naive < stop:
+                break
+            at = _instant(naive, zone)
+            if at <= after and not _near_transition(naive, zone):
+                break
+            if after < at <= until:
+                found.add(at)
+            if len(found) >= limit and stop is None:
+                stop = naive - _TRANSITION_WINDOW
+    except CroniterBadDateError:
+        pass
+    return sorted(found)[-limit:]
+
+
+def first_fire(
+    expression: str, zone: ZoneInfo, after: datetime, starts_at: datetime | None
+) -> datetime | None:
+    """The first fire of a schedule created (or resumed) at ``after``."""
+    if starts_at is not None and starts_at > after:
+        after = starts_at - _ONE_US
+    return next_after(expression, zone, after)

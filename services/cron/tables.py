@@ -1,0 +1,116 @@
+"""The cron service's schema as SQLAlchemy Core tables. The migrations build it; a test
+diffs the two."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+SCHEMA = "cron"
+
+metadata = MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    },
+)
+
+
+def _time(name: str, nullable: bool = True, default: bool = False) -> Column[object]:
+    return Column(
+        name,
+        DateTime(timezone=True),
+        nullable=nullable,
+        server_default=func.now() if default else None,
+    )
+
+
+schedules = Table(
+    "schedules",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("expression", Text, nullable=False),
+    Column("timezone", Text, nullable=False),
+    Column("target", JSONB, nullable=False),
+    Column("misfire_policy", Text, nullable=False),
+    Column("catch_up_limit", Integer, nullable=False),
+    Column("misfire_grace_s", Integer, nullable=False),
+    Column("overlap_policy", Text, nullable=False),
+    _time("starts_at"),
+    _time("ends_at"),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    # Bumped by every change, so the engine drops heap entries of an older version.
+    Column("version", BigInteger, nullable=False, server_default=text("1")),
+    # Every slot at or before this instant has been dealt with (fired, or missed by policy).
+    _time("fired_through", nullable=False),
+    # The slot the engine waits for; NULL when paused, ended, or it never fires again.
+    _time("next_fire_at"),
+    _time("created_at", nullable=False, default=True),
+    _time("updated_at", nullable=False, default=True),
+    UniqueConstraint("owner", "name"),
+    CheckConstraint("misfire_policy IN ('catch_up', 'fire_once', 'skip')", name="misfire_policy"),
+    CheckConstraint("overlap_policy IN ('allow', 'forbid', 'replace')", name="overlap_policy"),
+    CheckConstraint("catch_up_limit BETWEEN 1 AND 1000", name="catch_up_limit"),
+    CheckConstraint("misfire_grace_s >= 1", name="misfire_grace_positive"),
+    CheckConstraint("NOT paused OR next_fire_at IS NULL", name="paused_waits_for_nothing"),
+)
+
+Index(
+    "ix_schedules_next_fire_at",
+    schedules.c.next_fire_at,
+    postgresql_where=schedules.c.next_fire_at.isnot(None),
+)
+
+fires = Table(
+    "fires",
+    metadata,
+    Column(
+        "schedule_id",
+        BigInteger,
+        ForeignKey("cron.schedules.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    _time("fire_time", nullable=False),
+    Column("manual", Boolean, nullable=False, server_default=text("false")),
+    Column("outcome", Text, nullable=False),
+    Column("task_id", BigInteger),
+    Column("run_id", BigInteger),
+    _time("recorded_at", nullable=False, default=True),
+    _time("submitted_at"),
+    Column("tries", Integer, nullable=False, server_default=text("0")),
+    Column("detail", Text),
+    PrimaryKeyConstraint("schedule_id", "fire_time"),
+    CheckConstraint(
+        "outcome IN ('failed', 'missed', 'pending', 'skipped_overlap', 'submitted')",
+        name="outcome",
+    ),
+    CheckConstraint(
+        "(outcome = 'submitted') = (submitted_at IS NOT NULL)", name="submitted_has_time"
+    ),
+)
+
+Index("ix_fires_pending", fires.c.schedule_id, postgresql_where=fires.c.outcome == "pending")
+Index("ix_fires_recorded_at", fires.c.recorded_at)
