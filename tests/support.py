@@ -89,8 +89,8 @@ def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, thr
     return server, thread
 
 
-def start_core(db_url: str, home: Path, **settings: Any) -> Core:
-    port = free_port()
+def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any) -> Core:
+    port = port or free_port()
     config = CoreSettings(
         home=home,
         database_url=db_url,

@@ -169,3 +169,17 @@ def first_fire(
     if starts_at is not None and starts_at > after:
         after = starts_at - _ONE_US
     return next_after(expression, zone, after)
+
+
+def next_fire(
+    expression: str,
+    zone: ZoneInfo,
+    after: datetime,
+    starts_at: datetime | None,
+    ends_at: datetime | None,
+) -> datetime | None:
+    """The first fire after ``after`` within the schedule's window, or None."""
+    at = first_fire(expression, zone, after, starts_at)
+    if at is None or (ends_at is not None and at > ends_at):
+        return None
+    return at

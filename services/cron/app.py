@@ -1,0 +1,67 @@
+"""The cron service's FastAPI application: the API on every replica, and the engine that
+fires schedules wherever it holds the lead."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from libs.common import health, problems
+from libs.common.auth import RemoteAuth
+from libs.common.client import CoreClient
+from libs.common.limits import BodyLimit
+from services.cron import api
+from services.cron.engine import Clock, CronEngine, WarpedClock
+from services.cron.fire import Sender
+from services.cron.settings import CronSettings
+
+
+def create_app(
+    settings: CronSettings, database_url: str, clock: Clock | None = None, engine: bool = True
+) -> FastAPI:
+    """The API over ``database_url`` (already migrated); with ``engine``, the firing engine
+    runs beside it and campaigns for the lead."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = create_async_engine(
+            database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
+        )
+        core = CoreClient(settings.url, settings.token)
+        sender = Sender(core, settings.cron_submit_chunk)
+        if clock is None and settings.cron_clock_warp:
+            chosen: Clock | None = WarpedClock.parse(settings.cron_clock_warp)
+        else:
+            chosen = clock
+        cron = CronEngine(db, database_url, settings, sender, chosen)
+        app.state.engine = db
+        app.state.settings = settings
+        app.state.sender = sender
+        app.state.cron = cron
+        app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
+        runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
+        try:
+            yield
+        finally:
+            if runner is not None:
+                runner.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await runner
+            await core.aclose()
+            await db.dispose()
+
+    app = FastAPI(
+        title="Cairn cron",
+        version="0.1.0",
+        summary="Schedules: cron expressions in a time zone, fired exactly once each.",
+        lifespan=lifespan,
+    )
+    problems.install(app)
+    app.include_router(api.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,164 @@
+"""Sending fires to core: one task per fire, submitted for the schedule's owner with the
+idempotency key ``cron:<schedule>:<fire time>``, so a second try, a second leader or a
+restart finds the task the first one made instead of making another."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import httpx
+
+from libs.common.client import CoreClient
+from libs.common.errors import CairnError, Unavailable
+from libs.common.states import FINAL
+
+Outcome = Literal["submitted", "failed", "pending"]
+SCHEDULE_LABEL = "cairn.cron/schedule"
+FIRE_LABEL = "cairn.cron/fire-time"
+
+
+def fire_key(schedule_id: int, fire_time: datetime, manual: bool) -> str:
+    stamp = fire_time.astimezone(UTC).isoformat()
+    return f"cron:{schedule_id}:manual:{stamp}" if manual else f"cron:{schedule_id}:{stamp}"
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A claimed fire, ready to send."""
+
+    schedule_id: int
+    fire_time: datetime
+    manual: bool
+    owner: str
+    target: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Result:
+    schedule_id: int
+    fire_time: datetime
+    outcome: Outcome
+    task_id: int | None = None
+    run_id: int | None = None
+    detail: str | None = None
+    submitted_at: datetime | None = None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Core is down or overloaded: try again later. Anything else is the fire's own fault."""
+    if isinstance(exc, httpx.TransportError | Unavailable):
+        return True
+    return isinstance(exc, CairnError) and exc.status >= 500
+
+
+def _task_body(item: Outgoing) -> dict[str, Any]:
+    body = dict(item.target["task"])
+    stamp = item.fire_time.astimezone(UTC).isoformat()
+    body["idempotency_key"] = fire_key(item.schedule_id, item.fire_time, item.manual)
+    body["labels"] = {
+        **body.get("labels", {}),
+        SCHEDULE_LABEL: str(item.schedule_id),
+        FIRE_LABEL: stamp,
+    }
+    return body
+
+
+class Sender:
+    """Submits fires in batches per owner, several batches at once."""
+
+    def __init__(self, core: CoreClient, chunk: int, parallel: int = 4) -> None:
+        self.core = core
+        self.chunk = chunk
+        self._gate = asyncio.Semaphore(parallel)
+
+    async def send(self, items: Sequence[Outgoing]) -> list[Result]:
+        by_owner: dict[str, list[Outgoing]] = defaultdict(list)
+        results: list[Result] = []
+        for item in items:
+            if item.target.get("kind") == "task":
+                by_owner[item.owner].append(item)
+            else:
+                results.append(
+                    Result(
+                        item.schedule_id,
+                        item.fire_time,
+                        "failed",
+                        detail="workflow targets need the DAG service, which is not configured",
+                    )
+                )
+        batches = [
+            group[i : i + self.chunk]
+            for group in by_owner.values()
+            for i in range(0, len(group), self.chunk)
+        ]
+        for done in await asyncio.gather(*(self._batch(b) for b in batches)):
+            results.extend(done)
+        return results
+
+    async def _batch(self, items: list[Outgoing]) -> list[Result]:
+        async with self._gate:
+            try:
+                answer = await self.core.submit_batch_json(
+                    [_task_body(i) for i in items], on_behalf_of=items[0].owner
+                )
+            except Exception as exc:
+                if _retryable(exc) or len(items) == 1:
+                    return [self._failure(i, exc) for i in items]
+                # One bad fire refuses the whole batch: send them one by one to find it.
+                return [r for i in items for r in await self._batch_alone(i)]
+        now = datetime.now(UTC)
+        return [
+            Result(i.schedule_id, i.fire_time, "submitted", task_id=a.id, submitted_at=now)
+            for i, a in zip(items, answer, strict=True)
+        ]
+
+    async def _batch_alone(self, item: Outgoing) -> list[Result]:
+        try:
+            [answer] = await self.core.submit_batch_json(
+                [_task_body(item)], on_behalf_of=item.owner
+            )
+        except Exception as exc:
+            return [self._failure(item, exc)]
+        return [
+            Result(
+                item.schedule_id,
+                item.fire_time,
+                "submitted",
+                task_id=answer.id,
+                submitted_at=datetime.now(UTC),
+            )
+        ]
+
+    @staticmethod
+    def _failure(item: Outgoing, exc: BaseException) -> Result:
+        if _retryable(exc):
+            return Result(item.schedule_id, item.fire_time, "pending", detail=f"core: {exc}")
+        return Result(item.schedule_id, item.fire_time, "failed", detail=f"core refused: {exc}")
+
+    async def active(self, task_ids: Sequence[int]) -> dict[int, bool]:
+        """Whether each task is still live (not final), for the overlap policies. A task
+        core no longer knows (purged) counts as finished."""
+
+        async def one(task_id: int) -> tuple[int, bool]:
+            async with self._gate:
+                try:
+                    task = await self.core.get_task(task_id)
+                except CairnError as exc:
+                    if exc.status == 404:
+                        return task_id, False
+                    raise
+            return task_id, task.state not in FINAL
+
+        return dict(await asyncio.gather(*(one(t) for t in task_ids)))
+
+    async def cancel(self, task_id: int) -> None:
+        try:
+            await self.core.cancel(task_id)
+        except CairnError as exc:
+            if exc.status not in (404, 409):
+                raise

@@ -1,0 +1,362 @@
+"""Every read and write of the cron schema.
+
+A schedule row carries ``fired_through`` (every slot at or before it is dealt with) and
+``next_fire_at`` (the slot the engine waits for). Every change bumps ``version`` and sends
+``NOTIFY cron_schedules`` in the same transaction, so the leading engine (on whichever
+replica) drops what it held for that schedule and reads it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from pydantic import TypeAdapter
+from sqlalchemy import Row, func, select, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.cron_models import (
+    MAX_SCHEDULE_PAGE,
+    Fire,
+    Schedule,
+    ScheduleCreate,
+    ScheduleUpdate,
+    Target,
+)
+from libs.common.errors import Conflict, InvalidInput, NotFound
+from services.cron.domain import timing
+from services.cron.domain.timing import InvalidSchedule
+from services.cron.fire import Result
+from services.cron.tables import fires, schedules
+
+CHANNEL = "cron_schedules"
+_TARGET = TypeAdapter[Target](Target)
+
+
+def _invalid(field: str, exc: Exception) -> InvalidInput:
+    return InvalidInput(f"{field}: {exc}", errors=[{"field": field, "reason": str(exc)}])
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What decides when a schedule fires, checked."""
+
+    expression: str
+    zone: ZoneInfo
+    starts_at: datetime | None
+    ends_at: datetime | None
+
+    def next_after(self, after: datetime) -> datetime | None:
+        return timing.next_fire(self.expression, self.zone, after, self.starts_at, self.ends_at)
+
+
+def check_timing(
+    expression: str, zone_name: str, starts_at: datetime | None, ends_at: datetime | None
+) -> Timing:
+    """The schedule's timing, or a 422 naming the field at fault."""
+    try:
+        expression = timing.parse_expression(expression)
+    except InvalidSchedule as exc:
+        raise _invalid("body.expression", exc) from None
+    try:
+        zone = timing.parse_zone(zone_name)
+    except InvalidSchedule as exc:
+        raise _invalid("body.timezone", exc) from None
+    if starts_at and ends_at and ends_at <= starts_at:
+        raise _invalid("body.ends_at", ValueError("must be after starts_at"))
+    return Timing(expression, zone, starts_at, ends_at)
+
+
+def timing_of(row: Any) -> Timing:
+    return Timing(row.expression, timing.parse_zone(row.timezone), row.starts_at, row.ends_at)
+
+
+def schedule_from_row(row: Any) -> Schedule:
+    return Schedule(
+        id=row.id,
+        owner=row.owner,
+        name=row.name,
+        expression=row.expression,
+        timezone=row.timezone,
+        target=_TARGET.validate_python(row.target),
+        misfire_policy=row.misfire_policy,
+        catch_up_limit=row.catch_up_limit,
+        misfire_grace_s=row.misfire_grace_s,
+        overlap_policy=row.overlap_policy,
+        starts_at=row.starts_at,
+        ends_at=row.ends_at,
+        paused=row.paused,
+        version=row.version,
+        next_fire_at=row.next_fire_at,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+async def notify(conn: AsyncConnection, schedule_id: int) -> None:
+    await conn.execute(text("SELECT pg_notify(:c, :id)"), {"c": CHANNEL, "id": str(schedule_id)})
+
+
+async def create(
+    conn: AsyncConnection, owner: str, body: ScheduleCreate, now: datetime, max_per_owner: int
+) -> Schedule:
+    plan = check_timing(body.expression, body.timezone, body.starts_at, body.ends_at)
+    first = plan.next_after(now)
+    if first is None and body.ends_at is None:
+        raise _invalid("body.expression", ValueError(f"{plan.expression!r} never fires"))
+    count = (
+        await conn.execute(select(func.count()).where(schedules.c.owner == owner))
+    ).scalar_one()
+    if count >= max_per_owner:
+        raise Conflict(f"{owner} already has {count} schedules, the most one owner may have")
+    values = {
+        "owner": owner,
+        "name": body.name,
+        "expression": plan.expression,
+        "timezone": body.timezone,
+        "target": body.target.model_dump(mode="json"),
+        "misfire_policy": body.misfire_policy,
+        "catch_up_limit": body.catch_up_limit,
+        "misfire_grace_s": body.misfire_grace_s,
+        "overlap_policy": body.overlap_policy,
+        "starts_at": body.starts_at,
+        "ends_at": body.ends_at,
+        "paused": body.paused,
+        "fired_through": now,
+        "next_fire_at": None if body.paused else first,
+    }
+    try:
+        async with conn.begin_nested():
+            row = (
+                await conn.execute(schedules.insert().values(**values).returning(schedules))
+            ).one()
+    except IntegrityError:
+        raise Conflict(f"{owner} already has a schedule named {body.name!r}") from None
+    await notify(conn, row.id)
+    return schedule_from_row(row)
+
+
+async def _row(
+    conn: AsyncConnection, schedule_id: int, owner: str | None, lock: bool = False
+) -> Row[Any]:
+    query = select(schedules).where(schedules.c.id == schedule_id)
+    if owner is not None:
+        query = query.where(schedules.c.owner == owner)
+    if lock:
+        query = query.with_for_update()
+    row = (await conn.execute(query)).one_or_none()
+    if row is None:
+        raise NotFound(f"no schedule {schedule_id}")
+    return row
+
+
+async def get(conn: AsyncConnection, schedule_id: int, owner: str | None) -> Schedule:
+    return schedule_from_row(await _row(conn, schedule_id, owner))
+
+
+async def list_page(
+    conn: AsyncConnection, owner: str | None, after: int, limit: int
+) -> tuple[list[Schedule], int | None]:
+    limit = min(limit, MAX_SCHEDULE_PAGE)
+    query = select(schedules).where(schedules.c.id > after).order_by(schedules.c.id).limit(limit)
+    if owner is not None:
+        query = query.where(schedules.c.owner == owner)
+    rows = (await conn.execute(query)).all()
+    items = [schedule_from_row(r) for r in rows]
+    return items, (items[-1].id if len(items) == limit else None)
+
+
+async def _save(conn: AsyncConnection, schedule_id: int, values: dict[str, Any]) -> Schedule:
+    try:
+        async with conn.begin_nested():
+            row = (
+                await conn.execute(
+                    schedules.update()
+                    .where(schedules.c.id == schedule_id)
+                    .values(**values, version=schedules.c.version + 1, updated_at=func.now())
+                    .returning(schedules)
+                )
+            ).one()
+    except IntegrityError:
+        raise Conflict(f"a schedule named {values.get('name')!r} exists already") from None
+    await notify(conn, schedule_id)
+    return schedule_from_row(row)
+
+
+async def update(
+    conn: AsyncConnection,
+    schedule_id: int,
+    owner: str | None,
+    patch: ScheduleUpdate,
+    now: datetime,
+) -> Schedule:
+    row = await _row(conn, schedule_id, owner, lock=True)
+    given = patch.model_dump(exclude_unset=True)
+    if None in (given.get(k, 0) for k in ("name", "expression", "timezone", "target")):
+        field = next(
+            k for k in ("name", "expression", "timezone", "target") if given.get(k, 0) is None
+        )
+        raise _invalid(f"body.{field}", ValueError("may not be null"))
+    values: dict[str, Any] = {k: v for k, v in given.items() if k != "target"}
+    if patch.target is not None:
+        values["target"] = patch.target.model_dump(mode="json")
+    plan = check_timing(
+        given.get("expression", row.expression),
+        given.get("timezone", row.timezone),
+        given.get("starts_at", row.starts_at),
+        given.get("ends_at", row.ends_at),
+    )
+    values["expression"] = plan.expression
+    if {"expression", "timezone", "starts_at", "ends_at"} & given.keys():
+        # New timing applies from now on: slots of the old timing not yet fired are gone.
+        after = max(row.fired_through, now)
+        values["fired_through"] = after
+        values["next_fire_at"] = None if row.paused else plan.next_after(after)
+    return await _save(conn, schedule_id, values)
+
+
+async def delete(conn: AsyncConnection, schedule_id: int, owner: str | None) -> None:
+    await _row(conn, schedule_id, owner, lock=True)
+    await conn.execute(schedules.delete().where(schedules.c.id == schedule_id))
+    await notify(conn, schedule_id)
+
+
+async def set_paused(
+    conn: AsyncConnection, schedule_id: int, owner: str | None, paused: bool, now: datetime
+) -> Schedule:
+    row = await _row(conn, schedule_id, owner, lock=True)
+    if paused:
+        return await _save(conn, schedule_id, {"paused": True, "next_fire_at": None})
+    # Slots that passed while paused are not fired: a resumed schedule starts from now.
+    after = max(row.fired_through, now)
+    return await _save(
+        conn,
+        schedule_id,
+        {"paused": False, "fired_through": after, "next_fire_at": timing_of(row).next_after(after)},
+    )
+
+
+def fire_from_row(row: Any) -> Fire:
+    lag = (row.submitted_at - row.fire_time).total_seconds() * 1000 if row.submitted_at else None
+    return Fire(
+        schedule_id=row.schedule_id,
+        fire_time=row.fire_time,
+        manual=row.manual,
+        outcome=row.outcome,
+        task_id=row.task_id,
+        run_id=row.run_id,
+        recorded_at=row.recorded_at,
+        submitted_at=row.submitted_at,
+        lag_ms=lag,
+        tries=row.tries,
+        detail=row.detail,
+    )
+
+
+async def list_fires(
+    conn: AsyncConnection, schedule_id: int, before: datetime | None, limit: int
+) -> list[Fire]:
+    query = (
+        select(fires)
+        .where(fires.c.schedule_id == schedule_id)
+        .order_by(fires.c.fire_time.desc())
+        .limit(min(limit, MAX_SCHEDULE_PAGE))
+    )
+    if before is not None:
+        query = query.where(fires.c.fire_time < before)
+    return [fire_from_row(r) for r in (await conn.execute(query)).all()]
+
+
+# --- the engine's statements --------------------------------------------------------------
+
+HEAP_ROWS = text(
+    "SELECT id, version, next_fire_at, fired_through FROM cron.schedules"
+    " WHERE next_fire_at IS NOT NULL"
+)
+
+SCHEDULES_BY_ID = text("SELECT * FROM cron.schedules WHERE id = ANY(:ids)")
+
+# Claims slots: a slot another leader (or an earlier life of this one) claimed is skipped.
+CLAIM = text(
+    """
+    INSERT INTO cron.fires (schedule_id, fire_time, outcome, detail, manual)
+    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
+                         CAST(:outcomes AS text[]), CAST(:details AS text[]),
+                         CAST(:manual AS boolean[]))
+    ON CONFLICT DO NOTHING
+    RETURNING schedule_id, fire_time
+    """
+)
+
+ADVANCE = text(
+    """
+    UPDATE cron.schedules s
+       SET fired_through = GREATEST(s.fired_through, v.through), next_fire_at = v.next
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS bigint[]),
+                  CAST(:throughs AS timestamptz[]), CAST(:nexts AS timestamptz[]))
+           AS v(id, version, through, next)
+     WHERE s.id = v.id AND s.version = v.version
+    """
+)
+
+RECORD = text(
+    """
+    UPDATE cron.fires f
+       SET outcome = v.outcome, task_id = v.task_id, run_id = v.run_id,
+           submitted_at = CASE WHEN v.outcome = 'submitted'
+                               THEN COALESCE(v.submitted_at, clock_timestamp()) END,
+           detail = COALESCE(v.detail, f.detail), tries = f.tries + 1
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
+                  CAST(:outcomes AS text[]), CAST(:task_ids AS bigint[]),
+                  CAST(:run_ids AS bigint[]), CAST(:details AS text[]),
+                  CAST(:submitted_ats AS timestamptz[]))
+           AS v(id, fire_time, outcome, task_id, run_id, detail, submitted_at)
+     WHERE f.schedule_id = v.id AND f.fire_time = v.fire_time AND f.outcome = 'pending'
+    """
+)
+
+PENDING = text(
+    "SELECT schedule_id, fire_time, manual, tries FROM cron.fires WHERE outcome = 'pending'"
+    " ORDER BY fire_time"
+)
+
+LAST_TARGETS = text(
+    """
+    SELECT DISTINCT ON (schedule_id) schedule_id, task_id, run_id
+      FROM cron.fires
+     WHERE schedule_id = ANY(:ids) AND (task_id IS NOT NULL OR run_id IS NOT NULL)
+     ORDER BY schedule_id, fire_time DESC
+    """
+)
+
+PURGE_FIRES = text(
+    """
+    DELETE FROM cron.fires WHERE ctid IN (
+        SELECT ctid FROM cron.fires
+         WHERE recorded_at < now() - make_interval(secs => :age_s) AND outcome <> 'pending'
+         LIMIT :limit)
+    """
+)
+
+
+_RECORD_COLS = ("ids", "times", "outcomes", "task_ids", "run_ids", "details", "submitted_ats")
+
+
+async def record(conn: AsyncConnection, results: Sequence[Result]) -> None:
+    """Store what became of fires that are no longer pending."""
+    rows = [
+        (r.schedule_id, r.fire_time, r.outcome, r.task_id, r.run_id, r.detail, r.submitted_at)
+        for r in results
+        if r.outcome != "pending"
+    ]
+    if rows:
+        await conn.execute(RECORD, dict(zip(_RECORD_COLS, columns(rows, 7), strict=True)))
+
+
+def columns(values: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Rows as columns, for the ``unnest`` statements above."""
+    return [list(col) for col in zip(*values, strict=True)] if values else [[]] * width
