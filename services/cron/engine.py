@@ -436,7 +436,7 @@ class CronEngine:
                     entry.retry_at = self._backoff(entry.tries)
             else:
                 self.pending.pop(key, None)
-        if any(r.outcome != "pending" for r in results):
+        if results:
             async with self.db.begin() as conn:
                 await store.record(conn, results)
         if self.on_fire is not None:
@@ -487,7 +487,7 @@ class CronEngine:
                         Result(
                             sid,
                             p.fire_time,
-                            "failed",
+                            "missed",
                             detail="core was unreachable; dropped by the misfire policy "
                             f"{row.misfire_policy}",
                         )

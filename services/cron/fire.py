@@ -17,7 +17,7 @@ from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Unavailable
 from libs.common.states import FINAL
 
-Outcome = Literal["submitted", "failed", "pending"]
+Outcome = Literal["submitted", "failed", "pending", "missed"]
 SCHEDULE_LABEL = "cairn.cron/schedule"
 FIRE_LABEL = "cairn.cron/fire-time"
 

@@ -319,6 +319,16 @@ RECORD = text(
     """
 )
 
+# A try that core did not take: counted, with why, and the fire stays pending.
+RETRIED = text(
+    """
+    UPDATE cron.fires f SET tries = f.tries + 1, detail = v.detail
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
+                  CAST(:details AS text[])) AS v(id, fire_time, detail)
+     WHERE f.schedule_id = v.id AND f.fire_time = v.fire_time AND f.outcome = 'pending'
+    """
+)
+
 PENDING = text(
     "SELECT schedule_id, fire_time, manual, tries FROM cron.fires WHERE outcome = 'pending'"
     " ORDER BY fire_time"
@@ -355,6 +365,11 @@ async def record(conn: AsyncConnection, results: Sequence[Result]) -> None:
     ]
     if rows:
         await conn.execute(RECORD, dict(zip(_RECORD_COLS, columns(rows, 7), strict=True)))
+    waiting = [(r.schedule_id, r.fire_time, r.detail) for r in results if r.outcome == "pending"]
+    if waiting:
+        await conn.execute(
+            RETRIED, dict(zip(("ids", "times", "details"), columns(waiting, 3), strict=True))
+        )
 
 
 def columns(values: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
