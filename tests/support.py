@@ -116,22 +116,24 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         time.sleep(interval)
 
 
-def spawn_core(db_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
-    """Core as its own process (``python -m services.core``), ready to serve."""
+def spawn_service(
+    module: str, port_variable: str, db_url: str, home: Path, port: int, **env: str
+) -> subprocess.Popen[bytes]:
+    """A service as its own process (``python -m <module>``), ready to serve."""
     environment = {
         **os.environ,
         "CAIRN_DATABASE_URL": db_url,
         "CAIRN_HOME": str(home),
-        "CAIRN_CORE_PORT": str(port),
+        port_variable: str(port),
         "CAIRN_LOG_LEVEL": "warning",
         **env,
     }
-    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=environment)
+    proc = subprocess.Popen([sys.executable, "-m", module], env=environment)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"core exited with {proc.returncode}")
+            raise AssertionError(f"{module} exited with {proc.returncode}")
         try:
             return httpx.get(url + "/readyz", timeout=1).status_code == 200
         except httpx.HTTPError:
@@ -139,6 +141,11 @@ def spawn_core(db_url: str, home: Path, port: int, **env: str) -> subprocess.Pop
 
     wait_for(ready, timeout=60, interval=0.1)
     return proc
+
+
+def spawn_core(db_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """Core as its own process (``python -m services.core``), ready to serve."""
+    return spawn_service("services.core", "CAIRN_CORE_PORT", db_url, home, port, **env)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
