@@ -48,27 +48,34 @@ def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
     return token
 
 
-def cmd_migrate(settings: CairnSettings, args: argparse.Namespace) -> int:
-    from services.core import migrate
+def migrate_all(url: str) -> None:
+    """Every service's schema, to its newest migration."""
+    from services.core import migrate as core_migrate
+    from services.cron import migrate as cron_migrate
 
+    core_migrate.upgrade(url)
+    cron_migrate.upgrade(url)
+
+
+def cmd_migrate(settings: CairnSettings, args: argparse.Namespace) -> int:
     _prepare_home(settings)
     url, started = _database(settings)
     try:
-        migrate.upgrade(url)
+        migrate_all(url)
     finally:
         if started is not None:
             started.stop()
-    print("core schema is at the newest migration")
+    print("every schema is at its newest migration")
     return 0
 
 
 def cmd_token_create(settings: CairnSettings, args: argparse.Namespace) -> int:
-    from services.core import admin, migrate
+    from services.core import admin
 
     _prepare_home(settings)
     url, started = _database(settings)
     try:
-        migrate.upgrade(url)
+        migrate_all(url)
         token = admin.create_token(url, args.name, args.role)
     except ValueError as exc:
         print(f"cairn: {exc}", file=sys.stderr)
@@ -89,6 +96,13 @@ def cmd_worker(settings: CairnSettings, args: argparse.Namespace) -> int:
 
 def cmd_core(settings: CairnSettings, args: argparse.Namespace) -> int:
     from services.core.__main__ import main
+
+    main(args.rest)
+    return 0
+
+
+def cmd_cron(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.cron.__main__ import main
 
     main(args.rest)
     return 0
@@ -121,9 +135,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 15.0) -> None:
 
 
 def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
-    """Start the database (embedded unless a URL is set), core, and wait for Ctrl-C."""
-    from services.core import migrate
-
+    """Start the database (embedded unless a URL is set), the services and a worker, and
+    wait for Ctrl-C."""
     _prepare_home(settings)
     url, started = _database(settings)
     stopping = False
@@ -136,9 +149,10 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        migrate.upgrade(url)
+        migrate_all(url)
         token = local_token(settings, url, "admin", "admin")
         worker_token = local_token(settings, url, "local-worker", "worker")
+        cron_token = local_token(settings, url, "cron", "service")
         env = {**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"}
         core_url = f"http://{settings.bind_host}:{settings.core_port}"
         procs.append(
@@ -147,6 +161,15 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
             )
         )
         _wait_ready(core_url, procs[0])
+        cron_url = f"http://{settings.bind_host}:{settings.cron_port}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.cron"],
+                env={**env, "CAIRN_URL": core_url, "CAIRN_TOKEN": cron_token},
+                start_new_session=True,
+            )
+        )
+        _wait_ready(cron_url, procs[-1])
         worker_env = {
             **env,
             "CAIRN_URL": core_url,
@@ -162,6 +185,7 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         )
         print(
             f"\ncairn is up\n  core      {core_url}  (OpenAPI at {core_url}/docs)\n"
+            f"  cron      {cron_url}  (OpenAPI at {cron_url}/docs)\n"
             f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
             f"{settings.worker_memory_mb} MB\n"
             f"  database  {'embedded, ' + str(settings.home / 'pg') if started else 'as configured'}\n"
@@ -194,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     core = sub.add_parser("core", help="run core's API and loops", add_help=False)
     core.add_argument("rest", nargs=argparse.REMAINDER)
     core.set_defaults(func=cmd_core)
-    sub.add_parser("migrate", help="migrate core's schema").set_defaults(func=cmd_migrate)
+    cron = sub.add_parser("cron", help="run the cron service (API and engine)", add_help=False)
+    cron.add_argument("rest", nargs=argparse.REMAINDER)
+    cron.set_defaults(func=cmd_cron)
+    sub.add_parser("migrate", help="migrate every schema").set_defaults(func=cmd_migrate)
     sub.add_parser(
         "worker", help="run a worker agent (CAIRN_URL, CAIRN_TOKEN of a worker principal)"
     ).set_defaults(func=cmd_worker)

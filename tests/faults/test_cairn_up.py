@@ -18,11 +18,19 @@ from tests.support import free_port, spec, wait_for
 pytestmark = pytest.mark.slow
 
 
+_CRON_PORTS: dict[int, int] = {}
+
+
+def cron_port(core_port: int) -> int:
+    return _CRON_PORTS.setdefault(core_port, free_port())
+
+
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "CAIRN_HOME": str(home),
         "CAIRN_CORE_PORT": str(port),
+        "CAIRN_CRON_PORT": str(cron_port(port)),
         "CAIRN_URL": f"http://127.0.0.1:{port}",
     }
     env.pop("CAIRN_DATABASE_URL", None)
@@ -65,6 +73,10 @@ def test_up_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         headers = {"Authorization": f"Bearer {token}"}
         task = httpx.post(f"http://127.0.0.1:{port}/v1/tasks", json=spec(), headers=headers)
         assert task.status_code == 201
+        cron = f"http://127.0.0.1:{cron_port(port)}"
+        assert httpx.get(cron + "/readyz").status_code == 200
+        # The only cron replica takes the lead.
+        wait_for(lambda: httpx.get(cron + "/v1/cron/status", headers=headers).json()["leader"], 10)
         # The local worker runs it (/bin/true).
         url = f"http://127.0.0.1:{port}/v1/tasks/{task.json()['id']}"
         wait_for(lambda: httpx.get(url, headers=headers).json()["state"] == "succeeded", 30)
