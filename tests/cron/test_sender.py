@@ -1,0 +1,109 @@
+"""The cron service's use of core's client, against a mocked core (respx): batching per
+owner, the idempotency key, what is retried and what is not."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from datetime import UTC, datetime
+
+import httpx
+import respx
+
+from libs.common.client import CoreClient
+from services.cron.fire import Outgoing, Result, Sender
+from tests.support import spec
+
+CORE = "http://core.test"
+SLOT = datetime(2027, 1, 4, 12, 1, tzinfo=UTC)
+
+
+def outgoing(sid: int, owner: str = "alice") -> Outgoing:
+    return Outgoing(sid, SLOT, False, owner, {"kind": "task", "task": spec(labels={"team": "x"})})
+
+
+def send(items: list[Outgoing], chunk: int = 500) -> list[Result]:
+    async def run() -> list[Result]:
+        async with CoreClient(CORE, "svc") as core:
+            return await Sender(core, chunk).send(items)
+
+    return asyncio.run(run())
+
+
+def batch_answer(request: httpx.Request) -> httpx.Response:
+    tasks = json.loads(request.content)["tasks"]
+    return httpx.Response(
+        201,
+        json={
+            "tasks": [
+                {"id": 100 + i, "state": "waiting", "created": True} for i in range(len(tasks))
+            ]
+        },
+    )
+
+
+@respx.mock
+def test_fires_go_in_one_batch_per_owner_with_key_labels_and_owner() -> None:
+    route = respx.post(f"{CORE}/v1/tasks/batch").mock(side_effect=batch_answer)
+    results = send([outgoing(1), outgoing(2), outgoing(3, owner="bob")])
+    assert [r.outcome for r in results] == ["submitted"] * 3
+    assert route.call_count == 2
+    owners = sorted(c.request.headers["X-Cairn-On-Behalf-Of"] for c in route.calls)
+    assert owners == ["alice", "bob"]
+    first = json.loads(route.calls[0].request.content)["tasks"][0]
+    assert first["idempotency_key"] == "cron:1:2027-01-04T12:01:00+00:00"
+    assert first["labels"] == {
+        "team": "x",
+        "cairn.cron/schedule": "1",
+        "cairn.cron/fire-time": "2027-01-04T12:01:00+00:00",
+    }
+    assert route.calls[0].request.headers["Authorization"] == "Bearer svc"
+
+
+@respx.mock
+def test_large_fires_are_chunked() -> None:
+    route = respx.post(f"{CORE}/v1/tasks/batch").mock(side_effect=batch_answer)
+    results = send([outgoing(i) for i in range(1, 8)], chunk=3)
+    assert route.call_count == 3
+    assert len({r.task_id for r in results}) == 7
+
+
+@respx.mock
+def test_core_unreachable_or_unavailable_leaves_fires_pending() -> None:
+    respx.post(f"{CORE}/v1/tasks/batch").mock(side_effect=httpx.ConnectError("refused"))
+    assert {r.outcome for r in send([outgoing(1), outgoing(2)])} == {"pending"}
+    respx.post(f"{CORE}/v1/tasks/batch").mock(
+        return_value=httpx.Response(
+            503, json={"type": "https://cairn.dev/problems/unavailable", "detail": "db down"}
+        )
+    )
+    assert {r.outcome for r in send([outgoing(1)])} == {"pending"}
+
+
+@respx.mock
+def test_a_refused_batch_is_split_to_find_the_bad_fire() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        tasks = json.loads(request.content)["tasks"]
+        if any(t["labels"]["cairn.cron/schedule"] == "2" for t in tasks):
+            return httpx.Response(
+                422,
+                json={"type": "https://cairn.dev/problems/invalid-input", "detail": "bad queue"},
+            )
+        return batch_answer(request)
+
+    respx.post(f"{CORE}/v1/tasks/batch").mock(side_effect=answer)
+    results = {r.schedule_id: r for r in send([outgoing(1), outgoing(2), outgoing(3)])}
+    assert results[1].outcome == results[3].outcome == "submitted"
+    assert results[2].outcome == "failed"
+    assert results[2].detail is not None
+    assert "bad queue" in results[2].detail
+
+
+@respx.mock
+def test_workflow_targets_fail_clearly_without_the_dag_service() -> None:
+    item = Outgoing(1, SLOT, False, "alice", {"kind": "dag", "workflow": "w", "params": {}})
+    [result] = send([item])
+    assert result.outcome == "failed"
+    assert result.detail is not None
+    assert "DAG" in result.detail
