@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import itertools
 import json
 from datetime import UTC, datetime
 
@@ -31,16 +32,13 @@ def send(items: list[Outgoing], chunk: int = 500) -> list[Result]:
     return asyncio.run(run())
 
 
+_ids = itertools.count(100)
+
+
 def batch_answer(request: httpx.Request) -> httpx.Response:
     tasks = json.loads(request.content)["tasks"]
-    return httpx.Response(
-        201,
-        json={
-            "tasks": [
-                {"id": 100 + i, "state": "waiting", "created": True} for i in range(len(tasks))
-            ]
-        },
-    )
+    items = [{"id": next(_ids), "state": "waiting", "created": True} for _ in tasks]
+    return httpx.Response(201, json={"tasks": items})
 
 
 @respx.mock
