@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import itertools
 import json
 from datetime import UTC, datetime
 
