@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    model_validator,
 )
 
 from libs.common.states import TaskState
@@ -132,6 +133,21 @@ class TaskBatchCreate(_Input):
     """Up to 1,000 submissions, accepted all together or not at all."""
 
     tasks: list[TaskCreate] = Field(min_length=1, max_length=MAX_BATCH)
+    owners: list[Name] | None = Field(
+        default=None,
+        max_length=MAX_BATCH,
+        description="The owner of each task, in order: for the service role only (cron "
+        "firing many people's schedules at once submits them in one batch).",
+    )
+
+    @model_validator(mode="after")
+    def _one_owner_each(self) -> TaskBatchCreate:
+        if self.owners is not None and len(self.owners) != len(self.tasks):
+            raise ValueError(
+                f"owners has {len(self.owners)} names for {len(self.tasks)} tasks; "
+                "give one owner per task"
+            )
+        return self
 
 
 class Task(_Output):

@@ -27,7 +27,7 @@ WITH input AS (
         cpu double precision, memory_mb integer, preemptible boolean, max_attempts integer,
         backoff_base_s double precision, backoff_cap_s double precision,
         backoff_jitter boolean, poison_after integer, timeout_s integer,
-        run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb
+        run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text
     )
 ), new AS (
     INSERT INTO core.tasks (
@@ -37,7 +37,7 @@ WITH input AS (
         spec_hash, labels, state
     )
     SELECT
-        :owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
+        owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
         idempotency_key, spec_hash, labels,
@@ -58,7 +58,8 @@ SELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id
 
 BY_IDEMPOTENCY_KEYS: TextClause = text(f"""
 SELECT {SUBMITTED_COLUMNS} FROM core.tasks
-WHERE owner = :owner AND idempotency_key = ANY(CAST(:keys AS text[]))
+WHERE (owner, idempotency_key) IN (
+    SELECT * FROM unnest(CAST(:owners AS text[]), CAST(:keys AS text[])))
 """)
 
 # The guarded move of one task: the sub-select locks the row and reads the state it

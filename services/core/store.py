@@ -125,37 +125,46 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
 
 
 async def submit(
-    conn: AsyncConnection, owner: str, specs: Sequence[TaskCreate]
+    conn: AsyncConnection, owner: str | Sequence[str], specs: Sequence[TaskCreate]
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
-    Rows hold ``queries.SUBMITTED_COLUMNS``."""
-    docs = [_row_doc(spec) for spec in specs]
+    ``owner`` is one owner for all, or one per submission. Rows hold
+    ``queries.SUBMITTED_COLUMNS``."""
+    owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
+    docs = [{**_row_doc(spec), "owner": who} for spec, who in zip(specs, owners, strict=True)]
     rows = orjson.dumps(docs).decode()
-    created = await _fetch(conn, queries.SUBMIT, {"owner": owner, "rows": rows})
-    created_keys = {row.idempotency_key for row in created if row.idempotency_key}
-    missing = {d["idempotency_key"] for d in docs if d["idempotency_key"]} - created_keys
-    existing: dict[str, Any] = {}
+    created = await _fetch(conn, queries.SUBMIT, {"rows": rows})
+
+    def key_of(row: Any) -> tuple[str, str] | None:
+        return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
+
+    created_keys = {(row.owner, row.idempotency_key) for row in created if row.idempotency_key}
+    wanted = {k for k in map(key_of, docs) if k is not None}
+    missing = sorted(wanted - created_keys)
+    existing: dict[tuple[str, str], Any] = {}
     if missing:
         found = await _fetch(
-            conn, queries.BY_IDEMPOTENCY_KEYS, {"owner": owner, "keys": sorted(missing)}
+            conn,
+            queries.BY_IDEMPOTENCY_KEYS,
+            {"owners": [o for o, _ in missing], "keys": [k for _, k in missing]},
         )
-        existing = {row.idempotency_key: row for row in found}
+        existing = {(row.owner, row.idempotency_key): row for row in found}
     out: list[tuple[Any, bool]] = []
     fresh = iter(created)
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for doc in docs:
-        key = doc["idempotency_key"]
+        key = key_of(doc)
         if key is None or (key in created_keys and key not in seen):
             row = next(fresh)
             if key:
                 seen.add(key)
             out.append((row, True))
             continue
-        row = existing.get(key) or next(r for r, _ in out if r.idempotency_key == key)
+        row = existing.get(key) or next(r for r, _ in out if (r.owner, r.idempotency_key) == key)
         if row.spec_hash != doc["spec_hash"]:
             raise IdempotencyMismatch(
-                f"idempotency_key {key!r} was used for task {row.id} with a different request"
+                f"idempotency_key {key[1]!r} was used for task {row.id} with a different request"
             )
         out.append((row, False))
     return out

@@ -47,6 +47,7 @@ LEADER_LOCK = 0x0CA1_C709  # the advisory lock key the leader holds
 # Cron's resolution is a minute: a slot less than this late cannot have a successor due.
 _MIN_PERIOD = timedelta(seconds=60)
 _PURGE_EVERY_S = 600.0
+_PREFETCH = timedelta(seconds=2)
 
 
 class Clock(Protocol):
@@ -165,6 +166,8 @@ class CronEngine:
         self.pending: dict[tuple[int, datetime], Pending] = {}
         self.changed: set[int] = set()
         self.wake = asyncio.Event()
+        self._ready: dict[int, Any] = {}
+        self._ready_for: datetime | None = None
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
 
@@ -236,6 +239,8 @@ class CronEngine:
         self.versions.clear()
         self.pending.clear()
         self.changed.clear()
+        self._ready.clear()
+        self._ready_for = None
 
     # --- the heap -----------------------------------------------------------------------
 
@@ -277,8 +282,10 @@ class CronEngine:
                 for key in [k for k in self.pending if k[0] == sid]:
                     del self.pending[key]
                 continue
-            self.versions[sid] = row.version
-            if row.next_fire_at is not None:
+            if row.next_fire_at is None:
+                self.versions.pop(sid, None)  # paused, ended, or never again
+            else:
+                self.versions[sid] = row.version
                 heapq.heappush(self.heap, (row.next_fire_at, sid, row.version))
         await self._load_pending(ids)
         if len(self.heap) > 2 * len(self.versions) + 1000:
@@ -311,6 +318,7 @@ class CronEngine:
             if loop.time() - self._purged_at > _PURGE_EVERY_S:
                 await self._purge()
                 self._purged_at = loop.time()
+            await self._prefetch(self.clock.now())
             await self._sleep(loop)
 
     async def _sleep(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -326,9 +334,19 @@ class CronEngine:
             await asyncio.wait_for(self.wake.wait(), timeout)
 
     async def _fire_due(self, due: list[tuple[datetime, int, int]], now: datetime) -> None:
-        ids = [sid for _, sid, _ in due]
-        async with self.db.connect() as conn:
-            rows = {r.id: r for r in (await conn.execute(store.SCHEDULES_BY_ID, {"ids": ids}))}
+        """Send what is due, then record it. Sending first is safe: a slot not yet recorded
+        when this process dies is sent again by the next leader with the same idempotency
+        key, and core answers with the task the first send made."""
+        rows = {}
+        for _, sid, version in due:
+            row = self._ready.pop(sid, None)
+            if row is not None and row.version == version:
+                rows[sid] = row
+        missing = [sid for _, sid, _ in due if sid not in rows]
+        if missing:
+            async with self.db.connect() as conn:
+                for r in await conn.execute(store.SCHEDULES_BY_ID, {"ids": missing}):
+                    rows[r.id] = r
         plans: list[Plan] = []
         for at, sid, version in due:
             row = rows.get(sid)
@@ -338,10 +356,49 @@ class CronEngine:
         if not plans:
             return
         await self._check_overlap(plans)
-        outgoing = await self._claim(plans)
+        for plan in plans:
+            if plan.replace is not None:
+                with contextlib.suppress(Exception):
+                    await self.sender.cancel(plan.replace)
+        outgoing = [
+            Outgoing(plan.row.id, slot, False, plan.row.owner, plan.row.target)
+            for plan in plans
+            for slot in plan.fire
+        ]
         results = await self.sender.send(outgoing) if outgoing else []
-        await self._record(results)
-        await self._advance(plans, now)
+        await self._settle(plans, results)
+        await self._advance(plans)
+
+    async def _settle(self, plans: list[Plan], results: list[Result]) -> None:
+        """Record the fires and what became of them, and how far each schedule has fired,
+        in one transaction. Fires core did not take wait, pending, for another try."""
+        fired: list[tuple[Any, ...]] = [
+            (r.schedule_id, r.fire_time, r.outcome, r.task_id, r.run_id, r.submitted_at,
+             r.detail, 1)
+            for r in results
+        ]  # fmt: skip
+        for plan in plans:
+            fired.extend((plan.row.id, s, o, None, None, None, d, 0) for s, o, d in plan.record)
+        throughs = [
+            (p.row.id, p.row.version, p.through, p.row.next_fire_at)
+            for p in plans
+            if p.through is not None
+        ]
+        async with self.db.begin() as conn:
+            if fired:
+                await conn.execute(
+                    store.FIRED, dict(zip(store.FIRED_COLS, store.columns(fired, 8), strict=True))
+                )
+            await conn.execute(
+                store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(throughs, 4), strict=True))
+            )
+        for sid, at, outcome, *_ in fired:
+            if outcome == "pending":
+                entry = self.pending.setdefault((sid, at), Pending(sid, at, False))
+                entry.tries += 1
+                entry.retry_at = self._backoff(entry.tries)
+        if self.on_fire is not None:
+            self.on_fire(results)
 
     async def _check_overlap(self, plans: list[Plan]) -> None:
         """Apply ``forbid`` and ``replace`` against each schedule's previous fire's task."""
@@ -384,44 +441,6 @@ class CronEngine:
             else:
                 plan.replace = task_id
 
-    async def _claim(self, plans: list[Plan]) -> list[Outgoing]:
-        claims: list[tuple[int, datetime, str, str | None, bool]] = []
-        for plan in plans:
-            claims.extend((plan.row.id, s, o, d, False) for s, o, d in plan.record)
-            claims.extend((plan.row.id, s, "pending", None, False) for s in plan.fire)
-        async with self.db.begin() as conn:
-            got = {
-                (r.schedule_id, r.fire_time)
-                for r in await conn.execute(
-                    store.CLAIM, dict(zip(_CLAIM_COLS, store.columns(claims, 5), strict=True))
-                )
-            }
-            throughs = [
-                (p.row.id, p.row.version, p.through, p.row.next_fire_at)
-                for p in plans
-                if p.through is not None
-            ]
-            await conn.execute(
-                store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(throughs, 4), strict=True))
-            )
-        outgoing = []
-        for plan in plans:
-            if plan.replace is not None and any((plan.row.id, s) in got for s in plan.fire):
-                with contextlib.suppress(Exception):
-                    await self.sender.cancel(plan.replace)
-            for slot in plan.fire:
-                if (plan.row.id, slot) in got:
-                    outgoing.append(
-                        Outgoing(plan.row.id, slot, False, plan.row.owner, plan.row.target)
-                    )
-                    self.pending[(plan.row.id, slot)] = Pending(plan.row.id, slot, False)
-            for slot, outcome, _ in plan.record:
-                if outcome == "pending" and (plan.row.id, slot) in got:
-                    self.pending[(plan.row.id, slot)] = Pending(
-                        plan.row.id, slot, False, retry_at=self._backoff(0)
-                    )
-        return outgoing
-
     def _backoff(self, tries: int) -> float:
         delay: float = min(self.settings.cron_retry_max_s, 0.5 * 2.0 ** min(tries, 16))
         return asyncio.get_running_loop().time() + delay
@@ -442,13 +461,18 @@ class CronEngine:
         if self.on_fire is not None:
             self.on_fire(results)
 
-    async def _advance(self, plans: list[Plan], now: datetime) -> None:
-        """Each fired schedule's next slot: stored, and pushed on the heap."""
+    async def _advance(self, plans: list[Plan]) -> None:
+        """Each fired schedule's next slot: stored, and pushed on the heap. Schedules that
+        share an expression, zone and last slot share the computation."""
         nexts = []
+        cache: dict[tuple[Any, ...], datetime | None] = {}
         for plan in plans:
             row = plan.row
             after = max(plan.through or row.next_fire_at, row.fired_through)
-            nxt = store.timing_of(row).next_after(after)
+            key = (row.expression, row.timezone, row.starts_at, row.ends_at, after)
+            if key not in cache:
+                cache[key] = store.timing_of(row).next_after(after)
+            nxt = cache[key]
             nexts.append((row.id, row.version, after, nxt))
             if nxt is not None:
                 heapq.heappush(self.heap, (nxt, row.id, row.version))
@@ -456,6 +480,24 @@ class CronEngine:
             await conn.execute(
                 store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(nexts, 4), strict=True))
             )
+
+    async def _prefetch(self, now: datetime) -> None:
+        """Read ahead the rows of schedules due within ``_PREFETCH``, so that at the slot
+        the engine goes straight to sending."""
+        if not self.heap or self.heap[0][0] - now > _PREFETCH or self._ready_for == self.heap[0][0]:
+            return
+        self._ready_for = self.heap[0][0]
+        horizon = now + _PREFETCH
+        ids = [
+            sid
+            for at, sid, version in self.heap
+            if at <= horizon and self.versions.get(sid) == version and sid not in self._ready
+        ]
+        if not ids:
+            return
+        async with self.db.connect() as conn:
+            for row in await conn.execute(store.SCHEDULES_BY_ID, {"ids": ids}):
+                self._ready[row.id] = row
 
     async def _retry_pending(self) -> None:
         """Send again the fires core did not take, within each schedule's misfire policy."""
@@ -524,5 +566,4 @@ def _keep_pending(row: Any, waiting: list[Pending], now: datetime) -> set[dateti
     return set(times[-row.catch_up_limit :])
 
 
-_CLAIM_COLS = ("ids", "times", "outcomes", "details", "manual")
 _ADVANCE_COLS = ("ids", "versions", "throughs", "nexts")

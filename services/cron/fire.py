@@ -5,7 +5,6 @@ restart finds the task the first one made instead of making another."""
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -69,7 +68,7 @@ def _task_body(item: Outgoing) -> dict[str, Any]:
 
 
 class Sender:
-    """Submits fires in batches per owner, several batches at once."""
+    """Submits fires in batches (every owner's together), several batches at once."""
 
     def __init__(self, core: CoreClient, chunk: int, parallel: int = 4) -> None:
         self.core = core
@@ -77,11 +76,11 @@ class Sender:
         self._gate = asyncio.Semaphore(parallel)
 
     async def send(self, items: Sequence[Outgoing]) -> list[Result]:
-        by_owner: dict[str, list[Outgoing]] = defaultdict(list)
+        tasks: list[Outgoing] = []
         results: list[Result] = []
         for item in items:
             if item.target.get("kind") == "task":
-                by_owner[item.owner].append(item)
+                tasks.append(item)
             else:
                 results.append(
                     Result(
@@ -91,11 +90,8 @@ class Sender:
                         detail="workflow targets need the DAG service, which is not configured",
                     )
                 )
-        batches = [
-            group[i : i + self.chunk]
-            for group in by_owner.values()
-            for i in range(0, len(group), self.chunk)
-        ]
+        # Many owners in one request: each task names its owner (``owners``).
+        batches = [tasks[i : i + self.chunk] for i in range(0, len(tasks), self.chunk)]
         for done in await asyncio.gather(*(self._batch(b) for b in batches)):
             results.extend(done)
         return results
@@ -104,7 +100,7 @@ class Sender:
         async with self._gate:
             try:
                 answer = await self.core.submit_batch_json(
-                    [_task_body(i) for i in items], on_behalf_of=items[0].owner
+                    [_task_body(i) for i in items], owners=[i.owner for i in items]
                 )
             except Exception as exc:
                 if _retryable(exc) or len(items) == 1:
@@ -119,9 +115,7 @@ class Sender:
 
     async def _batch_alone(self, item: Outgoing) -> list[Result]:
         try:
-            [answer] = await self.core.submit_batch_json(
-                [_task_body(item)], on_behalf_of=item.owner
-            )
+            [answer] = await self.core.submit_batch_json([_task_body(item)], owners=[item.owner])
         except Exception as exc:
             return [self._failure(item, exc)]
         return [

@@ -292,6 +292,27 @@ CLAIM = text(
     """
 )
 
+# Fires as they were sent (or missed, or skipped). A slot an earlier life left pending is
+# completed; one already settled stays as it was.
+FIRED = text(
+    """
+    INSERT INTO cron.fires (schedule_id, fire_time, outcome, task_id, run_id, submitted_at,
+                            detail, tries)
+    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
+                         CAST(:outcomes AS text[]), CAST(:task_ids AS bigint[]),
+                         CAST(:run_ids AS bigint[]), CAST(:submitted_ats AS timestamptz[]),
+                         CAST(:details AS text[]), CAST(:tries AS integer[]))
+    ON CONFLICT (schedule_id, fire_time) DO UPDATE
+       SET outcome = EXCLUDED.outcome, task_id = EXCLUDED.task_id, run_id = EXCLUDED.run_id,
+           submitted_at = EXCLUDED.submitted_at, detail = EXCLUDED.detail,
+           tries = cron.fires.tries + EXCLUDED.tries
+     WHERE cron.fires.outcome = 'pending' AND EXCLUDED.outcome <> 'pending'
+    """
+)
+FIRED_COLS = (
+    "ids", "times", "outcomes", "task_ids", "run_ids", "submitted_ats", "details", "tries"
+)  # fmt: skip
+
 ADVANCE = text(
     """
     UPDATE cron.schedules s

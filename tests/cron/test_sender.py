@@ -41,14 +41,14 @@ def batch_answer(request: httpx.Request) -> httpx.Response:
 
 
 @respx.mock
-def test_fires_go_in_one_batch_per_owner_with_key_labels_and_owner() -> None:
+def test_fires_go_in_one_batch_naming_each_owner_with_key_and_labels() -> None:
     route = respx.post(f"{CORE}/v1/tasks/batch").mock(side_effect=batch_answer)
     results = send([outgoing(1), outgoing(2), outgoing(3, owner="bob")])
     assert [r.outcome for r in results] == ["submitted"] * 3
-    assert route.call_count == 2
-    owners = sorted(c.request.headers["X-Cairn-On-Behalf-Of"] for c in route.calls)
-    assert owners == ["alice", "bob"]
-    first = json.loads(route.calls[0].request.content)["tasks"][0]
+    assert route.call_count == 1
+    sent = json.loads(route.calls[0].request.content)
+    assert sent["owners"] == ["alice", "alice", "bob"]
+    first = sent["tasks"][0]
     assert first["idempotency_key"] == "cron:1:2027-01-04T12:01:00+00:00"
     assert first["labels"] == {
         "team": "x",
