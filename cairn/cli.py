@@ -94,6 +94,13 @@ def cmd_core(settings: CairnSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dag(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.dag.__main__ import main
+
+    main(args.rest)
+    return 0
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -194,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     core = sub.add_parser("core", help="run core's API and loops", add_help=False)
     core.add_argument("rest", nargs=argparse.REMAINDER)
     core.set_defaults(func=cmd_core)
+    dag = sub.add_parser("dag", help="run the DAG service (CAIRN_URL, CAIRN_TOKEN)", add_help=False)
+    dag.add_argument("rest", nargs=argparse.REMAINDER)
+    dag.set_defaults(func=cmd_dag)
     sub.add_parser("migrate", help="migrate core's schema").set_defaults(func=cmd_migrate)
     sub.add_parser(
         "worker", help="run a worker agent (CAIRN_URL, CAIRN_TOKEN of a worker principal)"
