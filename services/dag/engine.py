@@ -148,13 +148,16 @@ class Engine:
                 self._cursor = await store.read_cursor(conn)
         wait = 0 if self._full_page else self.settings.feed_wait_s
         poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
+        # Whatever happens to this turn, the poll's outcome is collected.
+        poll.add_done_callback(lambda t: t.cancelled() or t.exception())
         woken = asyncio.create_task(self._wake.wait())
-        done, _ = await asyncio.wait({poll, woken}, return_when=asyncio.FIRST_COMPLETED)
-        woken.cancel()
+        try:
+            done, _ = await asyncio.wait({poll, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not poll.done():
+                poll.cancel()
         if poll not in done:
-            poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError, CairnError):
-                await poll
             return None
         page = poll.result()
         self._full_page = len(page.items) >= self.settings.feed_page

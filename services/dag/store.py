@@ -44,7 +44,7 @@ async def _lock(conn: AsyncConnection, *parts: str) -> None:
     """Serialise writers of one (owner, workflow) within the transaction."""
     await conn.execute(
         text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
-        {"key": "dag\x00" + "\x00".join(parts)},
+        {"key": "dag/" + "/".join(parts)},
     )
 
 
