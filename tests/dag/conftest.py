@@ -88,7 +88,9 @@ class Worker:
     def __init__(self, core: Core, name: str = "test-worker") -> None:
         self.http = core.client(name, "worker")
         offer = {"hostname": name, "queues": ["default"], "cpu": 4096, "memory_mb": 2**25}
-        self.id = self.http.post("/v1/workers", json=offer).raise_for_status().json()["worker"]["id"]
+        self.id = (
+            self.http.post("/v1/workers", json=offer).raise_for_status().json()["worker"]["id"]
+        )
         self.claims: Counter[int] = Counter()
         self.held: list[int] = []
         self._stop = threading.Event()
