@@ -163,7 +163,7 @@ def test_a_service_starts_a_run_for_its_owner_once_per_key(
         "SELECT owner, idempotency_key FROM core.tasks WHERE id = %s",
         (run["nodes"][0]["task_id"],),
     ).fetchone()
-    assert owner == "bob"
+    assert (owner, key_in_core) == ("bob", f"dag:{run['id']}:a:1")
     with dag.client("mallory") as mallory:
         refused = mallory.post(
             "/v1/workflows/nightly/runs", json={}, headers={"X-Cairn-On-Behalf-Of": "bob"}
