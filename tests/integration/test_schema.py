@@ -1,17 +1,29 @@
 from __future__ import annotations
 
+from types import ModuleType
+
 import psycopg
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine
+from sqlalchemy import MetaData, create_engine
 
 from libs.common.migrations import alembic_config
 from libs.common.settings import libpq_url
-from services.core import migrate
-from services.core.tables import SCHEMA, metadata
+from services.core import migrate as core_migrate
+from services.core import tables as core_tables
+from services.dag import migrate as dag_migrate
+from services.dag import tables as dag_tables
+
+# (schema, its tables, its migrations, the newest revision)
+SERVICES = {
+    "core": (core_tables.SCHEMA, core_tables.metadata, core_migrate, "0002"),
+    "dag": (dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0001"),
+}
+services = pytest.mark.parametrize("service", sorted(SERVICES))
 
 
-def test_migrations_build_exactly_the_models_schema(db_url: str) -> None:
+def _diff(db_url: str, schema: str, metadata: MetaData) -> list[object]:
     engine = create_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -19,33 +31,44 @@ def test_migrations_build_exactly_the_models_schema(db_url: str) -> None:
                 conn,
                 opts={
                     "include_schemas": True,
-                    "version_table_schema": SCHEMA,
-                    "include_name": lambda name, kind, _: kind != "schema" or name == SCHEMA,
+                    "version_table_schema": schema,
+                    "include_name": lambda name, kind, _: kind != "schema" or name == schema,
                     "compare_type": True,
                 },
             )
-            diff = compare_metadata(context, metadata)
+            return list(compare_metadata(context, metadata))
     finally:
         engine.dispose()
-    assert diff == []
 
 
-def test_migrating_twice_is_a_no_op(db_url: str) -> None:
+@services
+def test_migrations_build_exactly_the_models_schema(db_url: str, service: str) -> None:
+    schema, metadata, _, _ = SERVICES[service]
+    assert _diff(db_url, schema, metadata) == []
+
+
+@services
+def test_migrating_twice_is_a_no_op(db_url: str, service: str) -> None:
+    schema, _, migrate, head = SERVICES[service]
     migrate.upgrade(db_url)
     with psycopg.connect(libpq_url(db_url)) as conn:
-        assert conn.execute("SELECT version_num FROM core.alembic_version").fetchall() == [
-            ("0002",)
+        assert conn.execute(f"SELECT version_num FROM {schema}.alembic_version").fetchall() == [
+            (head,)
         ]
 
 
-def test_downgrade_then_upgrade_round_trips(db_url: str) -> None:
+@services
+def test_downgrade_then_upgrade_round_trips(db_url: str, service: str) -> None:
     from alembic import command
 
-    command.downgrade(alembic_config(migrate.MIGRATIONS, db_url), "base")
+    schema, metadata, migrate, _ = SERVICES[service]
+    module: ModuleType = migrate
+    command.downgrade(alembic_config(module.MIGRATIONS, db_url), "base")
     with psycopg.connect(libpq_url(db_url)) as conn:
         left = conn.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'core'"
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+            (schema,),
         ).fetchall()
     assert left == [("alembic_version",)]
     migrate.upgrade(db_url)
-    test_migrations_build_exactly_the_models_schema(db_url)
+    assert _diff(db_url, schema, metadata) == []
