@@ -104,6 +104,8 @@ class Engine:
     # --- the loop --------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
+        """Lead (or wait to), then turn until cancelled. A failed turn is retried with
+        backoff; leadership is given up only when its connection is lost."""
         pause = self.settings.retry_base_s
         while True:
             try:
@@ -112,20 +114,39 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("the DAG loop failed, again in %.1f s: %r", pause, exc)
+                log.warning("lost the DAG loop's database session: %r", exc)
                 self._cursor = None
                 await self._sleep(pause)
                 pause = min(pause * 2, self.settings.retry_cap_s)
-            else:
-                pause = self.settings.retry_base_s
 
     async def _lead(self, leader: AsyncConnection) -> None:
         while not await leader.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": _LEADER_KEY}):
+            await leader.commit()
             await self._sleep(1.0)
         await leader.commit()
         log.info("leading the DAG loop")
+        try:
+            await self._turn_forever(leader)
+        finally:
+            with contextlib.suppress(Exception):
+                await leader.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LEADER_KEY})
+                await leader.commit()
+
+    async def _turn_forever(self, leader: AsyncConnection) -> None:
+        pause = self.settings.retry_base_s
         while True:
-            await self.step()
+            try:
+                await self.step()
+            except Exception as exc:
+                log.warning("a turn of the DAG loop failed, again in %.2f s: %r", pause, exc)
+                self._cursor = None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, self.settings.retry_cap_s)
+                # Still the leader? A lost session raises out and leads again.
+                await leader.scalar(text("SELECT 1"))
+                await leader.commit()
+            else:
+                pause = self.settings.retry_base_s
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

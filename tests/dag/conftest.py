@@ -4,6 +4,7 @@ worker that claims and reports through core's real worker API."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,7 +86,8 @@ class Worker:
     """A worker in a thread: claims through core's HTTP API and reports at once, as
     ``outcome_of`` says. Counts how often each task was handed out."""
 
-    def __init__(self, core: Core, name: str = "test-worker") -> None:
+    def __init__(self, core: Core, name: str = "test-worker", delay_s: float = 0) -> None:
+        self.delay_s = delay_s
         self.http = core.client(name, "worker")
         offer = {"hostname": name, "queues": ["default"], "cpu": 4096, "memory_mb": 2**25}
         self.id = (
@@ -113,6 +115,7 @@ class Worker:
                 report = {"outcome": outcome, "exit_code": 0 if outcome == "succeeded" else 1}
                 if outcome == "failed":
                     report["retryable"] = False
+                time.sleep(self.delay_s)
                 path = f"/v1/workers/{self.id}/attempts/{attempt['attempt_id']}/report"
                 self.http.post(path, json=report)
 
