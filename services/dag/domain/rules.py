@@ -16,9 +16,11 @@ S = NodeState
 def _all_success(done: bool, failed: bool, upstream: Collection[NodeState]) -> Verdict:
     if failed:
         return "upstream_failed"
-    if any(state is S.SKIPPED for state in upstream):
-        return "skipped"
-    return "ready" if all(state is S.SUCCEEDED for state in upstream) else "wait"
+    if not done:
+        # A skip decides only once the rest ended: a later failure must win, whatever
+        # order the outcomes arrive in.
+        return "wait"
+    return "ready" if all(state is S.SUCCEEDED for state in upstream) else "skipped"
 
 
 def _all_done(done: bool, failed: bool, upstream: Collection[NodeState]) -> Verdict:
