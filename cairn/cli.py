@@ -52,9 +52,11 @@ def migrate_all(url: str) -> None:
     """Every service's schema, to its newest migration."""
     from services.core import migrate as core_migrate
     from services.cron import migrate as cron_migrate
+    from services.dag import migrate as dag_migrate
 
     core_migrate.upgrade(url)
     cron_migrate.upgrade(url)
+    dag_migrate.upgrade(url)
 
 
 def cmd_migrate(settings: CairnSettings, args: argparse.Namespace) -> int:
@@ -108,6 +110,13 @@ def cmd_cron(settings: CairnSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dag(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from services.dag.__main__ import main
+
+    main(args.rest)
+    return 0
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -153,6 +162,7 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         token = local_token(settings, url, "admin", "admin")
         worker_token = local_token(settings, url, "local-worker", "worker")
         cron_token = local_token(settings, url, "cron", "service")
+        dag_token = local_token(settings, url, "dag", "service")
         env = {**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"}
         core_url = f"http://{settings.bind_host}:{settings.core_port}"
         procs.append(
@@ -170,6 +180,15 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
             )
         )
         _wait_ready(cron_url, procs[-1])
+        dag_url = f"http://{settings.bind_host}:{settings.dag_port}"
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.dag"],
+                env={**env, "CAIRN_URL": core_url, "CAIRN_TOKEN": dag_token},
+                start_new_session=True,
+            )
+        )
+        _wait_ready(dag_url, procs[-1])
         worker_env = {
             **env,
             "CAIRN_URL": core_url,
@@ -186,6 +205,7 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         print(
             f"\ncairn is up\n  core      {core_url}  (OpenAPI at {core_url}/docs)\n"
             f"  cron      {cron_url}  (OpenAPI at {cron_url}/docs)\n"
+            f"  dag       {dag_url}  (OpenAPI at {dag_url}/docs)\n"
             f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
             f"{settings.worker_memory_mb} MB\n"
             f"  database  {'embedded, ' + str(settings.home / 'pg') if started else 'as configured'}\n"
@@ -221,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     cron = sub.add_parser("cron", help="run the cron service (API and engine)", add_help=False)
     cron.add_argument("rest", nargs=argparse.REMAINDER)
     cron.set_defaults(func=cmd_cron)
+    dag = sub.add_parser("dag", help="run the DAG service (CAIRN_URL, CAIRN_TOKEN)", add_help=False)
+    dag.add_argument("rest", nargs=argparse.REMAINDER)
+    dag.set_defaults(func=cmd_dag)
     sub.add_parser("migrate", help="migrate every schema").set_defaults(func=cmd_migrate)
     sub.add_parser(
         "worker", help="run a worker agent (CAIRN_URL, CAIRN_TOKEN of a worker principal)"

@@ -22,9 +22,10 @@ from services.core import migrate as core_migrate
 from services.core.app import create_app
 from services.core.settings import CoreSettings
 from services.cron import migrate as cron_migrate
+from services.dag import migrate as dag_migrate
 
 # Every service's schema, migrated into the template database each test clones.
-MIGRATIONS = [core_migrate.upgrade, cron_migrate.upgrade]
+MIGRATIONS = [core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade]
 
 TRUE_SHA = hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest()
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import httpx
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from libs.common.client import CoreClient
+from libs.common.client import ON_BEHALF_OF, CoreClient
 from libs.common.errors import Forbidden, Unauthorized, Unavailable
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
@@ -91,3 +91,28 @@ async def _person(caller: Annotated[Caller, Depends(current_caller)]) -> Caller:
 
 # Workers may not touch schedules or workflows; everyone else may, each their own.
 Person = Annotated[Caller, Depends(_person)]
+
+
+async def _acting_owner(
+    caller: Person,
+    on_behalf_of: Annotated[
+        str | None,
+        Header(
+            alias=ON_BEHALF_OF,
+            min_length=1,
+            max_length=200,
+            pattern=r"^[^\x00-\x1f\x7f]+$",
+            description="The owner of what is created; only the service role may name "
+            "someone else (cron starts runs for the person who owns the schedule).",
+        ),
+    ] = None,
+) -> str:
+    if on_behalf_of is None or on_behalf_of == caller.name:
+        return caller.name
+    if caller.role != "service":
+        raise Forbidden(f"only the service role may use {ON_BEHALF_OF}")
+    return on_behalf_of
+
+
+# The owner of what the call creates: the caller, or whom a service token names.
+ActingOwner = Annotated[str, Depends(_acting_owner)]

@@ -67,8 +67,9 @@ def raise_for_problem(response: httpx.Response) -> None:
     raise error
 
 
-class CoreClient:
-    """An async client of core's API. Pass ``transport`` to test without a server."""
+class ApiClient:
+    """An async client of one Cairn service's API. Pass ``transport`` to test without a
+    server."""
 
     def __init__(
         self,
@@ -103,6 +104,10 @@ class CoreClient:
         response = await self._http.request(method, path, **kwargs)
         raise_for_problem(response)
         return response
+
+
+class CoreClient(ApiClient):
+    """An async client of core's API. Pass ``transport`` to test without a server."""
 
     async def whoami(self) -> WhoAmI:
         """The principal this client's token stands for."""

@@ -25,12 +25,21 @@ def cron_port(core_port: int) -> int:
     return _CRON_PORTS.setdefault(core_port, free_port())
 
 
+_DAG_PORTS: dict[int, int] = {}
+
+
+def dag_port(core_port: int) -> int:
+    return _DAG_PORTS.setdefault(core_port, free_port())
+
+
 def _up(home: Path, port: int) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "CAIRN_HOME": str(home),
         "CAIRN_CORE_PORT": str(port),
         "CAIRN_CRON_PORT": str(cron_port(port)),
+        "CAIRN_DAG_PORT": str(dag_port(port)),
+        "CAIRN_DAG_URL": f"http://127.0.0.1:{dag_port(port)}",
         "CAIRN_URL": f"http://127.0.0.1:{port}",
     }
     env.pop("CAIRN_DATABASE_URL", None)
@@ -75,6 +84,7 @@ def test_up_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         assert task.status_code == 201
         cron = f"http://127.0.0.1:{cron_port(port)}"
         assert httpx.get(cron + "/readyz").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{dag_port(port)}/readyz").status_code == 200
         # The only cron replica takes the lead.
         wait_for(lambda: httpx.get(cron + "/v1/cron/status", headers=headers).json()["leader"], 10)
         # The local worker runs it (/bin/true).

@@ -19,11 +19,14 @@ from services.core import migrate as core_migrate
 from services.core import tables as core_tables
 from services.cron import migrate as cron_migrate
 from services.cron import tables as cron_tables
+from services.dag import migrate as dag_migrate
+from services.dag import tables as dag_tables
 
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
     pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0002", id="core"),
     pytest.param(cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0001", id="cron"),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0001", id="dag"),
 ]
 
 

@@ -1,0 +1,107 @@
+"""The typed HTTP client of the DAG service, for cron, the CLI and scripts.
+
+Errors are raised as in ``libs.common.client``: the matching ``CairnError`` rebuilt from
+the problem+json answer, or httpx's ``TransportError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.common.client import ApiClient, _owner
+from libs.common.dag_models import (
+    Graph,
+    Run,
+    RunCreate,
+    RunList,
+    RunState,
+    Workflow,
+    WorkflowCreate,
+    WorkflowList,
+)
+
+
+class DagClient(ApiClient):
+    """An async client of the DAG service's API. Pass ``transport`` to test without a
+    server."""
+
+    async def put_workflow(
+        self, definition: WorkflowCreate, *, on_behalf_of: str | None = None
+    ) -> tuple[Workflow, bool]:
+        """Store a definition; return its version and whether this call made it (False:
+        it is the same as the newest version)."""
+        response = await self._call(
+            "POST",
+            "/v1/workflows",
+            content=definition.model_dump_json(exclude_unset=True),
+            headers=_owner(on_behalf_of),
+        )
+        return Workflow.model_validate_json(response.content), response.status_code == 201
+
+    async def get_workflow(self, name: str, version: int | None = None) -> Workflow:
+        params = {"version": version} if version else {}
+        response = await self._call("GET", f"/v1/workflows/{name}", params=params)
+        return Workflow.model_validate_json(response.content)
+
+    async def list_workflows(self) -> WorkflowList:
+        response = await self._call("GET", "/v1/workflows")
+        return WorkflowList.model_validate_json(response.content)
+
+    async def start_run(
+        self,
+        workflow: str,
+        params: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        on_behalf_of: str | None = None,
+        *,
+        version: int | None = None,
+    ) -> tuple[Run, bool]:
+        """Start a run; return it and whether this call created it (False: the owner used
+        ``idempotency_key`` before, and that run is returned). A service token may start
+        it ``on_behalf_of`` another owner, who then owns the run and its tasks."""
+        body = RunCreate(params=params or {}, idempotency_key=idempotency_key, version=version)
+        response = await self._call(
+            "POST",
+            f"/v1/workflows/{workflow}/runs",
+            content=body.model_dump_json(exclude_none=True),
+            headers=_owner(on_behalf_of),
+        )
+        return Run.model_validate_json(response.content), response.status_code == 201
+
+    async def get_run(self, run_id: int) -> Run:
+        """The run with its nodes' states."""
+        response = await self._call("GET", f"/v1/runs/{run_id}")
+        return Run.model_validate_json(response.content)
+
+    async def list_runs(
+        self,
+        *,
+        workflow: str | None = None,
+        state: RunState | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> RunList:
+        params: dict[str, Any] = {"limit": limit}
+        for key, value in (("workflow", workflow), ("state", state), ("cursor", cursor)):
+            if value is not None:
+                params[key] = str(value)
+        response = await self._call("GET", "/v1/runs", params=params)
+        return RunList.model_validate_json(response.content)
+
+    async def cancel_run(self, run_id: int) -> Run:
+        """Cancel the run; its live node tasks are cancelled in core."""
+        response = await self._call("POST", f"/v1/runs/{run_id}/cancel")
+        return Run.model_validate_json(response.content)
+
+    async def retry_run(self, run_id: int) -> Run:
+        """Run a failed or cancelled run again from the nodes that did not succeed."""
+        response = await self._call("POST", f"/v1/runs/{run_id}/retry")
+        return Run.model_validate_json(response.content)
+
+    async def graph(self, run_id: int) -> Graph:
+        response = await self._call("GET", f"/v1/runs/{run_id}/graph")
+        return Graph.model_validate_json(response.content)
+
+    async def mermaid(self, run_id: int) -> str:
+        response = await self._call("GET", f"/v1/runs/{run_id}/graph", params={"format": "mermaid"})
+        return response.text

@@ -1,0 +1,275 @@
+"""The wire format of the DAG service: workflow definitions, runs and their nodes.
+
+Definitions refuse unknown fields and bound every list, map and string, as core's
+submissions do. What a graph means (no cycle, every ``depends_on`` known) is checked by the
+DAG service, which names the offending nodes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
+
+from libs.common.models import IdempotencyKey, TaskCreate
+
+MAX_NODES = 10_000
+MAX_DEPENDS_ON = 1_000
+MAX_PARAMS = 100
+MAX_PARAMS_BYTES = 64 * 1024
+MAX_NODE_LABELS = 30
+
+NodeName = Annotated[
+    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+]
+WorkflowName = Annotated[
+    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
+]
+ParamName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+]
+ParamValue = (
+    Annotated[str, StringConstraints(max_length=8192, pattern=r"^[^\x00]*$")]
+    | int
+    | float
+    | bool
+    | None
+)
+
+
+class TriggerRule(StrEnum):
+    """When a node may run, given its upstream nodes' outcomes."""
+
+    #: every upstream node succeeded
+    ALL_SUCCESS = "all_success"
+    #: every upstream node ended, however
+    ALL_DONE = "all_done"
+    #: at least one upstream node failed (or could not run because of a failure)
+    ONE_FAILED = "one_failed"
+    #: at least one upstream node succeeded
+    ONE_SUCCESS = "one_success"
+    #: every upstream node ended and none failed (succeeded or skipped)
+    NONE_FAILED = "none_failed"
+
+
+class RunState(StrEnum):
+    #: accepted, waiting for room under the workflow's ``max_active_runs``
+    QUEUED = "queued"
+    #: nodes are being released and followed
+    RUNNING = "running"
+    #: final: every leaf succeeded or was skipped
+    SUCCEEDED = "succeeded"
+    #: final: a leaf failed or could not run because of a failure
+    FAILED = "failed"
+    #: final, by request
+    CANCELLED = "cancelled"
+
+
+RUN_FINAL: frozenset[RunState] = frozenset(
+    {RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED}
+)
+RUN_ACTIVE: frozenset[RunState] = frozenset(RunState) - RUN_FINAL
+
+
+class NodeState(StrEnum):
+    #: its trigger rule is not met yet
+    PENDING = "pending"
+    #: its rule is met; the task is being submitted to core
+    READY = "ready"
+    #: its task exists in core and has not started
+    RELEASED = "released"
+    #: its task is running in core
+    RUNNING = "running"
+    #: final: its task succeeded
+    SUCCEEDED = "succeeded"
+    #: final: its task ended dead or cancelled, or core refused it
+    FAILED = "failed"
+    #: final: its rule can no longer be met because an upstream node failed
+    UPSTREAM_FAILED = "upstream_failed"
+    #: final: its rule can no longer be met, and nothing failed
+    SKIPPED = "skipped"
+    #: the run was cancelled while the node's task was live; core is asked to cancel it
+    CANCELLING = "cancelling"
+    #: final: the run was cancelled before the node ended
+    CANCELLED = "cancelled"
+
+
+NODE_FINAL: frozenset[NodeState] = frozenset(
+    {
+        NodeState.SUCCEEDED,
+        NodeState.FAILED,
+        NodeState.UPSTREAM_FAILED,
+        NodeState.SKIPPED,
+        NodeState.CANCELLED,
+    }
+)
+#: the node's task is live in core
+NODE_LIVE: frozenset[NodeState] = frozenset(
+    {NodeState.RELEASED, NodeState.RUNNING, NodeState.CANCELLING}
+)
+#: outcomes that count as a failure for trigger rules
+NODE_FAILED: frozenset[NodeState] = frozenset({NodeState.FAILED, NodeState.UPSTREAM_FAILED})
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def _bounded_params(params: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    if len(json.dumps(params)) > MAX_PARAMS_BYTES:
+        raise ValueError(f"parameters must be at most {MAX_PARAMS_BYTES} bytes as JSON")
+    return params
+
+
+Params = Annotated[
+    dict[ParamName, ParamValue],
+    Field(max_length=MAX_PARAMS),
+    AfterValidator(_bounded_params),
+]
+
+
+class TaskTemplate(TaskCreate):
+    """A node's task: a submission to core whose ``args``, ``env`` values, ``input_path``
+    and ``output_path`` may hold ``{{ params.NAME }}``, ``{{ run.id }}``,
+    ``{{ run.workflow }}``, ``{{ node.name }}``, ``{{ node.try }}`` and
+    ``{{ nodes.UPSTREAM.output_path }}``. The DAG service sets the idempotency key."""
+
+    @model_validator(mode="after")
+    def _set_by_the_service(self) -> TaskTemplate:
+        if self.idempotency_key is not None:
+            raise ValueError("idempotency_key is set by the DAG service (run, node, try)")
+        if self.run_at is not None:
+            raise ValueError("run_at is not allowed in a node: a node runs when released")
+        if len(self.labels) > MAX_NODE_LABELS:
+            raise ValueError(f"at most {MAX_NODE_LABELS} labels (the service adds two)")
+        return self
+
+
+class NodeSpec(_Input):
+    """One node of a workflow: its task, what it waits for, and when it may run."""
+
+    name: NodeName
+    task: TaskTemplate
+    depends_on: list[NodeName] = Field(default_factory=list, max_length=MAX_DEPENDS_ON)
+    trigger_rule: TriggerRule = TriggerRule.ALL_SUCCESS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_named_after_node(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("task"), dict):
+            task = data["task"]
+            if "name" not in task and isinstance(data.get("name"), str):
+                data = {**data, "task": {**task, "name": data["name"]}}
+        return data
+
+
+class WorkflowCreate(_Input):
+    """A workflow definition; storing it under a name already used makes a new version."""
+
+    name: WorkflowName
+    description: Annotated[str, StringConstraints(max_length=4096)] = ""
+    params: Params = Field(default_factory=dict)
+    max_active_runs: int = Field(default=16, ge=1, le=1000)
+    nodes: list[NodeSpec] = Field(min_length=1, max_length=MAX_NODES)
+
+
+class Workflow(_Output):
+    """One stored version of a workflow."""
+
+    id: int
+    owner: str
+    name: str
+    version: int
+    definition: WorkflowCreate
+    created_at: datetime
+
+
+class WorkflowSummary(_Output):
+    id: int
+    owner: str
+    name: str
+    version: int
+    nodes: int
+    created_at: datetime
+
+
+class WorkflowList(_Output):
+    items: list[WorkflowSummary]
+
+
+class RunCreate(_Input):
+    """Start a run of the newest version (or ``version``) with these parameters."""
+
+    params: Params = Field(default_factory=dict)
+    idempotency_key: IdempotencyKey | None = None
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+
+class Node(_Output):
+    name: str
+    state: NodeState
+    trigger_rule: TriggerRule
+    depends_on: list[str]
+    #: counts releases: 1, then one more for each retry of the run that re-releases it
+    try_number: int
+    task_id: int | None
+    error: str | None = None
+    updated_at: datetime
+
+
+class Run(_Output):
+    """A run of one workflow version; ``nodes`` is empty in lists."""
+
+    id: int
+    owner: str
+    workflow: str
+    workflow_version: int
+    params: dict[str, Any]
+    state: RunState
+    idempotency_key: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    nodes: list[Node] = Field(default_factory=list)
+
+
+class RunList(_Output):
+    items: list[Run]
+    next_cursor: str | None
+
+
+class GraphNode(_Output):
+    name: str
+    state: NodeState
+    trigger_rule: TriggerRule
+    task_id: int | None
+
+
+class GraphEdge(_Output):
+    source: str
+    target: str
+
+
+class Graph(_Output):
+    """A run's graph: nodes with their states, and ``depends_on`` as edges upstream to
+    downstream; ``mermaid`` draws the same as a Mermaid flowchart."""
+
+    run_id: int
+    nodes: list[GraphNode]
+    edges: list[GraphEdge]
+    mermaid: str

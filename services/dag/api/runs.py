@@ -1,0 +1,136 @@
+"""Runs: read them with their nodes, draw their graph, cancel and retry them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.auth import Person
+from libs.common.dag_models import (
+    Graph,
+    GraphEdge,
+    GraphNode,
+    Node,
+    Run,
+    RunList,
+    RunState,
+    WorkflowName,
+)
+from libs.common.errors import InvalidInput
+from libs.common.models import MAX_PAGE
+from libs.common.problems import PROBLEMS
+from services.dag import store
+from services.dag.deps import Db, GraphCache, Loop, RunIdPath
+from services.dag.domain.graph import Dag
+from services.dag.engine import Graphs, reset_for_retry
+from services.dag.mermaid import mermaid
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+
+async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[Run, Dag]:
+    dag = await graphs.get(conn, row.workflow_id)
+    nodes = {n.name: n for n in await store.nodes_of(conn, [row.id])}
+    times = await store.node_times(conn, row.id)
+    listed = [
+        Node(
+            name=name,
+            state=nodes[name].state,
+            trigger_rule=dag.rule(name),
+            depends_on=list(dag.upstream[name]),
+            try_number=nodes[name].try_number,
+            task_id=nodes[name].task_id,
+            error=nodes[name].error,
+            updated_at=times[name],
+        )
+        for name in dag.order
+    ]
+    return store.run_model(row, listed), dag
+
+
+@router.get("", response_model=RunList, responses=PROBLEMS)
+async def list_runs(
+    caller: Person,
+    db: Db,
+    workflow: WorkflowName | None = None,
+    state: RunState | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=20, pattern=r"^[0-9]{1,19}$")] = None,
+) -> RunList:
+    """Runs you may see, newest first, without their nodes."""
+    before = int(cursor) if cursor else None
+    if before is not None and before > 2**63 - 1:
+        raise InvalidInput("cursor: not a cursor this API gave out")
+    async with db.connect() as conn:
+        rows = await store.list_runs(conn, caller.owner_filter, workflow, state, limit, before)
+    items = [store.run_model(r) for r in rows]
+    next_cursor = str(items[-1].id) if len(items) == limit else None
+    return RunList(items=items, next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", response_model=Run, responses=PROBLEMS)
+async def get_run(run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache) -> Run:
+    """The run with every node's state, in topological order."""
+    async with db.connect() as conn:
+        row = await store.get_run(conn, run_id, caller.owner_filter)
+        run, _ = await _with_nodes(conn, graphs, row)
+    return run
+
+
+@router.get(
+    "/{run_id}/graph",
+    response_model=Graph,
+    responses={**PROBLEMS, 200: {"content": {"text/plain": {}}}},
+)
+async def get_graph(
+    run_id: RunIdPath,
+    caller: Person,
+    db: Db,
+    graphs: GraphCache,
+    format: Literal["json", "mermaid"] = "json",
+) -> Graph | PlainTextResponse:
+    """The run's nodes and edges (upstream to downstream) as JSON, or with
+    ``format=mermaid`` as a Mermaid flowchart."""
+    async with db.connect() as conn:
+        row = await store.get_run(conn, run_id, caller.owner_filter)
+        run, dag = await _with_nodes(conn, graphs, row)
+    edges = [GraphEdge(source=up, target=n) for n in dag.order for up in dag.upstream[n]]
+    text = mermaid(run.nodes, edges)
+    if format == "mermaid":
+        return PlainTextResponse(text)
+    nodes = [
+        GraphNode(name=n.name, state=n.state, trigger_rule=n.trigger_rule, task_id=n.task_id)
+        for n in run.nodes
+    ]
+    return Graph(run_id=run.id, nodes=nodes, edges=edges, mermaid=text)
+
+
+@router.post("/{run_id}/cancel", response_model=Run, responses=PROBLEMS)
+async def cancel_run(
+    run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache, loop: Loop
+) -> Run:
+    """Cancel a queued or running run; its nodes' live tasks are cancelled in core."""
+    async with db.begin() as conn:
+        row = await store.cancel_run(conn, run_id, caller.owner_filter)
+        run, _ = await _with_nodes(conn, graphs, row)
+    loop.wake()
+    return run
+
+
+@router.post("/{run_id}/retry", response_model=Run, responses=PROBLEMS)
+async def retry_run(
+    run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache, loop: Loop
+) -> Run:
+    """Run a failed or cancelled run again from the nodes that failed, could not run or
+    were cancelled (each with its try counted up); the run queues like a new one."""
+    async with db.begin() as conn:
+        row = await store.get_run(conn, run_id, caller.owner_filter)
+        dag = await graphs.get(conn, row.workflow_id)
+        states = {n.name: n.state for n in await store.nodes_of(conn, [run_id], lock=True)}
+        row = await store.retry_run(conn, run_id, caller.owner_filter, reset_for_retry(dag, states))
+        run, _ = await _with_nodes(conn, graphs, row)
+    loop.wake()
+    return run

@@ -1,0 +1,97 @@
+"""Workflow definitions: store a version, read them, start runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from libs.common.auth import ActingOwner, Person
+from libs.common.dag_models import (
+    Run,
+    RunCreate,
+    Workflow,
+    WorkflowCreate,
+    WorkflowList,
+    WorkflowName,
+)
+from libs.common.problems import PROBLEMS
+from services.dag import store
+from services.dag.deps import Db, GraphCache, Loop
+from services.dag.domain import graph
+from services.dag.domain.templates import Renderer, RunContext, merged_params
+
+router = APIRouter(prefix="/v1/workflows", tags=["workflows"])
+
+
+def _workflow(row: object) -> Workflow:
+    return Workflow.model_validate(row, from_attributes=True)
+
+
+@router.post("", response_model=Workflow, status_code=201, responses=PROBLEMS)
+async def put_workflow(
+    body: WorkflowCreate, owner: ActingOwner, db: Db, graphs: GraphCache, response: Response
+) -> Workflow:
+    """Store a definition as the workflow's next version (201), or answer its newest
+    version (200) when that is the same definition. A cycle, an unknown or duplicate node
+    is refused with their names."""
+    dag = graph.build(body)
+    async with db.begin() as conn:
+        row, created = await store.put_workflow(conn, owner, body)
+    graphs.put(row.id, dag)
+    if not created:
+        response.status_code = 200
+    return _workflow(row)
+
+
+@router.get("", response_model=WorkflowList, responses=PROBLEMS)
+async def list_workflows(caller: Person, db: Db) -> WorkflowList:
+    """The newest version of each workflow you may see."""
+    async with db.connect() as conn:
+        rows = await store.list_workflows(conn, caller.owner_filter)
+    return WorkflowList.model_validate(
+        {"items": [{**r._mapping, "nodes": r.node_count} for r in rows]}
+    )
+
+
+@router.get("/{name}", response_model=Workflow, responses=PROBLEMS)
+async def get_workflow(
+    name: WorkflowName,
+    owner: ActingOwner,
+    db: Db,
+    version: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+) -> Workflow:
+    """Your workflow's newest version, or ``version``."""
+    async with db.connect() as conn:
+        return _workflow(await store.get_workflow(conn, owner, name, version))
+
+
+@router.post("/{name}/runs", response_model=Run, status_code=201, responses=PROBLEMS)
+async def start_run(
+    name: WorkflowName,
+    body: RunCreate,
+    owner: ActingOwner,
+    db: Db,
+    graphs: GraphCache,
+    loop: Loop,
+    response: Response,
+) -> Run:
+    """Start a run (201), or answer the run your ``idempotency_key`` already started (200).
+    It is queued until the workflow has fewer than ``max_active_runs`` running."""
+    async with db.begin() as conn:
+        workflow = await store.get_workflow(conn, owner, name, body.version)
+        dag = await graphs.get(conn, workflow.id)
+        params = merged_params(dag, body.params)
+        row, created = await store.create_run(
+            conn, owner, workflow, params, body.idempotency_key, dag.order
+        )
+        if created:
+            # Every node must render into a valid task now, not halfway through the run.
+            renderer = Renderer(dag, RunContext(row.id, workflow.name, owner, params))
+            for node in dag.order:
+                renderer.task(node, 1)
+    if created:
+        loop.wake()
+    else:
+        response.status_code = 200
+    return store.run_model(row)

@@ -1,0 +1,56 @@
+"""The DAG service's FastAPI application and its loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from libs.common import health, problems
+from libs.common.auth import RemoteAuth
+from libs.common.limits import BodyLimit
+from services.dag.api import runs, workflows
+from services.dag.engine import Engine, Graphs
+from services.dag.settings import DagSettings
+
+
+def create_app(settings: DagSettings, database_url: str) -> FastAPI:
+    """The API over ``database_url``, whose ``dag`` schema must already be migrated;
+    ``settings.url`` is core's and ``settings.token`` this service's own (role service)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_async_engine(
+            database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
+        )
+        graphs = Graphs(settings.graph_cache)
+        loop = Engine(engine, settings, graphs)
+        app.state.engine = engine
+        app.state.settings = settings
+        app.state.graphs = graphs
+        app.state.loop = loop
+        app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
+        task = asyncio.create_task(loop.run_forever(), name="dag-loop")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await loop.close()
+            await engine.dispose()
+
+    app = FastAPI(
+        title="Cairn DAG",
+        version="0.1.0",
+        summary="Workflows: versioned definitions, runs released node by node to core.",
+        lifespan=lifespan,
+    )
+    problems.install(app)
+    for module in (workflows, runs, health):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,104 @@
+"""Rendering a node's task template for one run: ``{{ params.x }}``, ``{{ run.id }}``,
+``{{ node.try }}``, ``{{ nodes.UPSTREAM.output_path }}``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from libs.common.dag_models import TaskTemplate
+from libs.common.errors import InvalidInput
+from libs.common.models import TaskCreate
+from services.dag.domain.graph import TEMPLATE, Dag
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: int
+    workflow: str
+    owner: str
+    params: Mapping[str, Any]
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def merged_params(dag: Dag, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's parameters: the definition's defaults overridden by ``given``; refuse a
+    parameter nobody declared and one a node needs that has no value."""
+    declared = set(dag.definition.params) | dag.referenced_params
+    unknown = sorted(set(given) - declared)
+    missing = sorted(dag.referenced_params - set(dag.definition.params) - set(given))
+    errors = [
+        {"field": f"body.params.{p}", "reason": "not a parameter of this workflow"} for p in unknown
+    ]
+    errors += [{"field": f"body.params.{p}", "reason": "required: a node uses it"} for p in missing]
+    if errors:
+        raise InvalidInput(f"{errors[0]['field']}: {errors[0]['reason']}", errors=errors)
+    return {**dag.definition.params, **given}
+
+
+class Renderer:
+    """Renders the nodes of one run."""
+
+    def __init__(self, dag: Dag, run: RunContext) -> None:
+        self.dag = dag
+        self.run = run
+
+    def _value(self, node: str, try_number: int, expression: str) -> str:
+        head, _, rest = expression.partition(".")
+        if head == "params":
+            return _text(self.run.params.get(rest))
+        if head == "run":
+            return _text(
+                {"id": self.run.run_id, "workflow": self.run.workflow, "owner": self.run.owner}[
+                    rest
+                ]
+            )
+        if head == "node":
+            return _text(node if rest == "name" else try_number)
+        upstream = rest.rsplit(".", 1)[0]
+        path = self.dag.specs[upstream].task.output_path or ""
+        return self._render(upstream, 1, path)
+
+    def _render(self, node: str, try_number: int, text: str) -> str:
+        if "{{" not in text:
+            return text
+        return TEMPLATE.sub(lambda m: self._value(node, try_number, m[1]), text)
+
+    def task(self, node: str, try_number: int) -> TaskCreate:
+        """The submission of ``node``'s try; ``InvalidInput`` if what renders is invalid."""
+        template: TaskTemplate = self.dag.specs[node].task
+        doc = template.model_dump(exclude={"idempotency_key", "run_at"})
+        doc["args"] = [self._render(node, try_number, arg) for arg in template.args]
+        doc["env"] = {k: self._render(node, try_number, v) for k, v in template.env.items()}
+        for name in ("input_path", "output_path"):
+            if doc[name] is not None:
+                doc[name] = self._render(node, try_number, doc[name])
+        doc["idempotency_key"] = f"dag:{self.run.run_id}:{node}:{try_number}"
+        doc["labels"] = {
+            **template.labels,
+            "cairn.dag/run": str(self.run.run_id),
+            "cairn.dag/node": node,
+        }
+        try:
+            return TaskCreate.model_validate(doc)
+        except ValidationError as exc:
+            errors = [
+                {
+                    "field": f"nodes.{node}.task." + ".".join(str(p) for p in err["loc"]),
+                    "reason": err["msg"],
+                }
+                for err in exc.errors()[:20]
+            ]
+            raise InvalidInput(
+                f"{errors[0]['field']}: {errors[0]['reason']} (after templating)", errors=errors
+            ) from None

@@ -1,0 +1,25 @@
+"""The DAG service's settings: the shared ones plus what only it reads."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from libs.common.settings import CairnSettings
+
+
+class DagSettings(CairnSettings):
+    """``CAIRN_*`` environment variables read by the DAG service. ``CAIRN_TOKEN`` is its
+    own token of role ``service``: it reads core's feed and submits for the run's owner."""
+
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    db_pool_size: int = Field(default=10, ge=1, le=200)
+    token_cache_s: float = Field(default=30.0, ge=0)
+    migrate_on_start: bool = True
+    #: how long one read of core's feed waits for events
+    feed_wait_s: float = Field(default=10.0, ge=0, le=30)
+    feed_page: int = Field(default=1000, ge=1, le=1000)
+    #: first pause after core failed or could not be reached; doubles up to the cap
+    retry_base_s: float = Field(default=0.5, gt=0)
+    retry_cap_s: float = Field(default=15.0, gt=0)
+    #: parsed definitions kept in memory (versions never change)
+    graph_cache: int = Field(default=256, ge=1)

@@ -1,0 +1,495 @@
+"""Every read and write of the DAG service's schema. Moves of runs and nodes are guarded
+in SQL (the state they leave is part of the WHERE), so a lost race changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import Row, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.dag_models import (
+    NodeState,
+    Run,
+    RunState,
+    WorkflowCreate,
+)
+from libs.common.errors import Conflict, NotFound
+
+RUN_COLUMNS = (
+    "id, owner, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
+    " created_at, started_at, finished_at"
+)
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    run_id: int
+    name: str
+    state: NodeState
+    try_number: int
+    task_id: int | None
+    error: str | None
+
+
+def definition_hash(definition: WorkflowCreate) -> str:
+    return hashlib.sha256(definition.model_dump_json().encode()).hexdigest()
+
+
+async def _lock(conn: AsyncConnection, *parts: str) -> None:
+    """Serialise writers of one (owner, workflow) within the transaction."""
+    await conn.execute(
+        text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+        {"key": "dag/" + "/".join(parts)},
+    )
+
+
+# --- workflows ----------------------------------------------------------------------------
+
+
+async def put_workflow(
+    conn: AsyncConnection, owner: str, definition: WorkflowCreate
+) -> tuple[Row[Any], bool]:
+    """Store a new version, unless the newest version is this same definition."""
+    await _lock(conn, owner, definition.name)
+    digest = definition_hash(definition)
+    newest = (
+        await conn.execute(
+            text(
+                "SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " ORDER BY version DESC LIMIT 1"
+            ),
+            {"owner": owner, "name": definition.name},
+        )
+    ).first()
+    if newest is not None and newest.definition_hash == digest:
+        return newest, False
+    row = (
+        await conn.execute(
+            text(
+                "INSERT INTO dag.workflows (owner, name, version, definition, definition_hash,"
+                " node_count) VALUES (:owner, :name, :version, CAST(:definition AS jsonb),"
+                " :hash, :nodes) RETURNING *"
+            ),
+            {
+                "owner": owner,
+                "name": definition.name,
+                "version": (newest.version + 1) if newest else 1,
+                "definition": definition.model_dump_json(),
+                "hash": digest,
+                "nodes": len(definition.nodes),
+            },
+        )
+    ).one()
+    return row, True
+
+
+async def get_workflow(
+    conn: AsyncConnection, owner: str, name: str, version: int | None = None
+) -> Row[Any]:
+    row = (
+        await conn.execute(
+            text(
+                "SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " AND (CAST(:version AS integer) IS NULL OR version = :version)"
+                " ORDER BY version DESC LIMIT 1"
+            ),
+            {"owner": owner, "name": name, "version": version},
+        )
+    ).first()
+    if row is None:
+        which = f"version {version} of " if version else ""
+        raise NotFound(f"no {which}workflow '{name}'")
+    return row
+
+
+async def workflow_by_id(conn: AsyncConnection, workflow_id: int) -> Row[Any]:
+    return (
+        await conn.execute(text("SELECT * FROM dag.workflows WHERE id = :id"), {"id": workflow_id})
+    ).one()
+
+
+async def list_workflows(conn: AsyncConnection, owner: str | None) -> list[Row[Any]]:
+    """The newest version of each workflow."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT DISTINCT ON (owner, name) id, owner, name, version, node_count,"
+                " created_at FROM dag.workflows"
+                " WHERE CAST(:owner AS text) IS NULL OR owner = :owner"
+                " ORDER BY owner, name, version DESC LIMIT 1000"
+            ),
+            {"owner": owner},
+        )
+    )
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+async def create_run(
+    conn: AsyncConnection,
+    owner: str,
+    workflow: Row[Any],
+    params: Mapping[str, Any],
+    idempotency_key: str | None,
+    node_names: Sequence[str],
+) -> tuple[Row[Any], bool]:
+    """A queued run with every node pending, or the run the owner's key already names."""
+    row = (
+        await conn.execute(
+            text(
+                "INSERT INTO dag.runs (workflow_id, owner, workflow, workflow_version, params,"
+                " idempotency_key) VALUES (:wid, :owner, :name, :version,"
+                " CAST(:params AS jsonb), :key)"
+                " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL"
+                f" DO NOTHING RETURNING {RUN_COLUMNS}"
+            ),
+            {
+                "wid": workflow.id,
+                "owner": owner,
+                "name": workflow.name,
+                "version": workflow.version,
+                "params": orjson.dumps(params).decode(),
+                "key": idempotency_key,
+            },
+        )
+    ).first()
+    if row is None:
+        existing = (
+            await conn.execute(
+                text(
+                    f"SELECT {RUN_COLUMNS} FROM dag.runs"
+                    " WHERE owner = :owner AND idempotency_key = :key"
+                ),
+                {"owner": owner, "key": idempotency_key},
+            )
+        ).one()
+        return existing, False
+    await conn.execute(
+        text("INSERT INTO dag.nodes (run_id, name) SELECT :run, unnest(CAST(:names AS text[]))"),
+        {"run": row.id, "names": list(node_names)},
+    )
+    return row, True
+
+
+async def get_run(conn: AsyncConnection, run_id: int, owner: str | None) -> Row[Any]:
+    row = (
+        await conn.execute(
+            text(
+                f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = :id"
+                " AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
+            ),
+            {"id": run_id, "owner": owner},
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no run {run_id}")
+    return row
+
+
+async def list_runs(
+    conn: AsyncConnection,
+    owner: str | None,
+    workflow: str | None,
+    state: RunState | None,
+    limit: int,
+    before: int | None,
+) -> list[Row[Any]]:
+    """Runs newest first."""
+    return list(
+        await conn.execute(
+            text(
+                f"SELECT {RUN_COLUMNS} FROM dag.runs"
+                " WHERE (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                " AND (CAST(:workflow AS text) IS NULL OR workflow = :workflow)"
+                " AND (CAST(:state AS text) IS NULL OR state = :state)"
+                " AND (CAST(:before AS bigint) IS NULL OR id < :before)"
+                " ORDER BY id DESC LIMIT :limit"
+            ),
+            {
+                "owner": owner,
+                "workflow": workflow,
+                "state": state,
+                "before": before,
+                "limit": limit,
+            },
+        )
+    )
+
+
+async def nodes_of(
+    conn: AsyncConnection, run_ids: Iterable[int], *, lock: bool = False
+) -> list[NodeRow]:
+    rows = await conn.execute(
+        text(
+            "SELECT run_id, name, state, try_number, task_id, error FROM dag.nodes"
+            " WHERE run_id = ANY(:ids) ORDER BY run_id, name" + (" FOR UPDATE" if lock else "")
+        ),
+        {"ids": list(run_ids)},
+    )
+    return [
+        NodeRow(r.run_id, r.name, NodeState(r.state), r.try_number, r.task_id, r.error)
+        for r in rows
+    ]
+
+
+async def node_times(conn: AsyncConnection, run_id: int) -> dict[str, Any]:
+    rows = await conn.execute(
+        text("SELECT name, updated_at FROM dag.nodes WHERE run_id = :id"), {"id": run_id}
+    )
+    return {r.name: r.updated_at for r in rows}
+
+
+async def cancel_run(conn: AsyncConnection, run_id: int, owner: str | None) -> Row[Any]:
+    """End the run as cancelled: open nodes are cancelled, live ones wait for core."""
+    row = (
+        await conn.execute(
+            text(
+                "UPDATE dag.runs SET state = 'cancelled', finished_at = now(),"
+                " updated_at = now(), started_at = COALESCE(started_at, now())"
+                " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                f" AND state IN ('queued', 'running') RETURNING {RUN_COLUMNS}"
+            ),
+            {"id": run_id, "owner": owner},
+        )
+    ).first()
+    if row is None:
+        current = await get_run(conn, run_id, owner)
+        raise Conflict(
+            f"run {run_id} is {current.state}: only a queued or running run can be cancelled"
+        )
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET updated_at = now(), state = CASE"
+            " WHEN state IN ('released', 'running') THEN 'cancelling' ELSE 'cancelled' END"
+            " WHERE run_id = :id AND state IN ('pending', 'ready', 'released', 'running')"
+        ),
+        {"id": run_id},
+    )
+    return row
+
+
+async def retry_run(
+    conn: AsyncConnection, run_id: int, owner: str | None, again: Iterable[str]
+) -> Row[Any]:
+    """Queue a failed or cancelled run again, with the nodes in ``again`` pending for
+    their next try."""
+    row = (
+        await conn.execute(
+            text(
+                "UPDATE dag.runs SET state = 'queued', finished_at = NULL, updated_at = now()"
+                " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                " AND state IN ('failed', 'cancelled')"
+                " AND NOT EXISTS (SELECT 1 FROM dag.nodes"
+                "   WHERE run_id = :id AND state = 'cancelling')"
+                f" RETURNING {RUN_COLUMNS}"
+            ),
+            {"id": run_id, "owner": owner},
+        )
+    ).first()
+    if row is None:
+        current = await get_run(conn, run_id, owner)
+        reason = (
+            "its nodes' tasks are still being cancelled in core"
+            if current.state == RunState.CANCELLED
+            else "only a failed or cancelled run can be retried"
+        )
+        raise Conflict(f"run {run_id} is {current.state}: {reason}")
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
+            " task_id = NULL, error = NULL, updated_at = now()"
+            " WHERE run_id = :id AND name = ANY(:names)"
+        ),
+        {"id": run_id, "names": list(again)},
+    )
+    return row
+
+
+# --- what the engine does -----------------------------------------------------------------
+
+
+async def queued_runs(conn: AsyncConnection, limit: int = 1000) -> list[Row[Any]]:
+    return list(
+        await conn.execute(
+            text(
+                f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE state = 'queued'"
+                " ORDER BY id LIMIT :limit"
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+async def admit(
+    conn: AsyncConnection, owner: str, workflow: str, max_active: int
+) -> list[Row[Any]]:
+    """Move the oldest queued runs of one workflow to running, as many as there is room
+    for under ``max_active``."""
+    await _lock(conn, owner, workflow)
+    return list(
+        await conn.execute(
+            text(
+                "WITH room AS (SELECT :max - count(*) AS n FROM dag.runs"
+                "   WHERE owner = :owner AND workflow = :workflow AND state = 'running'),"
+                " picked AS (SELECT id FROM dag.runs"
+                "   WHERE owner = :owner AND workflow = :workflow AND state = 'queued'"
+                "   ORDER BY id LIMIT GREATEST((SELECT n FROM room), 0) FOR UPDATE)"
+                " UPDATE dag.runs r SET state = 'running', updated_at = now(),"
+                "   started_at = COALESCE(r.started_at, now())"
+                f" FROM picked WHERE r.id = picked.id RETURNING {RUN_COLUMNS.replace('id,', 'r.id,', 1)}"
+            ),
+            {"owner": owner, "workflow": workflow, "max": max_active},
+        )
+    )
+
+
+async def newest_max_active(conn: AsyncConnection, owner: str, workflow: str) -> int:
+    value = await conn.scalar(
+        text(
+            "SELECT (definition->>'max_active_runs')::int FROM dag.workflows"
+            " WHERE owner = :owner AND name = :name ORDER BY version DESC LIMIT 1"
+        ),
+        {"owner": owner, "name": workflow},
+    )
+    return int(value) if value is not None else 16
+
+
+async def lock_runs(conn: AsyncConnection, run_ids: Iterable[int]) -> list[Row[Any]]:
+    return list(
+        await conn.execute(
+            text(f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"),
+            {"ids": list(run_ids)},
+        )
+    )
+
+
+async def runs_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[int]:
+    rows = await conn.execute(
+        text("SELECT DISTINCT run_id FROM dag.nodes WHERE task_id = ANY(:ids)"),
+        {"ids": list(task_ids)},
+    )
+    return [r.run_id for r in rows]
+
+
+async def set_nodes(
+    conn: AsyncConnection, run_id: int, changes: Mapping[str, tuple[NodeState, str | None]]
+) -> None:
+    """Write node states the caller computed under the run's lock."""
+    if not changes:
+        return
+    names = list(changes)
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
+            " updated_at = now()"
+            " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
+            "   CAST(:errors AS text[])) AS c(name, state, error)"
+            " WHERE n.run_id = :run AND n.name = c.name"
+        ),
+        {
+            "run": run_id,
+            "names": names,
+            "states": [str(changes[n][0]) for n in names],
+            "errors": [changes[n][1] for n in names],
+        },
+    )
+
+
+async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> None:
+    await conn.execute(
+        text(
+            "UPDATE dag.runs SET state = :state, finished_at = now(), updated_at = now()"
+            " WHERE id = :id AND state = 'running'"
+        ),
+        {"id": run_id, "state": state},
+    )
+
+
+async def ready_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
+    return list(
+        await conn.execute(
+            text(
+                "SELECT n.run_id, n.name, n.try_number, r.owner, r.workflow, r.workflow_id,"
+                " r.params FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
+                " WHERE n.state = 'ready' ORDER BY n.run_id LIMIT :limit"
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+async def record_released(
+    conn: AsyncConnection, released: Sequence[tuple[int, str, int, int]]
+) -> set[int]:
+    """Mark (run, node, try, task) released if the node is still ready for that try;
+    return the task ids recorded (the others' runs were cancelled meanwhile)."""
+    rows = await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
+            " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
+            "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
+            " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
+            " AND n.state = 'ready' RETURNING n.task_id"
+        ),
+        {
+            "runs": [r[0] for r in released],
+            "names": [r[1] for r in released],
+            "tries": [r[2] for r in released],
+            "tasks": [r[3] for r in released],
+        },
+    )
+    return {r.task_id for r in rows}
+
+
+async def fail_ready(conn: AsyncConnection, run_id: int, name: str, error: str) -> None:
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'failed', error = :error, updated_at = now()"
+            " WHERE run_id = :run AND name = :name AND state = 'ready'"
+        ),
+        {"run": run_id, "name": name, "error": error[:4096]},
+    )
+
+
+async def cancelling_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
+    return list(
+        await conn.execute(
+            text(
+                "SELECT run_id, name, task_id FROM dag.nodes WHERE state = 'cancelling'"
+                " LIMIT :limit"
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+async def cancelled(conn: AsyncConnection, task_id: int) -> None:
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'cancelled', updated_at = now()"
+            " WHERE task_id = :task AND state = 'cancelling'"
+        ),
+        {"task": task_id},
+    )
+
+
+async def read_cursor(conn: AsyncConnection) -> str:
+    value = await conn.scalar(text("SELECT cursor FROM dag.feed_cursor WHERE id = 1"))
+    return str(value)
+
+
+async def store_cursor(conn: AsyncConnection, cursor: str) -> None:
+    await conn.execute(
+        text("UPDATE dag.feed_cursor SET cursor = :cursor, updated_at = now() WHERE id = 1"),
+        {"cursor": cursor},
+    )
+
+
+def run_model(row: Row[Any], nodes: list[Any] | None = None) -> Run:
+    return Run.model_validate({**row._mapping, "nodes": nodes or []})

@@ -1,0 +1,142 @@
+"""The DAG service's schema as SQLAlchemy Core tables. The migrations build it; a test
+diffs the two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from libs.common.dag_models import RUN_FINAL, NodeState, RunState
+
+SCHEMA = "dag"
+
+metadata = MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    },
+)
+
+
+def _in(column: str, values: Iterable[StrEnum]) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in sorted(values))})"
+
+
+def _at(name: str, nullable: bool = False) -> Column[object]:
+    default = None if nullable else func.now()
+    return Column(name, DateTime(timezone=True), nullable=nullable, server_default=default)
+
+
+workflows = Table(
+    "workflows",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("definition", JSONB, nullable=False),
+    Column("definition_hash", Text, nullable=False),
+    Column("node_count", Integer, nullable=False),
+    _at("created_at"),
+    UniqueConstraint("owner", "name", "version"),
+    CheckConstraint("version > 0", name="version_positive"),
+    CheckConstraint("node_count > 0", name="has_nodes"),
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "workflow_id",
+        BigInteger,
+        ForeignKey("workflows.id", ondelete="RESTRICT"),
+        nullable=False,
+        index=True,
+    ),
+    Column("owner", Text, nullable=False),
+    Column("workflow", Text, nullable=False),
+    Column("workflow_version", Integer, nullable=False),
+    Column("params", JSONB, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'queued'")),
+    Column("idempotency_key", Text),
+    _at("created_at"),
+    _at("updated_at"),
+    _at("started_at", nullable=True),
+    _at("finished_at", nullable=True),
+    CheckConstraint(_in("state", RunState), name="state"),
+    CheckConstraint(
+        f"({_in('state', RUN_FINAL)}) = (finished_at IS NOT NULL)", name="final_has_time"
+    ),
+    CheckConstraint("state = 'queued' OR started_at IS NOT NULL", name="started_has_time"),
+    Index(
+        "ix_runs_idempotency",
+        "owner",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+    ),
+    # Admission counts the active runs of one workflow.
+    Index(
+        "ix_runs_active",
+        "owner",
+        "workflow",
+        "state",
+        "id",
+        postgresql_where=text("state IN ('queued', 'running')"),
+    ),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("name", Text, primary_key=True),
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("try_number", Integer, nullable=False, server_default=text("1")),
+    Column("task_id", BigInteger),
+    Column("error", Text),
+    _at("updated_at"),
+    CheckConstraint(_in("state", NodeState), name="state"),
+    CheckConstraint("try_number > 0", name="try_positive"),
+    CheckConstraint(
+        "task_id IS NOT NULL OR state NOT IN ('released', 'running', 'cancelling')",
+        name="live_has_task",
+    ),
+    # Feed events find their node through the task; a task belongs to one node's try.
+    Index("ix_nodes_task_id", "task_id", unique=True, postgresql_where=text("task_id IS NOT NULL")),
+    # The releaser's and the canceller's work lists.
+    Index("ix_nodes_to_do", "state", postgresql_where=text("state IN ('ready', 'cancelling')")),
+)
+
+feed_cursor = Table(
+    "feed_cursor",
+    metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("cursor", Text, nullable=False),
+    _at("updated_at"),
+    CheckConstraint("id = 1", name="one_row"),
+)
