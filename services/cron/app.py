@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common import health, problems
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
+from libs.common.dag_client import DagClient
 from libs.common.limits import BodyLimit
 from services.cron import api
 from services.cron.engine import Clock, CronEngine, WarpedClock
@@ -32,7 +33,8 @@ def create_app(
             database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
         core = CoreClient(settings.url, settings.token)
-        sender = Sender(core, settings.cron_submit_chunk)
+        dag = DagClient(settings.dag_url, settings.token)
+        sender = Sender(core, settings.cron_submit_chunk, dag)
         if clock is None and settings.cron_clock_warp:
             chosen: Clock | None = WarpedClock.parse(settings.cron_clock_warp)
         else:
@@ -52,6 +54,7 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await runner
             await core.aclose()
+            await dag.aclose()
             await db.dispose()
 
     app = FastAPI(

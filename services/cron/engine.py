@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import timing
-from services.cron.fire import Outgoing, Result, Sender
+from services.cron.fire import Made, Outgoing, Result, Sender
 from services.cron.settings import CronSettings
 
 log = logging.getLogger("cairn.cron")
@@ -99,7 +99,7 @@ class Plan:
     # (slot, outcome, detail) recorded without submitting: missed or skipped.
     record: list[tuple[datetime, str, str]] = field(default_factory=list)
     through: datetime | None = None
-    replace: int | None = None
+    replace: Made | None = None
 
 
 def plan_slots(row: Any, now: datetime) -> Plan:
@@ -401,27 +401,26 @@ class CronEngine:
             self.on_fire(results)
 
     async def _check_overlap(self, plans: list[Plan]) -> None:
-        """Apply ``forbid`` and ``replace`` against each schedule's previous fire's task."""
+        """Apply ``forbid`` and ``replace`` against what each schedule's previous fire made
+        (a task in core, or a run in the DAG service)."""
         guarded = [p for p in plans if p.row.overlap_policy != "allow" and p.fire]
         if not guarded:
             return
         async with self.db.connect() as conn:
-            last = {
-                r.schedule_id: r.task_id
+            last: dict[int, Made] = {
+                r.schedule_id: ("task", r.task_id) if r.task_id is not None else ("run", r.run_id)
                 for r in await conn.execute(
                     store.LAST_TARGETS, {"ids": [p.row.id for p in guarded]}
                 )
-                if r.task_id is not None
             }
         if not last:
             return
         try:
             live = await self.sender.active(list(last.values()))
         except Exception as exc:
-            # Without the previous task's state the policy cannot be applied: the fires
-            # stay claimed-pending and are tried again, with the check, later.
+            # Without the previous fire's state the policy cannot be applied: the fires
+            # wait, pending, and are tried again later (without the check).
             log.warning("cron overlap check failed: %s", exc)
-            live = dict.fromkeys(last.values(), True)
             for plan in guarded:
                 if plan.row.id in last:
                     plan.record.extend(
@@ -430,16 +429,17 @@ class CronEngine:
                     plan.fire = []
             return
         for plan in guarded:
-            task_id = last.get(plan.row.id)
-            if task_id is None or not live.get(task_id):
+            made = last.get(plan.row.id)
+            if made is None or not live.get(made):
                 continue
             if plan.row.overlap_policy == "forbid":
                 plan.record.extend(
-                    (s, "skipped_overlap", f"task {task_id} is still running") for s in plan.fire
+                    (s, "skipped_overlap", f"{made[0]} {made[1]} is still running")
+                    for s in plan.fire
                 )
                 plan.fire = []
             else:
-                plan.replace = task_id
+                plan.replace = made
 
     def _backoff(self, tries: int) -> float:
         delay: float = min(self.settings.cron_retry_max_s, 0.5 * 2.0 ** min(tries, 16))

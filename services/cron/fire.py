@@ -13,6 +13,7 @@ from typing import Any, Literal
 import httpx
 
 from libs.common.client import CoreClient
+from libs.common.dag_client import DagClient
 from libs.common.errors import CairnError, Unavailable
 from libs.common.states import FINAL
 
@@ -67,34 +68,59 @@ def _task_body(item: Outgoing) -> dict[str, Any]:
     return body
 
 
-class Sender:
-    """Submits fires in batches (every owner's together), several batches at once."""
+# What an earlier fire made, for the overlap policies: ("task", id) or ("run", id).
+Made = tuple[str, int]
+_RUN_OVER = frozenset({"succeeded", "failed", "cancelled"})
 
-    def __init__(self, core: CoreClient, chunk: int, parallel: int = 4) -> None:
+
+class Sender:
+    """Submits task fires to core in batches (every owner's together, several batches at
+    once) and starts workflow runs in the DAG service, one request each."""
+
+    def __init__(
+        self, core: CoreClient, chunk: int, dag: DagClient | None = None, parallel: int = 4
+    ) -> None:
         self.core = core
+        self.dag = dag
         self.chunk = chunk
         self._gate = asyncio.Semaphore(parallel)
 
     async def send(self, items: Sequence[Outgoing]) -> list[Result]:
-        tasks: list[Outgoing] = []
-        results: list[Result] = []
-        for item in items:
-            if item.target.get("kind") == "task":
-                tasks.append(item)
-            else:
-                results.append(
-                    Result(
-                        item.schedule_id,
-                        item.fire_time,
-                        "failed",
-                        detail="workflow targets need the DAG service, which is not configured",
-                    )
-                )
+        tasks = [i for i in items if i.target.get("kind") == "task"]
+        runs = [i for i in items if i.target.get("kind") == "dag"]
         # Many owners in one request: each task names its owner (``owners``).
         batches = [tasks[i : i + self.chunk] for i in range(0, len(tasks), self.chunk)]
+        results: list[Result] = []
         for done in await asyncio.gather(*(self._batch(b) for b in batches)):
             results.extend(done)
+        results.extend(await asyncio.gather(*(self._run(i) for i in runs)))
         return results
+
+    async def _run(self, item: Outgoing) -> Result:
+        if self.dag is None:
+            return Result(
+                item.schedule_id,
+                item.fire_time,
+                "failed",
+                detail="workflow targets need the DAG service, which is not configured",
+            )
+        async with self._gate:
+            try:
+                run, _ = await self.dag.start_run(
+                    item.target["workflow"],
+                    item.target.get("params") or {},
+                    idempotency_key=fire_key(item.schedule_id, item.fire_time, item.manual),
+                    on_behalf_of=item.owner,
+                )
+            except Exception as exc:
+                return self._failure(item, exc, "dag")
+        return Result(
+            item.schedule_id,
+            item.fire_time,
+            "submitted",
+            run_id=run.id,
+            submitted_at=datetime.now(UTC),
+        )
 
     async def _batch(self, items: list[Outgoing]) -> list[Result]:
         async with self._gate:
@@ -104,7 +130,7 @@ class Sender:
                 )
             except Exception as exc:
                 if _retryable(exc) or len(items) == 1:
-                    return [self._failure(i, exc) for i in items]
+                    return [self._failure(i, exc, "core") for i in items]
                 # One bad fire refuses the whole batch: send them one by one to find it.
                 return [r for i in items for r in await self._batch_alone(i)]
         now = datetime.now(UTC)
@@ -117,7 +143,7 @@ class Sender:
         try:
             [answer] = await self.core.submit_batch_json([_task_body(item)], owners=[item.owner])
         except Exception as exc:
-            return [self._failure(item, exc)]
+            return [self._failure(item, exc, "core")]
         return [
             Result(
                 item.schedule_id,
@@ -129,30 +155,40 @@ class Sender:
         ]
 
     @staticmethod
-    def _failure(item: Outgoing, exc: BaseException) -> Result:
+    def _failure(item: Outgoing, exc: BaseException, service: str) -> Result:
         if _retryable(exc):
-            return Result(item.schedule_id, item.fire_time, "pending", detail=f"core: {exc}")
-        return Result(item.schedule_id, item.fire_time, "failed", detail=f"core refused: {exc}")
+            return Result(item.schedule_id, item.fire_time, "pending", detail=f"{service}: {exc}")
+        return Result(
+            item.schedule_id, item.fire_time, "failed", detail=f"{service} refused: {exc}"
+        )
 
-    async def active(self, task_ids: Sequence[int]) -> dict[int, bool]:
-        """Whether each task is still live (not final), for the overlap policies. A task
-        core no longer knows (purged) counts as finished."""
+    async def active(self, made: Sequence[Made]) -> dict[Made, bool]:
+        """Whether each task or run an earlier fire made is still live, for the overlap
+        policies. One its service no longer knows (purged) counts as over."""
 
-        async def one(task_id: int) -> tuple[int, bool]:
+        async def one(ref: Made) -> tuple[Made, bool]:
+            kind, ident = ref
             async with self._gate:
                 try:
-                    task = await self.core.get_task(task_id)
+                    if kind == "task":
+                        return ref, (await self.core.get_task(ident)).state not in FINAL
+                    if self.dag is None:
+                        return ref, False
+                    return ref, (await self.dag.get_run(ident)).state not in _RUN_OVER
                 except CairnError as exc:
                     if exc.status == 404:
-                        return task_id, False
+                        return ref, False
                     raise
-            return task_id, task.state not in FINAL
 
-        return dict(await asyncio.gather(*(one(t) for t in task_ids)))
+        return dict(await asyncio.gather(*(one(m) for m in made)))
 
-    async def cancel(self, task_id: int) -> None:
+    async def cancel(self, made: Made) -> None:
+        kind, ident = made
         try:
-            await self.core.cancel(task_id)
+            if kind == "task":
+                await self.core.cancel(ident)
+            elif self.dag is not None:
+                await self.dag.cancel_run(ident)
         except CairnError as exc:
             if exc.status not in (404, 409):
                 raise

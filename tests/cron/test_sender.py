@@ -104,3 +104,56 @@ def test_workflow_targets_fail_clearly_without_the_dag_service() -> None:
     assert result.outcome == "failed"
     assert result.detail is not None
     assert "DAG" in result.detail
+
+
+DAG = "http://dag.test"
+
+
+def send_runs(items: list[Outgoing]) -> list[Result]:
+    from libs.common.dag_client import DagClient
+
+    async def run() -> list[Result]:
+        async with CoreClient(CORE, "svc") as core, DagClient(DAG, "svc") as dag:
+            return await Sender(core, 500, dag).send(items)
+
+    return asyncio.run(run())
+
+
+@respx.mock
+def test_workflow_fires_start_runs_for_the_owner_with_the_fire_key() -> None:
+    route = respx.post(f"{DAG}/v1/workflows/nightly/runs").mock(
+        return_value=httpx.Response(
+            201,
+            json={
+                "id": 7,
+                "owner": "alice",
+                "workflow": "nightly",
+                "workflow_version": 1,
+                "params": {"day": "mon"},
+                "state": "queued",
+                "idempotency_key": "k",
+                "created_at": "2027-01-04T12:01:00Z",
+                "started_at": None,
+                "finished_at": None,
+            },
+        )
+    )
+    target = {"kind": "dag", "workflow": "nightly", "params": {"day": "mon"}}
+    [result] = send_runs([Outgoing(3, SLOT, False, "alice", target)])
+    assert (result.outcome, result.run_id) == ("submitted", 7)
+    request = route.calls[0].request
+    assert request.headers["X-Cairn-On-Behalf-Of"] == "alice"
+    assert json.loads(request.content) == {
+        "params": {"day": "mon"},
+        "idempotency_key": "cron:3:2027-01-04T12:01:00+00:00",
+    }
+
+
+@respx.mock
+def test_a_dag_service_that_is_down_leaves_workflow_fires_pending() -> None:
+    respx.post(f"{DAG}/v1/workflows/nightly/runs").mock(side_effect=httpx.ConnectError("no"))
+    target = {"kind": "dag", "workflow": "nightly", "params": {}}
+    [result] = send_runs([Outgoing(3, SLOT, False, "alice", target)])
+    assert result.outcome == "pending"
+    assert result.detail is not None
+    assert result.detail.startswith("dag:")

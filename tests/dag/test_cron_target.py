@@ -1,0 +1,78 @@
+"""A schedule whose target is a workflow: cron starts runs in the real DAG service, for the
+schedule's owner, once per slot; the overlap policy looks at the previous run."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from tests.cron.conftest import EPOCH, FakeClock, start_cron
+from tests.cron.test_api import schedule
+from tests.dag.conftest import DagServer, Worker, node, workflow
+from tests.support import Core, wait_for
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+def fires(db: Conn, sid: int) -> list[tuple[str, int | None]]:
+    return db.execute(
+        "SELECT outcome, run_id FROM cron.fires WHERE schedule_id = %s ORDER BY fire_time",
+        (sid,),
+    ).fetchall()
+
+
+def test_a_schedule_starts_workflow_runs_for_its_owner(
+    core: Core, dag: DagServer, worker: Worker, tmp_path: Path, db: Conn
+) -> None:
+    with dag.client("alice") as alice:
+        diamond = workflow(
+            "diamond",
+            [node("a"), node("b", "a"), node("c", "a"), node("d", "b", "c")],
+        )
+        assert alice.post("/v1/workflows", json=diamond).status_code == 201
+        held = workflow("held", [node("h", args=("hold",))])
+        assert alice.post("/v1/workflows", json=held).status_code == 201
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, dag_url=dag.url)
+    try:
+        wait_for(lambda: cron.engine.leader)
+        minutely = {"expression": "* * * * *", "timezone": "UTC"}
+        with cron.client("alice") as client:
+            made = client.post(
+                "/v1/schedules",
+                json=schedule(name="d", target={"kind": "dag", "workflow": "diamond"}, **minutely),
+            )
+            assert made.status_code == 201, made.text
+            sid = made.json()["id"]
+            forbid = client.post(
+                "/v1/schedules",
+                json=schedule(
+                    name="h",
+                    target={"kind": "dag", "workflow": "held"},
+                    overlap_policy="forbid",
+                    **minutely,
+                ),
+            ).json()["id"]
+        clock.set(EPOCH.replace(second=0) + timedelta(minutes=1))
+        wait_for(lambda: [f[0] for f in fires(db, sid)] == ["submitted"], timeout=20)
+        [(_, run_id)] = fires(db, sid)
+        assert run_id is not None
+        with dag.client("alice") as alice:
+            run = wait_for(
+                lambda: (r := alice.get(f"/v1/runs/{run_id}").json())["state"] == "succeeded" and r,
+                timeout=30,
+            )
+        assert run["owner"] == "alice"
+        assert run["idempotency_key"] == f"cron:{sid}:2027-01-04T12:01:00+00:00"
+        # The held run is still going at the next slot: forbid skips it.
+        clock.set(EPOCH.replace(second=0) + timedelta(minutes=2))
+        wait_for(lambda: len(fires(db, forbid)) == 2 and len(fires(db, sid)) == 2, timeout=20)
+        assert [f[0] for f in fires(db, forbid)] == ["submitted", "skipped_overlap"]
+        assert [f[0] for f in fires(db, sid)] == ["submitted", "submitted"]
+        runs = db.execute("SELECT count(*) FROM dag.runs WHERE owner = 'alice'").fetchone()
+        assert runs == (3,)
+    finally:
+        cron.stop()
