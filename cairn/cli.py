@@ -78,7 +78,13 @@ def cmd_token_create(settings: CairnSettings, args: argparse.Namespace) -> int:
     url, started = _database(settings)
     try:
         migrate_all(url)
-        token = admin.create_token(url, args.name, args.role)
+        given = None
+        if args.from_env:
+            given = os.environ.get(args.from_env)
+            if not given:
+                print(f"cairn: {args.from_env} is not set", file=sys.stderr)
+                return 2
+        token = admin.create_token(url, args.name, args.role, given)
     except ValueError as exc:
         print(f"cairn: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     create = token_sub.add_parser("create", help="create a principal's token and print it")
     create.add_argument("name")
     create.add_argument("--role", choices=ROLES, default="user")
+    create.add_argument(
+        "--from-env",
+        metavar="VAR",
+        help="register the token held in environment variable VAR instead of making one "
+        "(idempotent; for deployments that keep their service tokens as secrets)",
+    )
     create.set_defaults(func=cmd_token_create)
     return parser
 

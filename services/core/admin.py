@@ -26,9 +26,10 @@ def _in_transaction(database_url: str, work: Callable[[AsyncConnection], Awaitab
     return asyncio.run(run())
 
 
-def create_token(database_url: str, name: str, role: str) -> str:
-    """Create the principal if new, and a fresh token for it; return the token."""
-    return _in_transaction(database_url, lambda conn: store.create_token(conn, name, role))
+def create_token(database_url: str, name: str, role: str, token: str | None = None) -> str:
+    """Create the principal if new, and a token for it (fresh, or ``token`` as given);
+    return the token."""
+    return _in_transaction(database_url, lambda conn: store.create_token(conn, name, role, token))
 
 
 def principal_for(database_url: str, token: str) -> Principal | None:

@@ -485,8 +485,12 @@ def hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-async def create_token(conn: AsyncConnection, name: str, role: str) -> str:
-    """Create the principal if new (its role must match if not), and a fresh token for it."""
+async def create_token(
+    conn: AsyncConnection, name: str, role: str, token: str | None = None
+) -> str:
+    """Create the principal if new (its role must match if not), and a token for it: a
+    fresh one, or ``token`` as given (a deployment's own secret; registering it again is a
+    no-op)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
     stmt = pg_insert(principals).values(name=name, role=role).on_conflict_do_nothing()
@@ -494,7 +498,16 @@ async def create_token(conn: AsyncConnection, name: str, role: str) -> str:
     row = (await conn.execute(select(principals).where(principals.c.name == name))).one()
     if row.role != role:
         raise ValueError(f"principal {name!r} exists with role {row.role!r}")
-    token = "cairn_" + secrets.token_urlsafe(32)
+    if token is None:
+        token = "cairn_" + secrets.token_urlsafe(32)
+    elif not 24 <= len(token) <= 200 or not token.isprintable() or " " in token:
+        raise ValueError("a given token must be 24 to 200 printable characters, no spaces")
+    else:
+        known = await principal_for_token(conn, token)
+        if known is not None:
+            if known.name != name:
+                raise ValueError(f"that token belongs to {known.name!r} already")
+            return token
     await conn.execute(insert(tokens).values(principal_id=row.id, token_hash=hash_token(token)))
     return token
 

@@ -33,6 +33,36 @@ def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
     assert again.returncode == 2 and "exists with role 'user'" in again.stderr
 
 
+def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> None:
+    secret = "deploy-secret-for-cron-0123456789"
+    env_name = "CAIRN_TEST_CRON_SECRET"
+    os.environ[env_name] = secret
+    try:
+        for _ in range(2):  # idempotent: a restarted setup job registers it again
+            made = _cairn(
+                core,
+                tmp_path,
+                "token",
+                "create",
+                "cron",
+                "--role",
+                "service",
+                "--from-env",
+                env_name,
+            )
+            assert made.returncode == 0, made.stderr
+            assert made.stdout.strip() == secret
+        taken = _cairn(core, tmp_path, "token", "create", "eve", "--from-env", env_name)
+        assert taken.returncode == 2
+        assert "belongs to 'cron'" in taken.stderr
+    finally:
+        del os.environ[env_name]
+    who = httpx.get(core.url + "/v1/whoami", headers={"Authorization": f"Bearer {secret}"})
+    assert who.json() == {"name": "cron", "role": "service"}
+    missing = _cairn(core, tmp_path, "token", "create", "x", "--from-env", "CAIRN_UNSET_VAR")
+    assert missing.returncode == 2
+
+
 def test_a_revoked_token_is_refused(core: Core) -> None:
     with core.client("erin") as erin:
         assert erin.get("/v1/tasks").status_code == 200
