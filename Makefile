@@ -11,7 +11,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed
+$(VENV)/compose_spec.json: | $(VENV)/.installed
+	$(BIN)/python tests/compose_spec.py $@
+
+install: $(VENV)/.installed $(VENV)/compose_spec.json
 
 up: install
 	$(BIN)/cairn up

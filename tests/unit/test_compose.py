@@ -1,0 +1,100 @@
+"""compose/docker-compose.yml is valid under the Compose Specification's schema, and every
+Cairn process in it runs a command the CLI accepts with settings its process reads."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cairn.cli import build_parser
+from libs.common.settings import CairnSettings
+from services.core.settings import CoreSettings
+from services.cron.settings import CronSettings
+from services.dag.settings import DagSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+SPEC = ROOT / ".venv" / "compose_spec.json"  # made by `make install` (tests/compose_spec.py)
+
+# The settings each command reads.
+SETTINGS: dict[str, type[CairnSettings]] = {
+    "core": CoreSettings,
+    "cron": CronSettings,
+    "dag": DagSettings,
+    "worker": CairnSettings,
+    "migrate": CairnSettings,
+    "token": CairnSettings,
+}
+
+
+def _compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def _env_names(settings: type[CairnSettings]) -> set[str]:
+    return {f"CAIRN_{name.upper()}" for name in settings.model_fields}
+
+
+def _cairn_commands(service: dict[str, Any]) -> list[list[str]]:
+    """The cairn command lines a service runs (the image's entrypoint is ``cairn``)."""
+    command = service.get("command", ["core"])
+    if service.get("entrypoint") == ["sh", "-c"]:
+        lines = " ".join(command).split("&&")
+        return [shlex.split(line)[1:] for line in lines if shlex.split(line)[0] == "cairn"]
+    return [list(command)]
+
+
+def test_the_file_is_valid_under_the_compose_specification() -> None:
+    assert SPEC.exists(), "run `make install` (it fetches the schema)"
+    schema = json.loads(SPEC.read_text())
+    # Its $schema names draft 2019-09 by an address jsonschema does not know: say so.
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(_compose())]
+    assert errors == []
+
+
+def test_it_runs_every_part_of_cairn() -> None:
+    services = _compose()["services"]
+    commands = {tuple(c[:1]) for s in services.values() if "build" in s for c in _cairn_commands(s)}
+    assert {("core",), ("cron",), ("dag",), ("worker",), ("migrate",), ("token",)} <= commands
+    assert sum(1 for s in services.values() if s.get("command") == ["core"]) == 2
+    assert sum(1 for s in services.values() if s.get("command") == ["cron"]) == 2
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, s in _compose()["services"].items() if "build" in s)
+)
+def test_each_command_and_its_environment_match_the_cli(name: str) -> None:
+    service = _compose()["services"][name]
+    commands = _cairn_commands(service)
+    assert commands, f"{name} runs no cairn command"
+    parser = build_parser()
+    readers: set[str] = set()
+    from_env: set[str] = set()
+    for argv in commands:
+        args = parser.parse_args(argv)  # exits (fails the test) on anything the CLI refuses
+        readers |= _env_names(SETTINGS[argv[0]])
+        if getattr(args, "from_env", None):
+            from_env.add(args.from_env)
+    unknown = {
+        key
+        for key in service.get("environment", {})
+        if key.startswith("CAIRN_") and key not in readers | from_env
+    }
+    assert not unknown, f"{name} sets variables its process does not read: {sorted(unknown)}"
+    for key in from_env:
+        assert key in service["environment"], f"{name} registers {key} but does not set it"
+
+
+def test_the_schema_check_catches_a_mistake() -> None:
+    broken = _compose()
+    broken["services"]["dag"]["comand"] = ["dag"]  # a typo the schema must refuse
+    validator = jsonschema.Draft201909Validator(json.loads(SPEC.read_text()))
+    assert any("comand" in e.message for e in validator.iter_errors(broken))
