@@ -1,0 +1,77 @@
+"""The typed HTTP client of the cron service, for the CLI and scripts. Errors are raised
+as in ``libs.common.client``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from libs.common.client import ApiClient
+from libs.common.cron_models import (
+    CronStatus,
+    Fire,
+    FirePage,
+    NextFires,
+    Schedule,
+    ScheduleCreate,
+    SchedulePage,
+    ScheduleUpdate,
+)
+
+
+class CronClient(ApiClient):
+    """An async client of the cron service's API."""
+
+    async def create(self, schedule: ScheduleCreate) -> Schedule:
+        response = await self._call(
+            "POST", "/v1/schedules", content=schedule.model_dump_json(exclude_unset=True)
+        )
+        return Schedule.model_validate_json(response.content)
+
+    async def list_page(self, after: int = 0, limit: int = 100) -> SchedulePage:
+        response = await self._call("GET", "/v1/schedules", params={"after": after, "limit": limit})
+        return SchedulePage.model_validate_json(response.content)
+
+    async def get(self, schedule_id: int) -> Schedule:
+        response = await self._call("GET", f"/v1/schedules/{schedule_id}")
+        return Schedule.model_validate_json(response.content)
+
+    async def update(self, schedule_id: int, change: ScheduleUpdate) -> Schedule:
+        response = await self._call(
+            "PATCH",
+            f"/v1/schedules/{schedule_id}",
+            content=change.model_dump_json(exclude_unset=True),
+        )
+        return Schedule.model_validate_json(response.content)
+
+    async def delete(self, schedule_id: int) -> None:
+        await self._call("DELETE", f"/v1/schedules/{schedule_id}")
+
+    async def pause(self, schedule_id: int) -> Schedule:
+        response = await self._call("POST", f"/v1/schedules/{schedule_id}/pause")
+        return Schedule.model_validate_json(response.content)
+
+    async def resume(self, schedule_id: int) -> Schedule:
+        response = await self._call("POST", f"/v1/schedules/{schedule_id}/resume")
+        return Schedule.model_validate_json(response.content)
+
+    async def trigger(self, schedule_id: int) -> Fire:
+        response = await self._call("POST", f"/v1/schedules/{schedule_id}/trigger")
+        return Fire.model_validate_json(response.content)
+
+    async def next(self, schedule_id: int, n: int = 10, after: datetime | None = None) -> NextFires:
+        params: dict[str, Any] = {"n": n}
+        if after is not None:
+            params["after"] = after.isoformat()
+        response = await self._call("GET", f"/v1/schedules/{schedule_id}/next", params=params)
+        return NextFires.model_validate_json(response.content)
+
+    async def fires(self, schedule_id: int, limit: int = 100) -> list[Fire]:
+        response = await self._call(
+            "GET", f"/v1/schedules/{schedule_id}/fires", params={"limit": limit}
+        )
+        return FirePage.model_validate_json(response.content).items
+
+    async def status(self) -> CronStatus:
+        response = await self._call("GET", "/v1/cron/status")
+        return CronStatus.model_validate_json(response.content)
