@@ -37,6 +37,7 @@ from libs.common.models import (
     TaskPage,
     WhoAmI,
     Worker,
+    WorkerList,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -248,6 +249,11 @@ class CoreClient(ApiClient):
     async def leave(self, worker_id: int) -> Worker:
         response = await self._call("POST", f"/v1/workers/{worker_id}/leave")
         return Worker.model_validate_json(response.content)
+
+    async def workers(self) -> list[Worker]:
+        """Every worker the caller may see, with capacity, use and last heartbeat."""
+        response = await self._call("GET", "/v1/workers")
+        return WorkerList.model_validate_json(response.content).items
 
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")

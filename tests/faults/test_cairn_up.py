@@ -4,9 +4,12 @@ and the next start finds the data again."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,16 @@ from libs.common.embedded import EmbeddedPostgres
 from tests.support import free_port, spec, wait_for
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def own_tmp() -> Iterator[Path]:
+    """A folder outside pytest's own: pytest makes its temp root 0700 again whenever
+    another test process starts using it, which would lock the embedded server's user out
+    of a data directory below it."""
+    root = Path(tempfile.mkdtemp(prefix="cairn-up-test-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 _CRON_PORTS: dict[int, int] = {}
@@ -70,7 +83,8 @@ def _reap(proc: subprocess.Popen[str]) -> None:
     proc.stdout.close()
 
 
-def test_up_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+def test_up_serves_then_stops_everything_on_ctrl_c(own_tmp: Path) -> None:
+    tmp_path = own_tmp
     home, port = tmp_path / "home", free_port()
     proc = _up(home, port)
     try:

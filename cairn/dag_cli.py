@@ -1,0 +1,224 @@
+"""``cairn dag ...``: workflows and their runs in the DAG service. (``cairn dag serve``
+runs the service itself.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.tree import Tree
+
+from cairn import output
+from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
+from libs.common.dag_client import DagClient
+from libs.common.dag_models import Run, Workflow, WorkflowCreate
+
+app = typer.Typer(help="Workflows: submit FILE.yaml, ls, run, status, cancel, retry, graph.")
+
+RUN_OVER = {"succeeded", "failed", "cancelled"}
+
+
+def _client(ctx: typer.Context) -> DagClient:
+    c = ctx_of(ctx)
+    return DagClient(c.settings.dag_url, c.settings.bearer())
+
+
+@app.command("submit")
+def submit(ctx: typer.Context, file: Path, as_json: JsonFlag = False) -> None:
+    """Store a workflow definition from a YAML or JSON file (a new version when it
+    changed)."""
+    definition: WorkflowCreate = validated(WorkflowCreate, load_document(file), str(file))
+
+    async def go() -> tuple[Workflow, bool]:
+        async with _client(ctx) as dag:
+            return await dag.put_workflow(definition)
+
+    workflow, created = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(workflow)
+    else:
+        change = "stored" if created else "unchanged"
+        output.console.print(
+            f"workflow [bold]{workflow.name}[/bold] version {workflow.version} {change} "
+            f"({len(workflow.definition.nodes)} nodes)"
+        )
+
+
+@app.command("ls")
+def list_workflows(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Workflows, newest version of each."""
+
+    async def go() -> Any:
+        async with _client(ctx) as dag:
+            return await dag.list_workflows()
+
+    found = output.call(go).items
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        output.table(
+            None,
+            ["name", "version", "nodes", "owner", "created"],
+            [[w.name, w.version, w.nodes, w.owner, output.ago(w.created_at)] for w in found],
+        )
+
+
+@app.command("run")
+def run(
+    ctx: typer.Context,
+    workflow: str,
+    param: Annotated[list[str] | None, typer.Option(help="parameter KEY=VALUE")] = None,
+    key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+    wait: Annotated[bool, typer.Option(help="follow the run until it ends")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Start a run of a workflow."""
+    params = output.pairs(param or [])
+
+    async def go() -> tuple[Run, bool]:
+        async with _client(ctx) as dag:
+            return await dag.start_run(workflow, params, idempotency_key=key)
+
+    started, _ = output.call(go)
+    if wait:
+        started = follow(ctx, started.id)
+    if ctx_of(ctx).json or as_json:
+        output.dump(started)
+    else:
+        output.console.print(f"run [bold]{started.id}[/bold] {output.state(started.state)}")
+    if wait and started.state != "succeeded":
+        raise typer.Exit(1)
+
+
+def tree(found: Run) -> Tree:
+    """The run as a tree: each node under its first upstream node, with its state."""
+    root = Tree(
+        f"run {found.id} [bold]{found.workflow}[/bold] v{found.workflow_version}: "
+        f"{output.state(found.state)}"
+    )
+    branches: dict[str, Tree] = {}
+    by_name = {n.name: n for n in found.nodes}
+    placed: set[str] = set()
+
+    def label(name: str) -> str:
+        node = by_name[name]
+        extra = f" task {node.task_id}" if node.task_id else ""
+        extra += f" try {node.try_number}" if node.try_number > 1 else ""
+        also = node.depends_on[1:]
+        if also:
+            extra += f" [dim](also after {', '.join(also)})[/dim]"
+        if node.error:
+            extra += f" [red]{node.error}[/red]"
+        return f"{name}: {output.state(node.state)}{extra}"
+
+    pending = list(found.nodes)
+    while pending:
+        rest = []
+        for node in pending:
+            parent = node.depends_on[0] if node.depends_on else None
+            if parent is None or parent in placed:
+                holder = root if parent is None else branches[parent]
+                branches[node.name] = holder.add(label(node.name))
+                placed.add(node.name)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):  # should not happen in a valid graph
+            for node in rest:
+                branches[node.name] = root.add(label(node.name))
+            break
+        pending = rest
+    return root
+
+
+def follow(ctx: typer.Context, run_id: int, timeout: float = 24 * 3600) -> Run:
+    """Redraw the run's tree until it ends."""
+
+    async def get() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.get_run(run_id)
+
+    deadline = time.monotonic() + timeout
+    found = output.call(get)
+    with Live(tree(found), console=output.errors, transient=False) as live:
+        while found.state not in RUN_OVER and time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = output.call(get)
+            live.update(tree(found))
+    return found
+
+
+@app.command("status")
+def status(
+    ctx: typer.Context,
+    run_id: int,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="redraw until it ends")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """A run with its nodes' states, as a tree."""
+    if watch:
+        found = follow(ctx, run_id)
+        if ctx_of(ctx).json or as_json:
+            output.dump(found)
+        return
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.get_run(run_id)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        output.console.print(tree(found))
+
+
+@app.command("cancel")
+def cancel(ctx: typer.Context, run_id: int, as_json: JsonFlag = False) -> None:
+    """Cancel a run; its running node tasks are cancelled in core."""
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.cancel_run(run_id)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        output.console.print(f"run {found.id} {output.state(found.state)}")
+
+
+@app.command("retry")
+def retry(ctx: typer.Context, run_id: int, as_json: JsonFlag = False) -> None:
+    """Run a failed or cancelled run again from the nodes that did not succeed."""
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.retry_run(run_id)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        output.console.print(f"run {found.id} {output.state(found.state)}")
+
+
+@app.command("graph")
+def graph(
+    ctx: typer.Context,
+    run_id: int,
+    mermaid: Annotated[bool, typer.Option(help="print Mermaid text")] = False,
+) -> None:
+    """A run's graph: JSON nodes and edges, or Mermaid text."""
+
+    async def go() -> Any:
+        async with _client(ctx) as dag:
+            return await (dag.mermaid(run_id) if mermaid else dag.graph(run_id))
+
+    found = output.call(go)
+    if mermaid:
+        output.console.out(found, highlight=False)
+    else:
+        output.dump(found)

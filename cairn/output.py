@@ -1,0 +1,123 @@
+"""How the CLI talks back: rich tables on a terminal, JSON with ``--json``, and a service's
+problem+json turned into one clear line and exit status 1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import httpx
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from libs.common.errors import CairnError
+
+T = TypeVar("T")
+
+console = Console()
+errors = Console(stderr=True, soft_wrap=True)
+
+STATE_STYLE = {
+    "succeeded": "green",
+    "running": "cyan",
+    "waiting": "yellow",
+    "ready": "blue",
+    "queued": "blue",
+    "failed": "red",
+    "dead": "bold red",
+    "cancelled": "magenta",
+    "cancelling": "magenta",
+    "upstream_failed": "red",
+    "skipped": "dim",
+    "pending": "dim",
+    "submitted": "green",
+    "missed": "yellow",
+    "skipped_overlap": "yellow",
+}
+
+
+def call(work: Callable[[], Awaitable[T]]) -> T:
+    """Run one async API call; a problem answer or an unreachable service ends the command
+    with a message naming it."""
+    try:
+        return asyncio.run(_call(work))
+    except CairnError as exc:
+        fields = exc.extra.get("errors") or []
+        errors.print(f"[red]error[/red] {exc.status}: {exc.detail}")
+        for field in fields[:20]:
+            errors.print(f"  {field.get('field')}: {field.get('reason')}")
+        raise typer.Exit(1) from None
+    except httpx.TransportError as exc:
+        url = exc.request.url if exc.request else "the service"
+        errors.print(f"[red]error[/red] cannot reach {url}: {exc}")
+        raise typer.Exit(2) from None
+
+
+async def _call(work: Callable[[], Awaitable[T]]) -> T:
+    return await work()
+
+
+def dump(value: Any) -> None:
+    """Print ``value`` (models, lists of models, plain data) as JSON."""
+
+    def plain(item: Any) -> Any:
+        if isinstance(item, BaseModel):
+            return item.model_dump(mode="json")
+        if isinstance(item, list | tuple):
+            return [plain(i) for i in item]
+        if isinstance(item, dict):
+            return {k: plain(v) for k, v in item.items()}
+        return item
+
+    sys.stdout.write(json.dumps(plain(value), indent=2, default=str) + "\n")
+
+
+def state(value: str | None) -> str:
+    if value is None:
+        return ""
+    text = str(value)
+    style = STATE_STYLE.get(text)
+    return f"[{style}]{text}[/{style}]" if style else text
+
+
+def when(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def ago(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    seconds = (datetime.now(UTC) - value).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if abs(seconds) >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    grid = Table(title=title, title_justify="left", header_style="bold")
+    for column in columns:
+        grid.add_column(column, overflow="fold")
+    for row in rows:
+        grid.add_row(*("" if v is None else str(v) for v in row))
+    console.print(grid)
+
+
+def pairs(items: Iterable[str]) -> dict[str, str]:
+    """``KEY=VALUE`` options as a map; a malformed one ends the command."""
+    found: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            errors.print(f"[red]error[/red] {item!r} is not KEY=VALUE")
+            raise typer.Exit(2)
+        found[key] = value
+    return found

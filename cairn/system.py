@@ -1,0 +1,200 @@
+"""Running Cairn itself: the embedded database, migrations, tokens, and `cairn up`, which
+starts every service and a worker on loopback and stops them all on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import httpx
+
+from libs.common.embedded import EmbeddedPostgres
+from libs.common.settings import CairnSettings
+
+ROLES = ("admin", "service", "user", "worker")
+
+
+def database(settings: CairnSettings) -> tuple[str, EmbeddedPostgres | None]:
+    """The database URL, and the embedded server if this call started it."""
+    if settings.database_url:
+        return settings.database_url, None
+    server = EmbeddedPostgres(settings.home / "pg")
+    was_running = server.running() if (server.data / "PG_VERSION").exists() else False
+    url = server.start()
+    return url, (None if was_running else server)
+
+
+def prepare_home(settings: CairnSettings) -> None:
+    settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def migrate_all(url: str) -> None:
+    """Every service's schema, to its newest migration."""
+    from services.core import migrate as core_migrate
+    from services.cron import migrate as cron_migrate
+    from services.dag import migrate as dag_migrate
+
+    core_migrate.upgrade(url)
+    cron_migrate.upgrade(url)
+    dag_migrate.upgrade(url)
+
+
+def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
+    """A token for local use, kept in ``$CAIRN_HOME/NAME-token`` (mode 0600) and reused."""
+    from services.core import admin
+
+    path = settings.home / f"{name}-token"
+    if path.exists():
+        token = path.read_text().strip()
+        principal = admin.principal_for(url, token)
+        if principal is not None and principal.role == role:
+            return token
+    token = admin.create_token(url, name, role)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/readyz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} was not ready after {timeout_s:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 15.0) -> None:
+    """Stop the processes by pid, the last started first (workers hand back through core)."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _relay(name: str, stream: IO[bytes], lock: threading.Lock) -> None:
+    """Copy a child's output to ours, each line led by the child's name."""
+    width = 6
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip()
+        with lock:
+            sys.stderr.write(f"{name:<{width}}| {line}\n")
+            sys.stderr.flush()
+    stream.close()
+
+
+@dataclass
+class Stack:
+    """The processes `cairn up` started, each relaying its log."""
+
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, name: str, module: str, **extra: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env={**self.env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        threading.Thread(target=_relay, args=(name, proc.stdout, self._lock), daemon=True).start()
+        self.procs.append(proc)
+        self.names.append(name)
+        return proc
+
+    def dead(self) -> tuple[str, int] | None:
+        for name, proc in zip(self.names, self.procs, strict=True):
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+
+def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] | None) -> int:
+    """Start the database (embedded unless a URL is set), core, cron, dag and a worker on
+    loopback; call ``on_ready(urls, admin_token)``; wait for Ctrl-C; stop everything."""
+    prepare_home(settings)
+    url, started = database(settings)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = Stack(env={**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"})
+    try:
+        migrate_all(url)
+        token = local_token(settings, url, "admin", "admin")
+        host = settings.bind_host
+        urls = {
+            "core": f"http://{host}:{settings.core_port}",
+            "cron": f"http://{host}:{settings.cron_port}",
+            "dag": f"http://{host}:{settings.dag_port}",
+        }
+        wait_ready(urls["core"], stack.start("core", "services.core"))
+        services = {"CAIRN_URL": urls["core"], "CAIRN_DAG_URL": urls["dag"]}
+        dag_token = local_token(settings, url, "dag", "service")
+        wait_ready(
+            urls["dag"], stack.start("dag", "services.dag", **services, CAIRN_TOKEN=dag_token)
+        )
+        cron_token = local_token(settings, url, "cron", "service")
+        wait_ready(
+            urls["cron"], stack.start("cron", "services.cron", **services, CAIRN_TOKEN=cron_token)
+        )
+        stack.start(
+            "worker",
+            "services.core.worker",
+            CAIRN_URL=urls["core"],
+            CAIRN_TOKEN=local_token(settings, url, "local-worker", "worker"),
+            CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),
+        )
+        where = f"embedded, {settings.home / 'pg'}" if started else "as configured"
+        print(
+            "\ncairn is up\n"
+            + "".join(f"  {name:<9} {u}  (OpenAPI at {u}/docs)\n" for name, u in urls.items())
+            + f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
+            f"{settings.worker_memory_mb} MB\n"
+            f"  database  {where}\n"
+            f"  token     {token}  (admin; also in {settings.home / 'admin-token'})\n"
+            "The cairn command uses that token by default: try `cairn ls`, `cairn workers`.",
+            flush=True,
+        )
+        if on_ready is not None:
+            on_ready(urls, token)
+        print("Ctrl-C stops everything.\n", flush=True)
+        while not stopping:
+            dead = stack.dead()
+            if dead:
+                print(f"cairn: {dead[0]} exited with status {dead[1]}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as exc:
+        print(f"cairn: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop(stack.procs)
+        if started is not None:
+            started.stop()
+        print("cairn stopped", flush=True)

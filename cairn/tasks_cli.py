@@ -1,0 +1,406 @@
+"""Single tasks from the command line: submit, get, ls, cancel, retry, logs, wait, and the
+workers and queues that run them."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from pydantic import ValidationError
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cairn import output
+from cairn.config import ClientSettings
+from libs.common.client import CoreClient
+from libs.common.models import Task, TaskCreate
+from libs.common.states import FINAL, TaskState
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+
+@dataclass
+class Ctx:
+    settings: ClientSettings
+    json: bool
+
+    def core(self) -> CoreClient:
+        return CoreClient(self.settings.url, self.settings.bearer())
+
+
+def ctx_of(ctx: typer.Context) -> Ctx:
+    found: Ctx = ctx.obj
+    return found
+
+
+def load_document(path: Path) -> Any:
+    """A JSON or YAML file (by its suffix; YAML also reads JSON)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        output.errors.print(f"[red]error[/red] cannot read {path}: {exc.strerror}")
+        raise typer.Exit(2) from None
+    try:
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        output.errors.print(f"[red]error[/red] {path} is not valid JSON or YAML: {exc}")
+        raise typer.Exit(2) from None
+
+
+def validated(model: type[Any], data: Any, what: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        output.errors.print(f"[red]error[/red] {what} is invalid:")
+        for err in exc.errors()[:20]:
+            field = ".".join(str(p) for p in err["loc"])
+            output.errors.print(f"  {field}: {err['msg']}")
+        raise typer.Exit(2) from None
+
+
+def sha256_of(uri: str) -> str | None:
+    """The digest of a ``file://`` artifact, read locally; None for remote ones."""
+    if not uri.startswith("file://"):
+        return None
+    try:
+        return hashlib.sha256(Path(uri[len("file://") :]).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def task_rows(tasks: list[Task]) -> list[list[Any]]:
+    return [
+        [
+            t.id,
+            t.name,
+            output.state(t.state),
+            t.queue,
+            t.owner,
+            t.attempts,
+            output.ago(t.created_at),
+        ]
+        for t in tasks
+    ]
+
+
+TASK_COLUMNS = ["id", "name", "state", "queue", "owner", "attempts", "created"]
+
+
+def show_task(c: Ctx, task: Task) -> None:
+    if c.json:
+        output.dump(task)
+        return
+    rows: list[tuple[str, Any]] = [
+        ("id", task.id),
+        ("name", task.name),
+        ("state", output.state(task.state)),
+        ("owner", task.owner),
+        ("queue", task.queue),
+        ("priority", task.priority),
+        ("artifact", task.artifact.uri),
+        ("args", " ".join(task.args)),
+        ("attempts", task.attempts),
+        ("run at", output.when(task.run_at)),
+        ("created", output.when(task.created_at)),
+        ("labels", ", ".join(f"{k}={v}" for k, v in task.labels.items())),
+    ]
+    reason = getattr(task, "pending_reason", None)
+    if reason:
+        rows.append(("waiting because", reason))
+    output.table(None, ["field", "value"], rows)
+
+
+def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small commands
+    @app.command()
+    def submit(  # noqa: C901 - one flag, one line each
+        ctx: typer.Context,
+        name: Annotated[str | None, typer.Argument(help="the task's name")] = None,
+        artifact: Annotated[
+            str | None, typer.Option(help="executable URI: s3://, https:// or file://")
+        ] = None,
+        sha256: Annotated[
+            str | None, typer.Option(help="the artifact's digest (read locally for file://)")
+        ] = None,
+        arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="an argument")] = None,
+        queue: Annotated[str, typer.Option(help="queue")] = "default",
+        priority: Annotated[int, typer.Option(help="-100..100")] = 0,
+        env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+        label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+        cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
+        memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
+        key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+        file: Annotated[
+            Path | None, typer.Option("--file", "-f", help="a submission as JSON or YAML")
+        ] = None,
+        wait: Annotated[bool, typer.Option(help="wait until it ends")] = False,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """Submit one task (from flags, or a JSON/YAML file)."""
+        c = ctx_of(ctx)
+        c.json = c.json or as_json
+        body: dict[str, Any] = dict(load_document(file)) if file else {}
+        if name:
+            body["name"] = name
+        if artifact:
+            body["artifact"] = {"uri": artifact, "sha256": sha256 or sha256_of(artifact)}
+        if arg:
+            body["args"] = list(arg)
+        if queue != "default" or "queue" not in body:
+            body["queue"] = queue
+        if priority:
+            body["priority"] = priority
+        if env:
+            body["env"] = output.pairs(env)
+        if label:
+            body["labels"] = output.pairs(label)
+        if cpu is not None or memory_mb is not None:
+            resources = dict(body.get("resources", {}))
+            if cpu is not None:
+                resources["cpu"] = cpu
+            if memory_mb is not None:
+                resources["memory_mb"] = memory_mb
+            body["resources"] = resources
+        if key:
+            body["idempotency_key"] = key
+        spec: TaskCreate = validated(TaskCreate, body, "the submission")
+
+        async def go() -> Task:
+            async with c.core() as core:
+                task, _ = await core.submit(spec)
+                return task
+
+        task = output.call(go)
+        if wait:
+            wait_tasks(c, [task.id])
+            task = output.call(lambda: _get(c, task.id))
+        if c.json:
+            output.dump(task)
+        else:
+            output.console.print(f"task [bold]{task.id}[/bold] {output.state(task.state)}")
+
+    @app.command()
+    def get(ctx: typer.Context, task_id: int, as_json: JsonFlag = False) -> None:
+        """Show one task."""
+        c = ctx_of(ctx)
+        c.json = c.json or as_json
+        show_task(c, output.call(lambda: _get(c, task_id)))
+
+    @app.command("ls")
+    def list_tasks(
+        ctx: typer.Context,
+        state: Annotated[TaskState | None, typer.Option(help="only this state")] = None,
+        queue: Annotated[str | None, typer.Option()] = None,
+        label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+        limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """List tasks, newest first."""
+        c = ctx_of(ctx)
+        labels = output.pairs(label) if label else None
+
+        async def go() -> list[Task]:
+            async with c.core() as core:
+                page = await core.list_tasks(state=state, queue=queue, labels=labels, limit=limit)
+                return page.items
+
+        tasks = output.call(go)
+        if c.json or as_json:
+            output.dump(tasks)
+        else:
+            output.table(None, TASK_COLUMNS, task_rows(tasks))
+
+    @app.command()
+    def cancel(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
+        """Cancel tasks."""
+        c = ctx_of(ctx)
+
+        async def go() -> list[Task]:
+            async with c.core() as core:
+                return [await core.cancel(t) for t in task_ids]
+
+        done = output.call(go)
+        if c.json or as_json:
+            output.dump(done)
+        else:
+            for task in done:
+                output.console.print(f"task {task.id} {output.state(task.state)}")
+
+    @app.command()
+    def retry(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
+        """Retry failed, dead or cancelled tasks."""
+        c = ctx_of(ctx)
+
+        async def go() -> list[Task]:
+            async with c.core() as core:
+                return [await core.retry(t) for t in task_ids]
+
+        done = output.call(go)
+        if c.json or as_json:
+            output.dump(done)
+        else:
+            for task in done:
+                output.console.print(f"task {task.id} {output.state(task.state)}")
+
+    @app.command()
+    def logs(
+        ctx: typer.Context,
+        task_id: int,
+        follow: Annotated[
+            bool, typer.Option("--follow", "-f", help="follow the task until it ends")
+        ] = False,
+    ) -> None:
+        """Print a task's log (its latest attempt's). With -f, show its state changes as
+        they happen and the log once the attempt ends."""
+        c = ctx_of(ctx)
+        if follow:
+            seen = 0
+            while True:
+                events = output.call(lambda: _events(c, task_id))
+                for event in events[seen:]:
+                    output.errors.print(
+                        f"{output.when(event.at)} {event.op}: "
+                        f"{event.from_state or '-'} -> {output.state(event.to_state)}"
+                        + (f" ({event.reason})" if event.reason else "")
+                    )
+                seen = len(events)
+                if events and events[-1].to_state in FINAL:
+                    break
+                time.sleep(1.0)
+        text = output.call(lambda: _log(c, task_id))
+        output.console.out(text, end="" if text.endswith("\n") else "\n", highlight=False)
+
+    @app.command()
+    def workers(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+        """Workers, their capacity, use and heartbeat."""
+        c = ctx_of(ctx)
+
+        async def go() -> Any:
+            async with c.core() as core:
+                return await core.workers()
+
+        found = output.call(go)
+        if c.json or as_json:
+            output.dump(found)
+            return
+        output.table(
+            None,
+            [
+                "id",
+                "host",
+                "state",
+                "queues",
+                "cpu used/cap",
+                "memory MB used/cap",
+                "running",
+                "heartbeat",
+            ],
+            [
+                [
+                    w.id,
+                    w.hostname,
+                    output.state(w.state),
+                    ",".join(w.queues),
+                    f"{w.used_cpu:g}/{w.cpu:g}",
+                    f"{w.used_memory_mb}/{w.memory_mb}",
+                    w.running,
+                    output.ago(w.last_heartbeat_at),
+                ]
+                for w in found
+            ],
+        )
+
+    @app.command()
+    def queues(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+        """Queues with their depth per state."""
+        c = ctx_of(ctx)
+
+        async def go() -> Any:
+            async with c.core() as core:
+                return await core.queues()
+
+        found = output.call(go)
+        if c.json or as_json:
+            output.dump(found)
+            return
+        states = [s.value for s in TaskState]
+        output.table(
+            None,
+            ["queue", "paused", *states, "oldest waiting s"],
+            [
+                [
+                    q.name,
+                    "yes" if q.paused else "",
+                    *(q.depth.get(s, 0) for s in states),
+                    f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
+                ]
+                for q in found
+            ],
+        )
+
+    @app.command()
+    def wait(
+        ctx: typer.Context,
+        task_ids: list[int],
+        timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 3600,
+    ) -> None:
+        """Wait for tasks to end, with a live display; exit 1 if any did not succeed."""
+        c = ctx_of(ctx)
+        ended = wait_tasks(c, task_ids, timeout)
+        bad = [t for t in ended if t.state != TaskState.SUCCEEDED]
+        for task in bad:
+            output.errors.print(f"task {task.id} {output.state(task.state)}")
+        if bad or len(ended) < len(task_ids):
+            raise typer.Exit(1)
+
+
+async def _get(c: Ctx, task_id: int) -> Task:
+    async with c.core() as core:
+        return await core.get_task(task_id)
+
+
+async def _events(c: Ctx, task_id: int) -> Any:
+    async with c.core() as core:
+        return await core.task_events(task_id)
+
+
+async def _log(c: Ctx, task_id: int) -> str:
+    async with c.core() as core:
+        return await core.log(task_id)
+
+
+def wait_tasks(c: Ctx, task_ids: list[int], timeout: float = 3600) -> list[Task]:
+    """Poll until every task is final (or ``timeout``); a progress bar on a terminal."""
+
+    async def snapshot() -> list[Task]:
+        async with c.core() as core:
+            return list(await asyncio.gather(*(core.get_task(t) for t in task_ids)))
+
+    deadline = time.monotonic() + timeout
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=output.errors,
+        transient=True,
+    )
+    bar = progress.add_task("tasks ended", total=len(task_ids))
+    with Live(progress, console=output.errors, transient=True, redirect_stdout=False):
+        while True:
+            tasks = output.call(snapshot)
+            done = [t for t in tasks if t.state in FINAL]
+            counts: dict[str, int] = {}
+            for t in tasks:
+                counts[t.state] = counts.get(t.state, 0) + 1
+            summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            progress.update(bar, completed=len(done), description=summary)
+            if len(done) == len(tasks) or time.monotonic() > deadline:
+                return done
+            time.sleep(0.5)
