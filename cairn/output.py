@@ -20,7 +20,8 @@ from libs.common.errors import CairnError
 
 T = TypeVar("T")
 
-console = Console()
+# Piped output keeps whole lines (rich would fold them at 80 columns).
+console = Console() if sys.stdout.isatty() else Console(width=200)
 errors = Console(stderr=True, soft_wrap=True)
 
 STATE_STYLE = {

@@ -329,15 +329,16 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if c.json or as_json:
             output.dump(found)
             return
-        states = [s.value for s in TaskState]
+        live = [s for s in TaskState if s not in FINAL]
         output.table(
             None,
-            ["queue", "paused", *states, "oldest waiting s"],
+            ["queue", "paused", *(s.value for s in live), "ended", "oldest waiting s"],
             [
                 [
                     q.name,
                     "yes" if q.paused else "",
-                    *(q.depth.get(s, 0) for s in states),
+                    *(q.depth.get(s, 0) for s in live),
+                    sum(q.depth.get(s, 0) for s in FINAL),
                     f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
                 ]
                 for q in found

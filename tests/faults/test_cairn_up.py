@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def dag_port(core_port: int) -> int:
     return _DAG_PORTS.setdefault(core_port, free_port())
 
 
-def _up(home: Path, port: int) -> subprocess.Popen[str]:
+def _up(home: Path, port: int, *args: str) -> subprocess.Popen[str]:
     env = {
         **os.environ,
         "CAIRN_HOME": str(home),
@@ -57,7 +58,7 @@ def _up(home: Path, port: int) -> subprocess.Popen[str]:
     }
     env.pop("CAIRN_DATABASE_URL", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "cairn", "up"],
+        [sys.executable, "-m", "cairn", "up", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -66,12 +67,17 @@ def _up(home: Path, port: int) -> subprocess.Popen[str]:
 
 
 def _wait_up(proc: subprocess.Popen[str]) -> str:
+    """The output up to the "Ctrl-C" line; the rest is drained in the background (kept on
+    ``proc.log``) so that the services' log never fills the pipe."""
     assert proc.stdout is not None
-    lines = []
+    lines: list[str] = []
     for line in proc.stdout:
         lines.append(line)
         if "Ctrl-C stops everything" in line:
-            return "".join(lines)
+            banner = "".join(lines)
+            threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+            proc.log = lines  # type: ignore[attr-defined]
+            return banner
     raise AssertionError("cairn up ended early:\n" + "".join(lines))
 
 
