@@ -82,9 +82,15 @@ def _wait_up(proc: subprocess.Popen[str]) -> str:
 
 
 def _reap(proc: subprocess.Popen[str]) -> None:
+    """After a failed test: stop `cairn up` the way a person would (its services run in
+    sessions of their own, so killing it outright would orphan them)."""
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert proc.stdout is not None
     proc.stdout.close()
 
