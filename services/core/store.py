@@ -24,7 +24,7 @@ from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
 from libs.common.models import Attempt, Event, QueueInfo, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
 from services.core import queries
-from services.core.domain.transitions import Op, check, sources
+from services.core.domain.transitions import Op, check, keeps_state, sources
 from services.core.tables import (
     attempt_logs,
     attempts,
@@ -121,6 +121,8 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "idempotency_key": spec.idempotency_key,
         "spec_hash": spec_hash(spec) if spec.idempotency_key else None,
         "labels": spec.labels,
+        "defer_ok": spec.defer_ok,
+        "deadline": spec.deadline.isoformat() if spec.deadline else None,
     }
 
 
@@ -213,6 +215,8 @@ def task_from_row(m: Any) -> Task:
         created_at=m.created_at,
         updated_at=m.updated_at,
         finished_at=m.finished_at,
+        defer_ok=m.defer_ok,
+        deadline=m.deadline,
     )
 
 
@@ -356,6 +360,7 @@ async def transition(
     ``run_at`` that far ahead (a retry's backoff); ``crashed`` counts a lost attempt
     towards the poison-pill limit; ``refund`` gives back the attempt (handed back)."""
     allowed_from = sources(op, target)
+    keep_attempt = keep_attempt or keeps_state(op)
     if target is TaskState.RUNNING and attempt_id is None and not keep_attempt:
         raise ValueError("a move to running must name its attempt")
     params = {

@@ -33,7 +33,7 @@ def test_migrating_twice_is_a_no_op(db_url: str) -> None:
     migrate.upgrade(db_url)
     with psycopg.connect(libpq_url(db_url)) as conn:
         assert conn.execute("SELECT version_num FROM core.alembic_version").fetchall() == [
-            ("0002",)
+            ("0003",)
         ]
 
 

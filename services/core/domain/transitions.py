@@ -28,12 +28,18 @@ class Op(StrEnum):
     FAIL = "fail"
     #: final failure: attempts spent, poison pill, or not retryable
     BURY = "bury"
-    #: the attempt was handed back (preempted, drained) without spending an attempt
+    #: the attempt was handed back (drained) without spending an attempt
     REQUEUE = "requeue"
     #: a person cancelled it
     CANCEL = "cancel"
     #: a person asked for another go
     RETRY = "retry"
+    #: its attempt was stopped to make room for guaranteed work; no attempt is spent
+    PREEMPT = "preempt"
+    #: its running attempt's CPU share was lowered for guaranteed work (state unchanged)
+    SQUEEZE = "squeeze"
+    #: time-insensitive work steps back while its pool is busy, until its latest start
+    DEFER = "defer"
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ TRANSITIONS: dict[Op, Rule] = {
     Op.REQUEUE: _rule({S.RUNNING}, {S.WAITING}),
     Op.CANCEL: _rule({S.READY, S.WAITING, S.RUNNING, S.FAILED}, {S.CANCELLED}),
     Op.RETRY: _rule({S.DEAD, S.FAILED, S.CANCELLED}, {S.WAITING, S.READY}),
+    Op.PREEMPT: _rule({S.RUNNING}, {S.WAITING}),
+    Op.SQUEEZE: _rule({S.RUNNING}, {S.RUNNING}),
+    Op.DEFER: _rule({S.WAITING}, {S.READY}),
 }
 
 #: every (from, to) pair some op allows; ``None`` is "not yet stored"
@@ -73,6 +82,12 @@ def check(op: Op, source: TaskState | None, target: TaskState) -> None:
             f"cannot {op.value} a task that is {source.value if source else 'new'}"
             f" (to {target.value})"
         )
+
+
+def keeps_state(op: Op) -> bool:
+    """An op that records something about a task without moving it (a squeeze)."""
+    rule = TRANSITIONS[op]
+    return rule.sources == rule.targets
 
 
 def sources(op: Op, target: TaskState) -> list[str]:
