@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import loops, problems
-from services.core.api import events, health, queues, tasks, workers
+from services.core.api import events, health, queues, tasks, usage, workers
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.limits import BodyLimit
@@ -53,7 +53,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (tasks, events, queues, workers, health):
+    for module in (tasks, events, queues, workers, usage, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
