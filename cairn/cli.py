@@ -186,6 +186,96 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         print("cairn stopped", flush=True)
 
 
+def _get(settings: CairnSettings, path: str, **params: str) -> object:
+    """GET a JSON document from core as ``CAIRN_TOKEN``; exits with core's problem."""
+    headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
+    answer = httpx.get(
+        settings.url + path, params=params, headers=headers, timeout=httpx.Timeout(10, connect=3)
+    )
+    if not answer.is_success:
+        detail = answer.json().get("detail") if answer.content else answer.reason_phrase
+        sys.exit(f"cairn: {answer.status_code} {detail}")
+    return answer.json()
+
+
+def cmd_why(settings: CairnSettings, args: argparse.Namespace) -> int:
+    """Why isn't my task running?"""
+    task = _get(settings, f"/v1/tasks/{args.task_id}")
+    assert isinstance(task, dict)
+    reason = task.get("pending_reason") or (
+        "it is running" if task["state"] == "running" else f"it is {task['state']}"
+    )
+    print(f"task {task['id']} ({task['name']}) is {task['state']}: {reason}")
+    return 0
+
+
+def cmd_rightsize(settings: CairnSettings, args: argparse.Namespace) -> int:
+    """Requested against measured use, per owner and task name, with a suggestion."""
+    params = {k: v for k, v in (("owner", args.owner), ("name", args.name)) if v}
+    report = _get(settings, "/v1/usage", **params)
+    assert isinstance(report, dict)
+    print(
+        f"{'owner':<16} {'name':<24} {'runs':>5} {'cpu req/p95/suggest':>22}"
+        f" {'memory MB req/p95/suggest':>28}"
+    )
+    for r in report["items"]:
+        cpu = f"{r['requested_cpu']:g}/{r['p95_cpu']:.2f}/{r['suggested_cpu']:g}"
+        memory = (
+            f"{r['requested_memory_mb']:.0f}/{r['p95_memory_mb']:.0f}/{r['suggested_memory_mb']}"
+        )
+        print(f"{r['owner']:<16} {r['name']:<24} {r['attempts']:>5} {cpu:>22} {memory:>28}")
+    return 0
+
+
+def cmd_trace(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from cairn.trace import Shape, write
+
+    shape = Shape(
+        users=args.users, tasks_per_user=args.tasks_per_user, hours=args.hours, seed=args.seed
+    )
+    count = write(args.out, shape)
+    print(f"{count} submissions written to {args.out}")
+    return 0
+
+
+def cmd_sim(settings: CairnSettings, args: argparse.Namespace) -> int:
+    from cairn.sim import Policy, render, simulate
+    from cairn.trace import read
+
+    meta, submissions = read(args.trace)
+    if args.workers:
+        meta["cluster"]["workers"] = args.workers
+    policy = Policy(
+        measured=not args.declared, overcommit=args.overcommit, defer_above=args.defer_above
+    )
+    print(render(meta, policy, simulate(meta, submissions, policy)))
+    return 0
+
+
+def _add_placement_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    why = sub.add_parser("why", help="say why a task is not running (CAIRN_URL, CAIRN_TOKEN)")
+    why.add_argument("task_id", type=int)
+    why.set_defaults(func=cmd_why)
+    size = sub.add_parser("rightsize", help="requested against measured use, with suggestions")
+    size.add_argument("--owner")
+    size.add_argument("--name")
+    size.set_defaults(func=cmd_rightsize)
+    trace = sub.add_parser("trace", help="write a workload trace from the design's figures")
+    trace.add_argument("out", type=Path)
+    trace.add_argument("--users", type=int, default=10_000)
+    trace.add_argument("--tasks-per-user", type=float, default=100.0)
+    trace.add_argument("--hours", type=float, default=24.0)
+    trace.add_argument("--seed", type=int, default=7)
+    trace.set_defaults(func=cmd_trace)
+    sim = sub.add_parser("sim", help="replay a trace through core's placement, simulated")
+    sim.add_argument("trace", type=Path)
+    sim.add_argument("--declared", action="store_true", help="place everything on requests")
+    sim.add_argument("--overcommit", type=float, default=1.0)
+    sim.add_argument("--defer-above", type=float, default=1.0)
+    sim.add_argument("--workers", type=int, help="override the trace's cluster size")
+    sim.set_defaults(func=cmd_sim)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cairn", description="Cairn task scheduling")
     parser.add_argument("--home", type=Path, help="data directory (CAIRN_HOME)")
@@ -204,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     create.add_argument("--role", choices=ROLES, default="user")
     create.set_defaults(func=cmd_token_create)
+    _add_placement_commands(sub)
     return parser
 
 
