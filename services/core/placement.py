@@ -17,7 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
-from services.core import store
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
@@ -29,7 +28,7 @@ from services.core.domain.placement import (
     charge,
     utilisation,
 )
-from services.core.domain.transitions import Op, sources
+from services.core.domain.transitions import NOTE_STATES, Note, Op, sources
 from services.core.settings import CoreSettings
 from services.core.tables import queues, workers
 
@@ -445,15 +444,27 @@ async def _squeeze(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> 
     if not ids:
         return 0
     rows = list(await conn.execute(_SQUEEZE, {"task": for_task, "ids": list(ids)}))
+    reason = f"squeezed: CPU share lowered to make room for guaranteed task {for_task}"
     for row in rows:
-        await store.transition(
-            conn,
-            row.task_id,
-            Op.SQUEEZE,
-            S.RUNNING,
-            reason=f"squeezed: CPU share lowered to make room for guaranteed task {for_task}",
-        )
+        await note(conn, row.task_id, Note.SQUEEZE, reason)
     return len(rows)
+
+
+_NOTE = text("""
+WITH noted AS (
+    UPDATE core.tasks SET version = version + 1, updated_at = now()
+    WHERE id = :id AND state = :state
+    RETURNING id, owner, version, state, current_attempt_id
+)
+INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason, attempt_id)
+SELECT id, version, owner, :note, state, state, :reason, current_attempt_id FROM noted
+""")
+
+
+async def note(conn: AsyncConnection, task_id: int, what: Note, reason: str) -> bool:
+    """Append a note to the task's history if it is still in the note's state."""
+    params = {"id": task_id, "state": NOTE_STATES[what].value, "note": what.value, "reason": reason}
+    return bool((await conn.execute(_NOTE, params)).rowcount)
 
 
 async def _preempt(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> int:

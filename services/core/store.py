@@ -24,7 +24,7 @@ from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
 from libs.common.models import Attempt, Event, QueueInfo, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
 from services.core import queries
-from services.core.domain.transitions import Op, check, keeps_state, sources
+from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
     attempt_logs,
     attempts,
@@ -360,7 +360,6 @@ async def transition(
     ``run_at`` that far ahead (a retry's backoff); ``crashed`` counts a lost attempt
     towards the poison-pill limit; ``refund`` gives back the attempt (handed back)."""
     allowed_from = sources(op, target)
-    keep_attempt = keep_attempt or keeps_state(op)
     if target is TaskState.RUNNING and attempt_id is None and not keep_attempt:
         raise ValueError("a move to running must name its attempt")
     params = {

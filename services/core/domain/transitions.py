@@ -36,10 +36,20 @@ class Op(StrEnum):
     RETRY = "retry"
     #: its attempt was stopped to make room for guaranteed work; no attempt is spent
     PREEMPT = "preempt"
-    #: its running attempt's CPU share was lowered for guaranteed work (state unchanged)
-    SQUEEZE = "squeeze"
     #: time-insensitive work steps back while its pool is busy, until its latest start
     DEFER = "defer"
+
+
+class Note(StrEnum):
+    """What a task's history records without moving it: the event's ``from_state`` and
+    ``to_state`` are both the state it is in, which no ``Op`` ever allows."""
+
+    #: its running attempt's CPU share was lowered for guaranteed work
+    SQUEEZE = "squeeze"
+
+
+#: the state a note is written in (the guard of its UPDATE)
+NOTE_STATES: dict[Note, TaskState] = {Note.SQUEEZE: S.RUNNING}
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,6 @@ TRANSITIONS: dict[Op, Rule] = {
     Op.CANCEL: _rule({S.READY, S.WAITING, S.RUNNING, S.FAILED}, {S.CANCELLED}),
     Op.RETRY: _rule({S.DEAD, S.FAILED, S.CANCELLED}, {S.WAITING, S.READY}),
     Op.PREEMPT: _rule({S.RUNNING}, {S.WAITING}),
-    Op.SQUEEZE: _rule({S.RUNNING}, {S.RUNNING}),
     Op.DEFER: _rule({S.WAITING}, {S.READY}),
 }
 
@@ -82,12 +91,6 @@ def check(op: Op, source: TaskState | None, target: TaskState) -> None:
             f"cannot {op.value} a task that is {source.value if source else 'new'}"
             f" (to {target.value})"
         )
-
-
-def keeps_state(op: Op) -> bool:
-    """An op that records something about a task without moving it (a squeeze)."""
-    rule = TRANSITIONS[op]
-    return rule.sources == rule.targets
 
 
 def sources(op: Op, target: TaskState) -> list[str]:
