@@ -58,6 +58,10 @@ def _by_cgroup(folder: Path, pgid: int, attempt_id: int) -> bool:
         for pid in _members(pgid):
             (child / "cgroup.procs").write_text(f"{pid}\n")
     except OSError:
+        # No cpu controller in the child (the parent's subtree_control lacks it), or
+        # moving refused: leave nothing behind and fall back to nice.
+        with contextlib.suppress(OSError):
+            child.rmdir()
         return False
     return True
 
