@@ -35,6 +35,7 @@ from services.core.domain.placement import (
 
 HEAD = 64
 MOST = 16
+PLAN_ON = 4
 
 
 @dataclass(frozen=True)
@@ -301,9 +302,12 @@ class Simulator:
         if any(need.fits_in(w.free()) for w in self.workers):
             self._place_anywhere(run)
             return
-        # Only workers whose guaranteed work leaves room for it can make any.
+        # Only workers whose guaranteed work leaves room for it can make any; of those,
+        # the few with the most room once preemptible work is gone are planned on (at
+        # this scale, planning on every worker for every blocked task is the slow part).
         able = [w for w in self.workers if (w.guaranteed + need).fits_in(w.capacity)]
-        plan = best_plan((w.node() for w in able), need)
+        able.sort(key=lambda w: w.guaranteed.largest_share_of(w.capacity))
+        plan = best_plan((w.node() for w in able[:PLAN_ON]), need)
         if plan is None:
             run.checks += 1
             wait = self.policy.preempt_after_s * 2 ** min(run.checks, 4)
