@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +24,7 @@ from services.core.domain.placement import (
     Candidate,
     Node,
     Placed,
+    Plan,
     best_plan,
     charge,
     utilisation,
@@ -421,23 +422,18 @@ async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults
     return changed
 
 
-def _after(node: Node, plan: Any, task_id: int, need: Amount) -> Node:
+def _after(node: Node, plan: Plan, task_id: int, need: Amount) -> Node:
     """The node as the next blocked task must see it: victims marked, the room reserved."""
     placed = tuple(
-        Placed(
-            p.attempt_id,
-            p.task_id,
-            p.priority,
-            p.preemptible,
-            p.charge,
-            p.started,
+        replace(
+            p,
             squeezed=p.squeezed or p.attempt_id in plan.squeeze,
             preempted=p.preempted or p.attempt_id in plan.preempt,
         )
         for p in node.placed
     )
     reserved = Placed(-task_id, task_id, 0, False, need, math.inf)
-    return Node(node.worker_id, node.capacity, (*placed, reserved), node.queues)
+    return replace(node, placed=(*placed, reserved))
 
 
 async def _squeeze(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> int:

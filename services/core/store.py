@@ -90,9 +90,17 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 # --- submissions --------------------------------------------------------------------------
 
 
+_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None}
+
+
 def spec_hash(spec: TaskCreate) -> str:
     """A digest of a submission, to tell a retried request from a different one."""
-    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    doc = spec.model_dump(mode="json")
+    # Fields added later count only when set, so a key reused across an upgrade matches.
+    for name, default in _LATER_FIELDS.items():
+        if doc.get(name) == default:
+            del doc[name]
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

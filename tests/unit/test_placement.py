@@ -98,3 +98,19 @@ def test_utilisation_is_the_fuller_resource_of_the_pool() -> None:
     nodes = [Node(1, CAP, (_placed(10, 1, 3000, started=1),)), Node(2, CAP)]
     assert utilisation(nodes) == 3000 / 8000
     assert utilisation([]) == 0.0
+
+
+def test_a_submission_hash_ignores_placement_fields_left_at_their_defaults() -> None:
+    import hashlib
+    import json
+
+    from libs.common.models import TaskCreate
+    from services.core.store import spec_hash
+
+    body = {"name": "n", "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64}}
+    spec = TaskCreate.model_validate(body)
+    before = spec.model_dump(mode="json")
+    del before["defer_ok"], before["deadline"]
+    canonical = json.dumps(before, sort_keys=True, separators=(",", ":"))
+    assert spec_hash(spec) == hashlib.sha256(canonical.encode()).hexdigest()
+    assert spec_hash(TaskCreate.model_validate({**body, "defer_ok": True})) != spec_hash(spec)
