@@ -159,3 +159,21 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> in
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def spawn_worker(
+    core: Core, home: Path, name: str, cpu: float = 4, memory_mb: int = 8192, **env: str
+) -> subprocess.Popen[bytes]:
+    """A real worker agent (``python -m services.core.worker``) with its sidecar."""
+    environment = {
+        **os.environ,
+        "CAIRN_URL": core.url,
+        "CAIRN_TOKEN": make_token(core.db_url, name, "worker"),
+        "CAIRN_HOME": str(home),
+        "CAIRN_WORKER_CPU": str(cpu),
+        "CAIRN_WORKER_MEMORY_MB": str(memory_mb),
+        "CAIRN_WORKER_DRAIN_GRACE_S": "5",
+        "CAIRN_LOG_LEVEL": "warning",
+        **env,
+    }
+    return subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=environment)

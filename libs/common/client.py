@@ -35,6 +35,8 @@ from libs.common.models import (
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    UsageReport,
+    UsageRow,
     WhoAmI,
     Worker,
     WorkerList,
@@ -249,6 +251,12 @@ class CoreClient(ApiClient):
     async def leave(self, worker_id: int) -> Worker:
         response = await self._call("POST", f"/v1/workers/{worker_id}/leave")
         return Worker.model_validate_json(response.content)
+
+    async def usage(self, owner: str | None = None, name: str | None = None) -> list[UsageRow]:
+        """Requested against measured use per owner and task name, with suggestions."""
+        params = {k: v for k, v in (("owner", owner), ("name", name)) if v}
+        response = await self._call("GET", "/v1/usage", params=params)
+        return UsageReport.model_validate_json(response.content).items
 
     async def workers(self) -> list[Worker]:
         """Every worker the caller may see, with capacity, use and last heartbeat."""

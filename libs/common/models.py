@@ -127,6 +127,11 @@ class TaskCreate(_Input):
     run_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
     idempotency_key: IdempotencyKey | None = None
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    #: time-insensitive: may wait while its pool is busy (until ``deadline`` if given)
+    defer_ok: bool = False
+    #: when it must have finished; a task with a deadline may be deferred until its
+    #: latest start (the deadline less its ``timeout_s``, or ten minutes)
+    deadline: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
 
 
 class TaskBatchCreate(_Input):
@@ -178,6 +183,10 @@ class Task(_Output):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    defer_ok: bool = False
+    deadline: datetime | None = None
+    #: why it is not running (ready, waiting, failed), computed when it is read
+    pending_reason: str | None = None
 
 
 class BatchItem(_Output):
@@ -210,6 +219,10 @@ class Attempt(_Output):
     cpu_seconds: float | None
     error: str | None
     log_tail: str | None
+    charge_cpu: float | None = None
+    charge_memory_mb: float | None = None
+    squeezed_at: datetime | None = None
+    preempted_by: int | None = None
 
 
 class AttemptList(_Output):
@@ -248,6 +261,20 @@ class QueueInfo(_Output):
     paused: bool
     depth: dict[TaskState, int]
     oldest_waiting_age_s: float | None
+    #: preemptible work is charged its measured use divided by this
+    overcommit: float = 1.0
+    #: time-insensitive work is deferred while utilisation is above this share
+    defer_above: float = 1.0
+    #: the placement pass's last reading of how full the pool is (0 to 1)
+    utilisation: float | None = None
+
+
+class QueueSettings(_Input):
+    """A pool's placement settings; a field left out keeps its value, null restores the
+    default."""
+
+    overcommit: float | None = Field(default=None, ge=1, le=10)
+    defer_above: float | None = Field(default=None, gt=0, le=1)
 
 
 class QueueList(_Output):
@@ -326,6 +353,11 @@ class HeartbeatAnswer(_Output):
     state: Literal["live", "draining", "dead", "left"]
     #: attempts the worker must stop: cancelled, or no longer current (lost)
     stop: list[int]
+    #: attempts to run with a lower CPU share (guaranteed work needs the CPU)
+    squeeze: list[int] = Field(default_factory=list)
+    #: attempts to stop (SIGTERM, ``preempt_grace_s``, SIGKILL) and report ``preempted``
+    preempt: list[int] = Field(default_factory=list)
+    preempt_grace_s: float = 10.0
 
 
 class ClaimRequest(_Input):
@@ -335,6 +367,13 @@ class ClaimRequest(_Input):
     memory_mb: int = Field(ge=0, le=64 * 1024 * 1024)
     max: int = Field(default=16, ge=1, le=256)
     wait: float = Field(default=0, ge=0, le=MAX_WAIT_S)
+
+
+class Charge(_Output):
+    """What an attempt holds against its worker's capacity."""
+
+    cpu: float
+    memory_mb: float
 
 
 class Assignment(_Output):
@@ -351,6 +390,7 @@ class Assignment(_Output):
     output_path: str | None
     resources: Resources
     timeout_s: int | None
+    charge: Charge | None = None
 
 
 class ClaimAnswer(_Output):
@@ -359,11 +399,12 @@ class ClaimAnswer(_Output):
 
 class Report(_Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
-    does not spend an attempt. ``crashed``: the process died of a signal the worker did not
+    does not spend an attempt; ``preempted``: stopped at core's request for guaranteed
+    work, requeued without spending one either. ``crashed``: the process died of a signal the worker did not
     send; it counts towards the poison-pill limit. ``retryable: false`` makes a failure
     final."""
 
-    outcome: Literal["succeeded", "failed", "timeout", "crashed", "handed_back"]
+    outcome: Literal["succeeded", "failed", "timeout", "crashed", "handed_back", "preempted"]
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     error: Annotated[str, StringConstraints(max_length=4096)] | None = None
     retryable: bool = True
@@ -375,3 +416,26 @@ class Report(_Input):
 class ReportAnswer(_Output):
     task_id: int
     state: TaskState
+
+
+# --- right-sizing -------------------------------------------------------------------------
+
+
+class UsageRow(_Output):
+    """One kind of task (owner, name): what it asks for, what it uses, what to ask for."""
+
+    owner: str
+    name: str
+    attempts: int
+    requested_cpu: float
+    requested_memory_mb: float
+    p95_cpu: float
+    p95_memory_mb: float
+    suggested_cpu: float
+    suggested_memory_mb: int
+    #: the measured p95 as a share of the request, of the fuller resource
+    used_share: float
+
+
+class UsageReport(_Output):
+    items: list[UsageRow]

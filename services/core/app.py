@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common import health, problems
 from libs.common.limits import BodyLimit
 from services.core import loops
-from services.core.api import events, principals, queues, tasks, workers
+from services.core.api import events, principals, queues, tasks, usage, workers
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.settings import CoreSettings
@@ -54,7 +54,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (tasks, events, queues, workers, principals, health):
+    for module in (tasks, events, queues, workers, usage, principals, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -9,46 +9,82 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
+from sqlalchemy import TextClause, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
-from libs.common.models import Assignment, Report, Worker, WorkerRegister
+from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegister
 from libs.common.states import TaskState
-from services.core import store
+from services.core import placement, store
+from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import Backoff
 from services.core.domain.transitions import Op, sources
 from services.core.tables import attempt_logs, attempts, workers
 
 S = TaskState
 
-_CANDIDATES = text("""
-SELECT t.id, t.cpu, t.memory_mb
+# Waiting work of the worker's queues, best first, with what placement needs: its kind's
+# measured peak and its pool's overcommit ratio. A preemptible task may be charged less
+# than its request, so only guaranteed work is filtered by the room here. Time-insensitive
+# work in a pool above its deferral threshold is left for the placement pass to defer.
+_CANDIDATES = """
+SELECT t.id, t.cpu, t.memory_mb, t.preemptible, t.priority,
+       u.peak_cpu, u.peak_memory_mb, q.overcommit
 FROM core.tasks t
-WHERE t.state = ANY(CAST(:sources AS text[])) AND t.queue = ANY(CAST(:queues AS text[]))
-  AND t.cpu <= :cpu AND t.memory_mb <= :memory_mb
+LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
+LEFT JOIN core.queues q ON q.name = t.queue
+WHERE t.state = ANY(CAST(:sources AS text[])) AND {which}
+  AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
+  AND NOT ({deferrable} AND t.queue IN {hot} AND {latest} > now())
 ORDER BY t.priority DESC, t.id
 LIMIT :limit
-FOR UPDATE SKIP LOCKED
+FOR UPDATE OF t SKIP LOCKED
+"""
+
+
+def _candidates(which: str) -> TextClause:
+    return text(
+        _CANDIDATES.format(
+            which=which,
+            deferrable=placement.DEFERRABLE,
+            hot=placement.HOT_QUEUES,
+            latest=placement.LATEST_START,
+        )
+    )
+
+
+_WAITING_IN_QUEUES = _candidates("t.queue = ANY(CAST(:queues AS text[]))")
+_RESERVED_TASKS = _candidates("t.id = ANY(CAST(:reserved AS bigint[]))")
+
+# Guaranteed tasks this worker squeezed or preempted attempts for, lately: they go first.
+_RESERVED = text("""
+SELECT DISTINCT COALESCE(a.preempted_by, a.squeezed_for) AS task_id FROM core.attempts a
+WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS NOT NULL)
+  AND (a.outcome IS NULL OR a.ended_at > now() - interval '60 seconds')
 """)
 
 _CLAIM = text("""
-WITH chosen AS (SELECT unnest(CAST(:ids AS bigint[])) AS id),
+WITH chosen AS (
+    SELECT * FROM unnest(
+        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[])
+    ) AS c(id, cpu, memory_mb)
+),
 leased AS (
-    INSERT INTO core.attempts (task_id, number, worker_id)
+    INSERT INTO core.attempts (task_id, number, worker_id, charge_cpu, charge_memory_mb)
     SELECT c.id,
            1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker
+           :worker, c.cpu, c.memory_mb
     FROM chosen c
-    RETURNING id, task_id, number
+    RETURNING id, task_id, number, charge_cpu, charge_memory_mb
 ), moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
         current_attempt_id = leased.id, attempts = t.attempts + 1
     FROM leased
     WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
-    RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number
+    RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number,
+              leased.charge_cpu, leased.charge_memory_mb
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, 'waiting', state, attempt_id FROM moved
@@ -62,7 +98,8 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 """)
 
 _USE = text("""
-SELECT a.worker_id, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+SELECT a.worker_id, count(*) AS running, sum(COALESCE(a.charge_cpu, t.cpu)) AS cpu,
+       sum(COALESCE(a.charge_memory_mb, t.memory_mb)) AS memory_mb
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
 GROUP BY a.worker_id
@@ -106,7 +143,7 @@ def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
         registered_at=row.registered_at,
         last_heartbeat_at=row.last_heartbeat_at,
         used_cpu=float(used.cpu) if used else 0.0,
-        used_memory_mb=int(used.memory_mb) if used else 0,
+        used_memory_mb=round(used.memory_mb) if used else 0,
         running=int(used.running) if used else 0,
     )
 
@@ -155,10 +192,18 @@ async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) ->
 
 
 async def claim(
-    conn: AsyncConnection, worker: Any, cpu: float, memory_mb: int, most: int
+    conn: AsyncConnection,
+    worker: Any,
+    cpu: float,
+    memory_mb: int,
+    most: int,
+    defaults: placement.Defaults | None = None,
 ) -> list[Assignment]:
-    """Lease waiting work of the worker's queues that fits the room it reports, highest
-    priority first, oldest first; rows other claims hold are skipped, never shared."""
+    """Lease waiting work of the worker's queues that fits both the room it reports and
+    its capacity less what core has placed on it (``domain.placement``): work reserved
+    for it first, then highest priority, oldest first; rows other claims hold are
+    skipped, never shared."""
+    defaults = defaults or placement.Defaults()
     # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
     current = (
         await conn.execute(
@@ -167,38 +212,47 @@ async def claim(
     ).scalar_one()
     if current != "live":
         return []
+    [node] = await placement.nodes_of(conn, [worker])
+    free = node.free()
+    room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
+    if room.cpu <= 0 or room.memory_mb <= 0:
+        return []
     allowed = sources(Op.CLAIM, S.RUNNING)
-    candidates = await conn.execute(
-        _CANDIDATES,
-        {
-            "sources": allowed,
-            "queues": list(worker.queues),
-            "cpu": cpu,
-            "memory_mb": memory_mb,
-            "limit": most * 4,
-        },
+    params = {
+        "sources": allowed,
+        "queues": list(worker.queues),
+        "cpu": room.cpu,
+        "memory_mb": room.memory_mb,
+        "limit": most * 4,
+        "defer_above": defaults.defer_above,
+        "defer_margin_s": defaults.defer_margin_s,
+        "defer_max_s": defaults.defer_max_s,
+    }
+    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker.id})]
+    rows = (
+        []
+        if not reserved
+        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
     )
-    chosen: list[int] = []
-    for row in candidates:
-        if len(chosen) == most:
-            break
-        if row.cpu <= cpu and row.memory_mb <= memory_mb:
-            chosen.append(row.id)
-            cpu -= row.cpu
-            memory_mb -= row.memory_mb
+    first = {row.id for row in rows}
+    rows += [r for r in await conn.execute(_WAITING_IN_QUEUES, params) if r.id not in first]
+    candidates = [placement.candidate(row, defaults) for row in rows]
+    chosen = choose(room, candidates, most)
     if not chosen:
         return []
-    rows = await conn.execute(
+    leased = await conn.execute(
         _CLAIM,
         {
-            "ids": chosen,
+            "ids": [c.task_id for c, _ in chosen],
+            "cpus": [cost.cpu for _, cost in chosen],
+            "memories": [cost.memory_mb for _, cost in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,
             "op": Op.CLAIM.value,
         },
     )
-    return [_assignment(row) for row in rows]
+    return [_assignment(row) for row in leased]
 
 
 def _assignment(row: Any) -> Assignment:
@@ -215,6 +269,7 @@ def _assignment(row: Any) -> Assignment:
         output_path=task.output_path,
         resources=task.resources,
         timeout_s=task.timeout_s,
+        charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
     )
 
 
@@ -306,6 +361,12 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
         cpu_seconds=outcome.cpu_seconds,
         log_tail=_clean(outcome.log_tail),
     )
+    if outcome.peak_memory_mb is not None and outcome.cpu_seconds is not None:
+        await placement.record_use(
+            conn, task, attempt_id, outcome.peak_memory_mb, outcome.cpu_seconds
+        )
+    if outcome.outcome == "preempted":
+        return await _requeue_preempted(conn, task.id, attempt_id)
     if outcome.outcome == "succeeded" and task.kind == "service":
         return await _after_failure(
             conn, task, attempt_id, "service exited 0", retryable=True, crashed=False
@@ -331,6 +392,19 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
     return await _after_failure(
         conn, task, attempt_id, message, retryable=outcome.retryable, crashed=crashed
     )
+
+
+async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: int) -> TaskState:
+    """A preempted attempt goes back to waiting without spending an attempt; the event
+    names the guaranteed task it made room for."""
+    by = (
+        await conn.execute(select(attempts.c.preempted_by).where(attempts.c.id == attempt_id))
+    ).scalar_one()
+    reason = f"preempted by task {by}, requeued" if by else "preempted by its worker, requeued"
+    await store.transition(
+        conn, task_id, Op.PREEMPT, S.WAITING, reason=reason, refund=True, attempt_id=attempt_id
+    )
+    return S.WAITING
 
 
 async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | None:
@@ -360,12 +434,42 @@ async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | 
     return await _after_failure(conn, task, attempt_id, why, retryable=True, crashed=True)
 
 
-async def heartbeat(
+@dataclass(frozen=True)
+class Beat:
+    """What a heartbeat found: attempts the worker must stop, squeeze and preempt, and
+    how many of its attempts were lost."""
+
+    stop: list[int]
+    squeeze: list[int]
+    preempt: list[int]
+    lost: int
+
+
+_ROOM_MADE = text("""
+SELECT a.id, a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted
+FROM core.attempts a
+WHERE a.worker_id = :worker AND a.outcome IS NULL
+  AND (a.squeezed_at IS NOT NULL OR a.preempted_by IS NOT NULL)
+  AND a.id = ANY(CAST(:alive AS bigint[]))
+""")
+
+
+async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float) -> Beat:
+    """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
+    for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
+    lost), squeeze and preempt."""
+    stop, lost = await _beat(conn, worker, alive, grace_s)
+    if not alive:
+        return Beat(stop, [], [], lost)
+    rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
+    squeeze = [r.id for r in rows if r.squeezed and not r.preempted]
+    preempt = [r.id for r in rows if r.preempted]
+    return Beat(stop, squeeze, preempt, lost)
+
+
+async def _beat(
     conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
 ) -> tuple[list[int], int]:
-    """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
-    for those just claimed) are lost. Return the reported attempts it must stop, and how
-    many were lost."""
     await conn.execute(
         update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
     )

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.core import dispatch, store
+from services.core import dispatch, placement, store
 from services.core.feed import Notifier
 from services.core.settings import CoreSettings
 
@@ -55,6 +55,14 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
             await asyncio.sleep(0)
 
 
+async def place_once(engine: AsyncEngine, notifier: Notifier, defaults: placement.Defaults) -> int:
+    async with engine.begin() as conn:
+        changed = await placement.place_once(conn, defaults)
+    if changed:
+        notifier.announce()
+    return changed
+
+
 async def reap_once(engine: AsyncEngine, notifier: Notifier, timeout_s: float) -> int:
     async with engine.begin() as conn:
         changed = await dispatch.reap(conn, timeout_s)
@@ -78,6 +86,14 @@ def start(
                 lambda: reap_once(engine, notifier, settings.heartbeat_timeout_s),
             ),
             name="cairn-reaper",
+        ),
+        asyncio.create_task(
+            every(
+                settings.placement_interval_s,
+                "placement",
+                lambda: place_once(engine, notifier, placement.Defaults.of(settings)),
+            ),
+            name="cairn-placement",
         ),
         asyncio.create_task(
             every(

@@ -10,7 +10,7 @@ TASK_COLUMNS = """
     input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
-    updated_at, finished_at
+    updated_at, finished_at, defer_ok, deadline
 """
 
 # What a submission reads back: what the database decided. The rest is the spec.
@@ -27,20 +27,21 @@ WITH input AS (
         cpu double precision, memory_mb integer, preemptible boolean, max_attempts integer,
         backoff_base_s double precision, backoff_cap_s double precision,
         backoff_jitter boolean, poison_after integer, timeout_s integer,
-        run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text
+        run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
+        defer_ok boolean, deadline timestamptz
     )
 ), new AS (
     INSERT INTO core.tasks (
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
-        spec_hash, labels, state
+        spec_hash, labels, defer_ok, deadline, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
-        idempotency_key, spec_hash, labels,
+        idempotency_key, spec_hash, labels, defer_ok, deadline,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = input.queue AND q.paused)
              THEN 'ready' ELSE 'waiting' END
@@ -111,7 +112,7 @@ WITH picked AS (
 ), moved AS (
     UPDATE core.tasks t SET state = '{target}', version = t.version + 1, updated_at = now()
     FROM picked WHERE t.id = picked.id
-    RETURNING t.id, t.owner, t.version
+    RETURNING t.id, t.owner, t.version, t.deferred
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
     SELECT id, version, owner, '{op}', '{source}', '{target}', {reason} FROM moved
@@ -135,7 +136,12 @@ def _bulk(op: str, source: str, target: str, condition: str, order: str, reason:
 
 
 PROMOTE_READY = _bulk(
-    "promote", "ready", "waiting", f"t.run_at <= now() AND {_QUEUE_RUNS}", "t.run_at", "NULL"
+    "promote",
+    "ready",
+    "waiting",
+    f"t.run_at <= now() AND {_QUEUE_RUNS}",
+    "t.run_at",
+    "CASE WHEN deferred THEN 'latest start reached: runs although its pool is busy' END",
 )
 PROMOTE_FAILED = _bulk(
     "promote",

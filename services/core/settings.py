@@ -18,3 +18,12 @@ class CoreSettings(CairnSettings):
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)
     migrate_on_start: bool = True
+
+    # placement (see docs/placement.md)
+    overcommit_ratio: float = Field(default=1.0, ge=1, le=10)
+    defer_above: float = Field(default=0.8, gt=0, le=1)
+    defer_max_s: float = Field(default=6 * 3600.0, gt=0)
+    defer_margin_s: float = Field(default=600.0, ge=0)
+    preempt_after_s: float = Field(default=5.0, ge=0)
+    preempt_grace_s: float = Field(default=10.0, ge=0, le=3600)
+    placement_interval_s: float = Field(default=1.0, gt=0)

@@ -90,9 +90,17 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 # --- submissions --------------------------------------------------------------------------
 
 
+_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None}
+
+
 def spec_hash(spec: TaskCreate) -> str:
     """A digest of a submission, to tell a retried request from a different one."""
-    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    doc = spec.model_dump(mode="json")
+    # Fields added later count only when set, so a key reused across an upgrade matches.
+    for name, default in _LATER_FIELDS.items():
+        if doc.get(name) == default:
+            del doc[name]
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -121,6 +129,8 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "idempotency_key": spec.idempotency_key,
         "spec_hash": spec_hash(spec) if spec.idempotency_key else None,
         "labels": spec.labels,
+        "defer_ok": spec.defer_ok,
+        "deadline": spec.deadline.isoformat() if spec.deadline else None,
     }
 
 
@@ -222,6 +232,8 @@ def task_from_row(m: Any) -> Task:
         created_at=m.created_at,
         updated_at=m.updated_at,
         finished_at=m.finished_at,
+        defer_ok=m.defer_ok,
+        deadline=m.deadline,
     )
 
 

@@ -88,6 +88,15 @@ queues = Table(
     Column("name", Text, primary_key=True),
     Column("paused", Boolean, nullable=False, server_default=text("false")),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("overcommit", Double),
+    Column("defer_above", Double),
+    Column("utilisation", Double),
+    CheckConstraint(
+        "overcommit IS NULL OR (overcommit >= 1 AND overcommit <= 10)", name="overcommit_range"
+    ),
+    CheckConstraint(
+        "defer_above IS NULL OR (defer_above > 0 AND defer_above <= 1)", name="defer_above_range"
+    ),
 )
 
 tasks = Table(
@@ -127,6 +136,9 @@ tasks = Table(
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("finished_at", DateTime(timezone=True)),
+    Column("defer_ok", Boolean, nullable=False, server_default=text("false")),
+    Column("deadline", DateTime(timezone=True)),
+    Column("deferred", Boolean, nullable=False, server_default=text("false")),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -220,12 +232,34 @@ attempts = Table(
     Column("cpu_seconds", Double),
     Column("error", Text),
     Column("log_tail", Text),
+    Column("charge_cpu", Double),
+    Column("charge_memory_mb", Double),
+    Column("squeezed_at", DateTime(timezone=True)),
+    Column("squeezed_for", BigInteger),
+    Column("preempted_by", BigInteger),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
-        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'succeeded', 'timeout')",
+        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'preempted',"
+        " 'succeeded', 'timeout')",
         name="outcome",
     ),
     Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),
+    Index(
+        "ix_attempts_room_made",
+        "worker_id",
+        postgresql_where=text("preempted_by IS NOT NULL OR squeezed_for IS NOT NULL"),
+    ),
+)
+
+usage = Table(
+    "usage",
+    metadata,
+    Column("owner", Text, primary_key=True),
+    Column("name", Text, primary_key=True),
+    Column("peak_cpu", Double, nullable=False),
+    Column("peak_memory_mb", Double, nullable=False),
+    Column("samples", Integer, nullable=False, server_default=text("0")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 attempt_logs = Table(

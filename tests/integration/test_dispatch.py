@@ -38,7 +38,15 @@ class Agent:
     def __init__(self, core: Core, name: str = "w1", cpu: float = 8, queues=("default",)):
         self.http = core.client(name, "worker")
         _OPEN.append(self.http)
-        offer = {"hostname": f"{name}.test", "queues": list(queues), "cpu": cpu, "memory_mb": 16384}
+        # Core places within the registered capacity: room for 256 default tasks per
+        # CPU count below 256, so that claims test the room reported.
+        memory = 16384 if cpu < 256 else cpu * 512
+        offer = {
+            "hostname": f"{name}.test",
+            "queues": list(queues),
+            "cpu": cpu,
+            "memory_mb": memory,
+        }
         answer = self.http.post("/v1/workers", json=offer)
         assert answer.status_code == 201, answer.text
         self.id = answer.json()["worker"]["id"]
@@ -47,7 +55,7 @@ class Agent:
     def claim(self, most: int = 16, cpu: float | None = None, wait: float = 0) -> list[dict]:
         room = {
             "cpu": self.cpu if cpu is None else cpu,
-            "memory_mb": 16384,
+            "memory_mb": 16384 if self.cpu < 256 else int(self.cpu * 512),
             "max": most,
             "wait": wait,
         }
@@ -110,26 +118,47 @@ def test_claims_fit_the_room_the_worker_reports(core: Core) -> None:
     with core.client() as alice:
         for _ in range(3):
             alice.post("/v1/tasks", json=spec(resources={"cpu": 1.5, "memory_mb": 100}))
-    agent = Agent(core, cpu=2)
+    agent = Agent(core, cpu=5)
     assert len(agent.claim(cpu=2)) == 1
     assert len(agent.claim(cpu=1)) == 0
     assert len(agent.claim(cpu=3.5)) == 2
 
 
-def test_two_workers_never_share_an_attempt(core: Core, db) -> None:
+def test_claims_fit_what_core_has_placed_whatever_the_worker_reports(core: Core) -> None:
     with core.client() as alice:
+        for _ in range(3):
+            alice.post("/v1/tasks", json=spec(resources={"cpu": 1.5, "memory_mb": 100}))
+    agent = Agent(core, cpu=2)
+    assert len(agent.claim(cpu=2)) == 1
+    # Core knows 1.5 of its 2 CPU are placed, whatever room the worker claims to have.
+    assert len(agent.claim(cpu=8)) == 0
+
+
+@pytest.fixture
+def patient(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    """A core whose reaper gives the scripted workers (who never beat) a minute: claims
+    are the subject here, not how fast a loaded machine makes them."""
+    server = start_core(db_url, tmp_path / "patient", heartbeat_timeout_s=60)
+    yield server
+    server.stop()
+
+
+def test_two_workers_never_share_an_attempt(patient: Core, db) -> None:
+    with patient.client() as alice:
         alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(200)]})
-    taken = _claim_everything([Agent(core, f"w{i}") for i in range(4)], most=7)
+    taken = _claim_everything([Agent(patient, f"w{i}", cpu=256) for i in range(4)], most=7)
     assert len(taken) == len(set(taken)) == 200
     assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (200,)
 
 
-def test_two_core_replicas_never_hand_out_one_attempt_twice(core: Core, db, tmp_path) -> None:
-    other = start_core(core.db_url, tmp_path / "replica", heartbeat_interval_s=0.2)
+def test_two_core_replicas_never_hand_out_one_attempt_twice(patient: Core, db, tmp_path) -> None:
+    other = start_core(patient.db_url, tmp_path / "replica", heartbeat_timeout_s=60)
     try:
-        with core.client() as alice:
+        with patient.client() as alice:
             alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(150)]})
-        agents = [Agent(core, "w0"), Agent(other, "w1"), Agent(core, "w2"), Agent(other, "w3")]
+        agents = [
+            Agent(c, f"w{i}", cpu=256) for i, c in enumerate((patient, other, patient, other))
+        ]
         taken = _claim_everything(agents, most=5)
     finally:
         other.stop()

@@ -14,7 +14,11 @@ def test_submit_returns_201_and_the_stored_task(core: Core, db) -> None:
     assert task["state"] == "waiting"
     assert answer.headers["location"] == f"/v1/tasks/{task['id']}"
     with core.client() as alice:
-        assert alice.get(answer.headers["location"]).json() == task
+        read = alice.get(answer.headers["location"]).json()
+    # A read also says why the task is not running; the submit answer spares that work.
+    assert read.pop("pending_reason") == "no live worker serves queue default"
+    assert task.pop("pending_reason") is None
+    assert read == task
     row = db.execute(
         "SELECT owner, state, args FROM core.tasks WHERE id = %s", (task["id"],)
     ).fetchone()

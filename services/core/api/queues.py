@@ -2,43 +2,74 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.models import QueueInfo, QueueList, QueueName
+from libs.common.models import QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
-from services.core import store
+from services.core import placement, store
 from services.core.deps import AdminOnly, Announcer, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
 
 
 @router.get("", response_model=QueueList, responses=PROBLEMS)
-async def list_queues(principal: Reader, engine: Engine) -> QueueList:
-    """Every queue with live work or settings: depth per state, oldest waiting age."""
+async def list_queues(principal: Reader, engine: Engine, request: Request) -> QueueList:
+    """Every queue with live work or settings: depth per state, oldest waiting age, and
+    its placement settings and utilisation."""
     async with engine.connect() as conn:
-        return QueueList(items=await store.list_queues(conn))
+        return QueueList(items=await _queues(conn, request))
 
 
-async def _set_paused(engine: Engine, notifier: Announcer, name: str, paused: bool) -> QueueInfo:
+async def _queues(conn: AsyncConnection, request: Request) -> list[QueueInfo]:
+    defaults = placement.Defaults.of(request.app.state.settings)
+    pools = await placement.pools(conn, defaults)
+    items = await store.list_queues(conn)
+    for item in items:
+        pool = pools.get(item.name)
+        item.overcommit = pool.overcommit if pool else defaults.overcommit
+        item.defer_above = pool.defer_above if pool else defaults.defer_above
+        item.utilisation = pool.utilisation if pool else None
+    return items
+
+
+async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:
+    async with engine.connect() as conn:
+        found = [q for q in await _queues(conn, request) if q.name == name]
+    return found[0]
+
+
+async def _set_paused(
+    engine: Engine, notifier: Announcer, request: Request, name: str, paused: bool
+) -> QueueInfo:
     async with engine.begin() as conn:
         await store.set_paused(conn, name, paused)
         await store.promote_and_park(conn, 1000)
     notifier.announce()
-    async with engine.connect() as conn:
-        found = [q for q in await store.list_queues(conn) if q.name == name]
-    return found[0]
+    return await _one(engine, request, name)
+
+
+@router.patch("/{name}", response_model=QueueInfo, responses=PROBLEMS)
+async def set_queue(
+    name: QueueName, change: QueueSettings, principal: AdminOnly, engine: Engine, request: Request
+) -> QueueInfo:
+    """Set the pool's overcommit ratio for preemptible work and the utilisation above
+    which time-insensitive work is deferred (null: the operator's default)."""
+    async with engine.begin() as conn:
+        await placement.set_pool(conn, name, change)
+    return await _one(engine, request, name)
 
 
 @router.post("/{name}/pause", response_model=QueueInfo, responses=PROBLEMS)
 async def pause_queue(
-    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer
+    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer, request: Request
 ) -> QueueInfo:
     """Stop handing out the queue's work: its waiting tasks go back to ready."""
-    return await _set_paused(engine, notifier, name, True)
+    return await _set_paused(engine, notifier, request, name, True)
 
 
 @router.post("/{name}/resume", response_model=QueueInfo, responses=PROBLEMS)
 async def resume_queue(
-    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer
+    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer, request: Request
 ) -> QueueInfo:
-    return await _set_paused(engine, notifier, name, False)
+    return await _set_paused(engine, notifier, request, name, False)

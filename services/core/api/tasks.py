@@ -28,7 +28,7 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import store
+from services.core import placement, store
 from services.core.deps import (
     Announcer,
     Engine,
@@ -150,8 +150,15 @@ async def submit_batch(
     )
 
 
+def _defaults(request: Request) -> placement.Defaults:
+    return placement.Defaults.of(request.app.state.settings)
+
+
 @router.get("/{task_id}", response_model=Task, responses=PROBLEMS)
-async def get_task(task: OwnedTask) -> Response:
+async def get_task(task: OwnedTask, engine: Engine, request: Request) -> Response:
+    """The task; one that is not running says why in ``pending_reason``."""
+    async with engine.connect() as conn:
+        [task] = await placement.with_pending_reasons(conn, [task], _defaults(request))
     return _json(task)
 
 
@@ -183,6 +190,7 @@ def _parse_labels(labels: list[str]) -> tuple[tuple[str, str], ...]:
 async def list_tasks(
     principal: Reader,
     engine: Engine,
+    request: Request,
     state: TaskState | None = None,
     queue: QueueName | None = None,
     owner: Annotated[str | None, Query(max_length=100, pattern=r"^[^\x00]*$")] = None,
@@ -205,6 +213,7 @@ async def list_tasks(
     before = _decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
         items = await store.list_tasks(conn, where, before, limit)
+        items = await placement.with_pending_reasons(conn, items, _defaults(request))
     next_cursor = _encode_cursor(items[-1].id) if len(items) == limit else None
     return _json(TaskPage(items=items, next_cursor=next_cursor))
 

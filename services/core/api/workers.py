@@ -21,7 +21,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.problems import PROBLEMS
-from services.core import dispatch
+from services.core import dispatch, placement
 from services.core.deps import AdminOnly, Announcer, Engine, require
 from services.core.settings import CoreSettings
 from services.core.store import Principal
@@ -83,11 +83,17 @@ async def heartbeat(
     # attempt two beats (and a second) before its absence means its process is gone.
     grace = 2 * _settings(request).heartbeat_interval_s + 1.0
     async with engine.begin() as conn:
-        stop, lost = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
+        found = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
         state = (await dispatch.get_worker(conn, worker.id, None)).state
-    if lost:
+    if found.lost:
         notifier.announce()
-    return HeartbeatAnswer(state=state, stop=stop)
+    return HeartbeatAnswer(
+        state=state,
+        stop=found.stop,
+        squeeze=found.squeeze,
+        preempt=found.preempt,
+        preempt_grace_s=_settings(request).preempt_grace_s,
+    )
 
 
 @router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)
@@ -101,10 +107,13 @@ async def claim(
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
     work arrives or ``wait`` seconds pass."""
     deadline = asyncio.get_running_loop().time() + room.wait
+    defaults = placement.Defaults.of(_settings(request))
     while True:
         async with engine.begin() as conn:
             current = await dispatch.get_worker(conn, worker.id, None)
-            leased = await dispatch.claim(conn, current, room.cpu, room.memory_mb, room.max)
+            leased = await dispatch.claim(
+                conn, current, room.cpu, room.memory_mb, room.max, defaults
+            )
         if leased:
             notifier.announce()
             return ClaimAnswer(attempts=leased)

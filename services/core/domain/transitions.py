@@ -28,12 +28,28 @@ class Op(StrEnum):
     FAIL = "fail"
     #: final failure: attempts spent, poison pill, or not retryable
     BURY = "bury"
-    #: the attempt was handed back (preempted, drained) without spending an attempt
+    #: the attempt was handed back (drained) without spending an attempt
     REQUEUE = "requeue"
     #: a person cancelled it
     CANCEL = "cancel"
     #: a person asked for another go
     RETRY = "retry"
+    #: its attempt was stopped to make room for guaranteed work; no attempt is spent
+    PREEMPT = "preempt"
+    #: time-insensitive work steps back while its pool is busy, until its latest start
+    DEFER = "defer"
+
+
+class Note(StrEnum):
+    """What a task's history records without moving it: the event's ``from_state`` and
+    ``to_state`` are both the state it is in, which no ``Op`` ever allows."""
+
+    #: its running attempt's CPU share was lowered for guaranteed work
+    SQUEEZE = "squeeze"
+
+
+#: the state a note is written in (the guard of its UPDATE)
+NOTE_STATES: dict[Note, TaskState] = {Note.SQUEEZE: S.RUNNING}
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,8 @@ TRANSITIONS: dict[Op, Rule] = {
     Op.REQUEUE: _rule({S.RUNNING}, {S.WAITING}),
     Op.CANCEL: _rule({S.READY, S.WAITING, S.RUNNING, S.FAILED}, {S.CANCELLED}),
     Op.RETRY: _rule({S.DEAD, S.FAILED, S.CANCELLED}, {S.WAITING, S.READY}),
+    Op.PREEMPT: _rule({S.RUNNING}, {S.WAITING}),
+    Op.DEFER: _rule({S.WAITING}, {S.READY}),
 }
 
 #: every (from, to) pair some op allows; ``None`` is "not yet stored"

@@ -27,6 +27,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.settings import CairnSettings
+from services.core.domain.placement import SQUEEZED_CPU_SHARE
 from services.core.worker import state
 from services.core.worker.artifacts import ArtifactCache, ArtifactError
 from services.core.worker.executor import (
@@ -36,6 +37,7 @@ from services.core.worker.executor import (
     SpawnError,
     start_attempt,
 )
+from services.core.worker.squeeze import squeeze
 
 log = logging.getLogger("cairn.worker")
 
@@ -58,6 +60,8 @@ def report_of(result: AttemptResult) -> Report | None:
         return None
     if result.outcome == "killed" and result.stopped == "terminated":
         return Report(outcome="handed_back", **usage)
+    if result.outcome == "killed" and result.stopped == "preempted":
+        return Report(outcome="preempted", **usage)
     if result.outcome == "killed":
         return Report(outcome="crashed", **usage)
     return Report(outcome=result.outcome, **usage)
@@ -74,6 +78,8 @@ class Agent:
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
+        self.squeezed: set[int] = set()
+        self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self._beat = (60.0, 180.0)
 
     # --- lifecycle ---
@@ -196,12 +202,41 @@ class Agent:
             if entry and entry[1] is not None:
                 log.info("attempt %s stopped at core's request", attempt_id)
                 entry[1].kill()
+        for attempt_id in answer.get("squeeze", []):
+            self._squeeze(int(attempt_id))
+        grace = float(answer.get("preempt_grace_s", 10.0))
+        for attempt_id in answer.get("preempt", []):
+            self._preempt(int(attempt_id), grace)
+
+    def _squeeze(self, attempt_id: int) -> None:
+        entry = self.running.get(attempt_id)
+        if attempt_id in self.squeezed or not entry or entry[1] is None:
+            return
+        how = squeeze(entry[1].pid, attempt_id)
+        self.squeezed.add(attempt_id)
+        log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
+
+    def _preempt(self, attempt_id: int, grace_s: float) -> None:
+        entry = self.running.get(attempt_id)
+        if attempt_id in self.preempting or not entry or entry[1] is None:
+            return
+        log.info("attempt %s preempted: SIGTERM, %g s grace, SIGKILL", attempt_id, grace_s)
+        stopping = asyncio.create_task(entry[1].terminate(grace_s, why="preempted"))
+        self.preempting[attempt_id] = stopping
+        stopping.add_done_callback(lambda _: self.preempting.pop(attempt_id, None))
+
+    def _held(self, assignment: Assignment) -> tuple[float, float]:
+        """What the attempt holds of this host, as core charged it."""
+        held = assignment.charge or assignment.resources
+        cpu = held.cpu
+        if assignment.attempt_id in self.squeezed:
+            cpu *= SQUEEZED_CPU_SHARE
+        return cpu, held.memory_mb
 
     def _room(self) -> tuple[float, int, int]:
-        cpu = self.settings.worker_cpu - sum(a.resources.cpu for a, _ in self.running.values())
-        memory = self.settings.worker_memory_mb - sum(
-            a.resources.memory_mb for a, _ in self.running.values()
-        )
+        held = [self._held(a) for a, _ in self.running.values()]
+        cpu = self.settings.worker_cpu - sum(c for c, _ in held)
+        memory = int(self.settings.worker_memory_mb - sum(m for _, m in held))
         return cpu, memory, self.settings.worker_slots - len(self.running)
 
     def _publish(self) -> None:
@@ -222,6 +257,7 @@ class Agent:
             await self._report(attempt, Report(outcome="failed", error="the agent failed"))
         finally:
             self.running.pop(attempt, None)
+            self.squeezed.discard(attempt)
             self._publish()
 
     async def _execute(self, assignment: Assignment) -> Report | None:

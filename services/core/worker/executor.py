@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed"]
-StopReason = Literal["timeout", "terminated", "cancelled"]
+StopReason = Literal["timeout", "terminated", "cancelled", "preempted"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
@@ -73,7 +73,7 @@ class AttemptResult:
     """How an attempt ended.
 
     ``outcome`` is ``killed`` when the process died of a signal; ``stopped`` then says
-    whether the worker stopped it (``terminated`` or ``cancelled``: hand the task back) or
+    whether the worker stopped it (``terminated``, ``preempted`` or ``cancelled``) or
     not (``None``: something else killed it, such as the kernel's OOM killer).
     """
 
@@ -118,11 +118,13 @@ class RunningAttempt:
         """The result, once the process has ended. Cancelling this wait leaves it running."""
         return await asyncio.shield(self._supervisor)
 
-    async def terminate(self, grace_s: float = 10.0) -> AttemptResult:
+    async def terminate(
+        self, grace_s: float = 10.0, why: StopReason = "terminated"
+    ) -> AttemptResult:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; the result."""
         if self._exit.done():
             return await self.wait()
-        self._stopped = self._stopped or "terminated"
+        self._stopped = self._stopped or why
         await self._stop(grace_s)
         return await self.wait()
 

@@ -1,0 +1,98 @@
+"""Placement from the command line: why a task waits, right-sizing, and the trace-driven
+simulator (``cairn trace``, ``cairn sim``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cairn import output
+from cairn.tasks_cli import JsonFlag, _get, ctx_of
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def why(ctx: typer.Context, task_id: int, as_json: JsonFlag = False) -> None:
+        """Say why a task is not running."""
+        c = ctx_of(ctx)
+        task = output.call(lambda: _get(c, task_id))
+        reason = task.pending_reason or (
+            "it is running" if task.state == "running" else f"it is {task.state}"
+        )
+        if c.json or as_json:
+            output.dump({"id": task.id, "state": task.state, "reason": reason})
+        else:
+            output.console.print(
+                f"task {task.id} ({task.name}) is {output.state(task.state)}: {reason}"
+            )
+
+    @app.command()
+    def rightsize(
+        ctx: typer.Context,
+        owner: Annotated[str | None, typer.Option()] = None,
+        name: Annotated[str | None, typer.Option(help="task name")] = None,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """Requested against measured use, per owner and task name, with a suggestion."""
+        c = ctx_of(ctx)
+
+        async def go() -> Any:
+            async with c.core() as core:
+                return await core.usage(owner, name)
+
+        rows = output.call(go)
+        if c.json or as_json:
+            output.dump(rows)
+            return
+        output.table(
+            None,
+            ["owner", "name", "runs", "cpu req/p95/suggest", "memory MB req/p95/suggest", "used"],
+            [
+                [
+                    r.owner,
+                    r.name,
+                    r.attempts,
+                    f"{r.requested_cpu:g}/{r.p95_cpu:.2f}/{r.suggested_cpu:g}",
+                    f"{r.requested_memory_mb:.0f}/{r.p95_memory_mb:.0f}/{r.suggested_memory_mb}",
+                    f"{r.used_share:.0%}",
+                ]
+                for r in rows
+            ],
+        )
+
+    @app.command()
+    def trace(
+        out: Path,
+        users: Annotated[int, typer.Option()] = 10_000,
+        tasks_per_user: Annotated[float, typer.Option()] = 100.0,
+        hours: Annotated[float, typer.Option()] = 24.0,
+        seed: Annotated[int, typer.Option()] = 7,
+    ) -> None:
+        """Write a workload trace from the design's figures."""
+        from cairn.trace import Shape, write
+
+        shape = Shape(users=users, tasks_per_user=tasks_per_user, hours=hours, seed=seed)
+        count = write(out, shape)
+        output.console.print(f"{count} submissions written to {out}")
+
+    @app.command()
+    def sim(
+        trace: Path,
+        declared: Annotated[bool, typer.Option(help="place everything on requests")] = False,
+        overcommit: Annotated[float, typer.Option()] = 1.0,
+        defer_above: Annotated[float, typer.Option()] = 1.0,
+        workers: Annotated[int | None, typer.Option(help="override the trace's cluster")] = None,
+    ) -> None:
+        """Replay a trace through core's placement on a simulated clock."""
+        from cairn.sim import Policy, render, simulate
+        from cairn.trace import read
+
+        meta, submissions = read(trace)
+        if workers:
+            meta["cluster"]["workers"] = workers
+        policy = Policy(measured=not declared, overcommit=overcommit, defer_above=defer_above)
+        output.console.out(
+            render(meta, policy, simulate(meta, submissions, policy)), highlight=False
+        )

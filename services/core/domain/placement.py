@@ -1,0 +1,236 @@
+"""Placement by fit, with no I/O: the claim path, the placement pass and the simulator all
+decide with these functions.
+
+Each attempt placed on a worker holds a *charge* against the worker's capacity, fixed when
+it is placed. Guaranteed work (services, non-preemptible tasks) is charged its declared
+request. Preemptible work is charged what its kind (owner, task name) measurably used
+before, a decaying peak (the request until there is history), divided by its pool's
+overcommit ratio. Guaranteed work is never placed on overcommitted room: when it fits
+nowhere, preemptible attempts are squeezed (CPU is compressible), then preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+#: each new measurement replaces the peak, or the old peak shrinks by this factor
+DECAY = 0.9
+#: a preemptible attempt is never charged less than this share of its request
+MIN_CHARGE_SHARE = 0.1
+#: the CPU a squeezed attempt still counts for, as a share of its charge (nice 19 against
+#: nice 0 is a weight of 15 to 1024; cgroup ``cpu.weight`` 1 against 100 is less still)
+SQUEEZED_CPU_SHARE = 0.05
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Amount:
+    """CPU (cores) and memory (MB)."""
+
+    cpu: float
+    memory_mb: float
+
+    def __add__(self, other: Amount) -> Amount:
+        return Amount(self.cpu + other.cpu, self.memory_mb + other.memory_mb)
+
+    def __sub__(self, other: Amount) -> Amount:
+        return Amount(self.cpu - other.cpu, self.memory_mb - other.memory_mb)
+
+    def scaled(self, factor: float) -> Amount:
+        return Amount(self.cpu * factor, self.memory_mb * factor)
+
+    def fits_in(self, room: Amount) -> bool:
+        return self.cpu <= room.cpu + _EPS and self.memory_mb <= room.memory_mb + _EPS
+
+    def largest_share_of(self, whole: Amount) -> float:
+        """The fuller of the two resources, as a share of ``whole``."""
+        return max(
+            self.cpu / whole.cpu if whole.cpu > 0 else 0.0,
+            self.memory_mb / whole.memory_mb if whole.memory_mb > 0 else 0.0,
+        )
+
+
+ZERO = Amount(0.0, 0.0)
+
+
+def total(amounts: Iterable[Amount]) -> Amount:
+    out = ZERO
+    for amount in amounts:
+        out = out + amount
+    return out
+
+
+@dataclass(frozen=True)
+class Placed:
+    """An attempt running on a worker. ``started`` is any clock's seconds (larger:
+    younger); ``preempted`` means it has been told to stop and will free its room."""
+
+    attempt_id: int
+    task_id: int
+    priority: int
+    preemptible: bool
+    charge: Amount
+    started: float
+    squeezed: bool = False
+    preempted: bool = False
+
+    @property
+    def held(self) -> Amount:
+        """What it counts for now: a squeezed attempt keeps its memory, little CPU."""
+        if self.squeezed:
+            return Amount(self.charge.cpu * SQUEEZED_CPU_SHARE, self.charge.memory_mb)
+        return self.charge
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live worker: its capacity and what is placed on it."""
+
+    worker_id: int
+    capacity: Amount
+    placed: tuple[Placed, ...] = ()
+    queues: frozenset[str] = frozenset()
+
+    def used(self) -> Amount:
+        return total(p.held for p in self.placed)
+
+    def free(self) -> Amount:
+        return self.capacity - self.used()
+
+    def guaranteed(self) -> Amount:
+        return total(p.charge for p in self.placed if not p.preemptible)
+
+    def with_placed(self, *more: Placed) -> Node:
+        return replace(self, placed=self.placed + more)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A waiting task as placement sees it; ``measured`` is its kind's decayed peak."""
+
+    task_id: int
+    priority: int
+    preemptible: bool
+    request: Amount
+    measured: Amount | None = None
+    overcommit: float = 1.0
+
+
+def charge(candidate: Candidate) -> Amount:
+    """What the candidate will hold against a worker's capacity once placed."""
+    if not candidate.preemptible:
+        return candidate.request
+    seen = candidate.measured or candidate.request
+    floor = candidate.request.scaled(MIN_CHARGE_SHARE)
+    base = Amount(max(seen.cpu, floor.cpu), max(seen.memory_mb, floor.memory_mb))
+    return base.scaled(1.0 / max(1.0, candidate.overcommit))
+
+
+def decayed_peak(old: float | None, sample: float) -> float:
+    """The new peak of a kind of task after one more measured attempt."""
+    return sample if old is None else max(sample, old * DECAY)
+
+
+def choose(
+    room: Amount, candidates: Sequence[Candidate], most: int
+) -> list[tuple[Candidate, Amount]]:
+    """Candidates (in the order given: reserved, then priority, then age) whose charges
+    fit the room left, each with its charge; at most ``most``."""
+    chosen: list[tuple[Candidate, Amount]] = []
+    for candidate in candidates:
+        if len(chosen) == most:
+            break
+        cost = charge(candidate)
+        if cost.fits_in(room):
+            chosen.append((candidate, cost))
+            room = room - cost
+    return chosen
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to make room for guaranteed work on one worker: attempts to squeeze (lower
+    CPU share) and attempts to preempt (stop and requeue)."""
+
+    worker_id: int
+    squeeze: tuple[int, ...]
+    preempt: tuple[int, ...]
+
+
+def _victims(node: Node) -> list[Placed]:
+    """Preemptible attempts, lowest priority first, youngest first among equals."""
+    live = [p for p in node.placed if p.preemptible and not p.preempted]
+    return sorted(live, key=lambda p: (p.priority, -p.started, -p.attempt_id))
+
+
+def make_room(node: Node, need: Amount) -> Plan | None:
+    """Squeeze for a CPU shortfall, preempt for memory (or CPU still short), until ``need``
+    fits; None when even with every preemptible attempt gone it would not. A node where
+    it fits already needs an empty plan."""
+    standing = [p for p in node.placed if not p.preempted]
+    guaranteed = total(p.charge for p in standing if not p.preemptible)
+    if not (guaranteed + need).fits_in(node.capacity):
+        return None
+    free = node.capacity - total(p.held for p in standing)
+    victims = _victims(node)
+    squeezed: list[Placed] = []
+    for victim in victims:
+        if free.cpu + _EPS >= need.cpu:
+            break
+        if not victim.squeezed:
+            freed = victim.charge.cpu * (1 - SQUEEZED_CPU_SHARE)
+            free = free + Amount(freed, 0.0)
+            squeezed.append(victim)
+    preempted: list[Placed] = []
+    for victim in victims:
+        if need.fits_in(free):
+            break
+        now_held = (
+            Amount(victim.charge.cpu * SQUEEZED_CPU_SHARE, victim.charge.memory_mb)
+            if victim.squeezed or victim in squeezed
+            else victim.charge
+        )
+        free = free + now_held
+        preempted.append(victim)
+    if not need.fits_in(free):
+        return None
+    return Plan(
+        worker_id=node.worker_id,
+        squeeze=tuple(v.attempt_id for v in squeezed if v not in preempted),
+        preempt=tuple(v.attempt_id for v in preempted),
+    )
+
+
+def best_plan(nodes: Iterable[Node], need: Amount) -> Plan | None:
+    """The cheapest way to fit ``need`` on one of ``nodes``: fewest preemptions, then
+    fewest squeezes, then the most room left."""
+    plans: list[tuple[int, int, float, Plan]] = []
+    for node in nodes:
+        plan = make_room(node, need)
+        if plan is not None:
+            slack = -node.free().largest_share_of(node.capacity)
+            plans.append((len(plan.preempt), len(plan.squeeze), slack, plan))
+    if not plans:
+        return None
+    return min(plans, key=lambda entry: entry[:3])[3]
+
+
+def utilisation(nodes: Iterable[Node]) -> float:
+    """How full a pool is: held over capacity, of the fuller resource, from 0 to 1 (or
+    above, when overcommitted)."""
+    pool = list(nodes)
+    capacity = total(n.capacity for n in pool)
+    if capacity.cpu <= 0 or capacity.memory_mb <= 0:
+        return 0.0
+    return total(n.used() for n in pool).largest_share_of(capacity)
+
+
+def largest_free(nodes: Iterable[Node], need: Amount) -> Amount | None:
+    """The free room, among ``nodes``, that comes closest to holding ``need``."""
+
+    def closeness(free: Amount) -> float:
+        return min(free.cpu / max(need.cpu, _EPS), free.memory_mb / max(need.memory_mb, _EPS))
+
+    rooms = [n.free() for n in nodes]
+    return max(rooms, key=closeness) if rooms else None

@@ -1,0 +1,539 @@
+"""Placement in the database: the rows ``domain.placement`` decides on, the placement pass
+(pool utilisation, deferral, making room for guaranteed work), pending reasons, measured
+use and right-sizing. Decisions are the domain's; this module reads and writes."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.models import QueueSettings, Task, UsageRow
+from libs.common.states import TaskState
+from services.core.domain import pending
+from services.core.domain.placement import (
+    DECAY,
+    Amount,
+    Candidate,
+    Node,
+    Placed,
+    Plan,
+    best_plan,
+    charge,
+    utilisation,
+)
+from services.core.domain.transitions import NOTE_STATES, Note, Op, sources
+from services.core.settings import CoreSettings
+from services.core.tables import queues, workers
+
+S = TaskState
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The operator's defaults for pools without settings of their own."""
+
+    overcommit: float = 1.0
+    defer_above: float = 0.8
+    defer_max_s: float = 6 * 3600.0
+    defer_margin_s: float = 600.0
+    preempt_after_s: float = 5.0
+    preempt_grace_s: float = 10.0
+
+    @classmethod
+    def of(cls, settings: CoreSettings) -> Defaults:
+        return cls(
+            overcommit=settings.overcommit_ratio,
+            defer_above=settings.defer_above,
+            defer_max_s=settings.defer_max_s,
+            defer_margin_s=settings.defer_margin_s,
+            preempt_after_s=settings.preempt_after_s,
+            preempt_grace_s=settings.preempt_grace_s,
+        )
+
+
+# The moment a time-insensitive task must start anyway: before its deadline by its
+# timeout (or the margin), else a bounded time after it was submitted.
+LATEST_START = """COALESCE(
+    t.deadline - make_interval(secs => COALESCE(t.timeout_s, :defer_margin_s)),
+    t.created_at + make_interval(secs => :defer_max_s))"""
+DEFERRABLE = "(t.defer_ok OR t.deadline IS NOT NULL)"
+HOT_QUEUES = (
+    "(SELECT h.name FROM core.queues h WHERE h.utilisation > COALESCE(h.defer_above, :defer_above))"
+)
+
+_PLACED = text("""
+SELECT a.id, a.task_id, a.worker_id, t.priority, t.preemptible,
+       COALESCE(a.charge_cpu, t.cpu) AS charge_cpu,
+       COALESCE(a.charge_memory_mb, t.memory_mb) AS charge_memory_mb,
+       EXTRACT(EPOCH FROM a.started_at)::float8 AS started,
+       a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
+""")
+
+
+def _placed(row: Any) -> Placed:
+    return Placed(
+        attempt_id=row.id,
+        task_id=row.task_id,
+        priority=row.priority,
+        preemptible=row.preemptible,
+        charge=Amount(row.charge_cpu, row.charge_memory_mb),
+        started=row.started,
+        squeezed=row.squeezed,
+        preempted=row.preempted,
+    )
+
+
+async def nodes_of(conn: AsyncConnection, rows: Sequence[Any]) -> list[Node]:
+    """Nodes for these worker rows, with what is placed on each."""
+    ids = [row.id for row in rows]
+    placed: dict[int, list[Placed]] = defaultdict(list)
+    for row in await conn.execute(_PLACED, {"workers": ids}):
+        placed[row.worker_id].append(_placed(row))
+    return [
+        Node(
+            worker_id=row.id,
+            capacity=Amount(row.cpu, row.memory_mb),
+            placed=tuple(placed[row.id]),
+            queues=frozenset(row.queues),
+        )
+        for row in rows
+    ]
+
+
+async def live_nodes(conn: AsyncConnection) -> list[Node]:
+    rows = list(await conn.execute(select(workers).where(workers.c.state == "live")))
+    return await nodes_of(conn, rows)
+
+
+def candidate(row: Any, defaults: Defaults) -> Candidate:
+    """A task row (with ``peak_cpu``, ``peak_memory_mb`` of its kind and its pool's
+    ``overcommit``) as placement sees it."""
+    measured = None
+    if row.peak_cpu is not None and row.peak_memory_mb is not None:
+        measured = Amount(row.peak_cpu, row.peak_memory_mb)
+    return Candidate(
+        task_id=row.id,
+        priority=row.priority,
+        preemptible=row.preemptible,
+        request=Amount(row.cpu, row.memory_mb),
+        measured=measured,
+        overcommit=row.overcommit or defaults.overcommit,
+    )
+
+
+# --- measured use -------------------------------------------------------------------------
+
+_RECORD_USE = text("""
+INSERT INTO core.usage AS u (owner, name, peak_cpu, peak_memory_mb, samples)
+VALUES (:owner, :name, :cpu, :memory_mb, 1)
+ON CONFLICT (owner, name) DO UPDATE SET
+    peak_cpu = GREATEST(EXCLUDED.peak_cpu, u.peak_cpu * :decay),
+    peak_memory_mb = GREATEST(EXCLUDED.peak_memory_mb, u.peak_memory_mb * :decay),
+    samples = u.samples + 1,
+    updated_at = now()
+""")
+
+_ATTEMPT_SECONDS = text(
+    "SELECT EXTRACT(EPOCH FROM now() - started_at)::float8 FROM core.attempts WHERE id = :id"
+)
+
+
+async def record_use(
+    conn: AsyncConnection, task: Any, attempt_id: int, peak_memory_mb: float, cpu_seconds: float
+) -> None:
+    """Fold one attempt's measurement into its kind's decaying peak (``decayed_peak``)."""
+    seconds = (await conn.execute(_ATTEMPT_SECONDS, {"id": attempt_id})).scalar_one()
+    cores = cpu_seconds / max(float(seconds), 1.0)
+    params = {
+        "owner": task.owner,
+        "name": task.name,
+        "cpu": cores,
+        "memory_mb": peak_memory_mb,
+        "decay": DECAY,
+    }
+    await conn.execute(_RECORD_USE, params)
+
+
+# --- pools --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolRow:
+    paused: bool
+    overcommit: float
+    defer_above: float
+    utilisation: float | None
+
+
+async def pools(conn: AsyncConnection, defaults: Defaults) -> dict[str, PoolRow]:
+    return {
+        row.name: PoolRow(
+            paused=row.paused,
+            overcommit=row.overcommit or defaults.overcommit,
+            defer_above=row.defer_above or defaults.defer_above,
+            utilisation=row.utilisation,
+        )
+        for row in await conn.execute(select(queues))
+    }
+
+
+async def set_pool(conn: AsyncConnection, name: str, change: QueueSettings) -> None:
+    values = change.model_dump(exclude_unset=True)
+    stmt = pg_insert(queues).values(name=name, **values)
+    if values:
+        stmt = stmt.on_conflict_do_update(index_elements=[queues.c.name], set_=values)
+    else:
+        stmt = stmt.on_conflict_do_nothing()
+    await conn.execute(stmt)
+
+
+# --- pending reasons ----------------------------------------------------------------------
+
+_KIND_USE = text("""
+SELECT owner, name, peak_cpu, peak_memory_mb FROM core.usage
+WHERE (owner, name) IN (SELECT * FROM unnest(CAST(:owners AS text[]), CAST(:names AS text[])))
+""")
+_LAST_ATTEMPTS = text("""
+SELECT DISTINCT ON (task_id) task_id, outcome, preempted_by FROM core.attempts
+WHERE task_id = ANY(CAST(:ids AS bigint[])) ORDER BY task_id, id DESC
+""")
+_DEFERRED = text("SELECT id FROM core.tasks WHERE id = ANY(CAST(:ids AS bigint[])) AND deferred")
+
+
+async def with_pending_reasons(
+    conn: AsyncConnection, tasks: Sequence[Task], defaults: Defaults
+) -> list[Task]:
+    """The tasks, each not running with the reason why."""
+    idle = [t for t in tasks if t.state in (S.READY, S.WAITING, S.FAILED)]
+    if not idle:
+        return list(tasks)
+    ids = [t.id for t in idle]
+    kinds = {(t.owner, t.name) for t in idle}
+    use = {
+        (r.owner, r.name): Amount(r.peak_cpu, r.peak_memory_mb)
+        for r in await conn.execute(
+            _KIND_USE, {"owners": [k[0] for k in kinds], "names": [k[1] for k in kinds]}
+        )
+    }
+    preempted = {
+        r.task_id: r.preempted_by
+        for r in await conn.execute(_LAST_ATTEMPTS, {"ids": ids})
+        if r.outcome == "preempted"
+    }
+    deferred = {r.id for r in await conn.execute(_DEFERRED, {"ids": ids})}
+    settings = await pools(conn, defaults)
+    nodes = await live_nodes(conn)
+    now = datetime.now(UTC)
+    out = []
+    for task in tasks:
+        if task.state not in (S.READY, S.WAITING, S.FAILED):
+            out.append(task)
+            continue
+        row = settings.get(task.queue) or PoolRow(
+            False, defaults.overcommit, defaults.defer_above, None
+        )
+        serving = tuple(n for n in nodes if task.queue in n.queues)
+        pool = pending.Pool(
+            name=task.queue,
+            paused=row.paused,
+            nodes=serving,
+            utilisation=utilisation(serving),
+            defer_above=row.defer_above,
+        )
+        need = charge(
+            Candidate(
+                task_id=task.id,
+                priority=task.priority,
+                preemptible=task.preemptible,
+                request=Amount(task.resources.cpu, task.resources.memory_mb),
+                measured=use.get((task.owner, task.name)),
+                overcommit=row.overcommit,
+            )
+        )
+        standing = pending.Standing(
+            state=task.state,
+            run_at=task.run_at,
+            need=need,
+            deferred=task.id in deferred,
+            preempted_by=preempted.get(task.id),
+        )
+        reason = pending.pending_reason(standing, pool, now)
+        out.append(task.model_copy(update={"pending_reason": reason}))
+    return out
+
+
+# --- the placement pass -------------------------------------------------------------------
+
+_SET_UTILISATION = text("""
+INSERT INTO core.queues AS q (name, utilisation)
+SELECT * FROM unnest(CAST(:names AS text[]), CAST(:shares AS float8[]))
+ON CONFLICT (name) DO UPDATE SET utilisation = EXCLUDED.utilisation
+WHERE q.utilisation IS DISTINCT FROM EXCLUDED.utilisation
+""")
+_CLEAR_UTILISATION = text("""
+UPDATE core.queues SET utilisation = NULL
+WHERE utilisation IS NOT NULL AND NOT (name = ANY(CAST(:names AS text[])))
+""")
+
+_DEFER = text(f"""
+WITH hot AS (
+    SELECT q.name, q.utilisation, COALESCE(q.defer_above, :defer_above) AS above
+    FROM core.queues q
+    WHERE q.utilisation > COALESCE(q.defer_above, :defer_above) AND NOT q.paused
+), picked AS (
+    SELECT t.id, hot.utilisation, hot.above, {LATEST_START} AS latest
+    FROM core.tasks t JOIN hot ON hot.name = t.queue
+    WHERE t.state = ANY(CAST(:sources AS text[])) AND {DEFERRABLE} AND {LATEST_START} > now()
+    ORDER BY t.id
+    LIMIT :limit
+    FOR UPDATE OF t SKIP LOCKED
+), moved AS (
+    UPDATE core.tasks t SET state = :target, deferred = true, run_at = picked.latest,
+        version = t.version + 1, updated_at = now()
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.owner, t.version, picked.utilisation, picked.above
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
+    SELECT id, version, owner, :op, 'waiting', 'ready',
+           'deferred: pool at ' || round(utilisation * 100) || '% (defers above '
+           || round(above * 100) || '%)'
+    FROM moved
+)
+SELECT count(*) FROM moved
+""")
+
+_UNDEFER = text("""
+WITH picked AS (
+    SELECT t.id, q.utilisation FROM core.tasks t LEFT JOIN core.queues q ON q.name = t.queue
+    WHERE t.state = ANY(CAST(:sources AS text[])) AND t.deferred
+      AND NOT COALESCE(q.paused, false)
+      AND COALESCE(q.utilisation, 0) <= COALESCE(q.defer_above, :defer_above)
+    ORDER BY t.id
+    LIMIT :limit
+    FOR UPDATE OF t SKIP LOCKED
+), moved AS (
+    UPDATE core.tasks t SET state = :target, deferred = false, run_at = now(),
+        version = t.version + 1, updated_at = now()
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.owner, t.version, picked.utilisation
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
+    SELECT id, version, owner, :op, 'ready', 'waiting',
+           'pool at ' || round(COALESCE(utilisation, 0) * 100) || '%: no longer deferred'
+    FROM moved
+)
+SELECT count(*) FROM moved
+""")
+
+_BLOCKED = text("""
+SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority FROM core.tasks t
+WHERE t.state = 'waiting' AND NOT t.preemptible
+  AND t.updated_at < now() - make_interval(secs => :after_s)
+  AND NOT EXISTS (
+      SELECT 1 FROM core.attempts a
+      WHERE a.outcome IS NULL
+        AND (a.preempted_by = t.id
+             OR (a.squeezed_for = t.id AND a.squeezed_at > now() - make_interval(secs => :after_s)))
+  )
+ORDER BY t.priority DESC, t.id
+LIMIT :limit
+""")
+
+_SQUEEZE = text("""
+UPDATE core.attempts SET squeezed_at = now(), squeezed_for = :task
+WHERE id = ANY(CAST(:ids AS bigint[])) AND outcome IS NULL AND squeezed_at IS NULL
+RETURNING id, task_id
+""")
+_PREEMPT = text("""
+UPDATE core.attempts SET preempted_by = :task
+WHERE id = ANY(CAST(:ids AS bigint[])) AND outcome IS NULL AND preempted_by IS NULL
+RETURNING id, task_id
+""")
+
+PASS_BATCH = 500
+
+
+async def measure_pools(conn: AsyncConnection, nodes: Iterable[Node]) -> dict[str, float]:
+    """Each served queue's utilisation, stored for the claim path and the deferral."""
+    serving: dict[str, list[Node]] = defaultdict(list)
+    for node in nodes:
+        for queue in node.queues:
+            serving[queue].append(node)
+    shares = {queue: utilisation(members) for queue, members in serving.items()}
+    names = sorted(shares)
+    await conn.execute(
+        _SET_UTILISATION, {"names": names, "shares": [round(shares[n], 4) for n in names]}
+    )
+    await conn.execute(_CLEAR_UTILISATION, {"names": names})
+    return shares
+
+
+async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
+    params = {
+        "defer_above": defaults.defer_above,
+        "defer_margin_s": defaults.defer_margin_s,
+        "defer_max_s": defaults.defer_max_s,
+        "limit": PASS_BATCH,
+    }
+    deferred = await conn.execute(
+        _DEFER,
+        {**params, "sources": sources(Op.DEFER, S.READY), "target": "ready", "op": Op.DEFER.value},
+    )
+    released = await conn.execute(
+        _UNDEFER,
+        {
+            "defer_above": defaults.defer_above,
+            "limit": PASS_BATCH,
+            "sources": sources(Op.PROMOTE, S.WAITING),
+            "target": "waiting",
+            "op": Op.PROMOTE.value,
+        },
+    )
+    return int(deferred.scalar_one()) + int(released.scalar_one())
+
+
+async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults) -> int:
+    """For guaranteed tasks that have waited ``preempt_after_s`` and fit nowhere: squeeze,
+    then preempt, preemptible attempts on the worker where that costs least."""
+    blocked = await conn.execute(_BLOCKED, {"after_s": defaults.preempt_after_s, "limit": 50})
+    changed = 0
+    by_id = {n.worker_id: n for n in nodes}
+    for task in blocked:
+        need = Amount(task.cpu, task.memory_mb)
+        serving = [n for n in by_id.values() if task.queue in n.queues]
+        if any(need.fits_in(n.free()) for n in serving):
+            continue  # a claim takes it
+        plan = best_plan(serving, need)
+        if plan is None or not (plan.squeeze or plan.preempt):
+            continue
+        changed += await _squeeze(conn, task.id, plan.squeeze)
+        changed += await _preempt(conn, task.id, plan.preempt)
+        by_id[plan.worker_id] = _after(by_id[plan.worker_id], plan, task.id, need)
+    return changed
+
+
+def _after(node: Node, plan: Plan, task_id: int, need: Amount) -> Node:
+    """The node as the next blocked task must see it: victims marked, the room reserved."""
+    placed = tuple(
+        replace(
+            p,
+            squeezed=p.squeezed or p.attempt_id in plan.squeeze,
+            preempted=p.preempted or p.attempt_id in plan.preempt,
+        )
+        for p in node.placed
+    )
+    reserved = Placed(-task_id, task_id, 0, False, need, math.inf)
+    return replace(node, placed=(*placed, reserved))
+
+
+async def _squeeze(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> int:
+    if not ids:
+        return 0
+    rows = list(await conn.execute(_SQUEEZE, {"task": for_task, "ids": list(ids)}))
+    reason = f"squeezed: CPU share lowered to make room for guaranteed task {for_task}"
+    for row in rows:
+        await note(conn, row.task_id, Note.SQUEEZE, reason)
+    return len(rows)
+
+
+_NOTE = text("""
+WITH noted AS (
+    UPDATE core.tasks SET version = version + 1, updated_at = now()
+    WHERE id = :id AND state = :state
+    RETURNING id, owner, version, state, current_attempt_id
+)
+INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason, attempt_id)
+SELECT id, version, owner, :note, state, state, :reason, current_attempt_id FROM noted
+""")
+
+
+async def note(conn: AsyncConnection, task_id: int, what: Note, reason: str) -> bool:
+    """Append a note to the task's history if it is still in the note's state."""
+    params = {"id": task_id, "state": NOTE_STATES[what].value, "note": what.value, "reason": reason}
+    return bool((await conn.execute(_NOTE, params)).rowcount)
+
+
+async def _preempt(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> int:
+    if not ids:
+        return 0
+    return len(list(await conn.execute(_PREEMPT, {"task": for_task, "ids": list(ids)})))
+
+
+# --- right-sizing -------------------------------------------------------------------------
+
+_RIGHTSIZING = text("""
+SELECT t.owner, t.name, count(*) AS attempts,
+       avg(t.cpu) AS requested_cpu, avg(t.memory_mb) AS requested_memory_mb,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY a.peak_memory_mb) AS p95_memory_mb,
+       percentile_cont(0.95) WITHIN GROUP (
+           ORDER BY a.cpu_seconds / GREATEST(EXTRACT(EPOCH FROM a.ended_at - a.started_at), 1.0)
+       ) AS p95_cpu
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.peak_memory_mb IS NOT NULL AND a.cpu_seconds IS NOT NULL AND a.ended_at IS NOT NULL
+  AND (CAST(:owner AS text) IS NULL OR t.owner = :owner)
+  AND (CAST(:name AS text) IS NULL OR t.name = :name)
+GROUP BY t.owner, t.name
+ORDER BY t.owner, t.name
+LIMIT :limit
+""")
+
+#: headroom a suggested request keeps over the measured p95
+HEADROOM = 1.2
+
+
+def suggest(p95_cpu: float, p95_memory_mb: float) -> tuple[float, int]:
+    """A request that holds the measured p95 with headroom: CPU in tenths of a core,
+    memory in whole 64 MB steps."""
+    cpu = max(0.1, math.ceil(p95_cpu * HEADROOM * 10) / 10)
+    memory = max(64, math.ceil(p95_memory_mb * HEADROOM / 64) * 64)
+    return cpu, memory
+
+
+async def rightsizing(
+    conn: AsyncConnection, owner: str | None, name: str | None, limit: int
+) -> list[UsageRow]:
+    rows = await conn.execute(_RIGHTSIZING, {"owner": owner, "name": name, "limit": limit})
+    out = []
+    for r in rows:
+        p95_cpu, p95_memory = float(r.p95_cpu), float(r.p95_memory_mb)
+        cpu, memory = suggest(p95_cpu, p95_memory)
+        requested = Amount(float(r.requested_cpu), float(r.requested_memory_mb))
+        out.append(
+            UsageRow(
+                owner=r.owner,
+                name=r.name,
+                attempts=r.attempts,
+                requested_cpu=round(requested.cpu, 3),
+                requested_memory_mb=round(requested.memory_mb, 1),
+                p95_cpu=round(p95_cpu, 3),
+                p95_memory_mb=round(p95_memory, 1),
+                suggested_cpu=cpu,
+                suggested_memory_mb=memory,
+                used_share=round(Amount(p95_cpu, p95_memory).largest_share_of(requested), 3),
+            )
+        )
+    return out
+
+
+_PASS_LOCK = text("SELECT pg_try_advisory_xact_lock(4707, 1)")
+
+
+async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:
+    """One placement pass (one replica at a time): measure pools, defer or release
+    time-insensitive work, make room for blocked guaranteed work."""
+    if not (await conn.execute(_PASS_LOCK)).scalar_one():
+        return 0
+    nodes = await live_nodes(conn)
+    await measure_pools(conn, nodes)
+    moved = await defer_and_release(conn, defaults)
+    return moved + await make_room(conn, nodes, defaults)
