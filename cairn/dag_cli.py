@@ -175,34 +175,27 @@ def status(
         output.console.print(tree(found))
 
 
-@app.command("cancel")
-def cancel(ctx: typer.Context, run_id: int, as_json: JsonFlag = False) -> None:
-    """Cancel a run; its running node tasks are cancelled in core."""
+def _on_run(name: str, method: str, doc: str) -> None:
+    def command(ctx: typer.Context, run_id: int, as_json: JsonFlag = False) -> None:
+        async def go() -> Run:
+            async with _client(ctx) as dag:
+                found: Run = await getattr(dag, method)(run_id)
+                return found
 
-    async def go() -> Run:
-        async with _client(ctx) as dag:
-            return await dag.cancel_run(run_id)
+        found = output.call(go)
+        if ctx_of(ctx).json or as_json:
+            output.dump(found)
+        else:
+            output.console.print(f"run {found.id} {output.state(found.state)}")
 
-    found = output.call(go)
-    if ctx_of(ctx).json or as_json:
-        output.dump(found)
-    else:
-        output.console.print(f"run {found.id} {output.state(found.state)}")
+    command.__doc__ = doc
+    app.command(name)(command)
 
 
-@app.command("retry")
-def retry(ctx: typer.Context, run_id: int, as_json: JsonFlag = False) -> None:
-    """Run a failed or cancelled run again from the nodes that did not succeed."""
-
-    async def go() -> Run:
-        async with _client(ctx) as dag:
-            return await dag.retry_run(run_id)
-
-    found = output.call(go)
-    if ctx_of(ctx).json or as_json:
-        output.dump(found)
-    else:
-        output.console.print(f"run {found.id} {output.state(found.state)}")
+_on_run("cancel", "cancel_run", "Cancel a run; its running node tasks are cancelled in core.")
+_on_run(
+    "retry", "retry_run", "Run a failed or cancelled run again from the nodes that did not succeed."
+)
 
 
 @app.command("graph")

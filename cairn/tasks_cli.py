@@ -216,37 +216,26 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         else:
             output.table(None, TASK_COLUMNS, task_rows(tasks))
 
-    @app.command()
-    def cancel(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
-        """Cancel tasks."""
-        c = ctx_of(ctx)
+    def each(method: str, doc: str) -> None:
+        def command(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
+            c = ctx_of(ctx)
 
-        async def go() -> list[Task]:
-            async with c.core() as core:
-                return [await core.cancel(t) for t in task_ids]
+            async def go() -> list[Task]:
+                async with c.core() as core:
+                    return [await getattr(core, method)(t) for t in task_ids]
 
-        done = output.call(go)
-        if c.json or as_json:
-            output.dump(done)
-        else:
-            for task in done:
-                output.console.print(f"task {task.id} {output.state(task.state)}")
+            done = output.call(go)
+            if c.json or as_json:
+                output.dump(done)
+            else:
+                for task in done:
+                    output.console.print(f"task {task.id} {output.state(task.state)}")
 
-    @app.command()
-    def retry(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
-        """Retry failed, dead or cancelled tasks."""
-        c = ctx_of(ctx)
+        command.__doc__ = doc
+        app.command(method)(command)
 
-        async def go() -> list[Task]:
-            async with c.core() as core:
-                return [await core.retry(t) for t in task_ids]
-
-        done = output.call(go)
-        if c.json or as_json:
-            output.dump(done)
-        else:
-            for task in done:
-                output.console.print(f"task {task.id} {output.state(task.state)}")
+    each("cancel", "Cancel tasks.")
+    each("retry", "Retry failed, dead or cancelled tasks.")
 
     @app.command()
     def logs(

@@ -93,25 +93,30 @@ async def _person(caller: Annotated[Caller, Depends(current_caller)]) -> Caller:
 Person = Annotated[Caller, Depends(_person)]
 
 
-async def _acting_owner(
-    caller: Person,
-    on_behalf_of: Annotated[
-        str | None,
-        Header(
-            alias=ON_BEHALF_OF,
-            min_length=1,
-            max_length=200,
-            pattern=r"^[^\x00-\x1f\x7f]+$",
-            description="The owner of what is created; only the service role may name "
-            "someone else (cron starts runs for the person who owns the schedule).",
-        ),
-    ] = None,
-) -> str:
+OnBehalfOf = Annotated[
+    str | None,
+    Header(
+        alias=ON_BEHALF_OF,
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="The owner of what is created; only the service role may name someone "
+        "else (cron and DAG create tasks and runs for the person who owns the schedule or run).",
+    ),
+]
+
+
+def acting_owner(caller: Caller, on_behalf_of: str | None) -> str:
+    """The owner of what ``caller`` creates: itself, or whom a service token names."""
     if on_behalf_of is None or on_behalf_of == caller.name:
         return caller.name
     if caller.role != "service":
         raise Forbidden(f"only the service role may use {ON_BEHALF_OF}")
     return on_behalf_of
+
+
+async def _acting_owner(caller: Person, on_behalf_of: OnBehalfOf = None) -> str:
+    return acting_owner(caller, on_behalf_of)
 
 
 # The owner of what the call creates: the caller, or whom a service token names.

@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common.client import ON_BEHALF_OF
+from libs.common.auth import OnBehalfOf, acting_owner
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core import store
@@ -97,25 +97,8 @@ Reader = Annotated[Principal, Depends(require("user", "admin", "service"))]
 AdminOnly = Annotated[Principal, Depends(require("admin"))]
 
 
-async def submitting_owner(
-    principal: Submitter,
-    on_behalf_of: Annotated[
-        str | None,
-        Header(
-            alias=ON_BEHALF_OF,
-            min_length=1,
-            max_length=200,
-            pattern=r"^[^\x00-\x1f\x7f]+$",
-            description="The owner of what is submitted; only the service role may name "
-            "someone else (cron and DAG submit for the person who owns the schedule or run).",
-        ),
-    ] = None,
-) -> str:
-    if on_behalf_of is None or on_behalf_of == principal.name:
-        return principal.name
-    if principal.role != "service":
-        raise Forbidden(f"only the service role may use {ON_BEHALF_OF}")
-    return on_behalf_of
+async def submitting_owner(principal: Submitter, on_behalf_of: OnBehalfOf = None) -> str:
+    return acting_owner(principal, on_behalf_of)
 
 
 SubmittingOwner = Annotated[str, Depends(submitting_owner)]

@@ -20,6 +20,7 @@ from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common.auth import Caller
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
 from libs.common.models import Attempt, Event, QueueInfo, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
@@ -39,21 +40,10 @@ ROLES = ("admin", "service", "user", "worker")
 
 
 @dataclass(frozen=True)
-class Principal:
-    """Who is calling: a name (the owner of what it submits) and a role."""
+class Principal(Caller):
+    """A caller as core knows it: with the id of its row."""
 
     id: int
-    name: str
-    role: str
-
-    @property
-    def sees_all(self) -> bool:
-        return self.role in ("admin", "service")
-
-    @property
-    def owner_filter(self) -> str | None:
-        """The owner this caller is limited to, or None when it may see every owner."""
-        return None if self.sees_all else self.name
 
 
 # --- the driver's fast path ------------------------------------------------------------

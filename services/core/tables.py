@@ -16,7 +16,6 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     SmallInteger,
     Table,
     Text,
@@ -26,20 +25,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
+from libs.common.schema import metadata_for
 from libs.common.states import FINAL, TaskState
 
 SCHEMA = "core"
 
-metadata = MetaData(
-    schema=SCHEMA,
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    },
-)
+metadata = metadata_for(SCHEMA)
 
 
 def _in(column: str, values: Iterable[TaskState]) -> str:

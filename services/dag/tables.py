@@ -15,7 +15,6 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
-    MetaData,
     SmallInteger,
     Table,
     Text,
@@ -26,19 +25,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from libs.common.dag_models import RUN_FINAL, NodeState, RunState
+from libs.common.schema import metadata_for
 
 SCHEMA = "dag"
 
-metadata = MetaData(
-    schema=SCHEMA,
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    },
-)
+metadata = metadata_for(SCHEMA)
 
 
 def _in(column: str, values: Iterable[StrEnum]) -> str:

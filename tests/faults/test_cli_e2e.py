@@ -66,6 +66,11 @@ def test_up_demo_then_the_cli_drives_tasks_schedules_and_workflows(own_tmp: Path
         assert demo_ids
         assert cli(home, port, "wait", *demo_ids).returncode == 0
         assert "oldest waiting" in cli(home, port, "queues").stdout  # (no live work: no rows)
+        stuck = as_json(home, port, "submit", "stuck", "--artifact", HELLO, "--queue", "nowhere")
+        assert "no live worker" in cli(home, port, "why", str(stuck["id"])).stdout
+        assert as_json(home, port, "cancel", str(stuck["id"]))[0]["state"] == "cancelled"
+        assert as_json(home, port, "retry", str(stuck["id"]))[0]["state"] == "waiting"
+        cli(home, port, "cancel", str(stuck["id"]))
         workers = as_json(home, port, "workers")
         assert [w["state"] for w in workers] == ["live"]
 
