@@ -16,8 +16,10 @@ $(VENV)/compose_spec.json: | $(VENV)/.installed
 
 install: $(VENV)/.installed $(VENV)/compose_spec.json
 
+# With the demo: a few tasks, a schedule and a workflow, loaded once (keys make a restart
+# find the same work); `.venv/bin/cairn up` starts without it.
 up: install
-	$(BIN)/cairn up
+	$(BIN)/cairn up --demo
 
 test: install
 	$(BIN)/python -m pytest -n 2

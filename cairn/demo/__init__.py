@@ -67,11 +67,13 @@ async def load(urls: dict[str, str], token: str) -> dict[str, Any]:
         DagClient(urls["dag"], token) as dag,
     ):
         tasks = [
-            TaskCreate.model_validate(task("demo-hello", "hello.sh", "world")),
-            TaskCreate.model_validate(task("demo-sleep", "sleep.sh", "3")),
-            TaskCreate.model_validate(
-                task("demo-labelled", "hello.sh", "with a label", labels={"demo": "yes"})
-            ),
+            task("demo-hello", "hello.sh", "world"),
+            task("demo-sleep", "sleep.sh", "3"),
+            task("demo-labelled", "hello.sh", "with a label", labels={"demo": "yes"}),
+        ]
+        # Keys make the demo load once: a later `cairn up --demo` finds the same work.
+        tasks = [
+            TaskCreate.model_validate({**t, "idempotency_key": f"demo:{t['name']}"}) for t in tasks
         ]
         made = [item.id for item in await core.submit_batch(tasks)]
         schedule = ScheduleCreate.model_validate(
@@ -87,7 +89,7 @@ async def load(urls: dict[str, str], token: str) -> dict[str, Any]:
             page = await cron.list_page()
             schedule_id = next(s.id for s in page.items if s.name == "demo-every-minute")
         await dag.put_workflow(diamond())
-        run, _ = await dag.start_run("demo-diamond", {"day": "demo"})
+        run, _ = await dag.start_run("demo-diamond", {"day": "demo"}, idempotency_key="demo")
         return {"tasks": made, "schedule": schedule_id, "run": run.id}
 
 
