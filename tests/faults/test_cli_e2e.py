@@ -140,6 +140,22 @@ def test_up_demo_then_the_cli_drives_tasks_schedules_and_workflows(own_tmp: Path
     finally:
         _reap(proc)
 
+    # A second start with --demo finds the demo's work instead of adding to it.
+    before = as_json_after_restart = None
+    again = _up(home, port, "--demo")
+    try:
+        banner = _wait_up(again)
+        assert f"workflow run {demo_run}" in banner
+        before = len(as_json(home, port, "ls", "--label", "demo=yes"))
+        as_json_after_restart = len(
+            [t for t in as_json(home, port, "ls", "--limit", "1000") if t["name"] == "demo-hello"]
+        )
+        assert (before, as_json_after_restart) == (1, 1)
+        again.send_signal(signal.SIGINT)
+        assert again.wait(timeout=60) == 0
+    finally:
+        _reap(again)
+
 
 def _sha(path: Path) -> str:
     import hashlib
