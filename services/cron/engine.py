@@ -397,7 +397,10 @@ class CronEngine:
         self.metrics.fired(
             (outcome, at, submitted) for _, at, outcome, _, _, submitted, *_ in fired
         )
-        for sid, at, outcome, *_ in fired:
+        for sid, at, outcome, task_id, run_id, _, detail, _ in fired:
+            ids = {"schedule_id": sid, "task_id": task_id, "run_id": run_id}
+            level = logging.WARNING if outcome in ("failed", "pending") else logging.DEBUG
+            log.log(level, "schedule %s fire %s: %s %s", sid, at, outcome, detail or "", extra=ids)
             if outcome == "pending":
                 entry = self.pending.setdefault((sid, at), Pending(sid, at, False))
                 entry.tries += 1

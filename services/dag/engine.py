@@ -350,7 +350,13 @@ class Engine:
                 await self._cancel_task(task_id)
 
     async def _refused(self, row: Any, exc: CairnError) -> None:
-        log.info("run %s node %s refused: %s", row.run_id, row.name, exc.detail)
+        log.info(
+            "run %s node %s refused: %s",
+            row.run_id,
+            row.name,
+            exc.detail,
+            extra={"run_id": row.run_id},
+        )
         async with self.db.begin() as conn:
             await store.fail_ready(
                 conn, row.run_id, row.name, f"core refused the task: {exc.detail}"
