@@ -17,6 +17,7 @@ from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
+from services.core.ui import router as ui
 
 
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
@@ -60,5 +61,6 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     problems.install(app)
     for module in (tasks, events, queues, workers, principals, health, metrics):
         app.include_router(module.router)
+    app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

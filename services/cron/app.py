@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, metrics, problems
+from libs.common import cors, health, metrics, problems
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
@@ -69,4 +69,5 @@ def create_app(
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, metrics, problems
+from libs.common import cors, health, metrics, problems
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
 from services.dag.api import runs, workflows
@@ -54,4 +54,5 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
     for module in (workflows, runs, health, metrics):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app

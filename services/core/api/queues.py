@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from libs.common.models import QueueInfo, QueueList, QueueName
+from fastapi import APIRouter, Query
+
+from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName
 from libs.common.problems import PROBLEMS
 from services.core import store
 from services.core.deps import AdminOnly, Announcer, Engine, Reader
@@ -17,6 +19,16 @@ async def list_queues(principal: Reader, engine: Engine) -> QueueList:
     """Every queue with live work or settings: depth per state, oldest waiting age."""
     async with engine.connect() as conn:
         return QueueList(items=await store.list_queues(conn))
+
+
+@router.get("/history", response_model=QueueHistory, responses=PROBLEMS)
+async def queue_history(
+    principal: Reader, engine: Engine, minutes: Annotated[int, Query(ge=1, le=180)] = 60
+) -> QueueHistory:
+    """Each queue's last ``minutes``, a value a minute: tasks submitted and finished, and
+    the backlog of unfinished tasks (the dashboard's charts)."""
+    async with engine.connect() as conn:
+        return await store.queue_history(conn, minutes)
 
 
 async def _set_paused(engine: Engine, notifier: Announcer, name: str, paused: bool) -> QueueInfo:
