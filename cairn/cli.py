@@ -163,15 +163,22 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         worker_token = local_token(settings, url, "local-worker", "worker")
         cron_token = local_token(settings, url, "cron", "service")
         dag_token = local_token(settings, url, "dag", "service")
-        env = {**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"}
         core_url = f"http://{settings.bind_host}:{settings.core_port}"
+        cron_url = f"http://{settings.bind_host}:{settings.cron_port}"
+        dag_url = f"http://{settings.bind_host}:{settings.dag_port}"
+        env = {
+            **os.environ,
+            "CAIRN_DATABASE_URL": url,
+            "CAIRN_MIGRATE_ON_START": "false",
+            "CAIRN_CRON_URL": cron_url,
+            "CAIRN_DAG_URL": dag_url,
+        }
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "services.core"], env=env, start_new_session=True
             )
         )
         _wait_ready(core_url, procs[0])
-        cron_url = f"http://{settings.bind_host}:{settings.cron_port}"
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "services.cron"],
@@ -180,7 +187,6 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
             )
         )
         _wait_ready(cron_url, procs[-1])
-        dag_url = f"http://{settings.bind_host}:{settings.dag_port}"
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "services.dag"],
@@ -204,6 +210,7 @@ def cmd_up(settings: CairnSettings, args: argparse.Namespace) -> int:
         )
         print(
             f"\ncairn is up\n  core      {core_url}  (OpenAPI at {core_url}/docs)\n"
+            f"  dashboard {core_url}/ui  (log in with the token below)\n"
             f"  cron      {cron_url}  (OpenAPI at {cron_url}/docs)\n"
             f"  dag       {dag_url}  (OpenAPI at {dag_url}/docs)\n"
             f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
