@@ -31,6 +31,7 @@ def serve(settings: CoreSettings) -> None:
         host=settings.bind_host,
         port=settings.core_port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
         access_log=False,
         loop="uvloop",
         http="httptools",

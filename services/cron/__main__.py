@@ -24,6 +24,7 @@ def serve(settings: CronSettings) -> None:
         host=settings.bind_host,
         port=settings.cron_port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
         access_log=False,
         loop="uvloop",
         http="httptools",
