@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test bench
+.PHONY: install up test bench screenshots
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,7 @@ test: install
 
 bench: install
 	$(BIN)/python bench/submit.py
+
+# Refresh docs/screenshots/*.png from the browser tests (needs /usr/bin/chromium).
+screenshots: install
+	CAIRN_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -p no:xdist tests/browser

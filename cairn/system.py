@@ -142,16 +142,25 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    stack = Stack(env={**os.environ, "CAIRN_DATABASE_URL": url, "CAIRN_MIGRATE_ON_START": "false"})
+    host = settings.bind_host
+    urls = {
+        "core": f"http://{host}:{settings.core_port}",
+        "cron": f"http://{host}:{settings.cron_port}",
+        "dag": f"http://{host}:{settings.dag_port}",
+    }
+    stack = Stack(
+        env={
+            **os.environ,
+            "CAIRN_DATABASE_URL": url,
+            "CAIRN_MIGRATE_ON_START": "false",
+            # Core's dashboard links into cron and dag; they let its pages call them.
+            "CAIRN_CRON_URL": urls["cron"],
+            "CAIRN_DAG_URL": urls["dag"],
+        }
+    )
     try:
         migrate_all(url)
         token = local_token(settings, url, "admin", "admin")
-        host = settings.bind_host
-        urls = {
-            "core": f"http://{host}:{settings.core_port}",
-            "cron": f"http://{host}:{settings.cron_port}",
-            "dag": f"http://{host}:{settings.dag_port}",
-        }
         wait_ready(urls["core"], stack.start("core", "services.core"))
         services = {"CAIRN_URL": urls["core"], "CAIRN_DAG_URL": urls["dag"]}
         dag_token = local_token(settings, url, "dag", "service")
@@ -172,6 +181,7 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
         where = f"embedded, {settings.home / 'pg'}" if started else "as configured"
         print(
             "\ncairn is up\n"
+            + f"  dashboard {urls['core']}/ui  (log in with the token below)\n"
             + "".join(f"  {name:<9} {u}  (OpenAPI at {u}/docs)\n" for name, u in urls.items())
             + f"  worker    queues {settings.worker_queues}, {settings.worker_cpu:g} CPU, "
             f"{settings.worker_memory_mb} MB\n"

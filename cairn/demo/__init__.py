@@ -66,14 +66,14 @@ async def load(urls: dict[str, str], token: str) -> dict[str, Any]:
         CronClient(urls["cron"], token) as cron,
         DagClient(urls["dag"], token) as dag,
     ):
-        tasks = [
+        plain = [
             task("demo-hello", "hello.sh", "world"),
             task("demo-sleep", "sleep.sh", "3"),
             task("demo-labelled", "hello.sh", "with a label", labels={"demo": "yes"}),
         ]
         # Keys make the demo load once: a later `cairn up --demo` finds the same work.
         tasks = [
-            TaskCreate.model_validate({**t, "idempotency_key": f"demo:{t['name']}"}) for t in tasks
+            TaskCreate.model_validate({**t, "idempotency_key": f"demo:{t['name']}"}) for t in plain
         ]
         made = [item.id for item in await core.submit_batch(tasks)]
         schedule = ScheduleCreate.model_validate(

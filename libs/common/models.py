@@ -281,6 +281,21 @@ class QueueList(_Output):
     items: list[QueueInfo]
 
 
+class QueueSeries(_Output):
+    """One queue's last hour, a value a minute, oldest first."""
+
+    name: str
+    submitted: list[int]
+    finished: list[int]
+    backlog: list[int] = Field(description="Unfinished tasks at the end of each minute.")
+
+
+class QueueHistory(_Output):
+    minutes: int
+    until: datetime
+    items: list[QueueSeries]
+
+
 class WhoAmI(_Output):
     """The principal a token stands for."""
 

@@ -43,6 +43,7 @@ class CairnSettings(BaseSettings):
     dag_port: int = Field(default=8402, ge=1, le=65535)
     dag_url: str = "http://127.0.0.1:8402"
     cron_url: str = "http://127.0.0.1:8401"
+    ui_origins: str = ""
     heartbeat_interval_s: float = Field(default=60.0, gt=0)
     heartbeat_timeout_s: float = Field(default=180.0, gt=0)
     worker_queues: str = "default"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 
 import uvicorn
 
+from libs.common import logs
 from libs.common.embedded import database_url
 from services.core import migrate
 from services.core.app import create_app
@@ -16,9 +16,7 @@ from services.core.settings import CoreSettings
 
 def serve(settings: CoreSettings) -> None:
     """Migrate (unless told not to) and serve until SIGINT/SIGTERM."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.setup("core", settings.log_level)
     url = database_url(settings.home, settings.database_url)
     if settings.migrate_on_start:
         migrate.upgrade(url)
@@ -33,6 +31,7 @@ def serve(settings: CoreSettings) -> None:
         host=settings.bind_host,
         port=settings.core_port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
         access_log=False,
         loop="uvloop",
         http="httptools",

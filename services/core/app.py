@@ -9,17 +9,20 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, problems
+from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
 from services.core import loops
 from services.core.api import events, principals, queues, tasks, usage, workers
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
+from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
+from services.core.ui import router as ui
 
 
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     """The API over ``database_url``, whose schema must already be migrated."""
+    meter = CoreMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -35,7 +38,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.settings = settings
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
-        background = loops.start(engine, notifier, settings)
+        background = loops.start(engine, notifier, settings, meter)
         try:
             yield
         finally:
@@ -53,8 +56,11 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",
         lifespan=lifespan,
     )
+    app.state.core_metrics = meter
+    app.state.metrics = meter.metrics
     problems.install(app)
-    for module in (tasks, events, queues, workers, usage, principals, health):
+    for module in (tasks, events, queues, workers, usage, principals, health, metrics):
         app.include_router(module.router)
+    app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -17,6 +17,7 @@ from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core import store
 from services.core.feed import Notifier
+from services.core.metrics import CoreMetrics
 from services.core.store import Principal
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
@@ -34,7 +35,13 @@ async def get_notifier(request: Request) -> Notifier:
     return notifier
 
 
+async def get_meter(request: Request) -> CoreMetrics:
+    meter: CoreMetrics = request.app.state.core_metrics
+    return meter
+
+
 Engine = Annotated[AsyncEngine, Depends(get_engine)]
+Meter = Annotated[CoreMetrics, Depends(get_meter)]
 Announcer = Annotated[Notifier, Depends(get_notifier)]
 
 

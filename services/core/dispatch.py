@@ -6,7 +6,7 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import TextClause, func, insert, select, text, update
@@ -89,7 +89,8 @@ leased AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, 'waiting', state, attempt_id FROM moved
 )
-SELECT * FROM moved ORDER BY priority DESC, id
+SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s
+FROM moved ORDER BY priority DESC, id
 """)
 
 _OPEN_ATTEMPTS_OF = text("""
@@ -116,6 +117,16 @@ RETURNING id
 def _clean(value: str | None) -> str | None:
     """PostgreSQL text holds no NUL; a process's output may."""
     return value.replace("\x00", "\ufffd") if value else value
+
+
+@dataclass
+class Tally:
+    """What a call ended on the way, for the metrics."""
+
+    lost: int = 0
+    poisoned: int = 0
+    buried: int = 0
+    waits: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,7 @@ async def claim(
     memory_mb: int,
     most: int,
     defaults: placement.Defaults | None = None,
+    tally: Tally | None = None,
 ) -> list[Assignment]:
     """Lease waiting work of the worker's queues that fits both the room it reports and
     its capacity less what core has placed on it (``domain.placement``): work reserved
@@ -252,7 +264,10 @@ async def claim(
             "op": Op.CLAIM.value,
         },
     )
-    return [_assignment(row) for row in leased]
+    found = list(leased)
+    if tally is not None:
+        tally.waits.extend(float(row.waited_s) for row in found)
+    return [_assignment(row) for row in found]
 
 
 def _assignment(row: Any) -> Assignment:
@@ -312,7 +327,14 @@ def _backoff(task: Any, failures: int) -> float:
 
 
 async def _after_failure(
-    conn: AsyncConnection, task: Any, attempt_id: int, error: str, *, retryable: bool, crashed: bool
+    conn: AsyncConnection,
+    task: Any,
+    attempt_id: int,
+    error: str,
+    *,
+    retryable: bool,
+    crashed: bool,
+    tally: Tally | None = None,
 ) -> TaskState:
     """A failed or lost attempt: retry after backoff, or bury (spent, poison, final)."""
     crashes = task.crashes + (1 if crashed else 0)
@@ -323,11 +345,15 @@ async def _after_failure(
         target, op, reason = S.DEAD, Op.BURY, "not retryable"
     elif crashes >= task.poison_after:
         target, op, reason = S.DEAD, Op.BURY, f"poison pill: lost {crashes} times"
+        if tally is not None:
+            tally.poisoned += 1
     elif task.attempts >= task.max_attempts:
         target, op, reason = S.DEAD, Op.BURY, f"attempts spent ({task.attempts})"
     else:
         target, op, reason = S.FAILED, Op.FAIL, "retry after backoff"
     delay = _backoff(task, min(task.attempts, 20)) if target is S.FAILED else None
+    if tally is not None and target is S.DEAD:
+        tally.buried += 1
     await store.transition(
         conn,
         task.id,
@@ -342,7 +368,13 @@ async def _after_failure(
     return target
 
 
-async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome: Report) -> Any:
+async def report(
+    conn: AsyncConnection,
+    attempt_id: int,
+    worker_id: int,
+    outcome: Report,
+    tally: Tally | None = None,
+) -> Any:
     """Apply a worker's report of how an attempt ended, fenced by the attempt id."""
     task = await _current_task(conn, attempt_id)
     owner = (
@@ -369,7 +401,7 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
         return await _requeue_preempted(conn, task.id, attempt_id)
     if outcome.outcome == "succeeded" and task.kind == "service":
         return await _after_failure(
-            conn, task, attempt_id, "service exited 0", retryable=True, crashed=False
+            conn, task, attempt_id, "service exited 0", retryable=True, crashed=False, tally=tally
         )
     if outcome.outcome == "succeeded":
         await store.transition(
@@ -390,7 +422,7 @@ async def report(conn: AsyncConnection, attempt_id: int, worker_id: int, outcome
     message = error or f"attempt {outcome.outcome}"
     crashed = outcome.outcome == "crashed"
     return await _after_failure(
-        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=crashed
+        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=crashed, tally=tally
     )
 
 
@@ -407,10 +439,14 @@ async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: in
     return S.WAITING
 
 
-async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | None:
+async def lose(
+    conn: AsyncConnection, attempt_id: int, why: str, tally: Tally | None = None
+) -> TaskState | None:
     """An attempt whose process is gone without a report. Once a heartbeat has shown it
     running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
     showed (its claim's answer lost on the way, say) goes back without cost."""
+    if tally is not None:
+        tally.lost += 1
     try:
         task = await _current_task(conn, attempt_id)
     except StaleAttempt:
@@ -431,7 +467,9 @@ async def lose(conn: AsyncConnection, attempt_id: int, why: str) -> TaskState | 
             attempt_id=attempt_id,
         )
         return S.WAITING
-    return await _after_failure(conn, task, attempt_id, why, retryable=True, crashed=True)
+    return await _after_failure(
+        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally
+    )
 
 
 @dataclass(frozen=True)
@@ -454,11 +492,13 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 """)
 
 
-async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float) -> Beat:
+async def heartbeat(
+    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
+) -> Beat:
     """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
     for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
     lost), squeeze and preempt."""
-    stop, lost = await _beat(conn, worker, alive, grace_s)
+    stop, lost = await _beat(conn, worker, alive, grace_s, tally)
     if not alive:
         return Beat(stop, [], [], lost)
     rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
@@ -468,7 +508,7 @@ async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_
 
 
 async def _beat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
+    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
 ) -> tuple[list[int], int]:
     await conn.execute(
         update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
@@ -495,7 +535,7 @@ async def _beat(
     )
     gone = list(missing)
     for row in gone:
-        await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)")
+        await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)", tally)
     if not reported:
         return [], len(gone)
     stop = await conn.execute(
@@ -540,18 +580,22 @@ async def task_of(conn: AsyncConnection, attempt_id: int) -> int:
     return int((await conn.execute(query)).scalar_one())
 
 
-async def lose_all(conn: AsyncConnection, worker_id: int, why: str) -> int:
+async def lose_all(
+    conn: AsyncConnection, worker_id: int, why: str, tally: Tally | None = None
+) -> int:
     """Every open attempt of the worker is lost."""
     rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
     for row in rows:
-        await lose(conn, row.id, why)
+        await lose(conn, row.id, why, tally)
     return len(rows)
 
 
-async def reap(conn: AsyncConnection, timeout_s: float) -> int:
+async def reap(conn: AsyncConnection, timeout_s: float, tally: Tally | None = None) -> int:
     """Workers silent for ``timeout_s`` are dead; their open attempts are lost."""
     dead = [row.id for row in await conn.execute(_SILENT_WORKERS, {"timeout_s": timeout_s})]
     lost = 0
     for worker_id in dead:
-        lost += await lose_all(conn, worker_id, f"its worker {worker_id} stopped heartbeating")
+        lost += await lose_all(
+            conn, worker_id, f"its worker {worker_id} stopped heartbeating", tally
+        )
     return len(dead) + lost

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.core import dispatch, placement, store
 from services.core.feed import Notifier
+from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
@@ -63,16 +64,21 @@ async def place_once(engine: AsyncEngine, notifier: Notifier, defaults: placemen
     return changed
 
 
-async def reap_once(engine: AsyncEngine, notifier: Notifier, timeout_s: float) -> int:
+async def reap_once(
+    engine: AsyncEngine, notifier: Notifier, timeout_s: float, meter: CoreMetrics | None = None
+) -> int:
+    tally = dispatch.Tally()
     async with engine.begin() as conn:
-        changed = await dispatch.reap(conn, timeout_s)
+        changed = await dispatch.reap(conn, timeout_s, tally)
+    if meter is not None:
+        meter.count(tally)
     if changed:
         notifier.announce()
     return changed
 
 
 def start(
-    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings
+    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings, meter: CoreMetrics
 ) -> list[asyncio.Task[None]]:
     return [
         asyncio.create_task(
@@ -83,7 +89,7 @@ def start(
             every(
                 min(5.0, max(0.1, settings.heartbeat_timeout_s / 4)),
                 "reaper",
-                lambda: reap_once(engine, notifier, settings.heartbeat_timeout_s),
+                lambda: reap_once(engine, notifier, settings.heartbeat_timeout_s, meter),
             ),
             name="cairn-reaper",
         ),

@@ -22,7 +22,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import Caller
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
-from libs.common.models import Attempt, Event, QueueInfo, Task, TaskCreate
+from libs.common.models import (
+    Attempt,
+    Event,
+    QueueHistory,
+    QueueInfo,
+    QueueSeries,
+    Task,
+    TaskCreate,
+)
 from libs.common.states import FINAL, TaskState
 from services.core import queries
 from services.core.domain.transitions import Op, check, sources
@@ -478,6 +486,34 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
             if state not in FINAL or state is TaskState.DEAD:
                 entry.depth.setdefault(state, 0)
     return sorted(infos.values(), key=lambda q: q.name)
+
+
+async def queue_history(conn: AsyncConnection, minutes: int) -> QueueHistory:
+    """Per queue and minute: tasks submitted, finished, and the backlog (unfinished tasks)
+    worked back from the backlog now."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    until = (await conn.execute(select(func.now()))).scalar_one()
+    for row in await conn.execute(queries.QUEUE_HISTORY, {"minutes": minutes}):
+        series = counts.setdefault(
+            row.queue, {k: [0] * minutes for k in ("submitted", "finished", "live")}
+        )
+        if 0 <= row.ago < minutes:
+            series[row.kind][row.ago] += row.n
+    items = []
+    for name, series in sorted(counts.items()):
+        backlog, level = [], series["live"][0]
+        for ago in range(minutes):
+            backlog.append(level)
+            level = max(0, level - series["submitted"][ago] + series["finished"][ago])
+        items.append(
+            QueueSeries(
+                name=name,
+                submitted=series["submitted"][::-1],
+                finished=series["finished"][::-1],
+                backlog=backlog[::-1],
+            )
+        )
+    return QueueHistory(minutes=minutes, until=until, items=items)
 
 
 # --- principals and tokens ----------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, problems
+from libs.common import cors, health, metrics, problems
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
@@ -44,6 +44,7 @@ def create_app(
         app.state.settings = settings
         app.state.sender = sender
         app.state.cron = cron
+        app.state.metrics = cron.metrics.metrics
         app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
         try:
@@ -66,5 +67,7 @@ def create_app(
     problems.install(app)
     app.include_router(api.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app

@@ -39,6 +39,7 @@ from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import timing
 from services.cron.fire import Made, Outgoing, Result, Sender
+from services.cron.metrics import CronMetrics
 from services.cron.settings import CronSettings
 
 log = logging.getLogger("cairn.cron")
@@ -154,6 +155,7 @@ class CronEngine:
         sender: Sender,
         clock: Clock | None = None,
     ) -> None:
+        self.metrics = CronMetrics(lambda: self.leader)
         self.db = engine
         self.database_url = libpq_url(database_url)
         self.settings = settings
@@ -392,7 +394,13 @@ class CronEngine:
             await conn.execute(
                 store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(throughs, 4), strict=True))
             )
-        for sid, at, outcome, *_ in fired:
+        self.metrics.fired(
+            (outcome, at, submitted) for _, at, outcome, _, _, submitted, *_ in fired
+        )
+        for sid, at, outcome, task_id, run_id, _, detail, _ in fired:
+            ids = {"schedule_id": sid, "task_id": task_id, "run_id": run_id}
+            level = logging.WARNING if outcome in ("failed", "pending") else logging.DEBUG
+            log.log(level, "schedule %s fire %s: %s %s", sid, at, outcome, detail or "", extra=ids)
             if outcome == "pending":
                 entry = self.pending.setdefault((sid, at), Pending(sid, at, False))
                 entry.tries += 1
@@ -458,6 +466,7 @@ class CronEngine:
         if results:
             async with self.db.begin() as conn:
                 await store.record(conn, results)
+            self.metrics.fired((r.outcome, r.fire_time, r.submitted_at) for r in results)
         if self.on_fire is not None:
             self.on_fire(results)
 

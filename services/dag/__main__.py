@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 import uvicorn
 
+from libs.common import logs
 from libs.common.embedded import database_url
 from services.dag import migrate
 from services.dag.app import create_app
@@ -15,9 +15,7 @@ from services.dag.settings import DagSettings
 
 def serve(settings: DagSettings) -> None:
     """Migrate (unless told not to) and serve until SIGINT/SIGTERM."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.setup("dag", settings.log_level)
     url = database_url(settings.home, settings.database_url)
     if settings.migrate_on_start:
         migrate.upgrade(url)
@@ -26,6 +24,7 @@ def serve(settings: DagSettings) -> None:
         host=settings.bind_host,
         port=settings.dag_port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
         access_log=False,
         loop="uvloop",
         http="httptools",

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, problems
+from libs.common import cors, health, metrics, problems
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
 from services.dag.api import runs, workflows
@@ -32,6 +32,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         app.state.settings = settings
         app.state.graphs = graphs
         app.state.loop = loop
+        app.state.metrics = loop.metrics.metrics
         app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
         try:
@@ -50,7 +51,8 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (workflows, runs, health):
+    for module in (workflows, runs, health, metrics):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -35,6 +36,7 @@ from libs.common.states import TaskState
 from services.dag import store
 from services.dag.domain import graph, rules
 from services.dag.domain.templates import Renderer, RunContext
+from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
 
 log = logging.getLogger("cairn.dag.engine")
@@ -94,6 +96,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._cursor: str | None = None
         self._full_page = False
+        self.leading = False
+        self.metrics = DagMetrics(lambda: self.leading)
+        self._ended: list[RunState] = []
 
     def wake(self) -> None:
         self._wake.set()
@@ -125,9 +130,11 @@ class Engine:
             await self._sleep(1.0)
         await leader.commit()
         log.info("leading the DAG loop")
+        self.leading = True
         try:
             await self._turn_forever(leader)
         finally:
+            self.leading = False
             with contextlib.suppress(Exception):
                 await leader.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LEADER_KEY})
                 await leader.commit()
@@ -203,6 +210,7 @@ class Engine:
         by_task: dict[int, list[Event]] = defaultdict(list)
         for event in page.items:
             by_task[event.task_id].append(event)
+        self._ended.clear()
         async with self.db.begin() as conn:
             run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
             if run_ids:
@@ -215,6 +223,8 @@ class Engine:
                     await self._apply_run(conn, run, per_run[run.id], by_task)
             await store.store_cursor(conn, page.next_cursor)
         self._cursor = page.next_cursor
+        for state in self._ended:
+            self.metrics.finished.labels(state.value).inc()
 
     async def _apply_run(
         self,
@@ -263,6 +273,7 @@ class Engine:
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
+            self._ended.append(outcome)
         if any(state is N.READY for state in changed.values()) or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow.
             self._wake.set()
@@ -273,6 +284,7 @@ class Engine:
         """Submit every ready node's task and record its id."""
         while True:
             async with self.db.connect() as conn:
+                read_at = time.monotonic()
                 ready = await store.ready_nodes(conn, MAX_BATCH)
                 specs = await self._render(conn, ready)
             if not ready:
@@ -283,7 +295,7 @@ class Engine:
                 if spec is not None:
                     by_owner[row.owner].append((row, spec))
             for owner, items in by_owner.items():
-                await self._submit(owner, items)
+                await self._submit(owner, items, read_at)
             if len(ready) < MAX_BATCH:
                 return
 
@@ -302,7 +314,9 @@ class Engine:
                 await self._refused(row, exc)
         return specs
 
-    async def _submit(self, owner: str, items: list[tuple[Any, TaskCreate]]) -> None:
+    async def _submit(
+        self, owner: str, items: list[tuple[Any, TaskCreate]], read_at: float
+    ) -> None:
         try:
             answers = await self.core.submit_batch([spec for _, spec in items], on_behalf_of=owner)
             task_ids = [answer.id for answer in answers]
@@ -324,13 +338,25 @@ class Engine:
         ]
         async with self.db.begin() as conn:
             recorded = await store.record_released(conn, released)
+        waited = time.monotonic() - read_at
+        accepted = {(run_id, name) for run_id, name, _, task_id in released if task_id in recorded}
+        for row, _ in items:
+            if (row.run_id, row.name) in accepted:
+                self.metrics.release_latency.observe(float(row.ready_s) + waited)
+        self.metrics.released.inc(len(accepted))
         for _, _, _, task_id in released:
             if task_id not in recorded:
                 # The run was cancelled while its task was being submitted.
                 await self._cancel_task(task_id)
 
     async def _refused(self, row: Any, exc: CairnError) -> None:
-        log.info("run %s node %s refused: %s", row.run_id, row.name, exc.detail)
+        log.info(
+            "run %s node %s refused: %s",
+            row.run_id,
+            row.name,
+            exc.detail,
+            extra={"run_id": row.run_id},
+        )
         async with self.db.begin() as conn:
             await store.fail_ready(
                 conn, row.run_id, row.name, f"core refused the task: {exc.detail}"

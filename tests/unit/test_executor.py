@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import sys
 import time
@@ -294,7 +295,12 @@ def test_peak_memory_is_measured(tmp_path: Path) -> None:
     result = _run(run_attempt(_python(tmp_path, code, memory_mb=512)))
 
     assert result.outcome == "succeeded"
-    assert result.peak_memory_mb is not None and 80 <= result.peak_memory_mb < 400
+    # Linux folds the forking process's resident size at fork into the child's ru_maxrss
+    # (the new mm starts with the parent's pages as its high-water mark), so a large
+    # pytest worker raises the floor of what any child reports.
+    parent_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert result.peak_memory_mb is not None
+    assert 80 <= result.peak_memory_mb < max(400, parent_mb + 1)
 
 
 def test_cpu_seconds_are_measured(tmp_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.models import QueueInfo, QueueList, QueueName, QueueSettings
+from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
 from services.core import placement, store
 from services.core.deps import AdminOnly, Announcer, Engine, Reader
@@ -19,6 +21,16 @@ async def list_queues(principal: Reader, engine: Engine, request: Request) -> Qu
     its placement settings and utilisation."""
     async with engine.connect() as conn:
         return QueueList(items=await _queues(conn, request))
+
+
+@router.get("/history", response_model=QueueHistory, responses=PROBLEMS)
+async def queue_history(
+    principal: Reader, engine: Engine, minutes: Annotated[int, Query(ge=1, le=180)] = 60
+) -> QueueHistory:
+    """Each queue's last ``minutes``, a value a minute: tasks submitted and finished, and
+    the backlog of unfinished tasks (the dashboard's charts)."""
+    async with engine.connect() as conn:
+        return await store.queue_history(conn, minutes)
 
 
 async def _queues(conn: AsyncConnection, request: Request) -> list[QueueInfo]:

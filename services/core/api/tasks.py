@@ -32,6 +32,7 @@ from services.core import placement, store
 from services.core.deps import (
     Announcer,
     Engine,
+    Meter,
     OwnedTask,
     Reader,
     Submitter,
@@ -59,7 +60,7 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
     },
 )
 async def submit_task(
-    spec: TaskCreate, owner: SubmittingOwner, engine: Engine, notifier: Announcer
+    spec: TaskCreate, owner: SubmittingOwner, engine: Engine, notifier: Announcer, meter: Meter
 ) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
     owner already submitted this ``idempotency_key``."""
@@ -70,6 +71,7 @@ async def submit_task(
         task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
         notifier.announce()
+        meter.submitted_to([spec.queue])
     response = _json(task, 201 if created else 200)
     response.headers["Location"] = f"/v1/tasks/{row.id}"
     return response
@@ -128,6 +130,7 @@ async def submit_batch(
     owner: SubmittingOwner,
     engine: Engine,
     notifier: Announcer,
+    meter: Meter,
 ) -> Response:
     """Submit up to 1,000 tasks in one transaction: all are stored, or none. A service
     token may name each task's owner in ``owners``."""
@@ -142,6 +145,9 @@ async def submit_batch(
     async with engine.begin() as conn:
         rows = await store.submit(conn, owners, batch.tasks)
     notifier.announce()
+    meter.submitted_to(
+        spec.queue for spec, (_, created) in zip(batch.tasks, rows, strict=True) if created
+    )
     items = [{"id": row.id, "state": row.state, "created": created} for row, created in rows]
     return Response(
         orjson.dumps({"tasks": items}),
@@ -229,13 +235,14 @@ def _check_label_key(key: str) -> None:
 
 @router.post("/{task_id}/cancel", response_model=Task, responses=PROBLEMS)
 async def cancel_task(
-    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer
+    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer, meter: Meter
 ) -> Response:
     """Cancel a task that has not finished. A final task answers 409."""
     async with engine.begin() as conn:
         await store.cancel(conn, task_id, principal.owner_filter, f"cancelled by {principal.name}")
         task = await store.get_task(conn, task_id, None)
     notifier.announce()
+    meter.ended(TaskState.CANCELLED)
     return _json(task)
 
 

@@ -21,8 +21,9 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.problems import PROBLEMS
+from libs.common.states import TaskState
 from services.core import dispatch, placement
-from services.core.deps import AdminOnly, Announcer, Engine, require
+from services.core.deps import AdminOnly, Announcer, Engine, Meter, require
 from services.core.settings import CoreSettings
 from services.core.store import Principal
 
@@ -76,15 +77,22 @@ async def list_workers(principal: Overseer, engine: Engine) -> WorkerList:
 
 @router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
 async def heartbeat(
-    beat: Heartbeat, worker: OwnWorker, engine: Engine, notifier: Announcer, request: Request
+    beat: Heartbeat,
+    worker: OwnWorker,
+    engine: Engine,
+    notifier: Announcer,
+    meter: Meter,
+    request: Request,
 ) -> HeartbeatAnswer:
     """The sidecar's beat: the worker lives, and these attempts' processes run."""
     # An attempt claimed after the sidecar read its list is not in this beat: give every
     # attempt two beats (and a second) before its absence means its process is gone.
     grace = 2 * _settings(request).heartbeat_interval_s + 1.0
+    tally = dispatch.Tally()
     async with engine.begin() as conn:
-        found = await dispatch.heartbeat(conn, worker, beat.attempts, grace)
+        found = await dispatch.heartbeat(conn, worker, beat.attempts, grace, tally)
         state = (await dispatch.get_worker(conn, worker.id, None)).state
+    meter.count(tally)
     if found.lost:
         notifier.announce()
     return HeartbeatAnswer(
@@ -102,6 +110,7 @@ async def claim(
     worker: OwnWorker,
     engine: Engine,
     notifier: Announcer,
+    meter: Meter,
     request: Request,
 ) -> ClaimAnswer:
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
@@ -109,12 +118,14 @@ async def claim(
     deadline = asyncio.get_running_loop().time() + room.wait
     defaults = placement.Defaults.of(_settings(request))
     while True:
+        tally = dispatch.Tally()
         async with engine.begin() as conn:
             current = await dispatch.get_worker(conn, worker.id, None)
             leased = await dispatch.claim(
-                conn, current, room.cpu, room.memory_mb, room.max, defaults
+                conn, current, room.cpu, room.memory_mb, room.max, defaults, tally
             )
         if leased:
+            meter.count(tally)
             notifier.announce()
             return ClaimAnswer(attempts=leased)
         remaining = deadline - asyncio.get_running_loop().time()
@@ -127,14 +138,24 @@ async def claim(
     "/{worker_id}/attempts/{attempt_id}/report", response_model=ReportAnswer, responses=PROBLEMS
 )
 async def report(
-    attempt_id: AttemptId, outcome: Report, worker: OwnWorker, engine: Engine, notifier: Announcer
+    attempt_id: AttemptId,
+    outcome: Report,
+    worker: OwnWorker,
+    engine: Engine,
+    notifier: Announcer,
+    meter: Meter,
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
     one (its lease was lost) is refused with 409 and changes nothing."""
+    tally = dispatch.Tally()
     async with engine.begin() as conn:
-        state = await dispatch.report(conn, attempt_id, worker.id, outcome)
+        state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)
         task_id = await dispatch.task_of(conn, attempt_id)
     notifier.announce()
+    meter.attempts_finished.labels(outcome.outcome).inc()
+    if state is TaskState.SUCCEEDED:
+        meter.ended(state)
+    meter.count(tally)
     return ReportAnswer(task_id=task_id, state=state)
 
 
@@ -166,11 +187,13 @@ async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine) -> Wo
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
-async def leave(worker: OwnWorker, engine: Engine) -> Worker:
+async def leave(worker: OwnWorker, engine: Engine, meter: Meter) -> Worker:
     """The agent stops cleanly; attempts it still holds are lost at once."""
+    tally = dispatch.Tally()
     async with engine.begin() as conn:
         await dispatch.set_worker_state(conn, worker.id, "left")
-        await dispatch.lose_all(conn, worker.id, "its worker left")
+        await dispatch.lose_all(conn, worker.id, "its worker left", tally)
+    meter.count(tally)
     return await _get(engine, worker.id)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
@@ -99,6 +100,7 @@ class Agent:
         self._publish()
         self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
         self.sidecar = self._start_sidecar(*self._beat)
+        logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -248,6 +250,8 @@ class Agent:
 
     async def _attempt(self, assignment: Assignment) -> None:
         attempt = assignment.attempt_id
+        logs.bind(task_id=assignment.task_id, attempt_id=attempt)
+        log.debug("attempt %s of task %s starts", attempt, assignment.task_id)
         try:
             report = await self._execute(assignment)
             if report is not None:
@@ -333,7 +337,7 @@ class Agent:
 def main(argv: list[str] | None = None) -> None:
     del argv
     settings = CairnSettings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s worker %(message)s")
+    logs.setup("worker", settings.log_level)
     if not settings.token:
         sys.exit(
             "cairn worker: CAIRN_TOKEN must hold a worker token (cairn token create NAME --role worker)"

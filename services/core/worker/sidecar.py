@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
 from libs.common.settings import CairnSettings
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("timeout_s", type=float)
     args = parser.parse_args(argv)
     settings = CairnSettings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s sidecar %(message)s")
+    logs.setup("sidecar", settings.log_level)
 
     async def run() -> None:
         async with CoreClient(settings.url, settings.token) as client:

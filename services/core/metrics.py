@@ -1,0 +1,140 @@
+"""Core's metrics: what happens to tasks and attempts (counted where it happens), and the
+queues and workers as the database holds them (read at scrape time)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from prometheus_client.core import Metric
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.metrics import Metrics, gauge_family
+from libs.common.states import FINAL, TaskState
+from services.core.dispatch import Tally
+
+_QUEUES = text("""
+SELECT queue, state, count(*) AS n,
+       EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE state = 'waiting')) AS oldest
+FROM core.tasks
+WHERE state IN ('failed', 'ready', 'running', 'waiting')
+GROUP BY queue, state
+""")
+
+# A worker's pool is the set of queues it serves: bounded by configuration, not by hosts.
+_WORKERS = text("""
+WITH used AS (
+    SELECT a.worker_id, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb, count(*) AS running
+    FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+    WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
+    GROUP BY a.worker_id
+)
+SELECT array_to_string(w.queues, ',') AS pool, count(*) AS alive,
+       sum(w.cpu) AS cpu, sum(w.memory_mb) AS memory_mb,
+       coalesce(sum(u.cpu), 0) AS used_cpu, coalesce(sum(u.memory_mb), 0) AS used_memory_mb,
+       coalesce(sum(u.running), 0) AS running,
+       EXTRACT(EPOCH FROM now() - min(w.last_heartbeat_at)) AS heartbeat_age
+FROM core.workers w LEFT JOIN used u ON u.worker_id = w.id
+WHERE w.state IN ('live', 'draining')
+GROUP BY 1
+""")
+
+
+class CoreMetrics:
+    """The counters and histograms core bumps, and its scrape-time readers."""
+
+    def __init__(self) -> None:
+        m = self.metrics = Metrics("core")
+        self.submitted = m.counter(
+            "cairn_tasks_submitted_total", "Tasks accepted (new, not idempotent repeats)", ["queue"]
+        )
+        self.started = m.counter("cairn_attempts_started_total", "Attempts leased to workers")
+        self.attempts_finished = m.counter(
+            "cairn_attempts_finished_total",
+            "Attempts ended, by outcome (succeeded, failed, timeout, crashed, lost, handed_back)",
+            ["outcome"],
+        )
+        self.finished = m.counter(
+            "cairn_tasks_finished_total",
+            "Tasks that reached a final state, by state (succeeded, dead, cancelled)",
+            ["state"],
+        )
+        self.dispatch_latency = m.histogram(
+            "cairn_dispatch_latency_seconds",
+            "From a task becoming eligible (submit, or its run_at) to its attempt's lease",
+        )
+        self.lost = m.counter(
+            "cairn_attempts_lost_total", "Attempts lost to a dead worker or a vanished process"
+        )
+        self.poison = m.counter(
+            "cairn_tasks_poison_pills_total", "Tasks buried after too many crashed attempts"
+        )
+        for state in (TaskState.SUCCEEDED, TaskState.DEAD, TaskState.CANCELLED):
+            self.finished.labels(state.value)
+        m.read_at_scrape(read_queues)
+        m.read_at_scrape(read_workers)
+
+    def submitted_to(self, queues: Iterable[str]) -> None:
+        for queue, n in Counter(queues).items():
+            self.submitted.labels(queue).inc(n)
+
+    def count(self, tally: Tally) -> None:
+        """What a dispatch call reported on the way."""
+        if tally.waits:
+            self.started.inc(len(tally.waits))
+            for waited in tally.waits:
+                self.dispatch_latency.observe(waited)
+        if tally.lost:
+            self.lost.inc(tally.lost)
+            self.attempts_finished.labels("lost").inc(tally.lost)
+        if tally.poisoned:
+            self.poison.inc(tally.poisoned)
+        if tally.buried:
+            self.finished.labels(TaskState.DEAD.value).inc(tally.buried)
+
+    def ended(self, state: TaskState) -> None:
+        if state in FINAL:
+            self.finished.labels(state.value).inc()
+
+
+async def read_queues(conn: AsyncConnection) -> list[Metric]:
+    rows = list(await conn.execute(_QUEUES))
+    depth = [((r.queue, r.state), float(r.n)) for r in rows]
+    oldest = [((r.queue,), float(r.oldest)) for r in rows if r.oldest is not None]
+    return [
+        gauge_family(
+            "cairn_queue_depth", "Unfinished tasks per queue and state", ["queue", "state"], depth
+        ),
+        gauge_family(
+            "cairn_queue_oldest_waiting_seconds",
+            "Age of the oldest waiting task per queue",
+            ["queue"],
+            oldest,
+        ),
+    ]
+
+
+async def read_workers(conn: AsyncConnection) -> list[Metric]:
+    rows = list(await conn.execute(_WORKERS))
+    pool = ["pool"]
+
+    def family(name: str, doc: str, column: str) -> Metric:
+        return gauge_family(name, doc, pool, [((r.pool,), float(getattr(r, column))) for r in rows])
+
+    return [
+        family("cairn_workers_alive", "Live or draining workers per pool", "alive"),
+        family("cairn_workers_cpu", "CPU the pool's live workers offer", "cpu"),
+        family("cairn_workers_memory_mb", "Memory (MB) the pool's live workers offer", "memory_mb"),
+        family("cairn_workers_used_cpu", "CPU requested by the attempts placed", "used_cpu"),
+        family(
+            "cairn_workers_used_memory_mb", "Memory (MB) requested by the attempts placed",
+            "used_memory_mb",
+        ),
+        family("cairn_workers_running_attempts", "Attempts open on the pool", "running"),
+        family(
+            "cairn_workers_heartbeat_age_seconds",
+            "Seconds since the pool's stalest live worker last beat",
+            "heartbeat_age",
+        ),
+    ]  # fmt: skip

@@ -1,0 +1,406 @@
+// Cairn's dashboard: plain JavaScript, no dependencies. The token stays in this tab's
+// sessionStorage and goes, as a bearer token, to core's, cron's and dag's public APIs.
+"use strict";
+
+const CONFIG = JSON.parse(document.getElementById("cairn-config").textContent);
+const BASES = { core: "", cron: CONFIG.cron.replace(/\/$/, ""), dag: CONFIG.dag.replace(/\/$/, "") };
+const TOKEN_KEY = "cairn.token";
+const TASK_STATES = ["ready", "waiting", "running", "succeeded", "failed", "dead", "cancelled"];
+const NODE_STATES = ["pending", "ready", "released", "running", "succeeded", "failed",
+  "upstream_failed", "skipped", "cancelling", "cancelled"];
+const COLOURS = {
+  pending: "#8a93a6", ready: "#8a93a6", queued: "#8a93a6", waiting: "#c98a12",
+  released: "#c98a12", running: "#2f6fd6", succeeded: "#2e9b4f", failed: "#e06b1f",
+  upstream_failed: "#e06b1f", dead: "#c8312f", cancelled: "#5b5f6a", cancelling: "#5b5f6a",
+  skipped: "#5b5f6a",
+};
+const SVG = "http://www.w3.org/2000/svg";
+
+let pollers = [];
+let me = null;
+
+class ApiError extends Error {
+  constructor(status, detail) { super(detail); this.status = status; }
+}
+
+async function api(service, path, options = {}) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = { Authorization: `Bearer ${token}` };
+  if (options.body !== undefined) headers["Content-Type"] = "application/json";
+  const answer = await fetch(BASES[service] + path, {
+    method: options.method || "GET",
+    headers,
+    body: options.body === undefined ? undefined : JSON.stringify(options.body),
+  });
+  if (answer.status === 401 && service === "core" && !options.quiet) { logout(); throw new ApiError(401, "log in again"); }
+  const type = answer.headers.get("content-type") || "";
+  const data = type.includes("json") ? await answer.json() : await answer.text();
+  if (!answer.ok) throw new ApiError(answer.status, (data && data.detail) || answer.statusText);
+  return data;
+}
+
+// --- DOM helpers: text always goes in as text, never as markup ---
+
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else el.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : String(child));
+  }
+  return el;
+}
+
+function s(tag, attrs = {}, ...children) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) el.setAttribute(key, value);
+  for (const child of children.flat()) if (child) el.append(child instanceof Node ? child : String(child));
+  return el;
+}
+
+const badge = (state) => h("span", { class: `badge s-${state}`, "data-state": state }, state);
+const ago = (iso) => iso ? `${Math.max(0, Math.round((Date.now() - Date.parse(iso)) / 1000))} s ago` : "—";
+const when = (iso) => iso ? new Date(iso).toLocaleString() : "—";
+const num = (value, digits = 0) => value === null || value === undefined ? "—" : Number(value).toFixed(digits);
+
+function table(headers, rows) {
+  return h("table", {},
+    h("thead", {}, h("tr", {}, headers.map((x) => h("th", { class: /^[#0-9]|num$/.test(x) ? "num" : null }, x)))),
+    h("tbody", {}, rows.length ? rows : h("tr", {}, h("td", { colspan: headers.length, class: "muted" }, "nothing here"))));
+}
+
+function bar(used, total, label) {
+  const share = total > 0 ? Math.min(1, used / total) : 0;
+  const el = h("span", { class: used > total ? "bar over" : "bar", title: label });
+  const fill = h("span");
+  fill.style.width = `${Math.round(share * 100)}%`;
+  el.append(fill);
+  return h("span", {}, el, " ", label);
+}
+
+function problem(error) {
+  if (error.status === 403) return h("p", { class: "error" }, "Your role may not see this page.");
+  return h("p", { class: "error" }, `Could not load: ${error.message}`);
+}
+
+// Run ``draw`` now and every two seconds while the page is shown; it fills ``box``.
+async function live(box, draw) {
+  const turn = async () => {
+    try { box.replaceChildren(await draw()); } catch (error) { box.replaceChildren(problem(error)); }
+  };
+  pollers.push(setInterval(turn, 2000));
+  await turn();
+  return turn;
+}
+
+// --- pages ---
+
+function loginPage(main) {
+  const input = h("input", { id: "token", type: "password", autocomplete: "off", placeholder: "cairn_…" });
+  const message = h("p", { class: "muted" }, "Paste a token from `cairn token create NAME`.");
+  const submit = async (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+    try {
+      me = await api("core", "/v1/whoami", { quiet: true });
+      showUser();
+      location.hash = "#/tasks";
+    } catch (error) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      message.replaceChildren(h("span", { class: "error" }, error.status === 401 ? "Unknown or revoked token." : error.message));
+    }
+  };
+  main.append(h("form", { class: "login", onsubmit: submit },
+    h("h1", {}, "Log in to Cairn"), h("label", { for: "token" }, "Token"), input,
+    h("button", { id: "login", class: "primary", type: "submit" }, "Log in"), message));
+  input.focus();
+}
+
+async function queuesPage(main) {
+  main.append(h("h1", {}, "Queues"));
+  const box = h("div");
+  main.append(box);
+  await live(box, async () => {
+    const [queues, history] = await Promise.all([api("core", "/v1/queues"), api("core", "/v1/queues/history?minutes=60")]);
+    const rows = queues.items.map((q) => h("tr", { "data-queue": q.name },
+      h("td", {}, q.name, q.paused ? " (paused)" : ""),
+      ["ready", "waiting", "running", "failed", "dead"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
+      h("td", { class: "num" }, q.oldest_waiting_age_s === null ? "—" : `${num(q.oldest_waiting_age_s, 1)} s`)));
+    const cards = history.items.map((q) => h("div", { class: "card" }, h("h3", {}, q.name), chart(q)));
+    return h("div", {},
+      table(["queue", "ready", "waiting", "running", "failed", "dead", "oldest waiting"], rows),
+      h("h2", {}, "Last hour"),
+      h("p", { class: "muted" }, "Bars: tasks finished per minute; line: backlog (unfinished tasks)."),
+      h("div", { class: "grid" }, cards.length ? cards : h("p", { class: "muted" }, "No activity in the last hour.")));
+  });
+}
+
+function chart(series) {
+  const width = 340, height = 120, pad = 24, n = series.backlog.length;
+  const top = Math.max(1, ...series.backlog, ...series.finished, ...series.submitted);
+  const x = (i) => pad + (i * (width - pad - 4)) / Math.max(1, n - 1);
+  const y = (v) => height - pad + 4 - (v * (height - pad - 8)) / top;
+  const bars = series.finished.map((v, i) => v ? s("rect", {
+    x: x(i) - 2, y: y(v), width: 4, height: height - pad + 4 - y(v), fill: "#2e9b4f", opacity: 0.7,
+  }, s("title", {}, `${n - i - 1} min ago: ${v} finished, ${series.submitted[i]} submitted`)) : null);
+  const line = series.backlog.map((v, i) => `${i ? "L" : "M"}${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
+  return s("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, width, height, role: "img" },
+    s("line", { class: "axis", x1: pad, y1: height - pad + 4, x2: width, y2: height - pad + 4 }),
+    s("line", { class: "axis", x1: pad, y1: 4, x2: pad, y2: height - pad + 4 }),
+    s("text", { x: 2, y: 12 }, String(top)), s("text", { x: 2, y: height - pad + 4 }, "0"),
+    s("text", { x: pad, y: height - 4 }, "-60 min"), s("text", { x: width - 30, y: height - 4 }, "now"),
+    bars, s("path", { d: line, stroke: "#2f6fd6", fill: "none", "stroke-width": 2 }));
+}
+
+async function tasksPage(main, params) {
+  main.append(h("h1", {}, "Tasks"));
+  const stateSelect = h("select", { name: "state", id: "filter-state" }, h("option", { value: "" }, "any"),
+    TASK_STATES.map((st) => h("option", { value: st, selected: params.get("state") === st }, st)));
+  const queueInput = h("input", { name: "queue", id: "filter-queue", value: params.get("queue") || "", size: 12 });
+  const labelInput = h("input", { name: "label", id: "filter-label", value: params.get("label") || "", placeholder: "key=value", size: 16 });
+  const apply = (event) => {
+    event.preventDefault();
+    const next = new URLSearchParams();
+    if (stateSelect.value) next.set("state", stateSelect.value);
+    if (queueInput.value) next.set("queue", queueInput.value);
+    if (labelInput.value) next.set("label", labelInput.value);
+    location.hash = `#/tasks?${next}`;
+  };
+  main.append(h("form", { class: "filters", onsubmit: apply },
+    h("label", {}, "state", stateSelect), h("label", {}, "queue", queueInput),
+    h("label", {}, "label", labelInput), h("button", { type: "submit" }, "Filter")));
+  const box = h("div");
+  main.append(box);
+  const query = new URLSearchParams(params);
+  query.set("limit", "100");
+  await live(box, async () => {
+    const page = await api("core", `/v1/tasks?${query}`);
+    return table(["#", "name", "owner", "queue", "state", "attempts", "created"], page.items.map((t) =>
+      h("tr", { "data-task-id": t.id },
+        h("td", { class: "num" }, h("a", { href: `#/tasks/${t.id}` }, t.id)), h("td", {}, t.name),
+        h("td", {}, t.owner), h("td", {}, t.queue), h("td", {}, badge(t.state)),
+        h("td", { class: "num" }, t.attempts), h("td", {}, when(t.created_at)))));
+  });
+}
+
+async function taskPage(main, id) {
+  const head = h("h1", {}, `Task ${id}`);
+  const actions = h("div", { class: "actions" });
+  const message = h("p");
+  const box = h("div");
+  main.append(head, actions, message, box);
+  let refresh = async () => {};
+  const act = (verb) => async () => {
+    try {
+      await api("core", `/v1/tasks/${id}/${verb}`, { method: "POST" });
+      message.replaceChildren(h("span", { class: "muted" }, `${verb} requested`));
+    } catch (error) { message.replaceChildren(h("span", { class: "error" }, error.message)); }
+    await refresh();
+  };
+  const cancel = h("button", { id: "cancel", class: "danger", type: "button", onclick: act("cancel") }, "Cancel");
+  const retry = h("button", { id: "retry", type: "button", onclick: act("retry") }, "Retry");
+  actions.append(cancel, retry);
+  refresh = await live(box, async () => {
+    const [task, attempts, events] = await Promise.all([
+      api("core", `/v1/tasks/${id}`), api("core", `/v1/tasks/${id}/attempts`), api("core", `/v1/tasks/${id}/events`)]);
+    const final = ["succeeded", "dead", "cancelled"].includes(task.state);
+    cancel.disabled = final;
+    retry.disabled = !["dead", "failed", "cancelled"].includes(task.state);
+    const last = attempts.items[attempts.items.length - 1];
+    const labels = Object.entries(task.labels);
+    const run = task.labels["cairn.dag/run"];
+    const schedule = task.labels["cairn.cron/schedule"];
+    return h("div", {},
+      h("dl", { class: "fields" },
+        h("dt", {}, "state"), h("dd", { id: "task-state" }, badge(task.state)),
+        h("dt", {}, "name"), h("dd", {}, task.name),
+        h("dt", {}, "owner"), h("dd", {}, task.owner),
+        h("dt", {}, "queue"), h("dd", {}, task.queue, ` · priority ${task.priority}`),
+        h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri),
+        h("dt", {}, "args"), h("dd", {}, JSON.stringify(task.args)),
+        h("dt", {}, "attempts"), h("dd", {}, `${task.attempts} of ${task.retry.max_attempts}`),
+        h("dt", {}, "last error"), h("dd", {}, task.last_error || "—"),
+        h("dt", {}, "labels"), h("dd", {}, labels.length ? labels.map(([k, v]) => `${k}=${v}`).join(", ") : "—"),
+        run ? [h("dt", {}, "workflow run"), h("dd", {}, h("a", { href: `#/runs/${run}` }, `run ${run}`))] : null,
+        schedule ? [h("dt", {}, "schedule"), h("dd", {}, h("a", { href: "#/schedules" }, `schedule ${schedule}`))] : null,
+        h("dt", {}, "created"), h("dd", {}, when(task.created_at)),
+        h("dt", {}, "finished"), h("dd", {}, when(task.finished_at))),
+      h("h2", {}, "Resources: used against requested"),
+      h("dl", { class: "fields" },
+        h("dt", {}, "memory"), h("dd", {}, last && last.peak_memory_mb !== null
+          ? bar(last.peak_memory_mb, task.resources.memory_mb, `${num(last.peak_memory_mb)} of ${task.resources.memory_mb} MB (peak)`)
+          : `${task.resources.memory_mb} MB requested; not measured yet`),
+        h("dt", {}, "cpu"), h("dd", {}, last && last.cpu_seconds !== null
+          ? `${num(last.cpu_seconds, 2)} CPU s used; ${task.resources.cpu} CPU requested`
+          : `${task.resources.cpu} CPU requested`)),
+      h("h2", {}, "Attempts"),
+      table(["#", "worker", "outcome", "exit", "peak MB", "CPU s", "started", "ended", "error"], attempts.items.map((a) =>
+        h("tr", { "data-attempt-id": a.id }, h("td", { class: "num" }, a.number), h("td", {}, a.worker_id ?? "—"),
+          h("td", {}, a.outcome || "running"), h("td", { class: "num" }, a.exit_code ?? "—"),
+          h("td", { class: "num" }, num(a.peak_memory_mb)), h("td", { class: "num" }, num(a.cpu_seconds, 2)),
+          h("td", {}, when(a.started_at)), h("td", {}, when(a.ended_at)), h("td", {}, a.error || "")))),
+      h("h2", {}, "Log tail"),
+      h("pre", { class: "log", id: "log-tail" }, (last && last.log_tail) || "(no output yet)"),
+      h("h2", {}, "Events"),
+      table(["seq", "op", "from", "to", "reason", "at"], events.items.map((e) =>
+        h("tr", {}, h("td", { class: "num" }, e.seq), h("td", {}, e.op), h("td", {}, e.from_state || "—"),
+          h("td", {}, badge(e.to_state)), h("td", {}, e.reason || ""), h("td", {}, when(e.at))))));
+  });
+}
+
+async function workersPage(main) {
+  main.append(h("h1", {}, "Workers"));
+  const box = h("div");
+  main.append(box);
+  await live(box, async () => {
+    const workers = await api("core", "/v1/workers");
+    return table(["#", "host", "queues", "state", "cpu", "memory", "running", "heartbeat"],
+      workers.items.filter((w) => w.state === "live" || w.state === "draining").map((w) =>
+        h("tr", { "data-worker-id": w.id }, h("td", { class: "num" }, w.id), h("td", {}, w.hostname),
+          h("td", {}, w.queues.join(", ")), h("td", {}, w.state),
+          h("td", {}, bar(w.used_cpu, w.cpu, `${num(w.used_cpu, 1)} / ${num(w.cpu, 1)}`)),
+          h("td", {}, bar(w.used_memory_mb, w.memory_mb, `${w.used_memory_mb} / ${w.memory_mb} MB`)),
+          h("td", { class: "num" }, w.running), h("td", {}, ago(w.last_heartbeat_at)))));
+  });
+}
+
+async function schedulesPage(main) {
+  main.append(h("h1", {}, "Schedules"), h("p", { class: "muted" }, "From the cron service; the next fires over the coming 24 hours."));
+  const box = h("div");
+  main.append(box);
+  await live(box, async () => {
+    const page = await api("cron", "/v1/schedules?limit=50");
+    const nexts = await Promise.all(page.items.map((sc) => sc.paused ? { items: [] } : api("cron", `/v1/schedules/${sc.id}/next?n=50`)));
+    const rows = page.items.map((sc, i) => h("tr", { "data-schedule-id": sc.id },
+      h("td", { class: "num" }, sc.id), h("td", {}, sc.name), h("td", {}, h("code", {}, sc.expression)),
+      h("td", {}, sc.timezone), h("td", {}, sc.target.kind === "dag" ? `run of ${sc.target.workflow}` : "task"),
+      h("td", {}, sc.paused ? "paused" : when(sc.next_fire_at)), h("td", {}, timeline(nexts[i].items))));
+    return table(["#", "name", "expression", "zone", "target", "next fire", "next 24 h"], rows);
+  });
+}
+
+function timeline(fires) {
+  const width = 360, height = 28, start = Date.now(), span = 24 * 3600 * 1000;
+  const x = (t) => 4 + ((t - start) * (width - 8)) / span;
+  const marks = fires.map((f) => Date.parse(f.utc)).filter((t) => t - start <= span).map((t) =>
+    s("circle", { class: "fire", cx: x(t).toFixed(1), cy: 12, r: 3, fill: "#2f6fd6" }, s("title", {}, new Date(t).toLocaleString())));
+  const ticks = [0, 6, 12, 18, 24].map((hour) => s("text", { x: Math.min(width - 22, x(start + hour * 3600000)), y: 27 }, `+${hour}h`));
+  return s("svg", { class: "timeline", viewBox: `0 0 ${width} ${height}`, width, height },
+    s("line", { class: "axis", x1: 4, y1: 12, x2: width - 4, y2: 12 }), marks, ticks);
+}
+
+async function runsPage(main) {
+  main.append(h("h1", {}, "Workflow runs"));
+  const box = h("div");
+  main.append(box);
+  await live(box, async () => {
+    const page = await api("dag", "/v1/runs?limit=100");
+    return table(["#", "workflow", "version", "owner", "state", "created", "finished"], page.items.map((r) =>
+      h("tr", { "data-run-id": r.id }, h("td", { class: "num" }, h("a", { href: `#/runs/${r.id}` }, r.id)),
+        h("td", {}, r.workflow), h("td", { class: "num" }, r.workflow_version), h("td", {}, r.owner),
+        h("td", {}, badge(r.state)), h("td", {}, when(r.created_at)), h("td", {}, when(r.finished_at)))));
+  });
+}
+
+async function runPage(main, id) {
+  main.append(h("h1", {}, `Run ${id}`));
+  const box = h("div");
+  main.append(box, h("div", { class: "legend" }, NODE_STATES.map(badge)));
+  await live(box, async () => {
+    const [run, graph] = await Promise.all([api("dag", `/v1/runs/${id}`), api("dag", `/v1/runs/${id}/graph`)]);
+    return h("div", {},
+      h("p", {}, `${run.workflow} v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`),
+      drawGraph(graph));
+  });
+}
+
+// Layered layout: a node's layer is its longest path from a root; within a layer, nodes
+// keep the order the API gave. Edges are drawn upstream (left) to downstream (right).
+function drawGraph(graph) {
+  const upstream = new Map(graph.nodes.map((n) => [n.name, []]));
+  for (const e of graph.edges) upstream.get(e.target).push(e.source);
+  const depth = new Map();
+  const depthOf = (name) => {
+    if (!depth.has(name)) {
+      depth.set(name, 0);
+      depth.set(name, Math.max(0, ...upstream.get(name).map((up) => depthOf(up) + 1)));
+    }
+    return depth.get(name);
+  };
+  const layers = [];
+  for (const n of graph.nodes) (layers[depthOf(n.name)] ||= []).push(n);
+  const boxW = 130, boxH = 30, gapX = 60, gapY = 16;
+  const where = new Map();
+  layers.forEach((layer, i) => layer.forEach((n, j) => where.set(n.name, { x: 10 + i * (boxW + gapX), y: 10 + j * (boxH + gapY) })));
+  const width = 20 + layers.length * (boxW + gapX) - gapX;
+  const height = 20 + Math.max(...layers.map((l) => l.length)) * (boxH + gapY) - gapY;
+  const edges = graph.edges.map((e) => {
+    const a = where.get(e.source), b = where.get(e.target);
+    const x1 = a.x + boxW, y1 = a.y + boxH / 2, x2 = b.x, y2 = b.y + boxH / 2, mid = (x1 + x2) / 2;
+    return s("path", { class: "edge", d: `M${x1},${y1} C${mid},${y1} ${mid},${y2} ${x2},${y2}`, "marker-end": "url(#arrow)" });
+  });
+  const nodes = graph.nodes.map((n) => {
+    const p = where.get(n.name);
+    const label = n.name.length > 16 ? `${n.name.slice(0, 15)}…` : n.name;
+    const group = s("g", { class: "node", "data-node": n.name, "data-state": n.state, transform: `translate(${p.x},${p.y})` },
+      s("title", {}, `${n.name}: ${n.state}${n.task_id ? ` (task ${n.task_id})` : ""}`),
+      s("rect", { width: boxW, height: boxH, fill: COLOURS[n.state] || "#889" }),
+      s("text", { x: 8, y: 19 }, label));
+    if (n.task_id) group.addEventListener("click", () => { location.hash = `#/tasks/${n.task_id}`; });
+    return group;
+  });
+  const defs = s("defs", {}, s("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 10, refY: 5, markerWidth: 6, markerHeight: 6, orient: "auto" },
+    s("path", { d: "M0,0 L10,5 L0,10 z", fill: "#8a93a6" })));
+  return s("svg", { id: "run-graph", class: "graph", viewBox: `0 0 ${width} ${height}`, width, height }, defs, edges, nodes);
+}
+
+// --- routing ---
+
+const ROUTES = [
+  [/^#\/queues$/, queuesPage], [/^#\/tasks$/, tasksPage], [/^#\/tasks\/(\d+)$/, taskPage],
+  [/^#\/workers$/, workersPage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
+  [/^#\/runs\/(\d+)$/, runPage],
+];
+
+function showUser() {
+  document.getElementById("whoami").textContent = me ? `${me.name} (${me.role})` : "";
+  document.getElementById("logout").hidden = !me;
+  document.getElementById("nav").hidden = !me;
+}
+
+function logout() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  me = null;
+  showUser();
+  location.hash = "#/login";
+}
+
+async function route() {
+  pollers.forEach(clearInterval);
+  pollers = [];
+  const main = document.getElementById("main");
+  main.replaceChildren();
+  if (!sessionStorage.getItem(TOKEN_KEY)) { showUser(); loginPage(main); return; }
+  if (!me) {
+    try { me = await api("core", "/v1/whoami"); } catch (error) { if (error.status !== 401) main.append(problem(error)); return; }
+    showUser();
+  }
+  const [path, query] = location.hash.split("?");
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", path.startsWith(a.getAttribute("href")));
+  for (const [pattern, page] of ROUTES) {
+    const found = pattern.exec(path);
+    if (found) {
+      await page(main, found[1] ?? new URLSearchParams(query || ""), new URLSearchParams(query || ""));
+      return;
+    }
+  }
+  location.hash = "#/tasks";
+}
+
+document.getElementById("logout").addEventListener("click", logout);
+window.addEventListener("hashchange", route);
+route();

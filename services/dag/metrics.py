@@ -1,0 +1,62 @@
+"""The DAG service's metrics: runs by state (read at scrape time), how long a ready node
+waits to be released to core, and the loop's leadership."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.core import Metric
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.dag_models import RUN_ACTIVE, RUN_FINAL, NodeState, RunState
+from libs.common.metrics import Metrics, gauge_family
+
+# Live runs only (the partial index of active runs); finished ones are counted as they end.
+_RUNS = text("""
+SELECT state, count(*) AS n FROM dag.runs WHERE state IN ('queued', 'running') GROUP BY state
+""")
+
+_NODES = text("""
+SELECT n.state, count(*) AS n FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id
+WHERE r.finished_at IS NULL GROUP BY n.state
+""")
+
+
+class DagMetrics:
+    def __init__(self, is_leader: Callable[[], bool]) -> None:
+        m = self.metrics = Metrics("dag")
+        self.release_latency = m.histogram(
+            "cairn_dag_release_latency_seconds",
+            "From a node becoming ready (its rule met) to its task accepted by core",
+        )
+        self.released = m.counter("cairn_dag_nodes_released_total", "Nodes released to core")
+        self.finished = m.counter(
+            "cairn_dag_runs_finished_total",
+            "Runs ended by the loop, by state (succeeded, failed)",
+            ["state"],
+        )
+        for state in RUN_FINAL:
+            self.finished.labels(state.value)
+        leader = m.gauge("cairn_dag_leader", "1 while this replica runs the DAG loop")
+        leader.set_function(lambda: float(is_leader()))
+        m.read_at_scrape(read_runs)
+
+
+async def read_runs(conn: AsyncConnection) -> list[Metric]:
+    runs = {RunState(r.state): float(r.n) for r in await conn.execute(_RUNS)}
+    nodes = {NodeState(r.state): float(r.n) for r in await conn.execute(_NODES)}
+    return [
+        gauge_family(
+            "cairn_dag_runs",
+            "Live runs by state (queued, running)",
+            ["state"],
+            [((s.value,), runs.get(s, 0.0)) for s in RUN_ACTIVE],
+        ),
+        gauge_family(
+            "cairn_dag_live_nodes",
+            "Nodes of unfinished runs, by state",
+            ["state"],
+            [((s.value,), nodes.get(s, 0.0)) for s in NodeState],
+        ),
+    ]

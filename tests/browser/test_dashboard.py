@@ -1,0 +1,115 @@
+"""The dashboard in a real browser (Debian's chromium, headless) against a running
+system: log in with a token, watch a task succeed, cancel one, see a run's graph drawn,
+and the queues, workers and schedules pages filled from the three services' APIs."""
+
+from __future__ import annotations
+
+import httpx
+from playwright.sync_api import Page, expect
+
+from tests.browser.conftest import System, log_in, screenshot
+from tests.dag.conftest import node, workflow
+from tests.support import spec, wait_for
+
+
+def client(system: System, base: str, name: str, role: str = "user") -> httpx.Client:
+    headers = {"Authorization": f"Bearer {system.token(name, role)}"}
+    return httpx.Client(base_url=base, headers=headers, timeout=10)
+
+
+def test_a_wrong_token_is_refused_and_a_good_one_logs_in(page: Page, system: System) -> None:
+    page.goto(system.core.url + "/ui")
+    page.fill("#token", "cairn_not-a-token")
+    page.click("#login")
+    expect(page.locator(".login .error")).to_contain_text("Unknown or revoked token")
+    screenshot(page, "login")
+    log_in(page, system, "alice")
+    expect(page.locator("#whoami")).to_have_text("alice (user)")
+
+
+def test_a_submitted_task_is_seen_reaching_succeeded(page: Page, system: System) -> None:
+    log_in(page, system, "alice")
+    with client(system, system.core.url, "alice") as alice:
+        task = alice.post("/v1/tasks", json=spec(name="nightly-report")).json()
+    row = page.locator(f"tr[data-task-id='{task['id']}']")
+    expect(row).to_be_visible()
+    expect(row.locator("[data-state='succeeded']")).to_be_visible()
+    screenshot(page, "tasks")
+    row.locator("a").click()
+    expect(page.locator("#task-state [data-state='succeeded']")).to_be_visible()
+    expect(page.locator("tr[data-attempt-id]")).to_have_count(1)
+    expect(page.locator("#cancel")).to_be_disabled()
+    screenshot(page, "task")
+
+
+def test_a_task_is_cancelled_from_its_page(page: Page, system: System) -> None:
+    with client(system, system.core.url, "alice") as alice:
+        task = alice.post("/v1/tasks", json=spec(name="stuck", args=["hold"])).json()
+        wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "running")
+        log_in(page, system, "alice")
+        page.goto(f"{system.core.url}/ui#/tasks/{task['id']}")
+        expect(page.locator("#task-state [data-state='running']")).to_be_visible()
+        page.click("#cancel")
+        expect(page.locator("#task-state [data-state='cancelled']")).to_be_visible()
+        assert alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "cancelled"
+
+
+def test_another_user_sees_none_of_alices_tasks(page: Page, system: System) -> None:
+    with client(system, system.core.url, "alice") as alice:
+        task = alice.post("/v1/tasks", json=spec(name="private")).json()
+    log_in(page, system, "bob")
+    expect(page.locator("table")).to_contain_text("nothing here")
+    assert page.locator("tr[data-task-id]").count() == 0
+    page.goto(f"{system.core.url}/ui#/tasks/{task['id']}")
+    expect(page.locator(".error")).to_contain_text("not found")
+    page.goto(f"{system.core.url}/ui#/workers")
+    expect(page.locator(".error")).to_contain_text("role may not see")
+
+
+def test_a_workflow_run_is_drawn_with_its_node_states(page: Page, system: System) -> None:
+    body = workflow("diamond", [node("a"), node("b", "a"), node("c", "a"), node("d", "b", "c")])
+    with client(system, system.dag.url, "alice") as alice:
+        assert alice.post("/v1/workflows", json=body).status_code in (200, 201)
+        run = alice.post("/v1/workflows/diamond/runs", json={}).json()
+        wait_for(lambda: alice.get(f"/v1/runs/{run['id']}").json()["state"] == "succeeded", 30)
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/runs")
+    page.locator(f"tr[data-run-id='{run['id']}'] a").click()
+    nodes = page.locator("#run-graph g.node")
+    expect(nodes).to_have_count(4)
+    for name in "abcd":
+        drawn = page.locator(f"#run-graph g.node[data-node='{name}']")
+        expect(drawn).to_have_attribute("data-state", "succeeded")
+        assert drawn.locator("rect").get_attribute("fill") == "#2e9b4f"
+    assert page.locator("#run-graph path.edge").count() == 4
+    screenshot(page, "run")
+
+
+def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
+    with client(system, system.cron.url, "alice") as alice:
+        body = {
+            "name": "hourly-backup",
+            "expression": "0 * * * *",
+            "target": {"kind": "task", "task": spec(name="backup")},
+        }
+        created = alice.post("/v1/schedules", json=body)
+        assert created.status_code == 201, created.text
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/schedules")
+    row = page.locator(f"tr[data-schedule-id='{created.json()['id']}']")
+    expect(row).to_contain_text("hourly-backup")
+    expect(row.locator("svg.timeline circle.fire")).to_have_count(24)
+    screenshot(page, "schedules")
+    with client(system, system.core.url, "alice") as alice:
+        later = spec(name="later", queue="reports", run_at="2999-01-01T00:00:00Z")
+        alice.post("/v1/tasks", json=later).raise_for_status()
+    page.goto(f"{system.core.url}/ui#/queues")
+    expect(page.locator("tr[data-queue='reports'] td").nth(1)).to_have_text("1")
+    expect(page.locator("svg.chart").first).to_be_visible()
+    screenshot(page, "queues")
+    log_in(page, system, "root", "admin")
+    page.goto(f"{system.core.url}/ui#/workers")
+    worker = page.locator(f"tr[data-worker-id='{system.worker.id}']")
+    expect(worker).to_contain_text("test-worker")
+    expect(worker).to_contain_text("s ago")
+    screenshot(page, "workers")
