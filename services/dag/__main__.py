@@ -2,45 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-
-import uvicorn
-
-from libs.common import logs
-from libs.common.embedded import database_url
+from libs.common import serve
 from services.dag import migrate
 from services.dag.app import create_app
 from services.dag.settings import DagSettings
 
 
-def serve(settings: DagSettings) -> None:
-    """Migrate (unless told not to) and serve until SIGINT/SIGTERM."""
-    logs.setup("dag", settings.log_level)
-    url = database_url(settings.home, settings.database_url)
-    if settings.migrate_on_start:
-        migrate.upgrade(url)
-    uvicorn.run(
-        create_app(settings, url),
-        host=settings.bind_host,
-        port=settings.dag_port,
-        log_level=settings.log_level,
-        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=5,
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="cairn dag", description=__doc__)
-    parser.add_argument("--port", type=int, help="listening port (CAIRN_DAG_PORT)")
-    parser.add_argument("--host", help="listening address (CAIRN_BIND_HOST)")
-    args = parser.parse_args(argv)
-    overrides = {
-        k: v for k, v in {"dag_port": args.port, "bind_host": args.host}.items() if v is not None
-    }
-    serve(DagSettings(**overrides))
+    serve.main(
+        name="dag",
+        description=__doc__,
+        settings_class=DagSettings,
+        create_app=create_app,
+        upgrade=migrate.upgrade,
+        argv=argv,
+        graceful_s=5,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""How every service process starts: its flags, logging, migrations, then uvicorn until
+SIGINT/SIGTERM. Each service's ``__main__`` names its parts and calls ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import uvicorn
+
+from libs.common import logs
+from libs.common.embedded import database_url
+from libs.common.settings import CairnSettings
+
+S = TypeVar("S", bound=CairnSettings)
+
+
+def main(
+    *,
+    name: str,
+    description: str | None,
+    settings_class: type[S],
+    create_app: Callable[[S, str], Any],
+    upgrade: Callable[[str], None],
+    argv: list[str] | None = None,
+    graceful_s: int = 5,
+    freeze: bool = False,
+) -> None:
+    """Run the service ``name`` (``core``, ``cron``, ``dag``): ``--port`` and ``--host``
+    override ``CAIRN_<NAME>_PORT`` and ``CAIRN_BIND_HOST``."""
+    parser = argparse.ArgumentParser(prog=f"cairn {name}", description=description)
+    parser.add_argument("--port", type=int, help=f"listening port (CAIRN_{name.upper()}_PORT)")
+    parser.add_argument("--host", help="listening address (CAIRN_BIND_HOST)")
+    args = parser.parse_args(argv)
+    port_field = f"{name}_port"
+    overrides = {
+        k: v for k, v in {port_field: args.port, "bind_host": args.host}.items() if v is not None
+    }
+    settings = settings_class(**overrides)
+    logs.setup(name, settings.log_level)
+    url = database_url(settings.home, settings.database_url)
+    if getattr(settings, "migrate_on_start", True):
+        upgrade(url)
+    app = create_app(settings, url)
+    if freeze:
+        # Requests allocate many short-lived objects: collect the young generation far
+        # less often, and keep what start-up built out of every collection.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
+    uvicorn.run(
+        app,
+        host=settings.bind_host,
+        port=getattr(settings, port_field),
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=graceful_s,
+    )
