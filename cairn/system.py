@@ -156,6 +156,10 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
             # Core's dashboard links into cron and dag; they let its pages call them.
             "CAIRN_CRON_URL": urls["cron"],
             "CAIRN_DAG_URL": urls["dag"],
+            # The relayed log is for a person at a terminal: one short text line each.
+            "CAIRN_LOG_FORMAT": os.environ.get(
+                "CAIRN_LOG_FORMAT", "text" if sys.stderr.isatty() else "json"
+            ),
         }
     )
     try:

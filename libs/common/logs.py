@@ -110,4 +110,8 @@ def setup(service: str, level: str = "info", stream: TextIO | None = None) -> lo
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # One line per HTTP request the clients make (a worker claims every second) is noise
+    # at info; their warnings still show.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
     return handler
