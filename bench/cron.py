@@ -24,49 +24,32 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import httpx
+import psycopg
+from sqlalchemy.ext.asyncio import create_async_engine
+from stack import core_stack
 
-import httpx  # noqa: E402
-import psycopg  # noqa: E402
-from sqlalchemy.ext.asyncio import create_async_engine  # noqa: E402
-
-from libs.common.client import CoreClient  # noqa: E402
-from libs.common.cron_models import ScheduleCreate  # noqa: E402
-from libs.common.embedded import EmbeddedPostgres  # noqa: E402
-from libs.common.settings import libpq_url  # noqa: E402
-from services.core import admin  # noqa: E402
-from services.core import migrate as core_migrate  # noqa: E402
-from services.cron import migrate as cron_migrate  # noqa: E402
-from services.cron import store  # noqa: E402
-from services.cron.engine import CronEngine, WarpedClock  # noqa: E402
-from services.cron.fire import Sender  # noqa: E402
-from services.cron.settings import CronSettings  # noqa: E402
+from libs.common.client import CoreClient
+from libs.common.cron_models import ScheduleCreate
+from libs.common.settings import libpq_url
+from services.core import admin
+from services.cron import store
+from services.cron.engine import CronEngine, WarpedClock
+from services.cron.fire import Sender
+from services.cron.settings import CronSettings
 
 BAR_P99_MS = 50.0
 VIRTUAL_START = datetime(2027, 1, 4, 12, 0, 0, tzinfo=UTC)
 TRUE_SHA = "0" * 64
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -114,135 +97,105 @@ def held_schedules(db_url: str, count: int) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="cairn-bench-cron-"))
-    server = EmbeddedPostgres(root / "pg")
-    core_proc: subprocess.Popen[bytes] | None = None
+    with core_stack("cairn-bench-cron-") as stack:
+        return await measure(args, stack.root, stack.database_url, stack.core_url)
+
+
+async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str) -> dict[str, Any]:
+    service = await asyncio.to_thread(admin.create_token, url, "cron", "service")
+    print(f"creating {args.schedules} schedules ...", flush=True)
+    began = time.perf_counter()
+    await create_schedules(url, args.schedules, VIRTUAL_START)
+    created_s = time.perf_counter() - began
+
+    # The engine's clock: real time, shifted so the first boundary is 8 s away.
+    anchor = time.time()
+    clock = WarpedClock(anchor, VIRTUAL_START + timedelta(seconds=52), 1.0)
+    settings = CronSettings(
+        database_url=url, url=core_url, token=service, home=root / "home", env="development"
+    )
+    db = create_async_engine(url, pool_size=10, max_overflow=0)
+    core = CoreClient(core_url, service, timeout=httpx.Timeout(60.0, connect=5.0))
+    engine = CronEngine(db, url, settings, Sender(core, settings.cron_submit_chunk), clock)
+    rounds: list[dict[str, Any]] = []
+    runner = asyncio.create_task(engine.run())
     try:
-        url = server.start()
-        core_migrate.upgrade(url)
-        cron_migrate.upgrade(url)
-        service = await asyncio.to_thread(admin.create_token, url, "cron", "service")
-        port = _free_port()
-        core_url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "CAIRN_DATABASE_URL": url,
-            "CAIRN_HOME": str(root / "home"),
-            "CAIRN_CORE_PORT": str(port),
-            "CAIRN_LOG_LEVEL": "warning",
-            "CAIRN_MIGRATE_ON_START": "false",
-        }
-        core_proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(core_url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("core did not start")
-            time.sleep(0.1)
-
-        print(f"creating {args.schedules} schedules ...", flush=True)
-        began = time.perf_counter()
-        await create_schedules(url, args.schedules, VIRTUAL_START)
-        created_s = time.perf_counter() - began
-
-        # The engine's clock: real time, shifted so the first boundary is 8 s away.
-        anchor = time.time()
-        clock = WarpedClock(anchor, VIRTUAL_START + timedelta(seconds=52), 1.0)
-        settings = CronSettings(
-            database_url=url, url=core_url, token=service, home=root / "home", env="development"
-        )
-        db = create_async_engine(url, pool_size=10, max_overflow=0)
-        core = CoreClient(core_url, service, timeout=httpx.Timeout(60.0, connect=5.0))
-        engine = CronEngine(db, url, settings, Sender(core, settings.cron_submit_chunk), clock)
-        rounds: list[dict[str, Any]] = []
-        runner = asyncio.create_task(engine.run())
-        try:
-            last = VIRTUAL_START + timedelta(minutes=args.rounds)
-            while engine.status()["pending_fires"] or clock.now() < last + timedelta(seconds=5):
-                await asyncio.sleep(0.5)
-        finally:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
-            await core.aclose()
-            await db.dispose()
-
-        offset = VIRTUAL_START + timedelta(seconds=52) - datetime.fromtimestamp(anchor, UTC)
-        with psycopg.connect(libpq_url(url)) as conn:
-            fires = conn.execute(
-                "SELECT fire_time, outcome, submitted_at FROM cron.fires ORDER BY fire_time"
-            ).fetchall()
-            tasks = conn.execute("SELECT count(*) FROM core.tasks").fetchone()
-            dupes = conn.execute(
-                "SELECT count(*) FROM (SELECT idempotency_key FROM core.tasks"
-                " GROUP BY owner, idempotency_key HAVING count(*) > 1) d"
-            ).fetchone()
-        by_slot: dict[datetime, list[float]] = {}
-        for fire_time, outcome, submitted_at in fires:
-            if outcome == "submitted":
-                lag = (submitted_at + offset - fire_time).total_seconds() * 1000
-                by_slot.setdefault(fire_time, []).append(lag)
-        for slot, lags in sorted(by_slot.items()):
-            rounds.append(
-                {
-                    "slot": slot.isoformat(),
-                    "fires": len(lags),
-                    "p50_ms": round(_pct(lags, 50), 1),
-                    "p99_ms": round(_pct(lags, 99), 1),
-                    "max_ms": round(max(lags), 1),
-                }
-            )
-        all_lags = [lag for lags in by_slot.values() for lag in lags]
-
-        print(f"holding {args.held} schedules ...", flush=True)
-        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-            conn.execute("DELETE FROM cron.fires")
-            conn.execute("DELETE FROM cron.schedules")
-        held_schedules(url, args.held)
-        db = create_async_engine(url, pool_size=2, max_overflow=0)
-        core = CoreClient(core_url, service)
-        engine = CronEngine(db, url, settings, Sender(core, 500), clock)
-        builds = []
-        for _ in range(3):
-            began = time.perf_counter()
-            await engine._rebuild()
-            builds.append(time.perf_counter() - began)
-        # Memory apart: tracemalloc slows every allocation, so it is not timed.
-        engine.heap, engine.versions = [], {}
-        tracemalloc.start()
-        await engine._rebuild()
-        memory = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        held_in_heap = len(engine.heap)
+        last = VIRTUAL_START + timedelta(minutes=args.rounds)
+        while engine.status()["pending_fires"] or clock.now() < last + timedelta(seconds=5):
+            await asyncio.sleep(0.5)
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
         await core.aclose()
         await db.dispose()
-        return {
-            "schedules": args.schedules,
-            "create_s": round(created_s, 1),
-            "rounds": rounds,
-            "fires": len(fires),
-            "fires_expected": args.schedules * args.rounds,
-            "tasks_in_core": tasks[0] if tasks else 0,
-            "duplicate_keys": dupes[0] if dupes else 0,
-            "p50_ms": round(_pct(all_lags, 50), 1) if all_lags else None,
-            "p99_ms": round(_pct(all_lags, 99), 1) if all_lags else None,
-            "bar_p99_ms": BAR_P99_MS,
-            "held": args.held,
-            "held_in_heap": held_in_heap,
-            "rebuild_s_median": round(statistics.median(builds), 3),
-            "heap_memory_mb": round(memory / 1e6, 1),
-            "cpus": os.cpu_count(),
-        }
-    finally:
-        if core_proc is not None and core_proc.poll() is None:
-            core_proc.send_signal(signal.SIGTERM)
-            core_proc.wait(20)
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+
+    offset = VIRTUAL_START + timedelta(seconds=52) - datetime.fromtimestamp(anchor, UTC)
+    with psycopg.connect(libpq_url(url)) as conn:
+        fires = conn.execute(
+            "SELECT fire_time, outcome, submitted_at FROM cron.fires ORDER BY fire_time"
+        ).fetchall()
+        tasks = conn.execute("SELECT count(*) FROM core.tasks").fetchone()
+        dupes = conn.execute(
+            "SELECT count(*) FROM (SELECT idempotency_key FROM core.tasks"
+            " GROUP BY owner, idempotency_key HAVING count(*) > 1) d"
+        ).fetchone()
+    by_slot: dict[datetime, list[float]] = {}
+    for fire_time, outcome, submitted_at in fires:
+        if outcome == "submitted":
+            lag = (submitted_at + offset - fire_time).total_seconds() * 1000
+            by_slot.setdefault(fire_time, []).append(lag)
+    for slot, lags in sorted(by_slot.items()):
+        rounds.append(
+            {
+                "slot": slot.isoformat(),
+                "fires": len(lags),
+                "p50_ms": round(_pct(lags, 50), 1),
+                "p99_ms": round(_pct(lags, 99), 1),
+                "max_ms": round(max(lags), 1),
+            }
+        )
+    all_lags = [lag for lags in by_slot.values() for lag in lags]
+
+    print(f"holding {args.held} schedules ...", flush=True)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        conn.execute("DELETE FROM cron.fires")
+        conn.execute("DELETE FROM cron.schedules")
+    held_schedules(url, args.held)
+    db = create_async_engine(url, pool_size=2, max_overflow=0)
+    core = CoreClient(core_url, service)
+    engine = CronEngine(db, url, settings, Sender(core, 500), clock)
+    builds = []
+    for _ in range(3):
+        began = time.perf_counter()
+        await engine._rebuild()
+        builds.append(time.perf_counter() - began)
+    # Memory apart: tracemalloc slows every allocation, so it is not timed.
+    engine.heap, engine.versions = [], {}
+    tracemalloc.start()
+    await engine._rebuild()
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    held_in_heap = len(engine.heap)
+    await core.aclose()
+    await db.dispose()
+    return {
+        "schedules": args.schedules,
+        "create_s": round(created_s, 1),
+        "rounds": rounds,
+        "fires": len(fires),
+        "fires_expected": args.schedules * args.rounds,
+        "tasks_in_core": tasks[0] if tasks else 0,
+        "duplicate_keys": dupes[0] if dupes else 0,
+        "p50_ms": round(_pct(all_lags, 50), 1) if all_lags else None,
+        "p99_ms": round(_pct(all_lags, 99), 1) if all_lags else None,
+        "bar_p99_ms": BAR_P99_MS,
+        "held": args.held,
+        "held_in_heap": held_in_heap,
+        "rebuild_s_median": round(statistics.median(builds), 3),
+        "heap_memory_mb": round(memory / 1e6, 1),
+        "cpus": os.cpu_count(),
+    }
 
 
 def main() -> None:

@@ -1,0 +1,81 @@
+"""What the benchmarks share: a fresh embedded PostgreSQL (durable settings) in a temp
+folder, every schema migrated, and core as its own process, stopped and removed after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from libs.common.embedded import EmbeddedPostgres  # noqa: E402
+from services.core import migrate as core_migrate  # noqa: E402
+from services.cron import migrate as cron_migrate  # noqa: E402
+from services.dag import migrate as dag_migrate  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    root: Path
+    database_url: str
+    core_url: str
+
+
+@contextlib.contextmanager
+def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
+    """The database and core (``python -m services.core``) for one benchmark run."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    server = EmbeddedPostgres(root / "pg")
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        url = server.start()
+        for upgrade in (core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade):
+            upgrade(url)
+        port = free_port()
+        core_url = f"http://127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "CAIRN_DATABASE_URL": url,
+            "CAIRN_HOME": str(root / "home"),
+            "CAIRN_CORE_PORT": str(port),
+            "CAIRN_LOG_LEVEL": "warning",
+            "CAIRN_MIGRATE_ON_START": "false",
+            **core_env,
+        }
+        proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(core_url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("core did not start")
+            time.sleep(0.1)
+        yield Stack(root, url, core_url)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
