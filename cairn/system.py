@@ -3,32 +3,105 @@ starts every service and a worker on loopback and stops them all on Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import httpx
 
+from libs.common import procs
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import CairnSettings
 
 ROLES = ("admin", "service", "user", "worker")
 
 
-def database(settings: CairnSettings) -> tuple[str, EmbeddedPostgres | None]:
-    """The database URL, and the embedded server if this call started it."""
+def database(
+    settings: CairnSettings, *, adopt: bool = False
+) -> tuple[str, EmbeddedPostgres | None]:
+    """The database URL, and the embedded server if this call started it (or, with
+    ``adopt``, found it running: left by a `cairn up` that was killed)."""
     if settings.database_url:
         return settings.database_url, None
     server = EmbeddedPostgres(settings.home / "pg")
     was_running = server.running() if (server.data / "PG_VERSION").exists() else False
+    if was_running and adopt:
+        print(
+            f"cairn: the database server of {settings.home} was still running (pid "
+            f"{server.pid()}), left by an earlier `cairn up`; using it",
+            file=sys.stderr,
+        )
     url = server.start()
-    return url, (None if was_running else server)
+    return url, (None if was_running and not adopt else server)
+
+
+class AlreadyUp(RuntimeError):
+    """Another `cairn up` runs with this home."""
+
+
+@contextlib.contextmanager
+def home_lock(settings: CairnSettings) -> Iterator[None]:
+    """Hold ``$CAIRN_HOME/up.lock`` while `cairn up` runs: one `cairn up` per home."""
+    with open(settings.home / "up.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AlreadyUp(
+                f"another `cairn up` is running with CAIRN_HOME={settings.home}; "
+                "stop it first, or give this one a home of its own"
+            ) from None
+        yield
+
+
+def _services_file(settings: CairnSettings) -> Path:
+    return settings.home / "up.json"
+
+
+def stop_leftovers(settings: CairnSettings) -> None:
+    """Stop the services an earlier `cairn up` of this home left running (it was killed
+    before it could): found by the pids and start times it recorded."""
+    path = _services_file(settings)
+    try:
+        recorded = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    for name, pid, started in recorded.get("services", []):
+        if procs.start_time(int(pid)) == int(started):
+            print(
+                f"cairn: stopping {name} (pid {pid}), left by an earlier `cairn up`",
+                file=sys.stderr,
+            )
+            procs.stop_pid(int(pid), int(started))
+    path.unlink(missing_ok=True)
+
+
+def check_ports(urls: dict[str, str], settings: CairnSettings) -> None:
+    ports = {
+        "core": ("CAIRN_CORE_PORT", settings.core_port),
+        "cron": ("CAIRN_CRON_PORT", settings.cron_port),
+        "dag": ("CAIRN_DAG_PORT", settings.dag_port),
+    }
+    for name, (variable, port) in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((settings.bind_host, port))
+            except OSError:
+                raise RuntimeError(
+                    f"{name}'s port {port} ({urls[name]}) is in use by another program: "
+                    f"stop it, or choose another port with {variable}"
+                ) from None
 
 
 def prepare_home(settings: CairnSettings) -> None:
@@ -104,23 +177,36 @@ class Stack:
     """The processes `cairn up` started, each relaying its log."""
 
     env: dict[str, str]
+    record: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, name: str, module: str, **extra: str) -> subprocess.Popen[bytes]:
+        # Each service dies with `cairn up`, even when it is killed outright.
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env={**self.env, **extra},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=procs.die_with_parent(),
         )
         assert proc.stdout is not None
         threading.Thread(target=_relay, args=(name, proc.stdout, self._lock), daemon=True).start()
         self.procs.append(proc)
         self.names.append(name)
+        self._write_record()
         return proc
+
+    def _write_record(self) -> None:
+        if self.record is None:
+            return
+        services = [
+            (name, proc.pid, procs.start_time(proc.pid) or 0)
+            for name, proc in zip(self.names, self.procs, strict=True)
+        ]
+        self.record.write_text(json.dumps({"services": services}))
 
     def dead(self) -> tuple[str, int] | None:
         for name, proc in zip(self.names, self.procs, strict=True):
@@ -133,7 +219,19 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
     """Start the database (embedded unless a URL is set), core, cron, dag and a worker on
     loopback; call ``on_ready(urls, admin_token)``; wait for Ctrl-C; stop everything."""
     prepare_home(settings)
-    url, started = database(settings)
+    try:
+        with home_lock(settings):
+            return _up_locked(settings, on_ready)
+    except AlreadyUp as exc:
+        print(f"cairn: {exc}", file=sys.stderr)
+        return 1
+
+
+def _up_locked(
+    settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] | None
+) -> int:
+    stop_leftovers(settings)
+    url, started = database(settings, adopt=True)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -149,6 +247,7 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
         "dag": f"http://{host}:{settings.dag_port}",
     }
     stack = Stack(
+        record=_services_file(settings),
         env={
             **os.environ,
             "CAIRN_DATABASE_URL": url,
@@ -160,9 +259,10 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
             "CAIRN_LOG_FORMAT": os.environ.get(
                 "CAIRN_LOG_FORMAT", "text" if sys.stderr.isatty() else "json"
             ),
-        }
+        },
     )
     try:
+        check_ports(urls, settings)
         migrate_all(url)
         token = local_token(settings, url, "admin", "admin")
         wait_ready(urls["core"], stack.start("core", "services.core"))
@@ -209,6 +309,7 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
         return 1
     finally:
         stop(stack.procs)
+        _services_file(settings).unlink(missing_ok=True)
         if started is not None:
             started.stop()
         print("cairn stopped", flush=True)

@@ -10,15 +10,21 @@ server. Here:
   only, on a port chosen once and kept in ``$CAIRN_HOME/pg/port``;
 * connections need a password (scram-sha-256), generated once and kept in
   ``$CAIRN_HOME/pg/password`` (mode 0600), so other local users cannot connect;
-* run as root, PostgreSQL refuses to start, so the server runs as the system user
-  ``embedded_postgres``; the parents of the data directory then get the search bit for
-  others (``o+x``: pass through, not list), and nothing wider.
+* run as root, PostgreSQL refuses to start, so the server runs as a system user
+  (``CAIRN_PG_SYSTEM_USER``, default ``embedded_postgres``), created on first use under a
+  host-wide lock, so that several first starts at once (``pytest -n 2``, two ``cairn up``)
+  all find it; the parents of the data directory then get the search bit for others
+  (``o+x``: pass through, not list), and nothing wider;
+* a ``postmaster.pid`` left by a server that no longer runs (a crash, a reboot, a pid
+  since reused) is removed before the server starts; a server that still runs for this
+  data directory is reused.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import logging
 import os
 import pwd
 import secrets
@@ -26,6 +32,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +41,10 @@ from typing import Any
 
 import psycopg
 
-SYSTEM_USER = "embedded_postgres"
+from libs.common.settings import CairnSettings
+
+log = logging.getLogger("cairn.embedded")
+
 DB_USER = "cairn"
 DB_NAME = "cairn"
 
@@ -44,10 +54,12 @@ _FAST_SETTINGS = ("fsync = off", "synchronous_commit = off", "full_page_writes =
 class EmbeddedPostgres:
     """A private PostgreSQL server under ``root`` (a Cairn home's ``pg`` folder)."""
 
-    def __init__(self, root: Path, *, fast: bool = False) -> None:
+    def __init__(self, root: Path, *, fast: bool = False, system_user: str | None = None) -> None:
         self.root = root
         self.data = root / "data"
         self.fast = fast
+        self.system_user = system_user or CairnSettings().pg_system_user
+        self._user_ready = False
 
     @property
     def url(self) -> str:
@@ -66,6 +78,7 @@ class EmbeddedPostgres:
             if not (self.data / "PG_VERSION").exists():
                 self._initdb()
             if not self.running():
+                self._clear_stale_pidfile()
                 self._start_server()
             self._ensure_database()
         return self.url
@@ -90,14 +103,20 @@ class EmbeddedPostgres:
             return None
 
     def running(self) -> bool:
+        """Whether a server runs for this data directory (not merely a process whose pid
+        the pid file names: after a reboot that pid may be anything)."""
         pid = self.pid()
-        if pid is None:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if pid is None or not _serves(pid, self.data):
             return False
         return self._pg_ctl_status()
+
+    def _clear_stale_pidfile(self) -> None:
+        pidfile = self.data / "postmaster.pid"
+        if pidfile.exists():
+            log.warning(
+                "removing %s: pid %s is not a server of this data directory", pidfile, self.pid()
+            )
+            pidfile.unlink(missing_ok=True)
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
@@ -111,22 +130,10 @@ class EmbeddedPostgres:
     def _system_user(self) -> str | None:
         if os.geteuid() != 0:
             return None
-        try:
-            pwd.getpwnam(SYSTEM_USER)
-        except KeyError:
-            subprocess.run(
-                [
-                    shutil.which("useradd") or "/usr/sbin/useradd",
-                    "--system",
-                    "--no-create-home",
-                    "--shell",
-                    "/usr/sbin/nologin",
-                    SYSTEM_USER,
-                ],
-                check=True,
-                capture_output=True,
-            )
-        return SYSTEM_USER
+        if not self._user_ready:
+            ensure_system_user(self.system_user)
+            self._user_ready = True
+        return self.system_user
 
     def _initdb(self) -> None:
         user = self._system_user()
@@ -204,7 +211,9 @@ class EmbeddedPostgres:
     ) -> subprocess.CompletedProcess[str]:
         user = self._system_user()
         # Drop root's groups too: a root group would match the group bits of 0701 folders.
-        as_user: dict[str, Any] = {"user": user, "group": user, "extra_groups": []} if user else {}
+        as_user: dict[str, Any] = {}
+        if user is not None:
+            as_user = {"user": user, "group": pwd.getpwnam(user).pw_gid, "extra_groups": []}
         result = subprocess.run(
             [str(binaries() / program), *args],
             **as_user,
@@ -222,6 +231,73 @@ class EmbeddedPostgres:
                 f"{program} failed ({result.returncode}): {result.stderr.strip()}\n{tail}"
             )
         return result
+
+
+def ensure_system_user(name: str) -> None:
+    """Make sure the system user ``name`` exists, creating it if not.
+
+    Safe when several processes do it at once: look-up and creation happen under a
+    host-wide lock, a user someone else created meanwhile counts as success, and the entry
+    is read back, so a server never starts as a uid the host cannot name."""
+    with _host_lock("cairn-system-user.lock"):
+        if not _known(name):
+            _useradd(name)
+    if not _known(name):
+        raise RuntimeError(f"system user {name!r} was created but the host cannot look it up")
+
+
+def _known(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _useradd(name: str) -> None:
+    command = [
+        shutil.which("useradd") or "/usr/sbin/useradd",
+        "--system",
+        "--user-group",
+        "--no-create-home",
+        "--shell",
+        "/usr/sbin/nologin",
+        name,
+    ]
+    for delay in (0.1, 0.3, 1.0, 0.0):
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        # 9: the name is taken, by a process that raced us outside Cairn's lock.
+        if result.returncode in (0, 9) and _known(name):
+            return
+        if not delay:
+            break
+        time.sleep(delay)  # another program holds /etc/passwd's own lock
+    raise RuntimeError(
+        f"cannot create the system user {name!r} for the embedded PostgreSQL "
+        f"(useradd exit {result.returncode}: {result.stderr.strip()})"
+    )
+
+
+@contextmanager
+def _host_lock(name: str) -> Iterator[None]:
+    folder = Path("/run/lock")
+    if not os.access(folder, os.W_OK):
+        folder = Path(tempfile.gettempdir())
+    with open(folder / name, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _serves(pid: int, data: Path) -> bool:
+    """Whether process ``pid`` is a server of ``data``: a postmaster works in its data
+    directory."""
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd")) == data.resolve()
+    except OSError:
+        return False
 
 
 def binaries() -> Path:

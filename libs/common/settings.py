@@ -53,6 +53,8 @@ class CairnSettings(BaseSettings):
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
     log_level: str = "info"
+    # The system user the embedded PostgreSQL runs as when Cairn runs as root.
+    pg_system_user: str = Field(default="embedded_postgres", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
 
     @field_validator("database_url")
     @classmethod

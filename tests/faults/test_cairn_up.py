@@ -135,3 +135,52 @@ def test_up_serves_then_stops_everything_on_ctrl_c(own_tmp: Path) -> None:
     finally:
         _reap(again)
     wait_for(lambda: not server.running(), timeout=10)
+
+
+def _serving(url: str) -> bool:
+    try:
+        httpx.get(url + "/healthz", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def test_after_cairn_up_is_killed_its_services_die_and_the_next_start_works(
+    own_tmp: Path,
+) -> None:
+    home, port = own_tmp / "home", free_port()
+    core = f"http://127.0.0.1:{port}"
+    proc = _up(home, port)
+    try:
+        _wait_up(proc)
+        token = (home / "admin-token").read_text().strip()
+        headers = {"Authorization": f"Bearer {token}"}
+        task = httpx.post(core + "/v1/tasks", json=spec(), headers=headers).json()
+        proc.kill()
+        proc.wait(timeout=10)
+        # Every service got the parent-death signal: the ports are free again.
+        for url in (
+            core,
+            f"http://127.0.0.1:{cron_port(port)}",
+            f"http://127.0.0.1:{dag_port(port)}",
+        ):
+            wait_for(lambda url=url: not _serving(url), timeout=30)
+    finally:
+        _reap(proc)
+    server = EmbeddedPostgres(home / "pg")
+    assert server.running()  # the database outlives its starter: the next start adopts it
+
+    again = _up(home, port)
+    try:
+        banner = _wait_up(again)
+        assert "left by an earlier `cairn up`" in banner
+        found = httpx.get(f"{core}/v1/tasks/{task['id']}", headers=headers)
+        assert found.status_code == 200
+        second = _up(home, free_port())
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 1 and "another `cairn up` is running" in out
+        again.send_signal(signal.SIGINT)
+        assert again.wait(timeout=60) == 0
+    finally:
+        _reap(again)
+    wait_for(lambda: not server.running(), timeout=10)

@@ -1,0 +1,58 @@
+"""Process facts and controls that Linux offers through ``prctl`` and ``/proc``."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` that has the child sent ``signum`` when the process that starts it
+    dies, even by SIGKILL; a parent already gone by then ends the child at once."""
+    parent = os.getpid()
+
+    def apply() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signum)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+    return apply
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot), to tell it from a later process
+    given the same pid; None if there is no such process."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one short read
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def stop_pid(pid: int, started: int, grace_s: float = 20.0) -> bool:
+    """SIGTERM the process ``pid`` if it is still the one that started at ``started``, then
+    SIGKILL it after ``grace_s``; whether there was such a process."""
+    if start_time(pid) != started:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while start_time(pid) == started and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if start_time(pid) == started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return True
