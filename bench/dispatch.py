@@ -12,6 +12,11 @@ task: this measures core's scheduling path (claim, lease, fenced report, the tas
 transition and its events), the part the design's bar of 6,000 tasks/s is about. The
 load generator shares the 2 cores with core and PostgreSQL. At the end every task must be
 ``succeeded`` with exactly one attempt.
+
+In the same run, on the same PostgreSQL server, pgqueuer (the `bench` extra) drains the
+same number of no-op jobs in one process (one ``QueueManager`` with a psycopg connection,
+``--pgq-batch`` jobs per dequeue, the jobs enqueued in bulk first), and the ratio
+Cairn / pgqueuer is printed: the design's bar is 1.0. ``--skip-pgqueuer`` leaves it out.
 """
 
 from __future__ import annotations
@@ -80,6 +85,36 @@ async def work(
             await asyncio.gather(*(report(a.attempt_id) for a in leased))
 
 
+async def pgqueuer_drain(database_url: str, count: int, batch: int) -> dict[str, Any]:
+    """Enqueue ``count`` no-op jobs in bulk, then drain them with one pgqueuer worker."""
+    from pgqueuer import PsycopgDriver, Queries, QueueManager
+    from pgqueuer.types import QueueExecutionMode
+
+    dsn = libpq_url(database_url)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        queries = Queries(PsycopgDriver(conn))
+        await queries.install()
+        for start in range(0, count, 1000):
+            n = min(1000, count - start)
+            await queries.enqueue(["noop"] * n, [None] * n, [0] * n)
+    done: list[float] = []
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        manager = QueueManager(Queries(PsycopgDriver(conn)))
+
+        @manager.entrypoint("noop")
+        async def noop(job: object) -> None:
+            done.append(time.perf_counter())
+
+        began = time.perf_counter()
+        await manager.run(batch_size=batch, mode=QueueExecutionMode.drain)
+    elapsed = max(done) - began if done else float("nan")
+    return {
+        "jobs": len(done),
+        "elapsed_s": round(elapsed, 2),
+        "jobs_per_s": round(len(done) / elapsed),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with core_stack("cairn-bench-dispatch-", CAIRN_HEARTBEAT_TIMEOUT_S="600") as stack:
         user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
@@ -102,6 +137,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         marks = sorted(done)
         lo, hi = marks[len(marks) // 10], marks[len(marks) * 9 // 10]
         steady = (len(marks) * 8 // 10) / (hi - lo) if hi > lo else float("nan")
+        pgq = None
+        if not args.skip_pgqueuer:
+            pgq = await pgqueuer_drain(stack.database_url, args.tasks, args.pgq_batch)
         with psycopg.connect(libpq_url(stack.database_url)) as conn:
             states = dict(conn.execute("SELECT state, count(*) FROM core.tasks GROUP BY 1"))
             attempts = conn.execute(
@@ -120,6 +158,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "states": states,
             "attempts_per_task": list(attempts) if attempts else None,
             "bar": BAR,
+            "pgqueuer": pgq,
+            "ratio_to_pgqueuer": round(len(done) / elapsed / pgq["jobs_per_s"], 3)
+            if pgq and done
+            else None,
         }
 
 
@@ -130,6 +172,8 @@ def main() -> None:
     parser.add_argument("--max", type=int, default=64)
     parser.add_argument("--reporters", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--pgq-batch", type=int, default=64)
+    parser.add_argument("--skip-pgqueuer", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = [asyncio.run(run(args)) for _ in range(args.rounds)]
@@ -142,6 +186,12 @@ def main() -> None:
             f"{r['steady_tasks_per_s']} tasks/s steady (bar {BAR}); states {r['states']}; "
             f"attempts per task max/min {r['attempts_per_task']}"
         )
+        if r["pgqueuer"]:
+            print(
+                f"pgqueuer, same run and server: {r['pgqueuer']['jobs']} jobs in "
+                f"{r['pgqueuer']['elapsed_s']} s, {r['pgqueuer']['jobs_per_s']} jobs/s; "
+                f"cairn / pgqueuer = {r['ratio_to_pgqueuer']} (bar 1.0)"
+            )
     if len(results) > 1:
         print(f"median overall: {statistics.median(r['tasks_per_s'] for r in results)} tasks/s")
 

@@ -1,0 +1,278 @@
+"""End to end through one worker agent running real processes.
+
+    .venv/bin/python bench/e2e.py [--tasks 5000] [--rates 50,200,500] [--duration 10]
+                                  [--slots 64] [--json results.json]
+
+A fresh embedded PostgreSQL (durable), core as its own process (`bench/stack.py`) and one
+worker agent as its own process (`python -m services.worker`, as `cairn up` starts it,
+isolated as it is by default). Every task runs a real process: a bash script that writes
+`$EPOCHREALTIME` (read without a fork) into a file named after its task id, so each
+process records its own start. Tasks ask 0.01 CPU and 16 MB; the agent offers room for
+``--slots`` at once.
+
+1. Throughput: ``--tasks`` tasks submitted in batches of 500; tasks/s from the first
+   submission to the last task's `succeeded` (PostgreSQL's `finished_at`).
+2. Latency at a steady rate: for each of ``--rates``, single submissions open-loop at that
+   rate for ``--duration`` seconds (each sent at its instant, whatever the answers do),
+   then created (core's `created_at`) -> process running (the process's own record):
+   p50, p99 and max, and how many started within 60 s of the end of the window.
+
+The bars (`../shared/DESIGN.md`): >= 1,000 tasks/s; at 500/s p99 <= 50 ms; at 200/s p50
+<= 10 ms. Everything shares the machine's cores: core, PostgreSQL, the agent, its
+processes and the load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import core_stack
+
+from libs.common.settings import libpq_url
+from services.core import admin
+
+SCRIPT = '#!/bin/bash\nprintf %s "$EPOCHREALTIME" > "$E2E_DIR/$CAIRN_TASK_ID"\n'
+BARS = {"throughput": 1000, "p99_ms_at_500": 50, "p50_ms_at_200": 10}
+
+
+def worker_module() -> str:
+    """The worker agent's module (its own package since the isolation work)."""
+    if importlib.util.find_spec("services.worker") is not None:
+        return "services.worker"
+    return "services.core.worker"
+
+
+def _artifact(root: Path) -> dict[str, str]:
+    path = root / "record-start.sh"
+    path.write_text(SCRIPT)
+    path.chmod(0o755)
+    for parent in path.parents:  # an unprivileged attempt must reach it
+        parent.chmod(parent.stat().st_mode | 0o001)
+    return {"uri": f"file://{path}", "sha256": hashlib.sha256(SCRIPT.encode()).hexdigest()}
+
+
+def _spec(artifact: dict[str, str], records: Path, i: int) -> dict[str, Any]:
+    return {
+        "name": "e2e",
+        "artifact": artifact,
+        "env": {"E2E_DIR": str(records)},
+        "resources": {"cpu": 0.01, "memory_mb": 16},
+        "retry": {"max_attempts": 1},
+        "idempotency_key": f"e2e-{i}",
+    }
+
+
+def _start_agent(core_url: str, token: str, home: Path, slots: int) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "CAIRN_URL": core_url,
+        "CAIRN_TOKEN": token,
+        "CAIRN_HOME": str(home),
+        "CAIRN_WORKER_SLOTS": str(slots),
+        "CAIRN_WORKER_CPU": str(max(1.0, slots * 0.01)),
+        "CAIRN_WORKER_MEMORY_MB": str(slots * 16 + 64),
+        "CAIRN_LOG_LEVEL": "warning",
+        "CAIRN_WORKER_DRAIN_GRACE_S": "2",
+    }
+    env.pop("CAIRN_DATABASE_URL", None)
+    return subprocess.Popen([sys.executable, "-m", worker_module()], env=env)
+
+
+def _starts(records: Path) -> dict[int, float]:
+    found = {}
+    for entry in records.iterdir():
+        text = entry.read_text().strip()
+        if entry.name.isdigit() and text:
+            found[int(entry.name)] = float(text)
+    return found
+
+
+def _created(database_url: str, first_id: int) -> dict[int, tuple[float, float | None, str]]:
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute(
+            "SELECT id, EXTRACT(EPOCH FROM created_at), EXTRACT(EPOCH FROM finished_at), state "
+            "FROM core.tasks WHERE id >= %s",
+            (first_id,),
+        ).fetchall()
+    return {int(r[0]): (float(r[1]), float(r[2]) if r[2] is not None else None, r[3]) for r in rows}
+
+
+def _wait_final(database_url: str, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM core.tasks WHERE state IN ('succeeded', 'dead', 'cancelled')"
+            ).fetchone()
+            if row and row[0] >= count:
+                return
+            time.sleep(0.2)
+
+
+def _max_id(database_url: str) -> int:
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute("SELECT COALESCE(max(id), 0) FROM core.tasks").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def throughput(
+    core_url: str, token: str, artifact: dict[str, str], records: Path, count: int, base: int
+) -> float:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=core_url, headers=headers, timeout=60) as http:
+        began = time.time()
+        for start in range(0, count, 500):
+            batch = [
+                _spec(artifact, records, base + i) for i in range(start, min(count, start + 500))
+            ]
+            answer = await http.post("/v1/tasks/batch", json={"tasks": batch})
+            answer.raise_for_status()
+    return began
+
+
+async def steady(
+    core_url: str,
+    token: str,
+    artifact: dict[str, str],
+    records: Path,
+    rate: float,
+    duration_s: float,
+    base: int,
+) -> int:
+    headers = {"Authorization": f"Bearer {token}"}
+    total = int(rate * duration_s)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(
+        base_url=core_url, headers=headers, timeout=30, limits=limits
+    ) as http:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        sent: list[asyncio.Task[httpx.Response]] = []
+        for i in range(total):
+            delay = began + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent.append(
+                asyncio.create_task(http.post("/v1/tasks", json=_spec(artifact, records, base + i)))
+            )
+        answers = await asyncio.gather(*sent, return_exceptions=True)
+    return sum(1 for a in answers if isinstance(a, httpx.Response) and a.status_code == 201)
+
+
+def _latencies(
+    created: dict[int, tuple[float, float | None, str]], starts: dict[int, float]
+) -> list[float]:
+    return [(starts[i] - made) * 1000 for i, (made, _, _) in created.items() if i in starts]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    with core_stack(
+        "cairn-bench-e2e-", CAIRN_HEARTBEAT_INTERVAL_S="5", CAIRN_HEARTBEAT_TIMEOUT_S="60"
+    ) as stack:
+        records = Path(tempfile.mkdtemp(prefix="cairn-e2e-records-", dir="/var/tmp"))
+        records.chmod(0o1777)
+        artifact = _artifact(stack.root)
+        user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
+        worker = await asyncio.to_thread(
+            admin.create_token, stack.database_url, "bench-worker", "worker"
+        )
+        agent = _start_agent(stack.core_url, worker, stack.root / "worker-home", args.slots)
+        results: dict[str, Any] = {"slots": args.slots, "worker_module": worker_module()}
+        try:
+            # Warm-up: the artifact fetched and cached, the agent registered.
+            await throughput(stack.core_url, user, artifact, records, 20, 10**9)
+            _wait_final(stack.database_url, 20, 60)
+            done_before = 20
+            first = _max_id(stack.database_url) + 1
+            began = await throughput(stack.core_url, user, artifact, records, args.tasks, 0)
+            _wait_final(stack.database_url, done_before + args.tasks, args.timeout)
+            created = _created(stack.database_url, first)
+            ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
+            results["throughput"] = {
+                "tasks": args.tasks,
+                "succeeded": len(ended),
+                "elapsed_s": round(max(ended) - began, 2) if ended else None,
+                "tasks_per_s": round(len(ended) / (max(ended) - began)) if ended else 0,
+            }
+            done_before += args.tasks
+            base = 10**6
+            for rate in args.rates:
+                first = _max_id(stack.database_url) + 1
+                accepted = await steady(
+                    stack.core_url, user, artifact, records, rate, args.duration, base
+                )
+                _wait_final(stack.database_url, done_before + accepted, 60)
+                done_before += accepted
+                created = _created(stack.database_url, first)
+                starts = _starts(records)
+                lat = _latencies(created, starts)
+                results[f"rate_{rate:g}"] = {
+                    "rate": rate,
+                    "accepted": accepted,
+                    "started": len(lat),
+                    "p50_ms": round(_pct(lat, 0.5), 1) if lat else None,
+                    "p99_ms": round(_pct(lat, 0.99), 1) if lat else None,
+                    "max_ms": round(max(lat), 1) if lat else None,
+                }
+                base += 10**6
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+            shutil.rmtree(records, ignore_errors=True)
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=5000)
+    parser.add_argument(
+        "--rates", type=lambda s: [float(x) for x in s.split(",")], default=[50.0, 200.0, 500.0]
+    )
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    t = results["throughput"]
+    print(
+        f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
+        f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']})"
+    )
+    for key, r in results.items():
+        if key.startswith("rate_"):
+            print(
+                f"steady {r['rate']:g}/s: {r['accepted']} accepted, {r['started']} started; "
+                f"created -> running p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()
