@@ -8,6 +8,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cairn import output
 from cairn.config import ClientSettings
 from libs.common.client import CoreClient
-from libs.common.models import Task, TaskCreate
+from libs.common.models import BulkAction, BulkResult, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -38,6 +39,70 @@ class Ctx:
 def ctx_of(ctx: typer.Context) -> Ctx:
     found: Ctx = ctx.obj
     return found
+
+
+def _utc(value: str | None) -> str | None:
+    """An ISO time as given; one without an offset is taken as UTC."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        output.errors.print(f"[red]error[/red] {value!r} is not an ISO time (2026-11-30T22:00)")
+        raise typer.Exit(2) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).isoformat()
+
+
+def _each_task(c: Ctx, method: str, task_ids: list[int], as_json: bool) -> None:
+    async def go() -> list[Task]:
+        async with c.core() as core:
+            return [await getattr(core, method)(t) for t in task_ids]
+
+    done = output.call(go)
+    if c.json or as_json:
+        output.dump(done)
+    else:
+        for task in done:
+            output.console.print(f"task {task.id} {output.state(task.state)}")
+
+
+def _by_filter(
+    c: Ctx,
+    method: str,
+    selector: dict[str, Any],
+    limit: int,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+) -> None:
+    """Count first, ask (unless --yes), then act; a bad filter is named by the server."""
+    bulk = f"{method}_where"
+    count = validated(BulkAction, {"filter": selector, "dry_run": True}, "the filter")
+    counted: BulkResult = output.call(lambda: _bulk_call(c, bulk, count))
+    if dry_run or not counted.matched:
+        if c.json or as_json:
+            output.dump(counted)
+        else:
+            output.console.print(f"{counted.matched} tasks match; nothing done")
+        return
+    if not yes and not typer.confirm(
+        f"{method} {min(counted.matched, limit)} of the {counted.matched} tasks that match?"
+    ):
+        raise typer.Exit(1)
+    act = validated(BulkAction, {"filter": selector, "limit": limit}, "the filter")
+    done: BulkResult = output.call(lambda: _bulk_call(c, bulk, act))
+    if c.json or as_json:
+        output.dump(done)
+        return
+    verb = {"retry": "retried", "cancel": "cancelled"}[method]
+    more = "; more match: run it again" if done.more else ""
+    output.console.print(f"{verb} {done.changed} of {done.matched} tasks{more}")
+
+
+async def _bulk_call(c: Ctx, method: str, action: BulkAction) -> BulkResult:
+    async with c.core() as core:
+        result: BulkResult = await getattr(core, method)(action)
+        return result
 
 
 def load_document(path: Path) -> Any:
@@ -217,25 +282,53 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             output.table(None, TASK_COLUMNS, task_rows(tasks))
 
     def each(method: str, doc: str) -> None:
-        def command(ctx: typer.Context, task_ids: list[int], as_json: JsonFlag = False) -> None:
+        def command(
+            ctx: typer.Context,
+            task_ids: Annotated[list[int] | None, typer.Argument(help="task ids")] = None,
+            state: Annotated[TaskState | None, typer.Option(help="with a filter")] = None,
+            queue: Annotated[str | None, typer.Option()] = None,
+            label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+            owner: Annotated[str | None, typer.Option(help="another owner's (admins)")] = None,
+            created_after: Annotated[str | None, typer.Option(help="ISO time")] = None,
+            created_before: Annotated[str | None, typer.Option(help="ISO time")] = None,
+            finished_after: Annotated[str | None, typer.Option(help="ISO time")] = None,
+            finished_before: Annotated[str | None, typer.Option(help="ISO time")] = None,
+            limit: Annotated[int, typer.Option(min=1, max=10_000)] = 1000,
+            dry_run: Annotated[bool, typer.Option("--dry-run", help="only count")] = False,
+            yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask")] = False,
+            as_json: JsonFlag = False,
+        ) -> None:
             c = ctx_of(ctx)
-
-            async def go() -> list[Task]:
-                async with c.core() as core:
-                    return [await getattr(core, method)(t) for t in task_ids]
-
-            done = output.call(go)
-            if c.json or as_json:
-                output.dump(done)
+            chosen = {
+                "state": state,
+                "queue": queue,
+                "owner": owner,
+                "labels": output.pairs(label) if label else None,
+                "created_after": _utc(created_after),
+                "created_before": _utc(created_before),
+                "finished_after": _utc(finished_after),
+                "finished_before": _utc(finished_before),
+            }
+            selector = {k: v for k, v in chosen.items() if v is not None}
+            if task_ids and selector:
+                output.errors.print("[red]error[/red] name task ids or a filter, not both")
+                raise typer.Exit(2)
+            if task_ids:
+                _each_task(c, method, task_ids, as_json)
+            elif selector:
+                _by_filter(c, method, selector, limit, dry_run, yes, as_json)
             else:
-                for task in done:
-                    output.console.print(f"task {task.id} {output.state(task.state)}")
+                output.errors.print(
+                    f"[red]error[/red] name task ids, or a filter (--state, --queue, --label, "
+                    f"...) to {method} every task it selects"
+                )
+                raise typer.Exit(2)
 
         command.__doc__ = doc
         app.command(method)(command)
 
-    each("cancel", "Cancel tasks.")
-    each("retry", "Retry failed, dead or cancelled tasks.")
+    each("cancel", "Cancel tasks: by id, or every unfinished task a filter selects.")
+    each("retry", "Retry failed, dead or cancelled tasks: by id, or every one a filter selects.")
 
     @app.command()
     def logs(

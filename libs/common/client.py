@@ -20,6 +20,8 @@ from libs.common.models import (
     AttemptList,
     BatchItem,
     BatchResult,
+    BulkAction,
+    BulkResult,
     ClaimAnswer,
     ClaimRequest,
     Event,
@@ -189,6 +191,20 @@ class CoreClient(ApiClient):
     async def retry(self, task_id: int) -> Task:
         response = await self._call("POST", f"/v1/tasks/{task_id}/retry")
         return Task.model_validate_json(response.content)
+
+    async def retry_where(self, action: BulkAction) -> BulkResult:
+        """Retry the tasks ``action.filter`` selects (at most ``action.limit``)."""
+        response = await self._call(
+            "POST", "/v1/tasks/retry", content=action.model_dump_json(exclude_defaults=True)
+        )
+        return BulkResult.model_validate_json(response.content)
+
+    async def cancel_where(self, action: BulkAction) -> BulkResult:
+        """Cancel the tasks ``action.filter`` selects (at most ``action.limit``)."""
+        response = await self._call(
+            "POST", "/v1/tasks/cancel", content=action.model_dump_json(exclude_defaults=True)
+        )
+        return BulkResult.model_validate_json(response.content)
 
     async def attempts(self, task_id: int) -> list[Attempt]:
         response = await self._call("GET", f"/v1/tasks/{task_id}/attempts")

@@ -155,6 +155,45 @@ class TaskBatchCreate(_Input):
         return self
 
 
+MAX_BULK = 10_000
+MAX_BULK_COUNT = 100_000
+
+
+class TaskSelector(_Input):
+    """Which tasks a bulk action takes: every condition given must hold. ``state`` must
+    be one the action starts from; unset, every such state is taken."""
+
+    state: TaskState | None = None
+    queue: QueueName | None = None
+    owner: Name | None = None
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    created_after: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    created_before: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    finished_after: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    finished_before: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+
+
+class BulkAction(_Input):
+    """Retry or cancel the tasks a filter selects, at most ``limit`` of them in this call
+    (oldest first); ``dry_run`` only counts them."""
+
+    filter: TaskSelector = Field(default_factory=TaskSelector)
+    dry_run: bool = False
+    limit: int = Field(default=1000, ge=1, le=MAX_BULK)
+
+
+class BulkResult(_Output):
+    """What a bulk action found and did."""
+
+    #: tasks the filter selects now, before this call acted (counted up to 100,000)
+    matched: int
+    #: tasks this call moved (0 on a dry run)
+    changed: int
+    dry_run: bool
+    #: whether selected tasks remain after this call: call again to take them
+    more: bool
+
+
 class Task(_Output):
     """A task as core stores it."""
 

@@ -93,9 +93,9 @@ class CoreMetrics:
         if tally.buried:
             self.finished.labels(TaskState.DEAD.value).inc(tally.buried)
 
-    def ended(self, state: TaskState) -> None:
-        if state in FINAL:
-            self.finished.labels(state.value).inc()
+    def ended(self, state: TaskState, count: int = 1) -> None:
+        if state in FINAL and count:
+            self.finished.labels(state.value).inc(count)
 
 
 async def read_queues(conn: AsyncConnection) -> list[Metric]:

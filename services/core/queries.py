@@ -161,6 +161,66 @@ PARK_FAILED = _bulk(
     "'queue paused'",
 )
 
+# A person's bulk retry or cancel: the tasks a filter selects, oldest first from a keyset
+# cursor, a page at a time, skipping rows others hold. Unset conditions are NULL.
+_SELECTED = """
+    t.state = ANY(CAST(:sources AS text[])) AND t.id > :after
+    AND (CAST(:queue AS text) IS NULL OR t.queue = :queue)
+    AND (CAST(:owner AS text) IS NULL OR t.owner = :owner)
+    AND (CAST(:labels AS jsonb) IS NULL OR t.labels @> CAST(:labels AS jsonb))
+    AND (CAST(:created_after AS timestamptz) IS NULL OR t.created_at >= :created_after)
+    AND (CAST(:created_before AS timestamptz) IS NULL OR t.created_at < :created_before)
+    AND (CAST(:finished_after AS timestamptz) IS NULL OR t.finished_at >= :finished_after)
+    AND (CAST(:finished_before AS timestamptz) IS NULL OR t.finished_at < :finished_before)
+"""
+
+COUNT_SELECTED: TextClause = text(f"""
+SELECT count(*) FROM (SELECT 1 FROM core.tasks t WHERE {_SELECTED} LIMIT :cap) s
+""")
+
+_BULK_PERSON = """
+WITH picked AS (
+    SELECT t.id, t.state AS from_state, t.current_attempt_id FROM core.tasks t
+    WHERE {selected}
+    ORDER BY t.id
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE core.tasks t SET {changes}, version = t.version + 1, updated_at = now(),
+        current_attempt_id = NULL
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.owner, t.version, t.state, picked.from_state, picked.current_attempt_id
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason,
+                                  attempt_id)
+    SELECT id, version, owner, :op, from_state, state, :reason, current_attempt_id FROM moved
+){closing}
+SELECT count(*) AS changed, COALESCE(max(id), 0) AS last_id FROM moved
+"""
+
+# As a person's retry of one task: a fresh budget, eligible now (ready if paused).
+BULK_RETRY: TextClause = text(
+    _BULK_PERSON.format(
+        selected=_SELECTED,
+        changes=f"""state = CASE WHEN t.queue IN {_PAUSED_QUEUES} THEN 'ready' ELSE 'waiting' END,
+        finished_at = NULL, run_at = now(), attempts = 0, crashes = 0""",
+        closing="",
+    )
+)
+
+# As a cancel of one task: a running attempt is closed here too, and its worker told to
+# stop it at its next heartbeat.
+BULK_CANCEL: TextClause = text(
+    _BULK_PERSON.format(
+        selected=_SELECTED,
+        changes="state = 'cancelled', finished_at = now()",
+        closing=""", closed AS (
+    UPDATE core.attempts a SET outcome = 'cancelled', ended_at = now(), error = :reason
+    FROM moved WHERE a.task_id = moved.id AND a.outcome IS NULL
+)""",
+    )
+)
+
 PURGE_FINISHED: TextClause = text("""
 WITH doomed AS (
     SELECT id FROM core.tasks

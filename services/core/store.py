@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import Caller
-from libs.common.errors import IdempotencyMismatch, IllegalTransition, NotFound
+from libs.common.errors import IdempotencyMismatch, IllegalTransition, InvalidInput, NotFound
 from libs.common.models import (
     Attempt,
     Event,
@@ -30,6 +30,7 @@ from libs.common.models import (
     QueueSeries,
     Task,
     TaskCreate,
+    TaskSelector,
 )
 from libs.common.states import FINAL, TaskState
 from services.core import queries
@@ -428,6 +429,71 @@ async def retry(conn: AsyncConnection, task_id: int, owner: str | None) -> None:
         reset_run_at=True,
         reset_counts=True,
     )
+
+
+_BULK_OPS = {
+    Op.RETRY: (queries.BULK_RETRY, TaskState.WAITING),
+    Op.CANCEL: (queries.BULK_CANCEL, TaskState.CANCELLED),
+}
+
+
+def bulk_sources(op: Op, selector: TaskSelector) -> list[str]:
+    """The states a bulk ``op`` takes tasks from (those of the transitions table, or the
+    one the filter names); ``InvalidInput`` naming ``filter.state`` if it never can."""
+    allowed = sources(op, _BULK_OPS[op][1])
+    if selector.state is None:
+        return allowed
+    if selector.state.value not in allowed:
+        reason = f"{op.value} takes tasks that are {', '.join(allowed)}, not {selector.state.value}"
+        raise InvalidInput(
+            f"filter.state: {reason}", errors=[{"field": "body.filter.state", "reason": reason}]
+        )
+    return [selector.state.value]
+
+
+def _selector_params(op: Op, selector: TaskSelector, owner: str | None) -> dict[str, Any]:
+    return {
+        "sources": bulk_sources(op, selector),
+        "queue": selector.queue,
+        "owner": owner,
+        "labels": json.dumps(selector.labels) if selector.labels else None,
+        "created_after": selector.created_after,
+        "created_before": selector.created_before,
+        "finished_after": selector.finished_after,
+        "finished_before": selector.finished_before,
+    }
+
+
+async def count_selected(
+    conn: AsyncConnection, op: Op, selector: TaskSelector, owner: str | None, cap: int
+) -> int:
+    """How many tasks a bulk ``op`` would take (up to ``cap``)."""
+    params = {**_selector_params(op, selector, owner), "after": 0, "cap": cap}
+    return int((await conn.execute(queries.COUNT_SELECTED, params)).scalar_one())
+
+
+async def bulk_move(
+    conn: AsyncConnection,
+    op: Op,
+    selector: TaskSelector,
+    owner: str | None,
+    *,
+    after: int,
+    limit: int,
+    reason: str,
+) -> tuple[int, int]:
+    """Move one page of the selected tasks (ids above ``after``) as ``op`` does one task;
+    return how many moved and the last id taken (0: none)."""
+    query, _ = _BULK_OPS[op]
+    params = {
+        **_selector_params(op, selector, owner),
+        "after": after,
+        "limit": limit,
+        "op": op.value,
+        "reason": reason,
+    }
+    row = (await conn.execute(query, params)).one()
+    return int(row.changed), int(row.last_id)
 
 
 async def promote_and_park(conn: AsyncConnection, limit: int) -> int:

@@ -15,9 +15,12 @@ from pydantic import BaseModel, ValidationError
 from libs.common.errors import Forbidden, InvalidInput
 from libs.common.models import (
     MAX_BATCH,
+    MAX_BULK_COUNT,
     MAX_PAGE,
     AttemptList,
     BatchResult,
+    BulkAction,
+    BulkResult,
     EventList,
     LabelKey,
     QueueName,
@@ -39,6 +42,7 @@ from services.core.deps import (
     SubmittingOwner,
     TaskIdPath,
 )
+from services.core.domain.transitions import Op
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
@@ -158,6 +162,79 @@ async def submit_batch(
 
 def _defaults(request: Request) -> placement.Defaults:
     return placement.Defaults.of(request.app.state.settings)
+
+
+_BULK_PAGE = 500
+
+
+def _bulk_owner(principal: Reader, named: str | None) -> str | None:
+    """Whose tasks a bulk action may take: an admin's, anyone's (or the one named)."""
+    if principal.role == "admin":
+        return named
+    if named not in (None, principal.name):
+        reason = "only an admin acts on other owners' tasks in bulk"
+        raise Forbidden(
+            f"filter.owner: {reason}", errors=[{"field": "body.filter.owner", "reason": reason}]
+        )
+    return principal.name
+
+
+async def _bulk(
+    op: Op, action: BulkAction, principal: Reader, engine: Engine, reason: str
+) -> BulkResult:
+    owner = _bulk_owner(principal, action.filter.owner)
+    async with engine.connect() as conn:
+        matched = await store.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
+    if action.dry_run:
+        return BulkResult(matched=matched, changed=0, dry_run=True, more=matched > 0)
+    changed, after = 0, 0
+    while changed < action.limit:
+        # Each page its own short transaction: locks are held for a page, never a call.
+        async with engine.begin() as conn:
+            moved, last = await store.bulk_move(
+                conn,
+                op,
+                action.filter,
+                owner,
+                after=after,
+                limit=min(_BULK_PAGE, action.limit - changed),
+                reason=reason,
+            )
+        if not moved:
+            break
+        changed, after = changed + moved, last
+    async with engine.connect() as conn:
+        more = await store.count_selected(conn, op, action.filter, owner, 1) > 0
+    return BulkResult(matched=matched, changed=changed, dry_run=False, more=more)
+
+
+@router.post("/retry", response_model=BulkResult, responses=PROBLEMS)
+async def retry_tasks(
+    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer
+) -> BulkResult:
+    """Retry every dead, failed or cancelled task the filter selects (your own; an admin's
+    reach every owner), up to ``limit`` in one call, oldest first, as ``/{id}/retry``
+    does one. ``dry_run`` counts them first; ``more`` says whether to call again."""
+    result = await _bulk(
+        Op.RETRY, action, principal, engine, f"retried in bulk by {principal.name}"
+    )
+    if result.changed:
+        notifier.announce()
+    return result
+
+
+@router.post("/cancel", response_model=BulkResult, responses=PROBLEMS)
+async def cancel_tasks(
+    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer, meter: Meter
+) -> BulkResult:
+    """Cancel every unfinished task the filter selects, as ``/{id}/cancel`` does one
+    (running attempts are stopped at their worker's next heartbeat)."""
+    reason = f"cancelled in bulk by {principal.name}"
+    result = await _bulk(Op.CANCEL, action, principal, engine, reason)
+    if result.changed:
+        notifier.announce()
+        meter.ended(TaskState.CANCELLED, result.changed)
+    return result
 
 
 @router.get("/{task_id}", response_model=Task, responses=PROBLEMS)
