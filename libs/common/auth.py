@@ -63,7 +63,8 @@ class RemoteAuth:
             async with CoreClient(self.core_url, token, transport=self._transport) as core:
                 who = await core.whoami()
         except httpx.TransportError as exc:
-            raise Unavailable(f"core cannot be reached to check the token: {exc}") from None
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise Unavailable(f"core cannot be reached to check the token ({why})") from None
         caller = Caller(name=who.name, role=who.role)
         if len(self._entries) >= self.size:
             self._entries.clear()
