@@ -168,6 +168,8 @@ class Engine:
         page = await self._read()
         if page is not None:
             await self.apply(page)
+            if not self._full_page:
+                self.metrics.caught_up()
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
