@@ -157,7 +157,5 @@ async def read_workers(conn: AsyncConnection) -> list[Metric]:
 async def read_queue_workers(conn: AsyncConnection) -> list[Metric]:
     rows = [((r.queue,), float(r.live)) for r in await conn.execute(_QUEUE_WORKERS)]
     return [
-        gauge_family(
-            "cairn_queue_workers_live", "Live workers serving each queue", ["queue"], rows
-        )
+        gauge_family("cairn_queue_workers_live", "Live workers serving each queue", ["queue"], rows)
     ]
