@@ -13,6 +13,7 @@ from typing import Any, Self
 import httpx
 import orjson
 
+from libs.common import tracing
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
     Assignment,
@@ -106,6 +107,8 @@ class ApiClient:
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
+        if tracing.enabled():
+            kwargs["headers"] = tracing.inject(dict(kwargs.get("headers") or {}))
         response = await self._http.request(method, path, **kwargs)
         raise_for_problem(response)
         return response

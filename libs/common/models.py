@@ -232,6 +232,8 @@ class BatchItem(_Output):
     id: int
     state: TaskState
     created: bool
+    #: with the id, what names the task's trace (libs/common/tracing.py)
+    created_at: datetime | None = None
 
 
 class BatchResult(_Output):
@@ -445,6 +447,8 @@ class Assignment(_Output):
     resources: Resources
     timeout_s: int | None
     charge: Charge | None = None
+    #: W3C trace context of the claim, when core traces (libs/common/tracing.py)
+    traceparent: Annotated[str, StringConstraints(max_length=55)] | None = None
 
 
 class ClaimAnswer(_Output):

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from libs.common import logs
+from libs.common import logs, tracing
 from libs.common.embedded import database_url
 from libs.common.settings import CairnSettings
 
@@ -40,6 +40,7 @@ def main(
     }
     settings = settings_class(**overrides)
     logs.setup(name, settings.log_level)
+    tracing.setup(name)
     url = database_url(settings.home, settings.database_url)
     if getattr(settings, "migrate_on_start", True):
         upgrade(url)

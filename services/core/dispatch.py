@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.errors import NotFound, StaleAttempt
 from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegister
 from libs.common.states import TaskState
-from services.core import placement, store
+from services.core import placement, store, traces
 from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import Backoff
 from services.core.domain.transitions import Op, sources
@@ -285,6 +285,7 @@ def _assignment(row: Any) -> Assignment:
         resources=task.resources,
         timeout_s=task.timeout_s,
         charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
+        traceparent=traces.claimed(task.id, task.created_at, row.attempt_id, row.attempt_number),
     )
 
 

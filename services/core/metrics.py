@@ -40,6 +40,17 @@ WHERE w.state IN ('live', 'draining')
 GROUP BY 1
 """)
 
+# Per queue, the live workers that serve it (draining ones take no new work).
+_QUEUE_WORKERS = text("""
+SELECT q.queue, count(*) AS live
+FROM core.workers w CROSS JOIN LATERAL unnest(w.queues) AS q(queue)
+WHERE w.state = 'live'
+GROUP BY q.queue
+""")
+
+# Every attempt outcome, so that rates over them exist before the first of each.
+ATTEMPT_OUTCOMES = ("succeeded", "failed", "timeout", "crashed", "handed_back", "preempted", "lost")
+
 
 class CoreMetrics:
     """The counters and histograms core bumps, and its scrape-time readers."""
@@ -72,8 +83,11 @@ class CoreMetrics:
         )
         for state in (TaskState.SUCCEEDED, TaskState.DEAD, TaskState.CANCELLED):
             self.finished.labels(state.value)
+        for outcome in ATTEMPT_OUTCOMES:
+            self.attempts_finished.labels(outcome)
         m.read_at_scrape(read_queues)
         m.read_at_scrape(read_workers)
+        m.read_at_scrape(read_queue_workers)
 
     def submitted_to(self, queues: Iterable[str]) -> None:
         for queue, n in Counter(queues).items():
@@ -138,3 +152,10 @@ async def read_workers(conn: AsyncConnection) -> list[Metric]:
             "heartbeat_age",
         ),
     ]  # fmt: skip
+
+
+async def read_queue_workers(conn: AsyncConnection) -> list[Metric]:
+    rows = [((r.queue,), float(r.live)) for r in await conn.execute(_QUEUE_WORKERS)]
+    return [
+        gauge_family("cairn_queue_workers_live", "Live workers serving each queue", ["queue"], rows)
+    ]

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common import tracing
 from libs.common.client import CoreClient
 from libs.common.dag_models import (
     NODE_FINAL,
@@ -33,7 +34,7 @@ from libs.common.dag_models import (
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
 from libs.common.states import TaskState
-from services.dag import store
+from services.dag import store, traces
 from services.dag.domain import graph, rules
 from services.dag.domain.templates import Renderer, RunContext
 from services.dag.metrics import DagMetrics
@@ -168,6 +169,8 @@ class Engine:
         page = await self._read()
         if page is not None:
             await self.apply(page)
+            if not self._full_page:
+                self.metrics.caught_up()
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
@@ -317,20 +320,23 @@ class Engine:
     async def _submit(
         self, owner: str, items: list[tuple[Any, TaskCreate]], read_at: float
     ) -> None:
+        start = tracing.now_ns()
         try:
             answers = await self.core.submit_batch([spec for _, spec in items], on_behalf_of=owner)
-            task_ids = [answer.id for answer in answers]
+            tasks = [(answer.id, answer.created_at) for answer in answers]
         except (InvalidInput, Conflict):
             # One of them is refused: find which, one by one (the keys keep it safe).
-            task_ids = []
+            tasks = []
             for row, spec in items:
                 try:
                     task, _ = await self.core.submit(spec, on_behalf_of=owner)
                 except (InvalidInput, Conflict) as exc:
                     await self._refused(row, exc)
-                    task_ids.append(0)
+                    tasks.append((0, None))
                 else:
-                    task_ids.append(task.id)
+                    tasks.append((task.id, task.created_at))
+        task_ids = [task_id for task_id, _ in tasks]
+        traces.released([row for row, _ in items], tasks, start)
         released = [
             (row.run_id, row.name, row.try_number, task_id)
             for (row, _), task_id in zip(items, task_ids, strict=True)

@@ -3,6 +3,7 @@ waits to be released to core, and the loop's leadership."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client.core import Metric
@@ -24,7 +25,9 @@ WHERE r.finished_at IS NULL GROUP BY n.state
 
 
 class DagMetrics:
-    def __init__(self, is_leader: Callable[[], bool]) -> None:
+    def __init__(
+        self, is_leader: Callable[[], bool], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         m = self.metrics = Metrics("dag")
         self.release_latency = m.histogram(
             "cairn_dag_release_latency_seconds",
@@ -40,7 +43,28 @@ class DagMetrics:
             self.finished.labels(state.value)
         leader = m.gauge("cairn_dag_leader", "1 while this replica runs the DAG loop")
         leader.set_function(lambda: float(is_leader()))
+        self._is_leader = is_leader
+        self._clock = clock
+        self._caught_up: float | None = None
+        lag = m.gauge(
+            "cairn_dag_feed_lag_seconds",
+            "Seconds since the DAG loop last read core's event feed up to its head (0 off the lead)",
+        )
+        lag.set_function(self._feed_lag)
         m.read_at_scrape(read_runs)
+
+    def caught_up(self) -> None:
+        """The loop read a page that reached the head of core's feed."""
+        self._caught_up = self._clock()
+
+    def _feed_lag(self) -> float:
+        # Counted from the first scrape of a new lead until the loop first reaches the head.
+        if not self._is_leader():
+            self._caught_up = None
+            return 0.0
+        if self._caught_up is None:
+            self._caught_up = self._clock()
+        return self._clock() - self._caught_up
 
 
 async def read_runs(conn: AsyncConnection) -> list[Metric]:

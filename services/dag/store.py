@@ -416,7 +416,7 @@ async def ready_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
         await conn.execute(
             text(
                 "SELECT n.run_id, n.name, n.try_number, r.owner, r.workflow, r.workflow_id,"
-                " r.params, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at))"
+                " r.params, r.created_at AS run_created_at, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at))"
                 " AS ready_s FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
                 " WHERE n.state = 'ready' ORDER BY n.run_id LIMIT :limit"
             ),

@@ -70,6 +70,8 @@ def test_core_counts_tasks_and_reads_queues_and_workers(core: Core) -> None:
             assert value(during, "cairn_workers_alive", pool="default") == 1
             assert value(during, "cairn_workers_cpu", pool="default") == 4096
             assert value(during, "cairn_workers_heartbeat_age_seconds", pool="default") >= 0
+            assert value(during, "cairn_queue_workers_live", queue="default") == 1
+            assert value(during, "cairn_queue_workers_live", queue="slow") == 0
             alice.post(f"/v1/tasks/{held['id']}/cancel").raise_for_status()
         finally:
             worker.stop()
@@ -142,3 +144,5 @@ def test_dag_counts_runs_and_release_latency(core: Core, dag: DagServer) -> None
     assert value(samples, "cairn_dag_release_latency_seconds_count") == 2
     assert value(samples, "cairn_dag_runs_finished_total", state="succeeded") == 1
     assert value(samples, "cairn_dag_runs", state="running") == 0
+    # The loop read the feed to its head to learn the run's end.
+    assert 0 <= value(samples, "cairn_dag_feed_lag_seconds") < 30

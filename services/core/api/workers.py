@@ -22,7 +22,7 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import dispatch, placement
+from services.core import dispatch, placement, traces
 from services.core.deps import AdminOnly, Announcer, Engine, Meter, require
 from services.core.settings import CoreSettings
 from services.core.store import Principal
@@ -144,6 +144,7 @@ async def report(
     engine: Engine,
     notifier: Announcer,
     meter: Meter,
+    request: Request,
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
     one (its lease was lost) is refused with 409 and changes nothing."""
@@ -156,6 +157,7 @@ async def report(
     if state is TaskState.SUCCEEDED:
         meter.ended(state)
     meter.count(tally)
+    traces.reported(request.headers, task_id, attempt_id, outcome.outcome, state)
     return ReportAnswer(task_id=task_id, state=state)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from libs.common import logs
+from libs.common import logs, tracing
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
@@ -253,9 +253,17 @@ class Agent:
         logs.bind(task_id=assignment.task_id, attempt_id=attempt)
         log.debug("attempt %s of task %s starts", attempt, assignment.task_id)
         try:
-            report = await self._execute(assignment)
-            if report is not None:
-                await self._report(attempt, report)
+            with tracing.span(
+                "worker",
+                "cairn.attempt.run",
+                tracing.from_traceparent(assignment.traceparent),
+                {"cairn.task_id": assignment.task_id, "cairn.attempt_id": attempt},
+            ) as span:
+                report = await self._execute(assignment)
+                if report is not None:
+                    if span is not None:
+                        span.set_attribute("cairn.outcome", report.outcome)
+                    await self._report(attempt, report)
         except Exception:
             log.exception("attempt %s failed inside the agent", attempt)
             await self._report(attempt, Report(outcome="failed", error="the agent failed"))
@@ -338,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     del argv
     settings = CairnSettings()
     logs.setup("worker", settings.log_level)
+    tracing.setup("worker")
     if not settings.token:
         sys.exit(
             "cairn worker: CAIRN_TOKEN must hold a worker token (cairn token create NAME --role worker)"

@@ -16,7 +16,7 @@ from libs.common.dag_models import (
     WorkflowName,
 )
 from libs.common.problems import PROBLEMS
-from services.dag import store
+from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
 from services.dag.domain import graph
 from services.dag.domain.templates import Renderer, RunContext, merged_params
@@ -91,6 +91,7 @@ async def start_run(
             for node in dag.order:
                 renderer.task(node, 1)
     if created:
+        traces.started(row)
         loop.wake()
     else:
         response.status_code = 200
