@@ -274,8 +274,8 @@ async def list_fires(
 # --- the engine's statements --------------------------------------------------------------
 
 HEAP_ROWS = text(
-    "SELECT id, version, next_fire_at, fired_through FROM cron.schedules"
-    " WHERE next_fire_at IS NOT NULL"
+    "SELECT id, version, next_fire_at, fired_through, overlap_policy, jitter_s,"
+    " target->>'kind' AS kind FROM cron.schedules WHERE next_fire_at IS NOT NULL"
 )
 
 SCHEDULES_BY_ID = text("SELECT * FROM cron.schedules WHERE id = ANY(:ids)")
@@ -297,21 +297,63 @@ CLAIM = text(
 FIRED = text(
     """
     INSERT INTO cron.fires (schedule_id, fire_time, outcome, task_id, run_id, submitted_at,
-                            detail, tries)
+                            detail, tries, version)
     SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
                          CAST(:outcomes AS text[]), CAST(:task_ids AS bigint[]),
                          CAST(:run_ids AS bigint[]), CAST(:submitted_ats AS timestamptz[]),
-                         CAST(:details AS text[]), CAST(:tries AS integer[]))
+                         CAST(:details AS text[]), CAST(:tries AS integer[]),
+                         CAST(:versions AS bigint[]))
     ON CONFLICT (schedule_id, fire_time) DO UPDATE
        SET outcome = EXCLUDED.outcome, task_id = EXCLUDED.task_id, run_id = EXCLUDED.run_id,
            submitted_at = EXCLUDED.submitted_at, detail = EXCLUDED.detail,
-           tries = cron.fires.tries + EXCLUDED.tries
-     WHERE cron.fires.outcome = 'pending' AND EXCLUDED.outcome <> 'pending'
+           tries = cron.fires.tries + EXCLUDED.tries, version = EXCLUDED.version
+     WHERE cron.fires.outcome IN ('pending', 'withdrawn') AND EXCLUDED.outcome <> 'pending'
     """
 )
 FIRED_COLS = (
-    "ids", "times", "outcomes", "task_ids", "run_ids", "submitted_ats", "details", "tries"
+    "ids", "times", "outcomes", "task_ids", "run_ids", "submitted_ats", "details", "tries",
+    "versions",
 )  # fmt: skip
+
+# Fires sent ahead whose slot has not come, and fires withdrawn before their slot: what
+# a new leader must know to withdraw (or send again) after a change in the lead window.
+AHEAD = text(
+    """
+    SELECT schedule_id, fire_time, outcome, task_id, version, withdrawn FROM cron.fires
+     WHERE NOT manual AND fire_time > :now AND outcome IN ('submitted', 'withdrawn')
+    """
+)
+
+# A fire sent ahead, withdrawn because its schedule changed before the slot: its task is
+# cancelled, and the schedule is wound back so the slot is planned again from the change.
+WITHDRAW = text(
+    """
+    UPDATE cron.fires f
+       SET outcome = 'withdrawn', withdrawn = f.withdrawn + 1, submitted_at = NULL,
+           detail = 'withdrawn: the schedule changed before the slot; task '
+                    || f.task_id || ' cancelled'
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[])) AS v(id, fire_time)
+     WHERE f.schedule_id = v.id AND f.fire_time = v.fire_time AND f.outcome = 'submitted'
+    RETURNING f.schedule_id, f.fire_time, f.withdrawn
+    """
+)
+
+REWIND = text(
+    """
+    UPDATE cron.schedules s
+       SET fired_through = LEAST(s.fired_through, v.through), next_fire_at = v.next
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS bigint[]),
+                  CAST(:throughs AS timestamptz[]), CAST(:nexts AS timestamptz[]))
+           AS v(id, version, through, next)
+     WHERE s.id = v.id AND s.version = v.version AND NOT s.paused
+    """
+)
+REWIND_PAUSED = text(
+    """
+    UPDATE cron.schedules s SET fired_through = LEAST(s.fired_through, :through)
+     WHERE s.id = ANY(:ids) AND s.paused
+    """
+)
 
 ADVANCE = text(
     """
@@ -351,16 +393,20 @@ RETRIED = text(
 )
 
 PENDING = text(
-    "SELECT schedule_id, fire_time, manual, tries FROM cron.fires WHERE outcome = 'pending'"
-    " ORDER BY fire_time"
+    "SELECT schedule_id, fire_time, manual, tries, backfill, withdrawn FROM cron.fires"
+    " WHERE outcome = 'pending' ORDER BY fire_time"
 )
 
+# What each schedule's fire before ``slot`` made, for the overlap policies: never the
+# slot's own task (a slot fired again after a crash finds its own task, not a previous).
 LAST_TARGETS = text(
     """
-    SELECT DISTINCT ON (schedule_id) schedule_id, task_id, run_id
-      FROM cron.fires
-     WHERE schedule_id = ANY(:ids) AND (task_id IS NOT NULL OR run_id IS NOT NULL)
-     ORDER BY schedule_id, fire_time DESC
+    SELECT DISTINCT ON (f.schedule_id) f.schedule_id, f.task_id, f.run_id
+      FROM cron.fires f
+      JOIN unnest(CAST(:ids AS bigint[]), CAST(:slots AS timestamptz[])) AS v(id, slot)
+        ON f.schedule_id = v.id AND f.fire_time < v.slot
+     WHERE f.outcome = 'submitted' AND (f.task_id IS NOT NULL OR f.run_id IS NOT NULL)
+     ORDER BY f.schedule_id, f.fire_time DESC
     """
 )
 
