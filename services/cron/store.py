@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -21,6 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.cron_models import (
     MAX_SCHEDULE_PAGE,
+    Backfill,
+    BackfillCreate,
     Fire,
     Schedule,
     ScheduleCreate,
@@ -87,6 +89,7 @@ def schedule_from_row(row: Any) -> Schedule:
         catch_up_limit=row.catch_up_limit,
         misfire_grace_s=row.misfire_grace_s,
         overlap_policy=row.overlap_policy,
+        jitter_s=row.jitter_s,
         starts_at=row.starts_at,
         ends_at=row.ends_at,
         paused=row.paused,
@@ -123,6 +126,7 @@ async def create(
         "catch_up_limit": body.catch_up_limit,
         "misfire_grace_s": body.misfire_grace_s,
         "overlap_policy": body.overlap_policy,
+        "jitter_s": body.jitter_s,
         "starts_at": body.starts_at,
         "ends_at": body.ends_at,
         "paused": body.paused,
@@ -240,6 +244,48 @@ async def set_paused(
     )
 
 
+async def backfill(
+    conn: AsyncConnection,
+    schedule_id: int,
+    owner: str | None,
+    body: BackfillCreate,
+    now: datetime,
+    most: int,
+) -> Backfill:
+    """Queue every slot of the schedule in ``[from, to]`` (up to now) that has no fire
+    yet, as pending fires marked ``backfill``: the leader sends them, paced. A slot
+    fired before is left as it was, so a repeated backfill is a no-op."""
+    row = await _row(conn, schedule_id, owner)
+    plan = timing_of(row)
+    until = min(body.to, now)
+    slots: list[datetime] = []
+    at = plan.next_after(body.from_ - timedelta(microseconds=1))
+    while at is not None and at <= until:
+        if len(slots) == most:
+            raise _invalid(
+                "body.to", ValueError(f"the range holds more than {most} slots; backfill less")
+            )
+        slots.append(at)
+        at = plan.next_after(at)
+    queued: Sequence[Any] = []
+    if slots:
+        queued = (
+            await conn.execute(
+                BACKFILL,
+                {"id": schedule_id, "times": slots, "version": row.version},
+            )
+        ).all()
+        await notify(conn, schedule_id)
+    return Backfill(
+        schedule_id=schedule_id,
+        slots=len(slots),
+        queued=len(queued),
+        already=len(slots) - len(queued),
+        first=slots[0] if slots else None,
+        last=slots[-1] if slots else None,
+    )
+
+
 def fire_from_row(row: Any) -> Fire:
     lag = (row.submitted_at - row.fire_time).total_seconds() * 1000 if row.submitted_at else None
     return Fire(
@@ -254,6 +300,8 @@ def fire_from_row(row: Any) -> Fire:
         lag_ms=lag,
         tries=row.tries,
         detail=row.detail,
+        backfill=row.backfill,
+        withdrawn=row.withdrawn,
     )
 
 
@@ -389,6 +437,16 @@ RETRIED = text(
       FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
                   CAST(:details AS text[])) AS v(id, fire_time, detail)
      WHERE f.schedule_id = v.id AND f.fire_time = v.fire_time AND f.outcome = 'pending'
+    """
+)
+
+BACKFILL = text(
+    """
+    INSERT INTO cron.fires (schedule_id, fire_time, outcome, detail, backfill, version)
+    SELECT :id, t, 'pending', 'queued by a backfill', true, :version
+      FROM unnest(CAST(:times AS timestamptz[])) AS t
+    ON CONFLICT DO NOTHING
+    RETURNING fire_time
     """
 )
 
