@@ -20,6 +20,7 @@ from services.core.settings import CoreSettings
 log = logging.getLogger("cairn.core.loops")
 
 PROMOTE_BATCH = 1000
+PROMOTE_PARALLEL = 2
 
 
 async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
@@ -72,12 +73,28 @@ class Promoter:
                     await asyncio.wait_for(self._wake.wait(), remaining)
 
     async def step(self) -> float:
-        """Promote (and park) until nothing is left; return the seconds to sleep."""
+        """Promote (and park) until nothing is left; return the seconds to sleep. A burst
+        (a full batch) is drained on ``PROMOTE_PARALLEL`` connections at once: SKIP
+        LOCKED gives each its own rows, and the database works on them side by side."""
+        moved, due = await self._pass()
+        while moved >= PROMOTE_BATCH:
+            await asyncio.gather(*(self._drain() for _ in range(PROMOTE_PARALLEL)))
+            moved, due = await self._pass()
+        return self.poll_s if due is None else max(0.0, min(due, self.poll_s))
+
+    async def _pass(self) -> tuple[int, float | None]:
+        """One promotion, and the next due instant read in the same transaction: by the
+        same ``now()``, so a task due between the two cannot fall between them."""
+        async with self.engine.begin() as conn:
+            moved = await store.promote_and_park(conn, PROMOTE_BATCH)
+            due = await store.next_due_in(conn) if moved < PROMOTE_BATCH else None
+        if moved:
+            self.notifier.announce()
+        return moved, due
+
+    async def _drain(self) -> None:
         while await promote_once(self.engine, self.notifier) >= PROMOTE_BATCH:
             await asyncio.sleep(0)
-        async with self.engine.connect() as conn:
-            due = await store.next_due_in(conn)
-        return self.poll_s if due is None else max(0.0, min(due, self.poll_s))
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:

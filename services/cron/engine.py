@@ -58,9 +58,6 @@ _PREFETCH = timedelta(seconds=2)
 # A fire sent ahead is withdrawn only if its slot is at least this far off: nearer, core
 # may be starting it already, and the change applies from the next slot.
 _WITHDRAW_MARGIN = timedelta(milliseconds=200)
-# How often the leader looks for pending fires it did not make (a manual trigger or a
-# backfill whose API process died before sending).
-_PENDING_SCAN_S = 30.0
 
 
 class Clock(Protocol):
@@ -209,6 +206,7 @@ class CronEngine:
         self._ready_for: datetime | None = None
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
+        self.turned_at: float | None = None  # loop time of the fire loop's last turn
 
     # --- leadership ---------------------------------------------------------------------
 
@@ -220,6 +218,9 @@ class CronEngine:
                 await self._lead(conn)
             except (psycopg.Error, DBAPIError, OSError) as exc:
                 log.warning("cron leadership lost: %s", exc)
+            except Exception:
+                # A pool timeout or a bug must not stop this replica firing for good.
+                log.exception("cron engine failed; stepping down to campaign again")
             finally:
                 self._step_down()
                 with contextlib.suppress(Exception):
@@ -250,6 +251,7 @@ class CronEngine:
 
     async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self.leader = True
+        self.turned_at = asyncio.get_running_loop().time()
         watch = asyncio.create_task(self._watch(conn), name="cron-watch")
         fire = asyncio.create_task(self._fire_loop(), name="cron-fire")
         try:
@@ -274,6 +276,7 @@ class CronEngine:
 
     def _step_down(self) -> None:
         self.leader = False
+        self.turned_at = None
         self.heap.clear()
         self.versions.clear()
         self.pending.clear()
@@ -465,13 +468,14 @@ class CronEngine:
         loop = asyncio.get_running_loop()
         scanned = loop.time()
         while True:
+            self.turned_at = loop.time()
             self.wake.clear()
             await self._apply_changes()
             now = self.clock.now()
             due = self._pop_due(now)
             if due:
                 await self._fire_due(due, now)
-            if loop.time() - scanned > _PENDING_SCAN_S:
+            if loop.time() - scanned > self.settings.cron_pending_scan_s:
                 await self._load_pending()
                 scanned = loop.time()
             if self.pending and min(p.retry_at for p in self.pending.values()) <= loop.time():
@@ -761,6 +765,17 @@ class CronEngine:
         age_s = self.settings.cron_fire_retention_days * 86400
         async with self.db.begin() as conn:
             await conn.execute(store.PURGE_FIRES, {"age_s": age_s, "limit": 10_000})
+
+    def unready(self, runner: asyncio.Task[None] | None) -> str | None:
+        """Why this replica's engine cannot fire (for ``/readyz``), or None: its task
+        ended, or it leads and its fire loop has not turned for a minute."""
+        if runner is None or runner.done():
+            return "the cron engine is not running"
+        if self.leader and self.turned_at is not None:  # set when the lead begins
+            stalled = asyncio.get_running_loop().time() - self.turned_at
+            if stalled > self.settings.cron_stall_s:
+                return f"the leading cron engine has not turned for {stalled:.0f} s"
+        return None
 
     def status(self) -> dict[str, Any]:
         live = [e for e in self.heap if self.versions.get(e[1]) == e[2]]

@@ -14,6 +14,7 @@ import httpx
 
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
+from libs.common.dag_models import RunFire
 from libs.common.errors import CairnError, Unavailable
 from libs.common.states import FINAL
 
@@ -132,6 +133,9 @@ class Sender:
                     item.target["workflow"],
                     item.target.get("params") or {},
                     idempotency_key=item.key,
+                    fire=RunFire(
+                        slot=item.fire_time, schedule_id=item.schedule_id, backfill=item.backfill
+                    ),
                     on_behalf_of=item.owner,
                 )
             except Exception as exc:

@@ -60,12 +60,14 @@ def test_a_backfill_of_48_hourly_slots_runs_48_tasks_each_seeing_its_slot(
     worker = spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=2000)
     try:
         wait_for(
-            lambda: db.execute(
-                "SELECT count(*) FROM core.tasks WHERE state = 'succeeded'"
-                " AND labels->>'cairn.cron/schedule' = %s",
-                (str(sid),),
-            ).fetchone()[0]
-            == 48,
+            lambda: (
+                db.execute(
+                    "SELECT count(*) FROM core.tasks WHERE state = 'succeeded'"
+                    " AND labels->>'cairn.cron/schedule' = %s",
+                    (str(sid),),
+                ).fetchone()[0]
+                == 48
+            ),
             timeout=120,
             interval=0.2,
         )

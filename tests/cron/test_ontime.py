@@ -137,6 +137,3 @@ def _task() -> dict[str, Any]:
 
     task: dict[str, Any] = schedule()["target"]["task"]
     return task
-
-
-

@@ -91,7 +91,7 @@ def test_replicas_share_a_burst_due_at_one_instant_each_promoted_once(
         start_core(db_url, tmp_path / name, promote_interval_s=POLL_S) for name in "abc"
     ]
     try:
-        at = _db_now_plus(db, 2.0)
+        at = _db_now_plus(db, 10.0)  # room to submit 3,000 on a busy machine
         ids: list[int] = []
         for n, core in enumerate(replicas):
             with core.client() as alice:
@@ -100,6 +100,7 @@ def test_replicas_share_a_burst_due_at_one_instant_each_promoted_once(
                     json={"tasks": [spec(run_at=at, name=f"r{n}") for _ in range(1000)]},
                 )
                 ids.extend(t["id"] for t in answer.json()["tasks"])
+                assert {t["state"] for t in answer.json()["tasks"]} == {"ready"}
         wait_for(lambda: _waiting(db, ids), timeout=30)
         moved = _promotions(db, ids)
         assert [task for task, _ in moved] == sorted(ids)
