@@ -86,7 +86,7 @@ def test_a_workflow_run_knows_its_slot_from_fire_slot(
         [
             node(
                 "a",
-                args=("for {{ fire.slot }}", "{{ fire.schedule_id }}"),
+                args=("ok", "for {{ fire.slot }}", "{{ fire.schedule_id }}"),
                 task={"env": {"S": "{{ fire.slot }}"}},
             )
         ],
@@ -123,11 +123,14 @@ def test_a_workflow_run_knows_its_slot_from_fire_slot(
 
         args, env = wait_for(lambda: task_of(run_id), timeout=20)
         slot = "2027-01-04T12:01:00+00:00"
-        assert args == [f"for {slot}", str(sid)]
+        assert args == ["ok", f"for {slot}", str(sid)]
         assert env == {"S": slot, "CAIRN_CRON_SLOT": slot, "CAIRN_CRON_SCHEDULE_ID": str(sid)}
         with dag.client("alice") as alice:
             run = alice.get(f"/v1/runs/{run_id}").json()
         assert run["params"]["fire"] == {"slot": slot, "schedule_id": sid, "backfill": False}
-        assert wait_for(lambda: task_of(by_hand["id"]), timeout=20) == (["for ", ""], {"S": ""})
+        assert wait_for(lambda: task_of(by_hand["id"]), timeout=20) == (
+            ["ok", "for ", ""],
+            {"S": ""},
+        )
     finally:
         cron.stop()
