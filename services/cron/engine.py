@@ -453,10 +453,15 @@ class CronEngine:
         self.metrics.withdrawn(len(withdrawn))
 
     def _pop_due(self, now: datetime) -> list[tuple[datetime, int, int, datetime]]:
+        """The live entries due by ``now``, each once: a schedule read again after a
+        change may have pushed the same entry twice. (Of two entries of one version with
+        different slots, ``_fire_due`` keeps the one its row names.)"""
         due = []
+        seen: set[tuple[datetime, int, int, datetime]] = set()
         while self.heap and self.heap[0][0] <= now:
             entry = heapq.heappop(self.heap)
-            if self.versions.get(entry[1]) == entry[2]:
+            if self.versions.get(entry[1]) == entry[2] and entry not in seen:
+                seen.add(entry)
                 due.append(entry)
         return due
 

@@ -70,7 +70,7 @@ def test_a_fire_is_sent_ahead_and_core_starts_it_at_its_slot(
 
 @pytest.mark.parametrize("change", ["edit", "pause", "delete"])
 def test_a_change_before_the_slot_withdraws_what_was_sent_ahead(
-    ahead: Cron, clock: FakeClock, db: Conn, change: str
+    ahead: Cron, clock: FakeClock, db: Conn, change: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     sid = create(ahead, expression="* * * * *")
     clock.set(SLOT - timedelta(seconds=4))
@@ -94,6 +94,11 @@ def test_a_change_before_the_slot_withdraws_what_was_sent_ahead(
         assert new[2] == f"cron:{sid}:2027-01-04T12:01:00+00:00:w1"
         assert new[4] == ["changed"]
         wait_for(lambda: fire_rows(db, sid)[0][1:] == ("submitted", new[0], 1))
+        # The next slot is sent ahead once, by the same lead (no step-down on the way).
+        clock.set(SLOT + timedelta(minutes=1) - timedelta(seconds=3))
+        wait_for(lambda: [r[1] for r in fire_rows(db, sid)] == ["submitted"] * 2)
+        assert len(task_rows(db, sid)) == 3
+        assert not [r for r in caplog.records if "stepping down" in r.getMessage()]
     elif change == "pause":
         wait_for(lambda: fire_rows(db, sid)[0][1] == "withdrawn")
         assert len(task_rows(db, sid)) == 1
