@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,7 +13,9 @@ from cairn.tasks_cli import JsonFlag, ctx_of, load_document, sha256_of, validate
 from libs.common.cron_client import CronClient
 from libs.common.cron_models import Schedule, ScheduleCreate
 
-app = typer.Typer(help="Cron schedules: add, ls, next, pause, resume, trigger, fires, rm.")
+app = typer.Typer(
+    help="Cron schedules: add, ls, next, pause, resume, trigger, backfill, fires, rm."
+)
 
 
 def _client(ctx: typer.Context) -> CronClient:
@@ -57,6 +59,9 @@ def add(
     misfire: Annotated[str, typer.Option(help="skip, fire_once or catch_up")] = "fire_once",
     catch_up_limit: Annotated[int, typer.Option()] = 10,
     overlap: Annotated[str, typer.Option(help="allow, forbid or replace")] = "allow",
+    jitter: Annotated[
+        int, typer.Option(help="start each fire's task 0..N s after its slot (fixed per schedule)")
+    ] = 0,
     paused: Annotated[bool, typer.Option()] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -84,6 +89,7 @@ def add(
             "misfire_policy": misfire,
             "catch_up_limit": catch_up_limit,
             "overlap_policy": overlap,
+            "jitter_s": jitter,
             "paused": paused,
         },
         "the schedule",
@@ -175,6 +181,36 @@ def _one(name: str, doc: str, method: str) -> None:
     app.command(name)(command)
 
 
+@app.command("backfill")
+def backfill(
+    ctx: typer.Context,
+    schedule_id: int,
+    start: Annotated[
+        datetime, typer.Option("--from", help="first instant (ISO 8601, UTC if no offset)")
+    ],
+    end: Annotated[datetime, typer.Option("--to", help="last instant (ISO 8601), up to now")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Fire every slot from --from to --to once (slots fired before are left alone)."""
+
+    def aware(at: datetime) -> datetime:
+        return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+    async def go() -> Any:
+        async with _client(ctx) as cron:
+            return await cron.backfill(schedule_id, aware(start), aware(end))
+
+    done = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(done)
+    else:
+        span = f" ({output.when(done.first)} .. {output.when(done.last)})" if done.slots else ""
+        output.console.print(
+            f"schedule {schedule_id}: {done.slots} slots{span}, {done.queued} queued to fire, "
+            f"{done.already} fired before"
+        )
+
+
 _one("get", "Show one schedule.", "get")
 _one("pause", "Pause a schedule.", "pause")
 _one("resume", "Resume a schedule (slots that passed while paused do not fire).", "resume")
@@ -204,7 +240,9 @@ def fires(
             ["slot", "outcome", "task", "run", "lag ms", "tries", "detail"],
             [
                 [
-                    output.when(f.fire_time) + (" (manual)" if f.manual else ""),
+                    output.when(f.fire_time)
+                    + (" (manual)" if f.manual else "")
+                    + (" (backfill)" if f.backfill else ""),
                     output.state(f.outcome),
                     f.task_id,
                     f.run_id,

@@ -8,6 +8,8 @@ from typing import Any
 
 from libs.common.client import ApiClient
 from libs.common.cron_models import (
+    Backfill,
+    BackfillCreate,
     CronStatus,
     Fire,
     FirePage,
@@ -58,6 +60,15 @@ class CronClient(ApiClient):
     async def trigger(self, schedule_id: int) -> Fire:
         response = await self._call("POST", f"/v1/schedules/{schedule_id}/trigger")
         return Fire.model_validate_json(response.content)
+
+    async def backfill(self, schedule_id: int, start: datetime, end: datetime) -> Backfill:
+        body = BackfillCreate.model_validate({"from": start, "to": end})
+        response = await self._call(
+            "POST",
+            f"/v1/schedules/{schedule_id}/backfill",
+            content=body.model_dump_json(by_alias=True),
+        )
+        return Backfill.model_validate_json(response.content)
 
     async def next(self, schedule_id: int, n: int = 10, after: datetime | None = None) -> NextFires:
         params: dict[str, Any] = {"n": n}

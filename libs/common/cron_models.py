@@ -19,15 +19,17 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import MAX_PAGE, Name, TaskCreate, _storable_time
+from libs.common.models import CRON_ENV, MAX_PAGE, Name, TaskCreate, _storable_time
 
 MisfirePolicy = Literal["skip", "fire_once", "catch_up"]
 OverlapPolicy = Literal["allow", "forbid", "replace"]
-FireOutcome = Literal["pending", "submitted", "skipped_overlap", "missed", "failed"]
+FireOutcome = Literal["pending", "submitted", "skipped_overlap", "missed", "failed", "withdrawn"]
 Expression = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 ZoneName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 Instant = Annotated[AwareDatetime, AfterValidator(_storable_time)]
 MAX_PARAMS_BYTES = 64 * 1024
+MAX_JITTER_S = 3600
+MAX_BACKFILL = 1000
 
 
 class _Input(BaseModel):
@@ -50,6 +52,8 @@ class TaskTarget(_Input):
             raise ValueError("task.idempotency_key is set by each fire; leave it out")
         if self.task.run_at is not None:
             raise ValueError("task.run_at is the fire time; leave it out")
+        if CRON_ENV & self.task.env.keys():
+            raise ValueError(f"task.env: {', '.join(sorted(CRON_ENV))} are set by each fire")
         return self
 
 
@@ -86,6 +90,13 @@ class ScheduleCreate(_Input):
     catch_up_limit: int = Field(default=10, ge=1, le=1000)
     misfire_grace_s: int = Field(default=60, ge=1, le=7 * 86400)
     overlap_policy: OverlapPolicy = "allow"
+    jitter_s: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_JITTER_S,
+        description="Each fire's task starts this schedule's fixed offset, 0 to jitter_s "
+        "seconds (derived from its id), after the slot: spreads a crowded minute.",
+    )
     starts_at: Instant | None = None
     ends_at: Instant | None = None
     paused: bool = False
@@ -108,6 +119,7 @@ class ScheduleUpdate(_Input):
     catch_up_limit: int | None = Field(default=None, ge=1, le=1000)
     misfire_grace_s: int | None = Field(default=None, ge=1, le=7 * 86400)
     overlap_policy: OverlapPolicy | None = None
+    jitter_s: int | None = Field(default=None, ge=0, le=MAX_JITTER_S)
     starts_at: Instant | None = None
     ends_at: Instant | None = None
 
@@ -123,6 +135,7 @@ class Schedule(_Output):
     catch_up_limit: int
     misfire_grace_s: int
     overlap_policy: OverlapPolicy
+    jitter_s: int = 0
     starts_at: datetime | None
     ends_at: datetime | None
     paused: bool
@@ -151,6 +164,10 @@ class Fire(_Output):
     lag_ms: float | None = Field(description="submitted_at minus fire_time.")
     tries: int
     detail: str | None
+    backfill: bool = False
+    withdrawn: int = Field(
+        default=0, description="Times a change before the slot withdrew what was sent ahead."
+    )
 
 
 class FirePage(_Output):
@@ -167,6 +184,31 @@ class NextFires(_Output):
     timezone: str
     after: datetime
     items: list[NextFire]
+
+
+class BackfillCreate(_Input):
+    """Fire every slot of the schedule in ``[from, to]`` once (at most
+    ``MAX_BACKFILL`` slots), paced, under the schedule's overlap policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    from_: Instant = Field(alias="from")
+    to: Instant
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BackfillCreate:
+        if self.to < self.from_:
+            raise ValueError("to must not be before from")
+        return self
+
+
+class Backfill(_Output):
+    schedule_id: int
+    slots: int = Field(description="Slots of the schedule in the range.")
+    queued: int = Field(description="Slots not fired before, now queued to fire.")
+    already: int = Field(description="Slots fired (or queued) before: left as they were.")
+    first: datetime | None
+    last: datetime | None
 
 
 class CronStatus(_Output):

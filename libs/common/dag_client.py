@@ -13,6 +13,7 @@ from libs.common.dag_models import (
     Graph,
     Run,
     RunCreate,
+    RunFire,
     RunList,
     RunState,
     Workflow,
@@ -55,11 +56,14 @@ class DagClient(ApiClient):
         on_behalf_of: str | None = None,
         *,
         version: int | None = None,
+        fire: RunFire | None = None,
     ) -> tuple[Run, bool]:
         """Start a run; return it and whether this call created it (False: the owner used
         ``idempotency_key`` before, and that run is returned). A service token may start
         it ``on_behalf_of`` another owner, who then owns the run and its tasks."""
-        body = RunCreate(params=params or {}, idempotency_key=idempotency_key, version=version)
+        body = RunCreate(
+            params=params or {}, idempotency_key=idempotency_key, version=version, fire=fire
+        )
         response = await self._call(
             "POST",
             f"/v1/workflows/{workflow}/runs",

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -212,12 +213,28 @@ class WorkflowList(_Output):
     items: list[WorkflowSummary]
 
 
+class RunFire(_Input):
+    """The cron fire that starts a run: its slot (``{{ fire.slot }}``), schedule and
+    whether a backfill asked for it. Kept in the run's params as ``fire``."""
+
+    slot: AwareDatetime
+    schedule_id: int = Field(ge=1, le=2**63 - 1)
+    backfill: bool = False
+
+
 class RunCreate(_Input):
     """Start a run of the newest version (or ``version``) with these parameters."""
 
     params: Params = Field(default_factory=dict)
     idempotency_key: IdempotencyKey | None = None
     version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    fire: RunFire | None = Field(default=None, description="Set by the cron service.")
+
+    @model_validator(mode="after")
+    def _fire_is_not_a_param(self) -> RunCreate:
+        if "fire" in self.params:
+            raise ValueError("params.fire is reserved: the cron service sets fire")
+        return self
 
 
 class Node(_Output):

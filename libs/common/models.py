@@ -45,8 +45,13 @@ IdempotencyKey = Annotated[
 TaskId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
 
+# Set by the cron service on the tasks its fires submit (docs/cron.md): informational,
+# so they are the only CAIRN_ names a submission may carry.
+CRON_ENV = frozenset({"CAIRN_CRON_SLOT", "CAIRN_CRON_SCHEDULE_ID", "CAIRN_CRON_BACKFILL"})
+
+
 def _no_reserved_env(env: dict[str, str]) -> dict[str, str]:
-    reserved = sorted(k for k in env if k.startswith("CAIRN_"))
+    reserved = sorted(k for k in env if k.startswith("CAIRN_") and k not in CRON_ENV)
     if reserved:
         raise ValueError(
             f"names starting with CAIRN_ are reserved for Cairn: {', '.join(reserved)}"

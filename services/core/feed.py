@@ -6,6 +6,10 @@ over a few milliseconds on a connection of its own. NOTIFY is deliberately kept 
 the writing transactions: PostgreSQL serialises the commits of transactions that notify
 on one lock, which capped submits. One LISTEN connection per process receives the
 others' announcements. Lost wake-ups cost latency only: waiters also poll.
+
+The same two connections carry due hints (channel ``cairn_due``, payload UNIX seconds):
+whoever stores a delayed task calls ``announce_due(run_at)``, and every replica's promoter
+(``loops.Promoter``) hears of it, so its timer can be set on the earliest due instant.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -23,6 +28,7 @@ from libs.common.settings import libpq_url
 log = logging.getLogger("cairn.core.feed")
 
 CHANNEL = "cairn_events"
+DUE_CHANNEL = "cairn_due"
 COALESCE_S = 0.005
 
 Session = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
@@ -34,6 +40,8 @@ class Notifier:
         self._changed = asyncio.Event()
         self._outgoing = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._due_out: float | None = None
+        self.on_due: Callable[[float], None] | None = None
 
     def start(self) -> None:
         self._tasks = [
@@ -51,6 +59,16 @@ class Notifier:
     def announce(self) -> None:
         """New events are committed: wake waiters here, and tell the other replicas."""
         self._wake()
+        self._outgoing.set()
+
+    def announce_due(self, at: datetime) -> None:
+        """A delayed task due at ``at`` is committed: hint this process's promoter, and
+        the other replicas' (the earliest of the hints since the last send goes out)."""
+        when = at.timestamp()
+        if self.on_due is not None:
+            self.on_due(when)
+        if self._due_out is None or when < self._due_out:
+            self._due_out = when
         self._outgoing.set()
 
     async def wait(self, timeout: float) -> None:
@@ -80,9 +98,14 @@ class Notifier:
     async def _listen(self) -> None:
         async def body(conn: psycopg.AsyncConnection[Any]) -> None:
             await conn.execute(f"LISTEN {CHANNEL}")
+            await conn.execute(f"LISTEN {DUE_CHANNEL}")
             self._wake()
-            async for _ in conn.notifies():
-                self._wake()
+            async for note in conn.notifies():
+                if note.channel != DUE_CHANNEL:
+                    self._wake()
+                elif self.on_due is not None:
+                    with contextlib.suppress(ValueError):
+                        self.on_due(float(note.payload))
 
         await self._connected("event listener", body)
 
@@ -91,7 +114,14 @@ class Notifier:
             while True:
                 await self._outgoing.wait()
                 self._outgoing.clear()
-                await conn.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+                due, self._due_out = self._due_out, None
+                if due is None:
+                    await conn.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+                else:
+                    await conn.execute(
+                        "SELECT pg_notify(%s, ''), pg_notify(%s, %s)",
+                        (CHANNEL, DUE_CHANNEL, repr(due)),
+                    )
                 await asyncio.sleep(COALESCE_S)
 
         await self._connected("event announcer", body)

@@ -4,7 +4,10 @@ Every replica runs them; SKIP LOCKED keeps replicas out of each other's way."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -17,6 +20,7 @@ from services.core.settings import CoreSettings
 log = logging.getLogger("cairn.core.loops")
 
 PROMOTE_BATCH = 1000
+PROMOTE_PARALLEL = 2
 
 
 async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
@@ -25,6 +29,72 @@ async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
     if moved:
         notifier.announce()
     return moved
+
+
+class Promoter:
+    """Starts delayed work on time: a timer on the next due instant, read from the
+    database (by its clock) after every pass, and set earlier by due hints: this
+    replica's submissions and, through NOTIFY, every other replica's. Each replica runs
+    one; at the instant all of them wake and share the due rows (SKIP LOCKED). The timer
+    never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or a backoff
+    or deferral set by a transition (not hinted), or another replica's promotion that
+    rolled back."""
+
+    def __init__(self, engine: AsyncEngine, notifier: Notifier, poll_s: float) -> None:
+        self.engine = engine
+        self.notifier = notifier
+        self.poll_s = poll_s
+        self._wake = asyncio.Event()
+        self._deadline = -math.inf  # UNIX seconds the timer is set for; -inf mid-pass
+        self._earliest = math.inf  # the earliest hint heard during a pass
+        notifier.on_due = self.hint
+
+    def hint(self, at: float) -> None:
+        """Work is due at ``at`` (UNIX seconds): wake earlier than planned if need be."""
+        self._earliest = min(self._earliest, at)
+        if at < self._deadline:
+            self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            self._deadline, self._earliest = -math.inf, math.inf
+            try:
+                wait = await self.step()
+            except Exception:
+                # A loop that dies stops promoting for good: log, and go on.
+                log.exception("promoter failed; retrying")
+                wait = self.poll_s
+            # A hint heard during the pass may be for a task the pass did not see yet.
+            self._deadline = min(time.time() + wait, self._earliest)
+            self._wake.clear()
+            remaining = self._deadline - time.time()
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+
+    async def step(self) -> float:
+        """Promote (and park) until nothing is left; return the seconds to sleep. A burst
+        (a full batch) is drained on ``PROMOTE_PARALLEL`` connections at once: SKIP
+        LOCKED gives each its own rows, and the database works on them side by side."""
+        moved, due = await self._pass()
+        while moved >= PROMOTE_BATCH:
+            await asyncio.gather(*(self._drain() for _ in range(PROMOTE_PARALLEL)))
+            moved, due = await self._pass()
+        return self.poll_s if due is None else max(0.0, min(due, self.poll_s))
+
+    async def _pass(self) -> tuple[int, float | None]:
+        """One promotion, and the next due instant read in the same transaction: by the
+        same ``now()``, so a task due between the two cannot fall between them."""
+        async with self.engine.begin() as conn:
+            moved = await store.promote_and_park(conn, PROMOTE_BATCH)
+            due = await store.next_due_in(conn) if moved < PROMOTE_BATCH else None
+        if moved:
+            self.notifier.announce()
+        return moved, due
+
+    async def _drain(self) -> None:
+        while await promote_once(self.engine, self.notifier) >= PROMOTE_BATCH:
+            await asyncio.sleep(0)
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
@@ -82,8 +152,7 @@ def start(
 ) -> list[asyncio.Task[None]]:
     return [
         asyncio.create_task(
-            every(settings.promote_interval_s, "promoter", lambda: promote_once(engine, notifier)),
-            name="cairn-promoter",
+            Promoter(engine, notifier, settings.promote_interval_s).run(), name="cairn-promoter"
         ),
         asyncio.create_task(
             every(

@@ -221,6 +221,15 @@ BULK_CANCEL: TextClause = text(
     )
 )
 
+# How long until the next delayed task is due (seconds, by the database's clock), for the
+# promoter's timer; NULL when none waits. Read in the promoting transaction: rows due by
+# its now() were promoted by it, or are another replica's (locked by its promotion), or
+# wait for a paused queue; none is a reason to wake.
+NEXT_DUE: TextClause = text(f"""
+SELECT EXTRACT(EPOCH FROM min(t.run_at) - now())::float AS due_in_s FROM core.tasks t
+WHERE t.state IN ('failed', 'ready') AND t.run_at > now() AND {_QUEUE_RUNS}
+""")
+
 PURGE_FINISHED: TextClause = text("""
 WITH doomed AS (
     SELECT id FROM core.tasks

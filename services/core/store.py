@@ -509,6 +509,12 @@ async def promote_and_park(conn: AsyncConnection, limit: int) -> int:
     return moved
 
 
+async def next_due_in(conn: AsyncConnection) -> float | None:
+    """Seconds until the next delayed task (in a running queue) is due; None if none is."""
+    due: float | None = (await conn.execute(queries.NEXT_DUE)).scalar_one()
+    return due
+
+
 async def purge_finished(conn: AsyncConnection, age_s: float, limit: int) -> int:
     """Delete up to ``limit`` tasks finished more than ``age_s`` ago, with their attempts
     and events; return how many went."""

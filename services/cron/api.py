@@ -11,6 +11,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.auth import Person
 from libs.common.cron_models import (
     MAX_SCHEDULE_PAGE,
+    Backfill,
+    BackfillCreate,
     CronStatus,
     Fire,
     FirePage,
@@ -150,6 +152,27 @@ async def trigger_schedule(schedule_id: ScheduleId, caller: Person, request: Req
     if result.outcome == "pending":
         raise Unavailable(f"core cannot be reached; the fire is kept and retried: {result.detail}")
     return fired[0]
+
+
+@router.post(
+    "/schedules/{schedule_id}/backfill",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=Backfill,
+    responses=PROBLEMS,
+)
+async def backfill_schedule(
+    schedule_id: ScheduleId, body: BackfillCreate, caller: Person, request: Request
+) -> Backfill:
+    """Fire every slot of the schedule from ``from`` to ``to`` (both included, up to now)
+    once: slots fired before are left as they were, so a repeat is a no-op. The leader
+    sends them paced (``CAIRN_CRON_BACKFILL_RATE`` a second), one after the other when
+    the overlap policy is not ``allow``; their fires and tasks are marked backfill, and
+    each task gets its slot in ``CAIRN_CRON_SLOT``. Works on a paused schedule too."""
+    settings: CronSettings = request.app.state.settings
+    async with _db(request).begin() as conn:
+        return await store.backfill(
+            conn, schedule_id, caller.owner_filter, body, _now(request), settings.cron_backfill_max
+        )
 
 
 @router.get("/schedules/{schedule_id}/next", response_model=NextFires, responses=PROBLEMS)

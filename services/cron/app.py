@@ -20,6 +20,8 @@ from services.cron.engine import Clock, CronEngine, WarpedClock
 from services.cron.fire import Sender
 from services.cron.settings import CronSettings
 
+ENGINE_POOL = 4
+
 
 def create_app(
     settings: CronSettings, database_url: str, clock: Clock | None = None, engine: bool = True
@@ -39,7 +41,11 @@ def create_app(
             chosen: Clock | None = WarpedClock.parse(settings.cron_clock_warp)
         else:
             chosen = clock
-        cron = CronEngine(db, database_url, settings, sender, chosen)
+        # The engine has connections of its own: API load cannot starve it of the pool.
+        engine_db = create_async_engine(
+            database_url, pool_size=ENGINE_POOL, max_overflow=0, pool_timeout=10
+        )
+        cron = CronEngine(engine_db, database_url, settings, sender, chosen)
         app.state.engine = db
         app.state.settings = settings
         app.state.sender = sender
@@ -47,6 +53,8 @@ def create_app(
         app.state.metrics = cron.metrics.metrics
         app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
+        if engine:
+            app.state.unready = lambda: cron.unready(runner)
         try:
             yield
         finally:
@@ -57,6 +65,7 @@ def create_app(
             await core.aclose()
             await dag.aclose()
             await db.dispose()
+            await engine_db.dispose()
 
     app = FastAPI(
         title="Cairn cron",

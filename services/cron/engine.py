@@ -15,6 +15,12 @@ idempotency key ``cron:<schedule>:<fire time>``, then recorded. A fire whose sub
 fails because core cannot be reached stays ``pending`` and is tried again with backoff;
 a restart picks pending fires up from the table. The misfire policy bounds how many fires
 a schedule may have waiting, whether they wait for core or for a downtime to end.
+
+Fires of task targets with overlap ``allow`` are sent ``CAIRN_CRON_LEAD_S`` ahead of their
+slot with ``run_at`` = the slot (plus the schedule's jitter), so core starts them on time
+however many share the slot (``domain/ontime.py``). A change to such a schedule before the
+slot withdraws what was sent ahead: the task is cancelled, the fire marked ``withdrawn``,
+and the slot planned again from the changed schedule (sent under a key of its own).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.settings import libpq_url
 from services.cron import store
-from services.cron.domain import timing
+from services.cron.domain import ontime, timing
 from services.cron.fire import Made, Outgoing, Result, Sender
 from services.cron.metrics import CronMetrics
 from services.cron.settings import CronSettings
@@ -49,15 +55,26 @@ LEADER_LOCK = 0x0CA1_C709  # the advisory lock key the leader holds
 _MIN_PERIOD = timedelta(seconds=60)
 _PURGE_EVERY_S = 600.0
 _PREFETCH = timedelta(seconds=2)
+# A fire sent ahead is withdrawn only if its slot is at least this far off: nearer, core
+# may be starting it already, and the change applies from the next slot.
+_WITHDRAW_MARGIN = timedelta(milliseconds=200)
 
 
 class Clock(Protocol):
     def now(self) -> datetime: ...
 
+    def real(self, at: datetime) -> datetime:
+        """The real instant at which this clock will read ``at``: the ``run_at`` core
+        (which keeps real time) is given."""
+        ...
+
 
 class SystemClock:
     def now(self) -> datetime:
         return datetime.now(UTC)
+
+    def real(self, at: datetime) -> datetime:
+        return at
 
 
 class WarpedClock:
@@ -79,6 +96,10 @@ class WarpedClock:
     def now(self) -> datetime:
         return self.virtual + timedelta(seconds=(time.time() - self.anchor) * self.speed)
 
+    def real(self, at: datetime) -> datetime:
+        seconds = self.anchor + (at - self.virtual).total_seconds() / self.speed
+        return datetime.fromtimestamp(seconds, UTC)
+
 
 @dataclass
 class Pending:
@@ -89,6 +110,16 @@ class Pending:
     manual: bool
     tries: int = 0
     retry_at: float = 0.0
+    backfill: bool = False
+    withdrawn: int = 0
+
+
+@dataclass
+class Ahead:
+    """A fire sent before its slot: what it made, from which version of its schedule."""
+
+    task_id: int
+    version: int | None
 
 
 @dataclass
@@ -163,7 +194,10 @@ class CronEngine:
         self.clock: Clock = clock or SystemClock()
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.leader = False
-        self.heap: list[tuple[datetime, int, int]] = []
+        self.heap: list[tuple[datetime, int, int, datetime]] = []
+        self.lead = timedelta(seconds=settings.cron_lead_s)
+        self.ahead: dict[int, dict[datetime, Ahead]] = {}
+        self.withdrawn: dict[tuple[int, datetime], int] = {}
         self.versions: dict[int, int] = {}
         self.pending: dict[tuple[int, datetime], Pending] = {}
         self.changed: set[int] = set()
@@ -172,6 +206,7 @@ class CronEngine:
         self._ready_for: datetime | None = None
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
+        self.turned_at: float | None = None  # loop time of the fire loop's last turn
 
     # --- leadership ---------------------------------------------------------------------
 
@@ -183,6 +218,9 @@ class CronEngine:
                 await self._lead(conn)
             except (psycopg.Error, DBAPIError, OSError) as exc:
                 log.warning("cron leadership lost: %s", exc)
+            except Exception:
+                # A pool timeout or a bug must not stop this replica firing for good.
+                log.exception("cron engine failed; stepping down to campaign again")
             finally:
                 self._step_down()
                 with contextlib.suppress(Exception):
@@ -213,6 +251,7 @@ class CronEngine:
 
     async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self.leader = True
+        self.turned_at = asyncio.get_running_loop().time()
         watch = asyncio.create_task(self._watch(conn), name="cron-watch")
         fire = asyncio.create_task(self._fire_loop(), name="cron-fire")
         try:
@@ -237,38 +276,92 @@ class CronEngine:
 
     def _step_down(self) -> None:
         self.leader = False
+        self.turned_at = None
         self.heap.clear()
         self.versions.clear()
         self.pending.clear()
         self.changed.clear()
         self._ready.clear()
         self._ready_for = None
+        self.ahead.clear()
+        self.withdrawn.clear()
 
     # --- the heap -----------------------------------------------------------------------
+
+    def _entry(self, row: Any, slot: datetime) -> tuple[datetime, int, int, datetime]:
+        """A heap entry: (when to send, schedule, version, slot)."""
+        kind = row.kind if hasattr(row, "kind") else row.target.get("kind", "task")
+        at = ontime.send_at(slot, row.id, kind, row.overlap_policy, row.jitter_s, self.lead)
+        return (at, row.id, row.version, slot)
+
+    def _run_at(self, row: Any, slot: datetime) -> datetime | None:
+        """When core may start the task of ``slot``'s fire: the slot plus the jitter, for
+        fires sent ahead; at once for the others (they are sent at that instant)."""
+        if not ontime.sent_ahead(row.target.get("kind", "task"), row.overlap_policy, self.lead):
+            return None
+        return self.clock.real(slot + ontime.jitter(row.id, row.jitter_s))
+
+    def _outgoing(
+        self, row: Any, slot: datetime, manual: bool = False, backfill: bool = False
+    ) -> Outgoing:
+        return Outgoing(
+            row.id,
+            slot,
+            manual,
+            row.owner,
+            row.target,
+            run_at=None if manual else self._run_at(row, slot),
+            backfill=backfill,
+            withdrawn=0 if manual else self.withdrawn.get((row.id, slot), 0),
+        )
 
     async def _rebuild(self) -> None:
         """Every schedule's next fire, from the table (no croniter unless a row is behind)."""
         async with self.db.connect() as conn:
             rows = (await conn.execute(store.HEAP_ROWS)).all()
+            ahead = (await conn.execute(store.AHEAD, {"now": self.clock.now()})).all()
         heap = []
         self.versions = {}
         for row in rows:
             self.versions[row.id] = row.version
-            heap.append((row.next_fire_at, row.id, row.version))
+            heap.append(self._entry(row, row.next_fire_at))
         heapq.heapify(heap)
         self.heap = heap
+        self.ahead, self.withdrawn = {}, {}
+        for f in ahead:
+            if f.withdrawn:
+                self.withdrawn[(f.schedule_id, f.fire_time)] = f.withdrawn
+            if f.outcome == "submitted" and f.task_id is not None:
+                self.ahead.setdefault(f.schedule_id, {})[f.fire_time] = Ahead(f.task_id, f.version)
         log.info("cron heap built: %d schedules", len(heap))
+        # A change made while no engine led is found the same way as a notified one.
+        self.changed.update(self.ahead)
 
     async def _load_pending(self, ids: Iterable[int] | None = None) -> None:
         async with self.db.connect() as conn:
             rows = (await conn.execute(store.PENDING)).all()
         wanted = None if ids is None else set(ids)
+        now = asyncio.get_running_loop().time()
+        paced = 0
         for row in rows:
             if wanted is None or row.schedule_id in wanted:
                 key = (row.schedule_id, row.fire_time)
-                self.pending.setdefault(
-                    key, Pending(row.schedule_id, row.fire_time, row.manual, row.tries)
+                if key in self.pending:
+                    continue
+                entry = Pending(
+                    row.schedule_id,
+                    row.fire_time,
+                    row.manual,
+                    row.tries,
+                    backfill=row.backfill,
+                    withdrawn=row.withdrawn,
                 )
+                if row.withdrawn:
+                    self.withdrawn[key] = row.withdrawn
+                if row.backfill:  # paced: a backfill of a year does not flood core
+                    entry.retry_at = now + paced / self.settings.cron_backfill_rate
+                    paced += 1
+                self.pending[key] = entry
 
     async def _apply_changes(self) -> None:
         ids = list(self.changed)
@@ -277,6 +370,7 @@ class CronEngine:
             return
         async with self.db.connect() as conn:
             rows = {r.id: r for r in (await conn.execute(store.SCHEDULES_BY_ID, {"ids": ids}))}
+        await self._withdraw(ids, rows)
         for sid in ids:
             row = rows.get(sid)
             if row is None:
@@ -288,17 +382,86 @@ class CronEngine:
                 self.versions.pop(sid, None)  # paused, ended, or never again
             else:
                 self.versions[sid] = row.version
-                heapq.heappush(self.heap, (row.next_fire_at, sid, row.version))
+                heapq.heappush(self.heap, self._entry(row, row.next_fire_at))
         await self._load_pending(ids)
         if len(self.heap) > 2 * len(self.versions) + 1000:
             self.heap = [e for e in self.heap if self.versions.get(e[1]) == e[2]]
             heapq.heapify(self.heap)
 
-    def _pop_due(self, now: datetime) -> list[tuple[datetime, int, int]]:
+    async def _withdraw(self, ids: list[int], rows: dict[int, Any]) -> None:
+        """Withdraw the fires sent ahead from an older version of a changed schedule (or
+        of one paused or deleted): cancel their tasks, mark them ``withdrawn``, and wind
+        the schedule back so those slots are planned again from what it is now. A task
+        that could not be cancelled (core down) keeps its schedule in ``changed``."""
+        cutoff = self.clock.now() + _WITHDRAW_MARGIN
+        stale = [
+            (sid, slot)
+            for sid in ids
+            for slot, fire in self.ahead.get(sid, {}).items()
+            if slot > cutoff and _outdated(rows.get(sid), fire)
+        ]
+        withdrawn: list[tuple[int, datetime]] = []
+        for sid, slot in stale:
+            try:
+                gone = await self.sender.withdraw(self.ahead[sid][slot].task_id)
+            except Exception as exc:
+                log.warning("cron cannot withdraw schedule %s fire %s: %s", sid, slot, exc)
+                self.changed.add(sid)
+                continue
+            if gone:
+                withdrawn.append((sid, slot))
+            else:  # core started it already: it is the slot's run
+                del self.ahead[sid][slot]
+        if withdrawn:
+            await self._store_withdrawals(withdrawn, rows, cutoff)
+
+    async def _store_withdrawals(
+        self, withdrawn: list[tuple[int, datetime]], rows: dict[int, Any], cutoff: datetime
+    ) -> None:
+        rewind: list[tuple[int, int, datetime, datetime | None]] = []
+        paused: list[int] = []
+        for sid in {sid for sid, _ in withdrawn}:
+            row = rows.get(sid)
+            if row is None:
+                continue
+            kept = [s for s in self.ahead[sid] if (sid, s) not in withdrawn]
+            through = max([cutoff, *kept])
+            if row.paused:
+                paused.append(sid)
+            else:
+                after = min(row.fired_through, through)
+                rewind.append((sid, row.version, through, store.timing_of(row).next_after(after)))
+        async with self.db.begin() as conn:
+            counts = await conn.execute(
+                store.WITHDRAW,
+                {"ids": [sid for sid, _ in withdrawn], "times": [s for _, s in withdrawn]},
+            )
+            for sid, slot, count in counts:
+                self.withdrawn[(sid, slot)] = count
+            if rewind:
+                await conn.execute(
+                    store.REWIND, dict(zip(_ADVANCE_COLS, store.columns(rewind, 4), strict=True))
+                )
+            if paused:
+                await conn.execute(store.REWIND_PAUSED, {"ids": paused, "through": cutoff})
+        for sid, slot in withdrawn:
+            del self.ahead[sid][slot]
+            log.info("schedule %s fire %s withdrawn: changed before its slot", sid, slot)
+        # The rows changed under the notification: read them again, at once.
+        self.changed.update(sid for sid, _, _, _ in rewind)
+        self.wake.set()
+        self.metrics.withdrawn(len(withdrawn))
+
+    def _pop_due(self, now: datetime) -> list[tuple[datetime, int, int, datetime]]:
+        """The live entries due by ``now``, each once: a schedule read again after a
+        change may have pushed the same entry twice. (Of two entries of one version with
+        different slots, ``_fire_due`` keeps the one its row names.)"""
         due = []
+        seen: set[tuple[datetime, int, int, datetime]] = set()
         while self.heap and self.heap[0][0] <= now:
             entry = heapq.heappop(self.heap)
-            if self.versions.get(entry[1]) == entry[2]:
+            if self.versions.get(entry[1]) == entry[2] and entry not in seen:
+                seen.add(entry)
                 due.append(entry)
         return due
 
@@ -308,20 +471,36 @@ class CronEngine:
         await self._rebuild()
         await self._load_pending()
         loop = asyncio.get_running_loop()
+        scanned = loop.time()
         while True:
+            self.turned_at = loop.time()
             self.wake.clear()
             await self._apply_changes()
             now = self.clock.now()
             due = self._pop_due(now)
             if due:
                 await self._fire_due(due, now)
+            if loop.time() - scanned > self.settings.cron_pending_scan_s:
+                await self._load_pending()
+                scanned = loop.time()
             if self.pending and min(p.retry_at for p in self.pending.values()) <= loop.time():
                 await self._retry_pending()
             if loop.time() - self._purged_at > _PURGE_EVERY_S:
                 await self._purge()
+                self._forget_past(now)
                 self._purged_at = loop.time()
             await self._prefetch(self.clock.now())
             await self._sleep(loop)
+
+    def _forget_past(self, now: datetime) -> None:
+        """Fires sent ahead whose slot has passed cannot be withdrawn any more."""
+        for sid in list(self.ahead):
+            fires = {s: f for s, f in self.ahead[sid].items() if s > now}
+            if fires:
+                self.ahead[sid] = fires
+            else:
+                del self.ahead[sid]
+        self.withdrawn = {k: v for k, v in self.withdrawn.items() if k[1] > now - _MIN_PERIOD}
 
     async def _sleep(self, loop: asyncio.AbstractEventLoop) -> None:
         timeout = self.settings.cron_tick_s
@@ -335,24 +514,26 @@ class CronEngine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout)
 
-    async def _fire_due(self, due: list[tuple[datetime, int, int]], now: datetime) -> None:
+    async def _fire_due(
+        self, due: list[tuple[datetime, int, int, datetime]], now: datetime
+    ) -> None:
         """Send what is due, then record it. Sending first is safe: a slot not yet recorded
         when this process dies is sent again by the next leader with the same idempotency
         key, and core answers with the task the first send made."""
         rows = {}
-        for _, sid, version in due:
+        for _, sid, version, _ in due:
             row = self._ready.pop(sid, None)
             if row is not None and row.version == version:
                 rows[sid] = row
-        missing = [sid for _, sid, _ in due if sid not in rows]
+        missing = [sid for _, sid, _, _ in due if sid not in rows]
         if missing:
             async with self.db.connect() as conn:
                 for r in await conn.execute(store.SCHEDULES_BY_ID, {"ids": missing}):
                     rows[r.id] = r
         plans: list[Plan] = []
-        for at, sid, version in due:
+        for _, sid, version, slot in due:
             row = rows.get(sid)
-            if row is None or row.version != version or row.paused or row.next_fire_at != at:
+            if row is None or row.version != version or row.paused or row.next_fire_at != slot:
                 continue  # changed under us: its notification brings the new version
             plans.append(plan_slots(row, now))
         if not plans:
@@ -362,49 +543,52 @@ class CronEngine:
             if plan.replace is not None:
                 with contextlib.suppress(Exception):
                     await self.sender.cancel(plan.replace)
-        outgoing = [
-            Outgoing(plan.row.id, slot, False, plan.row.owner, plan.row.target)
-            for plan in plans
-            for slot in plan.fire
-        ]
+        outgoing = [self._outgoing(plan.row, slot) for plan in plans for slot in plan.fire]
         results = await self.sender.send(outgoing) if outgoing else []
-        await self._settle(plans, results)
-        await self._advance(plans)
+        await self._settle(plans, results, now)
 
-    async def _settle(self, plans: list[Plan], results: list[Result]) -> None:
-        """Record the fires and what became of them, and how far each schedule has fired,
-        in one transaction. Fires core did not take wait, pending, for another try."""
+    async def _settle(self, plans: list[Plan], results: list[Result], now: datetime) -> None:
+        """Record the fires and what became of them, and each schedule's next slot, in one
+        transaction (so a slot is never recorded without the schedule moving past it);
+        then push the next slots on the heap. Fires core did not take wait, pending, for
+        another try. Schedules that share an expression, zone and last slot share the
+        croniter computation."""
+        versions = {p.row.id: p.row.version for p in plans}
         fired: list[tuple[Any, ...]] = [
             (r.schedule_id, r.fire_time, r.outcome, r.task_id, r.run_id, r.submitted_at,
-             r.detail, 1)
+             r.detail, 1, versions.get(r.schedule_id))
             for r in results
         ]  # fmt: skip
         for plan in plans:
-            fired.extend((plan.row.id, s, o, None, None, None, d, 0) for s, o, d in plan.record)
-        throughs = [
-            (p.row.id, p.row.version, p.through, p.row.next_fire_at)
-            for p in plans
-            if p.through is not None
-        ]
+            fired.extend(
+                (plan.row.id, s, o, None, None, None, d, 0, plan.row.version)
+                for s, o, d in plan.record
+            )
+        nexts = _next_slots(plans)
         async with self.db.begin() as conn:
             if fired:
                 await conn.execute(
-                    store.FIRED, dict(zip(store.FIRED_COLS, store.columns(fired, 8), strict=True))
+                    store.FIRED, dict(zip(store.FIRED_COLS, store.columns(fired, 9), strict=True))
                 )
             await conn.execute(
-                store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(throughs, 4), strict=True))
+                store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(nexts, 4), strict=True))
             )
+        for plan, (_, _, _, nxt) in zip(plans, nexts, strict=True):
+            if nxt is not None:
+                heapq.heappush(self.heap, self._entry(plan.row, nxt))
         self.metrics.fired(
             (outcome, at, submitted) for _, at, outcome, _, _, submitted, *_ in fired
         )
-        for sid, at, outcome, task_id, run_id, _, detail, _ in fired:
+        for sid, at, outcome, task_id, run_id, _, detail, _, version in fired:
             ids = {"schedule_id": sid, "task_id": task_id, "run_id": run_id}
             level = logging.WARNING if outcome in ("failed", "pending") else logging.DEBUG
             log.log(level, "schedule %s fire %s: %s %s", sid, at, outcome, detail or "", extra=ids)
             if outcome == "pending":
-                entry = self.pending.setdefault((sid, at), Pending(sid, at, False))
-                entry.tries += 1
-                entry.retry_at = self._backoff(entry.tries)
+                waiting = self.pending.setdefault((sid, at), Pending(sid, at, False))
+                waiting.tries += 1
+                waiting.retry_at = self._backoff(waiting.tries)
+            elif outcome == "submitted" and task_id is not None and at > now:
+                self.ahead.setdefault(sid, {})[at] = Ahead(task_id, version)
         if self.on_fire is not None:
             self.on_fire(results)
 
@@ -414,13 +598,7 @@ class CronEngine:
         guarded = [p for p in plans if p.row.overlap_policy != "allow" and p.fire]
         if not guarded:
             return
-        async with self.db.connect() as conn:
-            last: dict[int, Made] = {
-                r.schedule_id: ("task", r.task_id) if r.task_id is not None else ("run", r.run_id)
-                for r in await conn.execute(
-                    store.LAST_TARGETS, {"ids": [p.row.id for p in guarded]}
-                )
-            }
+        last = await self._previous([(p.row.id, min(p.fire)) for p in guarded])
         if not last:
             return
         try:
@@ -449,6 +627,17 @@ class CronEngine:
             else:
                 plan.replace = made
 
+    async def _previous(self, slots: list[tuple[int, datetime]]) -> dict[int, Made]:
+        """For each (schedule, slot): what the schedule's fire before that slot made."""
+        async with self.db.connect() as conn:
+            return {
+                r.schedule_id: ("task", r.task_id) if r.task_id is not None else ("run", r.run_id)
+                for r in await conn.execute(
+                    store.LAST_TARGETS,
+                    {"ids": [sid for sid, _ in slots], "slots": [at for _, at in slots]},
+                )
+            }
+
     def _backoff(self, tries: int) -> float:
         delay: float = min(self.settings.cron_retry_max_s, 0.5 * 2.0 ** min(tries, 16))
         return asyncio.get_running_loop().time() + delay
@@ -470,26 +659,6 @@ class CronEngine:
         if self.on_fire is not None:
             self.on_fire(results)
 
-    async def _advance(self, plans: list[Plan]) -> None:
-        """Each fired schedule's next slot: stored, and pushed on the heap. Schedules that
-        share an expression, zone and last slot share the computation."""
-        nexts = []
-        cache: dict[tuple[Any, ...], datetime | None] = {}
-        for plan in plans:
-            row = plan.row
-            after = max(plan.through or row.next_fire_at, row.fired_through)
-            key = (row.expression, row.timezone, row.starts_at, row.ends_at, after)
-            if key not in cache:
-                cache[key] = store.timing_of(row).next_after(after)
-            nxt = cache[key]
-            nexts.append((row.id, row.version, after, nxt))
-            if nxt is not None:
-                heapq.heappush(self.heap, (nxt, row.id, row.version))
-        async with self.db.begin() as conn:
-            await conn.execute(
-                store.ADVANCE, dict(zip(_ADVANCE_COLS, store.columns(nexts, 4), strict=True))
-            )
-
     async def _prefetch(self, now: datetime) -> None:
         """Read ahead the rows of schedules due within ``_PREFETCH``, so that at the slot
         the engine goes straight to sending."""
@@ -499,7 +668,7 @@ class CronEngine:
         horizon = now + _PREFETCH
         ids = [
             sid
-            for at, sid, version in self.heap
+            for at, sid, version, _ in self.heap
             if at <= horizon and self.versions.get(sid) == version and sid not in self._ready
         ]
         if not ids:
@@ -509,49 +678,109 @@ class CronEngine:
                 self._ready[row.id] = row
 
     async def _retry_pending(self) -> None:
-        """Send again the fires core did not take, within each schedule's misfire policy."""
+        """Send the fires waiting in ``pending``: those core did not take (within each
+        schedule's misfire policy), manual triggers, and backfills (paced, and one at a
+        time for a schedule whose overlap policy is not ``allow``)."""
         loop_now = asyncio.get_running_loop().time()
-        ready = [p for p in self.pending.values() if p.retry_at <= loop_now]
-        ids = sorted({p.schedule_id for p in ready})
+        ids = sorted({p.schedule_id for p in self.pending.values() if p.retry_at <= loop_now})
         async with self.db.connect() as conn:
             rows = {r.id: r for r in (await conn.execute(store.SCHEDULES_BY_ID, {"ids": ids}))}
         now = self.clock.now()
         dropped: list[Result] = []
         outgoing: list[Outgoing] = []
+        sequential: list[Pending] = []
         for sid in ids:
-            row = rows.get(sid)
             mine = sorted(
                 (p for p in self.pending.values() if p.schedule_id == sid),
                 key=lambda p: p.fire_time,
             )
+            row = rows.get(sid)
             if row is None:
                 for p in mine:
                     del self.pending[(sid, p.fire_time)]
                 continue
-            keep = _keep_pending(row, [p for p in mine if not p.manual], now)
-            for p in mine:
-                if p.manual or p.fire_time in keep:
-                    if p.retry_at <= loop_now:
-                        outgoing.append(Outgoing(sid, p.fire_time, p.manual, row.owner, row.target))
-                else:
-                    dropped.append(
-                        Result(
-                            sid,
-                            p.fire_time,
-                            "missed",
-                            detail="core was unreachable; dropped by the misfire policy "
-                            f"{row.misfire_policy}",
-                        )
-                    )
+            backfills = [p for p in mine if p.backfill]
+            if backfills and row.overlap_policy != "allow":
+                sequential.append(backfills[0])  # one at a time: see _next_in_line
+            self._sort_pending(row, mine, now, loop_now, outgoing, dropped)
+        if sequential:
+            outgoing.extend(await self._next_in_line(sequential, rows))
         if dropped:
             await self._record(dropped)
         if outgoing:
             await self._record(await self.sender.send(outgoing))
 
+    def _sort_pending(
+        self,
+        row: Any,
+        mine: list[Pending],
+        now: datetime,
+        loop_now: float,
+        outgoing: list[Outgoing],
+        dropped: list[Result],
+    ) -> None:
+        """One schedule's waiting fires that are due a try: to send, or to drop."""
+        keep = _keep_pending(row, [p for p in mine if not p.manual and not p.backfill], now)
+        for p in mine:
+            if p.retry_at > loop_now:
+                continue
+            if p.manual:
+                outgoing.append(self._outgoing(row, p.fire_time, manual=True))
+            elif p.backfill:
+                if row.overlap_policy == "allow":
+                    outgoing.append(self._outgoing(row, p.fire_time, backfill=True))
+            elif p.fire_time in keep:
+                outgoing.append(self._outgoing(row, p.fire_time))
+            else:
+                dropped.append(
+                    Result(
+                        row.id,
+                        p.fire_time,
+                        "missed",
+                        detail="core was unreachable; dropped by the misfire policy "
+                        f"{row.misfire_policy}",
+                    )
+                )
+
+    async def _next_in_line(self, heads: list[Pending], rows: dict[int, Any]) -> list[Outgoing]:
+        """The earliest backfill fire of each schedule that forbids overlap, once the
+        fire before it is over; the others wait a second and look again."""
+        ready = [p for p in heads if p.retry_at <= asyncio.get_running_loop().time()]
+        if not ready:
+            return []
+        loop = asyncio.get_running_loop()
+        last = await self._previous([(p.schedule_id, p.fire_time) for p in ready])
+        try:
+            live = await self.sender.active(list(last.values())) if last else {}
+        except Exception as exc:
+            log.warning("cron overlap check of a backfill failed: %s", exc)
+            for p in ready:
+                p.retry_at = loop.time() + 1.0
+            return []
+        out = []
+        for p in ready:
+            made = last.get(p.schedule_id)
+            if made is not None and live.get(made):
+                p.retry_at = loop.time() + 1.0
+            else:
+                out.append(self._outgoing(rows[p.schedule_id], p.fire_time, backfill=True))
+        return out
+
     async def _purge(self) -> None:
         age_s = self.settings.cron_fire_retention_days * 86400
         async with self.db.begin() as conn:
             await conn.execute(store.PURGE_FIRES, {"age_s": age_s, "limit": 10_000})
+
+    def unready(self, runner: asyncio.Task[None] | None) -> str | None:
+        """Why this replica's engine cannot fire (for ``/readyz``), or None: its task
+        ended, or it leads and its fire loop has not turned for a minute."""
+        if runner is None or runner.done():
+            return "the cron engine is not running"
+        if self.leader and self.turned_at is not None:  # set when the lead begins
+            stalled = asyncio.get_running_loop().time() - self.turned_at
+            if stalled > self.settings.cron_stall_s:
+                return f"the leading cron engine has not turned for {stalled:.0f} s"
+        return None
 
     def status(self) -> dict[str, Any]:
         live = [e for e in self.heap if self.versions.get(e[1]) == e[2]]
@@ -560,8 +789,28 @@ class CronEngine:
             "leader": self.leader,
             "schedules": len(self.versions),
             "pending_fires": len(self.pending),
-            "next_fire_at": min(live)[0] if live else None,
+            "next_fire_at": min(e[3] for e in live) if live else None,
         }
+
+
+def _outdated(row: Any, fire: Ahead) -> bool:
+    """Whether a fire sent ahead no longer stands for its (changed) schedule."""
+    return row is None or bool(row.paused) or row.version != fire.version
+
+
+def _next_slots(plans: list[Plan]) -> list[tuple[int, int, datetime, datetime | None]]:
+    """(schedule, version, fired through, next slot) of each plan's schedule. Schedules
+    that share an expression, zone and last slot share the croniter computation."""
+    nexts = []
+    cache: dict[tuple[Any, ...], datetime | None] = {}
+    for plan in plans:
+        row = plan.row
+        after = max(plan.through or row.next_fire_at, row.fired_through)
+        key = (row.expression, row.timezone, row.starts_at, row.ends_at, after)
+        if key not in cache:
+            cache[key] = store.timing_of(row).next_after(after)
+        nexts.append((row.id, row.version, after, cache[key]))
+    return nexts
 
 
 def _keep_pending(row: Any, waiting: list[Pending], now: datetime) -> set[datetime]:

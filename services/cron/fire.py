@@ -14,28 +14,42 @@ import httpx
 
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
+from libs.common.dag_models import RunFire
 from libs.common.errors import CairnError, Unavailable
 from libs.common.states import FINAL
 
 Outcome = Literal["submitted", "failed", "pending", "missed"]
 SCHEDULE_LABEL = "cairn.cron/schedule"
 FIRE_LABEL = "cairn.cron/fire-time"
+BACKFILL_LABEL = "cairn.cron/backfill"
 
 
-def fire_key(schedule_id: int, fire_time: datetime, manual: bool) -> str:
+def fire_key(schedule_id: int, fire_time: datetime, manual: bool, withdrawn: int = 0) -> str:
+    """The idempotency key of a fire. A fire withdrawn by a change before its slot is
+    sent again under a key of its own (``:w<n>``): the first task is cancelled, not reused."""
     stamp = fire_time.astimezone(UTC).isoformat()
-    return f"cron:{schedule_id}:manual:{stamp}" if manual else f"cron:{schedule_id}:{stamp}"
+    if manual:
+        return f"cron:{schedule_id}:manual:{stamp}"
+    return f"cron:{schedule_id}:{stamp}" + (f":w{withdrawn}" if withdrawn else "")
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A claimed fire, ready to send."""
+    """A claimed fire, ready to send. ``run_at``: when its task may start (the slot plus
+    the schedule's jitter; None: at once)."""
 
     schedule_id: int
     fire_time: datetime
     manual: bool
     owner: str
     target: dict[str, Any]
+    run_at: datetime | None = None
+    backfill: bool = False
+    withdrawn: int = 0
+
+    @property
+    def key(self) -> str:
+        return fire_key(self.schedule_id, self.fire_time, self.manual, self.withdrawn)
 
 
 @dataclass(frozen=True)
@@ -59,11 +73,20 @@ def _retryable(exc: BaseException) -> bool:
 def _task_body(item: Outgoing) -> dict[str, Any]:
     body = dict(item.target["task"])
     stamp = item.fire_time.astimezone(UTC).isoformat()
-    body["idempotency_key"] = fire_key(item.schedule_id, item.fire_time, item.manual)
+    body["idempotency_key"] = item.key
+    body["env"] = {
+        **body.get("env", {}),
+        "CAIRN_CRON_SLOT": stamp,
+        "CAIRN_CRON_SCHEDULE_ID": str(item.schedule_id),
+        **({"CAIRN_CRON_BACKFILL": "true"} if item.backfill else {}),
+    }
+    if item.run_at is not None:
+        body["run_at"] = item.run_at.astimezone(UTC).isoformat()
     body["labels"] = {
         **body.get("labels", {}),
         SCHEDULE_LABEL: str(item.schedule_id),
         FIRE_LABEL: stamp,
+        **({BACKFILL_LABEL: "true"} if item.backfill else {}),
     }
     return body
 
@@ -109,7 +132,10 @@ class Sender:
                 run, _ = await self.dag.start_run(
                     item.target["workflow"],
                     item.target.get("params") or {},
-                    idempotency_key=fire_key(item.schedule_id, item.fire_time, item.manual),
+                    idempotency_key=item.key,
+                    fire=RunFire(
+                        slot=item.fire_time, schedule_id=item.schedule_id, backfill=item.backfill
+                    ),
                     on_behalf_of=item.owner,
                 )
             except Exception as exc:
@@ -181,6 +207,19 @@ class Sender:
                     raise
 
         return dict(await asyncio.gather(*(one(m) for m in made)))
+
+    async def withdraw(self, task_id: int) -> bool:
+        """Cancel a task sent ahead of its slot; False if core started it already (so it
+        is the slot's run and stays)."""
+        try:
+            await self.core.cancel(task_id)
+        except CairnError as exc:
+            if exc.status == 404:
+                return True
+            if exc.status != 409:
+                raise
+            return (await self.core.get_task(task_id)).state == "cancelled"
+        return True
 
     async def cancel(self, made: Made) -> None:
         kind, ident = made

@@ -17,7 +17,7 @@ SELECT CASE WHEN paused THEN 'paused' ELSE 'active' END AS state, count(*) AS n
 FROM cron.schedules GROUP BY 1
 """)
 
-OUTCOMES = ("submitted", "failed", "pending", "missed", "skipped_overlap")
+OUTCOMES = ("submitted", "failed", "pending", "missed", "skipped_overlap", "withdrawn")
 
 
 class CronMetrics:
@@ -25,11 +25,13 @@ class CronMetrics:
         m = self.metrics = Metrics("cron")
         self.fires = m.counter(
             "cairn_cron_fires_total",
-            "Fires recorded, by outcome (submitted, failed, pending, missed, skipped_overlap)",
+            "Fires recorded, by outcome (submitted, failed, pending, missed, skipped_overlap,"
+            " withdrawn: sent ahead, then cancelled by a change before the slot)",
             ["outcome"],
         )
         self.lag = m.histogram(
-            "cairn_cron_fire_lag_seconds", "From a slot's fire time to its submission"
+            "cairn_cron_fire_lag_seconds",
+            "From a slot's fire time to its submission (0 for fires sent ahead of the slot)",
         )
         leader = m.gauge("cairn_cron_leader", "1 while this replica leads and fires schedules")
         leader.set_function(lambda: float(is_leader()))
@@ -43,6 +45,9 @@ class CronMetrics:
             self.fires.labels(outcome).inc()
             if outcome == "submitted" and submitted_at is not None:
                 self.lag.observe(max(0.0, (submitted_at - fire_time).total_seconds()))
+
+    def withdrawn(self, count: int) -> None:
+        self.fires.labels("withdrawn").inc(count)
 
 
 async def read_schedules(conn: AsyncConnection) -> list[Metric]:

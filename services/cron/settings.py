@@ -22,6 +22,18 @@ class CronSettings(CairnSettings):
     cron_tick_s: float = Field(default=1.0, gt=0)
     # Tasks submitted to core per request when many schedules fire at once.
     cron_submit_chunk: int = Field(default=500, ge=1, le=1000)
+    # Fires of task targets (overlap allow) are sent this long before their slot, with
+    # run_at = the slot: a burst is spread over the lead, and core starts each on time.
+    # 0: sent at the slot.
+    cron_lead_s: float = Field(default=30.0, ge=0, le=3600)
+    # Backfill: the most slots one request may fire, and the fires sent per second.
+    cron_backfill_max: int = Field(default=1000, ge=1, le=100_000)
+    cron_backfill_rate: float = Field(default=10.0, gt=0, le=10_000)
+    # How often the leader looks for pending fires it was not told of (a manual trigger or
+    # a backfill whose API process died before sending), and how long its fire loop may go
+    # without a turn before /readyz reports it stalled.
+    cron_pending_scan_s: float = Field(default=30.0, gt=0)
+    cron_stall_s: float = Field(default=60.0, gt=0)
     # Longest pause between tries of a submission while core cannot be reached.
     cron_retry_max_s: float = Field(default=30.0, gt=0)
     cron_fire_retention_days: float = Field(default=30.0, gt=0)

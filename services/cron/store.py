@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -21,6 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.cron_models import (
     MAX_SCHEDULE_PAGE,
+    Backfill,
+    BackfillCreate,
     Fire,
     Schedule,
     ScheduleCreate,
@@ -87,6 +89,7 @@ def schedule_from_row(row: Any) -> Schedule:
         catch_up_limit=row.catch_up_limit,
         misfire_grace_s=row.misfire_grace_s,
         overlap_policy=row.overlap_policy,
+        jitter_s=row.jitter_s,
         starts_at=row.starts_at,
         ends_at=row.ends_at,
         paused=row.paused,
@@ -123,6 +126,7 @@ async def create(
         "catch_up_limit": body.catch_up_limit,
         "misfire_grace_s": body.misfire_grace_s,
         "overlap_policy": body.overlap_policy,
+        "jitter_s": body.jitter_s,
         "starts_at": body.starts_at,
         "ends_at": body.ends_at,
         "paused": body.paused,
@@ -240,6 +244,48 @@ async def set_paused(
     )
 
 
+async def backfill(
+    conn: AsyncConnection,
+    schedule_id: int,
+    owner: str | None,
+    body: BackfillCreate,
+    now: datetime,
+    most: int,
+) -> Backfill:
+    """Queue every slot of the schedule in ``[from, to]`` (up to now) that has no fire
+    yet, as pending fires marked ``backfill``: the leader sends them, paced. A slot
+    fired before is left as it was, so a repeated backfill is a no-op."""
+    row = await _row(conn, schedule_id, owner)
+    plan = timing_of(row)
+    until = min(body.to, now)
+    slots: list[datetime] = []
+    at = plan.next_after(body.from_ - timedelta(microseconds=1))
+    while at is not None and at <= until:
+        if len(slots) == most:
+            raise _invalid(
+                "body.to", ValueError(f"the range holds more than {most} slots; backfill less")
+            )
+        slots.append(at)
+        at = plan.next_after(at)
+    queued: Sequence[Any] = []
+    if slots:
+        queued = (
+            await conn.execute(
+                BACKFILL,
+                {"id": schedule_id, "times": slots, "version": row.version},
+            )
+        ).all()
+        await notify(conn, schedule_id)
+    return Backfill(
+        schedule_id=schedule_id,
+        slots=len(slots),
+        queued=len(queued),
+        already=len(slots) - len(queued),
+        first=slots[0] if slots else None,
+        last=slots[-1] if slots else None,
+    )
+
+
 def fire_from_row(row: Any) -> Fire:
     lag = (row.submitted_at - row.fire_time).total_seconds() * 1000 if row.submitted_at else None
     return Fire(
@@ -254,6 +300,8 @@ def fire_from_row(row: Any) -> Fire:
         lag_ms=lag,
         tries=row.tries,
         detail=row.detail,
+        backfill=row.backfill,
+        withdrawn=row.withdrawn,
     )
 
 
@@ -274,8 +322,8 @@ async def list_fires(
 # --- the engine's statements --------------------------------------------------------------
 
 HEAP_ROWS = text(
-    "SELECT id, version, next_fire_at, fired_through FROM cron.schedules"
-    " WHERE next_fire_at IS NOT NULL"
+    "SELECT id, version, next_fire_at, fired_through, overlap_policy, jitter_s,"
+    " target->>'kind' AS kind FROM cron.schedules WHERE next_fire_at IS NOT NULL"
 )
 
 SCHEDULES_BY_ID = text("SELECT * FROM cron.schedules WHERE id = ANY(:ids)")
@@ -297,21 +345,63 @@ CLAIM = text(
 FIRED = text(
     """
     INSERT INTO cron.fires (schedule_id, fire_time, outcome, task_id, run_id, submitted_at,
-                            detail, tries)
+                            detail, tries, version)
     SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[]),
                          CAST(:outcomes AS text[]), CAST(:task_ids AS bigint[]),
                          CAST(:run_ids AS bigint[]), CAST(:submitted_ats AS timestamptz[]),
-                         CAST(:details AS text[]), CAST(:tries AS integer[]))
+                         CAST(:details AS text[]), CAST(:tries AS integer[]),
+                         CAST(:versions AS bigint[]))
     ON CONFLICT (schedule_id, fire_time) DO UPDATE
        SET outcome = EXCLUDED.outcome, task_id = EXCLUDED.task_id, run_id = EXCLUDED.run_id,
            submitted_at = EXCLUDED.submitted_at, detail = EXCLUDED.detail,
-           tries = cron.fires.tries + EXCLUDED.tries
-     WHERE cron.fires.outcome = 'pending' AND EXCLUDED.outcome <> 'pending'
+           tries = cron.fires.tries + EXCLUDED.tries, version = EXCLUDED.version
+     WHERE cron.fires.outcome IN ('pending', 'withdrawn') AND EXCLUDED.outcome <> 'pending'
     """
 )
 FIRED_COLS = (
-    "ids", "times", "outcomes", "task_ids", "run_ids", "submitted_ats", "details", "tries"
+    "ids", "times", "outcomes", "task_ids", "run_ids", "submitted_ats", "details", "tries",
+    "versions",
 )  # fmt: skip
+
+# Fires sent ahead whose slot has not come, and fires withdrawn before their slot: what
+# a new leader must know to withdraw (or send again) after a change in the lead window.
+AHEAD = text(
+    """
+    SELECT schedule_id, fire_time, outcome, task_id, version, withdrawn FROM cron.fires
+     WHERE NOT manual AND fire_time > :now AND outcome IN ('submitted', 'withdrawn')
+    """
+)
+
+# A fire sent ahead, withdrawn because its schedule changed before the slot: its task is
+# cancelled, and the schedule is wound back so the slot is planned again from the change.
+WITHDRAW = text(
+    """
+    UPDATE cron.fires f
+       SET outcome = 'withdrawn', withdrawn = f.withdrawn + 1, submitted_at = NULL,
+           detail = 'withdrawn: the schedule changed before the slot; task '
+                    || f.task_id || ' cancelled'
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:times AS timestamptz[])) AS v(id, fire_time)
+     WHERE f.schedule_id = v.id AND f.fire_time = v.fire_time AND f.outcome = 'submitted'
+    RETURNING f.schedule_id, f.fire_time, f.withdrawn
+    """
+)
+
+REWIND = text(
+    """
+    UPDATE cron.schedules s
+       SET fired_through = LEAST(s.fired_through, v.through), next_fire_at = v.next
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS bigint[]),
+                  CAST(:throughs AS timestamptz[]), CAST(:nexts AS timestamptz[]))
+           AS v(id, version, through, next)
+     WHERE s.id = v.id AND s.version = v.version AND NOT s.paused
+    """
+)
+REWIND_PAUSED = text(
+    """
+    UPDATE cron.schedules s SET fired_through = LEAST(s.fired_through, :through)
+     WHERE s.id = ANY(:ids) AND s.paused
+    """
+)
 
 ADVANCE = text(
     """
@@ -350,17 +440,31 @@ RETRIED = text(
     """
 )
 
-PENDING = text(
-    "SELECT schedule_id, fire_time, manual, tries FROM cron.fires WHERE outcome = 'pending'"
-    " ORDER BY fire_time"
+BACKFILL = text(
+    """
+    INSERT INTO cron.fires (schedule_id, fire_time, outcome, detail, backfill, version)
+    SELECT :id, t, 'pending', 'queued by a backfill', true, :version
+      FROM unnest(CAST(:times AS timestamptz[])) AS t
+    ON CONFLICT DO NOTHING
+    RETURNING fire_time
+    """
 )
 
+PENDING = text(
+    "SELECT schedule_id, fire_time, manual, tries, backfill, withdrawn FROM cron.fires"
+    " WHERE outcome = 'pending' ORDER BY fire_time"
+)
+
+# What each schedule's fire before ``slot`` made, for the overlap policies: never the
+# slot's own task (a slot fired again after a crash finds its own task, not a previous).
 LAST_TARGETS = text(
     """
-    SELECT DISTINCT ON (schedule_id) schedule_id, task_id, run_id
-      FROM cron.fires
-     WHERE schedule_id = ANY(:ids) AND (task_id IS NOT NULL OR run_id IS NOT NULL)
-     ORDER BY schedule_id, fire_time DESC
+    SELECT DISTINCT ON (f.schedule_id) f.schedule_id, f.task_id, f.run_id
+      FROM cron.fires f
+      JOIN unnest(CAST(:ids AS bigint[]), CAST(:slots AS timestamptz[])) AS v(id, slot)
+        ON f.schedule_id = v.id AND f.fire_time < v.slot
+     WHERE f.outcome = 'submitted' AND (f.task_id IS NOT NULL OR f.run_id IS NOT NULL)
+     ORDER BY f.schedule_id, f.fire_time DESC
     """
 )
 

@@ -54,6 +54,8 @@ schedules = Table(
     _time("starts_at"),
     _time("ends_at"),
     Column("paused", Boolean, nullable=False, server_default=text("false")),
+    # Each fire's task runs this schedule's fixed offset (0 .. jitter_s s) after its slot.
+    Column("jitter_s", Integer, nullable=False, server_default=text("0")),
     # Bumped by every change, so the engine drops heap entries of an older version.
     Column("version", BigInteger, nullable=False, server_default=text("1")),
     # Every slot at or before this instant has been dealt with (fired, or missed by policy).
@@ -68,6 +70,7 @@ schedules = Table(
     CheckConstraint("catch_up_limit BETWEEN 1 AND 1000", name="catch_up_limit"),
     CheckConstraint("misfire_grace_s >= 1", name="misfire_grace_positive"),
     CheckConstraint("NOT paused OR next_fire_at IS NULL", name="paused_waits_for_nothing"),
+    CheckConstraint("jitter_s BETWEEN 0 AND 3600", name="jitter_range"),
 )
 
 Index(
@@ -94,9 +97,14 @@ fires = Table(
     _time("submitted_at"),
     Column("tries", Integer, nullable=False, server_default=text("0")),
     Column("detail", Text),
+    # The schedule's version the fire was planned from (a later change withdraws it).
+    Column("version", BigInteger),
+    # Times a change in the lead window withdrew the fire; part of its idempotency key.
+    Column("withdrawn", Integer, nullable=False, server_default=text("0")),
+    Column("backfill", Boolean, nullable=False, server_default=text("false")),
     PrimaryKeyConstraint("schedule_id", "fire_time"),
     CheckConstraint(
-        "outcome IN ('failed', 'missed', 'pending', 'skipped_overlap', 'submitted')",
+        "outcome IN ('failed', 'missed', 'pending', 'skipped_overlap', 'submitted', 'withdrawn')",
         name="outcome",
     ),
     CheckConstraint(

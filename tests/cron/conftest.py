@@ -30,6 +30,10 @@ class FakeClock:
         with self._lock:
             return self._now
 
+    def real(self, at: datetime) -> datetime:
+        """Where ``at`` would fall in real time if this clock ran at speed 1 from now."""
+        return datetime.now(UTC) + (at - self.now())
+
     def set(self, at: datetime) -> None:
         with self._lock:
             self._now = at
@@ -80,6 +84,8 @@ def cron_settings(core: Core, home: Path, **overrides: Any) -> CronSettings:
         "cron_leader_poll_s": 0.1,
         "cron_tick_s": 0.02,
         "cron_retry_max_s": 0.2,
+        # Fires at their slot, as these tests step the clock to it; the lead has its own.
+        "cron_lead_s": 0,
         **overrides,
     }
     return CronSettings(**values)

@@ -76,3 +76,61 @@ def test_a_schedule_starts_workflow_runs_for_its_owner(
         assert runs == (3,)
     finally:
         cron.stop()
+
+
+def test_a_workflow_run_knows_its_slot_from_fire_slot(
+    core: Core, dag: DagServer, worker: Worker, tmp_path: Path, db: Conn
+) -> None:
+    stamped = workflow(
+        "stamped",
+        [
+            node(
+                "a",
+                args=("ok", "for {{ fire.slot }}", "{{ fire.schedule_id }}"),
+                task={"env": {"S": "{{ fire.slot }}"}},
+            )
+        ],
+    )
+    with dag.client("alice") as alice:
+        assert alice.post("/v1/workflows", json=stamped).status_code == 201
+        # Started by hand, the templates are empty: no fire started the run.
+        by_hand = alice.post("/v1/workflows/stamped/runs", json={}).json()
+        refused = alice.post("/v1/workflows/stamped/runs", json={"params": {"fire": "x"}})
+        assert refused.status_code == 422
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, dag_url=dag.url)
+    try:
+        wait_for(lambda: cron.engine.leader)
+        with cron.client("alice") as client:
+            sid = client.post(
+                "/v1/schedules",
+                json=schedule(
+                    name="s",
+                    target={"kind": "dag", "workflow": "stamped"},
+                    expression="* * * * *",
+                    timezone="UTC",
+                ),
+            ).json()["id"]
+        clock.set(EPOCH.replace(second=0) + timedelta(minutes=1))
+        wait_for(lambda: [f[0] for f in fires(db, sid)] == ["submitted"], timeout=20)
+        [(_, run_id)] = fires(db, sid)
+
+        def task_of(run: int) -> Any:
+            return db.execute(
+                "SELECT args, env FROM core.tasks WHERE labels->>'cairn.dag/run' = %s",
+                (str(run),),
+            ).fetchone()
+
+        args, env = wait_for(lambda: task_of(run_id), timeout=20)
+        slot = "2027-01-04T12:01:00+00:00"
+        assert args == ["ok", f"for {slot}", str(sid)]
+        assert env == {"S": slot, "CAIRN_CRON_SLOT": slot, "CAIRN_CRON_SCHEDULE_ID": str(sid)}
+        with dag.client("alice") as alice:
+            run = alice.get(f"/v1/runs/{run_id}").json()
+        assert run["params"]["fire"] == {"slot": slot, "schedule_id": sid, "backfill": False}
+        assert wait_for(lambda: task_of(by_hand["id"]), timeout=20) == (
+            ["ok", "for ", ""],
+            {"S": ""},
+        )
+    finally:
+        cron.stop()

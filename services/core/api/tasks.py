@@ -82,6 +82,8 @@ async def submit_task(
         task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
         notifier.announce()
+        if row.state == TaskState.READY:
+            notifier.announce_due(row.run_at)
         meter.submitted_to([spec.queue])
         traces.submitted(request.headers, [(row, spec)], start)
     response = _json(task, 201 if created else 200)
@@ -158,6 +160,9 @@ async def submit_batch(
     async with engine.begin() as conn:
         rows = await store.submit(conn, owners, batch.tasks)
     notifier.announce()
+    delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
+    if delayed:
+        notifier.announce_due(min(delayed))
     meter.submitted_to(
         spec.queue for spec, (_, created) in zip(batch.tasks, rows, strict=True) if created
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
@@ -82,6 +83,10 @@ async def start_run(
         workflow = await store.get_workflow(conn, owner, name, body.version)
         dag = await graphs.get(conn, workflow.id)
         params = merged_params(dag, body.params)
+        if body.fire is not None:  # {{ fire.slot }}: kept with the run's params
+            fire = body.fire.model_dump(mode="json")
+            fire["slot"] = body.fire.slot.astimezone(UTC).isoformat()  # as CAIRN_CRON_SLOT
+            params = {**params, "fire": fire}
         row, created = await store.create_run(
             conn, owner, workflow, params, body.idempotency_key, dag.order
         )

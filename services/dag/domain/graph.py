@@ -12,12 +12,14 @@ import networkx as nx
 from libs.common.dag_models import NodeSpec, TriggerRule, WorkflowCreate
 from libs.common.errors import InvalidInput
 
-# {{ params.x }}, {{ run.id }}, {{ node.try }}, {{ nodes.extract.output_path }}
+# {{ params.x }}, {{ run.id }}, {{ node.try }}, {{ nodes.extract.output_path }},
+# {{ fire.slot }} (empty unless a cron fire started the run)
 TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 _REFERENCE = re.compile(
     r"^(?:params\.(?P<param>[A-Za-z_][A-Za-z0-9_]*)"
     r"|run\.(?:id|workflow|owner)"
     r"|node\.(?:name|try)"
+    r"|fire\.(?:slot|schedule_id|backfill)"
     r"|nodes\.(?P<node>[A-Za-z0-9_][A-Za-z0-9_.\-]*)\.output_path)$"
 )
 

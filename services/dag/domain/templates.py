@@ -1,5 +1,7 @@
 """Rendering a node's task template for one run: ``{{ params.x }}``, ``{{ run.id }}``,
-``{{ node.try }}``, ``{{ nodes.UPSTREAM.output_path }}``."""
+``{{ node.try }}``, ``{{ nodes.UPSTREAM.output_path }}``, ``{{ fire.slot }}`` (and
+``fire.schedule_id``, ``fire.backfill``: empty unless a cron fire started the run, whose
+nodes also get ``CAIRN_CRON_SLOT`` and ``CAIRN_CRON_SCHEDULE_ID``)."""
 
 from __future__ import annotations
 
@@ -65,9 +67,15 @@ class Renderer:
             )
         if head == "node":
             return _text(node if rest == "name" else try_number)
+        if head == "fire":
+            return _text(self._fire().get(rest))
         upstream = rest.rsplit(".", 1)[0]
         path = self.dag.specs[upstream].task.output_path or ""
         return self._render(upstream, 1, path)
+
+    def _fire(self) -> Mapping[str, Any]:
+        fire = self.run.params.get("fire")
+        return fire if isinstance(fire, Mapping) else {}
 
     def _render(self, node: str, try_number: int, text: str) -> str:
         if "{{" not in text:
@@ -80,6 +88,11 @@ class Renderer:
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
         doc["args"] = [self._render(node, try_number, arg) for arg in template.args]
         doc["env"] = {k: self._render(node, try_number, v) for k, v in template.env.items()}
+        if fire := self._fire():
+            doc["env"]["CAIRN_CRON_SLOT"] = _text(fire.get("slot"))
+            doc["env"]["CAIRN_CRON_SCHEDULE_ID"] = _text(fire.get("schedule_id"))
+            if fire.get("backfill"):
+                doc["env"]["CAIRN_CRON_BACKFILL"] = "true"
         for name in ("input_path", "output_path"):
             if doc[name] is not None:
                 doc[name] = self._render(node, try_number, doc[name])

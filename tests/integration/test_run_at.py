@@ -1,0 +1,112 @@
+"""A delayed task starts at its ``run_at``: core's promoter sets a timer on the next due
+instant, woken by a hint when an earlier one is stored (on this replica, or on another
+through NOTIFY). Every core here polls only once a minute, so a task promoted on time was
+promoted by the timer, not by the poll."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+
+from tests.support import Core, spec, start_core, wait_for
+
+POLL_S = 60.0  # far longer than any test waits: only the timer can be on time
+
+
+def _db_now_plus(db: psycopg.Connection[tuple[object, ...]], seconds: float) -> str:
+    row = db.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
+    assert row is not None
+    at: datetime = row[0]  # type: ignore[assignment]
+    return at.isoformat()
+
+
+def _promotions(db: psycopg.Connection[tuple[object, ...]], ids: list[int]) -> list[tuple]:
+    """Each promote event of the tasks: (task, seconds after its run_at)."""
+    return db.execute(
+        "SELECT e.task_id, EXTRACT(EPOCH FROM e.at - t.run_at)::float"
+        "  FROM core.task_events e JOIN core.tasks t ON t.id = e.task_id"
+        " WHERE e.task_id = ANY(%s) AND e.op = 'promote' ORDER BY e.task_id",
+        (ids,),
+    ).fetchall()
+
+
+def _waiting(db: psycopg.Connection[tuple[object, ...]], ids: list[int]) -> bool:
+    row = db.execute(
+        "SELECT count(*) FROM core.tasks WHERE id = ANY(%s) AND state = 'waiting'", (ids,)
+    ).fetchone()
+    return row is not None and row[0] == len(ids)
+
+
+def test_a_delayed_task_starts_at_its_run_at_not_at_the_next_poll(
+    db_url: str, db, tmp_path: Path
+) -> None:
+    core = start_core(db_url, tmp_path, promote_interval_s=POLL_S)
+    try:
+        with core.client() as alice:
+            # A later task first, so the timer is set; the earlier one must move it.
+            late = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 30))).json()
+            soon = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 1.0))).json()
+            batch = alice.post(
+                "/v1/tasks/batch",
+                json={"tasks": [spec(run_at=_db_now_plus(db, 1.5)) for _ in range(20)]},
+            ).json()["tasks"]
+        assert {late["state"], soon["state"]} | {t["state"] for t in batch} == {"ready"}
+        ids = [soon["id"], *(t["id"] for t in batch)]
+        wait_for(lambda: _waiting(db, ids), timeout=10)
+        moved = _promotions(db, ids)
+        assert [task for task, _ in moved] == sorted(ids)  # each promoted exactly once
+        lags = [lag for _, lag in moved]
+        assert min(lags) >= 0, "promoted before its run_at"
+        assert max(lags) < 0.5, f"promoted late: {max(lags):.3f} s after run_at"
+        state = db.execute("SELECT state FROM core.tasks WHERE id = %s", (late["id"],)).fetchone()
+        assert state == ("ready",)
+    finally:
+        core.stop()
+
+
+def test_another_replicas_submission_sets_the_timer_through_notify(
+    db_url: str, db, tmp_path: Path
+) -> None:
+    """Submitted through replica A, which then stops: B's timer heard of it."""
+    a = start_core(db_url, tmp_path / "a", promote_interval_s=POLL_S)
+    b = start_core(db_url, tmp_path / "b", promote_interval_s=POLL_S)
+    try:
+        with a.client() as alice:
+            task = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 3.0))).json()
+        a.stop()
+        wait_for(lambda: _waiting(db, [task["id"]]), timeout=15)
+        [(_, lag)] = _promotions(db, [task["id"]])
+        assert 0 <= lag < 0.5
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_replicas_share_a_burst_due_at_one_instant_each_promoted_once(
+    db_url: str, db, tmp_path: Path
+) -> None:
+    replicas: list[Core] = [
+        start_core(db_url, tmp_path / name, promote_interval_s=POLL_S) for name in "abc"
+    ]
+    try:
+        at = _db_now_plus(db, 10.0)  # room to submit 3,000 on a busy machine
+        ids: list[int] = []
+        for n, core in enumerate(replicas):
+            with core.client() as alice:
+                answer = alice.post(
+                    "/v1/tasks/batch",
+                    json={"tasks": [spec(run_at=at, name=f"r{n}") for _ in range(1000)]},
+                )
+                ids.extend(t["id"] for t in answer.json()["tasks"])
+                assert {t["state"] for t in answer.json()["tasks"]} == {"ready"}
+        wait_for(lambda: _waiting(db, ids), timeout=30)
+        moved = _promotions(db, ids)
+        assert [task for task, _ in moved] == sorted(ids)
+        assert min(lag for _, lag in moved) >= 0
+        # Generous: three replicas share two cores with the rest of the machine.
+        assert max(lag for _, lag in moved) < 2.0
+    finally:
+        for core in replicas:
+            core.stop()
