@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.core import dispatch, placement, store
 from services.core.feed import Notifier
+from services.core.identity import audit
 from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
@@ -112,6 +113,21 @@ def start(
     ]
 
 
+async def purge_audit_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete audit entries past their own (longer) retention, batch by batch."""
+    total = 0
+    while True:
+        async with engine.begin() as conn:
+            gone = await audit.purge(
+                conn, settings.audit_retention_days * 86400, settings.retention_batch
+            )
+        total += gone
+        if gone < settings.retention_batch:
+            return total
+        await asyncio.sleep(0)
+
+
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
     await purge_once(engine, settings)
+    await purge_audit_once(engine, settings)
     return 0

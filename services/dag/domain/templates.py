@@ -79,7 +79,10 @@ class Renderer:
         template: TaskTemplate = self.dag.specs[node].task
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
         doc["args"] = [self._render(node, try_number, arg) for arg in template.args]
-        doc["env"] = {k: self._render(node, try_number, v) for k, v in template.env.items()}
+        doc["env"] = {
+            k: self._render(node, try_number, v) if isinstance(v, str) else doc["env"][k]
+            for k, v in template.env.items()
+        }
         for name in ("input_path", "output_path"):
             if doc[name] is not None:
                 doc[name] = self._render(node, try_number, doc[name])
