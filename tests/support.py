@@ -96,9 +96,7 @@ def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any
         home=home,
         database_url=db_url,
         core_port=port,
-        promote_interval_s=0.05,
-        token_cache_s=0,
-        **settings,
+        **{"promote_interval_s": 0.05, "token_cache_s": 0, **settings},
     )
     app = create_app(config, config.database_url or db_url)
     server, thread = serve_in_thread(app, port, "core")

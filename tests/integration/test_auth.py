@@ -28,7 +28,9 @@ def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
 
 
 def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
-    assert _cairn(core, tmp_path, "token", "create", "dave", "--role", "user", "--db").returncode == 0
+    assert (
+        _cairn(core, tmp_path, "token", "create", "dave", "--role", "user", "--db").returncode == 0
+    )
     again = _cairn(core, tmp_path, "token", "create", "dave", "--role", "admin", "--db")
     assert again.returncode == 2 and "exists with role 'user'" in again.stderr
 
@@ -80,8 +82,13 @@ def test_a_worker_token_cannot_read_tasks(core: Core) -> None:
 
 def test_whoami_names_the_tokens_principal(core: Core) -> None:
     with core.client("alice") as alice, core.client("cron", role="service") as cron:
-        assert alice.get("/v1/whoami").json() == {"name": "alice", "role": "user"}
-        assert cron.get("/v1/whoami").json() == {"name": "cron", "role": "service"}
+        assert alice.get("/v1/whoami").json() == {
+            "name": "alice",
+            "role": "user",
+            "teams": [],
+            "expires_at": None,
+        }
+        assert cron.get("/v1/whoami").json()["role"] == "service"
     assert httpx.get(core.url + "/v1/whoami").status_code == 401
 
 

@@ -4,11 +4,12 @@ manages anyone's."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
-from libs.common.errors import Forbidden
+from libs.common.errors import Forbidden, InvalidInput
 from libs.common.models import MAX_PAGE, PrincipalName, TokenCreate, TokenCreated, TokenList
 from libs.common.problems import PROBLEMS
 from services.core.deps import Audit, Engine, TokenCache, require
@@ -23,6 +24,8 @@ TokenId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 
 
 def _check_rights(principal: Principal, body: TokenCreate) -> None:
+    if body.expires_at is not None and body.expires_at <= datetime.now(UTC):
+        raise InvalidInput("expires_at: must be in the future")
     if principal.role == "admin":
         return
     if body.principal not in (None, principal.name):
