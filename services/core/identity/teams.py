@@ -39,9 +39,12 @@ def _query() -> Any:
 
 async def create(conn: AsyncConnection, name: str, by: str) -> Team:
     made = await conn.execute(
-        pg_insert(teams).values(name=name, created_by=by).on_conflict_do_nothing()
+        pg_insert(teams)
+        .values(name=name, created_by=by)
+        .on_conflict_do_nothing()
+        .returning(teams.c.name)
     )
-    if not made.rowcount:
+    if made.first() is None:
         raise Conflict(f"team {name!r} exists already")
     return await get(conn, name)
 
@@ -76,8 +79,9 @@ async def add_member(conn: AsyncConnection, name: str, member: str, by: str) -> 
         pg_insert(team_members)
         .values(team=name, member=member, added_by=by)
         .on_conflict_do_nothing()
+        .returning(team_members.c.member)
     )
-    return bool(added.rowcount)
+    return added.first() is not None
 
 
 async def remove_member(conn: AsyncConnection, name: str, member: str) -> None:
