@@ -229,7 +229,7 @@ async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) 
         await dispatch.set_worker_state(conn, worker_id, state)
         target = f"worker:{worker_id}"
         await record(
-            conn, f"worker.{state}", target, before={"state": row.state}, after={"state": state}
+            conn, "worker.drain", target, before={"state": row.state}, after={"state": state}
         )
     return await _get(engine, worker_id)
 
