@@ -91,6 +91,10 @@ def _storable_time(value: datetime) -> datetime:
     return utc
 
 
+#: a time PostgreSQL can store, in UTC
+StorableTime = Annotated[AwareDatetime, AfterValidator(_storable_time)]
+
+
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -56,7 +56,9 @@ class Keys:
             "groups": ["sre"],
             **(claims or {}),
         }
-        return jwt.encode(body, self.private, algorithm=self.alg, headers={"kid": self.kid, **headers})
+        return jwt.encode(
+            body, self.private, algorithm=self.alg, headers={"kid": self.kid, **headers}
+        )
 
 
 @pytest.fixture

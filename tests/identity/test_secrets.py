@@ -47,7 +47,10 @@ def _value() -> str:
 
 def _dump(db_url: str) -> bytes:
     return subprocess.run(
-        [str(PG_DUMP), "--data-only", libpq_url(db_url)], capture_output=True, check=True, timeout=60
+        [str(PG_DUMP), "--data-only", libpq_url(db_url)],
+        capture_output=True,
+        check=True,
+        timeout=60,
     ).stdout
 
 
@@ -133,14 +136,19 @@ def test_team_secrets_serve_the_teams_work(core: Core, worker: Worker) -> None:
         root.post("/v1/teams", json={"name": "sre"})
         root.put("/v1/teams/sre/members/alice")
         root.put("/v1/teams/sre/members/bob")
-    with core.client("alice") as alice, core.client("bob") as bob, core.client(
-        "mallory"
-    ) as mallory:
+    with (
+        core.client("alice") as alice,
+        core.client("bob") as bob,
+        core.client("mallory") as mallory,
+    ):
         made = alice.post("/v1/secrets", json={"name": "pager", "value": value, "team": "sre"})
         assert made.status_code == 201, made.text
-        assert mallory.post(
-            "/v1/secrets", json={"name": "pager2", "value": "v", "team": "sre"}
-        ).status_code == 404
+        assert (
+            mallory.post(
+                "/v1/secrets", json={"name": "pager2", "value": "v", "team": "sre"}
+            ).status_code
+            == 404
+        )
         assert "pager" in [s["name"] for s in bob.get("/v1/secrets").json()["items"]]
         env = {"PAGER": {"secret": "pager", "team": "sre"}}
         assert bob.post("/v1/tasks", json=spec(env=env, team="sre")).status_code == 201
@@ -148,9 +156,7 @@ def test_team_secrets_serve_the_teams_work(core: Core, worker: Worker) -> None:
         assert leased["env"] == {"PAGER": value}
 
 
-def test_a_ciphertext_moved_to_another_scope_does_not_open(
-    core: Core, worker: Worker, db
-) -> None:
+def test_a_ciphertext_moved_to_another_scope_does_not_open(core: Core, worker: Worker, db) -> None:
     """Someone who can write the database but has no key copies alice's sealed value into
     mallory's secret: it is bound to alice's scope, so it opens for nobody."""
     with core.client("alice") as alice, core.client("mallory") as mallory:
@@ -186,7 +192,9 @@ def test_a_replaced_value_reaches_the_next_lease(core: Core, worker: Worker, db)
         [leased] = worker.claim()
         assert leased["env"]["DB"] == new
         assert alice.delete("/v1/secrets/db-main").status_code == 204
-        actions = [e["action"] for e in root.get("/v1/audit", params={"action": "secret"}).json()["items"]]
+        actions = [
+            e["action"] for e in root.get("/v1/audit", params={"action": "secret"}).json()["items"]
+        ]
     assert actions == ["secret.delete", "secret.update", "secret.create"]
 
 

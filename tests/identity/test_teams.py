@@ -39,9 +39,11 @@ def test_a_non_member_sees_a_404_for_the_team(core: Core) -> None:
 
 def test_members_see_and_act_on_team_work_and_outsiders_get_404(core: Core, db) -> None:
     _team(core, "sre", "alice", "bob")
-    with core.client("alice") as alice, core.client("bob") as bob, core.client(
-        "mallory"
-    ) as mallory:
+    with (
+        core.client("alice") as alice,
+        core.client("bob") as bob,
+        core.client("mallory") as mallory,
+    ):
         shared = alice.post("/v1/tasks", json=spec(team="sre", run_at="2099-01-01T00:00:00Z"))
         assert shared.status_code == 201, shared.text
         task = shared.json()
@@ -97,9 +99,11 @@ def test_only_a_member_may_give_work_to_a_team(core: Core) -> None:
 
 def test_leaving_a_team_ends_access(core: Core) -> None:
     _team(core, "sre", "alice", "bob")
-    with core.client("alice") as alice, core.client("bob") as bob, core.client(
-        "root", "admin"
-    ) as root:
+    with (
+        core.client("alice") as alice,
+        core.client("bob") as bob,
+        core.client("root", "admin") as root,
+    ):
         task = alice.post("/v1/tasks", json=spec(team="sre")).json()
         assert bob.get(f"/v1/tasks/{task['id']}").status_code == 200
         assert root.delete("/v1/teams/sre/members/bob").status_code == 200

@@ -17,9 +17,7 @@ from tests.support import Core, start_core, wait_for
 
 
 def _bearer(core: Core, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=core.url, headers={"Authorization": f"Bearer {token}"}, timeout=10
-    )
+    return httpx.Client(base_url=core.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
 
 def _create(client: httpx.Client, **body) -> httpx.Response:
@@ -51,7 +49,10 @@ def test_a_user_creates_lists_and_revokes_its_own_token(core: Core, db) -> None:
     rows = db.execute("SELECT t::text FROM core.tokens t").fetchall()
     assert not any(token in row[0] for row in rows)
     digest = hashlib.sha256(token.encode()).digest()
-    assert db.execute("SELECT count(*) FROM core.tokens WHERE token_hash = %s", [digest]).fetchone()[0] == 1
+    assert (
+        db.execute("SELECT count(*) FROM core.tokens WHERE token_hash = %s", [digest]).fetchone()[0]
+        == 1
+    )
 
 
 def test_a_user_cannot_mint_more_rights_than_it_has(core: Core) -> None:
@@ -68,7 +69,9 @@ def test_a_user_cannot_mint_more_rights_than_it_has(core: Core) -> None:
             assert longer.status_code == 403 and "expires_at" in longer.json()["detail"]
             forever = _create(brief)
             assert forever.status_code == 403
-            inside = _create(brief, expires_at=(datetime.now(UTC) + timedelta(minutes=5)).isoformat())
+            inside = _create(
+                brief, expires_at=(datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+            )
             assert inside.status_code == 201
         assert _create(mallory, extra="x").status_code == 422
 
@@ -159,7 +162,11 @@ def test_the_cli_creates_lists_and_revokes_tokens_over_the_api(core: Core, tmp_p
 
     def cairn(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "cairn", *args], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "cairn", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     made = cairn("token", "create", "dora", "--role", "user", "--name", "ci", "--expires", "30d")

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime
 
-from libs.common.models import MAX_PAGE, AuditPage
+from libs.common.models import MAX_PAGE, AuditPage, StorableTime
 from libs.common.problems import PROBLEMS
 from services.core.deps import AdminOnly, Engine
 from services.core.identity import audit
@@ -26,8 +25,8 @@ async def read_audit(
         str | None, Query(max_length=64, pattern=r"^[a-z.]+$", description="token, token.revoke")
     ] = None,
     target: _Text = None,
-    since: AwareDatetime | None = None,
-    until: AwareDatetime | None = None,
+    since: StorableTime | None = None,
+    until: StorableTime | None = None,
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> AuditPage:
