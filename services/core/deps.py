@@ -103,7 +103,11 @@ async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Princip
             raise Unauthorized("unknown or revoked token")
         found = await oidc.verify(token)
         async with engine.connect() as conn:
+            role = await tokens.role_of(conn, found.name)
             known = await teams_of(conn, found.name)
+        if role is not None and role not in ("user", found.role):
+            # The provider names someone who is a service or worker here: not the same one.
+            raise Unauthorized("unknown or revoked token")
         return replace(found, teams=found.teams | known)
     if len(token) > 200:
         raise Unauthorized("unknown or revoked token")

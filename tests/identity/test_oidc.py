@@ -244,3 +244,21 @@ def test_cron_and_dag_accept_the_same_jwts(idp_core: Core, keys: Keys, tmp_path:
     finally:
         cron.stop()
         dag.stop()
+
+
+def test_an_oidc_user_makes_tokens_that_end_with_its_jwt(idp_core: Core, keys: Keys) -> None:
+    jwt_exp = int(time.time()) + 600
+    with _as(idp_core, keys.sign({"exp": jwt_exp})) as alice:
+        forever = alice.post("/v1/tokens", json={"name": "ci"})
+        assert forever.status_code == 403 and "expires_at" in forever.json()["detail"]
+        later = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(jwt_exp + 3600))
+        assert alice.post("/v1/tokens", json={"name": "ci", "expires_at": later}).status_code == 403
+        within = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(jwt_exp - 60))
+        made = alice.post("/v1/tokens", json={"name": "ci", "expires_at": within})
+        assert made.status_code == 201, made.text
+    with _as(idp_core, made.json()["token"]) as token:
+        who = token.get("/v1/whoami").json()
+    assert who["name"] == "alice@example.test" and who["role"] == "user"
+    # A JWT naming a service or worker principal is not that principal, nor a user of its name.
+    with idp_core.client("cron", "service"), _as(idp_core, keys.sign({"sub": "cron"})) as fake:
+        assert fake.get("/v1/whoami").status_code == 401

@@ -146,6 +146,12 @@ async def principal_for(conn: AsyncConnection, token: str) -> Principal | None:
     )
 
 
+async def role_of(conn: AsyncConnection, principal: str) -> str | None:
+    """The recorded role of ``principal``, or None if it has no row."""
+    found = await conn.execute(select(principals.c.role).where(principals.c.name == principal))
+    return found.scalar_one_or_none()
+
+
 def _query(principal: str | None) -> Any:
     query = select(*_INFO).join(principals, principals.c.id == tokens.c.principal_id)
     return query if principal is None else query.where(principals.c.name == principal)
