@@ -181,7 +181,7 @@ class Jwks(http.server.BaseHTTPRequestHandler):
     keys: list[dict[str, Any]] = []
     fetches = 0
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         type(self).fetches += 1
         body = json.dumps({"keys": type(self).keys}).encode()
         self.send_response(200)

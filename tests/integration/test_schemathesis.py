@@ -118,12 +118,11 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 
 
 def _call(case: schemathesis.Case, core: Core, principal: str) -> None:
-    if case.method.upper() == "DELETE" and case.path == "/v1/tokens/{token_id}":
-        # Revoking the fuzzer's own tokens would leave every later case a 401.
-        if isinstance(case.path_parameters, dict) and case.path_parameters.get("token_id") in (
-            core.own_token_ids  # type: ignore[attr-defined]
-        ):
-            case.path_parameters["token_id"] = 2**40
+    # Revoking the fuzzer's own tokens would leave every later case a 401.
+    revokes = case.method.upper() == "DELETE" and case.path == "/v1/tokens/{token_id}"
+    params = case.path_parameters if isinstance(case.path_parameters, dict) else {}
+    if revokes and params.get("token_id") in core.own_token_ids:  # type: ignore[attr-defined]
+        params["token_id"] = 2**40
     if case.path == "/v1/events" and isinstance(case.query, dict):
         wait = case.query.get("wait")
         if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_WAIT_S:
