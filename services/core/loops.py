@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from services.core import dispatch, placement, store
 from services.core.feed import Notifier
@@ -28,18 +28,25 @@ async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
     return moved
 
 
-async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete finished tasks past retention, one small transaction per batch."""
+async def _in_batches(
+    engine: AsyncEngine, batch: int, purge: Callable[[AsyncConnection], Awaitable[int]]
+) -> int:
+    """Run ``purge`` (which deletes up to ``batch`` rows) until it finds fewer, one small
+    transaction each; return how many went."""
     total = 0
     while True:
         async with engine.begin() as conn:
-            gone = await store.purge_finished(
-                conn, settings.retention_days * 86400, settings.retention_batch
-            )
+            gone = await purge(conn)
         total += gone
-        if gone < settings.retention_batch:
+        if gone < batch:
             return total
         await asyncio.sleep(0)
+
+
+async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete finished tasks past retention."""
+    age_s, batch = settings.retention_days * 86400, settings.retention_batch
+    return await _in_batches(engine, batch, lambda c: store.purge_finished(c, age_s, batch))
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
@@ -114,17 +121,9 @@ def start(
 
 
 async def purge_audit_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete audit entries past their own (longer) retention, batch by batch."""
-    total = 0
-    while True:
-        async with engine.begin() as conn:
-            gone = await audit.purge(
-                conn, settings.audit_retention_days * 86400, settings.retention_batch
-            )
-        total += gone
-        if gone < settings.retention_batch:
-            return total
-        await asyncio.sleep(0)
+    """Delete audit entries past their own (longer) retention."""
+    age_s, batch = settings.audit_retention_days * 86400, settings.retention_batch
+    return await _in_batches(engine, batch, lambda c: audit.purge(c, age_s, batch))
 
 
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
