@@ -1,22 +1,21 @@
 """The ``cairn`` command.
 
 Running Cairn: ``up`` (everything, on loopback), ``core``, ``cron``, ``dag``, ``worker``,
-``migrate``, ``token create``. Using it: ``submit``, ``get``, ``ls``, ``cancel``,
-``retry``, ``logs``, ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``.
+``migrate``. Using it: ``submit``, ``get``, ``ls``, ``cancel``, ``retry``, ``logs``,
+``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``, ``token ...``, ``team ...``,
+``secret ...``, ``audit``.
 Tables by default, ``--json`` for scripts. See ``cairn/config.py`` for where the URLs and
 the token come from.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cairn import config, cron_cli, dag_cli, output, placement_cli, system, tasks_cli
+from cairn import config, cron_cli, dag_cli, identity_cli, output, placement_cli, system, tasks_cli
 from cairn.tasks_cli import Ctx
 from libs.common.settings import CairnSettings
 
@@ -126,53 +125,8 @@ def migrate(ctx: typer.Context) -> None:
     output.console.print("every schema is at its newest migration")
 
 
-token_app = typer.Typer(help="Bearer tokens.", no_args_is_help=True)
-app.add_typer(token_app, name="token")
-
-
-@token_app.command("create")
-def token_create(
-    ctx: typer.Context,
-    name: str,
-    role: Annotated[str, typer.Option(help=", ".join(system.ROLES))] = "user",
-    from_env: Annotated[
-        str | None,
-        typer.Option(
-            "--from-env",
-            metavar="VAR",
-            help="register the token held in environment variable VAR instead of making one "
-            "(idempotent; for deployments that keep their service tokens as secrets)",
-        ),
-    ] = None,
-) -> None:
-    """Create a principal's token and print it."""
-    from services.core import admin
-
-    if role not in system.ROLES:
-        output.errors.print(f"cairn: --role must be one of {', '.join(system.ROLES)}")
-        raise typer.Exit(2)
-    given = None
-    if from_env:
-        given = os.environ.get(from_env)
-        if not given:
-            output.errors.print(f"cairn: {from_env} is not set")
-            raise typer.Exit(2)
-    settings = _settings(ctx)
-    system.prepare_home(settings)
-    url, started = system.database(settings)
-    try:
-        system.migrate_all(url)
-        made = admin.create_token(url, name, role, given)
-    except ValueError as exc:
-        output.errors.print(f"cairn: {exc}")
-        raise typer.Exit(2) from None
-    finally:
-        if started is not None:
-            started.stop()
-    sys.stdout.write(made + "\n")
-
-
 tasks_cli.register(app)
+identity_cli.register(app)
 placement_cli.register(app)
 
 

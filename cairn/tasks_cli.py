@@ -197,6 +197,11 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         queue: Annotated[str, typer.Option(help="queue")] = "default",
         priority: Annotated[int, typer.Option(help="-100..100")] = 0,
         env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+        secret: Annotated[
+            list[str] | None,
+            typer.Option(help="KEY=SECRET, or KEY=TEAM/SECRET: env KEY from a stored secret"),
+        ] = None,
+        team: Annotated[str | None, typer.Option(help="share it with this team")] = None,
         label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
         cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
         memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
@@ -223,6 +228,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             body["priority"] = priority
         if env:
             body["env"] = output.pairs(env)
+        for key, ref in output.pairs(secret or []).items():
+            owner_team, _, name = ref.rpartition("/")
+            entry = {"secret": name, "team": owner_team} if owner_team else {"secret": name}
+            body["env"] = {**body.get("env", {}), key: entry}
+        if team:
+            body["team"] = team
         if label:
             body["labels"] = output.pairs(label)
         if cpu is not None or memory_mb is not None:

@@ -9,7 +9,8 @@ unreachable is a 503, never a 401: the caller's token may be fine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Annotated
 
 import httpx
@@ -22,12 +23,33 @@ from libs.common.errors import Forbidden, Unauthorized, Unavailable
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
 
 
+# A bearer credential longer than this is refused unread; JWTs from an identity provider
+# are the long ones, Cairn's own tokens at most 200 characters.
+MAX_CREDENTIAL = 8192
+
+
+def looks_like_jwt(credential: str) -> bool:
+    """A compact JWS (``header.payload.signature``, the header a JSON object)."""
+    return credential.startswith("eyJ") and credential.count(".") == 2
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """The work a caller limited to its own sees: its name's, and its teams'."""
+
+    owner: str
+    teams: frozenset[str] = frozenset()
+
+
 @dataclass(frozen=True)
 class Caller:
-    """Who is calling: a name (the owner of what it creates) and a role."""
+    """Who is calling: a name (the owner of what it creates), a role, the teams it belongs
+    to, and when its credential expires (None: it does not)."""
 
     name: str
     role: str
+    teams: frozenset[str] = field(default_factory=frozenset)
+    expires_at: datetime | None = None
 
     @property
     def sees_all(self) -> bool:
@@ -37,6 +59,18 @@ class Caller:
     def owner_filter(self) -> str | None:
         """The owner this caller is limited to, or None when it may see every owner."""
         return None if self.sees_all else self.name
+
+    @property
+    def visibility(self) -> Visibility | None:
+        """What this caller may see, or None when it may see every owner's work."""
+        return None if self.sees_all else Visibility(self.name, self.teams)
+
+
+def cache_for(ttl_s: float, expires_at: datetime | None) -> float:
+    """How long to keep an answer: ``ttl_s``, or less if the credential expires sooner."""
+    if expires_at is None:
+        return ttl_s
+    return max(0.0, min(ttl_s, expires_at.timestamp() - time.time()))
 
 
 class RemoteAuth:
@@ -65,10 +99,12 @@ class RemoteAuth:
         except httpx.TransportError as exc:
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise Unavailable(f"core cannot be reached to check the token ({why})") from None
-        caller = Caller(name=who.name, role=who.role)
+        caller = Caller(
+            name=who.name, role=who.role, teams=frozenset(who.teams), expires_at=who.expires_at
+        )
         if len(self._entries) >= self.size:
             self._entries.clear()
-        self._entries[token] = (time.monotonic() + self.ttl_s, caller)
+        self._entries[token] = (time.monotonic() + cache_for(self.ttl_s, who.expires_at), caller)
         return caller
 
 
@@ -78,7 +114,7 @@ async def current_caller(
 ) -> Caller:
     if credentials is None or not credentials.credentials:
         raise Unauthorized("send 'Authorization: Bearer <token>'")
-    if len(credentials.credentials) > 200:
+    if len(credentials.credentials) > MAX_CREDENTIAL:
         raise Unauthorized("unknown or revoked token")
     auth: RemoteAuth = request.app.state.auth
     return await auth.resolve(credentials.credentials)

@@ -19,6 +19,7 @@ from libs.common.models import (
     Assignment,
     Attempt,
     AttemptList,
+    AuditPage,
     BatchItem,
     BatchResult,
     BulkAction,
@@ -34,10 +35,21 @@ from libs.common.models import (
     QueueList,
     Report,
     ReportAnswer,
+    SecretCreate,
+    SecretInfo,
+    SecretList,
+    SecretUpdate,
     Task,
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    Team,
+    TeamCreate,
+    TeamList,
+    TokenCreate,
+    TokenCreated,
+    TokenInfo,
+    TokenList,
     UsageReport,
     UsageRow,
     WhoAmI,
@@ -49,6 +61,7 @@ from libs.common.models import (
 from libs.common.states import TaskState
 
 DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+_JSON = {"Content-Type": "application/json"}
 ON_BEHALF_OF = "X-Cairn-On-Behalf-Of"
 
 
@@ -293,3 +306,73 @@ class CoreClient(ApiClient):
     async def resume(self, queue: str) -> QueueInfo:
         response = await self._call("POST", f"/v1/queues/{queue}/resume")
         return QueueInfo.model_validate_json(response.content)
+
+    # --- identity ---------------------------------------------------------------------
+
+    async def create_token(self, body: TokenCreate) -> TokenCreated:
+        """A new token (the caller's own, or with ``principal`` another's, admins only)."""
+        response = await self._call("POST", "/v1/tokens", content=body.model_dump_json())
+        return TokenCreated.model_validate_json(response.content)
+
+    async def tokens(
+        self, principal: str | None = None, include_revoked: bool = False
+    ) -> list[TokenInfo]:
+        params: dict[str, Any] = {"include_revoked": include_revoked, "limit": 1000}
+        if principal:
+            params["principal"] = principal
+        response = await self._call("GET", "/v1/tokens", params=params)
+        return TokenList.model_validate_json(response.content).items
+
+    async def revoke_token(self, token_id: int) -> None:
+        await self._call("DELETE", f"/v1/tokens/{token_id}")
+
+    async def create_team(self, name: str) -> Team:
+        body = TeamCreate(name=name).model_dump_json()
+        response = await self._call("POST", "/v1/teams", content=body)
+        return Team.model_validate_json(response.content)
+
+    async def teams(self) -> list[Team]:
+        response = await self._call("GET", "/v1/teams")
+        return TeamList.model_validate_json(response.content).items
+
+    async def team(self, name: str) -> Team:
+        response = await self._call("GET", f"/v1/teams/{name}")
+        return Team.model_validate_json(response.content)
+
+    async def delete_team(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/teams/{name}")
+
+    async def add_member(self, team: str, member: str) -> Team:
+        response = await self._call("PUT", f"/v1/teams/{team}/members/{member}")
+        return Team.model_validate_json(response.content)
+
+    async def remove_member(self, team: str, member: str) -> Team:
+        response = await self._call("DELETE", f"/v1/teams/{team}/members/{member}")
+        return Team.model_validate_json(response.content)
+
+    async def put_secret(self, name: str, value: str, team: str | None = None) -> SecretInfo:
+        """Create the secret, or give an existing one a new value."""
+        body = SecretCreate(name=name, value=value, team=team).model_dump_json()
+        response = await self._http.post("/v1/secrets", content=body, headers=_JSON)
+        if response.status_code == 409:
+            update = SecretUpdate(value=value).model_dump_json()
+            params = {"team": team} if team else {}
+            response = await self._http.put(
+                f"/v1/secrets/{name}", content=update, params=params, headers=_JSON
+            )
+        raise_for_problem(response)
+        return SecretInfo.model_validate_json(response.content)
+
+    async def secrets(self) -> list[SecretInfo]:
+        response = await self._call("GET", "/v1/secrets")
+        return SecretList.model_validate_json(response.content).items
+
+    async def delete_secret(self, name: str, team: str | None = None) -> None:
+        await self._call("DELETE", f"/v1/secrets/{name}", params={"team": team} if team else {})
+
+    async def audit(self, **filters: Any) -> AuditPage:
+        """A page of the audit trail (admins): ``actor``, ``action``, ``target``, ``since``,
+        ``until``, ``before``, ``limit``."""
+        params = {k: str(v) for k, v in filters.items() if v is not None}
+        response = await self._call("GET", "/v1/audit", params=params)
+        return AuditPage.model_validate_json(response.content)

@@ -7,7 +7,7 @@ by hand, and bound every string, list and map.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -43,6 +43,16 @@ IdempotencyKey = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
 ]
 TaskId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+TeamName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
+]
+PrincipalName = Annotated[
+    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+SecretName = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+]
+Role = Literal["user", "admin", "service", "worker"]
 
 
 # Set by the cron service on the tasks its fires submit (docs/cron.md): informational,
@@ -50,7 +60,20 @@ TaskId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 CRON_ENV = frozenset({"CAIRN_CRON_SLOT", "CAIRN_CRON_SCHEDULE_ID", "CAIRN_CRON_BACKFILL"})
 
 
-def _no_reserved_env(env: dict[str, str]) -> dict[str, str]:
+class SecretRef(BaseModel):
+    """An ``env`` value kept as a secret: the owner's secret ``secret``, or with ``team``
+    that team's. Core puts its value only into the worker's lease of the attempt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    secret: SecretName
+    team: TeamName | None = None
+
+
+EnvEntry = EnvValue | SecretRef
+
+
+def _no_reserved_env(env: dict[str, EnvEntry]) -> dict[str, EnvEntry]:
     reserved = sorted(k for k in env if k.startswith("CAIRN_") and k not in CRON_ENV)
     if reserved:
         raise ValueError(
@@ -71,6 +94,10 @@ def _storable_time(value: datetime) -> datetime:
     if utc.year < 1970 or utc.year > 9999:
         raise ValueError("must be between 1970 and 9999")
     return utc
+
+
+#: a time PostgreSQL can store, in UTC
+StorableTime = Annotated[AwareDatetime, AfterValidator(_storable_time)]
 
 
 class _Input(BaseModel):
@@ -120,8 +147,11 @@ class TaskCreate(_Input):
     priority: int = Field(default=0, ge=-100, le=100)
     kind: Literal["task", "service"] = "task"
     args: list[Arg] = Field(default_factory=list, max_length=256)
-    env: Annotated[dict[EnvKey, EnvValue], AfterValidator(_no_reserved_env)] = Field(
-        default_factory=dict, max_length=128
+    env: Annotated[dict[EnvKey, EnvEntry], AfterValidator(_no_reserved_env)] = Field(
+        default_factory=dict,
+        max_length=128,
+        description='Plain values are stored as given; {"secret": NAME} refers to a secret '
+        "(see /v1/secrets), stored encrypted and given only to the worker that runs it.",
     )
     input_path: Path_ | None = None
     output_path: Path_ | None = None
@@ -137,6 +167,8 @@ class TaskCreate(_Input):
     #: when it must have finished; a task with a deadline may be deferred until its
     #: latest start (the deadline less its ``timeout_s``, or ten minutes)
     deadline: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    #: owned by this team too (the submitter must belong to it): its members see and act on it
+    team: TeamName | None = None
 
 
 class TaskBatchCreate(_Input):
@@ -210,7 +242,7 @@ class Task(_Output):
     kind: Literal["task", "service"]
     artifact: Artifact
     args: list[str]
-    env: dict[str, str]
+    env: dict[str, str | SecretRef]
     input_path: str | None
     output_path: str | None
     resources: Resources
@@ -231,6 +263,7 @@ class Task(_Output):
     deadline: datetime | None = None
     #: why it is not running (ready, waiting, failed), computed when it is read
     pending_reason: str | None = None
+    team: str | None = None
 
 
 class BatchItem(_Output):
@@ -346,7 +379,10 @@ class WhoAmI(_Output):
     """The principal a token stands for."""
 
     name: str
-    role: Literal["user", "admin", "service", "worker"]
+    role: Role
+    teams: list[str] = Field(default_factory=list)
+    #: when the credential stops working (a token's expiry, a JWT's ``exp``)
+    expires_at: datetime | None = None
 
 
 class Health(_Output):
@@ -502,3 +538,108 @@ class UsageRow(_Output):
 
 class UsageReport(_Output):
     items: list[UsageRow]
+
+
+# --- identity: tokens, teams, secrets, audit ----------------------------------------------
+
+
+class TokenCreate(_Input):
+    """A new token. Without ``principal`` it is the caller's own; only admins name another
+    principal (and ``role``, for one that does not exist yet)."""
+
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+    ]
+    principal: PrincipalName | None = None
+    role: Role | None = None
+    expires_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+
+
+class TokenInfo(_Output):
+    """A token as the API shows it: never its value, which only its creation answer holds."""
+
+    id: int
+    name: str
+    principal: str
+    role: str
+    created_at: datetime
+    created_by: str | None
+    expires_at: datetime | None
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(_Output):
+    token: str = Field(description="The bearer token; shown this once, stored only as a hash.")
+    info: TokenInfo
+
+
+class TokenList(_Output):
+    items: list[TokenInfo]
+
+
+class TeamCreate(_Input):
+    name: TeamName
+
+
+class Team(_Output):
+    name: str
+    members: list[str]
+    created_at: datetime
+    created_by: str
+
+
+class TeamList(_Output):
+    items: list[Team]
+
+
+SecretValue = Annotated[
+    str, StringConstraints(min_length=1, max_length=8192, pattern=r"^[^\x00]*$")
+]
+
+
+class SecretCreate(_Input):
+    """A secret of the caller, or with ``team`` of a team the caller belongs to."""
+
+    name: SecretName
+    value: SecretValue
+    team: TeamName | None = None
+
+
+class SecretUpdate(_Input):
+    value: SecretValue
+
+
+class SecretInfo(_Output):
+    """A secret's name and metadata; its value is never returned."""
+
+    name: str
+    owner: str | None
+    team: str | None
+    created_at: datetime
+    updated_at: datetime
+    created_by: str
+    updated_by: str
+
+
+class SecretList(_Output):
+    items: list[SecretInfo]
+
+
+class AuditEntry(_Output):
+    """One security-relevant action: who, what, on what, from where, when, before/after."""
+
+    id: int
+    at: datetime
+    actor: str
+    actor_role: str
+    action: str
+    target: str
+    source: str | None
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+
+
+class AuditPage(_Output):
+    items: list[AuditEntry]
+    next_before: int | None = Field(description="Pass as before= to read older entries.")

@@ -12,12 +12,35 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
 from services.core import loops
-from services.core.api import events, principals, queues, tasks, usage, workers
+from services.core.api import (
+    audit,
+    events,
+    principals,
+    queues,
+    secrets,
+    tasks,
+    teams,
+    tokens,
+    usage,
+    workers,
+)
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
+from services.core.identity.crypto import SecretBox, read_key_file
+from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 from services.core.ui import router as ui
+
+
+def secret_box(settings: CoreSettings) -> SecretBox:
+    """The keys secrets are sealed with: ``CAIRN_SECRETS_KEY``, else the key file (made
+    with a fresh key on first start in development)."""
+    if settings.secrets_key is not None:
+        keys = [k for k in settings.secrets_key.get_secret_value().split(",") if k.strip()]
+    else:
+        keys = read_key_file(settings.secrets_key_path, create=settings.env == "development")
+    return SecretBox(keys)
 
 
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
@@ -38,6 +61,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.settings = settings
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
+        app.state.secret_box = secret_box(settings)
+        app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
         background = loops.start(engine, notifier, settings, meter)
         try:
             yield
@@ -59,7 +84,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     app.state.core_metrics = meter
     app.state.metrics = meter.metrics
     problems.install(app)
-    for module in (tasks, events, queues, workers, usage, principals, health, metrics):
+    routers = (tasks, events, queues, workers, usage, principals, tokens, teams, secrets, audit)
+    for module in (*routers, health, metrics):
         app.include_router(module.router)
     app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

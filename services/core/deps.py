@@ -1,22 +1,27 @@
 """Request dependencies. Their names state who may call: ``Submitter``, ``Reader``,
-``AdminOnly``, and ``OwnedTask`` (a task loaded by id filtered by owner, so another
-owner's task is a 404 exactly like a missing one)."""
+``AdminOnly``, and ``OwnedTask`` (a task loaded by id filtered by who may see it, so
+another owner's task is a 404 exactly like a missing one); ``Audit`` records an action."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from libs.common.auth import OnBehalfOf, acting_owner
+from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core import store
 from services.core.feed import Notifier
+from services.core.identity import audit, tokens
+from services.core.identity.crypto import SecretBox
+from services.core.identity.oidc import OidcVerifier
+from services.core.identity.teams import teams_of
 from services.core.metrics import CoreMetrics
 from services.core.store import Principal
 
@@ -46,8 +51,9 @@ Announcer = Annotated[Notifier, Depends(get_notifier)]
 
 
 class TokenCache:
-    """Recently seen tokens, so a hot path does not query principals on every request.
-    A revoked token stops working within ``ttl_s``."""
+    """Recently seen credentials, so a hot path does not query principals on every
+    request. A token revoked through another replica stops working here within ``ttl_s``
+    (through this one at once); none outlives its own expiry."""
 
     def __init__(self, ttl_s: float, size: int = 10_000) -> None:
         self.ttl_s = ttl_s
@@ -63,7 +69,13 @@ class TokenCache:
     def put(self, token: str, principal: Principal) -> None:
         if len(self._entries) >= self.size:
             self._entries.clear()
-        self._entries[token] = (time.monotonic() + self.ttl_s, principal)
+        keep = cache_for(self.ttl_s, principal.expires_at)
+        self._entries[token] = (time.monotonic() + keep, principal)
+
+    def evict(self, token_id: int) -> None:
+        """Forget the token with this id (revoked through this replica)."""
+        for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
+            del self._entries[key]
 
 
 async def current_principal(
@@ -74,16 +86,35 @@ async def current_principal(
     if credentials is None or not credentials.credentials:
         raise Unauthorized("send 'Authorization: Bearer <token>'")
     token = credentials.credentials
-    if len(token) > 200:
+    if len(token) > MAX_CREDENTIAL:
         raise Unauthorized("unknown or revoked token")
     cache: TokenCache = request.app.state.tokens
     principal = cache.get(token)
     if principal is None:
-        async with engine.connect() as conn:
-            principal = await store.principal_for_token(conn, token)
-        if principal is None:
-            raise Unauthorized("unknown or revoked token")
+        principal = await _resolve(request, engine, token)
         cache.put(token, principal)
+    return principal
+
+
+async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Principal:
+    oidc: OidcVerifier | None = request.app.state.oidc
+    if looks_like_jwt(token):
+        if oidc is None:
+            raise Unauthorized("unknown or revoked token")
+        found = await oidc.verify(token)
+        async with engine.connect() as conn:
+            role = await tokens.role_of(conn, found.name)
+            known = await teams_of(conn, found.name)
+        if role is not None and role not in ("user", found.role):
+            # The provider names someone who is a service or worker here: not the same one.
+            raise Unauthorized("unknown or revoked token")
+        return replace(found, teams=found.teams | known)
+    if len(token) > 200:
+        raise Unauthorized("unknown or revoked token")
+    async with engine.begin() as conn:
+        principal = await tokens.principal_for(conn, token)
+    if principal is None:
+        raise Unauthorized("unknown or revoked token")
     return principal
 
 
@@ -113,7 +144,43 @@ SubmittingOwner = Annotated[str, Depends(submitting_owner)]
 
 async def owned_task(task_id: TaskIdPath, principal: Reader, engine: Engine) -> Task:
     async with engine.connect() as conn:
-        return await store.get_task(conn, task_id, principal.owner_filter)
+        return await store.get_task(conn, task_id, principal.visibility)
 
 
 OwnedTask = Annotated[Task, Depends(owned_task)]
+"""A task the caller may see: its own, its teams', or (admins, services) anyone's."""
+
+
+async def get_secret_box(request: Request) -> SecretBox:
+    box: SecretBox = request.app.state.secret_box
+    return box
+
+
+Box = Annotated[SecretBox, Depends(get_secret_box)]
+
+
+@dataclass(frozen=True)
+class Auditor:
+    """Writes the caller's audit rows, each in the transaction of the action it records."""
+
+    actor: Principal
+    source: str | None
+
+    async def __call__(
+        self,
+        conn: AsyncConnection,
+        action: str,
+        target: str,
+        before: dict[str, Any] | None = None,
+        after: dict[str, Any] | None = None,
+    ) -> None:
+        await audit.record(
+            conn, self.actor, action, target, source=self.source, before=before, after=after
+        )
+
+
+async def get_auditor(request: Request, principal: CurrentPrincipal) -> Auditor:
+    return Auditor(principal, request.client.host if request.client else None)
+
+
+Audit = Annotated[Auditor, Depends(get_auditor)]

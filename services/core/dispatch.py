@@ -279,7 +279,8 @@ def _assignment(row: Any) -> Assignment:
         kind=task.kind,
         artifact=task.artifact,
         args=task.args,
-        env=task.env,
+        # Secret references are filled in by the claim itself (identity.secrets).
+        env={k: v for k, v in task.env.items() if isinstance(v, str)},
         input_path=task.input_path,
         output_path=task.output_path,
         resources=task.resources,

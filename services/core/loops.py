@@ -10,10 +10,11 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from services.core import dispatch, placement, store
 from services.core.feed import Notifier
+from services.core.identity import audit
 from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
@@ -97,18 +98,25 @@ class Promoter:
             await asyncio.sleep(0)
 
 
-async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete finished tasks past retention, one small transaction per batch."""
+async def _in_batches(
+    engine: AsyncEngine, batch: int, purge: Callable[[AsyncConnection], Awaitable[int]]
+) -> int:
+    """Run ``purge`` (which deletes up to ``batch`` rows) until it finds fewer, one small
+    transaction each; return how many went."""
     total = 0
     while True:
         async with engine.begin() as conn:
-            gone = await store.purge_finished(
-                conn, settings.retention_days * 86400, settings.retention_batch
-            )
+            gone = await purge(conn)
         total += gone
-        if gone < settings.retention_batch:
+        if gone < batch:
             return total
         await asyncio.sleep(0)
+
+
+async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete finished tasks past retention."""
+    age_s, batch = settings.retention_days * 86400, settings.retention_batch
+    return await _in_batches(engine, batch, lambda c: store.purge_finished(c, age_s, batch))
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
@@ -181,6 +189,13 @@ def start(
     ]
 
 
+async def purge_audit_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete audit entries past their own (longer) retention."""
+    age_s, batch = settings.audit_retention_days * 86400, settings.retention_batch
+    return await _in_batches(engine, batch, lambda c: audit.purge(c, age_s, batch))
+
+
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
     await purge_once(engine, settings)
+    await purge_audit_once(engine, settings)
     return 0

@@ -10,7 +10,7 @@ TASK_COLUMNS = """
     input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
-    updated_at, finished_at, defer_ok, deadline
+    updated_at, finished_at, defer_ok, deadline, team
 """
 
 # What a submission reads back: what the database decided. The rest is the spec.
@@ -28,20 +28,20 @@ WITH input AS (
         backoff_base_s double precision, backoff_cap_s double precision,
         backoff_jitter boolean, poison_after integer, timeout_s integer,
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
-        defer_ok boolean, deadline timestamptz
+        defer_ok boolean, deadline timestamptz, team text
     )
 ), new AS (
     INSERT INTO core.tasks (
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
-        spec_hash, labels, defer_ok, deadline, state
+        spec_hash, labels, defer_ok, deadline, team, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
-        idempotency_key, spec_hash, labels, defer_ok, deadline,
+        idempotency_key, spec_hash, labels, defer_ok, deadline, team,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = input.queue AND q.paused)
              THEN 'ready' ELSE 'waiting' END

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
 
 from libs.common.settings import CairnSettings
 
@@ -27,3 +29,42 @@ class CoreSettings(CairnSettings):
     preempt_after_s: float = Field(default=5.0, ge=0)
     preempt_grace_s: float = Field(default=10.0, ge=0, le=3600)
     placement_interval_s: float = Field(default=1.0, gt=0)
+
+    # identity (see docs/security.md)
+    audit_retention_days: float = Field(default=400.0, gt=0)
+    secrets_key: SecretStr | None = None
+    secrets_key_file: Path | None = None
+    tokens_per_principal: int = Field(default=100, ge=1, le=10_000)
+    oidc_issuer: str | None = Field(default=None, min_length=1, max_length=2048)
+    oidc_audience: str | None = Field(default=None, min_length=1, max_length=2048)
+    oidc_jwks_url: str | None = Field(default=None, pattern=r"^https?://")
+    oidc_jwks_file: Path | None = None
+    oidc_principal_claim: str = "sub"
+    oidc_teams_claim: str = "groups"
+    oidc_admin_team: str | None = None
+    oidc_algorithms: str = "RS256,ES256"
+    oidc_leeway_s: float = Field(default=30.0, ge=0, le=600)
+
+    @model_validator(mode="after")
+    def _check_identity(self) -> CoreSettings:
+        if self.audit_retention_days < self.retention_days:
+            raise ValueError("CAIRN_AUDIT_RETENTION_DAYS must be at least CAIRN_RETENTION_DAYS")
+        if self.env == "production" and self.secrets_key is None and not self.secrets_key_file:
+            raise ValueError(
+                "CAIRN_SECRETS_KEY or CAIRN_SECRETS_KEY_FILE is required when CAIRN_ENV=production"
+            )
+        if (self.oidc_issuer is None) != (self.oidc_audience is None):
+            raise ValueError("set both CAIRN_OIDC_ISSUER and CAIRN_OIDC_AUDIENCE, or neither")
+        if self.oidc_issuer and (self.oidc_jwks_url is None) == (self.oidc_jwks_file is None):
+            raise ValueError("OIDC needs one of CAIRN_OIDC_JWKS_URL or CAIRN_OIDC_JWKS_FILE")
+        return self
+
+    @property
+    def oidc_enabled(self) -> bool:
+        return self.oidc_issuer is not None
+
+    @property
+    def secrets_key_path(self) -> Path:
+        """Where the keys are read from when ``CAIRN_SECRETS_KEY`` is not set; in
+        development a key is made there on first start."""
+        return self.secrets_key_file or self.home / "secrets.key"

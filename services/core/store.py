@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,13 +13,13 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg.rows import namedtuple_row
-from sqlalchemy import Row, TextClause, and_, func, insert, select, update
+from sqlalchemy import Row, TextClause, and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.auth import Caller
+from libs.common.auth import Caller, Visibility
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, InvalidInput, NotFound
 from libs.common.models import (
     Attempt,
@@ -38,21 +37,21 @@ from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
     attempt_logs,
     attempts,
-    principals,
     queues,
     task_events,
     tasks,
-    tokens,
 )
 
 ROLES = ("admin", "service", "user", "worker")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Principal(Caller):
-    """A caller as core knows it: with the id of its row."""
+    """A caller as core knows it: the id of its row (None for one an identity provider
+    vouches for) and of the token it came with."""
 
-    id: int
+    id: int | None = None
+    token_id: int | None = None
 
 
 # --- the driver's fast path ------------------------------------------------------------
@@ -89,7 +88,7 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 # --- submissions --------------------------------------------------------------------------
 
 
-_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None}
+_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None, "team": None}
 
 
 def spec_hash(spec: TaskCreate) -> str:
@@ -112,7 +111,7 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "artifact_uri": spec.artifact.uri,
         "artifact_sha256": spec.artifact.sha256,
         "args": spec.args,
-        "env": spec.env,
+        "env": {k: v if isinstance(v, str) else v.model_dump() for k, v in spec.env.items()},
         "input_path": spec.input_path,
         "output_path": spec.output_path,
         "cpu": spec.resources.cpu,
@@ -130,6 +129,7 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "labels": spec.labels,
         "defer_ok": spec.defer_ok,
         "deadline": spec.deadline.isoformat() if spec.deadline else None,
+        "team": spec.team,
     }
 
 
@@ -233,17 +233,25 @@ def task_from_row(m: Any) -> Task:
         finished_at=m.finished_at,
         defer_ok=m.defer_ok,
         deadline=m.deadline,
+        team=m.team,
     )
 
 
 # --- reads --------------------------------------------------------------------------------
 
 
-async def get_task(conn: AsyncConnection, task_id: int, owner: str | None) -> Task:
-    """The task, if it exists and ``owner`` (when given) owns it; else ``NotFound``."""
+def _visible(who: Visibility) -> Any:
+    if not who.teams:
+        return tasks.c.owner == who.owner
+    return or_(tasks.c.owner == who.owner, tasks.c.team.in_(sorted(who.teams)))
+
+
+async def get_task(conn: AsyncConnection, task_id: int, who: Visibility | None) -> Task:
+    """The task, if it exists and ``who`` (when given) may see it: its owner, or a member
+    of the team that owns it; else ``NotFound``."""
     query = select(tasks).where(tasks.c.id == task_id)
-    if owner is not None:
-        query = query.where(tasks.c.owner == owner)
+    if who is not None:
+        query = query.where(_visible(who))
     row = (await conn.execute(query)).first()
     if row is None:
         raise NotFound(f"task {task_id} not found")
@@ -256,6 +264,8 @@ class TaskFilter:
     queue: str | None = None
     owner: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    team: str | None = None
+    visible_to: Visibility | None = None
 
 
 async def list_tasks(
@@ -272,6 +282,10 @@ async def list_tasks(
         conditions.append(tasks.c.owner == where.owner)
     if where.labels:
         conditions.append(tasks.c.labels.contains(dict(where.labels)))
+    if where.team is not None:
+        conditions.append(tasks.c.team == where.team)
+    if where.visible_to is not None:
+        conditions.append(_visible(where.visible_to))
     if before_id is not None:
         conditions.append(tasks.c.id < before_id)
     if conditions:
@@ -415,16 +429,15 @@ async def cancel(conn: AsyncConnection, task_id: int, owner: str | None, reason:
     )
 
 
-async def retry(conn: AsyncConnection, task_id: int, owner: str | None) -> None:
+async def retry(conn: AsyncConnection, task_id: int, who: Visibility | None) -> None:
     """A person's retry: a fresh budget of attempts, eligible now (or ready if paused)."""
-    task = await get_task(conn, task_id, owner)
+    task = await get_task(conn, task_id, who)
     target = TaskState.READY if await queue_paused(conn, task.queue) else TaskState.WAITING
     await transition(
         conn,
         task_id,
         Op.RETRY,
         target,
-        owner=owner,
         reason="retried by a person",
         reset_run_at=True,
         reset_counts=True,
@@ -586,57 +599,3 @@ async def queue_history(conn: AsyncConnection, minutes: int) -> QueueHistory:
             )
         )
     return QueueHistory(minutes=minutes, until=until, items=items)
-
-
-# --- principals and tokens ----------------------------------------------------------------
-
-
-def hash_token(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-async def create_token(
-    conn: AsyncConnection, name: str, role: str, token: str | None = None
-) -> str:
-    """Create the principal if new (its role must match if not), and a token for it: a
-    fresh one, or ``token`` as given (a deployment's own secret; registering it again is a
-    no-op)."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}")
-    stmt = pg_insert(principals).values(name=name, role=role).on_conflict_do_nothing()
-    await conn.execute(stmt)
-    row = (await conn.execute(select(principals).where(principals.c.name == name))).one()
-    if row.role != role:
-        raise ValueError(f"principal {name!r} exists with role {row.role!r}")
-    if token is None:
-        token = "cairn_" + secrets.token_urlsafe(32)
-    elif not 24 <= len(token) <= 200 or not token.isprintable() or " " in token:
-        raise ValueError("a given token must be 24 to 200 printable characters, no spaces")
-    else:
-        known = await principal_for_token(conn, token)
-        if known is not None:
-            if known.name != name:
-                raise ValueError(f"that token belongs to {known.name!r} already")
-            return token
-    await conn.execute(insert(tokens).values(principal_id=row.id, token_hash=hash_token(token)))
-    return token
-
-
-async def principal_for_token(conn: AsyncConnection, token: str) -> Principal | None:
-    query = (
-        select(principals.c.id, principals.c.name, principals.c.role)
-        .join(tokens, tokens.c.principal_id == principals.c.id)
-        .where(tokens.c.token_hash == hash_token(token), tokens.c.revoked_at.is_(None))
-    )
-    row = (await conn.execute(query)).first()
-    return Principal(id=row.id, name=row.name, role=row.role) if row else None
-
-
-async def revoke_tokens(conn: AsyncConnection, name: str) -> int:
-    ids = select(principals.c.id).where(principals.c.name == name).scalar_subquery()
-    stmt = (
-        update(tokens)
-        .where(tokens.c.principal_id == ids, tokens.c.revoked_at.is_(None))
-        .values(revoked_at=func.now())
-    )
-    return int((await conn.execute(stmt)).rowcount)

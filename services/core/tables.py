@@ -71,6 +71,79 @@ tokens = Table(
     Column("token_hash", LargeBinary, nullable=False, unique=True),
     _now(),
     Column("revoked_at", DateTime(timezone=True)),
+    Column("name", Text, nullable=False, server_default=text("''")),
+    Column("expires_at", DateTime(timezone=True)),
+    Column("last_used_at", DateTime(timezone=True)),
+    Column("created_by", Text),
+    CheckConstraint("length(name) <= 100", name="name_length"),
+)
+
+teams = Table(
+    "teams",
+    metadata,
+    Column("name", Text, primary_key=True),
+    _now(),
+    Column("created_by", Text, nullable=False),
+    CheckConstraint("length(name) BETWEEN 1 AND 64", name="name_length"),
+)
+
+team_members = Table(
+    "team_members",
+    metadata,
+    Column("team", Text, ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True),
+    Column("member", Text, primary_key=True, index=True),
+    _now(),
+    Column("added_by", Text, nullable=False),
+)
+
+secrets = Table(
+    "secrets",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text),
+    Column("team", Text),
+    Column("name", Text, nullable=False),
+    Column("key_id", Text, nullable=False),
+    Column("nonce", LargeBinary, nullable=False),
+    Column("ciphertext", LargeBinary, nullable=False),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("created_by", Text, nullable=False),
+    Column("updated_by", Text, nullable=False),
+    CheckConstraint("(owner IS NULL) <> (team IS NULL)", name="one_scope"),
+    CheckConstraint("length(name) BETWEEN 1 AND 128", name="name_length"),
+    Index(
+        "uq_secrets_owner_name",
+        "owner",
+        "name",
+        unique=True,
+        postgresql_where=text("owner IS NOT NULL"),
+    ),
+    Index(
+        "uq_secrets_team_name",
+        "team",
+        "name",
+        unique=True,
+        postgresql_where=text("team IS NOT NULL"),
+    ),
+)
+
+# Append-only (a trigger refuses UPDATE, TRUNCATE, and DELETE outside the retention purge).
+audit = Table(
+    "audit",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("actor", Text, nullable=False),
+    Column("actor_role", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("source", Text),
+    Column("before", JSONB),
+    Column("after", JSONB),
+    Index("ix_audit_at", "at"),
+    Index("ix_audit_actor_id", "actor", "id"),
+    Index("ix_audit_action_id", "action", "id"),
 )
 
 queues = Table(
@@ -130,6 +203,7 @@ tasks = Table(
     Column("defer_ok", Boolean, nullable=False, server_default=text("false")),
     Column("deadline", DateTime(timezone=True)),
     Column("deferred", Boolean, nullable=False, server_default=text("false")),
+    Column("team", Text),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -168,6 +242,7 @@ tasks = Table(
         postgresql_where=text(_in("state", _LIVE)),
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
+    Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     Index(
         "ix_tasks_labels",

@@ -18,7 +18,7 @@ def _cairn(core: Core, tmp_path, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
-    made = _cairn(core, tmp_path, "token", "create", "carol", "--role", "user")
+    made = _cairn(core, tmp_path, "token", "create", "carol", "--role", "user", "--db")
     assert made.returncode == 0, made.stderr
     token = made.stdout.strip()
     answer = httpx.post(
@@ -28,8 +28,10 @@ def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
 
 
 def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
-    assert _cairn(core, tmp_path, "token", "create", "dave", "--role", "user").returncode == 0
-    again = _cairn(core, tmp_path, "token", "create", "dave", "--role", "admin")
+    assert (
+        _cairn(core, tmp_path, "token", "create", "dave", "--role", "user", "--db").returncode == 0
+    )
+    again = _cairn(core, tmp_path, "token", "create", "dave", "--role", "admin", "--db")
     assert again.returncode == 2 and "exists with role 'user'" in again.stderr
 
 
@@ -58,7 +60,7 @@ def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> Non
     finally:
         del os.environ[env_name]
     who = httpx.get(core.url + "/v1/whoami", headers={"Authorization": f"Bearer {secret}"})
-    assert who.json() == {"name": "cron", "role": "service"}
+    assert who.json() == {"name": "cron", "role": "service", "teams": [], "expires_at": None}
     missing = _cairn(core, tmp_path, "token", "create", "x", "--from-env", "CAIRN_UNSET_VAR")
     assert missing.returncode == 2
 
@@ -80,8 +82,13 @@ def test_a_worker_token_cannot_read_tasks(core: Core) -> None:
 
 def test_whoami_names_the_tokens_principal(core: Core) -> None:
     with core.client("alice") as alice, core.client("cron", role="service") as cron:
-        assert alice.get("/v1/whoami").json() == {"name": "alice", "role": "user"}
-        assert cron.get("/v1/whoami").json() == {"name": "cron", "role": "service"}
+        assert alice.get("/v1/whoami").json() == {
+            "name": "alice",
+            "role": "user",
+            "teams": [],
+            "expires_at": None,
+        }
+        assert cron.get("/v1/whoami").json()["role"] == "service"
     assert httpx.get(core.url + "/v1/whoami").status_code == 401
 
 

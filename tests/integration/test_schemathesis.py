@@ -82,6 +82,8 @@ def live_core(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[Core]:
     server = start_core(db_url, home)
     server.tokens["root"] = make_token(db_url, "root", "admin")
     server.tokens["alice"] = make_token(db_url, "alice", "user")
+    with psycopg.connect(libpq_url(db_url)) as conn:
+        server.own_token_ids = {row[0] for row in conn.execute("SELECT id FROM core.tokens")}  # type: ignore[attr-defined]
     # Something to read, cancel and retry: a few tasks of each principal.
     for who in ("root", "alice"):
         with server.client(who) as client:
@@ -116,6 +118,11 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 
 
 def _call(case: schemathesis.Case, core: Core, principal: str) -> None:
+    # Revoking the fuzzer's own tokens would leave every later case a 401.
+    revokes = case.method.upper() == "DELETE" and case.path == "/v1/tokens/{token_id}"
+    params = case.path_parameters if isinstance(case.path_parameters, dict) else {}
+    if revokes and params.get("token_id") in core.own_token_ids:  # type: ignore[attr-defined]
+        params["token_id"] = 2**40
     if case.path == "/v1/events" and isinstance(case.query, dict):
         wait = case.query.get("wait")
         if isinstance(wait, int | float) and not isinstance(wait, bool) and wait > MAX_WAIT_S:

@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from libs.common.auth import Visibility
 from libs.common.errors import IllegalTransition, NotFound
 from libs.common.models import TaskCreate
 from libs.common.states import FINAL, TaskState
@@ -264,7 +265,7 @@ class TaskMachine(RuleBasedStateMachine):
     @rule(task=tasks, owner=OWNERS)
     def retry(self, task: int, owner: str) -> None:
         def work(conn: AsyncConnection) -> Awaitable[None]:
-            return store.retry(conn, task, owner)
+            return store.retry(conn, task, Visibility(owner))
 
         if owner != OWNER:
             self._refused(task, NotFound, work)

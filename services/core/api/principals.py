@@ -13,5 +13,10 @@ router = APIRouter(prefix="/v1", tags=["principals"])
 
 @router.get("/whoami", response_model=WhoAmI, responses=PROBLEMS)
 async def whoami(principal: CurrentPrincipal) -> WhoAmI:
-    """The name and role of the caller's token."""
-    return WhoAmI(name=principal.name, role=principal.role)
+    """The name, role and teams of the caller's credential, and when it expires."""
+    return WhoAmI(
+        name=principal.name,
+        role=principal.role,
+        teams=sorted(principal.teams),
+        expires_at=principal.expires_at,
+    )

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
 from services.core import placement, store
-from services.core.deps import AdminOnly, Announcer, Engine, Reader
+from services.core.deps import AdminOnly, Announcer, Audit, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
 
@@ -52,10 +52,18 @@ async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:
 
 
 async def _set_paused(
-    engine: Engine, notifier: Announcer, request: Request, name: str, paused: bool
+    engine: Engine, notifier: Announcer, request: Request, name: str, paused: bool, record: Audit
 ) -> QueueInfo:
     async with engine.begin() as conn:
+        was = await store.queue_paused(conn, name)
         await store.set_paused(conn, name, paused)
+        await record(
+            conn,
+            "queue.pause" if paused else "queue.resume",
+            f"queue:{name}",
+            before={"paused": was},
+            after={"paused": paused},
+        )
         await store.promote_and_park(conn, 1000)
     notifier.announce()
     return await _one(engine, request, name)
@@ -63,25 +71,50 @@ async def _set_paused(
 
 @router.patch("/{name}", response_model=QueueInfo, responses=PROBLEMS)
 async def set_queue(
-    name: QueueName, change: QueueSettings, principal: AdminOnly, engine: Engine, request: Request
+    name: QueueName,
+    change: QueueSettings,
+    principal: AdminOnly,
+    engine: Engine,
+    request: Request,
+    record: Audit,
 ) -> QueueInfo:
     """Set the pool's overcommit ratio for preemptible work and the utilisation above
     which time-insensitive work is deferred (null: the operator's default)."""
     async with engine.begin() as conn:
+        old = [q for q in await _queues(conn, request) if q.name == name]
         await placement.set_pool(conn, name, change)
+        await record(
+            conn,
+            "queue.settings",
+            f"queue:{name}",
+            before={"overcommit": old[0].overcommit, "defer_above": old[0].defer_above}
+            if old
+            else None,
+            after=change.model_dump(exclude_unset=True),
+        )
     return await _one(engine, request, name)
 
 
 @router.post("/{name}/pause", response_model=QueueInfo, responses=PROBLEMS)
 async def pause_queue(
-    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer, request: Request
+    name: QueueName,
+    principal: AdminOnly,
+    engine: Engine,
+    notifier: Announcer,
+    request: Request,
+    record: Audit,
 ) -> QueueInfo:
     """Stop handing out the queue's work: its waiting tasks go back to ready."""
-    return await _set_paused(engine, notifier, request, name, True)
+    return await _set_paused(engine, notifier, request, name, True, record)
 
 
 @router.post("/{name}/resume", response_model=QueueInfo, responses=PROBLEMS)
 async def resume_queue(
-    name: QueueName, principal: AdminOnly, engine: Engine, notifier: Announcer, request: Request
+    name: QueueName,
+    principal: AdminOnly,
+    engine: Engine,
+    notifier: Announcer,
+    request: Request,
+    record: Audit,
 ) -> QueueInfo:
-    return await _set_paused(engine, notifier, request, name, False)
+    return await _set_paused(engine, notifier, request, name, False, record)

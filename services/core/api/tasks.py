@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common import tracing
 from libs.common.errors import Forbidden, InvalidInput
@@ -29,12 +30,14 @@ from libs.common.models import (
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    TeamName,
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
 from services.core import placement, store, traces
 from services.core.deps import (
     Announcer,
+    Audit,
     Engine,
     Meter,
     OwnedTask,
@@ -44,6 +47,8 @@ from services.core.deps import (
     TaskIdPath,
 )
 from services.core.domain.transitions import Op
+from services.core.identity import secrets, teams
+from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
@@ -66,6 +71,7 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
 )
 async def submit_task(
     spec: TaskCreate,
+    principal: Submitter,
     owner: SubmittingOwner,
     engine: Engine,
     notifier: Announcer,
@@ -73,11 +79,14 @@ async def submit_task(
     request: Request,
 ) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
-    owner already submitted this ``idempotency_key``."""
+    owner already submitted this ``idempotency_key``. ``team`` shares it with a team the
+    owner belongs to; ``env`` values may name secrets."""
     start = tracing.now_ns()
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
+        if secrets.needs_check(spec):
+            await _check(conn, principal, owner, spec)
         [(row, created)] = await store.submit(conn, owner, [spec])
         task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
     if created:
@@ -158,6 +167,10 @@ async def submit_batch(
             raise Forbidden("only the service role may name other owners in owners")
         owners = batch.owners
     async with engine.begin() as conn:
+        for i, spec in enumerate(batch.tasks):
+            if secrets.needs_check(spec):
+                who = owners if isinstance(owners, str) else owners[i]
+                await _check(conn, principal, who, spec, f"tasks.{i}.")
         rows = await store.submit(conn, owners, batch.tasks)
     notifier.announce()
     delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
@@ -180,6 +193,15 @@ async def submit_batch(
         status_code=201 if any(created for _, created in rows) else 200,
         media_type=JSON,
     )
+
+
+async def _check(
+    conn: AsyncConnection, principal: Principal, owner: str, spec: TaskCreate, field: str = ""
+) -> None:
+    """The owner's right to its team and secrets: the caller's teams when it submits for
+    itself, the owner's recorded memberships when a service submits for it."""
+    owner_teams = principal.teams if owner == principal.name else await teams.teams_of(conn, owner)
+    await secrets.check_submission(conn, owner, owner_teams, spec, field)
 
 
 def _defaults(request: Request) -> placement.Defaults:
@@ -299,6 +321,7 @@ async def list_tasks(
     state: TaskState | None = None,
     queue: QueueName | None = None,
     owner: Annotated[str | None, Query(max_length=100, pattern=r"^[^\x00]*$")] = None,
+    team: TeamName | None = None,
     label: Annotated[
         list[Annotated[str, Query(max_length=400, pattern=r"^[^\x00]*$")]],
         Query(max_length=16, description="KEY=VALUE; repeat to require several"),
@@ -306,15 +329,19 @@ async def list_tasks(
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> Response:
-    """Tasks newest first. Users see their own; admins and services see every owner's."""
-    if principal.owner_filter is not None:
-        if owner not in (None, principal.name):
-            return _json(TaskPage(items=[], next_cursor=None))
-        owner = principal.name
+    """Tasks newest first. Users see their own and their teams'; admins and services see
+    every owner's."""
     labels = _parse_labels(label)
     for key, _ in labels:
         _check_label_key(key)
-    where = store.TaskFilter(state=state, queue=queue, owner=owner, labels=labels)
+    where = store.TaskFilter(
+        state=state,
+        queue=queue,
+        owner=owner,
+        labels=labels,
+        team=team,
+        visible_to=principal.visibility,
+    )
     before = _decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
         items = await store.list_tasks(conn, where, before, limit)
@@ -334,12 +361,19 @@ def _check_label_key(key: str) -> None:
 
 @router.post("/{task_id}/cancel", response_model=Task, responses=PROBLEMS)
 async def cancel_task(
-    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer, meter: Meter
+    task_id: TaskIdPath,
+    principal: Reader,
+    engine: Engine,
+    notifier: Announcer,
+    meter: Meter,
+    record: Audit,
 ) -> Response:
     """Cancel a task that has not finished. A final task answers 409."""
     async with engine.begin() as conn:
-        await store.cancel(conn, task_id, principal.owner_filter, f"cancelled by {principal.name}")
+        before = await store.get_task(conn, task_id, principal.visibility)
+        await store.cancel(conn, task_id, None, f"cancelled by {principal.name}")
         task = await store.get_task(conn, task_id, None)
+        await _audit_others(record, conn, principal, "task.cancel", before, task)
     notifier.announce()
     meter.ended(TaskState.CANCELLED)
     return _json(task)
@@ -347,14 +381,36 @@ async def cancel_task(
 
 @router.post("/{task_id}/retry", response_model=Task, responses=PROBLEMS)
 async def retry_task(
-    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer
+    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer, record: Audit
 ) -> Response:
     """Put a dead, failed or cancelled task back in line, with a fresh budget of attempts."""
     async with engine.begin() as conn:
-        await store.retry(conn, task_id, principal.owner_filter)
+        before = await store.get_task(conn, task_id, principal.visibility)
+        await store.retry(conn, task_id, None)
         task = await store.get_task(conn, task_id, None)
+        await _audit_others(record, conn, principal, "task.retry", before, task)
     notifier.announce()
     return _json(task)
+
+
+async def _audit_others(
+    record: Audit,
+    conn: AsyncConnection,
+    principal: Principal,
+    action: str,
+    before: Task,
+    after: Task,
+) -> None:
+    """Acting on another owner's work (as an admin or a teammate) is audited; services
+    act for the owner (cron, DAG) and are not."""
+    if before.owner != principal.name and principal.role != "service":
+        await record(
+            conn,
+            action,
+            f"task:{before.id}",
+            before={"owner": before.owner, "team": before.team, "state": before.state},
+            after={"state": after.state},
+        )
 
 
 @router.get("/{task_id}/attempts", response_model=AttemptList, responses=PROBLEMS)

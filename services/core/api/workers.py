@@ -23,7 +23,8 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
 from services.core import dispatch, placement, traces
-from services.core.deps import AdminOnly, Announcer, Engine, Meter, require
+from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
+from services.core.identity import secrets
 from services.core.settings import CoreSettings
 from services.core.store import Principal
 
@@ -112,6 +113,7 @@ async def claim(
     notifier: Announcer,
     meter: Meter,
     request: Request,
+    box: Box,
 ) -> ClaimAnswer:
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
     work arrives or ``wait`` seconds pass."""
@@ -124,6 +126,13 @@ async def claim(
             leased = await dispatch.claim(
                 conn, current, room.cpu, room.memory_mb, room.max, defaults, tally
             )
+            leased, broken = await secrets.fill(conn, box, leased)
+            for attempt_id, reason in broken.items():
+                failed = Report(outcome="failed", retryable=False, error=reason)
+                await dispatch.report(conn, attempt_id, worker.id, failed, tally)
+        if broken and not leased:
+            meter.count(tally)
+            notifier.announce()
         if leased:
             meter.count(tally)
             notifier.announce()
@@ -145,11 +154,20 @@ async def report(
     notifier: Announcer,
     meter: Meter,
     request: Request,
+    box: Box,
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
     one (its lease was lost) is refused with 409 and changes nothing."""
     tally = dispatch.Tally()
     async with engine.begin() as conn:
+        mask = await secrets.masker(conn, box, attempt_id)
+        if mask is not None:
+            outcome = outcome.model_copy(
+                update={
+                    "log_tail": mask(outcome.log_tail) if outcome.log_tail else outcome.log_tail,
+                    "error": mask(outcome.error) if outcome.error else outcome.error,
+                }
+            )
         state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)
         task_id = await dispatch.task_of(conn, attempt_id)
     notifier.announce()
@@ -172,20 +190,26 @@ async def upload_log(
     worker: OwnWorker,
     engine: Engine,
     request: Request,
+    box: Box,
     truncated: bool = False,
 ) -> Response:
-    """The attempt's whole log, sent by its worker when the attempt ends."""
+    """The attempt's whole log, sent by its worker when the attempt ends; the values of
+    the attempt's secrets are masked before it is stored."""
     body = await request.body()
     async with engine.begin() as conn:
+        mask = await secrets.masker(conn, box, attempt_id)
+        if mask is not None:
+            text = body.decode("utf-8", "surrogateescape")
+            body = mask(text).encode("utf-8", "surrogateescape")
         await dispatch.save_log(conn, worker.id, attempt_id, body, truncated)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)
-async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine) -> Worker:
+async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, record: Audit) -> Worker:
     """Stop giving the worker new work; what runs finishes (the agent hands back the rest
     after its grace period)."""
-    return await _set_state(engine, worker_id, "draining")
+    return await _set_state(engine, worker_id, "draining", record)
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
@@ -199,12 +223,16 @@ async def leave(worker: OwnWorker, engine: Engine, meter: Meter) -> Worker:
     return await _get(engine, worker.id)
 
 
-async def _set_state(engine: Engine, worker_id: int, state: str) -> Worker:
+async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) -> Worker:
     async with engine.begin() as conn:
         row = await dispatch.get_worker(conn, worker_id, None)
         if row.state not in ("live", "draining"):
             raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
         await dispatch.set_worker_state(conn, worker_id, state)
+        target = f"worker:{worker_id}"
+        await record(
+            conn, "worker.drain", target, before={"state": row.state}, after={"state": state}
+        )
     return await _get(engine, worker_id)
 
 

@@ -44,7 +44,9 @@ class Dag:
 def _templated_fields(spec: NodeSpec) -> list[tuple[str, str]]:
     task = spec.task
     fields = [(f"task.args.{i}", arg) for i, arg in enumerate(task.args)]
-    fields += [(f"task.env.{key}", value) for key, value in task.env.items()]
+    fields += [
+        (f"task.env.{key}", value) for key, value in task.env.items() if isinstance(value, str)
+    ]
     fields += [(f"task.{name}", getattr(task, name)) for name in ("input_path", "output_path")]
     return [(where, text) for where, text in fields if text and "{{" in text]
 

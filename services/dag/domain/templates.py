@@ -87,7 +87,10 @@ class Renderer:
         template: TaskTemplate = self.dag.specs[node].task
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
         doc["args"] = [self._render(node, try_number, arg) for arg in template.args]
-        doc["env"] = {k: self._render(node, try_number, v) for k, v in template.env.items()}
+        doc["env"] = {
+            k: self._render(node, try_number, v) if isinstance(v, str) else doc["env"][k]
+            for k, v in template.env.items()
+        }
         if fire := self._fire():
             doc["env"]["CAIRN_CRON_SLOT"] = _text(fire.get("slot"))
             doc["env"]["CAIRN_CRON_SCHEDULE_ID"] = _text(fire.get("schedule_id"))

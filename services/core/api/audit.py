@@ -1,0 +1,38 @@
+"""The audit trail, for admins: newest first, filtered, in pages."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from libs.common.models import MAX_PAGE, AuditPage, StorableTime
+from libs.common.problems import PROBLEMS
+from services.core.deps import AdminOnly, Engine
+from services.core.identity import audit
+
+router = APIRouter(prefix="/v1/audit", tags=["audit"])
+
+_Text = Annotated[str | None, Query(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
+
+
+@router.get("", response_model=AuditPage, responses=PROBLEMS)
+async def read_audit(
+    principal: AdminOnly,
+    engine: Engine,
+    actor: _Text = None,
+    action: Annotated[
+        str | None, Query(max_length=64, pattern=r"^[a-z.]+$", description="token, token.revoke")
+    ] = None,
+    target: _Text = None,
+    since: StorableTime | None = None,
+    until: StorableTime | None = None,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+) -> AuditPage:
+    """Who did what, when, from where; ``action`` matches a family (``token``) or one
+    action (``token.revoke``)."""
+    where = audit.AuditFilter(actor=actor, action=action, target=target, since=since, until=until)
+    async with engine.connect() as conn:
+        items = await audit.page(conn, where, before, limit)
+    return AuditPage(items=items, next_before=items[-1].id if len(items) == limit else None)

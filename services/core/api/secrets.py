@@ -1,0 +1,93 @@
+"""Secrets: a name and a value, of the caller or of a team it belongs to. No answer ever
+holds a value: tasks refer to secrets by name, and only the worker leasing an attempt
+receives them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response, status
+
+from libs.common.errors import NotFound
+from libs.common.models import (
+    SecretCreate,
+    SecretInfo,
+    SecretList,
+    SecretName,
+    SecretUpdate,
+    TeamName,
+)
+from libs.common.problems import PROBLEMS
+from services.core.deps import Audit, Box, Engine, Reader
+from services.core.identity import secrets
+from services.core.identity.secrets import Scope
+from services.core.store import Principal
+
+router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
+
+NamePath = Annotated[SecretName, Path(description="The secret's name.")]
+TeamQuery = Annotated[TeamName | None, Query(description="A team's secret, not the caller's.")]
+
+
+def _scope(principal: Principal, team: str | None) -> Scope:
+    """Where the caller's request lands; a team it is not in is a 404 like a missing one."""
+    if team is None:
+        return Scope(principal.name, None)
+    if principal.role != "admin" and team not in principal.teams:
+        raise NotFound(f"team {team!r} not found")
+    return Scope(None, team)
+
+
+def _target(scope: Scope, name: str) -> str:
+    return f"secret:team:{scope.team}/{name}" if scope.team else f"secret:{scope.owner}/{name}"
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SecretInfo, responses=PROBLEMS)
+async def create_secret(
+    body: SecretCreate, principal: Reader, engine: Engine, box: Box, record: Audit
+) -> SecretInfo:
+    """Store a secret, encrypted; 409 if the name is taken in that scope (PUT replaces)."""
+    scope = _scope(principal, body.team)
+    async with engine.begin() as conn:
+        info = await secrets.create(conn, box, scope, body.name, body.value, principal.name)
+        await record(conn, "secret.create", _target(scope, body.name), after=info.model_dump())
+    return info
+
+
+@router.get("", response_model=SecretList, responses=PROBLEMS)
+async def list_secrets(principal: Reader, engine: Engine) -> SecretList:
+    """Names and metadata of the caller's and its teams' secrets (admins: all)."""
+    async with engine.connect() as conn:
+        if principal.role == "admin":
+            return SecretList(items=await secrets.list_(conn, None, None))
+        return SecretList(items=await secrets.list_(conn, principal.name, principal.teams))
+
+
+@router.put("/{name}", response_model=SecretInfo, responses=PROBLEMS)
+async def replace_secret(
+    name: NamePath,
+    body: SecretUpdate,
+    principal: Reader,
+    engine: Engine,
+    box: Box,
+    record: Audit,
+    team: TeamQuery = None,
+) -> SecretInfo:
+    """Give a secret a new value; tasks not yet leased get the new one."""
+    scope = _scope(principal, team)
+    async with engine.begin() as conn:
+        info = await secrets.replace(conn, box, scope, name, body.value, principal.name)
+        await record(conn, "secret.update", _target(scope, name), after=info.model_dump())
+    return info
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
+async def delete_secret(
+    name: NamePath, principal: Reader, engine: Engine, record: Audit, team: TeamQuery = None
+) -> Response:
+    """Delete a secret; an attempt of a task that still refers to it fails, saying so."""
+    scope = _scope(principal, team)
+    async with engine.begin() as conn:
+        before = await secrets.remove(conn, scope, name)
+        await record(conn, "secret.delete", _target(scope, name), before=before.model_dump())
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

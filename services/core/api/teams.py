@@ -1,0 +1,73 @@
+"""Teams: admins create them and manage their members; a member sees its team."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
+
+from libs.common.models import PrincipalName, Team, TeamCreate, TeamList, TeamName
+from libs.common.problems import PROBLEMS
+from services.core.deps import AdminOnly, Audit, Engine, Reader
+from services.core.identity import teams
+
+router = APIRouter(prefix="/v1/teams", tags=["teams"])
+
+TeamPath = Annotated[TeamName, Path(description="The team's name.")]
+MemberPath = Annotated[PrincipalName, Path(description="A principal's name.")]
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=Team, responses=PROBLEMS)
+async def create_team(
+    body: TeamCreate, principal: AdminOnly, engine: Engine, record: Audit
+) -> Team:
+    async with engine.begin() as conn:
+        team = await teams.create(conn, body.name, principal.name)
+        await record(conn, "team.create", f"team:{team.name}", after=team.model_dump())
+    return team
+
+
+@router.get("", response_model=TeamList, responses=PROBLEMS)
+async def list_teams(principal: Reader, engine: Engine) -> TeamList:
+    """Every team for admins and services; the caller's own teams for everyone else."""
+    async with engine.connect() as conn:
+        return TeamList(items=await teams.list_(conn, principal.owner_filter))
+
+
+@router.get("/{name}", response_model=Team, responses=PROBLEMS)
+async def get_team(name: TeamPath, principal: Reader, engine: Engine) -> Team:
+    """The team with its members; a team the caller is not in is a 404."""
+    async with engine.connect() as conn:
+        return await teams.get(conn, name, principal.owner_filter)
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
+async def delete_team(
+    name: TeamPath, principal: AdminOnly, engine: Engine, record: Audit
+) -> Response:
+    """Delete the team and its memberships; work it owned stays with its submitters."""
+    async with engine.begin() as conn:
+        before = await teams.delete_team(conn, name)
+        await record(conn, "team.delete", f"team:{name}", before=before.model_dump())
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put("/{name}/members/{member}", response_model=Team, responses=PROBLEMS)
+async def add_member(
+    name: TeamPath, member: MemberPath, principal: AdminOnly, engine: Engine, record: Audit
+) -> Team:
+    """Add a member (idempotent). It takes effect within the token cache time."""
+    async with engine.begin() as conn:
+        if await teams.add_member(conn, name, member, principal.name):
+            await record(conn, "team.member.add", f"team:{name}", after={"member": member})
+        return await teams.get(conn, name)
+
+
+@router.delete("/{name}/members/{member}", response_model=Team, responses=PROBLEMS)
+async def remove_member(
+    name: TeamPath, member: MemberPath, principal: AdminOnly, engine: Engine, record: Audit
+) -> Team:
+    async with engine.begin() as conn:
+        await teams.remove_member(conn, name, member)
+        await record(conn, "team.member.remove", f"team:{name}", before={"member": member})
+        return await teams.get(conn, name)

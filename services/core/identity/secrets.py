@@ -1,0 +1,268 @@
+"""Secrets: named values of an owner or a team, sealed with ``crypto.SecretBox``. No read
+of the API returns a value; core opens them only into the claim answer of the worker that
+leases an attempt, and masks them in what that attempt's worker sends back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, func, insert, or_, select, text, tuple_, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
+from libs.common.models import Assignment, SecretInfo, SecretRef, TaskCreate
+from services.core.identity.crypto import SecretBox, Unreadable
+from services.core.tables import secrets
+
+MASK = "***"
+# Shorter values are not masked: masking "1" or "on" would hide every such letter pair.
+MASK_MIN_LEN = 3
+
+_INFO = (
+    secrets.c.name,
+    secrets.c.owner,
+    secrets.c.team,
+    secrets.c.created_at,
+    secrets.c.updated_at,
+    secrets.c.created_by,
+    secrets.c.updated_by,
+)
+
+# The claimed tasks that refer to secrets (any env value that is an object).
+_WITH_REFS = text("""
+SELECT id, owner, env FROM core.tasks
+WHERE id = ANY(CAST(:ids AS bigint[])) AND jsonb_path_exists(env, '$.* ? (@.type() == "object")')
+""")
+
+_OF_ATTEMPT = text("""
+SELECT t.owner, t.env FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.id = :attempt AND jsonb_path_exists(t.env, '$.* ? (@.type() == "object")')
+""")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose secret: an owner's, or (with ``team``) a team's."""
+
+    owner: str | None
+    team: str | None
+
+    @classmethod
+    def of(cls, owner: str, ref: SecretRef) -> Scope:
+        return cls(None, ref.team) if ref.team else cls(owner, None)
+
+    def context(self, name: str) -> bytes:
+        """The associated data a value is sealed with: where it belongs."""
+        kind, who = ("team", self.team) if self.team else ("owner", self.owner)
+        return f"cairn-secret\x00{kind}\x00{who}\x00{name}".encode()
+
+    def where(self) -> Any:
+        if self.team:
+            return secrets.c.team == self.team
+        return (secrets.c.owner == self.owner) & secrets.c.team.is_(None)
+
+    def describe(self) -> str:
+        return f"team {self.team!r}" if self.team else f"{self.owner!r}"
+
+
+def _info(row: Any) -> SecretInfo:
+    return SecretInfo.model_validate(row._mapping)
+
+
+async def create(
+    conn: AsyncConnection, box: SecretBox, scope: Scope, name: str, value: str, by: str
+) -> SecretInfo:
+    kid, nonce, sealed = box.seal(value, scope.context(name))
+    existing = await conn.execute(select(secrets.c.id).where(scope.where(), secrets.c.name == name))
+    if existing.first() is not None:
+        raise Conflict(f"name: {scope.describe()} has a secret {name!r} already; PUT replaces it")
+    row = (
+        await conn.execute(
+            insert(secrets)
+            .values(
+                owner=scope.owner,
+                team=scope.team,
+                name=name,
+                key_id=kid,
+                nonce=nonce,
+                ciphertext=sealed,
+                created_by=by,
+                updated_by=by,
+            )
+            .returning(*_INFO)
+        )
+    ).one()
+    return _info(row)
+
+
+async def replace(
+    conn: AsyncConnection, box: SecretBox, scope: Scope, name: str, value: str, by: str
+) -> SecretInfo:
+    kid, nonce, sealed = box.seal(value, scope.context(name))
+    row = (
+        await conn.execute(
+            update(secrets)
+            .where(scope.where(), secrets.c.name == name)
+            .values(
+                key_id=kid, nonce=nonce, ciphertext=sealed, updated_by=by, updated_at=func.now()
+            )
+            .returning(*_INFO)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no secret {name!r} of {scope.describe()}")
+    return _info(row)
+
+
+async def remove(conn: AsyncConnection, scope: Scope, name: str) -> SecretInfo:
+    row = (
+        await conn.execute(
+            delete(secrets).where(scope.where(), secrets.c.name == name).returning(*_INFO)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no secret {name!r} of {scope.describe()}")
+    return _info(row)
+
+
+async def list_(
+    conn: AsyncConnection, owner: str | None, teams: frozenset[str] | None
+) -> list[SecretInfo]:
+    """The secrets of ``owner`` and of ``teams``; both None: every secret."""
+    query = select(*_INFO).order_by(secrets.c.team.nulls_first(), secrets.c.owner, secrets.c.name)
+    if owner is not None or teams is not None:
+        query = query.where(or_(secrets.c.owner == owner, secrets.c.team.in_(sorted(teams or ()))))
+    return [_info(row) for row in await conn.execute(query)]
+
+
+# --- submissions: what a task may refer to ------------------------------------------------
+
+
+def refs_of(env: dict[str, Any]) -> dict[str, SecretRef]:
+    """The env entries that are secret references (stored rows hold them as objects)."""
+    return {
+        key: value if isinstance(value, SecretRef) else SecretRef.model_validate(value)
+        for key, value in env.items()
+        if not isinstance(value, str)
+    }
+
+
+def needs_check(spec: TaskCreate) -> bool:
+    return spec.team is not None or any(not isinstance(v, str) for v in spec.env.values())
+
+
+async def check_submission(
+    conn: AsyncConnection, owner: str, teams: frozenset[str], spec: TaskCreate, field: str = ""
+) -> None:
+    """Refuse a submission whose ``team`` the owner does not belong to (403), or that
+    refers to a secret the owner may not use or that does not exist (422), naming the
+    field."""
+    if spec.team is not None and spec.team not in teams:
+        raise Forbidden(f"{field}team: {owner!r} is not a member of team {spec.team!r}")
+    for key, ref in refs_of(spec.env).items():
+        if ref.team is not None and ref.team not in teams:
+            raise Forbidden(
+                f"{field}env.{key}: {owner!r} is not a member of team {ref.team!r}, "
+                "so may not use its secrets"
+            )
+        scope = Scope.of(owner, ref)
+        found = await conn.execute(
+            select(secrets.c.id).where(scope.where(), secrets.c.name == ref.secret)
+        )
+        if found.first() is None:
+            raise InvalidInput(f"{field}env.{key}: no secret {ref.secret!r} of {scope.describe()}")
+
+
+# --- claims: the one place values are opened ----------------------------------------------
+
+
+async def _open_all(
+    conn: AsyncConnection, box: SecretBox, wanted: Iterable[tuple[Scope, str]]
+) -> dict[tuple[Scope, str], str]:
+    wanted = set(wanted)
+    owned = [(s.owner, n) for s, n in wanted if s.team is None]
+    teamed = [(s.team, n) for s, n in wanted if s.team is not None]
+    conditions: list[Any] = []
+    if owned:
+        conditions.append(
+            tuple_(secrets.c.owner, secrets.c.name).in_(owned) & secrets.c.team.is_(None)
+        )
+    if teamed:
+        conditions.append(tuple_(secrets.c.team, secrets.c.name).in_(teamed))
+    rows = await conn.execute(select(secrets).where(or_(*conditions)))
+    opened: dict[tuple[Scope, str], str] = {}
+    for row in rows:
+        scope = Scope(None, row.team) if row.team else Scope(row.owner, None)
+        try:
+            opened[(scope, row.name)] = box.open(
+                row.key_id, row.nonce, row.ciphertext, scope.context(row.name)
+            )
+        except Unreadable:
+            continue  # reported as missing: the attempt fails with a clear reason
+    return opened
+
+
+async def fill(
+    conn: AsyncConnection, box: SecretBox, leased: Sequence[Assignment]
+) -> tuple[list[Assignment], dict[int, str]]:
+    """The assignments with their secret env values filled in, and the attempts whose
+    secrets are gone or unreadable (attempt id -> reason); those are not handed out."""
+    if not leased:
+        return [], {}
+    rows = list(await conn.execute(_WITH_REFS, {"ids": [a.task_id for a in leased]}))
+    if not rows:
+        return list(leased), {}
+    wanted = {row.id: (row.owner, refs_of(row.env)) for row in rows}
+    opened = await _open_all(
+        conn,
+        box,
+        (
+            (Scope.of(owner, ref), ref.secret)
+            for owner, refs in wanted.values()
+            for ref in refs.values()
+        ),
+    )
+    ready: list[Assignment] = []
+    broken: dict[int, str] = {}
+    for assignment in leased:
+        if assignment.task_id not in wanted:
+            ready.append(assignment)
+            continue
+        owner, refs = wanted[assignment.task_id]
+        env = dict(assignment.env)
+        for key, ref in refs.items():
+            scope = Scope.of(owner, ref)
+            value = opened.get((scope, ref.secret))
+            if value is None:
+                broken[assignment.attempt_id] = (
+                    f"env {key}: secret {ref.secret!r} of {scope.describe()} is gone or "
+                    "cannot be opened with the configured keys"
+                )
+                break
+            env[key] = value
+        else:
+            ready.append(assignment.model_copy(update={"env": env}))
+    return ready, broken
+
+
+async def masker(
+    conn: AsyncConnection, box: SecretBox, attempt_id: int
+) -> Callable[[str], str] | None:
+    """What hides the attempt's secret values in text its worker sends (None: it has none)."""
+    row = (await conn.execute(_OF_ATTEMPT, {"attempt": attempt_id})).first()
+    if row is None:
+        return None
+    refs = refs_of(row.env)
+    opened = await _open_all(conn, box, ((Scope.of(row.owner, r), r.secret) for r in refs.values()))
+    values = sorted((v for v in opened.values() if len(v) >= MASK_MIN_LEN), key=len, reverse=True)
+    if not values:
+        return None
+
+    def mask(content: str) -> str:
+        for value in values:
+            content = content.replace(value, MASK)
+        return content
+
+    return mask

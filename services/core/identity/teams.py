@@ -1,0 +1,98 @@
+"""Teams: named groups of principals, managed by admins (or asserted per request by an
+identity provider's claim). A task owned by a team is seen and acted on by its members."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.errors import Conflict, NotFound
+from libs.common.models import Team
+from services.core.tables import team_members, teams
+
+
+def _team(row: Any) -> Team:
+    return Team(
+        name=row.name,
+        members=sorted(m for m in row.members if m is not None),
+        created_at=row.created_at,
+        created_by=row.created_by,
+    )
+
+
+def _query() -> Any:
+    return (
+        select(
+            teams.c.name,
+            teams.c.created_at,
+            teams.c.created_by,
+            func.array_agg(team_members.c.member).label("members"),
+        )
+        .select_from(teams.outerjoin(team_members, team_members.c.team == teams.c.name))
+        .group_by(teams.c.name)
+        .order_by(teams.c.name)
+    )
+
+
+async def create(conn: AsyncConnection, name: str, by: str) -> Team:
+    made = await conn.execute(
+        pg_insert(teams)
+        .values(name=name, created_by=by)
+        .on_conflict_do_nothing()
+        .returning(teams.c.name)
+    )
+    if made.first() is None:
+        raise Conflict(f"team {name!r} exists already")
+    return await get(conn, name)
+
+
+async def get(conn: AsyncConnection, name: str, member: str | None = None) -> Team:
+    """The team; with ``member``, only if that principal belongs to it (else 404)."""
+    row = (await conn.execute(_query().where(teams.c.name == name))).first()
+    if row is None or (member is not None and member not in row.members):
+        raise NotFound(f"team {name!r} not found")
+    return _team(row)
+
+
+async def list_(conn: AsyncConnection, member: str | None) -> list[Team]:
+    """Every team, or those ``member`` belongs to."""
+    query = _query()
+    if member is not None:
+        mine = select(team_members.c.team).where(team_members.c.member == member)
+        query = query.where(teams.c.name.in_(mine))
+    return [_team(row) for row in await conn.execute(query)]
+
+
+async def delete_team(conn: AsyncConnection, name: str) -> Team:
+    before = await get(conn, name)
+    await conn.execute(delete(teams).where(teams.c.name == name))
+    return before
+
+
+async def add_member(conn: AsyncConnection, name: str, member: str, by: str) -> bool:
+    """Add ``member``; False if it was one already."""
+    await get(conn, name)
+    added = await conn.execute(
+        pg_insert(team_members)
+        .values(team=name, member=member, added_by=by)
+        .on_conflict_do_nothing()
+        .returning(team_members.c.member)
+    )
+    return added.first() is not None
+
+
+async def remove_member(conn: AsyncConnection, name: str, member: str) -> None:
+    await get(conn, name)
+    gone = await conn.execute(
+        delete(team_members).where(team_members.c.team == name, team_members.c.member == member)
+    )
+    if not gone.rowcount:
+        raise NotFound(f"{member!r} is not a member of team {name!r}")
+
+
+async def teams_of(conn: AsyncConnection, member: str) -> frozenset[str]:
+    rows = await conn.execute(select(team_members.c.team).where(team_members.c.member == member))
+    return frozenset(row.team for row in rows)
