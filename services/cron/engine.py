@@ -290,9 +290,15 @@ class CronEngine:
 
     def _entry(self, row: Any, slot: datetime) -> tuple[datetime, int, int, datetime]:
         """A heap entry: (when to send, schedule, version, slot)."""
-        kind = row.kind if hasattr(row, "kind") else row.target.get("kind", "task")
-        at = ontime.send_at(slot, row.id, kind, row.overlap_policy, row.jitter_s, self.lead)
-        return (at, row.id, row.version, slot)
+        kind = row.target.get("kind", "task") if isinstance(row.target, dict) else "task"
+        return self._entry_of(row.id, row.version, slot, kind, row.overlap_policy, row.jitter_s)
+
+    def _entry_of(
+        self, sid: int, version: int, slot: datetime, kind: str, overlap: str, jitter_s: int
+    ) -> tuple[datetime, int, int, datetime]:
+        if jitter_s == 0 and not ontime.sent_ahead(kind, overlap, self.lead):
+            return (slot, sid, version, slot)  # the common case without a lead: no hashing
+        return (ontime.send_at(slot, sid, kind, overlap, jitter_s, self.lead), sid, version, slot)
 
     def _run_at(self, row: Any, slot: datetime) -> datetime | None:
         """When core may start the task of ``slot``'s fire: the slot plus the jitter, for
@@ -321,10 +327,11 @@ class CronEngine:
             rows = (await conn.execute(store.HEAP_ROWS)).all()
             ahead = (await conn.execute(store.AHEAD, {"now": self.clock.now()})).all()
         heap = []
-        self.versions = {}
-        for row in rows:
-            self.versions[row.id] = row.version
-            heap.append(self._entry(row, row.next_fire_at))
+        self.versions = versions = {}
+        entry_of = self._entry_of
+        for sid, version, slot, _, overlap, jitter_s, kind in rows:
+            versions[sid] = version
+            heap.append(entry_of(sid, version, slot, kind, overlap, jitter_s))
         heapq.heapify(heap)
         self.heap = heap
         self.ahead, self.withdrawn = {}, {}

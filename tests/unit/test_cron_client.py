@@ -105,3 +105,50 @@ def test_update_next_and_errors() -> None:
     with pytest.raises(InvalidInput) as caught:
         run(lambda c: c.create(body))
     assert caught.value.extra["errors"][0]["field"] == "body.expression"
+
+
+BACKFILL = {
+    "schedule_id": 5,
+    "slots": 48,
+    "queued": 40,
+    "already": 8,
+    "first": "2027-01-02T12:00:00Z",
+    "last": "2027-01-04T11:00:00Z",
+}
+
+
+@respx.mock
+def test_backfill_sends_from_and_to() -> None:
+    route = respx.post(f"{CRON}/v1/schedules/5/backfill").mock(
+        return_value=httpx.Response(202, json=BACKFILL)
+    )
+    start = datetime(2027, 1, 2, 12, tzinfo=UTC)
+    end = datetime(2027, 1, 4, 11, tzinfo=UTC)
+    done = run(lambda c: c.backfill(5, start, end))
+    assert (done.slots, done.queued, done.already) == (48, 40, 8)
+    assert json.loads(route.calls[0].request.content) == {
+        "from": "2027-01-02T12:00:00Z",
+        "to": "2027-01-04T11:00:00Z",
+    }
+
+
+@respx.mock
+def test_cairn_cron_backfill_prints_what_it_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from cairn.cli import app
+
+    route = respx.post(f"{CRON}/v1/schedules/5/backfill").mock(
+        return_value=httpx.Response(202, json=BACKFILL)
+    )
+    monkeypatch.setenv("CAIRN_CRON_URL", CRON)
+    monkeypatch.setenv("CAIRN_TOKEN", "tok")
+    result = CliRunner().invoke(
+        app,
+        ["cron", "backfill", "5", "--from", "2027-01-02T12:00:00", "--to", "2027-01-04T11:00:00"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "48 slots" in result.output
+    assert "40 queued" in result.output
+    # A time without an offset is read as UTC.
+    assert json.loads(route.calls[0].request.content)["from"] == "2027-01-02T12:00:00Z"
