@@ -27,7 +27,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
             database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
         graphs = Graphs(settings.graph_cache)
-        loop = Engine(engine, settings, graphs)
+        loop = Engine(engine, settings, graphs, database_url)
         app.state.engine = engine
         app.state.settings = settings
         app.state.graphs = graphs

@@ -7,7 +7,8 @@ its task is submitted with the idempotency key ``dag:RUN:NODE:TRY``, so submitti
 after a crash, a timeout or a 5xx returns the same task; the task's id is then recorded.
 Releases happen before the feed is read in each turn, so every event of a task is read
 after its id is known (the feed never hands out an event older than a cursor given out
-before the task existed). Only one process runs the loop (a PostgreSQL advisory lock).
+before the task existed). Only one process runs the loop (``libs/common/leader.py``: an advisory lock and an
+epoch that fences every write of the loop).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from sqlalchemy import text
+import httpx
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.client import CoreClient
@@ -31,6 +32,7 @@ from libs.common.dag_models import (
     WorkflowCreate,
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
+from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store
@@ -88,8 +90,14 @@ class Graphs:
 class Engine:
     """Runs the loop; ``wake()`` makes it look for new work at once."""
 
-    def __init__(self, engine: AsyncEngine, settings: DagSettings, graphs: Graphs) -> None:
+    def __init__(
+        self, engine: AsyncEngine, settings: DagSettings, graphs: Graphs, database_url: str
+    ) -> None:
         self.db = engine
+        self.elector = Elector(
+            database_url, name="dag", key=_LEADER_KEY, table="dag.leader", poll_s=1.0
+        )
+        self.lease: Lease | None = None
         self.settings = settings
         self.graphs = graphs
         self.core = CoreClient(settings.url, settings.token)
@@ -110,50 +118,47 @@ class Engine:
 
     async def run_forever(self) -> None:
         """Lead (or wait to), then turn until cancelled. A failed turn is retried with
-        backoff; leadership is given up only when its connection is lost."""
-        pause = self.settings.retry_base_s
+        backoff; the lease is checked before every turn and every write is fenced by its
+        epoch, so a leader that lost its lock stops within one turn and writes nothing."""
         while True:
+            lease = await self.elector.campaign()
+            self.lease = lease
+            self.leading = True
             try:
-                async with self.db.connect() as leader:
-                    await self._lead(leader)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("lost the DAG loop's database session: %r", exc)
+                await self._turn_forever(lease)
+            except LeadershipLost as exc:
+                log.warning("no longer leading the DAG loop: %s", exc)
+            finally:
+                self.leading = False
+                self.lease = None
                 self._cursor = None
-                await self._sleep(pause)
-                pause = min(pause * 2, self.settings.retry_cap_s)
+                await lease.close()
 
-    async def _lead(self, leader: AsyncConnection) -> None:
-        while not await leader.scalar(text("SELECT pg_try_advisory_lock(:k)"), {"k": _LEADER_KEY}):
-            await leader.commit()
-            await self._sleep(1.0)
-        await leader.commit()
-        log.info("leading the DAG loop")
-        self.leading = True
-        try:
-            await self._turn_forever(leader)
-        finally:
-            self.leading = False
-            with contextlib.suppress(Exception):
-                await leader.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LEADER_KEY})
-                await leader.commit()
-
-    async def _turn_forever(self, leader: AsyncConnection) -> None:
+    async def _turn_forever(self, lease: Lease) -> None:
         pause = self.settings.retry_base_s
         while True:
+            await lease.check()
             try:
                 await self.step()
+            except LeadershipLost:
+                raise
             except Exception as exc:
                 log.warning("a turn of the DAG loop failed, again in %.2f s: %r", pause, exc)
                 self._cursor = None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, self.settings.retry_cap_s)
-                # Still the leader? A lost session raises out and leads again.
-                await leader.scalar(text("SELECT 1"))
-                await leader.commit()
             else:
                 pause = self.settings.retry_base_s
+
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction of the leader, fenced by its epoch."""
+        lease = self.lease
+        if lease is None:
+            raise LeadershipLost("the DAG loop writes only while it leads")
+        async with self.db.begin() as conn:
+            await lease.fence(conn)
+            yield conn
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -197,7 +202,7 @@ class Engine:
             queued = await store.queued_runs(conn)
         groups = {(r.owner, r.workflow) for r in queued}
         for owner, workflow in sorted(groups):
-            async with self.db.begin() as conn:
+            async with self._write() as conn:
                 most = await store.newest_max_active(conn, owner, workflow)
                 for run in await store.admit(conn, owner, workflow, most):
                     await self._settle(conn, run, await store.nodes_of(conn, [run.id]))
@@ -211,7 +216,7 @@ class Engine:
         for event in page.items:
             by_task[event.task_id].append(event)
         self._ended.clear()
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
             if run_ids:
                 runs = await store.lock_runs(conn, run_ids)
@@ -281,11 +286,14 @@ class Engine:
     # --- releasing ready nodes -------------------------------------------------------------
 
     async def release(self) -> None:
-        """Submit every ready node's task and record its id."""
+        """Submit every ready node's task and record its id. Batches are cut by encoded
+        size; a run whose batch core could not take now (unreachable, 5xx, rate limited)
+        waits for the next turn without holding up any other run."""
+        held: set[int] = set()
         while True:
             async with self.db.connect() as conn:
                 read_at = time.monotonic()
-                ready = await store.ready_nodes(conn, MAX_BATCH)
+                ready = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
                 specs = await self._render(conn, ready)
             if not ready:
                 return
@@ -295,7 +303,13 @@ class Engine:
                 if spec is not None:
                     by_owner[row.owner].append((row, spec))
             for owner, items in by_owner.items():
-                await self._submit(owner, items, read_at)
+                for chunk in by_size(items, self.settings.release_batch_bytes):
+                    try:
+                        await self._submit(owner, chunk, read_at)
+                    except (CairnError, httpx.TransportError) as exc:
+                        runs = {row.run_id for row, _ in chunk}
+                        log.warning("releasing runs %s waits for core: %r", sorted(runs), exc)
+                        held |= runs
             if len(ready) < MAX_BATCH:
                 return
 
@@ -317,26 +331,13 @@ class Engine:
     async def _submit(
         self, owner: str, items: list[tuple[Any, TaskCreate]], read_at: float
     ) -> None:
-        try:
-            answers = await self.core.submit_batch([spec for _, spec in items], on_behalf_of=owner)
-            task_ids = [answer.id for answer in answers]
-        except (InvalidInput, Conflict):
-            # One of them is refused: find which, one by one (the keys keep it safe).
-            task_ids = []
-            for row, spec in items:
-                try:
-                    task, _ = await self.core.submit(spec, on_behalf_of=owner)
-                except (InvalidInput, Conflict) as exc:
-                    await self._refused(row, exc)
-                    task_ids.append(0)
-                else:
-                    task_ids.append(task.id)
+        task_ids = await self._send(owner, items)
         released = [
             (row.run_id, row.name, row.try_number, task_id)
             for (row, _), task_id in zip(items, task_ids, strict=True)
             if task_id
         ]
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             recorded = await store.record_released(conn, released)
         waited = time.monotonic() - read_at
         accepted = {(run_id, name) for run_id, name, _, task_id in released if task_id in recorded}
@@ -349,6 +350,24 @@ class Engine:
                 # The run was cancelled while its task was being submitted.
                 await self._cancel_task(task_id)
 
+    async def _send(self, owner: str, items: list[tuple[Any, TaskCreate]]) -> list[int]:
+        """The task id of each item in order, 0 where core refused the node's task: a
+        refused batch is halved until the refusal names one node, which alone fails."""
+        try:
+            if len(items) == 1:
+                task, _ = await self.core.submit(items[0][1], on_behalf_of=owner)
+                return [task.id]
+            answers = await self.core.submit_batch([spec for _, spec in items], on_behalf_of=owner)
+            return [answer.id for answer in answers]
+        except CairnError as exc:
+            if not is_refusal(exc):
+                raise
+            if len(items) == 1:
+                await self._refused(items[0][0], exc)
+                return [0]
+        half = len(items) // 2
+        return await self._send(owner, items[:half]) + await self._send(owner, items[half:])
+
     async def _refused(self, row: Any, exc: CairnError) -> None:
         log.info(
             "run %s node %s refused: %s",
@@ -357,7 +376,7 @@ class Engine:
             exc.detail,
             extra={"run_id": row.run_id},
         )
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             await store.fail_ready(
                 conn, row.run_id, row.name, f"core refused the task: {exc.detail}"
             )
@@ -372,7 +391,7 @@ class Engine:
             live = await store.cancelling_nodes(conn, MAX_BATCH)
         for row in live:
             if await self._cancel_task(row.task_id):
-                async with self.db.begin() as conn:
+                async with self._write() as conn:
                     await store.cancelled(conn, row.task_id)
 
     async def _cancel_task(self, task_id: int) -> bool:
@@ -383,6 +402,27 @@ class Engine:
         except (Conflict, NotFound):
             return False
         return True
+
+
+def is_refusal(exc: CairnError) -> bool:
+    """Whether core refused the tasks themselves (a 4xx: invalid, too large, forbidden,
+    a conflicting key), as opposed to not taking them now (auth, rate limit, 5xx)."""
+    return 400 <= exc.status < 500 and exc.status not in (401, 429)
+
+
+def by_size(items: list[tuple[Any, TaskCreate]], limit: int) -> list[list[tuple[Any, TaskCreate]]]:
+    """``items`` cut into runs whose encoded specs stay under ``limit`` bytes (an item
+    larger than that goes alone: core says whether it takes it)."""
+    chunks: list[list[tuple[Any, TaskCreate]]] = []
+    size = limit + 1
+    for item in items:
+        n = len(item[1].model_dump_json()) + 1
+        if size + n > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += n
+    return chunks
 
 
 def reset_for_retry(dag: graph.Dag, states: dict[str, NodeState]) -> list[str]:

@@ -21,5 +21,8 @@ class DagSettings(CairnSettings):
     #: first pause after core failed or could not be reached; doubles up to the cap
     retry_base_s: float = Field(default=0.5, gt=0)
     retry_cap_s: float = Field(default=15.0, gt=0)
+    #: a release batch's encoded tasks stay under this (core refuses bodies over its own
+    #: CAIRN_MAX_BODY_BYTES, 8 MiB by default; a refused batch is halved)
+    release_batch_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: parsed definitions kept in memory (versions never change)
     graph_cache: int = Field(default=256, ge=1)

@@ -411,16 +411,19 @@ async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> Non
     )
 
 
-async def ready_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
+async def ready_nodes(
+    conn: AsyncConnection, limit: int, skip_runs: Sequence[int] = ()
+) -> list[Row[Any]]:
     return list(
         await conn.execute(
             text(
                 "SELECT n.run_id, n.name, n.try_number, r.owner, r.workflow, r.workflow_id,"
                 " r.params, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at))"
                 " AS ready_s FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE n.state = 'ready' ORDER BY n.run_id LIMIT :limit"
+                " WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip))"
+                " ORDER BY n.run_id LIMIT :limit"
             ),
-            {"limit": limit},
+            {"limit": limit, "skip": list(skip_runs)},
         )
     )
 

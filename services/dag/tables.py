@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from libs.common.dag_models import RUN_FINAL, NodeState, RunState
+from libs.common.leader import leader_table
 from libs.common.schema import metadata_for
 
 SCHEMA = "dag"
@@ -131,3 +132,5 @@ feed_cursor = Table(
     _at("updated_at"),
     CheckConstraint("id = 1", name="one_row"),
 )
+
+leader = leader_table(metadata)
