@@ -18,7 +18,7 @@ from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegiste
 from libs.common.states import TaskState
 from services.core import placement, store
 from services.core.domain.placement import Amount, choose
-from services.core.domain.retry import Backoff
+from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.transitions import Op, sources
 from services.core.tables import attempt_logs, attempts, workers
 
@@ -335,25 +335,42 @@ async def _after_failure(
     retryable: bool,
     crashed: bool,
     tally: Tally | None = None,
+    host_died: bool = False,
 ) -> TaskState:
     """A failed or lost attempt: retry after backoff, or bury (spent, poison, final)."""
+    if task.kind == "service" and retryable:
+        return await _restart_service(conn, task, attempt_id, error, crashed, host_died, tally)
     crashes = task.crashes + (1 if crashed else 0)
-    if task.kind == "service" and retryable and crashes < task.poison_after:
-        # Services run until cancelled: every exit is restarted, with crash-loop backoff.
-        target, op, reason = S.FAILED, Op.FAIL, "service exited; restarting after backoff"
-    elif not retryable:
+    if not retryable:
         target, op, reason = S.DEAD, Op.BURY, "not retryable"
     elif crashes >= task.poison_after:
         target, op, reason = S.DEAD, Op.BURY, f"poison pill: lost {crashes} times"
-        if tally is not None:
-            tally.poisoned += 1
     elif task.attempts >= task.max_attempts:
         target, op, reason = S.DEAD, Op.BURY, f"attempts spent ({task.attempts})"
     else:
         target, op, reason = S.FAILED, Op.FAIL, "retry after backoff"
     delay = _backoff(task, min(task.attempts, 20)) if target is S.FAILED else None
+    return await _end_attempt(
+        conn, task, attempt_id, error, target, op, reason, delay, crashed, tally
+    )
+
+
+async def _end_attempt(
+    conn: AsyncConnection,
+    task: Any,
+    attempt_id: int,
+    error: str,
+    target: TaskState,
+    op: Op,
+    reason: str,
+    delay: float | None,
+    crashed: bool,
+    tally: Tally | None,
+) -> TaskState:
     if tally is not None and target is S.DEAD:
         tally.buried += 1
+        if reason.startswith("poison pill"):
+            tally.poisoned += 1
     await store.transition(
         conn,
         task.id,
@@ -366,6 +383,64 @@ async def _after_failure(
         attempt_id=attempt_id,
     )
     return target
+
+
+# A service's recent attempts (the one just closed included): restarts since its last
+# healthy run, and crashes within the window; attempts lost with their host count for
+# neither.
+_SERVICE_HISTORY = text("""
+WITH recent AS (
+    SELECT a.id, a.outcome, a.ended_at,
+           a.ended_at - a.started_at >= make_interval(secs => :healthy_s) AS healthy,
+           COALESCE(a.outcome = 'lost' AND w.state = 'dead' AND a.ended_at >= w.gone_at, false)
+               AS host_died
+    FROM core.attempts a LEFT JOIN core.workers w ON w.id = a.worker_id
+    WHERE a.task_id = :task AND a.outcome IS NOT NULL
+    ORDER BY a.id DESC
+    LIMIT 64
+)
+SELECT
+    count(*) FILTER (WHERE NOT host_died
+        AND id > COALESCE((SELECT max(id) FROM recent WHERE healthy), 0)) AS streak,
+    count(*) FILTER (WHERE NOT host_died AND outcome IN ('crashed', 'lost')
+        AND ended_at > now() - make_interval(secs => :window_s)) AS crashes
+FROM recent
+""")
+
+
+async def _restart_service(
+    conn: AsyncConnection,
+    task: Any,
+    attempt_id: int,
+    error: str,
+    crashed: bool,
+    host_died: bool,
+    tally: Tally | None,
+) -> TaskState:
+    """Services run until cancelled: every exit is restarted, with crash-loop backoff
+    (``ServiceRestarts``); one whose host died is placed again at once."""
+    policy = SERVICE_RESTARTS
+    history = (
+        await conn.execute(
+            _SERVICE_HISTORY,
+            {"task": task.id, "healthy_s": policy.healthy_s, "window_s": policy.window_s},
+        )
+    ).one()
+    crashed = crashed and not host_died
+    if history.crashes >= task.poison_after:
+        window = f"{policy.window_s:g} s"
+        reason = f"poison pill: crashed {history.crashes} times within {window}"
+        return await _end_attempt(
+            conn, task, attempt_id, error, S.DEAD, Op.BURY, reason, None, crashed, tally
+        )
+    if host_died:
+        reason, delay = "its host died; placed again", 0.0
+    else:
+        reason = "service exited; restarting after backoff"
+        delay = _backoff(task, max(1, min(history.streak, 20)))
+    return await _end_attempt(
+        conn, task, attempt_id, error, S.FAILED, Op.FAIL, reason, delay, crashed, tally
+    )
 
 
 async def report(
@@ -440,7 +515,12 @@ async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: in
 
 
 async def lose(
-    conn: AsyncConnection, attempt_id: int, why: str, tally: Tally | None = None
+    conn: AsyncConnection,
+    attempt_id: int,
+    why: str,
+    tally: Tally | None = None,
+    *,
+    host_died: bool = False,
 ) -> TaskState | None:
     """An attempt whose process is gone without a report. Once a heartbeat has shown it
     running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
@@ -468,7 +548,7 @@ async def lose(
         )
         return S.WAITING
     return await _after_failure(
-        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally
+        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally, host_died=host_died
     )
 
 
@@ -581,12 +661,17 @@ async def task_of(conn: AsyncConnection, attempt_id: int) -> int:
 
 
 async def lose_all(
-    conn: AsyncConnection, worker_id: int, why: str, tally: Tally | None = None
+    conn: AsyncConnection,
+    worker_id: int,
+    why: str,
+    tally: Tally | None = None,
+    *,
+    host_died: bool = False,
 ) -> int:
-    """Every open attempt of the worker is lost."""
+    """Every open attempt of the worker is lost (``host_died``: with the worker)."""
     rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
     for row in rows:
-        await lose(conn, row.id, why, tally)
+        await lose(conn, row.id, why, tally, host_died=host_died)
     return len(rows)
 
 
@@ -596,6 +681,6 @@ async def reap(conn: AsyncConnection, timeout_s: float, tally: Tally | None = No
     lost = 0
     for worker_id in dead:
         lost += await lose_all(
-            conn, worker_id, f"its worker {worker_id} stopped heartbeating", tally
+            conn, worker_id, f"its worker {worker_id} stopped heartbeating", tally, host_died=True
         )
     return len(dead) + lost
