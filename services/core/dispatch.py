@@ -6,6 +6,7 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,11 +107,16 @@ WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
 GROUP BY a.worker_id
 """)
 
+# ``deaf``: the worker fell silent before this replica could hear it (core or its
+# database was away), so its silence may be core's own doing.
 _SILENT_WORKERS = text("""
-UPDATE core.workers SET state = 'dead', gone_at = now()
-WHERE state IN ('draining', 'live')
-  AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
-RETURNING id
+UPDATE core.workers w SET state = 'dead', gone_at = now()
+FROM (SELECT id, last_heartbeat_at FROM core.workers
+      WHERE state IN ('draining', 'live')
+        AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
+      FOR UPDATE) silent
+WHERE w.id = silent.id
+RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_for_s) AS deaf
 """)
 
 
@@ -443,6 +449,28 @@ async def _restart_service(
     )
 
 
+_CONFIRM_START = text("""
+UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
+FROM core.tasks t
+WHERE a.id = :attempt AND a.worker_id = :worker AND a.outcome IS NULL
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = 'running'
+RETURNING t.id
+""")
+
+
+async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) -> int:
+    """The agent is about to start the attempt: core still holds it for this worker, and
+    from now on it counts as started. Refused (``StaleAttempt``) when the lease is gone,
+    e.g. the reaper requeued it between the claim and the start. Its row lock orders this
+    against the reaper's loss of the same attempt: whichever commits first wins."""
+    task_id = (
+        await conn.execute(_CONFIRM_START, {"attempt": attempt_id, "worker": worker_id})
+    ).scalar()
+    if task_id is None:
+        raise StaleAttempt(f"attempt {attempt_id} is no longer held for worker {worker_id}")
+    return int(task_id)
+
+
 async def report(
     conn: AsyncConnection,
     attempt_id: int,
@@ -521,10 +549,12 @@ async def lose(
     tally: Tally | None = None,
     *,
     host_died: bool = False,
+    excused: bool = False,
 ) -> TaskState | None:
     """An attempt whose process is gone without a report. Once a heartbeat has shown it
     running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
-    showed (its claim's answer lost on the way, say) goes back without cost."""
+    showed (its claim's answer lost on the way, say), or one lost while core could not
+    hear its worker (``excused``), goes back without cost."""
     if tally is not None:
         tally.lost += 1
     try:
@@ -536,13 +566,14 @@ async def lose(
         await conn.execute(select(attempts.c.seen_at).where(attempts.c.id == attempt_id))
     ).scalar_one()
     await _close_attempt(conn, attempt_id, "lost", error=why)
-    if seen is None:
+    if seen is None or excused:
+        cause = "it never started" if seen is None else "core was away"
         await store.transition(
             conn,
             task.id,
             Op.REQUEUE,
             S.WAITING,
-            reason=f"{why}; it never started, so it costs no attempt",
+            reason=f"{why}; {cause}, so it costs no attempt",
             refund=True,
             attempt_id=attempt_id,
         )
@@ -667,20 +698,36 @@ async def lose_all(
     tally: Tally | None = None,
     *,
     host_died: bool = False,
+    excused: bool = False,
 ) -> int:
-    """Every open attempt of the worker is lost (``host_died``: with the worker)."""
+    """Every open attempt of the worker is lost (``host_died``: with the worker;
+    ``excused``: at no cost)."""
     rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
     for row in rows:
-        await lose(conn, row.id, why, tally, host_died=host_died)
+        await lose(conn, row.id, why, tally, host_died=host_died, excused=excused)
     return len(rows)
 
 
-async def reap(conn: AsyncConnection, timeout_s: float, tally: Tally | None = None) -> int:
-    """Workers silent for ``timeout_s`` are dead; their open attempts are lost."""
-    dead = [row.id for row in await conn.execute(_SILENT_WORKERS, {"timeout_s": timeout_s})]
+async def reap(
+    conn: AsyncConnection,
+    timeout_s: float,
+    tally: Tally | None = None,
+    *,
+    heard_for_s: float = math.inf,
+) -> int:
+    """Workers silent for ``timeout_s`` are dead; their open attempts are lost. Silence
+    counts only from when this replica could hear (``heard_for_s``: how long it has
+    reached the database without a break): a worker silent since before then is dead
+    only once core has listened for ``timeout_s`` too, and its attempts go back
+    without cost, since its silence may be core's own absence."""
+    if heard_for_s < timeout_s:
+        return 0
+    params = {"timeout_s": timeout_s, "heard_for_s": min(heard_for_s, 10.0**9)}
+    dead = list(await conn.execute(_SILENT_WORKERS, params))
     lost = 0
-    for worker_id in dead:
-        lost += await lose_all(
-            conn, worker_id, f"its worker {worker_id} stopped heartbeating", tally, host_died=True
-        )
+    for row in dead:
+        why = f"its worker {row.id} stopped heartbeating"
+        if row.deaf:
+            why += " while core could not hear it"
+        lost += await lose_all(conn, row.id, why, tally, host_died=True, excused=row.deaf)
     return len(dead) + lost

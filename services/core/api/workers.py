@@ -135,6 +135,17 @@ async def claim(
 
 
 @router.post(
+    "/{worker_id}/attempts/{attempt_id}/start", response_model=ReportAnswer, responses=PROBLEMS
+)
+async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> ReportAnswer:
+    """The agent asks before it starts an attempt: 409 when core no longer holds it for
+    this worker (lost to the reaper, cancelled), so the agent must not run it."""
+    async with engine.begin() as conn:
+        task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
+    return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
+
+
+@router.post(
     "/{worker_id}/attempts/{attempt_id}/report", response_model=ReportAnswer, responses=PROBLEMS
 )
 async def report(
