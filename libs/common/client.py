@@ -165,10 +165,13 @@ class CoreClient(ApiClient):
         queue: str | None = None,
         owner: str | None = None,
         labels: dict[str, str] | None = None,
+        idempotency_keys: Sequence[str] = (),
         limit: int = 100,
         cursor: str | None = None,
     ) -> TaskPage:
         params: dict[str, Any] = {"limit": limit}
+        if idempotency_keys:
+            params["idempotency_key"] = list(idempotency_keys)
         for key, value in (
             ("state", state),
             ("queue", queue),
@@ -225,6 +228,12 @@ class CoreClient(ApiClient):
             timeout=timeout,
         )
         return ClaimAnswer.model_validate_json(response.content).attempts
+
+    async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
+        """Ask core whether it still holds the attempt before starting it; raises
+        ``StaleAttempt`` when it does not."""
+        response = await self._call("POST", f"/v1/workers/{worker_id}/attempts/{attempt_id}/start")
+        return ReportAnswer.model_validate_json(response.content)
 
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"

@@ -255,6 +255,7 @@ class TaskFilter:
     queue: str | None = None
     owner: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
+    keys: tuple[str, ...] = ()
 
 
 async def list_tasks(
@@ -271,6 +272,8 @@ async def list_tasks(
         conditions.append(tasks.c.owner == where.owner)
     if where.labels:
         conditions.append(tasks.c.labels.contains(dict(where.labels)))
+    if where.keys:
+        conditions.append(tasks.c.idempotency_key.in_(where.keys))
     if before_id is not None:
         conditions.append(tasks.c.id < before_id)
     if conditions:

@@ -37,7 +37,7 @@ from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store
 from services.dag.domain import graph, rules
-from services.dag.domain.templates import Renderer, RunContext
+from services.dag.domain.templates import Renderer, RunContext, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
 
@@ -45,6 +45,7 @@ log = logging.getLogger("cairn.dag.engine")
 
 N = NodeState
 _LEADER_KEY = 0x0CA1_0DA6
+_KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
 # What a task's event does to its node: the states it may move from, and the new one.
 _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
 
@@ -387,12 +388,28 @@ class Engine:
     # --- cancelling ------------------------------------------------------------------------
 
     async def cancel_live(self) -> None:
+        """Cancel in core what cancelled runs still have there: recorded tasks by id, and
+        for nodes whose release was never recorded, whatever their key submitted."""
         async with self.db.connect() as conn:
             live = await store.cancelling_nodes(conn, MAX_BATCH)
+        untracked: dict[str, list[Any]] = defaultdict(list)
         for row in live:
-            if await self._cancel_task(row.task_id):
+            if row.task_id is None:
+                untracked[row.owner].append(row)
+            elif await self._cancel_task(row.task_id):
                 async with self._write() as conn:
                     await store.cancelled(conn, row.task_id)
+        for owner, rows in untracked.items():
+            for at in range(0, len(rows), _KEYS_PER_LOOKUP):
+                await self._cancel_by_key(owner, rows[at : at + _KEYS_PER_LOOKUP])
+
+    async def _cancel_by_key(self, owner: str, rows: list[Any]) -> None:
+        keys = [release_key(r.run_id, r.name, r.try_number) for r in rows]
+        page = await self.core.list_tasks(owner=owner, idempotency_keys=keys, limit=len(keys))
+        for task in page.items:
+            await self._cancel_task(task.id)
+        async with self._write() as conn:
+            await store.cancelled_untracked(conn, [(r.run_id, r.name) for r in rows])
 
     async def _cancel_task(self, task_id: int) -> bool:
         """Ask core to cancel; False when the task had already ended (its event will say

@@ -265,8 +265,11 @@ async def cancel_run(conn: AsyncConnection, run_id: int, owner: str | None) -> R
         )
     await conn.execute(
         text(
+            # A ready node's task may have been submitted with its answer never recorded:
+            # it waits (cancelling, no task id) for the engine to find it by its key.
             "UPDATE dag.nodes SET updated_at = now(), state = CASE"
-            " WHEN state IN ('released', 'running') THEN 'cancelling' ELSE 'cancelled' END"
+            " WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
+            " ELSE 'cancelled' END"
             " WHERE run_id = :id AND state IN ('pending', 'ready', 'released', 'running')"
         ),
         {"id": run_id},
@@ -465,8 +468,9 @@ async def cancelling_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
     return list(
         await conn.execute(
             text(
-                "SELECT run_id, name, task_id FROM dag.nodes WHERE state = 'cancelling'"
-                " LIMIT :limit"
+                "SELECT n.run_id, n.name, n.task_id, n.try_number, r.owner FROM dag.nodes n"
+                " JOIN dag.runs r ON r.id = n.run_id WHERE n.state = 'cancelling'"
+                " ORDER BY n.run_id LIMIT :limit"
             ),
             {"limit": limit},
         )
@@ -480,6 +484,20 @@ async def cancelled(conn: AsyncConnection, task_id: int) -> None:
             " WHERE task_id = :task AND state = 'cancelling'"
         ),
         {"task": task_id},
+    )
+
+
+async def cancelled_untracked(conn: AsyncConnection, nodes: Sequence[tuple[int, str]]) -> None:
+    """Close cancelling nodes that have no recorded task (what they may have submitted
+    has been cancelled by its key)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET state = 'cancelled', updated_at = now()"
+            " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[])) AS c(run, name)"
+            " WHERE n.run_id = c.run AND n.name = c.name AND n.state = 'cancelling'"
+            " AND n.task_id IS NULL"
+        ),
+        {"runs": [r for r, _ in nodes], "names": [n for _, n in nodes]},
     )
 
 

@@ -204,10 +204,16 @@ async def list_tasks(
         list[Annotated[str, Query(max_length=400, pattern=r"^[^\x00]*$")]],
         Query(max_length=16, description="KEY=VALUE; repeat to require several"),
     ] = [],  # noqa: B006 - FastAPI copies query defaults
+    idempotency_key: Annotated[
+        list[Annotated[str, Query(max_length=200, pattern=r"^[^\x00]*$")]],
+        Query(max_length=100, description="only tasks submitted with one of these keys"),
+    ] = [],  # noqa: B006 - FastAPI copies query defaults
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> Response:
-    """Tasks newest first. Users see their own; admins and services see every owner's."""
+    """Tasks newest first. Users see their own; admins and services see every owner's.
+    ``idempotency_key`` (repeatable) finds what a client may have submitted, e.g. a
+    workflow's releases whose answers it never recorded."""
     if principal.owner_filter is not None:
         if owner not in (None, principal.name):
             return _json(TaskPage(items=[], next_cursor=None))
@@ -215,7 +221,9 @@ async def list_tasks(
     labels = _parse_labels(label)
     for key, _ in labels:
         _check_label_key(key)
-    where = store.TaskFilter(state=state, queue=queue, owner=owner, labels=labels)
+    where = store.TaskFilter(
+        state=state, queue=queue, owner=owner, labels=labels, keys=tuple(idempotency_key)
+    )
     before = _decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
         items = await store.list_tasks(conn, where, before, limit)

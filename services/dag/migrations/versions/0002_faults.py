@@ -1,5 +1,6 @@
 """The leader's epoch (libs/common/leader.py): one row per election, bumped by each new
-leader; the leader's writes are fenced on it.
+leader; the leader's writes are fenced on it. A cancelled run's ready node may be
+cancelling without a task id (its release may have reached core unrecorded).
 
 Revision ID: 0002_faults
 Revises: 0001
@@ -23,6 +24,10 @@ CREATE TABLE dag.leader (
     since TIMESTAMP WITH TIME ZONE NOT NULL,
     CONSTRAINT pk_leader PRIMARY KEY (name)
 );
+
+ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;
+ALTER TABLE dag.nodes ADD CONSTRAINT ck_nodes_live_has_task
+    CHECK (task_id IS NOT NULL OR state NOT IN ('released', 'running'));
 """
 
 
@@ -31,4 +36,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP TABLE dag.leader;")
+    op.execute(
+        "DROP TABLE dag.leader; ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;"
+        " ALTER TABLE dag.nodes ADD CONSTRAINT ck_nodes_live_has_task CHECK (task_id IS NOT NULL"
+        " OR state NOT IN ('released', 'running', 'cancelling'));"
+    )
