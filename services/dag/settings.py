@@ -26,3 +26,5 @@ class DagSettings(CairnSettings):
     release_batch_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     #: parsed definitions kept in memory (versions never change)
     graph_cache: int = Field(default=256, ge=1)
+    #: and the memory they may take (estimated; a 10,000-node definition is about 40 MB)
+    graph_cache_mb: int = Field(default=256, ge=1)
