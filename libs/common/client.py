@@ -267,10 +267,20 @@ class CoreClient(ApiClient):
         response = await self._call("GET", "/v1/usage", params=params)
         return UsageReport.model_validate_json(response.content).items
 
-    async def workers(self) -> list[Worker]:
-        """Every worker the caller may see, with capacity, use and last heartbeat."""
-        response = await self._call("GET", "/v1/workers")
-        return WorkerList.model_validate_json(response.content).items
+    async def workers(self, state: str | None = None) -> list[Worker]:
+        """Every worker the caller may see (newest first, all pages), with capacity, use
+        and last heartbeat."""
+        found: list[Worker] = []
+        params: dict[str, Any] = {"limit": 1000}
+        if state is not None:
+            params["state"] = state
+        while True:
+            response = await self._call("GET", "/v1/workers", params=params)
+            page = WorkerList.model_validate_json(response.content)
+            found += page.items
+            if page.next_cursor is None:
+                return found
+            params["cursor"] = page.next_cursor
 
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")

@@ -103,7 +103,7 @@ _USE = text("""
 SELECT a.worker_id, count(*) AS running, sum(COALESCE(a.charge_cpu, t.cpu)) AS cpu,
        sum(COALESCE(a.charge_memory_mb, t.memory_mb)) AS memory_mb
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
+WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:ids AS bigint[]))
 GROUP BY a.worker_id
 """)
 
@@ -192,9 +192,17 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
     return row
 
 
-async def list_workers(conn: AsyncConnection) -> list[Worker]:
-    use = {row.worker_id: row for row in await conn.execute(_USE)}
-    rows = await conn.execute(select(workers).order_by(workers.c.id))
+async def list_workers(
+    conn: AsyncConnection, state: str | None, before_id: int | None, limit: int
+) -> list[Worker]:
+    """Newest first; ``before_id`` is the keyset cursor."""
+    query = select(workers).order_by(workers.c.id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(workers.c.state == state)
+    if before_id is not None:
+        query = query.where(workers.c.id < before_id)
+    rows = list(await conn.execute(query))
+    use = {row.worker_id: row for row in await conn.execute(_USE, {"ids": [r.id for r in rows]})}
     return [_worker(row, use) for row in rows]
 
 

@@ -30,17 +30,18 @@ async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete finished tasks past retention, one small transaction per batch."""
+    """Delete finished tasks and gone workers past retention, one small transaction per
+    batch."""
     total = 0
-    while True:
-        async with engine.begin() as conn:
-            gone = await store.purge_finished(
-                conn, settings.retention_days * 86400, settings.retention_batch
-            )
-        total += gone
-        if gone < settings.retention_batch:
-            return total
-        await asyncio.sleep(0)
+    for purge in (store.purge_finished, store.purge_workers):
+        while True:
+            async with engine.begin() as conn:
+                gone = await purge(conn, settings.retention_days * 86400, settings.retention_batch)
+            total += gone
+            if gone < settings.retention_batch:
+                break
+            await asyncio.sleep(0)
+    return total
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:

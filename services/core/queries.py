@@ -178,6 +178,18 @@ WITH doomed AS (
 DELETE FROM core.tasks t USING doomed WHERE t.id = doomed.id
 """)
 
+# Workers dead or departed longer than the retention; their attempts keep a NULL worker.
+PURGE_WORKERS: TextClause = text("""
+WITH doomed AS (
+    SELECT id FROM core.workers
+    WHERE state IN ('dead', 'left') AND gone_at < now() - make_interval(secs => :age_s)
+    ORDER BY gone_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM core.workers w USING doomed WHERE w.id = doomed.id
+""")
+
 # The feed: only events of transactions older than every running one are served, so an
 # event that commits later can never land behind a cursor already handed out.
 FEED: TextClause = text("""

@@ -453,6 +453,12 @@ async def purge_finished(conn: AsyncConnection, age_s: float, limit: int) -> int
     return int(result.rowcount)
 
 
+async def purge_workers(conn: AsyncConnection, age_s: float, limit: int) -> int:
+    """Delete up to ``limit`` workers gone (dead or left) more than ``age_s`` ago."""
+    result = await conn.execute(queries.PURGE_WORKERS, {"age_s": age_s, "limit": limit})
+    return int(result.rowcount)
+
+
 # --- queues -------------------------------------------------------------------------------
 
 

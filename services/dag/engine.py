@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -191,6 +192,7 @@ class Engine:
         self.leading = False
         self.metrics = DagMetrics(lambda: self.leading)
         self._ended: list[RunState] = []
+        self._purged_at = -math.inf
 
     def wake(self) -> None:
         self._wake.set()
@@ -249,8 +251,12 @@ class Engine:
             await asyncio.wait_for(self._wake.wait(), seconds)
 
     async def step(self) -> None:
-        """One turn: admit, release, cancel, then read and apply one page of the feed."""
+        """One turn: admit, release, cancel, then read and apply one page of the feed;
+        now and then, purge runs past the retention."""
         self._wake.clear()
+        if time.monotonic() - self._purged_at > self.settings.retention_interval_s:
+            await self.purge()
+            self._purged_at = time.monotonic()
         await self.admit()
         await self.release()
         await self.cancel_live()
@@ -278,6 +284,16 @@ class Engine:
         page = poll.result()
         self._full_page = len(page.items) >= self.settings.feed_page
         return page
+
+    async def purge(self) -> int:
+        """Delete finished runs past the retention, one small fenced transaction a batch."""
+        total = 0
+        while True:
+            async with self._write() as conn:
+                gone = await store.purge_runs(conn, self.settings.retention_days * 86400, 500)
+            total += gone
+            if gone < 500:
+                return total
 
     # --- admitting runs --------------------------------------------------------------------
 

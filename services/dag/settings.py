@@ -24,6 +24,9 @@ class DagSettings(CairnSettings):
     #: a release batch's encoded tasks stay under this (core refuses bodies over its own
     #: CAIRN_MAX_BODY_BYTES, 8 MiB by default; a refused batch is halved)
     release_batch_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    #: finished runs (with their nodes) are deleted this long after they end
+    retention_days: float = Field(default=30.0, gt=0)
+    retention_interval_s: float = Field(default=600.0, gt=0)
     #: parsed definitions kept in memory (versions never change)
     graph_cache: int = Field(default=256, ge=1)
     #: and the memory they may take (estimated; a 10,000-node definition is about 40 MB)

@@ -501,6 +501,23 @@ async def cancelled_untracked(conn: AsyncConnection, nodes: Sequence[tuple[int, 
     )
 
 
+async def purge_runs(conn: AsyncConnection, age_s: float, limit: int) -> int:
+    """Delete up to ``limit`` runs finished more than ``age_s`` ago (their nodes go with
+    them), none with a node still waiting for core; return how many went."""
+    result = await conn.execute(
+        text(
+            "WITH doomed AS (SELECT r.id FROM dag.runs r"
+            " WHERE r.finished_at < now() - make_interval(secs => :age_s)"
+            " AND NOT EXISTS (SELECT 1 FROM dag.nodes n WHERE n.run_id = r.id"
+            " AND n.state = 'cancelling')"
+            " ORDER BY r.finished_at LIMIT :limit FOR UPDATE SKIP LOCKED)"
+            " DELETE FROM dag.runs r USING doomed WHERE r.id = doomed.id"
+        ),
+        {"age_s": age_s, "limit": limit},
+    )
+    return int(result.rowcount)
+
+
 async def read_cursor(conn: AsyncConnection) -> str:
     value = await conn.scalar(text("SELECT cursor FROM dag.feed_cursor WHERE id = 1"))
     return str(value)

@@ -91,6 +91,8 @@ runs = Table(
         unique=True,
         postgresql_where=text("idempotency_key IS NOT NULL"),
     ),
+    # Retention deletes the oldest finished runs first.
+    Index("ix_runs_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     # Admission counts the active runs of one workflow.
     Index(
         "ix_runs_active",

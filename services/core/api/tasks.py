@@ -168,7 +168,7 @@ async def get_task(task: OwnedTask, engine: Engine, request: Request) -> Respons
     return _json(task)
 
 
-def _decode_cursor(cursor: str) -> int:
+def decode_cursor(cursor: str) -> int:
     try:
         value = int(base64.urlsafe_b64decode(cursor.encode() + b"==").decode())
     except (binascii.Error, ValueError, UnicodeDecodeError):
@@ -178,7 +178,7 @@ def _decode_cursor(cursor: str) -> int:
     return value
 
 
-def _encode_cursor(task_id: int) -> str:
+def encode_cursor(task_id: int) -> str:
     return base64.urlsafe_b64encode(str(task_id).encode()).decode().rstrip("=")
 
 
@@ -224,11 +224,11 @@ async def list_tasks(
     where = store.TaskFilter(
         state=state, queue=queue, owner=owner, labels=labels, keys=tuple(idempotency_key)
     )
-    before = _decode_cursor(cursor) if cursor else None
+    before = decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
         items = await store.list_tasks(conn, where, before, limit)
         items = await placement.with_pending_reasons(conn, items, _defaults(request))
-    next_cursor = _encode_cursor(items[-1].id) if len(items) == limit else None
+    next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
     return _json(TaskPage(items=items, next_cursor=next_cursor))
 
 

@@ -1,6 +1,7 @@
 """The leader's epoch (libs/common/leader.py): one row per election, bumped by each new
 leader; the leader's writes are fenced on it. A cancelled run's ready node may be
 cancelling without a task id (its release may have reached core unrecorded).
+Finished runs are purged oldest first after the retention.
 
 Revision ID: 0002_faults
 Revises: 0001
@@ -28,6 +29,8 @@ CREATE TABLE dag.leader (
 ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;
 ALTER TABLE dag.nodes ADD CONSTRAINT ck_nodes_live_has_task
     CHECK (task_id IS NOT NULL OR state NOT IN ('released', 'running'));
+
+CREATE INDEX ix_runs_finished_at ON dag.runs (finished_at) WHERE finished_at IS NOT NULL;
 """
 
 
@@ -37,7 +40,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(
-        "DROP TABLE dag.leader; ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;"
+        "DROP INDEX dag.ix_runs_finished_at; DROP TABLE dag.leader; ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;"
         " ALTER TABLE dag.nodes ADD CONSTRAINT ck_nodes_live_has_task CHECK (task_id IS NOT NULL"
         " OR state NOT IN ('released', 'running', 'cancelling'));"
     )
