@@ -183,10 +183,13 @@ class CoreClient(ApiClient):
         queue: str | None = None,
         owner: str | None = None,
         labels: dict[str, str] | None = None,
+        idempotency_keys: Sequence[str] = (),
         limit: int = 100,
         cursor: str | None = None,
     ) -> TaskPage:
         params: dict[str, Any] = {"limit": limit}
+        if idempotency_keys:
+            params["idempotency_key"] = list(idempotency_keys)
         for key, value in (
             ("state", state),
             ("queue", queue),
@@ -258,6 +261,12 @@ class CoreClient(ApiClient):
         )
         return ClaimAnswer.model_validate_json(response.content).attempts
 
+    async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
+        """Ask core whether it still holds the attempt before starting it; raises
+        ``StaleAttempt`` when it does not."""
+        response = await self._call("POST", f"/v1/workers/{worker_id}/attempts/{attempt_id}/start")
+        return ReportAnswer.model_validate_json(response.content)
+
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"
         response = await self._call("POST", path, content=outcome.model_dump_json())
@@ -290,10 +299,20 @@ class CoreClient(ApiClient):
         response = await self._call("GET", "/v1/usage", params=params)
         return UsageReport.model_validate_json(response.content).items
 
-    async def workers(self) -> list[Worker]:
-        """Every worker the caller may see, with capacity, use and last heartbeat."""
-        response = await self._call("GET", "/v1/workers")
-        return WorkerList.model_validate_json(response.content).items
+    async def workers(self, state: str | None = None) -> list[Worker]:
+        """Every worker the caller may see (newest first, all pages), with capacity, use
+        and last heartbeat."""
+        found: list[Worker] = []
+        params: dict[str, Any] = {"limit": 1000}
+        if state is not None:
+            params["state"] = state
+        while True:
+            response = await self._call("GET", "/v1/workers", params=params)
+            page = WorkerList.model_validate_json(response.content)
+            found += page.items
+            if page.next_cursor is None:
+                return found
+            params["cursor"] = page.next_cursor
 
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")

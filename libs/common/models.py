@@ -414,6 +414,9 @@ class WorkerRegister(_Input):
     memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
 
 
+WorkerState = Literal["live", "draining", "dead", "left"]
+
+
 class Worker(_Output):
     id: int
     principal: str
@@ -432,6 +435,8 @@ class Worker(_Output):
 
 class WorkerList(_Output):
     items: list[Worker]
+    #: the next page (newest first), None on the last one
+    next_cursor: str | None = None
 
 
 class WorkerRegistered(_Output):

@@ -6,6 +6,7 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegiste
 from libs.common.states import TaskState
 from services.core import placement, store, traces
 from services.core.domain.placement import Amount, choose
-from services.core.domain.retry import Backoff
+from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.transitions import Op, sources
 from services.core.tables import attempt_logs, attempts, workers
 
@@ -102,15 +103,20 @@ _USE = text("""
 SELECT a.worker_id, count(*) AS running, sum(COALESCE(a.charge_cpu, t.cpu)) AS cpu,
        sum(COALESCE(a.charge_memory_mb, t.memory_mb)) AS memory_mb
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
+WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:ids AS bigint[]))
 GROUP BY a.worker_id
 """)
 
+# ``deaf``: the worker fell silent before this replica could hear it (core or its
+# database was away), so its silence may be core's own doing.
 _SILENT_WORKERS = text("""
-UPDATE core.workers SET state = 'dead', gone_at = now()
-WHERE state IN ('draining', 'live')
-  AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
-RETURNING id
+UPDATE core.workers w SET state = 'dead', gone_at = now()
+FROM (SELECT id, last_heartbeat_at FROM core.workers
+      WHERE state IN ('draining', 'live')
+        AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
+      FOR UPDATE) silent
+WHERE w.id = silent.id
+RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_for_s) AS deaf
 """)
 
 
@@ -186,9 +192,17 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
     return row
 
 
-async def list_workers(conn: AsyncConnection) -> list[Worker]:
-    use = {row.worker_id: row for row in await conn.execute(_USE)}
-    rows = await conn.execute(select(workers).order_by(workers.c.id))
+async def list_workers(
+    conn: AsyncConnection, state: str | None, before_id: int | None, limit: int
+) -> list[Worker]:
+    """Newest first; ``before_id`` is the keyset cursor."""
+    query = select(workers).order_by(workers.c.id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(workers.c.state == state)
+    if before_id is not None:
+        query = query.where(workers.c.id < before_id)
+    rows = list(await conn.execute(query))
+    use = {row.worker_id: row for row in await conn.execute(_USE, {"ids": [r.id for r in rows]})}
     return [_worker(row, use) for row in rows]
 
 
@@ -337,25 +351,42 @@ async def _after_failure(
     retryable: bool,
     crashed: bool,
     tally: Tally | None = None,
+    host_died: bool = False,
 ) -> TaskState:
     """A failed or lost attempt: retry after backoff, or bury (spent, poison, final)."""
+    if task.kind == "service" and retryable:
+        return await _restart_service(conn, task, attempt_id, error, crashed, host_died, tally)
     crashes = task.crashes + (1 if crashed else 0)
-    if task.kind == "service" and retryable and crashes < task.poison_after:
-        # Services run until cancelled: every exit is restarted, with crash-loop backoff.
-        target, op, reason = S.FAILED, Op.FAIL, "service exited; restarting after backoff"
-    elif not retryable:
+    if not retryable:
         target, op, reason = S.DEAD, Op.BURY, "not retryable"
     elif crashes >= task.poison_after:
         target, op, reason = S.DEAD, Op.BURY, f"poison pill: lost {crashes} times"
-        if tally is not None:
-            tally.poisoned += 1
     elif task.attempts >= task.max_attempts:
         target, op, reason = S.DEAD, Op.BURY, f"attempts spent ({task.attempts})"
     else:
         target, op, reason = S.FAILED, Op.FAIL, "retry after backoff"
     delay = _backoff(task, min(task.attempts, 20)) if target is S.FAILED else None
+    return await _end_attempt(
+        conn, task, attempt_id, error, target, op, reason, delay, crashed, tally
+    )
+
+
+async def _end_attempt(
+    conn: AsyncConnection,
+    task: Any,
+    attempt_id: int,
+    error: str,
+    target: TaskState,
+    op: Op,
+    reason: str,
+    delay: float | None,
+    crashed: bool,
+    tally: Tally | None,
+) -> TaskState:
     if tally is not None and target is S.DEAD:
         tally.buried += 1
+        if reason.startswith("poison pill"):
+            tally.poisoned += 1
     await store.transition(
         conn,
         task.id,
@@ -368,6 +399,86 @@ async def _after_failure(
         attempt_id=attempt_id,
     )
     return target
+
+
+# A service's recent attempts (the one just closed included): restarts since its last
+# healthy run, and crashes within the window; attempts lost with their host count for
+# neither.
+_SERVICE_HISTORY = text("""
+WITH recent AS (
+    SELECT a.id, a.outcome, a.ended_at,
+           a.ended_at - a.started_at >= make_interval(secs => :healthy_s) AS healthy,
+           COALESCE(a.outcome = 'lost' AND w.state = 'dead' AND a.ended_at >= w.gone_at, false)
+               AS host_died
+    FROM core.attempts a LEFT JOIN core.workers w ON w.id = a.worker_id
+    WHERE a.task_id = :task AND a.outcome IS NOT NULL
+    ORDER BY a.id DESC
+    LIMIT 64
+)
+SELECT
+    count(*) FILTER (WHERE NOT host_died
+        AND id > COALESCE((SELECT max(id) FROM recent WHERE healthy), 0)) AS streak,
+    count(*) FILTER (WHERE NOT host_died AND outcome IN ('crashed', 'lost')
+        AND ended_at > now() - make_interval(secs => :window_s)) AS crashes
+FROM recent
+""")
+
+
+async def _restart_service(
+    conn: AsyncConnection,
+    task: Any,
+    attempt_id: int,
+    error: str,
+    crashed: bool,
+    host_died: bool,
+    tally: Tally | None,
+) -> TaskState:
+    """Services run until cancelled: every exit is restarted, with crash-loop backoff
+    (``ServiceRestarts``); one whose host died is placed again at once."""
+    policy = SERVICE_RESTARTS
+    history = (
+        await conn.execute(
+            _SERVICE_HISTORY,
+            {"task": task.id, "healthy_s": policy.healthy_s, "window_s": policy.window_s},
+        )
+    ).one()
+    crashed = crashed and not host_died
+    if history.crashes >= task.poison_after:
+        window = f"{policy.window_s:g} s"
+        reason = f"poison pill: crashed {history.crashes} times within {window}"
+        return await _end_attempt(
+            conn, task, attempt_id, error, S.DEAD, Op.BURY, reason, None, crashed, tally
+        )
+    if host_died:
+        reason, delay = "its host died; placed again", 0.0
+    else:
+        reason = "service exited; restarting after backoff"
+        delay = _backoff(task, max(1, min(history.streak, 20)))
+    return await _end_attempt(
+        conn, task, attempt_id, error, S.FAILED, Op.FAIL, reason, delay, crashed, tally
+    )
+
+
+_CONFIRM_START = text("""
+UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
+FROM core.tasks t
+WHERE a.id = :attempt AND a.worker_id = :worker AND a.outcome IS NULL
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = 'running'
+RETURNING t.id
+""")
+
+
+async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) -> int:
+    """The agent is about to start the attempt: core still holds it for this worker, and
+    from now on it counts as started. Refused (``StaleAttempt``) when the lease is gone,
+    e.g. the reaper requeued it between the claim and the start. Its row lock orders this
+    against the reaper's loss of the same attempt: whichever commits first wins."""
+    task_id = (
+        await conn.execute(_CONFIRM_START, {"attempt": attempt_id, "worker": worker_id})
+    ).scalar()
+    if task_id is None:
+        raise StaleAttempt(f"attempt {attempt_id} is no longer held for worker {worker_id}")
+    return int(task_id)
 
 
 async def report(
@@ -442,11 +553,18 @@ async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: in
 
 
 async def lose(
-    conn: AsyncConnection, attempt_id: int, why: str, tally: Tally | None = None
+    conn: AsyncConnection,
+    attempt_id: int,
+    why: str,
+    tally: Tally | None = None,
+    *,
+    host_died: bool = False,
+    excused: bool = False,
 ) -> TaskState | None:
     """An attempt whose process is gone without a report. Once a heartbeat has shown it
     running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
-    showed (its claim's answer lost on the way, say) goes back without cost."""
+    showed (its claim's answer lost on the way, say), or one lost while core could not
+    hear its worker (``excused``), goes back without cost."""
     if tally is not None:
         tally.lost += 1
     try:
@@ -458,19 +576,20 @@ async def lose(
         await conn.execute(select(attempts.c.seen_at).where(attempts.c.id == attempt_id))
     ).scalar_one()
     await _close_attempt(conn, attempt_id, "lost", error=why)
-    if seen is None:
+    if seen is None or excused:
+        cause = "it never started" if seen is None else "core was away"
         await store.transition(
             conn,
             task.id,
             Op.REQUEUE,
             S.WAITING,
-            reason=f"{why}; it never started, so it costs no attempt",
+            reason=f"{why}; {cause}, so it costs no attempt",
             refund=True,
             attempt_id=attempt_id,
         )
         return S.WAITING
     return await _after_failure(
-        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally
+        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally, host_died=host_died
     )
 
 
@@ -583,21 +702,42 @@ async def task_of(conn: AsyncConnection, attempt_id: int) -> int:
 
 
 async def lose_all(
-    conn: AsyncConnection, worker_id: int, why: str, tally: Tally | None = None
+    conn: AsyncConnection,
+    worker_id: int,
+    why: str,
+    tally: Tally | None = None,
+    *,
+    host_died: bool = False,
+    excused: bool = False,
 ) -> int:
-    """Every open attempt of the worker is lost."""
+    """Every open attempt of the worker is lost (``host_died``: with the worker;
+    ``excused``: at no cost)."""
     rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
     for row in rows:
-        await lose(conn, row.id, why, tally)
+        await lose(conn, row.id, why, tally, host_died=host_died, excused=excused)
     return len(rows)
 
 
-async def reap(conn: AsyncConnection, timeout_s: float, tally: Tally | None = None) -> int:
-    """Workers silent for ``timeout_s`` are dead; their open attempts are lost."""
-    dead = [row.id for row in await conn.execute(_SILENT_WORKERS, {"timeout_s": timeout_s})]
+async def reap(
+    conn: AsyncConnection,
+    timeout_s: float,
+    tally: Tally | None = None,
+    *,
+    heard_for_s: float = math.inf,
+) -> int:
+    """Workers silent for ``timeout_s`` are dead; their open attempts are lost. Silence
+    counts only from when this replica could hear (``heard_for_s``: how long it has
+    reached the database without a break): a worker silent since before then is dead
+    only once core has listened for ``timeout_s`` too, and its attempts go back
+    without cost, since its silence may be core's own absence."""
+    if heard_for_s < timeout_s:
+        return 0
+    params = {"timeout_s": timeout_s, "heard_for_s": min(heard_for_s, 10.0**9)}
+    dead = list(await conn.execute(_SILENT_WORKERS, params))
     lost = 0
-    for worker_id in dead:
-        lost += await lose_all(
-            conn, worker_id, f"its worker {worker_id} stopped heartbeating", tally
-        )
+    for row in dead:
+        why = f"its worker {row.id} stopped heartbeating"
+        if row.deaf:
+            why += " while core could not hear it"
+        lost += await lose_all(conn, row.id, why, tally, host_died=True, excused=row.deaf)
     return len(dead) + lost

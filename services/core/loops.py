@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from services.core import dispatch, placement, store
@@ -114,9 +115,11 @@ async def _in_batches(
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete finished tasks past retention."""
+    """Delete finished tasks and gone workers past retention."""
     age_s, batch = settings.retention_days * 86400, settings.retention_batch
-    return await _in_batches(engine, batch, lambda c: store.purge_finished(c, age_s, batch))
+    tasks = await _in_batches(engine, batch, lambda c: store.purge_finished(c, age_s, batch))
+    gone = await _in_batches(engine, batch, lambda c: store.purge_workers(c, age_s, batch))
+    return tasks + gone
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
@@ -142,12 +145,42 @@ async def place_once(engine: AsyncEngine, notifier: Notifier, defaults: placemen
     return changed
 
 
+class Hearing:
+    """How long this replica has been able to hear its workers: since when its reaper has
+    reached the database at least every ``gap_s``. A replica that just started, or whose
+    database was away, has heard nothing yet, whatever the workers' last beats say."""
+
+    def __init__(self, gap_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.gap_s = gap_s
+        self.clock = clock
+        self.since: float | None = None
+        self.last: float | None = None
+
+    def heard(self) -> float:
+        """Record that the database answered now; return how long hearing has lasted."""
+        now = self.clock()
+        if self.last is None or now - self.last > self.gap_s or self.since is None:
+            self.since = now
+        self.last = now
+        return now - self.since
+
+
 async def reap_once(
-    engine: AsyncEngine, notifier: Notifier, timeout_s: float, meter: CoreMetrics | None = None
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    hearing: Hearing,
+    meter: CoreMetrics | None = None,
 ) -> int:
     tally = dispatch.Tally()
     async with engine.begin() as conn:
-        changed = await dispatch.reap(conn, timeout_s, tally)
+        await conn.execute(text("SELECT 1"))
+        changed = await dispatch.reap(
+            conn,
+            settings.heartbeat_timeout_s,
+            tally,
+            heard_for_s=hearing.heard(),
+        )
     if meter is not None:
         meter.count(tally)
     if changed:
@@ -158,15 +191,18 @@ async def reap_once(
 def start(
     engine: AsyncEngine, notifier: Notifier, settings: CoreSettings, meter: CoreMetrics
 ) -> list[asyncio.Task[None]]:
+    reap_every = min(5.0, max(0.1, settings.heartbeat_timeout_s / 4))
+    # A reaper turn that misses this long means core could not hear for a while.
+    hearing = Hearing(gap_s=max(settings.heartbeat_interval_s, 3 * reap_every))
     return [
         asyncio.create_task(
             Promoter(engine, notifier, settings.promote_interval_s).run(), name="cairn-promoter"
         ),
         asyncio.create_task(
             every(
-                min(5.0, max(0.1, settings.heartbeat_timeout_s / 4)),
+                reap_every,
                 "reaper",
-                lambda: reap_once(engine, notifier, settings.heartbeat_timeout_s, meter),
+                lambda: reap_once(engine, notifier, settings, hearing, meter),
             ),
             name="cairn-reaper",
         ),

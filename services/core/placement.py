@@ -291,7 +291,7 @@ WITH hot AS (
     FROM core.queues q
     WHERE q.utilisation > COALESCE(q.defer_above, :defer_above) AND NOT q.paused
 ), picked AS (
-    SELECT t.id, hot.utilisation, hot.above, {LATEST_START} AS latest
+    SELECT t.id, t.state, hot.utilisation, hot.above, {LATEST_START} AS latest
     FROM core.tasks t JOIN hot ON hot.name = t.queue
     WHERE t.state = ANY(CAST(:sources AS text[])) AND {DEFERRABLE} AND {LATEST_START} > now()
     ORDER BY t.id
@@ -301,10 +301,11 @@ WITH hot AS (
     UPDATE core.tasks t SET state = :target, deferred = true, run_at = picked.latest,
         version = t.version + 1, updated_at = now()
     FROM picked WHERE t.id = picked.id
-    RETURNING t.id, t.owner, t.version, picked.utilisation, picked.above
+    RETURNING t.id, t.owner, t.version, picked.state AS from_state, picked.utilisation,
+        picked.above
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
-    SELECT id, version, owner, :op, 'waiting', 'ready',
+    SELECT id, version, owner, :op, from_state, :target,
            'deferred: pool at ' || round(utilisation * 100) || '% (defers above '
            || round(above * 100) || '%)'
     FROM moved
@@ -314,7 +315,7 @@ SELECT count(*) FROM moved
 
 _UNDEFER = text("""
 WITH picked AS (
-    SELECT t.id, q.utilisation FROM core.tasks t LEFT JOIN core.queues q ON q.name = t.queue
+    SELECT t.id, t.state, q.utilisation FROM core.tasks t LEFT JOIN core.queues q ON q.name = t.queue
     WHERE t.state = ANY(CAST(:sources AS text[])) AND t.deferred
       AND NOT COALESCE(q.paused, false)
       AND COALESCE(q.utilisation, 0) <= COALESCE(q.defer_above, :defer_above)
@@ -325,10 +326,10 @@ WITH picked AS (
     UPDATE core.tasks t SET state = :target, deferred = false, run_at = now(),
         version = t.version + 1, updated_at = now()
     FROM picked WHERE t.id = picked.id
-    RETURNING t.id, t.owner, t.version, picked.utilisation
+    RETURNING t.id, t.owner, t.version, picked.state AS from_state, picked.utilisation
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
-    SELECT id, version, owner, :op, 'ready', 'waiting',
+    SELECT id, version, owner, :op, from_state, :target,
            'pool at ' || round(COALESCE(utilisation, 0) * 100) || '%: no longer deferred'
     FROM moved
 )
@@ -394,7 +395,8 @@ async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
         {
             "defer_above": defaults.defer_above,
             "limit": PASS_BATCH,
-            "sources": sources(Op.PROMOTE, S.WAITING),
+            # Only what a deferral parked: a failed task waits out its own backoff.
+            "sources": [S.READY.value],
             "target": "waiting",
             "op": Op.PROMOTE.value,
         },

@@ -86,7 +86,8 @@ WITH old AS (
         current_attempt_id = COALESCE(
             CAST(:attempt_id AS bigint), CASE WHEN :keep_attempt THEN t.current_attempt_id END
         ),
-        last_error = COALESCE(CAST(:error AS text), t.last_error)
+        last_error = COALESCE(CAST(:error AS text), t.last_error),
+        deferred = false
     FROM old
     WHERE t.id = old.id AND old.state = ANY(CAST(:sources AS text[]))
     RETURNING t.id, t.owner, t.version, t.state, old.state AS from_state,
@@ -104,15 +105,18 @@ SELECT (SELECT state FROM old) AS found_state, (SELECT from_state FROM moved) AS
 # so they never wait on a submit, a claim or each other.
 _BULK = """
 WITH picked AS (
-    SELECT id FROM core.tasks t
+    SELECT id, deferred FROM core.tasks t
     WHERE t.state = '{source}' AND {condition}
     ORDER BY {order}
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 ), moved AS (
-    UPDATE core.tasks t SET state = '{target}', version = t.version + 1, updated_at = now()
+    -- A deferral ends when its task moves on, whichever way (else a later failure would
+    -- be taken for a deferral and skip its backoff).
+    UPDATE core.tasks t SET state = '{target}', version = t.version + 1, updated_at = now(),
+        deferred = false
     FROM picked WHERE t.id = picked.id
-    RETURNING t.id, t.owner, t.version, t.deferred
+    RETURNING t.id, t.owner, t.version, picked.deferred
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
     SELECT id, version, owner, '{op}', '{source}', '{target}', {reason} FROM moved
@@ -241,6 +245,18 @@ WITH doomed AS (
     DELETE FROM core.task_events e USING doomed WHERE e.task_id = doomed.id
 )
 DELETE FROM core.tasks t USING doomed WHERE t.id = doomed.id
+""")
+
+# Workers dead or departed longer than the retention; their attempts keep a NULL worker.
+PURGE_WORKERS: TextClause = text("""
+WITH doomed AS (
+    SELECT id FROM core.workers
+    WHERE state IN ('dead', 'left') AND gone_at < now() - make_interval(secs => :age_s)
+    ORDER BY gone_at
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM core.workers w USING doomed WHERE w.id = doomed.id
 """)
 
 # The feed: only events of transactions older than every running one are served, so an

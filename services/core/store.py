@@ -266,6 +266,7 @@ class TaskFilter:
     labels: tuple[tuple[str, str], ...] = ()
     team: str | None = None
     visible_to: Visibility | None = None
+    keys: tuple[str, ...] = ()
 
 
 async def list_tasks(
@@ -286,6 +287,8 @@ async def list_tasks(
         conditions.append(tasks.c.team == where.team)
     if where.visible_to is not None:
         conditions.append(_visible(where.visible_to))
+    if where.keys:
+        conditions.append(tasks.c.idempotency_key.in_(where.keys))
     if before_id is not None:
         conditions.append(tasks.c.id < before_id)
     if conditions:
@@ -532,6 +535,12 @@ async def purge_finished(conn: AsyncConnection, age_s: float, limit: int) -> int
     """Delete up to ``limit`` tasks finished more than ``age_s`` ago, with their attempts
     and events; return how many went."""
     result = await conn.execute(queries.PURGE_FINISHED, {"age_s": age_s, "limit": limit})
+    return int(result.rowcount)
+
+
+async def purge_workers(conn: AsyncConnection, age_s: float, limit: int) -> int:
+    """Delete up to ``limit`` workers gone (dead or left) more than ``age_s`` ago."""
+    result = await conn.execute(queries.PURGE_WORKERS, {"age_s": age_s, "limit": limit})
     return int(result.rowcount)
 
 

@@ -1,7 +1,8 @@
 """The cron engine: one leader among the replicas fires every schedule.
 
-Leadership is a PostgreSQL advisory lock held on a connection of the engine's own; the
-same connection LISTENs for schedule changes. A standby tries for the lock every
+Leadership is the shared elector's (``libs/common/leader.py``): a PostgreSQL advisory
+lock held on a connection of its own, checked every poll, and an epoch that fences every
+write of the leader; the same connection LISTENs for schedule changes. A standby tries for the lock every
 ``CAIRN_CRON_LEADER_POLL_S``; the lock goes free the moment the leader's connection dies
 (a killed process closes its socket), so a standby takes over within that period.
 
@@ -32,15 +33,16 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import ontime, timing
@@ -194,6 +196,14 @@ class CronEngine:
         self.clock: Clock = clock or SystemClock()
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.leader = False
+        self.elector = Elector(
+            database_url,
+            name="cron",
+            key=LEADER_LOCK,
+            table="cron.leader",
+            poll_s=settings.cron_leader_poll_s,
+        )
+        self.lease: Lease | None = None
         self.heap: list[tuple[datetime, int, int, datetime]] = []
         self.lead = timedelta(seconds=settings.cron_lead_s)
         self.ahead: dict[int, dict[datetime, Ahead]] = {}
@@ -213,46 +223,25 @@ class CronEngine:
     async def run(self) -> None:
         """Campaign, lead while the lock is held, campaign again when it is lost."""
         while True:
-            conn = await self._campaign()
+            lease = await self.elector.campaign()
             try:
-                await self._lead(conn)
-            except (psycopg.Error, DBAPIError, OSError) as exc:
+                await lease.conn.execute(f"LISTEN {store.CHANNEL}")
+                self.lease = lease
+                await self._lead(lease)
+            except (psycopg.Error, DBAPIError, OSError, LeadershipLost) as exc:
                 log.warning("cron leadership lost: %s", exc)
             except Exception:
                 # A pool timeout or a bug must not stop this replica firing for good.
                 log.exception("cron engine failed; stepping down to campaign again")
             finally:
                 self._step_down()
-                with contextlib.suppress(Exception):
-                    await conn.close()
+                await lease.close()
             await asyncio.sleep(self.settings.cron_leader_poll_s)
 
-    async def _campaign(self) -> psycopg.AsyncConnection[Any]:
-        while True:
-            conn: psycopg.AsyncConnection[Any] | None = None
-            try:
-                conn = await psycopg.AsyncConnection.connect(
-                    self.database_url, autocommit=True, connect_timeout=5
-                )
-                while True:
-                    cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,))
-                    row = await cur.fetchone()
-                    if row and row[0]:
-                        await conn.execute(f"LISTEN {store.CHANNEL}")
-                        log.info("cron leader: %s", self.instance)
-                        return conn
-                    await asyncio.sleep(self.settings.cron_leader_poll_s)
-            except (psycopg.Error, OSError) as exc:
-                log.warning("cron cannot reach the database: %s", exc)
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await conn.close()
-                await asyncio.sleep(self.settings.cron_leader_poll_s)
-
-    async def _lead(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def _lead(self, lease: Lease) -> None:
         self.leader = True
         self.turned_at = asyncio.get_running_loop().time()
-        watch = asyncio.create_task(self._watch(conn), name="cron-watch")
+        watch = asyncio.create_task(self._watch(lease), name="cron-watch")
         fire = asyncio.create_task(self._fire_loop(), name="cron-fire")
         try:
             done, _ = await asyncio.wait({watch, fire}, return_when=asyncio.FIRST_COMPLETED)
@@ -265,17 +254,28 @@ class CronEngine:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    async def _watch(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """Schedule changes wake the fire loop; a dead connection ends the lead."""
+    async def _watch(self, lease: Lease) -> None:
+        """Schedule changes wake the fire loop; a lost lock or epoch ends the lead."""
         while True:
-            async for note in conn.notifies(timeout=self.settings.cron_leader_poll_s):
+            async for note in lease.conn.notifies(timeout=self.settings.cron_leader_poll_s):
                 with contextlib.suppress(ValueError):
                     self.changed.add(int(note.payload))
                 self.wake.set()
-            await conn.execute("SELECT 1")
+            await lease.check()
+
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction of the leader, fenced by its epoch."""
+        lease = self.lease
+        if lease is None:
+            raise LeadershipLost("cron writes fires only while it leads")
+        async with self.db.begin() as conn:
+            await lease.fence(conn)
+            yield conn
 
     def _step_down(self) -> None:
         self.leader = False
+        self.lease = None
         self.turned_at = None
         self.heap.clear()
         self.versions.clear()
@@ -438,7 +438,7 @@ class CronEngine:
             else:
                 after = min(row.fired_through, through)
                 rewind.append((sid, row.version, through, store.timing_of(row).next_after(after)))
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             counts = await conn.execute(
                 store.WITHDRAW,
                 {"ids": [sid for sid, _ in withdrawn], "times": [s for _, s in withdrawn]},
@@ -572,7 +572,7 @@ class CronEngine:
                 for s, o, d in plan.record
             )
         nexts = _next_slots(plans)
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             if fired:
                 await conn.execute(
                     store.FIRED, dict(zip(store.FIRED_COLS, store.columns(fired, 9), strict=True))
@@ -660,7 +660,7 @@ class CronEngine:
             else:
                 self.pending.pop(key, None)
         if results:
-            async with self.db.begin() as conn:
+            async with self._write() as conn:
                 await store.record(conn, results)
             self.metrics.fired((r.outcome, r.fire_time, r.submitted_at) for r in results)
         if self.on_fire is not None:
@@ -775,7 +775,7 @@ class CronEngine:
 
     async def _purge(self) -> None:
         age_s = self.settings.cron_fire_retention_days * 86400
-        async with self.db.begin() as conn:
+        async with self._write() as conn:
             await conn.execute(store.PURGE_FIRES, {"age_s": age_s, "limit": 10_000})
 
     def unready(self, runner: asyncio.Task[None] | None) -> str | None:

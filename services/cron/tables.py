@@ -22,6 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from libs.common.leader import leader_table
 from libs.common.schema import metadata_for
 
 SCHEMA = "cron"
@@ -114,3 +115,5 @@ fires = Table(
 
 Index("ix_fires_pending", fires.c.schedule_id, postgresql_where=fires.c.outcome == "pending")
 Index("ix_fires_recorded_at", fires.c.recorded_at)
+
+leader = leader_table(metadata)

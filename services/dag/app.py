@@ -26,8 +26,8 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         engine = create_async_engine(
             database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
-        graphs = Graphs(settings.graph_cache)
-        loop = Engine(engine, settings, graphs)
+        graphs = Graphs(settings.graph_cache, settings.graph_cache_mb * 1024 * 1024)
+        loop = Engine(engine, settings, graphs, database_url)
         app.state.engine = engine
         app.state.settings = settings
         app.state.graphs = graphs

@@ -21,5 +21,13 @@ class DagSettings(CairnSettings):
     #: first pause after core failed or could not be reached; doubles up to the cap
     retry_base_s: float = Field(default=0.5, gt=0)
     retry_cap_s: float = Field(default=15.0, gt=0)
+    #: a release batch's encoded tasks stay under this (core refuses bodies over its own
+    #: CAIRN_MAX_BODY_BYTES, 8 MiB by default; a refused batch is halved)
+    release_batch_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    #: finished runs (with their nodes) are deleted this long after they end
+    retention_days: float = Field(default=30.0, gt=0)
+    retention_interval_s: float = Field(default=600.0, gt=0)
     #: parsed definitions kept in memory (versions never change)
     graph_cache: int = Field(default=256, ge=1)
+    #: and the memory they may take (estimated; a 10,000-node definition is about 40 MB)
+    graph_cache_mb: int = Field(default=256, ge=1)

@@ -265,8 +265,11 @@ async def cancel_run(conn: AsyncConnection, run_id: int, owner: str | None) -> R
         )
     await conn.execute(
         text(
+            # A ready node's task may have been submitted with its answer never recorded:
+            # it waits (cancelling, no task id) for the engine to find it by its key.
             "UPDATE dag.nodes SET updated_at = now(), state = CASE"
-            " WHEN state IN ('released', 'running') THEN 'cancelling' ELSE 'cancelled' END"
+            " WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
+            " ELSE 'cancelled' END"
             " WHERE run_id = :id AND state IN ('pending', 'ready', 'released', 'running')"
         ),
         {"id": run_id},
@@ -411,16 +414,19 @@ async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> Non
     )
 
 
-async def ready_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
+async def ready_nodes(
+    conn: AsyncConnection, limit: int, skip_runs: Sequence[int] = ()
+) -> list[Row[Any]]:
     return list(
         await conn.execute(
             text(
                 "SELECT n.run_id, n.name, n.try_number, r.owner, r.workflow, r.workflow_id,"
                 " r.params, r.created_at AS run_created_at, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at))"
                 " AS ready_s FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE n.state = 'ready' ORDER BY n.run_id LIMIT :limit"
+                " WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip))"
+                " ORDER BY n.run_id LIMIT :limit"
             ),
-            {"limit": limit},
+            {"limit": limit, "skip": list(skip_runs)},
         )
     )
 
@@ -462,8 +468,9 @@ async def cancelling_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
     return list(
         await conn.execute(
             text(
-                "SELECT run_id, name, task_id FROM dag.nodes WHERE state = 'cancelling'"
-                " LIMIT :limit"
+                "SELECT n.run_id, n.name, n.task_id, n.try_number, r.owner FROM dag.nodes n"
+                " JOIN dag.runs r ON r.id = n.run_id WHERE n.state = 'cancelling'"
+                " ORDER BY n.run_id LIMIT :limit"
             ),
             {"limit": limit},
         )
@@ -478,6 +485,37 @@ async def cancelled(conn: AsyncConnection, task_id: int) -> None:
         ),
         {"task": task_id},
     )
+
+
+async def cancelled_untracked(conn: AsyncConnection, nodes: Sequence[tuple[int, str]]) -> None:
+    """Close cancelling nodes that have no recorded task (what they may have submitted
+    has been cancelled by its key)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET state = 'cancelled', updated_at = now()"
+            " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[])) AS c(run, name)"
+            " WHERE n.run_id = c.run AND n.name = c.name AND n.state = 'cancelling'"
+            " AND n.task_id IS NULL"
+        ),
+        {"runs": [r for r, _ in nodes], "names": [n for _, n in nodes]},
+    )
+
+
+async def purge_runs(conn: AsyncConnection, age_s: float, limit: int) -> int:
+    """Delete up to ``limit`` runs finished more than ``age_s`` ago (their nodes go with
+    them), none with a node still waiting for core; return how many went."""
+    result = await conn.execute(
+        text(
+            "WITH doomed AS (SELECT r.id FROM dag.runs r"
+            " WHERE r.finished_at < now() - make_interval(secs => :age_s)"
+            " AND NOT EXISTS (SELECT 1 FROM dag.nodes n WHERE n.run_id = r.id"
+            " AND n.state = 'cancelling')"
+            " ORDER BY r.finished_at LIMIT :limit FOR UPDATE SKIP LOCKED)"
+            " DELETE FROM dag.runs r USING doomed WHERE r.id = doomed.id"
+        ),
+        {"age_s": age_s, "limit": limit},
+    )
+    return int(result.rowcount)
 
 
 async def read_cursor(conn: AsyncConnection) -> str:

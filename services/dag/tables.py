@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from libs.common.dag_models import RUN_FINAL, NodeState, RunState
+from libs.common.leader import leader_table
 from libs.common.schema import metadata_for
 
 SCHEMA = "dag"
@@ -90,6 +91,8 @@ runs = Table(
         unique=True,
         postgresql_where=text("idempotency_key IS NOT NULL"),
     ),
+    # Retention deletes the oldest finished runs first.
+    Index("ix_runs_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     # Admission counts the active runs of one workflow.
     Index(
         "ix_runs_active",
@@ -113,8 +116,9 @@ nodes = Table(
     _at("updated_at"),
     CheckConstraint(_in("state", NodeState), name="state"),
     CheckConstraint("try_number > 0", name="try_positive"),
+    # A cancelling node without a task: its release may have reached core unrecorded.
     CheckConstraint(
-        "task_id IS NOT NULL OR state NOT IN ('released', 'running', 'cancelling')",
+        "task_id IS NOT NULL OR state NOT IN ('released', 'running')",
         name="live_has_task",
     ),
     # Feed events find their node through the task; a task belongs to one node's try.
@@ -131,3 +135,5 @@ feed_cursor = Table(
     _at("updated_at"),
     CheckConstraint("id = 1", name="one_row"),
 )
+
+leader = leader_table(metadata)

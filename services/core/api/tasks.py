@@ -289,7 +289,7 @@ async def get_task(task: OwnedTask, engine: Engine, request: Request) -> Respons
     return _json(task)
 
 
-def _decode_cursor(cursor: str) -> int:
+def decode_cursor(cursor: str) -> int:
     try:
         value = int(base64.urlsafe_b64decode(cursor.encode() + b"==").decode())
     except (binascii.Error, ValueError, UnicodeDecodeError):
@@ -299,7 +299,7 @@ def _decode_cursor(cursor: str) -> int:
     return value
 
 
-def _encode_cursor(task_id: int) -> str:
+def encode_cursor(task_id: int) -> str:
     return base64.urlsafe_b64encode(str(task_id).encode()).decode().rstrip("=")
 
 
@@ -326,11 +326,16 @@ async def list_tasks(
         list[Annotated[str, Query(max_length=400, pattern=r"^[^\x00]*$")]],
         Query(max_length=16, description="KEY=VALUE; repeat to require several"),
     ] = [],  # noqa: B006 - FastAPI copies query defaults
+    idempotency_key: Annotated[
+        list[Annotated[str, Query(max_length=200, pattern=r"^[^\x00]*$")]],
+        Query(max_length=100, description="only tasks submitted with one of these keys"),
+    ] = [],  # noqa: B006 - FastAPI copies query defaults
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: Annotated[str | None, Query(max_length=40)] = None,
 ) -> Response:
     """Tasks newest first. Users see their own and their teams'; admins and services see
-    every owner's."""
+    every owner's. ``idempotency_key`` (repeatable) finds what a client may have
+    submitted, e.g. a workflow's releases whose answers it never recorded."""
     labels = _parse_labels(label)
     for key, _ in labels:
         _check_label_key(key)
@@ -341,12 +346,13 @@ async def list_tasks(
         labels=labels,
         team=team,
         visible_to=principal.visibility,
+        keys=tuple(idempotency_key),
     )
-    before = _decode_cursor(cursor) if cursor else None
+    before = decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
         items = await store.list_tasks(conn, where, before, limit)
         items = await placement.with_pending_reasons(conn, items, _defaults(request))
-    next_cursor = _encode_cursor(items[-1].id) if len(items) == limit else None
+    next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
     return _json(TaskPage(items=items, next_cursor=next_cursor))
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Request, Response, status
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from libs.common.errors import Conflict
 from libs.common.models import (
+    MAX_PAGE,
     ClaimAnswer,
     ClaimRequest,
     Heartbeat,
@@ -19,10 +20,12 @@ from libs.common.models import (
     WorkerList,
     WorkerRegister,
     WorkerRegistered,
+    WorkerState,
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
 from services.core import dispatch, placement, traces
+from services.core.api.tasks import decode_cursor, encode_cursor
 from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
 from services.core.identity import secrets
 from services.core.settings import CoreSettings
@@ -70,10 +73,20 @@ async def register_worker(
 
 
 @router.get("", response_model=WorkerList, responses=PROBLEMS)
-async def list_workers(principal: Overseer, engine: Engine) -> WorkerList:
-    """Every worker with its capacity, what is placed on it, and its last heartbeat."""
+async def list_workers(
+    principal: Overseer,
+    engine: Engine,
+    state: WorkerState | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+    cursor: Annotated[str | None, Query(max_length=40)] = None,
+) -> WorkerList:
+    """Workers newest first, a page at a time, with their capacity, what is placed on
+    them, and their last heartbeat. Dead and departed ones are kept for the retention."""
+    before = decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
-        return WorkerList(items=await dispatch.list_workers(conn))
+        items = await dispatch.list_workers(conn, state, before, limit)
+    next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
+    return WorkerList(items=items, next_cursor=next_cursor)
 
 
 @router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
@@ -141,6 +154,17 @@ async def claim(
         if remaining <= 0 or current.state != "live" or await request.is_disconnected():
             return ClaimAnswer(attempts=[])
         await notifier.wait(min(remaining, _POLL_S))
+
+
+@router.post(
+    "/{worker_id}/attempts/{attempt_id}/start", response_model=ReportAnswer, responses=PROBLEMS
+)
+async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> ReportAnswer:
+    """The agent asks before it starts an attempt: 409 when core no longer holds it for
+    this worker (lost to the reaper, cancelled), so the agent must not run it."""
+    async with engine.begin() as conn:
+        task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
+    return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
 
 
 @router.post(
@@ -238,4 +262,5 @@ async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) 
 
 async def _get(engine: Engine, worker_id: int) -> Worker:
     async with engine.connect() as conn:
-        return next(w for w in await dispatch.list_workers(conn) if w.id == worker_id)
+        (found,) = await dispatch.list_workers(conn, None, worker_id + 1, 1)
+        return found

@@ -26,3 +26,17 @@ class Backoff:
         # Past 2**1023 a float overflows; the cap has long applied by then.
         delay = min(self.cap_s, self.base_s * 2.0 ** min(n, 1023))
         return delay * (0.5 + pick.random() / 2) if self.jitter else delay
+
+
+@dataclass(frozen=True)
+class ServiceRestarts:
+    """How a ``kind: service`` is restarted. Its backoff grows with the restarts since its
+    last healthy run (one that lasted ``healthy_s``; Kubernetes resets CrashLoopBackOff
+    after ten minutes the same way), and only crashes of the last ``window_s`` count
+    towards burying it. A host's death is never counted against the service."""
+
+    healthy_s: float = 600.0
+    window_s: float = 3600.0
+
+
+SERVICE_RESTARTS = ServiceRestarts()

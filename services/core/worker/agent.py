@@ -82,6 +82,7 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self._beat = (60.0, 180.0)
+        self.dead = False
 
     # --- lifecycle ---
 
@@ -93,7 +94,28 @@ class Agent:
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
         )
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.draining.set)
+        try:
+            await self._join(offer)
+            while True:
+                await self._work()
+                if not self.dead or self.draining.is_set():
+                    break
+                # Core re-placed this worker's attempts: stop them, then join afresh.
+                log.warning("core declared worker %s dead; registering again", self.worker_id)
+                await self._abandon()
+                await self._join(offer)
+            await self._drain()
+        finally:
+            await self._stop_sidecar()
+            with contextlib.suppress(httpx.HTTPError, CairnError):
+                await self.client.leave(self.worker_id)
+
+    async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
+        self.dead = False
         self.worker_id = registered.worker.id
         self.folder = self.settings.home / "workers" / str(self.worker_id)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -102,16 +124,15 @@ class Agent:
         self.sidecar = self._start_sidecar(*self._beat)
         logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.draining.set)
-        try:
-            await self._work()
-            await self._drain()
-        finally:
-            await self._stop_sidecar()
-            with contextlib.suppress(httpx.HTTPError, CairnError):
-                await self.client.leave(self.worker_id)
+
+    async def _abandon(self) -> None:
+        """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
+        for _, handle in list(self.running.values()):
+            if handle is not None and not handle.done:
+                handle.kill()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=30)
+        await self._stop_sidecar()
 
     def _start_sidecar(self, interval_s: float, timeout_s: float) -> subprocess.Popen[bytes]:
         return subprocess.Popen(  # noqa: S603 - our own module, no shell
@@ -152,7 +173,7 @@ class Agent:
         while not self.draining.is_set():
             self._keep_sidecar()
             self._obey_core()
-            if self.draining.is_set():
+            if self.draining.is_set() or self.dead:
                 break
             cpu, memory_mb, slots = self._room()
             if slots == 0 or cpu <= 0 or memory_mb <= 0:
@@ -197,7 +218,9 @@ class Agent:
 
     def _obey_core(self) -> None:
         answer = state.read(self.folder / state.ANSWER)
-        if answer.get("state") in ("draining", "dead", "left"):
+        if answer.get("state") == "dead":
+            self.dead = True
+        elif answer.get("state") in ("draining", "left"):
             self.draining.set()
         for attempt_id in answer.get("stop", []):
             entry = self.running.get(int(attempt_id))
@@ -295,6 +318,11 @@ class Agent:
         )
         if self.draining.is_set():
             return Report(outcome="handed_back", error="the worker is draining")
+        verdict = await self._confirm(assignment.attempt_id)
+        if verdict == "gone":
+            return None
+        if verdict == "unconfirmed":
+            return Report(outcome="handed_back", error="core could not confirm it before its start")
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
@@ -308,6 +336,24 @@ class Agent:
         self._publish()
         await self._upload_log(assignment.attempt_id, spec.log_path)
         return report_of(result)
+
+    async def _confirm(self, attempt_id: int) -> str:
+        """Ask core before starting: an attempt it no longer holds for this worker (the
+        reaper requeued it, it was cancelled) must not run beside its retry. ``held``,
+        ``gone``, or ``unconfirmed`` (core unreachable for a few seconds)."""
+        delay = 0.2
+        for _ in range(5):
+            try:
+                await self.client.start_attempt(self.worker_id, attempt_id)
+                return "held"
+            except (Conflict, NotFound) as exc:
+                log.warning("attempt %s not started: %s", attempt_id, exc)
+                return "gone"
+            except (httpx.TransportError, CairnError) as exc:
+                log.warning("cannot confirm attempt %s yet: %s", attempt_id, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+        return "unconfirmed"
 
     async def _upload_log(self, attempt_id: int, path: Path) -> None:
         """Send the whole log (its end, past the limit core keeps); best effort: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC
 from typing import Annotated
 
@@ -19,8 +20,8 @@ from libs.common.dag_models import (
 from libs.common.problems import PROBLEMS
 from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
-from services.dag.domain import graph
 from services.dag.domain.templates import Renderer, RunContext, merged_params
+from services.dag.engine import build_sized
 
 router = APIRouter(prefix="/v1/workflows", tags=["workflows"])
 
@@ -36,10 +37,10 @@ async def put_workflow(
     """Store a definition as the workflow's next version (201), or answer its newest
     version (200) when that is the same definition. A cycle, an unknown or duplicate node
     is refused with their names."""
-    dag = graph.build(body)
+    dag, weight = await asyncio.to_thread(build_sized, body)  # a large one takes seconds
     async with db.begin() as conn:
         row, created = await store.put_workflow(conn, owner, body)
-    graphs.put(row.id, dag)
+    graphs.put(row.id, dag, weight)
     if not created:
         response.status_code = 200
     return _workflow(row)

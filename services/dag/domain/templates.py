@@ -48,6 +48,11 @@ def merged_params(dag: Dag, given: Mapping[str, Any]) -> dict[str, Any]:
     return {**dag.definition.params, **given}
 
 
+def release_key(run_id: int, node: str, try_number: int) -> str:
+    """The idempotency key of a node's try: a release submitted again finds its task."""
+    return f"dag:{run_id}:{node}:{try_number}"
+
+
 class Renderer:
     """Renders the nodes of one run."""
 
@@ -99,7 +104,7 @@ class Renderer:
         for name in ("input_path", "output_path"):
             if doc[name] is not None:
                 doc[name] = self._render(node, try_number, doc[name])
-        doc["idempotency_key"] = f"dag:{self.run.run_id}:{node}:{try_number}"
+        doc["idempotency_key"] = release_key(self.run.run_id, node, try_number)
         doc["labels"] = {
             **template.labels,
             "cairn.dag/run": str(self.run.run_id),

@@ -1,0 +1,171 @@
+"""One leader among a service's replicas, for every service that needs one (cron, dag).
+
+Leadership is a PostgreSQL session advisory lock held on a connection of the elector's
+own, used for nothing else but what the leader chooses to (cron LISTENs on it). The lock
+goes free the moment that session ends: the process died, the server terminated the
+backend, or a network cut was noticed (TCP keepalives on the connection).
+
+Holding the lock is not enough to write safely: a leader whose session was killed keeps
+running until it notices. So every win bumps a **leader epoch** (a row of the service's
+``leader`` table), and each write transaction of the leader first *fences* itself: it
+reads the row ``FOR SHARE`` and goes on only while the epoch is still its own. A new
+leader's bump waits for the row, so it cannot commit while an old leader's write is in
+flight, and every write the old leader starts afterwards sees the new epoch and is
+refused (``LeadershipLost``). The leader also checks its lock session at every turn of
+its loop, so it stops turning within one turn of losing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import psycopg
+from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from libs.common.settings import libpq_url
+
+log = logging.getLogger("cairn.leader")
+
+# Notice a dead peer within about 5 + 2 * 2 seconds instead of the kernel's two hours.
+_KEEPALIVE = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 2,
+}
+
+
+class LeadershipLost(Exception):
+    """This process no longer leads: its lock session ended or a newer epoch exists."""
+
+
+def leader_table(metadata: MetaData) -> Table:
+    """The ``leader`` table of a service's schema: one row per election, its epoch."""
+    return Table(
+        "leader",
+        metadata,
+        Column("name", Text, primary_key=True),
+        Column("epoch", BigInteger, nullable=False),
+        Column("holder", Text, nullable=False),
+        Column("since", DateTime(timezone=True), nullable=False),
+    )
+
+
+def _lock_parts(key: int) -> tuple[int, int]:
+    """How ``pg_locks`` shows a bigint advisory key: (classid, objid)."""
+    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
+    return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+class Lease:
+    """A won election: the lock's connection and the epoch this leader writes under."""
+
+    def __init__(self, elector: Elector, conn: psycopg.AsyncConnection[Any], epoch: int) -> None:
+        self.elector = elector
+        self.conn = conn
+        self.epoch = epoch
+
+    async def check(self) -> None:
+        """Raise ``LeadershipLost`` unless the lock session is alive, still holds the
+        lock, and the epoch is still this one. Bounded by the elector's check timeout."""
+        e = self.elector
+        classid, objid = _lock_parts(e.key)
+        sql = (
+            f"SELECT (SELECT epoch FROM {e.table} WHERE name = %s), EXISTS (SELECT 1 FROM"
+            " pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted"
+            " AND classid = %s AND objid = %s AND objsubid = 1)"
+        )
+        try:
+            async with asyncio.timeout(e.check_timeout_s):
+                cur = await self.conn.execute(sql, (e.name, classid, objid))
+                row = await cur.fetchone()
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            raise LeadershipLost(f"the lock session of {e.name} failed: {exc!r}") from exc
+        if row is None or row[0] != self.epoch or not row[1]:
+            raise LeadershipLost(f"{e.name}: lock or epoch {self.epoch} no longer held")
+
+    async def fence(self, conn: AsyncConnection) -> None:
+        """Inside a write transaction on ``conn``: go on only under this epoch. The row
+        stays share-locked until the transaction ends, so no new leader commits between."""
+        e = self.elector
+        current = await conn.scalar(
+            text(f"SELECT epoch FROM {e.table} WHERE name = :name FOR SHARE"), {"name": e.name}
+        )
+        if current != self.epoch:
+            raise LeadershipLost(f"{e.name}: epoch {self.epoch} was superseded by {current}")
+
+    async def close(self) -> None:
+        """Give the lock up (closing its session frees it)."""
+        with contextlib.suppress(Exception):
+            await self.conn.close()
+
+
+class Elector:
+    """Campaigns for the advisory lock ``key``; ``campaign()`` returns once it leads."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        name: str,
+        key: int,
+        table: str,
+        poll_s: float = 1.0,
+        check_timeout_s: float = 5.0,
+    ) -> None:
+        self.url = libpq_url(database_url)
+        self.name = name
+        self.key = key
+        self.table = table
+        self.poll_s = poll_s
+        self.check_timeout_s = check_timeout_s
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+
+    async def campaign(self) -> Lease:
+        """Wait until this process leads; survives the database coming and going."""
+        while True:
+            try:
+                return await self._try_until_won()
+            except (psycopg.Error, OSError) as exc:
+                log.warning("%s election: cannot reach the database: %r", self.name, exc)
+                await asyncio.sleep(self.poll_s)
+
+    async def _try_until_won(self) -> Lease:
+        conn = await psycopg.AsyncConnection.connect(
+            psycopg.conninfo.make_conninfo(self.url, connect_timeout=5, **_KEEPALIVE),
+            autocommit=True,
+        )
+        try:
+            while True:
+                cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
+                row = await cur.fetchone()
+                if row and row[0]:
+                    lease = Lease(self, conn, await self._bump(conn))
+                    log.info("%s leader: %s, epoch %d", self.name, self.holder, lease.epoch)
+                    return lease
+                await asyncio.sleep(self.poll_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
+
+    async def _bump(self, conn: psycopg.AsyncConnection[Any]) -> int:
+        """A new epoch; waits (boundedly) for the old leader's fenced writes to end."""
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = '{int(self.check_timeout_s * 1000)}ms'")
+            cur = await conn.execute(
+                f"INSERT INTO {self.table} AS t (name, epoch, holder, since)"
+                " VALUES (%s, 1, %s, now()) ON CONFLICT (name) DO UPDATE"
+                " SET epoch = t.epoch + 1, holder = EXCLUDED.holder, since = now()"
+                " RETURNING epoch",
+                (self.name, self.holder),
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        return int(row[0])

@@ -1,0 +1,58 @@
+"""A worker agent that core declared dead (an outage, a partition) stops the attempts
+core re-placed and registers again, instead of exiting and taking its host out."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.faults import test_worker as base
+from tests.faults.test_worker import shell, start_worker
+from tests.support import Core, wait_for
+
+pytestmark = pytest.mark.slow
+core = base.core
+workers = base.workers
+DB = psycopg.Connection[tuple[Any, ...]]
+
+
+def _workers(db: DB) -> list[tuple[Any, ...]]:
+    return db.execute("SELECT id, state FROM core.workers ORDER BY id").fetchall()
+
+
+def test_an_agent_told_it_is_dead_kills_its_attempts_and_registers_again(
+    core: Core,
+    db: DB,
+    tmp_path: Path,
+    workers: list[subprocess.Popen[bytes]],
+) -> None:
+    agent = start_worker(core, tmp_path / "w", workers)
+    wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
+    marker = tmp_path / "still-running"
+    with core.client("alice") as alice:
+        script = f"while true; do touch {marker}; sleep 0.1; done"
+        long_id = alice.post("/v1/tasks", json=shell(script)).json()["id"]
+        wait_for(marker.exists, timeout=30)
+        # The reaper's verdict, as after a partition: the worker is dead, its attempt lost.
+        db.execute("UPDATE core.workers SET state = 'dead', gone_at = now()")
+        db.execute(
+            "UPDATE core.attempts SET outcome = 'lost', ended_at = now() WHERE outcome IS NULL"
+        )
+        db.execute(
+            "UPDATE core.tasks SET state = 'cancelled', finished_at = now() WHERE id = %s",
+            (long_id,),
+        )
+        wait_for(lambda: [s for _, s in _workers(db)] == ["dead", "live"], timeout=30)
+        marker.unlink()
+        assert agent.poll() is None
+        task = alice.post("/v1/tasks", json=shell("exit 0")).json()
+        done = wait_for(
+            lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded",
+            timeout=30,
+        )
+        assert done
+    assert not marker.exists()  # the abandoned attempt's process was killed
