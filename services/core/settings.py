@@ -57,6 +57,9 @@ class CoreSettings(CairnSettings):
             raise ValueError("set both CAIRN_OIDC_ISSUER and CAIRN_OIDC_AUDIENCE, or neither")
         if self.oidc_issuer and (self.oidc_jwks_url is None) == (self.oidc_jwks_file is None):
             raise ValueError("OIDC needs one of CAIRN_OIDC_JWKS_URL or CAIRN_OIDC_JWKS_FILE")
+        plain = self.oidc_jwks_url is not None and self.oidc_jwks_url.startswith("http:")
+        if self.env == "production" and plain:
+            raise ValueError("CAIRN_OIDC_JWKS_URL must be https:// when CAIRN_ENV=production")
         return self
 
     @property

@@ -262,3 +262,24 @@ def test_an_oidc_user_makes_tokens_that_end_with_its_jwt(idp_core: Core, keys: K
     # A JWT naming a service or worker principal is not that principal, nor a user of its name.
     with idp_core.client("cron", "service"), _as(idp_core, keys.sign({"sub": "cron"})) as fake:
         assert fake.get("/v1/whoami").status_code == 401
+
+
+def test_settings_refuse_a_half_or_insecure_oidc_configuration(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from services.core.settings import CoreSettings
+
+    base = {"home": tmp_path, "database_url": "postgresql://x@127.0.0.1/x"}
+    with pytest.raises(ValidationError, match="both"):
+        CoreSettings(**base, oidc_issuer=ISSUER)
+    with pytest.raises(ValidationError, match="JWKS"):
+        CoreSettings(**base, oidc_issuer=ISSUER, oidc_audience=AUDIENCE)
+    with pytest.raises(ValidationError, match="https"):
+        CoreSettings(
+            **base,
+            env="production",
+            secrets_key="k",
+            oidc_issuer=ISSUER,
+            oidc_audience=AUDIENCE,
+            oidc_jwks_url="http://idp.example.test/jwks",
+        )
