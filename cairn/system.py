@@ -177,7 +177,7 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
         )
         stack.start(
             "worker",
-            "services.core.worker",
+            "services.worker",
             CAIRN_URL=urls["core"],
             CAIRN_TOKEN=local_token(settings, url, "local-worker", "worker"),
             CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),

@@ -164,7 +164,7 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> in
 def spawn_worker(
     core: Core, home: Path, name: str, cpu: float = 4, memory_mb: int = 8192, **env: str
 ) -> subprocess.Popen[bytes]:
-    """A real worker agent (``python -m services.core.worker``) with its sidecar."""
+    """A real worker agent (``python -m services.worker``) with its sidecar."""
     environment = {
         **os.environ,
         "CAIRN_URL": core.url,
@@ -176,4 +176,4 @@ def spawn_worker(
         "CAIRN_LOG_LEVEL": "warning",
         **env,
     }
-    return subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=environment)
+    return subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)

@@ -1,4 +1,4 @@
-"""Real worker agents (``python -m services.core.worker``) against a real core: attempts
+"""Real worker agents (``python -m services.worker``) against a real core: attempts
 run, are killed, lose their worker, and the database says what happened."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subp
         "CAIRN_WORKER_LABELS": "zone=a, disk=ssd",
         "CAIRN_LOG_LEVEL": "warning",
     }
-    proc = subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
     started.append(proc)
     return proc
 

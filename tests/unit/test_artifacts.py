@@ -1,4 +1,4 @@
-"""The artifact cache (``services.core.worker.artifacts``): content-addressed, verified
+"""The artifact cache (``services.worker.artifacts``): content-addressed, verified
 before it is visible, over file://, http(s):// (a real server on 127.0.0.1 and
 ``httpx.MockTransport``) and s3:// (a moto server on 127.0.0.1)."""
 
@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from services.core.worker.artifacts import ArtifactCache, ArtifactError
-from services.core.worker.executor import AttemptSpec, run_attempt
+from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker.executor import AttemptSpec, run_attempt
 
 T = TypeVar("T")
 TOOL = b"#!/bin/sh\necho fetched and run\n"

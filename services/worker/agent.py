@@ -27,18 +27,18 @@ from libs.common.models import (
     WorkerRegister,
     WorkerRegistered,
 )
-from libs.common.settings import CairnSettings
-from services.core.domain.placement import SQUEEZED_CPU_SHARE
-from services.core.worker import state
-from services.core.worker.artifacts import ArtifactCache, ArtifactError
-from services.core.worker.executor import (
+from services.worker.settings import WorkerSettings
+from libs.common.placement import SQUEEZED_CPU_SHARE
+from services.worker import state
+from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker.executor import (
     AttemptResult,
     AttemptSpec,
     RunningAttempt,
     SpawnError,
     start_attempt,
 )
-from services.core.worker.squeeze import squeeze
+from services.worker.squeeze import squeeze
 
 log = logging.getLogger("cairn.worker")
 
@@ -69,7 +69,7 @@ def report_of(result: AttemptResult) -> Report | None:
 
 
 class Agent:
-    def __init__(self, settings: CairnSettings, client: CoreClient) -> None:
+    def __init__(self, settings: WorkerSettings, client: CoreClient) -> None:
         self.settings = settings
         self.client = client
         self.cache = ArtifactCache(settings.home / "artifacts")
@@ -118,7 +118,7 @@ class Agent:
             [
                 sys.executable,
                 "-m",
-                "services.core.worker.sidecar",
+                "services.worker.sidecar",
                 str(self.folder),
                 str(self.worker_id),
                 str(interval_s),
@@ -336,7 +336,7 @@ class Agent:
 
 def main(argv: list[str] | None = None) -> None:
     del argv
-    settings = CairnSettings()
+    settings = WorkerSettings()
     logs.setup("worker", settings.log_level)
     if not settings.token:
         sys.exit(

@@ -17,8 +17,8 @@ import httpx
 from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
-from libs.common.settings import CairnSettings
-from services.core.worker import state
+from services.worker.settings import WorkerSettings
+from services.worker import state
 
 log = logging.getLogger("cairn.sidecar")
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("interval_s", type=float)
     parser.add_argument("timeout_s", type=float)
     args = parser.parse_args(argv)
-    settings = CairnSettings()
+    settings = WorkerSettings()
     logs.setup("sidecar", settings.log_level)
 
     async def run() -> None:
