@@ -6,6 +6,9 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +162,15 @@ def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
     )
 
 
-async def register(conn: AsyncConnection, principal: str, offer: WorkerRegister) -> Worker:
+def lease_digest(lease: str) -> str:
+    return hashlib.sha256(lease.encode()).hexdigest()
+
+
+async def register(
+    conn: AsyncConnection, principal: str, offer: WorkerRegister
+) -> tuple[Worker, str]:
+    """Record a worker; returns it with its new lease secret (only its hash is kept)."""
+    lease = "lease_" + secrets.token_urlsafe(32)
     stmt = (
         insert(workers)
         .values(
@@ -169,10 +180,11 @@ async def register(conn: AsyncConnection, principal: str, offer: WorkerRegister)
             labels=offer.labels,
             cpu=offer.cpu,
             memory_mb=offer.memory_mb,
+            lease_sha256=lease_digest(lease),
         )
         .returning(workers)
     )
-    return _worker((await conn.execute(stmt)).one())
+    return _worker((await conn.execute(stmt)).one()), lease
 
 
 async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | None) -> Any:
@@ -182,6 +194,16 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
         query = query.where(workers.c.principal == principal)
     row = (await conn.execute(query)).first()
     if row is None:
+        raise NotFound(f"worker {worker_id} not found")
+    return row
+
+
+async def leased_worker(conn: AsyncConnection, worker_id: int, lease: str | None) -> Any:
+    """The worker's row if ``lease`` is its lease secret; else ``NotFound``, the same
+    answer as for a missing worker, so one replica cannot act for another."""
+    row = (await conn.execute(select(workers).where(workers.c.id == worker_id))).first()
+    expected = row.lease_sha256 if row is not None else None
+    if expected is None or not lease or not hmac.compare_digest(expected, lease_digest(lease)):
         raise NotFound(f"worker {worker_id} not found")
     return row
 

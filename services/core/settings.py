@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from libs.common.settings import CairnSettings
+from libs.common.sources import parse_sources
 
 
 class CoreSettings(CairnSettings):
@@ -27,3 +28,23 @@ class CoreSettings(CairnSettings):
     preempt_after_s: float = Field(default=5.0, ge=0)
     preempt_grace_s: float = Field(default=10.0, ge=0, le=3600)
     placement_interval_s: float = Field(default=1.0, gt=0)
+
+    #: URI prefixes artifacts may come from (``s3://jobs-bucket/,https://artifacts.corp/``);
+    #: empty: any source (development only)
+    artifact_sources: str = ""
+
+    @field_validator("artifact_sources")
+    @classmethod
+    def _check_sources(cls, value: str) -> str:
+        parse_sources(value)
+        return value
+
+    @model_validator(mode="after")
+    def _sources_in_production(self) -> CoreSettings:
+        if self.env == "production" and not self.artifact_sources:
+            raise ValueError("CAIRN_ARTIFACT_SOURCES is required when CAIRN_ENV=production")
+        return self
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return parse_sources(self.artifact_sources)

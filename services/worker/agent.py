@@ -27,7 +27,6 @@ from libs.common.models import (
     WorkerRegister,
     WorkerRegistered,
 )
-from services.worker.settings import WorkerSettings
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from services.worker import state
 from services.worker.artifacts import ArtifactCache, ArtifactError
@@ -38,6 +37,7 @@ from services.worker.executor import (
     SpawnError,
     start_attempt,
 )
+from services.worker.settings import WorkerSettings
 from services.worker.squeeze import squeeze
 
 log = logging.getLogger("cairn.worker")

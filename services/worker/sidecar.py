@@ -17,8 +17,8 @@ import httpx
 from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
-from services.worker.settings import WorkerSettings
 from services.worker import state
+from services.worker.settings import WorkerSettings
 
 log = logging.getLogger("cairn.sidecar")
 

@@ -27,6 +27,7 @@ from libs.common.models import (
     TaskPage,
 )
 from libs.common.problems import PROBLEMS
+from libs.common.sources import source_allowed
 from libs.common.states import TaskState
 from services.core import placement, store
 from services.core.deps import (
@@ -60,10 +61,16 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
     },
 )
 async def submit_task(
-    spec: TaskCreate, owner: SubmittingOwner, engine: Engine, notifier: Announcer, meter: Meter
+    spec: TaskCreate,
+    owner: SubmittingOwner,
+    engine: Engine,
+    notifier: Announcer,
+    meter: Meter,
+    request: Request,
 ) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
     owner already submitted this ``idempotency_key``."""
+    _check_sources(request, [spec], batch=False)
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -106,6 +113,24 @@ _BATCH = {
 M = TypeVar("M", bound=BaseModel)
 
 
+def _check_sources(request: Request, specs: list[TaskCreate], batch: bool) -> None:
+    """Refuse an artifact from outside ``CAIRN_ARTIFACT_SOURCES`` (422 naming its field)."""
+    prefixes = request.app.state.settings.sources
+    errors = [
+        {
+            "loc": ("body", "tasks", i, "artifact", "uri")
+            if batch
+            else ("body", "artifact", "uri"),
+            "msg": "not an allowed artifact source (CAIRN_ARTIFACT_SOURCES)",
+            "type": "value_error",
+        }
+        for i, spec in enumerate(specs)
+        if not source_allowed(spec.artifact.uri, prefixes)
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
+
 def _parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
@@ -137,6 +162,7 @@ async def submit_batch(
     # Parsed by pydantic straight from the bytes: a third cheaper than FastAPI's
     # json.loads then validate, which matters at a thousand tasks a request.
     batch = _parse(TaskBatchCreate, await request.body())
+    _check_sources(request, batch.tasks, batch=True)
     owners: str | list[str] = owner
     if batch.owners is not None:
         if principal.role != "service" and set(batch.owners) != {principal.name}:
