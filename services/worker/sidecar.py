@@ -7,26 +7,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
-from services.worker import state
+from services.worker import hardening, state
+from services.worker.cgroups import AttemptCgroup
+from services.worker.isolation import Identity, kill_every_process_of
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger("cairn.sidecar")
 
 
-def _orphans_killed(attempts: dict[str, int]) -> None:
-    for pid in filter(None, attempts.values()):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+def _orphans_killed(shared: dict[str, Any]) -> None:
+    """Kill every process the agent's attempts left: process groups, cgroups, uids."""
+    attempts: dict[str, int] = shared.get("attempts", {})
+    for pid in attempts.values():
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+    for folders in shared.get("cgroups", {}).values():
+        for folder in folders[:1]:
+            AttemptCgroup("v1", {"": Path(folder)}).kill_all()
+    for uid in shared.get("uids", {}).values():
+        kill_every_process_of(Identity(int(uid), int(uid)))
 
 
 async def beat_forever(
@@ -44,7 +57,8 @@ async def beat_forever(
             log.warning(
                 "the agent (pid %s) is gone; stopping its attempts and the heartbeat", agent
             )
-            _orphans_killed(attempts)
+            _orphans_killed(shared)
+            await _last_word(client, worker_id, attempts)
             return
         # pid 0: claimed and being prepared by the (living) agent.
         living = [int(a) for a, pid in attempts.items() if pid == 0 or state.alive(pid)]
@@ -56,8 +70,18 @@ async def beat_forever(
             log.warning("heartbeat failed: %s", exc)
             if loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
                 log.error("cut off from core too long: stopping this worker's attempts")
-                _orphans_killed(attempts)
+                _orphans_killed(shared)
         await asyncio.sleep(interval_s)
+
+
+async def _last_word(client: CoreClient, worker_id: int, attempts: dict[str, int]) -> None:
+    """Tell core which attempts had started (a pid, or -1: being started) before the agent
+    died, so they count as crashes, then leave: they are lost at once."""
+    started = [int(a) for a, pid in attempts.items() if pid != 0]
+    with contextlib.suppress(httpx.HTTPError, CairnError):
+        if started:
+            await client.heartbeat(worker_id, started)
+        await client.leave(worker_id)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,9 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = WorkerSettings()
     logs.setup("sidecar", settings.log_level)
+    secrets = json.loads(sys.stdin.read() or "{}")
+    hardening.non_dumpable()
 
     async def run() -> None:
-        async with CoreClient(settings.url, settings.token) as client:
+        async with CoreClient(settings.url, secrets.get("token")) as client:
+            client.use_lease(secrets.get("lease", ""))
             await beat_forever(args.folder, args.worker_id, args.interval_s, args.timeout_s, client)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))

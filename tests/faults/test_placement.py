@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Core, spawn_worker, start_core, stop_process, wait_for
+from tests.support import Core, shared_dir, spawn_worker, start_core, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def _running(db) -> int:
 
 def test_a_guaranteed_task_preempts_a_preemptible_one_and_both_end(core, workers, tmp_path, db):
     workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=1000))
-    flag = tmp_path / "preempted-once"
+    flag = shared_dir() / "preempted-once"
     with core.client() as alice:
         backup = alice.post(
             "/v1/tasks",
@@ -100,7 +100,7 @@ def test_a_guaranteed_task_preempts_a_preemptible_one_and_both_end(core, workers
 def test_an_overcommitted_pool_runs_more_preemptible_work_than_declared(
     core, workers, tmp_path, db
 ):
-    go = tmp_path / "go"
+    go = shared_dir() / "go"
     with core.client("root", "admin") as admin:
         pool = admin.patch("/v1/queues/default", json={"overcommit": 2}).json()
     assert pool["overcommit"] == 2
@@ -130,7 +130,7 @@ def _nice(pid: int) -> int:
 
 def test_a_squeeze_lowers_the_cpu_share_and_is_in_the_events(core, workers, tmp_path, db):
     workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=4000))
-    pidfile = tmp_path / "pid"
+    pidfile = shared_dir() / "pid"
     with core.client() as alice:
         batch = alice.post(
             "/v1/tasks",

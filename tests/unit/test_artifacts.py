@@ -101,7 +101,8 @@ def test_digest_mismatch_is_not_retryable_and_leaves_nothing_runnable(tmp_path: 
         _run(cache.fetch(uri, WRONG_SHA))
 
     assert caught.value.retryable is False
-    assert str(caught.value).startswith(f"sha256 mismatch: expected {WRONG_SHA}, got {TOOL_SHA}")
+    assert str(caught.value).startswith("sha256 mismatch")
+    assert TOOL_SHA not in str(caught.value) and WRONG_SHA not in str(caught.value)
     assert _files(tmp_path / "cache") == []
 
 
@@ -144,7 +145,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("uri", "message"),
     [
-        ("file:///nonexistent/tool", "no such file: /nonexistent/tool"),
+        ("file:///nonexistent/tool", "cannot read /nonexistent/tool: no such file"),
         ("ftp://example.com/tool", "unsupported artifact scheme 'ftp'"),
         ("http://127.0.0.1:9/tool", "http:// only with allow_insecure_http"),
         ("s3://bucket-only", "not an s3://bucket/key URI"),
