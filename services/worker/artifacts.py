@@ -167,12 +167,20 @@ class ArtifactCache:
             )
         self._copying[digest] += 1
         try:
-            cached = await self.fetch(uri, digest)
-            with contextlib.suppress(OSError):
-                os.utime(cached)  # used now: last in the eviction order
-            return await self._copy_checked(
-                lambda sink: _copy_file(cached, sink, None), uri, digest, folder
-            )
+            for tries_left in (1, 0):
+                cached = await self.fetch(uri, digest)
+                with contextlib.suppress(OSError):
+                    os.utime(cached)  # used now: last in the eviction order
+                try:
+                    return await self._copy_checked(
+                        lambda sink: _copy_file(cached, sink, None), uri, digest, folder
+                    )
+                except ArtifactError:
+                    # The cached copy changed since it was checked: it is gone now,
+                    # and fetched again once.
+                    if not tries_left:
+                        raise
+            raise AssertionError("unreachable")
         finally:
             self._copying[digest] -= 1
 

@@ -184,7 +184,13 @@ class RunningAttempt:
         if group is not None:
             peak = group.peak_memory_mb() or peak
             cpu = group.cpu_seconds() or cpu
-            if outcome in ("failed", "killed") and self._stopped is None and group.oom_kills():
+            # Any process of the attempt killed for memory makes it an OOM kill, even if
+            # its leader shrugged that off and exited 0.
+            if (
+                outcome in ("succeeded", "failed", "killed")
+                and self._stopped is None
+                and group.oom_kills()
+            ):
                 outcome = "oom_killed"
                 error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
         return AttemptResult(

@@ -49,6 +49,7 @@ async def beat_forever(
     core re-places this worker's attempts, it kills them here, so they never run twice."""
     loop = asyncio.get_running_loop()
     last_ok = loop.time()
+    gone = _watch(os.getppid())
     while True:
         shared = state.read(folder / state.ATTEMPTS)
         agent = int(shared.get("agent_pid", 0))
@@ -60,8 +61,8 @@ async def beat_forever(
             _orphans_killed(shared)
             await _last_word(client, worker_id, attempts)
             return
-        # pid 0: claimed and being prepared by the (living) agent.
-        living = [int(a) for a, pid in attempts.items() if pid == 0 or state.alive(pid)]
+        # pid 0: claimed and being prepared by the (living) agent; -1: being started.
+        living = [int(a) for a, pid in attempts.items() if pid <= 0 or state.alive(pid)]
         try:
             answer = await client.heartbeat(worker_id, living)
             state.write(folder / state.ANSWER, answer.model_dump())
@@ -71,7 +72,28 @@ async def beat_forever(
             if loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
                 log.error("cut off from core too long: stopping this worker's attempts")
                 _orphans_killed(shared)
-        await asyncio.sleep(interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), interval_s)
+
+
+def _watch(agent_pid: int) -> asyncio.Event:
+    """An event set the moment the agent exits (a pidfd), so its attempts are stopped and
+    reported at once, not at the next heartbeat."""
+    gone = asyncio.Event()
+    try:
+        pidfd = os.pidfd_open(agent_pid)
+    except OSError:
+        gone.set()
+        return gone
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        gone.set()
+
+    loop.add_reader(pidfd, readable)
+    return gone
 
 
 async def _last_word(client: CoreClient, worker_id: int, attempts: dict[str, int]) -> None:
