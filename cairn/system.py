@@ -3,6 +3,7 @@ starts every service and a worker on loopback and stops them all on Ctrl-C."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -62,6 +63,20 @@ def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
     return token
 
 
+def worker_run_dir(settings: CairnSettings) -> dict[str, str]:
+    """Where the local worker makes attempts' folders, when root runs it and the home is
+    out of other users' reach (as ``~/.cairn`` under ``/root`` is): a folder per home
+    under ``/var/lib/cairn``, which the attempts' uids can pass through."""
+    from services.worker.isolation import searchable_by_others
+
+    if "CAIRN_WORKER_RUN_DIR" in os.environ or os.geteuid() != 0:
+        return {}
+    if searchable_by_others(settings.home / "attempts") is None:
+        return {}
+    tag = hashlib.sha256(str(settings.home).encode()).hexdigest()[:12]
+    return {"CAIRN_WORKER_RUN_DIR": f"/var/lib/cairn/attempts-{tag}"}
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -108,10 +123,13 @@ class Stack:
     names: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, name: str, module: str, **extra: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, module: str, *, without: tuple[str, ...] = (), **extra: str
+    ) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in {**self.env, **extra}.items() if k not in without}
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
-            env={**self.env, **extra},
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -175,12 +193,16 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
         wait_ready(
             urls["cron"], stack.start("cron", "services.cron", **services, CAIRN_TOKEN=cron_token)
         )
+        local_token(settings, url, "local-worker", "worker")
         stack.start(
             "worker",
             "services.worker",
+            # A worker holds neither the database URL nor a token in its environment.
+            without=("CAIRN_DATABASE_URL", "CAIRN_TOKEN"),
             CAIRN_URL=urls["core"],
-            CAIRN_TOKEN=local_token(settings, url, "local-worker", "worker"),
+            CAIRN_TOKEN_FILE=str(settings.home / "local-worker-token"),
             CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),
+            **worker_run_dir(settings),
         )
         where = f"embedded, {settings.home / 'pg'}" if started else "as configured"
         print(
