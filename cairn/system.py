@@ -123,10 +123,10 @@ class Stack:
     names: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(
-        self, name: str, module: str, *, without: tuple[str, ...] = (), **extra: str
-    ) -> subprocess.Popen[bytes]:
-        env = {k: v for k, v in {**self.env, **extra}.items() if k not in without}
+    def start(self, name: str, module: str, **extra: str | None) -> subprocess.Popen[bytes]:
+        """Start ``python -m module`` with the stack's environment and ``extra`` (a value
+        of None removes that variable)."""
+        env = {k: v for k, v in {**self.env, **extra}.items() if v is not None}
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env=env,
@@ -198,7 +198,8 @@ def up(settings: CairnSettings, on_ready: Callable[[dict[str, str], str], None] 
             "worker",
             "services.worker",
             # A worker holds neither the database URL nor a token in its environment.
-            without=("CAIRN_DATABASE_URL", "CAIRN_TOKEN"),
+            CAIRN_DATABASE_URL=None,
+            CAIRN_TOKEN=None,
             CAIRN_URL=urls["core"],
             CAIRN_TOKEN_FILE=str(settings.home / "local-worker-token"),
             CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),

@@ -198,12 +198,20 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
     return row
 
 
-async def leased_worker(conn: AsyncConnection, worker_id: int, lease: str | None) -> Any:
-    """The worker's row if ``lease`` is its lease secret; else ``NotFound``, the same
-    answer as for a missing worker, so one replica cannot act for another."""
+async def leased_worker(
+    conn: AsyncConnection, worker_id: int, lease: str | None, principal: str | None
+) -> Any:
+    """The worker's row if ``lease`` is its lease secret (and ``principal``, when given,
+    registered it); else ``NotFound``, the same answer as for a missing worker, so one
+    replica cannot act for another."""
     row = (await conn.execute(select(workers).where(workers.c.id == worker_id))).first()
-    expected = row.lease_sha256 if row is not None else None
-    if expected is None or not lease or not hmac.compare_digest(expected, lease_digest(lease)):
+    if (
+        row is None
+        or row.lease_sha256 is None
+        or not lease
+        or not hmac.compare_digest(row.lease_sha256, lease_digest(lease))
+        or (principal is not None and row.principal != principal)
+    ):
         raise NotFound(f"worker {worker_id} not found")
     return row
 

@@ -162,9 +162,7 @@ class ArtifactCache:
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
         if _scheme(uri) == "file":
-            return await self._copy_checked(
-                lambda sink: _copy_file(_local_path(uri), sink, reader), uri, digest, folder
-            )
+            return await self._copy_checked(_copier(_local_path(uri), reader), uri, digest, folder)
         self._copying[digest] += 1
         try:
             for tries_left in (1, 0):
@@ -172,9 +170,7 @@ class ArtifactCache:
                 with contextlib.suppress(OSError):
                     os.utime(cached)  # used now: last in the eviction order
                 try:
-                    return await self._copy_checked(
-                        lambda sink: _copy_file(cached, sink, None), uri, digest, folder
-                    )
+                    return await self._copy_checked(_copier(cached, None), uri, digest, folder)
                 except ArtifactError:
                     # The cached copy changed since it was checked: it is gone now,
                     # and fetched again once.
@@ -349,6 +345,10 @@ def _local_path(uri: str) -> Path:
     if parsed.netloc not in ("", "localhost"):
         raise ArtifactError(f"file:// URI names another host: {uri!r}", retryable=False)
     return Path(urllib.request.url2pathname(parsed.path))
+
+
+def _copier(source: Path, reader: Identity | None) -> Callable[[_Sink], None]:
+    return lambda sink: _copy_file(source, sink, reader)
 
 
 def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:

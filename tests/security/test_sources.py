@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from libs.common.sources import parse_sources, source_allowed
-from tests.support import Core, TRUE_SHA, spec, start_core
+from tests.support import TRUE_SHA, Core, spec, start_core
 
 
 @pytest.fixture

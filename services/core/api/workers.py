@@ -52,8 +52,7 @@ async def _own_worker(
     else 404, as for a missing worker."""
     owner = None if principal.role == "admin" else principal.name
     async with engine.connect() as conn:
-        worker = await dispatch.leased_worker(conn, worker_id, lease)
-        return await dispatch.get_worker(conn, worker.id, owner)
+        return await dispatch.leased_worker(conn, worker_id, lease, owner)
 
 
 OwnWorker = Annotated[Any, Depends(_own_worker)]
