@@ -26,6 +26,7 @@ import ctypes
 import fcntl
 import os
 import random
+import resource
 import shutil
 import stat
 import subprocess
@@ -63,8 +64,6 @@ class Sandbox:
     rlimits: tuple[tuple[int, int], ...] = ()
 
     def preexec(self) -> Callable[[], None]:
-        import resource
-
         def apply() -> None:
             pid = str(os.getpid())
             for procs in self.cgroup_procs:
