@@ -413,6 +413,8 @@ class Assignment(_Output):
     resources: Resources
     timeout_s: int | None
     charge: Charge | None = None
+    #: the agent may preempt it under memory pressure (it is charged its measured use)
+    preemptible: bool = False
 
 
 class ClaimAnswer(_Output):

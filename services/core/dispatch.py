@@ -286,8 +286,9 @@ async def claim(
         _CLAIM,
         {
             "ids": [c.task_id for c, _ in chosen],
-            "cpus": [cost.cpu for _, cost in chosen],
-            "memories": [cost.memory_mb for _, cost in chosen],
+            # float8[]: psycopg refuses a list that mixes ints and floats
+            "cpus": [float(cost.cpu) for _, cost in chosen],
+            "memories": [float(cost.memory_mb) for _, cost in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,
@@ -315,6 +316,7 @@ def _assignment(row: Any) -> Assignment:
         resources=task.resources,
         timeout_s=task.timeout_s,
         charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
+        preemptible=task.preemptible,
     )
 
 
@@ -428,7 +430,7 @@ async def report(
             conn, task, attempt_id, outcome.peak_memory_mb, outcome.cpu_seconds
         )
     if outcome.outcome == "preempted":
-        return await _requeue_preempted(conn, task.id, attempt_id)
+        return await _requeue_preempted(conn, task.id, attempt_id, error)
     if outcome.outcome == "succeeded" and task.kind == "service":
         return await _after_failure(
             conn, task, attempt_id, "service exited 0", retryable=True, crashed=False, tally=tally
@@ -456,13 +458,20 @@ async def report(
     )
 
 
-async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: int) -> TaskState:
+async def _requeue_preempted(
+    conn: AsyncConnection, task_id: int, attempt_id: int, why: str | None = None
+) -> TaskState:
     """A preempted attempt goes back to waiting without spending an attempt; the event
-    names the guaranteed task it made room for."""
+    names the guaranteed task it made room for, or the worker's reason (memory pressure)."""
     by = (
         await conn.execute(select(attempts.c.preempted_by).where(attempts.c.id == attempt_id))
     ).scalar_one()
-    reason = f"preempted by task {by}, requeued" if by else "preempted by its worker, requeued"
+    if by:
+        reason = f"preempted by task {by}, requeued"
+    elif why:
+        reason = f"preempted by its worker: {why}; requeued"
+    else:
+        reason = "preempted by its worker, requeued"
     await store.transition(
         conn, task_id, Op.PREEMPT, S.WAITING, reason=reason, refund=True, attempt_id=attempt_id
     )

@@ -29,7 +29,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
-from services.worker import hardening, state
+from services.worker import hardening, pressure, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import (
     AttemptResult,
@@ -85,6 +85,9 @@ class Agent:
         )
         self.worker_id = 0
         self.lease = ""
+        self.memory_floor_mb = settings.worker_min_available_mb or max(
+            64, settings.worker_memory_mb // 20
+        )
         self.folder = settings.home
         self.draining = asyncio.Event()
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
@@ -93,6 +96,7 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
+        self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, list[str]] = {}
         self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
@@ -237,6 +241,26 @@ class Agent:
         grace = float(answer.get("preempt_grace_s", 10.0))
         for attempt_id in answer.get("preempt", []):
             self._preempt(int(attempt_id), grace)
+        self._relieve_memory(grace)
+
+    def _relieve_memory(self, grace_s: float) -> None:
+        """Under memory pressure (the host's available memory below the threshold),
+        preempt one preemptible attempt at a time, the one furthest over its charge,
+        before the kernel's OOM killer reaches guaranteed work."""
+        if self.preempting:
+            return
+        available = pressure.available_mb()
+        threshold = self.memory_floor_mb
+        if available is None or available >= threshold:
+            return
+        excess = pressure.excess(
+            (attempt_id, assignment, handle)
+            for attempt_id, (assignment, handle) in self.running.items()
+            if handle is not None and not handle.done
+        )
+        if excess:
+            why = f"memory pressure: {available} MB available on the host, under {threshold} MB"
+            self._preempt(excess[0], grace_s, why)
 
     def _squeeze(self, attempt_id: int) -> None:
         entry = self.running.get(attempt_id)
@@ -246,10 +270,12 @@ class Agent:
         self.squeezed.add(attempt_id)
         log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
 
-    def _preempt(self, attempt_id: int, grace_s: float) -> None:
+    def _preempt(self, attempt_id: int, grace_s: float, why: str | None = None) -> None:
         entry = self.running.get(attempt_id)
         if attempt_id in self.preempting or not entry or entry[1] is None:
             return
+        if why is not None:
+            self.preempt_reasons[attempt_id] = why
         log.info("attempt %s preempted: SIGTERM, %g s grace, SIGKILL", attempt_id, grace_s)
         stopping = asyncio.create_task(entry[1].terminate(grace_s, why="preempted"))
         self.preempting[attempt_id] = stopping
@@ -345,7 +371,11 @@ class Agent:
         self.running[attempt] = (assignment, None)
         self._publish()
         await self._upload_log(attempt, spec.log_path)
-        return report_of(result)
+        report = report_of(result)
+        why = self.preempt_reasons.pop(attempt, None)
+        if report is not None and report.outcome == "preempted" and why:
+            report = report.model_copy(update={"error": why})
+        return report
 
     async def _upload_log(self, attempt_id: int, path: Path) -> None:
         """Send the whole log (its end, past the limit core keeps); best effort: the

@@ -126,6 +126,12 @@ class AttemptCgroup:
         text = _read(folder / name) if folder else None
         return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
 
+    def memory_now_mb(self) -> float | None:
+        name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        folder = self._folder("memory")
+        text = _read(folder / name) if folder else None
+        return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
+
     def cpu_seconds(self) -> float | None:
         if self.version == "v1":
             folder = self._folder("cpuacct")

@@ -50,6 +50,9 @@ class WorkerSettings(BaseSettings):
     #: the artifact cache's bound; the least recently used artifacts go first
     worker_cache_mb: int = Field(default=10 * 1024, ge=1)
     artifact_sources: str = ""
+    #: preempt preemptible attempts while the host has less memory available than this
+    #: (default: 5 % of the worker's memory, at least 64 MB)
+    worker_min_available_mb: int | None = Field(default=None, ge=0)
 
     @field_validator("home")
     @classmethod

@@ -186,3 +186,43 @@ def test_time_insensitive_work_is_deferred_while_the_pool_is_busy(core, workers,
     assert ("promote", "pool at 0%: no longer deferred") in report_events
     assert ("defer", "deferred: pool at 75% (defers above 50%)") in due_events
     assert ("promote", "latest start reached: runs although its pool is busy") in due_events
+
+
+def test_under_memory_pressure_the_agent_preempts_preemptible_work_only(
+    core, workers, tmp_path, db
+):
+    """A threshold above the host's memory is constant pressure: the agent preempts the
+    preemptible attempt (the event says why) and leaves guaranteed work alone."""
+    workers.append(
+        spawn_worker(
+            core, tmp_path / "w", "w", cpu=2, memory_mb=4000,
+            CAIRN_WORKER_MIN_AVAILABLE_MB=str(10**9),
+        )
+    )  # fmt: skip
+    flag = shared_dir() / "preempted-once"
+    with core.client() as alice:
+        backup = alice.post(
+            "/v1/tasks",
+            json=shell(
+                f"[ -e {flag} ] && exit 0; touch {flag}; sleep 60",
+                0.5,
+                100,
+                name="night-backup",
+                preemptible=True,
+            ),
+        ).json()
+        guaranteed = alice.post("/v1/tasks", json=shell("sleep 2", 0.5, 100)).json()
+        wait_for(lambda: _task(alice, guaranteed["id"])["state"] == "succeeded", timeout=60)
+        wait_for(lambda: _task(alice, backup["id"])["state"] == "succeeded", timeout=60)
+        attempts = alice.get(f"/v1/tasks/{backup['id']}/attempts").json()["items"]
+        events = _events(alice, backup["id"])
+        kept = alice.get(f"/v1/tasks/{guaranteed['id']}/attempts").json()["items"]
+    assert attempts[0]["outcome"] == "preempted"
+    assert [a["outcome"] for a in kept] == ["succeeded"]
+    [(_, reason)] = [e for e in events if e[0] == "preempt"]
+    assert reason.startswith("preempted by its worker: memory pressure: ")
+    assert _task_row(db, backup["id"]) == 1  # the preempted attempt spent none
+
+
+def _task_row(db, task_id: int) -> int:
+    return db.execute("SELECT attempts FROM core.tasks WHERE id = %s", (task_id,)).fetchone()[0]
