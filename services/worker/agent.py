@@ -266,7 +266,7 @@ class Agent:
         entry = self.running.get(attempt_id)
         if attempt_id in self.squeezed or not entry or entry[1] is None:
             return
-        how = squeeze(entry[1].pid, attempt_id)
+        how = squeeze(entry[1].pid, attempt_id, entry[1].spec.cgroup)
         self.squeezed.add(attempt_id)
         log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
 

@@ -141,6 +141,15 @@ class AttemptCgroup:
         usage = _keyed(_read(folder / "cpu.stat") if folder else None, "usage_usec")
         return round(usage / 1e6, 3) if usage is not None else None
 
+    def lower_cpu_share(self) -> bool:
+        """The lowest CPU share against its siblings (squeezed for guaranteed work)."""
+        folder = self._folder("cpu")
+        if folder is None:
+            return False
+        if self.version == "v1":
+            return _write(folder / "cpu.shares", "2")
+        return _write(folder / "cpu.weight", "1")
+
     def oom_kills(self) -> int:
         folder = self._folder("memory")
         if folder is None:
