@@ -103,7 +103,9 @@ def _free_port() -> int:
 def _worker(core_url: str, token: str, stop: threading.Event) -> None:
     http = httpx.Client(base_url=core_url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     offer = {"hostname": "bench", "queues": ["default"], "cpu": 64, "memory_mb": 2**20}
-    wid = http.post("/v1/workers", json=offer).raise_for_status().json()["worker"]["id"]
+    registered = http.post("/v1/workers", json=offer).raise_for_status().json()
+    wid = registered["worker"]["id"]
+    http.headers["X-Cairn-Worker-Lease"] = registered["lease"]
     room = {"cpu": 64, "memory_mb": 2**20, "max": 64, "wait": 1}
     while not stop.is_set():
         for a in http.post(f"/v1/workers/{wid}/claim", json=room).json().get("attempts", []):

@@ -56,7 +56,7 @@ def worker_module() -> str:
     """The worker agent's module (its own package since the isolation work)."""
     if importlib.util.find_spec("services.worker") is not None:
         return "services.worker"
-    return "services.core.worker"
+    return "services.core.worker"  # before the isolation work
 
 
 def _artifact(root: Path) -> dict[str, str]:

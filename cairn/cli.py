@@ -91,7 +91,7 @@ def core(ctx: typer.Context) -> None:
 @app.command(context_settings=PASS_THROUGH)
 def worker(ctx: typer.Context) -> None:
     """Run a worker agent (CAIRN_URL, CAIRN_TOKEN of a worker principal)."""
-    from services.core.worker.agent import main
+    from services.worker.agent import main
 
     main(ctx.args)
 

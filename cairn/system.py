@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -135,6 +136,20 @@ def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
     return token
 
 
+def worker_run_dir(settings: CairnSettings) -> dict[str, str]:
+    """Where the local worker makes attempts' folders, when root runs it and the home is
+    out of other users' reach (as ``~/.cairn`` under ``/root`` is): a folder per home
+    under ``/var/lib/cairn``, which the attempts' uids can pass through."""
+    from services.worker.isolation import searchable_by_others
+
+    if "CAIRN_WORKER_RUN_DIR" in os.environ or os.geteuid() != 0:
+        return {}
+    if searchable_by_others(settings.home / "attempts") is None:
+        return {}
+    tag = hashlib.sha256(str(settings.home).encode()).hexdigest()[:12]
+    return {"CAIRN_WORKER_RUN_DIR": f"/var/lib/cairn/attempts-{tag}"}
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -182,11 +197,14 @@ class Stack:
     names: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, name: str, module: str, **extra: str) -> subprocess.Popen[bytes]:
-        # Each service dies with `cairn up`, even when it is killed outright.
+    def start(self, name: str, module: str, **extra: str | None) -> subprocess.Popen[bytes]:
+        """Start ``python -m module`` with the stack's environment and ``extra`` (a value
+        of None removes that variable). Each service dies with `cairn up`, even when it is
+        killed outright."""
+        env = {k: v for k, v in {**self.env, **extra}.items() if v is not None}
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
-            env={**self.env, **extra},
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -275,12 +293,17 @@ def _up_locked(
         wait_ready(
             urls["cron"], stack.start("cron", "services.cron", **services, CAIRN_TOKEN=cron_token)
         )
+        local_token(settings, url, "local-worker", "worker")
         stack.start(
             "worker",
-            "services.core.worker",
+            "services.worker",
+            # A worker holds neither the database URL nor a token in its environment.
+            CAIRN_DATABASE_URL=None,
+            CAIRN_TOKEN=None,
             CAIRN_URL=urls["core"],
-            CAIRN_TOKEN=local_token(settings, url, "local-worker", "worker"),
+            CAIRN_TOKEN_FILE=str(settings.home / "local-worker-token"),
             CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),
+            **worker_run_dir(settings),
         )
         where = f"embedded, {settings.home / 'pg'}" if started else "as configured"
         print(

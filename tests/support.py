@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -159,10 +162,46 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> in
     return proc.returncode
 
 
+_RUN_ROOT: list[Path] = []
+
+
+def _run_root() -> Path:
+    if not _RUN_ROOT:
+        root = Path(tempfile.mkdtemp(prefix="cairn-tests-", dir="/var/tmp"))
+        root.chmod(0o711)
+        atexit.register(shutil.rmtree, root, True)
+        _RUN_ROOT.append(root)
+    return _RUN_ROOT[0]
+
+
+def isolation_env() -> dict[str, str]:
+    """What a worker agent in a test needs to run attempts as uids of their own: a run
+    folder every parent of which others may search (the tests' tmp folders are 0700),
+    removed when the test process ends, and a uid range per xdist worker (agents of one
+    test process share one lock folder, so they never share a uid)."""
+    root = _run_root()
+    run = Path(tempfile.mkdtemp(dir=root))
+    run.chmod(0o711)
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 20000 + 1000 * (index % 9)
+    return {
+        "CAIRN_WORKER_RUN_DIR": str(run),
+        "CAIRN_WORKER_UID_LOCKS": str(root / "uids"),
+        "CAIRN_WORKER_UIDS": f"{first}-{first + 999}",
+    }
+
+
+def shared_dir() -> Path:
+    """A folder that tests and the attempts' uids can both write (markers, pid files)."""
+    folder = Path(tempfile.mkdtemp(dir=_run_root(), prefix="shared-"))
+    folder.chmod(0o1777)
+    return folder
+
+
 def spawn_worker(
     core: Core, home: Path, name: str, cpu: float = 4, memory_mb: int = 8192, **env: str
 ) -> subprocess.Popen[bytes]:
-    """A real worker agent (``python -m services.core.worker``) with its sidecar."""
+    """A real worker agent (``python -m services.worker``) with its sidecar."""
     environment = {
         **os.environ,
         "CAIRN_URL": core.url,
@@ -172,6 +211,7 @@ def spawn_worker(
         "CAIRN_WORKER_MEMORY_MB": str(memory_mb),
         "CAIRN_WORKER_DRAIN_GRACE_S": "5",
         "CAIRN_LOG_LEVEL": "warning",
+        **isolation_env(),
         **env,
     }
-    return subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=environment)
+    return subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)

@@ -16,6 +16,7 @@ import orjson
 from libs.common import tracing
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
+    WORKER_LEASE_HEADER,
     Assignment,
     Attempt,
     AttemptList,
@@ -243,8 +244,15 @@ class CoreClient(ApiClient):
     # --- the worker agent's calls ---
 
     async def register_worker(self, offer: WorkerRegister) -> WorkerRegistered:
+        """Register a worker; this client then sends its lease secret on every call."""
         response = await self._call("POST", "/v1/workers", content=offer.model_dump_json())
-        return WorkerRegistered.model_validate_json(response.content)
+        registered = WorkerRegistered.model_validate_json(response.content)
+        self.use_lease(registered.lease)
+        return registered
+
+    def use_lease(self, lease: str) -> None:
+        """Act for the worker whose lease secret this is."""
+        self._http.headers[WORKER_LEASE_HEADER] = lease
 
     async def heartbeat(self, worker_id: int, alive: Sequence[int]) -> HeartbeatAnswer:
         body = Heartbeat(attempts=list(alive)).model_dump_json()

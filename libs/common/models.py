@@ -439,10 +439,17 @@ class WorkerList(_Output):
     next_cursor: str | None = None
 
 
+#: the header that carries a worker's lease secret on every call made for that worker
+WORKER_LEASE_HEADER = "X-Cairn-Worker-Lease"
+
+
 class WorkerRegistered(_Output):
     worker: Worker
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    #: the worker's lease secret: sent as ``X-Cairn-Worker-Lease`` on every call for this
+    #: worker (heartbeat, claim, report, log, leave); core keeps only its sha-256
+    lease: str
 
 
 class Heartbeat(_Input):
@@ -495,6 +502,8 @@ class Assignment(_Output):
     charge: Charge | None = None
     #: W3C trace context of the claim, when core traces (libs/common/tracing.py)
     traceparent: Annotated[str, StringConstraints(max_length=55)] | None = None
+    #: the agent may preempt it under memory pressure (it is charged its measured use)
+    preemptible: bool = False
 
 
 class ClaimAnswer(_Output):
@@ -504,11 +513,14 @@ class ClaimAnswer(_Output):
 class Report(_Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
     does not spend an attempt; ``preempted``: stopped at core's request for guaranteed
-    work, requeued without spending one either. ``crashed``: the process died of a signal the worker did not
-    send; it counts towards the poison-pill limit. ``retryable: false`` makes a failure
-    final."""
+    work, requeued without spending one either. ``crashed``: the process died of a signal the
+    worker did not send; it counts towards the poison-pill limit. ``oom_killed``: the
+    attempt went over its memory limit and the kernel killed it; retried as a failure.
+    ``retryable: false`` makes a failure final."""
 
-    outcome: Literal["succeeded", "failed", "timeout", "crashed", "handed_back", "preempted"]
+    outcome: Literal[
+        "succeeded", "failed", "timeout", "crashed", "oom_killed", "handed_back", "preempted"
+    ]
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     error: Annotated[str, StringConstraints(max_length=4096)] | None = None
     retryable: bool = True

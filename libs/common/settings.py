@@ -48,7 +48,7 @@ class CairnSettings(BaseSettings):
     heartbeat_timeout_s: float = Field(default=180.0, gt=0)
     worker_queues: str = "default"
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
-    worker_memory_mb: int = Field(default_factory=lambda: _host_memory_mb(), gt=0)
+    worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
     worker_labels: str = ""
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
@@ -83,7 +83,7 @@ class CairnSettings(BaseSettings):
         return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
 
 
-def _host_memory_mb() -> int:
+def host_memory_mb() -> int:
     try:
         pages = os.sysconf("SC_PHYS_PAGES")
         page_size = os.sysconf("SC_PAGE_SIZE")

@@ -6,7 +6,10 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,7 +168,15 @@ def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
     )
 
 
-async def register(conn: AsyncConnection, principal: str, offer: WorkerRegister) -> Worker:
+def lease_digest(lease: str) -> str:
+    return hashlib.sha256(lease.encode()).hexdigest()
+
+
+async def register(
+    conn: AsyncConnection, principal: str, offer: WorkerRegister
+) -> tuple[Worker, str]:
+    """Record a worker; returns it with its new lease secret (only its hash is kept)."""
+    lease = "lease_" + secrets.token_urlsafe(32)
     stmt = (
         insert(workers)
         .values(
@@ -175,10 +186,11 @@ async def register(conn: AsyncConnection, principal: str, offer: WorkerRegister)
             labels=offer.labels,
             cpu=offer.cpu,
             memory_mb=offer.memory_mb,
+            lease_sha256=lease_digest(lease),
         )
         .returning(workers)
     )
-    return _worker((await conn.execute(stmt)).one())
+    return _worker((await conn.execute(stmt)).one()), lease
 
 
 async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | None) -> Any:
@@ -188,6 +200,24 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
         query = query.where(workers.c.principal == principal)
     row = (await conn.execute(query)).first()
     if row is None:
+        raise NotFound(f"worker {worker_id} not found")
+    return row
+
+
+async def leased_worker(
+    conn: AsyncConnection, worker_id: int, lease: str | None, principal: str | None
+) -> Any:
+    """The worker's row if ``lease`` is its lease secret (and ``principal``, when given,
+    registered it); else ``NotFound``, the same answer as for a missing worker, so one
+    replica cannot act for another."""
+    row = (await conn.execute(select(workers).where(workers.c.id == worker_id))).first()
+    if (
+        row is None
+        or row.lease_sha256 is None
+        or not lease
+        or not hmac.compare_digest(row.lease_sha256, lease_digest(lease))
+        or (principal is not None and row.principal != principal)
+    ):
         raise NotFound(f"worker {worker_id} not found")
     return row
 
@@ -270,8 +300,9 @@ async def claim(
         _CLAIM,
         {
             "ids": [c.task_id for c, _ in chosen],
-            "cpus": [cost.cpu for _, cost in chosen],
-            "memories": [cost.memory_mb for _, cost in chosen],
+            # float8[]: psycopg refuses a list that mixes ints and floats
+            "cpus": [float(cost.cpu) for _, cost in chosen],
+            "memories": [float(cost.memory_mb) for _, cost in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,
@@ -301,6 +332,7 @@ def _assignment(row: Any) -> Assignment:
         timeout_s=task.timeout_s,
         charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
         traceparent=traces.claimed(task.id, task.created_at, row.attempt_id, row.attempt_number),
+        preemptible=task.preemptible,
     )
 
 
@@ -511,7 +543,7 @@ async def report(
             conn, task, attempt_id, outcome.peak_memory_mb, outcome.cpu_seconds
         )
     if outcome.outcome == "preempted":
-        return await _requeue_preempted(conn, task.id, attempt_id)
+        return await _requeue_preempted(conn, task.id, attempt_id, error)
     if outcome.outcome == "succeeded" and task.kind == "service":
         return await _after_failure(
             conn, task, attempt_id, "service exited 0", retryable=True, crashed=False, tally=tally
@@ -539,13 +571,20 @@ async def report(
     )
 
 
-async def _requeue_preempted(conn: AsyncConnection, task_id: int, attempt_id: int) -> TaskState:
+async def _requeue_preempted(
+    conn: AsyncConnection, task_id: int, attempt_id: int, why: str | None = None
+) -> TaskState:
     """A preempted attempt goes back to waiting without spending an attempt; the event
-    names the guaranteed task it made room for."""
+    names the guaranteed task it made room for, or the worker's reason (memory pressure)."""
     by = (
         await conn.execute(select(attempts.c.preempted_by).where(attempts.c.id == attempt_id))
     ).scalar_one()
-    reason = f"preempted by task {by}, requeued" if by else "preempted by its worker, requeued"
+    if by:
+        reason = f"preempted by task {by}, requeued"
+    elif why:
+        reason = f"preempted by its worker: {why}; requeued"
+    else:
+        reason = "preempted by its worker, requeued"
     await store.transition(
         conn, task_id, Op.PREEMPT, S.WAITING, reason=reason, refund=True, attempt_id=attempt_id
     )

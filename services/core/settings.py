@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from libs.common.settings import CairnSettings
+from libs.common.sources import parse_sources
 
 
 class CoreSettings(CairnSettings):
@@ -71,3 +72,23 @@ class CoreSettings(CairnSettings):
         """Where the keys are read from when ``CAIRN_SECRETS_KEY`` is not set; in
         development a key is made there on first start."""
         return self.secrets_key_file or self.home / "secrets.key"
+
+    #: URI prefixes artifacts may come from (``s3://jobs-bucket/,https://artifacts.corp/``);
+    #: empty: any source (development only)
+    artifact_sources: str = ""
+
+    @field_validator("artifact_sources")
+    @classmethod
+    def _check_sources(cls, value: str) -> str:
+        parse_sources(value)
+        return value
+
+    @model_validator(mode="after")
+    def _sources_in_production(self) -> CoreSettings:
+        if self.env == "production" and not self.artifact_sources:
+            raise ValueError("CAIRN_ARTIFACT_SOURCES is required when CAIRN_ENV=production")
+        return self
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return parse_sources(self.artifact_sources)

@@ -266,6 +266,8 @@ workers = Table(
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("gone_at", DateTime(timezone=True)),
+    # sha-256 of the worker's lease secret: only the agent that registered it may act for it
+    Column("lease_sha256", Text),
     CheckConstraint("state IN ('dead', 'draining', 'left', 'live')", name="state"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint("(state IN ('dead', 'left')) = (gone_at IS NOT NULL)", name="gone_has_time"),
@@ -305,8 +307,8 @@ attempts = Table(
     Column("preempted_by", BigInteger),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
-        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'preempted',"
-        " 'succeeded', 'timeout')",
+        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'oom_killed',"
+        " 'preempted', 'succeeded', 'timeout')",
         name="outcome",
     ),
     Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),

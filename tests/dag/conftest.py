@@ -90,9 +90,9 @@ class Worker:
         self.delay_s = delay_s
         self.http = core.client(name, "worker")
         offer = {"hostname": name, "queues": ["default"], "cpu": 4096, "memory_mb": 2**25}
-        self.id = (
-            self.http.post("/v1/workers", json=offer).raise_for_status().json()["worker"]["id"]
-        )
+        registered = self.http.post("/v1/workers", json=offer).raise_for_status().json()
+        self.id = registered["worker"]["id"]
+        self.http.headers["X-Cairn-Worker-Lease"] = registered["lease"]
         self.claims: Counter[int] = Counter()
         self.held: list[int] = []
         self._stop = threading.Event()

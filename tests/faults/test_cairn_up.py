@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from libs.common.embedded import EmbeddedPostgres
-from tests.support import free_port, spec, wait_for
+from tests.support import free_port, isolation_env, spec, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,20 @@ def dag_port(core_port: int) -> int:
     return _DAG_PORTS.setdefault(core_port, free_port())
 
 
+def _children(parent: int, marker: bytes) -> list[int]:
+    """Processes whose parent is ``parent`` and whose argv contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, NotADirectoryError):
+            continue
+        if f"PPid:\t{parent}\n" in status and marker in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
 def _up(home: Path, port: int, *args: str) -> subprocess.Popen[str]:
     env = {
         **os.environ,
@@ -55,6 +69,7 @@ def _up(home: Path, port: int, *args: str) -> subprocess.Popen[str]:
         "CAIRN_DAG_PORT": str(dag_port(port)),
         "CAIRN_DAG_URL": f"http://127.0.0.1:{dag_port(port)}",
         "CAIRN_URL": f"http://127.0.0.1:{port}",
+        **isolation_env(),
     }
     env.pop("CAIRN_DATABASE_URL", None)
     return subprocess.Popen(
@@ -116,6 +131,11 @@ def test_up_serves_then_stops_everything_on_ctrl_c(own_tmp: Path) -> None:
         # The local worker runs it (/bin/true).
         url = f"http://127.0.0.1:{port}/v1/tasks/{task.json()['id']}"
         wait_for(lambda: httpx.get(url, headers=headers).json()["state"] == "succeeded", 30)
+        # The worker was given neither the database URL nor a token in its environment.
+        [worker] = _children(proc.pid, b"services.worker\x00")
+        environ = Path(f"/proc/{worker}/environ").read_bytes()
+        assert b"CAIRN_DATABASE_URL" not in environ and b"CAIRN_TOKEN=" not in environ
+        assert b"CAIRN_TOKEN_FILE=" in environ
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:

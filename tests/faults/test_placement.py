@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Core, spawn_worker, start_core, stop_process, wait_for
+from tests.support import Core, shared_dir, spawn_worker, start_core, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def _running(db) -> int:
 
 def test_a_guaranteed_task_preempts_a_preemptible_one_and_both_end(core, workers, tmp_path, db):
     workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=1000))
-    flag = tmp_path / "preempted-once"
+    flag = shared_dir() / "preempted-once"
     with core.client() as alice:
         backup = alice.post(
             "/v1/tasks",
@@ -100,7 +100,7 @@ def test_a_guaranteed_task_preempts_a_preemptible_one_and_both_end(core, workers
 def test_an_overcommitted_pool_runs_more_preemptible_work_than_declared(
     core, workers, tmp_path, db
 ):
-    go = tmp_path / "go"
+    go = shared_dir() / "go"
     with core.client("root", "admin") as admin:
         pool = admin.patch("/v1/queues/default", json={"overcommit": 2}).json()
     assert pool["overcommit"] == 2
@@ -130,7 +130,7 @@ def _nice(pid: int) -> int:
 
 def test_a_squeeze_lowers_the_cpu_share_and_is_in_the_events(core, workers, tmp_path, db):
     workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=4000))
-    pidfile = tmp_path / "pid"
+    pidfile = shared_dir() / "pid"
     with core.client() as alice:
         batch = alice.post(
             "/v1/tasks",
@@ -186,3 +186,43 @@ def test_time_insensitive_work_is_deferred_while_the_pool_is_busy(core, workers,
     assert ("promote", "pool at 0%: no longer deferred") in report_events
     assert ("defer", "deferred: pool at 75% (defers above 50%)") in due_events
     assert ("promote", "latest start reached: runs although its pool is busy") in due_events
+
+
+def test_under_memory_pressure_the_agent_preempts_preemptible_work_only(
+    core, workers, tmp_path, db
+):
+    """A threshold above the host's memory is constant pressure: the agent preempts the
+    preemptible attempt (the event says why) and leaves guaranteed work alone."""
+    workers.append(
+        spawn_worker(
+            core, tmp_path / "w", "w", cpu=2, memory_mb=4000,
+            CAIRN_WORKER_MIN_AVAILABLE_MB=str(10**9),
+        )
+    )  # fmt: skip
+    flag = shared_dir() / "preempted-once"
+    with core.client() as alice:
+        backup = alice.post(
+            "/v1/tasks",
+            json=shell(
+                f"[ -e {flag} ] && exit 0; touch {flag}; sleep 60",
+                0.5,
+                100,
+                name="night-backup",
+                preemptible=True,
+            ),
+        ).json()
+        guaranteed = alice.post("/v1/tasks", json=shell("sleep 2", 0.5, 100)).json()
+        wait_for(lambda: _task(alice, guaranteed["id"])["state"] == "succeeded", timeout=60)
+        wait_for(lambda: _task(alice, backup["id"])["state"] == "succeeded", timeout=60)
+        attempts = alice.get(f"/v1/tasks/{backup['id']}/attempts").json()["items"]
+        events = _events(alice, backup["id"])
+        kept = alice.get(f"/v1/tasks/{guaranteed['id']}/attempts").json()["items"]
+    assert attempts[0]["outcome"] == "preempted"
+    assert [a["outcome"] for a in kept] == ["succeeded"]
+    [(_, reason)] = [e for e in events if e[0] == "preempt"]
+    assert reason.startswith("preempted by its worker: memory pressure: ")
+    assert _task_row(db, backup["id"]) == 1  # the preempted attempt spent none
+
+
+def _task_row(db, task_id: int) -> int:
+    return db.execute("SELECT attempts FROM core.tasks WHERE id = %s", (task_id,)).fetchone()[0]

@@ -1,4 +1,4 @@
-"""Real worker agents (``python -m services.core.worker``) against a real core: attempts
+"""Real worker agents (``python -m services.worker``) against a real core: attempts
 run, are killed, lose their worker, and the database says what happened."""
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Core, make_token, start_core, stop_process, wait_for
+from tests.support import (
+    Core,
+    isolation_env,
+    make_token,
+    shared_dir,
+    start_core,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +59,9 @@ def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subp
         "CAIRN_WORKER_DRAIN_GRACE_S": "5",
         "CAIRN_WORKER_LABELS": "zone=a, disk=ssd",
         "CAIRN_LOG_LEVEL": "warning",
+        **isolation_env(),
     }
-    proc = subprocess.Popen([sys.executable, "-m", "services.core.worker"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
     started.append(proc)
     return proc
 
@@ -110,7 +119,7 @@ def test_a_task_runs_with_its_identity_and_its_log_tail_is_kept(core, workers, t
 
 def test_a_digest_mismatch_fails_before_anything_runs(core, workers, tmp_path):
     start_worker(core, tmp_path / "w1", workers)
-    marker = tmp_path / "ran"
+    marker = shared_dir() / "ran"
     with core.client() as alice:
         body = shell(f"touch {marker}")
         body["artifact"]["sha256"] = "0" * 64
@@ -135,7 +144,7 @@ def test_a_timeout_kills_the_attempt_and_it_is_retried(core, workers, tmp_path):
 
 def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, workers, tmp_path, db):
     first = start_worker(core, tmp_path / "w1", workers, "w1")
-    pidfile = tmp_path / "pid"
+    pidfile = shared_dir() / "pid"
     with core.client() as alice:
         script = f"[ -e {pidfile} ] || echo $$ > {pidfile}; sleep 3"
         task = alice.post("/v1/tasks", json=shell(script)).json()
@@ -156,7 +165,7 @@ def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, wor
 
 def test_a_killed_process_is_retried_while_its_agent_lives(core, workers, tmp_path, db):
     start_worker(core, tmp_path / "w1", workers)
-    flag = tmp_path / "second-time"
+    flag = shared_dir() / "second-time"
     script = f"if [ -e {flag} ]; then exit 0; fi; touch {flag}; kill -9 $$"
     with core.client() as alice:
         task = alice.post("/v1/tasks", json=shell(script)).json()

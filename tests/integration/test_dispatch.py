@@ -50,6 +50,7 @@ class Agent:
         answer = self.http.post("/v1/workers", json=offer)
         assert answer.status_code == 201, answer.text
         self.id = answer.json()["worker"]["id"]
+        self.http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
         self.cpu = cpu
 
     def claim(self, most: int = 16, cpu: float | None = None, wait: float = 0) -> list[dict]:
@@ -299,6 +300,33 @@ def test_a_worker_is_reached_only_by_its_own_principal(core: Core) -> None:
             ).status_code
             == 403
         )
+
+
+def test_a_replica_cannot_act_for_another_with_the_same_token(core: Core) -> None:
+    """Two replicas share one worker token (the compose default): each holds only its own
+    worker's lease secret, and the other's worker answers 404 as a missing one."""
+    replica_a, replica_b = Agent(core, "replicas"), Agent(core, "replicas")
+    with core.client() as alice:
+        alice.post("/v1/tasks", json=spec()).raise_for_status()
+    [attempt] = replica_b.claim()
+    path = f"/v1/workers/{replica_b.id}"
+    report = {"outcome": "succeeded", "exit_code": 0}
+    aid = attempt["attempt_id"]
+    for call in (
+        lambda: replica_a.http.post(f"{path}/attempts/{aid}/report", json=report),
+        lambda: replica_a.http.post(f"{path}/heartbeat", json={"attempts": []}),
+        lambda: replica_a.http.post(f"{path}/claim", json={"cpu": 1, "memory_mb": 1}),
+        lambda: replica_a.http.put(f"{path}/attempts/{aid}/log", content=b"forged"),
+        lambda: replica_a.http.post(f"{path}/leave"),
+    ):
+        answer = call()
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["detail"] == f"worker {replica_b.id} not found"
+    unleased = replica_a.http.post(
+        f"{path}/heartbeat", json={"attempts": []}, headers={"X-Cairn-Worker-Lease": ""}
+    )
+    assert unleased.status_code == 404
+    assert replica_b.report(aid).status_code == 200
 
 
 def test_a_worker_that_left_cannot_be_drained_back_to_life(core: Core) -> None:

@@ -25,7 +25,9 @@ def _register(
 ) -> tuple[httpx.Client, int]:
     agent = core.client("w1", "worker")
     offer = {"hostname": "w1.test", "queues": list(queues), "cpu": cpu, "memory_mb": memory_mb}
-    return agent, agent.post("/v1/workers", json=offer).json()["worker"]["id"]
+    registered = agent.post("/v1/workers", json=offer).json()
+    agent.headers["X-Cairn-Worker-Lease"] = registered["lease"]
+    return agent, registered["worker"]["id"]
 
 
 def _claim(agent: httpx.Client, worker: int, cpu: float, memory_mb: int) -> list[dict]:

@@ -90,7 +90,9 @@ def test_a_poison_pill_and_its_lost_attempts_are_counted(core: Core, db) -> None
         task = alice.post("/v1/tasks", json=spec(retry={"poison_after": 1})).json()
     agent = core.client("agent", "worker")
     offer = {"hostname": "h", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-    worker_id = agent.post("/v1/workers", json=offer).json()["worker"]["id"]
+    registered = agent.post("/v1/workers", json=offer).json()
+    worker_id = registered["worker"]["id"]
+    agent.headers["X-Cairn-Worker-Lease"] = registered["lease"]
     [attempt] = agent.post(
         f"/v1/workers/{worker_id}/claim", json={"cpu": 4, "memory_mb": 4096}
     ).json()["attempts"]

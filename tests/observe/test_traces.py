@@ -15,9 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from libs.common import tracing
 from libs.common.client import CoreClient
-from libs.common.models import Assignment
-from libs.common.settings import CairnSettings
-from services.core.worker.agent import Agent
+from libs.common.models import WORKER_LEASE_HEADER, Assignment
+from services.worker.agent import Agent
+from services.worker.host import Host
+from services.worker.settings import WorkerSettings
 from tests.dag.conftest import Runner, Worker, node, start_dag, workflow
 from tests.support import Core, spec
 
@@ -50,17 +51,28 @@ def test_a_task_is_one_trace_from_submit_through_claim_run_and_report(
         task = alice.post("/v1/tasks", json=spec()).raise_for_status().json()
         agent_http = core.client("agent", "worker")
         offer = {"hostname": "h", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-        worker_id = agent_http.post("/v1/workers", json=offer).json()["worker"]["id"]
+        registered = agent_http.post("/v1/workers", json=offer).json()
+        worker_id, lease = registered["worker"]["id"], registered["lease"]
+        agent_http.headers[WORKER_LEASE_HEADER] = lease
         room = {"cpu": 4, "memory_mb": 4096}
         [raw] = agent_http.post(f"/v1/workers/{worker_id}/claim", json=room).json()["attempts"]
         assignment = Assignment.model_validate(raw)
 
         async def run_it() -> None:
-            settings = CairnSettings(home=tmp_path / "worker", url=core.url)
+            # Isolation is not this test's subject (tests/security is).
+            settings = WorkerSettings(
+                home=tmp_path / "worker", url=core.url, worker_isolation="none"
+            )
+            host = Host(settings, settings.home / "logs")
+            host.start()
             async with CoreClient(core.url, core.tokens["agent"]) as client:
-                agent = Agent(settings, client)
+                client.use_lease(lease)
+                agent = Agent(settings, client, core.tokens["agent"], host)
                 agent.worker_id = worker_id
-                await agent._attempt(assignment)
+                try:
+                    await agent._attempt(assignment)
+                finally:
+                    await host.close()
 
         asyncio.run(run_it())
         assert alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded"

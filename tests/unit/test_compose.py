@@ -12,23 +12,25 @@ import jsonschema
 import pytest
 import typer
 import yaml
+from pydantic_settings import BaseSettings
 
 from cairn.cli import app
 from libs.common.settings import CairnSettings
 from services.core.settings import CoreSettings
 from services.cron.settings import CronSettings
 from services.dag.settings import DagSettings
+from services.worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
 SPEC = ROOT / ".venv" / "compose_spec.json"  # made by `make install` (tests/compose_spec.py)
 
 # The settings each command reads.
-SETTINGS: dict[str, type[CairnSettings]] = {
+SETTINGS: dict[str, type[BaseSettings]] = {
     "core": CoreSettings,
     "cron": CronSettings,
     "dag": DagSettings,
-    "worker": CairnSettings,
+    "worker": WorkerSettings,
     "migrate": CairnSettings,
     "token": CairnSettings,
 }
@@ -57,7 +59,7 @@ def _compose() -> dict[str, Any]:
     return loaded
 
 
-def _env_names(settings: type[CairnSettings]) -> set[str]:
+def _env_names(settings: type[BaseSettings]) -> set[str]:
     return {f"CAIRN_{name.upper()}" for name in settings.model_fields}
 
 
@@ -109,6 +111,12 @@ def test_each_command_and_its_environment_match_the_cli(name: str) -> None:
     assert not unknown, f"{name} sets variables its process does not read: {sorted(unknown)}"
     for key in from_env:
         assert key in service["environment"], f"{name} registers {key} but does not set it"
+
+
+def test_workers_run_as_root_to_isolate_and_never_get_the_database_url() -> None:
+    worker = _compose()["services"]["worker"]
+    assert "CAIRN_DATABASE_URL" not in worker["environment"]
+    assert worker["user"] == "0:0"
 
 
 def test_the_cli_check_catches_a_mistake() -> None:

@@ -1,4 +1,4 @@
-"""Running one attempt (``services.core.worker.executor``): real child processes, /bin/sh
+"""Running one attempt (``services.worker.executor``): real child processes, /bin/sh
 scripts written into tmp_path, real signals."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.core.worker.executor import (
+from services.worker.executor import (
     AttemptResult,
     AttemptSpec,
     run_attempt,

@@ -33,6 +33,7 @@ from libs.common.models import (
     TeamName,
 )
 from libs.common.problems import PROBLEMS
+from libs.common.sources import source_allowed
 from libs.common.states import TaskState
 from services.core import placement, store, traces
 from services.core.deps import (
@@ -82,6 +83,7 @@ async def submit_task(
     owner already submitted this ``idempotency_key``. ``team`` shares it with a team the
     owner belongs to; ``env`` values may name secrets."""
     start = tracing.now_ns()
+    _check_sources(request, [spec], batch=False)
     # One statement, so no transaction around it: autocommit saves two round trips.
     async with engine.connect() as conn:
         await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -129,6 +131,24 @@ _BATCH = {
 M = TypeVar("M", bound=BaseModel)
 
 
+def _check_sources(request: Request, specs: list[TaskCreate], batch: bool) -> None:
+    """Refuse an artifact from outside ``CAIRN_ARTIFACT_SOURCES`` (422 naming its field)."""
+    prefixes = request.app.state.settings.sources
+    errors = [
+        {
+            "loc": ("body", "tasks", i, "artifact", "uri")
+            if batch
+            else ("body", "artifact", "uri"),
+            "msg": "not an allowed artifact source (CAIRN_ARTIFACT_SOURCES)",
+            "type": "value_error",
+        }
+        for i, spec in enumerate(specs)
+        if not source_allowed(spec.artifact.uri, prefixes)
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
+
 def _parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
@@ -161,6 +181,7 @@ async def submit_batch(
     # json.loads then validate, which matters at a thousand tasks a request.
     start = tracing.now_ns()
     batch = _parse(TaskBatchCreate, await request.body())
+    _check_sources(request, batch.tasks, batch=True)
     owners: str | list[str] = owner
     if batch.owners is not None:
         if principal.role != "service" and set(batch.owners) != {principal.name}:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 
 from libs.common.errors import Conflict
 from libs.common.models import (
     MAX_PAGE,
+    WORKER_LEASE_HEADER,
     ClaimAnswer,
     ClaimRequest,
     Heartbeat,
@@ -45,11 +46,17 @@ def _settings(request: Request) -> CoreSettings:
     return settings
 
 
-async def _own_worker(worker_id: WorkerId, principal: AgentPrincipal, engine: Engine) -> Any:
-    """The worker, if the caller registered it (admins reach every worker); else 404."""
+async def _own_worker(
+    worker_id: WorkerId,
+    principal: AgentPrincipal,
+    engine: Engine,
+    lease: Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=200)] = None,
+) -> Any:
+    """The worker, if the caller registered it (admins: any) and holds its lease secret;
+    else 404, as for a missing worker."""
     owner = None if principal.role == "admin" else principal.name
     async with engine.connect() as conn:
-        return await dispatch.get_worker(conn, worker_id, owner)
+        return await dispatch.leased_worker(conn, worker_id, lease, owner)
 
 
 OwnWorker = Annotated[Any, Depends(_own_worker)]
@@ -61,12 +68,14 @@ OwnWorker = Annotated[Any, Depends(_own_worker)]
 async def register_worker(
     offer: WorkerRegister, principal: AgentPrincipal, engine: Engine, request: Request
 ) -> WorkerRegistered:
-    """A worker agent starts: it offers capacity for some queues."""
+    """A worker agent starts: it offers capacity for some queues. The answer holds the
+    worker's lease secret, which every later call for this worker must send."""
     settings = _settings(request)
     async with engine.begin() as conn:
-        worker = await dispatch.register(conn, principal.name, offer)
+        worker, lease = await dispatch.register(conn, principal.name, offer)
     return WorkerRegistered(
         worker=worker,
+        lease=lease,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         heartbeat_timeout_s=settings.heartbeat_timeout_s,
     )

@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from libs.common.placement import SQUEEZED_CPU_SHARE
+
 #: each new measurement replaces the peak, or the old peak shrinks by this factor
 DECAY = 0.9
 #: a preemptible attempt is never charged less than this share of its request
 MIN_CHARGE_SHARE = 0.1
-#: the CPU a squeezed attempt still counts for, as a share of its charge (nice 19 against
-#: nice 0 is a weight of 15 to 1024; cgroup ``cpu.weight`` 1 against 100 is less still)
-SQUEEZED_CPU_SHARE = 0.05
 _EPS = 1e-9
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,18 +28,19 @@ from libs.common.models import (
     WorkerRegister,
     WorkerRegistered,
 )
-from libs.common.settings import CairnSettings
-from services.core.domain.placement import SQUEEZED_CPU_SHARE
-from services.core.worker import state
-from services.core.worker.artifacts import ArtifactCache, ArtifactError
-from services.core.worker.executor import (
+from libs.common.placement import SQUEEZED_CPU_SHARE
+from services.worker import hardening, pressure, state
+from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker.executor import (
     AttemptResult,
-    AttemptSpec,
     RunningAttempt,
     SpawnError,
     start_attempt,
 )
-from services.core.worker.squeeze import squeeze
+from services.worker.host import Host, HostError, Prepared
+from services.worker.isolation import IsolationError
+from services.worker.settings import WorkerSettings
+from services.worker.squeeze import squeeze
 
 log = logging.getLogger("cairn.worker")
 
@@ -69,11 +71,23 @@ def report_of(result: AttemptResult) -> Report | None:
 
 
 class Agent:
-    def __init__(self, settings: CairnSettings, client: CoreClient) -> None:
+    def __init__(
+        self, settings: WorkerSettings, client: CoreClient, token: str, host: Host
+    ) -> None:
         self.settings = settings
         self.client = client
-        self.cache = ArtifactCache(settings.home / "artifacts")
+        self.token = token
+        self.host = host
+        self.cache = ArtifactCache(
+            settings.home / "artifacts",
+            sources=settings.sources,
+            max_cache_bytes=settings.worker_cache_mb * 2**20,
+        )
         self.worker_id = 0
+        self.lease = ""
+        self.memory_floor_mb = settings.worker_min_available_mb or max(
+            64, settings.worker_memory_mb // 20
+        )
         self.folder = settings.home
         self.draining = asyncio.Event()
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
@@ -81,6 +95,10 @@ class Agent:
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
+        self.starting: set[int] = set()
+        self.preempt_reasons: dict[int, str] = {}
+        self.cgroups: dict[str, list[str]] = {}
+        self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
         self.dead = False
 
@@ -112,13 +130,15 @@ class Agent:
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
+            await self.host.close()
 
     async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
         self.dead = False
         self.worker_id = registered.worker.id
+        self.lease = registered.lease
         self.folder = self.settings.home / "workers" / str(self.worker_id)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._publish()
         self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
         self.sidecar = self._start_sidecar(*self._beat)
@@ -135,18 +155,24 @@ class Agent:
         await self._stop_sidecar()
 
     def _start_sidecar(self, interval_s: float, timeout_s: float) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(  # noqa: S603 - our own module, no shell
+        """The sidecar, given the token and the lease on its stdin (never in its argv or
+        environment, which other processes may read)."""
+        sidecar = subprocess.Popen(  # noqa: S603 - our own module, no shell
             [
                 sys.executable,
                 "-m",
-                "services.core.worker.sidecar",
+                "services.worker.sidecar",
                 str(self.folder),
                 str(self.worker_id),
                 str(interval_s),
                 str(timeout_s),
             ],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
         )
+        assert sidecar.stdin is not None
+        sidecar.stdin.write(json.dumps({"token": self.token, "lease": self.lease}).encode())
+        sidecar.stdin.close()
+        return sidecar
 
     async def _register(self, offer: WorkerRegister) -> WorkerRegistered:
         """Register, waiting for core if it is not up yet (it may be starting with us)."""
@@ -173,6 +199,7 @@ class Agent:
         while not self.draining.is_set():
             self._keep_sidecar()
             self._obey_core()
+            self.host.tidy()
             if self.draining.is_set() or self.dead:
                 break
             cpu, memory_mb, slots = self._room()
@@ -203,8 +230,13 @@ class Agent:
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=grace)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + grace
+        # Core's word still counts while draining: cancelled or preempted attempts stop.
+        while self.tasks and loop.time() < until:
+            self._keep_sidecar()
+            self._obey_core()
+            await asyncio.wait(set(self.tasks), timeout=min(0.2, max(0.0, until - loop.time())))
         # Attempts still being prepared hand themselves back (draining is set); those
         # running are terminated and handed back.
         deadline = asyncio.get_running_loop().time() + 30.0
@@ -232,19 +264,41 @@ class Agent:
         grace = float(answer.get("preempt_grace_s", 10.0))
         for attempt_id in answer.get("preempt", []):
             self._preempt(int(attempt_id), grace)
+        self._relieve_memory(grace)
+
+    def _relieve_memory(self, grace_s: float) -> None:
+        """Under memory pressure (the host's available memory below the threshold),
+        preempt one preemptible attempt at a time, the one furthest over its charge,
+        before the kernel's OOM killer reaches guaranteed work."""
+        if self.preempting:
+            return
+        available = pressure.available_mb()
+        threshold = self.memory_floor_mb
+        if available is None or available >= threshold:
+            return
+        excess = pressure.excess(
+            (attempt_id, assignment, handle)
+            for attempt_id, (assignment, handle) in self.running.items()
+            if handle is not None and not handle.done
+        )
+        if excess:
+            why = f"memory pressure: {available} MB available on the host, under {threshold} MB"
+            self._preempt(excess[0], grace_s, why)
 
     def _squeeze(self, attempt_id: int) -> None:
         entry = self.running.get(attempt_id)
         if attempt_id in self.squeezed or not entry or entry[1] is None:
             return
-        how = squeeze(entry[1].pid, attempt_id)
+        how = squeeze(entry[1].pid, attempt_id, entry[1].spec.cgroup)
         self.squeezed.add(attempt_id)
         log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
 
-    def _preempt(self, attempt_id: int, grace_s: float) -> None:
+    def _preempt(self, attempt_id: int, grace_s: float, why: str | None = None) -> None:
         entry = self.running.get(attempt_id)
         if attempt_id in self.preempting or not entry or entry[1] is None:
             return
+        if why is not None:
+            self.preempt_reasons[attempt_id] = why
         log.info("attempt %s preempted: SIGTERM, %g s grace, SIGKILL", attempt_id, grace_s)
         stopping = asyncio.create_task(entry[1].terminate(grace_s, why="preempted"))
         self.preempting[attempt_id] = stopping
@@ -266,8 +320,18 @@ class Agent:
 
     def _publish(self) -> None:
         # 0: claimed, still being prepared (artifact, workdir); the agent holds it.
+        # -1: its process is being started (the sidecar counts it as started).
         pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
-        state.write(self.folder / state.ATTEMPTS, {"agent_pid": os.getpid(), "attempts": pids})
+        pids.update({str(a): -1 for a in self.starting})
+        state.write(
+            self.folder / state.ATTEMPTS,
+            {
+                "agent_pid": os.getpid(),
+                "attempts": pids,
+                "cgroups": self.cgroups,
+                "uids": self.uids,
+            },
+        )
 
     # --- one attempt ---
 
@@ -296,26 +360,23 @@ class Agent:
             self._publish()
 
     async def _execute(self, assignment: Assignment) -> Report | None:
+        attempt = assignment.attempt_id
         try:
-            executable = await self.cache.fetch(assignment.artifact.uri, assignment.artifact.sha256)
+            prepared = await self.host.prepare(assignment, self.cache)
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
-        root = self.settings.home / "attempts" / str(assignment.attempt_id)
-        spec = AttemptSpec(
-            executable=executable,
-            workdir=root / "work",
-            log_path=root / "log",
-            task_id=assignment.task_id,
-            attempt_id=assignment.attempt_id,
-            attempt_number=assignment.attempt_number,
-            args=assignment.args,
-            env=assignment.env,
-            input_path=assignment.input_path,
-            output_path=assignment.output_path,
-            timeout_s=assignment.timeout_s,
-            memory_mb=assignment.resources.memory_mb,
-            cpu=assignment.resources.cpu,
-        )
+        except (IsolationError, OSError) as exc:
+            log.error("attempt %s cannot be prepared: %s", attempt, exc)
+            return Report(outcome="handed_back", error="the worker could not prepare it")
+        try:
+            return await self._run(assignment, prepared)
+        finally:
+            self.cgroups.pop(str(attempt), None)
+            self.uids.pop(str(attempt), None)
+            await self.host.release(prepared)
+
+    async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
+        attempt, spec = assignment.attempt_id, prepared.spec
         if self.draining.is_set():
             return Report(outcome="handed_back", error="the worker is draining")
         verdict = await self._confirm(assignment.attempt_id)
@@ -323,19 +384,34 @@ class Agent:
             return None
         if verdict == "unconfirmed":
             return Report(outcome="handed_back", error="core could not confirm it before its start")
+        if prepared.cgroup is not None:
+            self.cgroups[str(attempt)] = sorted(map(str, prepared.cgroup.folders.values()))
+        if prepared.identity is not None:
+            self.uids[str(attempt)] = prepared.identity.uid
+        # Recorded before exec: if the agent dies from here on, the sidecar tells core
+        # the attempt had started, so it counts as a crash.
+        self.starting.add(attempt)
+        self._publish()
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=False)
-        self.running[assignment.attempt_id] = (assignment, handle)
+        finally:
+            self.starting.discard(attempt)
+        self.running[attempt] = (assignment, handle)
         self._publish()
         result = await handle.wait()
+        await self.host.stop_leftovers(prepared)
         # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
         # or a beat in between would have core declare it lost.
-        self.running[assignment.attempt_id] = (assignment, None)
+        self.running[attempt] = (assignment, None)
         self._publish()
-        await self._upload_log(assignment.attempt_id, spec.log_path)
-        return report_of(result)
+        await self._upload_log(attempt, spec.log_path)
+        report = report_of(result)
+        why = self.preempt_reasons.pop(attempt, None)
+        if report is not None and report.outcome == "preempted" and why:
+            report = report.model_copy(update={"error": why})
+        return report
 
     async def _confirm(self, attempt_id: int) -> str:
         """Ask core before starting: an attempt it no longer holds for this worker (the
@@ -388,19 +464,46 @@ class Agent:
                 delay = min(delay * 2, 5.0)
 
 
+def _token(settings: WorkerSettings) -> str:
+    """The worker token, from ``CAIRN_TOKEN_FILE`` or ``CAIRN_TOKEN``."""
+    if settings.token_file is not None:
+        return hardening.read_token(settings.token_file)
+    if settings.token:
+        return settings.token
+    raise hardening.HardeningError(
+        "CAIRN_TOKEN_FILE (a 0600 file) or CAIRN_TOKEN must hold a worker token "
+        "(cairn token create NAME --role worker)"
+    )
+
+
+def _harden(settings: WorkerSettings) -> None:
+    """Nothing of the agent's secrets stays where another process could read it."""
+    if "CAIRN_DATABASE_URL" in os.environ:
+        if settings.env == "production":
+            raise hardening.HardeningError("a worker must not be given CAIRN_DATABASE_URL")
+        log.warning("CAIRN_DATABASE_URL is set for this worker: it is not used, and removed")
+    hardening.scrub_environ("CAIRN_TOKEN", "CAIRN_DATABASE_URL")
+    hardening.non_dumpable()
+
+
 def main(argv: list[str] | None = None) -> None:
     del argv
-    settings = CairnSettings()
+    settings = WorkerSettings()
     logs.setup("worker", settings.log_level)
     tracing.setup("worker")
-    if not settings.token:
-        sys.exit(
-            "cairn worker: CAIRN_TOKEN must hold a worker token (cairn token create NAME --role worker)"
-        )
+    host = Host(settings, settings.home / "logs")
+    try:
+        token = _token(settings)
+        _harden(settings)
+        notes = host.start()
+    except (hardening.HardeningError, HostError, IsolationError) as exc:
+        sys.exit(f"cairn worker: {exc}")
+    for note in notes:
+        log.info("isolation: %s", note)
 
     async def run() -> None:
-        async with CoreClient(settings.url, settings.token) as client:
-            await Agent(settings, client).run()
+        async with CoreClient(settings.url, token) as client:
+            await Agent(settings, client, token, host).run()
 
     asyncio.run(run())
 

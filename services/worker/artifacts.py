@@ -5,6 +5,14 @@ temporary file in the same directory and becomes visible only by an atomic renam
 its digest has been checked, so a reader never sees a partial or wrong file, and two
 fetches of the same digest (in one process or several) cannot corrupt each other.
 
+The cache belongs to the agent (its folders are 0700): attempts never see it. What an
+attempt runs is a private copy (``materialize``), hashed while it is written, at every
+start. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
+gid, no other groups), every time, and is not cached. No error names a digest the agent
+computed, so a mismatch is no oracle for a file's content. The cache is bounded
+(``max_cache_bytes``): the least recently used artifacts are removed first, never one
+being copied.
+
     ArtifactError        the artifact cannot be had; ``retryable`` says whether a later
                          attempt may fare better (network trouble, a 5xx) or not (a digest
                          mismatch, a missing object, an unsupported scheme, over the size cap)
@@ -13,9 +21,14 @@ fetches of the same digest (in one process or several) cannot corrupt each other
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import ctypes
 import hashlib
 import importlib
 import os
+import platform
+import stat
 import tempfile
 import threading
 import urllib.parse
@@ -27,11 +40,18 @@ from typing import IO, Any
 
 import httpx
 
+from libs.common.sources import source_allowed
+from services.worker.isolation import Identity
+
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 CHUNK = 1 << 20
 _TRANSIENT_HTTP = frozenset({408, 425, 429})
 _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
+#: files no artifact may come from: the kernel's views of processes and devices
+_PSEUDO = ("/proc/", "/sys/", "/dev/")
+_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class ArtifactError(Exception):
@@ -85,9 +105,14 @@ class ArtifactCache:
         s3_endpoint_url: str | None = None,
         allow_insecure_http: bool = False,
         transport: httpx.AsyncBaseTransport | None = None,
+        sources: tuple[str, ...] = (),
+        max_cache_bytes: int | None = None,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.sources = sources
+        self.max_cache_bytes = max_cache_bytes
+        self._copying: collections.Counter[str] = collections.Counter()
         self._timeout = timeout
         self._s3_endpoint_url = s3_endpoint_url or os.environ.get("CAIRN_S3_ENDPOINT_URL")
         self._allow_http = allow_insecure_http
@@ -101,14 +126,17 @@ class ArtifactCache:
         """Where the artifact with this digest is (or will be) kept."""
         return self.root / sha256[:2] / sha256
 
-    async def fetch(self, uri: str, sha256: str) -> Path:
-        """The local path of the artifact at ``uri``, downloaded unless already cached.
+    async def fetch(self, uri: str, sha256: str, reader: Identity | None = None) -> Path:
+        """The local path of the artifact at ``uri``, downloaded unless already cached;
+        a ``file://`` source is opened as ``reader`` when given.
 
         Raises ``ArtifactError`` when it cannot be had or its digest is not ``sha256``.
         """
-        digest = sha256.lower()
-        if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
-            raise ArtifactError(f"not a sha256 digest: {sha256!r}", retryable=False)
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources):
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
         final = self.path_for(digest)
         lock = self._locks.get(digest)
         if lock is None:
@@ -116,9 +144,80 @@ class ArtifactCache:
         async with lock:
             if await self._usable(final, digest):
                 return final
-            await self._download(uri, digest, final)
+            await self._download(uri, digest, final, reader)
             self._verified.add(digest)
+            self._evict(keep=digest)
             return final
+
+    async def materialize(
+        self, uri: str, sha256: str, folder: Path, reader: Identity | None = None
+    ) -> Path:
+        """A private copy of the artifact in ``folder``, checked against ``sha256`` as it
+        is written (so what runs is verified now, not trusted from an earlier check).
+        ``file://`` artifacts are copied straight from their source, opened as ``reader``.
+        """
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources):
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        if _scheme(uri) == "file":
+            return await self._copy_checked(_copier(_local_path(uri), reader), uri, digest, folder)
+        self._copying[digest] += 1
+        try:
+            for tries_left in (1, 0):
+                cached = await self.fetch(uri, digest)
+                with contextlib.suppress(OSError):
+                    os.utime(cached)  # used now: last in the eviction order
+                try:
+                    return await self._copy_checked(_copier(cached, None), uri, digest, folder)
+                except ArtifactError:
+                    # The cached copy changed since it was checked: it is gone now,
+                    # and fetched again once.
+                    if not tries_left:
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            self._copying[digest] -= 1
+
+    async def _copy_checked(
+        self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
+    ) -> Path:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                sink = _Sink(out, self.max_bytes)
+                await _in_thread(sink, lambda: copy(sink))
+            if sink.hexdigest() != digest:
+                if _scheme(uri) != "file":
+                    self._verified.discard(digest)
+                    self.path_for(digest).unlink(missing_ok=True)
+                raise ArtifactError(_mismatch(uri), retryable=_scheme(uri) != "file")
+        except BaseException:
+            Path(name).unlink(missing_ok=True)
+            raise
+        return Path(name)
+
+    def _evict(self, keep: str) -> None:
+        """Remove least recently used artifacts until the cache fits its bound."""
+        if self.max_cache_bytes is None:
+            return
+        entries = []
+        for path in self.root.glob("??/" + "?" * 64):
+            try:
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((info.st_atime, info.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_cache_bytes:
+                return
+            if path.name == keep or self._copying[path.name] > 0:
+                continue
+            path.unlink(missing_ok=True)
+            self._verified.discard(path.name)
+            total -= size
 
     async def _usable(self, final: Path, digest: str) -> bool:
         """Whether the cached copy can be used; checked against its digest once a process."""
@@ -133,31 +232,30 @@ class ArtifactCache:
         final.unlink(missing_ok=True)
         return False
 
-    async def _download(self, uri: str, digest: str, final: Path) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
+    async def _download(
+        self, uri: str, digest: str, final: Path, reader: Identity | None = None
+    ) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{digest[:16]}.", suffix=".part")
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as out:
                 sink = _Sink(out, self.max_bytes)
-                await self._fetch_into(uri, sink)
+                await self._fetch_into(uri, sink, reader)
                 out.flush()
                 os.fsync(out.fileno())
-            got = sink.hexdigest()
-            if got != digest:
-                raise ArtifactError(
-                    f"sha256 mismatch: expected {digest}, got {got} ({_redact(uri)})",
-                    retryable=False,
-                )
+            if sink.hexdigest() != digest:
+                raise ArtifactError(_mismatch(uri), retryable=False)
             tmp.chmod(0o755)
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def _fetch_into(self, uri: str, sink: _Sink) -> None:
-        scheme = uri.partition("://")[0].lower() if "://" in uri else ""
+    async def _fetch_into(self, uri: str, sink: _Sink, reader: Identity | None = None) -> None:
+        scheme = _scheme(uri)
         if scheme == "file":
-            await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink))
+            await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink, reader))
         elif scheme == "https" or (scheme == "http" and self._allow_http):
             await self._download_http(uri, sink)
         elif scheme == "s3":
@@ -249,17 +347,74 @@ def _local_path(uri: str) -> Path:
     return Path(urllib.request.url2pathname(parsed.path))
 
 
-def _copy_file(source: Path, sink: _Sink) -> None:
+def _copier(source: Path, reader: Identity | None) -> Callable[[_Sink], None]:
+    return lambda sink: _copy_file(source, sink, reader)
+
+
+def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
+    unreadable = ArtifactError(
+        f"cannot read {source}: no such file, or not readable by the attempt", retryable=False
+    )
+    if str(source).startswith(_PSEUDO):
+        raise unreadable
     try:
-        with source.open("rb") as src:
-            for chunk in iter(lambda: src.read(CHUNK), b""):
-                sink.write(chunk)
-    except FileNotFoundError:
-        raise ArtifactError(f"no such file: {source}", retryable=False) from None
-    except IsADirectoryError:
-        raise ArtifactError(f"is a directory, not a file: {source}", retryable=False) from None
-    except PermissionError:
-        raise ArtifactError(f"permission denied: {source}", retryable=False) from None
+        fd = _open_as(source, reader)
+    except OSError:
+        raise unreadable from None
+    with os.fdopen(fd, "rb") as src:
+        # The name resolved through symlinks: a link into /proc is refused as well.
+        resolved = os.readlink(f"/proc/self/fd/{src.fileno()}")
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode) or resolved.startswith(_PSEUDO):
+            raise ArtifactError(f"{source} is not a regular file", retryable=False)
+        for chunk in iter(lambda: src.read(CHUNK), b""):
+            sink.write(chunk)
+
+
+def _open_as(source: Path, reader: Identity | None) -> int:
+    """Open ``source`` for reading with ``reader``'s permissions: in a thread of its own
+    whose filesystem uid and gid are the reader's and which has no supplementary groups
+    (all three are per thread in Linux), so root's rights never apply."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    if reader is None:
+        return os.open(source, flags)
+    if os.geteuid() != 0 or _SYS_SETGROUPS is None:
+        raise PermissionError("cannot take the attempt's permissions here")
+    outcome: list[int | OSError] = []
+
+    def as_reader() -> None:
+        try:
+            if _libc.syscall(_SYS_SETGROUPS, 0, None) != 0:
+                raise OSError(ctypes.get_errno(), "setgroups")
+            _libc.setfsgid(reader.gid)
+            _libc.setfsuid(reader.uid)
+            if _libc.setfsuid(-1) != reader.uid:  # reads back the current value
+                raise PermissionError("setfsuid")
+            outcome.append(os.open(source, flags))
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=as_reader, name="open-as-attempt")
+    thread.start()
+    thread.join()
+    [result] = outcome
+    if isinstance(result, OSError):
+        raise result
+    return result
+
+
+def _digest(sha256: str) -> str:
+    digest = sha256.lower()
+    if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise ArtifactError("not a sha256 digest", retryable=False)
+    return digest
+
+
+def _scheme(uri: str) -> str:
+    return uri.partition("://")[0].lower() if "://" in uri else ""
+
+
+def _mismatch(uri: str) -> str:
+    return f"sha256 mismatch: the content of {_redact(uri)} does not have the declared digest"
 
 
 def _file_digest(path: Path) -> str:

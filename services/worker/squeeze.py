@@ -1,6 +1,8 @@
 """Lowering a running attempt's CPU share, so guaranteed work beside it gets the CPU.
 
-With a delegated cgroup v2 hierarchy (``cpu`` among the controllers of the agent's own
+An attempt in a cgroup of its own (``cgroups``) gets the lowest share there (v1
+``cpu.shares`` 2, v2 ``cpu.weight`` 1) and every process in it nice 19. Otherwise, with a
+delegated cgroup v2 hierarchy (``cpu`` among the controllers of the agent's own
 cgroup, and its folder writable), the attempt's processes move to a child cgroup with
 ``cpu.weight`` 1 (against the default 100). Otherwise each process of the attempt's
 group gets nice 19, the lowest priority a process can take without privilege; children
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+
+from services.worker.cgroups import AttemptCgroup
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 WEIGHT = 1
@@ -75,8 +79,13 @@ def _by_nice(pgid: int) -> bool:
     return done
 
 
-def squeeze(pgid: int, attempt_id: int) -> str | None:
+def squeeze(pgid: int, attempt_id: int, group: AttemptCgroup | None = None) -> str | None:
     """Lower the attempt's CPU share; say how (None: its processes are gone)."""
+    if group is not None and group.lower_cpu_share():
+        for pid in group.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, pid, NICE)
+        return f"its cgroup's lowest CPU share, and nice {NICE}"
     folder = _own_cgroup()
     if folder is not None and _by_cgroup(folder, pgid, attempt_id):
         return f"cgroup cpu.weight {WEIGHT}"

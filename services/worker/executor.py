@@ -34,7 +34,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-Outcome = Literal["succeeded", "failed", "timeout", "killed"]
+from services.worker.cgroups import AttemptCgroup
+from services.worker.isolation import Sandbox
+
+Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed"]
 StopReason = Literal["timeout", "terminated", "cancelled", "preempted"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -50,6 +53,9 @@ class AttemptSpec:
     ``env`` is laid over a minimal base (``PATH``, ``HOME`` = ``workdir``, ``LANG``); the
     ``CAIRN_*`` identity variables are set last and cannot be overridden by it.
     ``kill_grace_s`` is how long a timed-out attempt has between SIGTERM and SIGKILL.
+    ``sandbox`` (uid, cgroups, private /tmp, rlimits) replaces the plain ``RLIMIT_DATA``;
+    ``cgroup`` then holds the whole attempt: signals reach every process in it, and peak
+    memory, CPU time and OOM kills are read from it.
     """
 
     executable: Path
@@ -66,6 +72,9 @@ class AttemptSpec:
     memory_mb: int | None = None
     cpu: float | None = None
     kill_grace_s: float = 5.0
+    sandbox: Sandbox | None = None
+    cgroup: AttemptCgroup | None = None
+    tmpdir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ class RunningAttempt:
         self._started_wall = datetime.now(UTC)
         self._started = started
         self._stopped: StopReason | None = None
-        self._exit: asyncio.Future[_Exit] = _watch_exit(process.pid)
+        self._exit: asyncio.Future[_Exit] = _watch_exit(process.pid, spec.cgroup)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
         _supervisors.add(self._supervisor)
         self._supervisor.add_done_callback(_supervisors.discard)
@@ -163,17 +172,33 @@ class RunningAttempt:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signum)
+        _signal_cgroup(self.spec.cgroup, signum)
 
     def _result(self, status: int, usage: resource.struct_rusage) -> AttemptResult:
         exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         outcome, error = _judge(exit_code, signum, self._stopped, self.spec)
+        group = self.spec.cgroup
+        peak = round(usage.ru_maxrss / 1024, 3)  # Linux reports KiB
+        cpu = round(usage.ru_utime + usage.ru_stime, 3)
+        if group is not None:
+            peak = group.peak_memory_mb() or peak
+            cpu = group.cpu_seconds() or cpu
+            # Any process of the attempt killed for memory makes it an OOM kill, even if
+            # its leader shrugged that off and exited 0.
+            if (
+                outcome in ("succeeded", "failed", "killed")
+                and self._stopped is None
+                and group.oom_kills()
+            ):
+                outcome = "oom_killed"
+                error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
         return AttemptResult(
             outcome=outcome,
             exit_code=exit_code,
             signal=signum,
-            peak_memory_mb=round(usage.ru_maxrss / 1024, 3),  # Linux reports KiB
-            cpu_seconds=round(usage.ru_utime + usage.ru_stime, 3),
+            peak_memory_mb=peak,
+            cpu_seconds=cpu,
             started_at=self._started_wall,
             ended_at=datetime.now(UTC),
             duration_s=time.monotonic() - self._started,
@@ -212,11 +237,12 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
                 cwd=spec.workdir,
                 env=child_env(spec),
                 start_new_session=True,
-                preexec_fn=_limits(spec),
+                preexec_fn=spec.sandbox.preexec() if spec.sandbox else _limits(spec),
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             log.write(f"cairn: cannot start {spec.executable}: {exc}\n".encode())
-            raise SpawnError(f"cannot start {spec.executable}: {exc.strerror or exc}") from exc
+            why = getattr(exc, "strerror", None) or exc
+            raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
     return RunningAttempt(spec, process, started)
 
 
@@ -244,6 +270,8 @@ async def run_attempt(spec: AttemptSpec) -> AttemptResult:
 def child_env(spec: AttemptSpec) -> dict[str, str]:
     """The child's whole environment."""
     env = {"PATH": BASE_PATH, "HOME": str(spec.workdir), "LANG": "C.UTF-8"}
+    if spec.tmpdir:
+        env["TMPDIR"] = spec.tmpdir
     env.update(spec.env)
     env.update(
         CAIRN_TASK_ID=str(spec.task_id),
@@ -285,7 +313,7 @@ def _limits(spec: AttemptSpec) -> Callable[[], None] | None:
     return apply
 
 
-def _watch_exit(pid: int) -> asyncio.Future[_Exit]:
+def _watch_exit(pid: int, group: AttemptCgroup | None = None) -> asyncio.Future[_Exit]:
     """A future of the child's wait status and rusage, settled the moment it exits."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[_Exit] = loop.create_future()
@@ -301,7 +329,7 @@ def _watch_exit(pid: int) -> asyncio.Future[_Exit]:
     def in_thread() -> None:
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            reaped = _reap(pid, 0)
+            reaped = _reap(pid, 0, group)
             outcome: _Exit | BaseException = reaped or ChildProcessError(pid)
         except ChildProcessError as exc:
             outcome = exc
@@ -317,7 +345,7 @@ def _watch_exit(pid: int) -> asyncio.Future[_Exit]:
         loop.remove_reader(pidfd)
         os.close(pidfd)
         try:
-            reaped = _reap(pid, os.WNOHANG)
+            reaped = _reap(pid, os.WNOHANG, group)
         except ChildProcessError as exc:
             settle(exc)
             return
@@ -330,7 +358,7 @@ def _watch_exit(pid: int) -> asyncio.Future[_Exit]:
     return future
 
 
-def _reap(pid: int, options: int) -> _Exit | None:
+def _reap(pid: int, options: int, group: AttemptCgroup | None = None) -> _Exit | None:
     """Kill what the exited leader left in its group, then reap the leader.
 
     While the leader is an unreaped zombie its pid, the group id, cannot be reused, so
@@ -338,5 +366,19 @@ def _reap(pid: int, options: int) -> _Exit | None:
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if group is not None:
+        group.kill_all()
     reaped_pid, status, usage = os.wait4(pid, options)
     return (status, usage) if reaped_pid == pid else None
+
+
+def _signal_cgroup(group: AttemptCgroup | None, signum: int) -> None:
+    """Signal every process of the attempt's cgroup (those that left its process group)."""
+    if group is None:
+        return
+    if signum == signal.SIGKILL:
+        group.kill_all()
+        return
+    for pid in group.pids():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)

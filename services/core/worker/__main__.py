@@ -1,3 +1,0 @@
-from services.core.worker.agent import main
-
-main()

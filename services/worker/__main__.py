@@ -1,0 +1,3 @@
+from services.worker.agent import main
+
+main()

@@ -1,0 +1,310 @@
+"""Limits for an attempt's whole process tree, by cgroup: memory, a CPU quota and a cap
+on processes, with peak memory, CPU time and OOM kills read back from the same cgroup.
+
+cgroup v2 is used where the agent's own cgroup offers the ``memory``, ``cpu`` and ``pids``
+controllers and lets it enable them for children; otherwise cgroup v1, one hierarchy per
+controller (``memory``, ``cpu``, ``cpuacct``, ``pids``). Attempt cgroups live under the
+agent's own cgroup in each hierarchy, in ``cairn/agent-PID/aATTEMPT``; an agent that starts
+removes what dead agents left there. ``Cgroups.detect`` says what it cannot enforce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger("cairn.worker.cgroups")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
+_V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
+_V2_CONTROLLERS = ("memory", "cpu", "pids")
+_KILL_ROUNDS = 200
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        path.write_text(value)
+    except OSError:
+        return False
+    return True
+
+
+def _keyed(text: str | None, key: str) -> int | None:
+    """The number after ``key`` in a flat-keyed cgroup file (``oom_kill 3``)."""
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _own_paths() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, and ``""`` for the v2 hierarchy."""
+    paths: dict[str, str] = {}
+    for line in (_read(Path("/proc/self/cgroup")) or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            paths[name] = path
+    return paths
+
+
+def _mounts() -> dict[str, Path]:
+    """Mount points per v1 controller, and ``""`` for the cgroup2 mount."""
+    found: dict[str, Path] = {}
+    for line in (_read(Path("/proc/self/mountinfo")) or "").splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, _, options = [*right.split(" "), "", "", ""][:3]
+        point = Path(left.split(" ")[4])
+        if fstype == "cgroup2":
+            found.setdefault("", point)
+        elif fstype == "cgroup":
+            for option in options.split(","):
+                if option in _V1_CONTROLLERS:
+                    found.setdefault(option, point)
+    return found
+
+
+def _pids_in(folder: Path) -> list[int]:
+    text = _read(folder / "cgroup.procs") or ""
+    return [int(x) for x in text.split() if x.isdigit()]
+
+
+@dataclass
+class AttemptCgroup:
+    """One attempt's cgroup (a folder per v1 hierarchy, or one v2 folder)."""
+
+    version: Literal["v1", "v2"]
+    folders: dict[str, Path]
+    memory_mb: int | None = None
+    removed: bool = False
+
+    @property
+    def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` files a new process writes its pid into, once each."""
+        return sorted({str(folder / "cgroup.procs") for folder in self.folders.values()})
+
+    def _folder(self, controller: str) -> Path | None:
+        return self.folders.get(controller) or self.folders.get("")
+
+    def pids(self) -> list[int]:
+        folder = self._folder("pids") or self._folder("memory")
+        return _pids_in(folder) if folder else []
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the attempt, those it forks meanwhile included."""
+        folder = self.folders.get("")
+        if folder is not None and _write(folder / "cgroup.kill", "1"):
+            return
+        for _ in range(_KILL_ROUNDS):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
+
+    def peak_memory_mb(self) -> float | None:
+        if self.version == "v1":
+            name, folder = "memory.max_usage_in_bytes", self._folder("memory")
+        else:
+            name, folder = "memory.peak", self._folder("memory")
+        text = _read(folder / name) if folder else None
+        return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
+
+    def memory_now_mb(self) -> float | None:
+        name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        folder = self._folder("memory")
+        text = _read(folder / name) if folder else None
+        return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
+
+    def cpu_seconds(self) -> float | None:
+        if self.version == "v1":
+            folder = self._folder("cpuacct")
+            text = _read(folder / "cpuacct.usage") if folder else None
+            return round(int(text) / 1e9, 3) if text and text.strip().isdigit() else None
+        folder = self._folder("cpu")
+        usage = _keyed(_read(folder / "cpu.stat") if folder else None, "usage_usec")
+        return round(usage / 1e6, 3) if usage is not None else None
+
+    def lower_cpu_share(self) -> bool:
+        """The lowest CPU share against its siblings (squeezed for guaranteed work)."""
+        folder = self._folder("cpu")
+        if folder is None:
+            return False
+        if self.version == "v1":
+            return _write(folder / "cpu.shares", "2")
+        return _write(folder / "cpu.weight", "1")
+
+    def oom_kills(self) -> int:
+        folder = self._folder("memory")
+        if folder is None:
+            return 0
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        return _keyed(_read(folder / name), "oom_kill") or 0
+
+    def remove(self) -> bool:
+        """Remove the cgroup once its processes are gone; False while some remain."""
+        if self.removed:
+            return True
+        self.kill_all()
+        done = True
+        for folder in set(self.folders.values()):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                done = False
+        self.removed = done
+        return done
+
+
+@dataclass
+class Cgroups:
+    """How this agent makes attempt cgroups; ``None`` from ``detect`` when it cannot."""
+
+    version: Literal["v1", "v2"]
+    bases: dict[str, Path]
+    enforced: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def detect(cls) -> tuple[Cgroups | None, str]:
+        """The driver for this host, and a sentence on what is enforced and what not."""
+        own, mounts = _own_paths(), _mounts()
+        driver = _v2(own, mounts) or _v1(own, mounts)
+        if driver is None:
+            return None, (
+                "no writable cgroup hierarchy: an attempt's memory is an RLIMIT_DATA per "
+                "process, its processes an RLIMIT_NPROC for its uid, and CPU is not limited"
+            )
+        missing = sorted({"memory", "cpu", "pids"} - driver.enforced)
+        note = f"cgroup {driver.version} enforces {', '.join(sorted(driver.enforced))}"
+        if missing:
+            note += f"; not enforced by cgroup: {', '.join(missing)}"
+        return driver, note
+
+    def create(
+        self, attempt_id: int, memory_mb: int | None, cpu: float | None, pids_max: int
+    ) -> AttemptCgroup:
+        """A fresh cgroup for the attempt with its limits set; raises ``OSError``."""
+        folders = {name: base / f"a{attempt_id}" for name, base in self.bases.items()}
+        group = AttemptCgroup(self.version, folders, memory_mb)
+        for folder in set(folders.values()):
+            if folder.exists():  # left by an earlier try of the same attempt
+                AttemptCgroup(self.version, {"": folder}).remove()
+            folder.mkdir()
+        try:
+            self._limit(group, memory_mb, cpu, pids_max)
+        except OSError:
+            group.remove()
+            raise
+        return group
+
+    def _limit(
+        self, group: AttemptCgroup, memory_mb: int | None, cpu: float | None, pids_max: int
+    ) -> None:
+        memory, cpu_folder, pids = (
+            group._folder("memory"),
+            group._folder("cpu"),
+            group._folder("pids"),
+        )
+        v1 = self.version == "v1"
+        if memory is not None and memory_mb is not None:
+            limit = str(memory_mb * 2**20)
+            (memory / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(limit)
+            # No swap beyond the limit, where the kernel accounts swap at all.
+            if v1:
+                _write(memory / "memory.memsw.limit_in_bytes", limit)
+            else:
+                _write(memory / "memory.swap.max", "0")
+        if cpu_folder is not None and cpu is not None:
+            quota = max(1000, int(cpu * CPU_PERIOD_US))
+            if v1:
+                (cpu_folder / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (cpu_folder / "cpu.cfs_quota_us").write_text(str(quota))
+            else:
+                (cpu_folder / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        if pids is not None:
+            (pids / "pids.max").write_text(str(pids_max))
+
+    def sweep(self) -> None:
+        """Remove attempt cgroups that agents no longer alive left behind."""
+        for base in set(self.bases.values()):
+            for stale in base.parent.glob("agent-*"):
+                pid = stale.name.removeprefix("agent-")
+                if stale == base or (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+                    continue
+                for folder in stale.glob("a*"):
+                    AttemptCgroup(self.version, {"": folder}).remove()
+                with contextlib.suppress(OSError):
+                    stale.rmdir()
+
+    def close(self) -> None:
+        for base in set(self.bases.values()):
+            with contextlib.suppress(OSError):
+                base.rmdir()
+
+
+def _prepare(base: Path) -> bool:
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(base, os.W_OK)
+
+
+def _v1(own: dict[str, str], mounts: dict[str, Path]) -> Cgroups | None:
+    bases: dict[str, Path] = {}
+    tag = f"cairn/agent-{os.getpid()}"
+    for name in _V1_CONTROLLERS:
+        if name not in mounts or name not in own:
+            continue
+        base = mounts[name] / own[name].lstrip("/") / tag
+        if _prepare(base):
+            bases[name] = base
+    enforced = {"memory", "cpu", "pids"} & set(bases)
+    if not enforced:
+        return None
+    return Cgroups("v1", bases, frozenset(enforced))
+
+
+def _v2(own: dict[str, str], mounts: dict[str, Path]) -> Cgroups | None:
+    if "" not in mounts or "" not in own:
+        return None
+    folder = mounts[""] / own[""].lstrip("/")
+    offered = (_read(folder / "cgroup.controllers") or "").split()
+    if not set(_V2_CONTROLLERS) <= set(offered) or not os.access(folder, os.W_OK):
+        return None
+    # "No internal processes": the agent moves into a leaf of its own first, so that its
+    # cgroup may hand the controllers to the attempts' cgroups.
+    if _pids_in(folder) and folder != mounts[""]:
+        leaf = folder / "cairn-agent"
+        with contextlib.suppress(FileExistsError):
+            leaf.mkdir()
+        if not _write(leaf / "cgroup.procs", str(os.getpid())):
+            return None
+    enable = " ".join(f"+{name}" for name in _V2_CONTROLLERS)
+    base = folder / "cairn" / f"agent-{os.getpid()}"
+    if not _write(folder / "cgroup.subtree_control", enable) or not _prepare(base):
+        return None
+    if not (
+        _write(base.parent / "cgroup.subtree_control", enable)
+        and _write(base / "cgroup.subtree_control", enable)
+    ):
+        return None
+    return Cgroups("v2", {"": base}, frozenset(_V2_CONTROLLERS))

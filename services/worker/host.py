@@ -1,0 +1,242 @@
+"""What this host gives attempts, decided once when the agent starts (who they run as,
+where their folders go, which cgroups hold them), and each attempt's preparation and
+clean-up. See ``isolation`` for the layout and ``cgroups`` for the limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.common.models import Assignment
+from services.worker.artifacts import ArtifactCache
+from services.worker.cgroups import AttemptCgroup, Cgroups
+from services.worker.executor import AttemptSpec
+from services.worker.isolation import (
+    Folders,
+    Identity,
+    Sandbox,
+    UidPool,
+    kill_every_process_of,
+    mount_namespaces_work,
+    searchable_by_others,
+)
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger("cairn.worker")
+
+GIVES_UP = (
+    "attempts run as the agent's own user: they can read its token and environment, "
+    "signal it, read other attempts' folders and logs, and change the artifact cache"
+)
+
+
+class HostError(Exception):
+    """The agent cannot start with these settings; the message says why and what to do."""
+
+
+@dataclass
+class Prepared:
+    """One attempt made ready to start, and what to undo when it ends."""
+
+    spec: AttemptSpec
+    folders: Folders
+    identity: Identity | None
+    cgroup: AttemptCgroup | None
+
+
+class Host:
+    def __init__(self, settings: WorkerSettings, logs_dir: Path) -> None:
+        self.settings = settings
+        self.logs_dir = logs_dir
+        self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
+        self.pool: UidPool | None = None
+        self.private_tmp = False
+        self.tmp_targets: tuple[str, ...] = ()
+        self.cgroups: Cgroups | None = None
+        self.run_dir = settings.worker_run_dir or settings.home / "attempts"
+        self._leftover: list[AttemptCgroup] = []
+        self._keeping: set[asyncio.Task[None]] = set()
+
+    def start(self) -> list[str]:
+        """Check and set up; returns what the agent tells at start-up. Raises HostError."""
+        notes = self._who()
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o711 if self.isolated else 0o700)
+        self.run_dir.chmod(0o711 if self.isolated else 0o700)
+        self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.isolated:
+            blocked = searchable_by_others(self.run_dir)
+            if blocked is not None:
+                raise HostError(
+                    f"attempts' uids cannot reach {self.run_dir}: {blocked} is not searchable "
+                    "by others; set CAIRN_WORKER_RUN_DIR to a folder whose every parent is "
+                    "(such as /var/lib/cairn/attempts)"
+                )
+            self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
+            notes.append(self._tmp_note())
+        self.cgroups, note = Cgroups.detect()
+        notes.append(note)
+        if self.cgroups is not None:
+            self.cgroups.sweep()
+        return notes
+
+    def _who(self) -> list[str]:
+        if self.isolated:
+            uids = self.settings.uids
+            return [f"attempts run as uids {uids.start}-{uids.stop - 1}, one each, unprivileged"]
+        if self.settings.worker_isolation == "user":
+            if self.settings.env == "production":
+                raise HostError(
+                    "the agent is not root, so it cannot run attempts as users of their own; "
+                    f"run it as root, or set CAIRN_WORKER_ISOLATION=none to accept that {GIVES_UP}"
+                )
+            return [f"not root, so no isolation (development): {GIVES_UP}"]
+        return [f"CAIRN_WORKER_ISOLATION=none: {GIVES_UP}"]
+
+    def _tmp_note(self) -> str:
+        if not mount_namespaces_work():
+            return "no mount namespaces here: each attempt's TMPDIR is its own, /tmp is shared"
+        self.private_tmp = True
+        shared = [t for t in ("/tmp", "/var/tmp", "/dev/shm") if _under(self.run_dir, t)]
+        self.tmp_targets = tuple(t for t in ("/tmp", "/var/tmp") if t not in shared)
+        note = "each attempt has its own /tmp, /var/tmp and /dev/shm (a mount namespace)"
+        if shared:
+            note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
+        return note
+
+    async def prepare(self, assignment: Assignment, cache: ArtifactCache) -> Prepared:
+        """Folders, the verified executable and the cgroup of one attempt. Raises
+        ``ArtifactError``, ``IsolationError`` or ``OSError`` (after undoing its part)."""
+        identity = self.pool.take() if self.pool is not None else None
+        folders: Folders | None = None
+        group: AttemptCgroup | None = None
+        try:
+            name = _name_of(assignment.artifact.uri)
+            folders = Folders.make(self.run_dir, assignment.attempt_id, name, identity)
+            written = await cache.materialize(
+                assignment.artifact.uri,
+                assignment.artifact.sha256,
+                folders.executable.parent,
+                identity,
+            )
+            folders.seal_executable(written)
+            resources = assignment.resources
+            if self.cgroups is not None:
+                group = self.cgroups.create(
+                    assignment.attempt_id,
+                    resources.memory_mb,
+                    resources.cpu,
+                    self.settings.worker_pids_max,
+                )
+            spec = self._spec(assignment, folders, identity, group)
+        except BaseException:
+            await self._undo(folders, identity, group)
+            raise
+        return Prepared(spec, folders, identity, group)
+
+    def _spec(
+        self,
+        assignment: Assignment,
+        folders: Folders,
+        identity: Identity | None,
+        group: AttemptCgroup | None,
+    ) -> AttemptSpec:
+        enforced = self.cgroups.enforced if self.cgroups else frozenset()
+        limits: list[tuple[int, int]] = [(resource.RLIMIT_CORE, 0)]
+        if "memory" not in enforced:
+            limits.append((resource.RLIMIT_DATA, assignment.resources.memory_mb * 2**20))
+        if "pids" not in enforced and identity is not None:
+            limits.append((resource.RLIMIT_NPROC, self.settings.worker_pids_max))
+        sandbox = Sandbox(
+            identity=identity,
+            cgroup_procs=tuple(group.procs_files) if group else (),
+            private_tmp=folders.tmp if self.private_tmp else None,
+            tmp_targets=self.tmp_targets,
+            shm=self.private_tmp and not _under(self.run_dir, "/dev/shm"),
+            rlimits=tuple(limits),
+        )
+        tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
+        return AttemptSpec(
+            executable=folders.executable,
+            workdir=folders.home,
+            log_path=self.logs_dir / f"{assignment.attempt_id}.log",
+            task_id=assignment.task_id,
+            attempt_id=assignment.attempt_id,
+            attempt_number=assignment.attempt_number,
+            args=assignment.args,
+            env=assignment.env,
+            input_path=assignment.input_path,
+            output_path=assignment.output_path,
+            timeout_s=assignment.timeout_s,
+            memory_mb=assignment.resources.memory_mb,
+            cpu=assignment.resources.cpu,
+            sandbox=sandbox,
+            cgroup=group,
+            tmpdir=tmpdir,
+        )
+
+    async def stop_leftovers(self, prepared: Prepared) -> None:
+        """Kill whatever of the attempt still runs (its cgroup, or its uid)."""
+        if prepared.cgroup is not None:
+            prepared.cgroup.kill_all()
+        elif prepared.identity is not None:
+            await asyncio.to_thread(kill_every_process_of, prepared.identity)
+
+    async def release(self, prepared: Prepared) -> None:
+        """After the log is uploaded: remove the folders (now, or after the keep time),
+        then hand the uid back (never while a folder of that uid remains)."""
+        keep = self.settings.worker_keep_attempts_s
+        if keep <= 0:
+            await self._undo(prepared.folders, prepared.identity, prepared.cgroup)
+            prepared.spec.log_path.unlink(missing_ok=True)
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(keep)
+            await self._undo(prepared.folders, prepared.identity, prepared.cgroup)
+            prepared.spec.log_path.unlink(missing_ok=True)
+
+        if prepared.cgroup is not None:
+            prepared.cgroup.remove()
+        task = asyncio.create_task(later())
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
+
+    async def _undo(
+        self, folders: Folders | None, identity: Identity | None, group: AttemptCgroup | None
+    ) -> None:
+        try:
+            if group is not None and not group.remove():
+                self._leftover.append(group)
+            elif group is None and identity is not None:
+                await asyncio.to_thread(kill_every_process_of, identity)
+            if folders is not None:
+                await asyncio.to_thread(folders.remove)
+        finally:
+            if identity is not None and self.pool is not None:
+                self.pool.give_back(identity)
+
+    def tidy(self) -> None:
+        """Retry removing cgroups whose last processes were still exiting."""
+        self._leftover = [group for group in self._leftover if not group.remove()]
+
+    async def close(self) -> None:
+        for task in list(self._keeping):
+            task.cancel()
+        self.tidy()
+        if self.cgroups is not None:
+            self.cgroups.close()
+
+
+def _under(path: Path, top: str) -> bool:
+    return path == Path(top) or Path(top) in path.parents
+
+
+def _name_of(uri: str) -> str:
+    """The executable's file name, from the URI's last segment (``run`` if it has none)."""
+    last = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    clean = "".join(c for c in last if c.isalnum() or c in "._-")[:100].lstrip(".")
+    return clean or "run"

@@ -1,0 +1,101 @@
+"""The worker agent's settings (``CAIRN_*``). A worker never holds the database URL: what
+it needs of core comes over the HTTP API, with a worker token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from libs.common.settings import host_memory_mb
+from libs.common.sources import parse_sources
+
+
+class WorkerSettings(BaseSettings):
+    """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
+
+    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
+
+    env: Literal["development", "production"] = "development"
+    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
+    url: str = "http://127.0.0.1:8400"
+    #: the worker token, or (better) a 0600 file holding it
+    token: str | None = None
+    token_file: Path | None = None
+    log_level: str = "info"
+
+    worker_queues: str = "default"
+    worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
+    worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
+    worker_labels: str = ""
+    worker_drain_grace_s: float = Field(default=60.0, ge=0)
+    worker_slots: int = Field(default=64, ge=1, le=4096)
+
+    #: ``user``: an agent running as root runs every attempt as a uid of its own;
+    #: ``none``: attempts run as the agent's user (development, trusted code only)
+    worker_isolation: Literal["user", "none"] = "user"
+    #: the uids (and gids, the same numbers) given to attempts, one per running attempt
+    worker_uids: str = "20000-29999"
+    #: where attempts' folders are made; every folder above it must be searchable by all
+    worker_run_dir: Path | None = None
+    #: where agents on one host take the uids they hand out (a lock file per uid)
+    worker_uid_locks: Path = Path("/run/cairn/uids")
+    #: processes (and threads) one attempt may have at once
+    worker_pids_max: int = Field(default=1024, ge=8, le=4_194_304)
+    #: how long an attempt's folder is kept after its log is uploaded (0: removed at once)
+    worker_keep_attempts_s: float = Field(default=0.0, ge=0)
+    #: the artifact cache's bound; the least recently used artifacts go first
+    worker_cache_mb: int = Field(default=10 * 1024, ge=1)
+    artifact_sources: str = ""
+    #: preempt preemptible attempts while the host has less memory available than this
+    #: (default: 5 % of the worker's memory, at least 64 MB)
+    worker_min_available_mb: int | None = Field(default=None, ge=0)
+
+    @field_validator("home")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @field_validator("artifact_sources")
+    @classmethod
+    def _check_sources(cls, value: str) -> str:
+        parse_sources(value)
+        return value
+
+    @field_validator("worker_uids")
+    @classmethod
+    def _check_uids(cls, value: str) -> str:
+        first, _, last = value.partition("-")
+        if not (first.strip().isdigit() and last.strip().isdigit()):
+            raise ValueError("must be a range of uids, such as 20000-29999")
+        if not 1000 <= int(first) <= int(last) < 2**31 - 1:
+            raise ValueError("must lie between 1000 and 2**31-2, the first not above the last")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_insecure_production(self) -> WorkerSettings:
+        if self.env == "production" and not self.artifact_sources:
+            raise ValueError("CAIRN_ARTIFACT_SOURCES is required when CAIRN_ENV=production")
+        return self
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
+        pairs = (item.partition("=") for item in self.worker_labels.split(",") if item.strip())
+        return {key.strip(): value.strip() for key, _, value in pairs}
+
+    @property
+    def queues(self) -> list[str]:
+        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+
+    @property
+    def uids(self) -> range:
+        first, _, last = self.worker_uids.partition("-")
+        return range(int(first), int(last) + 1)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return parse_sources(self.artifact_sources)

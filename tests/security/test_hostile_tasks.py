@@ -1,0 +1,329 @@
+"""Hostile tasks against a real worker agent running as root (``python -m services.worker``)
+and a real core: each task tries an attack from docs/security.md, and the test asserts
+that it failed, from the task's own log and from what the database holds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import (
+    Core,
+    isolation_env,
+    make_token,
+    shared_dir,
+    start_core,
+    stop_process,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the agent must run as root to isolate"),
+]
+
+SH = Path("/bin/sh")
+SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
+PIDS_MAX = 64
+DB_URL_MARK = "postgresql://never-for-workers:s3cret@db.invalid/cairn"
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path / "core", heartbeat_interval_s=0.2, heartbeat_timeout_s=10)
+    yield server
+    server.stop()
+
+
+class Agent:
+    """A root agent with a token file, as production runs it."""
+
+    def __init__(self, core: Core, home: Path, name: str = "w", **env: str) -> None:
+        self.token = make_token(core.db_url, name, "worker")
+        home.mkdir(parents=True, mode=0o700)
+        token_file = home / "token"
+        token_file.write_text(self.token)
+        token_file.chmod(0o600)
+        self.isolation = isolation_env()
+        self.run_dir = Path(self.isolation["CAIRN_WORKER_RUN_DIR"])
+        self.home = home
+        environment = {
+            **os.environ,
+            "CAIRN_URL": core.url,
+            "CAIRN_TOKEN_FILE": str(token_file),
+            # Given on purpose, as `cairn up` used to: the agent must drop it unread.
+            "CAIRN_DATABASE_URL": DB_URL_MARK,
+            "CAIRN_HOME": str(home),
+            "CAIRN_WORKER_CPU": "2",
+            "CAIRN_WORKER_MEMORY_MB": "4096",
+            "CAIRN_WORKER_DRAIN_GRACE_S": "30",
+            "CAIRN_WORKER_PIDS_MAX": str(PIDS_MAX),
+            "CAIRN_LOG_LEVEL": "warning",
+            **self.isolation,
+            **env,
+        }
+        environment.pop("CAIRN_TOKEN", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)
+
+    def sidecar_pid(self) -> int:
+        def find() -> int | None:
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        status = (entry / "status").read_text()
+                        cmdline = (entry / "cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if f"PPid:\t{self.proc.pid}\n" in status and b"sidecar" in cmdline:
+                        return int(entry.name)
+            return None
+
+        return int(wait_for(find, timeout=30))
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        stop_process(agent.proc, signal.SIGKILL)
+
+
+def shell(script: str, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": "hostile",
+        "artifact": {"uri": f"file://{SH}", "sha256": SH_SHA},
+        "args": ["-c", script],
+        "retry": {"max_attempts": 1},
+    }
+    body.update(extra)
+    return body
+
+
+def run(core: Core, body: dict[str, Any], until: tuple[str, ...] = ("succeeded", "dead")) -> dict:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=body).json()
+        try:
+            wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] in until, 60)
+        except AssertionError:
+            print(alice.get(f"/v1/tasks/{task['id']}/events").json())
+            print(alice.get(f"/v1/tasks/{task['id']}/attempts").json())
+            raise
+        final = alice.get(f"/v1/tasks/{task['id']}").json()
+        final["attempts_list"] = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+        final["log"] = alice.get(f"/v1/tasks/{task['id']}/logs").text
+    return final
+
+
+def test_an_attempt_runs_unprivileged_with_its_own_uid_folder_and_tmp(core, agents, tmp_path):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    script = (
+        "id; grep -E '^(CapEff|CapPrm|NoNewPrivs|Groups)' /proc/self/status; "
+        'stat -c "home %a %u" "$HOME"; pwd; echo "tmpdir $TMPDIR"; '
+        "echo mine > /tmp/left-behind; ls -a /tmp | tr '\\n' ' '"
+    )
+    first = run(core, shell(script))
+    second = run(core, shell("ls -a /tmp | tr '\\n' ' '; echo; cat /tmp/left-behind"))
+
+    log = first["log"]
+    uid = int(re.search(r"uid=(\d+)", log).group(1))
+    first_uid, _, last_uid = agent.isolation["CAIRN_WORKER_UIDS"].partition("-")
+    assert int(first_uid) <= uid <= int(last_uid), log
+    assert f"gid={uid} groups={uid}\n" in log and "Groups:\t \n" in log, log
+    assert "CapEff:\t0000000000000000" in log and "CapPrm:\t0000000000000000" in log, log
+    assert "NoNewPrivs:\t1" in log, log
+    assert f"home 700 {uid}" in log, log
+    assert "left-behind" in log  # its own /tmp is writable...
+    assert "mine" not in second["log"] and "No such file" in second["log"]  # ...and private
+
+
+def test_the_token_and_database_url_are_unreadable(core, agents, tmp_path):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    sidecar = agent.sidecar_pid()
+    script = (
+        "cat /proc/$PPID/environ; echo parent=$?; "
+        f"cat /proc/{sidecar}/environ; echo sidecar=$?; "
+        "cat /proc/$PPID/cmdline /proc/*/cmdline 2>/dev/null | tr '\\0' ' '; "
+        "for f in /proc/[0-9]*/environ; do cat $f 2>/dev/null; done | tr '\\0' '\\n'; "
+        f"cat {agent.home}/token; echo file=$?; env"
+    )
+    final = run(core, shell(script))
+
+    log = final["log"]
+    assert "parent=1" in log and "sidecar=1" in log and "file=1" in log, log
+    assert agent.token not in log and "s3cret" not in log, log
+    assert "lease_" not in log, log
+    # The agent removed both from its own environment, as the kernel shows it.
+    for pid in (agent.proc.pid, sidecar):
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert agent.token.encode() not in environ and b"s3cret" not in environ
+
+
+def test_another_attempts_folder_log_and_tmp_are_unreadable(core, agents, tmp_path, db):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    ready = shared_dir() / "ready"
+    victim_script = (
+        f'echo victim-secret > "$HOME/secret"; echo victim-secret; touch {ready}; sleep 30'
+    )
+    with core.client() as alice:
+        victim = alice.post("/v1/tasks", json=shell(victim_script)).json()
+        wait_for(ready.exists, timeout=60)
+    [(attempt,)] = db.execute(
+        "SELECT id FROM core.attempts WHERE task_id = %s", (victim["id"],)
+    ).fetchall()
+    folder = agent.run_dir / str(attempt)
+    log = agent.home / "logs" / f"{attempt}.log"
+    script = (
+        f"cat {folder}/secret; ls {folder}; ls {agent.run_dir}; cat {log}; ls {agent.home}; "
+        f"cat {folder}/tmp/*; echo done"
+    )
+    final = run(core, shell(script))
+
+    assert "done" in final["log"] and "victim-secret" not in final["log"], final["log"]
+    assert "Permission denied" in final["log"]
+
+
+def test_the_executable_and_the_artifact_cache_cannot_be_changed(core, agents, tmp_path):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    cache = agent.home / "artifacts"
+    script = (
+        'echo "echo pwned" > "$0"; echo self=$?; '
+        f"ls {cache}; echo cache=$?; touch {cache}/x; echo touch=$?; "
+        f"cp /bin/false {agent.run_dir}/.exe/x; echo exe=$?"
+    )
+    attack = run(core, shell(script))
+    after = run(core, shell("echo honest"))
+
+    assert "self=1" in attack["log"] or "self=2" in attack["log"], attack["log"]
+    assert "cache=2" in attack["log"] and "touch=1" in attack["log"], attack["log"]
+    assert "exe=1" in attack["log"], attack["log"]
+    assert after["state"] == "succeeded" and after["log"].strip() == "honest"
+    assert SH.read_bytes() == Path("/bin/sh").read_bytes()
+
+
+def test_the_agent_and_its_sidecar_cannot_be_signalled(core, agents, tmp_path, db):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    sidecar = agent.sidecar_pid()
+    final = run(core, shell(f"kill -9 $PPID; echo agent=$?; kill -9 {sidecar}; echo sidecar=$?"))
+
+    assert "agent=1" in final["log"] and "sidecar=1" in final["log"], final["log"]
+    assert agent.proc.poll() is None and Path(f"/proc/{sidecar}").exists()
+    assert final["state"] == "succeeded"
+
+
+def test_a_host_file_cannot_be_read_as_an_artifact_and_no_digest_is_revealed(
+    core, agents, tmp_path
+):
+    agents.append(Agent(core, tmp_path / "w"))
+    folder = shared_dir()
+    secret = folder / "secret.sh"
+    secret.write_text("#!/bin/sh\necho the-host-secret\n")
+    secret.chmod(0o600)  # root's
+    real = hashlib.sha256(secret.read_bytes()).hexdigest()
+    for claimed in ("0" * 64, real):
+        final = run(core, {**shell(""), "artifact": {"uri": secret.as_uri(), "sha256": claimed}})
+        assert final["state"] == "dead"
+        assert "not readable by the attempt" in final["last_error"], final["last_error"]
+        assert real not in final["last_error"] + final["log"] + str(final["attempts_list"])
+    readable = folder / "public.sh"
+    readable.write_text("#!/bin/sh\necho public\n")
+    readable.chmod(0o644)
+    mismatch = run(core, {**shell(""), "artifact": {"uri": readable.as_uri(), "sha256": "0" * 64}})
+    assert "sha256 mismatch" in mismatch["last_error"]
+    assert hashlib.sha256(readable.read_bytes()).hexdigest() not in str(mismatch)
+    assert not [p for p in folder.iterdir() if p.name not in ("secret.sh", "public.sh")]
+
+
+def test_a_memory_hog_split_over_processes_is_stopped_at_the_attempts_limit(core, agents, tmp_path):
+    agents.append(Agent(core, tmp_path / "w"))
+    hog = "import time; b = bytearray(60 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(2); print('hog-done')"
+    script = f'for i in 1 2 3 4; do python3 -c "{hog}" & done; wait; echo survived'
+    final = run(core, shell(script, resources={"cpu": 1, "memory_mb": 64}))
+
+    [attempt] = final["attempts_list"]
+    assert attempt["outcome"] == "oom_killed", final
+    assert "64 MB" in attempt["error"]
+    assert attempt["peak_memory_mb"] <= 64.5
+    assert final["log"].count("hog-done") < 4, final["log"]
+
+
+def test_a_fork_bomb_stops_at_the_pids_limit(core, agents, tmp_path):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    bomb = (
+        "import os, time\n"
+        "n = 0\n"
+        "for _ in range(300):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+        "print(f'started={n}', flush=True)\n"
+    )
+    final = run(core, shell(f'python3 -c "{bomb}"'))
+
+    started = int(final["log"].split("started=")[1].split()[0])
+    assert started < PIDS_MAX, final["log"]
+    assert agent.proc.poll() is None
+
+
+def test_an_attempt_that_started_counts_as_a_crash_when_its_agent_dies(core, agents, tmp_path, db):
+    """With no heartbeat in between (the interval is long), the sidecar still tells core
+    the attempt had started: kill -9 of the agent costs the task its poison-pill budget."""
+    slow = start_core(
+        core.db_url, tmp_path / "slow", heartbeat_interval_s=30, heartbeat_timeout_s=90
+    )
+    try:
+        started = shared_dir() / "started"
+        agent = Agent(slow, tmp_path / "w")
+        agents.append(agent)
+        with slow.client() as alice:
+            body = shell(f"touch {started}; sleep 30", retry={"max_attempts": 5, "poison_after": 1})
+            task = alice.post("/v1/tasks", json=body).json()
+            wait_for(started.exists, timeout=60)
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait()
+            wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "dead", 30)
+            final = alice.get(f"/v1/tasks/{task['id']}").json()
+    finally:
+        slow.stop()
+    assert db.execute("SELECT crashes FROM core.tasks").fetchone() == (1,)
+    assert "poison pill" in (final.get("pending_reason") or "") or final["state"] == "dead"
+
+
+def test_a_draining_agent_still_obeys_cancel(core, agents, tmp_path, db):
+    agent = Agent(core, tmp_path / "w")
+    agents.append(agent)
+    started = shared_dir() / "started"
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=shell(f"touch {started}; sleep 60")).json()
+        wait_for(started.exists, timeout=60)
+        agent.proc.send_signal(signal.SIGTERM)  # drain: 30 s of grace
+        assert alice.post(f"/v1/tasks/{task['id']}/cancel").status_code == 200
+        assert agent.proc.wait(timeout=20) == 0  # well inside the grace period
+    assert db.execute("SELECT state FROM core.tasks").fetchone() == ("cancelled",)
+
+
+def test_a_worker_outside_the_allow_list_refuses_the_artifact(core, agents, tmp_path):
+    agents.append(Agent(core, tmp_path / "w", CAIRN_ARTIFACT_SOURCES="file:///opt/jobs/"))
+    final = run(core, shell("echo ran"))
+    assert final["state"] == "dead"
+    assert "not an allowed artifact source" in final["last_error"]

@@ -1,0 +1,114 @@
+"""The worker's isolation pieces on their own: environment scrubbing, the token file, the
+uid pool, folder removal that never follows links, and (as root) attempt cgroups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.worker import hardening
+from services.worker.cgroups import Cgroups
+from services.worker.isolation import IsolationError, UidPool, remove_tree
+
+
+def test_a_scrubbed_secret_is_gone_from_proc_self_environ() -> None:
+    code = (
+        "from services.worker import hardening\n"
+        "hardening.scrub_environ('CAIRN_TOKEN')\n"
+        "import os, sys\n"
+        "block = open('/proc/self/environ', 'rb').read()\n"
+        "sys.exit(0 if b'hunter2' not in block and b'KEEP=me' in block"
+        " and 'CAIRN_TOKEN' not in os.environ else 1)\n"
+    )
+    env = {**os.environ, "CAIRN_TOKEN": "hunter2", "KEEP": "me"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0
+
+
+def test_the_token_file_must_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("cairn_secret\n")
+    path.chmod(0o644)
+    with pytest.raises(hardening.HardeningError, match="mode 0600"):
+        hardening.read_token(path)
+    path.chmod(0o600)
+    assert hardening.read_token(path) == "cairn_secret"
+
+
+def test_two_pools_on_one_host_never_hand_out_the_same_uid(tmp_path: Path) -> None:
+    first, second = UidPool(range(30000, 30004), tmp_path), UidPool(range(30000, 30004), tmp_path)
+    taken = [first.take(), second.take(), first.take(), second.take()]
+    assert len({i.uid for i in taken}) == 4
+    with pytest.raises(IsolationError, match="every uid of 30000-30003 is in use"):
+        first.take()
+    second.give_back(taken[1])
+    assert first.take().uid == taken[1].uid
+
+
+def test_a_lock_folder_others_can_write_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(IsolationError, match="others cannot write"):
+        UidPool(range(30000, 30001), folder)
+
+
+def test_removing_an_attempts_folder_never_follows_its_links(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("precious")
+    folder = tmp_path / "attempt"
+    (folder / "deep").mkdir(parents=True)
+    (folder / "deep" / "link").symlink_to(outside)
+    (folder / "file-link").symlink_to(outside / "keep")
+    (folder / "locked").mkdir(mode=0)
+    remove_tree(folder)
+    assert not folder.exists() and (outside / "keep").read_text() == "precious"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups are made as root here")
+def test_an_attempt_cgroup_limits_measures_and_kills_the_whole_tree() -> None:
+    driver, note = Cgroups.detect()
+    if driver is None:
+        pytest.skip(note)
+    group = driver.create(987654, memory_mb=64, cpu=0.5, pids_max=16)
+    try:
+        wanted = {
+            "memory.limit_in_bytes", "cpu.cfs_quota_us", "memory.max", "cpu.max", "pids.max"
+        }  # fmt: skip
+        files = {
+            f.name: f.read_text().strip()
+            for d in group.folders.values()
+            for f in d.iterdir()
+            if f.name in wanted
+        }
+        if driver.version == "v1":
+            assert files["memory.limit_in_bytes"] == str(64 * 2**20)
+            assert files["cpu.cfs_quota_us"] == "50000"
+        else:
+            assert files["memory.max"] == str(64 * 2**20)
+            assert files["cpu.max"] == "50000 100000"
+        assert files["pids.max"] == "16"
+
+        def join() -> None:
+            for procs in group.procs_files:
+                Path(procs).write_text(str(os.getpid()))
+
+        # A leader that leaves its process group: killpg would miss the grandchild.
+        leader = subprocess.Popen(["/bin/sh", "-c", "setsid sleep 60 & sleep 60"], preexec_fn=join)
+        deadline = time.monotonic() + 10
+        while len(group.pids()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(group.pids()) == 3
+        group.kill_all()
+        assert leader.wait(timeout=10) == -9
+        assert group.pids() == [] and group.cpu_seconds() is not None
+        assert (group.peak_memory_mb() or 0) > 0
+    finally:
+        assert group.remove()
+        driver.close()
+    assert not any(folder.exists() for folder in group.folders.values())
