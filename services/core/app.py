@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
 from services.core import loops
-from services.core.api import events, principals, queues, tasks, usage, workers
+from services.core.api import events, principals, queues, subscriptions, tasks, usage, workers
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.metrics import CoreMetrics
@@ -61,6 +61,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     problems.install(app)
     for module in (tasks, events, queues, workers, usage, principals, health, metrics):
         app.include_router(module.router)
+    app.include_router(subscriptions.router)
+    app.include_router(subscriptions.events_router)
     app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.core import dispatch, placement, store
+from services.core import dispatch, notify, placement, store
 from services.core.feed import Notifier
 from services.core.metrics import CoreMetrics
 from services.core.settings import CoreSettings
@@ -109,9 +109,47 @@ def start(
             ),
             name="cairn-retention",
         ),
+        *notification_loops(engine, settings),
     ]
 
 
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
     await purge_once(engine, settings)
     return 0
+
+
+# --- notifications (docs/notifications.md) ------------------------------------------------
+
+
+def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+    """The matcher and the deadline scan (one replica at a time each, by advisory lock),
+    webhook delivery (every replica, leased rows) and the outbox's retention."""
+    interval = settings.notify_interval_s
+    batch = settings.notify_batch * 10
+    return [
+        asyncio.create_task(
+            every(interval, "notify-matcher", lambda: notify.match_once(engine, batch)),
+            name="cairn-notify-matcher",
+        ),
+        asyncio.create_task(
+            every(interval, "notify-deadlines", lambda: notify.deadlines_once(engine, batch)),
+            name="cairn-notify-deadlines",
+        ),
+        asyncio.create_task(_deliveries(engine, settings), name="cairn-notify-delivery"),
+        asyncio.create_task(
+            every(
+                settings.retention_interval_s,
+                "notify-retention",
+                lambda: notify.purge_once(engine, settings),
+            ),
+            name="cairn-notify-retention",
+        ),
+    ]
+
+
+async def _deliveries(engine: AsyncEngine, settings: CoreSettings) -> None:
+    deliverer = notify.Deliverer.of(engine, settings)
+    try:
+        await every(settings.notify_interval_s, "notify-delivery", deliverer.deliver_once)
+    finally:
+        await deliverer.aclose()
