@@ -2,7 +2,8 @@
 
 Running Cairn: ``up`` (everything, on loopback), ``core``, ``cron``, ``dag``, ``worker``,
 ``migrate``, ``token create``. Using it: ``submit``, ``get``, ``ls``, ``cancel``,
-``retry``, ``logs``, ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``.
+``retry``, ``logs``, ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``,
+``notify ...``.
 Tables by default, ``--json`` for scripts. See ``cairn/config.py`` for where the URLs and
 the token come from.
 """
@@ -16,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from cairn import config, cron_cli, dag_cli, output, placement_cli, system, tasks_cli
+from cairn import config, cron_cli, dag_cli, notify_cli, output, placement_cli, system, tasks_cli
 from cairn.tasks_cli import Ctx
 from libs.common.settings import CairnSettings
 
@@ -110,6 +111,7 @@ _service_group(cron_cli.app, "services.cron", "the cron service")
 _service_group(dag_cli.app, "services.dag", "the DAG service")
 app.add_typer(cron_cli.app, name="cron")
 app.add_typer(dag_cli.app, name="dag")
+app.add_typer(notify_cli.app, name="notify")
 
 
 @app.command()
