@@ -71,6 +71,14 @@ class Receiver:
         with self._lock:
             return list(self.received)
 
+    def _hold_this(self) -> bool:
+        """Whether to hold this request: the first one only, until ``release``."""
+        with self._lock:
+            if self._release.is_set() or self.held.is_set():
+                return False
+            self.held.set()
+            return True
+
     def _answer(self, delivery_id: str) -> int:
         with self._lock:
             self._tries[delivery_id] += 1
@@ -86,9 +94,8 @@ class Receiver:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 delivery_id = self.headers.get("X-Cairn-Delivery", "")
-                if not receiver._release.is_set():
-                    receiver.held.set()
-                    receiver._release.wait(30)
+                if receiver._hold_this():
+                    receiver._release.wait(60)
                 status = receiver._answer(delivery_id)
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 with receiver._lock:

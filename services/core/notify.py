@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -60,15 +59,24 @@ def body_of(leased: notify_store.Leased) -> bytes:
     return orjson.dumps(doc)
 
 
-@dataclass
 class Deliverer:
-    """Sends due deliveries by webhook, at least once, and records every answer."""
+    """Sends due deliveries by webhook, at least once, and records every answer. At most
+    ``batch`` are in flight; a slow webhook holds only its own."""
 
-    engine: AsyncEngine
-    policy: notify.Policy
-    http: httpx.AsyncClient
-    batch: int
-    lease_s: float
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        policy: notify.Policy,
+        http: httpx.AsyncClient,
+        batch: int,
+        lease_s: float,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.http = http
+        self.batch = batch
+        self.lease_s = lease_s
+        self._inflight: set[asyncio.Task[None]] = set()
 
     @classmethod
     def of(cls, engine: AsyncEngine, settings: CoreSettings) -> Deliverer:
@@ -83,13 +91,24 @@ class Deliverer:
         return cls(engine, policy, http, settings.notify_batch, settings.notify_lease)
 
     async def aclose(self) -> None:
+        for task in self._inflight:
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
         await self.http.aclose()
 
     async def deliver_once(self) -> int:
-        """Lease the due deliveries, send them side by side, record each answer."""
+        """Lease due deliveries up to the room left and start sending them; return how
+        many started (with no room, wait for one to end and count that)."""
+        room = self.batch - len(self._inflight)
+        if room <= 0:
+            await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            return 1
         async with self.engine.begin() as conn:
-            leased = await notify_store.claim(conn, self.batch, self.lease_s)
-        await asyncio.gather(*(self._deliver(item) for item in leased))
+            leased = await notify_store.claim(conn, room, self.lease_s)
+        for item in leased:
+            task = asyncio.create_task(self._deliver(item), name=f"cairn-deliver-{item.id}")
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
         return len(leased)
 
     async def _deliver(self, leased: notify_store.Leased) -> None:
