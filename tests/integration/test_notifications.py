@@ -270,13 +270,7 @@ def test_two_replicas_deliver_every_notification_exactly_once(
             subscribe(alice, hook.url)
         ids = bury(two, 20)
         wait_for(lambda: matcher_passed(db, ids))
-        wait_for(
-            lambda: db.execute(
-                "SELECT count(*) FILTER (WHERE state = 'delivered') = 30 AND count(*) = 30 "
-                "FROM core.notifications"
-            ).fetchone()[0],
-            timeout=30,
-        )
+        wait_for(lambda: delivered(db, 20), timeout=30)
     finally:
         one.stop()
         two.stop()
