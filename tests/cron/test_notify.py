@@ -27,10 +27,12 @@ def test_a_fire_skipped_by_the_misfire_policy_reaches_the_owners_webhook(
         cron = start_cron(core, tmp_path, clock)
         wait_for(lambda: settled(db, sid, 1))
         wait_for(
-            lambda: db.execute(
-                "SELECT count(*) FROM core.notifications WHERE state = 'delivered'"
-            ).fetchone()
-            == (1,),
+            lambda: (
+                db.execute(
+                    "SELECT count(*) FROM core.notifications WHERE state = 'delivered'"
+                ).fetchone()
+                == (1,)
+            ),
             timeout=20,
         )
     finally:
