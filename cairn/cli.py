@@ -3,7 +3,7 @@
 Running Cairn: ``up`` (everything, on loopback), ``core``, ``cron``, ``dag``, ``worker``,
 ``migrate``. Using it: ``submit``, ``get``, ``ls``, ``cancel``, ``retry``, ``logs``,
 ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``, ``token ...``, ``team ...``,
-``secret ...``, ``audit``.
+``secret ...``, ``audit``, ``notify ...``.
 Tables by default, ``--json`` for scripts. See ``cairn/config.py`` for where the URLs and
 the token come from.
 """
@@ -15,7 +15,17 @@ from typing import Annotated
 
 import typer
 
-from cairn import config, cron_cli, dag_cli, identity_cli, output, placement_cli, system, tasks_cli
+from cairn import (
+    config,
+    cron_cli,
+    dag_cli,
+    identity_cli,
+    notify_cli,
+    output,
+    placement_cli,
+    system,
+    tasks_cli,
+)
 from cairn.tasks_cli import Ctx
 from libs.common.settings import CairnSettings
 
@@ -109,6 +119,7 @@ _service_group(cron_cli.app, "services.cron", "the cron service")
 _service_group(dag_cli.app, "services.dag", "the DAG service")
 app.add_typer(cron_cli.app, name="cron")
 app.add_typer(dag_cli.app, name="dag")
+app.add_typer(notify_cli.app, name="notify")
 
 
 @app.command()

@@ -59,6 +59,17 @@ from libs.common.models import (
     WorkerRegister,
     WorkerRegistered,
 )
+from libs.common.notify_models import (
+    Answer,
+    AnswerList,
+    Delivery,
+    DeliveryList,
+    NotificationEvent,
+    Subscription,
+    SubscriptionCreate,
+    SubscriptionCreated,
+    SubscriptionList,
+)
 from libs.common.states import TaskState
 
 DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
@@ -403,3 +414,56 @@ class CoreClient(ApiClient):
         params = {k: str(v) for k, v in filters.items() if v is not None}
         response = await self._call("GET", "/v1/audit", params=params)
         return AuditPage.model_validate_json(response.content)
+
+    # --- notifications (docs/notifications.md) ---
+
+    async def create_subscription(
+        self, spec: SubscriptionCreate, *, on_behalf_of: str | None = None
+    ) -> SubscriptionCreated:
+        """Subscribe a webhook; the answer's ``secret`` is shown only this once."""
+        response = await self._call(
+            "POST",
+            "/v1/subscriptions",
+            content=spec.model_dump_json(),
+            headers=_owner(on_behalf_of),
+        )
+        return SubscriptionCreated.model_validate_json(response.content)
+
+    async def subscriptions(self) -> list[Subscription]:
+        response = await self._call("GET", "/v1/subscriptions")
+        return SubscriptionList.model_validate_json(response.content).items
+
+    async def subscription(self, subscription_id: int) -> Subscription:
+        response = await self._call("GET", f"/v1/subscriptions/{subscription_id}")
+        return Subscription.model_validate_json(response.content)
+
+    async def delete_subscription(self, subscription_id: int) -> None:
+        await self._call("DELETE", f"/v1/subscriptions/{subscription_id}")
+
+    async def test_subscription(self, subscription_id: int) -> Delivery:
+        """Queue a ``test`` delivery to the webhook."""
+        response = await self._call("POST", f"/v1/subscriptions/{subscription_id}/test")
+        return Delivery.model_validate_json(response.content)
+
+    async def enable_subscription(self, subscription_id: int) -> Subscription:
+        response = await self._call("POST", f"/v1/subscriptions/{subscription_id}/enable")
+        return Subscription.model_validate_json(response.content)
+
+    async def deliveries(self, subscription_id: int, limit: int = 50) -> list[Delivery]:
+        path = f"/v1/subscriptions/{subscription_id}/deliveries"
+        response = await self._call("GET", path, params={"limit": limit})
+        return DeliveryList.model_validate_json(response.content).items
+
+    async def answers(self, subscription_id: int, limit: int = 50) -> list[Answer]:
+        """The webhook's newest answers, one per try."""
+        path = f"/v1/subscriptions/{subscription_id}/answers"
+        response = await self._call("GET", path, params={"limit": limit})
+        return AnswerList.model_validate_json(response.content).items
+
+    async def notify(self, event: NotificationEvent) -> int:
+        """For services: post an owner's event; return the deliveries it queued."""
+        response = await self._call(
+            "POST", "/v1/notifications/events", content=event.model_dump_json(exclude_none=True)
+        )
+        queued: int = response.json()["queued"]
+        return queued

@@ -18,6 +18,7 @@ from services.core.api import (
     principals,
     queues,
     secrets,
+    subscriptions,
     tasks,
     teams,
     tokens,
@@ -87,6 +88,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     routers = (tasks, events, queues, workers, usage, principals, tokens, teams, secrets, audit)
     for module in (*routers, health, metrics):
         app.include_router(module.router)
+    app.include_router(subscriptions.router)
+    app.include_router(subscriptions.events_router)
     app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import dispatch, placement, store
+from services.core import dispatch, notify, placement, store
 from services.core.feed import Notifier
 from services.core.identity import audit
 from services.core.metrics import CoreMetrics
@@ -222,6 +222,7 @@ def start(
             ),
             name="cairn-retention",
         ),
+        *notification_loops(engine, settings),
     ]
 
 
@@ -235,3 +236,40 @@ async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
     await purge_once(engine, settings)
     await purge_audit_once(engine, settings)
     return 0
+
+
+# --- notifications (docs/notifications.md) ------------------------------------------------
+
+
+def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+    """The matcher and the deadline scan (one replica at a time each, by advisory lock),
+    webhook delivery (every replica, leased rows) and the outbox's retention."""
+    interval = settings.notify_interval_s
+    batch = settings.notify_batch * 10
+    return [
+        asyncio.create_task(
+            every(interval, "notify-matcher", lambda: notify.match_once(engine, batch)),
+            name="cairn-notify-matcher",
+        ),
+        asyncio.create_task(
+            every(interval, "notify-deadlines", lambda: notify.deadlines_once(engine, batch)),
+            name="cairn-notify-deadlines",
+        ),
+        asyncio.create_task(_deliveries(engine, settings), name="cairn-notify-delivery"),
+        asyncio.create_task(
+            every(
+                settings.retention_interval_s,
+                "notify-retention",
+                lambda: notify.purge_once(engine, settings),
+            ),
+            name="cairn-notify-retention",
+        ),
+    ]
+
+
+async def _deliveries(engine: AsyncEngine, settings: CoreSettings) -> None:
+    deliverer = notify.Deliverer.of(engine, settings)
+    try:
+        await every(settings.notify_interval_s, "notify-delivery", deliverer.deliver_once)
+    finally:
+        await deliverer.aclose()

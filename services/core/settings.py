@@ -92,3 +92,22 @@ class CoreSettings(CairnSettings):
     @property
     def sources(self) -> tuple[str, ...]:
         return parse_sources(self.artifact_sources)
+
+    # notifications (see docs/notifications.md)
+    notify_interval_s: float = Field(default=0.5, gt=0)
+    notify_batch: int = Field(default=100, ge=1, le=1000)
+    notify_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    notify_lease_s: float | None = Field(default=None, gt=0)
+    notify_max_tries: int = Field(default=12, ge=1, le=100)
+    notify_backoff_base_s: float = Field(default=5.0, gt=0)
+    notify_backoff_cap_s: float = Field(default=3600.0, gt=0)
+    notify_disable_after: int = Field(default=20, ge=1, le=10000)
+    notify_allow_http: bool = False
+
+    @property
+    def notify_lease(self) -> float:
+        """How long a replica holds a delivery it sends: unset, well past the timeout,
+        which bounds the whole exchange."""
+        if self.notify_lease_s is not None:
+            return self.notify_lease_s
+        return self.notify_timeout_s * 2 + 5

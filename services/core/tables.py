@@ -23,7 +23,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from libs.common.schema import metadata_for
 from libs.common.states import FINAL, TaskState
@@ -364,4 +364,108 @@ task_events = Table(
     Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("task_id", "seq"),
     Index("ix_task_events_xid_id", "xid", "id"),
+)
+
+
+# --- notifications (docs/notifications.md) ------------------------------------------------
+
+Index(
+    "ix_tasks_deadline_id",
+    tasks.c.deadline,
+    tasks.c.id,
+    postgresql_where=text("deadline IS NOT NULL"),
+)
+
+subscriptions = Table(
+    "subscriptions",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("events", ARRAY(Text), nullable=False),
+    Column("queue", Text),
+    Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("url", Text, nullable=False),
+    # The HMAC key, as text so that it can later be stored encrypted.
+    Column("secret", Text, nullable=False),
+    Column("enabled", Boolean, nullable=False, server_default=text("true")),
+    Column("disabled_reason", Text),
+    Column("failures", Integer, nullable=False, server_default=text("0")),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("owner", "name"),
+    CheckConstraint("enabled = (disabled_reason IS NULL)", name="disabled_has_reason"),
+    CheckConstraint("failures >= 0", name="failures_non_negative"),
+    CheckConstraint("cardinality(events) > 0", name="has_events"),
+)
+
+notifications = Table(
+    "notifications",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "subscription_id",
+        BigInteger,
+        ForeignKey("subscriptions.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("event", Text, nullable=False),
+    Column("dedupe_key", Text, nullable=False),
+    Column(
+        "delivery_id",
+        UUID(as_uuid=True),
+        nullable=False,
+        unique=True,
+        server_default=text("gen_random_uuid()"),
+    ),
+    Column("payload", JSONB, nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'pending'")),
+    Column("tries", Integer, nullable=False, server_default=text("0")),
+    Column("next_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    _now(),
+    Column("finished_at", DateTime(timezone=True)),
+    Column("last_status", Integer),
+    Column("last_error", Text),
+    Column("last_at", DateTime(timezone=True)),
+    UniqueConstraint("subscription_id", "dedupe_key"),
+    CheckConstraint("state IN ('delivered', 'failed', 'pending')", name="state"),
+    CheckConstraint("(state = 'pending') = (finished_at IS NULL)", name="final_has_finished_at"),
+    CheckConstraint("tries >= 0", name="tries_non_negative"),
+    Index("ix_notifications_next_at", "next_at", postgresql_where=text("state = 'pending'")),
+    Index(
+        "ix_notifications_finished_at",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+    ),
+)
+
+notification_answers = Table(
+    "notification_answers",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column(
+        "notification_id",
+        BigInteger,
+        ForeignKey("notifications.id", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    Column("subscription_id", BigInteger, nullable=False),
+    Column("try", Integer, nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("status", Integer),
+    Column("error", Text),
+    Column("duration_ms", Double, nullable=False),
+    Index("ix_notification_answers_subscription_id_id", "subscription_id", "id"),
+)
+
+notify_cursors = Table(
+    "notify_cursors",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("feed_xid", BigInteger, nullable=False, server_default=text("0")),
+    Column("feed_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("deadline_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("deadline_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

@@ -217,6 +217,7 @@ class CronEngine:
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
         self.turned_at: float | None = None  # loop time of the fire loop's last turn
+        self._telling: set[asyncio.Task[None]] = set()
 
     # --- leadership ---------------------------------------------------------------------
 
@@ -586,6 +587,8 @@ class CronEngine:
         self.metrics.fired(
             (outcome, at, submitted) for _, at, outcome, _, _, submitted, *_ in fired
         )
+        owners = {p.row.id: p.row.owner for p in plans}
+        self._tell([(f[0], f[1], f[2], f[6]) for f in fired], owners)
         for sid, at, outcome, task_id, run_id, _, detail, _, version in fired:
             ids = {"schedule_id": sid, "task_id": task_id, "run_id": run_id}
             level = logging.WARNING if outcome in ("failed", "pending") else logging.DEBUG
@@ -714,8 +717,24 @@ class CronEngine:
             outgoing.extend(await self._next_in_line(sequential, rows))
         if dropped:
             await self._record(dropped)
-        if outgoing:
-            await self._record(await self.sender.send(outgoing))
+        sent = await self.sender.send(outgoing) if outgoing else []
+        if sent:
+            await self._record(sent)
+        owners = {sid: row.owner for sid, row in rows.items()}
+        fires = dropped + sent
+        self._tell([(r.schedule_id, r.fire_time, r.outcome, r.detail) for r in fires], owners)
+
+    def _tell(
+        self, fires: list[tuple[int, datetime, str, str | None]], owners: dict[int, str]
+    ) -> None:
+        """Post missed and failed fires for notifications, off the fire path."""
+        told = [
+            (owners[f[0]], *f) for f in fires if f[2] in ("missed", "failed") and f[0] in owners
+        ]
+        if told:
+            task = asyncio.create_task(self.sender.notify(told), name="cairn-cron-notify")
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
 
     def _sort_pending(
         self,

@@ -5,6 +5,7 @@ restart finds the task the first one made instead of making another."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,9 +17,11 @@ from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
 from libs.common.dag_models import RunFire
 from libs.common.errors import CairnError, Unavailable
+from libs.common.notify_models import NotificationEvent
 from libs.common.states import FINAL
 
 Outcome = Literal["submitted", "failed", "pending", "missed"]
+log = logging.getLogger("cairn.cron.fire")
 SCHEDULE_LABEL = "cairn.cron/schedule"
 FIRE_LABEL = "cairn.cron/fire-time"
 BACKFILL_LABEL = "cairn.cron/backfill"
@@ -220,6 +223,25 @@ class Sender:
                 raise
             return (await self.core.get_task(task_id)).state == "cancelled"
         return True
+
+    async def notify(self, fires: Sequence[tuple[str, int, datetime, str, str | None]]) -> None:
+        """Post (owner, schedule, slot, missed|failed, detail) fires to core for the owners'
+        subscriptions (docs/notifications.md). Best effort: a lost post is logged."""
+        for owner, sid, at, outcome, detail in fires:
+            slot = at.isoformat()
+            event = NotificationEvent.model_validate(
+                {
+                    "event": f"fire.{outcome}",
+                    "owner": owner,
+                    "key": f"schedule {sid} at {slot}",
+                    "summary": (detail or "")[:1000],
+                    "subject": {"schedule_id": str(sid), "fire_time": slot},
+                }
+            )
+            try:
+                await self.core.notify(event)
+            except Exception as exc:  # whatever it is, the fire itself is recorded
+                log.warning("schedule %s fire %s: notification not posted: %s", sid, slot, exc)
 
     async def cancel(self, made: Made) -> None:
         kind, ident = made

@@ -42,6 +42,7 @@ from libs.common.dag_models import (
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
+from libs.common.notify_models import NotificationEvent
 from libs.common.states import TaskState
 from services.dag import store, traces
 from services.dag.domain import graph, rules
@@ -195,6 +196,7 @@ class Engine:
         self.metrics = DagMetrics(lambda: self.leading)
         self._ended: list[RunState] = []
         self._purged_at = -math.inf
+        self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
 
     def wake(self) -> None:
         self._wake.set()
@@ -320,6 +322,7 @@ class Engine:
         for event in page.items:
             by_task[event.task_id].append(event)
         self._ended.clear()
+        self._failed.clear()
         async with self._write() as conn:
             run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
             if run_ids:
@@ -334,6 +337,7 @@ class Engine:
         self._cursor = page.next_cursor
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
+        await self._tell_failed()
 
     async def _apply_run(
         self,
@@ -383,6 +387,8 @@ class Engine:
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
             self._ended.append(outcome)
+            if outcome is RunState.FAILED:
+                self._failed.append((run, max((n.try_number for n in nodes), default=0)))
         if any(state is N.READY for state in changed.values()) or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow.
             self._wake.set()
@@ -486,6 +492,7 @@ class Engine:
             exc.detail,
             extra={"run_id": row.run_id},
         )
+        self._failed.clear()
         async with self._write() as conn:
             await store.fail_ready(
                 conn, row.run_id, row.name, f"core refused the task: {exc.detail}"
@@ -493,6 +500,24 @@ class Engine:
             run = (await store.lock_runs(conn, [row.run_id]))[0]
             if run.state == RunState.RUNNING:
                 await self._settle(conn, run, await store.nodes_of(conn, [row.run_id], lock=True))
+        await self._tell_failed()
+
+    async def _tell_failed(self) -> None:
+        """Post the runs that just failed (committed) to core for their owners'
+        notifications (docs/notifications.md). Best effort: a lost post is logged."""
+        failed, self._failed = self._failed, []
+        for run, try_number in failed:
+            event = NotificationEvent(
+                event="run.failed",
+                owner=run.owner,
+                key=f"run {run.id} try {try_number}",
+                summary=f"workflow {run.workflow} run {run.id} failed",
+                subject={"run_id": str(run.id), "workflow": run.workflow},
+            )
+            try:
+                await self.core.notify(event)
+            except Exception as exc:  # whatever it is, the run's state is stored
+                log.warning("run %s: notification not posted: %s", run.id, exc)
 
     # --- cancelling ------------------------------------------------------------------------
 

@@ -1,0 +1,155 @@
+"""Notifications: an owner's webhook subscriptions, their deliveries and answers, and the
+events cron and DAG post. Requests only write the outbox; loops deliver."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
+
+from libs.common.errors import InvalidInput
+from libs.common.notify_models import (
+    AnswerList,
+    Delivery,
+    DeliveryList,
+    NotificationAccepted,
+    NotificationEvent,
+    Subscription,
+    SubscriptionCreate,
+    SubscriptionCreated,
+    SubscriptionList,
+)
+from libs.common.problems import PROBLEMS
+from services.core import notify_store
+from services.core.deps import Engine, Reader, SubmittingOwner, require
+from services.core.domain.notify import new_secret
+from services.core.settings import CoreSettings
+from services.core.store import Principal
+
+router = APIRouter(prefix="/v1/subscriptions", tags=["notifications"])
+events_router = APIRouter(prefix="/v1/notifications", tags=["notifications"])
+
+SubscriptionId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The subscription's id.")]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Poster = Annotated[Principal, Depends(require("service", "admin"))]
+
+
+def _check_url(url: str, settings: CoreSettings) -> None:
+    if urlsplit(url).scheme == "https" or settings.env != "production":
+        return
+    if settings.notify_allow_http:
+        return
+    reason = "must be https:// in production (CAIRN_NOTIFY_ALLOW_HTTP=true allows http)"
+    raise InvalidInput(f"body.url: {reason}", errors=[{"field": "body.url", "reason": reason}])
+
+
+async def _owned(engine: Engine, subscription_id: int, principal: Principal) -> Subscription:
+    async with engine.connect() as conn:
+        return await notify_store.get_subscription(conn, subscription_id, principal.owner_filter)
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=SubscriptionCreated,
+    responses=PROBLEMS,
+)
+async def create_subscription(
+    spec: SubscriptionCreate, owner: SubmittingOwner, engine: Engine, request: Request
+) -> SubscriptionCreated:
+    """Subscribe a webhook to events of the caller's work. The answer holds the signing
+    secret; it is not shown again."""
+    _check_url(spec.url, request.app.state.settings)
+    secret = new_secret()
+    async with engine.begin() as conn:
+        made = await notify_store.create_subscription(conn, owner, spec, secret)
+    return SubscriptionCreated(**made.model_dump(), secret=secret)
+
+
+@router.get("", response_model=SubscriptionList, responses=PROBLEMS)
+async def list_subscriptions(principal: Reader, engine: Engine) -> SubscriptionList:
+    """Your subscriptions (every owner's for admins and services)."""
+    async with engine.connect() as conn:
+        items = await notify_store.list_subscriptions(conn, principal.owner_filter)
+    return SubscriptionList(items=items)
+
+
+@router.get("/{subscription_id}", response_model=Subscription, responses=PROBLEMS)
+async def get_subscription(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine
+) -> Subscription:
+    return await _owned(engine, subscription_id, principal)
+
+
+@router.delete("/{subscription_id}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
+async def delete_subscription(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine
+) -> Response:
+    """Delete it, with its pending deliveries and its log."""
+    async with engine.begin() as conn:
+        await notify_store.delete_subscription(conn, subscription_id, principal.owner_filter)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/{subscription_id}/test",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=Delivery,
+    responses=PROBLEMS,
+)
+async def test_subscription(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine
+) -> Delivery:
+    """Queue a ``test`` event for the webhook (delivered even while disabled); follow it
+    in the deliveries and answers."""
+    async with engine.begin() as conn:
+        found = await notify_store.get_subscription(conn, subscription_id, principal.owner_filter)
+        return await notify_store.queue_test(conn, found)
+
+
+@router.post("/{subscription_id}/enable", response_model=Subscription, responses=PROBLEMS)
+async def enable_subscription(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine
+) -> Subscription:
+    """Deliver again after the subscription was disabled: its failures count from 0."""
+    async with engine.begin() as conn:
+        return await notify_store.enable_subscription(conn, subscription_id, principal.owner_filter)
+
+
+@router.get("/{subscription_id}/deliveries", response_model=DeliveryList, responses=PROBLEMS)
+async def list_deliveries(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine, limit: Limit = 50
+) -> DeliveryList:
+    """The newest deliveries: pending, delivered or given up, with their last answer."""
+    await _owned(engine, subscription_id, principal)
+    async with engine.connect() as conn:
+        return DeliveryList(items=await notify_store.deliveries(conn, subscription_id, limit))
+
+
+@router.get("/{subscription_id}/answers", response_model=AnswerList, responses=PROBLEMS)
+async def list_answers(
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine, limit: Limit = 50
+) -> AnswerList:
+    """The delivery log: the webhook's newest answers (status, error, time), one per try."""
+    await _owned(engine, subscription_id, principal)
+    async with engine.connect() as conn:
+        return AnswerList(items=await notify_store.answers(conn, subscription_id, limit))
+
+
+@events_router.post(
+    "/events",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=NotificationAccepted,
+    responses=PROBLEMS,
+)
+async def post_event(
+    event: NotificationEvent, principal: Poster, engine: Engine
+) -> NotificationAccepted:
+    """For the cron and DAG services: an event of ``owner``'s schedules or runs, queued
+    for that owner's matching subscriptions. The same ``key`` twice queues nothing new."""
+    at = event.at or datetime.now(UTC)
+    async with engine.begin() as conn:
+        queued = await notify_store.queue_posted(conn, event, at)
+    return NotificationAccepted(queued=queued)

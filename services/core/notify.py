@@ -1,0 +1,164 @@
+"""Notifications' background work: the matcher (core's feed to the outbox), the deadline
+scan, and webhook delivery. Each step is short transactions; no HTTP call is made while a
+transaction is open, and none from a request (docs/notifications.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+import orjson
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from services.core import notify_store, store
+from services.core.domain import notify
+from services.core.domain.retry import Backoff
+from services.core.settings import CoreSettings
+
+log = logging.getLogger("cairn.core.notify")
+
+MAX_ERROR = 500
+
+
+async def match_once(engine: AsyncEngine, limit: int) -> int:
+    """Read the next page of core's feed after the matcher's cursor and queue a delivery
+    per matching subscription. One replica at a time; a page read twice (a crash before
+    the commit) queues nothing twice, by the outbox's unique key. Return the events read."""
+    async with engine.begin() as conn:
+        if not await conn.scalar(notify_store.MATCHER_LOCK):
+            return 0
+        at = await notify_store.cursor(conn, "matcher")
+        events, after = await store.read_feed(conn, (at.feed_xid, at.feed_id), limit, None)
+        await notify_store.queue_dead(conn, events)
+        if after != (at.feed_xid, at.feed_id):
+            await notify_store.move_cursor(conn, "matcher", feed_xid=after[0], feed_id=after[1])
+    return len(events)
+
+
+async def deadlines_once(engine: AsyncEngine, limit: int) -> int:
+    """Queue ``task.deadline_missed`` for tasks whose deadline passed unfinished."""
+    async with engine.begin() as conn:
+        if not await conn.scalar(notify_store.DEADLINE_LOCK):
+            return 0
+        scanned, _ = await notify_store.queue_deadlines(conn, limit)
+    return scanned
+
+
+def body_of(leased: notify_store.Leased) -> bytes:
+    """The JSON a webhook receives; the same bytes on every try."""
+    doc = {
+        "id": str(leased.delivery_id),
+        "event": leased.event,
+        "owner": leased.owner,
+        "subscription": {"id": leased.subscription_id, "name": leased.subscription},
+        "created_at": leased.created_at.isoformat(),
+        "data": leased.payload,
+    }
+    return orjson.dumps(doc)
+
+
+class Deliverer:
+    """Sends due deliveries by webhook, at least once, and records every answer. At most
+    ``batch`` are in flight; a slow webhook holds only its own."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        policy: notify.Policy,
+        http: httpx.AsyncClient,
+        batch: int,
+        lease_s: float,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.http = http
+        self.batch = batch
+        self.lease_s = lease_s
+        self._inflight: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def of(cls, engine: AsyncEngine, settings: CoreSettings) -> Deliverer:
+        policy = notify.Policy(
+            backoff=Backoff(settings.notify_backoff_base_s, settings.notify_backoff_cap_s),
+            max_tries=settings.notify_max_tries,
+            disable_after=settings.notify_disable_after,
+        )
+        limit = settings.notify_timeout_s
+        timeout = httpx.Timeout(limit, connect=min(2.0, limit))
+        http = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
+        return cls(engine, policy, http, settings.notify_batch, settings.notify_lease)
+
+    async def aclose(self) -> None:
+        for task in self._inflight:
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        await self.http.aclose()
+
+    async def deliver_once(self) -> int:
+        """Lease due deliveries up to the room left and start sending them; return how
+        many started (with no room, wait for one to end and count that)."""
+        room = self.batch - len(self._inflight)
+        if room <= 0:
+            await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+            return 1
+        async with self.engine.begin() as conn:
+            leased = await notify_store.claim(conn, room, self.lease_s)
+        for item in leased:
+            task = asyncio.create_task(self._deliver(item), name=f"cairn-deliver-{item.id}")
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+        return len(leased)
+
+    async def _deliver(self, leased: notify_store.Leased) -> None:
+        status, error, took_ms = await self._send(leased)
+        delivered = self.policy.delivered(status)
+        retry_in = None if delivered else self.policy.retry_in_s(leased.tries)
+        outcome = notify_store.Outcome(status, error, took_ms, delivered, retry_in)
+        reason = notify.disabled_reason(self.policy.disable_after, status, error)
+        try:
+            async with self.engine.begin() as conn:
+                held = await notify_store.record(
+                    conn, leased, outcome, self.policy.disable_after, reason
+                )
+        except Exception:
+            # The lease runs out and another try follows: at least once.
+            log.exception("could not record delivery %s", leased.delivery_id)
+            return
+        if not held:
+            log.warning("delivery %s was taken over before its answer came", leased.delivery_id)
+
+    async def _send(self, leased: notify_store.Leased) -> tuple[int | None, str | None, float]:
+        body = body_of(leased)
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "cairn-webhooks/1",
+            notify.SIGNATURE_HEADER: notify.signature(leased.secret, body),
+            notify.DELIVERY_HEADER: str(leased.delivery_id),
+            notify.TIMESTAMP_HEADER: str(int(time.time())),
+            notify.EVENT_HEADER: leased.event,
+        }
+        started = time.monotonic()
+        try:
+            # The whole exchange, not only each read, ends within the timeout.
+            async with asyncio.timeout(self.http.timeout.read or 10.0):
+                answer = await self.http.post(leased.url, content=body, headers=headers)
+        except TimeoutError:
+            return None, "no answer within the timeout", (time.monotonic() - started) * 1000
+        except httpx.HTTPError as exc:
+            return None, _clip(f"{type(exc).__name__}: {exc}"), (time.monotonic() - started) * 1000
+        took_ms = (time.monotonic() - started) * 1000
+        error = None if answer.is_success else _clip(answer.text or answer.reason_phrase)
+        return answer.status_code, error, took_ms
+
+
+def _clip(text: str) -> str:
+    return text.replace("\x00", "")[:MAX_ERROR]
+
+
+async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
+    async with engine.begin() as conn:
+        return await notify_store.purge(
+            conn, settings.retention_days * 86400, settings.retention_batch
+        )

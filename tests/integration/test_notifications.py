@@ -1,0 +1,417 @@
+"""Notifications over real HTTP: subscriptions per owner, the matcher following core's feed,
+the deadline scan, events posted by services, and webhook delivery to a real receiver on
+127.0.0.1 that fails the first tries (signed, retried, logged, disabled, never doubled)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import Core, spec, start_core, wait_for
+from tests.webhooks import Receiver, subscribe
+
+FAST = {
+    "notify_interval_s": 0.05,
+    "notify_backoff_base_s": 0.05,
+    "notify_backoff_cap_s": 0.2,
+    "notify_timeout_s": 2.0,
+}
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path, **FAST)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    hook = Receiver(fail_first=2)
+    yield hook
+    hook.close()
+
+
+def bury(core: Core, count: int, owner: str = "alice", **fields: Any) -> list[int]:
+    """Submit ``count`` tasks and make them dead as a worker would: a failure that is not
+    retryable, reported through the dispatch API."""
+    with core.client(owner) as client:
+        ids = [client.post("/v1/tasks", json=spec(**fields)).json()["id"] for _ in range(count)]
+    with core.client(f"worker-{owner}", "worker") as worker:
+        offer = {"hostname": "w.test", "queues": [fields.get("queue", "default")], "cpu": 64}
+        worker_id = worker.post("/v1/workers", json={**offer, "memory_mb": 65536}).json()["worker"][
+            "id"
+        ]
+        claimed: list[dict[str, Any]] = []
+        while len(claimed) < count:
+            room = {"cpu": 64, "memory_mb": 65536, "max": count}
+            claimed += worker.post(f"/v1/workers/{worker_id}/claim", json=room).json()["attempts"]
+        for attempt in claimed:
+            answer = worker.post(
+                f"/v1/workers/{worker_id}/attempts/{attempt['attempt_id']}/report",
+                json={"outcome": "failed", "retryable": False, "error": "boom"},
+            )
+            assert answer.json()["state"] == "dead", answer.text
+    return ids
+
+
+def delivered(db, count: int) -> bool:
+    """Whether the outbox holds ``count`` rows, every one of them delivered."""
+    row = db.execute(
+        "SELECT count(*), count(*) FILTER (WHERE state = 'delivered') FROM core.notifications"
+    ).fetchone()
+    return row == (count, count)
+
+
+def matcher_passed(db, task_ids: list[int]) -> bool:
+    """Whether the matcher's cursor is past every event of these tasks."""
+    row = db.execute(
+        "SELECT count(*) FROM core.task_events e, core.notify_cursors c "
+        "WHERE c.name = 'matcher' AND e.task_id = ANY(%s) AND (e.xid, e.id) > (c.feed_xid, c.feed_id)",
+        (task_ids,),
+    ).fetchone()
+    return row == (0,)
+
+
+def test_a_dead_task_reaches_the_webhook_signed_after_two_failed_tries(
+    core: Core, receiver: Receiver, db
+) -> None:
+    with core.client() as alice:
+        made = subscribe(alice, receiver.url, filter={"labels": {"team": "a"}})
+        [dead] = bury(core, 1, labels={"team": "a", "x": "1"})
+        [other] = bury(core, 1, labels={"team": "b"})
+        wait_for(lambda: matcher_passed(db, [dead, other]))
+        wait_for(lambda: delivered(db, 1), timeout=20)
+        deliveries = alice.get(f"/v1/subscriptions/{made['id']}/deliveries").json()["items"]
+        answers = alice.get(f"/v1/subscriptions/{made['id']}/answers").json()["items"]
+        shown = alice.get(f"/v1/subscriptions/{made['id']}").json()
+    got = receiver.all()
+    assert [r.answered for r in got] == [500, 500, 200]
+    assert len({r.delivery_id for r in got}) == 1
+    assert all(r.signed_by(made["secret"]) for r in got)
+    assert all(r.headers["x-cairn-event"] == "task.dead" for r in got)
+    assert all(int(r.headers["x-cairn-timestamp"]) > 0 for r in got)
+    assert len({r.body for r in got}) == 1, "every try carries the same body"
+    doc = got[0].doc
+    assert doc["id"] == got[0].delivery_id
+    assert doc["event"] == "task.dead"
+    assert doc["owner"] == "alice"
+    assert doc["data"]["task"]["id"] == dead
+    assert doc["data"]["task"]["labels"] == {"team": "a", "x": "1"}
+    assert doc["data"]["task"]["last_error"] == "boom"
+    assert [(d["state"], d["tries"], d["last_status"]) for d in deliveries] == [
+        ("delivered", 3, 200)
+    ]
+    assert [(a["try"], a["status"]) for a in answers] == [(3, 200), (2, 500), (1, 500)]
+    assert shown["failures"] == 0
+    assert shown["enabled"] is True
+    assert "secret" not in shown
+
+
+def test_retried_and_dead_again_is_a_new_notification(core: Core, db) -> None:
+    hook = Receiver()
+    try:
+        with core.client() as alice:
+            subscribe(alice, hook.url)
+            [task] = bury(core, 1)
+            wait_for(lambda: delivered(db, 1), timeout=20)
+            assert alice.post(f"/v1/tasks/{task}/retry").status_code == 200
+        bury_again = db.execute(
+            "SELECT count(*) FROM core.tasks WHERE id = %s AND state = 'waiting'", (task,)
+        ).fetchone()
+        assert bury_again == (1,)
+        with core.client("worker-alice", "worker") as worker:
+            worker_id = db.execute("SELECT max(id) FROM core.workers").fetchone()[0]
+            room = {"cpu": 64, "memory_mb": 65536, "max": 1}
+            [attempt] = worker.post(f"/v1/workers/{worker_id}/claim", json=room).json()["attempts"]
+            worker.post(
+                f"/v1/workers/{worker_id}/attempts/{attempt['attempt_id']}/report",
+                json={"outcome": "failed", "retryable": False, "error": "again"},
+            )
+        wait_for(lambda: matcher_passed(db, [task]))
+        wait_for(lambda: delivered(db, 2), timeout=20)
+        ids = [r.delivery_id for r in hook.all()]
+        assert len(set(ids)) == 2
+        assert [r.doc["data"]["task"]["last_error"] for r in hook.all()] == ["boom", "again"]
+    finally:
+        hook.close()
+
+
+def test_a_deadline_passed_while_not_finished_is_notified_once(core: Core, db) -> None:
+    hook = Receiver()
+    try:
+        with core.client() as alice:
+            subscribe(alice, hook.url, events=["task.deadline_missed"], filter={"queue": "etl"})
+            later = "2999-01-01T00:00:00Z"
+            late = alice.post("/v1/tasks", json=spec(queue="etl", deadline=later)).json()["id"]
+            other = alice.post("/v1/tasks", json=spec(queue="web", deadline=later)).json()["id"]
+            done = alice.post("/v1/tasks", json=spec(queue="etl", deadline=later)).json()["id"]
+            alice.post(f"/v1/tasks/{done}/cancel")
+            # Backdated in SQL: the cancelled one finished before its deadline.
+            db.execute(
+                "UPDATE core.tasks SET deadline = now() - interval '1 second', finished_at = "
+                "CASE WHEN id = %s THEN now() - interval '1 minute' END WHERE id = ANY(%s)",
+                (done, [late, other, done]),
+            )
+            wait_for(
+                lambda: db.execute(
+                    "SELECT deadline_id >= %s FROM core.notify_cursors WHERE name = 'deadlines'",
+                    (max(late, other, done),),
+                ).fetchone()[0]
+            )
+            wait_for(lambda: delivered(db, 1), timeout=20)
+        [got] = hook.all()
+        assert got.doc["event"] == "task.deadline_missed"
+        assert got.doc["data"]["task"]["id"] == late
+        assert got.doc["data"]["task"]["state"] == "waiting"
+    finally:
+        hook.close()
+
+
+def test_services_post_fire_and_run_events_for_an_owner_once(core: Core, db) -> None:
+    hook = Receiver()
+    try:
+        with core.client() as alice, core.client("bob") as bob:
+            made = subscribe(alice, hook.url, events=["fire.failed", "run.failed"])
+            subscribe(bob, hook.url, name="bob's", events=["fire.failed"])
+            event = {
+                "event": "fire.failed",
+                "owner": "alice",
+                "key": "schedule 7 at 2026-12-01T00:00:00Z",
+                "summary": "schedule nightly: core refused the submission",
+                "subject": {"schedule_id": "7", "fire_time": "2026-12-01T00:00:00Z"},
+            }
+            with core.client("cron", "service") as cron:
+                first = cron.post("/v1/notifications/events", json=event)
+                again = cron.post("/v1/notifications/events", json=event)
+                missed = cron.post(
+                    "/v1/notifications/events", json={**event, "event": "fire.missed"}
+                )
+            assert (first.status_code, first.json()) == (202, {"queued": 1})
+            assert again.json() == {"queued": 0}
+            assert missed.json() == {"queued": 0}
+            assert alice.post("/v1/notifications/events", json=event).status_code == 403
+            wait_for(lambda: delivered(db, 1), timeout=20)
+        [got] = hook.all()
+        assert got.signed_by(made["secret"])
+        assert got.doc["event"] == "fire.failed"
+        assert got.doc["data"]["subject"]["schedule_id"] == "7"
+        assert got.doc["subscription"] == {"id": made["id"], "name": "hook"}
+    finally:
+        hook.close()
+
+
+def test_after_repeated_failure_a_subscription_is_disabled_with_its_reason(
+    db_url: str, tmp_path: Path, db
+) -> None:
+    hook = Receiver(fail_first=None, status=503)
+    server = start_core(db_url, tmp_path, **FAST, notify_disable_after=3)
+    try:
+        with server.client() as alice:
+            made = subscribe(alice, hook.url)
+            bury(server, 1)
+
+            def disabled() -> Any:
+                found = alice.get(f"/v1/subscriptions/{made['id']}").json()
+                return found if not found["enabled"] else None
+
+            shown = wait_for(disabled, timeout=20)
+            assert shown["disabled_reason"] == (
+                "disabled after 3 failed deliveries in a row; last: HTTP 503"
+            )
+            assert shown["failures"] == 3
+            [delivery] = alice.get(f"/v1/subscriptions/{made['id']}/deliveries").json()["items"]
+            assert (delivery["state"], delivery["tries"]) == ("pending", 3)
+            assert len(hook.all()) == 3
+            # Healed and enabled again: the pending delivery goes out.
+            hook.fail_first = 0
+            enabled = alice.post(f"/v1/subscriptions/{made['id']}/enable").json()
+            assert (enabled["enabled"], enabled["failures"]) == (True, 0)
+            wait_for(lambda: delivered(db, 1), timeout=20)
+        assert [r.answered for r in hook.all()] == [503, 503, 503, 200]
+    finally:
+        server.stop()
+        hook.close()
+
+
+def test_a_test_event_is_delivered_and_logged(core: Core, db) -> None:
+    hook = Receiver(fail_first=1)
+    try:
+        with core.client() as alice:
+            made = subscribe(alice, hook.url)
+            queued = alice.post(f"/v1/subscriptions/{made['id']}/test")
+            assert queued.status_code == 202
+            wait_for(lambda: delivered(db, 1), timeout=20)
+            answers = alice.get(f"/v1/subscriptions/{made['id']}/answers").json()["items"]
+        assert [a["status"] for a in answers] == [200, 500]
+        assert all(r.doc["event"] == "test" for r in hook.all())
+        assert hook.all()[0].delivery_id == queued.json()["delivery_id"]
+    finally:
+        hook.close()
+
+
+def test_two_replicas_deliver_every_notification_exactly_once(
+    db_url: str, tmp_path: Path, db
+) -> None:
+    hook = Receiver(fail_first=1)
+    one = start_core(db_url, tmp_path / "one", **FAST)
+    two = start_core(db_url, tmp_path / "two", **FAST)
+    try:
+        with one.client() as alice:
+            subscribe(alice, hook.url)
+        ids = bury(two, 20)
+        wait_for(lambda: matcher_passed(db, ids))
+        wait_for(lambda: delivered(db, 20), timeout=30)
+    finally:
+        one.stop()
+        two.stop()
+        hook.close()
+    tries = Counter(r.delivery_id for r in hook.all())
+    accepted = Counter(r.delivery_id for r in hook.accepted())
+    assert len(tries) == 20
+    assert set(tries.values()) == {2}, "one failure, one success each, no double sends"
+    assert set(accepted.values()) == {1}
+    assert sorted(r.doc["data"]["task"]["id"] for r in hook.accepted()) == sorted(ids)
+
+
+def test_another_owners_subscription_is_not_found(core: Core) -> None:
+    with core.client() as alice, core.client("bob") as bob:
+        made = subscribe(alice, "https://hooks.example.com/x")
+        base = f"/v1/subscriptions/{made['id']}"
+        assert bob.get(base).status_code == 404
+        assert bob.delete(base).status_code == 404
+        assert bob.post(f"{base}/test").status_code == 404
+        assert bob.post(f"{base}/enable").status_code == 404
+        assert bob.get(f"{base}/deliveries").status_code == 404
+        assert bob.get(f"{base}/answers").status_code == 404
+        assert bob.get("/v1/subscriptions").json() == {"items": []}
+        assert [s["id"] for s in alice.get("/v1/subscriptions").json()["items"]] == [made["id"]]
+        assert alice.delete(base).status_code == 204
+        assert alice.get(base).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"url": "ftp://example.com/x"}, "body.url"),
+        ({"url": "https://user:pw@example.com/x"}, "body.url"),
+        ({"url": "https://example.com/" + "x" * 3000}, "body.url"),
+        ({"events": ["task.succeeded"]}, "body.events.0"),
+        ({"events": []}, "body.events"),
+        ({"owner": "mallory"}, "body.owner"),
+        ({"filter": {"queue": "Bad Queue"}}, "body.filter.queue"),
+        ({"name": "x" * 300}, "body.name"),
+    ],
+)
+def test_bad_subscriptions_are_refused_naming_the_field(
+    core: Core, body: dict[str, Any], field: str
+) -> None:
+    full = {"name": "hook", "events": ["task.dead"], "url": "https://example.com/x", **body}
+    with core.client() as alice:
+        answer = alice.post("/v1/subscriptions", json=full)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["errors"][0]["field"] == field
+
+
+def test_a_name_is_used_once_per_owner(core: Core) -> None:
+    with core.client() as alice, core.client("bob") as bob:
+        subscribe(alice, "https://example.com/a")
+        again = alice.post(
+            "/v1/subscriptions",
+            json={"name": "hook", "events": ["task.dead"], "url": "https://example.com/b"},
+        )
+        assert again.status_code == 409
+        assert "name" in again.json()["detail"]
+        subscribe(bob, "https://example.com/a")
+
+
+def test_production_takes_https_webhooks_only(db_url: str, tmp_path: Path) -> None:
+    server = start_core(db_url, tmp_path, env="production")
+    try:
+        with server.client() as alice:
+            plain = alice.post(
+                "/v1/subscriptions",
+                json={"name": "h", "events": ["task.dead"], "url": "http://example.com/x"},
+            )
+            assert plain.status_code == 422
+            assert plain.json()["errors"][0]["field"] == "body.url"
+            subscribe(alice, "https://example.com/x")
+    finally:
+        server.stop()
+
+
+def test_the_client_manages_subscriptions(core: Core) -> None:
+    from libs.common.client import CoreClient
+    from libs.common.notify_models import SubscriptionCreate
+
+    async def go() -> None:
+        async with CoreClient(core.url, core.tokens["alice"]) as client:
+            made = await client.create_subscription(
+                SubscriptionCreate(name="c", events=["run.failed"], url="http://127.0.0.1:9/h")
+            )
+            assert made.secret.startswith("whsec_")
+            assert [s.id for s in await client.subscriptions()] == [made.id]
+            queued = await client.test_subscription(made.id)
+            assert queued.event == "test"
+            await client.delete_subscription(made.id)
+            assert await client.subscriptions() == []
+
+    core.client().close()  # makes alice's token
+    asyncio.run(go())
+
+
+def test_a_receiver_can_check_the_signature() -> None:
+    from services.core.domain.notify import signature, verify
+
+    body = b'{"id":"x"}'
+    header = signature("whsec_k", body)
+    assert header.startswith("sha256=") and len(header) == 7 + 64
+    assert verify("whsec_k", body, header)
+    assert not verify("whsec_other", body, header)
+    assert not verify("whsec_k", body + b" ", header)
+
+
+def _cairn(core: Core, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CAIRN_URL": core.url, "CAIRN_TOKEN": token, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "cairn", "notify", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_cli_adds_lists_tests_and_removes(core: Core, db) -> None:
+    hook = Receiver()
+    try:
+        core.client().close()
+        token = core.tokens["alice"]
+        made = _cairn(core, token, "add", "nightly", hook.url, "-e", "task.dead", "-l", "team=a")
+        assert made.returncode == 0, made.stderr
+        assert "whsec_" in made.stdout
+        [sub] = json.loads(_cairn(core, token, "ls", "--json").stdout)
+        assert (sub["name"], sub["filter"]["labels"]) == ("nightly", {"team": "a"})
+        assert _cairn(core, token, "test", str(sub["id"])).returncode == 0
+        wait_for(lambda: delivered(db, 1), timeout=20)
+        [got] = hook.all()
+        secret = made.stdout.split("with it): ")[1].split()[0]
+        assert got.signed_by(secret)
+        log = _cairn(core, token, "log", str(sub["id"]))
+        assert "200" in log.stdout and "test" in log.stdout
+        bad = _cairn(core, token, "add", "x", "ftp://nope", "-e", "task.dead")
+        assert bad.returncode == 2 and "url" in bad.stderr
+        assert _cairn(core, token, "rm", str(sub["id"])).returncode == 0
+        assert json.loads(_cairn(core, token, "ls", "--json").stdout) == []
+        assert _cairn(core, token, "rm", str(sub["id"])).returncode == 1
+    finally:
+        hook.close()
