@@ -5,6 +5,7 @@ the deadline scan, events posted by services, and webhook delivery to a real rec
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -41,6 +42,10 @@ def receiver() -> Iterator[Receiver]:
     hook.close()
 
 
+# Each registered worker's lease secret, by its id: its calls must carry it.
+LEASES: dict[int, str] = {}
+
+
 def bury(core: Core, count: int, owner: str = "alice", **fields: Any) -> list[int]:
     """Submit ``count`` tasks and make them dead as a worker would: a failure that is not
     retryable, reported through the dispatch API."""
@@ -48,9 +53,10 @@ def bury(core: Core, count: int, owner: str = "alice", **fields: Any) -> list[in
         ids = [client.post("/v1/tasks", json=spec(**fields)).json()["id"] for _ in range(count)]
     with core.client(f"worker-{owner}", "worker") as worker:
         offer = {"hostname": "w.test", "queues": [fields.get("queue", "default")], "cpu": 64}
-        worker_id = worker.post("/v1/workers", json={**offer, "memory_mb": 65536}).json()["worker"][
-            "id"
-        ]
+        registered = worker.post("/v1/workers", json={**offer, "memory_mb": 65536}).json()
+        worker_id = registered["worker"]["id"]
+        LEASES[worker_id] = registered["lease"]
+        worker.headers["X-Cairn-Worker-Lease"] = registered["lease"]
         claimed: list[dict[str, Any]] = []
         while len(claimed) < count:
             room = {"cpu": 64, "memory_mb": 65536, "max": count}
@@ -131,6 +137,7 @@ def test_retried_and_dead_again_is_a_new_notification(core: Core, db) -> None:
         assert bury_again == (1,)
         with core.client("worker-alice", "worker") as worker:
             worker_id = db.execute("SELECT max(id) FROM core.workers").fetchone()[0]
+            worker.headers["X-Cairn-Worker-Lease"] = LEASES[worker_id]
             room = {"cpu": 64, "memory_mb": 65536, "max": 1}
             [attempt] = worker.post(f"/v1/workers/{worker_id}/claim", json=room).json()["attempts"]
             worker.post(
@@ -335,7 +342,13 @@ def test_a_name_is_used_once_per_owner(core: Core) -> None:
 
 
 def test_production_takes_https_webhooks_only(db_url: str, tmp_path: Path) -> None:
-    server = start_core(db_url, tmp_path, env="production")
+    server = start_core(
+        db_url,
+        tmp_path,
+        env="production",
+        secrets_key=base64.urlsafe_b64encode(os.urandom(32)).decode(),
+        artifact_sources="file:///",
+    )
     try:
         with server.client() as alice:
             plain = alice.post(
