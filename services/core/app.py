@@ -11,8 +11,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
-from services.core import loops
+from services.core import loops, sharing
 from services.core.api import events, principals, queues, tasks, usage, workers
+from services.core.api import sharing as sharing_api
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.metrics import CoreMetrics
@@ -38,6 +39,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.settings = settings
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
+        app.state.sharing = sharing.Book(settings.sharing_cache_s)
         background = loops.start(engine, notifier, settings, meter)
         try:
             yield
@@ -59,7 +61,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     app.state.core_metrics = meter
     app.state.metrics = meter.metrics
     problems.install(app)
-    for module in (tasks, events, queues, workers, usage, principals, health, metrics):
+    for module in (tasks, events, queues, workers, usage, sharing_api, principals, health, metrics):
         app.include_router(module.router)
     app.include_router(ui)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

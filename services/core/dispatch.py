@@ -6,56 +6,78 @@ whose guard comes from the same transitions table.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import TextClause, func, insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
 from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegister
 from libs.common.states import TaskState
-from services.core import placement, store
+from services.core import placement, sharing, store
 from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import Backoff
+from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
 from services.core.tables import attempt_logs, attempts, workers
 
 S = TaskState
 
 # Waiting work of the worker's queues, best first, with what placement needs: its kind's
-# measured peak and its pool's overcommit ratio. A preemptible task may be charged less
-# than its request, so only guaranteed work is filtered by the room here. Time-insensitive
-# work in a pool above its deferral threshold is left for the placement pass to defer.
-_CANDIDATES = """
-SELECT t.id, t.cpu, t.memory_mb, t.preemptible, t.priority,
-       u.peak_cpu, u.peak_memory_mb, q.overcommit
+# measured peak and its pool's overcommit ratio; and what sharing needs: its owner's
+# running quotas, its concurrency key, its aging boost. A preemptible task may be charged
+# less than its request, so only guaranteed work is filtered by the room here.
+# Time-insensitive work in a pool above its deferral threshold is left for the placement
+# pass to defer. Best first is priority, then the fair-share stamp (docs/sharing.md);
+# the second scan adds the work longest past its fair turn, which aging may lift.
+_CANDIDATE = """
+SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
+       t.concurrency_key, t.concurrency_limit,
+       LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
+           (EXTRACT(EPOCH FROM now()) - GREATEST(t.vtime, EXTRACT(EPOCH FROM t.run_at)))
+           / :aging_s)))::int AS boost,
+       u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running
 FROM core.tasks t
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
+LEFT JOIN core.shares s ON s.name = t.owner
 WHERE t.state = ANY(CAST(:sources AS text[])) AND {which}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
   AND NOT ({deferrable} AND t.queue IN {hot} AND {latest} > now())
-ORDER BY t.priority DESC, t.id
-LIMIT :limit
+ORDER BY {order}
+LIMIT {limit}
 FOR UPDATE OF t SKIP LOCKED
 """
 
 
-def _candidates(which: str) -> TextClause:
-    return text(
-        _CANDIDATES.format(
-            which=which,
-            deferrable=placement.DEFERRABLE,
-            hot=placement.HOT_QUEUES,
-            latest=placement.LATEST_START,
-        )
+def _candidates(which: str, order: str, limit: str = ":limit") -> str:
+    return _CANDIDATE.format(
+        which=which,
+        order=order,
+        limit=limit,
+        deferrable=placement.DEFERRABLE,
+        hot=placement.HOT_QUEUES,
+        latest=placement.LATEST_START,
     )
 
 
-_WAITING_IN_QUEUES = _candidates("t.queue = ANY(CAST(:queues AS text[]))")
-_RESERVED_TASKS = _candidates("t.id = ANY(CAST(:reserved AS bigint[]))")
+_IN_QUEUES = "t.queue = ANY(CAST(:queues AS text[]))"
+_BEST = "t.priority DESC, t.vtime, t.id"
+_WAITING_IN_QUEUES = text(f"""
+WITH best AS ({_candidates(_IN_QUEUES, _BEST)}),
+aged AS ({
+    _candidates(
+        f"{_IN_QUEUES} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s",
+        "t.vtime, t.id",
+        ":aged_limit",
+    )
+})
+SELECT * FROM best UNION SELECT * FROM aged
+""")
+_RESERVED_TASKS = text(_candidates("t.id = ANY(CAST(:reserved AS bigint[]))", _BEST))
 
 # Guaranteed tasks this worker squeezed or preempted attempts for, lately: they go first.
 _RESERVED = text("""
@@ -67,14 +89,17 @@ WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS
 _CLAIM = text("""
 WITH chosen AS (
     SELECT * FROM unnest(
-        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[])
-    ) AS c(id, cpu, memory_mb)
+        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
+        CAST(:keys AS text[])
+    ) AS c(id, cpu, memory_mb, concurrency_key)
 ),
 leased AS (
-    INSERT INTO core.attempts (task_id, number, worker_id, charge_cpu, charge_memory_mb)
+    INSERT INTO core.attempts (
+        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
+    )
     SELECT c.id,
            1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker, c.cpu, c.memory_mb
+           :worker, c.cpu, c.memory_mb, c.concurrency_key
     FROM chosen c
     RETURNING id, task_id, number, charge_cpu, charge_memory_mb
 ), moved AS (
@@ -127,6 +152,8 @@ class Tally:
     poisoned: int = 0
     buried: int = 0
     waits: list[float] = field(default_factory=list)
+    #: candidates a claim held back, by what held them (quota, concurrency, rate)
+    held: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -236,28 +263,28 @@ async def claim(
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
         "limit": most * 4,
+        "aged_limit": most,
         "defer_above": defaults.defer_above,
         "defer_margin_s": defaults.defer_margin_s,
         "defer_max_s": defaults.defer_max_s,
+        "aging_s": defaults.aging_s,
+        "aging_max": defaults.aging_max,
     }
-    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker.id})]
-    rows = (
-        []
-        if not reserved
-        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
-    )
-    first = {row.id for row in rows}
-    rows += [r for r in await conn.execute(_WAITING_IN_QUEUES, params) if r.id not in first]
-    candidates = [placement.candidate(row, defaults) for row in rows]
-    chosen = choose(room, candidates, most)
+    rows = await _candidate_rows(conn, worker.id, params)
+    gate = await _gate(conn, rows)
+    chosen = choose(room, [placement.candidate(row, defaults) for row in rows], most, gate)
+    if tally is not None and gate is not None:
+        tally.held.update(gate.refused)
     if not chosen:
         return []
+    keys = {row.id: row.concurrency_key for row in rows}
     leased = await conn.execute(
         _CLAIM,
         {
             "ids": [c.task_id for c, _ in chosen],
             "cpus": [cost.cpu for _, cost in chosen],
             "memories": [cost.memory_mb for _, cost in chosen],
+            "keys": [keys[c.task_id] for c, _ in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,
@@ -268,6 +295,33 @@ async def claim(
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
     return [_assignment(row) for row in found]
+
+
+async def _candidate_rows(
+    conn: AsyncConnection, worker_id: int, params: dict[str, Any]
+) -> list[Any]:
+    """Reserved work first, then the rest by effective priority (priority plus aging),
+    fair-share stamp and id; every row locked for this claim."""
+    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker_id})]
+    rows = (
+        []
+        if not reserved
+        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
+    )
+    first = {row.id for row in rows}
+    rest = [r for r in await conn.execute(_WAITING_IN_QUEUES, params) if r.id not in first]
+    rest.sort(key=lambda r: (-(r.priority + r.boost), r.vtime, r.id))
+    return rows + rest
+
+
+async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
+    """Quotas and concurrency keys, when any candidate has them (the common claim has
+    neither and costs no more queries)."""
+    quotas = {r.owner: q for r in rows if (q := sharing.quota_of(r)) is not None}
+    if not quotas and not any(r.concurrency_key for r in rows):
+        return None
+    tasks = {r.id: sharing.gated(r) for r in rows}
+    return await sharing.gate(conn, tasks, quotas, lock=True)
 
 
 def _assignment(row: Any) -> Assignment:

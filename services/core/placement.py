@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
+from services.core import sharing
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
@@ -29,6 +30,7 @@ from services.core.domain.placement import (
     charge,
     utilisation,
 )
+from services.core.domain.sharing import Gate, Gated
 from services.core.domain.transitions import NOTE_STATES, Note, Op, sources
 from services.core.settings import CoreSettings
 from services.core.tables import queues, workers
@@ -46,6 +48,8 @@ class Defaults:
     defer_margin_s: float = 600.0
     preempt_after_s: float = 5.0
     preempt_grace_s: float = 10.0
+    aging_s: float = 60.0
+    aging_max: int = 200
 
     @classmethod
     def of(cls, settings: CoreSettings) -> Defaults:
@@ -56,6 +60,8 @@ class Defaults:
             defer_margin_s=settings.defer_margin_s,
             preempt_after_s=settings.preempt_after_s,
             preempt_grace_s=settings.preempt_grace_s,
+            aging_s=settings.aging_s,
+            aging_max=settings.aging_max,
         )
 
 
@@ -231,6 +237,7 @@ async def with_pending_reasons(
         if r.outcome == "preempted"
     }
     deferred = {r.id for r in await conn.execute(_DEFERRED, {"ids": ids})}
+    gate = await _gate(conn, [t for t in idle if t.state is S.WAITING])
     settings = await pools(conn, defaults)
     nodes = await live_nodes(conn)
     now = datetime.now(UTC)
@@ -266,10 +273,28 @@ async def with_pending_reasons(
             need=need,
             deferred=task.id in deferred,
             preempted_by=preempted.get(task.id),
+            held=gate.held(task.id) if gate is not None else None,
         )
         reason = pending.pending_reason(standing, pool, now)
         out.append(task.model_copy(update={"pending_reason": reason}))
     return out
+
+
+async def _gate(conn: AsyncConnection, waiting: Sequence[Task]) -> Gate | None:
+    """What quotas and concurrency keys say of these waiting tasks, read without locks."""
+    tasks = {
+        t.id: Gated(
+            owner=t.owner,
+            request=Amount(t.resources.cpu, t.resources.memory_mb),
+            key=t.concurrency.key if t.concurrency else None,
+            key_limit=t.concurrency.limit if t.concurrency else None,
+        )
+        for t in waiting
+    }
+    if not tasks:
+        return None
+    quotas = await sharing.quotas_of(conn, {t.owner for t in waiting})
+    return await sharing.gate(conn, tasks, quotas, lock=False)
 
 
 # --- the placement pass -------------------------------------------------------------------

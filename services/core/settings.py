@@ -27,3 +27,9 @@ class CoreSettings(CairnSettings):
     preempt_after_s: float = Field(default=5.0, ge=0)
     preempt_grace_s: float = Field(default=10.0, ge=0, le=3600)
     placement_interval_s: float = Field(default=1.0, gt=0)
+
+    # sharing (see docs/sharing.md)
+    fair_quantum_s: float = Field(default=1.0, gt=0, le=3600)
+    aging_s: float = Field(default=60.0, gt=0)
+    aging_max: int = Field(default=200, ge=0, le=200)
+    sharing_cache_s: float = Field(default=5.0, ge=0, le=300)

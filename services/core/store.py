@@ -88,7 +88,7 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 # --- submissions --------------------------------------------------------------------------
 
 
-_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None}
+_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None, "concurrency": None}
 
 
 def spec_hash(spec: TaskCreate) -> str:
@@ -129,20 +129,26 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "labels": spec.labels,
         "defer_ok": spec.defer_ok,
         "deadline": spec.deadline.isoformat() if spec.deadline else None,
+        "concurrency_key": spec.concurrency.key if spec.concurrency else None,
+        "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
     }
 
 
 async def submit(
-    conn: AsyncConnection, owner: str | Sequence[str], specs: Sequence[TaskCreate]
+    conn: AsyncConnection,
+    owner: str | Sequence[str],
+    specs: Sequence[TaskCreate],
+    quantum_s: float = 1.0,
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
     ``owner`` is one owner for all, or one per submission. Rows hold
-    ``queries.SUBMITTED_COLUMNS``."""
+    ``queries.SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
+    weight 1 (docs/sharing.md)."""
     owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
     docs = [{**_row_doc(spec), "owner": who} for spec, who in zip(specs, owners, strict=True)]
     rows = orjson.dumps(docs).decode()
-    created = await _fetch(conn, queries.SUBMIT, {"rows": rows})
+    created = await _fetch(conn, queries.SUBMIT, {"rows": rows, "quantum": quantum_s})
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
@@ -232,6 +238,9 @@ def task_from_row(m: Any) -> Task:
         finished_at=m.finished_at,
         defer_ok=m.defer_ok,
         deadline=m.deadline,
+        concurrency=(
+            {"key": m.concurrency_key, "limit": m.concurrency_limit} if m.concurrency_key else None
+        ),
     )
 
 
