@@ -37,8 +37,7 @@ _CANDIDATE = """
 SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
        t.concurrency_key, t.concurrency_limit,
        LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
-           (EXTRACT(EPOCH FROM now()) - GREATEST(t.vtime, EXTRACT(EPOCH FROM t.run_at)))
-           / :aging_s)))::int AS boost,
+           (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running
 FROM core.tasks t
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name

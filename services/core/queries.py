@@ -31,11 +31,16 @@ WITH input AS (
         defer_ok boolean, deadline timestamptz, concurrency_key text, concurrency_limit integer
     )
 ), clock AS (
-    -- Fair share: each owner's work in a queue is stamped one step (the quantum over its
-    -- weight) after its last waiting stamp, or now when it has none waiting.
+    -- Fair share (docs/sharing.md): an owner's work in a queue is stamped one step (the
+    -- quantum over its weight) after its last waiting stamp; an owner with nothing
+    -- waiting starts at the queue's head stamp (or now, if that is later), so it
+    -- interleaves with a backlog instead of queueing behind it.
     SELECT o.owner, o.queue,
            (SELECT max(w.vtime) FROM core.tasks w
             WHERE w.owner = o.owner AND w.queue = o.queue AND w.state = 'waiting') AS last,
+           LEAST(EXTRACT(EPOCH FROM now()),
+                 (SELECT min(h.vtime) FROM core.tasks h
+                  WHERE h.queue = o.queue AND h.state = 'waiting')) AS head,
            CAST(:quantum AS double precision)
                / COALESCE((SELECT s.weight FROM core.shares s WHERE s.name = o.owner), 1) AS step
     FROM (SELECT DISTINCT owner, queue FROM input) o
@@ -43,7 +48,7 @@ WITH input AS (
     SELECT input.*,
            GREATEST(
                EXTRACT(EPOCH FROM COALESCE(input.run_at, now())),
-               COALESCE(clock.last + clock.step, EXTRACT(EPOCH FROM now()))
+               COALESCE(clock.last + clock.step, clock.head, EXTRACT(EPOCH FROM now()))
                    + clock.step * (row_number() OVER (
                        PARTITION BY input.owner, input.queue ORDER BY input.ord) - 1)
            ) AS vtime

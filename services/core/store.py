@@ -437,6 +437,12 @@ async def retry(conn: AsyncConnection, task_id: int, owner: str | None) -> None:
         reset_run_at=True,
         reset_counts=True,
     )
+    # A fresh turn in fair share: an old stamp would age it straight to the top.
+    await conn.execute(
+        update(tasks)
+        .where(tasks.c.id == task_id)
+        .values(vtime=func.greatest(tasks.c.vtime, func.extract("epoch", func.now())))
+    )
 
 
 async def promote_and_park(conn: AsyncConnection, limit: int) -> int:
