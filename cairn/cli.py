@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from cairn import config, cron_cli, dag_cli, output, placement_cli, system, tasks_cli
+from cairn import config, cron_cli, dag_cli, output, placement_cli, sharing_cli, system, tasks_cli
 from cairn.tasks_cli import Ctx
 from libs.common.settings import CairnSettings
 
@@ -174,6 +174,7 @@ def token_create(
 
 tasks_cli.register(app)
 placement_cli.register(app)
+sharing_cli.register(app)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
+from sqlalchemy import TextClause, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -26,57 +26,67 @@ from services.core.tables import attempt_logs, attempts, workers
 
 S = TaskState
 
-# Waiting work of the worker's queues, best first, with what placement needs: its kind's
-# measured peak and its pool's overcommit ratio; and what sharing needs: its owner's
-# running quotas, its concurrency key, its aging boost. A preemptible task may be charged
-# less than its request, so only guaranteed work is filtered by the room here.
-# Time-insensitive work in a pool above its deferral threshold is left for the placement
-# pass to defer. Best first is priority, then the fair-share stamp (docs/sharing.md);
-# the second scan adds the work longest past its fair turn, which aging may lift.
-_CANDIDATE = """
+# Waiting work of the worker's queues, best first (priority, then the fair-share stamp:
+# docs/sharing.md), with what placement needs (its kind's measured peak, its pool's
+# overcommit ratio) and what sharing needs (its owner's running quotas, its concurrency
+# key, its aging boost). A preemptible task may be charged less than its request, so
+# only guaranteed work is filtered by the room here. Time-insensitive work in a pool
+# above its deferral threshold is left for the placement pass to defer. The second scan
+# adds the work longest past its fair turn, which aging may lift above the first's.
+# The claim's state guard, written into the SQL (from the transitions table) so that the
+# planner can use the partial index of waiting work even with a generic plan.
+_CLAIMABLE = ", ".join(f"'{state}'" for state in sources(Op.CLAIM, S.RUNNING))
+
+_PICK = f"""
+SELECT t.id FROM core.tasks t
+WHERE t.state IN ({_CLAIMABLE}) AND {{which}}
+  AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
+  AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
+           AND {placement.LATEST_START} > now())
+ORDER BY {{order}}
+LIMIT {{limit}}
+FOR UPDATE OF t SKIP LOCKED
+"""
+
+# What placement and sharing need of the rows picked, joined once they are few.
+_DETAILS = """
 SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
        t.concurrency_key, t.concurrency_limit,
        LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
            (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running
-FROM core.tasks t
+FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
 LEFT JOIN core.shares s ON s.name = t.owner
-WHERE t.state = ANY(CAST(:sources AS text[])) AND {which}
-  AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
-  AND NOT ({deferrable} AND t.queue IN {hot} AND {latest} > now())
-ORDER BY {order}
-LIMIT {limit}
-FOR UPDATE OF t SKIP LOCKED
 """
 
 
-def _candidates(which: str, order: str, limit: str = ":limit") -> str:
-    return _CANDIDATE.format(
-        which=which,
-        order=order,
-        limit=limit,
-        deferrable=placement.DEFERRABLE,
-        hot=placement.HOT_QUEUES,
-        latest=placement.LATEST_START,
-    )
+def _pick(which: str, order: str, limit: str = ":limit") -> str:
+    return _PICK.format(which=which, order=order, limit=limit)
 
 
-_IN_QUEUES = "t.queue = ANY(CAST(:queues AS text[]))"
 _BEST = "t.priority DESC, t.vtime, t.id"
-_WAITING_IN_QUEUES = text(f"""
-WITH best AS ({_candidates(_IN_QUEUES, _BEST)}),
-aged AS ({
-    _candidates(
-        f"{_IN_QUEUES} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s",
-        "t.vtime, t.id",
-        ":aged_limit",
-    )
-})
-SELECT * FROM best UNION SELECT * FROM aged
+
+
+def _waiting_in(in_queues: str) -> TextClause:
+    aged = f"{in_queues} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
+    return text(f"""
+WITH best AS ({_pick(in_queues, _BEST)}),
+aged AS ({_pick(aged, "t.vtime, t.id", ":aged_limit")}),
+picked AS (SELECT id FROM best UNION SELECT id FROM aged)
+{_DETAILS}
 """)
-_RESERVED_TASKS = text(_candidates("t.id = ANY(CAST(:reserved AS bigint[]))", _BEST))
+
+
+# One queue (the common worker) is an equality, so the scan walks the waiting index in
+# its order and stops at the limit; several are an ANY, sorted.
+_WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
+_WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
+_RESERVED_TASKS = text(f"""
+WITH picked AS ({_pick("t.id = ANY(CAST(:reserved AS bigint[]))", _BEST)})
+{_DETAILS}
+""")
 
 # Guaranteed tasks this worker squeezed or preempted attempts for, lately: they go first.
 _RESERVED = text("""
@@ -308,7 +318,10 @@ async def _candidate_rows(
         else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
     )
     first = {row.id for row in rows}
-    rest = [r for r in await conn.execute(_WAITING_IN_QUEUES, params) if r.id not in first]
+    queues = params["queues"]
+    query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
+    found = await conn.execute(query, {**params, "queue": queues[0]})
+    rest = [r for r in found if r.id not in first]
     rest.sort(key=lambda r: (-(r.priority + r.boost), r.vtime, r.id))
     return rows + rest
 

@@ -156,6 +156,16 @@ class Gate:
         return True
 
 
+def fair_stamp(last: float | None, head: float | None, now: float, step: float) -> float:
+    """A new task's fair-share stamp (core's submit computes the same in SQL): one
+    ``step`` (the quantum over the owner's weight) after the owner's last waiting stamp;
+    an owner with nothing waiting starts at the queue's head stamp, or now if that is
+    earlier, so it interleaves with any backlog instead of queueing behind it."""
+    if last is not None:
+        return last + step
+    return min(now, head) if head is not None else now
+
+
 def aging_boost(waited_past_turn_s: float, aging_s: float, most: int) -> int:
     """Priority levels a task gains for waiting past its fair turn: one per ``aging_s``,
     at most ``most``."""
