@@ -125,6 +125,10 @@ class Stats:
     #: waits of everyone but the flooding owner, and of the flood
     waits_others: list[float] = field(default_factory=list)
     waits_flood: list[float] = field(default_factory=list)
+    #: the others at the flood's priority (0), whom only fair share can help
+    waits_peers: list[float] = field(default_factory=list)
+    #: tasks still waiting when the trace ends (their wait so far is counted)
+    never_started: int = 0
     preemptions: int = 0
     squeezes: int = 0
     oom_kills: int = 0
@@ -187,6 +191,11 @@ class Simulator:
             self._event(heapq.heappop(self.events))
         self._advance(end)
         self.stats.area["seconds"] = end
+        for run in self.runs.values():
+            if run.started is None:
+                # Still waiting at the end: what it waited so far is a floor on its wait.
+                self.stats.never_started += 1
+                self._count_wait(run, end - run.submitted)
         return self.stats
 
     def _event(self, event: tuple[float, int, str, int, int]) -> None:
@@ -292,10 +301,7 @@ class Simulator:
             run.started = self.now
             waits = self.stats.waits_guaranteed if run.guaranteed else self.stats.waits_preemptible
             waits.append(self.now - run.submitted)
-            flood = run.sub.owner.startswith(FLOOD_OWNER)
-            (self.stats.waits_flood if flood else self.stats.waits_others).append(
-                self.now - run.submitted
-            )
+            self._count_wait(run, self.now - run.submitted)
         run.worker, run.cost, run.attempt_start = worker.id, cost, self.now
         worker.runs[run.id] = run
         worker.held = worker.held + cost
@@ -305,6 +311,14 @@ class Simulator:
         worker.real_cpu += run.sub.use_cpu
         self._at(self.now + run.sub.duration_s, "end", run)
         self._out_of_memory(worker)
+
+    def _count_wait(self, run: Run, waited: float) -> None:
+        if run.sub.owner.startswith(FLOOD_OWNER):
+            self.stats.waits_flood.append(waited)
+            return
+        self.stats.waits_others.append(waited)
+        if run.sub.priority == 0:
+            self.stats.waits_peers.append(waited)
 
     def _stop(self, run: Run) -> Worker:
         worker = self.workers[run.worker or 0]
@@ -396,8 +410,11 @@ def report(stats: Stats, capacity: Amount) -> dict[str, float]:
         "preemptible_wait_p99_s": percentile(stats.waits_preemptible, 0.99),
         "others_wait_p50_s": percentile(stats.waits_others, 0.5),
         "others_wait_p99_s": percentile(stats.waits_others, 0.99),
+        "peers_wait_p50_s": percentile(stats.waits_peers, 0.5),
+        "peers_wait_p99_s": percentile(stats.waits_peers, 0.99),
+        "never_started": float(stats.never_started),
         "flood_wait_p50_s": percentile(stats.waits_flood, 0.5),
-        "flood_started": float(len(stats.waits_flood)),
+        "flood_tasks": float(len(stats.waits_flood)),
         "started": float(len(waits)),
         "completed": float(stats.completed),
         "preemptions": float(stats.preemptions),
@@ -429,10 +446,12 @@ def render(meta: dict[str, Any], policy: Policy, figures: dict[str, float]) -> s
     flood = (
         [
             f"others (all but the flood) wait p50/p99: {f['others_wait_p50_s']:.1f}/"
-            f"{f['others_wait_p99_s']:.1f} s; the flood's p50 {f['flood_wait_p50_s']:.0f} s "
-            f"({f['flood_started']:.0f} started)"
+            f"{f['others_wait_p99_s']:.1f} s; at the flood's priority "
+            f"{f['peers_wait_p50_s']:.1f}/{f['peers_wait_p99_s']:.1f} s; the flood's p50 "
+            f"{f['flood_wait_p50_s']:.0f} s ({f['flood_tasks']:.0f} tasks); "
+            f"{f['never_started']:.0f} never started"
         ]
-        if f["flood_started"]
+        if f["flood_tasks"]
         else []
     )
     return "\n".join(

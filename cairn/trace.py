@@ -167,10 +167,22 @@ def _run_of(rng: random.Random, kind: Kind, t: float) -> Submission:
 
 def _flood(rng: random.Random, shape: Shape, second: int) -> Iterator[Submission]:
     """The flood, if it falls in this second: one owner's tasks, all at once (a batch
-    submit takes 30,000 a second), of an ordinary guaranteed kind at priority 0."""
+    submit takes 30,000 a second), guaranteed, at priority 0, each as large as the largest
+    others ask for (so that the room one frees fits anyone's task: what a comparison
+    shows is the order of the line, not fragmentation)."""
     if not shape.flood_tasks or int(shape.flood_at_s) != second:
         return
-    kind = replace(_kind(rng, FLOOD_OWNER, 0, shape), preemptible=False, defer_ok=False, priority=0)
+    base = _kind(rng, FLOOD_OWNER, 0, shape)
+    kind = replace(
+        base,
+        preemptible=False,
+        defer_ok=False,
+        priority=0,
+        cpu=max(CPU_CHOICES),
+        memory_mb=max(MEMORY_CHOICES),
+        use_cpu=max(CPU_CHOICES) * 0.4,
+        use_memory_mb=max(MEMORY_CHOICES) / shape.over_declared,
+    )
     for i in range(shape.flood_tasks):
         yield _run_of(rng, kind, second + i / 30_000)
 

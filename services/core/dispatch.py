@@ -22,7 +22,7 @@ from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import Backoff
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.tables import attempt_logs, attempts, workers
+from services.core.tables import attempt_logs, attempts, tasks, workers
 
 S = TaskState
 
@@ -93,6 +93,8 @@ _RESERVED = text("""
 SELECT DISTINCT COALESCE(a.preempted_by, a.squeezed_for) AS task_id FROM core.attempts a
 WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS NOT NULL)
   AND (a.outcome IS NULL OR a.ended_at > now() - interval '60 seconds')
+UNION
+SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_for IS NOT NULL
 """)
 
 _CLAIM = text("""
@@ -253,11 +255,13 @@ async def claim(
     skipped, never shared."""
     defaults = defaults or placement.Defaults()
     # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
-    current = (
+    current, hold = (
         await conn.execute(
-            select(workers.c.state).where(workers.c.id == worker.id).with_for_update(read=True)
+            select(workers.c.state, workers.c.reserved_for)
+            .where(workers.c.id == worker.id)
+            .with_for_update(read=True)
         )
-    ).scalar_one()
+    ).one()
     if current != "live":
         return []
     [node] = await placement.nodes_of(conn, [worker])
@@ -284,6 +288,8 @@ async def claim(
     chosen = choose(room, [placement.candidate(row, defaults) for row in rows], most, gate)
     if tally is not None and gate is not None:
         tally.held.update(gate.refused)
+    if await _held_for(conn, hold, chosen):
+        return []
     if not chosen:
         return []
     keys = {row.id: row.concurrency_key for row in rows}
@@ -304,6 +310,15 @@ async def claim(
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
     return [_assignment(row) for row in found]
+
+
+async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
+    """The worker is reserved for a guaranteed task still waiting that does not fit yet:
+    it starts nothing else, so that its room frees up for that task."""
+    if hold is None or any(c.task_id == hold for c, _ in chosen):
+        return False
+    waiting = select(tasks.c.id).where(tasks.c.id == hold, tasks.c.state == S.WAITING.value)
+    return (await conn.execute(waiting)).first() is not None
 
 
 async def _candidate_rows(

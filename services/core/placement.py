@@ -439,12 +439,46 @@ async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults
         if any(need.fits_in(n.free()) for n in serving):
             continue  # a claim takes it
         plan = best_plan(serving, need)
-        if plan is None or not (plan.squeeze or plan.preempt):
+        if plan is None:
+            changed += await _reserve(conn, task.id, serving, need)
+            continue
+        if not (plan.squeeze or plan.preempt):
             continue
         changed += await _squeeze(conn, task.id, plan.squeeze)
         changed += await _preempt(conn, task.id, plan.preempt)
         by_id[plan.worker_id] = _after(by_id[plan.worker_id], plan, task.id, need)
     return changed
+
+
+_RESERVE = text("""
+UPDATE core.workers SET reserved_for = :task
+WHERE id = :worker AND reserved_for IS NULL
+  AND NOT EXISTS (SELECT 1 FROM core.workers w WHERE w.reserved_for = :task)
+""")
+_RELEASE = text("""
+UPDATE core.workers w SET reserved_for = NULL
+WHERE w.reserved_for IS NOT NULL AND (w.state <> 'live' OR NOT EXISTS (
+    SELECT 1 FROM core.tasks t WHERE t.id = w.reserved_for AND t.state = 'waiting'))
+""")
+
+
+async def _reserve(
+    conn: AsyncConnection, task_id: int, serving: Sequence[Node], need: Amount
+) -> int:
+    """A guaranteed task that fits nowhere, with no preemptible work to make room:
+    reserve a worker large enough for it, the one with the least guaranteed work placed
+    (its room frees soonest), so that small tasks stop passing it there
+    (``dispatch.claim``)."""
+    able = [n for n in serving if need.fits_in(n.capacity)]
+    if not able:
+        return 0
+    best = min(able, key=lambda n: (n.guaranteed().largest_share_of(n.capacity), n.worker_id))
+    return (await conn.execute(_RESERVE, {"task": task_id, "worker": best.worker_id})).rowcount
+
+
+async def release_reservations(conn: AsyncConnection) -> int:
+    """Reservations whose task is no longer waiting (or whose worker is gone) end."""
+    return (await conn.execute(_RELEASE)).rowcount
 
 
 def _after(node: Node, plan: Plan, task_id: int, need: Amount) -> Node:
@@ -560,5 +594,6 @@ async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:
         return 0
     nodes = await live_nodes(conn)
     await measure_pools(conn, nodes)
+    await release_reservations(conn)
     moved = await defer_and_release(conn, defaults)
     return moved + await make_room(conn, nodes, defaults)

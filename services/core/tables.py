@@ -213,6 +213,7 @@ workers = Table(
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("gone_at", DateTime(timezone=True)),
+    Column("reserved_for", BigInteger),
     CheckConstraint("state IN ('dead', 'draining', 'left', 'live')", name="state"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint("(state IN ('dead', 'left')) = (gone_at IS NOT NULL)", name="gone_has_time"),

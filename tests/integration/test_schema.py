@@ -24,7 +24,9 @@ from services.dag import tables as dag_tables
 
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
-    pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0004_fairshare", id="core"),
+    pytest.param(
+        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0004_fairshare", id="core"
+    ),
     pytest.param(cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0001", id="cron"),
     pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0001", id="dag"),
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_dispatch import Agent
-from tests.support import Core, spec, start_core
+from tests.support import Core, spec, start_core, wait_for
 
 
 @pytest.fixture
@@ -216,5 +216,32 @@ def test_aging_lifts_low_priority_work_past_its_fair_turn(db_url: str, tmp_path:
             # Its turn came 150 s ago: 150 levels up, above priority 50.
             db.execute("UPDATE core.tasks SET vtime = vtime - 150 WHERE id = %s", (low,))
             assert agent.claim(most=1)[0]["task_id"] == low
+    finally:
+        server.stop()
+
+
+def test_a_reservation_stops_small_tasks_passing_a_large_one(db_url: str, tmp_path: Path, db):
+    server = start_core(
+        db_url, tmp_path, heartbeat_timeout_s=120.0, placement_interval_s=0.05,
+        preempt_after_s=0.2,
+    )  # fmt: skip
+    try:
+        with server.client("alice") as alice:
+            agent = Agent(server, cpu=4)
+            _batch(alice, 4, resources={"cpu": 1, "memory_mb": 512})
+            first = agent.claim(most=8)
+            assert len(first) == 4
+            big = alice.post("/v1/tasks", json=spec(resources={"cpu": 4, "memory_mb": 512}))
+            big_id = big.json()["id"]
+            _batch(alice, 4, resources={"cpu": 1, "memory_mb": 512})
+            reserved = "SELECT reserved_for FROM core.workers WHERE id = %s"
+            wait_for(lambda: db.execute(reserved, (agent.id,)).fetchone()[0] == big_id)
+            agent.report(first[0]["attempt_id"]).raise_for_status()
+            assert agent.claim(most=8) == [], "the freed CPU is kept for the large task"
+            for attempt in first[1:]:
+                agent.report(attempt["attempt_id"]).raise_for_status()
+            assert [a["task_id"] for a in agent.claim(most=8)] == [big_id]
+            # Its reservation ends (the small ones, blocked in turn, may take the worker's).
+            wait_for(lambda: db.execute(reserved, (agent.id,)).fetchone()[0] != big_id)
     finally:
         server.stop()

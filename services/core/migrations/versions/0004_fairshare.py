@@ -41,6 +41,10 @@ CREATE INDEX ix_attempts_key_open ON core.attempts (concurrency_key)
 CREATE INDEX ix_attempts_key_started ON core.attempts (concurrency_key, started_at)
     WHERE concurrency_key IS NOT NULL;
 
+-- Reservation: a guaranteed task that fits nowhere and can make no room by preemption
+-- holds this worker; its claims start nothing else until the task fits.
+ALTER TABLE core.workers ADD COLUMN reserved_for BIGINT;
+
 -- What a queue lets each role ask for (docs/sharing.md); NULL: anything.
 ALTER TABLE core.queues ADD COLUMN policy JSONB;
 
@@ -88,6 +92,7 @@ DOWNGRADE = """
 DROP TABLE core.concurrency_limits;
 DROP TABLE core.shares;
 ALTER TABLE core.queues DROP COLUMN policy;
+ALTER TABLE core.workers DROP COLUMN reserved_for;
 DROP INDEX core.ix_attempts_key_started;
 DROP INDEX core.ix_attempts_key_open;
 ALTER TABLE core.attempts DROP COLUMN concurrency_key;
