@@ -250,9 +250,11 @@ async def claim(
     tally: Tally | None = None,
 ) -> list[Assignment]:
     """Lease waiting work of the worker's queues that fits both the room it reports and
-    its capacity less what core has placed on it (``domain.placement``): work reserved
-    for it first, then highest priority, oldest first; rows other claims hold are
-    skipped, never shared."""
+    its capacity less what core has placed on it (``domain.placement``) and that its
+    owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
+    it first, then highest effective priority, then fair share across owners; rows other
+    claims hold are skipped, never shared. A worker reserved for a task that does not
+    fit yet starts nothing else."""
     defaults = defaults or placement.Defaults()
     # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
     current, hold = (
