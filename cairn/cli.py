@@ -23,6 +23,7 @@ from cairn import (
     notify_cli,
     output,
     placement_cli,
+    sharing_cli,
     system,
     tasks_cli,
 )
@@ -139,6 +140,7 @@ def migrate(ctx: typer.Context) -> None:
 tasks_cli.register(app)
 identity_cli.register(app)
 placement_cli.register(app)
+sharing_cli.register(app)
 
 
 def main() -> None:

@@ -69,11 +69,20 @@ def register(app: typer.Typer) -> None:
         tasks_per_user: Annotated[float, typer.Option()] = 100.0,
         hours: Annotated[float, typer.Option()] = 24.0,
         seed: Annotated[int, typer.Option()] = 7,
+        flood: Annotated[int, typer.Option(help="one owner submits this many at once")] = 0,
+        flood_at: Annotated[float, typer.Option(help="seconds in")] = 600.0,
     ) -> None:
         """Write a workload trace from the design's figures."""
         from cairn.trace import Shape, write
 
-        shape = Shape(users=users, tasks_per_user=tasks_per_user, hours=hours, seed=seed)
+        shape = Shape(
+            users=users,
+            tasks_per_user=tasks_per_user,
+            hours=hours,
+            seed=seed,
+            flood_tasks=flood,
+            flood_at_s=flood_at,
+        )
         count = write(out, shape)
         output.console.print(f"{count} submissions written to {out}")
 
@@ -84,6 +93,8 @@ def register(app: typer.Typer) -> None:
         overcommit: Annotated[float, typer.Option()] = 1.0,
         defer_above: Annotated[float, typer.Option()] = 1.0,
         workers: Annotated[int | None, typer.Option(help="override the trace's cluster")] = None,
+        fair: Annotated[bool, typer.Option(help="fair share across owners")] = True,
+        as_json: JsonFlag = False,
     ) -> None:
         """Replay a trace through core's placement on a simulated clock."""
         from cairn.sim import Policy, render, simulate
@@ -92,7 +103,11 @@ def register(app: typer.Typer) -> None:
         meta, submissions = read(trace)
         if workers:
             meta["cluster"]["workers"] = workers
-        policy = Policy(measured=not declared, overcommit=overcommit, defer_above=defer_above)
-        output.console.out(
-            render(meta, policy, simulate(meta, submissions, policy)), highlight=False
+        policy = Policy(
+            measured=not declared, overcommit=overcommit, defer_above=defer_above, fair=fair
         )
+        figures = simulate(meta, submissions, policy)
+        if as_json:
+            output.dump(figures)
+            return
+        output.console.out(render(meta, policy, figures), highlight=False)

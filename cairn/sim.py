@@ -9,6 +9,11 @@ claim reads ``max * 4`` rows); a guaranteed task that fits nowhere for
 (no grace) and a preempted run restarts from the beginning. Real memory above a worker's
 capacity (overcommit gone wrong) kills its youngest preemptible attempt, counted as an
 OOM kill. CPU beyond capacity slows nothing here: CPU is compressible.
+
+With ``fair`` (core's default) the line is ordered as core's claim orders it: priority,
+then each owner's fair-share stamp (``domain.sharing.fair_stamp``); without, priority
+then arrival. Owners whose name starts with ``flood`` are reported apart, so a trace
+with a flood (``cairn trace --flood N``) shows what it does to everyone else's wait.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cairn.trace import Submission
+from cairn.trace import FLOOD_OWNER, Submission
 from services.core.domain.placement import (
     ZERO,
     Amount,
@@ -32,6 +37,7 @@ from services.core.domain.placement import (
     choose,
     decayed_peak,
 )
+from services.core.domain.sharing import fair_stamp
 
 HEAD = 64
 MOST = 16
@@ -49,6 +55,8 @@ class Policy:
     defer_above: float = 1.0
     preempt_after_s: float = 5.0
     defer_max_s: float = 6 * 3600.0
+    fair: bool = True
+    quantum_s: float = 1.0
 
 
 @dataclass
@@ -64,13 +72,15 @@ class Run:
     attempt: int = 0
     deferred: bool = False
     checks: int = 0
+    #: the fair-share stamp (arrival order without fair share)
+    vtime: float = 0.0
 
     @property
     def guaranteed(self) -> bool:
         return self.sub.kind == "service" or not self.sub.preemptible
 
-    def key(self) -> tuple[int, int]:
-        return (-self.sub.priority, self.id)
+    def key(self) -> tuple[int, float, int]:
+        return (-self.sub.priority, self.vtime, self.id)
 
 
 @dataclass
@@ -112,6 +122,13 @@ def _held(run: Run) -> Amount:
 class Stats:
     waits_guaranteed: list[float] = field(default_factory=list)
     waits_preemptible: list[float] = field(default_factory=list)
+    #: waits of everyone but the flooding owner, and of the flood
+    waits_others: list[float] = field(default_factory=list)
+    waits_flood: list[float] = field(default_factory=list)
+    #: the others at the flood's priority (0), whom only fair share can help
+    waits_peers: list[float] = field(default_factory=list)
+    #: tasks still waiting when the trace ends (their wait so far is counted)
+    never_started: int = 0
     preemptions: int = 0
     squeezes: int = 0
     oom_kills: int = 0
@@ -129,7 +146,10 @@ class Simulator:
         )
         self.policy = policy
         self.now = 0.0
-        self.waiting: list[tuple[int, int]] = []  # run keys, best first
+        self.waiting: list[tuple[int, float, int]] = []  # run keys, best first
+        # Fair share: each owner's waiting stamps (ids by stamp), the line's stamps.
+        self.owner_stamps: dict[str, list[tuple[float, int]]] = {}
+        self.stamps: list[tuple[float, int]] = []
         self.events: list[tuple[float, int, str, int, int]] = []
         self.runs: dict[int, Run] = {}
         self.peaks: dict[tuple[str, str], Amount] = {}
@@ -171,6 +191,11 @@ class Simulator:
             self._event(heapq.heappop(self.events))
         self._advance(end)
         self.stats.area["seconds"] = end
+        for run in self.runs.values():
+            if run.started is None:
+                # Still waiting at the end: what it waited so far is a floor on its wait.
+                self.stats.never_started += 1
+                self._count_wait(run, end - run.submitted)
         return self.stats
 
     def _event(self, event: tuple[float, int, str, int, int]) -> None:
@@ -221,9 +246,33 @@ class Simulator:
             self._at(latest, "wake", run)
         return True
 
+    def _stamp(self, run: Run) -> None:
+        if not self.policy.fair:
+            run.vtime = run.submitted
+            return
+        mine = self.owner_stamps.setdefault(run.sub.owner, [])
+        last = mine[-1][0] if mine else None
+        head = self.stamps[0][0] if self.stamps else None
+        run.vtime = fair_stamp(last, head, self.now, self.policy.quantum_s)
+
+    def _enqueue(self, run: Run) -> None:
+        bisect.insort(self.waiting, run.key())
+        if self.policy.fair:
+            bisect.insort(self.owner_stamps.setdefault(run.sub.owner, []), (run.vtime, run.id))
+            bisect.insort(self.stamps, (run.vtime, run.id))
+
+    def _dequeue(self, run: Run) -> None:
+        del self.waiting[bisect.bisect_left(self.waiting, run.key())]
+        if self.policy.fair:
+            entry = (run.vtime, run.id)
+            mine = self.owner_stamps[run.sub.owner]
+            del mine[bisect.bisect_left(mine, entry)]
+            del self.stamps[bisect.bisect_left(self.stamps, entry)]
+
     def _arrive(self, run: Run) -> None:
         self.runs[run.id] = run
-        bisect.insort(self.waiting, run.key())
+        self._stamp(run)
+        self._enqueue(run)
         self._place_anywhere(run)
         if run.worker is None and run.guaranteed and self.policy.measured:
             self._at(self.now + self.policy.preempt_after_s, "check", run)
@@ -240,18 +289,19 @@ class Simulator:
     def _claim(self, worker: Worker) -> None:
         """What the worker's claim would lease: the head of the line that fits."""
         hot = self._hot()
-        line = (self.runs[key[1]] for key in itertools.islice(self.waiting, HEAD * 2))
+        line = (self.runs[key[2]] for key in itertools.islice(self.waiting, HEAD * 2))
         head = [r for r in line if not self._held_back(r, hot)]
         candidates = [self._candidate(r) for r in head[:HEAD]]
         for candidate, cost in choose(worker.free(), candidates, MOST):
             self._start(self.runs[candidate.task_id], worker, cost)
 
     def _start(self, run: Run, worker: Worker, cost: Amount) -> None:
-        del self.waiting[bisect.bisect_left(self.waiting, run.key())]
+        self._dequeue(run)
         if run.started is None:
             run.started = self.now
             waits = self.stats.waits_guaranteed if run.guaranteed else self.stats.waits_preemptible
             waits.append(self.now - run.submitted)
+            self._count_wait(run, self.now - run.submitted)
         run.worker, run.cost, run.attempt_start = worker.id, cost, self.now
         worker.runs[run.id] = run
         worker.held = worker.held + cost
@@ -261,6 +311,14 @@ class Simulator:
         worker.real_cpu += run.sub.use_cpu
         self._at(self.now + run.sub.duration_s, "end", run)
         self._out_of_memory(worker)
+
+    def _count_wait(self, run: Run, waited: float) -> None:
+        if run.sub.owner.startswith(FLOOD_OWNER):
+            self.stats.waits_flood.append(waited)
+            return
+        self.stats.waits_others.append(waited)
+        if run.sub.priority == 0:
+            self.stats.waits_peers.append(waited)
 
     def _stop(self, run: Run) -> Worker:
         worker = self.workers[run.worker or 0]
@@ -275,7 +333,7 @@ class Simulator:
 
     def _requeue(self, run: Run) -> None:
         self._stop(run)
-        bisect.insort(self.waiting, run.key())
+        self._enqueue(run)
 
     def _end(self, run: Run) -> None:
         worker = self._stop(run)
@@ -350,6 +408,13 @@ def report(stats: Stats, capacity: Amount) -> dict[str, float]:
         "guaranteed_wait_max_s": max(stats.waits_guaranteed, default=0.0),
         "preemptible_wait_p50_s": percentile(stats.waits_preemptible, 0.5),
         "preemptible_wait_p99_s": percentile(stats.waits_preemptible, 0.99),
+        "others_wait_p50_s": percentile(stats.waits_others, 0.5),
+        "others_wait_p99_s": percentile(stats.waits_others, 0.99),
+        "peers_wait_p50_s": percentile(stats.waits_peers, 0.5),
+        "peers_wait_p99_s": percentile(stats.waits_peers, 0.99),
+        "never_started": float(stats.never_started),
+        "flood_wait_p50_s": percentile(stats.waits_flood, 0.5),
+        "flood_tasks": float(len(stats.waits_flood)),
         "started": float(len(waits)),
         "completed": float(stats.completed),
         "preemptions": float(stats.preemptions),
@@ -376,7 +441,19 @@ def render(meta: dict[str, Any], policy: Policy, figures: dict[str, float]) -> s
     )
     if policy.defer_above < 1:
         mode += f", defer above {policy.defer_above:.0%}"
+    mode += "; fair share " + ("on" if policy.fair else "off")
     f = figures
+    flood = (
+        [
+            f"others (all but the flood) wait p50/p99: {f['others_wait_p50_s']:.1f}/"
+            f"{f['others_wait_p99_s']:.1f} s; at the flood's priority "
+            f"{f['peers_wait_p50_s']:.1f}/{f['peers_wait_p99_s']:.1f} s; the flood's p50 "
+            f"{f['flood_wait_p50_s']:.0f} s ({f['flood_tasks']:.0f} tasks); "
+            f"{f['never_started']:.0f} never started"
+        ]
+        if f["flood_tasks"]
+        else []
+    )
     return "\n".join(
         [
             f"cluster: {cluster['workers']} workers x {cluster['cpu']:g} CPU / "
@@ -390,5 +467,6 @@ def render(meta: dict[str, Any], policy: Policy, figures: dict[str, float]) -> s
             f"started {f['started']:.0f}, completed {f['completed']:.0f}; preemptions "
             f"{f['preemptions']:.0f}, squeezes {f['squeezes']:.0f}, OOM kills "
             f"{f['oom_kills']:.0f}, deferred {f['deferred']:.0f}",
+            *flood,
         ]
     )

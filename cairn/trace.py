@@ -12,11 +12,13 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 DAY_S = 86400.0
+#: the owner of a trace's flood (and the prefix ``cairn sim`` reports apart)
+FLOOD_OWNER = "flood"
 MEMORY_CHOICES = (512, 1024, 2048, 4096, 8192)
 CPU_CHOICES = (0.25, 0.5, 1.0, 2.0)
 
@@ -53,6 +55,9 @@ class Shape:
     preemptible_share: float = 0.4
     kinds_per_user: int = 5
     seed: int = 7
+    #: one owner's backfill: this many tasks submitted at once, ``flood_at_s`` in
+    flood_tasks: int = 0
+    flood_at_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -160,8 +165,31 @@ def _run_of(rng: random.Random, kind: Kind, t: float) -> Submission:
     )
 
 
+def _flood(rng: random.Random, shape: Shape, second: int) -> Iterator[Submission]:
+    """The flood, if it falls in this second: one owner's tasks, all at once (a batch
+    submit takes 30,000 a second), guaranteed, at priority 0, each as large as the largest
+    others ask for (so that the room one frees fits anyone's task: what a comparison
+    shows is the order of the line, not fragmentation)."""
+    if not shape.flood_tasks or int(shape.flood_at_s) != second:
+        return
+    base = _kind(rng, FLOOD_OWNER, 0, shape)
+    kind = replace(
+        base,
+        preemptible=False,
+        defer_ok=False,
+        priority=0,
+        cpu=max(CPU_CHOICES),
+        memory_mb=max(MEMORY_CHOICES),
+        use_cpu=max(CPU_CHOICES) * 0.4,
+        use_memory_mb=max(MEMORY_CHOICES) / shape.over_declared,
+    )
+    for i in range(shape.flood_tasks):
+        yield _run_of(rng, kind, second + i / 30_000)
+
+
 def generate(shape: Shape) -> Iterator[Submission]:
-    """Submissions in time order: services first, then runs second by second."""
+    """Submissions in time order: services first, then runs second by second (with the
+    flood, if any, in its second)."""
     rng = random.Random(shape.seed)  # noqa: S311 - a workload, not a secret
     kinds = [
         _kind(rng, f"user{u:05d}", k, shape)
@@ -171,8 +199,9 @@ def generate(shape: Shape) -> Iterator[Submission]:
     yield from sorted(_services(rng, shape, kinds), key=lambda s: s.t)
     for second in range(60, int(shape.hours * 3600)):
         arrivals = sorted(rng.random() for _ in range(_poisson(rng, _rate(second, shape))))
-        for offset in arrivals:
-            yield _run_of(rng, kinds[rng.randrange(len(kinds))], second + offset)
+        flood = list(_flood(rng, shape, second))
+        runs = [_run_of(rng, kinds[rng.randrange(len(kinds))], second + o) for o in arrivals]
+        yield from sorted([*flood, *runs], key=lambda s: s.t)
 
 
 def cluster_for(shape: Shape) -> dict[str, Any]:

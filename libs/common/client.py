@@ -32,6 +32,8 @@ from libs.common.models import (
     EventPage,
     Heartbeat,
     HeartbeatAnswer,
+    OwnerList,
+    OwnerUsage,
     QueueInfo,
     QueueList,
     Report,
@@ -40,6 +42,7 @@ from libs.common.models import (
     SecretInfo,
     SecretList,
     SecretUpdate,
+    ShareSettings,
     Task,
     TaskBatchCreate,
     TaskCreate,
@@ -467,3 +470,18 @@ class CoreClient(ApiClient):
         )
         queued: int = response.json()["queued"]
         return queued
+
+    async def owner_usage(self, name: str) -> OwnerUsage:
+        """The owner's share, running use, waiting count and quotas."""
+        response = await self._call("GET", f"/v1/owners/{name}/usage")
+        return OwnerUsage.model_validate_json(response.content)
+
+    async def top_owners(self, limit: int = 10) -> list[OwnerUsage]:
+        response = await self._call("GET", "/v1/owners", params={"limit": limit})
+        return OwnerList.model_validate_json(response.content).items
+
+    async def set_share(self, name: str, change: ShareSettings) -> OwnerUsage:
+        """Set an owner's weight and quotas (admin); fields left unset keep their value."""
+        body = change.model_dump_json(exclude_unset=True)
+        response = await self._call("PATCH", f"/v1/owners/{name}/share", content=body)
+        return OwnerUsage.model_validate_json(response.content)

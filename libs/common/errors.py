@@ -11,6 +11,7 @@ them from problem+json answers). Each maps to one HTTP status and problem type.
     │   ├── IllegalTransition       the state machine refuses the move
     │   ├── StaleAttempt            a report from an attempt that is no longer current
     │   └── IdempotencyMismatch     the key was used before with a different request
+    ├── QuotaExceeded         429  an owner's waiting or submission-rate quota is full
     └── Unavailable           503  the database cannot be reached right now
 """
 
@@ -112,6 +113,19 @@ class IdempotencyMismatch(Conflict):
     slug = "idempotency-mismatch"
 
 
+class QuotaExceeded(CairnError):
+    """A quota is full; nothing was stored. Try again after Retry-After seconds."""
+
+    status = 429
+    slug = "quota-exceeded"
+
+    def __init__(
+        self, detail: str | None = None, quota: str = "", retry_after_s: int = 1, **extra: Any
+    ) -> None:
+        super().__init__(detail, quota=quota, retry_after_s=retry_after_s, **extra)
+        self.retry_after_s = max(1, int(retry_after_s))
+
+
 class Unavailable(CairnError):
     """The database cannot be reached right now; try again."""
 
@@ -132,6 +146,7 @@ BY_SLUG: dict[str, type[CairnError]] = {
         IllegalTransition,
         StaleAttempt,
         IdempotencyMismatch,
+        QuotaExceeded,
         Unavailable,
     )
 }

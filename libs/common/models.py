@@ -138,6 +138,19 @@ class RetryPolicy(_Input):
     poison_after: int = Field(default=3, ge=1, le=100)
 
 
+ConcurrencyKeyName = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/\-]*$")
+]
+
+
+class Concurrency(_Input):
+    """A shared downstream system the task uses: at most ``limit`` attempts naming
+    ``key`` run at once across the pool (an admin's limit for the key wins)."""
+
+    key: ConcurrencyKeyName
+    limit: int | None = Field(default=None, ge=1, le=100_000)
+
+
 class TaskCreate(_Input):
     """A submission."""
 
@@ -169,6 +182,7 @@ class TaskCreate(_Input):
     deadline: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
     #: owned by this team too (the submitter must belong to it): its members see and act on it
     team: TeamName | None = None
+    concurrency: Concurrency | None = None
 
 
 class TaskBatchCreate(_Input):
@@ -261,6 +275,7 @@ class Task(_Output):
     finished_at: datetime | None
     defer_ok: bool = False
     deadline: datetime | None = None
+    concurrency: Concurrency | None = None
     #: why it is not running (ready, waiting, failed), computed when it is read
     pending_reason: str | None = None
     team: str | None = None
@@ -399,6 +414,11 @@ class Problem(_Output):
     detail: str
     instance: str | None = None
     errors: list[dict[str, str]] | None = None
+    #: the request field a refusal is about (``body.priority``)
+    field: str | None = None
+    #: the quota a 429 names (``waiting``, ``submits_per_min``)
+    quota: str | None = None
+    retry_after_s: int | None = None
 
 
 # --- workers ------------------------------------------------------------------------------
@@ -660,3 +680,99 @@ class AuditEntry(_Output):
 class AuditPage(_Output):
     items: list[AuditEntry]
     next_before: int | None = Field(description="Pass as before= to read older entries.")
+
+
+# --- sharing ------------------------------------------------------------------------------
+
+
+class ShareSettings(_Input):
+    """An owner's share and quotas, set by an admin; a field left out keeps its value,
+    null removes the limit (the weight: back to 1)."""
+
+    weight: float | None = Field(default=None, gt=0, le=1000)
+    max_cpu: float | None = Field(default=None, gt=0, le=1_000_000)
+    max_memory_mb: float | None = Field(default=None, gt=0, le=2**40)
+    max_running: int | None = Field(default=None, ge=1, le=10_000_000)
+    max_waiting: int | None = Field(default=None, ge=1, le=100_000_000)
+    max_submits_per_min: int | None = Field(default=None, ge=1, le=100_000_000)
+
+
+class Quotas(_Output):
+    max_cpu: float | None = None
+    max_memory_mb: float | None = None
+    max_running: int | None = None
+    max_waiting: int | None = None
+    max_submits_per_min: int | None = None
+
+
+class RunningUse(_Output):
+    attempts: int
+    cpu: float
+    memory_mb: float
+
+
+class OwnerUsage(_Output):
+    """An owner's share, what it runs and has waiting, its quotas, and which it is at."""
+
+    name: str
+    weight: float
+    #: its weight over the weights of every owner with work running or waiting
+    share: float
+    running: RunningUse
+    waiting: int
+    quota: Quotas
+    #: the quotas it is at now, by name (``cpu``, ``memory``, ``running``, ``waiting``)
+    at_quota: list[str]
+    submitted_last_minute: int
+
+
+class OwnerList(_Output):
+    items: list[OwnerUsage]
+
+
+class PriorityRange(_Input):
+    min: int = Field(default=-100, ge=-100, le=100)
+    max: int = Field(default=100, ge=-100, le=100)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PriorityRange:
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}")
+        return self
+
+
+PolicyRole = Literal["user", "admin", "service"]
+
+
+class QueuePolicy(_Input):
+    """What submitters may ask for in a queue. A role missing from ``priority`` may use
+    any priority; ``owners`` null lets everyone in. ``services`` and ``guaranteed`` apply
+    to the user role (and to a service submitting on someone's behalf)."""
+
+    priority: dict[PolicyRole, PriorityRange] = Field(default_factory=dict, max_length=3)
+    services: bool = True
+    guaranteed: bool = True
+    owners: list[Name] | None = Field(default=None, max_length=10_000)
+
+
+class ConcurrencyLimit(_Input):
+    """An admin's limits for a concurrency key: running at once, and starts per window."""
+
+    max_running: int | None = Field(default=None, ge=1, le=100_000)
+    max_starts: int | None = Field(default=None, ge=1, le=100_000_000)
+    window_s: float | None = Field(default=None, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _rate_has_window(self) -> ConcurrencyLimit:
+        if (self.max_starts is None) != (self.window_s is None):
+            raise ValueError("max_starts and window_s go together")
+        return self
+
+
+class ConcurrencyState(_Output):
+    key: str
+    max_running: int | None
+    max_starts: int | None
+    window_s: float | None
+    running: int
+    started_in_window: int

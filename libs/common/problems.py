@@ -18,6 +18,7 @@ from libs.common.errors import (
     InvalidInput,
     NotFound,
     PayloadTooLarge,
+    QuotaExceeded,
     Unauthorized,
     Unavailable,
 )
@@ -33,7 +34,7 @@ PROBLEMS: dict[int | str, dict[str, object]] = {
         "model": Problem,
         "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
     }
-    for code in (401, 403, 404, 409, 413, 422, 503)
+    for code in (401, 403, 404, 409, 413, 422, 429, 503)
 }
 
 _BY_STATUS: dict[int, type[CairnError]] = {
@@ -48,6 +49,8 @@ _BY_STATUS: dict[int, type[CairnError]] = {
 
 def problem_response(error: CairnError, request: Request) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthorized) else None
+    if isinstance(error, QuotaExceeded):
+        headers = {"Retry-After": str(error.retry_after_s)}
     return JSONResponse(
         error.problem(instance=request.url.path),
         status_code=error.status,

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
-from services.core import loops
+from services.core import loops, sharing
 from services.core.api import (
     audit,
     events,
@@ -25,6 +25,7 @@ from services.core.api import (
     usage,
     workers,
 )
+from services.core.api import sharing as sharing_api
 from services.core.deps import TokenCache
 from services.core.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
@@ -64,6 +65,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
+        app.state.sharing = sharing.Book(settings.sharing_cache_s)
         background = loops.start(engine, notifier, settings, meter)
         try:
             yield
@@ -85,7 +87,9 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     app.state.core_metrics = meter
     app.state.metrics = meter.metrics
     problems.install(app)
-    routers = (tasks, events, queues, workers, usage, principals, tokens, teams, secrets, audit)
+    routers = (
+        tasks, events, queues, workers, usage, sharing_api, principals, tokens, teams, secrets, audit
+    )
     for module in (*routers, health, metrics):
         app.include_router(module.router)
     app.include_router(subscriptions.router)

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import math
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,65 +21,100 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.errors import NotFound, StaleAttempt
 from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegister
 from libs.common.states import TaskState
-from services.core import placement, store, traces
+from services.core import placement, sharing, store, traces
 from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS, Backoff
+from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.tables import attempt_logs, attempts, workers
+from services.core.tables import attempt_logs, attempts, tasks, workers
 
 S = TaskState
 
-# Waiting work of the worker's queues, best first, with what placement needs: its kind's
-# measured peak and its pool's overcommit ratio. A preemptible task may be charged less
-# than its request, so only guaranteed work is filtered by the room here. Time-insensitive
-# work in a pool above its deferral threshold is left for the placement pass to defer.
-_CANDIDATES = """
-SELECT t.id, t.cpu, t.memory_mb, t.preemptible, t.priority,
-       u.peak_cpu, u.peak_memory_mb, q.overcommit
-FROM core.tasks t
-LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
-LEFT JOIN core.queues q ON q.name = t.queue
-WHERE t.state = ANY(CAST(:sources AS text[])) AND {which}
+# Waiting work of the worker's queues, best first (priority, then the fair-share stamp:
+# docs/sharing.md), with what placement needs (its kind's measured peak, its pool's
+# overcommit ratio) and what sharing needs (its owner's running quotas, its concurrency
+# key, its aging boost). A preemptible task may be charged less than its request, so
+# only guaranteed work is filtered by the room here. Time-insensitive work in a pool
+# above its deferral threshold is left for the placement pass to defer. The second scan
+# adds the work longest past its fair turn, which aging may lift above the first's.
+# The claim's state guard, written into the SQL (from the transitions table) so that the
+# planner can use the partial index of waiting work even with a generic plan.
+_CLAIMABLE = ", ".join(f"'{state}'" for state in sources(Op.CLAIM, S.RUNNING))
+
+_PICK = f"""
+SELECT t.id FROM core.tasks t
+WHERE t.state IN ({_CLAIMABLE}) AND {{which}}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
-  AND NOT ({deferrable} AND t.queue IN {hot} AND {latest} > now())
-ORDER BY t.priority DESC, t.id
-LIMIT :limit
+  AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
+           AND {placement.LATEST_START} > now())
+ORDER BY {{order}}
+LIMIT {{limit}}
 FOR UPDATE OF t SKIP LOCKED
 """
 
+# What placement and sharing need of the rows picked, joined once they are few.
+_DETAILS = """
+SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
+       t.concurrency_key, t.concurrency_limit,
+       LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
+           (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))::int AS boost,
+       u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running
+FROM picked p JOIN core.tasks t ON t.id = p.id
+LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
+LEFT JOIN core.queues q ON q.name = t.queue
+LEFT JOIN core.shares s ON s.name = t.owner
+"""
 
-def _candidates(which: str) -> TextClause:
-    return text(
-        _CANDIDATES.format(
-            which=which,
-            deferrable=placement.DEFERRABLE,
-            hot=placement.HOT_QUEUES,
-            latest=placement.LATEST_START,
-        )
-    )
+
+def _pick(which: str, order: str, limit: str = ":limit") -> str:
+    return _PICK.format(which=which, order=order, limit=limit)
 
 
-_WAITING_IN_QUEUES = _candidates("t.queue = ANY(CAST(:queues AS text[]))")
-_RESERVED_TASKS = _candidates("t.id = ANY(CAST(:reserved AS bigint[]))")
+_BEST = "t.priority DESC, t.vtime, t.id"
+
+
+def _waiting_in(in_queues: str) -> TextClause:
+    aged = f"{in_queues} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
+    return text(f"""
+WITH best AS ({_pick(in_queues, _BEST)}),
+aged AS ({_pick(aged, "t.vtime, t.id", ":aged_limit")}),
+picked AS (SELECT id FROM best UNION SELECT id FROM aged)
+{_DETAILS}
+""")
+
+
+# One queue (the common worker) is an equality, so the scan walks the waiting index in
+# its order and stops at the limit; several are an ANY, sorted.
+_WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
+_WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
+_RESERVED_TASKS = text(f"""
+WITH picked AS ({_pick("t.id = ANY(CAST(:reserved AS bigint[]))", _BEST)})
+{_DETAILS}
+""")
 
 # Guaranteed tasks this worker squeezed or preempted attempts for, lately: they go first.
 _RESERVED = text("""
 SELECT DISTINCT COALESCE(a.preempted_by, a.squeezed_for) AS task_id FROM core.attempts a
 WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS NOT NULL)
   AND (a.outcome IS NULL OR a.ended_at > now() - interval '60 seconds')
+UNION
+SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_for IS NOT NULL
 """)
 
 _CLAIM = text("""
 WITH chosen AS (
     SELECT * FROM unnest(
-        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[])
-    ) AS c(id, cpu, memory_mb)
+        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
+        CAST(:keys AS text[])
+    ) AS c(id, cpu, memory_mb, concurrency_key)
 ),
 leased AS (
-    INSERT INTO core.attempts (task_id, number, worker_id, charge_cpu, charge_memory_mb)
+    INSERT INTO core.attempts (
+        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
+    )
     SELECT c.id,
            1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker, c.cpu, c.memory_mb
+           :worker, c.cpu, c.memory_mb, c.concurrency_key
     FROM chosen c
     RETURNING id, task_id, number, charge_cpu, charge_memory_mb
 ), moved AS (
@@ -136,6 +172,8 @@ class Tally:
     poisoned: int = 0
     buried: int = 0
     waits: list[float] = field(default_factory=list)
+    #: candidates a claim held back, by what held them (quota, concurrency, rate)
+    held: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -256,16 +294,20 @@ async def claim(
     tally: Tally | None = None,
 ) -> list[Assignment]:
     """Lease waiting work of the worker's queues that fits both the room it reports and
-    its capacity less what core has placed on it (``domain.placement``): work reserved
-    for it first, then highest priority, oldest first; rows other claims hold are
-    skipped, never shared."""
+    its capacity less what core has placed on it (``domain.placement``) and that its
+    owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
+    it first, then highest effective priority, then fair share across owners; rows other
+    claims hold are skipped, never shared. A worker reserved for a task that does not
+    fit yet starts nothing else."""
     defaults = defaults or placement.Defaults()
     # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
-    current = (
+    current, hold = (
         await conn.execute(
-            select(workers.c.state).where(workers.c.id == worker.id).with_for_update(read=True)
+            select(workers.c.state, workers.c.reserved_for)
+            .where(workers.c.id == worker.id)
+            .with_for_update(read=True)
         )
-    ).scalar_one()
+    ).one()
     if current != "live":
         return []
     [node] = await placement.nodes_of(conn, [worker])
@@ -280,22 +322,23 @@ async def claim(
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
         "limit": most * 4,
+        "aged_limit": most,
         "defer_above": defaults.defer_above,
         "defer_margin_s": defaults.defer_margin_s,
         "defer_max_s": defaults.defer_max_s,
+        "aging_s": defaults.aging_s,
+        "aging_max": defaults.aging_max,
     }
-    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker.id})]
-    rows = (
-        []
-        if not reserved
-        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
-    )
-    first = {row.id for row in rows}
-    rows += [r for r in await conn.execute(_WAITING_IN_QUEUES, params) if r.id not in first]
-    candidates = [placement.candidate(row, defaults) for row in rows]
-    chosen = choose(room, candidates, most)
+    rows = await _candidate_rows(conn, worker.id, params)
+    gate = await _gate(conn, rows)
+    chosen = choose(room, [placement.candidate(row, defaults) for row in rows], most, gate)
+    if tally is not None and gate is not None:
+        tally.held.update(gate.refused)
+    if await _held_for(conn, hold, chosen):
+        return []
     if not chosen:
         return []
+    keys = {row.id: row.concurrency_key for row in rows}
     leased = await conn.execute(
         _CLAIM,
         {
@@ -303,6 +346,7 @@ async def claim(
             # float8[]: psycopg refuses a list that mixes ints and floats
             "cpus": [float(cost.cpu) for _, cost in chosen],
             "memories": [float(cost.memory_mb) for _, cost in chosen],
+            "keys": [keys[c.task_id] for c, _ in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,
@@ -313,6 +357,45 @@ async def claim(
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
     return [_assignment(row) for row in found]
+
+
+async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
+    """The worker is reserved for a guaranteed task still waiting that does not fit yet:
+    it starts nothing else, so that its room frees up for that task."""
+    if hold is None or any(c.task_id == hold for c, _ in chosen):
+        return False
+    waiting = select(tasks.c.id).where(tasks.c.id == hold, tasks.c.state == S.WAITING.value)
+    return (await conn.execute(waiting)).first() is not None
+
+
+async def _candidate_rows(
+    conn: AsyncConnection, worker_id: int, params: dict[str, Any]
+) -> list[Any]:
+    """Reserved work first, then the rest by effective priority (priority plus aging),
+    fair-share stamp and id; every row locked for this claim."""
+    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker_id})]
+    rows = (
+        []
+        if not reserved
+        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
+    )
+    first = {row.id for row in rows}
+    queues = params["queues"]
+    query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
+    found = await conn.execute(query, {**params, "queue": queues[0]})
+    rest = [r for r in found if r.id not in first]
+    rest.sort(key=lambda r: (-(r.priority + r.boost), r.vtime, r.id))
+    return rows + rest
+
+
+async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
+    """Quotas and concurrency keys, when any candidate has them (the common claim has
+    neither and costs no more queries)."""
+    quotas = {r.owner: q for r in rows if (q := sharing.quota_of(r)) is not None}
+    if not quotas and not any(r.concurrency_key for r in rows):
+        return None
+    tasks = {r.id: sharing.gated(r) for r in rows}
+    return await sharing.gate(conn, tasks, quotas, lock=True)
 
 
 def _assignment(row: Any) -> Assignment:

@@ -81,6 +81,20 @@ class CoreMetrics:
         self.poison = m.counter(
             "cairn_tasks_poison_pills_total", "Tasks buried after too many crashed attempts"
         )
+        self.quota_refusals = m.counter(
+            "cairn_quota_refusals_total",
+            "Submissions refused with 429, by quota (waiting, submits_per_min)",
+            ["quota"],
+        )
+        self.claims_held = m.counter(
+            "cairn_claim_held_total",
+            "Candidates a claim held back, by what held them (quota, concurrency, rate)",
+            ["reason"],
+        )
+        for quota in ("waiting", "submits_per_min"):
+            self.quota_refusals.labels(quota)
+        for reason in ("quota", "concurrency", "rate"):
+            self.claims_held.labels(reason)
         for state in (TaskState.SUCCEEDED, TaskState.DEAD, TaskState.CANCELLED):
             self.finished.labels(state.value)
         for outcome in ATTEMPT_OUTCOMES:
@@ -88,6 +102,7 @@ class CoreMetrics:
         m.read_at_scrape(read_queues)
         m.read_at_scrape(read_workers)
         m.read_at_scrape(read_queue_workers)
+        m.read_at_scrape(read_quotas)
 
     def submitted_to(self, queues: Iterable[str]) -> None:
         for queue, n in Counter(queues).items():
@@ -106,6 +121,8 @@ class CoreMetrics:
             self.poison.inc(tally.poisoned)
         if tally.buried:
             self.finished.labels(TaskState.DEAD.value).inc(tally.buried)
+        for reason, n in tally.held.items():
+            self.claims_held.labels(reason).inc(n)
 
     def ended(self, state: TaskState, count: int = 1) -> None:
         if state in FINAL and count:
@@ -158,4 +175,41 @@ async def read_queue_workers(conn: AsyncConnection) -> list[Metric]:
     rows = [((r.queue,), float(r.live)) for r in await conn.execute(_QUEUE_WORKERS)]
     return [
         gauge_family("cairn_queue_workers_live", "Live workers serving each queue", ["queue"], rows)
+    ]
+
+
+# Owners at each running or waiting quota: the label is the quota's name, never the owner.
+_AT_QUOTA = text("""
+WITH running AS (
+    SELECT t.owner, count(*) AS n, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+    FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+    WHERE a.outcome IS NULL
+      AND t.owner IN (SELECT name FROM core.shares
+                      WHERE max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL
+                         OR max_running IS NOT NULL)
+    GROUP BY t.owner
+), waiting AS (
+    SELECT t.owner, count(*) AS n FROM core.tasks t
+    WHERE t.state IN ('ready', 'waiting')
+      AND t.owner IN (SELECT name FROM core.shares WHERE max_waiting IS NOT NULL)
+    GROUP BY t.owner
+)
+SELECT
+    count(*) FILTER (WHERE r.cpu >= s.max_cpu) AS cpu,
+    count(*) FILTER (WHERE r.memory_mb >= s.max_memory_mb) AS memory,
+    count(*) FILTER (WHERE r.n >= s.max_running) AS running,
+    count(*) FILTER (WHERE w.n >= s.max_waiting) AS waiting
+FROM core.shares s
+LEFT JOIN running r ON r.owner = s.name
+LEFT JOIN waiting w ON w.owner = s.name
+""")
+
+
+async def read_quotas(conn: AsyncConnection) -> list[Metric]:
+    row = (await conn.execute(_AT_QUOTA)).one()
+    values = [
+        ((name,), float(getattr(row, name))) for name in ("cpu", "memory", "running", "waiting")
+    ]
+    return [
+        gauge_family("cairn_owners_at_quota", "Owners at a quota now, by quota", ["quota"], values)
     ]

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
+from services.core import sharing
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
@@ -29,6 +30,7 @@ from services.core.domain.placement import (
     charge,
     utilisation,
 )
+from services.core.domain.sharing import Gate, Gated
 from services.core.domain.transitions import NOTE_STATES, Note, Op, sources
 from services.core.settings import CoreSettings
 from services.core.tables import queues, workers
@@ -46,6 +48,8 @@ class Defaults:
     defer_margin_s: float = 600.0
     preempt_after_s: float = 5.0
     preempt_grace_s: float = 10.0
+    aging_s: float = 60.0
+    aging_max: int = 200
 
     @classmethod
     def of(cls, settings: CoreSettings) -> Defaults:
@@ -56,6 +60,8 @@ class Defaults:
             defer_margin_s=settings.defer_margin_s,
             preempt_after_s=settings.preempt_after_s,
             preempt_grace_s=settings.preempt_grace_s,
+            aging_s=settings.aging_s,
+            aging_max=settings.aging_max,
         )
 
 
@@ -231,6 +237,7 @@ async def with_pending_reasons(
         if r.outcome == "preempted"
     }
     deferred = {r.id for r in await conn.execute(_DEFERRED, {"ids": ids})}
+    gate = await _gate(conn, [t for t in idle if t.state is S.WAITING])
     settings = await pools(conn, defaults)
     nodes = await live_nodes(conn)
     now = datetime.now(UTC)
@@ -266,10 +273,28 @@ async def with_pending_reasons(
             need=need,
             deferred=task.id in deferred,
             preempted_by=preempted.get(task.id),
+            held=gate.held(task.id) if gate is not None else None,
         )
         reason = pending.pending_reason(standing, pool, now)
         out.append(task.model_copy(update={"pending_reason": reason}))
     return out
+
+
+async def _gate(conn: AsyncConnection, waiting: Sequence[Task]) -> Gate | None:
+    """What quotas and concurrency keys say of these waiting tasks, read without locks."""
+    tasks = {
+        t.id: Gated(
+            owner=t.owner,
+            request=Amount(t.resources.cpu, t.resources.memory_mb),
+            key=t.concurrency.key if t.concurrency else None,
+            key_limit=t.concurrency.limit if t.concurrency else None,
+        )
+        for t in waiting
+    }
+    if not tasks:
+        return None
+    quotas = await sharing.quotas_of(conn, {t.owner for t in waiting})
+    return await sharing.gate(conn, tasks, quotas, lock=False)
 
 
 # --- the placement pass -------------------------------------------------------------------
@@ -416,12 +441,46 @@ async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults
         if any(need.fits_in(n.free()) for n in serving):
             continue  # a claim takes it
         plan = best_plan(serving, need)
-        if plan is None or not (plan.squeeze or plan.preempt):
+        if plan is None:
+            changed += await _reserve(conn, task.id, serving, need)
+            continue
+        if not (plan.squeeze or plan.preempt):
             continue
         changed += await _squeeze(conn, task.id, plan.squeeze)
         changed += await _preempt(conn, task.id, plan.preempt)
         by_id[plan.worker_id] = _after(by_id[plan.worker_id], plan, task.id, need)
     return changed
+
+
+_RESERVE = text("""
+UPDATE core.workers SET reserved_for = :task
+WHERE id = :worker AND reserved_for IS NULL
+  AND NOT EXISTS (SELECT 1 FROM core.workers w WHERE w.reserved_for = :task)
+""")
+_RELEASE = text("""
+UPDATE core.workers w SET reserved_for = NULL
+WHERE w.reserved_for IS NOT NULL AND (w.state <> 'live' OR NOT EXISTS (
+    SELECT 1 FROM core.tasks t WHERE t.id = w.reserved_for AND t.state = 'waiting'))
+""")
+
+
+async def _reserve(
+    conn: AsyncConnection, task_id: int, serving: Sequence[Node], need: Amount
+) -> int:
+    """A guaranteed task that fits nowhere, with no preemptible work to make room:
+    reserve a worker large enough for it, the one with the least guaranteed work placed
+    (its room frees soonest), so that small tasks stop passing it there
+    (``dispatch.claim``)."""
+    able = [n for n in serving if need.fits_in(n.capacity)]
+    if not able:
+        return 0
+    best = min(able, key=lambda n: (n.guaranteed().largest_share_of(n.capacity), n.worker_id))
+    return (await conn.execute(_RESERVE, {"task": task_id, "worker": best.worker_id})).rowcount
+
+
+async def release_reservations(conn: AsyncConnection) -> int:
+    """Reservations whose task is no longer waiting (or whose worker is gone) end."""
+    return (await conn.execute(_RELEASE)).rowcount
 
 
 def _after(node: Node, plan: Plan, task_id: int, need: Amount) -> Node:
@@ -537,5 +596,6 @@ async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:
         return 0
     nodes = await live_nodes(conn)
     await measure_pools(conn, nodes)
+    await release_reservations(conn)
     moved = await defer_and_release(conn, defaults)
     return moved + await make_room(conn, nodes, defaults)

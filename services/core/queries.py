@@ -10,7 +10,7 @@ TASK_COLUMNS = """
     input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
-    updated_at, finished_at, defer_ok, deadline, team
+    updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit
 """
 
 # What a submission reads back: what the database decided. The rest is the spec.
@@ -28,24 +28,50 @@ WITH input AS (
         backoff_base_s double precision, backoff_cap_s double precision,
         backoff_jitter boolean, poison_after integer, timeout_s integer,
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
-        defer_ok boolean, deadline timestamptz, team text
+        defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
+        concurrency_limit integer
     )
+), clock AS (
+    -- Fair share (docs/sharing.md): an owner's work in a queue is stamped one step (the
+    -- quantum over its weight) after its last waiting stamp; an owner with nothing
+    -- waiting starts at the queue's head stamp (or now, if that is later), so it
+    -- interleaves with a backlog instead of queueing behind it.
+    SELECT o.owner, o.queue,
+           (SELECT max(w.vtime) FROM core.tasks w
+            WHERE w.owner = o.owner AND w.queue = o.queue AND w.state = 'waiting') AS last,
+           LEAST(EXTRACT(EPOCH FROM now()),
+                 (SELECT min(h.vtime) FROM core.tasks h
+                  WHERE h.queue = o.queue AND h.state = 'waiting')) AS head,
+           CAST(:quantum AS double precision)
+               / COALESCE((SELECT s.weight FROM core.shares s WHERE s.name = o.owner), 1) AS step
+    FROM (SELECT DISTINCT owner, queue FROM input) o
+), stamped AS (
+    SELECT input.*,
+           GREATEST(
+               EXTRACT(EPOCH FROM COALESCE(input.run_at, now())),
+               COALESCE(clock.last + clock.step, clock.head, EXTRACT(EPOCH FROM now()))
+                   + clock.step * (row_number() OVER (
+                       PARTITION BY input.owner, input.queue ORDER BY input.ord) - 1)
+           ) AS vtime
+    FROM input JOIN clock ON clock.owner = input.owner AND clock.queue = input.queue
 ), new AS (
     INSERT INTO core.tasks (
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
-        spec_hash, labels, defer_ok, deadline, team, state
+        spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
+        state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
-        idempotency_key, spec_hash, labels, defer_ok, deadline, team,
+        idempotency_key, spec_hash, labels, defer_ok, deadline, team, concurrency_key,
+        concurrency_limit, vtime,
         CASE WHEN run_at > now()
-              OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = input.queue AND q.paused)
+              OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN 'ready' ELSE 'waiting' END
-    FROM input
+    FROM stamped
     ORDER BY ord
     ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING {SUBMITTED_COLUMNS}

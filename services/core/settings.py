@@ -111,3 +111,9 @@ class CoreSettings(CairnSettings):
         if self.notify_lease_s is not None:
             return self.notify_lease_s
         return self.notify_timeout_s * 2 + 5
+
+    # sharing (see docs/sharing.md)
+    fair_quantum_s: float = Field(default=1.0, gt=0, le=3600)
+    aging_s: float = Field(default=60.0, gt=0)
+    aging_max: int = Field(default=200, ge=0, le=200)
+    sharing_cache_s: float = Field(default=5.0, ge=0, le=300)

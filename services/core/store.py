@@ -88,7 +88,12 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 # --- submissions --------------------------------------------------------------------------
 
 
-_LATER_FIELDS: dict[str, object] = {"defer_ok": False, "deadline": None, "team": None}
+_LATER_FIELDS: dict[str, object] = {
+    "defer_ok": False,
+    "deadline": None,
+    "team": None,
+    "concurrency": None,
+}
 
 
 def spec_hash(spec: TaskCreate) -> str:
@@ -130,20 +135,26 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "defer_ok": spec.defer_ok,
         "deadline": spec.deadline.isoformat() if spec.deadline else None,
         "team": spec.team,
+        "concurrency_key": spec.concurrency.key if spec.concurrency else None,
+        "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
     }
 
 
 async def submit(
-    conn: AsyncConnection, owner: str | Sequence[str], specs: Sequence[TaskCreate]
+    conn: AsyncConnection,
+    owner: str | Sequence[str],
+    specs: Sequence[TaskCreate],
+    quantum_s: float = 1.0,
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
     ``owner`` is one owner for all, or one per submission. Rows hold
-    ``queries.SUBMITTED_COLUMNS``."""
+    ``queries.SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
+    weight 1 (docs/sharing.md)."""
     owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
     docs = [{**_row_doc(spec), "owner": who} for spec, who in zip(specs, owners, strict=True)]
     rows = orjson.dumps(docs).decode()
-    created = await _fetch(conn, queries.SUBMIT, {"rows": rows})
+    created = await _fetch(conn, queries.SUBMIT, {"rows": rows, "quantum": quantum_s})
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
@@ -234,6 +245,9 @@ def task_from_row(m: Any) -> Task:
         defer_ok=m.defer_ok,
         deadline=m.deadline,
         team=m.team,
+        concurrency=(
+            {"key": m.concurrency_key, "limit": m.concurrency_limit} if m.concurrency_key else None
+        ),
     )
 
 
@@ -444,6 +458,12 @@ async def retry(conn: AsyncConnection, task_id: int, who: Visibility | None) -> 
         reason="retried by a person",
         reset_run_at=True,
         reset_counts=True,
+    )
+    # A fresh turn in fair share: an old stamp would age it straight to the top.
+    await conn.execute(
+        update(tasks)
+        .where(tasks.c.id == task_id)
+        .values(vtime=func.greatest(tasks.c.vtime, func.extract("epoch", func.now())))
     )
 
 

@@ -155,6 +155,7 @@ queues = Table(
     Column("overcommit", Double),
     Column("defer_above", Double),
     Column("utilisation", Double),
+    Column("policy", JSONB),
     CheckConstraint(
         "overcommit IS NULL OR (overcommit >= 1 AND overcommit <= 10)", name="overcommit_range"
     ),
@@ -204,6 +205,9 @@ tasks = Table(
     Column("deadline", DateTime(timezone=True)),
     Column("deferred", Boolean, nullable=False, server_default=text("false")),
     Column("team", Text),
+    Column("vtime", Double, nullable=False, server_default=text("EXTRACT(EPOCH FROM now())")),
+    Column("concurrency_key", Text),
+    Column("concurrency_limit", Integer),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -216,6 +220,9 @@ tasks = Table(
     CheckConstraint(
         "state <> 'running' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
     ),
+    CheckConstraint(
+        "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
+    ),
     Index(
         "uq_tasks_owner_idempotency_key",
         "owner",
@@ -227,8 +234,23 @@ tasks = Table(
         "ix_tasks_waiting",
         "queue",
         text("priority DESC"),
+        "vtime",
         "id",
         postgresql_where=text("state = 'waiting'"),
+    ),
+    Index(
+        "ix_tasks_waiting_vtime",
+        "queue",
+        "vtime",
+        "id",
+        postgresql_where=text("state = 'waiting'"),
+    ),
+    Index(
+        "ix_tasks_owner_waiting",
+        "owner",
+        "queue",
+        "vtime",
+        postgresql_where=text("state IN ('ready', 'waiting')"),
     ),
     Index(
         "ix_tasks_due",
@@ -268,6 +290,7 @@ workers = Table(
     Column("gone_at", DateTime(timezone=True)),
     # sha-256 of the worker's lease secret: only the agent that registered it may act for it
     Column("lease_sha256", Text),
+    Column("reserved_for", BigInteger),
     CheckConstraint("state IN ('dead', 'draining', 'left', 'live')", name="state"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint("(state IN ('dead', 'left')) = (gone_at IS NOT NULL)", name="gone_has_time"),
@@ -305,6 +328,7 @@ attempts = Table(
     Column("squeezed_at", DateTime(timezone=True)),
     Column("squeezed_for", BigInteger),
     Column("preempted_by", BigInteger),
+    Column("concurrency_key", Text),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'oom_killed',"
@@ -317,6 +341,17 @@ attempts = Table(
         "worker_id",
         postgresql_where=text("preempted_by IS NOT NULL OR squeezed_for IS NOT NULL"),
     ),
+    Index(
+        "ix_attempts_key_open",
+        "concurrency_key",
+        postgresql_where=text("outcome IS NULL AND concurrency_key IS NOT NULL"),
+    ),
+    Index(
+        "ix_attempts_key_started",
+        "concurrency_key",
+        "started_at",
+        postgresql_where=text("concurrency_key IS NOT NULL"),
+    ),
 )
 
 usage = Table(
@@ -328,6 +363,45 @@ usage = Table(
     Column("peak_memory_mb", Double, nullable=False),
     Column("samples", Integer, nullable=False, server_default=text("0")),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Share and quotas of a principal by name: an owner today; a team slots in by its name.
+shares = Table(
+    "shares",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("weight", Double, nullable=False, server_default=text("1")),
+    Column("max_cpu", Double),
+    Column("max_memory_mb", Double),
+    Column("max_running", Integer),
+    Column("max_waiting", Integer),
+    Column("max_submits_per_min", Integer),
+    Column("rate_window_at", DateTime(timezone=True)),
+    Column("rate_count", Integer, nullable=False, server_default=text("0")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
+    CheckConstraint(
+        "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
+        " AND (max_running IS NULL OR max_running > 0) AND (max_waiting IS NULL OR max_waiting > 0)"
+        " AND (max_submits_per_min IS NULL OR max_submits_per_min > 0)",
+        name="limits_positive",
+    ),
+)
+
+concurrency_limits = Table(
+    "concurrency_limits",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("max_running", Integer),
+    Column("max_starts", Integer),
+    Column("window_s", Double),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(
+        "(max_running IS NULL OR max_running > 0) AND (max_starts IS NULL OR max_starts > 0)"
+        " AND (window_s IS NULL OR window_s > 0)",
+        name="positive",
+    ),
+    CheckConstraint("(max_starts IS NULL) = (window_s IS NULL)", name="rate_has_window"),
 )
 
 attempt_logs = Table(

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, TypeVar
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import tracing
-from libs.common.errors import Forbidden, InvalidInput
+from libs.common.errors import Forbidden, InvalidInput, QuotaExceeded
 from libs.common.models import (
     MAX_BATCH,
     MAX_BULK_COUNT,
@@ -35,7 +36,7 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import placement, store, traces
+from services.core import placement, sharing, store, traces
 from services.core.deps import (
     Announcer,
     Audit,
@@ -49,6 +50,7 @@ from services.core.deps import (
 )
 from services.core.domain.transitions import Op
 from services.core.identity import secrets, teams
+from services.core.metrics import CoreMetrics
 from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
@@ -81,16 +83,28 @@ async def submit_task(
 ) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
     owner already submitted this ``idempotency_key``. ``team`` shares it with a team the
-    owner belongs to; ``env`` values may name secrets."""
+    owner belongs to; ``env`` values may name secrets. 403 when the queue's policy does
+    not allow what it asks for; 429 (with ``Retry-After``) when the owner is at a quota."""
     start = tracing.now_ns()
     _check_sources(request, [spec], batch=False)
-    # One statement, so no transaction around it: autocommit saves two round trips.
-    async with engine.connect() as conn:
-        await conn.execution_options(isolation_level="AUTOCOMMIT")
-        if secrets.needs_check(spec):
-            await _check(conn, principal, owner, spec)
-        [(row, created)] = await store.submit(conn, owner, [spec])
-        task = store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
+    book = await _book(request, engine)
+    book.check_policy(_policy_role(principal, owner), owner, spec, "body")
+    quantum = _quantum(request)
+    if book.limits_submissions([owner]):
+        async with engine.begin() as conn:
+            if secrets.needs_check(spec):
+                await _check(conn, principal, owner, spec)
+            await _admit(conn, book, [owner], meter)
+            [(row, created)] = await store.submit(conn, owner, [spec], quantum)
+            task = await _submitted(conn, spec, row, created)
+    else:
+        # One statement, so no transaction around it: autocommit saves two round trips.
+        async with engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            if secrets.needs_check(spec):
+                await _check(conn, principal, owner, spec)
+            [(row, created)] = await store.submit(conn, owner, [spec], quantum)
+            task = await _submitted(conn, spec, row, created)
     if created:
         notifier.announce()
         if row.state == TaskState.READY:
@@ -100,6 +114,35 @@ async def submit_task(
     response = _json(task, 201 if created else 200)
     response.headers["Location"] = f"/v1/tasks/{row.id}"
     return response
+
+
+async def _submitted(conn: AsyncConnection, spec: TaskCreate, row: Any, created: bool) -> Task:
+    return store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
+
+
+async def _book(request: Request, engine: AsyncEngine) -> sharing.Book:
+    book: sharing.Book = request.app.state.sharing
+    return await book.fresh(engine)
+
+
+def _quantum(request: Request) -> float:
+    return float(request.app.state.settings.fair_quantum_s)
+
+
+def _policy_role(principal: Principal, owner: str) -> str:
+    """The role a queue's policy sees: a service submitting for someone else is held to
+    what that person (a user) may ask for."""
+    return "user" if principal.role == "service" and owner != principal.name else principal.role
+
+
+async def _admit(
+    conn: AsyncConnection, book: sharing.Book, owners: Sequence[str], meter: CoreMetrics
+) -> None:
+    try:
+        await sharing.admit_submissions(conn, book, owners)
+    except QuotaExceeded as refused:
+        meter.quota_refusals.labels(refused.extra["quota"]).inc()
+        raise
 
 
 # The request body of /batch as OpenAPI shows it (the model is parsed by hand, below).
@@ -187,12 +230,19 @@ async def submit_batch(
         if principal.role != "service" and set(batch.owners) != {principal.name}:
             raise Forbidden("only the service role may name other owners in owners")
         owners = batch.owners
+    each = [owners] * len(batch.tasks) if isinstance(owners, str) else owners
+    book = await _book(request, engine)
+    if book.policies:
+        for i, (who, spec) in enumerate(zip(each, batch.tasks, strict=True)):
+            book.check_policy(_policy_role(principal, who), who, spec, f"body.tasks.{i}")
     async with engine.begin() as conn:
         for i, spec in enumerate(batch.tasks):
             if secrets.needs_check(spec):
                 who = owners if isinstance(owners, str) else owners[i]
                 await _check(conn, principal, who, spec, f"tasks.{i}.")
-        rows = await store.submit(conn, owners, batch.tasks)
+        if book.limits_submissions(each):
+            await _admit(conn, book, each, meter)
+        rows = await store.submit(conn, owners, batch.tasks, _quantum(request))
     notifier.announce()
     delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
     if delayed:

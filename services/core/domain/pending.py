@@ -33,6 +33,8 @@ class Standing:
     need: Amount
     deferred: bool = False
     preempted_by: int | None = None
+    #: what holds it back besides room: its owner's quota, its concurrency key
+    held: str | None = None
 
 
 def size(amount: Amount) -> str:
@@ -80,7 +82,10 @@ def _waiting(task: Standing, pool: Pool) -> str:
     parts: list[str] = []
     if task.preempted_by is not None:
         parts.append(f"preempted by task {task.preempted_by}, requeued")
-    parts.append(_room(task.need, pool.name, pool.nodes))
+    if task.held is not None:
+        parts.append(task.held)
+    else:
+        parts.append(_room(task.need, pool.name, pool.nodes))
     return "; ".join(parts)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from libs.common.placement import SQUEEZED_CPU_SHARE
 
@@ -131,17 +132,25 @@ def decayed_peak(old: float | None, sample: float) -> float:
     return sample if old is None else max(sample, old * DECAY)
 
 
+class Admission(Protocol):
+    """Whether a candidate that fits may start (quotas, concurrency keys); admitting it
+    takes its share of those limits."""
+
+    def admit(self, task_id: int) -> bool: ...
+
+
 def choose(
-    room: Amount, candidates: Sequence[Candidate], most: int
+    room: Amount, candidates: Sequence[Candidate], most: int, gate: Admission | None = None
 ) -> list[tuple[Candidate, Amount]]:
-    """Candidates (in the order given: reserved, then priority, then age) whose charges
-    fit the room left, each with its charge; at most ``most``."""
+    """Candidates (in the order given: reserved, then priority and fair share) whose
+    charges fit the room left and that ``gate`` admits, each with its charge; at most
+    ``most``."""
     chosen: list[tuple[Candidate, Amount]] = []
     for candidate in candidates:
         if len(chosen) == most:
             break
         cost = charge(candidate)
-        if cost.fits_in(room):
+        if cost.fits_in(room) and (gate is None or gate.admit(candidate.task_id)):
             chosen.append((candidate, cost))
             room = room - cost
     return chosen

@@ -125,14 +125,25 @@ async function queuesPage(main) {
   const box = h("div");
   main.append(box);
   await live(box, async () => {
-    const [queues, history] = await Promise.all([api("core", "/v1/queues"), api("core", "/v1/queues/history?minutes=60")]);
+    const [queues, history, owners] = await Promise.all([api("core", "/v1/queues"),
+      api("core", "/v1/queues/history?minutes=60"), api("core", "/v1/owners?limit=10")]);
     const rows = queues.items.map((q) => h("tr", { "data-queue": q.name },
       h("td", {}, q.name, q.paused ? " (paused)" : ""),
       ["ready", "waiting", "running", "failed", "dead"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
       h("td", { class: "num" }, q.oldest_waiting_age_s === null ? "—" : `${num(q.oldest_waiting_age_s, 1)} s`)));
     const cards = history.items.map((q) => h("div", { class: "card" }, h("h3", {}, q.name), chart(q)));
+    const quota = (used, most) => (most === null ? num(used, 1) : `${num(used, 1)}/${num(most, 1)}`);
+    const top = owners.items.map((o) => h("tr", { "data-owner": o.name },
+      h("td", {}, o.name), h("td", { class: "num" }, `${num(o.share * 100, 1)}%`),
+      h("td", { class: "num" }, quota(o.running.attempts, o.quota.max_running)),
+      h("td", { class: "num" }, quota(o.running.cpu, o.quota.max_cpu)),
+      h("td", { class: "num" }, quota(o.waiting, o.quota.max_waiting)),
+      h("td", {}, o.at_quota.join(", ") || "—")));
     return h("div", {},
       table(["queue", "ready", "waiting", "running", "failed", "dead", "oldest waiting"], rows),
+      h("h2", {}, "Top owners"),
+      top.length ? table(["owner", "share", "running", "cpu", "waiting", "at quota"], top)
+        : h("p", { class: "muted" }, "Nothing running or waiting."),
       h("h2", {}, "Last hour"),
       h("p", { class: "muted" }, "Bars: tasks finished per minute; line: backlog (unfinished tasks)."),
       h("div", { class: "grid" }, cards.length ? cards : h("p", { class: "muted" }, "No activity in the last hour.")));

@@ -1,0 +1,107 @@
+"""Sharing one pool: owners' shares, quotas and use; queue policies; concurrency keys."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Request
+
+from libs.common.errors import NotFound
+from libs.common.models import (
+    ConcurrencyKeyName,
+    ConcurrencyLimit,
+    ConcurrencyState,
+    Name,
+    OwnerList,
+    OwnerUsage,
+    QueueName,
+    QueuePolicy,
+    ShareSettings,
+)
+from libs.common.problems import PROBLEMS
+from services.core import sharing
+from services.core.deps import AdminOnly, Engine, Reader
+
+router = APIRouter(tags=["sharing"])
+
+OwnerName = Annotated[Name, Path(description="The owner (a principal's name).")]
+KeyPath = Annotated[ConcurrencyKeyName, Path(description="The concurrency key.")]
+
+
+def _book(request: Request) -> sharing.Book:
+    book: sharing.Book = request.app.state.sharing
+    return book
+
+
+@router.get("/v1/owners", response_model=OwnerList, responses=PROBLEMS)
+async def top_owners(
+    principal: Reader, engine: Engine, limit: Annotated[int, Query(ge=1, le=100)] = 10
+) -> OwnerList:
+    """The owners with the most work running and waiting (users see only themselves)."""
+    async with engine.connect() as conn:
+        if principal.owner_filter is not None:
+            return OwnerList(items=await sharing.usage_of(conn, [principal.name]))
+        return OwnerList(items=await sharing.top_owners(conn, limit))
+
+
+@router.get("/v1/owners/{name}/usage", response_model=OwnerUsage, responses=PROBLEMS)
+async def owner_usage(name: OwnerName, principal: Reader, engine: Engine) -> OwnerUsage:
+    """The owner's weight and share of the pool, what it runs (attempts, CPU, memory
+    requested), how much waits, its quotas and which of them it is at. Users read their
+    own (another's is a 404)."""
+    if principal.owner_filter is not None and name != principal.name:
+        raise NotFound(f"owner {name} not found")
+    async with engine.connect() as conn:
+        [usage] = await sharing.usage_of(conn, [name])
+    return usage
+
+
+@router.patch("/v1/owners/{name}/share", response_model=OwnerUsage, responses=PROBLEMS)
+async def set_share(
+    name: OwnerName, change: ShareSettings, principal: AdminOnly, engine: Engine, request: Request
+) -> OwnerUsage:
+    """Set the owner's fair-share weight and quotas (null: no limit; weight null: 1)."""
+    async with engine.begin() as conn:
+        await sharing.set_share(conn, name, change)
+    _book(request).invalidate()
+    async with engine.connect() as conn:
+        [usage] = await sharing.usage_of(conn, [name])
+    return usage
+
+
+@router.get("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
+async def get_policy(name: QueueName, principal: Reader, engine: Engine) -> QueuePolicy:
+    """What submitters may ask for in the queue (everything, when no policy is set)."""
+    async with engine.connect() as conn:
+        return await sharing.get_policy(conn, name) or QueuePolicy()
+
+
+@router.put("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
+async def set_policy(
+    name: QueueName, policy: QueuePolicy, principal: AdminOnly, engine: Engine, request: Request
+) -> QueuePolicy:
+    """Replace the queue's policy: priority range per role, whether users may submit
+    services or guaranteed (non-preemptible) work, which owners may use it."""
+    async with engine.begin() as conn:
+        await sharing.set_policy(conn, name, policy)
+    _book(request).invalidate()
+    return policy
+
+
+@router.get("/v1/concurrency/{key}", response_model=ConcurrencyState, responses=PROBLEMS)
+async def get_key(key: KeyPath, principal: Reader, engine: Engine) -> ConcurrencyState:
+    """The key's limits (an admin's) and its attempts running and started in the window."""
+    async with engine.connect() as conn:
+        return await sharing.key_state(conn, key)
+
+
+@router.put("/v1/concurrency/{key}", response_model=ConcurrencyState, responses=PROBLEMS)
+async def set_key(
+    key: KeyPath, limit: ConcurrencyLimit, principal: AdminOnly, engine: Engine
+) -> ConcurrencyState:
+    """Set the key's limits for the whole pool: at most ``max_running`` attempts at once,
+    at most ``max_starts`` starts per ``window_s``. They override the tasks' own limit."""
+    async with engine.begin() as conn:
+        await sharing.set_key_limit(conn, key, limit)
+    async with engine.connect() as conn:
+        return await sharing.key_state(conn, key)

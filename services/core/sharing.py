@@ -1,0 +1,391 @@
+"""Sharing one pool in the database: shares and quotas per owner, queue policies,
+concurrency keys (docs/sharing.md). Decisions are ``domain.sharing``'s; this module reads
+and writes, and keeps the per-process book of settings the submit path consults."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from libs.common.errors import Forbidden, QuotaExceeded
+from libs.common.models import (
+    ConcurrencyLimit,
+    ConcurrencyState,
+    OwnerUsage,
+    QueuePolicy,
+    Quotas,
+    RunningUse,
+    ShareSettings,
+    TaskCreate,
+)
+from services.core.domain.placement import Amount
+from services.core.domain.sharing import (
+    Gate,
+    Gated,
+    KeyLimit,
+    KeyUse,
+    Quota,
+    Use,
+    refusal,
+    weights_share,
+)
+from services.core.tables import concurrency_limits, queues, shares
+
+# Advisory lock classes: an owner's running quotas (claim), a concurrency key (claim),
+# an owner's submission quotas (submit). Taken in that order, each sorted: no deadlock.
+_OWNER_LOCK, _KEY_LOCK, _SUBMIT_LOCK = 4708, 4709, 4710
+
+_LOCK = text("""
+SELECT count(pg_advisory_xact_lock(CAST(:class AS integer), s.h)) FROM (
+    SELECT DISTINCT hashtext(x) AS h FROM unnest(CAST(:names AS text[])) AS x ORDER BY 1
+) s
+""")
+
+_OWNER_USE = text("""
+SELECT t.owner, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.outcome IS NULL AND t.owner = ANY(CAST(:owners AS text[]))
+GROUP BY t.owner
+""")
+
+_KEY_USE = text("""
+SELECT k.key, l.max_running, l.max_starts, l.window_s,
+       (SELECT count(*) FROM core.attempts a
+        WHERE a.concurrency_key = k.key AND a.outcome IS NULL) AS running,
+       CASE WHEN l.window_s IS NULL THEN 0 ELSE (
+           SELECT count(*) FROM core.attempts a
+           WHERE a.concurrency_key = k.key
+             AND a.started_at > now() - make_interval(secs => l.window_s)) END AS started
+FROM unnest(CAST(:keys AS text[])) AS k(key)
+LEFT JOIN core.concurrency_limits l ON l.key = k.key
+""")
+
+_QUOTAS = text("""
+SELECT name, max_cpu, max_memory_mb, max_running FROM core.shares
+WHERE name = ANY(CAST(:owners AS text[]))
+  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL)
+""")
+
+
+async def _lock(conn: AsyncConnection, lock_class: int, names: Iterable[str]) -> None:
+    ordered = sorted(set(names))
+    if ordered:
+        await conn.execute(_LOCK, {"class": lock_class, "names": ordered})
+
+
+def _quota(row: Any) -> Quota:
+    return Quota(row.max_cpu, row.max_memory_mb, row.max_running)
+
+
+def quota_of(row: Any) -> Quota | None:
+    """The running quota a candidate row carries (``max_cpu``, ...), if any."""
+    quota = _quota(row)
+    return quota if quota.limits_running else None
+
+
+async def owner_use(conn: AsyncConnection, owners: Sequence[str]) -> dict[str, Use]:
+    rows = await conn.execute(_OWNER_USE, {"owners": list(owners)})
+    return {r.owner: Use(int(r.running), float(r.cpu), float(r.memory_mb)) for r in rows}
+
+
+async def key_use(
+    conn: AsyncConnection, keys: Sequence[str]
+) -> tuple[dict[str, KeyLimit], dict[str, KeyUse]]:
+    limits: dict[str, KeyLimit] = {}
+    use: dict[str, KeyUse] = {}
+    for r in await conn.execute(_KEY_USE, {"keys": list(keys)}):
+        if r.max_running is not None or r.max_starts is not None:
+            limits[r.key] = KeyLimit(r.max_running, r.max_starts, r.window_s)
+        use[r.key] = KeyUse(int(r.running), int(r.started))
+    return limits, use
+
+
+async def quotas_of(conn: AsyncConnection, owners: Iterable[str]) -> dict[str, Quota]:
+    """The running quotas of those of ``owners`` that have any."""
+    rows = await conn.execute(_QUOTAS, {"owners": sorted(set(owners))})
+    return {r.name: _quota(r) for r in rows}
+
+
+async def gate(
+    conn: AsyncConnection, tasks: dict[int, Gated], quotas: dict[str, Quota], *, lock: bool
+) -> Gate | None:
+    """The gate for these tasks (``quotas``: their owners' running quotas), or None when
+    no quota or key concerns them. With ``lock`` (the claim), the owners and keys it
+    counts are locked until the transaction ends, so two claims cannot both take the
+    last room under a limit."""
+    keys = sorted({t.key for t in tasks.values() if t.key is not None})
+    if not quotas and not keys:
+        return None
+    if lock:
+        await _lock(conn, _OWNER_LOCK, quotas)
+        await _lock(conn, _KEY_LOCK, keys)
+    use = await owner_use(conn, sorted(quotas)) if quotas else {}
+    limits, counts = await key_use(conn, keys) if keys else ({}, {})
+    return Gate(tasks=tasks, quotas=quotas, use=use, limits=limits, keys=counts)
+
+
+def gated(row: Any) -> Gated:
+    """A task row (``owner``, ``cpu``, ``memory_mb``, ``concurrency_*``) as the gate sees it."""
+    return Gated(
+        owner=row.owner,
+        request=Amount(row.cpu, row.memory_mb),
+        key=row.concurrency_key,
+        key_limit=row.concurrency_limit,
+    )
+
+
+# --- the book: settings the submit path reads, cached per process ------------------------
+
+
+@dataclass(frozen=True)
+class SubmitQuota:
+    max_waiting: int | None
+    max_submits_per_min: int | None
+
+
+@dataclass
+class Book:
+    """Queue policies and owners' submission quotas, reread every ``ttl_s`` (an admin's
+    change through this process applies at once; through another replica, within
+    ``ttl_s``)."""
+
+    ttl_s: float
+    policies: dict[str, QueuePolicy] = field(default_factory=dict)
+    quotas: dict[str, SubmitQuota] = field(default_factory=dict)
+    _read_at: float = -math.inf
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def invalidate(self) -> None:
+        self._read_at = -math.inf
+
+    async def fresh(self, engine: AsyncEngine) -> Book:
+        if time.monotonic() - self._read_at < self.ttl_s:
+            return self
+        async with self._lock:
+            if time.monotonic() - self._read_at >= self.ttl_s:
+                started = time.monotonic()
+                async with engine.connect() as conn:
+                    await self._read(conn)
+                self._read_at = started
+        return self
+
+    async def _read(self, conn: AsyncConnection) -> None:
+        rows = await conn.execute(
+            select(queues.c.name, queues.c.policy).where(queues.c.policy.isnot(None))
+        )
+        self.policies = {r.name: QueuePolicy.model_validate(r.policy) for r in rows}
+        limited = select(shares.c.name, shares.c.max_waiting, shares.c.max_submits_per_min).where(
+            (shares.c.max_waiting.isnot(None)) | (shares.c.max_submits_per_min.isnot(None))
+        )
+        self.quotas = {
+            r.name: SubmitQuota(r.max_waiting, r.max_submits_per_min)
+            for r in await conn.execute(limited)
+        }
+
+    def check_policy(self, role: str, owner: str, spec: TaskCreate, where: str) -> None:
+        """403 naming the field when ``spec`` is outside its queue's policy; ``where`` is
+        its place in the request body (``body``, ``body.tasks.3``)."""
+        policy = self.policies.get(spec.queue)
+        if policy is None:
+            return
+        refused = refusal(policy, role, owner, spec, where)
+        if refused is not None:
+            raise Forbidden(f"{refused.field}: {refused.detail}", field=refused.field)
+
+    def limits_submissions(self, owners: Iterable[str]) -> bool:
+        return any(owner in self.quotas for owner in owners)
+
+
+_WAITING = text("""
+SELECT count(*) FROM (
+    SELECT 1 FROM core.tasks WHERE owner = :owner AND state IN ('ready', 'waiting') LIMIT :cap
+) s
+""")
+
+_COUNT_SUBMITS = text("""
+UPDATE core.shares SET
+    rate_count = CASE WHEN rate_window_at > now() - interval '60 seconds'
+                      THEN rate_count ELSE 0 END + :n,
+    rate_window_at = CASE WHEN rate_window_at > now() - interval '60 seconds'
+                          THEN rate_window_at ELSE now() END
+WHERE name = :owner
+RETURNING rate_count,
+          EXTRACT(EPOCH FROM rate_window_at + interval '60 seconds' - now()) AS left_s
+""")
+
+#: what a 429 for the waiting quota tells the caller to wait
+WAITING_RETRY_AFTER_S = 10
+
+
+async def admit_submissions(conn: AsyncConnection, book: Book, owners: Sequence[str]) -> None:
+    """Refuse (429, nothing stored: the caller's transaction rolls back) submissions that
+    would put an owner over its waiting or per-minute quota. Runs in the submit's
+    transaction, the owners locked so that two submits cannot both take the last room."""
+    counts = Counter(owner for owner in owners if owner in book.quotas)
+    await _lock(conn, _SUBMIT_LOCK, counts)
+    for owner, n in sorted(counts.items()):
+        quota = book.quotas[owner]
+        if quota.max_waiting is not None:
+            waiting = (
+                await conn.execute(_WAITING, {"owner": owner, "cap": quota.max_waiting + 1})
+            ).scalar_one()
+            if waiting + n > quota.max_waiting:
+                raise QuotaExceeded(
+                    f"owner {owner} at its waiting quota ({waiting}/{quota.max_waiting} tasks "
+                    f"waiting; {n} more asked)",
+                    quota="waiting",
+                    retry_after_s=WAITING_RETRY_AFTER_S,
+                )
+        if quota.max_submits_per_min is not None:
+            row = (await conn.execute(_COUNT_SUBMITS, {"owner": owner, "n": n})).one()
+            if row.rate_count > quota.max_submits_per_min:
+                raise QuotaExceeded(
+                    f"owner {owner} at its submission quota ({row.rate_count - n}/"
+                    f"{quota.max_submits_per_min} this minute; {n} more asked)",
+                    quota="submits_per_min",
+                    retry_after_s=math.ceil(float(row.left_s)),
+                )
+
+
+# --- admin settings and the usage report ------------------------------------------------
+
+
+async def set_share(conn: AsyncConnection, name: str, change: ShareSettings) -> None:
+    values: dict[str, Any] = change.model_dump(exclude_unset=True)
+    if "weight" in values and values["weight"] is None:
+        values["weight"] = 1.0
+    stmt = pg_insert(shares).values(name=name, **values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[shares.c.name], set_={**values, "updated_at": func.now()}
+    )
+    await conn.execute(stmt)
+
+
+async def set_policy(conn: AsyncConnection, name: str, policy: QueuePolicy | None) -> None:
+    doc = policy.model_dump(mode="json") if policy is not None else None
+    stmt = pg_insert(queues).values(name=name, policy=doc)
+    stmt = stmt.on_conflict_do_update(index_elements=[queues.c.name], set_={"policy": doc})
+    await conn.execute(stmt)
+
+
+async def get_policy(conn: AsyncConnection, name: str) -> QueuePolicy | None:
+    doc = (await conn.execute(select(queues.c.policy).where(queues.c.name == name))).scalar()
+    return QueuePolicy.model_validate(doc) if doc is not None else None
+
+
+async def set_key_limit(conn: AsyncConnection, key: str, limit: ConcurrencyLimit) -> None:
+    values = limit.model_dump()
+    stmt = pg_insert(concurrency_limits).values(key=key, **values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[concurrency_limits.c.key], set_={**values, "updated_at": func.now()}
+    )
+    await conn.execute(stmt)
+
+
+async def key_state(conn: AsyncConnection, key: str) -> ConcurrencyState:
+    limits, use = await key_use(conn, [key])
+    limit = limits.get(key, KeyLimit())
+    counted = use.get(key, KeyUse())
+    return ConcurrencyState(
+        key=key,
+        max_running=limit.max_running,
+        max_starts=limit.max_starts,
+        window_s=limit.window_s,
+        running=counted.running,
+        started_in_window=counted.started,
+    )
+
+
+_ACTIVE = text("""
+WITH active AS (
+    SELECT DISTINCT t.owner FROM core.tasks t WHERE t.state IN ('running', 'waiting')
+)
+SELECT a.owner, COALESCE(s.weight, 1) AS weight
+FROM active a LEFT JOIN core.shares s ON s.name = a.owner
+""")
+
+_WAITING_OF = text("""
+SELECT owner, count(*) AS n FROM core.tasks
+WHERE state IN ('ready', 'waiting') AND owner = ANY(CAST(:owners AS text[]))
+GROUP BY owner
+""")
+
+_TOP = text("""
+SELECT owner FROM (
+    SELECT t.owner, count(*) AS n FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+    WHERE a.outcome IS NULL GROUP BY t.owner
+    UNION ALL
+    SELECT owner, count(*) FROM core.tasks WHERE state = 'waiting' GROUP BY owner
+) s GROUP BY owner ORDER BY sum(n) DESC, owner LIMIT :limit
+""")
+
+
+async def usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsage]:
+    """Each owner's share, running use, waiting count and quotas."""
+    active = {r.owner: float(r.weight) for r in await conn.execute(_ACTIVE)}
+    use = await owner_use(conn, names)
+    waiting = {r.owner: int(r.n) for r in await conn.execute(_WAITING_OF, {"owners": list(names)})}
+    rows = {r.name: r for r in await conn.execute(select(shares).where(shares.c.name.in_(names)))}
+    out = []
+    for name in names:
+        row = rows.get(name)
+        weight = float(row.weight) if row else 1.0
+        others = [w for owner, w in active.items() if owner != name]
+        quota = Quotas(
+            max_cpu=row.max_cpu if row else None,
+            max_memory_mb=row.max_memory_mb if row else None,
+            max_running=row.max_running if row else None,
+            max_waiting=row.max_waiting if row else None,
+            max_submits_per_min=row.max_submits_per_min if row else None,
+        )
+        running = use.get(name, Use())
+        out.append(
+            OwnerUsage(
+                name=name,
+                weight=weight,
+                share=round(weights_share(weight, [weight, *others]), 6),
+                running=RunningUse(
+                    attempts=running.running, cpu=running.cpu, memory_mb=running.memory_mb
+                ),
+                waiting=waiting.get(name, 0),
+                quota=quota,
+                at_quota=at_quota(quota, running, waiting.get(name, 0)),
+                submitted_last_minute=_submitted(row),
+            )
+        )
+    return out
+
+
+def _submitted(row: Any) -> int:
+    if row is None or row.rate_window_at is None:
+        return 0
+    age = time.time() - row.rate_window_at.timestamp()
+    return int(row.rate_count) if age < 60 else 0
+
+
+def at_quota(quota: Quotas, running: Use, waiting: int) -> list[str]:
+    """The quotas an owner is at now (bounded names: cpu, memory, running, waiting)."""
+    held = []
+    if quota.max_cpu is not None and running.cpu >= quota.max_cpu - 1e-9:
+        held.append("cpu")
+    if quota.max_memory_mb is not None and running.memory_mb >= quota.max_memory_mb:
+        held.append("memory")
+    if quota.max_running is not None and running.running >= quota.max_running:
+        held.append("running")
+    if quota.max_waiting is not None and waiting >= quota.max_waiting:
+        held.append("waiting")
+    return held
+
+
+async def top_owners(conn: AsyncConnection, limit: int) -> list[OwnerUsage]:
+    names = [r.owner for r in await conn.execute(_TOP, {"limit": limit})]
+    return await usage_of(conn, names)
