@@ -88,7 +88,17 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     app.state.metrics = meter.metrics
     problems.install(app)
     routers = (
-        tasks, events, queues, workers, usage, sharing_api, principals, tokens, teams, secrets, audit
+        tasks,
+        events,
+        queues,
+        workers,
+        usage,
+        sharing_api,
+        principals,
+        tokens,
+        teams,
+        secrets,
+        audit,
     )
     for module in (*routers, health, metrics):
         app.include_router(module.router)
