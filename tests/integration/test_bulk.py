@@ -111,10 +111,12 @@ def test_a_time_window_and_a_limit_bound_what_one_call_takes(core: Core, db) -> 
 def test_bulk_cancel_stops_running_attempts_and_skips_finished_tasks(core: Core, db) -> None:
     with core.client() as alice, core.client("w1", "worker") as worker:
         ids = _submit(alice, 6, labels={"run": "r1"})
-        me = worker.post(
+        registered = worker.post(
             "/v1/workers",
             json={"hostname": "h", "queues": ["default"], "cpu": 8, "memory_mb": 8192},
-        ).json()["worker"]["id"]
+        ).json()
+        me = registered["worker"]["id"]
+        worker.headers["X-Cairn-Worker-Lease"] = registered["lease"]
         leased = worker.post(
             f"/v1/workers/{me}/claim", json={"cpu": 8, "memory_mb": 8192, "max": 2, "wait": 0}
         ).json()["attempts"]
