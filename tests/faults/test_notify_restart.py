@@ -41,7 +41,9 @@ def _bury(url: str, alice: str, worker: str, count: int) -> list[int]:
         ids = [client.post("/v1/tasks", json=spec()).json()["id"] for _ in range(count)]
     with _client(url, worker) as agent:
         offer = {"hostname": "w.test", "queues": ["default"], "cpu": 64, "memory_mb": 65536}
-        worker_id = agent.post("/v1/workers", json=offer).json()["worker"]["id"]
+        registered = agent.post("/v1/workers", json=offer).json()
+        worker_id = registered["worker"]["id"]
+        agent.headers["X-Cairn-Worker-Lease"] = registered["lease"]
         claimed: list[dict[str, Any]] = []
         while len(claimed) < count:
             room = {"cpu": 64, "memory_mb": 65536, "max": count}

@@ -26,7 +26,9 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
 
 def _register(http: httpx.Client) -> int:
     offer = {"hostname": "w", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-    return int(http.post("/v1/workers", json=offer).json()["worker"]["id"])
+    registered = http.post("/v1/workers", json=offer).json()
+    http.headers["X-Cairn-Worker-Lease"] = registered["lease"]
+    return int(registered["worker"]["id"])
 
 
 def _claim(http: httpx.Client, db: DB, worker: int, task_id: int) -> int:
