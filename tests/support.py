@@ -215,3 +215,11 @@ def spawn_worker(
         **env,
     }
     return subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)
+
+
+def register_worker(http: httpx.Client, offer: dict[str, Any]) -> int:
+    """Register a worker through ``http``, which then carries its lease secret; its id."""
+    answer = http.post("/v1/workers", json=offer)
+    answer.raise_for_status()
+    http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
+    return int(answer.json()["worker"]["id"])

@@ -12,12 +12,16 @@ import httpx
 import psycopg
 import pytest
 
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, register_worker, spec, start_core, wait_for
 
 pytestmark = pytest.mark.slow
 
 DB = psycopg.Connection[tuple[Any, ...]]
 TIMING = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
+
+
+# Each worker's lease secret, by its id: its heartbeats must carry it.
+LEASES: dict[int, str] = {}
 
 
 class Beater:
@@ -34,7 +38,10 @@ class Beater:
         self.thread.start()
 
     def _beat(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"}
+        headers = {
+            "Authorization": f"Bearer {self.token}",
+            "X-Cairn-Worker-Lease": LEASES[self.worker],
+        }
         while not self.stopped.wait(0.2):
             for url in list(self.urls):
                 try:
@@ -57,7 +64,8 @@ def _lease(core: Core) -> tuple[int, int, int]:
     with core.client("alice") as alice, core.client("w", "worker") as http:
         task_id = alice.post("/v1/tasks", json=spec()).json()["id"]
         offer = {"hostname": "w", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-        worker = http.post("/v1/workers", json=offer).json()["worker"]["id"]
+        worker = register_worker(http, offer)
+        LEASES[worker] = http.headers["X-Cairn-Worker-Lease"]
         room = {"cpu": 4, "memory_mb": 4096, "max": 1, "wait": 5}
         (attempt,) = http.post(f"/v1/workers/{worker}/claim", json=room).json()["attempts"]
         return worker, task_id, attempt["attempt_id"]

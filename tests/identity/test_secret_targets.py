@@ -11,7 +11,7 @@ from libs.common.embedded import binaries
 from libs.common.settings import libpq_url
 from tests.cron.conftest import start_cron
 from tests.dag.conftest import start_dag
-from tests.support import TRUE_SHA, Core, wait_for
+from tests.support import TRUE_SHA, Core, register_worker, wait_for
 
 ARTIFACT = {"uri": "file:///bin/true", "sha256": TRUE_SHA}
 
@@ -19,7 +19,7 @@ ARTIFACT = {"uri": "file:///bin/true", "sha256": TRUE_SHA}
 def _claim_one(core: Core) -> dict:
     with core.client("w1", "worker") as agent:
         offer = {"hostname": "w", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
-        worker_id = agent.post("/v1/workers", json=offer).json()["worker"]["id"]
+        worker_id = register_worker(agent, offer)
         room = {"cpu": 8, "memory_mb": 16384, "max": 1}
 
         def claimed() -> list[dict]:

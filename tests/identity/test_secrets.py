@@ -13,7 +13,7 @@ import pytest
 
 from libs.common.embedded import binaries
 from libs.common.settings import libpq_url
-from tests.support import Core, spec
+from tests.support import Core, register_worker, spec
 
 PG_DUMP = binaries() / "pg_dump"
 
@@ -22,7 +22,7 @@ class Worker:
     def __init__(self, core: Core, name: str = "w1") -> None:
         self.http = core.client(name, "worker")
         offer = {"hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
-        self.id = self.http.post("/v1/workers", json=offer).json()["worker"]["id"]
+        self.id = register_worker(self.http, offer)
 
     def claim(self) -> list[dict]:
         room = {"cpu": 8, "memory_mb": 16384, "max": 16}

@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, register_worker, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 
@@ -28,7 +28,7 @@ def test_a_lease_lost_before_its_start_is_refused_and_a_held_one_is_confirmed(
     with core.client("alice") as alice, core.client("w", "worker") as http:
         first, second = (alice.post("/v1/tasks", json=spec()).json()["id"] for _ in range(2))
         offer = {"hostname": "w", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-        worker = http.post("/v1/workers", json=offer).json()["worker"]["id"]
+        worker = register_worker(http, offer)
         room = {"cpu": 4, "memory_mb": 4096, "max": 2, "wait": 5}
         leased = http.post(f"/v1/workers/{worker}/claim", json=room).json()["attempts"]
         by_task = {a["task_id"]: a["attempt_id"] for a in leased}

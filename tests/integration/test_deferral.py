@@ -11,7 +11,7 @@ import psycopg
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import placement
-from tests.support import Core, spec, wait_for
+from tests.support import Core, register_worker, spec, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 
@@ -54,7 +54,7 @@ def test_a_promoted_deferral_that_fails_waits_for_its_backoff(
         wait_for(lambda: _state(db, task_id)[0] == "waiting")  # the promoter's move
         assert _state(db, task_id) == ("waiting", False)
         offer = {"hostname": "w", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-        wid = worker.post("/v1/workers", json=offer).json()["worker"]["id"]
+        wid = register_worker(worker, offer)
         room = {"cpu": 4, "memory_mb": 4096, "max": 1, "wait": 2}
         (attempt,) = worker.post(f"/v1/workers/{wid}/claim", json=room).json()["attempts"]
         path = f"/v1/workers/{wid}/attempts/{attempt['attempt_id']}/report"
