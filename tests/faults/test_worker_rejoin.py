@@ -12,7 +12,7 @@ import pytest
 
 from tests.faults import test_worker as base
 from tests.faults.test_worker import shell, start_worker
-from tests.support import Core, wait_for
+from tests.support import Core, shared_dir, wait_for
 
 pytestmark = pytest.mark.slow
 core = base.core
@@ -32,7 +32,7 @@ def test_an_agent_told_it_is_dead_kills_its_attempts_and_registers_again(
 ) -> None:
     agent = start_worker(core, tmp_path / "w", workers)
     wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
-    marker = tmp_path / "still-running"
+    marker = shared_dir() / "still-running"
     with core.client("alice") as alice:
         script = f"while true; do touch {marker}; sleep 0.1; done"
         long_id = alice.post("/v1/tasks", json=shell(script)).json()["id"]
