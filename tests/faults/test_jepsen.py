@@ -30,7 +30,15 @@ import pytest
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from services.core import migrate
-from tests.support import free_port, make_token, spawn_core, spawn_worker, stop_process, wait_for
+from tests.support import (
+    free_port,
+    make_token,
+    shared_dir,
+    spawn_core,
+    spawn_worker,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -262,8 +270,10 @@ def check(db_url: str, accepted: dict[int, int], record: Path) -> Verdict:
 def test_no_task_is_lost_or_completed_twice_through_kills_and_a_database_restart(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    record = tmp_path / "executions.log"
+    # Where every attempt's uid may append (the tests' tmp folders are 0700).
+    record = shared_dir() / "executions.log"
     record.touch()
+    record.chmod(0o666)
     token = make_token(cluster.url, "jepsen", "user")
     accepted: dict[int, int] = {}
     submitter = threading.Thread(
