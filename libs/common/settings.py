@@ -74,13 +74,22 @@ class CairnSettings(BaseSettings):
 
     @property
     def labels(self) -> dict[str, str]:
-        """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
-        pairs = (item.partition("=") for item in self.worker_labels.split(",") if item.strip())
-        return {key.strip(): value.strip() for key, _, value in pairs}
+        return parse_labels(self.worker_labels)
 
     @property
     def queues(self) -> list[str]:
-        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+        return parse_list(self.worker_queues)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
+    pairs = (item.partition("=") for item in text.split(",") if item.strip())
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def parse_list(text: str) -> list[str]:
+    """A comma-separated setting as its non-empty items."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def host_memory_mb() -> int:

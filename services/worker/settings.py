@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from libs.common.settings import host_memory_mb
+from libs.common.settings import host_memory_mb, parse_labels, parse_list
 from libs.common.sources import parse_sources
 
 
@@ -83,13 +83,11 @@ class WorkerSettings(BaseSettings):
 
     @property
     def labels(self) -> dict[str, str]:
-        """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
-        pairs = (item.partition("=") for item in self.worker_labels.split(",") if item.strip())
-        return {key.strip(): value.strip() for key, _, value in pairs}
+        return parse_labels(self.worker_labels)
 
     @property
     def queues(self) -> list[str]:
-        return [q.strip() for q in self.worker_queues.split(",") if q.strip()]
+        return parse_list(self.worker_queues)
 
     @property
     def uids(self) -> range:
