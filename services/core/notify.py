@@ -12,7 +12,8 @@ import httpx
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.core import notify_store, store
+from services.core import store
+from services.core.db import notifications
 from services.core.domain import notify
 from services.core.domain.retry import Backoff
 from services.core.settings import CoreSettings
@@ -27,26 +28,26 @@ async def match_once(engine: AsyncEngine, limit: int) -> int:
     per matching subscription. One replica at a time; a page read twice (a crash before
     the commit) queues nothing twice, by the outbox's unique key. Return the events read."""
     async with engine.begin() as conn:
-        if not await conn.scalar(notify_store.MATCHER_LOCK):
+        if not await conn.scalar(notifications.MATCHER_LOCK):
             return 0
-        at = await notify_store.cursor(conn, "matcher")
+        at = await notifications.cursor(conn, "matcher")
         events, after = await store.read_feed(conn, (at.feed_xid, at.feed_id), limit, None)
-        await notify_store.queue_dead(conn, events)
+        await notifications.queue_dead(conn, events)
         if after != (at.feed_xid, at.feed_id):
-            await notify_store.move_cursor(conn, "matcher", feed_xid=after[0], feed_id=after[1])
+            await notifications.move_cursor(conn, "matcher", feed_xid=after[0], feed_id=after[1])
     return len(events)
 
 
 async def deadlines_once(engine: AsyncEngine, limit: int) -> int:
     """Queue ``task.deadline_missed`` for tasks whose deadline passed unfinished."""
     async with engine.begin() as conn:
-        if not await conn.scalar(notify_store.DEADLINE_LOCK):
+        if not await conn.scalar(notifications.DEADLINE_LOCK):
             return 0
-        scanned, _ = await notify_store.queue_deadlines(conn, limit)
+        scanned, _ = await notifications.queue_deadlines(conn, limit)
     return scanned
 
 
-def body_of(leased: notify_store.Leased) -> bytes:
+def body_of(leased: notifications.Leased) -> bytes:
     """The JSON a webhook receives; the same bytes on every try."""
     doc = {
         "id": str(leased.delivery_id),
@@ -104,22 +105,22 @@ class Deliverer:
             await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
             return 1
         async with self.engine.begin() as conn:
-            leased = await notify_store.claim(conn, room, self.lease_s)
+            leased = await notifications.claim(conn, room, self.lease_s)
         for item in leased:
             task = asyncio.create_task(self._deliver(item), name=f"cairn-deliver-{item.id}")
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         return len(leased)
 
-    async def _deliver(self, leased: notify_store.Leased) -> None:
+    async def _deliver(self, leased: notifications.Leased) -> None:
         status, error, took_ms = await self._send(leased)
         delivered = self.policy.delivered(status)
         retry_in = None if delivered else self.policy.retry_in_s(leased.tries)
-        outcome = notify_store.Outcome(status, error, took_ms, delivered, retry_in)
+        outcome = notifications.Outcome(status, error, took_ms, delivered, retry_in)
         reason = notify.disabled_reason(self.policy.disable_after, status, error)
         try:
             async with self.engine.begin() as conn:
-                held = await notify_store.record(
+                held = await notifications.record(
                     conn, leased, outcome, self.policy.disable_after, reason
                 )
         except Exception:
@@ -129,7 +130,7 @@ class Deliverer:
         if not held:
             log.warning("delivery %s was taken over before its answer came", leased.delivery_id)
 
-    async def _send(self, leased: notify_store.Leased) -> tuple[int | None, str | None, float]:
+    async def _send(self, leased: notifications.Leased) -> tuple[int | None, str | None, float]:
         body = body_of(leased)
         headers = {
             "Content-Type": "application/json",
@@ -159,6 +160,6 @@ def _clip(text: str) -> str:
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
     async with engine.begin() as conn:
-        return await notify_store.purge(
+        return await notifications.purge(
             conn, settings.retention_days * 86400, settings.retention_batch
         )

@@ -22,7 +22,7 @@ from libs.common.notify_models import (
     SubscriptionList,
 )
 from libs.common.problems import PROBLEMS
-from services.core import notify_store
+from services.core.db import notifications
 from services.core.deps import Engine, Reader, SubmittingOwner, require
 from services.core.domain.notify import new_secret
 from services.core.settings import CoreSettings
@@ -47,7 +47,7 @@ def _check_url(url: str, settings: CoreSettings) -> None:
 
 async def _owned(engine: Engine, subscription_id: int, principal: Principal) -> Subscription:
     async with engine.connect() as conn:
-        return await notify_store.get_subscription(conn, subscription_id, principal.owner_filter)
+        return await notifications.get_subscription(conn, subscription_id, principal.owner_filter)
 
 
 @router.post(
@@ -64,7 +64,7 @@ async def create_subscription(
     _check_url(spec.url, request.app.state.settings)
     secret = new_secret()
     async with engine.begin() as conn:
-        made = await notify_store.create_subscription(conn, owner, spec, secret)
+        made = await notifications.create_subscription(conn, owner, spec, secret)
     return SubscriptionCreated(**made.model_dump(), secret=secret)
 
 
@@ -72,7 +72,7 @@ async def create_subscription(
 async def list_subscriptions(principal: Reader, engine: Engine) -> SubscriptionList:
     """Your subscriptions (every owner's for admins and services)."""
     async with engine.connect() as conn:
-        items = await notify_store.list_subscriptions(conn, principal.owner_filter)
+        items = await notifications.list_subscriptions(conn, principal.owner_filter)
     return SubscriptionList(items=items)
 
 
@@ -89,7 +89,7 @@ async def delete_subscription(
 ) -> Response:
     """Delete it, with its pending deliveries and its log."""
     async with engine.begin() as conn:
-        await notify_store.delete_subscription(conn, subscription_id, principal.owner_filter)
+        await notifications.delete_subscription(conn, subscription_id, principal.owner_filter)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -105,8 +105,8 @@ async def test_subscription(
     """Queue a ``test`` event for the webhook (delivered even while disabled); follow it
     in the deliveries and answers."""
     async with engine.begin() as conn:
-        found = await notify_store.get_subscription(conn, subscription_id, principal.owner_filter)
-        return await notify_store.queue_test(conn, found)
+        found = await notifications.get_subscription(conn, subscription_id, principal.owner_filter)
+        return await notifications.queue_test(conn, found)
 
 
 @router.post("/{subscription_id}/enable", response_model=Subscription, responses=PROBLEMS)
@@ -115,7 +115,9 @@ async def enable_subscription(
 ) -> Subscription:
     """Deliver again after the subscription was disabled: its failures count from 0."""
     async with engine.begin() as conn:
-        return await notify_store.enable_subscription(conn, subscription_id, principal.owner_filter)
+        return await notifications.enable_subscription(
+            conn, subscription_id, principal.owner_filter
+        )
 
 
 @router.get("/{subscription_id}/deliveries", response_model=DeliveryList, responses=PROBLEMS)
@@ -125,7 +127,7 @@ async def list_deliveries(
     """The newest deliveries: pending, delivered or given up, with their last answer."""
     await _owned(engine, subscription_id, principal)
     async with engine.connect() as conn:
-        return DeliveryList(items=await notify_store.deliveries(conn, subscription_id, limit))
+        return DeliveryList(items=await notifications.deliveries(conn, subscription_id, limit))
 
 
 @router.get("/{subscription_id}/answers", response_model=AnswerList, responses=PROBLEMS)
@@ -135,7 +137,7 @@ async def list_answers(
     """The delivery log: the webhook's newest answers (status, error, time), one per try."""
     await _owned(engine, subscription_id, principal)
     async with engine.connect() as conn:
-        return AnswerList(items=await notify_store.answers(conn, subscription_id, limit))
+        return AnswerList(items=await notifications.answers(conn, subscription_id, limit))
 
 
 @events_router.post(
@@ -151,5 +153,5 @@ async def post_event(
     for that owner's matching subscriptions. The same ``key`` twice queues nothing new."""
     at = event.at or datetime.now(UTC)
     async with engine.begin() as conn:
-        queued = await notify_store.queue_posted(conn, event, at)
+        queued = await notifications.queue_posted(conn, event, at)
     return NotificationAccepted(queued=queued)
