@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import psycopg
 from sqlalchemy.ext.asyncio import create_async_engine
-from stack import core_stack
+from stack import core_stack, exit_on_sigterm
 
 from libs.common.client import CoreClient
 from libs.common.cron_models import ScheduleCreate
@@ -229,6 +229,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=2)

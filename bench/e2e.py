@@ -43,7 +43,7 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stack import core_stack
+from stack import core_stack, exit_on_sigterm
 
 from libs.common.settings import libpq_url
 from services.core import admin
@@ -248,6 +248,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument(

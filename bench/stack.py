@@ -27,6 +27,16 @@ from services.cron import migrate as cron_migrate  # noqa: E402
 from services.dag import migrate as dag_migrate  # noqa: E402
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, so a stopped benchmark still runs its ``finally``
+    blocks and stops the servers and agents it started (by default Python just dies)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
