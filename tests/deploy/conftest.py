@@ -1,10 +1,9 @@
-"""The private engine the deployment test runs on, with the images built.
+"""The private engine the deployment test runs on, with the image built.
 
-Where the tools are missing (no root, no Docker engine package, no debootstrap) the test
+Where the tools are missing (no root, no Docker engine package, no mmdebstrap) the test
 is skipped, unless ``CAIRN_REQUIRE_DEPLOY=1`` (as ``.ci/run`` sets, having installed them):
-then it fails. ``CAIRN_DEPLOY_ROOT=DIR`` keeps the engine's data root in DIR between runs
-(images and build cache stay; for working on the deployment); by default the test starts
-from nothing and removes everything it made."""
+then it fails. Each run starts from nothing and removes everything it made; the seconds
+each step took are printed at the end of the run."""
 
 from __future__ import annotations
 
@@ -16,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy import images
+from tests.deploy import TIMES, images
 from tests.deploy.engine import PrivateEngine, tools_missing
-
 
 def _cannot_run() -> str | None:
     if os.geteuid() != 0:
         return "needs root (a Docker engine of its own)"
     missing = tools_missing()
     if missing:
-        return f"needs {', '.join(missing)} (apt-get install docker.io docker-compose debootstrap)"
+        return f"needs {', '.join(missing)} (apt-get install docker.io docker-compose mmdebstrap)"
     return None
 
 
@@ -36,24 +34,22 @@ def engine() -> Iterator[PrivateEngine]:
         if os.environ.get("CAIRN_REQUIRE_DEPLOY") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    kept = os.environ.get("CAIRN_DEPLOY_ROOT")
-    root = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="cairn-deploy-", dir="/tmp"))
-    root.mkdir(parents=True, exist_ok=True)
-    made = PrivateEngine(root, keep=bool(kept))
+    made = PrivateEngine(Path(tempfile.mkdtemp(prefix="cairn-deploy-", dir="/tmp")))
     try:
         started = time.monotonic()
         made.start()
-        base = images.base_image(made)
-        print(f"base image in {time.monotonic() - started:.0f} s")
-        images.build(made, base)
-        print(f"engine and images in {time.monotonic() - started:.0f} s")
+        TIMES["engine start"] = time.monotonic() - started
+        TIMES.update(images.prepare(made))
         yield made
     finally:
+        started = time.monotonic()
         left = made.close()
+        TIMES["teardown (containers, daemons, tmpfs, bridge)"] = time.monotonic() - started
     assert left == [], f"the deployment test left behind: {left}"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The deployment test first: under ``pytest -n 2`` one process runs it from the start
-    while the other runs the rest, instead of it starting last."""
-    items.sort(key=lambda item: item.get_closest_marker("deploy") is None)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TIMES:
+        terminalreporter.section("deployment test: seconds per step")
+        for step, seconds in TIMES.items():
+            terminalreporter.write_line(f"{seconds:7.1f}  {step}")

@@ -1,12 +1,16 @@
-"""The images the deployment runs, built from nothing but Debian's and PyPI's packages: a
-Debian 12 base made with debootstrap and ``docker import`` (no registry is pulled from),
-then compose/Dockerfile (Cairn) and compose/postgres.Dockerfile (PostgreSQL) on it."""
+"""The one image the deployment runs, built from nothing but Debian's packages and the
+wheels of this checkout: a Debian 12 base made with mmdebstrap and ``docker import`` (no
+image registry is pulled from), then compose/Dockerfile on it, with no network, from a
+wheelhouse that pip builds on the host beside the base (from its cache and index, as
+``make install`` did)."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,52 +18,110 @@ from tests.deploy.engine import BUILD_TIMEOUT_S, EngineError, PrivateEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MIRROR = "http://deb.debian.org/debian"
-# python3 and venv for the Cairn image; ca-certificates for pip.
+# python3 and venv for Cairn (ca-certificates: so that the Dockerfile needs no apt-get).
 INCLUDE = "python3,python3-venv,ca-certificates"
-HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-HOST_EXTRA_CAS = Path("/usr/local/share/ca-certificates")
+# What of the checkout the build context holds (compose/.dockerignore's list).
+SOURCES = ("pyproject.toml", "README.md", ".dockerignore", "cairn", "libs", "services", "compose")
 
 CAIRN_IMAGE = "cairn:deploy-test"
-POSTGRES_IMAGE = "cairn-postgres:deploy-test"
+BASE_IMAGE = "cairn-deploy-base:bookworm"
 
 
-def base_key() -> str:
-    """What the base image is made of: the debootstrap call and the host's CA bundle."""
-    digest = hashlib.sha256(f"bookworm minbase {INCLUDE} {MIRROR}".encode())
-    if HOST_CA.exists():
-        digest.update(HOST_CA.read_bytes())
-    return digest.hexdigest()[:16]
+def prepare(engine: PrivateEngine) -> dict[str, float]:
+    """The base image and the wheelhouse at once, then the Cairn image; seconds per step."""
+    started = time.monotonic()
+    context = engine.root / "context"
+    _copy_sources(context)
+    took: dict[str, float] = {}
+
+    def timed(name: str, step: Callable[[], None]) -> None:
+        begun = time.monotonic()
+        step()
+        took[name] = time.monotonic() - begun
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [
+            pool.submit(timed, "base image (mmdebstrap + import)", lambda: _base(engine)),
+            pool.submit(timed, "wheelhouse (pip wheel)", lambda: _wheelhouse(context)),
+        ]
+        for job in jobs:
+            job.result()
+    begun = time.monotonic()
+    engine.docker(
+        "build",
+        "--network",
+        "none",  # everything it installs is in the context
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "--tag",
+        CAIRN_IMAGE,
+        "--file",
+        str(context / "compose" / "Dockerfile"),
+        str(context),
+        timeout=BUILD_TIMEOUT_S,
+    )
+    took["image build"] = time.monotonic() - begun
+    took["images, in all"] = time.monotonic() - started
+    return took
 
 
-def base_image(engine: PrivateEngine) -> str:
-    """A Debian 12 image from debootstrap, tagged by its content key; one already in the
-    engine's data root (kept between runs only when asked) is used as it is."""
-    tag = f"cairn-deploy-base:{base_key()}"
-    if engine.docker("image", "inspect", tag, check=False).returncode == 0:
-        return tag
-    rootfs = engine.root / "rootfs"
-    rootfs.mkdir()
-    # In memory: dpkg syncs every file it unpacks, which on a busy disk is most of the time.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", str(rootfs)], check=True)
-    try:
-        _debootstrap(rootfs)
-        _trust_what_the_host_trusts(rootfs)
-        _import(engine, rootfs, tag)
-    finally:
-        subprocess.run(["umount", str(rootfs)], check=False)
-        rootfs.rmdir()
-    return tag
+def _copy_sources(context: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    context.mkdir()
+    for name in SOURCES:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, context / name, ignore=ignore)
+        else:
+            shutil.copy2(source, context / name)
 
 
-def _debootstrap(rootfs: Path) -> None:
+def _base(engine: PrivateEngine) -> None:
+    """mmdebstrap writes the tarball to its stdout, ``docker import`` reads it; its
+    chroot lives in the engine's root, a tmpfs (dpkg syncs every file it unpacks)."""
+    scratch = engine.root / "mmdebstrap"
+    scratch.mkdir()
+    argv = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={INCLUDE}"]
+    with open(engine.logs / "mmdebstrap.log", "wb") as log:
+        made = subprocess.Popen(
+            [*argv, "bookworm", "-", MIRROR],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "TMPDIR": str(scratch)},
+        )
+        assert made.stdout is not None
+        imported = subprocess.run(
+            ["docker", "import", "-", BASE_IMAGE],
+            stdin=made.stdout,
+            env=engine.env,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        made.stdout.close()
+        made.wait(timeout=60)
+    shutil.rmtree(scratch, ignore_errors=True)
+    if made.returncode != 0:
+        raise EngineError(f"mmdebstrap failed:\n{engine.log_tail('mmdebstrap')}")
+    if imported.returncode != 0:
+        raise EngineError(f"docker import failed: {imported.stderr}")
+
+
+def _wheelhouse(context: Path) -> None:
+    """The project's wheel and its dependencies' (the same pip, index and cache as this
+    checkout's venv), built from the context's copy so that the checkout stays clean."""
     done = subprocess.run(
         [
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={INCLUDE}",
-            "bookworm",
-            str(rootfs),
-            MIRROR,
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--wheel-dir",
+            str(context / "wheelhouse"),
+            str(context),
         ],
         capture_output=True,
         text=True,
@@ -67,60 +129,4 @@ def _debootstrap(rootfs: Path) -> None:
         check=False,
     )
     if done.returncode != 0:
-        raise EngineError(f"debootstrap failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
-    shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
-
-
-def _import(engine: PrivateEngine, rootfs: Path, tag: str) -> None:
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    assert tar.stdout is not None
-    imported = subprocess.run(
-        ["docker", "import", "-", tag],
-        stdin=tar.stdout,
-        env=engine.env,
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
-        check=False,
-    )
-    tar.stdout.close()
-    tar.wait()
-    if imported.returncode != 0 or tar.returncode != 0:
-        raise EngineError(f"docker import failed: {imported.stderr}")
-
-
-def _trust_what_the_host_trusts(rootfs: Path) -> None:
-    """pip in the image build trusts the base's CA bundle: make it the host's (which may
-    hold a proxy's CA), also for a later update-ca-certificates."""
-    if HOST_CA.exists():
-        shutil.copyfile(HOST_CA, rootfs / "etc" / "ssl" / "certs" / "ca-certificates.crt")
-    extra = rootfs / "usr" / "local" / "share" / "ca-certificates"
-    for cert in HOST_EXTRA_CAS.glob("*.crt") if HOST_EXTRA_CAS.is_dir() else []:
-        extra.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(cert, extra / cert.name)
-
-
-def build(engine: PrivateEngine, base: str) -> None:
-    """Both images, at once. The builds use the host's network (the engine adds no NAT
-    rule, so its bridge reaches nothing outside)."""
-    jobs = [("compose/Dockerfile", CAIRN_IMAGE), ("compose/postgres.Dockerfile", POSTGRES_IMAGE)]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [
-            pool.submit(
-                engine.docker,
-                "build",
-                "--network",
-                "host",
-                "--build-arg",
-                f"BASE_IMAGE={base}",
-                "--tag",
-                tag,
-                "--file",
-                str(ROOT / dockerfile),
-                str(ROOT),
-                timeout=BUILD_TIMEOUT_S,
-            )
-            for dockerfile, tag in jobs
-        ]
-        for future in futures:
-            future.result()
+        raise EngineError(f"pip wheel failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

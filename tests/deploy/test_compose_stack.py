@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deploy import images
+from tests.deploy import TIMES, images
 from tests.deploy.engine import PrivateEngine
 from tests.deploy.stack import EXAMPLES, Stack
 from tests.support import wait_for
@@ -49,7 +49,7 @@ def test_the_stack_works_and_survives_losing_one_of_each(stack: Stack) -> None:
     a_task_runs(core1)
     a_diamond_workflow_succeeds(stack, core2)
     the_dashboard_loads(stack)
-    workers_hold_no_database_url(stack)
+    workers_are_isolated_and_hold_no_database_url(stack)
 
     batch = submit_chaos_batch(core2)
     leader, standby = leading_cron(stack)
@@ -102,6 +102,8 @@ def a_task_runs(core: httpx.Client) -> None:
     assert done["state"] == "succeeded", done
     log = core.get(f"/v1/tasks/{made['id']}/logs").text
     assert f"hello from task {made['id']} (attempt 1): world" in log
+    # As a uid of its own (no name in /etc/passwd), in a folder of its own.
+    assert "running as root" not in log and " in /var/lib/cairn/attempts/" in log, log
 
 
 def a_diamond_workflow_succeeds(stack: Stack, core: httpx.Client) -> None:
@@ -144,12 +146,22 @@ def the_dashboard_loads(stack: Stack) -> None:
     assert preflight.headers.get("access-control-allow-origin") == origin, preflight.headers
 
 
-def workers_hold_no_database_url(stack: Stack) -> None:
+def workers_are_isolated_and_hold_no_database_url(stack: Stack) -> None:
+    """Each worker's agent said at start-up that attempts get uids, cgroups (every limit)
+    and a private /tmp; its environment has neither the database URL nor a token."""
     workers = stack.containers("worker")
     assert len(workers) == 2
     for container in workers:
         names = {item.partition("=")[0] for item in container["Config"]["Env"]}
-        assert "CAIRN_DATABASE_URL" not in names and "CAIRN_TOKEN" in names
+        assert "CAIRN_DATABASE_URL" not in names and "CAIRN_TOKEN" not in names
+        assert "CAIRN_TOKEN_FILE" in names
+        logs = stack.engine.docker("logs", container["Id"])
+        said = logs.stdout + logs.stderr
+        notes = [line for line in said.splitlines() if "isolation: " in line]
+        assert any("attempts run as uids 20000-29999" in n for n in notes), notes
+        assert any("its own /tmp" in n for n in notes), notes
+        assert any("enforces cpu, memory, pids" in n for n in notes), notes
+        assert not any("not enforced" in n for n in notes), notes
 
 
 def submit_chaos_batch(core: httpx.Client) -> dict[str, Any]:
@@ -233,8 +245,10 @@ def stack(engine: PrivateEngine) -> Any:
     made.write_env()
     started = time.monotonic()
     made.up(workers=2)
-    print(f"stack healthy in {time.monotonic() - started:.0f} s")
+    TIMES["stack up, every container healthy"] = time.monotonic() - started
+    began = time.monotonic()
     try:
         yield made
     finally:
-        made.down()
+        made.close()
+        TIMES["the checks"] = time.monotonic() - began
