@@ -8,6 +8,7 @@ each step took are printed at the end of the run."""
 from __future__ import annotations
 
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 
 from tests.deploy import TIMES, images
 from tests.deploy.engine import PrivateEngine, tools_missing
+
 
 def _cannot_run() -> str | None:
     if os.geteuid() != 0:
@@ -42,9 +44,15 @@ def engine() -> Iterator[PrivateEngine]:
         TIMES.update(images.prepare(made))
         yield made
     finally:
+        cpu = made.container_cpu_seconds()
+        if cpu is not None:
+            TIMES["CPU seconds used in containers (builds included)"] = cpu
         started = time.monotonic()
         left = made.close()
         TIMES["teardown (containers, daemons, tmpfs, bridge)"] = time.monotonic() - started
+        # mmdebstrap, pip, the docker clients, dockerd and containerd (not the containers).
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        TIMES["CPU seconds of the test's own children"] = usage.ru_utime + usage.ru_stime
     assert left == [], f"the deployment test left behind: {left}"
 
 

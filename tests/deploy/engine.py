@@ -190,6 +190,15 @@ class PrivateEngine:
         found: list[dict[str, Any]] = json.loads(self.docker("inspect", container).stdout)
         return found[0]
 
+    def container_cpu_seconds(self) -> float | None:
+        """CPU time used so far by every container of this engine (their cgroup parent's
+        cpuacct), where cgroup v1 accounts it."""
+        usage = Path("/sys/fs/cgroup/cpuacct") / self.cgroup_parent / "cpuacct.usage"
+        try:
+            return int(usage.read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+
     def log_tail(self, name: str, size: int = 4000) -> str:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace")[-size:] if path.exists() else ""

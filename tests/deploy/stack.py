@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,13 @@ COMPOSE_FILE = images.ROOT / "compose" / "docker-compose.yml"
 PORTS = ("CORE_1", "CORE_2", "CRON_1", "CRON_2", "DAG")
 EXAMPLES = "/usr/share/cairn/examples"  # compose/Dockerfile puts cairn/demo there
 UP_TIMEOUT_S = 240
+
+
+def _when(stamp: str) -> datetime:
+    """An engine's timestamp (nanoseconds, ``Z``) as a datetime."""
+    day, _, rest = stamp.rstrip("Z").partition("T")
+    clock, _, fraction = rest.partition(".")
+    return datetime.fromisoformat(f"{day}T{clock}.{(fraction + '000000')[:6]}+00:00")
 
 
 def _free_port() -> int:
@@ -38,6 +46,8 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
     _clients: dict[str, httpx.Client] = field(default_factory=dict)
+    began: datetime = field(default_factory=lambda: datetime.now(UTC))
+    healthy_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def env_file(self) -> Path:
@@ -85,14 +95,43 @@ class Stack:
         return done.stdout
 
     def up(self, workers: int) -> None:
+        self.began = datetime.now(UTC)
+        clock = time.monotonic()
         self.compose(
             "up", "--detach", "--no-build", "--scale", f"worker={workers}", timeout=UP_TIMEOUT_S
         )
         deadline = time.monotonic() + UP_TIMEOUT_S
-        while (waiting := self.not_healthy()) and time.monotonic() < deadline:
+        while (waiting := self._waiting()) and time.monotonic() < deadline:
+            for service in self._services() - {s for s, _ in waiting} - {"setup"}:
+                self.healthy_at.setdefault(service, time.monotonic() - clock)
             time.sleep(0.5)
         if waiting:
             raise EngineError(f"not healthy after {UP_TIMEOUT_S} s: {waiting}\n{self.logs()}")
+        for service in self._services() - {"setup"}:
+            self.healthy_at.setdefault(service, time.monotonic() - clock)
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds from ``up`` to: the setup job's start and end, each service's first
+        container start, and the moment ``up`` saw each service healthy (its last replica),
+        with how often containers restarted meanwhile, for the summary."""
+        marks: dict[str, float] = {}
+        restarts = 0
+        for c in self.containers():
+            service = c["Config"]["Labels"]["com.docker.compose.service"]
+            state = c["State"]
+            restarts += int(c["RestartCount"])
+            at = (_when(state["StartedAt"]) - self.began).total_seconds()
+            key = f"  up: {service} started at"
+            marks[key] = min(marks.get(key, at), at)
+            if service == "setup":
+                marks["  up: setup ended at"] = (
+                    _when(state["FinishedAt"]) - self.began
+                ).total_seconds()
+        for service, at in self.healthy_at.items():
+            marks[f"  up: {service} healthy at"] = at
+        found = dict(sorted(marks.items(), key=lambda item: item[1]))
+        found["  up: restarts meanwhile"] = restarts
+        return found
 
     def close(self) -> None:
         """The clients; the engine's ``close`` removes the containers, all at once."""
@@ -115,6 +154,12 @@ class Stack:
 
     def not_healthy(self) -> list[str]:
         """Containers that should run and are not running healthy (setup ends by design)."""
+        return [what for _, what in self._waiting()]
+
+    def _services(self) -> set[str]:
+        return {c["Config"]["Labels"]["com.docker.compose.service"] for c in self.containers()}
+
+    def _waiting(self) -> list[tuple[str, str]]:
         waiting = []
         for c in self.containers():
             service = c["Config"]["Labels"]["com.docker.compose.service"]
@@ -125,7 +170,7 @@ class Stack:
                 continue
             health = state.get("Health", {}).get("Status")
             if state["Status"] != "running" or health not in (None, "healthy"):
-                waiting.append(f"{c['Name']}: {state['Status']}/{health}")
+                waiting.append((service, f"{c['Name']}: {state['Status']}/{health}"))
         return waiting
 
     def kill(self, container: dict[str, Any]) -> None:

@@ -246,6 +246,7 @@ def stack(engine: PrivateEngine) -> Any:
     started = time.monotonic()
     made.up(workers=2)
     TIMES["stack up, every container healthy"] = time.monotonic() - started
+    TIMES.update(made.timeline())
     began = time.monotonic()
     try:
         yield made
