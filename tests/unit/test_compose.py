@@ -89,7 +89,9 @@ def test_the_file_is_valid_under_the_compose_specification() -> None:
 
 def test_it_runs_every_part_of_cairn() -> None:
     services = _compose()["services"]
-    commands = {tuple(c[:1]) for s in services.values() if _runs_cairn(s) for c in _cairn_commands(s)}
+    commands = {
+        tuple(c[:1]) for s in services.values() if _runs_cairn(s) for c in _cairn_commands(s)
+    }
     assert {("core",), ("cron",), ("dag",), ("worker",), ("migrate",), ("token",)} <= commands
     assert sum(1 for s in services.values() if s.get("command") == ["core"]) == 2
     assert sum(1 for s in services.values() if s.get("command") == ["cron"]) == 2
