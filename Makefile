@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test bench screenshots
+.PHONY: install up test test-deploy bench screenshots
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,22 @@ install: $(VENV)/.installed $(VENV)/compose_spec.json
 up: install
 	$(BIN)/cairn up --demo
 
+# Two pytest processes at once: the main suite (-n 2) and the deployment test (tests/deploy,
+# which waits mostly on the network and on its containers), whose output is kept and
+# printed when both are done. Fails when either fails. The deployment test skips itself
+# without root and its tools, unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
 test: install
-	$(BIN)/python -m pytest -n 2
+	@log=$$(mktemp); \
+	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider tests/deploy -q -rA >"$$log" 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -n 2 --ignore=tests/deploy; main=$$?; \
+	wait $$deploy; deployed=$$?; \
+	echo "=== the deployment test (tests/deploy), run beside the suite ==="; cat "$$log"; rm -f "$$log"; \
+	echo "make test: the suite exited $$main, the deployment test $$deployed"; \
+	[ $$main -eq 0 ] && [ $$deployed -eq 0 ]
+
+# The deployment test alone (about 5 minutes).
+test-deploy: install
+	$(BIN)/python -m pytest -p no:xdist tests/deploy -q -rA
 
 bench: install
 	$(BIN)/python bench/submit.py

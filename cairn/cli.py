@@ -52,6 +52,8 @@ def root(
     home: Annotated[Path | None, typer.Option(help="data directory (CAIRN_HOME)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
+    if ctx.invoked_subcommand == "worker":
+        return  # the agent reads its own settings (WorkerSettings: no database URL)
     settings = config.load(url=url, cron_url=cron_url, dag_url=dag_url, token=token, home=home)
     ctx.obj = Ctx(settings=settings, json=as_json)
 

@@ -1,11 +1,16 @@
 """Liveness and readiness, the same on every service: ``/readyz`` reaches the database
-through the engine the application keeps in ``app.state.engine``."""
+through the engine the application keeps in ``app.state.engine``, and finds every
+background loop the service keeps in ``app.state.loops`` (core's, dag's) still running (a
+loop that ended means the service answers but no longer does its work: a container health
+check and a load balancer should see that), and asks ``app.state.unready`` where the
+service has one (cron: its engine runs, and turns while it leads)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
@@ -16,6 +21,12 @@ from libs.common.models import Health
 router = APIRouter(tags=["health"])
 
 
+def loops(app: FastAPI) -> dict[str, asyncio.Task[None]]:
+    """The service's background loops by name (none until its lifespan started them)."""
+    found: dict[str, asyncio.Task[None]] = getattr(app.state, "loops", {})
+    return found
+
+
 @router.get("/healthz", response_model=Health)
 async def healthz() -> Health:
     """The process answers."""
@@ -24,8 +35,12 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> JSONResponse:
-    """The process answers and reaches the database (and, where the service has one,
-    its ``app.state.unready`` check finds nothing wrong: cron's engine runs)."""
+    """The process answers, reaches the database, runs its loops and (where the service
+    has one) its ``app.state.unready`` check finds nothing wrong: cron's engine runs."""
+    stopped = [name for name, task in loops(request.app).items() if task.done()]
+    if stopped:
+        body = Health(status="unavailable", detail=f"stopped: {', '.join(sorted(stopped))}")
+        return JSONResponse(body.model_dump(), status_code=503)
     unready: Callable[[], str | None] | None = getattr(request.app.state, "unready", None)
     why = unready() if unready is not None else None
     if why is not None:

@@ -67,6 +67,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         background = loops.start(engine, notifier, settings, meter)
+        app.state.loops = {t.get_name(): t for t in [*background, *notifier.tasks]}
         try:
             yield
         finally:

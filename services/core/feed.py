@@ -49,6 +49,11 @@ class Notifier:
             asyncio.create_task(self._send(), name="cairn-notify"),
         ]
 
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Its listener and its sender, for readiness."""
+        return list(self._tasks)
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -35,6 +35,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         app.state.metrics = loop.metrics.metrics
         app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
+        app.state.loops = {"dag-loop": task}
         try:
             yield
         finally:
