@@ -88,6 +88,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
                     await task
             await notifier.stop()
             await engine.dispose()
+            if app.state.log_objects is not None:
+                app.state.log_objects.close()
 
     app = FastAPI(
         title="Cairn core",

@@ -63,6 +63,12 @@ class LogObjects:
         for i in range(0, len(keys), _DELETE_MAX):
             await asyncio.to_thread(delete, [{"Key": key} for key in keys[i : i + _DELETE_MAX]])
 
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
     def _s3(self) -> Any:
         with self._lock:
             if self._client is None:
