@@ -185,16 +185,17 @@ class LogShipper:
 
     @staticmethod
     def _whole_lines(entry: _Log, data: bytes, at_end: bool) -> bytes:
-        """Up to the last line's end; a partial line goes when it is a whole chunk, or
-        waited one round already (a progress bar, a prompt)."""
+        """Up to the last line's end. A partial line goes as a whole chunk, or, at the
+        file's end, once it has waited a round (a progress bar, a prompt); cut short by
+        the rate, it waits for the allowance to grow."""
         cut = data.rfind(b"\n") + 1
         if cut:
             entry.held = False
             return data[:cut]
-        if len(data) >= MAX_LOG_CHUNK or entry.held or not at_end:
+        if len(data) >= MAX_LOG_CHUNK or (at_end and entry.held):
             entry.held = False
             return data
-        entry.held = True
+        entry.held = at_end
         return b""
 
     def _apply(self, acks: list[LogAck]) -> None:

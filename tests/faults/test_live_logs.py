@@ -66,9 +66,11 @@ def test_a_running_tasks_log_is_readable_before_it_ends(core: Core, worker) -> N
     task_id = _ticker(core)
     with core.client() as alice:
         early = wait_for(
-            lambda: (r := alice.get(f"/v1/tasks/{task_id}/logs")).status_code == 200
-            and "line 3\n" in r.text
-            and r,
+            lambda: (
+                (r := alice.get(f"/v1/tasks/{task_id}/logs")).status_code == 200
+                and "line 3\n" in r.text
+                and r
+            ),
             timeout=60,
         )
         # The attempt had not ended when its first lines were read.

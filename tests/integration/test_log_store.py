@@ -76,11 +76,13 @@ def test_an_ended_attempts_log_is_one_object_read_whole_and_deleted_with_its_tas
         wait_for(lambda: _keys(client) == [key], timeout=20)
         with psycopg.connect(libpq_url(db_url)) as conn:
             wait_for(
-                lambda: conn.execute(
-                    "SELECT archived_at IS NOT NULL FROM core.attempt_logs WHERE attempt_id = %s",
-                    (attempt,),
-                ).fetchone()
-                == (True,)
+                lambda: (
+                    conn.execute(
+                        "SELECT archived_at IS NOT NULL FROM core.attempt_logs WHERE attempt_id = %s",
+                        (attempt,),
+                    ).fetchone()
+                    == (True,)
+                )
             )
             (chunks,) = conn.execute(
                 "SELECT count(*) FROM core.log_chunks WHERE attempt_id = %s", (attempt,)

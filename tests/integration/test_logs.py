@@ -142,9 +142,10 @@ def test_follow_streams_each_chunk_as_it_is_stored_and_ends_with_the_attempt(
     events: list[tuple[str, dict]] = []
 
     def follow() -> None:
-        with core.client() as alice, alice.stream(
-            "GET", f"/v1/tasks/{task_id}/logs", params={"follow": "true"}
-        ) as stream:
+        with (
+            core.client() as alice,
+            alice.stream("GET", f"/v1/tasks/{task_id}/logs", params={"follow": "true"}) as stream,
+        ):
             assert stream.headers["content-type"].startswith("text/event-stream")
             name = ""
             for line in stream.iter_lines():
