@@ -78,46 +78,60 @@ def _dropped(count: int, cap: int) -> str:
 async def append(
     engine: AsyncEngine, maskers: Maskers, worker_id: int, batch: LogBatch, cap: int
 ) -> list[LogAck]:
-    """Store a worker's batch in one transaction; each chunk answered on its own."""
+    """Store a worker's batch in one transaction (a few statements, whatever its size);
+    each chunk answered on its own."""
     acks: list[LogAck] = []
     async with engine.begin() as conn:
-        heads: dict[int, db.Head | None] = {}
+        heads = await db.held_heads(conn, worker_id, [c.attempt_id for c in batch.chunks])
+        new: list[db.NewChunk] = []
+        moved: dict[int, tuple[db.Head, bool]] = {}
         for chunk in batch.chunks:
-            attempt = chunk.attempt_id
-            if attempt not in heads:
-                heads[attempt] = await db.held_head(conn, worker_id, attempt)
-            head = heads[attempt]
+            head = heads.get(chunk.attempt_id)
             if head is None:
-                detail = f"attempt {attempt} is not open on worker {worker_id}"
-                acks.append(LogAck(attempt_id=attempt, offset=chunk.offset, status=409,
-                                   next_offset=chunk.offset, detail=detail))  # fmt: skip
+                acks.append(_stale(worker_id, chunk))
                 continue
-            if chunk.offset < head.size:  # sent before, its answer lost: already held
-                acks.append(_ok(chunk.attempt_id, chunk.offset, head.size))
-                continue
-            heads[attempt] = head = await _store(conn, maskers, head, chunk, cap)
+            if chunk.offset >= head.size:  # below: sent before, its answer lost
+                piece, head, skipped = await _placed(conn, maskers, head, chunk)
+                heads[chunk.attempt_id] = head
+                new.append(piece)
+                earlier = moved.get(chunk.attempt_id, (head, False))[1]
+                moved[chunk.attempt_id] = (head, earlier or skipped)
             acks.append(_ok(chunk.attempt_id, chunk.offset, head.size))
+        await db.append(conn, new, moved)
+        for attempt_id, (head, _) in moved.items():
+            if head.length - head.start_pos > cap:
+                await db.trim(conn, attempt_id, head.length - cap)
     return acks
+
+
+def _stale(worker_id: int, chunk: LogChunk) -> LogAck:
+    detail = f"attempt {chunk.attempt_id} is not open on worker {worker_id}"
+    return LogAck(
+        attempt_id=chunk.attempt_id,
+        offset=chunk.offset,
+        status=409,
+        next_offset=chunk.offset,
+        detail=detail,
+    )
 
 
 def _ok(attempt_id: int, offset: int, size: int) -> LogAck:
     return LogAck(attempt_id=attempt_id, offset=offset, status=200, next_offset=size)
 
 
-async def _store(
-    conn: AsyncConnection, maskers: Maskers, head: db.Head, chunk: LogChunk, cap: int
-) -> db.Head:
+async def _placed(
+    conn: AsyncConnection, maskers: Maskers, head: db.Head, chunk: LogChunk
+) -> tuple[db.NewChunk, db.Head, bool]:
+    """The chunk as stored (masked; a marker first if output was skipped), the head after
+    it, and whether output was skipped."""
     mask = await maskers.get(conn, chunk.attempt_id)
     content = _clean(mask(chunk.text) if mask else chunk.text)
     gap = chunk.offset - head.size
     if gap:
         content = _skipped(gap) + content
-    size = chunk.offset + chunk.length
-    stored = await db.append(conn, chunk.attempt_id, head.length, content, size, gap > 0)
-    length, start = head.length + stored, head.start_pos
-    if length - start > cap:
-        start = await db.trim(conn, chunk.attempt_id, length - cap)
-    return db.Head(size, length, start)
+    piece = db.NewChunk(chunk.attempt_id, head.length, content)
+    after = db.Head(chunk.offset + chunk.length, head.length + piece.bytes, head.start_pos)
+    return piece, after, gap > 0
 
 
 # --- reading ------------------------------------------------------------------------------

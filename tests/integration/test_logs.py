@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import Core, register_worker, spec, start_core, wait_for
 
-OFFER = {"hostname": "logs.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
+OFFER = {"hostname": "logs.test", "queues": ["default"], "cpu": 64, "memory_mb": 65536}
 
 
 class Shipper:
@@ -190,3 +190,13 @@ def test_a_task_without_an_attempt_has_no_log_yet(core: Core) -> None:
         answer = alice.get(f"/v1/tasks/{task['id']}/logs")
     assert answer.status_code == 404
     assert "no attempt yet" in answer.json()["detail"]
+
+
+def test_a_log_grows_past_32_kib_in_small_chunks(core: Core, shipper: Shipper) -> None:
+    task_id, attempt = _running(core, shipper)
+    line = "y" * 999 + "\n"
+    for i in range(40):
+        assert shipper.ship((attempt, i * 1000, line)).json()["items"][0]["status"] == 200
+    with core.client() as alice:
+        log = alice.get(f"/v1/tasks/{task_id}/logs")
+    assert log.text == line * 40 and log.headers["x-cairn-log-offset"] == "40000"

@@ -11,28 +11,35 @@ from typing import Any
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-# The head of a log the worker may still append to: the attempt must be open and leased
-# to this worker. FOR SHARE holds off the report that would close it until this commits,
-# and the upsert locks the head, so two batches of one attempt take turns.
-_HELD_HEAD: TextClause = text("""
+# The heads of logs the worker may still append to: their attempts must be open and
+# leased to this worker. FOR SHARE holds off the report that would close one until this
+# commits, and the upsert locks the heads (in id order), so two batches take turns.
+_HELD_HEADS: TextClause = text("""
 WITH held AS (
     SELECT id FROM core.attempts
-    WHERE id = :attempt AND worker_id = :worker AND outcome IS NULL
+    WHERE id = ANY(:attempts) AND worker_id = :worker AND outcome IS NULL
+    ORDER BY id
     FOR SHARE
 )
-INSERT INTO core.attempt_logs (attempt_id) SELECT id FROM held
+INSERT INTO core.attempt_logs (attempt_id) SELECT id FROM held ORDER BY id
 ON CONFLICT (attempt_id) DO UPDATE SET size = core.attempt_logs.size
-RETURNING size, length, start_pos
+RETURNING attempt_id, size, length, start_pos
 """)
 
 _APPEND: TextClause = text("""
-WITH chunk AS (
-    INSERT INTO core.log_chunks (attempt_id, pos, bytes, content)
-    VALUES (:attempt, :pos, :bytes, :content)
-)
-UPDATE core.attempt_logs
-SET size = :size, length = :pos + :bytes, truncated = truncated OR :gap
-WHERE attempt_id = :attempt
+INSERT INTO core.log_chunks (attempt_id, pos, bytes, content)
+SELECT * FROM unnest(
+    CAST(:attempts AS bigint[]), CAST(:positions AS bigint[]), CAST(:bytes AS integer[]),
+    CAST(:contents AS text[]))
+""")
+
+_ADVANCE: TextClause = text("""
+UPDATE core.attempt_logs h
+SET size = n.size, length = n.length, truncated = h.truncated OR n.gap
+FROM unnest(
+    CAST(:attempts AS bigint[]), CAST(:sizes AS bigint[]), CAST(:lengths AS bigint[]),
+    CAST(:gaps AS boolean[])) AS n(attempt_id, size, length, gap)
+WHERE h.attempt_id = n.attempt_id
 """)
 
 # Over the cap: the oldest chunks that end before ``keep_from`` go; the log now starts at
@@ -133,20 +140,51 @@ class Unarchived:
     start_pos: int
 
 
-async def held_head(conn: AsyncConnection, worker_id: int, attempt_id: int) -> Head | None:
-    """The locked head of an attempt this worker holds open; None when it does not."""
-    row = (await conn.execute(_HELD_HEAD, {"attempt": attempt_id, "worker": worker_id})).first()
-    return None if row is None else Head(row.size, row.length, row.start_pos)
+async def held_heads(
+    conn: AsyncConnection, worker_id: int, attempt_ids: Sequence[int]
+) -> dict[int, Head]:
+    """The locked heads of the attempts this worker holds open (the others are absent)."""
+    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
+    rows = await conn.execute(_HELD_HEADS, params)
+    return {row.attempt_id: Head(row.size, row.length, row.start_pos) for row in rows}
+
+
+@dataclass(frozen=True)
+class NewChunk:
+    attempt_id: int
+    pos: int
+    content: str
+
+    @property
+    def bytes(self) -> int:
+        return len(self.content.encode())
 
 
 async def append(
-    conn: AsyncConnection, attempt_id: int, pos: int, content: str, size: int, gap: bool
-) -> int:
-    """Store ``content`` at ``pos``; the file now reaches ``size``. Its stored bytes."""
-    stored = len(content.encode())
-    params = {"attempt": attempt_id, "pos": pos, "bytes": stored, "content": content}
-    await conn.execute(_APPEND, {**params, "size": size, "gap": gap})
-    return stored
+    conn: AsyncConnection, chunks: Sequence[NewChunk], heads: dict[int, tuple[Head, bool]]
+) -> None:
+    """Store the chunks and move their heads (``heads``: each one's new value, and
+    whether output was skipped), in two statements whatever their number."""
+    if not chunks:
+        return
+    await conn.execute(
+        _APPEND,
+        {
+            "attempts": [c.attempt_id for c in chunks],
+            "positions": [c.pos for c in chunks],
+            "bytes": [c.bytes for c in chunks],
+            "contents": [c.content for c in chunks],
+        },
+    )
+    await conn.execute(
+        _ADVANCE,
+        {
+            "attempts": list(heads),
+            "sizes": [h.size for h, _ in heads.values()],
+            "lengths": [h.length for h, _ in heads.values()],
+            "gaps": [gap for _, gap in heads.values()],
+        },
+    )
 
 
 async def trim(conn: AsyncConnection, attempt_id: int, keep_from: int) -> int:
