@@ -148,11 +148,14 @@ class Read:
 
 
 async def attempt_of(engine: AsyncEngine, task_id: int, attempt_id: int | None) -> int | None:
-    """The named attempt, or the task's latest (None: it has none yet)."""
-    if attempt_id is not None:
-        return attempt_id
+    """The named attempt (404 unless it is the task's), or the task's latest (None: it
+    has none yet)."""
     async with engine.connect() as conn:
-        return await db.latest_attempt(conn, task_id)
+        if attempt_id is None:
+            return await db.latest_attempt(conn, task_id)
+        if await db.view(conn, task_id, attempt_id) is None:
+            raise NotFound(f"task {task_id} has no attempt {attempt_id}")
+    return attempt_id
 
 
 async def read(

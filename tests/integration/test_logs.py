@@ -175,13 +175,18 @@ def test_follow_streams_each_chunk_as_it_is_stored_and_ends_with_the_attempt(
         "task_state": "succeeded",
     }
     with core.client() as alice:
-        # Resuming from an event's id gives what came after it.
+        # Resuming from an event's id gives what came after it; another task's attempt is
+        # a 404 before any stream starts.
         again = alice.get(
             f"/v1/tasks/{task_id}/logs",
             params={"follow": "true"},
             headers={"Last-Event-ID": f"{attempt}:{events[0][1]['next_offset']}"},
         )
+        elsewhere = alice.get(
+            f"/v1/tasks/{task_id}/logs", params={"follow": "true", "attempt_id": attempt + 99}
+        )
     assert "line 0" not in again.text and "line 1" in again.text and "event: end" in again.text
+    assert elsewhere.status_code == 404
 
 
 def test_a_task_without_an_attempt_has_no_log_yet(core: Core) -> None:

@@ -537,6 +537,8 @@ async def read_log(
     if follow:
         if last_event_id is not None and attempt_id is None:
             attempt_id, offset = _resume(last_event_id)
+        if attempt_id is not None:  # refused before the stream starts, as a 404
+            await tasklogs.attempt_of(engine, task.id, attempt_id)
         stream = tasklogs.Follow(
             engine, notifier, objects, settings.log_max_bytes, request.is_disconnected
         )
