@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
+from libs.common.settings import libpq_url
 from tests.support import Core, register_worker, spec, start_core, wait_for
 
 OFFER = {"hostname": "logs.test", "queues": ["default"], "cpu": 64, "memory_mb": 65536}
@@ -205,3 +207,25 @@ def test_a_log_grows_past_32_kib_in_small_chunks(core: Core, shipper: Shipper) -
     with core.client() as alice:
         log = alice.get(f"/v1/tasks/{task_id}/logs")
     assert log.text == line * 40 and log.headers["x-cairn-log-offset"] == "40000"
+
+
+def test_a_log_is_deleted_with_its_task_by_the_retention_purge(db_url: str, tmp_path: Path) -> None:
+    core = start_core(db_url, tmp_path / "core", retention_days=1, retention_interval_s=0.2)
+    try:
+        shipper = Shipper(core)
+        task_id, attempt = _running(core, shipper)
+        shipper.ship((attempt, 0, "kept a while\n"))
+        shipper.report(attempt)
+        shipper.http.close()
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+            count = "SELECT count(*) FROM core.log_chunks WHERE attempt_id = %s"
+            assert conn.execute(count, (attempt,)).fetchone() == (1,)
+            conn.execute(
+                "UPDATE core.tasks SET finished_at = now() - interval '2 days' WHERE id = %s",
+                (task_id,),
+            )
+            wait_for(lambda: conn.execute(count, (attempt,)).fetchone() == (0,))
+            heads = "SELECT count(*) FROM core.attempt_logs WHERE attempt_id = %s"
+            assert conn.execute(heads, (attempt,)).fetchone() == (0,)
+    finally:
+        core.stop()
