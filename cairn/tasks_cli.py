@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cairn import output
 from cairn.config import ClientSettings
 from libs.common.client import CoreClient
-from libs.common.models import BulkAction, BulkResult, Task, TaskCreate
+from libs.common.models import BulkAction, BulkResult, LogEnd, Task, TaskCreate
 from libs.common.states import FINAL, TaskState
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -346,26 +347,18 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         ctx: typer.Context,
         task_id: int,
         follow: Annotated[
-            bool, typer.Option("--follow", "-f", help="follow the task until it ends")
+            bool,
+            typer.Option(
+                "--follow", "-f", help="print lines as they are written until the task ends"
+            ),
         ] = False,
     ) -> None:
-        """Print a task's log (its latest attempt's). With -f, show its state changes as
-        they happen and the log once the attempt ends."""
+        """Print a task's log (its latest attempt's, also while it runs). With -f, keep
+        printing lines as they are written, through retries, until the task ends."""
         c = ctx_of(ctx)
         if follow:
-            seen = 0
-            while True:
-                events = output.call(lambda: _events(c, task_id))
-                for event in events[seen:]:
-                    output.errors.print(
-                        f"{output.when(event.at)} {event.op}: "
-                        f"{event.from_state or '-'} -> {output.state(event.to_state)}"
-                        + (f" ({event.reason})" if event.reason else "")
-                    )
-                seen = len(events)
-                if events and events[-1].to_state in FINAL:
-                    break
-                time.sleep(1.0)
+            output.call(lambda: _follow_log(c, task_id))
+            return
         text = output.call(lambda: _log(c, task_id))
         output.console.out(text, end="" if text.endswith("\n") else "\n", highlight=False)
 
@@ -467,6 +460,45 @@ async def _events(c: Ctx, task_id: int) -> Any:
 async def _log(c: Ctx, task_id: int) -> str:
     async with c.core() as core:
         return await core.log(task_id)
+
+
+async def _follow_log(c: Ctx, task_id: int) -> None:
+    """Like ``kubectl logs -f``: each attempt's lines as they are written; between
+    attempts (a retry), a note on stderr; back when the task is final."""
+    async with c.core() as core:
+        attempt: int | None = None
+        offset = 0
+        while True:
+            end: LogEnd | None = None
+            async for item in core.follow_log(task_id, attempt, offset):
+                if isinstance(item, LogEnd):
+                    end = item
+                else:
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
+                    attempt, offset = item.attempt_id, item.next_offset
+            if end is None:  # the stream broke off: go on from where it stopped
+                continue
+            if end.attempt_id is not None:
+                output.errors.print(
+                    f"attempt {end.attempt_id} ended: {end.outcome}; task {output.state(end.task_state)}"
+                )
+            if end.task_state in FINAL or end.attempt_id is None:
+                return
+            attempt, offset = await _next_attempt(core, task_id, end.attempt_id), 0
+            if attempt is None:
+                return
+
+
+async def _next_attempt(core: CoreClient, task_id: int, after: int) -> int | None:
+    """The attempt after ``after`` once it starts; None if the task ends first."""
+    while True:
+        newer = [a.id for a in await core.attempts(task_id) if a.id > after]
+        if newer:
+            return min(newer)
+        if (await core.get_task(task_id)).state in FINAL:
+            return None
+        await asyncio.sleep(0.5)
 
 
 def wait_tasks(c: Ctx, task_ids: list[int], timeout: float = 3600) -> list[Task]:

@@ -6,7 +6,7 @@ its problem+json body; a transport failure is raised as httpx's own ``TransportE
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -32,6 +32,11 @@ from libs.common.models import (
     EventPage,
     Heartbeat,
     HeartbeatAnswer,
+    LogAck,
+    LogBatch,
+    LogBatchAnswer,
+    LogEnd,
+    LogPiece,
     OwnerList,
     OwnerUsage,
     QueueInfo,
@@ -294,22 +299,40 @@ class CoreClient(ApiClient):
         response = await self._call("POST", path, content=outcome.model_dump_json())
         return ReportAnswer.model_validate_json(response.content)
 
-    async def upload_log(
-        self, worker_id: int, attempt_id: int, content: bytes, *, truncated: bool
-    ) -> None:
-        path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/log"
-        await self._call(
-            "PUT",
-            path,
-            data=content,
-            params={"truncated": str(truncated).lower()},
-            headers={"Content-Type": "text/plain"},
-        )
+    async def ship_logs(self, worker_id: int, batch: LogBatch) -> list[LogAck]:
+        """Chunks of running attempts' logs; each answered on its own (docs/logs.md)."""
+        path = f"/v1/workers/{worker_id}/logs"
+        response = await self._call("POST", path, content=batch.model_dump_json())
+        return LogBatchAnswer.model_validate_json(response.content).items
 
     async def log(self, task_id: int, attempt_id: int | None = None) -> str:
         params = {"attempt_id": attempt_id} if attempt_id else {}
         response = await self._call("GET", f"/v1/tasks/{task_id}/logs", params=params)
         return response.text
+
+    async def follow_log(
+        self, task_id: int, attempt_id: int | None = None, offset: int = 0
+    ) -> AsyncIterator[LogPiece | LogEnd]:
+        """The log as it is written: pieces, then its end (the attempt ended)."""
+        params: dict[str, Any] = {"follow": "true", "offset": offset}
+        if attempt_id is not None:
+            params["attempt_id"] = attempt_id
+        # Core sends a keep-alive every 15 s, so a silent minute means the line is gone.
+        timeout = httpx.Timeout(60.0, connect=2.0)
+        path = f"/v1/tasks/{task_id}/logs"
+        async with self._http.stream("GET", path, params=params, timeout=timeout) as response:
+            if not response.is_success:
+                await response.aread()
+                raise_for_problem(response)
+            event = ""
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:") and event == "log":
+                    yield LogPiece.model_validate_json(line[5:])
+                elif line.startswith("data:") and event == "end":
+                    yield LogEnd.model_validate_json(line[5:])
+                    return
 
     async def leave(self, worker_id: int) -> Worker:
         response = await self._call("POST", f"/v1/workers/{worker_id}/leave")

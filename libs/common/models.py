@@ -554,6 +554,66 @@ class ReportAnswer(_Output):
     state: TaskState
 
 
+# --- live logs (docs/logs.md) ----------------------------------------------------------
+
+MAX_LOG_CHUNK = 64 * 1024
+MAX_LOG_BATCH = 256
+AttemptId = Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+
+class LogChunk(_Input):
+    """Bytes ``offset`` to ``offset + length`` of the attempt's log file on its worker,
+    decoded as ``text``. Core keeps each (attempt, offset) once, so a retried batch is
+    not doubled; an ``offset`` past what core has means the worker skipped output."""
+
+    attempt_id: AttemptId
+    offset: int = Field(ge=0, le=2**62)
+    length: int = Field(ge=1, le=MAX_LOG_CHUNK)
+    text: Annotated[str, StringConstraints(min_length=1, max_length=MAX_LOG_CHUNK)]
+
+
+class LogBatch(_Input):
+    """What a worker ships in one request: chunks of any of its running attempts."""
+
+    chunks: list[LogChunk] = Field(min_length=1, max_length=MAX_LOG_BATCH)
+
+
+class LogAck(_Output):
+    """One chunk's answer: ``status`` 200 (stored, or already held) or 409 (the attempt
+    is no longer this worker's, or has ended: ship no more of it); ``next_offset`` is
+    where core's copy of the file ends, where the next chunk starts."""
+
+    attempt_id: int
+    offset: int
+    status: int
+    next_offset: int
+    detail: str | None = None
+
+
+class LogBatchAnswer(_Output):
+    items: list[LogAck]
+
+
+class LogPiece(_Output):
+    """A part of a stored log, as ``GET /v1/tasks/{id}/logs?follow=true`` sends it (the
+    data of an SSE ``log`` event): ``text`` starts at ``offset`` of the stored log and
+    ends at ``next_offset``, the cursor to resume from."""
+
+    attempt_id: int
+    offset: int
+    next_offset: int
+    text: str
+
+
+class LogEnd(_Output):
+    """The data of the SSE ``end`` event: the attempt ended and all of its log was sent."""
+
+    attempt_id: int | None
+    outcome: str | None
+    next_offset: int
+    task_state: TaskState
+
+
 # --- right-sizing -------------------------------------------------------------------------
 
 

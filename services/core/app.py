@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
-from services.core import loops, sharing
+from services.core import loops, sharing, tasklogs
 from services.core.api import (
     audit,
     events,
@@ -31,6 +31,7 @@ from services.core.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics
+from services.core.objects import LogObjects
 from services.core.settings import CoreSettings
 from services.core.ui import router as ui
 
@@ -66,7 +67,17 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.secret_box = secret_box(settings)
         app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
+        app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
+        app.state.log_objects = LogObjects.of(settings)
         background = loops.start(engine, notifier, settings, meter)
+        background += tasklogs.start(
+            engine,
+            app.state.log_objects,
+            settings.log_archive_interval_s,
+            settings.retention_days * 86400,
+            settings.retention_interval_s,
+            settings.retention_batch,
+        )
         app.state.loops = {t.get_name(): t for t in [*background, *notifier.tasks]}
         try:
             yield
@@ -78,6 +89,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
                     await task
             await notifier.stop()
             await engine.dispose()
+            if app.state.log_objects is not None:
+                app.state.log_objects.close()
 
     app = FastAPI(
         title="Cairn core",

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import TextClause, func, insert, select, text, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
@@ -26,7 +25,7 @@ from services.core.domain.placement import Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.tables import attempt_logs, attempts, tasks, workers
+from services.core.tables import attempts, tasks, workers
 
 S = TaskState
 
@@ -791,31 +790,6 @@ async def _beat(
         {"alive": sorted(reported), "worker": worker.id},
     )
     return [row.id for row in stop], len(gone)
-
-
-MAX_LOG_BYTES = 4 * 1024 * 1024
-
-
-async def save_log(
-    conn: AsyncConnection, worker_id: int, attempt_id: int, body: bytes, truncated: bool
-) -> None:
-    """Keep an attempt's whole log (its last ``MAX_LOG_BYTES`` if longer)."""
-    owner = (
-        await conn.execute(select(attempts.c.worker_id).where(attempts.c.id == attempt_id))
-    ).first()
-    if owner is None or owner.worker_id != worker_id:
-        raise NotFound(f"attempt {attempt_id} not found")
-    if len(body) > MAX_LOG_BYTES:
-        body, truncated = body[-MAX_LOG_BYTES:], True
-    content = _clean(body.decode("utf-8", errors="replace")) or ""
-    stmt = pg_insert(attempt_logs).values(
-        attempt_id=attempt_id, content=content, truncated=truncated
-    )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[attempt_logs.c.attempt_id],
-        set_={"content": content, "truncated": truncated},
-    )
-    await conn.execute(stmt)
 
 
 async def task_of(conn: AsyncConnection, attempt_id: int) -> int:

@@ -10,6 +10,10 @@ others' announcements. Lost wake-ups cost latency only: waiters also poll.
 The same two connections carry due hints (channel ``cairn_due``, payload UNIX seconds):
 whoever stores a delayed task calls ``announce_due(run_at)``, and every replica's promoter
 (``loops.Promoter``) hears of it, so its timer can be set on the earliest due instant.
+
+And log bells (channel ``cairn_logs``, payload attempt ids): whoever stores chunks of a
+log, or ends an attempt, rings its bell with ``announce_log``; followers of that log
+(``wait_log``) wake, and no one else does.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +33,8 @@ log = logging.getLogger("cairn.core.feed")
 
 CHANNEL = "cairn_events"
 DUE_CHANNEL = "cairn_due"
+LOG_CHANNEL = "cairn_logs"
+_PAYLOAD_MAX = 7900  # under PostgreSQL's 8000-byte NOTIFY payload
 COALESCE_S = 0.005
 
 Session = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
@@ -41,6 +47,9 @@ class Notifier:
         self._outgoing = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._due_out: float | None = None
+        self._events_out = False
+        self._logs_out: set[int] = set()
+        self._log_waiters: dict[int, tuple[asyncio.Event, list[int]]] = {}
         self.on_due: Callable[[float], None] | None = None
 
     def start(self) -> None:
@@ -64,7 +73,34 @@ class Notifier:
     def announce(self) -> None:
         """New events are committed: wake waiters here, and tell the other replicas."""
         self._wake()
+        self._events_out = True
         self._outgoing.set()
+
+    def announce_log(self, attempt_ids: Iterable[int]) -> None:
+        """These attempts' logs grew (or the attempts ended): wake their followers here
+        and on the other replicas."""
+        ids = set(attempt_ids)
+        self._ring(ids)
+        self._logs_out |= ids
+        self._outgoing.set()
+
+    async def wait_log(self, attempt_id: int, timeout: float) -> None:
+        """Return when the attempt's log bell rings, or after ``timeout`` seconds."""
+        entry = self._log_waiters.setdefault(attempt_id, (asyncio.Event(), [0]))
+        entry[1][0] += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry[0].wait(), timeout)
+        finally:
+            entry[1][0] -= 1
+            if not entry[1][0] and self._log_waiters.get(attempt_id) is entry:
+                del self._log_waiters[attempt_id]
+
+    def _ring(self, attempt_ids: Iterable[int]) -> None:
+        for attempt_id in attempt_ids:
+            entry = self._log_waiters.pop(attempt_id, None)
+            if entry is not None:
+                entry[0].set()
 
     def announce_due(self, at: datetime) -> None:
         """A delayed task due at ``at`` is committed: hint this process's promoter, and
@@ -104,9 +140,13 @@ class Notifier:
         async def body(conn: psycopg.AsyncConnection[Any]) -> None:
             await conn.execute(f"LISTEN {CHANNEL}")
             await conn.execute(f"LISTEN {DUE_CHANNEL}")
+            await conn.execute(f"LISTEN {LOG_CHANNEL}")
             self._wake()
+            self._ring(list(self._log_waiters))
             async for note in conn.notifies():
-                if note.channel != DUE_CHANNEL:
+                if note.channel == LOG_CHANNEL:
+                    self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
+                elif note.channel != DUE_CHANNEL:
                     self._wake()
                 elif self.on_due is not None:
                     with contextlib.suppress(ValueError):
@@ -119,14 +159,28 @@ class Notifier:
             while True:
                 await self._outgoing.wait()
                 self._outgoing.clear()
-                due, self._due_out = self._due_out, None
-                if due is None:
-                    await conn.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
-                else:
-                    await conn.execute(
-                        "SELECT pg_notify(%s, ''), pg_notify(%s, %s)",
-                        (CHANNEL, DUE_CHANNEL, repr(due)),
-                    )
+                notes = self._notes()
+                if notes:
+                    calls = ", ".join("pg_notify(%s, %s)" for _ in notes)
+                    await conn.execute(f"SELECT {calls}", [v for note in notes for v in note])
                 await asyncio.sleep(COALESCE_S)
 
         await self._connected("event announcer", body)
+
+    def _notes(self) -> list[tuple[str, str]]:
+        """What to send now: (channel, payload) pairs; log ids in payloads under the limit."""
+        due, self._due_out = self._due_out, None
+        events, self._events_out = self._events_out, False
+        logs, self._logs_out = sorted(self._logs_out), set()
+        notes = [(CHANNEL, "")] if events or due is not None else []
+        if due is not None:
+            notes.append((DUE_CHANNEL, repr(due)))
+        payload = ""
+        for attempt_id in map(str, logs):
+            if len(payload) + len(attempt_id) >= _PAYLOAD_MAX:
+                notes.append((LOG_CHANNEL, payload))
+                payload = ""
+            payload = f"{payload},{attempt_id}" if payload else attempt_id
+        if payload:
+            notes.append((LOG_CHANNEL, payload))
+        return notes

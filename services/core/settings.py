@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -117,3 +118,21 @@ class CoreSettings(CairnSettings):
     aging_s: float = Field(default=60.0, gt=0)
     aging_max: int = Field(default=200, ge=0, le=200)
     sharing_cache_s: float = Field(default=5.0, ge=0, le=300)
+
+    # live logs (see docs/logs.md)
+    #: what one attempt's log keeps at most (its end; a marker says what was dropped)
+    log_max_bytes: int = Field(default=16 * 1024 * 1024, ge=1024 * 1024, le=2**31)
+    #: where the logs of ended attempts live: ``postgres`` (their chunks stay), or ``s3``
+    #: (an S3-compatible store: each ended attempt's chunks become one object)
+    log_store: Literal["postgres", "s3"] = "postgres"
+    log_s3_bucket: str | None = Field(default=None, min_length=3, max_length=63)
+    log_s3_prefix: str = Field(default="logs/", max_length=200)
+    #: the store's URL (moto, MinIO, Ceph); unset: AWS's own, from boto3's usual chain
+    log_s3_endpoint_url: str | None = Field(default=None, pattern=r"^https?://")
+    log_archive_interval_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_log_store(self) -> CoreSettings:
+        if self.log_store == "s3" and not self.log_s3_bucket:
+            raise ValueError("CAIRN_LOG_STORE=s3 needs CAIRN_LOG_S3_BUCKET")
+        return self

@@ -35,7 +35,6 @@ from libs.common.states import FINAL, TaskState
 from services.core import queries
 from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
-    attempt_logs,
     attempts,
     queues,
     task_events,
@@ -313,30 +312,6 @@ async def list_tasks(
 async def list_attempts(conn: AsyncConnection, task_id: int) -> list[Attempt]:
     query = select(attempts).where(attempts.c.task_id == task_id).order_by(attempts.c.id)
     return [Attempt.model_validate(row._mapping) for row in await conn.execute(query)]
-
-
-async def read_log(
-    conn: AsyncConnection, task_id: int, attempt_id: int | None
-) -> tuple[int, str, bool]:
-    """The stored log of the task's attempt (the latest with a log when none is named):
-    its attempt id, text, and whether it was cut to its end."""
-    query = (
-        select(attempt_logs.c.attempt_id, attempt_logs.c.content, attempt_logs.c.truncated)
-        .join(attempts, attempts.c.id == attempt_logs.c.attempt_id)
-        .where(attempts.c.task_id == task_id)
-        .order_by(attempts.c.id.desc())
-        .limit(1)
-    )
-    if attempt_id is not None:
-        query = query.where(attempts.c.id == attempt_id)
-    row = (await conn.execute(query)).first()
-    if row is None:
-        raise NotFound(
-            f"no log stored for task {task_id}"
-            + (f" attempt {attempt_id}" if attempt_id else "")
-            + " (a running attempt's log arrives when it ends)"
-        )
-    return row.attempt_id, row.content, row.truncated
 
 
 def _event(row: Row[Any]) -> Event:

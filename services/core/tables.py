@@ -413,8 +413,45 @@ attempt_logs = Table(
         ForeignKey("attempts.id", ondelete="CASCADE"),
         primary_key=True,
     ),
-    Column("content", Text, nullable=False),
     Column("truncated", Boolean, nullable=False, server_default=text("false")),
+    Column("size", BigInteger, nullable=False, server_default=text("0")),
+    Column("length", BigInteger, nullable=False, server_default=text("0")),
+    Column("start_pos", BigInteger, nullable=False, server_default=text("0")),
+    Column("archived_at", DateTime(timezone=True)),
+    CheckConstraint("size >= 0 AND start_pos >= 0 AND length >= start_pos", name="positions"),
+    Index("ix_attempt_logs_unarchived", "attempt_id", postgresql_where=text("archived_at IS NULL")),
+)
+
+# Live logs (docs/logs.md): the chunks of each attempt's log, by stored position.
+log_chunks = Table(
+    "log_chunks",
+    metadata,
+    Column(
+        "attempt_id",
+        BigInteger,
+        ForeignKey("attempts.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("pos", BigInteger, primary_key=True),
+    Column("bytes", Integer, nullable=False),
+    Column("content", Text, nullable=False),
+    CheckConstraint("pos >= 0 AND bytes > 0", name="sizes"),
+)
+
+# Logs moved to the object store; kept past their task until the object is deleted.
+log_objects = Table(
+    "log_objects",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("task_id", BigInteger, nullable=False),
+    Column("attempt_id", BigInteger, nullable=False),
+    Column(
+        "archived_at",
+        DateTime(timezone=True),
+        nullable=False,
+        server_default=func.now(),
+        index=True,
+    ),
 )
 
 task_events = Table(

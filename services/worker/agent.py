@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 
@@ -39,13 +38,13 @@ from services.worker.executor import (
 )
 from services.worker.host import Host, HostError, Prepared
 from services.worker.isolation import IsolationError
+from services.worker.logship import LogShipper
 from services.worker.settings import WorkerSettings
 from services.worker.squeeze import squeeze
 
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
-MAX_LOG_BYTES = 4 * 1024 * 1024
 REPORT_PATIENCE_S = 300.0
 
 
@@ -101,6 +100,7 @@ class Agent:
         self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
         self.dead = False
+        self.logs = LogShipper(client, settings)
 
     # --- lifecycle ---
 
@@ -400,13 +400,14 @@ class Agent:
             self.starting.discard(attempt)
         self.running[attempt] = (assignment, handle)
         self._publish()
+        self.logs.register(self.worker_id, attempt, spec.log_path)
         result = await handle.wait()
         await self.host.stop_leftovers(prepared)
         # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
         # or a beat in between would have core declare it lost.
         self.running[attempt] = (assignment, None)
         self._publish()
-        await self._upload_log(attempt, spec.log_path)
+        await self.logs.finish(attempt)  # the rest of its log, before the report
         report = report_of(result)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
@@ -430,20 +431,6 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay *= 2
         return "unconfirmed"
-
-    async def _upload_log(self, attempt_id: int, path: Path) -> None:
-        """Send the whole log (its end, past the limit core keeps); best effort: the
-        report carries the tail anyway."""
-        try:
-            size = path.stat().st_size
-            with path.open("rb") as handle:
-                handle.seek(max(0, size - MAX_LOG_BYTES))
-                content = handle.read()
-            await self.client.upload_log(
-                self.worker_id, attempt_id, content, truncated=size > MAX_LOG_BYTES
-            )
-        except (OSError, httpx.TransportError, CairnError) as exc:
-            log.warning("log of attempt %s not uploaded: %s", attempt_id, exc)
 
     async def _report(self, attempt_id: int, report: Report) -> None:
         """Deliver the report; retry through outages; a refusal (stale, gone) is final."""

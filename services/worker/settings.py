@@ -53,6 +53,14 @@ class WorkerSettings(BaseSettings):
     #: preempt preemptible attempts while the host has less memory available than this
     #: (default: 5 % of the worker's memory, at least 64 MB)
     worker_min_available_mb: int | None = Field(default=None, ge=0)
+    #: live logs (docs/logs.md): how often running attempts' new output is shipped, at
+    #: most how fast per attempt, and how much unshipped output is kept before the middle
+    #: is skipped (core keeps an attempt's last 16 MiB anyway); how long an attempt's end
+    #: waits for its last output to reach core before it is reported regardless
+    worker_log_interval_s: float = Field(default=0.5, gt=0, le=60)
+    worker_log_rate_kib_s: int = Field(default=256, ge=1, le=1024 * 1024)
+    worker_log_backlog_mb: int = Field(default=16, ge=1, le=4096)
+    worker_log_flush_s: float = Field(default=5.0, ge=0, le=300)
 
     @field_validator("home")
     @classmethod

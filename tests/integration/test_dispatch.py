@@ -316,7 +316,10 @@ def test_a_replica_cannot_act_for_another_with_the_same_token(core: Core) -> Non
         lambda: replica_a.http.post(f"{path}/attempts/{aid}/report", json=report),
         lambda: replica_a.http.post(f"{path}/heartbeat", json={"attempts": []}),
         lambda: replica_a.http.post(f"{path}/claim", json={"cpu": 1, "memory_mb": 1}),
-        lambda: replica_a.http.put(f"{path}/attempts/{aid}/log", content=b"forged"),
+        lambda: replica_a.http.post(
+            f"{path}/logs",
+            json={"chunks": [{"attempt_id": aid, "offset": 0, "length": 6, "text": "forged"}]},
+        ),
         lambda: replica_a.http.post(f"{path}/leave"),
     ):
         answer = call()

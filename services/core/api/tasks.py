@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 import orjson
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import tracing
-from libs.common.errors import Forbidden, InvalidInput, QuotaExceeded
+from libs.common.errors import Forbidden, InvalidInput, NotFound, QuotaExceeded
 from libs.common.models import (
     MAX_BATCH,
     MAX_BULK_COUNT,
@@ -36,7 +36,7 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import placement, sharing, store, traces
+from services.core import placement, sharing, store, tasklogs, traces
 from services.core.deps import (
     Announcer,
     Audit,
@@ -496,23 +496,83 @@ async def list_attempts(task: OwnedTask, engine: Engine) -> AttemptList:
         return AttemptList(items=await store.list_attempts(conn, task.id))
 
 
+_LOG_HEADERS = {
+    "X-Cairn-Attempt": "the attempt whose log this is",
+    "X-Cairn-Log-Offset": "where this answer ends in the stored log: the next `offset`",
+    "X-Cairn-Log-Truncated": "whether some of the log was dropped (over the cap, skipped)",
+    "X-Cairn-Log-Complete": "whether the attempt has ended, so the log will not grow",
+}
+
+
 @router.get(
     "/{task_id}/logs",
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {}}}, **PROBLEMS},
+    responses={
+        200: {
+            "content": {"text/plain": {}, "text/event-stream": {}},
+            "headers": {
+                k: {"description": v, "schema": {"type": "string"}} for k, v in _LOG_HEADERS.items()
+            },
+        },
+        **PROBLEMS,
+    },
 )
 async def read_log(
     task: OwnedTask,
     engine: Engine,
+    notifier: Announcer,
+    request: Request,
     attempt_id: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
-) -> PlainTextResponse:
-    """The whole log (stdout and stderr) of the task's latest attempt, or of ``attempt_id``.
-    ``X-Cairn-Attempt`` names the attempt; ``X-Cairn-Log-Truncated`` says if only its end
-    was kept."""
-    async with engine.connect() as conn:
-        attempt, content, truncated = await store.read_log(conn, task.id, attempt_id)
-    headers = {"X-Cairn-Attempt": str(attempt), "X-Cairn-Log-Truncated": str(truncated).lower()}
-    return PlainTextResponse(content, headers=headers)
+    offset: Annotated[int, Query(ge=0, le=2**62, description="a stored position")] = 0,
+    follow: Annotated[bool, Query(description="stream it (SSE) until the attempt ends")] = False,
+    last_event_id: Annotated[str | None, Header(max_length=60)] = None,
+) -> Response:
+    """The log (stdout and stderr) of the task's latest attempt, or of ``attempt_id``,
+    from ``offset`` on: what is stored so far, also while the attempt runs. With
+    ``follow``, a ``text/event-stream``: ``log`` events (``LogPiece``) as the log grows,
+    then one ``end`` (``LogEnd``) once the attempt has ended and all of it was sent; an
+    ``id`` on each event resumes the stream (``Last-Event-ID``) where it stopped."""
+    settings = request.app.state.settings
+    objects = request.app.state.log_objects
+    if follow:
+        if last_event_id is not None and attempt_id is None:
+            attempt_id, offset = _resume(last_event_id)
+        if attempt_id is not None:  # refused before the stream starts, as a 404
+            await tasklogs.attempt_of(engine, task.id, attempt_id)
+        stream = tasklogs.Follow(
+            engine, notifier, objects, settings.log_max_bytes, request.is_disconnected
+        )
+        return StreamingResponse(
+            tasklogs.follow(stream, task.id, attempt_id, offset),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+    attempt = await tasklogs.attempt_of(engine, task.id, attempt_id)
+    if attempt is None:
+        raise NotFound(f"task {task.id} has no attempt yet, so no log")
+    got = await tasklogs.read(
+        engine,
+        objects,
+        task.id,
+        attempt,
+        offset,
+        2 * settings.log_max_bytes,
+        settings.log_max_bytes,
+    )
+    headers = {
+        "X-Cairn-Attempt": str(attempt),
+        "X-Cairn-Log-Offset": str(got.next_offset),
+        "X-Cairn-Log-Truncated": str(got.view.truncated).lower(),
+        "X-Cairn-Log-Complete": str(got.view.ended).lower(),
+    }
+    return PlainTextResponse("".join(p.text for p in got.pieces), headers=headers)
+
+
+def _resume(last_event_id: str) -> tuple[int, int]:
+    attempt, sep, offset = last_event_id.partition(":")
+    if not (sep and attempt.isdigit() and offset.isdigit()) or not 1 <= int(attempt) < 2**63:
+        raise InvalidInput("Last-Event-ID: not an id this stream gave out")
+    return int(attempt), min(int(offset), 2**62)
 
 
 @router.get("/{task_id}/events", response_model=EventList, responses=PROBLEMS)

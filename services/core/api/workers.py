@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, status
 
 from libs.common.errors import Conflict
 from libs.common.models import (
@@ -15,6 +15,8 @@ from libs.common.models import (
     ClaimRequest,
     Heartbeat,
     HeartbeatAnswer,
+    LogBatch,
+    LogBatchAnswer,
     Report,
     ReportAnswer,
     Worker,
@@ -25,7 +27,7 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import dispatch, placement, traces
+from services.core import dispatch, placement, tasklogs, traces
 from services.core.api.tasks import decode_cursor, encode_cursor
 from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
 from services.core.identity import secrets
@@ -204,6 +206,7 @@ async def report(
         state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)
         task_id = await dispatch.task_of(conn, attempt_id)
     notifier.announce()
+    notifier.announce_log([attempt_id])  # its log is complete: followers end
     meter.attempts_finished.labels(outcome.outcome).inc()
     if state is TaskState.SUCCEEDED:
         meter.ended(state)
@@ -212,30 +215,19 @@ async def report(
     return ReportAnswer(task_id=task_id, state=state)
 
 
-@router.put(
-    "/{worker_id}/attempts/{attempt_id}/log",
-    status_code=status.HTTP_204_NO_CONTENT,
-    responses=PROBLEMS,
-    openapi_extra={"requestBody": {"content": {"text/plain": {"schema": {"type": "string"}}}}},
-)
-async def upload_log(
-    attempt_id: AttemptId,
-    worker: OwnWorker,
-    engine: Engine,
-    request: Request,
-    box: Box,
-    truncated: bool = False,
-) -> Response:
-    """The attempt's whole log, sent by its worker when the attempt ends; the values of
-    the attempt's secrets are masked before it is stored."""
-    body = await request.body()
-    async with engine.begin() as conn:
-        mask = await secrets.masker(conn, box, attempt_id)
-        if mask is not None:
-            text = body.decode("utf-8", "surrogateescape")
-            body = mask(text).encode("utf-8", "surrogateescape")
-        await dispatch.save_log(conn, worker.id, attempt_id, body, truncated)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+@router.post("/{worker_id}/logs", response_model=LogBatchAnswer, responses=PROBLEMS)
+async def ship_logs(
+    batch: LogBatch, worker: OwnWorker, engine: Engine, notifier: Announcer, request: Request
+) -> LogBatchAnswer:
+    """Chunks of the logs of attempts this worker runs, any number of attempts in one
+    batch. Each chunk is answered on its own: 200 stored (or already held: a retried
+    batch is not doubled), 409 when its attempt is not open on this worker; the
+    secrets' values are masked before anything is stored (docs/logs.md)."""
+    acks = await tasklogs.append(
+        engine, request.app.state.log_maskers, worker.id, batch, _settings(request).log_max_bytes
+    )
+    notifier.announce_log(a.attempt_id for a in acks if a.status == 200)
+    return LogBatchAnswer(items=acks)
 
 
 @router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)

@@ -17,15 +17,17 @@ const COLOURS = {
 const SVG = "http://www.w3.org/2000/svg";
 
 let pollers = [];
+let aborts = [];
 let me = null;
 
 class ApiError extends Error {
   constructor(status, detail) { super(detail); this.status = status; }
 }
 
+const authorization = () => ({ Authorization: `Bearer ${sessionStorage.getItem(TOKEN_KEY)}` });
+
 async function api(service, path, options = {}) {
-  const token = sessionStorage.getItem(TOKEN_KEY);
-  const headers = { Authorization: `Bearer ${token}` };
+  const headers = authorization();
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
   const answer = await fetch(BASES[service] + path, {
     method: options.method || "GET",
@@ -203,7 +205,10 @@ async function taskPage(main, id) {
   const actions = h("div", { class: "actions" });
   const message = h("p");
   const box = h("div");
-  main.append(head, actions, message, box);
+  const log = h("pre", { class: "log", id: "log" });
+  const logStatus = h("p", { class: "muted", id: "log-status" }, "following…");
+  main.append(head, actions, message, box, h("h2", {}, "Log"), logStatus, log);
+  followLog(id, log, logStatus);
   let refresh = async () => {};
   const act = (verb) => async () => {
     try {
@@ -254,13 +259,73 @@ async function taskPage(main, id) {
           h("td", {}, a.outcome || "running"), h("td", { class: "num" }, a.exit_code ?? "—"),
           h("td", { class: "num" }, num(a.peak_memory_mb)), h("td", { class: "num" }, num(a.cpu_seconds, 2)),
           h("td", {}, when(a.started_at)), h("td", {}, when(a.ended_at)), h("td", {}, a.error || "")))),
-      h("h2", {}, "Log tail"),
-      h("pre", { class: "log", id: "log-tail" }, (last && last.log_tail) || "(no output yet)"),
       h("h2", {}, "Events"),
       table(["seq", "op", "from", "to", "reason", "at"], events.items.map((e) =>
         h("tr", {}, h("td", { class: "num" }, e.seq), h("td", {}, e.op), h("td", {}, e.from_state || "—"),
           h("td", {}, badge(e.to_state)), h("td", {}, e.reason || ""), h("td", {}, when(e.at))))));
   });
+}
+
+// The task's log as it is written: the server-sent events of ?follow=true, read through
+// fetch (EventSource cannot send the bearer token); each attempt in turn until the task ends.
+async function followLog(id, pre, status) {
+  const control = new AbortController();
+  aborts.push(control);
+  let attempt = null, offset = 0;
+  while (!control.signal.aborted) {
+    const query = new URLSearchParams({ follow: "true", offset: String(offset) });
+    if (attempt !== null) query.set("attempt_id", attempt);
+    let ended = null;
+    try {
+      const answer = await fetch(`/v1/tasks/${id}/logs?${query}`, { headers: authorization(), signal: control.signal });
+      if (!answer.ok) throw new ApiError(answer.status, answer.statusText);
+      const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (let next = await reader.read(); !next.done; next = await reader.read()) {
+        buffer += next.value;
+        for (let cut = buffer.indexOf("\n\n"); cut >= 0; cut = buffer.indexOf("\n\n")) {
+          const frame = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          const name = /^event: (.*)$/m.exec(frame), data = /^data: (.*)$/m.exec(frame);
+          if (!name || !data) continue;
+          const body = JSON.parse(data[1]);
+          if (name[1] === "end") { ended = body; continue; }
+          const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+          if (body.attempt_id !== attempt && pre.textContent) pre.append(`--- attempt ${body.attempt_id} ---\n`);
+          pre.append(body.text);
+          if (atEnd) pre.scrollTop = pre.scrollHeight;
+          attempt = body.attempt_id;
+          offset = body.next_offset;
+          status.textContent = `attempt ${attempt}: running`;
+        }
+      }
+    } catch (error) {
+      if (control.signal.aborted) return;
+      status.textContent = `log: ${error.message}; trying again`;
+      await new Promise((done) => setTimeout(done, 2000));
+      continue;
+    }
+    if (!ended) continue;  // the stream broke off: go on from where it stopped
+    status.textContent = ended.attempt_id === null ? `no attempt; task ${ended.task_state}`
+      : `attempt ${ended.attempt_id} ended: ${ended.outcome}; task ${ended.task_state}`;
+    if (!pre.textContent) pre.textContent = "(no output)";
+    if (["succeeded", "dead", "cancelled"].includes(ended.task_state) || ended.attempt_id === null) return;
+    attempt = await nextAttempt(id, ended.attempt_id, control.signal);
+    offset = 0;
+    if (attempt === null) return;
+  }
+}
+
+async function nextAttempt(id, after, signal) {
+  while (!signal.aborted) {
+    const attempts = await api("core", `/v1/tasks/${id}/attempts`);
+    const newer = attempts.items.filter((a) => a.id > after);
+    if (newer.length) return newer[0].id;
+    const task = await api("core", `/v1/tasks/${id}`);
+    if (["succeeded", "dead", "cancelled"].includes(task.state)) return null;
+    await new Promise((done) => setTimeout(done, 1000));
+  }
+  return null;
 }
 
 async function workersPage(main) {
@@ -393,6 +458,8 @@ function logout() {
 async function route() {
   pollers.forEach(clearInterval);
   pollers = [];
+  aborts.forEach((control) => control.abort());
+  aborts = [];
   const main = document.getElementById("main");
   main.replaceChildren();
   if (!sessionStorage.getItem(TOKEN_KEY)) { showUser(); loginPage(main); return; }

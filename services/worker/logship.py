@@ -1,0 +1,266 @@
+"""Shipping running attempts' logs to core while they run (docs/logs.md).
+
+One asyncio task per agent, apart from claiming and reporting: every
+``CAIRN_WORKER_LOG_INTERVAL_S`` it reads what each registered attempt's log file gained and
+sends it, for all of them at once, in one request (nothing when nothing was written).
+Each attempt ships at most ``CAIRN_WORKER_LOG_RATE_KIB_S``, in chunks of at most 64 KiB
+that end at a line's end where they can; a request carries at most 1 MiB. Core's answer
+says, per chunk, how far its copy of the file goes: a failed request is simply sent again
+from there (core keeps each offset once), after a backoff, so nothing is held in memory
+but the request in flight. When the unsent part of a file outgrows
+``CAIRN_WORKER_LOG_BACKLOG_MB`` its middle is skipped (core marks the gap). A chunk core
+refuses (409: the attempt is no longer this worker's) ends that attempt's shipping.
+
+The chunks are the log: at an attempt's end ``finish`` sends the rest at once, not rate
+limited, before the agent reports, so a follower sees every line before the end; it
+waits at most ``CAIRN_WORKER_LOG_FLUSH_S`` for that. An attempt that wrote nothing more
+costs no request at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from libs.common.client import CoreClient
+from libs.common.errors import CairnError
+from libs.common.models import MAX_LOG_BATCH, MAX_LOG_CHUNK, LogAck, LogBatch, LogChunk
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger("cairn.worker.logs")
+
+REQUEST_BYTES = 1024 * 1024
+_FINISHING_CHUNKS = 16
+_BACKOFF_MAX_S = 10.0
+
+
+@dataclass
+class _Log:
+    worker_id: int
+    path: Path
+    offset: int = 0  # how far into the file core's copy goes
+    allowance: float = 0.0  # bytes it may send now (a token bucket)
+    held: bool = False  # a partial line was kept back last round
+    finishing: bool = False
+    deadline: float = 0.0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class _Read:
+    attempt_id: int
+    size: int
+    start: int
+    data: bytes
+
+
+class LogShipper:
+    """Ships the logs of the attempts registered with it; see the module's docstring."""
+
+    def __init__(self, client: CoreClient, settings: WorkerSettings) -> None:
+        self.client = client
+        self.interval_s = settings.worker_log_interval_s
+        self.rate = settings.worker_log_rate_kib_s * 1024
+        self.burst = max(self.rate * self.interval_s, MAX_LOG_CHUNK)
+        self.backlog = settings.worker_log_backlog_mb * 2**20
+        self.flush_s = settings.worker_log_flush_s
+        self._logs: dict[int, _Log] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._refilled = time.monotonic()
+
+    def register(self, worker_id: int, attempt_id: int, path: Path) -> None:
+        """Start shipping the attempt's log file (it may not exist yet)."""
+        self._logs[attempt_id] = _Log(worker_id, path, allowance=self.burst)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="cairn-log-shipper")
+
+    async def finish(self, attempt_id: int) -> None:
+        """The attempt's process has ended: send the rest of its log, then forget it."""
+        entry = self._logs.get(attempt_id)
+        if entry is None:
+            return
+        if self.flush_s <= 0 or self._size(entry.path) <= entry.offset:
+            self._forget(attempt_id)
+            return
+        entry.finishing, entry.deadline = True, time.monotonic() + self.flush_s
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(entry.done.wait(), self.flush_s + 1.0)
+        self._forget(attempt_id)
+
+    def _forget(self, attempt_id: int) -> None:
+        entry = self._logs.pop(attempt_id, None)
+        if entry is not None:
+            entry.done.set()
+
+    @staticmethod
+    def _size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except OSError:
+            return 0
+
+    # --- the loop ---
+
+    async def _run(self) -> None:
+        delay = 0.0
+        while self._logs:
+            try:
+                busy = await self._turn()
+                delay = 0.0
+            except (httpx.TransportError, CairnError) as exc:
+                delay = min(max(delay * 2, self.interval_s), _BACKOFF_MAX_S)
+                log.warning("logs not shipped (%s); again in %g s", exc, delay)
+                self._give_up_late()
+                busy = False
+            except Exception:
+                log.exception("the log shipper failed; going on")
+                delay, busy = _BACKOFF_MAX_S, False
+            if not busy:
+                await self._pause(delay or self.interval_s)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
+
+    async def _turn(self) -> bool:
+        """One request's worth; whether more is waiting to go at once (an end's rest)."""
+        self._refill()
+        wanted, left = self._wanted()
+        if not wanted:
+            self._settle()
+            return False
+        reads = await asyncio.to_thread(_read_all, wanted, self.backlog)
+        chunks = self._chunks(reads)
+        if chunks:
+            worker_id = self._logs[chunks[0].attempt_id].worker_id
+            acks = await self.client.ship_logs(worker_id, LogBatch(chunks=chunks))
+            self._apply(acks)
+        self._settle()
+        finishing = any(e.finishing for e in self._logs.values())
+        return bool(chunks) and (finishing or left)
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        gained, self._refilled = self.rate * (now - self._refilled), now
+        for entry in self._logs.values():
+            entry.allowance = min(self.burst, entry.allowance + gained)
+
+    def _wanted(self) -> tuple[list[tuple[int, Path, int, int]], bool]:
+        """(attempt, file, from, at most how many bytes) for one request of one worker,
+        and whether some were left for the next (a full request)."""
+        wanted: list[tuple[int, Path, int, int]] = []
+        room, chunks, worker, left = REQUEST_BYTES, MAX_LOG_BATCH, None, False
+        for attempt_id, entry in sorted(self._logs.items(), key=lambda i: not i[1].finishing):
+            worker = entry.worker_id if worker is None else worker
+            most = MAX_LOG_CHUNK * _FINISHING_CHUNKS if entry.finishing else int(entry.allowance)
+            most = min(most, room, chunks * MAX_LOG_CHUNK)
+            if entry.worker_id != worker or most <= 0:
+                left = left or entry.worker_id != worker or room <= 0 or chunks <= 0
+                continue
+            wanted.append((attempt_id, entry.path, entry.offset, most))
+            room, chunks = room - most, chunks - -(-most // MAX_LOG_CHUNK)
+        return wanted, left
+
+    def _chunks(self, reads: list[_Read]) -> list[LogChunk]:
+        chunks: list[LogChunk] = []
+        for read in reads:
+            entry = self._logs.get(read.attempt_id)
+            if entry is None or not read.data:
+                continue
+            data = read.data
+            if not entry.finishing:
+                data = self._whole_lines(entry, data, read.start + len(data) == read.size)
+            entry.allowance -= len(data)
+            chunks += _split(read.attempt_id, read.start, data)
+        return chunks
+
+    @staticmethod
+    def _whole_lines(entry: _Log, data: bytes, at_end: bool) -> bytes:
+        """Up to the last line's end. A partial line goes as a whole chunk, or, at the
+        file's end, once it has waited a round (a progress bar, a prompt); cut short by
+        the rate, it waits for the allowance to grow."""
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            entry.held = False
+            return data[:cut]
+        if len(data) >= MAX_LOG_CHUNK or (at_end and entry.held):
+            entry.held = False
+            return data
+        entry.held = at_end
+        return b""
+
+    def _apply(self, acks: list[LogAck]) -> None:
+        for ack in acks:
+            entry = self._logs.get(ack.attempt_id)
+            if entry is None:
+                continue
+            if ack.status == 409:
+                log.warning("core refused attempt %s's log: %s", ack.attempt_id, ack.detail)
+                self._forget(ack.attempt_id)
+            else:
+                entry.offset = max(entry.offset, ack.next_offset)
+
+    def _settle(self) -> None:
+        """Finishing attempts whose whole file core holds are done."""
+        for attempt_id, entry in list(self._logs.items()):
+            if entry.finishing and self._size(entry.path) <= entry.offset:
+                self._forget(attempt_id)
+        self._give_up_late()
+
+    def _give_up_late(self) -> None:
+        now = time.monotonic()
+        for attempt_id, entry in list(self._logs.items()):
+            if entry.finishing and now > entry.deadline:
+                log.warning("the end of attempt %s's log did not reach core in time", attempt_id)
+                self._forget(attempt_id)
+
+
+def _read_all(wanted: list[tuple[int, Path, int, int]], backlog: int) -> list[_Read]:
+    """Read what is wanted of each file (in a thread: file I/O)."""
+    reads = []
+    for attempt_id, path, offset, most in wanted:
+        try:
+            with path.open("rb") as handle:
+                size = handle.seek(0, 2)
+                start = max(offset, size - backlog)  # too far behind: skip the middle
+                if size <= start:
+                    continue
+                handle.seek(start)
+                reads.append(_Read(attempt_id, size, start, handle.read(min(most, size - start))))
+        except OSError:
+            continue
+    return reads
+
+
+def _split(attempt_id: int, offset: int, data: bytes) -> list[LogChunk]:
+    """Chunks of at most 64 KiB, each cut between characters where it can be."""
+    chunks = []
+    while data:
+        piece = data[:MAX_LOG_CHUNK]
+        if len(piece) < len(data):
+            piece = piece[: _char_boundary(piece)] or piece
+        text = piece.decode("utf-8", errors="replace")
+        chunks.append(LogChunk(attempt_id=attempt_id, offset=offset, length=len(piece), text=text))
+        offset, data = offset + len(piece), data[len(piece) :]
+    return chunks
+
+
+def _char_boundary(data: bytes) -> int:
+    """The length of ``data`` without a character cut short at its end."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return len(data)
+        if byte >= 0xC0:
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) - back if back < need else len(data)
+    return len(data)

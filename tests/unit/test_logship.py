@@ -1,0 +1,159 @@
+"""The worker's log shipper (services/worker/logship.py) against a mock core: it batches,
+catches up from the file offset after core fails, never sends a byte twice as new, keeps
+to its rate, stops at a 409, and ``finish`` sends the rest at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+
+from libs.common.client import CoreClient
+from services.worker.logship import LogShipper
+from services.worker.settings import WorkerSettings
+
+
+class MockCore:
+    """Core's log endpoint: keeps what it is sent by (attempt, offset), fails on demand."""
+
+    def __init__(self, failures: int = 0, refuse: set[int] | None = None) -> None:
+        self.failures = failures
+        self.refuse = refuse or set()
+        self.sizes: dict[int, int] = {}
+        self.text: dict[int, str] = {}
+        self.requests: list[list[dict]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.failures:
+            self.failures -= 1
+            raise httpx.ConnectError("core is down", request=request)
+        chunks = json.loads(request.content)["chunks"]
+        self.requests.append(chunks)
+        acks = []
+        for c in chunks:
+            attempt, size = c["attempt_id"], self.sizes.get(c["attempt_id"], 0)
+            if attempt in self.refuse:
+                acks.append({**_ack(c, 409, c["offset"]), "detail": "not open"})
+                continue
+            if c["offset"] >= size:
+                self.text[attempt] = self.text.get(attempt, "") + c["text"]
+                size = self.sizes[attempt] = c["offset"] + c["length"]
+            acks.append(_ack(c, 200, size))
+        return httpx.Response(200, json={"items": acks})
+
+
+def _ack(chunk: dict, status: int, size: int) -> dict:
+    return {
+        "attempt_id": chunk["attempt_id"],
+        "offset": chunk["offset"],
+        "status": status,
+        "next_offset": size,
+    }
+
+
+def _shipper(core: MockCore, **settings: float) -> tuple[LogShipper, CoreClient]:
+    client = CoreClient("http://core.test", "token", transport=httpx.MockTransport(core.handle))
+    chosen = {"worker_log_interval_s": 0.02, **settings}
+    return LogShipper(client, WorkerSettings(**chosen)), client  # type: ignore[arg-type]
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def test_lines_of_several_attempts_go_in_one_request_and_finish_sends_the_rest(
+    tmp_path: Path,
+) -> None:
+    async def go() -> MockCore:
+        core = MockCore()
+        shipper, client = _shipper(core)
+        logs = {a: tmp_path / f"{a}.log" for a in (1, 2)}
+        for attempt, path in logs.items():
+            path.write_text(f"attempt {attempt} starts\n")
+            shipper.register(7, attempt, path)
+        await _until(lambda: len(core.text) == 2)
+        for path in logs.values():
+            with path.open("a") as f:
+                f.write("more\nno newline yet")
+        await asyncio.gather(shipper.finish(1), shipper.finish(2))
+        await client.aclose()
+        return core
+
+    core = asyncio.run(go())
+    assert {c["attempt_id"] for c in core.requests[0]} == {1, 2}
+    assert core.text == {a: f"attempt {a} starts\nmore\nno newline yet" for a in (1, 2)}
+
+
+def test_after_core_fails_it_catches_up_from_the_file_offset_without_doubling(
+    tmp_path: Path,
+) -> None:
+    async def go() -> MockCore:
+        core = MockCore(failures=3)
+        shipper, client = _shipper(core)
+        path = tmp_path / "a.log"
+        path.write_text("".join(f"line {i}\n" for i in range(100)))
+        shipper.register(7, 1, path)
+        await _until(lambda: core.sizes.get(1) == path.stat().st_size)
+        await shipper.finish(1)
+        await client.aclose()
+        return core
+
+    core = asyncio.run(go())
+    assert core.text[1] == "".join(f"line {i}\n" for i in range(100))
+    offsets = [c["offset"] for batch in core.requests for c in batch]
+    assert offsets == sorted(set(offsets))
+
+
+def test_an_attempt_ships_at_its_rate_and_in_chunks_of_at_most_64_kib(tmp_path: Path) -> None:
+    async def go() -> MockCore:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_rate_kib_s=1)
+        path = tmp_path / "a.log"
+        path.write_text(("x" * 99 + "\n") * 5000)  # 500 kB
+        shipper.register(7, 1, path)
+        await _until(lambda: len(core.requests) >= 3)
+        await client.aclose()
+        return core
+
+    core = asyncio.run(go())
+    sent = [sum(c["length"] for c in batch) for batch in core.requests]
+    assert sent[0] <= 64 * 1024  # the burst
+    assert sum(sent[:3]) < 64 * 1024 + 4096  # then about 1 KiB/s
+    assert all(c["text"].endswith("\n") for batch in core.requests for c in batch)
+
+
+def test_a_refused_attempt_is_no_longer_shipped(tmp_path: Path) -> None:
+    async def go() -> tuple[MockCore, int]:
+        core = MockCore(refuse={1})
+        shipper, client = _shipper(core)
+        path = tmp_path / "a.log"
+        path.write_text("one\n")
+        shipper.register(7, 1, path)
+        await _until(lambda: core.requests)
+        with path.open("a") as f:
+            f.write("two\n")
+        await asyncio.sleep(0.2)
+        await shipper.finish(1)  # forgotten: returns at once
+        await client.aclose()
+        return core, len(core.requests)
+
+    core, count = asyncio.run(go())
+    assert count == 1 and core.text == {}
+
+
+def test_an_attempt_that_wrote_nothing_more_costs_no_request(tmp_path: Path) -> None:
+    async def go() -> MockCore:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_interval_s=60)
+        path = tmp_path / "a.log"
+        path.write_bytes(b"")
+        shipper.register(7, 1, path)
+        await shipper.finish(1)
+        await client.aclose()
+        return core
+
+    assert asyncio.run(go()).requests == []
