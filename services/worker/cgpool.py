@@ -206,4 +206,3 @@ def _resident_alive(slot: Slot) -> bool:
         return True
     text = _read(Path(f"/proc/{slot.helper.pid}/stat")) or ""
     return text.rpartition(")")[2].split()[:1] != ["Z"]
-

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.models import Assignment
-from services.worker.artifacts import ArtifactCache
 from services.worker import spawner
+from services.worker.artifacts import ArtifactCache
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.executor import AttemptSpec

@@ -31,6 +31,7 @@ import socket
 import stat
 import struct
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,7 +225,9 @@ def _ours(path: Path) -> bool:
         info = path.lstat()
     except OSError:
         return False
-    return info.st_uid == os.geteuid() and not info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode)
+    return (
+        info.st_uid == os.geteuid() and not info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode)
+    )
 
 
 def _safe(path: Path) -> bool:
@@ -283,7 +286,7 @@ def default_folders(home: Path) -> list[Path]:
 def main() -> None:
     """``python -m services.worker.spawner``: compile the helper (``make install``)."""
     binary = build(default_folders(Path.home() / ".cairn")[:1])
-    print(binary or "no C compiler: attempts start with preexec_fn")
+    sys.stdout.write(f"{binary or 'no C compiler: attempts start with preexec_fn'}\n")
 
 
 if __name__ == "__main__":
