@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class CgroupPool:
         slot = None
         while self._free:
             candidate = self._free.pop()
-            if not candidate.helper.gone:
+            if candidate.helper.alive():
                 slot = candidate
                 break
             self._retire(candidate)
@@ -88,7 +87,7 @@ class CgroupPool:
         ``tidy``) while some process of the attempt is still exiting."""
         self._busy.pop(id(slot.group), None)
         slot.group.kill_all()
-        if slot.helper.gone or not _resident_alive(slot):
+        if not slot.helper.alive():
             self._retire(slot)
             return True
         if not slot.group.empty():
@@ -154,9 +153,8 @@ class CgroupPool:
             if slot.limits.get("pids") != value:
                 (pids / "pids.max").write_text(value)
                 slot.limits["pids"] = value
-        if cpu_folder is not None and slot.limits.get("shares") not in (None, "1024"):
+        if cpu_folder is not None and (_read(cpu_folder / "cpu.shares") or "").strip() != "1024":
             (cpu_folder / "cpu.shares").write_text("1024")  # an earlier attempt was squeezed
-        slot.limits["shares"] = "1024"
 
     def _reset(self, slot: Slot) -> None:
         group = slot.group
@@ -195,14 +193,3 @@ def _set_memory(folder: Path, value: str) -> None:
         return
     with contextlib.suppress(OSError):
         memsw.write_text(value)
-
-
-def _resident_alive(slot: Slot) -> bool:
-    try:
-        os.kill(slot.helper.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    text = _read(Path(f"/proc/{slot.helper.pid}/stat")) or ""
-    return text.rpartition(")")[2].split()[:1] != ["Z"]

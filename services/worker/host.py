@@ -58,6 +58,7 @@ class Host:
 
     def __init__(self, settings: WorkerSettings, logs_dir: Path, fast: bool = True) -> None:
         self.fast = fast
+        self.binary: Path | None = None
         self.helper: spawner.Helper | None = None
         self.slots: CgroupPool | None = None
         self.settings = settings
@@ -99,6 +100,7 @@ class Host:
         if binary is None:
             why = "no C compiler for the spawn helper" if self.fast else "fast start disabled"
             return f"{why}: attempts are forked from the agent (preexec_fn)"
+        self.binary = binary
         self.helper = spawner.Helper(binary)
         if self.cgroups is not None and self.cgroups.version == "v1":
             self.slots = CgroupPool(self.cgroups, binary, self.settings.worker_slots)
@@ -169,7 +171,7 @@ class Host:
         group: AttemptCgroup | None,
         slot: Slot | None = None,
     ) -> AttemptSpec:
-        helper = slot.helper if slot is not None else self.helper
+        helper = slot.helper if slot is not None else self._plain_helper()
         if group is not None and group.version == "v1" and slot is None:
             helper = None  # a fresh v1 cgroup is joined from preexec_fn
         enforced = self.cgroups.enforced if self.cgroups else frozenset()
@@ -214,12 +216,21 @@ class Host:
         elif prepared.identity is not None:
             await self._kill_uid(prepared.identity)
 
+    def _plain_helper(self) -> spawner.Helper | None:
+        """The helper outside any pooled cgroup, started again if it died."""
+        if self.helper is not None and not self.helper.alive() and self.binary is not None:
+            log.warning("the spawn helper (pid %s) is gone; starting another", self.helper.pid)
+            self.helper.close()
+            self.helper = spawner.Helper(self.binary)
+        return self.helper
+
     async def _kill_uid(self, identity: Identity) -> None:
         """Every process of the uid: by the resident helper (no shell spawned), else by
         ``kill -9 -1`` from a shell run as that uid."""
-        if self.helper is not None and not self.helper.gone:
+        helper = self._plain_helper()
+        if helper is not None:
             try:
-                await self.helper.kill_uid(identity.uid)
+                await helper.kill_uid(identity.uid)
                 return
             except spawner.HelperGone:
                 log.warning("the spawn helper is gone; killing uid %s by shell", identity.uid)

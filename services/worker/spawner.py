@@ -185,6 +185,16 @@ class Helper:
                 self._lost()
             await self._recv()
 
+    def alive(self) -> bool:
+        """Whether the helper still runs (not closed, not exited, not a zombie)."""
+        if self.gone:
+            return False
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
     def close(self) -> None:
         if self.gone:
             return

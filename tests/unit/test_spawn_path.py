@@ -297,3 +297,25 @@ def _cgroup2_mount() -> Path | None:
             point = Path(left.split(" ")[4])
             return point if os.access(point, os.W_OK) else None
     return None
+
+
+def test_a_helper_killed_between_attempts_is_replaced(root: Path) -> None:
+    host = _host(root)
+
+    async def scenario() -> tuple[AttemptResult, int, int]:
+        try:
+            first, _ = await _attempt(host, 1, "true")
+            await host.release(first)
+            killed = first.slot.helper.pid if first.slot else host.helper.pid  # type: ignore[union-attr]
+            os.kill(killed, 9)  # as the sidecar does to a cut-off worker's cgroups
+            await asyncio.sleep(0.05)
+            second, result = await _attempt(host, 2, "echo still-works")
+            await host.release(second)
+            started_by = second.slot.helper.pid if second.slot else host.helper.pid  # type: ignore[union-attr]
+            return result, killed, started_by
+        finally:
+            await host.close()
+
+    result, killed, started_by = asyncio.run(scenario())
+    assert result.outcome == "succeeded" and "still-works" in result.log_tail
+    assert started_by != killed
