@@ -12,12 +12,14 @@ counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-ki
 is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
 (every process but the helper killed), checked empty in every hierarchy, its page cache
-reclaimed (``memory.force_empty``), and only then handed out again; a slot that will not
+reclaimed (``memory.force_empty``, when it holds more than 2 MB), and only then handed
+out again; a slot that will not
 empty, or whose helper died, is retired and removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -30,6 +32,9 @@ from services.worker.spawner import Helper
 log = logging.getLogger("cairn.worker.cgpool")
 
 UNLIMITED = "-1"
+#: what a slot may keep charged between attempts without a reclaim (its helper's own
+#: pages and kernel objects are about 0.2 MB; a trivial attempt leaves 0.5 MB)
+RECLAIM_ABOVE = 2 * 2**20
 
 
 @dataclass
@@ -82,29 +87,45 @@ class CgroupPool:
     def slot_of(self, group: AttemptCgroup) -> Slot | None:
         return self._busy.get(id(group))
 
-    def give_back(self, slot: Slot) -> bool:
+    async def give_back(self, slot: Slot) -> bool:
         """Empty the slot and return it to the pool; False (kept aside, retried by
-        ``tidy``) while some process of the attempt is still exiting."""
+        ``tidy``) while some process of the attempt is still exiting. A slot left with
+        more than ``RECLAIM_ABOVE`` charged (page cache of files the attempt read or
+        wrote) is reclaimed first, in a thread, so the next attempt is not measured
+        with it."""
+        if not self._settle(slot):
+            return slot not in self._stuck
+        if _charged(slot) > RECLAIM_ABOVE:
+            await asyncio.to_thread(self._reclaim, slot)
+        self._shelve(slot)
+        return True
+
+    def _settle(self, slot: Slot) -> bool:
+        """Kill what is left; True when only the helper remains in every hierarchy."""
         self._busy.pop(id(slot.group), None)
         slot.group.kill_all()
         if not slot.helper.alive():
             self._retire(slot)
-            return True
+            return False
         if not slot.group.empty():
             self._stuck.append(slot)
             return False
-        self._reclaim(slot)
+        return True
+
+    def _shelve(self, slot: Slot) -> None:
         if len(self._free) >= self.size:
             self._retire(slot)
         else:
             self._free.append(slot)
-        return True
 
     def tidy(self) -> None:
         """Retry the slots whose last processes were still exiting."""
         stuck, self._stuck = self._stuck, []
         for slot in stuck:
-            self.give_back(slot)
+            if self._settle(slot):
+                if _charged(slot) > RECLAIM_ABOVE:
+                    self._reclaim(slot)
+                self._shelve(slot)
         self._leftover = [group for group in self._leftover if not group.remove()]
 
     def close(self) -> None:
@@ -178,6 +199,12 @@ class CgroupPool:
         slot.group.resident = None
         if not slot.group.remove():
             self._leftover.append(slot.group)  # its last processes are still exiting
+
+
+def _charged(slot: Slot) -> int:
+    memory = slot.group.folders.get("memory")
+    text = _read(memory / "memory.usage_in_bytes") if memory is not None else None
+    return int(text) if text and text.strip().isdigit() else 0
 
 
 def _set_memory(folder: Path, value: str) -> None:

@@ -251,7 +251,7 @@ class Host:
             prepared.spec.log_path.unlink(missing_ok=True)
 
         if prepared.slot is not None and self.slots is not None:
-            self.slots.give_back(prepared.slot)
+            await self.slots.give_back(prepared.slot)
         elif prepared.cgroup is not None and not prepared.cgroup.remove():
             self._leftover.append(prepared.cgroup)
         task = asyncio.create_task(later())
@@ -267,7 +267,7 @@ class Host:
     ) -> None:
         try:
             if slot is not None and self.slots is not None:
-                self.slots.give_back(slot)  # emptied, checked, then reused
+                await self.slots.give_back(slot)  # emptied, checked, then reused
             elif group is not None and not group.remove():
                 self._leftover.append(group)
             elif group is None and identity is not None:
