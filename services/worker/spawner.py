@@ -251,8 +251,12 @@ def _source_tag() -> str:
 
 def build(folders: Sequence[Path]) -> Path | None:
     """The compiled helper for this source version, compiled into the first folder of
-    ``folders`` that can hold it; None without a C compiler (or nowhere safe to put it)."""
-    tag = _source_tag()
+    ``folders`` that can hold it; None without a C compiler, without the source (an
+    install that did not ship it), or with nowhere safe to put it."""
+    try:
+        tag = _source_tag()
+    except OSError:
+        return None
     for folder in folders:
         binary = folder / f"cairn-spawn-{tag}"
         if binary.exists():

@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -281,13 +282,19 @@ def test_a_child_that_cannot_exec_is_reported_and_reaped(tmp_path: Path) -> None
         os.waitpid(failure.pid, os.WNOHANG)  # already reaped
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or only a zombie waiting for its new parent to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """The process dies: no such process, or only a zombie waiting for its new parent.
+    (On a loaded machine a killed process may wait a while for the CPU to die on.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        if stat.rpartition(")")[2].split()[0] == "Z":
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _cgroup2_mount() -> Path | None:
