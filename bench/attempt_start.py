@@ -2,7 +2,12 @@
 artifact, cgroup) + spawn + exit + clean-up of ``/bin/true``, one attempt after another,
 through the agent's own code (``services.worker.host``), without core or HTTP.
 
-Run as root:  .venv/bin/python bench/attempt_start.py [-n 200]
+Each configuration runs twice in the same run: ``before`` forks the agent for every
+attempt (``preexec_fn``, a fresh cgroup each, ``/bin/sh`` to clean up a uid) and ``after``
+is the fast path (the resident spawn helper, pooled cgroups on v1). Rounds alternate
+between the two, so load on the shared machine hits both alike.
+
+Run as root:  .venv/bin/python bench/attempt_start.py [-n 200] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from pathlib import Path
 
 from libs.common.models import Artifact, Assignment, Resources
 from services.worker.artifacts import ArtifactCache
+from services.worker.cgroups import Cgroups
 from services.worker.executor import start_attempt
 from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 
 TRUE = Path("/bin/true")
 SHA = hashlib.sha256(TRUE.read_bytes()).hexdigest()
+DETECT = Cgroups.detect
 
 
 def _assignment(attempt_id: int) -> Assignment:
@@ -55,19 +62,24 @@ async def _one(host: Host, cache: ArtifactCache, attempt_id: int) -> tuple[float
     return spawned - began, time.perf_counter() - began
 
 
-async def _case(name: str, n: int, root: Path, isolation: str, cgroups: bool, mounts: bool) -> None:
-    home = root / name
+async def _case(
+    name: str, n: int, root: Path, isolation: str, cgroups: bool, mounts: bool, fast: bool
+) -> tuple[list[float], list[float]]:
+    home = root / f"{name}-{fast}-{os.urandom(4).hex()}"
     settings = WorkerSettings(
         home=home,
         worker_isolation=isolation,  # type: ignore[arg-type]
-        worker_run_dir=root / f"{name}-run",
-        worker_uid_locks=root / f"{name}-uids",
+        worker_run_dir=home / "run",
+        worker_uid_locks=root / "uids",
         worker_uids="27000-27999",
     )
-    host = Host(settings, home / "logs")
-    host.start()
+    host = Host(settings, home / "logs", fast=fast)
     if not cgroups:
-        host.cgroups = None
+        Cgroups.detect = classmethod(lambda cls: (None, "off"))  # type: ignore[method-assign,assignment]
+    try:
+        host.start()
+    finally:
+        Cgroups.detect = DETECT  # type: ignore[method-assign]
     if not mounts:
         host.private_tmp = False
     cache = ArtifactCache(home / "artifacts")
@@ -77,27 +89,49 @@ async def _case(name: str, n: int, root: Path, isolation: str, cgroups: bool, mo
         prepare.append(p * 1000)
         total.append(t * 1000)
     await host.close()
-    q = statistics.quantiles(total, n=100)
-    print(
-        f"{name:<28} prepare p50 {statistics.median(prepare):6.2f} ms   "
-        f"start..exit..clean p50 {statistics.median(total):6.2f} ms  p99 {q[98]:6.2f} ms"
-    )
+    return prepare, total
 
 
-async def main(n: int) -> None:
+CASES = [
+    ("none (agent's uid)", "none", False, False),
+    ("uid", "user", False, False),
+    ("uid + mount ns", "user", False, True),
+    ("uid + mount ns + cgroup", "user", True, True),
+]
+
+
+async def main(n: int, rounds: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="cairn-bench-", dir="/var/tmp"))
     root.chmod(0o711)
+    print(f"load average {os.getloadavg()[0]:.2f} at start; n={n} per case and round")
+    cases = CASES if os.geteuid() == 0 else CASES[:1]
+    samples: dict[tuple[str, bool], tuple[list[float], list[float]]] = {}
     try:
-        await _case("none (agent's uid)", n, root, "none", cgroups=False, mounts=False)
-        if os.geteuid() == 0:
-            await _case("uid", n, root, "user", cgroups=False, mounts=False)
-            await _case("uid + mount ns", n, root, "user", cgroups=False, mounts=True)
-            await _case("uid + mount ns + cgroup", n, root, "user", cgroups=True, mounts=True)
+        for _ in range(rounds):
+            for name, isolation, cgroups, mounts in cases:
+                for fast in (False, True):
+                    got = await _case(name, n, root, isolation, cgroups, mounts, fast)
+                    prepare, total = samples.setdefault((name, fast), ([], []))
+                    prepare += got[0]
+                    total += got[1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"{'configuration':<26} {'path':<7} {'prepare p50':>11} {'whole p50':>10} {'p99':>8}")
+    for name, *_ in cases:
+        for fast in (False, True):
+            prepare, total = samples[(name, fast)]
+            q = statistics.quantiles(total, n=100)
+            print(
+                f"{name:<26} {'after' if fast else 'before':<7} "
+                f"{statistics.median(prepare):8.2f} ms {statistics.median(total):7.2f} ms "
+                f"{q[98]:5.1f} ms"
+            )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-n", type=int, default=200)
-    asyncio.run(main(parser.parse_args().n))
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    asyncio.run(main(args.n, args.rounds))

@@ -6,8 +6,11 @@ its digest has been checked, so a reader never sees a partial or wrong file, and
 fetches of the same digest (in one process or several) cannot corrupt each other.
 
 The cache belongs to the agent (its folders are 0700): attempts never see it. What an
-attempt runs is a private copy (``materialize``), hashed while it is written, at every
-start. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
+attempt runs is a private copy (``materialize``). The first copy of a cached artifact in
+this process is hashed while it is written; later copies are made by the kernel
+(``copy_file_range``, no pass through Python) for as long as the cached file is the same
+file it was when hashed (device, inode, size, modification time: only the agent can write
+the cache, so a change shows there), and hashed again otherwise. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
 gid, no other groups), every time, and is not cached. No error names a digest the agent
 computed, so a mismatch is no oracle for a file's content. The cache is bounded
 (``max_cache_bytes``): the least recently used artifacts are removed first, never one
@@ -31,6 +34,7 @@ import platform
 import stat
 import tempfile
 import threading
+import time
 import urllib.parse
 import urllib.request
 import weakref
@@ -119,6 +123,7 @@ class ArtifactCache:
         self._transport = transport
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._verified: set[str] = set()
+        self._fingerprints: dict[str, tuple[int, int, int, int]] = {}
         self._s3_client: Any = None
         self._s3_lock = threading.Lock()
 
@@ -167,10 +172,21 @@ class ArtifactCache:
         try:
             for tries_left in (1, 0):
                 cached = await self.fetch(uri, digest)
-                with contextlib.suppress(OSError):
-                    os.utime(cached)  # used now: last in the eviction order
+                seen = _fingerprint(cached)
+                if seen is not None:
+                    with contextlib.suppress(OSError):
+                        # Used now: last in the eviction order (its mtime is kept).
+                        os.utime(cached, ns=(time.time_ns(), seen[3]))
+                if seen is not None and self._fingerprints.get(digest) == seen:
+                    copy = await asyncio.to_thread(_copy_same, cached, folder, seen)
+                    if copy is not None:
+                        return copy
+                    self._fingerprints.pop(digest, None)  # changed: hashed again below
                 try:
-                    return await self._copy_checked(_copier(cached, None), uri, digest, folder)
+                    copy = await self._copy_checked(_copier(cached, None), uri, digest, folder)
+                    if seen is not None and _fingerprint(cached) == seen:
+                        self._fingerprints[digest] = seen
+                    return copy
                 except ArtifactError:
                     # The cached copy changed since it was checked: it is gone now,
                     # and fetched again once.
@@ -191,6 +207,7 @@ class ArtifactCache:
             if sink.hexdigest() != digest:
                 if _scheme(uri) != "file":
                     self._verified.discard(digest)
+                    self._fingerprints.pop(digest, None)
                     self.path_for(digest).unlink(missing_ok=True)
                 raise ArtifactError(_mismatch(uri), retryable=_scheme(uri) != "file")
         except BaseException:
@@ -217,6 +234,7 @@ class ArtifactCache:
                 continue
             path.unlink(missing_ok=True)
             self._verified.discard(path.name)
+            self._fingerprints.pop(path.name, None)
             total -= size
 
     async def _usable(self, final: Path, digest: str) -> bool:
@@ -400,6 +418,37 @@ def _open_as(source: Path, reader: Identity | None) -> int:
     if isinstance(result, OSError):
         raise result
     return result
+
+
+def _fingerprint(path: Path) -> tuple[int, int, int, int] | None:
+    """What identifies the cached file as the one that was hashed."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _copy_same(source: Path, folder: Path, seen: tuple[int, int, int, int]) -> Path | None:
+    """A private copy, by the kernel, of a cached file still the one that was hashed
+    (``seen`` before and after the copy); None if it changed."""
+    size = seen[2]
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+    try:
+        with source.open("rb") as src, os.fdopen(fd, "wb") as out:
+            copied = 0
+            while copied < size:
+                step = os.copy_file_range(src.fileno(), out.fileno(), size - copied)
+                if step == 0:
+                    break
+                copied += step
+        if copied == size and _fingerprint(source) == seen:
+            return Path(name)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    Path(name).unlink(missing_ok=True)
+    return None
 
 
 def _digest(sha256: str) -> str:

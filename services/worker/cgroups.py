@@ -91,6 +91,11 @@ class AttemptCgroup:
     folders: dict[str, Path]
     memory_mb: int | None = None
     removed: bool = False
+    #: the pooled cgroup's resident spawn helper: never signalled, never counted
+    resident: int | None = None
+    #: OOM kills and CPU time the cgroup had counted before this attempt (pooled, v2)
+    oom_base: int = 0
+    cpu_base: float = 0.0
 
     @property
     def procs_files(self) -> list[str]:
@@ -102,12 +107,19 @@ class AttemptCgroup:
 
     def pids(self) -> list[int]:
         folder = self._folder("pids") or self._folder("memory")
-        return _pids_in(folder) if folder else []
+        return [p for p in _pids_in(folder) if p != self.resident] if folder else []
+
+    def empty(self) -> bool:
+        """No process of an attempt in any of its folders (the resident helper aside)."""
+        return all(
+            not [p for p in _pids_in(folder) if p != self.resident]
+            for folder in set(self.folders.values())
+        )
 
     def kill_all(self) -> None:
         """SIGKILL every process of the attempt, those it forks meanwhile included."""
         folder = self.folders.get("")
-        if folder is not None and _write(folder / "cgroup.kill", "1"):
+        if folder is not None and self.resident is None and _write(folder / "cgroup.kill", "1"):
             return
         for _ in range(_KILL_ROUNDS):
             pids = self.pids()
@@ -136,10 +148,12 @@ class AttemptCgroup:
         if self.version == "v1":
             folder = self._folder("cpuacct")
             text = _read(folder / "cpuacct.usage") if folder else None
-            return round(int(text) / 1e9, 3) if text and text.strip().isdigit() else None
+            if not text or not text.strip().isdigit():
+                return None
+            return round(max(0.0, int(text) / 1e9 - self.cpu_base), 3)
         folder = self._folder("cpu")
         usage = _keyed(_read(folder / "cpu.stat") if folder else None, "usage_usec")
-        return round(usage / 1e6, 3) if usage is not None else None
+        return round(max(0.0, usage / 1e6 - self.cpu_base), 3) if usage is not None else None
 
     def lower_cpu_share(self) -> bool:
         """The lowest CPU share against its siblings (squeezed for guaranteed work)."""
@@ -155,7 +169,7 @@ class AttemptCgroup:
         if folder is None:
             return 0
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
-        return _keyed(_read(folder / name), "oom_kill") or 0
+        return max(0, (_keyed(_read(folder / name), "oom_kill") or 0) - self.oom_base)
 
     def remove(self) -> bool:
         """Remove the cgroup once its processes are gone; False while some remain."""
@@ -249,7 +263,7 @@ class Cgroups:
                 pid = stale.name.removeprefix("agent-")
                 if stale == base or (pid.isdigit() and Path(f"/proc/{pid}").exists()):
                     continue
-                for folder in stale.glob("a*"):
+                for folder in (f for f in stale.iterdir() if f.is_dir()):
                     AttemptCgroup(self.version, {"": folder}).remove()
                 with contextlib.suppress(OSError):
                     stale.rmdir()

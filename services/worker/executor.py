@@ -26,7 +26,6 @@ import os
 import resource
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Literal
 
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Sandbox
+from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed"]
 StopReason = Literal["timeout", "terminated", "cancelled", "preempted"]
@@ -44,6 +44,8 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
 _Exit = tuple[int, resource.struct_rusage]
 _supervisors: set[asyncio.Task[AttemptResult]] = set()
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,10 @@ class AttemptSpec:
     ``kill_grace_s`` is how long a timed-out attempt has between SIGTERM and SIGKILL.
     ``sandbox`` (uid, cgroups, private /tmp, rlimits) replaces the plain ``RLIMIT_DATA``;
     ``cgroup`` then holds the whole attempt: signals reach every process in it, and peak
-    memory, CPU time and OOM kills are read from it.
+    memory, CPU time and OOM kills are read from it. With ``helper`` (``spawner``) the
+    process is started by that resident helper, which applies the same sandbox, instead
+    of a fork of the agent: inside the helper's own cgroup (a v1 pool slot), or straight
+    into a v2 ``cgroup``.
     """
 
     executable: Path
@@ -75,6 +80,7 @@ class AttemptSpec:
     sandbox: Sandbox | None = None
     cgroup: AttemptCgroup | None = None
     tmpdir: str | None = None
+    helper: Helper | None = None
 
 
 @dataclass(frozen=True)
@@ -107,14 +113,13 @@ class RunningAttempt:
     """A started attempt. ``wait()`` for its result, ``terminate()`` to stop it gently
     (drain, preemption) or ``kill()`` to stop it at once; all act on its process group."""
 
-    def __init__(self, spec: AttemptSpec, process: subprocess.Popen[bytes], started: float):
+    def __init__(self, spec: AttemptSpec, pid: int, started: float):
         self.spec = spec
-        self.pid = process.pid
-        self._process = process
+        self.pid = pid
         self._started_wall = datetime.now(UTC)
         self._started = started
         self._stopped: StopReason | None = None
-        self._exit: asyncio.Future[_Exit] = _watch_exit(process.pid, spec.cgroup)
+        self._exit: asyncio.Future[_Exit] = _watch_exit(pid, spec.cgroup)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
         _supervisors.add(self._supervisor)
         self._supervisor.add_done_callback(_supervisors.discard)
@@ -156,7 +161,6 @@ class RunningAttempt:
         except asyncio.CancelledError:
             self._signal(signal.SIGKILL)
             raise
-        self._process.returncode = os.waitstatus_to_exitcode(status)
         return self._result(status, usage)
 
     async def _stop(self, grace_s: float) -> None:
@@ -226,6 +230,10 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     """Start the attempt's process in a new session; raises ``SpawnError`` if it cannot."""
     spec.workdir.mkdir(parents=True, exist_ok=True)
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    group = spec.cgroup
+    # A v1 cgroup is joined only by being forked inside it, by its slot's own helper.
+    if spec.helper is not None and (group is None or group.version == "v2" or group.resident):
+        return await _start_by_helper(spec, spec.helper)
     with spec.log_path.open("ab") as log:
         started = time.monotonic()
         try:
@@ -243,7 +251,54 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
             log.write(f"cairn: cannot start {spec.executable}: {exc}\n".encode())
             why = getattr(exc, "strerror", None) or exc
             raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
-    return RunningAttempt(spec, process, started)
+    # The Popen object is dropped: this module reaps the child itself (``_watch_exit``).
+    process.returncode = 0
+    return RunningAttempt(spec, process.pid, started)
+
+
+async def _start_by_helper(spec: AttemptSpec, helper: Helper) -> RunningAttempt:
+    log = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    into: int | None = None
+    try:
+        group = spec.cgroup
+        if group is not None and group.version == "v2" and group.resident is None:
+            into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        started = time.monotonic()
+        pid = await helper.spawn(_launch(spec), log, into)
+    except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
+        if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
+            why = os.strerror(exc.errno)
+        else:
+            why = f"cannot isolate it ({exc})"
+        os.write(log, f"cairn: cannot start {spec.executable}: {why}\n".encode())
+        raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
+    finally:
+        os.close(log)
+        if into is not None:
+            os.close(into)
+    return RunningAttempt(spec, pid, started)
+
+
+def _launch(spec: AttemptSpec) -> Launch:
+    """What the helper applies: the same as ``Sandbox.preexec`` (or ``_limits``)."""
+    sandbox = spec.sandbox
+    rlimits: tuple[tuple[int, int], ...] = ()
+    if sandbox is None and spec.memory_mb is not None:
+        rlimits = ((resource.RLIMIT_DATA, _data_limit(spec.memory_mb)),)
+    identity = sandbox.identity if sandbox else None
+    private_tmp = sandbox.private_tmp if sandbox else None
+    return Launch(
+        executable=str(spec.executable),
+        argv=[str(spec.executable), *spec.args],
+        env=child_env(spec),
+        workdir=str(spec.workdir),
+        uid=identity.uid if identity else None,
+        gid=identity.gid if identity else None,
+        rlimits=sandbox.rlimits if sandbox else rlimits,
+        private_tmp=str(private_tmp) if private_tmp is not None else None,
+        tmp_targets=sandbox.tmp_targets if sandbox else (),
+        shm=bool(sandbox and sandbox.shm),
+    )
 
 
 async def run_attempt(spec: AttemptSpec) -> AttemptResult:
@@ -301,10 +356,7 @@ def _limits(spec: AttemptSpec) -> Callable[[], None] | None:
     """What the child runs between fork and exec: only a prepared ``setrlimit`` call."""
     if spec.memory_mb is None:
         return None
-    limit = spec.memory_mb * 1024 * 1024
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
+    limit = _data_limit(spec.memory_mb)
     pair = (limit, limit)
 
     def apply() -> None:
@@ -313,8 +365,17 @@ def _limits(spec: AttemptSpec) -> Callable[[], None] | None:
     return apply
 
 
+def _data_limit(memory_mb: int) -> int:
+    limit = memory_mb * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    return limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+
+
 def _watch_exit(pid: int, group: AttemptCgroup | None = None) -> asyncio.Future[_Exit]:
-    """A future of the child's wait status and rusage, settled the moment it exits."""
+    """A future of the child's wait status and rusage, settled the moment it exits: a
+    pidfd on the event loop (no thread); where a pidfd cannot be had, or the process
+    exited but is not yet waitable (a thread outlived its leader), ``wait4`` is retried
+    on a timer."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[_Exit] = loop.create_future()
 
@@ -326,36 +387,40 @@ def _watch_exit(pid: int, group: AttemptCgroup | None = None) -> asyncio.Future[
         else:
             future.set_result(reaped)
 
-    def in_thread() -> None:
+    def poll(delay: float) -> None:
+        if future.done():
+            return
         try:
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            reaped = _reap(pid, 0, group)
-            outcome: _Exit | BaseException = reaped or ChildProcessError(pid)
+            reaped = _reap_if_exited(pid, group)
         except ChildProcessError as exc:
-            outcome = exc
-        loop.call_soon_threadsafe(settle, outcome)
+            settle(exc)
+            return
+        if reaped is None:
+            loop.call_later(delay, poll, min(delay * 2, _POLL_MAX_S))
+        else:
+            settle(reaped)
 
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
-        threading.Thread(target=in_thread, name=f"wait-{pid}", daemon=True).start()
+        loop.call_soon(poll, _POLL_FIRST_S)
         return future
 
     def readable() -> None:
         loop.remove_reader(pidfd)
         os.close(pidfd)
-        try:
-            reaped = _reap(pid, os.WNOHANG, group)
-        except ChildProcessError as exc:
-            settle(exc)
-            return
-        if reaped is None:  # exited, not yet waitable (a thread outlived the leader)
-            threading.Thread(target=in_thread, name=f"wait-{pid}", daemon=True).start()
-        else:
-            settle(reaped)
+        poll(_POLL_FIRST_S)
 
     loop.add_reader(pidfd, readable)
     return future
+
+
+def _reap_if_exited(pid: int, group: AttemptCgroup | None) -> _Exit | None:
+    """Reap the child if it has exited (killing what it left first); None if it runs."""
+    exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if exited is None:
+        return None
+    return _reap(pid, os.WNOHANG, group)
 
 
 def _reap(pid: int, options: int, group: AttemptCgroup | None = None) -> _Exit | None:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.models import Assignment
+from services.worker import spawner
 from services.worker.artifacts import ArtifactCache
+from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.executor import AttemptSpec
 from services.worker.isolation import (
@@ -46,10 +48,19 @@ class Prepared:
     folders: Folders
     identity: Identity | None
     cgroup: AttemptCgroup | None
+    slot: Slot | None = None
 
 
 class Host:
-    def __init__(self, settings: WorkerSettings, logs_dir: Path) -> None:
+    """``fast`` (the default): attempts are started by resident spawn helpers, in pooled
+    cgroups on v1 (``spawner``, ``cgpool``); False, or without a C compiler: forked from
+    the agent with ``preexec_fn``, in a fresh cgroup each."""
+
+    def __init__(self, settings: WorkerSettings, logs_dir: Path, fast: bool = True) -> None:
+        self.fast = fast
+        self.binary: Path | None = None
+        self.helper: spawner.Helper | None = None
+        self.slots: CgroupPool | None = None
         self.settings = settings
         self.logs_dir = logs_dir
         self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
@@ -81,7 +92,20 @@ class Host:
         notes.append(note)
         if self.cgroups is not None:
             self.cgroups.sweep()
+        notes.append(self._starter())
         return notes
+
+    def _starter(self) -> str:
+        binary = spawner.build(spawner.default_folders(self.settings.home)) if self.fast else None
+        if binary is None:
+            why = "no C compiler for the spawn helper" if self.fast else "fast start disabled"
+            return f"{why}: attempts are forked from the agent (preexec_fn)"
+        self.binary = binary
+        self.helper = spawner.Helper(binary)
+        if self.cgroups is not None and self.cgroups.version == "v1":
+            self.slots = CgroupPool(self.cgroups, binary, self.settings.worker_slots)
+            return "attempts are started by spawn helpers resident in pooled cgroups (v1)"
+        return "attempts are started by a resident spawn helper (cgroup v2: CLONE_INTO_CGROUP)"
 
     def _who(self) -> list[str]:
         if self.isolated:
@@ -113,6 +137,7 @@ class Host:
         identity = self.pool.take() if self.pool is not None else None
         folders: Folders | None = None
         group: AttemptCgroup | None = None
+        slot: Slot | None = None
         try:
             name = _name_of(assignment.artifact.uri)
             folders = Folders.make(self.run_dir, assignment.attempt_id, name, identity)
@@ -124,18 +149,19 @@ class Host:
             )
             folders.seal_executable(written)
             resources = assignment.resources
-            if self.cgroups is not None:
+            pids_max = self.settings.worker_pids_max
+            if self.slots is not None:
+                slot = await self.slots.take(resources.memory_mb, resources.cpu, pids_max)
+                group = slot.group
+            elif self.cgroups is not None:
                 group = self.cgroups.create(
-                    assignment.attempt_id,
-                    resources.memory_mb,
-                    resources.cpu,
-                    self.settings.worker_pids_max,
+                    assignment.attempt_id, resources.memory_mb, resources.cpu, pids_max
                 )
-            spec = self._spec(assignment, folders, identity, group)
+            spec = self._spec(assignment, folders, identity, group, slot)
         except BaseException:
-            await self._undo(folders, identity, group)
+            await self._undo(folders, identity, group, slot)
             raise
-        return Prepared(spec, folders, identity, group)
+        return Prepared(spec, folders, identity, group, slot)
 
     def _spec(
         self,
@@ -143,7 +169,11 @@ class Host:
         folders: Folders,
         identity: Identity | None,
         group: AttemptCgroup | None,
+        slot: Slot | None = None,
     ) -> AttemptSpec:
+        helper = slot.helper if slot is not None else self._plain_helper()
+        if group is not None and group.version == "v1" and slot is None:
+            helper = None  # a fresh v1 cgroup is joined from preexec_fn
         enforced = self.cgroups.enforced if self.cgroups else frozenset()
         limits: list[tuple[int, int]] = [(resource.RLIMIT_CORE, 0)]
         if "memory" not in enforced:
@@ -152,7 +182,7 @@ class Host:
             limits.append((resource.RLIMIT_NPROC, self.settings.worker_pids_max))
         sandbox = Sandbox(
             identity=identity,
-            cgroup_procs=tuple(group.procs_files) if group else (),
+            cgroup_procs=tuple(group.procs_files) if group and helper is None else (),
             private_tmp=folders.tmp if self.private_tmp else None,
             tmp_targets=self.tmp_targets,
             shm=self.private_tmp and not _under(self.run_dir, "/dev/shm"),
@@ -176,6 +206,7 @@ class Host:
             sandbox=sandbox,
             cgroup=group,
             tmpdir=tmpdir,
+            helper=helper,
         )
 
     async def stop_leftovers(self, prepared: Prepared) -> None:
@@ -183,36 +214,64 @@ class Host:
         if prepared.cgroup is not None:
             prepared.cgroup.kill_all()
         elif prepared.identity is not None:
-            await asyncio.to_thread(kill_every_process_of, prepared.identity)
+            await self._kill_uid(prepared.identity)
+
+    def _plain_helper(self) -> spawner.Helper | None:
+        """The helper outside any pooled cgroup, started again if it died."""
+        if self.helper is not None and not self.helper.alive() and self.binary is not None:
+            log.warning("the spawn helper (pid %s) is gone; starting another", self.helper.pid)
+            self.helper.close()
+            self.helper = spawner.Helper(self.binary)
+        return self.helper
+
+    async def _kill_uid(self, identity: Identity) -> None:
+        """Every process of the uid: by the resident helper (no shell spawned), else by
+        ``kill -9 -1`` from a shell run as that uid."""
+        helper = self._plain_helper()
+        if helper is not None:
+            try:
+                await helper.kill_uid(identity.uid)
+                return
+            except spawner.HelperGone:
+                log.warning("the spawn helper is gone; killing uid %s by shell", identity.uid)
+        await asyncio.to_thread(kill_every_process_of, identity)
 
     async def release(self, prepared: Prepared) -> None:
         """After the log is uploaded: remove the folders (now, or after the keep time),
         then hand the uid back (never while a folder of that uid remains)."""
         keep = self.settings.worker_keep_attempts_s
         if keep <= 0:
-            await self._undo(prepared.folders, prepared.identity, prepared.cgroup)
+            await self._undo(prepared.folders, prepared.identity, prepared.cgroup, prepared.slot)
             prepared.spec.log_path.unlink(missing_ok=True)
             return
 
         async def later() -> None:
             await asyncio.sleep(keep)
-            await self._undo(prepared.folders, prepared.identity, prepared.cgroup)
+            await self._undo(prepared.folders, prepared.identity, None)
             prepared.spec.log_path.unlink(missing_ok=True)
 
-        if prepared.cgroup is not None:
-            prepared.cgroup.remove()
+        if prepared.slot is not None and self.slots is not None:
+            await self.slots.give_back(prepared.slot)
+        elif prepared.cgroup is not None and not prepared.cgroup.remove():
+            self._leftover.append(prepared.cgroup)
         task = asyncio.create_task(later())
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
 
     async def _undo(
-        self, folders: Folders | None, identity: Identity | None, group: AttemptCgroup | None
+        self,
+        folders: Folders | None,
+        identity: Identity | None,
+        group: AttemptCgroup | None,
+        slot: Slot | None = None,
     ) -> None:
         try:
-            if group is not None and not group.remove():
+            if slot is not None and self.slots is not None:
+                await self.slots.give_back(slot)  # emptied, checked, then reused
+            elif group is not None and not group.remove():
                 self._leftover.append(group)
             elif group is None and identity is not None:
-                await asyncio.to_thread(kill_every_process_of, identity)
+                await self._kill_uid(identity)
             if folders is not None:
                 await asyncio.to_thread(folders.remove)
         finally:
@@ -222,11 +281,17 @@ class Host:
     def tidy(self) -> None:
         """Retry removing cgroups whose last processes were still exiting."""
         self._leftover = [group for group in self._leftover if not group.remove()]
+        if self.slots is not None:
+            self.slots.tidy()
 
     async def close(self) -> None:
         for task in list(self._keeping):
             task.cancel()
         self.tidy()
+        if self.slots is not None:
+            self.slots.close()
+        if self.helper is not None:
+            self.helper.close()
         if self.cgroups is not None:
             self.cgroups.close()
 

@@ -54,7 +54,9 @@ class Identity:
 @dataclass(frozen=True)
 class Sandbox:
     """What the child applies to itself between fork and exec, as root, in this order:
-    join the cgroups, enter a private mount namespace, set rlimits, drop to the uid."""
+    join the cgroups, enter a private mount namespace, set rlimits, drop to the uid.
+    ``preexec`` does it in a fork of the agent; the resident spawn helper (``spawner``)
+    applies the same fields itself (``executor._launch``), born in its cgroup already."""
 
     identity: Identity | None = None
     cgroup_procs: tuple[str, ...] = ()

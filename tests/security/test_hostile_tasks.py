@@ -327,3 +327,64 @@ def test_a_worker_outside_the_allow_list_refuses_the_artifact(core, agents, tmp_
     final = run(core, shell("echo ran"))
     assert final["state"] == "dead"
     assert "not an allowed artifact source" in final["last_error"]
+
+
+def _spawn_helpers(agent_pid: int) -> list[int]:
+    """The agent's resident spawn helpers (``cairn-spawn``), by their parent and name."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"PPid:\t{agent_pid}\n" in status and b"cairn-spawn" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_the_fast_path_reuses_a_cgroup_without_leaking_the_last_attempt(core, agents, tmp_path):
+    """Attempts started by the resident helper: the same pooled cgroup (one slot) serves
+    both, with its limits; the second finds no process, file or secret of the first."""
+    agent = Agent(core, tmp_path / "w", CAIRN_WORKER_SLOTS="1")
+    agents.append(agent)
+    shared = shared_dir()
+    first = run(
+        core,
+        shell(
+            f"setsid sleep 300 & echo $! > {shared}/stray; echo first-secret > /tmp/mine; "
+            "cat /proc/self/cgroup",
+            resources={"cpu": 0.5, "memory_mb": 96},
+        ),
+    )
+    helpers = _spawn_helpers(agent.proc.pid)
+    if not helpers:
+        pytest.skip("no C compiler here: attempts are forked by the agent")
+    stray = int((shared / "stray").read_text())
+    helper_reads = " ".join(f"cat /proc/{pid}/environ; echo helper=$?;" for pid in helpers)
+    second = run(
+        core,
+        shell(
+            f"cat /proc/self/cgroup; grep -E '^(State|ShdPnd)' /proc/{stray}/status "
+            "2>/dev/null || echo stray=gone; cat /tmp/mine; "
+            f"{helper_reads} cat {agent.home}/token; echo file=$?; "
+            "cat /sys/fs/cgroup/memory$(grep :memory: /proc/self/cgroup | cut -d: -f3)"
+            "/memory.limit_in_bytes",
+        ),
+    )
+    assert first["state"] == second["state"] == "succeeded", (first, second)
+    slot = re.search(r":memory:(\S+/s\d+)\n", first["log"])
+    assert slot is not None, first["log"]  # a pooled slot, not a cgroup per attempt
+    assert f":memory:{slot.group(1)}\n" in second["log"], second["log"]
+    # Killed: gone, a zombie, or (on a loaded machine) SIGKILL pending, about to die.
+    pending = re.search(r"ShdPnd:\s*([0-9a-f]+)", second["log"])
+    assert (
+        "stray=gone" in second["log"]
+        or re.search(r"State:\s*Z", second["log"])
+        or (pending and int(pending.group(1), 16) & 1 << (signal.SIGKILL - 1))
+    ), second["log"]
+    assert "first-secret" not in second["log"], second["log"]
+    assert second["log"].count("helper=1") == len(helpers), second["log"]
+    assert "file=1" in second["log"] and agent.token not in second["log"]
+    assert f"{512 * 2**20}\n" in second["log"], second["log"]  # its own limit, not 96 MB

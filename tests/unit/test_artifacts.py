@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from services.worker import artifacts
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import AttemptSpec, run_attempt
 
@@ -351,6 +352,28 @@ def test_a_cached_artifact_changed_after_its_check_is_fetched_again_before_it_ru
 
     assert first.read_bytes() == second.read_bytes() == TOOL
     assert server.hits["/tool"] == 2 and cached.read_bytes() == TOOL
+
+
+def test_a_verified_cached_artifact_is_copied_without_hashing_until_it_changes(
+    tmp_path: Path, server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.routes["/tool"] = (200, TOOL)
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+    uri = f"{server.base}/tool"
+    hashed: list[int] = []
+    real = artifacts._Sink.write
+    monkeypatch.setattr(artifacts._Sink, "write", lambda s, c: (hashed.append(1), real(s, c)))
+    _run(cache.materialize(uri, TOOL_SHA, tmp_path))
+    after_first = len(hashed)
+    again = _run(cache.materialize(uri, TOOL_SHA, tmp_path))
+    assert again.read_bytes() == TOOL and len(hashed) == after_first  # no second hash
+    cached = cache.path_for(TOOL_SHA)
+    same_size = b"#" * len(TOOL)
+    cached.write_bytes(same_size)  # same size, new content and modification time
+
+    third = _run(cache.materialize(uri, TOOL_SHA, tmp_path))
+
+    assert third.read_bytes() == TOOL and server.hits["/tool"] == 2
 
 
 def test_a_file_artifact_is_copied_from_its_source_at_every_start(tmp_path: Path) -> None:

@@ -9,12 +9,13 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from services.worker import spawner
 from services.worker.executor import (
     AttemptResult,
     AttemptSpec,
@@ -24,6 +25,26 @@ from services.worker.executor import (
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
+_starter: dict[str, spawner.Helper | None] = {"helper": None}
+
+
+@pytest.fixture(autouse=True, params=["fork", "helper"])
+def starter(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs twice: attempts forked by the agent (``preexec_fn``), and
+    started by the resident spawn helper (``cairn-spawn``)."""
+    if request.param == "fork":
+        yield "fork"
+        return
+    binary = spawner.build(spawner.default_folders(Path.home() / ".cairn"))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    helper = spawner.Helper(binary)
+    _starter["helper"] = helper
+    try:
+        yield "helper"
+    finally:
+        _starter["helper"] = None
+        helper.close()
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -47,6 +68,7 @@ def _spec(tmp_path: Path, executable: Path, *args: str, **overrides: Any) -> Att
         "attempt_id": 7,
         "attempt_number": 2,
         "kill_grace_s": 2.0,
+        "helper": _starter["helper"],
     }
     return AttemptSpec(**(fields | overrides))
 

@@ -1,0 +1,222 @@
+"""A pool of cgroup v1 slots reused across attempts, each with a resident spawn helper.
+
+Joining a cgroup v1 hierarchy (a ``cgroup.procs`` write) takes the kernel's global
+cgroup thread-group lock for writing, which waits for an RCU grace period: four
+hierarchies (memory, cpu, cpuacct, pids) cost an attempt 5 to 20 ms. A process forked
+inside a cgroup is born there for free. So each slot (``cairn/agent-PID/sN`` in every
+hierarchy) holds a ``cairn-spawn`` helper that joined it once, and every attempt of the
+slot is forked by it: no migration, no mkdir or rmdir per attempt.
+
+Per attempt, only limits that differ from the slot's last ones are written, and the
+counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
+is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
+counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
+(every process but the helper killed), checked empty in every hierarchy, its page cache
+reclaimed (``memory.force_empty``, when it holds more than 2 MB), and only then handed
+out again; a slot that will not
+empty, or whose helper died, is retired and removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.worker.cgroups import CPU_PERIOD_US, AttemptCgroup, Cgroups, _read
+from services.worker.spawner import Helper
+
+log = logging.getLogger("cairn.worker.cgpool")
+
+UNLIMITED = "-1"
+#: what a slot may keep charged between attempts without a reclaim (its helper's own
+#: pages and kernel objects are about 0.2 MB; a trivial attempt leaves 0.5 MB)
+RECLAIM_ABOVE = 2 * 2**20
+
+
+@dataclass
+class Slot:
+    """One pooled cgroup, its resident helper, and the limits last written to it."""
+
+    name: str
+    group: AttemptCgroup
+    helper: Helper
+    limits: dict[str, str] = field(default_factory=dict)
+
+
+class CgroupPool:
+    """Slots of ``cgroups`` (a v1 driver), each served by a helper built at ``binary``."""
+
+    def __init__(self, cgroups: Cgroups, binary: Path, size: int) -> None:
+        if cgroups.version != "v1":
+            raise ValueError("the pool is for cgroup v1; v2 starts attempts into their cgroup")
+        self.cgroups = cgroups
+        self.binary = binary
+        self.size = size
+        self._free: list[Slot] = []
+        self._busy: dict[int, Slot] = {}
+        self._stuck: list[Slot] = []
+        self._leftover: list[AttemptCgroup] = []
+        self._names = itertools.count(1)
+
+    async def take(self, memory_mb: int | None, cpu: float | None, pids_max: int) -> Slot:
+        """A slot with these limits, its counters reset; raises ``OSError``."""
+        slot = None
+        while self._free:
+            candidate = self._free.pop()
+            if candidate.helper.alive():
+                slot = candidate
+                break
+            self._retire(candidate)
+        if slot is None:
+            slot = await self._make()
+        try:
+            self._limit(slot, memory_mb, cpu, pids_max)
+            self._reset(slot)
+        except OSError:
+            self._retire(slot)
+            raise
+        slot.group.memory_mb = memory_mb
+        slot.group.removed = False
+        self._busy[id(slot.group)] = slot
+        return slot
+
+    def slot_of(self, group: AttemptCgroup) -> Slot | None:
+        return self._busy.get(id(group))
+
+    async def give_back(self, slot: Slot) -> bool:
+        """Empty the slot and return it to the pool; False (kept aside, retried by
+        ``tidy``) while some process of the attempt is still exiting. A slot left with
+        more than ``RECLAIM_ABOVE`` charged (page cache of files the attempt read or
+        wrote) is reclaimed first, in a thread, so the next attempt is not measured
+        with it."""
+        if not self._settle(slot):
+            return slot not in self._stuck
+        if _charged(slot) > RECLAIM_ABOVE:
+            await asyncio.to_thread(self._reclaim, slot)
+        self._shelve(slot)
+        return True
+
+    def _settle(self, slot: Slot) -> bool:
+        """Kill what is left; True when only the helper remains in every hierarchy."""
+        self._busy.pop(id(slot.group), None)
+        slot.group.kill_all()
+        if not slot.helper.alive():
+            self._retire(slot)
+            return False
+        if not slot.group.empty():
+            self._stuck.append(slot)
+            return False
+        return True
+
+    def _shelve(self, slot: Slot) -> None:
+        if len(self._free) >= self.size:
+            self._retire(slot)
+        else:
+            self._free.append(slot)
+
+    def tidy(self) -> None:
+        """Retry the slots whose last processes were still exiting."""
+        stuck, self._stuck = self._stuck, []
+        for slot in stuck:
+            if self._settle(slot):
+                if _charged(slot) > RECLAIM_ABOVE:
+                    self._reclaim(slot)
+                self._shelve(slot)
+        self._leftover = [group for group in self._leftover if not group.remove()]
+
+    def close(self) -> None:
+        for slot in [*self._free, *self._stuck, *self._busy.values()]:
+            self._retire(slot)
+        self._free, self._stuck, self._busy = [], [], {}
+
+    async def _make(self) -> Slot:
+        name = f"s{next(self._names)}"
+        folders = {c: base / name for c, base in self.cgroups.bases.items()}
+        group = AttemptCgroup("v1", folders)
+        for folder in set(folders.values()):
+            if folder.exists():
+                AttemptCgroup("v1", {"": folder}).remove()
+            folder.mkdir()
+        period = folders.get("cpu")
+        if period is not None:
+            (period / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        helper = Helper(self.binary, group.procs_files)
+        slot = Slot(name, group, helper)
+        try:
+            await helper.ready()
+        except Exception:
+            self._retire(slot)
+            raise OSError(f"the spawn helper could not join cgroup {name}") from None
+        group.resident = helper.pid
+        return slot
+
+    def _limit(self, slot: Slot, memory_mb: int | None, cpu: float | None, pids_max: int) -> None:
+        folders = slot.group.folders
+        memory = folders.get("memory")
+        if memory is not None:
+            value = str(memory_mb * 2**20) if memory_mb is not None else UNLIMITED
+            if slot.limits.get("memory") != value:
+                _set_memory(memory, value)
+                slot.limits["memory"] = value
+        cpu_folder = folders.get("cpu")
+        if cpu_folder is not None:
+            value = str(max(1000, int(cpu * CPU_PERIOD_US))) if cpu is not None else UNLIMITED
+            if slot.limits.get("cpu") != value:
+                (cpu_folder / "cpu.cfs_quota_us").write_text(value)
+                slot.limits["cpu"] = value
+        pids = folders.get("pids")
+        if pids is not None:
+            value = str(pids_max + 1)  # and the resident helper
+            if slot.limits.get("pids") != value:
+                (pids / "pids.max").write_text(value)
+                slot.limits["pids"] = value
+        if cpu_folder is not None and (_read(cpu_folder / "cpu.shares") or "").strip() != "1024":
+            (cpu_folder / "cpu.shares").write_text("1024")  # an earlier attempt was squeezed
+
+    def _reset(self, slot: Slot) -> None:
+        group = slot.group
+        memory, cpuacct = group.folders.get("memory"), group.folders.get("cpuacct")
+        if memory is not None:
+            (memory / "memory.max_usage_in_bytes").write_text("0")
+            group.oom_base = 0
+            group.oom_base = group.oom_kills()
+        if cpuacct is not None:
+            (cpuacct / "cpuacct.usage").write_text("0")
+            group.cpu_base = 0.0
+
+    def _reclaim(self, slot: Slot) -> None:
+        memory = slot.group.folders.get("memory")
+        if memory is not None:
+            with contextlib.suppress(OSError):
+                (memory / "memory.force_empty").write_text("0")
+
+    def _retire(self, slot: Slot) -> None:
+        slot.helper.close()
+        slot.group.resident = None
+        if not slot.group.remove():
+            self._leftover.append(slot.group)  # its last processes are still exiting
+
+
+def _charged(slot: Slot) -> int:
+    memory = slot.group.folders.get("memory")
+    text = _read(memory / "memory.usage_in_bytes") if memory is not None else None
+    return int(text) if text and text.strip().isdigit() else 0
+
+
+def _set_memory(folder: Path, value: str) -> None:
+    """The memory limit, and the same for memory+swap where the kernel has it (which
+    must never be below it, so the order depends on the direction)."""
+    limit, memsw = folder / "memory.limit_in_bytes", folder / "memory.memsw.limit_in_bytes"
+    try:
+        limit.write_text(value)
+    except OSError:
+        # Above the current memory+swap limit: raise that first.
+        memsw.write_text(value)
+        limit.write_text(value)
+        return
+    with contextlib.suppress(OSError):
+        memsw.write_text(value)

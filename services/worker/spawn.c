@@ -1,0 +1,262 @@
+/* cairn-spawn: the worker agent's resident starter of attempts (a "zygote").
+ *
+ * The agent starts it with posix_spawn, hands it one end of a SOCK_SEQPACKET socket pair
+ * (its number is argv[2]) and, on cgroup v1, the cgroup.procs files it joins once
+ * (argv[3..]): every attempt it starts afterwards is born inside those cgroups, with no
+ * migration. For each request it clones a child whose parent is the agent
+ * (CLONE_PARENT, so the agent waits for it as for any child), optionally straight into
+ * a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the child applies, as root and in
+ * this order: a new session, a private mount namespace with its own /tmp, rlimits, the
+ * attempt's uid and gid with no other groups, no_new_privs, umask 077, its working
+ * directory, stdin /dev/null and stdout/stderr the log, every other descriptor closed;
+ * then it execs the task. The reply says the child's pid and, if it failed before the
+ * exec, at which step and with which errno. End of file on the socket: the agent is
+ * gone, so is this process.
+ *
+ * A request is a list of NUL-terminated fields, each a tag byte and its value:
+ *   x path     the executable          a arg   one argv entry, in order
+ *   e K=V      one environment entry   d dir   the working directory
+ *   u uid      g gid                   r N=V   an rlimit (resource number = value)
+ *   t dir      the private /tmp source T path  a target bound on it (/tmp, /var/tmp)
+ *   s          a fresh /dev/shm        c       the second descriptor is a cgroup2 folder
+ * with the log file's descriptor (and the cgroup folder's) passed along (SCM_RIGHTS).
+ * A request whose first field is "k uid" instead kills every process of that uid.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/sched.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_REQUEST (1 << 20)
+#define MAX_ITEMS 4096
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE };
+
+struct reply { int32_t pid, step, err; };
+
+struct request {
+    char *exe, *dir, *tmp;
+    char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
+    int argc, envc, ntargets, shm, has_cgroup, nlimits;
+    long uid, gid;
+    int limit_which[16];
+    unsigned long long limit_value[16];
+    int log_fd, cgroup_fd;
+};
+
+static char buffer[MAX_REQUEST];
+
+static int parse(char *data, size_t size, struct request *r) {
+    memset(r, 0, sizeof *r);
+    r->uid = r->gid = -1;
+    for (char *p = data; p < data + size; p += strlen(p) + 1) {
+        char tag = p[0], *value = p + 1;
+        switch (tag) {
+        case 'x': r->exe = value; break;
+        case 'd': r->dir = value; break;
+        case 't': r->tmp = value; break;
+        case 's': r->shm = 1; break;
+        case 'c': r->has_cgroup = 1; break;
+        case 'u': r->uid = strtol(value, NULL, 10); break;
+        case 'g': r->gid = strtol(value, NULL, 10); break;
+        case 'a': if (r->argc < MAX_ITEMS - 1) r->argv[r->argc++] = value; else return -1; break;
+        case 'e': if (r->envc < MAX_ITEMS - 1) r->envp[r->envc++] = value; else return -1; break;
+        case 'T': if (r->ntargets < 8) r->targets[r->ntargets++] = value; else return -1; break;
+        case 'r':
+            if (r->nlimits >= 16) return -1;
+            r->limit_which[r->nlimits] = (int)strtol(value, &value, 10);
+            r->limit_value[r->nlimits++] = strtoull(value + 1, NULL, 10);
+            break;
+        default: return -1;
+        }
+    }
+    return r->exe && r->argc > 0 ? 0 : -1;
+}
+
+static void fail(int status_fd, enum step step) {
+    struct reply reply = {0, step, errno};
+    if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
+    _exit(127);
+}
+
+/* In the child: become the attempt, then exec it. Never returns. */
+static void become(struct request *r, int status_fd) {
+    if (setsid() < 0) fail(status_fd, SESSION);
+    if (r->tmp) {
+        if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
+        if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
+        for (int i = 0; i < r->ntargets; i++)
+            if (mount(r->tmp, r->targets[i], NULL, MS_BIND, NULL) < 0) fail(status_fd, MOUNTS);
+        if (r->shm && mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+                            "mode=1777,size=64m") < 0)
+            fail(status_fd, MOUNTS);
+    }
+    for (int i = 0; i < r->nlimits; i++) {
+        struct rlimit limit = {r->limit_value[i], r->limit_value[i]};
+        if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);
+    }
+    if (r->uid >= 0) {
+        if (setgroups(0, NULL) < 0) fail(status_fd, IDENTITY);
+        if (setresgid(r->gid, r->gid, r->gid) < 0) fail(status_fd, IDENTITY);
+        if (setresuid(r->uid, r->uid, r->uid) < 0) fail(status_fd, IDENTITY);
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail(status_fd, PRIVS);
+    umask(077);
+    if (r->dir && chdir(r->dir) < 0) fail(status_fd, WORKDIR);
+    int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null < 0) fail(status_fd, DESCRIPTORS);
+    /* Descriptors 0-2 come from null and the log, the status pipe goes to 3; they are
+     * moved above 3 first so that no dup2 overwrites one still needed. */
+    int log_fd = fcntl(r->log_fd, F_DUPFD_CLOEXEC, 10);
+    int status = fcntl(status_fd, F_DUPFD_CLOEXEC, 10);
+    if (log_fd < 0 || status < 0) fail(status_fd, DESCRIPTORS);
+    status_fd = status;
+    if (dup2(null, 0) < 0 || dup2(log_fd, 1) < 0 || dup2(log_fd, 2) < 0) fail(status_fd, DESCRIPTORS);
+    if (dup3(status_fd, 3, O_CLOEXEC) < 0) fail(status_fd, DESCRIPTORS);
+    status_fd = 3;
+    if (syscall(SYS_close_range, 4, ~0U, 0) < 0) {
+        for (int fd = 4; fd < 65536; fd++) close(fd);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    r->argv[r->argc] = NULL;
+    r->envp[r->envc] = NULL;
+    execve(r->exe, r->argv, r->envp);
+    fail(status_fd, EXEC);
+}
+
+static pid_t start(struct request *r) {
+    if (r->has_cgroup) {
+        struct clone_args args;
+        memset(&args, 0, sizeof args);
+        args.flags = CLONE_PARENT | CLONE_INTO_CGROUP;
+        args.exit_signal = 0; /* with CLONE_PARENT the kernel takes our own exit signal */
+        args.cgroup = (uint64_t)r->cgroup_fd;
+        return (pid_t)syscall(SYS_clone3, &args, sizeof args);
+    }
+    return (pid_t)syscall(SYS_clone, CLONE_PARENT, 0, 0, 0, 0);
+}
+
+static void kill_uid(long uid, struct reply *reply) {
+    /* A child of ours drops to the uid and sends kill -9 -1: the kernel signals exactly
+     * the processes that uid may signal, which are its own. The kernel walks every
+     * process under the lock that fork takes to add one, and a process with SIGKILL
+     * pending cannot fork, so one pass leaves nothing behind; a second costs little. */
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0)
+            _exit(2);
+        for (int round = 0; round < 2; round++)
+            if (kill(-1, SIGKILL) < 0 && errno != ESRCH) _exit(1);
+        _exit(0);
+    }
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) < 0) {
+        reply->err = errno;
+        return;
+    }
+    reply->err = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void join(char **procs, int count) {
+    char pid[32];
+    int length = snprintf(pid, sizeof pid, "%d", getpid());
+    for (int i = 0; i < count; i++) {
+        int fd = open(procs[i], O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, pid, length) != length) {
+            perror(procs[i]);
+            exit(3);
+        }
+        close(fd);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3 || strcmp(argv[1], "zygote") != 0) {
+        fprintf(stderr, "usage: cairn-spawn zygote FD [CGROUP_PROCS...]\n");
+        return 2;
+    }
+    int sock = atoi(argv[2]);
+    fcntl(sock, F_SETFD, FD_CLOEXEC);
+    join(argv + 3, argc - 3);
+    struct reply ready = {getpid(), OK, 0};
+    if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
+    for (;;) {
+        char control[CMSG_SPACE(2 * sizeof(int))];
+        struct iovec iov = {buffer, sizeof buffer - 1};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
+                             .msg_control = control, .msg_controllen = sizeof control};
+        ssize_t size = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+        if (size < 0 && errno == EINTR) continue;
+        if (size <= 0) return 0;
+        buffer[size] = '\0';
+        int fds[2] = {-1, -1}, nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                memcpy(fds, CMSG_DATA(c), (nfds > 2 ? 2 : nfds) * sizeof(int));
+            }
+        }
+        struct reply reply = {0, OK, 0};
+        struct request request;
+        if (buffer[0] == 'k') {
+            kill_uid(strtol(buffer + 1, NULL, 10), &reply);
+        } else if (parse(buffer, (size_t)size, &request) < 0 || fds[0] < 0
+                   || (request.has_cgroup && fds[1] < 0)) {
+            reply.step = CLONE;
+            reply.err = EINVAL;
+        } else {
+            request.log_fd = fds[0];
+            request.cgroup_fd = fds[1];
+            int pipe_fds[2];
+            if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
+                reply.step = CLONE;
+                reply.err = errno;
+            } else {
+                pid_t pid = start(&request);
+                if (pid == 0) {
+                    close(sock);
+                    close(pipe_fds[0]);
+                    become(&request, pipe_fds[1]);
+                }
+                close(pipe_fds[1]);
+                if (pid < 0) {
+                    reply.step = CLONE;
+                    reply.err = errno;
+                } else {
+                    struct reply failed;
+                    ssize_t got;
+                    do got = read(pipe_fds[0], &failed, sizeof failed);
+                    while (got < 0 && errno == EINTR);
+                    reply.pid = pid;
+                    if (got == (ssize_t)sizeof failed) {
+                        reply.step = failed.step;
+                        reply.err = failed.err;
+                    }
+                }
+                close(pipe_fds[0]);
+            }
+        }
+        for (int i = 0; i < nfds && i < 2; i++) close(fds[i]);
+        if (send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0) return 1;
+    }
+}

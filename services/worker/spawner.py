@@ -1,0 +1,307 @@
+"""Starting attempts without forking the agent: ``cairn-spawn`` (``spawn.c``), a small C
+process started once with ``posix_spawn``, forks each attempt on request.
+
+The agent is a large Python process; forking it for every attempt (``subprocess`` with
+``preexec_fn``) copies its page tables and runs Python between fork and exec. The helper
+is 18 KB of C: its fork is cheap, and it applies the sandbox (session, private mount
+namespace, rlimits, uid and gid, no_new_privs, umask, working directory, descriptors)
+itself before it execs the task. Its children are the agent's (``CLONE_PARENT``), so the
+agent waits for them with ``wait4`` as before and reads their rusage. On cgroup v1 a
+helper lives inside each pooled cgroup (it joined it once), so an attempt it starts is born
+there: no ``cgroup.procs`` write per attempt (``cgpool``). On cgroup v2 one helper starts
+every attempt straight into its cgroup (``clone3`` with ``CLONE_INTO_CGROUP``).
+
+The helper is compiled from ``spawn.c`` with the host's C compiler, once per source
+version, into the package's ``_bin`` folder (``make install`` does it) or, when that is not
+writable, the agent's home; without a compiler the agent starts attempts with
+``preexec_fn`` as before. It is run only when it and its folder belong to the agent's user
+and nobody else may write them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("cairn.worker.spawner")
+
+SOURCE = Path(__file__).with_name("spawn.c")
+_REPLY = struct.Struct("=iii")
+_STEPS = {
+    1: "new session",
+    2: "private mounts",
+    3: "rlimits",
+    4: "uid and gid",
+    5: "no_new_privs",
+    6: "working directory",
+    7: "descriptors",
+    8: "exec",
+    9: "clone",
+}
+EXEC_STEP = 8
+
+
+class SpawnFailed(Exception):
+    """The helper could not start the attempt; ``step`` says where, ``errno`` why."""
+
+    def __init__(self, step: int, errno: int, pid: int = 0) -> None:
+        self.step = step
+        self.errno = errno
+        self.pid = pid
+        what = _STEPS.get(step, f"step {step}")
+        super().__init__(f"{what}: {os.strerror(errno) if errno > 0 else 'refused'}")
+
+
+class HelperGone(Exception):
+    """The helper process exited (killed, or it could not join its cgroups)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt, as the helper reads it."""
+
+    executable: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    workdir: str
+    uid: int | None = None
+    gid: int | None = None
+    rlimits: Sequence[tuple[int, int]] = ()
+    private_tmp: str | None = None
+    tmp_targets: Sequence[str] = ()
+    shm: bool = False
+
+    def encode(self, with_cgroup: bool) -> bytes:
+        fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
+        fields += [f"e{k}={v}" for k, v in self.env.items()]
+        fields.append(f"d{self.workdir}")
+        if self.uid is not None and self.gid is not None:
+            fields += [f"u{self.uid}", f"g{self.gid}"]
+        fields += [f"r{which}={value}" for which, value in self.rlimits]
+        if self.private_tmp is not None:
+            fields.append(f"t{self.private_tmp}")
+            fields += [f"T{target}" for target in self.tmp_targets]
+            if self.shm:
+                fields.append("s")
+        if with_cgroup:
+            fields.append("c")
+        if any("\0" in f for f in fields):
+            raise ValueError("an argument or environment entry holds a NUL byte")
+        return b"".join(f.encode() + b"\0" for f in fields)
+
+
+class Helper:
+    """One resident ``cairn-spawn`` process (started with ``posix_spawn``), serving one
+    request at a time; ``join`` names the cgroup.procs files it enters once at start."""
+
+    def __init__(self, binary: Path, join: Sequence[str] = ()) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 21)
+        try:
+            os.set_inheritable(theirs.fileno(), True)
+            self.pid = os.posix_spawn(
+                binary,
+                [str(binary), "zygote", str(theirs.fileno()), *join],
+                {},
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
+                ],
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
+                setsigmask=(),
+            )
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._lock = asyncio.Lock()
+        self._ready = False
+        self.gone = False
+
+    async def _recv(self) -> tuple[int, int, int]:
+        loop = asyncio.get_running_loop()
+        data = await loop.sock_recv(self._sock, _REPLY.size)
+        if len(data) != _REPLY.size:
+            self._lost()
+        pid, step, errno = _REPLY.unpack(data)
+        return pid, step, errno
+
+    def _lost(self) -> None:
+        self.close()
+        raise HelperGone(f"the spawn helper (pid {self.pid}) is gone")
+
+    async def ready(self) -> None:
+        """Wait for its start (and its move into the cgroups); raises ``HelperGone``."""
+        if self._ready:
+            return
+        self._sock.setblocking(False)
+        async with self._lock:
+            if not self._ready:
+                await self._recv()
+                self._ready = True
+
+    async def spawn(self, launch: Launch, log_fd: int, cgroup_fd: int | None = None) -> int:
+        """The started attempt's pid (a child of this process); ``SpawnFailed`` if it
+        failed before its exec (then already reaped), ``HelperGone`` if the helper died."""
+        await self.ready()
+        request = launch.encode(cgroup_fd is not None)
+        fds = [log_fd] if cgroup_fd is None else [log_fd, cgroup_fd]
+        async with self._lock:
+            if self.gone:
+                raise HelperGone("the spawn helper is gone")
+            try:
+                socket.send_fds(self._sock, [request], fds)
+            except OSError:
+                self._lost()
+            pid, step, errno = await self._recv()
+        if step:
+            if pid > 0:
+                _reap_quietly(pid)
+            raise SpawnFailed(step, errno, pid)
+        return pid
+
+    async def kill_uid(self, uid: int) -> None:
+        """SIGKILL every process of ``uid`` (a child of the helper sends ``kill -9 -1``
+        as that uid)."""
+        await self.ready()
+        async with self._lock:
+            if self.gone:
+                raise HelperGone("the spawn helper is gone")
+            try:
+                self._sock.send(f"k{uid}".encode())
+            except OSError:
+                self._lost()
+            await self._recv()
+
+    def alive(self) -> bool:
+        """Whether the helper still runs (not closed, not exited, not a zombie)."""
+        if self.gone:
+            return False
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+    def close(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        self._sock.close()  # end of file: the helper exits
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        _reap_later(self.pid)
+
+
+def _reap_quietly(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def _reap_later(pid: int) -> None:
+    """Reap an exiting helper when it is gone, without blocking (a pidfd on the loop)."""
+    try:
+        loop = asyncio.get_running_loop()
+        pidfd = os.pidfd_open(pid)
+    except (RuntimeError, OSError):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        return
+
+    def readable() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+    loop.add_reader(pidfd, readable)
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` belongs to us, is no link, and nobody else may change it."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return (
+        info.st_uid == os.geteuid() and not info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode)
+    )
+
+
+def _safe(path: Path) -> bool:
+    """Whether ``path`` and its folder belong to us and nobody else may change them."""
+    return _ours(path) and _ours(path.parent)
+
+
+def _source_tag() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def build(folders: Sequence[Path]) -> Path | None:
+    """The compiled helper for this source version, compiled into the first folder of
+    ``folders`` that can hold it; None without a C compiler, without the source (an
+    install that did not ship it), or with nowhere safe to put it."""
+    try:
+        tag = _source_tag()
+    except OSError:
+        return None
+    for folder in folders:
+        binary = folder / f"cairn-spawn-{tag}"
+        if binary.exists():
+            if _safe(binary):
+                return binary
+            continue
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+        except OSError:
+            continue
+        if not os.access(folder, os.W_OK) or not _ours(folder):
+            continue
+        binary = folder / f"cairn-spawn-{tag}"
+        partial = folder / f".cairn-spawn-{tag}.{os.getpid()}"
+        try:
+            subprocess.run(  # noqa: S603 - the host's compiler on our own source
+                [compiler, "-O2", "-o", str(partial), str(SOURCE)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            partial.chmod(0o755)
+            os.replace(partial, binary)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("cannot compile the spawn helper into %s: %s", folder, exc)
+            partial.unlink(missing_ok=True)
+            continue
+        return binary
+    return None
+
+
+def default_folders(home: Path) -> list[Path]:
+    """Where the helper is looked for and built: beside this module, then ``home``/bin."""
+    return [Path(__file__).with_name("_bin"), home / "bin"]
+
+
+def main() -> None:
+    """``python -m services.worker.spawner``: compile the helper (``make install``)."""
+    binary = build(default_folders(Path.home() / ".cairn")[:1])
+    sys.stdout.write(f"{binary or 'no C compiler: attempts start with preexec_fn'}\n")
+
+
+if __name__ == "__main__":
+    main()

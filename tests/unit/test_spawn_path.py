@@ -1,0 +1,328 @@
+"""The fast attempt start (``services.worker.spawner`` and ``cgpool``) through the agent's
+own ``Host``, as root: the resident helper applies the same sandbox as ``preexec_fn``,
+an attempt lands in its cgroup with its limits, and a pooled cgroup never hands a
+previous attempt's processes, counters or files to the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libs.common.models import Artifact, Assignment, Resources
+from services.worker import spawner
+from services.worker.artifacts import ArtifactCache
+from services.worker.executor import AttemptResult, start_attempt
+from services.worker.host import Host, Prepared
+from services.worker.settings import WorkerSettings
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own as root"),
+]
+
+SH = Path("/bin/sh")
+SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
+SECRET = "cairn_token_that_no_attempt_may_see"
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    # The attempts' uids must pass through every parent of the run folder.
+    folder = Path(tempfile.mkdtemp(prefix="cairn-spawn-test-", dir="/var/tmp"))
+    folder.chmod(0o711)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def _host(root: Path, **settings: Any) -> Host:
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 29000 + 100 * (index % 9)
+    values: dict[str, Any] = {
+        "home": root / "home",
+        "worker_isolation": "user",
+        "worker_run_dir": root / "run",
+        "worker_uid_locks": root / "uids",
+        "worker_uids": f"{first}-{first + 99}",
+        "worker_pids_max": 32,
+        "worker_slots": 2,
+    } | settings
+    host = Host(WorkerSettings(**values), root / "home" / "logs")
+    host.start()
+    if host.helper is None:
+        pytest.skip("no C compiler for the spawn helper")
+    return host
+
+
+def _assignment(attempt_id: int, script: str, memory_mb: int = 64) -> Assignment:
+    return Assignment(
+        attempt_id=attempt_id,
+        attempt_number=1,
+        task_id=attempt_id,
+        kind="task",
+        artifact=Artifact(uri=f"file://{SH}", sha256=SH_SHA),
+        args=["-c", script],
+        env={},
+        input_path=None,
+        output_path=None,
+        resources=Resources(cpu=0.5, memory_mb=memory_mb),
+        timeout_s=30,
+    )
+
+
+async def _attempt(
+    host: Host, attempt_id: int, script: str, memory_mb: int = 64
+) -> tuple[Prepared, AttemptResult]:
+    cache = ArtifactCache(host.settings.home / "artifacts")
+    prepared = await host.prepare(_assignment(attempt_id, script, memory_mb), cache)
+    assert prepared.spec.helper is not None  # the fast path, not preexec_fn
+    handle = await start_attempt(prepared.spec)
+    result = await handle.wait()
+    await host.stop_leftovers(prepared)
+    return prepared, result
+
+
+def test_a_hostile_attempt_started_by_the_helper_cannot_read_the_token(root: Path) -> None:
+    os.environ["CAIRN_TEST_SECRET"] = SECRET
+    try:
+        host = _host(root)
+        assert host.helper is not None
+        helper_pid = host.helper.pid
+        token = root / "home" / "token"
+        token.write_text(SECRET)
+        token.chmod(0o600)
+        script = (
+            f"cat /proc/{os.getpid()}/environ; echo agent=$?; "
+            f"cat /proc/{helper_pid}/environ; echo helper=$?; "
+            f"cat {token}; echo file=$?; ls /proc/self/fd | tr '\\n' ' '; echo; env; id -u"
+        )
+
+        async def scenario() -> tuple[AttemptResult, bytes]:
+            try:
+                prepared, result = await _attempt(host, 1, script)
+                await host.release(prepared)
+                return result, Path(f"/proc/{helper_pid}/environ").read_bytes()
+            finally:
+                await host.close()
+
+        result, helper_environ = asyncio.run(scenario())
+    finally:
+        os.environ.pop("CAIRN_TEST_SECRET")
+    log = result.log_tail
+    assert result.outcome == "succeeded", log
+    assert "agent=1" in log and "helper=1" in log and "file=1" in log, log
+    assert SECRET not in log, log
+    # Only stdin, stdout and stderr reach the task (ls adds its own descriptor for the folder).
+    assert "0 1 2 3 \n" in log, log
+    assert int(log.strip().splitlines()[-1]) != 0
+    assert helper_environ == b""  # the helper was given no environment at all
+
+
+def test_an_attempt_is_born_in_its_pooled_cgroup_with_its_limits(root: Path) -> None:
+    host = _host(root)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+
+    async def scenario() -> list[tuple[Prepared, AttemptResult, dict[str, str]]]:
+        seen = []
+        try:
+            for attempt_id, memory_mb in ((1, 64), (2, 96)):
+                prepared, result = await _attempt(
+                    host, attempt_id, "cat /proc/self/cgroup", memory_mb
+                )
+                assert prepared.cgroup is not None
+                limits = {
+                    name: (folder / file).read_text().strip()
+                    for name, folder in prepared.cgroup.folders.items()
+                    for file in ("memory.limit_in_bytes", "cpu.cfs_quota_us", "pids.max")
+                    if (folder / file).exists()
+                }
+                seen.append((prepared, result, limits))
+                await host.release(prepared)
+        finally:
+            await host.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    (first, one, limits_one), (second, _, limits_two) = seen
+    assert first.slot is second.slot is not None  # reused, not made again
+    assert first.cgroup is not None
+    for controller, folder in first.cgroup.folders.items():
+        relative = "/" + str(folder.relative_to(Path("/sys/fs/cgroup") / controller)).lstrip("/")
+        assert f":{controller}:{relative}\n" in one.log_tail, one.log_tail
+    assert limits_one["memory"] == str(64 * 2**20) and limits_two["memory"] == str(96 * 2**20)
+    assert limits_one["cpu"] == "50000" and limits_one["pids"] == "33"  # 32 and the helper
+    assert not any(folder.exists() for folder in first.cgroup.folders.values())  # closed
+
+
+def test_the_pool_hands_no_process_file_or_counter_to_the_next_attempt(root: Path) -> None:
+    host = _host(root)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+    hog = "python3 -c \"b = bytearray(48 * 2**20); b[::4096] = b'x' * len(b[::4096])\""
+    first_script = (
+        f"{hog}; echo left > /tmp/left-behind; setsid sleep 300 & echo $! > $HOME/pid; "
+        "python3 -c 'import time; time.sleep(0.2)'"
+    )
+    second_script = "ls /tmp; cat /proc/self/cgroup >/dev/null; echo second"
+
+    async def scenario() -> tuple[Prepared, AttemptResult, Prepared, AttemptResult, int]:
+        try:
+            first, one = await _attempt(host, 1, first_script, memory_mb=128)
+            stray = int((first.folders.home / "pid").read_text())
+            await host.release(first)
+            second, two = await _attempt(host, 2, second_script, memory_mb=128)
+            assert second.slot is first.slot
+            await host.release(second)
+            return first, one, second, two, stray
+        finally:
+            await host.close()
+
+    _, one, _, two, stray = asyncio.run(scenario())
+    assert one.outcome == two.outcome == "succeeded", (one, two)
+    assert one.peak_memory_mb is not None and one.peak_memory_mb >= 48
+    assert two.peak_memory_mb is not None and two.peak_memory_mb < 24, two
+    assert two.cpu_seconds is not None and two.cpu_seconds < (one.cpu_seconds or 0)
+    assert "left-behind" not in two.log_tail and "second" in two.log_tail
+    assert _gone(stray)
+
+
+def test_the_uid_is_cleaned_up_by_the_helper_without_a_cgroup(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.worker import cgroups
+    from services.worker import host as host_module
+
+    monkeypatch.setattr(cgroups.Cgroups, "detect", classmethod(lambda cls: (None, "off")))
+    monkeypatch.setattr(
+        host_module, "kill_every_process_of", lambda identity: pytest.fail("spawned a shell")
+    )
+    host = _host(root)
+    assert host.slots is None and host.cgroups is None
+    script = "setsid sleep 300 & echo $! > $HOME/pid"
+
+    async def scenario() -> int:
+        try:
+            prepared, result = await _attempt(host, 1, script)
+            assert result.outcome == "succeeded"
+            stray = int((prepared.folders.home / "pid").read_text())
+            await host.release(prepared)
+            return stray
+        finally:
+            await host.close()
+
+    stray = asyncio.run(scenario())
+    assert _gone(stray)
+
+
+def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
+    """cgroup v2 with no controllers still shows where a process is: the helper's
+    ``CLONE_INTO_CGROUP`` puts the child into the folder it is given."""
+    mount = _cgroup2_mount()
+    if mount is None:
+        pytest.skip("no writable cgroup2 mount")
+    binary = spawner.build(spawner.default_folders(tmp_path))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    own = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n")[0]
+    folder = mount / own.lstrip("/") / f"cairn-test-{os.getpid()}"
+    folder.mkdir()
+    log_path = tmp_path / "log"
+
+    async def scenario() -> int:
+        helper = spawner.Helper(binary)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT, 0o600)
+        into = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            launch = spawner.Launch("/bin/cat", ["cat", "/proc/self/cgroup"], {}, str(tmp_path))
+            pid = await helper.spawn(launch, log, into)
+            _, status = os.waitpid(pid, 0)  # our own child, not the helper's
+            return status
+        finally:
+            os.close(log)
+            os.close(into)
+            helper.close()
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        folder.rmdir()
+    relative = "/" + str(folder.relative_to(mount))
+    assert f"0::{relative}\n" in log_path.read_text()
+
+
+def test_a_child_that_cannot_exec_is_reported_and_reaped(tmp_path: Path) -> None:
+    binary = spawner.build(spawner.default_folders(tmp_path))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def scenario() -> spawner.SpawnFailed:
+        helper = spawner.Helper(binary)
+        log = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            launch = spawner.Launch(str(tmp_path / "missing"), ["missing"], {}, str(tmp_path))
+            with pytest.raises(spawner.SpawnFailed) as failed:
+                await helper.spawn(launch, log)
+            return failed.value
+        finally:
+            os.close(log)
+            helper.close()
+
+    failure = asyncio.run(scenario())
+    assert failure.step == spawner.EXEC_STEP and "No such file" in str(failure)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(failure.pid, os.WNOHANG)  # already reaped
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """The process dies: no such process, or only a zombie waiting for its new parent.
+    (On a loaded machine a killed process may wait a while for the CPU to die on.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        if stat.rpartition(")")[2].split()[0] == "Z":
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _cgroup2_mount() -> Path | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.startswith("cgroup2 "):
+            point = Path(left.split(" ")[4])
+            return point if os.access(point, os.W_OK) else None
+    return None
+
+
+def test_a_helper_killed_between_attempts_is_replaced(root: Path) -> None:
+    host = _host(root)
+
+    async def scenario() -> tuple[AttemptResult, int, int]:
+        try:
+            first, _ = await _attempt(host, 1, "true")
+            await host.release(first)
+            killed = first.slot.helper.pid if first.slot else host.helper.pid  # type: ignore[union-attr]
+            os.kill(killed, 9)  # as the sidecar does to a cut-off worker's cgroups
+            await asyncio.sleep(0.05)
+            second, result = await _attempt(host, 2, "echo still-works")
+            await host.release(second)
+            started_by = second.slot.helper.pid if second.slot else host.helper.pid  # type: ignore[union-attr]
+            return result, killed, started_by
+        finally:
+            await host.close()
+
+    result, killed, started_by = asyncio.run(scenario())
+    assert result.outcome == "succeeded" and "still-works" in result.log_tail
+    assert started_by != killed
