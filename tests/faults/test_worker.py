@@ -163,6 +163,32 @@ def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, wor
     assert rows == [("lost", "w1"), ("succeeded", "w2")]
 
 
+def test_an_agent_killed_and_left_a_zombie_still_has_its_attempts_stopped(
+    core, workers, tmp_path, db
+):
+    # Its parent does not reap it (a supervisor that is slow to, or this test): kill(pid,
+    # 0) still finds a zombie, so the sidecar must know the agent is gone by other means.
+    first = start_worker(core, tmp_path / "w1", workers, "w1")
+    pidfile = shared_dir() / "pid"
+    with core.client() as alice:
+        script = f"[ -e {pidfile} ] || echo $$ > {pidfile}; sleep 3"
+        task = alice.post("/v1/tasks", json=shell(script)).json()
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
+        orphan = int(pidfile.read_text())
+        first.send_signal(signal.SIGKILL)
+        wait_for(lambda: "Z" in Path(f"/proc/{first.pid}/stat").read_text().split()[2])
+        wait_for(lambda: not _alive(orphan), timeout=10)
+        wait_for(
+            lambda: db.execute("SELECT state FROM core.workers").fetchone() == ("left",),
+            timeout=10,
+        )
+        assert Path(f"/proc/{first.pid}").exists()  # still unreaped: it was the zombie
+        start_worker(core, tmp_path / "w2", workers, "w2")
+        wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=60)
+    rows = db.execute("SELECT outcome FROM core.attempts ORDER BY id").fetchall()
+    assert rows == [("lost",), ("succeeded",)]
+
+
 def test_a_killed_process_is_retried_while_its_agent_lives(core, workers, tmp_path, db):
     start_worker(core, tmp_path / "w1", workers)
     flag = shared_dir() / "second-time"
