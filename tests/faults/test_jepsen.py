@@ -30,6 +30,8 @@ import pytest
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from services.core import migrate
+from services.cron import migrate as cron_migrate
+from services.dag import migrate as dag_migrate
 from tests.support import (
     free_port,
     make_token,
@@ -152,7 +154,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(prefix="cairn-jepsen-"))
     pg = EmbeddedPostgres(root / "pg", fast=True)  # restarted cleanly: nothing to lose
     pg.start()
-    migrate.upgrade(pg.url)
+    for upgrade in (migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade):
+        upgrade(pg.url)
     ports = [free_port(), free_port()]
     proxy = Proxy(ports)
     made = Cluster(pg, pg.url, tmp_path, ports, [], proxy)
