@@ -5,7 +5,7 @@ was released or succeeded twice, and every slot of the schedule fired exactly on
 misfire policy, ``catch_up``, keeps every late slot, so none may be missing).
 
 The cron service runs on a fast clock (``CAIRN_CRON_CLOCK_WARP``) that starts in the past
-and reaches the present only after the test: a virtual minute every six seconds, each
+and reaches the present only after the test: a virtual minute every three seconds, each
 slot's task due at once."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _more(cluster: Cluster, query: str, by: int, timeout: float = 120) -> None:
 
 def _services(cluster: Cluster, tmp_path: Path) -> tuple[Any, Any, str, str]:
     token = make_token(cluster.url, "flows", "service")
-    virtual_start = datetime.now(UTC) - timedelta(minutes=30)
+    virtual_start = datetime.now(UTC) - timedelta(minutes=60)
     common = {
         "CAIRN_URL": cluster.core_url,
         "CAIRN_TOKEN": token,
