@@ -47,7 +47,9 @@ def workers(core: Core, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]
         stop_process(proc, signal.SIGKILL)
 
 
-def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subprocess.Popen[bytes]:
+def start_worker(
+    core: Core, home: Path, started: list, name: str = "w", **extra: str
+) -> subprocess.Popen[bytes]:
     token = make_token(core.db_url, name, "worker")
     env = {
         **os.environ,
@@ -60,6 +62,7 @@ def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subp
         "CAIRN_WORKER_LABELS": "zone=a, disk=ssd",
         "CAIRN_LOG_LEVEL": "warning",
         **isolation_env(),
+        **extra,
     }
     proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
     started.append(proc)

@@ -3,8 +3,8 @@ core re-placed and registers again, instead of exiting and taking its host out."
 
 from __future__ import annotations
 
+import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.faults import test_worker as base
 from tests.faults.test_worker import shell, start_worker
-from tests.support import Core, shared_dir, start_core, wait_for
+from tests.support import Core, shared_dir, wait_for
 
 pytestmark = pytest.mark.slow
 core = base.core
@@ -59,26 +59,29 @@ def test_an_agent_told_it_is_dead_kills_its_attempts_and_registers_again(
     assert not marker.exists()  # the abandoned attempt's process was killed
 
 
-@pytest.fixture
-def brisk_core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    # A heartbeat timeout shorter than a fresh interpreter's start (the sidecar's imports
-    # alone take about that long on an idle host, several seconds on a loaded one).
-    server = start_core(
-        db_url, tmp_path / "core", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0
-    )
-    yield server
-    server.stop()
+SLOW_SIDECAR = """
+import sys, time
+if "services.worker.sidecar" in sys.orig_argv:
+    time.sleep(3 * {timeout})  # a sidecar that starts slower than the heartbeat timeout
+"""
 
 
 def test_a_worker_is_not_declared_dead_while_its_sidecar_starts(
-    brisk_core: Core,
+    core: Core,
     db: DB,
     tmp_path: Path,
     workers: list[subprocess.Popen[bytes]],
 ) -> None:
-    start_worker(brisk_core, tmp_path / "w", workers)
-    with brisk_core.client("alice") as alice:
-        task = alice.post("/v1/tasks", json=shell("sleep 1")).json()
+    # A fresh interpreter's imports alone took 5 to 9 s on a loaded host; here the sidecar
+    # is made to start in three heartbeat timeouts, whatever the host's load.
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_SIDECAR.format(timeout=base.TIMEOUT_S))
+    path = os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH")) if p)
+    start_worker(core, tmp_path / "w", workers, PYTHONPATH=path)
+    with core.client("alice") as alice:
+        # It runs past the timeout, before the sidecar's first beat.
+        task = alice.post("/v1/tasks", json=shell(f"sleep {2 * base.TIMEOUT_S}")).json()
         wait_for(
             lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded",
             timeout=60,
