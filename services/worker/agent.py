@@ -14,6 +14,8 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -92,6 +94,7 @@ class Agent:
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
+        self.bridge: asyncio.Task[None] | None = None
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
@@ -141,7 +144,7 @@ class Agent:
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._publish()
         self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
-        self.sidecar = self._start_sidecar(*self._beat)
+        self._launch_sidecar()
         logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
 
@@ -188,9 +191,35 @@ class Agent:
     def _keep_sidecar(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is not None:
             log.warning("the sidecar exited (%s); starting it again", self.sidecar.returncode)
-            self.sidecar = self._start_sidecar(*self._beat)
+            self._launch_sidecar()
+
+    def _launch_sidecar(self) -> None:
+        """Start the sidecar, and beat in its place until it has beaten once."""
+        (self.folder / state.ANSWER).unlink(missing_ok=True)
+        self.sidecar = self._start_sidecar(*self._beat)
+        if self.bridge is not None:
+            self.bridge.cancel()
+        self.bridge = asyncio.create_task(self._bridge(self.worker_id, self.folder))
+
+    async def _bridge(self, worker_id: int, folder: Path) -> None:
+        """Heartbeat for the worker while its sidecar starts: a fresh interpreter can take
+        longer than the heartbeat timeout on a loaded host, and a worker silent that long
+        is declared dead, and once registered again, dead again. Ends at the sidecar's
+        first answer (or when the agent joins afresh)."""
+        while self.worker_id == worker_id and not (folder / state.ANSWER).exists():
+            alive = sorted({*self.running, *self.starting})
+            try:
+                answer = await self.client.heartbeat(worker_id, alive)
+            except (httpx.TransportError, CairnError) as exc:
+                log.warning("heartbeat while the sidecar starts failed: %s", exc)
+            else:
+                if self.worker_id == worker_id:
+                    self._obey(answer.model_dump())
+            await asyncio.sleep(self._beat[0])
 
     async def _stop_sidecar(self) -> None:
+        if self.bridge is not None:
+            self.bridge.cancel()
         if self.sidecar is not None and self.sidecar.poll() is None:
             self.sidecar.terminate()
             await asyncio.to_thread(self.sidecar.wait, 10)
@@ -249,7 +278,9 @@ class Agent:
     # --- what core says through the sidecar ---
 
     def _obey_core(self) -> None:
-        answer = state.read(self.folder / state.ANSWER)
+        self._obey(state.read(self.folder / state.ANSWER))
+
+    def _obey(self, answer: dict[str, Any]) -> None:
         if answer.get("state") == "dead":
             self.dead = True
         elif answer.get("state") in ("draining", "left"):

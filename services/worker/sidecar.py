@@ -54,7 +54,7 @@ async def beat_forever(
         shared = state.read(folder / state.ATTEMPTS)
         agent = int(shared.get("agent_pid", 0))
         attempts: dict[str, int] = shared.get("attempts", {})
-        if not agent or not state.alive(agent):
+        if _agent_gone(agent, gone):
             log.warning(
                 "the agent (pid %s) is gone; stopping its attempts and the heartbeat", agent
             )
@@ -74,6 +74,13 @@ async def beat_forever(
                 _orphans_killed(shared)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gone.wait(), interval_s)
+
+
+def _agent_gone(agent: int, gone: asyncio.Event) -> bool:
+    """Whether the agent (this process's parent) has exited. A SIGKILLed agent stays a
+    zombie until its own parent reaps it, and ``kill(pid, 0)`` still finds a zombie:
+    its pidfd, or this process being reparented, says it is gone."""
+    return not agent or gone.is_set() or os.getppid() != agent or not state.alive(agent)
 
 
 def _watch(agent_pid: int) -> asyncio.Event:

@@ -47,7 +47,9 @@ def workers(core: Core, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]
         stop_process(proc, signal.SIGKILL)
 
 
-def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subprocess.Popen[bytes]:
+def start_worker(
+    core: Core, home: Path, started: list, name: str = "w", **extra: str
+) -> subprocess.Popen[bytes]:
     token = make_token(core.db_url, name, "worker")
     env = {
         **os.environ,
@@ -60,6 +62,7 @@ def start_worker(core: Core, home: Path, started: list, name: str = "w") -> subp
         "CAIRN_WORKER_LABELS": "zone=a, disk=ssd",
         "CAIRN_LOG_LEVEL": "warning",
         **isolation_env(),
+        **extra,
     }
     proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
     started.append(proc)
@@ -161,6 +164,32 @@ def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, wor
         " ORDER BY a.id"
     ).fetchall()
     assert rows == [("lost", "w1"), ("succeeded", "w2")]
+
+
+def test_an_agent_killed_and_left_a_zombie_still_has_its_attempts_stopped(
+    core, workers, tmp_path, db
+):
+    # Its parent does not reap it (a supervisor that is slow to, or this test): kill(pid,
+    # 0) still finds a zombie, so the sidecar must know the agent is gone by other means.
+    first = start_worker(core, tmp_path / "w1", workers, "w1")
+    pidfile = shared_dir() / "pid"
+    with core.client() as alice:
+        script = f"[ -e {pidfile} ] || echo $$ > {pidfile}; sleep 3"
+        task = alice.post("/v1/tasks", json=shell(script)).json()
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
+        orphan = int(pidfile.read_text())
+        first.send_signal(signal.SIGKILL)
+        wait_for(lambda: "Z" in Path(f"/proc/{first.pid}/stat").read_text().split()[2])
+        wait_for(lambda: not _alive(orphan), timeout=10)
+        wait_for(
+            lambda: db.execute("SELECT state FROM core.workers").fetchone() == ("left",),
+            timeout=10,
+        )
+        assert Path(f"/proc/{first.pid}").exists()  # still unreaped: it was the zombie
+        start_worker(core, tmp_path / "w2", workers, "w2")
+        wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=60)
+    rows = db.execute("SELECT outcome FROM core.attempts ORDER BY id").fetchall()
+    assert rows == [("lost",), ("succeeded",)]
 
 
 def test_a_killed_process_is_retried_while_its_agent_lives(core, workers, tmp_path, db):
