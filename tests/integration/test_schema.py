@@ -28,9 +28,9 @@ SERVICES = [
         core_tables.SCHEMA, core_tables.metadata, core_migrate, "0004_teams2", id="core"
     ),
     pytest.param(
-        cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0002_faults", id="cron"
+        cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0003_teams", id="cron"
     ),
-    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0002_faults", id="dag"),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0003_teams", id="dag"),
 ]
 
 
