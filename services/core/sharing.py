@@ -264,9 +264,7 @@ class Book:
         if refused is not None:
             raise Forbidden(f"{refused.field}: {refused.detail}", field=refused.field)
 
-    def limits_submissions(
-        self, owners: Iterable[str], teams: Iterable[str | None] = ()
-    ) -> bool:
+    def limits_submissions(self, owners: Iterable[str], teams: Iterable[str | None] = ()) -> bool:
         return any(owner in self.quotas for owner in owners) or any(
             team in self.team_quotas for team in teams if team is not None
         )

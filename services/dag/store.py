@@ -12,13 +12,13 @@ import orjson
 from sqlalchemy import Row, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common.auth import Visibility
 from libs.common.dag_models import (
     NodeState,
     Run,
     RunState,
     WorkflowCreate,
 )
-from libs.common.auth import Visibility
 from libs.common.errors import Conflict, NotFound
 
 RUN_COLUMNS = (
@@ -27,10 +27,7 @@ RUN_COLUMNS = (
 )
 
 # Who may see a run: any (owner NULL), or its owner and the members of the team owning it.
-_VISIBLE = (
-    "(CAST(:owner AS text) IS NULL OR owner = :owner"
-    " OR team = ANY(CAST(:teams AS text[])))"
-)
+_VISIBLE = "(CAST(:owner AS text) IS NULL OR owner = :owner OR team = ANY(CAST(:teams AS text[])))"
 
 
 def _who(who: Visibility | None) -> dict[str, Any]:
