@@ -161,3 +161,27 @@ def test_members_retry_and_cancel_their_teams_tasks_in_bulk(core: Core, db) -> N
         ("bob", "task.bulk.cancel", "team:sre"),
         ("bob", "task.bulk.retry", "team:sre"),
     ]
+
+
+def test_cairn_quota_sets_and_shows_a_teams_quota(core: Core, monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from cairn.cli import app
+
+    _team(core, "sre", "alice")
+    with core.client("root", "admin"), core.client("alice"):
+        pass  # their tokens
+    monkeypatch.setenv("CAIRN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CAIRN_CONFIG", str(tmp_path / "none.toml"))
+    monkeypatch.setenv("CAIRN_URL", core.url)
+    monkeypatch.setenv("CAIRN_TOKEN", core.tokens["root"])
+    runner = CliRunner()
+    result = runner.invoke(app, ["quota", "--team", "sre", "--running", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"max_running": 2' in result.output and '"kind": "team"' in result.output
+    monkeypatch.setenv("CAIRN_TOKEN", core.tokens["alice"])
+    shown = runner.invoke(app, ["quota", "--team", "sre"])
+    assert shown.exit_code == 0, shown.output
+    assert "sre (team)" in shown.output and "0/2" in shown.output
+    refused = runner.invoke(app, ["quota", "--team", "sre", "--running", "5"])
+    assert refused.exit_code != 0
