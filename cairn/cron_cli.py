@@ -63,6 +63,9 @@ def add(
         int, typer.Option(help="start each fire's task 0..N s after its slot (fixed per schedule)")
     ] = 0,
     paused: Annotated[bool, typer.Option()] = False,
+    team: Annotated[
+        str | None, typer.Option(help="a team of yours: its members see and act on it")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Register a schedule that submits a task or starts a workflow run."""
@@ -91,6 +94,7 @@ def add(
             "overlap_policy": overlap,
             "jitter_s": jitter,
             "paused": paused,
+            **({"team": team} if team else {}),
         },
         "the schedule",
     )

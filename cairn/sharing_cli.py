@@ -1,4 +1,5 @@
-"""Sharing from the command line: ``cairn quota`` (an owner's share, use and quotas)."""
+"""Sharing from the command line: ``cairn quota`` (an owner's or a team's share, use and
+quotas)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _limit(used: float, most: float | None) -> str:
 def _quota_row(r: Any) -> list[Any]:
     q = r.quota
     return [
-        r.name,
+        f"{r.name} (team)" if r.kind == "team" else r.name,
         f"{r.weight:g}",
         f"{r.share:.1%}",
         _limit(r.running.attempts, q.max_running),
@@ -35,6 +36,7 @@ def register(app: typer.Typer) -> None:
     def quota(
         ctx: typer.Context,
         name: Annotated[str | None, typer.Argument(help="owner (default: you)")] = None,
+        team: Annotated[str | None, typer.Option(help="a team's instead (members, admins)")] = None,
         top: Annotated[int, typer.Option(help="list the owners with most work")] = 0,
         weight: Annotated[float | None, typer.Option(help="set (admin)")] = None,
         cpu: Annotated[float | None, typer.Option(help="set max running CPU (admin)")] = None,
@@ -44,7 +46,8 @@ def register(app: typer.Typer) -> None:
         per_minute: Annotated[int | None, typer.Option(help="set max submits a minute")] = None,
         as_json: JsonFlag = False,
     ) -> None:
-        """An owner's share, use and quotas; with options, set them (admin)."""
+        """An owner's (or with --team, a team's) share, use and quotas; with options, set
+        them (admin). A team's quotas bound the sum over the tasks it owns."""
         from libs.common.models import ShareSettings
 
         c = ctx_of(ctx)
@@ -62,6 +65,10 @@ def register(app: typer.Typer) -> None:
             async with c.core() as core:
                 if top:
                     return await core.top_owners(top)
+                if team is not None:
+                    if change.model_fields_set:
+                        return [await core.set_team_share(team, change)]
+                    return [await core.team_usage(team)]
                 who = name or (await core.whoami()).name
                 if change.model_fields_set:
                     return [await core.set_share(who, change)]

@@ -499,6 +499,17 @@ class CoreClient(ApiClient):
         response = await self._call("GET", f"/v1/owners/{name}/usage")
         return OwnerUsage.model_validate_json(response.content)
 
+    async def team_usage(self, name: str) -> OwnerUsage:
+        """The team's share, the running use and waiting count of its tasks, its quotas."""
+        response = await self._call("GET", f"/v1/teams/{name}/usage")
+        return OwnerUsage.model_validate_json(response.content)
+
+    async def set_team_share(self, name: str, change: ShareSettings) -> OwnerUsage:
+        """Set a team's weight and quotas (admin); fields left unset keep their value."""
+        body = change.model_dump_json(exclude_unset=True)
+        response = await self._call("PATCH", f"/v1/teams/{name}/share", content=body)
+        return OwnerUsage.model_validate_json(response.content)
+
     async def top_owners(self, limit: int = 10) -> list[OwnerUsage]:
         response = await self._call("GET", "/v1/owners", params={"limit": limit})
         return OwnerList.model_validate_json(response.content).items

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import CRON_ENV, MAX_PAGE, Name, TaskCreate, _storable_time
+from libs.common.models import CRON_ENV, MAX_PAGE, Name, TaskCreate, TeamName, _storable_time
 
 MisfirePolicy = Literal["skip", "fire_once", "catch_up"]
 OverlapPolicy = Literal["allow", "forbid", "replace"]
@@ -41,7 +41,7 @@ class _Output(BaseModel):
 
 
 class TaskTarget(_Input):
-    """Each fire submits this task to core, owned by the schedule's owner."""
+    """Each fire submits this task to core, owned by the schedule's owner (and team)."""
 
     kind: Literal["task"] = "task"
     task: TaskCreate
@@ -77,9 +77,12 @@ Target = Annotated[TaskTarget | DagTarget, Field(discriminator="kind")]
 
 
 class ScheduleCreate(_Input):
-    """A new schedule. Its name is unique per owner."""
+    """A new schedule. Its name is unique per owner. With ``team`` (one the caller
+    belongs to), the team's members see and act on it, and its fires' tasks are owned by
+    the team; a task target may then use only the team's secrets."""
 
     name: Name
+    team: TeamName | None = None
     expression: Expression = Field(
         description="Five fields (minute hour day-of-month month day-of-week) or a macro "
         "such as @daily, read in `timezone`'s wall clock."
@@ -127,6 +130,7 @@ class ScheduleUpdate(_Input):
 class Schedule(_Output):
     id: int
     owner: str
+    team: str | None = None
     name: str
     expression: str
     timezone: str

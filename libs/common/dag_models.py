@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import IdempotencyKey, TaskCreate
+from libs.common.models import IdempotencyKey, TaskCreate, TeamName
 
 MAX_NODES = 10_000
 MAX_DEPENDS_ON = 1_000
@@ -180,9 +180,13 @@ class NodeSpec(_Input):
 
 
 class WorkflowCreate(_Input):
-    """A workflow definition; storing it under a name already used makes a new version."""
+    """A workflow definition; storing it under a name already used makes a new version.
+    With ``team`` (one the caller belongs to), the team's members see the workflow, run
+    it and act on its runs, and its nodes' tasks are owned by the team; the nodes may
+    then use only the team's secrets."""
 
     name: WorkflowName
+    team: TeamName | None = None
     description: Annotated[str, StringConstraints(max_length=4096)] = ""
     params: Params = Field(default_factory=dict)
     max_active_runs: int = Field(default=16, ge=1, le=1000)
@@ -194,6 +198,7 @@ class Workflow(_Output):
 
     id: int
     owner: str
+    team: str | None = None
     name: str
     version: int
     definition: WorkflowCreate
@@ -203,6 +208,7 @@ class Workflow(_Output):
 class WorkflowSummary(_Output):
     id: int
     owner: str
+    team: str | None = None
     name: str
     version: int
     nodes: int
@@ -254,6 +260,7 @@ class Run(_Output):
 
     id: int
     owner: str
+    team: str | None = None
     workflow: str
     workflow_version: int
     params: dict[str, Any]

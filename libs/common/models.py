@@ -217,6 +217,8 @@ class TaskSelector(_Input):
     state: TaskState | None = None
     queue: QueueName | None = None
     owner: Name | None = None
+    #: the tasks this team owns (a member's bulk action on them; admins any team's)
+    team: TeamName | None = None
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     created_after: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
     created_before: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
@@ -772,9 +774,12 @@ class RunningUse(_Output):
 
 
 class OwnerUsage(_Output):
-    """An owner's share, what it runs and has waiting, its quotas, and which it is at."""
+    """An owner's (or a team's) share, what it runs and has waiting, its quotas, and which
+    it is at."""
 
     name: str
+    #: ``owner``: a principal's work, all it submitted; ``team``: the work a team owns
+    kind: Literal["owner", "team"] = "owner"
     weight: float
     #: its weight over the weights of every owner with work running or waiting
     share: float

@@ -57,11 +57,14 @@ SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
        t.concurrency_key, t.concurrency_limit,
        LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
            (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))::int AS boost,
-       u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running
+       u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
+       t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
+       ts.max_running AS team_max_running
 FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
 LEFT JOIN core.shares s ON s.name = t.owner
+LEFT JOIN core.team_shares ts ON ts.team = t.team
 """
 
 
@@ -388,13 +391,14 @@ async def _candidate_rows(
 
 
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
-    """Quotas and concurrency keys, when any candidate has them (the common claim has
-    neither and costs no more queries)."""
+    """Quotas (its owner's, its team's) and concurrency keys, when any candidate has them
+    (the common claim has none and costs no more queries)."""
     quotas = {r.owner: q for r in rows if (q := sharing.quota_of(r)) is not None}
-    if not quotas and not any(r.concurrency_key for r in rows):
+    team_quotas = {r.team: q for r in rows if (q := sharing.team_quota_of(r)) is not None}
+    if not quotas and not team_quotas and not any(r.concurrency_key for r in rows):
         return None
     tasks = {r.id: sharing.gated(r) for r in rows}
-    return await sharing.gate(conn, tasks, quotas, lock=True)
+    return await sharing.gate(conn, tasks, quotas, lock=True, team_quotas=team_quotas)
 
 
 def _assignment(row: Any) -> Assignment:

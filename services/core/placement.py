@@ -288,13 +288,16 @@ async def _gate(conn: AsyncConnection, waiting: Sequence[Task]) -> Gate | None:
             request=Amount(t.resources.cpu, t.resources.memory_mb),
             key=t.concurrency.key if t.concurrency else None,
             key_limit=t.concurrency.limit if t.concurrency else None,
+            team=t.team,
         )
         for t in waiting
     }
     if not tasks:
         return None
     quotas = await sharing.quotas_of(conn, {t.owner for t in waiting})
-    return await sharing.gate(conn, tasks, quotas, lock=False)
+    teams = {t.team for t in waiting if t.team is not None}
+    team_quotas = await sharing.team_quotas_of(conn, teams) if teams else {}
+    return await sharing.gate(conn, tasks, quotas, lock=False, team_quotas=team_quotas)
 
 
 # --- the placement pass -------------------------------------------------------------------
@@ -542,6 +545,7 @@ SELECT t.owner, t.name, count(*) AS attempts,
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.peak_memory_mb IS NOT NULL AND a.cpu_seconds IS NOT NULL AND a.ended_at IS NOT NULL
   AND (CAST(:owner AS text) IS NULL OR t.owner = :owner)
+  AND (CAST(:team AS text) IS NULL OR t.team = :team)
   AND (CAST(:name AS text) IS NULL OR t.name = :name)
 GROUP BY t.owner, t.name
 ORDER BY t.owner, t.name
@@ -561,9 +565,11 @@ def suggest(p95_cpu: float, p95_memory_mb: float) -> tuple[float, int]:
 
 
 async def rightsizing(
-    conn: AsyncConnection, owner: str | None, name: str | None, limit: int
+    conn: AsyncConnection, owner: str | None, name: str | None, limit: int, team: str | None = None
 ) -> list[UsageRow]:
-    rows = await conn.execute(_RIGHTSIZING, {"owner": owner, "name": name, "limit": limit})
+    """Per (owner, name), of ``owner``'s tasks and (or) the tasks ``team`` owns."""
+    params = {"owner": owner, "name": name, "limit": limit, "team": team}
+    rows = await conn.execute(_RIGHTSIZING, params)
     out = []
     for r in rows:
         p95_cpu, p95_memory = float(r.p95_cpu), float(r.p95_memory_mb)

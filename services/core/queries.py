@@ -32,28 +32,42 @@ WITH input AS (
         concurrency_limit integer
     )
 ), clock AS (
-    -- Fair share (docs/sharing.md): an owner's work in a queue is stamped one step (the
-    -- quantum over its weight) after its last waiting stamp; an owner with nothing
+    -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
+    -- quantum over its weight) after its last waiting stamp; a flow with nothing
     -- waiting starts at the queue's head stamp (or now, if that is later), so it
-    -- interleaves with a backlog instead of queueing behind it.
-    SELECT o.owner, o.queue,
-           (SELECT max(w.vtime) FROM core.tasks w
-            WHERE w.owner = o.owner AND w.queue = o.queue AND w.state = 'waiting') AS last,
+    -- interleaves with a backlog instead of queueing behind it. A flow is an owner's
+    -- own work, or a team's work (whoever of its members submitted it).
+    SELECT o.flow_owner, o.team, o.queue,
+           CASE WHEN o.team IS NULL THEN
+               (SELECT max(w.vtime) FROM core.tasks w
+                WHERE w.owner = o.flow_owner AND w.queue = o.queue AND w.state = 'waiting'
+                  AND w.team IS NULL)
+           ELSE
+               (SELECT max(w.vtime) FROM core.tasks w
+                WHERE w.team = o.team AND w.queue = o.queue AND w.state = 'waiting')
+           END AS last,
            LEAST(EXTRACT(EPOCH FROM now()),
                  (SELECT min(h.vtime) FROM core.tasks h
                   WHERE h.queue = o.queue AND h.state = 'waiting')) AS head,
-           CAST(:quantum AS double precision)
-               / COALESCE((SELECT s.weight FROM core.shares s WHERE s.name = o.owner), 1) AS step
-    FROM (SELECT DISTINCT owner, queue FROM input) o
+           CAST(:quantum AS double precision) / COALESCE(
+               CASE WHEN o.team IS NULL
+                    THEN (SELECT s.weight FROM core.shares s WHERE s.name = o.flow_owner)
+                    ELSE (SELECT s.weight FROM core.team_shares s WHERE s.team = o.team) END,
+               1) AS step
+    FROM (SELECT DISTINCT CASE WHEN team IS NULL THEN owner END AS flow_owner, team, queue
+          FROM input) o
 ), stamped AS (
     SELECT input.*,
            GREATEST(
                EXTRACT(EPOCH FROM COALESCE(input.run_at, now())),
                COALESCE(clock.last + clock.step, clock.head, EXTRACT(EPOCH FROM now()))
                    + clock.step * (row_number() OVER (
-                       PARTITION BY input.owner, input.queue ORDER BY input.ord) - 1)
+                       PARTITION BY clock.flow_owner, clock.team, input.queue
+                       ORDER BY input.ord) - 1)
            ) AS vtime
-    FROM input JOIN clock ON clock.owner = input.owner AND clock.queue = input.queue
+    FROM input JOIN clock ON clock.queue = input.queue
+        AND clock.team IS NOT DISTINCT FROM input.team
+        AND (input.team IS NOT NULL OR clock.flow_owner = input.owner)
 ), new AS (
     INSERT INTO core.tasks (
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -197,6 +211,7 @@ _SELECTED = """
     t.state = ANY(CAST(:sources AS text[])) AND t.id > :after
     AND (CAST(:queue AS text) IS NULL OR t.queue = :queue)
     AND (CAST(:owner AS text) IS NULL OR t.owner = :owner)
+    AND (CAST(:team AS text) IS NULL OR t.team = :team)
     AND (CAST(:labels AS jsonb) IS NULL OR t.labels @> CAST(:labels AS jsonb))
     AND (CAST(:created_after AS timestamptz) IS NULL OR t.created_at >= :created_after)
     AND (CAST(:created_before AS timestamptz) IS NULL OR t.created_at < :created_before)
@@ -286,7 +301,8 @@ DELETE FROM core.workers w USING doomed WHERE w.id = doomed.id
 """)
 
 # The feed: only events of transactions older than every running one are served, so an
-# event that commits later can never land behind a cursor already handed out.
+# event that commits later can never land behind a cursor already handed out. A user
+# reads its own tasks' events and those of tasks its teams own (``teams``; NULL: none).
 FEED: TextClause = text("""
 SELECT e.xid, e.id, e.task_id, e.seq, e.owner, e.op, e.from_state, e.to_state, e.reason,
        e.attempt_id, e.at, h.horizon
@@ -294,7 +310,10 @@ FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h
 LEFT JOIN LATERAL (
     SELECT * FROM core.task_events e
     WHERE (e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon
-      AND (CAST(:owner AS text) IS NULL OR e.owner = :owner)
+      AND (CAST(:owner AS text) IS NULL OR e.owner = :owner
+           OR (CAST(:teams AS text[]) IS NOT NULL AND EXISTS (
+               SELECT 1 FROM core.tasks t
+               WHERE t.id = e.task_id AND t.team = ANY(CAST(:teams AS text[])))))
     ORDER BY e.xid, e.id
     LIMIT :limit
 ) e ON true

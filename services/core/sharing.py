@@ -38,11 +38,13 @@ from services.core.domain.sharing import (
     refusal,
     weights_share,
 )
-from services.core.tables import concurrency_limits, queues, shares
+from services.core.tables import concurrency_limits, queues, shares, team_shares
 
-# Advisory lock classes: an owner's running quotas (claim), a concurrency key (claim),
-# an owner's submission quotas (submit). Taken in that order, each sorted: no deadlock.
+# Advisory lock classes: an owner's running quotas (claim), a team's (claim), a
+# concurrency key (claim); an owner's submission quotas (submit), a team's (submit).
+# Taken in that order, each sorted: no deadlock.
 _OWNER_LOCK, _KEY_LOCK, _SUBMIT_LOCK = 4708, 4709, 4710
+_TEAM_LOCK, _TEAM_SUBMIT_LOCK = 4711, 4712
 
 _LOCK = text("""
 SELECT count(pg_advisory_xact_lock(CAST(:class AS integer), s.h)) FROM (
@@ -55,6 +57,13 @@ SELECT t.owner, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memo
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.outcome IS NULL AND t.owner = ANY(CAST(:owners AS text[]))
 GROUP BY t.owner
+""")
+
+_TEAM_USE = text("""
+SELECT t.team, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.outcome IS NULL AND t.team = ANY(CAST(:teams AS text[]))
+GROUP BY t.team
 """)
 
 _KEY_USE = text("""
@@ -76,6 +85,13 @@ WHERE name = ANY(CAST(:owners AS text[]))
 """)
 
 
+_TEAM_QUOTAS = text("""
+SELECT team AS name, max_cpu, max_memory_mb, max_running FROM core.team_shares
+WHERE team = ANY(CAST(:teams AS text[]))
+  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL)
+""")
+
+
 async def _lock(conn: AsyncConnection, lock_class: int, names: Iterable[str]) -> None:
     ordered = sorted(set(names))
     if ordered:
@@ -92,9 +108,21 @@ def quota_of(row: Any) -> Quota | None:
     return quota if quota.limits_running else None
 
 
+def team_quota_of(row: Any) -> Quota | None:
+    """The running quota of a candidate row's team (``team_max_cpu``, ...), if any."""
+    quota = Quota(row.team_max_cpu, row.team_max_memory_mb, row.team_max_running)
+    return quota if row.team is not None and quota.limits_running else None
+
+
 async def owner_use(conn: AsyncConnection, owners: Sequence[str]) -> dict[str, Use]:
     rows = await conn.execute(_OWNER_USE, {"owners": list(owners)})
     return {r.owner: Use(int(r.running), float(r.cpu), float(r.memory_mb)) for r in rows}
+
+
+async def team_use(conn: AsyncConnection, teams: Sequence[str]) -> dict[str, Use]:
+    """What the open attempts of each team's tasks request."""
+    rows = await conn.execute(_TEAM_USE, {"teams": list(teams)})
+    return {r.team: Use(int(r.running), float(r.cpu), float(r.memory_mb)) for r in rows}
 
 
 async def key_use(
@@ -115,31 +143,55 @@ async def quotas_of(conn: AsyncConnection, owners: Iterable[str]) -> dict[str, Q
     return {r.name: _quota(r) for r in rows}
 
 
+async def team_quotas_of(conn: AsyncConnection, teams: Iterable[str]) -> dict[str, Quota]:
+    """The running quotas of those of ``teams`` that have any."""
+    rows = await conn.execute(_TEAM_QUOTAS, {"teams": sorted(set(teams))})
+    return {r.name: _quota(r) for r in rows}
+
+
 async def gate(
-    conn: AsyncConnection, tasks: dict[int, Gated], quotas: dict[str, Quota], *, lock: bool
+    conn: AsyncConnection,
+    tasks: dict[int, Gated],
+    quotas: dict[str, Quota],
+    *,
+    lock: bool,
+    team_quotas: dict[str, Quota] | None = None,
 ) -> Gate | None:
-    """The gate for these tasks (``quotas``: their owners' running quotas), or None when
-    no quota or key concerns them. With ``lock`` (the claim), the owners and keys it
-    counts are locked until the transaction ends, so two claims cannot both take the
-    last room under a limit."""
+    """The gate for these tasks (``quotas``, ``team_quotas``: their owners' and teams'
+    running quotas), or None when no quota or key concerns them. With ``lock`` (the
+    claim), the owners, teams and keys it counts are locked until the transaction ends,
+    so two claims cannot both take the last room under a limit."""
+    team_quotas = team_quotas or {}
     keys = sorted({t.key for t in tasks.values() if t.key is not None})
-    if not quotas and not keys:
+    if not quotas and not team_quotas and not keys:
         return None
     if lock:
         await _lock(conn, _OWNER_LOCK, quotas)
+        await _lock(conn, _TEAM_LOCK, team_quotas)
         await _lock(conn, _KEY_LOCK, keys)
     use = await owner_use(conn, sorted(quotas)) if quotas else {}
+    teams_use = await team_use(conn, sorted(team_quotas)) if team_quotas else {}
     limits, counts = await key_use(conn, keys) if keys else ({}, {})
-    return Gate(tasks=tasks, quotas=quotas, use=use, limits=limits, keys=counts)
+    return Gate(
+        tasks=tasks,
+        quotas=quotas,
+        use=use,
+        team_quotas=team_quotas,
+        team_use=teams_use,
+        limits=limits,
+        keys=counts,
+    )
 
 
 def gated(row: Any) -> Gated:
-    """A task row (``owner``, ``cpu``, ``memory_mb``, ``concurrency_*``) as the gate sees it."""
+    """A task row (``owner``, ``team``, ``cpu``, ``memory_mb``, ``concurrency_*``) as the
+    gate sees it."""
     return Gated(
         owner=row.owner,
         request=Amount(row.cpu, row.memory_mb),
         key=row.concurrency_key,
         key_limit=row.concurrency_limit,
+        team=row.team,
     )
 
 
@@ -161,6 +213,7 @@ class Book:
     ttl_s: float
     policies: dict[str, QueuePolicy] = field(default_factory=dict)
     quotas: dict[str, SubmitQuota] = field(default_factory=dict)
+    team_quotas: dict[str, SubmitQuota] = field(default_factory=dict)
     _read_at: float = -math.inf
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -190,6 +243,16 @@ class Book:
             r.name: SubmitQuota(r.max_waiting, r.max_submits_per_min)
             for r in await conn.execute(limited)
         }
+        limited_teams = select(
+            team_shares.c.team, team_shares.c.max_waiting, team_shares.c.max_submits_per_min
+        ).where(
+            (team_shares.c.max_waiting.isnot(None))
+            | (team_shares.c.max_submits_per_min.isnot(None))
+        )
+        self.team_quotas = {
+            r.team: SubmitQuota(r.max_waiting, r.max_submits_per_min)
+            for r in await conn.execute(limited_teams)
+        }
 
     def check_policy(self, role: str, owner: str, spec: TaskCreate, where: str) -> None:
         """403 naming the field when ``spec`` is outside its queue's policy; ``where`` is
@@ -201,8 +264,10 @@ class Book:
         if refused is not None:
             raise Forbidden(f"{refused.field}: {refused.detail}", field=refused.field)
 
-    def limits_submissions(self, owners: Iterable[str]) -> bool:
-        return any(owner in self.quotas for owner in owners)
+    def limits_submissions(self, owners: Iterable[str], teams: Iterable[str | None] = ()) -> bool:
+        return any(owner in self.quotas for owner in owners) or any(
+            team in self.team_quotas for team in teams if team is not None
+        )
 
 
 _WAITING = text("""
@@ -226,46 +291,85 @@ RETURNING rate_count,
 WAITING_RETRY_AFTER_S = 10
 
 
-async def admit_submissions(conn: AsyncConnection, book: Book, owners: Sequence[str]) -> None:
+_TEAM_WAITING = text("""
+SELECT count(*) FROM (
+    SELECT 1 FROM core.tasks WHERE team = :owner AND state IN ('ready', 'waiting') LIMIT :cap
+) s
+""")
+
+_COUNT_TEAM_SUBMITS = text(
+    _COUNT_SUBMITS.text.replace("core.shares", "core.team_shares").replace(
+        "WHERE name = :owner", "WHERE team = :owner"
+    )
+)
+
+
+async def admit_submissions(
+    conn: AsyncConnection,
+    book: Book,
+    owners: Sequence[str],
+    teams: Sequence[str | None] = (),
+) -> None:
     """Refuse (429, nothing stored: the caller's transaction rolls back) submissions that
-    would put an owner over its waiting or per-minute quota. Runs in the submit's
-    transaction, the owners locked so that two submits cannot both take the last room."""
+    would put an owner, or the team that owns them (``teams``: one per submission, or
+    none), over its waiting or per-minute quota. Runs in the submit's transaction, the
+    owners and teams locked so that two submits cannot both take the last room."""
     counts = Counter(owner for owner in owners if owner in book.quotas)
+    team_counts = Counter(t for t in teams if t is not None and t in book.team_quotas)
     await _lock(conn, _SUBMIT_LOCK, counts)
+    await _lock(conn, _TEAM_SUBMIT_LOCK, team_counts)
     for owner, n in sorted(counts.items()):
-        quota = book.quotas[owner]
-        if quota.max_waiting is not None:
-            waiting = (
-                await conn.execute(_WAITING, {"owner": owner, "cap": quota.max_waiting + 1})
-            ).scalar_one()
-            if waiting + n > quota.max_waiting:
-                raise QuotaExceeded(
-                    f"owner {owner} at its waiting quota ({waiting}/{quota.max_waiting} tasks "
-                    f"waiting; {n} more asked)",
-                    quota="waiting",
-                    retry_after_s=WAITING_RETRY_AFTER_S,
-                )
-        if quota.max_submits_per_min is not None:
-            row = (await conn.execute(_COUNT_SUBMITS, {"owner": owner, "n": n})).one()
-            if row.rate_count > quota.max_submits_per_min:
-                raise QuotaExceeded(
-                    f"owner {owner} at its submission quota ({row.rate_count - n}/"
-                    f"{quota.max_submits_per_min} this minute; {n} more asked)",
-                    quota="submits_per_min",
-                    retry_after_s=math.ceil(float(row.left_s)),
-                )
+        await _admit_one(conn, "owner", owner, n, book.quotas[owner], _WAITING, _COUNT_SUBMITS)
+    for team, n in sorted(team_counts.items()):
+        quota = book.team_quotas[team]
+        await _admit_one(conn, "team", team, n, quota, _TEAM_WAITING, _COUNT_TEAM_SUBMITS)
+
+
+async def _admit_one(
+    conn: AsyncConnection,
+    kind: str,
+    name: str,
+    n: int,
+    quota: SubmitQuota,
+    waiting_query: Any,
+    count_query: Any,
+) -> None:
+    if quota.max_waiting is not None:
+        waiting = (
+            await conn.execute(waiting_query, {"owner": name, "cap": quota.max_waiting + 1})
+        ).scalar_one()
+        if waiting + n > quota.max_waiting:
+            raise QuotaExceeded(
+                f"{kind} {name} at its waiting quota ({waiting}/{quota.max_waiting} tasks "
+                f"waiting; {n} more asked)",
+                quota="waiting",
+                retry_after_s=WAITING_RETRY_AFTER_S,
+            )
+    if quota.max_submits_per_min is not None:
+        row = (await conn.execute(count_query, {"owner": name, "n": n})).one()
+        if row.rate_count > quota.max_submits_per_min:
+            raise QuotaExceeded(
+                f"{kind} {name} at its submission quota ({row.rate_count - n}/"
+                f"{quota.max_submits_per_min} this minute; {n} more asked)",
+                quota="submits_per_min",
+                retry_after_s=math.ceil(float(row.left_s)),
+            )
 
 
 # --- admin settings and the usage report ------------------------------------------------
 
 
-async def set_share(conn: AsyncConnection, name: str, change: ShareSettings) -> None:
+async def set_share(
+    conn: AsyncConnection, name: str, change: ShareSettings, *, team: bool = False
+) -> None:
+    """Set an owner's (or with ``team``, a team's) weight and quotas."""
     values: dict[str, Any] = change.model_dump(exclude_unset=True)
     if "weight" in values and values["weight"] is None:
         values["weight"] = 1.0
-    stmt = pg_insert(shares).values(name=name, **values)
+    table, key = (team_shares, team_shares.c.team) if team else (shares, shares.c.name)
+    stmt = pg_insert(table).values({key.name: name, **values})
     stmt = stmt.on_conflict_do_update(
-        index_elements=[shares.c.name], set_={**values, "updated_at": func.now()}
+        index_elements=[key], set_={**values, "updated_at": func.now()}
     )
     await conn.execute(stmt)
 
@@ -305,18 +409,29 @@ async def key_state(conn: AsyncConnection, key: str) -> ConcurrencyState:
     )
 
 
+# The flows with work running or waiting: owners (their own work) and teams (work a
+# team owns), each with its weight.
 _ACTIVE = text("""
 WITH active AS (
-    SELECT DISTINCT t.owner FROM core.tasks t WHERE t.state IN ('running', 'waiting')
+    SELECT DISTINCT t.team IS NOT NULL AS is_team, COALESCE(t.team, t.owner) AS name
+    FROM core.tasks t WHERE t.state IN ('running', 'waiting')
 )
-SELECT a.owner, COALESCE(s.weight, 1) AS weight
-FROM active a LEFT JOIN core.shares s ON s.name = a.owner
+SELECT a.is_team, a.name, COALESCE(s.weight, ts.weight, 1) AS weight
+FROM active a
+LEFT JOIN core.shares s ON NOT a.is_team AND s.name = a.name
+LEFT JOIN core.team_shares ts ON a.is_team AND ts.team = a.name
 """)
 
 _WAITING_OF = text("""
 SELECT owner, count(*) AS n FROM core.tasks
 WHERE state IN ('ready', 'waiting') AND owner = ANY(CAST(:owners AS text[]))
 GROUP BY owner
+""")
+
+_TEAM_WAITING_OF = text("""
+SELECT team AS owner, count(*) AS n FROM core.tasks
+WHERE state IN ('ready', 'waiting') AND team = ANY(CAST(:owners AS text[]))
+GROUP BY team
 """)
 
 _TOP = text("""
@@ -330,16 +445,39 @@ SELECT owner FROM (
 
 
 async def usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsage]:
-    """Each owner's share, running use, waiting count and quotas."""
-    active = {r.owner: float(r.weight) for r in await conn.execute(_ACTIVE)}
+    """Each owner's share, running use, waiting count and quotas (its use counts every
+    task it submitted, its teams' included)."""
     use = await owner_use(conn, names)
-    waiting = {r.owner: int(r.n) for r in await conn.execute(_WAITING_OF, {"owners": list(names)})}
-    rows = {r.name: r for r in await conn.execute(select(shares).where(shares.c.name.in_(names)))}
+    found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
+    rows = {r.name: r for r in found}
+    return await _usage(conn, False, names, use, rows, _WAITING_OF)
+
+
+async def team_usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsage]:
+    """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
+    owns, whoever of its members submitted them."""
+    use = await team_use(conn, names)
+    found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
+    rows = {r.team: r for r in found}
+    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF)
+
+
+async def _usage(
+    conn: AsyncConnection,
+    is_team: bool,
+    names: Sequence[str],
+    use: dict[str, Use],
+    rows: dict[str, Any],
+    waiting_query: Any,
+) -> list[OwnerUsage]:
+    active = {(r.is_team, r.name): float(r.weight) for r in await conn.execute(_ACTIVE)}
+    counted = await conn.execute(waiting_query, {"owners": list(names)})
+    waiting = {r.owner: int(r.n) for r in counted}
     out = []
     for name in names:
         row = rows.get(name)
         weight = float(row.weight) if row else 1.0
-        others = [w for owner, w in active.items() if owner != name]
+        others = [w for flow, w in active.items() if flow != (is_team, name)]
         quota = Quotas(
             max_cpu=row.max_cpu if row else None,
             max_memory_mb=row.max_memory_mb if row else None,
@@ -351,6 +489,7 @@ async def usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsa
         out.append(
             OwnerUsage(
                 name=name,
+                kind="team" if is_team else "owner",
                 weight=weight,
                 share=round(weights_share(weight, [weight, *others]), 6),
                 running=RunningUse(

@@ -336,14 +336,18 @@ async def task_events_of(conn: AsyncConnection, task_id: int) -> list[Event]:
 
 
 async def read_feed(
-    conn: AsyncConnection, after: tuple[int, int], limit: int, owner: str | None
+    conn: AsyncConnection, after: tuple[int, int], limit: int, who: Visibility | None
 ) -> tuple[list[Event], tuple[int, int]]:
-    """Events after the cursor, oldest first, and the cursor to read on from."""
-    rows = list(
-        await conn.execute(
-            queries.FEED, {"xid": after[0], "id": after[1], "limit": limit, "owner": owner}
-        )
-    )
+    """Events after the cursor, oldest first, and the cursor to read on from; with
+    ``who``, only those of its own tasks and its teams'."""
+    params = {
+        "xid": after[0],
+        "id": after[1],
+        "limit": limit,
+        "owner": who.owner if who is not None else None,
+        "teams": sorted(who.teams) if who is not None and who.teams else None,
+    }
+    rows = list(await conn.execute(queries.FEED, params))
     events = [_event(row) for row in rows if row.id is not None]
     if events:
         last = rows[-1]
@@ -467,6 +471,7 @@ def _selector_params(op: Op, selector: TaskSelector, owner: str | None) -> dict[
         "sources": bulk_sources(op, selector),
         "queue": selector.queue,
         "owner": owner,
+        "team": selector.team,
         "labels": json.dumps(selector.labels) if selector.labels else None,
         "created_after": selector.created_after,
         "created_before": selector.created_before,

@@ -265,6 +265,13 @@ tasks = Table(
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
     Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
+    Index(
+        "ix_tasks_team_waiting",
+        "team",
+        "queue",
+        "vtime",
+        postgresql_where=text("state IN ('ready', 'waiting') AND team IS NOT NULL"),
+    ),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     Index(
         "ix_tasks_labels",
@@ -370,6 +377,29 @@ shares = Table(
     "shares",
     metadata,
     Column("name", Text, primary_key=True),
+    Column("weight", Double, nullable=False, server_default=text("1")),
+    Column("max_cpu", Double),
+    Column("max_memory_mb", Double),
+    Column("max_running", Integer),
+    Column("max_waiting", Integer),
+    Column("max_submits_per_min", Integer),
+    Column("rate_window_at", DateTime(timezone=True)),
+    Column("rate_count", Integer, nullable=False, server_default=text("0")),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
+    CheckConstraint(
+        "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
+        " AND (max_running IS NULL OR max_running > 0) AND (max_waiting IS NULL OR max_waiting > 0)"
+        " AND (max_submits_per_min IS NULL OR max_submits_per_min > 0)",
+        name="limits_positive",
+    ),
+)
+
+# A team's share and quotas, as ``shares`` holds an owner's (docs/sharing.md, "Teams").
+team_shares = Table(
+    "team_shares",
+    metadata,
+    Column("team", Text, ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True),
     Column("weight", Double, nullable=False, server_default=text("1")),
     Column("max_cpu", Double),
     Column("max_memory_mb", Double),

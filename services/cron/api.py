@@ -25,6 +25,7 @@ from libs.common.cron_models import (
 )
 from libs.common.errors import Conflict, InvalidInput, Unavailable
 from libs.common.problems import PROBLEMS
+from libs.common.teams import check_member
 from services.cron import store
 from services.cron.engine import CronEngine
 from services.cron.fire import Outgoing, Sender
@@ -51,9 +52,12 @@ def _db(request: Request) -> AsyncEngine:
     "/schedules", status_code=status.HTTP_201_CREATED, response_model=Schedule, responses=PROBLEMS
 )
 async def create_schedule(body: ScheduleCreate, caller: Person, request: Request) -> Schedule:
-    """Register a schedule owned by the caller. Its first fire is the first slot after now
-    (or after ``starts_at``)."""
+    """Register a schedule owned by the caller (and with ``team``, by a team the caller
+    belongs to: its members see and act on it, its fires' tasks are the team's). Its
+    first fire is the first slot after now (or after ``starts_at``)."""
     settings: CronSettings = request.app.state.settings
+    team = store.team_of(body)
+    check_member(caller, team, "body.team" if body.team else "body.target.task.team")
     async with _db(request).begin() as conn:
         now = _now(request)
         return await store.create(
@@ -68,16 +72,16 @@ async def list_schedules(
     after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_SCHEDULE_PAGE)] = 100,
 ) -> SchedulePage:
-    """The caller's schedules (every owner's for admins and services), by id."""
+    """The caller's schedules and its teams' (every owner's for admins and services), by id."""
     async with _db(request).connect() as conn:
-        items, next_after = await store.list_page(conn, caller.owner_filter, after, limit)
+        items, next_after = await store.list_page(conn, caller.visibility, after, limit)
     return SchedulePage(items=items, next_after=next_after)
 
 
 @router.get("/schedules/{schedule_id}", response_model=Schedule, responses=PROBLEMS)
 async def get_schedule(schedule_id: ScheduleId, caller: Person, request: Request) -> Schedule:
     async with _db(request).connect() as conn:
-        return await store.get(conn, schedule_id, caller.owner_filter)
+        return await store.get(conn, schedule_id, caller.visibility)
 
 
 @router.patch("/schedules/{schedule_id}", response_model=Schedule, responses=PROBLEMS)
@@ -87,7 +91,7 @@ async def update_schedule(
     """Change the fields given. New timing applies from now: the next fire is the first
     slot of the new timing after now."""
     async with _db(request).begin() as conn:
-        return await store.update(conn, schedule_id, caller.owner_filter, body, _now(request))
+        return await store.update(conn, schedule_id, caller.visibility, body, _now(request))
 
 
 @router.delete(
@@ -96,21 +100,21 @@ async def update_schedule(
 async def delete_schedule(schedule_id: ScheduleId, caller: Person, request: Request) -> Response:
     """Delete the schedule and its fire history; tasks it submitted stay in core."""
     async with _db(request).begin() as conn:
-        await store.delete(conn, schedule_id, caller.owner_filter)
+        await store.delete(conn, schedule_id, caller.visibility)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/schedules/{schedule_id}/pause", response_model=Schedule, responses=PROBLEMS)
 async def pause_schedule(schedule_id: ScheduleId, caller: Person, request: Request) -> Schedule:
     async with _db(request).begin() as conn:
-        return await store.set_paused(conn, schedule_id, caller.owner_filter, True, _now(request))
+        return await store.set_paused(conn, schedule_id, caller.visibility, True, _now(request))
 
 
 @router.post("/schedules/{schedule_id}/resume", response_model=Schedule, responses=PROBLEMS)
 async def resume_schedule(schedule_id: ScheduleId, caller: Person, request: Request) -> Schedule:
     """Resume from now: slots that passed while paused are not fired."""
     async with _db(request).begin() as conn:
-        return await store.set_paused(conn, schedule_id, caller.owner_filter, False, _now(request))
+        return await store.set_paused(conn, schedule_id, caller.visibility, False, _now(request))
 
 
 @router.post(
@@ -126,7 +130,7 @@ async def trigger_schedule(schedule_id: ScheduleId, caller: Person, request: Req
     sender: Sender = request.app.state.sender
     db = _db(request)
     async with db.begin() as conn:
-        schedule = await store.get(conn, schedule_id, caller.owner_filter)
+        schedule = await store.get(conn, schedule_id, caller.visibility)
         now = _now(request)
         claimed = (
             await conn.execute(
@@ -171,7 +175,7 @@ async def backfill_schedule(
     settings: CronSettings = request.app.state.settings
     async with _db(request).begin() as conn:
         return await store.backfill(
-            conn, schedule_id, caller.owner_filter, body, _now(request), settings.cron_backfill_max
+            conn, schedule_id, caller.visibility, body, _now(request), settings.cron_backfill_max
         )
 
 
@@ -188,7 +192,7 @@ async def next_fires(
     """The next ``n`` fires after ``after``, in UTC and on the schedule's wall clock: see
     what a schedule does across a DST change before it happens."""
     async with _db(request).connect() as conn:
-        schedule = await store.get(conn, schedule_id, caller.owner_filter)
+        schedule = await store.get(conn, schedule_id, caller.visibility)
     if after is None:
         start = _now(request)
     else:
@@ -221,7 +225,7 @@ async def fire_history(
 ) -> FirePage:
     """Fires, newest first: slot, outcome, task id, lag."""
     async with _db(request).connect() as conn:
-        await store.get(conn, schedule_id, caller.owner_filter)
+        await store.get(conn, schedule_id, caller.visibility)
         return FirePage(items=await store.list_fires(conn, schedule_id, before, limit))
 
 

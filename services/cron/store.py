@@ -15,10 +15,11 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from pydantic import TypeAdapter
-from sqlalchemy import Row, func, select, text
+from sqlalchemy import Row, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common.auth import Visibility
 from libs.common.cron_models import (
     MAX_SCHEDULE_PAGE,
     Backfill,
@@ -28,8 +29,10 @@ from libs.common.cron_models import (
     ScheduleCreate,
     ScheduleUpdate,
     Target,
+    TaskTarget,
 )
 from libs.common.errors import Conflict, InvalidInput, NotFound
+from libs.common.teams import bound_to_team
 from services.cron.domain import timing
 from services.cron.domain.timing import InvalidSchedule
 from services.cron.fire import Result
@@ -81,6 +84,7 @@ def schedule_from_row(row: Any) -> Schedule:
     return Schedule(
         id=row.id,
         owner=row.owner,
+        team=row.team,
         name=row.name,
         expression=row.expression,
         timezone=row.timezone,
@@ -104,9 +108,28 @@ async def notify(conn: AsyncConnection, schedule_id: int) -> None:
     await conn.execute(text("SELECT pg_notify(:c, :id)"), {"c": CHANNEL, "id": str(schedule_id)})
 
 
+def team_of(body: ScheduleCreate) -> str | None:
+    """The team that owns a new schedule: ``team``, or its task target's."""
+    if body.team is None and isinstance(body.target, TaskTarget):
+        return body.target.task.team
+    return body.team
+
+
+def for_team(target: Target, team: str | None) -> Target:
+    """The target as a team's schedule fires it: its task owned by the team, with no
+    secret but the team's (422 naming the field otherwise)."""
+    if team is None or not isinstance(target, TaskTarget):
+        return target
+    task = bound_to_team(target.task, team, "body.target.task")
+    return target.model_copy(update={"task": task})
+
+
 async def create(
     conn: AsyncConnection, owner: str, body: ScheduleCreate, now: datetime, max_per_owner: int
 ) -> Schedule:
+    """Store the schedule (its membership in ``team_of(body)`` checked by the caller)."""
+    team = team_of(body)
+    target = for_team(body.target, team)
     plan = check_timing(body.expression, body.timezone, body.starts_at, body.ends_at)
     first = plan.next_after(now)
     if first is None and body.ends_at is None:
@@ -118,10 +141,11 @@ async def create(
         raise Conflict(f"{owner} already has {count} schedules, the most one owner may have")
     values = {
         "owner": owner,
+        "team": team,
         "name": body.name,
         "expression": plan.expression,
         "timezone": body.timezone,
-        "target": body.target.model_dump(mode="json"),
+        "target": target.model_dump(mode="json"),
         "misfire_policy": body.misfire_policy,
         "catch_up_limit": body.catch_up_limit,
         "misfire_grace_s": body.misfire_grace_s,
@@ -144,12 +168,20 @@ async def create(
     return schedule_from_row(row)
 
 
+def _visible(who: Visibility) -> Any:
+    if not who.teams:
+        return schedules.c.owner == who.owner
+    return or_(schedules.c.owner == who.owner, schedules.c.team.in_(sorted(who.teams)))
+
+
 async def _row(
-    conn: AsyncConnection, schedule_id: int, owner: str | None, lock: bool = False
+    conn: AsyncConnection, schedule_id: int, who: Visibility | None, lock: bool = False
 ) -> Row[Any]:
+    """The schedule, if ``who`` (when given) may see it: its owner, or a member of the
+    team that owns it; else ``NotFound``, as for one that does not exist."""
     query = select(schedules).where(schedules.c.id == schedule_id)
-    if owner is not None:
-        query = query.where(schedules.c.owner == owner)
+    if who is not None:
+        query = query.where(_visible(who))
     if lock:
         query = query.with_for_update()
     row = (await conn.execute(query)).one_or_none()
@@ -158,17 +190,17 @@ async def _row(
     return row
 
 
-async def get(conn: AsyncConnection, schedule_id: int, owner: str | None) -> Schedule:
-    return schedule_from_row(await _row(conn, schedule_id, owner))
+async def get(conn: AsyncConnection, schedule_id: int, who: Visibility | None) -> Schedule:
+    return schedule_from_row(await _row(conn, schedule_id, who))
 
 
 async def list_page(
-    conn: AsyncConnection, owner: str | None, after: int, limit: int
+    conn: AsyncConnection, who: Visibility | None, after: int, limit: int
 ) -> tuple[list[Schedule], int | None]:
     limit = min(limit, MAX_SCHEDULE_PAGE)
     query = select(schedules).where(schedules.c.id > after).order_by(schedules.c.id).limit(limit)
-    if owner is not None:
-        query = query.where(schedules.c.owner == owner)
+    if who is not None:
+        query = query.where(_visible(who))
     rows = (await conn.execute(query)).all()
     items = [schedule_from_row(r) for r in rows]
     return items, (items[-1].id if len(items) == limit else None)
@@ -194,11 +226,11 @@ async def _save(conn: AsyncConnection, schedule_id: int, values: dict[str, Any])
 async def update(
     conn: AsyncConnection,
     schedule_id: int,
-    owner: str | None,
+    who: Visibility | None,
     patch: ScheduleUpdate,
     now: datetime,
 ) -> Schedule:
-    row = await _row(conn, schedule_id, owner, lock=True)
+    row = await _row(conn, schedule_id, who, lock=True)
     given = patch.model_dump(exclude_unset=True)
     if None in (given.get(k, 0) for k in ("name", "expression", "timezone", "target")):
         field = next(
@@ -207,7 +239,7 @@ async def update(
         raise _invalid(f"body.{field}", ValueError("may not be null"))
     values: dict[str, Any] = {k: v for k, v in given.items() if k != "target"}
     if patch.target is not None:
-        values["target"] = patch.target.model_dump(mode="json")
+        values["target"] = for_team(patch.target, row.team).model_dump(mode="json")
     plan = check_timing(
         given.get("expression", row.expression),
         given.get("timezone", row.timezone),
@@ -223,16 +255,16 @@ async def update(
     return await _save(conn, schedule_id, values)
 
 
-async def delete(conn: AsyncConnection, schedule_id: int, owner: str | None) -> None:
-    await _row(conn, schedule_id, owner, lock=True)
+async def delete(conn: AsyncConnection, schedule_id: int, who: Visibility | None) -> None:
+    await _row(conn, schedule_id, who, lock=True)
     await conn.execute(schedules.delete().where(schedules.c.id == schedule_id))
     await notify(conn, schedule_id)
 
 
 async def set_paused(
-    conn: AsyncConnection, schedule_id: int, owner: str | None, paused: bool, now: datetime
+    conn: AsyncConnection, schedule_id: int, who: Visibility | None, paused: bool, now: datetime
 ) -> Schedule:
-    row = await _row(conn, schedule_id, owner, lock=True)
+    row = await _row(conn, schedule_id, who, lock=True)
     if paused:
         return await _save(conn, schedule_id, {"paused": True, "next_fire_at": None})
     # Slots that passed while paused are not fired: a resumed schedule starts from now.
@@ -247,7 +279,7 @@ async def set_paused(
 async def backfill(
     conn: AsyncConnection,
     schedule_id: int,
-    owner: str | None,
+    who: Visibility | None,
     body: BackfillCreate,
     now: datetime,
     most: int,
@@ -255,7 +287,7 @@ async def backfill(
     """Queue every slot of the schedule in ``[from, to]`` (up to now) that has no fire
     yet, as pending fires marked ``backfill``: the leader sends them, paced. A slot
     fired before is left as it was, so a repeated backfill is a no-op."""
-    row = await _row(conn, schedule_id, owner)
+    row = await _row(conn, schedule_id, who)
     plan = timing_of(row)
     until = min(body.to, now)
     slots: list[datetime] = []

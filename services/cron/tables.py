@@ -44,6 +44,8 @@ schedules = Table(
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
     Column("owner", Text, nullable=False),
+    # A team that owns the schedule with its owner: its members see and act on it.
+    Column("team", Text),
     Column("name", Text, nullable=False),
     Column("expression", Text, nullable=False),
     Column("timezone", Text, nullable=False),
@@ -111,6 +113,13 @@ fires = Table(
     CheckConstraint(
         "(outcome = 'submitted') = (submitted_at IS NOT NULL)", name="submitted_has_time"
     ),
+)
+
+Index(
+    "ix_schedules_team_id",
+    schedules.c.team,
+    schedules.c.id,
+    postgresql_where=schedules.c.team.isnot(None),
 )
 
 Index("ix_fires_pending", fires.c.schedule_id, postgresql_where=fires.c.outcome == "pending")

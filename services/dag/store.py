@@ -12,6 +12,7 @@ import orjson
 from sqlalchemy import Row, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common.auth import Visibility
 from libs.common.dag_models import (
     NodeState,
     Run,
@@ -21,9 +22,18 @@ from libs.common.dag_models import (
 from libs.common.errors import Conflict, NotFound
 
 RUN_COLUMNS = (
-    "id, owner, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
+    "id, owner, team, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
     " created_at, started_at, finished_at"
 )
+
+# Who may see a run: any (owner NULL), or its owner and the members of the team owning it.
+_VISIBLE = "(CAST(:owner AS text) IS NULL OR owner = :owner OR team = ANY(CAST(:teams AS text[])))"
+
+
+def _who(who: Visibility | None) -> dict[str, Any]:
+    if who is None:
+        return {"owner": None, "teams": []}
+    return {"owner": who.owner, "teams": sorted(who.teams)}
 
 
 @dataclass(frozen=True)
@@ -71,12 +81,13 @@ async def put_workflow(
     row = (
         await conn.execute(
             text(
-                "INSERT INTO dag.workflows (owner, name, version, definition, definition_hash,"
-                " node_count) VALUES (:owner, :name, :version, CAST(:definition AS jsonb),"
-                " :hash, :nodes) RETURNING *"
+                "INSERT INTO dag.workflows (owner, team, name, version, definition,"
+                " definition_hash, node_count) VALUES (:owner, :team, :name, :version,"
+                " CAST(:definition AS jsonb), :hash, :nodes) RETURNING *"
             ),
             {
                 "owner": owner,
+                "team": definition.team,
                 "name": definition.name,
                 "version": (newest.version + 1) if newest else 1,
                 "definition": definition.model_dump_json(),
@@ -89,22 +100,37 @@ async def put_workflow(
 
 
 async def get_workflow(
-    conn: AsyncConnection, owner: str, name: str, version: int | None = None
+    conn: AsyncConnection,
+    owner: str,
+    name: str,
+    version: int | None = None,
+    who: Visibility | None = None,
 ) -> Row[Any]:
-    row = (
+    """``owner``'s workflow ``name`` (its newest version, or ``version``). With ``who``,
+    only if it may see it: its owner, or a member of the team that owns the newest
+    version and the one asked for; else ``NotFound``, as for one that does not exist."""
+    rows = (
         await conn.execute(
             text(
-                "SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
-                " AND (CAST(:version AS integer) IS NULL OR version = :version)"
-                " ORDER BY version DESC LIMIT 1"
+                "(SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " ORDER BY version DESC LIMIT 1) UNION ALL"
+                " (SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " AND version = :version)"
             ),
             {"owner": owner, "name": name, "version": version},
         )
-    ).first()
-    if row is None:
+    ).all()
+    newest = max(rows, key=lambda r: r.version, default=None)
+    row = newest if version is None else next((r for r in rows if r.version == version), None)
+    hidden = who is not None and not all(_sees(who, r) for r in rows)
+    if row is None or hidden:
         which = f"version {version} of " if version else ""
         raise NotFound(f"no {which}workflow '{name}'")
     return row
+
+
+def _sees(who: Visibility, row: Any) -> bool:
+    return bool(row.owner == who.owner or (row.team is not None and row.team in who.teams))
 
 
 async def workflow_by_id(conn: AsyncConnection, workflow_id: int) -> Row[Any]:
@@ -113,17 +139,20 @@ async def workflow_by_id(conn: AsyncConnection, workflow_id: int) -> Row[Any]:
     ).one()
 
 
-async def list_workflows(conn: AsyncConnection, owner: str | None) -> list[Row[Any]]:
-    """The newest version of each workflow."""
+async def list_workflows(conn: AsyncConnection, who: Visibility | None) -> list[Row[Any]]:
+    """The newest version of each workflow ``who`` may see (its own, its teams')."""
     return list(
         await conn.execute(
             text(
-                "SELECT DISTINCT ON (owner, name) id, owner, name, version, node_count,"
-                " created_at FROM dag.workflows"
+                "SELECT * FROM (SELECT DISTINCT ON (owner, name) id, owner, team, name,"
+                " version, node_count, created_at FROM dag.workflows"
                 " WHERE CAST(:owner AS text) IS NULL OR owner = :owner"
-                " ORDER BY owner, name, version DESC LIMIT 1000"
+                " OR (owner, name) IN (SELECT owner, name FROM dag.workflows"
+                "   WHERE team = ANY(CAST(:teams AS text[])))"
+                " ORDER BY owner, name, version DESC) newest"
+                f" WHERE {_VISIBLE} ORDER BY owner, name LIMIT 1000"
             ),
-            {"owner": owner},
+            _who(who),
         )
     )
 
@@ -143,8 +172,8 @@ async def create_run(
     row = (
         await conn.execute(
             text(
-                "INSERT INTO dag.runs (workflow_id, owner, workflow, workflow_version, params,"
-                " idempotency_key) VALUES (:wid, :owner, :name, :version,"
+                "INSERT INTO dag.runs (workflow_id, owner, team, workflow, workflow_version,"
+                " params, idempotency_key) VALUES (:wid, :owner, :team, :name, :version,"
                 " CAST(:params AS jsonb), :key)"
                 " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL"
                 f" DO NOTHING RETURNING {RUN_COLUMNS}"
@@ -152,6 +181,7 @@ async def create_run(
             {
                 "wid": workflow.id,
                 "owner": owner,
+                "team": workflow.team,
                 "name": workflow.name,
                 "version": workflow.version,
                 "params": orjson.dumps(params).decode(),
@@ -177,14 +207,13 @@ async def create_run(
     return row, True
 
 
-async def get_run(conn: AsyncConnection, run_id: int, owner: str | None) -> Row[Any]:
+async def get_run(conn: AsyncConnection, run_id: int, who: Visibility | None) -> Row[Any]:
+    """The run, if ``who`` (when given) may see it: its owner, or a member of the team
+    that owns it; else ``NotFound``."""
     row = (
         await conn.execute(
-            text(
-                f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = :id"
-                " AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
-            ),
-            {"id": run_id, "owner": owner},
+            text(f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = :id AND {_VISIBLE}"),
+            {"id": run_id, **_who(who)},
         )
     ).first()
     if row is None:
@@ -194,25 +223,25 @@ async def get_run(conn: AsyncConnection, run_id: int, owner: str | None) -> Row[
 
 async def list_runs(
     conn: AsyncConnection,
-    owner: str | None,
+    who: Visibility | None,
     workflow: str | None,
     state: RunState | None,
     limit: int,
     before: int | None,
 ) -> list[Row[Any]]:
-    """Runs newest first."""
+    """Runs newest first (those ``who`` may see)."""
     return list(
         await conn.execute(
             text(
                 f"SELECT {RUN_COLUMNS} FROM dag.runs"
-                " WHERE (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                f" WHERE {_VISIBLE}"
                 " AND (CAST(:workflow AS text) IS NULL OR workflow = :workflow)"
                 " AND (CAST(:state AS text) IS NULL OR state = :state)"
                 " AND (CAST(:before AS bigint) IS NULL OR id < :before)"
                 " ORDER BY id DESC LIMIT :limit"
             ),
             {
-                "owner": owner,
+                **_who(who),
                 "workflow": workflow,
                 "state": state,
                 "before": before,
@@ -245,21 +274,21 @@ async def node_times(conn: AsyncConnection, run_id: int) -> dict[str, Any]:
     return {r.name: r.updated_at for r in rows}
 
 
-async def cancel_run(conn: AsyncConnection, run_id: int, owner: str | None) -> Row[Any]:
+async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None) -> Row[Any]:
     """End the run as cancelled: open nodes are cancelled, live ones wait for core."""
     row = (
         await conn.execute(
             text(
                 "UPDATE dag.runs SET state = 'cancelled', finished_at = now(),"
                 " updated_at = now(), started_at = COALESCE(started_at, now())"
-                " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                f" WHERE id = :id AND {_VISIBLE}"
                 f" AND state IN ('queued', 'running') RETURNING {RUN_COLUMNS}"
             ),
-            {"id": run_id, "owner": owner},
+            {"id": run_id, **_who(who)},
         )
     ).first()
     if row is None:
-        current = await get_run(conn, run_id, owner)
+        current = await get_run(conn, run_id, who)
         raise Conflict(
             f"run {run_id} is {current.state}: only a queued or running run can be cancelled"
         )
@@ -278,7 +307,7 @@ async def cancel_run(conn: AsyncConnection, run_id: int, owner: str | None) -> R
 
 
 async def retry_run(
-    conn: AsyncConnection, run_id: int, owner: str | None, again: Iterable[str]
+    conn: AsyncConnection, run_id: int, who: Visibility | None, again: Iterable[str]
 ) -> Row[Any]:
     """Queue a failed or cancelled run again, with the nodes in ``again`` pending for
     their next try."""
@@ -286,17 +315,17 @@ async def retry_run(
         await conn.execute(
             text(
                 "UPDATE dag.runs SET state = 'queued', finished_at = NULL, updated_at = now()"
-                " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
+                f" WHERE id = :id AND {_VISIBLE}"
                 " AND state IN ('failed', 'cancelled')"
                 " AND NOT EXISTS (SELECT 1 FROM dag.nodes"
                 "   WHERE run_id = :id AND state = 'cancelling')"
                 f" RETURNING {RUN_COLUMNS}"
             ),
-            {"id": run_id, "owner": owner},
+            {"id": run_id, **_who(who)},
         )
     ).first()
     if row is None:
-        current = await get_run(conn, run_id, owner)
+        current = await get_run(conn, run_id, who)
         reason = (
             "its nodes' tasks are still being cancelled in core"
             if current.state == RunState.CANCELLED

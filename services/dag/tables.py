@@ -47,6 +47,8 @@ workflows = Table(
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
     Column("owner", Text, nullable=False),
+    # The team that owns this version with its owner (its members see and run it).
+    Column("team", Text),
     Column("name", Text, nullable=False),
     Column("version", Integer, nullable=False),
     Column("definition", JSONB, nullable=False),
@@ -54,6 +56,7 @@ workflows = Table(
     Column("node_count", Integer, nullable=False),
     _at("created_at"),
     UniqueConstraint("owner", "name", "version"),
+    Index("ix_workflows_team", "team", postgresql_where=text("team IS NOT NULL")),
     CheckConstraint("version > 0", name="version_positive"),
     CheckConstraint("node_count > 0", name="has_nodes"),
 )
@@ -70,6 +73,8 @@ runs = Table(
         index=True,
     ),
     Column("owner", Text, nullable=False),
+    # The workflow version's team: its members see and act on the run.
+    Column("team", Text),
     Column("workflow", Text, nullable=False),
     Column("workflow_version", Integer, nullable=False),
     Column("params", JSONB, nullable=False),
@@ -91,6 +96,7 @@ runs = Table(
         unique=True,
         postgresql_where=text("idempotency_key IS NOT NULL"),
     ),
+    Index("ix_runs_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
     # Retention deletes the oldest finished runs first.
     Index("ix_runs_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     # Admission counts the active runs of one workflow.

@@ -38,6 +38,19 @@ def test_a_gate_admits_up_to_the_quota_and_counts_what_it_admits() -> None:
     assert gate.refused["quota"] == 3
 
 
+def test_a_team_quota_bounds_the_sum_over_its_members_tasks() -> None:
+    tasks = {
+        1: Gated("alice", ONE, team="sre"),
+        2: Gated("bob", ONE, team="sre"),
+        3: Gated("bob", ONE, team="sre"),
+        4: Gated("bob", ONE),  # bob's own work is not the team's
+    }
+    gate = Gate(tasks=tasks, team_quotas={"sre": Quota(max_running=2)}, team_use={"sre": Use()})
+    assert [gate.admit(i) for i in (1, 2, 3, 4)] == [True, True, False, True]
+    assert gate.held(3) == "team sre at quota (running 2/2)"
+    assert gate.team_use["sre"].running == 2
+
+
 def test_a_keys_admin_limit_overrides_the_tasks_own() -> None:
     tasks = {i: Gated("alice", ONE, key="db", key_limit=5) for i in range(4)}
     gate = Gate(tasks=tasks, limits={"db": KeyLimit(max_running=2)}, keys={"db": KeyUse(1, 0)})

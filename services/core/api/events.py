@@ -39,13 +39,14 @@ async def read_events(
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S, description="Seconds to wait")] = 0,
 ) -> EventPage:
     """Events after ``after``, oldest first. With ``wait``, an empty answer is held until
-    an event arrives or ``wait`` seconds pass. Users read their own tasks' events."""
+    an event arrives or ``wait`` seconds pass. Users read the events of their own tasks
+    and of their teams' tasks; admins and services every task's."""
     cursor = parse_cursor(after)
     notifier: Notifier = request.app.state.notifier
     deadline = asyncio.get_running_loop().time() + wait
     while True:
         async with engine.connect() as conn:
-            events, next_cursor = await store.read_feed(conn, cursor, limit, principal.owner_filter)
+            events, next_cursor = await store.read_feed(conn, cursor, limit, principal.visibility)
         remaining = deadline - asyncio.get_running_loop().time()
         if events or remaining <= 0 or await request.is_disconnected():
             return EventPage(items=events, next_cursor=f"{next_cursor[0]}.{next_cursor[1]}")

@@ -37,10 +37,13 @@ def _book(request: Request) -> sharing.Book:
 async def top_owners(
     principal: Reader, engine: Engine, limit: Annotated[int, Query(ge=1, le=100)] = 10
 ) -> OwnerList:
-    """The owners with the most work running and waiting (users see only themselves)."""
+    """The owners with the most work running and waiting (users see only themselves and
+    their teams)."""
     async with engine.connect() as conn:
         if principal.owner_filter is not None:
-            return OwnerList(items=await sharing.usage_of(conn, [principal.name]))
+            mine = await sharing.usage_of(conn, [principal.name])
+            teams = await sharing.team_usage_of(conn, sorted(principal.teams))
+            return OwnerList(items=mine + teams)
         return OwnerList(items=await sharing.top_owners(conn, limit))
 
 

@@ -31,6 +31,7 @@ from libs.common.models import (
     TaskBatchCreate,
     TaskCreate,
     TaskPage,
+    TaskSelector,
     TeamName,
 )
 from libs.common.problems import PROBLEMS
@@ -90,11 +91,11 @@ async def submit_task(
     book = await _book(request, engine)
     book.check_policy(_policy_role(principal, owner), owner, spec, "body")
     quantum = _quantum(request)
-    if book.limits_submissions([owner]):
+    if book.limits_submissions([owner], [spec.team]):
         async with engine.begin() as conn:
             if secrets.needs_check(spec):
                 await _check(conn, principal, owner, spec)
-            await _admit(conn, book, [owner], meter)
+            await _admit(conn, book, [owner], meter, [spec.team])
             [(row, created)] = await store.submit(conn, owner, [spec], quantum)
             task = await _submitted(conn, spec, row, created)
     else:
@@ -136,10 +137,14 @@ def _policy_role(principal: Principal, owner: str) -> str:
 
 
 async def _admit(
-    conn: AsyncConnection, book: sharing.Book, owners: Sequence[str], meter: CoreMetrics
+    conn: AsyncConnection,
+    book: sharing.Book,
+    owners: Sequence[str],
+    meter: CoreMetrics,
+    teams: Sequence[str | None] = (),
 ) -> None:
     try:
-        await sharing.admit_submissions(conn, book, owners)
+        await sharing.admit_submissions(conn, book, owners, teams)
     except QuotaExceeded as refused:
         meter.quota_refusals.labels(refused.extra["quota"]).inc()
         raise
@@ -240,8 +245,9 @@ async def submit_batch(
             if secrets.needs_check(spec):
                 who = owners if isinstance(owners, str) else owners[i]
                 await _check(conn, principal, who, spec, f"tasks.{i}.")
-        if book.limits_submissions(each):
-            await _admit(conn, book, each, meter)
+        teams = [spec.team for spec in batch.tasks]
+        if book.limits_submissions(each, teams):
+            await _admit(conn, book, each, meter, teams)
         rows = await store.submit(conn, owners, batch.tasks, _quantum(request))
     notifier.announce()
     delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
@@ -282,12 +288,21 @@ def _defaults(request: Request) -> placement.Defaults:
 _BULK_PAGE = 500
 
 
-def _bulk_owner(principal: Reader, named: str | None) -> str | None:
-    """Whose tasks a bulk action may take: an admin's, anyone's (or the one named)."""
+def _bulk_owner(principal: Reader, selector: TaskSelector) -> str | None:
+    """Whose tasks a bulk action may take: an admin's, anyone's (or the one named); a
+    member's, the tasks its team owns (``filter.team``, of any member or the one named);
+    anyone else's, its own."""
     if principal.role == "admin":
-        return named
-    if named not in (None, principal.name):
-        reason = "only an admin acts on other owners' tasks in bulk"
+        return selector.owner
+    if selector.team is not None:
+        if selector.team not in principal.teams:
+            reason = f"you are not a member of team {selector.team}"
+            raise Forbidden(
+                f"filter.team: {reason}", errors=[{"field": "body.filter.team", "reason": reason}]
+            )
+        return selector.owner
+    if selector.owner not in (None, principal.name):
+        reason = "only an admin acts on other owners' tasks in bulk (or a member, with team)"
         raise Forbidden(
             f"filter.owner: {reason}", errors=[{"field": "body.filter.owner", "reason": reason}]
         )
@@ -295,9 +310,9 @@ def _bulk_owner(principal: Reader, named: str | None) -> str | None:
 
 
 async def _bulk(
-    op: Op, action: BulkAction, principal: Reader, engine: Engine, reason: str
+    op: Op, action: BulkAction, principal: Reader, engine: Engine, reason: str, record: Audit
 ) -> BulkResult:
-    owner = _bulk_owner(principal, action.filter.owner)
+    owner = _bulk_owner(principal, action.filter)
     async with engine.connect() as conn:
         matched = await store.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
     if action.dry_run:
@@ -318,20 +333,30 @@ async def _bulk(
         if not moved:
             break
         changed, after = changed + moved, last
-    async with engine.connect() as conn:
+    async with engine.begin() as conn:
         more = await store.count_selected(conn, op, action.filter, owner, 1) > 0
+        if changed and owner != principal.name and principal.role != "service":
+            # Beyond the caller's own tasks (an admin's, a team's): one row per call.
+            await record(
+                conn,
+                f"task.bulk.{op.value}",
+                f"team:{action.filter.team}" if action.filter.team else f"owner:{owner or '*'}",
+                before={"filter": action.filter.model_dump(mode="json", exclude_defaults=True)},
+                after={"changed": changed},
+            )
     return BulkResult(matched=matched, changed=changed, dry_run=False, more=more)
 
 
 @router.post("/retry", response_model=BulkResult, responses=PROBLEMS)
 async def retry_tasks(
-    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer
+    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer, record: Audit
 ) -> BulkResult:
-    """Retry every dead, failed or cancelled task the filter selects (your own; an admin's
-    reach every owner), up to ``limit`` in one call, oldest first, as ``/{id}/retry``
-    does one. ``dry_run`` counts them first; ``more`` says whether to call again."""
+    """Retry every dead, failed or cancelled task the filter selects (your own; with
+    ``filter.team``, that team's, if you are a member; an admin's reach every owner), up
+    to ``limit`` in one call, oldest first, as ``/{id}/retry`` does one. ``dry_run``
+    counts them first; ``more`` says whether to call again."""
     result = await _bulk(
-        Op.RETRY, action, principal, engine, f"retried in bulk by {principal.name}"
+        Op.RETRY, action, principal, engine, f"retried in bulk by {principal.name}", record
     )
     if result.changed:
         notifier.announce()
@@ -340,12 +365,17 @@ async def retry_tasks(
 
 @router.post("/cancel", response_model=BulkResult, responses=PROBLEMS)
 async def cancel_tasks(
-    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer, meter: Meter
+    action: BulkAction,
+    principal: Reader,
+    engine: Engine,
+    notifier: Announcer,
+    meter: Meter,
+    record: Audit,
 ) -> BulkResult:
     """Cancel every unfinished task the filter selects, as ``/{id}/cancel`` does one
     (running attempts are stopped at their worker's next heartbeat)."""
     reason = f"cancelled in bulk by {principal.name}"
-    result = await _bulk(Op.CANCEL, action, principal, engine, reason)
+    result = await _bulk(Op.CANCEL, action, principal, engine, reason, record)
     if result.changed:
         notifier.announce()
         meter.ended(TaskState.CANCELLED, result.changed)

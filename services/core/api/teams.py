@@ -1,13 +1,23 @@
-"""Teams: admins create them and manage their members; a member sees its team."""
+"""Teams: admins create them, manage their members and set their share and quotas; a
+member sees its team and its usage."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response, status
+from fastapi import APIRouter, Path, Request, Response, status
 
-from libs.common.models import PrincipalName, Team, TeamCreate, TeamList, TeamName
+from libs.common.models import (
+    OwnerUsage,
+    PrincipalName,
+    ShareSettings,
+    Team,
+    TeamCreate,
+    TeamList,
+    TeamName,
+)
 from libs.common.problems import PROBLEMS
+from services.core import sharing
 from services.core.deps import AdminOnly, Audit, Engine, Reader
 from services.core.identity import teams
 
@@ -71,3 +81,42 @@ async def remove_member(
         await teams.remove_member(conn, name, member)
         await record(conn, "team.member.remove", f"team:{name}", before={"member": member})
         return await teams.get(conn, name)
+
+
+@router.get("/{name}/usage", response_model=OwnerUsage, responses=PROBLEMS)
+async def team_usage(name: TeamPath, principal: Reader, engine: Engine) -> OwnerUsage:
+    """The team's weight and share of the pool (its tasks are one fair-share flow), what
+    the tasks it owns run and have waiting, its quotas and which it is at. Members and
+    admins; anyone else gets a 404."""
+    async with engine.connect() as conn:
+        await teams.get(conn, name, principal.owner_filter)
+        [usage] = await sharing.team_usage_of(conn, [name])
+    return usage
+
+
+@router.patch("/{name}/share", response_model=OwnerUsage, responses=PROBLEMS)
+async def set_team_share(
+    name: TeamPath,
+    change: ShareSettings,
+    principal: AdminOnly,
+    engine: Engine,
+    request: Request,
+    record: Audit,
+) -> OwnerUsage:
+    """Set the team's fair-share weight and quotas, which bound the sum over the tasks it
+    owns (null: no limit; weight null: 1). A field left out keeps its value."""
+    async with engine.begin() as conn:
+        await teams.get(conn, name)
+        [before] = await sharing.team_usage_of(conn, [name])
+        await sharing.set_share(conn, name, change, team=True)
+        [after] = await sharing.team_usage_of(conn, [name])
+        await record(
+            conn,
+            "team.share",
+            f"team:{name}",
+            before={"weight": before.weight, **before.quota.model_dump()},
+            after={"weight": after.weight, **after.quota.model_dump()},
+        )
+    book: sharing.Book = request.app.state.sharing
+    book.invalidate()
+    return after

@@ -81,23 +81,27 @@ def key_held(key: str, limit: KeyLimit, use: KeyUse) -> str | None:
 
 @dataclass(frozen=True)
 class Gated:
-    """What the gate needs of a candidate: its owner, request and concurrency key
-    (with the task's own limit, used when no admin set one for the key)."""
+    """What the gate needs of a candidate: its owner (and team), request and concurrency
+    key (with the task's own limit, used when no admin set one for the key)."""
 
     owner: str
     request: Amount
     key: str | None = None
     key_limit: int | None = None
+    team: str | None = None
 
 
 @dataclass
 class Gate:
-    """Running quotas of owners and limits of keys, with their use now. ``admit`` takes
-    a candidate's room when it may start; ``held`` only says why it may not."""
+    """Running quotas of owners and teams and limits of keys, with their use now.
+    ``admit`` takes a candidate's room when it may start; ``held`` only says why it may
+    not. A team's use sums the open attempts of every task the team owns."""
 
     tasks: Mapping[int, Gated]
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     use: dict[str, Use] = field(default_factory=dict)
+    team_quotas: Mapping[str, Quota] = field(default_factory=dict)
+    team_use: dict[str, Use] = field(default_factory=dict)
     limits: Mapping[str, KeyLimit] = field(default_factory=dict)
     keys: dict[str, KeyUse] = field(default_factory=dict)
     #: candidates held back, by what held them (quota, concurrency, rate)
@@ -122,6 +126,11 @@ class Gate:
             over = over_quota(quota, self.use.get(item.owner, Use()), item.request)
             if over is not None:
                 return "quota", f"owner at quota ({over})"
+        team_quota = self.team_quotas.get(item.team) if item.team is not None else None
+        if team_quota is not None and item.team is not None:
+            over = over_quota(team_quota, self.team_use.get(item.team, Use()), item.request)
+            if over is not None:
+                return "quota", f"team {item.team} at quota ({over})"
         if item.key is None:
             return None
         limit = self._limit(item)
@@ -145,15 +154,20 @@ class Gate:
         if item is None:
             return True
         if item.owner in self.quotas:
-            use = self.use.setdefault(item.owner, Use())
-            use.running += 1
-            use.cpu += item.request.cpu
-            use.memory_mb += item.request.memory_mb
+            _take(self.use.setdefault(item.owner, Use()), item.request)
+        if item.team is not None and item.team in self.team_quotas:
+            _take(self.team_use.setdefault(item.team, Use()), item.request)
         if item.key is not None:
             key = self.keys.setdefault(item.key, KeyUse())
             key.running += 1
             key.started += 1
         return True
+
+
+def _take(use: Use, request: Amount) -> None:
+    use.running += 1
+    use.cpu += request.cpu
+    use.memory_mb += request.memory_mb
 
 
 def fair_stamp(last: float | None, head: float | None, now: float, step: float) -> float:

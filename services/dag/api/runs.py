@@ -65,7 +65,7 @@ async def list_runs(
     if before is not None and before > 2**63 - 1:
         raise InvalidInput("cursor: not a cursor this API gave out")
     async with db.connect() as conn:
-        rows = await store.list_runs(conn, caller.owner_filter, workflow, state, limit, before)
+        rows = await store.list_runs(conn, caller.visibility, workflow, state, limit, before)
     items = [store.run_model(r) for r in rows]
     next_cursor = str(items[-1].id) if len(items) == limit else None
     return RunList(items=items, next_cursor=next_cursor)
@@ -75,7 +75,7 @@ async def list_runs(
 async def get_run(run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache) -> Run:
     """The run with every node's state, in topological order."""
     async with db.connect() as conn:
-        row = await store.get_run(conn, run_id, caller.owner_filter)
+        row = await store.get_run(conn, run_id, caller.visibility)
         run, _ = await _with_nodes(conn, graphs, row)
     return run
 
@@ -95,7 +95,7 @@ async def get_graph(
     """The run's nodes and edges (upstream to downstream) as JSON, or with
     ``format=mermaid`` as a Mermaid flowchart."""
     async with db.connect() as conn:
-        row = await store.get_run(conn, run_id, caller.owner_filter)
+        row = await store.get_run(conn, run_id, caller.visibility)
         run, dag = await _with_nodes(conn, graphs, row)
     edges = [GraphEdge(source=up, target=n) for n in dag.order for up in dag.upstream[n]]
     text = mermaid(run.nodes, edges)
@@ -114,7 +114,7 @@ async def cancel_run(
 ) -> Run:
     """Cancel a queued or running run; its nodes' live tasks are cancelled in core."""
     async with db.begin() as conn:
-        row = await store.cancel_run(conn, run_id, caller.owner_filter)
+        row = await store.cancel_run(conn, run_id, caller.visibility)
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
@@ -127,10 +127,10 @@ async def retry_run(
     """Run a failed or cancelled run again from the nodes that failed, could not run or
     were cancelled (each with its try counted up); the run queues like a new one."""
     async with db.begin() as conn:
-        row = await store.get_run(conn, run_id, caller.owner_filter)
+        row = await store.get_run(conn, run_id, caller.visibility)
         dag = await graphs.get(conn, row.workflow_id)
         states = {n.name: n.state for n in await store.nodes_of(conn, [run_id], lock=True)}
-        row = await store.retry_run(conn, run_id, caller.owner_filter, reset_for_retry(dag, states))
+        row = await store.retry_run(conn, run_id, caller.visibility, reset_for_retry(dag, states))
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run

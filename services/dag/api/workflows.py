@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from libs.common.auth import ActingOwner, Person
+from libs.common.auth import ActingOwner, Caller, Person, Visibility
 from libs.common.dag_models import (
     Run,
     RunCreate,
@@ -18,6 +18,7 @@ from libs.common.dag_models import (
     WorkflowName,
 )
 from libs.common.problems import PROBLEMS
+from libs.common.teams import bound_to_team, check_member
 from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
 from services.dag.domain.templates import Renderer, RunContext, merged_params
@@ -30,13 +31,47 @@ def _workflow(row: object) -> Workflow:
     return Workflow.model_validate(row, from_attributes=True)
 
 
+def _for_team(body: WorkflowCreate) -> WorkflowCreate:
+    """A team's definition: every node's task owned by the team, with no secret but the
+    team's (422 naming the node's field otherwise)."""
+    team = body.team
+    if team is None:
+        return body
+    nodes = [
+        node.model_copy(update={"task": bound_to_team(node.task, team, f"body.nodes.{i}.task")})
+        for i, node in enumerate(body.nodes)
+    ]
+    return body.model_copy(update={"nodes": nodes})
+
+
+# Whose workflow: a teammate's, shared with a team of the caller (default: the caller's).
+WorkflowOwner = Annotated[
+    str | None,
+    Query(
+        alias="owner",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="The workflow's owner, when it is a teammate's workflow shared with "
+        "a team of yours (the run is then the owner's and the team's).",
+    ),
+]
+
+
 @router.post("", response_model=Workflow, status_code=201, responses=PROBLEMS)
 async def put_workflow(
-    body: WorkflowCreate, owner: ActingOwner, db: Db, graphs: GraphCache, response: Response
+    body: WorkflowCreate,
+    caller: Person,
+    owner: ActingOwner,
+    db: Db,
+    graphs: GraphCache,
+    response: Response,
 ) -> Workflow:
     """Store a definition as the workflow's next version (201), or answer its newest
     version (200) when that is the same definition. A cycle, an unknown or duplicate node
-    is refused with their names."""
+    is refused with their names. ``team`` must be one the caller belongs to (403)."""
+    check_member(caller, body.team, "body.team")
+    body = _for_team(body)
     dag, weight = await asyncio.to_thread(build_sized, body)  # a large one takes seconds
     async with db.begin() as conn:
         row, created = await store.put_workflow(conn, owner, body)
@@ -50,7 +85,7 @@ async def put_workflow(
 async def list_workflows(caller: Person, db: Db) -> WorkflowList:
     """The newest version of each workflow you may see."""
     async with db.connect() as conn:
-        rows = await store.list_workflows(conn, caller.owner_filter)
+        rows = await store.list_workflows(conn, caller.visibility)
     return WorkflowList.model_validate(
         {"items": [{**r._mapping, "nodes": r.node_count} for r in rows]}
     )
@@ -59,29 +94,45 @@ async def list_workflows(caller: Person, db: Db) -> WorkflowList:
 @router.get("/{name}", response_model=Workflow, responses=PROBLEMS)
 async def get_workflow(
     name: WorkflowName,
+    caller: Person,
     owner: ActingOwner,
     db: Db,
     version: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    of: WorkflowOwner = None,
 ) -> Workflow:
-    """Your workflow's newest version, or ``version``."""
+    """Your workflow's newest version, or ``version``; with ``owner``, a teammate's
+    workflow shared with your team (anyone else's is a 404)."""
     async with db.connect() as conn:
-        return _workflow(await store.get_workflow(conn, owner, name, version))
+        whose, who = _whose(caller, owner, of)
+        return _workflow(await store.get_workflow(conn, whose, name, version, who))
+
+
+def _whose(caller: Caller, owner: str, of: str | None) -> tuple[str, Visibility | None]:
+    """The workflow's owner, and who must be able to see it (None: the caller's own)."""
+    if of is None or of == owner:
+        return owner, None
+    return of, caller.visibility
 
 
 @router.post("/{name}/runs", response_model=Run, status_code=201, responses=PROBLEMS)
 async def start_run(
     name: WorkflowName,
     body: RunCreate,
+    caller: Person,
     owner: ActingOwner,
     db: Db,
     graphs: GraphCache,
     loop: Loop,
     response: Response,
+    of: WorkflowOwner = None,
 ) -> Run:
     """Start a run (201), or answer the run your ``idempotency_key`` already started (200).
-    It is queued until the workflow has fewer than ``max_active_runs`` running."""
+    It is queued until the workflow has fewer than ``max_active_runs`` running. With
+    ``owner``, a run of a teammate's workflow shared with your team: the run, like the
+    workflow, is its owner's and the team's."""
+    owner, who = _whose(caller, owner, of)
     async with db.begin() as conn:
-        workflow = await store.get_workflow(conn, owner, name, body.version)
+        workflow = await store.get_workflow(conn, owner, name, body.version, who)
         dag = await graphs.get(conn, workflow.id)
         params = merged_params(dag, body.params)
         if body.fire is not None:  # {{ fire.slot }}: kept with the run's params

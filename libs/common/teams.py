@@ -1,0 +1,36 @@
+"""Team ownership of schedules and workflows (docs/security.md, "Teams"): the rules the
+cron and DAG services share. A team-owned schedule or workflow is seen and acted on by
+the team's members; the tasks it submits to core are owned by its owner and the team."""
+
+from __future__ import annotations
+
+from libs.common.auth import Caller
+from libs.common.errors import Forbidden, InvalidInput
+from libs.common.models import SecretRef, TaskCreate
+
+
+def _field_error(error: type[InvalidInput] | type[Forbidden], field: str, reason: str) -> Exception:
+    return error(f"{field}: {reason}", errors=[{"field": field, "reason": reason}])
+
+
+def check_member(caller: Caller, team: str | None, field: str) -> None:
+    """Only a member gives work to a team (403 naming ``field``): core will submit the
+    work's tasks for the owner's team, and refuses them unless the owner belongs to it."""
+    if team is not None and team not in caller.teams:
+        raise _field_error(Forbidden, field, f"you are not a member of team {team}")
+
+
+def bound_to_team(task: TaskCreate, team: str, field: str) -> TaskCreate:
+    """``task`` as a team's schedule or workflow submits it: owned by ``team`` too (a
+    different ``team`` is a 422 naming ``field.team``), and with no secret but the team's
+    (any member may trigger or change it, so it must not reach its owner's own secrets:
+    a 422 naming ``field.env.NAME``)."""
+    if task.team not in (None, team):
+        raise _field_error(
+            InvalidInput, f"{field}.team", f"must be {team}, the team that owns it, or left out"
+        )
+    for name, value in task.env.items():
+        if isinstance(value, SecretRef) and value.team != team:
+            reason = f"a team's work may use only the team's secrets: add team {team!r}"
+            raise _field_error(InvalidInput, f"{field}.env.{name}", reason)
+    return task.model_copy(update={"team": team})
