@@ -25,12 +25,12 @@ from services.dag import tables as dag_tables
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
     pytest.param(
-        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0004_fairshare", id="core"
+        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0005_data", id="core"
     ),
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0002_faults", id="cron"
     ),
-    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0002_faults", id="dag"),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0003_data", id="dag"),
 ]
 
 
