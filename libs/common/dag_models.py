@@ -42,13 +42,15 @@ WorkflowName = Annotated[
 ParamName = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 ]
-ParamValue = (
+ParamScalar = (
     Annotated[str, StringConstraints(max_length=8192, pattern=r"^[^\x00]*$")]
     | int
     | float
     | bool
     | None
 )
+#: a list parameter is what a node may map over (``map.over: "{{ params.NAME }}"``)
+ParamValue = ParamScalar | Annotated[list[ParamScalar], Field(max_length=10_000)]
 
 
 class TriggerRule(StrEnum):
@@ -217,9 +219,7 @@ class NodeSpec(_Input):
     task: TaskTemplate
     depends_on: list[NodeName] = Field(default_factory=list, max_length=MAX_DEPENDS_ON)
     trigger_rule: TriggerRule = TriggerRule.ALL_SUCCESS
-    outputs: dict[OutputName, OutputSpec] = Field(
-        default_factory=dict, max_length=MAX_OUTPUT_DECLS
-    )
+    outputs: dict[OutputName, OutputSpec] = Field(default_factory=dict, max_length=MAX_OUTPUT_DECLS)
     map: MapSpec | None = None
 
     @model_validator(mode="before")

@@ -16,13 +16,13 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from libs.common.models import MAX_OUTPUTS_BYTES, Outputs, Report
 
 ENV = "CAIRN_OUTPUTS"
 FILE = ".cairn-outputs.json"
-_OUTPUTS: TypeAdapter[dict[str, object]] = TypeAdapter(Outputs)
+_OUTPUTS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(Outputs)
 
 
 class OutputsError(Exception):
@@ -34,7 +34,7 @@ def with_path(env: Mapping[str, str], workdir: Path) -> dict[str, str]:
     return {**env, ENV: str(workdir / FILE)}
 
 
-def read(workdir: Path) -> dict[str, object] | None:
+def read(workdir: Path) -> dict[str, JsonValue] | None:
     """The outputs the attempt wrote, or None when it wrote no file."""
     try:
         fd = os.open(workdir / FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
