@@ -47,10 +47,14 @@ def _runs(rule: TriggerRule, ups: list[str]) -> bool | str:
         TriggerRule.ONE_FAILED: failed,
         TriggerRule.ONE_SUCCESS: any(succeeded),
         TriggerRule.NONE_FAILED: not failed,
+        TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS: not failed and any(succeeded),
+        TriggerRule.ALL_FAILED: all(s in FAILED for s in ups),
+        TriggerRule.ONE_DONE: any(s in ("succeeded", "failed") for s in ups),
+        TriggerRule.ALWAYS: True,
     }[rule]
     if runs:
         return True
-    if rule is TriggerRule.ONE_FAILED:
+    if rule in (TriggerRule.ONE_FAILED, TriggerRule.ALL_FAILED, TriggerRule.ONE_DONE):
         return "skipped"
     return "upstream_failed" if failed else "skipped"
 
@@ -101,6 +105,10 @@ def _met_at(rule: TriggerRule, ups: list[tuple[str, datetime]], at: datetime) ->
         return any(s in FAILED for s in ended)
     if rule is TriggerRule.ONE_SUCCESS:
         return "succeeded" in ended
+    if rule is TriggerRule.ONE_DONE:
+        return any(s in ("succeeded", "failed") for s in ended)
+    if rule is TriggerRule.ALWAYS:
+        return True
     if len(ended) < len(ups):
         return False
     return _runs(rule, ended) is True
