@@ -323,8 +323,12 @@ class Engine:
     # --- run timeouts ----------------------------------------------------------------------
 
     async def expire(self) -> None:
-        """Fail running runs past their deadline; their live tasks are cancelled next."""
+        """Fail running runs past their deadline; their live tasks are cancelled next.
+        One query a turn when none is due: how long until the next deadline."""
         async with self.db.connect() as conn:
+            self._to_deadline = await store.seconds_to_deadline(conn)
+            if self._to_deadline is None or self._to_deadline > 0:
+                return
             overdue = await store.overdue_runs(conn)
         self._failed.clear()
         for run_id in overdue:

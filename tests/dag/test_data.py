@@ -392,3 +392,28 @@ def test_run_timeout_and_node_cap_are_bounded(dag: DagServer) -> None:
         no_cap = http.post("/v1/workflows", json=workflow("t", [node("a")], max_active_nodes=0))
     assert too_long.status_code == 422 and "timeout_s" in too_long.text
     assert no_cap.status_code == 422 and "max_active_nodes" in no_cap.text
+
+
+def test_a_retry_maps_a_failed_mapped_node_again_with_the_next_try(
+    runner: Runner, worker: Worker
+) -> None:
+    body = workflow(
+        "flaky-map",
+        [
+            node(
+                "each",
+                args=("{{ map.item }}", "2", "{{ node.try }}"),
+                map={"over": "{{ params.items }}"},
+            ),
+            node("after", "each"),
+        ],
+    )
+    run = runner.run(body, params={"items": ["ok", "fail-below", "ok"]})
+    assert run["state"] == "failed"
+    assert states(run)["each[1]"] == "failed"
+    assert runner.http.post(f"/v1/runs/{run['id']}/retry").status_code == 200
+    done = runner.wait_end(run["id"])
+    assert done["state"] == "succeeded"
+    tries = {n["name"]: n["try_number"] for n in done["nodes"]}
+    assert tries == {"each": 2, "each[0]": 2, "each[1]": 2, "each[2]": 2, "after": 2}
+    assert set(states(done).values()) == {"succeeded"}
