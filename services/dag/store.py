@@ -419,34 +419,41 @@ async def seconds_to_deadline(conn: AsyncConnection) -> float | None:
     return None if value is None else max(0.0, float(value))
 
 
-async def retry_run(
-    conn: AsyncConnection, run_id: int, owner: str | None, again: Iterable[str]
+async def requeue(
+    conn: AsyncConnection,
+    run_id: int,
+    owner: str | None,
+    names: Iterable[str],
+    *,
+    sources: Sequence[RunState],
+    action: str,
 ) -> Row[Any]:
-    """Queue a failed or cancelled run again, with the nodes in ``again`` pending for
-    their next try."""
+    """Queue a run in one of ``sources`` again (a retry, a clear), with the nodes in
+    ``names`` pending for their next try; refused while core still cancels its tasks."""
     row = (
         await conn.execute(
             text(
                 "UPDATE dag.runs SET state = 'queued', finished_at = NULL, reason = NULL,"
                 " updated_at = now()"
                 " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
-                " AND state IN ('failed', 'cancelled')"
+                " AND state = ANY(:sources)"
                 " AND NOT EXISTS (SELECT 1 FROM dag.nodes"
                 "   WHERE run_id = :id AND state = 'cancelling')"
                 f" RETURNING {RUN_COLUMNS}"
             ),
-            {"id": run_id, "owner": owner},
+            {"id": run_id, "owner": owner, "sources": [str(state) for state in sources]},
         )
     ).first()
     if row is None:
         current = await get_run(conn, run_id, owner)
+        words = [str(state) for state in sources]
         reason = (
             "its nodes' tasks are still being cancelled in core"
-            if current.state == RunState.CANCELLED
-            else "only a failed or cancelled run can be retried"
+            if current.state in words
+            else f"only a {', '.join(words[:-1])} or {words[-1]} run can be {action}"
         )
         raise Conflict(f"run {run_id} is {current.state}: {reason}")
-    await reset_nodes(conn, run_id, again)
+    await reset_nodes(conn, run_id, names)
     return row
 
 
@@ -466,36 +473,6 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
         ),
         {"id": run_id, "names": names},
     )
-
-
-async def clear_run(
-    conn: AsyncConnection, run_id: int, owner: str | None, names: Iterable[str]
-) -> Row[Any]:
-    """Queue a finished run again with the nodes in ``names`` pending for their next try."""
-    row = (
-        await conn.execute(
-            text(
-                "UPDATE dag.runs SET state = 'queued', finished_at = NULL, reason = NULL,"
-                " updated_at = now()"
-                " WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)"
-                " AND state IN ('succeeded', 'failed', 'cancelled')"
-                " AND NOT EXISTS (SELECT 1 FROM dag.nodes"
-                "   WHERE run_id = :id AND state = 'cancelling')"
-                f" RETURNING {RUN_COLUMNS}"
-            ),
-            {"id": run_id, "owner": owner},
-        )
-    ).first()
-    if row is None:
-        current = await get_run(conn, run_id, owner)
-        reason = (
-            "its nodes' tasks are still being cancelled in core"
-            if current.state in ("failed", "cancelled")
-            else "only a finished run can be cleared"
-        )
-        raise Conflict(f"run {run_id} is {current.state}: {reason}")
-    await reset_nodes(conn, run_id, names)
-    return row
 
 
 # --- what the engine does -----------------------------------------------------------------

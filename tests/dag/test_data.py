@@ -11,21 +11,12 @@ import psycopg
 import pytest
 
 from tests.dag.conftest import DagServer, Runner, Worker, node, states, workflow
+from tests.dag.test_runs import _tasks
 from tests.support import wait_for
 
 
 def _out(values: dict) -> tuple[str, str]:
     return ("out", json.dumps(values))
-
-
-def _tasks(db: psycopg.Connection, run_id: int) -> dict[str, dict]:
-    rows = db.execute(
-        "SELECT labels->>'cairn.dag/node', id, idempotency_key, state, args, created_at,"
-        " finished_at FROM core.tasks WHERE labels->>'cairn.dag/run' = %s",
-        (str(run_id),),
-    ).fetchall()
-    keys = ("id", "key", "state", "args", "created_at", "finished_at")
-    return {name: dict(zip(keys, rest, strict=True)) for name, *rest in rows}
 
 
 def _node(run: dict, name: str) -> dict:

@@ -31,6 +31,8 @@ from services.dag.engine import Graphs, clear_set, reset_for_retry
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
+_RETRIED = (RunState.FAILED, RunState.CANCELLED)
+_CLEARED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
 
 async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[Run, Dag]:
@@ -152,7 +154,10 @@ async def retry_run(
         row = await store.get_run(conn, run_id, caller.owner_filter)
         dag = await graphs.get(conn, row.workflow_id)
         states = {n.name: n.state for n in await store.nodes_of(conn, [run_id], lock=True)}
-        row = await store.retry_run(conn, run_id, caller.owner_filter, reset_for_retry(dag, states))
+        again = reset_for_retry(dag, states)
+        row = await store.requeue(
+            conn, run_id, caller.owner_filter, again, sources=_RETRIED, action="retried"
+        )
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
@@ -175,7 +180,9 @@ async def clear_run(
             )
         await store.nodes_of(conn, [run_id], lock=True)
         cleared = clear_set(dag, body.node, body.downstream)
-        row = await store.clear_run(conn, run_id, caller.owner_filter, cleared)
+        row = await store.requeue(
+            conn, run_id, caller.owner_filter, cleared, sources=_CLEARED, action="cleared"
+        )
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
