@@ -538,9 +538,25 @@ class ClaimAnswer(_Output):
 def _bounded_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
     import json
 
-    if len(json.dumps(outputs)) > MAX_OUTPUTS_BYTES:
+    try:
+        text = json.dumps(outputs, allow_nan=False)
+    except ValueError:
+        raise ValueError("outputs must be JSON: no NaN or Infinity") from None
+    if len(text) > MAX_OUTPUTS_BYTES:
         raise ValueError(f"outputs must be at most {MAX_OUTPUTS_BYTES} bytes as JSON")
+    if _holds_nul(outputs):
+        raise ValueError("outputs may not hold NUL characters")
     return outputs
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
+    return False
 
 
 OutputKey = Annotated[

@@ -41,6 +41,8 @@ def test_no_file_is_no_outputs_and_an_object_is_read(tmp_path: Path) -> None:
         ("{not json", "not a JSON object"),
         (json.dumps({"bad key": 1}), "not a JSON object"),
         (json.dumps({"x": "y" * MAX_OUTPUTS_BYTES}), "larger than"),
+        ('{"x": NaN}', "no NaN"),
+        ('{"x": ["a\\u0000"]}', "NUL"),
     ],
 )
 def test_a_broken_file_fails_a_succeeded_attempt_for_good(
