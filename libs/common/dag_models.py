@@ -31,6 +31,8 @@ MAX_NODE_LABELS = 30
 MAX_OUTPUT_DECLS = 32
 #: the most items one node may map over (its own ``map.max_items`` may be lower)
 MAX_MAP_ITEMS = 10_000
+#: the most instances all the maps of one run may make (the sum of their max_items)
+MAX_RUN_INSTANCES = 100_000
 MAX_RUN_TIMEOUT_S = 30 * 86400
 
 NodeName = Annotated[

@@ -349,6 +349,11 @@ BAD = [
         "less than or equal to 10000",
     ),
     (
+        [node(f"m{i}", map={"over": "{{ params.x }}", "max_items": 10_000}) for i in range(11)],
+        "body.nodes",
+        "add up to 110000, more than 100000",
+    ),
+    (
         [node("a", outputs={"t": {"path": "/local/{{ run.id }}"}})],
         "body.nodes.0.outputs.t.path",
         "pattern",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from libs.common.dag_models import NodeSpec, TriggerRule, WorkflowCreate
+from libs.common.dag_models import MAX_RUN_INSTANCES, NodeSpec, TriggerRule, WorkflowCreate
 from libs.common.errors import InvalidInput
 
 # {{ params.x }}, {{ run.id }}, {{ node.try }}, {{ nodes.extract.output_path }},
@@ -196,6 +196,14 @@ def build(definition: WorkflowCreate) -> Dag:
         refs = _references(i, node, errors)
         params |= refs.params
         errors += _check_upstream(graph, specs, node.name, refs)
+    mapped = sum(node.map.max_items for node in definition.nodes if node.map is not None)
+    if mapped > MAX_RUN_INSTANCES:
+        errors.append(
+            {
+                "field": "body.nodes",
+                "reason": f"the maps' max_items add up to {mapped}, more than {MAX_RUN_INSTANCES}",
+            }
+        )
     _refuse(errors)
     return Dag(
         definition=definition,
