@@ -201,6 +201,7 @@ class Engine:
         self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
         self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
         self._to_deadline: float | None = None
+        self._made = 0  # mapped instances made this turn
 
     def wake(self) -> None:
         self._wake.set()
@@ -262,6 +263,7 @@ class Engine:
         """One turn: admit, release, cancel, then read and apply one page of the feed;
         now and then, purge runs past the retention."""
         self._wake.clear()
+        self._made = 0
         if time.monotonic() - self._purged_at > self.settings.retention_interval_s:
             await self.purge()
             self._purged_at = time.monotonic()
@@ -274,6 +276,7 @@ class Engine:
             await self.apply(page)
             if not self._full_page:
                 self.metrics.caught_up()
+        self.metrics.mapped.inc(self._made)
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
@@ -340,6 +343,7 @@ class Engine:
             if run is not None:
                 log.info("run %s timed out", run_id, extra={"run_id": run_id})
                 self.metrics.finished.labels(RunState.FAILED.value).inc()
+                self.metrics.timed_out.inc()
         await self._tell_failed()
         async with self.db.connect() as conn:
             self._to_deadline = await store.seconds_to_deadline(conn)
@@ -364,7 +368,10 @@ class Engine:
 
         async def written(task_id: int) -> dict[str, Any] | None:
             async with gate:
-                attempts = await self.core.attempts(task_id)
+                try:
+                    attempts = await self.core.attempts(task_id)
+                except NotFound:  # gone from core: the node keeps no values from it
+                    return None
             return next((a.outputs for a in attempts if a.id == succeeded[task_id]), None)
 
         found = await asyncio.gather(*(written(t) for t in wanted))
@@ -471,6 +478,7 @@ class Engine:
                     continue
                 del changed[name]
                 instances[name] = await store.expand(conn, run.id, name, tries[name], items)
+                self._made += len(items)  # counted once the turn's transactions committed
                 states[name] = N.MAPPED
                 states.update(dict.fromkeys(instances[name], N.READY))
                 expanded = True
