@@ -1,7 +1,7 @@
 """DAG benchmark: a 10,000-node definition validated and ordered, and the latency from a
 parent's success to its child's submission in core.
 
-    .venv/bin/python bench/dag.py [--nodes 10000] [--chain 200] [--rounds 5]
+    .venv/bin/python bench/dag.py [--nodes 10000] [--chain 200] [--rounds 5] [--map 1000]
 
 Part 1 parses a 10,000-node definition from its JSON (pydantic), checks it (names,
 ``depends_on``, templates) and orders it (networkx), in this process; the median and the
@@ -11,13 +11,17 @@ with a worker in this process that claims and reports through core's HTTP API at
 and takes, for every link, the child task's ``created_at`` minus the parent task's
 ``finished_at`` (both PostgreSQL's clock): the whole path of a success event through
 core's feed, the DAG service's transaction, and the submission. Bars (DESIGN.md): under
-2 s; p50 under 50 ms.
+2 s; p50 under 50 ms. Part 3 (same stack): a node hands on a list of ``--map`` items
+through its outputs, the next maps over it, a fan-in follows (how long from the list's
+end to its instances' submission, and from the last instance to the fan-in); and how late
+runs past a 1 s ``timeout_s`` fail.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -109,13 +113,86 @@ def _worker(core_url: str, token: str, stop: threading.Event) -> None:
     room = {"cpu": 64, "memory_mb": 2**20, "max": 64, "wait": 1}
     while not stop.is_set():
         for a in http.post(f"/v1/workers/{wid}/claim", json=room).json().get("attempts", []):
-            http.post(
-                f"/v1/workers/{wid}/attempts/{a['attempt_id']}/report",
-                json={"outcome": "succeeded", "exit_code": 0},
-            )
+            if a["args"][:1] == ["hold"]:
+                continue
+            report: dict = {"outcome": "succeeded", "exit_code": 0}
+            if a["args"][:1] == ["out"]:
+                report["outputs"] = json.loads(a["args"][1])
+            http.post(f"/v1/workers/{wid}/attempts/{a['attempt_id']}/report", json=report)
 
 
-def bench_release(chain: int) -> None:
+def _wait_run(http: httpx.Client, run_id: int) -> dict:
+    while True:
+        run = http.get(f"/v1/runs/{run_id}").json()
+        if run["state"] in ("succeeded", "failed", "cancelled"):
+            return run
+        time.sleep(0.05)
+
+
+def bench_map(http: httpx.Client, url: str, items: int) -> None:
+    """A node hands on a list of ``items`` through its outputs; the next maps over it;
+    a fan-in reads every instance's output."""
+    listed = json.dumps({"files": [f"f{i}" for i in range(items)]})
+    nodes = [
+        {
+            "name": "list",
+            "task": {"artifact": ARTIFACT, "args": ["out", listed]},
+            "outputs": {"files": {}},
+        },
+        {
+            "name": "each",
+            "depends_on": ["list"],
+            "outputs": {"n": {}},
+            "task": {"artifact": ARTIFACT, "args": ["out", '{"n": {{ map.index }}}']},
+            "map": {"over": "{{ nodes.list.outputs.files }}", "max_items": items},
+        },
+        {"name": "sum", "depends_on": ["each"], "task": {"artifact": ARTIFACT}},
+    ]
+    http.post("/v1/workflows", json={"name": "map", "nodes": nodes}).raise_for_status()
+    started = time.monotonic()
+    run = http.post("/v1/workflows/map/runs", json={}).raise_for_status().json()
+    ended = _wait_run(http, run["id"])
+    took = time.monotonic() - started
+    with psycopg.connect(libpq_url(url)) as conn:
+        rows = conn.execute(
+            "SELECT labels->>'cairn.dag/node', created_at, finished_at FROM core.tasks"
+            " WHERE labels->>'cairn.dag/run' = %s",
+            (str(run["id"]),),
+        ).fetchall()
+    by = {name: (created, finished) for name, created, finished in rows}
+    each = [v for k, v in by.items() if k.startswith("each[")]
+    expand = (max(c for c, _ in each) - by["list"][1]).total_seconds() * 1000
+    first = (min(c for c, _ in each) - by["list"][1]).total_seconds() * 1000
+    fan_in = (by["sum"][0] - max(f for _, f in each)).total_seconds() * 1000
+    print(f"map: {items} instances over an upstream output, run {ended['state']} in {took:.2f} s")
+    print(
+        f"  list finished -> first instance submitted {first:.1f} ms, last {expand:.1f} ms;"
+        f" last instance finished -> fan-in submitted {fan_in:.1f} ms"
+    )
+
+
+def bench_timeout(http: httpx.Client, url: str, rounds: int = 5) -> None:
+    """How late a run past its ``timeout_s`` fails (finished_at minus its deadline)."""
+    nodes = [{"name": "stuck", "task": {"artifact": ARTIFACT, "args": ["hold"]}}]
+    http.post("/v1/workflows", json={"name": "stuck", "nodes": nodes}).raise_for_status()
+    lags = []
+    for _ in range(rounds):
+        run = http.post("/v1/workflows/stuck/runs", json={"timeout_s": 1}).raise_for_status()
+        ended = _wait_run(http, run.json()["id"])
+        with psycopg.connect(libpq_url(url)) as conn:
+            lag = conn.execute(
+                "SELECT EXTRACT(EPOCH FROM finished_at - deadline) FROM dag.runs WHERE id = %s",
+                (ended["id"],),
+            ).fetchone()[0]
+        lags.append(float(lag) * 1000)
+    lags.sort()
+    print(
+        f"timeout: {rounds} runs with timeout_s 1 failed {lags[len(lags) // 2]:.1f} ms"
+        f" after their deadline (median), {lags[-1]:.1f} ms at most"
+    )
+
+
+def bench_release(chain: int, mapped: int = 1000) -> None:
     root = Path(tempfile.mkdtemp(prefix="cairn-bench-dag-"))
     server = EmbeddedPostgres(root / "pg")
     url = server.start()
@@ -173,6 +250,9 @@ def bench_release(chain: int) -> None:
         print(
             f"  parent finished -> child submitted: p50 {p(0.5):.1f} ms, p90 {p(0.9):.1f} ms, p99 {p(0.99):.1f} ms, max {lags[-1]:.1f} ms (bar p50 < 50 ms)"
         )
+        with httpx.Client(base_url=dag_url, headers=user, timeout=30) as http:
+            bench_map(http, url, mapped)
+            bench_timeout(http, url)
     finally:
         stop.set()
         for proc in reversed(procs):
@@ -187,9 +267,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=10_000)
     parser.add_argument("--chain", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--map", type=int, default=1000, help="instances of the mapped node")
     args = parser.parse_args()
     bench_definition(args.nodes, args.rounds)
-    bench_release(args.chain)
+    bench_release(args.chain, args.map)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ runs the service itself.)"""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +17,9 @@ from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
 from libs.common.dag_client import DagClient
 from libs.common.dag_models import Run, Workflow, WorkflowCreate
 
-app = typer.Typer(help="Workflows: submit FILE.yaml, ls, run, status, cancel, retry, graph.")
+app = typer.Typer(
+    help="Workflows: submit FILE.yaml, ls, run, status, outputs, cancel, retry, clear, graph."
+)
 
 RUN_OVER = {"succeeded", "failed", "cancelled"}
 
@@ -73,6 +76,9 @@ def run(
     param: Annotated[list[str] | None, typer.Option(help="parameter KEY=VALUE")] = None,
     key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
     wait: Annotated[bool, typer.Option(help="follow the run until it ends")] = False,
+    timeout: Annotated[
+        int | None, typer.Option(help="fail the run after this many seconds", min=1)
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Start a run of a workflow."""
@@ -80,7 +86,7 @@ def run(
 
     async def go() -> tuple[Run, bool]:
         async with _client(ctx) as dag:
-            return await dag.start_run(workflow, params, idempotency_key=key)
+            return await dag.start_run(workflow, params, idempotency_key=key, timeout_s=timeout)
 
     started, _ = output.call(go)
     if wait:
@@ -106,6 +112,8 @@ def tree(found: Run) -> Tree:
     def label(name: str) -> str:
         node = by_name[name]
         extra = f" task {node.task_id}" if node.task_id else ""
+        if node.map_of is not None:
+            extra += f" [dim]item {json.dumps(node.map_item)[:60]}[/dim]"
         extra += f" try {node.try_number}" if node.try_number > 1 else ""
         also = node.depends_on[1:]
         if also:
@@ -118,7 +126,7 @@ def tree(found: Run) -> Tree:
     while pending:
         rest = []
         for node in pending:
-            parent = node.depends_on[0] if node.depends_on else None
+            parent = node.map_of or (node.depends_on[0] if node.depends_on else None)
             if parent is None or parent in placed:
                 holder = root if parent is None else branches[parent]
                 branches[node.name] = holder.add(label(node.name))
@@ -173,6 +181,69 @@ def status(
         output.dump(found)
     else:
         output.console.print(tree(found))
+        if found.reason:
+            output.console.print(f"[red]{found.reason}[/red]")
+
+
+@app.command("outputs")
+def outputs(
+    ctx: typer.Context,
+    run_id: int,
+    node: Annotated[str | None, typer.Option(help="only this node (or NODE[INDEX])")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """What a run's nodes handed on: each output a node kept (a mapped node's as the
+    list of its instances' values)."""
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.get_run(run_id)
+
+    found = output.call(go)
+    kept = {
+        n.name: n.outputs
+        for n in found.nodes
+        if n.outputs is not None and (node is None or n.name == node)
+    }
+    if node is not None and node not in {n.name for n in found.nodes}:
+        output.errors.print(f"run {run_id} has no node '{node}'")
+        raise typer.Exit(1)
+    if ctx_of(ctx).json or as_json:
+        output.dump(kept)
+        return
+    rows = [
+        [name, key, json.dumps(value) if not isinstance(value, str) else value]
+        for name, values in kept.items()
+        for key, value in values.items()
+    ]
+    output.table(None, ["node", "output", "value"], rows)
+
+
+@app.command("clear")
+def clear(
+    ctx: typer.Context,
+    run_id: int,
+    node: str,
+    only: Annotated[
+        bool, typer.Option("--only", help="this node alone, not what is downstream of it")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Run a finished run again from NODE: it and everything downstream of it get their
+    next try; the rest keep their outcomes and outputs."""
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.clear_run(run_id, node, downstream=not only)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        again = sorted(n.name for n in found.nodes if n.state == "pending")
+        output.console.print(
+            f"run {found.id} {output.state(found.state)}: again {', '.join(again)}"
+        )
 
 
 def _on_run(name: str, method: str, doc: str) -> None:

@@ -12,6 +12,7 @@ from libs.common.client import ApiClient, _owner
 from libs.common.dag_models import (
     Graph,
     Run,
+    RunClear,
     RunCreate,
     RunFire,
     RunList,
@@ -57,12 +58,17 @@ class DagClient(ApiClient):
         *,
         version: int | None = None,
         fire: RunFire | None = None,
+        timeout_s: int | None = None,
     ) -> tuple[Run, bool]:
         """Start a run; return it and whether this call created it (False: the owner used
         ``idempotency_key`` before, and that run is returned). A service token may start
         it ``on_behalf_of`` another owner, who then owns the run and its tasks."""
         body = RunCreate(
-            params=params or {}, idempotency_key=idempotency_key, version=version, fire=fire
+            params=params or {},
+            idempotency_key=idempotency_key,
+            version=version,
+            fire=fire,
+            timeout_s=timeout_s,
         )
         response = await self._call(
             "POST",
@@ -100,6 +106,15 @@ class DagClient(ApiClient):
     async def retry_run(self, run_id: int) -> Run:
         """Run a failed or cancelled run again from the nodes that did not succeed."""
         response = await self._call("POST", f"/v1/runs/{run_id}/retry")
+        return Run.model_validate_json(response.content)
+
+    async def clear_run(self, run_id: int, node: str, *, downstream: bool = True) -> Run:
+        """Run a finished run again from ``node`` (and, unless ``downstream`` is false,
+        every node below it)."""
+        body = RunClear(node=node, downstream=downstream)
+        response = await self._call(
+            "POST", f"/v1/runs/{run_id}/clear", content=body.model_dump_json()
+        )
         return Run.model_validate_json(response.content)
 
     async def graph(self, run_id: int) -> Graph:

@@ -28,6 +28,12 @@ MAX_DEPENDS_ON = 1_000
 MAX_PARAMS = 100
 MAX_PARAMS_BYTES = 64 * 1024
 MAX_NODE_LABELS = 30
+MAX_OUTPUT_DECLS = 32
+#: the most items one node may map over (its own ``map.max_items`` may be lower)
+MAX_MAP_ITEMS = 10_000
+#: the most instances all the maps of one run may make (the sum of their max_items)
+MAX_RUN_INSTANCES = 100_000
+MAX_RUN_TIMEOUT_S = 30 * 86400
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -38,13 +44,15 @@ WorkflowName = Annotated[
 ParamName = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 ]
-ParamValue = (
+ParamScalar = (
     Annotated[str, StringConstraints(max_length=8192, pattern=r"^[^\x00]*$")]
     | int
     | float
     | bool
     | None
 )
+#: a list parameter is what a node may map over (``map.over: "{{ params.NAME }}"``)
+ParamValue = ParamScalar | Annotated[list[ParamScalar], Field(max_length=10_000)]
 
 
 class TriggerRule(StrEnum):
@@ -60,6 +68,14 @@ class TriggerRule(StrEnum):
     ONE_SUCCESS = "one_success"
     #: every upstream node ended and none failed (succeeded or skipped)
     NONE_FAILED = "none_failed"
+    #: every upstream node ended, none failed, and at least one succeeded
+    NONE_FAILED_MIN_ONE_SUCCESS = "none_failed_min_one_success"
+    #: every upstream node failed (or could not run because of a failure)
+    ALL_FAILED = "all_failed"
+    #: at least one upstream node succeeded or failed (its task ran)
+    ONE_DONE = "one_done"
+    #: at once, whatever the upstream nodes do
+    ALWAYS = "always"
 
 
 class RunState(StrEnum):
@@ -90,6 +106,8 @@ class NodeState(StrEnum):
     RELEASED = "released"
     #: its task is running in core
     RUNNING = "running"
+    #: it maps over a list: one instance per item runs; it ends when they all have
+    MAPPED = "mapped"
     #: final: its task succeeded
     SUCCEEDED = "succeeded"
     #: final: its task ended dead or cancelled, or core refused it
@@ -119,6 +137,14 @@ NODE_LIVE: frozenset[NodeState] = frozenset(
 )
 #: outcomes that count as a failure for trigger rules
 NODE_FAILED: frozenset[NodeState] = frozenset({NodeState.FAILED, NodeState.UPSTREAM_FAILED})
+
+#: ``{{ ... }}`` holding one reference, for ``map.over``
+SingleTemplate = Annotated[
+    str, StringConstraints(max_length=200, pattern=r"^\{\{\s*[A-Za-z0-9_.\-]+\s*\}\}$")
+]
+OutputName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+]
 
 
 class _Input(BaseModel):
@@ -161,6 +187,33 @@ class TaskTemplate(TaskCreate):
         return self
 
 
+class OutputSpec(_Input):
+    """One output a node declares. Without ``path``: a value its task writes to its
+    ``CAIRN_OUTPUTS`` file (required unless ``required`` is false). With ``path``: an
+    object-store path (templated like ``output_path``), known when the node is released
+    and kept as the output when it succeeds."""
+
+    path: (
+        Annotated[
+            str,
+            StringConstraints(
+                min_length=1, max_length=2048, pattern=r"^(s3|gs|az|file|https?)://[^\x00]+$"
+            ),
+        ]
+        | None
+    ) = None
+    required: bool = True
+
+
+class MapSpec(_Input):
+    """Run the node once per item of a list: ``over`` is ``{{ params.NAME }}`` or
+    ``{{ nodes.UPSTREAM.outputs.NAME }}``; each instance sees ``{{ map.item }}`` and
+    ``{{ map.index }}``. A list longer than ``max_items`` fails the node."""
+
+    over: SingleTemplate
+    max_items: int = Field(default=1000, ge=1, le=MAX_MAP_ITEMS)
+
+
 class NodeSpec(_Input):
     """One node of a workflow: its task, what it waits for, and when it may run."""
 
@@ -168,6 +221,8 @@ class NodeSpec(_Input):
     task: TaskTemplate
     depends_on: list[NodeName] = Field(default_factory=list, max_length=MAX_DEPENDS_ON)
     trigger_rule: TriggerRule = TriggerRule.ALL_SUCCESS
+    outputs: dict[OutputName, OutputSpec] = Field(default_factory=dict, max_length=MAX_OUTPUT_DECLS)
+    map: MapSpec | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -190,6 +245,11 @@ class WorkflowCreate(_Input):
     description: Annotated[str, StringConstraints(max_length=4096)] = ""
     params: Params = Field(default_factory=dict)
     max_active_runs: int = Field(default=16, ge=1, le=1000)
+    #: a run that has not ended this long after it started fails; its live tasks are
+    #: cancelled (a run may set its own)
+    timeout_s: int | None = Field(default=None, ge=1, le=MAX_RUN_TIMEOUT_S)
+    #: at most this many of a run's node tasks live in core at once
+    max_active_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     nodes: list[NodeSpec] = Field(min_length=1, max_length=MAX_NODES)
 
 
@@ -235,12 +295,22 @@ class RunCreate(_Input):
     idempotency_key: IdempotencyKey | None = None
     version: int | None = Field(default=None, ge=1, le=2**31 - 1)
     fire: RunFire | None = Field(default=None, description="Set by the cron service.")
+    #: overrides the definition's ``timeout_s`` for this run
+    timeout_s: int | None = Field(default=None, ge=1, le=MAX_RUN_TIMEOUT_S)
 
     @model_validator(mode="after")
     def _fire_is_not_a_param(self) -> RunCreate:
         if "fire" in self.params:
             raise ValueError("params.fire is reserved: the cron service sets fire")
         return self
+
+
+class RunClear(_Input):
+    """Run ``node`` again in a finished run, with everything downstream of it (unless
+    ``downstream`` is false): each with its next try; the run queues again."""
+
+    node: NodeName
+    downstream: bool = True
 
 
 class Node(_Output):
@@ -253,6 +323,13 @@ class Node(_Output):
     task_id: int | None
     error: str | None = None
     updated_at: datetime
+    #: what the node handed on: its declared outputs once it succeeded (a mapped node:
+    #: each output as the list of its instances' values)
+    outputs: dict[str, Any] | None = None
+    #: an instance of a mapped node (named ``NODE[INDEX]``): its node, index and item
+    map_of: str | None = None
+    map_index: int | None = None
+    map_item: Any = None
 
 
 class Run(_Output):
@@ -269,6 +346,11 @@ class Run(_Output):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    timeout_s: int | None = None
+    #: when a running run with a timeout fails
+    deadline: datetime | None = None
+    #: why it ended as it did, when the nodes do not say (a timeout)
+    reason: str | None = None
     nodes: list[Node] = Field(default_factory=list)
 
 

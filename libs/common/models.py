@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     StringConstraints,
     model_validator,
 )
@@ -24,6 +25,9 @@ from libs.common.states import TaskState
 MAX_BATCH = 1000
 MAX_PAGE = 1000
 MAX_WAIT_S = 30.0
+#: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
+MAX_OUTPUTS_BYTES = 64 * 1024
+MAX_OUTPUTS = 100
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
@@ -319,6 +323,7 @@ class Attempt(_Output):
     charge_memory_mb: float | None = None
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
+    outputs: dict[str, Any] | None = None
 
 
 class AttemptList(_Output):
@@ -532,6 +537,39 @@ class ClaimAnswer(_Output):
     attempts: list[Assignment]
 
 
+def _bounded_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    try:
+        text = json.dumps(outputs, allow_nan=False)
+    except ValueError:
+        raise ValueError("outputs must be JSON: no NaN or Infinity") from None
+    if len(text) > MAX_OUTPUTS_BYTES:
+        raise ValueError(f"outputs must be at most {MAX_OUTPUTS_BYTES} bytes as JSON")
+    if _holds_nul(outputs):
+        raise ValueError("outputs may not hold NUL characters")
+    return outputs
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
+    return False
+
+
+OutputKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+]
+#: the JSON object a task wrote to its ``CAIRN_OUTPUTS`` file
+Outputs = Annotated[
+    dict[OutputKey, JsonValue], Field(max_length=MAX_OUTPUTS), AfterValidator(_bounded_outputs)
+]
+
+
 class Report(_Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
     does not spend an attempt; ``preempted``: stopped at core's request for guaranteed
@@ -549,6 +587,8 @@ class Report(_Input):
     peak_memory_mb: float | None = Field(default=None, ge=0, le=1e9)
     cpu_seconds: float | None = Field(default=None, ge=0, le=1e9)
     log_tail: Annotated[str, StringConstraints(max_length=16384)] | None = None
+    #: what the attempt wrote to its ``CAIRN_OUTPUTS`` file (a JSON object), if anything
+    outputs: Outputs | None = None
 
 
 class ReportAnswer(_Output):

@@ -623,6 +623,7 @@ async def report(
         peak_memory_mb=outcome.peak_memory_mb,
         cpu_seconds=outcome.cpu_seconds,
         log_tail=_clean(outcome.log_tail),
+        outputs=outcome.outputs,
     )
     if outcome.peak_memory_mb is not None and outcome.cpu_seconds is not None:
         await placement.record_use(

@@ -336,6 +336,8 @@ attempts = Table(
     Column("squeezed_for", BigInteger),
     Column("preempted_by", BigInteger),
     Column("concurrency_key", Text),
+    # What the attempt wrote to its CAIRN_OUTPUTS file (a JSON object of at most 64 KiB).
+    Column("outputs", JSONB),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'oom_killed',"

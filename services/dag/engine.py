@@ -21,7 +21,8 @@ import math
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -45,7 +46,7 @@ from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
 from libs.common.notify_models import NotificationEvent
 from libs.common.states import TaskState
 from services.dag import store, traces
-from services.dag.domain import graph, rules
+from services.dag.domain import data, graph, rules
 from services.dag.domain.templates import Renderer, RunContext, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
@@ -55,6 +56,7 @@ log = logging.getLogger("cairn.dag.engine")
 N = NodeState
 _LEADER_KEY = 0x0CA1_0DA6
 _KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
+_OUTPUT_FETCHES = 16  # attempts read from core at once for their outputs
 # What a task's event does to its node: the states it may move from, and the new one.
 _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
 
@@ -197,6 +199,9 @@ class Engine:
         self._ended: list[RunState] = []
         self._purged_at = -math.inf
         self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
+        self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
+        self._to_deadline: float | None = None
+        self._made = 0  # mapped instances made this turn
 
     def wake(self) -> None:
         self._wake.set()
@@ -258,10 +263,12 @@ class Engine:
         """One turn: admit, release, cancel, then read and apply one page of the feed;
         now and then, purge runs past the retention."""
         self._wake.clear()
+        self._made = 0
         if time.monotonic() - self._purged_at > self.settings.retention_interval_s:
             await self.purge()
             self._purged_at = time.monotonic()
         await self.admit()
+        await self.expire()
         await self.release()
         await self.cancel_live()
         page = await self._read()
@@ -269,12 +276,15 @@ class Engine:
             await self.apply(page)
             if not self._full_page:
                 self.metrics.caught_up()
+        self.metrics.mapped.inc(self._made)
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
             async with self.db.connect() as conn:
                 self._cursor = await store.read_cursor(conn)
         wait = 0 if self._full_page else self.settings.feed_wait_s
+        if self._to_deadline is not None:  # back in time to fail the next run that is due
+            wait = min(wait, self._to_deadline + 0.01)
         poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
         # Whatever happens to this turn, the poll's outcome is collected.
         poll.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -313,7 +323,59 @@ class Engine:
                 for run in await store.admit(conn, owner, workflow, most):
                     await self._settle(conn, run, await store.nodes_of(conn, [run.id]))
 
+    # --- run timeouts ----------------------------------------------------------------------
+
+    async def expire(self) -> None:
+        """Fail running runs past their deadline; their live tasks are cancelled next.
+        One query a turn when none is due: how long until the next deadline."""
+        async with self.db.connect() as conn:
+            self._to_deadline = await store.seconds_to_deadline(conn)
+            if self._to_deadline is None or self._to_deadline > 0:
+                return
+            overdue = await store.overdue_runs(conn)
+        self._failed.clear()
+        for run_id in overdue:
+            async with self._write() as conn:
+                run = await store.time_out(conn, run_id)
+                if run is not None:
+                    nodes = await store.nodes_of(conn, [run_id])
+                    self._failed.append((run, max((n.try_number for n in nodes), default=0)))
+            if run is not None:
+                log.info("run %s timed out", run_id, extra={"run_id": run_id})
+                self.metrics.finished.labels(RunState.FAILED.value).inc()
+                self.metrics.timed_out.inc()
+        await self._tell_failed()
+        async with self.db.connect() as conn:
+            self._to_deadline = await store.seconds_to_deadline(conn)
+
     # --- applying the feed -----------------------------------------------------------------
+
+    async def _fetch_outputs(self, page: EventPage) -> dict[int, dict[str, Any] | None]:
+        """The outputs files of the tasks this page says succeeded, for the nodes that
+        declare values from one (read from core's attempt, before the transaction)."""
+        succeeded = {
+            e.task_id: e.attempt_id for e in page.items if e.to_state is TaskState.SUCCEEDED
+        }
+        if not succeeded:
+            return {}
+        wanted = []
+        async with self.db.connect() as conn:
+            for row in await store.nodes_of_tasks(conn, succeeded):
+                dag = await self.graphs.get(conn, row.workflow_id)
+                if data.needs_file(dag.specs[row.map_of or row.name]):
+                    wanted.append(row.task_id)
+        gate = asyncio.Semaphore(_OUTPUT_FETCHES)
+
+        async def written(task_id: int) -> dict[str, Any] | None:
+            async with gate:
+                try:
+                    attempts = await self.core.attempts(task_id)
+                except NotFound:  # gone from core: the node keeps no values from it
+                    return None
+            return next((a.outputs for a in attempts if a.id == succeeded[task_id]), None)
+
+        found = await asyncio.gather(*(written(t) for t in wanted))
+        return dict(zip(wanted, found, strict=True))
 
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
@@ -323,6 +385,7 @@ class Engine:
             by_task[event.task_id].append(event)
         self._ended.clear()
         self._failed.clear()
+        self._written = await self._fetch_outputs(page)
         async with self._write() as conn:
             run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
             if run_ids:
@@ -347,41 +410,80 @@ class Engine:
         by_task: dict[int, list[Event]],
     ) -> None:
         changes: dict[str, tuple[NodeState, str | None]] = {}
+        kept: dict[str, dict[str, Any]] = {}
+        dag = await self.graphs.get(conn, run.workflow_id)
         for node in nodes:
             if node.task_id is None or node.task_id not in by_task:
                 continue
             state = node.state
             for event in by_task[node.task_id]:
                 state = _after_event(node, state, event) or state
-            if state is not node.state:
-                error = (
-                    f"task {node.task_id} ended {by_task[node.task_id][-1].to_state}"
-                    if state is N.FAILED
-                    else None
-                )
-                changes[node.name] = (state, error)
+            if state is node.state:
+                continue
+            error = (
+                f"task {node.task_id} ended {by_task[node.task_id][-1].to_state}"
+                if state is N.FAILED
+                else None
+            )
+            if state is N.SUCCEEDED and dag.specs[node.map_of or node.name].outputs:
+                kept[node.name], error = self._kept(dag, run, node)
+                state = N.FAILED if error else state
+            changes[node.name] = (state, error)
         await store.set_nodes(conn, run.id, changes)
+        await store.set_outputs(conn, run.id, kept)
         if run.state == RunState.RUNNING and changes:
             current = [
-                store.NodeRow(
-                    n.run_id,
-                    n.name,
-                    changes.get(n.name, (n.state,))[0],
-                    n.try_number,
-                    n.task_id,
-                    n.error,
+                replace(
+                    n,
+                    state=changes.get(n.name, (n.state,))[0],
+                    outputs=kept.get(n.name, n.outputs),
                 )
                 for n in nodes
             ]
             await self._settle(conn, run, current)
 
+    def _kept(
+        self, dag: graph.Dag, run: Any, node: store.NodeRow
+    ) -> tuple[dict[str, Any], str | None]:
+        """What a node whose task succeeded keeps as its outputs, or why it fails."""
+        spec_name = node.map_of or node.name
+        instance = None if node.map_index is None else data.Instance(node.map_index, node.map_item)
+        context = RunContext(run.id, run.workflow, run.owner, run.params)
+        paths = Renderer(dag, context).paths(spec_name, node.try_number, instance)
+        written = self._written.get(node.task_id) if node.task_id is not None else None
+        return data.kept_outputs(dag.specs[spec_name], written, paths)
+
     async def _settle(self, conn: AsyncConnection, run: Any, nodes: list[store.NodeRow]) -> None:
         """Apply the trigger rules to a running run's pending nodes; end it if all ended."""
         dag = await self.graphs.get(conn, run.workflow_id)
         states = {n.name: n.state for n in nodes}
-        changed = rules.settle(dag.order, dag.upstream, {n: dag.rule(n) for n in dag.order}, states)
+        instances = _instances(nodes)
+        rule_of = {n: dag.rule(n) for n in dag.order}
+        changed: dict[str, NodeState] = {}
+        errors: dict[str, str] = {}
+        expanded = False
+        while True:
+            now = rules.settle(dag.order, dag.upstream, rule_of, states, instances)
+            changed.update(now)
+            mapped = [n for n, s in now.items() if s is N.READY and dag.specs[n].map is not None]
+            if not mapped:
+                break
+            outputs = data.collect(_kept_rows(nodes), dag.specs)
+            tries = {n.name: n.try_number for n in nodes}
+            for name in mapped:
+                items, why = data.map_items(dag.specs[name], run.params, outputs)
+                if why is not None or not items:  # an empty list skips it, as in Airflow
+                    states[name] = changed[name] = N.FAILED if why else N.SKIPPED
+                    errors[name] = why or "map.over is an empty list"
+                    continue
+                del changed[name]
+                instances[name] = await store.expand(conn, run.id, name, tries[name], items)
+                self._made += len(items)  # counted once the turn's transactions committed
+                states[name] = N.MAPPED
+                states.update(dict.fromkeys(instances[name], N.READY))
+                expanded = True
         await store.set_nodes(
-            conn, run.id, {name: (state, None) for name, state in changed.items()}
+            conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
@@ -389,7 +491,7 @@ class Engine:
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if any(state is N.READY for state in changed.values()) or outcome is not None:
+        if expanded or any(s is N.READY for s in changed.values()) or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow.
             self._wake.set()
 
@@ -427,12 +529,19 @@ class Engine:
         self, conn: AsyncConnection, ready: list[Any]
     ) -> dict[tuple[int, str], TaskCreate]:
         specs: dict[tuple[int, str], TaskCreate] = {}
+        kept = await store.outputs_of(conn, {row.run_id for row in ready})
+        outputs: dict[int, Mapping[str, Mapping[str, Any]]] = {}
         for row in ready:
             dag = await self.graphs.get(conn, row.workflow_id)
-            context = RunContext(row.run_id, row.workflow, row.owner, row.params)
+            if row.run_id not in outputs:
+                outputs[row.run_id] = data.collect(_kept_rows(kept.get(row.run_id, [])), dag.specs)
+            context = RunContext(
+                row.run_id, row.workflow, row.owner, row.params, outputs[row.run_id]
+            )
+            instance = None if row.map_of is None else data.Instance(row.map_index, row.map_item)
             try:
                 specs[(row.run_id, row.name)] = Renderer(dag, context).task(
-                    row.name, row.try_number
+                    row.map_of or row.name, row.try_number, instance
                 )
             except InvalidInput as exc:
                 await self._refused(row, exc)
@@ -576,10 +685,38 @@ def by_size(items: list[tuple[Any, TaskCreate]], limit: int) -> list[list[tuple[
     return chunks
 
 
+def _instances(nodes: Iterable[store.NodeRow]) -> dict[str, list[str]]:
+    """The instances of each mapped node, in index order."""
+    found: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for n in nodes:
+        if n.map_of is not None:
+            found[n.map_of].append((n.map_index or 0, n.name))
+    return {node: [name for _, name in sorted(items)] for node, items in found.items()}
+
+
+def _kept_rows(nodes: Iterable[store.NodeRow]) -> list[data.Kept]:
+    return [data.Kept(n.name, n.map_of, n.map_index, n.outputs) for n in nodes]
+
+
+def clear_set(dag: graph.Dag, node: str, downstream: bool) -> list[str]:
+    """The nodes a clear runs again: ``node`` and, unless told not to, all below it."""
+    cleared = {node}
+    if downstream:
+        for name in dag.order:
+            if any(up in cleared for up in dag.upstream[name]):
+                cleared.add(name)
+    return sorted(cleared)
+
+
 def reset_for_retry(dag: graph.Dag, states: dict[str, NodeState]) -> list[str]:
     """The nodes a retry runs again: those that failed, could not run or were cancelled,
-    and every skipped node below them (its rule may be met this time)."""
-    again = {n for n, s in states.items() if s in (N.FAILED, N.UPSTREAM_FAILED, N.CANCELLED)}
+    and every skipped node below them (its rule may be met this time). A mapped node runs
+    again whole (instances are not nodes of the definition)."""
+    again = {
+        n
+        for n, s in states.items()
+        if s in (N.FAILED, N.UPSTREAM_FAILED, N.CANCELLED) and n in dag.specs
+    }
     for name in dag.order:
         if states[name] is N.SKIPPED and any(up in again for up in dag.upstream[name]):
             again.add(name)

@@ -41,6 +41,12 @@ class DagMetrics:
         )
         for state in RUN_FINAL:
             self.finished.labels(state.value)
+        self.timed_out = m.counter(
+            "cairn_dag_runs_timed_out_total", "Runs failed by their timeout_s"
+        )
+        self.mapped = m.counter(
+            "cairn_dag_map_instances_total", "Instances made by mapped nodes (one per item)"
+        )
         leader = m.gauge("cairn_dag_leader", "1 while this replica runs the DAG loop")
         leader.set_function(lambda: float(is_leader()))
         self._is_leader = is_leader

@@ -23,7 +23,10 @@ from libs.common.errors import Conflict, NotFound
 
 RUN_COLUMNS = (
     "id, owner, team, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
-    " created_at, started_at, finished_at"
+    " created_at, started_at, finished_at, timeout_s, deadline, reason, max_active_nodes"
+)
+_NODE_COLUMNS = (
+    "run_id, name, state, try_number, task_id, error, map_of, map_index, map_item, outputs"
 )
 
 # Who may see a run: any (owner NULL), or its owner and the members of the team owning it.
@@ -44,6 +47,11 @@ class NodeRow:
     try_number: int
     task_id: int | None
     error: str | None
+    #: an instance of a mapped node: that node, and its index
+    map_of: str | None = None
+    map_index: int | None = None
+    map_item: Any = None
+    outputs: dict[str, Any] | None = None
 
 
 def definition_hash(definition: WorkflowCreate) -> str:
@@ -167,14 +175,16 @@ async def create_run(
     params: Mapping[str, Any],
     idempotency_key: str | None,
     node_names: Sequence[str],
+    timeout_s: int | None = None,
+    max_active_nodes: int | None = None,
 ) -> tuple[Row[Any], bool]:
     """A queued run with every node pending, or the run the owner's key already names."""
     row = (
         await conn.execute(
             text(
                 "INSERT INTO dag.runs (workflow_id, owner, team, workflow, workflow_version,"
-                " params, idempotency_key) VALUES (:wid, :owner, :team, :name, :version,"
-                " CAST(:params AS jsonb), :key)"
+                " params, idempotency_key, timeout_s, max_active_nodes) VALUES (:wid, :owner,"
+                " :team, :name, :version, CAST(:params AS jsonb), :key, :timeout, :max_nodes)"
                 " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL"
                 f" DO NOTHING RETURNING {RUN_COLUMNS}"
             ),
@@ -186,6 +196,8 @@ async def create_run(
                 "version": workflow.version,
                 "params": orjson.dumps(params).decode(),
                 "key": idempotency_key,
+                "timeout": timeout_s,
+                "max_nodes": max_active_nodes,
             },
         )
     ).first()
@@ -256,22 +268,101 @@ async def nodes_of(
 ) -> list[NodeRow]:
     rows = await conn.execute(
         text(
-            "SELECT run_id, name, state, try_number, task_id, error FROM dag.nodes"
-            " WHERE run_id = ANY(:ids) ORDER BY run_id, name" + (" FOR UPDATE" if lock else "")
+            f"SELECT {_NODE_COLUMNS} FROM dag.nodes WHERE run_id = ANY(:ids)"
+            " ORDER BY run_id, name" + (" FOR UPDATE" if lock else "")
         ),
         {"ids": list(run_ids)},
     )
-    return [
-        NodeRow(r.run_id, r.name, NodeState(r.state), r.try_number, r.task_id, r.error)
-        for r in rows
-    ]
+    return [_node_row(r) for r in rows]
 
 
-async def node_times(conn: AsyncConnection, run_id: int) -> dict[str, Any]:
-    rows = await conn.execute(
-        text("SELECT name, updated_at FROM dag.nodes WHERE run_id = :id"), {"id": run_id}
+def _node_row(r: Row[Any]) -> NodeRow:
+    return NodeRow(
+        r.run_id,
+        r.name,
+        NodeState(r.state),
+        r.try_number,
+        r.task_id,
+        r.error,
+        r.map_of,
+        r.map_index,
+        r.map_item,
+        r.outputs,
     )
-    return {r.name: r.updated_at for r in rows}
+
+
+async def nodes_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[Row[Any]]:
+    """The nodes (and their runs' workflow versions) of these tasks."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT n.run_id, n.name, n.map_of, n.task_id, r.workflow_id FROM dag.nodes n"
+                " JOIN dag.runs r ON r.id = n.run_id WHERE n.task_id = ANY(:ids)"
+            ),
+            {"ids": list(task_ids)},
+        )
+    )
+
+
+async def node_details(conn: AsyncConnection, run_id: int) -> dict[str, Any]:
+    """What the run page shows beside states: when each node changed, its item."""
+    rows = await conn.execute(
+        text("SELECT name, updated_at, map_item FROM dag.nodes WHERE run_id = :id"),
+        {"id": run_id},
+    )
+    return {r.name: r for r in rows}
+
+
+async def outputs_of(conn: AsyncConnection, run_ids: Iterable[int]) -> dict[int, list[NodeRow]]:
+    """The nodes of these runs that kept outputs, and every mapped instance."""
+    rows = await conn.execute(
+        text(
+            f"SELECT {_NODE_COLUMNS} FROM dag.nodes WHERE run_id = ANY(:ids)"
+            " AND (outputs IS NOT NULL OR map_of IS NOT NULL)"
+        ),
+        {"ids": list(run_ids)},
+    )
+    found: dict[int, list[NodeRow]] = {}
+    for r in rows:
+        found.setdefault(r.run_id, []).append(_node_row(r))
+    return found
+
+
+async def expand(
+    conn: AsyncConnection, run_id: int, node: str, try_number: int, items: Sequence[Any]
+) -> list[str]:
+    """A ready mapped node becomes ``mapped`` with one ready instance per item."""
+    names = [f"{node}[{i}]" for i in range(len(items))]
+    await conn.execute(
+        text(
+            "INSERT INTO dag.nodes (run_id, name, state, try_number, map_of, map_index, map_item)"
+            " SELECT :run, n, 'ready', :try, :node, i - 1, item"
+            " FROM unnest(CAST(:names AS text[]), CAST(:items AS jsonb[]))"
+            "   WITH ORDINALITY AS x(n, item, i)"
+        ),
+        {
+            "run": run_id,
+            "try": try_number,
+            "node": node,
+            "names": names,
+            "items": [orjson.dumps(item).decode() for item in items],
+        },
+    )
+    await set_nodes(conn, run_id, {node: (NodeState.MAPPED, None)})
+    return names
+
+
+async def set_outputs(
+    conn: AsyncConnection, run_id: int, outputs: Mapping[str, Mapping[str, Any]]
+) -> None:
+    for name, kept in outputs.items():
+        await conn.execute(
+            text(
+                "UPDATE dag.nodes SET outputs = CAST(:outputs AS jsonb)"
+                " WHERE run_id = :run AND name = :name"
+            ),
+            {"run": run_id, "name": name, "outputs": orjson.dumps(kept).decode()},
+        )
 
 
 async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None) -> Row[Any]:
@@ -299,48 +390,118 @@ async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None)
             "UPDATE dag.nodes SET updated_at = now(), state = CASE"
             " WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
             " ELSE 'cancelled' END"
-            " WHERE run_id = :id AND state IN ('pending', 'ready', 'released', 'running')"
+            " WHERE run_id = :id"
+            " AND state IN ('pending', 'ready', 'released', 'running', 'mapped')"
         ),
         {"id": run_id},
     )
     return row
 
 
-async def retry_run(
-    conn: AsyncConnection, run_id: int, who: Visibility | None, again: Iterable[str]
-) -> Row[Any]:
-    """Queue a failed or cancelled run again, with the nodes in ``again`` pending for
-    their next try."""
+async def time_out(conn: AsyncConnection, run_id: int) -> Row[Any] | None:
+    """Fail a running run past its deadline: open nodes are cancelled, live ones wait
+    for core to cancel their tasks."""
     row = (
         await conn.execute(
             text(
-                "UPDATE dag.runs SET state = 'queued', finished_at = NULL, updated_at = now()"
+                "UPDATE dag.runs SET state = 'failed', finished_at = now(), updated_at = now(),"
+                " reason = 'timed out after ' || timeout_s || ' s'"
+                " WHERE id = :id AND state = 'running' AND deadline <= now()"
+                f" RETURNING {RUN_COLUMNS}"
+            ),
+            {"id": run_id},
+        )
+    ).first()
+    if row is not None:
+        await conn.execute(
+            text(
+                "UPDATE dag.nodes SET updated_at = now(), error = 'the run timed out',"
+                " state = CASE WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
+                " ELSE 'cancelled' END"
+                " WHERE run_id = :id"
+                " AND state IN ('pending', 'ready', 'released', 'running', 'mapped')"
+            ),
+            {"id": run_id},
+        )
+    return row
+
+
+async def overdue_runs(conn: AsyncConnection, limit: int = 1000) -> list[int]:
+    rows = await conn.execute(
+        text(
+            "SELECT id FROM dag.runs WHERE state = 'running' AND deadline IS NOT NULL"
+            " AND deadline <= now() ORDER BY deadline LIMIT :limit"
+        ),
+        {"limit": limit},
+    )
+    return [r.id for r in rows]
+
+
+async def seconds_to_deadline(conn: AsyncConnection) -> float | None:
+    """How long until the next running run's deadline (None: no run has one)."""
+    value = await conn.scalar(
+        text(
+            "SELECT EXTRACT(EPOCH FROM min(deadline) - now()) FROM dag.runs"
+            " WHERE state = 'running' AND deadline IS NOT NULL"
+        )
+    )
+    return None if value is None else max(0.0, float(value))
+
+
+async def requeue(
+    conn: AsyncConnection,
+    run_id: int,
+    who: Visibility | None,
+    names: Iterable[str],
+    *,
+    sources: Sequence[RunState],
+    action: str,
+) -> Row[Any]:
+    """Queue a run in one of ``sources`` again (a retry, a clear), with the nodes in
+    ``names`` pending for their next try; refused while core still cancels its tasks."""
+    row = (
+        await conn.execute(
+            text(
+                "UPDATE dag.runs SET state = 'queued', finished_at = NULL, reason = NULL,"
+                " updated_at = now()"
                 f" WHERE id = :id AND {_VISIBLE}"
-                " AND state IN ('failed', 'cancelled')"
+                " AND state = ANY(:sources)"
                 " AND NOT EXISTS (SELECT 1 FROM dag.nodes"
                 "   WHERE run_id = :id AND state = 'cancelling')"
                 f" RETURNING {RUN_COLUMNS}"
             ),
-            {"id": run_id, **_who(who)},
+            {"id": run_id, **_who(who), "sources": [str(state) for state in sources]},
         )
     ).first()
     if row is None:
         current = await get_run(conn, run_id, who)
+        words = [str(state) for state in sources]
         reason = (
             "its nodes' tasks are still being cancelled in core"
-            if current.state == RunState.CANCELLED
-            else "only a failed or cancelled run can be retried"
+            if current.state in words
+            else f"only a {', '.join(words[:-1])} or {words[-1]} run can be {action}"
         )
         raise Conflict(f"run {run_id} is {current.state}: {reason}")
+    await reset_nodes(conn, run_id, names)
+    return row
+
+
+async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) -> None:
+    """Nodes back to pending for their next try, without what they kept; instances of
+    the mapped ones go (the node maps again)."""
+    names = list(names)
+    await conn.execute(
+        text("DELETE FROM dag.nodes WHERE run_id = :id AND map_of = ANY(:names)"),
+        {"id": run_id, "names": names},
+    )
     await conn.execute(
         text(
             "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
-            " task_id = NULL, error = NULL, updated_at = now()"
+            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now()"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
-        {"id": run_id, "names": list(again)},
+        {"id": run_id, "names": names},
     )
-    return row
 
 
 # --- what the engine does -----------------------------------------------------------------
@@ -373,7 +534,8 @@ async def admit(
                 "   WHERE owner = :owner AND workflow = :workflow AND state = 'queued'"
                 "   ORDER BY id LIMIT GREATEST((SELECT n FROM room), 0) FOR UPDATE)"
                 " UPDATE dag.runs r SET state = 'running', updated_at = now(),"
-                "   started_at = COALESCE(r.started_at, now())"
+                "   started_at = COALESCE(r.started_at, now()),"
+                "   deadline = now() + make_interval(secs => r.timeout_s)"
                 f" FROM picked WHERE r.id = picked.id RETURNING {RUN_COLUMNS.replace('id,', 'r.id,', 1)}"
             ),
             {"owner": owner, "workflow": workflow, "max": max_active},
@@ -446,14 +608,23 @@ async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> Non
 async def ready_nodes(
     conn: AsyncConnection, limit: int, skip_runs: Sequence[int] = ()
 ) -> list[Row[Any]]:
+    """Ready nodes to release, within each run's ``max_active_nodes`` (counting the
+    tasks it has live in core)."""
     return list(
         await conn.execute(
             text(
-                "SELECT n.run_id, n.name, n.try_number, r.owner, r.workflow, r.workflow_id,"
-                " r.params, r.created_at AS run_created_at, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at))"
-                " AS ready_s FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip))"
-                " ORDER BY n.run_id LIMIT :limit"
+                "WITH ready AS (SELECT n.*, row_number() OVER (PARTITION BY n.run_id"
+                "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
+                "   FROM dag.nodes n WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip)))"
+                " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
+                " r.owner, r.workflow, r.workflow_id, r.params,"
+                " r.created_at AS run_created_at,"
+                " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
+                " FROM ready n JOIN dag.runs r ON r.id = n.run_id"
+                " WHERE r.max_active_nodes IS NULL OR n.rank <= r.max_active_nodes - ("
+                "   SELECT count(*) FROM dag.nodes l WHERE l.run_id = n.run_id"
+                "   AND l.state IN ('released', 'running', 'cancelling'))"
+                " ORDER BY n.run_id, n.rank LIMIT :limit"
             ),
             {"limit": limit, "skip": list(skip_runs)},
         )

@@ -84,7 +84,15 @@ runs = Table(
     _at("updated_at"),
     _at("started_at", nullable=True),
     _at("finished_at", nullable=True),
+    Column("timeout_s", Integer),
+    _at("deadline", nullable=True),
+    Column("reason", Text),
+    Column("max_active_nodes", Integer),
     CheckConstraint(_in("state", RunState), name="state"),
+    CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
+    CheckConstraint(
+        "max_active_nodes IS NULL OR max_active_nodes > 0", name="max_active_nodes_positive"
+    ),
     CheckConstraint(
         f"({_in('state', RUN_FINAL)}) = (finished_at IS NOT NULL)", name="final_has_time"
     ),
@@ -108,6 +116,12 @@ runs = Table(
         "id",
         postgresql_where=text("state IN ('queued', 'running')"),
     ),
+    # The loop fails running runs past their deadline.
+    Index(
+        "ix_runs_deadline",
+        "deadline",
+        postgresql_where=text("state = 'running' AND deadline IS NOT NULL"),
+    ),
 )
 
 nodes = Table(
@@ -120,7 +134,13 @@ nodes = Table(
     Column("task_id", BigInteger),
     Column("error", Text),
     _at("updated_at"),
+    Column("outputs", JSONB),
+    # An instance of a mapped node (named NODE[INDEX]): its node, index and item.
+    Column("map_of", Text),
+    Column("map_index", Integer),
+    Column("map_item", JSONB),
     CheckConstraint(_in("state", NodeState), name="state"),
+    CheckConstraint("(map_of IS NULL) = (map_index IS NULL)", name="instance_has_index"),
     CheckConstraint("try_number > 0", name="try_positive"),
     # A cancelling node without a task: its release may have reached core unrecorded.
     CheckConstraint(

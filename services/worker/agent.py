@@ -30,7 +30,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
-from services.worker import hardening, pressure, state
+from services.worker import hardening, outputs, pressure, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import (
     AttemptResult,
@@ -439,7 +439,7 @@ class Agent:
         self.running[attempt] = (assignment, None)
         self._publish()
         await self.logs.finish(attempt)  # the rest of its log, before the report
-        report = report_of(result)
+        report = outputs.attach(report_of(result), spec.workdir)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.models import Assignment
-from services.worker import spawner
+from services.worker import outputs, spawner
 from services.worker.artifacts import ArtifactCache
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
@@ -197,7 +197,7 @@ class Host:
             attempt_id=assignment.attempt_id,
             attempt_number=assignment.attempt_number,
             args=assignment.args,
-            env=assignment.env,
+            env=outputs.with_path(assignment.env, folders.home),
             input_path=assignment.input_path,
             output_path=assignment.output_path,
             timeout_s=assignment.timeout_s,

@@ -3,6 +3,7 @@ worker that claims and reports through core's real worker API."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -72,10 +73,10 @@ def dag(core: Core, tmp_path: Path) -> Iterator[DagServer]:
 
 
 def outcome_of(args: list[str]) -> str:
-    """How the test worker ends a task: by its first argument. ``ok``; ``fail`` (dead at
-    once); ``fail-below N TRY``: fails while the node's try is below N; ``hold``: never
-    reported."""
-    if not args or args[0] == "ok":
+    """How the test worker ends a task: by its first argument. ``ok``; ``out JSON``:
+    succeeds with JSON as its outputs; ``fail`` (dead at once); ``fail-below N TRY``:
+    fails while the node's try is below N; ``hold``: never reported."""
+    if not args or args[0] in ("ok", "out"):
         return "succeeded"
     if args[0] == "fail-below":
         return "failed" if int(args[2]) < int(args[1]) else "succeeded"
@@ -113,6 +114,8 @@ class Worker:
                     self.held.append(attempt["task_id"])
                     continue
                 report = {"outcome": outcome, "exit_code": 0 if outcome == "succeeded" else 1}
+                if attempt["args"][:1] == ["out"]:
+                    report["outputs"] = json.loads(attempt["args"][1])
                 if outcome == "failed":
                     report["retryable"] = False
                 time.sleep(self.delay_s)

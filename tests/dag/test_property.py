@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from datetime import datetime
+from typing import Any
 
 import networkx as nx
 import psycopg
@@ -47,10 +48,14 @@ def _runs(rule: TriggerRule, ups: list[str]) -> bool | str:
         TriggerRule.ONE_FAILED: failed,
         TriggerRule.ONE_SUCCESS: any(succeeded),
         TriggerRule.NONE_FAILED: not failed,
+        TriggerRule.NONE_FAILED_MIN_ONE_SUCCESS: not failed and any(succeeded),
+        TriggerRule.ALL_FAILED: all(s in FAILED for s in ups),
+        TriggerRule.ONE_DONE: any(s in ("succeeded", "failed") for s in ups),
+        TriggerRule.ALWAYS: True,
     }[rule]
     if runs:
         return True
-    if rule is TriggerRule.ONE_FAILED:
+    if rule in (TriggerRule.ONE_FAILED, TriggerRule.ALL_FAILED, TriggerRule.ONE_DONE):
         return "skipped"
     return "upstream_failed" if failed else "skipped"
 
@@ -101,6 +106,10 @@ def _met_at(rule: TriggerRule, ups: list[tuple[str, datetime]], at: datetime) ->
         return any(s in FAILED for s in ended)
     if rule is TriggerRule.ONE_SUCCESS:
         return "succeeded" in ended
+    if rule is TriggerRule.ONE_DONE:
+        return any(s in ("succeeded", "failed") for s in ended)
+    if rule is TriggerRule.ALWAYS:
+        return True
     if len(ended) < len(ups):
         return False
     return _runs(rule, ended) is True
@@ -136,3 +145,75 @@ def test_random_runs_release_nodes_only_when_their_rule_is_met_and_end(
     for child, at in released.items():
         ups = [ended[up] for up in graph.predecessors(child)]
         assert _met_at(rule[child], ups, at), f"{child} released before its rule was met"
+
+
+@st.composite
+def mapped_graphs(draw: st.DrawFn) -> tuple[Any, ...]:
+    """A random graph where some nodes map over 0 to 3 items, each failing or not."""
+    graph, rule, fails = draw(graphs())
+    width = {n: draw(st.one_of(st.none(), st.integers(0, 3))) for n in graph}
+    item_fails = {n: [draw(st.booleans()) for _ in range(width[n] or 0)] for n in graph}
+    return graph, rule, fails, width, item_fails
+
+
+def expected_mapped(
+    graph: nx.DiGraph, rule: dict, fails: dict, width: dict, item_fails: dict
+) -> dict[str, str]:
+    """The oracle over mapped nodes: downstream rules see each instance as an upstream
+    node; an empty map is skipped; a mapped node fails when one instance did."""
+    final: dict[str, str] = {}
+    for name in nx.topological_sort(graph):
+        ups: list[str] = []
+        for up in graph.predecessors(name):
+            ran = width[up] and final[up] in ("succeeded", "failed")
+            ups += [final[f"{up}[{i}]"] for i in range(width[up])] if ran else [final[up]]
+        verdict = _runs(rule[name], ups)
+        if verdict is not True:
+            final[name] = str(verdict)
+        elif width[name] is None:
+            final[name] = "failed" if fails[name] else "succeeded"
+        elif width[name] == 0:
+            final[name] = "skipped"
+        else:
+            for i, failing in enumerate(item_fails[name]):
+                final[f"{name}[{i}]"] = "failed" if failing else "succeeded"
+            final[name] = "failed" if any(item_fails[name]) else "succeeded"
+    return final
+
+
+@settings(max_examples=300, deadline=None)
+@given(mapped_graphs(), st.data())
+def test_mapped_nodes_settle_as_the_oracle_says_in_any_order_of_outcomes(case, data) -> None:
+    graph, rule, fails, width, item_fails = case
+    order = list(nx.topological_sort(graph))
+    upstream = {n: list(graph.predecessors(n)) for n in order}
+    state = dict.fromkeys(order, NodeState.PENDING)
+    instances: dict[str, list[str]] = {}
+    outcome: dict[str, bool] = {n: fails[n] for n in order}
+
+    def settle() -> None:
+        while True:
+            changed = rules.settle(order, upstream, rule, state, instances)
+            expand = [
+                n for n, s in changed.items() if s is NodeState.READY and width[n] is not None
+            ]
+            if not expand:
+                return
+            for name in expand:
+                if width[name] == 0:
+                    state[name] = NodeState.SKIPPED
+                    continue
+                instances[name] = [f"{name}[{i}]" for i in range(width[name])]
+                state[name] = NodeState.MAPPED
+                for i, one in enumerate(instances[name]):
+                    state[one] = NodeState.READY
+                    outcome[one] = item_fails[name][i]
+
+    settle()
+    while ready := sorted(n for n, s in state.items() if s is NodeState.READY):
+        finished = data.draw(st.sampled_from(ready))
+        state[finished] = NodeState.FAILED if outcome[finished] else NodeState.SUCCEEDED
+        settle()
+    assert {n: str(s) for n, s in state.items()} == expected_mapped(
+        graph, rule, fails, width, item_fails
+    )

@@ -73,6 +73,10 @@ RULE_CASES = {
     "one_failed": ("succeeded", "succeeded", "succeeded"),
     "one_success": ("succeeded", "succeeded", "succeeded"),
     "none_failed": ("upstream_failed", "upstream_failed", "failed"),
+    "none_failed_min_one_success": ("upstream_failed", "upstream_failed", "failed"),
+    "all_failed": ("skipped", "skipped", "succeeded"),
+    "one_done": ("succeeded", "succeeded", "succeeded"),
+    "always": ("succeeded", "succeeded", "succeeded"),
 }
 
 

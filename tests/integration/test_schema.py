@@ -24,11 +24,11 @@ from services.dag import tables as dag_tables
 
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
-    pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0004_teams2", id="core"),
+    pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0005_data", id="core"),
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0003_teams", id="cron"
     ),
-    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0003_teams", id="dag"),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0003_data", id="dag"),
 ]
 
 

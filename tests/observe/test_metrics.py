@@ -148,3 +148,20 @@ def test_dag_counts_runs_and_release_latency(core: Core, dag: DagServer) -> None
     assert value(samples, "cairn_dag_runs", state="running") == 0
     # The loop read the feed to its head to learn the run's end.
     assert 0 <= value(samples, "cairn_dag_feed_lag_seconds") < 30
+
+
+def test_dag_counts_mapped_instances_and_timed_out_runs(core: Core, dag: DagServer) -> None:
+    worker = Worker(core)
+    try:
+        with dag.client() as http:
+            runner = Runner(http)
+            mapped = workflow("mapped", [node("each", map={"over": "{{ params.items }}"})])
+            run = runner.run(mapped, params={"items": [1, 2, 3]})
+            runner.define(workflow("stuck", [node("a", args=("hold",))]))
+            stuck = runner.wait_end(runner.start("stuck", timeout_s=1)["id"])
+    finally:
+        worker.stop()
+    assert (run["state"], stuck["state"]) == ("succeeded", "failed")
+    samples = scrape(dag.url)
+    assert value(samples, "cairn_dag_map_instances_total") == 3
+    assert value(samples, "cairn_dag_runs_timed_out_total") == 1

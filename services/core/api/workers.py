@@ -201,6 +201,7 @@ async def report(
                 update={
                     "log_tail": mask(outcome.log_tail) if outcome.log_tail else outcome.log_tail,
                     "error": mask(outcome.error) if outcome.error else outcome.error,
+                    "outputs": secrets.mask_json(mask, outcome.outputs),
                 }
             )
         state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)

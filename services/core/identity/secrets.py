@@ -247,6 +247,18 @@ async def fill(
     return ready, broken
 
 
+def mask_json(mask: Callable[[str], str], value: Any) -> Any:
+    """``value`` (decoded JSON, such as an attempt's outputs) with ``mask`` applied to
+    every string in it, keys included."""
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, list):
+        return [mask_json(mask, item) for item in value]
+    if isinstance(value, dict):
+        return {mask(key): mask_json(mask, item) for key, item in value.items()}
+    return value
+
+
 async def masker(
     conn: AsyncConnection, box: SecretBox, attempt_id: int
 ) -> Callable[[str], str] | None:

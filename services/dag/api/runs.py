@@ -15,6 +15,7 @@ from libs.common.dag_models import (
     GraphNode,
     Node,
     Run,
+    RunClear,
     RunList,
     RunState,
     WorkflowName,
@@ -24,31 +25,53 @@ from libs.common.models import MAX_PAGE
 from libs.common.problems import PROBLEMS
 from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
+from services.dag.domain import data
 from services.dag.domain.graph import Dag
-from services.dag.engine import Graphs, reset_for_retry
+from services.dag.engine import Graphs, clear_set, reset_for_retry
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
+_RETRIED = (RunState.FAILED, RunState.CANCELLED)
+_CLEARED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
 
 async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[Run, Dag]:
+    """The run with its nodes in topological order, each mapped node followed by its
+    instances, and the outputs each kept."""
     dag = await graphs.get(conn, row.workflow_id)
-    nodes = {n.name: n for n in await store.nodes_of(conn, [row.id])}
-    times = await store.node_times(conn, row.id)
-    listed = [
-        Node(
-            name=name,
-            state=nodes[name].state,
-            trigger_rule=dag.rule(name),
-            depends_on=list(dag.upstream[name]),
-            try_number=nodes[name].try_number,
-            task_id=nodes[name].task_id,
-            error=nodes[name].error,
-            updated_at=times[name],
+    rows = await store.nodes_of(conn, [row.id])
+    nodes = {n.name: n for n in rows}
+    details = await store.node_details(conn, row.id)
+    outputs = data.collect(
+        (data.Kept(n.name, n.map_of, n.map_index, n.outputs) for n in rows), dag.specs
+    )
+    instances: dict[str, list[store.NodeRow]] = {}
+    for n in rows:
+        if n.map_of is not None:
+            instances.setdefault(n.map_of, []).append(n)
+
+    def listed(n: store.NodeRow, spec_name: str) -> Node:
+        return Node(
+            name=n.name,
+            state=n.state,
+            trigger_rule=dag.rule(spec_name),
+            depends_on=list(dag.upstream[spec_name]),
+            try_number=n.try_number,
+            task_id=n.task_id,
+            error=n.error,
+            updated_at=details[n.name].updated_at,
+            outputs=n.outputs if n.map_of else outputs.get(n.name),
+            map_of=n.map_of,
+            map_index=n.map_index,
+            map_item=details[n.name].map_item,
         )
-        for name in dag.order
-    ]
-    return store.run_model(row, listed), dag
+
+    found = []
+    for name in dag.order:
+        found.append(listed(nodes[name], name))
+        mine = sorted(instances.get(name, []), key=lambda n: n.map_index or 0)
+        found += [listed(n, name) for n in mine]
+    return store.run_model(row, found), dag
 
 
 @router.get("", response_model=RunList, responses=PROBLEMS)
@@ -98,6 +121,7 @@ async def get_graph(
         row = await store.get_run(conn, run_id, caller.visibility)
         run, dag = await _with_nodes(conn, graphs, row)
     edges = [GraphEdge(source=up, target=n) for n in dag.order for up in dag.upstream[n]]
+    run.nodes = [n for n in run.nodes if n.map_of is None]
     text = mermaid(run.nodes, edges)
     if format == "mermaid":
         return PlainTextResponse(text)
@@ -130,7 +154,35 @@ async def retry_run(
         row = await store.get_run(conn, run_id, caller.visibility)
         dag = await graphs.get(conn, row.workflow_id)
         states = {n.name: n.state for n in await store.nodes_of(conn, [run_id], lock=True)}
-        row = await store.retry_run(conn, run_id, caller.visibility, reset_for_retry(dag, states))
+        again = reset_for_retry(dag, states)
+        row = await store.requeue(
+            conn, run_id, caller.visibility, again, sources=_RETRIED, action="retried"
+        )
+        run, _ = await _with_nodes(conn, graphs, row)
+    loop.wake()
+    return run
+
+
+@router.post("/{run_id}/clear", response_model=Run, responses=PROBLEMS)
+async def clear_run(
+    run_id: RunIdPath, body: RunClear, caller: Person, db: Db, graphs: GraphCache, loop: Loop
+) -> Run:
+    """Run a finished run again from ``node``: it and (unless ``downstream`` is false)
+    every node below it go back to pending with their next try, whatever they ended as;
+    the rest keep their outcomes and outputs. The run queues like a new one."""
+    async with db.begin() as conn:
+        row = await store.get_run(conn, run_id, caller.visibility)
+        dag = await graphs.get(conn, row.workflow_id)
+        if body.node not in dag.specs:
+            raise InvalidInput(
+                f"body.node: run {run_id} has no node '{body.node}'",
+                errors=[{"field": "body.node", "reason": f"no node '{body.node}'"}],
+            )
+        await store.nodes_of(conn, [run_id], lock=True)
+        cleared = clear_set(dag, body.node, body.downstream)
+        row = await store.requeue(
+            conn, run_id, caller.visibility, cleared, sources=_CLEARED, action="cleared"
+        )
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run

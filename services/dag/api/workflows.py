@@ -17,10 +17,12 @@ from libs.common.dag_models import (
     WorkflowList,
     WorkflowName,
 )
+from libs.common.errors import InvalidInput
 from libs.common.problems import PROBLEMS
 from libs.common.teams import bound_to_team, check_member
 from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
+from services.dag.domain.data import Instance, map_items
 from services.dag.domain.templates import Renderer, RunContext, merged_params
 from services.dag.engine import build_sized
 
@@ -135,18 +137,38 @@ async def start_run(
         workflow = await store.get_workflow(conn, owner, name, body.version, who)
         dag = await graphs.get(conn, workflow.id)
         params = merged_params(dag, body.params)
+        for node in dag.order:  # a list parameter a node maps over is checked now
+            spec = dag.specs[node]
+            if spec.map is not None and spec.map.over.strip("{} ").startswith("params."):
+                _, why = map_items(spec, params, {})
+                if why is not None:
+                    name = spec.map.over.strip("{} ").removeprefix("params.")
+                    raise InvalidInput(
+                        f"body.params.{name}: {why}",
+                        errors=[{"field": f"body.params.{name}", "reason": why}],
+                    )
         if body.fire is not None:  # {{ fire.slot }}: kept with the run's params
             fire = body.fire.model_dump(mode="json")
             fire["slot"] = body.fire.slot.astimezone(UTC).isoformat()  # as CAIRN_CRON_SLOT
             params = {**params, "fire": fire}
+        definition = dag.definition
         row, created = await store.create_run(
-            conn, owner, workflow, params, body.idempotency_key, dag.order
+            conn,
+            owner,
+            workflow,
+            params,
+            body.idempotency_key,
+            dag.order,
+            timeout_s=body.timeout_s or definition.timeout_s,
+            max_active_nodes=definition.max_active_nodes,
         )
         if created:
-            # Every node must render into a valid task now, not halfway through the run.
+            # Every node must render into a valid task now, not halfway through the run
+            # (what upstream nodes hand on renders empty here).
             renderer = Renderer(dag, RunContext(row.id, workflow.name, owner, params))
             for node in dag.order:
-                renderer.task(node, 1)
+                item = Instance(0, "") if dag.specs[node].map is not None else None
+                renderer.task(node, 1, item)
     if created:
         traces.started(row)
         loop.wake()

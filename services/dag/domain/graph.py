@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from libs.common.dag_models import NodeSpec, TriggerRule, WorkflowCreate
+from libs.common.dag_models import MAX_RUN_INSTANCES, NodeSpec, TriggerRule, WorkflowCreate
 from libs.common.errors import InvalidInput
 
 # {{ params.x }}, {{ run.id }}, {{ node.try }}, {{ nodes.extract.output_path }},
+# {{ nodes.extract.outputs.rows }}, {{ map.item }}, {{ map.index }},
 # {{ fire.slot }} (empty unless a cron fire started the run)
 TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 _REFERENCE = re.compile(
@@ -20,7 +21,9 @@ _REFERENCE = re.compile(
     r"|run\.(?:id|workflow|owner)"
     r"|node\.(?:name|try)"
     r"|fire\.(?:slot|schedule_id|backfill)"
-    r"|nodes\.(?P<node>[A-Za-z0-9_][A-Za-z0-9_.\-]*)\.output_path)$"
+    r"|(?P<map>map)\.(?:item|index)"
+    r"|nodes\.(?P<node>[A-Za-z0-9_][A-Za-z0-9_.\-]*)"
+    r"\.(?:output_path|outputs\.(?P<output>[A-Za-z_][A-Za-z0-9_]*)))$"
 )
 
 
@@ -43,40 +46,86 @@ class Dag:
 
 def _templated_fields(spec: NodeSpec) -> list[tuple[str, str]]:
     task = spec.task
-    fields = [(f"task.args.{i}", arg) for i, arg in enumerate(task.args)]
+    fields: list[tuple[str, str | None]] = [
+        (f"task.args.{i}", arg) for i, arg in enumerate(task.args)
+    ]
     fields += [
         (f"task.env.{key}", value) for key, value in task.env.items() if isinstance(value, str)
     ]
     fields += [(f"task.{name}", getattr(task, name)) for name in ("input_path", "output_path")]
-    return [(where, text) for where, text in fields if text and "{{" in text]
+    fields += [(f"outputs.{name}.path", out.path) for name, out in spec.outputs.items()]
+    if spec.map is not None:
+        fields.append(("map.over", spec.map.over))
+    return [(where, text) for where, text in fields if text is not None and "{{" in text]
 
 
-def _references(
-    index: int, spec: NodeSpec, errors: list[dict[str, str]]
-) -> tuple[set[str], set[str]]:
+# Fields whose value must be known when the node is released, before anything upstream
+# of it could be read again: they may not name another node's.
+_OWN_ONLY = re.compile(r"^(?:task\.output_path|outputs\.[A-Za-z0-9_]+\.path)$")
+
+
+@dataclass
+class _Refs:
+    params: set[str] = field(default_factory=set)
+    #: (field, upstream node, output name or None for its output_path)
+    nodes: list[tuple[str, str, str | None]] = field(default_factory=list)
+
+
+def _references(index: int, spec: NodeSpec, errors: list[dict[str, str]]) -> _Refs:
     """The parameters and upstream outputs one node's templates name."""
-    params: set[str] = set()
-    outputs: set[str] = set()
+    refs = _Refs()
     for where, text in _templated_fields(spec):
+        field_name = f"body.nodes.{index}.{where}"
         for expression in TEMPLATE.findall(text):
             match = _REFERENCE.match(expression)
-            field_name = f"body.nodes.{index}.{where}"
             if match is None:
                 errors.append(
                     {"field": field_name, "reason": f"unknown template {{{{ {expression} }}}}"}
                 )
             elif match["param"]:
-                params.add(match["param"])
+                refs.params.add(match["param"])
+            elif match["map"] and (spec.map is None or where == "map.over"):
+                errors.append({"field": field_name, "reason": "map.item and map.index need a map"})
             elif match["node"]:
-                if where == "task.output_path":
+                if _OWN_ONLY.match(where):
                     errors.append(
                         {
                             "field": field_name,
                             "reason": "an output path may not name another node's",
                         }
                     )
-                outputs.add(match["node"])
-    return params, outputs
+                refs.nodes.append((field_name, match["node"], match["output"]))
+    if spec.map is not None:
+        over = _REFERENCE.match(TEMPLATE.findall(spec.map.over)[0])
+        if over is not None and not (over["param"] or over["output"]):
+            errors.append(
+                {
+                    "field": f"body.nodes.{index}.map.over",
+                    "reason": "maps over {{ params.NAME }} or {{ nodes.NODE.outputs.NAME }}",
+                }
+            )
+    return refs
+
+
+def _check_upstream(
+    graph: nx.DiGraph, specs: dict[str, NodeSpec], name: str, refs: _Refs
+) -> list[dict[str, str]]:
+    """Each node a template names is upstream of ``name`` and has what is named."""
+    errors = []
+    ancestors = nx.ancestors(graph, name) if refs.nodes else set()
+    for where, upstream, output in refs.nodes:
+        if upstream not in ancestors:
+            reason = f"'{upstream}' is not upstream of '{name}'"
+        elif output is None and specs[upstream].task.output_path is None:
+            reason = f"'{upstream}' has no output_path"
+        elif output is None and specs[upstream].map is not None:
+            reason = f"'{upstream}' is mapped: name one of its outputs"
+        elif output is not None and output not in specs[upstream].outputs:
+            reason = f"'{upstream}' declares no output '{output}'"
+        else:
+            continue
+        errors.append({"field": where, "reason": reason})
+    return errors
 
 
 def _refuse(errors: list[dict[str, str]], **extra: object) -> None:
@@ -144,22 +193,17 @@ def build(definition: WorkflowCreate) -> Dag:
     errors: list[dict[str, str]] = []
     params: set[str] = set()
     for i, node in enumerate(definition.nodes):
-        used, outputs = _references(i, node, errors)
-        params |= used
-        if outputs:
-            ancestors = nx.ancestors(graph, node.name)
-            for name in sorted(outputs):
-                if name not in ancestors:
-                    errors.append(
-                        {
-                            "field": f"body.nodes.{i}.task",
-                            "reason": f"'{name}' is not upstream of '{node.name}'",
-                        }
-                    )
-                elif specs[name].task.output_path is None:
-                    errors.append(
-                        {"field": f"body.nodes.{i}.task", "reason": f"'{name}' has no output_path"}
-                    )
+        refs = _references(i, node, errors)
+        params |= refs.params
+        errors += _check_upstream(graph, specs, node.name, refs)
+    mapped = sum(node.map.max_items for node in definition.nodes if node.map is not None)
+    if mapped > MAX_RUN_INSTANCES:
+        errors.append(
+            {
+                "field": "body.nodes",
+                "reason": f"the maps' max_items add up to {mapped}, more than {MAX_RUN_INSTANCES}",
+            }
+        )
     _refuse(errors)
     return Dag(
         definition=definition,

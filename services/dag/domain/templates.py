@@ -1,12 +1,15 @@
 """Rendering a node's task template for one run: ``{{ params.x }}``, ``{{ run.id }}``,
-``{{ node.try }}``, ``{{ nodes.UPSTREAM.output_path }}``, ``{{ fire.slot }}`` (and
+``{{ node.try }}``, ``{{ nodes.UPSTREAM.output_path }}``,
+``{{ nodes.UPSTREAM.outputs.NAME }}``, ``{{ map.item }}``, ``{{ map.index }}`` (a list or
+an object renders as JSON), ``{{ fire.slot }}`` (and
 ``fire.schedule_id``, ``fire.backfill``: empty unless a cron fire started the run, whose
 nodes also get ``CAIRN_CRON_SLOT`` and ``CAIRN_CRON_SCHEDULE_ID``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -14,6 +17,7 @@ from pydantic import ValidationError
 from libs.common.dag_models import TaskTemplate
 from libs.common.errors import InvalidInput
 from libs.common.models import TaskCreate
+from services.dag.domain.data import Instance, instance_name
 from services.dag.domain.graph import TEMPLATE, Dag
 
 
@@ -23,6 +27,8 @@ class RunContext:
     workflow: str
     owner: str
     params: Mapping[str, Any]
+    #: the outputs of the run's nodes so far (``data.collect``)
+    outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _text(value: Any) -> str:
@@ -30,6 +36,8 @@ def _text(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list | dict):
+        return json.dumps(value, separators=(",", ":"))
     return str(value)
 
 
@@ -60,7 +68,9 @@ class Renderer:
         self.dag = dag
         self.run = run
 
-    def _value(self, node: str, try_number: int, expression: str) -> str:
+    def _value(
+        self, node: str, try_number: int, expression: str, instance: Instance | None = None
+    ) -> str:
         head, _, rest = expression.partition(".")
         if head == "params":
             return _text(self.run.params.get(rest))
@@ -74,6 +84,13 @@ class Renderer:
             return _text(node if rest == "name" else try_number)
         if head == "fire":
             return _text(self._fire().get(rest))
+        if head == "map":
+            if instance is None:
+                return ""
+            return _text(instance.item if rest == "item" else instance.index)
+        upstream, _, output = rest.rpartition(".outputs.")
+        if upstream:
+            return _text(self.run.outputs.get(upstream, {}).get(output))
         upstream = rest.rsplit(".", 1)[0]
         path = self.dag.specs[upstream].task.output_path or ""
         return self._render(upstream, 1, path)
@@ -82,19 +99,33 @@ class Renderer:
         fire = self.run.params.get("fire")
         return fire if isinstance(fire, Mapping) else {}
 
-    def _render(self, node: str, try_number: int, text: str) -> str:
+    def _render(
+        self, node: str, try_number: int, text: str, instance: Instance | None = None
+    ) -> str:
         if "{{" not in text:
             return text
-        return TEMPLATE.sub(lambda m: self._value(node, try_number, m[1]), text)
+        return TEMPLATE.sub(lambda m: self._value(node, try_number, m[1], instance), text)
 
-    def task(self, node: str, try_number: int) -> TaskCreate:
-        """The submission of ``node``'s try; ``InvalidInput`` if what renders is invalid."""
+    def paths(self, node: str, try_number: int, instance: Instance | None = None) -> dict[str, str]:
+        """The node's declared output paths, rendered."""
+        return {
+            name: self._render(node, try_number, declared.path, instance)
+            for name, declared in self.dag.specs[node].outputs.items()
+            if declared.path is not None
+        }
+
+    def task(self, node: str, try_number: int, instance: Instance | None = None) -> TaskCreate:
+        """The submission of ``node``'s try (of one of its items when it is mapped);
+        ``InvalidInput`` if what renders is invalid."""
         template: TaskTemplate = self.dag.specs[node].task
+
+        def render(text: str) -> str:
+            return self._render(node, try_number, text, instance)
+
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
-        doc["args"] = [self._render(node, try_number, arg) for arg in template.args]
+        doc["args"] = [render(arg) for arg in template.args]
         doc["env"] = {
-            k: self._render(node, try_number, v) if isinstance(v, str) else doc["env"][k]
-            for k, v in template.env.items()
+            k: render(v) if isinstance(v, str) else doc["env"][k] for k, v in template.env.items()
         }
         if fire := self._fire():
             doc["env"]["CAIRN_CRON_SLOT"] = _text(fire.get("slot"))
@@ -103,12 +134,13 @@ class Renderer:
                 doc["env"]["CAIRN_CRON_BACKFILL"] = "true"
         for name in ("input_path", "output_path"):
             if doc[name] is not None:
-                doc[name] = self._render(node, try_number, doc[name])
-        doc["idempotency_key"] = release_key(self.run.run_id, node, try_number)
+                doc[name] = render(doc[name])
+        row = node if instance is None else instance_name(node, instance.index)
+        doc["idempotency_key"] = release_key(self.run.run_id, row, try_number)
         doc["labels"] = {
             **template.labels,
             "cairn.dag/run": str(self.run.run_id),
-            "cairn.dag/node": node,
+            "cairn.dag/node": row,
         }
         try:
             return TaskCreate.model_validate(doc)
