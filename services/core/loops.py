@@ -10,13 +10,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import dispatch, notify, placement, store
+from services.core import notify, placement, store
 from services.core.feed import Notifier
 from services.core.identity import audit
 from services.core.metrics import CoreMetrics
+from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
@@ -172,20 +172,7 @@ async def reap_once(
     hearing: Hearing,
     meter: CoreMetrics | None = None,
 ) -> int:
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        await conn.execute(text("SELECT 1"))
-        changed = await dispatch.reap(
-            conn,
-            settings.heartbeat_timeout_s,
-            tally,
-            heard_for_s=hearing.heard(),
-        )
-    if meter is not None:
-        meter.count(tally)
-    if changed:
-        notifier.announce()
-    return changed
+    return await ops.reap(engine, notifier, settings.heartbeat_timeout_s, hearing.heard, meter)
 
 
 def start(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
@@ -17,6 +16,8 @@ from libs.common.models import (
     HeartbeatAnswer,
     Report,
     ReportAnswer,
+    Turn,
+    TurnAnswer,
     Worker,
     WorkerList,
     WorkerRegister,
@@ -25,16 +26,17 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import dispatch, placement, traces
+from services.core import placement
 from services.core.api.tasks import decode_cursor, encode_cursor
+from services.core.db import dispatch
 from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
 from services.core.identity import secrets
+from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
 from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
-_POLL_S = 0.5
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 AttemptId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 AgentPrincipal = Annotated[Principal, Depends(require("worker", "admin"))]
@@ -127,50 +129,44 @@ async def heartbeat(
     )
 
 
+def _dispatcher(
+    engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
+) -> ops.Dispatcher:
+    defaults = placement.Defaults.of(_settings(request))
+    return ops.Dispatcher(engine, notifier, meter, box, defaults)
+
+
+Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
+
+
+@router.post("/{worker_id}/turn", response_model=TurnAnswer, responses=PROBLEMS)
+async def turn(body: Turn, worker: OwnWorker, dispatcher: Dispatch, request: Request) -> Response:
+    """One round trip of a worker agent, in one transaction: the reports of attempts that
+    ended (each fenced by its attempt and this worker: a stale one is refused alone, with
+    409 in its verdict), the attempts it started, and the room it wants filled (``claim``;
+    with ``wait``, an empty answer is held until work arrives or ``wait`` seconds pass)."""
+    done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
+    answer = TurnAnswer(state=done.state, reports=done.reports, attempts=done.attempts)
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
 @router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)
 async def claim(
-    room: ClaimRequest,
-    worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
-    request: Request,
-    box: Box,
+    room: ClaimRequest, worker: OwnWorker, dispatcher: Dispatch, request: Request
 ) -> ClaimAnswer:
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
-    work arrives or ``wait`` seconds pass."""
-    deadline = asyncio.get_running_loop().time() + room.wait
-    defaults = placement.Defaults.of(_settings(request))
-    while True:
-        tally = dispatch.Tally()
-        async with engine.begin() as conn:
-            current = await dispatch.get_worker(conn, worker.id, None)
-            leased = await dispatch.claim(
-                conn, current, room.cpu, room.memory_mb, room.max, defaults, tally
-            )
-            leased, broken = await secrets.fill(conn, box, leased)
-            for attempt_id, reason in broken.items():
-                failed = Report(outcome="failed", retryable=False, error=reason)
-                await dispatch.report(conn, attempt_id, worker.id, failed, tally)
-        if broken and not leased:
-            meter.count(tally)
-            notifier.announce()
-        if leased:
-            meter.count(tally)
-            notifier.announce()
-            return ClaimAnswer(attempts=leased)
-        remaining = deadline - asyncio.get_running_loop().time()
-        if remaining <= 0 or current.state != "live" or await request.is_disconnected():
-            return ClaimAnswer(attempts=[])
-        await notifier.wait(min(remaining, _POLL_S))
+    work arrives or ``wait`` seconds pass. (A turn without reports.)"""
+    leased = await ops.claim(dispatcher, worker.id, room, request.is_disconnected)
+    return ClaimAnswer(attempts=leased)
 
 
 @router.post(
     "/{worker_id}/attempts/{attempt_id}/start", response_model=ReportAnswer, responses=PROBLEMS
 )
 async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> ReportAnswer:
-    """The agent asks before it starts an attempt: 409 when core no longer holds it for
-    this worker (lost to the reaper, cancelled), so the agent must not run it."""
+    """The agent asks before it starts an attempt when its last turn is too old to vouch
+    for its lease: 409 when core no longer holds it for this worker (lost to the reaper,
+    cancelled), so the agent must not run it."""
     async with engine.begin() as conn:
         task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
@@ -183,33 +179,15 @@ async def report(
     attempt_id: AttemptId,
     outcome: Report,
     worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
+    dispatcher: Dispatch,
     request: Request,
-    box: Box,
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
-    one (its lease was lost) is refused with 409 and changes nothing."""
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        mask = await secrets.masker(conn, box, attempt_id)
-        if mask is not None:
-            outcome = outcome.model_copy(
-                update={
-                    "log_tail": mask(outcome.log_tail) if outcome.log_tail else outcome.log_tail,
-                    "error": mask(outcome.error) if outcome.error else outcome.error,
-                }
-            )
-        state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)
-        task_id = await dispatch.task_of(conn, attempt_id)
-    notifier.announce()
-    meter.attempts_finished.labels(outcome.outcome).inc()
-    if state is TaskState.SUCCEEDED:
-        meter.ended(state)
-    meter.count(tally)
-    traces.reported(request.headers, task_id, attempt_id, outcome.outcome, state)
-    return ReportAnswer(task_id=task_id, state=state)
+    one (its lease was lost) is refused with 409 and changes nothing. (A turn of one
+    report.)"""
+    verdict = await ops.report(dispatcher, worker.id, attempt_id, outcome, request.headers)
+    assert verdict.task_id is not None and verdict.state is not None
+    return ReportAnswer(task_id=verdict.task_id, state=verdict.state)
 
 
 @router.put(
