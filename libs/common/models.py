@@ -558,9 +558,12 @@ MAX_TURN_ITEMS = 256
 
 
 class AttemptReport(Report):
-    """A report inside a worker's turn: the attempt it is about, and how it ended."""
+    """A report inside a worker's turn: the attempt it is about, and how it ended.
+    ``whole_log``: ``log_tail`` is the attempt's whole log, kept as its log (no upload
+    follows)."""
 
     attempt_id: TaskId
+    whole_log: bool = False
 
 
 class Turn(_Input):

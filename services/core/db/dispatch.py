@@ -628,7 +628,8 @@ FOR UPDATE OF t
 
 # Close the attempts, move their tasks (each guarded by its op's sources in the
 # transitions table and by still being the task's current attempt), append the events
-# and fold the measured use into each kind's decaying peak: one statement for the batch.
+# fold the measured use into each kind's decaying peak, and keep the logs that came whole
+# in the report: one statement for the batch.
 _FINISH = text("""
 WITH input AS (
     SELECT * FROM unnest(
@@ -638,10 +639,11 @@ WITH input AS (
         CAST(:owners AS text[]), CAST(:names AS text[]), CAST(:ops AS text[]),
         CAST(:targets AS text[]), CAST(:sources AS text[]), CAST(:from_states AS text[]),
         CAST(:reasons AS text[]), CAST(:last_errors AS text[]), CAST(:delays AS float8[]),
-        CAST(:crashed AS integer[]), CAST(:refunds AS integer[]), CAST(:finals AS boolean[])
+        CAST(:crashed AS integer[]), CAST(:refunds AS integer[]), CAST(:finals AS boolean[]),
+        CAST(:whole_logs AS boolean[])
     ) AS i(attempt_id, task_id, outcome, exit_code, error, peak_memory_mb, cpu_seconds,
            cores, log_tail, owner, name, op, target, sources, from_state, reason,
-           last_error, delay_s, crashed, refund, final)
+           last_error, delay_s, crashed, refund, final, whole_log)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
@@ -681,6 +683,10 @@ WITH input AS (
             EXCLUDED.peak_memory_mb, u.peak_memory_mb * power(:decay, EXCLUDED.samples)),
         samples = u.samples + EXCLUDED.samples,
         updated_at = now()
+), logs AS (
+    INSERT INTO core.attempt_logs (attempt_id, content, truncated)
+    SELECT attempt_id, COALESCE(log_tail, ''), false FROM input WHERE whole_log
+    ON CONFLICT (attempt_id) DO UPDATE SET content = EXCLUDED.content, truncated = false
 )
 SELECT id, attempt_id, state FROM moved
 """)
@@ -794,6 +800,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
         "crashed": column(lambda i, r, m: int(m.crashed) if m else 0),
         "refunds": column(lambda i, r, m: int(m.refund) if m else 0),
         "finals": column(lambda i, r, m: m.target in FINAL if m else False),
+        "whole_logs": column(lambda i, r, m: i.whole_log),
         "decay": DECAY,
     }
 
