@@ -100,35 +100,6 @@ async def list_workers(
     return WorkerList(items=items, next_cursor=next_cursor)
 
 
-@router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
-async def heartbeat(
-    beat: Heartbeat,
-    worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
-    request: Request,
-) -> HeartbeatAnswer:
-    """The sidecar's beat: the worker lives, and these attempts' processes run."""
-    # An attempt claimed after the sidecar read its list is not in this beat: give every
-    # attempt two beats (and a second) before its absence means its process is gone.
-    grace = 2 * _settings(request).heartbeat_interval_s + 1.0
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        found = await dispatch.heartbeat(conn, worker, beat.attempts, grace, tally)
-        state = (await dispatch.get_worker(conn, worker.id, None)).state
-    meter.count(tally)
-    if found.lost:
-        notifier.announce()
-    return HeartbeatAnswer(
-        state=state,
-        stop=found.stop,
-        squeeze=found.squeeze,
-        preempt=found.preempt,
-        preempt_grace_s=_settings(request).preempt_grace_s,
-    )
-
-
 def _dispatcher(
     engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
 ) -> ops.Dispatcher:
@@ -137,6 +108,24 @@ def _dispatcher(
 
 
 Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
+
+
+@router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
+async def heartbeat(
+    beat: Heartbeat, worker: OwnWorker, dispatcher: Dispatch, request: Request
+) -> HeartbeatAnswer:
+    """The sidecar's beat: the worker lives, and these attempts' processes run."""
+    # An attempt claimed after the sidecar read its list is not in this beat: give every
+    # attempt two beats (and a second) before its absence means its process is gone.
+    grace = 2 * _settings(request).heartbeat_interval_s + 1.0
+    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace)
+    return HeartbeatAnswer(
+        state=state,
+        stop=found.stop,
+        squeeze=found.squeeze,
+        preempt=found.preempt,
+        preempt_grace_s=_settings(request).preempt_grace_s,
+    )
 
 
 @router.post("/{worker_id}/turn", response_model=TurnAnswer, responses=PROBLEMS)
@@ -224,13 +213,9 @@ async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, recor
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
-async def leave(worker: OwnWorker, engine: Engine, meter: Meter) -> Worker:
+async def leave(worker: OwnWorker, dispatcher: Dispatch, engine: Engine) -> Worker:
     """The agent stops cleanly; attempts it still holds are lost at once."""
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        await dispatch.set_worker_state(conn, worker.id, "left")
-        await dispatch.lose_all(conn, worker.id, "its worker left", tally)
-    meter.count(tally)
+    await ops.leave(dispatcher, worker.id)
     return await _get(engine, worker.id)
 
 

@@ -188,6 +188,31 @@ def _told(
         ops.notifier.announce()
 
 
+async def heartbeat(
+    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float
+) -> tuple[dispatch.Beat, str]:
+    """The sidecar's beat (``db.dispatch.heartbeat``), and the worker's state after it."""
+    tally = dispatch.Tally()
+    async with ops.engine.begin() as conn:
+        found = await dispatch.heartbeat(conn, worker, list(alive), grace_s, tally)
+        state = await _state_of(conn, worker.id)
+    ops.meter.count(tally)
+    if found.lost:
+        ops.notifier.announce()
+    return found, state
+
+
+async def leave(ops: Dispatcher, worker_id: int) -> None:
+    """The worker left: every attempt it still holds is lost at once."""
+    tally = dispatch.Tally()
+    async with ops.engine.begin() as conn:
+        await dispatch.set_worker_state(conn, worker_id, "left")
+        await dispatch.lose_all(conn, worker_id, "its worker left", tally)
+    ops.meter.count(tally)
+    if tally.lost:
+        ops.notifier.announce()
+
+
 # --- the reaper ---------------------------------------------------------------------------
 
 
