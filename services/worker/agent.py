@@ -88,6 +88,16 @@ def report_of(result: AttemptResult) -> Report | None:
     return Report(outcome=result.outcome, **usage)
 
 
+def vouches(heard_at: float, now: float, interval_s: float, timeout_s: float) -> bool:
+    """Whether the last turn core answered (sent at ``heard_at``, monotonic) vouches that
+    core still holds this worker's leases, so an attempt may start without asking. That
+    turn refreshed the worker's liveness no earlier than it was sent, and core declares a
+    worker dead (re-placing its leases) only after ``timeout_s`` of silence since; the
+    margin covers the start itself."""
+    margin = max(interval_s, timeout_s / 4)
+    return now - heard_at < timeout_s - margin
+
+
 class Agent:
     def __init__(
         self, settings: WorkerSettings, client: CoreClient, token: str, host: Host
@@ -306,13 +316,8 @@ class Agent:
             self.draining.set()
 
     def _vouched(self) -> bool:
-        """Whether the last turn core answered vouches that it still holds this worker's
-        leases. That turn refreshed the worker's liveness no earlier than it was sent, and
-        core declares a worker dead (re-placing its leases) only after a heartbeat timeout
-        of silence since then; the margin covers the start itself."""
         interval, timeout = self._beat
-        margin = max(interval, timeout / 4)
-        return asyncio.get_running_loop().time() - self.heard_at < timeout - margin
+        return vouches(self.heard_at, asyncio.get_running_loop().time(), interval, timeout)
 
     def _take(self) -> list[Outgoing]:
         now = asyncio.get_running_loop().time()
