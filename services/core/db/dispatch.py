@@ -22,10 +22,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
 from libs.common.models import (
+    Artifact,
     Assignment,
     AttemptReport,
     Charge,
     ReportVerdict,
+    Resources,
     Worker,
     WorkerRegister,
 )
@@ -426,23 +428,24 @@ async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
 
 
 def _assignment(row: Any) -> Assignment:
-    task = store.task_from_row(row)
-    return Assignment(
+    """The lease as the worker gets it, from the claim's row. Built without validating
+    again what the submission validated (the claim's hot loop: one per attempt)."""
+    return Assignment.model_construct(
         attempt_id=row.attempt_id,
         attempt_number=row.attempt_number,
-        task_id=task.id,
-        kind=task.kind,
-        artifact=task.artifact,
-        args=task.args,
+        task_id=row.id,
+        kind=row.kind,
+        artifact=Artifact.model_construct(uri=row.artifact_uri, sha256=row.artifact_sha256),
+        args=row.args,
         # Secret references are filled in by the claim itself (identity.secrets).
-        env={k: v for k, v in task.env.items() if isinstance(v, str)},
-        input_path=task.input_path,
-        output_path=task.output_path,
-        resources=task.resources,
-        timeout_s=task.timeout_s,
-        charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
-        traceparent=traces.claimed(task.id, task.created_at, row.attempt_id, row.attempt_number),
-        preemptible=task.preemptible,
+        env={k: v for k, v in row.env.items() if isinstance(v, str)},
+        input_path=row.input_path,
+        output_path=row.output_path,
+        resources=Resources.model_construct(cpu=row.cpu, memory_mb=row.memory_mb),
+        timeout_s=row.timeout_s,
+        charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
+        traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
+        preemptible=row.preemptible,
     )
 
 
