@@ -287,7 +287,9 @@ class Agent:
 
     async def _turn(self, room: ClaimRequest | None) -> TurnAnswer | None:
         """One round trip; None when it failed (its reports and starts go again)."""
-        items, started = self._take(), sorted(self.started)
+        items = self._take()
+        # An attempt reported in this turn needs no acknowledgement of its start.
+        started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
         body = Turn(reports=[o.report for o in items], started=started, claim=room)
         worker, sent = self.worker_id, asyncio.get_running_loop().time()
