@@ -1,13 +1,13 @@
 """Dispatch benchmark: claim + report through core's HTTP API, no-op work.
 
     .venv/bin/python bench/dispatch.py [--tasks 20000] [--workers 4] [--max 64]
-                                       [--reporters 16] [--json results.json]
+                                       [--json results.json]
 
 A fresh embedded PostgreSQL (durable settings) and core as its own process
 (`bench/stack.py`). The tasks are submitted first, in batches. Then ``--workers``
 simulated workers, in this process, each registered with room for far more than they are
-given, loop: claim up to ``--max`` attempts, report each ``succeeded`` at once (up to
-``--reporters`` reports in flight per worker), claim again. No process is started per
+given, loop in turns as the agent does: one request reports every attempt the last turn
+leased (``succeeded``) and claims up to ``--max`` more. No process is started per
 task: this measures core's scheduling path (claim, lease, fenced report, the task's final
 transition and its events), the part the design's bar of 6,000 tasks/s is about. The
 load generator shares the 2 cores with core and PostgreSQL. At the end every task must be
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack import core_stack
 
 from libs.common.client import CoreClient
-from libs.common.models import ClaimRequest, Report, TaskCreate, WorkerRegister
+from libs.common.models import AttemptReport, ClaimRequest, TaskCreate, Turn, WorkerRegister
 from libs.common.settings import libpq_url
 from services.core import admin
 
@@ -61,28 +61,31 @@ async def submit_all(core_url: str, token: str, count: int) -> None:
 async def work(
     core_url: str, token: str, name: str, args: argparse.Namespace, done: list[float]
 ) -> None:
+    """One simulated agent: each turn reports the attempts the last turn leased (all
+    ``succeeded``) and claims again, in one request, as the real agent does."""
     async with CoreClient(core_url, token, timeout=httpx.Timeout(60, connect=5)) as core:
         me = await core.register_worker(
             WorkerRegister(hostname=name, queues=["default"], cpu=4000, memory_mb=10_000_000)
         )
-        gate = asyncio.Semaphore(args.reporters)
-        ok = Report(outcome="succeeded", exit_code=0)
         room = ClaimRequest(cpu=4000, memory_mb=10_000_000, max=args.max)
-
-        async def report(attempt_id: int) -> None:
-            async with gate:
-                await core.report(me.worker.id, attempt_id, ok)
-            done.append(time.perf_counter())
-
+        reports: list[AttemptReport] = []
         idle = 0
         while idle < 3:
-            leased = await core.claim(me.worker.id, room)
-            if not leased:
+            answer = await core.turn(me.worker.id, Turn(reports=reports, claim=room))
+            refused = [v for v in answer.reports if v.status != 200]
+            if refused:
+                raise SystemExit(f"reports refused: {refused[:3]}")
+            now = time.perf_counter()
+            done.extend(now for _ in answer.reports)
+            reports = [
+                AttemptReport(attempt_id=a.attempt_id, outcome="succeeded", exit_code=0)
+                for a in answer.attempts
+            ]
+            if not answer.attempts:
                 idle += 1
                 await asyncio.sleep(0.2)
-                continue
-            idle = 0
-            await asyncio.gather(*(report(a.attempt_id) for a in leased))
+            else:
+                idle = 0
 
 
 async def pgqueuer_drain(database_url: str, count: int, batch: int) -> dict[str, Any]:
@@ -149,7 +152,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "tasks": args.tasks,
             "workers": args.workers,
             "max": args.max,
-            "reporters": args.reporters,
             "submit_s": round(submit_s, 2),
             "reported": len(done),
             "elapsed_s": round(elapsed, 2),
@@ -170,7 +172,6 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--max", type=int, default=64)
-    parser.add_argument("--reporters", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--pgq-batch", type=int, default=64)
     parser.add_argument("--skip-pgqueuer", action="store_true")

@@ -59,6 +59,8 @@ from libs.common.models import (
     TokenCreated,
     TokenInfo,
     TokenList,
+    Turn,
+    TurnAnswer,
     UsageReport,
     UsageRow,
     WhoAmI,
@@ -287,6 +289,18 @@ class CoreClient(ApiClient):
             timeout=timeout,
         )
         return ClaimAnswer.model_validate_json(response.content).attempts
+
+    async def turn(self, worker_id: int, body: Turn) -> TurnAnswer:
+        """One round trip of a worker: its reports (each answered with a verdict: a stale
+        one is refused alone), its start acknowledgements and its claim."""
+        wait = body.claim.wait if body.claim is not None else 0.0
+        response = await self._call(
+            "POST",
+            f"/v1/workers/{worker_id}/turn",
+            content=body.model_dump_json(),
+            timeout=httpx.Timeout(10.0 + wait, connect=2.0),
+        )
+        return TurnAnswer.model_validate_json(response.content)
 
     async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
         """Ask core whether it still holds the attempt before starting it; raises

@@ -656,6 +656,45 @@ class LogEnd(_Output):
     task_state: TaskState
 
 
+MAX_TURN_ITEMS = 256
+
+
+class AttemptReport(Report):
+    """A report inside a worker's turn: the attempt it is about, and how it ended (its
+    log reached core apart, in chunks: docs/logs.md)."""
+
+    attempt_id: TaskId
+
+
+class Turn(_Input):
+    """One round trip of a worker agent: the reports of attempts that ended since its last
+    turn, the attempts it started since (acknowledged, not asked for), and the room it
+    wants filled (none: only report). Core applies it in one transaction."""
+
+    reports: list[AttemptReport] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
+    started: list[TaskId] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
+    claim: ClaimRequest | None = None
+
+
+class ReportVerdict(_Output):
+    """What became of one report of a turn: ``status`` 200 (applied; ``state`` is the
+    task's state now), 409 (stale: not the task's current attempt, or not this worker's)
+    or 404 (no such attempt); a refused report changed nothing."""
+
+    attempt_id: int
+    status: Literal[200, 404, 409]
+    task_id: int | None = None
+    state: TaskState | None = None
+    detail: str | None = None
+
+
+class TurnAnswer(_Output):
+    #: the worker's state: a ``dead`` or ``left`` worker is leased nothing
+    state: Literal["live", "draining", "dead", "left"]
+    reports: list[ReportVerdict]
+    attempts: list[Assignment]
+
+
 # --- right-sizing -------------------------------------------------------------------------
 
 

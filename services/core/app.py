@@ -70,7 +70,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
         background = loops.start(engine, notifier, settings, meter)
-        background += tasklogs.start(
+        background += loops.log_loops(
             engine,
             app.state.log_objects,
             settings.log_archive_interval_s,

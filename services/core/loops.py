@@ -10,13 +10,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import dispatch, notify, placement, store
+from services.core import notify, placement, store, tasklogs
 from services.core.feed import Notifier
 from services.core.identity import audit
 from services.core.metrics import CoreMetrics
+from services.core.objects import LogObjects
+from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
@@ -172,20 +173,7 @@ async def reap_once(
     hearing: Hearing,
     meter: CoreMetrics | None = None,
 ) -> int:
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        await conn.execute(text("SELECT 1"))
-        changed = await dispatch.reap(
-            conn,
-            settings.heartbeat_timeout_s,
-            tally,
-            heard_for_s=hearing.heard(),
-        )
-    if meter is not None:
-        meter.count(tally)
-    if changed:
-        notifier.announce()
-    return changed
+    return await ops.reap(engine, notifier, settings.heartbeat_timeout_s, hearing.heard, meter)
 
 
 def start(
@@ -273,3 +261,31 @@ async def _deliveries(engine: AsyncEngine, settings: CoreSettings) -> None:
         await every(settings.notify_interval_s, "notify-delivery", deliverer.deliver_once)
     finally:
         await deliverer.aclose()
+
+
+def log_loops(
+    engine: AsyncEngine,
+    objects: LogObjects | None,
+    archive_interval_s: float,
+    retention_s: float,
+    retention_interval_s: float,
+    batch: int,
+) -> list[asyncio.Task[None]]:
+    """The object store's loops (none without one)."""
+    if objects is None:
+        return []
+    store = objects
+    return [
+        asyncio.create_task(
+            every(archive_interval_s, "log archive", lambda: tasklogs.archive_once(engine, store)),
+            name="cairn-log-archive",
+        ),
+        asyncio.create_task(
+            every(
+                retention_interval_s,
+                "log object retention",
+                lambda: tasklogs.purge_objects_once(engine, store, retention_s, batch),
+            ),
+            name="cairn-log-retention",
+        ),
+    ]

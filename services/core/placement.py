@@ -455,9 +455,13 @@ async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults
     return changed
 
 
+# A worker row another transaction holds (its turn: worker, then the tasks it reports) is
+# skipped until the next pass: this pass holds task rows already, and waiting here would
+# take the two locks in the opposite order.
 _RESERVE = text("""
 UPDATE core.workers SET reserved_for = :task
-WHERE id = :worker AND reserved_for IS NULL
+WHERE id = (SELECT id FROM core.workers WHERE id = :worker FOR UPDATE SKIP LOCKED)
+  AND reserved_for IS NULL
   AND NOT EXISTS (SELECT 1 FROM core.workers w WHERE w.reserved_for = :task)
 """)
 _RELEASE = text("""

@@ -9,7 +9,6 @@ worker's file offsets only make a retried batch idempotent.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,7 +25,6 @@ from services.core.db import logs as db
 from services.core.feed import Notifier
 from services.core.identity import secrets
 from services.core.identity.crypto import SecretBox
-from services.core.loops import every
 from services.core.objects import LogObjects
 
 log = logging.getLogger("cairn.core.logs")
@@ -345,31 +343,3 @@ async def purge_objects_once(
         async with engine.begin() as conn:
             await db.forget_objects(conn, keys)
     return len(keys)
-
-
-def start(
-    engine: AsyncEngine,
-    objects: LogObjects | None,
-    archive_interval_s: float,
-    retention_s: float,
-    retention_interval_s: float,
-    batch: int,
-) -> list[asyncio.Task[None]]:
-    """The object store's loops (none without one)."""
-    if objects is None:
-        return []
-    store = objects
-    return [
-        asyncio.create_task(
-            every(archive_interval_s, "log archive", lambda: archive_once(engine, store)),
-            name="cairn-log-archive",
-        ),
-        asyncio.create_task(
-            every(
-                retention_interval_s,
-                "log object retention",
-                lambda: purge_objects_once(engine, store, retention_s, batch),
-            ),
-            name="cairn-log-retention",
-        ),
-    ]

@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,13 @@ from libs.common import logs, tracing
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
+    MAX_TURN_ITEMS,
     Assignment,
+    AttemptReport,
     ClaimRequest,
     Report,
+    Turn,
+    TurnAnswer,
     WorkerRegister,
     WorkerRegistered,
 )
@@ -50,6 +56,16 @@ CLAIM_WAIT_S = 1.0
 REPORT_PATIENCE_S = 300.0
 
 
+@dataclass
+class Outgoing:
+    """A report waiting for its turn, and the future its attempt waits on until core has
+    answered it (or refused it, or patience ran out)."""
+
+    report: AttemptReport
+    done: asyncio.Future[None]
+    give_up_at: float
+
+
 def report_of(result: AttemptResult) -> Report | None:
     """What to tell core about a finished process; None when core already knows (the
     attempt was cancelled there)."""
@@ -69,6 +85,16 @@ def report_of(result: AttemptResult) -> Report | None:
     if result.outcome == "killed":
         return Report(outcome="crashed", **usage)
     return Report(outcome=result.outcome, **usage)
+
+
+def vouches(heard_at: float, now: float, interval_s: float, timeout_s: float) -> bool:
+    """Whether the last turn core answered (sent at ``heard_at``, monotonic) vouches that
+    core still holds this worker's leases, so an attempt may start without asking. That
+    turn refreshed the worker's liveness no earlier than it was sent, and core declares a
+    worker dead (re-placing its leases) only after ``timeout_s`` of silence since; the
+    margin covers the start itself."""
+    margin = max(interval_s, timeout_s / 4)
+    return now - heard_at < timeout_s - margin
 
 
 class Agent:
@@ -104,6 +130,17 @@ class Agent:
         self._beat = (60.0, 180.0)
         self.dead = False
         self.logs = LogShipper(client, settings)
+        # The turn: reports waiting to go (and in flight), starts to acknowledge, the
+        # courier that sends reports alone while a claim waits for work, and when the
+        # last turn that core heard was sent (it vouches for the leases: ``_vouched``).
+        self.outbox: dict[int, Outgoing] = {}
+        self.sending: dict[int, Outgoing] = {}
+        self.started: set[int] = set()
+        self.reported = asyncio.Event()
+        self.claiming = False
+        self.courier: asyncio.Task[None] | None = None
+        self.heard_at = -math.inf
+        self.working = False
 
     # --- lifecycle ---
 
@@ -138,6 +175,7 @@ class Agent:
     async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
         self.dead = False
+        self.heard_at = -math.inf
         self.worker_id = registered.worker.id
         self.lease = registered.lease
         self.folder = self.settings.home / "workers" / str(self.worker_id)
@@ -225,36 +263,144 @@ class Agent:
             await asyncio.to_thread(self.sidecar.wait, 10)
 
     async def _work(self) -> None:
-        while not self.draining.is_set():
-            self._keep_sidecar()
-            self._obey_core()
-            self.host.tidy()
-            if self.draining.is_set() or self.dead:
-                break
-            cpu, memory_mb, slots = self._room()
-            if slots == 0 or cpu <= 0 or memory_mb <= 0:
-                await self._pause(0.2)
-                continue
-            room = ClaimRequest(cpu=cpu, memory_mb=memory_mb, max=min(slots, 64), wait=CLAIM_WAIT_S)
-            try:
-                leased = await self.client.claim(self.worker_id, room)
-            except (httpx.TransportError, CairnError) as exc:
-                log.warning("claim failed: %s", exc)
-                await self._pause(1.0)
-                continue
-            if not leased:
-                await self._pause(0.2)  # core answers at once when it will not lease
-            for assignment in leased:
-                self.running[assignment.attempt_id] = (assignment, None)
-                task = asyncio.create_task(self._attempt(assignment))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-            if leased:
-                self._publish()
+        self.working = True
+        try:
+            while not self.draining.is_set():
+                self._keep_sidecar()
+                self._obey_core()
+                self.host.tidy()
+                if self.draining.is_set() or self.dead:
+                    break
+                room = self._claim_room()
+                if room is None and not self.outbox:
+                    await self._pause(0.2, self.reported)
+                    continue
+                self.claiming = room is not None
+                try:
+                    answer = await self._turn(room)
+                finally:
+                    self.claiming = False
+                if answer is None:
+                    await self._pause(1.0)
+                    continue
+                if room is not None and not answer.attempts and not self.outbox:
+                    await self._pause(0.2, self.reported)  # core answers at once: no lease
+                self._start_all(answer.attempts)
+        finally:
+            self.working = False
+        self._kick()
 
-    async def _pause(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.draining.wait(), seconds)
+    def _claim_room(self) -> ClaimRequest | None:
+        cpu, memory_mb, slots = self._room()
+        if slots <= 0 or cpu <= 0 or memory_mb <= 0:
+            return None
+        return ClaimRequest(cpu=cpu, memory_mb=memory_mb, max=min(slots, 64), wait=CLAIM_WAIT_S)
+
+    def _start_all(self, leased: list[Assignment]) -> None:
+        for assignment in leased:
+            self.running[assignment.attempt_id] = (assignment, None)
+            task = asyncio.create_task(self._attempt(assignment))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        if leased:
+            self._publish()
+
+    # --- the turn: one request carries the reports, the starts and the claim ---
+
+    async def _turn(self, room: ClaimRequest | None) -> TurnAnswer | None:
+        """One round trip; None when it failed (its reports and starts go again)."""
+        items = self._take()
+        # An attempt reported in this turn needs no acknowledgement of its start.
+        started = sorted(self.started.difference(o.report.attempt_id for o in items))
+        self.started.clear()
+        body = Turn(reports=[o.report for o in items], started=started, claim=room)
+        worker, sent = self.worker_id, asyncio.get_running_loop().time()
+        try:
+            answer = await self.client.turn(worker, body)
+        except NotFound as exc:
+            # Core knows no such worker (or lease): nothing of this turn can ever land.
+            self._settle(items, {}, str(exc))
+            return None
+        except (httpx.TransportError, CairnError) as exc:
+            log.warning("turn failed: %s", exc)
+            self._put_back(items)
+            self.started.update(started)
+            return None
+        if worker == self.worker_id:
+            self._heard(answer.state, sent)
+        self._settle(items, {v.attempt_id: v.detail for v in answer.reports if v.status != 200})
+        return answer
+
+    def _heard(self, state: str, sent: float) -> None:
+        if state in ("live", "draining"):
+            self.heard_at = max(self.heard_at, sent)
+        if state == "dead":
+            self.dead = True
+        elif state in ("draining", "left"):
+            self.draining.set()
+
+    def _vouched(self) -> bool:
+        interval, timeout = self._beat
+        return vouches(self.heard_at, asyncio.get_running_loop().time(), interval, timeout)
+
+    def _take(self) -> list[Outgoing]:
+        now = asyncio.get_running_loop().time()
+        taken: list[Outgoing] = []
+        for attempt_id, out in list(self.outbox.items())[:MAX_TURN_ITEMS]:
+            del self.outbox[attempt_id]
+            if now > out.give_up_at:
+                log.error("gave up reporting attempt %s", attempt_id)
+                out.done.set_result(None)
+                continue
+            self.sending[attempt_id] = out
+            taken.append(out)
+        return taken
+
+    def _put_back(self, items: list[Outgoing]) -> None:
+        for out in items:
+            self.sending.pop(out.report.attempt_id, None)
+            self.outbox.setdefault(out.report.attempt_id, out)
+
+    def _settle(
+        self, items: list[Outgoing], refused: dict[int, str | None], why: str | None = None
+    ) -> None:
+        """Core answered these reports: applied, or refused (stale, gone), which is final."""
+        for out in items:
+            attempt_id = out.report.attempt_id
+            self.sending.pop(attempt_id, None)
+            if why is not None or attempt_id in refused:
+                log.warning(
+                    "report of attempt %s refused: %s", attempt_id, why or refused[attempt_id]
+                )
+            if not out.done.done():
+                out.done.set_result(None)
+
+    def _kick(self) -> None:
+        """A report is waiting: the next turn takes it, or, while the main loop's claim
+        waits for work (or after the loop ended), the courier sends it at once."""
+        self.reported.set()
+        idle = self.courier is None or self.courier.done()
+        if idle and self.outbox and (self.claiming or not self.working):
+            self.courier = asyncio.create_task(self._deliver())
+
+    async def _deliver(self) -> None:
+        delay = 0.2
+        while self.outbox:
+            if await self._turn(None) is None and self.outbox:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _pause(self, seconds: float, wake: asyncio.Event | None = None) -> None:
+        """Sleep up to ``seconds``; draining (or ``wake``) ends it early."""
+        if wake is not None:
+            wake.clear()
+        events = [self.draining.wait()] + ([wake.wait()] if wake is not None else [])
+        waiters = [asyncio.ensure_future(e) for e in events]
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
@@ -344,10 +490,12 @@ class Agent:
         return cpu, held.memory_mb
 
     def _room(self) -> tuple[float, int, int]:
-        held = [self._held(a) for a, _ in self.running.values()]
+        # An attempt whose report waits for its turn frees its room in that turn.
+        ended = self.outbox.keys() | self.sending.keys()
+        held = [self._held(a) for i, (a, _) in self.running.items() if i not in ended]
         cpu = self.settings.worker_cpu - sum(c for c, _ in held)
         memory = int(self.settings.worker_memory_mb - sum(m for _, m in held))
-        return cpu, memory, self.settings.worker_slots - len(self.running)
+        return cpu, memory, self.settings.worker_slots - len(held)
 
     def _publish(self) -> None:
         # 0: claimed, still being prepared (artifact, workdir); the agent holds it.
@@ -410,7 +558,8 @@ class Agent:
         attempt, spec = assignment.attempt_id, prepared.spec
         if self.draining.is_set():
             return Report(outcome="handed_back", error="the worker is draining")
-        verdict = await self._confirm(assignment.attempt_id)
+        # A recent turn vouches for the lease; only after a long silence does the agent ask.
+        verdict = "held" if self._vouched() else await self._confirm(attempt)
         if verdict == "gone":
             return None
         if verdict == "unconfirmed":
@@ -430,6 +579,7 @@ class Agent:
         finally:
             self.starting.discard(attempt)
         self.running[attempt] = (assignment, handle)
+        self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, spec.log_path)
         result = await handle.wait()
@@ -464,22 +614,14 @@ class Agent:
         return "unconfirmed"
 
     async def _report(self, attempt_id: int, report: Report) -> None:
-        """Deliver the report; retry through outages; a refusal (stale, gone) is final."""
-        deadline = asyncio.get_running_loop().time() + REPORT_PATIENCE_S
-        delay = 0.2
-        while True:
-            try:
-                await self.client.report(self.worker_id, attempt_id, report)
-                return
-            except (Conflict, NotFound) as exc:
-                log.warning("report of attempt %s refused: %s", attempt_id, exc)
-                return
-            except (httpx.TransportError, CairnError) as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    log.error("gave up reporting attempt %s: %s", attempt_id, exc)
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        """Queue the report for the next turn and wait until core has answered it; a
+        refusal (stale, gone) is final; through outages it goes again, for a while."""
+        loop = asyncio.get_running_loop()
+        item = AttemptReport(attempt_id=attempt_id, **report.model_dump())
+        out = Outgoing(item, loop.create_future(), loop.time() + REPORT_PATIENCE_S)
+        self.outbox[attempt_id] = out
+        self._kick()
+        await out.done
 
 
 def _token(settings: WorkerSettings) -> str:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 
 from libs.common.errors import Conflict
 from libs.common.models import (
@@ -19,6 +18,8 @@ from libs.common.models import (
     LogBatchAnswer,
     Report,
     ReportAnswer,
+    Turn,
+    TurnAnswer,
     Worker,
     WorkerList,
     WorkerRegister,
@@ -27,16 +28,16 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import dispatch, placement, tasklogs, traces
+from services.core import placement, tasklogs
 from services.core.api.tasks import decode_cursor, encode_cursor
+from services.core.db import dispatch
 from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
-from services.core.identity import secrets
+from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
 from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
-_POLL_S = 0.5
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 AttemptId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 AgentPrincipal = Annotated[Principal, Depends(require("worker", "admin"))]
@@ -100,26 +101,25 @@ async def list_workers(
     return WorkerList(items=items, next_cursor=next_cursor)
 
 
+def _dispatcher(
+    engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
+) -> ops.Dispatcher:
+    defaults = placement.Defaults.of(_settings(request))
+    return ops.Dispatcher(engine, notifier, meter, box, defaults)
+
+
+Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
+
+
 @router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
 async def heartbeat(
-    beat: Heartbeat,
-    worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
-    request: Request,
+    beat: Heartbeat, worker: OwnWorker, dispatcher: Dispatch, request: Request
 ) -> HeartbeatAnswer:
     """The sidecar's beat: the worker lives, and these attempts' processes run."""
     # An attempt claimed after the sidecar read its list is not in this beat: give every
     # attempt two beats (and a second) before its absence means its process is gone.
     grace = 2 * _settings(request).heartbeat_interval_s + 1.0
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        found = await dispatch.heartbeat(conn, worker, beat.attempts, grace, tally)
-        state = (await dispatch.get_worker(conn, worker.id, None)).state
-    meter.count(tally)
-    if found.lost:
-        notifier.announce()
+    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace)
     return HeartbeatAnswer(
         state=state,
         stop=found.stop,
@@ -129,50 +129,34 @@ async def heartbeat(
     )
 
 
+@router.post("/{worker_id}/turn", response_model=TurnAnswer, responses=PROBLEMS)
+async def turn(body: Turn, worker: OwnWorker, dispatcher: Dispatch, request: Request) -> Response:
+    """One round trip of a worker agent, in one transaction: the reports of attempts that
+    ended (each fenced by its attempt and this worker: a stale one is refused alone, with
+    409 in its verdict), the attempts it started, and the room it wants filled (``claim``;
+    with ``wait``, an empty answer is held until work arrives or ``wait`` seconds pass)."""
+    done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
+    answer = TurnAnswer(state=done.state, reports=done.reports, attempts=done.attempts)
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
 @router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)
 async def claim(
-    room: ClaimRequest,
-    worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
-    request: Request,
-    box: Box,
+    room: ClaimRequest, worker: OwnWorker, dispatcher: Dispatch, request: Request
 ) -> ClaimAnswer:
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
-    work arrives or ``wait`` seconds pass."""
-    deadline = asyncio.get_running_loop().time() + room.wait
-    defaults = placement.Defaults.of(_settings(request))
-    while True:
-        tally = dispatch.Tally()
-        async with engine.begin() as conn:
-            current = await dispatch.get_worker(conn, worker.id, None)
-            leased = await dispatch.claim(
-                conn, current, room.cpu, room.memory_mb, room.max, defaults, tally
-            )
-            leased, broken = await secrets.fill(conn, box, leased)
-            for attempt_id, reason in broken.items():
-                failed = Report(outcome="failed", retryable=False, error=reason)
-                await dispatch.report(conn, attempt_id, worker.id, failed, tally)
-        if broken and not leased:
-            meter.count(tally)
-            notifier.announce()
-        if leased:
-            meter.count(tally)
-            notifier.announce()
-            return ClaimAnswer(attempts=leased)
-        remaining = deadline - asyncio.get_running_loop().time()
-        if remaining <= 0 or current.state != "live" or await request.is_disconnected():
-            return ClaimAnswer(attempts=[])
-        await notifier.wait(min(remaining, _POLL_S))
+    work arrives or ``wait`` seconds pass. (A turn without reports.)"""
+    leased = await ops.claim(dispatcher, worker.id, room, request.is_disconnected)
+    return ClaimAnswer(attempts=leased)
 
 
 @router.post(
     "/{worker_id}/attempts/{attempt_id}/start", response_model=ReportAnswer, responses=PROBLEMS
 )
 async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> ReportAnswer:
-    """The agent asks before it starts an attempt: 409 when core no longer holds it for
-    this worker (lost to the reaper, cancelled), so the agent must not run it."""
+    """The agent asks before it starts an attempt when its last turn is too old to vouch
+    for its lease: 409 when core no longer holds it for this worker (lost to the reaper,
+    cancelled), so the agent must not run it."""
     async with engine.begin() as conn:
         task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
@@ -185,35 +169,15 @@ async def report(
     attempt_id: AttemptId,
     outcome: Report,
     worker: OwnWorker,
-    engine: Engine,
-    notifier: Announcer,
-    meter: Meter,
+    dispatcher: Dispatch,
     request: Request,
-    box: Box,
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
-    one (its lease was lost) is refused with 409 and changes nothing."""
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        mask = await secrets.masker(conn, box, attempt_id)
-        if mask is not None:
-            outcome = outcome.model_copy(
-                update={
-                    "log_tail": mask(outcome.log_tail) if outcome.log_tail else outcome.log_tail,
-                    "error": mask(outcome.error) if outcome.error else outcome.error,
-                    "outputs": secrets.mask_json(mask, outcome.outputs),
-                }
-            )
-        state = await dispatch.report(conn, attempt_id, worker.id, outcome, tally)
-        task_id = await dispatch.task_of(conn, attempt_id)
-    notifier.announce()
-    notifier.announce_log([attempt_id])  # its log is complete: followers end
-    meter.attempts_finished.labels(outcome.outcome).inc()
-    if state is TaskState.SUCCEEDED:
-        meter.ended(state)
-    meter.count(tally)
-    traces.reported(request.headers, task_id, attempt_id, outcome.outcome, state)
-    return ReportAnswer(task_id=task_id, state=state)
+    one (its lease was lost) is refused with 409 and changes nothing. (A turn of one
+    report.)"""
+    verdict = await ops.report(dispatcher, worker.id, attempt_id, outcome, request.headers)
+    assert verdict.task_id is not None and verdict.state is not None
+    return ReportAnswer(task_id=verdict.task_id, state=verdict.state)
 
 
 @router.post("/{worker_id}/logs", response_model=LogBatchAnswer, responses=PROBLEMS)
@@ -239,13 +203,9 @@ async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, recor
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
-async def leave(worker: OwnWorker, engine: Engine, meter: Meter) -> Worker:
+async def leave(worker: OwnWorker, dispatcher: Dispatch, engine: Engine) -> Worker:
     """The agent stops cleanly; attempts it still holds are lost at once."""
-    tally = dispatch.Tally()
-    async with engine.begin() as conn:
-        await dispatch.set_worker_state(conn, worker.id, "left")
-        await dispatch.lose_all(conn, worker.id, "its worker left", tally)
-    meter.count(tally)
+    await ops.leave(dispatcher, worker.id)
     return await _get(engine, worker.id)
 
 

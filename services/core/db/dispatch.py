@@ -1,7 +1,8 @@
 """Workers and their attempts: registration, claims, reports, heartbeats, the reaper.
 
-Every task state change here goes through ``store.transition`` (one task) or a claim
-whose guard comes from the same transitions table.
+Every task state change here is guarded by the transitions table: ``store.transition``
+(one task), a claim, or a batch of reports (``report_many``), whose SQL guards carry the
+sources of each op.
 """
 
 from __future__ import annotations
@@ -11,20 +12,34 @@ import hmac
 import math
 import secrets
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import TextClause, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
-from libs.common.models import Assignment, Charge, Report, Worker, WorkerRegister
-from libs.common.states import TaskState
+from libs.common.models import (
+    Artifact,
+    Assignment,
+    AttemptReport,
+    Charge,
+    ReportVerdict,
+    Resources,
+    Worker,
+    WorkerRegister,
+)
+from libs.common.states import FINAL, TaskState
 from services.core import placement, sharing, store, traces
-from services.core.domain.placement import Amount, choose
-from services.core.domain.retry import SERVICE_RESTARTS, Backoff
+from services.core.domain import outcomes
+from services.core.domain.outcomes import Move
+from services.core.domain.placement import DECAY, Amount, choose
+from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
+from services.core.identity.secrets import mask_json
 from services.core.tables import attempts, tasks, workers
 
 S = TaskState
@@ -286,6 +301,28 @@ async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) ->
 # --- claims -------------------------------------------------------------------------------
 
 
+# The worker is heard (a turn, a claim): its liveness refreshed and the attempts it says it
+# started marked seen, under the worker row's lock until commit. The reaper's
+# dead-declaration locks the same row and re-checks the silence, so either it ran first
+# (the worker is no longer live or draining: no row here, no lease) or it skips the worker.
+_HEARD = text("""
+WITH seen AS (
+    UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
+    WHERE id = ANY(CAST(:started AS bigint[])) AND worker_id = :worker AND outcome IS NULL
+)
+UPDATE core.workers SET last_heartbeat_at = now()
+WHERE id = :worker AND state IN ('live', 'draining')
+RETURNING *
+""")
+
+
+async def heard(conn: AsyncConnection, worker_id: int, started: Sequence[int] = ()) -> Any | None:
+    """Refresh the worker's liveness (and mark ``started`` attempts seen); its row, or None
+    when it is dead or gone (the reaper won)."""
+    params = {"worker": worker_id, "started": sorted(set(started))}
+    return (await conn.execute(_HEARD, params)).first()
+
+
 async def claim(
     conn: AsyncConnection,
     worker: Any,
@@ -300,18 +337,12 @@ async def claim(
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
     it first, then highest effective priority, then fair share across owners; rows other
     claims hold are skipped, never shared. A worker reserved for a task that does not
-    fit yet starts nothing else."""
+    fit yet starts nothing else. ``worker`` is its row as ``heard`` returned it in this
+    transaction (locked, liveness refreshed)."""
     defaults = defaults or placement.Defaults()
-    # FOR SHARE: the reaper cannot declare the worker dead while this claim commits.
-    current, hold = (
-        await conn.execute(
-            select(workers.c.state, workers.c.reserved_for)
-            .where(workers.c.id == worker.id)
-            .with_for_update(read=True)
-        )
-    ).one()
-    if current != "live":
+    if worker.state != "live" or most <= 0:
         return []
+    hold = worker.reserved_for
     [node] = await placement.nodes_of(conn, [worker])
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
@@ -402,23 +433,24 @@ async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
 
 
 def _assignment(row: Any) -> Assignment:
-    task = store.task_from_row(row)
-    return Assignment(
+    """The lease as the worker gets it, from the claim's row. Built without validating
+    again what the submission validated (the claim's hot loop: one per attempt)."""
+    return Assignment.model_construct(
         attempt_id=row.attempt_id,
         attempt_number=row.attempt_number,
-        task_id=task.id,
-        kind=task.kind,
-        artifact=task.artifact,
-        args=task.args,
+        task_id=row.id,
+        kind=row.kind,
+        artifact=Artifact.model_construct(uri=row.artifact_uri, sha256=row.artifact_sha256),
+        args=row.args,
         # Secret references are filled in by the claim itself (identity.secrets).
-        env={k: v for k, v in task.env.items() if isinstance(v, str)},
-        input_path=task.input_path,
-        output_path=task.output_path,
-        resources=task.resources,
-        timeout_s=task.timeout_s,
-        charge=Charge(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
-        traceparent=traces.claimed(task.id, task.created_at, row.attempt_id, row.attempt_number),
-        preemptible=task.preemptible,
+        env={k: v for k, v in row.env.items() if isinstance(v, str)},
+        input_path=row.input_path,
+        output_path=row.output_path,
+        resources=Resources.model_construct(cpu=row.cpu, memory_mb=row.memory_mb),
+        timeout_s=row.timeout_s,
+        charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
+        traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
+        preemptible=row.preemptible,
     )
 
 
@@ -455,68 +487,31 @@ async def _close_attempt(
     )
 
 
-def _backoff(task: Any, failures: int) -> float:
-    curve = Backoff(task.backoff_base_s, task.backoff_cap_s, task.backoff_jitter)
-    return curve.delay_s(failures)
-
-
-async def _after_failure(
-    conn: AsyncConnection,
-    task: Any,
-    attempt_id: int,
-    error: str,
-    *,
-    retryable: bool,
-    crashed: bool,
-    tally: Tally | None = None,
-    host_died: bool = False,
+async def _apply(
+    conn: AsyncConnection, task_id: int, attempt_id: int, move: Move, tally: Tally | None
 ) -> TaskState:
-    """A failed or lost attempt: retry after backoff, or bury (spent, poison, final)."""
-    if task.kind == "service" and retryable:
-        return await _restart_service(conn, task, attempt_id, error, crashed, host_died, tally)
-    crashes = task.crashes + (1 if crashed else 0)
-    if not retryable:
-        target, op, reason = S.DEAD, Op.BURY, "not retryable"
-    elif crashes >= task.poison_after:
-        target, op, reason = S.DEAD, Op.BURY, f"poison pill: lost {crashes} times"
-    elif task.attempts >= task.max_attempts:
-        target, op, reason = S.DEAD, Op.BURY, f"attempts spent ({task.attempts})"
-    else:
-        target, op, reason = S.FAILED, Op.FAIL, "retry after backoff"
-    delay = _backoff(task, min(task.attempts, 20)) if target is S.FAILED else None
-    return await _end_attempt(
-        conn, task, attempt_id, error, target, op, reason, delay, crashed, tally
-    )
-
-
-async def _end_attempt(
-    conn: AsyncConnection,
-    task: Any,
-    attempt_id: int,
-    error: str,
-    target: TaskState,
-    op: Op,
-    reason: str,
-    delay: float | None,
-    crashed: bool,
-    tally: Tally | None,
-) -> TaskState:
-    if tally is not None and target is S.DEAD:
-        tally.buried += 1
-        if reason.startswith("poison pill"):
-            tally.poisoned += 1
+    """One task's move through ``store.transition`` (the reaper's and a service's path)."""
+    _count(move, tally)
     await store.transition(
         conn,
-        task.id,
-        op,
-        target,
-        reason=reason,
-        error=error,
-        delay_s=delay,
-        crashed=crashed,
+        task_id,
+        move.op,
+        move.target,
+        reason=move.reason,
+        error=move.error,
+        delay_s=move.delay_s,
+        crashed=move.crashed,
+        refund=move.refund,
         attempt_id=attempt_id,
     )
-    return target
+    return move.target
+
+
+def _count(move: Move, tally: Tally | None) -> None:
+    if tally is not None and move.target is S.DEAD:
+        tally.buried += 1
+        if move.reason.startswith("poison pill"):
+            tally.poisoned += 1
 
 
 # A service's recent attempts (the one just closed included): restarts since its last
@@ -551,30 +546,19 @@ async def _restart_service(
     host_died: bool,
     tally: Tally | None,
 ) -> TaskState:
-    """Services run until cancelled: every exit is restarted, with crash-loop backoff
-    (``ServiceRestarts``); one whose host died is placed again at once."""
+    """A service's exit (its attempt already closed), decided by its recent history."""
     policy = SERVICE_RESTARTS
-    history = (
-        await conn.execute(
-            _SERVICE_HISTORY,
-            {"task": task.id, "healthy_s": policy.healthy_s, "window_s": policy.window_s},
-        )
-    ).one()
-    crashed = crashed and not host_died
-    if history.crashes >= task.poison_after:
-        window = f"{policy.window_s:g} s"
-        reason = f"poison pill: crashed {history.crashes} times within {window}"
-        return await _end_attempt(
-            conn, task, attempt_id, error, S.DEAD, Op.BURY, reason, None, crashed, tally
-        )
-    if host_died:
-        reason, delay = "its host died; placed again", 0.0
-    else:
-        reason = "service exited; restarting after backoff"
-        delay = _backoff(task, max(1, min(history.streak, 20)))
-    return await _end_attempt(
-        conn, task, attempt_id, error, S.FAILED, Op.FAIL, reason, delay, crashed, tally
+    params = {"task": task.id, "healthy_s": policy.healthy_s, "window_s": policy.window_s}
+    history = (await conn.execute(_SERVICE_HISTORY, params)).one()
+    move = outcomes.restarted(
+        task,
+        error,
+        crashes=history.crashes,
+        streak=history.streak,
+        crashed=crashed,
+        host_died=host_died,
     )
+    return await _apply(conn, task.id, attempt_id, move, tally)
 
 
 _CONFIRM_START = text("""
@@ -590,92 +574,14 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
     """The agent is about to start the attempt: core still holds it for this worker, and
     from now on it counts as started. Refused (``StaleAttempt``) when the lease is gone,
     e.g. the reaper requeued it between the claim and the start. Its row lock orders this
-    against the reaper's loss of the same attempt: whichever commits first wins."""
+    against the reaper's loss of the same attempt: whichever commits first wins. (The
+    agent asks only when its last turn is too old to vouch for it: docs/architecture.md.)"""
     task_id = (
         await conn.execute(_CONFIRM_START, {"attempt": attempt_id, "worker": worker_id})
     ).scalar()
     if task_id is None:
         raise StaleAttempt(f"attempt {attempt_id} is no longer held for worker {worker_id}")
     return int(task_id)
-
-
-async def report(
-    conn: AsyncConnection,
-    attempt_id: int,
-    worker_id: int,
-    outcome: Report,
-    tally: Tally | None = None,
-) -> Any:
-    """Apply a worker's report of how an attempt ended, fenced by the attempt id."""
-    task = await _current_task(conn, attempt_id)
-    owner = (
-        await conn.execute(select(attempts.c.worker_id).where(attempts.c.id == attempt_id))
-    ).scalar_one()
-    if owner != worker_id:
-        raise StaleAttempt(f"attempt {attempt_id} is not leased to worker {worker_id}")
-    error = _clean(outcome.error)
-    await _close_attempt(
-        conn,
-        attempt_id,
-        outcome.outcome,
-        exit_code=outcome.exit_code,
-        error=error,
-        peak_memory_mb=outcome.peak_memory_mb,
-        cpu_seconds=outcome.cpu_seconds,
-        log_tail=_clean(outcome.log_tail),
-        outputs=outcome.outputs,
-    )
-    if outcome.peak_memory_mb is not None and outcome.cpu_seconds is not None:
-        await placement.record_use(
-            conn, task, attempt_id, outcome.peak_memory_mb, outcome.cpu_seconds
-        )
-    if outcome.outcome == "preempted":
-        return await _requeue_preempted(conn, task.id, attempt_id, error)
-    if outcome.outcome == "succeeded" and task.kind == "service":
-        return await _after_failure(
-            conn, task, attempt_id, "service exited 0", retryable=True, crashed=False, tally=tally
-        )
-    if outcome.outcome == "succeeded":
-        await store.transition(
-            conn, task.id, Op.SUCCEED, S.SUCCEEDED, reason="exited 0", attempt_id=attempt_id
-        )
-        return S.SUCCEEDED
-    if outcome.outcome == "handed_back":
-        await store.transition(
-            conn,
-            task.id,
-            Op.REQUEUE,
-            S.WAITING,
-            reason=error or "handed back by its worker",
-            refund=True,
-            attempt_id=attempt_id,
-        )
-        return S.WAITING
-    message = error or f"attempt {outcome.outcome}"
-    crashed = outcome.outcome == "crashed"
-    return await _after_failure(
-        conn, task, attempt_id, message, retryable=outcome.retryable, crashed=crashed, tally=tally
-    )
-
-
-async def _requeue_preempted(
-    conn: AsyncConnection, task_id: int, attempt_id: int, why: str | None = None
-) -> TaskState:
-    """A preempted attempt goes back to waiting without spending an attempt; the event
-    names the guaranteed task it made room for, or the worker's reason (memory pressure)."""
-    by = (
-        await conn.execute(select(attempts.c.preempted_by).where(attempts.c.id == attempt_id))
-    ).scalar_one()
-    if by:
-        reason = f"preempted by task {by}, requeued"
-    elif why:
-        reason = f"preempted by its worker: {why}; requeued"
-    else:
-        reason = "preempted by its worker, requeued"
-    await store.transition(
-        conn, task_id, Op.PREEMPT, S.WAITING, reason=reason, refund=True, attempt_id=attempt_id
-    )
-    return S.WAITING
 
 
 async def lose(
@@ -704,19 +610,209 @@ async def lose(
     await _close_attempt(conn, attempt_id, "lost", error=why)
     if seen is None or excused:
         cause = "it never started" if seen is None else "core was away"
-        await store.transition(
-            conn,
-            task.id,
-            Op.REQUEUE,
-            S.WAITING,
-            reason=f"{why}; {cause}, so it costs no attempt",
-            refund=True,
-            attempt_id=attempt_id,
-        )
-        return S.WAITING
-    return await _after_failure(
-        conn, task, attempt_id, why, retryable=True, crashed=True, tally=tally, host_died=host_died
+        return await _apply(conn, task.id, attempt_id, outcomes.lost_unstarted(why, cause), tally)
+    if task.kind == "service":
+        return await _restart_service(conn, task, attempt_id, why, True, host_died, tally)
+    move = outcomes.failed(task, why, retryable=True, crashed=True)
+    return await _apply(conn, task.id, attempt_id, move, tally)
+
+
+# --- reports, many at once ----------------------------------------------------------------
+
+# The reported attempts with their tasks, the tasks locked (in id order, so two batches
+# never deadlock), and what the decision and the measured use need.
+_REPORTED = text("""
+SELECT a.id AS attempt_id, a.worker_id, a.preempted_by,
+       EXTRACT(EPOCH FROM now() - a.started_at)::float8 AS ran_s,
+       t.id, t.owner, t.name, t.kind, t.state, t.current_attempt_id, t.attempts,
+       t.max_attempts, t.crashes, t.poison_after, t.backoff_base_s, t.backoff_cap_s,
+       t.backoff_jitter,
+       jsonb_path_exists(t.env, '$.* ? (@.type() == "object")') AS has_secrets
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.id = ANY(CAST(:ids AS bigint[]))
+ORDER BY t.id
+FOR UPDATE OF t
+""")
+
+# Close the attempts, move their tasks (each guarded by its op's sources in the
+# transitions table and by still being the task's current attempt), append the events
+# fold the measured use into each kind's decaying peak, and keep the outputs the task
+# wrote: one statement for the batch.
+_FINISH = text("""
+WITH input AS (
+    SELECT * FROM unnest(
+        CAST(:attempt_ids AS bigint[]), CAST(:task_ids AS bigint[]), CAST(:outcomes AS text[]),
+        CAST(:exit_codes AS integer[]), CAST(:errors AS text[]), CAST(:peaks AS float8[]),
+        CAST(:cpu_seconds AS float8[]), CAST(:cores AS float8[]), CAST(:tails AS text[]),
+        CAST(:owners AS text[]), CAST(:names AS text[]), CAST(:ops AS text[]),
+        CAST(:targets AS text[]), CAST(:sources AS text[]), CAST(:from_states AS text[]),
+        CAST(:reasons AS text[]), CAST(:last_errors AS text[]), CAST(:delays AS float8[]),
+        CAST(:crashed AS integer[]), CAST(:refunds AS integer[]), CAST(:finals AS boolean[]),
+        CAST(:outputs AS jsonb[])
+    ) AS i(attempt_id, task_id, outcome, exit_code, error, peak_memory_mb, cpu_seconds,
+           cores, log_tail, owner, name, op, target, sources, from_state, reason,
+           last_error, delay_s, crashed, refund, final, outputs)
+), closed AS (
+    UPDATE core.attempts a SET
+        outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
+        peak_memory_mb = i.peak_memory_mb, cpu_seconds = i.cpu_seconds, log_tail = i.log_tail,
+        outputs = i.outputs
+    FROM input i
+    WHERE a.id = i.attempt_id AND a.outcome IS NULL
+    RETURNING a.id
+), moved AS (
+    UPDATE core.tasks t SET
+        state = i.target,
+        version = t.version + 1,
+        updated_at = now(),
+        finished_at = CASE WHEN i.final THEN now() END,
+        run_at = CASE WHEN i.delay_s IS NOT NULL
+                      THEN now() + make_interval(secs => i.delay_s) ELSE t.run_at END,
+        attempts = t.attempts - i.refund,
+        crashes = t.crashes + i.crashed,
+        last_error = COALESCE(i.last_error, t.last_error),
+        deferred = false
+    FROM input i
+    WHERE i.op IS NOT NULL AND t.id = i.task_id AND t.current_attempt_id = i.attempt_id
+      AND t.state = ANY(string_to_array(i.sources, ','))
+    RETURNING t.id, t.owner, t.version, t.state, i.op, i.from_state, i.reason, i.attempt_id
+), events AS (
+    INSERT INTO core.task_events (
+        task_id, seq, owner, op, from_state, to_state, reason, attempt_id
     )
+    SELECT id, version, owner, op, from_state, state, reason, attempt_id FROM moved
+), used AS (
+    INSERT INTO core.usage AS u (owner, name, peak_cpu, peak_memory_mb, samples)
+    SELECT owner, name, max(cores), max(peak_memory_mb), count(*) FROM input
+    WHERE cores IS NOT NULL AND peak_memory_mb IS NOT NULL
+    GROUP BY owner, name
+    ON CONFLICT (owner, name) DO UPDATE SET
+        peak_cpu = GREATEST(EXCLUDED.peak_cpu, u.peak_cpu * power(:decay, EXCLUDED.samples)),
+        peak_memory_mb = GREATEST(
+            EXCLUDED.peak_memory_mb, u.peak_memory_mb * power(:decay, EXCLUDED.samples)),
+        samples = u.samples + EXCLUDED.samples,
+        updated_at = now()
+)
+SELECT id, attempt_id, state FROM moved
+""")
+
+Masker = Callable[[AsyncConnection, int], Awaitable[Callable[[str], str] | None]]
+
+
+def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> ReportVerdict | None:
+    """Why this report is refused (fenced by attempt and worker), or None."""
+    attempt = item.attempt_id
+    if row is None:
+        return ReportVerdict(attempt_id=attempt, status=404, detail=f"attempt {attempt} not found")
+    if row.worker_id != worker_id:
+        detail = f"attempt {attempt} is not leased to worker {worker_id}"
+    elif attempt in seen or row.current_attempt_id != attempt or row.state != S.RUNNING:
+        detail = f"attempt {attempt} is not task {row.id}'s current attempt; its report is refused"
+    else:
+        return None
+    return ReportVerdict(attempt_id=attempt, status=409, task_id=row.id, detail=detail)
+
+
+def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptReport:
+    error, tail, outputs = _clean(item.error), _clean(item.log_tail), item.outputs
+    if mask is not None:
+        error = mask(error) if error else error
+        tail = mask(tail) if tail else tail
+        outputs = mask_json(mask, outputs)
+    return item.model_copy(update={"error": error, "log_tail": tail, "outputs": outputs})
+
+
+async def report_many(
+    conn: AsyncConnection,
+    worker_id: int,
+    items: Sequence[AttemptReport],
+    tally: Tally | None = None,
+    masker: Masker | None = None,
+) -> list[ReportVerdict]:
+    """Apply a worker's reports of how its attempts ended, each fenced by its attempt id
+    and this worker: a stale one (not the task's current attempt, not this worker's, or
+    reported twice) is refused alone and changes nothing. The move of each comes from
+    ``domain.outcomes``; a service's exit is decided with its history, one at a time."""
+    if not items:
+        return []
+    rows: dict[int, Any] = {
+        r.attempt_id: r
+        for r in await conn.execute(_REPORTED, {"ids": sorted({i.attempt_id for i in items})})
+    }
+    verdicts: dict[int, ReportVerdict] = {}
+    order: list[ReportVerdict] = []
+    batch: list[tuple[AttemptReport, Any, Move | None]] = []
+    seen: set[int] = set()
+    for raw in items:
+        row: Any = rows.get(raw.attempt_id)
+        refused = _refusal(raw, worker_id, row, seen)
+        seen.add(raw.attempt_id)
+        if refused is not None:
+            order.append(refused)
+            continue
+        mask = await masker(conn, raw.attempt_id) if masker and row.has_secrets else None
+        item = _masked(raw, mask)
+        move = outcomes.reported(
+            row, item.outcome, item.error, retryable=item.retryable, preempted_by=row.preempted_by
+        )
+        batch.append((item, row, move))
+        order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
+    if batch:
+        await conn.execute(_FINISH, _finish_params(batch))
+        for item, row, move in batch:
+            if move is None:
+                error = outcomes.service_error(item.outcome, item.error)
+                crashed = item.outcome == "crashed"
+                target = await _restart_service(
+                    conn, row, item.attempt_id, error, crashed, False, tally
+                )
+            else:
+                _count(move, tally)
+                target = move.target
+            verdicts[item.attempt_id] = ReportVerdict(
+                attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
+            )
+    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in order]
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:
+    def column(get: Callable[[AttemptReport, Any, Move | None], Any]) -> list[Any]:
+        return [get(item, row, move) for item, row, move in batch]
+
+    def measured(item: AttemptReport, row: Any) -> float | None:
+        if item.peak_memory_mb is None or item.cpu_seconds is None:
+            return None
+        return item.cpu_seconds / max(float(row.ran_s), 1.0)
+
+    return {
+        "attempt_ids": column(lambda i, r, m: i.attempt_id),
+        "task_ids": column(lambda i, r, m: r.id),
+        "outcomes": column(lambda i, r, m: i.outcome),
+        "exit_codes": column(lambda i, r, m: i.exit_code),
+        "errors": column(lambda i, r, m: i.error),
+        "peaks": column(lambda i, r, m: i.peak_memory_mb),
+        "cpu_seconds": column(lambda i, r, m: i.cpu_seconds),
+        "cores": column(lambda i, r, m: measured(i, r)),
+        "tails": column(lambda i, r, m: i.log_tail),
+        "owners": column(lambda i, r, m: r.owner),
+        "names": column(lambda i, r, m: r.name),
+        "ops": column(lambda i, r, m: m.op.value if m else None),
+        "targets": column(lambda i, r, m: m.target.value if m else None),
+        "sources": column(lambda i, r, m: ",".join(sources(m.op, m.target)) if m else None),
+        "from_states": column(lambda i, r, m: r.state),
+        "reasons": column(lambda i, r, m: m.reason if m else None),
+        "last_errors": column(lambda i, r, m: m.error if m else None),
+        "delays": column(lambda i, r, m: m.delay_s if m else None),
+        "crashed": column(lambda i, r, m: int(m.crashed) if m else 0),
+        "refunds": column(lambda i, r, m: int(m.refund) if m else 0),
+        "finals": column(lambda i, r, m: m.target in FINAL if m else False),
+        "outputs": column(lambda i, r, m: None if i.outputs is None else _json(i.outputs)),
+        "decay": DECAY,
+    }
 
 
 @dataclass(frozen=True)

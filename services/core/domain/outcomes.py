@@ -1,0 +1,166 @@
+"""What the end of an attempt does to its task: the table from a worker's reported outcome
+to the move (op, target state, reason), the failure rule (retry after backoff, or bury),
+and the restarts of services. Pure: the database layer reads the facts and applies the move
+through the transitions table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from libs.common.states import TaskState
+from services.core.domain.retry import SERVICE_RESTARTS, Backoff
+from services.core.domain.transitions import Op
+
+S = TaskState
+
+
+class Budget(Protocol):
+    """What of a task the decision reads (a task row has these columns)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def crashes(self) -> int: ...
+    @property
+    def poison_after(self) -> int: ...
+    @property
+    def backoff_base_s(self) -> float: ...
+    @property
+    def backoff_cap_s(self) -> float: ...
+    @property
+    def backoff_jitter(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Move:
+    """One task's move at the end of its attempt. ``refund`` gives the attempt back;
+    ``crashed`` counts towards the poison-pill limit; ``delay_s`` is a retry's backoff."""
+
+    op: Op
+    target: TaskState
+    reason: str
+    error: str | None = None
+    refund: bool = False
+    crashed: bool = False
+    delay_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A reported outcome's move, or ``failure`` (retried or buried by ``failed``)."""
+
+    op: Op | None
+    target: TaskState | None
+    reason: str
+    refund: bool = False
+    crashed: bool = False
+
+    @property
+    def failure(self) -> bool:
+        return self.op is None
+
+
+_FAILURE = Rule(None, None, "")
+
+#: every outcome a worker may report, and what it does to a task (kind ``task``)
+OUTCOMES: dict[str, Rule] = {
+    "succeeded": Rule(Op.SUCCEED, S.SUCCEEDED, "exited 0"),
+    "handed_back": Rule(Op.REQUEUE, S.WAITING, "handed back by its worker", refund=True),
+    "preempted": Rule(Op.PREEMPT, S.WAITING, "preempted by its worker, requeued", refund=True),
+    "failed": _FAILURE,
+    "timeout": _FAILURE,
+    "oom_killed": _FAILURE,
+    "crashed": Rule(None, None, "", crashed=True),
+}
+
+#: outcomes that give the attempt back whatever the kind (a service too)
+GIVEN_BACK = frozenset(name for name, rule in OUTCOMES.items() if rule.refund)
+
+
+def backoff_s(task: Budget, failures: int) -> float:
+    curve = Backoff(task.backoff_base_s, task.backoff_cap_s, task.backoff_jitter)
+    return curve.delay_s(failures)
+
+
+def failed(task: Budget, error: str, *, retryable: bool, crashed: bool) -> Move:
+    """A failed or lost attempt of a task: retry after backoff, or bury (not retryable,
+    poison pill, attempts spent)."""
+    crashes = task.crashes + (1 if crashed else 0)
+    if not retryable:
+        return Move(Op.BURY, S.DEAD, "not retryable", error, crashed=crashed)
+    if crashes >= task.poison_after:
+        return Move(Op.BURY, S.DEAD, f"poison pill: lost {crashes} times", error, crashed=crashed)
+    if task.attempts >= task.max_attempts:
+        return Move(Op.BURY, S.DEAD, f"attempts spent ({task.attempts})", error, crashed=crashed)
+    delay = backoff_s(task, min(task.attempts, 20))
+    return Move(Op.FAIL, S.FAILED, "retry after backoff", error, crashed=crashed, delay_s=delay)
+
+
+def preempted_reason(by: int | None, why: str | None) -> str:
+    """The event's reason: the guaranteed task it made room for, or the worker's reason."""
+    if by:
+        return f"preempted by task {by}, requeued"
+    if why:
+        return f"preempted by its worker: {why}; requeued"
+    return OUTCOMES["preempted"].reason
+
+
+def reported(
+    task: Budget,
+    outcome: str,
+    error: str | None,
+    *,
+    retryable: bool,
+    preempted_by: int | None = None,
+) -> Move | None:
+    """The move a worker's report makes; None for a service's exit, which its restart
+    history decides (``restarted``)."""
+    rule = OUTCOMES[outcome]
+    if outcome == "preempted":
+        reason = preempted_reason(preempted_by, error)
+        return Move(Op.PREEMPT, S.WAITING, reason, refund=True)
+    if task.kind == "service" and outcome not in GIVEN_BACK and (retryable or not rule.failure):
+        return None
+    if rule.failure:
+        message = error or f"attempt {outcome}"
+        return failed(task, message, retryable=retryable, crashed=rule.crashed)
+    assert rule.op is not None and rule.target is not None
+    reason = (error or rule.reason) if outcome == "handed_back" else rule.reason
+    return Move(rule.op, rule.target, reason, refund=rule.refund)
+
+
+def service_error(outcome: str, error: str | None) -> str:
+    if outcome == "succeeded":
+        return "service exited 0"
+    return error or f"attempt {outcome}"
+
+
+def restarted(
+    task: Budget, error: str, *, crashes: int, streak: int, crashed: bool, host_died: bool
+) -> Move:
+    """Services run until cancelled: every exit is restarted with crash-loop backoff
+    (``streak``: restarts since its last healthy run); ``crashes`` within the window bury
+    it; one whose host died is placed again at once and that counts for nothing."""
+    policy = SERVICE_RESTARTS
+    crashed = crashed and not host_died
+    if crashes >= task.poison_after:
+        window = f"{policy.window_s:g} s"
+        reason = f"poison pill: crashed {crashes} times within {window}"
+        return Move(Op.BURY, S.DEAD, reason, error, crashed=crashed)
+    if host_died:
+        return Move(Op.FAIL, S.FAILED, "its host died; placed again", error, delay_s=0.0)
+    delay = backoff_s(task, max(1, min(streak, 20)))
+    reason = "service exited; restarting after backoff"
+    return Move(Op.FAIL, S.FAILED, reason, error, crashed=crashed, delay_s=delay)
+
+
+def lost_unstarted(why: str, cause: str) -> Move:
+    """A lease no heartbeat showed running (or lost while core could not hear): back to
+    waiting at no cost."""
+    reason = f"{why}; {cause}, so it costs no attempt"
+    return Move(Op.REQUEUE, S.WAITING, reason, refund=True)

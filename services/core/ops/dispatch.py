@@ -1,0 +1,240 @@
+"""The dispatch operations: a worker's turn (its reports, its start acknowledgements and
+its claim in one transaction), the single claim and report built on it, and the reaper's
+pass. Each owns its transaction, then tells the notifier and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from libs.common.errors import NotFound, StaleAttempt
+from libs.common.models import (
+    Assignment,
+    AttemptReport,
+    ClaimRequest,
+    Report,
+    ReportVerdict,
+    Turn,
+)
+from libs.common.states import TaskState
+from services.core import placement, traces
+from services.core.db import dispatch
+from services.core.feed import Notifier
+from services.core.identity import secrets
+from services.core.identity.crypto import SecretBox
+from services.core.metrics import CoreMetrics
+
+#: how often a waiting claim looks again without a notification
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """What the dispatch operations need: the database, who to tell, the secret box."""
+
+    engine: AsyncEngine
+    notifier: Notifier
+    meter: CoreMetrics
+    box: SecretBox
+    defaults: placement.Defaults = field(default_factory=placement.Defaults)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """The worker's state after the turn, a verdict per report (in the order sent) and
+    the attempts leased."""
+
+    state: str
+    reports: list[ReportVerdict]
+    attempts: list[Assignment]
+
+
+async def turn(
+    ops: Dispatcher,
+    worker_id: int,
+    body: Turn,
+    headers: Mapping[str, str] | None = None,
+    gone: Callable[[], Awaitable[bool]] | None = None,
+) -> TurnResult:
+    """One round trip of a worker: in one transaction, hear it (refresh its liveness,
+    note what it started), apply its reports, lease what fits its room. With
+    ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
+    the wait is over or the caller is ``gone``."""
+    tally = dispatch.Tally()
+    async with ops.engine.begin() as conn:
+        worker = await dispatch.heard(conn, worker_id, body.started)
+        verdicts = await dispatch.report_many(conn, worker_id, body.reports, tally, _masker(ops))
+        state = worker.state if worker is not None else await _state_of(conn, worker_id)
+        leased = await _lease(ops, conn, worker, body.claim, tally)
+    _told(ops, tally, body.reports, verdicts, leased, headers)
+    if leased or body.claim is None or body.claim.wait <= 0 or state != "live":
+        return TurnResult(state, verdicts, leased)
+    leased, state = await _wait_for_work(ops, worker_id, body.claim, gone)
+    return TurnResult(state, verdicts, leased)
+
+
+async def claim(
+    ops: Dispatcher,
+    worker_id: int,
+    room: ClaimRequest,
+    gone: Callable[[], Awaitable[bool]] | None = None,
+) -> list[Assignment]:
+    """A turn with no reports: the attempts leased."""
+    return (await turn(ops, worker_id, Turn(claim=room), gone=gone)).attempts
+
+
+async def report(
+    ops: Dispatcher,
+    worker_id: int,
+    attempt_id: int,
+    outcome: Report,
+    headers: Mapping[str, str] | None = None,
+) -> ReportVerdict:
+    """A turn of one report and no claim: ``StaleAttempt`` or ``NotFound`` if refused."""
+    item = AttemptReport(attempt_id=attempt_id, **outcome.model_dump())
+    [verdict] = (await turn(ops, worker_id, Turn(reports=[item]), headers)).reports
+    if verdict.status == 404:
+        raise NotFound(verdict.detail)
+    if verdict.status == 409:
+        raise StaleAttempt(verdict.detail)
+    return verdict
+
+
+async def _state_of(conn: AsyncConnection, worker_id: int) -> str:
+    return str((await dispatch.get_worker(conn, worker_id, None)).state)
+
+
+def _masker(ops: Dispatcher) -> dispatch.Masker:
+    def mask(conn: AsyncConnection, attempt_id: int) -> Awaitable[Callable[[str], str] | None]:
+        return secrets.masker(conn, ops.box, attempt_id)
+
+    return mask
+
+
+async def _lease(
+    ops: Dispatcher,
+    conn: AsyncConnection,
+    worker: Any | None,
+    room: ClaimRequest | None,
+    tally: dispatch.Tally,
+) -> list[Assignment]:
+    """Claim for a worker just heard, its secrets filled in; an attempt whose secret is
+    gone fails at once (not retryable) and is not handed out."""
+    if worker is None or room is None:
+        return []
+    leased = await dispatch.claim(
+        conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally
+    )
+    leased, broken = await secrets.fill(conn, ops.box, leased)
+    if broken:
+        failed = [
+            AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
+            for a, reason in broken.items()
+        ]
+        await dispatch.report_many(conn, worker.id, failed, tally)
+    return leased
+
+
+async def _wait_for_work(
+    ops: Dispatcher,
+    worker_id: int,
+    room: ClaimRequest,
+    gone: Callable[[], Awaitable[bool]] | None,
+) -> tuple[list[Assignment], str]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + room.wait
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0 or (gone is not None and await gone()):
+            return [], "live"
+        await ops.notifier.wait(min(remaining, POLL_S))
+        tally = dispatch.Tally()
+        async with ops.engine.begin() as conn:
+            worker = await dispatch.heard(conn, worker_id)
+            state = worker.state if worker is not None else await _state_of(conn, worker_id)
+            leased = await _lease(ops, conn, worker, room, tally)
+        _told(ops, tally, [], [], leased, None)
+        if leased or state != "live":
+            return leased, state
+
+
+def _told(
+    ops: Dispatcher,
+    tally: dispatch.Tally,
+    items: Sequence[AttemptReport],
+    verdicts: Sequence[ReportVerdict],
+    leased: Sequence[Assignment],
+    headers: Mapping[str, str] | None,
+) -> None:
+    """After the commit: metrics, traces, and one announcement for the lot."""
+    ops.meter.count(tally)
+    applied = 0
+    for item, verdict in zip(items, verdicts, strict=True):
+        if verdict.state is None or verdict.task_id is None:
+            continue
+        applied += 1
+        ops.meter.attempts_finished.labels(item.outcome).inc()
+        if verdict.state is TaskState.SUCCEEDED:
+            ops.meter.ended(verdict.state)
+        if headers is not None:
+            traces.reported(headers, verdict.task_id, item.attempt_id, item.outcome, verdict.state)
+    if applied or leased or tally.lost or tally.buried:
+        ops.notifier.announce()
+    ended = [v.attempt_id for v in verdicts if v.state is not None]
+    if ended:
+        ops.notifier.announce_log(ended)  # their logs are complete: followers end
+
+
+async def heartbeat(
+    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float
+) -> tuple[dispatch.Beat, str]:
+    """The sidecar's beat (``db.dispatch.heartbeat``), and the worker's state after it."""
+    tally = dispatch.Tally()
+    async with ops.engine.begin() as conn:
+        found = await dispatch.heartbeat(conn, worker, list(alive), grace_s, tally)
+        state = await _state_of(conn, worker.id)
+    ops.meter.count(tally)
+    if found.lost:
+        ops.notifier.announce()
+    return found, state
+
+
+async def leave(ops: Dispatcher, worker_id: int) -> None:
+    """The worker left: every attempt it still holds is lost at once."""
+    tally = dispatch.Tally()
+    async with ops.engine.begin() as conn:
+        await dispatch.set_worker_state(conn, worker_id, "left")
+        await dispatch.lose_all(conn, worker_id, "its worker left", tally)
+    ops.meter.count(tally)
+    if tally.lost:
+        ops.notifier.announce()
+
+
+# --- the reaper ---------------------------------------------------------------------------
+
+
+async def reap(
+    engine: AsyncEngine,
+    notifier: Notifier,
+    timeout_s: float,
+    hearing: Callable[[], float] = lambda: math.inf,
+    meter: CoreMetrics | None = None,
+) -> int:
+    """One pass of the reaper: workers silent for ``timeout_s`` are dead, their attempts
+    lost (``db.dispatch.reap``). ``hearing``, called once the database answered, says how
+    long this replica has heard without a break."""
+    tally = dispatch.Tally()
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT 1"))
+        changed = await dispatch.reap(conn, timeout_s, tally, heard_for_s=hearing())
+    if meter is not None:
+        meter.count(tally)
+    if changed:
+        notifier.announce()
+    return changed

@@ -1,0 +1,259 @@
+"""A worker's turn: its reports, its start acknowledgements and its claim in one request and
+one transaction, each report fenced alone; and the claim against the reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from libs.common.settings import libpq_url
+from services.core.db import dispatch
+from tests.support import Core, spec, start_core, wait_for
+
+DB = psycopg.Connection[tuple[Any, ...]]
+ROOM = {"cpu": 8, "memory_mb": 16384, "max": 16}
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    # A long timeout: core's own reaper stays out of the way; the tests reap by hand.
+    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
+    yield server
+    server.stop()
+
+
+class Worker:
+    def __init__(self, core: Core, name: str) -> None:
+        self.http = core.client(name, "worker")
+        offer = {"hostname": name, "queues": ["default"], "cpu": 8, "memory_mb": 16384}
+        answer = self.http.post("/v1/workers", json=offer)
+        assert answer.status_code == 201, answer.text
+        self.id = answer.json()["worker"]["id"]
+        self.http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
+
+    def turn(self, **body: Any) -> dict[str, Any]:
+        answer = self.http.post(f"/v1/workers/{self.id}/turn", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
+@pytest.fixture
+def worker(core: Core) -> Iterator[Worker]:
+    w = Worker(core, "w1")
+    yield w
+    w.http.close()
+
+
+def _submit(core: Core, n: int) -> list[int]:
+    with core.client("alice") as alice:
+        answer = alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(n)]})
+        assert answer.status_code in (200, 201), answer.text
+        return [t["id"] for t in answer.json()["tasks"]]
+
+
+def _state(db: DB, task_id: int) -> str:
+    row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task_id,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _events(db: DB, task_id: int) -> list[str]:
+    rows = db.execute(
+        "SELECT op FROM core.task_events WHERE task_id = %s ORDER BY seq", (task_id,)
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def test_a_batch_applies_its_valid_reports_and_refuses_each_stale_one_alone(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    ok, cancelled, failing = _submit(core, 3)
+    leased = {a["task_id"]: a["attempt_id"] for a in worker.turn(claim=ROOM)["attempts"]}
+    assert set(leased) == {ok, cancelled, failing}
+    with core.client("alice") as alice:
+        assert alice.post(f"/v1/tasks/{cancelled}/cancel").status_code == 200
+    reports = [
+        {"attempt_id": leased[ok], "outcome": "succeeded", "exit_code": 0},
+        {"attempt_id": leased[cancelled], "outcome": "succeeded", "exit_code": 0},
+        {"attempt_id": leased[failing], "outcome": "failed", "exit_code": 3, "error": "boom"},
+        {"attempt_id": leased[ok], "outcome": "failed", "exit_code": 1},
+        {"attempt_id": 2**62, "outcome": "succeeded"},
+    ]
+    answer = worker.turn(reports=reports)
+    verdicts = [(v["attempt_id"], v["status"], v["state"]) for v in answer["reports"]]
+    assert verdicts == [
+        (leased[ok], 200, "succeeded"),
+        (leased[cancelled], 409, None),
+        (leased[failing], 200, "failed"),
+        (leased[ok], 409, None),
+        (2**62, 404, None),
+    ]
+    assert answer["state"] == "live" and answer["attempts"] == []
+    assert (_state(db, ok), _state(db, cancelled), _state(db, failing)) == (
+        "succeeded",
+        "cancelled",
+        "failed",
+    )
+    assert _events(db, ok) == ["submit", "claim", "succeed"]
+    assert _events(db, cancelled) == ["submit", "claim", "cancel"]
+    assert _events(db, failing) == ["submit", "claim", "fail"]
+    outcome = db.execute(
+        "SELECT outcome, exit_code, error FROM core.attempts WHERE id = %s", (leased[failing],)
+    ).fetchone()
+    assert outcome == ("failed", 3, "boom")
+
+
+def test_a_report_sent_again_in_a_later_turn_is_refused_and_changes_nothing(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    [attempt] = worker.turn(claim=ROOM)["attempts"]
+    report = {"attempt_id": attempt["attempt_id"], "outcome": "succeeded", "exit_code": 0}
+    first = worker.turn(reports=[report], claim=ROOM)
+    assert [v["status"] for v in first["reports"]] == [200]
+    again = worker.turn(reports=[{**report, "outcome": "failed"}])
+    assert [(v["status"], v["task_id"]) for v in again["reports"]] == [(409, task)]
+    assert "current attempt" in again["reports"][0]["detail"]
+    assert _state(db, task) == "succeeded"
+    assert _events(db, task) == ["submit", "claim", "succeed"]
+    # The old endpoint answers the same as its turn of one report.
+    old = worker.http.post(
+        f"/v1/workers/{worker.id}/attempts/{attempt['attempt_id']}/report",
+        json={"outcome": "succeeded"},
+    )
+    assert old.status_code == 409 and old.json()["type"].endswith("stale-attempt")
+
+
+def test_a_turn_acknowledges_starts_and_keeps_a_small_log_whole(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    [attempt] = worker.turn(claim=ROOM)["attempts"]
+    aid = attempt["attempt_id"]
+    worker.turn(started=[aid])
+    seen = db.execute("SELECT seen_at IS NOT NULL FROM core.attempts WHERE id = %s", (aid,))
+    assert seen.fetchone() == (True,)
+    report = {"attempt_id": aid, "outcome": "succeeded", "log_tail": "hello\n", "whole_log": True}
+    assert worker.turn(reports=[report])["reports"][0]["status"] == 200
+    with core.client("alice") as alice:
+        log = alice.get(f"/v1/tasks/{task}/logs")
+    assert log.status_code == 200 and log.text == "hello\n"
+
+
+def _waiting_on_lock(db_url: str, needle: str) -> bool:
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as watcher:
+        rows = watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query ILIKE %s",
+            (f"%{needle}%",),
+        ).fetchone()
+    return bool(rows and rows[0])
+
+
+def _in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_the_reaper_skips_a_worker_whose_turn_committed_first(
+    core: Core, worker: Worker, db_url: str, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    [attempt] = worker.turn(claim=ROOM)["attempts"]
+    # Long silent, by its last beat: the reaper would take it now.
+    db.execute(
+        "UPDATE core.workers SET last_heartbeat_at = now() - interval '2 hours' WHERE id = %s",
+        (worker.id,),
+    )
+    report = {"attempt_id": attempt["attempt_id"], "outcome": "succeeded"}
+    with psycopg.connect(libpq_url(db_url)) as holder:
+        # Hold the task, so that the turn stops inside its transaction, worker row locked.
+        holder.execute("SELECT id FROM core.tasks WHERE id = %s FOR UPDATE", (task,))
+        turning, answer = _in_thread(lambda: worker.turn(reports=[report], claim=ROOM))
+        wait_for(lambda: _waiting_on_lock(db_url, "FOR UPDATE OF t"), timeout=15)
+        reaping, reaped = _in_thread(lambda: asyncio.run(_reap(core.db_url, 60.0)))
+        wait_for(lambda: _waiting_on_lock(db_url, "core.workers"), timeout=15)
+        holder.rollback()
+    turning.join(30)
+    reaping.join(30)
+    assert reaped == [0], "the reaper declared a worker dead whose turn had just heard it"
+    assert answer[0]["state"] == "live"
+    assert [v["status"] for v in answer[0]["reports"]] == [200]
+    assert _state(db, task) == "succeeded"
+    row = db.execute("SELECT state FROM core.workers WHERE id = %s", (worker.id,)).fetchone()
+    assert row == ("live",)
+
+
+def test_a_turn_that_waits_on_the_reaper_leases_nothing_once_it_has_lost(
+    core: Core, worker: Worker, db_url: str, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    with psycopg.connect(libpq_url(db_url)) as reaper:
+        # What the reaper's dead-declaration does, held open: the row is locked.
+        reaper.execute(
+            "UPDATE core.workers SET state = 'dead', gone_at = now() WHERE id = %s", (worker.id,)
+        )
+        turning, answer = _in_thread(lambda: worker.turn(claim=ROOM))
+        wait_for(lambda: _waiting_on_lock(db_url, "core.workers"), timeout=15)
+        reaper.commit()
+    turning.join(30)
+    assert answer[0]["state"] == "dead" and answer[0]["attempts"] == []
+    assert _state(db, task) == "waiting"
+    assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (0,)
+
+
+async def _reap(db_url: str, timeout_s: float) -> int:
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            return await dispatch.reap(conn, timeout_s)
+    finally:
+        await engine.dispose()
+
+
+def test_two_workers_turning_at_once_run_every_task_exactly_once(core: Core, db: DB) -> None:
+    tasks = set(_submit(core, 120))
+    workers = [Worker(core, f"w{i}") for i in range(2)]
+    errors: list[BaseException] = []
+
+    def loop(w: Worker) -> None:
+        try:
+            reports: list[dict[str, Any]] = []
+            idle = 0
+            while idle < 3:
+                answer = w.turn(reports=reports, claim={**ROOM, "max": 7})
+                assert all(v["status"] == 200 for v in answer["reports"]), answer["reports"]
+                reports = [
+                    {"attempt_id": a["attempt_id"], "outcome": "succeeded", "exit_code": 0}
+                    for a in answer["attempts"]
+                ]
+                idle = 0 if answer["attempts"] else idle + 1
+        except (AssertionError, httpx.HTTPError) as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for w in workers:
+        w.http.close()
+    assert not errors, errors
+    states = dict(db.execute("SELECT state, count(*) FROM core.tasks GROUP BY 1").fetchall())
+    assert states == {"succeeded": len(tasks)}
+    per_task = db.execute(
+        "SELECT count(*), count(DISTINCT worker_id) FROM core.attempts GROUP BY task_id"
+    ).fetchall()
+    assert set(per_task) == {(1, 1)} and len(per_task) == len(tasks)
+    by_worker = db.execute("SELECT count(DISTINCT worker_id) FROM core.attempts").fetchone()
+    assert by_worker == (2,), "both workers should have taken part"

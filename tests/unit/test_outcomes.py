@@ -1,0 +1,88 @@
+"""The outcome table: what each reported outcome does to a task, and when the agent may
+start a lease without asking core (the last answered turn vouches for it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from libs.common.models import Report
+from libs.common.states import TaskState
+from services.core.domain import outcomes
+from services.core.domain.transitions import TRANSITIONS, Op
+from services.worker.agent import vouches
+
+S = TaskState
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str = "task"
+    attempts: int = 1
+    max_attempts: int = 3
+    crashes: int = 0
+    poison_after: int = 3
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    backoff_jitter: bool = False
+
+
+def test_every_outcome_a_worker_may_report_is_in_the_table() -> None:
+    reported = set(Report.model_fields["outcome"].annotation.__args__)  # type: ignore[union-attr]
+    assert set(outcomes.OUTCOMES) == reported
+
+
+@pytest.mark.parametrize(
+    ("outcome", "op", "target", "refund"),
+    [
+        ("succeeded", Op.SUCCEED, S.SUCCEEDED, False),
+        ("handed_back", Op.REQUEUE, S.WAITING, True),
+        ("preempted", Op.PREEMPT, S.WAITING, True),
+        ("failed", Op.FAIL, S.FAILED, False),
+        ("timeout", Op.FAIL, S.FAILED, False),
+        ("oom_killed", Op.FAIL, S.FAILED, False),
+        ("crashed", Op.FAIL, S.FAILED, False),
+    ],
+)
+def test_each_outcome_makes_a_move_the_transitions_table_allows(
+    outcome: str, op: Op, target: TaskState, refund: bool
+) -> None:
+    move = outcomes.reported(Task(), outcome, None, retryable=True)
+    assert move is not None
+    assert (move.op, move.target, move.refund) == (op, target, refund)
+    assert S.RUNNING in TRANSITIONS[move.op].sources and move.target in TRANSITIONS[move.op].targets
+    assert move.crashed == (outcome == "crashed")
+
+
+def test_failures_are_buried_when_not_retryable_spent_or_poisoned() -> None:
+    assert outcomes.reported(Task(), "failed", "x", retryable=False).reason == "not retryable"  # type: ignore[union-attr]
+    spent = outcomes.reported(Task(attempts=3), "failed", None, retryable=True)
+    assert spent is not None and (spent.target, spent.reason) == (S.DEAD, "attempts spent (3)")
+    poisoned = outcomes.reported(Task(crashes=2), "crashed", None, retryable=True)
+    assert poisoned is not None and poisoned.reason == "poison pill: lost 3 times"
+    retried = outcomes.reported(Task(), "failed", None, retryable=True)
+    assert retried is not None and retried.delay_s == 1.0 and retried.error == "attempt failed"
+
+
+def test_a_services_exit_is_left_to_its_restart_history_but_a_hand_back_is_not() -> None:
+    service = Task(kind="service")
+    assert outcomes.reported(service, "succeeded", None, retryable=True) is None
+    assert outcomes.reported(service, "crashed", None, retryable=True) is None
+    back = outcomes.reported(service, "handed_back", "draining", retryable=True)
+    assert back is not None and (back.op, back.reason) == (Op.REQUEUE, "draining")
+    final = outcomes.reported(service, "failed", None, retryable=False)
+    assert final is not None and final.target is S.DEAD
+
+
+def test_a_preemption_names_the_task_it_made_room_for() -> None:
+    move = outcomes.reported(Task(), "preempted", "memory", retryable=True, preempted_by=7)
+    assert move is not None and move.reason == "preempted by task 7, requeued"
+
+
+def test_a_recent_turn_vouches_for_a_lease_and_an_old_one_does_not() -> None:
+    # Heartbeat every 1 s, dead after 8 s of silence: a turn vouches for 6 s after it was sent.
+    assert vouches(100.0, 105.9, 1.0, 8.0)
+    assert not vouches(100.0, 106.0, 1.0, 8.0)
+    assert not vouches(-math.inf, 0.0, 1.0, 8.0)
