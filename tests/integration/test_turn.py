@@ -132,7 +132,7 @@ def test_a_report_sent_again_in_a_later_turn_is_refused_and_changes_nothing(
     assert old.status_code == 409 and old.json()["type"].endswith("stale-attempt")
 
 
-def test_a_turn_acknowledges_starts_and_keeps_a_small_log_whole(
+def test_a_turn_acknowledges_starts_and_its_report_ends_the_shipped_log(
     core: Core, worker: Worker, db: DB
 ) -> None:
     [task] = _submit(core, 1)
@@ -141,11 +141,16 @@ def test_a_turn_acknowledges_starts_and_keeps_a_small_log_whole(
     worker.turn(started=[aid])
     seen = db.execute("SELECT seen_at IS NOT NULL FROM core.attempts WHERE id = %s", (aid,))
     assert seen.fetchone() == (True,)
-    report = {"attempt_id": aid, "outcome": "succeeded", "log_tail": "hello\n", "whole_log": True}
+    # The log travels apart from the turn, in chunks (docs/logs.md); the report ends it.
+    chunk = {"attempt_id": aid, "offset": 0, "length": 6, "text": "hello\n"}
+    shipped = worker.http.post(f"/v1/workers/{worker.id}/logs", json={"chunks": [chunk]})
+    assert shipped.status_code == 200 and shipped.json()["items"][0]["status"] == 200
+    report = {"attempt_id": aid, "outcome": "succeeded", "log_tail": "hello\n"}
     assert worker.turn(reports=[report])["reports"][0]["status"] == 200
     with core.client("alice") as alice:
         log = alice.get(f"/v1/tasks/{task}/logs")
     assert log.status_code == 200 and log.text == "hello\n"
+    assert log.headers["X-Cairn-Log-Complete"] == "true"
 
 
 def _waiting_on_lock(db_url: str, needle: str) -> bool:
