@@ -34,8 +34,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,29 @@ def _wait_final(database_url: str, count: int, timeout_s: float) -> None:
             if row and row[0] >= count:
                 return
             time.sleep(0.2)
+    # Not all final in time: say where they are, and why the last ones failed.
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        states = conn.execute("SELECT state, count(*) FROM core.tasks GROUP BY state").fetchall()
+        errors = conn.execute(
+            "SELECT DISTINCT last_error FROM core.tasks WHERE last_error IS NOT NULL LIMIT 5"
+        ).fetchall()
+    print(f"not final after {timeout_s} s: {dict(states)}; errors {[e[0] for e in errors]}")
+
+
+def _errors(database_url: str, first_id: int) -> list[str]:
+    """A few distinct reasons tasks from ``first_id`` on did not succeed."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute(
+            "SELECT DISTINCT last_error FROM core.tasks WHERE id >= %s AND state <> 'succeeded'"
+            " AND last_error IS NOT NULL LIMIT 5",
+            (first_id,),
+        ).fetchall()
+        tails = conn.execute(
+            "SELECT DISTINCT a.log_tail FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id"
+            " WHERE t.id >= %s AND t.state <> 'succeeded' AND a.log_tail IS NOT NULL LIMIT 3",
+            (first_id,),
+        ).fetchall()
+    return [r[0] for r in rows] + [f"log: {r[0][-300:]}" for r in tails]
 
 
 def _max_id(database_url: str) -> int:
@@ -191,7 +214,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with core_stack(
         "cairn-bench-e2e-", CAIRN_HEARTBEAT_INTERVAL_S="5", CAIRN_HEARTBEAT_TIMEOUT_S="60"
     ) as stack:
-        records = Path(tempfile.mkdtemp(prefix="cairn-e2e-records-", dir="/var/tmp"))
+        # Beside the agent's run folder, which its attempts share with the host (each
+        # attempt gets a private /tmp and /var/tmp only where the run folder is not).
+        records = stack.root / "records"
+        records.mkdir()
         records.chmod(0o1777)
         artifact = _artifact(stack.root)
         user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
@@ -210,6 +236,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_final(stack.database_url, done_before + args.tasks, args.timeout)
             created = _created(stack.database_url, first)
             ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
+            results["states"] = dict(Counter(s for _, _, s in created.values()))
+            results["errors"] = _errors(stack.database_url, first)
             results["throughput"] = {
                 "tasks": args.tasks,
                 "succeeded": len(ended),
@@ -263,6 +291,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     t = results["throughput"]
+    print(f"states of the throughput tasks: {results['states']}; errors {results['errors']}")
     print(
         f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
         f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']})"
