@@ -124,6 +124,7 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
+        self.publishing: asyncio.Handle | None = None  # a write of state.ATTEMPTS is due
         self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, list[str]] = {}
         self.uids: dict[str, int] = {}
@@ -180,7 +181,7 @@ class Agent:
         self.lease = registered.lease
         self.folder = self.settings.home / "workers" / str(self.worker_id)
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._publish()
+        self._publish(now=True)  # the sidecar reads it as it starts
         self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
         self._launch_sidecar()
         logs.bind(worker_id=self.worker_id)
@@ -497,7 +498,24 @@ class Agent:
         memory = int(self.settings.worker_memory_mb - sum(m for _, m in held))
         return cpu, memory, self.settings.worker_slots - len(held)
 
-    def _publish(self) -> None:
+    def _publish(self, now: bool = False) -> None:
+        """Tell the sidecar which attempts this agent holds (``state.ATTEMPTS``). Changes
+        of one loop iteration are written once, on the next (each write is a whole file:
+        one per change cost half the agent's time at a few hundred starts a second);
+        ``now`` writes at once, for what must be on disk before the next step."""
+        if now:
+            if self.publishing is not None:
+                self.publishing.cancel()
+                self.publishing = None
+            self._write_attempts()
+        elif self.publishing is None:
+            self.publishing = asyncio.get_running_loop().call_soon(self._publish_soon)
+
+    def _publish_soon(self) -> None:
+        self.publishing = None
+        self._write_attempts()
+
+    def _write_attempts(self) -> None:
         # 0: claimed, still being prepared (artifact, workdir); the agent holds it.
         # -1: its process is being started (the sidecar counts it as started).
         pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
@@ -571,7 +589,7 @@ class Agent:
         # Recorded before exec: if the agent dies from here on, the sidecar tells core
         # the attempt had started, so it counts as a crash.
         self.starting.add(attempt)
-        self._publish()
+        self._publish(now=True)
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
