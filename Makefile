@@ -28,7 +28,7 @@ up: install
 test: install
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider tests/deploy -q -rA >"$$log" 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -n 2 --ignore=tests/deploy; main=$$?; \
+	$(BIN)/python -m pytest -n 2 --durations=25 --ignore=tests/deploy; main=$$?; \
 	wait $$deploy; deployed=$$?; \
 	echo "=== the deployment test (tests/deploy), run beside the suite ==="; cat "$$log"; rm -f "$$log"; \
 	echo "make test: the suite exited $$main, the deployment test $$deployed"; \

@@ -16,6 +16,26 @@ from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from tests.support import MIGRATIONS, Core, start_core
 
+# The longest tests (minutes each, mostly waiting on processes and faults) start first, so
+# the two xdist workers run them side by side with the short ones after, instead of one
+# worker finishing alone on them at the end (make test runs -n 2).
+_LONGEST = (
+    "tests/faults/test_jepsen.py",
+    "tests/faults/test_jepsen_flows.py",
+    "tests/faults/test_partition.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        if path in _LONGEST:
+            return _LONGEST.index(path)
+        return len(_LONGEST) + (0 if item.get_closest_marker("slow") else 1)
+
+    items.sort(key=rank)  # stable: the order within each rank is kept
+
+
 TEMPLATE = "cairn_template"
 
 

@@ -75,8 +75,18 @@ class Proxy:
             asyncio.start_server(self._serve, "127.0.0.1", self.port)
         )
         self.ready.set()
-        self.loop.run_forever()
-        server.close()
+        try:
+            self.loop.run_forever()
+        finally:
+            # Close what it holds (the piped connections, the listener, the loop itself):
+            # left to the garbage collector they warn in whichever test runs then.
+            server.close()
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.run_until_complete(asyncio.sleep(0.05))  # transports finish closing
+            self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for port in self.backends:
