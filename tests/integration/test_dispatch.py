@@ -12,7 +12,8 @@ import pytest
 
 from tests.support import Core, spec, start_core, wait_for
 
-TIMEOUT_S = 2.0  # the reaper tolerates stalls of 3 of its turns (timeout / 4 each): room for a loaded CI
+# The reaper tolerates stalls of 3 of its turns (timeout / 4 each): room for a loaded CI.
+TIMEOUT_S = 2.0
 
 
 @pytest.fixture
