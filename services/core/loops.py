@@ -38,7 +38,9 @@ class Promoter:
     """Starts delayed work on time: a timer on the next due instant, read from the
     database (by its clock) after every pass, and set earlier by due hints: this
     replica's submissions and, through NOTIFY, every other replica's. Each replica runs
-    one; at the instant all of them wake and share the due rows (SKIP LOCKED). The timer
+    one; at the instant all of them wake, wake the workers (a claim takes a ready task
+    whose ``run_at`` has come: ``db.dispatch``), and share the promotion of the due rows
+    that no claim took (SKIP LOCKED), so that their state reads ``waiting``. The timer
     never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or a backoff
     or deferral set by a transition (not hinted), or another replica's promotion that
     rolled back."""
@@ -68,12 +70,17 @@ class Promoter:
                 log.exception("promoter failed; retrying")
                 wait = self.poll_s
             # A hint heard during the pass may be for a task the pass did not see yet.
+            due_timer = wait < self.poll_s or self._earliest < math.inf
             self._deadline = min(time.time() + wait, self._earliest)
             self._wake.clear()
             remaining = self._deadline - time.time()
             if remaining > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), remaining)
+            if due_timer and not self._wake.is_set():
+                # The timer on a due instant rang. The claim takes due ready work itself,
+                # so workers are woken now, before the promotion (bookkeeping) runs.
+                self.notifier.announce()
 
     async def step(self) -> float:
         """Promote (and park) until nothing is left; return the seconds to sleep. A burst
