@@ -128,7 +128,11 @@ def test_jitter_is_a_fixed_offset_per_schedule_within_its_bound(
     assert timedelta(0) <= offset <= timedelta(seconds=600)
     assert offset == ontime.jitter(sid, 600)
     assert {ontime.jitter(n, 600) for n in range(1, 50)} != {offset}
-    clock.set(SLOT - timedelta(seconds=3))
+    # Sent the lead before its start (the slot plus the offset), not before the slot: a
+    # jittered burst is sent spread out as well.
+    lead = timedelta(seconds=LEAD_S)
+    assert ontime.send_at(SLOT, sid, "task", "allow", 600, lead) == SLOT + offset - lead
+    clock.set(SLOT + offset - timedelta(seconds=3))
     wait_for(lambda: len(task_rows(db, sid)) == 1)
     [(_, state, _, env, _, run_at)] = task_rows(db, sid)
     assert state == "ready"

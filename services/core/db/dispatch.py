@@ -192,6 +192,12 @@ RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_
 """)
 
 
+# Candidates a claim locks beyond what it may lease, for those that placement or a quota
+# refuses: up to three per lease for a small claim, at most this many for a large one
+# (each candidate is a row lock, and rows one claim locks the others skip).
+CANDIDATE_SLACK = 32
+
+
 def _clean(value: str | None) -> str | None:
     """PostgreSQL text holds no NUL; a process's output may."""
     return value.replace("\x00", "\ufffd") if value else value
@@ -370,7 +376,7 @@ async def claim(
         "queues": list(worker.queues),
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
-        "limit": most * 4,
+        "limit": most + min(3 * most, CANDIDATE_SLACK),
         "aged_limit": most,
         "defer_above": defaults.defer_above,
         "defer_margin_s": defaults.defer_margin_s,

@@ -1,7 +1,7 @@
 """When a fire is sent and when its task may start. Pure functions, no I/O.
 
-A fire of a task target with overlap ``allow`` is sent ahead: ``lead`` before its slot,
-with ``run_at`` = the slot plus the schedule's jitter, so core starts it on time however
+A fire of a task target with overlap ``allow`` is sent ahead: ``lead`` before its task's
+start, with ``run_at`` = that start (the slot plus the schedule's jitter), so core starts it on time however
 many are due together. Fires whose overlap policy needs the previous run's state at the
 slot (``forbid``, ``replace``), and workflow targets (the DAG service starts a run when
 asked), are sent at the slot plus the jitter.
@@ -35,6 +35,6 @@ def send_at(
     lead: timedelta,
 ) -> datetime:
     """The instant the engine sends the fire of ``slot``."""
-    if sent_ahead(kind, overlap_policy, lead):
-        return slot - lead
-    return slot + jitter(schedule_id, jitter_s)
+    start = slot + jitter(schedule_id, jitter_s)
+    # Ahead of the task's start, not of the slot: a jittered burst is sent spread out too.
+    return start - lead if sent_ahead(kind, overlap_policy, lead) else start
