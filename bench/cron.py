@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy.ext.asyncio import create_async_engine
 from stack import core_stack, exit_on_sigterm
 
@@ -259,7 +260,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
             " WHERE fire_time BETWEEN %s AND %s ORDER BY fire_time",
             (first, last),
         ).fetchall()
-        times = conn.execute(TIMES, (first, last)).fetchall()
+        times = conn.cursor(row_factory=namedtuple_row).execute(TIMES, (first, last)).fetchall()
         tasks = conn.execute("SELECT count(*) FROM core.tasks").fetchone()
         dupes = conn.execute(
             "SELECT count(*) FROM (SELECT idempotency_key FROM core.tasks"
@@ -297,7 +298,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
             {
                 "slot": slot.isoformat(),
                 "tasks": len(rows),
-                "leased": len(lags["leased"]),
+                "leases": len(lags["leased"]),
                 **{key: _lags(values) for key, values in lags.items()},
             }
         )
@@ -391,7 +392,7 @@ def main() -> None:
             f"{'{p50_ms}/{p99_ms}/{max_ms}'.format(**r[k]):>30}"
             for k in ("eligible", "moved", "leased", "received")
         )
-        print(f"{r['slot']:<27}{r['tasks']:>7}{r['leased']:>8}{cells}")
+        print(f"{r['slot']:<27}{r['tasks']:>7}{r['leases']:>8}{cells}")
     for key in ("eligible", "moved", "leased", "received"):
         print(f"all {key}: {result[key]}")
     print(

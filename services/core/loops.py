@@ -26,9 +26,9 @@ PROMOTE_BATCH = 1000
 PROMOTE_PARALLEL = 2
 
 
-async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
+async def promote_once(engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0) -> int:
     async with engine.begin() as conn:
-        moved = await store.promote_and_park(conn, PROMOTE_BATCH)
+        moved = await store.promote_and_park(conn, PROMOTE_BATCH, after_s)
     if moved:
         notifier.announce()
     return moved
@@ -45,10 +45,13 @@ class Promoter:
     or deferral set by a transition (not hinted), or another replica's promotion that
     rolled back."""
 
-    def __init__(self, engine: AsyncEngine, notifier: Notifier, poll_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, notifier: Notifier, poll_s: float, after_s: float = 0.0
+    ) -> None:
         self.engine = engine
         self.notifier = notifier
         self.poll_s = poll_s
+        self.after_s = after_s
         self._wake = asyncio.Event()
         self._deadline = -math.inf  # UNIX seconds the timer is set for; -inf mid-pass
         self._earliest = math.inf  # the earliest hint heard during a pass
@@ -96,14 +99,15 @@ class Promoter:
         """One promotion, and the next due instant read in the same transaction: by the
         same ``now()``, so a task due between the two cannot fall between them."""
         async with self.engine.begin() as conn:
-            moved = await store.promote_and_park(conn, PROMOTE_BATCH)
-            due = await store.next_due_in(conn) if moved < PROMOTE_BATCH else None
+            moved = await store.promote_and_park(conn, PROMOTE_BATCH, self.after_s)
+            full = moved >= PROMOTE_BATCH
+            due = None if full else await store.next_due_in(conn, self.after_s)
         if moved:
             self.notifier.announce()
         return moved, due
 
     async def _drain(self) -> None:
-        while await promote_once(self.engine, self.notifier) >= PROMOTE_BATCH:
+        while await promote_once(self.engine, self.notifier, self.after_s) >= PROMOTE_BATCH:
             await asyncio.sleep(0)
 
 
@@ -191,7 +195,8 @@ def start(
     hearing = Hearing(gap_s=max(settings.heartbeat_interval_s, 3 * reap_every))
     return [
         asyncio.create_task(
-            Promoter(engine, notifier, settings.promote_interval_s).run(), name="cairn-promoter"
+            Promoter(engine, notifier, settings.promote_interval_s, settings.promote_after_s).run(),
+            name="cairn-promoter",
         ),
         asyncio.create_task(
             every(

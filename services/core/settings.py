@@ -18,6 +18,9 @@ class CoreSettings(CairnSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     db_pool_size: int = Field(default=20, ge=1, le=200)
     promote_interval_s: float = Field(default=1.0, gt=0)
+    #: how long past its run_at a ready task is left to claims (which take it from its
+    #: run_at on) before the promoter moves it to waiting
+    promote_after_s: float = Field(default=0.5, ge=0, le=60)
     retention_interval_s: float = Field(default=300.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)

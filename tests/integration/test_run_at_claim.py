@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from services.core.settings import CoreSettings
 from tests.integration.test_dispatch import Agent
-from tests.support import Core, spec, start_core
+from tests.support import Core, spec, start_core, wait_for
 
 POLL_S = 60.0
 
@@ -33,7 +34,9 @@ def _delayed(core: Core, count: int, owner: str = "alice", **extra: object) -> l
 
 
 def _come(db, ids: list[int]) -> None:
-    db.execute("UPDATE core.tasks SET run_at = now() - interval '1 second' WHERE id = ANY(%s)", (ids,))
+    db.execute(
+        "UPDATE core.tasks SET run_at = now() - interval '1 second' WHERE id = ANY(%s)", (ids,)
+    )
 
 
 def test_a_ready_task_whose_time_has_come_is_claimed_directly_and_its_history_says_so(
@@ -122,3 +125,50 @@ def test_no_task_is_leased_before_its_run_at(core: Core, db) -> None:
         (ids,),
     ).fetchone()
     assert early == (0, 200)
+
+
+def _db_now_plus(db, seconds: float) -> str:
+    row = db.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
+    return row[0].isoformat()
+
+
+def test_a_waiting_worker_is_woken_at_the_instant_and_leases_straight_from_ready(
+    core: Core, db
+) -> None:
+    """Three tasks due 0.7 s apart, each leased by a long poll (which also polls twice a
+    second: woken by that alone, three leases within 0.25 s would be luck, 1 in 8)."""
+    agent = Agent(core)
+    with core.client() as alice:
+        ids = [
+            alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 1.0 + n * 0.7))).json()["id"]
+            for n in range(3)
+        ]
+    for task_id in ids:
+        [leased] = agent.claim(wait=10)
+        assert leased["task_id"] == task_id
+    rows = db.execute(
+        "SELECT EXTRACT(EPOCH FROM a.started_at - t.run_at)::float, e.from_state"
+        "  FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id"
+        "  JOIN core.task_events e ON e.task_id = t.id AND e.op = 'claim'"
+        " WHERE t.id = ANY(%s) ORDER BY t.id",
+        (ids,),
+    ).fetchall()
+    assert [state for _, state in rows] == ["ready"] * 3
+    lags = [lag for lag, _ in rows]
+    assert all(0 <= lag < 0.25 for lag in lags), f"leased {lags} s after run_at"
+
+
+def test_due_work_no_claim_took_is_promoted_after_promote_after_s(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 0.5))).json()
+
+    def promoted() -> object:
+        return db.execute(
+            "SELECT EXTRACT(EPOCH FROM e.at - t.run_at)::float FROM core.task_events e"
+            "  JOIN core.tasks t ON t.id = e.task_id WHERE t.id = %s AND e.op = 'promote'",
+            (task["id"],),
+        ).fetchone()
+
+    [lag] = wait_for(promoted, timeout=20)  # the poll is a minute: only the timer is on time
+    after = CoreSettings.model_fields["promote_after_s"].default
+    assert after <= lag < after + 0.5
