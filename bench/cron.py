@@ -1,8 +1,8 @@
 """Cron benchmark: lag with many schedules due at once, leases by real claims, the heap.
 
     .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20] [--jitter 0]
-                                   [--workers 4] [--claim-max 256] [--held 100000]
-                                   [--json results.json]
+                                   [--workers 4] [--claim-max 256] [--promote-after S]
+                                   [--held 100000] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings) in a temp folder, migrates
 it, and starts core as its own process (``python -m services.core``, one uvicorn worker).
@@ -173,7 +173,10 @@ def held_schedules(db_url: str, count: int) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    with core_stack("cairn-bench-cron-", CAIRN_HEARTBEAT_TIMEOUT_S="600") as stack:
+    env = {"CAIRN_HEARTBEAT_TIMEOUT_S": "600"}
+    if args.promote_after is not None:
+        env["CAIRN_PROMOTE_AFTER_S"] = str(args.promote_after)
+    with core_stack("cairn-bench-cron-", **env) as stack:
         return await measure(args, stack.root, stack.database_url, stack.core_url)
 
 
@@ -334,6 +337,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         "schedules": args.schedules,
         "jitter_s": args.jitter,
         "workers": args.workers,
+        "promote_after_s": args.promote_after,
         "claim_max": args.claim_max,
         "create_s": round(created_s, 1),
         "rounds": rounds,
@@ -370,6 +374,9 @@ def main() -> None:
     parser.add_argument("--jitter", type=int, default=0, help="each schedule's jitter_s")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--claim-max", type=int, default=256)
+    parser.add_argument(
+        "--promote-after", type=float, help="core's CAIRN_PROMOTE_AFTER_S (default: its own)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = asyncio.run(run(args))
