@@ -88,7 +88,7 @@ def copies(
         INSERT INTO core.tasks (owner, name, queue, priority, kind, artifact_uri,
             artifact_sha256, args, env, cpu, memory_mb, preemptible, max_attempts,
             backoff_base_s, backoff_cap_s, backoff_jitter, poison_after, run_at, vtime, state)
-        SELECT 'user' || (g % 100), name, 'q', priority, kind, artifact_uri, artifact_sha256,
+        SELECT 'user' || (g %% 100), name, 'q', priority, kind, artifact_uri, artifact_sha256,
                args, env, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
                backoff_cap_s, backoff_jitter, poison_after, {at},
                EXTRACT(EPOCH FROM {at}) + (g / 100) * 0.001, 'ready'
@@ -114,7 +114,7 @@ def main() -> None:
         url = libpq_url(stack.database_url)
         with psycopg.connect(url) as conn:
             copies(conn, template, args.due, "now() - interval '1 second'")
-            copies(conn, template, args.future, "now() + make_interval(secs => 60 + g % 600)")
+            copies(conn, template, args.future, "now() + make_interval(secs => 60 + g %% 600)")
             conn.commit()
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE core.tasks")
