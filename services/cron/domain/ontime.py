@@ -36,5 +36,9 @@ def send_at(
 ) -> datetime:
     """The instant the engine sends the fire of ``slot``."""
     start = slot + jitter(schedule_id, jitter_s)
-    # Ahead of the task's start, not of the slot: a jittered burst is sent spread out too.
-    return start - lead if sent_ahead(kind, overlap_policy, lead) else start
+    if not sent_ahead(kind, overlap_policy, lead):
+        return start
+    # Ahead of the task's start, not of the slot, so a jittered burst is sent spread out
+    # too; on the whole second before, so that it goes in batches (a request and a
+    # transaction per second's fires, not per fire).
+    return (start - lead).replace(microsecond=0)
