@@ -219,7 +219,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     stop = spawn.Event()
     out = root / "received.json"
     workers = spawn.Process(
-        target=workers_main, args=(core_url, tokens, args.claim_max, stop, str(out))
+        target=workers_main, args=(core_url, tokens, args.claim_max, stop, str(out)), daemon=True
     )
     workers.start()
 
@@ -245,8 +245,11 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     settle = timedelta(seconds=args.jitter + 10)
     print(f"slots {first.isoformat()} .. {last.isoformat()}", flush=True)
     try:
-        while engine.status()["pending_fires"] or clock.now() < last + settle:
-            await asyncio.sleep(0.5)
+        # Until the last slot's tasks have had their time (fires still owed then are
+        # counted as missing, not waited for), with a line of progress every 10 s.
+        while (left := (last + settle - clock.now()).total_seconds()) > 0:
+            await asyncio.sleep(min(10.0, left))
+            print(f"  {clock.now():%H:%M:%S} {engine.status()}", flush=True)
     finally:
         runner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -255,6 +258,8 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         await db.dispose()
         stop.set()
         await asyncio.to_thread(workers.join, 120)
+        if workers.is_alive():
+            workers.terminate()
     received = dict(json.loads(out.read_text())) if out.exists() else {}
 
     with psycopg.connect(libpq_url(url)) as conn:
