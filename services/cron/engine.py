@@ -539,13 +539,11 @@ class CronEngine:
                 for r in await conn.execute(store.SCHEDULES_BY_ID, {"ids": missing}):
                     rows[r.id] = r
         plans: list[Plan] = []
-        for when, sid, version, slot in due:
+        for _, sid, version, slot in due:
             row = rows.get(sid)
             if row is None or row.version != version or row.paused or row.next_fire_at != slot:
                 continue  # changed under us: its notification brings the new version
-            # Slots are due by the clock of slots: a fire sent at its slot plus a jitter
-            # (or ahead of it) is on time, however many slots the jitter spans.
-            plans.append(plan_slots(row, now - (when - slot)))
+            plans.append(plan_slots(row, now))
         if not plans:
             return
         await self._check_overlap(plans)

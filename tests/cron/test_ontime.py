@@ -132,17 +132,20 @@ def test_jitter_is_a_fixed_offset_per_schedule_within_its_bound(
     assert timedelta(0) <= offset <= timedelta(seconds=600)
     assert offset == ontime.jitter(sid, 600)
     assert {ontime.jitter(n, 600) for n in range(1, 50)} != {offset}
-    # Sent the lead before its start (the slot plus the offset), not before the slot: a
-    # jittered burst is sent spread out as well.
-    lead = timedelta(seconds=LEAD_S)
-    sent = ontime.send_at(SLOT, sid, "task", "allow", 600, lead)
-    assert sent == (SLOT + offset - lead).replace(microsecond=0)
-    clock.set(SLOT + offset - timedelta(seconds=3))
+    # Sent the jitter (longer than the lead) before its start, on the second: never after
+    # its slot, and a jittered burst is sent spread out as its tasks start.
+    sent = ontime.send_at(SLOT, sid, "task", "allow", 600, timedelta(seconds=LEAD_S))
+    assert sent == (SLOT + offset - timedelta(seconds=600)).replace(microsecond=0) <= SLOT
+    short = ontime.send_at(SLOT, sid, "task", "allow", 2, timedelta(seconds=LEAD_S))
+    assert short == (SLOT + ontime.jitter(sid, 2) - timedelta(seconds=LEAD_S)).replace(
+        microsecond=0
+    )
+    clock.set(max(clock.now(), sent))
+    real_slot = clock.real(SLOT).timestamp()
     wait_for(lambda: len(task_rows(db, sid)) == 1)
     [(_, state, _, env, _, run_at)] = task_rows(db, sid)
     assert state == "ready"
     assert env["CAIRN_CRON_SLOT"] == "2027-01-04T12:01:00+00:00"  # the slot, not the start
-    real_slot = clock.real(SLOT).timestamp()
     assert abs(run_at - (real_slot + offset.total_seconds())) < 1.0
 
 
