@@ -236,10 +236,11 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     core = CoreClient(core_url, service, timeout=httpx.Timeout(60.0, connect=5.0))
     engine = CronEngine(db, url, settings, Sender(core, settings.cron_submit_chunk), clock)
     runner = asyncio.create_task(engine.run())
-    # The first boundary at least the lead and a margin away, so every fire can go ahead.
+    # The first boundary far enough away that every fire can go ahead: a fire is sent the
+    # lead (or its jitter, if longer) before its start.
     now = clock.now()
     first = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    if first - now < timedelta(seconds=args.lead + 5):
+    while first - now < timedelta(seconds=max(args.lead, args.jitter) + 5):
         first += timedelta(minutes=1)
     last = first + timedelta(minutes=args.rounds - 1)
     settle = timedelta(seconds=args.jitter + 10)
