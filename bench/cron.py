@@ -210,9 +210,16 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         await asyncio.to_thread(admin.create_token, url, f"bench-worker-{i}", "worker")
         for i in range(args.workers)
     ]
+    # The first boundary far enough away that every fire can go ahead (a fire is sent the
+    # lead, or its jitter if longer, before its start), and the schedules' first slot.
+    now = datetime.now(UTC)
+    first = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    while first - now < timedelta(seconds=max(args.lead, args.jitter) + 15):
+        first += timedelta(minutes=1)
+    last = first + timedelta(minutes=args.rounds - 1)
     print(f"creating {args.schedules} schedules ...", flush=True)
     began = time.perf_counter()
-    await create_schedules(url, args.schedules, datetime.now(UTC), args.jitter)
+    await create_schedules(url, args.schedules, first - timedelta(seconds=1), args.jitter)
     created_s = time.perf_counter() - began
 
     spawn = multiprocessing.get_context("spawn")
@@ -236,13 +243,6 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     core = CoreClient(core_url, service, timeout=httpx.Timeout(60.0, connect=5.0))
     engine = CronEngine(db, url, settings, Sender(core, settings.cron_submit_chunk), clock)
     runner = asyncio.create_task(engine.run())
-    # The first boundary far enough away that every fire can go ahead: a fire is sent the
-    # lead (or its jitter, if longer) before its start.
-    now = clock.now()
-    first = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    while first - now < timedelta(seconds=max(args.lead, args.jitter) + 5):
-        first += timedelta(minutes=1)
-    last = first + timedelta(minutes=args.rounds - 1)
     settle = timedelta(seconds=args.jitter + 10)
     print(f"slots {first.isoformat()} .. {last.isoformat()}", flush=True)
     try:
