@@ -519,7 +519,7 @@ async def promote_and_park(conn: AsyncConnection, limit: int, after_s: float = 0
     for query in (queries.PARK_WAITING, queries.PARK_FAILED, queries.PROMOTE_FAILED):
         moved += (await conn.execute(query, {"limit": limit})).scalar_one()
     promote = {"limit": limit, "after_s": after_s}
-    moved += (await conn.execute(queries.PROMOTE_READY, promote)).scalar_one()
+    moved += int((await conn.execute(queries.PROMOTE_READY, promote)).scalar_one())
     return moved
 
 
