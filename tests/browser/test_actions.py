@@ -138,7 +138,7 @@ def test_the_dead_set_is_retried_after_a_confirmation_with_its_count(
     assert {_state(db, t) for t in alices} == {"dead"}
     page.click("#bulk-retry")
     expect(page.locator("#confirm")).to_have_attribute("data-count", "3")
-    screenshot(page, "dead-set-confirm")
+    screenshot(page, "dead-set")
     page.click("#confirm-yes")
     expect(page.locator("#bulk-message")).to_have_text("retried 3 tasks")
     assert {_state(db, t) for t in alices} == {"waiting"}
