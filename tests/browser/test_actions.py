@@ -81,7 +81,9 @@ def test_the_queue_page_updates_without_a_reload(page: Page, system: System) -> 
     expect(page.locator("table").first).to_be_visible()
     page.evaluate("window.notReloaded = true")
     with client(system, system.core.url, "alice") as alice:
-        later = [alice.post("/v1/tasks", json=spec(queue="live-q", run_at=FAR)).json() for _ in "ab"]
+        later = [
+            alice.post("/v1/tasks", json=spec(queue="live-q", run_at=FAR)).json() for _ in "ab"
+        ]
         row = page.locator("tr[data-queue='live-q']")
         expect(row.locator("td").nth(1)).to_have_text("2")
         alice.post(f"/v1/tasks/{later[0]['id']}/cancel").raise_for_status()

@@ -163,7 +163,8 @@ async def retry_run(
         dag = await graphs.get(conn, row.workflow_id)
         nodes = await store.nodes_of(conn, [run_id], lock=True)
         again = reset_for_retry(dag, {n.name: n.state for n in nodes})
-        mapped, instances = [], []
+        mapped: list[str] = []
+        instances: list[str] = []
         if body is not None and body.instances == "failed":
             mapped, instances = failed_instances(again, nodes)
         whole = [name for name in again if name not in mapped]
