@@ -45,10 +45,14 @@ class HandWorker:
 
     def claim(self, count: int) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = []
-        while len(found) < count:
-            room = {"cpu": 4, "memory_mb": 4096, "max": count - len(found), "wait": 5}
+
+        def claimed() -> bool:
+            room = {"cpu": 4, "memory_mb": 4096, "max": count - len(found), "wait": 2}
             path = f"/v1/workers/{self.id}/claim"
-            found += self.http.post(path, json=room).raise_for_status().json()["attempts"]
+            found.extend(self.http.post(path, json=room).raise_for_status().json()["attempts"])
+            return len(found) >= count
+
+        wait_for(claimed, timeout=30)
         return found
 
     def report(self, attempt: dict[str, Any], outcome: str, **extra: Any) -> None:
@@ -215,7 +219,6 @@ def test_a_schedule_is_paused_resumed_and_triggered(
         expect(page.locator("#schedule-message")).to_contain_text("fired: submitted, task ")
         [fire] = alice.get(f"/v1/schedules/{sid}/fires").json()["items"]
         assert fire["manual"] is True and fire["task_id"] is not None
-    screenshot(page, "schedules-actions")
     task = db.execute(
         "SELECT owner, name FROM core.tasks WHERE id = %s", (fire["task_id"],)
     ).fetchone()
