@@ -723,5 +723,22 @@ def reset_for_retry(dag: graph.Dag, states: dict[str, NodeState]) -> list[str]:
     return sorted(again)
 
 
+def failed_instances(
+    again: Iterable[str], nodes: Iterable[store.NodeRow]
+) -> tuple[list[str], list[str]]:
+    """Of the mapped nodes a retry would run again whole, those with instances keep the
+    ones that succeeded: returns (mapped nodes that map no more, their instances to run
+    again). A mapped node that never expanded is left to run again whole."""
+    again = set(again)
+    mapped: set[str] = set()
+    instances = []
+    for n in nodes:
+        if n.map_of in again:
+            mapped.add(n.map_of)
+            if n.state in (N.FAILED, N.UPSTREAM_FAILED, N.CANCELLED):
+                instances.append(n.name)
+    return sorted(mapped), sorted(instances)
+
+
 def open_nodes(states: Iterable[NodeState]) -> int:
     return sum(1 for s in states if s not in NODE_FINAL)
