@@ -42,8 +42,7 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
-from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
-from libs.common.notify_models import NotificationEvent
+from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store, traces
 from services.dag.domain import data, graph, rules

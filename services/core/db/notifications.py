@@ -14,11 +14,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, NotFound
-from libs.common.models import Event
-from libs.common.notify_models import (
+from libs.common.models import (
     MAX_SUBSCRIPTIONS,
     Answer,
     Delivery,
+    Event,
     NotificationEvent,
     Subscription,
     SubscriptionCreate,
