@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
 from services.worker.settings import WorkerSettings
 from services.worker.squeeze import squeeze
+from services.worker.timings import Timings
 
 log = logging.getLogger("cairn.worker")
 
@@ -131,6 +133,7 @@ class Agent:
         self._beat = (60.0, 180.0)
         self.dead = False
         self.logs = LogShipper(client, settings)
+        self.timings = Timings(settings.worker_timings_file)
         # The turn: reports waiting to go (and in flight), starts to acknowledge, the
         # courier that sends reports alone while a claim waits for work, and when the
         # last turn that core heard was sent (it vouches for the leases: ``_vouched``).
@@ -172,6 +175,7 @@ class Agent:
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
             await self.host.close()
+            self.timings.close()
 
     async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
@@ -315,7 +319,7 @@ class Agent:
         started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
         body = Turn(reports=[o.report for o in items], started=started, claim=room)
-        worker, sent = self.worker_id, asyncio.get_running_loop().time()
+        worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         try:
             answer = await self.client.turn(worker, body)
         except NotFound as exc:
@@ -329,6 +333,7 @@ class Agent:
             return None
         if worker == self.worker_id:
             self._heard(answer.state, sent)
+        self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
         self._settle(items, {v.attempt_id: v.detail for v in answer.reports if v.status != 200})
         return answer
 
@@ -560,6 +565,7 @@ class Agent:
         attempt = assignment.attempt_id
         try:
             prepared = await self.host.prepare(assignment, self.cache)
+            self.timings.mark(attempt, "prepared")
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
         except (IsolationError, OSError) as exc:
@@ -588,14 +594,18 @@ class Agent:
             self.uids[str(attempt)] = prepared.identity.uid
         # Recorded before exec: if the agent dies from here on, the sidecar tells core
         # the attempt had started, so it counts as a crash.
+        self.timings.mark(attempt, "vouched")
         self.starting.add(attempt)
         self._publish(now=True)
+        self.timings.mark(attempt, "published")
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=False)
         finally:
             self.starting.discard(attempt)
+        self.timings.mark(attempt, "spawned")
+        self.timings.done(attempt)
         self.running[attempt] = (assignment, handle)
         self.started.add(attempt)
         self._publish()
