@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ def _steps(
 ) -> dict[str, dict[str, float]]:
     """p50/p99 (ms) of each step of created -> running, and how often the turn that
     leased a task had been sent before the task was created (a long poll woken)."""
-    gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in zip(STEPS, STEPS[1:])}
+    gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in pairwise(STEPS)}
     woken = []
     for task_id, (made, _, _) in created.items():
         if task_id not in leases or task_id not in starts:
@@ -160,7 +161,7 @@ def _steps(
         if agent is None:
             continue
         at = {"created": made, "leased": leased, **agent, "running": starts[task_id]}
-        for a, b in zip(STEPS, STEPS[1:]):
+        for a, b in pairwise(STEPS):
             gaps[f"{a}->{b}"].append((at[b] - at[a]) * 1000)
         woken.append(agent["sent"] < made)
     out = {
@@ -171,6 +172,27 @@ def _steps(
     if woken:
         out["turn_sent_before_created"] = {"share": round(sum(woken) / len(woken), 3)}
     return out
+
+
+AGENT_STEPS = ("answered", "prepared", "spawned", "exited", "released", "reported")
+
+
+def _held(
+    leases: dict[int, tuple[int, float]], timings: dict[int, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """How long the agent holds an attempt, step by step (p50/p99 ms): where its slot's
+    time goes while throughput is measured."""
+    gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in pairwise(AGENT_STEPS)}
+    for attempt_id, _ in leases.values():
+        at = timings.get(attempt_id, {})
+        for a, b in pairwise(AGENT_STEPS):
+            if a in at and b in at:
+                gaps[f"{a}->{b}"].append((at[b] - at[a]) * 1000)
+    return {
+        name: {"p50_ms": round(_pct(v, 0.5), 1), "p99_ms": round(_pct(v, 0.99), 1)}
+        for name, v in gaps.items()
+        if v
+    }
 
 
 def _wait_final(database_url: str, count: int, timeout_s: float) -> None:
@@ -305,6 +327,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "succeeded": len(ended),
                 "elapsed_s": round(max(ended) - began, 2) if ended else None,
                 "tasks_per_s": round(len(ended) / (max(ended) - began)) if ended else 0,
+                "held": _held(_leases(stack.database_url, first), _timings(timings)),
             }
             done_before += args.tasks
             base = 10**6
@@ -361,6 +384,8 @@ def main() -> None:
         f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
         f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']})"
     )
+    for step, figures in t["held"].items():
+        print(f"    {step}: {figures}")
     for key, r in results.items():
         if key.startswith("rate_"):
             print(

@@ -126,7 +126,8 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
-        self.publishing: asyncio.Handle | None = None  # a write of state.ATTEMPTS is due
+        self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
+        self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, list[str]] = {}
         self.uids: dict[str, int] = {}
@@ -176,6 +177,7 @@ class Agent:
                 await self.client.leave(self.worker_id)
             await self.host.close()
             self.timings.close()
+            self.board.close()
 
     async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
@@ -212,8 +214,10 @@ class Agent:
                 str(self.worker_id),
                 str(interval_s),
                 str(timeout_s),
+                str(self.board.fd),
             ],
             stdin=subprocess.PIPE,
+            pass_fds=(self.board.fd,),
         )
         assert sidecar.stdin is not None
         sidecar.stdin.write(json.dumps({"token": self.token, "lease": self.lease}).encode())
@@ -504,10 +508,10 @@ class Agent:
         return cpu, memory, self.settings.worker_slots - len(held)
 
     def _publish(self, now: bool = False) -> None:
-        """Tell the sidecar which attempts this agent holds (``state.ATTEMPTS``). Changes
-        of one loop iteration are written once, on the next (each write is a whole file:
-        one per change cost half the agent's time at a few hundred starts a second);
-        ``now`` writes at once, for what must be on disk before the next step."""
+        """Tell the sidecar which attempts this agent holds (``state.Board``). Changes
+        of one loop iteration are written once, on the next (each write is the whole
+        value); ``now`` writes at once, for what the sidecar must know before the next
+        step (an exec)."""
         if now:
             if self.publishing is not None:
                 self.publishing.cancel()
@@ -525,8 +529,7 @@ class Agent:
         # -1: its process is being started (the sidecar counts it as started).
         pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
         pids.update({str(a): -1 for a in self.starting})
-        state.write(
-            self.folder / state.ATTEMPTS,
+        self.board.write(
             {
                 "agent_pid": os.getpid(),
                 "attempts": pids,
@@ -557,6 +560,8 @@ class Agent:
             log.exception("attempt %s failed inside the agent", attempt)
             await self._report(attempt, Report(outcome="failed", error="the agent failed"))
         finally:
+            self.timings.mark(attempt, "reported")
+            self.timings.done(attempt)
             self.running.pop(attempt, None)
             self.squeezed.discard(attempt)
             self._publish()
@@ -577,6 +582,7 @@ class Agent:
             self.cgroups.pop(str(attempt), None)
             self.uids.pop(str(attempt), None)
             await self.host.release(prepared)
+            self.timings.mark(attempt, "released")
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
@@ -605,12 +611,12 @@ class Agent:
         finally:
             self.starting.discard(attempt)
         self.timings.mark(attempt, "spawned")
-        self.timings.done(attempt)
         self.running[attempt] = (assignment, handle)
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, spec.log_path)
         result = await handle.wait()
+        self.timings.mark(attempt, "exited")
         await self.host.stop_leftovers(prepared)
         # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
         # or a beat in between would have core declare it lost.
