@@ -174,7 +174,7 @@ def _steps(
     return out
 
 
-AGENT_STEPS = ("answered", "prepared", "spawned", "exited", "released", "reported")
+AGENT_STEPS = ("answered", "prepared", "spawned", "exited", "reported")
 
 
 def _held(

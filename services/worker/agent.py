@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from services.worker.timings import Timings
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
+IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 
 
@@ -121,6 +123,7 @@ class Agent:
         self.draining = asyncio.Event()
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.releasing: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.bridge: asyncio.Task[None] | None = None
         self.squeezed: set[int] = set()
@@ -172,6 +175,8 @@ class Agent:
                 await self._join(offer)
             await self._drain()
         finally:
+            if self.releasing:
+                await asyncio.wait(set(self.releasing), timeout=30)
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
@@ -581,8 +586,22 @@ class Agent:
         finally:
             self.cgroups.pop(str(attempt), None)
             self.uids.pop(str(attempt), None)
-            await self.host.release(prepared)
-            self.timings.mark(attempt, "released")
+            self._release(attempt, prepared)
+
+    def _release(self, attempt_id: int, prepared: Prepared) -> None:
+        """Remove the attempt's folders and hand back its slot and uid, after the report
+        is queued (its processes are already gone: ``stop_leftovers``), so neither the
+        report nor the room it frees waits for a folder to be removed."""
+
+        async def release() -> None:
+            try:
+                await self.host.release(prepared)
+            except Exception:
+                log.exception("attempt %s's folders or cgroup not released", attempt_id)
+
+        task = asyncio.create_task(release())
+        self.releasing.add(task)
+        task.add_done_callback(self.releasing.discard)
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
@@ -696,6 +715,10 @@ def main(argv: list[str] | None = None) -> None:
         log.info("isolation: %s", note)
 
     async def run() -> None:
+        # Folders, copies and removals of many attempts at once, each blocked on the disk
+        # rather than the CPU: more threads than the default's cores + 4.
+        io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="cairn-io")
+        asyncio.get_running_loop().set_default_executor(io)
         async with CoreClient(settings.url, token) as client:
             await Agent(settings, client, token, host).run()
 
