@@ -510,7 +510,9 @@ class Agent:
         held = [self._held(a) for i, (a, _) in self.running.items() if i not in ended]
         cpu = self.settings.worker_cpu - sum(c for c, _ in held)
         memory = int(self.settings.worker_memory_mb - sum(m for _, m in held))
-        return cpu, memory, self.settings.worker_slots - len(held)
+        # One still being released holds its slot (its uid, its pooled cgroup) a little
+        # longer: releases never pile up behind a burst.
+        return cpu, memory, self.settings.worker_slots - len(held) - len(self.releasing)
 
     def _publish(self, now: bool = False) -> None:
         """Tell the sidecar which attempts this agent holds (``state.Board``). Changes
@@ -601,7 +603,11 @@ class Agent:
 
         task = asyncio.create_task(release())
         self.releasing.add(task)
-        task.add_done_callback(self.releasing.discard)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        self.releasing.discard(task)
+        self.reported.set()  # room again: a main loop waiting for room looks again
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
