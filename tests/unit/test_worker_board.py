@@ -42,7 +42,7 @@ def test_another_process_reads_what_was_written_through_the_inherited_descriptor
             "import json, sys; from services.worker.state import Board; "
             "print(json.dumps(Board(int(sys.argv[1])).read()))"
         )
-        out = subprocess.run(  # noqa: S603 - our own interpreter
+        out = subprocess.run(
             [sys.executable, "-c", code, str(board.fd)],
             pass_fds=(board.fd,),
             capture_output=True,
