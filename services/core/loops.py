@@ -177,8 +177,15 @@ async def reap_once(
 
 
 def start(
-    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings, meter: CoreMetrics
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    meter: CoreMetrics,
+    liveness: AsyncEngine | None = None,
 ) -> list[asyncio.Task[None]]:
+    """Core's loops. The reaper runs on ``liveness`` (the heartbeats' own pool, else
+    ``engine``): what it hears of the database is what the heartbeats meet."""
+    reaping = liveness or engine
     reap_every = min(5.0, max(0.1, settings.heartbeat_timeout_s / 4))
     # A reaper turn that misses this long means core could not hear for a while.
     hearing = Hearing(gap_s=max(settings.heartbeat_interval_s, 3 * reap_every))
@@ -190,7 +197,7 @@ def start(
             every(
                 reap_every,
                 "reaper",
-                lambda: reap_once(engine, notifier, settings, hearing, meter),
+                lambda: reap_once(reaping, notifier, settings, hearing, meter),
             ),
             name="cairn-reaper",
         ),
