@@ -94,15 +94,18 @@ class LeaseCache:
     change, so a hit proves what a read would; only digests are kept. An entry lasts
     ``ttl_s`` (0: no caching); a wrong lease is never cached and always reads the row."""
 
-    def __init__(self, ttl_s: float, size: int = 10_000) -> None:
+    def __init__(
+        self, ttl_s: float, size: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl_s = ttl_s
         self.size = size
+        self.clock = clock
         self._entries: dict[int, tuple[float, str, str]] = {}
 
     def principal_of(self, worker_id: int, lease: str | None) -> str | None:
         """Who registered the worker, if ``lease`` is the one checked for it lately."""
         entry = self._entries.get(worker_id)
-        if entry is None or not lease or entry[0] < time.monotonic():
+        if entry is None or not lease or entry[0] < self.clock():
             return None
         if not hmac.compare_digest(entry[1], dispatch.lease_digest(lease)):
             return None
@@ -114,7 +117,7 @@ class LeaseCache:
         if len(self._entries) >= self.size:
             self._entries.clear()
         digest = dispatch.lease_digest(lease)
-        self._entries[worker_id] = (time.monotonic() + self.ttl_s, digest, principal)
+        self._entries[worker_id] = (self.clock() + self.ttl_s, digest, principal)
 
 
 async def current_principal(
