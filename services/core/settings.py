@@ -27,6 +27,9 @@ class CoreSettings(CairnSettings):
     #: how long a worker's checked lease secret is trusted without reading its row again
     lease_cache_s: float = Field(default=60.0, ge=0)
     migrate_on_start: bool = True
+    #: uvicorn worker processes serving core's port, each with its own pools and loops
+    #: (replicas on one host); 1: one process
+    core_workers: int = Field(default=1, ge=1, le=32)
 
     # placement (see docs/placement.md)
     overcommit_ratio: float = Field(default=1.0, ge=1, le=10)
