@@ -2,12 +2,12 @@
 endpoint in the same run, and ``POST /v1/tasks/batch`` on its own.
 
     .venv/bin/python bench/submit.py [--duration 10] [--concurrency 32] [--batch-size 1000]
-                                     [--rounds 3] [--json results.json]
+                                     [--rounds 3] [--core-workers 1] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings unless ``--fast``) in a temp
 folder, migrates it, creates a token, and starts two servers as their own processes, each
-one uvicorn process with uvloop and httptools: core (``python -m services.core``) and the
-bare app (``bench/bare_app.py``: its own table in the same database). A load generator,
+one uvicorn process with uvloop and httptools (core: ``--core-workers`` of them): core
+(``python -m services.core``) and the bare app (``bench/bare_app.py``: its own table in the same database). A load generator,
 a separate process speaking raw HTTP/1.1 over keep-alive connections, drives one target
 at a time for a warm-up and then a fixed measured window. Single-submit rounds alternate
 bare and cairn (bare first in even rounds, cairn first in odd ones) and the medians are
