@@ -197,8 +197,15 @@ async def reap_once(
 
 
 def start(
-    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings, meter: CoreMetrics
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    meter: CoreMetrics,
+    liveness: AsyncEngine | None = None,
 ) -> list[asyncio.Task[None]]:
+    """Core's loops. The reaper runs on ``liveness`` (the heartbeats' own pool, else
+    ``engine``): what it hears of the database is what the heartbeats meet."""
+    reaping = liveness or engine
     reap_every = reap_period(settings)
     hearing = Hearing.of(settings)
     return [
@@ -209,7 +216,7 @@ def start(
             every(
                 reap_every,
                 "reaper",
-                lambda: reap_once(engine, notifier, settings, hearing, meter),
+                lambda: reap_once(reaping, notifier, settings, hearing, meter),
             ),
             name="cairn-reaper",
         ),
