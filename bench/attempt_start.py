@@ -7,7 +7,12 @@ attempt (``preexec_fn``, a fresh cgroup each, ``/bin/sh`` to clean up a uid) and
 is the fast path (the resident spawn helper, pooled cgroups on v1). Rounds alternate
 between the two, so load on the shared machine hits both alike.
 
-Run as root:  .venv/bin/python bench/attempt_start.py [-n 200] [--rounds 2]
+Run as root:  .venv/bin/python bench/attempt_start.py [-n 200] [--rounds 2] [--cpu 0.5]
+                   [--shell]
+
+``--cpu`` is what each attempt asks (its cgroup's CPU quota); ``--shell`` runs
+``/bin/bash -c true`` instead of ``/bin/true``: a start that needs a few milliseconds of
+CPU, which a small quota throttles.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.models import Artifact, Assignment, Resources
@@ -30,22 +36,39 @@ from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 
 TRUE = Path("/bin/true")
-SHA = hashlib.sha256(TRUE.read_bytes()).hexdigest()
+BASH = Path("/bin/bash")
+
+
+@dataclass
+class Program:
+    """What every attempt runs, and the CPU it asks."""
+
+    path: Path = TRUE
+    args: tuple[str, ...] = ()
+    cpu: float = 0.5
+
+
+PROGRAM = Program()
 DETECT = Cgroups.detect
 
 
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _assignment(attempt_id: int) -> Assignment:
+    path = PROGRAM.path
     return Assignment(
         attempt_id=attempt_id,
         attempt_number=1,
         task_id=attempt_id,
         kind="task",
-        artifact=Artifact(uri=f"file://{TRUE}", sha256=SHA),
-        args=[],
+        artifact=Artifact(uri=f"file://{path}", sha256=_sha(path)),
+        args=list(PROGRAM.args),
         env={},
         input_path=None,
         output_path=None,
-        resources=Resources(cpu=0.5, memory_mb=64),
+        resources=Resources(cpu=PROGRAM.cpu, memory_mb=64),
         timeout_s=None,
     )
 
@@ -103,7 +126,10 @@ CASES = [
 async def main(n: int, rounds: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="cairn-bench-", dir="/var/tmp"))
     root.chmod(0o711)
-    print(f"load average {os.getloadavg()[0]:.2f} at start; n={n} per case and round")
+    print(
+        f"load average {os.getloadavg()[0]:.2f} at start; n={n} per case and round; "
+        f"{PROGRAM.path} {' '.join(PROGRAM.args)} asking {PROGRAM.cpu} CPU"
+    )
     cases = CASES if os.geteuid() == 0 else CASES[:1]
     samples: dict[tuple[str, bool], tuple[list[float], list[float]]] = {}
     try:
@@ -133,5 +159,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-n", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cpu", type=float, default=0.5)
+    parser.add_argument("--shell", action="store_true")
     args = parser.parse_args()
+    PROGRAM.cpu = args.cpu
+    if args.shell:
+        PROGRAM.path, PROGRAM.args = BASH, ("-c", "true")
     asyncio.run(main(args.n, args.rounds))

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ def _spec(artifact: dict[str, str], records: Path, i: int) -> dict[str, Any]:
     }
 
 
-def _start_agent(core_url: str, token: str, home: Path, slots: int) -> subprocess.Popen[bytes]:
+def _start_agent(
+    core_url: str, token: str, home: Path, slots: int, timings: Path
+) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "CAIRN_URL": core_url,
@@ -90,6 +93,7 @@ def _start_agent(core_url: str, token: str, home: Path, slots: int) -> subproces
         "CAIRN_WORKER_MEMORY_MB": str(slots * 16 + 64),
         "CAIRN_LOG_LEVEL": "warning",
         "CAIRN_WORKER_DRAIN_GRACE_S": "2",
+        "CAIRN_WORKER_TIMINGS_FILE": str(timings),
     }
     env.pop("CAIRN_DATABASE_URL", None)
     return subprocess.Popen([sys.executable, "-m", worker_module()], env=env)
@@ -112,6 +116,83 @@ def _created(database_url: str, first_id: int) -> dict[int, tuple[float, float |
             (first_id,),
         ).fetchall()
     return {int(r[0]): (float(r[1]), float(r[2]) if r[2] is not None else None, r[3]) for r in rows}
+
+
+def _leases(database_url: str, first_id: int) -> dict[int, tuple[int, float]]:
+    """task id -> (its first attempt's id, when core leased it)."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute(
+            "SELECT DISTINCT ON (task_id) task_id, id, EXTRACT(EPOCH FROM started_at)"
+            " FROM core.attempts WHERE task_id >= %s ORDER BY task_id, id",
+            (first_id,),
+        ).fetchall()
+    return {int(r[0]): (int(r[1]), float(r[2])) for r in rows}
+
+
+def _timings(path: Path) -> dict[int, dict[str, float]]:
+    """The agent's step times per attempt (``services/worker/timings.py``)."""
+    if not path.exists():
+        return {}
+    found = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        found[int(entry.pop("attempt_id"))] = entry
+    return found
+
+
+STEPS = ("created", "leased", "answered", "prepared", "vouched", "published", "spawned", "running")
+
+
+def _steps(
+    created: dict[int, tuple[float, float | None, str]],
+    leases: dict[int, tuple[int, float]],
+    timings: dict[int, dict[str, float]],
+    starts: dict[int, float],
+) -> dict[str, dict[str, float]]:
+    """p50/p99 (ms) of each step of created -> running, and how often the turn that
+    leased a task had been sent before the task was created (a long poll woken)."""
+    gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in pairwise(STEPS)}
+    woken = []
+    for task_id, (made, _, _) in created.items():
+        if task_id not in leases or task_id not in starts:
+            continue
+        attempt_id, leased = leases[task_id]
+        agent = timings.get(attempt_id)
+        if agent is None:
+            continue
+        at = {"created": made, "leased": leased, **agent, "running": starts[task_id]}
+        for a, b in pairwise(STEPS):
+            gaps[f"{a}->{b}"].append((at[b] - at[a]) * 1000)
+        woken.append(agent["sent"] < made)
+    out = {
+        name: {"p50_ms": round(_pct(v, 0.5), 1), "p99_ms": round(_pct(v, 0.99), 1)}
+        for name, v in gaps.items()
+        if v
+    }
+    if woken:
+        out["turn_sent_before_created"] = {"share": round(sum(woken) / len(woken), 3)}
+    return out
+
+
+AGENT_STEPS = ("answered", "prepared", "spawned", "exited", "reported")
+
+
+def _held(
+    leases: dict[int, tuple[int, float]], timings: dict[int, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """How long the agent holds an attempt, step by step (p50/p99 ms): where its slot's
+    time goes while throughput is measured."""
+    gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in pairwise(AGENT_STEPS)}
+    for attempt_id, _ in leases.values():
+        at = timings.get(attempt_id, {})
+        for a, b in pairwise(AGENT_STEPS):
+            if a in at and b in at:
+                gaps[f"{a}->{b}"].append((at[b] - at[a]) * 1000)
+    return {
+        name: {"p50_ms": round(_pct(v, 0.5), 1), "p99_ms": round(_pct(v, 0.99), 1)}
+        for name, v in gaps.items()
+        if v
+    }
 
 
 def _wait_final(database_url: str, count: int, timeout_s: float) -> None:
@@ -224,7 +305,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         worker = await asyncio.to_thread(
             admin.create_token, stack.database_url, "bench-worker", "worker"
         )
-        agent = _start_agent(stack.core_url, worker, stack.root / "worker-home", args.slots)
+        timings = stack.root / "timings.jsonl"
+        agent = _start_agent(
+            stack.core_url, worker, stack.root / "worker-home", args.slots, timings
+        )
         results: dict[str, Any] = {"slots": args.slots, "worker_module": worker_module()}
         try:
             # Warm-up: the artifact fetched and cached, the agent registered.
@@ -243,6 +327,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "succeeded": len(ended),
                 "elapsed_s": round(max(ended) - began, 2) if ended else None,
                 "tasks_per_s": round(len(ended) / (max(ended) - began)) if ended else 0,
+                "held": _held(_leases(stack.database_url, first), _timings(timings)),
             }
             done_before += args.tasks
             base = 10**6
@@ -263,6 +348,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p50_ms": round(_pct(lat, 0.5), 1) if lat else None,
                     "p99_ms": round(_pct(lat, 0.99), 1) if lat else None,
                     "max_ms": round(max(lat), 1) if lat else None,
+                    "steps": _steps(
+                        created, _leases(stack.database_url, first), _timings(timings), starts
+                    ),
                 }
                 base += 10**6
         finally:
@@ -296,12 +384,16 @@ def main() -> None:
         f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
         f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']})"
     )
+    for step, figures in t["held"].items():
+        print(f"    {step}: {figures}")
     for key, r in results.items():
         if key.startswith("rate_"):
             print(
                 f"steady {r['rate']:g}/s: {r['accepted']} accepted, {r['started']} started; "
                 f"created -> running p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms"
             )
+            for step, figures in r["steps"].items():
+                print(f"    {step}: {figures}")
 
 
 if __name__ == "__main__":

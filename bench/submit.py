@@ -2,12 +2,12 @@
 endpoint in the same run, and ``POST /v1/tasks/batch`` on its own.
 
     .venv/bin/python bench/submit.py [--duration 10] [--concurrency 32] [--batch-size 1000]
-                                     [--rounds 3] [--json results.json]
+                                     [--rounds 3] [--core-workers 1] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings unless ``--fast``) in a temp
 folder, migrates it, creates a token, and starts two servers as their own processes, each
-one uvicorn process with uvloop and httptools: core (``python -m services.core``) and the
-bare app (``bench/bare_app.py``: its own table in the same database). A load generator,
+one uvicorn process with uvloop and httptools (core: ``--core-workers`` of them): core
+(``python -m services.core``) and the bare app (``bench/bare_app.py``: its own table in the same database). A load generator,
 a separate process speaking raw HTTP/1.1 over keep-alive connections, drives one target
 at a time for a warm-up and then a fixed measured window. Single-submit rounds alternate
 bare and cairn (bare first in even rounds, cairn first in odd ones) and the medians are
@@ -415,6 +415,7 @@ class Bench:
                 "CAIRN_MIGRATE_ON_START": "false",
                 "CAIRN_HOME": str(self.work / "home"),
                 "CAIRN_LOG_LEVEL": "warning",
+                "CAIRN_CORE_WORKERS": str(self.args.core_workers),
             },
         )
         self.bare = subprocess.Popen(
@@ -462,7 +463,11 @@ class Bench:
         cfg_path = self.work / f"load-{name}.json"
         cfg_path.write_text(json.dumps(cfg))
         meter = CpuMeter(
-            {"server": lambda: [server.pid], "postgres": self._postgres_pids}, self._sessions
+            {
+                "server": lambda: [server.pid, *_children(server.pid)],
+                "postgres": self._postgres_pids,
+            },
+            self._sessions,
         )
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--loadgen", str(cfg_path)],
@@ -607,6 +612,7 @@ def _results(bench: Bench, started: dt.datetime, background: float) -> dict[str,
             "batch_size": args.batch_size,
             "batch_concurrency": args.batch_concurrency,
             "bare_table": args.bare_table,
+            "core_workers": args.core_workers,
             "core_pool": "core's defaults: SQLAlchemy pool_size 10, max_overflow 10",
             "bare_pool": "psycopg_pool min_size 10, max_size 20",
         },
@@ -646,6 +652,12 @@ def parse_args() -> argparse.Namespace:
         "--fast",
         action="store_true",
         help="PostgreSQL with fsync, synchronous_commit, full_page_writes off",
+    )
+    p.add_argument(
+        "--core-workers",
+        type=int,
+        default=1,
+        help="core's uvicorn worker processes (CAIRN_CORE_WORKERS; the bare app keeps one) (1)",
     )
     p.add_argument("--skip-single", action="store_true", help="only the batch rounds")
     p.add_argument("--skip-batch", action="store_true", help="only the single-submit rounds")
@@ -713,7 +725,8 @@ def report(res: dict[str, Any]) -> None:
     print(
         f"load: {s['concurrency']} connections (batch: {s['batch_concurrency']} x "
         f"{s['batch_size']} tasks), {s['warmup_s']:g} s warm-up + {s['duration_s']:g} s "
-        f"measured, {s['rounds']} rounds, medians; bare table: {s['bare_table']}"
+        f"measured, {s['rounds']} rounds, medians; bare table: {s['bare_table']}; "
+        f"core workers: {s['core_workers']}"
     )
     print(
         "the load generator, both servers and PostgreSQL share these cores; other load "

@@ -264,9 +264,35 @@ def _on_run(name: str, method: str, doc: str) -> None:
 
 
 _on_run("cancel", "cancel_run", "Cancel a run; its running node tasks are cancelled in core.")
-_on_run(
-    "retry", "retry_run", "Run a failed or cancelled run again from the nodes that did not succeed."
-)
+
+
+@app.command("retry")
+def retry(
+    ctx: typer.Context,
+    run_id: int,
+    failed_instances: Annotated[
+        bool,
+        typer.Option(
+            "--failed-instances",
+            help="a failed mapped node keeps the instances that succeeded, runs the rest again",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Run a failed or cancelled run again from the nodes that did not succeed."""
+
+    async def go() -> Run:
+        async with _client(ctx) as dag:
+            return await dag.retry_run(run_id, failed_instances=failed_instances)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        again = sorted(n.name for n in found.nodes if n.state in ("pending", "ready"))
+        output.console.print(
+            f"run {found.id} {output.state(found.state)}: again {', '.join(again) or '-'}"
+        )
 
 
 @app.command("graph")

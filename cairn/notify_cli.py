@@ -8,7 +8,7 @@ import typer
 
 from cairn import output
 from cairn.tasks_cli import JsonFlag, ctx_of, validated
-from libs.common.notify_models import Subscription, SubscriptionCreate
+from libs.common.models import Subscription, SubscriptionCreate
 
 app = typer.Typer(
     help="Webhook notifications: add, ls, rm, test, enable, log.", no_args_is_help=True

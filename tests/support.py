@@ -31,6 +31,8 @@ from services.dag import migrate as dag_migrate
 MIGRATIONS = [core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade]
 
 TRUE_SHA = hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest()
+SH = Path("/bin/sh")
+SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 
 
 def free_port() -> int:
@@ -52,6 +54,12 @@ def spec(**overrides: Any) -> dict[str, Any]:
     }
     body.update(overrides)
     return body
+
+
+def shell_spec(script: str, **overrides: Any) -> dict[str, Any]:
+    """A submission that runs ``sh -c script``, with ``overrides`` applied."""
+    artifact = {"uri": f"file://{SH}", "sha256": SH_SHA}
+    return spec(**{"name": "sh", "artifact": artifact, "args": ["-c", script], **overrides})
 
 
 @dataclass
@@ -215,6 +223,25 @@ def spawn_worker(
         **env,
     }
     return subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)
+
+
+class Workers:
+    """The worker agents one test starts (:func:`spawn_worker`), SIGKILLed and reaped by
+    :meth:`stop_all` (the ``workers`` fixture calls it when the test ends)."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self, core: Core, home: Path, name: str, cpu: float = 4, memory_mb: int = 8192, **env: str
+    ) -> subprocess.Popen[bytes]:
+        proc = spawn_worker(core, home, name, cpu=cpu, memory_mb=memory_mb, **env)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            stop_process(proc, signal.SIGKILL)
 
 
 def register_worker(http: httpx.Client, offer: dict[str, Any]) -> int:

@@ -17,6 +17,8 @@ from libs.common import tracing
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
     WORKER_LEASE_HEADER,
+    Answer,
+    AnswerList,
     Assignment,
     Attempt,
     AttemptList,
@@ -27,6 +29,8 @@ from libs.common.models import (
     BulkResult,
     ClaimAnswer,
     ClaimRequest,
+    Delivery,
+    DeliveryList,
     Event,
     EventList,
     EventPage,
@@ -37,6 +41,7 @@ from libs.common.models import (
     LogBatchAnswer,
     LogEnd,
     LogPiece,
+    NotificationEvent,
     OwnerList,
     OwnerUsage,
     QueueInfo,
@@ -48,6 +53,10 @@ from libs.common.models import (
     SecretList,
     SecretUpdate,
     ShareSettings,
+    Subscription,
+    SubscriptionCreate,
+    SubscriptionCreated,
+    SubscriptionList,
     Task,
     TaskBatchCreate,
     TaskCreate,
@@ -68,17 +77,6 @@ from libs.common.models import (
     WorkerList,
     WorkerRegister,
     WorkerRegistered,
-)
-from libs.common.notify_models import (
-    Answer,
-    AnswerList,
-    Delivery,
-    DeliveryList,
-    NotificationEvent,
-    Subscription,
-    SubscriptionCreate,
-    SubscriptionCreated,
-    SubscriptionList,
 )
 from libs.common.states import TaskState
 

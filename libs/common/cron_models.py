@@ -112,9 +112,11 @@ class ScheduleCreate(_Input):
 
 
 class ScheduleUpdate(_Input):
-    """A change to a schedule: only the fields given change."""
+    """A change to a schedule: only the fields given change. ``team`` moves it to a team
+    of its owner's, or with null back to the owner alone (the owner's call only)."""
 
     name: Name | None = None
+    team: TeamName | None = None
     expression: Expression | None = None
     timezone: ZoneName | None = None
     target: Target | None = None

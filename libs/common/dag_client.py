@@ -16,6 +16,7 @@ from libs.common.dag_models import (
     RunCreate,
     RunFire,
     RunList,
+    RunRetry,
     RunState,
     Workflow,
     WorkflowCreate,
@@ -103,9 +104,13 @@ class DagClient(ApiClient):
         response = await self._call("POST", f"/v1/runs/{run_id}/cancel")
         return Run.model_validate_json(response.content)
 
-    async def retry_run(self, run_id: int) -> Run:
-        """Run a failed or cancelled run again from the nodes that did not succeed."""
-        response = await self._call("POST", f"/v1/runs/{run_id}/retry")
+    async def retry_run(self, run_id: int, *, failed_instances: bool = False) -> Run:
+        """Run a failed or cancelled run again from the nodes that did not succeed; with
+        ``failed_instances``, a failed mapped node runs only its failed instances again."""
+        body = RunRetry(instances="failed" if failed_instances else "all")
+        response = await self._call(
+            "POST", f"/v1/runs/{run_id}/retry", content=body.model_dump_json()
+        )
         return Run.model_validate_json(response.content)
 
     async def clear_run(self, run_id: int, node: str, *, downstream: bool = True) -> Run:

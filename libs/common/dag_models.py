@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -311,6 +311,14 @@ class RunClear(_Input):
 
     node: NodeName
     downstream: bool = True
+
+
+class RunRetry(_Input):
+    """How a retry runs a mapped node that failed again: ``all`` maps it again whole
+    (every instance with the next try); ``failed`` keeps the instances that succeeded,
+    with their outputs, and runs only the others again."""
+
+    instances: Literal["all", "failed"] = "all"
 
 
 class Node(_Output):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,9 +28,13 @@ def main(
     argv: list[str] | None = None,
     graceful_s: int = 5,
     freeze: bool = False,
+    factory: str | None = None,
 ) -> None:
     """Run the service ``name`` (``core``, ``cron``, ``dag``): ``--port`` and ``--host``
-    override ``CAIRN_<NAME>_PORT`` and ``CAIRN_BIND_HOST``."""
+    override ``CAIRN_<NAME>_PORT`` and ``CAIRN_BIND_HOST``. With ``factory`` (the import
+    string of a ``from_environment`` built on ``app_from_environment``) and a setting
+    ``<name>_workers`` above 1, that many worker processes serve the port, each with its
+    own app, pools and loops, as replicas do."""
     parser = argparse.ArgumentParser(prog=f"cairn {name}", description=description)
     parser.add_argument("--port", type=int, help=f"listening port (CAIRN_{name.upper()}_PORT)")
     parser.add_argument("--host", help="listening address (CAIRN_BIND_HOST)")
@@ -44,21 +49,46 @@ def main(
     url = database_url(settings.home, settings.database_url)
     if getattr(settings, "migrate_on_start", True):
         upgrade(url)
+    workers = int(getattr(settings, f"{name}_workers", 1))
+    options: dict[str, Any] = {
+        "host": settings.bind_host,
+        "port": getattr(settings, port_field),
+        "log_level": settings.log_level,
+        "log_config": None,  # uvicorn logs through the root handler: JSON like the rest
+        "access_log": False,
+        "loop": "uvloop",
+        "http": "httptools",
+        "timeout_graceful_shutdown": graceful_s,
+    }
+    if factory is not None and workers > 1:
+        # Each worker process builds its app from the environment: say what was decided.
+        os.environ[f"CAIRN_{name.upper()}_PORT"] = str(options["port"])
+        os.environ["CAIRN_BIND_HOST"] = settings.bind_host
+        os.environ["CAIRN_DATABASE_URL"] = url
+        uvicorn.run(factory, factory=True, workers=workers, **options)
+        return
     app = create_app(settings, url)
     if freeze:
-        # Requests allocate many short-lived objects: collect the young generation far
-        # less often, and keep what start-up built out of every collection.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 100)
-    uvicorn.run(
-        app,
-        host=settings.bind_host,
-        port=getattr(settings, port_field),
-        log_level=settings.log_level,
-        log_config=None,  # uvicorn logs through the root handler: JSON like the rest
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        timeout_graceful_shutdown=graceful_s,
-    )
+        _freeze()
+    uvicorn.run(app, **options)
+
+
+def app_from_environment(
+    name: str, settings_class: type[S], create_app: Callable[[S, str], Any], freeze: bool
+) -> Any:
+    """A worker process's app, from the environment ``main`` set (migrated already)."""
+    settings = settings_class()
+    logs.setup(name, settings.log_level)
+    tracing.setup(name)
+    app = create_app(settings, database_url(settings.home, settings.database_url))
+    if freeze:
+        _freeze()
+    return app
+
+
+def _freeze() -> None:
+    # Requests allocate many short-lived objects: collect the young generation far less
+    # often, and keep what start-up built out of every collection.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)

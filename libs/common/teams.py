@@ -20,6 +20,15 @@ def check_member(caller: Caller, team: str | None, field: str) -> None:
         raise _field_error(Forbidden, field, f"you are not a member of team {team}")
 
 
+def check_team_change(caller: Caller, owner: str, team: str | None, field: str) -> None:
+    """Only its owner moves work to a team or takes it back (403 naming ``field``), and
+    only to a team the owner belongs to: core submits its tasks for the owner's team."""
+    if caller.name != owner:
+        reason = f"only its owner, {owner}, may give it to a team or take it back"
+        raise _field_error(Forbidden, field, reason)
+    check_member(caller, team, field)
+
+
 def bound_to_team(task: TaskCreate, team: str, field: str) -> TaskCreate:
     """``task`` as a team's schedule or workflow submits it: owned by ``team`` too (a
     different ``team`` is a 422 naming ``field.team``), and with no secret but the team's

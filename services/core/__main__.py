@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from libs.common import serve
 from services.core import migrate
 from services.core.app import create_app
 from services.core.settings import CoreSettings
+
+
+def from_environment() -> Any:
+    """A worker process's app when ``CAIRN_CORE_WORKERS`` is above 1."""
+    return serve.app_from_environment("core", CoreSettings, create_app, freeze=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
         argv=argv,
         graceful_s=5,
         freeze=True,
+        factory="services.core.__main__:from_environment",
     )
 
 

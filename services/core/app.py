@@ -26,7 +26,7 @@ from services.core.api import (
     workers,
 )
 from services.core.api import sharing as sharing_api
-from services.core.deps import TokenCache
+from services.core.deps import LeaseCache, TokenCache
 from services.core.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
@@ -58,9 +58,17 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             max_overflow=0,
             pool_timeout=10,
         )
+        liveness = create_async_engine(
+            database_url,
+            pool_size=settings.liveness_pool_size,
+            max_overflow=0,
+            pool_timeout=10,
+        )
         notifier = Notifier(database_url)
         notifier.start()
         app.state.engine = engine
+        app.state.liveness_engine = liveness
+        app.state.leases = LeaseCache(settings.lease_cache_s)
         app.state.settings = settings
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
@@ -69,7 +77,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
-        background = loops.start(engine, notifier, settings, meter)
+        background = loops.start(engine, notifier, settings, meter, liveness)
         background += loops.log_loops(
             engine,
             app.state.log_objects,
@@ -89,6 +97,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
                     await task
             await notifier.stop()
             await engine.dispose()
+            await liveness.dispose()
             if app.state.log_objects is not None:
                 app.state.log_objects.close()
 

@@ -4,6 +4,7 @@ another owner's task is a 404 exactly like a missing one); ``Audit`` records an 
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core import store
+from services.core.db import dispatch
 from services.core.feed import Notifier
 from services.core.identity import audit, tokens
 from services.core.identity.crypto import SecretBox
@@ -31,8 +33,16 @@ TaskIdPath = Annotated[int, Path(ge=1, le=2**63 - 1, description="The task's id.
 
 
 async def get_engine(request: Request) -> AsyncEngine:
-    engine: AsyncEngine = request.app.state.engine
+    """The data path's pool, or the liveness pool on a route that asks for it."""
+    engine: AsyncEngine = getattr(request.state, "engine", None) or request.app.state.engine
     return engine
+
+
+async def on_liveness_pool(request: Request) -> None:
+    """A route dependency (``dependencies=[...]``, solved before the others): this
+    request's queries, its caller's authentication included, use the small pool of its
+    own that the data path's load cannot exhaust (``CAIRN_LIVENESS_POOL_SIZE``)."""
+    request.state.engine = request.app.state.liveness_engine
 
 
 async def get_notifier(request: Request) -> Notifier:
@@ -76,6 +86,38 @@ class TokenCache:
         """Forget the token with this id (revoked through this replica)."""
         for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
             del self._entries[key]
+
+
+class LeaseCache:
+    """Worker lease secrets this replica has checked, so a worker's every request does
+    not read its row again. A worker's lease and the principal that registered it never
+    change, so a hit proves what a read would; only digests are kept. An entry lasts
+    ``ttl_s`` (0: no caching); a wrong lease is never cached and always reads the row."""
+
+    def __init__(
+        self, ttl_s: float, size: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self.clock = clock
+        self._entries: dict[int, tuple[float, str, str]] = {}
+
+    def principal_of(self, worker_id: int, lease: str | None) -> str | None:
+        """Who registered the worker, if ``lease`` is the one checked for it lately."""
+        entry = self._entries.get(worker_id)
+        if entry is None or not lease or entry[0] < self.clock():
+            return None
+        if not hmac.compare_digest(entry[1], dispatch.lease_digest(lease)):
+            return None
+        return entry[2]
+
+    def put(self, worker_id: int, lease: str | None, principal: str) -> None:
+        if self.ttl_s <= 0 or not lease:
+            return
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        digest = dispatch.lease_digest(lease)
+        self._entries[worker_id] = (self.clock() + self.ttl_s, digest, principal)
 
 
 async def current_principal(

@@ -157,6 +157,22 @@ async def place_once(engine: AsyncEngine, notifier: Notifier, defaults: placemen
     return changed
 
 
+def reap_period(settings: CoreSettings) -> float:
+    """How often the reaper turns: a quarter of the heartbeat timeout, within 0.1 to 5 s."""
+    return min(5.0, max(0.1, settings.heartbeat_timeout_s / 4))
+
+
+def hearing_gap(settings: CoreSettings) -> float:
+    """The longest break between the reaper's answers from the database that still counts
+    as hearing (docs/faults.md). A deafness of ``d`` hides a healthy worker's beats for up
+    to ``d`` plus an interval, so past ``timeout - interval`` it could bury a healthy
+    worker and must restart the count; half the timeout stays below that with room for
+    slow beats. The floor is three reaper turns: below it, a loaded machine's slow turns
+    would restart the count over and over, excusing real deaths and delaying them."""
+    timeout, interval = settings.heartbeat_timeout_s, settings.heartbeat_interval_s
+    return max(3 * reap_period(settings), min(timeout / 2, timeout - interval))
+
+
 class Hearing:
     """How long this replica has been able to hear its workers: since when its reaper has
     reached the database at least every ``gap_s``. A replica that just started, or whose
@@ -167,6 +183,10 @@ class Hearing:
         self.clock = clock
         self.since: float | None = None
         self.last: float | None = None
+
+    @classmethod
+    def of(cls, settings: CoreSettings, clock: Callable[[], float] = time.monotonic) -> Hearing:
+        return cls(hearing_gap(settings), clock)
 
     def heard(self) -> float:
         """Record that the database answered now; return how long hearing has lasted."""
@@ -188,11 +208,17 @@ async def reap_once(
 
 
 def start(
-    engine: AsyncEngine, notifier: Notifier, settings: CoreSettings, meter: CoreMetrics
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    meter: CoreMetrics,
+    liveness: AsyncEngine | None = None,
 ) -> list[asyncio.Task[None]]:
-    reap_every = min(5.0, max(0.1, settings.heartbeat_timeout_s / 4))
-    # A reaper turn that misses this long means core could not hear for a while.
-    hearing = Hearing(gap_s=max(settings.heartbeat_interval_s, 3 * reap_every))
+    """Core's loops. The reaper runs on ``liveness`` (the heartbeats' own pool, else
+    ``engine``): what it hears of the database is what the heartbeats meet."""
+    reaping = liveness or engine
+    reap_every = reap_period(settings)
+    hearing = Hearing.of(settings)
     return [
         asyncio.create_task(
             Promoter(engine, notifier, settings.promote_interval_s, settings.promote_after_s).run(),
@@ -202,7 +228,7 @@ def start(
             every(
                 reap_every,
                 "reaper",
-                lambda: reap_once(engine, notifier, settings, hearing, meter),
+                lambda: reap_once(reaping, notifier, settings, hearing, meter),
             ),
             name="cairn-reaper",
         ),

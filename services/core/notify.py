@@ -12,6 +12,7 @@ import httpx
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from libs.common.states import TaskState
 from services.core import store
 from services.core.db import notifications
 from services.core.domain import notify
@@ -31,7 +32,10 @@ async def match_once(engine: AsyncEngine, limit: int) -> int:
         if not await conn.scalar(notifications.MATCHER_LOCK):
             return 0
         at = await notifications.cursor(conn, "matcher")
-        events, after = await store.read_feed(conn, (at.feed_xid, at.feed_id), limit, None)
+        cursor = (at.feed_xid, at.feed_id)
+        # Only deaths become deliveries from the feed (the other events are posted or
+        # scanned), so only they are read.
+        events, after = await store.read_feed(conn, cursor, limit, None, TaskState.DEAD)
         await notifications.queue_dead(conn, events)
         if after != (at.feed_xid, at.feed_id):
             await notifications.move_cursor(conn, "matcher", feed_xid=after[0], feed_id=after[1])

@@ -3,7 +3,11 @@ Plain reads are written with SQLAlchemy Core in ``store.py``."""
 
 from __future__ import annotations
 
+import functools
+
 from sqlalchemy import TextClause, text
+
+from libs.common.states import TaskState
 
 TASK_COLUMNS = """
     id, owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -313,13 +317,13 @@ DELETE FROM core.workers w USING doomed WHERE w.id = doomed.id
 # The feed: only events of transactions older than every running one are served, so an
 # event that commits later can never land behind a cursor already handed out. A user
 # reads its own tasks' events and those of tasks its teams own (``teams``; NULL: none).
-FEED: TextClause = text("""
+_FEED = """
 SELECT e.xid, e.id, e.task_id, e.seq, e.owner, e.op, e.from_state, e.to_state, e.reason,
        e.attempt_id, e.at, h.horizon
 FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h
 LEFT JOIN LATERAL (
     SELECT * FROM core.task_events e
-    WHERE (e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon
+    WHERE (e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon {to_state}
       AND (CAST(:owner AS text) IS NULL OR e.owner = :owner
            OR (CAST(:teams AS text[]) IS NOT NULL AND EXISTS (
                SELECT 1 FROM core.tasks t
@@ -327,7 +331,18 @@ LEFT JOIN LATERAL (
     ORDER BY e.xid, e.id
     LIMIT :limit
 ) e ON true
-""")
+"""
+
+FEED: TextClause = text(_FEED.format(to_state=""))
+
+
+@functools.cache
+def feed_to(state: TaskState) -> TextClause:
+    """The feed of events that moved a task to ``state`` only. The state is written into
+    the text, not bound, so a partial index on it (``ix_task_events_dead``) serves even a
+    prepared statement's generic plan."""
+    return text(_FEED.format(to_state=f"AND e.to_state = '{state.value}'"))
+
 
 QUEUE_DEPTHS: TextClause = text("""
 SELECT queue, state, count(*) AS n,

@@ -17,6 +17,9 @@ class CoreSettings(CairnSettings):
     retention_days: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     db_pool_size: int = Field(default=20, ge=1, le=200)
+    #: connections of the liveness path alone (heartbeats, the reaper), which the data
+    #: path's load cannot take
+    liveness_pool_size: int = Field(default=4, ge=1, le=50)
     promote_interval_s: float = Field(default=1.0, gt=0)
     #: how long past its run_at a ready task is left to claims (which take it from its
     #: run_at on) before the promoter moves it to waiting
@@ -24,7 +27,12 @@ class CoreSettings(CairnSettings):
     retention_interval_s: float = Field(default=300.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)
+    #: how long a worker's checked lease secret is trusted without reading its row again
+    lease_cache_s: float = Field(default=60.0, ge=0)
     migrate_on_start: bool = True
+    #: uvicorn worker processes serving core's port, each with its own pools and loops
+    #: (replicas on one host); 1: one process
+    core_workers: int = Field(default=1, ge=1, le=32)
 
     # placement (see docs/placement.md)
     overcommit_ratio: float = Field(default=1.0, ge=1, le=10)

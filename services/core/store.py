@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Row, TextClause, and_, func, or_, select, update
@@ -33,6 +32,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState
 from services.core import queries
+from services.core.db.params import jsonb
 from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
     attempts,
@@ -152,7 +152,7 @@ async def submit(
     weight 1 (docs/sharing.md)."""
     owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
     docs = [{**_row_doc(spec), "owner": who} for spec, who in zip(specs, owners, strict=True)]
-    rows = orjson.dumps(docs).decode()
+    rows = jsonb(docs)
     created = await _fetch(conn, queries.SUBMIT, {"rows": rows, "quantum": quantum_s})
 
     def key_of(row: Any) -> tuple[str, str] | None:
@@ -336,10 +336,16 @@ async def task_events_of(conn: AsyncConnection, task_id: int) -> list[Event]:
 
 
 async def read_feed(
-    conn: AsyncConnection, after: tuple[int, int], limit: int, who: Visibility | None
+    conn: AsyncConnection,
+    after: tuple[int, int],
+    limit: int,
+    who: Visibility | None,
+    to_state: TaskState | None = None,
 ) -> tuple[list[Event], tuple[int, int]]:
     """Events after the cursor, oldest first, and the cursor to read on from; with
-    ``who``, only those of its own tasks and its teams'."""
+    ``who``, only those of its own tasks and its teams'; with ``to_state``, only those
+    that moved a task there (the cursor still moves past the others)."""
+    query = queries.FEED if to_state is None else queries.feed_to(to_state)
     params = {
         "xid": after[0],
         "id": after[1],
@@ -347,7 +353,7 @@ async def read_feed(
         "owner": who.owner if who is not None else None,
         "teams": sorted(who.teams) if who is not None and who.teams else None,
     }
-    rows = list(await conn.execute(queries.FEED, params))
+    rows = list(await conn.execute(query, params))
     events = [_event(row) for row in rows if row.id is not None]
     if events:
         last = rows[-1]
@@ -472,7 +478,7 @@ def _selector_params(op: Op, selector: TaskSelector, owner: str | None) -> dict[
         "queue": selector.queue,
         "owner": owner,
         "team": selector.team,
-        "labels": json.dumps(selector.labels) if selector.labels else None,
+        "labels": jsonb(selector.labels) if selector.labels else None,
         "created_after": selector.created_after,
         "created_before": selector.created_before,
         "finished_after": selector.finished_after,

@@ -508,6 +508,8 @@ task_events = Table(
     Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("task_id", "seq"),
     Index("ix_task_events_xid_id", "xid", "id"),
+    # The notification matcher's feed (``queries.feed_to``): deaths only.
+    Index("ix_task_events_dead", "xid", "id", postgresql_where=text("to_state = 'dead'")),
 )
 
 

@@ -89,9 +89,10 @@ async def update_schedule(
     schedule_id: ScheduleId, body: ScheduleUpdate, caller: Person, request: Request
 ) -> Schedule:
     """Change the fields given. New timing applies from now: the next fire is the first
-    slot of the new timing after now."""
+    slot of the new timing after now. ``team`` (null: none) is its owner's to change, to a
+    team the owner belongs to; the target is then bound to the new team and its secrets."""
     async with _db(request).begin() as conn:
-        return await store.update(conn, schedule_id, caller.visibility, body, _now(request))
+        return await store.update(conn, schedule_id, caller, body, _now(request))
 
 
 @router.delete(

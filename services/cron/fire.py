@@ -17,7 +17,7 @@ from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
 from libs.common.dag_models import RunFire
 from libs.common.errors import CairnError, Unavailable
-from libs.common.notify_models import NotificationEvent
+from libs.common.models import NotificationEvent
 from libs.common.states import FINAL
 
 Outcome = Literal["submitted", "failed", "pending", "missed"]

@@ -19,7 +19,7 @@ from sqlalchemy import Row, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.auth import Visibility
+from libs.common.auth import Caller, Visibility
 from libs.common.cron_models import (
     MAX_SCHEDULE_PAGE,
     Backfill,
@@ -32,7 +32,7 @@ from libs.common.cron_models import (
     TaskTarget,
 )
 from libs.common.errors import Conflict, InvalidInput, NotFound
-from libs.common.teams import bound_to_team
+from libs.common.teams import bound_to_team, check_team_change
 from services.cron.domain import timing
 from services.cron.domain.timing import InvalidSchedule
 from services.cron.fire import Result
@@ -118,7 +118,12 @@ def team_of(body: ScheduleCreate) -> str | None:
 def for_team(target: Target, team: str | None) -> Target:
     """The target as a team's schedule fires it: its task owned by the team, with no
     secret but the team's (422 naming the field otherwise)."""
-    if team is None or not isinstance(target, TaskTarget):
+    if not isinstance(target, TaskTarget):
+        return target
+    if team is None:
+        if target.task.team is not None:
+            reason = "the schedule is no team's: give the schedule a team instead"
+            raise _invalid("body.target.task.team", ValueError(reason))
         return target
     task = bound_to_team(target.task, team, "body.target.task")
     return target.model_copy(update={"task": task})
@@ -223,13 +228,22 @@ async def _save(conn: AsyncConnection, schedule_id: int, values: dict[str, Any])
     return schedule_from_row(row)
 
 
+def _untied(target: Target) -> Target:
+    """The stored target without the team it was bound to, to be bound to a new one."""
+    if not isinstance(target, TaskTarget) or target.task.team is None:
+        return target
+    return target.model_copy(update={"task": target.task.model_copy(update={"team": None})})
+
+
 async def update(
     conn: AsyncConnection,
     schedule_id: int,
-    who: Visibility | None,
+    caller: Caller,
     patch: ScheduleUpdate,
     now: datetime,
 ) -> Schedule:
+    """Change the fields ``caller`` gave; a new ``team`` is the owner's to give."""
+    who = caller.visibility
     row = await _row(conn, schedule_id, who, lock=True)
     given = patch.model_dump(exclude_unset=True)
     if None in (given.get(k, 0) for k in ("name", "expression", "timezone", "target")):
@@ -237,8 +251,14 @@ async def update(
             k for k in ("name", "expression", "timezone", "target") if given.get(k, 0) is None
         )
         raise _invalid(f"body.{field}", ValueError("may not be null"))
-    values: dict[str, Any] = {k: v for k, v in given.items() if k != "target"}
-    if patch.target is not None:
+    values: dict[str, Any] = {k: v for k, v in given.items() if k not in ("target", "team")}
+    team = given.get("team", row.team)
+    if team != row.team:
+        check_team_change(caller, row.owner, team, "body.team")
+        values["team"] = team
+        moved = patch.target or _untied(_TARGET.validate_python(row.target))
+        values["target"] = for_team(moved, team).model_dump(mode="json")
+    elif patch.target is not None:
         values["target"] = for_team(patch.target, row.team).model_dump(mode="json")
     plan = check_timing(
         given.get("expression", row.expression),

@@ -42,8 +42,7 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
-from libs.common.models import MAX_BATCH, Event, EventPage, TaskCreate
-from libs.common.notify_models import NotificationEvent
+from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store, traces
 from services.dag.domain import data, graph, rules
@@ -721,6 +720,23 @@ def reset_for_retry(dag: graph.Dag, states: dict[str, NodeState]) -> list[str]:
         if states[name] is N.SKIPPED and any(up in again for up in dag.upstream[name]):
             again.add(name)
     return sorted(again)
+
+
+def failed_instances(
+    again: Iterable[str], nodes: Iterable[store.NodeRow]
+) -> tuple[list[str], list[str]]:
+    """Of the mapped nodes a retry would run again whole, those with instances keep the
+    ones that succeeded: returns (mapped nodes that map no more, their instances to run
+    again). A mapped node that never expanded is left to run again whole."""
+    again = set(again)
+    mapped: set[str] = set()
+    instances = []
+    for n in nodes:
+        if n.map_of in again:
+            mapped.add(n.map_of)
+            if n.state in (N.FAILED, N.UPSTREAM_FAILED, N.CANCELLED):
+                instances.append(n.name)
+    return sorted(mapped), sorted(instances)
 
 
 def open_nodes(states: Iterable[NodeState]) -> int:

@@ -504,6 +504,32 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
     )
 
 
+async def retry_instances(
+    conn: AsyncConnection, run_id: int, mapped: Sequence[str], instances: Sequence[str]
+) -> None:
+    """Mapped nodes back to ``mapped`` with their next try, and only ``instances`` of
+    them ready again under that try (so each release key is new); the instances that
+    succeeded keep their tasks and outputs."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'mapped', try_number = try_number + 1,"
+            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now()"
+            " WHERE run_id = :id AND name = ANY(:names)"
+        ),
+        {"id": run_id, "names": list(mapped)},
+    )
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes i SET state = 'ready', try_number = m.try_number,"
+            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now()"
+            " FROM dag.nodes m"
+            " WHERE i.run_id = :id AND i.name = ANY(:names)"
+            "   AND m.run_id = i.run_id AND m.name = i.map_of"
+        ),
+        {"id": run_id, "names": list(instances)},
+    )
+
+
 # --- what the engine does -----------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,12 @@ from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
 from services.worker.settings import WorkerSettings
 from services.worker.squeeze import squeeze
+from services.worker.timings import Timings
 
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
+IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 
 
@@ -119,18 +123,21 @@ class Agent:
         self.draining = asyncio.Event()
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.releasing: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.bridge: asyncio.Task[None] | None = None
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
-        self.publishing: asyncio.Handle | None = None  # a write of state.ATTEMPTS is due
+        self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
+        self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, list[str]] = {}
         self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
         self.dead = False
         self.logs = LogShipper(client, settings)
+        self.timings = Timings(settings.worker_timings_file)
         # The turn: reports waiting to go (and in flight), starts to acknowledge, the
         # courier that sends reports alone while a claim waits for work, and when the
         # last turn that core heard was sent (it vouches for the leases: ``_vouched``).
@@ -168,10 +175,14 @@ class Agent:
                 await self._join(offer)
             await self._drain()
         finally:
+            if self.releasing:
+                await asyncio.wait(set(self.releasing), timeout=30)
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
             await self.host.close()
+            self.timings.close()
+            self.board.close()
 
     async def _join(self, offer: WorkerRegister) -> None:
         registered = await self._register(offer)
@@ -208,8 +219,10 @@ class Agent:
                 str(self.worker_id),
                 str(interval_s),
                 str(timeout_s),
+                str(self.board.fd),
             ],
             stdin=subprocess.PIPE,
+            pass_fds=(self.board.fd,),
         )
         assert sidecar.stdin is not None
         sidecar.stdin.write(json.dumps({"token": self.token, "lease": self.lease}).encode())
@@ -315,7 +328,7 @@ class Agent:
         started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
         body = Turn(reports=[o.report for o in items], started=started, claim=room)
-        worker, sent = self.worker_id, asyncio.get_running_loop().time()
+        worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         try:
             answer = await self.client.turn(worker, body)
         except NotFound as exc:
@@ -329,6 +342,7 @@ class Agent:
             return None
         if worker == self.worker_id:
             self._heard(answer.state, sent)
+        self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
         self._settle(items, {v.attempt_id: v.detail for v in answer.reports if v.status != 200})
         return answer
 
@@ -496,13 +510,15 @@ class Agent:
         held = [self._held(a) for i, (a, _) in self.running.items() if i not in ended]
         cpu = self.settings.worker_cpu - sum(c for c, _ in held)
         memory = int(self.settings.worker_memory_mb - sum(m for _, m in held))
-        return cpu, memory, self.settings.worker_slots - len(held)
+        # One still being released holds its slot (its uid, its pooled cgroup) a little
+        # longer: releases never pile up behind a burst.
+        return cpu, memory, self.settings.worker_slots - len(held) - len(self.releasing)
 
     def _publish(self, now: bool = False) -> None:
-        """Tell the sidecar which attempts this agent holds (``state.ATTEMPTS``). Changes
-        of one loop iteration are written once, on the next (each write is a whole file:
-        one per change cost half the agent's time at a few hundred starts a second);
-        ``now`` writes at once, for what must be on disk before the next step."""
+        """Tell the sidecar which attempts this agent holds (``state.Board``). Changes
+        of one loop iteration are written once, on the next (each write is the whole
+        value); ``now`` writes at once, for what the sidecar must know before the next
+        step (an exec)."""
         if now:
             if self.publishing is not None:
                 self.publishing.cancel()
@@ -520,8 +536,7 @@ class Agent:
         # -1: its process is being started (the sidecar counts it as started).
         pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
         pids.update({str(a): -1 for a in self.starting})
-        state.write(
-            self.folder / state.ATTEMPTS,
+        self.board.write(
             {
                 "agent_pid": os.getpid(),
                 "attempts": pids,
@@ -552,6 +567,8 @@ class Agent:
             log.exception("attempt %s failed inside the agent", attempt)
             await self._report(attempt, Report(outcome="failed", error="the agent failed"))
         finally:
+            self.timings.mark(attempt, "reported")
+            self.timings.done(attempt)
             self.running.pop(attempt, None)
             self.squeezed.discard(attempt)
             self._publish()
@@ -560,6 +577,7 @@ class Agent:
         attempt = assignment.attempt_id
         try:
             prepared = await self.host.prepare(assignment, self.cache)
+            self.timings.mark(attempt, "prepared")
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
         except (IsolationError, OSError) as exc:
@@ -570,7 +588,26 @@ class Agent:
         finally:
             self.cgroups.pop(str(attempt), None)
             self.uids.pop(str(attempt), None)
-            await self.host.release(prepared)
+            self._release(attempt, prepared)
+
+    def _release(self, attempt_id: int, prepared: Prepared) -> None:
+        """Remove the attempt's folders and hand back its slot and uid, after the report
+        is queued (its processes are already gone: ``stop_leftovers``), so neither the
+        report nor the room it frees waits for a folder to be removed."""
+
+        async def release() -> None:
+            try:
+                await self.host.release(prepared)
+            except Exception:
+                log.exception("attempt %s's folders or cgroup not released", attempt_id)
+
+        task = asyncio.create_task(release())
+        self.releasing.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        self.releasing.discard(task)
+        self.reported.set()  # room again: a main loop waiting for room looks again
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
@@ -588,19 +625,23 @@ class Agent:
             self.uids[str(attempt)] = prepared.identity.uid
         # Recorded before exec: if the agent dies from here on, the sidecar tells core
         # the attempt had started, so it counts as a crash.
+        self.timings.mark(attempt, "vouched")
         self.starting.add(attempt)
         self._publish(now=True)
+        self.timings.mark(attempt, "published")
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=False)
         finally:
             self.starting.discard(attempt)
+        self.timings.mark(attempt, "spawned")
         self.running[attempt] = (assignment, handle)
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, spec.log_path)
         result = await handle.wait()
+        self.timings.mark(attempt, "exited")
         await self.host.stop_leftovers(prepared)
         # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
         # or a beat in between would have core declare it lost.
@@ -680,6 +721,10 @@ def main(argv: list[str] | None = None) -> None:
         log.info("isolation: %s", note)
 
     async def run() -> None:
+        # Folders, copies and removals of many attempts at once, each blocked on the disk
+        # rather than the CPU: more threads than the default's cores + 4.
+        io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="cairn-io")
+        asyncio.get_running_loop().set_default_executor(io)
         async with CoreClient(settings.url, token) as client:
             await Agent(settings, client, token, host).run()
 

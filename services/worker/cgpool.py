@@ -7,8 +7,8 @@ inside a cgroup is born there for free. So each slot (``cairn/agent-PID/sN`` in 
 hierarchy) holds a ``cairn-spawn`` helper that joined it once, and every attempt of the
 slot is forked by it: no migration, no mkdir or rmdir per attempt.
 
-Per attempt, only limits that differ from the slot's last ones are written, and the
-counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
+Per attempt, only limits that differ from the slot's last ones are written (but the CPU
+quota always: the write refills the period's budget), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
 is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
 (every process but the helper killed), checked empty in every hierarchy, its page cache
@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.worker.cgroups import CPU_PERIOD_US, AttemptCgroup, Cgroups, _read
+from services.worker.cgroups import AttemptCgroup, Cgroups, _read, cpu_bandwidth
 from services.worker.spawner import Helper
 
 log = logging.getLogger("cairn.worker.cgpool")
@@ -141,9 +141,6 @@ class CgroupPool:
             if folder.exists():
                 AttemptCgroup("v1", {"": folder}).remove()
             folder.mkdir()
-        period = folders.get("cpu")
-        if period is not None:
-            (period / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
         helper = Helper(self.binary, group.procs_files)
         slot = Slot(name, group, helper)
         try:
@@ -164,10 +161,13 @@ class CgroupPool:
                 slot.limits["memory"] = value
         cpu_folder = folders.get("cpu")
         if cpu_folder is not None:
-            value = str(max(1000, int(cpu * CPU_PERIOD_US))) if cpu is not None else UNLIMITED
-            if slot.limits.get("cpu") != value:
-                (cpu_folder / "cpu.cfs_quota_us").write_text(value)
-                slot.limits["cpu"] = value
+            quota, period = cpu_bandwidth(cpu) if cpu is not None else (UNLIMITED, None)
+            if period is not None and slot.limits.get("cpu_period") != str(period):
+                (cpu_folder / "cpu.cfs_period_us").write_text(str(period))
+                slot.limits["cpu_period"] = str(period)
+            # Written every time: a write refills the period's budget, so an attempt
+            # never starts throttled for the CPU its slot's last attempt spent.
+            (cpu_folder / "cpu.cfs_quota_us").write_text(str(quota))
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -23,6 +24,9 @@ log = logging.getLogger("cairn.worker.cgroups")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
+#: the least CPU time a period holds, and the longest period the kernel allows
+MIN_QUOTA_US = 10_000
+MAX_PERIOD_US = 1_000_000
 _V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 _V2_CONTROLLERS = ("memory", "cpu", "pids")
 _KILL_ROUNDS = 200
@@ -41,6 +45,18 @@ def _write(path: Path, value: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def cpu_bandwidth(cpu: float) -> tuple[int, int]:
+    """The CFS quota and period (microseconds) that hold ``cpu`` cores on average.
+
+    100 ms periods, except for small requests: those get longer periods (up to the
+    kernel's 1 s) so that each still holds ``MIN_QUOTA_US`` of CPU time. With 1 ms per
+    100 ms (0.01 CPU), the few milliseconds a process needs to start (an exec, a shell's
+    start-up) were cut into 100 ms throttles, 100 to 300 ms before its first line ran;
+    10 ms per second is the same share, and lets a start through in one piece."""
+    period = max(CPU_PERIOD_US, min(MAX_PERIOD_US, math.ceil(MIN_QUOTA_US / cpu)))
+    return max(1000, int(cpu * period)), period
 
 
 def _keyed(text: str | None, key: str) -> int | None:
@@ -247,12 +263,12 @@ class Cgroups:
             else:
                 _write(memory / "memory.swap.max", "0")
         if cpu_folder is not None and cpu is not None:
-            quota = max(1000, int(cpu * CPU_PERIOD_US))
+            quota, period = cpu_bandwidth(cpu)
             if v1:
-                (cpu_folder / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (cpu_folder / "cpu.cfs_period_us").write_text(str(period))
                 (cpu_folder / "cpu.cfs_quota_us").write_text(str(quota))
             else:
-                (cpu_folder / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+                (cpu_folder / "cpu.max").write_text(f"{quota} {period}")
         if pids is not None:
             (pids / "pids.max").write_text(str(pids_max))
 

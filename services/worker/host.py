@@ -140,7 +140,10 @@ class Host:
         slot: Slot | None = None
         try:
             name = _name_of(assignment.artifact.uri)
-            folders = Folders.make(self.run_dir, assignment.attempt_id, name, identity)
+            # Folder work blocks on the file system's journal: off the event loop.
+            folders = await asyncio.to_thread(
+                Folders.make, self.run_dir, assignment.attempt_id, name, identity
+            )
             written = await cache.materialize(
                 assignment.artifact.uri,
                 assignment.artifact.sha256,

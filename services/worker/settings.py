@@ -61,6 +61,8 @@ class WorkerSettings(BaseSettings):
     worker_log_rate_kib_s: int = Field(default=256, ge=1, le=1024 * 1024)
     worker_log_backlog_mb: int = Field(default=16, ge=1, le=4096)
     worker_log_flush_s: float = Field(default=5.0, ge=0, le=300)
+    #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
+    worker_timings_file: Path | None = None
 
     @field_validator("home")
     @classmethod

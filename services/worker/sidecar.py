@@ -43,7 +43,12 @@ def _orphans_killed(shared: dict[str, Any]) -> None:
 
 
 async def beat_forever(
-    folder: Path, worker_id: int, interval_s: float, timeout_s: float, client: CoreClient
+    folder: Path,
+    board: state.Board,
+    worker_id: int,
+    interval_s: float,
+    timeout_s: float,
+    client: CoreClient,
 ) -> None:
     """Beat until the agent is gone. Cut off from core for nearly ``timeout_s``, after which
     core re-places this worker's attempts, it kills them here, so they never run twice."""
@@ -51,7 +56,7 @@ async def beat_forever(
     last_ok = loop.time()
     gone = _watch(os.getppid())
     while True:
-        shared = state.read(folder / state.ATTEMPTS)
+        shared = board.read()
         agent = int(shared.get("agent_pid", 0))
         attempts: dict[str, int] = shared.get("attempts", {})
         if _agent_gone(agent, gone):
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("worker_id", type=int)
     parser.add_argument("interval_s", type=float)
     parser.add_argument("timeout_s", type=float)
+    parser.add_argument("board_fd", type=int, help="the agent's state.Board (an inherited memfd)")
     args = parser.parse_args(argv)
     settings = WorkerSettings()
     logs.setup("sidecar", settings.log_level)
@@ -128,7 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         async with CoreClient(settings.url, secrets.get("token")) as client:
             client.use_lease(secrets.get("lease", ""))
-            await beat_forever(args.folder, args.worker_id, args.interval_s, args.timeout_s, client)
+            await beat_forever(
+                args.folder,
+                state.Board(args.board_fd),
+                args.worker_id,
+                args.interval_s,
+                args.timeout_s,
+                client,
+            )
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     with contextlib.suppress(KeyboardInterrupt):

@@ -1,16 +1,74 @@
-"""What the agent and its sidecar share on disk, in the worker's folder: the agent writes
-``attempts.json`` (its pid, each attempt's process group); the sidecar writes
-``answer.json`` (core's answer to its last heartbeat). Both are replaced atomically."""
+"""What the agent and its sidecar share.
+
+The agent tells its sidecar its pid and each attempt's process group, cgroups and uid on
+a ``Board``: memory the two share (a memfd the sidecar inherits), rewritten as attempts
+come and go, at least once before every exec. The sidecar reads it at every heartbeat and,
+when the agent is gone, to kill what it left. A write is a copy into memory, no file
+replaced on disk: on a busy disk that cost the agent milliseconds per attempt, inside
+its event loop. The sidecar writes ``answer.json`` (core's answer to its last heartbeat,
+once an interval) in the worker's folder, replaced atomically.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
-ATTEMPTS = "attempts.json"
 ANSWER = "answer.json"
+
+_HEADER = struct.Struct("=QII")  # sequence number, length, crc32 of the payload
+#: each half's room (the memfd is sparse: only written pages take memory)
+HALF = 16 * 2**20
+
+
+class Board:
+    """Two halves written in turn, each with a sequence number and a checksum: a reader
+    takes the newest whole half, so a write cut short (by the agent's death, or read
+    while it is made) leaves the one before it readable."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._seq = 0
+
+    @classmethod
+    def create(cls) -> Board:
+        """A fresh board; its descriptor is close-on-exec (pass it on with ``pass_fds``)."""
+        fd = os.memfd_create("cairn-attempts", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 2 * HALF)
+        return cls(fd)
+
+    def write(self, value: dict[str, Any]) -> None:
+        data = json.dumps(value, separators=(",", ":")).encode()
+        if len(data) > HALF - _HEADER.size:
+            raise ValueError(f"the board holds {HALF} bytes, not {len(data)}")
+        self._seq += 1
+        at = (self._seq % 2) * HALF
+        os.pwrite(self.fd, b"\0" * _HEADER.size, at)  # no half looks whole while written
+        os.pwrite(self.fd, data, at + _HEADER.size)
+        os.pwrite(self.fd, _HEADER.pack(self._seq, len(data), zlib.crc32(data)), at)
+
+    def read(self) -> dict[str, Any]:
+        """The newest whole value; ``{}`` if none was ever written."""
+        for _ in range(5):
+            newest: tuple[int, bytes] | None = None
+            for at in (0, HALF):
+                seq, length, crc = _HEADER.unpack(os.pread(self.fd, _HEADER.size, at))
+                if seq == 0 or length > HALF - _HEADER.size:
+                    continue
+                data = os.pread(self.fd, length, at + _HEADER.size)
+                if zlib.crc32(data) == crc and (newest is None or seq > newest[0]):
+                    newest = (seq, data)
+            if newest is not None:
+                value: dict[str, Any] = json.loads(newest[1])
+                return value
+        return {}
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def write(path: Path, value: dict[str, Any]) -> None:

@@ -48,3 +48,27 @@ def test_outputs_are_listed_and_a_clear_reruns_from_a_node(
     done = runner.wait_end(run["id"])
     assert {n["name"]: n["try_number"] for n in done["nodes"]} == {"extract": 1, "load": 2}
     assert done["state"] == "succeeded"
+
+
+def test_a_retry_of_failed_instances_from_the_cli(
+    cli: CliRunner, runner: Runner, worker: Worker
+) -> None:
+    body = workflow(
+        "cli-map",
+        [
+            node(
+                "each",
+                args=("{{ map.item }}", "2", "{{ node.try }}"),
+                map={"over": "{{ params.items }}"},
+            )
+        ],
+    )
+    run = runner.run(body, params={"items": ["ok", "fail-below"]})
+    assert run["state"] == "failed"
+    retried = cli.invoke(app, ["dag", "retry", str(run["id"]), "--failed-instances"])
+    assert retried.exit_code == 0, retried.output
+    assert "again each[1]" in retried.output and "each[0]" not in retried.output
+    done = runner.wait_end(run["id"])
+    assert done["state"] == "succeeded"
+    tries = {n["name"]: n["try_number"] for n in done["nodes"]}
+    assert tries == {"each": 2, "each[0]": 1, "each[1]": 2}

@@ -413,3 +413,75 @@ def test_a_retry_maps_a_failed_mapped_node_again_with_the_next_try(
     tries = {n["name"]: n["try_number"] for n in done["nodes"]}
     assert tries == {"each": 2, "each[0]": 2, "each[1]": 2, "each[2]": 2, "after": 2}
     assert set(states(done).values()) == {"succeeded"}
+
+
+def test_a_retry_of_failed_instances_keeps_the_instances_that_succeeded(
+    runner: Runner, worker: Worker, db: psycopg.Connection
+) -> None:
+    body = workflow(
+        "flaky-instances",
+        [
+            node(
+                "each",
+                args=("{{ map.item }}", "2", "{{ node.try }}"),
+                map={"over": "{{ params.items }}"},
+            ),
+            node("after", "each"),
+        ],
+    )
+    run = runner.run(body, params={"items": ["ok", "fail-below", "ok", "fail-below"]})
+    assert run["state"] == "failed"
+    first = {n["name"]: n["task_id"] for n in run["nodes"]}
+    answer = runner.http.post(f"/v1/runs/{run['id']}/retry", json={"instances": "failed"})
+    assert answer.status_code == 200, answer.text
+    assert states(answer.json())["each[0]"] == "succeeded"
+    done = runner.wait_end(run["id"])
+    assert done["state"] == "succeeded"
+    tries = {n["name"]: n["try_number"] for n in done["nodes"]}
+    assert tries == {"each": 2, "each[0]": 1, "each[1]": 2, "each[2]": 1, "each[3]": 2, "after": 2}
+    task_ids = {n["name"]: n["task_id"] for n in done["nodes"]}
+    assert task_ids["each[0]"] == first["each[0]"] and task_ids["each[2]"] == first["each[2]"]
+    assert task_ids["each[1]"] != first["each[1]"]
+    keys = db.execute(
+        "SELECT idempotency_key FROM core.tasks WHERE labels->>'cairn.dag/run' = %s",
+        (str(run["id"]),),
+    ).fetchall()
+    rid = run["id"]
+    assert sorted(k for (k,) in keys) == sorted(
+        [f"dag:{rid}:each[{i}]:1" for i in range(4)]
+        + [f"dag:{rid}:each[1]:2", f"dag:{rid}:each[3]:2", f"dag:{rid}:after:2"]
+    )
+    assert set(states(done).values()) == {"succeeded"}
+
+
+def test_a_retry_of_failed_instances_then_a_whole_retry_gets_fresh_keys(
+    runner: Runner, worker: Worker
+) -> None:
+    body = workflow(
+        "twice-flaky",
+        [
+            node(
+                "each",
+                args=("{{ map.item }}", "3", "{{ node.try }}"),
+                map={"over": "{{ params.items }}"},
+            )
+        ],
+    )
+    run = runner.run(body, params={"items": ["ok", "fail-below"]})
+    runner.http.post(f"/v1/runs/{run['id']}/retry", json={"instances": "failed"})
+    again = runner.wait_end(run["id"])
+    assert states(again)["each[1]"] == "failed"
+    assert runner.http.post(f"/v1/runs/{run['id']}/retry").status_code == 200
+    done = runner.wait_end(run["id"])
+    assert done["state"] == "succeeded"
+    assert {n["name"]: n["try_number"] for n in done["nodes"]} == {
+        "each": 3,
+        "each[0]": 3,
+        "each[1]": 3,
+    }
+
+
+def test_a_retry_names_a_bad_instances_value(runner: Runner, worker: Worker) -> None:
+    run = runner.run(workflow("plain-fail", [node("a", args=("fail",))]))
+    answer = runner.http.post(f"/v1/runs/{run['id']}/retry", json={"instances": "some"})
+    assert answer.status_code == 422 and "instances" in answer.text

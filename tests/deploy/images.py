@@ -2,7 +2,8 @@
 wheels of this checkout: a Debian 12 base made with mmdebstrap and ``docker import`` (no
 image registry is pulled from), then compose/Dockerfile on it, with no network, from a
 wheelhouse that pip builds on the host beside the base (from its cache and index, as
-``make install`` did)."""
+``make install`` did). The spawn helper's build stage starts from a second base with gcc,
+made beside the first, so that the image has the helper and no compiler."""
 
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 MIRROR = "http://deb.debian.org/debian"
 # python3 and venv for Cairn (ca-certificates: so that the Dockerfile needs no apt-get).
 INCLUDE = "python3,python3-venv,ca-certificates"
+# The spawn helper's build stage: a C compiler and libc's headers.
+BUILDER_INCLUDE = "gcc,libc6-dev"
 # What of the checkout the build context holds (compose/.dockerignore's list).
 SOURCES = ("pyproject.toml", "README.md", ".dockerignore", "cairn", "libs", "services", "compose")
 
 CAIRN_IMAGE = "cairn:deploy-test"
 BASE_IMAGE = "cairn-deploy-base:bookworm"
+BUILDER_IMAGE = "cairn-deploy-builder:bookworm"
 
 
 def prepare(engine: PrivateEngine) -> dict[str, float]:
-    """The base image and the wheelhouse at once, then the Cairn image; seconds per step."""
+    """The two bases and the wheelhouse at once, then the Cairn image; seconds per step."""
     started = time.monotonic()
     context = engine.root / "context"
     _copy_sources(context)
@@ -39,9 +43,18 @@ def prepare(engine: PrivateEngine) -> dict[str, float]:
         step()
         took[name] = time.monotonic() - begun
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         jobs = [
-            pool.submit(timed, "base image (mmdebstrap + import)", lambda: _base(engine)),
+            pool.submit(
+                timed,
+                "base image (mmdebstrap + import)",
+                lambda: _base(engine, BASE_IMAGE, INCLUDE, "mmdebstrap"),
+            ),
+            pool.submit(
+                timed,
+                "builder base, gcc (mmdebstrap + import)",
+                lambda: _base(engine, BUILDER_IMAGE, BUILDER_INCLUDE, "mmdebstrap-builder"),
+            ),
             pool.submit(timed, "wheelhouse (pip wheel)", lambda: _wheelhouse(context)),
         ]
         for job in jobs:
@@ -53,6 +66,8 @@ def prepare(engine: PrivateEngine) -> dict[str, float]:
         "none",  # everything it installs is in the context
         "--build-arg",
         f"BASE_IMAGE={BASE_IMAGE}",
+        "--build-arg",
+        f"BUILD_IMAGE={BUILDER_IMAGE}",
         "--tag",
         CAIRN_IMAGE,
         "--file",
@@ -66,7 +81,7 @@ def prepare(engine: PrivateEngine) -> dict[str, float]:
 
 
 def _copy_sources(context: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "_bin")
     context.mkdir()
     for name in SOURCES:
         source = ROOT / name
@@ -76,13 +91,13 @@ def _copy_sources(context: Path) -> None:
             shutil.copy2(source, context / name)
 
 
-def _base(engine: PrivateEngine) -> None:
+def _base(engine: PrivateEngine, image: str, include: str, name: str) -> None:
     """mmdebstrap writes the tarball to its stdout, ``docker import`` reads it; its
     chroot lives in the engine's root, a tmpfs (dpkg syncs every file it unpacks)."""
-    scratch = engine.root / "mmdebstrap"
+    scratch = engine.root / name
     scratch.mkdir()
-    argv = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={INCLUDE}"]
-    with open(engine.logs / "mmdebstrap.log", "wb") as log:
+    argv = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={include}"]
+    with open(engine.logs / f"{name}.log", "wb") as log:
         made = subprocess.Popen(
             [*argv, "bookworm", "-", MIRROR],
             stdout=subprocess.PIPE,
@@ -91,7 +106,7 @@ def _base(engine: PrivateEngine) -> None:
         )
         assert made.stdout is not None
         imported = subprocess.run(
-            ["docker", "import", "-", BASE_IMAGE],
+            ["docker", "import", "-", image],
             stdin=made.stdout,
             env=engine.env,
             capture_output=True,
@@ -103,7 +118,7 @@ def _base(engine: PrivateEngine) -> None:
         made.wait(timeout=60)
     shutil.rmtree(scratch, ignore_errors=True)
     if made.returncode != 0:
-        raise EngineError(f"mmdebstrap failed:\n{engine.log_tail('mmdebstrap')}")
+        raise EngineError(f"mmdebstrap failed:\n{engine.log_tail(name)}")
     if imported.returncode != 0:
         raise EngineError(f"docker import failed: {imported.stderr}")
 

@@ -146,9 +146,17 @@ def the_dashboard_loads(stack: Stack) -> None:
     assert preflight.headers.get("access-control-allow-origin") == origin, preflight.headers
 
 
+def spawn_helper_name() -> str:
+    """The file name the agent looks for: the helper of this checkout's spawn.c."""
+    source = images.ROOT / "services" / "worker" / "spawn.c"
+    return f"cairn-spawn-{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
+
+
 def workers_are_isolated_and_hold_no_database_url(stack: Stack) -> None:
     """Each worker's agent said at start-up that attempts get uids, cgroups (every limit)
-    and a private /tmp; its environment has neither the database URL nor a token."""
+    and a private /tmp, and that the resident spawn helper starts them (the image's
+    compiled one: it runs in the container, and no compiler is there); its environment has
+    neither the database URL nor a token."""
     workers = stack.containers("worker")
     assert len(workers) == 2
     for container in workers:
@@ -162,6 +170,19 @@ def workers_are_isolated_and_hold_no_database_url(stack: Stack) -> None:
         assert any("its own /tmp" in n for n in notes), notes
         assert any("enforces cpu, memory, pids" in n for n in notes), notes
         assert not any("not enforced" in n for n in notes), notes
+        assert any("attempts are started by" in n and "spawn helper" in n for n in notes), notes
+        assert not any("forked from the agent" in n for n in notes), notes
+        # Some /proc entries cannot be read (gone, or not ours): readlink's status is not.
+        exes = stack.engine.docker(
+            "exec", container["Id"], "sh", "-c", "readlink /proc/[0-9]*/exe", check=False
+        ).stdout.split()
+        helpers = [exe for exe in exes if exe.endswith(f"/_bin/{spawn_helper_name()}")]
+        assert helpers and all("/site-packages/services/worker/" in h for h in helpers), exes
+        # The helper came from the build stage: the image itself holds no compiler.
+        found = stack.engine.docker(
+            "exec", container["Id"], "sh", "-c", "command -v cc gcc", check=False
+        )
+        assert found.stdout.strip() == "", found.stdout
 
 
 def submit_chaos_batch(core: httpx.Client) -> dict[str, Any]:

@@ -3,9 +3,6 @@ what the database and the events say afterwards."""
 
 from __future__ import annotations
 
-import hashlib
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,12 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Core, shared_dir, spawn_worker, start_core, stop_process, wait_for
+from tests.support import Core, shared_dir, shell_spec, start_core, wait_for
 
 pytestmark = pytest.mark.slow
-
-SH = Path("/bin/sh")
-SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 
 
 @pytest.fixture
@@ -37,23 +31,10 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
     server.stop()
 
 
-@pytest.fixture
-def workers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        stop_process(proc, signal.SIGKILL)
-
-
 def shell(script: str, cpu: float, memory_mb: int, **extra: object) -> dict:
-    return {
-        "name": extra.pop("name", "sh"),
-        "artifact": {"uri": f"file://{SH}", "sha256": SH_SHA},
-        "args": ["-c", script],
-        "resources": {"cpu": cpu, "memory_mb": memory_mb},
-        "retry": {"max_attempts": 3, "base_s": 0.1, "jitter": False},
-        **extra,
-    }
+    retry = {"max_attempts": 3, "base_s": 0.1, "jitter": False}
+    resources = {"cpu": cpu, "memory_mb": memory_mb}
+    return shell_spec(script, resources=resources, retry=retry, **extra)
 
 
 def _task(client: httpx.Client, task_id: int) -> dict:
@@ -70,7 +51,7 @@ def _running(db) -> int:
 
 
 def test_a_guaranteed_task_preempts_a_preemptible_one_and_both_end(core, workers, tmp_path, db):
-    workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=1000))
+    workers.start(core, tmp_path / "w", "w", cpu=2, memory_mb=1000)
     flag = shared_dir() / "preempted-once"
     with core.client() as alice:
         backup = alice.post(
@@ -104,7 +85,7 @@ def test_an_overcommitted_pool_runs_more_preemptible_work_than_declared(
     with core.client("root", "admin") as admin:
         pool = admin.patch("/v1/queues/default", json={"overcommit": 2}).json()
     assert pool["overcommit"] == 2
-    workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=1000))
+    workers.start(core, tmp_path / "w", "w", cpu=2, memory_mb=1000)
     script = f"while [ ! -e {go} ]; do sleep 0.05; done"
     with core.client() as alice:
         ids = [
@@ -129,7 +110,7 @@ def _nice(pid: int) -> int:
 
 
 def test_a_squeeze_lowers_the_cpu_share_and_is_in_the_events(core, workers, tmp_path, db):
-    workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=4000))
+    workers.start(core, tmp_path / "w", "w", cpu=2, memory_mb=4000)
     pidfile = shared_dir() / "pid"
     with core.client() as alice:
         batch = alice.post(
@@ -157,7 +138,7 @@ def test_a_squeeze_lowers_the_cpu_share_and_is_in_the_events(core, workers, tmp_
 def test_time_insensitive_work_is_deferred_while_the_pool_is_busy(core, workers, tmp_path, db):
     with core.client("root", "admin") as admin:
         admin.patch("/v1/queues/default", json={"defer_above": 0.5})
-        workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=1000))
+        workers.start(core, tmp_path / "w", "w", cpu=2, memory_mb=1000)
         with core.client() as alice:
             busy = alice.post("/v1/tasks", json=shell("sleep 60", 1.5, 100)).json()
 
@@ -196,12 +177,9 @@ def test_under_memory_pressure_the_agent_preempts_preemptible_work_only(
 ):
     """A threshold above the host's memory is constant pressure: the agent preempts the
     preemptible attempt (the event says why) and leaves guaranteed work alone."""
-    workers.append(
-        spawn_worker(
-            core, tmp_path / "w", "w", cpu=2, memory_mb=4000,
-            CAIRN_WORKER_MIN_AVAILABLE_MB=str(10**9),
-        )
-    )  # fmt: skip
+    workers.start(
+        core, tmp_path / "w", "w", cpu=2, memory_mb=4000, CAIRN_WORKER_MIN_AVAILABLE_MB=str(10**9)
+    )
     flag = shared_dir() / "preempted-once"
     with core.client() as alice:
         backup = alice.post(

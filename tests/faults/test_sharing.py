@@ -5,21 +5,15 @@ constant high-priority stream."""
 
 from __future__ import annotations
 
-import hashlib
-import signal
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import TRUE_SHA, Core, spawn_worker, start_core, stop_process, wait_for
+from tests.support import TRUE_SHA, Core, shell_spec, start_core, wait_for
 
 pytestmark = pytest.mark.slow
-
-SH = Path("/bin/sh")
-SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 
 
 @pytest.fixture
@@ -31,26 +25,12 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
     server.stop()
 
 
-@pytest.fixture
-def workers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        stop_process(proc, signal.SIGKILL)
-
-
 def true_task(**extra: object) -> dict:
     return {"name": "true", "artifact": {"uri": "file:///bin/true", "sha256": TRUE_SHA}, **extra}
 
 
 def shell(script: str, **extra: object) -> dict:
-    return {
-        "name": "sh",
-        "artifact": {"uri": f"file://{SH}", "sha256": SH_SHA},
-        "args": ["-c", script],
-        "resources": {"cpu": 0.5, "memory_mb": 64},
-        **extra,
-    }
+    return shell_spec(script, resources={"cpu": 0.5, "memory_mb": 64}, **extra)
 
 
 def _submit(client, bodies: list[dict]) -> list[int]:
@@ -67,7 +47,7 @@ def _one(db, query: str, *params: object) -> object:
 
 
 def test_bob_starts_within_seconds_of_alices_flood(core: Core, workers, tmp_path, db) -> None:
-    workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=4, memory_mb=4096))
+    workers.start(core, tmp_path / "w", "w", cpu=4, memory_mb=4096)
     with core.client("alice") as alice, core.client("bob") as bob:
         _submit(alice, [true_task() for _ in range(5000)])
         bobs = _submit(bob, [true_task() for _ in range(20)])
@@ -90,7 +70,7 @@ def test_bob_starts_within_seconds_of_alices_flood(core: Core, workers, tmp_path
 
 def test_a_concurrency_key_of_three_never_has_a_fourth_running(core, workers, tmp_path, db):
     for i in range(2):
-        workers.append(spawn_worker(core, tmp_path / f"w{i}", f"w{i}", cpu=4, memory_mb=2048))
+        workers.start(core, tmp_path / f"w{i}", f"w{i}", cpu=4, memory_mb=2048)
     key = {"key": "db-main", "limit": 3}
     with core.client("alice") as alice, core.client("bob") as bob:
         ids = _submit(alice, [shell("sleep 0.3", concurrency=key) for _ in range(12)])
@@ -133,7 +113,7 @@ def psycopg_connect(url: str):
 def test_a_running_quota_holds_work_with_its_reason(core: Core, workers, tmp_path, db) -> None:
     with core.client("root", "admin") as admin:
         admin.patch("/v1/owners/alice/share", json={"max_running": 1}).raise_for_status()
-    workers.append(spawn_worker(core, tmp_path / "w", "w", cpu=4, memory_mb=2048))
+    workers.start(core, tmp_path / "w", "w", cpu=4, memory_mb=2048)
     with core.client("alice") as alice:
         ids = _submit(alice, [shell("sleep 1") for _ in range(3)])
         running = "SELECT count(*) FROM core.tasks WHERE id = ANY(%s) AND state = 'running'"
@@ -161,7 +141,7 @@ def test_aging_lets_a_low_priority_task_through_a_high_priority_stream(
     )  # fmt: skip
     stop = threading.Event()
     try:
-        workers.append(spawn_worker(server, tmp_path / "w", "w", cpu=0.5, memory_mb=512))
+        workers.start(server, tmp_path / "w", "w", cpu=0.5, memory_mb=512)
         with server.client("alice") as alice, server.client("bob") as bob:
 
             def stream() -> None:

@@ -101,6 +101,74 @@ def test_a_team_schedule_may_use_only_the_teams_secrets(core: Core, tmp_path: Pa
         cron.stop()
 
 
+def _errors(answer) -> tuple[int, str]:
+    return answer.status_code, answer.json()["errors"][0]["field"]
+
+
+def test_only_its_owner_moves_a_schedule_to_a_team_and_back_under_the_teams_rules(
+    core: Core, tmp_path: Path, db
+) -> None:
+    _team(core, "sre", "alice", "bob")
+    _team(core, "data", "alice")
+    _team(core, "ops", "bob")
+    cron = start_cron(core, tmp_path / "cron")
+    own_secret = {"name": "t", "artifact": ARTIFACT, "env": {"DB": {"secret": "mine"}}}
+    sre_secret = {**own_secret, "env": {"DB": {"secret": "db", "team": "sre"}}}
+    try:
+        with cron.client("alice") as alice, cron.client("bob") as bob:
+            made = alice.post(
+                "/v1/schedules", json=_schedule(target={"kind": "task", "task": own_secret})
+            )
+            sid = made.json()["id"]
+            path = f"/v1/schedules/{sid}"
+            # Its stored target names alice's own secret: not for a team's schedule.
+            assert _errors(alice.patch(path, json={"team": "sre"})) == (
+                422,
+                "body.target.task.env.DB",
+            )
+            # Only a member gives it to a team: alice is not in ops.
+            assert _errors(alice.patch(path, json={"team": "ops"})) == (403, "body.team")
+            # A personal schedule's task names no team of its own.
+            tied = {"kind": "task", "task": {**sre_secret, "team": "sre"}}
+            assert _errors(alice.patch(path, json={"target": tied})) == (
+                422,
+                "body.target.task.team",
+            )
+            target = {"kind": "task", "task": sre_secret}
+            moved = alice.patch(path, json={"team": "sre", "target": target})
+            assert moved.status_code == 200, moved.text
+            assert moved.json()["team"] == "sre"
+            assert moved.json()["target"]["task"]["team"] == "sre"
+            assert bob.get(path).status_code == 200
+            # bob, a teammate, changes it but may not move it: it is alice's to give.
+            assert bob.patch(path, json={"name": "renamed"}).status_code == 200
+            assert _errors(bob.patch(path, json={"team": "ops"})) == (403, "body.team")
+            assert _errors(bob.patch(path, json={"team": None})) == (403, "body.team")
+            # To data, its stored target is bound anew: the sre secret does not go along.
+            assert _errors(alice.patch(path, json={"team": "data"})) == (
+                422,
+                "body.target.task.env.DB",
+            )
+            plain = {"kind": "task", "task": {**sre_secret, "env": {}}}
+            moved = alice.patch(path, json={"team": "data", "target": plain})
+            assert moved.status_code == 200, moved.text
+            assert moved.json()["target"]["task"]["team"] == "data"
+            assert bob.get(path).status_code == 404
+            fired = alice.post(f"{path}/trigger")
+            assert fired.status_code == 201, fired.text
+            task_id = fired.json()["task_id"]
+            # Back to alice alone: the stored task names no team any more.
+            back = alice.patch(path, json={"team": None})
+            assert back.status_code == 200, back.text
+            assert back.json()["team"] is None
+            assert back.json()["target"]["task"]["team"] is None
+    finally:
+        cron.stop()
+    row = db.execute("SELECT owner, team FROM core.tasks WHERE id = %s", (task_id,)).fetchone()
+    assert row == ("alice", "data")
+    assert db.execute("SELECT team FROM cron.schedules WHERE id = %s", (sid,)).fetchone() == (None,)
+
+
 def test_a_team_workflows_runs_and_tasks_are_the_teams(core: Core, tmp_path: Path, db) -> None:
     _team(core, "sre", "alice", "bob")
     dag = start_dag(core, tmp_path / "dag")

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.settings import libpq_url
+from libs.common.states import TaskState
+from services.core import queries, store
 from tests.support import Core, spec
 
 
@@ -116,3 +120,37 @@ def test_users_read_only_their_own_events(core: Core) -> None:
         # An empty page still moves the cursor forward.
         after = alice.get("/v1/events", params={"after": events[-1]["cursor"]}).json()
     assert after["items"] == [] and after["next_cursor"] >= events[-1]["cursor"]
+
+
+def test_the_matchers_read_of_deaths_skips_the_rest_and_moves_past_it(db_url: str, db) -> None:
+    """``read_feed`` with ``to_state``: only the events that moved a task there come back,
+    a page at a time, the cursor passes the others, and the partial index serves it."""
+    states = ["waiting", "running", "succeeded", "dead", "waiting", "dead", "succeeded"]
+    for task_id, state in enumerate(states, start=1):
+        db.execute(
+            "INSERT INTO core.task_events (task_id, seq, owner, op, to_state)"
+            " VALUES (%s, 1, 'alice', 'submit', %s)",
+            (task_id, state),
+        )
+
+    async def read() -> list[tuple[list[int], tuple[int, int]]]:
+        engine = create_async_engine(db_url)
+        pages, after = [], (0, 0)
+        try:
+            async with engine.connect() as conn:
+                for _ in range(3):
+                    events, after = await store.read_feed(conn, after, 1, None, TaskState.DEAD)
+                    pages.append(([e.task_id for e in events], after))
+        finally:
+            await engine.dispose()
+        return pages
+
+    pages = asyncio.run(read())
+    assert [ids for ids, _ in pages] == [[4], [6], []]
+    last = db.execute("SELECT max(xid), max(id) FROM core.task_events").fetchone()
+    assert last is not None and pages[-1][1] >= (last[0], last[1])
+    sql = str(queries.feed_to(TaskState.DEAD)).replace(":limit", "1").replace(":teams", "NULL")
+    sql = sql.replace(":owner", "NULL").replace(":xid", "0").replace(":id", "0")
+    db.execute("SET enable_seqscan = off")
+    plan = "\n".join(r[0] for r in db.execute("EXPLAIN " + sql).fetchall())
+    assert "ix_task_events_dead" in plan

@@ -364,7 +364,7 @@ def test_production_takes_https_webhooks_only(db_url: str, tmp_path: Path) -> No
 
 def test_the_client_manages_subscriptions(core: Core) -> None:
     from libs.common.client import CoreClient
-    from libs.common.notify_models import SubscriptionCreate
+    from libs.common.models import SubscriptionCreate
 
     async def go() -> None:
         async with CoreClient(core.url, core.tokens["alice"]) as client:

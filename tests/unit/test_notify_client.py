@@ -12,7 +12,7 @@ import respx
 
 from libs.common.client import CoreClient
 from libs.common.errors import InvalidInput, NotFound
-from libs.common.notify_models import NotificationEvent, SubscriptionCreate
+from libs.common.models import NotificationEvent, SubscriptionCreate
 
 CORE = "http://core.test"
 SUBSCRIPTION: dict[str, Any] = {

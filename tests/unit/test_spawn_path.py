@@ -62,7 +62,7 @@ def _host(root: Path, **settings: Any) -> Host:
     return host
 
 
-def _assignment(attempt_id: int, script: str, memory_mb: int = 64) -> Assignment:
+def _assignment(attempt_id: int, script: str, memory_mb: int = 64, cpu: float = 0.5) -> Assignment:
     return Assignment(
         attempt_id=attempt_id,
         attempt_number=1,
@@ -73,16 +73,16 @@ def _assignment(attempt_id: int, script: str, memory_mb: int = 64) -> Assignment
         env={},
         input_path=None,
         output_path=None,
-        resources=Resources(cpu=0.5, memory_mb=memory_mb),
+        resources=Resources(cpu=cpu, memory_mb=memory_mb),
         timeout_s=30,
     )
 
 
 async def _attempt(
-    host: Host, attempt_id: int, script: str, memory_mb: int = 64
+    host: Host, attempt_id: int, script: str, memory_mb: int = 64, cpu: float = 0.5
 ) -> tuple[Prepared, AttemptResult]:
     cache = ArtifactCache(host.settings.home / "artifacts")
-    prepared = await host.prepare(_assignment(attempt_id, script, memory_mb), cache)
+    prepared = await host.prepare(_assignment(attempt_id, script, memory_mb, cpu), cache)
     assert prepared.spec.helper is not None  # the fast path, not preexec_fn
     handle = await start_attempt(prepared.spec)
     result = await handle.wait()
@@ -161,6 +161,51 @@ def test_an_attempt_is_born_in_its_pooled_cgroup_with_its_limits(root: Path) -> 
     assert limits_one["memory"] == str(64 * 2**20) and limits_two["memory"] == str(96 * 2**20)
     assert limits_one["cpu"] == "50000" and limits_one["pids"] == "33"  # 32 and the helper
     assert not any(folder.exists() for folder in first.cgroup.folders.values())  # closed
+
+
+def _throttled(folder: Path) -> int:
+    for line in (folder / "cpu.stat").read_text().splitlines():
+        if line.startswith("nr_throttled "):
+            return int(line.split()[1])
+    raise AssertionError("no nr_throttled in cpu.stat")
+
+
+def test_a_small_cpu_request_starts_unthrottled_with_the_same_share(root: Path) -> None:
+    """0.01 CPU is 10 ms a second, not 1 ms per 100 ms: the same share, but a shell's
+    start-up (and its exec of a command) fits one period instead of being throttled."""
+    host = _host(root)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+
+    async def scenario() -> list[tuple[str, str, int, AttemptResult]]:
+        seen = []
+        try:
+            for attempt_id, cpu in ((1, 0.01), (2, 0.5)):
+                cache = ArtifactCache(host.settings.home / "artifacts")
+                prepared = await host.prepare(
+                    _assignment(attempt_id, "cat /proc/self/cgroup", cpu=cpu), cache
+                )
+                assert prepared.cgroup is not None and prepared.slot is not None
+                folder = prepared.cgroup.folders["cpu"]
+                before = _throttled(folder)
+                handle = await start_attempt(prepared.spec)
+                result = await handle.wait()
+                period = (folder / "cpu.cfs_period_us").read_text().strip()
+                quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+                seen.append((period, quota, _throttled(folder) - before, result))
+                await host.stop_leftovers(prepared)
+                await host.release(prepared)
+        finally:
+            await host.close()
+        return seen
+
+    (period_one, quota_one, throttled, one), (period_two, quota_two, _, two) = asyncio.run(
+        scenario()
+    )
+    assert one.outcome == two.outcome == "succeeded", (one, two)
+    assert (period_one, quota_one) == ("1000000", "10000")
+    assert throttled == 0
+    assert (period_two, quota_two) == ("100000", "50000")  # the same slot, reset
 
 
 def test_the_pool_hands_no_process_file_or_counter_to_the_next_attempt(root: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.worker import hardening
-from services.worker.cgroups import Cgroups
+from services.worker.cgroups import Cgroups, cpu_bandwidth
 from services.worker.isolation import IsolationError, UidPool, remove_tree
 
 
@@ -112,3 +112,19 @@ def test_an_attempt_cgroup_limits_measures_and_kills_the_whole_tree() -> None:
         assert group.remove()
         driver.close()
     assert not any(folder.exists() for folder in group.folders.values())
+
+
+def test_cpu_bandwidth_keeps_the_share_and_gives_small_requests_10_ms_periods() -> None:
+    assert cpu_bandwidth(0.5) == (50_000, 100_000)
+    assert cpu_bandwidth(2.0) == (200_000, 100_000)
+    assert cpu_bandwidth(0.01) == (10_000, 1_000_000)
+    assert cpu_bandwidth(0.05) == (10_000, 200_000)
+    assert cpu_bandwidth(0.001) == (
+        1_000,
+        1_000_000,
+    )  # the kernel's longest period, its least quota
+    for cpu in (0.001, 0.003, 0.01, 0.05, 0.1, 0.5, 1.0, 3.7):
+        quota, period = cpu_bandwidth(cpu)
+        assert 100_000 <= period <= 1_000_000 and quota >= 1000
+        assert quota >= 10_000 or period == 1_000_000
+        assert abs(quota / period - cpu) <= max(0.001, cpu * 0.01)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
 from libs.common.errors import InvalidInput
-from libs.common.notify_models import (
+from libs.common.models import (
     AnswerList,
     Delivery,
     DeliveryList,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 
-from libs.common.errors import Conflict
+from libs.common.errors import Conflict, NotFound
 from libs.common.models import (
     MAX_PAGE,
     WORKER_LEASE_HEADER,
@@ -31,7 +31,17 @@ from libs.common.states import TaskState
 from services.core import placement, tasklogs
 from services.core.api.tasks import decode_cursor, encode_cursor
 from services.core.db import dispatch
-from services.core.deps import AdminOnly, Announcer, Audit, Box, Engine, Meter, require
+from services.core.deps import (
+    AdminOnly,
+    Announcer,
+    Audit,
+    Box,
+    Engine,
+    LeaseCache,
+    Meter,
+    on_liveness_pool,
+    require,
+)
 from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
 from services.core.store import Principal
@@ -53,16 +63,23 @@ async def _own_worker(
     worker_id: WorkerId,
     principal: AgentPrincipal,
     engine: Engine,
+    request: Request,
     lease: Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=200)] = None,
-) -> Any:
+) -> dispatch.Holder:
     """The worker, if the caller registered it (admins: any) and holds its lease secret;
-    else 404, as for a missing worker."""
+    else 404, as for a missing worker. A lease checked lately is not read again."""
     owner = None if principal.role == "admin" else principal.name
+    leases: LeaseCache = request.app.state.leases
+    registrar = leases.principal_of(worker_id, lease)
+    if registrar is not None:
+        return dispatch.held_by(dispatch.Holder(worker_id, registrar), owner)
     async with engine.connect() as conn:
-        return await dispatch.leased_worker(conn, worker_id, lease, owner)
+        holder = await dispatch.leased_worker(conn, worker_id, lease)
+    leases.put(worker_id, lease, holder.principal)
+    return dispatch.held_by(holder, owner)
 
 
-OwnWorker = Annotated[Any, Depends(_own_worker)]
+OwnWorker = Annotated[dispatch.Holder, Depends(_own_worker)]
 
 
 @router.post(
@@ -111,7 +128,12 @@ def _dispatcher(
 Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
 
 
-@router.post("/{worker_id}/heartbeat", response_model=HeartbeatAnswer, responses=PROBLEMS)
+@router.post(
+    "/{worker_id}/heartbeat",
+    response_model=HeartbeatAnswer,
+    responses=PROBLEMS,
+    dependencies=[Depends(on_liveness_pool)],
+)
 async def heartbeat(
     beat: Heartbeat, worker: OwnWorker, dispatcher: Dispatch, request: Request
 ) -> HeartbeatAnswer:
@@ -224,5 +246,7 @@ async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) 
 
 async def _get(engine: Engine, worker_id: int) -> Worker:
     async with engine.connect() as conn:
-        (found,) = await dispatch.list_workers(conn, None, worker_id + 1, 1)
-        return found
+        found = await dispatch.list_workers(conn, None, worker_id + 1, 1)
+    if not found or found[0].id != worker_id:
+        raise NotFound(f"worker {worker_id} not found")  # purged since its lease was checked
+    return found[0]

@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from sqlalchemy import TextClause, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -33,6 +32,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState
 from services.core import placement, sharing, store, traces
+from services.core.db.params import jsonb
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, Amount, choose
@@ -281,22 +281,35 @@ async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | Non
     return row
 
 
-async def leased_worker(
-    conn: AsyncConnection, worker_id: int, lease: str | None, principal: str | None
-) -> Any:
-    """The worker's row if ``lease`` is its lease secret (and ``principal``, when given,
-    registered it); else ``NotFound``, the same answer as for a missing worker, so one
-    replica cannot act for another."""
+@dataclass(frozen=True)
+class Holder:
+    """A worker as a request that proved its lease knows it."""
+
+    id: int
+    #: who registered it
+    principal: str
+
+
+async def leased_worker(conn: AsyncConnection, worker_id: int, lease: str | None) -> Holder:
+    """The worker if ``lease`` is its lease secret; else ``NotFound``, the same answer as
+    for a missing worker, so one replica cannot act for another."""
     row = (await conn.execute(select(workers).where(workers.c.id == worker_id))).first()
     if (
         row is None
         or row.lease_sha256 is None
         or not lease
         or not hmac.compare_digest(row.lease_sha256, lease_digest(lease))
-        or (principal is not None and row.principal != principal)
     ):
         raise NotFound(f"worker {worker_id} not found")
-    return row
+    return Holder(row.id, row.principal)
+
+
+def held_by(holder: Holder, principal: str | None) -> Holder:
+    """``holder`` if ``principal`` (when given: admins act for any) registered it; else
+    ``NotFound``, as for a missing worker."""
+    if principal is not None and holder.principal != principal:
+        raise NotFound(f"worker {holder.id} not found")
+    return holder
 
 
 async def list_workers(
@@ -799,10 +812,6 @@ async def report_many(
     return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in order]
 
 
-def _json(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:
     def column(get: Callable[[AttemptReport, Any, Move | None], Any]) -> list[Any]:
         return [get(item, row, move) for item, row, move in batch]
@@ -834,7 +843,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
         "crashed": column(lambda i, r, m: int(m.crashed) if m else 0),
         "refunds": column(lambda i, r, m: int(m.refund) if m else 0),
         "finals": column(lambda i, r, m: m.target in FINAL if m else False),
-        "outputs": column(lambda i, r, m: None if i.outputs is None else _json(i.outputs)),
+        "outputs": column(lambda i, r, m: None if i.outputs is None else jsonb(i.outputs)),
         "decay": DECAY,
     }
 

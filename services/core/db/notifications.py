@@ -8,22 +8,22 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import orjson
 from sqlalchemy import Row, TextClause, delete, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, NotFound
-from libs.common.models import Event
-from libs.common.notify_models import (
+from libs.common.models import (
     MAX_SUBSCRIPTIONS,
     Answer,
     Delivery,
+    Event,
     NotificationEvent,
     Subscription,
     SubscriptionCreate,
     SubscriptionFilter,
 )
+from services.core.db.params import jsonb
 from services.core.tables import notification_answers, notifications, notify_cursors, subscriptions
 
 # One replica at a time runs each scan: a transaction-scoped advisory lock, taken without
@@ -275,25 +275,25 @@ async def queue_posted(conn: AsyncConnection, event: NotificationEvent, at: date
             "key": event.key,
             "owner": event.owner,
             "queue": event.queue,
-            "labels": orjson.dumps(event.labels).decode(),
-            "payload": orjson.dumps(payload).decode(),
+            "labels": jsonb(event.labels),
+            "payload": jsonb(payload),
         },
     )
     return len(rows.all())
 
 
 async def queue_dead(conn: AsyncConnection, events: list[Event]) -> int:
-    """Queue ``task.dead`` deliveries for the feed events that moved a task to dead."""
-    dead = [e for e in events if e.to_state == "dead"]
-    if not dead:
+    """Queue ``task.dead`` deliveries for feed events that moved a task to dead (the
+    matcher reads only those: ``store.read_feed`` with ``to_state``)."""
+    if not events:
         return 0
     result = await conn.execute(
         QUEUE_DEAD,
         {
-            "task_ids": [e.task_id for e in dead],
-            "seqs": [e.seq for e in dead],
-            "reasons": [e.reason for e in dead],
-            "ats": [e.at for e in dead],
+            "task_ids": [e.task_id for e in events],
+            "seqs": [e.seq for e in events],
+            "reasons": [e.reason for e in events],
+            "ats": [e.at for e in events],
         },
     )
     return result.rowcount

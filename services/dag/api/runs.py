@@ -17,6 +17,7 @@ from libs.common.dag_models import (
     Run,
     RunClear,
     RunList,
+    RunRetry,
     RunState,
     WorkflowName,
 )
@@ -27,7 +28,7 @@ from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
 from services.dag.domain import data
 from services.dag.domain.graph import Dag
-from services.dag.engine import Graphs, clear_set, reset_for_retry
+from services.dag.engine import Graphs, clear_set, failed_instances, reset_for_retry
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -146,18 +147,31 @@ async def cancel_run(
 
 @router.post("/{run_id}/retry", response_model=Run, responses=PROBLEMS)
 async def retry_run(
-    run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache, loop: Loop
+    run_id: RunIdPath,
+    caller: Person,
+    db: Db,
+    graphs: GraphCache,
+    loop: Loop,
+    body: RunRetry | None = None,
 ) -> Run:
     """Run a failed or cancelled run again from the nodes that failed, could not run or
-    were cancelled (each with its try counted up); the run queues like a new one."""
+    were cancelled (each with its try counted up); the run queues like a new one. With
+    ``instances: failed`` a mapped node that failed keeps the instances that succeeded
+    and runs only its failed ones again."""
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
         dag = await graphs.get(conn, row.workflow_id)
-        states = {n.name: n.state for n in await store.nodes_of(conn, [run_id], lock=True)}
-        again = reset_for_retry(dag, states)
+        nodes = await store.nodes_of(conn, [run_id], lock=True)
+        again = reset_for_retry(dag, {n.name: n.state for n in nodes})
+        mapped: list[str] = []
+        instances: list[str] = []
+        if body is not None and body.instances == "failed":
+            mapped, instances = failed_instances(again, nodes)
+        whole = [name for name in again if name not in mapped]
         row = await store.requeue(
-            conn, run_id, caller.visibility, again, sources=_RETRIED, action="retried"
+            conn, run_id, caller.visibility, whole, sources=_RETRIED, action="retried"
         )
+        await store.retry_instances(conn, run_id, mapped, instances)
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run

@@ -6,11 +6,11 @@ const CONFIG = JSON.parse(document.getElementById("cairn-config").textContent);
 const BASES = { core: "", cron: CONFIG.cron.replace(/\/$/, ""), dag: CONFIG.dag.replace(/\/$/, "") };
 const TOKEN_KEY = "cairn.token";
 const TASK_STATES = ["ready", "waiting", "running", "succeeded", "failed", "dead", "cancelled"];
-const NODE_STATES = ["pending", "ready", "released", "running", "succeeded", "failed",
+const NODE_STATES = ["pending", "ready", "released", "mapped", "running", "succeeded", "failed",
   "upstream_failed", "skipped", "cancelling", "cancelled"];
 const COLOURS = {
   pending: "#8a93a6", ready: "#8a93a6", queued: "#8a93a6", waiting: "#c98a12",
-  released: "#c98a12", running: "#2f6fd6", succeeded: "#2e9b4f", failed: "#e06b1f",
+  released: "#c98a12", mapped: "#2f6fd6", running: "#2f6fd6", succeeded: "#2e9b4f", failed: "#e06b1f",
   upstream_failed: "#e06b1f", dead: "#c8312f", cancelled: "#5b5f6a", cancelling: "#5b5f6a",
   skipped: "#5b5f6a",
 };
@@ -50,7 +50,7 @@ function h(tag, attrs = {}, ...children) {
     if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else el.setAttribute(key, value === true ? "" : value);
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     el.append(child instanceof Node ? child : String(child));
   }
@@ -59,7 +59,7 @@ function h(tag, attrs = {}, ...children) {
 
 function s(tag, attrs = {}, ...children) {
   const el = document.createElementNS(SVG, tag);
-  for (const [key, value] of Object.entries(attrs)) el.setAttribute(key, value);
+  for (const [key, value] of Object.entries(attrs)) if (value !== null && value !== undefined) el.setAttribute(key, value);
   for (const child of children.flat()) if (child) el.append(child instanceof Node ? child : String(child));
   return el;
 }
@@ -89,10 +89,23 @@ function problem(error) {
   return h("p", { class: "error" }, `Could not load: ${error.message}`);
 }
 
-// Run ``draw`` now and every two seconds while the page is shown; it fills ``box``.
+const note = (el, text, error = false) => el.replaceChildren(h("span", { class: error ? "error" : "muted" }, text));
+
+// A button that calls ``action``, says what came of it in ``message``, then redraws.
+function actionButton(id, label, action, message, refresh, cls = null) {
+  return h("button", { id, class: cls, type: "button", onclick: async () => {
+    try { note(message, await action()); } catch (error) { note(message, error.message, true); }
+    await refresh();
+  } }, label);
+}
+
+// Run ``draw`` now and every two seconds while the page is shown; it fills ``box``,
+// whose data-turn counts the refreshes (what changed shows without a reload).
 async function live(box, draw) {
+  let turns = 0;
   const turn = async () => {
     try { box.replaceChildren(await draw()); } catch (error) { box.replaceChildren(problem(error)); }
+    box.dataset.turn = String(++turns);
   };
   pollers.push(setInterval(turn, 2000));
   await turn();
@@ -131,7 +144,8 @@ async function queuesPage(main) {
       api("core", "/v1/queues/history?minutes=60"), api("core", "/v1/owners?limit=10")]);
     const rows = queues.items.map((q) => h("tr", { "data-queue": q.name },
       h("td", {}, q.name, q.paused ? " (paused)" : ""),
-      ["ready", "waiting", "running", "failed", "dead"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
+      ["ready", "waiting", "running", "failed"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
+      h("td", { class: "num" }, q.depth.dead ? h("a", { href: `#/dead?queue=${encodeURIComponent(q.name)}` }, q.depth.dead) : 0),
       h("td", { class: "num" }, q.oldest_waiting_age_s === null ? "—" : `${num(q.oldest_waiting_age_s, 1)} s`)));
     const cards = history.items.map((q) => h("div", { class: "card" }, h("h3", {}, q.name), chart(q)));
     const quota = (used, most) => (most === null ? num(used, 1) : `${num(used, 1)}/${num(most, 1)}`);
@@ -169,35 +183,105 @@ function chart(series) {
     bars, s("path", { d: line, stroke: "#2f6fd6", fill: "none", "stroke-width": 2 }));
 }
 
-async function tasksPage(main, params) {
-  main.append(h("h1", {}, "Tasks"));
+const tasksPage = (main, params) => taskList(main, params, { title: "Tasks", verbs: ["retry", "cancel"] });
+const deadPage = (main, params) => taskList(main, params, {
+  title: "Dead set", state: "dead", verbs: ["retry"],
+  intro: "Tasks whose attempts are spent or that could not run: retry them one by one from their page, or all that the filter selects here.",
+});
+
+// A filtered list of tasks, live, with bulk actions on what the filter selects. With
+// ``options.state`` the list is that state's alone (the dead set).
+async function taskList(main, params, options) {
+  const path = options.state ? "#/dead" : "#/tasks";
+  main.append(h("h1", {}, options.title));
+  if (options.intro) main.append(h("p", { class: "muted" }, options.intro));
   const stateSelect = h("select", { name: "state", id: "filter-state" }, h("option", { value: "" }, "any"),
     TASK_STATES.map((st) => h("option", { value: st, selected: params.get("state") === st }, st)));
   const queueInput = h("input", { name: "queue", id: "filter-queue", value: params.get("queue") || "", size: 12 });
   const labelInput = h("input", { name: "label", id: "filter-label", value: params.get("label") || "", placeholder: "key=value", size: 16 });
+  const ownerInput = h("input", { name: "owner", id: "filter-owner", value: params.get("owner") || "", placeholder: "every owner", size: 12 });
+  const admin = me && me.role === "admin";
   const apply = (event) => {
     event.preventDefault();
     const next = new URLSearchParams();
-    if (stateSelect.value) next.set("state", stateSelect.value);
+    if (!options.state && stateSelect.value) next.set("state", stateSelect.value);
     if (queueInput.value) next.set("queue", queueInput.value);
     if (labelInput.value) next.set("label", labelInput.value);
-    location.hash = `#/tasks?${next}`;
+    if (admin && ownerInput.value) next.set("owner", ownerInput.value);
+    location.hash = `${path}?${next}`;
   };
   main.append(h("form", { class: "filters", onsubmit: apply },
-    h("label", {}, "state", stateSelect), h("label", {}, "queue", queueInput),
-    h("label", {}, "label", labelInput), h("button", { type: "submit" }, "Filter")));
-  const box = h("div");
-  main.append(box);
+    options.state ? null : h("label", {}, "state", stateSelect), h("label", {}, "queue", queueInput),
+    h("label", {}, "label", labelInput), admin ? h("label", {}, "owner", ownerInput) : null,
+    h("button", { type: "submit" }, "Filter")));
   const query = new URLSearchParams(params);
+  if (!admin) query.delete("owner");
+  if (options.state) query.set("state", options.state);
+  main.append(bulkActions(selectorOf(query), options.verbs));
+  const box = h("div", { id: "task-list" });
+  main.append(box);
   query.set("limit", "100");
   await live(box, async () => {
     const page = await api("core", `/v1/tasks?${query}`);
-    return table(["#", "name", "owner", "queue", "state", "attempts", "created"], page.items.map((t) =>
+    return table(["#", "name", "owner", "queue", "state", "attempts", "created", "last error"], page.items.map((t) =>
       h("tr", { "data-task-id": t.id },
         h("td", { class: "num" }, h("a", { href: `#/tasks/${t.id}` }, t.id)), h("td", {}, t.name),
         h("td", {}, t.owner), h("td", {}, t.queue), h("td", {}, badge(t.state)),
-        h("td", { class: "num" }, t.attempts), h("td", {}, when(t.created_at)))));
+        h("td", { class: "num" }, t.attempts), h("td", {}, when(t.created_at)), h("td", { class: "muted" }, t.last_error || ""))));
   });
+}
+
+// The bulk API's filter (TaskSelector) from the list's query: the same tasks the list shows
+// that the caller may act on (a user's own; an admin's, every owner's or the one named).
+function selectorOf(query) {
+  const selector = { labels: {} };
+  for (const key of ["state", "queue", "owner"]) if (query.get(key)) selector[key] = query.get(key);
+  for (const pair of query.getAll("label")) {
+    const cut = pair.indexOf("=");
+    if (cut > 0) selector.labels[pair.slice(0, cut)] = pair.slice(cut + 1);
+  }
+  return selector;
+}
+
+const BULK_LIMIT = 10000;  // MAX_BULK: the most one call moves
+const DONE = { retry: "retried", cancel: "cancelled" };
+
+// Retry or cancel what ``selector`` takes: a dry run counts them, the confirmation shows
+// the count, and only its button makes the real calls, up to that count.
+function bulkActions(selector, verbs) {
+  const message = h("span", { id: "bulk-message" });
+  const confirm = h("div", { id: "confirm", class: "confirm", hidden: true });
+  const whose = () => me.role !== "admin" ? "of yours" : selector.owner ? `of ${selector.owner}` : "of every owner";
+  const act = async (verb, count) => {
+    confirm.hidden = true;
+    let changed = 0;
+    try {
+      for (let turn = 0; changed < count && turn <= count / BULK_LIMIT + 1; turn++) {
+        const body = { filter: selector, limit: Math.min(BULK_LIMIT, count - changed) };
+        const done = await api("core", `/v1/tasks/${verb}`, { method: "POST", body });
+        changed += done.changed;
+        if (!done.more || !done.changed) break;
+      }
+      note(message, `${DONE[verb]} ${changed} task${changed === 1 ? "" : "s"}`);
+    } catch (error) { note(message, `${DONE[verb]} ${changed}, then: ${error.message}`, true); }
+  };
+  const ask = (verb) => async () => {
+    message.replaceChildren();
+    let count;
+    try {
+      count = (await api("core", `/v1/tasks/${verb}`, { method: "POST", body: { filter: selector, dry_run: true } })).matched;
+    } catch (error) { note(message, error.message, true); return; }
+    const noun = `${count} task${count === 1 ? "" : "s"}`;
+    confirm.dataset.count = String(count);
+    confirm.replaceChildren(
+      h("span", { id: "confirm-text" }, count ? `${verb === "retry" ? "Retry" : "Cancel"} ${noun} ${whose()}?` : `No task ${whose()} matches.`),
+      count ? h("button", { id: "confirm-yes", class: "danger", type: "button", onclick: () => act(verb, count) }, `Yes, ${verb} ${noun}`) : null,
+      h("button", { id: "confirm-no", type: "button", onclick: () => { confirm.hidden = true; } }, count ? "No" : "Close"));
+    confirm.hidden = false;
+  };
+  const buttons = verbs.map((verb) => h("button", { id: `bulk-${verb}`, type: "button", onclick: ask(verb) },
+    `${verb === "retry" ? "Retry" : "Cancel"} all matching…`));
+  return h("div", { class: "bulk" }, h("div", { class: "actions" }, buttons, message), confirm);
 }
 
 async function taskPage(main, id) {
@@ -346,16 +430,27 @@ async function workersPage(main) {
 
 async function schedulesPage(main) {
   main.append(h("h1", {}, "Schedules"), h("p", { class: "muted" }, "From the cron service; the next fires over the coming 24 hours."));
+  const message = h("p", { id: "schedule-message" });
   const box = h("div");
-  main.append(box);
-  await live(box, async () => {
+  main.append(message, box);
+  let refresh = async () => {};
+  const post = (sc, verb) => async () => {
+    const done = await api("cron", `/v1/schedules/${sc.id}/${verb}`, { method: "POST" });
+    return verb === "trigger" ? `schedule ${sc.name} fired: ${done.outcome}${done.task_id ? `, task ${done.task_id}` : ""}${done.run_id ? `, run ${done.run_id}` : ""}`
+      : `schedule ${sc.name} ${verb === "pause" ? "paused" : "resumed"}`;
+  };
+  refresh = await live(box, async () => {
     const page = await api("cron", "/v1/schedules?limit=50");
     const nexts = await Promise.all(page.items.map((sc) => sc.paused ? { items: [] } : api("cron", `/v1/schedules/${sc.id}/next?n=50`)));
-    const rows = page.items.map((sc, i) => h("tr", { "data-schedule-id": sc.id },
+    const rows = page.items.map((sc, i) => h("tr", { "data-schedule-id": sc.id, "data-paused": sc.paused ? "true" : "false" },
       h("td", { class: "num" }, sc.id), h("td", {}, sc.name), h("td", {}, h("code", {}, sc.expression)),
       h("td", {}, sc.timezone), h("td", {}, sc.target.kind === "dag" ? `run of ${sc.target.workflow}` : "task"),
-      h("td", {}, sc.paused ? "paused" : when(sc.next_fire_at)), h("td", {}, timeline(nexts[i].items))));
-    return table(["#", "name", "expression", "zone", "target", "next fire", "next 24 h"], rows);
+      h("td", {}, sc.paused ? "paused" : when(sc.next_fire_at)), h("td", {}, timeline(nexts[i].items)),
+      h("td", { class: "actions" },
+        sc.paused ? actionButton(`resume-${sc.id}`, "Resume", post(sc, "resume"), message, () => refresh())
+          : actionButton(`pause-${sc.id}`, "Pause", post(sc, "pause"), message, () => refresh()),
+        actionButton(`trigger-${sc.id}`, "Trigger now", post(sc, "trigger"), message, () => refresh()))));
+    return table(["#", "name", "expression", "zone", "target", "next fire", "next 24 h", "actions"], rows);
   });
 }
 
@@ -369,34 +464,80 @@ function timeline(fires) {
     s("line", { class: "axis", x1: 4, y1: 12, x2: width - 4, y2: 12 }), marks, ticks);
 }
 
+const RUN_LIVE = ["queued", "running"];
+const RUN_RETRIED = ["failed", "cancelled"];
+
+// A run's actions, as the DAG service allows them: cancel while it is queued or running,
+// retry once it failed or was cancelled (with ``instances: failed`` only a mapped node's
+// failed instances run again).
+function runActions(run, message, refresh, failedInstances = false) {
+  const post = (verb, body, said) => async () => {
+    const done = await api("dag", `/v1/runs/${run.id}/${verb}`, { method: "POST", body });
+    return `run ${run.id} ${said}: ${done.state}`;
+  };
+  return [
+    RUN_LIVE.includes(run.state) ? actionButton(`cancel-run-${run.id}`, "Cancel", post("cancel", undefined, "cancelled"), message, refresh, "danger") : null,
+    RUN_RETRIED.includes(run.state) ? actionButton(`retry-run-${run.id}`, "Retry", post("retry", undefined, "retried"), message, refresh) : null,
+    RUN_RETRIED.includes(run.state) && failedInstances ? actionButton(`retry-instances-${run.id}`, "Retry failed instances",
+      post("retry", { instances: "failed" }, "retried (failed instances)"), message, refresh) : null,
+  ];
+}
+
 async function runsPage(main) {
   main.append(h("h1", {}, "Workflow runs"));
+  const message = h("p", { id: "run-message" });
   const box = h("div");
-  main.append(box);
-  await live(box, async () => {
+  main.append(message, box);
+  let refresh = async () => {};
+  refresh = await live(box, async () => {
     const page = await api("dag", "/v1/runs?limit=100");
-    return table(["#", "workflow", "version", "owner", "state", "created", "finished"], page.items.map((r) =>
+    return table(["#", "workflow", "version", "owner", "state", "created", "finished", "actions"], page.items.map((r) =>
       h("tr", { "data-run-id": r.id }, h("td", { class: "num" }, h("a", { href: `#/runs/${r.id}` }, r.id)),
         h("td", {}, r.workflow), h("td", { class: "num" }, r.workflow_version), h("td", {}, r.owner),
-        h("td", {}, badge(r.state)), h("td", {}, when(r.created_at)), h("td", {}, when(r.finished_at)))));
+        h("td", {}, badge(r.state)), h("td", {}, when(r.created_at)), h("td", {}, when(r.finished_at)),
+        h("td", { class: "actions" }, runActions(r, message, () => refresh())))));
   });
 }
 
 async function runPage(main, id) {
   main.append(h("h1", {}, `Run ${id}`));
-  const box = h("div");
-  main.append(box, h("div", { class: "legend" }, NODE_STATES.map(badge)));
-  await live(box, async () => {
+  const message = h("p", { id: "run-message" });
+  const box = h("div", { id: "run" });
+  main.append(message, box);
+  let refresh = async () => {};
+  refresh = await live(box, async () => {
     const [run, graph] = await Promise.all([api("dag", `/v1/runs/${id}`), api("dag", `/v1/runs/${id}/graph`)]);
+    const instances = new Map();
+    for (const n of run.nodes) if (n.map_of) (instances.get(n.map_of) || instances.set(n.map_of, []).get(n.map_of)).push(n);
+    const failedInstances = run.nodes.some((n) => n.map_of && ["failed", "upstream_failed", "cancelled"].includes(n.state));
     return h("div", {},
-      h("p", {}, `${run.workflow} v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`),
-      drawGraph(graph));
+      h("p", { id: "run-state" }, `${run.workflow} v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`,
+        run.deadline ? ` · deadline ${when(run.deadline)}` : "", run.reason ? ` · ${run.reason}` : ""),
+      h("div", { class: "actions" }, runActions(run, message, () => refresh(), failedInstances)),
+      drawGraph(graph, instances),
+      h("div", { class: "legend" }, NODE_STATES.map(badge)),
+      h("h2", {}, "Nodes"),
+      nodeTable(run.nodes));
   });
+}
+
+// Every node in order, each mapped node followed by its instances (indented, with the
+// item each got), with the outputs each kept.
+function nodeTable(nodes) {
+  const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
+  const outputs = (kept) => kept && Object.keys(kept).length
+    ? h("dl", { class: "outputs" }, Object.entries(kept).map(([key, value]) => [h("dt", {}, key), h("dd", {}, shown(value))])) : "—";
+  return table(["node", "state", "try", "task", "map item", "outputs", "error"], nodes.map((n) =>
+    h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
+      h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
+      h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id) : "—"),
+      h("td", {}, n.map_of ? shown(n.map_item) : ""), h("td", { class: "node-outputs" }, outputs(n.outputs)),
+      h("td", { class: "muted" }, n.error || ""))));
 }
 
 // Layered layout: a node's layer is its longest path from a root; within a layer, nodes
 // keep the order the API gave. Edges are drawn upstream (left) to downstream (right).
-function drawGraph(graph) {
+function drawGraph(graph, instances = new Map()) {
   const upstream = new Map(graph.nodes.map((n) => [n.name, []]));
   for (const e of graph.edges) upstream.get(e.target).push(e.source);
   const depth = new Map();
@@ -421,9 +562,14 @@ function drawGraph(graph) {
   });
   const nodes = graph.nodes.map((n) => {
     const p = where.get(n.name);
-    const label = n.name.length > 16 ? `${n.name.slice(0, 15)}…` : n.name;
-    const group = s("g", { class: "node", "data-node": n.name, "data-state": n.state, transform: `translate(${p.x},${p.y})` },
-      s("title", {}, `${n.name}: ${n.state}${n.task_id ? ` (task ${n.task_id})` : ""}`),
+    const mine = instances.get(n.name) || [];
+    const ok = mine.filter((i) => i.state === "succeeded").length;
+    const count = mine.length ? ` ${ok}/${mine.length}` : "";
+    const room = 16 - count.length;
+    const label = (n.name.length > room ? `${n.name.slice(0, room - 1)}…` : n.name) + count;
+    const group = s("g", { class: "node", "data-node": n.name, "data-state": n.state, "data-instances": mine.length || null,
+      transform: `translate(${p.x},${p.y})` },
+      s("title", {}, `${n.name}: ${n.state}${n.task_id ? ` (task ${n.task_id})` : ""}${mine.length ? `; ${ok} of ${mine.length} instances succeeded` : ""}`),
       s("rect", { width: boxW, height: boxH, fill: COLOURS[n.state] || "#889" }),
       s("text", { x: 8, y: 19 }, label));
     if (n.task_id) group.addEventListener("click", () => { location.hash = `#/tasks/${n.task_id}`; });
@@ -438,6 +584,7 @@ function drawGraph(graph) {
 
 const ROUTES = [
   [/^#\/queues$/, queuesPage], [/^#\/tasks$/, tasksPage], [/^#\/tasks\/(\d+)$/, taskPage],
+  [/^#\/dead$/, deadPage],
   [/^#\/workers$/, workersPage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
   [/^#\/runs\/(\d+)$/, runPage],
 ];

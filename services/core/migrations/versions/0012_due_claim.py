@@ -3,7 +3,7 @@ an index of ready work by queue and due time, so it finds them without walking t
 future ones.
 
 Revision ID: 0006_due_claim
-Revises: 0005_data
+Revises: 0006_speed
 Create Date: 2026-12-01
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0006_due_claim"
-down_revision = "0005_data"
+down_revision = "0006_speed"
 branch_labels = None
 depends_on = None
 

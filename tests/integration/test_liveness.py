@@ -1,0 +1,106 @@
+"""The liveness path's own pool: heartbeats (and the reaper) are answered while the data
+path's load holds every connection of its pool; and the lease check's cache keeps its
+fence."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from libs.common.settings import libpq_url
+from tests.support import Core, spec, start_core, wait_for
+
+DB = psycopg.Connection[tuple[Any, ...]]
+DATA_POOL = 2
+
+
+def _register(core: Core, name: str) -> tuple[httpx.Client, int]:
+    http = core.client(name, "worker")
+    offer = {"hostname": f"{name}.test", "queues": ["default"], "cpu": 1, "memory_mb": 512}
+    answer = http.post("/v1/workers", json=offer)
+    assert answer.status_code == 201, answer.text
+    http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
+    return http, answer.json()["worker"]["id"]
+
+
+def _lock_waiters(db: DB) -> int:
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_heartbeat_is_answered_while_submits_hold_every_data_connection(
+    db_url: str, tmp_path: Path, db: DB
+) -> None:
+    core = start_core(db_url, tmp_path, db_pool_size=DATA_POOL, heartbeat_timeout_s=3600.0)
+    worker, worker_id = _register(core, "w1")
+    answers: list[int] = []
+    try:
+        with psycopg.connect(libpq_url(db_url)) as locker:
+            # Every insert into core.tasks now waits on this lock, holding its connection.
+            locker.execute("LOCK TABLE core.tasks IN SHARE MODE")
+
+            def submit() -> None:
+                with core.client("alice") as alice:
+                    answers.append(alice.post("/v1/tasks", json=spec()).status_code)
+
+            submitters = [threading.Thread(target=submit) for _ in range(DATA_POOL + 1)]
+            for thread in submitters:
+                thread.start()
+            # The whole data pool waits on the lock (the extra submit waits for the pool).
+            wait_for(lambda: _lock_waiters(db) >= DATA_POOL)
+            before = db.execute(
+                "SELECT last_heartbeat_at FROM core.workers WHERE id = %s", (worker_id,)
+            ).fetchone()
+            beat = worker.post(
+                f"/v1/workers/{worker_id}/heartbeat", json={"attempts": []}, timeout=5.0
+            )
+            assert beat.status_code == 200, beat.text
+            assert beat.json()["state"] == "live"
+            after = db.execute(
+                "SELECT last_heartbeat_at FROM core.workers WHERE id = %s", (worker_id,)
+            ).fetchone()
+            assert before is not None and after is not None and after[0] > before[0]
+            assert answers == []  # the submits were still waiting when the beat came back
+            locker.rollback()
+        for thread in submitters:
+            thread.join(timeout=30)
+        assert answers == [201] * (DATA_POOL + 1)
+    finally:
+        worker.close()
+        core.stop()
+
+
+def test_a_cached_lease_still_fences_out_another_principal_and_a_wrong_lease(
+    db_url: str, tmp_path: Path
+) -> None:
+    core = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
+    owner, worker_id = _register(core, "w1")
+    lease = owner.headers["X-Cairn-Worker-Lease"]
+    path = f"/v1/workers/{worker_id}/heartbeat"
+    try:
+        assert owner.post(path, json={"attempts": []}).status_code == 200  # cached now
+        with core.client("mallory", "worker") as mallory:
+            stolen = mallory.post(
+                path, json={"attempts": []}, headers={"X-Cairn-Worker-Lease": lease}
+            )
+            assert stolen.status_code == 404
+            assert stolen.json()["detail"] == f"worker {worker_id} not found"
+        wrong = owner.post(path, json={"attempts": []}, headers={"X-Cairn-Worker-Lease": "x"})
+        assert wrong.status_code == 404
+        with core.client("root", "admin") as admin:
+            answer = admin.post(
+                path, json={"attempts": []}, headers={"X-Cairn-Worker-Lease": lease}
+            )
+            assert answer.status_code == 200
+        assert owner.post(path, json={"attempts": []}).status_code == 200
+    finally:
+        owner.close()
+        core.stop()
