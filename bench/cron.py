@@ -1,6 +1,7 @@
-"""Cron benchmark: fire lag with many schedules due at once, and the heap at 100,000.
+"""Cron benchmark: lag with many schedules due at once, leases by real claims, the heap.
 
-    .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20]
+    .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20] [--jitter 0]
+                                   [--workers 4] [--claim-max 256] [--promote-after S]
                                    [--held 100000] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings) in a temp folder, migrates
@@ -8,13 +9,24 @@ it, and starts core as its own process (``python -m services.core``, one uvicorn
 The cron engine runs in this process on the real clock (core starts delayed tasks by the
 database's clock, so the two must agree), with ``--lead`` seconds of lead.
 
-1. Fire lag: ``--schedules`` schedules ``* * * * *`` owned by 100 people are created, the
-   engine takes the lead and builds its heap; then ``--rounds`` minute boundaries pass.
-   Each fire's task is sent ahead with ``run_at`` = the slot. A fire's lag is the instant
-   core made its task eligible to run (the ``at`` of the task's first event into
-   ``waiting``: the start of the promoting transaction, or of the submit's if it came
-   late) minus the slot. Every slot must be fired exactly once: the fires table and core's
-   tasks are counted. Bar (DESIGN.md): p99 under 50 ms at 10,000 schedules.
+1. Lag: ``--schedules`` schedules ``* * * * *`` (each with ``--jitter`` seconds of jitter,
+   0: all due at the minute) owned by one person per hundred schedules are put into the
+   table in bulk (one created through the store, copied), the engine takes the lead and
+   builds its heap; then ``--rounds`` minute boundaries pass. Each fire's task is sent
+   ahead with ``run_at`` = its start (the slot plus the jitter). ``--workers`` fake
+   workers, in a process of their own, do real HTTP turns (report what the last turn
+   leased as succeeded, claim up to ``--claim-max`` more, long-polling): the figures are,
+   each minus the task's ``run_at``,
+   - eligible: the instant core would hand the task to a claim: its ``run_at``, or its
+     submission's, had the fire come late (the claim takes a ready task whose ``run_at``
+     has come, so no promotion stands between);
+   - first move: the first event after the submission (a claim straight from ``ready``,
+     or the promoter's move to ``waiting``): core acting on it;
+   - leased: the start of the claim transaction that leased its attempt;
+   - received: the instant the worker process read the turn's answer with it.
+   Nothing may be leased before its ``run_at``: counted. Every slot must be fired exactly
+   once: the fires table and core's tasks are counted. Bar (DESIGN.md): p99 under 50 ms at
+   10,000 schedules in the same second; 1 s at 100,000 in the same minute.
 2. Heap: ``--held`` schedules are put straight into the table, and the leader's heap is
    rebuilt from it: time, and the memory the heap and its version map hold (tracemalloc).
 """
@@ -25,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -37,11 +50,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy.ext.asyncio import create_async_engine
 from stack import core_stack, exit_on_sigterm
 
 from libs.common.client import CoreClient
 from libs.common.cron_models import ScheduleCreate
+from libs.common.models import AttemptReport, ClaimRequest, Turn, WorkerRegister
 from libs.common.settings import libpq_url
 from services.core import admin
 from services.cron import store
@@ -59,26 +74,85 @@ def _pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-async def create_schedules(db_url: str, count: int, now: datetime) -> None:
+async def create_schedules(db_url: str, count: int, now: datetime, jitter_s: int) -> None:
+    """One schedule through the store (validated, its first fire computed), copied in bulk
+    to ``count``, one owner per hundred."""
     engine = create_async_engine(db_url)
     template = {
-        "name": "bench",
+        "name": "s0",
         "expression": "* * * * *",
         "timezone": "UTC",
+        "jitter_s": jitter_s,
         "target": {
             "kind": "task",
             "task": {
                 "name": "cron-bench",
                 "artifact": {"uri": "file:///bin/true", "sha256": TRUE_SHA},
                 "queue": "bench",
+                "resources": {"cpu": 0.01, "memory_mb": 1},
             },
         },
     }
     async with engine.begin() as conn:
-        for n in range(count):
-            body = ScheduleCreate.model_validate({**template, "name": f"s{n}"})
-            await store.create(conn, f"user{n % 100}", body, now, 1_000_000)
+        first = await store.create(conn, "user0", ScheduleCreate.model_validate(template), now, 10)
     await engine.dispose()
+    columns = (
+        "expression, timezone, target, misfire_policy, catch_up_limit, misfire_grace_s,"
+        " overlap_policy, jitter_s, fired_through, next_fire_at"
+    )
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        conn.execute(
+            f"INSERT INTO cron.schedules (owner, name, {columns})"
+            f" SELECT 'user' || (g / 100), 's' || g, {columns}"
+            "   FROM cron.schedules, generate_series(1, %(more)s) AS g WHERE id = %(id)s",
+            {"more": count - 1, "id": first.id},
+        )
+
+
+def workers_main(core_url: str, tokens: list[str], claim_max: int, stop: Any, out: str) -> None:
+    """The fake workers' process: every lease it receives, with the instant it read it."""
+    received: list[tuple[int, float]] = []
+    asyncio.run(_workers(core_url, tokens, claim_max, stop, received))
+    Path(out).write_text(json.dumps(received))
+
+
+async def _workers(
+    core_url: str, tokens: list[str], claim_max: int, stop: Any, received: list[tuple[int, float]]
+) -> None:
+    await asyncio.gather(
+        *(_work(core_url, t, f"w{i}", claim_max, stop, received) for i, t in enumerate(tokens))
+    )
+
+
+async def _work(
+    core_url: str,
+    token: str,
+    name: str,
+    claim_max: int,
+    stop: Any,
+    received: list[tuple[int, float]],
+) -> None:
+    """One fake agent with all the room it asks for: each turn reports what the last one
+    leased (succeeded) and claims again, long-polling when nothing is there."""
+    async with CoreClient(core_url, token, timeout=httpx.Timeout(60, connect=5)) as core:
+        offer = WorkerRegister(hostname=name, queues=["bench"], cpu=4000, memory_mb=10_000_000)
+        me = await core.register_worker(offer)
+        room = ClaimRequest(cpu=4000, memory_mb=10_000_000, max=claim_max, wait=2.0)
+        reports: list[AttemptReport] = []
+        while not stop.is_set():
+            try:
+                answer = await core.turn(me.worker.id, Turn(reports=reports, claim=room))
+            except httpx.HTTPError as exc:  # a slow answer under load: say so, go on
+                print(f"{name}: turn failed ({exc!r}); again", flush=True)
+                continue
+            now = time.time()
+            received.extend((a.task_id, now) for a in answer.attempts)
+            reports = [
+                AttemptReport(attempt_id=a.attempt_id, outcome="succeeded", exit_code=0)
+                for a in answer.attempts
+            ]
+        if reports:
+            await core.turn(me.worker.id, Turn(reports=reports))
 
 
 def held_schedules(db_url: str, count: int) -> None:
@@ -99,16 +173,62 @@ def held_schedules(db_url: str, count: int) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    with core_stack("cairn-bench-cron-") as stack:
+    env = {"CAIRN_HEARTBEAT_TIMEOUT_S": "600"}
+    if args.promote_after is not None:
+        env["CAIRN_PROMOTE_AFTER_S"] = str(args.promote_after)
+    with core_stack("cairn-bench-cron-", **env) as stack:
         return await measure(args, stack.root, stack.database_url, stack.core_url)
+
+
+def _lags(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {
+        "p50_ms": round(_pct(values, 50), 1),
+        "p99_ms": round(_pct(values, 99), 1),
+        "max_ms": round(max(values), 1),
+    }
+
+
+# Each task of the measured slots: its start, its submission, its first move after it, its
+# lease (the claim's transaction start), and the state it was claimed from.
+TIMES = """
+SELECT t.id, (t.labels->>'cairn.cron/fire-time')::timestamptz AS slot, t.run_at,
+       (SELECT e.at FROM core.task_events e WHERE e.task_id = t.id AND e.seq = 1) AS submitted,
+       (SELECT e.at FROM core.task_events e WHERE e.task_id = t.id AND e.seq = 2) AS moved,
+       (SELECT min(a.started_at) FROM core.attempts a WHERE a.task_id = t.id) AS leased,
+       (SELECT e.from_state FROM core.task_events e
+         WHERE e.task_id = t.id AND e.op = 'claim' ORDER BY e.seq LIMIT 1) AS claimed_from
+  FROM core.tasks t
+ WHERE (t.labels->>'cairn.cron/fire-time')::timestamptz BETWEEN %s AND %s
+"""
 
 
 async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str) -> dict[str, Any]:
     service = await asyncio.to_thread(admin.create_token, url, "cron", "service")
+    tokens = [
+        await asyncio.to_thread(admin.create_token, url, f"bench-worker-{i}", "worker")
+        for i in range(args.workers)
+    ]
+    # The first boundary far enough away that every fire can go ahead (a fire is sent the
+    # lead, or its jitter if longer, before its start), and the schedules' first slot.
+    now = datetime.now(UTC)
+    first = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    while first - now < timedelta(seconds=max(args.lead, args.jitter) + 15):
+        first += timedelta(minutes=1)
+    last = first + timedelta(minutes=args.rounds - 1)
     print(f"creating {args.schedules} schedules ...", flush=True)
     began = time.perf_counter()
-    await create_schedules(url, args.schedules, datetime.now(UTC))
+    await create_schedules(url, args.schedules, first - timedelta(seconds=1), args.jitter)
     created_s = time.perf_counter() - began
+
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    out = root / "received.json"
+    workers = spawn.Process(
+        target=workers_main, args=(core_url, tokens, args.claim_max, stop, str(out)), daemon=True
+    )
+    workers.start()
 
     settings = CronSettings(
         database_url=url,
@@ -122,24 +242,26 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     db = create_async_engine(url, pool_size=10, max_overflow=0)
     core = CoreClient(core_url, service, timeout=httpx.Timeout(60.0, connect=5.0))
     engine = CronEngine(db, url, settings, Sender(core, settings.cron_submit_chunk), clock)
-    rounds: list[dict[str, Any]] = []
     runner = asyncio.create_task(engine.run())
-    # The first boundary at least the lead and a margin away, so every fire can go ahead.
-    now = clock.now()
-    first = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
-    if first - now < timedelta(seconds=args.lead + 5):
-        first += timedelta(minutes=1)
-    last = first + timedelta(minutes=args.rounds - 1)
+    settle = timedelta(seconds=args.jitter + 10)
     print(f"slots {first.isoformat()} .. {last.isoformat()}", flush=True)
     try:
-        while engine.status()["pending_fires"] or clock.now() < last + timedelta(seconds=5):
-            await asyncio.sleep(0.5)
+        # Until the last slot's tasks have had their time (fires still owed then are
+        # counted as missing, not waited for), with a line of progress every 10 s.
+        while (left := (last + settle - clock.now()).total_seconds()) > 0:
+            await asyncio.sleep(min(10.0, left))
+            print(f"  {clock.now():%H:%M:%S} {engine.status()}", flush=True)
     finally:
         runner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await runner
         await core.aclose()
         await db.dispose()
+        stop.set()
+        await asyncio.to_thread(workers.join, 120)
+        if workers.is_alive():
+            workers.terminate()
+    received = dict(json.loads(out.read_text())) if out.exists() else {}
 
     with psycopg.connect(libpq_url(url)) as conn:
         fires = conn.execute(
@@ -147,42 +269,53 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
             " WHERE fire_time BETWEEN %s AND %s ORDER BY fire_time",
             (first, last),
         ).fetchall()
-        eligible = conn.execute(
-            """
-            SELECT (t.labels->>'cairn.cron/fire-time')::timestamptz AS slot,
-                   min(e.at) FILTER (WHERE e.to_state = 'waiting') AS eligible_at,
-                   bool_or(e.op = 'submit' AND e.to_state = 'ready') AS ahead
-              FROM core.tasks t JOIN core.task_events e ON e.task_id = t.id
-             GROUP BY t.id
-            """
-        ).fetchall()
+        times = conn.cursor(row_factory=namedtuple_row).execute(TIMES, (first, last)).fetchall()
         tasks = conn.execute("SELECT count(*) FROM core.tasks").fetchone()
         dupes = conn.execute(
             "SELECT count(*) FROM (SELECT idempotency_key FROM core.tasks"
             " GROUP BY owner, idempotency_key HAVING count(*) > 1) d"
         ).fetchone()
-    by_slot: dict[datetime, list[float]] = {}
-    sent_ahead = 0
-    for slot, eligible_at, was_ahead in eligible:
-        if first <= slot <= last and eligible_at is not None:
-            by_slot.setdefault(slot, []).append((eligible_at - slot).total_seconds() * 1000)
-            sent_ahead += bool(was_ahead)
-    for slot, lags in sorted(by_slot.items()):
+        leases = conn.execute(
+            "SELECT count(*), count(DISTINCT task_id) FROM core.attempts"
+        ).fetchone()
+
+    def ms(later: datetime, start: datetime) -> float:
+        return (later - start).total_seconds() * 1000
+
+    rounds: list[dict[str, Any]] = []
+    by_slot: dict[datetime, list[Any]] = {}
+    for row in times:
+        by_slot.setdefault(row.slot, []).append(row)
+    every: dict[str, list[float]] = {"eligible": [], "moved": [], "leased": [], "received": []}
+    early = sent_ahead = direct = 0
+    for slot, rows in sorted(by_slot.items()):
+        lags: dict[str, list[float]] = {key: [] for key in every}
+        for r in rows:
+            sent_ahead += r.submitted < r.run_at
+            lags["eligible"].append(max(0.0, ms(r.submitted, r.run_at)))
+            if r.moved is not None:
+                lags["moved"].append(ms(r.moved, r.run_at))
+            if r.leased is not None:
+                lags["leased"].append(ms(r.leased, r.run_at))
+                early += r.leased < r.run_at
+                direct += r.claimed_from == "ready"
+            if r.id in received:
+                lags["received"].append(received[r.id] * 1000 - r.run_at.timestamp() * 1000)
+        for key, values in lags.items():
+            every[key].extend(values)
         rounds.append(
             {
                 "slot": slot.isoformat(),
-                "fires": len(lags),
-                "p50_ms": round(_pct(lags, 50), 1),
-                "p99_ms": round(_pct(lags, 99), 1),
-                "max_ms": round(max(lags), 1),
-                "min_ms": round(min(lags), 1),
+                "tasks": len(rows),
+                "leases": len(lags["leased"]),
+                **{key: _lags(values) for key, values in lags.items()},
             }
         )
-    all_lags = [lag for lags in by_slot.values() for lag in lags]
     submit_lead = [
         (slot - submitted_at).total_seconds() for slot, outcome, submitted_at in fires
         if outcome == "submitted"
     ]  # fmt: skip
+    load = os.getloadavg()
 
     print(f"holding {args.held} schedules ...", flush=True)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
@@ -208,6 +341,10 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     await db.dispose()
     return {
         "schedules": args.schedules,
+        "jitter_s": args.jitter,
+        "workers": args.workers,
+        "promote_after_s": args.promote_after,
+        "claim_max": args.claim_max,
         "create_s": round(created_s, 1),
         "rounds": rounds,
         "fires": len(fires),
@@ -217,12 +354,17 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         "submitted_before_slot_s_min": round(min(submit_lead), 2) if submit_lead else None,
         "tasks_in_core": tasks[0] if tasks else 0,
         "duplicate_keys": dupes[0] if dupes else 0,
-        "p50_ms": round(_pct(all_lags, 50), 1) if all_lags else None,
-        "p99_ms": round(_pct(all_lags, 99), 1) if all_lags else None,
+        "attempts": leases[0] if leases else 0,
+        "tasks_leased_twice": (leases[0] - leases[1]) if leases else 0,
+        "leased_before_run_at": early,
+        "claimed_from_ready": direct,
+        **{key: _lags(values) for key, values in every.items()},
         "bar_p99_ms": BAR_P99_MS,
+        "load_after": [round(x, 2) for x in load],
         "held": args.held,
         "held_in_heap": held_in_heap,
         "rebuild_s_median": round(statistics.median(builds), 3),
+        "rebuild_s": [round(b, 3) for b in builds],
         "heap_memory_mb": round(memory / 1e6, 1),
         "cpus": os.cpu_count(),
     }
@@ -235,28 +377,49 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--lead", type=float, default=20.0)
     parser.add_argument("--held", type=int, default=100_000)
+    parser.add_argument("--jitter", type=int, default=0, help="each schedule's jitter_s")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--claim-max", type=int, default=256)
+    parser.add_argument(
+        "--promote-after", type=float, help="core's CAIRN_PROMOTE_AFTER_S (default: its own)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print()
-    print(f"fire lag, {result['schedules']} schedules due each minute (bar p99 < {BAR_P99_MS} ms)")
-    print(f"{'slot':<28}{'fires':>8}{'min ms':>10}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
-    for r in result["rounds"]:
-        print(
-            f"{r['slot']:<28}{r['fires']:>8}{r['min_ms']:>10}{r['p50_ms']:>10}{r['p99_ms']:>10}"
-            f"{r['max_ms']:>10}"
-        )
     print(
-        f"all: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms; fires "
-        f"{result['fires']}/{result['fires_expected']}, tasks in core {result['tasks_in_core']}, "
-        f"duplicate keys {result['duplicate_keys']}; sent ahead {result['sent_ahead']}, the last "
+        f"lag behind run_at, {result['schedules']} schedules each minute, jitter "
+        f"{result['jitter_s']} s, {result['workers']} workers (bar p99 < {BAR_P99_MS} ms)"
+    )
+    head = f"{'slot':<27}{'tasks':>7}{'leased':>8}"
+    print(
+        head
+        + "".join(
+            f"{k + ' p50/p99/max ms':>30}" for k in ("eligible", "moved", "leased", "received")
+        )
+    )
+    for r in result["rounds"]:
+        cells = "".join(
+            f"{'{p50_ms}/{p99_ms}/{max_ms}'.format(**r[k]):>30}"
+            for k in ("eligible", "moved", "leased", "received")
+        )
+        print(f"{r['slot']:<27}{r['tasks']:>7}{r['leases']:>8}{cells}")
+    for key in ("eligible", "moved", "leased", "received"):
+        print(f"all {key}: {result[key]}")
+    print(
+        f"fires {result['fires']}/{result['fires_expected']}, tasks in core "
+        f"{result['tasks_in_core']}, duplicate keys {result['duplicate_keys']}, attempts "
+        f"{result['attempts']} (tasks leased twice {result['tasks_leased_twice']}), leased "
+        f"before run_at {result['leased_before_run_at']}, claimed straight from ready "
+        f"{result['claimed_from_ready']}; sent ahead {result['sent_ahead']}, the last "
         f"{result['submitted_before_slot_s_min']} s before its slot (lead {result['lead_s']} s)"
     )
     print(
         f"heap: {result['held_in_heap']} schedules rebuilt in {result['rebuild_s_median']} s "
-        f"(median of 3), {result['heap_memory_mb']} MB"
+        f"(median of 3: {result['rebuild_s']}), {result['heap_memory_mb']} MB; load after "
+        f"{result['load_after']}"
     )
 
 

@@ -26,9 +26,9 @@ PROMOTE_BATCH = 1000
 PROMOTE_PARALLEL = 2
 
 
-async def promote_once(engine: AsyncEngine, notifier: Notifier) -> int:
+async def promote_once(engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0) -> int:
     async with engine.begin() as conn:
-        moved = await store.promote_and_park(conn, PROMOTE_BATCH)
+        moved = await store.promote_and_park(conn, PROMOTE_BATCH, after_s)
     if moved:
         notifier.announce()
     return moved
@@ -38,15 +38,20 @@ class Promoter:
     """Starts delayed work on time: a timer on the next due instant, read from the
     database (by its clock) after every pass, and set earlier by due hints: this
     replica's submissions and, through NOTIFY, every other replica's. Each replica runs
-    one; at the instant all of them wake and share the due rows (SKIP LOCKED). The timer
+    one; at the instant all of them wake, wake the workers (a claim takes a ready task
+    whose ``run_at`` has come: ``db.dispatch``), and share the promotion of the due rows
+    that no claim took (SKIP LOCKED), so that their state reads ``waiting``. The timer
     never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or a backoff
     or deferral set by a transition (not hinted), or another replica's promotion that
     rolled back."""
 
-    def __init__(self, engine: AsyncEngine, notifier: Notifier, poll_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, notifier: Notifier, poll_s: float, after_s: float = 0.0
+    ) -> None:
         self.engine = engine
         self.notifier = notifier
         self.poll_s = poll_s
+        self.after_s = after_s
         self._wake = asyncio.Event()
         self._deadline = -math.inf  # UNIX seconds the timer is set for; -inf mid-pass
         self._earliest = math.inf  # the earliest hint heard during a pass
@@ -68,12 +73,17 @@ class Promoter:
                 log.exception("promoter failed; retrying")
                 wait = self.poll_s
             # A hint heard during the pass may be for a task the pass did not see yet.
+            due_timer = wait < self.poll_s or self._earliest < math.inf
             self._deadline = min(time.time() + wait, self._earliest)
             self._wake.clear()
             remaining = self._deadline - time.time()
             if remaining > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), remaining)
+            if due_timer and not self._wake.is_set():
+                # The timer on a due instant rang. The claim takes due ready work itself,
+                # so workers are woken now, before the promotion (bookkeeping) runs.
+                self.notifier.announce()
 
     async def step(self) -> float:
         """Promote (and park) until nothing is left; return the seconds to sleep. A burst
@@ -89,14 +99,15 @@ class Promoter:
         """One promotion, and the next due instant read in the same transaction: by the
         same ``now()``, so a task due between the two cannot fall between them."""
         async with self.engine.begin() as conn:
-            moved = await store.promote_and_park(conn, PROMOTE_BATCH)
-            due = await store.next_due_in(conn) if moved < PROMOTE_BATCH else None
+            moved = await store.promote_and_park(conn, PROMOTE_BATCH, self.after_s)
+            full = moved >= PROMOTE_BATCH
+            due = None if full else await store.next_due_in(conn, self.after_s)
         if moved:
             self.notifier.announce()
         return moved, due
 
     async def _drain(self) -> None:
-        while await promote_once(self.engine, self.notifier) >= PROMOTE_BATCH:
+        while await promote_once(self.engine, self.notifier, self.after_s) >= PROMOTE_BATCH:
             await asyncio.sleep(0)
 
 
@@ -210,7 +221,8 @@ def start(
     hearing = Hearing.of(settings)
     return [
         asyncio.create_task(
-            Promoter(engine, notifier, settings.promote_interval_s).run(), name="cairn-promoter"
+            Promoter(engine, notifier, settings.promote_interval_s, settings.promote_after_s).run(),
+            name="cairn-promoter",
         ),
         asyncio.create_task(
             every(

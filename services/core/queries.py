@@ -183,11 +183,15 @@ def _bulk(op: str, source: str, target: str, condition: str, order: str, reason:
     )
 
 
+# A claim takes due ready work itself (db.dispatch), so the promoter leaves it to claims
+# for ``:after_s`` past its run_at (the burst at a due instant is then leased, not
+# promoted and leased); a deferral's end is the promoter's alone.
 PROMOTE_READY = _bulk(
     "promote",
     "ready",
     "waiting",
-    f"t.run_at <= now() AND {_QUEUE_RUNS}",
+    f"""t.run_at <= now() AND {_QUEUE_RUNS}
+        AND (t.deferred OR t.run_at <= now() - make_interval(secs => :after_s))""",
     "t.run_at",
     "CASE WHEN deferred THEN 'latest start reached: runs although its pool is busy' END",
 )
@@ -270,13 +274,19 @@ BULK_CANCEL: TextClause = text(
     )
 )
 
-# How long until the next delayed task is due (seconds, by the database's clock), for the
-# promoter's timer; NULL when none waits. Read in the promoting transaction: rows due by
+# How long until the next delayed task is due (seconds, by the database's clock), or due
+# ready work left to claims is to be promoted, for the promoter's timer; NULL when none
+# waits. Read in the promoting transaction: rows due by
 # its now() were promoted by it, or are another replica's (locked by its promotion), or
 # wait for a paused queue; none is a reason to wake.
 NEXT_DUE: TextClause = text(f"""
-SELECT EXTRACT(EPOCH FROM min(t.run_at) - now())::float AS due_in_s FROM core.tasks t
-WHERE t.state IN ('failed', 'ready') AND t.run_at > now() AND {_QUEUE_RUNS}
+SELECT EXTRACT(EPOCH FROM LEAST(
+    (SELECT min(t.run_at) FROM core.tasks t
+     WHERE t.state IN ('failed', 'ready') AND t.run_at > now() AND {_QUEUE_RUNS}),
+    (SELECT min(t.run_at) + make_interval(secs => :after_s) FROM core.tasks t
+     WHERE t.state = 'ready' AND t.run_at <= now() AND NOT t.deferred
+       AND t.run_at > now() - make_interval(secs => :after_s) AND {_QUEUE_RUNS})
+) - now())::float AS due_in_s
 """)
 
 PURGE_FINISHED: TextClause = text("""

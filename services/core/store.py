@@ -518,22 +518,21 @@ async def bulk_move(
     return int(row.changed), int(row.last_id)
 
 
-async def promote_and_park(conn: AsyncConnection, limit: int) -> int:
-    """One pass of the promoter: due work becomes eligible, paused queues' work steps back."""
+async def promote_and_park(conn: AsyncConnection, limit: int, after_s: float = 0.0) -> int:
+    """One pass of the promoter: due work becomes eligible (ready work ``after_s`` past its
+    run_at: claims take it before), paused queues' work steps back."""
     moved = 0
-    for query in (
-        queries.PARK_WAITING,
-        queries.PARK_FAILED,
-        queries.PROMOTE_READY,
-        queries.PROMOTE_FAILED,
-    ):
+    for query in (queries.PARK_WAITING, queries.PARK_FAILED, queries.PROMOTE_FAILED):
         moved += (await conn.execute(query, {"limit": limit})).scalar_one()
+    promote = {"limit": limit, "after_s": after_s}
+    moved += int((await conn.execute(queries.PROMOTE_READY, promote)).scalar_one())
     return moved
 
 
-async def next_due_in(conn: AsyncConnection) -> float | None:
-    """Seconds until the next delayed task (in a running queue) is due; None if none is."""
-    due: float | None = (await conn.execute(queries.NEXT_DUE)).scalar_one()
+async def next_due_in(conn: AsyncConnection, after_s: float = 0.0) -> float | None:
+    """Seconds until the next delayed task (in a running queue) is due, or due ready work
+    is to be promoted (``after_s`` past its run_at); None if none waits."""
+    due: float | None = (await conn.execute(queries.NEXT_DUE, {"after_s": after_s})).scalar_one()
     return due
 
 

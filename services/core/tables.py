@@ -257,6 +257,7 @@ tasks = Table(
         "run_at",
         postgresql_where=text("state IN ('failed', 'ready')"),
     ),
+    Index("ix_tasks_ready_due", "queue", "run_at", postgresql_where=text("state = 'ready'")),
     Index(
         "ix_tasks_live_queue_state",
         "queue",

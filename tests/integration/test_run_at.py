@@ -1,7 +1,9 @@
 """A delayed task starts at its ``run_at``: core's promoter sets a timer on the next due
 instant, woken by a hint when an earlier one is stored (on this replica, or on another
 through NOTIFY). Every core here polls only once a minute, so a task promoted on time was
-promoted by the timer, not by the poll."""
+promoted by the timer, not by the poll. These cores promote due work at once
+(``promote_after_s=0``): the timer is the subject; a claim takes due ready work before
+the promotion in test_run_at_claim.py."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _waiting(db: psycopg.Connection[tuple[object, ...]], ids: list[int]) -> bool
 def test_a_delayed_task_starts_at_its_run_at_not_at_the_next_poll(
     db_url: str, db, tmp_path: Path
 ) -> None:
-    core = start_core(db_url, tmp_path, promote_interval_s=POLL_S)
+    core = start_core(db_url, tmp_path, promote_interval_s=POLL_S, promote_after_s=0)
     try:
         with core.client() as alice:
             # A later task first, so the timer is set; the earlier one must move it.
@@ -70,8 +72,8 @@ def test_another_replicas_submission_sets_the_timer_through_notify(
     db_url: str, db, tmp_path: Path
 ) -> None:
     """Submitted through replica A, which then stops: B's timer heard of it."""
-    a = start_core(db_url, tmp_path / "a", promote_interval_s=POLL_S)
-    b = start_core(db_url, tmp_path / "b", promote_interval_s=POLL_S)
+    a = start_core(db_url, tmp_path / "a", promote_interval_s=POLL_S, promote_after_s=0)
+    b = start_core(db_url, tmp_path / "b", promote_interval_s=POLL_S, promote_after_s=0)
     try:
         with a.client() as alice:
             task = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 3.0))).json()
@@ -88,7 +90,8 @@ def test_replicas_share_a_burst_due_at_one_instant_each_promoted_once(
     db_url: str, db, tmp_path: Path
 ) -> None:
     replicas: list[Core] = [
-        start_core(db_url, tmp_path / name, promote_interval_s=POLL_S) for name in "abc"
+        start_core(db_url, tmp_path / name, promote_interval_s=POLL_S, promote_after_s=0)
+        for name in "abc"
     ]
     try:
         at = _db_now_plus(db, 10.0)  # room to submit 3,000 on a busy machine

@@ -59,10 +59,18 @@ def test_only_submit_starts_from_nothing() -> None:
     assert TRANSITIONS[Op.SUBMIT].targets == {S.READY, S.WAITING}
 
 
-def test_only_claim_leads_to_running_and_only_from_waiting() -> None:
+def test_only_claim_leads_to_running_from_waiting_or_due_ready() -> None:
     assert {(src, op) for op in Op for src, dst in _pairs(op) if dst is S.RUNNING} == {
-        (S.WAITING, Op.CLAIM)
+        (S.WAITING, Op.CLAIM),
+        (S.READY, Op.CLAIM),
     }
+
+
+def test_the_claims_sql_guards_are_the_claims_sources() -> None:
+    from services.core.db import dispatch
+
+    guards = {dispatch._FROM_WAITING, dispatch._FROM_READY}
+    assert guards == set(sources(Op.CLAIM, S.RUNNING))
 
 
 def test_nothing_moves_a_task_to_the_state_it_is_in() -> None:

@@ -51,13 +51,21 @@ S = TaskState
 # only guaranteed work is filtered by the room here. Time-insensitive work in a pool
 # above its deferral threshold is left for the placement pass to defer. The second scan
 # adds the work longest past its fair turn, which aging may lift above the first's.
-# The claim's state guard, written into the SQL (from the transitions table) so that the
-# planner can use the partial index of waiting work even with a generic plan.
-_CLAIMABLE = ", ".join(f"'{state}'" for state in sources(Op.CLAIM, S.RUNNING))
+#
+# The claim's state guards, written into the SQL (from the transitions table) so that the
+# planner can use the partial indexes even with a generic plan: waiting work, and ready
+# work whose run_at has come in a running queue, the promoter's own condition
+# (queries.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
+# not after a promotion row by row. A deferral's end is left to the promoter, whose event
+# says why it runs.
+_FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value  # sources(Op.CLAIM, S.RUNNING)
+_WAITING = f"t.state = '{_FROM_WAITING}'"
+_DUE_READY = f"""t.state = '{_FROM_READY}' AND t.run_at <= now() AND NOT t.deferred
+  AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
 
 _PICK = f"""
 SELECT t.id FROM core.tasks t
-WHERE t.state IN ({_CLAIMABLE}) AND {{which}}
+WHERE {{which}}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
   AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
            AND {placement.LATEST_START} > now())
@@ -66,12 +74,14 @@ LIMIT {{limit}}
 FOR UPDATE OF t SKIP LOCKED
 """
 
+_AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
+    (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))"""
+
 # What placement and sharing need of the rows picked, joined once they are few.
-_DETAILS = """
-SELECT t.id, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
+_DETAILS = f"""
+SELECT t.id, t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
        t.concurrency_key, t.concurrency_limit,
-       LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
-           (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))::int AS boost,
+       {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
        ts.max_running AS team_max_running
@@ -88,14 +98,19 @@ def _pick(which: str, order: str, limit: str = ":limit") -> str:
 
 
 _BEST = "t.priority DESC, t.vtime, t.id"
+# Due ready work is found by its due time and sorted (it is few, but at a burst): by
+# effective priority, so aging needs no second scan of it.
+_BEST_DUE = f"t.priority + {_AGING} DESC, t.vtime, t.id"
 
 
 def _waiting_in(in_queues: str) -> TextClause:
-    aged = f"{in_queues} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
+    waiting = f"{_WAITING} AND {in_queues}"
+    aged = f"{waiting} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
     return text(f"""
-WITH best AS ({_pick(in_queues, _BEST)}),
+WITH best AS ({_pick(waiting, _BEST)}),
 aged AS ({_pick(aged, "t.vtime, t.id", ":aged_limit")}),
-picked AS (SELECT id FROM best UNION SELECT id FROM aged)
+due AS ({_pick(f"{_DUE_READY} AND {in_queues}", _BEST_DUE)}),
+picked AS (SELECT id FROM best UNION SELECT id FROM aged UNION SELECT id FROM due)
 {_DETAILS}
 """)
 
@@ -105,7 +120,7 @@ picked AS (SELECT id FROM best UNION SELECT id FROM aged)
 _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 _RESERVED_TASKS = text(f"""
-WITH picked AS ({_pick("t.id = ANY(CAST(:reserved AS bigint[]))", _BEST)})
+WITH picked AS ({_pick(f"{_WAITING} AND t.id = ANY(CAST(:reserved AS bigint[]))", _BEST)})
 {_DETAILS}
 """)
 
@@ -122,8 +137,8 @@ _CLAIM = text("""
 WITH chosen AS (
     SELECT * FROM unnest(
         CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
-        CAST(:keys AS text[])
-    ) AS c(id, cpu, memory_mb, concurrency_key)
+        CAST(:keys AS text[]), CAST(:froms AS text[])
+    ) AS c(id, cpu, memory_mb, concurrency_key, from_state)
 ),
 leased AS (
     INSERT INTO core.attempts (
@@ -138,13 +153,14 @@ leased AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
         current_attempt_id = leased.id, attempts = t.attempts + 1
-    FROM leased
+    FROM leased JOIN chosen c ON c.id = leased.task_id
     WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
+      AND t.state = c.from_state
     RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number,
-              leased.charge_cpu, leased.charge_memory_mb
+              leased.charge_cpu, leased.charge_memory_mb, c.from_state
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
-    SELECT id, version, owner, :op, 'waiting', state, attempt_id FROM moved
+    SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
 )
 SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s
 FROM moved ORDER BY priority DESC, id
@@ -174,6 +190,12 @@ FROM (SELECT id, last_heartbeat_at FROM core.workers
 WHERE w.id = silent.id
 RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_for_s) AS deaf
 """)
+
+
+# Candidates a claim locks beyond what it may lease, for those that placement or a quota
+# refuses: up to three per lease for a small claim, at most this many for a large one
+# (each candidate is a row lock, and rows one claim locks the others skip).
+CANDIDATE_SLACK = 32
 
 
 def _clean(value: str | None) -> str | None:
@@ -367,7 +389,7 @@ async def claim(
         "queues": list(worker.queues),
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
-        "limit": most * 4,
+        "limit": most + min(3 * most, CANDIDATE_SLACK),
         "aged_limit": most,
         "defer_above": defaults.defer_above,
         "defer_margin_s": defaults.defer_margin_s,
@@ -385,6 +407,7 @@ async def claim(
     if not chosen:
         return []
     keys = {row.id: row.concurrency_key for row in rows}
+    froms = {row.id: row.state for row in rows}
     leased = await conn.execute(
         _CLAIM,
         {
@@ -393,6 +416,7 @@ async def claim(
             "cpus": [float(cost.cpu) for _, cost in chosen],
             "memories": [float(cost.memory_mb) for _, cost in chosen],
             "keys": [keys[c.task_id] for c, _ in chosen],
+            "froms": [froms[c.task_id] for c, _ in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
             "sources": allowed,

@@ -75,7 +75,9 @@ def _ready(task: Standing, pool: Pool, now: datetime) -> str:
         )
     if task.run_at > now:
         return f"scheduled for {when(task.run_at)}"
-    return "due; moving to waiting"
+    if task.deferred:
+        return "due; moving to waiting"
+    return _waiting(task, pool)  # due: a claim takes it as it takes waiting work
 
 
 def _waiting(task: Standing, pool: Pool) -> str:

@@ -20,7 +20,8 @@ class Op(StrEnum):
     PROMOTE = "promote"
     #: the queue is paused: eligible work steps back
     PARK = "park"
-    #: a worker takes an attempt
+    #: a worker takes an attempt: of a waiting task, or of a ready one whose ``run_at`` has
+    #: come in a running queue (as eligible as if promoted; the claim's SQL holds the time)
     CLAIM = "claim"
     #: the attempt exited 0
     SUCCEED = "succeed"
@@ -66,7 +67,7 @@ TRANSITIONS: dict[Op, Rule] = {
     Op.SUBMIT: _rule({None}, {S.READY, S.WAITING}),
     Op.PROMOTE: _rule({S.READY, S.FAILED}, {S.WAITING}),
     Op.PARK: _rule({S.WAITING, S.FAILED}, {S.READY}),
-    Op.CLAIM: _rule({S.WAITING}, {S.RUNNING}),
+    Op.CLAIM: _rule({S.WAITING, S.READY}, {S.RUNNING}),
     Op.SUCCEED: _rule({S.RUNNING}, {S.SUCCEEDED}),
     Op.FAIL: _rule({S.RUNNING}, {S.FAILED}),
     Op.BURY: _rule({S.RUNNING, S.FAILED}, {S.DEAD}),

@@ -1,7 +1,8 @@
 """When a fire is sent and when its task may start. Pure functions, no I/O.
 
-A fire of a task target with overlap ``allow`` is sent ahead: ``lead`` before its slot,
-with ``run_at`` = the slot plus the schedule's jitter, so core starts it on time however
+A fire of a task target with overlap ``allow`` is sent ahead: ``lead`` (or the jitter, if
+longer) before its task's start, with ``run_at`` = that start (the slot plus the
+schedule's jitter), so core starts it on time however
 many are due together. Fires whose overlap policy needs the previous run's state at the
 slot (``forbid``, ``replace``), and workflow targets (the DAG service starts a run when
 asked), are sent at the slot plus the jitter.
@@ -35,6 +36,11 @@ def send_at(
     lead: timedelta,
 ) -> datetime:
     """The instant the engine sends the fire of ``slot``."""
-    if sent_ahead(kind, overlap_policy, lead):
-        return slot - lead
-    return slot + jitter(schedule_id, jitter_s)
+    start = slot + jitter(schedule_id, jitter_s)
+    if not sent_ahead(kind, overlap_policy, lead):
+        return start
+    # The lead before the start, or the jitter if longer: never after the slot (what is
+    # sent before its slot can be withdrawn by a change), and a jittered burst is sent
+    # spread out as it starts. On the whole second before, so that it goes in batches (a
+    # request and a transaction per second's fires, not per fire).
+    return (start - max(lead, timedelta(seconds=jitter_s))).replace(microsecond=0)
