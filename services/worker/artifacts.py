@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
 import importlib
 import os
 import platform
+import queue
 import stat
 import tempfile
 import threading
@@ -70,8 +72,8 @@ class ArtifactError(Exception):
 class _Sink:
     """Writes a download, hashing and counting as it goes; refuses more than ``limit``."""
 
-    def __init__(self, out: IO[bytes], limit: int) -> None:
-        self._out = out
+    def __init__(self, out: IO[bytes] | None, limit: int) -> None:
+        self.out = out
         self._limit = limit
         self._hash = hashlib.sha256()
         self.size = 0
@@ -86,7 +88,8 @@ class _Sink:
                 f"artifact is larger than the {self._limit} byte limit", retryable=False
             )
         self._hash.update(chunk)
-        self._out.write(chunk)
+        assert self.out is not None
+        self.out.write(chunk)
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -199,11 +202,20 @@ class ArtifactCache:
     async def _copy_checked(
         self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
     ) -> Path:
-        fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
-        try:
+        sink = _Sink(None, self.max_bytes)
+        made: list[str] = []
+
+        def write() -> None:
+            # The file made in the thread too: creating it may wait on the journal.
+            fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+            made.append(name)
             with os.fdopen(fd, "wb") as out:
-                sink = _Sink(out, self.max_bytes)
-                await _in_thread(sink, lambda: copy(sink))
+                sink.out = out
+                copy(sink)
+
+        try:
+            await _in_thread(sink, write)
+            [name] = made
             if sink.hexdigest() != digest:
                 if _scheme(uri) != "file":
                     self._verified.discard(digest)
@@ -211,7 +223,8 @@ class ArtifactCache:
                     self.path_for(digest).unlink(missing_ok=True)
                 raise ArtifactError(_mismatch(uri), retryable=_scheme(uri) != "file")
         except BaseException:
-            Path(name).unlink(missing_ok=True)
+            for name in made:
+                Path(name).unlink(missing_ok=True)
             raise
         return Path(name)
 
@@ -389,35 +402,62 @@ def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
 
 
 def _open_as(source: Path, reader: Identity | None) -> int:
-    """Open ``source`` for reading with ``reader``'s permissions: in a thread of its own
-    whose filesystem uid and gid are the reader's and which has no supplementary groups
-    (all three are per thread in Linux), so root's rights never apply."""
+    """Open ``source`` for reading with ``reader``'s permissions (``_Opener``), so root's
+    rights never apply."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     if reader is None:
         return os.open(source, flags)
     if os.geteuid() != 0 or _SYS_SETGROUPS is None:
         raise PermissionError("cannot take the attempt's permissions here")
-    outcome: list[int | OSError] = []
+    return _opener().open(source, flags, reader)
 
-    def as_reader() -> None:
-        try:
-            if _libc.syscall(_SYS_SETGROUPS, 0, None) != 0:
-                raise OSError(ctypes.get_errno(), "setgroups")
-            _libc.setfsgid(reader.gid)
-            _libc.setfsuid(reader.uid)
-            if _libc.setfsuid(-1) != reader.uid:  # reads back the current value
-                raise PermissionError("setfsuid")
-            outcome.append(os.open(source, flags))
-        except OSError as exc:
-            outcome.append(exc)
 
-    thread = threading.Thread(target=as_reader, name="open-as-attempt")
-    thread.start()
-    thread.join()
-    [result] = outcome
-    if isinstance(result, OSError):
-        raise result
-    return result
+class _Opener:
+    """One resident thread that only opens files, each with the permissions of the
+    attempt that asked: its filesystem uid and gid set to the reader's before every open
+    (both are per thread in Linux, and its effective uid stays 0, so it may set them
+    again), and no supplementary groups (dropped once, by the raw system call, which is
+    per thread too). Made once per agent, not a thread per attempt."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[
+            tuple[Path, int, Identity, concurrent.futures.Future[int]]
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="open-as-attempt", daemon=True)
+        self._thread.start()
+
+    def open(self, source: Path, flags: int, reader: Identity) -> int:
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._requests.put((source, flags, reader, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
+        refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
+        while True:
+            source, flags, reader, done = self._requests.get()
+            try:
+                if refused is not None:
+                    raise refused
+                _libc.setfsgid(reader.gid)
+                _libc.setfsuid(reader.uid)
+                # Each reads back the current value: the open runs as the reader or not at all.
+                if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
+                    raise PermissionError("setfsuid")
+                done.set_result(os.open(source, flags))
+            except Exception as exc:  # a NUL in the name too: the asker has it, the thread goes on
+                done.set_exception(exc)
+
+
+_openers: list[_Opener] = []
+_openers_lock = threading.Lock()
+
+
+def _opener() -> _Opener:
+    with _openers_lock:
+        if not _openers:
+            _openers.append(_Opener())
+        return _openers[0]
 
 
 def _fingerprint(path: Path) -> tuple[int, int, int, int] | None:

@@ -150,7 +150,7 @@ class Host:
                 folders.executable.parent,
                 identity,
             )
-            folders.seal_executable(written)
+            await asyncio.to_thread(folders.seal_executable, written)
             resources = assignment.resources
             pids_max = self.settings.worker_pids_max
             if self.slots is not None:
