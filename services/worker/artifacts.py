@@ -42,7 +42,7 @@ import urllib.request
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
@@ -58,6 +58,7 @@ _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "40
 _PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
 class ArtifactError(Exception):
@@ -170,7 +171,8 @@ class ArtifactCache:
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
         if _scheme(uri) == "file":
-            return await self._copy_checked(_copier(_local_path(uri), reader), uri, digest, folder)
+            sink = _Sink(None, self.max_bytes)
+            return await _in_thread(sink, lambda: _copy_local(uri, digest, folder, reader, sink))
         self._copying[digest] += 1
         try:
             for tries_left in (1, 0):
@@ -198,6 +200,18 @@ class ArtifactCache:
             raise AssertionError("unreachable")
         finally:
             self._copying[digest] -= 1
+
+    def copy_local(
+        self, uri: str, sha256: str, folder: Path, reader: Identity | None = None
+    ) -> Path:
+        """``materialize`` of a ``file://`` artifact in the calling thread, which it blocks
+        (for a worker thread that prepares the rest of the attempt's folders as well)."""
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        return _copy_local(uri, digest, folder, reader, _Sink(None, self.max_bytes))
 
     async def _copy_checked(
         self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
@@ -362,10 +376,25 @@ class ArtifactCache:
             return self._s3_client
 
 
-async def _in_thread(sink: _Sink, work: Callable[[], None]) -> None:
+def _copy_local(uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink) -> Path:
+    """A verified copy of a ``file://`` artifact in ``folder``, read as ``reader``."""
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            sink.out = out
+            _copy_file(_local_path(uri), sink, reader)
+        if sink.hexdigest() != digest:
+            raise ArtifactError(_mismatch(uri), retryable=False)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
+
+
+async def _in_thread(sink: _Sink, work: Callable[[], T]) -> T:
     """Run a blocking download in a thread; if we are cancelled, the thread stops soon."""
     try:
-        await asyncio.to_thread(work)
+        return await asyncio.to_thread(work)
     except asyncio.CancelledError:
         sink.aborted.set()
         raise
