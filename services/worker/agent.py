@@ -131,7 +131,6 @@ class Agent:
         self.starting: set[int] = set()
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
-        self.before_exec: asyncio.Future[None] | None = None  # a write that execs wait on
         self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, list[str]] = {}
         self.uids: dict[str, int] = {}
@@ -528,25 +527,6 @@ class Agent:
         elif self.publishing is None:
             self.publishing = asyncio.get_running_loop().call_soon(self._publish_soon)
 
-    async def _published(self) -> None:
-        """The board written with what is in it now, before an exec: the attempts made
-        ready in one loop iteration wait for one write together, not one write each."""
-        loop = asyncio.get_running_loop()
-        if self.before_exec is None:
-            self.before_exec = loop.create_future()
-            loop.call_soon(self._write_before_exec)
-        await asyncio.shield(self.before_exec)
-
-    def _write_before_exec(self) -> None:
-        done, self.before_exec = self.before_exec, None
-        assert done is not None
-        try:
-            self._publish(now=True)
-        except Exception as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
-
     def _publish_soon(self) -> None:
         self.publishing = None
         self._write_attempts()
@@ -647,11 +627,7 @@ class Agent:
         # the attempt had started, so it counts as a crash.
         self.timings.mark(attempt, "vouched")
         self.starting.add(attempt)
-        try:
-            await self._published()
-        except Exception:
-            self.starting.discard(attempt)
-            raise
+        self._publish(now=True)
         self.timings.mark(attempt, "published")
         try:
             handle = await start_attempt(spec)
