@@ -98,3 +98,28 @@ def test_the_opener_survives_a_name_it_cannot_open() -> None:
         artifacts._open_as(Path("/tmp/a\0b"), Identity(29997, 29997))
     with pytest.raises(FileNotFoundError):
         artifacts._open_as(Path("/nonexistent/cairn-test"), Identity(29997, 29997))
+
+
+def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:
+    from types import SimpleNamespace
+
+    from services.worker import agent, state
+
+    board = state.Board.create()
+    try:
+        held = SimpleNamespace(
+            running={7: (None, SimpleNamespace(pid=4321)), 8: (None, None)},
+            starting={9},
+            cgroups={"7": agent._compact(['/sys/fs/cgroup/odd "name"/s1', "/x"])},
+            uids={"7": 60001},
+            board=board,
+        )
+        agent.Agent._write_attempts(held)  # type: ignore[arg-type]
+        assert board.read() == {
+            "agent_pid": os.getpid(),
+            "attempts": {"7": 4321, "8": 0, "9": -1},
+            "cgroups": {"7": ['/sys/fs/cgroup/odd "name"/s1', "/x"]},
+            "uids": {"7": 60001},
+        }
+    finally:
+        board.close()
