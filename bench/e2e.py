@@ -195,6 +195,34 @@ def _held(
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (``/proc/PID/stat``), 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _helpers_cpu_s(agent_pid: int) -> float:
+    """CPU seconds of the agent's resident spawn helpers (its ``cairn-spawn`` children)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, rest = text.partition("(")[2].rpartition(")")[::2]
+        fields = rest.split()
+        if comm.startswith("cairn-spawn") and int(fields[1]) == agent_pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def _wait_final(database_url: str, count: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
@@ -316,8 +344,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_final(stack.database_url, 20, 60)
             done_before = 20
             first = _max_id(stack.database_url) + 1
+            load_before = _load()
+            cpu_before = _cpu_s(agent.pid), _helpers_cpu_s(agent.pid)
             began = await throughput(stack.core_url, user, artifact, records, args.tasks, 0)
             _wait_final(stack.database_url, done_before + args.tasks, args.timeout)
+            cpu_after = _cpu_s(agent.pid), _helpers_cpu_s(agent.pid)
             created = _created(stack.database_url, first)
             ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
             results["states"] = dict(Counter(s for _, _, s in created.values()))
@@ -328,6 +359,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "elapsed_s": round(max(ended) - began, 2) if ended else None,
                 "tasks_per_s": round(len(ended) / (max(ended) - began)) if ended else 0,
                 "held": _held(_leases(stack.database_url, first), _timings(timings)),
+                # The agent's own CPU (its reaped attempts aside) and its spawn helpers'.
+                "agent_cpu_ms_per_task": round(
+                    (cpu_after[0] - cpu_before[0]) * 1000 / args.tasks, 2
+                ),
+                "helpers_cpu_ms_per_task": round(
+                    (cpu_after[1] - cpu_before[1]) * 1000 / args.tasks, 2
+                ),
+                "load": f"{load_before} -> {_load()}",
             }
             done_before += args.tasks
             base = 10**6
@@ -348,6 +387,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p50_ms": round(_pct(lat, 0.5), 1) if lat else None,
                     "p99_ms": round(_pct(lat, 0.99), 1) if lat else None,
                     "max_ms": round(max(lat), 1) if lat else None,
+                    "load": _load(),
                     "steps": _steps(
                         created, _leases(stack.database_url, first), _timings(timings), starts
                     ),
@@ -382,7 +422,11 @@ def main() -> None:
     print(f"states of the throughput tasks: {results['states']}; errors {results['errors']}")
     print(
         f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
-        f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']})"
+        f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']}); load {t['load']}"
+    )
+    print(
+        f"    agent CPU {t['agent_cpu_ms_per_task']} ms per task, "
+        f"its spawn helpers {t['helpers_cpu_ms_per_task']} ms"
     )
     for step, figures in t["held"].items():
         print(f"    {step}: {figures}")
@@ -390,7 +434,7 @@ def main() -> None:
         if key.startswith("rate_"):
             print(
                 f"steady {r['rate']:g}/s: {r['accepted']} accepted, {r['started']} started; "
-                f"created -> running p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms"
+                f"created -> running p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms; load {r['load']}"
             )
             for step, figures in r["steps"].items():
                 print(f"    {step}: {figures}")

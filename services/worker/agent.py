@@ -132,7 +132,7 @@ class Agent:
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
-        self.cgroups: dict[str, list[str]] = {}
+        self.cgroups: dict[str, str] = {}  # attempt -> its folders, encoded once as JSON
         self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
         self.dead = False
@@ -536,13 +536,14 @@ class Agent:
         # -1: its process is being started (the sidecar counts it as started).
         pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
         pids.update({str(a): -1 for a in self.starting})
-        self.board.write(
-            {
-                "agent_pid": os.getpid(),
-                "attempts": pids,
-                "cgroups": self.cgroups,
-                "uids": self.uids,
-            },
+        # Encoded by hand around the attempts' cgroups, each list encoded once: the board
+        # is written a few times per attempt, and those paths are most of its bytes.
+        cgroups = ",".join(f'"{a}":{folders}' for a, folders in self.cgroups.items())
+        self.board.write_json(
+            (
+                f'{{"agent_pid":{os.getpid()},"attempts":{_compact(pids)},'
+                f'"cgroups":{{{cgroups}}},"uids":{_compact(self.uids)}}}'
+            ).encode()
         )
 
     # --- one attempt ---
@@ -620,7 +621,9 @@ class Agent:
         if verdict == "unconfirmed":
             return Report(outcome="handed_back", error="core could not confirm it before its start")
         if prepared.cgroup is not None:
-            self.cgroups[str(attempt)] = sorted(map(str, prepared.cgroup.folders.values()))
+            self.cgroups[str(attempt)] = _compact(
+                sorted(map(str, prepared.cgroup.folders.values()))
+            )
         if prepared.identity is not None:
             self.uids[str(attempt)] = prepared.identity.uid
         # Recorded before exec: if the agent dies from here on, the sidecar tells core
@@ -681,6 +684,10 @@ class Agent:
         self.outbox[attempt_id] = out
         self._kick()
         await out.done
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _token(settings: WorkerSettings) -> str:

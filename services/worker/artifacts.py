@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
 import importlib
 import os
 import platform
+import queue
 import stat
 import tempfile
 import threading
@@ -40,7 +42,7 @@ import urllib.request
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 
@@ -56,6 +58,7 @@ _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "40
 _PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
 class ArtifactError(Exception):
@@ -70,8 +73,8 @@ class ArtifactError(Exception):
 class _Sink:
     """Writes a download, hashing and counting as it goes; refuses more than ``limit``."""
 
-    def __init__(self, out: IO[bytes], limit: int) -> None:
-        self._out = out
+    def __init__(self, out: IO[bytes] | None, limit: int) -> None:
+        self.out = out
         self._limit = limit
         self._hash = hashlib.sha256()
         self.size = 0
@@ -86,7 +89,8 @@ class _Sink:
                 f"artifact is larger than the {self._limit} byte limit", retryable=False
             )
         self._hash.update(chunk)
-        self._out.write(chunk)
+        assert self.out is not None
+        self.out.write(chunk)
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -167,7 +171,8 @@ class ArtifactCache:
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
         if _scheme(uri) == "file":
-            return await self._copy_checked(_copier(_local_path(uri), reader), uri, digest, folder)
+            sink = _Sink(None, self.max_bytes)
+            return await _in_thread(sink, lambda: _copy_local(uri, digest, folder, reader, sink))
         self._copying[digest] += 1
         try:
             for tries_left in (1, 0):
@@ -196,14 +201,35 @@ class ArtifactCache:
         finally:
             self._copying[digest] -= 1
 
+    def copy_local(
+        self, uri: str, sha256: str, folder: Path, reader: Identity | None = None
+    ) -> Path:
+        """``materialize`` of a ``file://`` artifact in the calling thread, which it blocks
+        (for a worker thread that prepares the rest of the attempt's folders as well)."""
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        return _copy_local(uri, digest, folder, reader, _Sink(None, self.max_bytes))
+
     async def _copy_checked(
         self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
     ) -> Path:
-        fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
-        try:
+        sink = _Sink(None, self.max_bytes)
+        made: list[str] = []
+
+        def write() -> None:
+            # The file made in the thread too: creating it may wait on the journal.
+            fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+            made.append(name)
             with os.fdopen(fd, "wb") as out:
-                sink = _Sink(out, self.max_bytes)
-                await _in_thread(sink, lambda: copy(sink))
+                sink.out = out
+                copy(sink)
+
+        try:
+            await _in_thread(sink, write)
+            [name] = made
             if sink.hexdigest() != digest:
                 if _scheme(uri) != "file":
                     self._verified.discard(digest)
@@ -211,7 +237,8 @@ class ArtifactCache:
                     self.path_for(digest).unlink(missing_ok=True)
                 raise ArtifactError(_mismatch(uri), retryable=_scheme(uri) != "file")
         except BaseException:
-            Path(name).unlink(missing_ok=True)
+            for name in made:
+                Path(name).unlink(missing_ok=True)
             raise
         return Path(name)
 
@@ -349,10 +376,25 @@ class ArtifactCache:
             return self._s3_client
 
 
-async def _in_thread(sink: _Sink, work: Callable[[], None]) -> None:
+def _copy_local(uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink) -> Path:
+    """A verified copy of a ``file://`` artifact in ``folder``, read as ``reader``."""
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            sink.out = out
+            _copy_file(_local_path(uri), sink, reader)
+        if sink.hexdigest() != digest:
+            raise ArtifactError(_mismatch(uri), retryable=False)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
+
+
+async def _in_thread(sink: _Sink, work: Callable[[], T]) -> T:
     """Run a blocking download in a thread; if we are cancelled, the thread stops soon."""
     try:
-        await asyncio.to_thread(work)
+        return await asyncio.to_thread(work)
     except asyncio.CancelledError:
         sink.aborted.set()
         raise
@@ -389,35 +431,62 @@ def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
 
 
 def _open_as(source: Path, reader: Identity | None) -> int:
-    """Open ``source`` for reading with ``reader``'s permissions: in a thread of its own
-    whose filesystem uid and gid are the reader's and which has no supplementary groups
-    (all three are per thread in Linux), so root's rights never apply."""
+    """Open ``source`` for reading with ``reader``'s permissions (``_Opener``), so root's
+    rights never apply."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     if reader is None:
         return os.open(source, flags)
     if os.geteuid() != 0 or _SYS_SETGROUPS is None:
         raise PermissionError("cannot take the attempt's permissions here")
-    outcome: list[int | OSError] = []
+    return _opener().open(source, flags, reader)
 
-    def as_reader() -> None:
-        try:
-            if _libc.syscall(_SYS_SETGROUPS, 0, None) != 0:
-                raise OSError(ctypes.get_errno(), "setgroups")
-            _libc.setfsgid(reader.gid)
-            _libc.setfsuid(reader.uid)
-            if _libc.setfsuid(-1) != reader.uid:  # reads back the current value
-                raise PermissionError("setfsuid")
-            outcome.append(os.open(source, flags))
-        except OSError as exc:
-            outcome.append(exc)
 
-    thread = threading.Thread(target=as_reader, name="open-as-attempt")
-    thread.start()
-    thread.join()
-    [result] = outcome
-    if isinstance(result, OSError):
-        raise result
-    return result
+class _Opener:
+    """One resident thread that only opens files, each with the permissions of the
+    attempt that asked: its filesystem uid and gid set to the reader's before every open
+    (both are per thread in Linux, and its effective uid stays 0, so it may set them
+    again), and no supplementary groups (dropped once, by the raw system call, which is
+    per thread too). Made once per agent, not a thread per attempt."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[
+            tuple[Path, int, Identity, concurrent.futures.Future[int]]
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="open-as-attempt", daemon=True)
+        self._thread.start()
+
+    def open(self, source: Path, flags: int, reader: Identity) -> int:
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._requests.put((source, flags, reader, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
+        refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
+        while True:
+            source, flags, reader, done = self._requests.get()
+            try:
+                if refused is not None:
+                    raise refused
+                _libc.setfsgid(reader.gid)
+                _libc.setfsuid(reader.uid)
+                # Each reads back the current value: the open runs as the reader or not at all.
+                if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
+                    raise PermissionError("setfsuid")
+                done.set_result(os.open(source, flags))
+            except Exception as exc:  # a NUL in the name too: the asker has it, the thread goes on
+                done.set_exception(exc)
+
+
+_openers: list[_Opener] = []
+_openers_lock = threading.Lock()
+
+
+def _opener() -> _Opener:
+    with _openers_lock:
+        if not _openers:
+            _openers.append(_Opener())
+        return _openers[0]
 
 
 def _fingerprint(path: Path) -> tuple[int, int, int, int] | None:

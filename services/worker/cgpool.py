@@ -8,7 +8,8 @@ hierarchy) holds a ``cairn-spawn`` helper that joined it once, and every attempt
 slot is forked by it: no migration, no mkdir or rmdir per attempt.
 
 Per attempt, only limits that differ from the slot's last ones are written (but the CPU
-quota always: the write refills the period's budget), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
+quota always: the write refills the period's budget), each a ``pwrite`` to a file the slot
+keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
 is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
 (every process but the helper killed), checked empty in every hierarchy, its page cache
@@ -26,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.worker.cgroups import AttemptCgroup, Cgroups, _read, cpu_bandwidth
+from services.worker.cgroups import AttemptCgroup, Cgroups, ControlFiles, cpu_bandwidth
 from services.worker.spawner import Helper
 
 log = logging.getLogger("cairn.worker.cgpool")
@@ -136,7 +137,7 @@ class CgroupPool:
     async def _make(self) -> Slot:
         name = f"s{next(self._names)}"
         folders = {c: base / name for c, base in self.cgroups.bases.items()}
-        group = AttemptCgroup("v1", folders)
+        group = AttemptCgroup("v1", folders, files=ControlFiles())
         for folder in set(folders.values()):
             if folder.exists():
                 AttemptCgroup("v1", {"": folder}).remove()
@@ -152,40 +153,43 @@ class CgroupPool:
         return slot
 
     def _limit(self, slot: Slot, memory_mb: int | None, cpu: float | None, pids_max: int) -> None:
-        folders = slot.group.folders
+        folders, files = slot.group.folders, _files(slot)
         memory = folders.get("memory")
         if memory is not None:
             value = str(memory_mb * 2**20) if memory_mb is not None else UNLIMITED
             if slot.limits.get("memory") != value:
-                _set_memory(memory, value)
+                _set_memory(files, memory, value)
                 slot.limits["memory"] = value
         cpu_folder = folders.get("cpu")
         if cpu_folder is not None:
             quota, period = cpu_bandwidth(cpu) if cpu is not None else (UNLIMITED, None)
             if period is not None and slot.limits.get("cpu_period") != str(period):
-                (cpu_folder / "cpu.cfs_period_us").write_text(str(period))
+                files.write(cpu_folder / "cpu.cfs_period_us", str(period))
                 slot.limits["cpu_period"] = str(period)
             # Written every time: a write refills the period's budget, so an attempt
             # never starts throttled for the CPU its slot's last attempt spent.
-            (cpu_folder / "cpu.cfs_quota_us").write_text(str(quota))
+            files.write(cpu_folder / "cpu.cfs_quota_us", str(quota))
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper
             if slot.limits.get("pids") != value:
-                (pids / "pids.max").write_text(value)
+                files.write(pids / "pids.max", value)
                 slot.limits["pids"] = value
-        if cpu_folder is not None and (_read(cpu_folder / "cpu.shares") or "").strip() != "1024":
-            (cpu_folder / "cpu.shares").write_text("1024")  # an earlier attempt was squeezed
+        if (
+            cpu_folder is not None
+            and (files.read(cpu_folder / "cpu.shares") or "").strip() != "1024"
+        ):
+            files.write(cpu_folder / "cpu.shares", "1024")  # an earlier attempt was squeezed
 
     def _reset(self, slot: Slot) -> None:
-        group = slot.group
+        group, files = slot.group, _files(slot)
         memory, cpuacct = group.folders.get("memory"), group.folders.get("cpuacct")
         if memory is not None:
-            (memory / "memory.max_usage_in_bytes").write_text("0")
+            files.write(memory / "memory.max_usage_in_bytes", "0")
             group.oom_base = 0
             group.oom_base = group.oom_kills()
         if cpuacct is not None:
-            (cpuacct / "cpuacct.usage").write_text("0")
+            files.write(cpuacct / "cpuacct.usage", "0")
             group.cpu_base = 0.0
 
     def _reclaim(self, slot: Slot) -> None:
@@ -203,20 +207,26 @@ class CgroupPool:
 
 def _charged(slot: Slot) -> int:
     memory = slot.group.folders.get("memory")
-    text = _read(memory / "memory.usage_in_bytes") if memory is not None else None
+    text = slot.group.value(memory / "memory.usage_in_bytes") if memory is not None else None
     return int(text) if text and text.strip().isdigit() else 0
 
 
-def _set_memory(folder: Path, value: str) -> None:
+def _files(slot: Slot) -> ControlFiles:
+    if slot.group.files is None:
+        slot.group.files = ControlFiles()
+    return slot.group.files
+
+
+def _set_memory(files: ControlFiles, folder: Path, value: str) -> None:
     """The memory limit, and the same for memory+swap where the kernel has it (which
     must never be below it, so the order depends on the direction)."""
     limit, memsw = folder / "memory.limit_in_bytes", folder / "memory.memsw.limit_in_bytes"
     try:
-        limit.write_text(value)
+        files.write(limit, value)
     except OSError:
         # Above the current memory+swap limit: raise that first.
-        memsw.write_text(value)
-        limit.write_text(value)
+        files.write(memsw, value)
+        files.write(limit, value)
         return
     with contextlib.suppress(OSError):
-        memsw.write_text(value)
+        files.write(memsw, value)

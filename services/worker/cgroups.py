@@ -11,6 +11,7 @@ removes what dead agents left there. ``Cgroups.detect`` says what it cannot enfo
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -33,10 +34,21 @@ _KILL_ROUNDS = 200
 
 
 def _read(path: Path) -> str | None:
+    """The file's text, from a fresh open (what ``cgroup.procs`` needs: on v1 a file kept
+    open goes on serving the pid list it first read, for up to a second)."""
     try:
-        return path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
 
 
 def _write(path: Path, value: str) -> bool:
@@ -45,6 +57,62 @@ def _write(path: Path, value: str) -> bool:
     except OSError:
         return False
     return True
+
+
+class ControlFiles:
+    """A cgroup's control files (limits, counters), each opened once and then read or
+    written with one ``pread`` or ``pwrite``: a pooled slot's values per attempt cost a
+    system call each, no open and no file object. Never ``cgroup.procs`` (``_read``).
+    Where no descriptor is left (``EMFILE``) a value is read or written by a fresh open."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def _fd(self, path: Path) -> int | None:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except PermissionError:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only counter
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    return None
+                raise
+            self._fds[path] = fd
+        return fd
+
+    def read(self, path: Path) -> str | None:
+        try:
+            fd = self._fd(path)
+            if fd is None:
+                return _read(path)
+            return os.pread(fd, 4096, 0).decode()
+        except OSError:
+            self._drop(path)
+            return None
+
+    def write(self, path: Path, value: str) -> None:
+        """Raises ``OSError`` as the kernel refuses the value."""
+        try:
+            fd = self._fd(path)
+            if fd is None:
+                path.write_text(value)
+                return
+            os.pwrite(fd, value.encode(), 0)
+        except OSError:
+            self._drop(path)
+            raise
+
+    def _drop(self, path: Path) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def cpu_bandwidth(cpu: float) -> tuple[int, int]:
@@ -112,6 +180,12 @@ class AttemptCgroup:
     #: OOM kills and CPU time the cgroup had counted before this attempt (pooled, v2)
     oom_base: int = 0
     cpu_base: float = 0.0
+    #: kept open for a pooled cgroup's values (``ControlFiles``); None: opened per read
+    files: ControlFiles | None = None
+
+    def value(self, path: Path) -> str | None:
+        """A control file's text (None if it cannot be read)."""
+        return self.files.read(path) if self.files is not None else _read(path)
 
     @property
     def procs_files(self) -> list[str]:
@@ -151,24 +225,24 @@ class AttemptCgroup:
             name, folder = "memory.max_usage_in_bytes", self._folder("memory")
         else:
             name, folder = "memory.peak", self._folder("memory")
-        text = _read(folder / name) if folder else None
+        text = self.value(folder / name) if folder else None
         return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
 
     def memory_now_mb(self) -> float | None:
         name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
         folder = self._folder("memory")
-        text = _read(folder / name) if folder else None
+        text = self.value(folder / name) if folder else None
         return round(int(text) / 2**20, 3) if text and text.strip().isdigit() else None
 
     def cpu_seconds(self) -> float | None:
         if self.version == "v1":
             folder = self._folder("cpuacct")
-            text = _read(folder / "cpuacct.usage") if folder else None
+            text = self.value(folder / "cpuacct.usage") if folder else None
             if not text or not text.strip().isdigit():
                 return None
             return round(max(0.0, int(text) / 1e9 - self.cpu_base), 3)
         folder = self._folder("cpu")
-        usage = _keyed(_read(folder / "cpu.stat") if folder else None, "usage_usec")
+        usage = _keyed(self.value(folder / "cpu.stat") if folder else None, "usage_usec")
         return round(max(0.0, usage / 1e6 - self.cpu_base), 3) if usage is not None else None
 
     def lower_cpu_share(self) -> bool:
@@ -185,13 +259,15 @@ class AttemptCgroup:
         if folder is None:
             return 0
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
-        return max(0, (_keyed(_read(folder / name), "oom_kill") or 0) - self.oom_base)
+        return max(0, (_keyed(self.value(folder / name), "oom_kill") or 0) - self.oom_base)
 
     def remove(self) -> bool:
         """Remove the cgroup once its processes are gone; False while some remain."""
         if self.removed:
             return True
         self.kill_all()
+        if self.files is not None:
+            self.files.close()  # no descriptor keeps a folder from going
         done = True
         for folder in set(self.folders.values()):
             try:

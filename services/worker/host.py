@@ -139,18 +139,12 @@ class Host:
         group: AttemptCgroup | None = None
         slot: Slot | None = None
         try:
-            name = _name_of(assignment.artifact.uri)
-            # Folder work blocks on the file system's journal: off the event loop.
-            folders = await asyncio.to_thread(
-                Folders.make, self.run_dir, assignment.attempt_id, name, identity
-            )
-            written = await cache.materialize(
-                assignment.artifact.uri,
-                assignment.artifact.sha256,
-                folders.executable.parent,
-                identity,
-            )
-            folders.seal_executable(written)
+            # Folder work blocks on the file system's journal: off the event loop; for a
+            # file:// artifact, the folders, the verified copy and its seal in one thread.
+            if assignment.artifact.uri.startswith("file:"):
+                folders = await asyncio.to_thread(self._local_files, assignment, identity, cache)
+            else:
+                folders = await self._fetched_files(assignment, identity, cache)
             resources = assignment.resources
             pids_max = self.settings.worker_pids_max
             if self.slots is not None:
@@ -165,6 +159,40 @@ class Host:
             await self._undo(folders, identity, group, slot)
             raise
         return Prepared(spec, folders, identity, group, slot)
+
+    def _local_files(
+        self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
+    ) -> Folders:
+        artifact = assignment.artifact
+        folders = Folders.make(
+            self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
+        )
+        try:
+            written = cache.copy_local(
+                artifact.uri, artifact.sha256, folders.executable.parent, identity
+            )
+            folders.seal_executable(written)
+        except BaseException:
+            folders.remove()
+            raise
+        return folders
+
+    async def _fetched_files(
+        self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
+    ) -> Folders:
+        artifact = assignment.artifact
+        folders = await asyncio.to_thread(
+            Folders.make, self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
+        )
+        try:
+            written = await cache.materialize(
+                artifact.uri, artifact.sha256, folders.executable.parent, identity
+            )
+            await asyncio.to_thread(folders.seal_executable, written)
+        except BaseException:
+            await asyncio.to_thread(folders.remove)
+            raise
+        return folders
 
     def _spec(
         self,

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -129,6 +130,12 @@ class Helper:
         self._lock = asyncio.Lock()
         self._ready = False
         self.gone = False
+        # Readable once the helper has exited: ``alive`` asks it, no /proc read.
+        self._exit: select.poll | None = None
+        with contextlib.suppress(OSError):
+            self._pidfd = os.pidfd_open(self.pid)
+            self._exit = select.poll()
+            self._exit.register(self._pidfd, select.POLLIN)
 
     async def _recv(self) -> tuple[int, int, int]:
         loop = asyncio.get_running_loop()
@@ -189,6 +196,8 @@ class Helper:
         """Whether the helper still runs (not closed, not exited, not a zombie)."""
         if self.gone:
             return False
+        if self._exit is not None:
+            return not self._exit.poll(0)
         try:
             stat = Path(f"/proc/{self.pid}/stat").read_text()
         except OSError:
@@ -200,6 +209,9 @@ class Helper:
             return
         self.gone = True
         self._sock.close()  # end of file: the helper exits
+        if self._exit is not None:
+            self._exit = None
+            os.close(self._pidfd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         _reap_later(self.pid)

@@ -42,7 +42,10 @@ class Board:
         return cls(fd)
 
     def write(self, value: dict[str, Any]) -> None:
-        data = json.dumps(value, separators=(",", ":")).encode()
+        self.write_json(json.dumps(value, separators=(",", ":")).encode())
+
+    def write_json(self, data: bytes) -> None:
+        """Write a value already encoded as JSON (one object)."""
         if len(data) > HALF - _HEADER.size:
             raise ValueError(f"the board holds {HALF} bytes, not {len(data)}")
         self._seq += 1
