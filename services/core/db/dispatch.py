@@ -358,6 +358,15 @@ async def heard(conn: AsyncConnection, worker_id: int, started: Sequence[int] = 
     return (await conn.execute(_HEARD, params)).first()
 
 
+@dataclass(frozen=True)
+class Leases:
+    """A claim's assignments, and the tasks among them whose env refers to secrets
+    (``identity.secrets.fill`` opens those; the others need no look-up)."""
+
+    assignments: list[Assignment]
+    with_secrets: frozenset[int] = frozenset()
+
+
 async def claim(
     conn: AsyncConnection,
     worker: Any,
@@ -366,7 +375,7 @@ async def claim(
     most: int,
     defaults: placement.Defaults | None = None,
     tally: Tally | None = None,
-) -> list[Assignment]:
+) -> Leases:
     """Lease waiting work of the worker's queues that fits both the room it reports and
     its capacity less what core has placed on it (``domain.placement``) and that its
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
@@ -376,13 +385,13 @@ async def claim(
     transaction (locked, liveness refreshed)."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
-        return []
+        return Leases([])
     hold = worker.reserved_for
     [node] = await placement.nodes_of(conn, [worker])
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
-        return []
+        return Leases([])
     allowed = sources(Op.CLAIM, S.RUNNING)
     params = {
         "sources": allowed,
@@ -399,13 +408,14 @@ async def claim(
     }
     rows = await _candidate_rows(conn, worker.id, params)
     gate = await _gate(conn, rows)
-    chosen = choose(room, [placement.candidate(row, defaults) for row in rows], most, gate)
+    # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
+    chosen = choose(room, (placement.candidate(row, defaults) for row in rows), most, gate)
     if tally is not None and gate is not None:
         tally.held.update(gate.refused)
     if await _held_for(conn, hold, chosen):
-        return []
+        return Leases([])
     if not chosen:
-        return []
+        return Leases([])
     keys = {row.id: row.concurrency_key for row in rows}
     froms = {row.id: row.state for row in rows}
     leased = await conn.execute(
@@ -426,7 +436,8 @@ async def claim(
     found = list(leased)
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
-    return [_assignment(row) for row in found]
+    refs = frozenset(r.id for r in found if any(not isinstance(v, str) for v in r.env.values()))
+    return Leases([_assignment(row) for row in found], refs)
 
 
 async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
