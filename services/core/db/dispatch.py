@@ -117,7 +117,7 @@ SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_fo
 def _waiting_in(in_queues: str) -> TextClause:
     waiting = f"{_WAITING} AND {in_queues}"
     aged = f"{waiting} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
-    reserved = f"{_WAITING} AND t.id IN ({_RESERVED})"
+    reserved = f"{_WAITING} AND t.id = ANY(ARRAY({_RESERVED}))"  # by id, not a scan
     return text(f"""
 WITH reserved AS ({_pick(reserved, _BEST)}),
 best AS ({_pick(waiting, _BEST)}),
