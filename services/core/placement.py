@@ -364,15 +364,20 @@ WITH picked AS (
 SELECT count(*) FROM moved
 """)
 
+# Guaranteed work waiting too long, less the tasks room is already being made for: the
+# latter as one hashed set (an OR inside NOT EXISTS was a nested loop of the whole
+# backlog by every open attempt: 570 ms a pass at 20,000 waiting, docs/benchmarks.md).
 _BLOCKED = text("""
 SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority FROM core.tasks t
 WHERE t.state = 'waiting' AND NOT t.preemptible
   AND t.updated_at < now() - make_interval(secs => :after_s)
-  AND NOT EXISTS (
-      SELECT 1 FROM core.attempts a
-      WHERE a.outcome IS NULL
-        AND (a.preempted_by = t.id
-             OR (a.squeezed_for = t.id AND a.squeezed_at > now() - make_interval(secs => :after_s)))
+  AND t.id NOT IN (
+      SELECT a.preempted_by FROM core.attempts a
+      WHERE a.outcome IS NULL AND a.preempted_by IS NOT NULL
+      UNION ALL
+      SELECT a.squeezed_for FROM core.attempts a
+      WHERE a.outcome IS NULL AND a.squeezed_for IS NOT NULL
+        AND a.squeezed_at > now() - make_interval(secs => :after_s)
   )
 ORDER BY t.priority DESC, t.id
 LIMIT :limit

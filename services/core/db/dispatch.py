@@ -79,8 +79,8 @@ _AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
 
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
-SELECT t.id, t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority, t.vtime,
-       t.concurrency_key, t.concurrency_limit,
+SELECT t.id, p.reserved, t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
+       t.vtime, t.concurrency_key, t.concurrency_limit,
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
@@ -103,35 +103,43 @@ _BEST = "t.priority DESC, t.vtime, t.id"
 _BEST_DUE = f"t.priority + {_AGING} DESC, t.vtime, t.id"
 
 
+# Guaranteed tasks this worker squeezed or preempted attempts for, lately, and the task it
+# is reserved for: they go first, whatever their queue.
+_RESERVED = """
+SELECT COALESCE(a.preempted_by, a.squeezed_for) FROM core.attempts a
+WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS NOT NULL)
+  AND (a.outcome IS NULL OR a.ended_at > now() - interval '60 seconds')
+UNION
+SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_for IS NOT NULL
+"""
+
+
 def _waiting_in(in_queues: str) -> TextClause:
     waiting = f"{_WAITING} AND {in_queues}"
     aged = f"{waiting} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
+    reserved = f"{_WAITING} AND t.id = ANY(ARRAY({_RESERVED}))"  # by id, not a scan
     return text(f"""
-WITH best AS ({_pick(waiting, _BEST)}),
+WITH reserved AS ({_pick(reserved, _BEST)}),
+best AS ({_pick(waiting, _BEST)}),
 aged AS ({_pick(aged, "t.vtime, t.id", ":aged_limit")}),
 due AS ({_pick(f"{_DUE_READY} AND {in_queues}", _BEST_DUE)}),
-picked AS (SELECT id FROM best UNION SELECT id FROM aged UNION SELECT id FROM due)
+picked AS (
+    SELECT id, bool_or(reserved) AS reserved FROM (
+        SELECT id, true AS reserved FROM reserved
+        UNION ALL SELECT id, false FROM best
+        UNION ALL SELECT id, false FROM aged
+        UNION ALL SELECT id, false FROM due) p
+    GROUP BY id
+)
 {_DETAILS}
 """)
 
 
 # One queue (the common worker) is an equality, so the scan walks the waiting index in
-# its order and stops at the limit; several are an ANY, sorted.
+# its order and stops at the limit; several are an ANY, sorted. One statement: the
+# reserved work, the best, the longest past its fair turn, the due.
 _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
-_RESERVED_TASKS = text(f"""
-WITH picked AS ({_pick(f"{_WAITING} AND t.id = ANY(CAST(:reserved AS bigint[]))", _BEST)})
-{_DETAILS}
-""")
-
-# Guaranteed tasks this worker squeezed or preempted attempts for, lately: they go first.
-_RESERVED = text("""
-SELECT DISTINCT COALESCE(a.preempted_by, a.squeezed_for) AS task_id FROM core.attempts a
-WHERE a.worker_id = :worker AND (a.preempted_by IS NOT NULL OR a.squeezed_for IS NOT NULL)
-  AND (a.outcome IS NULL OR a.ended_at > now() - interval '60 seconds')
-UNION
-SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_for IS NOT NULL
-""")
 
 _CLAIM = text("""
 WITH chosen AS (
@@ -358,6 +366,15 @@ async def heard(conn: AsyncConnection, worker_id: int, started: Sequence[int] = 
     return (await conn.execute(_HEARD, params)).first()
 
 
+@dataclass(frozen=True)
+class Leases:
+    """A claim's assignments, and the tasks among them whose env refers to secrets
+    (``identity.secrets.fill`` opens those; the others need no look-up)."""
+
+    assignments: list[Assignment]
+    with_secrets: frozenset[int] = frozenset()
+
+
 async def claim(
     conn: AsyncConnection,
     worker: Any,
@@ -366,7 +383,7 @@ async def claim(
     most: int,
     defaults: placement.Defaults | None = None,
     tally: Tally | None = None,
-) -> list[Assignment]:
+) -> Leases:
     """Lease waiting work of the worker's queues that fits both the room it reports and
     its capacity less what core has placed on it (``domain.placement``) and that its
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
@@ -376,13 +393,13 @@ async def claim(
     transaction (locked, liveness refreshed)."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
-        return []
+        return Leases([])
     hold = worker.reserved_for
     [node] = await placement.nodes_of(conn, [worker])
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
-        return []
+        return Leases([])
     allowed = sources(Op.CLAIM, S.RUNNING)
     params = {
         "sources": allowed,
@@ -399,13 +416,14 @@ async def claim(
     }
     rows = await _candidate_rows(conn, worker.id, params)
     gate = await _gate(conn, rows)
-    chosen = choose(room, [placement.candidate(row, defaults) for row in rows], most, gate)
+    # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
+    chosen = choose(room, (placement.candidate(row, defaults) for row in rows), most, gate)
     if tally is not None and gate is not None:
         tally.held.update(gate.refused)
     if await _held_for(conn, hold, chosen):
-        return []
+        return Leases([])
     if not chosen:
-        return []
+        return Leases([])
     keys = {row.id: row.concurrency_key for row in rows}
     froms = {row.id: row.state for row in rows}
     leased = await conn.execute(
@@ -426,7 +444,8 @@ async def claim(
     found = list(leased)
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
-    return [_assignment(row) for row in found]
+    refs = frozenset(r.id for r in found if any(not isinstance(v, str) for v in r.env.values()))
+    return Leases([_assignment(row) for row in found], refs)
 
 
 async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
@@ -443,19 +462,11 @@ async def _candidate_rows(
 ) -> list[Any]:
     """Reserved work first, then the rest by effective priority (priority plus aging),
     fair-share stamp and id; every row locked for this claim."""
-    reserved = [row.task_id for row in await conn.execute(_RESERVED, {"worker": worker_id})]
-    rows = (
-        []
-        if not reserved
-        else list(await conn.execute(_RESERVED_TASKS, {**params, "reserved": reserved}))
-    )
-    first = {row.id for row in rows}
     queues = params["queues"]
     query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
-    found = await conn.execute(query, {**params, "queue": queues[0]})
-    rest = [r for r in found if r.id not in first]
-    rest.sort(key=lambda r: (-(r.priority + r.boost), r.vtime, r.id))
-    return rows + rest
+    found = list(await conn.execute(query, {**params, "queue": queues[0], "worker": worker_id}))
+    found.sort(key=lambda r: (not r.reserved, -(r.priority + r.boost), r.vtime, r.id))
+    return found
 
 
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:

@@ -11,7 +11,7 @@ nowhere, preemptible attempts are squeezed (CPU is compressible), then preempted
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -140,7 +140,7 @@ class Admission(Protocol):
 
 
 def choose(
-    room: Amount, candidates: Sequence[Candidate], most: int, gate: Admission | None = None
+    room: Amount, candidates: Iterable[Candidate], most: int, gate: Admission | None = None
 ) -> list[tuple[Candidate, Amount]]:
     """Candidates (in the order given: reserved, then priority and fair share) whose
     charges fit the room left and that ``gate`` admits, each with its charge; at most

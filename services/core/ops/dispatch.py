@@ -128,10 +128,12 @@ async def _lease(
     gone fails at once (not retryable) and is not handed out."""
     if worker is None or room is None:
         return []
-    leased = await dispatch.claim(
+    leases = await dispatch.claim(
         conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally
     )
-    leased, broken = await secrets.fill(conn, ops.box, leased)
+    if not leases.with_secrets:
+        return leases.assignments
+    leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
     if broken:
         failed = [
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
