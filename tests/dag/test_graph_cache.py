@@ -4,6 +4,7 @@ no more than its memory bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,36 +30,44 @@ def _definition(nodes: int, name: str = "big") -> dict[str, Any]:
 def test_parsing_a_large_definition_leaves_the_event_loop_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    definition = _definition(5000)
+    definition = _definition(10_000)  # the bound on nodes
 
     async def workflow_by_id(_conn: Any, _id: int) -> Any:
         return SimpleNamespace(definition=definition)
 
     monkeypatch.setattr(store, "workflow_by_id", workflow_by_id)
 
+    # Measured in the process's CPU time, not the wall clock: what the code controls is how
+    # much of the parse runs while the loop is shut out (a parse holding the GIL burns CPU
+    # through the whole gap); a loaded machine that deschedules the process stretches the
+    # wall-clock gaps without the loop being blocked, and failed this test in CI at load 3.
+    # Parsed on the loop itself, the worst gap is the whole parse; in its thread, the
+    # longest single step (about 70 ms of 250 here).
     async def scenario() -> tuple[float, float]:
         loop = asyncio.get_running_loop()
         gaps: list[float] = []
         done = asyncio.Event()
 
         async def tick() -> None:
-            last = loop.time()
+            last = time.process_time()
             while not done.is_set():
                 await asyncio.sleep(0.01)
-                gaps.append(loop.time() - last)
-                last = loop.time()
+                gaps.append(time.process_time() - last)
+                last = time.process_time()
 
         ticker = asyncio.create_task(tick())
-        started = loop.time()
+        await asyncio.sleep(0)  # the ticker has taken its first reading
+        started = time.process_time()
         dag = await Graphs(8).get(None, 1)  # type: ignore[arg-type]
-        took = loop.time() - started
+        took = time.process_time() - started
         done.set()
         await ticker
-        assert len(dag.order) == 5000
+        assert len(dag.order) == 10_000
+        assert loop.is_running()
         return took, max(gaps)
 
     took, worst = asyncio.run(scenario())
-    assert worst < max(0.25, took / 3), (took, worst)
+    assert worst < took / 2, (took, worst)
 
 
 def test_the_cache_is_bounded_by_memory_least_recently_used_first_out() -> None:
