@@ -58,7 +58,10 @@ S = TaskState
 # (queries.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
 # not after a promotion row by row. A deferral's end is left to the promoter, whose event
 # says why it runs.
-_FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value  # sources(Op.CLAIM, S.RUNNING)
+_FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value
+if sorted((_FROM_WAITING, _FROM_READY)) != sources(Op.CLAIM, S.RUNNING):
+    # The scans below are written per source state; the transitions table stays the rule.
+    raise RuntimeError("the claim's scans and the transitions table disagree")
 _WAITING = f"t.state = '{_FROM_WAITING}'"
 _DUE_READY = f"""t.state = '{_FROM_READY}' AND t.run_at <= now() AND NOT t.deferred
   AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
