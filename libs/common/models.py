@@ -27,6 +27,9 @@ from libs.common.states import TaskState
 MAX_BATCH = 1000
 MAX_PAGE = 1000
 MAX_WAIT_S = 30.0
+#: how far ahead of its ``run_at`` a claim may ask to lease delayed work (core caps it
+#: further by ``CAIRN_CLAIM_AHEAD_MAX_S``)
+MAX_AHEAD_S = 60.0
 #: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
 MAX_OUTPUTS_BYTES = 64 * 1024
 MAX_OUTPUTS = 100
@@ -505,6 +508,10 @@ class ClaimRequest(_Input):
     memory_mb: int = Field(ge=0, le=64 * 1024 * 1024)
     max: int = Field(default=16, ge=1, le=256)
     wait: float = Field(default=0, ge=0, le=MAX_WAIT_S)
+    #: also lease delayed work due within this many seconds (capped by core's
+    #: ``CAIRN_CLAIM_AHEAD_MAX_S``), each with its ``start_at``: only into room left once
+    #: the work due now is served (docs/architecture.md, "Claiming ahead")
+    ahead_s: float = Field(default=0, ge=0, le=MAX_AHEAD_S)
 
 
 class Charge(_Output):
@@ -533,6 +540,9 @@ class Assignment(_Output):
     traceparent: Annotated[str, StringConstraints(max_length=55)] | None = None
     #: the agent may preempt it under memory pressure (it is charged its measured use)
     preemptible: bool = False
+    #: leased ahead (``ClaimRequest.ahead_s``): start its process at this instant (its
+    #: ``run_at``, by core's clock), not before; None: start it now
+    start_at: datetime | None = None
 
 
 class ClaimAnswer(_Output):

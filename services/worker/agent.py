@@ -129,6 +129,8 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
+        # Attempts leased ahead, waiting for their start_at: what wakes each (``_hold``).
+        self.holding: dict[int, asyncio.Future[str]] = {}
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
@@ -200,6 +202,8 @@ class Agent:
 
     async def _abandon(self) -> None:
         """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
+        for attempt_id in list(self.holding):
+            self._wake(attempt_id, "stop")
         for _, handle in list(self.running.values()):
             if handle is not None and not handle.done:
                 handle.kill()
@@ -308,7 +312,13 @@ class Agent:
         cpu, memory_mb, slots = self._room()
         if slots <= 0 or cpu <= 0 or memory_mb <= 0:
             return None
-        return ClaimRequest(cpu=cpu, memory_mb=memory_mb, max=min(slots, 64), wait=CLAIM_WAIT_S)
+        return ClaimRequest(
+            cpu=cpu,
+            memory_mb=memory_mb,
+            max=min(slots, 64),
+            wait=CLAIM_WAIT_S,
+            ahead_s=self.settings.worker_claim_ahead_s,
+        )
 
     def _start_all(self, leased: list[Assignment]) -> None:
         for assignment in leased:
@@ -420,6 +430,8 @@ class Agent:
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
+        for attempt_id in list(self.holding):
+            self._wake(attempt_id, "drain")  # not started yet: handed back at once
         loop = asyncio.get_running_loop()
         until = loop.time() + grace
         # Core's word still counts while draining: cancelled or preempted attempts stop.
@@ -451,6 +463,8 @@ class Agent:
             if entry and entry[1] is not None:
                 log.info("attempt %s stopped at core's request", attempt_id)
                 entry[1].kill()
+            else:
+                self._wake(int(attempt_id), "stop")
         for attempt_id in answer.get("squeeze", []):
             self._squeeze(int(attempt_id))
         grace = float(answer.get("preempt_grace_s", 10.0))
@@ -486,6 +500,7 @@ class Agent:
         log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
 
     def _preempt(self, attempt_id: int, grace_s: float, why: str | None = None) -> None:
+        self._wake(attempt_id, "preempt")
         entry = self.running.get(attempt_id)
         if attempt_id in self.preempting or not entry or entry[1] is None:
             return
@@ -612,10 +627,17 @@ class Agent:
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
+        woken = await self._hold(assignment)
+        if woken == "stop":
+            return None  # core closed it (cancelled, re-placed): it never starts
+        if woken == "preempt":
+            return Report(outcome="preempted", error="preempted before its start")
         if self.draining.is_set():
             return Report(outcome="handed_back", error="the worker is draining")
-        # A recent turn vouches for the lease; only after a long silence does the agent ask.
-        verdict = "held" if self._vouched() else await self._confirm(attempt)
+        # A recent turn vouches for the lease; only after a long silence does the agent
+        # ask, and always for one held until its start_at: a cancel meanwhile is seen here.
+        ask = assignment.start_at is not None or not self._vouched()
+        verdict = await self._confirm(attempt) if ask else "held"
         if verdict == "gone":
             return None
         if verdict == "unconfirmed":
@@ -657,6 +679,37 @@ class Agent:
             report = report.model_copy(update={"error": why})
         return report
 
+    async def _hold(self, assignment: Assignment) -> str:
+        """Wait until a lease taken ahead may start: its ``start_at`` (core's clock, read
+        against this host's), on an event-loop timer. ``start``, or what woke it first:
+        ``stop`` (core closed it), ``preempt`` or ``drain``. Its folders and artifact are
+        ready by now; it keeps its slot and charge meanwhile."""
+        if assignment.start_at is None:
+            return "start"
+        attempt, start = assignment.attempt_id, assignment.start_at.timestamp()
+        loop = asyncio.get_running_loop()
+        try:
+            # Again if the timer (monotonic) rang a hair before the wall clock's instant.
+            while (delay := start - time.time()) > 0:
+                if self.draining.is_set():
+                    return "drain"
+                wake = self.holding[attempt] = loop.create_future()
+                timer = loop.call_later(delay, _ring, wake, "start")
+                try:
+                    woken = await wake
+                finally:
+                    timer.cancel()
+                if woken != "start":
+                    return woken
+            return "start"
+        finally:
+            self.holding.pop(attempt, None)
+
+    def _wake(self, attempt_id: int, why: str) -> None:
+        wake = self.holding.get(attempt_id)
+        if wake is not None:
+            _ring(wake, why)
+
     async def _confirm(self, attempt_id: int) -> str:
         """Ask core before starting: an attempt it no longer holds for this worker (the
         reaper requeued it, it was cancelled) must not run beside its retry. ``held``,
@@ -684,6 +737,11 @@ class Agent:
         self.outbox[attempt_id] = out
         self._kick()
         await out.done
+
+
+def _ring(wake: asyncio.Future[str], why: str) -> None:
+    if not wake.done():
+        wake.set_result(why)
 
 
 def _compact(value: object) -> str:

@@ -121,8 +121,9 @@ async def list_workers(
 def _dispatcher(
     engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
 ) -> ops.Dispatcher:
-    defaults = placement.Defaults.of(_settings(request))
-    return ops.Dispatcher(engine, notifier, meter, box, defaults)
+    settings = _settings(request)
+    defaults = placement.Defaults.of(settings)
+    return ops.Dispatcher(engine, notifier, meter, box, defaults, settings.claim_ahead_max_s)
 
 
 Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]

@@ -57,13 +57,18 @@ S = TaskState
 # work whose run_at has come in a running queue, the promoter's own condition
 # (queries.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
 # not after a promotion row by row. A deferral's end is left to the promoter, whose event
-# says why it runs.
+# says why it runs. A claim that asks ``ahead_s`` also takes ready work due within that
+# many seconds (its attempt starts at the task's run_at), but only after all the work due
+# now: ``ahead`` sorts last, so work leased ahead only fills room left over.
 _FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value
 if sorted((_FROM_WAITING, _FROM_READY)) != sources(Op.CLAIM, S.RUNNING):
     # The scans below are written per source state; the transitions table stays the rule.
     raise RuntimeError("the claim's scans and the transitions table disagree")
-_WAITING = f"t.state = '{_FROM_WAITING}'"
-_DUE_READY = f"""t.state = '{_FROM_READY}' AND t.run_at <= now() AND NOT t.deferred
+# A task leased ahead and given back before its run_at (its worker died, drained, or
+# preempted it while it was held) waits again with its run_at kept: not taken before then.
+_WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now()"
+_DUE_READY = f"""t.state = '{_FROM_READY}'
+  AND t.run_at <= now() + make_interval(secs => :ahead_s) AND NOT t.deferred
   AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
 
 _PICK = f"""
@@ -82,7 +87,8 @@ _AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
 
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
-SELECT t.id, p.reserved, t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
+SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead,
+       t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
        t.vtime, t.concurrency_key, t.concurrency_limit,
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
@@ -101,9 +107,10 @@ def _pick(which: str, order: str, limit: str = ":limit") -> str:
 
 
 _BEST = "t.priority DESC, t.vtime, t.id"
-# Due ready work is found by its due time and sorted (it is few, but at a burst): by
-# effective priority, so aging needs no second scan of it.
-_BEST_DUE = f"t.priority + {_AGING} DESC, t.vtime, t.id"
+# Due ready work is found by its due time and sorted (it is few, but at a burst): what is
+# due now before what a claim ahead may take, then by effective priority, so aging needs
+# no second scan of it.
+_BEST_DUE = f"t.run_at > now(), t.priority + {_AGING} DESC, t.vtime, t.id"
 
 
 # Guaranteed tasks this worker squeezed or preempted attempts for, lately, and the task it
@@ -153,13 +160,16 @@ WITH chosen AS (
 ),
 leased AS (
     INSERT INTO core.attempts (
-        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
+        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key, started_at
     )
     SELECT c.id,
            1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker, c.cpu, c.memory_mb, c.concurrency_key
-    FROM chosen c
-    RETURNING id, task_id, number, charge_cpu, charge_memory_mb
+           :worker, c.cpu, c.memory_mb, c.concurrency_key,
+           -- leased ahead: it starts at its run_at, and every deadline counts from then
+           CASE WHEN c.from_state = 'ready' THEN GREATEST(now(), t.run_at) ELSE now() END
+    FROM chosen c JOIN core.tasks t ON t.id = c.id
+    RETURNING id, task_id, number, charge_cpu, charge_memory_mb,
+              CASE WHEN started_at > now() THEN started_at END AS start_at
 ), moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
@@ -168,7 +178,7 @@ leased AS (
     WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
       AND t.state = c.from_state
     RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number,
-              leased.charge_cpu, leased.charge_memory_mb, c.from_state
+              leased.charge_cpu, leased.charge_memory_mb, leased.start_at, c.from_state
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
@@ -386,6 +396,7 @@ async def claim(
     most: int,
     defaults: placement.Defaults | None = None,
     tally: Tally | None = None,
+    ahead_s: float = 0.0,
 ) -> Leases:
     """Lease waiting work of the worker's queues that fits both the room it reports and
     its capacity less what core has placed on it (``domain.placement``) and that its
@@ -393,7 +404,8 @@ async def claim(
     it first, then highest effective priority, then fair share across owners; rows other
     claims hold are skipped, never shared. A worker reserved for a task that does not
     fit yet starts nothing else. ``worker`` is its row as ``heard`` returned it in this
-    transaction (locked, liveness refreshed)."""
+    transaction (locked, liveness refreshed). ``ahead_s``: also delayed work due within
+    it, into the room the work due now leaves, each started at its ``run_at``."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
         return Leases([])
@@ -416,6 +428,7 @@ async def claim(
         "defer_max_s": defaults.defer_max_s,
         "aging_s": defaults.aging_s,
         "aging_max": defaults.aging_max,
+        "ahead_s": ahead_s,
     }
     rows = await _candidate_rows(conn, worker.id, params)
     gate = await _gate(conn, rows)
@@ -463,12 +476,13 @@ async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) 
 async def _candidate_rows(
     conn: AsyncConnection, worker_id: int, params: dict[str, Any]
 ) -> list[Any]:
-    """Reserved work first, then the rest by effective priority (priority plus aging),
-    fair-share stamp and id; every row locked for this claim."""
+    """Reserved work first, then the rest due now, then what is leased ahead, each by
+    effective priority (priority plus aging), fair-share stamp and id; every row locked
+    for this claim."""
     queues = params["queues"]
     query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
     found = list(await conn.execute(query, {**params, "queue": queues[0], "worker": worker_id}))
-    found.sort(key=lambda r: (not r.reserved, -(r.priority + r.boost), r.vtime, r.id))
+    found.sort(key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id))
     return found
 
 
@@ -502,6 +516,7 @@ def _assignment(row: Any) -> Assignment:
         charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
         traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
         preemptible=row.preemptible,
+        start_at=row.start_at,
     )
 
 

@@ -43,6 +43,8 @@ class Dispatcher:
     meter: CoreMetrics
     box: SecretBox
     defaults: placement.Defaults = field(default_factory=placement.Defaults)
+    #: the most a claim may ask to lease ahead (``CAIRN_CLAIM_AHEAD_MAX_S``)
+    ahead_max_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,9 @@ async def _lease(
     gone fails at once (not retryable) and is not handed out."""
     if worker is None or room is None:
         return []
+    ahead_s = min(room.ahead_s, ops.ahead_max_s)
     leases = await dispatch.claim(
-        conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally
+        conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally, ahead_s
     )
     if not leases.with_secrets:
         return leases.assignments
