@@ -89,7 +89,9 @@ def test_ahead_is_capped_by_cores_setting(core: Core, db) -> None:
     [task] = _due_in(core, db, AHEAD_MAX_S + 10)
     agent = Agent(core)
     assert _claim(agent, AHEAD_MAX_S + 20) == []  # asked 50 s, core allows 30
-    db.execute("UPDATE core.tasks SET run_at = now() + interval '20 seconds' WHERE id = %s", (task,))
+    db.execute(
+        "UPDATE core.tasks SET run_at = now() + interval '20 seconds' WHERE id = %s", (task,)
+    )
     assert [a["task_id"] for a in _claim(agent, AHEAD_MAX_S + 20)] == [task]
 
 
@@ -109,15 +111,15 @@ def test_a_held_attempt_is_lost_for_missing_from_heartbeats_only_after_its_start
             (seconds, leased["attempt_id"]),
         )  # as if leased ``seconds`` ago, 20 s ahead of its run_at
         agent.beat([])
-        return db.execute("SELECT outcome FROM core.attempts WHERE task_id = %s", (task,)).fetchall()
+        return db.execute(
+            "SELECT outcome FROM core.attempts WHERE task_id = %s", (task,)
+        ).fetchall()
 
     assert leased_ago(15) == [(None,)]  # its start is 5 s away
     assert leased_ago(25) == [("lost",)]  # its start was 5 s ago: missing since
 
 
-def test_a_task_handed_back_before_its_run_at_is_not_leased_again_before_it(
-    core: Core, db
-) -> None:
+def test_a_task_handed_back_before_its_run_at_is_not_leased_again_before_it(core: Core, db) -> None:
     [task] = _due_in(core, db, 20)
     agent = Agent(core)
     [leased] = _claim(agent, 25)
