@@ -688,6 +688,20 @@ class Turn(_Input):
     claim: ClaimRequest | None = None
 
 
+class Starts(_Input):
+    """Attempts leased ahead whose ``start_at`` has come: the agent asks, for all of
+    them at once, whether core still holds them before it starts their processes."""
+
+    attempts: list[TaskId] = Field(min_length=1, max_length=MAX_TURN_ITEMS)
+
+
+class StartsAnswer(_Output):
+    #: held for this worker: start them (each counts as started from now on)
+    held: list[int]
+    #: no longer held (cancelled, lost, not this worker's): never start them
+    gone: list[int]
+
+
 class ReportVerdict(_Output):
     """What became of one report of a turn: ``status`` 200 (applied; ``state`` is the
     task's state now), 409 (stale: not the task's current attempt, or not this worker's)

@@ -131,6 +131,10 @@ class Agent:
         self.starting: set[int] = set()
         # Attempts leased ahead, waiting for their start_at: what wakes each (``_hold``).
         self.holding: dict[int, asyncio.Future[str]] = {}
+        # Those whose start_at came in this loop iteration, asked about in one request.
+        self.confirming: dict[int, asyncio.Future[str]] = {}
+        self.confirm_soon: asyncio.Handle | None = None
+        self.asking: set[asyncio.Task[None]] = set()
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
@@ -625,23 +629,36 @@ class Agent:
         self.releasing.discard(task)
         self.reported.set()  # room again: a main loop waiting for room looks again
 
-    async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
-        attempt, spec = assignment.attempt_id, prepared.spec
+    async def _cleared(self, assignment: Assignment) -> tuple[bool, Report | None]:
+        """Whether the attempt may start now, once its hold (if leased ahead) is over and
+        core vouches for it; if not, what to report (None: core knows already)."""
+        attempt = assignment.attempt_id
         woken = await self._hold(assignment)
         if woken == "stop":
-            return None  # core closed it (cancelled, re-placed): it never starts
+            return False, None  # core closed it (cancelled, re-placed): it never starts
         if woken == "preempt":
-            return Report(outcome="preempted", error="preempted before its start")
+            return False, Report(outcome="preempted", error="preempted before its start")
         if self.draining.is_set():
-            return Report(outcome="handed_back", error="the worker is draining")
+            return False, Report(outcome="handed_back", error="the worker is draining")
         # A recent turn vouches for the lease; only after a long silence does the agent
-        # ask, and always for one held until its start_at: a cancel meanwhile is seen here.
-        ask = assignment.start_at is not None or not self._vouched()
-        verdict = await self._confirm(attempt) if ask else "held"
+        # ask, and always for one held until its start_at: a cancel meanwhile is seen here
+        # (asked with the others due at the same instant, in one request).
+        if assignment.start_at is not None:
+            verdict = await self._confirm_held(attempt)
+        else:
+            verdict = "held" if self._vouched() else await self._confirm(attempt)
         if verdict == "gone":
-            return None
+            return False, None
         if verdict == "unconfirmed":
-            return Report(outcome="handed_back", error="core could not confirm it before its start")
+            why = "core could not confirm it before its start"
+            return False, Report(outcome="handed_back", error=why)
+        return True, None
+
+    async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
+        attempt, spec = assignment.attempt_id, prepared.spec
+        cleared, refusal = await self._cleared(assignment)
+        if not cleared:
+            return refusal
         if prepared.cgroup is not None:
             self.cgroups[str(attempt)] = _compact(
                 sorted(map(str, prepared.cgroup.folders.values()))
@@ -693,7 +710,8 @@ class Agent:
             while (delay := start - time.time()) > 0:
                 if self.draining.is_set():
                     return "drain"
-                wake = self.holding[attempt] = loop.create_future()
+                wake: asyncio.Future[str] = loop.create_future()
+                self.holding[attempt] = wake
                 timer = loop.call_later(delay, _ring, wake, "start")
                 try:
                     woken = await wake
@@ -709,6 +727,55 @@ class Agent:
         wake = self.holding.get(attempt_id)
         if wake is not None:
             _ring(wake, why)
+
+    async def _confirm_held(self, attempt_id: int) -> str:
+        """``_confirm`` for an attempt leased ahead whose start_at has come, batched with
+        every other one whose start came in this loop iteration."""
+        loop = asyncio.get_running_loop()
+        verdict: asyncio.Future[str] = loop.create_future()
+        self.confirming[attempt_id] = verdict
+        if self.confirm_soon is None:
+            self.confirm_soon = loop.call_soon(self._ask_starts)
+        return await verdict
+
+    def _ask_starts(self) -> None:
+        self.confirm_soon = None
+        batch, self.confirming = self.confirming, {}
+        task = asyncio.create_task(self._starts(batch))
+        self.asking.add(task)
+        task.add_done_callback(self.asking.discard)
+
+    async def _starts(self, batch: dict[int, asyncio.Future[str]]) -> None:
+        """One request per chunk: ``held``, ``gone``, or ``unconfirmed`` for each."""
+        ids = sorted(batch)
+        try:
+            for at in range(0, len(ids), MAX_TURN_ITEMS):
+                chunk = ids[at : at + MAX_TURN_ITEMS]
+                for attempt_id, verdict in (await self._ask(chunk)).items():
+                    _ring(batch[attempt_id], verdict)
+        except Exception:
+            log.exception("cannot ask core about attempts %s", ids)
+        finally:
+            for waiting in batch.values():
+                _ring(waiting, "unconfirmed")
+
+    async def _ask(self, chunk: list[int]) -> dict[int, str]:
+        delay = 0.2
+        for _ in range(5):
+            try:
+                answer = await self.client.start_attempts(self.worker_id, chunk)
+            except NotFound as exc:  # core knows no such worker: none of them is held
+                log.warning("attempts %s not started: %s", chunk, exc)
+                return dict.fromkeys(chunk, "gone")
+            except (httpx.TransportError, CairnError) as exc:
+                log.warning("cannot confirm attempts %s yet: %s", chunk, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            if answer.gone:
+                log.warning("attempts %s no longer held: not started", answer.gone)
+            return {**dict.fromkeys(answer.gone, "gone"), **dict.fromkeys(answer.held, "held")}
+        return dict.fromkeys(chunk, "unconfirmed")
 
     async def _confirm(self, attempt_id: int) -> str:
         """Ask core before starting: an attempt it no longer holds for this worker (the

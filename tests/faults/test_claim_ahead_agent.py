@@ -56,6 +56,13 @@ def _claimed_ahead(db, task: int) -> bool:
     return bool(row and row[0])
 
 
+def _serving(db, home: Path) -> None:
+    """Wait until the agent is registered and its sidecar has had core's first answer."""
+    wait_for(lambda: db.execute("SELECT id FROM core.workers").fetchone(), timeout=60)
+    [worker] = db.execute("SELECT id FROM core.workers").fetchone()
+    wait_for((home / "workers" / str(worker) / state.ANSWER).exists, timeout=60)
+
+
 def _state(db, task: int) -> str:
     return str(db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()[0])
 
@@ -65,6 +72,7 @@ def test_the_agent_leases_ahead_and_starts_each_process_no_earlier_than_its_run_
 ) -> None:
     marks = shared_dir()
     workers.start(core, tmp_path / "w", "w", CAIRN_WORKER_CLAIM_AHEAD_S=AHEAD_S)
+    _serving(db, tmp_path / "w")
     ids = [_submit(core, _marking(marks, 2.0 + n * 0.3, db)) for n in range(5)]
     wait_for(lambda: all(_state(db, t) == "succeeded" for t in ids), timeout=60, interval=0.1)
     for task in ids:
@@ -99,10 +107,7 @@ def _cancel_while_held(core: Core, db, tmp_path: Path, workers: Workers) -> None
     )
     # The sidecar's first beat answered: with a minute between beats, none comes until
     # well after the start_at, so only the agent's check at the start can see the cancel.
-    wait_for(lambda: db.execute("SELECT id FROM core.workers").fetchone(), timeout=30)
-    [worker] = db.execute("SELECT id FROM core.workers").fetchone()
-    answer = tmp_path / "w" / "workers" / str(worker) / state.ANSWER
-    wait_for(answer.exists, timeout=60)
+    _serving(db, tmp_path / "w")
     held = _submit(core, _marking(marks, 4.0, db))
     wait_for(lambda: _claimed_ahead(db, held), timeout=30)
     with core.client() as alice:
@@ -131,6 +136,7 @@ def test_an_agent_killed_while_holding_a_lease_leaves_its_task_to_another_attemp
     dead, the held attempt is lost at no cost, and another worker runs the task."""
     marks = shared_dir()
     agent = workers.start(core, tmp_path / "w", "w", CAIRN_WORKER_CLAIM_AHEAD_S=AHEAD_S)
+    _serving(db, tmp_path / "w")
     task = _submit(core, _marking(marks, 20.0, db))
     wait_for(lambda: _claimed_ahead(db, task), timeout=30)
     os.kill(agent.pid, signal.SIGSTOP)  # so it cannot start its sidecar again

@@ -18,6 +18,8 @@ from libs.common.models import (
     LogBatchAnswer,
     Report,
     ReportAnswer,
+    Starts,
+    StartsAnswer,
     Turn,
     TurnAnswer,
     Worker,
@@ -183,6 +185,19 @@ async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> Rep
     async with engine.begin() as conn:
         task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
+
+
+@router.post("/{worker_id}/starts", response_model=StartsAnswer, responses=PROBLEMS)
+async def starts(body: Starts, worker: OwnWorker, engine: Engine) -> StartsAnswer:
+    """The agent asks before it starts attempts leased ahead, at their ``start_at``, all
+    that are due at once in one request: those core no longer holds for this worker
+    (cancelled while held, lost) are ``gone`` and must not run."""
+    async with engine.begin() as conn:
+        held = await dispatch.confirm_starts(conn, body.attempts, worker.id)
+    asked = sorted(set(body.attempts))
+    return StartsAnswer(
+        held=[a for a in asked if a in held], gone=[a for a in asked if a not in held]
+    )
 
 
 @router.post(

@@ -650,6 +650,24 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
     return int(task_id)
 
 
+_CONFIRM_STARTS = text("""
+UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
+FROM core.tasks t
+WHERE a.id = ANY(CAST(:attempts AS bigint[])) AND a.worker_id = :worker AND a.outcome IS NULL
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = 'running'
+RETURNING a.id
+""")
+
+
+async def confirm_starts(
+    conn: AsyncConnection, attempt_ids: Sequence[int], worker_id: int
+) -> set[int]:
+    """``confirm_start`` for many at once (attempts leased ahead, due together): the
+    ones core still holds for this worker, now counted as started."""
+    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
+    return {int(row.id) for row in await conn.execute(_CONFIRM_STARTS, params)}
+
+
 async def lose(
     conn: AsyncConnection,
     attempt_id: int,
