@@ -669,6 +669,8 @@ class LogEnd(_Output):
 
 
 MAX_TURN_ITEMS = 256
+#: attempts one ``Starts`` may name: as many as a worker may hold (``worker_slots``)
+MAX_STARTS = 4096
 
 
 class AttemptReport(Report):
@@ -692,7 +694,7 @@ class Starts(_Input):
     """Attempts leased ahead whose ``start_at`` has come: the agent asks, for all of
     them at once, whether core still holds them before it starts their processes."""
 
-    attempts: list[TaskId] = Field(min_length=1, max_length=MAX_TURN_ITEMS)
+    attempts: list[TaskId] = Field(min_length=1, max_length=MAX_STARTS)
 
 
 class StartsAnswer(_Output):

@@ -27,6 +27,7 @@ from libs.common import logs, tracing
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
+    MAX_STARTS,
     MAX_TURN_ITEMS,
     Assignment,
     AttemptReport,
@@ -56,6 +57,8 @@ from services.worker.timings import Timings
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
+#: how long before a held lease's start the agent asks core whether it still holds it
+CONFIRM_BEFORE_S = 0.5
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 
@@ -633,26 +636,39 @@ class Agent:
         """Whether the attempt may start now, once its hold (if leased ahead) is over and
         core vouches for it; if not, what to report (None: core knows already)."""
         attempt = assignment.attempt_id
-        woken = await self._hold(assignment)
-        if woken == "stop":
-            return False, None  # core closed it (cancelled, re-placed): it never starts
-        if woken == "preempt":
-            return False, Report(outcome="preempted", error="preempted before its start")
-        if self.draining.is_set():
-            return False, Report(outcome="handed_back", error="the worker is draining")
         # A recent turn vouches for the lease; only after a long silence does the agent
-        # ask, and always for one held until its start_at: a cancel meanwhile is seen here
-        # (asked with the others due at the same instant, in one request).
+        # ask, and always for one leased ahead, just before its start.
         if assignment.start_at is not None:
-            verdict = await self._confirm_held(attempt)
+            verdict = await self._held_until_start(attempt, assignment.start_at.timestamp())
         else:
             verdict = "held" if self._vouched() else await self._confirm(attempt)
-        if verdict == "gone":
-            return False, None
+        if verdict in ("gone", "stop"):
+            return False, None  # core closed it (cancelled, re-placed): it never starts
+        if verdict == "preempt":
+            return False, Report(outcome="preempted", error="preempted before its start")
         if verdict == "unconfirmed":
             why = "core could not confirm it before its start"
             return False, Report(outcome="handed_back", error=why)
+        if self.draining.is_set():
+            return False, Report(outcome="handed_back", error="the worker is draining")
         return True, None
+
+    async def _held_until_start(self, attempt_id: int, start: float) -> str:
+        """Hold a lease taken ahead until its start (core's clock, read against this
+        host's): ``CONFIRM_BEFORE_S`` before it, ask core whether it still holds it (with
+        every other one due then, in one request), so a cancel until then is seen and the
+        start itself waits on no round trip; then start at the instant. ``held``, or
+        why not: ``gone``/``unconfirmed`` (core's answer), ``stop``, ``preempt``,
+        ``drain`` (what woke it first). Its folders and artifact are ready meanwhile, and
+        it keeps its slot and charge."""
+        woken = await self._hold(attempt_id, start - CONFIRM_BEFORE_S)
+        if woken != "start":
+            return woken
+        verdict = await self._confirm_held(attempt_id)
+        if verdict != "held":
+            return verdict
+        woken = await self._hold(attempt_id, start)  # a beat's stop still counts here
+        return "held" if woken == "start" else woken
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
@@ -696,18 +712,13 @@ class Agent:
             report = report.model_copy(update={"error": why})
         return report
 
-    async def _hold(self, assignment: Assignment) -> str:
-        """Wait until a lease taken ahead may start: its ``start_at`` (core's clock, read
-        against this host's), on an event-loop timer. ``start``, or what woke it first:
-        ``stop`` (core closed it), ``preempt`` or ``drain``. Its folders and artifact are
-        ready by now; it keeps its slot and charge meanwhile."""
-        if assignment.start_at is None:
-            return "start"
-        attempt, start = assignment.attempt_id, assignment.start_at.timestamp()
+    async def _hold(self, attempt: int, until: float) -> str:
+        """Wait until the wall clock's ``until`` on an event-loop timer: ``start``, or what
+        woke it first: ``stop`` (core closed it), ``preempt`` or ``drain``."""
         loop = asyncio.get_running_loop()
         try:
             # Again if the timer (monotonic) rang a hair before the wall clock's instant.
-            while (delay := start - time.time()) > 0:
+            while (delay := until - time.time()) > 0:
                 if self.draining.is_set():
                     return "drain"
                 wake: asyncio.Future[str] = loop.create_future()
@@ -749,8 +760,8 @@ class Agent:
         """One request per chunk: ``held``, ``gone``, or ``unconfirmed`` for each."""
         ids = sorted(batch)
         try:
-            for at in range(0, len(ids), MAX_TURN_ITEMS):
-                chunk = ids[at : at + MAX_TURN_ITEMS]
+            for at in range(0, len(ids), MAX_STARTS):
+                chunk = ids[at : at + MAX_STARTS]
                 for attempt_id, verdict in (await self._ask(chunk)).items():
                     _ring(batch[attempt_id], verdict)
         except Exception:
