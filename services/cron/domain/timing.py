@@ -189,14 +189,15 @@ def next_fire(
 def _times_of_day(expression: str) -> list[int] | None:
     """The minutes of the day a five-field expression fires at, from its minute and hour
     fields; None when they are not plain lists."""
-    minutes, hours, *_ = croniter(expression).expanded
-    if minutes == ["*"]:
-        minutes = list(range(60))
-    if hours == ["*"]:
-        hours = list(range(24))
-    if not all(isinstance(v, int) for v in [*minutes, *hours]):
+    fields: list[list[object]] = [list(f) for f in croniter(expression).expanded]
+    minutes = list(range(60)) if fields[0] == ["*"] else fields[0]
+    hours = list(range(24)) if fields[1] == ["*"] else fields[1]
+    plain = [v for v in [*minutes, *hours] if isinstance(v, int)]
+    if len(plain) != len(minutes) + len(hours):
         return None
-    return sorted({h * 60 + m for h in hours for m in minutes})
+    return sorted(
+        {h * 60 + m for h in hours for m in minutes if isinstance(h, int) and isinstance(m, int)}
+    )
 
 
 def shortest_gap_s(expression: str, within_s: int) -> int | None:
