@@ -44,10 +44,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -92,11 +94,13 @@ def _pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-async def create_schedules(db_url: str, count: int, now: datetime, jitter_s: int) -> None:
+async def create_schedules(
+    db_url: str, count: int, now: datetime, jitter_s: int, task: dict[str, Any] | None = None
+) -> None:
     """One schedule through the store (validated, its first fire computed), copied in bulk
     to ``count``, one owner per hundred."""
     engine = create_async_engine(db_url)
-    template = {
+    template: dict[str, Any] = {
         "name": "s0",
         "expression": "* * * * *",
         "timezone": "UTC",
@@ -108,6 +112,7 @@ async def create_schedules(db_url: str, count: int, now: datetime, jitter_s: int
                 "artifact": {"uri": "file:///bin/true", "sha256": TRUE_SHA},
                 "queue": "bench",
                 "resources": {"cpu": 0.01, "memory_mb": 1},
+                **(task or {}),
             },
         },
     }
@@ -265,6 +270,57 @@ async def _work(fleet: Fleet, token: str, name: str, stop: Any, seen: Seen) -> N
                 await asyncio.sleep(0.05)
 
 
+# The real agent's task: the process writes the wall clock as its first act (bash's
+# $EPOCHREALTIME: no fork), a line per start.
+RECORD = '#!/bin/bash\nprintf "%s\\n" "$EPOCHREALTIME" >> "$RECORDS/$CAIRN_TASK_ID"\n'
+
+
+def _agent_task(root: Path, records: Path) -> dict[str, Any]:
+    records.mkdir()
+    records.chmod(0o1777)  # the attempts' own uids write here
+    script = root / "record-start.sh"
+    script.write_text(RECORD)
+    script.chmod(0o755)
+    for parent in script.parents:  # an unprivileged attempt must reach it
+        parent.chmod(parent.stat().st_mode | 0o001)
+    digest = hashlib.sha256(RECORD.encode()).hexdigest()
+    return {
+        "artifact": {"uri": f"file://{script}", "sha256": digest},
+        "env": {"RECORDS": str(records)},
+        "resources": {"cpu": 0.01, "memory_mb": 16},
+    }
+
+
+def _start_agent(
+    core_url: str, token: str, home: Path, slots: int, ahead_s: float
+) -> subprocess.Popen[bytes]:
+    """A real worker agent (``python -m services.worker``) for the bench's queue."""
+    env = {
+        **os.environ,
+        "CAIRN_URL": core_url,
+        "CAIRN_TOKEN": token,
+        "CAIRN_HOME": str(home),
+        "CAIRN_WORKER_QUEUES": "bench",
+        "CAIRN_WORKER_SLOTS": str(slots),
+        "CAIRN_WORKER_CPU": str(max(1.0, slots * 0.01)),
+        "CAIRN_WORKER_MEMORY_MB": str(slots * 16 + 64),
+        "CAIRN_WORKER_CLAIM_AHEAD_S": str(ahead_s),
+        "CAIRN_WORKER_DRAIN_GRACE_S": "2",
+        "CAIRN_LOG_LEVEL": "warning",
+    }
+    env.pop("CAIRN_DATABASE_URL", None)
+    return subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
+
+
+def _process_starts(records: Path) -> list[tuple[int, float]]:
+    return [
+        (int(entry.name), float(line))
+        for entry in records.iterdir()
+        if entry.name.isdigit()
+        for line in entry.read_text().split()
+    ]
+
+
 def held_schedules(db_url: str, count: int) -> None:
     """``count`` schedules straight into the table, spread over the next hour."""
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
@@ -330,15 +386,21 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     last = first + timedelta(minutes=args.rounds - 1)
     print(f"creating {args.schedules} schedules ...", flush=True)
     began = time.perf_counter()
-    await create_schedules(url, args.schedules, first - timedelta(seconds=1), args.jitter)
+    records = root / "records"
+    task = _agent_task(root, records) if args.agent else None
+    await create_schedules(url, args.schedules, first - timedelta(seconds=1), args.jitter, task)
     created_s = time.perf_counter() - began
 
     spawn = multiprocessing.get_context("spawn")
     stop = spawn.Event()
     out = root / "received.json"
     fleet = Fleet(core_url, tokens, args.claim_max, args.ahead, args.confirm)
-    workers = spawn.Process(target=workers_main, args=(fleet, stop, str(out)), daemon=True)
-    workers.start()
+    workers: Any
+    if args.agent:
+        workers = _start_agent(core_url, tokens[0], root / "agent", args.agent, args.ahead)
+    else:
+        workers = spawn.Process(target=workers_main, args=(fleet, stop, str(out)), daemon=True)
+        workers.start()
 
     settings = CronSettings(
         database_url=url,
@@ -368,10 +430,17 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         await core.aclose()
         await db.dispose()
         stop.set()
-        await asyncio.to_thread(workers.join, 120)
-        if workers.is_alive():
-            workers.terminate()
-    seen = json.loads(out.read_text()) if out.exists() else {"received": [], "started": []}
+        if args.agent:
+            workers.terminate()  # SIGTERM: it drains (nothing is left running by now)
+            await asyncio.to_thread(workers.wait, 60)
+        else:
+            await asyncio.to_thread(workers.join, 120)
+            if workers.is_alive():
+                workers.terminate()
+    if args.agent:  # each process's own record of its start, one line per start
+        seen = {"received": [], "started": _process_starts(records)}
+    else:
+        seen = json.loads(out.read_text()) if out.exists() else {"received": [], "started": []}
     received = dict(seen["received"])
     started = dict(seen["started"])
     started_twice = len(seen["started"]) - len(started)
@@ -466,6 +535,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         "claim_max": args.claim_max,
         "ahead_s": args.ahead,
         "confirm": args.confirm,
+        "agent_slots": args.agent,
         "create_s": round(created_s, 1),
         "rounds": rounds,
         "fires": len(fires),
@@ -514,6 +584,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--promote-after", type=float, help="core's CAIRN_PROMOTE_AFTER_S (default: its own)"
+    )
+    parser.add_argument(
+        "--agent",
+        type=int,
+        default=0,
+        metavar="SLOTS",
+        help="a real worker agent with this many slots instead of the fake workers; each "
+        "process records its own start",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
