@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.worker import state
-from tests.integration.test_dispatch import Agent
+from tests.integration.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
 from tests.support import Core, Workers, shared_dir, shell_spec, start_core, wait_for
 
 AHEAD_S = "30"

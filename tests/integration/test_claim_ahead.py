@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_dispatch import Agent
+from tests.integration.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
 from tests.support import Core, spec, start_core
 
 AHEAD_MAX_S = 30.0

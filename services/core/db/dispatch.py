@@ -650,11 +650,11 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
     return int(task_id)
 
 
-_CONFIRM_STARTS = text("""
+_CONFIRM_STARTS = text(f"""
 UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
 FROM core.tasks t
 WHERE a.id = ANY(CAST(:attempts AS bigint[])) AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = 'running'
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
 RETURNING a.id
 """)
 
