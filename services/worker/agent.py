@@ -762,8 +762,9 @@ class Agent:
         try:
             for at in range(0, len(ids), MAX_STARTS):
                 chunk = ids[at : at + MAX_STARTS]
-                for attempt_id, verdict in (await self._ask(chunk)).items():
-                    _ring(batch[attempt_id], verdict)
+                verdicts = await self._ask(chunk)
+                for attempt_id in chunk:
+                    _ring(batch[attempt_id], verdicts.get(attempt_id, "gone"))
         except Exception:
             log.exception("cannot ask core about attempts %s", ids)
         finally:
