@@ -61,6 +61,7 @@ CLAIM_WAIT_S = 1.0
 CONFIRM_BEFORE_S = 0.5
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
+DRAINING = Report(outcome="handed_back", error="the worker is draining")
 
 
 @dataclass
@@ -636,6 +637,8 @@ class Agent:
         """Whether the attempt may start now, once its hold (if leased ahead) is over and
         core vouches for it; if not, what to report (None: core knows already)."""
         attempt = assignment.attempt_id
+        if self.draining.is_set():
+            return False, DRAINING
         # A recent turn vouches for the lease; only after a long silence does the agent
         # ask, and always for one leased ahead, just before its start.
         if assignment.start_at is not None:
@@ -649,8 +652,8 @@ class Agent:
         if verdict == "unconfirmed":
             why = "core could not confirm it before its start"
             return False, Report(outcome="handed_back", error=why)
-        if self.draining.is_set():
-            return False, Report(outcome="handed_back", error="the worker is draining")
+        if self.draining.is_set():  # it came while the attempt was held or confirmed
+            return False, DRAINING
         return True, None
 
     async def _held_until_start(self, attempt_id: int, start: float) -> str:
