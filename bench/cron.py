@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20] [--jitter 0]
                                    [--workers 4] [--claim-max 256] [--ahead 5] [--no-confirm]
-                                   [--promote-after S] [--held 100000] [--json results.json]
+                                   [--agent SLOTS] [--promote-after S] [--held 100000]
+                                   [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings) in a temp folder, migrates
 it, and starts core as its own process (``python -m services.core``, one uvicorn worker).
@@ -30,7 +31,9 @@ database's clock, so the two must agree), with ``--lead`` seconds of lead.
    - leased: the start of the claim transaction that leased its attempt;
    - received: the instant the worker process read the turn's answer with it (before the
      run_at when leased ahead: negative);
-   - started: the instant the worker started it, the lag the bar is about.
+   - started: the instant the worker started it, the lag the bar is about. With
+     ``--agent SLOTS`` a real worker agent (``python -m services.worker``) takes the fake
+     workers' place and each task's process records its own start.
    Nothing may start before its ``run_at`` and nothing may start twice: both counted.
    Every slot must be fired exactly once: the fires table and core's tasks are counted.
    Bar (DESIGN.md): p99 under 50 ms at 10,000 schedules in the same second; 1 s at
