@@ -698,7 +698,7 @@ class Starts(_Input):
 
 
 class StartsAnswer(_Output):
-    #: held for this worker: start them (each counts as started from now on)
+    #: held for this worker: start them
     held: list[int]
     #: no longer held (cancelled, lost, not this worker's): never start them
     gone: list[int]

@@ -192,8 +192,8 @@ async def starts(body: Starts, worker: OwnWorker, engine: Engine) -> StartsAnswe
     """The agent asks before it starts attempts leased ahead, at their ``start_at``, all
     that are due at once in one request: those core no longer holds for this worker
     (cancelled while held, lost) are ``gone`` and must not run."""
-    async with engine.begin() as conn:
-        held = await dispatch.confirm_starts(conn, body.attempts, worker.id)
+    async with engine.connect() as conn:
+        held = await dispatch.held_starts(conn, body.attempts, worker.id)
     asked = sorted(set(body.attempts))
     return StartsAnswer(
         held=[a for a in asked if a in held], gone=[a for a in asked if a not in held]

@@ -650,22 +650,23 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
     return int(task_id)
 
 
-_CONFIRM_STARTS = text(f"""
-UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
-FROM core.tasks t
+# A read: a burst of attempts due at one instant is checked without writing a row each.
+# The start is acknowledged afterwards as any start is (the turn's ``started``, the
+# sidecar's board), which is what makes a loss after it count as a crash.
+_HELD_STARTS = text(f"""
+SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:attempts AS bigint[])) AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
-RETURNING a.id
+  AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
 """)
 
 
-async def confirm_starts(
+async def held_starts(
     conn: AsyncConnection, attempt_ids: Sequence[int], worker_id: int
 ) -> set[int]:
-    """``confirm_start`` for many at once (attempts leased ahead, due together): the
-    ones core still holds for this worker, now counted as started."""
+    """Which of these attempts (leased ahead, due together) core still holds for this
+    worker: ``confirm_start`` for many at once, without marking them started."""
     params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
-    return {int(row.id) for row in await conn.execute(_CONFIRM_STARTS, params)}
+    return {int(row.id) for row in await conn.execute(_HELD_STARTS, params)}
 
 
 async def lose(
