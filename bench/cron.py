@@ -1,9 +1,9 @@
 """Cron benchmark: lag with many schedules due at once, leases by real claims, the heap.
 
     .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20] [--jitter 0]
-                                   [--workers 4] [--claim-max 256] [--ahead 5] [--no-confirm]
-                                   [--agent SLOTS] [--promote-after S] [--held 100000]
-                                   [--json results.json]
+                                   [--workers 4] [--processes 1] [--claim-max 256] [--ahead 5]
+                                   [--no-confirm] [--agent SLOTS] [--promote-after S]
+                                   [--held 100000] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings) in a temp folder, migrates
 it, and starts core as its own process (``python -m services.core``, one uvicorn worker).
@@ -15,7 +15,7 @@ database's clock, so the two must agree), with ``--lead`` seconds of lead.
    table in bulk (one created through the store, copied), the engine takes the lead and
    builds its heap; then ``--rounds`` minute boundaries pass. Each fire's task is sent
    ahead with ``run_at`` = its start (the slot plus the jitter). ``--workers`` fake
-   workers, in a process of their own, do real HTTP turns (report what they started as
+   workers, in a process of their own (or dealt out over ``--processes``), do real HTTP turns (report what they started as
    succeeded, claim up to ``--claim-max`` more, long-polling, asking ``--ahead`` seconds
    ahead: docs/architecture.md, "Claiming ahead"). A lease with a ``start_at`` is held on
    an event-loop timer: half a second before it the worker asks core which of the
@@ -396,14 +396,18 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
 
     spawn = multiprocessing.get_context("spawn")
     stop = spawn.Event()
-    out = root / "received.json"
-    fleet = Fleet(core_url, tokens, args.claim_max, args.ahead, args.confirm)
+    outs = [root / f"received-{n}.json" for n in range(args.processes)]
     workers: Any
+    fleets: list[Any] = []
     if args.agent:
         workers = _start_agent(core_url, tokens[0], root / "agent", args.agent, args.ahead)
-    else:
-        workers = spawn.Process(target=workers_main, args=(fleet, stop, str(out)), daemon=True)
-        workers.start()
+    else:  # the fake workers, dealt out over ``--processes`` processes
+        for n, out in enumerate(outs):
+            fleet = Fleet(
+                core_url, tokens[n :: len(outs)], args.claim_max, args.ahead, args.confirm
+            )
+            fleets.append(spawn.Process(target=workers_main, args=(fleet, stop, str(out))))
+            fleets[-1].start()
 
     settings = CronSettings(
         database_url=url,
@@ -436,14 +440,17 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         if args.agent:
             workers.terminate()  # SIGTERM: it drains (nothing is left running by now)
             await asyncio.to_thread(workers.wait, 60)
-        else:
-            await asyncio.to_thread(workers.join, 120)
-            if workers.is_alive():
-                workers.terminate()
+        for process in fleets:
+            await asyncio.to_thread(process.join, 120)
+            if process.is_alive():
+                process.terminate()
+    seen: dict[str, list[Any]] = {"received": [], "started": []}
     if args.agent:  # each process's own record of its start, one line per start
-        seen = {"received": [], "started": _process_starts(records)}
-    else:
-        seen = json.loads(out.read_text()) if out.exists() else {"received": [], "started": []}
+        seen["started"] = _process_starts(records)
+    for out in outs if not args.agent else []:
+        if out.exists():
+            for key, values in json.loads(out.read_text()).items():
+                seen[key].extend(values)
     received = dict(seen["received"])
     started = dict(seen["started"])
     started_twice = len(seen["started"]) - len(started)
@@ -534,6 +541,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         "schedules": args.schedules,
         "jitter_s": args.jitter,
         "workers": args.workers,
+        "processes": args.processes,
         "promote_after_s": args.promote_after,
         "claim_max": args.claim_max,
         "ahead_s": args.ahead,
@@ -575,6 +583,9 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=100_000)
     parser.add_argument("--jitter", type=int, default=0, help="each schedule's jitter_s")
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="processes the fake workers are dealt out over"
+    )
     parser.add_argument("--claim-max", type=int, default=256)
     parser.add_argument(
         "--ahead", type=float, default=5.0, help="the workers' ahead_s (0: no lease ahead)"
