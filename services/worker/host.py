@@ -13,7 +13,7 @@ from pathlib import Path
 
 from libs.common.models import Assignment
 from services.worker import outputs, spawner
-from services.worker.artifacts import ArtifactCache
+from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.executor import AttemptSpec
@@ -27,9 +27,12 @@ from services.worker.isolation import (
     searchable_by_others,
 )
 from services.worker.settings import WorkerSettings
+from services.worker.workdirs import Workdirs
 
 log = logging.getLogger("cairn.worker")
 
+#: ready folder sets made as the agent starts (more as attempts need them, up to its slots)
+AHEAD = 64
 GIVES_UP = (
     "attempts run as the agent's own user: they can read its token and environment, "
     "signal it, read other attempts' folders and logs, and change the artifact cache"
@@ -71,6 +74,8 @@ class Host:
         self.run_dir = settings.worker_run_dir or settings.home / "attempts"
         self._leftover: list[AttemptCgroup] = []
         self._keeping: set[asyncio.Task[None]] = set()
+        self.workdirs = Workdirs(self.run_dir, self.isolated, settings.worker_slots)
+        self.sealed: Sealed | None = None
 
     def start(self) -> list[str]:
         """Check and set up; returns what the agent tells at start-up. Raises HostError."""
@@ -78,7 +83,11 @@ class Host:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o711 if self.isolated else 0o700)
         self.run_dir.chmod(0o711 if self.isolated else 0o700)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workdirs.start(ahead=min(AHEAD, self.settings.worker_slots))
         if self.isolated:
+            sealed = self.workdirs.pool / "sealed"
+            sealed.mkdir(mode=0o700)
+            self.sealed = Sealed(sealed, self.settings.worker_cache_mb * 2**20)
             blocked = searchable_by_others(self.run_dir)
             if blocked is not None:
                 raise HostError(
@@ -156,7 +165,7 @@ class Host:
                 )
             spec = self._spec(assignment, folders, identity, group, slot)
         except BaseException:
-            await self._undo(folders, identity, group, slot)
+            await self._undo(folders, identity, group, slot, never_ran=True)
             raise
         return Prepared(spec, folders, identity, group, slot)
 
@@ -164,16 +173,18 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
-        folders = Folders.make(
-            self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
-        )
+        folders = self.workdirs.make(assignment.attempt_id, _name_of(artifact.uri), identity)
         try:
-            written = cache.copy_local(
-                artifact.uri, artifact.sha256, folders.executable.parent, identity
-            )
-            folders.seal_executable(written)
+            if self.sealed is not None and identity is not None:
+                sealed = cache.seal_local(artifact.uri, artifact.sha256, identity, self.sealed)
+                folders.link_executable(sealed)
+            else:
+                written = cache.copy_local(
+                    artifact.uri, artifact.sha256, folders.executable.parent, identity
+                )
+                folders.seal_executable(written)
         except BaseException:
-            folders.remove()
+            self.workdirs.give_back(folders, reusable=True)
             raise
         return folders
 
@@ -182,15 +193,19 @@ class Host:
     ) -> Folders:
         artifact = assignment.artifact
         folders = await asyncio.to_thread(
-            Folders.make, self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
+            self.workdirs.make, assignment.attempt_id, _name_of(artifact.uri), identity
         )
         try:
-            written = await cache.materialize(
-                artifact.uri, artifact.sha256, folders.executable.parent, identity
-            )
-            await asyncio.to_thread(folders.seal_executable, written)
+            if self.sealed is not None and identity is not None:
+                sealed = await cache.seal(artifact.uri, artifact.sha256, self.sealed)
+                await asyncio.to_thread(folders.link_executable, sealed)
+            else:
+                written = await cache.materialize(
+                    artifact.uri, artifact.sha256, folders.executable.parent, identity
+                )
+                await asyncio.to_thread(folders.seal_executable, written)
         except BaseException:
-            await asyncio.to_thread(folders.remove)
+            await asyncio.to_thread(self.workdirs.give_back, folders, True)
             raise
         return folders
 
@@ -275,19 +290,27 @@ class Host:
             await self._undo(prepared.folders, prepared.identity, prepared.cgroup, prepared.slot)
             prepared.spec.log_path.unlink(missing_ok=True)
             return
+        settled = await self._release_cgroup(prepared.cgroup, prepared.slot)
 
         async def later() -> None:
             await asyncio.sleep(keep)
-            await self._undo(prepared.folders, prepared.identity, None)
+            await self._undo(prepared.folders, prepared.identity, None, never_ran=settled)
             prepared.spec.log_path.unlink(missing_ok=True)
 
-        if prepared.slot is not None and self.slots is not None:
-            await self.slots.give_back(prepared.slot)
-        elif prepared.cgroup is not None and not prepared.cgroup.remove():
-            self._leftover.append(prepared.cgroup)
         task = asyncio.create_task(later())
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
+
+    async def _release_cgroup(self, group: AttemptCgroup | None, slot: Slot | None) -> bool:
+        """Empty the attempt's cgroup (a pooled slot goes back to its pool); whether it
+        was seen empty, so that no process of the attempt can write any more."""
+        if slot is not None and self.slots is not None:
+            return await self.slots.give_back(slot)  # emptied, checked, then reused
+        if group is not None:
+            if group.remove():
+                return True
+            self._leftover.append(group)
+        return False
 
     async def _undo(
         self,
@@ -295,16 +318,16 @@ class Host:
         identity: Identity | None,
         group: AttemptCgroup | None,
         slot: Slot | None = None,
+        never_ran: bool = False,
     ) -> None:
+        """Hand back what the attempt held; its folders are reused only if nothing of it
+        can still be running (it never ran, or its cgroup was seen empty)."""
         try:
-            if slot is not None and self.slots is not None:
-                await self.slots.give_back(slot)  # emptied, checked, then reused
-            elif group is not None and not group.remove():
-                self._leftover.append(group)
-            elif group is None and identity is not None:
-                await self._kill_uid(identity)
+            settled = await self._release_cgroup(group, slot)
+            if group is None and slot is None and identity is not None and not never_ran:
+                await self._kill_uid(identity)  # no cgroup: nothing proves it empty
             if folders is not None:
-                await asyncio.to_thread(folders.remove)
+                await asyncio.to_thread(self.workdirs.give_back, folders, settled or never_ran)
         finally:
             if identity is not None and self.pool is not None:
                 self.pool.give_back(identity)
