@@ -27,7 +27,7 @@ from services.worker.isolation import (
     searchable_by_others,
 )
 from services.worker.settings import WorkerSettings
-from services.worker.workdirs import Workdirs
+from services.worker.workdirs import SpareLogs, Workdirs
 
 log = logging.getLogger("cairn.worker")
 
@@ -75,6 +75,7 @@ class Host:
         self._leftover: list[AttemptCgroup] = []
         self._keeping: set[asyncio.Task[None]] = set()
         self.workdirs = Workdirs(self.run_dir, self.isolated, settings.worker_slots)
+        self.spare_logs = SpareLogs(logs_dir, settings.worker_slots)
         self.sealed: Sealed | None = None
 
     def start(self) -> list[str]:
@@ -84,6 +85,7 @@ class Host:
         self.run_dir.chmod(0o711 if self.isolated else 0o700)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workdirs.start(ahead=min(AHEAD, self.settings.worker_slots))
+        self.spare_logs.start()
         if self.isolated:
             sealed = self.workdirs.pool / "sealed"
             sealed.mkdir(mode=0o700)
@@ -165,7 +167,8 @@ class Host:
                 )
             spec = self._spec(assignment, folders, identity, group, slot)
         except BaseException:
-            await self._undo(folders, identity, group, slot, never_ran=True)
+            log_path = self._log_path(assignment)
+            await self._undo(folders, identity, group, slot, log_path, never_ran=True)
             raise
         return Prepared(spec, folders, identity, group, slot)
 
@@ -174,6 +177,7 @@ class Host:
     ) -> Folders:
         artifact = assignment.artifact
         folders = self.workdirs.make(assignment.attempt_id, _name_of(artifact.uri), identity)
+        self.spare_logs.take(self._log_path(assignment))
         try:
             if self.sealed is not None and identity is not None:
                 sealed = cache.seal_local(artifact.uri, artifact.sha256, identity, self.sealed)
@@ -192,9 +196,7 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
-        folders = await asyncio.to_thread(
-            self.workdirs.make, assignment.attempt_id, _name_of(artifact.uri), identity
-        )
+        folders = await asyncio.to_thread(self._made, assignment, identity)
         try:
             if self.sealed is not None and identity is not None:
                 sealed = await cache.seal(artifact.uri, artifact.sha256, self.sealed)
@@ -208,6 +210,15 @@ class Host:
             await asyncio.to_thread(self.workdirs.give_back, folders, True)
             raise
         return folders
+
+    def _made(self, assignment: Assignment, identity: Identity | None) -> Folders:
+        name = _name_of(assignment.artifact.uri)
+        folders = self.workdirs.make(assignment.attempt_id, name, identity)
+        self.spare_logs.take(self._log_path(assignment))
+        return folders
+
+    def _log_path(self, assignment: Assignment) -> Path:
+        return self.logs_dir / f"{assignment.attempt_id}.log"
 
     def _spec(
         self,
@@ -238,7 +249,7 @@ class Host:
         return AttemptSpec(
             executable=folders.executable,
             workdir=folders.home,
-            log_path=self.logs_dir / f"{assignment.attempt_id}.log",
+            log_path=self._log_path(assignment),
             task_id=assignment.task_id,
             attempt_id=assignment.attempt_id,
             attempt_number=assignment.attempt_number,
@@ -286,16 +297,17 @@ class Host:
         """After the log is uploaded: remove the folders (now, or after the keep time),
         then hand the uid back (never while a folder of that uid remains)."""
         keep = self.settings.worker_keep_attempts_s
+        log_path = prepared.spec.log_path
         if keep <= 0:
-            await self._undo(prepared.folders, prepared.identity, prepared.cgroup, prepared.slot)
-            prepared.spec.log_path.unlink(missing_ok=True)
+            await self._undo(
+                prepared.folders, prepared.identity, prepared.cgroup, prepared.slot, log_path
+            )
             return
         settled = await self._release_cgroup(prepared.cgroup, prepared.slot)
 
         async def later() -> None:
             await asyncio.sleep(keep)
-            await self._undo(prepared.folders, prepared.identity, None, never_ran=settled)
-            prepared.spec.log_path.unlink(missing_ok=True)
+            await self._undo(prepared.folders, prepared.identity, None, None, log_path, settled)
 
         task = asyncio.create_task(later())
         self._keeping.add(task)
@@ -318,6 +330,7 @@ class Host:
         identity: Identity | None,
         group: AttemptCgroup | None,
         slot: Slot | None = None,
+        log_path: Path | None = None,
         never_ran: bool = False,
     ) -> None:
         """Hand back what the attempt held; its folders are reused only if nothing of it
@@ -326,11 +339,17 @@ class Host:
             settled = await self._release_cgroup(group, slot)
             if group is None and slot is None and identity is not None and not never_ran:
                 await self._kill_uid(identity)  # no cgroup: nothing proves it empty
-            if folders is not None:
-                await asyncio.to_thread(self.workdirs.give_back, folders, settled or never_ran)
+            if folders is not None or log_path is not None:
+                await asyncio.to_thread(self._give_back, folders, log_path, settled or never_ran)
         finally:
             if identity is not None and self.pool is not None:
                 self.pool.give_back(identity)
+
+    def _give_back(self, folders: Folders | None, log_path: Path | None, reusable: bool) -> None:
+        if folders is not None:
+            self.workdirs.give_back(folders, reusable)
+        if log_path is not None:
+            self.spare_logs.give_back(log_path)
 
     def tidy(self) -> None:
         """Retry removing cgroups whose last processes were still exiting."""

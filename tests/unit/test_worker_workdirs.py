@@ -17,7 +17,7 @@ import pytest
 
 from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed
 from services.worker.isolation import Identity
-from services.worker.workdirs import MAX_DIR_BYTES, Workdirs
+from services.worker.workdirs import MAX_DIR_BYTES, SpareLogs, Workdirs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="folders are given to uids as root")
 
@@ -203,3 +203,33 @@ def test_a_file_source_is_read_as_the_attempt_and_hashed_each_time_a_copy_is_sea
     before = copy.stat().st_ino
     copy.chmod(0o755)  # no longer as sealed: made again, not trusted
     assert cache.seal_local(source.as_uri(), DIGEST, FIRST, sealed).stat().st_ino != before
+
+
+def test_a_log_is_used_again_only_once_no_other_process_holds_it_open(root: Path) -> None:
+    logs = root / "logs"
+    logs.mkdir(mode=0o700)
+    spares = SpareLogs(logs, keep=4)
+    spares.start()
+    first = logs / "1.log"
+    first.write_text("the first attempt's output\n")
+    inode = _inode(first)
+    spares.give_back(first)
+    spares.take(logs / "2.log")
+    assert _inode(logs / "2.log") == inode and (logs / "2.log").read_bytes() == b""
+    assert spares.reused == 1
+
+    # A process that kept the attempt's output descriptor (handed over a socket, say).
+    with (logs / "2.log").open("ab") as output:
+        holder = subprocess.Popen(
+            ["/bin/sh", "-c", "read line; echo injected"], stdin=subprocess.PIPE, stdout=output
+        )
+    try:
+        spares.give_back(logs / "2.log")
+        spares.take(logs / "3.log")
+        assert not (logs / "3.log").exists() and spares.reused == 1  # not handed out
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write(b"go\n")
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert os.listdir(spares.spare) == []
