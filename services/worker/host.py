@@ -69,6 +69,7 @@ class Host:
         self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
         self.pool: UidPool | None = None
         self.private_tmp = False
+        self.fresh_shm = False  # a private /dev/shm (not where the run folder lies)
         self.tmp_targets: tuple[str, ...] = ()
         self.cgroups: Cgroups | None = None
         self.run_dir = settings.worker_run_dir or settings.home / "attempts"
@@ -137,6 +138,7 @@ class Host:
         self.private_tmp = True
         shared = [t for t in ("/tmp", "/var/tmp", "/dev/shm") if _under(self.run_dir, t)]
         self.tmp_targets = tuple(t for t in ("/tmp", "/var/tmp") if t not in shared)
+        self.fresh_shm = "/dev/shm" not in shared
         note = "each attempt has its own /tmp, /var/tmp and /dev/shm (a mount namespace)"
         if shared:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
@@ -242,7 +244,7 @@ class Host:
             cgroup_procs=tuple(group.procs_files) if group and helper is None else (),
             private_tmp=folders.tmp if self.private_tmp else None,
             tmp_targets=self.tmp_targets,
-            shm=self.private_tmp and not _under(self.run_dir, "/dev/shm"),
+            shm=self.fresh_shm,
             rlimits=tuple(limits),
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
