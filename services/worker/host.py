@@ -369,6 +369,11 @@ class Host:
             self.helper.close()
         if self.cgroups is not None:
             self.cgroups.close()
+        await asyncio.to_thread(self._give_up_spares)
+
+    def _give_up_spares(self) -> None:
+        self.workdirs.close()
+        self.spare_logs.close()
 
 
 def _under(path: Path, top: str) -> bool:

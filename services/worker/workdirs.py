@@ -107,6 +107,12 @@ class Workdirs:
         for _ in range(min(ahead, self.keep)):
             self._exes.append(self._new_exe())
 
+    def close(self) -> None:
+        """Remove the ready sets and sealed copies (attempts still running keep theirs)."""
+        with self._lock:
+            self._homes, self._exes = [], []
+        remove_tree(self.pool)
+
     def make(self, attempt_id: int, name: str, identity: Identity | None) -> Folders:
         """The attempt's folders, from a ready set (or new ones)."""
         home = self.run_dir / str(attempt_id)
@@ -263,6 +269,11 @@ class SpareLogs:
     def start(self) -> None:
         remove_tree(self.spare)
         self.spare.mkdir(mode=0o700)
+
+    def close(self) -> None:
+        with self._lock:
+            self._ready = []
+        remove_tree(self.spare)
 
     def take(self, path: Path) -> None:
         """Put an emptied spare log at ``path`` (nothing if none is free, or a file is
