@@ -11,7 +11,10 @@ this process is hashed while it is written; later copies are made by the kernel
 (``copy_file_range``, no pass through Python) for as long as the cached file is the same
 file it was when hashed (device, inode, size, modification time: only the agent can write
 the cache, so a change shows there), and hashed again otherwise. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
-gid, no other groups), every time, and is not cached. No error names a digest the agent
+gid, no other groups), every time, and is not cached. An attempt of another uid than the
+agent's runs a ``Sealed`` copy through a hard link rather than a copy of its own: made as
+above once per digest, then linked while it is the file that was hashed (a ``file://``
+source is still opened as the attempt and hashed at every start). No error names a digest the agent
 computed, so a mismatch is no oracle for a file's content. The cache is bounded
 (``max_cache_bytes``): the least recently used artifacts are removed first, never one
 being copied.
