@@ -6,8 +6,8 @@ so that agents on one host never share one. The attempt gets no supplementary gr
 capabilities (all uids change from 0, which clears them), ``no_new_privs``, a 0700 folder
 of its own as home and working directory, and a private ``/tmp`` (a mount namespace with
 its own folder bound on ``/tmp`` and ``/var/tmp`` and a fresh ``/dev/shm``, where the host
-allows it; otherwise ``TMPDIR``). Its executable is a copy that belongs to root, readable
-and executable by the attempt's gid only.
+allows it; otherwise ``TMPDIR``). Its executable is a verified copy that belongs to root
+and that nobody else may change, in a folder only the attempt's gid may enter.
 
 Layout under the run folder (``CAIRN_WORKER_RUN_DIR``; every folder above it must be
 searchable by others, since the attempts' uids pass through it)::
@@ -16,7 +16,12 @@ searchable by others, since the attempts' uids pass through it)::
     RUN/ID/         0700 uid:gid       the attempt's home and working directory
     RUN/ID/tmp/     0700 uid:gid       its /tmp
     RUN/.exe/       0711 agent
-    RUN/.exe/ID     0550 agent:gid     the verified copy of its executable
+    RUN/.exe/ID/    0750 agent:gid     its executable folder
+    RUN/.exe/ID/X   0555 agent         a hard link to the sealed verified copy
+    RUN/.pool/      0700 agent         ready folders and sealed copies (``workdirs``)
+
+An agent not running as root (no isolation) gives its attempts a private copy of the
+executable instead (0500, ``RUN/.exe/ID`` 0700).
 """
 
 from __future__ import annotations
@@ -223,6 +228,11 @@ class Folders:
         else:
             written.chmod(0o500)
         os.replace(written, self.executable)
+
+    def link_executable(self, sealed: Path) -> None:
+        """The executable as a hard link to a sealed verified copy (``artifacts.Sealed``:
+        the agent's, 0555), in a folder only the attempt's gid may search."""
+        os.link(sealed, self.executable)
 
     def remove(self) -> None:
         for folder in self.made:
