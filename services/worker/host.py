@@ -356,6 +356,7 @@ class Host:
     def tidy(self) -> None:
         """Retry removing cgroups whose last processes were still exiting."""
         self._leftover = [group for group in self._leftover if not group.remove()]
+        self.workdirs.tidy()
         if self.slots is not None:
             self.slots.tidy()
 

@@ -1,25 +1,24 @@
-"""Attempts' folders, made ahead and used again: on this host's file systems a new inode
-(``mkdir``, a created file) costs 0.3 ms of CPU where a ``rename`` or a ``link`` costs
-0.02, and an attempt had five of them.
+"""Attempts' folders, made ahead: on this host's file systems a new inode (``mkdir``, a
+created file) costs 0.3 ms of CPU where a ``rename`` or a ``link`` costs 0.02, and an
+attempt had five of them.
 
 A ready set is a home (with its ``tmp/``) and an executable folder, kept in the agent's
 own pool folder (``RUN/.pool/agent-PID/``, 0700: no attempt reaches into it). An attempt
 gets a set by two renames (``RUN/ID``, ``RUN/.exe/ID``) and a ``chown`` to its uid; its
-executable is a hard link to a sealed verified copy (``artifacts.Sealed``). When it ends,
-and only once its cgroup was seen empty (no process of it can write any more), the set is
-taken back from its uid and checked before the next attempt may have it:
+executable is a hard link to a sealed verified copy (``artifacts.Sealed``).
 
-- first the home and its ``tmp`` go back to the agent, mode 0700 (by descriptor, opened
-  without following links: the attempt owned them and may have swapped ``tmp`` for a link);
-- its ACLs and ``user.*`` attributes are removed; its inode flags and extended attributes
-  (``FS_IOC_FSGETXATTR``: project, casefold, encryption...) must be those of a new folder;
-- everything in it is removed (links are removed, never followed: fifos, sockets, deep
-  trees), and it must then hold ``tmp`` alone, and ``tmp`` nothing, and neither may have
-  grown past ``MAX_DIR_BYTES`` (a folder that once held many names stays large).
+A home and its ``tmp`` are never given to a second attempt: an attempt that owned them
+may have handed an open descriptor or an inotify watch on them to a process of another
+uid (over a unix socket), which would list the next attempt's files and see its activity
+(read permission is checked at ``open`` only). So when an attempt ends, its home is
+removed (``remove_tree``: by descriptor, links never followed, bounded) and a new set is
+made in its place, both in the thread that takes the attempt back, off the critical path
+of the next start; at most ``keep`` sets wait. A home that could not be removed in the
+walk's bounds is set aside and retried by ``tidy``.
 
-A set that fails any check is removed (``remove_tree``) instead, and a new one made. At
-most ``keep`` sets wait. The executable folder never belonged to the attempt (0750, the
-agent's, its gid may only read), so only its one link is removed.
+The executable folder never belonged to the attempt (0710, the agent's; its gid may only
+pass through it to the executable, neither list it nor watch it), so it is used again:
+only its one link is removed.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ import fcntl
 import itertools
 import logging
 import os
-import shutil
 import stat
-import struct
 import threading
 from pathlib import Path
 
@@ -40,29 +37,7 @@ from services.worker.isolation import Folders, Identity, remove_tree
 
 log = logging.getLogger("cairn.worker.workdirs")
 
-#: a folder that once held more names than this stays large (ext4 never shrinks one)
-MAX_DIR_BYTES = 64 * 1024
-FS_IOC_GETFLAGS = 0x80086601
-FS_IOC_FSGETXATTR = 0x801C581F
-_FSXATTR = struct.Struct("=IIII12x")  # xflags, extsize, nextents, projid
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: attributes the owner of a folder may set without privileges, removed on return
-_OWNER_XATTRS = ("user.", "system.posix_acl_")
-
-
-def _traits(fd: int) -> tuple[object, ...]:
-    """What of a folder's inode an owner might change and a reuse must not inherit."""
-    flags: object = None
-    with contextlib.suppress(OSError):
-        flags = fcntl.ioctl(fd, FS_IOC_GETFLAGS, bytes(8))[:4]
-    fsx: object = None
-    with contextlib.suppress(OSError):
-        xflags, _, _, projid = _FSXATTR.unpack(fcntl.ioctl(fd, FS_IOC_FSGETXATTR, bytes(28)))
-        fsx = (xflags, projid)
-    names: tuple[str, ...] = ()
-    with contextlib.suppress(OSError):
-        names = tuple(sorted(os.listxattr(fd)))
-    return flags, fsx, names
 
 
 class Workdirs:
@@ -77,11 +52,13 @@ class Workdirs:
         self.pool = run_dir / ".pool" / f"agent-{os.getpid()}"
         self._homes: list[Path] = []
         self._exes: list[Path] = []
+        self._leftover: list[Path] = []
+        self._tidying: threading.Thread | None = None
         self._names = itertools.count(1)
         self._lock = threading.Lock()
-        self._fresh: tuple[object, ...] | None = None
-        self.made = 0  # sets made new (the slow path), for tests and benchmarks
-        self.reused = 0
+        self.made = 0  # homes made when an attempt needed one (the slow path)
+        self.ahead = 0  # homes made ahead when an attempt ended, off the critical path
+        self.reused = 0  # executable folders used again
 
     def start(self, ahead: int = 0) -> None:
         """Make the pool folder (removing those of agents no longer alive) and ``ahead``
@@ -95,16 +72,8 @@ class Workdirs:
             if stale == self.pool or not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
                 remove_tree(stale)
         self.pool.mkdir(mode=0o700)
-        probe = self._new_home()
-        fd = os.open(probe, _OPEN_DIR)
-        try:
-            self._fresh = _traits(fd)
-        finally:
-            os.close(fd)
-        self._homes.append(probe)
-        for _ in range(min(ahead, self.keep) - 1):
-            self._homes.append(self._new_home())
         for _ in range(min(ahead, self.keep)):
+            self._homes.append(self._new_home())
             self._exes.append(self._new_exe())
 
     def close(self) -> None:
@@ -122,9 +91,9 @@ class Workdirs:
         with self._lock:
             ready_home = self._homes.pop() if self._homes else None
             ready_exe = self._exes.pop() if self._exes else None
-        if ready_home is None or ready_exe is None:
+        if ready_home is None:
             self.made += 1
-        else:
+        if ready_exe is not None:
             self.reused += 1
         os.rename(ready_home or self._new_home(), home)
         os.rename(ready_exe or self._new_exe(), exe_dir)
@@ -136,17 +105,51 @@ class Workdirs:
         return Folders(home, tmp, exe_dir / name, identity, [home, exe_dir])
 
     def give_back(self, folders: Folders, reusable: bool) -> None:
-        """Take the attempt's folders back: checked and emptied into the pool when
-        ``reusable`` (no process of the attempt is left) and they pass, else removed."""
+        """Take the attempt's folders back: its home is removed and a new set made ahead;
+        its executable folder, emptied, goes back to the pool when ``reusable`` (no
+        process of the attempt is left), else it is removed too."""
         home, exe_dir = folders.made
-        if reusable and len(self._homes) < self.keep and self._scrub(home):
-            self._shelve(home, self._homes, "h")
-        else:
-            remove_tree(home)
-        if self._clear_exe(exe_dir) and len(self._exes) < self.keep:
-            self._shelve(exe_dir, self._exes, "x")
-        else:
-            remove_tree(exe_dir)
+        try:
+            if not remove_tree(home):
+                self._set_aside(home)
+            if len(self._homes) < self.keep:
+                fresh = self._new_home()
+                with self._lock:
+                    self._homes.append(fresh)
+                self.ahead += 1
+        finally:
+            if reusable and self._clear_exe(exe_dir) and len(self._exes) < self.keep:
+                self._shelve(exe_dir, self._exes, "x")
+            elif not remove_tree(exe_dir):
+                self._set_aside(exe_dir)
+
+    def tidy(self) -> None:
+        """Retry removing what an earlier removal left (it gave up after its bounds), in
+        a thread of its own: the caller (the agent's loop) is never held up by it."""
+        with self._lock:
+            if not self._leftover or (self._tidying is not None and self._tidying.is_alive()):
+                return
+            self._tidying = threading.Thread(target=self._retry, name="workdirs-tidy", daemon=True)
+        self._tidying.start()
+
+    def _retry(self) -> None:
+        with self._lock:
+            left, self._leftover = self._leftover, []
+        for folder in left:
+            if not remove_tree(folder):
+                with self._lock:
+                    self._leftover.append(folder)
+
+    def _set_aside(self, folder: Path) -> None:
+        """Out of the attempts' names (a retry of the attempt reuses its name)."""
+        aside = self.pool / f"left{next(self._names)}"
+        try:
+            os.rename(folder, aside)
+        except OSError as exc:
+            log.warning("cannot set %s aside: %s", folder, exc)
+            aside = folder
+        with self._lock:
+            self._leftover.append(aside)
 
     def _shelve(self, folder: Path, ready: list[Path], tag: str) -> None:
         spare = self.pool / f"{tag}{next(self._names)}"
@@ -154,7 +157,8 @@ class Workdirs:
             os.rename(folder, spare)
         except OSError as exc:
             log.warning("cannot shelve %s: %s", folder, exc)
-            remove_tree(folder)
+            if not remove_tree(folder):
+                self._set_aside(folder)
             return
         with self._lock:
             ready.append(spare)
@@ -167,7 +171,7 @@ class Workdirs:
 
     def _new_exe(self) -> Path:
         exe = self.pool / f"x{next(self._names)}"
-        exe.mkdir(mode=0o750 if self.isolated else 0o700)
+        exe.mkdir(mode=0o710 if self.isolated else 0o700)
         return exe
 
     def _clear_exe(self, exe_dir: Path) -> bool:
@@ -177,73 +181,24 @@ class Workdirs:
         except OSError:
             return False
         try:
-            if os.fstat(fd).st_uid != os.geteuid():
+            info = os.fstat(fd)
+            if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o027:
                 return False
-            for entry in os.listdir(fd):
-                os.unlink(entry, dir_fd=fd)
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        return False
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=fd)
             if self.isolated:
                 os.fchown(fd, os.geteuid(), os.getegid())
             return True
-        except OSError:
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.info("executable folder %s not reused: %s", exe_dir, exc)
             return False
         finally:
             os.close(fd)
-
-    def _scrub(self, home: Path) -> bool:
-        """Whether the home (and its tmp) is back to the agent, plain and empty."""
-        try:
-            fd = os.open(home, _OPEN_DIR)
-        except OSError:
-            return False
-        try:
-            if not self._reclaim(fd) or not _empty_but(fd, "tmp"):
-                return False
-            try:
-                tmp = os.open("tmp", _OPEN_DIR, dir_fd=fd)
-            except OSError:
-                return False
-            try:
-                return self._reclaim(tmp) and _empty_but(tmp, None)
-            finally:
-                os.close(tmp)
-        except (OSError, RecursionError) as exc:
-            log.info("attempt folder %s not reused: %s", home, exc)
-            return False
-        finally:
-            os.close(fd)
-
-    def _reclaim(self, fd: int) -> bool:
-        """The folder back to the agent, 0700, without what its owner may have set."""
-        os.fchown(fd, os.geteuid(), os.getegid())
-        os.fchmod(fd, 0o700)
-        for name in os.listxattr(fd):
-            if name.startswith(_OWNER_XATTRS):
-                os.removexattr(fd, name)
-        info = os.fstat(fd)
-        return (
-            stat.S_ISDIR(info.st_mode)
-            and info.st_size <= MAX_DIR_BYTES
-            and _traits(fd) == self._fresh
-        )
-
-
-def _empty_but(fd: int, keep: str | None) -> bool:
-    """Remove every entry of the folder but ``keep`` (a folder, not a link); links are
-    removed, never followed. True when only ``keep`` is left."""
-    kept = False
-    for entry in os.scandir(fd):
-        if entry.name == keep and entry.is_dir(follow_symlinks=False):
-            kept = True
-        elif entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.name, dir_fd=fd)
-        else:
-            try:
-                os.unlink(entry.name, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    raise
-    left = os.listdir(fd)
-    return left == ([keep] if keep is not None and kept else [])
 
 
 class SpareLogs:
