@@ -144,31 +144,33 @@ picked AS (
 _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 
+# The lease: each chosen task moved (guarded by the claim's sources in the transitions
+# table and by the state the pick saw), its attempt numbered and inserted with the id the
+# move gave it (so an attempt exists only for a task that moved, and is its current one),
+# and its event appended. The move is driven by the chosen ids through the primary key: a
+# join of the tasks with the chosen rows was planned as a scan of the waiting work, which
+# grows with the backlog (docs/benchmarks.md).
 _CLAIM = text("""
-WITH chosen AS (
-    SELECT * FROM unnest(
-        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
-        CAST(:keys AS text[]), CAST(:froms AS text[])
-    ) AS c(id, cpu, memory_mb, concurrency_key, from_state)
-),
-leased AS (
-    INSERT INTO core.attempts (
-        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
-    )
-    SELECT c.id,
-           1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker, c.cpu, c.memory_mb, c.concurrency_key
-    FROM chosen c
-    RETURNING id, task_id, number, charge_cpu, charge_memory_mb
-), moved AS (
+WITH moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
-        current_attempt_id = leased.id, attempts = t.attempts + 1
-    FROM leased JOIN chosen c ON c.id = leased.task_id
-    WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
-      AND t.state = c.from_state
-    RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number,
-              leased.charge_cpu, leased.charge_memory_mb, c.from_state
+        current_attempt_id = nextval('core.attempts_id_seq'), attempts = t.attempts + 1
+    FROM unnest(
+        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
+        CAST(:froms AS text[])
+    ) AS c(id, cpu, memory_mb, from_state)
+    WHERE t.id = c.id AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
+    RETURNING t.*, t.current_attempt_id AS attempt_id,
+              1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
+                  AS attempt_number,
+              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state
+), leased AS (
+    INSERT INTO core.attempts (
+        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
+    ) OVERRIDING SYSTEM VALUE
+    SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
+           concurrency_key
+    FROM moved
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
@@ -427,7 +429,6 @@ async def claim(
         return Leases([])
     if not chosen:
         return Leases([])
-    keys = {row.id: row.concurrency_key for row in rows}
     froms = {row.id: row.state for row in rows}
     leased = await conn.execute(
         _CLAIM,
@@ -436,7 +437,6 @@ async def claim(
             # float8[]: psycopg refuses a list that mixes ints and floats
             "cpus": [float(cost.cpu) for _, cost in chosen],
             "memories": [float(cost.memory_mb) for _, cost in chosen],
-            "keys": [keys[c.task_id] for c, _ in chosen],
             "froms": [froms[c.task_id] for c, _ in chosen],
             "worker": worker.id,
             "target": S.RUNNING.value,
@@ -688,28 +688,24 @@ FOR UPDATE OF t
 # Close the attempts, move their tasks (each guarded by its op's sources in the
 # transitions table and by still being the task's current attempt), append the events
 # fold the measured use into each kind's decaying peak, and keep the outputs the task
-# wrote: one statement for the batch.
+# wrote: one statement for the batch, which comes as one jsonb array of records (cheaper
+# to send than an array per column). The rows are found through their primary keys.
 _FINISH = text("""
-WITH input AS (
-    SELECT * FROM unnest(
-        CAST(:attempt_ids AS bigint[]), CAST(:task_ids AS bigint[]), CAST(:outcomes AS text[]),
-        CAST(:exit_codes AS integer[]), CAST(:errors AS text[]), CAST(:peaks AS float8[]),
-        CAST(:cpu_seconds AS float8[]), CAST(:cores AS float8[]), CAST(:tails AS text[]),
-        CAST(:owners AS text[]), CAST(:names AS text[]), CAST(:ops AS text[]),
-        CAST(:targets AS text[]), CAST(:sources AS text[]), CAST(:from_states AS text[]),
-        CAST(:reasons AS text[]), CAST(:last_errors AS text[]), CAST(:delays AS float8[]),
-        CAST(:crashed AS integer[]), CAST(:refunds AS integer[]), CAST(:finals AS boolean[]),
-        CAST(:outputs AS jsonb[])
-    ) AS i(attempt_id, task_id, outcome, exit_code, error, peak_memory_mb, cpu_seconds,
-           cores, log_tail, owner, name, op, target, sources, from_state, reason,
-           last_error, delay_s, crashed, refund, final, outputs)
+WITH input AS MATERIALIZED (
+    SELECT * FROM jsonb_to_recordset(CAST(:input AS jsonb)) AS i(
+        attempt_id bigint, task_id bigint, outcome text, exit_code integer, error text,
+        peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
+        name text, op text, target text, sources text, from_state text, reason text,
+        last_error text, delay_s float8, crashed integer, refund integer, final boolean,
+        outputs jsonb)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
         peak_memory_mb = i.peak_memory_mb, cpu_seconds = i.cpu_seconds, log_tail = i.log_tail,
         outputs = i.outputs
     FROM input i
-    WHERE a.id = i.attempt_id AND a.outcome IS NULL
+    WHERE a.id = ANY(ARRAY(SELECT attempt_id FROM input)) AND a.id = i.attempt_id
+      AND a.outcome IS NULL
     RETURNING a.id
 ), moved AS (
     UPDATE core.tasks t SET
@@ -724,7 +720,8 @@ WITH input AS (
         last_error = COALESCE(i.last_error, t.last_error),
         deferred = false
     FROM input i
-    WHERE i.op IS NOT NULL AND t.id = i.task_id AND t.current_attempt_id = i.attempt_id
+    WHERE t.id = ANY(ARRAY(SELECT task_id FROM input)) AND t.id = i.task_id
+      AND i.op IS NOT NULL AND t.current_attempt_id = i.attempt_id
       AND t.state = ANY(string_to_array(i.sources, ','))
     RETURNING t.id, t.owner, t.version, t.state, i.op, i.from_state, i.reason, i.attempt_id
 ), events AS (
@@ -827,39 +824,38 @@ async def report_many(
 
 
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:
-    def column(get: Callable[[AttemptReport, Any, Move | None], Any]) -> list[Any]:
-        return [get(item, row, move) for item, row, move in batch]
-
     def measured(item: AttemptReport, row: Any) -> float | None:
         if item.peak_memory_mb is None or item.cpu_seconds is None:
             return None
         return item.cpu_seconds / max(float(row.ran_s), 1.0)
 
-    return {
-        "attempt_ids": column(lambda i, r, m: i.attempt_id),
-        "task_ids": column(lambda i, r, m: r.id),
-        "outcomes": column(lambda i, r, m: i.outcome),
-        "exit_codes": column(lambda i, r, m: i.exit_code),
-        "errors": column(lambda i, r, m: i.error),
-        "peaks": column(lambda i, r, m: i.peak_memory_mb),
-        "cpu_seconds": column(lambda i, r, m: i.cpu_seconds),
-        "cores": column(lambda i, r, m: measured(i, r)),
-        "tails": column(lambda i, r, m: i.log_tail),
-        "owners": column(lambda i, r, m: r.owner),
-        "names": column(lambda i, r, m: r.name),
-        "ops": column(lambda i, r, m: m.op.value if m else None),
-        "targets": column(lambda i, r, m: m.target.value if m else None),
-        "sources": column(lambda i, r, m: ",".join(sources(m.op, m.target)) if m else None),
-        "from_states": column(lambda i, r, m: r.state),
-        "reasons": column(lambda i, r, m: m.reason if m else None),
-        "last_errors": column(lambda i, r, m: m.error if m else None),
-        "delays": column(lambda i, r, m: m.delay_s if m else None),
-        "crashed": column(lambda i, r, m: int(m.crashed) if m else 0),
-        "refunds": column(lambda i, r, m: int(m.refund) if m else 0),
-        "finals": column(lambda i, r, m: m.target in FINAL if m else False),
-        "outputs": column(lambda i, r, m: None if i.outputs is None else jsonb(i.outputs)),
-        "decay": DECAY,
-    }
+    def record(item: AttemptReport, row: Any, move: Move | None) -> dict[str, Any]:
+        return {
+            "attempt_id": item.attempt_id,
+            "task_id": row.id,
+            "outcome": item.outcome,
+            "exit_code": item.exit_code,
+            "error": item.error,
+            "peak_memory_mb": item.peak_memory_mb,
+            "cpu_seconds": item.cpu_seconds,
+            "cores": measured(item, row),
+            "log_tail": item.log_tail,
+            "owner": row.owner,
+            "name": row.name,
+            "op": move.op.value if move else None,
+            "target": move.target.value if move else None,
+            "sources": ",".join(sources(move.op, move.target)) if move else None,
+            "from_state": row.state,
+            "reason": move.reason if move else None,
+            "last_error": move.error if move else None,
+            "delay_s": move.delay_s if move else None,
+            "crashed": int(move.crashed) if move else 0,
+            "refund": int(move.refund) if move else 0,
+            "final": move.target in FINAL if move else False,
+            "outputs": item.outputs,
+        }
+
+    return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}
 
 
 @dataclass(frozen=True)
