@@ -32,6 +32,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState
 from services.core import placement, sharing, store, traces
+from services.core.db import pipeline
 from services.core.db.params import jsonb
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
@@ -364,11 +365,35 @@ RETURNING *
 """)
 
 
-async def heard(conn: AsyncConnection, worker_id: int, started: Sequence[int] = ()) -> Any | None:
-    """Refresh the worker's liveness (and mark ``started`` attempts seen); its row, or None
-    when it is dead or gone (the reaper won)."""
-    params = {"worker": worker_id, "started": sorted(set(started))}
-    return (await conn.execute(_HEARD, params)).first()
+@dataclass(frozen=True)
+class Heard:
+    """What a turn's first round trip read: the worker's row (None when it is dead or
+    gone: the reaper won), the reported attempts with their tasks, locked (by attempt
+    id), and the attempts placed on the worker (``placement.PLACED``) before the reports
+    close any."""
+
+    worker: Any | None
+    reported: dict[int, Any] = field(default_factory=dict)
+    placed: list[Any] = field(default_factory=list)
+
+
+async def hear(
+    conn: AsyncConnection,
+    worker_id: int,
+    started: Sequence[int] = (),
+    reported: Sequence[int] = (),
+) -> Heard:
+    """Refresh the worker's liveness (and mark ``started`` attempts seen), read what is
+    placed on it and lock the tasks of the ``reported`` attempts: one round trip."""
+    chain: list[pipeline.Statement] = [
+        (_HEARD, {"worker": worker_id, "started": sorted(set(started))}),
+        (placement.PLACED, {"workers": [worker_id]}),
+    ]
+    if reported:
+        chain.append((_REPORTED, {"ids": sorted(set(reported))}))
+    found = await pipeline.run(conn, chain)
+    rows = {r.attempt_id: r for r in found[2]} if reported else {}
+    return Heard(found[0][0] if found[0] else None, rows, found[1])
 
 
 @dataclass(frozen=True)
@@ -380,34 +405,50 @@ class Leases:
     with_secrets: frozenset[int] = frozenset()
 
 
-async def claim(
-    conn: AsyncConnection,
+@dataclass(frozen=True)
+class Ask:
+    """A claim's first half: the room it may fill and its pick (``statement``), which
+    can travel with the turn's other statements; ``lease`` is the second half."""
+
+    worker: Any
+    room: Amount
+    most: int
+    defaults: placement.Defaults
+    params: dict[str, Any]
+
+    def statement(self) -> pipeline.Statement:
+        queues = self.params["queues"]
+        query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
+        return query, {**self.params, "queue": queues[0], "worker": self.worker.id}
+
+
+def ask(
     worker: Any,
+    placed: Sequence[Any],
     cpu: float,
     memory_mb: int,
     most: int,
     defaults: placement.Defaults | None = None,
-    tally: Tally | None = None,
-) -> Leases:
-    """Lease waiting work of the worker's queues that fits both the room it reports and
-    its capacity less what core has placed on it (``domain.placement``) and that its
+    closing: frozenset[int] = frozenset(),
+) -> Ask | None:
+    """A claim's first half, for a worker just heard (``Heard``: its row, locked,
+    liveness refreshed): lease waiting work of its queues that fits both the room it
+    reports and its capacity less what core has placed on it (``domain.placement``;
+    without the attempts whose reports this turn closes, ``closing``) and that its
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
     it first, then highest effective priority, then fair share across owners; rows other
-    claims hold are skipped, never shared. A worker reserved for a task that does not
-    fit yet starts nothing else. ``worker`` is its row as ``heard`` returned it in this
-    transaction (locked, liveness refreshed)."""
+    claims hold are skipped, never shared (``lease``). None when there is nothing to
+    lease."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
-        return Leases([])
-    hold = worker.reserved_for
-    [node] = await placement.nodes_of(conn, [worker])
+        return None
+    [node] = placement.nodes_from([worker], [p for p in placed if p.id not in closing])
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
-        return Leases([])
-    allowed = sources(Op.CLAIM, S.RUNNING)
+        return None
     params = {
-        "sources": allowed,
+        "sources": sources(Op.CLAIM, S.RUNNING),
         "queues": list(worker.queues),
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
@@ -419,13 +460,23 @@ async def claim(
         "aging_s": defaults.aging_s,
         "aging_max": defaults.aging_max,
     }
-    rows = await _candidate_rows(conn, worker.id, params)
+    return Ask(worker, room, most, defaults, params)
+
+
+async def lease(
+    conn: AsyncConnection, asked: Ask, picked: Sequence[Any], tally: Tally | None = None
+) -> Leases:
+    """The claim's second half: of the rows its pick locked, lease what placement and
+    sharing admit, best first. A worker reserved for a task that does not fit yet
+    starts nothing else."""
+    rows = sorted(picked, key=lambda r: (not r.reserved, -(r.priority + r.boost), r.vtime, r.id))
     gate = await _gate(conn, rows)
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
-    chosen = choose(room, (placement.candidate(row, defaults) for row in rows), most, gate)
+    candidates = (placement.candidate(row, asked.defaults) for row in rows)
+    chosen = choose(asked.room, candidates, asked.most, gate)
     if tally is not None and gate is not None:
         tally.held.update(gate.refused)
-    if await _held_for(conn, hold, chosen):
+    if await _held_for(conn, asked.worker.reserved_for, chosen):
         return Leases([])
     if not chosen:
         return Leases([])
@@ -438,9 +489,9 @@ async def claim(
             "cpus": [float(cost.cpu) for _, cost in chosen],
             "memories": [float(cost.memory_mb) for _, cost in chosen],
             "froms": [froms[c.task_id] for c, _ in chosen],
-            "worker": worker.id,
+            "worker": asked.worker.id,
             "target": S.RUNNING.value,
-            "sources": allowed,
+            "sources": asked.params["sources"],
             "op": Op.CLAIM.value,
         },
     )
@@ -458,18 +509,6 @@ async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) 
         return False
     waiting = select(tasks.c.id).where(tasks.c.id == hold, tasks.c.state == S.WAITING.value)
     return (await conn.execute(waiting)).first() is not None
-
-
-async def _candidate_rows(
-    conn: AsyncConnection, worker_id: int, params: dict[str, Any]
-) -> list[Any]:
-    """Reserved work first, then the rest by effective priority (priority plus aging),
-    fair-share stamp and id; every row locked for this claim."""
-    queues = params["queues"]
-    query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
-    found = list(await conn.execute(query, {**params, "queue": queues[0], "worker": worker_id}))
-    found.sort(key=lambda r: (not r.reserved, -(r.priority + r.boost), r.vtime, r.id))
-    return found
 
 
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
@@ -770,24 +809,36 @@ def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptRe
     return item.model_copy(update={"error": error, "log_tail": tail, "outputs": outputs})
 
 
-async def report_many(
+@dataclass(frozen=True)
+class Settled:
+    """A batch of reports decided, not yet applied: a verdict for each (in the order
+    sent; the refused final), and the accepted ones with their moves (None: a service,
+    whose restart is decided with its history once its attempt is closed)."""
+
+    order: list[ReportVerdict]
+    batch: list[tuple[AttemptReport, Any, Move | None]]
+
+    @property
+    def closing(self) -> frozenset[int]:
+        """The attempts the batch closes."""
+        return frozenset(item.attempt_id for item, _, _ in self.batch)
+
+    def statements(self) -> list[pipeline.Statement]:
+        """What applies the batch (``_FINISH``), if anything."""
+        return [(_FINISH, _finish_params(self.batch))] if self.batch else []
+
+
+async def settle(
     conn: AsyncConnection,
     worker_id: int,
     items: Sequence[AttemptReport],
-    tally: Tally | None = None,
+    rows: dict[int, Any],
     masker: Masker | None = None,
-) -> list[ReportVerdict]:
-    """Apply a worker's reports of how its attempts ended, each fenced by its attempt id
-    and this worker: a stale one (not the task's current attempt, not this worker's, or
-    reported twice) is refused alone and changes nothing. The move of each comes from
-    ``domain.outcomes``; a service's exit is decided with its history, one at a time."""
-    if not items:
-        return []
-    rows: dict[int, Any] = {
-        r.attempt_id: r
-        for r in await conn.execute(_REPORTED, {"ids": sorted({i.attempt_id for i in items})})
-    }
-    verdicts: dict[int, ReportVerdict] = {}
+) -> Settled:
+    """Decide a worker's reports of how its attempts ended, over their rows as
+    ``_REPORTED`` read them (``hear``), each fenced by its attempt id and this worker: a
+    stale one (not the task's current attempt, not this worker's, or reported twice) is
+    refused alone and changes nothing. The move of each comes from ``domain.outcomes``."""
     order: list[ReportVerdict] = []
     batch: list[tuple[AttemptReport, Any, Move | None]] = []
     seen: set[int] = set()
@@ -805,22 +856,58 @@ async def report_many(
         )
         batch.append((item, row, move))
         order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
-    if batch:
-        await conn.execute(_FINISH, _finish_params(batch))
-        for item, row, move in batch:
-            if move is None:
-                error = outcomes.service_error(item.outcome, item.error)
-                crashed = item.outcome == "crashed"
-                target = await _restart_service(
-                    conn, row, item.attempt_id, error, crashed, False, tally
-                )
-            else:
-                _count(move, tally)
-                target = move.target
-            verdicts[item.attempt_id] = ReportVerdict(
-                attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
+    return Settled(order, batch)
+
+
+async def applied(
+    conn: AsyncConnection, settled: Settled, tally: Tally | None = None
+) -> list[ReportVerdict]:
+    """Once the batch's statement ran: each service's exit decided, one at a time; the
+    verdicts in the order sent."""
+    verdicts: dict[int, ReportVerdict] = {}
+    for item, row, move in settled.batch:
+        if move is None:
+            error = outcomes.service_error(item.outcome, item.error)
+            crashed = item.outcome == "crashed"
+            target = await _restart_service(
+                conn, row, item.attempt_id, error, crashed, False, tally
             )
-    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in order]
+        else:
+            _count(move, tally)
+            target = move.target
+        verdicts[item.attempt_id] = ReportVerdict(
+            attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
+        )
+    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
+
+
+async def report_many(
+    conn: AsyncConnection,
+    worker_id: int,
+    items: Sequence[AttemptReport],
+    tally: Tally | None = None,
+    masker: Masker | None = None,
+) -> list[ReportVerdict]:
+    """Apply a worker's reports (``settle``, then its statement, then ``applied``), in
+    round trips of their own (a turn sends them with its other statements)."""
+    if not items:
+        return []
+    ids = sorted({i.attempt_id for i in items})
+    rows = {r.attempt_id: r for r in await conn.execute(_REPORTED, {"ids": ids})}
+    settled = await settle(conn, worker_id, items, rows, masker)
+    for query, params in settled.statements():
+        await conn.execute(query, params)
+    return await applied(conn, settled, tally)
+
+
+async def finish_and_pick(conn: AsyncConnection, settled: Settled, asked: Ask | None) -> list[Any]:
+    """A turn's second round trip: the reports applied, then the claim's pick (after
+    them, so it sees the room they made): the rows picked."""
+    chain = settled.statements() + ([asked.statement()] if asked is not None else [])
+    if not chain:
+        return []
+    found = await pipeline.run(conn, chain)
+    return found[-1] if asked is not None else []
 
 
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:

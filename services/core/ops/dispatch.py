@@ -67,11 +67,15 @@ async def turn(
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     tally = dispatch.Tally()
+    reported = [r.attempt_id for r in body.reports]
     async with ops.engine.begin() as conn:
-        worker = await dispatch.heard(conn, worker_id, body.started)
-        verdicts = await dispatch.report_many(conn, worker_id, body.reports, tally, _masker(ops))
-        state = worker.state if worker is not None else await _state_of(conn, worker_id)
-        leased = await _lease(ops, conn, worker, body.claim, tally)
+        heard = await dispatch.hear(conn, worker_id, body.started, reported)
+        settled = await dispatch.settle(conn, worker_id, body.reports, heard.reported, _masker(ops))
+        asked = _ask(ops, heard, body.claim, settled.closing)
+        picked = await dispatch.finish_and_pick(conn, settled, asked)
+        verdicts = await dispatch.applied(conn, settled, tally)
+        leased = await _lease(ops, conn, asked, picked, tally)
+        state = await _state(conn, worker_id, heard)
     _told(ops, tally, body.reports, verdicts, leased, headers)
     if leased or body.claim is None or body.claim.wait <= 0 or state != "live":
         return TurnResult(state, verdicts, leased)
@@ -110,6 +114,10 @@ async def _state_of(conn: AsyncConnection, worker_id: int) -> str:
     return str((await dispatch.get_worker(conn, worker_id, None)).state)
 
 
+async def _state(conn: AsyncConnection, worker_id: int, heard: dispatch.Heard) -> str:
+    return str(heard.worker.state) if heard.worker is not None else await _state_of(conn, worker_id)
+
+
 def _masker(ops: Dispatcher) -> dispatch.Masker:
     def mask(conn: AsyncConnection, attempt_id: int) -> Awaitable[Callable[[str], str] | None]:
         return secrets.masker(conn, ops.box, attempt_id)
@@ -117,20 +125,28 @@ def _masker(ops: Dispatcher) -> dispatch.Masker:
     return mask
 
 
+def _ask(
+    ops: Dispatcher, heard: dispatch.Heard, room: ClaimRequest | None, closing: frozenset[int]
+) -> dispatch.Ask | None:
+    if heard.worker is None or room is None:
+        return None
+    return dispatch.ask(
+        heard.worker, heard.placed, room.cpu, room.memory_mb, room.max, ops.defaults, closing
+    )
+
+
 async def _lease(
     ops: Dispatcher,
     conn: AsyncConnection,
-    worker: Any | None,
-    room: ClaimRequest | None,
+    asked: dispatch.Ask | None,
+    picked: list[Any],
     tally: dispatch.Tally,
 ) -> list[Assignment]:
-    """Claim for a worker just heard, its secrets filled in; an attempt whose secret is
-    gone fails at once (not retryable) and is not handed out."""
-    if worker is None or room is None:
+    """Lease what the pick found, the secrets filled in; an attempt whose secret is gone
+    fails at once (not retryable) and is not handed out."""
+    if asked is None:
         return []
-    leases = await dispatch.claim(
-        conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally
-    )
+    leases = await dispatch.lease(conn, asked, picked, tally)
     if not leases.with_secrets:
         return leases.assignments
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
@@ -139,7 +155,7 @@ async def _lease(
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
             for a, reason in broken.items()
         ]
-        await dispatch.report_many(conn, worker.id, failed, tally)
+        await dispatch.report_many(conn, asked.worker.id, failed, tally)
     return leased
 
 
@@ -158,9 +174,11 @@ async def _wait_for_work(
         await ops.notifier.wait(min(remaining, POLL_S))
         tally = dispatch.Tally()
         async with ops.engine.begin() as conn:
-            worker = await dispatch.heard(conn, worker_id)
-            state = worker.state if worker is not None else await _state_of(conn, worker_id)
-            leased = await _lease(ops, conn, worker, room, tally)
+            heard = await dispatch.hear(conn, worker_id)
+            asked = _ask(ops, heard, room, frozenset())
+            picked = await dispatch.finish_and_pick(conn, dispatch.Settled([], []), asked)
+            leased = await _lease(ops, conn, asked, picked, tally)
+            state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
         if leased or state != "live":
             return leased, state
