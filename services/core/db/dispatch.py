@@ -802,6 +802,8 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
 
 def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptReport:
     error, tail, outputs = _clean(item.error), _clean(item.log_tail), item.outputs
+    if mask is None and error == item.error and tail == item.log_tail:
+        return item  # nothing to change (the common report): no copy
     if mask is not None:
         error = mask(error) if error else error
         tail = mask(tail) if tail else tail

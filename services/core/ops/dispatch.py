@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,16 +195,19 @@ def _told(
 ) -> None:
     """After the commit: metrics, traces, and one announcement for the lot."""
     ops.meter.count(tally)
-    applied = 0
+    outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
         if verdict.state is None or verdict.task_id is None:
             continue
-        applied += 1
-        ops.meter.attempts_finished.labels(item.outcome).inc()
-        if verdict.state is TaskState.SUCCEEDED:
-            ops.meter.ended(verdict.state)
+        outcomes[item.outcome] += 1
         if headers is not None:
             traces.reported(headers, verdict.task_id, item.attempt_id, item.outcome, verdict.state)
+    # Counted once per kind, not per report (a label look-up each).
+    for outcome, n in outcomes.items():
+        ops.meter.attempts_finished.labels(outcome).inc(n)
+    succeeded = sum(v.state is TaskState.SUCCEEDED for v in verdicts)
+    ops.meter.ended(TaskState.SUCCEEDED, succeeded)
+    applied = outcomes.total()
     if applied or leased or tally.lost or tally.buried:
         ops.notifier.announce()
     ended = [v.attempt_id for v in verdicts if v.state is not None]
