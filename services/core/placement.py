@@ -75,7 +75,8 @@ HOT_QUEUES = (
     "(SELECT h.name FROM core.queues h WHERE h.utilisation > COALESCE(h.defer_above, :defer_above))"
 )
 
-_PLACED = text("""
+#: the open attempts on some workers (``:workers``), as ``nodes_from`` takes them
+PLACED = text("""
 SELECT a.id, a.task_id, a.worker_id, t.priority, t.preemptible,
        COALESCE(a.charge_cpu, t.cpu) AS charge_cpu,
        COALESCE(a.charge_memory_mb, t.memory_mb) AS charge_memory_mb,
@@ -101,9 +102,14 @@ def _placed(row: Any) -> Placed:
 
 async def nodes_of(conn: AsyncConnection, rows: Sequence[Any]) -> list[Node]:
     """Nodes for these worker rows, with what is placed on each."""
-    ids = [row.id for row in rows]
+    placed = await conn.execute(PLACED, {"workers": [row.id for row in rows]})
+    return nodes_from(rows, placed)
+
+
+def nodes_from(rows: Sequence[Any], placed_rows: Iterable[Any]) -> list[Node]:
+    """Nodes for these worker rows, from the rows of ``PLACED``."""
     placed: dict[int, list[Placed]] = defaultdict(list)
-    for row in await conn.execute(_PLACED, {"workers": ids}):
+    for row in placed_rows:
         placed[row.worker_id].append(_placed(row))
     return [
         Node(

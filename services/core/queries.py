@@ -8,6 +8,7 @@ import functools
 from sqlalchemy import TextClause, text
 
 from libs.common.states import TaskState
+from services.core.tables import LABELLED
 
 TASK_COLUMNS = """
     id, owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -215,12 +216,12 @@ PARK_FAILED = _bulk(
 
 # A person's bulk retry or cancel: the tasks a filter selects, oldest first from a keyset
 # cursor, a page at a time, skipping rows others hold. Unset conditions are NULL.
-_SELECTED = """
+_SELECTED = f"""
     t.state = ANY(CAST(:sources AS text[])) AND t.id > :after
     AND (CAST(:queue AS text) IS NULL OR t.queue = :queue)
     AND (CAST(:owner AS text) IS NULL OR t.owner = :owner)
     AND (CAST(:team AS text) IS NULL OR t.team = :team)
-    AND (CAST(:labels AS jsonb) IS NULL OR t.labels @> CAST(:labels AS jsonb))
+    AND (CAST(:labels AS jsonb) IS NULL OR (t.labels @> CAST(:labels AS jsonb) AND t.{LABELLED}))
     AND (CAST(:created_after AS timestamptz) IS NULL OR t.created_at >= :created_after)
     AND (CAST(:created_before AS timestamptz) IS NULL OR t.created_at < :created_before)
     AND (CAST(:finished_after AS timestamptz) IS NULL OR t.finished_at >= :finished_after)

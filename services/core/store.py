@@ -12,7 +12,17 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import namedtuple_row
-from sqlalchemy import Row, TextClause, and_, func, or_, select, update
+from sqlalchemy import (
+    Boolean,
+    Row,
+    TextClause,
+    and_,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.exc import DBAPIError
@@ -35,6 +45,7 @@ from services.core import queries
 from services.core.db.params import jsonb
 from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
+    LABELLED,
     attempts,
     queues,
     task_events,
@@ -296,6 +307,7 @@ async def list_tasks(
         conditions.append(tasks.c.owner == where.owner)
     if where.labels:
         conditions.append(tasks.c.labels.contains(dict(where.labels)))
+        conditions.append(literal_column(f"core.tasks.{LABELLED}", Boolean))
     if where.team is not None:
         conditions.append(tasks.c.team == where.team)
     if where.visible_to is not None:

@@ -164,6 +164,10 @@ queues = Table(
     ),
 )
 
+#: the condition of the labels' index, which every label filter adds (a non-empty
+#: filter never matches an unlabelled task)
+LABELLED = "labels <> '{}'::jsonb"
+
 tasks = Table(
     "tasks",
     metadata,
@@ -279,6 +283,7 @@ tasks = Table(
         "labels",
         postgresql_using="gin",
         postgresql_ops={"labels": "jsonb_path_ops"},
+        postgresql_where=text(LABELLED),
     ),
 )
 

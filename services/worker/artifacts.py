@@ -11,7 +11,10 @@ this process is hashed while it is written; later copies are made by the kernel
 (``copy_file_range``, no pass through Python) for as long as the cached file is the same
 file it was when hashed (device, inode, size, modification time: only the agent can write
 the cache, so a change shows there), and hashed again otherwise. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
-gid, no other groups), every time, and is not cached. No error names a digest the agent
+gid, no other groups), every time, and is not cached. An attempt of another uid than the
+agent's runs a ``Sealed`` copy through a hard link rather than a copy of its own: made as
+above once per digest, then linked while it is the file that was hashed (a ``file://``
+source is still opened as the attempt and hashed at every start). No error names a digest the agent
 computed, so a mismatch is no oracle for a file's content. The cache is bounded
 (``max_cache_bytes``): the least recently used artifacts are removed first, never one
 being copied.
@@ -89,8 +92,8 @@ class _Sink:
                 f"artifact is larger than the {self._limit} byte limit", retryable=False
             )
         self._hash.update(chunk)
-        assert self.out is not None
-        self.out.write(chunk)
+        if self.out is not None:  # None: hashed only (``ArtifactCache.seal_local``)
+            self.out.write(chunk)
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -212,6 +215,38 @@ class ArtifactCache:
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
         return _copy_local(uri, digest, folder, reader, _Sink(None, self.max_bytes))
+
+    def seal_local(self, uri: str, sha256: str, reader: Identity, sealed: Sealed) -> Path:
+        """The sealed copy (``Sealed``) of a ``file://`` artifact: its source is opened as
+        ``reader`` and hashed at every call, as ``copy_local`` does, but written only when
+        no sealed copy of that digest exists (then it is written while it is hashed)."""
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        known = sealed.get(digest)
+        if known is None:
+            return sealed.add(digest, self.copy_local(uri, digest, sealed.folder, reader))
+        sink = _Sink(None, self.max_bytes)
+        _copy_file(_local_path(uri), sink, reader)
+        if sink.hexdigest() != digest:
+            raise ArtifactError(_mismatch(uri), retryable=False)
+        return known
+
+    async def seal(self, uri: str, sha256: str, sealed: Sealed) -> Path:
+        """The sealed copy of a fetched artifact, made from the cache (``materialize``)
+        when none is known, then used while its fingerprint holds."""
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources):
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        known = sealed.get(digest)
+        if known is not None:
+            return known
+        copy = await self.materialize(uri, digest, sealed.folder)
+        return await asyncio.to_thread(sealed.add, digest, copy)
 
     async def _copy_checked(
         self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
@@ -374,6 +409,69 @@ class ArtifactCache:
                     "s3", endpoint_url=self._s3_endpoint_url
                 )
             return self._s3_client
+
+
+class Sealed:
+    """Verified executables that attempts run through a hard link, one per digest, so an
+    attempt costs a ``link`` instead of a new file and a copy: each is the agent's, mode
+    0555, in a folder of the agent's only (0700) on the run folder's file system, so no
+    attempt (another uid, no capabilities) can write, chmod, replace or remove it, and
+    none can reach it but through its own executable folder (``workdirs``: 0750, the
+    agent's and the attempt's gid). Written while hashed (``ArtifactCache.seal_local``,
+    ``seal``), and trusted afterwards only while it is the file that was hashed (device,
+    inode, size, mode, owner, modification time): otherwise it is made again. At most
+    ``max_bytes`` are kept, the least recently used removed first (an attempt running
+    one keeps its inode until its folder is emptied). Only for attempts of another uid:
+    an attempt running as the agent could change a shared file, so it gets a copy."""
+
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self.folder = folder
+        self.max_bytes = max_bytes
+        self._known: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> Path | None:
+        """The sealed copy of ``digest``, if one is known and unchanged."""
+        path = self.folder / digest
+        with self._lock:
+            expected = self._known.get(digest)
+            if expected is None:
+                return None
+            if _sealed_print(path) != expected:
+                del self._known[digest]
+                return None
+            self._known.move_to_end(digest)
+        return path
+
+    def add(self, digest: str, written: Path) -> Path:
+        """Seal a verified copy (``written``, in ``folder``) as the one of ``digest``."""
+        path = self.folder / digest
+        written.chmod(0o555)
+        os.replace(written, path)
+        seen = _sealed_print(path)
+        with self._lock:
+            if seen is not None:
+                self._known[digest] = seen
+                self._known.move_to_end(digest)
+            self._evict()
+        return path
+
+    def _evict(self) -> None:
+        total = sum(fingerprint[2] for fingerprint in self._known.values())
+        while total > self.max_bytes and len(self._known) > 1:
+            digest, fingerprint = self._known.popitem(last=False)
+            (self.folder / digest).unlink(missing_ok=True)
+            total -= fingerprint[2]
+
+
+def _sealed_print(path: Path) -> tuple[int, ...] | None:
+    try:
+        info = path.stat(follow_symlinks=False)
+    except OSError:
+        return None
+    if info.st_uid != os.geteuid() or info.st_mode != stat.S_IFREG | 0o555:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _copy_local(uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink) -> Path:

@@ -12,7 +12,8 @@ quota always: the write refills the period's budget), each a ``pwrite`` to a fil
 keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
 is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
-(every process but the helper killed), checked empty in every hierarchy, its page cache
+(every process but the helper killed), checked empty (in one hierarchy, which answers
+for all: ``AttemptCgroup.empty``), its page cache
 reclaimed (``memory.force_empty``, when it holds more than 2 MB), and only then handed
 out again; a slot that will not
 empty, or whose helper died, is retired and removed.
@@ -89,29 +90,28 @@ class CgroupPool:
         return self._busy.get(id(group))
 
     async def give_back(self, slot: Slot) -> bool:
-        """Empty the slot and return it to the pool; False (kept aside, retried by
-        ``tidy``) while some process of the attempt is still exiting. A slot left with
-        more than ``RECLAIM_ABOVE`` charged (page cache of files the attempt read or
-        wrote) is reclaimed first, in a thread, so the next attempt is not measured
-        with it."""
-        if not self._settle(slot):
-            return slot not in self._stuck
-        if _charged(slot) > RECLAIM_ABOVE:
-            await asyncio.to_thread(self._reclaim, slot)
-        self._shelve(slot)
-        return True
+        """Empty the slot and return it to the pool; whether no process of the attempt
+        is left (then its folders may be reused). A slot some process of which is still
+        exiting is kept aside (retried by ``tidy``). A slot left with more than
+        ``RECLAIM_ABOVE`` charged (page cache of files the attempt read or wrote) is
+        reclaimed first, in a thread, so the next attempt is not measured with it."""
+        emptied = self._settle(slot)
+        if emptied and not slot.helper.gone:
+            if _charged(slot) > RECLAIM_ABOVE:
+                await asyncio.to_thread(self._reclaim, slot)
+            self._shelve(slot)
+        return emptied
 
     def _settle(self, slot: Slot) -> bool:
-        """Kill what is left; True when only the helper remains in every hierarchy."""
+        """Kill what is left; whether the cgroup was then empty (the helper aside). A
+        slot whose helper died is retired, one not yet empty kept aside."""
         self._busy.pop(id(slot.group), None)
-        slot.group.kill_all()
+        emptied = slot.group.kill_all()
         if not slot.helper.alive():
             self._retire(slot)
-            return False
-        if not slot.group.empty():
+        elif not emptied:
             self._stuck.append(slot)
-            return False
-        return True
+        return emptied
 
     def _shelve(self, slot: Slot) -> None:
         if len(self._free) >= self.size:
@@ -123,7 +123,7 @@ class CgroupPool:
         """Retry the slots whose last processes were still exiting."""
         stuck, self._stuck = self._stuck, []
         for slot in stuck:
-            if self._settle(slot):
+            if self._settle(slot) and not slot.helper.gone:
                 if _charged(slot) > RECLAIM_ABOVE:
                     self._reclaim(slot)
                 self._shelve(slot)

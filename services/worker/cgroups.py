@@ -200,25 +200,28 @@ class AttemptCgroup:
         return [p for p in _pids_in(folder) if p != self.resident] if folder else []
 
     def empty(self) -> bool:
-        """No process of an attempt in any of its folders (the resident helper aside)."""
-        return all(
-            not [p for p in _pids_in(folder) if p != self.resident]
-            for folder in set(self.folders.values())
-        )
+        """No process of an attempt in its cgroup (the resident helper aside). On v1 one
+        hierarchy answers for all: a process belongs to one cgroup of every hierarchy at
+        once (one css_set), is born where its parent is, and only root may move it, which
+        the agent never does; so the attempt's processes are in all of its folders or in
+        none."""
+        return not self.pids()
 
-    def kill_all(self) -> None:
-        """SIGKILL every process of the attempt, those it forks meanwhile included."""
+    def kill_all(self) -> bool:
+        """SIGKILL every process of the attempt, those it forks meanwhile included;
+        whether the cgroup was then seen empty (``empty``)."""
         folder = self.folders.get("")
         if folder is not None and self.resident is None and _write(folder / "cgroup.kill", "1"):
-            return
+            return self.empty()
         for _ in range(_KILL_ROUNDS):
             pids = self.pids()
             if not pids:
-                return
+                return True
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.001)
+        return False
 
     def peak_memory_mb(self) -> float | None:
         if self.version == "v1":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from libs.common.models import Assignment
 from services.worker import outputs, spawner
-from services.worker.artifacts import ArtifactCache
+from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.executor import AttemptSpec
@@ -27,9 +27,12 @@ from services.worker.isolation import (
     searchable_by_others,
 )
 from services.worker.settings import WorkerSettings
+from services.worker.workdirs import SpareLogs, Workdirs
 
 log = logging.getLogger("cairn.worker")
 
+#: ready folder sets made as the agent starts (more as attempts need them, up to its slots)
+AHEAD = 64
 GIVES_UP = (
     "attempts run as the agent's own user: they can read its token and environment, "
     "signal it, read other attempts' folders and logs, and change the artifact cache"
@@ -66,11 +69,15 @@ class Host:
         self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
         self.pool: UidPool | None = None
         self.private_tmp = False
+        self.fresh_shm = False  # a private /dev/shm (not where the run folder lies)
         self.tmp_targets: tuple[str, ...] = ()
         self.cgroups: Cgroups | None = None
         self.run_dir = settings.worker_run_dir or settings.home / "attempts"
         self._leftover: list[AttemptCgroup] = []
         self._keeping: set[asyncio.Task[None]] = set()
+        self.workdirs = Workdirs(self.run_dir, self.isolated, settings.worker_slots)
+        self.spare_logs = SpareLogs(logs_dir, settings.worker_slots)
+        self.sealed: Sealed | None = None
 
     def start(self) -> list[str]:
         """Check and set up; returns what the agent tells at start-up. Raises HostError."""
@@ -78,7 +85,12 @@ class Host:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o711 if self.isolated else 0o700)
         self.run_dir.chmod(0o711 if self.isolated else 0o700)
         self.logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workdirs.start(ahead=min(AHEAD, self.settings.worker_slots))
+        self.spare_logs.start()
         if self.isolated:
+            sealed = self.workdirs.pool / "sealed"
+            sealed.mkdir(mode=0o700)
+            self.sealed = Sealed(sealed, self.settings.worker_cache_mb * 2**20)
             blocked = searchable_by_others(self.run_dir)
             if blocked is not None:
                 raise HostError(
@@ -126,6 +138,7 @@ class Host:
         self.private_tmp = True
         shared = [t for t in ("/tmp", "/var/tmp", "/dev/shm") if _under(self.run_dir, t)]
         self.tmp_targets = tuple(t for t in ("/tmp", "/var/tmp") if t not in shared)
+        self.fresh_shm = "/dev/shm" not in shared
         note = "each attempt has its own /tmp, /var/tmp and /dev/shm (a mount namespace)"
         if shared:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
@@ -156,7 +169,8 @@ class Host:
                 )
             spec = self._spec(assignment, folders, identity, group, slot)
         except BaseException:
-            await self._undo(folders, identity, group, slot)
+            log_path = self._log_path(assignment)
+            await self._undo(folders, identity, group, slot, log_path, never_ran=True)
             raise
         return Prepared(spec, folders, identity, group, slot)
 
@@ -164,16 +178,19 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
-        folders = Folders.make(
-            self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
-        )
+        folders = self.workdirs.make(assignment.attempt_id, _name_of(artifact.uri), identity)
+        self.spare_logs.take(self._log_path(assignment))
         try:
-            written = cache.copy_local(
-                artifact.uri, artifact.sha256, folders.executable.parent, identity
-            )
-            folders.seal_executable(written)
+            if self.sealed is not None and identity is not None:
+                sealed = cache.seal_local(artifact.uri, artifact.sha256, identity, self.sealed)
+                folders.link_executable(sealed)
+            else:
+                written = cache.copy_local(
+                    artifact.uri, artifact.sha256, folders.executable.parent, identity
+                )
+                folders.seal_executable(written)
         except BaseException:
-            folders.remove()
+            self.workdirs.give_back(folders, reusable=True)
             raise
         return folders
 
@@ -181,18 +198,29 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
-        folders = await asyncio.to_thread(
-            Folders.make, self.run_dir, assignment.attempt_id, _name_of(artifact.uri), identity
-        )
+        folders = await asyncio.to_thread(self._made, assignment, identity)
         try:
-            written = await cache.materialize(
-                artifact.uri, artifact.sha256, folders.executable.parent, identity
-            )
-            await asyncio.to_thread(folders.seal_executable, written)
+            if self.sealed is not None and identity is not None:
+                sealed = await cache.seal(artifact.uri, artifact.sha256, self.sealed)
+                await asyncio.to_thread(folders.link_executable, sealed)
+            else:
+                written = await cache.materialize(
+                    artifact.uri, artifact.sha256, folders.executable.parent, identity
+                )
+                await asyncio.to_thread(folders.seal_executable, written)
         except BaseException:
-            await asyncio.to_thread(folders.remove)
+            await asyncio.to_thread(self.workdirs.give_back, folders, True)
             raise
         return folders
+
+    def _made(self, assignment: Assignment, identity: Identity | None) -> Folders:
+        name = _name_of(assignment.artifact.uri)
+        folders = self.workdirs.make(assignment.attempt_id, name, identity)
+        self.spare_logs.take(self._log_path(assignment))
+        return folders
+
+    def _log_path(self, assignment: Assignment) -> Path:
+        return self.logs_dir / f"{assignment.attempt_id}.log"
 
     def _spec(
         self,
@@ -216,14 +244,14 @@ class Host:
             cgroup_procs=tuple(group.procs_files) if group and helper is None else (),
             private_tmp=folders.tmp if self.private_tmp else None,
             tmp_targets=self.tmp_targets,
-            shm=self.private_tmp and not _under(self.run_dir, "/dev/shm"),
+            shm=self.fresh_shm,
             rlimits=tuple(limits),
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(
             executable=folders.executable,
             workdir=folders.home,
-            log_path=self.logs_dir / f"{assignment.attempt_id}.log",
+            log_path=self._log_path(assignment),
             task_id=assignment.task_id,
             attempt_id=assignment.attempt_id,
             attempt_number=assignment.attempt_number,
@@ -271,23 +299,32 @@ class Host:
         """After the log is uploaded: remove the folders (now, or after the keep time),
         then hand the uid back (never while a folder of that uid remains)."""
         keep = self.settings.worker_keep_attempts_s
+        log_path = prepared.spec.log_path
         if keep <= 0:
-            await self._undo(prepared.folders, prepared.identity, prepared.cgroup, prepared.slot)
-            prepared.spec.log_path.unlink(missing_ok=True)
+            await self._undo(
+                prepared.folders, prepared.identity, prepared.cgroup, prepared.slot, log_path
+            )
             return
+        settled = await self._release_cgroup(prepared.cgroup, prepared.slot)
 
         async def later() -> None:
             await asyncio.sleep(keep)
-            await self._undo(prepared.folders, prepared.identity, None)
-            prepared.spec.log_path.unlink(missing_ok=True)
+            await self._undo(prepared.folders, prepared.identity, None, None, log_path, settled)
 
-        if prepared.slot is not None and self.slots is not None:
-            await self.slots.give_back(prepared.slot)
-        elif prepared.cgroup is not None and not prepared.cgroup.remove():
-            self._leftover.append(prepared.cgroup)
         task = asyncio.create_task(later())
         self._keeping.add(task)
         task.add_done_callback(self._keeping.discard)
+
+    async def _release_cgroup(self, group: AttemptCgroup | None, slot: Slot | None) -> bool:
+        """Empty the attempt's cgroup (a pooled slot goes back to its pool); whether it
+        was seen empty, so that no process of the attempt can write any more."""
+        if slot is not None and self.slots is not None:
+            return await self.slots.give_back(slot)  # emptied, checked, then reused
+        if group is not None:
+            if group.remove():
+                return True
+            self._leftover.append(group)
+        return False
 
     async def _undo(
         self,
@@ -295,23 +332,31 @@ class Host:
         identity: Identity | None,
         group: AttemptCgroup | None,
         slot: Slot | None = None,
+        log_path: Path | None = None,
+        never_ran: bool = False,
     ) -> None:
+        """Hand back what the attempt held; its folders are reused only if nothing of it
+        can still be running (it never ran, or its cgroup was seen empty)."""
         try:
-            if slot is not None and self.slots is not None:
-                await self.slots.give_back(slot)  # emptied, checked, then reused
-            elif group is not None and not group.remove():
-                self._leftover.append(group)
-            elif group is None and identity is not None:
-                await self._kill_uid(identity)
-            if folders is not None:
-                await asyncio.to_thread(folders.remove)
+            settled = await self._release_cgroup(group, slot)
+            if group is None and slot is None and identity is not None and not never_ran:
+                await self._kill_uid(identity)  # no cgroup: nothing proves it empty
+            if folders is not None or log_path is not None:
+                await asyncio.to_thread(self._give_back, folders, log_path, settled or never_ran)
         finally:
             if identity is not None and self.pool is not None:
                 self.pool.give_back(identity)
 
+    def _give_back(self, folders: Folders | None, log_path: Path | None, reusable: bool) -> None:
+        if folders is not None:
+            self.workdirs.give_back(folders, reusable)
+        if log_path is not None:
+            self.spare_logs.give_back(log_path)
+
     def tidy(self) -> None:
         """Retry removing cgroups whose last processes were still exiting."""
         self._leftover = [group for group in self._leftover if not group.remove()]
+        self.workdirs.tidy()
         if self.slots is not None:
             self.slots.tidy()
 
@@ -325,6 +370,11 @@ class Host:
             self.helper.close()
         if self.cgroups is not None:
             self.cgroups.close()
+        await asyncio.to_thread(self._give_up_spares)
+
+    def _give_up_spares(self) -> None:
+        self.workdirs.close()
+        self.spare_logs.close()
 
 
 def _under(path: Path, top: str) -> bool:

@@ -6,8 +6,8 @@ so that agents on one host never share one. The attempt gets no supplementary gr
 capabilities (all uids change from 0, which clears them), ``no_new_privs``, a 0700 folder
 of its own as home and working directory, and a private ``/tmp`` (a mount namespace with
 its own folder bound on ``/tmp`` and ``/var/tmp`` and a fresh ``/dev/shm``, where the host
-allows it; otherwise ``TMPDIR``). Its executable is a copy that belongs to root, readable
-and executable by the attempt's gid only.
+allows it; otherwise ``TMPDIR``). Its executable is a verified copy that belongs to root
+and that nobody else may change, in a folder only the attempt's gid may enter.
 
 Layout under the run folder (``CAIRN_WORKER_RUN_DIR``; every folder above it must be
 searchable by others, since the attempts' uids pass through it)::
@@ -16,29 +16,39 @@ searchable by others, since the attempts' uids pass through it)::
     RUN/ID/         0700 uid:gid       the attempt's home and working directory
     RUN/ID/tmp/     0700 uid:gid       its /tmp
     RUN/.exe/       0711 agent
-    RUN/.exe/ID     0550 agent:gid     the verified copy of its executable
+    RUN/.exe/ID/    0710 agent:gid     its executable folder (pass, not list)
+    RUN/.exe/ID/X   0555 agent         a hard link to the sealed verified copy
+    RUN/.pool/      0700 agent         ready folders and sealed copies (``workdirs``)
+
+An agent not running as root (no isolation) gives its attempts a private copy of the
+executable instead (0500, ``RUN/.exe/ID`` 0700).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
+import itertools
+import logging
 import os
 import random
 import resource
-import shutil
 import stat
 import subprocess
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from services.worker import hardening
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger("cairn.worker.isolation")
 
 
 class IsolationError(Exception):
@@ -198,23 +208,6 @@ class Folders:
     identity: Identity | None = None
     made: list[Path] = field(default_factory=list)
 
-    @classmethod
-    def make(cls, run_dir: Path, attempt_id: int, name: str, identity: Identity | None) -> Folders:
-        home = run_dir / str(attempt_id)
-        exe_dir = run_dir / ".exe"
-        exe_dir.mkdir(mode=0o711, exist_ok=True)
-        for stale in (home, exe_dir / str(attempt_id)):
-            remove_tree(stale)
-        home.mkdir(mode=0o700)
-        tmp = home / "tmp"
-        tmp.mkdir(mode=0o700)
-        if identity is not None:
-            os.chown(home, identity.uid, identity.gid)
-            os.chown(tmp, identity.uid, identity.gid)
-        (exe_dir / str(attempt_id)).mkdir(mode=0o711)
-        executable = exe_dir / str(attempt_id) / name
-        return cls(home, tmp, executable, identity, [home, exe_dir / str(attempt_id)])
-
     def seal_executable(self, written: Path) -> None:
         """Put the verified copy in place: the agent's, read+exec for the attempt only."""
         if self.identity is not None:
@@ -224,30 +217,164 @@ class Folders:
             written.chmod(0o500)
         os.replace(written, self.executable)
 
+    def link_executable(self, sealed: Path) -> None:
+        """The executable as a hard link to a sealed verified copy (``artifacts.Sealed``:
+        the agent's, 0555), in a folder only the attempt's gid may search."""
+        os.link(sealed, self.executable)
+
     def remove(self) -> None:
         for folder in self.made:
             remove_tree(folder)
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a folder an attempt wrote into; symlinks in it are removed, never followed."""
-    if not os.path.lexists(path):
-        return
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-        return
-    _make_removable(path)
-    shutil.rmtree(path, ignore_errors=True)
+#: how a folder an attempt wrote into is opened: never through a link, never blocking (a
+#: fifo swapped in for it by ``RENAME_EXCHANGE`` fails with ``ENOTDIR`` instead)
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: the removal walk's bounds: entries handled, seconds, folders open at once (a deeper
+#: folder is moved up to the top one, so a tree of any depth needs no more descriptors)
+REMOVE_MAX_ENTRIES = 200_000
+REMOVE_MAX_SECONDS = 10.0
+_REMOVE_MAX_OPEN = 32
+_moved = itertools.count(1)
 
 
-def _make_removable(path: Path) -> None:
-    # An attempt may leave folders of mode 0 behind; as root that does not matter, but a
-    # non-root agent (isolation none) needs the write bit to empty them.
-    if os.geteuid() == 0:
-        return
-    for root, dirs, _ in os.walk(path, followlinks=False):
-        for name in dirs:
-            folder = os.path.join(root, name)
-            if not os.path.islink(folder):
+class _Entries(Iterator[os.DirEntry[str]], Protocol):
+    """What ``os.scandir`` on a descriptor gives: entries, to be closed."""
+
+    def close(self) -> None: ...
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove a file or a folder an attempt wrote into (and may still be changing); links
+    in it are removed, never followed. True when it is gone; False when the walk gave up
+    after its bounds (``REMOVE_MAX_ENTRIES``, ``REMOVE_MAX_SECONDS``) or met an error
+    (logged): the rest is left for a later pass."""
+    try:
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
+        return False
+    try:
+        return _remove_at(parent, path.name, path)
+    finally:
+        os.close(parent)
+
+
+def _remove_at(parent: int, name: str, path: Path) -> bool:
+    walk = _Removal(parent)
+    try:
+        walk.enter(parent, name)
+        while walk.stack:
+            if not walk.step():
+                log.warning("gave up removing %s (too large or too slow); left for later", path)
+                return False
+        return True
+    except OSError as exc:
+        log.warning("cannot remove %s: %s; left for later", path, exc)
+        return False
+    finally:
+        for level in reversed(walk.stack):
+            _close(level)
+
+
+class _Removal:
+    """One removal walk, iterative: a stack of open folders (each level: its descriptor,
+    its name in the level above, its entries, streamed), bounded in entries and time."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.stack: list[tuple[int, str, _Entries]] = []
+        self.deadline = time.monotonic() + REMOVE_MAX_SECONDS
+        self.budget = REMOVE_MAX_ENTRIES
+
+    def enter(self, fd: int, name: str) -> None:
+        folder = _open_or_unlink(fd, name)
+        if folder is not None:
+            self.stack.append(_level(folder, name))
+
+    def step(self) -> bool:
+        """Handle one entry; False once over the bounds."""
+        self.budget -= 1
+        if self.budget < 0 or time.monotonic() > self.deadline:
+            return False
+        fd, own, entries = self.stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            self._leave(own)
+        elif not entry.is_dir(follow_symlinks=False) and _unlinked(fd, entry.name):
+            pass
+        elif len(self.stack) >= _REMOVE_MAX_OPEN:  # moved up to the top folder, for later
+            moved = f".cairn-deep-{os.getpid()}-{next(_moved)}"
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(entry.name, moved, src_dir_fd=fd, dst_dir_fd=self.stack[0][0])
+        else:
+            self.enter(fd, entry.name)
+        return True
+
+    def _leave(self, own: str) -> None:
+        _close(self.stack.pop())
+        up = self.stack[-1][0] if self.stack else self.parent
+        try:
+            os.rmdir(own, dir_fd=up)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+            self.enter(up, own)  # something was added meanwhile: again, within the bounds
+
+
+def _unlinked(fd: int, name: str) -> bool:
+    """Unlink a name that was not a folder; False if it is one now (swapped in)."""
+    try:
+        os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        return False
+    return True
+
+
+def _open_or_unlink(fd: int, name: str) -> int | None:
+    """The folder ``name`` opened (relative to ``fd``, never through a link, never
+    blocking), or None when it was not a folder (then unlinked) or is gone."""
+    for _ in range(3):
+        try:
+            folder = os.open(name, _OPEN_DIR, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                if _unlinked(fd, name):
+                    return None
+            elif exc.errno == errno.EACCES and os.geteuid() != 0:
+                # An attempt may leave folders of mode 0 behind; as root that does not
+                # matter, but a non-root agent (isolation none, attempts run as its own
+                # uid: no one to trust less) needs the bits to empty them.
+                os.chmod(name, 0o700, dir_fd=fd)
+            else:
+                raise
+        else:
+            if os.geteuid() != 0:
                 with contextlib.suppress(OSError):
-                    os.chmod(folder, 0o700)
+                    os.fchmod(folder, 0o700)  # its entries may be unlinked
+            return folder
+    raise OSError(errno.EAGAIN, "changes while being removed", name)
+
+
+def _level(fd: int, name: str) -> tuple[int, str, _Entries]:
+    try:
+        return fd, name, os.scandir(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _close(level: tuple[int, str, _Entries]) -> None:
+    fd, _, entries = level
+    try:
+        entries.close()
+    finally:
+        os.close(fd)

@@ -111,6 +111,31 @@ def test_a_batch_applies_its_valid_reports_and_refuses_each_stale_one_alone(
     assert outcome == ("failed", 3, "boom")
 
 
+def test_a_turns_claim_fills_the_room_its_own_reports_free(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    # The worker's capacity (8 CPU) holds two of these; the turn reads what is placed on
+    # it before its reports close anything, so the room they free must be counted too.
+    with core.client("alice") as alice:
+        body = {"tasks": [spec(resources={"cpu": 4, "memory_mb": 64}) for _ in range(4)]}
+        answer = alice.post("/v1/tasks/batch", json=body)
+        assert answer.status_code in (200, 201), answer.text
+    first = worker.turn(claim=ROOM)["attempts"]
+    assert len(first) == 2
+    assert worker.turn(claim=ROOM)["attempts"] == []  # full
+    reports = [{"attempt_id": a["attempt_id"], "outcome": "succeeded"} for a in first]
+    answer = worker.turn(reports=reports, claim=ROOM)
+    assert [v["state"] for v in answer["reports"]] == ["succeeded", "succeeded"]
+    second = answer["attempts"]
+    assert len(second) == 2
+    assert {a["task_id"] for a in second}.isdisjoint(a["task_id"] for a in first)
+    open_attempts = db.execute(
+        "SELECT count(*) FROM core.attempts WHERE worker_id = %s AND outcome IS NULL",
+        (worker.id,),
+    ).fetchone()
+    assert open_attempts == (2,)
+
+
 def test_a_report_sent_again_in_a_later_turn_is_refused_and_changes_nothing(
     core: Core, worker: Worker, db: DB
 ) -> None:

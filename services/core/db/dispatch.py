@@ -32,6 +32,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState
 from services.core import placement, sharing, store, traces
+from services.core.db import pipeline
 from services.core.db.params import jsonb
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
@@ -151,39 +152,42 @@ picked AS (
 _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 
+# The lease: each chosen task moved (guarded by the claim's sources in the transitions
+# table and by the state the pick saw), its attempt numbered and inserted with the id the
+# move gave it (so an attempt exists only for a task that moved, and is its current one),
+# and its event appended. The move is driven by the chosen ids through the primary key: a
+# join of the tasks with the chosen rows was planned as a scan of the waiting work, which
+# grows with the backlog (docs/benchmarks.md).
 _CLAIM = text("""
-WITH chosen AS (
-    SELECT * FROM unnest(
-        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
-        CAST(:keys AS text[]), CAST(:froms AS text[])
-    ) AS c(id, cpu, memory_mb, concurrency_key, from_state)
-),
-leased AS (
-    INSERT INTO core.attempts (
-        task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key, started_at
-    )
-    SELECT c.id,
-           1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = c.id),
-           :worker, c.cpu, c.memory_mb, c.concurrency_key,
-           -- leased ahead: it starts at its run_at, and every deadline counts from then
-           CASE WHEN c.from_state = 'ready' THEN GREATEST(now(), t.run_at) ELSE now() END
-    FROM chosen c JOIN core.tasks t ON t.id = c.id
-    RETURNING id, task_id, number, charge_cpu, charge_memory_mb,
-              CASE WHEN started_at > now() THEN started_at END AS start_at
-), moved AS (
+WITH moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
-        current_attempt_id = leased.id, attempts = t.attempts + 1
-    FROM leased JOIN chosen c ON c.id = leased.task_id
-    WHERE t.id = leased.task_id AND t.state = ANY(CAST(:sources AS text[]))
-      AND t.state = c.from_state
-    RETURNING t.*, leased.id AS attempt_id, leased.number AS attempt_number,
-              leased.charge_cpu, leased.charge_memory_mb, leased.start_at, c.from_state
+        current_attempt_id = nextval('core.attempts_id_seq'), attempts = t.attempts + 1
+    FROM unnest(
+        CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
+        CAST(:froms AS text[])
+    ) AS c(id, cpu, memory_mb, from_state)
+    WHERE t.id = c.id AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
+    RETURNING t.*, t.current_attempt_id AS attempt_id,
+              1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
+                  AS attempt_number,
+              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state
+), leased AS (
+    INSERT INTO core.attempts (
+        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key,
+        started_at
+    ) OVERRIDING SYSTEM VALUE
+    SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
+           concurrency_key,
+           -- leased ahead: it starts at its run_at, and every deadline counts from then
+           CASE WHEN from_state = 'ready' THEN GREATEST(now(), run_at) ELSE now() END
+    FROM moved
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
 )
-SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s
+SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
+       CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
 
@@ -372,11 +376,35 @@ RETURNING *
 """)
 
 
-async def heard(conn: AsyncConnection, worker_id: int, started: Sequence[int] = ()) -> Any | None:
-    """Refresh the worker's liveness (and mark ``started`` attempts seen); its row, or None
-    when it is dead or gone (the reaper won)."""
-    params = {"worker": worker_id, "started": sorted(set(started))}
-    return (await conn.execute(_HEARD, params)).first()
+@dataclass(frozen=True)
+class Heard:
+    """What a turn's first round trip read: the worker's row (None when it is dead or
+    gone: the reaper won), the reported attempts with their tasks, locked (by attempt
+    id), and the attempts placed on the worker (``placement.PLACED``) before the reports
+    close any."""
+
+    worker: Any | None
+    reported: dict[int, Any] = field(default_factory=dict)
+    placed: list[Any] = field(default_factory=list)
+
+
+async def hear(
+    conn: AsyncConnection,
+    worker_id: int,
+    started: Sequence[int] = (),
+    reported: Sequence[int] = (),
+) -> Heard:
+    """Refresh the worker's liveness (and mark ``started`` attempts seen), read what is
+    placed on it and lock the tasks of the ``reported`` attempts: one round trip."""
+    chain: list[pipeline.Statement] = [
+        (_HEARD, {"worker": worker_id, "started": sorted(set(started))}),
+        (placement.PLACED, {"workers": [worker_id]}),
+    ]
+    if reported:
+        chain.append((_REPORTED, {"ids": sorted(set(reported))}))
+    found = await pipeline.run(conn, chain)
+    rows = {r.attempt_id: r for r in found[2]} if reported else {}
+    return Heard(found[0][0] if found[0] else None, rows, found[1])
 
 
 @dataclass(frozen=True)
@@ -388,36 +416,52 @@ class Leases:
     with_secrets: frozenset[int] = frozenset()
 
 
-async def claim(
-    conn: AsyncConnection,
+@dataclass(frozen=True)
+class Ask:
+    """A claim's first half: the room it may fill and its pick (``statement``), which
+    can travel with the turn's other statements; ``lease`` is the second half."""
+
+    worker: Any
+    room: Amount
+    most: int
+    defaults: placement.Defaults
+    params: dict[str, Any]
+
+    def statement(self) -> pipeline.Statement:
+        queues = self.params["queues"]
+        query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
+        return query, {**self.params, "queue": queues[0], "worker": self.worker.id}
+
+
+def ask(
     worker: Any,
+    placed: Sequence[Any],
     cpu: float,
     memory_mb: int,
     most: int,
     defaults: placement.Defaults | None = None,
-    tally: Tally | None = None,
+    closing: frozenset[int] = frozenset(),
     ahead_s: float = 0.0,
-) -> Leases:
-    """Lease waiting work of the worker's queues that fits both the room it reports and
-    its capacity less what core has placed on it (``domain.placement``) and that its
+) -> Ask | None:
+    """A claim's first half, for a worker just heard (``Heard``: its row, locked,
+    liveness refreshed): lease waiting work of its queues that fits both the room it
+    reports and its capacity less what core has placed on it (``domain.placement``;
+    without the attempts whose reports this turn closes, ``closing``) and that its
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
     it first, then highest effective priority, then fair share across owners; rows other
-    claims hold are skipped, never shared. A worker reserved for a task that does not
-    fit yet starts nothing else. ``worker`` is its row as ``heard`` returned it in this
-    transaction (locked, liveness refreshed). ``ahead_s``: also delayed work due within
-    it, into the room the work due now leaves, each started at its ``run_at``."""
+    claims hold are skipped, never shared (``lease``). None when there is nothing to
+    lease. ``ahead_s``: also delayed work due within it, into the room the work due now
+    leaves, each started at its ``run_at``."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
-        return Leases([])
-    hold = worker.reserved_for
-    [node] = await placement.nodes_of(conn, [worker])
+        return None
+    [node] = placement.nodes_from([worker], [p for p in placed if p.id not in closing])
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
-        return Leases([])
-    allowed = sources(Op.CLAIM, S.RUNNING)
+        return None
     params = {
-        "sources": allowed,
+        "sources": sources(Op.CLAIM, S.RUNNING),
         "queues": list(worker.queues),
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
@@ -430,17 +474,30 @@ async def claim(
         "aging_max": defaults.aging_max,
         "ahead_s": ahead_s,
     }
-    rows = await _candidate_rows(conn, worker.id, params)
+    return Ask(worker, room, most, defaults, params)
+
+
+async def lease(
+    conn: AsyncConnection, asked: Ask, picked: Sequence[Any], tally: Tally | None = None
+) -> Leases:
+    """The claim's second half: of the rows its pick locked, lease what placement and
+    sharing admit, best first. A worker reserved for a task that does not fit yet
+    starts nothing else."""
+    # Reserved work first, then the rest due now, then what is leased ahead, each by
+    # effective priority (priority plus aging), fair-share stamp and id.
+    rows = sorted(
+        picked, key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id)
+    )
     gate = await _gate(conn, rows)
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
-    chosen = choose(room, (placement.candidate(row, defaults) for row in rows), most, gate)
+    candidates = (placement.candidate(row, asked.defaults) for row in rows)
+    chosen = choose(asked.room, candidates, asked.most, gate)
     if tally is not None and gate is not None:
         tally.held.update(gate.refused)
-    if await _held_for(conn, hold, chosen):
+    if await _held_for(conn, asked.worker.reserved_for, chosen):
         return Leases([])
     if not chosen:
         return Leases([])
-    keys = {row.id: row.concurrency_key for row in rows}
     froms = {row.id: row.state for row in rows}
     leased = await conn.execute(
         _CLAIM,
@@ -449,11 +506,10 @@ async def claim(
             # float8[]: psycopg refuses a list that mixes ints and floats
             "cpus": [float(cost.cpu) for _, cost in chosen],
             "memories": [float(cost.memory_mb) for _, cost in chosen],
-            "keys": [keys[c.task_id] for c, _ in chosen],
             "froms": [froms[c.task_id] for c, _ in chosen],
-            "worker": worker.id,
+            "worker": asked.worker.id,
             "target": S.RUNNING.value,
-            "sources": allowed,
+            "sources": asked.params["sources"],
             "op": Op.CLAIM.value,
         },
     )
@@ -471,19 +527,6 @@ async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) 
         return False
     waiting = select(tasks.c.id).where(tasks.c.id == hold, tasks.c.state == S.WAITING.value)
     return (await conn.execute(waiting)).first() is not None
-
-
-async def _candidate_rows(
-    conn: AsyncConnection, worker_id: int, params: dict[str, Any]
-) -> list[Any]:
-    """Reserved work first, then the rest due now, then what is leased ahead, each by
-    effective priority (priority plus aging), fair-share stamp and id; every row locked
-    for this claim."""
-    queues = params["queues"]
-    query = _WAITING_IN_QUEUE if len(queues) == 1 else _WAITING_IN_QUEUES
-    found = list(await conn.execute(query, {**params, "queue": queues[0], "worker": worker_id}))
-    found.sort(key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id))
-    return found
 
 
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
@@ -722,28 +765,24 @@ FOR UPDATE OF t
 # Close the attempts, move their tasks (each guarded by its op's sources in the
 # transitions table and by still being the task's current attempt), append the events
 # fold the measured use into each kind's decaying peak, and keep the outputs the task
-# wrote: one statement for the batch.
+# wrote: one statement for the batch, which comes as one jsonb array of records (cheaper
+# to send than an array per column). The rows are found through their primary keys.
 _FINISH = text("""
-WITH input AS (
-    SELECT * FROM unnest(
-        CAST(:attempt_ids AS bigint[]), CAST(:task_ids AS bigint[]), CAST(:outcomes AS text[]),
-        CAST(:exit_codes AS integer[]), CAST(:errors AS text[]), CAST(:peaks AS float8[]),
-        CAST(:cpu_seconds AS float8[]), CAST(:cores AS float8[]), CAST(:tails AS text[]),
-        CAST(:owners AS text[]), CAST(:names AS text[]), CAST(:ops AS text[]),
-        CAST(:targets AS text[]), CAST(:sources AS text[]), CAST(:from_states AS text[]),
-        CAST(:reasons AS text[]), CAST(:last_errors AS text[]), CAST(:delays AS float8[]),
-        CAST(:crashed AS integer[]), CAST(:refunds AS integer[]), CAST(:finals AS boolean[]),
-        CAST(:outputs AS jsonb[])
-    ) AS i(attempt_id, task_id, outcome, exit_code, error, peak_memory_mb, cpu_seconds,
-           cores, log_tail, owner, name, op, target, sources, from_state, reason,
-           last_error, delay_s, crashed, refund, final, outputs)
+WITH input AS MATERIALIZED (
+    SELECT * FROM jsonb_to_recordset(CAST(:input AS jsonb)) AS i(
+        attempt_id bigint, task_id bigint, outcome text, exit_code integer, error text,
+        peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
+        name text, op text, target text, sources text, from_state text, reason text,
+        last_error text, delay_s float8, crashed integer, refund integer, final boolean,
+        outputs jsonb)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
         peak_memory_mb = i.peak_memory_mb, cpu_seconds = i.cpu_seconds, log_tail = i.log_tail,
         outputs = i.outputs
     FROM input i
-    WHERE a.id = i.attempt_id AND a.outcome IS NULL
+    WHERE a.id = ANY(ARRAY(SELECT attempt_id FROM input)) AND a.id = i.attempt_id
+      AND a.outcome IS NULL
     RETURNING a.id
 ), moved AS (
     UPDATE core.tasks t SET
@@ -758,7 +797,8 @@ WITH input AS (
         last_error = COALESCE(i.last_error, t.last_error),
         deferred = false
     FROM input i
-    WHERE i.op IS NOT NULL AND t.id = i.task_id AND t.current_attempt_id = i.attempt_id
+    WHERE t.id = ANY(ARRAY(SELECT task_id FROM input)) AND t.id = i.task_id
+      AND i.op IS NOT NULL AND t.current_attempt_id = i.attempt_id
       AND t.state = ANY(string_to_array(i.sources, ','))
     RETURNING t.id, t.owner, t.version, t.state, i.op, i.from_state, i.reason, i.attempt_id
 ), events AS (
@@ -800,6 +840,8 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
 
 def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptReport:
     error, tail, outputs = _clean(item.error), _clean(item.log_tail), item.outputs
+    if mask is None and error == item.error and tail == item.log_tail:
+        return item  # nothing to change (the common report): no copy
     if mask is not None:
         error = mask(error) if error else error
         tail = mask(tail) if tail else tail
@@ -807,24 +849,36 @@ def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptRe
     return item.model_copy(update={"error": error, "log_tail": tail, "outputs": outputs})
 
 
-async def report_many(
+@dataclass(frozen=True)
+class Settled:
+    """A batch of reports decided, not yet applied: a verdict for each (in the order
+    sent; the refused final), and the accepted ones with their moves (None: a service,
+    whose restart is decided with its history once its attempt is closed)."""
+
+    order: list[ReportVerdict]
+    batch: list[tuple[AttemptReport, Any, Move | None]]
+
+    @property
+    def closing(self) -> frozenset[int]:
+        """The attempts the batch closes."""
+        return frozenset(item.attempt_id for item, _, _ in self.batch)
+
+    def statements(self) -> list[pipeline.Statement]:
+        """What applies the batch (``_FINISH``), if anything."""
+        return [(_FINISH, _finish_params(self.batch))] if self.batch else []
+
+
+async def settle(
     conn: AsyncConnection,
     worker_id: int,
     items: Sequence[AttemptReport],
-    tally: Tally | None = None,
+    rows: dict[int, Any],
     masker: Masker | None = None,
-) -> list[ReportVerdict]:
-    """Apply a worker's reports of how its attempts ended, each fenced by its attempt id
-    and this worker: a stale one (not the task's current attempt, not this worker's, or
-    reported twice) is refused alone and changes nothing. The move of each comes from
-    ``domain.outcomes``; a service's exit is decided with its history, one at a time."""
-    if not items:
-        return []
-    rows: dict[int, Any] = {
-        r.attempt_id: r
-        for r in await conn.execute(_REPORTED, {"ids": sorted({i.attempt_id for i in items})})
-    }
-    verdicts: dict[int, ReportVerdict] = {}
+) -> Settled:
+    """Decide a worker's reports of how its attempts ended, over their rows as
+    ``_REPORTED`` read them (``hear``), each fenced by its attempt id and this worker: a
+    stale one (not the task's current attempt, not this worker's, or reported twice) is
+    refused alone and changes nothing. The move of each comes from ``domain.outcomes``."""
     order: list[ReportVerdict] = []
     batch: list[tuple[AttemptReport, Any, Move | None]] = []
     seen: set[int] = set()
@@ -842,58 +896,93 @@ async def report_many(
         )
         batch.append((item, row, move))
         order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
-    if batch:
-        await conn.execute(_FINISH, _finish_params(batch))
-        for item, row, move in batch:
-            if move is None:
-                error = outcomes.service_error(item.outcome, item.error)
-                crashed = item.outcome == "crashed"
-                target = await _restart_service(
-                    conn, row, item.attempt_id, error, crashed, False, tally
-                )
-            else:
-                _count(move, tally)
-                target = move.target
-            verdicts[item.attempt_id] = ReportVerdict(
-                attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
+    return Settled(order, batch)
+
+
+async def applied(
+    conn: AsyncConnection, settled: Settled, tally: Tally | None = None
+) -> list[ReportVerdict]:
+    """Once the batch's statement ran: each service's exit decided, one at a time; the
+    verdicts in the order sent."""
+    verdicts: dict[int, ReportVerdict] = {}
+    for item, row, move in settled.batch:
+        if move is None:
+            error = outcomes.service_error(item.outcome, item.error)
+            crashed = item.outcome == "crashed"
+            target = await _restart_service(
+                conn, row, item.attempt_id, error, crashed, False, tally
             )
-    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in order]
+        else:
+            _count(move, tally)
+            target = move.target
+        verdicts[item.attempt_id] = ReportVerdict(
+            attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
+        )
+    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
+
+
+async def report_many(
+    conn: AsyncConnection,
+    worker_id: int,
+    items: Sequence[AttemptReport],
+    tally: Tally | None = None,
+    masker: Masker | None = None,
+) -> list[ReportVerdict]:
+    """Apply a worker's reports (``settle``, then its statement, then ``applied``), in
+    round trips of their own (a turn sends them with its other statements)."""
+    if not items:
+        return []
+    ids = sorted({i.attempt_id for i in items})
+    rows = {r.attempt_id: r for r in await conn.execute(_REPORTED, {"ids": ids})}
+    settled = await settle(conn, worker_id, items, rows, masker)
+    for query, params in settled.statements():
+        await conn.execute(query, params)
+    return await applied(conn, settled, tally)
+
+
+async def finish_and_pick(conn: AsyncConnection, settled: Settled, asked: Ask | None) -> list[Any]:
+    """A turn's second round trip: the reports applied, then the claim's pick (after
+    them, so it sees the room they made): the rows picked."""
+    chain = settled.statements() + ([asked.statement()] if asked is not None else [])
+    if not chain:
+        return []
+    found = await pipeline.run(conn, chain)
+    return found[-1] if asked is not None else []
 
 
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:
-    def column(get: Callable[[AttemptReport, Any, Move | None], Any]) -> list[Any]:
-        return [get(item, row, move) for item, row, move in batch]
-
     def measured(item: AttemptReport, row: Any) -> float | None:
         if item.peak_memory_mb is None or item.cpu_seconds is None:
             return None
         return item.cpu_seconds / max(float(row.ran_s), 1.0)
 
-    return {
-        "attempt_ids": column(lambda i, r, m: i.attempt_id),
-        "task_ids": column(lambda i, r, m: r.id),
-        "outcomes": column(lambda i, r, m: i.outcome),
-        "exit_codes": column(lambda i, r, m: i.exit_code),
-        "errors": column(lambda i, r, m: i.error),
-        "peaks": column(lambda i, r, m: i.peak_memory_mb),
-        "cpu_seconds": column(lambda i, r, m: i.cpu_seconds),
-        "cores": column(lambda i, r, m: measured(i, r)),
-        "tails": column(lambda i, r, m: i.log_tail),
-        "owners": column(lambda i, r, m: r.owner),
-        "names": column(lambda i, r, m: r.name),
-        "ops": column(lambda i, r, m: m.op.value if m else None),
-        "targets": column(lambda i, r, m: m.target.value if m else None),
-        "sources": column(lambda i, r, m: ",".join(sources(m.op, m.target)) if m else None),
-        "from_states": column(lambda i, r, m: r.state),
-        "reasons": column(lambda i, r, m: m.reason if m else None),
-        "last_errors": column(lambda i, r, m: m.error if m else None),
-        "delays": column(lambda i, r, m: m.delay_s if m else None),
-        "crashed": column(lambda i, r, m: int(m.crashed) if m else 0),
-        "refunds": column(lambda i, r, m: int(m.refund) if m else 0),
-        "finals": column(lambda i, r, m: m.target in FINAL if m else False),
-        "outputs": column(lambda i, r, m: None if i.outputs is None else jsonb(i.outputs)),
-        "decay": DECAY,
-    }
+    def record(item: AttemptReport, row: Any, move: Move | None) -> dict[str, Any]:
+        return {
+            "attempt_id": item.attempt_id,
+            "task_id": row.id,
+            "outcome": item.outcome,
+            "exit_code": item.exit_code,
+            "error": item.error,
+            "peak_memory_mb": item.peak_memory_mb,
+            "cpu_seconds": item.cpu_seconds,
+            "cores": measured(item, row),
+            "log_tail": item.log_tail,
+            "owner": row.owner,
+            "name": row.name,
+            "op": move.op.value if move else None,
+            "target": move.target.value if move else None,
+            "sources": ",".join(sources(move.op, move.target)) if move else None,
+            "from_state": row.state,
+            "reason": move.reason if move else None,
+            "last_error": move.error if move else None,
+            "delay_s": move.delay_s if move else None,
+            "crashed": int(move.crashed) if move else 0,
+            "refund": int(move.refund) if move else 0,
+            "final": move.target in FINAL if move else False,
+            "outputs": item.outputs,
+        }
+
+    return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}
 
 
 @dataclass(frozen=True)

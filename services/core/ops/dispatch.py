@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,11 +70,15 @@ async def turn(
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     tally = dispatch.Tally()
+    reported = [r.attempt_id for r in body.reports]
     async with ops.engine.begin() as conn:
-        worker = await dispatch.heard(conn, worker_id, body.started)
-        verdicts = await dispatch.report_many(conn, worker_id, body.reports, tally, _masker(ops))
-        state = worker.state if worker is not None else await _state_of(conn, worker_id)
-        leased = await _lease(ops, conn, worker, body.claim, tally)
+        heard = await dispatch.hear(conn, worker_id, body.started, reported)
+        settled = await dispatch.settle(conn, worker_id, body.reports, heard.reported, _masker(ops))
+        asked = _ask(ops, heard, body.claim, settled.closing)
+        picked = await dispatch.finish_and_pick(conn, settled, asked)
+        verdicts = await dispatch.applied(conn, settled, tally)
+        leased = await _lease(ops, conn, asked, picked, tally)
+        state = await _state(conn, worker_id, heard)
     _told(ops, tally, body.reports, verdicts, leased, headers)
     if leased or body.claim is None or body.claim.wait <= 0 or state != "live":
         return TurnResult(state, verdicts, leased)
@@ -112,6 +117,10 @@ async def _state_of(conn: AsyncConnection, worker_id: int) -> str:
     return str((await dispatch.get_worker(conn, worker_id, None)).state)
 
 
+async def _state(conn: AsyncConnection, worker_id: int, heard: dispatch.Heard) -> str:
+    return str(heard.worker.state) if heard.worker is not None else await _state_of(conn, worker_id)
+
+
 def _masker(ops: Dispatcher) -> dispatch.Masker:
     def mask(conn: AsyncConnection, attempt_id: int) -> Awaitable[Callable[[str], str] | None]:
         return secrets.masker(conn, ops.box, attempt_id)
@@ -119,21 +128,35 @@ def _masker(ops: Dispatcher) -> dispatch.Masker:
     return mask
 
 
+def _ask(
+    ops: Dispatcher, heard: dispatch.Heard, room: ClaimRequest | None, closing: frozenset[int]
+) -> dispatch.Ask | None:
+    if heard.worker is None or room is None:
+        return None
+    return dispatch.ask(
+        heard.worker,
+        heard.placed,
+        room.cpu,
+        room.memory_mb,
+        room.max,
+        ops.defaults,
+        closing,
+        min(room.ahead_s, ops.ahead_max_s),
+    )
+
+
 async def _lease(
     ops: Dispatcher,
     conn: AsyncConnection,
-    worker: Any | None,
-    room: ClaimRequest | None,
+    asked: dispatch.Ask | None,
+    picked: list[Any],
     tally: dispatch.Tally,
 ) -> list[Assignment]:
-    """Claim for a worker just heard, its secrets filled in; an attempt whose secret is
-    gone fails at once (not retryable) and is not handed out."""
-    if worker is None or room is None:
+    """Lease what the pick found, the secrets filled in; an attempt whose secret is gone
+    fails at once (not retryable) and is not handed out."""
+    if asked is None:
         return []
-    ahead_s = min(room.ahead_s, ops.ahead_max_s)
-    leases = await dispatch.claim(
-        conn, worker, room.cpu, room.memory_mb, room.max, ops.defaults, tally, ahead_s
-    )
+    leases = await dispatch.lease(conn, asked, picked, tally)
     if not leases.with_secrets:
         return leases.assignments
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
@@ -142,7 +165,7 @@ async def _lease(
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
             for a, reason in broken.items()
         ]
-        await dispatch.report_many(conn, worker.id, failed, tally)
+        await dispatch.report_many(conn, asked.worker.id, failed, tally)
     return leased
 
 
@@ -161,9 +184,11 @@ async def _wait_for_work(
         await ops.notifier.wait(min(remaining, POLL_S))
         tally = dispatch.Tally()
         async with ops.engine.begin() as conn:
-            worker = await dispatch.heard(conn, worker_id)
-            state = worker.state if worker is not None else await _state_of(conn, worker_id)
-            leased = await _lease(ops, conn, worker, room, tally)
+            heard = await dispatch.hear(conn, worker_id)
+            asked = _ask(ops, heard, room, frozenset())
+            picked = await dispatch.finish_and_pick(conn, dispatch.Settled([], []), asked)
+            leased = await _lease(ops, conn, asked, picked, tally)
+            state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
         if leased or state != "live":
             return leased, state
@@ -179,16 +204,19 @@ def _told(
 ) -> None:
     """After the commit: metrics, traces, and one announcement for the lot."""
     ops.meter.count(tally)
-    applied = 0
+    outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
         if verdict.state is None or verdict.task_id is None:
             continue
-        applied += 1
-        ops.meter.attempts_finished.labels(item.outcome).inc()
-        if verdict.state is TaskState.SUCCEEDED:
-            ops.meter.ended(verdict.state)
+        outcomes[item.outcome] += 1
         if headers is not None:
             traces.reported(headers, verdict.task_id, item.attempt_id, item.outcome, verdict.state)
+    # Counted once per kind, not per report (a label look-up each).
+    for outcome, n in outcomes.items():
+        ops.meter.attempts_finished.labels(outcome).inc(n)
+    succeeded = sum(v.state is TaskState.SUCCEEDED for v in verdicts)
+    ops.meter.ended(TaskState.SUCCEEDED, succeeded)
+    applied = outcomes.total()
     if applied or leased or tally.lost or tally.buried:
         ops.notifier.announce()
     ended = [v.attempt_id for v in verdicts if v.state is not None]

@@ -1,0 +1,53 @@
+"""Statements sent together: psycopg's pipeline mode on the connection of a SQLAlchemy
+transaction, so that a chain of statements whose parameters need no answer of the chain
+costs one round trip (the transaction's BEGIN included) instead of one each.
+
+The statements run in order, in the caller's transaction, as ``conn.execute`` would run
+them one by one; an error in one raises here and aborts the transaction (the rest of the
+chain is not run). Rows are named tuples (``row.id``), as SQLAlchemy's rows read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg import AsyncConnection as PsycopgConnection
+from psycopg import AsyncCursor
+from psycopg.rows import namedtuple_row
+from sqlalchemy import TextClause
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+Statement = tuple[TextClause, Mapping[str, Any]]
+
+# Each named statement's text as the driver takes it (``%(name)s``), compiled once.
+_COMPILED: dict[int, tuple[TextClause, str]] = {}
+
+
+def _sql(clause: TextClause, dialect: Dialect) -> str:
+    found = _COMPILED.get(id(clause))
+    if found is None or found[0] is not clause:
+        found = (clause, str(clause.compile(dialect=dialect)))
+        _COMPILED[id(clause)] = found
+    return found[1]
+
+
+async def _driver(conn: AsyncConnection) -> PsycopgConnection[Any]:
+    raw = await conn.get_raw_connection()
+    driver = raw.driver_connection
+    if not isinstance(driver, PsycopgConnection):
+        raise TypeError(f"pipelines need psycopg's async connection, not {type(driver)}")
+    return driver
+
+
+async def run(conn: AsyncConnection, statements: Sequence[Statement]) -> list[list[Any]]:
+    """Run ``statements`` in one round trip; the rows of each (``[]`` for one that
+    returns none)."""
+    driver = await _driver(conn)
+    cursors: list[AsyncCursor[Any]] = []
+    async with driver.pipeline():
+        for clause, params in statements:
+            cursor = driver.cursor(row_factory=namedtuple_row)
+            await cursor.execute(_sql(clause, conn.dialect), params)
+            cursors.append(cursor)
+    return [await c.fetchall() if c.description is not None else [] for c in cursors]

@@ -1,0 +1,61 @@
+"""A chain of statements in one round trip (``db.pipeline``): run in order, in the caller's
+transaction, each one's rows apart; an error aborts the chain and the transaction."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from services.core.db import pipeline
+
+DB = psycopg.Connection[tuple[Any, ...]]
+
+INSERT = text("INSERT INTO core.queues (name) VALUES (:name) RETURNING name")
+READ = text("SELECT name, paused FROM core.queues WHERE name = ANY(CAST(:names AS text[]))")
+FAIL = text("SELECT 1 / :zero AS never")
+
+
+async def _run(db_url: str, *chain: pipeline.Statement) -> list[list[Any]]:
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.begin() as conn:
+            return await pipeline.run(conn, chain)
+    finally:
+        await engine.dispose()
+
+
+def _queues(db: DB) -> set[str]:
+    db.rollback()
+    return {name for (name,) in db.execute("SELECT name FROM core.queues")}
+
+
+def test_statements_run_in_order_and_each_answers_its_own_rows(db_url: str, db: DB) -> None:
+    found = asyncio.run(
+        _run(
+            db_url,
+            (INSERT, {"name": "q1"}),
+            (INSERT, {"name": "q2"}),
+            (READ, {"names": ["q1", "q2"]}),
+        )
+    )
+    assert [[r.name for r in rows] for rows in found[:2]] == [["q1"], ["q2"]]
+    assert sorted((r.name, r.paused) for r in found[2]) == [("q1", False), ("q2", False)]
+    assert {"q1", "q2"} <= _queues(db)  # committed with the caller's transaction
+
+
+def test_a_failing_statement_aborts_the_chain_and_the_transaction(db_url: str, db: DB) -> None:
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        asyncio.run(_run(db_url, (INSERT, {"name": "q3"}), (FAIL, {"zero": 0})))
+    assert "q3" not in _queues(db)
+
+
+def test_a_statement_that_returns_no_rows_answers_an_empty_list(db_url: str) -> None:
+    update = text("UPDATE core.queues SET paused = true WHERE name = :name")
+    found = asyncio.run(_run(db_url, (update, {"name": "absent"}), (INSERT, {"name": "q4"})))
+    assert found[0] == []
+    assert [r.name for r in found[1]] == ["q4"]
