@@ -53,6 +53,8 @@ from libs.common.models import (
     SecretList,
     SecretUpdate,
     ShareSettings,
+    Starts,
+    StartsAnswer,
     Subscription,
     SubscriptionCreate,
     SubscriptionCreated,
@@ -305,6 +307,13 @@ class CoreClient(ApiClient):
         ``StaleAttempt`` when it does not."""
         response = await self._call("POST", f"/v1/workers/{worker_id}/attempts/{attempt_id}/start")
         return ReportAnswer.model_validate_json(response.content)
+
+    async def start_attempts(self, worker_id: int, attempt_ids: list[int]) -> StartsAnswer:
+        """Ask core which of these attempts leased ahead it still holds, before starting
+        them at their ``start_at``."""
+        body = Starts(attempts=attempt_ids).model_dump_json()
+        response = await self._call("POST", f"/v1/workers/{worker_id}/starts", content=body)
+        return StartsAnswer.model_validate_json(response.content)
 
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"

@@ -27,6 +27,9 @@ from libs.common.states import TaskState
 MAX_BATCH = 1000
 MAX_PAGE = 1000
 MAX_WAIT_S = 30.0
+#: how far ahead of its ``run_at`` a claim may ask to lease delayed work (core caps it
+#: further by ``CAIRN_CLAIM_AHEAD_MAX_S``)
+MAX_AHEAD_S = 60.0
 #: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
 MAX_OUTPUTS_BYTES = 64 * 1024
 MAX_OUTPUTS = 100
@@ -505,6 +508,10 @@ class ClaimRequest(_Input):
     memory_mb: int = Field(ge=0, le=64 * 1024 * 1024)
     max: int = Field(default=16, ge=1, le=256)
     wait: float = Field(default=0, ge=0, le=MAX_WAIT_S)
+    #: also lease delayed work due within this many seconds (capped by core's
+    #: ``CAIRN_CLAIM_AHEAD_MAX_S``), each with its ``start_at``: only into room left once
+    #: the work due now is served (docs/architecture.md, "Claiming ahead")
+    ahead_s: float = Field(default=0, ge=0, le=MAX_AHEAD_S)
 
 
 class Charge(_Output):
@@ -533,6 +540,9 @@ class Assignment(_Output):
     traceparent: Annotated[str, StringConstraints(max_length=55)] | None = None
     #: the agent may preempt it under memory pressure (it is charged its measured use)
     preemptible: bool = False
+    #: leased ahead (``ClaimRequest.ahead_s``): start its process at this instant (its
+    #: ``run_at``, by core's clock), not before; None: start it now
+    start_at: datetime | None = None
 
 
 class ClaimAnswer(_Output):
@@ -659,6 +669,8 @@ class LogEnd(_Output):
 
 
 MAX_TURN_ITEMS = 256
+#: attempts one ``Starts`` may name: as many as a worker may hold (``worker_slots``)
+MAX_STARTS = 4096
 
 
 class AttemptReport(Report):
@@ -676,6 +688,20 @@ class Turn(_Input):
     reports: list[AttemptReport] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     started: list[TaskId] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     claim: ClaimRequest | None = None
+
+
+class Starts(_Input):
+    """Attempts leased ahead whose ``start_at`` has come: the agent asks, for all of
+    them at once, whether core still holds them before it starts their processes."""
+
+    attempts: list[TaskId] = Field(min_length=1, max_length=MAX_STARTS)
+
+
+class StartsAnswer(_Output):
+    #: held for this worker: start them
+    held: list[int]
+    #: no longer held (cancelled, lost, not this worker's): never start them
+    gone: list[int]
 
 
 class ReportVerdict(_Output):

@@ -24,6 +24,9 @@ class CoreSettings(CairnSettings):
     #: how long past its run_at a ready task is left to claims (which take it from its
     #: run_at on) before the promoter moves it to waiting
     promote_after_s: float = Field(default=0.5, ge=0, le=60)
+    #: how far ahead of a delayed task's run_at a worker's claim may lease it (the worker
+    #: starts it at its run_at; 0: never ahead)
+    claim_ahead_max_s: float = Field(default=10.0, ge=0, le=60)
     retention_interval_s: float = Field(default=300.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)

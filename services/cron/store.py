@@ -76,6 +76,19 @@ def check_timing(
     return Timing(expression, zone, starts_at, ends_at)
 
 
+def check_jitter(plan: Timing, jitter_s: int) -> None:
+    """A 422 naming ``jitter_s`` when a fire's offset could reach the next slot: jitter
+    must stay under the schedule's shortest interval between fires
+    (``timing.shortest_gap_s``), or a jittered task would start at or after the next
+    slot's."""
+    if jitter_s == 0:
+        return
+    gap = timing.shortest_gap_s(plan.expression, jitter_s)
+    if gap is not None and gap <= jitter_s:
+        why = f"must be less than the schedule's shortest interval between fires ({gap} s)"
+        raise _invalid("body.jitter_s", ValueError(why))
+
+
 def timing_of(row: Any) -> Timing:
     return Timing(row.expression, timing.parse_zone(row.timezone), row.starts_at, row.ends_at)
 
@@ -139,6 +152,7 @@ async def create(
     first = plan.next_after(now)
     if first is None and body.ends_at is None:
         raise _invalid("body.expression", ValueError(f"{plan.expression!r} never fires"))
+    check_jitter(plan, body.jitter_s)
     count = (
         await conn.execute(select(func.count()).where(schedules.c.owner == owner))
     ).scalar_one()
@@ -267,6 +281,8 @@ async def update(
         given.get("ends_at", row.ends_at),
     )
     values["expression"] = plan.expression
+    if {"expression", "timezone", "jitter_s"} & given.keys():
+        check_jitter(plan, given.get("jitter_s", row.jitter_s))
     if {"expression", "timezone", "starts_at", "ends_at"} & given.keys():
         # New timing applies from now on: slots of the old timing not yet fired are gone.
         after = max(row.fired_through, now)

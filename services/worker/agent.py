@@ -27,6 +27,7 @@ from libs.common import logs, tracing
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
+    MAX_STARTS,
     MAX_TURN_ITEMS,
     Assignment,
     AttemptReport,
@@ -56,8 +57,11 @@ from services.worker.timings import Timings
 log = logging.getLogger("cairn.worker")
 
 CLAIM_WAIT_S = 1.0
+#: how long before a held lease's start the agent asks core whether it still holds it
+CONFIRM_BEFORE_S = 0.5
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
+DRAINING = Report(outcome="handed_back", error="the worker is draining")
 
 
 @dataclass
@@ -129,6 +133,12 @@ class Agent:
         self.squeezed: set[int] = set()
         self.preempting: dict[int, asyncio.Task[AttemptResult]] = {}
         self.starting: set[int] = set()
+        # Attempts leased ahead, waiting for their start_at: what wakes each (``_hold``).
+        self.holding: dict[int, asyncio.Future[str]] = {}
+        # Those whose start_at came in this loop iteration, asked about in one request.
+        self.confirming: dict[int, asyncio.Future[str]] = {}
+        self.confirm_soon: asyncio.Handle | None = None
+        self.asking: set[asyncio.Task[None]] = set()
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
@@ -200,6 +210,8 @@ class Agent:
 
     async def _abandon(self) -> None:
         """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
+        for attempt_id in list(self.holding):
+            self._wake(attempt_id, "stop")
         for _, handle in list(self.running.values()):
             if handle is not None and not handle.done:
                 handle.kill()
@@ -308,7 +320,13 @@ class Agent:
         cpu, memory_mb, slots = self._room()
         if slots <= 0 or cpu <= 0 or memory_mb <= 0:
             return None
-        return ClaimRequest(cpu=cpu, memory_mb=memory_mb, max=min(slots, 64), wait=CLAIM_WAIT_S)
+        return ClaimRequest(
+            cpu=cpu,
+            memory_mb=memory_mb,
+            max=min(slots, 64),
+            wait=CLAIM_WAIT_S,
+            ahead_s=self.settings.worker_claim_ahead_s,
+        )
 
     def _start_all(self, leased: list[Assignment]) -> None:
         for assignment in leased:
@@ -420,6 +438,8 @@ class Agent:
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
+        for attempt_id in list(self.holding):
+            self._wake(attempt_id, "drain")  # not started yet: handed back at once
         loop = asyncio.get_running_loop()
         until = loop.time() + grace
         # Core's word still counts while draining: cancelled or preempted attempts stop.
@@ -451,6 +471,8 @@ class Agent:
             if entry and entry[1] is not None:
                 log.info("attempt %s stopped at core's request", attempt_id)
                 entry[1].kill()
+            else:
+                self._wake(int(attempt_id), "stop")
         for attempt_id in answer.get("squeeze", []):
             self._squeeze(int(attempt_id))
         grace = float(answer.get("preempt_grace_s", 10.0))
@@ -486,6 +508,7 @@ class Agent:
         log.info("attempt %s squeezed for guaranteed work (%s)", attempt_id, how)
 
     def _preempt(self, attempt_id: int, grace_s: float, why: str | None = None) -> None:
+        self._wake(attempt_id, "preempt")
         entry = self.running.get(attempt_id)
         if attempt_id in self.preempting or not entry or entry[1] is None:
             return
@@ -610,16 +633,51 @@ class Agent:
         self.releasing.discard(task)
         self.reported.set()  # room again: a main loop waiting for room looks again
 
+    async def _cleared(self, assignment: Assignment) -> tuple[bool, Report | None]:
+        """Whether the attempt may start now, once its hold (if leased ahead) is over and
+        core vouches for it; if not, what to report (None: core knows already)."""
+        attempt = assignment.attempt_id
+        if self.draining.is_set():
+            return False, DRAINING
+        # A recent turn vouches for the lease; only after a long silence does the agent
+        # ask, and always for one leased ahead, just before its start.
+        if assignment.start_at is not None:
+            verdict = await self._held_until_start(attempt, assignment.start_at.timestamp())
+        else:
+            verdict = "held" if self._vouched() else await self._confirm(attempt)
+        if verdict in ("gone", "stop"):
+            return False, None  # core closed it (cancelled, re-placed): it never starts
+        if verdict == "preempt":
+            return False, Report(outcome="preempted", error="preempted before its start")
+        if verdict == "unconfirmed":
+            why = "core could not confirm it before its start"
+            return False, Report(outcome="handed_back", error=why)
+        if self.draining.is_set():  # it came while the attempt was held or confirmed
+            return False, DRAINING
+        return True, None
+
+    async def _held_until_start(self, attempt_id: int, start: float) -> str:
+        """Hold a lease taken ahead until its start (core's clock, read against this
+        host's): ``CONFIRM_BEFORE_S`` before it, ask core whether it still holds it (with
+        every other one due then, in one request), so a cancel until then is seen and the
+        start itself waits on no round trip; then start at the instant. ``held``, or
+        why not: ``gone``/``unconfirmed`` (core's answer), ``stop``, ``preempt``,
+        ``drain`` (what woke it first). Its folders and artifact are ready meanwhile, and
+        it keeps its slot and charge."""
+        woken = await self._hold(attempt_id, start - CONFIRM_BEFORE_S)
+        if woken != "start":
+            return woken
+        verdict = await self._confirm_held(attempt_id)
+        if verdict != "held":
+            return verdict
+        woken = await self._hold(attempt_id, start)  # a beat's stop still counts here
+        return "held" if woken == "start" else woken
+
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
-        if self.draining.is_set():
-            return Report(outcome="handed_back", error="the worker is draining")
-        # A recent turn vouches for the lease; only after a long silence does the agent ask.
-        verdict = "held" if self._vouched() else await self._confirm(attempt)
-        if verdict == "gone":
-            return None
-        if verdict == "unconfirmed":
-            return Report(outcome="handed_back", error="core could not confirm it before its start")
+        cleared, refusal = await self._cleared(assignment)
+        if not cleared:
+            return refusal
         if prepared.cgroup is not None:
             self.cgroups[str(attempt)] = _compact(
                 sorted(map(str, prepared.cgroup.folders.values()))
@@ -657,6 +715,83 @@ class Agent:
             report = report.model_copy(update={"error": why})
         return report
 
+    async def _hold(self, attempt: int, until: float) -> str:
+        """Wait until the wall clock's ``until`` on an event-loop timer: ``start``, or what
+        woke it first: ``stop`` (core closed it), ``preempt`` or ``drain``."""
+        loop = asyncio.get_running_loop()
+        try:
+            # Again if the timer (monotonic) rang a hair before the wall clock's instant.
+            while (delay := until - time.time()) > 0:
+                if self.draining.is_set():
+                    return "drain"
+                wake: asyncio.Future[str] = loop.create_future()
+                self.holding[attempt] = wake
+                timer = loop.call_later(delay, _ring, wake, "start")
+                try:
+                    woken = await wake
+                finally:
+                    timer.cancel()
+                if woken != "start":
+                    return woken
+            return "start"
+        finally:
+            self.holding.pop(attempt, None)
+
+    def _wake(self, attempt_id: int, why: str) -> None:
+        wake = self.holding.get(attempt_id)
+        if wake is not None:
+            _ring(wake, why)
+
+    async def _confirm_held(self, attempt_id: int) -> str:
+        """``_confirm`` for an attempt leased ahead whose start_at has come, batched with
+        every other one whose start came in this loop iteration."""
+        loop = asyncio.get_running_loop()
+        verdict: asyncio.Future[str] = loop.create_future()
+        self.confirming[attempt_id] = verdict
+        if self.confirm_soon is None:
+            self.confirm_soon = loop.call_soon(self._ask_starts)
+        return await verdict
+
+    def _ask_starts(self) -> None:
+        self.confirm_soon = None
+        batch, self.confirming = self.confirming, {}
+        task = asyncio.create_task(self._starts(batch))
+        self.asking.add(task)
+        task.add_done_callback(self.asking.discard)
+
+    async def _starts(self, batch: dict[int, asyncio.Future[str]]) -> None:
+        """One request per chunk: ``held``, ``gone``, or ``unconfirmed`` for each."""
+        ids = sorted(batch)
+        try:
+            for at in range(0, len(ids), MAX_STARTS):
+                chunk = ids[at : at + MAX_STARTS]
+                verdicts = await self._ask(chunk)
+                for attempt_id in chunk:
+                    _ring(batch[attempt_id], verdicts.get(attempt_id, "gone"))
+        except Exception:
+            log.exception("cannot ask core about attempts %s", ids)
+        finally:
+            for waiting in batch.values():
+                _ring(waiting, "unconfirmed")
+
+    async def _ask(self, chunk: list[int]) -> dict[int, str]:
+        delay = 0.2
+        for _ in range(5):
+            try:
+                answer = await self.client.start_attempts(self.worker_id, chunk)
+            except NotFound as exc:  # core knows no such worker: none of them is held
+                log.warning("attempts %s not started: %s", chunk, exc)
+                return dict.fromkeys(chunk, "gone")
+            except (httpx.TransportError, CairnError) as exc:
+                log.warning("cannot confirm attempts %s yet: %s", chunk, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            if answer.gone:
+                log.warning("attempts %s no longer held: not started", answer.gone)
+            return {**dict.fromkeys(answer.gone, "gone"), **dict.fromkeys(answer.held, "held")}
+        return dict.fromkeys(chunk, "unconfirmed")
+
     async def _confirm(self, attempt_id: int) -> str:
         """Ask core before starting: an attempt it no longer holds for this worker (the
         reaper requeued it, it was cancelled) must not run beside its retry. ``held``,
@@ -684,6 +819,11 @@ class Agent:
         self.outbox[attempt_id] = out
         self._kick()
         await out.done
+
+
+def _ring(wake: asyncio.Future[str], why: str) -> None:
+    if not wake.done():
+        wake.set_result(why)
 
 
 def _compact(value: object) -> str:

@@ -33,6 +33,9 @@ class WorkerSettings(BaseSettings):
     worker_labels: str = ""
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
+    #: lease delayed work this many seconds before its run_at and start it at its run_at
+    #: (a held attempt keeps its slot and charge meanwhile); 0: only work due now
+    worker_claim_ahead_s: float = Field(default=2.0, ge=0, le=60)
 
     #: ``user``: an agent running as root runs every attempt as a uid of its own;
     #: ``none``: attempts run as the agent's user (development, trusted code only)

@@ -15,6 +15,7 @@ from services.core.settings import CoreSettings
 from services.cron.domain import ontime
 from tests.cron.conftest import Cron, FakeClock, start_cron
 from tests.cron.test_engine import create
+from tests.integration.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
 from tests.support import Core, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -127,7 +128,7 @@ def test_forbid_is_decided_at_the_slot_not_sent_ahead(
 def test_jitter_is_a_fixed_offset_per_schedule_within_its_bound(
     ahead: Cron, clock: FakeClock, db: Conn
 ) -> None:
-    sid = create(ahead, expression="* * * * *", jitter_s=600)
+    sid = create(ahead, expression="1 * * * *", jitter_s=600)
     offset = ontime.jitter(sid, 600)
     assert timedelta(0) <= offset <= timedelta(seconds=600)
     assert offset == ontime.jitter(sid, 600)
@@ -154,3 +155,29 @@ def _task() -> dict[str, Any]:
 
     task: dict[str, Any] = schedule()["target"]["task"]
     return task
+
+
+def test_a_pause_withdraws_a_fire_a_worker_has_leased_ahead_and_holds(
+    ahead: Cron, clock: FakeClock, db: Conn, core: Core
+) -> None:
+    """The task is running in core (leased ahead, held by its worker until the slot):
+    the withdrawal cancels it there, closing the attempt, which the worker's check before
+    the start then finds gone (tests/faults/test_claim_ahead_agent.py)."""
+    sid = create(ahead, expression="* * * * *")
+    clock.set(SLOT - timedelta(seconds=4))
+    wait_for(lambda: [r[1] for r in fire_rows(db, sid)] == ["submitted"])
+    [(task_id, *_)] = task_rows(db, sid)
+    worker = Agent(core)
+    room = {"cpu": 8, "memory_mb": 16384, "ahead_s": 10}
+    [leased] = worker.http.post(f"/v1/workers/{worker.id}/claim", json=room).json()["attempts"]
+    assert leased["task_id"] == task_id and leased["start_at"] is not None
+    with ahead.client() as alice:
+        assert alice.post(f"/v1/schedules/{sid}/pause").status_code == 200
+    wait_for(lambda: fire_rows(db, sid)[0][1] == "withdrawn")
+    assert task_rows(db, sid)[0][1] == "cancelled"
+    assert db.execute(
+        "SELECT outcome, seen_at FROM core.attempts WHERE task_id = %s", (task_id,)
+    ).fetchall() == [("cancelled", None)]
+    starts = {"attempts": [leased["attempt_id"]]}
+    answer = worker.http.post(f"/v1/workers/{worker.id}/starts", json=starts).json()
+    assert answer == {"held": [], "gone": [leased["attempt_id"]]}

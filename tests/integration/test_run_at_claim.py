@@ -119,9 +119,11 @@ def test_no_task_is_leased_before_its_run_at(core: Core, db) -> None:
     for thread in threads:
         thread.join(timeout=30)
     assert sorted(taken) == sorted(ids)
+    # The lease's instant is its claim event's (an attempt's started_at is its start).
     early = db.execute(
-        "SELECT count(*) FILTER (WHERE a.started_at < t.run_at), count(*)"
-        "  FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id WHERE t.id = ANY(%s)",
+        "SELECT count(*) FILTER (WHERE e.at < t.run_at), count(*)"
+        "  FROM core.task_events e JOIN core.tasks t ON t.id = e.task_id"
+        " WHERE t.id = ANY(%s) AND e.op = 'claim'",
         (ids,),
     ).fetchone()
     assert early == (0, 200)

@@ -18,6 +18,8 @@ from libs.common.models import (
     LogBatchAnswer,
     Report,
     ReportAnswer,
+    Starts,
+    StartsAnswer,
     Turn,
     TurnAnswer,
     Worker,
@@ -121,8 +123,9 @@ async def list_workers(
 def _dispatcher(
     engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
 ) -> ops.Dispatcher:
-    defaults = placement.Defaults.of(_settings(request))
-    return ops.Dispatcher(engine, notifier, meter, box, defaults)
+    settings = _settings(request)
+    defaults = placement.Defaults.of(settings)
+    return ops.Dispatcher(engine, notifier, meter, box, defaults, settings.claim_ahead_max_s)
 
 
 Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
@@ -182,6 +185,19 @@ async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> Rep
     async with engine.begin() as conn:
         task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
+
+
+@router.post("/{worker_id}/starts", response_model=StartsAnswer, responses=PROBLEMS)
+async def starts(body: Starts, worker: OwnWorker, engine: Engine) -> StartsAnswer:
+    """The agent asks before it starts attempts leased ahead, at their ``start_at``, all
+    that are due at once in one request: those core no longer holds for this worker
+    (cancelled while held, lost) are ``gone`` and must not run."""
+    async with engine.connect() as conn:
+        held = await dispatch.held_starts(conn, body.attempts, worker.id)
+    asked = sorted(set(body.attempts))
+    return StartsAnswer(
+        held=[a for a in asked if a in held], gone=[a for a in asked if a not in held]
+    )
 
 
 @router.post(

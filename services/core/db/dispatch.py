@@ -58,13 +58,18 @@ S = TaskState
 # work whose run_at has come in a running queue, the promoter's own condition
 # (queries.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
 # not after a promotion row by row. A deferral's end is left to the promoter, whose event
-# says why it runs.
+# says why it runs. A claim that asks ``ahead_s`` also takes ready work due within that
+# many seconds (its attempt starts at the task's run_at), but only after all the work due
+# now: ``ahead`` sorts last, so work leased ahead only fills room left over.
 _FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value
 if sorted((_FROM_WAITING, _FROM_READY)) != sources(Op.CLAIM, S.RUNNING):
     # The scans below are written per source state; the transitions table stays the rule.
     raise RuntimeError("the claim's scans and the transitions table disagree")
-_WAITING = f"t.state = '{_FROM_WAITING}'"
-_DUE_READY = f"""t.state = '{_FROM_READY}' AND t.run_at <= now() AND NOT t.deferred
+# A task leased ahead and given back before its run_at (its worker died, drained, or
+# preempted it while it was held) waits again with its run_at kept: not taken before then.
+_WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now()"
+_DUE_READY = f"""t.state = '{_FROM_READY}'
+  AND t.run_at <= now() + make_interval(secs => :ahead_s) AND NOT t.deferred
   AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
 
 _PICK = f"""
@@ -83,7 +88,8 @@ _AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
 
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
-SELECT t.id, p.reserved, t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
+SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead,
+       t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
        t.vtime, t.concurrency_key, t.concurrency_limit,
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
@@ -102,9 +108,10 @@ def _pick(which: str, order: str, limit: str = ":limit") -> str:
 
 
 _BEST = "t.priority DESC, t.vtime, t.id"
-# Due ready work is found by its due time and sorted (it is few, but at a burst): by
-# effective priority, so aging needs no second scan of it.
-_BEST_DUE = f"t.priority + {_AGING} DESC, t.vtime, t.id"
+# Due ready work is found by its due time and sorted (it is few, but at a burst): what is
+# due now before what a claim ahead may take, then by effective priority, so aging needs
+# no second scan of it.
+_BEST_DUE = f"t.run_at > now(), t.priority + {_AGING} DESC, t.vtime, t.id"
 
 
 # Guaranteed tasks this worker squeezed or preempted attempts for, lately, and the task it
@@ -167,16 +174,20 @@ WITH moved AS (
               c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state
 ), leased AS (
     INSERT INTO core.attempts (
-        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key
+        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key,
+        started_at
     ) OVERRIDING SYSTEM VALUE
     SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
-           concurrency_key
+           concurrency_key,
+           -- leased ahead: it starts at its run_at, and every deadline counts from then
+           CASE WHEN from_state = 'ready' THEN GREATEST(now(), run_at) ELSE now() END
     FROM moved
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
 )
-SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s
+SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
+       CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
 
@@ -430,6 +441,7 @@ def ask(
     most: int,
     defaults: placement.Defaults | None = None,
     closing: frozenset[int] = frozenset(),
+    ahead_s: float = 0.0,
 ) -> Ask | None:
     """A claim's first half, for a worker just heard (``Heard``: its row, locked,
     liveness refreshed): lease waiting work of its queues that fits both the room it
@@ -438,7 +450,8 @@ def ask(
     owner's quotas and its concurrency key admit (``domain.sharing``): work reserved for
     it first, then highest effective priority, then fair share across owners; rows other
     claims hold are skipped, never shared (``lease``). None when there is nothing to
-    lease."""
+    lease. ``ahead_s``: also delayed work due within it, into the room the work due now
+    leaves, each started at its ``run_at``."""
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
         return None
@@ -459,6 +472,7 @@ def ask(
         "defer_max_s": defaults.defer_max_s,
         "aging_s": defaults.aging_s,
         "aging_max": defaults.aging_max,
+        "ahead_s": ahead_s,
     }
     return Ask(worker, room, most, defaults, params)
 
@@ -469,7 +483,11 @@ async def lease(
     """The claim's second half: of the rows its pick locked, lease what placement and
     sharing admit, best first. A worker reserved for a task that does not fit yet
     starts nothing else."""
-    rows = sorted(picked, key=lambda r: (not r.reserved, -(r.priority + r.boost), r.vtime, r.id))
+    # Reserved work first, then the rest due now, then what is leased ahead, each by
+    # effective priority (priority plus aging), fair-share stamp and id.
+    rows = sorted(
+        picked, key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id)
+    )
     gate = await _gate(conn, rows)
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
     candidates = (placement.candidate(row, asked.defaults) for row in rows)
@@ -541,6 +559,7 @@ def _assignment(row: Any) -> Assignment:
         charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
         traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
         preemptible=row.preemptible,
+        start_at=row.start_at,
     )
 
 
@@ -672,6 +691,25 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
     if task_id is None:
         raise StaleAttempt(f"attempt {attempt_id} is no longer held for worker {worker_id}")
     return int(task_id)
+
+
+# A read: a burst of attempts due at one instant is checked without writing a row each.
+# The start is acknowledged afterwards as any start is (the turn's ``started``, the
+# sidecar's board), which is what makes a loss after it count as a crash.
+_HELD_STARTS = text(f"""
+SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.id = ANY(CAST(:attempts AS bigint[])) AND a.worker_id = :worker AND a.outcome IS NULL
+  AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
+""")
+
+
+async def held_starts(
+    conn: AsyncConnection, attempt_ids: Sequence[int], worker_id: int
+) -> set[int]:
+    """Which of these attempts (leased ahead, due together) core still holds for this
+    worker: ``confirm_start`` for many at once, without marking them started."""
+    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
+    return {int(row.id) for row in await conn.execute(_HELD_STARTS, params)}
 
 
 async def lose(

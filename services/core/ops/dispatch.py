@@ -44,6 +44,8 @@ class Dispatcher:
     meter: CoreMetrics
     box: SecretBox
     defaults: placement.Defaults = field(default_factory=placement.Defaults)
+    #: the most a claim may ask to lease ahead (``CAIRN_CLAIM_AHEAD_MAX_S``)
+    ahead_max_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,14 @@ def _ask(
     if heard.worker is None or room is None:
         return None
     return dispatch.ask(
-        heard.worker, heard.placed, room.cpu, room.memory_mb, room.max, ops.defaults, closing
+        heard.worker,
+        heard.placed,
+        room.cpu,
+        room.memory_mb,
+        room.max,
+        ops.defaults,
+        closing,
+        min(room.ahead_s, ops.ahead_max_s),
     )
 
 

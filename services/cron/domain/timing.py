@@ -17,6 +17,7 @@ increasing.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -183,3 +184,65 @@ def next_fire(
     if at is None or (ends_at is not None and at > ends_at):
         return None
     return at
+
+
+def _times_of_day(expression: str) -> list[int] | None:
+    """The minutes of the day a five-field expression fires at, from its minute and hour
+    fields; None when they are not plain lists."""
+    fields: list[list[object]] = [list(f) for f in croniter(expression).expanded]
+    minutes = list(range(60)) if fields[0] == ["*"] else fields[0]
+    hours = list(range(24)) if fields[1] == ["*"] else fields[1]
+    plain = [v for v in [*minutes, *hours] if isinstance(v, int)]
+    if len(plain) != len(minutes) + len(hours):
+        return None
+    return sorted(
+        {h * 60 + m for h in hours for m in minutes if isinstance(h, int) and isinstance(m, int)}
+    )
+
+
+def shortest_gap_s(expression: str, within_s: int) -> int | None:
+    """The shortest wall-clock interval between two fires of ``expression`` if it is at
+    most ``within_s`` (at most a day), else None. Read from the fields: fires within a
+    day come from the minute and hour fields; the gap from a day's last fire to the next
+    day's first counts only when two consecutive days both fire (looked up over the next
+    four years). DST shifts are not counted (a fall-back hour may bring two fires closer
+    by it)."""
+    if expression.startswith("@"):
+        expression = _MACRO_FIELDS[expression]
+    times = _times_of_day(expression)
+    if times is None:
+        return None
+    inner = min((b - a for a, b in itertools.pairwise(times)), default=None)
+    if inner is not None and inner * 60 <= within_s:
+        return inner * 60
+    wrap = times[0] + 1440 - times[-1]
+    if wrap * 60 > within_s or not _consecutive_days(expression, times[-1]):
+        return None
+    return wrap * 60
+
+
+_MACRO_FIELDS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+
+def _consecutive_days(expression: str, last: int) -> bool:
+    """Whether the expression fires on two consecutive days (at ``last``, its last
+    minute of the day), within four years."""
+    days = " ".join(expression.split(" ")[2:])
+    daily = croniter(f"{last % 60} {last // 60} {days}", datetime(2000, 1, 1))
+    previous = daily.get_next(datetime)
+    for _ in range(4 * 366):
+        at = daily.get_next(datetime)
+        if at - previous == timedelta(days=1):
+            return True
+        if at.year > 2004:
+            return False
+        previous = at
+    return False
