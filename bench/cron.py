@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/cron.py [--schedules 10000] [--rounds 2] [--lead 20] [--jitter 0]
                                    [--workers 4] [--processes 1] [--claim-max 256] [--ahead 5]
-                                   [--no-confirm] [--agent SLOTS] [--promote-after S]
+                                   [--no-confirm] [--timer-per-lease] [--agent SLOTS]
+                                   [--promote-after S]
                                    [--held 100000] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings) in a temp folder, migrates
@@ -144,6 +145,7 @@ class Fleet:
     claim_max: int
     ahead_s: float
     confirm: bool
+    per_lease: bool = False
 
 
 @dataclass
@@ -171,9 +173,15 @@ class _Starter:
     """One fake agent's starts, as the agent does them: a lease with ``start_at`` on an
     event-loop timer; ``CONFIRM_BEFORE_S`` before it, those due together are confirmed in
     one request, then each starts (is recorded) at its instant and is queued to be
-    reported as succeeded. A lease without ``start_at`` starts at once."""
+    reported as succeeded. A lease without ``start_at`` starts at once. Leases due at the
+    same instant share one timer (``--timer-per-lease``: one each, as the real agent
+    holds them), so that a fake agent standing for a fleet of hosts does not charge the
+    lag with 10,000 timer callbacks queued on one event loop; each start is still
+    stamped by its own clock read."""
 
-    def __init__(self, core: CoreClient, worker_id: int, confirm: bool, seen: Seen) -> None:
+    def __init__(
+        self, core: CoreClient, worker_id: int, confirm: bool, seen: Seen, per_lease: bool
+    ) -> None:
         self.core, self.worker_id, self.confirm, self.seen = core, worker_id, confirm, seen
         self.loop = asyncio.get_running_loop()
         self.reports: list[int] = []  # started attempts, built into reports per turn
@@ -181,6 +189,8 @@ class _Starter:
         self.flushing: asyncio.Handle | None = None
         self.asking: set[asyncio.Task[None]] = set()
         self.held = 0
+        self.per_lease = per_lease
+        self.timers: dict[tuple[float, Any], list[Assignment]] = {}
 
     def take(self, leased: list[Assignment]) -> None:
         for a in leased:
@@ -196,10 +206,27 @@ class _Starter:
     def _at(self, instant: float, then: Any, a: Assignment) -> None:
         """``then(a)`` at the wall clock's ``instant`` (again if the monotonic timer rang
         a hair early)."""
+        if self.per_lease:
+            delay = instant - time.time()
+            if delay > 0:
+                self.loop.call_later(delay, self._at, instant, then, a)
+            else:
+                then(a)
+            return
+        key = (instant, then)
+        if (group := self.timers.get(key)) is not None:
+            group.append(a)
+            return
+        self.timers[key] = [a]
+        self._ring(key)
+
+    def _ring(self, key: tuple[float, Any]) -> None:
+        instant, then = key
         delay = instant - time.time()
         if delay > 0:
-            self.loop.call_later(delay, self._at, instant, then, a)
-        else:
+            self.loop.call_later(delay, self._ring, key)
+            return
+        for a in self.timers.pop(key):
             then(a)
 
     def _to_confirm(self, a: Assignment) -> None:
@@ -254,7 +281,7 @@ async def _work(fleet: Fleet, token: str, name: str, stop: Any, seen: Seen) -> N
         room = ClaimRequest(
             cpu=4000, memory_mb=10_000_000, max=fleet.claim_max, wait=2.0, ahead_s=fleet.ahead_s
         )
-        starter = _Starter(core, me.worker.id, fleet.confirm, seen)
+        starter = _Starter(core, me.worker.id, fleet.confirm, seen, fleet.per_lease)
         while not stop.is_set():
             reports = starter.next_reports()
             try:
@@ -404,7 +431,12 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
     else:  # the fake workers, dealt out over ``--processes`` processes
         for n, out in enumerate(outs):
             fleet = Fleet(
-                core_url, tokens[n :: len(outs)], args.claim_max, args.ahead, args.confirm
+                core_url,
+                tokens[n :: len(outs)],
+                args.claim_max,
+                args.ahead,
+                args.confirm,
+                args.timer_per_lease,
             )
             fleets.append(spawn.Process(target=workers_main, args=(fleet, stop, str(out))))
             fleets[-1].start()
@@ -546,6 +578,7 @@ async def measure(args: argparse.Namespace, root: Path, url: str, core_url: str)
         "claim_max": args.claim_max,
         "ahead_s": args.ahead,
         "confirm": args.confirm,
+        "timer_per_lease": args.timer_per_lease,
         "agent_slots": args.agent,
         "create_s": round(created_s, 1),
         "rounds": rounds,
@@ -595,6 +628,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="ask core (one /starts request) before starting what was held, as the agent does",
+    )
+    parser.add_argument(
+        "--timer-per-lease",
+        action="store_true",
+        help="a timer for each held lease, as the real agent holds them (default: one per "
+        "instant for the leases due then, as a fleet of hosts would start them)",
     )
     parser.add_argument(
         "--promote-after", type=float, help="core's CAIRN_PROMOTE_AFTER_S (default: its own)"
