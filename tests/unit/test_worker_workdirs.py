@@ -137,13 +137,17 @@ def source(root: Path) -> Path:
     return path
 
 
+def _sealing(workdirs: Workdirs, root: Path) -> tuple[Path, Sealed, ArtifactCache]:
+    """The agent's sealed copies in its pool folder, and an artifact cache beside them."""
+    sealed_dir = workdirs.pool / "sealed"
+    sealed_dir.mkdir(mode=0o700)
+    return sealed_dir, Sealed(sealed_dir, 2**20), ArtifactCache(root / "cache")
+
+
 def test_attempts_run_one_sealed_copy_that_none_of_them_can_change(
     workdirs: Workdirs, root: Path, source: Path
 ) -> None:
-    sealed_dir = workdirs.pool / "sealed"
-    sealed_dir.mkdir(mode=0o700)
-    sealed = Sealed(sealed_dir, 2**20)
-    cache = ArtifactCache(root / "cache")
+    sealed_dir, sealed, cache = _sealing(workdirs, root)
     first, second = workdirs.make(401, "run", FIRST), workdirs.make(402, "run", SECOND)
     for folders, reader in ((first, FIRST), (second, SECOND)):
         folders.link_executable(cache.seal_local(source.as_uri(), DIGEST, reader, sealed))
@@ -200,10 +204,7 @@ def test_attempts_run_one_sealed_copy_that_none_of_them_can_change(
 def test_a_file_source_is_read_as_the_attempt_and_hashed_each_time_a_copy_is_sealed(
     workdirs: Workdirs, root: Path, source: Path
 ) -> None:
-    sealed_dir = workdirs.pool / "sealed"
-    sealed_dir.mkdir(mode=0o700)
-    sealed = Sealed(sealed_dir, 2**20)
-    cache = ArtifactCache(root / "cache")
+    _, sealed, cache = _sealing(workdirs, root)
     copy = cache.seal_local(source.as_uri(), DIGEST, FIRST, sealed)
     assert cache.seal_local(source.as_uri(), DIGEST, FIRST, sealed) == copy
     source.chmod(0o600)  # root's alone now: the sealed copy does not stand in for it
