@@ -171,6 +171,8 @@ def test_due_work_no_claim_took_is_promoted_after_promote_after_s(core: Core, db
             (task["id"],),
         ).fetchone()
 
-    [lag] = wait_for(promoted, timeout=20)  # the poll is a minute: only the timer is on time
+    # The poll is a minute: only the timer promotes it within the wait. How soon after
+    # promote_after_s is the machine's load (1.6 s seen on CI's two busy cores), not a rule.
+    [lag] = wait_for(promoted, timeout=20)
     after = CoreSettings.model_fields["promote_after_s"].default
-    assert after <= lag < after + 0.5
+    assert after <= lag < 20

@@ -27,6 +27,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="folders are given to 
 
 FIRST, SECOND = Identity(29991, 29991), Identity(29992, 29992)
 ACCOMPLICE = Identity(29993, 29993)  # a process of another attempt, still running
+# The accomplices run as other uids, which may not reach the venv's interpreter (a pyenv
+# build under a 0700 /root): Debian's own, which any uid can run; they need only the stdlib.
+UNPRIVILEGED_PYTHON = (
+    "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+)
 
 
 @pytest.fixture
@@ -290,7 +295,7 @@ def test_a_descriptor_kept_by_another_process_never_sees_into_the_next_attempts_
     folders = workdirs.make(501, "run", FIRST)
     _as(FIRST, "chmod 755 . tmp", folders.home)  # the owner may; or pass fds over a socket
     accomplice = subprocess.Popen(
-        [sys.executable, "-I", str(script), str(folders.home), str(folders.tmp)],
+        [UNPRIVILEGED_PYTHON, "-I", str(script), str(folders.home), str(folders.tmp)],
         user=ACCOMPLICE.uid,
         group=ACCOMPLICE.gid,
         extra_groups=[],
@@ -359,7 +364,7 @@ def test_a_fifo_swapped_in_by_another_uid_never_blocks_the_removal(
         folders = workdirs.make(attempt_id, "run", FIRST)
         _as(FIRST, "chmod 711 .; mkdir -m 777 s s/d0; mkfifo -m 666 s/f0", folders.home)
         swapper = subprocess.Popen(
-            [sys.executable, "-I", str(script), str(folders.home / "s")],
+            [UNPRIVILEGED_PYTHON, "-I", str(script), str(folders.home / "s")],
             user=ACCOMPLICE.uid,
             group=ACCOMPLICE.gid,
             extra_groups=[],
