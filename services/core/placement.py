@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +21,7 @@ from services.core import sharing
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
+    ZERO,
     Amount,
     Candidate,
     Node,
@@ -28,6 +29,7 @@ from services.core.domain.placement import (
     Plan,
     best_plan,
     charge,
+    held_in_all,
     utilisation,
 )
 from services.core.domain.sharing import Gate, Gated
@@ -87,6 +89,38 @@ WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
 """)
 
 
+# What the open attempts on some workers hold, summed per worker, leaving out ``:listed``
+# (attempts read one by one beside it, ``PLACED``): a decision that needs only a worker's
+# room reads one row, not one per attempt it holds (a worker holding many leases taken
+# ahead holds thousands). A charge is fixed at placement; an attempt without one is
+# charged its task's request (looked up only then).
+USE = text("""
+SELECT u.worker_id,
+       COALESCE(sum(u.cpu) FILTER (WHERE NOT u.squeezed), 0)::float8 AS cpu,
+       COALESCE(sum(u.cpu) FILTER (WHERE u.squeezed), 0)::float8 AS squeezed_cpu,
+       COALESCE(sum(u.memory_mb), 0)::float8 AS memory_mb
+FROM (
+    SELECT a.worker_id, a.squeezed_at IS NOT NULL AS squeezed,
+           COALESCE(a.charge_cpu, (SELECT t.cpu FROM core.tasks t WHERE t.id = a.task_id))
+               AS cpu,
+           COALESCE(a.charge_memory_mb,
+                    (SELECT t.memory_mb FROM core.tasks t WHERE t.id = a.task_id)) AS memory_mb
+    FROM core.attempts a
+    WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
+      AND a.id <> ALL(CAST(:listed AS bigint[]))
+) u
+GROUP BY u.worker_id
+""")
+
+#: ``PLACED`` of some of the attempts only (``:ids``)
+PLACED_AMONG = text(f"{PLACED.text.rstrip()}\n  AND a.id = ANY(CAST(:ids AS bigint[]))\n")
+
+
+def rest_from(use_rows: Iterable[Any]) -> dict[int, Amount]:
+    """Per worker, what its attempts hold in all, from the rows of ``USE``."""
+    return {r.worker_id: held_in_all(r.cpu, r.squeezed_cpu, r.memory_mb) for r in use_rows}
+
+
 def _placed(row: Any) -> Placed:
     return Placed(
         attempt_id=row.id,
@@ -106,25 +140,42 @@ async def nodes_of(conn: AsyncConnection, rows: Sequence[Any]) -> list[Node]:
     return nodes_from(rows, placed)
 
 
-def nodes_from(rows: Sequence[Any], placed_rows: Iterable[Any]) -> list[Node]:
-    """Nodes for these worker rows, from the rows of ``PLACED``."""
+def nodes_from(
+    rows: Sequence[Any], placed_rows: Iterable[Any], rest: Mapping[int, Amount] | None = None
+) -> list[Node]:
+    """Nodes for these worker rows, from the rows of ``PLACED`` (and what the attempts
+    not among them hold in all, per worker: ``rest_from``)."""
     placed: dict[int, list[Placed]] = defaultdict(list)
     for row in placed_rows:
         placed[row.worker_id].append(_placed(row))
+    rest = rest or {}
     return [
         Node(
             worker_id=row.id,
             capacity=Amount(row.cpu, row.memory_mb),
             placed=tuple(placed[row.id]),
             queues=frozenset(row.queues),
+            rest=rest.get(row.id, ZERO),
         )
         for row in rows
     ]
 
 
 async def live_nodes(conn: AsyncConnection) -> list[Node]:
-    rows = list(await conn.execute(select(workers).where(workers.c.state == "live")))
-    return await nodes_of(conn, rows)
+    """The live workers, each with every attempt placed on it listed."""
+    return await nodes_of(conn, await _live_workers(conn))
+
+
+async def live_rooms(conn: AsyncConnection) -> list[Node]:
+    """The live workers with what their attempts hold in all, none listed: enough for
+    how full a pool is, one row a worker."""
+    rows = await _live_workers(conn)
+    use = await conn.execute(USE, {"workers": [r.id for r in rows], "listed": []})
+    return nodes_from(rows, (), rest_from(use))
+
+
+async def _live_workers(conn: AsyncConnection) -> list[Any]:
+    return list(await conn.execute(select(workers).where(workers.c.state == "live")))
 
 
 def candidate(row: Any, defaults: Defaults) -> Candidate:
@@ -443,12 +494,15 @@ async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
     return int(deferred.scalar_one()) + int(released.scalar_one())
 
 
-async def make_room(conn: AsyncConnection, nodes: list[Node], defaults: Defaults) -> int:
+async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     """For guaranteed tasks that have waited ``preempt_after_s`` and fit nowhere: squeeze,
-    then preempt, preemptible attempts on the worker where that costs least."""
-    blocked = await conn.execute(_BLOCKED, {"after_s": defaults.preempt_after_s, "limit": 50})
+    then preempt, preemptible attempts on the worker where that costs least. The live
+    workers' attempts are read one by one only when such a task waits."""
+    blocked = list(await conn.execute(_BLOCKED, {"after_s": defaults.preempt_after_s, "limit": 50}))
+    if not blocked:
+        return 0
     changed = 0
-    by_id = {n.worker_id: n for n in nodes}
+    by_id = {n.worker_id: n for n in await live_nodes(conn)}
     for task in blocked:
         need = Amount(task.cpu, task.memory_mb)
         serving = [n for n in by_id.values() if task.queue in n.queues]
@@ -615,8 +669,7 @@ async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:
     time-insensitive work, make room for blocked guaranteed work."""
     if not (await conn.execute(_PASS_LOCK)).scalar_one():
         return 0
-    nodes = await live_nodes(conn)
-    await measure_pools(conn, nodes)
+    await measure_pools(conn, await live_rooms(conn))
     await release_reservations(conn)
     moved = await defer_and_release(conn, defaults)
-    return moved + await make_room(conn, nodes, defaults)
+    return moved + await make_room(conn, defaults)

@@ -14,8 +14,11 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.settings import libpq_url
+from services.core import placement
 from services.core.db import dispatch
+from services.core.domain.placement import Amount
 from tests.support import Core, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -134,6 +137,45 @@ def test_a_turns_claim_fills_the_room_its_own_reports_free(
         (worker.id,),
     ).fetchone()
     assert open_attempts == (2,)
+
+
+def test_a_turns_room_counts_a_squeezed_attempt_little_cpu_and_a_chargeless_one_its_request(
+    core: Core, worker: Worker, db: DB, db_url: str
+) -> None:
+    # The turn and the placement pass sum what the worker's attempts hold in SQL
+    # (placement.USE); the sum must be what the attempts one by one hold (Node.used).
+    def batch(cpu: float, n: int = 1) -> None:
+        with core.client("alice") as alice:
+            body = {"tasks": [spec(resources={"cpu": cpu, "memory_mb": 64}) for _ in range(n)]}
+            answer = alice.post("/v1/tasks/batch", json=body)
+            assert answer.status_code in (200, 201), answer.text
+
+    batch(4, 2)
+    squeezed, chargeless = (a["attempt_id"] for a in worker.turn(claim=ROOM)["attempts"])
+    db.execute("UPDATE core.attempts SET squeezed_at = now() WHERE id = %s", (squeezed,))
+    db.execute(
+        "UPDATE core.attempts SET charge_cpu = NULL, charge_memory_mb = NULL WHERE id = %s",
+        (chargeless,),
+    )
+    # 8 CPU less 4 (charged its task's request) less 4 x 0.05 (squeezed): 3.8 free.
+    batch(3)
+    assert len(worker.turn(claim=ROOM)["attempts"]) == 1
+    batch(1)
+    assert worker.turn(claim=ROOM)["attempts"] == []  # 0.8 free
+
+    async def rooms() -> tuple[object, object]:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                summed = {n.worker_id: n.used() for n in await placement.live_rooms(conn)}
+                listed = {n.worker_id: n.used() for n in await placement.live_nodes(conn)}
+                return summed[worker.id], listed[worker.id]
+        finally:
+            await engine.dispose()
+
+    summed, listed = asyncio.run(rooms())
+    assert summed == pytest.approx(listed)
+    assert listed == Amount(pytest.approx(4 + 3 + 4 * SQUEEZED_CPU_SHARE), 3 * 64)
 
 
 def test_a_report_sent_again_in_a_later_turn_is_refused_and_changes_nothing(

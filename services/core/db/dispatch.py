@@ -36,7 +36,7 @@ from services.core.db import pipeline
 from services.core.db.params import jsonb
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
-from services.core.domain.placement import DECAY, Amount, choose
+from services.core.domain.placement import DECAY, ZERO, Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
@@ -389,12 +389,14 @@ RETURNING *
 class Heard:
     """What a turn's first round trip read: the worker's row (None when it is dead or
     gone: the reaper won), the reported attempts with their tasks, locked (by attempt
-    id), and the attempts placed on the worker (``placement.PLACED``) before the reports
-    close any."""
+    id), and what is placed on the worker before the reports close any: the reported
+    attempts still open on it one by one (``placement.PLACED``), what the others hold in
+    all (``placement.USE``)."""
 
     worker: Any | None
     reported: dict[int, Any] = field(default_factory=dict)
     placed: list[Any] = field(default_factory=list)
+    rest: Amount = ZERO
 
 
 async def hear(
@@ -405,15 +407,18 @@ async def hear(
 ) -> Heard:
     """Refresh the worker's liveness (and mark ``started`` attempts seen), read what is
     placed on it and lock the tasks of the ``reported`` attempts: one round trip."""
+    ids = sorted(set(reported))
     chain: list[pipeline.Statement] = [
         (_HEARD, {"worker": worker_id, "started": sorted(set(started))}),
-        (placement.PLACED, {"workers": [worker_id]}),
+        (placement.USE, {"workers": [worker_id], "listed": ids}),
     ]
     if reported:
-        chain.append((_REPORTED, {"ids": sorted(set(reported))}))
+        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
+        chain.append((_REPORTED, {"ids": ids}))
     found = await pipeline.run(conn, chain)
-    rows = {r.attempt_id: r for r in found[2]} if reported else {}
-    return Heard(found[0][0] if found[0] else None, rows, found[1])
+    rows = {r.attempt_id: r for r in found[3]} if reported else {}
+    rest = placement.rest_from(found[1]).get(worker_id, ZERO)
+    return Heard(found[0][0] if found[0] else None, rows, found[2] if reported else [], rest)
 
 
 @dataclass(frozen=True)
@@ -445,6 +450,7 @@ class Ask:
 def ask(
     worker: Any,
     placed: Sequence[Any],
+    rest: Amount,
     cpu: float,
     memory_mb: int,
     most: int,
@@ -464,7 +470,8 @@ def ask(
     defaults = defaults or placement.Defaults()
     if worker.state != "live" or most <= 0:
         return None
-    [node] = placement.nodes_from([worker], [p for p in placed if p.id not in closing])
+    listed = [p for p in placed if p.id not in closing]
+    [node] = placement.nodes_from([worker], listed, {worker.id: rest})
     free = node.free()
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:

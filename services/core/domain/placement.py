@@ -79,21 +79,32 @@ class Placed:
     def held(self) -> Amount:
         """What it counts for now: a squeezed attempt keeps its memory, little CPU."""
         if self.squeezed:
-            return Amount(self.charge.cpu * SQUEEZED_CPU_SHARE, self.charge.memory_mb)
+            return held_in_all(0.0, self.charge.cpu, self.charge.memory_mb)
         return self.charge
+
+
+def held_in_all(cpu: float, squeezed_cpu: float, memory_mb: float) -> Amount:
+    """What attempts hold together, from their charges summed: ``cpu`` of those running
+    as charged, ``squeezed_cpu`` of the squeezed (who keep little of it), all their
+    memory."""
+    return Amount(cpu + squeezed_cpu * SQUEEZED_CPU_SHARE, memory_mb)
 
 
 @dataclass(frozen=True)
 class Node:
-    """A live worker: its capacity and what is placed on it."""
+    """A live worker: its capacity and what is placed on it: the attempts ``placed``,
+    one by one, and what the others hold in all (``rest``, summed by the database, for
+    a decision that needs only the worker's room). A plan that picks attempts to squeeze
+    or preempt is made on a node that lists every one (``rest`` zero)."""
 
     worker_id: int
     capacity: Amount
     placed: tuple[Placed, ...] = ()
     queues: frozenset[str] = frozenset()
+    rest: Amount = ZERO
 
     def used(self) -> Amount:
-        return total(p.held for p in self.placed)
+        return self.rest + total(p.held for p in self.placed)
 
     def free(self) -> Amount:
         return self.capacity - self.used()
@@ -176,6 +187,8 @@ def make_room(node: Node, need: Amount) -> Plan | None:
     """Squeeze for a CPU shortfall, preempt for memory (or CPU still short), until ``need``
     fits; None when even with every preemptible attempt gone it would not. A node where
     it fits already needs an empty plan."""
+    if node.rest != ZERO:
+        raise ValueError("a plan needs every attempt on the node listed")
     standing = [p for p in node.placed if not p.preempted]
     guaranteed = total(p.charge for p in standing if not p.preemptible)
     if not (guaranteed + need).fits_in(node.capacity):

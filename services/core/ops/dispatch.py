@@ -136,6 +136,7 @@ def _ask(
     return dispatch.ask(
         heard.worker,
         heard.placed,
+        heard.rest,
         room.cpu,
         room.memory_mb,
         room.max,
