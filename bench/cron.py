@@ -86,7 +86,7 @@ from services.cron import store
 from services.cron.engine import CronEngine, SystemClock
 from services.cron.fire import Sender
 from services.cron.settings import CronSettings
-from services.worker.agent import CONFIRM_BEFORE_S
+from services.worker.agent import confirm_at
 
 BAR_P99_MS = 50.0
 VIRTUAL_START = datetime(2027, 1, 4, 12, 0, 0, tzinfo=UTC)
@@ -171,7 +171,7 @@ async def _workers(fleet: Fleet, stop: Any, seen: Seen) -> None:
 
 class _Starter:
     """One fake agent's starts, as the agent does them: a lease with ``start_at`` on an
-    event-loop timer; ``CONFIRM_BEFORE_S`` before it, those due together are confirmed in
+    event-loop timer; ``CONFIRM_BEFORE_S`` before it (on the grid: ``confirm_at``), those due together are confirmed in
     one request, then each starts (is recorded) at its instant and is queued to be
     reported as succeeded. A lease without ``start_at`` starts at once. Leases due at the
     same instant share one timer (``--timer-per-lease``: one each, as the real agent
@@ -199,7 +199,7 @@ class _Starter:
                 continue
             self.held += 1
             if self.confirm:
-                self._at(a.start_at.timestamp() - CONFIRM_BEFORE_S, self._to_confirm, a)
+                self._at(confirm_at(a.start_at.timestamp()), self._to_confirm, a)
             else:
                 self._at(a.start_at.timestamp(), self._start, a)
 

@@ -59,6 +59,18 @@ log = logging.getLogger("cairn.worker")
 CLAIM_WAIT_S = 1.0
 #: how long before a held lease's start the agent asks core whether it still holds it
 CONFIRM_BEFORE_S = 0.5
+#: held leases are confirmed on this grid, each with all others in its slice, so a steady
+#: stream of starts (each at its own instant: jitter) asks core at most 1/this a second
+CONFIRM_GRID_S = 0.1
+
+
+def confirm_at(start: float) -> float:
+    """When to ask core about a lease held until ``start``: ``CONFIRM_BEFORE_S`` before
+    it, rounded down to the grid, so that every lease whose start is in the same slice
+    is asked about in one request."""
+    return math.floor((start - CONFIRM_BEFORE_S) / CONFIRM_GRID_S) * CONFIRM_GRID_S
+
+
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 DRAINING = Report(outcome="handed_back", error="the worker is draining")
@@ -658,13 +670,13 @@ class Agent:
 
     async def _held_until_start(self, attempt_id: int, start: float) -> str:
         """Hold a lease taken ahead until its start (core's clock, read against this
-        host's): ``CONFIRM_BEFORE_S`` before it, ask core whether it still holds it (with
-        every other one due then, in one request), so a cancel until then is seen and the
+        host's): ``CONFIRM_BEFORE_S`` before it (``confirm_at``), ask core whether it still
+        holds it (with every other one due then, in one request), so a cancel until then is seen and the
         start itself waits on no round trip; then start at the instant. ``held``, or
         why not: ``gone``/``unconfirmed`` (core's answer), ``stop``, ``preempt``,
         ``drain`` (what woke it first). Its folders and artifact are ready meanwhile, and
         it keeps its slot and charge."""
-        woken = await self._hold(attempt_id, start - CONFIRM_BEFORE_S)
+        woken = await self._hold(attempt_id, confirm_at(start))
         if woken != "start":
             return woken
         verdict = await self._confirm_held(attempt_id)

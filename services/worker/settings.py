@@ -35,9 +35,9 @@ class WorkerSettings(BaseSettings):
     worker_slots: int = Field(default=64, ge=1, le=4096)
     #: lease delayed work this many seconds before its run_at and start it at its run_at
     #: (a held attempt keeps its slot and charge meanwhile); 0: only work due now
-    # Off by default: at a steady 1,700 fires a second, claims that lease ahead fell to
-    # about 1,200 leases a second (docs/benchmarks.md, "Claiming ahead"); a burst needs it.
-    worker_claim_ahead_s: float = Field(default=0.0, ge=0, le=60)
+    # 3 s: 10,000 fires due in one second and a steady 100,000 a minute both start on time
+    # with it (bench/cron.py, docs/benchmarks.md "Claiming ahead").
+    worker_claim_ahead_s: float = Field(default=3.0, ge=0, le=60)
 
     #: ``user``: an agent running as root runs every attempt as a uid of its own;
     #: ``none``: attempts run as the agent's user (development, trusted code only)
