@@ -195,7 +195,12 @@ WITH moved AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
     SELECT id, version, owner, :op, from_state, state, attempt_id FROM moved
 )
-SELECT *, GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
+-- What the assignment needs (``_assignment``), not the whole row: the turn's answer is
+-- built from these, and every column more is decoded for each lease.
+SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
+       memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
+       charge_cpu, charge_memory_mb,
+       GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
        CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
