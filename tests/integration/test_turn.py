@@ -329,3 +329,41 @@ def test_two_workers_turning_at_once_run_every_task_exactly_once(core: Core, db:
     assert set(per_task) == {(1, 1)} and len(per_task) == len(tasks)
     by_worker = db.execute("SELECT count(DISTINCT worker_id) FROM core.attempts").fetchone()
     assert by_worker == (2,), "both workers should have taken part"
+
+
+@pytest.mark.parametrize("secret", [False, True], ids=["plain", "refers-to-a-secret"])
+def test_a_lease_without_secrets_commits_in_its_own_round_trip(
+    core: Core, worker: Worker, db: DB, db_url: str, secret: bool
+) -> None:
+    # Seen from another session while the claim's transaction is still open: a lease whose
+    # tasks refer to no secret went with the COMMIT; one that refers to a secret waits for
+    # the look-ups (identity.secrets.fill) and commits when the transaction ends.
+    [task] = _submit(core, 1)
+    if secret:
+        db.execute(
+            """UPDATE core.tasks SET env = '{"TOKEN": {"secret": "api"}}' WHERE id = %s""",
+            (task,),
+        )
+
+    def leased() -> int:
+        [(n,)] = db.execute("SELECT count(*) FROM core.attempts WHERE task_id = %s", (task,))
+        return int(n)
+
+    async def claim() -> tuple[int, int, bool]:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                heard = await dispatch.hear(conn, worker.id)
+                asked = dispatch.ask(heard.worker, heard.placed, heard.rest, 8, 16384, 16)
+                assert asked is not None
+                picked = await dispatch.finish_and_pick(conn, dispatch.Settled([], []), asked)
+                leases = await dispatch.lease(conn, asked, picked, last=True)
+                during = await asyncio.to_thread(leased)
+            return len(leases.assignments), during, leases.committed
+        finally:
+            await engine.dispose()
+
+    count, during, committed = asyncio.run(claim())
+    assert count == 1
+    assert (during, committed) == ((0, False) if secret else (1, True))
+    assert leased() == 1

@@ -40,7 +40,7 @@ from services.core.domain.placement import DECAY, ZERO, Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.identity.secrets import mask_json
+from services.core.identity.secrets import mask_json, refers_to_secrets
 from services.core.tables import attempts, tasks, workers
 
 S = TaskState
@@ -100,7 +100,7 @@ SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
-       ts.max_running AS team_max_running
+       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs
 FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
@@ -204,6 +204,7 @@ SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_pa
        CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
+_COMMIT = text("COMMIT")
 
 _OPEN_ATTEMPTS_OF = text("""
 SELECT a.id, a.task_id FROM core.attempts a
@@ -429,10 +430,12 @@ async def hear(
 @dataclass(frozen=True)
 class Leases:
     """A claim's assignments, and the tasks among them whose env refers to secrets
-    (``identity.secrets.fill`` opens those; the others need no look-up)."""
+    (``identity.secrets.fill`` opens those; the others need no look-up). ``committed``:
+    the lease went with the transaction's COMMIT (``lease(..., last=True)``)."""
 
     assignments: list[Assignment]
     with_secrets: frozenset[int] = frozenset()
+    committed: bool = False
 
 
 @dataclass(frozen=True)
@@ -499,11 +502,18 @@ def ask(
 
 
 async def lease(
-    conn: AsyncConnection, asked: Ask, picked: Sequence[Any], tally: Tally | None = None
+    conn: AsyncConnection,
+    asked: Ask,
+    picked: Sequence[Any],
+    tally: Tally | None = None,
+    last: bool = False,
 ) -> Leases:
     """The claim's second half: of the rows its pick locked, lease what placement and
     sharing admit, best first. A worker reserved for a task that does not fit yet
-    starts nothing else."""
+    starts nothing else. ``last``: the caller runs nothing after the lease in this
+    transaction unless some leased task refers to secrets; then, when none does, the
+    lease and the COMMIT go in one round trip (the transaction's own commit on leaving
+    finds nothing to do: psycopg sends no COMMIT on an idle connection)."""
     # Reserved work first, then the rest due now, then what is leased ahead, each by
     # effective priority (priority plus aging), fair-share stamp and id.
     rows = sorted(
@@ -519,26 +529,27 @@ async def lease(
         return Leases([])
     if not chosen:
         return Leases([])
-    froms = {row.id: row.state for row in rows}
-    leased = await conn.execute(
-        _CLAIM,
-        {
-            "ids": [c.task_id for c, _ in chosen],
-            # float8[]: psycopg refuses a list that mixes ints and floats
-            "cpus": [float(cost.cpu) for _, cost in chosen],
-            "memories": [float(cost.memory_mb) for _, cost in chosen],
-            "froms": [froms[c.task_id] for c, _ in chosen],
-            "worker": asked.worker.id,
-            "target": S.RUNNING.value,
-            "sources": asked.params["sources"],
-            "op": Op.CLAIM.value,
-        },
-    )
-    found = list(leased)
+    by_id = {row.id: row for row in rows}
+    params = {
+        "ids": [c.task_id for c, _ in chosen],
+        # float8[]: psycopg refuses a list that mixes ints and floats
+        "cpus": [float(cost.cpu) for _, cost in chosen],
+        "memories": [float(cost.memory_mb) for _, cost in chosen],
+        "froms": [by_id[c.task_id].state for c, _ in chosen],
+        "worker": asked.worker.id,
+        "target": S.RUNNING.value,
+        "sources": asked.params["sources"],
+        "op": Op.CLAIM.value,
+    }
+    commit = last and not any(by_id[c.task_id].secret_refs for c, _ in chosen)
+    if commit:
+        [found, _] = await pipeline.run(conn, [(_CLAIM, params), (_COMMIT, {})])
+    else:
+        found = list(await conn.execute(_CLAIM, params))
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
     refs = frozenset(r.id for r in found if any(not isinstance(v, str) for v in r.env.values()))
-    return Leases([_assignment(row) for row in found], refs)
+    return Leases([_assignment(row) for row in found], refs, commit)
 
 
 async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:

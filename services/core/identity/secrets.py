@@ -30,15 +30,21 @@ _INFO = (
     secrets.c.updated_by,
 )
 
-# The claimed tasks that refer to secrets (any env value that is an object).
-_WITH_REFS = text("""
+
+def refers_to_secrets(env: str) -> str:
+    """SQL: whether the env column ``env`` refers to secrets (a value that is an object)."""
+    return f"jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")')"
+
+
+# The claimed tasks that refer to secrets.
+_WITH_REFS = text(f"""
 SELECT id, owner, env FROM core.tasks
-WHERE id = ANY(CAST(:ids AS bigint[])) AND jsonb_path_exists(env, '$.* ? (@.type() == "object")')
+WHERE id = ANY(CAST(:ids AS bigint[])) AND {refers_to_secrets("env")}
 """)
 
-_OF_ATTEMPT = text("""
+_OF_ATTEMPT = text(f"""
 SELECT t.owner, t.env FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-WHERE a.id = :attempt AND jsonb_path_exists(t.env, '$.* ? (@.type() == "object")')
+WHERE a.id = :attempt AND {refers_to_secrets("t.env")}
 """)
 
 

@@ -157,7 +157,9 @@ async def _lease(
     fails at once (not retryable) and is not handed out."""
     if asked is None:
         return []
-    leases = await dispatch.lease(conn, asked, picked, tally)
+    # Nothing follows the lease in the caller's transaction but the secrets' look-ups,
+    # so a lease without secrets commits in its own round trip.
+    leases = await dispatch.lease(conn, asked, picked, tally, last=True)
     if not leases.with_secrets:
         return leases.assignments
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
