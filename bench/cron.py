@@ -171,10 +171,10 @@ async def _workers(fleet: Fleet, stop: Any, seen: Seen) -> None:
 
 class _Starter:
     """One fake agent's starts, as the agent does them: a lease with ``start_at`` on an
-    event-loop timer; ``CONFIRM_BEFORE_S`` before it (on the grid: ``confirm_at``), those due together are confirmed in
-    one request, then each starts (is recorded) at its instant and is queued to be
-    reported as succeeded. A lease without ``start_at`` starts at once. Leases due at the
-    same instant share one timer (``--timer-per-lease``: one each, as the real agent
+    event-loop timer; half a second before it, on the agent's grid (``confirm_at``), those
+    due together are confirmed in one request, then each starts (is recorded) at its
+    instant and is queued to be reported as succeeded. A lease without ``start_at``
+    starts at once. Leases due at the same instant share one timer (``--timer-per-lease``: one each, as the real agent
     holds them), so that a fake agent standing for a fleet of hosts does not charge the
     lag with 10,000 timer callbacks queued on one event loop; each start is still
     stamped by its own clock read."""

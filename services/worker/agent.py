@@ -670,9 +670,10 @@ class Agent:
 
     async def _held_until_start(self, attempt_id: int, start: float) -> str:
         """Hold a lease taken ahead until its start (core's clock, read against this
-        host's): ``CONFIRM_BEFORE_S`` before it (``confirm_at``), ask core whether it still
-        holds it (with every other one due then, in one request), so a cancel until then is seen and the
-        start itself waits on no round trip; then start at the instant. ``held``, or
+        host's): ``CONFIRM_BEFORE_S`` before it (``confirm_at``), ask core whether it
+        still holds it (with every other one due then, in one request), so a cancel until
+        then is seen and the start itself waits on no round trip; then start at the
+        instant. ``held``, or
         why not: ``gone``/``unconfirmed`` (core's answer), ``stop``, ``preempt``,
         ``drain`` (what woke it first). Its folders and artifact are ready meanwhile, and
         it keeps its slot and charge."""

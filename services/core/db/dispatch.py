@@ -421,10 +421,11 @@ async def hear(
     if reported:
         chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
         chain.append((_REPORTED, {"ids": ids}))
-    found = await pipeline.run(conn, chain)
-    rows = {r.attempt_id: r for r in found[3]} if reported else {}
-    rest = placement.rest_from(found[1]).get(worker_id, ZERO)
-    return Heard(found[0][0] if found[0] else None, rows, found[2] if reported else [], rest)
+    heard, use, *among = await pipeline.run(conn, chain)
+    placed, locked = among or ([], [])
+    rest = placement.rest_from(use).get(worker_id, ZERO)
+    rows = {r.attempt_id: r for r in locked}
+    return Heard(heard[0] if heard else None, rows, placed, rest)
 
 
 @dataclass(frozen=True)
@@ -548,7 +549,8 @@ async def lease(
         found = list(await conn.execute(_CLAIM, params))
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
-    refs = frozenset(r.id for r in found if any(not isinstance(v, str) for v in r.env.values()))
+    # The pick said which tasks refer to secrets (one rule: identity.secrets).
+    refs = frozenset(r.id for r in found if by_id[r.id].secret_refs)
     return Leases([_assignment(row) for row in found], refs, commit)
 
 
