@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rawhttp import Conn, request_bytes
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -51,76 +53,6 @@ BATCH_BAR = 30_000
 # --- the load generator (its own process: ``submit.py --loadgen CONFIG``) ----------------
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection, one request at a time; bodies by Content-Length."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: Any = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
-        self.head_end = -1
-        self.need = -1
-        self.status = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.need < 0 and not self._parse_head():
-            return
-        if len(self.buf) >= self.need:
-            body = bytes(self.buf[self.head_end : self.need])
-            del self.buf[: self.need]
-            self.need = -1
-            if self.waiter is not None and not self.waiter.done():
-                self.waiter.set_result((self.status, body))
-
-    def _parse_head(self) -> bool:
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return False
-        lines = bytes(self.buf[:end]).split(b"\r\n")
-        self.status = int(lines[0].split(b" ", 2)[1])
-        length = None
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value.strip())
-        if length is None:
-            self._fail(ConnectionError("an answer without Content-Length"))
-            return False
-        self.head_end = end + 4
-        self.need = self.head_end + length
-        return True
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionError("connection closed"))
-
-    async def request(self, data: bytes, timeout: float) -> tuple[int, bytes]:
-        self.waiter = self.loop.create_future()
-        self.transport.write(data)
-        return await asyncio.wait_for(self.waiter, timeout)
-
-
-def _raw_request(host: str, port: int, path: str, body: bytes, token: str | None) -> bytes:
-    lines = [
-        f"POST {path} HTTP/1.1",
-        f"Host: {host}:{port}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Accept: application/json",
-    ]
-    if token:
-        lines.append(f"Authorization: Bearer {token}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
 class _Load:
     """Closed-loop load: each connection sends the next request when the last one answers.
     Requests sent and answered inside the measured window are counted and timed."""
@@ -128,7 +60,7 @@ class _Load:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
         body = Path(cfg["body_file"]).read_bytes()
-        self.data = _raw_request(cfg["host"], cfg["port"], cfg["path"], body, cfg.get("token"))
+        self.data = request_bytes(cfg["host"], cfg["port"], cfg["path"], body, cfg.get("token"))
         self.latencies: list[float] = []
         self.ok = 0
         self.errors = 0
@@ -142,7 +74,7 @@ class _Load:
         conns = []
         for _ in range(self.cfg["concurrency"]):
             _, proto = await loop.create_connection(
-                lambda: _Conn(loop), self.cfg["host"], self.cfg["port"]
+                lambda: Conn(loop), self.cfg["host"], self.cfg["port"]
             )
             conns.append(proto)
         self.t0 = time.perf_counter() + self.cfg["warmup"]
@@ -164,7 +96,7 @@ class _Load:
         self.marks[name] = time.perf_counter()
         print(f"MARK {name}", flush=True)
 
-    async def _worker(self, conn: _Conn) -> None:
+    async def _worker(self, conn: Conn) -> None:
         expect = self.cfg["expect"]
         while (sent := time.perf_counter()) < self.t1:
             try:
