@@ -5,7 +5,10 @@ process's waiters at once and sends one ``pg_notify`` for the other replicas, co
 over a few milliseconds on a connection of its own. NOTIFY is deliberately kept out of
 the writing transactions: PostgreSQL serialises the commits of transactions that notify
 on one lock, which capped submits. One LISTEN connection per process receives the
-others' announcements. Lost wake-ups cost latency only: waiters also poll.
+others' announcements (its own, which PostgreSQL delivers to every listener, are known
+by the sending backend's pid and dropped: this process woke its waiters when it
+announced, and the echo woke each waiting claim a second time for nothing, a wasted
+lease attempt per submission). Lost wake-ups cost latency only: waiters also poll.
 
 The same two connections carry due hints (channel ``cairn_due``, payload UNIX seconds):
 whoever stores a delayed task calls ``announce_due(run_at)``, and every replica's promoter
@@ -50,6 +53,7 @@ class Notifier:
         self._events_out = False
         self._logs_out: set[int] = set()
         self._log_waiters: dict[int, tuple[asyncio.Event, list[int]]] = {}
+        self._sender_pid: int | None = None  # the backend our announcements come from
         self.on_due: Callable[[float], None] | None = None
 
     def start(self) -> None:
@@ -144,6 +148,8 @@ class Notifier:
             self._wake()
             self._ring(list(self._log_waiters))
             async for note in conn.notifies():
+                if note.pid == self._sender_pid:
+                    continue  # our own: heard here when it was announced
                 if note.channel == LOG_CHANNEL:
                     self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
                 elif note.channel != DUE_CHANNEL:
@@ -156,6 +162,7 @@ class Notifier:
 
     async def _send(self) -> None:
         async def body(conn: psycopg.AsyncConnection[Any]) -> None:
+            self._sender_pid = conn.info.backend_pid
             while True:
                 await self._outgoing.wait()
                 self._outgoing.clear()

@@ -3,7 +3,6 @@ bulk query of ``queries`` (many), both guarded by the rules of ``domain.transiti
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -24,7 +23,6 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -42,6 +40,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState
 from services.core import queries
+from services.core.db import pipeline
 from services.core.db.params import jsonb
 from services.core.domain.transitions import Op, check, sources
 from services.core.tables import (
@@ -66,20 +65,13 @@ class Principal(Caller):
 
 # --- the driver's fast path ------------------------------------------------------------
 
-_PG_DIALECT = postgresql_psycopg.dialect()  # type: ignore[no-untyped-call]
-
-
-@functools.cache
-def _driver_sql(query: TextClause) -> str:
-    return str(query.compile(dialect=_PG_DIALECT))
-
 
 async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any]) -> list[Any]:
     """Run a named query on the psycopg connection under ``conn``, rows as named tuples.
     For the submit path, where SQLAlchemy's result processing cost more than the query."""
     raw = await conn.get_raw_connection()
     driver: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
-    sql = _driver_sql(query)
+    sql = pipeline.driver_sql(query, conn.dialect)
     try:
         async with driver.cursor(row_factory=namedtuple_row) as cursor:
             await cursor.execute(sql, params)

@@ -59,3 +59,33 @@ def test_a_statement_that_returns_no_rows_answers_an_empty_list(db_url: str) -> 
     found = asyncio.run(_run(db_url, (update, {"name": "absent"}), (INSERT, {"name": "q4"})))
     assert found[0] == []
     assert [r.name for r in found[1]] == ["q4"]
+
+
+def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
+    db_url: str, db: DB
+) -> None:
+    """psycopg caches the parse of a query's placeholders only up to 4,096 bytes: the
+    statements go out compacted, SUBMIT (every submission's) under it, and a ``--``
+    inside a literal is kept. (The pick, 4,777 bytes compacted, stays over it.)"""
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+    from sqlalchemy.dialects.postgresql import psycopg as dialects
+
+    from services.core import queries
+    from services.core.db import dispatch
+
+    dialect = dialects.dialect()  # type: ignore[no-untyped-call]
+    assert len(pipeline.driver_sql(queries.SUBMIT, dialect).encode()) <= (
+        MAX_CACHED_STATEMENT_LENGTH
+    )
+    for clause in (queries.SUBMIT, dispatch._WAITING_IN_QUEUE, dispatch._WAITING_IN_QUEUES):
+        assert "--" not in pipeline.driver_sql(clause, dialect)
+    commented = text(
+        "SELECT '--not a comment' AS kept, -- a comment\n"
+        "       CAST(:n AS int) + 1 AS n -- another\n"
+        "-- a whole line\n"
+    )
+    assert pipeline.driver_sql(commented, dialect) == (
+        "SELECT '--not a comment' AS kept, -- a comment\nCAST(%(n)s AS int) + 1 AS n"
+    )
+    [[row]] = asyncio.run(_run(db_url, (commented, {"n": 41})))
+    assert (row.kept, row.n) == ("--not a comment", 42)

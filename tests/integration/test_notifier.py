@@ -1,0 +1,86 @@
+"""The notifier between replicas, on a real PostgreSQL: another replica's announcement
+wakes this one's waiters; this replica's own, echoed back by PostgreSQL to its listener,
+does not wake them a second time (each waiting claim would run a lease for nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+from services.core.feed import Notifier
+
+
+class _Counted:
+    """A notifier whose wake-ups of its waiters are counted."""
+
+    def __init__(self, db_url: str) -> None:
+        self.notifier = Notifier(db_url)
+        self.wakes = 0
+        self.dues: list[float] = []
+        wake = self.notifier._wake
+
+        def counted() -> None:
+            self.wakes += 1
+            wake()
+
+        self.notifier._wake = counted  # type: ignore[method-assign]
+        self.notifier.on_due = self.dues.append
+
+
+async def _until(check: object, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():  # type: ignore[operator]
+        assert loop.time() < deadline, "not heard in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_replica_is_woken_by_the_others_announcements_and_not_by_its_own_echo(
+    db_url: str,
+) -> None:
+    async def run() -> None:
+        a, b = _Counted(db_url), _Counted(db_url)
+        a.notifier.start()
+        b.notifier.start()
+        try:
+            # Both listening and both senders connected: b hears a's announcement.
+            await _until(lambda: a.notifier._sender_pid and b.notifier._sender_pid)
+            await _until(lambda: a.wakes and b.wakes)  # each listener's first connection
+            before = b.wakes
+
+            async def heard_by_b() -> bool:
+                a.notifier.announce()
+                await asyncio.sleep(0.05)
+                return b.wakes > before
+
+            for _ in range(100):
+                if await heard_by_b():
+                    break
+            assert b.wakes > before, "the other replica's announcement never woke b"
+
+            # Quiet now; a announces once: its own waiters wake once, at once; b wakes
+            # from the NOTIFY; a's echo of it wakes no one on a.
+            await asyncio.sleep(0.3)
+            a_before, b_before = a.wakes, b.wakes
+            waiter = asyncio.create_task(a.notifier.wait(5.0))
+            await asyncio.sleep(0)
+            a.notifier.announce()
+            await asyncio.wait_for(waiter, 1.0)
+            await _until(lambda: b.wakes > b_before)
+            await asyncio.sleep(0.3)  # the echo has long come back by now
+            assert a.wakes - a_before == 1
+            assert b.wakes - b_before == 1
+
+            # The same for due hints: a's own hint reaches its promoter once, b's once.
+            a.dues.clear()
+            b.dues.clear()
+            a.notifier.announce_due(datetime(2030, 1, 1, tzinfo=UTC))
+            await _until(lambda: b.dues)
+            await asyncio.sleep(0.3)
+            assert len(a.dues) == 1
+            assert len(b.dues) == 1
+        finally:
+            await a.notifier.stop()
+            await b.notifier.stop()
+
+    asyncio.run(run())
