@@ -5,10 +5,13 @@ process's waiters at once and sends one ``pg_notify`` for the other replicas, co
 over a few milliseconds on a connection of its own. NOTIFY is deliberately kept out of
 the writing transactions: PostgreSQL serialises the commits of transactions that notify
 on one lock, which capped submits. One LISTEN connection per process receives the
-others' announcements (its own, which PostgreSQL delivers to every listener, are known
-by the sending backend's pid and dropped: this process woke its waiters when it
-announced, and the echo woke each waiting claim a second time for nothing, a wasted
-lease attempt per submission). Lost wake-ups cost latency only: waiters also poll.
+others' announcements. Its own events, which PostgreSQL delivers to every listener, are
+known by the sending backend's pid and dropped: this process woke its waiters when it
+announced, and the echo woke each waiting claim a second time, a lease attempt for
+nothing per submission. A waiter reads, then waits: it takes ``mark()`` before its read
+and waits ``since`` it, so an announcement between the read and the wait (which the
+echo used to cover, 5 ms late) returns at once. Lost wake-ups cost latency only:
+waiters also poll.
 
 The same two connections carry due hints (channel ``cairn_due``, payload UNIX seconds):
 whoever stores a delayed task calls ``announce_due(run_at)``, and every replica's promoter
@@ -116,9 +119,17 @@ class Notifier:
             self._due_out = when
         self._outgoing.set()
 
-    async def wait(self, timeout: float) -> None:
-        """Return when an event is announced, or after ``timeout`` seconds."""
-        event = self._changed
+    def mark(self) -> asyncio.Event:
+        """A token for "what is announced from now on": take it before reading, and
+        ``wait(since=token)`` returns at once if something was announced after it."""
+        return self._changed
+
+    async def wait(self, timeout: float, since: asyncio.Event | None = None) -> None:
+        """Return when an event is announced (after ``since``, a ``mark()``; else from
+        now on), or after ``timeout`` seconds."""
+        event = self._changed if since is None else since
+        if event.is_set():
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 
@@ -148,8 +159,8 @@ class Notifier:
             self._wake()
             self._ring(list(self._log_waiters))
             async for note in conn.notifies():
-                if note.pid == self._sender_pid:
-                    continue  # our own: heard here when it was announced
+                if note.channel == CHANNEL and note.pid == self._sender_pid:
+                    continue  # our own: its waiters were woken when it was announced
                 if note.channel == LOG_CHANNEL:
                     self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
                 elif note.channel != DUE_CHANNEL:
@@ -163,14 +174,18 @@ class Notifier:
     async def _send(self) -> None:
         async def body(conn: psycopg.AsyncConnection[Any]) -> None:
             self._sender_pid = conn.info.backend_pid
-            while True:
-                await self._outgoing.wait()
-                self._outgoing.clear()
-                notes = self._notes()
-                if notes:
-                    calls = ", ".join("pg_notify(%s, %s)" for _ in notes)
-                    await conn.execute(f"SELECT {calls}", [v for note in notes for v in note])
-                await asyncio.sleep(COALESCE_S)
+            try:
+                while True:
+                    await self._outgoing.wait()
+                    self._outgoing.clear()
+                    notes = self._notes()
+                    if notes:
+                        calls = ", ".join("pg_notify(%s, %s)" for _ in notes)
+                        await conn.execute(f"SELECT {calls}", [v for note in notes for v in note])
+                    await asyncio.sleep(COALESCE_S)
+            finally:
+                # Lost: another backend may be given its pid, and its notes are not ours.
+                self._sender_pid = None
 
         await self._connected("event announcer", body)
 

@@ -42,22 +42,14 @@ WITH input AS (
     -- waiting starts at the queue's head stamp (or now, if that is later), so it
     -- interleaves with a backlog instead of queueing behind it. A flow is an owner's
     -- own work, or a team's work (whoever of its members submitted it).
-    -- "state IN ('ready', 'waiting') AND state <> 'ready'" is state = 'waiting' written
-    -- so that it proves the flow's index predicate (ix_tasks_owner_waiting,
-    -- ix_tasks_team_waiting) and not the queue's (ix_tasks_waiting_vtime): the generic
-    -- plan otherwise took the queue's index backwards, filtering by owner, and read a
-    -- whole backlog of other flows' work for a flow stamped near the head (24 ms a
-    -- submission behind 50,000 of another owner's tasks, 0.9 ms this way).
     SELECT o.flow_owner, o.team, o.queue,
            CASE WHEN o.team IS NULL THEN
                (SELECT max(w.vtime) FROM core.tasks w
-                WHERE w.owner = o.flow_owner AND w.queue = o.queue
-                  AND w.state IN ('ready', 'waiting') AND w.state <> 'ready'
+                WHERE w.owner = o.flow_owner AND w.queue = o.queue AND w.state = 'waiting'
                   AND w.team IS NULL)
            ELSE
                (SELECT max(w.vtime) FROM core.tasks w
-                WHERE w.team = o.team AND w.queue = o.queue
-                  AND w.state IN ('ready', 'waiting') AND w.state <> 'ready')
+                WHERE w.team = o.team AND w.queue = o.queue AND w.state = 'waiting')
            END AS last,
            LEAST(EXTRACT(EPOCH FROM now()),
                  (SELECT min(h.vtime) FROM core.tasks h

@@ -288,6 +288,7 @@ async def _first_attempt(f: Follow, task_id: int) -> int | TaskState | None:
     """The task's latest attempt once it has one; its final state if it ended without
     any; None if the client left meanwhile."""
     while True:
+        since = f.notifier.mark()  # an attempt leased after this read wakes the wait
         attempt_id = await attempt_of(f.engine, task_id, None)
         if attempt_id is not None:
             return attempt_id
@@ -296,7 +297,7 @@ async def _first_attempt(f: Follow, task_id: int) -> int | TaskState | None:
             return state
         if await f.gone():
             return None
-        await f.notifier.wait(_POLL_S)
+        await f.notifier.wait(_POLL_S, since)
 
 
 async def _task_state(engine: AsyncEngine, task_id: int) -> TaskState:

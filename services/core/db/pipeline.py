@@ -8,6 +8,7 @@ chain is not run). Rows are named tuples (``row.id``), as SQLAlchemy's rows read
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,18 +37,36 @@ def driver_sql(clause: TextClause, dialect: Dialect) -> str:
 
 
 def compact_sql(sql: str) -> str:
-    """``sql`` without ``--`` comments and runs of blanks: each line's code, trimmed. A
-    line whose ``--`` may sit inside a string literal (an odd count of quotes before it)
-    is kept whole."""
+    """``sql`` without ``--`` comments, each line trimmed and its runs of blanks outside
+    string literals made one space; literals are kept byte for byte. SQL this cannot
+    read safely line by line (a literal that goes on to the next line, an ``E''``
+    escape string, dollar quotes, block comments) is returned as written."""
+    if "/*" in sql or _DOLLAR_QUOTE.search(sql) or _ESCAPE_STRING.search(sql):
+        return sql
     lines = []
     for line in sql.splitlines():
-        code, dashes, _ = line.partition("--")
-        if dashes and code.count("'") % 2:
-            code = line
-        code = " ".join(code.split())
+        parts = line.split("'")
+        kept = []
+        for i, part in enumerate(parts):
+            if i % 2:  # inside a literal ('' inside one splits into empty parts)
+                kept.append(part)
+                continue
+            code, dashes, _ = part.partition("--")
+            kept.append(_BLANKS.sub(" ", code))
+            if dashes:  # the rest of the line is a comment, quotes and all
+                break
+        else:
+            if len(parts) % 2 == 0:  # an odd count of quotes: a literal spans lines
+                return sql
+        code = "'".join(kept).strip()
         if code:
             lines.append(code)
     return "\n".join(lines)
+
+
+_BLANKS = re.compile(r"\s+")
+_DOLLAR_QUOTE = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+_ESCAPE_STRING = re.compile(r"(?<![A-Za-z_0-9])[eE]'")
 
 
 async def _driver(conn: AsyncConnection) -> PsycopgConnection[Any]:

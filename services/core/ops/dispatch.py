@@ -71,6 +71,7 @@ async def turn(
     the wait is over or the caller is ``gone``."""
     tally = dispatch.Tally()
     reported = [r.attempt_id for r in body.reports]
+    since = ops.notifier.mark()  # work announced after this pick's snapshot wakes the wait
     async with ops.engine.begin() as conn:
         heard = await dispatch.hear(conn, worker_id, body.started, reported)
         settled = await dispatch.settle(conn, worker_id, body.reports, heard.reported, _masker(ops))
@@ -82,7 +83,7 @@ async def turn(
     _told(ops, tally, body.reports, verdicts, leased, headers)
     if leased or body.claim is None or body.claim.wait <= 0 or state != "live":
         return TurnResult(state, verdicts, leased)
-    leased, state = await _wait_for_work(ops, worker_id, body.claim, gone)
+    leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, since)
     return TurnResult(state, verdicts, leased)
 
 
@@ -177,6 +178,7 @@ async def _wait_for_work(
     worker_id: int,
     room: ClaimRequest,
     gone: Callable[[], Awaitable[bool]] | None,
+    since: asyncio.Event,
 ) -> tuple[list[Assignment], str]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + room.wait
@@ -184,7 +186,8 @@ async def _wait_for_work(
         remaining = deadline - loop.time()
         if remaining <= 0 or (gone is not None and await gone()):
             return [], "live"
-        await ops.notifier.wait(min(remaining, POLL_S))
+        await ops.notifier.wait(min(remaining, POLL_S), since)
+        since = ops.notifier.mark()
         tally = dispatch.Tally()
         async with ops.engine.begin() as conn:
             heard = await dispatch.hear(conn, worker_id)
