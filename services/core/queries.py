@@ -41,15 +41,18 @@ WITH input AS (
     -- quantum over its weight) after its last waiting stamp; a flow with nothing
     -- waiting starts at the queue's head stamp (or now, if that is later), so it
     -- interleaves with a backlog instead of queueing behind it. A flow is an owner's
-    -- own work, or a team's work (whoever of its members submitted it).
+    -- own work, or a team's work (whoever of its members submitted it). "waiting" is
+    -- spelled as a range, as in the flow's index (ix_tasks_owner_last, ix_tasks_team_last;
+    -- migration 0014_flow_last says why), so that no other index can serve the read.
     SELECT o.flow_owner, o.team, o.queue,
            CASE WHEN o.team IS NULL THEN
                (SELECT max(w.vtime) FROM core.tasks w
-                WHERE w.owner = o.flow_owner AND w.queue = o.queue AND w.state = 'waiting'
-                  AND w.team IS NULL)
+                WHERE w.owner = o.flow_owner AND w.queue = o.queue
+                  AND w.state >= 'waiting' AND w.state <= 'waiting' AND w.team IS NULL)
            ELSE
                (SELECT max(w.vtime) FROM core.tasks w
-                WHERE w.team = o.team AND w.queue = o.queue AND w.state = 'waiting')
+                WHERE w.team = o.team AND w.queue = o.queue
+                  AND w.state >= 'waiting' AND w.state <= 'waiting' AND w.team IS NOT NULL)
            END AS last,
            LEAST(EXTRACT(EPOCH FROM now()),
                  (SELECT min(h.vtime) FROM core.tasks h

@@ -277,6 +277,22 @@ tasks = Table(
         "vtime",
         postgresql_where=text("state IN ('ready', 'waiting') AND team IS NOT NULL"),
     ),
+    # A flow's last waiting stamp (queries.SUBMIT's clock; migration 0014_flow_last says
+    # why "waiting" is spelled as a range).
+    Index(
+        "ix_tasks_owner_last",
+        "owner",
+        "queue",
+        "vtime",
+        postgresql_where=text("state >= 'waiting' AND state <= 'waiting' AND team IS NULL"),
+    ),
+    Index(
+        "ix_tasks_team_last",
+        "team",
+        "queue",
+        "vtime",
+        postgresql_where=text("state >= 'waiting' AND state <= 'waiting' AND team IS NOT NULL"),
+    ),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     Index(
         "ix_tasks_labels",
