@@ -5,10 +5,10 @@
 
 A fresh embedded PostgreSQL (durable), core as its own process (`bench/stack.py`) and one
 worker agent as its own process (`python -m services.worker`, as `cairn up` starts it,
-isolated as it is by default). Every task runs a real process: a bash script that writes
-its task id and `$EPOCHREALTIME` (read without a fork) as one line appended to a shared
-file, so each process records its own start. Tasks ask 0.01 CPU and 16 MB; the agent offers room for
-``--slots`` at once.
+isolated as it is by default). Every task runs a real process: a bash script that appends
+its task id and `$EPOCHREALTIME` (read without a fork) as one line to a shared file, so
+each process records its own start. Tasks ask 0.01 CPU and 16 MB; the agent offers room
+for ``--slots`` at once.
 
 1. Throughput: ``--tasks`` tasks submitted in batches of 500; tasks/s from the first
    submission to the last task's `succeeded` (PostgreSQL's `finished_at`).
@@ -45,8 +45,9 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import children, children_cpu_s, comm, cpu_s, machine_busy_s
 from rawhttp import Conn, request_bytes
-from stack import Stack, children_cpu_s, core_stack, cpu_s, exit_on_sigterm, machine_busy_s
+from stack import Stack, core_stack, exit_on_sigterm
 
 from libs.common.settings import libpq_url
 from services.core import admin
@@ -216,17 +217,9 @@ def _cpu_counters(stack: Stack, agent_pid: int) -> dict[str, float]:
 
 def _helpers_cpu_s(agent_pid: int) -> float:
     """CPU seconds of the agent's resident spawn helpers (its ``cairn-spawn`` children)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm, rest = text.partition("(")[2].rpartition(")")[::2]
-        fields = rest.split()
-        if comm.startswith("cairn-spawn") and int(fields[1]) == agent_pid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(
+        cpu_s(pid) for pid in children(agent_pid) if (comm(pid) or "").startswith("cairn-spawn")
+    )
 
 
 def _load() -> str:
@@ -304,7 +297,8 @@ async def steady(
     base: int,
 ) -> tuple[int, float]:
     """Single submissions, open loop: each sent at its instant on a free keep-alive
-    connection (the last one freed; a new one when none is free), whatever the answers do. The raw client
+    connection (the last one freed; a new one when none is free), whatever the answers
+    do; returns how many were accepted and the rate actually sent. The raw client
     (``rawhttp``) keeps the load generator's CPU off the two cores being measured: httpx
     cost this process 8-10 ms a submission at 200/s, more than core and the agent together."""
     url = urlsplit(core_url)

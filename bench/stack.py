@@ -52,35 +52,6 @@ class Stack:
     postmaster_pid: int = 0
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (``/proc/PID/stat``), 0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s(parent: int) -> float:
-    """CPU seconds of the live children of ``parent`` (a postmaster's backends and
-    background processes); those that ended between two reads are not in it."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy (``/proc/stat``: all but idle and iowait)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
 @contextlib.contextmanager
 def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
     """The database and core (``python -m services.core``) for one benchmark run."""

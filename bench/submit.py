@@ -39,11 +39,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from procstat import TICK, children, machine_ticks, stat_fields
 from rawhttp import Conn, request_bytes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TICK = os.sysconf("SC_CLK_TCK")
 NPROC = os.cpu_count() or 1
 
 SINGLE_BAR = 0.9
@@ -151,33 +151,11 @@ def loadgen_main(config_path: str) -> None:
 # --- CPU accounting -----------------------------------------------------------------------
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
 def _cpu_ticks(pid: int) -> int:
     """utime + stime + cutime + cstime: the postmaster's reaped children count too, so
     backends that exit within the window (pool churn) are not lost."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return sum(int(f) for f in fields[11:15]) if fields else 0
-
-
-def _children(ppid: int) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat_fields(entry.name)) and int(fields[1]) == ppid:
-            found.append(int(entry.name))
-    return found
-
-
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs from /proc/stat; idle and iowait are not busy."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    total = sum(values)  # user nice system idle iowait irq softirq steal
-    return total - values[3] - values[4], total
 
 
 class CpuMeter:
@@ -200,12 +178,12 @@ class CpuMeter:
 
     def start(self) -> None:
         self.before = self._snap()
-        self.machine_before = _machine_ticks()
+        self.machine_before = machine_ticks()
         self.sessions_before = self.sessions()
 
     def stop(self) -> dict[str, Any]:
         after = self._snap()
-        busy1, total1 = _machine_ticks()
+        busy1, total1 = machine_ticks()
         busy0, total0 = self.machine_before
         cpu = {
             name: sum(t - self.before.get(name, {}).get(pid, 0) for pid, t in now.items()) / TICK
@@ -220,9 +198,9 @@ class CpuMeter:
 
 
 def _background_cores(seconds: float = 2.0) -> float:
-    busy0, total0 = _machine_ticks()
+    busy0, total0 = machine_ticks()
     time.sleep(seconds)
-    busy1, total1 = _machine_ticks()
+    busy1, total1 = machine_ticks()
     return (busy1 - busy0) / max(1, total1 - total0) * NPROC
 
 
@@ -378,7 +356,7 @@ class Bench:
 
     def _postgres_pids(self) -> list[int]:
         pid = self.pg.pid()
-        return [pid, *_children(pid)] if pid else []
+        return [pid, *children(pid)] if pid else []
 
     def load(
         self, name: str, server: subprocess.Popen[bytes], cfg: dict[str, Any]
@@ -396,7 +374,7 @@ class Bench:
         cfg_path.write_text(json.dumps(cfg))
         meter = CpuMeter(
             {
-                "server": lambda: [server.pid, *_children(server.pid)],
+                "server": lambda: [server.pid, *children(server.pid)],
                 "postgres": self._postgres_pids,
             },
             self._sessions,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -23,12 +22,17 @@ import time
 from pathlib import Path
 
 import psycopg
+from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import cpu_s
+
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
 from services.core import migrate, queries, store
+from services.core.db import pipeline
 
 SPEC = {
     "name": "bench-task",
@@ -37,13 +41,7 @@ SPEC = {
     "env": {"BENCH": "1", "LEVEL": "info"},
     "labels": {"team": "bench", "run": "submit"},
 }
-TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE = 2000
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def run(args: argparse.Namespace) -> None:
@@ -54,17 +52,17 @@ def run(args: argparse.Namespace) -> None:
         migrate.upgrade(url)
         doc = {**store._row_doc(TaskCreate.model_validate(SPEC)), "owner": "bench"}
         one, batch = json.dumps([doc]), json.dumps([doc] * 1000)
-        sql = store._driver_sql(queries.SUBMIT)
+        sql = pipeline.driver_sql(queries.SUBMIT, postgresql_psycopg.dialect())  # type: ignore[no-untyped-call]
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             conn.execute(f"ALTER INDEX core.ix_tasks_labels SET (fastupdate = {args.fastupdate})")
             row = conn.execute("SELECT pg_backend_pid()").fetchone()
             assert row is not None
             pid, rows = int(row[0]), 0
             while rows <= args.rows:
-                cpu0, wall0 = _cpu_s(pid), time.perf_counter()
+                cpu0, wall0 = cpu_s(pid), time.perf_counter()
                 for _ in range(SAMPLE):
                     conn.execute(sql, {"rows": one, "quantum": 1.0}).fetchall()
-                cpu1, wall1 = _cpu_s(pid), time.perf_counter()
+                cpu1, wall1 = cpu_s(pid), time.perf_counter()
                 vacuums = conn.execute(
                     "SELECT autovacuum_count, autoanalyze_count FROM pg_stat_user_tables"
                     " WHERE schemaname = 'core' AND relname = 'tasks'"

@@ -1,0 +1,63 @@
+"""The benchmarks' CPU accounting, from ``/proc``: one process's fields, its children, the
+machine's busy and total jiffies. Shared by bench/submit.py, bench/e2e.py (through
+bench/stack.py) and bench/submit_growth.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat`` after the command's name (field 3 onward), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def comm(pid: int | str) -> str | None:
+    """The process's command name, None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().partition("(")[2].rpartition(")")[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def own_ticks(fields: list[str] | None) -> int:
+    """utime + stime: the process's own CPU, its reaped children apart."""
+    return int(fields[11]) + int(fields[12]) if fields else 0
+
+
+def cpu_s(pid: int) -> float:
+    """The process's own CPU seconds, 0 if it is gone."""
+    return own_ticks(stat_fields(pid)) / TICK
+
+
+def children(ppid: int) -> list[int]:
+    """The live children of ``ppid``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := stat_fields(entry.name)) and int(fields[1]) == ppid:
+            found.append(int(entry.name))
+    return found
+
+
+def children_cpu_s(ppid: int) -> float:
+    """The own CPU seconds of the live children of ``ppid`` (a postmaster's backends and
+    background processes); those that ended between two reads are not in it."""
+    return sum(cpu_s(pid) for pid in children(ppid))
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs from /proc/stat; idle and iowait are not busy."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(values)  # user nice system idle iowait irq softirq steal
+    return total - values[3] - values[4], total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy."""
+    return machine_ticks()[0] / TICK
