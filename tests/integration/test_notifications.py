@@ -428,3 +428,48 @@ def test_the_cli_adds_lists_tests_and_removes(core: Core, db) -> None:
         assert _cairn(core, token, "rm", str(sub["id"])).returncode == 1
     finally:
         hook.close()
+
+
+def test_deleting_a_subscription_while_its_delivery_is_recorded_does_not_deadlock(
+    core: Core, db
+) -> None:
+    """A delivery locks its outbox row, then updates its subscription; a delete that took
+    the subscription first and the outbox rows by cascade deadlocked with it (a 503)."""
+    import threading
+
+    import psycopg
+
+    with core.client("alice") as alice:
+        made = subscribe(alice, "http://127.0.0.1:9/h", events=["run.failed"])
+        assert alice.post(f"/v1/subscriptions/{made['id']}/test").status_code == 202
+        [(outbox,)] = db.execute(
+            "SELECT id FROM core.notifications WHERE subscription_id = %s", (made["id"],)
+        ).fetchall()
+        answers: list[int] = []
+        with psycopg.connect(db.info.dsn, password=db.info.password) as delivery:
+            # The delivery's transaction: its row first...
+            delivery.execute("SELECT 1 FROM core.notifications WHERE id = %s FOR UPDATE", (outbox,))
+            remover = threading.Thread(
+                target=lambda: answers.append(
+                    alice.delete(f"/v1/subscriptions/{made['id']}").status_code
+                )
+            )
+            remover.start()
+            wait_for(
+                lambda: (
+                    db.execute(
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
+                    ).fetchone()[0]
+                    > 0
+                )
+            )
+            # ... then its subscription's failures, while the delete waits.
+            delivery.execute(
+                "UPDATE core.subscriptions SET failures = failures + 1 WHERE id = %s",
+                (made["id"],),
+            )
+            delivery.commit()
+            remover.join(30)
+        assert answers == [204]
+    assert db.execute("SELECT count(*) FROM core.subscriptions").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM core.notifications").fetchone()[0] == 0

@@ -220,7 +220,15 @@ async def get_subscription(
 async def delete_subscription(
     conn: AsyncConnection, subscription_id: int, owner: str | None
 ) -> None:
-    """Delete it with its outbox rows and answers."""
+    """Delete it with its outbox rows and answers. The outbox rows are locked first: a
+    delivery locks its row and then updates the subscription (its failures), and the
+    cascade from the subscription took the two the other way round, a deadlock."""
+    await conn.execute(
+        select(notifications.c.id)
+        .where(notifications.c.subscription_id == subscription_id)
+        .order_by(notifications.c.id)
+        .with_for_update()
+    )
     query = delete(subscriptions).where(subscriptions.c.id == subscription_id, _owned(owner))
     if (await conn.execute(query)).rowcount == 0:
         raise NotFound(f"no subscription {subscription_id}")
