@@ -141,10 +141,13 @@ def test_a_waiting_worker_is_woken_at_the_instant_and_leases_straight_from_ready
     second: woken by that alone, three leases within 0.25 s would be luck, 1 in 8)."""
     agent = Agent(core)
     with core.client() as alice:
-        ids = [
-            alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 1.0 + n * 0.7))).json()["id"]
+        # 2 s of room to submit: a task posted after its run_at is stored waiting.
+        tasks = [
+            alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 2.0 + n * 0.7))).json()
             for n in range(3)
         ]
+    assert [t["state"] for t in tasks] == ["ready"] * 3
+    ids = [t["id"] for t in tasks]
     for task_id in ids:
         [leased] = agent.claim(wait=10)
         assert leased["task_id"] == task_id
@@ -162,7 +165,10 @@ def test_a_waiting_worker_is_woken_at_the_instant_and_leases_straight_from_ready
 
 def test_due_work_no_claim_took_is_promoted_after_promote_after_s(core: Core, db) -> None:
     with core.client() as alice:
-        task = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 0.5))).json()
+        # 2 s of room to submit: a task posted after its run_at is stored waiting, and
+        # is never promoted (CI's busy cores once took longer than 0.5 s).
+        task = alice.post("/v1/tasks", json=spec(run_at=_db_now_plus(db, 2.0))).json()
+    assert task["state"] == "ready"
 
     def promoted() -> object:
         return db.execute(
