@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.models import (
@@ -37,10 +39,12 @@ from services.core.deps import (
     AdminOnly,
     Announcer,
     Audit,
-    Box,
+    Bearer,
     Engine,
     LeaseCache,
-    Meter,
+    allow,
+    authenticate,
+    engine_of,
     on_liveness_pool,
     require,
 )
@@ -52,7 +56,8 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
 WorkerId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 AttemptId = Annotated[int, Path(ge=1, le=2**63 - 1)]
-AgentPrincipal = Annotated[Principal, Depends(require("worker", "admin"))]
+AGENTS = ("worker", "admin")
+AgentPrincipal = Annotated[Principal, Depends(require(*AGENTS))]
 Overseer = Annotated[Principal, Depends(require("admin", "service"))]
 
 
@@ -61,12 +66,11 @@ def _settings(request: Request) -> CoreSettings:
     return settings
 
 
-async def _own_worker(
-    worker_id: WorkerId,
-    principal: AgentPrincipal,
-    engine: Engine,
-    request: Request,
-    lease: Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=200)] = None,
+LeaseHeader = Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=200)]
+
+
+async def _hold(
+    worker_id: int, principal: Principal, engine: AsyncEngine, request: Request, lease: str | None
 ) -> dispatch.Holder:
     """The worker, if the caller registered it (admins: any) and holds its lease secret;
     else 404, as for a missing worker. A lease checked lately is not read again."""
@@ -79,6 +83,16 @@ async def _own_worker(
         holder = await dispatch.leased_worker(conn, worker_id, lease)
     leases.put(worker_id, lease, holder.principal)
     return dispatch.held_by(holder, owner)
+
+
+async def _own_worker(
+    worker_id: WorkerId,
+    principal: AgentPrincipal,
+    engine: Engine,
+    request: Request,
+    lease: LeaseHeader = None,
+) -> dispatch.Holder:
+    return await _hold(worker_id, principal, engine, request, lease)
 
 
 OwnWorker = Annotated[dispatch.Holder, Depends(_own_worker)]
@@ -120,15 +134,47 @@ async def list_workers(
     return WorkerList(items=items, next_cursor=next_cursor)
 
 
-def _dispatcher(
-    engine: Engine, notifier: Announcer, meter: Meter, box: Box, request: Request
-) -> ops.Dispatcher:
-    settings = _settings(request)
+def _dispatcher_on(request: Request, engine: AsyncEngine) -> ops.Dispatcher:
+    state = request.app.state
+    settings: CoreSettings = state.settings
     defaults = placement.Defaults.of(settings)
-    return ops.Dispatcher(engine, notifier, meter, box, defaults, settings.claim_ahead_max_s)
+    return ops.Dispatcher(
+        engine,
+        state.notifier,
+        state.core_metrics,
+        state.secret_box,
+        defaults,
+        settings.claim_ahead_max_s,
+    )
+
+
+def _dispatcher(engine: Engine, request: Request) -> ops.Dispatcher:
+    return _dispatcher_on(request, engine)
 
 
 Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """What an agent's hot calls need, solved as one dependency (FastAPI spends tens of
+    microseconds on each one it solves; these calls solved twelve): the worker held by
+    the caller (``OwnWorker``) and a dispatcher (``Dispatch``)."""
+
+    worker: dispatch.Holder
+    dispatcher: ops.Dispatcher
+
+
+async def _agent_call(
+    worker_id: WorkerId, request: Request, credentials: Bearer, lease: LeaseHeader = None
+) -> AgentCall:
+    engine = engine_of(request)
+    principal = allow(await authenticate(request, engine, credentials), AGENTS)
+    worker = await _hold(worker_id, principal, engine, request, lease)
+    return AgentCall(worker, _dispatcher_on(request, engine))
+
+
+Agent = Annotated[AgentCall, Depends(_agent_call)]
 
 
 @router.post(
@@ -137,10 +183,9 @@ Dispatch = Annotated[ops.Dispatcher, Depends(_dispatcher)]
     responses=PROBLEMS,
     dependencies=[Depends(on_liveness_pool)],
 )
-async def heartbeat(
-    beat: Heartbeat, worker: OwnWorker, dispatcher: Dispatch, request: Request
-) -> HeartbeatAnswer:
+async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> HeartbeatAnswer:
     """The sidecar's beat: the worker lives, and these attempts' processes run."""
+    worker, dispatcher = call.worker, call.dispatcher
     # An attempt claimed after the sidecar read its list is not in this beat: give every
     # attempt two beats (and a second) before its absence means its process is gone.
     grace = 2 * _settings(request).heartbeat_interval_s + 1.0
@@ -155,22 +200,22 @@ async def heartbeat(
 
 
 @router.post("/{worker_id}/turn", response_model=TurnAnswer, responses=PROBLEMS)
-async def turn(body: Turn, worker: OwnWorker, dispatcher: Dispatch, request: Request) -> Response:
+async def turn(body: Turn, call: Agent, request: Request) -> Response:
     """One round trip of a worker agent, in one transaction: the reports of attempts that
     ended (each fenced by its attempt and this worker: a stale one is refused alone, with
     409 in its verdict), the attempts it started, and the room it wants filled (``claim``;
     with ``wait``, an empty answer is held until work arrives or ``wait`` seconds pass)."""
+    worker, dispatcher = call.worker, call.dispatcher
     done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
     answer = TurnAnswer(state=done.state, reports=done.reports, attempts=done.attempts)
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
 @router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)
-async def claim(
-    room: ClaimRequest, worker: OwnWorker, dispatcher: Dispatch, request: Request
-) -> ClaimAnswer:
+async def claim(room: ClaimRequest, call: Agent, request: Request) -> ClaimAnswer:
     """Lease attempts that fit the room given; with ``wait``, hold an empty answer until
     work arrives or ``wait`` seconds pass. (A turn without reports.)"""
+    worker, dispatcher = call.worker, call.dispatcher
     leased = await ops.claim(dispatcher, worker.id, room, request.is_disconnected)
     return ClaimAnswer(attempts=leased)
 
@@ -204,15 +249,12 @@ async def starts(body: Starts, worker: OwnWorker, engine: Engine) -> StartsAnswe
     "/{worker_id}/attempts/{attempt_id}/report", response_model=ReportAnswer, responses=PROBLEMS
 )
 async def report(
-    attempt_id: AttemptId,
-    outcome: Report,
-    worker: OwnWorker,
-    dispatcher: Dispatch,
-    request: Request,
+    attempt_id: AttemptId, outcome: Report, call: Agent, request: Request
 ) -> ReportAnswer:
     """How an attempt ended. A report from an attempt that is no longer the task's current
     one (its lease was lost) is refused with 409 and changes nothing. (A turn of one
     report.)"""
+    worker, dispatcher = call.worker, call.dispatcher
     verdict = await ops.report(dispatcher, worker.id, attempt_id, outcome, request.headers)
     assert verdict.task_id is not None and verdict.state is not None
     return ReportAnswer(task_id=verdict.task_id, state=verdict.state)
