@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,28 @@ def matcher_passed(db, task_ids: list[int]) -> bool:
         (task_ids,),
     ).fetchone()
     return row == (0,)
+
+
+def test_an_idle_matcher_does_not_rewrite_its_cursor_and_still_matches_the_next_death(
+    core: Core, receiver: Receiver, db
+) -> None:
+    """The cursor moves when a death is read, not on every pass: each move is a write,
+    whose transaction id moved the feed's horizon, so an idle core wrote for ever."""
+    with core.client() as alice:
+        subscribe(alice, receiver.url)
+    first = bury(core, 1)
+    wait_for(lambda: matcher_passed(db, first))
+    query = "SELECT xmin::text FROM core.notify_cursors WHERE name = 'matcher'"
+    [written] = db.execute(query).fetchone()
+    # Twenty passes a second (FAST), while the other tests' transactions move the horizon.
+    for _ in range(15):
+        db.execute("SELECT pg_current_xact_id()")
+        time.sleep(0.1)
+    assert db.execute(query).fetchone() == (written,)
+    second = bury(core, 1)
+    wait_for(lambda: matcher_passed(db, second))
+    assert db.execute(query).fetchone() != (written,)
+    wait_for(lambda: delivered(db, 2), timeout=20)
 
 
 def test_a_dead_task_reaches_the_webhook_signed_after_two_failed_tries(
