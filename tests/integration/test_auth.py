@@ -115,3 +115,24 @@ def test_only_the_service_role_may_submit_for_someone_else(core: Core) -> None:
         # Naming oneself is allowed, and means nothing.
         own = mallory.post("/v1/tasks", json=spec(), headers={"X-Cairn-On-Behalf-Of": "mallory"})
         assert own.status_code == 201
+
+
+def test_without_a_valid_token_the_hot_paths_answer_401_before_judging_the_rest(
+    core: Core,
+) -> None:
+    """Submissions and an agent's calls solve the caller before their other parameters: a
+    request with no token (or a wrong one) and a bad header or path is refused as 401."""
+    long_owner = {"X-Cairn-On-Behalf-Of": "x" * 201}
+    for headers in ({}, {"Authorization": "Bearer cairn_not-a-token"}):
+        for path, body in (("/v1/tasks", spec()), ("/v1/tasks/batch", {"tasks": [spec()]})):
+            answer = httpx.post(core.url + path, json=body, headers={**headers, **long_owner})
+            assert answer.status_code == 401, (path, answer.text)
+        for path in ("/v1/workers/0/turn", "/v1/workers/0/heartbeat", "/v1/workers/0/claim"):
+            answer = httpx.post(
+                core.url + path, json={}, headers={**headers, "X-Cairn-Worker-Lease": "l" * 201}
+            )
+            assert answer.status_code == 401, (path, answer.text)
+    with core.client() as alice:
+        # With one, the same header is judged: 422, naming it.
+        answer = alice.post("/v1/tasks", json=spec(), headers=long_owner)
+        assert answer.status_code == 422 and "on-behalf-of" in answer.text.lower()

@@ -165,11 +165,19 @@ class AgentCall:
     dispatcher: ops.Dispatcher
 
 
+async def _agent(request: Request, credentials: Bearer) -> Principal:
+    return allow(await authenticate(request, engine_of(request), credentials), AGENTS)
+
+
 async def _agent_call(
-    worker_id: WorkerId, request: Request, credentials: Bearer, lease: LeaseHeader = None
+    worker_id: WorkerId,
+    request: Request,
+    principal: Annotated[Principal, Depends(_agent)],
+    lease: LeaseHeader = None,
 ) -> AgentCall:
+    # The caller is a dependency of its own, solved before the path and the header are
+    # validated: a request without a valid token is a 401, whatever else is wrong.
     engine = engine_of(request)
-    principal = allow(await authenticate(request, engine, credentials), AGENTS)
     worker = await _hold(worker_id, principal, engine, request, lease)
     return AgentCall(worker, _dispatcher_on(request, engine))
 
