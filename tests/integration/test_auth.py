@@ -127,7 +127,8 @@ def test_without_a_valid_token_the_hot_paths_answer_401_before_judging_the_rest(
         for path, body in (("/v1/tasks", spec()), ("/v1/tasks/batch", {"tasks": [spec()]})):
             answer = httpx.post(core.url + path, json=body, headers={**headers, **long_owner})
             assert answer.status_code == 401, (path, answer.text)
-        for path in ("/v1/workers/0/turn", "/v1/workers/0/heartbeat", "/v1/workers/0/claim"):
+        agent_calls = ("turn", "heartbeat", "claim", "attempts/1/report")
+        for path in (f"/v1/workers/0/{call}" for call in agent_calls):
             answer = httpx.post(
                 core.url + path, json={}, headers={**headers, "X-Cairn-Worker-Lease": "l" * 201}
             )
@@ -136,3 +137,8 @@ def test_without_a_valid_token_the_hot_paths_answer_401_before_judging_the_rest(
         # With one, the same header is judged: 422, naming it.
         answer = alice.post("/v1/tasks", json=spec(), headers=long_owner)
         assert answer.status_code == 422 and "on-behalf-of" in answer.text.lower()
+        # A user's token on an agent's call: its role is refused (403) before the rest.
+        answer = alice.post(
+            "/v1/workers/0/turn", json={}, headers={"X-Cairn-Worker-Lease": "l" * 201}
+        )
+        assert answer.status_code == 403, answer.text

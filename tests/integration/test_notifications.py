@@ -80,7 +80,8 @@ def delivered(db, count: int) -> bool:
 
 
 def matcher_passed(db, task_ids: list[int]) -> bool:
-    """Whether the matcher's cursor is past every event of these tasks."""
+    """Whether the matcher's cursor is past every event of these tasks. The cursor moves
+    to the deaths it reads: pass tasks whose last event is their death."""
     row = db.execute(
         "SELECT count(*) FROM core.task_events e, core.notify_cursors c "
         "WHERE c.name = 'matcher' AND e.task_id = ANY(%s) AND (e.xid, e.id) > (c.feed_xid, c.feed_id)",
@@ -100,7 +101,7 @@ def test_an_idle_matcher_does_not_rewrite_its_cursor_and_still_matches_the_next_
     wait_for(lambda: matcher_passed(db, first))
     query = "SELECT xmin::text FROM core.notify_cursors WHERE name = 'matcher'"
     [written] = db.execute(query).fetchone()
-    # Twenty passes a second (FAST), while the other tests' transactions move the horizon.
+    # Twenty passes a second (FAST), while these transactions move the horizon.
     for _ in range(15):
         db.execute("SELECT pg_current_xact_id()")
         time.sleep(0.1)
