@@ -499,3 +499,11 @@ def test_settings_refuse_a_half_or_insecure_oidc_configuration(tmp_path: Path) -
             oidc_audience=AUDIENCE,
             oidc_jwks_url="http://idp.example.test/jwks",
         )
+    # A mapping that is not group=team is refused at start, naming the variable.
+    for table, why in (("payroll=Pay Roll", "not group=team"), ("a=x, a=y", "twice")):
+        with pytest.raises(ValidationError, match=f"oidc_team_map(.|\n)*{why}"):
+            CoreSettings(**base, oidc_team_map=table)
+    with pytest.raises(ValidationError, match="MIN_REFRESH_S <= CAIRN_OIDC_JWKS_REFRESH_S"):
+        CoreSettings(**base, oidc_jwks_refresh_s=10, oidc_jwks_min_refresh_s=20)
+    with pytest.raises(ValidationError, match="CAIRN_OIDC_JWKS_STALE_S"):
+        CoreSettings(**base, oidc_jwks_refresh_s=600, oidc_jwks_stale_s=60)
