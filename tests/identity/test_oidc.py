@@ -315,18 +315,18 @@ def _status(core: Core, token: str) -> int:
 def test_keys_come_from_a_jwks_url_and_rotate(db_url: str, tmp_path: Path, jwks_url: Any) -> None:
     first, second, bogus = Keys("k1"), Keys("k2"), Keys("bogus")
     jwks_url.keys = [first.jwk]
-    core = _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url, oidc_jwks_min_refresh_s=3.0)
+    core = _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url, oidc_jwks_min_refresh_s=5.0)
     try:
         began = time.monotonic()
         assert _status(core, first.sign()) == 200
         # Made-up key ids do not make core hammer the identity provider.
         for i in range(20):
             assert _status(core, bogus.sign(kid=f"bogus{i}")) == 401
-        assert time.monotonic() - began < 3.0, "too slow to test the pause"
+        assert time.monotonic() - began < 5.0, "too slow to test the pause"
         assert jwks_url.fetches == 1
         # The provider rotates: the new key is fetched once the refetch pause allows it.
         jwks_url.keys = [first.jwk, second.jwk]
-        time.sleep(max(0.0, began + 3.1 - time.monotonic()))
+        time.sleep(max(0.0, began + 5.1 - time.monotonic()))
         assert _status(core, second.sign()) == 200
         assert jwks_url.fetches == 2
     finally:
@@ -347,16 +347,17 @@ def test_a_withdrawn_key_stops_verifying_at_the_next_scheduled_read(
         oidc_jwks_refresh_s=1.0,
         oidc_jwks_min_refresh_s=0.2,
     )
+    started = time.monotonic()
     try:
         assert _status(core, withdrawn.sign()) == 200
         jwks_url.keys = [kept.jwk]
         withdrawn_at = time.monotonic()
         wait_for(lambda: _status(core, withdrawn.sign()) == 401, timeout=10, interval=0.1)
-        assert time.monotonic() - withdrawn_at < 1.0 + 1.5
-        assert _status(core, kept.sign()) == 200
-        # The set is read on its schedule, not on every JWT.
-        time.sleep(1.5)
-        assert 2 <= jwks_url.fetches <= 5
+        assert time.monotonic() - withdrawn_at < 1.0 + 3.0
+        # The set is read on its schedule (once a second here), not on every JWT.
+        for _ in range(30):
+            assert _status(core, kept.sign()) == 200
+        assert 2 <= jwks_url.fetches <= time.monotonic() - started + 2
     finally:
         core.stop()
 
@@ -373,7 +374,7 @@ def test_the_providers_max_age_shortens_the_schedule(
         jwks_url.keys = [kept.jwk]
         withdrawn_at = time.monotonic()
         wait_for(lambda: _status(core, withdrawn.sign()) == 401, timeout=10, interval=0.1)
-        assert time.monotonic() - withdrawn_at < 1.0 + 1.5  # not the 300 s default
+        assert time.monotonic() - withdrawn_at < 1.0 + 3.0  # not the 300 s default
         # A max-age below the least pause is held to that pause: no hammering.
         jwks_url.cache_control = "max-age=0"
         fetched = jwks_url.fetches
@@ -400,7 +401,7 @@ def test_an_unreachable_provider_leaves_the_last_set_in_use_for_a_bounded_time(
         oidc_jwks_url=jwks_url.url,
         oidc_jwks_refresh_s=0.5,
         oidc_jwks_min_refresh_s=0.2,
-        oidc_jwks_stale_s=3.0,
+        oidc_jwks_stale_s=6.0,
     )
     try:
         assert _status(core, keys.sign()) == 200
@@ -411,8 +412,9 @@ def test_an_unreachable_provider_leaves_the_last_set_in_use_for_a_bounded_time(
         wait_for(lambda: "cannot be loaded" in (_readiness(core)["detail"] or ""), timeout=5)
         assert _status(core, keys.sign()) == 200
         # Past CAIRN_OIDC_JWKS_STALE_S it is not trusted any more: 503, not 401.
-        wait_for(lambda: _status(core, keys.sign()) == 503, timeout=10, interval=0.1)
-        assert time.monotonic() - down_at > 2.5
+        wait_for(lambda: _status(core, keys.sign()) == 503, timeout=15, interval=0.1)
+        # (The last good read was at most one interval, 0.5 s, before the provider fell.)
+        assert time.monotonic() - down_at > 6.0 - 0.5 - 1.0
         assert "503" in _readiness(core)["detail"]
         # The provider is back: so are its keys, without a restart.
         jwks_url.status = 200
