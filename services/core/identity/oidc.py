@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -73,7 +74,10 @@ class OidcVerifier:
     """Verifies identity-provider JWTs and says whom they stand for."""
 
     def __init__(
-        self, settings: CoreSettings, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        settings: CoreSettings,
+        transport: httpx.AsyncBaseTransport | None = None,
+        on_withdrawn: Callable[[], None] | None = None,
     ) -> None:
         self.issuer = settings.oidc_issuer
         self.audience = settings.oidc_audience
@@ -89,6 +93,8 @@ class OidcVerifier:
         self.min_refresh_s = settings.oidc_jwks_min_refresh_s
         self.stale_s = settings.oidc_jwks_stale_s
         self._transport = transport
+        # Called when a read drops keys: what was checked with them is not trusted either.
+        self._on_withdrawn = on_withdrawn
         self._keys: dict[str | None, jwt.PyJWK] = {}
         self._read_at = -math.inf  # when the keys in hand were read (monotonic)
         self._tried_at = -math.inf  # the last read, good or not
@@ -156,6 +162,8 @@ class OidcVerifier:
         withdrawn = sorted(str(kid) for kid in self._keys.keys() - keys.keys())
         if withdrawn:
             log.info("OIDC keys withdrawn by the provider, no longer trusted: %s", withdrawn)
+            if self._on_withdrawn is not None:
+                self._on_withdrawn()
         if self._failure is not None:
             log.warning("the OIDC key set is read again (it could not be: %s)", self._failure)
         self._keys, self._read_at, self._lifetime = keys, self._tried_at, lifetime
