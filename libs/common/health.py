@@ -3,7 +3,9 @@ through the engine the application keeps in ``app.state.engine``, and finds ever
 background loop the service keeps in ``app.state.loops`` (core's, dag's) still running (a
 loop that ended means the service answers but no longer does its work: a container health
 check and a load balancer should see that), and asks ``app.state.unready`` where the
-service has one (cron: its engine runs, and turns while it leads)."""
+service has one (cron: its engine runs, and turns while it leads). What works worse but
+works (``app.state.degraded``: core's OIDC key set that cannot be read again) is said in
+an ``ok`` answer's detail: every replica meets it alike, so none should leave the pool."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ async def healthz() -> Health:
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> JSONResponse:
     """The process answers, reaches the database, runs its loops and (where the service
-    has one) its ``app.state.unready`` check finds nothing wrong: cron's engine runs."""
+    has one) its ``app.state.unready`` check finds nothing wrong: cron's engine runs;
+    ``app.state.degraded`` adds a note to the ``ok``."""
     stopped = [name for name, task in loops(request.app).items() if task.done()]
     if stopped:
         body = Health(status="unavailable", detail=f"stopped: {', '.join(sorted(stopped))}")
@@ -52,4 +55,6 @@ async def readyz(request: Request) -> JSONResponse:
     except (DBAPIError, OSError) as exc:
         body = Health(status="unavailable", detail=type(exc).__name__)
         return JSONResponse(body.model_dump(), status_code=503)
-    return JSONResponse(Health(status="ok").model_dump())
+    degraded: Callable[[], str | None] | None = getattr(request.app.state, "degraded", None)
+    note = degraded() if degraded is not None else None
+    return JSONResponse(Health(status="ok", detail=note).model_dump())

@@ -73,7 +73,10 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.notifier = notifier
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
-        app.state.oidc = OidcVerifier(settings) if settings.oidc_enabled else None
+        oidc = None
+        if settings.oidc_enabled:
+            oidc = OidcVerifier(settings, on_withdrawn=app.state.tokens.evict_jwts)
+        app.state.oidc = oidc
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
@@ -86,6 +89,9 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             settings.retention_interval_s,
             settings.retention_batch,
         )
+        if oidc is not None:
+            background.append(asyncio.create_task(oidc.run(), name="cairn-oidc-keys"))
+            app.state.degraded = oidc.degraded
         app.state.loops = {t.get_name(): t for t in [*background, *notifier.tasks]}
         try:
             yield

@@ -91,6 +91,11 @@ class TokenCache:
         for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
             del self._entries[key]
 
+    def evict_jwts(self) -> None:
+        """Forget every JWT: the identity provider withdrew a key some were checked with."""
+        for key in [k for k in self._entries if looks_like_jwt(k)]:
+            del self._entries[key]
+
 
 class LeaseCache:
     """Worker lease secrets this replica has checked, so a worker's every request does

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
+from services.core.identity.groups import TeamMapping, parse_team_map
 
 
 class CoreSettings(CairnSettings):
@@ -60,6 +61,39 @@ class CoreSettings(CairnSettings):
     oidc_admin_team: str | None = None
     oidc_algorithms: str = "RS256,ES256"
     oidc_leeway_s: float = Field(default=30.0, ge=0, le=600)
+    #: how often the key set is read again, at most (a shorter Cache-Control max-age from
+    #: the provider wins): how long a key the provider withdrew can still verify
+    oidc_jwks_refresh_s: float = Field(default=300.0, gt=0, le=86400)
+    #: the least time between two reads, whatever asks (an unknown kid, a short max-age,
+    #: a failing provider): made-up kids must not make core hammer the provider
+    oidc_jwks_min_refresh_s: float = Field(default=30.0, gt=0, le=3600)
+    #: how long the last good set is used while the provider cannot be read; after that
+    #: JWTs are answered 503 until it can
+    oidc_jwks_stale_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    #: provider groups that start with this grant the team named by the rest
+    oidc_team_prefix: str | None = Field(default=None, min_length=1, max_length=200)
+    #: ``group=team,...``: provider groups that grant a team; with no prefix and no
+    #: table, groups grant no team
+    oidc_team_map: str = Field(default="", max_length=65536)
+
+    @field_validator("oidc_team_map")
+    @classmethod
+    def _check_team_map(cls, value: str) -> str:
+        parse_team_map(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_jwks_times(self) -> CoreSettings:
+        if not self.oidc_jwks_min_refresh_s <= self.oidc_jwks_refresh_s <= self.oidc_jwks_stale_s:
+            raise ValueError(
+                "CAIRN_OIDC_JWKS_MIN_REFRESH_S <= CAIRN_OIDC_JWKS_REFRESH_S"
+                " <= CAIRN_OIDC_JWKS_STALE_S must hold"
+            )
+        return self
+
+    @property
+    def oidc_team_mapping(self) -> TeamMapping:
+        return TeamMapping(self.oidc_team_prefix, parse_team_map(self.oidc_team_map))
 
     @model_validator(mode="after")
     def _check_identity(self) -> CoreSettings:

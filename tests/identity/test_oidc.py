@@ -5,10 +5,12 @@ expired or misdirected JWT gets the same 401 as an unknown token."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from services.core.identity import oidc
 from tests.cron.conftest import start_cron
 from tests.dag.conftest import start_dag
-from tests.support import Core, spec, start_core
+from tests.support import Core, register_worker, spec, start_core, wait_for
 
 ISSUER = "https://idp.example.test"
 AUDIENCE = "cairn"
@@ -95,20 +96,110 @@ def _as(core: Core, token: str) -> httpx.Client:
     return httpx.Client(base_url=core.url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
 
-def test_a_valid_jwt_is_a_principal_with_its_teams(idp_core: Core, keys: Keys) -> None:
-    with _as(idp_core, keys.sign()) as alice:
+@pytest.fixture
+def mapped_core(db_url: str, tmp_path: Path, keys: Keys) -> Iterator[Core]:
+    """Core whose operator maps provider groups ``cairn-team-*`` and ``Payroll Admins``."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [keys.jwk]}))
+    server = _core(
+        db_url,
+        tmp_path,
+        oidc_jwks_file=jwks,
+        oidc_team_prefix="cairn-team-",
+        oidc_team_map="Payroll Admins=payroll",
+    )
+    yield server
+    server.stop()
+
+
+def test_a_valid_jwt_is_a_principal_with_its_mapped_teams(mapped_core: Core, keys: Keys) -> None:
+    with _as(mapped_core, keys.sign({"groups": ["cairn-team-sre", "sre-oncall"]})) as alice:
         who = alice.get("/v1/whoami").json()
         assert who["name"] == "alice@example.test" and who["role"] == "user"
         assert who["teams"] == ["sre"] and who["expires_at"] is not None
         made = alice.post("/v1/tasks", json=spec(team="sre"))
         assert made.status_code == 201 and made.json()["owner"] == "alice@example.test"
-    with _as(idp_core, keys.sign({"sub": "bob@example.test"})) as bob:
+    with _as(
+        mapped_core, keys.sign({"sub": "bob@example.test", "groups": ["cairn-team-sre"]})
+    ) as bob:
         assert bob.get(f"/v1/tasks/{made.json()['id']}").status_code == 200
-    with _as(idp_core, keys.sign({"sub": "eve@example.test", "groups": []})) as eve:
+    with _as(mapped_core, keys.sign({"sub": "eve@example.test", "groups": []})) as eve:
         assert eve.get(f"/v1/tasks/{made.json()['id']}").status_code == 404
-    with _as(idp_core, keys.sign({"groups": ["cairn-admins"]})) as admin:
-        assert admin.get("/v1/whoami").json()["role"] == "admin"
+    # The admin group makes an admin (it is named by the operator), not a team's member.
+    with _as(mapped_core, keys.sign({"groups": ["cairn-admins"]})) as admin:
+        who = admin.get("/v1/whoami").json()
+        assert who["role"] == "admin" and who["teams"] == []
         assert admin.get("/v1/audit").status_code == 200
+    with _as(mapped_core, keys.sign({"groups": ["Payroll Admins", "cairn-team-Bad Name"]})) as pay:
+        assert pay.get("/v1/whoami").json()["teams"] == ["payroll"]
+
+
+def _payroll(core: Core) -> tuple[str, int]:
+    """The team ``payroll`` (carol, a recorded member), its secret, and a task of it."""
+    value = f"payroll-{uuid.uuid4().hex}"
+    with core.client("root", "admin") as root:
+        assert root.post("/v1/teams", json={"name": "payroll"}).status_code == 201
+        assert root.put("/v1/teams/payroll/members/carol").status_code in (200, 201, 204)
+    with core.client("carol") as carol:
+        made = carol.post("/v1/secrets", json={"name": "bank", "value": value, "team": "payroll"})
+        assert made.status_code == 201, made.text
+        task = carol.post("/v1/tasks", json=spec(team="payroll"))
+        assert task.status_code == 201, task.text
+    return value, task.json()["id"]
+
+
+PAYROLL_ENV = {"BANK": {"secret": "bank", "team": "payroll"}}
+
+
+def _is_outsider(core: Core, token: str, task_id: int) -> None:
+    """``token`` is in no team: it sees neither payroll, its task nor its secret, and
+    cannot run a task with the secret."""
+    with _as(core, token) as caller:
+        assert caller.get("/v1/whoami").json()["teams"] == []
+        assert caller.get("/v1/teams/payroll").status_code == 404
+        assert caller.get(f"/v1/tasks/{task_id}").status_code == 404
+        assert caller.get("/v1/secrets").json()["items"] == []
+        stolen = caller.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll"))
+        assert stolen.status_code == 403, stolen.text
+
+
+def _leased(core: Core) -> list[dict[str, Any]]:
+    with core.client("w1", "worker") as worker:
+        offer = {"hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
+        worker_id = register_worker(worker, offer)
+        room = {"cpu": 8, "memory_mb": 16384, "max": 16}
+        answer = worker.post(f"/v1/workers/{worker_id}/claim", json=room)
+        assert answer.status_code == 200, answer.text
+        return list(answer.json()["attempts"])
+
+
+def test_a_group_named_like_a_team_grants_nothing_without_a_mapping(
+    idp_core: Core, keys: Keys
+) -> None:
+    """Mallory creates a group ``payroll`` at the provider: with no mapping set, core
+    gives her nothing of the team of that name."""
+    _, task_id = _payroll(idp_core)
+    mallory = keys.sign({"sub": "mallory@example.test", "groups": ["payroll"]})
+    _is_outsider(idp_core, mallory, task_id)
+    assert [a["task_id"] for a in _leased(idp_core)] == [task_id]
+
+
+def test_only_mapped_groups_grant_a_team_and_its_secrets(mapped_core: Core, keys: Keys) -> None:
+    value, task_id = _payroll(mapped_core)
+    # A group named like the team, or like the table's team, is not in the mapping.
+    for groups in (["payroll"], ["team-payroll", "cairn-payroll", "payroll admins"]):
+        mallory = keys.sign({"sub": "mallory@example.test", "groups": groups})
+        _is_outsider(mapped_core, mallory, task_id)
+    # The prefix and the table grant what they say, the team's secret included.
+    expected: dict[int, dict[str, str]] = {task_id: {}}
+    for who, group in (("dave@example.test", "cairn-team-payroll"), ("erin", "Payroll Admins")):
+        with _as(mapped_core, keys.sign({"sub": who, "groups": [group]})) as member:
+            assert member.get("/v1/whoami").json()["teams"] == ["payroll"]
+            assert member.get(f"/v1/tasks/{task_id}").status_code == 200
+            made = member.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll"))
+            assert made.status_code == 201, made.text
+            expected[made.json()["id"]] = {"BANK": value}
+    assert {a["task_id"]: a["env"] for a in _leased(mapped_core)} == expected
 
 
 def test_an_elliptic_curve_key_of_the_set_signs_too(idp_core: Core, ec_keys: Keys) -> None:
@@ -178,17 +269,27 @@ def test_jwts_are_refused_when_oidc_is_not_configured(core: Core, keys: Keys) ->
 
 
 class Jwks(http.server.BaseHTTPRequestHandler):
+    """The provider's key set as it serves it: the test changes the keys, the status, the
+    Cache-Control header and how much padding the answer carries."""
+
     keys: list[dict[str, Any]] = []
     fetches = 0
+    status = 200
+    cache_control: str | None = None
+    padding = 0
 
     def do_GET(self) -> None:
-        type(self).fetches += 1
-        body = json.dumps({"keys": type(self).keys}).encode()
-        self.send_response(200)
+        served = type(self)
+        served.fetches += 1
+        body = json.dumps({"keys": served.keys, "padding": " " * served.padding}).encode()
+        self.send_response(served.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if served.cache_control is not None:
+            self.send_header("Cache-Control", served.cache_control)
         self.end_headers()
-        self.wfile.write(body)
+        with contextlib.suppress(ConnectionError):  # core stops reading an oversized set
+            self.wfile.write(body)
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -206,26 +307,136 @@ def jwks_url() -> Iterator[type[Jwks]]:
     server.server_close()
 
 
-def test_keys_come_from_a_jwks_url_and_rotate(
-    db_url: str, tmp_path: Path, jwks_url: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    first, second = Keys("k1"), Keys("k2")
+def _status(core: Core, token: str) -> int:
+    with _as(core, token) as caller:
+        return caller.get("/v1/whoami").status_code
+
+
+def _polling_core(db_url: str, tmp_path: Path, jwks_url: Any, **settings: Any) -> Core:
+    """Core reading the served key set every 0.5 s (unless ``settings`` say otherwise)."""
+    fast = {"oidc_jwks_refresh_s": 0.5, "oidc_jwks_min_refresh_s": 0.2}
+    return _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url, **{**fast, **settings})
+
+
+def test_keys_come_from_a_jwks_url_and_rotate(db_url: str, tmp_path: Path, jwks_url: Any) -> None:
+    first, second, bogus = Keys("k1"), Keys("k2"), Keys("bogus")
     jwks_url.keys = [first.jwk]
-    core = _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url)
+    pause = 2.0
+    core = _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url, oidc_jwks_min_refresh_s=pause)
     try:
-        with _as(core, first.sign()) as alice:
-            assert alice.get("/v1/whoami").status_code == 200
-        # Made-up key ids do not make core hammer the identity provider.
+        began = time.monotonic()
+        assert _status(core, first.sign()) == 200
+        # Made-up key ids do not make core hammer the identity provider: a read a pause.
         for i in range(20):
-            with _as(core, Keys(f"bogus{i}").sign()) as bogus:
-                assert bogus.get("/v1/whoami").status_code == 401
-        assert jwks_url.fetches == 1
+            assert _status(core, bogus.sign(kid=f"bogus{i}")) == 401
+        assert jwks_url.fetches <= 1 + (time.monotonic() - began) / pause + 1
         # The provider rotates: the new key is fetched once the refetch pause allows it.
         jwks_url.keys = [first.jwk, second.jwk]
-        monkeypatch.setattr(oidc, "REFETCH_MIN_S", 0.0)
-        with _as(core, second.sign()) as rotated:
-            assert rotated.get("/v1/whoami").status_code == 200
-        assert jwks_url.fetches == 2
+        time.sleep(pause + 0.1)
+        fetched = jwks_url.fetches
+        assert _status(core, second.sign()) == 200
+        assert jwks_url.fetches == fetched + 1
+    finally:
+        core.stop()
+
+
+def test_a_withdrawn_key_stops_verifying_at_the_next_scheduled_read(
+    db_url: str, tmp_path: Path, jwks_url: Any
+) -> None:
+    """The provider withdraws a key (leaked, say): without a restart, core stops
+    accepting it within CAIRN_OIDC_JWKS_REFRESH_S, a JWT it already cached included, and
+    keeps the key that stayed."""
+    kept, withdrawn = Keys("k1"), Keys("k2")
+    jwks_url.keys = [kept.jwk, withdrawn.jwk]
+    # A JWT seen is cached for a minute: the withdrawal must reach the cache too.
+    core = _polling_core(db_url, tmp_path, jwks_url, oidc_jwks_refresh_s=1.0, token_cache_s=60)
+    try:
+        cached = withdrawn.sign()
+        assert _status(core, cached) == 200
+        jwks_url.keys = [kept.jwk]
+        withdrawn_at = time.monotonic()
+        wait_for(lambda: _status(core, cached) == 401, timeout=10, interval=0.1)
+        assert time.monotonic() - withdrawn_at < 1.0 + 3.0
+        assert _status(core, withdrawn.sign()) == 401
+        # A known key's JWTs do not read the set: the schedule does (once a second here).
+        fetched, began = jwks_url.fetches, time.monotonic()
+        for _ in range(30):
+            assert _status(core, kept.sign()) == 200
+        assert jwks_url.fetches - fetched <= time.monotonic() - began + 1
+    finally:
+        core.stop()
+
+
+def test_the_providers_max_age_shortens_the_schedule(
+    db_url: str, tmp_path: Path, jwks_url: Any
+) -> None:
+    kept, withdrawn = Keys("k1"), Keys("k2")
+    jwks_url.keys = [kept.jwk, withdrawn.jwk]
+    jwks_url.cache_control = "public, max-age=1"
+    core = _core(db_url, tmp_path, oidc_jwks_url=jwks_url.url, oidc_jwks_min_refresh_s=0.5)
+    try:
+        cached = withdrawn.sign()
+        assert _status(core, cached) == 200
+        jwks_url.keys = [kept.jwk]
+        withdrawn_at = time.monotonic()
+        wait_for(lambda: _status(core, withdrawn.sign()) == 401, timeout=10, interval=0.1)
+        assert time.monotonic() - withdrawn_at < 1.0 + 3.0  # not the 300 s default
+        # A max-age below the least pause is held to that pause: no hammering.
+        jwks_url.cache_control = "max-age=0"
+        fetched = jwks_url.fetches
+        time.sleep(2.0)
+        assert jwks_url.fetches - fetched <= 5
+    finally:
+        core.stop()
+
+
+def _readiness(core: Core) -> dict[str, Any]:
+    answer = httpx.get(core.url + "/readyz", timeout=10)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_an_unreachable_provider_leaves_the_last_set_in_use_for_a_bounded_time(
+    db_url: str, tmp_path: Path, jwks_url: Any
+) -> None:
+    keys = Keys("k1")
+    jwks_url.keys = [keys.jwk]
+    core = _polling_core(db_url, tmp_path, jwks_url, oidc_jwks_stale_s=6.0)
+    try:
+        assert _status(core, keys.sign()) == 200
+        assert _readiness(core)["detail"] is None
+        jwks_url.status = 503
+        down_at = time.monotonic()
+        # The last good set stays in use, and readiness says so.
+        wait_for(lambda: "cannot be loaded" in (_readiness(core)["detail"] or ""), timeout=5)
+        assert _status(core, keys.sign()) == 200
+        # Past CAIRN_OIDC_JWKS_STALE_S it is not trusted any more: 503, not 401.
+        wait_for(lambda: _status(core, keys.sign()) == 503, timeout=15, interval=0.1)
+        # (The last good read was at most one interval, 0.5 s, before the provider fell.)
+        assert time.monotonic() - down_at > 6.0 - 0.5 - 1.0
+        assert "503" in _readiness(core)["detail"]
+        # The provider is back: so are its keys, without a restart.
+        jwks_url.status = 200
+        wait_for(lambda: _status(core, keys.sign()) == 200, timeout=5, interval=0.1)
+        assert _readiness(core)["detail"] is None
+    finally:
+        core.stop()
+
+
+def test_an_oversized_key_set_is_refused_unread(db_url: str, tmp_path: Path, jwks_url: Any) -> None:
+    """A key set answer of 8 MB (a provider gone wrong, or someone in its path) is
+    refused once it passes the bound: the set in hand stays, the new one is not used."""
+    first, second = Keys("k1"), Keys("k2")
+    jwks_url.keys = [first.jwk]
+    core = _polling_core(db_url, tmp_path, jwks_url)
+    try:
+        assert _status(core, first.sign()) == 200
+        jwks_url.keys, jwks_url.padding = [first.jwk, second.jwk], 8 * 1024 * 1024
+        fetched = jwks_url.fetches
+        wait_for(lambda: jwks_url.fetches >= fetched + 2, timeout=10)
+        assert _status(core, second.sign()) == 401
+        assert _status(core, first.sign()) == 200
+        assert "cannot be loaded" in _readiness(core)["detail"]
     finally:
         core.stop()
 
@@ -283,3 +494,11 @@ def test_settings_refuse_a_half_or_insecure_oidc_configuration(tmp_path: Path) -
             oidc_audience=AUDIENCE,
             oidc_jwks_url="http://idp.example.test/jwks",
         )
+    # A mapping that is not group=team is refused at start, naming the variable.
+    for table, why in (("payroll=Pay Roll", "not group=team"), ("a=x, a=y", "twice")):
+        with pytest.raises(ValidationError, match=f"oidc_team_map(.|\n)*{why}"):
+            CoreSettings(**base, oidc_team_map=table)
+    with pytest.raises(ValidationError, match="MIN_REFRESH_S <= CAIRN_OIDC_JWKS_REFRESH_S"):
+        CoreSettings(**base, oidc_jwks_refresh_s=10, oidc_jwks_min_refresh_s=20)
+    with pytest.raises(ValidationError, match="CAIRN_OIDC_JWKS_STALE_S"):
+        CoreSettings(**base, oidc_jwks_refresh_s=600, oidc_jwks_stale_s=60)
