@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-import ssl
 import typing
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -167,9 +166,9 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
     def __init__(self, policy: Policy, resolver: Resolver = resolve) -> None:
         super().__init__(trust_env=False)
         # httpx takes no network backend of its own: its pool is rebuilt with one, as
-        # the pool httpx would make without a proxy.
+        # the pool httpx would make without a proxy (the same certificate checks).
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl.create_default_context(),
+            ssl_context=httpx.create_ssl_context(trust_env=False),
             network_backend=GuardedBackend(policy, resolver),
         )
 
