@@ -109,7 +109,7 @@ async def refused(url: str, policy: Policy, resolver: Resolver = resolve) -> boo
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         addresses = await resolver(parts.hostname or "", port)
-    except OSError:
+    except (OSError, UnicodeError):
         return False
     return not all(policy.permits(a, port) for a in addresses)
 
@@ -132,7 +132,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
     ) -> httpcore.AsyncNetworkStream:
         try:
             addresses = await self.resolver(host, port)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # a name the resolver cannot even encode
             raise httpcore.ConnectError(str(exc)) from None
         # Every address is checked, not only the one used: a name that answers both a
         # public and a private address is refused whole.

@@ -195,7 +195,7 @@ class Deliverer:
             return None, "no answer within the timeout", (time.monotonic() - started) * 1000
         except egress.Refused as exc:
             return None, f"could not deliver: {exc}", (time.monotonic() - started) * 1000
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):
             # Why a connection failed (refused, reset, unreachable) is not told: it
             # would say which ports of the target's host are open.
             return None, "could not deliver", (time.monotonic() - started) * 1000

@@ -382,6 +382,7 @@ def test_another_owners_subscription_is_not_found(core: Core) -> None:
         ({"url": "ftp://example.com/x"}, "body.url"),
         ({"url": "https://user:pw@example.com/x"}, "body.url"),
         ({"url": "https://example.com/" + "x" * 3000}, "body.url"),
+        ({"url": "https://example.com:99999/x"}, "body.url"),
         ({"events": ["task.succeeded"]}, "body.events.0"),
         ({"events": []}, "body.events"),
         ({"owner": "mallory"}, "body.owner"),

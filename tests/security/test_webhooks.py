@@ -169,6 +169,8 @@ def test_loopback_private_and_link_local_targets_are_refused_at_create(guarded: 
             assert answer.json()["errors"][0]["field"] == "body.url"
         assert alice.get("/v1/subscriptions").json() == {"items": []}
         subscribe(alice, "https://93.184.216.34/h")  # a public address
+        # A name the resolver cannot even encode is left to delivery, not a 500.
+        subscribe(alice, "https://" + "a" * 70 + ".example/h", name="long")
 
 
 def test_the_databases_port_stays_refused_when_loopback_is_opened(
