@@ -31,6 +31,10 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 REFUSED = "its address is refused (loopback, private and link-local addresses are not reached)"
 
 
+#: httpx's own pool bounds (httpcore's would allow 10 connections, not 100)
+LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)
+
+
 class Refused(Exception):
     """The target resolves to an address this client may not connect to."""
 
@@ -169,6 +173,9 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
         # the pool httpx would make without a proxy (the same certificate checks).
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=httpx.create_ssl_context(trust_env=False),
+            max_connections=LIMITS.max_connections,
+            max_keepalive_connections=LIMITS.max_keepalive_connections,
+            keepalive_expiry=LIMITS.keepalive_expiry,
             network_backend=GuardedBackend(policy, resolver),
         )
 

@@ -25,10 +25,10 @@ from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.notify")
 
-MAX_ERROR = 500
 #: how much of a failed answer's body is read (the rest is never read), and logged
 MAX_READ = 4096
 MAX_EXCERPT = 200
+MAX_REASON = 100
 MATCHER_JUMP_XIDS = 10_000  # how far the horizon runs ahead before a deathless page moves
 
 
@@ -208,13 +208,13 @@ class Deliverer:
 def _excerpt(answer: egress.Answer) -> str:
     """What the log keeps of a failed answer: its status line and the body's first
     characters, clipped (the body is the receiver's, not to be echoed whole)."""
-    text = answer.head.decode("utf-8", "replace")
-    text = "".join(c if c.isprintable() else " " for c in text)[:MAX_EXCERPT]
-    return _clip(f"HTTP {answer.status} {answer.reason}: {text}".rstrip(": "))
+    reason = _printable(answer.reason, MAX_REASON)
+    text = _printable(answer.head.decode("utf-8", "replace"), MAX_EXCERPT)
+    return f"HTTP {answer.status} {reason}: {text}".rstrip(": ")
 
 
-def _clip(text: str) -> str:
-    return text.replace("\x00", "")[:MAX_ERROR]
+def _printable(text: str, limit: int) -> str:
+    return "".join(c if c.isprintable() else " " for c in text[:limit])
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
