@@ -101,13 +101,20 @@ def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, thr
     return server, thread
 
 
+#: the tests' webhook receivers listen on loopback, which core refuses unless an
+#: administrator opens it (CAIRN_NOTIFY_ALLOW_CIDRS); the database's port stays refused
+LOOPBACK_WEBHOOKS = "127.0.0.0/8"
+
+
 def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any) -> Core:
     port = port or free_port()
+    defaults = {
+        "promote_interval_s": 0.05,
+        "token_cache_s": 0,
+        "notify_allow_cidrs": LOOPBACK_WEBHOOKS,
+    }
     config = CoreSettings(
-        home=home,
-        database_url=db_url,
-        core_port=port,
-        **{"promote_interval_s": 0.05, "token_cache_s": 0, **settings},
+        home=home, database_url=db_url, core_port=port, **{**defaults, **settings}
     )
     app = create_app(config, config.database_url or db_url)
     server, thread = serve_in_thread(app, port, "core")

@@ -27,7 +27,8 @@ class Received:
         return json.loads(self.body)
 
     def signed_by(self, secret: str) -> bool:
-        return verify(secret, self.body, self.headers.get("x-cairn-signature", ""))
+        stamp = self.headers.get("x-cairn-timestamp", "")
+        return verify(secret, self.body, stamp, self.headers.get("x-cairn-signature", ""))
 
 
 class Receiver:

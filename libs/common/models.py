@@ -973,6 +973,10 @@ def _webhook_url(value: str) -> str:
         raise ValueError("must name a host")
     if parts.username or parts.password:
         raise ValueError("must not carry credentials; the signature authenticates Cairn")
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port when it is read
+    except ValueError:
+        raise ValueError("must have a port from 0 to 65535") from None
     return value
 
 

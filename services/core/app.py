@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, problems
 from libs.common.limits import BodyLimit
-from services.core import loops, sharing, tasklogs
+from services.core import loops, notify, sharing, tasklogs
 from services.core.api import (
     audit,
     events,
@@ -80,7 +80,10 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
-        background = loops.start(engine, notifier, settings, meter, liveness)
+        app.state.webhooks = await notify.Webhooks.of(app.state.secret_box, settings, database_url)
+        background = loops.start(
+            engine, notifier, settings, meter, liveness, webhooks=app.state.webhooks
+        )
         background += loops.log_loops(
             engine,
             app.state.log_objects,

@@ -213,6 +213,8 @@ def start(
     settings: CoreSettings,
     meter: CoreMetrics,
     liveness: AsyncEngine | None = None,
+    *,
+    webhooks: notify.Webhooks,
 ) -> list[asyncio.Task[None]]:
     """Core's loops. The reaper runs on ``liveness`` (the heartbeats' own pool, else
     ``engine``): what it hears of the database is what the heartbeats meet."""
@@ -248,7 +250,7 @@ def start(
             ),
             name="cairn-retention",
         ),
-        *notification_loops(engine, settings),
+        *notification_loops(engine, settings, webhooks),
     ]
 
 
@@ -267,7 +269,9 @@ async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
 # --- notifications (docs/notifications.md) ------------------------------------------------
 
 
-def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+def notification_loops(
+    engine: AsyncEngine, settings: CoreSettings, webhooks: notify.Webhooks
+) -> list[asyncio.Task[None]]:
     """The matcher and the deadline scan (one replica at a time each, by advisory lock),
     webhook delivery (every replica, leased rows) and the outbox's retention."""
     interval = settings.notify_interval_s
@@ -281,7 +285,7 @@ def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyn
             every(interval, "notify-deadlines", lambda: notify.deadlines_once(engine, batch)),
             name="cairn-notify-deadlines",
         ),
-        asyncio.create_task(_deliveries(engine, settings), name="cairn-notify-delivery"),
+        asyncio.create_task(_deliveries(engine, settings, webhooks), name="cairn-notify-delivery"),
         asyncio.create_task(
             every(
                 settings.retention_interval_s,
@@ -293,8 +297,10 @@ def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyn
     ]
 
 
-async def _deliveries(engine: AsyncEngine, settings: CoreSettings) -> None:
-    deliverer = notify.Deliverer.of(engine, settings)
+async def _deliveries(
+    engine: AsyncEngine, settings: CoreSettings, webhooks: notify.Webhooks
+) -> None:
+    deliverer = notify.Deliverer.of(engine, settings, webhooks)
     try:
         await every(settings.notify_interval_s, "notify-delivery", deliverer.deliver_once)
     finally:

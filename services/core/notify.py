@@ -7,21 +7,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import httpx
 import orjson
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from libs.common import egress
 from libs.common.states import TaskState
 from services.core import store
 from services.core.db import notifications
 from services.core.domain import notify
 from services.core.domain.retry import Backoff
+from services.core.identity.crypto import SecretBox, Unreadable
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.notify")
 
-MAX_ERROR = 500
+#: how much of a failed answer's body is read (the rest is never read), and logged
+MAX_READ = 4096
+MAX_EXCERPT = 200
+MAX_REASON = 100
 MATCHER_JUMP_XIDS = 10_000  # how far the horizon runs ahead before a deathless page moves
 
 
@@ -69,6 +76,23 @@ def body_of(leased: notifications.Leased) -> bytes:
     return orjson.dumps(doc)
 
 
+@dataclass(frozen=True)
+class Webhooks:
+    """What sending webhooks needs beside the database: the keys the signing secrets are
+    sealed with, and which addresses may be reached (``libs/common/egress.py``)."""
+
+    box: SecretBox
+    egress: egress.Policy
+
+    @classmethod
+    async def of(cls, box: SecretBox, settings: CoreSettings, database_url: str) -> Webhooks:
+        """Refused beside loopback, private and link-local: the database's host (its
+        port on it even inside ``CAIRN_NOTIFY_ALLOW_CIDRS``)."""
+        db = make_url(database_url)
+        policy = await egress.guarding(db.host, db.port, settings.notify_allowed)
+        return cls(box, policy)
+
+
 class Deliverer:
     """Sends due deliveries by webhook, at least once, and records every answer. At most
     ``batch`` are in flight; a slow webhook holds only its own."""
@@ -80,25 +104,26 @@ class Deliverer:
         http: httpx.AsyncClient,
         batch: int,
         lease_s: float,
+        box: SecretBox,
     ) -> None:
         self.engine = engine
         self.policy = policy
         self.http = http
         self.batch = batch
         self.lease_s = lease_s
+        self.box = box
         self._inflight: set[asyncio.Task[None]] = set()
 
     @classmethod
-    def of(cls, engine: AsyncEngine, settings: CoreSettings) -> Deliverer:
+    def of(cls, engine: AsyncEngine, settings: CoreSettings, webhooks: Webhooks) -> Deliverer:
         policy = notify.Policy(
             backoff=Backoff(settings.notify_backoff_base_s, settings.notify_backoff_cap_s),
             max_tries=settings.notify_max_tries,
             disable_after=settings.notify_disable_after,
         )
         limit = settings.notify_timeout_s
-        timeout = httpx.Timeout(limit, connect=min(2.0, limit))
-        http = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
-        return cls(engine, policy, http, settings.notify_batch, settings.notify_lease)
+        http = egress.client(webhooks.egress, httpx.Timeout(limit, connect=min(2.0, limit)))
+        return cls(engine, policy, http, settings.notify_batch, settings.notify_lease, webhooks.box)
 
     async def aclose(self) -> None:
         for task in self._inflight:
@@ -124,7 +149,7 @@ class Deliverer:
     async def _deliver(self, leased: notifications.Leased) -> None:
         status, error, took_ms = await self._send(leased)
         delivered = self.policy.delivered(status)
-        retry_in = None if delivered else self.policy.retry_in_s(leased.tries)
+        retry_in = None if delivered else self.policy.retry_in_s(leased.tries, leased.event)
         outcome = notifications.Outcome(status, error, took_ms, delivered, retry_in)
         reason = notify.disabled_reason(self.policy.disable_after, status, error)
         try:
@@ -139,32 +164,57 @@ class Deliverer:
         if not held:
             log.warning("delivery %s was taken over before its answer came", leased.delivery_id)
 
-    async def _send(self, leased: notifications.Leased) -> tuple[int | None, str | None, float]:
-        body = body_of(leased)
-        headers = {
+    def _headers(self, leased: notifications.Leased, body: bytes) -> dict[str, str]:
+        """The try's headers, signed over its timestamp and the body."""
+        kid, nonce, sealed = leased.secret
+        secret = self.box.open(
+            kid, nonce, sealed, notify.secret_context(leased.owner, leased.subscription)
+        )
+        now = int(time.time())
+        return {
             "Content-Type": "application/json",
             "User-Agent": "cairn-webhooks/1",
-            notify.SIGNATURE_HEADER: notify.signature(leased.secret, body),
+            notify.SIGNATURE_HEADER: notify.signature(secret, now, body),
             notify.DELIVERY_HEADER: str(leased.delivery_id),
-            notify.TIMESTAMP_HEADER: str(int(time.time())),
+            notify.TIMESTAMP_HEADER: str(now),
             notify.EVENT_HEADER: leased.event,
         }
+
+    async def _send(self, leased: notifications.Leased) -> tuple[int | None, str | None, float]:
+        body = body_of(leased)
+        try:
+            headers = self._headers(leased, body)
+        except Unreadable:
+            return None, "the signing secret does not open with the configured keys", 0.0
         started = time.monotonic()
         try:
             # The whole exchange, not only each read, ends within the timeout.
             async with asyncio.timeout(self.http.timeout.read or 10.0):
-                answer = await self.http.post(leased.url, content=body, headers=headers)
+                answer = await egress.post(self.http, leased.url, body, headers, MAX_READ)
         except TimeoutError:
             return None, "no answer within the timeout", (time.monotonic() - started) * 1000
-        except httpx.HTTPError as exc:
-            return None, _clip(f"{type(exc).__name__}: {exc}"), (time.monotonic() - started) * 1000
+        except egress.Refused as exc:
+            return None, f"could not deliver: {exc}", (time.monotonic() - started) * 1000
+        except (httpx.HTTPError, httpx.InvalidURL):
+            # Why a connection failed (refused, reset, unreachable) is not told: it
+            # would say which ports of the target's host are open.
+            return None, "could not deliver", (time.monotonic() - started) * 1000
         took_ms = (time.monotonic() - started) * 1000
-        error = None if answer.is_success else _clip(answer.text or answer.reason_phrase)
-        return answer.status_code, error, took_ms
+        if 200 <= answer.status < 300:
+            return answer.status, None, took_ms
+        return answer.status, _excerpt(answer), took_ms
 
 
-def _clip(text: str) -> str:
-    return text.replace("\x00", "")[:MAX_ERROR]
+def _excerpt(answer: egress.Answer) -> str:
+    """What the log keeps of a failed answer: its status line and the body's first
+    characters, clipped (the body is the receiver's, not to be echoed whole)."""
+    reason = _printable(answer.reason, MAX_REASON)
+    text = _printable(answer.head.decode("utf-8", "replace"), MAX_EXCERPT)
+    return f"HTTP {answer.status} {reason}: {text}".rstrip(": ")
+
+
+def _printable(text: str, limit: int) -> str:
+    return "".join(c if c.isprintable() else " " for c in text[:limit])
 
 
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:

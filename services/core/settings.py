@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from libs.common.egress import IPNetwork, parse_cidrs
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
 from services.core.identity.groups import TeamMapping, parse_team_map
@@ -152,6 +153,22 @@ class CoreSettings(CairnSettings):
     notify_backoff_cap_s: float = Field(default=3600.0, gt=0)
     notify_disable_after: int = Field(default=20, ge=1, le=10000)
     notify_allow_http: bool = False
+    #: ranges webhooks may reach beside public addresses (``10.20.0.0/16,fd00::/8``):
+    #: loopback, private, link-local and the database's host are refused otherwise
+    notify_allow_cidrs: str = ""
+    #: a subscription's ``test`` deliveries are at most one per this many seconds
+    notify_test_interval_s: float = Field(default=10.0, gt=0, le=3600)
+
+    @field_validator("notify_allow_cidrs")
+    @classmethod
+    def _check_cidrs(cls, value: str) -> str:
+        parse_cidrs(value)
+        return value
+
+    @property
+    def notify_allowed(self) -> tuple[IPNetwork, ...]:
+        """The ranges of ``CAIRN_NOTIFY_ALLOW_CIDRS``."""
+        return parse_cidrs(self.notify_allow_cidrs)
 
     @property
     def notify_lease(self) -> float:

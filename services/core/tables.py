@@ -553,8 +553,12 @@ subscriptions = Table(
     Column("queue", Text),
     Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("url", Text, nullable=False),
-    # The HMAC key, as text so that it can later be stored encrypted.
-    Column("secret", Text, nullable=False),
+    # The HMAC key, sealed as secrets are (identity/crypto.py), bound to owner and name.
+    Column("secret_key_id", Text, nullable=False),
+    Column("secret_nonce", LargeBinary, nullable=False),
+    Column("secret_sealed", LargeBinary, nullable=False),
+    # When its last ``test`` delivery was queued: the next waits CAIRN_NOTIFY_TEST_INTERVAL_S.
+    Column("tested_at", DateTime(timezone=True)),
     Column("enabled", Boolean, nullable=False, server_default=text("true")),
     Column("disabled_reason", Text),
     Column("failures", Integer, nullable=False, server_default=text("0")),

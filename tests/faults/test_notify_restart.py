@@ -14,7 +14,15 @@ import psycopg
 import pytest
 
 from libs.common.settings import libpq_url
-from tests.support import free_port, make_token, spawn_core, spec, stop_process, wait_for
+from tests.support import (
+    LOOPBACK_WEBHOOKS,
+    free_port,
+    make_token,
+    spawn_core,
+    spec,
+    stop_process,
+    wait_for,
+)
 from tests.webhooks import Receiver, subscribe
 
 pytestmark = pytest.mark.slow
@@ -27,6 +35,7 @@ NOTIFY_ENV = {
     # Long enough that the held delivery is still leased to the first core when it dies.
     "CAIRN_NOTIFY_TIMEOUT_S": "10",
     "CAIRN_NOTIFY_LEASE_S": "11",
+    "CAIRN_NOTIFY_ALLOW_CIDRS": LOOPBACK_WEBHOOKS,
 }
 
 

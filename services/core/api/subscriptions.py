@@ -3,12 +3,14 @@ events cron and DAG post. Requests only write the outbox; loops deliver."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 
+from libs.common import egress
 from libs.common.errors import InvalidInput
 from libs.common.models import (
     AnswerList,
@@ -23,8 +25,9 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from services.core.db import notifications
-from services.core.deps import Engine, Reader, SubmittingOwner, require
+from services.core.deps import Box, Engine, Reader, SubmittingOwner, require
 from services.core.domain.notify import new_secret
+from services.core.notify import Webhooks
 from services.core.settings import CoreSettings
 from services.core.store import Principal
 
@@ -34,15 +37,26 @@ events_router = APIRouter(prefix="/v1/notifications", tags=["notifications"])
 SubscriptionId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The subscription's id.")]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Poster = Annotated[Principal, Depends(require("service", "admin"))]
+RESOLVE_S = 2.0  # how long a create waits on the resolver before leaving it to delivery
 
 
-def _check_url(url: str, settings: CoreSettings) -> None:
-    if urlsplit(url).scheme == "https" or settings.env != "production":
+def _bad_url(reason: str) -> InvalidInput:
+    return InvalidInput(f"body.url: {reason}", errors=[{"field": "body.url", "reason": reason}])
+
+
+async def _check_url(url: str, settings: CoreSettings, webhooks: Webhooks) -> None:
+    """https in production (unless allowed), and a host that does not resolve to a
+    refused address now (each delivery checks again, on the address it connects to)."""
+    plain = urlsplit(url).scheme != "https"
+    if plain and settings.env == "production" and not settings.notify_allow_http:
+        raise _bad_url("must be https:// in production (CAIRN_NOTIFY_ALLOW_HTTP=true allows http)")
+    try:
+        async with asyncio.timeout(RESOLVE_S):
+            refused = await egress.refused(url, webhooks.egress)
+    except TimeoutError:
         return
-    if settings.notify_allow_http:
-        return
-    reason = "must be https:// in production (CAIRN_NOTIFY_ALLOW_HTTP=true allows http)"
-    raise InvalidInput(f"body.url: {reason}", errors=[{"field": "body.url", "reason": reason}])
+    if refused:
+        raise _bad_url(f"{egress.REFUSED}; CAIRN_NOTIFY_ALLOW_CIDRS opens a range to webhooks")
 
 
 async def _owned(engine: Engine, subscription_id: int, principal: Principal) -> Subscription:
@@ -57,14 +71,15 @@ async def _owned(engine: Engine, subscription_id: int, principal: Principal) -> 
     responses=PROBLEMS,
 )
 async def create_subscription(
-    spec: SubscriptionCreate, owner: SubmittingOwner, engine: Engine, request: Request
+    spec: SubscriptionCreate, owner: SubmittingOwner, engine: Engine, request: Request, box: Box
 ) -> SubscriptionCreated:
     """Subscribe a webhook to events of the caller's work. The answer holds the signing
-    secret; it is not shown again."""
-    _check_url(spec.url, request.app.state.settings)
+    secret; it is not shown again (it is stored sealed)."""
+    state = request.app.state
+    await _check_url(spec.url, state.settings, state.webhooks)
     secret = new_secret()
     async with engine.begin() as conn:
-        made = await notifications.create_subscription(conn, owner, spec, secret)
+        made = await notifications.create_subscription(conn, box, owner, spec, secret)
     return SubscriptionCreated(**made.model_dump(), secret=secret)
 
 
@@ -100,13 +115,15 @@ async def delete_subscription(
     responses=PROBLEMS,
 )
 async def test_subscription(
-    subscription_id: SubscriptionId, principal: Reader, engine: Engine
+    subscription_id: SubscriptionId, principal: Reader, engine: Engine, request: Request
 ) -> Delivery:
-    """Queue a ``test`` event for the webhook (delivered even while disabled); follow it
-    in the deliveries and answers."""
+    """Queue a ``test`` event for the webhook (delivered even while disabled, tried once);
+    follow it in the deliveries and answers. One per ``CAIRN_NOTIFY_TEST_INTERVAL_S``
+    a subscription: sooner is a 429 with Retry-After."""
+    interval_s = request.app.state.settings.notify_test_interval_s
     async with engine.begin() as conn:
         found = await notifications.get_subscription(conn, subscription_id, principal.owner_filter)
-        return await notifications.queue_test(conn, found)
+        return await notifications.queue_test(conn, found, interval_s)
 
 
 @router.post("/{subscription_id}/enable", response_model=Subscription, responses=PROBLEMS)

@@ -3,6 +3,7 @@ the matcher's cursors (docs/notifications.md)."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,7 +13,7 @@ from sqlalchemy import Row, TextClause, delete, func, insert, select, text, upda
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.errors import Conflict, NotFound
+from libs.common.errors import Conflict, NotFound, QuotaExceeded
 from libs.common.models import (
     MAX_SUBSCRIPTIONS,
     Answer,
@@ -24,6 +25,8 @@ from libs.common.models import (
     SubscriptionFilter,
 )
 from services.core.db.params import jsonb
+from services.core.domain import notify
+from services.core.identity.crypto import SecretBox
 from services.core.tables import notification_answers, notifications, notify_cursors, subscriptions
 
 # One replica at a time runs each scan: a transaction-scoped advisory lock, taken without
@@ -119,7 +122,23 @@ SET tries = n.tries + 1, next_at = now() + make_interval(secs => :lease_s)
 FROM due, core.subscriptions s
 WHERE n.id = due.id AND s.id = n.subscription_id
 RETURNING n.id, n.tries, n.delivery_id, n.event, n.payload, n.created_at, n.subscription_id,
-          s.name, s.owner, s.url, s.secret
+          s.name, s.owner, s.url, s.secret_key_id, s.secret_nonce, s.secret_sealed
+""")
+
+# Stamp a subscription's test, unless its last was within the interval (a concurrent
+# stamp is seen: the condition is evaluated again on the row it updated).
+TESTED: TextClause = text("""
+UPDATE core.subscriptions SET tested_at = now()
+WHERE id = :id
+  AND (tested_at IS NULL OR tested_at <= now() - make_interval(secs => :interval_s))
+RETURNING id
+""")
+
+# Seconds until the subscription may be tested again.
+TEST_WAIT: TextClause = text("""
+SELECT CAST(extract(epoch FROM tested_at + make_interval(secs => :interval_s) - now())
+            AS double precision)
+FROM core.subscriptions WHERE id = :id
 """)
 
 RECORD: TextClause = text("""
@@ -174,9 +193,11 @@ def _owned(owner: str | None) -> Any:
 
 
 async def create_subscription(
-    conn: AsyncConnection, owner: str, spec: SubscriptionCreate, secret: str
+    conn: AsyncConnection, box: SecretBox, owner: str, spec: SubscriptionCreate, secret: str
 ) -> Subscription:
-    """Store a subscription; a name the owner already uses is a conflict."""
+    """Store a subscription, its signing secret sealed; a name the owner already uses is
+    a conflict."""
+    kid, nonce, sealed = box.seal(secret, notify.secret_context(owner, spec.name))
     count = await conn.scalar(
         select(func.count()).select_from(subscriptions).where(subscriptions.c.owner == owner)
     )
@@ -191,7 +212,9 @@ async def create_subscription(
             queue=spec.filter.queue,
             labels=spec.filter.labels,
             url=spec.url,
-            secret=secret,
+            secret_key_id=kid,
+            secret_nonce=nonce,
+            secret_sealed=sealed,
         )
         .on_conflict_do_nothing(index_elements=["owner", "name"])
         .returning(subscriptions)
@@ -252,14 +275,26 @@ async def enable_subscription(
 # --- the outbox ---------------------------------------------------------------------------
 
 
-async def queue_test(conn: AsyncConnection, subscription: Subscription) -> Delivery:
-    """A delivery of a ``test`` event to the subscription, delivered by the loop."""
+async def queue_test(
+    conn: AsyncConnection, subscription: Subscription, interval_s: float
+) -> Delivery:
+    """A delivery of a ``test`` event to the subscription, delivered by the loop (tried
+    once), at most one per ``interval_s``: sooner is a 429 (nothing queued)."""
+    params = {"id": subscription.id, "interval_s": interval_s}
+    if await conn.scalar(TESTED, params) is None:
+        left = await conn.scalar(TEST_WAIT, params)
+        raise QuotaExceeded(
+            f"a test of subscription {subscription.id} was queued less than "
+            f"{interval_s:g} s ago (CAIRN_NOTIFY_TEST_INTERVAL_S)",
+            quota="test_deliveries",
+            retry_after_s=math.ceil(left or 1),
+        )
     payload = {"message": f"a test of subscription {subscription.name!r}"}
     query = (
         insert(notifications)
         .values(
             subscription_id=subscription.id,
-            event="test",
+            event=notify.TEST_EVENT,
             dedupe_key=f"test:{uuid.uuid4()}",
             payload=payload,
         )
@@ -349,7 +384,8 @@ class Leased:
     subscription: str
     owner: str
     url: str
-    secret: str
+    #: the signing secret as stored: (key id, nonce, ciphertext), opened by the sender
+    secret: tuple[str, bytes, bytes]
 
 
 async def claim(conn: AsyncConnection, limit: int, lease_s: float) -> list[Leased]:
@@ -366,7 +402,7 @@ async def claim(conn: AsyncConnection, limit: int, lease_s: float) -> list[Lease
             subscription=r.name,
             owner=r.owner,
             url=r.url,
-            secret=r.secret,
+            secret=(r.secret_key_id, r.secret_nonce, r.secret_sealed),
         )
         for r in rows
     ]

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import random
 import secrets
+import time
 from dataclasses import dataclass
 
 from services.core.domain.retry import Backoff
@@ -15,6 +16,7 @@ SIGNATURE_HEADER = "X-Cairn-Signature"
 DELIVERY_HEADER = "X-Cairn-Delivery"
 TIMESTAMP_HEADER = "X-Cairn-Timestamp"
 EVENT_HEADER = "X-Cairn-Event"
+TEST_EVENT = "test"
 SECRET_PREFIX = "whsec_"  # noqa: S105 - a prefix, not a secret
 
 
@@ -23,14 +25,48 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
-def signature(secret: str, body: bytes) -> str:
-    """The ``X-Cairn-Signature`` value: ``sha256=`` and the hex HMAC-SHA256 of the body."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+#: the scheme a signature is made with, its header value's prefix: receivers tell a
+#: change of scheme by it (the body-only ``sha256=`` of before 0009 is gone)
+SIGNATURE_VERSION = "v1"
+#: how far a receiver lets a signed timestamp be from its clock (replays are older)
+TOLERANCE_S = 300
 
 
-def verify(secret: str, body: bytes, header: str) -> bool:
-    """What a receiver checks: the header is the body's signature under ``secret``."""
-    return hmac.compare_digest(signature(secret, body), header)
+def signed_string(timestamp: int, body: bytes) -> bytes:
+    """What is signed: the ``X-Cairn-Timestamp`` value, a dot, then the raw body."""
+    return str(timestamp).encode() + b"." + body
+
+
+def signature(secret: str, timestamp: int, body: bytes) -> str:
+    """The ``X-Cairn-Signature`` value: ``v1=`` and the hex HMAC-SHA256, keyed with the
+    secret, of :func:`signed_string`."""
+    digest = hmac.new(secret.encode(), signed_string(timestamp, body), hashlib.sha256)
+    return f"{SIGNATURE_VERSION}={digest.hexdigest()}"
+
+
+def verify(
+    secret: str,
+    body: bytes,
+    timestamp: str,
+    header: str,
+    now: float | None = None,
+    tolerance_s: float = TOLERANCE_S,
+) -> bool:
+    """What a receiver checks: ``timestamp`` (the ``X-Cairn-Timestamp`` header) is within
+    ``tolerance_s`` of ``now``, and ``header`` is the signature of it and the body: an
+    old request sent again, or its body under a new timestamp, does not pass."""
+    if not timestamp.isascii() or not timestamp.isdigit() or len(timestamp) > 12:
+        return False
+    at = int(timestamp)
+    if abs((time.time() if now is None else now) - at) > tolerance_s:
+        return False
+    return hmac.compare_digest(signature(secret, at, body), header)
+
+
+def secret_context(owner: str, name: str) -> bytes:
+    """The associated data a subscription's signing secret is sealed with (owner and
+    name, which never change): a sealed secret copied to another row does not open."""
+    return f"cairn-webhook-secret\x00{owner}\x00{name}".encode()
 
 
 @dataclass(frozen=True)
@@ -44,9 +80,12 @@ class Policy:
     def delivered(self, status: int | None) -> bool:
         return status is not None and 200 <= status < 300
 
-    def retry_in_s(self, tries: int, rng: random.Random | None = None) -> float | None:
-        """Seconds until the next try after ``tries`` failed ones; None: give up."""
-        if tries >= self.max_tries:
+    def retry_in_s(
+        self, tries: int, event: str = "", rng: random.Random | None = None
+    ) -> float | None:
+        """Seconds until the next try after ``tries`` failed ones; None: give up. A
+        ``test`` delivery is tried once: its owner asks again if they want."""
+        if tries >= self.max_tries or event == TEST_EVENT:
             return None
         return self.backoff.delay_s(tries, rng)
 
