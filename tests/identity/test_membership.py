@@ -6,11 +6,14 @@ leased; a retry is refused as a submission would be now."""
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import httpx
 
+from tests.cron.conftest import start_cron
+from tests.dag.conftest import start_dag
 from tests.identity.test_secrets import Worker
-from tests.support import Core, spec
+from tests.support import Core, spec, wait_for
 
 SECRET = {"BANK": {"secret": "bank", "team": "payroll"}}
 
@@ -131,3 +134,102 @@ def test_a_retry_is_held_to_the_queues_policy_of_now(core: Core) -> None:
             assert alice.get(f"/v1/tasks/{task_id}").json()["state"] == "dead"
     finally:
         worker.close()
+
+
+# --- a schedule's target is its owner's (or an admin's) to change (finding 3) -------------
+
+
+def _prod_deploy(core: Core, *owners: str) -> None:
+    policy = {"priority": {}, "services": True, "guaranteed": True, "owners": list(owners)}
+    with core.client("root", "admin") as root:
+        assert root.put("/v1/queues/prod-deploy/policy", json=policy).status_code == 200
+
+
+def test_a_teammate_cannot_rewrite_a_team_schedules_target_and_its_fires_say_who_changed_it(
+    core: Core, tmp_path: Path, db
+) -> None:
+    _payroll(core)
+    _prod_deploy(core, "alice")  # bob may not use the queue himself
+    deploy = spec(queue="prod-deploy", args=["deploy", "v1"])
+    target = {"kind": "task", "task": deploy}
+    schedule = {"name": "d", "expression": "@daily", "team": "payroll", "target": target}
+    cron = start_cron(core, tmp_path / "cron")
+    try:
+        with (
+            cron.client("alice") as alice,
+            cron.client("bob") as bob,
+            cron.client("root", "admin") as root,
+        ):
+            made = alice.post("/v1/schedules", json=schedule)
+            assert made.status_code == 201, made.text
+            assert made.json()["changed_by"] == "alice"
+            path = f"/v1/schedules/{made.json()['id']}"
+            evil = {"kind": "task", "task": {**deploy, "args": ["sh", "-c", "bob's own"]}}
+            refused = bob.patch(path, json={"target": evil})
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["errors"][0]["field"] == "body.target"
+            # bob may still change when it runs, and is named as its last changer.
+            renamed = bob.patch(path, json={"expression": "@hourly"})
+            assert renamed.status_code == 200 and renamed.json()["changed_by"] == "bob"
+            fired = bob.post(f"{path}/trigger")
+            assert fired.status_code == 201, fired.text
+            first = fired.json()["task_id"]
+            # An admin may change what it runs; the fire says so.
+            changed = root.patch(
+                path, json={"target": {"kind": "task", "task": {**deploy, "args": ["v2"]}}}
+            )
+            assert changed.status_code == 200 and changed.json()["changed_by"] == "root"
+            second = root.post(f"{path}/trigger").json()["task_id"]
+            # The fire is held to the owner's queue policy of now.
+            _prod_deploy(core, "carol")
+            late = bob.post(f"{path}/trigger")
+            assert late.status_code == 201 and late.json()["outcome"] == "failed", late.text
+            assert "does not admit owner alice" in late.json()["detail"]
+    finally:
+        cron.stop()
+    rows = db.execute(
+        "SELECT id, owner, args, labels->>'cairn.cron/changed-by' FROM core.tasks ORDER BY id"
+    ).fetchall()
+    assert rows == [(first, "alice", ["deploy", "v1"], "bob"), (second, "alice", ["v2"], "root")]
+
+
+def test_a_teammate_runs_a_team_workflow_only_with_its_owners_params(
+    core: Core, tmp_path: Path, db
+) -> None:
+    _payroll(core)
+    node = {"name": "ship", "task": {**spec(args=["{{ params.version }}"]), "name": "ship"}}
+    body = {"name": "deploy", "team": "payroll", "params": {"version": "v1"}, "nodes": [node]}
+    dag = start_dag(core, tmp_path / "dag")
+    try:
+        with (
+            dag.client("alice") as alice,
+            dag.client("bob") as bob,
+            dag.client("root", "admin") as root,
+        ):
+            assert alice.post("/v1/workflows", json=body).status_code == 201
+            runs = "/v1/workflows/deploy/runs"
+            theirs = {"owner": "alice"}
+            refused = bob.post(runs, params=theirs, json={"params": {"version": "bob's own"}})
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["errors"][0]["field"] == "body.params"
+            started = bob.post(runs, params=theirs, json={})
+            assert started.status_code == 201, started.text
+            by_admin = root.post(runs, params=theirs, json={"params": {"version": "v2"}})
+            assert by_admin.status_code == 201, by_admin.text
+            ids = [started.json()["id"], by_admin.json()["id"]]
+            assert alice.post(runs, json={"params": {"version": "v3"}}).status_code == 201
+
+            def released() -> list | None:
+                rows = db.execute(
+                    "SELECT owner, args FROM core.tasks"
+                    " WHERE labels->>'cairn.dag/run' = ANY(%s) ORDER BY id",
+                    ([str(i) for i in ids],),
+                ).fetchall()
+                return rows if len(rows) == 2 else None
+
+            found = wait_for(released, timeout=30)
+    finally:
+        dag.stop()
+    assert sorted(found) == [("alice", ["v1"]), ("alice", ["v2"])]
+    args = db.execute("SELECT args FROM core.tasks").fetchall()
+    assert ["bob's own"] not in [a for (a,) in args]
