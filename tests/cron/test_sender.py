@@ -54,6 +54,7 @@ def test_fires_go_in_one_batch_naming_each_owner_with_key_and_labels() -> None:
         "team": "x",
         "cairn.cron/schedule": "1",
         "cairn.cron/fire-time": "2027-01-04T12:01:00+00:00",
+        "cairn.cron/changed-by": "alice",
     }
     assert route.calls[0].request.headers["Authorization"] == "Bearer svc"
 
