@@ -363,7 +363,8 @@ async def _bulk(
     if action.dry_run:
         return BulkResult(matched=matched, changed=0, dry_run=True, more=matched > 0)
     walk = _Walk()
-    while walk.changed < action.limit:
+    # Refused tasks are passed over, not moved: the walk stops after as many as a count.
+    while walk.changed < action.limit and walk.refused < MAX_BULK_COUNT:
         # Each page its own short transaction: locks are held for a page, never a call.
         async with engine.begin() as conn:
             size = min(_BULK_PAGE, action.limit - walk.changed)
