@@ -141,7 +141,10 @@ class Sender:
                     item.target.get("params") or {},
                     idempotency_key=item.key,
                     fire=RunFire(
-                        slot=item.fire_time, schedule_id=item.schedule_id, backfill=item.backfill
+                        slot=item.fire_time,
+                        schedule_id=item.schedule_id,
+                        backfill=item.backfill,
+                        changed_by=item.changed_by or item.owner,
                     ),
                     on_behalf_of=item.owner,
                 )

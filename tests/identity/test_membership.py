@@ -212,6 +212,10 @@ def test_a_teammate_runs_a_team_workflow_only_with_its_owners_params(
             refused = bob.post(runs, params=theirs, json={"params": {"version": "bob's own"}})
             assert refused.status_code == 403, refused.text
             assert refused.json()["errors"][0]["field"] == "body.params"
+            forged = {"fire": {"slot": "2027-01-04T00:00:00Z", "schedule_id": 1}}
+            refused = bob.post(runs, params=theirs, json=forged)
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["errors"][0]["field"] == "body.fire"
             started = bob.post(runs, params=theirs, json={})
             assert started.status_code == 201, started.text
             by_admin = root.post(runs, params=theirs, json={"params": {"version": "v2"}})
