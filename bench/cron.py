@@ -129,8 +129,8 @@ async def create_schedules(
     )
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
         conn.execute(
-            f"INSERT INTO cron.schedules (owner, name, {columns})"
-            f" SELECT 'user' || (g / 100), 's' || g, {columns}"
+            f"INSERT INTO cron.schedules (owner, changed_by, name, {columns})"
+            f" SELECT 'user' || (g / 100), 'user' || (g / 100), 's' || g, {columns}"
             "   FROM cron.schedules, generate_series(1, %(more)s) AS g WHERE id = %(id)s",
             {"more": count - 1, "id": first.id},
         )
@@ -356,10 +356,11 @@ def held_schedules(db_url: str, count: int) -> None:
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
         conn.execute(
             """
-            INSERT INTO cron.schedules (owner, name, expression, timezone, target,
+            INSERT INTO cron.schedules (owner, changed_by, name, expression, timezone, target,
                 misfire_policy, catch_up_limit, misfire_grace_s, overlap_policy,
                 fired_through, next_fire_at)
-            SELECT 'held' || (g %% 1000), 'h' || g, (g %% 60) || ' * * * *', 'UTC',
+            SELECT 'held' || (g %% 1000), 'held' || (g %% 1000), 'h' || g,
+                   (g %% 60) || ' * * * *', 'UTC',
                    '{"kind": "task", "task": {"name": "x"}}'::jsonb, 'fire_once', 10, 60,
                    'allow', %(now)s, %(now)s + make_interval(mins => 60 + g %% 60)
               FROM generate_series(1, %(count)s) AS g

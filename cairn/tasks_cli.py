@@ -98,6 +98,8 @@ def _by_filter(
     verb = {"retry": "retried", "cancel": "cancelled"}[method]
     more = "; more match: run it again" if done.more else ""
     output.console.print(f"{verb} {done.changed} of {done.matched} tasks{more}")
+    if done.refused:
+        output.console.print(f"{done.refused} refused, as a submission would be: {done.refusal}")
 
 
 async def _bulk_call(c: Ctx, method: str, action: BulkAction) -> BulkResult:

@@ -146,6 +146,8 @@ class Schedule(_Output):
     ends_at: datetime | None
     paused: bool
     version: int
+    #: who last created or changed it; its fires' tasks carry it (``cairn.cron/changed-by``)
+    changed_by: str | None = None
     next_fire_at: datetime | None = Field(description="None: paused, ended, or never fires.")
     created_at: datetime
     updated_at: datetime

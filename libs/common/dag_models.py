@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import IdempotencyKey, TaskCreate, TeamName
+from libs.common.models import IdempotencyKey, PrincipalName, TaskCreate, TeamName
 
 MAX_NODES = 10_000
 MAX_DEPENDS_ON = 1_000
@@ -286,6 +286,8 @@ class RunFire(_Input):
     slot: AwareDatetime
     schedule_id: int = Field(ge=1, le=2**63 - 1)
     backfill: bool = False
+    #: who last changed the schedule (``fire.changed_by``): the run's record of it
+    changed_by: PrincipalName | None = None
 
 
 class RunCreate(_Input):

@@ -254,6 +254,11 @@ class BulkResult(_Output):
     dry_run: bool
     #: whether selected tasks remain after this call: call again to take them
     more: bool
+    #: selected tasks a retry left as they were: their owner may no longer run them
+    #: (a team left, a queue's policy), as a submission of them would be refused now
+    refused: int = 0
+    #: why the first of them was refused
+    refusal: str | None = None
 
 
 class Task(_Output):

@@ -29,6 +29,15 @@ def check_team_change(caller: Caller, owner: str, team: str | None, field: str) 
     check_member(caller, team, field)
 
 
+def check_what_runs(caller: Caller, owner: str, field: str) -> None:
+    """Only its owner or an admin changes what a schedule or workflow runs (403 naming
+    ``field``): its tasks run as its owner, so a teammate who chose their arguments would
+    run them as someone else, past the queue policy that holds them."""
+    if caller.name != owner and caller.role != "admin":
+        reason = f"only its owner, {owner}, or an admin may change what it runs"
+        raise _field_error(Forbidden, field, reason)
+
+
 def bound_to_team(task: TaskCreate, team: str, field: str) -> TaskCreate:
     """``task`` as a team's schedule or workflow submits it: owned by ``team`` too (a
     different ``team`` is a 422 naming ``field.team``), and with no secret but the team's

@@ -235,10 +235,17 @@ COUNT_SELECTED: TextClause = text(f"""
 SELECT count(*) FROM (SELECT 1 FROM core.tasks t WHERE {_SELECTED} LIMIT :cap) s
 """)
 
+# One page of a bulk retry's selection, read before it moves: core checks each task's
+# owner may still run it (membership, queue policy) as a submission would be checked.
+SELECTED_PAGE: TextClause = text(f"""
+SELECT t.* FROM core.tasks t WHERE {_SELECTED} ORDER BY t.id LIMIT :limit
+""")
+
 _BULK_PERSON = """
 WITH picked AS (
     SELECT t.id, t.state AS from_state, t.current_attempt_id FROM core.tasks t
     WHERE {selected}
+      AND (CAST(:ids AS bigint[]) IS NULL OR t.id = ANY(CAST(:ids AS bigint[])))
     ORDER BY t.id
     LIMIT :limit
     FOR UPDATE SKIP LOCKED

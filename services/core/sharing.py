@@ -25,10 +25,10 @@ from libs.common.models import (
     Quotas,
     RunningUse,
     ShareSettings,
-    TaskCreate,
 )
 from services.core.domain.placement import Amount
 from services.core.domain.sharing import (
+    Asked,
     Gate,
     Gated,
     KeyLimit,
@@ -254,7 +254,7 @@ class Book:
             for r in await conn.execute(limited_teams)
         }
 
-    def check_policy(self, role: str, owner: str, spec: TaskCreate, where: str) -> None:
+    def check_policy(self, role: str, owner: str, spec: Asked, where: str) -> None:
         """403 naming the field when ``spec`` is outside its queue's policy; ``where`` is
         its place in the request body (``body``, ``body.tasks.3``)."""
         policy = self.policies.get(spec.queue)

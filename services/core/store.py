@@ -498,6 +498,14 @@ async def count_selected(
     return int((await conn.execute(queries.COUNT_SELECTED, params)).scalar_one())
 
 
+async def selected_page(
+    conn: AsyncConnection, op: Op, selector: TaskSelector, owner: str | None, after: int, limit: int
+) -> list[Task]:
+    """The next page of the tasks a bulk ``op`` selects (ids above ``after``), unlocked."""
+    params = {**_selector_params(op, selector, owner), "after": after, "limit": limit}
+    return [task_from_row(row) for row in await conn.execute(queries.SELECTED_PAGE, params)]
+
+
 async def bulk_move(
     conn: AsyncConnection,
     op: Op,
@@ -507,9 +515,10 @@ async def bulk_move(
     after: int,
     limit: int,
     reason: str,
+    ids: Sequence[int] | None = None,
 ) -> tuple[int, int]:
-    """Move one page of the selected tasks (ids above ``after``) as ``op`` does one task;
-    return how many moved and the last id taken (0: none)."""
+    """Move one page of the selected tasks (ids above ``after``; with ``ids``, of those
+    only) as ``op`` does one task; return how many moved and the last id taken (0: none)."""
     query, _ = _BULK_OPS[op]
     params = {
         **_selector_params(op, selector, owner),
@@ -517,6 +526,7 @@ async def bulk_move(
         "limit": limit,
         "op": op.value,
         "reason": reason,
+        "ids": list(ids) if ids is not None else None,
     }
     row = (await conn.execute(query, params)).one()
     return int(row.changed), int(row.last_id)

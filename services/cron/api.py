@@ -90,7 +90,9 @@ async def update_schedule(
 ) -> Schedule:
     """Change the fields given. New timing applies from now: the next fire is the first
     slot of the new timing after now. ``team`` (null: none) is its owner's to change, to a
-    team the owner belongs to; the target is then bound to the new team and its secrets."""
+    team the owner belongs to; the target is then bound to the new team and its secrets.
+    ``target`` (what its fires run, as its owner) is its owner's or an admin's to change:
+    a teammate's change is a 403 naming it. The caller becomes ``changed_by``."""
     async with _db(request).begin() as conn:
         return await store.update(conn, schedule_id, caller, body, _now(request))
 
@@ -148,7 +150,8 @@ async def trigger_schedule(schedule_id: ScheduleId, caller: Person, request: Req
         if not claimed:
             raise Conflict("a fire of this schedule was recorded at this very instant; try again")
     target = schedule.target.model_dump(mode="json")
-    [result] = await sender.send([Outgoing(schedule_id, now, True, schedule.owner, target)])
+    fire = Outgoing(schedule_id, now, True, schedule.owner, target, changed_by=schedule.changed_by)
+    [result] = await sender.send([fire])
     async with db.begin() as conn:
         await store.record(conn, [result])
         if result.outcome == "pending":

@@ -320,6 +320,7 @@ class CronEngine:
             run_at=None if manual else self._run_at(row, slot),
             backfill=backfill,
             withdrawn=0 if manual else self.withdrawn.get((row.id, slot), 0),
+            changed_by=row.changed_by,
         )
 
     async def _rebuild(self) -> None:

@@ -25,6 +25,7 @@ log = logging.getLogger("cairn.cron.fire")
 SCHEDULE_LABEL = "cairn.cron/schedule"
 FIRE_LABEL = "cairn.cron/fire-time"
 BACKFILL_LABEL = "cairn.cron/backfill"
+CHANGED_BY_LABEL = "cairn.cron/changed-by"
 
 
 def fire_key(schedule_id: int, fire_time: datetime, manual: bool, withdrawn: int = 0) -> str:
@@ -49,6 +50,8 @@ class Outgoing:
     run_at: datetime | None = None
     backfill: bool = False
     withdrawn: int = 0
+    #: who last changed the schedule, carried by its task (None: its owner)
+    changed_by: str | None = None
 
     @property
     def key(self) -> str:
@@ -90,6 +93,7 @@ def _task_body(item: Outgoing) -> dict[str, Any]:
         SCHEDULE_LABEL: str(item.schedule_id),
         FIRE_LABEL: stamp,
         **({BACKFILL_LABEL: "true"} if item.backfill else {}),
+        CHANGED_BY_LABEL: item.changed_by or item.owner,
     }
     return body
 
@@ -137,7 +141,10 @@ class Sender:
                     item.target.get("params") or {},
                     idempotency_key=item.key,
                     fire=RunFire(
-                        slot=item.fire_time, schedule_id=item.schedule_id, backfill=item.backfill
+                        slot=item.fire_time,
+                        schedule_id=item.schedule_id,
+                        backfill=item.backfill,
+                        changed_by=item.changed_by or item.owner,
                     ),
                     on_behalf_of=item.owner,
                 )

@@ -32,7 +32,7 @@ from libs.common.cron_models import (
     TaskTarget,
 )
 from libs.common.errors import Conflict, InvalidInput, NotFound
-from libs.common.teams import bound_to_team, check_team_change
+from libs.common.teams import bound_to_team, check_team_change, check_what_runs
 from services.cron.domain import timing
 from services.cron.domain.timing import InvalidSchedule
 from services.cron.fire import Result
@@ -111,6 +111,7 @@ def schedule_from_row(row: Any) -> Schedule:
         ends_at=row.ends_at,
         paused=row.paused,
         version=row.version,
+        changed_by=row.changed_by,
         next_fire_at=row.next_fire_at,
         created_at=row.created_at,
         updated_at=row.updated_at,
@@ -161,6 +162,7 @@ async def create(
     values = {
         "owner": owner,
         "team": team,
+        "changed_by": owner,
         "name": body.name,
         "expression": plan.expression,
         "timezone": body.timezone,
@@ -265,7 +267,10 @@ async def update(
             k for k in ("name", "expression", "timezone", "target") if given.get(k, 0) is None
         )
         raise _invalid(f"body.{field}", ValueError("may not be null"))
+    if "target" in given:
+        check_what_runs(caller, row.owner, "body.target")
     values: dict[str, Any] = {k: v for k, v in given.items() if k not in ("target", "team")}
+    values["changed_by"] = caller.name
     team = given.get("team", row.team)
     if team != row.team:
         check_team_change(caller, row.owner, team, "body.team")

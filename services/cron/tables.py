@@ -47,6 +47,8 @@ schedules = Table(
     # A team that owns the schedule with its owner: its members see and act on it.
     Column("team", Text),
     Column("name", Text, nullable=False),
+    # Who last changed it (its owner, or an admin for what it runs): its fires say so.
+    Column("changed_by", Text, nullable=False),
     Column("expression", Text, nullable=False),
     Column("timezone", Text, nullable=False),
     Column("target", JSONB, nullable=False),

@@ -54,6 +54,7 @@ def test_fires_go_in_one_batch_naming_each_owner_with_key_and_labels() -> None:
         "team": "x",
         "cairn.cron/schedule": "1",
         "cairn.cron/fire-time": "2027-01-04T12:01:00+00:00",
+        "cairn.cron/changed-by": "alice",
     }
     assert route.calls[0].request.headers["Authorization"] == "Bearer svc"
 
@@ -146,7 +147,12 @@ def test_workflow_fires_start_runs_for_the_owner_with_the_fire_key() -> None:
     assert json.loads(request.content) == {
         "params": {"day": "mon"},
         "idempotency_key": "cron:3:2027-01-04T12:01:00+00:00",
-        "fire": {"slot": "2027-01-04T12:01:00Z", "schedule_id": 3, "backfill": False},
+        "fire": {
+            "slot": "2027-01-04T12:01:00Z",
+            "schedule_id": 3,
+            "backfill": False,
+            "changed_by": "alice",
+        },
     }
 
 

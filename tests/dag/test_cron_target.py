@@ -127,7 +127,12 @@ def test_a_workflow_run_knows_its_slot_from_fire_slot(
         assert env == {"S": slot, "CAIRN_CRON_SLOT": slot, "CAIRN_CRON_SCHEDULE_ID": str(sid)}
         with dag.client("alice") as alice:
             run = alice.get(f"/v1/runs/{run_id}").json()
-        assert run["params"]["fire"] == {"slot": slot, "schedule_id": sid, "backfill": False}
+        assert run["params"]["fire"] == {
+            "slot": slot,
+            "schedule_id": sid,
+            "backfill": False,
+            "changed_by": "alice",
+        }
         assert wait_for(lambda: task_of(by_hand["id"]), timeout=20) == (
             ["ok", "for ", ""],
             {"S": ""},

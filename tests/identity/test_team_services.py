@@ -47,10 +47,14 @@ def test_a_member_sees_and_pauses_a_team_schedule_and_others_get_404(
             assert paused.status_code == 200 and paused.json()["paused"] is True
             assert bob.get(f"/v1/schedules/{sid}/fires").status_code == 200
             assert bob.get(f"/v1/schedules/{mine}").status_code == 404
-            # A teammate's change of the target is bound to the team, and to its secrets.
+            # Only its owner (or an admin) changes what it runs: bob's target is a 403;
+            # the owner's is bound to the team, and to its secrets.
             task = {"name": "t", "artifact": ARTIFACT, "env": {"DB": {"secret": "alices"}}}
             change = {"target": {"kind": "task", "task": task}}
             refused = bob.patch(f"/v1/schedules/{sid}", json=change)
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["errors"][0]["field"] == "body.target"
+            refused = alice.patch(f"/v1/schedules/{sid}", json=change)
             assert refused.status_code == 422, refused.text
             assert refused.json()["errors"][0]["field"] == "body.target.task.env.DB"
             # A fire bob triggers submits the task for alice, owned by the team.

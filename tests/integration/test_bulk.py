@@ -46,11 +46,25 @@ def test_bulk_retry_of_a_thousand_dead_tasks_in_one_call(core: Core, db) -> None
         counted = alice.post(
             "/v1/tasks/retry", json={"filter": {"state": "dead"}, "dry_run": True}
         ).json()
-        assert counted == {"matched": 1000, "changed": 0, "dry_run": True, "more": True}
+        assert counted == {
+            "matched": 1000,
+            "changed": 0,
+            "dry_run": True,
+            "more": True,
+            "refused": 0,
+            "refusal": None,
+        }
         assert _states(db, ids) == {"dead": 1000}
         done = alice.post("/v1/tasks/retry", json={"filter": {"state": "dead"}})
     assert done.status_code == 200, done.text
-    assert done.json() == {"matched": 1000, "changed": 1000, "dry_run": False, "more": False}
+    assert done.json() == {
+        "matched": 1000,
+        "changed": 1000,
+        "dry_run": False,
+        "more": False,
+        "refused": 0,
+        "refusal": None,
+    }
     assert _states(db, ids) == {"waiting": 1000}
     fresh = db.execute(
         "SELECT count(*) FROM core.tasks WHERE id = ANY(%s) AND attempts = 0 AND crashes = 0 "

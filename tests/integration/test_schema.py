@@ -28,7 +28,7 @@ SERVICES = [
         core_tables.SCHEMA, core_tables.metadata, core_migrate, "0009_webhook_secrets", id="core"
     ),
     pytest.param(
-        cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0003_teams", id="cron"
+        cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
     ),
     pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0003_data", id="dag"),
 ]

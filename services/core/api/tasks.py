@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import orjson
@@ -263,7 +264,7 @@ async def submit_batch(request: Request, call: Submitting) -> Response:
 
 
 async def _check(
-    conn: AsyncConnection, principal: Principal, owner: str, spec: TaskCreate, field: str = ""
+    conn: AsyncConnection, principal: Principal, owner: str, spec: secrets.Asks, field: str = ""
 ) -> None:
     """The owner's right to its team and secrets: the caller's teams when it submits for
     itself, the owner's recorded memberships when a service submits for it."""
@@ -299,55 +300,124 @@ def _bulk_owner(principal: Reader, selector: TaskSelector) -> str | None:
     return principal.name
 
 
+@dataclass
+class _Walk:
+    """How far a bulk action got: moved, the last id passed, and what it refused."""
+
+    changed: int = 0
+    after: int = 0
+    refused: int = 0
+    refusal: str | None = None
+
+
+Vet = Callable[[AsyncConnection, Task], Awaitable[str | None]]
+
+
+async def _bulk_page(
+    conn: AsyncConnection,
+    op: Op,
+    action: BulkAction,
+    owner: str | None,
+    walk: _Walk,
+    limit: int,
+    reason: str,
+    vet: Vet | None,
+) -> bool:
+    """Move one page of the selection, leaving out what ``vet`` refuses; False at its end."""
+    ids: list[int] | None = None
+    if vet is not None:
+        page = await store.selected_page(conn, op, action.filter, owner, walk.after, limit)
+        if not page:
+            return False
+        ids = []
+        for task in page:
+            why = await vet(conn, task)
+            if why is None:
+                ids.append(task.id)
+            else:
+                walk.refused += 1
+                walk.refusal = walk.refusal or f"task {task.id}: {why}"
+    moved, last = await store.bulk_move(
+        conn, op, action.filter, owner, after=walk.after, limit=limit, reason=reason, ids=ids
+    )
+    walk.changed += moved
+    if ids is None:
+        walk.after = last
+        return moved > 0
+    walk.after = page[-1].id
+    return True
+
+
 async def _bulk(
-    op: Op, action: BulkAction, principal: Reader, engine: Engine, reason: str, record: Audit
+    op: Op,
+    action: BulkAction,
+    principal: Reader,
+    engine: Engine,
+    reason: str,
+    record: Audit,
+    vet: Vet | None = None,
 ) -> BulkResult:
     owner = _bulk_owner(principal, action.filter)
     async with engine.connect() as conn:
         matched = await store.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
     if action.dry_run:
         return BulkResult(matched=matched, changed=0, dry_run=True, more=matched > 0)
-    changed, after = 0, 0
-    while changed < action.limit:
+    walk = _Walk()
+    # Refused tasks are passed over, not moved: the walk stops after as many as a count.
+    while walk.changed < action.limit and walk.refused < MAX_BULK_COUNT:
         # Each page its own short transaction: locks are held for a page, never a call.
         async with engine.begin() as conn:
-            moved, last = await store.bulk_move(
-                conn,
-                op,
-                action.filter,
-                owner,
-                after=after,
-                limit=min(_BULK_PAGE, action.limit - changed),
-                reason=reason,
-            )
-        if not moved:
-            break
-        changed, after = changed + moved, last
+            size = min(_BULK_PAGE, action.limit - walk.changed)
+            if not await _bulk_page(conn, op, action, owner, walk, size, reason, vet):
+                break
+    if walk.refusal is not None and not walk.changed:
+        raise Forbidden(walk.refusal)
     async with engine.begin() as conn:
-        more = await store.count_selected(conn, op, action.filter, owner, 1) > 0
-        if changed and owner != principal.name and principal.role != "service":
+        left = await store.count_selected(conn, op, action.filter, owner, walk.refused + 1)
+        if walk.changed and owner != principal.name and principal.role != "service":
             # Beyond the caller's own tasks (an admin's, a team's): one row per call.
             await record(
                 conn,
                 f"task.bulk.{op.value}",
                 f"team:{action.filter.team}" if action.filter.team else f"owner:{owner or '*'}",
                 before={"filter": action.filter.model_dump(mode="json", exclude_defaults=True)},
-                after={"changed": changed},
+                after={"changed": walk.changed},
             )
-    return BulkResult(matched=matched, changed=changed, dry_run=False, more=more)
+    return BulkResult(
+        matched=matched,
+        changed=walk.changed,
+        dry_run=False,
+        more=left > walk.refused,
+        refused=walk.refused,
+        refusal=walk.refusal,
+    )
 
 
 @router.post("/retry", response_model=BulkResult, responses=PROBLEMS)
 async def retry_tasks(
-    action: BulkAction, principal: Reader, engine: Engine, notifier: Announcer, record: Audit
+    action: BulkAction,
+    principal: Reader,
+    engine: Engine,
+    notifier: Announcer,
+    record: Audit,
+    request: Request,
 ) -> BulkResult:
     """Retry every dead, failed or cancelled task the filter selects (your own; with
     ``filter.team``, that team's, if you are a member; an admin's reach every owner), up
     to ``limit`` in one call, oldest first, as ``/{id}/retry`` does one. ``dry_run``
-    counts them first; ``more`` says whether to call again."""
-    result = await _bulk(
-        Op.RETRY, action, principal, engine, f"retried in bulk by {principal.name}", record
-    )
+    counts them first; ``more`` says whether to call again. A task ``/{id}/retry`` would
+    refuse is left as it is and counted in ``refused``; 403 when every one was."""
+    book = await _book(request, engine)
+
+    async def vet(conn: AsyncConnection, task: Task) -> str | None:
+        try:
+            await _may_retry(conn, book, principal, task)
+        except (Forbidden, InvalidInput) as refused:
+            return str(refused)
+        return None
+
+    reason = f"retried in bulk by {principal.name}"
+    result = await _bulk(Op.RETRY, action, principal, engine, reason, record, vet)
     if result.changed:
         notifier.announce()
     return result
@@ -478,16 +548,39 @@ async def cancel_task(
 
 @router.post("/{task_id}/retry", response_model=Task, responses=PROBLEMS)
 async def retry_task(
-    task_id: TaskIdPath, principal: Reader, engine: Engine, notifier: Announcer, record: Audit
+    task_id: TaskIdPath,
+    principal: Reader,
+    engine: Engine,
+    notifier: Announcer,
+    record: Audit,
+    request: Request,
 ) -> Response:
-    """Put a dead, failed or cancelled task back in line, with a fresh budget of attempts."""
+    """Put a dead, failed or cancelled task back in line, with a fresh budget of attempts.
+    Refused (403 naming the field, 422 for a secret gone) as submitting it would be now:
+    its owner must still belong to its team and to the teams of the secrets it names,
+    and the queue's policy must still admit it."""
+    book = await _book(request, engine)
     async with engine.begin() as conn:
         before = await store.get_task(conn, task_id, principal.visibility)
+        await _may_retry(conn, book, principal, before)
         await store.retry(conn, task_id, None)
         task = await store.get_task(conn, task_id, None)
         await _audit_others(record, conn, principal, "task.retry", before, task)
     notifier.announce()
     return _json(task)
+
+
+async def _may_retry(
+    conn: AsyncConnection, book: sharing.Book, principal: Principal, task: Task
+) -> None:
+    """A retry puts the task to work again as its owner, so it is checked as submitting
+    it would be now: the owner's teams and secrets (``_check``) and the queue's policy,
+    for the owner and, when a user retries a teammate's task, for that user too."""
+    book.check_policy(_policy_role(principal, task.owner), task.owner, task, "task")
+    if principal.role == "user" and principal.name != task.owner:
+        book.check_policy("user", principal.name, task, "task")
+    if secrets.needs_check(task):
+        await _check(conn, principal, task.owner, task)
 
 
 async def _audit_others(

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from libs.common.models import QueuePolicy, TaskCreate
+from libs.common.models import QueuePolicy
 from services.core.domain.placement import Amount
 
 
@@ -197,9 +198,20 @@ class Refusal:
     detail: str
 
 
-def refusal(
-    policy: QueuePolicy, role: str, owner: str, spec: TaskCreate, where: str
-) -> Refusal | None:
+class Asked(Protocol):
+    """What a queue's policy reads of a submission or of a stored task (at retry)."""
+
+    @property
+    def queue(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def preemptible(self) -> bool: ...
+
+
+def refusal(policy: QueuePolicy, role: str, owner: str, spec: Asked, where: str) -> Refusal | None:
     """Why ``spec``, submitted by ``role`` for ``owner``, is outside the queue's policy;
     None when it is inside. ``where`` is the spec's place in the body (``body``)."""
     queue = spec.queue

@@ -4,16 +4,17 @@ leases an attempt, and masks them in what that attempt's worker sends back."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import delete, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
-from libs.common.models import Assignment, SecretInfo, SecretRef, TaskCreate
+from libs.common.models import Assignment, SecretInfo, SecretRef
 from services.core.identity.crypto import SecretBox, Unreadable
+from services.core.identity.teams import teams_of
 from services.core.tables import secrets
 
 MASK = "***"
@@ -36,10 +37,13 @@ def refers_to_secrets(env: str) -> str:
     return f"jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")')"
 
 
-# The claimed tasks that refer to secrets.
+# The claimed tasks that refer to secrets, with their owners' recorded teams: a team's
+# secret is given out only while the owner belongs to the team (checked at every lease).
 _WITH_REFS = text(f"""
-SELECT id, owner, env FROM core.tasks
-WHERE id = ANY(CAST(:ids AS bigint[])) AND {refers_to_secrets("env")}
+SELECT t.id, t.owner, t.env,
+       ARRAY(SELECT m.team FROM core.team_members m WHERE m.member = t.owner) AS teams
+FROM core.tasks t
+WHERE t.id = ANY(CAST(:ids AS bigint[])) AND {refers_to_secrets("t.env")}
 """)
 
 _OF_ATTEMPT = text(f"""
@@ -146,7 +150,16 @@ async def list_(
 # --- submissions: what a task may refer to ------------------------------------------------
 
 
-def refs_of(env: dict[str, Any]) -> dict[str, SecretRef]:
+class Asks(Protocol):
+    """What of a submission (``TaskCreate``) or a stored task (``Task``) the rules read."""
+
+    @property
+    def team(self) -> str | None: ...
+    @property
+    def env(self) -> Mapping[str, Any]: ...
+
+
+def refs_of(env: Mapping[str, Any]) -> dict[str, SecretRef]:
     """The env entries that are secret references (stored rows hold them as objects)."""
     return {
         key: value if isinstance(value, SecretRef) else SecretRef.model_validate(value)
@@ -155,24 +168,39 @@ def refs_of(env: dict[str, Any]) -> dict[str, SecretRef]:
     }
 
 
-def needs_check(spec: TaskCreate) -> bool:
+def needs_check(spec: Asks) -> bool:
     return spec.team is not None or any(not isinstance(v, str) for v in spec.env.values())
 
 
+def outside_teams(refs: Mapping[str, SecretRef], teams: frozenset[str]) -> tuple[str, str] | None:
+    """The first (env key, team) whose team secret ``refs`` name but ``teams`` (the
+    owner's recorded memberships) do not hold: the one rule for who may use a team's
+    secrets, at submit, retry and lease."""
+    for key, ref in refs.items():
+        if ref.team is not None and ref.team not in teams:
+            return key, ref.team
+    return None
+
+
 async def check_submission(
-    conn: AsyncConnection, owner: str, teams: frozenset[str], spec: TaskCreate, field: str = ""
+    conn: AsyncConnection, owner: str, teams: frozenset[str], spec: Asks, field: str = ""
 ) -> None:
-    """Refuse a submission whose ``team`` the owner does not belong to (403), or that
-    refers to a secret the owner may not use or that does not exist (422), naming the
-    field."""
+    """Refuse a submission (or a retry) whose ``team`` the owner does not belong to (403),
+    or that refers to a secret the owner may not use or that does not exist (422),
+    naming the field. A team's secrets need the owner's recorded membership: it is what
+    every lease checks again, when no identity provider's claim is at hand."""
     if spec.team is not None and spec.team not in teams:
         raise Forbidden(f"{field}team: {owner!r} is not a member of team {spec.team!r}")
-    for key, ref in refs_of(spec.env).items():
-        if ref.team is not None and ref.team not in teams:
+    refs = refs_of(spec.env)
+    if any(ref.team is not None for ref in refs.values()):
+        outside = outside_teams(refs, teams & await teams_of(conn, owner))
+        if outside is not None:
+            key, team = outside
             raise Forbidden(
-                f"{field}env.{key}: {owner!r} is not a member of team {ref.team!r}, "
+                f"{field}env.{key}: {owner!r} is not a recorded member of team {team!r}, "
                 "so may not use its secrets"
             )
+    for key, ref in refs.items():
         scope = Scope.of(owner, ref)
         found = await conn.execute(
             select(secrets.c.id).where(scope.where(), secrets.c.name == ref.secret)
@@ -188,6 +216,8 @@ async def _open_all(
     conn: AsyncConnection, box: SecretBox, wanted: Iterable[tuple[Scope, str]]
 ) -> dict[tuple[Scope, str], str]:
     wanted = set(wanted)
+    if not wanted:
+        return {}
     owned = [(s.owner, n) for s, n in wanted if s.team is None]
     teamed = [(s.team, n) for s, n in wanted if s.team is not None]
     conditions: list[Any] = []
@@ -210,46 +240,77 @@ async def _open_all(
     return opened
 
 
+@dataclass(frozen=True)
+class _Refs:
+    """A leased task's secret references, its owner and the owner's recorded teams."""
+
+    owner: str
+    refs: dict[str, SecretRef]
+    teams: frozenset[str]
+
+    def refusal(self) -> str | None:
+        """Why the task's secrets are not given out: its owner left a team it names."""
+        outside = outside_teams(self.refs, self.teams)
+        if outside is None:
+            return None
+        key, team = outside
+        return (
+            f"env {key}: {self.owner!r} is no longer a member of team {team!r}, "
+            f"so its secret {self.refs[key].secret!r} is not given out"
+        )
+
+    def filled(
+        self, assignment: Assignment, opened: Mapping[tuple[Scope, str], str]
+    ) -> Assignment | str:
+        """The assignment with its values, or why it cannot have them."""
+        env = dict(assignment.env)
+        for key, ref in self.refs.items():
+            scope = Scope.of(self.owner, ref)
+            value = opened.get((scope, ref.secret))
+            if value is None:
+                return (
+                    f"env {key}: secret {ref.secret!r} of {scope.describe()} is gone or "
+                    "cannot be opened with the configured keys"
+                )
+            env[key] = value
+        return assignment.model_copy(update={"env": env})
+
+
 async def fill(
     conn: AsyncConnection, box: SecretBox, leased: Sequence[Assignment]
 ) -> tuple[list[Assignment], dict[int, str]]:
     """The assignments with their secret env values filled in, and the attempts whose
-    secrets are gone or unreadable (attempt id -> reason); those are not handed out."""
+    secrets are gone, unreadable, or a team's its owner no longer belongs to (attempt id
+    -> reason); those are not handed out, and their secrets are not even opened."""
     if not leased:
         return [], {}
     rows = list(await conn.execute(_WITH_REFS, {"ids": [a.task_id for a in leased]}))
     if not rows:
         return list(leased), {}
-    wanted = {row.id: (row.owner, refs_of(row.env)) for row in rows}
+    wanted = {row.id: _Refs(row.owner, refs_of(row.env), frozenset(row.teams)) for row in rows}
+    refused = {task_id: why for task_id, r in wanted.items() if (why := r.refusal()) is not None}
     opened = await _open_all(
         conn,
         box,
         (
-            (Scope.of(owner, ref), ref.secret)
-            for owner, refs in wanted.values()
-            for ref in refs.values()
+            (Scope.of(r.owner, ref), ref.secret)
+            for task_id, r in wanted.items()
+            if task_id not in refused
+            for ref in r.refs.values()
         ),
     )
     ready: list[Assignment] = []
     broken: dict[int, str] = {}
     for assignment in leased:
-        if assignment.task_id not in wanted:
+        found = wanted.get(assignment.task_id)
+        if found is None:
             ready.append(assignment)
             continue
-        owner, refs = wanted[assignment.task_id]
-        env = dict(assignment.env)
-        for key, ref in refs.items():
-            scope = Scope.of(owner, ref)
-            value = opened.get((scope, ref.secret))
-            if value is None:
-                broken[assignment.attempt_id] = (
-                    f"env {key}: secret {ref.secret!r} of {scope.describe()} is gone or "
-                    "cannot be opened with the configured keys"
-                )
-                break
-            env[key] = value
+        done = refused.get(assignment.task_id) or found.filled(assignment, opened)
+        if isinstance(done, str):
+            broken[assignment.attempt_id] = done
         else:
-            ready.append(assignment.model_copy(update={"env": env}))
+            ready.append(done)
     return ready, broken
 
 

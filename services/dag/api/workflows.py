@@ -19,7 +19,7 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import InvalidInput
 from libs.common.problems import PROBLEMS
-from libs.common.teams import bound_to_team, check_member
+from libs.common.teams import bound_to_team, check_member, check_what_runs
 from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
 from services.dag.domain.data import Instance, map_items
@@ -116,6 +116,14 @@ def _whose(caller: Caller, owner: str, of: str | None) -> tuple[str, Visibility 
     return of, caller.visibility
 
 
+def _check_choices(caller: Caller, owner: str, body: RunCreate) -> None:
+    """A run of someone else's workflow takes its own params: the values the templates
+    read (``params``, ``fire``) are the owner's or an admin's to choose (403 naming one)."""
+    for field in ("params", "fire"):
+        if getattr(body, field):
+            check_what_runs(caller, owner, f"body.{field}")
+
+
 @router.post("/{name}/runs", response_model=Run, status_code=201, responses=PROBLEMS)
 async def start_run(
     name: WorkflowName,
@@ -131,8 +139,13 @@ async def start_run(
     """Start a run (201), or answer the run your ``idempotency_key`` already started (200).
     It is queued until the workflow has fewer than ``max_active_runs`` running. With
     ``owner``, a run of a teammate's workflow shared with your team: the run, like the
-    workflow, is its owner's and the team's."""
+    workflow, is its owner's and the team's, and its tasks run as the owner, so only the
+    owner (or an admin) chooses its ``params`` (and ``fire``, which the templates read
+    too): a teammate's are a 403 naming them."""
+    acting = owner
     owner, who = _whose(caller, owner, of)
+    if owner != acting:
+        _check_choices(caller, owner, body)
     async with db.begin() as conn:
         workflow = await store.get_workflow(conn, owner, name, body.version, who)
         dag = await graphs.get(conn, workflow.id)
