@@ -96,6 +96,17 @@ team_members = Table(
     Column("added_by", Text, nullable=False),
 )
 
+# A membership an identity provider's claim vouched for at a submission, until the token
+# that carried it expires: what a lease checks a team secret's use against besides
+# ``team_members`` (identity/teams.py).
+team_claims = Table(
+    "team_claims",
+    metadata,
+    Column("team", Text, ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True),
+    Column("member", Text, primary_key=True, index=True),
+    Column("until", DateTime(timezone=True), nullable=False),
+)
+
 secrets = Table(
     "secrets",
     metadata,

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,35 @@ def test_only_mapped_groups_grant_a_team_and_its_secrets(mapped_core: Core, keys
             assert made.status_code == 201, made.text
             expected[made.json()["id"]] = {"BANK": value}
     assert {a["task_id"]: a["env"] for a in _leased(mapped_core)} == expected
+
+
+def test_a_claim_vouches_for_a_team_secret_until_its_token_expires(
+    mapped_core: Core, keys: Keys, db: Any
+) -> None:
+    """A lease has no token to read a claim from: the membership a JWT's groups gave at
+    submit is kept until that token expires, and checked at every lease like a recorded
+    one (a member the provider dropped loses the team's secret when the token ends)."""
+    value, carols = _payroll(mapped_core)
+    token = keys.sign({"sub": "dave@example.test", "groups": ["cairn-team-payroll"]})
+    expires = datetime.fromtimestamp(
+        jwt.decode(token, options={"verify_signature": False})["exp"], UTC
+    )
+    with _as(mapped_core, token) as dave:
+        live = dave.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll")).json()["id"]
+        claims = db.execute("SELECT team, member, until FROM core.team_claims").fetchall()
+        assert claims == [("payroll", "dave@example.test", expires)]
+        assert {a["task_id"]: a["env"] for a in _leased(mapped_core)} == {
+            carols: {},
+            live: {"BANK": value},
+        }
+        late = dave.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll")).json()["id"]
+    # The token has ended (backdated here, as the clock would): the claim no longer holds.
+    db.execute("UPDATE core.team_claims SET until = now() - interval '1 second'")
+    assert _leased(mapped_core) == []
+    with mapped_core.client("carol") as carol:
+        task = carol.get(f"/v1/tasks/{late}").json()
+    assert task["state"] == "dead"
+    assert "no longer a member of team 'payroll'" in task["last_error"]
 
 
 def test_an_elliptic_curve_key_of_the_set_signs_too(idp_core: Core, ec_keys: Keys) -> None:

@@ -267,8 +267,17 @@ async def _check(
     conn: AsyncConnection, principal: Principal, owner: str, spec: secrets.Asks, field: str = ""
 ) -> None:
     """The owner's right to its team and secrets: the caller's teams when it submits for
-    itself, the owner's recorded memberships when a service submits for it."""
-    owner_teams = principal.teams if owner == principal.name else await teams.teams_of(conn, owner)
+    itself, the teams the owner holds without a token (``teams.teams_of``) when a service
+    submits for it."""
+    if owner != principal.name:
+        owner_teams = await teams.teams_of(conn, owner)
+    else:
+        owner_teams = principal.teams
+        if principal.id is None and principal.expires_at is not None:
+            # An identity provider vouches for these teams until the token expires: kept,
+            # so that the lease, which has no token at hand, checks the same membership.
+            used = secrets.teams_used(spec) & owner_teams
+            await teams.vouch(conn, owner, used, principal.expires_at)
     await secrets.check_submission(conn, owner, owner_teams, spec, field)
 
 

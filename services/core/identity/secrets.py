@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import Assignment, SecretInfo, SecretRef
 from services.core.identity.crypto import SecretBox, Unreadable
-from services.core.identity.teams import teams_of
+from services.core.identity.teams import held_teams, teams_of
 from services.core.tables import secrets
 
 MASK = "***"
@@ -41,7 +41,7 @@ def refers_to_secrets(env: str) -> str:
 # secret is given out only while the owner belongs to the team (checked at every lease).
 _WITH_REFS = text(f"""
 SELECT t.id, t.owner, t.env,
-       ARRAY(SELECT m.team FROM core.team_members m WHERE m.member = t.owner) AS teams
+       ARRAY({held_teams("t.owner")}) AS teams
 FROM core.tasks t
 WHERE t.id = ANY(CAST(:ids AS bigint[])) AND {refers_to_secrets("t.env")}
 """)
@@ -168,13 +168,18 @@ def refs_of(env: Mapping[str, Any]) -> dict[str, SecretRef]:
     }
 
 
+def teams_used(spec: Asks) -> frozenset[str]:
+    """The teams whose secrets ``spec`` refers to."""
+    return frozenset(ref.team for ref in refs_of(spec.env).values() if ref.team is not None)
+
+
 def needs_check(spec: Asks) -> bool:
     return spec.team is not None or any(not isinstance(v, str) for v in spec.env.values())
 
 
 def outside_teams(refs: Mapping[str, SecretRef], teams: frozenset[str]) -> tuple[str, str] | None:
     """The first (env key, team) whose team secret ``refs`` name but ``teams`` (the
-    owner's recorded memberships) do not hold: the one rule for who may use a team's
+    teams the owner holds, teams.teams_of) do not hold: the one rule for who may use a team's
     secrets, at submit, retry and lease."""
     for key, ref in refs.items():
         if ref.team is not None and ref.team not in teams:
@@ -187,17 +192,18 @@ async def check_submission(
 ) -> None:
     """Refuse a submission (or a retry) whose ``team`` the owner does not belong to (403),
     or that refers to a secret the owner may not use or that does not exist (422),
-    naming the field. A team's secrets need the owner's recorded membership: it is what
-    every lease checks again, when no identity provider's claim is at hand."""
+    naming the field. A team's secrets need a membership the owner holds without a token
+    (``teams.teams_of``: recorded, or vouched for by an identity provider's claim until its
+    token expires): it is what every lease checks again."""
     if spec.team is not None and spec.team not in teams:
         raise Forbidden(f"{field}team: {owner!r} is not a member of team {spec.team!r}")
     refs = refs_of(spec.env)
-    if any(ref.team is not None for ref in refs.values()):
+    if teams_used(spec):
         outside = outside_teams(refs, teams & await teams_of(conn, owner))
         if outside is not None:
             key, team = outside
             raise Forbidden(
-                f"{field}env.{key}: {owner!r} is not a recorded member of team {team!r}, "
+                f"{field}env.{key}: {owner!r} is not a member of team {team!r}, "
                 "so may not use its secrets"
             )
     for key, ref in refs.items():
@@ -242,7 +248,7 @@ async def _open_all(
 
 @dataclass(frozen=True)
 class _Refs:
-    """A leased task's secret references, its owner and the owner's recorded teams."""
+    """A leased task's secret references, its owner and the teams it holds (teams.held_teams)."""
 
     owner: str
     refs: dict[str, SecretRef]

@@ -3,15 +3,17 @@ identity provider's claim). A task owned by a team is seen and acted on by its m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.models import Team
-from services.core.tables import team_members, teams
+from services.core.tables import team_claims, team_members, teams
 
 
 def _team(row: Any) -> Team:
@@ -85,14 +87,49 @@ async def add_member(conn: AsyncConnection, name: str, member: str, by: str) -> 
 
 
 async def remove_member(conn: AsyncConnection, name: str, member: str) -> None:
+    """Remove ``member``, also what an identity provider's claim vouched for (until its
+    next submission with a token that still carries the claim)."""
     await get(conn, name)
+    vouched = await conn.execute(
+        delete(team_claims).where(team_claims.c.team == name, team_claims.c.member == member)
+    )
     gone = await conn.execute(
         delete(team_members).where(team_members.c.team == name, team_members.c.member == member)
     )
-    if not gone.rowcount:
+    if not gone.rowcount and not vouched.rowcount:
         raise NotFound(f"{member!r} is not a member of team {name!r}")
 
 
+_VOUCH = text("""
+INSERT INTO core.team_claims (team, member, until)
+SELECT t.name, :member, :until FROM core.teams t WHERE t.name = ANY(CAST(:teams AS text[]))
+ON CONFLICT (team, member) DO UPDATE SET until = greatest(core.team_claims.until, EXCLUDED.until)
+""")
+
+
+def held_teams(member: str) -> str:
+    """SQL: the teams the principal named by the SQL expression ``member`` belongs to when
+    no token is at hand (a lease, a service acting for it): those an admin recorded, and
+    those an identity provider's claim vouched for until its token expires."""
+    return (
+        f"SELECT m.team FROM core.team_members m WHERE m.member = {member} "
+        f"UNION SELECT c.team FROM core.team_claims c WHERE c.member = {member} "
+        "AND c.until > now()"
+    )
+
+
 async def teams_of(conn: AsyncConnection, member: str) -> frozenset[str]:
-    rows = await conn.execute(select(team_members.c.team).where(team_members.c.member == member))
+    """The teams ``member`` holds without a token at hand (``held_teams``)."""
+    rows = await conn.execute(text(held_teams(":member")), {"member": member})
     return frozenset(row.team for row in rows)
+
+
+async def vouch(
+    conn: AsyncConnection, member: str, claimed: Iterable[str], until: datetime
+) -> None:
+    """Keep the teams an identity provider's claim gives ``member`` until ``until`` (its
+    token's expiry), so that a lease, which has no token, can check them; a team that does
+    not exist is passed over."""
+    wanted = sorted(claimed)
+    if wanted:
+        await conn.execute(_VOUCH, {"member": member, "teams": wanted, "until": until})
