@@ -36,7 +36,9 @@ def expiry(text: str | None) -> datetime | None:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        output.errors.print(f"cairn: --expires {text!r}: give 30d, 12h, 90m or an ISO time")
+        output.errors.print(
+            f"cairn: --expires {output.safe(repr(text))}: give 30d, 12h, 90m or an ISO time"
+        )
         raise typer.Exit(2) from None
     if when.tzinfo is None:
         output.errors.print("cairn: --expires needs a UTC offset (e.g. 2027-01-01T00:00:00Z)")
@@ -77,7 +79,7 @@ def _create_in_database(
         system.migrate_all(url)
         return admin.create_token(url, principal, role, given, label)
     except CairnError as exc:
-        output.errors.print(f"cairn: {exc.detail}")
+        output.errors.print(f"cairn: {output.safe(exc.detail)}")
         raise typer.Exit(2) from None
     finally:
         if started is not None:
@@ -244,7 +246,8 @@ def secret_set(
             return await core.put_secret(name, value, team)
 
     info = output.call(go)
-    output.console.print(f"secret {info.name} stored" + (f" for team {team}" if team else ""))
+    team_note = f" for team {output.safe(team)}" if team else ""
+    output.console.print(f"secret {output.safe(info.name)} stored{team_note}")
 
 
 @secret_app.command("ls")
@@ -281,7 +284,7 @@ def secret_rm(
             await core.delete_secret(name, team)
 
     output.call(go)
-    output.console.print(f"secret {name} deleted")
+    output.console.print(f"secret {output.safe(name)} deleted")
 
 
 def register(app: typer.Typer) -> None:
