@@ -16,7 +16,7 @@ import typer
 from cairn import output, system
 from cairn.tasks_cli import JsonFlag, ctx_of
 from libs.common.errors import CairnError
-from libs.common.models import TokenCreate, TokenInfo
+from libs.common.models import KeyStatus, RekeyResult, SealedCount, TokenCreate, TokenInfo
 
 token_app = typer.Typer(help="Bearer tokens: create, list, revoke.", no_args_is_help=True)
 team_app = typer.Typer(help="Teams and their members (admins manage them).", no_args_is_help=True)
@@ -285,6 +285,69 @@ def secret_rm(
 
     output.call(go)
     output.console.print(f"secret {output.safe(name)} deleted")
+
+
+@secret_app.command("keys")
+def secret_keys(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Which secrets keys core holds, and how many values each seals (admins)."""
+    c = ctx_of(ctx)
+
+    async def go() -> KeyStatus:
+        async with c.core() as core:
+            return await core.key_status()
+
+    found = output.call(go)
+    if c.json or as_json:
+        output.dump(found)
+        return
+    output.table(
+        None,
+        ["sealed", "key", "values", "key is"],
+        [[k.column, k.key_id, k.rows, _key_role(k)] for k in found.columns],
+    )
+    output.console.print(f"{found.remaining} values under a key other than {found.current}")
+
+
+def _key_role(count: SealedCount) -> str:
+    if count.current:
+        return "current"
+    return "older: run cairn secret rekey" if count.configured else "not configured: unreadable"
+
+
+@secret_app.command("rekey")
+def secret_rekey(
+    ctx: typer.Context,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="values per call")] = 1000,
+    as_json: JsonFlag = False,
+) -> None:
+    """Seal every secret anew under core's current key (the first of CAIRN_SECRETS_KEY),
+    so that older keys can be removed (admins). Safe while core serves; run it again at
+    will. Exit 1 if values remain under another key."""
+    c = ctx_of(ctx)
+
+    async def go() -> RekeyResult:
+        total = 0
+        async with c.core() as core:
+            while True:
+                done = await core.rekey(batch)
+                total += done.rekeyed
+                if not done.rekeyed or not done.remaining:
+                    return done.model_copy(update={"rekeyed": total})
+
+    result = output.call(go)
+    if c.json or as_json:
+        output.dump(result)
+    else:
+        output.console.print(
+            f"{result.rekeyed} values sealed anew under key {result.key_id}; "
+            f"{result.remaining} remain under another key"
+        )
+    if result.remaining:
+        output.errors.print(
+            "cairn: some values do not open with the configured keys "
+            "(see cairn secret keys); keep their keys until they are replaced"
+        )
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
