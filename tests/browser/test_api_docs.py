@@ -50,5 +50,3 @@ def test_docs_render_from_the_services_own_origin_under_its_policy(
     assert requested and all(r.startswith(origin + "/") for r in requested), requested
     assert not [c for c in complaints if "Content Security Policy" in c or "failed" in c]
     assert not complaints, complaints
-
-

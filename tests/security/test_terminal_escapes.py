@@ -6,36 +6,23 @@ every such sequence escaped unless told ``--raw``."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support import Core, shell_spec, spawn_worker, start_core, stop_process, wait_for
+# A core that ships logs every 0.5 s, and a real worker agent for it.
+from tests.faults.test_live_logs import core, worker
+from tests.support import Core, shell_spec, wait_for
 
 pytestmark = pytest.mark.slow
+__all__ = ["core", "worker"]  # the fixtures, used by name below
 
 # Clipboard write, screen clear and a forged title (ESC ... BEL), then an 8-bit CSI (U+009B).
 HOSTILE = r"printf 'before\033]52;c;aGFja2Vk\007\033[2J\033]0;forged\007\302\2332Jafter\n'"
 # Rich markup would make a hyperlink of it; U+009B is a C1 control (CSI) a name may hold.
 NAME = "[link=https://evil.example]click[/link] \u009b2J"
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path / "core", heartbeat_interval_s=0.5)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def worker(core: Core, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = spawn_worker(core, tmp_path / "worker", "escapes-worker")
-    yield proc
-    stop_process(proc, signal.SIGTERM)
 
 
 def _cairn(core: Core, home: Path, *args: str) -> bytes:

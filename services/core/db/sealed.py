@@ -43,9 +43,9 @@ SEALED: tuple[Sealed, ...] = (Sealed("secrets", secrets, _secret_context),)
 
 
 async def counts(conn: AsyncConnection, sealed: Sealed) -> dict[str, int]:
-    """How many of the column's values each key id seals."""
+    """How many of the column's values each key id seals (rows without one hold none)."""
     kid = sealed.column(sealed.key_id)
-    rows = await conn.execute(select(kid, func.count()).group_by(kid))
+    rows = await conn.execute(select(kid, func.count()).where(kid.is_not(None)).group_by(kid))
     return {row[0]: int(row[1]) for row in rows}
 
 
