@@ -81,6 +81,8 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
         assert json.loads(done.stdout) == {
             "key_id": b, "rekeyed": SECRETS + 1, "unreadable": 0, "remaining": 0,
         }  # fmt: skip
+        shown = _cairn(core, tmp_path, admin, "secret", "keys")
+        assert shown.returncode == 0 and f"0 values under a key other than {b}" in shown.stdout
         again = _cairn(core, tmp_path, admin, "--json", "secret", "rekey")
         assert again.returncode == 0 and json.loads(again.stdout)["rekeyed"] == 0
         with core.client("root", "admin") as root:
