@@ -344,8 +344,8 @@ def secret_rekey(
         )
     if result.remaining:
         output.errors.print(
-            "cairn: some values do not open with the configured keys "
-            "(see cairn secret keys); keep their keys until they are replaced"
+            "cairn: values remain under another key: ones no configured key opens, or ones "
+            "being changed at that moment (see cairn secret keys; run it again)"
         )
         raise typer.Exit(1)
 
