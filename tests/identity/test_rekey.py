@@ -1,7 +1,8 @@
 """Retiring a secrets key (docs/security.md, "Rotating the secrets key"): values sealed
-under key A, core restarted with [B, A], `cairn secret rekey` (the real CLI against a real
-core) seals them all under B, and a core holding only B still opens every one into a
-worker's claim."""
+under key A (secrets and a webhook's signing secret), core restarted with [B, A],
+`cairn secret rekey` (the real CLI against a real core) seals them all under B, and a core
+holding only B still opens every one: into a worker's claim, and into a webhook's
+signature."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import psycopg
 from libs.common.settings import libpq_url
 from services.core.identity.crypto import SecretBox, new_key
 from tests.identity.test_secrets import Worker
-from tests.support import Core, make_token, spec, start_core
+from tests.support import Core, make_token, spec, start_core, wait_for
+from tests.webhooks import Receiver, subscribe
 
 SECRETS = 230  # over two calls of --batch 100 and their batches of 100
+SEALED = SECRETS + 2  # and a team's secret, and a webhook's signing secret
 
 
 def _cairn(core: Core, home: Path, token: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -36,7 +39,10 @@ def _cairn(core: Core, home: Path, token: str, *args: str) -> subprocess.Complet
 
 def _key_ids(db_url: str) -> dict[str, int]:
     with psycopg.connect(libpq_url(db_url)) as conn:
-        rows = conn.execute("SELECT key_id, count(*) FROM core.secrets GROUP BY key_id").fetchall()
+        rows = conn.execute(
+            "SELECT kid, count(*) FROM (SELECT key_id AS kid FROM core.secrets UNION ALL "
+            "SELECT secret_key_id FROM core.subscriptions) AS sealed GROUP BY kid"
+        ).fetchall()
     return {kid: n for kid, n in rows}
 
 
@@ -58,28 +64,30 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
 ) -> None:
     key_a, key_b = new_key(), new_key()
     a, b = SecretBox([key_a]).current, SecretBox([key_b]).current
+    hook = Receiver()
     core = start_core(db_url, tmp_path / "a", secrets_key=key_a)
     try:
         values = _store(core)
         with core.client("alice") as alice:
             env = {"DB": {"secret": "s7"}, "TEAM_DB": {"secret": "db", "team": "sre"}}
             assert alice.post("/v1/tasks", json=spec(env=env)).status_code == 201
+            webhook = subscribe(alice, hook.url)
     finally:
         core.stop()
-    assert _key_ids(db_url) == {a: SECRETS + 1}
+    assert _key_ids(db_url) == {a: SEALED}
 
     core = start_core(db_url, tmp_path / "ba", secrets_key=f"{key_b},{key_a}")
     admin = make_token(db_url, "root", "admin")
     try:
         status = json.loads(_cairn(core, tmp_path, admin, "--json", "secret", "keys").stdout)
-        assert (status["current"], status["remaining"]) == (b, SECRETS + 1)
+        assert (status["current"], status["remaining"]) == (b, SEALED)
         alice = make_token(db_url, "alice", "user")
         refused = _cairn(core, tmp_path, alice, "secret", "rekey")
         assert refused.returncode == 1 and "403" in refused.stderr
         done = _cairn(core, tmp_path, admin, "--json", "secret", "rekey", "--batch", "100")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {
-            "key_id": b, "rekeyed": SECRETS + 1, "unreadable": 0, "remaining": 0,
+            "key_id": b, "rekeyed": SEALED, "unreadable": 0, "remaining": 0,
         }  # fmt: skip
         shown = _cairn(core, tmp_path, admin, "secret", "keys")
         assert shown.returncode == 0 and f"0 values under a key other than {b}" in shown.stdout
@@ -87,11 +95,11 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
         assert again.returncode == 0 and json.loads(again.stdout)["rekeyed"] == 0
         with core.client("root", "admin") as root:
             audit = root.get("/v1/audit", params={"action": "secret.rekey"}).json()["items"]
-        assert sum(e["after"]["rekeyed"] for e in audit) == SECRETS + 1
+        assert sum(e["after"]["rekeyed"] for e in audit) == SEALED
         assert {e["actor"] for e in audit} == {"root"}
     finally:
         core.stop()
-    assert _key_ids(db_url) == {b: SECRETS + 1}
+    assert _key_ids(db_url) == {b: SEALED}
 
     core = start_core(db_url, tmp_path / "b", secrets_key=key_b)
     try:
@@ -99,8 +107,13 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
         [leased] = worker.claim()
         assert leased["env"] == {"DB": values["s7"], "TEAM_DB": "team-v"}
         worker.close()
+        with core.client("alice") as alice:
+            assert alice.post(f"/v1/subscriptions/{webhook['id']}/test").status_code == 202
+        [delivered] = wait_for(hook.accepted, timeout=30)
+        assert delivered.signed_by(webhook["secret"])
     finally:
         core.stop()
+        hook.close()
 
 
 def test_a_value_being_replaced_is_skipped_not_waited_for_or_overwritten(

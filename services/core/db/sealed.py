@@ -14,8 +14,9 @@ from typing import Any
 from sqlalchemy import Column, Row, Table, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from services.core.domain.notify import secret_context
 from services.core.identity.secrets import Scope
-from services.core.tables import secrets
+from services.core.tables import secrets, subscriptions
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,22 @@ def _secret_context(row: Row[Any]) -> bytes:
     return scope.context(row.name)
 
 
-SEALED: tuple[Sealed, ...] = (Sealed("secrets", secrets, _secret_context),)
+def _webhook_context(row: Row[Any]) -> bytes:
+    return secret_context(row.owner, row.name)
+
+
+SEALED: tuple[Sealed, ...] = (
+    Sealed("secrets", secrets, _secret_context),
+    # webhook signing secrets (docs/notifications.md)
+    Sealed(
+        "subscriptions",
+        subscriptions,
+        _webhook_context,
+        key_id="secret_key_id",
+        nonce="secret_nonce",
+        ciphertext="secret_sealed",
+    ),
+)
 
 
 async def counts(conn: AsyncConnection, sealed: Sealed) -> dict[str, int]:
