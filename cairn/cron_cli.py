@@ -108,7 +108,7 @@ def add(
         output.dump(made)
     else:
         output.console.print(
-            f"schedule [bold]{made.id}[/bold] {made.name}: next fire "
+            f"schedule [bold]{made.id}[/bold] {output.safe(made.name)}: next fire "
             f"{output.when(made.next_fire_at)}"
         )
 

@@ -45,7 +45,7 @@ def submit(ctx: typer.Context, file: Path, as_json: JsonFlag = False) -> None:
     else:
         change = "stored" if created else "unchanged"
         output.console.print(
-            f"workflow [bold]{workflow.name}[/bold] version {workflow.version} {change} "
+            f"workflow [bold]{output.safe(workflow.name)}[/bold] version {workflow.version} {change} "
             f"({len(workflow.definition.nodes)} nodes)"
         )
 
@@ -102,7 +102,7 @@ def run(
 def tree(found: Run) -> Tree:
     """The run as a tree: each node under its first upstream node, with its state."""
     root = Tree(
-        f"run {found.id} [bold]{found.workflow}[/bold] v{found.workflow_version}: "
+        f"run {found.id} [bold]{output.safe(found.workflow)}[/bold] v{found.workflow_version}: "
         f"{output.state(found.state)}"
     )
     branches: dict[str, Tree] = {}
@@ -113,14 +113,14 @@ def tree(found: Run) -> Tree:
         node = by_name[name]
         extra = f" task {node.task_id}" if node.task_id else ""
         if node.map_of is not None:
-            extra += f" [dim]item {json.dumps(node.map_item)[:60]}[/dim]"
+            extra += f" [dim]item {output.safe(json.dumps(node.map_item)[:60])}[/dim]"
         extra += f" try {node.try_number}" if node.try_number > 1 else ""
         also = node.depends_on[1:]
         if also:
-            extra += f" [dim](also after {', '.join(also)})[/dim]"
+            extra += f" [dim](also after {output.safe(', '.join(also))})[/dim]"
         if node.error:
-            extra += f" [red]{node.error}[/red]"
-        return f"{name}: {output.state(node.state)}{extra}"
+            extra += f" [red]{output.safe(node.error)}[/red]"
+        return f"{output.safe(name)}: {output.state(node.state)}{extra}"
 
     pending = list(found.nodes)
     while pending:
@@ -182,7 +182,7 @@ def status(
     else:
         output.console.print(tree(found))
         if found.reason:
-            output.console.print(f"[red]{found.reason}[/red]")
+            output.console.print(f"[red]{output.safe(found.reason)}[/red]")
 
 
 @app.command("outputs")
@@ -206,7 +206,7 @@ def outputs(
         if n.outputs is not None and (node is None or n.name == node)
     }
     if node is not None and node not in {n.name for n in found.nodes}:
-        output.errors.print(f"run {run_id} has no node '{node}'")
+        output.errors.print(f"run {run_id} has no node '{output.safe(node)}'")
         raise typer.Exit(1)
     if ctx_of(ctx).json or as_json:
         output.dump(kept)
@@ -242,7 +242,7 @@ def clear(
     else:
         again = sorted(n.name for n in found.nodes if n.state == "pending")
         output.console.print(
-            f"run {found.id} {output.state(found.state)}: again {', '.join(again)}"
+            f"run {found.id} {output.state(found.state)}: again {output.safe(', '.join(again))}"
         )
 
 
@@ -291,7 +291,8 @@ def retry(
     else:
         again = sorted(n.name for n in found.nodes if n.state in ("pending", "ready"))
         output.console.print(
-            f"run {found.id} {output.state(found.state)}: again {', '.join(again) or '-'}"
+            f"run {found.id} {output.state(found.state)}: "
+            f"again {output.safe(', '.join(again) or '-')}"
         )
 
 
@@ -309,6 +310,6 @@ def graph(
 
     found = output.call(go)
     if mermaid:
-        output.console.out(found, highlight=False)
+        output.console.out(output.visible(found), highlight=False)
     else:
         output.dump(found)

@@ -16,7 +16,7 @@ import typer
 from cairn import output, system
 from cairn.tasks_cli import JsonFlag, ctx_of
 from libs.common.errors import CairnError
-from libs.common.models import TokenCreate, TokenInfo
+from libs.common.models import KeyStatus, RekeyResult, SealedCount, TokenCreate, TokenInfo
 
 token_app = typer.Typer(help="Bearer tokens: create, list, revoke.", no_args_is_help=True)
 team_app = typer.Typer(help="Teams and their members (admins manage them).", no_args_is_help=True)
@@ -36,7 +36,9 @@ def expiry(text: str | None) -> datetime | None:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        output.errors.print(f"cairn: --expires {text!r}: give 30d, 12h, 90m or an ISO time")
+        output.errors.print(
+            f"cairn: --expires {output.safe(repr(text))}: give 30d, 12h, 90m or an ISO time"
+        )
         raise typer.Exit(2) from None
     if when.tzinfo is None:
         output.errors.print("cairn: --expires needs a UTC offset (e.g. 2027-01-01T00:00:00Z)")
@@ -77,7 +79,7 @@ def _create_in_database(
         system.migrate_all(url)
         return admin.create_token(url, principal, role, given, label)
     except CairnError as exc:
-        output.errors.print(f"cairn: {exc.detail}")
+        output.errors.print(f"cairn: {output.safe(exc.detail)}")
         raise typer.Exit(2) from None
     finally:
         if started is not None:
@@ -244,7 +246,8 @@ def secret_set(
             return await core.put_secret(name, value, team)
 
     info = output.call(go)
-    output.console.print(f"secret {info.name} stored" + (f" for team {team}" if team else ""))
+    team_note = f" for team {output.safe(team)}" if team else ""
+    output.console.print(f"secret {output.safe(info.name)} stored{team_note}")
 
 
 @secret_app.command("ls")
@@ -281,7 +284,70 @@ def secret_rm(
             await core.delete_secret(name, team)
 
     output.call(go)
-    output.console.print(f"secret {name} deleted")
+    output.console.print(f"secret {output.safe(name)} deleted")
+
+
+@secret_app.command("keys")
+def secret_keys(ctx: typer.Context, as_json: JsonFlag = False) -> None:
+    """Which secrets keys core holds, and how many values each seals (admins)."""
+    c = ctx_of(ctx)
+
+    async def go() -> KeyStatus:
+        async with c.core() as core:
+            return await core.key_status()
+
+    found = output.call(go)
+    if c.json or as_json:
+        output.dump(found)
+        return
+    output.table(
+        None,
+        ["sealed", "key", "values", "key is"],
+        [[k.column, k.key_id, k.rows, _key_role(k)] for k in found.columns],
+    )
+    output.console.print(f"{found.remaining} values under a key other than {found.current}")
+
+
+def _key_role(count: SealedCount) -> str:
+    if count.current:
+        return "current"
+    return "older: run cairn secret rekey" if count.configured else "not configured: unreadable"
+
+
+@secret_app.command("rekey")
+def secret_rekey(
+    ctx: typer.Context,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="values per call")] = 1000,
+    as_json: JsonFlag = False,
+) -> None:
+    """Seal every secret anew under core's current key (the first of CAIRN_SECRETS_KEY),
+    so that older keys can be removed (admins). Safe while core serves; run it again at
+    will. Exit 1 if values remain under another key."""
+    c = ctx_of(ctx)
+
+    async def go() -> RekeyResult:
+        total = 0
+        async with c.core() as core:
+            while True:
+                done = await core.rekey(batch)
+                total += done.rekeyed
+                if not done.rekeyed or not done.remaining:
+                    return done.model_copy(update={"rekeyed": total})
+
+    result = output.call(go)
+    if c.json or as_json:
+        output.dump(result)
+    else:
+        output.console.print(
+            f"{result.rekeyed} values sealed anew under key {result.key_id}; "
+            f"{result.remaining} remain under another key"
+        )
+    if result.remaining:
+        output.errors.print(
+            "cairn: values remain under another key: ones no configured key opens, or ones "
+            "being changed at that moment (see cairn secret keys; run it again)"
+        )
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

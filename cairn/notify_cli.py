@@ -23,10 +23,11 @@ def _rows(items: list[Subscription]) -> list[list[Any]]:
         parts = [f"queue={s.filter.queue}"] if s.filter.queue else []
         return " ".join(parts + [f"{k}={v}" for k, v in s.filter.labels.items()])
 
-    def status(s: Subscription) -> str:
+    def status(s: Subscription) -> output.Markup:
         if not s.enabled:
-            return f"[red]disabled[/red]: {s.disabled_reason}"
-        return f"[yellow]{s.failures} failing[/yellow]" if s.failures else "[green]ok[/green]"
+            return output.Markup(f"[red]disabled[/red]: {output.safe(s.disabled_reason)}")
+        failing = f"[yellow]{s.failures} failing[/yellow]" if s.failures else "[green]ok[/green]"
+        return output.Markup(failing)
 
     return [[s.id, s.name, ", ".join(s.events), where(s), s.url, status(s)] for s in items]
 
@@ -68,7 +69,8 @@ def add(
         output.dump(made)
         return
     output.console.print(
-        f"subscription [bold]{made.id}[/bold] {made.name}: {', '.join(made.events)}"
+        f"subscription [bold]{made.id}[/bold] {output.safe(made.name)}: "
+        f"{output.safe(', '.join(made.events))}"
     )
     output.console.print(
         f"signing secret (shown once; verify X-Cairn-Signature with it): {made.secret}",

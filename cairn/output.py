@@ -1,10 +1,15 @@
 """How the CLI talks back: rich tables on a terminal, JSON with ``--json``, and a service's
-problem+json turned into one clear line and exit status 1."""
+problem+json turned into one clear line and exit status 1.
+
+Whatever a service answers may have been written by someone else (a task's log, a task's
+or a schedule's name, an error, a webhook's answer), so it reaches the terminal only
+through :func:`visible` (plain text) or :func:`safe` (inside rich markup)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime
@@ -14,6 +19,7 @@ import httpx
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from libs.common.errors import CairnError
@@ -23,6 +29,29 @@ T = TypeVar("T")
 # Piped output keeps whole lines (rich would fold them at 80 columns).
 console = Console() if sys.stdout.isatty() else Console(width=200)
 errors = Console(stderr=True, soft_wrap=True)
+
+# Every control character but newline and tab: C0, DEL and C1. ESC (and CSI, 0x9b) start
+# the sequences that write the clipboard (OSC 52), clear the screen or retitle the window.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """``text`` made harmless for a terminal: each control character but newline and tab
+    shown as its escape (ESC as ``\\x1b``), so what a task or another user wrote cannot
+    move the cursor, clear the screen, retitle the window or write the clipboard."""
+    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
+def safe(value: object) -> str:
+    """``value`` as plain text to put inside rich markup: :func:`visible`, and its square
+    brackets escaped, so it can neither style the line nor make a link."""
+    return escape(visible(str(value)))
+
+
+class Markup(str):
+    """Rich markup the CLI wrote itself (a state in its colour): a table cell of this type
+    is rendered as markup, every other cell as plain text through :func:`safe`."""
+
 
 STATE_STYLE = {
     "succeeded": "green",
@@ -50,13 +79,13 @@ def call(work: Callable[[], Awaitable[T]]) -> T:
         return asyncio.run(_call(work))
     except CairnError as exc:
         fields = exc.extra.get("errors") or []
-        errors.print(f"[red]error[/red] {exc.status}: {exc.detail}")
+        errors.print(f"[red]error[/red] {exc.status}: {safe(exc.detail)}")
         for field in fields[:20]:
-            errors.print(f"  {field.get('field')}: {field.get('reason')}")
+            errors.print(f"  {safe(field.get('field'))}: {safe(field.get('reason'))}")
         raise typer.Exit(1) from None
     except httpx.TransportError as exc:
         url = exc.request.url if exc.request else "the service"
-        errors.print(f"[red]error[/red] cannot reach {url}: {exc}")
+        errors.print(f"[red]error[/red] cannot reach {safe(url)}: {safe(exc)}")
         raise typer.Exit(2) from None
 
 
@@ -79,12 +108,13 @@ def dump(value: Any) -> None:
     sys.stdout.write(json.dumps(plain(value), indent=2, default=str) + "\n")
 
 
-def state(value: str | None) -> str:
+def state(value: str | None) -> Markup:
+    """A state (or an outcome) in its colour."""
     if value is None:
-        return ""
+        return Markup("")
     text = str(value)
     style = STATE_STYLE.get(text)
-    return f"[{style}]{text}[/{style}]" if style else text
+    return Markup(f"[{style}]{safe(text)}[/{style}]" if style else safe(text))
 
 
 def when(value: datetime | None) -> str:
@@ -104,12 +134,19 @@ def ago(value: datetime | None) -> str:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    grid = Table(title=title, title_justify="left", header_style="bold")
+    """A table of ``rows``: each cell plain text (:func:`safe`) but a :class:`Markup` one."""
+    grid = Table(title=safe(title) if title else None, title_justify="left", header_style="bold")
     for column in columns:
         grid.add_column(column, overflow="fold")
     for row in rows:
-        grid.add_row(*("" if v is None else str(v) for v in row))
+        grid.add_row(*(_cell(v) for v in row))
     console.print(grid)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, Markup) else safe(value)
 
 
 def pairs(items: Iterable[str]) -> dict[str, str]:
@@ -118,7 +155,7 @@ def pairs(items: Iterable[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            errors.print(f"[red]error[/red] {item!r} is not KEY=VALUE")
+            errors.print(f"[red]error[/red] {safe(repr(item))} is not KEY=VALUE")
             raise typer.Exit(2)
         found[key] = value
     return found

@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
             output.dump({"id": task.id, "state": task.state, "reason": reason})
         else:
             output.console.print(
-                f"task {task.id} ({task.name}) is {output.state(task.state)}: {reason}"
+                f"task {task.id} ({output.safe(task.name)}) is {output.state(task.state)}: "
+                f"{output.safe(reason)}"
             )
 
     @app.command()

@@ -21,6 +21,7 @@ from typing import IO
 
 import httpx
 
+from cairn.output import visible
 from libs.common import procs
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import CairnSettings
@@ -182,7 +183,7 @@ def _relay(name: str, stream: IO[bytes], lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip()
         with lock:
-            sys.stderr.write(f"{name:<{width}}| {line}\n")
+            sys.stderr.write(f"{name:<{width}}| {visible(line)}\n")
             sys.stderr.flush()
     stream.close()
 

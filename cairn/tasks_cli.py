@@ -8,6 +8,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,7 +50,9 @@ def _utc(value: str | None) -> str | None:
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
-        output.errors.print(f"[red]error[/red] {value!r} is not an ISO time (2026-11-30T22:00)")
+        output.errors.print(
+            f"[red]error[/red] {output.safe(repr(value))} is not an ISO time (2026-11-30T22:00)"
+        )
         raise typer.Exit(2) from None
     return (when if when.tzinfo else when.replace(tzinfo=UTC)).isoformat()
 
@@ -113,12 +116,14 @@ def load_document(path: Path) -> Any:
     try:
         text = path.read_text()
     except OSError as exc:
-        output.errors.print(f"[red]error[/red] cannot read {path}: {exc.strerror}")
+        output.errors.print(f"[red]error[/red] cannot read {output.safe(path)}: {exc.strerror}")
         raise typer.Exit(2) from None
     try:
         return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        output.errors.print(f"[red]error[/red] {path} is not valid JSON or YAML: {exc}")
+        output.errors.print(
+            f"[red]error[/red] {output.safe(path)} is not valid JSON or YAML: {output.safe(exc)}"
+        )
         raise typer.Exit(2) from None
 
 
@@ -126,10 +131,10 @@ def validated(model: type[Any], data: Any, what: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        output.errors.print(f"[red]error[/red] {what} is invalid:")
+        output.errors.print(f"[red]error[/red] {output.safe(what)} is invalid:")
         for err in exc.errors()[:20]:
             field = ".".join(str(p) for p in err["loc"])
-            output.errors.print(f"  {field}: {err['msg']}")
+            output.errors.print(f"  {output.safe(field)}: {output.safe(err['msg'])}")
         raise typer.Exit(2) from None
 
 
@@ -356,15 +361,26 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                 "--follow", "-f", help="print lines as they are written until the task ends"
             ),
         ] = False,
+        raw: Annotated[
+            bool,
+            typer.Option(
+                "--raw",
+                help="print control characters as they are, escape sequences included "
+                "(by default each is shown as \\xNN)",
+            ),
+        ] = False,
     ) -> None:
         """Print a task's log (its latest attempt's, also while it runs). With -f, keep
-        printing lines as they are written, through retries, until the task ends."""
+        printing lines as they are written, through retries, until the task ends.
+        Control characters but newline and tab are shown escaped (ESC as \\x1b): the
+        task wrote them, not you; --raw passes them to the terminal."""
         c = ctx_of(ctx)
+        show = _as_is if raw else output.visible
         if follow:
-            output.call(lambda: _follow_log(c, task_id))
+            output.call(lambda: _follow_log(c, task_id, show))
             return
-        text = output.call(lambda: _log(c, task_id))
-        output.console.out(text, end="" if text.endswith("\n") else "\n", highlight=False)
+        text = show(output.call(lambda: _log(c, task_id)))
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
     @app.command()
     def workers(ctx: typer.Context, as_json: JsonFlag = False) -> None:
@@ -466,9 +482,13 @@ async def _log(c: Ctx, task_id: int) -> str:
         return await core.log(task_id)
 
 
-async def _follow_log(c: Ctx, task_id: int) -> None:
-    """Like ``kubectl logs -f``: each attempt's lines as they are written; between
-    attempts (a retry), a note on stderr; back when the task is final."""
+def _as_is(text: str) -> str:
+    return text
+
+
+async def _follow_log(c: Ctx, task_id: int, show: Callable[[str], str]) -> None:
+    """Like ``kubectl logs -f``: each attempt's lines as they are written (through
+    ``show``); between attempts (a retry), a note on stderr; back when the task is final."""
     async with c.core() as core:
         attempt: int | None = None
         offset = 0
@@ -478,14 +498,15 @@ async def _follow_log(c: Ctx, task_id: int) -> None:
                 if isinstance(item, LogEnd):
                     end = item
                 else:
-                    sys.stdout.write(item.text)
+                    sys.stdout.write(show(item.text))
                     sys.stdout.flush()
                     attempt, offset = item.attempt_id, item.next_offset
             if end is None:  # the stream broke off: go on from where it stopped
                 continue
             if end.attempt_id is not None:
                 output.errors.print(
-                    f"attempt {end.attempt_id} ended: {end.outcome}; task {output.state(end.task_state)}"
+                    f"attempt {end.attempt_id} ended: {output.safe(end.outcome)}; "
+                    f"task {output.state(end.task_state)}"
                 )
             if end.task_state in FINAL or end.attempt_id is None:
                 return

@@ -36,6 +36,7 @@ from libs.common.models import (
     EventPage,
     Heartbeat,
     HeartbeatAnswer,
+    KeyStatus,
     LogAck,
     LogBatch,
     LogBatchAnswer,
@@ -46,6 +47,8 @@ from libs.common.models import (
     OwnerUsage,
     QueueInfo,
     QueueList,
+    RekeyRequest,
+    RekeyResult,
     Report,
     ReportAnswer,
     SecretCreate,
@@ -454,6 +457,17 @@ class CoreClient(ApiClient):
 
     async def delete_secret(self, name: str, team: str | None = None) -> None:
         await self._call("DELETE", f"/v1/secrets/{name}", params={"team": team} if team else {})
+
+    async def key_status(self) -> KeyStatus:
+        """Which secrets keys seal how many values (admins)."""
+        response = await self._call("GET", "/v1/secrets/keys")
+        return KeyStatus.model_validate_json(response.content)
+
+    async def rekey(self, limit: int = 1000) -> RekeyResult:
+        """Seal up to ``limit`` values anew under core's current key (admins)."""
+        body = RekeyRequest(limit=limit).model_dump_json()
+        response = await self._call("POST", "/v1/secrets/rekey", content=body, headers=_JSON)
+        return RekeyResult.model_validate_json(response.content)
 
     async def audit(self, **filters: Any) -> AuditPage:
         """A page of the audit trail (admins): ``actor``, ``action``, ``target``, ``since``,

@@ -837,6 +837,44 @@ class SecretList(_Output):
     items: list[SecretInfo]
 
 
+class RekeyRequest(_Input):
+    """How many sealed values one call may visit (the CLI calls again until none remain)."""
+
+    limit: Annotated[int, Field(ge=1, le=10_000)] = 1000
+
+
+class RekeyResult(_Output):
+    """What one rekey call did: values sealed anew under ``key_id``, those that do not
+    open with their key (left as they are), and how many are still under another key."""
+
+    key_id: str
+    rekeyed: int
+    unreadable: int
+    remaining: int
+
+
+class SealedCount(_Output):
+    """How many values of a sealed column one key seals."""
+
+    column: str
+    key_id: str
+    rows: int
+    #: the key is in CAIRN_SECRETS_KEY (or its file): the values open
+    configured: bool
+    #: the key new values are sealed with
+    current: bool
+
+
+class KeyStatus(_Output):
+    """The secrets keys core holds and what each seals; ``remaining`` values are under a
+    key other than the current one (0: every older key may be removed)."""
+
+    current: str
+    configured: list[str]
+    columns: list[SealedCount]
+    remaining: int
+
+
 class AuditEntry(_Output):
     """One security-relevant action: who, what, on what, from where, when, before/after."""
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, metrics, problems
+from libs.common import health, metrics, pages, problems
 from libs.common.limits import BodyLimit
 from services.core import loops, notify, sharing, tasklogs
 from services.core.api import (
@@ -110,7 +110,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             if app.state.log_objects is not None:
                 app.state.log_objects.close()
 
-    app = FastAPI(
+    app = pages.service_app(
         title="Cairn core",
         version="0.1.0",
         summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import cors, health, metrics, problems
+from libs.common import cors, health, metrics, pages, problems
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
@@ -67,7 +67,7 @@ def create_app(
             await db.dispose()
             await engine_db.dispose()
 
-    app = FastAPI(
+    app = pages.service_app(
         title="Cairn cron",
         version="0.1.0",
         summary="Schedules: cron expressions in a time zone, fired exactly once each.",

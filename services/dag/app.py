@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import cors, health, metrics, problems
+from libs.common import cors, health, metrics, pages, problems
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
 from services.dag.api import runs, workflows
@@ -45,7 +45,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
             await loop.close()
             await engine.dispose()
 
-    app = FastAPI(
+    app = pages.service_app(
         title="Cairn DAG",
         version="0.1.0",
         summary="Workflows: versioned definitions, runs released node by node to core.",

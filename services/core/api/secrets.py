@@ -10,6 +10,9 @@ from fastapi import APIRouter, Path, Query, Response, status
 
 from libs.common.errors import NotFound
 from libs.common.models import (
+    KeyStatus,
+    RekeyRequest,
+    RekeyResult,
     SecretCreate,
     SecretInfo,
     SecretList,
@@ -18,9 +21,10 @@ from libs.common.models import (
     TeamName,
 )
 from libs.common.problems import PROBLEMS
-from services.core.deps import Audit, Box, Engine, Reader
+from services.core.deps import AdminOnly, Audit, Box, Engine, Reader
 from services.core.identity import secrets
 from services.core.identity.secrets import Scope
+from services.core.ops import rekey
 from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
@@ -91,3 +95,20 @@ async def delete_secret(
         before = await secrets.remove(conn, scope, name)
         await record(conn, "secret.delete", _target(scope, name), before=before.model_dump())
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/keys", response_model=KeyStatus, responses=PROBLEMS)
+async def key_status(_: AdminOnly, engine: Engine, box: Box) -> KeyStatus:
+    """The secrets keys core holds, and how many sealed values each key seals (admins);
+    ``remaining`` counts those under a key other than the current one."""
+    return await rekey.status(engine, box)
+
+
+@router.post("/rekey", response_model=RekeyResult, responses=PROBLEMS)
+async def rekey_secrets(
+    _: AdminOnly, engine: Engine, box: Box, record: Audit, body: RekeyRequest | None = None
+) -> RekeyResult:
+    """Seal anew under the current key up to ``limit`` values that an older configured
+    key seals (admins), in batches, while core serves; call again until ``remaining`` is
+    0, then the older keys may be removed. Each batch is audited (``secret.rekey``)."""
+    return await rekey.rekey(engine, box, record, (body or RekeyRequest()).limit)

@@ -3,7 +3,8 @@ name as associated data, so a ciphertext copied to another row does not open the
 
 Keys are 32 random bytes, written as URL-safe base64, from ``CAIRN_SECRETS_KEY`` (a comma
 separated list) or the file ``CAIRN_SECRETS_KEY_FILE`` (one a line). The first encrypts;
-every one decrypts, so a key is rotated by putting a new one first.
+every one decrypts, so a key is rotated by putting a new one first, then moving every
+sealed value to it (``ops.rekey``, ``cairn secret rekey``), then dropping the old one.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class SecretBox:
         raw = [_decode(k) for k in keys]
         self.current = key_id(raw[0])
         self._ciphers = {key_id(k): AESGCM(k) for k in raw}
+
+    @property
+    def key_ids(self) -> tuple[str, ...]:
+        """Every configured key's id, the sealing one first."""
+        return tuple(self._ciphers)
 
     def seal(self, value: str, context: bytes) -> tuple[str, bytes, bytes]:
         """(key id, nonce, ciphertext) of ``value``, bound to ``context``."""

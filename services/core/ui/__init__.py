@@ -12,6 +12,7 @@ from typing import Literal
 from fastapi import APIRouter, Request, Response
 
 from libs.common.cors import origin
+from libs.common.pages import policy
 from services.core.settings import CoreSettings
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -26,12 +27,7 @@ def _asset(name: str) -> bytes:
 
 
 def _policy(settings: CoreSettings) -> str:
-    others = " ".join(sorted({origin(settings.cron_url), origin(settings.dag_url)}))
-    return (
-        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        f"connect-src 'self' {others}; base-uri 'none'; form-action 'none'; "
-        "frame-ancestors 'none'"
-    )
+    return policy((origin(settings.cron_url), origin(settings.dag_url)))
 
 
 @router.get("")
