@@ -4,6 +4,7 @@ that it failed, from the task's own log and from what the database holds."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import http.server
@@ -528,3 +529,64 @@ def test_a_redirect_outside_the_allow_list_is_refused_before_it_is_followed(
     )
     assert "a downgrade from https to http" in down["last_error"]
     assert outside.asked == []
+
+
+LOG_CAP = 2**20
+
+
+def test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound(db_url, agents, tmp_path):
+    """Finding 6 of issue 28: the attempt's log file on the worker had no bound (800 MB
+    in 2 s) while core kept its last 16 MiB. Now the file keeps what core keeps, the
+    last CAIRN_LOG_MAX_BYTES (1 MiB here, core's too), with core's marker first: sampled
+    every few milliseconds while ``yes`` writes as fast as it can, it never holds more
+    than a quarter over the bound (and a pipe's worth); the task runs on to its end, and
+    core's copy is the log's end under its own marker."""
+    core = start_core(db_url, tmp_path / "core", log_max_bytes=LOG_CAP)
+    agent = Agent(core, tmp_path / "w", CAIRN_LOG_MAX_BYTES=str(LOG_CAP))
+    agents.append(agent)
+    bound = LOG_CAP * 5 // 4 + 64 * 1024 + 200
+    seen = {"largest": 0, "head": b""}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.003):
+            for path in (agent.home / "logs").glob("*.log"):
+                with contextlib.suppress(OSError), path.open("rb") as log:
+                    size = os.fstat(log.fileno()).st_size
+                    if size > seen["largest"]:
+                        seen["largest"], seen["head"] = size, log.read(200)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with core.client() as alice:
+            task = alice.post("/v1/tasks", json=shell("timeout 4 yes; echo flood-over")).json()
+
+            def ended() -> bool:
+                if seen["largest"] > bound:  # the old code: stop before the disk fills
+                    alice.post(f"/v1/tasks/{task['id']}/cancel")
+                    raise AssertionError(f"the worker's log grew to {seen['largest']} bytes")
+                return alice.get(f"/v1/tasks/{task['id']}").json()["state"] in ("succeeded", "dead")
+
+            wait_for(ended, timeout=60, interval=0.05)
+            final = alice.get(f"/v1/tasks/{task['id']}").json()
+            log = alice.get(f"/v1/tasks/{task['id']}/logs")
+    finally:
+        stop.set()
+        sampler.join()
+        core.stop()
+
+    assert final["state"] == "succeeded", final
+    assert LOG_CAP < seen["largest"] <= bound, seen["largest"]
+    assert re.match(
+        rb"\[cairn: the first \d+ bytes of this log were dropped: an attempt keeps its last"
+        rb" 1 MiB\]\ny\ny\n",
+        seen["head"],
+    ), seen["head"]
+    text = log.text
+    assert log.headers["X-Cairn-Log-Truncated"] == "true"
+    assert text.startswith("[cairn: the first "), text[:200]
+    assert text.endswith("y\nflood-over\n"), text[-200:]
+    assert len(text.encode()) <= LOG_CAP + 200
+    lines = text.splitlines()
+    assert set(lines[:-1]) - {"y"} <= {line for line in lines if line.startswith("[cairn: ")}
