@@ -2,19 +2,23 @@
 
 The attempt's stdout and stderr are the write end of a pipe, and the agent moves what
 comes out of it into the file with ``splice`` (the kernel moves the pages: no copy
-through Python, no work per line; a task that prints nothing costs one wake-up, at its
-end). A file the task wrote itself could not be bounded: ``RLIMIT_FSIZE`` caps every file
-the process writes, its own results too, not one descriptor; and a truncate every few
-tenths of a second lets ``yes`` or ``dd``, which write at page-cache speed (GB/s), run far
-past any bound between two passes. Through the pipe, nothing reaches the disk unless the
-agent writes it.
+through Python, no work per line). Every attempt's pipe is watched by one epoll of the
+agent's (``_Pumps``), itself one reader of the event loop: a pipe costs a register and
+an unregister, and a task that prints nothing no wake-up at all.
+
+Why a pipe: a file the task wrote itself could not be bounded. ``RLIMIT_FSIZE`` caps
+every file the process writes, its own results too, not one descriptor; and a truncate
+every few tenths of a second lets ``yes`` or ``dd``, which write at page-cache speed
+(GB/s), run far past any bound between two passes. Through the pipe, nothing reaches the
+disk unless the agent writes it.
 
 The rule is core's (``libs.common.loglimit``, the same ``CAIRN_LOG_MAX_BYTES``): the file
 keeps the attempt's last ``limit`` bytes of output. Once it holds a quarter more, its
 last ``limit`` bytes are copied (``copy_file_range``, by the kernel, in a thread) into a
 new file that starts with core's marker line, ``[cairn: the first N bytes of this log
 were dropped: ...]``, and replaces it; the output waits in the pipe meanwhile. So the
-file never holds more than ``limit * 5 / 4`` bytes and a line, the task keeps running,
+file never holds more than ``limit * 5 / 4`` bytes, a pipe's worth (64 KiB: what one
+splice moved past the mark) and a line; the task keeps running,
 and the end of its log, where the error is, is always there.
 
 Positions (``size``, ``read``) are of the output, not of the file, so the shipper's
@@ -33,8 +37,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from libs.common.loglimit import dropped_marker
@@ -46,6 +52,10 @@ MOVE_BYTES = 1 << 20
 #: how fast output is moved once the log overflows its bound (bytes a second)
 OVERFLOW_BYTES_S = 16 * 2**20
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+#: the pipe's side of a splice never waits (the descriptor itself blocks: the child's
+#: end of the same pipe must, and setting our end apart would cost two more calls)
+_SPLICE = os.SPLICE_F_NONBLOCK
+_READY = 256  # pipes handled per wake-up at most; the rest stay ready for the next
 
 
 class AttemptLog:
@@ -61,20 +71,21 @@ class AttemptLog:
         self._base = 0  # the output position of the file's first byte after the marker
         self._head = 0  # the marker line's length
         self._lock = threading.Lock()  # the shipper reads in a thread while a cut swaps
-        self._pipe, self.writer = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(self._pipe, False)  # ours only: the child's end blocks
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pipe, self.writer = os.pipe2(os.O_CLOEXEC)  # both block: see _SPLICE
+        self._pumps: _Pumps | None = None
         self._reading = False
         self._draining = False
+        self._ended = False  # the pipe's end was read: no writer is left
         self._cutting: asyncio.Task[None] | None = None
         self._resume: asyncio.TimerHandle | None = None
 
     # --- the agent's side ---
 
     def started(self) -> None:
-        """The child holds the pipe's write end: drop ours, and move output as it comes."""
-        self._close_writer()
-        self._loop = asyncio.get_running_loop()
+        """The child holds the pipe's write end: move its output as it comes. Ours stays
+        open until ``drained``, so the pipe never reports its end while the attempt runs:
+        the process's exit ends it, and a task that prints nothing costs no wake-up."""
+        self._pumps = _pumps()
         self._listen()
 
     def note(self, text: str) -> None:
@@ -88,6 +99,7 @@ class AttemptLog:
         holds: a process that escaped the attempt may still be writing), then close the
         pipe."""
         self._draining = True
+        self._close_writer()
         if self._cutting is not None:
             await self._cutting
         if self._resume is not None:
@@ -95,7 +107,7 @@ class AttemptLog:
             self._resume = None
         self._unlisten()
         budget = self.limit + self.slack
-        while self._pipe >= 0 and budget > 0:
+        while self._pipe >= 0 and budget > 0 and not self._ended:
             before = self._end
             ended = self._move(budget)
             budget -= self._end - before
@@ -143,13 +155,13 @@ class AttemptLog:
         return self._end - self._base > self.limit + self.slack
 
     def _listen(self) -> None:
-        if self._loop is not None and not (self._reading or self._draining) and self._pipe >= 0:
-            self._loop.add_reader(self._pipe, self._pump)
+        if self._pumps is not None and not (self._reading or self._draining) and self._pipe >= 0:
+            self._pumps.add(self._pipe, self)
             self._reading = True
 
     def _unlisten(self) -> None:
-        if self._loop is not None and self._reading:
-            self._loop.remove_reader(self._pipe)
+        if self._pumps is not None and self._reading:
+            self._pumps.remove(self._pipe)
             self._reading = False
 
     def _pump(self) -> None:
@@ -166,10 +178,12 @@ class AttemptLog:
         moved = 0
         while moved < most:
             try:
-                step = os.splice(self._pipe, self._fd, most - moved, offset_dst=self._at(self._end))
+                at = self._at(self._end)
+                step = os.splice(self._pipe, self._fd, most - moved, offset_dst=at, flags=_SPLICE)
             except BlockingIOError:
                 return False
             if step == 0:
+                self._ended = True
                 return True
             self._end += step
             moved += step
@@ -185,8 +199,8 @@ class AttemptLog:
             self._cutting = None
         # Over the bound: no faster than OVERFLOW_BYTES_S (the slack moved per cut).
         wait = began + self.slack / OVERFLOW_BYTES_S - time.monotonic()
-        if wait > 0 and self._loop is not None:
-            self._resume = self._loop.call_later(wait, self._listen_again)
+        if wait > 0:
+            self._resume = asyncio.get_running_loop().call_later(wait, self._listen_again)
         else:
             self._listen()
 
@@ -244,3 +258,40 @@ def _copy(src: int, at: int, dst: int, to: int, count: int) -> None:
         if step == 0:
             raise OSError(f"the log ended {count - done} bytes early")
         done += step
+
+
+class _Pumps:
+    """One epoll for the pipes of every attempt on an event loop, read by one reader of
+    the loop: registering a pipe here is one system call, where a reader of its own
+    costs the loop's bookkeeping twice per attempt."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._epoll = select.epoll()
+        self._logs: dict[int, AttemptLog] = {}
+        loop.add_reader(self._epoll.fileno(), self._ready)
+
+    def add(self, pipe: int, log: AttemptLog) -> None:
+        self._epoll.register(pipe, select.EPOLLIN)
+        self._logs[pipe] = log
+
+    def remove(self, pipe: int) -> None:
+        del self._logs[pipe]
+        self._epoll.unregister(pipe)
+
+    def _ready(self) -> None:
+        for pipe, _ in self._epoll.poll(0, _READY):
+            log = self._logs.get(pipe)
+            if log is not None:
+                log._pump()
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pumps] = weakref.WeakKeyDictionary()
+
+
+def _pumps() -> _Pumps:
+    """The running loop's ``_Pumps``, made on first use."""
+    loop = asyncio.get_running_loop()
+    pumps = _loops.get(loop)
+    if pumps is None:
+        pumps = _loops[loop] = _Pumps(loop)
+    return pumps
