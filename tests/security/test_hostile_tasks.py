@@ -587,6 +587,6 @@ def test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound(db_url, agent
     assert log.headers["X-Cairn-Log-Truncated"] == "true"
     assert text.startswith("[cairn: the first "), text[:200]
     assert text.endswith("y\nflood-over\n"), text[-200:]
-    assert len(text.encode()) <= LOG_CAP + 200
+    assert len(text.encode()) <= LOG_CAP + 64 * 1024 + 200  # core trims whole chunks
     lines = text.splitlines()
     assert set(lines[:-1]) - {"y"} <= {line for line in lines if line.startswith("[cairn: ")}
