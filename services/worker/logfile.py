@@ -45,7 +45,7 @@ from pathlib import Path
 
 from libs.common.loglimit import dropped_marker
 
-log = logging.getLogger("cairn.worker.logfile")
+logger = logging.getLogger("cairn.worker.logfile")
 
 #: what one wake-up moves at most before it lets the event loop go on
 MOVE_BYTES = 1 << 20
@@ -76,6 +76,7 @@ class AttemptLog:
         self._reading = False
         self._draining = False
         self._ended = False  # the pipe's end was read: no writer is left
+        self._dropping = False  # the file could not be written: output was dropped
         self._cutting: asyncio.Task[None] | None = None
         self._resume: asyncio.TimerHandle | None = None
 
@@ -164,9 +165,9 @@ class AttemptLog:
             self._pumps.remove(self._pipe)
             self._reading = False
 
-    def _pump(self) -> None:
-        """The pipe is readable: move what it holds; at its end, stop listening; over
-        the bound, stop until the file is cut."""
+    def pump(self) -> None:
+        """The pipe is readable (``_Pumps``): move what it holds; at its end, stop
+        listening; over the bound, stop until the file is cut."""
         if self._move(MOVE_BYTES):
             self._unlisten()
         elif self._over():
@@ -182,6 +183,14 @@ class AttemptLog:
                 step = os.splice(self._pipe, self._fd, most - moved, offset_dst=at, flags=_SPLICE)
             except BlockingIOError:
                 return False
+            except OSError as exc:  # the file cannot take it (a full disk): dropped
+                step = _discard(self._pipe, most - moved)
+                self._end += step
+                self._drop_all(exc)
+                if step == 0:
+                    return False
+                moved += step
+                continue
             if step == 0:
                 self._ended = True
                 return True
@@ -234,20 +243,41 @@ class AttemptLog:
             os.close(old)
 
     def _drop_all(self, exc: OSError) -> None:
-        """A cut that failed (a full disk) keeps nothing but the marker: the bound holds."""
-        log.warning(
-            "the log %s could not be cut (%s): its output so far is dropped", self.path, exc
-        )
+        """A file that cannot be written or cut (a full disk) keeps nothing but the
+        marker: the bound holds, and the task runs on."""
+        if not self._dropping:  # once: a full disk would say so at every pipe-full
+            logger.warning("the log %s is dropped (%s): its file cannot be written", self.path, exc)
+        self._dropping = True
         marker = dropped_marker(self._end, self.limit).encode()
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
+            self._head, self._base = 0, self._end
             os.pwrite(self._fd, marker, 0)
-            self._head, self._base = len(marker), self._end
+            self._head = len(marker)
+
+    def stop(self) -> None:
+        """Stop moving output (the task's writes then wait, until ``drained`` or
+        ``close``)."""
+        self._unlisten()
 
     def _close_writer(self) -> None:
         if self.writer >= 0:
             os.close(self.writer)
             self.writer = -1
+
+
+def _discard(pipe: int, most: int) -> int:
+    """Drop up to ``most`` bytes the pipe holds, by the kernel; how many."""
+    global _null
+    if _null < 0:
+        _null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        return os.splice(pipe, _null, most, flags=_SPLICE)
+    except BlockingIOError:
+        return 0
+
+
+_null = -1
 
 
 def _copy(src: int, at: int, dst: int, to: int, count: int) -> None:
@@ -282,7 +312,11 @@ class _Pumps:
         for pipe, _ in self._epoll.poll(0, _READY):
             log = self._logs.get(pipe)
             if log is not None:
-                log._pump()
+                try:
+                    log.pump()
+                except Exception:  # one log's trouble must not stop the others'
+                    logger.exception("the log %s stops here", log.path)
+                    log.stop()
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pumps] = weakref.WeakKeyDictionary()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,27 @@ def test_quiet_output_is_kept_whole_without_a_marker(tmp_path: Path) -> None:
 
     assert asyncio.run(go()) == ((0, b"one\ntwo\n"), 8)
     assert spec.log_path.read_bytes() == b"one\ntwo\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("yes") is None, reason="mounts a tmpfs")
+def test_a_full_disk_drops_the_output_and_the_task_runs_on(tmp_path: Path) -> None:
+    """The log's file system fills (a 256 KiB tmpfs): what cannot be written is dropped,
+    the file starts over after the marker, and the task never sees an error."""
+    disk = tmp_path / "logs"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    try:
+        spec = _spec(tmp_path, "sh", "-c", "timeout 1 yes; test $? = 124 || exit 3; echo the-end")
+
+        async def go() -> str:
+            running = await start_attempt(spec)
+            result = await running.wait()
+            running.log.close()
+            return f"{result.outcome} {result.error} {result.log_tail[-300:]!r}"
+
+        outcome = asyncio.run(go())
+        assert outcome.startswith("succeeded"), outcome
+        kept = spec.log_path.read_bytes()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+    assert kept.startswith(b"[cairn: the first ") and kept.endswith(b"y\nthe-end\n"), kept[:100]
