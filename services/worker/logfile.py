@@ -4,7 +4,8 @@ The attempt's stdout and stderr are the write end of a pipe, and the agent moves
 comes out of it into the file with ``splice`` (the kernel moves the pages: no copy
 through Python, no work per line). Every attempt's pipe is watched by one epoll of the
 agent's (``_Pumps``), itself one reader of the event loop: a pipe costs a register and
-an unregister, and a task that prints nothing no wake-up at all.
+an unregister, and a task that prints nothing one wake-up, at its end, shared with every
+other pipe ready then.
 
 Why a pipe: a file the task wrote itself could not be bounded. ``RLIMIT_FSIZE`` caps
 every file the process writes, its own results too, not one descriptor; and a truncate
@@ -83,9 +84,9 @@ class AttemptLog:
     # --- the agent's side ---
 
     def started(self) -> None:
-        """The child holds the pipe's write end: move its output as it comes. Ours stays
-        open until ``drained``, so the pipe never reports its end while the attempt runs:
-        the process's exit ends it, and a task that prints nothing costs no wake-up."""
+        """The child holds the pipe's write end: drop ours (an agent with many slots
+        would run short of descriptors), and move its output as it comes."""
+        self._close_writer()
         self._pumps = _pumps()
         self._listen()
 
