@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from libs.common.egress import IPNetwork, parse_cidrs
+from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
 from services.core.identity.groups import TeamMapping, parse_team_map
@@ -186,7 +187,8 @@ class CoreSettings(CairnSettings):
 
     # live logs (see docs/logs.md)
     #: what one attempt's log keeps at most (its end; a marker says what was dropped)
-    log_max_bytes: int = Field(default=16 * 1024 * 1024, ge=1024 * 1024, le=2**31)
+    #: (the worker agent reads the same variable for its file: ``libs.common.loglimit``)
+    log_max_bytes: LogMaxBytes = DEFAULT_LOG_MAX_BYTES
     #: where the logs of ended attempts live: ``postgres`` (their chunks stay), or ``s3``
     #: (an S3-compatible store: each ended attempt's chunks become one object)
     log_store: Literal["postgres", "s3"] = "postgres"

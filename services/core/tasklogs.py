@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.errors import NotFound
+from libs.common.loglimit import dropped_marker
 from libs.common.models import LogAck, LogBatch, LogChunk, LogEnd, LogPiece
 from libs.common.states import FINAL, TaskState
 from services.core.db import logs as db
@@ -64,13 +65,6 @@ def _clean(text: str) -> str:
 
 def _skipped(count: int) -> str:
     return f"[cairn: {count} bytes of output skipped by the worker]\n"
-
-
-def _dropped(count: int, cap: int) -> str:
-    return (
-        f"[cairn: the first {count} bytes of this log were dropped:"
-        f" an attempt keeps its last {cap // 2**20} MiB]\n"
-    )
 
 
 async def append(
@@ -175,7 +169,7 @@ async def read(
                 raise NotFound(f"task {task_id} has no attempt {attempt_id}")
             pieces: list[LogPiece] = []
             if after < view.start_pos:
-                text = _dropped(view.start_pos, cap)
+                text = dropped_marker(view.start_pos, cap)
                 pieces.append(_piece(view, after, view.start_pos, text))
                 after = view.start_pos
             if after < view.length and view.archived_at is None:

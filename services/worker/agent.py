@@ -713,15 +713,18 @@ class Agent:
         self.running[attempt] = (assignment, handle)
         self.started.add(attempt)
         self._publish()
-        self.logs.register(self.worker_id, attempt, spec.log_path)
-        result = await handle.wait()
-        self.timings.mark(attempt, "exited")
-        await self.host.stop_leftovers(prepared)
-        # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
-        # or a beat in between would have core declare it lost.
-        self.running[attempt] = (assignment, None)
-        self._publish()
-        await self.logs.finish(attempt)  # the rest of its log, before the report
+        self.logs.register(self.worker_id, attempt, handle.log)
+        try:
+            result = await handle.wait()
+            self.timings.mark(attempt, "exited")
+            await self.host.stop_leftovers(prepared)
+            # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
+            # or a beat in between would have core declare it lost.
+            self.running[attempt] = (assignment, None)
+            self._publish()
+            await self.logs.finish(attempt)  # the rest of its log, before the report
+        finally:
+            handle.log.close()
         report = outputs.attach(report_of(result), spec.workdir)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:

@@ -19,6 +19,11 @@ computed, so a mismatch is no oracle for a file's content. The cache is bounded
 (``max_cache_bytes``): the least recently used artifacts are removed first, never one
 being copied.
 
+An ``https://`` download follows at most ``MAX_REDIRECTS`` redirects (a presigned URL, a
+release asset), each hop checked as the first URI was, before it is asked:
+``CAIRN_ARTIFACT_SOURCES`` must allow it too, and https never leads to plain http. A refused
+hop is a failure no retry mends, naming both URIs (without their queries).
+
     ArtifactError        the artifact cannot be had; ``retryable`` says whether a later
                          attempt may fare better (network trouble, a 5xx) or not (a digest
                          mismatch, a missing object, an unsupported scheme, over the size cap)
@@ -43,7 +48,7 @@ import time
 import urllib.parse
 import urllib.request
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -54,6 +59,8 @@ from services.worker.isolation import Identity
 
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+#: redirects followed at most (a presigned URL, a release download: one or two hops)
+MAX_REDIRECTS = 5
 CHUNK = 1 << 20
 _TRANSIENT_HTTP = frozenset({408, 425, 429})
 _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
@@ -354,9 +361,9 @@ class ArtifactCache:
         try:
             async with (
                 httpx.AsyncClient(
-                    timeout=self._timeout, transport=self._transport, follow_redirects=True
+                    timeout=self._timeout, transport=self._transport, follow_redirects=False
                 ) as client,
-                client.stream("GET", uri) as response,
+                self._follow(client, uri) as response,
             ):
                 if response.status_code >= 400:
                     code = response.status_code
@@ -377,6 +384,36 @@ class ArtifactCache:
             raise ArtifactError(
                 f"GET {shown}: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
+
+    @contextlib.asynccontextmanager
+    async def _follow(self, client: httpx.AsyncClient, uri: str) -> AsyncIterator[httpx.Response]:
+        """The answer at ``uri`` after at most ``MAX_REDIRECTS`` redirects, each hop's
+        target checked (``_hop``) before it is asked: a redirect is a new source."""
+        for _ in range(MAX_REDIRECTS + 1):
+            async with client.stream("GET", uri) as response:
+                target = response.headers.get("location")
+                if not response.is_redirect or target is None:
+                    yield response
+                    return
+                uri = self._hop(uri, urllib.parse.urljoin(uri, target))
+        raise ArtifactError(
+            f"GET {_redact(uri)}: more than {MAX_REDIRECTS} redirects", retryable=False
+        )
+
+    def _hop(self, uri: str, target: str) -> str:
+        """``target`` if a redirect from ``uri`` may be followed there: the allow-list
+        holds for it as for the first URI, and https never leads to plain http."""
+        refused = f"GET {_redact(uri)} redirected to {_redact(target)}"
+        scheme = _scheme(target)
+        if scheme == "http" and _scheme(uri) == "https":
+            raise ArtifactError(f"{refused}: a downgrade from https to http", retryable=False)
+        if scheme not in ("https", "http") or (scheme == "http" and not self._allow_http):
+            raise ArtifactError(f"{refused}: not an https:// URI", retryable=False)
+        if not source_allowed(target, self.sources):
+            raise ArtifactError(
+                f"{refused}, which is not an allowed artifact source", retryable=False
+            )
+        return target
 
     def _download_s3(self, uri: str, sink: _Sink) -> None:
         bucket, _, key = uri[len("s3://") :].partition("/")

@@ -33,8 +33,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
+from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Sandbox
+from services.worker.logfile import AttemptLog
 from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed"]
@@ -60,7 +62,8 @@ class AttemptSpec:
     memory, CPU time and OOM kills are read from it. With ``helper`` (``spawner``) the
     process is started by that resident helper, which applies the same sandbox, instead
     of a fork of the agent: inside the helper's own cgroup (a v1 pool slot), or straight
-    into a v2 ``cgroup``.
+    into a v2 ``cgroup``. The process's output goes through a pipe into ``log_path``,
+    kept to its last ``log_max_bytes`` (``logfile.AttemptLog``).
     """
 
     executable: Path
@@ -81,6 +84,7 @@ class AttemptSpec:
     cgroup: AttemptCgroup | None = None
     tmpdir: str | None = None
     helper: Helper | None = None
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,13 @@ class SpawnError(Exception):
 
 class RunningAttempt:
     """A started attempt. ``wait()`` for its result, ``terminate()`` to stop it gently
-    (drain, preemption) or ``kill()`` to stop it at once; all act on its process group."""
+    (drain, preemption) or ``kill()`` to stop it at once; all act on its process group.
+    ``log`` is its output, open until ``log.close()`` (after the shipper's last read)."""
 
-    def __init__(self, spec: AttemptSpec, pid: int, started: float):
+    def __init__(self, spec: AttemptSpec, pid: int, started: float, log: AttemptLog):
         self.spec = spec
         self.pid = pid
+        self.log = log
         self._started_wall = datetime.now(UTC)
         self._started = started
         self._stopped: StopReason | None = None
@@ -158,6 +164,7 @@ class RunningAttempt:
                 self._stopped = self._stopped or "timeout"
                 await self._stop(self.spec.kill_grace_s)
             status, usage = await asyncio.shield(self._exit)
+            await self.log.drained()
         except asyncio.CancelledError:
             self._signal(signal.SIGKILL)
             raise
@@ -231,52 +238,62 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     spec.workdir.mkdir(parents=True, exist_ok=True)
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup
-    # A v1 cgroup is joined only by being forked inside it, by its slot's own helper.
-    if spec.helper is not None and (group is None or group.version == "v2" or group.resident):
-        return await _start_by_helper(spec, spec.helper)
-    with spec.log_path.open("ab") as log:
-        started = time.monotonic()
-        try:
-            process = subprocess.Popen(  # noqa: S603 - no shell; the task's own argv
-                [str(spec.executable), *spec.args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=spec.workdir,
-                env=child_env(spec),
-                start_new_session=True,
-                preexec_fn=spec.sandbox.preexec() if spec.sandbox else _limits(spec),
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.write(f"cairn: cannot start {spec.executable}: {exc}\n".encode())
-            why = getattr(exc, "strerror", None) or exc
-            raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
+    log = AttemptLog(spec.log_path, spec.log_max_bytes)
+    try:
+        # A v1 cgroup is joined only by being forked inside it, by its slot's own helper.
+        if spec.helper is not None and (group is None or group.version == "v2" or group.resident):
+            started, pid = await _start_by_helper(spec, spec.helper, log)
+        else:
+            started, pid = _fork(spec, log)
+    except BaseException:
+        log.close()
+        raise
+    log.started()
+    return RunningAttempt(spec, pid, started, log)
+
+
+def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
+    """Start the process by a fork of the agent; (when, its pid)."""
+    started = time.monotonic()
+    try:
+        process = subprocess.Popen(  # noqa: S603 - no shell; the task's own argv
+            [str(spec.executable), *spec.args],
+            stdin=subprocess.DEVNULL,
+            stdout=log.writer,
+            stderr=subprocess.STDOUT,
+            cwd=spec.workdir,
+            env=child_env(spec),
+            start_new_session=True,
+            preexec_fn=spec.sandbox.preexec() if spec.sandbox else _limits(spec),
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.note(f"cairn: cannot start {spec.executable}: {exc}\n")
+        why = getattr(exc, "strerror", None) or exc
+        raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
     # The Popen object is dropped: this module reaps the child itself (``_watch_exit``).
     process.returncode = 0
-    return RunningAttempt(spec, process.pid, started)
+    return started, process.pid
 
 
-async def _start_by_helper(spec: AttemptSpec, helper: Helper) -> RunningAttempt:
-    log = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+async def _start_by_helper(spec: AttemptSpec, helper: Helper, log: AttemptLog) -> tuple[float, int]:
     into: int | None = None
     try:
         group = spec.cgroup
         if group is not None and group.version == "v2" and group.resident is None:
             into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         started = time.monotonic()
-        pid = await helper.spawn(_launch(spec), log, into)
+        pid = await helper.spawn(_launch(spec), log.writer, into)
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
         else:
             why = f"cannot isolate it ({exc})"
-        os.write(log, f"cairn: cannot start {spec.executable}: {why}\n".encode())
+        log.note(f"cairn: cannot start {spec.executable}: {why}\n")
         raise SpawnError(f"cannot start {spec.executable}: {why}") from exc
     finally:
-        os.close(log)
         if into is not None:
             os.close(into)
-    return RunningAttempt(spec, pid, started)
+    return started, pid
 
 
 def _launch(spec: AttemptSpec) -> Launch:
@@ -320,6 +337,8 @@ async def run_attempt(spec: AttemptSpec) -> AttemptResult:
         with contextlib.suppress(asyncio.CancelledError):
             await running.wait()
         raise
+    finally:
+        running.log.close()
 
 
 def child_env(spec: AttemptSpec) -> dict[str, str]:

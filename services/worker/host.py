@@ -266,6 +266,7 @@ class Host:
             cgroup=group,
             tmpdir=tmpdir,
             helper=helper,
+            log_max_bytes=self.settings.log_max_bytes,
         )
 
     async def stop_leftovers(self, prepared: Prepared) -> None:

@@ -8,7 +8,8 @@ that end at a line's end where they can; a request carries at most 1 MiB. Core's
 says, per chunk, how far its copy of the file goes: a failed request is simply sent again
 from there (core keeps each offset once), after a backoff, so nothing is held in memory
 but the request in flight. When the unsent part of a file outgrows
-``CAIRN_WORKER_LOG_BACKLOG_MB`` its middle is skipped (core marks the gap). A chunk core
+``CAIRN_WORKER_LOG_BACKLOG_MB``, or its file no longer holds it (``logfile``: the file
+keeps the last ``CAIRN_LOG_MAX_BYTES``), its middle is skipped (core marks the gap). A chunk core
 refuses (409: the attempt is no longer this worker's) ends that attempt's shipping.
 
 The chunks are the log: at an attempt's end ``finish`` sends the rest at once, not rate
@@ -24,7 +25,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -40,10 +41,22 @@ _FINISHING_CHUNKS = 16
 _BACKOFF_MAX_S = 10.0
 
 
+class LogSource(Protocol):
+    """An attempt's output as the shipper reads it (``logfile.AttemptLog``): positions
+    are of the output, whatever its file on disk kept."""
+
+    def size(self) -> int:
+        """How many bytes of output there were so far."""
+
+    def read(self, offset: int, most: int) -> tuple[int, bytes]:
+        """Up to ``most`` bytes from ``offset``, or from the first still kept; (their
+        start, the bytes). Called in a thread."""
+
+
 @dataclass
 class _Log:
     worker_id: int
-    path: Path
+    source: LogSource
     offset: int = 0  # how far into the file core's copy goes
     allowance: float = 0.0  # bytes it may send now (a token bucket)
     held: bool = False  # a partial line was kept back last round
@@ -75,9 +88,9 @@ class LogShipper:
         self._task: asyncio.Task[None] | None = None
         self._refilled = time.monotonic()
 
-    def register(self, worker_id: int, attempt_id: int, path: Path) -> None:
-        """Start shipping the attempt's log file (it may not exist yet)."""
-        self._logs[attempt_id] = _Log(worker_id, path, allowance=self.burst)
+    def register(self, worker_id: int, attempt_id: int, source: LogSource) -> None:
+        """Start shipping the attempt's log."""
+        self._logs[attempt_id] = _Log(worker_id, source, allowance=self.burst)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="cairn-log-shipper")
 
@@ -86,7 +99,7 @@ class LogShipper:
         entry = self._logs.get(attempt_id)
         if entry is None:
             return
-        if self.flush_s <= 0 or self._size(entry.path) <= entry.offset:
+        if self.flush_s <= 0 or entry.source.size() <= entry.offset:
             self._forget(attempt_id)
             return
         entry.finishing, entry.deadline = True, time.monotonic() + self.flush_s
@@ -99,13 +112,6 @@ class LogShipper:
         entry = self._logs.pop(attempt_id, None)
         if entry is not None:
             entry.done.set()
-
-    @staticmethod
-    def _size(path: Path) -> int:
-        try:
-            return path.stat().st_size
-        except OSError:
-            return 0
 
     # --- the loop ---
 
@@ -154,10 +160,10 @@ class LogShipper:
         for entry in self._logs.values():
             entry.allowance = min(self.burst, entry.allowance + gained)
 
-    def _wanted(self) -> tuple[list[tuple[int, Path, int, int]], bool]:
-        """(attempt, file, from, at most how many bytes) for one request of one worker,
+    def _wanted(self) -> tuple[list[tuple[int, LogSource, int, int]], bool]:
+        """(attempt, log, from, at most how many bytes) for one request of one worker,
         and whether some were left for the next (a full request)."""
-        wanted: list[tuple[int, Path, int, int]] = []
+        wanted: list[tuple[int, LogSource, int, int]] = []
         room, chunks, worker, left = REQUEST_BYTES, MAX_LOG_BATCH, None, False
         for attempt_id, entry in sorted(self._logs.items(), key=lambda i: not i[1].finishing):
             worker = entry.worker_id if worker is None else worker
@@ -166,7 +172,7 @@ class LogShipper:
             if entry.worker_id != worker or most <= 0:
                 left = left or entry.worker_id != worker or room <= 0 or chunks <= 0
                 continue
-            wanted.append((attempt_id, entry.path, entry.offset, most))
+            wanted.append((attempt_id, entry.source, entry.offset, most))
             room, chunks = room - most, chunks - -(-most // MAX_LOG_CHUNK)
         return wanted, left
 
@@ -212,7 +218,7 @@ class LogShipper:
     def _settle(self) -> None:
         """Finishing attempts whose whole file core holds are done."""
         for attempt_id, entry in list(self._logs.items()):
-            if entry.finishing and self._size(entry.path) <= entry.offset:
+            if entry.finishing and entry.source.size() <= entry.offset:
                 self._forget(attempt_id)
         self._give_up_late()
 
@@ -224,20 +230,20 @@ class LogShipper:
                 self._forget(attempt_id)
 
 
-def _read_all(wanted: list[tuple[int, Path, int, int]], backlog: int) -> list[_Read]:
-    """Read what is wanted of each file (in a thread: file I/O)."""
+def _read_all(wanted: list[tuple[int, LogSource, int, int]], backlog: int) -> list[_Read]:
+    """Read what is wanted of each log (in a thread: file I/O)."""
     reads = []
-    for attempt_id, path, offset, most in wanted:
+    for attempt_id, source, offset, most in wanted:
+        size = source.size()
+        start = max(offset, size - backlog)  # too far behind: skip the middle
+        if size <= start:
+            continue
         try:
-            with path.open("rb") as handle:
-                size = handle.seek(0, 2)
-                start = max(offset, size - backlog)  # too far behind: skip the middle
-                if size <= start:
-                    continue
-                handle.seek(start)
-                reads.append(_Read(attempt_id, size, start, handle.read(min(most, size - start))))
+            start, data = source.read(start, min(most, size - start))
         except OSError:
             continue
+        if data:
+            reads.append(_Read(attempt_id, size, start, data))
     return reads
 
 

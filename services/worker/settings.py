@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import host_memory_mb, parse_labels, parse_list
 from libs.common.sources import parse_sources
 
@@ -66,6 +67,10 @@ class WorkerSettings(BaseSettings):
     worker_log_rate_kib_s: int = Field(default=256, ge=1, le=1024 * 1024)
     worker_log_backlog_mb: int = Field(default=16, ge=1, le=4096)
     worker_log_flush_s: float = Field(default=5.0, ge=0, le=300)
+    #: what the attempt's log file on this host keeps, its last bytes (a marker line first
+    #: says how much was dropped): the same variable and rule as core's copy
+    #: (``CAIRN_LOG_MAX_BYTES``, ``libs.common.loglimit``), so the file holds what core keeps
+    log_max_bytes: LogMaxBytes = DEFAULT_LOG_MAX_BYTES
     #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
     worker_timings_file: Path | None = None
 

@@ -4,12 +4,18 @@ that it failed, from the task's own log and from what the database holds."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
+import http.server
+import ipaddress
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -388,3 +394,199 @@ def test_the_fast_path_reuses_a_cgroup_without_leaking_the_last_attempt(core, ag
     assert second["log"].count("helper=1") == len(helpers), second["log"]
     assert "file=1" in second["log"] and agent.token not in second["log"]
     assert f"{512 * 2**20}\n" in second["log"], second["log"]  # its own limit, not 96 MB
+
+
+class _TLSOrigin:
+    """An https server on 127.0.0.1 with a certificate of its own (the agent trusts it
+    through ``SSL_CERT_FILE``): ``routes`` answer 200, ``redirects`` a 302 to their
+    Location; every request's path is kept in ``asked``."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.routes: dict[str, bytes] = {}
+        self.redirects: dict[str, str] = {}
+        self.asked: list[str] = []
+        origin = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                origin.asked.append(self.path)
+                if self.path in origin.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", origin.redirects[self.path])
+                    body = b""
+                else:
+                    body = origin.routes.get(self.path, b"")
+                    self.send_response(200 if self.path in origin.routes else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.base = f"https://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _loopback_cert(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, and its key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.fixture
+def origins(tmp_path: Path) -> Iterator[tuple[_TLSOrigin, _TLSOrigin, Path]]:
+    """Two https origins on loopback: the allowed one and one outside the allow-list."""
+    cert, key = _loopback_cert(tmp_path / "tls")
+    allowed, outside = _TLSOrigin(cert, key), _TLSOrigin(cert, key)
+    yield allowed, outside, cert
+    allowed.stop()
+    outside.stop()
+
+
+def test_a_redirect_outside_the_allow_list_is_refused_before_it_is_followed(
+    core, agents, tmp_path, origins
+):
+    """Finding 5 of issue 28: the allow-list held for the first URI only, and the agent
+    followed the redirect wherever it led. Now every hop is checked before it is asked:
+    the outside origin hears nothing and the attempt fails for good, naming the hop; a
+    redirect inside the list (a presigned URL's shape) is still followed, and https never
+    leads to http."""
+    allowed, outside, cert = origins
+    sh = SH.read_bytes()
+    allowed.routes["/jobs/sh-real"] = sh
+    allowed.redirects = {
+        "/jobs/sh?X-Amz-Signature=s3cret": f"{allowed.base}/jobs/sh-real",
+        "/jobs/away": f"{outside.base}/jobs/sh",
+        "/jobs/down": f"http://127.0.0.1:{outside.httpd.server_address[1]}/jobs/sh",
+    }
+    outside.routes["/jobs/sh"] = sh
+    agents.append(
+        Agent(
+            core,
+            tmp_path / "w",
+            CAIRN_ARTIFACT_SOURCES=f"{allowed.base}/jobs/",
+            SSL_CERT_FILE=str(cert),
+        )
+    )
+
+    def fetched(path: str) -> dict:
+        artifact = {"uri": allowed.base + path, "sha256": SH_SHA}
+        return run(core, shell("echo ran", artifact=artifact, retry={"max_attempts": 3}))
+
+    # The refused ones first: once fetched, the digest is cached and not fetched again.
+    away, down = fetched("/jobs/away"), fetched("/jobs/down")
+    followed = fetched("/jobs/sh?X-Amz-Signature=s3cret")
+
+    assert followed["state"] == "succeeded", followed
+    assert "ran" in followed["log"]
+    assert away["state"] == down["state"] == "dead"
+    assert len(away["attempts_list"]) == 1, away["attempts_list"]  # not retried
+    assert (
+        f"redirected to {outside.base}/jobs/sh, which is not an allowed artifact source"
+        in (away["last_error"])
+    )
+    assert "a downgrade from https to http" in down["last_error"]
+    assert outside.asked == []
+
+
+LOG_CAP = 2**20
+
+
+def test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound(db_url, agents, tmp_path):
+    """Finding 6 of issue 28: the attempt's log file on the worker had no bound (800 MB
+    in 2 s) while core kept its last 16 MiB. Now the file keeps what core keeps, the
+    last CAIRN_LOG_MAX_BYTES (1 MiB here, core's too), with core's marker first: sampled
+    every few milliseconds while ``yes`` writes as fast as it can, it never holds more
+    than a quarter over the bound (and a pipe's worth); the task runs on to its end, and
+    core's copy is the log's end under its own marker."""
+    core = start_core(db_url, tmp_path / "core", log_max_bytes=LOG_CAP)
+    agent = Agent(core, tmp_path / "w", CAIRN_LOG_MAX_BYTES=str(LOG_CAP))
+    agents.append(agent)
+    bound = LOG_CAP * 5 // 4 + 64 * 1024 + 200
+    seen = {"largest": 0, "head": b""}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.003):
+            for path in (agent.home / "logs").glob("*.log"):
+                with contextlib.suppress(OSError), path.open("rb") as log:
+                    size = os.fstat(log.fileno()).st_size
+                    if size > seen["largest"]:
+                        seen["largest"], seen["head"] = size, log.read(200)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with core.client() as alice:
+            task = alice.post("/v1/tasks", json=shell("timeout 4 yes; echo flood-over")).json()
+
+            def ended() -> bool:
+                if seen["largest"] > bound:  # the old code: stop before the disk fills
+                    alice.post(f"/v1/tasks/{task['id']}/cancel")
+                    raise AssertionError(f"the worker's log grew to {seen['largest']} bytes")
+                return alice.get(f"/v1/tasks/{task['id']}").json()["state"] in ("succeeded", "dead")
+
+            wait_for(ended, timeout=60, interval=0.05)
+            final = alice.get(f"/v1/tasks/{task['id']}").json()
+            log = alice.get(f"/v1/tasks/{task['id']}/logs")
+    finally:
+        stop.set()
+        sampler.join()
+        core.stop()
+
+    assert final["state"] == "succeeded", final
+    assert LOG_CAP < seen["largest"] <= bound, seen["largest"]
+    assert re.match(
+        rb"\[cairn: the first \d+ bytes of this log were dropped: an attempt keeps its last"
+        rb" 1 MiB\]\ny\ny\n",
+        seen["head"],
+    ), seen["head"]
+    text = log.text
+    assert log.headers["X-Cairn-Log-Truncated"] == "true"
+    assert text.startswith("[cairn: the first "), text[:200]
+    assert text.endswith("y\nflood-over\n"), text[-200:]
+    assert len(text.encode()) <= LOG_CAP + 64 * 1024 + 200  # core trims whole chunks
+    lines = text.splitlines()
+    assert set(lines[:-1]) - {"y"} <= {line for line in lines if line.startswith("[cairn: ")}

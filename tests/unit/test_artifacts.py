@@ -54,6 +54,7 @@ class _Server:
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, bytes]] = {}
+        self.redirects: dict[str, str] = {}  # path -> Location of a 302
         self.hits: dict[str, int] = {}
         server = self
 
@@ -61,7 +62,12 @@ class _Server:
             def do_GET(self) -> None:
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
                 status, body = server.routes.get(self.path, (404, b"not found"))
-                self.send_response(status)
+                if self.path in server.redirects:
+                    status, body = 302, b""
+                    self.send_response(status)
+                    self.send_header("Location", server.redirects[self.path])
+                else:
+                    self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -450,3 +456,35 @@ def test_the_cache_keeps_to_its_bound_least_recently_used_first(
 
     assert not cache.path_for(digests["a"]).exists()
     assert cache.path_for(digests["b"]).exists() and cache.path_for(digests["c"]).exists()
+
+
+def test_a_redirect_is_followed_only_to_an_allowed_source(tmp_path: Path, server: _Server) -> None:
+    """Each hop is checked against the allow-list before it is asked; a refused one is
+    a failure no retry mends, naming both URIs without their queries."""
+    allowed = f"{server.base}/jobs/"
+    server.routes["/jobs/real"] = (200, TOOL)
+    server.redirects = {
+        "/jobs/tool?sig=secret": f"{allowed}real",
+        "/jobs/away": f"{server.base}/elsewhere/tool?sig=secret",
+    }
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True, sources=(allowed,))
+
+    assert _run(cache.fetch(f"{allowed}tool?sig=secret", TOOL_SHA)).read_bytes() == TOOL
+    with pytest.raises(ArtifactError, match="not an allowed artifact source") as caught:
+        _run(cache.fetch(f"{allowed}away", WRONG_SHA))
+
+    assert caught.value.retryable is False
+    assert f"redirected to {server.base}/elsewhere/tool," in caught.value.reason
+    assert "secret" not in caught.value.reason
+    assert "/elsewhere/tool?sig=secret" not in server.hits
+
+
+def test_redirects_are_followed_a_bounded_number_of_times(tmp_path: Path, server: _Server) -> None:
+    server.redirects = {f"/r{i}": f"{server.base}/r{i + 1}" for i in range(10)}
+    server.routes["/r10"] = (200, TOOL)
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    with pytest.raises(ArtifactError, match=f"more than {artifacts.MAX_REDIRECTS} redirects"):
+        _run(cache.fetch(f"{server.base}/r0", TOOL_SHA))
+
+    assert "/r10" not in server.hits

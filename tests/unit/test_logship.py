@@ -44,6 +44,21 @@ class MockCore:
         return httpx.Response(200, json={"items": acks})
 
 
+class _File:
+    """A log file the test writes itself, read as the shipper reads an attempt's log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def size(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def read(self, offset: int, most: int) -> tuple[int, bytes]:
+        with self.path.open("rb") as handle:
+            handle.seek(offset)
+            return offset, handle.read(most)
+
+
 def _ack(chunk: dict, status: int, size: int) -> dict:
     return {
         "attempt_id": chunk["attempt_id"],
@@ -74,7 +89,7 @@ def test_lines_of_several_attempts_go_in_one_request_and_finish_sends_the_rest(
         logs = {a: tmp_path / f"{a}.log" for a in (1, 2)}
         for attempt, path in logs.items():
             path.write_text(f"attempt {attempt} starts\n")
-            shipper.register(7, attempt, path)
+            shipper.register(7, attempt, _File(path))
         await _until(lambda: len(core.text) == 2)
         for path in logs.values():
             with path.open("a") as f:
@@ -96,7 +111,7 @@ def test_after_core_fails_it_catches_up_from_the_file_offset_without_doubling(
         shipper, client = _shipper(core)
         path = tmp_path / "a.log"
         path.write_text("".join(f"line {i}\n" for i in range(100)))
-        shipper.register(7, 1, path)
+        shipper.register(7, 1, _File(path))
         await _until(lambda: core.sizes.get(1) == path.stat().st_size)
         await shipper.finish(1)
         await client.aclose()
@@ -114,7 +129,7 @@ def test_an_attempt_ships_at_its_rate_and_in_chunks_of_at_most_64_kib(tmp_path: 
         shipper, client = _shipper(core, worker_log_rate_kib_s=1)
         path = tmp_path / "a.log"
         path.write_text(("x" * 99 + "\n") * 5000)  # 500 kB
-        shipper.register(7, 1, path)
+        shipper.register(7, 1, _File(path))
         await _until(lambda: len(core.requests) >= 3)
         await client.aclose()
         return core
@@ -132,7 +147,7 @@ def test_a_refused_attempt_is_no_longer_shipped(tmp_path: Path) -> None:
         shipper, client = _shipper(core)
         path = tmp_path / "a.log"
         path.write_text("one\n")
-        shipper.register(7, 1, path)
+        shipper.register(7, 1, _File(path))
         await _until(lambda: core.requests)
         with path.open("a") as f:
             f.write("two\n")
@@ -151,7 +166,7 @@ def test_an_attempt_that_wrote_nothing_more_costs_no_request(tmp_path: Path) -> 
         shipper, client = _shipper(core, worker_log_interval_s=60)
         path = tmp_path / "a.log"
         path.write_bytes(b"")
-        shipper.register(7, 1, path)
+        shipper.register(7, 1, _File(path))
         await shipper.finish(1)
         await client.aclose()
         return core

@@ -1,0 +1,105 @@
+"""An attempt's log file on the worker (``services.worker.logfile``), through the executor
+with real processes: kept to its last bytes while a task writes as fast as it can, with
+core's marker first; read by output position, so the shipper never sees the marker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.worker.executor import AttemptSpec, start_attempt
+
+LIMIT = 2**20
+
+
+def _spec(tmp_path: Path, *argv: str) -> AttemptSpec:
+    executable = shutil.which(argv[0])
+    assert executable is not None
+    return AttemptSpec(
+        executable=Path(executable),
+        args=argv[1:],
+        workdir=tmp_path / "work",
+        log_path=tmp_path / "logs" / "1.log",
+        task_id=1,
+        attempt_id=1,
+        attempt_number=1,
+        log_max_bytes=LIMIT,
+    )
+
+
+@pytest.mark.skipif(shutil.which("yes") is None, reason="needs yes(1)")
+def test_a_flood_is_kept_to_the_bound_while_it_runs_and_ends_with_its_last_bytes(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, "sh", "-c", "timeout 2 yes; echo the-end")
+
+    async def go() -> tuple[int, int, tuple[int, bytes], bytes]:
+        running = await start_attempt(spec)
+        largest = 0
+        while not running.done:
+            largest = max(largest, os.stat(spec.log_path).st_size)
+            await asyncio.sleep(0.002)
+        result = await running.wait()
+        assert result.outcome == "succeeded", result
+        try:
+            return largest, running.log.size(), running.log.read(0, 64), spec.log_path.read_bytes()
+        finally:
+            running.log.close()
+
+    largest, output, first, kept = asyncio.run(go())
+
+    assert LIMIT < largest <= LIMIT * 5 // 4 + 64 * 1024 + 200
+    marker, _, body = kept.partition(b"\n")
+    dropped = int(marker.split()[3])
+    assert marker == (
+        f"[cairn: the first {dropped} bytes of this log were dropped:"
+        " an attempt keeps its last 1 MiB]".encode()
+    )
+    assert LIMIT <= len(body) <= LIMIT * 5 // 4 + 64 * 1024
+    assert body.endswith(b"y\ny\nthe-end\n")
+    assert output == dropped + len(body) > 10 * LIMIT  # yes wrote far more than is kept
+    assert first == (dropped, body[:64])  # positions of the output, never the marker
+
+
+def test_quiet_output_is_kept_whole_without_a_marker(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "sh", "-c", "echo one; echo two >&2")
+
+    async def go() -> tuple[tuple[int, bytes], int]:
+        running = await start_attempt(spec)
+        await running.wait()
+        try:
+            return running.log.read(0, 100), running.log.size()
+        finally:
+            running.log.close()
+
+    assert asyncio.run(go()) == ((0, b"one\ntwo\n"), 8)
+    assert spec.log_path.read_bytes() == b"one\ntwo\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("yes") is None, reason="mounts a tmpfs")
+def test_a_full_disk_drops_the_output_and_the_task_runs_on(tmp_path: Path) -> None:
+    """The log's file system fills (a 256 KiB tmpfs): what cannot be written is dropped,
+    the file starts over after the marker, and the task never sees an error."""
+    disk = tmp_path / "logs"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    try:
+        spec = _spec(tmp_path, "sh", "-c", "timeout 1 yes; test $? = 124 || exit 3; echo the-end")
+
+        async def go() -> str:
+            running = await start_attempt(spec)
+            result = await running.wait()
+            running.log.close()
+            return f"{result.outcome} {result.error} {result.log_tail[-300:]!r}"
+
+        outcome = asyncio.run(go())
+        assert outcome.startswith("succeeded"), outcome
+        kept = spec.log_path.read_bytes()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+    assert kept.startswith(b"[cairn: the first ") and kept.endswith(b"y\nthe-end\n"), kept[:100]
