@@ -65,6 +65,7 @@ class Proxy:
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
+        self.writers: set[asyncio.StreamWriter] = set()  # every connection, both sides
         self.thread = threading.Thread(target=self._run, daemon=True, name="proxy")
         self.thread.start()
         self.ready.wait(10)
@@ -85,20 +86,26 @@ class Proxy:
             for task in pending:
                 task.cancel()
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            for writer in self.writers:
+                writer.transport.abort()  # also one cancelled before it was piped
             self.loop.run_until_complete(asyncio.sleep(0.05))  # transports finish closing
             self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for port in self.backends:
-            try:
-                up_reader, up_writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port), 1.0
-                )
-            except (OSError, TimeoutError):
-                continue
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-            return
-        writer.close()
+        self.writers.add(writer)
+        try:
+            for port in self.backends:
+                try:
+                    up_reader, up_writer = await asyncio.wait_for(
+                        asyncio.open_connection("127.0.0.1", port), 1.0
+                    )
+                except (OSError, TimeoutError):
+                    continue
+                self.writers.add(up_writer)
+                await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+                return
+        finally:
+            writer.close()
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

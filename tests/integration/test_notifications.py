@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from services.core.identity.crypto import new_key
 from tests.support import Core, spec, start_core, wait_for
 from tests.webhooks import Receiver, subscribe
 
@@ -339,8 +340,11 @@ def test_two_replicas_deliver_every_notification_exactly_once(
     db_url: str, tmp_path: Path, db
 ) -> None:
     hook = Receiver(fail_first=1)
-    one = start_core(db_url, tmp_path / "one", **FAST)
-    two = start_core(db_url, tmp_path / "two", **FAST)
+    # Replicas share their secrets keys, as production requires: each home would make a
+    # key of its own, and a replica could not open the signing secret the other sealed.
+    key = new_key()
+    one = start_core(db_url, tmp_path / "one", secrets_key=key, **FAST)
+    two = start_core(db_url, tmp_path / "two", secrets_key=key, **FAST)
     try:
         with one.client() as alice:
             subscribe(alice, hook.url)
