@@ -48,23 +48,50 @@ def parse_cidrs(text: str) -> tuple[IPNetwork, ...]:
         raise ValueError(f"not a CIDR range: {exc}") from None
 
 
+#: IPv6 ranges that carry an IPv4 address in their last 32 bits: NAT64's well-known prefix
+#: (RFC 6052: what DNS64 answers for an IPv4-only host), SIIT's IPv4-translated addresses
+#: (RFC 2765) and the deprecated IPv4-compatible ones (RFC 4291)
+_CARRIERS = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+#: Global unicast IPv6 (RFC 4291): every other range (site-local fec0::/10, NAT64's
+#: local-use 64:ff9b:1::/48, ...) is not reached
+_UNICAST = ipaddress.IPv6Network("2000::/3")
+#: Inside 2000::/3 yet not public, and newer than Python's tables: documentation (RFC 9637)
+_NOT_PUBLIC = (ipaddress.IPv6Network("3fff::/20"),)
+
+
 def _embedded(address: IPAddress) -> IPAddress:
-    """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo), else itself: a check
-    of ``::ffff:127.0.0.1`` is a check of 127.0.0.1."""
+    """The IPv4 address an IPv6 one carries (mapped, NAT64, SIIT, IPv4-compatible, 6to4,
+    Teredo), else itself: a check of ``::ffff:127.0.0.1`` or ``64:ff9b::a9fe:a9fe`` is a
+    check of 127.0.0.1 or 169.254.169.254."""
     if isinstance(address, ipaddress.IPv6Address):
         inner = address.ipv4_mapped or address.sixtofour
         if inner is not None:
             return inner
         if address.teredo is not None:
             return address.teredo[1]
+        if any(address in network for network in _CARRIERS):
+            return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address
 
 
 def is_public(address: IPAddress) -> bool:
     """Whether ``address`` is a global unicast one (not loopback, private, link-local,
-    unique-local, shared, reserved, multicast or unspecified)."""
+    unique-local, site-local, shared, reserved, multicast or unspecified); an IPv6 address
+    that carries an IPv4 one is judged by both, and one that is only a carrier (NAT64,
+    SIIT) by the IPv4 address it carries."""
     inner = _embedded(address)
-    return all(a.is_global and not a.is_multicast for a in {address, inner})
+    carrier = isinstance(address, ipaddress.IPv6Address) and any(
+        address in network for network in _CARRIERS
+    )
+    return all(_global(a) for a in ({inner} if carrier else {address, inner}))
+
+
+def _global(address: IPAddress) -> bool:
+    if address.is_multicast or not address.is_global:
+        return False
+    if isinstance(address, ipaddress.IPv6Address):
+        return address in _UNICAST and not any(address in n for n in _NOT_PUBLIC)
+    return True
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,17 @@ def test_a_name_that_changes_its_answer_is_connected_to_where_it_was_checked() -
         (["2606:2800:220:1::1"], False),
         (["2002:7f00:1::1"], True),  # 6to4 of 127.0.0.1
         (["::ffff:10.0.0.1"], True),
+        (["64:ff9b::a9fe:a9fe"], True),  # NAT64 of the metadata address
+        (["64:ff9b::7f00:1"], True),  # NAT64 of 127.0.0.1
+        (["64:ff9b::5db8:d822"], False),  # NAT64 of 93.184.216.34: DNS64 answers so
+        (["64:ff9b:1::5db8:d822"], True),  # NAT64's local-use prefix
+        (["::ffff:0:7f00:1"], True),  # SIIT of 127.0.0.1
+        (["::ffff:0:5db8:d822"], False),  # SIIT of a public address
+        (["::7f00:1"], True),  # IPv4-compatible 127.0.0.1
+        (["::1"], True),
+        (["fec0::1"], True),  # site-local
+        (["3fff::1"], True),  # documentation (RFC 9637)
+        (["4000::1"], True),  # outside global unicast 2000::/3
     ],
 )
 def test_every_address_a_name_answers_is_checked(answer: list[str], refused: bool) -> None:
@@ -70,6 +81,8 @@ def test_the_databases_host_is_refused_and_its_port_even_inside_an_allowed_range
     assert not local_db.permits("127.0.0.1", 5432)
     assert not local_db.permits("192.168.0.1", 80)
     assert not local_db.permits("169.254.169.254", 80)
+    assert local_db.permits("64:ff9b::7f00:1", 8080)  # NAT64 of an opened address
+    assert not local_db.permits("64:ff9b::7f00:1", 5432)
     assert asyncio.run(egress.guarding(None, None, ())) == egress.Policy()
 
 
