@@ -8,6 +8,7 @@ from pathlib import Path
 from alembic import command, context
 from alembic.config import Config
 from sqlalchemy import MetaData, create_engine, text
+from sqlalchemy.pool import NullPool
 
 # Replicas starting together take turns; the loser then finds nothing to do. One key for
 # every service: migrations are rare and short, so they may as well queue.
@@ -30,7 +31,10 @@ def run_online(schema: str, metadata: MetaData) -> None:
     """The body of a service's ``env.py``: migrate ``schema`` under an advisory lock."""
     url = context.config.get_main_option("sqlalchemy.url")
     assert url, "sqlalchemy.url must be set"
-    engine = create_engine(url)
+    # No pool: closing the connection ends its session, so a migration that fails still
+    # lets the lock go (a pooled connection kept it, and the next upgrade in this process
+    # waited on it for ever).
+    engine = create_engine(url, poolclass=NullPool)
     with engine.connect() as connection:
         connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _LOCK_KEY})
         connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))

@@ -32,17 +32,18 @@ from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
-from services.core.settings import CoreSettings
+from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
 
 
-def secret_box(settings: CoreSettings) -> SecretBox:
+def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> SecretBox:
     """The keys secrets are sealed with: ``CAIRN_SECRETS_KEY``, else the key file (made
-    with a fresh key on first start in development)."""
+    with a fresh key on first start in development, unless ``create`` says otherwise)."""
     if settings.secrets_key is not None:
         keys = [k for k in settings.secrets_key.get_secret_value().split(",") if k.strip()]
     else:
-        keys = read_key_file(settings.secrets_key_path, create=settings.env == "development")
+        made = settings.env == "development" if create is None else create
+        keys = read_key_file(settings.secrets_key_path, create=made)
     return SecretBox(keys)
 
 

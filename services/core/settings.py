@@ -14,7 +14,29 @@ from libs.common.sources import parse_sources
 from services.core.identity.groups import TeamMapping, parse_team_map
 
 
-class CoreSettings(CairnSettings):
+class SecretsKeySettings(CairnSettings):
+    """Where core's secrets keys come from: all a migration that seals needs, so that it
+    runs where core's other settings are not given (compose's setup step)."""
+
+    secrets_key: SecretStr | None = None
+    secrets_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _check_key(self) -> SecretsKeySettings:
+        if self.env == "production" and self.secrets_key is None and not self.secrets_key_file:
+            raise ValueError(
+                "CAIRN_SECRETS_KEY or CAIRN_SECRETS_KEY_FILE is required when CAIRN_ENV=production"
+            )
+        return self
+
+    @property
+    def secrets_key_path(self) -> Path:
+        """Where the keys are read from when ``CAIRN_SECRETS_KEY`` is not set; in
+        development a key is made there on first start."""
+        return self.secrets_key_file or self.home / "secrets.key"
+
+
+class CoreSettings(SecretsKeySettings):
     """``CAIRN_*`` environment variables read by core."""
 
     retention_days: float = Field(default=30.0, gt=0)
@@ -51,8 +73,6 @@ class CoreSettings(CairnSettings):
 
     # identity (see docs/security.md)
     audit_retention_days: float = Field(default=400.0, gt=0)
-    secrets_key: SecretStr | None = None
-    secrets_key_file: Path | None = None
     tokens_per_principal: int = Field(default=100, ge=1, le=10_000)
     oidc_issuer: str | None = Field(default=None, min_length=1, max_length=2048)
     oidc_audience: str | None = Field(default=None, min_length=1, max_length=2048)
@@ -101,10 +121,6 @@ class CoreSettings(CairnSettings):
     def _check_identity(self) -> CoreSettings:
         if self.audit_retention_days < self.retention_days:
             raise ValueError("CAIRN_AUDIT_RETENTION_DAYS must be at least CAIRN_RETENTION_DAYS")
-        if self.env == "production" and self.secrets_key is None and not self.secrets_key_file:
-            raise ValueError(
-                "CAIRN_SECRETS_KEY or CAIRN_SECRETS_KEY_FILE is required when CAIRN_ENV=production"
-            )
         if (self.oidc_issuer is None) != (self.oidc_audience is None):
             raise ValueError("set both CAIRN_OIDC_ISSUER and CAIRN_OIDC_AUDIENCE, or neither")
         if self.oidc_issuer and (self.oidc_jwks_url is None) == (self.oidc_jwks_file is None):
@@ -117,12 +133,6 @@ class CoreSettings(CairnSettings):
     @property
     def oidc_enabled(self) -> bool:
         return self.oidc_issuer is not None
-
-    @property
-    def secrets_key_path(self) -> Path:
-        """Where the keys are read from when ``CAIRN_SECRETS_KEY`` is not set; in
-        development a key is made there on first start."""
-        return self.secrets_key_file or self.home / "secrets.key"
 
     #: URI prefixes artifacts may come from (``s3://jobs-bucket/,https://artifacts.corp/``);
     #: empty: any source (development only)

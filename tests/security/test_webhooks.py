@@ -302,9 +302,25 @@ def test_the_migration_seals_the_secrets_stored_before_it(
         "VALUES ('alice', 'old', ARRAY['run.failed'], %s, 'whsec_from_before')",
         (hook.url,),
     )
-    monkeypatch.setenv("CAIRN_SECRETS_KEY", key)
+    # As compose's setup step runs it: production, the key and nothing else of core's.
+    monkeypatch.setenv("CAIRN_ENV", "production")
+    monkeypatch.setenv("CAIRN_DATABASE_URL", db_url)
     monkeypatch.setenv("CAIRN_HOME", str(tmp_path))
+    monkeypatch.delenv("CAIRN_SECRETS_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="KEY_FILE is required when CAIRN_ENV=production"):
+        core_migrate.upgrade(db_url)
+    monkeypatch.setenv("CAIRN_ENV", "development")  # no key file made here: it is not core's
+    with pytest.raises(RuntimeError, match="cannot read the secrets key file"):
+        core_migrate.upgrade(db_url)
+    assert not (tmp_path / "secrets.key").exists()
+    assert db.execute("SELECT secret FROM core.subscriptions").fetchall() == [
+        ("whsec_from_before",)
+    ]
+    monkeypatch.setenv("CAIRN_ENV", "production")
+    monkeypatch.setenv("CAIRN_SECRETS_KEY", key)
     core_migrate.upgrade(db_url)
+    monkeypatch.delenv("CAIRN_ENV")
+    monkeypatch.delenv("CAIRN_DATABASE_URL")
     [row] = db.execute("SELECT id, row_to_json(s)::text FROM core.subscriptions s").fetchall()
     assert "whsec_from_before" not in row[1] and "from_before" not in row[1]
     server = start_core(db_url, tmp_path, **FAST, secrets_key=key)

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings
 
 from cairn.cli import app
 from libs.common.settings import CairnSettings
-from services.core.settings import CoreSettings
+from services.core.settings import CoreSettings, SecretsKeySettings
 from services.cron.settings import CronSettings
 from services.dag.settings import DagSettings
 from services.worker.settings import WorkerSettings
@@ -31,7 +31,7 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "cron": CronSettings,
     "dag": DagSettings,
     "worker": WorkerSettings,
-    "migrate": CairnSettings,
+    "migrate": SecretsKeySettings,  # a migration seals with core's keys
     "token": CairnSettings,
 }
 

@@ -32,11 +32,21 @@ def _context(owner: str, name: str) -> bytes:
 
 
 def _box() -> Any:
-    """The secrets keys core would use, read from the environment core starts with."""
+    """The secrets keys core uses, read from the environment migrations run in: only the
+    keys' settings (``CAIRN_SECRETS_KEY`` / ``CAIRN_SECRETS_KEY_FILE``, else the key file
+    in ``CAIRN_HOME``), and never a new key: a key made here would not be core's."""
     from services.core.app import secret_box
-    from services.core.settings import CoreSettings
+    from services.core.identity.crypto import BadKey
+    from services.core.settings import SecretsKeySettings
 
-    return secret_box(CoreSettings())
+    try:
+        return secret_box(SecretsKeySettings(), create=False)
+    except (BadKey, ValueError) as exc:
+        raise RuntimeError(
+            "sealing the signing secrets of the existing webhook subscriptions needs core's "
+            "secrets key where migrations run: set CAIRN_SECRETS_KEY or "
+            f"CAIRN_SECRETS_KEY_FILE as core has them ({exc})"
+        ) from None
 
 
 def upgrade() -> None:
