@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -28,12 +29,15 @@ from services.core.api import (
 from services.core.api import sharing as sharing_api
 from services.core.deps import LeaseCache, TokenCache
 from services.core.feed import Notifier
+from services.core.identity import teams as memberships
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
 from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
+
+log = logging.getLogger("cairn.core")
 
 
 def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> SecretBox:
@@ -75,8 +79,18 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         oidc = None
+
+        async def withdrawn(kids: list[str]) -> None:
+            """The provider withdrew keys: what their tokens proved is not trusted either,
+            neither the cached principals nor the team claims they vouched for."""
+            app.state.tokens.evict_jwts()
+            async with engine.begin() as conn:
+                gone = await memberships.forget_claims(conn, kids)
+            if gone:
+                log.info("forgot %d team claims vouched for by withdrawn keys", gone)
+
         if settings.oidc_enabled:
-            oidc = OidcVerifier(settings, on_withdrawn=app.state.tokens.evict_jwts)
+            oidc = OidcVerifier(settings, on_withdrawn=withdrawn)
         app.state.oidc = oidc
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)

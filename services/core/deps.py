@@ -23,7 +23,7 @@ from services.core.feed import Notifier
 from services.core.identity import audit, tokens
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
-from services.core.identity.teams import teams_of
+from services.core.identity.teams import recorded_teams
 from services.core.metrics import CoreMetrics
 from services.core.store import Principal
 
@@ -162,7 +162,7 @@ async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Princip
         found = await oidc.verify(token)
         async with engine.connect() as conn:
             role = await tokens.role_of(conn, found.name)
-            known = await teams_of(conn, found.name)
+            known = await recorded_teams(conn, found.name)
         if role is not None and role not in ("user", found.role):
             # The provider names someone who is a service or worker here: not the same one.
             raise Unauthorized("unknown or revoked token")

@@ -92,6 +92,10 @@ class CoreSettings(SecretsKeySettings):
     #: how long the last good set is used while the provider cannot be read; after that
     #: JWTs are answered 503 until it can
     oidc_jwks_stale_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    #: how long a team membership that a token's groups claimed is kept for the leases of
+    #: what it submitted (which have no token at hand): until the token expires, and no
+    #: longer than this after the submission
+    oidc_claim_max_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
     #: provider groups that start with this grant the team named by the rest
     oidc_team_prefix: str | None = Field(default=None, min_length=1, max_length=200)
     #: ``group=team,...``: provider groups that grant a team; with no prefix and no

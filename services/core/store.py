@@ -7,6 +7,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -61,6 +62,11 @@ class Principal(Caller):
 
     id: int | None = None
     token_id: int | None = None
+    #: for one an identity provider vouches for: the id of the key that signed its token,
+    #: and until when the teams it claims are kept for the leases of what it submits
+    #: (its expiry, ``CAIRN_OIDC_CLAIM_MAX_S`` after it was checked at most)
+    key_id: str | None = None
+    claims_until: datetime | None = None
 
 
 # --- the driver's fast path ------------------------------------------------------------

@@ -105,6 +105,8 @@ team_claims = Table(
     Column("team", Text, ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True),
     Column("member", Text, primary_key=True, index=True),
     Column("until", DateTime(timezone=True), nullable=False),
+    # the id of the provider's key that signed the token (None: not known)
+    Column("kid", Text),
 )
 
 secrets = Table(

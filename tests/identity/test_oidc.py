@@ -216,8 +216,8 @@ def test_a_claim_vouches_for_a_team_secret_until_its_token_expires(
     )
     with _as(mapped_core, token) as dave:
         live = dave.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll")).json()["id"]
-        claims = db.execute("SELECT team, member, until FROM core.team_claims").fetchall()
-        assert claims == [("payroll", "dave@example.test", expires)]
+        claims = db.execute("SELECT team, member, until, kid FROM core.team_claims").fetchall()
+        assert claims == [("payroll", "dave@example.test", expires, "k1")]
         assert {a["task_id"]: a["env"] for a in _leased(mapped_core)} == {
             carols: {},
             live: {"BANK": value},
@@ -230,6 +230,44 @@ def test_a_claim_vouches_for_a_team_secret_until_its_token_expires(
         task = carol.get(f"/v1/tasks/{late}").json()
     assert task["state"] == "dead"
     assert "no longer a member of team 'payroll'" in task["last_error"]
+
+
+def test_a_claim_lasts_no_longer_than_its_cap_nor_its_key_and_is_no_tokens_word(
+    db_url: str, tmp_path: Path, jwks_url: Any, db: Any
+) -> None:
+    """A token that lives for days vouches for CAIRN_OIDC_CLAIM_MAX_S only; a token
+    without the group does not get the team back from what an earlier one vouched for;
+    the provider withdrawing the key that signed it takes the claim with it."""
+    kept, leaked = Keys("k1"), Keys("k2")
+    jwks_url.keys = [kept.jwk, leaked.jwk]
+    core = _polling_core(
+        db_url, tmp_path, jwks_url, oidc_team_prefix="cairn-team-", oidc_claim_max_s=120
+    )
+    try:
+        value, carols = _payroll(core)
+        long_lived = {"sub": "dave@example.test", "exp": int(time.time()) + 7 * 86400}
+        token = leaked.sign({**long_lived, "groups": ["cairn-team-payroll"]})
+        with _as(core, token) as dave:
+            made = dave.post("/v1/tasks", json=spec(env=PAYROLL_ENV, team="payroll"))
+            assert made.status_code == 201, made.text
+        [(kid, left)] = db.execute(
+            "SELECT kid, extract(epoch FROM until - now()) FROM core.team_claims"
+        ).fetchall()
+        assert kid == "k2" and 100 < left <= 120
+        # Dropped from the group at the provider: the next token is nobody's teammate,
+        # whatever the claim still vouches for the task already submitted.
+        dropped = kept.sign({"sub": "dave@example.test", "groups": []})
+        _is_outsider(core, dropped, carols)
+        jwks_url.keys = [kept.jwk]
+        wait_for(lambda: db.execute("SELECT count(*) FROM core.team_claims").fetchone()[0] == 0)
+        assert {a["task_id"]: a["env"] for a in _leased(core)} == {carols: {}}
+        with core.client("carol") as carol:
+            task = carol.get(f"/v1/tasks/{made.json()['id']}").json()
+        assert task["state"] == "dead"
+        assert "no longer a member of team 'payroll'" in task["last_error"]
+        assert value not in str(task)
+    finally:
+        core.stop()
 
 
 def test_an_elliptic_curve_key_of_the_set_signs_too(idp_core: Core, ec_keys: Keys) -> None:

@@ -273,11 +273,13 @@ async def _check(
         owner_teams = await teams.teams_of(conn, owner)
     else:
         owner_teams = principal.teams
-        if principal.id is None and principal.expires_at is not None:
-            # An identity provider vouches for these teams until the token expires: kept,
-            # so that the lease, which has no token at hand, checks the same membership.
+        if principal.id is None and principal.claims_until is not None:
+            # An identity provider vouches for these teams (for a bounded time): kept, so
+            # that the lease, which has no token at hand, checks the same membership.
             used = secrets.teams_used(spec) & owner_teams
-            await teams.vouch(conn, owner, used, principal.expires_at)
+            await teams.vouch(
+                conn, owner, used, owner_teams, principal.claims_until, principal.key_id
+            )
     await secrets.check_submission(conn, owner, owner_teams, spec, field)
 
 

@@ -19,8 +19,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -77,7 +77,7 @@ class OidcVerifier:
         self,
         settings: CoreSettings,
         transport: httpx.AsyncBaseTransport | None = None,
-        on_withdrawn: Callable[[], None] | None = None,
+        on_withdrawn: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> None:
         self.issuer = settings.oidc_issuer
         self.audience = settings.oidc_audience
@@ -92,6 +92,7 @@ class OidcVerifier:
         self.refresh_s = settings.oidc_jwks_refresh_s
         self.min_refresh_s = settings.oidc_jwks_min_refresh_s
         self.stale_s = settings.oidc_jwks_stale_s
+        self.claim_max_s = settings.oidc_claim_max_s
         self._transport = transport
         # Called when a read drops keys: what was checked with them is not trusted either.
         self._on_withdrawn = on_withdrawn
@@ -129,7 +130,9 @@ class OidcVerifier:
             except (OSError, ValueError, TimeoutError, httpx.HTTPError, jwt.PyJWTError) as exc:
                 self._failed(exc)
                 return
-            self._replace({key.key_id: key for key in keyset.keys}, lifetime)
+            withdrawn = self._replace({key.key_id: key for key in keyset.keys}, lifetime)
+        if withdrawn and self._on_withdrawn is not None:
+            await self._on_withdrawn(withdrawn)
 
     async def _read_keyset(self) -> tuple[dict[str, Any], float]:
         """The key set, and how long it may be kept (the provider's max-age, bounded)."""
@@ -158,16 +161,16 @@ class OidcVerifier:
             raise ValueError(f"the key set is larger than {MAX_KEYSET_BYTES} bytes")
         return body
 
-    def _replace(self, keys: dict[str | None, jwt.PyJWK], lifetime: float) -> None:
+    def _replace(self, keys: dict[str | None, jwt.PyJWK], lifetime: float) -> list[str]:
+        """Take ``keys``; the ids of those it drops (withdrawn by the provider)."""
         withdrawn = sorted(str(kid) for kid in self._keys.keys() - keys.keys())
         if withdrawn:
             log.info("OIDC keys withdrawn by the provider, no longer trusted: %s", withdrawn)
-            if self._on_withdrawn is not None:
-                self._on_withdrawn()
         if self._failure is not None:
             log.warning("the OIDC key set is read again (it could not be: %s)", self._failure)
         self._keys, self._read_at, self._lifetime = keys, self._tried_at, lifetime
         self._failure = None
+        return withdrawn
 
     def _failed(self, exc: Exception) -> None:
         self._failure = f"{type(exc).__name__}: {exc}"[:500]
@@ -233,9 +236,9 @@ class OidcVerifier:
         except jwt.PyJWTError as exc:
             log.info("refused a JWT: %s", exc)
             raise Unauthorized(REFUSED) from None
-        return self._principal(claims)
+        return self._principal(claims, key.key_id)
 
-    def _principal(self, claims: dict[str, Any]) -> Principal:
+    def _principal(self, claims: dict[str, Any], kid: str | None) -> Principal:
         name = claims[self.principal_claim]
         if not isinstance(name, str) or not _NAME.match(name):
             log.info("refused a JWT: claim %s is not a usable name", self.principal_claim)
@@ -244,9 +247,12 @@ class OidcVerifier:
         groups = raw if isinstance(raw, list) else [raw]
         # The admin group is named by the operator, so it is matched as it is written.
         admin = self.admin_team is not None and self.admin_team in groups
+        expires = datetime.fromtimestamp(float(claims["exp"]), UTC)
         return Principal(
             name=name,
             role="admin" if admin else "user",
             teams=self.mapping.teams(groups),
-            expires_at=datetime.fromtimestamp(float(claims["exp"]), UTC),
+            expires_at=expires,
+            key_id=kid,
+            claims_until=min(expires, datetime.now(UTC) + timedelta(seconds=self.claim_max_s)),
         )

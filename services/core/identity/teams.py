@@ -100,10 +100,16 @@ async def remove_member(conn: AsyncConnection, name: str, member: str) -> None:
         raise NotFound(f"{member!r} is not a member of team {name!r}")
 
 
+# The token's word is the latest: its teams kept until ``Principal.claims_until``, what an earlier token claimed and this one does not forgotten.
 _VOUCH = text("""
-INSERT INTO core.team_claims (team, member, until)
-SELECT t.name, :member, :until FROM core.teams t WHERE t.name = ANY(CAST(:teams AS text[]))
-ON CONFLICT (team, member) DO UPDATE SET until = greatest(core.team_claims.until, EXCLUDED.until)
+WITH dropped AS (
+    DELETE FROM core.team_claims
+    WHERE member = :member AND team <> ALL(CAST(:claimed AS text[]))
+)
+INSERT INTO core.team_claims (team, member, until, kid)
+SELECT t.name, :member, :until, :kid
+FROM core.teams t WHERE t.name = ANY(CAST(:teams AS text[]))
+ON CONFLICT (team, member) DO UPDATE SET until = EXCLUDED.until, kid = EXCLUDED.kid
 """)
 
 
@@ -124,12 +130,41 @@ async def teams_of(conn: AsyncConnection, member: str) -> frozenset[str]:
     return frozenset(row.team for row in rows)
 
 
+async def recorded_teams(conn: AsyncConnection, member: str) -> frozenset[str]:
+    """The teams an admin recorded ``member`` in: what a token's own claim adds to (a
+    claim that an earlier token vouched for is not this token's word)."""
+    rows = await conn.execute(select(team_members.c.team).where(team_members.c.member == member))
+    return frozenset(row.team for row in rows)
+
+
 async def vouch(
-    conn: AsyncConnection, member: str, claimed: Iterable[str], until: datetime
+    conn: AsyncConnection,
+    member: str,
+    used: Iterable[str],
+    claimed: Iterable[str],
+    until: datetime,
+    kid: str | None,
 ) -> None:
-    """Keep the teams an identity provider's claim gives ``member`` until ``until`` (its
-    token's expiry), so that a lease, which has no token, can check them; a team that does
-    not exist is passed over."""
-    wanted = sorted(claimed)
-    if wanted:
-        await conn.execute(_VOUCH, {"member": member, "teams": wanted, "until": until})
+    """Keep the ``used`` teams that an identity provider's token (signed with key ``kid``,
+    claiming ``claimed``) gives ``member`` until ``until``, so that a lease, which has no
+    token, can check them; forget those it no longer claims. A team that does not exist is
+    passed over."""
+    await conn.execute(
+        _VOUCH,
+        {
+            "member": member,
+            "teams": sorted(used),
+            "claimed": sorted(claimed),
+            "until": until,
+            "kid": kid,
+        },
+    )
+
+
+async def forget_claims(conn: AsyncConnection, kids: Iterable[str]) -> int:
+    """Forget what tokens signed with the withdrawn keys ``kids`` vouched for (and claims
+    whose key is not known); how many."""
+    gone = await conn.execute(
+        delete(team_claims).where(team_claims.c.kid.is_(None) | team_claims.c.kid.in_(sorted(kids)))
+    )
+    return gone.rowcount
