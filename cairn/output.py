@@ -32,14 +32,22 @@ errors = Console(stderr=True, soft_wrap=True)
 
 # Every control character but newline and tab: C0, DEL and C1. ESC (and CSI, 0x9b) start
 # the sequences that write the clipboard (OSC 52), clear the screen or retitle the window.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# And the bidirectional controls (embeddings, overrides, isolates, marks), which reorder
+# what follows them on the line ("Trojan Source"): a name that reads as another's.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def visible(text: str) -> str:
     """``text`` made harmless for a terminal: each control character but newline and tab
-    shown as its escape (ESC as ``\\x1b``), so what a task or another user wrote cannot
-    move the cursor, clear the screen, retitle the window or write the clipboard."""
-    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+    shown as its escape (ESC as ``\\x1b``, a right-to-left override as ``\\u202e``), so
+    what a task or another user wrote cannot move the cursor, clear the screen, retitle the
+    window, write the clipboard or reorder the line."""
+    return _CONTROL.sub(_escape, text)
 
 
 def safe(value: object) -> str:

@@ -102,7 +102,8 @@ def _by_filter(
     more = "; more match: run it again" if done.more else ""
     output.console.print(f"{verb} {done.changed} of {done.matched} tasks{more}")
     if done.refused:
-        output.console.print(f"{done.refused} refused, as a submission would be: {done.refusal}")
+        why = output.safe(done.refusal)
+        output.console.print(f"{done.refused} refused, as a submission would be: {why}")
 
 
 async def _bulk_call(c: Ctx, method: str, action: BulkAction) -> BulkResult:
