@@ -312,7 +312,10 @@ def test_test_deliveries_are_rate_limited_and_never_retried_even_when_disabled(
             made = subscribe(alice, hook.url, events=["run.failed"])
             base = f"/v1/subscriptions/{made['id']}"
             assert alice.post(f"{base}/test").status_code == 202
-            burst = [alice.post(f"{base}/test") for _ in range(20)]
+            # Another subscription of the same owner is not another allowance.
+            other = subscribe(alice, hook.url, events=["run.failed"], name="other")
+            burst = [alice.post(f"/v1/subscriptions/{other['id']}/test")]
+            burst += [alice.post(f"{base}/test") for _ in range(20)]
             assert {r.status_code for r in burst} == {429}
             assert all(55 <= int(r.headers["Retry-After"]) <= 60 for r in burst)
             assert burst[0].json()["quota"] == "test_deliveries"

@@ -125,20 +125,28 @@ RETURNING n.id, n.tries, n.delivery_id, n.event, n.payload, n.created_at, n.subs
           s.name, s.owner, s.url, s.secret_key_id, s.secret_nonce, s.secret_sealed
 """)
 
-# Stamp a subscription's test, unless its last was within the interval (a concurrent
-# stamp is seen: the condition is evaluated again on the row it updated).
+# Two tests of one owner's subscriptions at once wait for each other (until the first
+# commits), so that the second's statement sees the first's stamp.
+LOCK_TESTS: TextClause = text("SELECT pg_advisory_xact_lock(hashtext('cairn-test:' || :owner))")
+
+# Stamp a subscription's test, unless a test of any of its owner's subscriptions was
+# within the interval (so many subscriptions are not many tests).
 TESTED: TextClause = text("""
-UPDATE core.subscriptions SET tested_at = now()
-WHERE id = :id
-  AND (tested_at IS NULL OR tested_at <= now() - make_interval(secs => :interval_s))
-RETURNING id
+UPDATE core.subscriptions s SET tested_at = now()
+WHERE s.id = :id
+  AND NOT EXISTS (
+      SELECT 1 FROM core.subscriptions o
+      WHERE o.owner = s.owner AND o.tested_at > now() - make_interval(secs => :interval_s)
+  )
+RETURNING s.id
 """)
 
-# Seconds until the subscription may be tested again.
+# Seconds until the subscription's owner may test one again.
 TEST_WAIT: TextClause = text("""
-SELECT CAST(extract(epoch FROM tested_at + make_interval(secs => :interval_s) - now())
+SELECT CAST(extract(epoch FROM max(o.tested_at) + make_interval(secs => :interval_s) - now())
             AS double precision)
-FROM core.subscriptions WHERE id = :id
+FROM core.subscriptions s JOIN core.subscriptions o ON o.owner = s.owner
+WHERE s.id = :id
 """)
 
 RECORD: TextClause = text("""
@@ -279,15 +287,17 @@ async def queue_test(
     conn: AsyncConnection, subscription: Subscription, interval_s: float
 ) -> Delivery:
     """A delivery of a ``test`` event to the subscription, delivered by the loop (tried
-    once), at most one per ``interval_s``: sooner is a 429 (nothing queued)."""
+    once), at most one per ``interval_s`` of its owner's: sooner is a 429 (nothing
+    queued)."""
     params = {"id": subscription.id, "interval_s": interval_s}
+    await conn.execute(LOCK_TESTS, {"owner": subscription.owner})
     if await conn.scalar(TESTED, params) is None:
         left = await conn.scalar(TEST_WAIT, params)
         raise QuotaExceeded(
-            f"a test of subscription {subscription.id} was queued less than "
+            f"a test of one of {subscription.owner}'s subscriptions was queued less than "
             f"{interval_s:g} s ago (CAIRN_NOTIFY_TEST_INTERVAL_S)",
             quota="test_deliveries",
-            retry_after_s=math.ceil(left or 1),
+            retry_after_s=max(1, math.ceil(left or 1)),
         )
     payload = {"message": f"a test of subscription {subscription.name!r}"}
     query = (
