@@ -78,6 +78,7 @@ class AttemptLog:
         self._draining = False
         self._ended = False  # the pipe's end was read: no writer is left
         self._dropping = False  # the file could not be written: output was dropped
+        self._broken = False  # moving failed unexpectedly: the rest is dropped unread
         self._cutting: asyncio.Task[None] | None = None
         self._resume: asyncio.TimerHandle | None = None
 
@@ -175,8 +176,34 @@ class AttemptLog:
             self._unlisten()
             self._cutting = asyncio.get_running_loop().create_task(self._cut_then_listen())
 
+    def broken(self, exc: BaseException) -> None:
+        """Moving this log failed unexpectedly (``_Pumps``): drop the rest of its output
+        as it comes, so the task's writes never wait on a pipe nobody reads; the file
+        keeps the marker."""
+        self._broken = True
+        self._drop_all(exc if isinstance(exc, OSError) else OSError(repr(exc)))
+        self._listen()
+
+    def _skip(self, most: int) -> bool:
+        """Drop up to ``most`` bytes from the pipe, unread; whether it ended."""
+        moved = 0
+        while moved < most:
+            try:
+                step = os.splice(self._pipe, _null_fd(), most - moved, flags=_SPLICE)
+            except BlockingIOError:
+                return False
+            if step == 0:
+                self._ended = True
+                return True
+            moved += step
+            self._end += step
+            self._base = self._end  # nothing past the marker is kept
+        return False
+
     def _move(self, most: int) -> bool:
         """Splice up to ``most`` bytes from the pipe into the file; whether it ended."""
+        if self._broken:
+            return self._skip(most)
         moved = 0
         while moved < most:
             try:
@@ -256,11 +283,6 @@ class AttemptLog:
             os.pwrite(self._fd, marker, 0)
             self._head = len(marker)
 
-    def stop(self) -> None:
-        """Stop moving output (the task's writes then wait, until ``drained`` or
-        ``close``)."""
-        self._unlisten()
-
     def _close_writer(self) -> None:
         if self.writer >= 0:
             os.close(self.writer)
@@ -269,13 +291,18 @@ class AttemptLog:
 
 def _discard(pipe: int, most: int) -> int:
     """Drop up to ``most`` bytes the pipe holds, by the kernel; how many."""
+    try:
+        return os.splice(pipe, _null_fd(), most, flags=_SPLICE)
+    except BlockingIOError:
+        return 0
+
+
+def _null_fd() -> int:
+    """/dev/null, opened once for the agent."""
     global _null
     if _null < 0:
         _null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        return os.splice(pipe, _null, most, flags=_SPLICE)
-    except BlockingIOError:
-        return 0
+    return _null
 
 
 _null = -1
@@ -315,9 +342,9 @@ class _Pumps:
             if log is not None:
                 try:
                     log.pump()
-                except Exception:  # one log's trouble must not stop the others'
-                    logger.exception("the log %s stops here", log.path)
-                    log.stop()
+                except Exception as exc:  # one log's trouble must not stop the others'
+                    logger.exception("the log %s keeps no more output", log.path)
+                    log.broken(exc)
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pumps] = weakref.WeakKeyDictionary()

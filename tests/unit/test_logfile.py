@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.executor import AttemptSpec, start_attempt
+from services.worker.logfile import AttemptLog
 
 LIMIT = 2**20
 
@@ -108,3 +109,31 @@ def test_a_full_disk_drops_the_output_and_the_task_runs_on(tmp_path: Path) -> No
     # last line.
     shape = rb"\[cairn: the first \d+ bytes [^\n]*\]\n\n?(y\n)*the-end\n"
     assert re.fullmatch(shape, kept), kept[:100]
+
+
+def test_a_log_whose_moving_fails_drops_the_rest_and_the_task_runs_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error while moving one log's output: the agent drops the rest of
+    that output as it comes. (It stopped reading the pipe: a task that wrote more than a
+    pipe holds then waited on its write for ever.)"""
+    real_move = AttemptLog._move
+
+    def failing(self: AttemptLog, most: int) -> bool:
+        if not self._broken:
+            raise RuntimeError("a bug in moving")
+        return real_move(self, most)
+
+    monkeypatch.setattr(AttemptLog, "_move", failing)
+    spec = _spec(tmp_path, "sh", "-c", "head -c 8000000 /dev/zero; echo the-end")
+
+    async def go() -> str:
+        running = await start_attempt(spec)
+        result = await asyncio.wait_for(running.wait(), 60)
+        running.log.close()
+        return str(result.outcome)
+
+    assert asyncio.run(go()) == "succeeded"
+    kept = spec.log_path.read_bytes()
+    assert re.fullmatch(rb"\[cairn: the first \d+ bytes [^\n]*\]\n", kept), kept[:200]
+    assert "keeps no more output" in caplog.text and "a bug in moving" in caplog.text
