@@ -326,13 +326,16 @@ def secret_rekey(
     c = ctx_of(ctx)
 
     async def go() -> RekeyResult:
-        total = 0
+        total = unreadable = 0
+        after: str | None = None
         async with c.core() as core:
             while True:
-                done = await core.rekey(batch)
+                done = await core.rekey(batch, after)
                 total += done.rekeyed
-                if not done.rekeyed or not done.remaining:
-                    return done.model_copy(update={"rekeyed": total})
+                unreadable += done.unreadable
+                if done.next is None:
+                    return done.model_copy(update={"rekeyed": total, "unreadable": unreadable})
+                after = done.next
 
     result = output.call(go)
     if c.json or as_json:

@@ -463,9 +463,10 @@ class CoreClient(ApiClient):
         response = await self._call("GET", "/v1/secrets/keys")
         return KeyStatus.model_validate_json(response.content)
 
-    async def rekey(self, limit: int = 1000) -> RekeyResult:
-        """Seal up to ``limit`` values anew under core's current key (admins)."""
-        body = RekeyRequest(limit=limit).model_dump_json()
+    async def rekey(self, limit: int = 1000, after: str | None = None) -> RekeyResult:
+        """Seal up to ``limit`` values anew under core's current key (admins), going on
+        from ``after`` (the last answer's ``next``)."""
+        body = RekeyRequest(limit=limit, after=after).model_dump_json()
         response = await self._call("POST", "/v1/secrets/rekey", content=body, headers=_JSON)
         return RekeyResult.model_validate_json(response.content)
 

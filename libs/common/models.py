@@ -838,9 +838,12 @@ class SecretList(_Output):
 
 
 class RekeyRequest(_Input):
-    """How many sealed values one call may visit (the CLI calls again until none remain)."""
+    """How many sealed values one call may visit, and where to go on from (the CLI calls
+    again with the last answer's ``next`` until it is null)."""
 
     limit: Annotated[int, Field(ge=1, le=10_000)] = 1000
+    #: the last call's ``next`` (``COLUMN:ID``); none: from the start
+    after: Annotated[str | None, Field(pattern=r"^[a-z_]{1,40}:[0-9]{1,19}$")] = None
 
 
 class RekeyResult(_Output):
@@ -851,6 +854,9 @@ class RekeyResult(_Output):
     rekeyed: int
     unreadable: int
     remaining: int
+    #: where the next call goes on from (``after``), past the values this one visited
+    #: (those that do not open included); null: every value was visited
+    next: str | None = None
 
 
 class SealedCount(_Output):

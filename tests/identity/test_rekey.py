@@ -87,7 +87,7 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
         done = _cairn(core, tmp_path, admin, "--json", "secret", "rekey", "--batch", "100")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {
-            "key_id": b, "rekeyed": SEALED, "unreadable": 0, "remaining": 0,
+            "key_id": b, "rekeyed": SEALED, "unreadable": 0, "remaining": 0, "next": None,
         }  # fmt: skip
         shown = _cairn(core, tmp_path, admin, "secret", "keys")
         assert shown.returncode == 0 and f"0 values under a key other than {b}" in shown.stdout
@@ -143,3 +143,58 @@ def test_a_value_being_replaced_is_skipped_not_waited_for_or_overwritten(
             assert bad.status_code == 422 and "limit" in bad.text
     finally:
         core.stop()
+
+
+def test_values_that_do_not_open_are_passed_once_not_visited_at_every_call(
+    core: Core, db_url: str, tmp_path: Path, db
+) -> None:
+    """Two values under the old key no longer open (moved by hand to another row's
+    place): with a batch of 1 they come first, yet each call goes on from the last one's
+    ``next`` and reaches the value behind them (it started over at id 0, and stopped)."""
+    with core.client("alice") as alice:
+        for name in ("a", "b", "c"):
+            assert alice.post("/v1/secrets", json={"name": name, "value": name}).status_code == 201
+    # Bound to its owner and name: sealed values swapped between rows open in neither.
+    db.execute(
+        "UPDATE core.secrets s SET nonce = o.nonce, ciphertext = o.ciphertext FROM core.secrets o "
+        "WHERE s.name = 'a' AND o.name = 'b' OR s.name = 'b' AND o.name = 'a'"
+    )
+    core.stop()
+    key_a, key_b = (tmp_path / "secrets.key").read_text().strip(), new_key()
+    core = start_core(db_url, tmp_path, secrets_key=f"{key_b},{key_a}")
+    try:
+        with core.client("root", "admin") as root:
+            answers, after = [], None
+            for _ in range(5):
+                answer = root.post("/v1/secrets/rekey", json={"limit": 1, "after": after})
+                assert answer.status_code == 200, answer.text
+                answers.append(answer.json())
+                after = answer.json()["next"]
+                if after is None:
+                    break
+            bad = root.post("/v1/secrets/rekey", json={"after": "nowhere:1"})
+            assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "body.after"
+            assert root.post("/v1/secrets/rekey", json={"after": "1"}).status_code == 422
+    finally:
+        core.stop()
+    assert [(a["rekeyed"], a["unreadable"]) for a in answers] == [(0, 1), (0, 1), (1, 0), (0, 0)]
+    assert answers[-1]["remaining"] == 2 and answers[-1]["next"] is None
+    home = tmp_path / "cli"
+    home.mkdir()
+    core = start_core(db_url, tmp_path, secrets_key=f"{key_b},{key_a}")
+    try:
+        # The CLI follows next too: it visits both (it stopped at a call that sealed none).
+        done = _cairn(
+            core,
+            home,
+            make_token(db_url, "root2", "admin"),
+            "--json",
+            "secret",
+            "rekey",
+            "--batch",
+            "1",
+        )
+    finally:
+        core.stop()
+    assert done.returncode == 1  # two values remain under another key, and it says so
+    assert (json.loads(done.stdout)["rekeyed"], json.loads(done.stdout)["unreadable"]) == (0, 2)

@@ -109,6 +109,8 @@ async def rekey_secrets(
     _: AdminOnly, engine: Engine, box: Box, record: Audit, body: RekeyRequest | None = None
 ) -> RekeyResult:
     """Seal anew under the current key up to ``limit`` values that an older configured
-    key seals (admins), in batches, while core serves; call again until ``remaining`` is
-    0, then the older keys may be removed. Each batch is audited (``secret.rekey``)."""
-    return await rekey.rekey(engine, box, record, (body or RekeyRequest()).limit)
+    key seals (admins), in batches, while core serves; call again with ``after`` set to
+    the answer's ``next`` until it is null; once ``remaining`` is 0 the older keys may be
+    removed. Each batch is audited (``secret.rekey``)."""
+    asked = body or RekeyRequest()
+    return await rekey.rekey(engine, box, record, asked.limit, asked.after)

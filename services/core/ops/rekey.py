@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common.errors import InvalidInput
 from libs.common.models import KeyStatus, RekeyResult, SealedCount
 from services.core.db import sealed as db
 from services.core.identity.crypto import SecretBox, Unreadable
@@ -35,30 +36,56 @@ class _Tally:
     unreadable: int = 0
 
 
-async def rekey(engine: AsyncEngine, box: SecretBox, record: Record, limit: int) -> RekeyResult:
+async def rekey(
+    engine: AsyncEngine, box: SecretBox, record: Record, limit: int, after: str | None = None
+) -> RekeyResult:
     """Seal anew under ``box.current`` up to ``limit`` values that another configured key
-    seals, column after column of ``db.SEALED``."""
+    seals, column after column of ``db.SEALED``, going on from ``after`` (an earlier
+    answer's ``next``): values that do not open are passed, not visited again and again."""
     old = [kid for kid in box.key_ids if kid != box.current]
     tally = _Tally()
-    for column in db.SEALED if old else ():
-        after = 0
-        while tally.visited < limit:
+    columns, last = _resume(after)
+    stopped: str | None = None
+    for column in columns if old else ():
+        while True:
+            if tally.visited >= limit:
+                stopped = f"{column.name}:{last}"
+                break
             async with engine.begin() as conn:
-                rows = await db.under(conn, column, old, after, min(BATCH, limit - tally.visited))
+                rows = await db.under(conn, column, old, last, min(BATCH, limit - tally.visited))
                 if not rows:
                     break
-                after = rows[-1].id
+                last = rows[-1].id
                 moved = await _reseal(conn, box, column, rows, tally)
                 if moved:
-                    detail = {"key_id": box.current, "rekeyed": moved, "ids": [rows[0].id, after]}
+                    detail = {"key_id": box.current, "rekeyed": moved, "ids": [rows[0].id, last]}
                     await record(conn, "secret.rekey", f"sealed:{column.name}", None, detail)
+        if stopped is not None:
+            break
+        last = 0
     remaining = (await status(engine, box)).remaining
     return RekeyResult(
         key_id=box.current,
         rekeyed=tally.rekeyed,
         unreadable=tally.unreadable,
         remaining=remaining,
+        next=stopped,
     )
+
+
+def _resume(after: str | None) -> tuple[tuple[db.Sealed, ...], int]:
+    """The columns left to visit from ``after`` (``COLUMN:ID``), and the id to go on
+    from in the first of them."""
+    if after is None:
+        return db.SEALED, 0
+    name, _, last = after.partition(":")
+    names = [column.name for column in db.SEALED]
+    if name not in names:
+        reason = f"no sealed column {name!r} (one of {', '.join(names)})"
+        raise InvalidInput(
+            f"body.after: {reason}", errors=[{"field": "body.after", "reason": reason}]
+        )
+    return db.SEALED[names.index(name) :], int(last)
 
 
 async def _reseal(
