@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -19,6 +20,10 @@ from importlib import resources
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
+
+from libs.common.errors import Unavailable
+
+log = logging.getLogger("cairn.pages")
 
 DocsAsset = Literal["swagger-ui-bundle.js", "swagger-ui.css", "favicon.png", "docs.js"]
 
@@ -63,13 +68,30 @@ class _Asset:
     etag: str
 
 
+#: The sha-256 of each file taken from ``fastapi-offline`` (pinned in pyproject.toml):
+#: script that runs in a service's own origin is served only as it was reviewed, so a
+#: changed package (an upgrade, a tampered mirror) is a refusal, not a new script.
+VENDORED = {
+    "swagger-ui-bundle.js": "4b5a9b35a1adf37f00d39c0bae23cdb37007e2946240ef035137cc85b4d55349",
+    "swagger-ui.css": "ca238f7d7c2cf4480c1e77a9c3b9da915ab216e96ffd354e69076560c650c6de",
+    "favicon.png": "d16f72cf5a2773eba499cc7f3db1923c6f5f73de990f739e3a05806aafec15b7",
+}
+
+
+class Unreviewed(Exception):
+    """A vendored file is not the one whose digest is recorded."""
+
+
 @cache
 def _asset(name: DocsAsset) -> _Asset:
     if name == "docs.js":
         body = resources.files(__package__).joinpath("static", "docs.js").read_bytes()
     else:
         body = resources.files("fastapi_offline").joinpath("static", name).read_bytes()
-    return _Asset(body, '"' + hashlib.sha256(body).hexdigest()[:32] + '"')
+    digest = hashlib.sha256(body).hexdigest()
+    if name in VENDORED and digest != VENDORED[name]:
+        raise Unreviewed(f"{name} has sha-256 {digest}, not the reviewed {VENDORED[name]}")
+    return _Asset(body, '"' + digest[:32] + '"')
 
 
 router = APIRouter(include_in_schema=False)
@@ -92,7 +114,11 @@ async def docs_page(request: Request) -> Response:
 @router.get("/docs/static/{name}")
 async def docs_asset(name: DocsAsset, request: Request) -> Response:
     """Swagger UI's files, revalidated by their digest (the bundle is 1.5 MB)."""
-    found = _asset(name)
+    try:
+        found = _asset(name)
+    except Unreviewed as exc:
+        log.error("the API docs are not served: %s", exc)
+        raise Unavailable(f"{name} is not the reviewed file: see the service's log") from None
     headers = {
         "ETag": found.etag,
         "Cache-Control": "no-cache",
