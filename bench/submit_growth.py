@@ -4,7 +4,7 @@
                                             [--fastupdate on|off] [--durable]
 
 A fresh embedded PostgreSQL (``--fast`` settings unless ``--durable``), migrated. On one
-connection: 2,000 single submits (``queries.SUBMIT`` of one task, as ``POST /v1/tasks``
+connection: 2,000 single submits (``tasks_db.SUBMIT`` of one task, as ``POST /v1/tasks``
 sends it), timed by the backend's own CPU (``/proc/<pid>/stat``) and by the wall clock;
 then ``--step`` tasks added in batches of 1,000; again, until ``--rows``. Each line also
 shows how many autovacuums and autoanalyzes of ``core.tasks`` have run so far.
@@ -31,8 +31,9 @@ from procstat import cpu_s
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
-from services.core import migrate, queries, store
+from services.core import migrate
 from services.core.db import pipeline
+from services.core.db import tasks as tasks_db
 
 SPEC = {
     "name": "bench-task",
@@ -50,9 +51,9 @@ def run(args: argparse.Namespace) -> None:
     try:
         url = pg.start()
         migrate.upgrade(url)
-        doc = {**store._row_doc(TaskCreate.model_validate(SPEC)), "owner": "bench"}
+        doc = {**tasks_db._row_doc(TaskCreate.model_validate(SPEC)), "owner": "bench"}
         one, batch = json.dumps([doc]), json.dumps([doc] * 1000)
-        sql = pipeline.driver_sql(queries.SUBMIT, postgresql_psycopg.dialect())  # type: ignore[no-untyped-call]
+        sql = pipeline.driver_sql(tasks_db.SUBMIT, postgresql_psycopg.dialect())  # type: ignore[no-untyped-call]
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             conn.execute(f"ALTER INDEX core.ix_tasks_labels SET (fastupdate = {args.fastupdate})")
             row = conn.execute("SELECT pg_backend_pid()").fetchone()

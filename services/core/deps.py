@@ -17,15 +17,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
-from services.core import store
 from services.core.db import dispatch
+from services.core.db import tasks as tasks_db
+from services.core.domain.principals import Principal
 from services.core.feed import Notifier
 from services.core.identity import audit, tokens
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
 from services.core.identity.teams import recorded_teams
 from services.core.metrics import CoreMetrics
-from services.core.store import Principal
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
 
@@ -242,7 +242,7 @@ Submitting = Annotated[Submission, Depends(submission)]
 
 async def owned_task(task_id: TaskIdPath, principal: Reader, engine: Engine) -> Task:
     async with engine.connect() as conn:
-        return await store.get_task(conn, task_id, principal.visibility)
+        return await tasks_db.get_task(conn, task_id, principal.visibility)
 
 
 OwnedTask = Annotated[Task, Depends(owned_task)]

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import notify, placement, store, tasklogs
+from services.core import notify, placement, tasklogs
+from services.core.db import tasks as tasks_db
 from services.core.feed import Notifier
 from services.core.identity import audit
 from services.core.metrics import CoreMetrics
@@ -28,7 +29,7 @@ PROMOTE_PARALLEL = 2
 
 async def promote_once(engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0) -> int:
     async with engine.begin() as conn:
-        moved = await store.promote_and_park(conn, PROMOTE_BATCH, after_s)
+        moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, after_s)
     if moved:
         notifier.announce()
     return moved
@@ -99,9 +100,9 @@ class Promoter:
         """One promotion, and the next due instant read in the same transaction: by the
         same ``now()``, so a task due between the two cannot fall between them."""
         async with self.engine.begin() as conn:
-            moved = await store.promote_and_park(conn, PROMOTE_BATCH, self.after_s)
+            moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, self.after_s)
             full = moved >= PROMOTE_BATCH
-            due = None if full else await store.next_due_in(conn, self.after_s)
+            due = None if full else await tasks_db.next_due_in(conn, self.after_s)
         if moved:
             self.notifier.announce()
         return moved, due
@@ -129,8 +130,8 @@ async def _in_batches(
 async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
     """Delete finished tasks and gone workers past retention."""
     age_s, batch = settings.retention_days * 86400, settings.retention_batch
-    tasks = await _in_batches(engine, batch, lambda c: store.purge_finished(c, age_s, batch))
-    gone = await _in_batches(engine, batch, lambda c: store.purge_workers(c, age_s, batch))
+    tasks = await _in_batches(engine, batch, lambda c: tasks_db.purge_finished(c, age_s, batch))
+    gone = await _in_batches(engine, batch, lambda c: tasks_db.purge_workers(c, age_s, batch))
     return tasks + gone
 
 

@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import egress
 from libs.common.states import TaskState
-from services.core import store
 from services.core.db import notifications
+from services.core.db import tasks as tasks_db
 from services.core.domain import notify
 from services.core.domain.retry import Backoff
 from services.core.identity.crypto import SecretBox, Unreadable
@@ -43,7 +43,7 @@ async def match_once(engine: AsyncEngine, limit: int) -> int:
         cursor = (at.feed_xid, at.feed_id)
         # Only deaths become deliveries from the feed (the other events are posted or
         # scanned), so only they are read.
-        events, after = await store.read_feed(conn, cursor, limit, None, TaskState.DEAD)
+        events, after = await tasks_db.read_feed(conn, cursor, limit, None, TaskState.DEAD)
         await notifications.queue_dead(conn, events)
         # With no death read, the cursor may jump to the feed's horizon, but need not: the
         # next read from here finds the same nothing (the deaths' own index). Each jump

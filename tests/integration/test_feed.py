@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.settings import libpq_url
 from libs.common.states import TaskState
-from services.core import queries, store
+from services.core.db import tasks as tasks_db
 from tests.support import Core, spec
 
 
@@ -139,7 +139,7 @@ def test_the_matchers_read_of_deaths_skips_the_rest_and_moves_past_it(db_url: st
         try:
             async with engine.connect() as conn:
                 for _ in range(3):
-                    events, after = await store.read_feed(conn, after, 1, None, TaskState.DEAD)
+                    events, after = await tasks_db.read_feed(conn, after, 1, None, TaskState.DEAD)
                     pages.append(([e.task_id for e in events], after))
         finally:
             await engine.dispose()
@@ -149,7 +149,7 @@ def test_the_matchers_read_of_deaths_skips_the_rest_and_moves_past_it(db_url: st
     assert [ids for ids, _ in pages] == [[4], [6], []]
     last = db.execute("SELECT max(xid), max(id) FROM core.task_events").fetchone()
     assert last is not None and pages[-1][1] >= (last[0], last[1])
-    sql = str(queries.feed_to(TaskState.DEAD)).replace(":limit", "1").replace(":teams", "NULL")
+    sql = str(tasks_db.feed_to(TaskState.DEAD)).replace(":limit", "1").replace(":teams", "NULL")
     sql = sql.replace(":owner", "NULL").replace(":xid", "0").replace(":id", "0")
     db.execute("SET enable_seqscan = off")
     plan = "\n".join(r[0] for r in db.execute("EXPLAIN " + sql).fetchall())

@@ -1,6 +1,6 @@
 """Random sequences of state changes against a real PostgreSQL, checked against a model.
 
-Hypothesis drives the store (``services.core.store``) with any op to any target, legal or
+Hypothesis drives the store (``services.core.db.tasks``) with any op to any target, legal or
 not, plus cancels, retries, pausing and resuming queues, moving ``run_at`` and promoter
 passes. A legal move must land; an illegal one must raise ``IllegalTransition`` and change
 nothing. After every step each task's stored state must match the model and its event
@@ -35,7 +35,7 @@ from libs.common.auth import Visibility
 from libs.common.errors import IllegalTransition, NotFound
 from libs.common.models import TaskCreate
 from libs.common.states import FINAL, TaskState
-from services.core import store
+from services.core.db import tasks as tasks_db
 from services.core.domain.transitions import ALLOWED, TRANSITIONS, Op
 
 S = TaskState
@@ -152,7 +152,7 @@ class TaskMachine(RuleBasedStateMachine):
     @initialize(target=tasks, submissions=st.lists(SUBMISSIONS, min_size=1, max_size=4))
     def submit_a_batch(self, submissions: list[tuple[str, bool]]) -> object:
         specs = [_spec(queue, future) for queue, future in submissions]
-        rows = self._tx(lambda conn: store.submit(conn, OWNER, specs))
+        rows = self._tx(lambda conn: tasks_db.submit(conn, OWNER, specs))
         for (row, created), (queue, future) in zip(rows, submissions, strict=True):
             assert created
             assert TaskState(row.state) is self.model.add(row.id, queue, future)
@@ -162,7 +162,7 @@ class TaskMachine(RuleBasedStateMachine):
     @rule(target=tasks, submission=SUBMISSIONS)
     def submit(self, submission: tuple[str, bool]) -> int:
         queue, future = submission
-        [(row, created)] = self._tx(lambda conn: store.submit(conn, OWNER, [_spec(*submission)]))
+        [(row, created)] = self._tx(lambda conn: tasks_db.submit(conn, OWNER, [_spec(*submission)]))
         assert created
         assert TaskState(row.state) is self.model.add(row.id, queue, future)
         return int(row.id)
@@ -224,7 +224,7 @@ class TaskMachine(RuleBasedStateMachine):
         async def move(conn: AsyncConnection) -> TaskState:
             if claim:
                 await conn.execute(NEW_ATTEMPT, {"id": task})
-            left = await store.transition(
+            left = await tasks_db.transition(
                 conn,
                 task,
                 op,
@@ -252,7 +252,7 @@ class TaskMachine(RuleBasedStateMachine):
     @rule(task=tasks, owner=OWNERS)
     def cancel(self, task: int, owner: str) -> None:
         def work(conn: AsyncConnection) -> Awaitable[None]:
-            return store.cancel(conn, task, owner, "changed my mind")
+            return tasks_db.cancel(conn, task, owner, "changed my mind")
 
         if owner != OWNER:
             self._refused(task, NotFound, work)
@@ -265,7 +265,7 @@ class TaskMachine(RuleBasedStateMachine):
     @rule(task=tasks, owner=OWNERS)
     def retry(self, task: int, owner: str) -> None:
         def work(conn: AsyncConnection) -> Awaitable[None]:
-            return store.retry(conn, task, Visibility(owner))
+            return tasks_db.retry(conn, task, Visibility(owner))
 
         if owner != OWNER:
             self._refused(task, NotFound, work)
@@ -279,8 +279,8 @@ class TaskMachine(RuleBasedStateMachine):
 
     @rule(queue=st.sampled_from(QUEUES), paused=st.booleans(), then_promote=st.booleans())
     def pause_or_resume(self, queue: str, paused: bool, then_promote: bool) -> None:
-        self._tx(lambda conn: store.set_paused(conn, queue, paused))
-        assert self._tx(lambda conn: store.queue_paused(conn, queue)) is paused
+        self._tx(lambda conn: tasks_db.set_paused(conn, queue, paused))
+        assert self._tx(lambda conn: tasks_db.queue_paused(conn, queue)) is paused
         (self.model.paused.add if paused else self.model.paused.discard)(queue)
         if then_promote:
             self.promote()
@@ -295,7 +295,7 @@ class TaskMachine(RuleBasedStateMachine):
     @rule()
     def promote(self) -> None:
         moves = self.model.promoter_moves()
-        assert self._tx(lambda conn: store.promote_and_park(conn, 1000)) == len(moves)
+        assert self._tx(lambda conn: tasks_db.promote_and_park(conn, 1000)) == len(moves)
         self.model.state.update(moves)
 
     @rule(op=st.sampled_from(Op), owner=OWNERS)
@@ -304,7 +304,7 @@ class TaskMachine(RuleBasedStateMachine):
         attempt = 1 if target is S.RUNNING else None
         with pytest.raises(NotFound):
             self._tx(
-                lambda conn: store.transition(
+                lambda conn: tasks_db.transition(
                     conn, 10**9, op, target, owner=owner, attempt_id=attempt
                 )
             )

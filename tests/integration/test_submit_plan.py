@@ -16,8 +16,8 @@ from psycopg import sql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
 from libs.common.models import TaskCreate
-from services.core import queries, store
 from services.core.db import pipeline
+from services.core.db import tasks as tasks_db
 
 BACKLOG = 5000
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -27,7 +27,7 @@ def _rows(n: int, owner: str, team: str | None = None) -> str:
     spec = TaskCreate.model_validate(
         {"name": "x", "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64}}
     )
-    return json.dumps([{**store._row_doc(spec), "owner": owner, "team": team}] * n)
+    return json.dumps([{**tasks_db._row_doc(spec), "owner": owner, "team": team}] * n)
 
 
 def _buffers(plan: dict[str, Any]) -> int:
@@ -36,7 +36,7 @@ def _buffers(plan: dict[str, Any]) -> int:
 
 
 def _prepared(db: DB) -> None:
-    text = pipeline.driver_sql(queries.SUBMIT, dialects.dialect())  # type: ignore[no-untyped-call]
+    text = pipeline.driver_sql(tasks_db.SUBMIT, dialects.dialect())  # type: ignore[no-untyped-call]
     db.execute(
         sql.SQL("PREPARE submit_rows(jsonb, float8) AS {}").format(
             sql.SQL(text.replace("%(rows)s", "$1").replace("%(quantum)s", "$2"))

@@ -105,7 +105,7 @@ def test_a_submission_hash_ignores_placement_fields_left_at_their_defaults() -> 
     import json
 
     from libs.common.models import TaskCreate
-    from services.core.store import spec_hash
+    from services.core.db.tasks import spec_hash
 
     body = {"name": "n", "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64}}
     spec = TaskCreate.model_validate(body)

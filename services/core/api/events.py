@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request
 from libs.common.errors import InvalidInput
 from libs.common.models import MAX_PAGE, MAX_WAIT_S, EventPage
 from libs.common.problems import PROBLEMS
-from services.core import store
+from services.core.db import tasks as tasks_db
 from services.core.deps import Engine, Reader
 from services.core.feed import Notifier
 
@@ -47,7 +47,9 @@ async def read_events(
     while True:
         since = notifier.mark()  # an event committed after this read wakes the wait
         async with engine.connect() as conn:
-            events, next_cursor = await store.read_feed(conn, cursor, limit, principal.visibility)
+            events, next_cursor = await tasks_db.read_feed(
+                conn, cursor, limit, principal.visibility
+            )
         remaining = deadline - asyncio.get_running_loop().time()
         if events or remaining <= 0 or await request.is_disconnected():
             return EventPage(items=events, next_cursor=f"{next_cursor[0]}.{next_cursor[1]}")

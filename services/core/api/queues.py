@@ -9,7 +9,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
-from services.core import placement, store
+from services.core import placement
+from services.core.db import tasks as tasks_db
 from services.core.deps import AdminOnly, Announcer, Audit, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
@@ -30,13 +31,13 @@ async def queue_history(
     """Each queue's last ``minutes``, a value a minute: tasks submitted and finished, and
     the backlog of unfinished tasks (the dashboard's charts)."""
     async with engine.connect() as conn:
-        return await store.queue_history(conn, minutes)
+        return await tasks_db.queue_history(conn, minutes)
 
 
 async def _queues(conn: AsyncConnection, request: Request) -> list[QueueInfo]:
     defaults = placement.Defaults.of(request.app.state.settings)
     pools = await placement.pools(conn, defaults)
-    items = await store.list_queues(conn)
+    items = await tasks_db.list_queues(conn)
     for item in items:
         pool = pools.get(item.name)
         item.overcommit = pool.overcommit if pool else defaults.overcommit
@@ -55,8 +56,8 @@ async def _set_paused(
     engine: Engine, notifier: Announcer, request: Request, name: str, paused: bool, record: Audit
 ) -> QueueInfo:
     async with engine.begin() as conn:
-        was = await store.queue_paused(conn, name)
-        await store.set_paused(conn, name, paused)
+        was = await tasks_db.queue_paused(conn, name)
+        await tasks_db.set_paused(conn, name, paused)
         await record(
             conn,
             "queue.pause" if paused else "queue.resume",
@@ -64,7 +65,7 @@ async def _set_paused(
             before={"paused": was},
             after={"paused": paused},
         )
-        await store.promote_and_park(conn, 1000)
+        await tasks_db.promote_and_park(conn, 1000)
     notifier.announce()
     return await _one(engine, request, name)
 

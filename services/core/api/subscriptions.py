@@ -27,9 +27,9 @@ from libs.common.problems import PROBLEMS
 from services.core.db import notifications
 from services.core.deps import Box, Engine, Reader, SubmittingOwner, require
 from services.core.domain.notify import new_secret
+from services.core.domain.principals import Principal
 from services.core.notify import Webhooks
 from services.core.settings import CoreSettings
-from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/subscriptions", tags=["notifications"])
 events_router = APIRouter(prefix="/v1/notifications", tags=["notifications"])

@@ -38,7 +38,8 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import placement, sharing, store, tasklogs, traces
+from services.core import placement, sharing, tasklogs, traces
+from services.core.db import tasks as tasks_db
 from services.core.deps import (
     Announcer,
     Audit,
@@ -49,10 +50,10 @@ from services.core.deps import (
     Submitting,
     TaskIdPath,
 )
+from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
 from services.core.identity import secrets, teams
 from services.core.metrics import CoreMetrics
-from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
@@ -91,7 +92,7 @@ async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> R
             if secrets.needs_check(spec):
                 await _check(conn, principal, owner, spec)
             await _admit(conn, book, [owner], meter, [spec.team])
-            [(row, created)] = await store.submit(conn, owner, [spec], quantum)
+            [(row, created)] = await tasks_db.submit(conn, owner, [spec], quantum)
             task = await _submitted(conn, spec, row, created)
     else:
         # One statement, so no transaction around it: autocommit saves two round trips.
@@ -99,7 +100,7 @@ async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> R
             await conn.execution_options(isolation_level="AUTOCOMMIT")
             if secrets.needs_check(spec):
                 await _check(conn, principal, owner, spec)
-            [(row, created)] = await store.submit(conn, owner, [spec], quantum)
+            [(row, created)] = await tasks_db.submit(conn, owner, [spec], quantum)
             task = await _submitted(conn, spec, row, created)
     if created:
         notifier.announce()
@@ -113,7 +114,7 @@ async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> R
 
 
 async def _submitted(conn: AsyncConnection, spec: TaskCreate, row: Any, created: bool) -> Task:
-    return store.new_task(spec, row) if created else await store.get_task(conn, row.id, None)
+    return tasks_db.new_task(spec, row) if created else await tasks_db.get_task(conn, row.id, None)
 
 
 async def _book(request: Request, engine: AsyncEngine) -> sharing.Book:
@@ -239,7 +240,7 @@ async def submit_batch(request: Request, call: Submitting) -> Response:
         teams = [spec.team for spec in batch.tasks]
         if book.limits_submissions(each, teams):
             await _admit(conn, book, each, meter, teams)
-        rows = await store.submit(conn, owners, batch.tasks, _quantum(request))
+        rows = await tasks_db.submit(conn, owners, batch.tasks, _quantum(request))
     notifier.announce()
     delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
     if delayed:
@@ -337,7 +338,7 @@ async def _bulk_page(
     """Move one page of the selection, leaving out what ``vet`` refuses; False at its end."""
     ids: list[int] | None = None
     if vet is not None:
-        page = await store.selected_page(conn, op, action.filter, owner, walk.after, limit)
+        page = await tasks_db.selected_page(conn, op, action.filter, owner, walk.after, limit)
         if not page:
             return False
         ids = []
@@ -348,7 +349,7 @@ async def _bulk_page(
             else:
                 walk.refused += 1
                 walk.refusal = walk.refusal or f"task {task.id}: {why}"
-    moved, last = await store.bulk_move(
+    moved, last = await tasks_db.bulk_move(
         conn, op, action.filter, owner, after=walk.after, limit=limit, reason=reason, ids=ids
     )
     walk.changed += moved
@@ -370,7 +371,7 @@ async def _bulk(
 ) -> BulkResult:
     owner = _bulk_owner(principal, action.filter)
     async with engine.connect() as conn:
-        matched = await store.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
+        matched = await tasks_db.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
     if action.dry_run:
         return BulkResult(matched=matched, changed=0, dry_run=True, more=matched > 0)
     walk = _Walk()
@@ -384,7 +385,7 @@ async def _bulk(
     if walk.refusal is not None and not walk.changed:
         raise Forbidden(walk.refusal)
     async with engine.begin() as conn:
-        left = await store.count_selected(conn, op, action.filter, owner, walk.refused + 1)
+        left = await tasks_db.count_selected(conn, op, action.filter, owner, walk.refused + 1)
         if walk.changed and owner != principal.name and principal.role != "service":
             # Beyond the caller's own tasks (an admin's, a team's): one row per call.
             await record(
@@ -511,7 +512,7 @@ async def list_tasks(
     labels = _parse_labels(label)
     for key, _ in labels:
         _check_label_key(key)
-    where = store.TaskFilter(
+    where = tasks_db.TaskFilter(
         state=state,
         queue=queue,
         owner=owner,
@@ -522,7 +523,7 @@ async def list_tasks(
     )
     before = decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
-        items = await store.list_tasks(conn, where, before, limit)
+        items = await tasks_db.list_tasks(conn, where, before, limit)
         items = await placement.with_pending_reasons(conn, items, _defaults(request))
     next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
     return _json(TaskPage(items=items, next_cursor=next_cursor))
@@ -548,9 +549,9 @@ async def cancel_task(
 ) -> Response:
     """Cancel a task that has not finished. A final task answers 409."""
     async with engine.begin() as conn:
-        before = await store.get_task(conn, task_id, principal.visibility)
-        await store.cancel(conn, task_id, None, f"cancelled by {principal.name}")
-        task = await store.get_task(conn, task_id, None)
+        before = await tasks_db.get_task(conn, task_id, principal.visibility)
+        await tasks_db.cancel(conn, task_id, None, f"cancelled by {principal.name}")
+        task = await tasks_db.get_task(conn, task_id, None)
         await _audit_others(record, conn, principal, "task.cancel", before, task)
     notifier.announce()
     meter.ended(TaskState.CANCELLED)
@@ -572,10 +573,10 @@ async def retry_task(
     and the queue's policy must still admit it."""
     book = await _book(request, engine)
     async with engine.begin() as conn:
-        before = await store.get_task(conn, task_id, principal.visibility)
+        before = await tasks_db.get_task(conn, task_id, principal.visibility)
         await _may_retry(conn, book, principal, before)
-        await store.retry(conn, task_id, None)
-        task = await store.get_task(conn, task_id, None)
+        await tasks_db.retry(conn, task_id, None)
+        task = await tasks_db.get_task(conn, task_id, None)
         await _audit_others(record, conn, principal, "task.retry", before, task)
     notifier.announce()
     return _json(task)
@@ -617,7 +618,7 @@ async def _audit_others(
 @router.get("/{task_id}/attempts", response_model=AttemptList, responses=PROBLEMS)
 async def list_attempts(task: OwnedTask, engine: Engine) -> AttemptList:
     async with engine.connect() as conn:
-        return AttemptList(items=await store.list_attempts(conn, task.id))
+        return AttemptList(items=await tasks_db.list_attempts(conn, task.id))
 
 
 _LOG_HEADERS = {
@@ -703,4 +704,4 @@ def _resume(last_event_id: str) -> tuple[int, int]:
 async def list_task_events(task: OwnedTask, engine: Engine) -> EventList:
     """Every state change of the task, oldest first."""
     async with engine.connect() as conn:
-        return EventList(items=await store.task_events_of(conn, task.id))
+        return EventList(items=await tasks_db.task_events_of(conn, task.id))

@@ -13,8 +13,8 @@ from libs.common.errors import Forbidden, InvalidInput
 from libs.common.models import MAX_PAGE, PrincipalName, TokenCreate, TokenCreated, TokenList
 from libs.common.problems import PROBLEMS
 from services.core.deps import Audit, Engine, TokenCache, require
+from services.core.domain.principals import Principal
 from services.core.identity import tokens
-from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 

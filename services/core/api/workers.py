@@ -48,9 +48,9 @@ from services.core.deps import (
     on_liveness_pool,
     require,
 )
+from services.core.domain.principals import Principal
 from services.core.ops import dispatch as ops
 from services.core.settings import CoreSettings
-from services.core.store import Principal
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 

@@ -1,6 +1,6 @@
 """Workers and their attempts: registration, claims, reports, heartbeats, the reaper.
 
-Every task state change here is guarded by the transitions table: ``store.transition``
+Every task state change here is guarded by the transitions table: ``tasks_db.transition``
 (one task), a claim, or a batch of reports (``report_many``), whose SQL guards carry the
 sources of each op.
 """
@@ -31,8 +31,9 @@ from libs.common.models import (
     WorkerRegister,
 )
 from libs.common.states import FINAL, TaskState
-from services.core import placement, sharing, store, traces
+from services.core import placement, sharing, traces
 from services.core.db import pipeline
+from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
@@ -56,7 +57,7 @@ S = TaskState
 # The claim's state guards, written into the SQL (from the transitions table) so that the
 # planner can use the partial indexes even with a generic plan: waiting work, and ready
 # work whose run_at has come in a running queue, the promoter's own condition
-# (queries.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
+# (tasks_db.PROMOTE_READY), so that a burst of delayed work is claimable at its instant,
 # not after a promotion row by row. A deferral's end is left to the promoter, whose event
 # says why it runs. A claim that asks ``ahead_s`` also takes ready work due within that
 # many seconds (its attempt starts at the task's run_at), but only after all the work due
@@ -633,9 +634,9 @@ async def _close_attempt(
 async def _apply(
     conn: AsyncConnection, task_id: int, attempt_id: int, move: Move, tally: Tally | None
 ) -> TaskState:
-    """One task's move through ``store.transition`` (the reaper's and a service's path)."""
+    """One task's move through ``tasks_db.transition`` (the reaper's and a service's path)."""
     _count(move, tally)
-    await store.transition(
+    await tasks_db.transition(
         conn,
         task_id,
         move.op,

@@ -27,8 +27,8 @@ import httpx
 import jwt
 
 from libs.common.errors import Unauthorized, Unavailable
+from services.core.domain.principals import Principal
 from services.core.settings import CoreSettings
-from services.core.store import Principal
 
 log = logging.getLogger("cairn.core.oidc")
 

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, InvalidInput, NotFound
 from libs.common.models import TokenInfo
-from services.core.store import ROLES, Principal
+from services.core.domain.principals import ROLES, Principal
 from services.core.tables import principals, tokens
 
 PREFIX = "cairn_"
