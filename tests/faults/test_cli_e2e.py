@@ -47,6 +47,9 @@ def as_json(home: Path, port: int, *args: str) -> Any:
     return json.loads(cli(home, port, "--json", *args).stdout)
 
 
+# About 35 s alone; three times that beside the rest of the suite on 2 cores (CI took
+# 119.7 s): some 30 CLI processes and two starts of the whole system.
+@pytest.mark.timeout(300)
 def test_up_demo_then_the_cli_drives_tasks_schedules_and_workflows(own_tmp: Path) -> None:
     home, port = own_tmp / "home", free_port()
     proc = _up(home, port, "--demo")

@@ -34,7 +34,14 @@ from tests.support import (
 )
 from tests.webhooks import Receiver, subscribe
 
-FAST = {"notify_interval_s": 0.05, "notify_backoff_base_s": 0.05, "notify_backoff_cap_s": 0.2}
+# Tests here queue several test deliveries of one owner at once; the per-owner limit on
+# them has its own test (tests/integration/test_notifications.py).
+FAST = {
+    "notify_interval_s": 0.05,
+    "notify_backoff_base_s": 0.05,
+    "notify_backoff_cap_s": 0.2,
+    "notify_test_interval_s": 0.001,
+}
 HUGE = 200 * 1024 * 1024
 
 
