@@ -9,7 +9,7 @@ at the instant" are timed on the same rows (median of ``--repeat`` runs of each 
 each in a transaction rolled back, ``FOR UPDATE SKIP LOCKED`` as the claim runs it):
 
 (a) the claim takes ``ready`` rows whose run_at has come, by an index of ready work by
-    (queue, run_at), sorted by effective priority (what core does: db/dispatch.py);
+    (queue, run_at), sorted by effective priority (what core does: db/attempts.py);
 (b) the promoter moves rows to ``waiting`` ahead of their run_at, and the claim walks the
     waiting index (queue, priority, vtime, id) holding back rows whose run_at is ahead:
     timed at the instant (all due) and in the lead window (none due yet: every idle
@@ -34,7 +34,7 @@ from libs.common.settings import libpq_url
 from services.core import admin
 
 TRUE_SHA = "0" * 64
-LIMIT = 288  # a claim of 256 plus its slack (db/dispatch.py)
+LIMIT = 288  # a claim of 256 plus its slack (db/attempts.py)
 
 PICK = """
 SELECT t.id FROM core.tasks t

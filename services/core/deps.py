@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
-from services.core.db import dispatch
 from services.core.db import tasks as tasks_db
+from services.core.db import workers as workers_db
 from services.core.domain.principals import Principal
 from services.core.feed import Notifier
 from services.core.identity import audit, tokens
@@ -116,7 +116,7 @@ class LeaseCache:
         entry = self._entries.get(worker_id)
         if entry is None or not lease or entry[0] < self.clock():
             return None
-        if not hmac.compare_digest(entry[1], dispatch.lease_digest(lease)):
+        if not hmac.compare_digest(entry[1], workers_db.lease_digest(lease)):
             return None
         return entry[2]
 
@@ -125,7 +125,7 @@ class LeaseCache:
             return
         if len(self._entries) >= self.size:
             self._entries.clear()
-        digest = dispatch.lease_digest(lease)
+        digest = workers_db.lease_digest(lease)
         self._entries[worker_id] = (self.clock() + self.ttl_s, digest, principal)
 
 

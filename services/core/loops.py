@@ -40,7 +40,7 @@ class Promoter:
     database (by its clock) after every pass, and set earlier by due hints: this
     replica's submissions and, through NOTIFY, every other replica's. Each replica runs
     one; at the instant all of them wake, wake the workers (a claim takes a ready task
-    whose ``run_at`` has come: ``db.dispatch``), and share the promotion of the due rows
+    whose ``run_at`` has come: ``db.attempts``), and share the promotion of the due rows
     that no claim took (SKIP LOCKED), so that their state reads ``waiting``. The timer
     never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or a backoff
     or deferral set by a transition (not hinted), or another replica's promotion that

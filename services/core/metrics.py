@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.metrics import Metrics, gauge_family
 from libs.common.states import FINAL, TaskState
-from services.core.db.dispatch import Tally
+from services.core.db.attempts import Tally
 
 _QUEUES = text("""
 SELECT queue, state, count(*) AS n,

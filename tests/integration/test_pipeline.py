@@ -70,14 +70,14 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
     from sqlalchemy.dialects.postgresql import psycopg as dialects
 
-    from services.core.db import dispatch
+    from services.core.db import attempts as attempts_db
     from services.core.db import tasks as tasks_db
 
     dialect = dialects.dialect()  # type: ignore[no-untyped-call]
     assert len(pipeline.driver_sql(tasks_db.SUBMIT, dialect).encode()) <= (
         MAX_CACHED_STATEMENT_LENGTH
     )
-    for clause in (tasks_db.SUBMIT, dispatch._WAITING_IN_QUEUE, dispatch._WAITING_IN_QUEUES):
+    for clause in (tasks_db.SUBMIT, attempts_db._WAITING_IN_QUEUE, attempts_db._WAITING_IN_QUEUES):
         assert "--" not in pipeline.driver_sql(clause, dialect)
     commented = text(
         "SELECT '--not  a comment' AS kept,   'it''s' AS quoted, -- the queue's comment\n"

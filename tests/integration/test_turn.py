@@ -17,7 +17,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.settings import libpq_url
 from services.core import placement
-from services.core.db import dispatch
+from services.core.db import attempts as attempts_db
+from services.core.db import workers as workers_db
 from services.core.domain.placement import Amount
 from tests.support import Core, spec, start_core, wait_for
 
@@ -288,7 +289,7 @@ async def _reap(db_url: str, timeout_s: float) -> int:
     engine = create_async_engine(db_url)
     try:
         async with engine.begin() as conn:
-            return await dispatch.reap(conn, timeout_s)
+            return await workers_db.reap(conn, timeout_s)
     finally:
         await engine.dispose()
 
@@ -353,11 +354,11 @@ def test_a_lease_without_secrets_commits_in_its_own_round_trip(
         engine = create_async_engine(db_url)
         try:
             async with engine.begin() as conn:
-                heard = await dispatch.hear(conn, worker.id)
-                asked = dispatch.ask(heard.worker, heard.placed, heard.rest, 8, 16384, 16)
+                heard = await attempts_db.hear(conn, worker.id)
+                asked = attempts_db.ask(heard.worker, heard.placed, heard.rest, 8, 16384, 16)
                 assert asked is not None
-                picked = await dispatch.finish_and_pick(conn, dispatch.Settled([], []), asked)
-                leases = await dispatch.lease(conn, asked, picked, last=True)
+                picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
+                leases = await attempts_db.lease(conn, asked, picked, last=True)
                 during = await asyncio.to_thread(leased)
             return len(leases.assignments), during, leases.committed
         finally:

@@ -67,9 +67,9 @@ def test_only_claim_leads_to_running_from_waiting_or_due_ready() -> None:
 
 
 def test_the_claims_sql_guards_are_the_claims_sources() -> None:
-    from services.core.db import dispatch
+    from services.core.db import attempts as attempts_db
 
-    guards = {dispatch._FROM_WAITING, dispatch._FROM_READY}
+    guards = {attempts_db._FROM_WAITING, attempts_db._FROM_READY}
     assert guards == set(sources(Op.CLAIM, S.RUNNING))
 
 

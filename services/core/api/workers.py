@@ -34,7 +34,8 @@ from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
 from services.core import placement, tasklogs
 from services.core.api.tasks import decode_cursor, encode_cursor
-from services.core.db import dispatch
+from services.core.db import attempts as attempts_db
+from services.core.db import workers as workers_db
 from services.core.deps import (
     AdminOnly,
     Announcer,
@@ -78,18 +79,18 @@ LeaseHeader = Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length
 
 async def _hold(
     worker_id: int, principal: Principal, engine: AsyncEngine, request: Request, lease: str | None
-) -> dispatch.Holder:
+) -> workers_db.Holder:
     """The worker, if the caller registered it (admins: any) and holds its lease secret;
     else 404, as for a missing worker. A lease checked lately is not read again."""
     owner = None if principal.role == "admin" else principal.name
     leases: LeaseCache = request.app.state.leases
     registrar = leases.principal_of(worker_id, lease)
     if registrar is not None:
-        return dispatch.held_by(dispatch.Holder(worker_id, registrar), owner)
+        return workers_db.held_by(workers_db.Holder(worker_id, registrar), owner)
     async with engine.connect() as conn:
-        holder = await dispatch.leased_worker(conn, worker_id, lease)
+        holder = await workers_db.leased_worker(conn, worker_id, lease)
     leases.put(worker_id, lease, holder.principal)
-    return dispatch.held_by(holder, owner)
+    return workers_db.held_by(holder, owner)
 
 
 async def _own_worker(
@@ -98,11 +99,11 @@ async def _own_worker(
     engine: Engine,
     request: Request,
     lease: LeaseHeader = None,
-) -> dispatch.Holder:
+) -> workers_db.Holder:
     return await _hold(worker_id, principal, engine, request, lease)
 
 
-OwnWorker = Annotated[dispatch.Holder, Depends(_own_worker)]
+OwnWorker = Annotated[workers_db.Holder, Depends(_own_worker)]
 
 
 @router.post(
@@ -115,7 +116,7 @@ async def register_worker(
     worker's lease secret, which every later call for this worker must send."""
     settings = _settings(request)
     async with engine.begin() as conn:
-        worker, lease = await dispatch.register(conn, principal.name, offer)
+        worker, lease = await workers_db.register(conn, principal.name, offer)
     return WorkerRegistered(
         worker=worker,
         lease=lease,
@@ -136,7 +137,7 @@ async def list_workers(
     them, and their last heartbeat. Dead and departed ones are kept for the retention."""
     before = decode_cursor(cursor) if cursor else None
     async with engine.connect() as conn:
-        items = await dispatch.list_workers(conn, state, before, limit)
+        items = await workers_db.list_workers(conn, state, before, limit)
     next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
     return WorkerList(items=items, next_cursor=next_cursor)
 
@@ -168,7 +169,7 @@ class AgentCall:
     microseconds on each one it solves; these calls solved twelve): the worker held by
     the caller (``OwnWorker``) and a dispatcher (``Dispatch``)."""
 
-    worker: dispatch.Holder
+    worker: workers_db.Holder
     dispatcher: ops.Dispatcher
 
 
@@ -236,7 +237,7 @@ async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> Rep
     for its lease: 409 when core no longer holds it for this worker (lost to the reaper,
     cancelled), so the agent must not run it."""
     async with engine.begin() as conn:
-        task_id = await dispatch.confirm_start(conn, attempt_id, worker.id)
+        task_id = await attempts_db.confirm_start(conn, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
 
 
@@ -246,7 +247,7 @@ async def starts(body: Starts, worker: OwnWorker, engine: Engine) -> StartsAnswe
     that are due at once in one request: those core no longer holds for this worker
     (cancelled while held, lost) are ``gone`` and must not run."""
     async with engine.connect() as conn:
-        held = await dispatch.held_starts(conn, body.attempts, worker.id)
+        held = await attempts_db.held_starts(conn, body.attempts, worker.id)
     asked = sorted(set(body.attempts))
     return StartsAnswer(
         held=[a for a in asked if a in held], gone=[a for a in asked if a not in held]
@@ -299,10 +300,10 @@ async def leave(worker: OwnWorker, dispatcher: Dispatch, engine: Engine) -> Work
 
 async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) -> Worker:
     async with engine.begin() as conn:
-        row = await dispatch.get_worker(conn, worker_id, None)
+        row = await workers_db.get_worker(conn, worker_id, None)
         if row.state not in ("live", "draining"):
             raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
-        await dispatch.set_worker_state(conn, worker_id, state)
+        await workers_db.set_worker_state(conn, worker_id, state)
         target = f"worker:{worker_id}"
         await record(
             conn, "worker.drain", target, before={"state": row.state}, after={"state": state}
@@ -312,7 +313,7 @@ async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) 
 
 async def _get(engine: Engine, worker_id: int) -> Worker:
     async with engine.connect() as conn:
-        found = await dispatch.list_workers(conn, None, worker_id + 1, 1)
+        found = await workers_db.list_workers(conn, None, worker_id + 1, 1)
     if not found or found[0].id != worker_id:
         raise NotFound(f"worker {worker_id} not found")  # purged since its lease was checked
     return found[0]

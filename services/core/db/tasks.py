@@ -233,7 +233,7 @@ def _bulk(op: str, source: str, target: str, condition: str, order: str, reason:
     )
 
 
-# A claim takes due ready work itself (db.dispatch), so the promoter leaves it to claims
+# A claim takes due ready work itself (db.attempts), so the promoter leaves it to claims
 # for ``:after_s`` past its run_at (the burst at a due instant is then leased, not
 # promoted and leased); a deferral's end is the promoter's alone.
 PROMOTE_READY = _bulk(

@@ -25,7 +25,8 @@ from libs.common.models import (
 )
 from libs.common.states import TaskState
 from services.core import placement, traces
-from services.core.db import dispatch
+from services.core.db import attempts as attempts_db
+from services.core.db import workers as workers_db
 from services.core.feed import Notifier
 from services.core.identity import secrets
 from services.core.identity.crypto import SecretBox
@@ -69,15 +70,17 @@ async def turn(
     note what it started), apply its reports, lease what fits its room. With
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
-    tally = dispatch.Tally()
+    tally = attempts_db.Tally()
     reported = [r.attempt_id for r in body.reports]
     since = ops.notifier.mark()  # work announced after this pick's snapshot wakes the wait
     async with ops.engine.begin() as conn:
-        heard = await dispatch.hear(conn, worker_id, body.started, reported)
-        settled = await dispatch.settle(conn, worker_id, body.reports, heard.reported, _masker(ops))
+        heard = await attempts_db.hear(conn, worker_id, body.started, reported)
+        settled = await attempts_db.settle(
+            conn, worker_id, body.reports, heard.reported, _masker(ops)
+        )
         asked = _ask(ops, heard, body.claim, settled.closing)
-        picked = await dispatch.finish_and_pick(conn, settled, asked)
-        verdicts = await dispatch.applied(conn, settled, tally)
+        picked = await attempts_db.finish_and_pick(conn, settled, asked)
+        verdicts = await attempts_db.applied(conn, settled, tally)
         leased = await _lease(ops, conn, asked, picked, tally)
         state = await _state(conn, worker_id, heard)
     _told(ops, tally, body.reports, verdicts, leased, headers)
@@ -115,14 +118,14 @@ async def report(
 
 
 async def _state_of(conn: AsyncConnection, worker_id: int) -> str:
-    return str((await dispatch.get_worker(conn, worker_id, None)).state)
+    return str((await workers_db.get_worker(conn, worker_id, None)).state)
 
 
-async def _state(conn: AsyncConnection, worker_id: int, heard: dispatch.Heard) -> str:
+async def _state(conn: AsyncConnection, worker_id: int, heard: attempts_db.Heard) -> str:
     return str(heard.worker.state) if heard.worker is not None else await _state_of(conn, worker_id)
 
 
-def _masker(ops: Dispatcher) -> dispatch.Masker:
+def _masker(ops: Dispatcher) -> attempts_db.Masker:
     def mask(conn: AsyncConnection, attempt_id: int) -> Awaitable[Callable[[str], str] | None]:
         return secrets.masker(conn, ops.box, attempt_id)
 
@@ -130,11 +133,11 @@ def _masker(ops: Dispatcher) -> dispatch.Masker:
 
 
 def _ask(
-    ops: Dispatcher, heard: dispatch.Heard, room: ClaimRequest | None, closing: frozenset[int]
-) -> dispatch.Ask | None:
+    ops: Dispatcher, heard: attempts_db.Heard, room: ClaimRequest | None, closing: frozenset[int]
+) -> attempts_db.Ask | None:
     if heard.worker is None or room is None:
         return None
-    return dispatch.ask(
+    return attempts_db.ask(
         heard.worker,
         heard.placed,
         heard.rest,
@@ -150,9 +153,9 @@ def _ask(
 async def _lease(
     ops: Dispatcher,
     conn: AsyncConnection,
-    asked: dispatch.Ask | None,
+    asked: attempts_db.Ask | None,
     picked: list[Any],
-    tally: dispatch.Tally,
+    tally: attempts_db.Tally,
 ) -> list[Assignment]:
     """Lease what the pick found, the secrets filled in; an attempt whose secret is gone
     fails at once (not retryable) and is not handed out."""
@@ -160,7 +163,7 @@ async def _lease(
         return []
     # Nothing follows the lease in the caller's transaction but the secrets' look-ups,
     # so a lease without secrets commits in its own round trip.
-    leases = await dispatch.lease(conn, asked, picked, tally, last=True)
+    leases = await attempts_db.lease(conn, asked, picked, tally, last=True)
     if not leases.with_secrets:
         return leases.assignments
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
@@ -169,7 +172,7 @@ async def _lease(
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
             for a, reason in broken.items()
         ]
-        await dispatch.report_many(conn, asked.worker.id, failed, tally)
+        await attempts_db.report_many(conn, asked.worker.id, failed, tally)
     return leased
 
 
@@ -188,11 +191,11 @@ async def _wait_for_work(
             return [], "live"
         await ops.notifier.wait(min(remaining, POLL_S), since)
         since = ops.notifier.mark()
-        tally = dispatch.Tally()
+        tally = attempts_db.Tally()
         async with ops.engine.begin() as conn:
-            heard = await dispatch.hear(conn, worker_id)
+            heard = await attempts_db.hear(conn, worker_id)
             asked = _ask(ops, heard, room, frozenset())
-            picked = await dispatch.finish_and_pick(conn, dispatch.Settled([], []), asked)
+            picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
             leased = await _lease(ops, conn, asked, picked, tally)
             state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
@@ -202,7 +205,7 @@ async def _wait_for_work(
 
 def _told(
     ops: Dispatcher,
-    tally: dispatch.Tally,
+    tally: attempts_db.Tally,
     items: Sequence[AttemptReport],
     verdicts: Sequence[ReportVerdict],
     leased: Sequence[Assignment],
@@ -232,11 +235,11 @@ def _told(
 
 async def heartbeat(
     ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float
-) -> tuple[dispatch.Beat, str]:
-    """The sidecar's beat (``db.dispatch.heartbeat``), and the worker's state after it."""
-    tally = dispatch.Tally()
+) -> tuple[workers_db.Beat, str]:
+    """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it."""
+    tally = attempts_db.Tally()
     async with ops.engine.begin() as conn:
-        found = await dispatch.heartbeat(conn, worker, list(alive), grace_s, tally)
+        found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, tally)
         state = await _state_of(conn, worker.id)
     ops.meter.count(tally)
     if found.lost:
@@ -246,10 +249,10 @@ async def heartbeat(
 
 async def leave(ops: Dispatcher, worker_id: int) -> None:
     """The worker left: every attempt it still holds is lost at once."""
-    tally = dispatch.Tally()
+    tally = attempts_db.Tally()
     async with ops.engine.begin() as conn:
-        await dispatch.set_worker_state(conn, worker_id, "left")
-        await dispatch.lose_all(conn, worker_id, "its worker left", tally)
+        await workers_db.set_worker_state(conn, worker_id, "left")
+        await workers_db.lose_all(conn, worker_id, "its worker left", tally)
     ops.meter.count(tally)
     if tally.lost:
         ops.notifier.announce()
@@ -266,12 +269,12 @@ async def reap(
     meter: CoreMetrics | None = None,
 ) -> int:
     """One pass of the reaper: workers silent for ``timeout_s`` are dead, their attempts
-    lost (``db.dispatch.reap``). ``hearing``, called once the database answered, says how
+    lost (``db.workers.reap``). ``hearing``, called once the database answered, says how
     long this replica has heard without a break."""
-    tally = dispatch.Tally()
+    tally = attempts_db.Tally()
     async with engine.begin() as conn:
         await conn.execute(text("SELECT 1"))
-        changed = await dispatch.reap(conn, timeout_s, tally, heard_for_s=hearing())
+        changed = await workers_db.reap(conn, timeout_s, tally, heard_for_s=hearing())
     if meter is not None:
         meter.count(tally)
     if changed:

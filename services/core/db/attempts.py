@@ -1,4 +1,6 @@
-"""Workers and their attempts: registration, claims, reports, heartbeats, the reaper.
+"""Attempts: what a claim picks and leases, how attempts start and end, and reports many
+at once. The workers themselves (registration, heartbeats, the reaper) are in
+``db.workers``.
 
 Every task state change here is guarded by the transitions table: ``tasks_db.transition``
 (one task), a claim, or a batch of reports (``report_many``), whose SQL guards carry the
@@ -7,16 +9,12 @@ sources of each op.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import math
-import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import TextClause, func, insert, select, text, update
+from sqlalchemy import TextClause, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import NotFound, StaleAttempt
@@ -27,8 +25,6 @@ from libs.common.models import (
     Charge,
     ReportVerdict,
     Resources,
-    Worker,
-    WorkerRegister,
 )
 from libs.common.states import FINAL, TaskState
 from services.core import placement, sharing, traces
@@ -42,9 +38,10 @@ from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
 from services.core.identity.secrets import mask_json, refers_to_secrets
-from services.core.tables import attempts, tasks, workers
+from services.core.tables import attempts, tasks
 
 S = TaskState
+
 
 # Waiting work of the worker's queues, best first (priority, then the fair-share stamp:
 # docs/sharing.md), with what placement needs (its kind's measured peak, its pool's
@@ -63,21 +60,32 @@ S = TaskState
 # many seconds (its attempt starts at the task's run_at), but only after all the work due
 # now: ``ahead`` sorts last, so work leased ahead only fills room left over.
 _FROM_WAITING, _FROM_READY = S.WAITING.value, S.READY.value
+
+
 if sorted((_FROM_WAITING, _FROM_READY)) != sources(Op.CLAIM, S.RUNNING):
     # The scans below are written per source state; the transitions table stays the rule.
     raise RuntimeError("the claim's scans and the transitions table disagree")
+
+
 # A task leased ahead and given back before its run_at (its worker died, drained, or
 # preempted it while it was held) waits again with its run_at kept: not taken before then.
 _WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now()"
+
+
 _READY = f"""t.state = '{_FROM_READY}' AND NOT t.deferred
   AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
+
+
 _DUE_READY = f"{_READY} AND t.run_at <= now()"
+
+
 # Work a claim ahead may take: a scan of its own, in due order, so that it stops at its
 # limit (the ready index is by queue and run_at) however much is due within ``ahead_s``;
 # sorting that window by priority cost every claim a pass over it (10,000s of rows when
 # 100,000 schedules fire in a minute).
 _AHEAD_READY = f"""{_READY} AND t.run_at > now()
   AND t.run_at <= now() + make_interval(secs => :ahead_s)"""
+
 
 _PICK = f"""
 SELECT t.id FROM core.tasks t
@@ -90,8 +98,10 @@ LIMIT {{limit}}
 FOR UPDATE OF t SKIP LOCKED
 """
 
+
 _AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
     (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))"""
+
 
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
@@ -115,10 +125,14 @@ def _pick(which: str, order: str, limit: str = ":limit") -> str:
 
 
 _BEST = "t.priority DESC, t.vtime, t.id"
+
+
 # Due ready work is found by its due time and sorted (it is few, but at a burst) by
 # effective priority, so aging needs no second scan of it; what a claim ahead may take is
 # taken in due order (``_AHEAD_READY``), and sorts after all the work due now.
 _BEST_DUE = f"t.priority + {_AGING} DESC, t.vtime, t.id"
+
+
 _FIRST_DUE = "t.run_at, t.id"
 
 
@@ -160,7 +174,10 @@ picked AS (
 # its order and stops at the limit; several are an ANY, sorted. One statement: the
 # reserved work, the best, the longest past its fair turn, the due.
 _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
+
+
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
+
 
 # The lease: each chosen task moved (guarded by the claim's sources in the transitions
 # table and by the state the pick saw), its attempt numbered and inserted with the id the
@@ -205,32 +222,9 @@ SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_pa
        CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
+
+
 _COMMIT = text("COMMIT")
-
-_OPEN_ATTEMPTS_OF = text("""
-SELECT a.id, a.task_id FROM core.attempts a
-WHERE a.worker_id = :worker AND a.outcome IS NULL
-""")
-
-_USE = text("""
-SELECT a.worker_id, count(*) AS running, sum(COALESCE(a.charge_cpu, t.cpu)) AS cpu,
-       sum(COALESCE(a.charge_memory_mb, t.memory_mb)) AS memory_mb
-FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:ids AS bigint[]))
-GROUP BY a.worker_id
-""")
-
-# ``deaf``: the worker fell silent before this replica could hear it (core or its
-# database was away), so its silence may be core's own doing.
-_SILENT_WORKERS = text("""
-UPDATE core.workers w SET state = 'dead', gone_at = now()
-FROM (SELECT id, last_heartbeat_at FROM core.workers
-      WHERE state IN ('draining', 'live')
-        AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
-      FOR UPDATE) silent
-WHERE w.id = silent.id
-RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_for_s) AS deaf
-""")
 
 
 # Candidates a claim locks beyond what it may lease, for those that placement or a quota
@@ -254,127 +248,6 @@ class Tally:
     waits: list[float] = field(default_factory=list)
     #: candidates a claim held back, by what held them (quota, concurrency, rate)
     held: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The timing a worker is told at registration and the reaper enforces."""
-
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
-
-
-# --- workers ------------------------------------------------------------------------------
-
-
-def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
-    used = (use or {}).get(row.id)
-    return Worker(
-        id=row.id,
-        principal=row.principal,
-        hostname=row.hostname,
-        queues=list(row.queues),
-        labels=row.labels,
-        cpu=row.cpu,
-        memory_mb=row.memory_mb,
-        state=row.state,
-        registered_at=row.registered_at,
-        last_heartbeat_at=row.last_heartbeat_at,
-        used_cpu=float(used.cpu) if used else 0.0,
-        used_memory_mb=round(used.memory_mb) if used else 0,
-        running=int(used.running) if used else 0,
-    )
-
-
-def lease_digest(lease: str) -> str:
-    return hashlib.sha256(lease.encode()).hexdigest()
-
-
-async def register(
-    conn: AsyncConnection, principal: str, offer: WorkerRegister
-) -> tuple[Worker, str]:
-    """Record a worker; returns it with its new lease secret (only its hash is kept)."""
-    lease = "lease_" + secrets.token_urlsafe(32)
-    stmt = (
-        insert(workers)
-        .values(
-            principal=principal,
-            hostname=offer.hostname,
-            queues=offer.queues,
-            labels=offer.labels,
-            cpu=offer.cpu,
-            memory_mb=offer.memory_mb,
-            lease_sha256=lease_digest(lease),
-        )
-        .returning(workers)
-    )
-    return _worker((await conn.execute(stmt)).one()), lease
-
-
-async def get_worker(conn: AsyncConnection, worker_id: int, principal: str | None) -> Any:
-    """The worker's row, if ``principal`` (when given) registered it; else ``NotFound``."""
-    query = select(workers).where(workers.c.id == worker_id)
-    if principal is not None:
-        query = query.where(workers.c.principal == principal)
-    row = (await conn.execute(query)).first()
-    if row is None:
-        raise NotFound(f"worker {worker_id} not found")
-    return row
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A worker as a request that proved its lease knows it."""
-
-    id: int
-    #: who registered it
-    principal: str
-
-
-async def leased_worker(conn: AsyncConnection, worker_id: int, lease: str | None) -> Holder:
-    """The worker if ``lease`` is its lease secret; else ``NotFound``, the same answer as
-    for a missing worker, so one replica cannot act for another."""
-    row = (await conn.execute(select(workers).where(workers.c.id == worker_id))).first()
-    if (
-        row is None
-        or row.lease_sha256 is None
-        or not lease
-        or not hmac.compare_digest(row.lease_sha256, lease_digest(lease))
-    ):
-        raise NotFound(f"worker {worker_id} not found")
-    return Holder(row.id, row.principal)
-
-
-def held_by(holder: Holder, principal: str | None) -> Holder:
-    """``holder`` if ``principal`` (when given: admins act for any) registered it; else
-    ``NotFound``, as for a missing worker."""
-    if principal is not None and holder.principal != principal:
-        raise NotFound(f"worker {holder.id} not found")
-    return holder
-
-
-async def list_workers(
-    conn: AsyncConnection, state: str | None, before_id: int | None, limit: int
-) -> list[Worker]:
-    """Newest first; ``before_id`` is the keyset cursor."""
-    query = select(workers).order_by(workers.c.id.desc()).limit(limit)
-    if state is not None:
-        query = query.where(workers.c.state == state)
-    if before_id is not None:
-        query = query.where(workers.c.id < before_id)
-    rows = list(await conn.execute(query))
-    use = {row.worker_id: row for row in await conn.execute(_USE, {"ids": [r.id for r in rows]})}
-    return [_worker(row, use) for row in rows]
-
-
-async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) -> None:
-    gone = func.now() if state in ("dead", "left") else None
-    await conn.execute(
-        update(workers).where(workers.c.id == worker_id).values(state=state, gone_at=gone)
-    )
-
-
-# --- claims -------------------------------------------------------------------------------
 
 
 # The worker is heard (a turn, a claim): its liveness refreshed and the attempts it says it
@@ -598,9 +471,6 @@ def _assignment(row: Any) -> Assignment:
     )
 
 
-# --- how attempts end ---------------------------------------------------------------------
-
-
 async def _current_task(conn: AsyncConnection, attempt_id: int) -> Any:
     """The task of the attempt, locked, if this attempt is still its current one."""
     row = (
@@ -780,8 +650,6 @@ async def lose(
     return await _apply(conn, task.id, attempt_id, move, tally)
 
 
-# --- reports, many at once ----------------------------------------------------------------
-
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
 # never deadlock), and what the decision and the measured use need.
 _REPORTED = text("""
@@ -796,6 +664,7 @@ WHERE a.id = ANY(CAST(:ids AS bigint[]))
 ORDER BY t.id
 FOR UPDATE OF t
 """)
+
 
 # Close the attempts, move their tasks (each guarded by its op's sources in the
 # transitions table and by still being the task's current attempt), append the events
@@ -855,6 +724,7 @@ WITH input AS MATERIALIZED (
 )
 SELECT id, attempt_id, state FROM moved
 """)
+
 
 Masker = Callable[[AsyncConnection, int], Awaitable[Callable[[str], str] | None]]
 
@@ -1020,126 +890,6 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
     return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}
 
 
-@dataclass(frozen=True)
-class Beat:
-    """What a heartbeat found: attempts the worker must stop, squeeze and preempt, and
-    how many of its attempts were lost."""
-
-    stop: list[int]
-    squeeze: list[int]
-    preempt: list[int]
-    lost: int
-
-
-_ROOM_MADE = text("""
-SELECT a.id, a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted
-FROM core.attempts a
-WHERE a.worker_id = :worker AND a.outcome IS NULL
-  AND (a.squeezed_at IS NOT NULL OR a.preempted_by IS NOT NULL)
-  AND a.id = ANY(CAST(:alive AS bigint[]))
-""")
-
-
-async def heartbeat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
-) -> Beat:
-    """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
-    for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
-    lost), squeeze and preempt."""
-    stop, lost = await _beat(conn, worker, alive, grace_s, tally)
-    if not alive:
-        return Beat(stop, [], [], lost)
-    rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
-    squeeze = [r.id for r in rows if r.squeezed and not r.preempted]
-    preempt = [r.id for r in rows if r.preempted]
-    return Beat(stop, squeeze, preempt, lost)
-
-
-async def _beat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
-) -> tuple[list[int], int]:
-    await conn.execute(
-        update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
-    )
-    reported = set(alive)
-    if reported:
-        await conn.execute(
-            update(attempts)
-            .where(
-                attempts.c.worker_id == worker.id,
-                attempts.c.outcome.is_(None),
-                attempts.c.id.in_(sorted(reported)),
-            )
-            .values(seen_at=func.now())
-        )
-    missing = await conn.execute(
-        text("""
-            SELECT a.id FROM core.attempts a
-            WHERE a.worker_id = :worker AND a.outcome IS NULL
-              AND a.started_at < now() - make_interval(secs => :grace)
-              AND NOT (a.id = ANY(CAST(:alive AS bigint[])))
-        """),
-        {"worker": worker.id, "grace": grace_s, "alive": sorted(reported)},
-    )
-    gone = list(missing)
-    for row in gone:
-        await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)", tally)
-    if not reported:
-        return [], len(gone)
-    stop = await conn.execute(
-        text("""
-            SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-            WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
-              AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
-                   OR t.state <> 'running')
-        """),
-        {"alive": sorted(reported), "worker": worker.id},
-    )
-    return [row.id for row in stop], len(gone)
-
-
 async def task_of(conn: AsyncConnection, attempt_id: int) -> int:
     query = select(attempts.c.task_id).where(attempts.c.id == attempt_id)
     return int((await conn.execute(query)).scalar_one())
-
-
-async def lose_all(
-    conn: AsyncConnection,
-    worker_id: int,
-    why: str,
-    tally: Tally | None = None,
-    *,
-    host_died: bool = False,
-    excused: bool = False,
-) -> int:
-    """Every open attempt of the worker is lost (``host_died``: with the worker;
-    ``excused``: at no cost)."""
-    rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
-    for row in rows:
-        await lose(conn, row.id, why, tally, host_died=host_died, excused=excused)
-    return len(rows)
-
-
-async def reap(
-    conn: AsyncConnection,
-    timeout_s: float,
-    tally: Tally | None = None,
-    *,
-    heard_for_s: float = math.inf,
-) -> int:
-    """Workers silent for ``timeout_s`` are dead; their open attempts are lost. Silence
-    counts only from when this replica could hear (``heard_for_s``: how long it has
-    reached the database without a break): a worker silent since before then is dead
-    only once core has listened for ``timeout_s`` too, and its attempts go back
-    without cost, since its silence may be core's own absence."""
-    if heard_for_s < timeout_s:
-        return 0
-    params = {"timeout_s": timeout_s, "heard_for_s": min(heard_for_s, 10.0**9)}
-    dead = list(await conn.execute(_SILENT_WORKERS, params))
-    lost = 0
-    for row in dead:
-        why = f"its worker {row.id} stopped heartbeating"
-        if row.deaf:
-            why += " while core could not hear it"
-        lost += await lose_all(conn, row.id, why, tally, host_died=True, excused=row.deaf)
-    return len(dead) + lost
