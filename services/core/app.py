@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, pages, problems
 from libs.common.limits import BodyLimit
-from services.core import loops, notify, sharing, tasklogs
+from services.core import loops, notify, tasklogs
 from services.core.api import (
     audit,
     events,
@@ -27,6 +27,7 @@ from services.core.api import (
     workers,
 )
 from services.core.api import sharing as sharing_api
+from services.core.db import sharing
 from services.core.deps import LeaseCache, TokenCache
 from services.core.feed import Notifier
 from services.core.identity import teams as memberships

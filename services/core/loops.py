@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import notify, placement, tasklogs
+from services.core import notify, tasklogs
+from services.core.db import placement
 from services.core.db import tasks as tasks_db
 from services.core.feed import Notifier
 from services.core.identity import audit

@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core import placement
+from services.core.db import placement
 from tests.support import Core, register_worker, spec, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]

@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.settings import libpq_url
-from services.core import placement
 from services.core.db import attempts as attempts_db
+from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.domain.placement import Amount
 from tests.support import Core, spec, start_core, wait_for

@@ -19,7 +19,7 @@ from libs.common.models import (
     ShareSettings,
 )
 from libs.common.problems import PROBLEMS
-from services.core import sharing
+from services.core.db import sharing
 from services.core.deps import AdminOnly, Engine, Reader
 
 router = APIRouter(tags=["sharing"])

@@ -38,7 +38,8 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import placement, sharing, tasklogs, traces
+from services.core import tasklogs, traces
+from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.deps import (
     Announcer,

@@ -17,7 +17,7 @@ from libs.common.models import (
     TeamName,
 )
 from libs.common.problems import PROBLEMS
-from services.core import sharing
+from services.core.db import sharing
 from services.core.deps import AdminOnly, Audit, Engine, Reader
 from services.core.identity import teams
 

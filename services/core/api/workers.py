@@ -32,9 +32,10 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import placement, tasklogs
+from services.core import tasklogs
 from services.core.api.tasks import decode_cursor, encode_cursor
 from services.core.db import attempts as attempts_db
+from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.deps import (
     AdminOnly,

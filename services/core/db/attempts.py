@@ -27,8 +27,8 @@ from libs.common.models import (
     Resources,
 )
 from libs.common.states import FINAL, TaskState
-from services.core import placement, sharing, traces
-from services.core.db import pipeline
+from services.core import traces
+from services.core.db import pipeline, placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.domain import outcomes

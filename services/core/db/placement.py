@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
-from services.core import sharing
+from services.core.db import sharing
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
