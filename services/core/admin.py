@@ -12,8 +12,8 @@ from typing import TypeVar
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from libs.common.auth import Caller
+from services.core.db import audit, tokens
 from services.core.domain.principals import Principal
-from services.core.identity import audit, tokens
 
 T = TypeVar("T")
 

@@ -17,14 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
+from services.core.db import audit, tokens
 from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
+from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.feed import Notifier
-from services.core.identity import audit, tokens
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
-from services.core.identity.teams import recorded_teams
 from services.core.metrics import CoreMetrics
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")

@@ -13,10 +13,9 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from services.core import notify, tasklogs
-from services.core.db import placement
+from services.core.db import audit, placement
 from services.core.db import tasks as tasks_db
 from services.core.feed import Notifier
-from services.core.identity import audit
 from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
 from services.core.ops import dispatch as ops

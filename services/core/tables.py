@@ -98,7 +98,7 @@ team_members = Table(
 
 # A membership an identity provider's claim vouched for at a submission, until the token
 # that carried it expires: what a lease checks a team secret's use against besides
-# ``team_members`` (identity/teams.py).
+# ``team_members`` (db/teams.py).
 team_claims = Table(
     "team_claims",
     metadata,

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import admin
-from services.core.identity import audit
+from services.core.db import audit
 from tests.support import Core, spec
 
 

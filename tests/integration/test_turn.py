@@ -338,7 +338,7 @@ def test_a_lease_without_secrets_commits_in_its_own_round_trip(
 ) -> None:
     # Seen from another session while the claim's transaction is still open: a lease whose
     # tasks refer to no secret went with the COMMIT; one that refers to a secret waits for
-    # the look-ups (identity.secrets.fill) and commits when the transaction ends.
+    # the look-ups (db.secrets.fill) and commits when the transaction ends.
     [task] = _submit(core, 1)
     if secret:
         db.execute(

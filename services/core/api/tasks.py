@@ -39,7 +39,7 @@ from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
 from services.core import tasklogs, traces
-from services.core.db import placement, sharing
+from services.core.db import placement, secrets, sharing, teams
 from services.core.db import tasks as tasks_db
 from services.core.deps import (
     Announcer,
@@ -53,7 +53,6 @@ from services.core.deps import (
 )
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
-from services.core.identity import secrets, teams
 from services.core.metrics import CoreMetrics
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])

@@ -31,13 +31,13 @@ from services.core import traces
 from services.core.db import pipeline, placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
+from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, ZERO, Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.identity.secrets import mask_json, refers_to_secrets
 from services.core.tables import attempts, tasks
 
 S = TaskState
@@ -305,7 +305,7 @@ async def hear(
 @dataclass(frozen=True)
 class Leases:
     """A claim's assignments, and the tasks among them whose env refers to secrets
-    (``identity.secrets.fill`` opens those; the others need no look-up). ``committed``:
+    (``db.secrets.fill`` opens those; the others need no look-up). ``committed``:
     the lease went with the transaction's COMMIT (``lease(..., last=True)``)."""
 
     assignments: list[Assignment]
@@ -423,7 +423,7 @@ async def lease(
         found = list(await conn.execute(_CLAIM, params))
     if tally is not None:
         tally.waits.extend(float(row.waited_s) for row in found)
-    # The pick said which tasks refer to secrets (one rule: identity.secrets).
+    # The pick said which tasks refer to secrets (one rule: db.secrets).
     refs = frozenset(r.id for r in found if by_id[r.id].secret_refs)
     return Leases([_assignment(row) for row in found], refs, commit)
 
@@ -458,7 +458,7 @@ def _assignment(row: Any) -> Assignment:
         kind=row.kind,
         artifact=Artifact.model_construct(uri=row.artifact_uri, sha256=row.artifact_sha256),
         args=row.args,
-        # Secret references are filled in by the claim itself (identity.secrets).
+        # Secret references are filled in by the claim itself (db.secrets).
         env={k: v for k, v in row.env.items() if isinstance(v, str)},
         input_path=row.input_path,
         output_path=row.output_path,

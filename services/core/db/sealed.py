@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import Column, Row, Table, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from services.core.db.secrets import Scope
 from services.core.domain.notify import secret_context
-from services.core.identity.secrets import Scope
 from services.core.tables import secrets, subscriptions
 
 

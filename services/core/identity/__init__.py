@@ -1,1 +1,2 @@
-"""Who may do what: tokens, OIDC, teams, secrets, and the audit trail of it all."""
+"""Who may do what, without SQL: OIDC tokens, the sealing of secrets, group mappings.
+The SQL of tokens, teams, secrets and the audit trail is in ``services.core.db``."""

@@ -26,10 +26,9 @@ from libs.common.models import (
 from libs.common.states import TaskState
 from services.core import traces
 from services.core.db import attempts as attempts_db
-from services.core.db import placement
+from services.core.db import placement, secrets
 from services.core.db import workers as workers_db
 from services.core.feed import Notifier
-from services.core.identity import secrets
 from services.core.identity.crypto import SecretBox
 from services.core.metrics import CoreMetrics
 

@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import Assignment, SecretInfo, SecretRef
+from services.core.db.teams import held_teams, teams_of
 from services.core.identity.crypto import SecretBox, Unreadable
-from services.core.identity.teams import held_teams, teams_of
 from services.core.tables import secrets
 
 MASK = "***"
