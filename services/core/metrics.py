@@ -7,46 +7,12 @@ from collections import Counter
 from collections.abc import Iterable
 
 from prometheus_client.core import Metric
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.metrics import Metrics, gauge_family
 from libs.common.states import FINAL, TaskState
+from services.core.db import stats
 from services.core.db.attempts import Tally
-
-_QUEUES = text("""
-SELECT queue, state, count(*) AS n,
-       EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE state = 'waiting')) AS oldest
-FROM core.tasks
-WHERE state IN ('failed', 'ready', 'running', 'waiting')
-GROUP BY queue, state
-""")
-
-# A worker's pool is the set of queues it serves: bounded by configuration, not by hosts.
-_WORKERS = text("""
-WITH used AS (
-    SELECT a.worker_id, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb, count(*) AS running
-    FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-    WHERE a.outcome IS NULL AND a.worker_id IS NOT NULL
-    GROUP BY a.worker_id
-)
-SELECT array_to_string(w.queues, ',') AS pool, count(*) AS alive,
-       sum(w.cpu) AS cpu, sum(w.memory_mb) AS memory_mb,
-       coalesce(sum(u.cpu), 0) AS used_cpu, coalesce(sum(u.memory_mb), 0) AS used_memory_mb,
-       coalesce(sum(u.running), 0) AS running,
-       EXTRACT(EPOCH FROM now() - min(w.last_heartbeat_at)) AS heartbeat_age
-FROM core.workers w LEFT JOIN used u ON u.worker_id = w.id
-WHERE w.state IN ('live', 'draining')
-GROUP BY 1
-""")
-
-# Per queue, the live workers that serve it (draining ones take no new work).
-_QUEUE_WORKERS = text("""
-SELECT q.queue, count(*) AS live
-FROM core.workers w CROSS JOIN LATERAL unnest(w.queues) AS q(queue)
-WHERE w.state = 'live'
-GROUP BY q.queue
-""")
 
 # Every attempt outcome, so that rates over them exist before the first of each.
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "timeout", "crashed", "handed_back", "preempted", "lost")
@@ -130,9 +96,9 @@ class CoreMetrics:
 
 
 async def read_queues(conn: AsyncConnection) -> list[Metric]:
-    rows = list(await conn.execute(_QUEUES))
-    depth = [((r.queue, r.state), float(r.n)) for r in rows]
-    oldest = [((r.queue,), float(r.oldest)) for r in rows if r.oldest is not None]
+    read = await stats.queues(conn)
+    depth = [((d.queue, d.state.value), float(d.count)) for d in read.depth if d.state not in FINAL]
+    oldest = [((queue,), age) for queue, age in read.oldest_waiting_s.items()]
     return [
         gauge_family(
             "cairn_queue_depth", "Unfinished tasks per queue and state", ["queue", "state"], depth
@@ -147,19 +113,19 @@ async def read_queues(conn: AsyncConnection) -> list[Metric]:
 
 
 async def read_workers(conn: AsyncConnection) -> list[Metric]:
-    rows = list(await conn.execute(_WORKERS))
-    pool = ["pool"]
+    pools = await stats.pools(conn)
 
     def family(name: str, doc: str, column: str) -> Metric:
-        return gauge_family(name, doc, pool, [((r.pool,), float(getattr(r, column))) for r in rows])
+        values = [((pool,), float(getattr(read, column))) for pool, read in pools.items()]
+        return gauge_family(name, doc, ["pool"], values)
 
     return [
         family("cairn_workers_alive", "Live or draining workers per pool", "alive"),
         family("cairn_workers_cpu", "CPU the pool's live workers offer", "cpu"),
         family("cairn_workers_memory_mb", "Memory (MB) the pool's live workers offer", "memory_mb"),
-        family("cairn_workers_used_cpu", "CPU requested by the attempts placed", "used_cpu"),
+        family("cairn_workers_used_cpu", "CPU the attempts placed hold, as placement counts it", "used_cpu"),
         family(
-            "cairn_workers_used_memory_mb", "Memory (MB) requested by the attempts placed",
+            "cairn_workers_used_memory_mb", "Memory (MB) the attempts placed hold",
             "used_memory_mb",
         ),
         family("cairn_workers_running_attempts", "Attempts open on the pool", "running"),
@@ -172,44 +138,14 @@ async def read_workers(conn: AsyncConnection) -> list[Metric]:
 
 
 async def read_queue_workers(conn: AsyncConnection) -> list[Metric]:
-    rows = [((r.queue,), float(r.live)) for r in await conn.execute(_QUEUE_WORKERS)]
+    rows = [((queue,), float(n)) for queue, n in (await stats.live_workers_per_queue(conn)).items()]
     return [
         gauge_family("cairn_queue_workers_live", "Live workers serving each queue", ["queue"], rows)
     ]
 
 
-# Owners at each running or waiting quota: the label is the quota's name, never the owner.
-_AT_QUOTA = text("""
-WITH running AS (
-    SELECT t.owner, count(*) AS n, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
-    FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-    WHERE a.outcome IS NULL
-      AND t.owner IN (SELECT name FROM core.shares
-                      WHERE max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL
-                         OR max_running IS NOT NULL)
-    GROUP BY t.owner
-), waiting AS (
-    SELECT t.owner, count(*) AS n FROM core.tasks t
-    WHERE t.state IN ('ready', 'waiting')
-      AND t.owner IN (SELECT name FROM core.shares WHERE max_waiting IS NOT NULL)
-    GROUP BY t.owner
-)
-SELECT
-    count(*) FILTER (WHERE r.cpu >= s.max_cpu) AS cpu,
-    count(*) FILTER (WHERE r.memory_mb >= s.max_memory_mb) AS memory,
-    count(*) FILTER (WHERE r.n >= s.max_running) AS running,
-    count(*) FILTER (WHERE w.n >= s.max_waiting) AS waiting
-FROM core.shares s
-LEFT JOIN running r ON r.owner = s.name
-LEFT JOIN waiting w ON w.owner = s.name
-""")
-
-
 async def read_quotas(conn: AsyncConnection) -> list[Metric]:
-    row = (await conn.execute(_AT_QUOTA)).one()
-    values = [
-        ((name,), float(getattr(row, name))) for name in ("cpu", "memory", "running", "waiting")
-    ]
+    values = [((name,), float(n)) for name, n in (await stats.owners_at_quota(conn)).items()]
     return [
         gauge_family("cairn_owners_at_quota", "Owners at a quota now, by quota", ["quota"], values)
     ]

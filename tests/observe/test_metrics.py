@@ -10,6 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from libs.common.placement import SQUEEZED_CPU_SHARE
 from tests.cron.conftest import EPOCH, Cron, FakeClock, start_cron
 from tests.dag.conftest import DagServer, Runner, Worker, node, start_dag, workflow
 from tests.support import Core, spec, wait_for
@@ -107,6 +108,35 @@ def test_a_poison_pill_and_its_lost_attempts_are_counted(core: Core, db) -> None
     assert db.execute("SELECT state FROM core.tasks WHERE id = %s", (task["id"],)).fetchone() == (
         "dead",
     )
+
+
+def test_metrics_and_the_workers_list_read_one_use_as_placement_counts_it(core: Core, db) -> None:
+    """What a worker holds was read two ways: ``/metrics`` summed the tasks' requests,
+    ``/v1/workers`` the attempts' charges. Both now read placement's: a charge where one
+    was fixed (measured use of preemptible work), a squeezed attempt's small share."""
+    with core.client() as alice:
+        for _ in range(2):
+            alice.post("/v1/tasks", json=spec(resources={"cpu": 2, "memory_mb": 256}))
+    agent = core.client("agent", "worker")
+    offer = {"hostname": "h", "queues": ["default"], "cpu": 8, "memory_mb": 4096}
+    registered = agent.post("/v1/workers", json=offer).json()
+    worker_id = registered["worker"]["id"]
+    agent.headers["X-Cairn-Worker-Lease"] = registered["lease"]
+    claimed = agent.post(f"/v1/workers/{worker_id}/claim", json={"cpu": 8, "memory_mb": 4096})
+    first, second = sorted(a["attempt_id"] for a in claimed.json()["attempts"])
+    db.execute("UPDATE core.attempts SET charge_cpu = 0.5 WHERE id = %s", (first,))
+    db.execute("UPDATE core.attempts SET squeezed_at = now() WHERE id = %s", (second,))
+    held = 0.5 + 2 * SQUEEZED_CPU_SHARE
+    with core.client("root", "admin") as admin:
+        [listed] = admin.get("/v1/workers").json()["items"]
+    samples = scrape(core.url)
+    agent.close()
+    assert listed["running"] == 2
+    assert listed["used_cpu"] == pytest.approx(held)
+    assert listed["used_memory_mb"] == 512
+    assert value(samples, "cairn_workers_used_cpu", pool="default") == pytest.approx(held)
+    assert value(samples, "cairn_workers_used_memory_mb", pool="default") == 512
+    assert value(samples, "cairn_workers_running_attempts", pool="default") == 2
 
 
 def test_cron_counts_fires_and_leads(core: Core, cron: Cron, clock: FakeClock) -> None:

@@ -93,9 +93,10 @@ WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
 # (attempts read one by one beside it, ``PLACED``): a decision that needs only a worker's
 # room reads one row, not one per attempt it holds (a worker holding many leases taken
 # ahead holds thousands). A charge is fixed at placement; an attempt without one is
-# charged its task's request (looked up only then).
+# charged its task's request (looked up only then). The one reading of what a worker
+# holds: placement, ``/v1/workers`` and ``/metrics`` (``held_in_all`` of its row).
 USE = text("""
-SELECT u.worker_id,
+SELECT u.worker_id, count(*) AS running,
        COALESCE(sum(u.cpu) FILTER (WHERE NOT u.squeezed), 0)::float8 AS cpu,
        COALESCE(sum(u.cpu) FILTER (WHERE u.squeezed), 0)::float8 AS squeezed_cpu,
        COALESCE(sum(u.memory_mb), 0)::float8 AS memory_mb
@@ -119,6 +120,13 @@ PLACED_AMONG = text(f"{PLACED.text.rstrip()}\n  AND a.id = ANY(CAST(:ids AS bigi
 def rest_from(use_rows: Iterable[Any]) -> dict[int, Amount]:
     """Per worker, what its attempts hold in all, from the rows of ``USE``."""
     return {r.worker_id: held_in_all(r.cpu, r.squeezed_cpu, r.memory_mb) for r in use_rows}
+
+
+async def use_of(conn: AsyncConnection, worker_ids: Sequence[int]) -> dict[int, tuple[Amount, int]]:
+    """Per worker among ``worker_ids`` holding any, what its open attempts hold in all
+    and how many they are."""
+    rows = await conn.execute(USE, {"workers": list(worker_ids), "listed": []})
+    return {r.worker_id: (held_in_all(r.cpu, r.squeezed_cpu, r.memory_mb), r.running) for r in rows}
 
 
 def _placed(row: Any) -> Placed:

@@ -20,21 +20,14 @@ from libs.common.models import (
     Worker,
     WorkerRegister,
 )
+from services.core.db import placement
 from services.core.db.attempts import Tally, lose
+from services.core.domain.placement import ZERO, Amount
 from services.core.tables import attempts, workers
 
 _OPEN_ATTEMPTS_OF = text("""
 SELECT a.id, a.task_id FROM core.attempts a
 WHERE a.worker_id = :worker AND a.outcome IS NULL
-""")
-
-
-_USE = text("""
-SELECT a.worker_id, count(*) AS running, sum(COALESCE(a.charge_cpu, t.cpu)) AS cpu,
-       sum(COALESCE(a.charge_memory_mb, t.memory_mb)) AS memory_mb
-FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:ids AS bigint[]))
-GROUP BY a.worker_id
 """)
 
 
@@ -59,8 +52,8 @@ class Policy:
     heartbeat_timeout_s: float
 
 
-def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
-    used = (use or {}).get(row.id)
+def _worker(row: Any, use: dict[int, tuple[Amount, int]] | None = None) -> Worker:
+    held, running = (use or {}).get(row.id, (ZERO, 0))
     return Worker(
         id=row.id,
         principal=row.principal,
@@ -72,9 +65,9 @@ def _worker(row: Any, use: dict[int, Any] | None = None) -> Worker:
         state=row.state,
         registered_at=row.registered_at,
         last_heartbeat_at=row.last_heartbeat_at,
-        used_cpu=float(used.cpu) if used else 0.0,
-        used_memory_mb=round(used.memory_mb) if used else 0,
-        running=int(used.running) if used else 0,
+        used_cpu=float(held.cpu),
+        used_memory_mb=round(held.memory_mb),
+        running=int(running),
     )
 
 
@@ -155,7 +148,7 @@ async def list_workers(
     if before_id is not None:
         query = query.where(workers.c.id < before_id)
     rows = list(await conn.execute(query))
-    use = {row.worker_id: row for row in await conn.execute(_USE, {"ids": [r.id for r in rows]})}
+    use = await placement.use_of(conn, [r.id for r in rows])
     return [_worker(row, use) for row in rows]
 
 
