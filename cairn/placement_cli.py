@@ -9,18 +9,36 @@ from typing import Annotated, Any
 import typer
 
 from cairn import output
+from libs.common.models import Task
+from libs.common.states import FINAL, TaskState
 from cairn.tasks_cli import JsonFlag, _get, ctx_of
+
+
+def reason_of(task: Task) -> str:
+    """Why the task is where it is: the pending reason core gives a task that waits, or
+    what ended it, or which attempt runs it."""
+    if task.pending_reason:
+        return task.pending_reason
+    if task.state is TaskState.RUNNING:
+        return f"attempt {task.current_attempt_id} of it is running"
+    if task.state in FINAL:
+        when = f" at {task.finished_at:%Y-%m-%d %H:%M:%S %Z}" if task.finished_at else ""
+        ended = f"it ended{when} after {task.attempts} attempt(s); nothing holds it"
+        if task.state is TaskState.CANCELLED:
+            ended = f"it was cancelled{when}; nothing holds it"
+        if task.state is TaskState.DEAD and task.last_error:
+            ended += f" (the last error: {task.last_error})"
+        return ended
+    return "core gave no reason"
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def why(ctx: typer.Context, task_id: int, as_json: JsonFlag = False) -> None:
-        """Say why a task is not running."""
+        """Say why a task is not running (or that it has ended, and how)."""
         c = ctx_of(ctx)
         task = output.call(lambda: _get(c, task_id))
-        reason = task.pending_reason or (
-            "it is running" if task.state == "running" else f"it is {task.state}"
-        )
+        reason = reason_of(task)
         if c.json or as_json:
             output.dump({"id": task.id, "state": task.state, "reason": reason})
         else:

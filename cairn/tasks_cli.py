@@ -436,16 +436,17 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if c.json or as_json:
             output.dump(found)
             return
-        live = [s for s in TaskState if s not in FINAL]
+        # Core counts every unfinished state and dead (the ended tasks that want someone's
+        # look); succeeded and cancelled ones are not counted per queue.
+        shown = [s for s in TaskState if s not in FINAL or s is TaskState.DEAD]
         output.table(
             None,
-            ["queue", "paused", *(s.value for s in live), "ended", "oldest waiting s"],
+            ["queue", "paused", *(s.value for s in shown), "oldest waiting s"],
             [
                 [
                     q.name,
                     "yes" if q.paused else "",
-                    *(q.depth.get(s, 0) for s in live),
-                    sum(q.depth.get(s, 0) for s in FINAL),
+                    *(q.depth.get(s, 0) for s in shown),
                     f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
                 ]
                 for q in found
