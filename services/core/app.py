@@ -29,8 +29,8 @@ from services.core.api import (
 from services.core.api import sharing as sharing_api
 from services.core.db import sharing
 from services.core.db import teams as memberships
+from services.core.db.feed import Notifier
 from services.core.deps import LeaseCache, TokenCache
-from services.core.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics

@@ -20,9 +20,9 @@ from libs.common.models import Task
 from services.core.db import audit, tokens
 from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
+from services.core.db.feed import Notifier
 from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
-from services.core.feed import Notifier
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
 from services.core.metrics import CoreMetrics

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from services.core import notify, tasklogs
 from services.core.db import audit, placement
 from services.core.db import tasks as tasks_db
-from services.core.feed import Notifier
+from services.core.db.feed import Notifier
 from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
 from services.core.ops import dispatch as ops

@@ -24,7 +24,7 @@ from libs.common.models import LogAck, LogBatch, LogChunk, LogEnd, LogPiece
 from libs.common.states import FINAL, TaskState
 from services.core.db import logs as db
 from services.core.db import secrets
-from services.core.feed import Notifier
+from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox
 from services.core.objects import LogObjects
 

@@ -226,7 +226,7 @@ class CronEngine:
         while True:
             lease = await self.elector.campaign()
             try:
-                await lease.conn.execute(f"LISTEN {store.CHANNEL}")
+                await store.listen(lease.conn)
                 self.lease = lease
                 await self._lead(lease)
             except (psycopg.Error, DBAPIError, OSError, LeadershipLost) as exc:

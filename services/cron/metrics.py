@@ -7,15 +7,10 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from prometheus_client.core import Metric
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.metrics import Metrics, gauge_family
-
-_SCHEDULES = text("""
-SELECT CASE WHEN paused THEN 'paused' ELSE 'active' END AS state, count(*) AS n
-FROM cron.schedules GROUP BY 1
-""")
+from services.cron import store
 
 OUTCOMES = ("submitted", "failed", "pending", "missed", "skipped_overlap", "withdrawn")
 
@@ -51,5 +46,5 @@ class CronMetrics:
 
 
 async def read_schedules(conn: AsyncConnection) -> list[Metric]:
-    rows = [((r.state,), float(r.n)) for r in await conn.execute(_SCHEDULES)]
+    rows = [((state,), float(n)) for state, n in (await store.schedule_counts(conn)).items()]
     return [gauge_family("cairn_cron_schedules", "Schedules by state", ["state"], rows)]

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import psycopg
 from pydantic import TypeAdapter
 from sqlalchemy import Row, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
@@ -116,6 +117,11 @@ def schedule_from_row(row: Any) -> Schedule:
         created_at=row.created_at,
         updated_at=row.updated_at,
     )
+
+
+async def listen(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Subscribe a leader's own connection (psycopg) to schedule changes."""
+    await conn.execute(f"LISTEN {CHANNEL}")
 
 
 async def notify(conn: AsyncConnection, schedule_id: int) -> None:
@@ -573,3 +579,14 @@ async def record(conn: AsyncConnection, results: Sequence[Result]) -> None:
 def columns(values: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
     """Rows as columns, for the ``unnest`` statements above."""
     return [list(col) for col in zip(*values, strict=True)] if values else [[]] * width
+
+
+_SCHEDULE_COUNTS = text("""
+SELECT CASE WHEN paused THEN 'paused' ELSE 'active' END AS state, count(*) AS n
+FROM cron.schedules GROUP BY 1
+""")
+
+
+async def schedule_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Schedules by state (``active``, ``paused``), for ``/metrics``."""
+    return {r.state: int(r.n) for r in await conn.execute(_SCHEDULE_COUNTS)}

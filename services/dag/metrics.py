@@ -7,21 +7,11 @@ import time
 from collections.abc import Callable
 
 from prometheus_client.core import Metric
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.dag_models import RUN_ACTIVE, RUN_FINAL, NodeState, RunState
+from libs.common.dag_models import RUN_ACTIVE, RUN_FINAL, NodeState
 from libs.common.metrics import Metrics, gauge_family
-
-# Live runs only (the partial index of active runs); finished ones are counted as they end.
-_RUNS = text("""
-SELECT state, count(*) AS n FROM dag.runs WHERE state IN ('queued', 'running') GROUP BY state
-""")
-
-_NODES = text("""
-SELECT n.state, count(*) AS n FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id
-WHERE r.finished_at IS NULL GROUP BY n.state
-""")
+from services.dag import store
 
 
 class DagMetrics:
@@ -74,8 +64,7 @@ class DagMetrics:
 
 
 async def read_runs(conn: AsyncConnection) -> list[Metric]:
-    runs = {RunState(r.state): float(r.n) for r in await conn.execute(_RUNS)}
-    nodes = {NodeState(r.state): float(r.n) for r in await conn.execute(_NODES)}
+    runs, nodes = await store.live_counts(conn)
     return [
         gauge_family(
             "cairn_dag_runs",

@@ -758,3 +758,23 @@ async def store_cursor(conn: AsyncConnection, cursor: str) -> None:
 
 def run_model(row: Row[Any], nodes: list[Any] | None = None) -> Run:
     return Run.model_validate({**row._mapping, "nodes": nodes or []})
+
+
+# Live runs only (the partial index of active runs); finished ones are counted as they end.
+_LIVE_RUNS = text("""
+SELECT state, count(*) AS n FROM dag.runs WHERE state IN ('queued', 'running') GROUP BY state
+""")
+
+_LIVE_NODES = text("""
+SELECT n.state, count(*) AS n FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id
+WHERE r.finished_at IS NULL GROUP BY n.state
+""")
+
+
+async def live_counts(
+    conn: AsyncConnection,
+) -> tuple[dict[RunState, float], dict[NodeState, float]]:
+    """Unfinished runs by state, and their nodes by state, for ``/metrics``."""
+    runs = {RunState(r.state): float(r.n) for r in await conn.execute(_LIVE_RUNS)}
+    nodes = {NodeState(r.state): float(r.n) for r in await conn.execute(_LIVE_NODES)}
+    return runs, nodes

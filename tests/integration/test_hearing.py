@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import loops
-from services.core.feed import Notifier
+from services.core.db.feed import Notifier
 from services.core.settings import CoreSettings
 from tests.support import Core, register_worker, spec, start_core
 

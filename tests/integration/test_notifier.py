@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
-from services.core.feed import Notifier
+from services.core.db.feed import Notifier
 
 
 class _Counted:

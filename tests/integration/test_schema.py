@@ -16,7 +16,7 @@ from sqlalchemy import MetaData, create_engine
 from libs.common.migrations import alembic_config
 from libs.common.settings import libpq_url
 from services.core import migrate as core_migrate
-from services.core import tables as core_tables
+from services.core.db import tables as core_tables
 from services.cron import migrate as cron_migrate
 from services.cron import tables as cron_tables
 from services.dag import migrate as dag_migrate

@@ -32,13 +32,13 @@ from services.core.db import pipeline, placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.db.secrets import mask_json, refers_to_secrets
+from services.core.db.tables import attempts, tasks
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, ZERO, Amount, choose
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
-from services.core.tables import attempts, tasks
 
 S = TaskState
 

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import Caller
 from libs.common.models import AuditEntry
-from services.core.tables import audit
+from services.core.db.tables import audit
 
 _PURGE = text("""
 WITH old AS (

@@ -25,9 +25,14 @@ from libs.common.models import (
     SubscriptionFilter,
 )
 from services.core.db.params import jsonb
+from services.core.db.tables import (
+    notification_answers,
+    notifications,
+    notify_cursors,
+    subscriptions,
+)
 from services.core.domain import notify
 from services.core.identity.crypto import SecretBox
-from services.core.tables import notification_answers, notifications, notify_cursors, subscriptions
 
 # One replica at a time runs each scan: a transaction-scoped advisory lock, taken without
 # waiting (the other replicas skip the turn). 4707 is core's namespace (placement: 1).

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
 from services.core.db import sharing
+from services.core.db.tables import queues, workers
 from services.core.domain import pending
 from services.core.domain.placement import (
     DECAY,
@@ -35,7 +36,6 @@ from services.core.domain.placement import (
 from services.core.domain.sharing import Gate, Gated
 from services.core.domain.transitions import NOTE_STATES, Note, Op, sources
 from services.core.settings import CoreSettings
-from services.core.tables import queues, workers
 
 S = TaskState
 

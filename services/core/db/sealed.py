@@ -15,8 +15,8 @@ from sqlalchemy import Column, Row, Table, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.core.db.secrets import Scope
+from services.core.db.tables import secrets, subscriptions
 from services.core.domain.notify import secret_context
-from services.core.tables import secrets, subscriptions
 
 
 @dataclass(frozen=True)

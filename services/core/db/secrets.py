@@ -13,9 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import Assignment, SecretInfo, SecretRef
+from services.core.db.tables import secrets
 from services.core.db.teams import held_teams, teams_of
 from services.core.identity.crypto import SecretBox, Unreadable
-from services.core.tables import secrets
 
 MASK = "***"
 # Shorter values are not masked: masking "1" or "on" would hide every such letter pair.

@@ -26,6 +26,7 @@ from libs.common.models import (
     RunningUse,
     ShareSettings,
 )
+from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.placement import Amount
 from services.core.domain.sharing import (
     Asked,
@@ -38,7 +39,6 @@ from services.core.domain.sharing import (
     refusal,
     weights_share,
 )
-from services.core.tables import concurrency_limits, queues, shares, team_shares
 
 # Advisory lock classes: an owner's running quotas (claim), a team's (claim), a
 # concurrency key (claim); an owner's submission quotas (submit), a team's (submit).

@@ -45,14 +45,14 @@ from libs.common.models import (
 from libs.common.states import FINAL, TaskState
 from services.core.db import pipeline
 from services.core.db.params import jsonb
-from services.core.domain.transitions import Op, check, sources
-from services.core.tables import (
+from services.core.db.tables import (
     LABELLED,
     attempts,
     queues,
     task_events,
     tasks,
 )
+from services.core.domain.transitions import Op, check, sources
 
 # --- the named SQL of the hot paths ------------------------------------------------------
 

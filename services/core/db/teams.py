@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.models import Team
-from services.core.tables import team_claims, team_members, teams
+from services.core.db.tables import team_claims, team_members, teams
 
 
 def _team(row: Any) -> Team:

@@ -15,8 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, InvalidInput, NotFound
 from libs.common.models import TokenInfo
+from services.core.db.tables import principals, tokens
 from services.core.domain.principals import ROLES, Principal
-from services.core.tables import principals, tokens
 
 PREFIX = "cairn_"
 LAST_USED_EVERY_S = 60

@@ -22,8 +22,8 @@ from libs.common.models import (
 )
 from services.core.db import placement
 from services.core.db.attempts import Tally, lose
+from services.core.db.tables import attempts, workers
 from services.core.domain.placement import ZERO, Amount
-from services.core.tables import attempts, workers
 
 _OPEN_ATTEMPTS_OF = text("""
 SELECT a.id, a.task_id FROM core.attempts a
@@ -252,6 +252,14 @@ async def lose_all(
     for row in rows:
         await lose(conn, row.id, why, tally, host_died=host_died, excused=excused)
     return len(rows)
+
+
+_ANSWER = text("SELECT 1")
+
+
+async def answer(conn: AsyncConnection) -> None:
+    """A round trip: the database answers (a transaction has its connection)."""
+    await conn.execute(_ANSWER)
 
 
 async def reap(

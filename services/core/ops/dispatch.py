@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.errors import NotFound, StaleAttempt
@@ -28,7 +27,7 @@ from services.core import traces
 from services.core.db import attempts as attempts_db
 from services.core.db import placement, secrets
 from services.core.db import workers as workers_db
-from services.core.feed import Notifier
+from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox
 from services.core.metrics import CoreMetrics
 
@@ -273,7 +272,7 @@ async def reap(
     long this replica has heard without a break."""
     tally = attempts_db.Tally()
     async with engine.begin() as conn:
-        await conn.execute(text("SELECT 1"))
+        await workers_db.answer(conn)
         changed = await workers_db.reap(conn, timeout_s, tally, heard_for_s=hearing())
     if meter is not None:
         meter.count(tally)
