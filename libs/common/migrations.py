@@ -10,9 +10,11 @@ from alembic.config import Config
 from sqlalchemy import MetaData, create_engine, text
 from sqlalchemy.pool import NullPool
 
+from libs.common import locks
+
 # Replicas starting together take turns; the loser then finds nothing to do. One key for
 # every service: migrations are rare and short, so they may as well queue.
-_LOCK_KEY = 0x0CA1_C0DE
+_LOCK_KEY = locks.MIGRATIONS
 
 
 def alembic_config(script_location: Path, database_url: str) -> Config:

@@ -42,6 +42,7 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common import locks
 from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.settings import libpq_url
 from services.cron import store
@@ -52,7 +53,7 @@ from services.cron.settings import CronSettings
 
 log = logging.getLogger("cairn.cron")
 
-LEADER_LOCK = 0x0CA1_C709  # the advisory lock key the leader holds
+LEADER_LOCK = locks.CRON_LEADER  # the advisory lock key the leader holds
 # Cron's resolution is a minute: a slot less than this late cannot have a successor due.
 _MIN_PERIOD = timedelta(seconds=60)
 _PURGE_EVERY_S = 600.0

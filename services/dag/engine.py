@@ -31,7 +31,7 @@ import orjson
 from pydantic import TypeAdapter
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from libs.common import tracing
+from libs.common import locks, tracing
 from libs.common.client import CoreClient
 from libs.common.dag_models import (
     NODE_FINAL,
@@ -53,7 +53,7 @@ from services.dag.settings import DagSettings
 log = logging.getLogger("cairn.dag.engine")
 
 N = NodeState
-_LEADER_KEY = 0x0CA1_0DA6
+_LEADER_KEY = locks.DAG_LEADER
 _KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
 _OUTPUT_FETCHES = 16  # attempts read from core at once for their outputs
 # What a task's event does to its node: the states it may move from, and the new one.

@@ -13,6 +13,7 @@ from sqlalchemy import Row, TextClause, delete, func, insert, select, text, upda
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import locks
 from libs.common.errors import Conflict, NotFound, QuotaExceeded
 from libs.common.models import (
     MAX_SUBSCRIPTIONS,
@@ -36,8 +37,8 @@ from services.core.identity.crypto import SecretBox
 
 # One replica at a time runs each scan: a transaction-scoped advisory lock, taken without
 # waiting (the other replicas skip the turn). 4707 is core's namespace (placement: 1).
-MATCHER_LOCK = text("SELECT pg_try_advisory_xact_lock(4707, 2)")
-DEADLINE_LOCK = text("SELECT pg_try_advisory_xact_lock(4707, 3)")
+MATCHER_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.MATCHER}")
+DEADLINE_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.DEADLINE_SCAN}")
 
 _MATCHES = """
 JOIN core.subscriptions s ON s.owner = {owner} AND s.enabled AND {event} = ANY(s.events)
@@ -132,7 +133,9 @@ RETURNING n.id, n.tries, n.delivery_id, n.event, n.payload, n.created_at, n.subs
 
 # Two tests of one owner's subscriptions at once wait for each other (until the first
 # commits), so that the second's statement sees the first's stamp.
-LOCK_TESTS: TextClause = text("SELECT pg_advisory_xact_lock(hashtext('cairn-test:' || :owner))")
+LOCK_TESTS: TextClause = text(
+    f"SELECT pg_advisory_xact_lock({locks.WEBHOOK_TESTS}, hashtext(:owner))"
+)
 
 # Stamp a subscription's test, unless a test of any of its owner's subscriptions was
 # within the interval (so many subscriptions are not many tests).

@@ -15,6 +15,7 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import locks
 from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState
 from services.core.db import sharing
@@ -669,7 +670,7 @@ async def rightsizing(
     return out
 
 
-_PASS_LOCK = text("SELECT pg_try_advisory_xact_lock(4707, 1)")
+_PASS_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.PLACEMENT_PASS}")
 
 
 async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:

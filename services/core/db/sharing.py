@@ -16,6 +16,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common import locks
 from libs.common.errors import Forbidden, QuotaExceeded
 from libs.common.models import (
     ConcurrencyLimit,
@@ -43,8 +44,12 @@ from services.core.domain.sharing import (
 # Advisory lock classes: an owner's running quotas (claim), a team's (claim), a
 # concurrency key (claim); an owner's submission quotas (submit), a team's (submit).
 # Taken in that order, each sorted: no deadlock.
-_OWNER_LOCK, _KEY_LOCK, _SUBMIT_LOCK = 4708, 4709, 4710
-_TEAM_LOCK, _TEAM_SUBMIT_LOCK = 4711, 4712
+_OWNER_LOCK, _KEY_LOCK, _SUBMIT_LOCK = (
+    locks.OWNER_RUNNING,
+    locks.CONCURRENCY_KEY,
+    locks.OWNER_SUBMITS,
+)
+_TEAM_LOCK, _TEAM_SUBMIT_LOCK = locks.TEAM_RUNNING, locks.TEAM_SUBMITS
 
 _LOCK = text("""
 SELECT count(pg_advisory_xact_lock(CAST(:class AS integer), s.h)) FROM (
