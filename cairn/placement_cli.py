@@ -9,9 +9,9 @@ from typing import Annotated, Any
 import typer
 
 from cairn import output
+from cairn.tasks_cli import JsonFlag, _get, ctx_of
 from libs.common.models import Task
 from libs.common.states import FINAL, TaskState
-from cairn.tasks_cli import JsonFlag, _get, ctx_of
 
 
 def reason_of(task: Task) -> str:

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import health, metrics, pages, problems
 from libs.common.limits import BodyLimit
-from services.core import loops, notify, tasklogs
+from services.core import loops
 from services.core.api import (
     audit,
     events,
@@ -27,14 +27,15 @@ from services.core.api import (
     workers,
 )
 from services.core.api import sharing as sharing_api
+from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import sharing
 from services.core.db import teams as memberships
 from services.core.db.feed import Notifier
-from services.core.deps import LeaseCache, TokenCache
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
-from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
+from services.core.ops import notify, tasklogs
+from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
 

@@ -12,13 +12,13 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core import notify, tasklogs
 from services.core.db import audit, placement
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier
-from services.core.metrics import CoreMetrics
 from services.core.objects import LogObjects
 from services.core.ops import dispatch as ops
+from services.core.ops import notify, tasklogs
+from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")

@@ -11,7 +11,7 @@ from libs.common.egress import IPNetwork, parse_cidrs
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
-from services.core.identity.groups import TeamMapping, parse_team_map
+from services.core.domain.groups import TeamMapping, parse_team_map
 
 
 class SecretsKeySettings(CairnSettings):

@@ -47,7 +47,8 @@ from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import ontime, timing
-from services.cron.fire import Made, Outgoing, Result, Sender
+from services.cron.domain.fires import Result
+from services.cron.fire import Made, Outgoing, Sender
 from services.cron.metrics import CronMetrics
 from services.cron.settings import CronSettings
 

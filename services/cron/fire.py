@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
@@ -19,8 +19,8 @@ from libs.common.dag_models import RunFire
 from libs.common.errors import CairnError, Unavailable
 from libs.common.models import NotificationEvent
 from libs.common.states import FINAL
+from services.cron.domain.fires import Result
 
-Outcome = Literal["submitted", "failed", "pending", "missed"]
 log = logging.getLogger("cairn.cron.fire")
 SCHEDULE_LABEL = "cairn.cron/schedule"
 FIRE_LABEL = "cairn.cron/fire-time"
@@ -56,17 +56,6 @@ class Outgoing:
     @property
     def key(self) -> str:
         return fire_key(self.schedule_id, self.fire_time, self.manual, self.withdrawn)
-
-
-@dataclass(frozen=True)
-class Result:
-    schedule_id: int
-    fire_time: datetime
-    outcome: Outcome
-    task_id: int | None = None
-    run_id: int | None = None
-    detail: str | None = None
-    submitted_at: datetime | None = None
 
 
 def _retryable(exc: BaseException) -> bool:

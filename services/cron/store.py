@@ -35,8 +35,8 @@ from libs.common.cron_models import (
 from libs.common.errors import Conflict, InvalidInput, NotFound
 from libs.common.teams import bound_to_team, check_team_change, check_what_runs
 from services.cron.domain import timing
+from services.cron.domain.fires import Result
 from services.cron.domain.timing import InvalidSchedule
-from services.cron.fire import Result
 from services.cron.tables import fires, schedules
 
 CHANNEL = "cron_schedules"

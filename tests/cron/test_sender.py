@@ -12,7 +12,8 @@ import httpx
 import respx
 
 from libs.common.client import CoreClient
-from services.cron.fire import Outgoing, Result, Sender
+from services.cron.domain.fires import Result
+from services.cron.fire import Outgoing, Sender
 from tests.support import spec
 
 CORE = "http://core.test"

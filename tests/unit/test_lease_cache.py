@@ -3,7 +3,7 @@ cached."""
 
 from __future__ import annotations
 
-from services.core.deps import LeaseCache
+from services.core.api.deps import LeaseCache
 
 
 class Clock:

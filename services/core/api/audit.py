@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query
 
 from libs.common.models import MAX_PAGE, AuditPage, StorableTime
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import AdminOnly, Engine
 from services.core.db import audit
-from services.core.deps import AdminOnly, Engine
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 

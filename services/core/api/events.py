@@ -11,9 +11,9 @@ from fastapi import APIRouter, Query, Request
 from libs.common.errors import InvalidInput
 from libs.common.models import MAX_PAGE, MAX_WAIT_S, EventPage
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import Engine, Reader
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier
-from services.core.deps import Engine, Reader
 
 router = APIRouter(prefix="/v1/events", tags=["events"])
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from libs.common.models import WhoAmI
 from libs.common.problems import PROBLEMS
-from services.core.deps import CurrentPrincipal
+from services.core.api.deps import CurrentPrincipal
 
 router = APIRouter(prefix="/v1", tags=["principals"])
 

@@ -9,9 +9,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import AdminOnly, Announcer, Audit, Engine, Reader
 from services.core.db import placement
 from services.core.db import tasks as tasks_db
-from services.core.deps import AdminOnly, Announcer, Audit, Engine, Reader
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
 

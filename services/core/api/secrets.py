@@ -21,9 +21,9 @@ from libs.common.models import (
     TeamName,
 )
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import AdminOnly, Audit, Box, Engine, Reader
 from services.core.db import secrets
 from services.core.db.secrets import Scope
-from services.core.deps import AdminOnly, Audit, Box, Engine, Reader
 from services.core.domain.principals import Principal
 from services.core.ops import rekey
 

@@ -19,8 +19,8 @@ from libs.common.models import (
     ShareSettings,
 )
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import AdminOnly, Engine, Reader
 from services.core.db import sharing
-from services.core.deps import AdminOnly, Engine, Reader
 
 router = APIRouter(tags=["sharing"])
 

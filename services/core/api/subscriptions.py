@@ -24,11 +24,11 @@ from libs.common.models import (
     SubscriptionList,
 )
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import Box, Engine, Reader, SubmittingOwner, require
 from services.core.db import notifications
-from services.core.deps import Box, Engine, Reader, SubmittingOwner, require
 from services.core.domain.notify import new_secret
 from services.core.domain.principals import Principal
-from services.core.notify import Webhooks
+from services.core.ops.notify import Webhooks
 from services.core.settings import CoreSettings
 
 router = APIRouter(prefix="/v1/subscriptions", tags=["notifications"])

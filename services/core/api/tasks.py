@@ -38,10 +38,8 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import tasklogs, traces
-from services.core.db import placement, secrets, sharing, teams
-from services.core.db import tasks as tasks_db
-from services.core.deps import (
+from services.core import traces
+from services.core.api.deps import (
     Announcer,
     Audit,
     Engine,
@@ -51,9 +49,12 @@ from services.core.deps import (
     Submitting,
     TaskIdPath,
 )
+from services.core.db import placement, secrets, sharing, teams
+from services.core.db import tasks as tasks_db
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
-from services.core.metrics import CoreMetrics
+from services.core.ops import tasklogs
+from services.core.ops.metrics import CoreMetrics
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 

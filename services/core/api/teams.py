@@ -17,8 +17,8 @@ from libs.common.models import (
     TeamName,
 )
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import AdminOnly, Audit, Engine, Reader
 from services.core.db import sharing, teams
-from services.core.deps import AdminOnly, Audit, Engine, Reader
 
 router = APIRouter(prefix="/v1/teams", tags=["teams"])
 

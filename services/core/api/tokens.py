@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from libs.common.errors import Forbidden, InvalidInput
 from libs.common.models import MAX_PAGE, PrincipalName, TokenCreate, TokenCreated, TokenList
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import Audit, Engine, TokenCache, require
 from services.core.db import tokens
-from services.core.deps import Audit, Engine, TokenCache, require
 from services.core.domain.principals import Principal
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])

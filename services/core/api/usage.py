@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query
 
 from libs.common.models import MAX_PAGE, Name, TeamName, UsageReport
 from libs.common.problems import PROBLEMS
+from services.core.api.deps import Engine, Reader
 from services.core.db import placement
-from services.core.deps import Engine, Reader
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 

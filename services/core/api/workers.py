@@ -32,12 +32,7 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState
-from services.core import tasklogs
-from services.core.api.tasks import decode_cursor, encode_cursor
-from services.core.db import attempts as attempts_db
-from services.core.db import placement
-from services.core.db import workers as workers_db
-from services.core.deps import (
+from services.core.api.deps import (
     AdminOnly,
     Announcer,
     Audit,
@@ -50,8 +45,13 @@ from services.core.deps import (
     on_liveness_pool,
     require,
 )
+from services.core.api.tasks import decode_cursor, encode_cursor
+from services.core.db import attempts as attempts_db
+from services.core.db import placement
+from services.core.db import workers as workers_db
 from services.core.domain.principals import Principal
 from services.core.ops import dispatch as ops
+from services.core.ops import tasklogs
 from services.core.settings import CoreSettings
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])

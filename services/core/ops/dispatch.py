@@ -29,7 +29,7 @@ from services.core.db import placement, secrets
 from services.core.db import workers as workers_db
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox
-from services.core.metrics import CoreMetrics
+from services.core.ops.metrics import CoreMetrics
 
 #: how often a waiting claim looks again without a notification
 POLL_S = 0.5

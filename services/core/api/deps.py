@@ -25,7 +25,7 @@ from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
-from services.core.metrics import CoreMetrics
+from services.core.ops.metrics import CoreMetrics
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
 
