@@ -3,8 +3,8 @@ placing with the same functions as core (``services.core.domain.placement``), an
 utilisation, waits, preemptions and guaranteed-work delays.
 
 How it models core: an idle worker claims a new submission at once; a worker whose
-attempt ends claims from the head of the waiting line (best first, ``HEAD`` deep, as a
-claim reads ``max * 4`` rows); a guaranteed task that fits nowhere for
+attempt ends claims from the head of the waiting line (best first, as deep as core's
+claim reads: ``domain.placement.claim_depth``); a guaranteed task that fits nowhere for
 ``preempt_after_s`` gets room made (squeeze, then preemption). Preemption is immediate
 (no grace) and a preempted run restarts from the beginning. Real memory above a worker's
 capacity (overcommit gone wrong) kills its youngest preemptible attempt, counted as an
@@ -35,12 +35,13 @@ from services.core.domain.placement import (
     best_plan,
     charge,
     choose,
+    claim_depth,
     decayed_peak,
 )
 from services.core.domain.sharing import fair_stamp
 
-HEAD = 64
 MOST = 16
+HEAD = claim_depth(MOST)
 PLAN_ON = 4
 
 

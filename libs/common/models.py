@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.states import TaskState
+from libs.common.states import ReportedOutcome, TaskState, WorkerState
 
 MAX_BATCH = 1000
 MAX_PAGE = 1000
@@ -451,9 +451,6 @@ class WorkerRegister(_Input):
     memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
 
 
-WorkerState = Literal["live", "draining", "dead", "left"]
-
-
 class Worker(_Output):
     id: int
     principal: str
@@ -462,7 +459,7 @@ class Worker(_Output):
     labels: dict[str, str]
     cpu: float
     memory_mb: int
-    state: Literal["live", "draining", "dead", "left"]
+    state: WorkerState
     registered_at: datetime
     last_heartbeat_at: datetime
     used_cpu: float = 0
@@ -496,7 +493,7 @@ class Heartbeat(_Input):
 
 
 class HeartbeatAnswer(_Output):
-    state: Literal["live", "draining", "dead", "left"]
+    state: WorkerState
     #: attempts the worker must stop: cancelled, or no longer current (lost)
     stop: list[int]
     #: attempts to run with a lower CPU share (guaranteed work needs the CPU)
@@ -595,9 +592,7 @@ class Report(_Input):
     attempt went over its memory limit and the kernel killed it; retried as a failure.
     ``retryable: false`` makes a failure final."""
 
-    outcome: Literal[
-        "succeeded", "failed", "timeout", "crashed", "oom_killed", "handed_back", "preempted"
-    ]
+    outcome: ReportedOutcome
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
     error: Annotated[str, StringConstraints(max_length=4096)] | None = None
     retryable: bool = True
@@ -723,7 +718,7 @@ class ReportVerdict(_Output):
 
 class TurnAnswer(_Output):
     #: the worker's state: a ``dead`` or ``left`` worker is leased nothing
-    state: Literal["live", "draining", "dead", "left"]
+    state: WorkerState
     reports: list[ReportVerdict]
     attempts: list[Assignment]
 

@@ -27,7 +27,21 @@ def libpq_url(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-class CairnSettings(BaseSettings):
+class WorkerOfferSettings(BaseSettings):
+    """What a worker offers core (``CAIRN_WORKER_*``): read by the worker agent, and by
+    ``cairn up`` for the worker it starts."""
+
+    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
+
+    worker_queues: str = "default"
+    worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
+    worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
+    worker_labels: str = ""
+    worker_drain_grace_s: float = Field(default=60.0, ge=0)
+    worker_slots: int = Field(default=64, ge=1, le=4096)
+
+
+class CairnSettings(WorkerOfferSettings):
     """The settings shared by every process; names and defaults are part of the interface."""
 
     model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
@@ -46,12 +60,6 @@ class CairnSettings(BaseSettings):
     ui_origins: str = ""
     heartbeat_interval_s: float = Field(default=60.0, gt=0)
     heartbeat_timeout_s: float = Field(default=180.0, gt=0)
-    worker_queues: str = "default"
-    worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
-    worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
-    worker_labels: str = ""
-    worker_drain_grace_s: float = Field(default=60.0, ge=0)
-    worker_slots: int = Field(default=64, ge=1, le=4096)
     log_level: str = "info"
     # The system user the embedded PostgreSQL runs as when Cairn runs as root.
     pg_system_user: str = Field(default="embedded_postgres", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")

@@ -39,6 +39,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
+from libs.common.states import Workers
 from services.worker import hardening, outputs, pressure, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import (
@@ -377,11 +378,11 @@ class Agent:
         return answer
 
     def _heard(self, state: str, sent: float) -> None:
-        if state in ("live", "draining"):
+        if state in Workers.PRESENT:
             self.heard_at = max(self.heard_at, sent)
-        if state == "dead":
+        if state == Workers.DEAD:
             self.dead = True
-        elif state in ("draining", "left"):
+        elif state in (Workers.DRAINING, Workers.LEFT):
             self.draining.set()
 
     def _vouched(self) -> bool:
@@ -474,9 +475,9 @@ class Agent:
         self._obey(state.read(self.folder / state.ANSWER))
 
     def _obey(self, answer: dict[str, Any]) -> None:
-        if answer.get("state") == "dead":
+        if answer.get("state") == Workers.DEAD:
             self.dead = True
-        elif answer.get("state") in ("draining", "left"):
+        elif answer.get("state") in (Workers.DRAINING, Workers.LEFT):
             self.draining.set()
         for attempt_id in answer.get("stop", []):
             entry = self.running.get(int(attempt_id))

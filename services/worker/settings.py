@@ -3,19 +3,18 @@ it needs of core comes over the HTTP API, with a worker token."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
-from libs.common.settings import host_memory_mb, parse_labels, parse_list
+from libs.common.settings import WorkerOfferSettings, parse_labels, parse_list
 from libs.common.sources import parse_sources
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(WorkerOfferSettings):
     """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
 
     model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
@@ -28,12 +27,6 @@ class WorkerSettings(BaseSettings):
     token_file: Path | None = None
     log_level: str = "info"
 
-    worker_queues: str = "default"
-    worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
-    worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
-    worker_labels: str = ""
-    worker_drain_grace_s: float = Field(default=60.0, ge=0)
-    worker_slots: int = Field(default=64, ge=1, le=4096)
     #: lease delayed work this many seconds before its run_at and start it at its run_at
     #: (a held attempt keeps its slot and charge meanwhile); 0: only work due now
     # 3 s: 10,000 fires due in one second and a steady 100,000 a minute both start on time

@@ -28,10 +28,9 @@ from libs.common.models import (
     WorkerList,
     WorkerRegister,
     WorkerRegistered,
-    WorkerState,
 )
 from libs.common.problems import PROBLEMS
-from libs.common.states import TaskState
+from libs.common.states import TaskState, Workers, WorkerState
 from services.core.api.deps import (
     AdminOnly,
     Announcer,
@@ -289,7 +288,7 @@ async def ship_logs(
 async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, record: Audit) -> Worker:
     """Stop giving the worker new work; what runs finishes (the agent hands back the rest
     after its grace period)."""
-    return await _set_state(engine, worker_id, "draining", record)
+    return await _set_state(engine, worker_id, Workers.DRAINING, record)
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
@@ -302,7 +301,7 @@ async def leave(worker: OwnWorker, dispatcher: Dispatch, engine: Engine) -> Work
 async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) -> Worker:
     async with engine.begin() as conn:
         row = await workers_db.get_worker(conn, worker_id, None)
-        if row.state not in ("live", "draining"):
+        if row.state not in Workers.PRESENT:
             raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
         await workers_db.set_worker_state(conn, worker_id, state)
         target = f"worker:{worker_id}"

@@ -26,7 +26,7 @@ from libs.common.models import (
     ReportVerdict,
     Resources,
 )
-from libs.common.states import FINAL, TaskState
+from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core import traces
 from services.core.db import pipeline, placement, sharing
 from services.core.db import tasks as tasks_db
@@ -35,7 +35,7 @@ from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
 from services.core.domain import outcomes
 from services.core.domain.outcomes import Move
-from services.core.domain.placement import DECAY, ZERO, Amount, choose
+from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
@@ -227,12 +227,6 @@ FROM moved ORDER BY priority DESC, id
 _COMMIT = text("COMMIT")
 
 
-# Candidates a claim locks beyond what it may lease, for those that placement or a quota
-# refuses: up to three per lease for a small claim, at most this many for a large one
-# (each candidate is a row lock, and rows one claim locks the others skip).
-CANDIDATE_SLACK = 32
-
-
 def _clean(value: str | None) -> str | None:
     """PostgreSQL text holds no NUL; a process's output may."""
     return value.replace("\x00", "\ufffd") if value else value
@@ -254,13 +248,13 @@ class Tally:
 # started marked seen, under the worker row's lock until commit. The reaper's
 # dead-declaration locks the same row and re-checks the silence, so either it ran first
 # (the worker is no longer live or draining: no row here, no lease) or it skips the worker.
-_HEARD = text("""
+_HEARD = text(f"""
 WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
     WHERE id = ANY(CAST(:started AS bigint[])) AND worker_id = :worker AND outcome IS NULL
 )
 UPDATE core.workers SET last_heartbeat_at = now()
-WHERE id = :worker AND state IN ('live', 'draining')
+WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
 RETURNING *
 """)
 
@@ -351,7 +345,7 @@ def ask(
     lease. ``ahead_s``: also delayed work due within it, into the room the work due now
     leaves, each started at its ``run_at``."""
     defaults = defaults or placement.Defaults()
-    if worker.state != "live" or most <= 0:
+    if worker.state != Workers.LIVE or most <= 0:
         return None
     listed = [p for p in placed if p.id not in closing]
     [node] = placement.nodes_from([worker], listed, {worker.id: rest})
@@ -364,7 +358,7 @@ def ask(
         "queues": list(worker.queues),
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
-        "limit": most + min(3 * most, CANDIDATE_SLACK),
+        "limit": claim_depth(most),
         "aged_limit": most,
         "defer_above": defaults.defer_above,
         "defer_margin_s": defaults.defer_margin_s,

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common import locks
 from libs.common.models import QueueSettings, Task, UsageRow
-from libs.common.states import TaskState
+from libs.common.states import TaskState, Workers
 from services.core.db import sharing
 from services.core.db.tables import queues, workers
 from services.core.domain import pending
@@ -184,7 +184,7 @@ async def live_rooms(conn: AsyncConnection) -> list[Node]:
 
 
 async def _live_workers(conn: AsyncConnection) -> list[Any]:
-    return list(await conn.execute(select(workers).where(workers.c.state == "live")))
+    return list(await conn.execute(select(workers).where(workers.c.state == Workers.LIVE)))
 
 
 def candidate(row: Any, defaults: Defaults) -> Candidate:
@@ -538,9 +538,9 @@ WHERE id = (SELECT id FROM core.workers WHERE id = :worker FOR UPDATE SKIP LOCKE
   AND reserved_for IS NULL
   AND NOT EXISTS (SELECT 1 FROM core.workers w WHERE w.reserved_for = :task)
 """)
-_RELEASE = text("""
+_RELEASE = text(f"""
 UPDATE core.workers w SET reserved_for = NULL
-WHERE w.reserved_for IS NOT NULL AND (w.state <> 'live' OR NOT EXISTS (
+WHERE w.reserved_for IS NOT NULL AND (w.state <> '{Workers.LIVE}' OR NOT EXISTS (
     SELECT 1 FROM core.tasks t WHERE t.id = w.reserved_for AND t.state = 'waiting'))
 """)
 

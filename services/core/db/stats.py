@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.states import TaskState
+from libs.common.states import TaskState, Workers, sql_in
 from services.core.db import placement
 from services.core.db import tasks as tasks_db
 
@@ -41,11 +41,11 @@ async def queues(conn: AsyncConnection) -> Queues:
 
 
 # A worker's pool is the set of queues it serves: bounded by configuration, not by hosts.
-_POOL_WORKERS = text("""
+_POOL_WORKERS = text(f"""
 SELECT id, array_to_string(queues, ',') AS pool, cpu, memory_mb,
        CAST(EXTRACT(EPOCH FROM now() - last_heartbeat_at) AS double precision) AS heartbeat_age
 FROM core.workers
-WHERE state IN ('live', 'draining')
+WHERE {sql_in("state", Workers.PRESENT)}
 """)
 
 
@@ -82,10 +82,10 @@ async def pools(conn: AsyncConnection) -> dict[str, Pool]:
 
 
 # Per queue, the live workers that serve it (draining ones take no new work).
-_QUEUE_WORKERS = text("""
+_QUEUE_WORKERS = text(f"""
 SELECT q.queue, count(*) AS live
 FROM core.workers w CROSS JOIN LATERAL unnest(w.queues) AS q(queue)
-WHERE w.state = 'live'
+WHERE w.state = '{Workers.LIVE}'
 GROUP BY q.queue
 """)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -26,17 +24,14 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from libs.common.schema import metadata_for
-from libs.common.states import FINAL, TaskState
+from libs.common.states import ATTEMPT_OUTCOMES, FINAL, WORKER_STATES, TaskState, Workers, sql_in
 
 SCHEMA = "core"
 
 metadata = metadata_for(SCHEMA)
 
 
-def _in(column: str, values: Iterable[TaskState]) -> str:
-    return f"{column} IN ({', '.join(repr(str(v)) for v in sorted(values))})"
-
-
+_in = sql_in
 _FINAL_SQL = _in("state", FINAL)
 _ALL_STATES_SQL = _in("state", TaskState)
 _LIVE = [s for s in TaskState if s not in FINAL] + [TaskState.DEAD]
@@ -326,20 +321,22 @@ workers = Table(
     Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("cpu", Double, nullable=False),
     Column("memory_mb", Integer, nullable=False),
-    Column("state", Text, nullable=False, server_default=text("'live'")),
+    Column("state", Text, nullable=False, server_default=text(f"'{Workers.LIVE}'")),
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("gone_at", DateTime(timezone=True)),
     # sha-256 of the worker's lease secret: only the agent that registered it may act for it
     Column("lease_sha256", Text),
     Column("reserved_for", BigInteger),
-    CheckConstraint("state IN ('dead', 'draining', 'left', 'live')", name="state"),
+    CheckConstraint(sql_in("state", WORKER_STATES), name="state"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
-    CheckConstraint("(state IN ('dead', 'left')) = (gone_at IS NOT NULL)", name="gone_has_time"),
+    CheckConstraint(
+        f"({sql_in('state', Workers.GONE)}) = (gone_at IS NOT NULL)", name="gone_has_time"
+    ),
     Index(
         "ix_workers_heartbeat",
         "last_heartbeat_at",
-        postgresql_where=text("state IN ('draining', 'live')"),
+        postgresql_where=text(sql_in("state", Workers.PRESENT)),
     ),
 )
 
@@ -375,8 +372,7 @@ attempts = Table(
     Column("outputs", JSONB),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
-        "outcome IN ('cancelled', 'crashed', 'failed', 'handed_back', 'lost', 'oom_killed',"
-        " 'preempted', 'succeeded', 'timeout')",
+        sql_in("outcome", ATTEMPT_OUTCOMES),
         name="outcome",
     ),
     Index("ix_attempts_open_by_worker", "worker_id", postgresql_where=text("outcome IS NULL")),

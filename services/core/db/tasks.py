@@ -42,7 +42,7 @@ from libs.common.models import (
     TaskCreate,
     TaskSelector,
 )
-from libs.common.states import FINAL, TaskState
+from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core.db import pipeline
 from services.core.db.params import jsonb
 from services.core.db.tables import (
@@ -360,10 +360,10 @@ DELETE FROM core.tasks t USING doomed WHERE t.id = doomed.id
 """)
 
 # Workers dead or departed longer than the retention; their attempts keep a NULL worker.
-PURGE_WORKERS: TextClause = text("""
+PURGE_WORKERS: TextClause = text(f"""
 WITH doomed AS (
     SELECT id FROM core.workers
-    WHERE state IN ('dead', 'left') AND gone_at < now() - make_interval(secs => :age_s)
+    WHERE {sql_in("state", Workers.GONE)} AND gone_at < now() - make_interval(secs => :age_s)
     ORDER BY gone_at
     LIMIT :limit
     FOR UPDATE SKIP LOCKED

@@ -20,6 +20,7 @@ from libs.common.models import (
     Worker,
     WorkerRegister,
 )
+from libs.common.states import Workers, sql_in
 from services.core.db import placement
 from services.core.db.attempts import Tally, lose
 from services.core.db.tables import attempts, workers
@@ -33,10 +34,10 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 
 # ``deaf``: the worker fell silent before this replica could hear it (core or its
 # database was away), so its silence may be core's own doing.
-_SILENT_WORKERS = text("""
-UPDATE core.workers w SET state = 'dead', gone_at = now()
+_SILENT_WORKERS = text(f"""
+UPDATE core.workers w SET state = '{Workers.DEAD}', gone_at = now()
 FROM (SELECT id, last_heartbeat_at FROM core.workers
-      WHERE state IN ('draining', 'live')
+      WHERE {sql_in("state", Workers.PRESENT)}
         AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
       FOR UPDATE) silent
 WHERE w.id = silent.id
@@ -153,7 +154,7 @@ async def list_workers(
 
 
 async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) -> None:
-    gone = func.now() if state in ("dead", "left") else None
+    gone = func.now() if state in Workers.GONE else None
     await conn.execute(
         update(workers).where(workers.c.id == worker_id).values(state=state, gone_at=gone)
     )

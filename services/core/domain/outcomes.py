@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from libs.common.states import TaskState
+from libs.common.states import REPORTED_OUTCOMES, ReportedOutcome, TaskState
 from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.transitions import Op
 
@@ -68,7 +68,7 @@ class Rule:
 _FAILURE = Rule(None, None, "")
 
 #: every outcome a worker may report, and what it does to a task (kind ``task``)
-OUTCOMES: dict[str, Rule] = {
+OUTCOMES: dict[ReportedOutcome, Rule] = {
     "succeeded": Rule(Op.SUCCEED, S.SUCCEEDED, "exited 0"),
     "handed_back": Rule(Op.REQUEUE, S.WAITING, "handed back by its worker", refund=True),
     "preempted": Rule(Op.PREEMPT, S.WAITING, "preempted by its worker, requeued", refund=True),
@@ -77,6 +77,8 @@ OUTCOMES: dict[str, Rule] = {
     "oom_killed": _FAILURE,
     "crashed": Rule(None, None, "", crashed=True),
 }
+
+assert set(OUTCOMES) == set(REPORTED_OUTCOMES), "a reported outcome without a rule"
 
 #: outcomes that give the attempt back whatever the kind (a service too)
 GIVEN_BACK = frozenset(name for name, rule in OUTCOMES.items() if rule.refund)
@@ -112,7 +114,7 @@ def preempted_reason(by: int | None, why: str | None) -> str:
 
 def reported(
     task: Budget,
-    outcome: str,
+    outcome: ReportedOutcome,
     error: str | None,
     *,
     retryable: bool,

@@ -83,6 +83,17 @@ class Placed:
         return self.charge
 
 
+# Candidates a claim locks beyond what it may lease, for those that placement or a quota
+# refuses: up to three per lease for a small claim, at most this many for a large one
+# (each candidate is a row lock, and rows one claim locks the others skip).
+CANDIDATE_SLACK = 32
+
+
+def claim_depth(most: int) -> int:
+    """How many of the best waiting rows a claim for ``most`` leases reads and locks."""
+    return most + min(3 * most, CANDIDATE_SLACK)
+
+
 def held_in_all(cpu: float, squeezed_cpu: float, memory_mb: float) -> Amount:
     """What attempts hold together, from their charges summed: ``cpu`` of those running
     as charged, ``squeezed_cpu`` of the squeezed (who keep little of it), all their

@@ -22,7 +22,7 @@ from libs.common.models import (
     ReportVerdict,
     Turn,
 )
-from libs.common.states import TaskState
+from libs.common.states import TaskState, Workers
 from services.core import traces
 from services.core.db import attempts as attempts_db
 from services.core.db import placement, secrets
@@ -83,7 +83,7 @@ async def turn(
         leased = await _lease(ops, conn, asked, picked, tally)
         state = await _state(conn, worker_id, heard)
     _told(ops, tally, body.reports, verdicts, leased, headers)
-    if leased or body.claim is None or body.claim.wait <= 0 or state != "live":
+    if leased or body.claim is None or body.claim.wait <= 0 or state != Workers.LIVE:
         return TurnResult(state, verdicts, leased)
     leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, since)
     return TurnResult(state, verdicts, leased)
@@ -187,7 +187,7 @@ async def _wait_for_work(
     while True:
         remaining = deadline - loop.time()
         if remaining <= 0 or (gone is not None and await gone()):
-            return [], "live"
+            return [], Workers.LIVE
         await ops.notifier.wait(min(remaining, POLL_S), since)
         since = ops.notifier.mark()
         tally = attempts_db.Tally()
@@ -198,7 +198,7 @@ async def _wait_for_work(
             leased = await _lease(ops, conn, asked, picked, tally)
             state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
-        if leased or state != "live":
+        if leased or state != Workers.LIVE:
             return leased, state
 
 
@@ -250,7 +250,7 @@ async def leave(ops: Dispatcher, worker_id: int) -> None:
     """The worker left: every attempt it still holds is lost at once."""
     tally = attempts_db.Tally()
     async with ops.engine.begin() as conn:
-        await workers_db.set_worker_state(conn, worker_id, "left")
+        await workers_db.set_worker_state(conn, worker_id, Workers.LEFT)
         await workers_db.lose_all(conn, worker_id, "its worker left", tally)
     ops.meter.count(tally)
     if tally.lost:

@@ -10,12 +10,9 @@ from prometheus_client.core import Metric
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.metrics import Metrics, gauge_family
-from libs.common.states import FINAL, TaskState
+from libs.common.states import ATTEMPT_OUTCOMES, FINAL, TaskState
 from services.core.db import stats
 from services.core.db.attempts import Tally
-
-# Every attempt outcome, so that rates over them exist before the first of each.
-ATTEMPT_OUTCOMES = ("succeeded", "failed", "timeout", "crashed", "handed_back", "preempted", "lost")
 
 
 class CoreMetrics:
@@ -29,7 +26,7 @@ class CoreMetrics:
         self.started = m.counter("cairn_attempts_started_total", "Attempts leased to workers")
         self.attempts_finished = m.counter(
             "cairn_attempts_finished_total",
-            "Attempts ended, by outcome (succeeded, failed, timeout, crashed, lost, handed_back)",
+            "Attempts ended, by outcome (libs/common/states.py: AttemptOutcome)",
             ["outcome"],
         )
         self.finished = m.counter(
@@ -63,6 +60,7 @@ class CoreMetrics:
             self.claims_held.labels(reason)
         for state in (TaskState.SUCCEEDED, TaskState.DEAD, TaskState.CANCELLED):
             self.finished.labels(state.value)
+        # Every outcome, so that rates over them exist before the first of each.
         for outcome in ATTEMPT_OUTCOMES:
             self.attempts_finished.labels(outcome)
         m.read_at_scrape(read_queues)
