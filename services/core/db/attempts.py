@@ -185,7 +185,7 @@ _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 # and its event appended. The move is driven by the chosen ids through the primary key: a
 # join of the tasks with the chosen rows was planned as a scan of the waiting work, which
 # grows with the backlog (docs/benchmarks.md).
-_CLAIM = text("""
+_CLAIM = text(f"""
 WITH moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
@@ -207,7 +207,7 @@ WITH moved AS (
     SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
            concurrency_key,
            -- leased ahead: it starts at its run_at, and every deadline counts from then
-           CASE WHEN from_state = 'ready' THEN GREATEST(now(), run_at) ELSE now() END
+           CASE WHEN from_state = '{S.READY}' THEN GREATEST(now(), run_at) ELSE now() END
     FROM moved
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, attempt_id)
@@ -219,7 +219,7 @@ SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_pa
        memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
        charge_cpu, charge_memory_mb,
        GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
-       CASE WHEN from_state = 'ready' AND run_at > now() THEN run_at END AS start_at
+       CASE WHEN from_state = '{S.READY}' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
 
@@ -525,11 +525,11 @@ def _count(move: Move, tally: Tally | None) -> None:
 # A service's recent attempts (the one just closed included): restarts since its last
 # healthy run, and crashes within the window; attempts lost with their host count for
 # neither.
-_SERVICE_HISTORY = text("""
+_SERVICE_HISTORY = text(f"""
 WITH recent AS (
     SELECT a.id, a.outcome, a.ended_at,
            a.ended_at - a.started_at >= make_interval(secs => :healthy_s) AS healthy,
-           COALESCE(a.outcome = 'lost' AND w.state = 'dead' AND a.ended_at >= w.gone_at, false)
+           COALESCE(a.outcome = 'lost' AND w.state = '{Workers.DEAD}' AND a.ended_at >= w.gone_at, false)
                AS host_died
     FROM core.attempts a LEFT JOIN core.workers w ON w.id = a.worker_id
     WHERE a.task_id = :task AND a.outcome IS NOT NULL
@@ -569,11 +569,11 @@ async def _restart_service(
     return await _apply(conn, task.id, attempt_id, move, tally)
 
 
-_CONFIRM_START = text("""
+_CONFIRM_START = text(f"""
 UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
 FROM core.tasks t
 WHERE a.id = :attempt AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = 'running'
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING}'
 RETURNING t.id
 """)
 

@@ -433,9 +433,9 @@ SELECT count(*) FROM moved
 # Guaranteed work waiting too long, less the tasks room is already being made for: the
 # latter as one hashed set (an OR inside NOT EXISTS was a nested loop of the whole
 # backlog by every open attempt: 570 ms a pass at 20,000 waiting, docs/benchmarks.md).
-_BLOCKED = text("""
+_BLOCKED = text(f"""
 SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority FROM core.tasks t
-WHERE t.state = 'waiting' AND NOT t.preemptible
+WHERE t.state = '{S.WAITING}' AND NOT t.preemptible
   AND t.updated_at < now() - make_interval(secs => :after_s)
   AND t.id NOT IN (
       SELECT a.preempted_by FROM core.attempts a
@@ -541,7 +541,7 @@ WHERE id = (SELECT id FROM core.workers WHERE id = :worker FOR UPDATE SKIP LOCKE
 _RELEASE = text(f"""
 UPDATE core.workers w SET reserved_for = NULL
 WHERE w.reserved_for IS NOT NULL AND (w.state <> '{Workers.LIVE}' OR NOT EXISTS (
-    SELECT 1 FROM core.tasks t WHERE t.id = w.reserved_for AND t.state = 'waiting'))
+    SELECT 1 FROM core.tasks t WHERE t.id = w.reserved_for AND t.state = '{S.WAITING}'))
 """)
 
 

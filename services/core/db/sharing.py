@@ -27,6 +27,7 @@ from libs.common.models import (
     RunningUse,
     ShareSettings,
 )
+from libs.common.states import TaskState
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.placement import Amount
 from services.core.domain.sharing import (
@@ -40,6 +41,8 @@ from services.core.domain.sharing import (
     refusal,
     weights_share,
 )
+
+S = TaskState
 
 # Advisory lock classes: an owner's running quotas (claim), a team's (claim), a
 # concurrency key (claim); an owner's submission quotas (submit), a team's (submit).
@@ -275,9 +278,9 @@ class Book:
         )
 
 
-_WAITING = text("""
+_WAITING = text(f"""
 SELECT count(*) FROM (
-    SELECT 1 FROM core.tasks WHERE owner = :owner AND state IN ('ready', 'waiting') LIMIT :cap
+    SELECT 1 FROM core.tasks WHERE owner = :owner AND state IN ('{S.READY}', '{S.WAITING}') LIMIT :cap
 ) s
 """)
 
@@ -296,9 +299,9 @@ RETURNING rate_count,
 WAITING_RETRY_AFTER_S = 10
 
 
-_TEAM_WAITING = text("""
+_TEAM_WAITING = text(f"""
 SELECT count(*) FROM (
-    SELECT 1 FROM core.tasks WHERE team = :owner AND state IN ('ready', 'waiting') LIMIT :cap
+    SELECT 1 FROM core.tasks WHERE team = :owner AND state IN ('{S.READY}', '{S.WAITING}') LIMIT :cap
 ) s
 """)
 
@@ -416,10 +419,10 @@ async def key_state(conn: AsyncConnection, key: str) -> ConcurrencyState:
 
 # The flows with work running or waiting: owners (their own work) and teams (work a
 # team owns), each with its weight.
-_ACTIVE = text("""
+_ACTIVE = text(f"""
 WITH active AS (
     SELECT DISTINCT t.team IS NOT NULL AS is_team, COALESCE(t.team, t.owner) AS name
-    FROM core.tasks t WHERE t.state IN ('running', 'waiting')
+    FROM core.tasks t WHERE t.state IN ('{S.RUNNING}', '{S.WAITING}')
 )
 SELECT a.is_team, a.name, COALESCE(s.weight, ts.weight, 1) AS weight
 FROM active a
@@ -427,24 +430,24 @@ LEFT JOIN core.shares s ON NOT a.is_team AND s.name = a.name
 LEFT JOIN core.team_shares ts ON a.is_team AND ts.team = a.name
 """)
 
-_WAITING_OF = text("""
+_WAITING_OF = text(f"""
 SELECT owner, count(*) AS n FROM core.tasks
-WHERE state IN ('ready', 'waiting') AND owner = ANY(CAST(:owners AS text[]))
+WHERE state IN ('{S.READY}', '{S.WAITING}') AND owner = ANY(CAST(:owners AS text[]))
 GROUP BY owner
 """)
 
-_TEAM_WAITING_OF = text("""
+_TEAM_WAITING_OF = text(f"""
 SELECT team AS owner, count(*) AS n FROM core.tasks
-WHERE state IN ('ready', 'waiting') AND team = ANY(CAST(:owners AS text[]))
+WHERE state IN ('{S.READY}', '{S.WAITING}') AND team = ANY(CAST(:owners AS text[]))
 GROUP BY team
 """)
 
-_TOP = text("""
+_TOP = text(f"""
 SELECT owner FROM (
     SELECT t.owner, count(*) AS n FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
     WHERE a.outcome IS NULL GROUP BY t.owner
     UNION ALL
-    SELECT owner, count(*) FROM core.tasks WHERE state = 'waiting' GROUP BY owner
+    SELECT owner, count(*) FROM core.tasks WHERE state = '{S.WAITING}' GROUP BY owner
 ) s GROUP BY owner ORDER BY sum(n) DESC, owner LIMIT :limit
 """)
 

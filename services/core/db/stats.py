@@ -14,6 +14,8 @@ from libs.common.states import TaskState, Workers, sql_in
 from services.core.db import placement
 from services.core.db import tasks as tasks_db
 
+S = TaskState
+
 
 @dataclass(frozen=True)
 class Depth:
@@ -95,7 +97,7 @@ async def live_workers_per_queue(conn: AsyncConnection) -> dict[str, int]:
 
 
 # Owners at each running or waiting quota: the label is the quota's name, never the owner.
-_AT_QUOTA = text("""
+_AT_QUOTA = text(f"""
 WITH running AS (
     SELECT t.owner, count(*) AS n, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
     FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
@@ -106,7 +108,7 @@ WITH running AS (
     GROUP BY t.owner
 ), waiting AS (
     SELECT t.owner, count(*) AS n FROM core.tasks t
-    WHERE t.state IN ('ready', 'waiting')
+    WHERE t.state IN ('{S.READY}', '{S.WAITING}')
       AND t.owner IN (SELECT name FROM core.shares WHERE max_waiting IS NOT NULL)
     GROUP BY t.owner
 )

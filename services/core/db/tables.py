@@ -26,6 +26,8 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from libs.common.schema import metadata_for
 from libs.common.states import ATTEMPT_OUTCOMES, FINAL, WORKER_STATES, TaskState, Workers, sql_in
 
+S = TaskState
+
 SCHEMA = "core"
 
 metadata = metadata_for(SCHEMA)
@@ -230,7 +232,7 @@ tasks = Table(
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
     CheckConstraint(
-        "state <> 'running' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
+        f"state <> '{S.RUNNING}' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
     ),
     CheckConstraint(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
@@ -248,28 +250,28 @@ tasks = Table(
         text("priority DESC"),
         "vtime",
         "id",
-        postgresql_where=text("state = 'waiting'"),
+        postgresql_where=text(f"state = '{S.WAITING}'"),
     ),
     Index(
         "ix_tasks_waiting_vtime",
         "queue",
         "vtime",
         "id",
-        postgresql_where=text("state = 'waiting'"),
+        postgresql_where=text(f"state = '{S.WAITING}'"),
     ),
     Index(
         "ix_tasks_owner_waiting",
         "owner",
         "queue",
         "vtime",
-        postgresql_where=text("state IN ('ready', 'waiting')"),
+        postgresql_where=text(f"state IN ('{S.READY}', '{S.WAITING}')"),
     ),
     Index(
         "ix_tasks_due",
         "run_at",
-        postgresql_where=text("state IN ('failed', 'ready')"),
+        postgresql_where=text(f"state IN ('{S.FAILED}', '{S.READY}')"),
     ),
-    Index("ix_tasks_ready_due", "queue", "run_at", postgresql_where=text("state = 'ready'")),
+    Index("ix_tasks_ready_due", "queue", "run_at", postgresql_where=text(f"state = '{S.READY}'")),
     Index(
         "ix_tasks_live_queue_state",
         "queue",
@@ -283,7 +285,7 @@ tasks = Table(
         "team",
         "queue",
         "vtime",
-        postgresql_where=text("state IN ('ready', 'waiting') AND team IS NOT NULL"),
+        postgresql_where=text(f"state IN ('{S.READY}', '{S.WAITING}') AND team IS NOT NULL"),
     ),
     # A flow's last waiting stamp (queries.SUBMIT's clock; migration 0014_flow_last says
     # why "waiting" is spelled as a range).
@@ -292,14 +294,18 @@ tasks = Table(
         "owner",
         "queue",
         "vtime",
-        postgresql_where=text("state >= 'waiting' AND state <= 'waiting' AND team IS NULL"),
+        postgresql_where=text(
+            f"state >= '{S.WAITING}' AND state <= '{S.WAITING}' AND team IS NULL"
+        ),
     ),
     Index(
         "ix_tasks_team_last",
         "team",
         "queue",
         "vtime",
-        postgresql_where=text("state >= 'waiting' AND state <= 'waiting' AND team IS NOT NULL"),
+        postgresql_where=text(
+            f"state >= '{S.WAITING}' AND state <= '{S.WAITING}' AND team IS NOT NULL"
+        ),
     ),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     Index(
@@ -539,7 +545,7 @@ task_events = Table(
     UniqueConstraint("task_id", "seq"),
     Index("ix_task_events_xid_id", "xid", "id"),
     # The notification matcher's feed (``queries.feed_to``): deaths only.
-    Index("ix_task_events_dead", "xid", "id", postgresql_where=text("to_state = 'dead'")),
+    Index("ix_task_events_dead", "xid", "id", postgresql_where=text(f"to_state = '{S.DEAD}'")),
 )
 
 

@@ -54,6 +54,8 @@ from services.core.db.tables import (
 )
 from services.core.domain.transitions import Op, check, sources
 
+S = TaskState
+
 # --- the named SQL of the hot paths ------------------------------------------------------
 
 TASK_COLUMNS = """
@@ -94,15 +96,15 @@ WITH input AS (
            CASE WHEN o.team IS NULL THEN
                (SELECT max(w.vtime) FROM core.tasks w
                 WHERE w.owner = o.flow_owner AND w.queue = o.queue
-                  AND w.state >= 'waiting' AND w.state <= 'waiting' AND w.team IS NULL)
+                  AND w.state >= '{S.WAITING}' AND w.state <= '{S.WAITING}' AND w.team IS NULL)
            ELSE
                (SELECT max(w.vtime) FROM core.tasks w
                 WHERE w.team = o.team AND w.queue = o.queue
-                  AND w.state >= 'waiting' AND w.state <= 'waiting' AND w.team IS NOT NULL)
+                  AND w.state >= '{S.WAITING}' AND w.state <= '{S.WAITING}' AND w.team IS NOT NULL)
            END AS last,
            LEAST(EXTRACT(EPOCH FROM now()),
                  (SELECT min(h.vtime) FROM core.tasks h
-                  WHERE h.queue = o.queue AND h.state = 'waiting')) AS head,
+                  WHERE h.queue = o.queue AND h.state = '{S.WAITING}')) AS head,
            CAST(:quantum AS double precision) / COALESCE(
                CASE WHEN o.team IS NULL
                     THEN (SELECT s.weight FROM core.shares s WHERE s.name = o.flow_owner)
@@ -138,7 +140,7 @@ WITH input AS (
         concurrency_limit, vtime,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
-             THEN 'ready' ELSE 'waiting' END
+             THEN '{S.READY}' ELSE '{S.WAITING}' END
     FROM stamped
     ORDER BY ord
     ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
@@ -312,7 +314,7 @@ SELECT count(*) AS changed, COALESCE(max(id), 0) AS last_id FROM moved
 BULK_RETRY: TextClause = text(
     _BULK_PERSON.format(
         selected=_SELECTED,
-        changes=f"""state = CASE WHEN t.queue IN {_PAUSED_QUEUES} THEN 'ready' ELSE 'waiting' END,
+        changes=f"""state = CASE WHEN t.queue IN {_PAUSED_QUEUES} THEN '{S.READY}' ELSE '{S.WAITING}' END,
         finished_at = NULL, run_at = now(), attempts = 0, crashes = 0""",
         closing="",
     )
@@ -323,7 +325,7 @@ BULK_RETRY: TextClause = text(
 BULK_CANCEL: TextClause = text(
     _BULK_PERSON.format(
         selected=_SELECTED,
-        changes="state = 'cancelled', finished_at = now()",
+        changes=f"state = '{S.CANCELLED}', finished_at = now()",
         closing=""", closed AS (
     UPDATE core.attempts a SET outcome = 'cancelled', ended_at = now(), error = :reason
     FROM moved WHERE a.task_id = moved.id AND a.outcome IS NULL
@@ -339,9 +341,9 @@ BULK_CANCEL: TextClause = text(
 NEXT_DUE: TextClause = text(f"""
 SELECT EXTRACT(EPOCH FROM LEAST(
     (SELECT min(t.run_at) FROM core.tasks t
-     WHERE t.state IN ('failed', 'ready') AND t.run_at > now() AND {_QUEUE_RUNS}),
+     WHERE t.state IN ('{S.FAILED}', '{S.READY}') AND t.run_at > now() AND {_QUEUE_RUNS}),
     (SELECT min(t.run_at) + make_interval(secs => :after_s) FROM core.tasks t
-     WHERE t.state = 'ready' AND t.run_at <= now() AND NOT t.deferred
+     WHERE t.state = '{S.READY}' AND t.run_at <= now() AND NOT t.deferred
        AND t.run_at > now() - make_interval(secs => :after_s) AND {_QUEUE_RUNS})
 ) - now())::float AS due_in_s
 """)
@@ -401,24 +403,24 @@ def feed_to(state: TaskState) -> TextClause:
     return text(_FEED.format(to_state=f"AND e.to_state = '{state.value}'"))
 
 
-QUEUE_DEPTHS: TextClause = text("""
+QUEUE_DEPTHS: TextClause = text(f"""
 SELECT queue, state, count(*) AS n,
-       EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE state = 'waiting')) AS oldest
+       EXTRACT(EPOCH FROM now() - min(updated_at) FILTER (WHERE state = '{S.WAITING}')) AS oldest
 FROM core.tasks
-WHERE state IN ('dead', 'failed', 'ready', 'running', 'waiting')
+WHERE state IN ('{S.DEAD}', '{S.FAILED}', '{S.READY}', '{S.RUNNING}', '{S.WAITING}')
 GROUP BY queue, state
 """)
 
 
 # The last hour of each queue, by minutes ago (0: this minute). Both halves use a partial
 # index: finished rows by ``ix_tasks_finished_at``, unfinished ones by the live index.
-QUEUE_HISTORY: TextClause = text("""
+QUEUE_HISTORY: TextClause = text(f"""
 WITH recent AS (
     SELECT queue, created_at, finished_at FROM core.tasks
     WHERE finished_at > now() - make_interval(mins => :minutes)
     UNION ALL
     SELECT queue, created_at, NULL FROM core.tasks
-    WHERE state IN ('failed', 'ready', 'running', 'waiting')
+    WHERE state IN ('{S.FAILED}', '{S.READY}', '{S.RUNNING}', '{S.WAITING}')
 )
 SELECT queue, 'submitted' AS kind,
        floor(EXTRACT(EPOCH FROM now() - created_at) / 60)::int AS ago, count(*) AS n

@@ -20,11 +20,13 @@ from libs.common.models import (
     Worker,
     WorkerRegister,
 )
-from libs.common.states import Workers, sql_in
+from libs.common.states import TaskState, Workers, sql_in
 from services.core.db import placement
 from services.core.db.attempts import Tally, lose
 from services.core.db.tables import attempts, workers
 from services.core.domain.placement import ZERO, Amount
+
+S = TaskState
 
 _OPEN_ATTEMPTS_OF = text("""
 SELECT a.id, a.task_id FROM core.attempts a
@@ -227,11 +229,11 @@ async def _beat(
     if not reported:
         return [], len(gone)
     stop = await conn.execute(
-        text("""
+        text(f"""
             SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
             WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
               AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
-                   OR t.state <> 'running')
+                   OR t.state <> '{S.RUNNING}')
         """),
         {"alive": sorted(reported), "worker": worker.id},
     )
