@@ -12,14 +12,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
-from services.core.db import audit, tokens
 from services.core.db import tasks as tasks_db
+from services.core.db import tokens
 from services.core.db import workers as workers_db
+from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier
 from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
@@ -255,26 +256,6 @@ async def get_secret_box(request: Request) -> SecretBox:
 
 
 Box = Annotated[SecretBox, Depends(get_secret_box)]
-
-
-@dataclass(frozen=True)
-class Auditor:
-    """Writes the caller's audit rows, each in the transaction of the action it records."""
-
-    actor: Principal
-    source: str | None
-
-    async def __call__(
-        self,
-        conn: AsyncConnection,
-        action: str,
-        target: str,
-        before: dict[str, Any] | None = None,
-        after: dict[str, Any] | None = None,
-    ) -> None:
-        await audit.record(
-            conn, self.actor, action, target, source=self.source, before=before, after=after
-        )
 
 
 async def get_auditor(request: Request, principal: CurrentPrincipal) -> Auditor:

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import orjson
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import tracing
-from libs.common.errors import Forbidden, InvalidInput, NotFound, QuotaExceeded
+from libs.common.errors import Forbidden, InvalidInput, NotFound
 from libs.common.models import (
     MAX_BATCH,
-    MAX_BULK_COUNT,
     MAX_PAGE,
     AttemptList,
     BatchResult,
@@ -38,7 +35,6 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.sources import source_allowed
 from libs.common.states import TaskState
-from services.core import traces
 from services.core.api.deps import (
     Announcer,
     Audit,
@@ -46,15 +42,14 @@ from services.core.api.deps import (
     Meter,
     OwnedTask,
     Reader,
+    Submission,
     Submitting,
     TaskIdPath,
 )
-from services.core.db import placement, secrets, sharing, teams
+from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
-from services.core.domain.principals import Principal
-from services.core.domain.transitions import Op
 from services.core.ops import tasklogs
-from services.core.ops.metrics import CoreMetrics
+from services.core.ops import tasks as tasks_ops
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
@@ -81,70 +76,39 @@ async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> R
     owner belongs to; ``env`` values may name secrets. 403 when the queue's policy does
     not allow what it asks for; 429 (with ``Retry-After``) when the owner is at a quota."""
     start = tracing.now_ns()
-    principal, owner, engine, notifier, meter = (
-        call.principal, call.owner, call.engine, call.notifier, call.meter
-    )  # fmt: skip
     _check_sources(request, [spec], batch=False)
-    book = await _book(request, engine)
-    book.check_policy(_policy_role(principal, owner), owner, spec, "body")
-    quantum = _quantum(request)
-    if book.limits_submissions([owner], [spec.team]):
-        async with engine.begin() as conn:
-            if secrets.needs_check(spec):
-                await _check(conn, principal, owner, spec)
-            await _admit(conn, book, [owner], meter, [spec.team])
-            [(row, created)] = await tasks_db.submit(conn, owner, [spec], quantum)
-            task = await _submitted(conn, spec, row, created)
-    else:
-        # One statement, so no transaction around it: autocommit saves two round trips.
-        async with engine.connect() as conn:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            if secrets.needs_check(spec):
-                await _check(conn, principal, owner, spec)
-            [(row, created)] = await tasks_db.submit(conn, owner, [spec], quantum)
-            task = await _submitted(conn, spec, row, created)
+    by = await _submitter(request, call)
+    by.book.check_policy(
+        tasks_ops.policy_role(call.principal, call.owner), call.owner, spec, "body"
+    )
+    [(row, created)] = await tasks_ops.submit(
+        by, call.owner, [spec], lambda _: "", request.headers, start
+    )
     if created:
-        notifier.announce()
-        if row.state == TaskState.READY:
-            notifier.announce_due(row.run_at)
-        meter.submitted_to([spec.queue])
-        traces.submitted(request.headers, [(row, spec)], start)
+        task = tasks_db.new_task(spec, row)
+    else:
+        async with call.engine.connect() as conn:
+            task = await tasks_db.get_task(conn, row.id, None)
     response = _json(task, 201 if created else 200)
     response.headers["Location"] = f"/v1/tasks/{row.id}"
     return response
 
 
-async def _submitted(conn: AsyncConnection, spec: TaskCreate, row: Any, created: bool) -> Task:
-    return tasks_db.new_task(spec, row) if created else await tasks_db.get_task(conn, row.id, None)
+async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
+    book: sharing.Book = request.app.state.sharing
+    return tasks_ops.Submitter(
+        principal=call.principal,
+        engine=call.engine,
+        notifier=call.notifier,
+        meter=call.meter,
+        book=await book.fresh(call.engine),
+        quantum=float(request.app.state.settings.fair_quantum_s),
+    )
 
 
 async def _book(request: Request, engine: AsyncEngine) -> sharing.Book:
     book: sharing.Book = request.app.state.sharing
     return await book.fresh(engine)
-
-
-def _quantum(request: Request) -> float:
-    return float(request.app.state.settings.fair_quantum_s)
-
-
-def _policy_role(principal: Principal, owner: str) -> str:
-    """The role a queue's policy sees: a service submitting for someone else is held to
-    what that person (a user) may ask for."""
-    return "user" if principal.role == "service" and owner != principal.name else principal.role
-
-
-async def _admit(
-    conn: AsyncConnection,
-    book: sharing.Book,
-    owners: Sequence[str],
-    meter: CoreMetrics,
-    teams: Sequence[str | None] = (),
-) -> None:
-    try:
-        await sharing.admit_submissions(conn, book, owners, teams)
-    except QuotaExceeded as refused:
-        meter.quota_refusals.labels(refused.extra["quota"]).inc()
-        raise
 
 
 # The request body of /batch as OpenAPI shows it (the model is parsed by hand, below).
@@ -218,41 +182,22 @@ async def submit_batch(request: Request, call: Submitting) -> Response:
     # Parsed by pydantic straight from the bytes: a third cheaper than FastAPI's
     # json.loads then validate, which matters at a thousand tasks a request.
     start = tracing.now_ns()
-    principal, owner, engine, notifier, meter = (
-        call.principal, call.owner, call.engine, call.notifier, call.meter
-    )  # fmt: skip
+    principal = call.principal
     batch = _parse(TaskBatchCreate, await request.body())
     _check_sources(request, batch.tasks, batch=True)
-    owners: str | list[str] = owner
+    owners: str | list[str] = call.owner
     if batch.owners is not None:
         if principal.role != "service" and set(batch.owners) != {principal.name}:
             raise Forbidden("only the service role may name other owners in owners")
         owners = batch.owners
     each = [owners] * len(batch.tasks) if isinstance(owners, str) else owners
-    book = await _book(request, engine)
-    if book.policies:
+    by = await _submitter(request, call)
+    if by.book.policies:
         for i, (who, spec) in enumerate(zip(each, batch.tasks, strict=True)):
-            book.check_policy(_policy_role(principal, who), who, spec, f"body.tasks.{i}")
-    async with engine.begin() as conn:
-        for i, spec in enumerate(batch.tasks):
-            if secrets.needs_check(spec):
-                who = owners if isinstance(owners, str) else owners[i]
-                await _check(conn, principal, who, spec, f"tasks.{i}.")
-        teams = [spec.team for spec in batch.tasks]
-        if book.limits_submissions(each, teams):
-            await _admit(conn, book, each, meter, teams)
-        rows = await tasks_db.submit(conn, owners, batch.tasks, _quantum(request))
-    notifier.announce()
-    delayed = [row.run_at for row, created in rows if created and row.state == TaskState.READY]
-    if delayed:
-        notifier.announce_due(min(delayed))
-    meter.submitted_to(
-        spec.queue for spec, (_, created) in zip(batch.tasks, rows, strict=True) if created
-    )
-    traces.submitted(
-        request.headers,
-        ((row, spec) for spec, (row, created) in zip(batch.tasks, rows, strict=True) if created),
-        start,
+            role = tasks_ops.policy_role(principal, who)
+            by.book.check_policy(role, who, spec, f"body.tasks.{i}")
+    rows = await tasks_ops.submit(
+        by, owners, batch.tasks, lambda i: f"tasks.{i}.", request.headers, start
     )
     items = [
         {"id": row.id, "state": row.state, "created": created, "created_at": row.created_at}
@@ -263,26 +208,6 @@ async def submit_batch(request: Request, call: Submitting) -> Response:
         status_code=201 if any(created for _, created in rows) else 200,
         media_type=JSON,
     )
-
-
-async def _check(
-    conn: AsyncConnection, principal: Principal, owner: str, spec: secrets.Asks, field: str = ""
-) -> None:
-    """The owner's right to its team and secrets: the caller's teams when it submits for
-    itself, the teams the owner holds without a token (``teams.teams_of``) when a service
-    submits for it."""
-    if owner != principal.name:
-        owner_teams = await teams.teams_of(conn, owner)
-    else:
-        owner_teams = principal.teams
-        if principal.id is None and principal.claims_until is not None:
-            # An identity provider vouches for these teams (for a bounded time): kept, so
-            # that the lease, which has no token at hand, checks the same membership.
-            used = secrets.teams_used(spec) & owner_teams
-            await teams.vouch(
-                conn, owner, used, owner_teams, principal.claims_until, principal.key_id
-            )
-    await secrets.check_submission(conn, owner, owner_teams, spec, field)
 
 
 def _defaults(request: Request) -> placement.Defaults:
@@ -313,99 +238,6 @@ def _bulk_owner(principal: Reader, selector: TaskSelector) -> str | None:
     return principal.name
 
 
-@dataclass
-class _Walk:
-    """How far a bulk action got: moved, the last id passed, and what it refused."""
-
-    changed: int = 0
-    after: int = 0
-    refused: int = 0
-    refusal: str | None = None
-
-
-Vet = Callable[[AsyncConnection, Task], Awaitable[str | None]]
-
-
-async def _bulk_page(
-    conn: AsyncConnection,
-    op: Op,
-    action: BulkAction,
-    owner: str | None,
-    walk: _Walk,
-    limit: int,
-    reason: str,
-    vet: Vet | None,
-) -> bool:
-    """Move one page of the selection, leaving out what ``vet`` refuses; False at its end."""
-    ids: list[int] | None = None
-    if vet is not None:
-        page = await tasks_db.selected_page(conn, op, action.filter, owner, walk.after, limit)
-        if not page:
-            return False
-        ids = []
-        for task in page:
-            why = await vet(conn, task)
-            if why is None:
-                ids.append(task.id)
-            else:
-                walk.refused += 1
-                walk.refusal = walk.refusal or f"task {task.id}: {why}"
-    moved, last = await tasks_db.bulk_move(
-        conn, op, action.filter, owner, after=walk.after, limit=limit, reason=reason, ids=ids
-    )
-    walk.changed += moved
-    if ids is None:
-        walk.after = last
-        return moved > 0
-    walk.after = page[-1].id
-    return True
-
-
-async def _bulk(
-    op: Op,
-    action: BulkAction,
-    principal: Reader,
-    engine: Engine,
-    reason: str,
-    record: Audit,
-    vet: Vet | None = None,
-) -> BulkResult:
-    owner = _bulk_owner(principal, action.filter)
-    async with engine.connect() as conn:
-        matched = await tasks_db.count_selected(conn, op, action.filter, owner, MAX_BULK_COUNT)
-    if action.dry_run:
-        return BulkResult(matched=matched, changed=0, dry_run=True, more=matched > 0)
-    walk = _Walk()
-    # Refused tasks are passed over, not moved: the walk stops after as many as a count.
-    while walk.changed < action.limit and walk.refused < MAX_BULK_COUNT:
-        # Each page its own short transaction: locks are held for a page, never a call.
-        async with engine.begin() as conn:
-            size = min(_BULK_PAGE, action.limit - walk.changed)
-            if not await _bulk_page(conn, op, action, owner, walk, size, reason, vet):
-                break
-    if walk.refusal is not None and not walk.changed:
-        raise Forbidden(walk.refusal)
-    async with engine.begin() as conn:
-        left = await tasks_db.count_selected(conn, op, action.filter, owner, walk.refused + 1)
-        if walk.changed and owner != principal.name and principal.role != "service":
-            # Beyond the caller's own tasks (an admin's, a team's): one row per call.
-            await record(
-                conn,
-                f"task.bulk.{op.value}",
-                f"team:{action.filter.team}" if action.filter.team else f"owner:{owner or '*'}",
-                before={"filter": action.filter.model_dump(mode="json", exclude_defaults=True)},
-                after={"changed": walk.changed},
-            )
-    return BulkResult(
-        matched=matched,
-        changed=walk.changed,
-        dry_run=False,
-        more=left > walk.refused,
-        refused=walk.refused,
-        refusal=walk.refusal,
-    )
-
-
 @router.post("/retry", response_model=BulkResult, responses=PROBLEMS)
 async def retry_tasks(
     action: BulkAction,
@@ -421,19 +253,8 @@ async def retry_tasks(
     counts them first; ``more`` says whether to call again. A task ``/{id}/retry`` would
     refuse is left as it is and counted in ``refused``; 403 when every one was."""
     book = await _book(request, engine)
-
-    async def vet(conn: AsyncConnection, task: Task) -> str | None:
-        try:
-            await _may_retry(conn, book, principal, task)
-        except (Forbidden, InvalidInput) as refused:
-            return str(refused)
-        return None
-
-    reason = f"retried in bulk by {principal.name}"
-    result = await _bulk(Op.RETRY, action, principal, engine, reason, record, vet)
-    if result.changed:
-        notifier.announce()
-    return result
+    owner = _bulk_owner(principal, action.filter)
+    return await tasks_ops.retry_many(engine, notifier, book, principal, owner, action, record)
 
 
 @router.post("/cancel", response_model=BulkResult, responses=PROBLEMS)
@@ -447,12 +268,8 @@ async def cancel_tasks(
 ) -> BulkResult:
     """Cancel every unfinished task the filter selects, as ``/{id}/cancel`` does one
     (running attempts are stopped at their worker's next heartbeat)."""
-    reason = f"cancelled in bulk by {principal.name}"
-    result = await _bulk(Op.CANCEL, action, principal, engine, reason, record)
-    if result.changed:
-        notifier.announce()
-        meter.ended(TaskState.CANCELLED, result.changed)
-    return result
+    owner = _bulk_owner(principal, action.filter)
+    return await tasks_ops.cancel_many(engine, notifier, meter, principal, owner, action, record)
 
 
 @router.get("/{task_id}", response_model=Task, responses=PROBLEMS)
@@ -549,14 +366,7 @@ async def cancel_task(
     record: Audit,
 ) -> Response:
     """Cancel a task that has not finished. A final task answers 409."""
-    async with engine.begin() as conn:
-        before = await tasks_db.get_task(conn, task_id, principal.visibility)
-        await tasks_db.cancel(conn, task_id, None, f"cancelled by {principal.name}")
-        task = await tasks_db.get_task(conn, task_id, None)
-        await _audit_others(record, conn, principal, "task.cancel", before, task)
-    notifier.announce()
-    meter.ended(TaskState.CANCELLED)
-    return _json(task)
+    return _json(await tasks_ops.cancel(engine, notifier, meter, principal, record, task_id))
 
 
 @router.post("/{task_id}/retry", response_model=Task, responses=PROBLEMS)
@@ -573,47 +383,7 @@ async def retry_task(
     its owner must still belong to its team and to the teams of the secrets it names,
     and the queue's policy must still admit it."""
     book = await _book(request, engine)
-    async with engine.begin() as conn:
-        before = await tasks_db.get_task(conn, task_id, principal.visibility)
-        await _may_retry(conn, book, principal, before)
-        await tasks_db.retry(conn, task_id, None)
-        task = await tasks_db.get_task(conn, task_id, None)
-        await _audit_others(record, conn, principal, "task.retry", before, task)
-    notifier.announce()
-    return _json(task)
-
-
-async def _may_retry(
-    conn: AsyncConnection, book: sharing.Book, principal: Principal, task: Task
-) -> None:
-    """A retry puts the task to work again as its owner, so it is checked as submitting
-    it would be now: the owner's teams and secrets (``_check``) and the queue's policy,
-    for the owner and, when a user retries a teammate's task, for that user too."""
-    book.check_policy(_policy_role(principal, task.owner), task.owner, task, "task")
-    if principal.role == "user" and principal.name != task.owner:
-        book.check_policy("user", principal.name, task, "task")
-    if secrets.needs_check(task):
-        await _check(conn, principal, task.owner, task)
-
-
-async def _audit_others(
-    record: Audit,
-    conn: AsyncConnection,
-    principal: Principal,
-    action: str,
-    before: Task,
-    after: Task,
-) -> None:
-    """Acting on another owner's work (as an admin or a teammate) is audited; services
-    act for the owner (cron, DAG) and are not."""
-    if before.owner != principal.name and principal.role != "service":
-        await record(
-            conn,
-            action,
-            f"task:{before.id}",
-            before={"owner": before.owner, "team": before.team, "state": before.state},
-            after={"state": after.state},
-        )
+    return _json(await tasks_ops.retry(engine, notifier, book, principal, record, task_id))
 
 
 @router.get("/{task_id}/attempts", response_model=AttemptList, responses=PROBLEMS)

@@ -91,3 +91,23 @@ async def purge(conn: AsyncConnection, age_s: float, limit: int) -> int:
     """Delete up to ``limit`` entries older than ``age_s``; the only delete allowed."""
     await conn.execute(text("SET LOCAL cairn.audit_purge = 'on'"))
     return int((await conn.execute(_PURGE, {"age_s": age_s, "limit": limit})).rowcount)
+
+
+@dataclass(frozen=True)
+class Auditor:
+    """Writes the caller's audit rows, each in the transaction of the action it records."""
+
+    actor: Caller
+    source: str | None
+
+    async def __call__(
+        self,
+        conn: AsyncConnection,
+        action: str,
+        target: str,
+        before: dict[str, Any] | None = None,
+        after: dict[str, Any] | None = None,
+    ) -> None:
+        await record(
+            conn, self.actor, action, target, source=self.source, before=before, after=after
+        )
