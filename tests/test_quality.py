@@ -88,3 +88,17 @@ def test_the_sql_detector_sees_sql() -> None:
     here = ROOT / "services" / "core" / "db" / "workers.py"
     assert any("UPDATE core.workers" in hit for hit in _sql_in(here))
     assert any("import" in hit and "text" in hit for hit in _sql_in(here))
+
+
+def test_core_writes_only_in_ops() -> None:
+    """Handlers parse, authorise, call and shape; loops time their work: neither opens a
+    write transaction, which is ops/'s (docs/architecture.md)."""
+    core = ROOT / "services" / "core"
+    callers = [*sorted((core / "api").glob("*.py")), core / "loops.py", core / "app.py"]
+    strays = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in callers
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if ".begin()" in line
+    ]
+    assert strays == []

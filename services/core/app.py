@@ -29,12 +29,12 @@ from services.core.api import (
 from services.core.api import sharing as sharing_api
 from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import sharing
-from services.core.db import teams as memberships
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.objects import LogObjects
 from services.core.ops import notify, tasklogs
+from services.core.ops import teams as teams_ops
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
@@ -86,8 +86,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             """The provider withdrew keys: what their tokens proved is not trusted either,
             neither the cached principals nor the team claims they vouched for."""
             app.state.tokens.evict_jwts()
-            async with engine.begin() as conn:
-                gone = await memberships.forget_claims(conn, kids)
+            gone = await teams_ops.forget_claims(engine, kids)
             if gone:
                 log.info("forgot %d team claims vouched for by withdrawn keys", gone)
 

@@ -10,29 +10,20 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from services.core.db import audit, placement
-from services.core.db import tasks as tasks_db
+from services.core.db import placement
 from services.core.db.feed import Notifier
 from services.core.objects import LogObjects
 from services.core.ops import dispatch as ops
-from services.core.ops import notify, tasklogs
+from services.core.ops import notify, tasklogs, upkeep
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
 
-PROMOTE_BATCH = 1000
+PROMOTE_BATCH = upkeep.PROMOTE_BATCH
 PROMOTE_PARALLEL = 2
-
-
-async def promote_once(engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0) -> int:
-    async with engine.begin() as conn:
-        moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, after_s)
-    if moved:
-        notifier.announce()
-    return moved
 
 
 class Promoter:
@@ -99,40 +90,11 @@ class Promoter:
     async def _pass(self) -> tuple[int, float | None]:
         """One promotion, and the next due instant read in the same transaction: by the
         same ``now()``, so a task due between the two cannot fall between them."""
-        async with self.engine.begin() as conn:
-            moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, self.after_s)
-            full = moved >= PROMOTE_BATCH
-            due = None if full else await tasks_db.next_due_in(conn, self.after_s)
-        if moved:
-            self.notifier.announce()
-        return moved, due
+        return await upkeep.promote(self.engine, self.notifier, self.after_s, next_due=True)
 
     async def _drain(self) -> None:
-        while await promote_once(self.engine, self.notifier, self.after_s) >= PROMOTE_BATCH:
+        while (await upkeep.promote(self.engine, self.notifier, self.after_s))[0] >= PROMOTE_BATCH:
             await asyncio.sleep(0)
-
-
-async def _in_batches(
-    engine: AsyncEngine, batch: int, purge: Callable[[AsyncConnection], Awaitable[int]]
-) -> int:
-    """Run ``purge`` (which deletes up to ``batch`` rows) until it finds fewer, one small
-    transaction each; return how many went."""
-    total = 0
-    while True:
-        async with engine.begin() as conn:
-            gone = await purge(conn)
-        total += gone
-        if gone < batch:
-            return total
-        await asyncio.sleep(0)
-
-
-async def purge_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete finished tasks and gone workers past retention."""
-    age_s, batch = settings.retention_days * 86400, settings.retention_batch
-    tasks = await _in_batches(engine, batch, lambda c: tasks_db.purge_finished(c, age_s, batch))
-    gone = await _in_batches(engine, batch, lambda c: tasks_db.purge_workers(c, age_s, batch))
-    return tasks + gone
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
@@ -148,14 +110,6 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
             await asyncio.sleep(interval_s)
         else:
             await asyncio.sleep(0)
-
-
-async def place_once(engine: AsyncEngine, notifier: Notifier, defaults: placement.Defaults) -> int:
-    async with engine.begin() as conn:
-        changed = await placement.place_once(conn, defaults)
-    if changed:
-        notifier.announce()
-    return changed
 
 
 def reap_period(settings: CoreSettings) -> float:
@@ -239,7 +193,7 @@ def start(
             every(
                 settings.placement_interval_s,
                 "placement",
-                lambda: place_once(engine, notifier, placement.Defaults.of(settings)),
+                lambda: upkeep.place(engine, notifier, placement.Defaults.of(settings)),
             ),
             name="cairn-placement",
         ),
@@ -255,15 +209,9 @@ def start(
     ]
 
 
-async def purge_audit_once(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete audit entries past their own (longer) retention."""
-    age_s, batch = settings.audit_retention_days * 86400, settings.retention_batch
-    return await _in_batches(engine, batch, lambda c: audit.purge(c, age_s, batch))
-
-
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
-    await purge_once(engine, settings)
-    await purge_audit_once(engine, settings)
+    await upkeep.purge(engine, settings)
+    await upkeep.purge_audit(engine, settings)
     return 0
 
 

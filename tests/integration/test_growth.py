@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core import loops
+from services.core.ops import upkeep
 from services.core.settings import CoreSettings
 from services.dag import store as dag_store
 from tests.support import Core, spec
@@ -46,7 +46,7 @@ def test_workers_gone_past_retention_are_purged_and_their_attempts_kept(
     async def purge() -> int:
         engine = create_async_engine(core.db_url)
         try:
-            return await loops.purge_once(engine, settings)
+            return await upkeep.purge(engine, settings)
         finally:
             await engine.dispose()
 

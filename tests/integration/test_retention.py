@@ -4,7 +4,7 @@ import asyncio
 
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core import loops
+from services.core.ops import upkeep
 from services.core.settings import CoreSettings
 from tests.support import Core, spec
 
@@ -26,7 +26,7 @@ def test_finished_tasks_past_retention_go_with_their_events(core: Core, db, tmp_
     async def purge() -> int:
         engine = create_async_engine(core.db_url)
         try:
-            return await loops.purge_once(engine, settings)
+            return await upkeep.purge(engine, settings)
         finally:
             await engine.dispose()
 

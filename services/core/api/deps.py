@@ -26,6 +26,7 @@ from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
+from services.core.ops import tokens as tokens_ops
 from services.core.ops.metrics import CoreMetrics
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
@@ -170,8 +171,7 @@ async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Princip
         return replace(found, teams=found.teams | known)
     if len(token) > 200:
         raise Unauthorized("unknown or revoked token")
-    async with engine.begin() as conn:
-        principal = await tokens.principal_for(conn, token)
+    principal = await tokens_ops.principal_for(engine, token)
     if principal is None:
         raise Unauthorized("unknown or revoked token")
     return principal

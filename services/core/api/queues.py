@@ -12,6 +12,7 @@ from libs.common.problems import PROBLEMS
 from services.core.api.deps import AdminOnly, Announcer, Audit, Engine, Reader
 from services.core.db import placement
 from services.core.db import tasks as tasks_db
+from services.core.ops import queues as queues_ops
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"])
 
@@ -35,15 +36,7 @@ async def queue_history(
 
 
 async def _queues(conn: AsyncConnection, request: Request) -> list[QueueInfo]:
-    defaults = placement.Defaults.of(request.app.state.settings)
-    pools = await placement.pools(conn, defaults)
-    items = await tasks_db.list_queues(conn)
-    for item in items:
-        pool = pools.get(item.name)
-        item.overcommit = pool.overcommit if pool else defaults.overcommit
-        item.defer_above = pool.defer_above if pool else defaults.defer_above
-        item.utilisation = pool.utilisation if pool else None
-    return items
+    return await queues_ops.read(conn, placement.Defaults.of(request.app.state.settings))
 
 
 async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:
@@ -55,18 +48,7 @@ async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:
 async def _set_paused(
     engine: Engine, notifier: Announcer, request: Request, name: str, paused: bool, record: Audit
 ) -> QueueInfo:
-    async with engine.begin() as conn:
-        was = await tasks_db.queue_paused(conn, name)
-        await tasks_db.set_paused(conn, name, paused)
-        await record(
-            conn,
-            "queue.pause" if paused else "queue.resume",
-            f"queue:{name}",
-            before={"paused": was},
-            after={"paused": paused},
-        )
-        await tasks_db.promote_and_park(conn, 1000)
-    notifier.announce()
+    await queues_ops.set_paused(engine, notifier, record, name, paused)
     return await _one(engine, request, name)
 
 
@@ -81,18 +63,8 @@ async def set_queue(
 ) -> QueueInfo:
     """Set the pool's overcommit ratio for preemptible work and the utilisation above
     which time-insensitive work is deferred (null: the operator's default)."""
-    async with engine.begin() as conn:
-        old = [q for q in await _queues(conn, request) if q.name == name]
-        await placement.set_pool(conn, name, change)
-        await record(
-            conn,
-            "queue.settings",
-            f"queue:{name}",
-            before={"overcommit": old[0].overcommit, "defer_above": old[0].defer_above}
-            if old
-            else None,
-            after=change.model_dump(exclude_unset=True),
-        )
+    defaults = placement.Defaults.of(request.app.state.settings)
+    await queues_ops.set_pool(engine, record, defaults, name, change)
     return await _one(engine, request, name)
 
 

@@ -26,6 +26,7 @@ from services.core.db import secrets
 from services.core.db.secrets import Scope
 from services.core.domain.principals import Principal
 from services.core.ops import rekey
+from services.core.ops import secrets as secrets_ops
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
 
@@ -42,20 +43,15 @@ def _scope(principal: Principal, team: str | None) -> Scope:
     return Scope(None, team)
 
 
-def _target(scope: Scope, name: str) -> str:
-    return f"secret:team:{scope.team}/{name}" if scope.team else f"secret:{scope.owner}/{name}"
-
-
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SecretInfo, responses=PROBLEMS)
 async def create_secret(
     body: SecretCreate, principal: Reader, engine: Engine, box: Box, record: Audit
 ) -> SecretInfo:
     """Store a secret, encrypted; 409 if the name is taken in that scope (PUT replaces)."""
     scope = _scope(principal, body.team)
-    async with engine.begin() as conn:
-        info = await secrets.create(conn, box, scope, body.name, body.value, principal.name)
-        await record(conn, "secret.create", _target(scope, body.name), after=info.model_dump())
-    return info
+    return await secrets_ops.create(
+        engine, box, record, scope, body.name, body.value, principal.name
+    )
 
 
 @router.get("", response_model=SecretList, responses=PROBLEMS)
@@ -79,10 +75,7 @@ async def replace_secret(
 ) -> SecretInfo:
     """Give a secret a new value; tasks not yet leased get the new one."""
     scope = _scope(principal, team)
-    async with engine.begin() as conn:
-        info = await secrets.replace(conn, box, scope, name, body.value, principal.name)
-        await record(conn, "secret.update", _target(scope, name), after=info.model_dump())
-    return info
+    return await secrets_ops.replace(engine, box, record, scope, name, body.value, principal.name)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
@@ -91,9 +84,7 @@ async def delete_secret(
 ) -> Response:
     """Delete a secret; an attempt of a task that still refers to it fails, saying so."""
     scope = _scope(principal, team)
-    async with engine.begin() as conn:
-        before = await secrets.remove(conn, scope, name)
-        await record(conn, "secret.delete", _target(scope, name), before=before.model_dump())
+    await secrets_ops.remove(engine, record, scope, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

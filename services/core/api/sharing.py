@@ -21,6 +21,7 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import AdminOnly, Engine, Reader
 from services.core.db import sharing
+from services.core.ops import sharing as sharing_ops
 
 router = APIRouter(tags=["sharing"])
 
@@ -64,12 +65,7 @@ async def set_share(
     name: OwnerName, change: ShareSettings, principal: AdminOnly, engine: Engine, request: Request
 ) -> OwnerUsage:
     """Set the owner's fair-share weight and quotas (null: no limit; weight null: 1)."""
-    async with engine.begin() as conn:
-        await sharing.set_share(conn, name, change)
-    _book(request).invalidate()
-    async with engine.connect() as conn:
-        [usage] = await sharing.usage_of(conn, [name])
-    return usage
+    return await sharing_ops.set_share(engine, _book(request), name, change)
 
 
 @router.get("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
@@ -85,10 +81,7 @@ async def set_policy(
 ) -> QueuePolicy:
     """Replace the queue's policy: priority range per role, whether users may submit
     services or guaranteed (non-preemptible) work, which owners may use it."""
-    async with engine.begin() as conn:
-        await sharing.set_policy(conn, name, policy)
-    _book(request).invalidate()
-    return policy
+    return await sharing_ops.set_policy(engine, _book(request), name, policy)
 
 
 @router.get("/v1/concurrency/{key}", response_model=ConcurrencyState, responses=PROBLEMS)
@@ -104,7 +97,4 @@ async def set_key(
 ) -> ConcurrencyState:
     """Set the key's limits for the whole pool: at most ``max_running`` attempts at once,
     at most ``max_starts`` starts per ``window_s``. They override the tasks' own limit."""
-    async with engine.begin() as conn:
-        await sharing.set_key_limit(conn, key, limit)
-    async with engine.connect() as conn:
-        return await sharing.key_state(conn, key)
+    return await sharing_ops.set_key_limit(engine, key, limit)

@@ -28,6 +28,7 @@ from services.core.api.deps import Box, Engine, Reader, SubmittingOwner, require
 from services.core.db import notifications
 from services.core.domain.notify import new_secret
 from services.core.domain.principals import Principal
+from services.core.ops import subscriptions as subscriptions_ops
 from services.core.ops.notify import Webhooks
 from services.core.settings import CoreSettings
 
@@ -78,8 +79,7 @@ async def create_subscription(
     state = request.app.state
     await _check_url(spec.url, state.settings, state.webhooks)
     secret = new_secret()
-    async with engine.begin() as conn:
-        made = await notifications.create_subscription(conn, box, owner, spec, secret)
+    made = await subscriptions_ops.create(engine, box, owner, spec, secret)
     return SubscriptionCreated(**made.model_dump(), secret=secret)
 
 
@@ -103,8 +103,7 @@ async def delete_subscription(
     subscription_id: SubscriptionId, principal: Reader, engine: Engine
 ) -> Response:
     """Delete it, with its pending deliveries and its log."""
-    async with engine.begin() as conn:
-        await notifications.delete_subscription(conn, subscription_id, principal.owner_filter)
+    await subscriptions_ops.delete(engine, subscription_id, principal.owner_filter)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -121,9 +120,7 @@ async def test_subscription(
     follow it in the deliveries and answers. One per ``CAIRN_NOTIFY_TEST_INTERVAL_S``
     a subscription: sooner is a 429 with Retry-After."""
     interval_s = request.app.state.settings.notify_test_interval_s
-    async with engine.begin() as conn:
-        found = await notifications.get_subscription(conn, subscription_id, principal.owner_filter)
-        return await notifications.queue_test(conn, found, interval_s)
+    return await subscriptions_ops.test(engine, subscription_id, principal.owner_filter, interval_s)
 
 
 @router.post("/{subscription_id}/enable", response_model=Subscription, responses=PROBLEMS)
@@ -131,10 +128,7 @@ async def enable_subscription(
     subscription_id: SubscriptionId, principal: Reader, engine: Engine
 ) -> Subscription:
     """Deliver again after the subscription was disabled: its failures count from 0."""
-    async with engine.begin() as conn:
-        return await notifications.enable_subscription(
-            conn, subscription_id, principal.owner_filter
-        )
+    return await subscriptions_ops.enable(engine, subscription_id, principal.owner_filter)
 
 
 @router.get("/{subscription_id}/deliveries", response_model=DeliveryList, responses=PROBLEMS)
@@ -169,6 +163,5 @@ async def post_event(
     """For the cron and DAG services: an event of ``owner``'s schedules or runs, queued
     for that owner's matching subscriptions. The same ``key`` twice queues nothing new."""
     at = event.at or datetime.now(UTC)
-    async with engine.begin() as conn:
-        queued = await notifications.queue_posted(conn, event, at)
+    queued = await subscriptions_ops.post(engine, event, at)
     return NotificationAccepted(queued=queued)

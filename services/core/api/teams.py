@@ -19,6 +19,7 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import AdminOnly, Audit, Engine, Reader
 from services.core.db import sharing, teams
+from services.core.ops import teams as teams_ops
 
 router = APIRouter(prefix="/v1/teams", tags=["teams"])
 
@@ -30,10 +31,7 @@ MemberPath = Annotated[PrincipalName, Path(description="A principal's name.")]
 async def create_team(
     body: TeamCreate, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Team:
-    async with engine.begin() as conn:
-        team = await teams.create(conn, body.name, principal.name)
-        await record(conn, "team.create", f"team:{team.name}", after=team.model_dump())
-    return team
+    return await teams_ops.create(engine, record, body.name, principal.name)
 
 
 @router.get("", response_model=TeamList, responses=PROBLEMS)
@@ -55,9 +53,7 @@ async def delete_team(
     name: TeamPath, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Response:
     """Delete the team and its memberships; work it owned stays with its submitters."""
-    async with engine.begin() as conn:
-        before = await teams.delete_team(conn, name)
-        await record(conn, "team.delete", f"team:{name}", before=before.model_dump())
+    await teams_ops.delete(engine, record, name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -66,20 +62,14 @@ async def add_member(
     name: TeamPath, member: MemberPath, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Team:
     """Add a member (idempotent). It takes effect within the token cache time."""
-    async with engine.begin() as conn:
-        if await teams.add_member(conn, name, member, principal.name):
-            await record(conn, "team.member.add", f"team:{name}", after={"member": member})
-        return await teams.get(conn, name)
+    return await teams_ops.add_member(engine, record, name, member, principal.name)
 
 
 @router.delete("/{name}/members/{member}", response_model=Team, responses=PROBLEMS)
 async def remove_member(
     name: TeamPath, member: MemberPath, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Team:
-    async with engine.begin() as conn:
-        await teams.remove_member(conn, name, member)
-        await record(conn, "team.member.remove", f"team:{name}", before={"member": member})
-        return await teams.get(conn, name)
+    return await teams_ops.remove_member(engine, record, name, member)
 
 
 @router.get("/{name}/usage", response_model=OwnerUsage, responses=PROBLEMS)
@@ -104,18 +94,5 @@ async def set_team_share(
 ) -> OwnerUsage:
     """Set the team's fair-share weight and quotas, which bound the sum over the tasks it
     owns (null: no limit; weight null: 1). A field left out keeps its value."""
-    async with engine.begin() as conn:
-        await teams.get(conn, name)
-        [before] = await sharing.team_usage_of(conn, [name])
-        await sharing.set_share(conn, name, change, team=True)
-        [after] = await sharing.team_usage_of(conn, [name])
-        await record(
-            conn,
-            "team.share",
-            f"team:{name}",
-            before={"weight": before.weight, **before.quota.model_dump()},
-            after={"weight": after.weight, **after.quota.model_dump()},
-        )
     book: sharing.Book = request.app.state.sharing
-    book.invalidate()
-    return after
+    return await teams_ops.set_share(engine, record, book, name, change)

@@ -15,6 +15,7 @@ from libs.common.problems import PROBLEMS
 from services.core.api.deps import Audit, Engine, TokenCache, require
 from services.core.db import tokens
 from services.core.domain.principals import Principal
+from services.core.ops import tokens as tokens_ops
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -51,17 +52,16 @@ async def create_token(
     _check_rights(principal, body)
     who = body.principal or principal.name
     role = body.role if principal.role == "admin" else principal.role
-    async with engine.begin() as conn:
-        token, info, _ = await tokens.create(
-            conn,
-            principal=who,
-            role=role,
-            name=body.name,
-            created_by=principal.name,
-            expires_at=body.expires_at,
-            most=request.app.state.settings.tokens_per_principal,
-        )
-        await record(conn, "token.create", f"token:{info.id}", after=info.model_dump())
+    token, info = await tokens_ops.create(
+        engine,
+        record,
+        principal=who,
+        role=role,
+        name=body.name,
+        created_by=principal.name,
+        expires_at=body.expires_at,
+        most=request.app.state.settings.tokens_per_principal,
+    )
     return TokenCreated(token=token, info=info)
 
 
@@ -90,10 +90,7 @@ async def revoke_token(
     """Revoke a token: at once through this replica, within the token cache time
     (``CAIRN_TOKEN_CACHE_S``) through every other. Someone else's token is a 404."""
     mine = None if principal.role == "admin" else principal.name
-    async with engine.begin() as conn:
-        before = await tokens.revoke(conn, token_id, mine)
-        if before is not None:
-            await record(conn, "token.revoke", f"token:{token_id}", before=before.model_dump())
+    await tokens_ops.revoke(engine, record, token_id, mine)
     cache: TokenCache = request.app.state.tokens
     cache.evict(token_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

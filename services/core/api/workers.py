@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common.errors import Conflict, NotFound
+from libs.common.errors import NotFound
 from libs.common.models import (
     MAX_PAGE,
     WORKER_LEASE_HEADER,
@@ -30,7 +30,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.problems import PROBLEMS
-from libs.common.states import TaskState, Workers, WorkerState
+from libs.common.states import TaskState, WorkerState
 from services.core.api.deps import (
     AdminOnly,
     Announcer,
@@ -115,8 +115,7 @@ async def register_worker(
     """A worker agent starts: it offers capacity for some queues. The answer holds the
     worker's lease secret, which every later call for this worker must send."""
     settings = _settings(request)
-    async with engine.begin() as conn:
-        worker, lease = await workers_db.register(conn, principal.name, offer)
+    worker, lease = await ops.register(engine, principal.name, offer)
     return WorkerRegistered(
         worker=worker,
         lease=lease,
@@ -236,8 +235,7 @@ async def start(attempt_id: AttemptId, worker: OwnWorker, engine: Engine) -> Rep
     """The agent asks before it starts an attempt when its last turn is too old to vouch
     for its lease: 409 when core no longer holds it for this worker (lost to the reaper,
     cancelled), so the agent must not run it."""
-    async with engine.begin() as conn:
-        task_id = await attempts_db.confirm_start(conn, attempt_id, worker.id)
+    task_id = await ops.confirm_start(engine, attempt_id, worker.id)
     return ReportAnswer(task_id=task_id, state=TaskState.RUNNING)
 
 
@@ -288,7 +286,8 @@ async def ship_logs(
 async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, record: Audit) -> Worker:
     """Stop giving the worker new work; what runs finishes (the agent hands back the rest
     after its grace period)."""
-    return await _set_state(engine, worker_id, Workers.DRAINING, record)
+    await ops.drain(engine, record, worker_id)
+    return await _get(engine, worker_id)
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses=PROBLEMS)
@@ -296,19 +295,6 @@ async def leave(worker: OwnWorker, dispatcher: Dispatch, engine: Engine) -> Work
     """The agent stops cleanly; attempts it still holds are lost at once."""
     await ops.leave(dispatcher, worker.id)
     return await _get(engine, worker.id)
-
-
-async def _set_state(engine: Engine, worker_id: int, state: str, record: Audit) -> Worker:
-    async with engine.begin() as conn:
-        row = await workers_db.get_worker(conn, worker_id, None)
-        if row.state not in Workers.PRESENT:
-            raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
-        await workers_db.set_worker_state(conn, worker_id, state)
-        target = f"worker:{worker_id}"
-        await record(
-            conn, "worker.drain", target, before={"state": row.state}, after={"state": state}
-        )
-    return await _get(engine, worker_id)
 
 
 async def _get(engine: Engine, worker_id: int) -> Worker:

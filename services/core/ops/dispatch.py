@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from libs.common.errors import NotFound, StaleAttempt
+from libs.common.errors import Conflict, NotFound, StaleAttempt
 from libs.common.models import (
     Assignment,
     AttemptReport,
@@ -21,12 +21,15 @@ from libs.common.models import (
     Report,
     ReportVerdict,
     Turn,
+    Worker,
+    WorkerRegister,
 )
 from libs.common.states import TaskState, Workers
 from services.core import traces
 from services.core.db import attempts as attempts_db
 from services.core.db import placement, secrets
 from services.core.db import workers as workers_db
+from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
@@ -279,3 +282,33 @@ async def reap(
     if changed:
         notifier.announce()
     return changed
+
+
+async def register(
+    engine: AsyncEngine, principal: str, offer: WorkerRegister
+) -> tuple[Worker, str]:
+    """A worker agent starts: its row and its lease secret (shown once)."""
+    async with engine.begin() as conn:
+        return await workers_db.register(conn, principal, offer)
+
+
+async def confirm_start(engine: AsyncEngine, attempt_id: int, worker_id: int) -> int:
+    """The task of an attempt core still holds for the worker (409 when it does not)."""
+    async with engine.begin() as conn:
+        return await attempts_db.confirm_start(conn, attempt_id, worker_id)
+
+
+async def drain(engine: AsyncEngine, record: Auditor, worker_id: int) -> None:
+    """Stop giving a live worker new work (409 for one gone), audited."""
+    async with engine.begin() as conn:
+        row = await workers_db.get_worker(conn, worker_id, None)
+        if row.state not in Workers.PRESENT:
+            raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
+        await workers_db.set_worker_state(conn, worker_id, Workers.DRAINING)
+        await record(
+            conn,
+            "worker.drain",
+            f"worker:{worker_id}",
+            before={"state": row.state},
+            after={"state": Workers.DRAINING},
+        )

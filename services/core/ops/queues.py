@@ -1,0 +1,64 @@
+"""Queues: what they hold and their placement settings read together; pausing and
+resuming one, and setting its pool's placement, each audited in its transaction."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from libs.common.models import QueueInfo, QueueSettings
+from services.core.db import placement
+from services.core.db import tasks as tasks_db
+from services.core.db.audit import Auditor
+from services.core.db.feed import Notifier
+
+
+async def read(conn: AsyncConnection, defaults: placement.Defaults) -> list[QueueInfo]:
+    """Every queue with live work or settings: its depth, and its pool's placement
+    settings (the operator's defaults where it has none) and utilisation."""
+    pools = await placement.pools(conn, defaults)
+    items = await tasks_db.list_queues(conn)
+    for item in items:
+        pool = pools.get(item.name)
+        item.overcommit = pool.overcommit if pool else defaults.overcommit
+        item.defer_above = pool.defer_above if pool else defaults.defer_above
+        item.utilisation = pool.utilisation if pool else None
+    return items
+
+
+async def set_paused(
+    engine: AsyncEngine, notifier: Notifier, record: Auditor, name: str, paused: bool
+) -> None:
+    """Pause (its waiting tasks go back to ready) or resume the queue."""
+    async with engine.begin() as conn:
+        was = await tasks_db.queue_paused(conn, name)
+        await tasks_db.set_paused(conn, name, paused)
+        await record(
+            conn,
+            "queue.pause" if paused else "queue.resume",
+            f"queue:{name}",
+            before={"paused": was},
+            after={"paused": paused},
+        )
+        await tasks_db.promote_and_park(conn, 1000)
+    notifier.announce()
+
+
+async def set_pool(
+    engine: AsyncEngine,
+    record: Auditor,
+    defaults: placement.Defaults,
+    name: str,
+    change: QueueSettings,
+) -> None:
+    async with engine.begin() as conn:
+        old = [q for q in await read(conn, defaults) if q.name == name]
+        await placement.set_pool(conn, name, change)
+        await record(
+            conn,
+            "queue.settings",
+            f"queue:{name}",
+            before={"overcommit": old[0].overcommit, "defer_above": old[0].defer_above}
+            if old
+            else None,
+            after=change.model_dump(exclude_unset=True),
+        )

@@ -1,0 +1,64 @@
+"""Teams: create, delete, members and the team's share, each audited in its transaction."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from libs.common.models import OwnerUsage, ShareSettings, Team
+from services.core.db import sharing, teams
+from services.core.db.audit import Auditor
+
+
+async def create(engine: AsyncEngine, record: Auditor, name: str, by: str) -> Team:
+    async with engine.begin() as conn:
+        team = await teams.create(conn, name, by)
+        await record(conn, "team.create", f"team:{team.name}", after=team.model_dump())
+    return team
+
+
+async def delete(engine: AsyncEngine, record: Auditor, name: str) -> None:
+    async with engine.begin() as conn:
+        before = await teams.delete_team(conn, name)
+        await record(conn, "team.delete", f"team:{name}", before=before.model_dump())
+
+
+async def add_member(engine: AsyncEngine, record: Auditor, name: str, member: str, by: str) -> Team:
+    """Idempotent: audited only when the member was not in the team."""
+    async with engine.begin() as conn:
+        if await teams.add_member(conn, name, member, by):
+            await record(conn, "team.member.add", f"team:{name}", after={"member": member})
+        return await teams.get(conn, name)
+
+
+async def remove_member(engine: AsyncEngine, record: Auditor, name: str, member: str) -> Team:
+    async with engine.begin() as conn:
+        await teams.remove_member(conn, name, member)
+        await record(conn, "team.member.remove", f"team:{name}", before={"member": member})
+        return await teams.get(conn, name)
+
+
+async def set_share(
+    engine: AsyncEngine, record: Auditor, book: sharing.Book, name: str, change: ShareSettings
+) -> OwnerUsage:
+    """The team's weight and quotas changed; every replica's book reads them anew."""
+    async with engine.begin() as conn:
+        await teams.get(conn, name)
+        [before] = await sharing.team_usage_of(conn, [name])
+        await sharing.set_share(conn, name, change, team=True)
+        [after] = await sharing.team_usage_of(conn, [name])
+        await record(
+            conn,
+            "team.share",
+            f"team:{name}",
+            before={"weight": before.weight, **before.quota.model_dump()},
+            after={"weight": after.weight, **after.quota.model_dump()},
+        )
+    book.invalidate()
+    return after
+
+
+async def forget_claims(engine: AsyncEngine, kids: list[str]) -> int:
+    """The identity provider withdrew these keys: the team claims their tokens vouched
+    for are not trusted any more; how many went."""
+    async with engine.begin() as conn:
+        return await teams.forget_claims(conn, kids)

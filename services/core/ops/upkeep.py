@@ -1,0 +1,69 @@
+"""Core's upkeep, as the loops run it: promoting due work, the placement pass, and the
+retention purges, each in short transactions of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from services.core.db import audit, placement
+from services.core.db import tasks as tasks_db
+from services.core.db.feed import Notifier
+from services.core.settings import CoreSettings
+
+PROMOTE_BATCH = 1000
+
+
+async def promote(
+    engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0, *, next_due: bool = False
+) -> tuple[int, float | None]:
+    """Promote (or park) up to a batch of due rows, and, with ``next_due``, read in the
+    same transaction (by the same ``now()``, so that a task due between the two cannot
+    fall between them) the seconds to the next due instant (None after a full batch)."""
+    async with engine.begin() as conn:
+        moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, after_s)
+        full = moved >= PROMOTE_BATCH
+        due = await tasks_db.next_due_in(conn, after_s) if next_due and not full else None
+    if moved:
+        notifier.announce()
+    return moved, due
+
+
+async def place(engine: AsyncEngine, notifier: Notifier, defaults: placement.Defaults) -> int:
+    """One placement pass (one replica at a time); what it changed."""
+    async with engine.begin() as conn:
+        changed = await placement.place_once(conn, defaults)
+    if changed:
+        notifier.announce()
+    return changed
+
+
+async def in_batches(
+    engine: AsyncEngine, batch: int, purge: Callable[[AsyncConnection], Awaitable[int]]
+) -> int:
+    """Run ``purge`` (which deletes up to ``batch`` rows) until it finds fewer, one small
+    transaction each; return how many went."""
+    total = 0
+    while True:
+        async with engine.begin() as conn:
+            gone = await purge(conn)
+        total += gone
+        if gone < batch:
+            return total
+        await asyncio.sleep(0)
+
+
+async def purge(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete finished tasks and gone workers past retention."""
+    age_s, batch = settings.retention_days * 86400, settings.retention_batch
+    tasks = await in_batches(engine, batch, lambda c: tasks_db.purge_finished(c, age_s, batch))
+    gone = await in_batches(engine, batch, lambda c: tasks_db.purge_workers(c, age_s, batch))
+    return tasks + gone
+
+
+async def purge_audit(engine: AsyncEngine, settings: CoreSettings) -> int:
+    """Delete audit entries past their own (longer) retention."""
+    age_s, batch = settings.audit_retention_days * 86400, settings.retention_batch
+    return await in_batches(engine, batch, lambda c: audit.purge(c, age_s, batch))
