@@ -1,4 +1,4 @@
-"""Fetch the Compose Specification's JSON schema for tests/unit/test_compose.py.
+"""Fetch the Compose Specification's JSON schema for tests/unit/system/test_compose.py.
 
     python tests/compose_spec.py OUT.json
 

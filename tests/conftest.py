@@ -14,15 +14,20 @@ import pytest
 
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
+
+# The fixtures of cron's, dag's and the fault tests, wherever a test of them sits.
+from tests.fixtures.cron import clock, cron  # noqa: F401
+from tests.fixtures.dag import dag, runner, worker  # noqa: F401
+from tests.fixtures.faults import workers  # noqa: F401
 from tests.support import MIGRATIONS, Core, start_core
 
 # The longest tests (minutes each, mostly waiting on processes and faults) start first, so
 # the two xdist workers run them side by side with the short ones after, instead of one
 # worker finishing alone on them at the end (make test runs -n 2).
 _LONGEST = (
-    "tests/faults/test_jepsen.py",
-    "tests/faults/test_jepsen_flows.py",
-    "tests/faults/test_partition.py",
+    "tests/faults/core/test_jepsen.py",
+    "tests/faults/system/test_jepsen_flows.py",
+    "tests/faults/worker/test_partition.py",
 )
 
 

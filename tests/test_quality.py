@@ -102,3 +102,18 @@ def test_core_writes_only_in_ops() -> None:
         if ".begin()" in line
     ]
     assert strays == []
+
+
+# Tests by kind; inside the larger kinds, a folder per service (core, cron, dag, worker,
+# cli, common, system for what spans them).
+_KINDS = {"unit", "integration", "faults", "security", "browser", "deploy"}
+
+
+def test_every_test_has_one_home_and_its_own_name() -> None:
+    files = sorted((ROOT / "tests").rglob("test_*.py"))
+    homeless = [
+        str(f.relative_to(ROOT)) for f in files if f.relative_to(ROOT).parts[1] not in _KINDS
+    ]
+    names = [f.name for f in files]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    assert (homeless, repeated) == ([str(Path("tests/test_quality.py"))], [])

@@ -19,8 +19,8 @@ from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from services.cron.app import create_app as create_cron
 from services.dag.app import create_app as create_dag
-from tests.cron.conftest import Cron, cron_settings
-from tests.dag.conftest import DagServer, Worker, dag_settings
+from tests.fixtures.cron import Cron, cron_settings
+from tests.fixtures.dag import DagServer, Worker, dag_settings
 from tests.support import Core, free_port, make_token, serve_in_thread, start_core
 
 CHROMIUM = os.environ.get("CAIRN_CHROMIUM", "/usr/bin/chromium")

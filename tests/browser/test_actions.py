@@ -17,7 +17,7 @@ from playwright.sync_api import Page, expect
 from libs.common.settings import libpq_url
 from tests.browser.conftest import System, log_in, screenshot
 from tests.browser.test_dashboard import client
-from tests.dag.conftest import node, workflow
+from tests.fixtures.dag import node, workflow
 from tests.support import register_worker, spec, wait_for
 
 FAR = "2999-01-01T00:00:00Z"

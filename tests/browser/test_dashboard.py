@@ -8,7 +8,7 @@ import httpx
 from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import System, log_in, screenshot
-from tests.dag.conftest import node, workflow
+from tests.fixtures.dag import node, workflow
 from tests.support import spec, wait_for
 
 

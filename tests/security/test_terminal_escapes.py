@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # A core that ships logs every 0.5 s, and a real worker agent for it.
-from tests.faults.test_live_logs import core, worker
+from tests.faults.worker.test_live_logs import core, worker
 from tests.support import Core, shell_spec, wait_for
 
 pytestmark = pytest.mark.slow

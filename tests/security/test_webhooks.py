@@ -35,7 +35,7 @@ from tests.support import (
 from tests.webhooks import Receiver, subscribe
 
 # Tests here queue several test deliveries of one owner at once; the per-owner limit on
-# them has its own test (tests/integration/test_notifications.py).
+# them has its own test (tests/integration/core/test_notifications.py).
 FAST = {
     "notify_interval_s": 0.05,
     "notify_backoff_base_s": 0.05,

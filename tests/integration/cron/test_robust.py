@@ -1,0 +1,150 @@
+"""The engine keeps firing through what used to stop it: an unexpected error steps it down
+to campaign again; readiness says whether it runs; a slot fired again never treats its own
+task as the previous run; a pending manual fire is found without a leader change."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from services.cron.engine import CronEngine
+from tests.fixtures.cron import EPOCH, FakeClock, start_cron
+from tests.integration.cron.test_engine import create
+from tests.support import Core, wait_for
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+SLOT = datetime(2027, 1, 4, 12, 1, tzinfo=UTC)
+
+
+def test_an_unexpected_error_steps_the_engine_down_and_it_leads_again(
+    core: Core, tmp_path: Path, db: Conn, monkeypatch: Any
+) -> None:
+    original = CronEngine._rebuild
+    failures = []
+
+    async def flaky(self: CronEngine) -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bug, or sqlalchemy.exc.TimeoutError from a busy pool")
+        await original(self)
+
+    monkeypatch.setattr(CronEngine, "_rebuild", flaky)
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock)
+    try:
+        wait_for(lambda: failures and cron.engine.leader and cron.engine.turned_at)
+        sid = create(cron, expression="* * * * *")
+        clock.set(SLOT)
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT outcome FROM cron.fires WHERE schedule_id = %s", (sid,)
+                ).fetchall()
+                == [("submitted",)]
+            )
+        )
+        assert httpx.get(cron.url + "/readyz").status_code == 200
+    finally:
+        cron.stop()
+
+
+def test_readiness_reports_a_stalled_leading_engine(
+    core: Core, tmp_path: Path, monkeypatch: Any
+) -> None:
+    async def stuck(self: CronEngine) -> None:
+        import asyncio
+
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(CronEngine, "_fire_loop", stuck)
+    cron = start_cron(core, tmp_path, FakeClock(EPOCH), cron_stall_s=0.5)
+    try:
+        wait_for(lambda: cron.engine.leader)
+        answer = wait_for(
+            lambda: (r := httpx.get(cron.url + "/readyz")).status_code == 503 and r, timeout=10
+        )
+        assert "has not turned" in answer.json()["detail"]
+    finally:
+        cron.stop()
+
+
+def test_a_slot_fired_again_does_not_replace_its_own_task(
+    core: Core, tmp_path: Path, db: Conn
+) -> None:
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock)
+    try:
+        wait_for(lambda: cron.engine.leader)
+        sid = create(cron, expression="* * * * *", overlap_policy="replace")
+        clock.set(SLOT)
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT outcome FROM cron.fires WHERE schedule_id = %s", (sid,)
+                ).fetchall()
+                == [("submitted",)]
+            )
+        )
+        [(task_id,)] = db.execute(
+            "SELECT task_id FROM cron.fires WHERE schedule_id = %s", (sid,)
+        ).fetchall()
+        # As after a crash between recording the slot and moving the schedule past it.
+        db.execute(
+            "UPDATE cron.schedules SET next_fire_at = %s, fired_through = %s,"
+            " version = version + 1 WHERE id = %s",
+            (SLOT, SLOT - timedelta(minutes=1), sid),
+        )
+        db.execute("SELECT pg_notify('cron_schedules', %s)", (str(sid),))
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT next_fire_at FROM cron.schedules WHERE id = %s", (sid,)
+                ).fetchone()
+                == (SLOT + timedelta(minutes=1),)
+            )
+        )
+        state = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task_id,)).fetchone()
+        assert state == ("waiting",)  # not cancelled as "the previous run"
+        tasks = db.execute(
+            "SELECT count(*) FROM core.tasks WHERE labels->>'cairn.cron/schedule' = %s",
+            (str(sid),),
+        ).fetchone()
+        assert tasks == (1,)
+    finally:
+        cron.stop()
+
+
+def test_a_pending_manual_fire_is_sent_without_a_leader_change(
+    core: Core, tmp_path: Path, db: Conn
+) -> None:
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, cron_pending_scan_s=0.2)
+    try:
+        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
+        sid = create(cron, expression="0 3 * * *")
+        # What an API process that died after claiming a trigger leaves: a pending fire,
+        # and no notification.
+        db.execute(
+            "INSERT INTO cron.fires (schedule_id, fire_time, outcome, manual, detail)"
+            " VALUES (%s, %s, 'pending', true, 'triggered by alice')",
+            (sid, EPOCH),
+        )
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT outcome FROM cron.fires WHERE schedule_id = %s", (sid,)
+                ).fetchone()
+                == ("submitted",)
+            )
+        )
+        keys = db.execute(
+            "SELECT idempotency_key FROM core.tasks WHERE labels->>'cairn.cron/schedule' = %s",
+            (str(sid),),
+        ).fetchall()
+        assert keys == [(f"cron:{sid}:manual:{EPOCH.isoformat()}",)]
+    finally:
+        cron.stop()

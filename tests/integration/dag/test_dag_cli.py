@@ -1,0 +1,74 @@
+"""``cairn dag outputs`` and ``cairn dag clear`` against the real DAG service and core."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cairn.cli import app
+from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
+
+
+@pytest.fixture
+def cli(dag: DagServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    dag.client("alice").close()  # makes alice's token
+    monkeypatch.setenv("CAIRN_DAG_URL", dag.url)
+    monkeypatch.setenv("CAIRN_URL", dag.core.url)
+    monkeypatch.setenv("CAIRN_TOKEN", dag.core.tokens["alice"])
+    monkeypatch.setenv("CAIRN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CAIRN_CONFIG", raising=False)
+    return CliRunner()
+
+
+def test_outputs_are_listed_and_a_clear_reruns_from_a_node(
+    cli: CliRunner, runner: Runner, worker: Worker
+) -> None:
+    body = workflow(
+        "cli-data",
+        [
+            node("extract", args=("out", json.dumps({"rows": 7})), outputs={"rows": {}}),
+            node("load", "extract", args=("ok", "{{ nodes.extract.outputs.rows }}")),
+        ],
+    )
+    run = runner.run(body)
+    rid = str(run["id"])
+    listed = cli.invoke(app, ["dag", "outputs", rid])
+    assert listed.exit_code == 0, listed.output
+    assert "extract" in listed.output and "rows" in listed.output and "7" in listed.output
+    as_json = cli.invoke(app, ["dag", "outputs", rid, "--json"])
+    assert json.loads(as_json.output) == {"extract": {"rows": 7}}
+    missing = cli.invoke(app, ["dag", "outputs", rid, "--node", "nope"])
+    assert missing.exit_code == 1
+    cleared = cli.invoke(app, ["dag", "clear", rid, "load"])
+    assert cleared.exit_code == 0, cleared.output
+    assert "again load" in cleared.output
+    done = runner.wait_end(run["id"])
+    assert {n["name"]: n["try_number"] for n in done["nodes"]} == {"extract": 1, "load": 2}
+    assert done["state"] == "succeeded"
+
+
+def test_a_retry_of_failed_instances_from_the_cli(
+    cli: CliRunner, runner: Runner, worker: Worker
+) -> None:
+    body = workflow(
+        "cli-map",
+        [
+            node(
+                "each",
+                args=("{{ map.item }}", "2", "{{ node.try }}"),
+                map={"over": "{{ params.items }}"},
+            )
+        ],
+    )
+    run = runner.run(body, params={"items": ["ok", "fail-below"]})
+    assert run["state"] == "failed"
+    retried = cli.invoke(app, ["dag", "retry", str(run["id"]), "--failed-instances"])
+    assert retried.exit_code == 0, retried.output
+    assert "again each[1]" in retried.output and "each[0]" not in retried.output
+    done = runner.wait_end(run["id"])
+    assert done["state"] == "succeeded"
+    tries = {n["name"]: n["try_number"] for n in done["nodes"]}
+    assert tries == {"each": 2, "each[0]": 1, "each[1]": 2}
