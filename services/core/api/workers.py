@@ -49,6 +49,7 @@ from services.core.db import attempts as attempts_db
 from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.domain.principals import Principal
+from services.core.domain.workers import missing_grace_s
 from services.core.ops import dispatch as ops
 from services.core.ops import tasklogs
 from services.core.settings import CoreSettings
@@ -194,9 +195,7 @@ Agent = Annotated[AgentCall, Depends(_agent_call)]
 async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> HeartbeatAnswer:
     """The sidecar's beat: the worker lives, and these attempts' processes run."""
     worker, dispatcher = call.worker, call.dispatcher
-    # An attempt claimed after the sidecar read its list is not in this beat: give every
-    # attempt two beats (and a second) before its absence means its process is gone.
-    grace = 2 * _settings(request).heartbeat_interval_s + 1.0
+    grace = missing_grace_s(_settings(request).heartbeat_interval_s)
     found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace)
     return HeartbeatAnswer(
         state=state,

@@ -234,7 +234,8 @@ def _clean(value: str | None) -> str | None:
 
 @dataclass
 class Tally:
-    """What a call ended on the way, for the metrics."""
+    """What a call ended on the way, for the metrics: returned with its result, and
+    added up (``+``) by the caller."""
 
     lost: int = 0
     poisoned: int = 0
@@ -242,6 +243,22 @@ class Tally:
     waits: list[float] = field(default_factory=list)
     #: candidates a claim held back, by what held them (quota, concurrency, rate)
     held: Counter[str] = field(default_factory=Counter)
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.lost + other.lost,
+            self.poisoned + other.poisoned,
+            self.buried + other.buried,
+            self.waits + other.waits,
+            self.held + other.held,
+        )
+
+    @staticmethod
+    def of(move: Move) -> Tally:
+        """A move's count: a burial, and whether a poison pill made it."""
+        if move.target is not S.DEAD:
+            return Tally()
+        return Tally(poisoned=int(move.reason.startswith("poison pill")), buried=1)
 
 
 # The worker is heard (a turn, a claim): its liveness refreshed and the attempts it says it
@@ -305,6 +322,8 @@ class Leases:
     assignments: list[Assignment]
     with_secrets: frozenset[int] = frozenset()
     committed: bool = False
+    #: the waits of the tasks leased, and the candidates held back
+    tally: Tally = field(default_factory=Tally)
 
 
 @dataclass(frozen=True)
@@ -374,7 +393,6 @@ async def lease(
     conn: AsyncConnection,
     asked: Ask,
     picked: Sequence[Any],
-    tally: Tally | None = None,
     last: bool = False,
 ) -> Leases:
     """The claim's second half: of the rows its pick locked, lease what placement and
@@ -392,12 +410,11 @@ async def lease(
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
     candidates = (placement.candidate(row, asked.defaults) for row in rows)
     chosen = choose(asked.room, candidates, asked.most, gate)
-    if tally is not None and gate is not None:
-        tally.held.update(gate.refused)
+    held = Tally(held=Counter(gate.refused)) if gate is not None else Tally()
     if await _held_for(conn, asked.worker.reserved_for, chosen):
-        return Leases([])
+        return Leases([], tally=held)
     if not chosen:
-        return Leases([])
+        return Leases([], tally=held)
     by_id = {row.id: row for row in rows}
     params = {
         "ids": [c.task_id for c, _ in chosen],
@@ -415,11 +432,10 @@ async def lease(
         [found, _] = await pipeline.run(conn, [(_CLAIM, params), (_COMMIT, {})])
     else:
         found = list(await conn.execute(_CLAIM, params))
-    if tally is not None:
-        tally.waits.extend(float(row.waited_s) for row in found)
+    waited = Tally(waits=[float(row.waited_s) for row in found])
     # The pick said which tasks refer to secrets (one rule: db.secrets).
     refs = frozenset(r.id for r in found if by_id[r.id].secret_refs)
-    return Leases([_assignment(row) for row in found], refs, commit)
+    return Leases([_assignment(row) for row in found], refs, commit, held + waited)
 
 
 async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
@@ -496,10 +512,9 @@ async def _close_attempt(
 
 
 async def _apply(
-    conn: AsyncConnection, task_id: int, attempt_id: int, move: Move, tally: Tally | None
-) -> TaskState:
+    conn: AsyncConnection, task_id: int, attempt_id: int, move: Move
+) -> tuple[TaskState, Tally]:
     """One task's move through ``tasks_db.transition`` (the reaper's and a service's path)."""
-    _count(move, tally)
     await tasks_db.transition(
         conn,
         task_id,
@@ -512,14 +527,7 @@ async def _apply(
         refund=move.refund,
         attempt_id=attempt_id,
     )
-    return move.target
-
-
-def _count(move: Move, tally: Tally | None) -> None:
-    if tally is not None and move.target is S.DEAD:
-        tally.buried += 1
-        if move.reason.startswith("poison pill"):
-            tally.poisoned += 1
+    return move.target, Tally.of(move)
 
 
 # A service's recent attempts (the one just closed included): restarts since its last
@@ -552,8 +560,7 @@ async def _restart_service(
     error: str,
     crashed: bool,
     host_died: bool,
-    tally: Tally | None,
-) -> TaskState:
+) -> tuple[TaskState, Tally]:
     """A service's exit (its attempt already closed), decided by its recent history."""
     policy = SERVICE_RESTARTS
     params = {"task": task.id, "healthy_s": policy.healthy_s, "window_s": policy.window_s}
@@ -566,7 +573,7 @@ async def _restart_service(
         crashed=crashed,
         host_died=host_died,
     )
-    return await _apply(conn, task.id, attempt_id, move, tally)
+    return await _apply(conn, task.id, attempt_id, move)
 
 
 _CONFIRM_START = text(f"""
@@ -615,33 +622,34 @@ async def lose(
     conn: AsyncConnection,
     attempt_id: int,
     why: str,
-    tally: Tally | None = None,
     *,
     host_died: bool = False,
     excused: bool = False,
-) -> TaskState | None:
+) -> tuple[TaskState | None, Tally]:
     """An attempt whose process is gone without a report. Once a heartbeat has shown it
     running, that is a crash (towards the poison-pill limit); a lease no heartbeat ever
     showed (its claim's answer lost on the way, say), or one lost while core could not
     hear its worker (``excused``), goes back without cost."""
-    if tally is not None:
-        tally.lost += 1
+    lost = Tally(lost=1)
     try:
         task = await _current_task(conn, attempt_id)
     except StaleAttempt:
         await _close_attempt(conn, attempt_id, "lost", error=why)
-        return None
+        return None, lost
     seen = (
         await conn.execute(select(attempts.c.seen_at).where(attempts.c.id == attempt_id))
     ).scalar_one()
     await _close_attempt(conn, attempt_id, "lost", error=why)
     if seen is None or excused:
         cause = "it never started" if seen is None else "core was away"
-        return await _apply(conn, task.id, attempt_id, outcomes.lost_unstarted(why, cause), tally)
-    if task.kind == "service":
-        return await _restart_service(conn, task, attempt_id, why, True, host_died, tally)
-    move = outcomes.failed(task, why, retryable=True, crashed=True)
-    return await _apply(conn, task.id, attempt_id, move, tally)
+        move = outcomes.lost_unstarted(why, cause)
+        state, moved = await _apply(conn, task.id, attempt_id, move)
+    elif task.kind == "service":
+        state, moved = await _restart_service(conn, task, attempt_id, why, True, host_died)
+    else:
+        move = outcomes.failed(task, why, retryable=True, crashed=True)
+        state, moved = await _apply(conn, task.id, attempt_id, move)
+    return state, lost + moved
 
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
@@ -798,45 +806,44 @@ async def settle(
     return Settled(order, batch)
 
 
-async def applied(
-    conn: AsyncConnection, settled: Settled, tally: Tally | None = None
-) -> list[ReportVerdict]:
+async def applied(conn: AsyncConnection, settled: Settled) -> tuple[list[ReportVerdict], Tally]:
     """Once the batch's statement ran: each service's exit decided, one at a time; the
     verdicts in the order sent."""
     verdicts: dict[int, ReportVerdict] = {}
+    tally = Tally()
     for item, row, move in settled.batch:
         if move is None:
             error = outcomes.service_error(item.outcome, item.error)
             crashed = item.outcome == "crashed"
-            target = await _restart_service(
-                conn, row, item.attempt_id, error, crashed, False, tally
+            target, moved = await _restart_service(
+                conn, row, item.attempt_id, error, crashed, False
             )
         else:
-            _count(move, tally)
-            target = move.target
+            target, moved = move.target, Tally.of(move)
+        tally = tally + moved
         verdicts[item.attempt_id] = ReportVerdict(
             attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
         )
-    return [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
+    order = [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
+    return order, tally
 
 
 async def report_many(
     conn: AsyncConnection,
     worker_id: int,
     items: Sequence[AttemptReport],
-    tally: Tally | None = None,
     masker: Masker | None = None,
-) -> list[ReportVerdict]:
+) -> tuple[list[ReportVerdict], Tally]:
     """Apply a worker's reports (``settle``, then its statement, then ``applied``), in
     round trips of their own (a turn sends them with its other statements)."""
     if not items:
-        return []
+        return [], Tally()
     ids = sorted({i.attempt_id for i in items})
     rows = {r.attempt_id: r for r in await conn.execute(_REPORTED, {"ids": ids})}
     settled = await settle(conn, worker_id, items, rows, masker)
     for query, params in settled.statements():
         await conn.execute(query, params)
-    return await applied(conn, settled, tally)
+    return await applied(conn, settled)
 
 
 async def finish_and_pick(conn: AsyncConnection, settled: Settled, asked: Ask | None) -> list[Any]:

@@ -171,6 +171,8 @@ class Beat:
     squeeze: list[int]
     preempt: list[int]
     lost: int
+    #: what losing the missing ones ended, for the metrics
+    tally: Tally
 
 
 _ROOM_MADE = text("""
@@ -182,24 +184,22 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 """)
 
 
-async def heartbeat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
-) -> Beat:
+async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float) -> Beat:
     """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
     for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
     lost), squeeze and preempt."""
-    stop, lost = await _beat(conn, worker, alive, grace_s, tally)
+    stop, lost, tally = await _beat(conn, worker, alive, grace_s)
     if not alive:
-        return Beat(stop, [], [], lost)
+        return Beat(stop, [], [], lost, tally)
     rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
     squeeze = [r.id for r in rows if r.squeezed and not r.preempted]
     preempt = [r.id for r in rows if r.preempted]
-    return Beat(stop, squeeze, preempt, lost)
+    return Beat(stop, squeeze, preempt, lost, tally)
 
 
 async def _beat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, tally: Tally | None = None
-) -> tuple[list[int], int]:
+    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
+) -> tuple[list[int], int, Tally]:
     await conn.execute(
         update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
     )
@@ -224,10 +224,14 @@ async def _beat(
         {"worker": worker.id, "grace": grace_s, "alive": sorted(reported)},
     )
     gone = list(missing)
+    tally = Tally()
     for row in gone:
-        await lose(conn, row.id, "the process is gone (missing from its worker's heartbeat)", tally)
+        _, ended = await lose(
+            conn, row.id, "the process is gone (missing from its worker's heartbeat)"
+        )
+        tally = tally + ended
     if not reported:
-        return [], len(gone)
+        return [], len(gone), tally
     stop = await conn.execute(
         text(f"""
             SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
@@ -237,24 +241,25 @@ async def _beat(
         """),
         {"alive": sorted(reported), "worker": worker.id},
     )
-    return [row.id for row in stop], len(gone)
+    return [row.id for row in stop], len(gone), tally
 
 
 async def lose_all(
     conn: AsyncConnection,
     worker_id: int,
     why: str,
-    tally: Tally | None = None,
     *,
     host_died: bool = False,
     excused: bool = False,
-) -> int:
+) -> Tally:
     """Every open attempt of the worker is lost (``host_died``: with the worker;
-    ``excused``: at no cost)."""
+    ``excused``: at no cost); what that ended (``lost`` counts them)."""
     rows = list(await conn.execute(_OPEN_ATTEMPTS_OF, {"worker": worker_id}))
+    tally = Tally()
     for row in rows:
-        await lose(conn, row.id, why, tally, host_died=host_died, excused=excused)
-    return len(rows)
+        _, ended = await lose(conn, row.id, why, host_died=host_died, excused=excused)
+        tally = tally + ended
+    return tally
 
 
 _ANSWER = text("SELECT 1")
@@ -268,23 +273,22 @@ async def answer(conn: AsyncConnection) -> None:
 async def reap(
     conn: AsyncConnection,
     timeout_s: float,
-    tally: Tally | None = None,
     *,
     heard_for_s: float = math.inf,
-) -> int:
+) -> tuple[int, Tally]:
     """Workers silent for ``timeout_s`` are dead; their open attempts are lost. Silence
     counts only from when this replica could hear (``heard_for_s``: how long it has
     reached the database without a break): a worker silent since before then is dead
     only once core has listened for ``timeout_s`` too, and its attempts go back
     without cost, since its silence may be core's own absence."""
     if heard_for_s < timeout_s:
-        return 0
+        return 0, Tally()
     params = {"timeout_s": timeout_s, "heard_for_s": min(heard_for_s, 10.0**9)}
     dead = list(await conn.execute(_SILENT_WORKERS, params))
-    lost = 0
+    tally = Tally()
     for row in dead:
         why = f"its worker {row.id} stopped heartbeating"
         if row.deaf:
             why += " while core could not hear it"
-        lost += await lose_all(conn, row.id, why, tally, host_died=True, excused=row.deaf)
-    return len(dead) + lost
+        tally = tally + await lose_all(conn, row.id, why, host_died=True, excused=row.deaf)
+    return len(dead) + tally.lost, tally

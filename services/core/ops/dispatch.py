@@ -72,7 +72,6 @@ async def turn(
     note what it started), apply its reports, lease what fits its room. With
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
-    tally = attempts_db.Tally()
     reported = [r.attempt_id for r in body.reports]
     since = ops.notifier.mark()  # work announced after this pick's snapshot wakes the wait
     async with ops.engine.begin() as conn:
@@ -82,10 +81,10 @@ async def turn(
         )
         asked = _ask(ops, heard, body.claim, settled.closing)
         picked = await attempts_db.finish_and_pick(conn, settled, asked)
-        verdicts = await attempts_db.applied(conn, settled, tally)
-        leased = await _lease(ops, conn, asked, picked, tally)
+        verdicts, ended = await attempts_db.applied(conn, settled)
+        leased, lease_tally = await _lease(ops, conn, asked, picked)
         state = await _state(conn, worker_id, heard)
-    _told(ops, tally, body.reports, verdicts, leased, headers)
+    _told(ops, ended + lease_tally, body.reports, verdicts, leased, headers)
     if leased or body.claim is None or body.claim.wait <= 0 or state != Workers.LIVE:
         return TurnResult(state, verdicts, leased)
     leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, since)
@@ -157,25 +156,25 @@ async def _lease(
     conn: AsyncConnection,
     asked: attempts_db.Ask | None,
     picked: list[Any],
-    tally: attempts_db.Tally,
-) -> list[Assignment]:
+) -> tuple[list[Assignment], attempts_db.Tally]:
     """Lease what the pick found, the secrets filled in; an attempt whose secret is gone
-    fails at once (not retryable) and is not handed out."""
+    fails at once (not retryable) and is not handed out. With what it counted."""
     if asked is None:
-        return []
+        return [], attempts_db.Tally()
     # Nothing follows the lease in the caller's transaction but the secrets' look-ups,
     # so a lease without secrets commits in its own round trip.
-    leases = await attempts_db.lease(conn, asked, picked, tally, last=True)
+    leases = await attempts_db.lease(conn, asked, picked, last=True)
     if not leases.with_secrets:
-        return leases.assignments
+        return leases.assignments, leases.tally
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
     if broken:
         failed = [
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
             for a, reason in broken.items()
         ]
-        await attempts_db.report_many(conn, asked.worker.id, failed, tally)
-    return leased
+        _, ended = await attempts_db.report_many(conn, asked.worker.id, failed)
+        return leased, leases.tally + ended
+    return leased, leases.tally
 
 
 async def _wait_for_work(
@@ -193,12 +192,11 @@ async def _wait_for_work(
             return [], Workers.LIVE
         await ops.notifier.wait(min(remaining, POLL_S), since)
         since = ops.notifier.mark()
-        tally = attempts_db.Tally()
         async with ops.engine.begin() as conn:
             heard = await attempts_db.hear(conn, worker_id)
             asked = _ask(ops, heard, room, frozenset())
             picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
-            leased = await _lease(ops, conn, asked, picked, tally)
+            leased, tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
         if leased or state != Workers.LIVE:
@@ -239,11 +237,10 @@ async def heartbeat(
     ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float
 ) -> tuple[workers_db.Beat, str]:
     """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it."""
-    tally = attempts_db.Tally()
     async with ops.engine.begin() as conn:
-        found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, tally)
+        found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
         state = await _state_of(conn, worker.id)
-    ops.meter.count(tally)
+    ops.meter.count(found.tally)
     if found.lost:
         ops.notifier.announce()
     return found, state
@@ -251,10 +248,9 @@ async def heartbeat(
 
 async def leave(ops: Dispatcher, worker_id: int) -> None:
     """The worker left: every attempt it still holds is lost at once."""
-    tally = attempts_db.Tally()
     async with ops.engine.begin() as conn:
         await workers_db.set_worker_state(conn, worker_id, Workers.LEFT)
-        await workers_db.lose_all(conn, worker_id, "its worker left", tally)
+        tally = await workers_db.lose_all(conn, worker_id, "its worker left")
     ops.meter.count(tally)
     if tally.lost:
         ops.notifier.announce()
@@ -273,10 +269,9 @@ async def reap(
     """One pass of the reaper: workers silent for ``timeout_s`` are dead, their attempts
     lost (``db.workers.reap``). ``hearing``, called once the database answered, says how
     long this replica has heard without a break."""
-    tally = attempts_db.Tally()
     async with engine.begin() as conn:
         await workers_db.answer(conn)
-        changed = await workers_db.reap(conn, timeout_s, tally, heard_for_s=hearing())
+        changed, tally = await workers_db.reap(conn, timeout_s, heard_for_s=hearing())
     if meter is not None:
         meter.count(tally)
     if changed:

@@ -86,3 +86,32 @@ def test_a_recent_turn_vouches_for_a_lease_and_an_old_one_does_not() -> None:
     assert vouches(100.0, 105.9, 1.0, 8.0)
     assert not vouches(100.0, 106.0, 1.0, 8.0)
     assert not vouches(-math.inf, 0.0, 1.0, 8.0)
+
+
+def test_a_calls_counts_are_its_moves_added_up() -> None:
+    """What the dispatch path counts for the metrics is returned with each result and
+    added by the caller (no out-parameter): a burial, a poison pill, losses, waits."""
+    from collections import Counter
+
+    from services.core.db.attempts import Tally
+
+    buried = outcomes.Move(Op.FAIL, TaskState.DEAD, "attempts exhausted")
+    poisoned = outcomes.Move(Op.FAIL, TaskState.DEAD, "poison pill: crashed 3 times")
+    retried = outcomes.Move(Op.FAIL, TaskState.FAILED, "exit 1")
+    total = (
+        Tally.of(buried)
+        + Tally.of(poisoned)
+        + Tally.of(retried)
+        + Tally(lost=2, waits=[0.5], held=Counter(quota=1))
+        + Tally(waits=[1.5], held=Counter(quota=2, rate=1))
+    )
+    assert (total.buried, total.poisoned, total.lost) == (2, 1, 2)
+    assert total.waits == [0.5, 1.5] and total.held == Counter(quota=3, rate=1)
+    assert Tally.of(retried) == Tally()
+
+
+def test_an_attempt_missing_from_beats_is_gone_after_two_beats_and_a_second() -> None:
+    from services.core.domain.workers import missing_grace_s
+
+    assert missing_grace_s(60.0) == 121.0
+    assert missing_grace_s(0.5) == 2.0
