@@ -19,7 +19,7 @@ from libs.common.models import (
     ShareSettings,
 )
 from libs.common.problems import PROBLEMS
-from services.core.api.deps import AdminOnly, Engine, Reader
+from services.core.api.deps import AdminOnly, Audit, Engine, Reader
 from services.core.db import sharing
 from services.core.ops import sharing as sharing_ops
 
@@ -62,10 +62,15 @@ async def owner_usage(name: OwnerName, principal: Reader, engine: Engine) -> Own
 
 @router.patch("/v1/owners/{name}/share", response_model=OwnerUsage, responses=PROBLEMS)
 async def set_share(
-    name: OwnerName, change: ShareSettings, principal: AdminOnly, engine: Engine, request: Request
+    name: OwnerName,
+    change: ShareSettings,
+    principal: AdminOnly,
+    engine: Engine,
+    request: Request,
+    record: Audit,
 ) -> OwnerUsage:
     """Set the owner's fair-share weight and quotas (null: no limit; weight null: 1)."""
-    return await sharing_ops.set_share(engine, _book(request), name, change)
+    return await sharing_ops.set_share(engine, record, _book(request), name, change)
 
 
 @router.get("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
@@ -77,11 +82,16 @@ async def get_policy(name: QueueName, principal: Reader, engine: Engine) -> Queu
 
 @router.put("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
 async def set_policy(
-    name: QueueName, policy: QueuePolicy, principal: AdminOnly, engine: Engine, request: Request
+    name: QueueName,
+    policy: QueuePolicy,
+    principal: AdminOnly,
+    engine: Engine,
+    request: Request,
+    record: Audit,
 ) -> QueuePolicy:
     """Replace the queue's policy: priority range per role, whether users may submit
     services or guaranteed (non-preemptible) work, which owners may use it."""
-    return await sharing_ops.set_policy(engine, _book(request), name, policy)
+    return await sharing_ops.set_policy(engine, record, _book(request), name, policy)
 
 
 @router.get("/v1/concurrency/{key}", response_model=ConcurrencyState, responses=PROBLEMS)
@@ -93,8 +103,8 @@ async def get_key(key: KeyPath, principal: Reader, engine: Engine) -> Concurrenc
 
 @router.put("/v1/concurrency/{key}", response_model=ConcurrencyState, responses=PROBLEMS)
 async def set_key(
-    key: KeyPath, limit: ConcurrencyLimit, principal: AdminOnly, engine: Engine
+    key: KeyPath, limit: ConcurrencyLimit, principal: AdminOnly, engine: Engine, record: Audit
 ) -> ConcurrencyState:
     """Set the key's limits for the whole pool: at most ``max_running`` attempts at once,
     at most ``max_starts`` starts per ``window_s``. They override the tasks' own limit."""
-    return await sharing_ops.set_key_limit(engine, key, limit)
+    return await sharing_ops.set_key_limit(engine, record, key, limit)

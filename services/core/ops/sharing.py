@@ -1,6 +1,6 @@
 """Fair sharing's settings: an owner's share and quotas, a queue's policy, a concurrency
-key's limits. Every replica's book reads a change anew (``Book.invalidate`` here, and
-the book's own refresh on the others)."""
+key's limits, each audited in its transaction. Every replica's book reads a change anew
+(``Book.invalidate`` here, and the book's own refresh on the others)."""
 
 from __future__ import annotations
 
@@ -14,30 +14,61 @@ from libs.common.models import (
     ShareSettings,
 )
 from services.core.db import sharing
+from services.core.db.audit import Auditor
+
+
+def _share(usage: OwnerUsage) -> dict[str, object]:
+    return {"weight": usage.weight, **usage.quota.model_dump()}
+
+
+def _limits(state: ConcurrencyState) -> dict[str, object]:
+    return {
+        "max_running": state.max_running,
+        "max_starts": state.max_starts,
+        "window_s": state.window_s,
+    }
 
 
 async def set_share(
-    engine: AsyncEngine, book: sharing.Book, name: str, change: ShareSettings
+    engine: AsyncEngine, record: Auditor, book: sharing.Book, name: str, change: ShareSettings
 ) -> OwnerUsage:
     async with engine.begin() as conn:
+        [before] = await sharing.usage_of(conn, [name])
         await sharing.set_share(conn, name, change)
+        [after] = await sharing.usage_of(conn, [name])
+        await record(
+            conn, "owner.share", f"owner:{name}", before=_share(before), after=_share(after)
+        )
     book.invalidate()
-    async with engine.connect() as conn:
-        [usage] = await sharing.usage_of(conn, [name])
-    return usage
+    return after
 
 
 async def set_policy(
-    engine: AsyncEngine, book: sharing.Book, name: str, policy: QueuePolicy
+    engine: AsyncEngine, record: Auditor, book: sharing.Book, name: str, policy: QueuePolicy
 ) -> QueuePolicy:
     async with engine.begin() as conn:
+        before = await sharing.get_policy(conn, name)
         await sharing.set_policy(conn, name, policy)
+        await record(
+            conn,
+            "queue.policy",
+            f"queue:{name}",
+            before=before.model_dump(mode="json") if before is not None else None,
+            after=policy.model_dump(mode="json"),
+        )
     book.invalidate()
     return policy
 
 
-async def set_key_limit(engine: AsyncEngine, key: str, limit: ConcurrencyLimit) -> ConcurrencyState:
+async def set_key_limit(
+    engine: AsyncEngine, record: Auditor, key: str, limit: ConcurrencyLimit
+) -> ConcurrencyState:
     async with engine.begin() as conn:
+        before = await sharing.key_state(conn, key)
         await sharing.set_key_limit(conn, key, limit)
-    async with engine.connect() as conn:
-        return await sharing.key_state(conn, key)
+        after = await sharing.key_state(conn, key)
+        target = f"concurrency:{key}"
+        await record(
+            conn, "concurrency.limit", target, before=_limits(before), after=_limits(after)
+        )
+    return after

@@ -41,6 +41,9 @@ def test_every_listed_action_leaves_a_row(core: Core, db) -> None:
         assert root.delete("/v1/teams/sre/members/alice").status_code == 200
         assert root.delete("/v1/teams/sre").status_code == 204
         assert root.post("/v1/secrets", json={"name": "k", "value": "value-1"}).status_code == 201
+        assert root.patch("/v1/owners/bob/share", json={"weight": 2}).status_code == 200
+        assert root.put("/v1/queues/gpu/policy", json={"owners": ["bob"]}).status_code == 200
+        assert root.put("/v1/concurrency/db", json={"max_running": 2}).status_code == 200
         with core.client("alice") as alice:
             task = alice.post("/v1/tasks", json=spec()).json()
         assert root.post(f"/v1/tasks/{task['id']}/cancel").status_code == 200
@@ -57,11 +60,20 @@ def test_every_listed_action_leaves_a_row(core: Core, db) -> None:
         ("root", "team.member.remove", "team:sre"),
         ("root", "team.delete", "team:sre"),
         ("root", "secret.create", "secret:root/k"),
+        ("root", "owner.share", "owner:bob"),
+        ("root", "queue.policy", "queue:gpu"),
+        ("root", "concurrency.limit", "concurrency:db"),
         ("root", "task.cancel", f"task:{task['id']}"),
     ]
     newest = page["items"][0]
     assert newest["action"] == "task.cancel" and newest["source"] == "127.0.0.1"
     assert newest["before"]["owner"] == "alice" and newest["after"]["state"] == "cancelled"
+    share = next(e for e in page["items"] if e["action"] == "owner.share")
+    assert share["before"]["weight"] == 1 and share["after"]["weight"] == 2
+    policy = next(e for e in page["items"] if e["action"] == "queue.policy")
+    assert policy["before"] is None and policy["after"]["owners"] == ["bob"]
+    limit = next(e for e in page["items"] if e["action"] == "concurrency.limit")
+    assert limit["before"]["max_running"] is None and limit["after"]["max_running"] == 2
     pause = next(e for e in page["items"] if e["action"] == "queue.pause")
     assert pause["before"] == {"paused": False} and pause["after"] == {"paused": True}
 
