@@ -22,7 +22,6 @@ from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.loops")
 
-PROMOTE_BATCH = upkeep.PROMOTE_BATCH
 PROMOTE_PARALLEL = 2
 
 
@@ -82,7 +81,7 @@ class Promoter:
         (a full batch) is drained on ``PROMOTE_PARALLEL`` connections at once: SKIP
         LOCKED gives each its own rows, and the database works on them side by side."""
         moved, due = await self._pass()
-        while moved >= PROMOTE_BATCH:
+        while moved >= upkeep.PROMOTE_BATCH:
             await asyncio.gather(*(self._drain() for _ in range(PROMOTE_PARALLEL)))
             moved, due = await self._pass()
         return self.poll_s if due is None else max(0.0, min(due, self.poll_s))
@@ -93,7 +92,9 @@ class Promoter:
         return await upkeep.promote(self.engine, self.notifier, self.after_s, next_due=True)
 
     async def _drain(self) -> None:
-        while (await upkeep.promote(self.engine, self.notifier, self.after_s))[0] >= PROMOTE_BATCH:
+        while (await upkeep.promote(self.engine, self.notifier, self.after_s))[
+            0
+        ] >= upkeep.PROMOTE_BATCH:
             await asyncio.sleep(0)
 
 

@@ -95,13 +95,12 @@ async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> R
 
 
 async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
-    book: sharing.Book = request.app.state.sharing
     return tasks_ops.Submitter(
         principal=call.principal,
         engine=call.engine,
         notifier=call.notifier,
         meter=call.meter,
-        book=await book.fresh(call.engine),
+        book=await _book(request, call.engine),
         quantum=float(request.app.state.settings.fair_quantum_s),
     )
 

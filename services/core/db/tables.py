@@ -33,9 +33,8 @@ SCHEMA = "core"
 metadata = metadata_for(SCHEMA)
 
 
-_in = sql_in
-_FINAL_SQL = _in("state", FINAL)
-_ALL_STATES_SQL = _in("state", TaskState)
+_FINAL_SQL = sql_in("state", FINAL)
+_ALL_STATES_SQL = sql_in("state", TaskState)
 _LIVE = [s for s in TaskState if s not in FINAL] + [TaskState.DEAD]
 
 
@@ -276,7 +275,7 @@ tasks = Table(
         "ix_tasks_live_queue_state",
         "queue",
         "state",
-        postgresql_where=text(_in("state", _LIVE)),
+        postgresql_where=text(sql_in("state", _LIVE)),
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
     Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),

@@ -17,7 +17,7 @@ from services.core.db import sharing
 from services.core.db.audit import Auditor
 
 
-def _share(usage: OwnerUsage) -> dict[str, object]:
+def share_of(usage: OwnerUsage) -> dict[str, object]:
     return {"weight": usage.weight, **usage.quota.model_dump()}
 
 
@@ -37,7 +37,7 @@ async def set_share(
         await sharing.set_share(conn, name, change)
         [after] = await sharing.usage_of(conn, [name])
         await record(
-            conn, "owner.share", f"owner:{name}", before=_share(before), after=_share(after)
+            conn, "owner.share", f"owner:{name}", before=share_of(before), after=share_of(after)
         )
     book.invalidate()
     return after

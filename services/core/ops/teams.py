@@ -7,6 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.models import OwnerUsage, ShareSettings, Team
 from services.core.db import sharing, teams
 from services.core.db.audit import Auditor
+from services.core.ops.sharing import share_of
 
 
 async def create(engine: AsyncEngine, record: Auditor, name: str, by: str) -> Team:
@@ -50,8 +51,8 @@ async def set_share(
             conn,
             "team.share",
             f"team:{name}",
-            before={"weight": before.weight, **before.quota.model_dump()},
-            after={"weight": after.weight, **after.quota.model_dump()},
+            before=share_of(before),
+            after=share_of(after),
         )
     book.invalidate()
     return after
