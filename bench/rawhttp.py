@@ -70,7 +70,14 @@ class Conn(asyncio.Protocol):
         return await asyncio.wait_for(self.waiter, timeout)
 
 
-def request_bytes(host: str, port: int, path: str, body: bytes, token: str | None) -> bytes:
+def request_bytes(
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    token: str | None,
+    headers: dict[str, str] | None = None,
+) -> bytes:
     lines = [
         f"POST {path} HTTP/1.1",
         f"Host: {host}:{port}",
@@ -80,4 +87,5 @@ def request_bytes(host: str, port: int, path: str, body: bytes, token: str | Non
     ]
     if token:
         lines.append(f"Authorization: Bearer {token}")
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body

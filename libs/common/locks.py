@@ -13,6 +13,8 @@ MIGRATIONS = 0x0CA1_C0DE
 CRON_LEADER = 0x0CA1_C709
 #: the dag service's leader (services/dag/engine.py)
 DAG_LEADER = 0x0CA1_0DA6
+#: core's leader, the replica that runs core's singleton loops (services/core/loops.py)
+CORE_LEADER = 0x0CA1_C0E0
 
 # --- core: (class, object) pairs -----------------------------------------------------------
 #: core's singletons, one replica at a time each: object 1 the placement pass, 2 the
@@ -35,7 +37,7 @@ WEBHOOK_TESTS = 4713
 #: dag's per-(owner, workflow) writer locks are ``hashtextextended`` (64 bits) of a
 #: ``dag/...`` name: spread over the whole space, a clash with the keys above has odds
 #: of about 2**-60.
-ALL_BIGINTS = (MIGRATIONS, CRON_LEADER, DAG_LEADER)
+ALL_BIGINTS = (MIGRATIONS, CRON_LEADER, DAG_LEADER, CORE_LEADER)
 ALL_CLASSES = (
     CORE, OWNER_RUNNING, CONCURRENCY_KEY, OWNER_SUBMITS, TEAM_RUNNING, TEAM_SUBMITS, WEBHOOK_TESTS,
 )  # fmt: skip

@@ -4,6 +4,7 @@ SIGINT/SIGTERM. Each service's ``__main__`` names its parts and calls ``main``."
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 from collections.abc import Callable
@@ -70,7 +71,26 @@ def main(
     app = create_app(settings, url)
     if freeze:
         _freeze()
-    uvicorn.run(app, **options)
+    _Server(uvicorn.Config(app, **options), app).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGINT/SIGTERM also runs the app's ``state.on_exit``
+    hooks (on its loop) before it waits for the requests in flight: a service whose
+    long polls would hold the shutdown answers them at once."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        state = getattr(self._app, "state", None)
+        for hook in getattr(state, "on_exit", ()):
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(hook)
+            except RuntimeError:
+                hook()
 
 
 def app_from_environment(

@@ -78,6 +78,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.leases = LeaseCache(settings.lease_cache_s)
         app.state.settings = settings
         app.state.notifier = notifier
+        # On SIGTERM, before uvicorn waits for requests to end: long polls answer now.
+        app.state.on_exit = [notifier.line.close]
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         oidc = None
@@ -97,17 +99,19 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
         app.state.webhooks = await notify.Webhooks.of(app.state.secret_box, settings, database_url)
-        background = loops.start(
-            engine, notifier, settings, meter, liveness, webhooks=app.state.webhooks
-        )
-        background += loops.log_loops(
+        leadership, background = loops.start(
             engine,
-            app.state.log_objects,
-            settings.log_archive_interval_s,
-            settings.retention_days * 86400,
-            settings.retention_interval_s,
-            settings.retention_batch,
+            notifier,
+            settings,
+            meter,
+            liveness,
+            webhooks=app.state.webhooks,
+            objects=app.state.log_objects,
+            database_url=database_url,
         )
+        app.state.leadership = leadership
+        meter.lead(lambda: leadership.leading)
+        meter.wait_line(lambda: len(notifier.line))
         if oidc is not None:
             background.append(asyncio.create_task(oidc.run(), name="cairn-oidc-keys"))
             app.state.degraded = oidc.degraded

@@ -1,5 +1,10 @@
-"""Core's background work: the promoter (due and paused work) and the retention purge.
-Every replica runs them; SKIP LOCKED keeps replicas out of each other's way."""
+"""Core's background work. One replica at a time, the leader (``libs/common/leader.py``),
+runs the singletons: the promoter (due and paused work), the reaper, the placement pass,
+the retention purges, the notification matcher and deadline scan, and the log archive.
+Their writes were made safe to run side by side (SKIP LOCKED, transaction locks), so the
+moments two replicas both think they lead, while an old leader notices it lost, cost
+work twice and nothing else. Every replica runs its own wake-up sweep and delivers
+webhooks (leased rows)."""
 
 from __future__ import annotations
 
@@ -9,11 +14,16 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import psycopg
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from libs.common import locks
+from libs.common.leader import Elector, LeadershipLost
 from services.core.db import placement
-from services.core.db.feed import Notifier
+from services.core.db.feed import Notifier, Work
 from services.core.objects import LogObjects
 from services.core.ops import dispatch as ops
 from services.core.ops import notify, tasklogs, upkeep
@@ -73,8 +83,9 @@ class Promoter:
                     await asyncio.wait_for(self._wake.wait(), remaining)
             if due_timer and not self._wake.is_set():
                 # The timer on a due instant rang. The claim takes due ready work itself,
-                # so workers are woken now, before the promotion (bookkeeping) runs.
-                self.notifier.announce()
+                # so workers are woken now, before the promotion (bookkeeping) runs: the
+                # longest waiting claim of each queue, which wakes more if it found more.
+                self.notifier.announce(Work(sweep=True))
 
     async def step(self) -> float:
         """Promote (and park) until nothing is left; return the seconds to sleep. A burst
@@ -171,9 +182,43 @@ def start(
     liveness: AsyncEngine | None = None,
     *,
     webhooks: notify.Webhooks,
+    objects: LogObjects | None = None,
+    database_url: str | None = None,
+) -> tuple[Leadership, list[asyncio.Task[None]]]:
+    """Core's loops: the leadership (which runs the singletons while it leads, on
+    ``database_url``'s elector; without one, this process always leads), the wake-up
+    sweep and webhook delivery. The reaper runs on ``liveness`` (the heartbeats' own
+    pool, else ``engine``): what it hears of the database is what the heartbeats meet."""
+
+    def singletons() -> list[asyncio.Task[None]]:
+        return singleton_loops(engine, notifier, settings, meter, liveness, objects)
+
+    elector = None
+    if database_url is not None:
+        elector = Elector(
+            database_url,
+            name="core",
+            key=locks.CORE_LEADER,
+            table="core.leader",
+            poll_s=settings.leader_poll_s,
+        )
+    leadership = Leadership(elector, singletons, settings.leader_poll_s)
+    return leadership, [
+        asyncio.create_task(leadership.run(), name="cairn-leadership"),
+        asyncio.create_task(sweep(notifier, settings.claim_sweep_s), name="cairn-claim-sweep"),
+        asyncio.create_task(_deliveries(engine, settings, webhooks), name="cairn-notify-delivery"),
+    ]
+
+
+def singleton_loops(
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    meter: CoreMetrics,
+    liveness: AsyncEngine | None = None,
+    objects: LogObjects | None = None,
 ) -> list[asyncio.Task[None]]:
-    """Core's loops. The reaper runs on ``liveness`` (the heartbeats' own pool, else
-    ``engine``): what it hears of the database is what the heartbeats meet."""
+    """What one replica at a time runs: the leader's loops."""
     reaping = liveness or engine
     reap_every = reap_period(settings)
     hearing = Hearing.of(settings)
@@ -206,8 +251,77 @@ def start(
             ),
             name="cairn-retention",
         ),
-        *notification_loops(engine, settings, webhooks),
+        *notification_loops(engine, settings),
+        *log_loops(
+            engine,
+            objects,
+            settings.log_archive_interval_s,
+            settings.retention_days * 86400,
+            settings.retention_interval_s,
+            settings.retention_batch,
+        ),
     ]
+
+
+class Leadership:
+    """Runs the singleton loops while this replica leads: campaigns, starts them once it
+    wins, checks the lead every ``check_s``, and stops them (then campaigns again) the
+    moment it is lost. Without an elector it always leads (one process, tests)."""
+
+    def __init__(
+        self,
+        elector: Elector | None,
+        loops: Callable[[], list[asyncio.Task[None]]],
+        check_s: float,
+    ) -> None:
+        self.elector = elector
+        self.loops = loops
+        self.check_s = check_s
+        self.leading = False
+        self.running: list[asyncio.Task[None]] = []
+
+    async def run(self) -> None:
+        if self.elector is None:
+            await self._lead(None)
+            return
+        while True:
+            lease = await self.elector.campaign()
+            try:
+                await self._lead(lease)
+            except (LeadershipLost, psycopg.Error, DBAPIError, OSError) as exc:
+                log.warning("core stepped down: %s", exc)
+            except Exception:
+                log.exception("core's leadership failed; stepping down to campaign again")
+            finally:
+                await lease.close()
+            await asyncio.sleep(self.check_s)
+
+    async def _lead(self, lease: Any) -> None:
+        self.running = self.loops()
+        self.leading = True
+        try:
+            while True:
+                await asyncio.sleep(self.check_s)
+                if lease is not None:
+                    await lease.check()
+        finally:
+            self.leading = False
+            for task in self.running:
+                task.cancel()
+            for task in self.running:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self.running = []
+
+
+async def sweep(notifier: Notifier, interval_s: float) -> None:
+    """This replica's floor under lost wake-ups (``Notifier.sweep``)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            notifier.sweep()
+        except Exception:
+            log.exception("claim sweep failed; going on")
 
 
 async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
@@ -219,11 +333,9 @@ async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
 # --- notifications (docs/notifications.md) ------------------------------------------------
 
 
-def notification_loops(
-    engine: AsyncEngine, settings: CoreSettings, webhooks: notify.Webhooks
-) -> list[asyncio.Task[None]]:
-    """The matcher and the deadline scan (one replica at a time each, by advisory lock),
-    webhook delivery (every replica, leased rows) and the outbox's retention."""
+def notification_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+    """The matcher, the deadline scan (each also under an advisory lock of its own) and
+    the outbox's retention; webhook delivery runs in every replica (``_deliveries``)."""
     interval = settings.notify_interval_s
     batch = settings.notify_batch * 10
     return [
@@ -235,7 +347,6 @@ def notification_loops(
             every(interval, "notify-deadlines", lambda: notify.deadlines_once(engine, batch)),
             name="cairn-notify-deadlines",
         ),
-        asyncio.create_task(_deliveries(engine, settings, webhooks), name="cairn-notify-delivery"),
         asyncio.create_task(
             every(
                 settings.retention_interval_s,

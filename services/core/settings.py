@@ -52,6 +52,12 @@ class CoreSettings(SecretsKeySettings):
     #: how far ahead of a delayed task's run_at a worker's claim may lease it (the worker
     #: starts it at its run_at; 0: never ahead)
     claim_ahead_max_s: float = Field(default=10.0, ge=0, le=60)
+    #: how often each replica's longest waiting claim of each queue looks without being
+    #: woken: the most a lost wake-up delays work (docs/architecture.md, "Wake-ups")
+    claim_sweep_s: float = Field(default=1.0, gt=0, le=60)
+    #: how often a standby replica tries to take core's lead (the singleton loops), and
+    #: the leader checks it still holds it
+    leader_poll_s: float = Field(default=1.0, gt=0, le=60)
     retention_interval_s: float = Field(default=300.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)

@@ -57,7 +57,11 @@ from services.worker.timings import Timings
 
 log = logging.getLogger("cairn.worker")
 
-CLAIM_WAIT_S = 1.0
+#: the longest a claim waits at core for work (a long poll; core wakes it when work it
+#: can use is announced, so an idle worker costs one turn per wait)
+CLAIM_WAIT_MAX_S = 20.0
+#: the shortest (a worker whose heartbeat timeout is very short: tests)
+CLAIM_WAIT_MIN_S = 1.0
 #: how long before a held lease's start the agent asks core whether it still holds it
 CONFIRM_BEFORE_S = 0.5
 #: held leases are confirmed on this grid, each with all others in its slice, so a steady
@@ -106,6 +110,14 @@ def report_of(result: AttemptResult) -> Report | None:
     if result.outcome == "killed":
         return Report(outcome="crashed", **usage)
     return Report(outcome=result.outcome, **usage)
+
+
+def claim_wait(interval_s: float, timeout_s: float) -> float:
+    """How long a claim waits at core: long, so that an idle worker costs core little,
+    but short enough that attempts leased at its end are still vouched for (``vouches``)
+    by the turn's send time, and start without asking core."""
+    margin = max(interval_s, timeout_s / 4)
+    return max(CLAIM_WAIT_MIN_S, min(CLAIM_WAIT_MAX_S, (timeout_s - margin) / 2))
 
 
 def vouches(heard_at: float, now: float, interval_s: float, timeout_s: float) -> bool:
@@ -316,7 +328,7 @@ class Agent:
                     continue
                 self.claiming = room is not None
                 try:
-                    answer = await self._turn(room)
+                    answer = await self._turn_unless_draining(room)
                 finally:
                     self.claiming = False
                 if answer is None:
@@ -337,7 +349,7 @@ class Agent:
             cpu=cpu,
             memory_mb=memory_mb,
             max=min(slots, 64),
-            wait=CLAIM_WAIT_S,
+            wait=claim_wait(*self._beat),
             ahead_s=self.settings.worker_claim_ahead_s,
         )
 
@@ -352,6 +364,22 @@ class Agent:
 
     # --- the turn: one request carries the reports, the starts and the claim ---
 
+    async def _turn_unless_draining(self, room: ClaimRequest | None) -> TurnAnswer | None:
+        """A turn, given up when the agent starts draining while its claim waits at core
+        (what it carried goes back; what core leased meanwhile is lost when it leaves)."""
+        turn = asyncio.ensure_future(self._turn(room))
+        drained = asyncio.ensure_future(self.draining.wait())
+        try:
+            await asyncio.wait({turn, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+        if turn.done():
+            return turn.result()
+        turn.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            return await turn
+        return None
+
     async def _turn(self, room: ClaimRequest | None) -> TurnAnswer | None:
         """One round trip; None when it failed (its reports and starts go again)."""
         items = self._take()
@@ -362,6 +390,10 @@ class Agent:
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         try:
             answer = await self.client.turn(worker, body)
+        except asyncio.CancelledError:
+            self._put_back(items)
+            self.started.update(started)
+            raise
         except NotFound as exc:
             # Core knows no such worker (or lease): nothing of this turn can ever land.
             self._settle(items, {}, str(exc))

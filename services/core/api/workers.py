@@ -282,10 +282,16 @@ async def ship_logs(
 
 
 @router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)
-async def drain(worker_id: WorkerId, principal: AdminOnly, engine: Engine, record: Audit) -> Worker:
+async def drain(
+    worker_id: WorkerId,
+    principal: AdminOnly,
+    engine: Engine,
+    record: Audit,
+    notifier: Announcer,
+) -> Worker:
     """Stop giving the worker new work; what runs finishes (the agent hands back the rest
     after its grace period)."""
-    await ops.drain(engine, record, worker_id)
+    await ops.drain(engine, notifier, record, worker_id)
     return await _get(engine, worker_id)
 
 

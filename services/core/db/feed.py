@@ -1,4 +1,4 @@
-"""Wake-ups for long polls and, later, the dispatcher.
+"""Wake-ups for long polls: followers of the event feed and of logs, and waiting claims.
 
 Whoever commits new events calls ``Notifier.announce()`` after the commit: it wakes this
 process's waiters at once and sends one ``pg_notify`` for the other replicas, coalesced
@@ -20,14 +20,27 @@ whoever stores a delayed task calls ``announce_due(run_at)``, and every replica'
 And log bells (channel ``cairn_logs``, payload attempt ids): whoever stores chunks of a
 log, or ends an attempt, rings its bell with ``announce_log``; followers of that log
 (``wait_log``) wake, and no one else does.
+
+Waiting claims are not followers: a worker's claim that found nothing waits in this
+process's ``Line`` (longest waiting first) and is woken only by work it may be able to
+use. Whoever makes work claimable says how much, and where (``Work``: tasks per queue,
+tasks of queues it does not know, workers by id), with ``announce(work)``; each replica
+wakes at most that many of its waiting claims, the count travelling in the NOTIFY payload
+(channel ``cairn_work``). A woken claim that leased and may have left work behind passes
+the wake on to one more (``Line.pass_on``); one woken for nothing goes back to its place.
+No waiting claim re-polls on its own: each replica sweeps its line once a ``sweep_s``
+(the oldest waiter of each queue looks), which bounds what a lost wake-up costs, at a
+price that does not grow with the fleet (docs/architecture.md, "Wake-ups").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -40,10 +53,182 @@ log = logging.getLogger("cairn.core.feed")
 CHANNEL = "cairn_events"
 DUE_CHANNEL = "cairn_due"
 LOG_CHANNEL = "cairn_logs"
+WORK_CHANNEL = "cairn_work"
 _PAYLOAD_MAX = 7900  # under PostgreSQL's 8000-byte NOTIFY payload
 COALESCE_S = 0.005
 
 Session = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
+
+#: the most queues or workers named in one ``Work`` payload; past it, a sweep stands in
+_WORK_NAMES_MAX = 200
+
+
+@dataclass(frozen=True)
+class Work:
+    """What an announcement offers waiting claims: tasks that became claimable per queue,
+    tasks claimable in queues not known (``any``), workers it concerns by id (drained,
+    or work reserved for them), and whether every queue's longest waiting claim should
+    look (``sweep``: a due instant came, or a count was lost)."""
+
+    queues: Mapping[str, int] = field(default_factory=dict)
+    any: int = 0
+    workers: frozenset[int] = frozenset()
+    sweep: bool = False
+
+    @classmethod
+    def of_queues(cls, queues: Iterable[str]) -> Work:
+        counts: dict[str, int] = {}
+        for queue in queues:
+            counts[queue] = counts.get(queue, 0) + 1
+        return cls(queues=counts)
+
+    def __bool__(self) -> bool:
+        return bool(self.queues or self.any or self.workers or self.sweep)
+
+    def __add__(self, other: Work) -> Work:
+        queues = dict(self.queues)
+        for queue, n in other.queues.items():
+            queues[queue] = queues.get(queue, 0) + n
+        return Work(
+            queues, self.any + other.any, self.workers | other.workers, self.sweep or other.sweep
+        )
+
+    def dump(self) -> str:
+        """The NOTIFY payload; too many names become a sweep with the total count."""
+        if len(self.queues) + len(self.workers) > _WORK_NAMES_MAX:
+            return Work(any=self.any + sum(self.queues.values()), sweep=True).dump()
+        body: dict[str, Any] = {}
+        if self.queues:
+            body["q"] = dict(self.queues)
+        if self.any:
+            body["n"] = self.any
+        if self.workers:
+            body["w"] = sorted(self.workers)
+        if self.sweep:
+            body["s"] = 1
+        return json.dumps(body, separators=(",", ":"))
+
+    @classmethod
+    def load(cls, payload: str) -> Work:
+        """A payload back; one that cannot be read is a sweep (a count was lost)."""
+        try:
+            body = json.loads(payload)
+            return cls(
+                queues={str(q): int(n) for q, n in body.get("q", {}).items()},
+                any=int(body.get("n", 0)),
+                workers=frozenset(int(w) for w in body.get("w", ())),
+                sweep=bool(body.get("s", 0)),
+            )
+        except (ValueError, TypeError, AttributeError):
+            return cls(sweep=True)
+
+
+class Waiter:
+    """One waiting claim: its worker, its queues (None until its worker's row is read:
+    then it serves every queue), and the event that wakes it."""
+
+    __slots__ = ("event", "queues", "worker")
+
+    def __init__(self, worker: int, queues: frozenset[str] | None) -> None:
+        self.worker = worker
+        self.queues = queues
+        self.event = asyncio.Event()
+
+    def serves(self, queue: str) -> bool:
+        return self.queues is None or queue in self.queues
+
+    def shares(self, other: Waiter) -> bool:
+        return (
+            self.queues is None or other.queues is None or not self.queues.isdisjoint(other.queues)
+        )
+
+    @property
+    def woken(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Until woken (True) or ``timeout`` seconds (False)."""
+        if not self.event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.event.wait(), timeout)
+        return self.event.is_set()
+
+
+class Line:
+    """This process's waiting claims, longest waiting first. A claim joins before its
+    first look (so work announced during that look wakes it), rests after a look that
+    found nothing (keeping its place) and leaves when its turn answers."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Waiter, None] = {}  # insertion order: waiting order
+        self.woken = 0  # how many wake-ups this line gave, for tests and metrics
+        #: the process is stopping: waiting claims answer now (nothing leased)
+        self.closed = False
+
+    def close(self) -> None:
+        """The server stops: every waiting claim answers at once, and none waits again."""
+        self.closed = True
+        self.wake_all()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def join(self, worker: int, queues: Iterable[str] | None = None) -> Waiter:
+        waiter = Waiter(worker, None if queues is None else frozenset(queues))
+        self._waiting[waiter] = None
+        return waiter
+
+    def rest(self, waiter: Waiter) -> None:
+        """About to look again: later work wakes it anew."""
+        waiter.event.clear()
+
+    def leave(self, waiter: Waiter, *, used: bool = True) -> None:
+        """The claim answers. A wake-up it did not use (it leased, or went, before it
+        could look) goes to the next waiter of its queues."""
+        self._waiting.pop(waiter, None)
+        if waiter.woken and not used:
+            self.pass_on(waiter)
+
+    def pass_on(self, waiter: Waiter) -> int:
+        """Wake one more waiter sharing a queue with ``waiter`` (work may be left)."""
+        return self._wake_first(1, waiter.shares)
+
+    def wake(self, work: Work) -> int:
+        """Wake at most as many waiters as ``work`` can use; how many were woken."""
+        woken = 0
+        if work.workers:
+            woken += self._wake_first(len(self._waiting), lambda w: w.worker in work.workers)
+        for queue, n in work.queues.items():
+            woken += self._wake_first(n, lambda w, q=queue: w.serves(q))  # type: ignore[misc]
+        if work.any:
+            woken += self._wake_first(work.any, lambda w: True)
+        if work.sweep:
+            seen: set[str] = set()
+            for waiter in self._idle():
+                if waiter.queues is None or not waiter.queues <= seen:
+                    seen |= waiter.queues or set()
+                    woken += self._set(waiter)
+        return woken
+
+    def wake_all(self) -> int:
+        return self._wake_first(len(self._waiting), lambda w: True)
+
+    def _idle(self) -> Iterator[Waiter]:
+        return (w for w in list(self._waiting) if not w.woken)
+
+    def _wake_first(self, n: int, fits: Callable[[Waiter], bool]) -> int:
+        woken = 0
+        for waiter in self._idle():
+            if woken >= n:
+                break
+            if fits(waiter):
+                woken += self._set(waiter)
+        return woken
+
+    def _set(self, waiter: Waiter) -> int:
+        waiter.event.set()
+        self.woken += 1
+        return 1
 
 
 class Notifier:
@@ -54,7 +239,9 @@ class Notifier:
         self._tasks: list[asyncio.Task[None]] = []
         self._due_out: float | None = None
         self._events_out = False
+        self._work_out = Work()
         self._logs_out: set[int] = set()
+        self.line = Line()
         self._log_waiters: dict[int, tuple[asyncio.Event, list[int]]] = {}
         self._sender_pid: int | None = None  # the backend our announcements come from
         self.on_due: Callable[[float], None] | None = None
@@ -77,11 +264,21 @@ class Notifier:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def announce(self) -> None:
-        """New events are committed: wake waiters here, and tell the other replicas."""
+    def announce(self, work: Work | None = None) -> None:
+        """New events are committed: wake followers here, and tell the other replicas;
+        with ``work``, what became claimable: wake as many waiting claims as it can use
+        here, and as many on each other replica."""
         self._wake()
         self._events_out = True
+        if work:
+            self.line.wake(work)
+            self._work_out = self._work_out + work
         self._outgoing.set()
+
+    def sweep(self) -> int:
+        """This replica's own floor under lost wake-ups: the longest waiting claim of each
+        queue looks. Not sent to the other replicas (each sweeps its own line)."""
+        return self.line.wake(Work(sweep=True))
 
     def announce_log(self, attempt_ids: Iterable[int]) -> None:
         """These attempts' logs grew (or the attempts ended): wake their followers here
@@ -156,12 +353,17 @@ class Notifier:
             await conn.execute(f"LISTEN {CHANNEL}")
             await conn.execute(f"LISTEN {DUE_CHANNEL}")
             await conn.execute(f"LISTEN {LOG_CHANNEL}")
+            await conn.execute(f"LISTEN {WORK_CHANNEL}")
+            # Whatever was announced while no one listened is lost: everyone looks again.
             self._wake()
             self._ring(list(self._log_waiters))
+            self.line.wake_all()
             async for note in conn.notifies():
-                if note.channel == CHANNEL and note.pid == self._sender_pid:
+                if note.channel in (CHANNEL, WORK_CHANNEL) and note.pid == self._sender_pid:
                     continue  # our own: its waiters were woken when it was announced
-                if note.channel == LOG_CHANNEL:
+                if note.channel == WORK_CHANNEL:
+                    self.line.wake(Work.load(note.payload))
+                elif note.channel == LOG_CHANNEL:
                     self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
                 elif note.channel != DUE_CHANNEL:
                     self._wake()
@@ -193,8 +395,11 @@ class Notifier:
         """What to send now: (channel, payload) pairs; log ids in payloads under the limit."""
         due, self._due_out = self._due_out, None
         events, self._events_out = self._events_out, False
+        work, self._work_out = self._work_out, Work()
         logs, self._logs_out = sorted(self._logs_out), set()
         notes = [(CHANNEL, "")] if events or due is not None else []
+        if work:
+            notes.append((WORK_CHANNEL, work.dump()))
         if due is not None:
             notes.append((DUE_CHANNEL, repr(due)))
         payload = ""

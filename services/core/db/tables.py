@@ -23,6 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
+from libs.common.leader import leader_table
 from libs.common.schema import metadata_for
 from libs.common.states import ATTEMPT_OUTCOMES, FINAL, WORKER_STATES, TaskState, Workers, sql_in
 
@@ -654,3 +655,6 @@ notify_cursors = Table(
     Column("deadline_id", BigInteger, nullable=False, server_default=text("0")),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
+
+#: core's leader epoch (libs/common/leader.py): the replica running the singleton loops
+leader = leader_table(metadata)

@@ -30,12 +30,29 @@ from services.core.db import attempts as attempts_db
 from services.core.db import placement, secrets
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
-from services.core.db.feed import Notifier
+from services.core.db.feed import Notifier, Waiter, Work
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
 
-#: how often a waiting claim looks again without a notification
-POLL_S = 0.5
+#: how long after a claim held work back (a quota, a concurrency key) reports that end
+#: tasks sweep the waiting claims, so the work they release starts at once
+HELD_WINDOW_S = 60.0
+
+
+class Holds:
+    """When this replica's claims last held work back by a limit that an ending task
+    releases: while recent, reports sweep the waiting claims; otherwise an ending task
+    wakes no one (no other claim can be helped by it)."""
+
+    def __init__(self) -> None:
+        self.at = -math.inf
+
+    def saw(self, tally: attempts_db.Tally) -> None:
+        if tally.held:
+            self.at = asyncio.get_running_loop().time()
+
+    def recent(self) -> bool:
+        return asyncio.get_running_loop().time() - self.at < HELD_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,7 @@ class Dispatcher:
     defaults: placement.Defaults = field(default_factory=placement.Defaults)
     #: the most a claim may ask to lease ahead (``CAIRN_CLAIM_AHEAD_MAX_S``)
     ahead_max_s: float = 0.0
+    holds: Holds = field(default_factory=Holds)
 
 
 @dataclass(frozen=True)
@@ -73,22 +91,31 @@ async def turn(
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     reported = [r.attempt_id for r in body.reports]
-    since = ops.notifier.mark()  # work announced after this pick's snapshot wakes the wait
-    async with ops.engine.begin() as conn:
-        heard = await attempts_db.hear(conn, worker_id, body.started, reported)
-        settled = await attempts_db.settle(
-            conn, worker_id, body.reports, heard.reported, _masker(ops)
-        )
-        asked = _ask(ops, heard, body.claim, settled.closing)
-        picked = await attempts_db.finish_and_pick(conn, settled, asked)
-        verdicts, ended = await attempts_db.applied(conn, settled)
-        leased, lease_tally = await _lease(ops, conn, asked, picked)
-        state = await _state(conn, worker_id, heard)
-    _told(ops, ended + lease_tally, body.reports, verdicts, leased, headers)
-    if leased or body.claim is None or body.claim.wait <= 0 or state != Workers.LIVE:
+    waits = body.claim is not None and body.claim.wait > 0
+    # Joined before the pick: work announced while it looks wakes it.
+    waiter = ops.notifier.line.join(worker_id) if waits else None
+    try:
+        async with ops.engine.begin() as conn:
+            heard = await attempts_db.hear(conn, worker_id, body.started, reported)
+            settled = await attempts_db.settle(
+                conn, worker_id, body.reports, heard.reported, _masker(ops)
+            )
+            asked = _ask(ops, heard, body.claim, settled.closing)
+            picked = await attempts_db.finish_and_pick(conn, settled, asked)
+            verdicts, ended = await attempts_db.applied(conn, settled)
+            leased, lease_tally = await _lease(ops, conn, asked, picked)
+            state = await _state(conn, worker_id, heard)
+        if waiter is not None and heard.worker is not None:
+            waiter.queues = frozenset(heard.worker.queues)
+        _told(ops, ended + lease_tally, body.reports, verdicts, leased, headers)
+        if waiter is None or leased or state != Workers.LIVE:
+            return TurnResult(state, verdicts, leased)
+        assert body.claim is not None
+        leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, waiter)
         return TurnResult(state, verdicts, leased)
-    leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, since)
-    return TurnResult(state, verdicts, leased)
+    finally:
+        if waiter is not None:
+            ops.notifier.line.leave(waiter, used=False)
 
 
 async def claim(
@@ -182,16 +209,22 @@ async def _wait_for_work(
     worker_id: int,
     room: ClaimRequest,
     gone: Callable[[], Awaitable[bool]] | None,
-    since: asyncio.Event,
+    waiter: Waiter,
 ) -> tuple[list[Assignment], str]:
+    """Wait in the line until woken, then look (a pick and a lease, alone); until the
+    claim's wait is over. A look that leased and may have left work behind (it filled
+    its room, or saw candidates it could not take) wakes the next waiter of its queues."""
+    line = ops.notifier.line
     loop = asyncio.get_running_loop()
     deadline = loop.time() + room.wait
     while True:
         remaining = deadline - loop.time()
-        if remaining <= 0 or (gone is not None and await gone()):
+        if line.closed or remaining <= 0 or not await waiter.wait(remaining) or line.closed:
             return [], Workers.LIVE
-        await ops.notifier.wait(min(remaining, POLL_S), since)
-        since = ops.notifier.mark()
+        line.rest(waiter)
+        if gone is not None and await gone():
+            line.pass_on(waiter)  # its wake-up was meant for a claim that can use it
+            return [], Workers.LIVE
         async with ops.engine.begin() as conn:
             heard = await attempts_db.hear(conn, worker_id)
             asked = _ask(ops, heard, room, frozenset())
@@ -199,7 +232,12 @@ async def _wait_for_work(
             leased, tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard)
         _told(ops, tally, [], [], leased, None)
-        if leased or state != Workers.LIVE:
+        ops.meter.claim_looks.labels("leased" if leased else "empty").inc()
+        if leased:
+            if asked is not None and (len(leased) >= asked.most or len(picked) > len(leased)):
+                line.pass_on(waiter)
+            return leased, state
+        if state != Workers.LIVE:
             return leased, state
 
 
@@ -225,9 +263,13 @@ def _told(
         ops.meter.attempts_finished.labels(outcome).inc(n)
     succeeded = sum(v.state is TaskState.SUCCEEDED for v in verdicts)
     ops.meter.ended(TaskState.SUCCEEDED, succeeded)
+    ops.holds.saw(tally)
     applied = outcomes.total()
     if applied or leased or tally.lost or tally.buried:
-        ops.notifier.announce()
+        # Work for waiting claims: tasks whose attempts were lost are back in line; an
+        # ending task helps another claim only if a limit held work back (``Holds``).
+        released = applied > 0 and ops.holds.recent()
+        ops.notifier.announce(Work(any=tally.lost, sweep=released))
     ended = [v.attempt_id for v in verdicts if v.state is not None]
     if ended:
         ops.notifier.announce_log(ended)  # their logs are complete: followers end
@@ -242,7 +284,7 @@ async def heartbeat(
         state = await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:
-        ops.notifier.announce()
+        ops.notifier.announce(Work(any=found.tally.lost))
     return found, state
 
 
@@ -253,7 +295,7 @@ async def leave(ops: Dispatcher, worker_id: int) -> None:
         tally = await workers_db.lose_all(conn, worker_id, "its worker left")
     ops.meter.count(tally)
     if tally.lost:
-        ops.notifier.announce()
+        ops.notifier.announce(Work(any=tally.lost))
 
 
 # --- the reaper ---------------------------------------------------------------------------
@@ -275,7 +317,7 @@ async def reap(
     if meter is not None:
         meter.count(tally)
     if changed:
-        notifier.announce()
+        notifier.announce(Work(any=tally.lost))
     return changed
 
 
@@ -293,8 +335,9 @@ async def confirm_start(engine: AsyncEngine, attempt_id: int, worker_id: int) ->
         return await attempts_db.confirm_start(conn, attempt_id, worker_id)
 
 
-async def drain(engine: AsyncEngine, record: Auditor, worker_id: int) -> None:
-    """Stop giving a live worker new work (409 for one gone), audited."""
+async def drain(engine: AsyncEngine, notifier: Notifier, record: Auditor, worker_id: int) -> None:
+    """Stop giving a live worker new work (409 for one gone), audited; its waiting claim
+    (on any replica) wakes to answer that it drains."""
     async with engine.begin() as conn:
         row = await workers_db.get_worker(conn, worker_id, None)
         if row.state not in Workers.PRESENT:
@@ -307,3 +350,4 @@ async def drain(engine: AsyncEngine, record: Auditor, worker_id: int) -> None:
             before={"state": row.state},
             after={"state": Workers.DRAINING},
         )
+    notifier.announce(Work(workers=frozenset([worker_id])))

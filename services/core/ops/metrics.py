@@ -4,7 +4,7 @@ queues and workers as the database holds them (read at scrape time)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import Metric
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -54,6 +54,14 @@ class CoreMetrics:
             "Candidates a claim held back, by what held them (quota, concurrency, rate)",
             ["reason"],
         )
+        self.claim_looks = m.counter(
+            "cairn_claim_looks_total",
+            "Looks (a pick and a lease) by waiting claims once woken, by what they found"
+            " (leased, empty)",
+            ["found"],
+        )
+        for found in ("leased", "empty"):
+            self.claim_looks.labels(found)
         for quota in ("waiting", "submits_per_min"):
             self.quota_refusals.labels(quota)
         for reason in ("quota", "concurrency", "rate"):
@@ -67,6 +75,19 @@ class CoreMetrics:
         m.read_at_scrape(read_workers)
         m.read_at_scrape(read_queue_workers)
         m.read_at_scrape(read_quotas)
+
+    def lead(self, leading: Callable[[], bool]) -> None:
+        """Whether this replica runs core's singleton loops (``loops.Leadership``)."""
+        gauge = self.metrics.gauge(
+            "cairn_core_leader", "1 while this replica leads: runs core's singleton loops"
+        )
+        gauge.set_function(lambda: float(leading()))
+
+    def wait_line(self, waiting: Callable[[], int]) -> None:
+        """This replica's waiting claims (``db.feed.Line``)."""
+        self.metrics.gauge(
+            "cairn_claims_waiting", "Claims of this replica waiting for work (long polls)"
+        ).set_function(lambda: float(waiting()))
 
     def submitted_to(self, queues: Iterable[str]) -> None:
         for queue, n in Counter(queues).items():

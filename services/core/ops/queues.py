@@ -9,7 +9,7 @@ from libs.common.models import QueueInfo, QueueSettings
 from services.core.db import placement
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
-from services.core.db.feed import Notifier
+from services.core.db.feed import Notifier, Work
 
 
 async def read(conn: AsyncConnection, defaults: placement.Defaults) -> list[QueueInfo]:
@@ -39,8 +39,8 @@ async def set_paused(
             before={"paused": was},
             after={"paused": paused},
         )
-        await tasks_db.promote_and_park(conn, 1000)
-    notifier.announce()
+        moved = await tasks_db.promote_and_park(conn, 1000)
+    notifier.announce(Work(queues={name: moved}) if moved and not paused else None)
 
 
 async def set_pool(

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.errors import Forbidden, InvalidInput, QuotaExceeded
-from libs.common.models import MAX_BULK_COUNT, BulkAction, BulkResult, Task, TaskCreate
+from libs.common.models import MAX_AHEAD_S, MAX_BULK_COUNT, BulkAction, BulkResult, Task, TaskCreate
 from libs.common.states import TaskState
 from services.core import traces
 from services.core.db import secrets, sharing, teams
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
-from services.core.db.feed import Notifier
+from services.core.db.feed import Notifier, Work
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
 from services.core.ops.metrics import CoreMetrics
@@ -122,7 +123,16 @@ async def submit(
             rows = await tasks_db.submit(conn, owners, specs, by.quantum)
     created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
     if created:
-        by.notifier.announce()
+        # Claimable now, or soon enough for a claim that leases ahead.
+        soon = datetime.now(UTC) + timedelta(seconds=MAX_AHEAD_S)
+        by.notifier.announce(
+            Work.of_queues(
+                spec.queue
+                for row, spec in created
+                if row.state == TaskState.WAITING
+                or (row.state == TaskState.READY and row.run_at <= soon)
+            )
+        )
         delayed = [row.run_at for row, _ in created if row.state == TaskState.READY]
         if delayed:
             by.notifier.announce_due(min(delayed))
@@ -168,7 +178,8 @@ async def cancel(
         await tasks_db.cancel(conn, task_id, None, f"cancelled by {principal.name}")
         task = await tasks_db.get_task(conn, task_id, None)
         await _audit_others(record, conn, principal, "task.cancel", before, task)
-    notifier.announce()
+    # A running task's end may release a limit that held other work back.
+    notifier.announce(Work(sweep=before.state == TaskState.RUNNING))
     meter.ended(TaskState.CANCELLED)
     return task
 
@@ -188,7 +199,7 @@ async def retry(
         await tasks_db.retry(conn, task_id, None)
         task = await tasks_db.get_task(conn, task_id, None)
         await _audit_others(record, conn, principal, "task.retry", before, task)
-    notifier.announce()
+    notifier.announce(Work(queues={task.queue: 1}))
     return task
 
 
@@ -312,7 +323,7 @@ async def retry_many(
     reason = f"retried in bulk by {principal.name}"
     result = await _bulk(engine, Op.RETRY, action, principal, owner, reason, record, vet)
     if result.changed:
-        notifier.announce()
+        notifier.announce(Work(any=result.changed))
     return result
 
 
@@ -329,6 +340,6 @@ async def cancel_many(
     reason = f"cancelled in bulk by {principal.name}"
     result = await _bulk(engine, Op.CANCEL, action, principal, owner, reason, record)
     if result.changed:
-        notifier.announce()
+        notifier.announce(Work(sweep=True))
         meter.ended(TaskState.CANCELLED, result.changed)
     return result

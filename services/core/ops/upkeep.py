@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from services.core.db import audit, placement
 from services.core.db import tasks as tasks_db
-from services.core.db.feed import Notifier
+from services.core.db.feed import Notifier, Work
 from services.core.settings import CoreSettings
 
 PROMOTE_BATCH = 1000
@@ -27,7 +27,7 @@ async def promote(
         full = moved >= PROMOTE_BATCH
         due = await tasks_db.next_due_in(conn, after_s) if next_due and not full else None
     if moved:
-        notifier.announce()
+        notifier.announce(Work(any=moved))
     return moved, due
 
 
@@ -36,7 +36,7 @@ async def place(engine: AsyncEngine, notifier: Notifier, defaults: placement.Def
     async with engine.begin() as conn:
         changed = await placement.place_once(conn, defaults)
     if changed:
-        notifier.announce()
+        notifier.announce(Work(any=changed))
     return changed
 
 

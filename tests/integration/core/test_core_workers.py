@@ -19,7 +19,7 @@ def _listeners(db: DB) -> int:
     """Core processes connected: each has one LISTEN connection of its own."""
     row = db.execute(
         "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND query LIKE 'LISTEN cairn_logs%'"
+        " WHERE datname = current_database() AND query LIKE 'LISTEN cairn_work%'"
     ).fetchone()
     assert row is not None
     return int(row[0])

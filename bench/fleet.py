@@ -1,0 +1,432 @@
+"""Fleet benchmark: what waiting workers cost core and PostgreSQL, and what a task costs
+with a fleet waiting (issue 30).
+
+    .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 10]
+                                    [--rate 20] [--run-ms 200] [--json results.json]
+
+For each number of agents (and of core replicas), a fresh embedded PostgreSQL (durable
+settings) and core (``bench/stack.py``), plus ``--replicas - 1`` more core processes on
+their own ports over the same database. Simulated agents, in this process on a raw
+HTTP/1.1 client (``bench/rawhttp.py``: tens of microseconds a request, where httpx would
+cost milliseconds on the same two cores), do what the agent does: register, turn with a
+long-poll claim of the agent's own wait (``services.worker.agent.claim_wait`` for core's
+heartbeat settings), beat every heartbeat interval, and report each attempt leased after
+a sampled duration (exponential, mean ``--run-ms``) on a second connection, as the
+agent's courier does. The agents are spread over the replicas.
+
+Three phases of ``--phase-s`` each, measured from /proc and PostgreSQL's statistics:
+no agents; the agents registered and idle; the agents and ``--rate`` single submissions a
+second, open loop, spread over the replicas. Per phase: turns/s, PostgreSQL commits/s
+and WAL bytes/s, core's and PostgreSQL's CPU. Derived: the idle cost per agent-second
+(idle less no agents, over agents x seconds) and the CPU per task (load less idle, over
+the tasks), core and PostgreSQL together; created → leased p50/p99 from the database; and
+at the end every task must have succeeded with exactly one attempt (0 lost, 0 run twice).
+
+Bars (issue 30): CPU per task at 1,000 agents at most 1.2 x that at 10; idle cost at most
+0.2 ms of CPU per agent-second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstat import TICK, children, cpu_s, stat_fields
+from rawhttp import Conn, request_bytes
+from stack import Stack, core_stack, exit_on_sigterm, free_port
+
+from libs.common.models import WORKER_LEASE_HEADER
+from libs.common.settings import libpq_url
+from services.core import admin
+from services.worker.agent import claim_wait
+
+TASK_PER_AGENT_BAR = 1.2
+IDLE_BAR_MS = 0.2
+HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 60.0, 180.0
+SPEC = {
+    "name": "fleet",
+    "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
+    "resources": {"cpu": 0.01, "memory_mb": 1},
+}
+
+
+@dataclass
+class Counts:
+    turns: int = 0
+    beats: int = 0
+    leased: int = 0
+    reported: int = 0
+    submitted: int = 0
+    errors: int = 0
+    submitted_ids: list[int] = field(default_factory=list)
+
+
+class Http:
+    """Keep-alive raw HTTP connections to one core replica."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.port = port
+        self.token = token
+
+    async def connect(self) -> Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(lambda: Conn(loop), "127.0.0.1", self.port)
+        return conn
+
+    def request(self, path: str, body: Any, headers: dict[str, str] | None = None) -> bytes:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        return request_bytes("127.0.0.1", self.port, path, data, self.token, headers)
+
+
+class Agent:
+    """One simulated agent: a claim connection (long polls) and a report connection."""
+
+    def __init__(self, http: Http, counts: Counts, run_ms: float, cap: int) -> None:
+        self.http = http
+        self.counts = counts
+        self.run_ms = run_ms
+        self.cap = cap
+        self.id = 0
+        self.headers: dict[str, str] = {}
+        self.running: set[int] = set()
+        self.stopping = False
+
+    async def register(self, name: str) -> None:
+        conn = await self.http.connect()
+        offer = {"hostname": name, "queues": ["default"], "cpu": 1000, "memory_mb": 1_000_000}
+        status, body = await conn.request(self.http.request("/v1/workers", offer), 30)
+        conn.transport.close()
+        if status != 201:
+            raise RuntimeError(f"register: {status} {body[:200]!r}")
+        answer = json.loads(body)
+        self.id = answer["worker"]["id"]
+        self.headers = {WORKER_LEASE_HEADER: answer["lease"]}
+
+    async def claim_loop(self) -> None:
+        conn = await self.http.connect()
+        wait = claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
+        path = f"/v1/workers/{self.id}/turn"
+        while not self.stopping:
+            room = self.cap - len(self.running)
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            turn = {"claim": {"cpu": 1000, "memory_mb": 1_000_000, "max": room, "wait": wait}}
+            try:
+                status, body = await conn.request(
+                    self.http.request(path, turn, self.headers), wait + 30
+                )
+            except (ConnectionError, TimeoutError, OSError):
+                self.counts.errors += 1
+                conn = await self.http.connect()
+                continue
+            self.counts.turns += 1
+            if status != 200:
+                self.counts.errors += 1
+                await asyncio.sleep(0.5)
+                continue
+            for a in json.loads(body)["attempts"]:
+                self.counts.leased += 1
+                self.running.add(a["attempt_id"])
+                asyncio.get_running_loop().create_task(self._run(a["attempt_id"]))
+
+    async def _run(self, attempt_id: int) -> None:
+        await asyncio.sleep(random.expovariate(1000.0 / self.run_ms) if self.run_ms else 0)
+        conn = await self.http.connect()
+        try:
+            report = {"attempt_id": attempt_id, "outcome": "succeeded", "exit_code": 0}
+            path = f"/v1/workers/{self.id}/turn"
+            for _ in range(5):
+                try:
+                    status, _ = await conn.request(
+                        self.http.request(path, {"reports": [report]}, self.headers), 30
+                    )
+                except (ConnectionError, TimeoutError, OSError):
+                    conn = await self.http.connect()
+                    continue
+                if status == 200:
+                    self.counts.reported += 1
+                    break
+                self.counts.errors += 1
+        finally:
+            conn.transport.close()
+            self.running.discard(attempt_id)
+
+    async def beat_loop(self) -> None:
+        await asyncio.sleep(random.uniform(0, HEARTBEAT_INTERVAL_S))
+        conn = await self.http.connect()
+        path = f"/v1/workers/{self.id}/heartbeat"
+        while not self.stopping:
+            try:
+                status, _ = await conn.request(
+                    self.http.request(path, {"attempts": sorted(self.running)}, self.headers), 30
+                )
+                self.counts.beats += 1
+                if status != 200:
+                    self.counts.errors += 1
+            except (ConnectionError, TimeoutError, OSError):
+                self.counts.errors += 1
+                conn = await self.http.connect()
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+@dataclass
+class Sample:
+    at: float
+    core_s: float
+    pg_s: float
+    commits: int
+    wal: int
+    counts: dict[str, int]
+
+
+def pg_cpu_s(postmaster: int) -> float:
+    """The postmaster's own CPU, its reaped children's, and its live children's."""
+    fields = stat_fields(postmaster)
+    reaped = (int(fields[13]) + int(fields[14])) / TICK if fields else 0.0
+    return cpu_s(postmaster) + reaped + sum(cpu_s(p) for p in children(postmaster))
+
+
+def sample(db: psycopg.Connection[Any], cores: list[int], postmaster: int, c: Counts) -> Sample:
+    row = db.execute(
+        "SELECT xact_commit, pg_current_wal_lsn() - '0/0'::pg_lsn FROM pg_stat_database"
+        " WHERE datname = current_database()"
+    ).fetchone()
+    assert row is not None
+    counts = {k: v for k, v in vars(c).items() if isinstance(v, int)}
+    return Sample(
+        time.monotonic(),
+        sum(cpu_s(p) for p in cores),
+        pg_cpu_s(postmaster),
+        int(row[0]),
+        int(row[1]),
+        counts,
+    )
+
+
+def phase(a: Sample, b: Sample) -> dict[str, float]:
+    s = b.at - a.at
+    return {
+        "seconds": round(s, 2),
+        "turns_per_s": round((b.counts["turns"] - a.counts["turns"]) / s, 1),
+        "beats_per_s": round((b.counts["beats"] - a.counts["beats"]) / s, 1),
+        "tasks": b.counts["submitted"] - a.counts["submitted"],
+        "commits_per_s": round((b.commits - a.commits) / s, 1),
+        "wal_kb_per_s": round((b.wal - a.wal) / s / 1024, 1),
+        "core_ms_per_s": round((b.core_s - a.core_s) / s * 1000, 1),
+        "pg_ms_per_s": round((b.pg_s - a.pg_s) / s * 1000, 1),
+    }
+
+
+def start_replica(stack: Stack) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "CAIRN_DATABASE_URL": stack.database_url,
+        "CAIRN_HOME": str(stack.root / f"home-{port}"),
+        "CAIRN_CORE_PORT": str(port),
+        "CAIRN_LOG_LEVEL": "warning",
+        "CAIRN_MIGRATE_ON_START": "false",
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=env)
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, port
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("a core replica did not start")
+        time.sleep(0.1)
+
+
+async def submitter(https: list[Http], rate: float, seconds: float, c: Counts) -> None:
+    """Open loop: one single submission every 1/rate s, round robin over the replicas,
+    on as many connections as are busy."""
+    idle: list[list[Conn]] = [[] for _ in https]
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(i: int) -> None:
+        conn = idle[i].pop() if idle[i] else await https[i].connect()
+        status, body = await conn.request(https[i].request("/v1/tasks", SPEC), 30)
+        if status == 201:
+            c.submitted += 1
+            c.submitted_ids.append(json.loads(body)["id"])
+        else:
+            c.errors += 1
+        idle[i].append(conn)
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    n = 0
+    while (due := start + n / rate) < start + seconds:
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        task = loop.create_task(one(n % len(https)))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        n += 1
+    if pending:
+        await asyncio.wait(pending, timeout=60)
+
+
+async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[str, Any]:
+    env = {
+        "CAIRN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_INTERVAL_S),
+        "CAIRN_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+    }
+    with core_stack("cairn-bench-fleet-", **env) as stack:
+        extra: list[subprocess.Popen[bytes]] = []
+        try:
+            ports = [int(stack.core_url.rsplit(":", 1)[1])]
+            for _ in range(replicas - 1):
+                proc, port = start_replica(stack)
+                extra.append(proc)
+                ports.append(port)
+            cores = [stack.core_pid, *(p.pid for p in extra)]
+            worker = await asyncio.to_thread(
+                admin.create_token, stack.database_url, "fleet", "worker"
+            )
+            user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
+            c = Counts()
+            with psycopg.connect(libpq_url(stack.database_url), autocommit=True) as db:
+                await asyncio.sleep(2)
+                s0 = sample(db, cores, stack.postmaster_pid, c)
+                await asyncio.sleep(args.phase_s)
+                s1 = sample(db, cores, stack.postmaster_pid, c)
+                fleet = [
+                    Agent(Http(ports[i % len(ports)], worker), c, args.run_ms, args.cap)
+                    for i in range(agents)
+                ]
+                for start in range(0, agents, 50):
+                    await asyncio.gather(
+                        *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
+                    )
+                loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
+                loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+                await asyncio.sleep(3)  # every claim is waiting
+                s2 = sample(db, cores, stack.postmaster_pid, c)
+                await asyncio.sleep(args.phase_s)
+                s3 = sample(db, cores, stack.postmaster_pid, c)
+                submit_https = [Http(p, user) for p in ports]
+                await submitter(submit_https, args.rate, args.phase_s, c)
+                s4 = sample(db, cores, stack.postmaster_pid, c)
+                deadline = time.monotonic() + 60
+                while c.reported < c.submitted and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                for a in fleet:
+                    a.stopping = True
+                for task in loops:
+                    task.cancel()
+                ids = c.submitted_ids
+                lat = db.execute(
+                    "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d),"
+                    " percentile_cont(0.99) WITHIN GROUP (ORDER BY d), count(*) FROM ("
+                    " SELECT extract(epoch FROM a.started_at - t.created_at) * 1000 AS d"
+                    " FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id AND a.number = 1"
+                    " WHERE t.id = ANY(%s)) x",
+                    (ids,),
+                ).fetchone()
+                states: dict[str, int] = dict(
+                    db.execute(
+                        "SELECT state, count(*) FROM core.tasks WHERE id = ANY(%s) GROUP BY 1",
+                        (ids,),
+                    ).fetchall()
+                )
+                twice = db.execute(
+                    "SELECT count(*) FROM (SELECT task_id FROM core.attempts"
+                    " WHERE task_id = ANY(%s) GROUP BY 1 HAVING count(*) > 1) x",
+                    (ids,),
+                ).fetchone()
+        finally:
+            for proc in extra:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(20)
+    none, idle, load = phase(s0, s1), phase(s2, s3), phase(s3, s4)
+    idle_ms = (
+        idle["core_ms_per_s"] + idle["pg_ms_per_s"] - none["core_ms_per_s"] - none["pg_ms_per_s"]
+    ) / agents
+    tasks = max(1, load["tasks"])
+    per_task_ms = (
+        (load["core_ms_per_s"] + load["pg_ms_per_s"] - idle["core_ms_per_s"] - idle["pg_ms_per_s"])
+        * load["seconds"]
+        / tasks
+    )
+    return {
+        "agents": agents,
+        "replicas": replicas,
+        "no_agents": none,
+        "idle": idle,
+        "load": load,
+        "idle_ms_per_agent_s": round(idle_ms, 4),
+        "cpu_ms_per_task": round(per_task_ms, 2),
+        "commits_per_task": round(
+            (load["commits_per_s"] - idle["commits_per_s"]) * load["seconds"] / tasks, 2
+        ),
+        "created_to_leased_ms": {
+            "p50": round(lat[0], 1) if lat and lat[0] is not None else None,
+            "p99": round(lat[1], 1) if lat and lat[1] is not None else None,
+            "n": lat[2] if lat else 0,
+        },
+        "submitted": c.submitted,
+        "states": states,
+        "run_twice": twice[0] if twice else None,
+        "errors": c.errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", default="10,100,1000")
+    parser.add_argument("--replicas", default="1")
+    parser.add_argument("--phase-s", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--run-ms", type=float, default=200.0)
+    parser.add_argument("--cap", type=int, default=4, help="attempts an agent runs at once")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    exit_on_sigterm()
+    results = []
+    for replicas in (int(r) for r in args.replicas.split(",")):
+        for agents in (int(n) for n in args.agents.split(",")):
+            r = asyncio.run(run_one(args, agents, replicas))
+            results.append(r)
+            print(
+                f"{agents:5d} agents, {replicas} core: idle {r['idle']['turns_per_s']} turns/s,"
+                f" {r['idle']['commits_per_s']} commits/s, core {r['idle']['core_ms_per_s']}"
+                f" + PG {r['idle']['pg_ms_per_s']} ms/s -> {r['idle_ms_per_agent_s']} ms per"
+                f" agent-second (bar {IDLE_BAR_MS}); load {r['load']['tasks']} tasks:"
+                f" {r['cpu_ms_per_task']} ms CPU and {r['commits_per_task']} commits a task,"
+                f" created->leased p50 {r['created_to_leased_ms']['p50']} ms"
+                f" p99 {r['created_to_leased_ms']['p99']} ms; states {r['states']},"
+                f" run twice {r['run_twice']}, errors {r['errors']}",
+                flush=True,
+            )
+    for replicas in {r["replicas"] for r in results}:
+        rows = {r["agents"]: r for r in results if r["replicas"] == replicas}
+        if len(rows) > 1:
+            lo, hi = rows[min(rows)], rows[max(rows)]
+            ratio = hi["cpu_ms_per_task"] / lo["cpu_ms_per_task"]
+            print(
+                f"{replicas} core: CPU per task at {max(rows)} agents / at {min(rows)} ="
+                f" {ratio:.2f} (bar {TASK_PER_AGENT_BAR})"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

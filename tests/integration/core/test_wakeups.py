@@ -1,0 +1,153 @@
+"""Wake-ups that scale with the work, not with the fleet (docs/architecture.md,
+"Wake-ups"), on two real core replicas over one database: waiting claims cost the
+database nothing while nothing happens; an announced task wakes as many waiting claims
+as it can use, on whichever replica they wait, not all of them; a drained worker's
+waiting claim answers at once; and on SIGTERM core answers its waiting claims instead of
+holding the shutdown for their long polls."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from tests.support import free_port, make_token, spawn_core, spec, stop_process, wait_for
+
+DB = psycopg.Connection[tuple[Any, ...]]
+CLAIMS = 12
+WAIT_S = 20.0
+ENV = {"CAIRN_CLAIM_SWEEP_S": "30", "CAIRN_HEARTBEAT_TIMEOUT_S": "600"}
+
+
+def _looks(bases: list[str]) -> int:
+    """Looks by woken claims, over the replicas (``cairn_claim_looks_total``)."""
+    total = 0.0
+    for base in bases:
+        for line in httpx.get(base + "/metrics").text.splitlines():
+            if line.startswith("cairn_claim_looks_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+async def _register(base: str, token: str, n: int) -> list[tuple[int, str]]:
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}) as c:
+        out = []
+        for i in range(n):
+            answer = await c.post(
+                "/v1/workers",
+                json={"hostname": f"w{i}", "queues": ["default"], "cpu": 4, "memory_mb": 4096},
+            )
+            answer.raise_for_status()
+            out.append((answer.json()["worker"]["id"], answer.json()["lease"]))
+        return out
+
+
+async def _claim(base: str, token: str, worker: tuple[int, str]) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}", "X-Cairn-Worker-Lease": worker[1]}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=WAIT_S + 30) as c:
+        answer = await c.post(
+            f"/v1/workers/{worker[0]}/turn",
+            json={"claim": {"cpu": 4, "memory_mb": 4096, "max": 4, "wait": WAIT_S}},
+        )
+        answer.raise_for_status()
+        return dict(answer.json())
+
+
+def test_waiting_claims_cost_nothing_and_a_task_wakes_one_of_them_on_either_replica(
+    db_url: str, tmp_path: Path, db: DB
+) -> None:
+    ports = [free_port(), free_port()]
+    cores = [spawn_core(db_url, tmp_path / f"c{i}", p, **ENV) for i, p in enumerate(ports)]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    worker_token = make_token(db_url, "fleet", "worker")
+    user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
+    admin = {"Authorization": f"Bearer {make_token(db_url, 'root', 'admin')}"}
+
+    async def run() -> None:
+        workers = await _register(bases[0], worker_token, CLAIMS)
+        claims = [
+            asyncio.create_task(_claim(bases[i % 2], worker_token, w))
+            for i, w in enumerate(workers)
+        ]
+        await asyncio.sleep(2.0)  # every claim looked, found nothing, waits
+        assert not any(c.done() for c in claims)
+
+        # Idle: twelve waiting claims look no more (the old code re-polled each twice a
+        # second: 72 looks here). The sweep is set to 30 s in this test.
+        before = await asyncio.to_thread(_looks, bases)
+        await asyncio.sleep(3.0)
+        assert await asyncio.to_thread(_looks, bases) == before
+
+        # One task, submitted to replica 1: exactly one claim (on either replica) takes
+        # it at once; the others keep waiting. It cost one look on each replica at most
+        # (the count reaches both), not one per waiting claim.
+        before = await asyncio.to_thread(_looks, bases)
+        async with httpx.AsyncClient(base_url=bases[1], headers=user) as alice:
+            answer = await alice.post("/v1/tasks", json=spec())
+            assert answer.status_code == 201, answer.text
+        done, _ = await asyncio.wait(claims, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        [first] = done
+        assert len(first.result()["attempts"]) == 1
+        await asyncio.sleep(1.0)
+        assert sum(c.done() for c in claims) == 1
+        assert 1 <= await asyncio.to_thread(_looks, bases) - before <= 2
+
+        # Three tasks at once: claims answer with all three between them (one claim may
+        # take them all: each has room for four); at most three looks on each replica.
+        before = await asyncio.to_thread(_looks, bases)
+        async with httpx.AsyncClient(base_url=bases[0], headers=user) as alice:
+            answer = await alice.post("/v1/tasks/batch", json={"tasks": [spec()] * 3})
+            assert answer.status_code in (200, 201), answer.text
+        deadline = time.monotonic() + 5
+
+        def leased() -> int:
+            return sum(len(c.result()["attempts"]) for c in claims if c.done())
+
+        while leased() < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert leased() == 4
+        await asyncio.sleep(0.5)
+        assert leased() == 4
+        assert 1 <= await asyncio.to_thread(_looks, bases) - before <= 6
+
+        # A drained worker's waiting claim answers at once, whichever replica it waits on.
+        waiting = [(w, c) for w, c in zip(workers, claims, strict=True) if not c.done()]
+        (wid, _), claim = waiting[0]
+        async with httpx.AsyncClient(base_url=bases[0], headers=admin) as root:
+            began = time.monotonic()
+            assert (await root.post(f"/v1/workers/{wid}/drain")).status_code == 200
+        drained = await asyncio.wait_for(claim, 5)
+        assert drained["state"] == "draining" and drained["attempts"] == []
+        assert time.monotonic() - began < 3
+
+        # SIGTERM: each replica answers its waiting claims and stops well inside their wait.
+        still = [c for c in claims if not c.done()]
+        assert still
+        began = time.monotonic()
+        codes = await asyncio.gather(
+            *(asyncio.to_thread(stop_process, p, signal.SIGTERM) for p in cores)
+        )
+        # uvicorn re-raises the signal once it has shut down gracefully
+        assert all(code in (0, -signal.SIGTERM) for code in codes), codes
+        assert time.monotonic() - began < 10
+        rest = await asyncio.gather(*still, return_exceptions=True)
+        assert all(isinstance(r, dict) and r["attempts"] == [] for r in rest), rest
+
+    try:
+        asyncio.run(run())
+    finally:
+        for proc in cores:
+            stop_process(proc, signal.SIGTERM)
+    wait_for(lambda: _running(db) == 4, timeout=5)
+
+
+def _running(db: DB) -> int:
+    row = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'running'").fetchone()
+    assert row is not None
+    return int(row[0])

@@ -1,0 +1,120 @@
+"""The line of waiting claims (services/core/db/feed.py): an announcement wakes at most
+as many waiting claims as its work can use, of the queues it names, longest waiting
+first; a wake-up a claim could not use goes on to the next; the count survives the
+NOTIFY payload between replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.core.db.feed import Line, Work
+
+
+def _line(*queues: tuple[str, ...]) -> tuple[Line, list]:
+    line = Line()
+    return line, [line.join(i, q) for i, q in enumerate(queues)]
+
+
+def test_work_for_one_task_wakes_one_claim_the_longest_waiting_of_its_queue() -> None:
+    line, (a, b, c, d) = _line(("gpu",), ("default",), ("default", "gpu"), ("default",))
+    assert line.wake(Work(queues={"default": 1})) == 1
+    assert [w.woken for w in (a, b, c, d)] == [False, True, False, False]
+    # The next task of the queue wakes the next in line, not the one already woken.
+    assert line.wake(Work(queues={"default": 2})) == 2
+    assert [w.woken for w in (a, b, c, d)] == [False, True, True, True]
+    # Nothing of the queue is left waiting: more work wakes no one else.
+    assert line.wake(Work(queues={"default": 5})) == 0
+    assert not a.woken
+
+
+def test_a_claim_that_looked_and_found_nothing_keeps_its_place() -> None:
+    line, (a, b) = _line(("q",), ("q",))
+    line.wake(Work(queues={"q": 1}))
+    line.rest(a)  # it looked, found nothing, waits again
+    line.wake(Work(queues={"q": 1}))
+    assert a.woken and not b.woken
+
+
+def test_a_claim_whose_worker_is_not_read_yet_serves_every_queue() -> None:
+    line = Line()
+    w = line.join(7)  # joined before its turn's first look
+    assert line.wake(Work(queues={"anything": 1})) == 1 and w.woken
+
+
+def test_an_unused_wake_up_goes_to_the_next_claim_of_its_queues() -> None:
+    line, (a, b, c) = _line(("x",), ("y",), ("x",))
+    line.wake(Work(queues={"x": 1}))
+    assert a.woken
+    line.leave(a, used=False)  # its turn leased without waiting: the wake-up was not used
+    assert c.woken and not b.woken
+    line.leave(c)  # used: nothing more
+    assert not b.woken and len(line) == 1
+
+
+def test_workers_named_are_woken_whatever_the_counts() -> None:
+    line, (a, b) = _line(("q",), ("q",))
+    assert line.wake(Work(workers=frozenset([1]))) == 1
+    assert b.woken and not a.woken
+
+
+def test_a_sweep_wakes_the_longest_waiting_claim_of_each_queue() -> None:
+    line, ws = _line(("a",), ("a",), ("b",), ("a", "b"), ("c", "a"))
+    assert line.wake(Work(sweep=True)) == 3
+    assert [w.woken for w in ws] == [True, False, True, False, True]
+
+
+def test_any_wakes_the_longest_waiting_whatever_their_queues() -> None:
+    line, ws = _line(("a",), ("b",), ("c",))
+    assert line.wake(Work(any=2)) == 2
+    assert [w.woken for w in ws] == [True, True, False]
+
+
+def test_a_woken_waiter_returns_at_once_and_an_idle_one_after_its_timeout() -> None:
+    async def run() -> None:
+        line = Line()
+        w = line.join(1, ["q"])
+        assert not await w.wait(0.01)
+        line.wake(Work(queues={"q": 1}))
+        assert await w.wait(5.0)
+
+    asyncio.run(run())
+
+
+def test_counts_add_up_across_announcements_coalesced_into_one_payload() -> None:
+    total = Work(queues={"a": 1}) + Work(queues={"a": 2, "b": 1}, any=1) + Work(workers=frozenset([3]))
+    assert Work.load(total.dump()) == Work(queues={"a": 3, "b": 1}, any=1, workers=frozenset([3]))
+    assert not Work() and Work(sweep=True)
+
+
+def test_a_payload_naming_too_much_or_unreadable_becomes_a_sweep_with_the_count() -> None:
+    many = Work(queues={f"q{i}": 1 for i in range(500)})
+    back = Work.load(many.dump())
+    assert back.sweep and back.any == 500 and not back.queues
+    assert len(many.dump()) < 7900
+    assert Work.load("not json") == Work(sweep=True)
+    assert Work.load('{"q": 3}') == Work(sweep=True)
+
+
+@given(
+    queues=st.lists(st.sets(st.sampled_from("abc"), min_size=1), min_size=0, max_size=30),
+    offered=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 40)),
+)
+def test_never_more_woken_than_offered_and_never_one_that_cannot_use_it(
+    queues: list[set[str]], offered: dict[str, int]
+) -> None:
+    line, ws = _line(*(tuple(q) for q in queues))
+    woken = line.wake(Work(queues=offered))
+    assert woken == sum(w.woken for w in ws) <= sum(offered.values())
+    for w in ws:
+        if w.woken:
+            assert w.queues & {q for q, n in offered.items() if n}
+    # Longest waiting first: per queue, no woken waiter stands behind an idle one that
+    # the same work could have woken instead, unless that queue's count was used up.
+    for q, n in offered.items():
+        serving = [w for w in ws if q in w.queues]
+        woken_for_q = [w.woken for w in serving]
+        if n >= len(serving):
+            assert all(woken_for_q)
