@@ -1,7 +1,7 @@
 """Fleet benchmark: what waiting workers cost core and PostgreSQL, and what a task costs
 with a fleet waiting (issue 30).
 
-    .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 10]
+    .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 20]
                                     [--rate 20] [--run-ms 200] [--json results.json]
 
 For each number of agents (and of core replicas), a fresh embedded PostgreSQL (durable
@@ -73,6 +73,7 @@ class Counts:
     reported: int = 0
     submitted: int = 0
     errors: int = 0
+    why: dict[str, int] = field(default_factory=dict)
     submitted_ids: list[int] = field(default_factory=list)
 
 
@@ -118,8 +119,11 @@ class Agent:
         self.headers = {WORKER_LEASE_HEADER: answer["lease"]}
 
     async def claim_loop(self) -> None:
-        conn = await self.http.connect()
         wait = claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
+        # A fleet's agents start at different moments: their long polls end spread over
+        # the wait, not all at once.
+        await asyncio.sleep(random.uniform(0, wait))
+        conn = await self.http.connect()
         path = f"/v1/workers/{self.id}/turn"
         while not self.stopping:
             room = self.cap - len(self.running)
@@ -131,13 +135,17 @@ class Agent:
                 status, body = await conn.request(
                     self.http.request(path, turn, self.headers), wait + 30
                 )
-            except (ConnectionError, TimeoutError, OSError):
+            except (ConnectionError, TimeoutError, OSError) as exc:
                 self.counts.errors += 1
+                key = f"turn {exc!r}"[:100]
+                self.counts.why[key] = self.counts.why.get(key, 0) + 1
                 conn = await self.http.connect()
                 continue
             self.counts.turns += 1
             if status != 200:
                 self.counts.errors += 1
+                key = f"turn {status} {body[:80]!r}"
+                self.counts.why[key] = self.counts.why.get(key, 0) + 1
                 await asyncio.sleep(0.5)
                 continue
             for a in json.loads(body)["attempts"]:
@@ -317,7 +325,8 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
                     )
                 loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
                 loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
-                await asyncio.sleep(3)  # every claim is waiting
+                # every claim is waiting (the agents start spread over a claim's wait)
+                await asyncio.sleep(claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S) + 2)
                 s2 = sample(db, cores, stack.postmaster_pid, c)
                 await asyncio.sleep(args.phase_s)
                 s3 = sample(db, cores, stack.postmaster_pid, c)
@@ -385,6 +394,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
         "states": states,
         "run_twice": twice[0] if twice else None,
         "errors": c.errors,
+        "why": c.why,
     }
 
 
@@ -392,7 +402,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", default="10,100,1000")
     parser.add_argument("--replicas", default="1")
-    parser.add_argument("--phase-s", type=float, default=10.0)
+    parser.add_argument("--phase-s", type=float, default=20.0, help="at least a claim's wait")
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--run-ms", type=float, default=200.0)
     parser.add_argument("--cap", type=int, default=4, help="attempts an agent runs at once")
@@ -412,7 +422,7 @@ def main() -> None:
                 f" {r['cpu_ms_per_task']} ms CPU and {r['commits_per_task']} commits a task,"
                 f" created->leased p50 {r['created_to_leased_ms']['p50']} ms"
                 f" p99 {r['created_to_leased_ms']['p99']} ms; states {r['states']},"
-                f" run twice {r['run_twice']}, errors {r['errors']}",
+                f" run twice {r['run_twice']}, errors {r['errors']} {r['why']}",
                 flush=True,
             )
     for replicas in {r["replicas"] for r in results}:

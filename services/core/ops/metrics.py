@@ -58,7 +58,7 @@ class CoreMetrics:
             "cairn_claim_looks_total",
             "Looks (a pick and a lease) by waiting claims once woken, by what they found"
             " (leased, empty)",
-            ["found"],
+            ["outcome"],
         )
         for found in ("leased", "empty"):
             self.claim_looks.labels(found)

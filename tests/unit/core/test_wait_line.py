@@ -84,7 +84,9 @@ def test_a_woken_waiter_returns_at_once_and_an_idle_one_after_its_timeout() -> N
 
 
 def test_counts_add_up_across_announcements_coalesced_into_one_payload() -> None:
-    total = Work(queues={"a": 1}) + Work(queues={"a": 2, "b": 1}, any=1) + Work(workers=frozenset([3]))
+    total = (
+        Work(queues={"a": 1}) + Work(queues={"a": 2, "b": 1}, any=1) + Work(workers=frozenset([3]))
+    )
     assert Work.load(total.dump()) == Work(queues={"a": 3, "b": 1}, any=1, workers=frozenset([3]))
     assert not Work() and Work(sweep=True)
 
