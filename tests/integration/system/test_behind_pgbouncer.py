@@ -251,9 +251,9 @@ def test_a_task_a_schedule_and_a_workflow_run_through_pgbouncer_in_transaction_m
     # on another ("prepared statement ... does not exist") is logged by the loop it broke.
     assert errors == [], errors[:3]
     # Every connection around the pooler is one of the direct ones: the leaders' locks
-    # (cron's and dag's) and the LISTEN sessions; none of the request pools' went around.
+    # (core's, cron's and dag's) and the LISTEN sessions; none of the request pools' did.
     assert {name for name, _ in around} == {DIRECT}, around
-    assert sum(locks for _, locks in around) == 2
+    assert sum(locks for _, locks in around) == 3
     assert through and all(locks == 0 for _, locks in through)
     assert transactions >= 50, transactions
     assert len(set(backends)) > 1, backends  # one client, its transactions on several servers
