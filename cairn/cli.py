@@ -132,7 +132,7 @@ def migrate(ctx: typer.Context) -> None:
     system.prepare_home(settings)
     url, started = system.database(settings)
     try:
-        system.migrate_all(url)
+        system.migrate_all(settings.direct_url(url))
     finally:
         if started is not None:
             started.stop()

@@ -75,9 +75,10 @@ def _create_in_database(
     settings = ctx_of(ctx).settings
     system.prepare_home(settings)
     url, started = system.database(settings)
+    direct = settings.direct_url(url)
     try:
-        system.migrate_all(url)
-        return admin.create_token(url, principal, role, given, label)
+        system.migrate_all(direct)
+        return admin.create_token(direct, principal, role, given, label)
     except CairnError as exc:
         output.errors.print(f"cairn: {output.safe(exc.detail)}")
         raise typer.Exit(2) from None

@@ -251,6 +251,7 @@ def _up_locked(
 ) -> int:
     stop_leftovers(settings)
     url, started = database(settings, adopt=True)
+    direct = settings.direct_url(url)  # migrations and tokens: not through a pooler
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -282,24 +283,25 @@ def _up_locked(
     )
     try:
         check_ports(urls, settings)
-        migrate_all(url)
-        token = local_token(settings, url, "admin", "admin")
+        migrate_all(direct)
+        token = local_token(settings, direct, "admin", "admin")
         wait_ready(urls["core"], stack.start("core", "services.core"))
         services = {"CAIRN_URL": urls["core"], "CAIRN_DAG_URL": urls["dag"]}
-        dag_token = local_token(settings, url, "dag", "service")
+        dag_token = local_token(settings, direct, "dag", "service")
         wait_ready(
             urls["dag"], stack.start("dag", "services.dag", **services, CAIRN_TOKEN=dag_token)
         )
-        cron_token = local_token(settings, url, "cron", "service")
+        cron_token = local_token(settings, direct, "cron", "service")
         wait_ready(
             urls["cron"], stack.start("cron", "services.cron", **services, CAIRN_TOKEN=cron_token)
         )
-        local_token(settings, url, "local-worker", "worker")
+        local_token(settings, direct, "local-worker", "worker")
         stack.start(
             "worker",
             "services.worker",
             # A worker holds neither the database URL nor a token in its environment.
             CAIRN_DATABASE_URL=None,
+            CAIRN_DATABASE_DIRECT_URL=None,
             CAIRN_TOKEN=None,
             CAIRN_URL=urls["core"],
             CAIRN_TOKEN_FILE=str(settings.home / "local-worker-token"),

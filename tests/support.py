@@ -134,9 +134,17 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
 
 
 def spawn_service(
-    module: str, port_variable: str, db_url: str, home: Path, port: int, **env: str
+    module: str,
+    port_variable: str,
+    db_url: str,
+    home: Path,
+    port: int,
+    *,
+    log: Path | None = None,
+    **env: str,
 ) -> subprocess.Popen[bytes]:
-    """A service as its own process (``python -m <module>``), ready to serve."""
+    """A service as its own process (``python -m <module>``), ready to serve; with
+    ``log``, its output goes to that file."""
     environment = {
         **os.environ,
         "CAIRN_DATABASE_URL": db_url,
@@ -145,7 +153,12 @@ def spawn_service(
         "CAIRN_LOG_LEVEL": "warning",
         **env,
     }
-    proc = subprocess.Popen([sys.executable, "-m", module], env=environment)
+    if log is None:
+        proc = subprocess.Popen([sys.executable, "-m", module], env=environment)
+    else:
+        with log.open("ab") as out:
+            command = [sys.executable, "-m", module]
+            proc = subprocess.Popen(command, env=environment, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:

@@ -112,6 +112,10 @@ class Policy:
             return True
         return ip not in self.guarded and is_public(ip)
 
+    def also(self, other: Policy) -> Policy:
+        """This policy refusing what ``other`` guards as well (the same ``allow``)."""
+        return Policy(self.allow, self.guarded | other.guarded, self.never | other.never)
+
 
 async def resolve(host: str, port: int) -> list[str]:
     """The addresses of ``host``, by the system's resolver (in a thread: one lookup, the

@@ -49,7 +49,7 @@ def main(
     tracing.setup(name)
     url = database_url(settings.home, settings.database_url)
     if getattr(settings, "migrate_on_start", True):
-        upgrade(url)
+        upgrade(settings.direct_url(url))  # its advisory lock needs a session
     workers = int(getattr(settings, f"{name}_workers", 1))
     options: dict[str, Any] = {
         "host": settings.bind_host,

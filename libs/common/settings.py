@@ -49,6 +49,12 @@ class CairnSettings(WorkerOfferSettings):
     env: Literal["development", "production"] = "development"
     home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
     database_url: str | None = None
+    # Sessions a transaction pooler cannot carry (LISTEN, session advisory locks,
+    # migrations) connect here; unset, the same as database_url.
+    database_direct_url: str | None = None
+    # "transaction": database_url passes a transaction pooler (no server-side prepared
+    # statements); unset, it does when a direct URL other than database_url is given.
+    database_pooler: Literal["transaction", "none"] | None = None
     url: str = "http://127.0.0.1:8400"
     token: str | None = None
     bind_host: str = "127.0.0.1"
@@ -64,7 +70,7 @@ class CairnSettings(WorkerOfferSettings):
     # The system user the embedded PostgreSQL runs as when Cairn runs as root.
     pg_system_user: str = Field(default="embedded_postgres", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
 
-    @field_validator("database_url")
+    @field_validator("database_url", "database_direct_url")
     @classmethod
     def _normalise_url(cls, value: str | None) -> str | None:
         return normalise_database_url(value) if value else None
@@ -79,6 +85,40 @@ class CairnSettings(WorkerOfferSettings):
         if self.env == "production" and self.database_url is None:
             raise ValueError("CAIRN_DATABASE_URL is required when CAIRN_ENV=production")
         return self
+
+    @model_validator(mode="after")
+    def _refuse_pooler_without_direct(self) -> CairnSettings:
+        if self.database_direct_url and not self.database_url:
+            raise ValueError(
+                "CAIRN_DATABASE_DIRECT_URL is set without CAIRN_DATABASE_URL: set both (the"
+                " pooler's URL and the server's), or neither (the embedded server)"
+            )
+        if self.database_pooler == "transaction" and not self._direct_differs:
+            raise ValueError(
+                "CAIRN_DATABASE_POOLER=transaction needs CAIRN_DATABASE_DIRECT_URL, a URL"
+                " straight to PostgreSQL other than CAIRN_DATABASE_URL: LISTEN/NOTIFY, the"
+                " leaders' advisory locks and migrations need sessions a transaction pooler"
+                " does not keep"
+            )
+        return self
+
+    @property
+    def _direct_differs(self) -> bool:
+        direct = self.database_direct_url
+        return direct is not None and direct != self.database_url
+
+    @property
+    def pooler(self) -> Literal["transaction", "none"]:
+        """What ``database_url`` passes through: ``CAIRN_DATABASE_POOLER``, else a
+        transaction pooler when a different direct URL is given."""
+        if self.database_pooler is not None:
+            return self.database_pooler
+        return "transaction" if self._direct_differs else "none"
+
+    def direct_url(self, url: str) -> str:
+        """Where sessions go that must stay one server session (LISTEN, session advisory
+        locks, migrations): ``CAIRN_DATABASE_DIRECT_URL``, else ``url`` (the pools')."""
+        return self.database_direct_url or url
 
     @property
     def labels(self) -> dict[str, str]:

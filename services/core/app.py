@@ -8,9 +8,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import health, metrics, pages, problems
+from libs.common import database, health, metrics, pages, problems
 from libs.common.limits import BodyLimit
 from services.core import loops
 from services.core.api import (
@@ -54,24 +53,28 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
 
 
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
-    """The API over ``database_url``, whose schema must already be migrated."""
+    """The API over ``database_url``, whose schema must already be migrated; the notifier
+    LISTENs on ``settings.direct_url(database_url)`` (a pooler carries no LISTEN)."""
     meter = CoreMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_async_engine(
+        engine = database.pool(
             database_url,
+            settings,
             pool_size=settings.db_pool_size,
             max_overflow=0,
             pool_timeout=10,
         )
-        liveness = create_async_engine(
+        liveness = database.pool(
             database_url,
+            settings,
             pool_size=settings.liveness_pool_size,
             max_overflow=0,
             pool_timeout=10,
         )
-        notifier = Notifier(database_url)
+        direct = settings.direct_url(database_url)
+        notifier = Notifier(direct)
         notifier.start()
         app.state.engine = engine
         app.state.liveness_engine = liveness
@@ -98,7 +101,9 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
-        app.state.webhooks = await notify.Webhooks.of(app.state.secret_box, settings, database_url)
+        app.state.webhooks = await notify.Webhooks.of(
+            app.state.secret_box, settings, database_url, direct
+        )
         leadership, background = loops.start(
             engine,
             notifier,
@@ -107,7 +112,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             liveness,
             webhooks=app.state.webhooks,
             objects=app.state.log_objects,
-            database_url=database_url,
+            database_url=direct,  # the leader's session advisory lock
         )
         app.state.leadership = leadership
         meter.lead(lambda: leadership.leading)

@@ -8,9 +8,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import cors, health, metrics, pages, problems
+from libs.common import cors, database, health, metrics, pages, problems
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
@@ -27,12 +26,13 @@ def create_app(
     settings: CronSettings, database_url: str, clock: Clock | None = None, engine: bool = True
 ) -> FastAPI:
     """The API over ``database_url`` (already migrated); with ``engine``, the firing engine
-    runs beside it and campaigns for the lead."""
+    runs beside it and campaigns for the lead, on ``settings.direct_url(database_url)``
+    (the lock's session LISTENs too: a pooler carries neither)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        db = create_async_engine(
-            database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
+        db = database.pool(
+            database_url, settings, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
         core = CoreClient(settings.url, settings.token)
         dag = DagClient(settings.dag_url, settings.token)
@@ -42,10 +42,11 @@ def create_app(
         else:
             chosen = clock
         # The engine has connections of its own: API load cannot starve it of the pool.
-        engine_db = create_async_engine(
-            database_url, pool_size=ENGINE_POOL, max_overflow=0, pool_timeout=10
+        engine_db = database.pool(
+            database_url, settings, pool_size=ENGINE_POOL, max_overflow=0, pool_timeout=10
         )
-        cron = CronEngine(engine_db, database_url, settings, sender, chosen)
+        direct = settings.direct_url(database_url)
+        cron = CronEngine(engine_db, direct, settings, sender, chosen)
         app.state.engine = db
         app.state.settings = settings
         app.state.sender = sender

@@ -7,9 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from libs.common import cors, health, metrics, pages, problems
+from libs.common import cors, database, health, metrics, pages, problems
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
 from services.dag.api import runs, workflows
@@ -19,15 +18,16 @@ from services.dag.settings import DagSettings
 
 def create_app(settings: DagSettings, database_url: str) -> FastAPI:
     """The API over ``database_url``, whose ``dag`` schema must already be migrated;
-    ``settings.url`` is core's and ``settings.token`` this service's own (role service)."""
+    ``settings.url`` is core's and ``settings.token`` this service's own (role service).
+    The leader's lock is taken on ``settings.direct_url(database_url)``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_async_engine(
-            database_url, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
+        engine = database.pool(
+            database_url, settings, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
         graphs = Graphs(settings.graph_cache, settings.graph_cache_mb * 1024 * 1024)
-        loop = Engine(engine, settings, graphs, database_url)
+        loop = Engine(engine, settings, graphs, settings.direct_url(database_url))
         app.state.engine = engine
         app.state.settings = settings
         app.state.graphs = graphs

@@ -891,13 +891,17 @@ def _token(settings: WorkerSettings) -> str:
     )
 
 
+_DATABASE_VARIABLES = ("CAIRN_DATABASE_URL", "CAIRN_DATABASE_DIRECT_URL")
+
+
 def _harden(settings: WorkerSettings) -> None:
     """Nothing of the agent's secrets stays where another process could read it."""
-    if "CAIRN_DATABASE_URL" in os.environ:
-        if settings.env == "production":
-            raise hardening.HardeningError("a worker must not be given CAIRN_DATABASE_URL")
-        log.warning("CAIRN_DATABASE_URL is set for this worker: it is not used, and removed")
-    hardening.scrub_environ("CAIRN_TOKEN", "CAIRN_DATABASE_URL")
+    for name in _DATABASE_VARIABLES:
+        if name in os.environ:
+            if settings.env == "production":
+                raise hardening.HardeningError(f"a worker must not be given {name}")
+            log.warning("%s is set for this worker: it is not used, and removed", name)
+    hardening.scrub_environ("CAIRN_TOKEN", *_DATABASE_VARIABLES)
     hardening.non_dumpable()
 
 

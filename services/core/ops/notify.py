@@ -85,11 +85,14 @@ class Webhooks:
     egress: egress.Policy
 
     @classmethod
-    async def of(cls, box: SecretBox, settings: CoreSettings, database_url: str) -> Webhooks:
+    async def of(cls, box: SecretBox, settings: CoreSettings, *database_urls: str) -> Webhooks:
         """Refused beside loopback, private and link-local: the database's host (its
-        port on it even inside ``CAIRN_NOTIFY_ALLOW_CIDRS``)."""
-        db = make_url(database_url)
-        policy = await egress.guarding(db.host, db.port, settings.notify_allowed)
+        port on it even inside ``CAIRN_NOTIFY_ALLOW_CIDRS``), and so a pooler's in front
+        of it when both URLs are given."""
+        policy = egress.Policy(allow=settings.notify_allowed)
+        for url in dict.fromkeys(database_urls):
+            db = make_url(url)
+            policy = policy.also(await egress.guarding(db.host, db.port, settings.notify_allowed))
         return cls(box, policy)
 
 

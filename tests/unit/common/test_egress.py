@@ -86,6 +86,15 @@ def test_the_databases_host_is_refused_and_its_port_even_inside_an_allowed_range
     assert asyncio.run(egress.guarding(None, None, ())) == egress.Policy()
 
 
+def test_behind_a_pooler_both_the_poolers_and_the_databases_hosts_are_refused() -> None:
+    allow = egress.parse_cidrs("127.0.0.0/8")
+    pooler = asyncio.run(egress.guarding("127.0.0.1", 6432, allow))
+    both = pooler.also(asyncio.run(egress.guarding("93.184.216.34", 5432, allow)))
+    assert not both.permits("127.0.0.1", 6432) and not both.permits("93.184.216.34", 443)
+    assert both.permits("127.0.0.1", 8080) and both.permits("93.184.216.35", 443)
+    assert not pooler.permits("127.0.0.1", 6432) and pooler.permits("93.184.216.34", 443)
+
+
 def test_a_bad_range_is_refused() -> None:
     with pytest.raises(ValueError, match="CIDR"):
         egress.parse_cidrs("10.0.0.0/8,nope")

@@ -29,6 +29,26 @@ def test_a_scrubbed_secret_is_gone_from_proc_self_environ() -> None:
     assert subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0
 
 
+@pytest.mark.parametrize("name", ["CAIRN_DATABASE_URL", "CAIRN_DATABASE_DIRECT_URL"])
+def test_a_worker_given_a_database_url_refuses_it_in_production_and_drops_it_otherwise(
+    name: str,
+) -> None:
+    code = (
+        "import os, sys, types\n"
+        "from services.worker import agent, hardening\n"
+        "try:\n"
+        "    agent._harden(types.SimpleNamespace(env='production'))\n"
+        "    sys.exit(3)\n"
+        "except hardening.HardeningError as exc:\n"
+        f"    assert '{name}' in str(exc), exc\n"
+        "agent._harden(types.SimpleNamespace(env='development'))\n"
+        "block = open('/proc/self/environ', 'rb').read()\n"
+        f"sys.exit(0 if b'hunter2' not in block and '{name}' not in os.environ else 1)\n"
+    )
+    env = {**os.environ, name: "postgresql://cairn:hunter2@db/cairn"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0
+
+
 def test_the_token_file_must_be_private(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("cairn_secret\n")
