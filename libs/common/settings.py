@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,18 +15,75 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def normalise_database_url(url: str) -> str:
-    """Return ``url`` with the SQLAlchemy psycopg 3 driver named explicitly."""
+    """Return ``url`` with the SQLAlchemy psycopg 3 driver named explicitly, and several
+    hosts (a PostgreSQL cluster that fails over) in the one form that SQLAlchemy and libpq
+    both read: ``postgresql+psycopg://user@/db?host=h1,h2&port=p1,p2``. libpq's own
+    ``user@h1:p1,h2:p2/db`` and SQLAlchemy's ``?host=h1:p1&host=h2:p2`` are accepted."""
     for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+            break
     if not url.startswith("postgresql+psycopg://"):
         raise ValueError("must be a PostgreSQL URL (postgresql://...)")
-    return url
+    return _hosts_in_query(url)
 
 
 def libpq_url(url: str) -> str:
     """The same URL as plain libpq understands it (no SQLAlchemy driver suffix)."""
     return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def database_hosts(url: str) -> list[tuple[str, int | None]]:
+    """Every (host, port) a normalised database URL names, in order (one for most URLs;
+    a Unix socket's folder is a host too)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    hosts = [v for k, v in query if k == "host"]
+    ports = [v for k, v in query if k == "port"]
+    if not hosts:
+        return [(parts.hostname or "", parts.port)]
+    names = hosts[0].split(",")
+    numbers = ports[0].split(",") if ports else [""] * len(names)
+    if len(numbers) == 1:
+        numbers *= len(names)
+    return [(h, int(p) if p else None) for h, p in zip(names, numbers, strict=True)]
+
+
+def _hosts_in_query(url: str) -> str:
+    scheme, netloc, path, query, fragment = urlsplit(url)
+    user, at, hostlist = netloc.rpartition("@")
+    pairs = [_host_port(item) for item in hostlist.split(",")] if hostlist else []
+    items = query.split("&") if query else []
+    given = [unquote(i.partition("=")[2]) for i in items if i.partition("=")[0] == "host"]
+    if given and (len(pairs) > 1 or (pairs and pairs[0][0])):
+        raise ValueError("name the hosts either in the URL's authority or in ?host=, not both")
+    if len(given) > 1 or any(_HOST_PORT.match(h) for v in given for h in v.split(",")):
+        if any(i.partition("=")[0] == "port" for i in items):
+            raise ValueError("name the ports either as ?host=h:p or in ?port=, not both")
+        pairs = [_host_port(item) for value in given for item in value.split(",")]
+    elif len(pairs) < 2:
+        return url
+    rest = [i for i in items if i.partition("=")[0] not in ("host", "port")]
+    hosts = ",".join(quote(h, safe=":/") for h, _ in pairs)
+    ports = ",".join(p for _, p in pairs)
+    located = [f"host={hosts}", *([f"port={ports}"] if ports.strip(",") else []), *rest]
+    return urlunsplit((scheme, user + at, path, "&".join(located), fragment))
+
+
+#: SQLAlchemy's ``?host=h:p`` (a name or IPv4 address, or a bracketed IPv6 one, and a port)
+_HOST_PORT = re.compile(r"^([A-Za-z0-9.-]*|\[[0-9A-Fa-f:.%]*\]):\d*$")
+
+
+def _host_port(item: str) -> tuple[str, str]:
+    """``h:p``, ``[v6]:p``, ``h`` as (host, port text)."""
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = item.partition(":")
+    if port and not port.isdigit():
+        raise ValueError(f"not a port: {port!r}")
+    return unquote(host), port
 
 
 class WorkerOfferSettings(BaseSettings):

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import httpx
 import orjson
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import egress
+from libs.common.settings import database_hosts
 from libs.common.states import TaskState
 from services.core.db import notifications
 from services.core.db import tasks as tasks_db
@@ -86,13 +86,15 @@ class Webhooks:
 
     @classmethod
     async def of(cls, box: SecretBox, settings: CoreSettings, *database_urls: str) -> Webhooks:
-        """Refused beside loopback, private and link-local: the database's host (its
-        port on it even inside ``CAIRN_NOTIFY_ALLOW_CIDRS``), and so a pooler's in front
-        of it when both URLs are given."""
+        """Refused beside loopback, private and link-local: the database's hosts (every
+        one of a cluster that fails over; their ports on them even inside
+        ``CAIRN_NOTIFY_ALLOW_CIDRS``), and so a pooler's in front of it when both URLs are
+        given."""
         policy = egress.Policy(allow=settings.notify_allowed)
         for url in dict.fromkeys(database_urls):
-            db = make_url(url)
-            policy = policy.also(await egress.guarding(db.host, db.port, settings.notify_allowed))
+            for host, port in database_hosts(url):
+                guard = await egress.guarding(host, port, settings.notify_allowed)
+                policy = policy.also(guard)
         return cls(box, policy)
 
 
