@@ -12,13 +12,19 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+#: seconds a connection to one host of several may take before the next is tried (libpq's
+#: ``connect_timeout``), unless the URL says otherwise: without it psycopg gives each host
+#: 130 s, so a primary that died with its host would hold up every new connection
+MULTI_HOST_CONNECT_TIMEOUT_S = 5
 
 
 def normalise_database_url(url: str) -> str:
     """Return ``url`` with the SQLAlchemy psycopg 3 driver named explicitly, and several
     hosts (a PostgreSQL cluster that fails over) in the one form that SQLAlchemy and libpq
     both read: ``postgresql+psycopg://user@/db?host=h1,h2&port=p1,p2``. libpq's own
-    ``user@h1:p1,h2:p2/db`` and SQLAlchemy's ``?host=h1:p1&host=h2:p2`` are accepted."""
+    ``user@h1:p1,h2:p2/db`` and SQLAlchemy's ``?host=h1:p1&host=h2:p2`` are accepted.
+    Several hosts get a ``connect_timeout`` (:data:`MULTI_HOST_CONNECT_TIMEOUT_S`) unless
+    the URL sets one."""
     for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://"):
         if url.startswith(prefix):
             url = "postgresql+psycopg://" + url[len(prefix) :]
@@ -52,22 +58,32 @@ def database_hosts(url: str) -> list[tuple[str, int | None]]:
 def _hosts_in_query(url: str) -> str:
     scheme, netloc, path, query, fragment = urlsplit(url)
     user, at, hostlist = netloc.rpartition("@")
-    pairs = [_host_port(item) for item in hostlist.split(",")] if hostlist else []
     items = query.split("&") if query else []
+    keys = {i.partition("=")[0] for i in items}
     given = [unquote(i.partition("=")[2]) for i in items if i.partition("=")[0] == "host"]
-    if given and (len(pairs) > 1 or (pairs and pairs[0][0])):
+    if given and hostlist:
         raise ValueError("name the hosts either in the URL's authority or in ?host=, not both")
     if len(given) > 1 or any(_HOST_PORT.match(h) for v in given for h in v.split(",")):
-        if any(i.partition("=")[0] == "port" for i in items):
+        if "port" in keys:
             raise ValueError("name the ports either as ?host=h:p or in ?port=, not both")
         pairs = [_host_port(item) for value in given for item in value.split(",")]
-    elif len(pairs) < 2:
-        return url
+    elif "," in hostlist:
+        pairs = [_host_port(item) for item in hostlist.split(",")]
+    else:  # one host, or several already in the one form
+        several = bool(given) and "," in given[0]
+        return url + _timeout(items) if several and "connect_timeout" not in keys else url
     rest = [i for i in items if i.partition("=")[0] not in ("host", "port")]
     hosts = ",".join(quote(h, safe=":/") for h, _ in pairs)
     ports = ",".join(p for _, p in pairs)
     located = [f"host={hosts}", *([f"port={ports}"] if ports.strip(",") else []), *rest]
-    return urlunsplit((scheme, user + at, path, "&".join(located), fragment))
+    query = "&".join(located)
+    if len(pairs) > 1 and "connect_timeout" not in keys:
+        query += _timeout(located)
+    return urlunsplit((scheme, user + at, path, query, fragment))
+
+
+def _timeout(items: list[str]) -> str:
+    return f"{'&' if items else '?'}connect_timeout={MULTI_HOST_CONNECT_TIMEOUT_S}"
 
 
 #: SQLAlchemy's ``?host=h:p`` (a name or IPv4 address, or a bracketed IPv6 one, and a port)

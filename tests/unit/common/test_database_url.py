@@ -12,7 +12,7 @@ from libs.common.settings import database_hosts, libpq_url, normalise_database_u
 
 ONE_FORM = (
     "postgresql+psycopg://cairn:s%40cret@/cairn"
-    "?host=127.0.0.1,127.0.0.1&port=5432,5433&target_session_attrs=read-write"
+    "?host=127.0.0.1,127.0.0.1&port=5432,5433&target_session_attrs=read-write&connect_timeout=5"
 )
 
 
@@ -25,10 +25,11 @@ ONE_FORM = (
         # SQLAlchemy's form, which libpq cannot read
         "postgresql+psycopg://cairn:s%40cret@/cairn"
         "?host=127.0.0.1:5432&host=127.0.0.1:5433&target_session_attrs=read-write",
-        # already the one form
+        # the one form, but psycopg would give a dead host 130 s before it tries the next
+        ONE_FORM.removesuffix("&connect_timeout=5"),
         ONE_FORM,
     ],
-    ids=["libpq", "sqlalchemy", "normalised"],
+    ids=["libpq", "sqlalchemy", "no-timeout", "normalised"],
 )
 def test_several_hosts_become_the_one_form(given: str) -> None:
     assert normalise_database_url(given) == ONE_FORM
@@ -43,6 +44,7 @@ def test_sqlalchemy_and_libpq_read_the_same_hosts_ports_and_attributes() -> None
         assert args["target_session_attrs"] == "read-write"
         assert args["user"] == "cairn" and args["password"] == "s@cret"
         assert args["dbname"] == "cairn"
+        assert str(args["connect_timeout"]) == "5"
 
 
 @pytest.mark.parametrize(
@@ -50,7 +52,7 @@ def test_sqlalchemy_and_libpq_read_the_same_hosts_ports_and_attributes() -> None
     [
         "postgresql+psycopg://cairn:pw@db.internal:5432/cairn?sslmode=require",
         "postgresql+psycopg://cairn:pw@/cairn?host=/var/run/postgresql",
-        "postgresql+psycopg://cairn@/cairn?host=::1,::2&port=5432,5433",
+        "postgresql+psycopg://cairn@/cairn?host=::1,::2&port=5432,5433&connect_timeout=2",
     ],
 )
 def test_other_urls_keep_their_form(given: str) -> None:
@@ -67,7 +69,16 @@ def test_every_host_is_listed_for_the_egress_guard() -> None:
     assert database_hosts(ONE_FORM) == [("127.0.0.1", 5432), ("127.0.0.1", 5433)]
     assert database_hosts("postgresql+psycopg://u@db:6432/x") == [("db", 6432)]
     six = normalise_database_url("postgresql://u@[::1]:5432,[::2]/x")
+    assert six == "postgresql+psycopg://u@/x?host=::1,::2&port=5432,&connect_timeout=5"
     assert database_hosts(six) == [("::1", 5432), ("::2", None)]
+
+
+def test_a_connect_timeout_the_url_sets_is_kept() -> None:
+    given = "postgresql://u@a:1,b:2/db?connect_timeout=20"
+    assert (
+        normalise_database_url(given)
+        == "postgresql+psycopg://u@/db?host=a,b&port=1,2&connect_timeout=20"
+    )
 
 
 @pytest.mark.parametrize(
