@@ -21,17 +21,20 @@ install: $(VENV)/.installed $(VENV)/compose_spec.json
 up: install
 	$(BIN)/cairn up --demo
 
-# Two pytest processes at once: the main suite (-n 2) and the deployment test (tests/deploy,
-# which waits mostly on the network and on its containers), whose output is kept and
-# printed when both are done. Fails when either fails. The deployment test skips itself
-# without root and its tools, unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
+# Two pytest processes at once: the main suite (-n 2) and, beside it, the tests that wait
+# mostly on clusters of their own: the deployment test (tests/deploy: the network and its
+# containers) and the PostgreSQL failover test (a Patroni cluster); their output is kept
+# and printed when both are done. Fails when either fails. Both skip themselves without
+# their tools (and the deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1
+# (.ci/run); docs/deploy.md.
+BESIDE := tests/deploy tests/faults/system/test_failover.py
 test: install
 	@log=$$(mktemp); \
-	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider tests/deploy -q -rA >"$$log" 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -n 2 --durations=25 --ignore=tests/deploy; main=$$?; \
+	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -n 2 --durations=25 $(addprefix --ignore=,$(BESIDE)); main=$$?; \
 	wait $$deploy; deployed=$$?; \
-	echo "=== the deployment test (tests/deploy), run beside the suite ==="; cat "$$log"; rm -f "$$log"; \
-	echo "make test: the suite exited $$main, the deployment test $$deployed"; \
+	echo "=== the tests run beside the suite ($(BESIDE)) ==="; cat "$$log"; rm -f "$$log"; \
+	echo "make test: the suite exited $$main, the tests beside it $$deployed"; \
 	[ $$main -eq 0 ] && [ $$deployed -eq 0 ]
 
 # The deployment test alone (about 5 minutes).

@@ -87,18 +87,22 @@ class Patroni:
     etcd: subprocess.Popen[bytes] | None = None
     etcd_port: int = 0
     password: str = field(default_factory=lambda: secrets.token_urlsafe(18))
-    user: str = field(default_factory=lambda: CairnSettings().pg_system_user)
+    took_s: float = 0.0  # to start
+    #: PostgreSQL refuses root: then its servers run as the embedded server's system user
+    user: str | None = field(
+        default_factory=lambda: CairnSettings().pg_system_user if os.geteuid() == 0 else None
+    )
 
     @property
     def url(self) -> str:
         """The multi-host URL every service is given (libpq's form)."""
         hosts = ",".join(f"127.0.0.1:{node.pg_port}" for node in self.nodes)
-        return (
-            f"postgresql://{USER}:{self.password}@{hosts}/{USER}?target_session_attrs=read-write"
-        )
+        return f"postgresql://{USER}:{self.password}@{hosts}/{USER}?target_session_attrs=read-write"
 
     def start(self, count: int = 2) -> None:
-        ensure_system_user(self.user)
+        began = time.monotonic()
+        if self.user is not None:
+            ensure_system_user(self.user)
         self.root.mkdir(parents=True, exist_ok=True)
         self._start_etcd()
         self.nodes = [
@@ -113,15 +117,17 @@ class Patroni:
             self.launch(node)
         wait_for(self.synchronous, timeout=90, interval=0.2)
         self._create_database()
+        self.took_s = time.monotonic() - began
 
     def launch(self, node: Node) -> None:
-        entry = pwd.getpwnam(self.user)
+        as_user: dict[str, Any] = {}
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            as_user = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
         log = open(node.folder / "patroni.log", "ab")  # noqa: SIM115 - the child keeps it
         node.proc = subprocess.Popen(
             ["patroni", str(node.config)],
-            user=entry.pw_uid,
-            group=entry.pw_gid,
-            extra_groups=[],
+            **as_user,
             env={"PATH": os.environ["PATH"], "HOME": str(node.folder), "LC_ALL": "C.UTF-8"},
             cwd=node.folder,
             stdin=subprocess.DEVNULL,
@@ -241,14 +247,13 @@ class Patroni:
         wait_for(healthy, timeout=30, interval=0.1)
 
     def _write_config(self, node: Node) -> None:
-        entry = pwd.getpwnam(self.user)
         node.folder.mkdir(mode=0o700)
-        os.chown(node.folder, entry.pw_uid, entry.pw_gid)
-        local = f"127.0.0.1:{node.pg_port}"
+        self._own(node.folder)
+        local, api = f"127.0.0.1:{node.pg_port}", f"127.0.0.1:{node.api_port}"
         config = {
             "scope": SCOPE,
             "name": node.name,
-            "restapi": {"listen": f"127.0.0.1:{node.api_port}", "connect_address": ""},
+            "restapi": {"listen": api, "connect_address": api},
             "etcd3": {"hosts": [f"127.0.0.1:{self.etcd_port}"]},
             "bootstrap": {
                 "dcs": {
@@ -292,10 +297,14 @@ class Patroni:
             },
             "tags": {"nofailover": False, "noloadbalance": False, "clonefrom": False},
         }
-        config["restapi"]["connect_address"] = f"127.0.0.1:{node.api_port}"
         node.config.write_text(yaml.safe_dump(config))
-        os.chown(node.config, entry.pw_uid, entry.pw_gid)
         node.config.chmod(0o600)
+        self._own(node.config)
+
+    def _own(self, path: Path) -> None:
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
 
     def _create_database(self) -> None:
         admin = self.url.replace(f"/{USER}?", "/postgres?")
