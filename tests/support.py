@@ -133,6 +133,14 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         time.sleep(interval)
 
 
+def _popen(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen[bytes]:
+    """``command`` as a child, its output to ``log`` when given (else the test's own)."""
+    if log is None:
+        return subprocess.Popen(command, env=env)
+    with log.open("ab") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 def spawn_service(
     module: str,
     port_variable: str,
@@ -153,12 +161,7 @@ def spawn_service(
         "CAIRN_LOG_LEVEL": "warning",
         **env,
     }
-    if log is None:
-        proc = subprocess.Popen([sys.executable, "-m", module], env=environment)
-    else:
-        with log.open("ab") as out:
-            command = [sys.executable, "-m", module]
-            proc = subprocess.Popen(command, env=environment, stdout=out, stderr=subprocess.STDOUT)
+    proc = _popen([sys.executable, "-m", module], environment, log)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -173,9 +176,11 @@ def spawn_service(
     return proc
 
 
-def spawn_core(db_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+def spawn_core(
+    db_url: str, home: Path, port: int, *, log: Path | None = None, **env: str
+) -> subprocess.Popen[bytes]:
     """Core as its own process (``python -m services.core``), ready to serve."""
-    return spawn_service("services.core", "CAIRN_CORE_PORT", db_url, home, port, **env)
+    return spawn_service("services.core", "CAIRN_CORE_PORT", db_url, home, port, log=log, **env)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
@@ -227,9 +232,17 @@ def shared_dir() -> Path:
 
 
 def spawn_worker(
-    core: Core, home: Path, name: str, cpu: float = 4, memory_mb: int = 8192, **env: str
+    core: Core,
+    home: Path,
+    name: str,
+    cpu: float = 4,
+    memory_mb: int = 8192,
+    *,
+    log: Path | None = None,
+    **env: str,
 ) -> subprocess.Popen[bytes]:
-    """A real worker agent (``python -m services.worker``) with its sidecar."""
+    """A real worker agent (``python -m services.worker``) with its sidecar; with ``log``,
+    its output goes to that file."""
     environment = {
         **os.environ,
         "CAIRN_URL": core.url,
@@ -242,7 +255,7 @@ def spawn_worker(
         **isolation_env(),
         **env,
     }
-    return subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)
+    return _popen([sys.executable, "-m", "services.worker"], environment, log)
 
 
 class Workers:

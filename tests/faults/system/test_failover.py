@@ -13,7 +13,9 @@ Skipped without Patroni and etcd (``apt-get install patroni etcd-server``) unles
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,35 +144,78 @@ class System:
         return libpq_url(normalise_database_url(self.url))
 
 
-def _start_system(cluster: Patroni, home: Path) -> System:
-    url = cluster.url
+@pytest.fixture
+def started(patroni: Patroni) -> float:
+    """When the services began to start (the cluster runs)."""
+    return time.monotonic()
+
+
+@pytest.fixture
+def system(patroni: Patroni, started: float, tmp_path: Path) -> Iterator[System]:
+    """Core, cron, dag and a worker agent on the cluster's multi-host URL; their logs in
+    ``tmp_path/logs``, summed up when the test ends."""
+    url = patroni.url
     for upgrade in MIGRATIONS:
         upgrade(normalise_database_url(url))
+    logs = tmp_path / "logs"
+    logs.mkdir()
     ports = {name: free_port() for name in ("core", "cron", "dag")}
-    core = spawn_core(url, home / "core", ports["core"], **CORE_ENV)
-    procs = {"core": core}
+    base = "http://127.0.0.1:"
+    made = System(url, *(base + str(ports[n]) for n in ("core", "cron", "dag")), {})
     common = {
-        "CAIRN_URL": f"http://127.0.0.1:{ports['core']}",
+        "CAIRN_URL": made.core,
         "CAIRN_TOKEN": make_token(normalise_database_url(url), "flows", "service"),
         "CAIRN_MIGRATE_ON_START": "false",
         "CAIRN_LOG_LEVEL": "info",
     }
-    procs["cron"] = spawn_service(
-        "services.cron",
-        "CAIRN_CRON_PORT",
-        url,
-        home / "cron",
-        ports["cron"],
-        CAIRN_CRON_LEADER_POLL_S="0.2",
-        **common,
-    )
-    procs["dag"] = spawn_service(
-        "services.dag", "CAIRN_DAG_PORT", url, home / "dag", ports["dag"], **common
-    )
-    target = SimpleNamespace(url=common["CAIRN_URL"], db_url=normalise_database_url(url))
-    procs["worker"] = spawn_worker(target, home / "worker", "worker", cpu=4, memory_mb=4096)  # type: ignore[arg-type]
-    base = "http://127.0.0.1:"
-    return System(url, *(base + str(ports[n]) for n in ("core", "cron", "dag")), procs)
+    try:
+        made.procs["core"] = spawn_core(
+            url, tmp_path / "core", ports["core"], log=logs / "core.log", **CORE_ENV
+        )
+        for name in ("cron", "dag"):
+            made.procs[name] = spawn_service(
+                f"services.{name}",
+                f"CAIRN_{name.upper()}_PORT",
+                url,
+                tmp_path / name,
+                ports[name],
+                log=logs / f"{name}.log",
+                CAIRN_CRON_LEADER_POLL_S="0.2",
+                **common,
+            )
+        target = SimpleNamespace(url=made.core, db_url=normalise_database_url(url))
+        made.procs["worker"] = spawn_worker(
+            target,  # type: ignore[arg-type]
+            tmp_path / "worker",
+            "worker",
+            cpu=4,
+            memory_mb=4096,
+            log=logs / "worker.log",
+        )
+        yield made
+    finally:
+        for proc in made.procs.values():
+            stop_process(proc, signal.SIGKILL)
+        for line in _digest(logs):
+            print("failover test, logged:", line)
+
+
+def _digest(logs: Path) -> list[str]:
+    """Each service's warnings and errors, counted by what they say (ports and numbers
+    left out)."""
+    said: Counter[tuple[str, str, str]] = Counter()
+    for log in sorted(logs.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("level") in ("warning", "error"):
+                text = re.sub(r"\d+", "N", str(entry.get("message", "")))[:100]
+                said[(entry.get("service", log.stem), entry["level"], text)] += 1
+    return [
+        f"{n:4d} {service} {level}: {text!r}" for (service, level, text), n in sorted(said.items())
+    ]
 
 
 def _ready(url: str) -> bool:
@@ -244,10 +289,8 @@ def _ride_through(
 
 @pytest.mark.timeout(420)
 def test_a_switchover_and_a_failover_lose_no_task_and_run_none_twice(
-    patroni: Patroni, tmp_path: Path
+    patroni: Patroni, system: System, started: float
 ) -> None:
-    started = time.monotonic()
-    system = _start_system(patroni, tmp_path)
     # Where every attempt's uid may append (the tests' tmp folders are 0700).
     record = shared_dir() / "executions.log"
     record.touch()
@@ -291,8 +334,6 @@ def test_a_switchover_and_a_failover_lose_no_task_and_run_none_twice(
     done = "SELECT count(*) FROM core.tasks WHERE state = 'succeeded'"
     wait_for(lambda: _scalar(system.db, done) == len(submitter.acked), timeout=90, interval=0.2)
     alive = {name: proc.poll() for name, proc in system.procs.items()}
-    for proc in system.procs.values():
-        stop_process(proc, signal.SIGKILL)
 
     print(f"failover test: {len(submitter.acked)} tasks, answers {dict(submitter.statuses)}")
     for fault, back in times.items():
