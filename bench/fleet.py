@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -42,13 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import TICK, children, cpu_s, stat_fields
 from rawhttp import Conn, request_bytes
-from stack import Stack, core_stack, exit_on_sigterm, free_port
+from stack import Stack, core_stack, exit_on_sigterm, free_port, start_core
 
 from libs.common.models import WORKER_LEASE_HEADER
 from libs.common.settings import libpq_url
@@ -241,25 +238,9 @@ def phase(a: Sample, b: Sample) -> dict[str, float]:
     }
 
 
-def start_replica(stack: Stack) -> tuple[subprocess.Popen[bytes], int]:
+def start_replica(stack: Stack, **env: str) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    env = {
-        **os.environ,
-        "CAIRN_DATABASE_URL": stack.database_url,
-        "CAIRN_HOME": str(stack.root / f"home-{port}"),
-        "CAIRN_CORE_PORT": str(port),
-        "CAIRN_LOG_LEVEL": "warning",
-        "CAIRN_MIGRATE_ON_START": "false",
-    }
-    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=env)
-    deadline = time.monotonic() + 60
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, port
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("a core replica did not start")
-        time.sleep(0.1)
+    return start_core(stack.database_url, stack.root / f"home-{port}", port, **env), port
 
 
 async def submitter(https: list[Http], rate: float, seconds: float, c: Counts) -> None:
@@ -301,7 +282,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
         try:
             ports = [int(stack.core_url.rsplit(":", 1)[1])]
             for _ in range(replicas - 1):
-                proc, port = start_replica(stack)
+                proc, port = start_replica(stack, **env)
                 extra.append(proc)
                 ports.append(port)
             cores = [stack.core_pid, *(p.pid for p in extra)]

@@ -52,6 +52,34 @@ class Stack:
     postmaster_pid: int = 0
 
 
+def start_core(database_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """Core (``python -m services.core``) on ``port`` over a migrated database, once it
+    answers ``/readyz``: one of a benchmark's core replicas."""
+    full = {
+        **os.environ,
+        "CAIRN_DATABASE_URL": database_url,
+        "CAIRN_HOME": str(home),
+        "CAIRN_CORE_PORT": str(port),
+        "CAIRN_LOG_LEVEL": "warning",
+        "CAIRN_MIGRATE_ON_START": "false",
+        **env,
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=full)
+    url = f"http://127.0.0.1:{port}/readyz"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("core did not start")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
     """The database and core (``python -m services.core``) for one benchmark run."""
@@ -64,26 +92,7 @@ def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
             upgrade(url)
         port = free_port()
         core_url = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "CAIRN_DATABASE_URL": url,
-            "CAIRN_HOME": str(root / "home"),
-            "CAIRN_CORE_PORT": str(port),
-            "CAIRN_LOG_LEVEL": "warning",
-            "CAIRN_MIGRATE_ON_START": "false",
-            **core_env,
-        }
-        proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(core_url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("core did not start")
-            time.sleep(0.1)
+        proc = start_core(url, root / "home", port, **core_env)
         postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
         yield Stack(root, url, core_url, proc.pid, postmaster)
     finally:

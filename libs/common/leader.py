@@ -22,10 +22,12 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.settings import libpq_url
@@ -169,3 +171,29 @@ class Elector:
             row = await cur.fetchone()
         assert row is not None
         return int(row[0])
+
+
+async def lead_forever(
+    elector: Elector,
+    lead: Callable[[Lease], Awaitable[None]],
+    *,
+    pause_s: float,
+    stepped_down: Callable[[], None] | None = None,
+) -> None:
+    """Campaign, ``lead`` while the lock is held (it returns or raises once the lead is
+    lost), step down, campaign again, after ``pause_s``. Any failure of ``lead`` (a lost
+    lock, the database gone, a pool timeout, a bug) steps down: it never stops the
+    replica from leading again."""
+    while True:
+        lease = await elector.campaign()
+        try:
+            await lead(lease)
+        except (psycopg.Error, DBAPIError, OSError, LeadershipLost) as exc:
+            log.warning("%s leadership lost: %s", elector.name, exc)
+        except Exception:
+            log.exception("%s leader failed; stepping down to campaign again", elector.name)
+        finally:
+            if stepped_down is not None:
+                stepped_down()
+            await lease.close()
+        await asyncio.sleep(pause_s)

@@ -14,14 +14,11 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import psycopg
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import locks
-from libs.common.leader import Elector, LeadershipLost
+from libs.common.leader import Elector, Lease, lead_forever
 from services.core.db import placement
 from services.core.db.feed import Notifier, Work
 from services.core.objects import LogObjects
@@ -283,20 +280,10 @@ class Leadership:
     async def run(self) -> None:
         if self.elector is None:
             await self._lead(None)
-            return
-        while True:
-            lease = await self.elector.campaign()
-            try:
-                await self._lead(lease)
-            except (LeadershipLost, psycopg.Error, DBAPIError, OSError) as exc:
-                log.warning("core stepped down: %s", exc)
-            except Exception:
-                log.exception("core's leadership failed; stepping down to campaign again")
-            finally:
-                await lease.close()
-            await asyncio.sleep(self.check_s)
+        else:
+            await lead_forever(self.elector, self._lead, pause_s=self.check_s)
 
-    async def _lead(self, lease: Any) -> None:
+    async def _lead(self, lease: Lease | None) -> None:
         self.running = self.loops()
         self.leading = True
         try:

@@ -38,12 +38,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-import psycopg
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import locks
-from libs.common.leader import Elector, LeadershipLost, Lease
+from libs.common.leader import Elector, LeadershipLost, Lease, lead_forever
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import ontime, timing
@@ -225,21 +223,18 @@ class CronEngine:
 
     async def run(self) -> None:
         """Campaign, lead while the lock is held, campaign again when it is lost."""
-        while True:
-            lease = await self.elector.campaign()
-            try:
-                await store.listen(lease.conn)
-                self.lease = lease
-                await self._lead(lease)
-            except (psycopg.Error, DBAPIError, OSError, LeadershipLost) as exc:
-                log.warning("cron leadership lost: %s", exc)
-            except Exception:
-                # A pool timeout or a bug must not stop this replica firing for good.
-                log.exception("cron engine failed; stepping down to campaign again")
-            finally:
-                self._step_down()
-                await lease.close()
-            await asyncio.sleep(self.settings.cron_leader_poll_s)
+
+        async def lead(lease: Lease) -> None:
+            await store.listen(lease.conn)
+            self.lease = lease
+            await self._lead(lease)
+
+        await lead_forever(
+            self.elector,
+            lead,
+            pause_s=self.settings.cron_leader_poll_s,
+            stepped_down=self._step_down,
+        )
 
     async def _lead(self, lease: Lease) -> None:
         self.leader = True

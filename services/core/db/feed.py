@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -77,18 +78,13 @@ class Work:
 
     @classmethod
     def of_queues(cls, queues: Iterable[str]) -> Work:
-        counts: dict[str, int] = {}
-        for queue in queues:
-            counts[queue] = counts.get(queue, 0) + 1
-        return cls(queues=counts)
+        return cls(queues=dict(Counter(queues)))
 
     def __bool__(self) -> bool:
         return bool(self.queues or self.any or self.workers or self.sweep)
 
     def __add__(self, other: Work) -> Work:
-        queues = dict(self.queues)
-        for queue, n in other.queues.items():
-            queues[queue] = queues.get(queue, 0) + n
+        queues = dict(Counter(self.queues) + Counter(other.queues))
         return Work(
             queues, self.any + other.any, self.workers | other.workers, self.sweep or other.sweep
         )
@@ -161,7 +157,6 @@ class Line:
 
     def __init__(self) -> None:
         self._waiting: dict[Waiter, None] = {}  # insertion order: waiting order
-        self.woken = 0  # how many wake-ups this line gave, for tests and metrics
         #: the process is stopping: waiting claims answer now (nothing leased)
         self.closed = False
 
@@ -227,7 +222,6 @@ class Line:
 
     def _set(self, waiter: Waiter) -> int:
         waiter.event.set()
-        self.woken += 1
         return 1
 
 
