@@ -6,8 +6,9 @@ import os
 import re
 from pathlib import Path
 from typing import Literal
-from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -41,15 +42,10 @@ def libpq_url(url: str) -> str:
 
 def database_hosts(url: str) -> list[tuple[str, int | None]]:
     """Every (host, port) a normalised database URL names, in order (one for most URLs;
-    a Unix socket's folder is a host too)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    hosts = [v for k, v in query if k == "host"]
-    ports = [v for k, v in query if k == "port"]
-    if not hosts:
-        return [(parts.hostname or "", parts.port)]
-    names = hosts[0].split(",")
-    numbers = ports[0].split(",") if ports else [""] * len(names)
+    a Unix socket's folder is a host too), as libpq reads them."""
+    info = conninfo_to_dict(libpq_url(url))
+    names = str(info.get("host") or "").split(",")
+    numbers = str(info.get("port") or "").split(",")
     if len(numbers) == 1:
         numbers *= len(names)
     return [(h, int(p) if p else None) for h, p in zip(names, numbers, strict=True)]
