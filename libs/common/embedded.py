@@ -314,10 +314,16 @@ def _let_user_reach(user: str, data: Path, binaries: Path, initpw: Path) -> None
     os.chown(data, entry.pw_uid, entry.pw_gid)
     os.chown(initpw, entry.pw_uid, entry.pw_gid)
     for path in (data, binaries):
-        for parent in path.parents:
-            mode = parent.stat().st_mode
-            if not mode & stat.S_IXOTH:
-                parent.chmod(mode | stat.S_IXOTH)
+        let_others_through(path)
+
+
+def let_others_through(path: Path) -> None:
+    """Let other users (the server's system user) pass through every folder above
+    ``path`` (the search bit only: they may reach it, not list what lies beside it)."""
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(mode | stat.S_IXOTH)
 
 
 def _port_free(port: int) -> bool:

@@ -25,7 +25,7 @@ import httpx
 import psycopg
 import yaml
 
-from libs.common.embedded import binaries, ensure_system_user
+from libs.common.embedded import binaries, ensure_system_user, let_others_through
 from libs.common.settings import CairnSettings
 from tests.support import free_port, stop_process, wait_for
 
@@ -103,6 +103,9 @@ class Patroni:
         began = time.monotonic()
         if self.user is not None:
             ensure_system_user(self.user)
+            # The binaries may lie in a folder only root passes (a fresh clone's, made
+            # by mktemp) when no embedded server has opened the way yet.
+            let_others_through(binaries() / "postgres")
         self.root.mkdir(parents=True, exist_ok=True)
         self._start_etcd()
         self.nodes = [
@@ -112,10 +115,13 @@ class Patroni:
             self._write_config(node)
         # The first node bootstraps alone; the others then copy it (pg_basebackup).
         self.launch(self.nodes[0])
-        wait_for(lambda: self.leader() is self.nodes[0], timeout=90, interval=0.2)
-        for node in self.nodes[1:]:
-            self.launch(node)
-        wait_for(self.synchronous, timeout=90, interval=0.2)
+        try:
+            wait_for(lambda: self.leader() is self.nodes[0], timeout=90, interval=0.2)
+            for node in self.nodes[1:]:
+                self.launch(node)
+            wait_for(self.synchronous, timeout=90, interval=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"the cluster did not form: {exc}\n{self.logs()}") from exc
         self._create_database()
         self.took_s = time.monotonic() - began
 

@@ -141,3 +141,20 @@ def test_the_schema_check_catches_a_mistake() -> None:
     broken["services"]["dag"]["comand"] = ["dag"]  # a typo the schema must refuse
     validator = jsonschema.Draft201909Validator(json.loads(SPEC.read_text()))
     assert any("comand" in e.message for e in validator.iter_errors(broken))
+
+
+def test_every_file_the_image_installs_from_compose_is_in_its_build_context() -> None:
+    """compose/Dockerfile installs scripts from compose/; .dockerignore admits only what
+    it lists, so a script missing there breaks the image's build (it did, for PgBouncer's
+    entrypoint, only in the deployment test)."""
+    import re
+
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    installed = set(re.findall(r"install -m \d+ (compose/[\w.-]+)", dockerfile))
+    admitted = {
+        line[1:].strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert installed, "the Dockerfile installs nothing from compose/: the pattern is stale"
+    assert installed <= admitted, installed - admitted
