@@ -1,7 +1,7 @@
 """Fleet benchmark: what waiting workers cost core and PostgreSQL, and what a task costs
 with a fleet waiting (issue 30).
 
-    .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 20]
+    .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 30]
                                     [--rate 20] [--run-ms 200] [--json results.json]
 
 For each number of agents (and of core replicas), a fresh embedded PostgreSQL (durable
@@ -60,6 +60,12 @@ SPEC = {
     "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
     "resources": {"cpu": 0.01, "memory_mb": 1},
 }
+
+
+def noted(c: Counts, why: str) -> None:
+    """An error, counted by what it was."""
+    c.errors += 1
+    c.why[why[:100]] = c.why.get(why[:100], 0) + 1
 
 
 @dataclass
@@ -133,16 +139,12 @@ class Agent:
                     self.http.request(path, turn, self.headers), wait + 30
                 )
             except (ConnectionError, TimeoutError, OSError) as exc:
-                self.counts.errors += 1
-                key = f"turn {exc!r}"[:100]
-                self.counts.why[key] = self.counts.why.get(key, 0) + 1
+                noted(self.counts, f"turn {exc!r}")
                 conn = await self.http.connect()
                 continue
             self.counts.turns += 1
             if status != 200:
-                self.counts.errors += 1
-                key = f"turn {status} {body[:80]!r}"
-                self.counts.why[key] = self.counts.why.get(key, 0) + 1
+                noted(self.counts, f"turn {status} {body[:80]!r}")
                 await asyncio.sleep(0.5)
                 continue
             for a in json.loads(body)["attempts"]:
@@ -167,26 +169,31 @@ class Agent:
                 if status == 200:
                     self.counts.reported += 1
                     break
-                self.counts.errors += 1
+                noted(self.counts, f"report {status}")
         finally:
             conn.transport.close()
             self.running.discard(attempt_id)
 
     async def beat_loop(self) -> None:
+        """The sidecar's beat, each on a fresh connection (core closes a keep-alive
+        connection idle for seconds; the sidecar's client reconnects the same way)."""
         await asyncio.sleep(random.uniform(0, HEARTBEAT_INTERVAL_S))
-        conn = await self.http.connect()
         path = f"/v1/workers/{self.id}/heartbeat"
         while not self.stopping:
             try:
-                status, _ = await conn.request(
-                    self.http.request(path, {"attempts": sorted(self.running)}, self.headers), 30
-                )
+                conn = await self.http.connect()
+                try:
+                    status, body = await conn.request(
+                        self.http.request(path, {"attempts": sorted(self.running)}, self.headers),
+                        30,
+                    )
+                finally:
+                    conn.transport.close()
                 self.counts.beats += 1
                 if status != 200:
-                    self.counts.errors += 1
-            except (ConnectionError, TimeoutError, OSError):
-                self.counts.errors += 1
-                conn = await self.http.connect()
+                    noted(self.counts, f"beat {status} {body[:80]!r}")
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                noted(self.counts, f"beat {exc!r}")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
@@ -256,7 +263,7 @@ async def submitter(https: list[Http], rate: float, seconds: float, c: Counts) -
             c.submitted += 1
             c.submitted_ids.append(json.loads(body)["id"])
         else:
-            c.errors += 1
+            noted(c, f"submit {status} {body[:80]!r}")
         idle[i].append(conn)
 
     loop = asyncio.get_running_loop()
@@ -276,6 +283,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
     env = {
         "CAIRN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_INTERVAL_S),
         "CAIRN_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+        **dict(item.split("=", 1) for item in args.core_env),
     }
     with core_stack("cairn-bench-fleet-", **env) as stack:
         extra: list[subprocess.Popen[bytes]] = []
@@ -383,10 +391,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", default="10,100,1000")
     parser.add_argument("--replicas", default="1")
-    parser.add_argument("--phase-s", type=float, default=20.0, help="at least a claim's wait")
+    parser.add_argument("--phase-s", type=float, default=30.0, help="at least a claim's wait")
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--run-ms", type=float, default=200.0)
     parser.add_argument("--cap", type=int, default=4, help="attempts an agent runs at once")
+    parser.add_argument(
+        "--core-env", action="append", default=[], help="KEY=VALUE for every core replica"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     exit_on_sigterm()

@@ -29,6 +29,7 @@ from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
     MAX_STARTS,
     MAX_TURN_ITEMS,
+    MAX_WAIT_S,
     Assignment,
     AttemptReport,
     ClaimRequest,
@@ -58,8 +59,8 @@ from services.worker.timings import Timings
 log = logging.getLogger("cairn.worker")
 
 #: the longest a claim waits at core for work (a long poll; core wakes it when work it
-#: can use is announced, so an idle worker costs one turn per wait)
-CLAIM_WAIT_MAX_S = 20.0
+#: can use is announced, so an idle worker costs one turn per wait): the most core allows
+CLAIM_WAIT_MAX_S = MAX_WAIT_S
 #: the shortest (a worker whose heartbeat timeout is very short: tests)
 CLAIM_WAIT_MIN_S = 1.0
 #: how long before a held lease's start the agent asks core whether it still holds it
