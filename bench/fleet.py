@@ -148,9 +148,13 @@ class Agent:
                 await asyncio.sleep(0.5)
                 continue
             for a in json.loads(body)["attempts"]:
+                self.took(a)
                 self.counts.leased += 1
                 self.running.add(a["attempt_id"])
                 asyncio.get_running_loop().create_task(self._run(a["attempt_id"]))
+
+    def took(self, assignment: dict[str, Any]) -> None:
+        """Each attempt as it is handed out (bench/day.py counts them)."""
 
     async def _run(self, attempt_id: int) -> None:
         await asyncio.sleep(random.expovariate(1000.0 / self.run_ms) if self.run_ms else 0)
