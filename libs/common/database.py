@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from libs.common.settings import CairnSettings
@@ -23,3 +26,19 @@ def connect_args(settings: CairnSettings) -> dict[str, Any]:
 def pool(url: str, settings: CairnSettings, **options: Any) -> AsyncEngine:
     """An engine over ``url`` (the request pools' URL), with ``options`` for its pool."""
     return create_async_engine(url, connect_args=connect_args(settings), **options)
+
+
+def outage(exc: BaseException) -> str | None:
+    """One line saying why, when ``exc`` is the database out of reach or every pooled
+    connection taken (a restart, a failover, an overload): a loop that meets one logs
+    that line and goes on, instead of a traceback on every turn until it is back. None
+    for anything else (a bug, bad data), whose traceback is worth the space."""
+    if isinstance(exc, PoolTimeout):
+        return "no database connection free"
+    if isinstance(exc, DBAPIError) and (
+        exc.connection_invalidated or isinstance(exc, OperationalError)
+    ):
+        return f"database unavailable: {str(exc.orig).strip().splitlines()[0][:200]}"
+    if isinstance(exc, psycopg.OperationalError | ConnectionError):
+        return f"database unavailable: {str(exc).strip()[:200]}"
+    return None

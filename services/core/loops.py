@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import locks
+from libs.common.database import outage
 from libs.common.leader import Elector, Lease, lead_forever
 from services.core.db import placement
 from services.core.db.feed import Notifier, Work
@@ -66,9 +67,9 @@ class Promoter:
             self._deadline, self._earliest = -math.inf, math.inf
             try:
                 wait = await self.step()
-            except Exception:
+            except Exception as exc:
                 # A loop that dies stops promoting for good: log, and go on.
-                log.exception("promoter failed; retrying")
+                failed(exc, "promoter")
                 wait = self.poll_s
             # A hint heard during the pass may be for a task the pass did not see yet.
             due_timer = wait < self.poll_s or self._earliest < math.inf
@@ -106,14 +107,23 @@ class Promoter:
             await asyncio.sleep(0)
 
 
+def failed(exc: Exception, name: str) -> None:
+    """A loop's turn failed: one line while the database is out of reach (each turn
+    meets it again until it is back), the traceback for anything else."""
+    if (why := outage(exc)) is not None:
+        log.warning("%s failed; retrying: %s", name, why)
+    else:
+        log.error("%s failed; retrying", name, exc_info=exc)
+
+
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
     """Run ``step`` forever, again at once while it finds work, else every ``interval_s``."""
     while True:
         try:
             moved = await step()
-        except Exception:
+        except Exception as exc:
             # A loop that dies stops reaping or promoting for good: log, and go on.
-            log.exception("%s failed; retrying", name)
+            failed(exc, name)
             moved = 0
         if moved == 0:
             await asyncio.sleep(interval_s)
