@@ -55,6 +55,7 @@ from services.worker.agent import claim_wait
 TASK_PER_AGENT_BAR = 1.2
 IDLE_BAR_MS = 0.2
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 60.0, 180.0
+IDLE_CLOSE_S = 4.0
 SPEC = {
     "name": "fleet",
     "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
@@ -127,6 +128,7 @@ class Agent:
         # the wait, not all at once.
         await asyncio.sleep(random.uniform(0, wait))
         conn = await self.http.connect()
+        used = time.monotonic()
         path = f"/v1/workers/{self.id}/turn"
         while not self.stopping:
             room = self.cap - len(self.running)
@@ -134,6 +136,11 @@ class Agent:
                 await asyncio.sleep(0.05)
                 continue
             turn = {"claim": {"cpu": 1000, "memory_mb": 1_000_000, "max": room, "wait": wait}}
+            if time.monotonic() - used > IDLE_CLOSE_S:
+                # core closes a keep-alive connection idle for 5 s (uvicorn's default);
+                # an HTTP client notices before it sends, and opens another
+                conn.transport.close()
+                conn = await self.http.connect()
             try:
                 status, body = await conn.request(
                     self.http.request(path, turn, self.headers), wait + 30
@@ -142,6 +149,7 @@ class Agent:
                 noted(self.counts, f"turn {exc!r}")
                 conn = await self.http.connect()
                 continue
+            used = time.monotonic()
             self.counts.turns += 1
             if status != 200:
                 noted(self.counts, f"turn {status} {body[:80]!r}")

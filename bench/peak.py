@@ -85,8 +85,26 @@ def db_sample(db: psycopg.Connection[Any]) -> dict[str, Any]:
             (list(TABLES),),
         ).fetchall()
     }
+    activity = {
+        f"{state}/{wait or '-'}": n
+        for state, wait, n in db.execute(
+            "SELECT state, wait_event_type, count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid() GROUP BY 1, 2"
+        ).fetchall()
+    }
+    held = [
+        f"{int(ms)} ms: {query}"
+        for ms, query in db.execute(
+            "SELECT extract(epoch FROM now() - xact_start) * 1000, left(query, 70)"
+            " FROM pg_stat_activity WHERE datname = current_database()"
+            " AND state = 'idle in transaction' AND now() - xact_start > interval '100 ms'"
+            " ORDER BY 1 DESC LIMIT 5"
+        ).fetchall()
+    ]
     return {
         "now": row[0],
+        "activity": activity,
+        "held": held,
         "commits": int(row[1]),
         "wal": int(row[2]),
         "database": int(row[3]),
@@ -252,7 +270,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "wal_kb_per_s": round((b["wal"] - a["wal"]) / s / 1024),
                         "database_mb": round(b["database"] / 2**20, 1),
                         "tables": b["tables"],
+                        "connections": b["activity"],
+                        "held_over_100ms": b["held"],
                         "errors": c.errors,
+                        "why": dict(c.why),
                     }
                     print(json.dumps(w, default=str), flush=True)
                     return w
