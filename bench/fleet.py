@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -43,7 +45,7 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procstat import TICK, children, cpu_s, stat_fields
+from procstat import TICK, children, comm, cpu_s, stat_fields
 from rawhttp import Conn, request_bytes
 from stack import Stack, core_stack, exit_on_sigterm, free_port, start_core
 
@@ -56,11 +58,72 @@ TASK_PER_AGENT_BAR = 1.2
 IDLE_BAR_MS = 0.2
 HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S = 60.0, 180.0
 IDLE_CLOSE_S = 4.0
+TRUE = {
+    "uri": "file:///bin/true",
+    "sha256": hashlib.sha256(Path("/bin/true").read_bytes()).hexdigest(),
+}
 SPEC = {
     "name": "fleet",
     "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
     "resources": {"cpu": 0.01, "memory_mb": 1},
 }
+
+
+def start_real_agent(core_url: str, token: str, home: Path) -> subprocess.Popen[bytes]:
+    """One real agent (``python -m services.worker``, isolation as deployed) on its own
+    queue, ``real``, among the simulated ones."""
+    env = {
+        **os.environ,
+        "CAIRN_URL": core_url,
+        "CAIRN_TOKEN": token,
+        "CAIRN_HOME": str(home),
+        "CAIRN_WORKER_QUEUES": "real",
+        "CAIRN_WORKER_SLOTS": "4",
+        "CAIRN_WORKER_CPU": "1",
+        "CAIRN_WORKER_MEMORY_MB": "512",
+        "CAIRN_WORKER_DRAIN_GRACE_S": "2",
+        "CAIRN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_INTERVAL_S),
+        "CAIRN_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+        "CAIRN_LOG_LEVEL": "warning",
+    }
+    env.pop("CAIRN_DATABASE_URL", None)
+    return subprocess.Popen([sys.executable, "-m", "services.worker"], env=env)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """A process's own CPU and its live children's (the agent's sidecar and spawn
+    helpers; the attempts themselves end and are reaped)."""
+    return cpu_s(pid) + sum(cpu_s(p) for p in children(pid) if comm(p) != "true")
+
+
+async def real_submitter(http: Http, rate: float, seconds: float, c: Counts) -> list[int]:
+    """``rate`` tasks a second to the real agent's queue, each running /bin/true."""
+    spec = {
+        "name": "real",
+        "queue": "real",
+        "artifact": TRUE,
+        "resources": {"cpu": 0.01, "memory_mb": 16},
+    }
+    ids: list[int] = []
+    conn = await http.connect()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    n = 0
+    while (due := start + n / rate) < start + seconds:
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        n += 1
+        try:
+            status, body = await conn.request(http.request("/v1/tasks", spec), 30)
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            noted(c, f"real submit {exc!r}")
+            conn = await http.connect()
+            continue
+        if status == 201:
+            ids.append(json.loads(body)["id"])
+        else:
+            noted(c, f"real submit {status} {body[:80]!r}")
+    conn.transport.close()
+    return ids
 
 
 def noted(c: Counts, why: str) -> None:
@@ -311,6 +374,8 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
             )
             user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
             c = Counts()
+            real: subprocess.Popen[bytes] | None = None
+            real_ids: list[int] = []
             with psycopg.connect(libpq_url(stack.database_url), autocommit=True) as db:
                 await asyncio.sleep(2)
                 s0 = sample(db, cores, stack.postmaster_pid, c)
@@ -326,17 +391,38 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
                     )
                 loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
                 loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+                if args.real_rate:
+                    real_token = await asyncio.to_thread(
+                        admin.create_token, stack.database_url, "real", "worker"
+                    )
+                    real = start_real_agent(stack.core_url, real_token, stack.root / "real")
                 # every claim is waiting (the agents start spread over a claim's wait)
                 await asyncio.sleep(claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S) + 2)
                 s2 = sample(db, cores, stack.postmaster_pid, c)
+                r2 = tree_cpu_s(real.pid) if real else 0.0
                 await asyncio.sleep(args.phase_s)
                 s3 = sample(db, cores, stack.postmaster_pid, c)
+                r3, t3 = tree_cpu_s(real.pid) if real else 0.0, time.monotonic()
                 submit_https = [Http(p, user) for p in ports]
-                await submitter(submit_https, args.rate, args.phase_s, c)
+                jobs = [submitter(submit_https, args.rate, args.phase_s, c)]
+                if real:
+                    jobs.append(real_submitter(submit_https[0], args.real_rate, args.phase_s, c))
+                _, *more = await asyncio.gather(*jobs)
+                real_ids = more[0] if more else []
                 s4 = sample(db, cores, stack.postmaster_pid, c)
                 deadline = time.monotonic() + 60
                 while c.reported < c.submitted and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
+                while real_ids and time.monotonic() < deadline:
+                    left = db.execute(
+                        "SELECT count(*) FROM core.tasks WHERE id = ANY(%s)"
+                        " AND state <> 'succeeded'",
+                        (real_ids,),
+                    ).fetchone()
+                    if left is None or left[0] == 0:
+                        break
+                    await asyncio.sleep(0.2)
+                r5, t5 = tree_cpu_s(real.pid) if real else 0.0, time.monotonic()
                 for a in fleet:
                     a.stopping = True
                 for task in loops:
@@ -356,12 +442,21 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
                         (ids,),
                     ).fetchall()
                 )
+                real_states = dict(
+                    db.execute(
+                        "SELECT state, count(*) FROM core.tasks WHERE id = ANY(%s) GROUP BY 1",
+                        (real_ids,),
+                    ).fetchall()
+                )
                 twice = db.execute(
                     "SELECT count(*) FROM (SELECT task_id FROM core.attempts"
                     " WHERE task_id = ANY(%s) GROUP BY 1 HAVING count(*) > 1) x",
                     (ids,),
                 ).fetchone()
         finally:
+            if real is not None:
+                real.send_signal(signal.SIGTERM)
+                real.wait(30)
             for proc in extra:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(20)
@@ -369,7 +464,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
     idle_ms = (
         idle["core_ms_per_s"] + idle["pg_ms_per_s"] - none["core_ms_per_s"] - none["pg_ms_per_s"]
     ) / agents
-    tasks = max(1, load["tasks"])
+    tasks = max(1, load["tasks"] + len(real_ids))
     per_task_ms = (
         (load["core_ms_per_s"] + load["pg_ms_per_s"] - idle["core_ms_per_s"] - idle["pg_ms_per_s"])
         * load["seconds"]
@@ -396,6 +491,20 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
         "run_twice": twice[0] if twice else None,
         "errors": c.errors,
         "why": c.why,
+        "real_agent": {
+            "tasks": len(real_ids),
+            "idle_ms_per_s": round((r3 - r2) / idle["seconds"] * 1000, 2),
+            # its CPU from the load's start until its last task ended, less its idle rate
+            "cpu_ms_per_task": round(
+                ((r5 - r3) - (r3 - r2) / idle["seconds"] * (t5 - t3))
+                * 1000
+                / max(1, len(real_ids)),
+                2,
+            ),
+            "states": real_states,
+        }
+        if real_ids
+        else None,
     }
 
 
@@ -409,6 +518,9 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=4, help="attempts an agent runs at once")
     parser.add_argument(
         "--core-env", action="append", default=[], help="KEY=VALUE for every core replica"
+    )
+    parser.add_argument(
+        "--real-rate", type=float, default=0.0, help="tasks/s for one real agent among them"
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -426,6 +538,7 @@ def main() -> None:
                 f" {r['cpu_ms_per_task']} ms CPU and {r['commits_per_task']} commits a task,"
                 f" created->leased p50 {r['created_to_leased_ms']['p50']} ms"
                 f" p99 {r['created_to_leased_ms']['p99']} ms; states {r['states']},"
+                f" real agent {r['real_agent']},"
                 f" run twice {r['run_twice']}, errors {r['errors']} {r['why']}",
                 flush=True,
             )
