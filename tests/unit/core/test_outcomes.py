@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -22,11 +23,13 @@ class Task:
     kind: str = "task"
     attempts: int = 1
     max_attempts: int = 3
-    crashes: int = 0
+    recent_crashes: int = 0
     poison_after: int = 3
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     backoff_jitter: bool = False
+    poison_window_s: float = 72 * 3600.0
+    retry_causes: dict[str, Any] | None = None
 
 
 def test_every_outcome_a_worker_may_report_is_in_the_table() -> None:
@@ -60,8 +63,8 @@ def test_failures_are_buried_when_not_retryable_spent_or_poisoned() -> None:
     assert outcomes.reported(Task(), "failed", "x", retryable=False).reason == "not retryable"  # type: ignore[union-attr]
     spent = outcomes.reported(Task(attempts=3), "failed", None, retryable=True)
     assert spent is not None and (spent.target, spent.reason) == (S.DEAD, "attempts spent (3)")
-    poisoned = outcomes.reported(Task(crashes=2), "crashed", None, retryable=True)
-    assert poisoned is not None and poisoned.reason == "poison pill: lost 3 times"
+    poisoned = outcomes.reported(Task(recent_crashes=2), "crashed", None, retryable=True)
+    assert poisoned is not None and poisoned.reason == "poison pill: lost 3 times within 72 h"
     retried = outcomes.reported(Task(), "failed", None, retryable=True)
     assert retried is not None and retried.delay_s == 1.0 and retried.error == "attempt failed"
 
