@@ -548,7 +548,8 @@ def retry_causes(spec: TaskCreate) -> dict[str, Any] | None:
     return {"never": policy.never.model_dump(), "always": policy.always.model_dump()}
 
 
-def _row_doc(spec: TaskCreate, filled: Filled) -> dict[str, Any]:
+def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
+    filled = filled or _as_set(spec)
     return {
         "name": spec.name,
         "queue": spec.queue,
