@@ -998,15 +998,19 @@ async def bulk_move(
 
 
 async def promote_and_park(conn: AsyncConnection, limit: int, after_s: float = 0.0) -> int:
-    """One pass of the promoter: work not started by its start_by ends dead, due work
-    becomes eligible (ready work ``after_s`` past its run_at: claims take it before),
-    paused queues' work steps back."""
+    """One pass of the promoter: due work becomes eligible (ready work ``after_s`` past its
+    run_at: claims take it before), paused queues' work steps back."""
     moved = 0
-    for query in (EXPIRE_UNSTARTED, PARK_WAITING, PARK_FAILED, PROMOTE_FAILED):
+    for query in (PARK_WAITING, PARK_FAILED, PROMOTE_FAILED):
         moved += (await conn.execute(query, {"limit": limit})).scalar_one()
     promote = {"limit": limit, "after_s": after_s}
     moved += int((await conn.execute(PROMOTE_READY, promote)).scalar_one())
     return moved
+
+
+async def expire_unstarted(conn: AsyncConnection, limit: int) -> int:
+    """Up to ``limit`` tasks never started by their start_by end dead (``Op.EXPIRE``)."""
+    return int((await conn.execute(EXPIRE_UNSTARTED, {"limit": limit})).scalar_one())
 
 
 async def next_due_in(conn: AsyncConnection, after_s: float = 0.0) -> float | None:
