@@ -5,35 +5,17 @@ what the database holds afterwards."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from libs.common.models import NO_RETRY_EXIT_CODE
-from tests.faults.worker.test_worker import TIMEOUT_S, shell, start_worker
-from tests.support import Core, shared_dir, start_core, stop_process, wait_for
+from tests.faults.worker import test_worker as base
+from tests.faults.worker.test_worker import shell, start_worker
+from tests.support import Core, shared_dir, wait_for
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(
-        db_url, tmp_path / "core", heartbeat_interval_s=0.2, heartbeat_timeout_s=TIMEOUT_S
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def workers(core: Core, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        stop_process(proc, signal.SIGKILL)
+# the same core and agents as test_worker's
+core, workers = base.core, base.workers
 
 
 def _ended(core: Core, task_id: int, state: str) -> dict:
