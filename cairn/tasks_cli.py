@@ -23,7 +23,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cairn import output
 from cairn.config import ClientSettings
 from libs.common.client import CoreClient
-from libs.common.models import BulkAction, BulkResult, LogEnd, Task, TaskCreate
+from libs.common.models import (
+    NO_RETRY_EXIT_CODE,
+    BulkAction,
+    BulkResult,
+    LogEnd,
+    QueueSettings,
+    RetryCauses,
+    Task,
+    TaskCreate,
+)
 from libs.common.states import FINAL, TaskState
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -185,10 +194,94 @@ def show_task(c: Ctx, task: Task) -> None:
         ("created", output.when(task.created_at)),
         ("labels", ", ".join(f"{k}={v}" for k, v in task.labels.items())),
     ]
+    rows += policy_rows(task)
     reason = getattr(task, "pending_reason", None)
     if reason:
         rows.append(("waiting because", reason))
     output.table(None, ["field", "value"], rows)
+
+
+def _causes(causes: RetryCauses) -> str:
+    parts = [f"exit {', '.join(map(str, causes.exit_codes))}"] if causes.exit_codes else []
+    if causes.signals:
+        parts.append(f"signal {', '.join(map(str, causes.signals))}")
+    return "; ".join(parts)
+
+
+def _seconds(value: float | None) -> str:
+    return "none" if value is None else f"{value:g} s"
+
+
+def policy_rows(task: Task) -> list[tuple[str, Any]]:
+    """What a task may count on: its time limits and its retry policy."""
+    retry = task.retry
+    rows: list[tuple[str, Any]] = [
+        ("timeout", _seconds(task.timeout_s)),
+        ("start by", output.when(task.start_by) if task.start_by else "none"),
+        (
+            "retries",
+            f"{retry.max_attempts} attempts, poison after {retry.poison_after} crashes"
+            f" within {_seconds(retry.poison_window_s)}",
+        ),
+    ]
+    if retry.never:
+        rows.append(("never retried", _causes(retry.never)))
+    if retry.always:
+        rows.append(("always retried", _causes(retry.always)))
+    return rows
+
+
+NO_RETRY = NO_RETRY_EXIT_CODE
+_UNSET = {
+    "default-timeout": "default_timeout_s",
+    "max-timeout": "max_timeout_s",
+    "max-wait": "max_wait_s",
+}
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _queue_change(
+    default_timeout: int | None, max_timeout: int | None, max_wait: int | None, unset: list[str]
+) -> QueueSettings:
+    given = {
+        "default_timeout_s": default_timeout,
+        "max_timeout_s": max_timeout,
+        "max_wait_s": max_wait,
+    }
+    body: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    for name in unset:
+        if name not in _UNSET:
+            output.errors.print(f"[red]error[/red] --unset takes one of {', '.join(_UNSET)}")
+            raise typer.Exit(2)
+        body[_UNSET[name]] = None
+    result: QueueSettings = validated(QueueSettings, body, "the queue's settings")
+    return result
+
+
+def _retry(
+    retry: dict[str, Any],
+    max_attempts: int | None,
+    poison_window: float | None,
+    never: tuple[list[int] | None, list[int] | None],
+    always: tuple[list[int] | None, list[int] | None],
+) -> dict[str, Any]:
+    """The submission's retry policy with the flags' values added to the file's."""
+    if max_attempts is not None:
+        retry["max_attempts"] = max_attempts
+    if poison_window is not None:
+        retry["poison_window_s"] = poison_window
+    for name, (codes, signals) in (("never", never), ("always", always)):
+        listed = dict(retry.get(name, {}))
+        if codes:
+            listed["exit_codes"] = [*listed.get("exit_codes", []), *codes]
+        if signals:
+            listed["signals"] = [*listed.get("signals", []), *signals]
+        if listed:
+            retry[name] = listed
+    return retry
 
 
 def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small commands
@@ -215,6 +308,31 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
         memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
         key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+        timeout: Annotated[
+            int | None, typer.Option(help="seconds an attempt may run (default: its queue's)")
+        ] = None,
+        start_by: Annotated[
+            str | None, typer.Option(help="ISO time: dead if not started by then")
+        ] = None,
+        max_wait: Annotated[
+            int | None, typer.Option(help="seconds it may wait to start, from when it is due")
+        ] = None,
+        max_attempts: Annotated[int | None, typer.Option(help="attempts in all, 1..100")] = None,
+        no_retry_exit: Annotated[
+            list[int] | None, typer.Option(help=f"an exit code never retried (also {NO_RETRY})")
+        ] = None,
+        retry_exit: Annotated[
+            list[int] | None, typer.Option(help="an exit code always retried (spends no attempt)")
+        ] = None,
+        no_retry_signal: Annotated[
+            list[int] | None, typer.Option(help="a signal never retried")
+        ] = None,
+        retry_signal: Annotated[
+            list[int] | None, typer.Option(help="a signal always retried")
+        ] = None,
+        poison_window: Annotated[
+            float | None, typer.Option(help="seconds within which crashes count (default 72 h)")
+        ] = None,
         file: Annotated[
             Path | None, typer.Option("--file", "-f", help="a submission as JSON or YAML")
         ] = None,
@@ -254,6 +372,15 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             body["resources"] = resources
         if key:
             body["idempotency_key"] = key
+        limits = {"timeout_s": timeout, "start_by": _utc(start_by), "max_wait_s": max_wait}
+        body.update({k: v for k, v in limits.items() if v is not None})
+        body["retry"] = _retry(
+            dict(body.get("retry", {})),
+            max_attempts,
+            poison_window,
+            never=(no_retry_exit, no_retry_signal),
+            always=(retry_exit, retry_signal),
+        )
         spec: TaskCreate = validated(TaskCreate, body, "the submission")
 
         async def go() -> Task:
@@ -424,13 +551,38 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         )
 
     @app.command()
-    def queues(ctx: typer.Context, as_json: JsonFlag = False) -> None:
-        """Queues with their depth per state."""
+    def queues(
+        ctx: typer.Context,
+        name: Annotated[str | None, typer.Argument(help="a queue to set (admin)")] = None,
+        default_timeout: Annotated[
+            int | None, typer.Option(help="set the timeout_s of its tasks that set none")
+        ] = None,
+        max_timeout: Annotated[
+            int | None, typer.Option(help="set the largest timeout_s a task may ask for")
+        ] = None,
+        max_wait: Annotated[
+            int | None, typer.Option(help="set the seconds a task may wait to start")
+        ] = None,
+        unset: Annotated[
+            list[str] | None,
+            typer.Option(help="back to no limit: default-timeout, max-timeout, max-wait"),
+        ] = None,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """Queues with their depth per state and their tasks' time limits; with NAME and
+        options, set that queue's limits (admin; a default above the maximum is refused)."""
         c = ctx_of(ctx)
+        change = _queue_change(default_timeout, max_timeout, max_wait, unset or [])
+        if change.model_fields_set and name is None:
+            output.errors.print("[red]error[/red] name the queue to set")
+            raise typer.Exit(2)
 
         async def go() -> Any:
             async with c.core() as core:
-                return await core.queues()
+                if name is not None and change.model_fields_set:
+                    await core.set_queue(name, change)
+                found = await core.queues()
+                return [q for q in found if name is None or q.name == name]
 
         found = output.call(go)
         if c.json or as_json:
@@ -441,13 +593,22 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         shown = [s for s in TaskState if s not in FINAL or s is TaskState.DEAD]
         output.table(
             None,
-            ["queue", "paused", *(s.value for s in shown), "oldest waiting s"],
+            [
+                "queue",
+                "paused",
+                *(s.value for s in shown),
+                "oldest waiting s",
+                "timeout s (default/max)",
+                "max wait s",
+            ],
             [
                 [
                     q.name,
                     "yes" if q.paused else "",
                     *(q.depth.get(s, 0) for s in shown),
                     f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
+                    f"{_or_dash(q.default_timeout_s)}/{_or_dash(q.max_timeout_s)}",
+                    _or_dash(q.max_wait_s),
                 ]
                 for q in found
             ],

@@ -47,6 +47,7 @@ from libs.common.models import (
     OwnerUsage,
     QueueInfo,
     QueueList,
+    QueueSettings,
     RekeyRequest,
     RekeyResult,
     Report,
@@ -386,6 +387,13 @@ class CoreClient(ApiClient):
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")
         return QueueList.model_validate_json(response.content).items
+
+    async def set_queue(self, queue: str, change: QueueSettings) -> QueueInfo:
+        """Set a queue's placement settings and time limits (admin); a field left out
+        keeps its value, one set to None restores the default."""
+        body = change.model_dump(mode="json", exclude_unset=True)
+        response = await self._call("PATCH", f"/v1/queues/{queue}", json=body)
+        return QueueInfo.model_validate_json(response.content)
 
     async def pause(self, queue: str) -> QueueInfo:
         response = await self._call("POST", f"/v1/queues/{queue}/pause")

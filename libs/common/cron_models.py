@@ -52,6 +52,8 @@ class TaskTarget(_Input):
             raise ValueError("task.idempotency_key is set by each fire; leave it out")
         if self.task.run_at is not None:
             raise ValueError("task.run_at is the fire time; leave it out")
+        if self.task.start_by is not None:
+            raise ValueError("task.start_by: a fire's wait is bounded by task.max_wait_s")
         if CRON_ENV & self.task.env.keys():
             raise ValueError(f"task.env: {', '.join(sorted(CRON_ENV))} are set by each fire")
         return self

@@ -21,7 +21,13 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import IdempotencyKey, PrincipalName, TaskCreate, TeamName
+from libs.common.models import (
+    MAX_TIME_LIMIT_S,
+    IdempotencyKey,
+    PrincipalName,
+    TaskCreate,
+    TeamName,
+)
 
 MAX_NODES = 10_000
 MAX_DEPENDS_ON = 1_000
@@ -182,6 +188,8 @@ class TaskTemplate(TaskCreate):
             raise ValueError("idempotency_key is set by the DAG service (run, node, try)")
         if self.run_at is not None:
             raise ValueError("run_at is not allowed in a node: a node runs when released")
+        if self.start_by is not None:
+            raise ValueError("start_by is not allowed in a node: bound its wait by max_wait_s")
         if len(self.labels) > MAX_NODE_LABELS:
             raise ValueError(f"at most {MAX_NODE_LABELS} labels (the service adds two)")
         return self
@@ -250,6 +258,9 @@ class WorkflowCreate(_Input):
     timeout_s: int | None = Field(default=None, ge=1, le=MAX_RUN_TIMEOUT_S)
     #: at most this many of a run's node tasks live in core at once
     max_active_nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
+    #: the ``timeout_s`` of every node task of its runs that sets none (core still holds
+    #: it to its queue's maximum; unset: the queue's default applies)
+    task_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     nodes: list[NodeSpec] = Field(min_length=1, max_length=MAX_NODES)
 
 

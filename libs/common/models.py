@@ -33,6 +33,12 @@ MAX_AHEAD_S = 60.0
 #: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
 MAX_OUTPUTS_BYTES = 64 * 1024
 MAX_OUTPUTS = 100
+#: the longest a task's ``timeout_s``, a queue's limits, or a wait to start may be
+MAX_TIME_LIMIT_S = 30 * 86400
+#: the exit code by which a task says "do not retry me": its failure is final at once
+#: (unless its retry policy lists it under ``always``). The first code past the
+#: sysexits range (64 to 78), so no standard meaning collides with it.
+NO_RETRY_EXIT_CODE = 79
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
@@ -136,15 +142,51 @@ class Resources(_Input):
     memory_mb: int = Field(default=512, ge=1, le=4 * 1024 * 1024)
 
 
+ExitCode = Annotated[int, Field(ge=0, le=255)]
+SignalNumber = Annotated[int, Field(ge=1, le=64)]
+
+
+class RetryCauses(_Input):
+    """Why an attempt failed: the exit codes it exited with, the signals that killed it
+    (one the worker did not send)."""
+
+    exit_codes: list[ExitCode] = Field(default_factory=list, max_length=256)
+    signals: list[SignalNumber] = Field(default_factory=list, max_length=64)
+
+    def __bool__(self) -> bool:
+        return bool(self.exit_codes or self.signals)
+
+
 class RetryPolicy(_Input):
     """How failures are retried. With no ``base_s`` the Sidekiq curve applies:
-    ``attempt**4 + 15 + rand(10) * (attempt + 1)`` seconds."""
+    ``attempt**4 + 15 + rand(10) * (attempt + 1)`` seconds. ``never``: causes whose
+    failure is final at once; ``always``: causes retried after backoff without spending
+    an attempt (up to ``ALWAYS_RETRY_LIMIT`` attempts in all). Exit code
+    ``NO_RETRY_EXIT_CODE`` (79) is never retried unless ``always`` lists it. Crashes
+    count towards ``poison_after`` only within ``poison_window_s`` (unset: core's
+    ``CAIRN_POISON_WINDOW_S``, 72 h)."""
 
     max_attempts: int = Field(default=5, ge=1, le=100)
     base_s: float | None = Field(default=None, gt=0, le=86400)
     cap_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
     jitter: bool = True
     poison_after: int = Field(default=3, ge=1, le=100)
+    poison_window_s: float | None = Field(default=None, gt=0, le=MAX_TIME_LIMIT_S)
+    never: RetryCauses = Field(default_factory=RetryCauses)
+    always: RetryCauses = Field(default_factory=RetryCauses)
+
+    @model_validator(mode="after")
+    def _never_or_always(self) -> RetryPolicy:
+        codes = sorted(set(self.never.exit_codes) & set(self.always.exit_codes))
+        signals = sorted(set(self.never.signals) & set(self.always.signals))
+        if codes or signals:
+            both = [f"exit code {c}" for c in codes] + [f"signal {s}" for s in signals]
+            raise ValueError(f"{', '.join(both)}: in both never and always")
+        return self
+
+
+#: an ``always`` cause spends no attempt until the task has had this many in all
+ALWAYS_RETRY_LIMIT = 100
 
 
 ConcurrencyKeyName = Annotated[
@@ -180,8 +222,14 @@ class TaskCreate(_Input):
     resources: Resources = Field(default_factory=Resources)
     preemptible: bool = False
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
-    timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
+    #: a hard limit per attempt; unset: its queue's default (or core's), none for a service
+    timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     run_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    #: a task that has not started by then ends ``dead`` (never run)
+    start_by: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
+    #: the same, counted from when it is due (``run_at``, or its submission); its queue's
+    #: ``max_wait_s``, if shorter, applies instead
+    max_wait_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     idempotency_key: IdempotencyKey | None = None
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     #: time-insensitive: may wait while its pool is busy (until ``deadline`` if given)
@@ -192,6 +240,12 @@ class TaskCreate(_Input):
     #: owned by this team too (the submitter must belong to it): its members see and act on it
     team: TeamName | None = None
     concurrency: Concurrency | None = None
+
+    @model_validator(mode="after")
+    def _starts_after_it_is_due(self) -> TaskCreate:
+        if self.start_by is not None and self.run_at is not None and self.start_by <= self.run_at:
+            raise ValueError("start_by must be after run_at")
+        return self
 
 
 class TaskBatchCreate(_Input):
@@ -295,6 +349,9 @@ class Task(_Output):
     #: why it is not running (ready, waiting, failed), computed when it is read
     pending_reason: str | None = None
     team: str | None = None
+    #: when it ends ``dead`` if it has not started (its ``start_by``, ``max_wait_s`` or
+    #: its queue's, whichever comes first)
+    start_by: datetime | None = None
 
 
 class BatchItem(_Output):
@@ -334,6 +391,8 @@ class Attempt(_Output):
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
     outputs: dict[str, Any] | None = None
+    #: the signal that killed it, when the worker did not send it
+    signal: int | None = None
 
 
 class AttemptList(_Output):
@@ -378,14 +437,24 @@ class QueueInfo(_Output):
     defer_above: float = 1.0
     #: the placement pass's last reading of how full the pool is (0 to 1)
     utilisation: float | None = None
+    #: ``timeout_s`` of its tasks that set none (null: core's ``CAIRN_DEFAULT_TIMEOUT_S``)
+    default_timeout_s: int | None = None
+    #: the largest ``timeout_s`` a submission may ask for (null: no limit)
+    max_timeout_s: int | None = None
+    #: a task not started this long after it is due ends ``dead`` (null: no limit)
+    max_wait_s: int | None = None
 
 
 class QueueSettings(_Input):
-    """A pool's placement settings; a field left out keeps its value, null restores the
-    default."""
+    """A queue's settings: its pool's placement, and its tasks' time limits. A field left
+    out keeps its value, null restores the default. A default above the maximum is
+    refused (422)."""
 
     overcommit: float | None = Field(default=None, ge=1, le=10)
     defer_above: float | None = Field(default=None, gt=0, le=1)
+    default_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
+    max_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
+    max_wait_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
 
 
 class QueueList(_Output):
@@ -594,6 +663,8 @@ class Report(_Input):
 
     outcome: ReportedOutcome
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    #: ``crashed``: the signal that killed the process
+    signal: int | None = Field(default=None, ge=1, le=64)
     error: Annotated[str, StringConstraints(max_length=4096)] | None = None
     retryable: bool = True
     peak_memory_mb: float | None = Field(default=None, ge=0, le=1e9)

@@ -45,10 +45,16 @@ class Promoter:
     rolled back."""
 
     def __init__(
-        self, engine: AsyncEngine, notifier: Notifier, poll_s: float, after_s: float = 0.0
+        self,
+        engine: AsyncEngine,
+        notifier: Notifier,
+        poll_s: float,
+        after_s: float = 0.0,
+        meter: CoreMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.notifier = notifier
+        self.meter = meter
         self.poll_s = poll_s
         self.after_s = after_s
         self._wake = asyncio.Event()
@@ -98,10 +104,12 @@ class Promoter:
     async def _pass(self) -> tuple[int, float | None]:
         """One promotion, and the next due instant read in the same transaction: by the
         same ``now()``, so a task due between the two cannot fall between them."""
-        return await upkeep.promote(self.engine, self.notifier, self.after_s, next_due=True)
+        return await upkeep.promote(
+            self.engine, self.notifier, self.after_s, next_due=True, meter=self.meter
+        )
 
     async def _drain(self) -> None:
-        while (await upkeep.promote(self.engine, self.notifier, self.after_s))[
+        while (await upkeep.promote(self.engine, self.notifier, self.after_s, meter=self.meter))[
             0
         ] >= upkeep.PROMOTE_BATCH:
             await asyncio.sleep(0)
@@ -231,7 +239,9 @@ def singleton_loops(
     hearing = Hearing.of(settings)
     return [
         asyncio.create_task(
-            Promoter(engine, notifier, settings.promote_interval_s, settings.promote_after_s).run(),
+            Promoter(
+                engine, notifier, settings.promote_interval_s, settings.promote_after_s, meter
+            ).run(),
             name="cairn-promoter",
         ),
         asyncio.create_task(

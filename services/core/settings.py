@@ -68,6 +68,14 @@ class CoreSettings(SecretsKeySettings):
     #: (replicas on one host); 1: one process
     core_workers: int = Field(default=1, ge=1, le=32)
 
+    # a task's limits (docs/architecture.md, "Time limits" and "Retries")
+    #: ``timeout_s`` of a task that sets none, in a queue without a default of its own
+    #: (unset: none; never above its queue's maximum)
+    default_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
+    #: crashes count towards a task's poison-pill limit only within this window (a task's
+    #: ``retry.poison_window_s`` overrides it)
+    poison_window_s: float = Field(default=72 * 3600.0, gt=0, le=30 * 86400)
+
     # placement (see docs/placement.md)
     overcommit_ratio: float = Field(default=1.0, ge=1, le=10)
     defer_above: float = Field(default=0.8, gt=0, le=1)

@@ -109,7 +109,10 @@ def report_of(result: AttemptResult) -> Report | None:
     if result.outcome == "killed" and result.stopped == "preempted":
         return Report(outcome="preempted", **usage)
     if result.outcome == "killed":
-        return Report(outcome="crashed", **usage)
+        # A signal the worker did not send: its number lets the task's retry policy
+        # decide (``RetryPolicy.never``/``always``).
+        signum = result.signal if result.signal and 1 <= result.signal <= 64 else None
+        return Report(outcome="crashed", signal=signum, **usage)
     return Report(outcome=result.outcome, **usage)
 
 

@@ -113,3 +113,22 @@ def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
     expect(worker).to_contain_text("test-worker")
     expect(worker).to_contain_text("s ago")
     screenshot(page, "workers")
+
+
+def test_a_tasks_page_shows_its_policy(page: Page, system: System) -> None:
+    body = spec(
+        name="policy",
+        queue="nobody-serves",
+        timeout_s=600,
+        max_wait_s=3600,
+        retry={"poison_window_s": 7200, "never": {"exit_codes": [3]}, "always": {"signals": [15]}},
+    )
+    with client(system, system.core.url, "alice") as alice:
+        task = alice.post("/v1/tasks", json=body).json()
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/tasks/{task['id']}")
+    expect(page.locator("#task-timeout")).to_have_text("600 s")
+    expect(page.locator("#task-start-by")).not_to_have_text("—")
+    expect(page.locator("#task-retry")).to_have_text(
+        "poison after 3 crashes within 2.0 h · never retried: exit 3 · always retried: signal 15"
+    )

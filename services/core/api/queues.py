@@ -61,10 +61,14 @@ async def set_queue(
     request: Request,
     record: Audit,
 ) -> QueueInfo:
-    """Set the pool's overcommit ratio for preemptible work and the utilisation above
-    which time-insensitive work is deferred (null: the operator's default)."""
+    """Set the pool's overcommit ratio for preemptible work, the utilisation above
+    which time-insensitive work is deferred, and its tasks' time limits: the default and
+    the largest ``timeout_s``, and the longest a task may wait to start (null: the
+    operator's default, or none). 422 naming the field when the default would be above
+    the maximum."""
     defaults = placement.Defaults.of(request.app.state.settings)
     await queues_ops.set_pool(engine, record, defaults, name, change)
+    request.app.state.sharing.invalidate()
     return await _one(engine, request, name)
 
 

@@ -48,8 +48,10 @@ from services.core.api.deps import (
 )
 from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
+from services.core.domain import limits
 from services.core.ops import tasklogs
 from services.core.ops import tasks as tasks_ops
+from services.core.settings import CoreSettings
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
 
@@ -102,7 +104,12 @@ async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
         meter=call.meter,
         book=await _book(request, call.engine),
         quantum=float(request.app.state.settings.fair_quantum_s),
+        defaults=_task_defaults(request.app.state.settings),
     )
+
+
+def _task_defaults(settings: CoreSettings) -> limits.Defaults:
+    return limits.Defaults(settings.default_timeout_s, settings.poison_window_s)
 
 
 async def _book(request: Request, engine: AsyncEngine) -> sharing.Book:

@@ -69,10 +69,14 @@ if sorted((_FROM_WAITING, _FROM_READY)) != sources(Op.CLAIM, S.RUNNING):
 
 # A task leased ahead and given back before its run_at (its worker died, drained, or
 # preempted it while it was held) waits again with its run_at kept: not taken before then.
-_WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now()"
+# Past its start_by a task is the promoter's to expire, not a claim's to lease.
+_STARTABLE = "(t.start_by IS NULL OR t.start_by > now())"
 
 
-_READY = f"""t.state = '{_FROM_READY}' AND NOT t.deferred
+_WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now() AND {_STARTABLE}"
+
+
+_READY = f"""t.state = '{_FROM_READY}' AND NOT t.deferred AND {_STARTABLE}
   AND t.queue NOT IN (SELECT q.name FROM core.queues q WHERE q.paused)"""
 
 
@@ -485,8 +489,9 @@ async def _current_task(conn: AsyncConnection, attempt_id: int) -> Any:
     """The task of the attempt, locked, if this attempt is still its current one."""
     row = (
         await conn.execute(
-            text("""
-                SELECT t.* FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id
+            text(f"""
+                SELECT t.*, {tasks_db.RECENT_CRASHES} AS recent_crashes
+                FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id
                 WHERE a.id = :attempt FOR UPDATE OF t
             """),
             {"attempt": attempt_id},
@@ -654,11 +659,12 @@ async def lose(
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
 # never deadlock), and what the decision and the measured use need.
-_REPORTED = text("""
-SELECT a.id AS attempt_id, a.worker_id, a.preempted_by,
+_REPORTED = text(f"""
+SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        EXTRACT(EPOCH FROM now() - a.started_at)::float8 AS ran_s,
        t.id, t.owner, t.name, t.kind, t.state, t.current_attempt_id, t.attempts,
-       t.max_attempts, t.crashes, t.poison_after, t.backoff_base_s, t.backoff_cap_s,
+       t.max_attempts, {tasks_db.RECENT_CRASHES} AS recent_crashes, t.poison_after,
+       t.poison_window_s, t.retry_causes, t.backoff_base_s, t.backoff_cap_s,
        t.backoff_jitter,
        jsonb_path_exists(t.env, '$.* ? (@.type() == "object")') AS has_secrets
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
@@ -673,19 +679,19 @@ FOR UPDATE OF t
 # fold the measured use into each kind's decaying peak, and keep the outputs the task
 # wrote: one statement for the batch, which comes as one jsonb array of records (cheaper
 # to send than an array per column). The rows are found through their primary keys.
-_FINISH = text("""
+_FINISH = text(f"""
 WITH input AS MATERIALIZED (
     SELECT * FROM jsonb_to_recordset(CAST(:input AS jsonb)) AS i(
         attempt_id bigint, task_id bigint, outcome text, exit_code integer, error text,
         peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
         name text, op text, target text, sources text, from_state text, reason text,
         last_error text, delay_s float8, crashed integer, refund integer, final boolean,
-        outputs jsonb)
+        outputs jsonb, signal smallint)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
         peak_memory_mb = i.peak_memory_mb, cpu_seconds = i.cpu_seconds, log_tail = i.log_tail,
-        outputs = i.outputs
+        outputs = i.outputs, signal = i.signal
     FROM input i
     WHERE a.id = ANY(ARRAY(SELECT attempt_id FROM input)) AND a.id = i.attempt_id
       AND a.outcome IS NULL
@@ -700,6 +706,7 @@ WITH input AS MATERIALIZED (
                       THEN now() + make_interval(secs => i.delay_s) ELSE t.run_at END,
         attempts = t.attempts - i.refund,
         crashes = t.crashes + i.crashed,
+        crashed_at = CASE WHEN i.crashed > 0 THEN {tasks_db.CRASHED_NOW} ELSE t.crashed_at END,
         last_error = COALESCE(i.last_error, t.last_error),
         deferred = false
     FROM input i
@@ -799,7 +806,12 @@ async def settle(
         mask = await masker(conn, raw.attempt_id) if masker and row.has_secrets else None
         item = _masked(raw, mask)
         move = outcomes.reported(
-            row, item.outcome, item.error, retryable=item.retryable, preempted_by=row.preempted_by
+            row,
+            item.outcome,
+            item.error,
+            retryable=item.retryable,
+            preempted_by=row.preempted_by,
+            cause=outcomes.Cause(item.exit_code, item.signal, row.number),
         )
         batch.append((item, row, move))
         order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
@@ -886,6 +898,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
             "refund": int(move.refund) if move else 0,
             "final": move.target in FINAL if move else False,
             "outputs": item.outputs,
+            "signal": item.signal,
         }
 
     return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, or_, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -29,6 +29,7 @@ from libs.common.models import (
 )
 from libs.common.states import TaskState
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
+from services.core.domain.limits import NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount
 from services.core.domain.sharing import (
     Asked,
@@ -220,6 +221,8 @@ class Book:
 
     ttl_s: float
     policies: dict[str, QueuePolicy] = field(default_factory=dict)
+    #: queues' time limits (``domain.limits``), those that set any
+    limits: dict[str, QueueLimits] = field(default_factory=dict)
     quotas: dict[str, SubmitQuota] = field(default_factory=dict)
     team_quotas: dict[str, SubmitQuota] = field(default_factory=dict)
     _read_at: float = -math.inf
@@ -244,6 +247,7 @@ class Book:
             select(queues.c.name, queues.c.policy).where(queues.c.policy.isnot(None))
         )
         self.policies = {r.name: QueuePolicy.model_validate(r.policy) for r in rows}
+        self.limits = await queue_limits(conn)
         limited = select(shares.c.name, shares.c.max_waiting, shares.c.max_submits_per_min).where(
             (shares.c.max_waiting.isnot(None)) | (shares.c.max_submits_per_min.isnot(None))
         )
@@ -272,10 +276,34 @@ class Book:
         if refused is not None:
             raise Forbidden(f"{refused.field}: {refused.detail}", field=refused.field)
 
+    def limits_of(self, queue: str) -> QueueLimits:
+        return self.limits.get(queue, NO_LIMITS)
+
     def limits_submissions(self, owners: Iterable[str], teams: Iterable[str | None] = ()) -> bool:
         return any(owner in self.quotas for owner in owners) or any(
             team in self.team_quotas for team in teams if team is not None
         )
+
+
+async def queue_limits(conn: AsyncConnection) -> dict[str, QueueLimits]:
+    """Every queue's time limits, of those that set any."""
+    columns = (queues.c.default_timeout_s, queues.c.max_timeout_s, queues.c.max_wait_s)
+    query = select(queues.c.name, *columns).where(or_(*(column.isnot(None) for column in columns)))
+    return {
+        r.name: QueueLimits(r.default_timeout_s, r.max_timeout_s, r.max_wait_s)
+        for r in await conn.execute(query)
+    }
+
+
+async def limits_for_update(conn: AsyncConnection, name: str) -> QueueLimits:
+    """A queue's time limits as stored (none set: no row, or a row without them),
+    its row locked until the transaction ends."""
+    row = (
+        await conn.execute(select(queues).where(queues.c.name == name).with_for_update())
+    ).first()
+    if row is None:
+        return NO_LIMITS
+    return QueueLimits(row.default_timeout_s, row.max_timeout_s, row.max_wait_s)
 
 
 _WAITING = text(f"""

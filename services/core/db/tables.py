@@ -172,6 +172,17 @@ queues = Table(
     CheckConstraint(
         "defer_above IS NULL OR (defer_above > 0 AND defer_above <= 1)", name="defer_above_range"
     ),
+    # Its tasks' time limits (docs/architecture.md, "Time limits").
+    Column("default_timeout_s", Integer),
+    Column("max_timeout_s", Integer),
+    Column("max_wait_s", Integer),
+    CheckConstraint(
+        "(default_timeout_s IS NULL OR default_timeout_s > 0)"
+        " AND (max_timeout_s IS NULL OR max_timeout_s > 0)"
+        " AND (max_wait_s IS NULL OR max_wait_s > 0)",
+        name="time_limits_positive",
+    ),
+    CheckConstraint("default_timeout_s <= max_timeout_s", name="default_timeout_within_max"),
 )
 
 #: the condition of the labels' index, which every label filter adds (a non-empty
@@ -222,11 +233,22 @@ tasks = Table(
     Column("vtime", Double, nullable=False, server_default=text("EXTRACT(EPOCH FROM now())")),
     Column("concurrency_key", Text),
     Column("concurrency_limit", Integer),
+    # Ends dead if it has not started by then (Op.EXPIRE).
+    Column("start_by", DateTime(timezone=True)),
+    # Crashes count towards poison_after only within this window: their times, the last
+    # poison_after of them (domain.outcomes).
+    Column("poison_window_s", Double, nullable=False, server_default=text("259200")),
+    Column(
+        "crashed_at", ARRAY(DateTime(timezone=True)), nullable=False, server_default=text("'{}'")
+    ),
+    # The retry policy's never/always causes (RetryPolicy), NULL when it lists none.
+    Column("retry_causes", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
     CheckConstraint("max_attempts > 0", name="max_attempts_positive"),
     CheckConstraint("poison_after > 0", name="poison_after_positive"),
+    CheckConstraint("poison_window_s > 0", name="poison_window_positive"),
     CheckConstraint("attempts >= 0 AND crashes >= 0", name="counts_non_negative"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
@@ -272,6 +294,11 @@ tasks = Table(
         postgresql_where=text(f"state IN ('{S.FAILED}', '{S.READY}')"),
     ),
     Index("ix_tasks_ready_due", "queue", "run_at", postgresql_where=text(f"state = '{S.READY}'")),
+    Index(
+        "ix_tasks_start_by",
+        "start_by",
+        postgresql_where=text(f"start_by IS NOT NULL AND state IN ('{S.READY}', '{S.WAITING}')"),
+    ),
     Index(
         "ix_tasks_live_queue_state",
         "queue",
@@ -376,6 +403,8 @@ attempts = Table(
     Column("concurrency_key", Text),
     # What the attempt wrote to its CAIRN_OUTPUTS file (a JSON object of at most 64 KiB).
     Column("outputs", JSONB),
+    # The signal that killed it, when its worker did not send it (a ``crashed`` report).
+    Column("signal", SmallInteger),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),

@@ -52,6 +52,7 @@ from services.core.db.tables import (
     task_events,
     tasks,
 )
+from services.core.domain.limits import Defaults, Filled
 from services.core.domain.transitions import Op, check, sources
 
 S = TaskState
@@ -63,11 +64,23 @@ TASK_COLUMNS = """
     input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
-    updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit
+    updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
+    start_by, poison_window_s, retry_causes
 """
 
-# What a submission reads back: what the database decided. The rest is the spec.
-SUBMITTED_COLUMNS = "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at"
+# What a submission reads back: what the database decided (its time limits too: the
+# queue's and core's defaults, domain.limits). The rest is the spec.
+SUBMITTED_COLUMNS = (
+    "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at,"
+    " timeout_s, start_by, poison_window_s"
+)
+
+# A task's crashes within its window (towards poison_after: domain.outcomes), and its
+# crash times with one more now, the last poison_after of them kept.
+RECENT_CRASHES = """(SELECT count(*) FROM unnest(t.crashed_at) c
+    WHERE c > now() - make_interval(secs => t.poison_window_s))::int"""
+CRASHED_NOW = """(array_append(t.crashed_at, now()))[
+    greatest(1, cardinality(t.crashed_at) + 2 - t.poison_after):]"""
 
 # Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
 SUBMIT: TextClause = text(f"""
@@ -82,7 +95,8 @@ WITH input AS (
         backoff_jitter boolean, poison_after integer, timeout_s integer,
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
-        concurrency_limit integer
+        concurrency_limit integer, start_by timestamptz, max_wait_s integer,
+        poison_window_s double precision, retry_causes jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -130,7 +144,7 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        state
+        start_by, poison_window_s, retry_causes, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -138,6 +152,9 @@ WITH input AS (
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
         idempotency_key, spec_hash, labels, defer_ok, deadline, team, concurrency_key,
         concurrency_limit, vtime,
+        -- the earlier of its own start_by and its wait bound, counted from when it is due
+        LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
+        poison_window_s, retry_causes,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -161,7 +178,7 @@ WHERE (owner, idempotency_key) IN (
 
 # The guarded move of one task: the sub-select locks the row and reads the state it
 # leaves; the UPDATE applies only if that state is one the op may start from.
-TRANSITION: TextClause = text("""
+TRANSITION: TextClause = text(f"""
 WITH old AS (
     SELECT id, state, current_attempt_id FROM core.tasks
     WHERE id = :id AND (CAST(:owner AS text) IS NULL OR owner = :owner)
@@ -179,6 +196,9 @@ WITH old AS (
             ELSE t.run_at END,
         attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts - :refund END,
         crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes + :crashed END,
+        crashed_at = CASE WHEN :reset_counts THEN '{{}}'
+                          WHEN :crashed > 0 THEN {CRASHED_NOW} ELSE t.crashed_at END,
+        start_by = CASE WHEN :reset_counts THEN NULL ELSE t.start_by END,
         current_attempt_id = COALESCE(
             CAST(:attempt_id AS bigint), CASE WHEN :keep_attempt THEN t.current_attempt_id END
         ),
@@ -219,6 +239,34 @@ WITH picked AS (
 )
 SELECT count(*) FROM moved
 """
+
+# Tasks that never started by their start_by end dead (Op.EXPIRE): never leased (no
+# attempt row: one leased and given back has started, and its wait is over), found by
+# their start_by through ix_tasks_start_by, whose condition the sources spell out.
+_EXPIRING = sql_in("t.state", sources(Op.EXPIRE, S.DEAD))
+EXPIRE_UNSTARTED: TextClause = text(f"""
+WITH picked AS (
+    SELECT t.id, t.state AS from_state,
+           'not started by its start_by, '
+               || to_char(t.start_by AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+               AS reason
+    FROM core.tasks t
+    WHERE t.start_by <= now() AND t.start_by IS NOT NULL AND {_EXPIRING}
+      AND NOT EXISTS (SELECT 1 FROM core.attempts a WHERE a.task_id = t.id)
+    ORDER BY t.start_by
+    LIMIT :limit
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE core.tasks t SET state = '{S.DEAD}', version = t.version + 1, updated_at = now(),
+        finished_at = now(), deferred = false, last_error = picked.reason
+    FROM picked WHERE t.id = picked.id
+    RETURNING t.id, t.owner, t.version, picked.from_state, picked.reason
+), events AS (
+    INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state, reason)
+    SELECT id, version, owner, '{Op.EXPIRE}', from_state, '{S.DEAD}', reason FROM moved
+)
+SELECT count(*) FROM moved
+""")
 
 # Written as IN over the (few) paused queues, so that with none paused the park queries
 # cost nothing, and with some they walk the waiting index of those queues only.
@@ -315,7 +363,8 @@ BULK_RETRY: TextClause = text(
     _BULK_PERSON.format(
         selected=_SELECTED,
         changes=f"""state = CASE WHEN t.queue IN {_PAUSED_QUEUES} THEN '{S.READY}' ELSE '{S.WAITING}' END,
-        finished_at = NULL, run_at = now(), attempts = 0, crashes = 0""",
+        finished_at = NULL, run_at = now(), attempts = 0, crashes = 0, crashed_at = '{{}}',
+        start_by = NULL""",
         closing="",
     )
 )
@@ -344,7 +393,9 @@ SELECT EXTRACT(EPOCH FROM LEAST(
      WHERE t.state IN ('{S.FAILED}', '{S.READY}') AND t.run_at > now() AND {_QUEUE_RUNS}),
     (SELECT min(t.run_at) + make_interval(secs => :after_s) FROM core.tasks t
      WHERE t.state = '{S.READY}' AND t.run_at <= now() AND NOT t.deferred
-       AND t.run_at > now() - make_interval(secs => :after_s) AND {_QUEUE_RUNS})
+       AND t.run_at > now() - make_interval(secs => :after_s) AND {_QUEUE_RUNS}),
+    (SELECT min(t.start_by) FROM core.tasks t
+     WHERE t.start_by > now() AND t.start_by IS NOT NULL AND {_EXPIRING})
 ) - now())::float AS due_in_s
 """)
 
@@ -465,21 +516,40 @@ _LATER_FIELDS: dict[str, object] = {
     "deadline": None,
     "team": None,
     "concurrency": None,
+    "start_by": None,
+    "max_wait_s": None,
+}
+_LATER_RETRY_FIELDS: dict[str, object] = {
+    "poison_window_s": None,
+    "never": {"exit_codes": [], "signals": []},
+    "always": {"exit_codes": [], "signals": []},
 }
 
 
 def spec_hash(spec: TaskCreate) -> str:
-    """A digest of a submission, to tell a retried request from a different one."""
+    """A digest of a submission, to tell a retried request from a different one: the
+    submission as sent, before defaults fill it (a queue's default timeout may change
+    between two sends of one request)."""
     doc = spec.model_dump(mode="json")
     # Fields added later count only when set, so a key reused across an upgrade matches.
-    for name, default in _LATER_FIELDS.items():
-        if doc.get(name) == default:
-            del doc[name]
+    for fields, part in ((_LATER_FIELDS, doc), (_LATER_RETRY_FIELDS, doc["retry"])):
+        for name, default in fields.items():
+            if part.get(name) == default:
+                del part[name]
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _row_doc(spec: TaskCreate) -> dict[str, Any]:
+def retry_causes(spec: TaskCreate) -> dict[str, Any] | None:
+    """The retry policy's never/always lists as stored (None when it lists none)."""
+    policy = spec.retry
+    if not policy.never and not policy.always:
+        return None
+    return {"never": policy.never.model_dump(), "always": policy.always.model_dump()}
+
+
+def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
+    filled = filled or _as_set(spec)
     return {
         "name": spec.name,
         "queue": spec.queue,
@@ -499,7 +569,11 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "backoff_cap_s": spec.retry.cap_s,
         "backoff_jitter": spec.retry.jitter,
         "poison_after": spec.retry.poison_after,
-        "timeout_s": spec.timeout_s,
+        "timeout_s": filled.timeout_s,
+        "max_wait_s": filled.max_wait_s,
+        "poison_window_s": filled.poison_window_s,
+        "start_by": spec.start_by.isoformat() if spec.start_by else None,
+        "retry_causes": retry_causes(spec),
         "run_at": spec.run_at.isoformat() if spec.run_at else None,
         "idempotency_key": spec.idempotency_key,
         "spec_hash": spec_hash(spec) if spec.idempotency_key else None,
@@ -517,14 +591,20 @@ async def submit(
     owner: str | Sequence[str],
     specs: Sequence[TaskCreate],
     quantum_s: float = 1.0,
+    filled: Sequence[Filled] | None = None,
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
     ``owner`` is one owner for all, or one per submission. Rows hold
     ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
-    weight 1 (docs/sharing.md)."""
+    weight 1 (docs/sharing.md). ``filled``: each one's time limits (``domain.limits``;
+    none: as the spec sets them, with core's default crash window)."""
     owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
-    docs = [{**_row_doc(spec), "owner": who} for spec, who in zip(specs, owners, strict=True)]
+    limits = filled or [_as_set(spec) for spec in specs]
+    docs = [
+        {**_row_doc(spec, fill), "owner": who}
+        for spec, fill, who in zip(specs, limits, owners, strict=True)
+    ]
     rows = jsonb(docs)
     created = await _fetch(conn, SUBMIT, {"rows": rows, "quantum": quantum_s})
 
@@ -562,11 +642,23 @@ async def submit(
     return out
 
 
+def _as_set(spec: TaskCreate) -> Filled:
+    window = spec.retry.poison_window_s or Defaults().poison_window_s
+    return Filled(spec.timeout_s, spec.max_wait_s, window)
+
+
+_FILLED_IN = ("run_at", "timeout_s", "start_by", "retry", "max_wait_s")
+
+
 def new_task(spec: TaskCreate, row: Any) -> Task:
     """The task a submission just created, from the spec and its submitted row: what the
-    database added is only ids, state and times, so nothing needs reading back."""
+    database added is only ids, state, times and the limits defaults filled in, so
+    nothing needs reading back."""
     return Task.model_construct(
-        **{name: getattr(spec, name) for name in TaskCreate.model_fields if name != "run_at"},
+        **{name: getattr(spec, name) for name in TaskCreate.model_fields if name not in _FILLED_IN},
+        timeout_s=row.timeout_s,
+        start_by=row.start_by,
+        retry=spec.retry.model_copy(update={"poison_window_s": row.poison_window_s}),
         id=row.id,
         owner=row.owner,
         state=TaskState(row.state),
@@ -602,8 +694,11 @@ def task_from_row(m: Any) -> Task:
             "cap_s": m.backoff_cap_s,
             "jitter": m.backoff_jitter,
             "poison_after": m.poison_after,
+            "poison_window_s": m.poison_window_s,
+            **(m.retry_causes or {}),
         },
         timeout_s=m.timeout_s,
+        start_by=m.start_by,
         run_at=m.run_at,
         idempotency_key=m.idempotency_key,
         labels=m.labels,
@@ -913,6 +1008,11 @@ async def promote_and_park(conn: AsyncConnection, limit: int, after_s: float = 0
     return moved
 
 
+async def expire_unstarted(conn: AsyncConnection, limit: int) -> int:
+    """Up to ``limit`` tasks never started by their start_by end dead (``Op.EXPIRE``)."""
+    return int((await conn.execute(EXPIRE_UNSTARTED, {"limit": limit})).scalar_one())
+
+
 async def next_due_in(conn: AsyncConnection, after_s: float = 0.0) -> float | None:
     """Seconds until the next delayed task (in a running queue) is due, or due ready work
     is to be promoted (``after_s`` past its run_at); None if none waits."""
@@ -963,7 +1063,11 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
         if row.oldest is not None:
             entry.oldest_waiting_age_s = float(row.oldest)
     for row in await conn.execute(select(queues)):
-        info(row.name).paused = row.paused
+        entry = info(row.name)
+        entry.paused = row.paused
+        entry.default_timeout_s = row.default_timeout_s
+        entry.max_timeout_s = row.max_timeout_s
+        entry.max_wait_s = row.max_wait_s
     for entry in infos.values():
         for state in TaskState:
             if state not in FINAL or state is TaskState.DEAD:

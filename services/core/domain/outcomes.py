@@ -5,9 +5,11 @@ through the transitions table."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from libs.common.models import ALWAYS_RETRY_LIMIT, NO_RETRY_EXIT_CODE
 from libs.common.states import REPORTED_OUTCOMES, ReportedOutcome, TaskState
 from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.transitions import Op
@@ -25,9 +27,18 @@ class Budget(Protocol):
     @property
     def max_attempts(self) -> int: ...
     @property
-    def crashes(self) -> int: ...
+    def recent_crashes(self) -> int:
+        """Crashes within its ``poison_window_s`` (the database counts them)."""
+
     @property
     def poison_after(self) -> int: ...
+    @property
+    def poison_window_s(self) -> float: ...
+    @property
+    def retry_causes(self) -> Mapping[str, Any] | None:
+        """``RetryPolicy.never`` and ``always`` as stored: ``{"never": {"exit_codes":
+        [...], "signals": [...]}, "always": {...}}``, or None."""
+
     @property
     def backoff_base_s(self) -> float: ...
     @property
@@ -89,14 +100,71 @@ def backoff_s(task: Budget, failures: int) -> float:
     return curve.delay_s(failures)
 
 
-def failed(task: Budget, error: str, *, retryable: bool, crashed: bool) -> Move:
+@dataclass(frozen=True)
+class Cause:
+    """Why an attempt failed, as its worker reported it: the code it exited with, or the
+    signal that killed it; ``number``: the attempt's number (1 for the first)."""
+
+    exit_code: int | None = None
+    signal: int | None = None
+    number: int = 1
+
+
+def _listed(task: Budget, which: str, cause: Cause) -> str | None:
+    """The cause, named, if the task's retry policy lists it under ``which``."""
+    listed = (task.retry_causes or {}).get(which) or {}
+    if cause.exit_code is not None and cause.exit_code in listed.get("exit_codes", ()):
+        return f"exit code {cause.exit_code}"
+    if cause.signal is not None and cause.signal in listed.get("signals", ()):
+        return f"signal {cause.signal}"
+    return None
+
+
+def by_cause(task: Budget, cause: Cause | None, error: str) -> Move | None:
+    """The move the failure's cause decides, if it decides one: a cause the policy
+    never retries (or exit code ``NO_RETRY_EXIT_CODE``, unless listed as always) buries
+    the task; one it always retries is retried after backoff without spending an
+    attempt (nor counting as a crash), up to ``ALWAYS_RETRY_LIMIT`` attempts in all."""
+    if cause is None:
+        return None
+    never = _listed(task, "never", cause)
+    if never is not None:
+        return Move(Op.BURY, S.DEAD, f"not retryable: {never} is never retried", error)
+    always = _listed(task, "always", cause)
+    if always is None and cause.exit_code == NO_RETRY_EXIT_CODE:
+        reason = f"not retryable: exited {NO_RETRY_EXIT_CODE}, the code that asks for no retry"
+        return Move(Op.BURY, S.DEAD, reason, error)
+    if always is None or cause.number >= ALWAYS_RETRY_LIMIT:
+        return None
+    delay = backoff_s(task, min(cause.number, 20))
+    reason = f"{always} is always retried: after backoff, no attempt spent"
+    return Move(Op.FAIL, S.FAILED, reason, error, refund=True, delay_s=delay)
+
+
+def span(seconds: float) -> str:
+    """A window as people read it: ``72 h``, ``30 min``, ``45 s``."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
+
+
+def failed(
+    task: Budget, error: str, *, retryable: bool, crashed: bool, cause: Cause | None = None
+) -> Move:
     """A failed or lost attempt of a task: retry after backoff, or bury (not retryable,
-    poison pill, attempts spent)."""
-    crashes = task.crashes + (1 if crashed else 0)
+    by its cause, poison pill: crashes within the window, attempts spent)."""
     if not retryable:
         return Move(Op.BURY, S.DEAD, "not retryable", error, crashed=crashed)
+    decided = by_cause(task, cause, error)
+    if decided is not None:
+        return decided
+    crashes = task.recent_crashes + (1 if crashed else 0)
     if crashes >= task.poison_after:
-        return Move(Op.BURY, S.DEAD, f"poison pill: lost {crashes} times", error, crashed=crashed)
+        window = span(task.poison_window_s)
+        reason = f"poison pill: lost {crashes} times within {window}"
+        return Move(Op.BURY, S.DEAD, reason, error, crashed=crashed)
     if task.attempts >= task.max_attempts:
         return Move(Op.BURY, S.DEAD, f"attempts spent ({task.attempts})", error, crashed=crashed)
     delay = backoff_s(task, min(task.attempts, 20))
@@ -119,9 +187,11 @@ def reported(
     *,
     retryable: bool,
     preempted_by: int | None = None,
+    cause: Cause | None = None,
 ) -> Move | None:
-    """The move a worker's report makes; None for a service's exit, which its restart
-    history decides (``restarted``)."""
+    """The move a worker's report makes (``cause``: its exit code or signal, which the
+    task's retry policy may name); None for a service's exit, which its restart history
+    decides (``restarted``)."""
     rule = OUTCOMES[outcome]
     if outcome == "preempted":
         reason = preempted_reason(preempted_by, error)
@@ -130,7 +200,7 @@ def reported(
         return None
     if rule.failure:
         message = error or f"attempt {outcome}"
-        return failed(task, message, retryable=retryable, crashed=rule.crashed)
+        return failed(task, message, retryable=retryable, crashed=rule.crashed, cause=cause)
     assert rule.op is not None and rule.target is not None
     reason = (error or rule.reason) if outcome == "handed_back" else rule.reason
     return Move(rule.op, rule.target, reason, refund=rule.refund)
@@ -151,7 +221,7 @@ def restarted(
     policy = SERVICE_RESTARTS
     crashed = crashed and not host_died
     if crashes >= task.poison_after:
-        window = f"{policy.window_s:g} s"
+        window = span(policy.window_s)
         reason = f"poison pill: crashed {crashes} times within {window}"
         return Move(Op.BURY, S.DEAD, reason, error, crashed=crashed)
     if host_died:

@@ -39,6 +39,8 @@ class Op(StrEnum):
     PREEMPT = "preempt"
     #: time-insensitive work steps back while its pool is busy, until its latest start
     DEFER = "defer"
+    #: final: it was never started by its ``start_by`` (its own, or its queue's wait bound)
+    EXPIRE = "expire"
 
 
 class Note(StrEnum):
@@ -76,6 +78,7 @@ TRANSITIONS: dict[Op, Rule] = {
     Op.RETRY: _rule({S.DEAD, S.FAILED, S.CANCELLED}, {S.WAITING, S.READY}),
     Op.PREEMPT: _rule({S.RUNNING}, {S.WAITING}),
     Op.DEFER: _rule({S.WAITING}, {S.READY}),
+    Op.EXPIRE: _rule({S.READY, S.WAITING}, {S.DEAD}),
 }
 
 #: every (from, to) pair some op allows; ``None`` is "not yet stored"

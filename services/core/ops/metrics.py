@@ -44,6 +44,10 @@ class CoreMetrics:
         self.poison = m.counter(
             "cairn_tasks_poison_pills_total", "Tasks buried after too many crashed attempts"
         )
+        self.expired = m.counter(
+            "cairn_tasks_expired_total",
+            "Tasks that ended dead never started by their start_by (or queue's max wait)",
+        )
         self.quota_refusals = m.counter(
             "cairn_quota_refusals_total",
             "Submissions refused with 429, by quota (waiting, submits_per_min)",
@@ -108,6 +112,11 @@ class CoreMetrics:
             self.finished.labels(TaskState.DEAD.value).inc(tally.buried)
         for reason, n in tally.held.items():
             self.claims_held.labels(reason).inc(n)
+
+    def expire(self, count: int) -> None:
+        """Tasks the promoter ended dead, never started by their start_by."""
+        self.expired.inc(count)
+        self.ended(TaskState.DEAD, count)
 
     def ended(self, state: TaskState, count: int = 1) -> None:
         if state in FINAL and count:

@@ -3,13 +3,16 @@ resuming one, and setting its pool's placement, each audited in its transaction.
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.models import QueueInfo, QueueSettings
-from services.core.db import placement
+from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
+from services.core.domain import limits
 
 
 async def read(conn: AsyncConnection, defaults: placement.Defaults) -> list[QueueInfo]:
@@ -43,6 +46,9 @@ async def set_paused(
     notifier.announce(Work(queues={name: moved}) if moved and not paused else None)
 
 
+_LIMITS = ("default_timeout_s", "max_timeout_s", "max_wait_s")
+
+
 async def set_pool(
     engine: AsyncEngine,
     record: Auditor,
@@ -50,15 +56,18 @@ async def set_pool(
     name: str,
     change: QueueSettings,
 ) -> None:
+    """Set the queue's placement settings and its tasks' time limits (``domain.limits``:
+    a default above the maximum, as they would stand, is refused)."""
+    changed = change.model_dump(exclude_unset=True)
     async with engine.begin() as conn:
+        stored = await sharing.limits_for_update(conn, name)
+        after = replace(stored, **{k: v for k, v in changed.items() if k in _LIMITS})
+        limits.check_queue(after, set(changed))
         old = [q for q in await read(conn, defaults) if q.name == name]
         await placement.set_pool(conn, name, change)
-        await record(
-            conn,
-            "queue.settings",
-            f"queue:{name}",
-            before={"overcommit": old[0].overcommit, "defer_above": old[0].defer_above}
+        before = (
+            {"overcommit": old[0].overcommit, "defer_above": old[0].defer_above, **asdict(stored)}
             if old
-            else None,
-            after=change.model_dump(exclude_unset=True),
+            else None
         )
+        await record(conn, "queue.settings", f"queue:{name}", before=before, after=changed)

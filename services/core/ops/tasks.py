@@ -5,7 +5,7 @@ and the bulk actions. The API parses, authorises (a queue's policy), calls and s
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +19,7 @@ from services.core.db import secrets, sharing, teams
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
+from services.core.domain import limits
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
 from services.core.ops.metrics import CoreMetrics
@@ -92,6 +93,28 @@ class Submitter:
     meter: CoreMetrics
     book: sharing.Book
     quantum: float
+    #: core's defaults of a task's limits (``domain.limits``)
+    defaults: limits.Defaults = field(default_factory=limits.Defaults)
+
+
+def fill_limits(
+    by: Submitter, specs: Sequence[TaskCreate], field: Callable[[int], str]
+) -> list[limits.Filled]:
+    """Each submission's time limits by its queue's and core's (one rule for every
+    submitter: a person, a cron fire, a DAG node); 422 naming the field when one asks
+    for more than its queue allows."""
+    return [
+        limits.fill(
+            spec.kind,
+            spec.timeout_s,
+            spec.max_wait_s,
+            spec.retry.poison_window_s,
+            by.book.limits_of(spec.queue),
+            by.defaults,
+            f"body.{field(i)}",
+        )
+        for i, spec in enumerate(specs)
+    ]
 
 
 async def submit(
@@ -107,7 +130,9 @@ async def submit(
     refusal's field), their submission quotas admitted, then the notifier, the metrics
     and the traces told of what is new. Each row with whether it was created (False: its
     idempotency key matched a task). One task that no quota limits is one statement with
-    no transaction around it: autocommit saves two round trips."""
+    no transaction around it: autocommit saves two round trips. Time limits are filled
+    in (or refused) first: ``fill_limits``."""
+    filled = fill_limits(by, specs, field)
     each = [owners] * len(specs) if isinstance(owners, str) else owners
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)
@@ -120,7 +145,7 @@ async def submit(
                     await check_owner(conn, by.principal, each[i], spec, field(i))
             if limited:
                 await _admit(conn, by.book, each, by.meter, team_of)
-            rows = await tasks_db.submit(conn, owners, specs, by.quantum)
+            rows = await tasks_db.submit(conn, owners, specs, by.quantum, filled)
     created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
     if created:
         # Claimable now, or soon enough for a claim that leases ahead.

@@ -11,24 +11,34 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from services.core.db import audit, placement
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier, Work
+from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
 PROMOTE_BATCH = 1000
 
 
 async def promote(
-    engine: AsyncEngine, notifier: Notifier, after_s: float = 0.0, *, next_due: bool = False
+    engine: AsyncEngine,
+    notifier: Notifier,
+    after_s: float = 0.0,
+    *,
+    next_due: bool = False,
+    meter: CoreMetrics | None = None,
 ) -> tuple[int, float | None]:
-    """Promote (or park) up to a batch of due rows, and, with ``next_due``, read in the
-    same transaction (by the same ``now()``, so that a task due between the two cannot
-    fall between them) the seconds to the next due instant (None after a full batch)."""
+    """End what was never started by its start_by, then promote (or park) up to a batch
+    of due rows, and, with ``next_due``, read in the same transaction (by the same
+    ``now()``, so that a task due between the two cannot fall between them) the seconds
+    to the next due instant or start_by (None after a full batch)."""
     async with engine.begin() as conn:
+        expired = await tasks_db.expire_unstarted(conn, PROMOTE_BATCH)
         moved = await tasks_db.promote_and_park(conn, PROMOTE_BATCH, after_s)
-        full = moved >= PROMOTE_BATCH
+        full = max(moved, expired) >= PROMOTE_BATCH
         due = await tasks_db.next_due_in(conn, after_s) if next_due and not full else None
     if moved:
         notifier.announce(Work(any=moved))
-    return moved, due
+    if expired and meter is not None:
+        meter.expire(expired)
+    return max(moved, expired), due
 
 
 async def place(engine: AsyncEngine, notifier: Notifier, defaults: placement.Defaults) -> int:

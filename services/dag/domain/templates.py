@@ -123,6 +123,9 @@ class Renderer:
             return self._render(node, try_number, text, instance)
 
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
+        if doc["timeout_s"] is None and template.kind == "task":
+            # the workflow's default; core's rule (a queue's maximum) still applies
+            doc["timeout_s"] = self.dag.definition.task_timeout_s
         doc["args"] = [render(arg) for arg in template.args]
         doc["env"] = {
             k: render(v) if isinstance(v, str) else doc["env"][k] for k, v in template.env.items()

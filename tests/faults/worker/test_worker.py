@@ -212,7 +212,7 @@ def test_a_task_that_crashes_every_time_is_a_poison_pill(core, workers, tmp_path
         wait_for(lambda: _state(alice, task["id"]) == "dead", timeout=40)
         events = alice.get(f"/v1/tasks/{task['id']}/events").json()["items"]
         attempts = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
-    assert events[-1]["reason"] == "poison pill: lost 3 times"
+    assert events[-1]["reason"] == "poison pill: lost 3 times within 72 h"
     assert len(attempts) == 3
 
 

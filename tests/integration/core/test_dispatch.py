@@ -240,7 +240,7 @@ def test_lost_three_times_is_a_poison_pill(core: Core, db) -> None:
     assert state == "dead"
     with core.client() as alice:
         events = alice.get(f"/v1/tasks/{task['id']}/events").json()["items"]
-    assert events[-1]["reason"] == "poison pill: lost 3 times"
+    assert events[-1]["reason"] == "poison pill: lost 3 times within 72 h"
     assert "heartbeat" in error
 
 

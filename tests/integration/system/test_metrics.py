@@ -110,6 +110,15 @@ def test_a_poison_pill_and_its_lost_attempts_are_counted(core: Core, db) -> None
     )
 
 
+def test_a_task_never_started_by_its_start_by_is_counted_expired_and_dead(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec(queue="nobody", max_wait_s=1)).json()
+        wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "dead")
+    samples = scrape(core.url)
+    assert value(samples, "cairn_tasks_expired_total") == 1
+    assert value(samples, "cairn_tasks_finished_total", state="dead") == 1
+
+
 def test_metrics_and_the_workers_list_read_one_use_as_placement_counts_it(core: Core, db) -> None:
     """What a worker holds was read two ways: ``/metrics`` summed the tasks' requests,
     ``/v1/workers`` the attempts' charges. Both now read placement's: a charge where one

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -22,11 +23,13 @@ class Task:
     kind: str = "task"
     attempts: int = 1
     max_attempts: int = 3
-    crashes: int = 0
+    recent_crashes: int = 0
     poison_after: int = 3
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
     backoff_jitter: bool = False
+    poison_window_s: float = 72 * 3600.0
+    retry_causes: dict[str, Any] | None = None
 
 
 def test_every_outcome_a_worker_may_report_is_in_the_table() -> None:
@@ -60,8 +63,8 @@ def test_failures_are_buried_when_not_retryable_spent_or_poisoned() -> None:
     assert outcomes.reported(Task(), "failed", "x", retryable=False).reason == "not retryable"  # type: ignore[union-attr]
     spent = outcomes.reported(Task(attempts=3), "failed", None, retryable=True)
     assert spent is not None and (spent.target, spent.reason) == (S.DEAD, "attempts spent (3)")
-    poisoned = outcomes.reported(Task(crashes=2), "crashed", None, retryable=True)
-    assert poisoned is not None and poisoned.reason == "poison pill: lost 3 times"
+    poisoned = outcomes.reported(Task(recent_crashes=2), "crashed", None, retryable=True)
+    assert poisoned is not None and poisoned.reason == "poison pill: lost 3 times within 72 h"
     retried = outcomes.reported(Task(), "failed", None, retryable=True)
     assert retried is not None and retried.delay_s == 1.0 and retried.error == "attempt failed"
 
@@ -115,3 +118,49 @@ def test_an_attempt_missing_from_beats_is_gone_after_two_beats_and_a_second() ->
 
     assert missing_grace_s(60.0) == 121.0
     assert missing_grace_s(0.5) == 2.0
+
+
+def _causes(**lists: dict[str, list[int]]) -> dict[str, Any]:
+    return {
+        name: {"exit_codes": [], "signals": [], **lists.get(name, {})}
+        for name in ("never", "always")
+    }
+
+
+def test_a_listed_cause_decides_before_the_budget_and_the_poison_count() -> None:
+    from libs.common.models import ALWAYS_RETRY_LIMIT, NO_RETRY_EXIT_CODE
+
+    task = Task(retry_causes=_causes(never={"exit_codes": [3]}, always={"signals": [15]}))
+    never = outcomes.reported(task, "failed", None, retryable=True, cause=outcomes.Cause(3))
+    assert never is not None and (never.op, never.reason) == (
+        Op.BURY,
+        "not retryable: exit code 3 is never retried",
+    )
+    # the last crash before a poison pill, but SIGTERM is always retried: not a crash
+    spent = Task(attempts=3, recent_crashes=2, retry_causes=task.retry_causes)
+    kept = outcomes.reported(
+        spent, "crashed", None, retryable=True, cause=outcomes.Cause(None, 15, 3)
+    )
+    assert kept is not None and (kept.op, kept.refund, kept.crashed) == (Op.FAIL, True, False)
+    assert kept.delay_s == 4.0  # the curve at the attempt's number, not the budget's
+    late = outcomes.Cause(None, 15, ALWAYS_RETRY_LIMIT)
+    assert outcomes.reported(spent, "crashed", None, retryable=True, cause=late).target is S.DEAD  # type: ignore[union-attr]
+    code = outcomes.Cause(NO_RETRY_EXIT_CODE)
+    assert outcomes.reported(Task(), "failed", None, retryable=True, cause=code).target is S.DEAD  # type: ignore[union-attr]
+    listed = Task(retry_causes=_causes(always={"exit_codes": [NO_RETRY_EXIT_CODE]}))
+    assert outcomes.reported(listed, "failed", None, retryable=True, cause=code).refund  # type: ignore[union-attr]
+    # a timeout carries no cause of the task's own
+    assert (
+        outcomes.reported(task, "timeout", None, retryable=True, cause=outcomes.Cause()).target
+        is S.FAILED
+    )  # type: ignore[union-attr]
+
+
+def test_windows_read_as_people_say_them() -> None:
+    assert [outcomes.span(s) for s in (259200, 3600, 1800, 45, 90.5)] == [
+        "72 h",
+        "1 h",
+        "30 min",
+        "45 s",
+        "90.5 s",
+    ]

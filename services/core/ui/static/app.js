@@ -135,6 +135,16 @@ function loginPage(main) {
   input.focus();
 }
 
+// A task's retry policy in one line: poison pill window and the causes it never or always retries.
+function retryPolicy(retry) {
+  const causes = (c) => [c.exit_codes.length ? `exit ${c.exit_codes.join(", ")}` : "",
+    c.signals.length ? `signal ${c.signals.join(", ")}` : ""].filter(Boolean).join("; ");
+  const parts = [`poison after ${retry.poison_after} crashes within ${num(retry.poison_window_s / 3600, 1)} h`];
+  if (causes(retry.never)) parts.push(`never retried: ${causes(retry.never)}`);
+  if (causes(retry.always)) parts.push(`always retried: ${causes(retry.always)}`);
+  return parts.join(" · ");
+}
+
 async function queuesPage(main) {
   main.append(h("h1", {}, "Queues"));
   const box = h("div");
@@ -146,7 +156,9 @@ async function queuesPage(main) {
       h("td", {}, q.name, q.paused ? " (paused)" : ""),
       ["ready", "waiting", "running", "failed"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
       h("td", { class: "num" }, q.depth.dead ? h("a", { href: `#/dead?queue=${encodeURIComponent(q.name)}` }, q.depth.dead) : 0),
-      h("td", { class: "num" }, q.oldest_waiting_age_s === null ? "—" : `${num(q.oldest_waiting_age_s, 1)} s`)));
+      h("td", { class: "num" }, q.oldest_waiting_age_s === null ? "—" : `${num(q.oldest_waiting_age_s, 1)} s`),
+      h("td", { class: "num" }, `${q.default_timeout_s ?? "—"} / ${q.max_timeout_s ?? "—"}`),
+      h("td", { class: "num" }, q.max_wait_s === null ? "—" : `${q.max_wait_s} s`)));
     const cards = history.items.map((q) => h("div", { class: "card" }, h("h3", {}, q.name), chart(q)));
     const quota = (used, most) => (most === null ? num(used, 1) : `${num(used, 1)}/${num(most, 1)}`);
     const top = owners.items.map((o) => h("tr", { "data-owner": o.name },
@@ -156,7 +168,7 @@ async function queuesPage(main) {
       h("td", { class: "num" }, quota(o.waiting, o.quota.max_waiting)),
       h("td", {}, o.at_quota.join(", ") || "—")));
     return h("div", {},
-      table(["queue", "ready", "waiting", "running", "failed", "dead", "oldest waiting"], rows),
+      table(["queue", "ready", "waiting", "running", "failed", "dead", "oldest waiting", "timeout s (default / max)", "max wait"], rows),
       h("h2", {}, "Top owners"),
       top.length ? table(["owner", "share", "running", "cpu", "waiting", "at quota"], top)
         : h("p", { class: "muted" }, "Nothing running or waiting."),
@@ -323,6 +335,9 @@ async function taskPage(main, id) {
         h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri),
         h("dt", {}, "args"), h("dd", {}, JSON.stringify(task.args)),
         h("dt", {}, "attempts"), h("dd", {}, `${task.attempts} of ${task.retry.max_attempts}`),
+        h("dt", {}, "timeout"), h("dd", { id: "task-timeout" }, task.timeout_s === null ? "none" : `${task.timeout_s} s`),
+        h("dt", {}, "start by"), h("dd", { id: "task-start-by" }, task.start_by ? when(task.start_by) : "—"),
+        h("dt", {}, "retry policy"), h("dd", { id: "task-retry" }, retryPolicy(task.retry)),
         h("dt", {}, "last error"), h("dd", {}, task.last_error || "—"),
         h("dt", {}, "labels"), h("dd", {}, labels.length ? labels.map(([k, v]) => `${k}=${v}`).join(", ") : "—"),
         run ? [h("dt", {}, "workflow run"), h("dd", {}, h("a", { href: `#/runs/${run}` }, `run ${run}`))] : null,
@@ -340,7 +355,7 @@ async function taskPage(main, id) {
       h("h2", {}, "Attempts"),
       table(["#", "worker", "outcome", "exit", "peak MB", "CPU s", "started", "ended", "error"], attempts.items.map((a) =>
         h("tr", { "data-attempt-id": a.id }, h("td", { class: "num" }, a.number), h("td", {}, a.worker_id ?? "—"),
-          h("td", {}, a.outcome || "running"), h("td", { class: "num" }, a.exit_code ?? "—"),
+          h("td", {}, a.outcome || "running"), h("td", { class: "num" }, a.signal ? `signal ${a.signal}` : a.exit_code ?? "—"),
           h("td", { class: "num" }, num(a.peak_memory_mb)), h("td", { class: "num" }, num(a.cpu_seconds, 2)),
           h("td", {}, when(a.started_at)), h("td", {}, when(a.ended_at)), h("td", {}, a.error || "")))),
       h("h2", {}, "Events"),
