@@ -63,7 +63,8 @@ TASK_COLUMNS = """
     input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
-    updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit
+    updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
+    progress_timeout_s
 """
 
 # What a submission reads back: what the database decided. The rest is the spec.
@@ -82,7 +83,7 @@ WITH input AS (
         backoff_jitter boolean, poison_after integer, timeout_s integer,
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
-        concurrency_limit integer
+        concurrency_limit integer, progress_timeout_s integer
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -130,14 +131,14 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        state
+        progress_timeout_s, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, COALESCE(run_at, now()),
         idempotency_key, spec_hash, labels, defer_ok, deadline, team, concurrency_key,
-        concurrency_limit, vtime,
+        concurrency_limit, vtime, progress_timeout_s,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -465,6 +466,7 @@ _LATER_FIELDS: dict[str, object] = {
     "deadline": None,
     "team": None,
     "concurrency": None,
+    "progress_timeout_s": None,
 }
 
 
@@ -509,6 +511,7 @@ def _row_doc(spec: TaskCreate) -> dict[str, Any]:
         "team": spec.team,
         "concurrency_key": spec.concurrency.key if spec.concurrency else None,
         "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
+        "progress_timeout_s": spec.progress_timeout_s,
     }
 
 
@@ -620,6 +623,7 @@ def task_from_row(m: Any) -> Task:
         concurrency=(
             {"key": m.concurrency_key, "limit": m.concurrency_limit} if m.concurrency_key else None
         ),
+        progress_timeout_s=m.progress_timeout_s,
     )
 
 

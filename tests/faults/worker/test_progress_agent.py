@@ -1,0 +1,174 @@
+"""Progress, checkpoints and fencing tokens through a real worker agent (attempts under
+uids of their own) and a real core: a task writes progress and a checkpoint, its process
+is killed, the next attempt finds the checkpoint; its fencing token is current while it
+runs and not once it is superseded; a task that stops writing progress is ended."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests.support import Core, shared_dir, shell_spec, spawn_worker, start_core, stop_process
+from tests.support import wait_for as _wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    return _wait_for(predicate, timeout=timeout, interval=0.05)
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(
+        db_url, tmp_path / "core", heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def agent(core: Core, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    proc = spawn_worker(
+        core,
+        tmp_path / "worker",
+        "progress-worker",
+        CAIRN_WORKER_PROGRESS_POLL_S="0.1",
+        CAIRN_WORKER_PROGRESS_INTERVAL_S="0.2",
+    )
+    yield proc
+    stop_process(proc, signal.SIGKILL)
+
+
+def fence(core: Core, token: str) -> httpx.Response:
+    """The fencing check as a task makes it: no bearer token, only its own."""
+    return httpx.post(f"{core.url}/v1/fencing", json={"token": token}, timeout=10)
+
+
+RESUMING = r"""
+S=@SHARED@
+echo "$CAIRN_FENCING_TOKEN" > $S/token-$CAIRN_ATTEMPT_NUMBER
+echo "$CAIRN_FENCING_URL" > $S/url
+if [ -n "$CAIRN_CHECKPOINT" ]; then
+    cp "$CAIRN_CHECKPOINT" $S/got
+    printf '{"fraction": 1, "message": "resumed from %s"}' "$(cat "$CAIRN_CHECKPOINT")" \
+        > "$CAIRN_PROGRESS.tmp"
+    mv "$CAIRN_PROGRESS.tmp" "$CAIRN_PROGRESS"
+    while [ ! -e $S/go ]; do sleep 0.05; done
+    exit 0
+fi
+printf '{"fraction": 0.5, "message": "half way"}' > "$CAIRN_PROGRESS.tmp"
+mv "$CAIRN_PROGRESS.tmp" "$CAIRN_PROGRESS"
+printf 'step=7' > "$CAIRN_CHECKPOINT_OUT.tmp"
+mv "$CAIRN_CHECKPOINT_OUT.tmp" "$CAIRN_CHECKPOINT_OUT"
+echo $$ > $S/pid
+sleep 60
+"""
+
+
+def test_a_checkpoint_reaches_the_next_attempt_after_a_crash_and_fences_the_old_one(
+    core: Core, agent: subprocess.Popen[bytes], db: psycopg.Connection
+) -> None:
+    shared = shared_dir()
+    script = RESUMING.replace("@SHARED@", str(shared))
+    with core.client() as alice:
+        task = alice.post(
+            "/v1/tasks",
+            json=shell_spec(script, retry={"max_attempts": 3, "base_s": 0.1, "jitter": False}),
+        ).json()
+
+        def progress() -> dict:
+            return alice.get(f"/v1/tasks/{task['id']}").json()["progress"] or {}
+
+        # What the running attempt wrote reaches core while it runs.
+        wait_for(lambda: progress().get("checkpoint_bytes") == 6 and (shared / "pid").exists())
+        live = progress()
+        assert live["fraction"] == 0.5 and live["message"] == "half way"
+        first = (shared / "token-1").read_text().strip()
+        assert (shared / "url").read_text().strip() == f"{core.url}/v1/fencing"
+        answer = fence(core, first)
+        assert answer.status_code == 200
+        assert answer.json() == {
+            "current": True,
+            "task_id": task["id"],
+            "attempt_id": int(first.split(".")[0]),
+            "epoch": 1,
+        }
+        # A token with another secret is no token at all; a malformed one is a 422.
+        forged = first[:-1] + ("0" if first[-1] != "0" else "1")
+        assert fence(core, forged).status_code == 404
+        bad = fence(core, "1.1.xyz")
+        assert bad.status_code == 422 and "token" in bad.text
+
+        os.kill(int((shared / "pid").read_text()), signal.SIGKILL)
+
+        wait_for(lambda: (shared / "got").exists() and (shared / "token-2").exists())
+        assert (shared / "got").read_bytes() == b"step=7"
+        second = (shared / "token-2").read_text().strip()
+        # The new attempt is current; the one it superseded is not.
+        assert fence(core, second).json()["current"] is True
+        assert fence(core, second).json()["epoch"] == 2
+        assert fence(core, first).json()["current"] is False
+        wait_for(lambda: progress().get("message") == "resumed from step=7")
+
+        (shared / "go").touch()
+        wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded")
+        attempts = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+        final = progress()
+    assert [a["outcome"] for a in attempts] == ["crashed", "succeeded"]
+    assert final["fraction"] == 1.0 and final["attempt_id"] == attempts[1]["id"]
+    assert fence(core, second).json()["current"] is False  # its task has finished
+    row = db.execute(
+        "SELECT attempt_id, checkpoint, checkpoint_attempt_id, fraction, message"
+        " FROM core.task_progress WHERE task_id = %s",
+        (task["id"],),
+    ).fetchone()
+    assert row == (attempts[1]["id"], b"step=7", attempts[0]["id"], 1.0, "resumed from step=7")
+
+
+def test_no_progress_for_the_bound_ends_the_attempt_and_writes_keep_it_alive(
+    core: Core, agent: subprocess.Popen[bytes], db: psycopg.Connection
+) -> None:
+    once = 'printf \'{"fraction": 0.1}\' > "$CAIRN_PROGRESS"; sleep 30'
+    steady = (
+        "for i in 1 2 3 4 5 6 7 8; do "
+        'printf \'{"fraction": %s, "message": "step %s"}\' "0.$i" "$i" > "$CAIRN_PROGRESS"; '
+        "sleep 0.3; done"
+    )
+    too_big = 'head -c 70000 /dev/zero > "$CAIRN_CHECKPOINT_OUT"; sleep 0.5'
+    once_retry = {"max_attempts": 1}
+    with core.client() as alice:
+        stalled = alice.post(
+            "/v1/tasks", json=shell_spec(once, progress_timeout_s=1, retry=once_retry)
+        ).json()
+        alive = alice.post(
+            "/v1/tasks", json=shell_spec(steady, progress_timeout_s=1, retry=once_retry)
+        ).json()
+        big = alice.post("/v1/tasks", json=shell_spec(too_big, retry=once_retry)).json()
+        ids = [stalled["id"], alive["id"], big["id"]]
+
+        def states() -> list[str]:
+            return [alice.get(f"/v1/tasks/{i}").json()["state"] for i in ids]
+
+        wait_for(lambda: states() == ["dead", "succeeded", "succeeded"])
+        [ended] = alice.get(f"/v1/tasks/{stalled['id']}/attempts").json()["items"]
+        shown = alice.get(f"/v1/tasks/{alive['id']}").json()
+        big_log = alice.get(f"/v1/tasks/{big['id']}/logs").text
+    assert ended["outcome"] == "timeout"
+    assert "no progress for 1 s" in ended["error"]
+    assert shown["progress_timeout_s"] == 1
+    assert shown["progress"]["fraction"] == 0.8 and shown["progress"]["message"] == "step 8"
+    # Over 64 KiB: not sent, said in the attempt's log; the task is not failed for it.
+    assert "CAIRN_CHECKPOINT_OUT: larger than 65536 bytes: ignored" in big_log
+    stored = db.execute(
+        "SELECT count(*) FROM core.task_progress WHERE task_id = %s AND checkpoint IS NOT NULL",
+        (big["id"],),
+    ).fetchone()
+    assert stored == (0,)
