@@ -172,3 +172,43 @@ def test_no_progress_for_the_bound_ends_the_attempt_and_writes_keep_it_alive(
         (big["id"],),
     ).fetchone()
     assert stored == (0,)
+
+
+AGENT_DIES = r"""
+if [ -n "$CAIRN_CHECKPOINT" ]; then cp "$CAIRN_CHECKPOINT" @SHARED@/got; exit 0; fi
+printf 'from-w1' > "$CAIRN_CHECKPOINT_OUT.tmp"
+mv "$CAIRN_CHECKPOINT_OUT.tmp" "$CAIRN_CHECKPOINT_OUT"
+sleep 60
+"""
+
+
+def test_a_checkpoint_outlives_a_killed_agent_and_reaches_the_attempt_elsewhere(
+    core: Core, tmp_path: Path
+) -> None:
+    shared = shared_dir()
+    fast = {"CAIRN_WORKER_PROGRESS_POLL_S": "0.1", "CAIRN_WORKER_PROGRESS_INTERVAL_S": "0.2"}
+    first = spawn_worker(core, tmp_path / "w1", "w1", **fast)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        with core.client() as alice:
+            body = shell_spec(
+                AGENT_DIES.replace("@SHARED@", str(shared)),
+                retry={"max_attempts": 3, "base_s": 0.1, "jitter": False},
+            )
+            task = alice.post("/v1/tasks", json=body).json()
+
+            def shown() -> dict:
+                return alice.get(f"/v1/tasks/{task['id']}").json()
+
+            wait_for(lambda: (shown()["progress"] or {}).get("checkpoint_bytes") == 7)
+            stop_process(first, signal.SIGKILL)  # the agent; its sidecar kills the attempt
+            second = spawn_worker(core, tmp_path / "w2", "w2", **fast)
+            wait_for(lambda: shown()["state"] == "succeeded", timeout=60)
+            attempts = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+    finally:
+        stop_process(first, signal.SIGKILL)
+        if second is not None:
+            stop_process(second, signal.SIGKILL)
+    assert (shared / "got").read_bytes() == b"from-w1"
+    assert [a["outcome"] for a in attempts][-1] == "succeeded" and len(attempts) == 2
+    assert attempts[0]["worker_id"] != attempts[1]["worker_id"]
