@@ -111,6 +111,9 @@ def test_a_submission_hash_ignores_placement_fields_left_at_their_defaults() -> 
     spec = TaskCreate.model_validate(body)
     before = spec.model_dump(mode="json")
     del before["defer_ok"], before["deadline"], before["team"], before["concurrency"]
+    del before["progress_timeout_s"]
     canonical = json.dumps(before, sort_keys=True, separators=(",", ":"))
     assert spec_hash(spec) == hashlib.sha256(canonical.encode()).hexdigest()
     assert spec_hash(TaskCreate.model_validate({**body, "defer_ok": True})) != spec_hash(spec)
+    stalls = TaskCreate.model_validate({**body, "progress_timeout_s": 60})
+    assert spec_hash(stalls) != spec_hash(spec)
