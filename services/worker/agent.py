@@ -226,6 +226,8 @@ class Agent:
         finally:
             if self.releasing:
                 await asyncio.wait(set(self.releasing), timeout=30)
+            if self.noting is not None:
+                self.noting.cancel()  # every attempt has ended: its notes went with its report
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)

@@ -8,14 +8,25 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
 
-from tests.support import Core, shared_dir, shell_spec, spawn_worker, start_core, stop_process
+from tests.support import (
+    Core,
+    free_port,
+    serve_in_thread,
+    shared_dir,
+    shell_spec,
+    spawn_worker,
+    start_core,
+    stop_process,
+)
 from tests.support import wait_for as _wait_for
 
 pytestmark = pytest.mark.slow
@@ -212,3 +223,100 @@ def test_a_checkpoint_outlives_a_killed_agent_and_reaches_the_attempt_elsewhere(
     assert (shared / "got").read_bytes() == b"from-w1"
     assert [a["outcome"] for a in attempts][-1] == "succeeded" and len(attempts) == 2
     assert attempts[0]["worker_id"] != attempts[1]["worker_id"]
+
+
+class CountingProxy:
+    """Core behind a proxy that counts the requests a worker sends, by kind."""
+
+    def __init__(self, core: Core) -> None:
+        self.seen: Counter[str] = Counter()
+        clients: list[httpx.AsyncClient] = []
+
+        async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+            if scope["type"] == "lifespan":  # the client lives and dies on the server's loop
+                while True:
+                    message = await receive()
+                    if message["type"] == "lifespan.startup":
+                        clients.append(httpx.AsyncClient(base_url=core.url, timeout=60))
+                        await send({"type": "lifespan.startup.complete"})
+                    elif message["type"] == "lifespan.shutdown":
+                        await clients[0].aclose()
+                        await send({"type": "lifespan.shutdown.complete"})
+                        return
+            upstream = clients[0]
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            path = scope["path"]
+            self.seen[path.rsplit("/", 1)[-1]] += 1
+            headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k != b"host"]
+            query = scope["query_string"].decode()
+            answer = await upstream.request(
+                scope["method"],
+                path + (f"?{query}" if query else ""),
+                content=body,
+                headers=headers,
+            )
+            out = [
+                (k.encode(), v.encode())
+                for k, v in answer.headers.items()
+                if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")
+            ]
+            out.append((b"content-length", str(len(answer.content)).encode()))
+            await send(
+                {"type": "http.response.start", "status": answer.status_code, "headers": out}
+            )
+            await send({"type": "http.response.body", "body": answer.content})
+
+        port = free_port()
+        self.server, self.thread = serve_in_thread(app, port, "proxy")
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def test_a_flood_of_progress_writes_costs_core_one_turn_per_interval(
+    core: Core, tmp_path: Path
+) -> None:
+    proxy = CountingProxy(core)
+    # One slot: while the attempt runs the agent claims nothing, so every turn it sends
+    # is its report or carries progress.
+    proxied = Core(proxy.url, core.db_url, core.server, core.thread, core.tokens)
+    agent = spawn_worker(
+        proxied,
+        tmp_path / "worker",
+        "flood-worker",
+        CAIRN_WORKER_SLOTS="1",
+        CAIRN_WORKER_PROGRESS_POLL_S="0.05",
+        CAIRN_WORKER_PROGRESS_INTERVAL_S="0.5",
+    )
+    flood = (
+        "i=0; while [ $i -lt 3000 ]; do i=$((i+1)); "
+        'printf \'{"fraction": 0.%04d}\' $((i * 3)) > "$CAIRN_PROGRESS.t"; '
+        'mv "$CAIRN_PROGRESS.t" "$CAIRN_PROGRESS"; done; sleep 1; echo done'
+    )
+    try:
+        with core.client() as alice:
+            task = alice.post("/v1/tasks", json=shell_spec(flood)).json()
+            wait_for(lambda: proxy.seen["turn"] > 0)  # it claimed
+            claimed_by = proxy.seen["turn"]
+            wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded")
+            shown = alice.get(f"/v1/tasks/{task['id']}").json()
+            [attempt] = alice.get(f"/v1/tasks/{task['id']}/attempts").json()["items"]
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()
+    ran_s = (
+        datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(attempt["started_at"])
+    ).total_seconds()
+    turns = proxy.seen["turn"] - claimed_by
+    # 3,000 writes: at most one turn of its own per 0.5 s while it ran (plus its report
+    # and the claims after it: a claim waits about a second at core with these
+    # heartbeats), and the last value reached core.
+    assert shown["progress"]["fraction"] == 0.9
+    assert 1 <= turns <= ran_s / 0.5 + 10, (turns, ran_s, proxy.seen)
