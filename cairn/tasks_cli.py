@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 import yaml
 from pydantic import ValidationError
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cairn import output
 from cairn.config import ClientSettings
 from libs.common.client import CoreClient
+from libs.common.errors import CairnError
 from libs.common.models import (
     NO_RETRY_EXIT_CODE,
     BulkAction,
@@ -32,6 +34,7 @@ from libs.common.models import (
     RetryCauses,
     Task,
     TaskCreate,
+    TaskProgress,
 )
 from libs.common.states import FINAL, TaskState
 
@@ -198,6 +201,7 @@ def show_task(c: Ctx, task: Task) -> None:
     reason = getattr(task, "pending_reason", None)
     if reason:
         rows.append(("waiting because", reason))
+    rows.extend(progress_rows(task))
     output.table(None, ["field", "value"], rows)
 
 
@@ -282,6 +286,41 @@ def _retry(
         if listed:
             retry[name] = listed
     return retry
+
+
+def progress_text(found: TaskProgress | None) -> str | None:
+    """``50% step 3 of 6 (attempt 12, 4s ago)``: what the task last said of its progress."""
+    if found is None or found.updated_at is None:
+        return None
+    said = " ".join(
+        part
+        for part in (
+            f"{found.fraction:.0%}" if found.fraction is not None else "",
+            found.message or "",
+        )
+        if part
+    )
+    return f"{said or '(no message)'} (attempt {found.attempt_id}, {output.ago(found.updated_at)})"
+
+
+def progress_rows(task: Task) -> list[tuple[str, Any]]:
+    """What ``cairn show`` says of a task's progress, checkpoint and stall bound."""
+    rows: list[tuple[str, Any]] = []
+    found = task.progress
+    said = progress_text(found)
+    if said:
+        rows.append(("progress", said))
+    if found is not None and found.checkpoint_bytes is not None:
+        rows.append(
+            (
+                "checkpoint",
+                f"{found.checkpoint_bytes} bytes from attempt {found.checkpoint_attempt_id}, "
+                f"{output.ago(found.checkpoint_at)}",
+            )
+        )
+    if task.progress_timeout_s is not None:
+        rows.append(("progress timeout", f"{task.progress_timeout_s} s without progress"))
+    return rows
 
 
 def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small commands
@@ -404,6 +443,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         c.json = c.json or as_json
         show_task(c, output.call(lambda: _get(c, task_id)))
 
+    app.command("show", help="Show one task (as get): its progress and checkpoint too.")(get)
+
     @app.command("ls")
     def list_tasks(
         ctx: typer.Context,
@@ -507,8 +548,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if follow:
             output.call(lambda: _follow_log(c, task_id, show))
             return
-        text = show(output.call(lambda: _log(c, task_id)))
+        text, task = output.call(lambda: _log(c, task_id))
+        text = show(text)
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        said = progress_text(task.progress)
+        if said:
+            output.errors.print(f"progress: {output.safe(said)}")
 
     @app.command()
     def workers(ctx: typer.Context, as_json: JsonFlag = False) -> None:
@@ -640,9 +685,9 @@ async def _events(c: Ctx, task_id: int) -> Any:
         return await core.task_events(task_id)
 
 
-async def _log(c: Ctx, task_id: int) -> str:
+async def _log(c: Ctx, task_id: int) -> tuple[str, Task]:
     async with c.core() as core:
-        return await core.log(task_id)
+        return await core.log(task_id), await core.get_task(task_id)
 
 
 def _as_is(text: str) -> str:
@@ -651,31 +696,60 @@ def _as_is(text: str) -> str:
 
 async def _follow_log(c: Ctx, task_id: int, show: Callable[[str], str]) -> None:
     """Like ``kubectl logs -f``: each attempt's lines as they are written (through
-    ``show``); between attempts (a retry), a note on stderr; back when the task is final."""
+    ``show``); between attempts (a retry), a note on stderr, and so is each new word of
+    the task's progress; back when the task is final."""
     async with c.core() as core:
-        attempt: int | None = None
-        offset = 0
-        while True:
-            end: LogEnd | None = None
-            async for item in core.follow_log(task_id, attempt, offset):
-                if isinstance(item, LogEnd):
-                    end = item
-                else:
-                    sys.stdout.write(show(item.text))
-                    sys.stdout.flush()
-                    attempt, offset = item.attempt_id, item.next_offset
-            if end is None:  # the stream broke off: go on from where it stopped
-                continue
-            if end.attempt_id is not None:
-                output.errors.print(
-                    f"attempt {end.attempt_id} ended: {output.safe(end.outcome)}; "
-                    f"task {output.state(end.task_state)}"
-                )
-            if end.task_state in FINAL or end.attempt_id is None:
-                return
-            attempt, offset = await _next_attempt(core, task_id, end.attempt_id), 0
-            if attempt is None:
-                return
+        watching = asyncio.create_task(_follow_progress(core, task_id))
+        try:
+            await _follow_pieces(core, task_id, show)
+        finally:
+            watching.cancel()
+
+
+PROGRESS_POLL_S = 2.0
+
+
+async def _follow_progress(core: CoreClient, task_id: int) -> None:
+    """Print the task's progress on stderr each time it changes."""
+    last = None
+    while True:
+        try:
+            found = (await core.get_task(task_id)).progress
+        except (httpx.HTTPError, CairnError):
+            await asyncio.sleep(PROGRESS_POLL_S)  # the log's own stream says what broke
+            continue
+        stamp = found.updated_at if found is not None else None
+        if stamp is not None and stamp != last:
+            output.errors.print(f"progress: {output.safe(progress_text(found) or '')}")
+            last = stamp
+        await asyncio.sleep(PROGRESS_POLL_S)
+
+
+async def _follow_pieces(core: CoreClient, task_id: int, show: Callable[[str], str]) -> None:
+    """Each attempt's log, through its retries, until the task is final."""
+    attempt: int | None = None
+    offset = 0
+    while True:
+        end: LogEnd | None = None
+        async for item in core.follow_log(task_id, attempt, offset):
+            if isinstance(item, LogEnd):
+                end = item
+            else:
+                sys.stdout.write(show(item.text))
+                sys.stdout.flush()
+                attempt, offset = item.attempt_id, item.next_offset
+        if end is None:  # the stream broke off: go on from where it stopped
+            continue
+        if end.attempt_id is not None:
+            output.errors.print(
+                f"attempt {end.attempt_id} ended: {output.safe(end.outcome)}; "
+                f"task {output.state(end.task_state)}"
+            )
+        if end.task_state in FINAL or end.attempt_id is None:
+            return
+        attempt, offset = await _next_attempt(core, task_id, end.attempt_id), 0
+        if attempt is None:
+            return
 
 
 async def _next_attempt(core: CoreClient, task_id: int, after: int) -> int | None:

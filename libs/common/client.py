@@ -301,7 +301,8 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST",
             f"/v1/workers/{worker_id}/turn",
-            content=body.model_dump_json(),
+            # Without progress, as a core that knows no progress notes takes it.
+            content=body.model_dump_json(exclude=None if body.progress else {"progress"}),
             timeout=httpx.Timeout(10.0 + wait, connect=2.0),
         )
         return TurnAnswer.model_validate_json(response.content)

@@ -39,6 +39,13 @@ MAX_TIME_LIMIT_S = 30 * 86400
 #: (unless its retry policy lists it under ``always``). The first code past the
 #: sysexits range (64 to 78), so no standard meaning collides with it.
 NO_RETRY_EXIT_CODE = 79
+#: a checkpoint an attempt hands to the next attempt of its task (docs/progress.md)
+MAX_CHECKPOINT_BYTES = 64 * 1024
+#: the checkpoints one turn may carry, together (the agent sends the rest in the next)
+MAX_TURN_CHECKPOINT_BYTES = 2 * 1024 * 1024
+MAX_PROGRESS_MESSAGE = 200
+#: an attempt's fencing token: ``<attempt id>.<epoch>.<32 hex digits of secret>``
+FENCING_TOKEN_PATTERN = r"^[1-9][0-9]{0,18}\.[1-9][0-9]{0,9}\.[0-9a-f]{32}$"  # noqa: S105 - a pattern, not a secret
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
@@ -240,6 +247,9 @@ class TaskCreate(_Input):
     #: owned by this team too (the submitter must belong to it): its members see and act on it
     team: TeamName | None = None
     concurrency: Concurrency | None = None
+    #: an attempt that writes no progress (nor checkpoint) for this long is ended as
+    #: ``timeout``, retried by its policy (docs/progress.md)
+    progress_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
 
     @model_validator(mode="after")
     def _starts_after_it_is_due(self) -> TaskCreate:
@@ -315,6 +325,24 @@ class BulkResult(_Output):
     refusal: str | None = None
 
 
+ProgressMessage = Annotated[
+    str, StringConstraints(max_length=MAX_PROGRESS_MESSAGE, pattern=r"^[^\x00-\x1f\x7f]*$")
+]
+
+
+class TaskProgress(_Output):
+    """What the task last said of its progress (``CAIRN_PROGRESS``), and of its latest
+    checkpoint (``CAIRN_CHECKPOINT_OUT``): by which attempt, when, how large."""
+
+    attempt_id: int
+    fraction: float | None = None
+    message: str | None = None
+    updated_at: datetime | None = None
+    checkpoint_bytes: int | None = None
+    checkpoint_attempt_id: int | None = None
+    checkpoint_at: datetime | None = None
+
+
 class Task(_Output):
     """A task as core stores it."""
 
@@ -352,6 +380,9 @@ class Task(_Output):
     #: when it ends ``dead`` if it has not started (its ``start_by``, ``max_wait_s`` or
     #: its queue's, whichever comes first)
     start_by: datetime | None = None
+    progress_timeout_s: int | None = None
+    #: its latest progress and checkpoint, when it reported any (read with the task)
+    progress: TaskProgress | None = None
 
 
 class BatchItem(_Output):
@@ -614,6 +645,12 @@ class Assignment(_Output):
     #: leased ahead (``ClaimRequest.ahead_s``): start its process at this instant (its
     #: ``run_at``, by core's clock), not before; None: start it now
     start_at: datetime | None = None
+    #: end it as ``timeout`` when it writes no progress for this long
+    progress_timeout_s: int | None = None
+    #: the latest checkpoint of its task (base64), for ``CAIRN_CHECKPOINT``
+    checkpoint: str | None = None
+    #: the attempt's fencing token, for ``CAIRN_FENCING_TOKEN`` (docs/progress.md)
+    fencing_token: str | None = None
 
 
 class ClaimAnswer(_Output):
@@ -751,14 +788,55 @@ class AttemptReport(Report):
     attempt_id: TaskId
 
 
+def _checkpoint_size(value: str | None) -> str | None:
+    if value is not None and len(value) * 3 // 4 - value[-2:].count("=") > MAX_CHECKPOINT_BYTES:
+        raise ValueError(f"a checkpoint must be at most {MAX_CHECKPOINT_BYTES} bytes")
+    return value
+
+
+Checkpoint = Annotated[
+    str,
+    StringConstraints(
+        min_length=0,
+        max_length=(MAX_CHECKPOINT_BYTES + 2) // 3 * 4,
+        pattern=r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
+    ),
+    AfterValidator(_checkpoint_size),
+]
+
+
+class ProgressNote(_Input):
+    """What a running attempt last wrote of its progress and (or) its checkpoint (base64),
+    as its agent read them (docs/progress.md). ``progress`` false: only the checkpoint
+    changed. Core keeps it while the attempt is its task's current one."""
+
+    attempt_id: TaskId
+    progress: bool = True
+    fraction: float | None = Field(default=None, ge=0, le=1)
+    message: ProgressMessage | None = None
+    checkpoint: Checkpoint | None = None
+
+
 class Turn(_Input):
     """One round trip of a worker agent: the reports of attempts that ended since its last
-    turn, the attempts it started since (acknowledged, not asked for), and the room it
-    wants filled (none: only report). Core applies it in one transaction."""
+    turn, the attempts it started since (acknowledged, not asked for), the progress its
+    running attempts wrote, and the room it wants filled (none: only report). Core
+    applies it in one transaction."""
 
     reports: list[AttemptReport] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     started: list[TaskId] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     claim: ClaimRequest | None = None
+    progress: list[ProgressNote] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
+
+    @model_validator(mode="after")
+    def _checkpoints_bounded(self) -> Turn:
+        total = sum(len(n.checkpoint or "") for n in self.progress) * 3 // 4
+        if total > MAX_TURN_CHECKPOINT_BYTES:
+            raise ValueError(
+                f"progress: checkpoints of one turn must be at most "
+                f"{MAX_TURN_CHECKPOINT_BYTES} bytes together"
+            )
+        return self
 
 
 class Starts(_Input):
@@ -785,6 +863,23 @@ class ReportVerdict(_Output):
     task_id: int | None = None
     state: TaskState | None = None
     detail: str | None = None
+
+
+class FencingCheck(_Input):
+    """Is the attempt that holds this fencing token still its task's current one?"""
+
+    token: Annotated[str, StringConstraints(max_length=64, pattern=FENCING_TOKEN_PATTERN)]
+
+
+class FencingAnswer(_Output):
+    """``current``: the attempt is its task's current attempt and still running, so a
+    write it fences may go ahead. ``epoch`` grows with each attempt of the task: a system
+    that remembers the highest epoch it accepted refuses an older one."""
+
+    current: bool
+    task_id: int
+    attempt_id: int
+    epoch: int
 
 
 class TurnAnswer(_Output):

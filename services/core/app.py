@@ -15,6 +15,7 @@ from services.core import loops
 from services.core.api import (
     audit,
     events,
+    fencing,
     principals,
     queues,
     secrets,
@@ -156,6 +157,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         teams,
         secrets,
         audit,
+        fencing,
     )
     for module in (*routers, health, metrics):
         app.include_router(module.router)

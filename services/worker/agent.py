@@ -28,11 +28,13 @@ from libs.common.client import CoreClient
 from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
 from libs.common.models import (
     MAX_STARTS,
+    MAX_TURN_CHECKPOINT_BYTES,
     MAX_TURN_ITEMS,
     MAX_WAIT_S,
     Assignment,
     AttemptReport,
     ClaimRequest,
+    ProgressNote,
     Report,
     Turn,
     TurnAnswer,
@@ -41,7 +43,7 @@ from libs.common.models import (
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
-from services.worker import hardening, outputs, pressure, state
+from services.worker import hardening, outputs, pressure, progress, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import (
     AttemptResult,
@@ -188,6 +190,17 @@ class Agent:
         self.courier: asyncio.Task[None] | None = None
         self.heard_at = -math.inf
         self.working = False
+        # Progress (docs/progress.md): each running attempt's files as last seen, what
+        # they said that core has not heard yet, the one loop that looks at them, and
+        # when progress last went to core (a turn of its own goes at most once per
+        # ``worker_progress_interval_s``; it rides on every other turn).
+        self.watches: dict[int, progress.Watch] = {}
+        self.notes: dict[int, ProgressNote] = {}
+        self.watcher: asyncio.Task[None] | None = None
+        self.noted_at = -math.inf
+        self.noting: asyncio.TimerHandle | None = None
+        self.noter: asyncio.Task[TurnAnswer | None] | None = None
+        self.stalling: set[asyncio.Task[AttemptResult]] = set()
 
     # --- lifecycle ---
 
@@ -216,6 +229,8 @@ class Agent:
         finally:
             if self.releasing:
                 await asyncio.wait(set(self.releasing), timeout=30)
+            if self.noting is not None:
+                self.noting.cancel()  # every attempt has ended: its notes went with its report
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
@@ -387,15 +402,17 @@ class Agent:
     async def _turn(self, room: ClaimRequest | None) -> TurnAnswer | None:
         """One round trip; None when it failed (its reports and starts go again)."""
         items = self._take()
+        notes = self._take_notes({o.report.attempt_id for o in items})
         # An attempt reported in this turn needs no acknowledgement of its start.
         started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
-        body = Turn(reports=[o.report for o in items], started=started, claim=room)
+        body = Turn(reports=[o.report for o in items], started=started, claim=room, progress=notes)
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         try:
             answer = await self.client.turn(worker, body)
         except asyncio.CancelledError:
             self._put_back(items)
+            self._put_back_notes(notes)
             self.started.update(started)
             raise
         except NotFound as exc:
@@ -405,6 +422,7 @@ class Agent:
         except (httpx.TransportError, CairnError) as exc:
             log.warning("turn failed: %s", exc)
             self._put_back(items)
+            self._put_back_notes(notes)
             self.started.update(started)
             return None
         if worker == self.worker_id:
@@ -437,6 +455,52 @@ class Agent:
             self.sending[attempt_id] = out
             taken.append(out)
         return taken
+
+    def _take_notes(self, reported: set[int]) -> list[ProgressNote]:
+        """The progress notes this turn carries: those of the attempts it reports (their
+        last words, which core takes only before the report), then the others, within
+        a turn's bounds."""
+        if not self.notes:
+            return []
+        order = sorted(self.notes, key=lambda a: a not in reported)
+        budget = MAX_TURN_CHECKPOINT_BYTES // 3 * 4
+        taken: list[ProgressNote] = []
+        for attempt_id in order[:MAX_TURN_ITEMS]:
+            size = len(self.notes[attempt_id].checkpoint or "")
+            if size > budget:
+                continue
+            budget -= size
+            taken.append(self.notes.pop(attempt_id))
+        self.noted_at = asyncio.get_running_loop().time()
+        if self.notes:
+            self._note_soon()
+        return taken
+
+    def _put_back_notes(self, notes: list[ProgressNote]) -> None:
+        for note in notes:
+            newer = self.notes.get(note.attempt_id)
+            self.notes[note.attempt_id] = note if newer is None else progress.merge(note, newer)
+        if notes:
+            self._note_soon()
+
+    def _note_soon(self) -> None:
+        """Send what the attempts wrote in a turn of its own, unless another turn takes
+        it first: at most once per ``worker_progress_interval_s``."""
+        if self.noting is not None or not self.notes:
+            return
+        loop = asyncio.get_running_loop()
+        due = self.noted_at + self.settings.worker_progress_interval_s
+        self.noting = loop.call_at(max(loop.time(), due), self._send_notes)
+
+    def _send_notes(self) -> None:
+        self.noting = None
+        if not self.notes:
+            return
+        if self.noter is not None and not self.noter.done():
+            self.noted_at = asyncio.get_running_loop().time()
+            self._note_soon()
+            return
+        self.noter = asyncio.create_task(self._turn(None))
 
     def _put_back(self, items: list[Outgoing]) -> None:
         for out in items:
@@ -751,8 +815,10 @@ class Agent:
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, handle.log)
+        self._watch(attempt, spec.workdir, spec.progress_timeout_s)
         try:
             result = await handle.wait()
+            self._look(attempt, self.watches.get(attempt))  # its last words
             self.timings.mark(attempt, "exited")
             await self.host.stop_leftovers(prepared)
             # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
@@ -761,12 +827,62 @@ class Agent:
             self._publish()
             await self.logs.finish(attempt)  # the rest of its log, before the report
         finally:
+            self.watches.pop(attempt, None)
             handle.log.close()
         report = outputs.attach(report_of(result), spec.workdir)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})
         return report
+
+    # --- progress (docs/progress.md) ---
+
+    def _watch(self, attempt_id: int, workdir: Path, stall_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        self.watches[attempt_id] = progress.Watch(workdir, loop.time(), stall_s)
+        if self.watcher is None or self.watcher.done():
+            self.watcher = asyncio.create_task(self._watch_all())
+
+    async def _watch_all(self) -> None:
+        """Look at every running attempt's progress files on a timer, while any runs;
+        end an attempt that has stalled."""
+        loop = asyncio.get_running_loop()
+        while self.watches:
+            await asyncio.sleep(self.settings.worker_progress_poll_s)
+            for attempt_id, watch in list(self.watches.items()):
+                self._look(attempt_id, watch)
+                if watch.stalled(loop.time()):
+                    watch.stall_s = None
+                    self._stall(attempt_id)
+
+    def _look(self, attempt_id: int, watch: progress.Watch | None) -> None:
+        if watch is None:
+            return
+        try:
+            note, problems = watch.look(attempt_id, asyncio.get_running_loop().time())
+        except Exception:
+            log.exception("attempt %s's progress files could not be read", attempt_id)
+            return
+        entry = self.running.get(attempt_id)
+        handle = entry[1] if entry else None
+        for problem in problems:
+            if handle is not None:
+                handle.log.note(f"cairn: {problem}: ignored, the last good one is kept\n")
+        if note is not None:
+            self.notes[attempt_id] = progress.merge(self.notes.get(attempt_id), note)
+            self._note_soon()
+
+    def _stall(self, attempt_id: int) -> None:
+        entry = self.running.get(attempt_id)
+        handle = entry[1] if entry else None
+        if handle is None or handle.done:
+            return
+        log.info(
+            "attempt %s stalled: no progress for %s s", attempt_id, handle.spec.progress_timeout_s
+        )
+        stopping = asyncio.create_task(handle.terminate(handle.spec.kill_grace_s, why="stalled"))
+        self.stalling.add(stopping)
+        stopping.add_done_callback(self.stalling.discard)
 
     async def _hold(self, attempt: int, until: float) -> str:
         """Wait until the wall clock's ``until`` on an event-loop timer: ``start``, or what

@@ -40,7 +40,7 @@ from services.worker.logfile import AttemptLog
 from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed"]
-StopReason = Literal["timeout", "terminated", "cancelled", "preempted"]
+StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
@@ -77,6 +77,9 @@ class AttemptSpec:
     input_path: str | None = None
     output_path: str | None = None
     timeout_s: float | None = None
+    #: no progress written for this long ends it as ``timeout`` (the agent watches:
+    #: ``RunningAttempt.terminate(why="stalled")``, docs/progress.md)
+    progress_timeout_s: float | None = None
     memory_mb: int | None = None
     cpu: float | None = None
     kill_grace_s: float = 5.0
@@ -224,6 +227,11 @@ def _judge(
 ) -> tuple[Outcome, str | None]:
     if stopped == "timeout":
         return "timeout", f"timed out after {spec.timeout_s:g} s"
+    if stopped == "stalled":
+        return (
+            "timeout",
+            f"stalled: no progress for {spec.progress_timeout_s:g} s (progress_timeout_s)",
+        )
     if stopped is not None:
         return "killed", f"{stopped} by the worker"
     if signum is not None:

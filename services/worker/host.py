@@ -8,11 +8,12 @@ import asyncio
 import logging
 import os
 import resource
+from base64 import b64decode
 from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.models import Assignment
-from services.worker import outputs, spawner
+from services.worker import outputs, progress, spawner
 from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
@@ -168,6 +169,9 @@ class Host:
                     assignment.attempt_id, resources.memory_mb, resources.cpu, pids_max
                 )
             spec = self._spec(assignment, folders, identity, group, slot)
+            if assignment.checkpoint is not None:
+                data = b64decode(assignment.checkpoint)
+                await asyncio.to_thread(progress.place_checkpoint, folders.home, data, identity)
         except BaseException:
             log_path = self._log_path(assignment)
             await self._undo(folders, identity, group, slot, log_path, never_ran=True)
@@ -256,10 +260,16 @@ class Host:
             attempt_id=assignment.attempt_id,
             attempt_number=assignment.attempt_number,
             args=assignment.args,
-            env=outputs.with_path(assignment.env, folders.home),
+            env=progress.with_paths(
+                outputs.with_path(assignment.env, folders.home),
+                folders.home,
+                assignment,
+                self.settings.url,
+            ),
             input_path=assignment.input_path,
             output_path=assignment.output_path,
             timeout_s=assignment.timeout_s,
+            progress_timeout_s=assignment.progress_timeout_s,
             memory_mb=assignment.resources.memory_mb,
             cpu=assignment.resources.cpu,
             sandbox=sandbox,

@@ -26,7 +26,8 @@ _OUTPUTS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(Outputs)
 
 
 class OutputsError(Exception):
-    """The outputs file is not a JSON object within the bounds."""
+    """A file the attempt wrote is not what it should be (the outputs file: a JSON
+    object within the bounds)."""
 
 
 def with_path(env: Mapping[str, str], workdir: Path) -> dict[str, str]:
@@ -34,21 +35,31 @@ def with_path(env: Mapping[str, str], workdir: Path) -> dict[str, str]:
     return {**env, ENV: str(workdir / FILE)}
 
 
-def read(workdir: Path) -> dict[str, JsonValue] | None:
-    """The outputs the attempt wrote, or None when it wrote no file."""
+def read_bounded(path: Path, limit: int, name: str) -> bytes | None:
+    """A file an attempt wrote (its variable ``name`` says where), or None when there is
+    none; ``OutputsError`` when it is not a regular file of one link or is over ``limit``
+    bytes. Never follows a symbolic link, never blocks on a FIFO."""
     try:
-        fd = os.open(workdir / FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise OutputsError(f"{ENV}: cannot be opened ({exc.strerror})") from None
+        raise OutputsError(f"{name}: cannot be opened ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise OutputsError(f"{ENV}: not a regular file")
-        data = f.read(MAX_OUTPUTS_BYTES + 1)
-    if len(data) > MAX_OUTPUTS_BYTES:
-        raise OutputsError(f"{ENV}: larger than {MAX_OUTPUTS_BYTES} bytes")
+            raise OutputsError(f"{name}: not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OutputsError(f"{name}: larger than {limit} bytes")
+    return data
+
+
+def read(workdir: Path) -> dict[str, JsonValue] | None:
+    """The outputs the attempt wrote, or None when it wrote no file."""
+    data = read_bounded(workdir / FILE, MAX_OUTPUTS_BYTES, ENV)
+    if data is None:
+        return None
     try:
         return _OUTPUTS.validate_python(json.loads(data))
     except (ValueError, ValidationError) as exc:

@@ -64,6 +64,11 @@ class WorkerSettings(WorkerOfferSettings):
     #: says how much was dropped): the same variable and rule as core's copy
     #: (``CAIRN_LOG_MAX_BYTES``, ``libs.common.loglimit``), so the file holds what core keeps
     log_max_bytes: LogMaxBytes = DEFAULT_LOG_MAX_BYTES
+    #: progress and checkpoints (docs/progress.md): how often running attempts' progress
+    #: files are looked at, and how often at most what they wrote is sent to core on its
+    #: own (it rides along on every other turn)
+    worker_progress_poll_s: float = Field(default=1.0, gt=0, le=60)
+    worker_progress_interval_s: float = Field(default=5.0, ge=0.05, le=300)
     #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
     worker_timings_file: Path | None = None
 

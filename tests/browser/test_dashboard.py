@@ -132,3 +132,23 @@ def test_a_tasks_page_shows_its_policy(page: Page, system: System) -> None:
     expect(page.locator("#task-retry")).to_have_text(
         "poison after 3 crashes within 2.0 h · never retried: exit 3 · always retried: signal 15"
     )
+
+
+def test_a_running_tasks_page_shows_its_progress_and_checkpoint(page: Page, system: System) -> None:
+    with client(system, system.core.url, "alice") as alice:
+        body = spec(name="long-import", args=["hold"], progress_timeout_s=600)
+        task = alice.post("/v1/tasks", json=body).json()
+        wait_for(lambda: alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "running")
+        attempt = alice.get(f"/v1/tasks/{task['id']}").json()["current_attempt_id"]
+    worker = system.worker
+    note = {"attempt_id": attempt, "fraction": 0.4, "message": "step 2 of 5", "checkpoint": "AAEC"}
+    with httpx.Client(base_url=system.core.url, headers=worker.http.headers, timeout=10) as w:
+        w.post(f"/v1/workers/{worker.id}/turn", json={"progress": [note]}).raise_for_status()
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/tasks/{task['id']}")
+    shown = page.locator("#task-progress")
+    expect(shown).to_contain_text(f"40% step 2 of 5 · attempt {attempt}")
+    expect(shown).to_contain_text("ends after 600 s without progress")
+    expect(shown.locator(".bar")).to_be_visible()
+    expect(page.locator("#task-checkpoint")).to_contain_text(f"3 bytes from attempt {attempt}")
+    screenshot(page, "task-progress")

@@ -46,7 +46,7 @@ from services.core.api.deps import (
     Submitting,
     TaskIdPath,
 )
-from services.core.db import placement, sharing
+from services.core.db import placement, progress, sharing
 from services.core.db import tasks as tasks_db
 from services.core.domain import limits
 from services.core.ops import tasklogs
@@ -280,9 +280,11 @@ async def cancel_tasks(
 
 @router.get("/{task_id}", response_model=Task, responses=PROBLEMS)
 async def get_task(task: OwnedTask, engine: Engine, request: Request) -> Response:
-    """The task; one that is not running says why in ``pending_reason``."""
+    """The task; one that is not running says why in ``pending_reason``; one that
+    reported progress says what in ``progress``."""
     async with engine.connect() as conn:
         [task] = await placement.with_pending_reasons(conn, [task], _defaults(request))
+        [task] = await progress.with_progress(conn, [task])
     return _json(task)
 
 
@@ -349,6 +351,7 @@ async def list_tasks(
     async with engine.connect() as conn:
         items = await tasks_db.list_tasks(conn, where, before, limit)
         items = await placement.with_pending_reasons(conn, items, _defaults(request))
+        items = await progress.with_progress(conn, items)
     next_cursor = encode_cursor(items[-1].id) if len(items) == limit else None
     return _json(TaskPage(items=items, next_cursor=next_cursor))
 

@@ -9,6 +9,7 @@ sources of each op.
 
 from __future__ import annotations
 
+from base64 import b64encode
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -202,14 +203,17 @@ WITH moved AS (
     RETURNING t.*, t.current_attempt_id AS attempt_id,
               1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
                   AS attempt_number,
-              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state
+              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state,
+              -- the fencing secret (gen_random_uuid: PostgreSQL's strong random source);
+              -- the attempt keeps only its digest
+              replace(CAST(gen_random_uuid() AS text), '-', '') AS fence
 ), leased AS (
     INSERT INTO core.attempts (
         id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key,
-        started_at
+        fence_sha256, started_at
     ) OVERRIDING SYSTEM VALUE
     SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
-           concurrency_key,
+           concurrency_key, sha256(convert_to(fence, 'UTF8')),
            -- leased ahead: it starts at its run_at, and every deadline counts from then
            CASE WHEN from_state = '{S.READY}' THEN GREATEST(now(), run_at) ELSE now() END
     FROM moved
@@ -221,7 +225,9 @@ WITH moved AS (
 -- built from these, and every column more is decoded for each lease.
 SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
        memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
-       charge_cpu, charge_memory_mb,
+       charge_cpu, charge_memory_mb, progress_timeout_s, fence,
+       -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
+       (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
        GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
        CASE WHEN from_state = '{S.READY}' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
@@ -462,6 +468,31 @@ async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
     return await sharing.gate(conn, tasks, quotas, lock=True, team_quotas=team_quotas)
 
 
+def fencing_token(attempt_id: int, number: int, secret: str) -> str:
+    """An attempt's fencing token: its id, its epoch (the attempt's number, which grows
+    with each attempt of its task) and its secret, whose digest the attempt keeps."""
+    return f"{attempt_id}.{number}.{secret}"
+
+
+# Whether the attempt holding a fencing token is its task's current one, still running:
+# found by the attempt's id and the digest of the token's secret (a wrong secret finds
+# nothing, the same as a missing attempt).
+_FENCE = text(f"""
+SELECT a.task_id, a.id AS attempt_id, a.number AS epoch,
+       a.outcome IS NULL AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
+           AS current
+FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.id = :attempt AND a.number = :epoch AND a.fence_sha256 = sha256(convert_to(:secret, 'UTF8'))
+""")
+
+
+async def fence(conn: AsyncConnection, attempt_id: int, epoch: int, secret: str) -> Any | None:
+    """The attempt a fencing token names, with whether it is current; None when no
+    attempt holds that token."""
+    params = {"attempt": attempt_id, "epoch": epoch, "secret": secret}
+    return (await conn.execute(_FENCE, params)).first()
+
+
 def _assignment(row: Any) -> Assignment:
     """The lease as the worker gets it, from the claim's row. Built without validating
     again what the submission validated (the claim's hot loop: one per attempt)."""
@@ -482,6 +513,9 @@ def _assignment(row: Any) -> Assignment:
         traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
         preemptible=row.preemptible,
         start_at=row.start_at,
+        progress_timeout_s=row.progress_timeout_s,
+        checkpoint=b64encode(row.checkpoint).decode() if row.checkpoint is not None else None,
+        fencing_token=fencing_token(row.attempt_id, row.attempt_number, row.fence),
     )
 
 
@@ -858,10 +892,15 @@ async def report_many(
     return await applied(conn, settled)
 
 
-async def finish_and_pick(conn: AsyncConnection, settled: Settled, asked: Ask | None) -> list[Any]:
-    """A turn's second round trip: the reports applied, then the claim's pick (after
-    them, so it sees the room they made): the rows picked."""
-    chain = settled.statements() + ([asked.statement()] if asked is not None else [])
+async def finish_and_pick(
+    conn: AsyncConnection,
+    settled: Settled,
+    asked: Ask | None,
+    first: Sequence[pipeline.Statement] = (),
+) -> list[Any]:
+    """A turn's second round trip: ``first`` (its progress notes), the reports applied,
+    then the claim's pick (after them, so it sees the room they made): the rows picked."""
+    chain = [*first, *settled.statements()] + ([asked.statement()] if asked is not None else [])
     if not chain:
         return []
     found = await pipeline.run(conn, chain)

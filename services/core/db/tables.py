@@ -243,6 +243,8 @@ tasks = Table(
     ),
     # The retry policy's never/always causes (RetryPolicy), NULL when it lists none.
     Column("retry_causes", JSONB),
+    # No new progress for this long ends the attempt as timed out (docs/progress.md).
+    Column("progress_timeout_s", Integer),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -253,6 +255,9 @@ tasks = Table(
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
+    CheckConstraint(
+        "progress_timeout_s IS NULL OR progress_timeout_s > 0", name="progress_timeout_positive"
+    ),
     CheckConstraint(
         f"state <> '{S.RUNNING}' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
     ),
@@ -405,6 +410,8 @@ attempts = Table(
     Column("outputs", JSONB),
     # The signal that killed it, when its worker did not send it (a ``crashed`` report).
     Column("signal", SmallInteger),
+    # sha-256 of the attempt's fencing secret (its token: docs/progress.md)
+    Column("fence_sha256", LargeBinary),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),
@@ -427,6 +434,29 @@ attempts = Table(
         "started_at",
         postgresql_where=text("concurrency_key IS NOT NULL"),
     ),
+)
+
+# A task's latest progress and checkpoint (docs/progress.md): one row per task that
+# reported any, written by its current attempt's worker, kept across its attempts.
+task_progress = Table(
+    "task_progress",
+    metadata,
+    Column(
+        "task_id",
+        BigInteger,
+        ForeignKey("tasks.id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("attempt_id", BigInteger, nullable=False),
+    Column("fraction", Double),
+    Column("message", Text),
+    Column("progress_at", DateTime(timezone=True)),
+    Column("checkpoint", LargeBinary),
+    Column("checkpoint_attempt_id", BigInteger),
+    Column("checkpoint_at", DateTime(timezone=True)),
+    CheckConstraint("fraction IS NULL OR fraction BETWEEN 0 AND 1", name="fraction"),
+    CheckConstraint("char_length(message) <= 200", name="message_size"),
+    CheckConstraint("octet_length(checkpoint) <= 65536", name="checkpoint_size"),
 )
 
 usage = Table(

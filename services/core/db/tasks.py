@@ -65,7 +65,7 @@ TASK_COLUMNS = """
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
-    start_by, poison_window_s, retry_causes
+    start_by, poison_window_s, retry_causes, progress_timeout_s
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -96,7 +96,7 @@ WITH input AS (
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
-        poison_window_s double precision, retry_causes jsonb
+        poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -144,7 +144,7 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        start_by, poison_window_s, retry_causes, state
+        start_by, poison_window_s, retry_causes, progress_timeout_s, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -154,7 +154,7 @@ WITH input AS (
         concurrency_limit, vtime,
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
-        poison_window_s, retry_causes,
+        poison_window_s, retry_causes, progress_timeout_s,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -518,6 +518,7 @@ _LATER_FIELDS: dict[str, object] = {
     "concurrency": None,
     "start_by": None,
     "max_wait_s": None,
+    "progress_timeout_s": None,
 }
 _LATER_RETRY_FIELDS: dict[str, object] = {
     "poison_window_s": None,
@@ -583,6 +584,7 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "team": spec.team,
         "concurrency_key": spec.concurrency.key if spec.concurrency else None,
         "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
+        "progress_timeout_s": spec.progress_timeout_s,
     }
 
 
@@ -715,6 +717,7 @@ def task_from_row(m: Any) -> Task:
         concurrency=(
             {"key": m.concurrency_key, "limit": m.concurrency_limit} if m.concurrency_key else None
         ),
+        progress_timeout_s=m.progress_timeout_s,
     )
 
 

@@ -28,6 +28,7 @@ from libs.common.states import TaskState, Workers
 from services.core import traces
 from services.core.db import attempts as attempts_db
 from services.core.db import placement, secrets
+from services.core.db import progress as progress_db
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Waiter, Work
@@ -101,7 +102,8 @@ async def turn(
                 conn, worker_id, body.reports, heard.reported, _masker(ops)
             )
             asked = _ask(ops, heard, body.claim, settled.closing)
-            picked = await attempts_db.finish_and_pick(conn, settled, asked)
+            notes = progress_db.noted(worker_id, body.progress)
+            picked = await attempts_db.finish_and_pick(conn, settled, asked, notes)
             verdicts, ended = await attempts_db.applied(conn, settled)
             leased, lease_tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard)

@@ -75,6 +75,22 @@ function table(headers, rows) {
     h("tbody", {}, rows.length ? rows : h("tr", {}, h("td", { colspan: headers.length, class: "muted" }, "nothing here"))));
 }
 
+// What the task last wrote to CAIRN_PROGRESS (docs/progress.md), and its stall bound.
+function progressOf(task) {
+  const p = task.progress;
+  const bound = task.progress_timeout_s ? ` · ends after ${task.progress_timeout_s} s without progress` : "";
+  if (!p || !p.updated_at) return `—${bound}`;
+  const said = [p.fraction !== null ? `${Math.round(p.fraction * 100)}%` : "", p.message || ""].filter(Boolean).join(" ");
+  const label = `${said || "(no message)"} · attempt ${p.attempt_id}, ${when(p.updated_at)}${bound}`;
+  return p.fraction !== null ? bar(p.fraction, 1, label) : label;
+}
+
+function checkpointOf(task) {
+  const p = task.progress;
+  if (!p || p.checkpoint_bytes === null) return "—";
+  return `${p.checkpoint_bytes} bytes from attempt ${p.checkpoint_attempt_id}, ${when(p.checkpoint_at)}`;
+}
+
 function bar(used, total, label) {
   const share = total > 0 ? Math.min(1, used / total) : 0;
   const el = h("span", { class: used > total ? "bar over" : "bar", title: label });
@@ -338,6 +354,8 @@ async function taskPage(main, id) {
         h("dt", {}, "timeout"), h("dd", { id: "task-timeout" }, task.timeout_s === null ? "none" : `${task.timeout_s} s`),
         h("dt", {}, "start by"), h("dd", { id: "task-start-by" }, task.start_by ? when(task.start_by) : "—"),
         h("dt", {}, "retry policy"), h("dd", { id: "task-retry" }, retryPolicy(task.retry)),
+        h("dt", {}, "progress"), h("dd", { id: "task-progress" }, progressOf(task)),
+        h("dt", {}, "checkpoint"), h("dd", { id: "task-checkpoint" }, checkpointOf(task)),
         h("dt", {}, "last error"), h("dd", {}, task.last_error || "—"),
         h("dt", {}, "labels"), h("dd", {}, labels.length ? labels.map(([k, v]) => `${k}=${v}`).join(", ") : "—"),
         run ? [h("dt", {}, "workflow run"), h("dd", {}, h("a", { href: `#/runs/${run}` }, `run ${run}`))] : null,
