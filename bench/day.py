@@ -119,6 +119,19 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def relations(db: psycopg.Connection[Any]) -> dict[str, float]:
+    """The 15 largest tables (with their indexes and TOAST), in MB."""
+    return {
+        name: round(size / 2**20, 2)
+        for name, size in db.execute(
+            "SELECT n.nspname || '.' || c.relname, pg_total_relation_size(c.oid)"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relkind = 'r' AND n.nspname NOT IN ('pg_catalog', 'information_schema')"
+            " ORDER BY 2 DESC LIMIT 15"
+        ).fetchall()
+    }
+
+
 def spawn(module: str, env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", module], env={**os.environ, **env}, cwd=HERE.parent
@@ -287,6 +300,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "live_tasks": d["tables"].get("tasks", {}).get("live"),
                         "errors": c.errors,
                     }
+                    if not out.get("relations_first_minute") and point["t_s"] >= 60:
+                        out["relations_first_minute"] = relations(db)
                     out["samples"].append(point)
                     print(json.dumps(point), flush=True)
                 await flows
@@ -294,14 +309,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 cron_proc = procs[-2]
                 cron_proc.send_signal(signal.SIGTERM)
                 cron_proc.wait(30)
+                fired = [
+                    task_id
+                    for (task_id,) in db.execute(
+                        "SELECT task_id FROM cron.fires WHERE outcome = 'submitted'"
+                    ).fetchall()
+                ]
                 deadline = time.monotonic() + 180
                 while time.monotonic() < deadline:
+                    unhanded = set(fired) - Seen.by_kind.get("cron", set())
                     open_runs = db.execute(
                         "SELECT count(*) FROM dag.runs WHERE id = ANY(%s)"
                         " AND state NOT IN ('succeeded', 'failed', 'cancelled')",
                         (runs,),
                     ).fetchone()
-                    if c.reported >= sum(Seen.handed.values()) and not (open_runs or [0])[0]:
+                    if (
+                        c.reported >= sum(Seen.handed.values())
+                        and not (open_runs or [0])[0]
+                        and not unhanded
+                    ):
                         break
                     await asyncio.sleep(1)
                 await asyncio.sleep(2)
@@ -326,18 +352,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     ),
                     "errors": dict(run_errors),
                 }
-                fired = [
-                    task_id
-                    for (task_id,) in db.execute(
-                        "SELECT task_id FROM cron.fires WHERE outcome = 'submitted'"
-                    ).fetchall()
-                ]
                 out["cron"] = {
                     "fires": dict(
                         db.execute("SELECT outcome, count(*) FROM cron.fires GROUP BY 1").fetchall()
                     ),
                     "not_handed": sum(1 for t in fired if t not in Seen.by_kind.get("cron", set())),
                 }
+                out["relations_end"] = relations(db)
                 out["errors"], out["why"] = c.errors, c.why
         finally:
             for proc in reversed(procs):
