@@ -449,6 +449,10 @@ class WorkerRegister(_Input):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     cpu: float = Field(gt=0, le=4096)
     memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
+    #: the agent turns at least every eighth of ``agent_hang_timeout_s`` (keep-alive turns
+    #: when it claims nothing), so core may declare it dead when it takes no turn for the
+    #: bound; agents from before leave it unset, and only their heartbeats count
+    hang_watch: bool = False
 
 
 class Worker(_Output):
@@ -463,8 +467,9 @@ class Worker(_Output):
     registered_at: datetime
     last_heartbeat_at: datetime
     #: the agent's own last turn, as stored: turns rewrite it only once it is older than
-    #: a quarter of the shorter liveness bound (so it lags by up to that)
-    last_turn_at: datetime
+    #: a quarter of the shorter liveness bound (so it lags by up to that); None for an
+    #: agent that registered without ``hang_watch``
+    last_turn_at: datetime | None = None
     used_cpu: float = 0
     used_memory_mb: int = 0
     running: int = 0

@@ -216,6 +216,7 @@ class Agent:
             labels=self.settings.labels,
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
+            hang_watch=True,  # ``_pulse``: a turn at least every eighth of the bound
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -269,7 +269,8 @@ class Tally:
 # The worker is heard (a turn, a claim): the attempts it says it started marked seen, and
 # its liveness times refreshed only when older than ``fresh_s`` (``domain.workers.
 # turn_fresh_s``), so an idle turn of a fresh worker writes nothing: no transaction id, no
-# WAL flush at commit. Either way the row comes back in this one round trip. The reaper's
+# WAL flush at commit. Either way the row comes back in this one round trip. (LEAST skips
+# a NULL ``last_turn_at``: an agent registered without ``hang_watch`` keeps it NULL.) The reaper's
 # dead-declaration locks the row and re-checks the silence; a fresh row cannot meet it,
 # and a stale one is locked here until commit. A lease locks the row too (``_CLAIM``), so
 # work is never leased to a worker the reaper buried meanwhile.
@@ -278,7 +279,9 @@ WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
     WHERE id = ANY(CAST(:started AS bigint[])) AND worker_id = :worker AND outcome IS NULL
 ), stale AS (
-    UPDATE core.workers SET last_heartbeat_at = now(), last_turn_at = now()
+    UPDATE core.workers
+    SET last_heartbeat_at = now(),
+        last_turn_at = CASE WHEN last_turn_at IS NOT NULL THEN now() END
     WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
       AND LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s)
     RETURNING *

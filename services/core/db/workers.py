@@ -107,6 +107,7 @@ async def register(
             cpu=offer.cpu,
             memory_mb=offer.memory_mb,
             lease_sha256=lease_digest(lease),
+            last_turn_at=func.now() if offer.hang_watch else None,
         )
         .returning(workers)
     )

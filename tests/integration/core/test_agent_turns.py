@@ -17,7 +17,9 @@ import pytest
 from tests.support import Core, register_worker, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
-OFFER = {"hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
+OFFER = {
+    "hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384, "hang_watch": True,
+}  # fmt: skip
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 1}
 
 
@@ -156,16 +158,20 @@ def test_core_buries_a_worker_whose_agent_takes_no_turn_while_its_sidecar_beats(
     )  # fmt: skip
     stop = threading.Event()
     try:
-        with core.client("w", "worker") as http:
+        with core.client("w", "worker") as http, core.client("old", "worker") as old_http:
             worker_id = register_worker(http, OFFER)
             _, attempt = _leased(core, http, worker_id)
+            # An agent from before keep-alive turns: only its heartbeats count.
+            unwatched = register_worker(old_http, {**OFFER, "hang_watch": False})
+            _turn(old_http, unwatched, claim=ROOM)
 
-            def sidecar() -> None:
+            def sidecars() -> None:
                 while not stop.wait(0.2):
                     body = {"attempts": [attempt]}
                     http.post(f"/v1/workers/{worker_id}/heartbeat", json=body, timeout=5)
+                    old_http.post(f"/v1/workers/{unwatched}/heartbeat", json={}, timeout=5)
 
-            beating = threading.Thread(target=sidecar, daemon=True)
+            beating = threading.Thread(target=sidecars, daemon=True)
             beating.start()
             wait_for(lambda: _row(db, worker_id)[3] == "dead", timeout=15)
             stop.set()
@@ -179,6 +185,8 @@ def test_core_buries_a_worker_whose_agent_takes_no_turn_while_its_sidecar_beats(
         outcome, error, state, crashes = _loss(db, attempt)
         assert (outcome, state, crashes) == ("lost", "failed", 1)
         assert error == f"its worker {worker_id}'s agent took no turn for 2 s (hung)"
+        _, last_turn, _, old_state = _row(db, unwatched)
+        assert (last_turn, old_state) == (None, "live")
     finally:
         stop.set()
         core.stop()

@@ -1,6 +1,7 @@
 """When a worker's agent last took a turn (claim, report, keep-alive), apart from its
 sidecar's heartbeat: core declares a worker dead whose agent has not turned for
-``CAIRN_AGENT_HANG_TIMEOUT_S`` even while its sidecar beats.
+``CAIRN_AGENT_HANG_TIMEOUT_S`` even while its sidecar beats (agents that register with
+``hang_watch``; NULL for the others).
 
 Revision ID: 0015_agent_turns
 Revises: 0012_leader
@@ -18,11 +19,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # Rows of workers present now start counting from the upgrade.
-    op.execute(
-        "ALTER TABLE core.workers ADD COLUMN last_turn_at TIMESTAMP WITH TIME ZONE"
-        " DEFAULT now() NOT NULL"
-    )
+    # NULL: an agent that does not promise keep-alive turns (registered before this, or
+    # without ``hang_watch``); only its heartbeats count.
+    op.execute("ALTER TABLE core.workers ADD COLUMN last_turn_at TIMESTAMP WITH TIME ZONE")
 
 
 def downgrade() -> None:
