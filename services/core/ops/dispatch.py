@@ -331,9 +331,8 @@ async def reap(
     without a break."""
     async with engine.begin() as conn:
         await workers_db.answer(conn)
-        heard_for = hearing()
         changed, tally = await workers_db.reap(
-            conn, timeout_s, hang_s=hang_s, heard_for_s=heard_for
+            conn, timeout_s, hang_s=hang_s, heard_for_s=hearing()
         )
     if meter is not None:
         meter.count(tally)
