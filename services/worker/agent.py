@@ -136,8 +136,9 @@ def vouches(
 
 def pulse_every(hang_s: float) -> float:
     """How often the agent's loop marks its pulse (``state.Board.pulse``) and sees whether
-    a keep-alive turn is due: often, against the hang bound the sidecar and core watch."""
-    return min(1.0, hang_s / 64)
+    a keep-alive turn is due: often against the hang bound the sidecar and core watch
+    (4.7 s at the default), seldom enough that an idle agent's own wake-ups cost nothing."""
+    return hang_s / 64
 
 
 def keepalive_after(hang_s: float) -> float:
