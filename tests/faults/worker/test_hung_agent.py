@@ -98,3 +98,28 @@ def test_an_agent_stopped_while_its_sidecar_runs_has_its_attempt_killed_and_lost
 
 def _state(alice: Any, task_id: int) -> str:
     return str(alice.get(f"/v1/tasks/{task_id}").json()["state"])
+
+
+def test_a_hung_agents_task_with_no_attempt_left_is_dead_and_its_sidecar_ends_with_it(
+    core: Core, db: DB, tmp_path: Path, workers: list[subprocess.Popen[bytes]]
+) -> None:
+    agent = start_worker(core, tmp_path / "w", workers)
+    wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
+    sidecar = wait_for(lambda: _sidecar_of(agent.pid), timeout=30)
+    pidfile = shared_dir() / "pid"
+    body = shell(f"echo $$ > {pidfile}; sleep 600", retry={"max_attempts": 1})
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=body).json()["id"]
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
+        orphan = int(pidfile.read_text())
+        agent.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not base._alive(orphan), timeout=HANG_S)
+        wait_for(lambda: _state(alice, task) == "dead", timeout=HANG_S)
+        final = alice.get(f"/v1/tasks/{task}").json()
+    assert "agent hung" in final["last_error"]
+    assert [s for _, s in _workers(db)] == ["dead"]
+    # Killed while stopped, the agent takes its sidecar with it (its pidfd wakes it).
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    wait_for(lambda: not base._alive(sidecar), timeout=10)
+    assert [s for _, s in _workers(db)] == ["dead"]  # no last word turned it into "left"
