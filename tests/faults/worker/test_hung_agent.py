@@ -4,6 +4,7 @@ attempt and retries its task; the agent, woken, joins afresh and the task comple
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,13 +37,14 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
     server.stop()
 
 
-def _sidecar_of(agent: int) -> int:
-    """The agent's sidecar, among its children."""
+def _sidecar_of(agent: int) -> int | None:
+    """The agent's sidecar, among its children (None before it started)."""
     children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
     for child in map(int, children):
-        if b"services.worker.sidecar" in Path(f"/proc/{child}/cmdline").read_bytes():
-            return child
-    raise AssertionError(f"agent {agent} has no sidecar")
+        with contextlib.suppress(FileNotFoundError):
+            if b"services.worker.sidecar" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
 
 
 def _workers(db: DB) -> list[tuple[Any, ...]]:
