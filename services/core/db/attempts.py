@@ -273,7 +273,9 @@ class Tally:
 # a NULL ``last_turn_at``: an agent registered without ``hang_watch`` keeps it NULL.) The reaper's
 # dead-declaration locks the row and re-checks the silence; a fresh row cannot meet it,
 # and a stale one is locked here until commit. A lease locks the row too (``_CLAIM``), so
-# work is never leased to a worker the reaper buried meanwhile.
+# work is never leased to a worker the reaper buried meanwhile. Only an idle turn takes
+# that path (``hear``): what it holds by then is the waiting tasks it picked, which no
+# holder of a worker's row (a heartbeat, the reaper, a turn with reports) waits for.
 _HEARD = text(f"""
 WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
@@ -283,7 +285,8 @@ WITH seen AS (
     SET last_heartbeat_at = now(),
         last_turn_at = CASE WHEN last_turn_at IS NOT NULL THEN now() END
     WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
-      AND LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s)
+      AND (CAST(:always AS boolean)
+           OR LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s))
     RETURNING *
 )
 SELECT * FROM stale
@@ -316,9 +319,17 @@ async def hear(
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
-    attempts: one round trip."""
+    attempts: one round trip. A turn that carries reports or starts refreshes (and
+    locks) the worker's row whatever its age, before any attempt or task row, as a
+    heartbeat and the reaper do: it writes anyway, and its lease after those rows
+    could otherwise wait on a heartbeat that waits on them."""
     ids = sorted(set(reported))
-    heard_params = {"worker": worker_id, "started": sorted(set(started)), "fresh_s": fresh_s}
+    heard_params = {
+        "worker": worker_id,
+        "started": sorted(set(started)),
+        "fresh_s": fresh_s,
+        "always": bool(started or reported),
+    }
     chain: list[pipeline.Statement] = [
         (_HEARD, heard_params),
         (placement.USE, {"workers": [worker_id], "listed": ids}),

@@ -209,3 +209,16 @@ def test_the_reaper_still_buries_a_worker_whose_turns_wrote_nothing(
             wait_for(lambda: _row(db, worker_id)[3] == "dead", timeout=15)
     finally:
         core.stop()
+
+
+def test_a_turn_with_a_report_locks_the_worker_row_however_fresh(
+    core: Core, worker: tuple[httpx.Client, int], db: DB
+) -> None:
+    # A fresh row, but the turn closes an attempt: it writes the worker row first (as a
+    # heartbeat does), so its lease never waits on a beat that waits on that attempt.
+    http, worker_id = worker
+    _, attempt = _leased(core, http, worker_id)
+    fresh = _row(db, worker_id)
+    report = {"attempt_id": attempt, "outcome": "succeeded", "exit_code": 0}
+    assert [v["status"] for v in _turn(http, worker_id, reports=[report])["reports"]] == [200]
+    assert _row(db, worker_id)[0] != fresh[0]
