@@ -51,12 +51,19 @@ def _workers(db: DB) -> list[tuple[Any, ...]]:
     return db.execute("SELECT id, state FROM core.workers ORDER BY id").fetchall()
 
 
+def _agent(
+    core: Core, db: DB, tmp_path: Path, workers: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A real agent, registered, and its sidecar's pid."""
+    agent = start_worker(core, tmp_path / "w", workers)
+    wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
+    return agent, wait_for(lambda: _sidecar_of(agent.pid), timeout=30)
+
+
 def test_an_agent_stopped_while_its_sidecar_runs_has_its_attempt_killed_and_lost(
     core: Core, db: DB, tmp_path: Path, workers: list[subprocess.Popen[bytes]]
 ) -> None:
-    agent = start_worker(core, tmp_path / "w", workers)
-    wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
-    sidecar = wait_for(lambda: _sidecar_of(agent.pid), timeout=30)
+    agent, sidecar = _agent(core, db, tmp_path, workers)
     pidfile, again = shared_dir() / "pid", shared_dir() / "again"
     # The first attempt runs for good (its hard timeout lives in the hung agent); the
     # retry ends at once.
@@ -105,9 +112,7 @@ def _state(alice: Any, task_id: int) -> str:
 def test_a_hung_agents_task_with_no_attempt_left_is_dead_and_its_sidecar_ends_with_it(
     core: Core, db: DB, tmp_path: Path, workers: list[subprocess.Popen[bytes]]
 ) -> None:
-    agent = start_worker(core, tmp_path / "w", workers)
-    wait_for(lambda: [s for _, s in _workers(db)] == ["live"], timeout=30)
-    sidecar = wait_for(lambda: _sidecar_of(agent.pid), timeout=30)
+    agent, sidecar = _agent(core, db, tmp_path, workers)
     pidfile = shared_dir() / "pid"
     body = shell(f"echo $$ > {pidfile}; sleep 600", retry={"max_attempts": 1})
     with core.client() as alice:
