@@ -65,12 +65,13 @@ class Pulse:
     def __init__(self, board: state.Board, hang_s: float) -> None:
         self.board = board
         self.after_s = hung_after(hang_s)
-        self.since = time.monotonic()  # before the agent's first mark: this start
+        self.since = time.monotonic()  # the newest mark seen; before any, this start
 
     def still_for(self) -> float:
-        """How long the agent's loop has stood still."""
-        last = self.board.pulse_at() or self.since
-        return time.monotonic() - max(last, self.since)
+        """How long the agent's loop has stood still (a read that finds no mark, or a torn
+        one, keeps the newest seen)."""
+        self.since = max(self.since, self.board.pulse_at() or 0.0)
+        return time.monotonic() - self.since
 
     def hung(self) -> float | None:
         """How long the loop has stood still, once that is past the bound; else None."""

@@ -82,16 +82,24 @@ def test_a_torn_pulse_reads_as_none_not_as_a_time_long_past() -> None:
 def test_the_sidecar_takes_an_agent_for_hung_past_half_the_bound_only() -> None:
     board = Board.create()
     try:
-        pulse = Pulse(board, hang_s=4.0)
+
+        def watching_since(seconds: float) -> Pulse:
+            pulse = Pulse(board, hang_s=4.0)
+            pulse.since -= seconds  # the sidecar started that long ago
+            return pulse
+
+        board.pulse(time.monotonic() - 1.9)
+        assert watching_since(100).hung() is None
+        board.pulse(time.monotonic() - 2.5)
+        still = watching_since(100).hung()
+        assert still is not None and 2.5 <= still < 3.5
+        # No mark yet (or one older than its start): still since the sidecar started.
+        assert watching_since(1).hung() is None
+        # A torn read keeps the newest mark seen: the loop is not taken for still since.
+        pulse = watching_since(100)
         board.pulse(time.monotonic())
         assert pulse.hung() is None
-        board.pulse(time.monotonic() - 1.9)
+        os.pwrite(board.fd, struct.pack("=d", 1.0), 2 * HALF)
         assert pulse.hung() is None
-        # A mark older than the sidecar's own start counts from that start.
-        board.pulse(time.monotonic() - 60)
-        assert pulse.hung() is None
-        pulse.since -= 60
-        still = pulse.hung()
-        assert still is not None and 2.0 < still < 61
     finally:
         board.close()
