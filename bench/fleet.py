@@ -176,7 +176,10 @@ class Agent:
 
     async def register(self, name: str) -> None:
         conn = await self.http.connect()
-        offer = {"hostname": name, "queues": ["default"], "cpu": 1000, "memory_mb": 1_000_000}
+        offer = {
+            "hostname": name, "queues": ["default"], "cpu": 1000, "memory_mb": 1_000_000,
+            "hang_watch": True,  # as the agent: its turns are watched (last_turn_at)
+        }  # fmt: skip
         status, body = await conn.request(self.http.request("/v1/workers", offer), 30)
         conn.transport.close()
         if status != 201:

@@ -579,6 +579,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                 "memory MB used/cap",
                 "running",
                 "heartbeat",
+                "turn",
             ],
             [
                 [
@@ -590,6 +591,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                     f"{w.used_memory_mb}/{w.memory_mb}",
                     w.running,
                     output.ago(w.last_heartbeat_at),
+                    output.ago(w.last_turn_at),
                 ]
                 for w in found
             ],

@@ -279,8 +279,10 @@ class CoreClient(ApiClient):
         """Act for the worker whose lease secret this is."""
         self._http.headers[WORKER_LEASE_HEADER] = lease
 
-    async def heartbeat(self, worker_id: int, alive: Sequence[int]) -> HeartbeatAnswer:
-        body = Heartbeat(attempts=list(alive)).model_dump_json()
+    async def heartbeat(
+        self, worker_id: int, alive: Sequence[int], hung_s: float | None = None
+    ) -> HeartbeatAnswer:
+        body = Heartbeat(attempts=list(alive), hung_s=hung_s).model_dump_json()
         response = await self._call("POST", f"/v1/workers/{worker_id}/heartbeat", content=body)
         return HeartbeatAnswer.model_validate_json(response.content)
 

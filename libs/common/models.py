@@ -549,6 +549,10 @@ class WorkerRegister(_Input):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     cpu: float = Field(gt=0, le=4096)
     memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
+    #: the agent turns at least every eighth of ``agent_hang_timeout_s`` (keep-alive turns
+    #: when it claims nothing), so core may declare it dead when it takes no turn for the
+    #: bound; agents from before leave it unset, and only their heartbeats count
+    hang_watch: bool = False
 
 
 class Worker(_Output):
@@ -562,6 +566,10 @@ class Worker(_Output):
     state: WorkerState
     registered_at: datetime
     last_heartbeat_at: datetime
+    #: the agent's own last turn, as stored: turns rewrite it only once it is older than
+    #: a quarter of the shorter liveness bound (so it lags by up to that); None for an
+    #: agent that registered without ``hang_watch``
+    last_turn_at: datetime | None = None
     used_cpu: float = 0
     used_memory_mb: int = 0
     running: int = 0
@@ -581,6 +589,12 @@ class WorkerRegistered(_Output):
     worker: Worker
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    #: an agent whose loop has not turned for this long is hung: its sidecar kills its
+    #: attempts at half of it; core declares the worker dead at the whole
+    agent_hang_timeout_s: float
+    #: how far the stored liveness times may lag a turn (a turn rewrites them only when
+    #: older): the agent's vouched window is shorter by this much
+    turn_fresh_s: float
     #: the worker's lease secret: sent as ``X-Cairn-Worker-Lease`` on every call for this
     #: worker (heartbeat, claim, report, log, leave); core keeps only its sha-256
     lease: str
@@ -590,6 +604,9 @@ class Heartbeat(_Input):
     """The attempts whose processes the sidecar sees alive."""
 
     attempts: list[TaskId] = Field(default_factory=list, max_length=10_000)
+    #: the agent's loop has stood still this many seconds, past the hang bound: the
+    #: sidecar killed its attempts, and core declares the worker dead at once
+    hung_s: float | None = Field(default=None, ge=0, le=10.0**9)
 
 
 class HeartbeatAnswer(_Output):

@@ -137,6 +137,9 @@ class CairnSettings(WorkerOfferSettings):
     ui_origins: str = ""
     heartbeat_interval_s: float = Field(default=60.0, gt=0)
     heartbeat_timeout_s: float = Field(default=180.0, gt=0)
+    # An agent whose loop has not turned for this long is hung: its sidecar kills its
+    # attempts at half of it, core declares the worker dead at the whole (docs/architecture.md).
+    agent_hang_timeout_s: float = Field(default=300.0, gt=0)
     log_level: str = "info"
     # The system user the embedded PostgreSQL runs as when Cairn runs as root.
     pg_system_user: str = Field(default="embedded_postgres", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")

@@ -140,8 +140,10 @@ async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]
 
 
 def reap_period(settings: CoreSettings) -> float:
-    """How often the reaper turns: a quarter of the heartbeat timeout, within 0.1 to 5 s."""
-    return min(5.0, max(0.1, settings.heartbeat_timeout_s / 4))
+    """How often the reaper turns: a quarter of the shorter of the heartbeat timeout and
+    the agents' hang bound, within 0.1 to 5 s."""
+    bound = min(settings.heartbeat_timeout_s, settings.agent_hang_timeout_s)
+    return min(5.0, max(0.1, bound / 4))
 
 
 def hearing_gap(settings: CoreSettings) -> float:
@@ -150,9 +152,12 @@ def hearing_gap(settings: CoreSettings) -> float:
     to ``d`` plus an interval, so past ``timeout - interval`` it could bury a healthy
     worker and must restart the count; half the timeout stays below that with room for
     slow beats. The floor is three reaper turns: below it, a loaded machine's slow turns
-    would restart the count over and over, excusing real deaths and delaying them."""
+    would restart the count over and over, excusing real deaths and delaying them. Half
+    the agents' hang bound at most, too: a healthy agent's stored turn lags by up to an
+    eighth (its keep-alive) and a quarter (the turn's freshness) of it."""
     timeout, interval = settings.heartbeat_timeout_s, settings.heartbeat_interval_s
-    return max(3 * reap_period(settings), min(timeout / 2, timeout - interval))
+    hang = settings.agent_hang_timeout_s
+    return max(3 * reap_period(settings), min(timeout / 2, timeout - interval, hang / 2))
 
 
 class Hearing:
@@ -186,7 +191,14 @@ async def reap_once(
     hearing: Hearing,
     meter: CoreMetrics | None = None,
 ) -> int:
-    return await ops.reap(engine, notifier, settings.heartbeat_timeout_s, hearing.heard, meter)
+    return await ops.reap(
+        engine,
+        notifier,
+        settings.heartbeat_timeout_s,
+        hearing.heard,
+        meter,
+        settings.agent_hang_timeout_s,
+    )
 
 
 def start(

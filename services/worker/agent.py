@@ -126,14 +126,31 @@ def claim_wait(interval_s: float, timeout_s: float) -> float:
     return max(CLAIM_WAIT_MIN_S, min(CLAIM_WAIT_MAX_S, (timeout_s - margin) / 2))
 
 
-def vouches(heard_at: float, now: float, interval_s: float, timeout_s: float) -> bool:
+def vouches(
+    heard_at: float, now: float, interval_s: float, timeout_s: float, lag_s: float = 0.0
+) -> bool:
     """Whether the last turn core answered (sent at ``heard_at``, monotonic) vouches that
     core still holds this worker's leases, so an attempt may start without asking. That
-    turn refreshed the worker's liveness no earlier than it was sent, and core declares a
-    worker dead (re-placing its leases) only after ``timeout_s`` of silence since; the
-    margin covers the start itself."""
+    turn left the worker's liveness no older than ``lag_s`` before it was sent (a turn
+    rewrites it only when older: ``turn_fresh_s``), and core declares a worker dead
+    (re-placing its leases) only after ``timeout_s`` of silence since; the margin covers
+    the start itself."""
     margin = max(interval_s, timeout_s / 4)
-    return now - heard_at < timeout_s - margin
+    return now - heard_at < timeout_s - margin - lag_s
+
+
+def pulse_every(hang_s: float) -> float:
+    """How often the agent's loop marks its pulse (``state.Board.pulse``) and sees whether
+    a keep-alive turn is due: often against the hang bound the sidecar and core watch
+    (4.7 s at the default), seldom enough that an idle agent's own wake-ups cost nothing."""
+    return hang_s / 64
+
+
+def keepalive_after(hang_s: float) -> float:
+    """How long without a turn before the agent takes one with no claim (it is full, or
+    draining), so core sees its turns: an eighth of the hang bound, above the longest
+    claim wait at the default bound, so an idle agent's claims are its only turns."""
+    return hang_s / 8
 
 
 class Agent:
@@ -176,6 +193,11 @@ class Agent:
         self.cgroups: dict[str, str] = {}  # attempt -> its folders, encoded once as JSON
         self.uids: dict[str, int] = {}
         self._beat = (60.0, 180.0)
+        # core's hang bound and how far its stored liveness may lag a turn (registration)
+        self.hang_s = 300.0
+        self.fresh_s = 0.0
+        self.turned_at = -math.inf  # when the last turn was sent (monotonic)
+        self.keepalive: asyncio.Task[TurnAnswer | None] | None = None
         self.dead = False
         self.logs = LogShipper(client, settings)
         self.timings = Timings(settings.worker_timings_file)
@@ -211,10 +233,12 @@ class Agent:
             labels=self.settings.labels,
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
+            hang_watch=True,  # ``_pulse``: a turn at least every eighth of the bound
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.draining.set)
+        pulse = asyncio.create_task(self._pulse())
         try:
             await self._join(offer)
             while True:
@@ -227,6 +251,9 @@ class Agent:
                 await self._join(offer)
             await self._drain()
         finally:
+            pulse.cancel()
+            if self.keepalive is not None:
+                self.keepalive.cancel()
             if self.releasing:
                 await asyncio.wait(set(self.releasing), timeout=30)
             if self.noting is not None:
@@ -248,6 +275,7 @@ class Agent:
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._publish(now=True)  # the sidecar reads it as it starts
         self._beat = (registered.heartbeat_interval_s, registered.heartbeat_timeout_s)
+        self.hang_s, self.fresh_s = registered.agent_hang_timeout_s, registered.turn_fresh_s
         self._launch_sidecar()
         logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
@@ -263,6 +291,19 @@ class Agent:
             await asyncio.wait(set(self.tasks), timeout=30)
         await self._stop_sidecar()
 
+    async def _pulse(self) -> None:
+        """While the agent runs: mark on the board that its event loop turns (its sidecar
+        kills its attempts when the marks stop: a hung agent), and take a turn with no
+        claim when none went for a while (core buries a worker whose agent takes none)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self.board.pulse(time.monotonic())
+            quiet = loop.time() - self.turned_at > keepalive_after(self.hang_s)
+            idle = self.keepalive is None or self.keepalive.done()
+            if quiet and idle and self.worker_id and not self.dead:
+                self.keepalive = asyncio.create_task(self._turn(None))
+            await asyncio.sleep(pulse_every(self.hang_s))
+
     def _start_sidecar(self, interval_s: float, timeout_s: float) -> subprocess.Popen[bytes]:
         """The sidecar, given the token and the lease on its stdin (never in its argv or
         environment, which other processes may read)."""
@@ -276,6 +317,7 @@ class Agent:
                 str(interval_s),
                 str(timeout_s),
                 str(self.board.fd),
+                f"--hang-s={self.hang_s}",
             ],
             stdin=subprocess.PIPE,
             pass_fds=(self.board.fd,),
@@ -408,6 +450,7 @@ class Agent:
         self.started.clear()
         body = Turn(reports=[o.report for o in items], started=started, claim=room, progress=notes)
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
+        self.turned_at = sent
         try:
             answer = await self.client.turn(worker, body)
         except asyncio.CancelledError:
@@ -441,7 +484,8 @@ class Agent:
 
     def _vouched(self) -> bool:
         interval, timeout = self._beat
-        return vouches(self.heard_at, asyncio.get_running_loop().time(), interval, timeout)
+        now = asyncio.get_running_loop().time()
+        return vouches(self.heard_at, now, interval, min(timeout, self.hang_s), self.fresh_s)
 
     def _take(self) -> list[Outgoing]:
         now = asyncio.get_running_loop().time()

@@ -1,6 +1,8 @@
 """The sidecar: a process beside the agent that tells core, every heartbeat interval, that
 the worker lives and which attempts' processes it sees alive. When the agent is gone it
-stops beating (so core declares the worker dead) and kills the attempts left behind."""
+stops beating (so core declares the worker dead) and kills the attempts left behind; when
+the agent lives but its loop stands still (hung: its pulse on the board stops) for half
+the hang bound, it kills the attempts, tells core they are lost, and beats no more."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import httpx
 from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
+from libs.common.states import Workers
 from services.worker import hardening, state
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Identity, kill_every_process_of
@@ -42,6 +47,38 @@ def _orphans_killed(shared: dict[str, Any]) -> None:
         kill_every_process_of(Identity(int(uid), int(uid)))
 
 
+def hung_after(hang_s: float) -> float:
+    """How long the agent's pulse may stop before the sidecar takes it for hung: half of
+    core's bound, so its attempts are killed here before core re-places them (core sees
+    the hang later: its stored turn time lags by up to a keep-alive and a freshness)."""
+    return hang_s / 2
+
+
+def watch_every(interval_s: float, hang_s: float) -> float:
+    """How often the sidecar reads the agent's pulse: a small share of the hang bound."""
+    return min(interval_s, hang_s / 32)
+
+
+class Pulse:
+    """The agent's pulse as the sidecar reads it (``state.Board.pulse_at``)."""
+
+    def __init__(self, board: state.Board, hang_s: float) -> None:
+        self.board = board
+        self.after_s = hung_after(hang_s)
+        self.since = time.monotonic()  # the newest mark seen; before any, this start
+
+    def still_for(self) -> float:
+        """How long the agent's loop has stood still (a read that finds no mark, or a torn
+        one, keeps the newest seen)."""
+        self.since = max(self.since, self.board.pulse_at() or 0.0)
+        return time.monotonic() - self.since
+
+    def hung(self) -> float | None:
+        """How long the loop has stood still, once that is past the bound; else None."""
+        still = self.still_for()
+        return still if still > self.after_s else None
+
+
 async def beat_forever(
     folder: Path,
     board: state.Board,
@@ -49,12 +86,15 @@ async def beat_forever(
     interval_s: float,
     timeout_s: float,
     client: CoreClient,
+    hang_s: float = math.inf,
 ) -> None:
-    """Beat until the agent is gone. Cut off from core for nearly ``timeout_s``, after which
-    core re-places this worker's attempts, it kills them here, so they never run twice."""
+    """Beat until the agent is gone, or hung (``Pulse``). Cut off from core for nearly
+    ``timeout_s``, after which core re-places this worker's attempts, it kills them here,
+    so they never run twice."""
     loop = asyncio.get_running_loop()
-    last_ok = loop.time()
+    last_ok = next_beat = loop.time()
     gone = _watch(os.getppid())
+    pulse = Pulse(board, hang_s)
     while True:
         shared = board.read()
         agent = int(shared.get("agent_pid", 0))
@@ -66,19 +106,67 @@ async def beat_forever(
             _orphans_killed(shared)
             await _last_word(client, worker_id, attempts)
             return
-        # pid 0: claimed and being prepared by the (living) agent; -1: being started.
-        living = [int(a) for a, pid in attempts.items() if pid <= 0 or state.alive(pid)]
-        try:
-            answer = await client.heartbeat(worker_id, living)
-            state.write(folder / state.ANSWER, answer.model_dump())
-            last_ok = loop.time()
-        except (httpx.TransportError, CairnError) as exc:
-            log.warning("heartbeat failed: %s", exc)
-            if loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
+        still = pulse.hung()
+        if still is not None:
+            every = watch_every(interval_s, hang_s)
+            await _hung(folder, board, worker_id, client, still, gone, every)
+            return
+        if loop.time() >= next_beat:
+            if await _beat(folder, worker_id, attempts, client):
+                last_ok = loop.time()
+            elif loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
                 log.error("cut off from core too long: stopping this worker's attempts")
                 _orphans_killed(shared)
+            next_beat = loop.time() + interval_s
+        pause = min(watch_every(interval_s, hang_s), next_beat - loop.time())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gone.wait(), interval_s)
+            await asyncio.wait_for(gone.wait(), max(0.0, pause))
+
+
+async def _beat(folder: Path, worker_id: int, attempts: dict[str, int], client: CoreClient) -> bool:
+    """One heartbeat, its answer left for the agent; whether core answered."""
+    # pid 0: claimed and being prepared by the (living) agent; -1: being started.
+    living = [int(a) for a, pid in attempts.items() if pid <= 0 or state.alive(pid)]
+    try:
+        answer = await client.heartbeat(worker_id, living)
+    except (httpx.TransportError, CairnError) as exc:
+        log.warning("heartbeat failed: %s", exc)
+        return False
+    state.write(folder / state.ANSWER, answer.model_dump())
+    return True
+
+
+async def _hung(
+    folder: Path,
+    board: state.Board,
+    worker_id: int,
+    client: CoreClient,
+    still_s: float,
+    gone: asyncio.Event,
+    every_s: float,
+) -> None:
+    """The agent lives but its loop stands still: kill its attempts (its hard timeouts
+    live in that loop), tell core they are lost and the worker dead, and beat no more.
+    Should the agent wake, it reads that it is dead and joins afresh; until it exits,
+    nothing it left runs on."""
+    log.error(
+        "the agent's loop has stood still for %.1f s: killing its attempts; worker %s is dead",
+        still_s,
+        worker_id,
+    )
+    _orphans_killed(board.read())
+    state.write(folder / state.ANSWER, {"state": Workers.DEAD, "stop": []})
+    try:
+        await client.heartbeat(worker_id, [], hung_s=round(still_s, 3))
+    except (httpx.TransportError, CairnError) as exc:
+        # Unheard, core still buries the worker: no more beats, and no turns.
+        log.warning("could not tell core that the agent hung: %s", exc)
+    # Until the agent stops this sidecar (it woke, saw it is dead) or exits, whatever it
+    # starts meanwhile is stopped too: core re-places this worker's attempts.
+    while not gone.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), every_s)
+        _orphans_killed(board.read())
 
 
 def _agent_gone(agent: int, gone: asyncio.Event) -> bool:
@@ -125,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("interval_s", type=float)
     parser.add_argument("timeout_s", type=float)
     parser.add_argument("board_fd", type=int, help="the agent's state.Board (an inherited memfd)")
+    parser.add_argument("--hang-s", type=float, default=math.inf, help="core's hang bound")
     args = parser.parse_args(argv)
     settings = WorkerSettings()
     logs.setup("sidecar", settings.log_level)
@@ -141,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.interval_s,
                 args.timeout_s,
                 client,
+                args.hang_s,
             )
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))

@@ -5,7 +5,9 @@ a ``Board``: memory the two share (a memfd the sidecar inherits), rewritten as a
 come and go, at least once before every exec. The sidecar reads it at every heartbeat and,
 when the agent is gone, to kill what it left. A write is a copy into memory, no file
 replaced on disk: on a busy disk that cost the agent milliseconds per attempt, inside
-its event loop. The sidecar writes ``answer.json`` (core's answer to its last heartbeat,
+its event loop. After the two halves the board holds the agent's pulse: the monotonic
+time its event loop last turned (``pulse``), which the sidecar watches for a hung agent.
+The sidecar writes ``answer.json`` (core's answer to its last heartbeat,
 once an interval) in the worker's folder, replaced atomically.
 """
 
@@ -23,6 +25,8 @@ ANSWER = "answer.json"
 _HEADER = struct.Struct("=QII")  # sequence number, length, crc32 of the payload
 #: each half's room (the memfd is sparse: only written pages take memory)
 HALF = 16 * 2**20
+#: the pulse: one time written twice, so a read torn by a write is seen as such
+_PULSE = struct.Struct("=dd")
 
 
 class Board:
@@ -38,8 +42,20 @@ class Board:
     def create(cls) -> Board:
         """A fresh board; its descriptor is close-on-exec (pass it on with ``pass_fds``)."""
         fd = os.memfd_create("cairn-attempts", os.MFD_CLOEXEC)
-        os.ftruncate(fd, 2 * HALF)
+        os.ftruncate(fd, 2 * HALF + _PULSE.size)
         return cls(fd)
+
+    def pulse(self, at: float) -> None:
+        """Record that the agent's loop turned at ``at`` (``time.monotonic()``)."""
+        os.pwrite(self.fd, _PULSE.pack(at, at), 2 * HALF)
+
+    def pulse_at(self) -> float | None:
+        """When the agent's loop last turned (``time.monotonic()``); None before its first."""
+        for _ in range(5):
+            first, second = _PULSE.unpack(os.pread(self.fd, _PULSE.size, 2 * HALF))
+            if first == second:
+                return first or None
+        return None
 
     def write(self, value: dict[str, Any]) -> None:
         self.write_json(json.dumps(value, separators=(",", ":")).encode())

@@ -112,6 +112,7 @@ def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
     worker = page.locator(f"tr[data-worker-id='{system.worker.id}']")
     expect(worker).to_contain_text("test-worker")
     expect(worker).to_contain_text("s ago")
+    expect(worker.locator("td").nth(8)).to_contain_text("ago")  # the agent's last turn
     screenshot(page, "workers")
 
 

@@ -49,7 +49,7 @@ from services.core.db import attempts as attempts_db
 from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.domain.principals import Principal
-from services.core.domain.workers import missing_grace_s
+from services.core.domain.workers import missing_grace_s, turn_fresh_s
 from services.core.ops import dispatch as ops
 from services.core.ops import tasklogs
 from services.core.settings import CoreSettings
@@ -122,6 +122,8 @@ async def register_worker(
         lease=lease,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        agent_hang_timeout_s=settings.agent_hang_timeout_s,
+        turn_fresh_s=_fresh_s(settings),
     )
 
 
@@ -153,7 +155,12 @@ def _dispatcher_on(request: Request, engine: AsyncEngine) -> ops.Dispatcher:
         state.secret_box,
         defaults,
         settings.claim_ahead_max_s,
+        fresh_s=_fresh_s(settings),
     )
+
+
+def _fresh_s(settings: CoreSettings) -> float:
+    return turn_fresh_s(settings.heartbeat_timeout_s, settings.agent_hang_timeout_s)
 
 
 def _dispatcher(engine: Engine, request: Request) -> ops.Dispatcher:
@@ -193,10 +200,12 @@ Agent = Annotated[AgentCall, Depends(_agent_call)]
     dependencies=[Depends(on_liveness_pool)],
 )
 async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> HeartbeatAnswer:
-    """The sidecar's beat: the worker lives, and these attempts' processes run."""
+    """The sidecar's beat: the worker lives, and these attempts' processes run. With
+    ``hung_s``, the sidecar says its agent hung and it killed the attempts: the worker
+    is dead at once, its attempts lost."""
     worker, dispatcher = call.worker, call.dispatcher
     grace = missing_grace_s(_settings(request).heartbeat_interval_s)
-    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace)
+    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s)
     return HeartbeatAnswer(
         state=state,
         stop=found.stop,

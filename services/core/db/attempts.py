@@ -191,7 +191,11 @@ _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 # join of the tasks with the chosen rows was planned as a scan of the waiting work, which
 # grows with the backlog (docs/benchmarks.md).
 _CLAIM = text(f"""
-WITH moved AS (
+WITH holder AS (
+    -- the worker, still present, locked against the reaper until commit
+    SELECT id FROM core.workers
+    WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} FOR SHARE
+), moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),
         current_attempt_id = nextval('core.attempts_id_seq'), attempts = t.attempts + 1
@@ -200,6 +204,7 @@ WITH moved AS (
         CAST(:froms AS text[])
     ) AS c(id, cpu, memory_mb, from_state)
     WHERE t.id = c.id AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
+      AND EXISTS (SELECT FROM holder)
     RETURNING t.*, t.current_attempt_id AS attempt_id,
               1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
                   AS attempt_number,
@@ -271,18 +276,33 @@ class Tally:
         return Tally(poisoned=int(move.reason.startswith("poison pill")), buried=1)
 
 
-# The worker is heard (a turn, a claim): its liveness refreshed and the attempts it says it
-# started marked seen, under the worker row's lock until commit. The reaper's
-# dead-declaration locks the same row and re-checks the silence, so either it ran first
-# (the worker is no longer live or draining: no row here, no lease) or it skips the worker.
+# The worker is heard (a turn, a claim): the attempts it says it started marked seen, and
+# its liveness times refreshed only when older than ``fresh_s`` (``domain.workers.
+# turn_fresh_s``), so an idle turn of a fresh worker writes nothing: no transaction id, no
+# WAL flush at commit. Either way the row comes back in this one round trip. (LEAST skips
+# a NULL ``last_turn_at``: an agent registered without ``hang_watch`` keeps it NULL.) The reaper's
+# dead-declaration locks the row and re-checks the silence; a fresh row cannot meet it,
+# and a stale one is locked here until commit. A lease locks the row too (``_CLAIM``), so
+# work is never leased to a worker the reaper buried meanwhile. Only an idle turn takes
+# that path (``hear``): what it holds by then is the waiting tasks it picked, which no
+# holder of a worker's row (a heartbeat, the reaper, a turn with reports) waits for.
 _HEARD = text(f"""
 WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
     WHERE id = ANY(CAST(:started AS bigint[])) AND worker_id = :worker AND outcome IS NULL
+), stale AS (
+    UPDATE core.workers
+    SET last_heartbeat_at = now(),
+        last_turn_at = CASE WHEN last_turn_at IS NOT NULL THEN now() END
+    WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
+      AND (CAST(:always AS boolean)
+           OR LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s))
+    RETURNING *
 )
-UPDATE core.workers SET last_heartbeat_at = now()
-WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
-RETURNING *
+SELECT * FROM stale
+UNION ALL
+SELECT * FROM core.workers
+WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} AND NOT EXISTS (SELECT FROM stale)
 """)
 
 
@@ -305,12 +325,23 @@ async def hear(
     worker_id: int,
     started: Sequence[int] = (),
     reported: Sequence[int] = (),
+    fresh_s: float = 0.0,
 ) -> Heard:
-    """Refresh the worker's liveness (and mark ``started`` attempts seen), read what is
-    placed on it and lock the tasks of the ``reported`` attempts: one round trip."""
+    """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
+    attempts seen), read what is placed on it and lock the tasks of the ``reported``
+    attempts: one round trip. A turn that carries reports or starts refreshes (and
+    locks) the worker's row whatever its age, before any attempt or task row, as a
+    heartbeat and the reaper do: it writes anyway, and its lease after those rows
+    could otherwise wait on a heartbeat that waits on them."""
     ids = sorted(set(reported))
+    heard_params = {
+        "worker": worker_id,
+        "started": sorted(set(started)),
+        "fresh_s": fresh_s,
+        "always": bool(started or reported),
+    }
     chain: list[pipeline.Statement] = [
-        (_HEARD, {"worker": worker_id, "started": sorted(set(started))}),
+        (_HEARD, heard_params),
         (placement.USE, {"workers": [worker_id], "listed": ids}),
     ]
     if reported:

@@ -362,6 +362,9 @@ workers = Table(
     Column("state", Text, nullable=False, server_default=text(f"'{Workers.LIVE}'")),
     Column("registered_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_heartbeat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # the agent's own last turn (the sidecar's beat does not move it): a hung agent's mark;
+    # NULL for an agent registered without ``hang_watch`` (only its heartbeats count)
+    Column("last_turn_at", DateTime(timezone=True)),
     Column("gone_at", DateTime(timezone=True)),
     # sha-256 of the worker's lease secret: only the agent that registered it may act for it
     Column("lease_sha256", Text),

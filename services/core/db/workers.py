@@ -34,16 +34,29 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 """)
 
 
-# ``deaf``: the worker fell silent before this replica could hear it (core or its
-# database was away), so its silence may be core's own doing.
+# Dead: silent for ``timeout_s`` (no heartbeat, no turn), or ``hung``: its agent took no
+# turn for ``hang_s`` while its sidecar beat. ``deaf``: that silence began before this
+# replica could hear it (core or its database was away), so it may be core's own doing.
 _SILENT_WORKERS = text(f"""
 UPDATE core.workers w SET state = '{Workers.DEAD}', gone_at = now()
-FROM (SELECT id, last_heartbeat_at FROM core.workers
+FROM (SELECT id, last_heartbeat_at, last_turn_at,
+             last_heartbeat_at >= now() - make_interval(secs => :timeout_s) AS hung
+      FROM core.workers
       WHERE {sql_in("state", Workers.PRESENT)}
-        AND last_heartbeat_at < now() - make_interval(secs => :timeout_s)
+        AND (last_heartbeat_at < now() - make_interval(secs => :timeout_s)
+             OR last_turn_at < now() - make_interval(secs => :hang_s))
       FOR UPDATE) silent
 WHERE w.id = silent.id
-RETURNING w.id, silent.last_heartbeat_at < now() - make_interval(secs => :heard_for_s) AS deaf
+RETURNING w.id, silent.hung,
+          CASE WHEN silent.hung THEN silent.last_turn_at ELSE silent.last_heartbeat_at END
+              < now() - make_interval(secs => :heard_for_s) AS deaf
+""")
+
+# The sidecar saw its agent hang and killed its attempts: the worker is dead at once.
+_HUNG_WORKER = text(f"""
+UPDATE core.workers SET state = '{Workers.DEAD}', gone_at = now()
+WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
+RETURNING id
 """)
 
 
@@ -68,6 +81,7 @@ def _worker(row: Any, use: dict[int, tuple[Amount, int]] | None = None) -> Worke
         state=row.state,
         registered_at=row.registered_at,
         last_heartbeat_at=row.last_heartbeat_at,
+        last_turn_at=row.last_turn_at,
         used_cpu=float(held.cpu),
         used_memory_mb=round(held.memory_mb),
         running=int(running),
@@ -93,6 +107,7 @@ async def register(
             cpu=offer.cpu,
             memory_mb=offer.memory_mb,
             lease_sha256=lease_digest(lease),
+            last_turn_at=func.now() if offer.hang_watch else None,
         )
         .returning(workers)
     )
@@ -274,21 +289,47 @@ async def reap(
     conn: AsyncConnection,
     timeout_s: float,
     *,
+    hang_s: float = math.inf,
     heard_for_s: float = math.inf,
 ) -> tuple[int, Tally]:
-    """Workers silent for ``timeout_s`` are dead; their open attempts are lost. Silence
+    """Workers silent for ``timeout_s``, or whose agent took no turn for ``hang_s``
+    (hung, while its sidecar beats), are dead; their open attempts are lost. Silence
     counts only from when this replica could hear (``heard_for_s``: how long it has
     reached the database without a break): a worker silent since before then is dead
-    only once core has listened for ``timeout_s`` too, and its attempts go back
-    without cost, since its silence may be core's own absence."""
-    if heard_for_s < timeout_s:
+    only once core has listened for the bound too, and its attempts go back without
+    cost, since its silence may be core's own absence."""
+    if heard_for_s < min(timeout_s, hang_s):
         return 0, Tally()
-    params = {"timeout_s": timeout_s, "heard_for_s": min(heard_for_s, 10.0**9)}
+    params = {
+        "timeout_s": _bound(timeout_s, heard_for_s),
+        "hang_s": _bound(hang_s, heard_for_s),
+        "heard_for_s": min(heard_for_s, _NEVER_S),
+    }
     dead = list(await conn.execute(_SILENT_WORKERS, params))
     tally = Tally()
     for row in dead:
         why = f"its worker {row.id} stopped heartbeating"
+        if row.hung:
+            why = f"its worker {row.id}'s agent took no turn for {hang_s:g} s (hung)"
         if row.deaf:
             why += " while core could not hear it"
         tally = tally + await lose_all(conn, row.id, why, host_died=True, excused=row.deaf)
     return len(dead) + tally.lost, tally
+
+
+#: a bound that never passes (an interval PostgreSQL still holds)
+_NEVER_S = 10.0**9
+
+
+def _bound(bound_s: float, heard_for_s: float) -> float:
+    """A silence bound, or never while this replica has not heard for that long."""
+    return min(bound_s, _NEVER_S) if heard_for_s >= bound_s else _NEVER_S
+
+
+async def bury_hung(conn: AsyncConnection, worker_id: int, hung_s: float) -> Tally:
+    """The worker's sidecar saw its agent's loop stand still for ``hung_s`` and killed
+    its attempts: the worker is dead now, its open attempts lost as with a dead host."""
+    if (await conn.execute(_HUNG_WORKER, {"worker": worker_id})).first() is None:
+        return Tally()
+    why = f"its worker {worker_id}'s agent hung (its loop stood still {hung_s:g} s)"
+    return await lose_all(conn, worker_id, why, host_died=True)

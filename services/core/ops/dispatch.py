@@ -68,6 +68,9 @@ class Dispatcher:
     #: the most a claim may ask to lease ahead (``CAIRN_CLAIM_AHEAD_MAX_S``)
     ahead_max_s: float = 0.0
     holds: Holds = field(default_factory=Holds)
+    #: a turn leaves its worker's liveness times unwritten while younger than this
+    #: (``domain.workers.turn_fresh_s``); 0: every turn writes them
+    fresh_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,8 @@ async def turn(
     headers: Mapping[str, str] | None = None,
     gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> TurnResult:
-    """One round trip of a worker: in one transaction, hear it (refresh its liveness,
-    note what it started), apply its reports, lease what fits its room. With
+    """One round trip of a worker: in one transaction, hear it (refresh its liveness
+    when stale, note what it started), apply its reports, lease what fits its room. With
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     reported = [r.attempt_id for r in body.reports]
@@ -97,7 +100,7 @@ async def turn(
     waiter = ops.notifier.line.join(worker_id) if waits else None
     try:
         async with ops.engine.begin() as conn:
-            heard = await attempts_db.hear(conn, worker_id, body.started, reported)
+            heard = await attempts_db.hear(conn, worker_id, body.started, reported, ops.fresh_s)
             settled = await attempts_db.settle(
                 conn, worker_id, body.reports, heard.reported, _masker(ops)
             )
@@ -106,7 +109,7 @@ async def turn(
             picked = await attempts_db.finish_and_pick(conn, settled, asked, notes)
             verdicts, ended = await attempts_db.applied(conn, settled)
             leased, lease_tally = await _lease(ops, conn, asked, picked)
-            state = await _state(conn, worker_id, heard)
+            state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         if waiter is not None and heard.worker is not None:
             waiter.queues = frozenset(heard.worker.queues)
         _told(ops, ended + lease_tally, body.reports, verdicts, leased, headers)
@@ -151,8 +154,15 @@ async def _state_of(conn: AsyncConnection, worker_id: int) -> str:
     return str((await workers_db.get_worker(conn, worker_id, None)).state)
 
 
-async def _state(conn: AsyncConnection, worker_id: int, heard: attempts_db.Heard) -> str:
-    return str(heard.worker.state) if heard.worker is not None else await _state_of(conn, worker_id)
+async def _state(
+    conn: AsyncConnection, worker_id: int, heard: attempts_db.Heard, missed: bool = False
+) -> str:
+    """The worker's state as the turn heard it; read again when the turn found it gone, or
+    when its claim leased none of the work it picked (``missed``): the reaper may have
+    buried the worker since the turn read its row unlocked (``attempts._HEARD``)."""
+    if heard.worker is None or missed:
+        return await _state_of(conn, worker_id)
+    return str(heard.worker.state)
 
 
 def _masker(ops: Dispatcher) -> attempts_db.Masker:
@@ -228,11 +238,11 @@ async def _wait_for_work(
             line.pass_on(waiter)  # its wake-up was meant for a claim that can use it
             return [], Workers.LIVE
         async with ops.engine.begin() as conn:
-            heard = await attempts_db.hear(conn, worker_id)
+            heard = await attempts_db.hear(conn, worker_id, fresh_s=ops.fresh_s)
             asked = _ask(ops, heard, room, frozenset())
             picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
             leased, tally = await _lease(ops, conn, asked, picked)
-            state = await _state(conn, worker_id, heard)
+            state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         _told(ops, tally, [], [], leased, None)
         ops.meter.claim_looks.labels("leased" if leased else "empty").inc()
         if leased:
@@ -278,11 +288,17 @@ def _told(
 
 
 async def heartbeat(
-    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float
+    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float, hung_s: float | None = None
 ) -> tuple[workers_db.Beat, str]:
-    """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it."""
+    """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it.
+    ``hung_s``: the sidecar saw its agent hang and killed its attempts; the worker is
+    dead at once (``db.workers.bury_hung``)."""
     async with ops.engine.begin() as conn:
-        found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
+        if hung_s is not None:
+            tally = await workers_db.bury_hung(conn, worker.id, hung_s)
+            found = workers_db.Beat([], [], [], tally.lost, tally)
+        else:
+            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
         state = await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:
@@ -309,13 +325,17 @@ async def reap(
     timeout_s: float,
     hearing: Callable[[], float] = lambda: math.inf,
     meter: CoreMetrics | None = None,
+    hang_s: float = math.inf,
 ) -> int:
-    """One pass of the reaper: workers silent for ``timeout_s`` are dead, their attempts
-    lost (``db.workers.reap``). ``hearing``, called once the database answered, says how
-    long this replica has heard without a break."""
+    """One pass of the reaper: workers silent for ``timeout_s``, or whose agent took no
+    turn for ``hang_s``, are dead, their attempts lost (``db.workers.reap``).
+    ``hearing``, called once the database answered, says how long this replica has heard
+    without a break."""
     async with engine.begin() as conn:
         await workers_db.answer(conn)
-        changed, tally = await workers_db.reap(conn, timeout_s, heard_for_s=hearing())
+        changed, tally = await workers_db.reap(
+            conn, timeout_s, hang_s=hang_s, heard_for_s=hearing()
+        )
     if meter is not None:
         meter.count(tally)
     if changed:

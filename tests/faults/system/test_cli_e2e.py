@@ -76,6 +76,8 @@ def test_up_demo_then_the_cli_drives_tasks_schedules_and_workflows(own_tmp: Path
         cli(home, port, "cancel", str(stuck["id"]))
         workers = as_json(home, port, "workers")
         assert [w["state"] for w in workers] == ["live"]
+        assert workers[0]["last_turn_at"] is not None
+        assert "turn" in cli(home, port, "workers").stdout  # the column of the last turn
 
         # A schedule, and a preview across next March's DST change.
         made = as_json(

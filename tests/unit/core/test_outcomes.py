@@ -91,6 +91,12 @@ def test_a_recent_turn_vouches_for_a_lease_and_an_old_one_does_not() -> None:
     assert not vouches(-math.inf, 0.0, 1.0, 8.0)
 
 
+def test_a_turn_vouches_for_less_by_how_far_the_stored_liveness_may_lag_it() -> None:
+    # The same bounds, the worker's times rewritten only when 2 s old: 4 s.
+    assert vouches(100.0, 103.9, 1.0, 8.0, lag_s=2.0)
+    assert not vouches(100.0, 104.0, 1.0, 8.0, lag_s=2.0)
+
+
 def test_a_calls_counts_are_its_moves_added_up() -> None:
     """What the dispatch path counts for the metrics is returned with each result and
     added by the caller (no out-parameter): a burial, a poison pill, losses, waits."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
+import time
 
+from services.worker.sidecar import Pulse
 from services.worker.state import HALF, Board
 
 
@@ -49,5 +52,54 @@ def test_another_process_reads_what_was_written_through_the_inherited_descriptor
             check=True,
         )
         assert json.loads(out.stdout) == {"agent_pid": os.getpid(), "attempts": {"5": -1}}
+    finally:
+        board.close()
+
+
+def test_the_pulse_is_none_until_marked_then_the_last_mark_beside_the_value() -> None:
+    board = Board.create()
+    try:
+        assert board.pulse_at() is None
+        board.write({"agent_pid": 7})
+        board.pulse(12.5)
+        board.pulse(13.25)
+        assert board.pulse_at() == 13.25
+        assert board.read() == {"agent_pid": 7}
+    finally:
+        board.close()
+
+
+def test_a_torn_pulse_reads_as_none_not_as_a_time_long_past() -> None:
+    board = Board.create()
+    try:
+        board.pulse(100.0)
+        os.pwrite(board.fd, struct.pack("=d", 1.0), 2 * HALF)  # one copy of two rewritten
+        assert board.pulse_at() is None
+    finally:
+        board.close()
+
+
+def test_the_sidecar_takes_an_agent_for_hung_past_half_the_bound_only() -> None:
+    board = Board.create()
+    try:
+
+        def watching_since(seconds: float) -> Pulse:
+            pulse = Pulse(board, hang_s=4.0)
+            pulse.since -= seconds  # the sidecar started that long ago
+            return pulse
+
+        board.pulse(time.monotonic() - 1.9)
+        assert watching_since(100).hung() is None
+        board.pulse(time.monotonic() - 2.5)
+        still = watching_since(100).hung()
+        assert still is not None and 2.5 <= still < 3.5
+        # No mark yet (or one older than its start): still since the sidecar started.
+        assert watching_since(1).hung() is None
+        # A torn read keeps the newest mark seen: the loop is not taken for still since.
+        pulse = watching_since(100)
+        board.pulse(time.monotonic())
+        assert pulse.hung() is None
+        os.pwrite(board.fd, struct.pack("=d", 1.0), 2 * HALF)
+        assert pulse.hung() is None
     finally:
         board.close()

@@ -451,13 +451,14 @@ async function workersPage(main) {
   main.append(box);
   await live(box, async () => {
     const workers = await api("core", "/v1/workers");
-    return table(["#", "host", "queues", "state", "cpu", "memory", "running", "heartbeat"],
+    return table(["#", "host", "queues", "state", "cpu", "memory", "running", "heartbeat", "turn"],
       workers.items.filter((w) => w.state === "live" || w.state === "draining").map((w) =>
         h("tr", { "data-worker-id": w.id }, h("td", { class: "num" }, w.id), h("td", {}, w.hostname),
           h("td", {}, w.queues.join(", ")), h("td", {}, w.state),
           h("td", {}, bar(w.used_cpu, w.cpu, `${num(w.used_cpu, 1)} / ${num(w.cpu, 1)}`)),
           h("td", {}, bar(w.used_memory_mb, w.memory_mb, `${w.used_memory_mb} / ${w.memory_mb} MB`)),
-          h("td", { class: "num" }, w.running), h("td", {}, ago(w.last_heartbeat_at)))));
+          h("td", { class: "num" }, w.running), h("td", {}, ago(w.last_heartbeat_at)),
+          h("td", { title: "the agent's last turn, as stored (rewritten once older than a quarter of the shorter liveness bound)" }, ago(w.last_turn_at)))));
   });
 }
 
