@@ -1,6 +1,7 @@
 """The sidecar: a process beside the agent that tells core, every heartbeat interval, that
 the worker lives and which attempts' processes it sees alive. When the agent is gone it
-stops beating (so core declares the worker dead) and kills the attempts left behind."""
+stops beating (so core declares the worker dead), kills the attempts left behind and
+removes the agent's egress table (``firewall``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import httpx
 from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
-from services.worker import hardening, state
+from services.worker import firewall, hardening, state
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Identity, kill_every_process_of
 from services.worker.settings import WorkerSettings
@@ -49,6 +50,7 @@ async def beat_forever(
     interval_s: float,
     timeout_s: float,
     client: CoreClient,
+    home: Path | None = None,
 ) -> None:
     """Beat until the agent is gone. Cut off from core for nearly ``timeout_s``, after which
     core re-places this worker's attempts, it kills them here, so they never run twice."""
@@ -64,6 +66,9 @@ async def beat_forever(
                 "the agent (pid %s) is gone; stopping its attempts and the heartbeat", agent
             )
             _orphans_killed(shared)
+            if home is not None and agent:
+                # after the kill: no process of the attempts is left to reach anything
+                await asyncio.to_thread(firewall.delete, firewall.table_name(home, agent))
             await _last_word(client, worker_id, attempts)
             return
         # pid 0: claimed and being prepared by the (living) agent; -1: being started.
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.interval_s,
                 args.timeout_s,
                 client,
+                settings.home,
             )
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))

@@ -86,3 +86,36 @@ def test_the_lease_carries_its_queues_egress(core: Core, db) -> None:
         "sealed": {"mode": "none", "allow": []},
         "default": None,
     }
+
+
+def test_cairn_queues_sets_and_shows_egress(
+    core: Core, db, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from cairn.cli import app
+
+    with core.client("root", "admin"):
+        pass  # an admin's token: it sets queues
+    for name, value in {
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_CONFIG": str(tmp_path / "none.toml"),
+        "CAIRN_URL": core.url,
+        "CAIRN_TOKEN": core.tokens["root"],
+        "COLUMNS": "250",
+    }.items():
+        monkeypatch.setenv(name, value)
+    runner = CliRunner()
+    args = ["queues", "builds", "--allow", "10.0.0.0/8:443", "--allow", "[fd00::/64]:53"]
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0, shown.output
+    assert "allow 10.0.0.0/8 port 443, fd00::/64 port 53" in shown.output
+    stored = db.execute("SELECT egress FROM core.queues WHERE name = 'builds'").fetchone()[0]
+    assert stored["allow"] == [
+        {"cidr": "10.0.0.0/8", "port": 443},
+        {"cidr": "fd00::/64", "port": 53},
+    ]
+    refused = runner.invoke(app, ["queues", "builds", "--allow", "10.0.0.0/8:70000"])
+    assert refused.exit_code == 2 and "port" in refused.output
+    sealed = runner.invoke(app, ["queues", "builds", "--egress", "none"])
+    assert sealed.exit_code == 0 and " none" in sealed.output
