@@ -1,7 +1,7 @@
 """A queue's egress policy over real HTTP and a real PostgreSQL (issue 32, part 3): set
 through ``PATCH /v1/queues/{name}``, shown, audited, carried by each lease of its tasks;
 bad input a 422 naming the field. Its enforcement by a real agent:
-tests/security/test_egress.py."""
+tests/security/test_attempt_egress.py."""
 
 from __future__ import annotations
 

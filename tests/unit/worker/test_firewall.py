@@ -1,6 +1,6 @@
 """The agent's egress table (services/worker/firewall.py) as the nftables script it
 sends, the blocked destinations an operator lists, and the policies an agent that cannot
-enforce them refuses. Applied by a real agent: tests/security/test_egress.py."""
+enforce them refuses. Applied by a real agent: tests/security/test_attempt_egress.py."""
 
 from __future__ import annotations
 
