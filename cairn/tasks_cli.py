@@ -24,11 +24,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cairn import output
 from cairn.config import ClientSettings
 from libs.common.client import CoreClient
+from libs.common.egress import parse_destination
 from libs.common.errors import CairnError
 from libs.common.models import (
     NO_RETRY_EXIT_CODE,
     BulkAction,
     BulkResult,
+    Egress,
     LogEnd,
     QueueSettings,
     RetryCauses,
@@ -247,13 +249,40 @@ def _or_dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def _egress_change(mode: str | None, allow: list[str]) -> dict[str, Any] | None:
+    """``--egress`` and ``--allow`` as the API's ``egress`` (``--allow`` alone: ``allow``)."""
+    if mode is None and not allow:
+        return None
+    rules = []
+    for item in allow:
+        try:
+            network, port = parse_destination(item)
+        except ValueError as exc:
+            output.errors.print(f"[red]error[/red] --allow: {exc}")
+            raise typer.Exit(2) from None
+        rules.append({"cidr": str(network), "port": port})
+    return {"mode": mode or "allow", "allow": rules}
+
+
+def _egress_shown(egress: Egress) -> str:
+    if egress.mode != "allow":
+        return egress.mode
+    shown = [r.cidr if r.port is None else f"{r.cidr} port {r.port}" for r in egress.allow]
+    return f"allow {', '.join(shown) or 'nothing'}"
+
+
 def _queue_change(
-    default_timeout: int | None, max_timeout: int | None, max_wait: int | None, unset: list[str]
+    default_timeout: int | None,
+    max_timeout: int | None,
+    max_wait: int | None,
+    unset: list[str],
+    egress: dict[str, Any] | None = None,
 ) -> QueueSettings:
     given = {
         "default_timeout_s": default_timeout,
         "max_timeout_s": max_timeout,
         "max_wait_s": max_wait,
+        "egress": egress,
     }
     body: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     for name in unset:
@@ -614,12 +643,26 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             list[str] | None,
             typer.Option(help="back to no limit: default-timeout, max-timeout, max-wait"),
         ] = None,
+        egress: Annotated[
+            str | None,
+            typer.Option(
+                help="what its attempts' network may reach: host (the default: all but "
+                "link-local and the database), none (loopback only), allow (--allow only)"
+            ),
+        ] = None,
+        allow: Annotated[
+            list[str] | None,
+            typer.Option(help="with --egress allow: CIDR[:PORT] or [IPV6/LEN]:PORT, repeated"),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
-        """Queues with their depth per state and their tasks' time limits; with NAME and
-        options, set that queue's limits (admin; a default above the maximum is refused)."""
+        """Queues with their depth per state, their tasks' time limits and egress policy;
+        with NAME and options, set that queue's (admin; a default above the maximum is
+        refused)."""
         c = ctx_of(ctx)
-        change = _queue_change(default_timeout, max_timeout, max_wait, unset or [])
+        change = _queue_change(
+            default_timeout, max_timeout, max_wait, unset or [], _egress_change(egress, allow or [])
+        )
         if change.model_fields_set and name is None:
             output.errors.print("[red]error[/red] name the queue to set")
             raise typer.Exit(2)
@@ -647,6 +690,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                 "oldest waiting s",
                 "timeout s (default/max)",
                 "max wait s",
+                "egress",
             ],
             [
                 [
@@ -656,6 +700,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                     f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
                     f"{_or_dash(q.default_timeout_s)}/{_or_dash(q.max_timeout_s)}",
                     _or_dash(q.max_wait_s),
+                    _egress_shown(q.egress),
                 ]
                 for q in found
             ],

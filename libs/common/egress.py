@@ -48,6 +48,30 @@ def parse_cidrs(text: str) -> tuple[IPNetwork, ...]:
         raise ValueError(f"not a CIDR range: {exc}") from None
 
 
+def parse_destination(text: str) -> tuple[IPNetwork, int | None]:
+    """``10.0.0.5/32:5432``, ``10.0.0.0/8``, ``[fd00::/64]:443`` or ``fd00::1``: a network
+    (a bare address is one host) and its port, if one is given (an IPv6 one's port
+    follows its bracketed range)."""
+    text = text.strip()
+    network, port = text, ""
+    if text.startswith("["):
+        network, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{text!r}: a bracketed range is followed by :PORT or nothing")
+        port = rest[1:]
+    elif text.count(":") == 1:
+        network, _, port = text.partition(":")
+    try:
+        parsed = ipaddress.ip_network(network, strict=False)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a CIDR range (with an optional :PORT)") from None
+    if not port:
+        return parsed, None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 1 to 65535")
+    return parsed, int(port)
+
+
 #: IPv6 ranges that carry an IPv4 address in their last 32 bits: NAT64's well-known prefix
 #: (RFC 6052: what DNS64 answers for an IPv4-only host), SIIT's IPv4-translated addresses
 #: (RFC 2765) and the deprecated IPv4-compatible ones (RFC 4291)

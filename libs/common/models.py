@@ -6,6 +6,7 @@ by hand, and bound every string, list and map.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ from pydantic import (
     Field,
     JsonValue,
     StringConstraints,
+    field_validator,
     model_validator,
 )
 
@@ -457,6 +459,42 @@ class EventPage(_Output):
     next_cursor: str
 
 
+#: an ``allow`` policy's bound on its entries
+MAX_EGRESS_RULES = 32
+
+
+class EgressRule(_Input):
+    """One destination an ``allow`` policy opens: a CIDR range (IPv4 or IPv6; a bare
+    address is one host) and, optionally, one port (TCP and UDP); no port: every port."""
+
+    cidr: Annotated[str, StringConstraints(min_length=1, max_length=49)]
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("cidr")
+    @classmethod
+    def _network(cls, value: str) -> str:
+        try:
+            return str(ipaddress.ip_network(value.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv4 or IPv6 CIDR range") from None
+
+
+class Egress(_Input):
+    """What an attempt's network may reach (docs/security.md, "Egress"): ``host`` (the
+    default) the host's network, except the blocked destinations (link-local, the
+    database: ``CAIRN_WORKER_EGRESS_BLOCK``); ``none`` its own network namespace with
+    loopback only; ``allow`` only the ``allow`` list, the blocked destinations never."""
+
+    mode: Literal["host", "none", "allow"] = "host"
+    allow: list[EgressRule] = Field(default_factory=list, max_length=MAX_EGRESS_RULES)
+
+    @model_validator(mode="after")
+    def _allow_only_with_allow(self) -> Egress:
+        if self.allow and self.mode != "allow":
+            raise ValueError(f"allow is a list for mode allow only, not {self.mode}")
+        return self
+
+
 class QueueInfo(_Output):
     name: str
     paused: bool
@@ -474,6 +512,8 @@ class QueueInfo(_Output):
     max_timeout_s: int | None = None
     #: a task not started this long after it is due ends ``dead`` (null: no limit)
     max_wait_s: int | None = None
+    #: what its attempts' network may reach
+    egress: Egress = Field(default_factory=Egress)
 
 
 class QueueSettings(_Input):
@@ -486,6 +526,8 @@ class QueueSettings(_Input):
     default_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     max_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     max_wait_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
+    #: its attempts' egress policy (null: ``host``, the default)
+    egress: Egress | None = None
 
 
 class QueueList(_Output):
@@ -668,6 +710,8 @@ class Assignment(_Output):
     checkpoint: str | None = None
     #: the attempt's fencing token, for ``CAIRN_FENCING_TOKEN`` (docs/progress.md)
     fencing_token: str | None = None
+    #: its queue's egress policy (None: ``host``), applied by the agent
+    egress: Egress | None = None
 
 
 class ClaimAnswer(_Output):

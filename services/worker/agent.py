@@ -51,6 +51,7 @@ from services.worker.executor import (
     SpawnError,
     start_attempt,
 )
+from services.worker.firewall import Unenforceable
 from services.worker.host import Host, HostError, Prepared
 from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
@@ -761,6 +762,8 @@ class Agent:
             self.timings.mark(attempt, "prepared")
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
+        except Unenforceable as exc:
+            return Report(outcome="failed", error=str(exc), retryable=False)
         except (IsolationError, OSError) as exc:
             log.error("attempt %s cannot be prepared: %s", attempt, exc)
             return Report(outcome="handed_back", error="the worker could not prepare it")

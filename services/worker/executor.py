@@ -323,6 +323,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         private_tmp=str(private_tmp) if private_tmp is not None else None,
         tmp_targets=sandbox.tmp_targets if sandbox else (),
         shm=bool(sandbox and sandbox.shm),
+        netns=bool(sandbox and sandbox.netns),
     )
 
 

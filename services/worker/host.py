@@ -12,8 +12,8 @@ from base64 import b64decode
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.models import Assignment
-from services.worker import outputs, progress, spawner
+from libs.common.models import Assignment, Egress
+from services.worker import firewall, outputs, progress, spawner
 from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
@@ -79,6 +79,9 @@ class Host:
         self.workdirs = Workdirs(self.run_dir, self.isolated, settings.worker_slots)
         self.spare_logs = SpareLogs(logs_dir, settings.worker_slots)
         self.sealed: Sealed | None = None
+        #: the agent's egress table (``firewall``); None: not isolated, or no nftables
+        self.firewall: firewall.Firewall | None = None
+        self._allowing: set[int] = set()  # uids with an ``allow`` chain
 
     def start(self) -> list[str]:
         """Check and set up; returns what the agent tells at start-up. Raises HostError."""
@@ -101,6 +104,7 @@ class Host:
                 )
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
+        notes.append(self._egress_note())
         self.cgroups, note = Cgroups.detect()
         notes.append(note)
         if self.cgroups is not None:
@@ -133,6 +137,28 @@ class Host:
             return [f"not root, so no isolation (development): {GIVES_UP}"]
         return [f"CAIRN_WORKER_ISOLATION=none: {GIVES_UP}"]
 
+    def _egress_note(self) -> str:
+        if not self.isolated:
+            return (
+                "egress is not enforced (attempts run as the agent's user): attempts of "
+                "queues with egress none or allow fail here"
+            )
+        extra = firewall.parse_blocked(self.settings.worker_egress_block)
+        wall = firewall.Firewall(
+            self.settings.home, os.getpid(), self.settings.uids, firewall.blocked(extra)
+        )
+        try:
+            wall.start()
+        except firewall.FirewallError as exc:
+            log.warning("no egress table (%s): link-local and the database stay reachable", exc)
+            return (
+                f"egress: nftables unavailable ({exc}): the blocklist is not enforced and "
+                "attempts of queues with egress allow fail here; egress none still works"
+            )
+        self.firewall = wall
+        shown = ", ".join(str(n) + (f" port {p}" if p else "") for n, p in wall.refused)
+        return f"egress: attempts never reach {shown} (nftables table {wall.table})"
+
     def _tmp_note(self) -> str:
         if not mount_namespaces_work():
             return "no mount namespaces here: each attempt's TMPDIR is its own, /tmp is shared"
@@ -153,6 +179,7 @@ class Host:
         group: AttemptCgroup | None = None
         slot: Slot | None = None
         try:
+            await self._egress(assignment.egress, identity)
             # Folder work blocks on the file system's journal: off the event loop; for a
             # file:// artifact, the folders, the verified copy and its seal in one thread.
             if assignment.artifact.uri.startswith("file:"):
@@ -177,6 +204,27 @@ class Host:
             await self._undo(folders, identity, group, slot, log_path, never_ran=True)
             raise
         return Prepared(spec, folders, identity, group, slot)
+
+    async def _egress(self, policy: Egress | None, identity: Identity | None) -> None:
+        """Refuse a policy this agent cannot apply; open an ``allow`` attempt's chain
+        (before its process starts; closed by ``_undo``)."""
+        if policy is None or policy.mode == "host":
+            return
+        if identity is None:
+            raise firewall.Unenforceable(
+                f"this worker cannot apply egress {policy.mode}: its attempts run as the "
+                "agent's own user (it is not root, or CAIRN_WORKER_ISOLATION=none)"
+            )
+        if policy.mode == "allow":
+            if self.firewall is None:
+                raise firewall.Unenforceable(
+                    "this worker cannot apply egress allow: nftables is unavailable here"
+                )
+            self._allowing.add(identity.uid)
+            try:
+                await asyncio.to_thread(self.firewall.open, identity.uid, policy)
+            except firewall.FirewallError as exc:
+                raise firewall.Unenforceable(f"egress allow not applied: {exc}") from None
 
     def _local_files(
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
@@ -250,6 +298,7 @@ class Host:
             tmp_targets=self.tmp_targets,
             shm=self.fresh_shm,
             rlimits=tuple(limits),
+            netns=assignment.egress is not None and assignment.egress.mode == "none",
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(
@@ -356,7 +405,14 @@ class Host:
                 await asyncio.to_thread(self._give_back, folders, log_path, settled or never_ran)
         finally:
             if identity is not None and self.pool is not None:
+                await self._close_egress(identity)
                 self.pool.give_back(identity)
+
+    async def _close_egress(self, identity: Identity) -> None:
+        """Remove the uid's ``allow`` chain before the uid is handed back."""
+        if identity.uid in self._allowing and self.firewall is not None:
+            self._allowing.discard(identity.uid)
+            await asyncio.to_thread(self.firewall.close, identity.uid)
 
     def _give_back(self, folders: Folders | None, log_path: Path | None, reusable: bool) -> None:
         if folders is not None:
@@ -381,6 +437,8 @@ class Host:
             self.helper.close()
         if self.cgroups is not None:
             self.cgroups.close()
+        if self.firewall is not None:
+            await asyncio.to_thread(self.firewall.stop)
         await asyncio.to_thread(self._give_up_spares)
 
     def _give_up_spares(self) -> None:

@@ -35,7 +35,9 @@ import logging
 import os
 import random
 import resource
+import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +48,8 @@ from typing import Protocol
 from services.worker import hardening
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _libc = ctypes.CDLL(None, use_errno=True)
 log = logging.getLogger("cairn.worker.isolation")
@@ -64,7 +68,8 @@ class Identity:
 @dataclass(frozen=True)
 class Sandbox:
     """What the child applies to itself between fork and exec, as root, in this order:
-    join the cgroups, enter a private mount namespace, set rlimits, drop to the uid.
+    join the cgroups, enter a private mount namespace, a network namespace of its own
+    (egress ``none``: loopback only), set rlimits, drop to the uid.
     ``preexec`` does it in a fork of the agent; the resident spawn helper (``spawner``)
     applies the same fields itself (``executor._launch``), born in its cgroup already."""
 
@@ -74,6 +79,7 @@ class Sandbox:
     tmp_targets: tuple[str, ...] = ()
     shm: bool = False
     rlimits: tuple[tuple[int, int], ...] = ()
+    netns: bool = False
 
     def preexec(self) -> Callable[[], None]:
         def apply() -> None:
@@ -83,6 +89,8 @@ class Sandbox:
                     handle.write(pid)
             if self.private_tmp is not None:
                 _private_mounts(self.private_tmp, self.tmp_targets, self.shm)
+            if self.netns:
+                own_network()
             for which, value in self.rlimits:
                 resource.setrlimit(which, (value, value))
             if self.identity is not None:
@@ -113,6 +121,17 @@ def _private_mounts(tmp: Path, targets: tuple[str, ...], shm: bool) -> None:
         _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
     if shm:
         _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777,size=64m")
+
+
+def own_network() -> None:
+    """Enter a network namespace of its own, with loopback up and nothing else."""
+    if _libc.unshare(CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare: {os.strerror(errno)}")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
 def mount_namespaces_work() -> bool:

@@ -12,6 +12,7 @@ from pydantic_settings import SettingsConfigDict
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import WorkerOfferSettings, parse_labels, parse_list
 from libs.common.sources import parse_sources
+from services.worker.firewall import parse_blocked
 
 
 class WorkerSettings(WorkerOfferSettings):
@@ -42,6 +43,10 @@ class WorkerSettings(WorkerOfferSettings):
     worker_run_dir: Path | None = None
     #: where agents on one host take the uids they hand out (a lock file per uid)
     worker_uid_locks: Path = Path("/run/cairn/uids")
+    #: destinations no attempt may reach besides link-local (169.254.0.0/16, fe80::/10),
+    #: as ``CIDR[:PORT]`` (``[v6/len]:PORT``), comma separated: list the database's host
+    #: and port here (docs/security.md, "Egress")
+    worker_egress_block: str = ""
     #: processes (and threads) one attempt may have at once
     worker_pids_max: int = Field(default=1024, ge=8, le=4_194_304)
     #: how long an attempt's folder is kept after its log is uploaded (0: removed at once)
@@ -81,6 +86,12 @@ class WorkerSettings(WorkerOfferSettings):
     @classmethod
     def _check_sources(cls, value: str) -> str:
         parse_sources(value)
+        return value
+
+    @field_validator("worker_egress_block")
+    @classmethod
+    def _check_blocked(cls, value: str) -> str:
+        parse_blocked(value)
         return value
 
     @field_validator("worker_uids")

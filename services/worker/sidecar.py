@@ -1,8 +1,9 @@
 """The sidecar: a process beside the agent that tells core, every heartbeat interval, that
 the worker lives and which attempts' processes it sees alive. When the agent is gone it
-stops beating (so core declares the worker dead) and kills the attempts left behind; when
-the agent lives but its loop stands still (hung: its pulse on the board stops) for half
-the hang bound, it kills the attempts, tells core they are lost, and beats no more."""
+stops beating (so core declares the worker dead), kills the attempts left behind and
+removes the agent's egress table (``firewall``); when the agent lives but its loop stands
+still (hung: its pulse on the board stops) for half the hang bound, it kills the
+attempts, tells core they are lost, and beats no more."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from libs.common import logs
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
 from libs.common.states import Workers
-from services.worker import hardening, state
+from services.worker import firewall, hardening, state
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Identity, kill_every_process_of
 from services.worker.settings import WorkerSettings
@@ -87,6 +88,7 @@ async def beat_forever(
     timeout_s: float,
     client: CoreClient,
     hang_s: float = math.inf,
+    home: Path | None = None,
 ) -> None:
     """Beat until the agent is gone, or hung (``Pulse``). Cut off from core for nearly
     ``timeout_s``, after which core re-places this worker's attempts, it kills them here,
@@ -104,6 +106,9 @@ async def beat_forever(
                 "the agent (pid %s) is gone; stopping its attempts and the heartbeat", agent
             )
             _orphans_killed(shared)
+            if home is not None and agent:
+                # after the kill: no process of the attempts is left to reach anything
+                await asyncio.to_thread(firewall.delete, firewall.table_name(home, agent))
             await _last_word(client, worker_id, attempts)
             return
         still = pulse.hung()
@@ -231,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.timeout_s,
                 client,
                 args.hang_s,
+                settings.home,
             )
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))

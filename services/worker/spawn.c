@@ -6,7 +6,8 @@
  * migration. For each request it clones a child whose parent is the agent
  * (CLONE_PARENT, so the agent waits for it as for any child), optionally straight into
  * a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the child applies, as root and in
- * this order: a new session, a private mount namespace with its own /tmp, rlimits, the
+ * this order: a new session, a private mount namespace with its own /tmp, a network
+ * namespace of its own with loopback only (egress "none"), rlimits, the
  * attempt's uid and gid with no other groups, no_new_privs, umask 077, its working
  * directory, stdin /dev/null and stdout/stderr the log, every other descriptor closed;
  * then it execs the task. The reply says the child's pid and, if it failed before the
@@ -19,6 +20,7 @@
  *   u uid      g gid                   r N=V   an rlimit (resource number = value)
  *   t dir      the private /tmp source T path  a target bound on it (/tmp, /var/tmp)
  *   s          a fresh /dev/shm        c       the second descriptor is a cgroup2 folder
+ *   n          a network namespace of its own, loopback up (nothing else)
  * with the log file's descriptor (and the cgroup folder's) passed along (SCM_RIGHTS).
  * A request whose first field is "k uid" instead kills every process of that uid.
  */
@@ -26,6 +28,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <net/if.h>
 #include <linux/sched.h>
 #include <sched.h>
 #include <signal.h>
@@ -33,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -48,14 +52,15 @@
 #define CLONE_INTO_CGROUP 0x200000000ULL
 #endif
 
-enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE };
+enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
+            NETWORK };
 
 struct reply { int32_t pid, step, err; };
 
 struct request {
     char *exe, *dir, *tmp;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
-    int argc, envc, ntargets, shm, has_cgroup, nlimits;
+    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
@@ -75,6 +80,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 't': r->tmp = value; break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
+        case 'n': r->netns = 1; break;
         case 'u': r->uid = strtol(value, NULL, 10); break;
         case 'g': r->gid = strtol(value, NULL, 10); break;
         case 'a': if (r->argc < MAX_ITEMS - 1) r->argv[r->argc++] = value; else return -1; break;
@@ -97,6 +103,24 @@ static void fail(int status_fd, enum step step) {
     _exit(127);
 }
 
+/* A fresh network namespace has loopback, down: bring it up. */
+static int loopback_up(void) {
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct ifreq request;
+    memset(&request, 0, sizeof request);
+    strncpy(request.ifr_name, "lo", IFNAMSIZ - 1);
+    int rc = ioctl(fd, SIOCGIFFLAGS, &request);
+    if (rc == 0) {
+        request.ifr_flags |= IFF_UP;
+        rc = ioctl(fd, SIOCSIFFLAGS, &request);
+    }
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return rc;
+}
+
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
@@ -109,6 +133,7 @@ static void become(struct request *r, int status_fd) {
                             "mode=1777,size=64m") < 0)
             fail(status_fd, MOUNTS);
     }
+    if (r->netns && (unshare(CLONE_NEWNET) < 0 || loopback_up() < 0)) fail(status_fd, NETWORK);
     for (int i = 0; i < r->nlimits; i++) {
         struct rlimit limit = {r->limit_value[i], r->limit_value[i]};
         if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);

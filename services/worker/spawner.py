@@ -4,8 +4,8 @@ process started once with ``posix_spawn``, forks each attempt on request.
 The agent is a large Python process; forking it for every attempt (``subprocess`` with
 ``preexec_fn``) copies its page tables and runs Python between fork and exec. The helper
 is 18 KB of C: its fork is cheap, and it applies the sandbox (session, private mount
-namespace, rlimits, uid and gid, no_new_privs, umask, working directory, descriptors)
-itself before it execs the task. Its children are the agent's (``CLONE_PARENT``), so the
+namespace, network namespace for egress ``none``, rlimits, uid and gid, no_new_privs,
+umask, working directory, descriptors) itself before it execs the task. Its children are the agent's (``CLONE_PARENT``), so the
 agent waits for them with ``wait4`` as before and reads their rusage. On cgroup v1 a
 helper lives inside each pooled cgroup (it joined it once), so an attempt it starts is born
 there: no ``cgroup.procs`` write per attempt (``cgpool``). On cgroup v2 one helper starts
@@ -51,6 +51,7 @@ _STEPS = {
     7: "descriptors",
     8: "exec",
     9: "clone",
+    10: "network namespace",
 }
 EXEC_STEP = 8
 
@@ -84,6 +85,8 @@ class Launch:
     private_tmp: str | None = None
     tmp_targets: Sequence[str] = ()
     shm: bool = False
+    #: egress ``none``: a network namespace of its own, loopback only
+    netns: bool = False
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -97,6 +100,8 @@ class Launch:
             fields += [f"T{target}" for target in self.tmp_targets]
             if self.shm:
                 fields.append("s")
+        if self.netns:
+            fields.append("n")
         if with_cgroup:
             fields.append("c")
         if any("\0" in f for f in fields):

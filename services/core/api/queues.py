@@ -64,8 +64,10 @@ async def set_queue(
     """Set the pool's overcommit ratio for preemptible work, the utilisation above
     which time-insensitive work is deferred, and its tasks' time limits: the default and
     the largest ``timeout_s``, and the longest a task may wait to start (null: the
-    operator's default, or none). 422 naming the field when the default would be above
-    the maximum."""
+    operator's default, or none); and its attempts' egress policy (``host``, ``none``,
+    ``allow`` with a list of CIDR ranges and ports: docs/security.md, "Egress"). 422
+    naming the field when the default would be above the maximum, or for a malformed
+    range, a port out of range, a list too long."""
     defaults = placement.Defaults.of(request.app.state.settings)
     await queues_ops.set_pool(engine, record, defaults, name, change)
     request.app.state.sharing.invalidate()

@@ -24,6 +24,7 @@ from libs.common.models import (
     Assignment,
     AttemptReport,
     Charge,
+    Egress,
     ReportVerdict,
     Resources,
 )
@@ -233,6 +234,8 @@ SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_pa
        charge_cpu, charge_memory_mb, progress_timeout_s, fence,
        -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
        (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
+       -- its queue's egress policy (NULL: host, the default), for the agent to apply
+       (SELECT q.egress FROM core.queues q WHERE q.name = moved.queue) AS egress,
        GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
        CASE WHEN from_state = '{S.READY}' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
@@ -547,6 +550,7 @@ def _assignment(row: Any) -> Assignment:
         progress_timeout_s=row.progress_timeout_s,
         checkpoint=b64encode(row.checkpoint).decode() if row.checkpoint is not None else None,
         fencing_token=fencing_token(row.attempt_id, row.attempt_number, row.fence),
+        egress=Egress.model_validate(row.egress) if row.egress is not None else None,
     )
 
 

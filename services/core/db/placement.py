@@ -261,6 +261,8 @@ async def pools(conn: AsyncConnection, defaults: Defaults) -> dict[str, PoolRow]
 
 async def set_pool(conn: AsyncConnection, name: str, change: QueueSettings) -> None:
     values = change.model_dump(exclude_unset=True)
+    if change.egress is not None and change.egress.mode == "host":
+        values["egress"] = None  # the default is stored as none set
     stmt = pg_insert(queues).values(name=name, **values)
     if values:
         stmt = stmt.on_conflict_do_update(index_elements=[queues.c.name], set_=values)

@@ -183,6 +183,9 @@ queues = Table(
         name="time_limits_positive",
     ),
     CheckConstraint("default_timeout_s <= max_timeout_s", name="default_timeout_within_max"),
+    # Its attempts' egress policy (``models.Egress``; NULL: ``host``, the default).
+    Column("egress", JSONB),
+    CheckConstraint("egress->>'mode' IN ('none', 'allow')", name="egress_mode"),
 )
 
 #: the condition of the labels' index, which every label filter adds (a non-empty

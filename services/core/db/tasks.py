@@ -34,6 +34,7 @@ from libs.common.auth import Visibility
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, InvalidInput, NotFound
 from libs.common.models import (
     Attempt,
+    Egress,
     Event,
     QueueHistory,
     QueueInfo,
@@ -1071,6 +1072,8 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
         entry.default_timeout_s = row.default_timeout_s
         entry.max_timeout_s = row.max_timeout_s
         entry.max_wait_s = row.max_wait_s
+        if row.egress is not None:
+            entry.egress = Egress.model_validate(row.egress)
     for entry in infos.values():
         for state in TaskState:
             if state not in FINAL or state is TaskState.DEAD:

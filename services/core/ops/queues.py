@@ -56,8 +56,9 @@ async def set_pool(
     name: str,
     change: QueueSettings,
 ) -> None:
-    """Set the queue's placement settings and its tasks' time limits (``domain.limits``:
-    a default above the maximum, as they would stand, is refused)."""
+    """Set the queue's placement settings, its tasks' time limits (``domain.limits``:
+    a default above the maximum, as they would stand, is refused) and its attempts'
+    egress policy."""
     changed = change.model_dump(exclude_unset=True)
     async with engine.begin() as conn:
         stored = await sharing.limits_for_update(conn, name)
@@ -66,7 +67,12 @@ async def set_pool(
         old = [q for q in await read(conn, defaults) if q.name == name]
         await placement.set_pool(conn, name, change)
         before = (
-            {"overcommit": old[0].overcommit, "defer_above": old[0].defer_above, **asdict(stored)}
+            {
+                "overcommit": old[0].overcommit,
+                "defer_above": old[0].defer_above,
+                **asdict(stored),
+                "egress": old[0].egress.model_dump(),
+            }
             if old
             else None
         )
