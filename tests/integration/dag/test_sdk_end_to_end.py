@@ -70,6 +70,9 @@ def test_a_python_workflow_applied_by_the_cli_runs_to_its_end_through_the_sdk(
     client = Client(dag.url, token)
     [again] = client.apply(files)
     assert (again.version, again.created) == (1, False)
+    files.options["max_active_runs"] = 2  # a changed definition is the next version
+    [changed] = client.apply(files)
+    assert (changed.version, changed.created) == (2, True)
     result = client.start(files, {"day": "2026-12-04"}).wait(timeout_s=60, poll_s=0.05)
 
     assert result.check().state == "succeeded"
