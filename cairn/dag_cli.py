@@ -63,7 +63,7 @@ def apply(
     """Store the workflows a Python file makes with ``cairn.sdk`` (docs/sdk.md): each a
     new version when its definition changed. Every one is checked before any is sent."""
     try:
-        workflows = sdk.load(file)
+        workflows = sdk.load_file(file)
         definitions = sdk.render_all(workflows)
     except sdk.DefinitionError as exc:
         output.errors.print(f"[red]error[/red] {output.safe(file)}: {output.safe(exc.detail)}")

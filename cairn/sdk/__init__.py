@@ -1,10 +1,10 @@
 """Workflows as code: write a DAG service workflow in Python, render it to the definition
 ``POST /v1/workflows`` takes, submit it and follow its runs (docs/sdk.md)::
 
-    from cairn.sdk import Artifact, Client, Node, Workflow, param
+    from cairn.sdk import MAP_ITEM, Artifact, Client, Node, Workflow, param
 
     ETL = Artifact(uri="s3://bin/etl", sha256="...")
-    with Workflow("nightly", params={"day": None}) as nightly:
+    with Workflow("nightly") as nightly:
         extract = Node("extract", artifact=ETL, args=["extract", param("day")],
                        outputs=["files"])
         load = Node("load", artifact=ETL, args=["load", MAP_ITEM],
@@ -20,7 +20,7 @@ models of ``libs.common``: one definition of each, shared with the services.
 """
 
 from cairn.sdk.definition import DefinitionError, Node, Workflow, chain, render_all
-from cairn.sdk.files import load
+from cairn.sdk.files import load_file
 from cairn.sdk.refs import (
     FIRE_BACKFILL,
     FIRE_SCHEDULE_ID,
@@ -79,7 +79,7 @@ __all__ = [
     "Workflow",
     "apply",
     "chain",
-    "load",
+    "load_file",
     "param",
     "render_all",
     "wait_for_run",

@@ -89,7 +89,8 @@ class Node:
     bad field raises ``DefinitionError`` naming the node.
 
     Inside ``with Workflow(...)`` a node joins that workflow. ``a >> b`` (or ``b << a``)
-    makes ``b`` depend on ``a``; either side may be a list."""
+    makes ``b`` depend on ``a``; either side may be a list. ``extra`` holds node fields
+    the service takes that this SDK has no keyword for yet, as the JSON has them."""
 
     def __init__(
         self,
@@ -120,6 +121,7 @@ class Node:
         outputs: Sequence[str] | Mapping[str, OutputSpec] | None = None,
         map: str | MapSpec | None = None,
         workflow: Workflow | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         task: dict[str, Any] = {
             "name": task_name,
@@ -149,6 +151,7 @@ class Node:
             "trigger_rule": trigger_rule,
             "outputs": _declared(outputs),
             "map": {"over": map} if isinstance(map, str) else map,
+            **_extra(extra, {"name", "task", "depends_on"}, f"node {name!r}"),
         }
         self.spec: NodeSpec = _checked_node({k: v for k, v in fields.items() if v is not None})
         self.name: str = self.spec.name
@@ -227,6 +230,15 @@ class Node:
         return body
 
 
+def _extra(extra: Mapping[str, Any] | None, reserved: set[str], what: str) -> dict[str, Any]:
+    """Fields of the definition this SDK has no keyword for yet, as its JSON has them
+    (checked all the same)."""
+    taken = sorted(reserved & set(extra or {}))
+    if taken:
+        raise DefinitionError(f"{what}: extra may not set {', '.join(taken)}")
+    return dict(extra or {})
+
+
 def _declared(outputs: Sequence[str] | Mapping[str, OutputSpec] | None) -> Any:
     if outputs is None:
         return None
@@ -294,7 +306,8 @@ _FIELD = re.compile(r"^body\.nodes\.(\d+)(?:\.(.*))?$")
 class Workflow:
     """A workflow: its nodes and the definition's options (``WorkflowCreate``'s fields).
     ``render()`` gives the definition the DAG service takes, or raises
-    ``DefinitionError`` naming the node and the field."""
+    ``DefinitionError`` naming the node and the field. ``extra``: top-level fields this
+    SDK has no keyword for yet."""
 
     def __init__(
         self,
@@ -308,6 +321,7 @@ class Workflow:
         max_active_nodes: int | None = None,
         task_timeout_s: int | None = None,
         nodes: Iterable[Node] = (),
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             self.name: str = _WORKFLOW_NAME.validate_python(name)
@@ -327,7 +341,7 @@ class Workflow:
                 "task_timeout_s": task_timeout_s,
             }.items()
             if value is not None
-        }
+        } | _extra(extra, {"name", "nodes"}, f"workflow {name!r}")
         self._nodes: dict[str, Node] = {}
         self._tokens: list[Any] = []
         self.add(*nodes)

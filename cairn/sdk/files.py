@@ -10,7 +10,7 @@ from pathlib import Path
 from cairn.sdk.definition import DefinitionError, Workflow, collecting
 
 
-def load(path: Path) -> list[Workflow]:
+def load_file(path: Path) -> list[Workflow]:
     """Run the file as a module (its folder first on ``sys.path``, so it may import its
     neighbours) and return every ``Workflow`` it made, in order. Its
     ``if __name__ == "__main__":`` block does not run."""

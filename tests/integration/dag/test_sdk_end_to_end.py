@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cairn.cli import app
-from cairn.sdk import Client, load
+from cairn.sdk import Client, load_file
 from libs.common.dag_models import WorkflowCreate
 from tests.fixtures.dag import DagServer, Worker
 from tests.support import TRUE_SHA
@@ -60,7 +60,7 @@ def test_a_python_workflow_applied_by_the_cli_runs_to_its_end_through_the_sdk(
     applied = CliRunner().invoke(app, ["dag", "apply", str(pipeline)])
     assert applied.exit_code == 0, applied.output
     assert "workflow sdk-files version 1 stored (4 nodes)" in applied.output
-    [files] = load(pipeline)
+    [files] = load_file(pipeline)
     stored = db.execute(
         "SELECT definition FROM dag.workflows WHERE owner = 'alice' AND name = 'sdk-files'"
     ).fetchall()

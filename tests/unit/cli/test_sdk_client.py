@@ -21,7 +21,7 @@ from cairn.sdk import (
     Node,
     RunFailed,
     Workflow,
-    load,
+    load_file,
     param,
 )
 
@@ -169,12 +169,12 @@ def test_load_finds_every_workflow_a_file_makes(tmp_path: Path) -> None:
         f"from cairn.sdk import Artifact\nART = Artifact(uri='s3://bin/etl', sha256='{SHA}')\n"
     )
     (tmp_path / "pipeline.py").write_text(PIPELINE)
-    found = load(tmp_path / "pipeline.py")
+    found = load_file(tmp_path / "pipeline.py")
     assert [w.name for w in found] == ["load-sales", "load-stock"]
     assert found[1].to_dict()["nodes"][1]["depends_on"] == ["extract"]
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(DefinitionError, match="makes no Workflow"):
-        load(tmp_path / "empty.py")
+        load_file(tmp_path / "empty.py")
 
 
 @pytest.fixture

@@ -396,3 +396,16 @@ def test_a_rendered_definition_is_what_the_service_validates_from_its_json() -> 
     dag = graph.build(from_json)
     assert dag.order == ("list", "load", "report")
     assert dag.upstream == {"list": (), "load": ("list",), "report": ("load",)}
+
+
+def test_extra_carries_fields_the_sdk_has_no_keyword_for_checked_all_the_same() -> None:
+    with Workflow("x", extra={"max_active_runs": 2}) as wf:
+        Node("a", artifact=ART, extra={"trigger_rule": "all_done"})
+    assert wf.to_dict()["max_active_runs"] == 2
+    assert nodes_of(wf)["a"]["trigger_rule"] == "all_done"
+    with pytest.raises(DefinitionError, match=r"node 'b': not_a_field: Extra inputs"):
+        Node("b", artifact=ART, extra={"not_a_field": 1})
+    with pytest.raises(DefinitionError, match="node 'c': extra may not set depends_on"):
+        Node("c", artifact=ART, extra={"depends_on": ["a"]})
+    with pytest.raises(DefinitionError, match="workflow 'y': extra may not set nodes"):
+        Workflow("y", extra={"nodes": []})

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from cairn.sdk import load
+from cairn.sdk import load_file
 from libs.common.dag_models import WorkflowCreate
 from services.dag.domain import graph
 
@@ -16,7 +16,7 @@ DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def test_the_worked_example_renders_the_definition_the_page_shows() -> None:
-    [daily] = load(DOCS / "examples" / "daily_files.py")
+    [daily] = load_file(DOCS / "examples" / "daily_files.py")
     page = (DOCS / "sdk.md").read_text()
     shown = re.search(r"```json\n(.*?)```", page, re.S)
     assert shown is not None
