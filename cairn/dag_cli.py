@@ -12,13 +12,14 @@ import typer
 from rich.live import Live
 from rich.tree import Tree
 
-from cairn import output
+from cairn import output, sdk
 from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
 from libs.common.dag_client import DagClient
 from libs.common.dag_models import Run, Workflow, WorkflowCreate
 
 app = typer.Typer(
-    help="Workflows: submit FILE.yaml, ls, run, status, outputs, cancel, retry, clear, graph."
+    help="Workflows: submit FILE.yaml, apply FILE.py, ls, run, status, outputs, cancel, retry, "
+    "clear, graph."
 )
 
 RUN_OVER = {"succeeded", "failed", "cancelled"}
@@ -47,6 +48,43 @@ def submit(ctx: typer.Context, file: Path, as_json: JsonFlag = False) -> None:
         output.console.print(
             f"workflow [bold]{output.safe(workflow.name)}[/bold] version {workflow.version} {change} "
             f"({len(workflow.definition.nodes)} nodes)"
+        )
+
+
+@app.command("apply")
+def apply(
+    ctx: typer.Context,
+    file: Path,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="print the definitions as JSON, send nothing")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Store the workflows a Python file makes with ``cairn.sdk`` (docs/sdk.md): each a
+    new version when its definition changed. Every one is checked before any is sent."""
+    try:
+        workflows = sdk.load_file(file)
+        definitions = sdk.render_all(workflows)
+    except sdk.DefinitionError as exc:
+        output.errors.print(f"[red]error[/red] {output.safe(file)}: {output.safe(exc.detail)}")
+        raise typer.Exit(2) from None
+    if dry_run:
+        output.dump([d.model_dump(mode="json", exclude_unset=True) for d in definitions])
+        return
+
+    async def go() -> list[sdk.Applied]:
+        async with _client(ctx) as dag:
+            return await sdk.apply(dag, workflows)
+
+    applied = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump([a.stored for a in applied])
+        return
+    for one in applied:
+        change = "stored" if one.created else "unchanged"
+        output.console.print(
+            f"workflow [bold]{output.safe(one.name)}[/bold] version {one.version} {change} "
+            f"({len(one.stored.definition.nodes)} nodes)"
         )
 
 
