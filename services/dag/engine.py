@@ -45,7 +45,7 @@ from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store, traces
-from services.dag.domain import data, graph, rules
+from services.dag.domain import conditions, data, graph, rules
 from services.dag.domain.templates import Renderer, RunContext, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
@@ -464,12 +464,19 @@ class Engine:
         while True:
             now = rules.settle(dag.order, dag.upstream, rule_of, states, instances)
             changed.update(now)
-            mapped = [n for n, s in now.items() if s is N.READY and dag.specs[n].map is not None]
-            if not mapped:
+            ready = [n for n, s in now.items() if s is N.READY]
+            gated = [n for n in ready if n in dag.conditions]
+            mapped = [n for n in ready if dag.specs[n].map is not None]
+            if not gated and not mapped:
                 break
             outputs = data.collect(_kept_rows(nodes), dag.specs)
+            for name in gated:  # a branch: decided here, in the transaction that readies it
+                state, why = conditions.gate(dag.conditions[name], run.params, outputs)
+                if state is not N.READY:
+                    states[name] = changed[name] = state
+                    errors[name] = why or ""
             tries = {n.name: n.try_number for n in nodes}
-            for name in mapped:
+            for name in (n for n in mapped if states[n] is N.READY):
                 items, why = data.map_items(dag.specs[name], run.params, outputs)
                 if why is not None or not items:  # an empty list skips it, as in Airflow
                     states[name] = changed[name] = N.FAILED if why else N.SKIPPED
