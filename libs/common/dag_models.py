@@ -235,7 +235,11 @@ class NodeSpec(_Input):
     map: MapSpec | None = None
     #: a branch condition over ``params.NAME`` and ``nodes.UPSTREAM.outputs.NAME``,
     #: evaluated when the trigger rule is met: false skips the node (docs/dag.md)
-    when: Annotated[str, StringConstraints(min_length=1, max_length=MAX_WHEN_CHARS)] | None = None
+    #: (left out of a dump when unset, so a definition without branches dumps and hashes
+    #: as it did before ``when`` existed: storing it again answers its version)
+    when: Annotated[str, StringConstraints(min_length=1, max_length=MAX_WHEN_CHARS)] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.dag_models import NodeState
+from libs.common.dag_models import NODE_FINAL, NodeState
 
 MAX_DEPTH = 32
 MAX_TERMS = 256
@@ -57,6 +57,11 @@ class Condition:
     #: (upstream node, output name) pairs it reads
     outputs: frozenset[tuple[str, str]]
 
+    @property
+    def nodes(self) -> frozenset[str]:
+        """The nodes whose outputs it reads."""
+        return frozenset(node for node, _ in self.outputs)
+
 
 class _Compiler:
     def __init__(self) -> None:
@@ -71,15 +76,8 @@ class _Compiler:
         if self.terms > MAX_TERMS:
             raise ConditionError(f"more than {MAX_TERMS} terms")
         down = depth + 1
-        if isinstance(node, ast.Constant):
-            return ("value", _literal(node.value))
-        if isinstance(node, ast.Name):
-            if node.id not in _LITERAL_NAMES:
-                raise ConditionError(
-                    f"unknown name '{node.id}': use params.NAME, nodes.NODE.outputs.NAME,"
-                    " true, false or null"
-                )
-            return ("value", _LITERAL_NAMES[node.id])
+        if isinstance(node, ast.Constant | ast.Name):
+            return ("value", _literal(node))
         if isinstance(node, ast.List | ast.Tuple):
             return ("list", tuple(self.compile(item, down) for item in node.elts))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
@@ -117,7 +115,15 @@ def _named(name: str, what: str) -> None:
         raise ConditionError(f"'{name[:64]}' is not a {what} name")
 
 
-def _literal(value: Any) -> Any:
+def _literal(node: ast.Constant | ast.Name) -> Any:
+    if isinstance(node, ast.Name):
+        if node.id not in _LITERAL_NAMES:
+            raise ConditionError(
+                f"unknown name '{node.id}': use params.NAME, nodes.NODE.outputs.NAME,"
+                " true, false or null"
+            )
+        return _LITERAL_NAMES[node.id]
+    value = node.value
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float) and math.isfinite(value):
@@ -216,7 +222,7 @@ def _within(a: Any, b: Any) -> bool:
 def _ordered(op: str, a: Any, b: Any) -> bool:
     if not ((_number(a) and _number(b)) or (isinstance(a, str) and isinstance(b, str))):
         raise ConditionError(f"cannot compare {_kind(a)} {op} {_kind(b)}")
-    return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op]
+    return bool({"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op])
 
 
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
@@ -248,20 +254,25 @@ class _Values:
             return self.outputs.get(term[1], {}).get(term[2])
         if kind == "list":
             return [self.of(item) for item in term[1]]
-        if kind == "not":
-            return not _boolean(self.of(term[1]), "not")
-        if kind == "-":
-            value = self.of(term[1])
-            if not _number(value):
-                raise ConditionError(f"cannot negate {_kind(value)}")
-            return -value
         if kind in ("and", "or"):
-            stop = kind == "or"  # and: the first false decides; or: the first true
-            for operand in term[1]:
-                if _boolean(self.of(operand), kind) is stop:
-                    return stop
-            return not stop
-        return self._compare(term)
+            return self._either(kind, term[1])
+        if kind == "compare":
+            return self._compare(term)
+        return self._unary(kind, self.of(term[1]))
+
+    def _unary(self, op: str, value: Any) -> Any:
+        if op == "not":
+            return not _boolean(value, "not")
+        if not _number(value):
+            raise ConditionError(f"cannot negate {_kind(value)}")
+        return -value
+
+    def _either(self, op: str, operands: tuple[Term, ...]) -> bool:
+        stop = op == "or"  # and: the first false decides; or: the first true
+        for operand in operands:
+            if _boolean(self.of(operand), op) is stop:
+                return stop
+        return not stop
 
     def _compare(self, term: Term) -> bool:
         left = self.of(term[1])
@@ -308,3 +319,22 @@ def gate(
 def _brief(text: str, most: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= most else text[: most - 1] + "…"
+
+
+def decide(
+    gated: Mapping[str, Condition],
+    states: Mapping[str, NodeState],
+    params: Mapping[str, Any],
+    outputs: Mapping[str, Mapping[str, Any]],
+) -> dict[str, tuple[NodeState, str | None]]:
+    """What each node whose trigger rule was just met, and which has a condition,
+    becomes: ``pending`` again while a node its condition reads has not ended (a rule
+    such as ``one_success`` or ``always`` is met early; waiting makes the verdict the
+    same whatever order the outcomes arrive in), else as ``gate`` says."""
+    decided: dict[str, tuple[NodeState, str | None]] = {}
+    for name, condition in gated.items():
+        if any(states[read] not in NODE_FINAL for read in condition.nodes):
+            decided[name] = (NodeState.PENDING, None)
+        else:
+            decided[name] = gate(condition, params, outputs)
+    return decided

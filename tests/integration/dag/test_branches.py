@@ -11,6 +11,7 @@ import psycopg
 
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
 from tests.integration.dag.test_runs import _tasks
+from tests.support import wait_for
 
 
 def _nodes(db: psycopg.Connection, run_id: int) -> dict[str, tuple[str, str | None]]:
@@ -102,6 +103,36 @@ def test_a_retry_decides_a_failed_branch_again(
     again = runner.wait_end(run["id"])
     assert again["state"] == "succeeded"
     assert _nodes(db, run["id"]) == {"flaky": ("succeeded", None), "gated": ("succeeded", None)}
+
+
+def test_a_rule_met_early_waits_for_the_node_its_condition_reads(
+    runner: Runner, worker: Worker, db: psycopg.Connection
+) -> None:
+    body = workflow(
+        "branch-waits",
+        [
+            node("fast"),
+            node("slow", args=("hold",), outputs={"go": {}}),
+            node("after-fast", "fast"),
+            node(
+                "each",
+                "fast",
+                "slow",
+                trigger_rule="one_success",
+                when="nodes.slow.outputs.go == true",
+                map={"over": "{{ params.items }}"},
+            ),
+        ],
+    )
+    runner.define(body)
+    rid = runner.start("branch-waits", params={"items": [1, 2]})["id"]
+    wait_for(lambda: _nodes(db, rid)["after-fast"][0] == "succeeded", timeout=30, interval=0.05)
+    # fast's success met each's rule in the transaction after-fast was readied in; each
+    # waits for slow (still running) rather than reading its output as null
+    assert _nodes(db, rid)["each"] == ("pending", None)
+    runner.http.post(f"/v1/runs/{rid}/cancel").raise_for_status()
+    wait_for(lambda: _nodes(db, rid)["slow"][0] == "cancelled", timeout=30, interval=0.05)
+    assert _nodes(db, rid)["each"] == ("cancelled", None)
 
 
 def _refusal(dag: DagServer, body: dict) -> dict:

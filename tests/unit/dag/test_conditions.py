@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.dag_models import NodeState
+from libs.common.dag_models import NodeState, WorkflowCreate
 from services.dag.domain.conditions import (
     MAX_DEPTH,
     ConditionError,
@@ -114,3 +114,12 @@ def test_the_gate_readies_skips_with_the_condition_or_fails_with_the_reason() ->
         NodeState.FAILED,
         "when: cannot compare null > a number",
     )
+
+
+def test_a_definition_without_when_dumps_and_hashes_as_before_branches_existed() -> None:
+    artifact = {"uri": "file:///bin/true", "sha256": "0" * 64}
+    nodes = [{"name": "a", "task": {"artifact": artifact}}]
+    plain = WorkflowCreate.model_validate({"name": "w", "nodes": nodes})
+    assert '"when"' not in plain.model_dump_json()
+    gated = WorkflowCreate.model_validate({"name": "w", "nodes": [{**nodes[0], "when": "true"}]})
+    assert WorkflowCreate.model_validate_json(gated.model_dump_json()) == gated
