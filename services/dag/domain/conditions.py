@@ -28,7 +28,7 @@ MAX_DEPTH = 32
 MAX_TERMS = 256
 
 Term = tuple[Any, ...]
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a parameter's or an output's
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a parameter's or an output's (whole)
 _LITERAL_NAMES = {"true": True, "false": False, "null": None}
 _COMPARISONS: dict[type[ast.cmpop], str] = {
     ast.Eq: "==",
@@ -111,7 +111,7 @@ class _Compiler:
 
 
 def _named(name: str, what: str) -> None:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConditionError(f"'{name[:64]}' is not a {what} name")
 
 

@@ -85,6 +85,7 @@ def test_values_that_cannot_be_compared_are_an_error_with_the_reason(
         ("nodes.check.rows == 1", "is not params.NAME or nodes.NODE.outputs.NAME"),
         ("nodes.check.outputs.rows[0] == 1", "is not params.NAME"),
         ('params["a-b"] == 1', "'a-b' is not a parameter name"),
+        ('params["x\\n"] == 1', "is not a parameter name"),
         ("env == 1", "unknown name 'env'"),
         ("params.day == 1j", "is not a JSON literal"),
         ("params.day == b'x'", "is not a JSON literal"),
