@@ -15,7 +15,7 @@ from rich.tree import Tree
 from cairn import output, sdk
 from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
 from libs.common.dag_client import DagClient
-from libs.common.dag_models import Run, Workflow, WorkflowCreate
+from libs.common.dag_models import NodeState, Run, Workflow, WorkflowCreate
 
 app = typer.Typer(
     help="Workflows: submit FILE.yaml, apply FILE.py, ls, run, status, outputs, cancel, retry, "
@@ -156,8 +156,9 @@ def tree(found: Run) -> Tree:
         also = node.depends_on[1:]
         if also:
             extra += f" [dim](also after {output.safe(', '.join(also))})[/dim]"
-        if node.error:
-            extra += f" [red]{output.safe(node.error)}[/red]"
+        if node.error:  # a skip's reason (a false ``when``) is not an error
+            style = "dim" if node.state == NodeState.SKIPPED else "red"
+            extra += f" [{style}]{output.safe(node.error)}[/{style}]"
         return f"{output.safe(name)}: {output.state(node.state)}{extra}"
 
     pending = list(found.nodes)

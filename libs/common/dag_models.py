@@ -40,6 +40,8 @@ MAX_MAP_ITEMS = 10_000
 #: the most instances all the maps of one run may make (the sum of their max_items)
 MAX_RUN_INSTANCES = 100_000
 MAX_RUN_TIMEOUT_S = 30 * 86400
+#: the longest branch condition (a node's ``when``), in characters
+MAX_WHEN_CHARS = 1024
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -231,6 +233,13 @@ class NodeSpec(_Input):
     trigger_rule: TriggerRule = TriggerRule.ALL_SUCCESS
     outputs: dict[OutputName, OutputSpec] = Field(default_factory=dict, max_length=MAX_OUTPUT_DECLS)
     map: MapSpec | None = None
+    #: a branch condition over ``params.NAME`` and ``nodes.UPSTREAM.outputs.NAME``,
+    #: evaluated when the trigger rule is met: false skips the node (docs/dag.md)
+    #: (left out of a dump when unset, so a definition without branches dumps and hashes
+    #: as it did before ``when`` existed: storing it again answers its version)
+    when: Annotated[str, StringConstraints(min_length=1, max_length=MAX_WHEN_CHARS)] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -342,6 +351,8 @@ class Node(_Output):
     #: counts releases: 1, then one more for each retry of the run that re-releases it
     try_number: int
     task_id: int | None
+    #: why it failed, or why it was skipped when a rule does not say (its ``when`` was
+    #: false, its map's list was empty)
     error: str | None = None
     updated_at: datetime
     #: what the node handed on: its declared outputs once it succeeded (a mapped node:

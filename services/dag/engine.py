@@ -45,7 +45,7 @@ from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, TaskCreate
 from libs.common.states import TaskState
 from services.dag import store, traces
-from services.dag.domain import data, graph, rules
+from services.dag.domain import conditions, data, graph, rules
 from services.dag.domain.templates import Renderer, RunContext, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
@@ -463,11 +463,18 @@ class Engine:
         expanded = False
         while True:
             now = rules.settle(dag.order, dag.upstream, rule_of, states, instances)
-            changed.update(now)
-            mapped = [n for n, s in now.items() if s is N.READY and dag.specs[n].map is not None]
-            if not mapped:
+            ready = [n for n, s in now.items() if s is N.READY]
+            gated = {n: dag.conditions[n] for n in ready if n in dag.conditions}
+            mapped = [n for n in ready if dag.specs[n].map is not None]
+            if not gated and not mapped:
+                changed.update(now)
                 break
             outputs = data.collect(_kept_rows(nodes), dag.specs)
+            all_wait = _branch(gated, states, run.params, outputs, now, errors)
+            changed.update(now)
+            mapped = [n for n in mapped if states[n] is N.READY]  # not skipped, not waiting
+            if all_wait and not mapped:
+                break  # nothing ended that the rules have not seen
             tries = {n.name: n.try_number for n in nodes}
             for name in mapped:
                 items, why = data.map_items(dag.specs[name], run.params, outputs)
@@ -691,6 +698,28 @@ def _instances(nodes: Iterable[store.NodeRow]) -> dict[str, list[str]]:
         if n.map_of is not None:
             found[n.map_of].append((n.map_index or 0, n.name))
     return {node: [name for _, name in sorted(items)] for node, items in found.items()}
+
+
+def _branch(
+    gated: Mapping[str, conditions.Condition],
+    states: dict[str, NodeState],
+    params: Mapping[str, Any],
+    outputs: Mapping[str, Mapping[str, Any]],
+    now: dict[str, NodeState],
+    errors: dict[str, str],
+) -> bool:
+    """Decide the branches among the nodes ``now`` made ready, in the transaction that
+    readies them: each stays ready, is skipped or fails (``errors`` says why), or goes
+    back to pending (out of ``now``) while a node it reads has not ended. True if every
+    one waits."""
+    decided = conditions.decide(gated, states, params, outputs)
+    for name, (state, why) in decided.items():
+        states[name] = state
+        if state is N.PENDING:
+            del now[name]
+        elif state is not N.READY:
+            now[name], errors[name] = state, why or ""
+    return all(state is N.PENDING for state, _ in decided.values())
 
 
 def _kept_rows(nodes: Iterable[store.NodeRow]) -> list[data.Kept]:

@@ -262,7 +262,7 @@ def test_a_run_is_cancelled_from_the_runs_page_and_retried_from_its_page(
         wait_for(lambda: _state(db, retried["task_id"]) == "cancelled")
 
 
-def test_a_run_shows_outputs_and_mapped_instances_and_retries_the_failed_ones(
+def test_a_run_shows_outputs_mapped_instances_a_skipped_branch_and_retries_the_failed_ones(
     page: Page, system: System, db: psycopg.Connection
 ) -> None:
     body = workflow(
@@ -275,6 +275,7 @@ def test_a_run_shows_outputs_and_mapped_instances_and_retries_the_failed_ones(
                 args=("{{ map.item }}", "2", "{{ node.try }}"),
                 map={"over": "{{ params.items }}"},
             ),
+            node("big-only", "extract", when="nodes.extract.outputs.rows > 100"),
         ],
     )
     params = {"items": ["ok", "fail-below", "ok"]}
@@ -291,6 +292,11 @@ def test_a_run_shows_outputs_and_mapped_instances_and_retries_the_failed_ones(
         expect(instances).to_have_count(3)
         expect(page.locator("tr[data-node-row='each[1]'] [data-state='failed']")).to_be_visible()
         expect(page.locator("tr[data-node-row='each[1]']")).to_contain_text("fail-below")
+        branch = page.locator("tr[data-node-row='big-only']")
+        expect(branch.locator("[data-state='skipped']")).to_be_visible()
+        expect(branch.locator("td.node-reason")).to_have_text(
+            "when is false: nodes.extract.outputs.rows > 100"
+        )
         graph_node = page.locator("#run-graph g.node[data-node='each']")
         expect(graph_node).to_have_attribute("data-instances", "3")
         expect(graph_node.locator("text")).to_have_text("each 2/3")
@@ -300,9 +306,12 @@ def test_a_run_shows_outputs_and_mapped_instances_and_retries_the_failed_ones(
         expect(graph_node.locator("text")).to_have_text("each 3/3")
         done = alice.get(f"/v1/runs/{rid}").json()
     tries = {n["name"]: n["try_number"] for n in done["nodes"]}
-    assert tries == {"extract": 1, "each": 2, "each[0]": 1, "each[1]": 2, "each[2]": 1}
+    assert tries == {
+        "extract": 1, "each": 2, "each[0]": 1, "each[1]": 2, "each[2]": 1, "big-only": 1
+    }  # fmt: skip
+    assert _node_of(done, "big-only")["state"] == "skipped"  # the retry kept the branch's skip
     assert _node_of(done, "extract")["outputs"] == {"rows": 12}
     keys = db.execute(
         "SELECT count(*) FROM core.tasks WHERE labels->>'cairn.dag/run' = %s", (str(rid),)
     ).fetchone()
-    assert keys == (5,)  # extract, three instances, one instance again
+    assert keys == (5,)  # extract, three instances, one instance again; big-only none

@@ -11,6 +11,7 @@ import networkx as nx
 
 from libs.common.dag_models import MAX_RUN_INSTANCES, NodeSpec, TriggerRule, WorkflowCreate
 from libs.common.errors import InvalidInput
+from services.dag.domain.conditions import Condition, ConditionError, parse_condition
 
 # {{ params.x }}, {{ run.id }}, {{ node.try }}, {{ nodes.extract.output_path }},
 # {{ nodes.extract.outputs.rows }}, {{ map.item }}, {{ map.index }},
@@ -39,6 +40,8 @@ class Dag:
     #: parameters some node refers to
     referenced_params: frozenset[str]
     leaves: frozenset[str] = field(default_factory=frozenset)
+    #: the parsed ``when`` of each node that has one
+    conditions: dict[str, Condition] = field(default_factory=dict)
 
     def rule(self, name: str) -> TriggerRule:
         return self.specs[name].trigger_rule
@@ -105,6 +108,23 @@ def _references(index: int, spec: NodeSpec, errors: list[dict[str, str]]) -> _Re
                 }
             )
     return refs
+
+
+def _condition(
+    index: int, spec: NodeSpec, refs: _Refs, errors: list[dict[str, str]]
+) -> Condition | None:
+    """The node's ``when`` parsed, what it reads added to ``refs``."""
+    if spec.when is None:
+        return None
+    where = f"body.nodes.{index}.when"
+    try:
+        parsed = parse_condition(spec.when)
+    except ConditionError as exc:
+        errors.append({"field": where, "reason": str(exc)})
+        return None
+    refs.params |= parsed.params
+    refs.nodes += [(where, node, output) for node, output in sorted(parsed.outputs)]
+    return parsed
 
 
 def _check_upstream(
@@ -192,8 +212,11 @@ def build(definition: WorkflowCreate) -> Dag:
     specs = {node.name: node for node in definition.nodes}
     errors: list[dict[str, str]] = []
     params: set[str] = set()
+    parsed: dict[str, Condition] = {}
     for i, node in enumerate(definition.nodes):
         refs = _references(i, node, errors)
+        if (condition := _condition(i, node, refs, errors)) is not None:
+            parsed[node.name] = condition
         params |= refs.params
         errors += _check_upstream(graph, specs, node.name, refs)
     mapped = sum(node.map.max_items for node in definition.nodes if node.map is not None)
@@ -213,4 +236,5 @@ def build(definition: WorkflowCreate) -> Dag:
         downstream={name: tuple(graph.successors(name)) for name in order},
         referenced_params=frozenset(params),
         leaves=frozenset(name for name in order if graph.out_degree(name) == 0),
+        conditions=parsed,
     )

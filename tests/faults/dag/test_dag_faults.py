@@ -1,9 +1,10 @@
-"""The DAG service killed with SIGKILL mid-run, and core answering 5xx for a while: every
-run still ends, and no node is released or run twice."""
+"""The DAG service killed with SIGKILL mid-run (a run with branches), and core answering
+5xx for a while: every run still ends, and no node is released or run twice."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +35,21 @@ def _layered(name: str, width: int) -> dict:
         nodes += [node(f"mid{i}", "root"), node(f"tail{i}", f"mid{i}")]
     nodes.append(node("sink", *(f"tail{i}" for i in range(width))))
     return workflow(name, nodes)
+
+
+def _branching(name: str, width: int, skipped: list[int]) -> dict:
+    """``_layered`` whose middle nodes branch: mid I runs only when root said go and I is
+    not in ``params.skipped``; the sink joins whatever ran."""
+    body = _layered(name, width)
+    body["nodes"][0]["task"]["args"] = ["out", json.dumps({"go": True})]
+    body["nodes"][0]["outputs"] = {"go": {}}
+    for spec in body["nodes"]:
+        if spec["name"].startswith("mid"):
+            index = spec["name"].removeprefix("mid")
+            spec["when"] = f"nodes.root.outputs.go and {index} not in params.skipped"
+    body["nodes"][-1]["trigger_rule"] = "none_failed_min_one_success"
+    body["params"] = {"skipped": skipped}
+    return body
 
 
 def _tasks_per_node(db: psycopg.Connection, run_id: int) -> Counter[str]:
@@ -71,7 +87,7 @@ def _spawn_dag(core: Core, home: Path, port: int, token: str) -> subprocess.Pope
     return proc
 
 
-def test_kill_9_mid_run_then_restart_finishes_and_runs_no_node_twice(
+def test_kill_9_mid_run_then_restart_finishes_and_runs_no_node_twice_nor_a_skipped_branch(
     core: Core, db: psycopg.Connection, tmp_path: Path
 ) -> None:
     port = free_port()
@@ -85,7 +101,7 @@ def test_kill_9_mid_run_then_restart_finishes_and_runs_no_node_twice(
     )
     try:
         runner = Runner(http)
-        runner.define(_layered("crash", 25))
+        runner.define(_branching("crash", 25, skipped=[3, 7, 11]))
         run_id = runner.start("crash")["id"]
         for threshold in (8, 30):
 
@@ -105,10 +121,16 @@ def test_kill_9_mid_run_then_restart_finishes_and_runs_no_node_twice(
         worker.stop()
         stop_process(proc)
     assert run["state"] == "succeeded"
-    assert {n["state"] for n in run["nodes"]} == {"succeeded"}
+    skipped = {f"{part}{i}" for i in (3, 7, 11) for part in ("mid", "tail")}
+    stored = dict(
+        db.execute("SELECT name, state FROM dag.nodes WHERE run_id = %s", (run_id,)).fetchall()
+    )
+    assert {n for n, s in stored.items() if s == "skipped"} == skipped
+    assert {s for n, s in stored.items() if n not in skipped} == {"succeeded"}
     per_node = _tasks_per_node(db, run_id)
-    assert len(per_node) == 52 and set(per_node.values()) == {1}
-    assert len(worker.claims) == 52 and set(worker.claims.values()) == {1}
+    assert len(per_node) == 46 and set(per_node.values()) == {1}  # 52 nodes, 6 skipped
+    assert not skipped & set(per_node)
+    assert len(worker.claims) == 46 and set(worker.claims.values()) == {1}
 
 
 class FlakyCore:

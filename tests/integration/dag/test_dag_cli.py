@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
+from tests.integration.dag.test_branches import _branching
 
 
 @pytest.fixture
@@ -72,3 +73,13 @@ def test_a_retry_of_failed_instances_from_the_cli(
     assert done["state"] == "succeeded"
     tries = {n["name"]: n["try_number"] for n in done["nodes"]}
     assert tries == {"each": 2, "each[0]": 1, "each[1]": 2}
+
+
+def test_a_skipped_branch_shows_why_in_the_run_tree(
+    cli: CliRunner, runner: Runner, worker: Worker
+) -> None:
+    run = runner.run(_branching("cli-branch"))
+    shown = cli.invoke(app, ["dag", "status", str(run["id"])], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    line = next(text for text in shown.output.splitlines() if "publish" in text)
+    assert "skipped" in line and 'when is false: params.env == "prod"' in line

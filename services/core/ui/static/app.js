@@ -556,17 +556,18 @@ async function runPage(main, id) {
 }
 
 // Every node in order, each mapped node followed by its instances (indented, with the
-// item each got), with the outputs each kept.
+// item each got), with the outputs each kept and why it failed or was skipped (a false
+// ``when``: "when is false: ...").
 function nodeTable(nodes) {
   const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
   const outputs = (kept) => kept && Object.keys(kept).length
     ? h("dl", { class: "outputs" }, Object.entries(kept).map(([key, value]) => [h("dt", {}, key), h("dd", {}, shown(value))])) : "—";
-  return table(["node", "state", "try", "task", "map item", "outputs", "error"], nodes.map((n) =>
+  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason"], nodes.map((n) =>
     h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
       h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
       h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id) : "—"),
       h("td", {}, n.map_of ? shown(n.map_item) : ""), h("td", { class: "node-outputs" }, outputs(n.outputs)),
-      h("td", { class: "muted" }, n.error || ""))));
+      h("td", { class: "muted node-reason" }, n.error || ""))));
 }
 
 // Layered layout: a node's layer is its longest path from a root; within a layer, nodes
