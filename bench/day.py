@@ -358,6 +358,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     ),
                     "not_handed": sum(1 for t in fired if t not in Seen.by_kind.get("cron", set())),
                 }
+                # what an unfinished run waits on: its nodes, and their tasks in core
+                out["unfinished_runs"] = [
+                    f"run {run_id} node {name}: {state} try {try_number}, task {task_id}"
+                    f" {task_state or '-'}, node updated {updated}"
+                    for run_id, name, state, try_number, task_id, task_state, updated in db.execute(
+                        "SELECT n.run_id, n.name, n.state, n.try_number, n.task_id, t.state,"
+                        " n.updated_at FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
+                        " LEFT JOIN core.tasks t ON t.id = n.task_id"
+                        " WHERE r.id = ANY(%s) AND r.state NOT IN"
+                        " ('succeeded', 'failed', 'cancelled')"
+                        " AND n.state NOT IN ('succeeded', 'skipped')"
+                        " ORDER BY 1, 2 LIMIT 40",
+                        (runs,),
+                    ).fetchall()
+                ]
                 out["relations_end"] = relations(db)
                 out["errors"], out["why"] = c.errors, c.why
         finally:
