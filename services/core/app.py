@@ -65,14 +65,14 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             settings,
             pool_size=settings.db_pool_size,
             max_overflow=0,
-            pool_timeout=10,
+            pool_timeout=settings.db_pool_timeout_s,
         )
         liveness = database.pool(
             database_url,
             settings,
             pool_size=settings.liveness_pool_size,
             max_overflow=0,
-            pool_timeout=10,
+            pool_timeout=settings.db_pool_timeout_s,
         )
         direct = settings.direct_url(database_url)
         notifier = Notifier(direct)

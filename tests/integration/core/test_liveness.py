@@ -5,13 +5,16 @@ fence."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 
+from libs.common.client import DEFAULT_TIMEOUT
 from libs.common.settings import libpq_url
+from services.core.settings import CoreSettings
 from tests.support import Core, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -39,7 +42,9 @@ def _lock_waiters(db: DB) -> int:
 def test_a_heartbeat_is_answered_while_submits_hold_every_data_connection(
     db_url: str, tmp_path: Path, db: DB
 ) -> None:
-    core = start_core(db_url, tmp_path, db_pool_size=DATA_POOL, heartbeat_timeout_s=3600.0)
+    core = start_core(
+        db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=60.0, heartbeat_timeout_s=3600.0
+    )
     worker, worker_id = _register(core, "w1")
     answers: list[int] = []
     try:
@@ -103,4 +108,43 @@ def test_a_cached_lease_still_fences_out_another_principal_and_a_wrong_lease(
         assert owner.post(path, json={"attempts": []}).status_code == 200
     finally:
         owner.close()
+        core.stop()
+
+
+def test_an_overloaded_core_refuses_a_request_before_its_client_gives_up(
+    db_url: str, tmp_path: Path, db: DB
+) -> None:
+    """Every data connection held: a request that finds none is answered 503 (retryable,
+    nothing done) within the pool's wait, before the client's own read timeout, rather than
+    done later for a client that stopped listening."""
+    assert CoreSettings().db_pool_timeout_s < DEFAULT_TIMEOUT.read  # type: ignore[operator]
+    core = start_core(db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=1.0)
+    held: list[int] = []
+    try:
+        with psycopg.connect(libpq_url(db_url)) as locker:
+            locker.execute("LOCK TABLE core.tasks IN SHARE MODE")
+
+            def submit() -> None:
+                with core.client("alice") as alice:
+                    held.append(alice.post("/v1/tasks", json=spec(), timeout=30).status_code)
+
+            holders = [threading.Thread(target=submit) for _ in range(DATA_POOL)]
+            for thread in holders:
+                thread.start()
+            wait_for(lambda: _lock_waiters(db) >= DATA_POOL)
+            with core.client("bob") as bob:
+                started = time.monotonic()
+                refused = bob.post("/v1/tasks", json=spec(name="extra"), timeout=30)
+                took = time.monotonic() - started
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["content-type"].startswith("application/problem+json")
+            assert took < 5.0
+            locker.rollback()
+        for thread in holders:
+            thread.join(timeout=30)
+        # (the connections the lock held may have been core's own loops', whose writes
+        # wait on it too: a holder may have been refused as well)
+        names = [r[0] for r in db.execute("SELECT name FROM core.tasks").fetchall()]
+        assert "extra" not in names
+    finally:
         core.stop()
