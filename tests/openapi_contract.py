@@ -106,9 +106,9 @@ def _operation(where: str, old_op: Schema, new_op: Schema, old: Schema, new: Sch
     old_body = _json_schema(old_op.get("requestBody"))
     new_body = _json_schema(new_op.get("requestBody"))
     if new_body is not None:
-        newly = new_op["requestBody"].get("required") and not (
-            old_op.get("requestBody") or {}
-        ).get("required")
+        newly = new_op["requestBody"].get("required") and not (old_op.get("requestBody") or {}).get(
+            "required"
+        )
         if newly:
             found.append(f"{where}: request body newly required")
         if old_body is not None:
@@ -144,7 +144,9 @@ def _parameters(where: str, old_op: Schema, new_op: Schema, old: Schema, new: Sc
             found += _compare(
                 label, was.get("schema", {}), parameter.get("schema", {}), old, new, request=True
             )
-    found += [f"{where}: {k[0]} parameter {k[1]!r} removed" for k in sorted(set(before) - set(after))]
+    found += [
+        f"{where}: {k[0]} parameter {k[1]!r} removed" for k in sorted(set(before) - set(after))
+    ]
     return found
 
 
@@ -159,7 +161,9 @@ def _json_schema(part: Schema | None) -> Schema | None:
     return None
 
 
-def _alternatives(schema: Schema, document: Schema, seen: frozenset[str] = frozenset()) -> Iterator[Schema]:
+def _alternatives(
+    schema: Schema, document: Schema, seen: frozenset[str] = frozenset()
+) -> Iterator[Schema]:
     """The shapes ``schema`` allows, ``$ref``s resolved and ``anyOf``/``oneOf`` flattened."""
     ref = schema.get("$ref")
     if ref is not None:
@@ -233,6 +237,31 @@ def _compare(
     if depth > 12:  # a recursive schema: compared deep enough
         return []
     was, now = list(_alternatives(before, old)), list(_alternatives(after, new))
+    found = _values(where, was, now, request=request)
+
+    def deeper(label: str, before: Schema, after: Schema) -> list[str]:
+        return _compare(label, before, after, old, new, request=request, depth=depth + 1)
+
+    old_props, old_required = _properties(was)
+    new_props, new_required = _properties(now)
+    for name, sub in sorted(old_props.items()):
+        if name not in new_props:
+            found.append(f"{where}.{name}: field removed")
+            continue
+        if not request and name in old_required and name not in new_required:
+            found.append(f"{where}.{name}: no longer always present")
+        found += deeper(f"{where}.{name}", sub, new_props[name])
+    if request:
+        found += [f"{where}.{name}: newly required" for name in sorted(new_required - old_required)]
+    for key, mark in (("items", "[]"), ("additionalProperties", "{}")):
+        old_sub, new_sub = _merged(was, key), _merged(now, key)
+        if old_sub is not None and new_sub is not None:
+            found += deeper(where + mark, old_sub, new_sub)
+    return found
+
+
+def _values(where: str, was: list[Schema], now: list[Schema], *, request: bool) -> list[str]:
+    """A request may take no less than before; an answer may hold no more (docs/api.md)."""
     found = []
     old_types, new_types = _types(was), _types(now)
     if "any" not in new_types:
@@ -243,24 +272,6 @@ def _compare(
     old_enum, new_enum = _enum(was), _enum(now)
     if old_enum is not None and new_enum is not None and old_enum - new_enum:
         found.append(f"{where}: enum value(s) removed: {', '.join(sorted(old_enum - new_enum))}")
-    old_props, old_required = _properties(was)
-    new_props, new_required = _properties(now)
-    for name, sub in sorted(old_props.items()):
-        label = f"{where}.{name}"
-        if name not in new_props:
-            found.append(f"{label}: field removed")
-            continue
-        if not request and name in old_required and name not in new_required:
-            found.append(f"{label}: no longer always present")
-        found += _compare(label, sub, new_props[name], old, new, request=request, depth=depth + 1)
-    if request:
-        for name in sorted(new_required - old_required):
-            found.append(f"{where}.{name}: newly required")
-    for key in ("items", "additionalProperties"):
-        old_sub, new_sub = _merged(was, key), _merged(now, key)
-        if old_sub is not None and new_sub is not None:
-            label = f"{where}[]" if key == "items" else f"{where}{{}}"
-            found += _compare(label, old_sub, new_sub, old, new, request=request, depth=depth + 1)
     return found
 
 

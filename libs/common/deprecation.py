@@ -67,4 +67,3 @@ class DeprecationHeaders:
             await send(message)
 
         await self.app(scope, receive, marked)
-

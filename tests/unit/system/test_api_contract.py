@@ -5,7 +5,7 @@ apps, the way it builds the services'."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Literal
 
 import pytest
@@ -28,7 +28,7 @@ def build(register: Callable[[FastAPI], Any], version: str = "1.0.0") -> dict[st
     return document
 
 
-class Colour(str, Enum):
+class Colour(StrEnum):
     red = "red"
     blue = "blue"
 
