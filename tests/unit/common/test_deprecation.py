@@ -11,7 +11,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 import pytest
 
-from libs.common import pages, problems
+from libs.common import cors, pages, problems
 from libs.common.deprecation import deprecated
 from libs.common.errors import NotFound
 
@@ -35,11 +35,11 @@ def _app() -> object:
     return app
 
 
-def _get(path: str) -> httpx.Response:
+def _get(path: str, app: object = None, **headers: str) -> httpx.Response:
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=_app())  # type: ignore[arg-type]
+        transport = httpx.ASGITransport(app=app or _app())  # type: ignore[arg-type]
         async with httpx.AsyncClient(transport=transport, base_url="http://service") as http:
-            return await http.get(path)
+            return await http.get(path, headers=headers)
 
     return asyncio.run(go())
 
@@ -58,6 +58,18 @@ def test_its_errors_carry_the_headers_too() -> None:
     assert answer.status_code == 404
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert answer.headers["sunset"] == "Wed, 30 Jun 2027 00:00:00 GMT"
+
+
+def test_the_dashboard_may_read_them_across_origins() -> None:
+    # cron's and dag's APIs are called from core's /ui: a page may read only the
+    # response headers CORS exposes.
+    app = _app()
+    cors.allow_dashboard(app, "http://core.test")  # type: ignore[arg-type]
+    answer = _get("/v1/old", app, origin="http://core.test")
+    exposed = {
+        h.strip().lower() for h in answer.headers["access-control-expose-headers"].split(",")
+    }
+    assert {"deprecation", "sunset", "link"} <= exposed
 
 
 def test_a_route_not_deprecated_answers_without_them() -> None:
