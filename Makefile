@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test test-deploy bench screenshots
+.PHONY: install up test test-deploy bench screenshots openapi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,8 @@ bench: install
 # Refresh docs/screenshots/*.png from the browser tests (needs /usr/bin/chromium).
 screenshots: install
 	CAIRN_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -p no:xdist tests/browser
+
+# Regenerate docs/openapi/{core,cron,dag}.json from the services (docs/api.md); refuses a
+# breaking change to /v1 without a major version step.
+openapi: install
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tests.openapi_contract --write

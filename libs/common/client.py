@@ -6,6 +6,7 @@ its problem+json body; a transport failure is raised as httpx's own ``TransportE
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -112,9 +113,15 @@ def raise_for_problem(response: httpx.Response) -> None:
     raise error
 
 
+log = logging.getLogger("cairn.client")
+# Deprecated calls are warned of once per client each; a bound, as paths carry ids.
+WARNED_MAX = 64
+
+
 class ApiClient:
     """An async client of one Cairn service's API. Pass ``transport`` to test without a
-    server."""
+    server. A call that answers with ``Deprecation`` is logged as a warning, once, with
+    its ``Sunset`` (docs/api.md)."""
 
     def __init__(
         self,
@@ -128,6 +135,7 @@ class ApiClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
+        self._warned: set[str] = set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -149,8 +157,17 @@ class ApiClient:
         if tracing.enabled():
             kwargs["headers"] = tracing.inject(dict(kwargs.get("headers") or {}))
         response = await self._http.request(method, path, **kwargs)
+        if "deprecation" in response.headers:
+            self._deprecated(f"{method} {response.request.url.path}", response)
         raise_for_problem(response)
         return response
+
+    def _deprecated(self, call: str, response: httpx.Response) -> None:
+        if call in self._warned or len(self._warned) >= WARNED_MAX:
+            return
+        self._warned.add(call)
+        sunset = response.headers.get("sunset", "not announced")
+        log.warning("%s is deprecated (sunset: %s)", call, sunset)
 
 
 class CoreClient(ApiClient):

@@ -22,5 +22,6 @@ def allow_dashboard(app: FastAPI, core_url: str, extra: str = "") -> None:
         allow_origins=origins,
         allow_methods=["GET", "POST", "PATCH", "DELETE"],
         allow_headers=["Authorization", "Content-Type"],
+        expose_headers=["Deprecation", "Sunset", "Link"],  # docs/api.md
         max_age=600,
     )

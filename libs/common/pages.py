@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
 
+from libs.common.deprecation import DeprecationHeaders
 from libs.common.errors import Unavailable
 
 log = logging.getLogger("cairn.pages")
@@ -130,8 +131,10 @@ async def docs_asset(name: DocsAsset, request: Request) -> Response:
 
 
 def service_app(**options: Any) -> FastAPI:
-    """A service's FastAPI application, its ``/docs`` served from the package as above
-    (``options`` go to ``FastAPI``)."""
+    """A service's FastAPI application, its ``/docs`` served from the package as above and
+    its deprecated routes answered with Deprecation/Sunset headers (``options`` go to
+    ``FastAPI``)."""
     app = FastAPI(docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None, **options)
     app.include_router(router)
+    app.add_middleware(DeprecationHeaders)
     return app

@@ -70,7 +70,7 @@ def create_app(
 
     app = pages.service_app(
         title="Cairn cron",
-        version="0.1.0",
+        version="1.0.0",  # the API's: docs/api.md says when it moves
         summary="Schedules: cron expressions in a time zone, fired exactly once each.",
         lifespan=lifespan,
     )

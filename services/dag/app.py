@@ -47,7 +47,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
 
     app = pages.service_app(
         title="Cairn DAG",
-        version="0.1.0",
+        version="1.0.0",  # the API's: docs/api.md says when it moves
         summary="Workflows: versioned definitions, runs released node by node to core.",
         lifespan=lifespan,
     )

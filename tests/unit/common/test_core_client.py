@@ -84,3 +84,27 @@ def test_the_token_is_sent_and_201_means_created() -> None:
 
     assert _run(calls()) == [True, False]
     assert route.calls[0].request.headers["authorization"] == "Bearer secret"
+
+
+@respx.mock
+def test_a_deprecated_call_is_warned_of_once_with_its_sunset(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sunset = "Wed, 30 Jun 2027 00:00:00 GMT"
+    respx.get(f"{BASE}/v1/whoami").mock(
+        return_value=httpx.Response(
+            200,
+            json={"name": "alice", "role": "user"},
+            headers={"Deprecation": "@1796083200", "Sunset": sunset},
+        )
+    )
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.whoami()
+            await client.whoami()
+
+    with caplog.at_level("WARNING", logger="cairn.client"):
+        _run(calls())
+    warned = [r.getMessage() for r in caplog.records if r.name == "cairn.client"]
+    assert warned == [f"GET /v1/whoami is deprecated (sunset: {sunset})"]
