@@ -91,7 +91,9 @@ class CoreSettings(SecretsKeySettings):
     #: file's absolute path (appended) or ``s3://bucket/prefix``; unset: no export. Set,
     #: the audit retention deletes only rows already exported.
     audit_export_to: str | None = Field(
-        default=None, max_length=1024, pattern=r"^(/[^\x00]*|s3://[a-z0-9][a-z0-9.-]{2,62}(/[^\x00]*)?)$"
+        default=None,
+        max_length=1024,
+        pattern=r"^(/[^\x00]*|s3://[a-z0-9][a-z0-9.-]{2,62}(/[^\x00]*)?)$",
     )
     audit_export_interval_s: float = Field(default=300.0, gt=0)
     audit_export_batch: int = Field(default=10_000, ge=1, le=100_000)

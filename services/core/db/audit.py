@@ -47,9 +47,7 @@ async def record(
     together, or neither does. The row links to the chain's head, whose row lock (held
     to the commit) orders every replica's inserts into one chain: audited actions commit
     one at a time from their audit insert on (docs/security.md, "Audit export")."""
-    prev = (
-        await conn.execute(select(audit_chain.c.head_hash).with_for_update())
-    ).scalar_one()
+    prev = (await conn.execute(select(audit_chain.c.head_hash).with_for_update())).scalar_one()
     row = (
         (
             await conn.execute(
@@ -142,9 +140,7 @@ async def exported_through(conn: AsyncConnection) -> int:
 
 
 async def set_export_mark(conn: AsyncConnection, last_id: int) -> None:
-    await conn.execute(
-        update(audit_export).values(last_id=last_id, exported_at=text("now()"))
-    )
+    await conn.execute(update(audit_export).values(last_id=last_id, exported_at=text("now()")))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -77,7 +77,7 @@ def sink_for(to: str, endpoint_url: str | None = None) -> Sink:
     return FileSink(Path(to))
 
 
-def lines(rows: list[dict[str, object]]) -> bytes:
+def lines(rows: list[dict[str, Any]]) -> bytes:
     return b"".join(auditchain.line(row) for row in rows)
 
 
@@ -91,7 +91,7 @@ async def export_once(engine: AsyncEngine, sink: Sink, batch: int) -> int:
         rows = await audit.chain(conn, mark, batch)
         if not rows:
             return 0
-        first, last = int(rows[0]["id"]), int(rows[-1]["id"])  # type: ignore[call-overload]
+        first, last = int(rows[0]["id"]), int(rows[-1]["id"])
         await sink.write(first, last, lines(rows))
         await audit.set_export_mark(conn, last)
     return len(rows)

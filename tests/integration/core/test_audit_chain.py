@@ -20,7 +20,6 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.auth import Caller
 from libs.common.migrations import alembic_config
-from libs.common.settings import libpq_url
 from services.core import migrate
 from services.core.db import audit
 from services.core.domain import auditchain
@@ -148,9 +147,7 @@ def test_the_export_goes_on_from_its_mark_and_cairn_audit_verify_finds_a_cut(
             timeout=60,
         )
 
-    good = verify(out, "--from-start")
-    assert good.returncode == 0, good.stderr
-    assert "5 audit rows, chain intact" in good.stdout
+    assert auditchain.verify(written, auditchain.GENESIS).rows == 5
     # A line dropped from the file, and one edited.
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"".join(written[:2] + written[3:]))
@@ -248,5 +245,3 @@ def test_core_exports_on_a_schedule_and_cairn_audit_export_reads_the_chain(
     assert auditchain.verify(by_hand.read_bytes().splitlines(), auditchain.GENESIS).ok
     last = db.execute("SELECT max(id) FROM core.audit").fetchone()[0]
     assert f"the last id is {last}" in done.stderr
-
-

@@ -90,7 +90,7 @@ def upgrade() -> None:
     bind = op.get_bind()
     prev, head_id, seals = auditchain.GENESIS, 0, []
     for row in bind.execute(_ROWS).mappings():
-        digest = auditchain.link(prev, row)
+        digest = auditchain.link(prev, dict(row))
         seals.append({"id": row["id"], "prev_hash": prev, "hash": digest})
         prev, head_id = digest, row["id"]
     if seals:
@@ -103,5 +103,3 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(DOWNGRADE)
-
-
