@@ -21,6 +21,7 @@ from libs.common.models import KeyStatus, RekeyResult, SealedCount, TokenCreate,
 token_app = typer.Typer(help="Bearer tokens: create, list, revoke.", no_args_is_help=True)
 team_app = typer.Typer(help="Teams and their members (admins manage them).", no_args_is_help=True)
 secret_app = typer.Typer(help="Secrets tasks refer to by name.", no_args_is_help=True)
+audit_app = typer.Typer(help="The audit trail: read, export, verify.")
 
 _SPAN = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -358,52 +359,125 @@ def register(app: typer.Typer) -> None:
     app.add_typer(token_app, name="token")
     app.add_typer(team_app, name="team")
     app.add_typer(secret_app, name="secret")
+    app.add_typer(audit_app, name="audit")
 
-    @app.command()
-    def audit(
-        ctx: typer.Context,
-        actor: Annotated[str | None, typer.Option(help="who acted")] = None,
-        action: Annotated[str | None, typer.Option(help="token, token.revoke, queue...")] = None,
-        target: Annotated[str | None, typer.Option(help="e.g. queue:default, task:42")] = None,
-        since: Annotated[str | None, typer.Option(help="30d, 12h, or an ISO time")] = None,
-        limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """The audit trail (admins): who did what, when, from where."""
-        c = ctx_of(ctx)
-        after = None
-        if since is not None:
-            span = _SPAN.match(since)
-            after = (
-                datetime.now(UTC) - timedelta(seconds=int(span[1]) * _UNIT[span[2]])
-                if span
-                else expiry(since)
+
+@audit_app.callback(invoke_without_command=True)
+def audit(
+    ctx: typer.Context,
+    actor: Annotated[str | None, typer.Option(help="who acted")] = None,
+    action: Annotated[str | None, typer.Option(help="token, token.revoke, queue...")] = None,
+    target: Annotated[str | None, typer.Option(help="e.g. queue:default, task:42")] = None,
+    since: Annotated[str | None, typer.Option(help="30d, 12h, or an ISO time")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    as_json: JsonFlag = False,
+) -> None:
+    """The audit trail (admins): who did what, when, from where; export and verify it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx_of(ctx)
+    after = None
+    if since is not None:
+        span = _SPAN.match(since)
+        after = (
+            datetime.now(UTC) - timedelta(seconds=int(span[1]) * _UNIT[span[2]])
+            if span
+            else expiry(since)
+        )
+
+    async def go() -> Any:
+        async with c.core() as core:
+            return await core.audit(
+                actor=actor,
+                action=action,
+                target=target,
+                since=after.isoformat() if after else None,
+                limit=limit,
             )
 
-        async def go() -> Any:
-            async with c.core() as core:
-                return await core.audit(
-                    actor=actor,
-                    action=action,
-                    target=target,
-                    since=after.isoformat() if after else None,
-                    limit=limit,
-                )
-
-        page = output.call(go)
-        if c.json or as_json:
-            output.dump(page)
-            return
-        rows = [
-            [
-                e.id,
-                output.when(e.at),
-                e.actor,
-                e.action,
-                e.target,
-                e.source or "",
-                e.after or e.before or "",
-            ]
-            for e in page.items
+    page = output.call(go)
+    if c.json or as_json:
+        output.dump(page)
+        return
+    rows = [
+        [
+            e.id,
+            output.when(e.at),
+            e.actor,
+            e.action,
+            e.target,
+            e.source or "",
+            e.after or e.before or "",
         ]
-        output.table(None, ["id", "at", "actor", "action", "target", "from", "detail"], rows)
+        for e in page.items
+    ]
+    output.table(None, ["id", "at", "actor", "action", "target", "from", "detail"], rows)
+
+
+@audit_app.command("export")
+def audit_export(
+    ctx: typer.Context,
+    to: Annotated[
+        str, typer.Option("--to", help="a file (appended), - for stdout, or s3://bucket/prefix")
+    ] = "-",
+    since: Annotated[
+        int, typer.Option("--since", min=0, help="export the rows after this id (0: all)")
+    ] = 0,
+    s3_endpoint_url: Annotated[
+        str | None, typer.Option(help="an S3-compatible store's URL (MinIO, Ceph)")
+    ] = None,
+) -> None:
+    """Write the chained trail as JSON lines, oldest first (admins). Go on from where
+    the last one stopped with --since: the last id written is printed on stderr."""
+    from services.core.domain import auditchain
+    from services.core.ops import auditexport
+
+    c = ctx_of(ctx)
+    sink = auditexport.sink_for(to, s3_endpoint_url)
+
+    async def go() -> tuple[int, int]:
+        after, count = since, 0
+        async with c.core() as core:
+            while True:
+                page = await core.audit_chain(after)
+                if page.items:
+                    rows = [item.model_dump() for item in page.items]
+                    data = b"".join(auditchain.line(row) for row in rows)
+                    await sink.write(page.items[0].id, page.items[-1].id, data)
+                    after, count = page.items[-1].id, count + len(page.items)
+                if page.next_after is None:
+                    return count, after
+
+    count, last = output.call(go)
+    output.errors.print(f"cairn: {count} audit rows exported; the last id is {last}")
+
+
+@audit_app.command("verify")
+def audit_verify(
+    path: Annotated[str, typer.Argument(help="an export's JSON lines (- for stdin)")],
+    from_start: Annotated[
+        bool, typer.Option("--from-start", help="the file begins with the trail's first row")
+    ] = False,
+) -> None:
+    """Recompute an export's hash chain; report the first gap or edit (exit 1)."""
+    from services.core.domain import auditchain
+
+    anchor = auditchain.GENESIS if from_start else None
+    try:
+        if path == "-":
+            verdict = auditchain.verify(sys.stdin.buffer, anchor)
+        else:
+            with open(path, "rb") as f:
+                verdict = auditchain.verify(f, anchor)
+    except OSError as exc:
+        output.errors.print(f"cairn: {output.safe(path)}: {exc.strerror}")
+        raise typer.Exit(2) from None
+    if verdict.ok:
+        span = f" (ids {verdict.first_id} to {verdict.last_id})" if verdict.rows else ""
+        output.console.print(f"{verdict.rows} audit rows, chain intact{span}")
+        return
+    output.errors.print(
+        f"cairn: chain broken at line {verdict.at_line}: {output.safe(verdict.problem or '')}"
+        f" ({verdict.rows} rows before it hold)"
+    )
+    raise typer.Exit(1)

@@ -23,6 +23,7 @@ from libs.common.models import (
     Assignment,
     Attempt,
     AttemptList,
+    AuditChainPage,
     AuditPage,
     BatchItem,
     BatchResult,
@@ -504,6 +505,12 @@ class CoreClient(ApiClient):
         params = {k: str(v) for k, v in filters.items() if v is not None}
         response = await self._call("GET", "/v1/audit", params=params)
         return AuditPage.model_validate_json(response.content)
+
+    async def audit_chain(self, after: int = 0, limit: int = 1000) -> AuditChainPage:
+        """The chained trail after ``after``, oldest first (admins): what an export holds."""
+        params = {"after": str(after), "limit": str(limit)}
+        response = await self._call("GET", "/v1/audit/export", params=params)
+        return AuditChainPage.model_validate_json(response.content)
 
     # --- notifications (docs/notifications.md) ---
 

@@ -1115,11 +1115,23 @@ class AuditEntry(_Output):
     source: str | None
     before: dict[str, Any] | None
     after: dict[str, Any] | None
+    prev_hash: str | None = Field(default=None, description="The hash of the row before.")
+    hash: str | None = Field(
+        default=None, description="sha256(prev_hash || canonical JSON): docs/security.md."
+    )
 
 
 class AuditPage(_Output):
     items: list[AuditEntry]
     next_before: int | None = Field(description="Pass as before= to read older entries.")
+
+
+class AuditChainPage(_Output):
+    """The chained trail oldest first, for an export (docs/security.md)."""
+
+    items: list[AuditEntry]
+    next_after: int | None = Field(description="Pass as after= to read the next rows.")
+    exported_through: int = Field(description="The last id the scheduled export wrote.")
 
 
 # --- sharing ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Core's background work. One replica at a time, the leader (``libs/common/leader.py``),
 runs the singletons: the promoter (due and paused work), the reaper, the placement pass,
-the retention purges, the notification matcher and deadline scan, and the log archive.
+the retention purges, the notification matcher and deadline scan, the log archive and
+the audit export.
 Their writes were made safe to run side by side (SKIP LOCKED, transaction locks), so the
 moments two replicas both think they lead, while an old leader notices it lost, cost
 work twice and nothing else. Every replica runs its own wake-up sweep and delivers
@@ -23,8 +24,8 @@ from libs.common.leader import Elector, Lease, lead_forever
 from services.core.db import placement
 from services.core.db.feed import Notifier, Work
 from services.core.objects import LogObjects
+from services.core.ops import auditexport, notify, tasklogs, upkeep
 from services.core.ops import dispatch as ops
-from services.core.ops import notify, tasklogs, upkeep
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings
 
@@ -281,6 +282,7 @@ def singleton_loops(
             name="cairn-retention",
         ),
         *notification_loops(engine, settings),
+        *audit_export_loops(engine, settings),
         *log_loops(
             engine,
             objects,
@@ -347,6 +349,24 @@ async def _purge_step(engine: AsyncEngine, settings: CoreSettings) -> int:
     await upkeep.purge(engine, settings)
     await upkeep.purge_audit(engine, settings)
     return 0
+
+
+def audit_export_loops(engine: AsyncEngine, settings: CoreSettings) -> list[asyncio.Task[None]]:
+    """The audit export (docs/security.md), when ``CAIRN_AUDIT_EXPORT_TO`` is set."""
+    if settings.audit_export_to is None:
+        return []
+    sink = auditexport.sink_for(settings.audit_export_to, settings.audit_export_s3_endpoint_url)
+    batch = settings.audit_export_batch
+    return [
+        asyncio.create_task(
+            every(
+                settings.audit_export_interval_s,
+                "audit export",
+                lambda: auditexport.export_once(engine, sink, batch),
+            ),
+            name="cairn-audit-export",
+        )
+    ]
 
 
 # --- notifications (docs/notifications.md) ------------------------------------------------

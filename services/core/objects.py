@@ -35,10 +35,12 @@ class LogObjects:
     def key(self, task_id: int, attempt_id: int) -> str:
         return f"{self.prefix}{task_id}/{attempt_id}.log"
 
-    async def put(self, key: str, data: bytes) -> None:
+    async def put(
+        self, key: str, data: bytes, content_type: str = "text/plain; charset=utf-8"
+    ) -> None:
         await asyncio.to_thread(
             lambda: self._s3().put_object(
-                Bucket=self.bucket, Key=key, Body=data, ContentType="text/plain; charset=utf-8"
+                Bucket=self.bucket, Key=key, Body=data, ContentType=content_type
             )
         )
 

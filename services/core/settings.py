@@ -92,6 +92,18 @@ class CoreSettings(SecretsKeySettings):
 
     # identity (see docs/security.md)
     audit_retention_days: float = Field(default=400.0, gt=0)
+    #: where the leader exports the audit trail (docs/security.md, "Audit export"): a
+    #: file's absolute path (appended) or ``s3://bucket/prefix``; unset: no export. Set,
+    #: the audit retention deletes only rows already exported.
+    audit_export_to: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^(/[^\x00]*|s3://[a-z0-9][a-z0-9.-]{2,62}(/[^\x00]*)?)$",
+    )
+    audit_export_interval_s: float = Field(default=300.0, gt=0)
+    audit_export_batch: int = Field(default=10_000, ge=1, le=100_000)
+    #: the S3-compatible store's URL (moto, MinIO, Ceph); unset: AWS's own
+    audit_export_s3_endpoint_url: str | None = Field(default=None, pattern=r"^https?://")
     tokens_per_principal: int = Field(default=100, ge=1, le=10_000)
     oidc_issuer: str | None = Field(default=None, min_length=1, max_length=2048)
     oidc_audience: str | None = Field(default=None, min_length=1, max_length=2048)

@@ -1,4 +1,5 @@
-"""The audit trail, for admins: newest first, filtered, in pages."""
+"""The audit trail, for admins: newest first, filtered, in pages; and oldest first with
+its hash chain, for an export (``cairn audit export``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from libs.common.models import MAX_PAGE, AuditPage, StorableTime
+from libs.common.models import MAX_PAGE, AuditChainPage, AuditEntry, AuditPage, StorableTime
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import AdminOnly, Engine
 from services.core.db import audit
@@ -36,3 +37,23 @@ async def read_audit(
     async with engine.connect() as conn:
         items = await audit.page(conn, where, before, limit)
     return AuditPage(items=items, next_before=items[-1].id if len(items) == limit else None)
+
+
+@router.get("/export", response_model=AuditChainPage, responses=PROBLEMS)
+async def read_chain(
+    principal: AdminOnly,
+    engine: Engine,
+    after: Annotated[int, Query(ge=0, le=2**63 - 1, description="Rows with a larger id.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+) -> AuditChainPage:
+    """The chained rows after ``after``, oldest first, each with ``prev_hash`` and
+    ``hash``; ``exported_through`` is where the scheduled export stands."""
+    async with engine.connect() as conn:
+        rows = await audit.chain(conn, after, limit)
+        mark = await audit.exported_through(conn)
+    items = [AuditEntry.model_validate(row) for row in rows]
+    return AuditChainPage(
+        items=items,
+        next_after=items[-1].id if len(items) == limit else None,
+        exported_through=mark,
+    )

@@ -1,6 +1,7 @@
 """The audit trail: one append-only row per security-relevant action (who, what, on what,
-from where, when, before and after). A trigger refuses to change or delete rows, except
-the retention purge, which says so in its own transaction."""
+from where, when, before and after), chained by hashes (``domain.auditchain``). A
+trigger refuses to change or delete rows, except the writer's one seal of its row's hash
+and the retention purge, which says so in its own transaction."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import insert, select, text
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import Caller
 from libs.common.models import AuditEntry
-from services.core.db.tables import audit
+from services.core.db.tables import audit, audit_chain, audit_export
+from services.core.domain import auditchain
 
 _PURGE = text("""
 WITH old AS (
     SELECT id FROM core.audit
     WHERE at < now() - make_interval(secs => :age_s)
+      AND (NOT :exported_only OR id <= (SELECT last_id FROM core.audit_export))
     ORDER BY id LIMIT :limit
 )
 DELETE FROM core.audit a USING old WHERE a.id = old.id
@@ -41,18 +44,34 @@ async def record(
     after: dict[str, Any] | None = None,
 ) -> None:
     """Append one row, in the caller's transaction: the action and its record commit
-    together, or neither does."""
-    await conn.execute(
-        insert(audit).values(
-            actor=actor.name,
-            actor_role=actor.role,
-            action=action,
-            target=target,
-            source=source,
-            before=_jsonable(before),
-            after=_jsonable(after),
+    together, or neither does. The row links to the chain's head, whose row lock (held
+    to the commit) orders every replica's inserts into one chain: audited actions commit
+    one at a time from their audit insert on (docs/security.md, "Audit export")."""
+    prev = (await conn.execute(select(audit_chain.c.head_hash).with_for_update())).scalar_one()
+    row = (
+        (
+            await conn.execute(
+                insert(audit)
+                .values(
+                    actor=actor.name,
+                    actor_role=actor.role,
+                    action=action,
+                    target=target,
+                    source=source,
+                    before=_jsonable(before),
+                    after=_jsonable(after),
+                    prev_hash=prev,
+                )
+                .returning(audit)
+            )
         )
+        .mappings()
+        .one()
     )
+    # Hashed as stored (jsonb may normalise what was given), then sealed.
+    digest = auditchain.link(prev, row)
+    await conn.execute(update(audit).where(audit.c.id == row["id"]).values(hash=digest))
+    await conn.execute(update(audit_chain).values(head_id=row["id"], head_hash=digest))
 
 
 @dataclass(frozen=True)
@@ -87,10 +106,41 @@ async def page(
     return [AuditEntry.model_validate(row._mapping) for row in await conn.execute(query)]
 
 
-async def purge(conn: AsyncConnection, age_s: float, limit: int) -> int:
-    """Delete up to ``limit`` entries older than ``age_s``; the only delete allowed."""
+async def purge(
+    conn: AsyncConnection, age_s: float, limit: int, *, exported_only: bool = False
+) -> int:
+    """Delete up to ``limit`` entries older than ``age_s`` (and, with ``exported_only``,
+    already exported); the only delete allowed."""
     await conn.execute(text("SET LOCAL cairn.audit_purge = 'on'"))
-    return int((await conn.execute(_PURGE, {"age_s": age_s, "limit": limit})).rowcount)
+    args = {"age_s": age_s, "limit": limit, "exported_only": exported_only}
+    return int((await conn.execute(_PURGE, args)).rowcount)
+
+
+async def chain(conn: AsyncConnection, after: int, limit: int) -> list[dict[str, Any]]:
+    """Up to ``limit`` sealed rows with ids above ``after``, oldest first: export order.
+    Committed rows only, and in chain order: the head's lock makes ids commit in order."""
+    query = (
+        select(audit)
+        .where(audit.c.id > after, audit.c.hash.is_not(None))
+        .order_by(audit.c.id)
+        .limit(limit)
+    )
+    return [dict(row._mapping) for row in await conn.execute(query)]
+
+
+async def export_mark(conn: AsyncConnection) -> int | None:
+    """The last id the scheduled export wrote, locked to this transaction; ``None`` while
+    another export holds it."""
+    query = select(audit_export.c.last_id).with_for_update(skip_locked=True)
+    return (await conn.execute(query)).scalar_one_or_none()
+
+
+async def exported_through(conn: AsyncConnection) -> int:
+    return int((await conn.execute(select(audit_export.c.last_id))).scalar_one())
+
+
+async def set_export_mark(conn: AsyncConnection, last_id: int) -> None:
+    await conn.execute(update(audit_export).values(last_id=last_id, exported_at=text("now()")))
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,34 @@ audit = Table(
     Column("source", Text),
     Column("before", JSONB),
     Column("after", JSONB),
+    # The hash chain (domain/auditchain.py): set once, by the writer, in the insert's
+    # transaction (NULL only inside it).
+    Column("prev_hash", Text),
+    Column("hash", Text),
     Index("ix_audit_at", "at"),
     Index("ix_audit_actor_id", "actor", "id"),
     Index("ix_audit_action_id", "action", "id"),
+)
+
+# The audit chain's head: one row, locked by every audit insert, so that the rows of all
+# replicas form one chain in id order.
+audit_chain = Table(
+    "audit_chain",
+    metadata,
+    Column("one", Boolean, primary_key=True, server_default=text("true")),
+    Column("head_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("head_hash", Text, nullable=False),
+    CheckConstraint("one", name="one"),
+)
+
+# The last audit id the scheduled export wrote (one row).
+audit_export = Table(
+    "audit_export",
+    metadata,
+    Column("one", Boolean, primary_key=True, server_default=text("true")),
+    Column("last_id", BigInteger, nullable=False, server_default=text("0")),
+    Column("exported_at", DateTime(timezone=True)),
+    CheckConstraint("one", name="one"),
 )
 
 queues = Table(

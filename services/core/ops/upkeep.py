@@ -74,6 +74,10 @@ async def purge(engine: AsyncEngine, settings: CoreSettings) -> int:
 
 
 async def purge_audit(engine: AsyncEngine, settings: CoreSettings) -> int:
-    """Delete audit entries past their own (longer) retention."""
+    """Delete audit entries past their own (longer) retention; with an export configured,
+    only those it has written."""
     age_s, batch = settings.audit_retention_days * 86400, settings.retention_batch
-    return await in_batches(engine, batch, lambda c: audit.purge(c, age_s, batch))
+    exported_only = settings.audit_export_to is not None
+    return await in_batches(
+        engine, batch, lambda c: audit.purge(c, age_s, batch, exported_only=exported_only)
+    )
