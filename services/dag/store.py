@@ -722,7 +722,7 @@ async def apply_decisions(conn: AsyncConnection, run_id: int) -> int:
         ),
         {"run": run_id},
     )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    return int(result.rowcount)
 
 
 async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> None:

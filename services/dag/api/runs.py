@@ -17,12 +17,12 @@ from libs.common.dag_models import (
     GraphEdge,
     GraphNode,
     Node,
+    NodeName,
     Run,
     RunClear,
     RunList,
     RunRetry,
     RunState,
-    NodeName,
     WorkflowName,
 )
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound

@@ -14,7 +14,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from libs.common.dag_models import TaskTemplate
 from libs.common.errors import InvalidInput
 from libs.common.models import TaskCreate
 from services.dag.domain.data import Instance, instance_name
