@@ -6,11 +6,12 @@ What the database holds is checked: the node's state, decision, by whom, comment
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
+from tests.fixtures.dag import DagServer, Runner, Worker, node, start_dag, workflow
 from tests.integration.dag.test_runs import _tasks
 from tests.support import wait_for
 
@@ -143,3 +144,28 @@ def test_a_gate_is_validated_by_field(runner: Runner) -> None:
         assert "approval" in answer.text, answer.text
     long = runner.http.post("/v1/runs/1/nodes/g/approve", json={"comment": "x" * 2001})
     assert long.status_code == 422 and "comment" in long.text, long.text
+
+
+def test_a_decision_through_a_follower_survives_a_leader_change(
+    dag: DagServer, runner: Runner, worker: Worker, db: psycopg.Connection, tmp_path: Path
+) -> None:
+    runner.define(_release())
+    run_id = runner.start("release")["id"]
+    _waiting(db, run_id, "sign-off")
+    follower = start_dag(dag.core, tmp_path / "follower")
+    try:
+        with follower.client() as http:
+            answer = http.post(f"/v1/runs/{run_id}/nodes/sign-off/approve", json={"comment": "ok"})
+            assert answer.status_code == 200, answer.text
+            dag.stop()  # the leader goes, whether or not it moved the gate on
+            ended = wait_for(
+                lambda: (r := http.get(f"/v1/runs/{run_id}").json())["state"] == "succeeded" and r,
+                timeout=30,
+                interval=0.05,
+            )
+    finally:
+        follower.stop()
+    assert {n["name"]: n["state"] for n in ended["nodes"]}["deploy"] == "succeeded"
+    assert set(_tasks(db, run_id)) == {"build", "deploy", "cleanup"}  # each released once
+    row = _row(db, run_id, "sign-off")
+    assert (row["state"], row["decided_by"], row["comment"]) == ("succeeded", "alice", "ok")
