@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import PlainTextResponse
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.auth import Caller, Person
 from libs.common.dag_models import (
@@ -32,7 +32,7 @@ from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
 from services.dag.domain import data
 from services.dag.domain.graph import Dag
-from services.dag.engine import Graphs, clear_set, failed_instances, reset_for_retry
+from services.dag.engine import Engine, Graphs, clear_set, failed_instances, reset_for_retry
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -229,9 +229,9 @@ async def _decide(
     decision: Literal["approve", "reject"],
     body: ApprovalDecision | None,
     caller: Caller,
-    db: Any,
+    db: AsyncEngine,
     graphs: Graphs,
-    loop: Any,
+    loop: Engine,
 ) -> Run:
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, None)

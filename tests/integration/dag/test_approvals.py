@@ -61,6 +61,8 @@ def test_approve_then_a_second_decision_is_409(
     waiting = _waiting(db, run_id, "sign-off")
     assert waiting["wait_until"] is not None and waiting["decision"] is None
     assert set(_tasks(db, run_id)) == {"build"}  # the gate never reaches core
+    drawn = runner.http.get(f"/v1/runs/{run_id}/graph", params={"format": "mermaid"})
+    assert "classDef waiting" in drawn.text, drawn.text
 
     path = f"/v1/runs/{run_id}/nodes/sign-off"
     answer = runner.http.post(f"{path}/approve", json={"comment": "looks good"})
