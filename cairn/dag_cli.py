@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.live import Live
@@ -15,11 +15,11 @@ from rich.tree import Tree
 from cairn import output, sdk
 from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
 from libs.common.dag_client import DagClient
-from libs.common.dag_models import NodeState, Run, Workflow, WorkflowCreate
+from libs.common.dag_models import Node, NodeState, Run, Workflow, WorkflowCreate
 
 app = typer.Typer(
     help="Workflows: submit FILE.yaml, apply FILE.py, ls, run, status, outputs, cancel, retry, "
-    "clear, graph."
+    "clear, approve, reject, graph."
 )
 
 RUN_OVER = {"succeeded", "failed", "cancelled"}
@@ -137,6 +137,17 @@ def run(
         raise typer.Exit(1)
 
 
+def _gate(node: Node) -> str:
+    """An approval gate's wait or decision, for the tree."""
+    if node.state == NodeState.WAITING and node.decision is None:
+        return " [yellow]waits for approval[/yellow]"
+    if node.decision is None:
+        return ""
+    by = output.safe(node.decided_by or "its timeout")
+    said = f": {output.safe(node.comment)}" if node.comment and node.decided_by else ""
+    return f" [dim]{node.decision}d by {by}{said}[/dim]"
+
+
 def tree(found: Run) -> Tree:
     """The run as a tree: each node under its first upstream node, with its state."""
     root = Tree(
@@ -156,6 +167,7 @@ def tree(found: Run) -> Tree:
         also = node.depends_on[1:]
         if also:
             extra += f" [dim](also after {output.safe(', '.join(also))})[/dim]"
+        extra += _gate(node)
         if node.error:  # a skip's reason (a false ``when``) is not an error
             style = "dim" if node.state == NodeState.SKIPPED else "red"
             extra += f" [{style}]{output.safe(node.error)}[/{style}]"
@@ -303,6 +315,32 @@ def _on_run(name: str, method: str, doc: str) -> None:
 
 
 _on_run("cancel", "cancel_run", "Cancel a run; its running node tasks are cancelled in core.")
+
+
+def _decision(decision: Literal["approve", "reject"], doc: str) -> None:
+    def command(
+        ctx: typer.Context,
+        run_id: int,
+        node: str,
+        comment: Annotated[str, typer.Option("--comment", "-m", help="why (kept with it)")] = "",
+        as_json: JsonFlag = False,
+    ) -> None:
+        async def go() -> Run:
+            async with _client(ctx) as dag:
+                return await dag.decide(run_id, node, decision, comment)
+
+        found = output.call(go)
+        if ctx_of(ctx).json or as_json:
+            output.dump(found)
+        else:
+            output.console.print(f"run {found.id}: {output.safe(node)} {decision}d")
+
+    command.__doc__ = doc
+    app.command(decision)(command)
+
+
+_decision("approve", "Approve RUN's waiting approval gate NODE: it succeeds, what is below runs.")
+_decision("reject", "Reject RUN's waiting approval gate NODE: it fails, trigger rules decide.")
 
 
 @app.command("retry")

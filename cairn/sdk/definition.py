@@ -172,7 +172,7 @@ class Node:
     @property
     def output_path(self) -> Ref:
         """``{{ nodes.NODE.output_path }}``: this node's rendered ``output_path``."""
-        if self.spec.task.output_path is None:
+        if self.spec.task is None or self.spec.task.output_path is None:
             raise DefinitionError(f"node {self.name!r} has no output_path")
         if self.spec.map is not None:
             raise DefinitionError(f"node {self.name!r} is mapped: name one of its outputs")

@@ -6,10 +6,11 @@ the problem+json answer, or httpx's ``TransportError``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from libs.common.client import ApiClient, _owner
 from libs.common.dag_models import (
+    ApprovalDecision,
     Graph,
     Run,
     RunClear,
@@ -119,6 +120,16 @@ class DagClient(ApiClient):
         body = RunClear(node=node, downstream=downstream)
         response = await self._call(
             "POST", f"/v1/runs/{run_id}/clear", content=body.model_dump_json()
+        )
+        return Run.model_validate_json(response.content)
+
+    async def decide(
+        self, run_id: int, node: str, decision: Literal["approve", "reject"], comment: str = ""
+    ) -> Run:
+        """Approve or reject the run's waiting approval gate ``node``."""
+        body = ApprovalDecision(comment=comment)
+        response = await self._call(
+            "POST", f"/v1/runs/{run_id}/nodes/{node}/{decision}", content=body.model_dump_json()
         )
         return Run.model_validate_json(response.content)
 

@@ -42,6 +42,12 @@ MAX_RUN_INSTANCES = 100_000
 MAX_RUN_TIMEOUT_S = 30 * 86400
 #: the longest branch condition (a node's ``when``), in characters
 MAX_WHEN_CHARS = 1024
+#: the longest an approval gate waits for a person
+MAX_APPROVAL_TIMEOUT_S = MAX_RUN_TIMEOUT_S
+#: the most people an approval gate names
+MAX_APPROVERS = 100
+#: the longest comment on an approval decision, in characters
+MAX_COMMENT_CHARS = 2000
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -116,6 +122,9 @@ class NodeState(StrEnum):
     RUNNING = "running"
     #: it maps over a list: one instance per item runs; it ends when they all have
     MAPPED = "mapped"
+    #: an approval gate whose rule is met: it waits for a person's decision (or its
+    #: timeout's default); approved it succeeds, rejected it fails
+    WAITING = "waiting"
     #: final: its task succeeded
     SUCCEEDED = "succeeded"
     #: final: its task ended dead or cancelled, or core refused it
@@ -224,11 +233,38 @@ class MapSpec(_Input):
     max_items: int = Field(default=1000, ge=1, le=MAX_MAP_ITEMS)
 
 
+class Approvers(_Input):
+    """Who may decide an approval gate: the members of ``team``, the ``people`` named,
+    or both."""
+
+    team: TeamName | None = None
+    people: list[PrincipalName] = Field(default_factory=list, max_length=MAX_APPROVERS)
+
+    @model_validator(mode="after")
+    def _someone(self) -> Approvers:
+        if self.team is None and not self.people:
+            raise ValueError("name a team or at least one person")
+        return self
+
+
+class ApprovalSpec(_Input):
+    """An approval gate: when its trigger rule is met the node waits for a person to
+    approve (it succeeds) or reject (it fails) it; after ``timeout_s`` without a
+    decision ``on_timeout`` decides. Without ``approvers``: the run's owner and the
+    members of its team."""
+
+    timeout_s: int = Field(ge=1, le=MAX_APPROVAL_TIMEOUT_S)
+    on_timeout: Literal["approve", "reject"]
+    approvers: Approvers | None = None
+
+
 class NodeSpec(_Input):
-    """One node of a workflow: its task, what it waits for, and when it may run."""
+    """One node of a workflow: its task (or, instead, an ``approval`` gate), what it
+    waits for, and when it may run."""
 
     name: NodeName
-    task: TaskTemplate
+    #: (left out of a dump when unset: only an approval gate has none)
+    task: TaskTemplate | None = Field(default=None, exclude_if=lambda value: value is None)
     depends_on: list[NodeName] = Field(default_factory=list, max_length=MAX_DEPENDS_ON)
     trigger_rule: TriggerRule = TriggerRule.ALL_SUCCESS
     outputs: dict[OutputName, OutputSpec] = Field(default_factory=dict, max_length=MAX_OUTPUT_DECLS)
@@ -240,6 +276,21 @@ class NodeSpec(_Input):
     when: Annotated[str, StringConstraints(min_length=1, max_length=MAX_WHEN_CHARS)] | None = Field(
         default=None, exclude_if=lambda value: value is None
     )
+    #: wait for a person instead of running a task (docs/dag.md, "Approval gates")
+    approval: ApprovalSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _task_or_approval(self) -> NodeSpec:
+        if self.approval is not None:
+            if self.task is not None:
+                raise ValueError("approval: a node has a task or an approval gate, not both")
+            if self.map is not None:
+                raise ValueError("approval: an approval gate cannot map")
+            if self.outputs:
+                raise ValueError("approval: an approval gate has no outputs")
+        elif self.task is None:
+            raise ValueError("task: a node needs a task (or an approval gate)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -362,6 +413,19 @@ class Node(_Output):
     map_of: str | None = None
     map_index: int | None = None
     map_item: Any = None
+    #: an approval gate's decision once made: ``approve`` or ``reject``, by whom (None:
+    #: its timeout decided), when, with what comment; ``wait_until`` while it waits
+    decision: Literal["approve", "reject"] | None = None
+    decided_by: str | None = None
+    decided_at: datetime | None = None
+    comment: str | None = None
+    wait_until: datetime | None = None
+
+
+class ApprovalDecision(_Input):
+    """A person's decision on a waiting approval gate."""
+
+    comment: Annotated[str, StringConstraints(max_length=MAX_COMMENT_CHARS)] = ""
 
 
 class Run(_Output):

@@ -268,6 +268,7 @@ class Engine:
             self._purged_at = time.monotonic()
         await self.admit()
         await self.expire()
+        await self.gates()
         await self.release()
         await self.cancel_live()
         page = await self._read()
@@ -346,6 +347,38 @@ class Engine:
         await self._tell_failed()
         async with self.db.connect() as conn:
             self._to_deadline = await store.seconds_to_deadline(conn)
+
+    # --- approval gates --------------------------------------------------------------------
+
+    async def gates(self) -> None:
+        """Move on the approval gates a person decided (the API records a decision once,
+        on a waiting node) and decide those past their wait by their ``on_timeout``; then
+        settle their runs. One query a turn when none is due."""
+        async with self.db.connect() as conn:
+            due = await store.due_gates(conn)
+        if not due:
+            return
+        self._failed.clear()
+        for run_id in due:
+            async with self._write() as conn:
+                runs = await store.lock_runs(conn, [run_id])
+                if not runs or runs[0].state != RunState.RUNNING:
+                    continue  # an ended run's gates were cancelled with it
+                run = runs[0]
+                dag = await self.graphs.get(conn, run.workflow_id)
+                nodes = await store.nodes_of(conn, [run_id], lock=True)
+                defaults = {
+                    n.name: (approval.on_timeout, approval.timeout_s)
+                    for n in nodes
+                    if n.state is N.WAITING
+                    and n.name in dag.specs
+                    and (approval := dag.specs[n.name].approval) is not None
+                }
+                await store.time_out_gates(conn, run_id, defaults)
+                if await store.apply_decisions(conn, run_id):
+                    log.info("run %s: approval gates decided", run_id, extra={"run_id": run_id})
+                    await self._settle(conn, run, await store.nodes_of(conn, [run_id], lock=True))
+        await self._tell_failed()
 
     # --- applying the feed -----------------------------------------------------------------
 
@@ -488,17 +521,29 @@ class Engine:
                 states[name] = N.MAPPED
                 states.update(dict.fromkeys(instances[name], N.READY))
                 expanded = True
+        # An approval gate whose rule is met waits for a person instead of a release.
+        gates = {
+            name: approval.timeout_s
+            for name, state in changed.items()
+            if state is N.READY
+            and name in dag.specs
+            and (approval := dag.specs[name].approval) is not None
+        }
+        for name in gates:
+            states[name] = changed[name] = N.WAITING
         await store.set_nodes(
             conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
+        await store.start_waiting(conn, run.id, gates)
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if expanded or any(s is N.READY for s in changed.values()) or outcome is not None:
-            # New work for the releaser, or room for a queued run of this workflow.
+        if expanded or gates or any(s is N.READY for s in changed.values()) or outcome is not None:
+            # New work for the releaser, or room for a queued run of this workflow (or a
+            # gate's timeout for the loop to wait for).
             self._wake.set()
 
     # --- releasing ready nodes -------------------------------------------------------------

@@ -14,6 +14,7 @@ _COLOURS = {
     NodeState.RUNNING: "fill:#bbdefb",
     NodeState.RELEASED: "fill:#e3f2fd",
     NodeState.CANCELLED: "fill:#d7ccc8",
+    NodeState.WAITING: "fill:#fff3c4",
 }
 
 

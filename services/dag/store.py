@@ -305,9 +305,13 @@ async def nodes_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list
 
 
 async def node_details(conn: AsyncConnection, run_id: int) -> dict[str, Any]:
-    """What the run page shows beside states: when each node changed, its item."""
+    """What the run page shows beside states: when each node changed, its item, an
+    approval gate's wait and decision."""
     rows = await conn.execute(
-        text("SELECT name, updated_at, map_item FROM dag.nodes WHERE run_id = :id"),
+        text(
+            "SELECT name, updated_at, map_item, wait_until, decision, decided_by, decided_at,"
+            " comment FROM dag.nodes WHERE run_id = :id"
+        ),
         {"id": run_id},
     )
     return {r.name: r for r in rows}
@@ -391,7 +395,7 @@ async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None)
             " WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
             " ELSE 'cancelled' END"
             " WHERE run_id = :id"
-            " AND state IN ('pending', 'ready', 'released', 'running', 'mapped')"
+            " AND state IN ('pending', 'ready', 'released', 'running', 'mapped', 'waiting')"
         ),
         {"id": run_id},
     )
@@ -419,7 +423,7 @@ async def time_out(conn: AsyncConnection, run_id: int) -> Row[Any] | None:
                 " state = CASE WHEN state IN ('ready', 'released', 'running') THEN 'cancelling'"
                 " ELSE 'cancelled' END"
                 " WHERE run_id = :id"
-                " AND state IN ('pending', 'ready', 'released', 'running', 'mapped')"
+                " AND state IN ('pending', 'ready', 'released', 'running', 'mapped', 'waiting')"
             ),
             {"id": run_id},
         )
@@ -438,11 +442,15 @@ async def overdue_runs(conn: AsyncConnection, limit: int = 1000) -> list[int]:
 
 
 async def seconds_to_deadline(conn: AsyncConnection) -> float | None:
-    """How long until the next running run's deadline (None: no run has one)."""
+    """How long until the next running run's deadline or approval gate's timeout
+    (None: there is none)."""
     value = await conn.scalar(
         text(
-            "SELECT EXTRACT(EPOCH FROM min(deadline) - now()) FROM dag.runs"
-            " WHERE state = 'running' AND deadline IS NOT NULL"
+            "SELECT EXTRACT(EPOCH FROM LEAST("
+            " (SELECT min(deadline) FROM dag.runs"
+            "   WHERE state = 'running' AND deadline IS NOT NULL),"
+            " (SELECT min(wait_until) FROM dag.nodes"
+            "   WHERE state = 'waiting' AND decision IS NULL)) - now())"
         )
     )
     return None if value is None else max(0.0, float(value))
@@ -497,7 +505,9 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
     await conn.execute(
         text(
             "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
-            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now()"
+            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
+            " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
+            " comment = NULL"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": names},
@@ -513,7 +523,9 @@ async def retry_instances(
     await conn.execute(
         text(
             "UPDATE dag.nodes SET state = 'mapped', try_number = try_number + 1,"
-            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now()"
+            " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
+            " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
+            " comment = NULL"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": list(mapped)},
@@ -619,6 +631,98 @@ async def set_nodes(
             "errors": [changes[n][1] for n in names],
         },
     )
+
+
+async def start_waiting(conn: AsyncConnection, run_id: int, gates: Mapping[str, int]) -> None:
+    """Approval gates the caller just set waiting: each waits ``timeout_s`` from now."""
+    if not gates:
+        return
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET wait_until = now() + make_interval(secs => g.timeout_s)"
+            " FROM unnest(CAST(:names AS text[]), CAST(:timeouts AS int[]))"
+            "   AS g(name, timeout_s)"
+            " WHERE n.run_id = :run AND n.name = g.name AND n.state = 'waiting'"
+        ),
+        {"run": run_id, "names": list(gates), "timeouts": list(gates.values())},
+    )
+
+
+async def decide(
+    conn: AsyncConnection,
+    run_id: int,
+    name: str,
+    decision: str,
+    by: str | None,
+    comment: str | None,
+) -> Row[Any] | None:
+    """Record a decision on a waiting approval gate, once: None if the node is not
+    waiting or was decided already (the conditional update is what makes it once, under
+    any number of callers and leaders)."""
+    return (
+        await conn.execute(
+            text(
+                "UPDATE dag.nodes SET decision = :decision, decided_by = :by,"
+                " decided_at = now(), comment = :comment, updated_at = now()"
+                " WHERE run_id = :run AND name = :name AND state = 'waiting'"
+                " AND decision IS NULL RETURNING name, decision, decided_by, decided_at"
+            ),
+            {"run": run_id, "name": name, "decision": decision, "by": by, "comment": comment},
+        )
+    ).first()
+
+
+async def due_gates(conn: AsyncConnection, limit: int = 1000) -> list[int]:
+    """Runs with an approval gate decided, or past its wait, that the loop moves on."""
+    rows = await conn.execute(
+        text(
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes WHERE state = 'waiting'"
+            " AND (decision IS NOT NULL OR wait_until <= now()) LIMIT :limit) d"
+        ),
+        {"limit": limit},
+    )
+    return sorted(r.run_id for r in rows)
+
+
+async def time_out_gates(
+    conn: AsyncConnection, run_id: int, defaults: Mapping[str, tuple[str, int]]
+) -> None:
+    """Decide the run's gates past their wait by their ``on_timeout`` (no one decided):
+    ``defaults`` holds each gate's (on_timeout, timeout_s)."""
+    if not defaults:
+        return
+    names = list(defaults)
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET decision = g.decision, decided_at = now(),"
+            " comment = 'no decision within ' || g.timeout_s || ' s: on_timeout applied'"
+            " FROM unnest(CAST(:names AS text[]), CAST(:decisions AS text[]),"
+            "   CAST(:timeouts AS int[])) AS g(name, decision, timeout_s)"
+            " WHERE n.run_id = :run AND n.name = g.name AND n.state = 'waiting'"
+            " AND n.decision IS NULL AND n.wait_until <= now()"
+        ),
+        {
+            "run": run_id,
+            "names": names,
+            "decisions": [defaults[n][0] for n in names],
+            "timeouts": [defaults[n][1] for n in names],
+        },
+    )
+
+
+async def apply_decisions(conn: AsyncConnection, run_id: int) -> int:
+    """The run's decided gates end: approved ones succeed, rejected ones fail."""
+    result = await conn.execute(
+        text(
+            "UPDATE dag.nodes SET updated_at = now(), wait_until = NULL,"
+            " state = CASE decision WHEN 'approve' THEN 'succeeded' ELSE 'failed' END,"
+            " error = CASE WHEN decision = 'reject' THEN 'rejected by '"
+            "   || COALESCE(decided_by, 'its timeout') END"
+            " WHERE run_id = :run AND state = 'waiting' AND decision IS NOT NULL"
+        ),
+        {"run": run_id},
+    )
+    return int(result.rowcount)
 
 
 async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> None:

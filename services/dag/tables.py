@@ -139,7 +139,17 @@ nodes = Table(
     Column("map_of", Text),
     Column("map_index", Integer),
     Column("map_item", JSONB),
+    # An approval gate: when it stops waiting, and its decision (decided_by NULL: its
+    # timeout decided). A decision is written once, while the node waits; the loop then
+    # moves the node on.
+    _at("wait_until", nullable=True),
+    Column("decision", Text),
+    Column("decided_by", Text),
+    _at("decided_at", nullable=True),
+    Column("comment", Text),
     CheckConstraint(_in("state", NodeState), name="state"),
+    CheckConstraint("decision IS NULL OR decision IN ('approve', 'reject')", name="decision"),
+    CheckConstraint("(decision IS NULL) = (decided_at IS NULL)", name="decision_has_time"),
     CheckConstraint("(map_of IS NULL) = (map_index IS NULL)", name="instance_has_index"),
     CheckConstraint("try_number > 0", name="try_positive"),
     # A cancelling node without a task: its release may have reached core unrecorded.
@@ -151,6 +161,8 @@ nodes = Table(
     Index("ix_nodes_task_id", "task_id", unique=True, postgresql_where=text("task_id IS NOT NULL")),
     # The releaser's and the canceller's work lists.
     Index("ix_nodes_to_do", "state", postgresql_where=text("state IN ('ready', 'cancelling')")),
+    # The loop's approval gates: decided ones to move on, and the next timeout.
+    Index("ix_nodes_waiting", "wait_until", postgresql_where=text("state = 'waiting'")),
 )
 
 feed_cursor = Table(

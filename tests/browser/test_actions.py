@@ -315,3 +315,29 @@ def test_a_run_shows_outputs_mapped_instances_a_skipped_branch_and_retries_the_f
         "SELECT count(*) FROM core.tasks WHERE labels->>'cairn.dag/run' = %s", (str(rid),)
     ).fetchone()
     assert keys == (5,)  # extract, three instances, one instance again; big-only none
+
+
+def test_a_waiting_approval_gate_is_approved_from_the_run_page(
+    page: Page, system: System, db: psycopg.Connection
+) -> None:
+    gate = {"name": "sign-off", "approval": {"timeout_s": 3600, "on_timeout": "reject"}}
+    with client(system, system.dag.url, "alice") as alice:
+        assert alice.post("/v1/workflows", json=workflow("gated", [gate])).status_code in (200, 201)
+        rid = alice.post("/v1/workflows/gated/runs", json={}).json()["id"]
+        wait_for(lambda: _node_of(alice.get(f"/v1/runs/{rid}").json(), "sign-off")["state"]
+                 == "waiting", 30)  # fmt: skip
+        log_in(page, system, "alice")
+        page.goto(f"{system.core.url}/ui#/runs/{rid}")
+        row = page.locator("tr[data-node-row='sign-off']")
+        expect(row.locator("[data-state='waiting']")).to_be_visible()
+        page.locator("#gate-comment-sign-off").fill("from the page")
+        page.locator("#approve-sign-off").click()
+        expect(page.locator("#run-message")).to_contain_text("sign-off approved")
+        expect(page.locator("#run-state [data-state='succeeded']")).to_be_visible()
+        expect(row.locator("td.node-gate")).to_have_text("approved by alice: from the page")
+    found = db.execute(
+        "SELECT state, decision, decided_by, comment FROM dag.nodes"
+        " WHERE run_id = %s AND name = 'sign-off'",
+        (rid,),
+    ).fetchone()
+    assert found == ("succeeded", "approve", "alice", "from the page")

@@ -1,19 +1,23 @@
-"""Runs: read them with their nodes, draw their graph, cancel and retry them."""
+"""Runs: read them with their nodes, draw their graph, cancel and retry them, decide
+their approval gates."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import PlainTextResponse
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from libs.common.auth import Person
+from libs.common.auth import Caller, Person
 from libs.common.dag_models import (
+    ApprovalDecision,
+    ApprovalSpec,
     Graph,
     GraphEdge,
     GraphNode,
     Node,
+    NodeName,
     Run,
     RunClear,
     RunList,
@@ -21,14 +25,14 @@ from libs.common.dag_models import (
     RunState,
     WorkflowName,
 )
-from libs.common.errors import InvalidInput
+from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import MAX_PAGE
 from libs.common.problems import PROBLEMS
 from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
 from services.dag.domain import data
 from services.dag.domain.graph import Dag
-from services.dag.engine import Graphs, clear_set, failed_instances, reset_for_retry
+from services.dag.engine import Engine, Graphs, clear_set, failed_instances, reset_for_retry
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -65,6 +69,11 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             map_of=n.map_of,
             map_index=n.map_index,
             map_item=details[n.name].map_item,
+            decision=details[n.name].decision,
+            decided_by=details[n.name].decided_by,
+            decided_at=details[n.name].decided_at,
+            comment=details[n.name].comment,
+            wait_until=details[n.name].wait_until,
         )
 
     found = []
@@ -200,3 +209,77 @@ async def clear_run(
         run, _ = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
+
+
+NodeNamePath = Annotated[NodeName, Path(description="The approval gate's node name.")]
+
+
+def may_decide(caller: Caller, run: Any, approval: ApprovalSpec) -> bool:
+    """Who may decide a gate: the people and team it names; without ``approvers``, the
+    run's owner and the members of its team (and admins)."""
+    named = approval.approvers
+    if named is None:
+        return caller.sees_all or caller.name == run.owner or run.team in caller.teams
+    return caller.name in named.people or (named.team is not None and named.team in caller.teams)
+
+
+async def _decide(
+    run_id: int,
+    name: str,
+    decision: Literal["approve", "reject"],
+    body: ApprovalDecision | None,
+    caller: Caller,
+    db: AsyncEngine,
+    graphs: Graphs,
+    loop: Engine,
+) -> Run:
+    async with db.begin() as conn:
+        row = await store.get_run(conn, run_id, None)
+        dag = await graphs.get(conn, row.workflow_id)
+        spec = dag.specs.get(name)
+        sees = caller.sees_all or caller.name == row.owner or row.team in caller.teams
+        gate = spec.approval if spec is not None else None
+        if gate is None or not may_decide(caller, row, gate):
+            if not sees:
+                raise NotFound(f"no run {run_id}")  # another owner's run is as a missing one
+            if gate is None:
+                raise NotFound(f"run {run_id} has no approval gate '{name}'")
+            raise Forbidden(f"you are not an approver of node '{name}' of run {run_id}")
+        comment = body.comment if body is not None and body.comment else None
+        if await store.decide(conn, run_id, name, decision, caller.name, comment) is None:
+            state = next(n.state for n in await store.nodes_of(conn, [run_id]) if n.name == name)
+            raise Conflict(f"node '{name}' of run {run_id} is {state}, or decided: not waiting")
+        run, _ = await _with_nodes(conn, graphs, row)
+    loop.wake()
+    return run
+
+
+@router.post("/{run_id}/nodes/{name}/approve", response_model=Run, responses=PROBLEMS)
+async def approve_node(
+    run_id: RunIdPath,
+    name: NodeNamePath,
+    caller: Person,
+    db: Db,
+    graphs: GraphCache,
+    loop: Loop,
+    body: ApprovalDecision | None = None,
+) -> Run:
+    """Approve a waiting approval gate (its decision is recorded at once; the loop then
+    moves the node to succeeded). 403 if you are not an approver, 409 if it is not
+    waiting or was decided already."""
+    return await _decide(run_id, name, "approve", body, caller, db, graphs, loop)
+
+
+@router.post("/{run_id}/nodes/{name}/reject", response_model=Run, responses=PROBLEMS)
+async def reject_node(
+    run_id: RunIdPath,
+    name: NodeNamePath,
+    caller: Person,
+    db: Db,
+    graphs: GraphCache,
+    loop: Loop,
+    body: ApprovalDecision | None = None,
+) -> Run:
+    """Reject a waiting approval gate: the node fails and its downstream follows the
+    trigger rules. 403 if you are not an approver, 409 if it is not waiting."""
+    return await _decide(run_id, name, "reject", body, caller, db, graphs, loop)

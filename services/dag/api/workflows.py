@@ -40,7 +40,11 @@ def _for_team(body: WorkflowCreate) -> WorkflowCreate:
     if team is None:
         return body
     nodes = [
-        node.model_copy(update={"task": bound_to_team(node.task, team, f"body.nodes.{i}.task")})
+        node
+        if node.task is None
+        else node.model_copy(
+            update={"task": bound_to_team(node.task, team, f"body.nodes.{i}.task")}
+        )
         for i, node in enumerate(body.nodes)
     ]
     return body.model_copy(update={"nodes": nodes})
@@ -180,6 +184,8 @@ async def start_run(
             # (what upstream nodes hand on renders empty here).
             renderer = Renderer(dag, RunContext(row.id, workflow.name, owner, params))
             for node in dag.order:
+                if dag.specs[node].approval is not None:
+                    continue  # a gate has no task
                 item = Instance(0, "") if dag.specs[node].map is not None else None
                 renderer.task(node, 1, item)
     if created:

@@ -49,13 +49,13 @@ class Dag:
 
 def _templated_fields(spec: NodeSpec) -> list[tuple[str, str]]:
     task = spec.task
-    fields: list[tuple[str, str | None]] = [
-        (f"task.args.{i}", arg) for i, arg in enumerate(task.args)
-    ]
-    fields += [
-        (f"task.env.{key}", value) for key, value in task.env.items() if isinstance(value, str)
-    ]
-    fields += [(f"task.{name}", getattr(task, name)) for name in ("input_path", "output_path")]
+    fields: list[tuple[str, str | None]] = []
+    if task is not None:  # an approval gate has no task
+        fields += [(f"task.args.{i}", arg) for i, arg in enumerate(task.args)]
+        fields += [
+            (f"task.env.{key}", value) for key, value in task.env.items() if isinstance(value, str)
+        ]
+        fields += [(f"task.{name}", getattr(task, name)) for name in ("input_path", "output_path")]
     fields += [(f"outputs.{name}.path", out.path) for name, out in spec.outputs.items()]
     if spec.map is not None:
         fields.append(("map.over", spec.map.over))
@@ -127,6 +127,10 @@ def _condition(
     return parsed
 
 
+def _output_path(spec: NodeSpec) -> str | None:
+    return None if spec.task is None else spec.task.output_path
+
+
 def _check_upstream(
     graph: nx.DiGraph, specs: dict[str, NodeSpec], name: str, refs: _Refs
 ) -> list[dict[str, str]]:
@@ -136,7 +140,7 @@ def _check_upstream(
     for where, upstream, output in refs.nodes:
         if upstream not in ancestors:
             reason = f"'{upstream}' is not upstream of '{name}'"
-        elif output is None and specs[upstream].task.output_path is None:
+        elif output is None and _output_path(specs[upstream]) is None:
             reason = f"'{upstream}' has no output_path"
         elif output is None and specs[upstream].map is not None:
             reason = f"'{upstream}' is mapped: name one of its outputs"

@@ -14,7 +14,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from libs.common.dag_models import TaskTemplate
 from libs.common.errors import InvalidInput
 from libs.common.models import TaskCreate
 from services.dag.domain.data import Instance, instance_name
@@ -92,7 +91,8 @@ class Renderer:
         if upstream:
             return _text(self.run.outputs.get(upstream, {}).get(output))
         upstream = rest.rsplit(".", 1)[0]
-        path = self.dag.specs[upstream].task.output_path or ""
+        task = self.dag.specs[upstream].task
+        path = (task.output_path if task is not None else None) or ""
         return self._render(upstream, 1, path)
 
     def _fire(self) -> Mapping[str, Any]:
@@ -117,7 +117,9 @@ class Renderer:
     def task(self, node: str, try_number: int, instance: Instance | None = None) -> TaskCreate:
         """The submission of ``node``'s try (of one of its items when it is mapped);
         ``InvalidInput`` if what renders is invalid."""
-        template: TaskTemplate = self.dag.specs[node].task
+        template = self.dag.specs[node].task
+        if template is None:
+            raise InvalidInput(f"nodes.{node}: an approval gate has no task to submit")
 
         def render(text: str) -> str:
             return self._render(node, try_number, text, instance)

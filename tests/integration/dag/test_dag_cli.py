@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psycopg
 import pytest
 from typer.testing import CliRunner
 
 from cairn.cli import app
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
+from tests.integration.dag.test_approvals import _gate, _row, _waiting
 from tests.integration.dag.test_branches import _branching
 
 
@@ -83,3 +85,21 @@ def test_a_skipped_branch_shows_why_in_the_run_tree(
     assert shown.exit_code == 0, shown.output
     line = next(text for text in shown.output.splitlines() if "publish" in text)
     assert "skipped" in line and 'when is false: params.env == "prod"' in line
+
+
+def test_an_approval_gate_is_approved_from_the_cli(
+    cli: CliRunner, runner: Runner, worker: Worker, db: psycopg.Connection
+) -> None:
+    runner.define(workflow("cli-gate", [node("build"), _gate("sign-off", "build")]))
+    rid = runner.start("cli-gate")["id"]
+    _waiting(db, rid, "sign-off")
+    shown = cli.invoke(app, ["dag", "status", str(rid)])
+    assert "waits for approval" in shown.output, shown.output
+    approved = cli.invoke(app, ["dag", "approve", str(rid), "sign-off", "--comment", "ship it"])
+    assert approved.exit_code == 0, approved.output
+    assert "sign-off approved" in approved.output
+    again = cli.invoke(app, ["dag", "reject", str(rid), "sign-off"])
+    assert again.exit_code != 0 and "not waiting" in again.output, again.output
+    assert runner.wait_end(rid)["state"] == "succeeded"
+    row = _row(db, rid, "sign-off")
+    assert (row["decision"], row["decided_by"], row["comment"]) == ("approve", "alice", "ship it")

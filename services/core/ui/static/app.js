@@ -6,7 +6,7 @@ const CONFIG = JSON.parse(document.getElementById("cairn-config").textContent);
 const BASES = { core: "", cron: CONFIG.cron.replace(/\/$/, ""), dag: CONFIG.dag.replace(/\/$/, "") };
 const TOKEN_KEY = "cairn.token";
 const TASK_STATES = ["ready", "waiting", "running", "succeeded", "failed", "dead", "cancelled"];
-const NODE_STATES = ["pending", "ready", "released", "mapped", "running", "succeeded", "failed",
+const NODE_STATES = ["pending", "ready", "waiting", "released", "mapped", "running", "succeeded", "failed",
   "upstream_failed", "skipped", "cancelling", "cancelled"];
 const COLOURS = {
   pending: "#8a93a6", ready: "#8a93a6", queued: "#8a93a6", waiting: "#c98a12",
@@ -551,23 +551,41 @@ async function runPage(main, id) {
       drawGraph(graph, instances),
       h("div", { class: "legend" }, NODE_STATES.map(badge)),
       h("h2", {}, "Nodes"),
-      nodeTable(run.nodes));
+      nodeTable(run.nodes, (n) => gateActions(run, n, message, () => refresh())));
   });
+}
+
+const gateComments = new Map();
+
+// An approval gate that waits: approve or reject it, with an optional comment (the
+// DAG service says 403 to someone who is not its approver, 409 once it was decided).
+function gateActions(run, n, message, refresh) {
+  if (n.state !== "waiting" || n.decision) return n.decision ? `${n.decision}d by ${n.decided_by || "its timeout"}${n.comment ? `: ${n.comment}` : ""}` : "";
+  const key = `${run.id}/${n.name}`;  // what was typed outlives the page's redraws
+  const comment = h("input", { id: `gate-comment-${n.name}`, placeholder: "comment", maxlength: 2000,
+    value: gateComments.get(key) || "", oninput: (event) => gateComments.set(key, event.target.value) });
+  const post = (verb) => async () => {
+    await api("dag", `/v1/runs/${run.id}/nodes/${encodeURIComponent(n.name)}/${verb}`, { method: "POST", body: { comment: comment.value } });
+    return `${n.name} ${verb}d`;
+  };
+  return h("span", { class: "actions" }, comment,
+    actionButton(`approve-${n.name}`, "Approve", post("approve"), message, refresh),
+    actionButton(`reject-${n.name}`, "Reject", post("reject"), message, refresh, "danger"));
 }
 
 // Every node in order, each mapped node followed by its instances (indented, with the
 // item each got), with the outputs each kept and why it failed or was skipped (a false
 // ``when``: "when is false: ...").
-function nodeTable(nodes) {
+function nodeTable(nodes, gate = () => "") {
   const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
   const outputs = (kept) => kept && Object.keys(kept).length
     ? h("dl", { class: "outputs" }, Object.entries(kept).map(([key, value]) => [h("dt", {}, key), h("dd", {}, shown(value))])) : "—";
-  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason"], nodes.map((n) =>
+  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval"], nodes.map((n) =>
     h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
       h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
       h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id) : "—"),
       h("td", {}, n.map_of ? shown(n.map_item) : ""), h("td", { class: "node-outputs" }, outputs(n.outputs)),
-      h("td", { class: "muted node-reason" }, n.error || ""))));
+      h("td", { class: "muted node-reason" }, n.error || ""), h("td", { class: "node-gate" }, gate(n)))));
 }
 
 // Layered layout: a node's layer is its longest path from a root; within a layer, nodes
