@@ -275,9 +275,11 @@ class Engine:
         await self.gates()
         await self.release()
         await self.cancel_live()
-        if time.monotonic() - self._resynced_at > self.settings.dag_resync_s:
-            if await self.resync() < self.settings.dag_resync_batch:
-                self._resynced_at = time.monotonic()  # else the next batch at the next turn
+        if (
+            time.monotonic() - self._resynced_at > self.settings.dag_resync_s
+            and await self.resync() < self.settings.dag_resync_batch
+        ):
+            self._resynced_at = time.monotonic()  # else the next batch at the next turn
         page = await self._read()
         if page is not None:
             await self.apply(page)
