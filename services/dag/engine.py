@@ -7,7 +7,10 @@ its task is submitted with the idempotency key ``dag:RUN:NODE:TRY``, so submitti
 after a crash, a timeout or a 5xx returns the same task; the task's id is then recorded.
 Releases happen before the feed is read in each turn, so every event of a task is read
 after its id is known (the feed never hands out an event older than a cursor given out
-before the task existed). Only one process runs the loop (``libs/common/leader.py``: an advisory lock and an
+before the task existed). What the feed never delivers (core's retention purged a task,
+or its events, before the loop read them) the resync finds: every ``CAIRN_DAG_RESYNC_S``
+it reads from core the tasks of nodes unchanged that long and applies what they say as
+the feed would. Only one process runs the loop (``libs/common/leader.py``: an advisory lock and an
 epoch that fences every write of the loop).
 """
 
@@ -23,7 +26,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -42,8 +45,8 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
-from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, TaskCreate
-from libs.common.states import TaskState
+from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, Task, TaskCreate
+from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
 from services.dag.domain import conditions, data, graph, rules
 from services.dag.domain.templates import Renderer, RunContext, release_key
@@ -197,6 +200,7 @@ class Engine:
         self.metrics = DagMetrics(lambda: self.leading)
         self._ended: list[RunState] = []
         self._purged_at = -math.inf
+        self._resynced_at = -math.inf
         self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
         self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
         self._to_deadline: float | None = None
@@ -271,6 +275,11 @@ class Engine:
         await self.gates()
         await self.release()
         await self.cancel_live()
+        if (
+            time.monotonic() - self._resynced_at > self.settings.dag_resync_s
+            and await self.resync() < self.settings.dag_resync_batch
+        ):
+            self._resynced_at = time.monotonic()  # else the next batch at the next turn
         page = await self._read()
         if page is not None:
             await self.apply(page)
@@ -382,12 +391,10 @@ class Engine:
 
     # --- applying the feed -----------------------------------------------------------------
 
-    async def _fetch_outputs(self, page: EventPage) -> dict[int, dict[str, Any] | None]:
-        """The outputs files of the tasks this page says succeeded, for the nodes that
+    async def _fetch_outputs(self, events: list[Event]) -> dict[int, dict[str, Any] | None]:
+        """The outputs files of the tasks these events say succeeded, for the nodes that
         declare values from one (read from core's attempt, before the transaction)."""
-        succeeded = {
-            e.task_id: e.attempt_id for e in page.items if e.to_state is TaskState.SUCCEEDED
-        }
+        succeeded = {e.task_id: e.attempt_id for e in events if e.to_state is TaskState.SUCCEEDED}
         if not succeeded:
             return {}
         wanted = []
@@ -412,12 +419,21 @@ class Engine:
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
         transaction."""
+        await self._apply_events(page.items, page.next_cursor)
+        self._cursor = page.next_cursor
+
+    async def _apply_events(
+        self, events: list[Event], cursor: str | None, errors: Mapping[int, str] | None = None
+    ) -> None:
+        """Apply task events to the nodes waiting on those tasks (and store the feed's
+        cursor, if given) in one transaction. ``errors``: why a node whose task it names
+        fails, instead of how the task ended."""
         by_task: dict[int, list[Event]] = defaultdict(list)
-        for event in page.items:
+        for event in events:
             by_task[event.task_id].append(event)
         self._ended.clear()
         self._failed.clear()
-        self._written = await self._fetch_outputs(page)
+        self._written = await self._fetch_outputs(events)
         async with self._write() as conn:
             run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
             if run_ids:
@@ -427,9 +443,9 @@ class Engine:
                 for node in nodes:
                     per_run[node.run_id].append(node)
                 for run in runs:
-                    await self._apply_run(conn, run, per_run[run.id], by_task)
-            await store.store_cursor(conn, page.next_cursor)
-        self._cursor = page.next_cursor
+                    await self._apply_run(conn, run, per_run[run.id], by_task, errors or {})
+            if cursor is not None:
+                await store.store_cursor(conn, cursor)
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
         await self._tell_failed()
@@ -440,6 +456,7 @@ class Engine:
         run: Any,
         nodes: list[store.NodeRow],
         by_task: dict[int, list[Event]],
+        errors: Mapping[int, str],
     ) -> None:
         changes: dict[str, tuple[NodeState, str | None]] = {}
         kept: dict[str, dict[str, Any]] = {}
@@ -453,7 +470,8 @@ class Engine:
             if state is node.state:
                 continue
             error = (
-                f"task {node.task_id} ended {by_task[node.task_id][-1].to_state}"
+                errors.get(node.task_id)
+                or f"task {node.task_id} ended {by_task[node.task_id][-1].to_state}"
                 if state is N.FAILED
                 else None
             )
@@ -545,6 +563,58 @@ class Engine:
             # New work for the releaser, or room for a queued run of this workflow (or a
             # gate's timeout for the loop to wait for).
             self._wake.set()
+
+    # --- anti-entropy -----------------------------------------------------------------------
+
+    async def resync(self) -> int:
+        """Read from core the tasks of up to ``CAIRN_DAG_RESYNC_BATCH`` nodes released,
+        running or cancelling and unchanged for ``CAIRN_DAG_RESYNC_S``, and apply what they
+        say as their feed events would: a final task's outcome (outputs included); a task
+        gone from core (its retention purged it before its outcome was read) fails the node,
+        so its run's rules go on. A task still live touches its node only (not checked again
+        for an interval). The writes are the feed's: fenced, under the run's lock, and only
+        to a node still live on that very task, so a feed event for it, before or after, is
+        a no-op. Returns how many nodes it checked."""
+        async with self.db.connect() as conn:
+            stale = await store.stale_nodes(
+                conn, self.settings.dag_resync_s, self.settings.dag_resync_batch
+            )
+        if not stale:
+            return 0
+        gate = asyncio.Semaphore(_OUTPUT_FETCHES)
+
+        async def read(task_id: int) -> Task | None:
+            async with gate:
+                try:
+                    return await self.core.get_task(task_id)
+                except NotFound:
+                    return None
+
+        task_ids = [row.task_id for row in stale]
+        found = await asyncio.gather(*(read(t) for t in task_ids))
+        events: list[Event] = []
+        errors: dict[int, str] = {}
+        live: list[int] = []
+        for task_id, task in zip(task_ids, found, strict=True):
+            if task is None:
+                events.append(_gone(task_id))
+                errors[task_id] = (
+                    f"its task {task_id} is gone from core (purged before its outcome was read)"
+                )
+            else:
+                events.append(_as_event(task))
+                if task.state not in FINAL:
+                    live.append(task_id)
+        if len(live) < len(stale):
+            log.info(
+                "resync: of %d nodes checked, %d had a task ended unseen, %d a task gone",
+                len(stale), len(stale) - len(live) - len(errors), len(errors),
+            )  # fmt: skip
+        await self._apply_events(events, None, errors)
+        if live:
+            async with self._write() as conn:
+                await store.touch_live(conn, live)
+        return len(stale)
 
     # --- releasing ready nodes -------------------------------------------------------------
 
@@ -713,6 +783,39 @@ class Engine:
         except (Conflict, NotFound):
             return False
         return True
+
+
+def _as_event(task: Task) -> Event:
+    """A task's current state as the event that would have brought it there."""
+    return Event(
+        cursor="",
+        task_id=task.id,
+        seq=0,
+        owner=task.owner,
+        op="resync",
+        from_state=None,
+        to_state=task.state,
+        reason=task.last_error,
+        attempt_id=task.current_attempt_id,
+        at=task.finished_at or task.updated_at,
+    )
+
+
+def _gone(task_id: int) -> Event:
+    """What stands for a task gone from core: it ended, how is unknown (a ``cancelled``
+    event fails a live node and closes a cancelling one)."""
+    return Event(
+        cursor="",
+        task_id=task_id,
+        seq=0,
+        owner="",
+        op="resync",
+        from_state=None,
+        to_state=TaskState.CANCELLED,
+        reason="gone from core",
+        attempt_id=None,
+        at=datetime.now(UTC),
+    )
 
 
 def is_refusal(exc: CairnError) -> bool:

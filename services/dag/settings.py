@@ -27,6 +27,12 @@ class DagSettings(CairnSettings):
     #: finished runs (with their nodes) are deleted this long after they end
     retention_days: float = Field(default=30.0, gt=0)
     retention_interval_s: float = Field(default=600.0, gt=0)
+    #: anti-entropy: this often, nodes released, running or cancelling unchanged for as
+    #: long have their tasks read from core (``GET /v1/tasks/ID``), so an outcome the feed
+    #: never delivered (core's retention purged the task or its events first) is not lost
+    dag_resync_s: float = Field(default=60.0, gt=0)
+    #: nodes checked in one pass (a full pass goes on at the next turn)
+    dag_resync_batch: int = Field(default=200, ge=1, le=1000)
     #: parsed definitions kept in memory (versions never change)
     graph_cache: int = Field(default=256, ge=1)
     #: and the memory they may take (estimated; a 10,000-node definition is about 40 MB)

@@ -609,6 +609,34 @@ async def runs_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[
     return [r.run_id for r in rows]
 
 
+async def stale_nodes(conn: AsyncConnection, age_s: float, limit: int) -> list[Row[Any]]:
+    """Nodes whose task is live as far as the feed said, unchanged for ``age_s``: the
+    resync reads their tasks from core (oldest first; ``ix_nodes_live``)."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT run_id, name, task_id FROM dag.nodes"
+                " WHERE state IN ('released', 'running', 'cancelling') AND task_id IS NOT NULL"
+                " AND updated_at < now() - make_interval(secs => :age)"
+                " ORDER BY updated_at LIMIT :limit"
+            ),
+            {"age": age_s, "limit": limit},
+        )
+    )
+
+
+async def touch_live(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
+    """The resync found these tasks still live: their nodes are not checked again for a
+    resync interval (only if the node still waits on that task)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET updated_at = now() WHERE task_id = ANY(:ids)"
+            " AND state IN ('released', 'running', 'cancelling')"
+        ),
+        {"ids": list(task_ids)},
+    )
+
+
 async def set_nodes(
     conn: AsyncConnection, run_id: int, changes: Mapping[str, tuple[NodeState, str | None]]
 ) -> None:

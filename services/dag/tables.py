@@ -163,6 +163,12 @@ nodes = Table(
     Index("ix_nodes_to_do", "state", postgresql_where=text("state IN ('ready', 'cancelling')")),
     # The loop's approval gates: decided ones to move on, and the next timeout.
     Index("ix_nodes_waiting", "wait_until", postgresql_where=text("state = 'waiting'")),
+    # The resync's work list: nodes waiting on a live task, oldest change first.
+    Index(
+        "ix_nodes_live",
+        "updated_at",
+        postgresql_where=text("state IN ('released', 'running', 'cancelling')"),
+    ),
 )
 
 feed_cursor = Table(
