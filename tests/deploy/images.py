@@ -19,9 +19,9 @@ from tests.deploy.engine import BUILD_TIMEOUT_S, EngineError, PrivateEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 MIRROR = "http://deb.debian.org/debian"
-# python3 and venv for Cairn, pgbouncer for the pooler (ca-certificates: so that the
-# Dockerfile needs no apt-get).
-INCLUDE = "python3,python3-venv,ca-certificates,pgbouncer"
+# python3 and venv for Cairn, pgbouncer for the pooler, nftables for the worker's egress
+# rules (ca-certificates: so that the Dockerfile needs no apt-get).
+INCLUDE = "python3,python3-venv,ca-certificates,pgbouncer,nftables"
 # The spawn helper's build stage: a C compiler and libc's headers.
 BUILDER_INCLUDE = "gcc,libc6-dev"
 # What of the checkout the build context holds (compose/.dockerignore's list).

@@ -170,6 +170,7 @@ def workers_are_isolated_and_hold_no_database_url(stack: Stack) -> None:
         assert any("its own /tmp" in n for n in notes), notes
         assert any("enforces cpu, memory, pids" in n for n in notes), notes
         assert not any("not enforced" in n for n in notes), notes
+        assert any("egress: attempts never reach 169.254.0.0/16" in n for n in notes), notes
         assert any("attempts are started by" in n and "spawn helper" in n for n in notes), notes
         assert not any("forked from the agent" in n for n in notes), notes
         # Some /proc entries cannot be read (gone, or not ours): readlink's status is not.
