@@ -370,6 +370,9 @@ class RunCreate(_Input):
     fire: RunFire | None = Field(default=None, description="Set by the cron service.")
     #: overrides the definition's ``timeout_s`` for this run
     timeout_s: int | None = Field(default=None, ge=1, le=MAX_RUN_TIMEOUT_S)
+    #: overrides the definition's ``task_timeout_s`` for this run: the ``timeout_s`` of
+    #: its node tasks that set none (a node's own still wins)
+    task_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
 
     @model_validator(mode="after")
     def _fire_is_not_a_param(self) -> RunCreate:
@@ -447,6 +450,8 @@ class Run(_Output):
     deadline: datetime | None = None
     #: why it ended as it did, when the nodes do not say (a timeout)
     reason: str | None = None
+    #: the ``timeout_s`` of its node tasks that set none (the run's or the workflow's)
+    task_timeout_s: int | None = None
     nodes: list[Node] = Field(default_factory=list)
 
 

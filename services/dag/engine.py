@@ -657,7 +657,12 @@ class Engine:
             if row.run_id not in outputs:
                 outputs[row.run_id] = data.collect(_kept_rows(kept.get(row.run_id, [])), dag.specs)
             context = RunContext(
-                row.run_id, row.workflow, row.owner, row.params, outputs[row.run_id]
+                row.run_id,
+                row.workflow,
+                row.owner,
+                row.params,
+                outputs[row.run_id],
+                task_timeout_s=row.task_timeout_s,
             )
             instance = None if row.map_of is None else data.Instance(row.map_index, row.map_item)
             try:

@@ -23,7 +23,8 @@ from libs.common.errors import Conflict, NotFound
 
 RUN_COLUMNS = (
     "id, owner, team, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
-    " created_at, started_at, finished_at, timeout_s, deadline, reason, max_active_nodes"
+    " created_at, started_at, finished_at, timeout_s, deadline, reason, max_active_nodes,"
+    " task_timeout_s"
 )
 _NODE_COLUMNS = (
     "run_id, name, state, try_number, task_id, error, map_of, map_index, map_item, outputs"
@@ -177,14 +178,16 @@ async def create_run(
     node_names: Sequence[str],
     timeout_s: int | None = None,
     max_active_nodes: int | None = None,
+    task_timeout_s: int | None = None,
 ) -> tuple[Row[Any], bool]:
     """A queued run with every node pending, or the run the owner's key already names."""
     row = (
         await conn.execute(
             text(
                 "INSERT INTO dag.runs (workflow_id, owner, team, workflow, workflow_version,"
-                " params, idempotency_key, timeout_s, max_active_nodes) VALUES (:wid, :owner,"
-                " :team, :name, :version, CAST(:params AS jsonb), :key, :timeout, :max_nodes)"
+                " params, idempotency_key, timeout_s, max_active_nodes, task_timeout_s)"
+                " VALUES (:wid, :owner, :team, :name, :version, CAST(:params AS jsonb), :key,"
+                " :timeout, :max_nodes, :task_timeout)"
                 " ON CONFLICT (owner, idempotency_key) WHERE idempotency_key IS NOT NULL"
                 f" DO NOTHING RETURNING {RUN_COLUMNS}"
             ),
@@ -198,6 +201,7 @@ async def create_run(
                 "key": idempotency_key,
                 "timeout": timeout_s,
                 "max_nodes": max_active_nodes,
+                "task_timeout": task_timeout_s,
             },
         )
     ).first()
@@ -775,7 +779,7 @@ async def ready_nodes(
                 "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
                 "   FROM dag.nodes n WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip)))"
                 " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
-                " r.owner, r.workflow, r.workflow_id, r.params,"
+                " r.owner, r.workflow, r.workflow_id, r.params, r.task_timeout_s,"
                 " r.created_at AS run_created_at,"
                 " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
                 " FROM ready n JOIN dag.runs r ON r.id = n.run_id"

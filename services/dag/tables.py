@@ -88,11 +88,13 @@ runs = Table(
     _at("deadline", nullable=True),
     Column("reason", Text),
     Column("max_active_nodes", Integer),
+    Column("task_timeout_s", Integer),
     CheckConstraint(_in("state", RunState), name="state"),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint(
         "max_active_nodes IS NULL OR max_active_nodes > 0", name="max_active_nodes_positive"
     ),
+    CheckConstraint("task_timeout_s IS NULL OR task_timeout_s > 0", name="task_timeout_positive"),
     CheckConstraint(
         f"({_in('state', RUN_FINAL)}) = (finished_at IS NOT NULL)", name="final_has_time"
     ),

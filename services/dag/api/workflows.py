@@ -178,11 +178,15 @@ async def start_run(
             dag.order,
             timeout_s=body.timeout_s or definition.timeout_s,
             max_active_nodes=definition.max_active_nodes,
+            task_timeout_s=body.task_timeout_s or definition.task_timeout_s,
         )
         if created:
             # Every node must render into a valid task now, not halfway through the run
             # (what upstream nodes hand on renders empty here).
-            renderer = Renderer(dag, RunContext(row.id, workflow.name, owner, params))
+            context = RunContext(
+                row.id, workflow.name, owner, params, task_timeout_s=row.task_timeout_s
+            )
+            renderer = Renderer(dag, context)
             for node in dag.order:
                 if dag.specs[node].approval is not None:
                     continue  # a gate has no task

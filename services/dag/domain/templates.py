@@ -28,6 +28,8 @@ class RunContext:
     params: Mapping[str, Any]
     #: the outputs of the run's nodes so far (``data.collect``)
     outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: the run's own default ``timeout_s`` of its node tasks (over the workflow's)
+    task_timeout_s: int | None = None
 
 
 def _text(value: Any) -> str:
@@ -126,8 +128,9 @@ class Renderer:
 
         doc = template.model_dump(exclude={"idempotency_key", "run_at"})
         if doc["timeout_s"] is None and template.kind == "task":
-            # the workflow's default; core's rule (a queue's maximum) still applies
-            doc["timeout_s"] = self.dag.definition.task_timeout_s
+            # the run's default, else the workflow's; core's rule (a queue's maximum)
+            # still applies
+            doc["timeout_s"] = self.run.task_timeout_s or self.dag.definition.task_timeout_s
         doc["args"] = [render(arg) for arg in template.args]
         doc["env"] = {
             k: render(v) if isinstance(v, str) else doc["env"][k] for k, v in template.env.items()

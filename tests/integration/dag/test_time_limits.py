@@ -1,6 +1,6 @@
 """Time limits of the tasks cron and the DAG service submit (issue 31): both submit over
 core's HTTP API, so core's one rule applies to them: a workflow's default ``timeout_s``
-fills its nodes', a schedule's task template carries its own, a queue's default fills what
+fills its nodes' (a run may set its own over it), a schedule's task template carries its own, a queue's default fills what
 neither sets, and a timeout over the queue's maximum is refused by core and fails only that
 node or fire, with the field named."""
 
@@ -24,8 +24,12 @@ def _limit(core: Core, queue: str, **limits: int) -> None:
         assert admin.patch(f"/v1/queues/{queue}", json=limits).status_code == 200
 
 
-def _timeouts(db: Conn) -> dict[str, int | None]:
-    rows = db.execute("SELECT labels->>'cairn.dag/node', timeout_s FROM core.tasks").fetchall()
+def _timeouts(db: Conn, run_id: int | None = None) -> dict[str, int | None]:
+    rows = db.execute(
+        "SELECT labels->>'cairn.dag/node', timeout_s FROM core.tasks"
+        " WHERE %s::text IS NULL OR labels->>'cairn.dag/run' = %s::text",
+        (run_id, run_id),
+    ).fetchall()
     return dict(rows)
 
 
@@ -53,6 +57,30 @@ def test_a_workflows_default_timeout_fills_its_nodes_and_core_holds_them_to_the_
     assert db.execute(
         "SELECT timeout_s FROM core.tasks WHERE labels->>'cairn.dag/node' = 'p'"
     ).fetchone() == (30,)
+
+
+def test_a_runs_own_default_timeout_fills_its_nodes_over_the_workflows(
+    dag: DagServer, runner: Runner, worker: Worker, db: Conn
+) -> None:
+    body = workflow(
+        "own-limit", [node("plain"), node("own", task={"timeout_s": 300})], task_timeout_s=120
+    )
+    runner.define(body)
+    for bad in (0, 10**9, "x"):
+        refused = runner.http.post("/v1/workflows/own-limit/runs", json={"task_timeout_s": bad})
+        assert refused.status_code == 422, refused.text
+        assert "body.task_timeout_s" in refused.text
+    started = runner.start("own-limit", task_timeout_s=200)
+    assert started["task_timeout_s"] == 200
+    run = runner.wait_end(started["id"], timeout=30)
+    assert run["state"] == "succeeded" and run["task_timeout_s"] == 200
+    assert _timeouts(db, run["id"]) == {"plain": 200, "own": 300}
+    stored = db.execute("SELECT task_timeout_s FROM dag.runs WHERE id = %s", (run["id"],))
+    assert stored.fetchone() == (200,)
+    # Without its own, the run keeps (and shows) the workflow's.
+    again = runner.wait_end(runner.start("own-limit")["id"], timeout=30)
+    assert again["state"] == "succeeded" and again["task_timeout_s"] == 120
+    assert _timeouts(db, again["id"]) == {"plain": 120, "own": 300}
 
 
 def test_a_schedules_tasks_get_the_queues_default_and_one_over_the_maximum_fails_its_fire(
