@@ -117,6 +117,10 @@ def run(
     timeout: Annotated[
         int | None, typer.Option(help="fail the run after this many seconds", min=1)
     ] = None,
+    task_timeout: Annotated[
+        int | None,
+        typer.Option(help="timeout_s of its node tasks that set none (over the workflow's)", min=1),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Start a run of a workflow."""
@@ -124,7 +128,13 @@ def run(
 
     async def go() -> tuple[Run, bool]:
         async with _client(ctx) as dag:
-            return await dag.start_run(workflow, params, idempotency_key=key, timeout_s=timeout)
+            return await dag.start_run(
+                workflow,
+                params,
+                idempotency_key=key,
+                timeout_s=timeout,
+                task_timeout_s=task_timeout,
+            )
 
     started, _ = output.call(go)
     if wait:

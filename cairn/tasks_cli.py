@@ -385,6 +385,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         max_wait: Annotated[
             int | None, typer.Option(help="seconds it may wait to start, from when it is due")
         ] = None,
+        progress_timeout: Annotated[
+            int | None,
+            typer.Option(help="end an attempt that reports no progress for this many seconds"),
+        ] = None,
         max_attempts: Annotated[int | None, typer.Option(help="attempts in all, 1..100")] = None,
         no_retry_exit: Annotated[
             list[int] | None, typer.Option(help=f"an exit code never retried (also {NO_RETRY})")
@@ -440,7 +444,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             body["resources"] = resources
         if key:
             body["idempotency_key"] = key
-        limits = {"timeout_s": timeout, "start_by": _utc(start_by), "max_wait_s": max_wait}
+        limits = {
+            "timeout_s": timeout,
+            "start_by": _utc(start_by),
+            "max_wait_s": max_wait,
+            "progress_timeout_s": progress_timeout,
+        }
         body.update({k: v for k, v in limits.items() if v is not None})
         body["retry"] = _retry(
             dict(body.get("retry", {})),

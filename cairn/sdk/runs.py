@@ -168,9 +168,12 @@ class Client:
         idempotency_key: str | None = None,
         version: int | None = None,
         timeout_s: int | None = None,
+        task_timeout_s: int | None = None,
     ) -> RunHandle:
         """Start a run of the workflow's newest version (or ``version``) with ``params``
-        over its defaults. With a key used before, the run it started is returned."""
+        over its defaults. With a key used before, the run it started is returned.
+        ``task_timeout_s`` fills the ``timeout_s`` of its node tasks that set none (over
+        the workflow's ``task_timeout_s``)."""
         name = workflow if isinstance(workflow, str) else workflow.name
 
         async def go(dag: DagClient) -> Run:
@@ -180,6 +183,7 @@ class Client:
                 idempotency_key=idempotency_key,
                 version=version,
                 timeout_s=timeout_s,
+                task_timeout_s=task_timeout_s,
             )
             return run
 

@@ -61,6 +61,7 @@ class DagClient(ApiClient):
         version: int | None = None,
         fire: RunFire | None = None,
         timeout_s: int | None = None,
+        task_timeout_s: int | None = None,
     ) -> tuple[Run, bool]:
         """Start a run; return it and whether this call created it (False: the owner used
         ``idempotency_key`` before, and that run is returned). A service token may start
@@ -71,6 +72,7 @@ class DagClient(ApiClient):
             version=version,
             fire=fire,
             timeout_s=timeout_s,
+            task_timeout_s=task_timeout_s,
         )
         response = await self._call(
             "POST",

@@ -69,12 +69,14 @@ def test_submit_takes_the_policys_flags_and_get_shows_them(
         "11",
         "--poison-window",
         "3600",
+        "--progress-timeout",
+        "120",
         "--json",
     )
     task_id = int(out.split('"id":')[1].split(",")[0])
     row = db.execute(
-        "SELECT timeout_s, start_by IS NOT NULL, poison_window_s, retry_causes FROM core.tasks"
-        " WHERE id = %s",
+        "SELECT timeout_s, start_by IS NOT NULL, poison_window_s, retry_causes,"
+        " progress_timeout_s FROM core.tasks WHERE id = %s",
         (task_id,),
     ).fetchone()
     assert row == (
@@ -85,9 +87,11 @@ def test_submit_takes_the_policys_flags_and_get_shows_them(
             "never": {"exit_codes": [3, 4], "signals": [11]},
             "always": {"exit_codes": [75], "signals": []},
         },
+        120,
     )
     shown = _run(cairn, "get", str(task_id))
     assert "600 s" in shown and "within 3600 s" in shown
+    assert "120 s without progress" in shown
     assert "exit 3, 4; signal 11" in shown and "exit 75" in shown
     too_long = _run(
         cairn, "submit", "x", "--artifact", "file:///bin/true", "--retry-exit", "300", code=2

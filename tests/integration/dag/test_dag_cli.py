@@ -1,4 +1,4 @@
-"""``cairn dag outputs`` and ``cairn dag clear`` against the real DAG service and core."""
+"""``cairn dag run``, ``outputs``, ``clear`` and the rest against the real DAG service and core."""
 
 from __future__ import annotations
 
@@ -103,3 +103,20 @@ def test_an_approval_gate_is_approved_from_the_cli(
     assert runner.wait_end(rid)["state"] == "succeeded"
     row = _row(db, rid, "sign-off")
     assert (row["decision"], row["decided_by"], row["comment"]) == ("approve", "alice", "ship it")
+
+
+def test_a_run_started_from_the_cli_takes_its_own_task_timeout(
+    cli: CliRunner, runner: Runner, worker: Worker, db: psycopg.Connection
+) -> None:
+    runner.define(workflow("cli-limit", [node("a"), node("b", task={"timeout_s": 300})]))
+    started = cli.invoke(app, ["dag", "run", "cli-limit", "--task-timeout", "90", "--json"])
+    assert started.exit_code == 0, started.output
+    run = json.loads(started.output)
+    assert run["task_timeout_s"] == 90
+    assert runner.wait_end(run["id"])["state"] == "succeeded"
+    rows = db.execute(
+        "SELECT labels->>'cairn.dag/node', timeout_s FROM core.tasks"
+        " WHERE labels->>'cairn.dag/run' = %s",
+        (str(run["id"]),),
+    ).fetchall()
+    assert dict(rows) == {"a": 90, "b": 300}

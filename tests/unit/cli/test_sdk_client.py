@@ -88,11 +88,12 @@ def test_apply_sends_the_rendered_definition_and_start_and_wait_follow_the_run()
     assert (applied.name, applied.version, applied.created) == ("etl", 3, True)
     assert json.loads(service.sent[0].content) == wf.to_dict()
     assert service.sent[0].headers["Authorization"] == "Bearer tok"
-    run = client.start(wf, {"day": "d1"}, idempotency_key="k", timeout_s=60)
+    run = client.start(wf, {"day": "d1"}, idempotency_key="k", timeout_s=60, task_timeout_s=30)
     assert json.loads(service.sent[1].content) == {
         "params": {"day": "d1"},
         "idempotency_key": "k",
         "timeout_s": 60,
+        "task_timeout_s": 30,
     }
     assert service.sent[1].url.path == "/v1/workflows/etl/runs"
     result = run.wait(poll_s=0.001)
