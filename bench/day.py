@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -44,7 +43,6 @@ from typing import Any
 
 import httpx
 import psycopg
-from sqlalchemy.ext.asyncio import create_async_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet import (
@@ -54,14 +52,15 @@ from fleet import (
     Agent,
     Counts,
     Http,
-    start_replica,
+    bulk_tokens,
+    launch,
+    start_replicas,
 )
 from peak import Submitter, db_sample
-from stack import HERE, core_stack, exit_on_sigterm, free_port
+from stack import core_stack, exit_on_sigterm, free_port, start_service
 
 from libs.common.settings import libpq_url
 from services.core import admin
-from services.core.db import tokens as tokens_db
 from services.worker.agent import claim_wait
 
 MEMORY_BAR = 1.2
@@ -81,32 +80,6 @@ class Seen(Agent):
         kind = (assignment["args"] or ["single"])[0]
         Seen.kinds[kind] += 1
         Seen.by_kind.setdefault(kind, set()).add(assignment["task_id"])
-
-
-def bulk_tokens(database_url: str, owners: int) -> list[str]:
-    """One token for each of ``owners`` people, made in one transaction (the CLI's
-    ``admin.create_token`` would open a connection each)."""
-
-    async def make() -> list[str]:
-        engine = create_async_engine(database_url)
-        try:
-            async with engine.begin() as conn:
-                return [
-                    (
-                        await tokens_db.create(
-                            conn,
-                            principal=f"owner-{i}",
-                            role="user",
-                            name="bench",
-                            created_by="bench",
-                        )
-                    )[0]
-                    for i in range(owners)
-                ]
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(make())
 
 
 def rss_mb(pid: int) -> float | None:
@@ -130,24 +103,6 @@ def relations(db: psycopg.Connection[Any]) -> dict[str, float]:
             " ORDER BY 2 DESC LIMIT 15"
         ).fetchall()
     }
-
-
-def spawn(module: str, env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module], env={**os.environ, **env}, cwd=HERE.parent
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{module} did not start")
 
 
 #: what made a task, in its first argument: a person's single submission has none
@@ -177,11 +132,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         procs: list[subprocess.Popen[bytes]] = []
         out: dict[str, Any] = {"samples": []}
         try:
-            ports = [int(stack.core_url.rsplit(":", 1)[1])]
-            for _ in range(args.replicas - 1):
-                proc, port = start_replica(stack, **env)
-                procs.append(proc)
-                ports.append(port)
+            ports = start_replicas(stack, args.replicas, procs, **env)
             services: dict[str, int] = {
                 f"core{i}": pid for i, pid in enumerate([stack.core_pid, *(p.pid for p in procs)])
             }
@@ -201,7 +152,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     admin.create_token, stack.database_url, name, "service"
                 )
                 proc = await asyncio.to_thread(
-                    spawn,
+                    start_service,
                     module,
                     {
                         **common,
@@ -218,16 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             owners = await asyncio.to_thread(bulk_tokens, stack.database_url, args.owners)
             c = Counts()
-            fleet = [
-                Seen(Http(ports[i % len(ports)], worker), c, args.run_ms, args.cap)
-                for i in range(args.agents)
-            ]
-            for start in range(0, args.agents, 50):
-                await asyncio.gather(
-                    *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
-                )
-            loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
-            loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+            fleet, loops = await launch(Seen, ports, worker, c, args.agents, args.run_ms, args.cap)
             # schedules and workflows, each of an owner of its own
             step = max(1, args.owners // max(1, args.schedules))
             async with httpx.AsyncClient(timeout=30) as http:

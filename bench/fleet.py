@@ -47,11 +47,13 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import TICK, children, comm, cpu_s, stat_fields
 from rawhttp import Conn, request_bytes
+from sqlalchemy.ext.asyncio import create_async_engine
 from stack import Stack, core_stack, exit_on_sigterm, free_port, start_core
 
 from libs.common.models import WORKER_LEASE_HEADER
 from libs.common.settings import libpq_url
 from services.core import admin
+from services.core.db import tokens as tokens_db
 from services.worker.agent import claim_wait
 
 TASK_PER_AGENT_BAR = 1.2
@@ -323,9 +325,59 @@ def phase(a: Sample, b: Sample) -> dict[str, float]:
     }
 
 
-def start_replica(stack: Stack, **env: str) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    return start_core(stack.database_url, stack.root / f"home-{port}", port, **env), port
+def start_replicas(
+    stack: Stack, count: int, procs: list[subprocess.Popen[bytes]], **env: str
+) -> list[int]:
+    """``count - 1`` more core replicas beside the stack's, on ports of their own, each
+    added to ``procs`` as it starts (the caller stops them); every replica's port, the
+    stack's first."""
+    ports = [int(stack.core_url.rsplit(":", 1)[1])]
+    for _ in range(count - 1):
+        port = free_port()
+        procs.append(start_core(stack.database_url, stack.root / f"home-{port}", port, **env))
+        ports.append(port)
+    return ports
+
+
+async def launch(
+    kind: type[Agent], ports: list[int], token: str, c: Counts, count: int, run_ms: float, cap: int
+) -> tuple[list[Agent], list[asyncio.Task[None]]]:
+    """``count`` simulated agents spread over the replicas, registered 50 at a time, with
+    their claim and heartbeat loops running."""
+    fleet = [kind(Http(ports[i % len(ports)], token), c, run_ms, cap) for i in range(count)]
+    for start in range(0, count, 50):
+        await asyncio.gather(
+            *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
+        )
+    loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
+    loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+    return fleet, loops
+
+
+def bulk_tokens(database_url: str, owners: int) -> list[str]:
+    """One token for each of ``owners`` people, made in one transaction (the CLI's
+    ``admin.create_token`` would open a connection each)."""
+
+    async def make() -> list[str]:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.begin() as conn:
+                return [
+                    (
+                        await tokens_db.create(
+                            conn,
+                            principal=f"owner-{i}",
+                            role="user",
+                            name="bench",
+                            created_by="bench",
+                        )
+                    )[0]
+                    for i in range(owners)
+                ]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(make())
 
 
 async def submitter(https: list[Http], rate: float, seconds: float, c: Counts) -> None:
@@ -366,11 +418,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
     with core_stack("cairn-bench-fleet-", **env) as stack:
         extra: list[subprocess.Popen[bytes]] = []
         try:
-            ports = [int(stack.core_url.rsplit(":", 1)[1])]
-            for _ in range(replicas - 1):
-                proc, port = start_replica(stack, **env)
-                extra.append(proc)
-                ports.append(port)
+            ports = start_replicas(stack, replicas, extra, **env)
             cores = [stack.core_pid, *(p.pid for p in extra)]
             worker = await asyncio.to_thread(
                 admin.create_token, stack.database_url, "fleet", "worker"
@@ -384,16 +432,7 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
                 s0 = sample(db, cores, stack.postmaster_pid, c)
                 await asyncio.sleep(args.phase_s)
                 s1 = sample(db, cores, stack.postmaster_pid, c)
-                fleet = [
-                    Agent(Http(ports[i % len(ports)], worker), c, args.run_ms, args.cap)
-                    for i in range(agents)
-                ]
-                for start in range(0, agents, 50):
-                    await asyncio.gather(
-                        *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
-                    )
-                loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
-                loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+                fleet, loops = await launch(Agent, ports, worker, c, agents, args.run_ms, args.cap)
                 if args.real_rate:
                     real_token = await asyncio.to_thread(
                         admin.create_token, stack.database_url, "real", "worker"

@@ -32,6 +32,7 @@ import asyncio
 import json
 import resource
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,11 @@ from fleet import (
     Agent,
     Counts,
     Http,
+    bulk_tokens,
+    launch,
     noted,
     pg_cpu_s,
-    start_replica,
+    start_replicas,
 )
 from procstat import cpu_s
 from rawhttp import Conn, request_bytes
@@ -211,29 +214,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         **dict(item.split("=", 1) for item in args.core_env),
     }
     with core_stack("cairn-bench-peak-", **env) as stack:
-        extra = []
+        extra: list[subprocess.Popen[bytes]] = []
         try:
-            ports = [int(stack.core_url.rsplit(":", 1)[1])]
-            for _ in range(args.replicas - 1):
-                proc, port = start_replica(stack, **env)
-                extra.append(proc)
-                ports.append(port)
+            ports = start_replicas(stack, args.replicas, extra, **env)
             cores = [stack.core_pid, *(p.pid for p in extra)]
             worker = await asyncio.to_thread(
                 admin.create_token, stack.database_url, "fleet", "worker"
             )
-            tokens = await asyncio.to_thread(owners_tokens, stack.database_url, args.owners)
+            tokens = await asyncio.to_thread(bulk_tokens, stack.database_url, args.owners)
             c = Counts()
-            fleet = [
-                Agent(Http(ports[i % len(ports)], worker), c, args.run_ms, args.cap)
-                for i in range(args.agents)
-            ]
-            for start in range(0, args.agents, 50):
-                await asyncio.gather(
-                    *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
-                )
-            loops = [asyncio.create_task(a.claim_loop()) for a in fleet]
-            loops += [asyncio.create_task(a.beat_loop()) for a in fleet]
+            fleet, loops = await launch(Agent, ports, worker, c, args.agents, args.run_ms, args.cap)
             await asyncio.sleep(claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S) + 2)
             submitter = Submitter([Http(p, "") for p in ports], tokens, args.in_flight, c)
             out: dict[str, Any] = {"ramp": [], "windows": []}

@@ -52,32 +52,38 @@ class Stack:
     postmaster_pid: int = 0
 
 
-def start_core(database_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
-    """Core (``python -m services.core``) on ``port`` over a migrated database, once it
-    answers ``/readyz``: one of a benchmark's core replicas."""
-    full = {
-        **os.environ,
-        "CAIRN_DATABASE_URL": database_url,
-        "CAIRN_HOME": str(home),
-        "CAIRN_CORE_PORT": str(port),
-        "CAIRN_LOG_LEVEL": "warning",
-        "CAIRN_MIGRATE_ON_START": "false",
-        **env,
-    }
-    proc = subprocess.Popen([sys.executable, "-m", "services.core"], env=full)
-    url = f"http://127.0.0.1:{port}/readyz"
+def start_service(module: str, env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
+    """``python -m module`` with ``env`` added, once ``url/readyz`` answers 200."""
+    proc = subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env})
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            raise RuntimeError("core did not start")
+            raise RuntimeError(f"{module} did not start")
         time.sleep(0.1)
+
+
+def start_core(database_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """Core (``python -m services.core``) on ``port`` over a migrated database, once it
+    answers ``/readyz``: one of a benchmark's core replicas."""
+    return start_service(
+        "services.core",
+        {
+            "CAIRN_DATABASE_URL": database_url,
+            "CAIRN_HOME": str(home),
+            "CAIRN_CORE_PORT": str(port),
+            "CAIRN_LOG_LEVEL": "warning",
+            "CAIRN_MIGRATE_ON_START": "false",
+            **env,
+        },
+        f"http://127.0.0.1:{port}",
+    )
 
 
 @contextlib.contextmanager

@@ -277,6 +277,26 @@ class Workers:
             stop_process(proc, signal.SIGKILL)
 
 
+class TurnWorker:
+    """A worker the test drives turn by turn over core's HTTP API (no agent)."""
+
+    def __init__(self, core: Core, name: str) -> None:
+        self.http = core.client(name, "worker")
+        offer = {"hostname": name, "queues": ["default"], "cpu": 8, "memory_mb": 16384}
+        answer = self.http.post("/v1/workers", json=offer)
+        assert answer.status_code == 201, answer.text
+        self.id = answer.json()["worker"]["id"]
+        self.http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
+
+    def post_turn(self, **body: Any) -> httpx.Response:
+        return self.http.post(f"/v1/workers/{self.id}/turn", json=body, timeout=30)
+
+    def turn(self, **body: Any) -> dict[str, Any]:
+        answer = self.post_turn(**body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
 def register_worker(http: httpx.Client, offer: dict[str, Any]) -> int:
     """Register a worker through ``http``, which then carries its lease secret; its id."""
     answer = http.post("/v1/workers", json=offer)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from libs.common.models import MAX_CHECKPOINT_BYTES
-from tests.support import Core, spec, start_core
+from tests.support import Core, TurnWorker, spec, start_core
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 1}
@@ -29,23 +29,7 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
     server.stop()
 
 
-class Worker:
-    def __init__(self, core: Core, name: str) -> None:
-        self.http = core.client(name, "worker")
-        offer = {"hostname": name, "queues": ["default"], "cpu": 8, "memory_mb": 16384}
-        answer = self.http.post("/v1/workers", json=offer)
-        assert answer.status_code == 201, answer.text
-        self.id = answer.json()["worker"]["id"]
-        self.http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
-
-    def post_turn(self, **body: Any) -> httpx.Response:
-        return self.http.post(f"/v1/workers/{self.id}/turn", json=body, timeout=30)
-
-    def turn(self, **body: Any) -> dict[str, Any]:
-        answer = self.post_turn(**body)
-        assert answer.status_code == 200, answer.text
-        return answer.json()
-
+class Worker(TurnWorker):
     def claim(self) -> dict[str, Any]:
         """One attempt, waiting for it (a retry waits for its backoff and promotion)."""
         [leased] = self.turn(claim={**ROOM, "wait": 20})["attempts"]

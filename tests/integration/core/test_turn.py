@@ -20,7 +20,7 @@ from services.core.db import attempts as attempts_db
 from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.domain.placement import Amount
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, TurnWorker, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 16}
@@ -34,19 +34,7 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
     server.stop()
 
 
-class Worker:
-    def __init__(self, core: Core, name: str) -> None:
-        self.http = core.client(name, "worker")
-        offer = {"hostname": name, "queues": ["default"], "cpu": 8, "memory_mb": 16384}
-        answer = self.http.post("/v1/workers", json=offer)
-        assert answer.status_code == 201, answer.text
-        self.id = answer.json()["worker"]["id"]
-        self.http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
-
-    def turn(self, **body: Any) -> dict[str, Any]:
-        answer = self.http.post(f"/v1/workers/{self.id}/turn", json=body, timeout=30)
-        assert answer.status_code == 200, answer.text
-        return answer.json()
+Worker = TurnWorker
 
 
 @pytest.fixture
