@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
+from typer.testing import CliRunner
 
 from services.core import admin
 from services.core import migrate as core_migrate
@@ -303,3 +305,23 @@ def register_worker(http: httpx.Client, offer: dict[str, Any]) -> int:
     answer.raise_for_status()
     http.headers["X-Cairn-Worker-Lease"] = answer.json()["lease"]
     return int(answer.json()["worker"]["id"])
+
+
+def cli_as(
+    core: Core,
+    monkeypatch: pytest.MonkeyPatch,
+    home: Path,
+    name: str = "alice",
+    role: str = "user",
+    columns: int = 200,
+) -> CliRunner:
+    """The real CLI, run in this process against ``core`` as ``name`` (made with ``role``
+    if new), with a home and config of the test's own."""
+    with core.client(name, role):
+        pass  # the principal's token
+    monkeypatch.setenv("CAIRN_HOME", str(home / "home"))
+    monkeypatch.setenv("CAIRN_CONFIG", str(home / "none.toml"))
+    monkeypatch.setenv("CAIRN_URL", core.url)
+    monkeypatch.setenv("CAIRN_TOKEN", core.tokens[name])
+    monkeypatch.setenv("COLUMNS", str(columns))
+    return CliRunner()

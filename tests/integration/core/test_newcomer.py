@@ -13,19 +13,12 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from cairn.demo import HERE as DEMO
-from tests.support import Core, spec
+from tests.support import Core, cli_as, spec
 
 
 @pytest.fixture
 def cairn(core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> CliRunner:
-    with core.client("alice"):
-        pass  # alice's token
-    monkeypatch.setenv("CAIRN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("CAIRN_CONFIG", str(tmp_path / "none.toml"))
-    monkeypatch.setenv("CAIRN_URL", core.url)
-    monkeypatch.setenv("CAIRN_TOKEN", core.tokens["alice"])
-    monkeypatch.setenv("COLUMNS", "200")
-    return CliRunner()
+    return cli_as(core, monkeypatch, tmp_path)
 
 
 def _run(runner: CliRunner, *args: str) -> str:

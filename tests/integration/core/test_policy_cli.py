@@ -10,19 +10,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cairn.cli import app
-from tests.support import Core
+from tests.support import Core, cli_as
 
 
 @pytest.fixture
 def cairn(core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> CliRunner:
-    with core.client("root", "admin"):
-        pass  # an admin's token: it sets queues
-    monkeypatch.setenv("CAIRN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("CAIRN_CONFIG", str(tmp_path / "none.toml"))
-    monkeypatch.setenv("CAIRN_URL", core.url)
-    monkeypatch.setenv("CAIRN_TOKEN", core.tokens["root"])
-    monkeypatch.setenv("COLUMNS", "250")
-    return CliRunner()
+    # an admin: it sets queues
+    return cli_as(core, monkeypatch, tmp_path, "root", "admin", columns=250)
 
 
 def _run(runner: CliRunner, *args: str, code: int = 0) -> str:

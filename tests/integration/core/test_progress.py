@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from libs.common.models import MAX_CHECKPOINT_BYTES
-from tests.support import Core, TurnWorker, spec, start_core
+from tests.support import Core, TurnWorker, cli_as, spec, start_core
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 1}
@@ -149,14 +149,7 @@ def test_a_progress_timeout_out_of_range_is_a_422_and_a_malformed_token_too(core
 
 @pytest.fixture
 def cairn(core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> CliRunner:
-    with core.client("alice"):
-        pass  # alice's token
-    monkeypatch.setenv("CAIRN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("CAIRN_CONFIG", str(tmp_path / "none.toml"))
-    monkeypatch.setenv("CAIRN_URL", core.url)
-    monkeypatch.setenv("CAIRN_TOKEN", core.tokens["alice"])
-    monkeypatch.setenv("COLUMNS", "200")
-    return CliRunner()
+    return cli_as(core, monkeypatch, tmp_path)
 
 
 def test_cairn_show_and_logs_print_the_progress(core: Core, cairn: CliRunner) -> None:
