@@ -171,6 +171,14 @@ class ApiClient:
         log.warning("%s is deprecated (sunset: %s)", call, sunset)
 
 
+def _unset_of(body: Turn) -> set[str] | None:
+    """The fields of a turn left out of its body: those it does not use."""
+    unset = {name for name in ("progress", "holding") if not getattr(body, name)}
+    if body.holding == []:
+        unset.discard("holding")  # an empty list says "I hold nothing", not "not sent"
+    return unset or None
+
+
 class CoreClient(ApiClient):
     """An async client of core's API. Pass ``transport`` to test without a server."""
 
@@ -321,8 +329,9 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST",
             f"/v1/workers/{worker_id}/turn",
-            # Without progress, as a core that knows no progress notes takes it.
-            content=body.model_dump_json(exclude=None if body.progress else {"progress"}),
+            # Without progress or holding when it has none, as a core that knows neither
+            # takes it.
+            content=body.model_dump_json(exclude=_unset_of(body)),
             timeout=httpx.Timeout(10.0 + wait, connect=2.0),
         )
         return TurnAnswer.model_validate_json(response.content)

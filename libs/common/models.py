@@ -888,6 +888,12 @@ class Turn(_Input):
     started: list[TaskId] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     claim: ClaimRequest | None = None
     progress: list[ProgressNote] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
+    #: sent when the answer to the worker's last turn never came (a broken connection, a
+    #: timeout, a 5xx: core may have committed a lease the worker never saw): every
+    #: attempt the worker holds. Core answers again, among ``attempts``, each attempt it
+    #: holds for the worker that the worker has neither started nor listed here, with a
+    #: new fencing token (the first was never seen), so a lost answer costs no attempt.
+    holding: list[TaskId] | None = Field(default=None, max_length=10_000)
 
     @model_validator(mode="after")
     def _checkpoints_bounded(self) -> Turn:

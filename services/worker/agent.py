@@ -208,6 +208,9 @@ class Agent:
         self.outbox: dict[int, Outgoing] = {}
         self.sending: dict[int, Outgoing] = {}
         self.started: set[int] = set()
+        # The last turn got no answer: core may have leased what this agent never saw
+        # (``Turn.holding``), so the next turn says what it holds.
+        self.unanswered = False
         self.reported = asyncio.Event()
         self.claiming = False
         self.courier: asyncio.Task[None] | None = None
@@ -415,8 +418,15 @@ class Agent:
             ahead_s=self.settings.worker_claim_ahead_s,
         )
 
+    def _holding(self) -> list[int]:
+        """Every attempt this agent holds: running, starting, or ended and not yet
+        reported (``Turn.holding``)."""
+        return sorted({*self.running, *self.starting, *self.outbox, *self.sending})
+
     def _start_all(self, leased: list[Assignment]) -> None:
         for assignment in leased:
+            if assignment.attempt_id in self.running or assignment.attempt_id in self.starting:
+                continue  # handed out again (``Turn.holding``), and already here
             self.running[assignment.attempt_id] = (assignment, None)
             task = asyncio.create_task(self._attempt(assignment))
             self.tasks.add(task)
@@ -449,7 +459,13 @@ class Agent:
         # An attempt reported in this turn needs no acknowledgement of its start.
         started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
-        body = Turn(reports=[o.report for o in items], started=started, claim=room, progress=notes)
+        body = Turn(
+            reports=[o.report for o in items],
+            started=started,
+            claim=room,
+            progress=notes,
+            holding=self._holding() if self.unanswered else None,
+        )
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         self.turned_at = sent
         try:
@@ -468,7 +484,9 @@ class Agent:
             self._put_back(items)
             self._put_back_notes(notes)
             self.started.update(started)
+            self.unanswered = True
             return None
+        self.unanswered = False
         if worker == self.worker_id:
             self._heard(answer.state, sent)
         self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
