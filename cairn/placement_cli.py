@@ -130,3 +130,44 @@ def register(app: typer.Typer) -> None:
             output.dump(figures)
             return
         output.console.out(render(meta, policy, figures), highlight=False)
+
+
+def register_usage(app: typer.Typer) -> None:
+    """``cairn usage``: the month's accounting."""
+
+    @app.command()
+    def usage(
+        ctx: typer.Context,
+        month: Annotated[str | None, typer.Option(help="as 2026-12; this month")] = None,
+        by: Annotated[str, typer.Option(help="owner, team or queue")] = "owner",
+        as_json: JsonFlag = False,
+    ) -> None:
+        """What a month's attempts used, by owner, team or queue (your own and your
+        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved."""
+        c = ctx_of(ctx)
+
+        async def go() -> Any:
+            async with c.core() as core:
+                return await core.usage_accounts(month, by)
+
+        found = output.call(go)
+        if c.json or as_json:
+            output.dump(found)
+            return
+        output.table(
+            f"usage in {found.month}, by {found.by}",
+            [by, "attempts", "wall h", "cpu h used", "core-h reserved", "GB-h reserved",
+             "peak MB"],
+            [
+                [
+                    output.safe(a.key),
+                    a.attempts,
+                    f"{a.wall_s / 3600:.2f}",
+                    f"{a.cpu_s / 3600:.2f}",
+                    f"{a.cpu_reserved_s / 3600:.2f}",
+                    f"{a.memory_mb_s / 1024 / 3600:.2f}",
+                    f"{a.peak_memory_mb:.0f}",
+                ]
+                for a in found.items
+            ],
+        )  # fmt: skip

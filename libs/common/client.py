@@ -78,6 +78,7 @@ from libs.common.models import (
     TokenList,
     Turn,
     TurnAnswer,
+    UsageAccounts,
     UsageReport,
     UsageRow,
     WhoAmI,
@@ -398,6 +399,16 @@ class CoreClient(ApiClient):
         params = {k: v for k, v in (("owner", owner), ("name", name)) if v}
         response = await self._call("GET", "/v1/usage", params=params)
         return UsageReport.model_validate_json(response.content).items
+
+    async def usage_accounts(
+        self, month: str | None = None, by: str = "owner", limit: int = 100
+    ) -> UsageAccounts:
+        """What a month's attempts used, summed by owner, team or queue."""
+        params: dict[str, Any] = {"by": by, "limit": limit}
+        if month:
+            params["month"] = month
+        response = await self._call("GET", "/v1/usage/accounts", params=params)
+        return UsageAccounts.model_validate_json(response.content)
 
     async def workers(self, state: str | None = None) -> list[Worker]:
         """Every worker the caller may see (newest first, all pages), with capacity, use

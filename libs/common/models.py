@@ -979,6 +979,34 @@ class UsageReport(_Output):
     items: list[UsageRow]
 
 
+#: a calendar month, as ``2026-12``
+Month = Annotated[str, StringConstraints(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$")]
+
+
+class UsageAccount(_Output):
+    """What the attempts that ended in a month used, for one owner, team or queue
+    (docs/sharing.md, "Usage"). Reserved: the attempts' charges over their wall time."""
+
+    #: the owner, team or queue
+    key: str
+    attempts: int
+    wall_s: float
+    #: CPU seconds used, as the agents measured them
+    cpu_s: float
+    #: core-seconds reserved
+    cpu_reserved_s: float
+    #: MB-seconds of memory reserved
+    memory_mb_s: float
+    #: the largest peak memory of one attempt
+    peak_memory_mb: float
+
+
+class UsageAccounts(_Output):
+    month: Month
+    by: Literal["owner", "team", "queue"]
+    items: list[UsageAccount]
+
+
 # --- identity: tokens, teams, secrets, audit ----------------------------------------------
 
 

@@ -6,6 +6,7 @@ grace period, then the rest are handed back without spending an attempt."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -82,6 +83,8 @@ def confirm_at(start: float) -> float:
 
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
+#: how many ended attempts an agent remembers, never to start them again
+RAN_KEPT = 4096
 DRAINING = Report(outcome="handed_back", error="the worker is draining")
 
 
@@ -208,9 +211,14 @@ class Agent:
         self.outbox: dict[int, Outgoing] = {}
         self.sending: dict[int, Outgoing] = {}
         self.started: set[int] = set()
-        # The last turn got no answer: core may have leased what this agent never saw
-        # (``Turn.holding``), so the next turn says what it holds.
+        # The last claiming turn got no answer: core may have leased what this agent never
+        # saw (``Turn.holding``), so the next claiming turn says what it holds. Only turns
+        # that claim lease anything, and only one of them is ever in flight (``_work``):
+        # no other turn's lease can be committed while core looks for lost ones.
         self.unanswered = False
+        # Attempts this agent ran to their end (the last ``RAN_KEPT``): never started
+        # again, whatever core hands out.
+        self.ran: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.reported = asyncio.Event()
         self.claiming = False
         self.courier: asyncio.Task[None] | None = None
@@ -425,8 +433,9 @@ class Agent:
 
     def _start_all(self, leased: list[Assignment]) -> None:
         for assignment in leased:
-            if assignment.attempt_id in self.running or assignment.attempt_id in self.starting:
-                continue  # handed out again (``Turn.holding``), and already here
+            known = (self.running, self.starting, self.ran)
+            if any(assignment.attempt_id in where for where in known):
+                continue  # handed out again (``Turn.holding``), and already here or run
             self.running[assignment.attempt_id] = (assignment, None)
             task = asyncio.create_task(self._attempt(assignment))
             self.tasks.add(task)
@@ -464,7 +473,7 @@ class Agent:
             started=started,
             claim=room,
             progress=notes,
-            holding=self._holding() if self.unanswered else None,
+            holding=self._holding() if room is not None and self.unanswered else None,
         )
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         self.turned_at = sent
@@ -484,9 +493,10 @@ class Agent:
             self._put_back(items)
             self._put_back_notes(notes)
             self.started.update(started)
-            self.unanswered = True
+            self.unanswered = self.unanswered or room is not None
             return None
-        self.unanswered = False
+        if room is not None:
+            self.unanswered = False
         if worker == self.worker_id:
             self._heard(answer.state, sent)
         self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
@@ -769,6 +779,9 @@ class Agent:
         finally:
             self.timings.mark(attempt, "reported")
             self.timings.done(attempt)
+            self.ran[attempt] = None
+            while len(self.ran) > RAN_KEPT:
+                self.ran.popitem(last=False)
             self.running.pop(attempt, None)
             self.squeezed.discard(attempt)
             self._publish()

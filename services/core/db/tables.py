@@ -7,6 +7,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Date,
     DateTime,
     Double,
     ForeignKey,
@@ -733,6 +734,25 @@ notification_answers = Table(
     Column("error", Text),
     Column("duration_ms", Double, nullable=False),
     Index("ix_notification_answers_subscription_id_id", "subscription_id", "id"),
+)
+
+#: what ended attempts used, per month (its first day), owner, team ('' for none) and
+#: queue, rolled up from the feed (``db/accounting.py``; docs/sharing.md "Usage")
+usage_monthly = Table(
+    "usage_monthly",
+    metadata,
+    Column("month", Date, primary_key=True),
+    Column("owner", Text, primary_key=True),
+    Column("team", Text, primary_key=True, server_default=text("''")),
+    Column("queue", Text, primary_key=True),
+    Column("attempts", BigInteger, nullable=False, server_default=text("0")),
+    Column("wall_s", Double, nullable=False, server_default=text("0")),
+    Column("cpu_s", Double, nullable=False, server_default=text("0")),
+    Column("cpu_reserved_s", Double, nullable=False, server_default=text("0")),
+    Column("memory_mb_s", Double, nullable=False, server_default=text("0")),
+    Column("peak_memory_mb", Double, nullable=False, server_default=text("0")),
+    CheckConstraint("EXTRACT(DAY FROM month) = 1", name="first_day"),
+    Index("ix_usage_monthly_month_team", "month", "team"),
 )
 
 notify_cursors = Table(
