@@ -5,6 +5,7 @@ bad selectors are 422s naming the field (docs/placement.md)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from cairn.cli import app
 from services.core.domain import selectors
-from tests.support import Core, register_worker, spec, start_core
+from tests.support import Core, cli_as, register_worker, spec, start_core
 
 
 @pytest.fixture
@@ -178,3 +180,25 @@ def test_replicas_spread_across_a_label_and_apart_by_host(core: Core, fleet: Fle
         assert len(fleet.claim("b1")) == 1
         assert fleet.claim("b1-again") == []  # the same host
         assert len(fleet.claim("none")) == 1
+
+
+def test_the_cli_submits_a_placement_and_shows_it(
+    core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli = cli_as(core, monkeypatch, tmp_path)
+    flags = ["--select", "disk=ssd", "--select", "zone in (a,b)", "--prefer", "5:zone=b"]
+    flags += ["--prefer", "gpu exists", "--spread-by", "zone"]
+    done = cli.invoke(app, ["--json", "submit", "t", "--artifact", "file:///bin/true", *flags])
+    assert done.exit_code == 0, done.output
+    task = json.loads(done.output)
+    assert task["placement"] == {
+        "required": ["disk=ssd", "zone in (a,b)"],
+        "preferred": [{"selector": "zone=b", "weight": 5}, {"selector": "gpu exists", "weight": 1}],
+        "spread": {"by": "zone", "max_skew": 1},
+        "anti_affinity": None,
+    }
+    shown = cli.invoke(app, ["show", str(task["id"])])
+    assert "requires disk=ssd, zone in (a,b); prefers zone=b (5)" in shown.output
+    refused = cli.invoke(app, ["submit", "t", "--artifact", "file:///bin/true", "--select", "a b"])
+    assert refused.exit_code != 0
+    assert "placement.required.0" in refused.output
