@@ -190,13 +190,14 @@ async def _live_workers(conn: AsyncConnection) -> list[Any]:
 
 # --- placement by label --------------------------------------------------------------------
 
-# Where the running tasks of some groups (owner, name) run: the domains of a spread.
+# Where the running tasks of some groups (owner, name) run, those placed by label (a
+# spread's replicas carry their placement): the domains of a spread.
 _GROUPS_RUNNING = text(f"""
 SELECT t.owner, t.name, w.hostname, w.labels
 FROM core.tasks t
 JOIN core.attempts a ON a.id = t.current_attempt_id AND a.outcome IS NULL
 JOIN core.workers w ON w.id = a.worker_id
-WHERE t.state = '{S.RUNNING}'
+WHERE t.state = '{S.RUNNING}' AND t.placement IS NOT NULL
   AND (t.owner, t.name) IN (SELECT * FROM unnest(CAST(:owners AS text[]), CAST(:names AS text[])))
 """)
 _LIVE_LABELS = text(

@@ -344,6 +344,13 @@ tasks = Table(
         postgresql_where=text(sql_in("state", _LIVE)),
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
+    # Where a spread group runs (db.placement.by_labels): placed tasks only.
+    Index(
+        "ix_tasks_placed_running",
+        "owner",
+        "name",
+        postgresql_where=text(f"placement IS NOT NULL AND state = '{S.RUNNING}'"),
+    ),
     Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
     Index(
         "ix_tasks_team_waiting",
