@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from libs.common.errors import InvalidInput
+from services.core.domain.limits import refuse
 
 Op = Literal["=", "!=", "in", "notin", "exists", "!exists"]
 
@@ -96,10 +96,6 @@ def parse_all(texts: Sequence[str], field: str) -> list[Selector]:
         except ValueError as exc:
             raise refuse(f"{field}.{i}", str(exc)) from None
     return out
-
-
-def refuse(field: str, reason: str) -> InvalidInput:
-    return InvalidInput(f"{field}: {reason}", errors=[{"field": field, "reason": reason}])
 
 
 # --- the claim's form --------------------------------------------------------------------
