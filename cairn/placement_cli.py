@@ -11,6 +11,7 @@ import typer
 from cairn import output
 from cairn.tasks_cli import JsonFlag, _get, ctx_of
 from libs.common.models import Task
+from libs.common.settings import parse_labels
 from libs.common.states import FINAL, TaskState
 
 
@@ -30,6 +31,14 @@ def reason_of(task: Task) -> str:
             ended += f" (the last error: {task.last_error})"
         return ended
     return "core gave no reason"
+
+
+def _override(cluster: dict[str, Any], workers: int | None, labels: list[str]) -> None:
+    """The trace's cluster as the flags change it."""
+    if workers:
+        cluster["workers"] = workers
+    if labels:
+        cluster["labels"] = [parse_labels(item) for item in labels]
 
 
 def register(app: typer.Typer) -> None:
@@ -113,6 +122,10 @@ def register(app: typer.Typer) -> None:
         defer_above: Annotated[float, typer.Option()] = 1.0,
         workers: Annotated[int | None, typer.Option(help="override the trace's cluster")] = None,
         fair: Annotated[bool, typer.Option(help="fair share across owners")] = True,
+        worker_labels: Annotated[
+            list[str] | None,
+            typer.Option(help="KEY=VALUE,...: the labels of every Nth worker, dealt in turn"),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
         """Replay a trace through core's placement on a simulated clock."""
@@ -120,8 +133,7 @@ def register(app: typer.Typer) -> None:
         from cairn.trace import read
 
         meta, submissions = read(trace)
-        if workers:
-            meta["cluster"]["workers"] = workers
+        _override(meta["cluster"], workers, worker_labels or [])
         policy = Policy(
             measured=not declared, overcommit=overcommit, defer_above=defer_above, fair=fair
         )

@@ -25,7 +25,14 @@ from libs.common.dag_models import (
     WorkflowName,
 )
 from libs.common.errors import InvalidInput
-from libs.common.models import Artifact, Concurrency, Resources, RetryPolicy, SecretRef
+from libs.common.models import (
+    Artifact,
+    Concurrency,
+    Placement,
+    Resources,
+    RetryPolicy,
+    SecretRef,
+)
 from services.dag.domain import graph
 
 
@@ -115,6 +122,7 @@ class Node:
         team: str | None = None,
         concurrency: Concurrency | None = None,
         progress_timeout_s: int | None = None,
+        placement: Placement | Mapping[str, Any] | None = None,
         task_name: str | None = None,
         depends_on: Iterable[Node] = (),
         trigger_rule: TriggerRule | str | None = None,
@@ -144,6 +152,7 @@ class Node:
             "team": team,
             "concurrency": concurrency,
             "progress_timeout_s": progress_timeout_s,
+            "placement": placement,
         }
         fields: dict[str, Any] = {
             "name": name,

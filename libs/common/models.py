@@ -211,6 +211,40 @@ class Concurrency(_Input):
     limit: int | None = Field(default=None, ge=1, le=100_000)
 
 
+SelectorText = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+
+
+class Preference(_Input):
+    """A selector a worker had better match: among the work a worker may take at one
+    priority, the task whose preferences it meets with the most weight goes first."""
+
+    selector: SelectorText
+    weight: int = Field(default=1, ge=1, le=100)
+
+
+class Spread(_Input):
+    """Spread the running tasks of the same owner and name (a service's replicas)
+    across the values of a worker label, or across hosts (``by: host``): a worker takes
+    one only while its domain holds at most ``max_skew`` more of them than the emptiest
+    domain. A worker without the label takes none."""
+
+    by: LabelKey
+    max_skew: int = Field(default=1, ge=1, le=1000)
+
+
+class Placement(_Input):
+    """Where a task may run, by the workers' labels (docs/placement.md). ``required``:
+    every selector must hold (``disk=ssd``, ``zone in (a,b)``, ``gpu exists``,
+    ``zone!=c``, ``zone notin (a,b)``, ``!gpu``). ``anti_affinity``: never two running
+    tasks of the same owner and name on workers with the same value of this label (or
+    on one host: ``host``)."""
+
+    required: list[SelectorText] = Field(default_factory=list, max_length=16)
+    preferred: list[Preference] = Field(default_factory=list, max_length=16)
+    spread: Spread | None = None
+    anti_affinity: LabelKey | None = None
+
+
 class TaskCreate(_Input):
     """A submission."""
 
@@ -252,6 +286,8 @@ class TaskCreate(_Input):
     #: an attempt that writes no progress (nor checkpoint) for this long is ended as
     #: ``timeout``, retried by its policy (docs/progress.md)
     progress_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
+    #: which workers may take it, by their labels (docs/placement.md)
+    placement: Placement | None = None
 
     @model_validator(mode="after")
     def _starts_after_it_is_due(self) -> TaskCreate:
@@ -385,6 +421,8 @@ class Task(_Output):
     progress_timeout_s: int | None = None
     #: its latest progress and checkpoint, when it reported any (read with the task)
     progress: TaskProgress | None = None
+    #: which workers may take it, by their labels, as submitted
+    placement: Placement | None = None
 
 
 class BatchItem(_Output):

@@ -35,7 +35,7 @@ from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
-from services.core.domain import outcomes
+from services.core.domain import outcomes, selectors
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth
 from services.core.domain.retry import SERVICE_RESTARTS
@@ -93,10 +93,21 @@ _AHEAD_READY = f"""{_READY} AND t.run_at > now()
   AND t.run_at <= now() + make_interval(secs => :ahead_s)"""
 
 
+# A task's required selectors against the worker's labels (``domain.selectors``: its
+# facts, as a jsonb array and as text[]): facts all present, none of some present, one of
+# each group present. A task without selectors (the common one) is one NULL test.
+_LABELLED = """(t.required IS NULL OR (
+    t.required->'all' <@ CAST(:facts AS jsonb)
+    AND NOT (t.required->'none' ?| CAST(:fact_names AS text[]))
+    AND NOT EXISTS (SELECT FROM jsonb_array_elements(t.required->'any') g
+                    WHERE NOT (g ?| CAST(:fact_names AS text[])))))"""
+
+
 _PICK = f"""
 SELECT t.id FROM core.tasks t
 WHERE {{which}}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
+  AND {_LABELLED}
   AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
            AND {placement.LATEST_START} > now())
 ORDER BY {{order}}
@@ -117,7 +128,8 @@ SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
-       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs
+       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs,
+       t.name, t.queue, t.placement
 FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
@@ -462,9 +474,12 @@ def ask(
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
         return None
+    facts = selectors.facts(worker.labels)
     params = {
         "sources": sources(Op.CLAIM, S.RUNNING),
         "queues": list(worker.queues),
+        "facts": jsonb(facts),
+        "fact_names": facts,
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
         "limit": claim_depth(most),
@@ -496,6 +511,8 @@ async def lease(
     rows = sorted(
         picked, key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id)
     )
+    if any(r.placement for r in rows):  # preferences and spreads: docs/placement.md
+        rows = await placement.by_labels(conn, asked.worker, rows)
     gate = await _gate(conn, rows)
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
     candidates = (placement.candidate(row, asked.defaults) for row in rows)

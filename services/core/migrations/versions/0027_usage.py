@@ -6,7 +6,7 @@ at the feed's beginning: the attempts still within retention are counted on the 
 pass.
 
 Revision ID: 0021_usage
-Revises: 0017_audit_chain
+Revises: 0019_placement
 Create Date: 2026-12-05
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0021_usage"
-down_revision = "0017_audit_chain"
+down_revision = "0019_placement"
 branch_labels = None
 depends_on = None
 

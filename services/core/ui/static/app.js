@@ -152,6 +152,16 @@ function loginPage(main) {
 }
 
 // A task's retry policy in one line: poison pill window and the causes it never or always retries.
+function placementOf(placement) {
+  if (!placement) return "any worker";
+  const parts = [];
+  if (placement.required.length) parts.push(`requires ${placement.required.join(", ")}`);
+  for (const p of placement.preferred) parts.push(`prefers ${p.selector} (${p.weight})`);
+  if (placement.spread) parts.push(`spread by ${placement.spread.by} (skew ${placement.spread.max_skew})`);
+  if (placement.anti_affinity) parts.push(`one per ${placement.anti_affinity}`);
+  return parts.join("; ") || "any worker";
+}
+
 function retryPolicy(retry) {
   const causes = (c) => [c.exit_codes.length ? `exit ${c.exit_codes.join(", ")}` : "",
     c.signals.length ? `signal ${c.signals.join(", ")}` : ""].filter(Boolean).join("; ");
@@ -358,6 +368,8 @@ async function taskPage(main, id) {
         h("dt", {}, "checkpoint"), h("dd", { id: "task-checkpoint" }, checkpointOf(task)),
         h("dt", {}, "last error"), h("dd", {}, task.last_error || "—"),
         h("dt", {}, "labels"), h("dd", {}, labels.length ? labels.map(([k, v]) => `${k}=${v}`).join(", ") : "—"),
+        h("dt", {}, "placement"), h("dd", { id: "task-placement" }, placementOf(task.placement)),
+        task.pending_reason ? [h("dt", {}, "waiting because"), h("dd", { id: "task-pending" }, task.pending_reason)] : null,
         run ? [h("dt", {}, "workflow run"), h("dd", {}, h("a", { href: `#/runs/${run}` }, `run ${run}`))] : null,
         schedule ? [h("dt", {}, "schedule"), h("dd", {}, h("a", { href: "#/schedules" }, `schedule ${schedule}`))] : null,
         h("dt", {}, "created"), h("dd", {}, when(task.created_at)),
