@@ -58,10 +58,21 @@ def children_cpu_s(ppid: int) -> float:
     return sum(cpu_s(pid) for pid in children(ppid))
 
 
+def run_time_s(pid: int) -> float:
+    """The process's own CPU seconds to the nanosecond (``/proc/PID/schedstat``), where
+    ``cpu_s`` would round each of many small processes down to whole clock ticks."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        return 0.0 if stat_fields(pid) is None else cpu_s(pid)
+
+
 def helpers_cpu_s(agent_pid: int) -> float:
     """CPU seconds of a worker agent's live resident spawn helpers (``cairn-spawn``)."""
     return sum(
-        cpu_s(pid) for pid in children(agent_pid) if (comm(pid) or "").startswith("cairn-spawn")
+        run_time_s(pid)
+        for pid in children(agent_pid)
+        if (comm(pid) or "").startswith("cairn-spawn")
     )
 
 
