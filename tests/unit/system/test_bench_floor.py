@@ -43,7 +43,10 @@ def test_the_floor_spawns_the_program_and_reports_its_cost(floor: ModuleType) ->
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the floor is compiled with cc")
 def test_a_failing_program_is_an_error_not_a_floor(floor: ModuleType) -> None:
-    with floor.Runner() as runner, pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
+    with (
+        floor.Runner() as runner,
+        pytest.raises(subprocess.CalledProcessError, match="exit status 3"),
+    ):
         runner.run(["/bin/false"], 2)
 
 
