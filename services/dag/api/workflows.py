@@ -188,8 +188,8 @@ async def start_run(
             )
             renderer = Renderer(dag, context)
             for node in dag.order:
-                if dag.specs[node].approval is not None:
-                    continue  # a gate has no task
+                if dag.specs[node].task is None:
+                    continue  # a gate, or an event node, has no task
                 item = Instance(0, "") if dag.specs[node].map is not None else None
                 renderer.task(node, 1, item)
     if created:
