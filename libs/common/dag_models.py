@@ -568,8 +568,8 @@ class Trigger(_Output):
     params: dict[str, str] | None
     key_path: str | None
     created_at: datetime
-    #: where deliveries go (``POST``, signed)
-    url: str
+    #: where deliveries go on the DAG service (``POST``, signed)
+    path: str
 
 
 class TriggerCreated(Trigger):
