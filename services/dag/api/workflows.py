@@ -12,10 +12,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import ActingOwner, Caller, Person, Visibility
 from libs.common.dag_models import (
+    MAX_HISTORY_RUNS,
+    HistoryCell,
+    HistoryRun,
     Run,
     RunCreate,
     Workflow,
     WorkflowCreate,
+    WorkflowHistory,
     WorkflowList,
     WorkflowName,
 )
@@ -214,3 +218,37 @@ async def start_run(
     else:
         response.status_code = 200
     return store.run_model(row)
+
+
+@router.get("/{name}/history", response_model=WorkflowHistory, responses=PROBLEMS)
+async def history(
+    name: WorkflowName,
+    caller: Person,
+    owner: ActingOwner,
+    db: Db,
+    graphs: GraphCache,
+    limit: Annotated[int, Query(ge=1, le=MAX_HISTORY_RUNS)] = 25,
+    of: WorkflowOwner = None,
+) -> WorkflowHistory:
+    """The workflow's newest ``limit`` runs (at most 100), oldest first, each with every
+    node's state, try and duration: the dashboard's grid of runs by node."""
+    async with db.connect() as conn:
+        whose, who = _whose(caller, owner, of)
+        newest = await store.get_workflow(conn, whose, name, None, who)
+        order = list((await graphs.get(conn, newest.id)).order)
+        runs, nodes = await store.history(conn, whose, name, limit)
+    cells: dict[int, dict[str, HistoryCell]] = {r.id: {} for r in runs}
+    for n in nodes:
+        duration = None if n.duration_s is None else round(float(n.duration_s), 3)
+        cells[n.run_id][n.name] = HistoryCell(
+            state=n.state, try_number=n.try_number, duration_s=duration
+        )
+    older = sorted({n.name for n in nodes} - set(order))
+    return WorkflowHistory(
+        workflow=name,
+        nodes=order + older,
+        runs=[
+            HistoryRun.model_validate({**r._mapping, "nodes": cells[r.id]})
+            for r in reversed(runs)
+        ],
+    )
