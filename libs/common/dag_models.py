@@ -462,6 +462,8 @@ class Node(_Output):
     decided_at: datetime | None = None
     comment: str | None = None
     wait_until: datetime | None = None
+    #: an event node's event (it waits while ``waiting``; its data are its outputs)
+    event: str | None = None
 
 
 class ApprovalDecision(_Input):

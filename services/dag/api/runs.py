@@ -77,6 +77,7 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             decided_at=details[n.name].decided_at,
             comment=details[n.name].comment,
             wait_until=details[n.name].wait_until,
+            event=None if (spec := dag.specs[spec_name].event) is None else spec.name,
         )
 
     found = []
