@@ -149,7 +149,9 @@ class DagClient(ApiClient):
         response = await self._call("GET", f"/v1/runs/{run_id}/graph", params={"format": "mermaid"})
         return response.text
 
-    async def send_event(self, run_id: int, name: str, data: dict[str, Any] | None = None) -> RunEvent:
+    async def send_event(
+        self, run_id: int, name: str, data: dict[str, Any] | None = None
+    ) -> RunEvent:
         """Deliver event ``name`` to the run (kept once; the node waiting for it
         succeeds with ``data`` as its outputs)."""
         body = EventDelivery(data=data or {})

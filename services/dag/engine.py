@@ -590,7 +590,7 @@ class Engine:
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if expanded or gates or waits or any(s is N.READY for s in changed.values()) or outcome is not None:
+        if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow (or a
             # gate's timeout for the loop to wait for).
             self._wake.set()

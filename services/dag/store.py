@@ -295,13 +295,14 @@ async def deliver_event(
 
 
 async def node_waiting_for(conn: AsyncConnection, run_id: int, event: str) -> str | None:
-    return await conn.scalar(
+    name: str | None = await conn.scalar(
         text(
             "SELECT name FROM dag.nodes WHERE run_id = :run AND state = 'waiting'"
             " AND event = :event LIMIT 1"
         ),
         {"run": run_id, "event": event},
     )
+    return name
 
 
 async def wait_for_events(
@@ -368,8 +369,7 @@ async def end_waits(
             "states": [str(ended[n][0]) for n in names],
             "errors": [ended[n][1] for n in names],
             "outputs": [
-                None if ended[n][2] is None else orjson.dumps(ended[n][2]).decode()
-                for n in names
+                None if ended[n][2] is None else orjson.dumps(ended[n][2]).decode() for n in names
             ],
         },
     )
@@ -413,9 +413,7 @@ async def create_trigger(
 async def list_triggers(conn: AsyncConnection, owner: str, workflow: str) -> list[Row[Any]]:
     return list(
         await conn.execute(
-            text(
-                "SELECT * FROM dag.triggers WHERE owner = :owner AND workflow = :wf ORDER BY id"
-            ),
+            text("SELECT * FROM dag.triggers WHERE owner = :owner AND workflow = :wf ORDER BY id"),
             {"owner": owner, "wf": workflow},
         )
     )

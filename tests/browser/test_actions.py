@@ -375,7 +375,11 @@ def test_the_run_history_grid_shows_each_node_by_run_with_its_duration(
     ).fetchall()
     cells = page.locator("#history td.cell")
     shown = [
-        (int(c.get_attribute("data-run-id") or 0), c.get_attribute("data-state"), c.get_attribute("title"))
+        (
+            int(c.get_attribute("data-run-id") or 0),
+            c.get_attribute("data-state"),
+            c.get_attribute("title"),
+        )
         for c in cells.all()
     ]
     assert [(r, s) for r, _, s, _ in held] == [(r, s) for r, s, _ in shown]

@@ -292,7 +292,9 @@ async def reject_node(
 EventNamePath = Annotated[EventName, Path(description="The event's name.")]
 
 
-@router.post("/{run_id}/events/{name}", response_model=RunEvent, status_code=201, responses=PROBLEMS)
+@router.post(
+    "/{run_id}/events/{name}", response_model=RunEvent, status_code=201, responses=PROBLEMS
+)
 async def deliver_event(
     run_id: RunIdPath,
     name: EventNamePath,

@@ -75,7 +75,9 @@ async def create_trigger(
 
 
 @router.get("/v1/workflows/{name}/triggers", response_model=TriggerList, responses=PROBLEMS)
-async def list_triggers(name: WorkflowName, caller: Person, owner: ActingOwner, db: Db) -> TriggerList:
+async def list_triggers(
+    name: WorkflowName, caller: Person, owner: ActingOwner, db: Db
+) -> TriggerList:
     """Your workflow's triggers (never their secrets)."""
     async with db.connect() as conn:
         await store.get_workflow(conn, owner, name)
@@ -83,9 +85,7 @@ async def list_triggers(name: WorkflowName, caller: Person, owner: ActingOwner, 
     return TriggerList(items=[_trigger(r) for r in rows])
 
 
-@router.delete(
-    "/v1/workflows/{name}/triggers/{trigger_id}", status_code=204, responses=PROBLEMS
-)
+@router.delete("/v1/workflows/{name}/triggers/{trigger_id}", status_code=204, responses=PROBLEMS)
 async def delete_trigger(
     name: WorkflowName, trigger_id: TriggerIdPath, caller: Person, owner: ActingOwner, db: Db
 ) -> Response:
@@ -208,7 +208,9 @@ async def fire_trigger(
         raise InvalidInput("body: not JSON") from None
     run_body = _run_body(trigger, payload, _key(trigger, payload, idempotency_key, signature))
     async with db.begin() as conn:
-        row, created = await begin_run(conn, graphs, trigger.owner, trigger.workflow, run_body, None)
+        row, created = await begin_run(
+            conn, graphs, trigger.owner, trigger.workflow, run_body, None
+        )
     if created:
         traces.started(row)
         loop.wake()

@@ -248,7 +248,6 @@ async def history(
         workflow=name,
         nodes=order + older,
         runs=[
-            HistoryRun.model_validate({**r._mapping, "nodes": cells[r.id]})
-            for r in reversed(runs)
+            HistoryRun.model_validate({**r._mapping, "nodes": cells[r.id]}) for r in reversed(runs)
         ],
     )

@@ -129,9 +129,11 @@ def test_an_event_is_signalled_and_a_trigger_made_listed_and_deleted_from_the_cl
     wait = {"name": "wait", "event": {"name": "paid", "timeout_s": 600}, "outputs": {"n": {}}}
     runner.define(workflow("cli-event", [wait], params={"who": "x"}))
     rid = str(runner.start("cli-event")["id"])
-    waiting = lambda: db.execute(  # noqa: E731
-        "SELECT state FROM dag.nodes WHERE run_id = %s", (int(rid),)
-    ).fetchone() == ("waiting",)
+
+    def waiting() -> bool:
+        row = db.execute("SELECT state FROM dag.nodes WHERE run_id = %s", (int(rid),))
+        return row.fetchone() == ("waiting",)
+
     wait_for(waiting, timeout=20, interval=0.05)
     shown = cli.invoke(app, ["dag", "status", rid])
     assert "waits for event paid" in shown.output, shown.output
@@ -140,9 +142,9 @@ def test_an_event_is_signalled_and_a_trigger_made_listed_and_deleted_from_the_cl
     sent = cli.invoke(app, ["dag", "signal", rid, "paid", "--data", '{"n": 3}'])
     assert sent.exit_code == 0 and "node wait" in sent.output, sent.output
     assert runner.wait_end(int(rid))["state"] == "succeeded"
-    assert db.execute("SELECT outputs FROM dag.nodes WHERE run_id = %s", (int(rid),)).fetchone() == (
-        {"n": 3},
-    )
+    assert db.execute(
+        "SELECT outputs FROM dag.nodes WHERE run_id = %s", (int(rid),)
+    ).fetchone() == ({"n": 3},)
 
     made = cli.invoke(
         app, ["dag", "trigger", "create", "cli-event", "--param", "who=user.name", "--json"]
@@ -151,7 +153,9 @@ def test_an_event_is_signalled_and_a_trigger_made_listed_and_deleted_from_the_cl
     trigger = json.loads(made.output)
     assert trigger["secret"] and trigger["params"] == {"who": "user.name"}
     listed = cli.invoke(app, ["dag", "trigger", "list", "cli-event"], env={"COLUMNS": "200"})
-    assert f"/v1/triggers/{trigger['id']}" in listed.output and trigger["secret"] not in listed.output
+    assert (
+        f"/v1/triggers/{trigger['id']}" in listed.output and trigger["secret"] not in listed.output
+    )
     gone = cli.invoke(app, ["dag", "trigger", "delete", "cli-event", str(trigger["id"])])
     assert gone.exit_code == 0, gone.output
     assert db.execute("SELECT count(*) FROM dag.triggers").fetchone() == (0,)

@@ -41,7 +41,9 @@ def test_a_signed_delivery_starts_one_run_per_key(
     dag: DagServer, runner: Runner, db: psycopg.Connection
 ) -> None:
     params = {"region": "eu", "n": 1}
-    runner.define(workflow("ingest", [node("load", args=("ok", "{{ params.region }}"))], params=params))
+    runner.define(
+        workflow("ingest", [node("load", args=("ok", "{{ params.region }}"))], params=params)
+    )
     made = runner.http.post(
         "/v1/workflows/ingest/triggers",
         json={"params": {"region": "where.region", "n": "count"}, "key_path": "order.id"},
@@ -101,7 +103,10 @@ def test_bad_deliveries_are_refused_as_problems(
 
     # Without a key, a replay of the very same signed request is the same run.
     stamp = str(int(time.time()))
-    headers = {"X-Cairn-Timestamp": stamp, "X-Cairn-Signature": "sha256=" + sign(secret, stamp, body)}
+    headers = {
+        "X-Cairn-Timestamp": stamp,
+        "X-Cairn-Signature": "sha256=" + sign(secret, stamp, body),
+    }
     first = httpx.post(dag.url + path, content=body, headers=headers, timeout=10)
     replay = httpx.post(dag.url + path, content=body, headers=headers, timeout=10)
     assert (first.status_code, replay.status_code) == (201, 200), replay.text
