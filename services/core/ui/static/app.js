@@ -598,7 +598,9 @@ const gateComments = new Map();
 
 // An approval gate that waits: approve or reject it, with an optional comment (the
 // DAG service says 403 to someone who is not its approver, 409 once it was decided).
+// An event node only says what it waits for (`cairn dag signal` delivers it).
 function gateActions(run, n, message, refresh) {
+  if (n.event) return n.state === "waiting" ? `waits for event ${n.event}` : "";
   if (n.state !== "waiting" || n.decision) return n.decision ? `${n.decision}d by ${n.decided_by || "its timeout"}${n.comment ? `: ${n.comment}` : ""}` : "";
   const key = `${run.id}/${n.name}`;  // what was typed outlives the page's redraws
   const comment = h("input", { id: `gate-comment-${n.name}`, placeholder: "comment", maxlength: 2000,
@@ -619,7 +621,7 @@ function nodeTable(nodes, gate = () => "") {
   const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
   const outputs = (kept) => kept && Object.keys(kept).length
     ? h("dl", { class: "outputs" }, Object.entries(kept).map(([key, value]) => [h("dt", {}, key), h("dd", {}, shown(value))])) : "—";
-  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval"], nodes.map((n) =>
+  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval or event"], nodes.map((n) =>
     h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
       h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
       h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id) : "—"),
