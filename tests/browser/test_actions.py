@@ -3,7 +3,8 @@
 retried in bulk after a confirmation that shows the dry run's count (a user's own tasks, an
 admin's of every owner), tasks are cancelled in bulk by filter, schedules are paused,
 resumed and triggered, runs cancelled and retried, and a run shows its nodes' outputs and
-mapped instances. Each test checks what the services hold afterwards, not only the page."""
+mapped instances, and a workflow's run history grid shows each node's state and duration by run.
+Each test checks what the services hold afterwards, not only the page."""
 
 from __future__ import annotations
 
@@ -357,6 +358,12 @@ def test_the_run_history_grid_shows_each_node_by_run_with_its_duration(
         ]
         for rid in ids:
             wait_for(lambda r=rid: alice.get(f"/v1/runs/{r}").json()["state"] in ("succeeded", "failed"), 30)  # fmt: skip
+        newest = alice.get("/v1/workflows/grid/history", params={"limit": 1}).json()
+        assert [r["id"] for r in newest["runs"]] == ids[1:]  # the newest N, oldest first
+        too_many = alice.get("/v1/workflows/grid/history", params={"limit": 101})
+        assert too_many.status_code == 422 and "limit" in too_many.text, too_many.text
+    with client(system, system.dag.url, "mallory") as stranger:
+        assert stranger.get("/v1/workflows/grid/history").status_code == 404
     log_in(page, system, "alice")
     page.goto(f"{system.core.url}/ui#/runs/{ids[1]}")
     page.locator("#run-state a", has_text="grid").click()  # the workflow's history
