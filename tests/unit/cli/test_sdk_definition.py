@@ -429,7 +429,7 @@ def test_an_event_node_renders_without_a_task_and_hands_its_data_on() -> None:
     definition = WorkflowCreate.model_validate(wf.to_dict())
     assert definition == wf.render()
     assert graph.build(definition).order == ("invoice", "paid", "ship")
-    with pytest.raises(DefinitionError, match="node 'late'.*timeout_s"):
+    with pytest.raises(DefinitionError, match=r"node 'late'.*timeout_s"):
         WaitForEvent("late", event="e", timeout_s=0)
-    with pytest.raises(DefinitionError, match="node 'bad'.*an event node cannot map"):
+    with pytest.raises(DefinitionError, match=r"node 'bad'.*an event node cannot map"):
         WaitForEvent("bad", event="e", timeout_s=5, extra={"map": {"over": "{{ params.x }}"}})
