@@ -19,7 +19,14 @@ The task fields, ``Artifact``, ``Resources``, ``RetryPolicy`` and the rest are t
 models of ``libs.common``: one definition of each, shared with the services.
 """
 
-from cairn.sdk.definition import DefinitionError, Node, Workflow, chain, render_all
+from cairn.sdk.definition import (
+    DefinitionError,
+    Node,
+    WaitForEvent,
+    Workflow,
+    chain,
+    render_all,
+)
 from cairn.sdk.files import load_file
 from cairn.sdk.refs import (
     FIRE_BACKFILL,
@@ -76,6 +83,7 @@ __all__ = [
     "RunState",
     "SecretRef",
     "TriggerRule",
+    "WaitForEvent",
     "Workflow",
     "apply",
     "chain",

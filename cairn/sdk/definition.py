@@ -162,9 +162,19 @@ class Node:
             "map": {"over": map} if isinstance(map, str) else map,
             **_extra(extra, {"name", "task", "depends_on"}, f"node {name!r}"),
         }
+        self._join(fields, task_name is not None, workflow, depends_on)
+
+    def _join(
+        self,
+        fields: dict[str, Any],
+        named_task: bool,
+        workflow: Workflow | None,
+        depends_on: Iterable[Node],
+    ) -> None:
+        """Check the node's fields, then join its workflow and its upstream nodes."""
         self.spec: NodeSpec = _checked_node({k: v for k, v in fields.items() if v is not None})
         self.name: str = self.spec.name
-        self._named_task = task_name is not None
+        self._named_task = named_task
         self._upstream: dict[int, Node] = {}
         self._downstream: dict[int, Node] = {}
         self.workflow: Workflow | None = None
@@ -232,11 +242,43 @@ class Node:
     def render(self) -> dict[str, Any]:
         """This node as the definition's JSON holds it: the fields that were given."""
         body = self.spec.model_dump(mode="json", exclude_unset=True)
-        if not self._named_task:
+        if not self._named_task and "task" in body:
             del body["task"]["name"]  # the service names the task after the node
         if self._upstream:
             body["depends_on"] = [up.name for up in self._upstream.values()]
         return body
+
+
+class WaitForEvent(Node):
+    """A node that waits for the external event ``event`` instead of running a task
+    (docs/dag.md, "Events"): delivered to its run (``cairn dag signal RUN EVENT``), it
+    succeeds with the event's data as its ``outputs``; after ``timeout_s`` without it,
+    ``on_timeout`` decides (``fail`` or ``succeed``)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        event: str,
+        timeout_s: int,
+        on_timeout: Literal["succeed", "fail"] = "fail",
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        outputs: Sequence[str] | Mapping[str, OutputSpec] | None = None,
+        workflow: Workflow | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        fields: dict[str, Any] = {
+            "name": name,
+            "event": {"name": event, "timeout_s": timeout_s, "on_timeout": on_timeout},
+            "trigger_rule": trigger_rule,
+            "outputs": _declared(outputs),
+            **_extra(extra, {"name", "task", "event", "depends_on"}, f"node {name!r}"),
+        }
+        self._join(fields, False, workflow, depends_on)
+
+    def __repr__(self) -> str:
+        return f"WaitForEvent({self.name!r})"
 
 
 def _extra(extra: Mapping[str, Any] | None, reserved: set[str], what: str) -> dict[str, Any]:

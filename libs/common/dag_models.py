@@ -48,9 +48,27 @@ MAX_APPROVAL_TIMEOUT_S = MAX_RUN_TIMEOUT_S
 MAX_APPROVERS = 100
 #: the longest comment on an approval decision, in characters
 MAX_COMMENT_CHARS = 2000
+#: the longest an event node waits for its event
+MAX_EVENT_TIMEOUT_S = MAX_RUN_TIMEOUT_S
+#: the largest data an event carries (and a trigger's body), as JSON bytes
+MAX_EVENT_BYTES = 64 * 1024
+#: the most triggers one workflow has
+MAX_TRIGGERS = 20
+#: the most runs the history grid shows
+MAX_HISTORY_RUNS = 100
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+]
+EventName = Annotated[
+    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+]
+#: where a value sits in a JSON payload: keys separated by dots (``order.id``)
+PayloadPath = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,9}$"
+    ),
 ]
 WorkflowName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
@@ -258,9 +276,21 @@ class ApprovalSpec(_Input):
     approvers: Approvers | None = None
 
 
+class EventSpec(_Input):
+    """Wait for an external event: when its trigger rule is met the node waits until an
+    event named ``name`` is delivered to its run (``POST /v1/runs/ID/events/NAME``; one
+    delivered earlier counts), and succeeds with the event's data as its outputs (the
+    ``outputs`` it declares, read from the data's keys). After ``timeout_s`` without it,
+    ``on_timeout`` decides: the node succeeds (with no outputs) or fails."""
+
+    name: EventName
+    timeout_s: int = Field(ge=1, le=MAX_EVENT_TIMEOUT_S)
+    on_timeout: Literal["succeed", "fail"] = "fail"
+
+
 class NodeSpec(_Input):
-    """One node of a workflow: its task (or, instead, an ``approval`` gate), what it
-    waits for, and when it may run."""
+    """One node of a workflow: its task (or, instead, an ``approval`` gate or an
+    ``event`` to wait for), what it waits for, and when it may run."""
 
     name: NodeName
     #: (left out of a dump when unset: only an approval gate has none)
@@ -278,10 +308,19 @@ class NodeSpec(_Input):
     )
     #: wait for a person instead of running a task (docs/dag.md, "Approval gates")
     approval: ApprovalSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    #: wait for an external event instead of running a task (docs/dag.md, "Events")
+    event: EventSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _task_or_approval(self) -> NodeSpec:
-        if self.approval is not None:
+        if self.event is not None:
+            if self.task is not None or self.approval is not None:
+                raise ValueError("event: a node has a task, an approval gate or an event")
+            if self.map is not None:
+                raise ValueError("event: an event node cannot map")
+            if any(out.path is not None for out in self.outputs.values()):
+                raise ValueError("event: an event node's outputs come from its data: no path")
+        elif self.approval is not None:
             if self.task is not None:
                 raise ValueError("approval: a node has a task or an approval gate, not both")
             if self.map is not None:
@@ -289,7 +328,7 @@ class NodeSpec(_Input):
             if self.outputs:
                 raise ValueError("approval: an approval gate has no outputs")
         elif self.task is None:
-            raise ValueError("task: a node needs a task (or an approval gate)")
+            raise ValueError("task: a node needs a task (or an approval gate, or an event)")
         return self
 
     @model_validator(mode="before")
@@ -423,6 +462,8 @@ class Node(_Output):
     decided_at: datetime | None = None
     comment: str | None = None
     wait_until: datetime | None = None
+    #: an event node's event (it waits while ``waiting``; its data are its outputs)
+    event: str | None = None
 
 
 class ApprovalDecision(_Input):
@@ -480,3 +521,91 @@ class Graph(_Output):
     nodes: list[GraphNode]
     edges: list[GraphEdge]
     mermaid: str
+
+
+class EventDelivery(_Input):
+    """An external event delivered to a run: ``data`` (an object) becomes the outputs of
+    the node waiting for it."""
+
+    data: dict[Annotated[str, StringConstraints(max_length=64)], Any] = Field(
+        default_factory=dict, max_length=MAX_PARAMS
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> EventDelivery:
+        import json
+
+        if len(json.dumps(self.data)) > MAX_EVENT_BYTES:
+            raise ValueError(f"data must be at most {MAX_EVENT_BYTES} bytes as JSON")
+        return self
+
+
+class RunEvent(_Output):
+    """An event as the run keeps it (once per name)."""
+
+    run_id: int
+    name: str
+    data: dict[str, Any]
+    sent_by: str
+    created_at: datetime
+    #: the node waiting for it when it came (None: kept until one waits)
+    node: str | None = None
+
+
+class TriggerCreate(_Input):
+    """A signed HTTP trigger of a workflow: each delivery starts a run of its newest
+    version. Its params come from ``params`` (run parameter name -> dotted path into the
+    JSON payload) or, without a mapping, from the payload's ``params`` object.
+    ``key_path`` names the payload's idempotency key (an ``Idempotency-Key`` header
+    also counts)."""
+
+    params: dict[ParamName, PayloadPath] | None = Field(default=None, max_length=MAX_PARAMS)
+    key_path: PayloadPath | None = None
+
+
+class Trigger(_Output):
+    id: int
+    owner: str
+    workflow: str
+    params: dict[str, str] | None
+    key_path: str | None
+    created_at: datetime
+    #: where deliveries go on the DAG service (``POST``, signed)
+    path: str
+
+
+class TriggerCreated(Trigger):
+    """A new trigger, with its secret: shown once, never again."""
+
+    secret: str
+
+
+class TriggerList(_Output):
+    items: list[Trigger]
+
+
+class HistoryCell(_Output):
+    state: NodeState
+    try_number: int
+    #: from its rule being met to its end (or now, while open); None before it started
+    duration_s: float | None
+
+
+class HistoryRun(_Output):
+    id: int
+    state: RunState
+    workflow_version: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    #: node name -> its cell (a node the run's version lacks has none)
+    nodes: dict[str, HistoryCell]
+
+
+class WorkflowHistory(_Output):
+    """A workflow's recent runs, oldest first, by node: ``nodes`` in the newest
+    version's order, then nodes only older versions had."""
+
+    workflow: str
+    nodes: list[str]
+    runs: list[HistoryRun]

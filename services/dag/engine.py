@@ -384,10 +384,34 @@ class Engine:
                     and (approval := dag.specs[n.name].approval) is not None
                 }
                 await store.time_out_gates(conn, run_id, defaults)
-                if await store.apply_decisions(conn, run_id):
+                waited = await self._end_waits(conn, dag, run_id)
+                if await store.apply_decisions(conn, run_id) or waited:
                     log.info("run %s: approval gates decided", run_id, extra={"run_id": run_id})
                     await self._settle(conn, run, await store.nodes_of(conn, [run_id], lock=True))
         await self._tell_failed()
+
+    async def _end_waits(self, conn: AsyncConnection, dag: graph.Dag, run_id: int) -> int:
+        """End the run's event nodes whose event came (they succeed with its data as
+        their outputs) or whose wait is over (their ``on_timeout``); under the run's lock.
+        How many ended."""
+        ended: dict[str, tuple[NodeState, str | None, dict[str, Any] | None]] = {}
+        for row in await store.event_waits(conn, run_id):
+            spec = dag.specs[row.name]
+            if spec.event is None:
+                continue
+            if row.data is not None:
+                kept, why = data.kept_outputs(spec, row.data, {})
+                ended[row.name] = (N.FAILED if why else N.SUCCEEDED, why, kept)
+            elif row.due:
+                on = spec.event.on_timeout
+                why = f"no event '{spec.event.name}' within {spec.event.timeout_s} s"
+                ended[row.name] = (
+                    (N.SUCCEEDED, None, None) if on == "succeed" else (N.FAILED, why, None)
+                )
+        done = await store.end_waits(conn, run_id, ended)
+        if done:
+            log.info("run %s: event nodes %s ended", run_id, done, extra={"run_id": run_id})
+        return len(done)
 
     # --- applying the feed -----------------------------------------------------------------
 
@@ -547,19 +571,26 @@ class Engine:
             and name in dag.specs
             and (approval := dag.specs[name].approval) is not None
         }
-        for name in gates:
+        # So does an event node, for its event.
+        waits = {
+            name: (event.name, event.timeout_s)
+            for name, state in changed.items()
+            if state is N.READY and name in dag.specs and (event := dag.specs[name].event)
+        }
+        for name in [*gates, *waits]:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
             conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
         await store.start_waiting(conn, run.id, gates)
+        await store.wait_for_events(conn, run.id, waits)
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if expanded or gates or any(s is N.READY for s in changed.values()) or outcome is not None:
+        if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow (or a
             # gate's timeout for the loop to wait for).
             self._wake.set()
