@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 
 from prometheus_client.core import Metric
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.metrics import Metrics, gauge_family
 from libs.common.states import ATTEMPT_OUTCOMES, FINAL, TaskState
-from services.core.db import stats
+from services.core.db import accounting, stats
 from services.core.db.attempts import Tally
 
 
@@ -79,6 +80,7 @@ class CoreMetrics:
         m.read_at_scrape(read_workers)
         m.read_at_scrape(read_queue_workers)
         m.read_at_scrape(read_quotas)
+        m.read_at_scrape(read_usage)
 
     def lead(self, leading: Callable[[], bool]) -> None:
         """Whether this replica runs core's singleton loops (``loops.Leadership``)."""
@@ -177,3 +179,34 @@ async def read_quotas(conn: AsyncConnection) -> list[Metric]:
     return [
         gauge_family("cairn_owners_at_quota", "Owners at a quota now, by quota", ["quota"], values)
     ]
+
+
+async def read_usage(conn: AsyncConnection) -> list[Metric]:
+    """The current month's accounting per queue (docs/sharing.md, "Usage"); owners and
+    teams only through the API (a label per owner would be unbounded)."""
+    month = datetime.now(UTC).date().replace(day=1)
+    rows = await accounting.accounts(conn, month, "queue", MAX_USAGE_QUEUES)
+
+    def family(name: str, doc: str, column: str) -> Metric:
+        values = [((r.key,), float(getattr(r, column))) for r in rows]
+        return gauge_family(name, doc, ["queue"], values)
+
+    return [
+        family("cairn_usage_attempts", "Attempts ended this month (UTC) per queue", "attempts"),
+        family("cairn_usage_cpu_seconds", "CPU seconds used this month per queue", "cpu_s"),
+        family(
+            "cairn_usage_cpu_reserved_seconds",
+            "Core-seconds reserved this month per queue (charge times wall time)",
+            "cpu_reserved_s",
+        ),
+        family(
+            "cairn_usage_memory_reserved_mb_seconds",
+            "MB-seconds of memory reserved this month per queue",
+            "memory_mb_s",
+        ),
+    ]
+
+
+#: the most queues the usage gauges list (the largest reservations first)
+MAX_USAGE_QUEUES = 200
+

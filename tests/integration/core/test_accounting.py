@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from services.core.db import accounting
+from tests.integration.system.test_metrics import scrape, value
 from tests.support import Core, TurnWorker, cli_as, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -119,6 +120,13 @@ def test_the_months_sums_are_the_attempts_own_figures_counted_once(core: Core, d
     assert _accounts(core, "bob", "team") == {}
     assert _accounts(core, "alice", "team") == _expected(db, "team")
     assert _accounts(core, "bob", "queue")["default"]["attempts"] == 1
+    # The month per queue in Prometheus (no label per owner).
+    queues = _expected(db, "queue")["default"]
+    samples = scrape(core.url)
+    assert value(samples, "cairn_usage_attempts", queue="default") == 4
+    assert value(samples, "cairn_usage_cpu_seconds", queue="default") == queues["cpu_s"]
+    reserved = value(samples, "cairn_usage_cpu_reserved_seconds", queue="default")
+    assert reserved == pytest.approx(queues["cpu_reserved_s"], abs=1e-3)
 
 
 def test_a_page_is_counted_once_whatever_passes_run(core: Core, db: DB) -> None:
