@@ -209,4 +209,3 @@ async def read_usage(conn: AsyncConnection) -> list[Metric]:
 
 #: the most queues the usage gauges list (the largest reservations first)
 MAX_USAGE_QUEUES = 200
-
