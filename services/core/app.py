@@ -16,6 +16,7 @@ from services.core.api import (
     audit,
     events,
     fencing,
+    login,
     principals,
     queues,
     secrets,
@@ -32,7 +33,9 @@ from services.core.db import sharing
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
+from services.core.identity.signin import ProviderClient
 from services.core.objects import LogObjects
+from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
 from services.core.ops.metrics import CoreMetrics
@@ -93,12 +96,16 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             neither the cached principals nor the team claims they vouched for."""
             app.state.tokens.evict_jwts()
             gone = await teams_ops.forget_claims(engine, kids)
+            ended = await login_ops.forget_sessions(engine, kids)
+            if ended:
+                log.info("ended %d sessions signed in with withdrawn keys", ended)
             if gone:
                 log.info("forgot %d team claims vouched for by withdrawn keys", gone)
 
         if settings.oidc_enabled:
             oidc = OidcVerifier(settings, on_withdrawn=withdrawn)
         app.state.oidc = oidc
+        app.state.signin = ProviderClient(settings) if settings.signin_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
@@ -153,6 +160,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         usage,
         sharing_api,
         principals,
+        login,
         tokens,
         teams,
         secrets,

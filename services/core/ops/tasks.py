@@ -40,7 +40,12 @@ async def check_owner(
     itself, the teams the owner holds without a token (``teams.teams_of``) when a service
     submits for it."""
     if owner != principal.name:
-        owner_teams = await teams.teams_of(conn, owner)
+        # A service acting for the owner (a cron fire, a DAG node) or a teammate's retry:
+        # a claim a verified token made lately stands, and the lease of what is
+        # submitted under it is honoured while it does.
+        owner_teams = await teams.standing_teams(conn, owner)
+        wanted = secrets.teams_used(spec) | ({spec.team} if spec.team else set())
+        await teams.stand_for(conn, owner, wanted & owner_teams)
     else:
         owner_teams = principal.teams
         if principal.id is None and principal.claims_until is not None:
