@@ -5,15 +5,29 @@ device flow is in tests/integration/cli/test_login.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
-from tests.fixtures.idp import Idp, available, form, start_idp
+from cairn.cli import app
+from libs.common import signin as signin_lib
+from libs.common.client import ON_BEHALF_OF
+from tests.fixtures.cron import start_cron
+from tests.fixtures.idp import Idp, approve_device, available, form, start_idp
 from tests.support import Core, free_port, spec, start_core
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -146,3 +160,113 @@ def test_a_bad_or_refused_sign_in_is_a_clear_4xx(signin: tuple[Idp, Core], db: A
         # Somewhere else than the dashboard to return to is refused before anything starts.
         away = browser.get(f"{core.url}/v1/login/start", params={"next": "https://evil.test/"})
         assert away.status_code == 422 and "next" in away.text
+
+
+def _cairn(env: dict[str, str], *args: str) -> Result:
+    """The real CLI, in this process, with ``env``'s CAIRN_* variables only."""
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("CAIRN_")}
+    return CliRunner().invoke(app, list(args), env={**unset, **env})
+
+
+def _login(env: dict[str, str], account: str) -> str:
+    """``cairn login`` as a person runs it: the CLI shows a URL and a code, the person
+    approves at the provider (its pages driven over HTTP), the CLI's poll gets the tokens."""
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "cairn", "login", "--poll-interval", "0.1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert cli.stdout is not None
+    first = cli.stdout.readline()
+    shown = re.search(r"Open (\S+) and enter the code (\S+)", first)
+    assert shown is not None, first + cli.stderr.read() if cli.stderr else first
+    approve_device(shown[1], shown[2], account)
+    out, err = cli.communicate(timeout=30)
+    assert cli.returncode == 0, err
+    return out
+
+
+def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
+    signin: tuple[Idp, Core], tmp_path: Path, db: Any
+) -> None:
+    """The device flow end to end with the real CLI against real core; then alice's
+    team, which only the provider's groups claim gives her, fires her team's schedule
+    through cron with no token of hers at hand."""
+    idp, core = signin
+    with core.client("root", "admin") as root:
+        assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
+    conf = tmp_path / "cli" / "config.toml"
+    conf.parent.mkdir()
+    conf.write_text('url = "%s"\n' % core.url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAIRN_")}
+    env |= {"CAIRN_CONFIG": str(conf), "CAIRN_HOME": str(tmp_path / "cli"), "COLUMNS": "200"}
+
+    assert "signed in as alice (user)" in _login(env, "alice")
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    kept = tomllib.loads(conf.read_text())
+    assert kept["url"] == core.url and kept["login"]["issuer"] == idp.issuer
+    who = json.loads(_cairn(env, "whoami", "--json").stdout)
+    assert who["name"] == "alice" and who["teams"] == ["sre"]
+    [sre] = who["team_sources"]
+    assert sre["sources"] == ["claim"] and sre["standing_until"] is not None
+    shown = _cairn(env, "whoami").stdout
+    assert "sre" in shown and "claim" in shown
+
+    # A minute before the ID token expires, the CLI refreshes it (and keeps the new one).
+    soon = datetime.now(UTC) + timedelta(seconds=30)
+    conf.write_text(conf.read_text().replace(kept["login"]["expires_at"], soon.isoformat()))
+    assert json.loads(_cairn(env, "whoami", "--json").stdout)["name"] == "alice"
+    fresh = tomllib.loads(conf.read_text())["login"]
+    assert fresh["id_token"] != kept["login"]["id_token"]
+    assert fresh["refresh_token"] != kept["login"]["refresh_token"]  # rotated by the provider
+    assert datetime.fromisoformat(fresh["expires_at"]) > soon + timedelta(minutes=30)
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+
+    # alice's team owns a schedule; its fire acts for her with no token of hers: the claim
+    # seen in her last token stands for it (CAIRN_OIDC_CLAIM_SEEN_S), and for no longer.
+    cron = start_cron(core, tmp_path / "cron")
+    try:
+        bearer = {"Authorization": f"Bearer {fresh['id_token']}"}
+        with httpx.Client(base_url=cron.url, headers=bearer, timeout=10) as alice:
+            body = {
+                "name": "sre-nightly",
+                "expression": "30 2 * * *",
+                "team": "sre",
+                "target": {"kind": "task", "task": spec()},
+            }
+            made = alice.post("/v1/schedules", json=body)
+            assert made.status_code == 201, made.text
+            fired = alice.post(f"/v1/schedules/{made.json()['id']}/trigger").json()
+            assert fired["outcome"] == "submitted", fired
+            assert db.execute(
+                "SELECT owner, team FROM core.tasks WHERE id = %s", (fired["task_id"],)
+            ).fetchone() == ("alice", "sre")
+            db.execute(
+                "UPDATE core.team_claims SET until = now() - interval '1 s',"
+                " standing_until = now() - interval '1 s'"
+            )
+        # A fire after the claim lapsed (what cron sends for a schedule's time, with no
+        # token of alice's to renew it; a trigger by alice would renew it): refused.
+        with core.client("scheduler", "service") as service:
+            late = service.post(
+                "/v1/tasks", json=spec(team="sre"), headers={ON_BEHALF_OF: "alice"}
+            )
+        assert late.status_code == 403
+        assert "'alice' is not a member of team 'sre'" in late.json()["detail"]
+    finally:
+        cron.stop()
+
+    # The refresh token revoked and the ID token run out: the CLI says so, core says 401.
+    with httpx.Client(timeout=10) as http:
+        signin_lib.revoke(http, f"{idp.issuer}/token/revocation", "cairn", fresh["refresh_token"])
+    past = datetime.now(UTC) - timedelta(seconds=5)
+    conf.write_text(conf.read_text().replace(fresh["expires_at"], past.isoformat()))
+    ended = _cairn(env, "whoami")
+    assert ended.exit_code == 1 and "run `cairn login`" in ended.stderr and "401" in ended.stderr
+
+    out = _cairn(env, "logout")
+    assert out.exit_code == 0 and "signed out" in out.stdout
+    assert "login" not in tomllib.loads(conf.read_text()) and "url" in conf.read_text()
+    assert _cairn(env, "logout").stdout.strip() == "not signed in"
