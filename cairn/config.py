@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,

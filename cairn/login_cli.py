@@ -64,8 +64,10 @@ def login(
         raise typer.Exit(1) from None
     config.save_login(found.issuer, found.client_id, provider, tokens)
     if settings.token:
-        output.errors.print("cairn: note: a token is configured too (CAIRN_TOKEN, --token or"
-                            " the config file's token), and it is what is sent")
+        output.errors.print(
+            "cairn: note: a token is configured too (CAIRN_TOKEN, --token or"
+            " the config file's token), and it is what is sent"
+        )
     who = _whoami(settings.url, tokens.id_token)
     output.console.print(
         f"signed in as {output.safe(who.name)} ({who.role}); kept in {config.config_path()}",

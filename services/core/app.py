@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import database, health, metrics, pages, problems
 from libs.common.limits import BodyLimit
@@ -56,6 +57,21 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
     return SecretBox(keys)
 
 
+def _forget_withdrawn(app: FastAPI, engine: AsyncEngine) -> Callable[[list[str]], Awaitable[None]]:
+    async def withdrawn(kids: list[str]) -> None:
+        """The provider withdrew keys: what their tokens proved is not trusted either:
+        the cached principals, the team claims they vouched for, the sessions they began."""
+        app.state.tokens.evict_jwts()
+        gone = await teams_ops.forget_claims(engine, kids)
+        if gone:
+            log.info("forgot %d team claims vouched for by withdrawn keys", gone)
+        ended = await login_ops.forget_sessions(engine, kids)
+        if ended:
+            log.info("ended %d sessions signed in with withdrawn keys", ended)
+
+    return withdrawn
+
+
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
     """The API over ``database_url``, whose schema must already be migrated; the notifier
     LISTENs on ``settings.direct_url(database_url)`` (a pooler carries no LISTEN)."""
@@ -90,20 +106,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         oidc = None
-
-        async def withdrawn(kids: list[str]) -> None:
-            """The provider withdrew keys: what their tokens proved is not trusted either,
-            neither the cached principals nor the team claims they vouched for."""
-            app.state.tokens.evict_jwts()
-            gone = await teams_ops.forget_claims(engine, kids)
-            ended = await login_ops.forget_sessions(engine, kids)
-            if ended:
-                log.info("ended %d sessions signed in with withdrawn keys", ended)
-            if gone:
-                log.info("forgot %d team claims vouched for by withdrawn keys", gone)
-
         if settings.oidc_enabled:
-            oidc = OidcVerifier(settings, on_withdrawn=withdrawn)
+            oidc = OidcVerifier(settings, on_withdrawn=_forget_withdrawn(app, engine))
         app.state.oidc = oidc
         app.state.signin = ProviderClient(settings) if settings.signin_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)

@@ -36,7 +36,9 @@ def signin_core(db_url: str, tmp_path: Path) -> Iterator[Core]:
 def task(signin_core: Core) -> dict[str, Any]:
     """alice's task, made through the API before the browser starts; it waits (run_at)."""
     with signin_core.client("alice") as alice:
-        made: dict[str, Any] = alice.post("/v1/tasks", json=spec(run_at="2099-01-01T00:00:00Z")).json()
+        made: dict[str, Any] = alice.post(
+            "/v1/tasks", json=spec(run_at="2099-01-01T00:00:00Z")
+        ).json()
     return made
 
 
@@ -77,9 +79,9 @@ def test_a_person_signs_in_at_the_provider_acts_and_signs_out(
     page.goto(f"{core.url}/ui#/tasks/{task['id']}")
     page.click("#cancel")
     expect(page.locator("#task-state [data-state='cancelled']")).to_be_visible()
-    assert db.execute(
-        "SELECT state FROM core.tasks WHERE id = %s", (task["id"],)
-    ).fetchone() == ("cancelled",)
+    assert db.execute("SELECT state FROM core.tasks WHERE id = %s", (task["id"],)).fetchone() == (
+        "cancelled",
+    )
 
     page.click("#logout")
     expect(page.locator("#signin")).to_be_visible()

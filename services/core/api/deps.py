@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
-from services.core.db import tasks as tasks_db
 from services.core.db import login as login_db
+from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier

@@ -55,7 +55,9 @@ def _redirect_uri(settings: CoreSettings) -> str:
     return settings.url.rstrip("/") + CALLBACK
 
 
-def _cookie(response: Response, settings: CoreSettings, name: str, value: str, **kw: object) -> None:
+def _cookie(
+    response: Response, settings: CoreSettings, name: str, value: str, **kw: object
+) -> None:
     response.set_cookie(
         name,
         value,
@@ -80,8 +82,13 @@ async def login_start(request: Request, engine: Engine, next: NextPath = "/ui/")
     started = await login_ops.start(engine, client, _redirect_uri(settings), next)
     response = RedirectResponse(started.location, status_code=303)
     _cookie(
-        response, settings, STATE_COOKIE, started.state,
-        httponly=True, max_age=FLOW_MAX_S, path="/v1/login",
+        response,
+        settings,
+        STATE_COOKIE,
+        started.state,
+        httponly=True,
+        max_age=FLOW_MAX_S,
+        path="/v1/login",
     )
     return response
 

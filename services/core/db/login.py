@@ -39,7 +39,9 @@ class Session:
     expires_at: datetime
 
 
-async def start_flow(conn: AsyncConnection, state: str, verifier: str, nonce: str, next_: str) -> None:
+async def start_flow(
+    conn: AsyncConnection, state: str, verifier: str, nonce: str, next_: str
+) -> None:
     """Keep a flow until its state comes back; flows older than ``FLOW_MAX_S`` go."""
     await conn.execute(
         delete(login_flows).where(

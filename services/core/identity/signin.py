@@ -33,9 +33,7 @@ class ProviderClient:
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         try:
-            async with httpx.AsyncClient(
-                timeout=signin.TIMEOUT, transport=self._transport
-            ) as http:
+            async with httpx.AsyncClient(timeout=signin.TIMEOUT, transport=self._transport) as http:
                 return await http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:
             raise Unavailable(f"the identity provider cannot be reached ({exc})") from None

@@ -46,7 +46,9 @@ class Started:
     state: str
 
 
-async def start(engine: AsyncEngine, client: ProviderClient, redirect_uri: str, next_: str) -> Started:
+async def start(
+    engine: AsyncEngine, client: ProviderClient, redirect_uri: str, next_: str
+) -> Started:
     """Begin an authorization-code flow with PKCE (S256) and a nonce."""
     provider = await client.provider()
     state, nonce = secrets.token_urlsafe(32), secrets.token_urlsafe(32)

@@ -199,7 +199,7 @@ def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
         assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
     conf = tmp_path / "cli" / "config.toml"
     conf.parent.mkdir()
-    conf.write_text('url = "%s"\n' % core.url)
+    conf.write_text(f'url = "{core.url}"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAIRN_")}
     env |= {"CAIRN_CONFIG": str(conf), "CAIRN_HOME": str(tmp_path / "cli"), "COLUMNS": "200"}
 
@@ -250,9 +250,7 @@ def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
         # A fire after the claim lapsed (what cron sends for a schedule's time, with no
         # token of alice's to renew it; a trigger by alice would renew it): refused.
         with core.client("scheduler", "service") as service:
-            late = service.post(
-                "/v1/tasks", json=spec(team="sre"), headers={ON_BEHALF_OF: "alice"}
-            )
+            late = service.post("/v1/tasks", json=spec(team="sre"), headers={ON_BEHALF_OF: "alice"})
         assert late.status_code == 403
         assert "'alice' is not a member of team 'sre'" in late.json()["detail"]
     finally:
