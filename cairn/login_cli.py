@@ -50,9 +50,10 @@ def login(
             provider = signin.discover(http, found.issuer)
             device = signin.start_device(http, provider, found.client_id, found.scopes)
             where = device.verification_uri_complete or device.verification_uri
+            # What the provider said is shown as text: it can neither style nor move.
             output.console.print(
-                f"Open {device.verification_uri} and enter the code {device.user_code}\n"
-                f"  (or open {where})",
+                f"Open {output.safe(device.verification_uri)} and enter the code"
+                f" {output.safe(device.user_code)}\n  (or open {output.safe(where)})",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -87,7 +88,9 @@ def logout() -> None:
             with httpx.Client(timeout=signin.TIMEOUT) as http:
                 signin.revoke(http, endpoint, gone["client_id"], token)
         except CairnError as exc:
-            output.errors.print(f"cairn: the provider did not revoke the token ({exc.detail})")
+            output.errors.print(
+                f"cairn: the provider did not revoke the token ({output.safe(exc.detail)})"
+            )
     output.console.print("signed out")
 
 

@@ -37,8 +37,9 @@ async def check_owner(
     conn: AsyncConnection, principal: Principal, owner: str, spec: secrets.Asks, field: str = ""
 ) -> None:
     """The owner's right to its team and secrets: the caller's teams when it submits for
-    itself, the teams the owner holds without a token (``teams.teams_of``) when a service
-    submits for it."""
+    itself; when a service submits for it (or a teammate retries its task), the teams the
+    owner holds without a token: recorded, or claimed by a verified token of theirs that
+    still stands (``teams.standing_teams``)."""
     if owner != principal.name:
         # A service acting for the owner (a cron fire, a DAG node) or a teammate's retry:
         # a claim a verified token made lately stands, and the lease of what is
