@@ -27,8 +27,9 @@ from cairn.cli import app
 from libs.common import signin as signin_lib
 from libs.common.client import ON_BEHALF_OF
 from tests.fixtures.cron import start_cron
+from tests.fixtures.dag import start_dag
 from tests.fixtures.idp import Idp, approve_device, available, form, start_idp
-from tests.support import Core, free_port, spec, start_core
+from tests.support import Core, free_port, spec, start_core, wait_for
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -192,8 +193,9 @@ def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
     signin: tuple[Idp, Core], tmp_path: Path, db: Any
 ) -> None:
     """The device flow end to end with the real CLI against real core; then alice's
-    team, which only the provider's groups claim gives her, fires her team's schedule
-    through cron with no token of hers at hand."""
+    team, which only the provider's groups claim gives her, runs her team's workflow
+    node and fires her team's schedule (dag and cron submit for her, with no token of
+    hers), until the claim lapses."""
     idp, core = signin
     with core.client("root", "admin") as root:
         assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
@@ -219,16 +221,24 @@ def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
     conf.write_text(conf.read_text().replace(kept["login"]["expires_at"], soon.isoformat()))
     assert json.loads(_cairn(env, "whoami", "--json").stdout)["name"] == "alice"
     fresh = tomllib.loads(conf.read_text())["login"]
-    assert fresh["id_token"] != kept["login"]["id_token"]
+    # (the ID token itself may be the same bytes when it is made within the same second)
     assert fresh["refresh_token"] != kept["login"]["refresh_token"]  # rotated by the provider
     assert datetime.fromisoformat(fresh["expires_at"]) > soon + timedelta(minutes=30)
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
 
     # alice's team owns a schedule; its fire acts for her with no token of hers: the claim
     # seen in her last token stands for it (CAIRN_OIDC_CLAIM_SEEN_S), and for no longer.
-    cron = start_cron(core, tmp_path / "cron")
+    cron, dag = start_cron(core, tmp_path / "cron"), start_dag(core, tmp_path / "dag")
     try:
         bearer = {"Authorization": f"Bearer {fresh['id_token']}"}
+        with httpx.Client(base_url=dag.url, headers=bearer, timeout=10) as alice:
+            flow = {"name": "etl", "team": "sre", "nodes": [{"name": "x", "task": spec()}]}
+            assert alice.post("/v1/workflows", json=flow).status_code == 201
+            run = alice.post("/v1/workflows/etl/runs", json={})
+            assert run.status_code == 201, run.text
+            node_task = "SELECT owner, team FROM core.tasks WHERE labels->>'cairn.dag/run' = %s"
+            found = wait_for(lambda: db.execute(node_task, (str(run.json()["id"]),)).fetchone())
+            assert found == ("alice", "sre")
         with httpx.Client(base_url=cron.url, headers=bearer, timeout=10) as alice:
             body = {
                 "name": "sre-nightly",
@@ -243,18 +253,29 @@ def test_cairn_login_keeps_refreshes_and_forgets_the_providers_tokens(
             assert db.execute(
                 "SELECT owner, team FROM core.tasks WHERE id = %s", (fired["task_id"],)
             ).fetchone() == ("alice", "sre")
+        # Later, alice's token has expired (backdated, as the clock would): a fire for her
+        # (what cron and dag send, with no token of hers) stands on her last seen claim,
+        # and the lease of what it submits is kept as long; past CAIRN_OIDC_CLAIM_SEEN_S
+        # the claim has lapsed and the fire is refused.
+        db.execute("UPDATE core.team_claims SET until = now() - interval '1 s'")
+        for_alice = {ON_BEHALF_OF: "alice"}
+        with core.client("scheduler", "service") as service:
+            fire = service.post("/v1/tasks", json=spec(team="sre"), headers=for_alice)
+            assert fire.status_code == 201, fire.text
+            assert db.execute(
+                "SELECT until = standing_until AND until > now() + interval '6 days'"
+                " FROM core.team_claims WHERE member = 'alice'"
+            ).fetchone() == (True,)
             db.execute(
                 "UPDATE core.team_claims SET until = now() - interval '1 s',"
                 " standing_until = now() - interval '1 s'"
             )
-        # A fire after the claim lapsed (what cron sends for a schedule's time, with no
-        # token of alice's to renew it; a trigger by alice would renew it): refused.
-        with core.client("scheduler", "service") as service:
-            late = service.post("/v1/tasks", json=spec(team="sre"), headers={ON_BEHALF_OF: "alice"})
+            late = service.post("/v1/tasks", json=spec(team="sre"), headers=for_alice)
         assert late.status_code == 403
         assert "'alice' is not a member of team 'sre'" in late.json()["detail"]
     finally:
         cron.stop()
+        dag.stop()
 
     # The refresh token revoked and the ID token run out: the CLI says so, core says 401.
     with httpx.Client(timeout=10) as http:
