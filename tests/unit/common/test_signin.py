@@ -91,6 +91,8 @@ def test_a_denied_device_code_ends_the_poll_with_a_401() -> None:
         return httpx.Response(400, json={"error": "access_denied"})
 
     device = signin.DeviceCode("dc", "ABCD-EFGH", f"{ISSUER}/device", None, 0.0, 600)
-    with httpx.Client(transport=httpx.MockTransport(provider)) as http:
-        with pytest.raises(Unauthorized, match="access_denied"):
-            signin.poll_device(http, PROVIDER, "cairn", device, sleep=lambda _: None)
+    with (
+        httpx.Client(transport=httpx.MockTransport(provider)) as http,
+        pytest.raises(Unauthorized, match="access_denied"),
+    ):
+        signin.poll_device(http, PROVIDER, "cairn", device, sleep=lambda _: None)
