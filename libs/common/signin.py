@@ -106,7 +106,8 @@ def challenge_of(verifier: str) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
 
-def _json(answer: httpx.Response) -> dict[str, Any]:
+def json_of(answer: httpx.Response) -> dict[str, Any]:
+    """The JSON object a provider answered; ``Unavailable`` for anything else."""
     if len(answer.content) > MAX_DOCUMENT_BYTES:
         raise Unavailable("the provider's answer is too large")
     try:
@@ -128,7 +129,7 @@ def refusal(body: dict[str, Any]) -> str:
 def tokens_of(answer: httpx.Response) -> Tokens:
     """The tokens of a successful grant; ``Unauthorized`` with the provider's error for
     a refused one."""
-    body = _json(answer)
+    body = json_of(answer)
     if answer.status_code >= 400 or "error" in body:
         raise Unauthorized(f"the identity provider refused: {refusal(body)}")
     id_token = body.get("id_token")
@@ -156,7 +157,7 @@ def discover(http: httpx.Client, issuer: str) -> Provider:
     answer = _call(http, "GET", discovery_url(issuer))
     if answer.status_code != 200:
         raise Unavailable(f"the provider's discovery document answered {answer.status_code}")
-    return provider_of(_json(answer), issuer)
+    return provider_of(json_of(answer), issuer)
 
 
 def start_device(http: httpx.Client, provider: Provider, client_id: str, scopes: str) -> DeviceCode:
@@ -169,7 +170,7 @@ def start_device(http: httpx.Client, provider: Provider, client_id: str, scopes:
         provider.device_authorization_endpoint,
         data={"client_id": client_id, "scope": scopes},
     )
-    body = _json(answer)
+    body = json_of(answer)
     if answer.status_code >= 400:
         raise Unauthorized(f"the identity provider refused: {refusal(body)}")
     try:
@@ -204,7 +205,7 @@ def poll_device(
         answer = _call(http, "POST", provider.token_endpoint, data=form)
         if answer.status_code < 400:
             return tokens_of(answer)
-        error = _json(answer).get("error")
+        error = json_of(answer).get("error")
         if error == "slow_down":
             wait += 5.0
         elif error != "authorization_pending":

@@ -17,7 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
-from services.core.db import login as login_db
 from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
@@ -176,7 +175,7 @@ async def _from_session(request: Request, engine: AsyncEngine, session: str) -> 
     request.state.via_session = True
     if request.method not in SAFE_METHODS:
         sent = request.headers.get(CSRF_HEADER, "")
-        if not sent or not hmac.compare_digest(login_db.digest(sent[:200]), csrf_hash):
+        if not sent or not hmac.compare_digest(workers_db.lease_digest(sent[:200]), csrf_hash):
             raise Forbidden(
                 f"a call with the session cookie that changes something needs the "
                 f"{CSRF_HEADER} header (the {CSRF_COOKIE} cookie's value)"

@@ -4,7 +4,6 @@ signs no one in."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -13,13 +12,10 @@ from sqlalchemy import delete, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.core.db.tables import login_flows, sessions
+from services.core.db.workers import lease_digest
 
 #: how long a sign-in may take at the provider
 FLOW_MAX_S = 600
-
-
-def digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ async def start_flow(
     )
     await conn.execute(
         insert(login_flows).values(
-            state_hash=digest(state), verifier=verifier, nonce=nonce, next=next_
+            state_hash=lease_digest(state), verifier=verifier, nonce=nonce, next=next_
         )
     )
 
@@ -60,7 +56,7 @@ async def take_flow(conn: AsyncConnection, state: str) -> Flow | None:
     row = (
         await conn.execute(
             delete(login_flows)
-            .where(login_flows.c.state_hash == digest(state))
+            .where(login_flows.c.state_hash == lease_digest(state))
             .returning(
                 login_flows.c.verifier,
                 login_flows.c.nonce,
@@ -90,8 +86,8 @@ async def create_session(
         await conn.execute(
             insert(sessions)
             .values(
-                id_hash=digest(session_id),
-                csrf_hash=digest(csrf),
+                id_hash=lease_digest(session_id),
+                csrf_hash=lease_digest(csrf),
                 principal=principal,
                 role=role,
                 teams=sorted(teams),
@@ -120,7 +116,7 @@ async def get_session(conn: AsyncConnection, session_id: str) -> Session | None:
     row = (
         await conn.execute(
             select(sessions).where(
-                sessions.c.id_hash == digest(session_id), sessions.c.expires_at > func.now()
+                sessions.c.id_hash == lease_digest(session_id), sessions.c.expires_at > func.now()
             )
         )
     ).first()
@@ -128,7 +124,9 @@ async def get_session(conn: AsyncConnection, session_id: str) -> Session | None:
 
 
 async def end_session(conn: AsyncConnection, session_id: str) -> bool:
-    gone = await conn.execute(delete(sessions).where(sessions.c.id_hash == digest(session_id)))
+    gone = await conn.execute(
+        delete(sessions).where(sessions.c.id_hash == lease_digest(session_id))
+    )
     return bool(gone.rowcount)
 
 

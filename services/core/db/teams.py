@@ -181,6 +181,7 @@ WITH dropped AS (
 INSERT INTO core.team_claims (team, member, until, kid, seen_at, standing_until)
 SELECT t.name, :member, :until, :kid, now(), :standing
 FROM core.teams t WHERE t.name = ANY(CAST(:claimed AS text[]))
+ORDER BY t.name  -- one lock order: two requests with the same token wait, never deadlock
 ON CONFLICT (team, member) DO UPDATE SET
     until = GREATEST(core.team_claims.until, EXCLUDED.until),
     kid = EXCLUDED.kid,

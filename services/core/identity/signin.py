@@ -47,7 +47,7 @@ class ProviderClient:
                     raise Unavailable(
                         f"the provider's discovery document answered {answer.status_code}"
                     )
-                self._provider = signin.provider_of(answer.json(), self.issuer)
+                self._provider = signin.provider_of(signin.json_of(answer), self.issuer)
             return self._provider
 
     async def exchange(self, code: str, verifier: str, redirect_uri: str) -> signin.Tokens:
