@@ -179,12 +179,17 @@ def _login(env: dict[str, str], account: str) -> str:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert cli.stdout is not None
-    first = cli.stdout.readline()
-    shown = re.search(r"Open (\S+) and enter the code (\S+)", first)
-    assert shown is not None, first + cli.stderr.read() if cli.stderr else first
-    approve_device(shown[1], shown[2], account)
-    out, err = cli.communicate(timeout=30)
+    try:
+        assert cli.stdout is not None and cli.stderr is not None
+        first = cli.stdout.readline()
+        shown = re.search(r"Open (\S+) and enter the code (\S+)", first)
+        assert shown is not None, first + cli.stderr.read()
+        approve_device(shown[1], shown[2], account)
+        out, err = cli.communicate(timeout=30)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
     assert cli.returncode == 0, err
     return out
 
