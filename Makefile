@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/compose_spec.json: | $(VENV)/.installed
 	$(BIN)/python tests/compose_spec.py $@
 
-install: $(VENV)/.installed $(VENV)/compose_spec.json
+# The OpenID provider the sign-in tests start (panva's oidc-provider on Node.js): its
+# packages come from the lock file here, never at test time.
+OIDC := tests/fixtures/oidc
+$(OIDC)/node_modules/.installed: $(OIDC)/package.json $(OIDC)/package-lock.json
+	npm ci --prefix $(OIDC) --no-audit --no-fund --loglevel=error
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/compose_spec.json $(OIDC)/node_modules/.installed
 
 # With the demo: a few tasks, a schedule and a workflow, loaded once (keys make a restart
 # find the same work); `.venv/bin/cairn up` starts without it.

@@ -3,7 +3,7 @@
 Running Cairn: ``up`` (everything, on loopback), ``core``, ``cron``, ``dag``, ``worker``,
 ``migrate``. Using it: ``submit``, ``get``, ``ls``, ``cancel``, ``retry``, ``logs``,
 ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``, ``token ...``, ``team ...``,
-``secret ...``, ``audit``, ``notify ...``.
+``secret ...``, ``audit``, ``notify ...``; ``login``, ``logout``, ``whoami``.
 Tables by default, ``--json`` for scripts. See ``cairn/config.py`` for where the URLs and
 the token come from.
 """
@@ -20,6 +20,7 @@ from cairn import (
     cron_cli,
     dag_cli,
     identity_cli,
+    login_cli,
     notify_cli,
     output,
     placement_cli,
@@ -141,6 +142,7 @@ def migrate(ctx: typer.Context) -> None:
 
 tasks_cli.register(app)
 identity_cli.register(app)
+login_cli.register(app)
 placement_cli.register(app)
 placement_cli.register_usage(app)
 sharing_cli.register(app)

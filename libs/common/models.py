@@ -587,14 +587,40 @@ class QueueHistory(_Output):
     items: list[QueueSeries]
 
 
+class TeamSource(_Output):
+    """Where a team of the caller comes from."""
+
+    team: str
+    #: ``membership``: an admin recorded it; ``claim``: the identity provider's groups
+    #: claim it (through ``CAIRN_OIDC_TEAM_PREFIX`` or ``_MAP``)
+    sources: list[Literal["membership", "claim"]]
+    #: for a claim: until when it stands for what services do in the caller's name
+    #: (the fires of the team's schedules, its workflows' node tasks) without a new token
+    standing_until: datetime | None = None
+
+
 class WhoAmI(_Output):
     """The principal a token stands for."""
 
     name: str
     role: Role
     teams: list[str] = Field(default_factory=list)
-    #: when the credential stops working (a token's expiry, a JWT's ``exp``)
+    #: when the credential stops working (a token's expiry, a JWT's ``exp``, the end of
+    #: a dashboard session)
     expires_at: datetime | None = None
+    #: each team of ``teams``, with where it comes from
+    team_sources: list[TeamSource] = Field(default_factory=list)
+    #: how the caller is authenticated: a bearer token (Cairn's own or the provider's
+    #: JWT), or the dashboard's session cookie
+    via: Literal["token", "session"] = "token"
+
+
+class LoginConfig(_Output):
+    """What a client needs to sign a person in at the identity provider."""
+
+    issuer: str
+    client_id: str
+    scopes: str
 
 
 class Health(_Output):

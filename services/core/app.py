@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import database, health, metrics, pages, problems
 from libs.common.limits import BodyLimit
@@ -16,6 +17,7 @@ from services.core.api import (
     audit,
     events,
     fencing,
+    login,
     principals,
     queues,
     secrets,
@@ -32,7 +34,9 @@ from services.core.db import sharing
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
+from services.core.identity.signin import ProviderClient
 from services.core.objects import LogObjects
+from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
 from services.core.ops.metrics import CoreMetrics
@@ -51,6 +55,21 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
         made = settings.env == "development" if create is None else create
         keys = read_key_file(settings.secrets_key_path, create=made)
     return SecretBox(keys)
+
+
+def _forget_withdrawn(app: FastAPI, engine: AsyncEngine) -> Callable[[list[str]], Awaitable[None]]:
+    async def withdrawn(kids: list[str]) -> None:
+        """The provider withdrew keys: what their tokens proved is not trusted either:
+        the cached principals, the team claims they vouched for, the sessions they began."""
+        app.state.tokens.evict_jwts()
+        gone = await teams_ops.forget_claims(engine, kids)
+        if gone:
+            log.info("forgot %d team claims vouched for by withdrawn keys", gone)
+        ended = await login_ops.forget_sessions(engine, kids)
+        if ended:
+            log.info("ended %d sessions signed in with withdrawn keys", ended)
+
+    return withdrawn
 
 
 def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
@@ -87,18 +106,10 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.tokens = TokenCache(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         oidc = None
-
-        async def withdrawn(kids: list[str]) -> None:
-            """The provider withdrew keys: what their tokens proved is not trusted either,
-            neither the cached principals nor the team claims they vouched for."""
-            app.state.tokens.evict_jwts()
-            gone = await teams_ops.forget_claims(engine, kids)
-            if gone:
-                log.info("forgot %d team claims vouched for by withdrawn keys", gone)
-
         if settings.oidc_enabled:
-            oidc = OidcVerifier(settings, on_withdrawn=withdrawn)
+            oidc = OidcVerifier(settings, on_withdrawn=_forget_withdrawn(app, engine))
         app.state.oidc = oidc
+        app.state.signin = ProviderClient(settings) if settings.signin_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
@@ -138,7 +149,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
 
     app = pages.service_app(
         title="Cairn core",
-        version="1.0.0",  # the API's: docs/api.md says when it moves
+        version="1.1.0",  # the API's: docs/api.md says when it moves
         summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",
         lifespan=lifespan,
     )
@@ -153,6 +164,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         usage,
         sharing_api,
         principals,
+        login,
         tokens,
         teams,
         secrets,

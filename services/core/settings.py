@@ -130,6 +130,22 @@ class CoreSettings(SecretsKeySettings):
     #: what it submitted (which have no token at hand): until the token expires, and no
     #: longer than this after the submission
     oidc_claim_max_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    #: how long a team that a verified token's groups claimed stands, after the token it
+    #: was last seen in, for what a service does in the member's name (the fires of a
+    #: team's schedules, the node tasks of a team's workflows), which has no token at hand
+    oidc_claim_seen_s: float = Field(default=7 * 86400.0, gt=0, le=90 * 86400)
+    #: Cairn's client id at the provider: set, people sign in (``cairn login``'s device
+    #: flow, the dashboard's authorization code flow with PKCE); the ID tokens it gets
+    #: are for this audience, so CAIRN_OIDC_AUDIENCE is the same id
+    oidc_client_id: str | None = Field(default=None, min_length=1, max_length=200)
+    #: for a provider that holds the dashboard's client to a secret (a confidential
+    #: client); unset: a public client, PKCE alone
+    oidc_client_secret: SecretStr | None = None
+    oidc_scopes: str = Field(
+        default="openid offline_access groups", max_length=1000, pattern=r"^[\x21-\x7e ]+$"
+    )
+    #: how long a dashboard session lasts after sign-in, whatever is done with it
+    session_max_s: float = Field(default=8 * 3600.0, ge=60, le=7 * 86400)
     #: provider groups that start with this grant the team named by the rest
     oidc_team_prefix: str | None = Field(default=None, min_length=1, max_length=200)
     #: ``group=team,...``: provider groups that grant a team; with no prefix and no
@@ -163,6 +179,8 @@ class CoreSettings(SecretsKeySettings):
             raise ValueError("set both CAIRN_OIDC_ISSUER and CAIRN_OIDC_AUDIENCE, or neither")
         if self.oidc_issuer and (self.oidc_jwks_url is None) == (self.oidc_jwks_file is None):
             raise ValueError("OIDC needs one of CAIRN_OIDC_JWKS_URL or CAIRN_OIDC_JWKS_FILE")
+        if self.oidc_client_id is not None and not self.oidc_issuer:
+            raise ValueError("CAIRN_OIDC_CLIENT_ID needs CAIRN_OIDC_ISSUER and _AUDIENCE")
         plain = self.oidc_jwks_url is not None and self.oidc_jwks_url.startswith("http:")
         if self.env == "production" and plain:
             raise ValueError("CAIRN_OIDC_JWKS_URL must be https:// when CAIRN_ENV=production")
@@ -171,6 +189,11 @@ class CoreSettings(SecretsKeySettings):
     @property
     def oidc_enabled(self) -> bool:
         return self.oidc_issuer is not None
+
+    @property
+    def signin_enabled(self) -> bool:
+        """People sign in through the provider (``CAIRN_OIDC_CLIENT_ID`` is set)."""
+        return self.oidc_issuer is not None and self.oidc_client_id is not None
 
     #: URI prefixes artifacts may come from (``s3://jobs-bucket/,https://artifacts.corp/``);
     #: empty: any source (development only)

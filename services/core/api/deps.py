@@ -7,7 +7,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
@@ -18,16 +18,21 @@ from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.models import Task
 from services.core.db import tasks as tasks_db
-from services.core.db import tokens
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier
-from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.identity.crypto import SecretBox
 from services.core.identity.oidc import OidcVerifier
+from services.core.ops import login as login_ops
 from services.core.ops import tokens as tokens_ops
 from services.core.ops.metrics import CoreMetrics
+
+#: the dashboard's session (HttpOnly) and its CSRF token (readable by core's own pages)
+SESSION_COOKIE = "cairn_session"
+CSRF_COOKIE = "cairn_csrf"
+CSRF_HEADER = "X-CSRF-Token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
 
@@ -144,6 +149,9 @@ async def authenticate(
     """Who sent ``credentials``: from the token cache, else the database or the OIDC
     provider; 401 if no one."""
     if credentials is None or not credentials.credentials:
+        session = request.cookies.get(SESSION_COOKIE)
+        if session:
+            return await _from_session(request, engine, session)
         raise Unauthorized("send 'Authorization: Bearer <token>'")
     token = credentials.credentials
     if len(token) > MAX_CREDENTIAL:
@@ -156,19 +164,31 @@ async def authenticate(
     return principal
 
 
+async def _from_session(request: Request, engine: AsyncEngine, session: str) -> Principal:
+    """Whom the dashboard's session cookie stands for. A call that changes anything must
+    also send the session's CSRF token (``X-CSRF-Token``, the value of the ``cairn_csrf``
+    cookie, which only pages of core's own origin can read): another site can make the
+    browser send the cookie, not the header."""
+    if len(session) > 200:
+        raise Unauthorized(login_ops.ENDED)
+    principal, csrf_hash = await login_ops.session_principal(engine, session)
+    request.state.via_session = True
+    if request.method not in SAFE_METHODS:
+        sent = request.headers.get(CSRF_HEADER, "")
+        if not sent or not hmac.compare_digest(workers_db.lease_digest(sent[:200]), csrf_hash):
+            raise Forbidden(
+                f"a call with the session cookie that changes something needs the "
+                f"{CSRF_HEADER} header (the {CSRF_COOKIE} cookie's value)"
+            )
+    return principal
+
+
 async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Principal:
     oidc: OidcVerifier | None = request.app.state.oidc
     if looks_like_jwt(token):
         if oidc is None:
             raise Unauthorized("unknown or revoked token")
-        found = await oidc.verify(token)
-        async with engine.connect() as conn:
-            role = await tokens.role_of(conn, found.name)
-            known = await recorded_teams(conn, found.name)
-        if role is not None and role not in ("user", found.role):
-            # The provider names someone who is a service or worker here: not the same one.
-            raise Unauthorized("unknown or revoked token")
-        return replace(found, teams=found.teams | known)
+        return await login_ops.jwt_principal(engine, oidc, token)
     if len(token) > 200:
         raise Unauthorized("unknown or revoked token")
     principal = await tokens_ops.principal_for(engine, token)

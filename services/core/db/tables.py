@@ -105,6 +105,41 @@ team_claims = Table(
     Column("until", DateTime(timezone=True), nullable=False),
     # the id of the provider's key that signed the token (None: not known)
     Column("kid", Text),
+    # when a verified token last carried the claim, and until when it stands for what a
+    # service does in the member's name (cron fires, DAG nodes: db/teams.py)
+    Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("standing_until", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# The dashboard's sign-ins under way (authorization code + PKCE): kept from the redirect
+# to the provider until its answer comes back (ten minutes at most, db/login.py).
+login_flows = Table(
+    "login_flows",
+    metadata,
+    Column("state_hash", Text, primary_key=True),
+    Column("verifier", Text, nullable=False),
+    Column("nonce", Text, nullable=False),
+    Column("next", Text, nullable=False),
+    Column(
+        "created_at", DateTime(timezone=True), nullable=False, server_default=func.now(), index=True
+    ),
+)
+
+# The dashboard's sessions, by the SHA-256 of their cookie: who signed in, the teams
+# their ID token claimed, and when the session ends (db/login.py).
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("id_hash", Text, primary_key=True),
+    Column("csrf_hash", Text, nullable=False),
+    Column("principal", Text, nullable=False, index=True),
+    Column("role", Text, nullable=False),
+    Column("teams", ARRAY(Text), nullable=False),
+    Column("kid", Text),
+    _now(),
+    Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
+    CheckConstraint("role IN ('admin', 'user')", name="role"),
+    CheckConstraint("expires_at > created_at", name="lifetime"),
 )
 
 secrets = Table(

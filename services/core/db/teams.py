@@ -168,3 +168,84 @@ async def forget_claims(conn: AsyncConnection, kids: Iterable[str]) -> int:
         delete(team_claims).where(team_claims.c.kid.is_(None) | team_claims.c.kid.in_(sorted(kids)))
     )
     return gone.rowcount
+
+
+# A verified token's claim, seen now: each claimed team that exists is kept (its lease
+# bound ``until`` never shortened), stands for services until ``standing``; the claims
+# this token no longer makes are forgotten at once.
+_SEEN = text("""
+WITH dropped AS (
+    DELETE FROM core.team_claims
+    WHERE member = :member AND team <> ALL(CAST(:claimed AS text[]))
+)
+INSERT INTO core.team_claims (team, member, until, kid, seen_at, standing_until)
+SELECT t.name, :member, :until, :kid, now(), :standing
+FROM core.teams t WHERE t.name = ANY(CAST(:claimed AS text[]))
+ORDER BY t.name  -- one lock order: two requests with the same token wait, never deadlock
+ON CONFLICT (team, member) DO UPDATE SET
+    until = GREATEST(core.team_claims.until, EXCLUDED.until),
+    kid = EXCLUDED.kid,
+    seen_at = EXCLUDED.seen_at,
+    standing_until = EXCLUDED.standing_until
+""")
+
+
+async def seen(
+    conn: AsyncConnection,
+    member: str,
+    claimed: Iterable[str],
+    until: datetime,
+    standing: datetime,
+    kid: str | None,
+) -> None:
+    """A verified token (signed with ``kid``) claims ``claimed`` for ``member`` now:
+    keep them, standing for services until ``standing``, and forget those it does not
+    claim (``vouch`` keeps what a submission used until ``until``)."""
+    await conn.execute(
+        _SEEN,
+        {
+            "member": member,
+            "claimed": sorted(claimed),
+            "until": until,
+            "standing": standing,
+            "kid": kid,
+        },
+    )
+
+
+_STANDING = text("""
+SELECT m.team FROM core.team_members m WHERE m.member = :member
+UNION SELECT c.team FROM core.team_claims c
+WHERE c.member = :member AND (c.until > now() OR c.standing_until > now())
+""")
+
+# What a service submits in a standing claim's name is leased under the same claim.
+_STAND_FOR = text("""
+UPDATE core.team_claims SET until = standing_until
+WHERE member = :member AND team = ANY(CAST(:teams AS text[]))
+  AND standing_until > now() AND until < standing_until
+""")
+
+
+async def standing_teams(conn: AsyncConnection, member: str) -> frozenset[str]:
+    """The teams a service acting for ``member`` (a cron fire, a DAG node) finds it in:
+    those an admin recorded, and those a verified token claimed within
+    ``CAIRN_OIDC_CLAIM_SEEN_S`` (or still vouched for a lease)."""
+    rows = await conn.execute(_STANDING, {"member": member})
+    return frozenset(row.team for row in rows)
+
+
+async def stand_for(conn: AsyncConnection, member: str, used: Iterable[str]) -> None:
+    """A service submitted for ``member`` under its standing claims to ``used``: their
+    leases are honoured while the claims stand."""
+    await conn.execute(_STAND_FOR, {"member": member, "teams": sorted(used)})
+
+
+async def claims_of(conn: AsyncConnection, member: str) -> dict[str, datetime]:
+    """The teams ``member`` holds by a provider's claim, and until when each stands."""
+    rows = await conn.execute(
+        select(team_claims.c.team, func.greatest(team_claims.c.until, team_claims.c.standing_until))
+        .where(team_claims.c.member == member)
+        .where(func.greatest(team_claims.c.until, team_claims.c.standing_until) > func.now())
+    )
+    return {row[0]: row[1] for row in rows}

@@ -23,3 +23,8 @@ class Principal(Caller):
     #: (its expiry, ``CAIRN_OIDC_CLAIM_MAX_S`` after it was checked at most)
     key_id: str | None = None
     claims_until: datetime | None = None
+    #: the teams the provider's groups claim (``teams`` adds those an admin recorded),
+    #: and until when they stand for what a service does in its name
+    #: (``CAIRN_OIDC_CLAIM_SEEN_S`` after this token was checked)
+    claimed: frozenset[str] = frozenset()
+    claims_standing: datetime | None = None

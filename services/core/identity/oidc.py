@@ -93,6 +93,7 @@ class OidcVerifier:
         self.min_refresh_s = settings.oidc_jwks_min_refresh_s
         self.stale_s = settings.oidc_jwks_stale_s
         self.claim_max_s = settings.oidc_claim_max_s
+        self.claim_seen_s = settings.oidc_claim_seen_s
         self._transport = transport
         # Called when a read drops keys: what was checked with them is not trusted either.
         self._on_withdrawn = on_withdrawn
@@ -212,8 +213,9 @@ class OidcVerifier:
             return next(iter(self._keys.values()))
         return self._keys.get(kid)
 
-    async def verify(self, token: str) -> Principal:
-        """The principal a valid JWT stands for; ``Unauthorized`` for any other."""
+    async def verify(self, token: str, nonce: str | None = None) -> Principal:
+        """The principal a valid JWT stands for; ``Unauthorized`` for any other (with
+        ``nonce``, also one whose ``nonce`` claim is not that: a sign-in's ID token)."""
         try:
             header = jwt.get_unverified_header(token)
             alg = header.get("alg")
@@ -233,6 +235,8 @@ class OidcVerifier:
                 leeway=self.leeway_s,
                 options={"require": ["exp", "iss", "aud", self.principal_claim]},
             )
+            if nonce is not None and claims.get("nonce") != nonce:
+                raise jwt.InvalidTokenError("the nonce is not the sign-in's")
         except jwt.PyJWTError as exc:
             log.info("refused a JWT: %s", exc)
             raise Unauthorized(REFUSED) from None
@@ -248,11 +252,15 @@ class OidcVerifier:
         # The admin group is named by the operator, so it is matched as it is written.
         admin = self.admin_team is not None and self.admin_team in groups
         expires = datetime.fromtimestamp(float(claims["exp"]), UTC)
+        now = datetime.now(UTC)
+        teams = self.mapping.teams(groups)
         return Principal(
             name=name,
             role="admin" if admin else "user",
-            teams=self.mapping.teams(groups),
+            teams=teams,
             expires_at=expires,
             key_id=kid,
-            claims_until=min(expires, datetime.now(UTC) + timedelta(seconds=self.claim_max_s)),
+            claims_until=min(expires, now + timedelta(seconds=self.claim_max_s)),
+            claimed=teams,
+            claims_standing=now + timedelta(seconds=self.claim_seen_s),
         )

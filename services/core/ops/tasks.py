@@ -37,10 +37,16 @@ async def check_owner(
     conn: AsyncConnection, principal: Principal, owner: str, spec: secrets.Asks, field: str = ""
 ) -> None:
     """The owner's right to its team and secrets: the caller's teams when it submits for
-    itself, the teams the owner holds without a token (``teams.teams_of``) when a service
-    submits for it."""
+    itself; when a service submits for it (or a teammate retries its task), the teams the
+    owner holds without a token: recorded, or claimed by a verified token of theirs that
+    still stands (``teams.standing_teams``)."""
     if owner != principal.name:
-        owner_teams = await teams.teams_of(conn, owner)
+        # A service acting for the owner (a cron fire, a DAG node) or a teammate's retry:
+        # a claim a verified token made lately stands, and the lease of what is
+        # submitted under it is honoured while it does.
+        owner_teams = await teams.standing_teams(conn, owner)
+        wanted = secrets.teams_used(spec) | ({spec.team} if spec.team else set())
+        await teams.stand_for(conn, owner, wanted & owner_teams)
     else:
         owner_teams = principal.teams
         if principal.id is None and principal.claims_until is not None:

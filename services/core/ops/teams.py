@@ -7,6 +7,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.models import OwnerUsage, ShareSettings, Team
 from services.core.db import sharing, teams
 from services.core.db.audit import Auditor
+from services.core.domain.principals import Principal
 from services.core.ops.sharing import share_of
 
 
@@ -63,3 +64,20 @@ async def forget_claims(engine: AsyncEngine, kids: list[str]) -> int:
     for are not trusted any more; how many went."""
     async with engine.begin() as conn:
         return await teams.forget_claims(conn, kids)
+
+
+async def claims_seen(engine: AsyncEngine, principal: Principal) -> None:
+    """A verified token of the provider: the teams it claims are kept (for leases until
+    it expires, for what services do in its name while they stand), those it no longer
+    claims forgotten."""
+    if principal.claims_until is None or principal.claims_standing is None:
+        return
+    async with engine.begin() as conn:
+        await teams.seen(
+            conn,
+            principal.name,
+            principal.claimed,
+            principal.claims_until,
+            principal.claims_standing,
+            principal.key_id,
+        )

@@ -60,7 +60,14 @@ def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> Non
     finally:
         del os.environ[env_name]
     who = httpx.get(core.url + "/v1/whoami", headers={"Authorization": f"Bearer {secret}"})
-    assert who.json() == {"name": "cron", "role": "service", "teams": [], "expires_at": None}
+    assert who.json() == {
+        "name": "cron",
+        "role": "service",
+        "teams": [],
+        "expires_at": None,
+        "team_sources": [],
+        "via": "token",
+    }
     missing = _cairn(core, tmp_path, "token", "create", "x", "--from-env", "CAIRN_UNSET_VAR")
     assert missing.returncode == 2
 
@@ -87,6 +94,8 @@ def test_whoami_names_the_tokens_principal(core: Core) -> None:
             "role": "user",
             "teams": [],
             "expires_at": None,
+            "team_sources": [],
+            "via": "token",
         }
         assert cron.get("/v1/whoami").json()["role"] == "service"
     assert httpx.get(core.url + "/v1/whoami").status_code == 401

@@ -101,6 +101,8 @@ def test_an_admin_makes_tokens_for_anyone_but_never_changes_a_role(core: Core) -
                 "role": "user",
                 "teams": [],
                 "expires_at": None,
+                "team_sources": [],
+                "via": "token",
             }
         assert _create(root, principal="bob", role="admin").status_code == 409
         assert _create(root, principal="nobody").status_code == 422

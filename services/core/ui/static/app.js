@@ -1,4 +1,6 @@
-// Cairn's dashboard: plain JavaScript, no dependencies. The token stays in this tab's
+// Cairn's dashboard: plain JavaScript, no dependencies. Signed in through the identity
+// provider, the session is core's HttpOnly cookie, and every call sends the session's CSRF
+// token (the cairn_csrf cookie) as X-CSRF-Token. A pasted token stays in this tab's
 // sessionStorage and goes, as a bearer token, to core's, cron's and dag's public APIs.
 "use strict";
 
@@ -24,9 +26,19 @@ class ApiError extends Error {
   constructor(status, detail) { super(detail); this.status = status; }
 }
 
-const authorization = () => ({ Authorization: `Bearer ${sessionStorage.getItem(TOKEN_KEY)}` });
+const csrfToken = () => {
+  const found = /(?:^|;\s*)cairn_csrf=([^;]*)/.exec(document.cookie);
+  return found ? decodeURIComponent(found[1]) : null;
+};
+const token = () => sessionStorage.getItem(TOKEN_KEY);
+const signedIn = () => Boolean(token() || csrfToken());
+const authorization = () => token() ? { Authorization: `Bearer ${token()}` } : { "X-CSRF-Token": csrfToken() || "" };
 
 async function api(service, path, options = {}) {
+  if (!token() && service !== "core") {
+    // The session cookie is core's: cron and dag take a bearer token.
+    throw new ApiError(401, "the schedule and run pages read cron and dag, which take a token: log in with one (cairn token create NAME) to see them");
+  }
   const headers = authorization();
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
   const answer = await fetch(BASES[service] + path, {
@@ -130,6 +142,16 @@ async function live(box, draw) {
 
 // --- pages ---
 
+async function signInLink(form) {
+  try {
+    const answer = await fetch("/v1/login/config");
+    if (!answer.ok) return;
+    form.querySelector("h1").after(
+      h("a", { id: "signin", class: "button primary", href: "/v1/login/start?next=/ui" }, "Sign in"),
+      h("p", { class: "muted" }, "or with a token:"));
+  } catch (error) { /* no sign-in here: the token form alone */ }
+}
+
 function loginPage(main) {
   const input = h("input", { id: "token", type: "password", autocomplete: "off", placeholder: "cairn_…" });
   const message = h("p", { class: "muted" }, "Paste a token from `cairn token create NAME`.");
@@ -145,9 +167,11 @@ function loginPage(main) {
       message.replaceChildren(h("span", { class: "error" }, error.status === 401 ? "Unknown or revoked token." : error.message));
     }
   };
-  main.append(h("form", { class: "login", onsubmit: submit },
+  const form = h("form", { class: "login", onsubmit: submit },
     h("h1", {}, "Log in to Cairn"), h("label", { for: "token" }, "Token"), input,
-    h("button", { id: "login", class: "primary", type: "submit" }, "Log in"), message));
+    h("button", { id: "login", class: "primary", type: "submit" }, "Log in"), message);
+  main.append(form);
+  signInLink(form);
   input.focus();
 }
 
@@ -701,6 +725,13 @@ function showUser() {
   document.getElementById("nav").hidden = !me;
 }
 
+async function signOut() {
+  if (!token() && csrfToken()) {
+    await fetch("/v1/login/logout", { method: "POST", headers: authorization() }).catch(() => null);
+  }
+  logout();
+}
+
 function logout() {
   sessionStorage.removeItem(TOKEN_KEY);
   me = null;
@@ -715,9 +746,12 @@ async function route() {
   aborts = [];
   const main = document.getElementById("main");
   main.replaceChildren();
-  if (!sessionStorage.getItem(TOKEN_KEY)) { showUser(); loginPage(main); return; }
+  if (!signedIn()) { showUser(); loginPage(main); return; }
   if (!me) {
-    try { me = await api("core", "/v1/whoami"); } catch (error) { if (error.status !== 401) main.append(problem(error)); return; }
+    try { me = await api("core", "/v1/whoami", { quiet: true }); } catch (error) {
+      if (error.status === 401) { me = null; showUser(); loginPage(main); } else main.append(problem(error));
+      return;
+    }
     showUser();
   }
   const [path, query] = location.hash.split("?");
@@ -732,6 +766,6 @@ async function route() {
   location.hash = "#/tasks";
 }
 
-document.getElementById("logout").addEventListener("click", logout);
+document.getElementById("logout").addEventListener("click", signOut);
 window.addEventListener("hashchange", route);
 route();

@@ -1,0 +1,141 @@
+"""People signing in through the identity provider: the principal a verified JWT stands
+for (the CLI's ``cairn login`` token and the dashboard's ID token alike), the
+dashboard's authorization-code flow (start, finish into a session) and its sessions."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from urllib.parse import urlencode
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from libs.common import signin
+from libs.common.errors import InvalidInput, Unauthorized
+from services.core.db import login, tokens
+from services.core.db.teams import recorded_teams
+from services.core.domain.principals import Principal
+from services.core.identity.oidc import OidcVerifier
+from services.core.identity.signin import ProviderClient
+from services.core.ops.teams import claims_seen
+
+ENDED = "your session has ended: sign in again"
+
+
+async def jwt_principal(
+    engine: AsyncEngine, oidc: OidcVerifier, token: str, nonce: str | None = None
+) -> Principal:
+    """Whom a provider's JWT stands for (its claimed teams with those an admin recorded);
+    the teams it claims are kept (``ops.teams.claims_seen``)."""
+    found = await oidc.verify(token, nonce)
+    async with engine.connect() as conn:
+        role = await tokens.role_of(conn, found.name)
+        known = await recorded_teams(conn, found.name)
+    if role is not None and role not in ("user", found.role):
+        # The provider names someone who is a service or worker here: not the same one.
+        raise Unauthorized("unknown or revoked token")
+    await claims_seen(engine, found)
+    return replace(found, teams=found.teams | known)
+
+
+@dataclass(frozen=True)
+class Started:
+    """Where to send the browser, and the state its cookie binds the flow to."""
+
+    location: str
+    state: str
+
+
+async def start(
+    engine: AsyncEngine, client: ProviderClient, redirect_uri: str, next_: str
+) -> Started:
+    """Begin an authorization-code flow with PKCE (S256) and a nonce."""
+    provider = await client.provider()
+    state, nonce = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    verifier, challenge = signin.pkce_pair()
+    async with engine.begin() as conn:
+        await login.start_flow(conn, state, verifier, nonce, next_)
+    query = {
+        "response_type": "code",
+        "client_id": client.client_id,
+        "redirect_uri": redirect_uri,
+        "scope": client.scopes,
+        "state": state,
+        "nonce": nonce,
+        "code_challenge": challenge,
+        "code_challenge_method": "S256",
+    }
+    return Started(f"{provider.authorization_endpoint}?{urlencode(query)}", state)
+
+
+@dataclass(frozen=True)
+class Signed:
+    """A new session: its cookie, its CSRF token, where the browser goes next."""
+
+    session_id: str
+    csrf: str
+    next: str
+    principal: Principal
+
+
+async def finish(
+    engine: AsyncEngine,
+    oidc: OidcVerifier,
+    client: ProviderClient,
+    code: str,
+    state: str,
+    redirect_uri: str,
+    lifetime_s: float,
+) -> Signed:
+    """The provider sent the browser back with ``code``: the flow of ``state`` (once),
+    the code exchanged with its verifier, the ID token verified with its nonce, and a
+    session made for whom it names."""
+    async with engine.begin() as conn:
+        flow = await login.take_flow(conn, state)
+    if flow is None:
+        raise InvalidInput("query.state: no sign-in under way has this state (or it expired)")
+    tokens_ = await client.exchange(code, flow.verifier, redirect_uri)
+    principal = await jwt_principal(engine, oidc, tokens_.id_token, flow.nonce)
+    session_id, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    async with engine.begin() as conn:
+        await login.create_session(
+            conn,
+            session_id,
+            csrf,
+            principal.name,
+            principal.role,
+            principal.claimed,
+            principal.key_id,
+            lifetime_s,
+        )
+    return Signed(session_id, csrf, flow.next, principal)
+
+
+async def session_principal(engine: AsyncEngine, session_id: str) -> tuple[Principal, str]:
+    """Whom a session cookie stands for, and the digest of its CSRF token; 401 when the
+    session is unknown or has ended."""
+    async with engine.connect() as conn:
+        found = await login.get_session(conn, session_id)
+        if found is None:
+            raise Unauthorized(ENDED)
+        known = await recorded_teams(conn, found.principal)
+    principal = Principal(
+        name=found.principal,
+        role=found.role,
+        teams=found.teams | known,
+        expires_at=found.expires_at,
+        key_id=found.kid,
+        claimed=found.teams,
+    )
+    return principal, found.csrf_hash
+
+
+async def sign_out(engine: AsyncEngine, session_id: str) -> None:
+    async with engine.begin() as conn:
+        await login.end_session(conn, session_id)
+
+
+async def forget_sessions(engine: AsyncEngine, kids: list[str]) -> int:
+    """The provider withdrew these keys: the sessions their ID tokens began end."""
+    async with engine.begin() as conn:
+        return await login.end_sessions_of_keys(conn, kids)
