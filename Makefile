@@ -15,13 +15,14 @@ $(VENV)/compose_spec.json: | $(VENV)/.installed
 	$(BIN)/python tests/compose_spec.py $@
 
 # The OpenID provider the sign-in tests start (panva's oidc-provider on Node.js): its
-# packages come from the lock file here, never at test time.
+# packages come from the lock file here, never at test time; only `make test` needs them
+# (`make up` needs no Node.js).
 OIDC := tests/fixtures/oidc
 $(OIDC)/node_modules/.installed: $(OIDC)/package.json $(OIDC)/package-lock.json
 	npm ci --prefix $(OIDC) --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/compose_spec.json $(OIDC)/node_modules/.installed
+install: $(VENV)/.installed $(VENV)/compose_spec.json
 
 # With the demo: a few tasks, a schedule and a workflow, loaded once (keys make a restart
 # find the same work); `.venv/bin/cairn up` starts without it.
@@ -41,7 +42,7 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py \
 	tests/faults/system/test_network_cut.py tests/faults/system/test_jepsen_flows.py \
 	tests/integration/system/test_prometheus_e2e.py tests/faults/cron/test_replicas.py
-test: install
+test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
 	$(BIN)/python -m pytest -n 2 --durations=25 $(addprefix --ignore=,$(BESIDE)); main=$$?; \

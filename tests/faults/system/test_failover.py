@@ -2,7 +2,8 @@
 system: core, cron, dag and a worker agent as processes, every one given the cluster's
 multi-host URL, while tasks are submitted one after another. In the middle, a planned
 switchover (``patronictl switchover``), then a failover: the primary's Patroni and its
-PostgreSQL SIGKILLed. Afterwards, on what the database holds: every acknowledged task is
+PostgreSQL SIGKILLed; then the dead node's Patroni started again, rejoining as the
+synchronous standby, and the lead switched back to it. Afterwards, on what the database holds: every acknowledged task is
 there and succeeded (a failover loses no committed transaction), each ran exactly once
 (one attempt in core, one line in the tasks' own record), no service restarted, and each
 was back (ready, leading again, heartbeating, taking writes) within 30 s of the
@@ -287,7 +288,7 @@ def _ride_through(
     return back
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_switchover_and_a_failover_lose_no_task_and_run_none_twice(
     patroni: Patroni, system: System, started: float
 ) -> None:
@@ -326,6 +327,26 @@ def test_a_switchover_and_a_failover_lose_no_task_and_run_none_twice(
         patroni.kill(old)
         times["failover"] = _ride_through(patroni, old, checks)
         phases["failover (kill to all back)"] = time.monotonic() - began
+        count = len(submitter.acked)
+        wait_for(lambda: len(submitter.acked) >= count + 20, timeout=60, interval=0.1)
+
+        # The dead primary's host is back: its Patroni starts again, rejoins as a standby
+        # (rewound if its timeline forked) and becomes the synchronous one; then the
+        # operator hands the lead back to it, and the services ride that through too.
+        began = time.monotonic()
+        patroni.launch(old)
+        wait_for(lambda: patroni.synchronous() == old, timeout=120, interval=0.2)
+        phases["rejoined as the synchronous standby"] = time.monotonic() - began
+        new = patroni.leader()
+        assert new is not None and new != old
+        checks = _checks(system, submitter, _epochs(system))
+        back = threading.Thread(target=patroni.switchover, args=(old,))
+        began = time.monotonic()
+        back.start()
+        times["switchover back to the rejoined node"] = _ride_through(patroni, new, checks)
+        back.join()
+        phases["switchover back"] = time.monotonic() - began
+        assert patroni.leader() == old
         count = len(submitter.acked)
         wait_for(lambda: len(submitter.acked) >= count + 20, timeout=60, interval=0.1)
     finally:
