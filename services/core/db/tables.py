@@ -273,6 +273,8 @@ tasks = Table(
     Column("retry_causes", JSONB),
     # No new progress for this long ends the attempt as timed out (docs/progress.md).
     Column("progress_timeout_s", Integer),
+    # The artifact's credentials, a secret reference ({"secret", "team"}; docs/security.md).
+    Column("artifact_credentials", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -292,6 +294,7 @@ tasks = Table(
     CheckConstraint(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
+    CheckConstraint("jsonb_typeof(artifact_credentials) = 'object'", name="artifact_credentials"),
     Index(
         "uq_tasks_owner_idempotency_key",
         "owner",

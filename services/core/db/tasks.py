@@ -66,7 +66,7 @@ TASK_COLUMNS = """
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
-    start_by, poison_window_s, retry_causes, progress_timeout_s
+    start_by, poison_window_s, retry_causes, progress_timeout_s, artifact_credentials
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -97,7 +97,8 @@ WITH input AS (
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
-        poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer
+        poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
+        artifact_credentials jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -145,7 +146,8 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        start_by, poison_window_s, retry_causes, progress_timeout_s, state
+        start_by, poison_window_s, retry_causes, progress_timeout_s, artifact_credentials,
+        state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -155,7 +157,7 @@ WITH input AS (
         concurrency_limit, vtime,
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
-        poison_window_s, retry_causes, progress_timeout_s,
+        poison_window_s, retry_causes, progress_timeout_s, artifact_credentials,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -559,6 +561,9 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "kind": spec.kind,
         "artifact_uri": spec.artifact.uri,
         "artifact_sha256": spec.artifact.sha256,
+        "artifact_credentials": (
+            spec.artifact.credentials.model_dump() if spec.artifact.credentials else None
+        ),
         "args": spec.args,
         "env": {k: v if isinstance(v, str) else v.model_dump() for k, v in spec.env.items()},
         "input_path": spec.input_path,
@@ -684,7 +689,11 @@ def task_from_row(m: Any) -> Task:
         queue=m.queue,
         priority=m.priority,
         kind=m.kind,
-        artifact={"uri": m.artifact_uri, "sha256": m.artifact_sha256},
+        artifact={
+            "uri": m.artifact_uri,
+            "sha256": m.artifact_sha256,
+            "credentials": m.artifact_credentials,
+        },
         args=m.args,
         env=m.env,
         input_path=m.input_path,

@@ -1,0 +1,141 @@
+"""Artifact credentials (docs/security.md, "Artifact credentials"): an ``s3://`` artifact
+may name a secret of its owner or team, checked as an env secret is (at submit, retry and
+every lease), stored as a reference only, opened into the leasing worker's answer only,
+and masked in what that worker sends back."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.core.test_membership import _leave, _payroll
+from tests.integration.core.test_secrets import Worker
+from tests.support import Core, spec
+
+SHA = "a" * 64
+TEAM_REF = {"secret": "s3-payroll", "team": "payroll"}
+
+
+@pytest.fixture
+def claimer(core: Core) -> Iterator[Worker]:
+    found = Worker(core)
+    yield found
+    found.close()
+
+
+def _keys() -> dict[str, str]:
+    return {
+        "access_key_id": f"AKIA{uuid.uuid4().hex[:16].upper()}",
+        "secret_access_key": f"sk-{uuid.uuid4().hex}",
+        "region": "eu-west-1",
+    }
+
+
+def _s3_task(credentials: object, uri: str = "s3://payroll-tools/run.sh") -> dict:
+    return spec(artifact={"uri": uri, "sha256": SHA, "credentials": credentials})
+
+
+def test_a_teams_credentials_reach_only_the_lease_and_the_row_holds_the_reference(
+    core: Core, db
+) -> None:
+    _payroll(core)
+    keys = _keys()
+    worker = Worker(core)
+    try:
+        with core.client("alice") as alice:
+            made = alice.post(
+                "/v1/secrets",
+                json={"name": "s3-payroll", "value": json.dumps(keys), "team": "payroll"},
+            )
+            assert made.status_code == 201, made.text
+            created = alice.post("/v1/tasks", json=_s3_task(TEAM_REF))
+            assert created.status_code == 201, created.text
+            shown = alice.get(f"/v1/tasks/{created.json()['id']}").json()
+            [leased] = worker.claim()
+    finally:
+        worker.close()
+    assert shown["artifact"]["credentials"] == TEAM_REF
+    assert leased["artifact_credentials"] == {**keys, "session_token": None, "endpoint": None}
+    assert leased["env"] == {}  # the keys are the fetch's, not the process's
+    [(stored,)] = db.execute("SELECT artifact_credentials FROM core.tasks").fetchall()
+    assert stored == TEAM_REF
+    assert keys["secret_access_key"] not in str(db.execute("SELECT * FROM core.tasks").fetchall())
+
+
+def test_bad_artifact_credentials_are_refused_naming_the_field(core: Core) -> None:
+    _payroll(core)
+    with core.client("alice") as alice, core.client("carol") as carol:
+        refused = {
+            "malformed": alice.post("/v1/tasks", json=_s3_task("no spaces allowed/")),
+            "bad name": alice.post("/v1/tasks", json=_s3_task({"secret": "a b"})),
+            "not s3": alice.post(
+                "/v1/tasks",
+                json=_s3_task({"secret": "k"}, uri="https://example.com/tool"),
+            ),
+            "missing": alice.post("/v1/tasks", json=_s3_task({"secret": "absent"})),
+        }
+        outsider = carol.post("/v1/tasks", json=_s3_task(TEAM_REF))
+    for why, answer in refused.items():
+        assert answer.status_code == 422, (why, answer.text)
+        assert "credentials" in answer.text, (why, answer.text)
+    assert "artifact.credentials: no secret 'absent'" in refused["missing"].text
+    assert outsider.status_code == 403, outsider.text
+    assert "artifact.credentials" in outsider.text and "payroll" in outsider.text
+
+
+def test_a_removed_members_task_dies_at_lease_without_the_credentials(core: Core, db) -> None:
+    _payroll(core)
+    keys = _keys()
+    worker = Worker(core)
+    try:
+        with core.client("alice") as alice, core.client("bob") as bob:
+            value = json.dumps(keys)
+            alice.post("/v1/secrets", json={"name": "s3-payroll", "value": value, "team": "payroll"})
+            waiting = alice.post("/v1/tasks", json=_s3_task(TEAM_REF)).json()["id"]
+            teammates = bob.post("/v1/tasks", json=_s3_task(TEAM_REF)).json()["id"]
+            _leave(core, "alice")
+            leased = worker.claim()
+            task = alice.get(f"/v1/tasks/{waiting}").json()
+    finally:
+        worker.close()
+    assert [(a["task_id"], a["artifact_credentials"]["secret_access_key"]) for a in leased] == [
+        (teammates, keys["secret_access_key"])
+    ]
+    assert task["state"] == "dead"
+    assert "artifact.credentials: 'alice' is no longer a member of team 'payroll'" in (
+        task["last_error"]
+    )
+
+
+def test_a_secret_that_is_not_credentials_fails_the_attempt_without_its_value(
+    core: Core, claimer: Worker
+) -> None:
+    value = f"not-json-{uuid.uuid4().hex}"
+    with core.client("alice") as alice:
+        alice.post("/v1/secrets", json={"name": "s3", "value": value})
+        task_id = alice.post("/v1/tasks", json=_s3_task({"secret": "s3"})).json()["id"]
+        assert claimer.claim() == []
+        task = alice.get(f"/v1/tasks/{task_id}").json()
+    assert task["state"] == "dead"
+    assert "is not S3 credentials" in task["last_error"]
+    assert value not in task["last_error"]
+
+
+def test_what_the_worker_sends_back_has_the_keys_masked(core: Core, claimer: Worker, db) -> None:
+    keys = _keys()
+    with core.client("alice") as alice:
+        alice.post("/v1/secrets", json={"name": "s3", "value": json.dumps(keys)})
+        alice.post("/v1/tasks", json=_s3_task({"secret": "s3"}))
+    [leased] = claimer.claim()
+    said = f"s3 GET failed for {keys['access_key_id']} / {keys['secret_access_key']}"
+    answer = claimer.http.post(
+        f"/v1/workers/{claimer.id}/attempts/{leased['attempt_id']}/report",
+        json={"outcome": "failed", "retryable": False, "error": said},
+    )
+    assert answer.status_code == 200, answer.text
+    [(error,)] = db.execute("SELECT error FROM core.attempts").fetchall()
+    assert keys["access_key_id"] not in error and keys["secret_access_key"] not in error
+    assert error == "s3 GET failed for *** / ***"
