@@ -168,8 +168,8 @@ class S3Credentials(_Input):
     secret_access_key: Annotated[str, StringConstraints(min_length=1, max_length=1024)] = Field(
         repr=False
     )
-    session_token: Annotated[str, StringConstraints(min_length=1, max_length=8192)] | None = (
-        Field(default=None, repr=False)
+    session_token: Annotated[str, StringConstraints(min_length=1, max_length=8192)] | None = Field(
+        default=None, repr=False
     )
     region: Annotated[str, StringConstraints(pattern=r"^[a-z0-9-]{1,64}$")] | None = None
     #: another S3-compatible service (``https://``; ``http://`` only where the worker

@@ -14,12 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from sqlalchemy import delete, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
-from pydantic import ValidationError
-
 from libs.common.models import Artifact, Assignment, S3Credentials, SecretInfo, SecretRef
 from services.core.db.tables import secrets
 from services.core.db.teams import held_teams, teams_of
@@ -50,8 +49,7 @@ def refers_to_secrets(env: str) -> str:
     alias, _, _ = env.rpartition(".")
     credentials = f"{alias}.artifact_credentials" if alias else "artifact_credentials"
     return (
-        f"(jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")')"
-        f" OR {credentials} IS NOT NULL)"
+        f"(jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")') OR {credentials} IS NOT NULL)"
     )
 
 
@@ -181,11 +179,7 @@ class Asks(Protocol):
 
 def refs_of(env: Mapping[str, Any]) -> dict[str, SecretRef]:
     """The env entries that are secret references (stored rows hold them as objects)."""
-    return {
-        key: _ref(value)
-        for key, value in env.items()
-        if not isinstance(value, str)
-    }
+    return {key: _ref(value) for key, value in env.items() if not isinstance(value, str)}
 
 
 def _ref(value: Any) -> SecretRef:

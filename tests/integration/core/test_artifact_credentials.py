@@ -93,7 +93,9 @@ def test_a_removed_members_task_dies_at_lease_without_the_credentials(core: Core
     try:
         with core.client("alice") as alice, core.client("bob") as bob:
             value = json.dumps(keys)
-            alice.post("/v1/secrets", json={"name": "s3-payroll", "value": value, "team": "payroll"})
+            alice.post(
+                "/v1/secrets", json={"name": "s3-payroll", "value": value, "team": "payroll"}
+            )
             waiting = alice.post("/v1/tasks", json=_s3_task(TEAM_REF)).json()["id"]
             teammates = bob.post("/v1/tasks", json=_s3_task(TEAM_REF)).json()["id"]
             _leave(core, "alice")
@@ -105,8 +107,9 @@ def test_a_removed_members_task_dies_at_lease_without_the_credentials(core: Core
         (teammates, keys["secret_access_key"])
     ]
     assert task["state"] == "dead"
-    assert "artifact.credentials: 'alice' is no longer a member of team 'payroll'" in (
-        task["last_error"]
+    assert (
+        "artifact.credentials: 'alice' is no longer a member of team 'payroll'"
+        in (task["last_error"])
     )
 
 

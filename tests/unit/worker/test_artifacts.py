@@ -324,7 +324,7 @@ def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_s3_artifact_is_downloaded_and_verified(tmp_path: Path, s3: Any) -> None:
     s3.put_object(Bucket="tools", Key="team/tool v1.sh", Body=TOOL)
-    cache = ArtifactCache(tmp_path / "cache")
+    cache = ArtifactCache(tmp_path / "cache", s3_own_buckets=frozenset({"tools"}))
 
     path = _run(cache.fetch("s3://tools/team/tool v1.sh", TOOL_SHA))
 
@@ -336,7 +336,8 @@ def test_s3_artifact_is_downloaded_and_verified(tmp_path: Path, s3: Any) -> None
 
 def test_a_missing_s3_object_is_not_retryable(tmp_path: Path, s3: Any) -> None:
     with pytest.raises(ArtifactError, match="NoSuchKey") as caught:
-        _run(ArtifactCache(tmp_path / "cache").fetch("s3://tools/absent", TOOL_SHA))
+        cache = ArtifactCache(tmp_path / "cache", s3_own_buckets=frozenset({"*"}))
+        _run(cache.fetch("s3://tools/absent", TOOL_SHA))
 
     assert caught.value.retryable is False
 
