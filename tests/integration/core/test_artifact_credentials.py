@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from cairn.cli import app
 from tests.integration.core.test_membership import _leave, _payroll
 from tests.integration.core.test_secrets import Worker
-from tests.support import Core, spec
+from tests.support import Core, cli_as, spec
 
 SHA = "a" * 64
 TEAM_REF = {"secret": "s3-payroll", "team": "payroll"}
@@ -142,3 +144,29 @@ def test_what_the_worker_sends_back_has_the_keys_masked(core: Core, claimer: Wor
     [(error,)] = db.execute("SELECT error FROM core.attempts").fetchall()
     assert keys["access_key_id"] not in error and keys["secret_access_key"] not in error
     assert error == "s3 GET failed for *** / ***"
+
+
+def test_the_cli_names_the_artifacts_credentials(
+    core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _payroll(core)
+    runner = cli_as(core, monkeypatch, tmp_path)
+    with core.client("alice") as alice:
+        value = json.dumps(_keys())
+        alice.post("/v1/secrets", json={"name": "s3-payroll", "value": value, "team": "payroll"})
+    submitted = runner.invoke(
+        app,
+        [
+            "--json",
+            "submit",
+            "t",
+            "--artifact",
+            "s3://payroll-tools/run.sh",
+            "--sha256",
+            SHA,
+            "--artifact-credentials",
+            "payroll/s3-payroll",
+        ],
+    )
+    assert submitted.exit_code == 0, submitted.output
+    assert json.loads(submitted.output)["artifact"]["credentials"] == TEAM_REF
