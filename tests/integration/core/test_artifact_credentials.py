@@ -6,16 +6,19 @@ and masked in what that worker sends back."""
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cairn.cli import app
+from tests.fixtures.s3 import INTERNAL_SHA, TOOL_SHA, iam_s3_server, worker_env
 from tests.integration.core.test_membership import _leave, _payroll
 from tests.integration.core.test_secrets import Worker
-from tests.support import Core, cli_as, spec
+from tests.support import Core, cli_as, spawn_worker, spec, stop_process, wait_for
 
 SHA = "a" * 64
 TEAM_REF = {"secret": "s3-payroll", "team": "payroll"}
@@ -174,3 +177,58 @@ def test_the_cli_names_the_artifacts_credentials(
     )
     assert submitted.exit_code == 0, submitted.output
     assert json.loads(submitted.output)["artifact"]["credentials"] == TEAM_REF
+
+
+@pytest.mark.slow
+def test_a_real_agent_fetches_as_the_tasks_owner_and_never_as_itself(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """One agent whose own keys read ``internal`` only: a payroll task fetches with its
+    team's keys; without them its bucket is refused by name; the internal tool, fetched
+    and cached by the agent's own keys for bob, is not what alice gets by naming its
+    digest from her bucket."""
+    _payroll(core)
+    with iam_s3_server() as server:
+        payroll = server.keys["payroll"].model_dump_json(exclude_none=True)
+        env = {**worker_env(server), "CAIRN_WORKER_S3_OWN_BUCKETS": "internal"}
+        agent = spawn_worker(core, tmp_path / "w", "w-s3", **env)
+        try:
+            with core.client("alice") as alice, core.client("bob") as bob:
+                alice.post(
+                    "/v1/secrets", json={"name": "s3-payroll", "value": payroll, "team": "payroll"}
+                )
+                ids = {
+                    "team": _submit(alice, "payroll-tools", TOOL_SHA, TEAM_REF),
+                    "none": _submit(alice, "payroll-tools", TOOL_SHA, None),
+                    "own": _submit(bob, "internal", INTERNAL_SHA, None),
+                }
+                wait_for(lambda: _ended(db, ids["own"]), timeout=20)
+                ids["digest"] = _submit(alice, "payroll-tools", INTERNAL_SHA, TEAM_REF)
+                ended = wait_for(lambda: _ended(db, *ids.values()), timeout=20)
+        finally:
+            stop_process(agent, signal.SIGKILL)
+    by = dict(zip(ids, ended, strict=True))
+    assert by["team"] == ("succeeded", None)
+    assert by["own"] == ("succeeded", None)
+    assert by["none"][0] == "dead"
+    assert "'payroll-tools'" in by["none"][1] and "CAIRN_WORKER_S3_OWN_BUCKETS" in by["none"][1]
+    assert by["digest"][0] == "dead" and "sha256 mismatch" in by["digest"][1]
+
+
+def _submit(client: httpx.Client, bucket: str, sha: str, credentials: object) -> int:
+    artifact = {"uri": f"s3://{bucket}/tool.sh", "sha256": sha, "credentials": credentials}
+    if credentials is None:
+        del artifact["credentials"]
+    made = client.post("/v1/tasks", json=spec(artifact=artifact, retry={"max_attempts": 1}))
+    assert made.status_code == 201, made.text
+    return int(made.json()["id"])
+
+
+def _ended(db, *ids: int) -> list[tuple[str, str | None]] | None:
+    rows = db.execute(
+        "SELECT id, state, last_error FROM core.tasks WHERE id = ANY(%s)", (list(ids),)
+    ).fetchall()
+    found = {row[0]: (row[1], row[2]) for row in rows}
+    if any(found[i][0] not in ("succeeded", "dead") for i in ids):
+        return None
+    return [found[i] for i in ids]

@@ -6,15 +6,6 @@ only; the payroll team's keys read ``payroll-tools`` only."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,113 +14,34 @@ import pytest
 
 from libs.common.models import S3Credentials
 from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed
+from tests.fixtures.s3 import (
+    INTERNAL,
+    INTERNAL_SHA,
+    TOOL,
+    TOOL_SHA,
+    IamS3,
+    iam_s3_server,
+    worker_env,
+)
 
 T = TypeVar("T")
-TOOL = b"#!/bin/sh\necho payroll\n"
-TOOL_SHA = hashlib.sha256(TOOL).hexdigest()
-INTERNAL = b"#!/bin/sh\necho only the worker's role may read me\n"
-INTERNAL_SHA = hashlib.sha256(INTERNAL).hexdigest()
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def _policy(bucket: str) -> str:
-    return json.dumps(
-        {
-            "Version": "2012-10-17",
-            "Statement": [
-                {
-                    "Effect": "Allow",
-                    "Action": "s3:GetObject",
-                    "Resource": f"arn:aws:s3:::{bucket}/*",
-                }
-            ],
-        }
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def iam_s3() -> Iterator[tuple[str, dict[str, S3Credentials]]]:
-    """A moto server with the two buckets and a user's keys for each, IAM enforced."""
-    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
-        pytest.skip("moto[server] and boto3 are not installed in this environment")
-    port = _free_port()
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert moto.poll() is None, "the moto server exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the moto server did not start"
-                time.sleep(0.05)
-        yield endpoint, _populate(endpoint)
-    finally:
-        moto.terminate()
-        moto.wait(timeout=10)
-
-
-def _populate(endpoint: str) -> dict[str, S3Credentials]:
-    boto3 = importlib.import_module("boto3")
-    admin = {
-        "endpoint_url": endpoint,
-        "region_name": "us-east-1",
-        "aws_access_key_id": "admin",
-        "aws_secret_access_key": "admin",
-    }
-    s3, iam = boto3.client("s3", **admin), boto3.client("iam", **admin)
-    keys = {}
-    for user, bucket, body in (
-        ("worker", "internal", INTERNAL),
-        ("payroll", "payroll-tools", TOOL),
-    ):
-        s3.create_bucket(Bucket=bucket)
-        s3.put_object(Bucket=bucket, Key="tool.sh", Body=body)
-        iam.create_user(UserName=user)
-        iam.put_user_policy(UserName=user, PolicyName="read", PolicyDocument=_policy(bucket))
-        made = iam.create_access_key(UserName=user)["AccessKey"]
-        keys[user] = S3Credentials(
-            access_key_id=made["AccessKeyId"],
-            secret_access_key=made["SecretAccessKey"],
-            region="us-east-1",
-        )
-    # From now on every request is signed by a user's keys and held to its policy.
-    enforce = urllib.request.Request(
-        f"{endpoint}/moto-api/reset-auth", data=b"0", headers={"Content-Type": "text/plain"}
-    )
-    urllib.request.urlopen(enforce, timeout=10).close()
-    return keys
+def iam_s3() -> Iterator[IamS3]:
+    with iam_s3_server() as server:
+        yield server
 
 
 @pytest.fixture
-def keys(
-    iam_s3: tuple[str, dict[str, S3Credentials]], monkeypatch: pytest.MonkeyPatch
-) -> dict[str, S3Credentials]:
-    endpoint, made = iam_s3
-    worker = made["worker"]
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": worker.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": worker.secret_access_key,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "CAIRN_S3_ENDPOINT_URL": endpoint,
-    }.items():
+def keys(iam_s3: IamS3, monkeypatch: pytest.MonkeyPatch) -> dict[str, S3Credentials]:
+    for name, value in worker_env(iam_s3).items():
         monkeypatch.setenv(name, value)
-    return made
+    return iam_s3.keys
 
 
 def test_a_task_fetches_from_its_teams_bucket_with_its_teams_keys(
