@@ -193,6 +193,7 @@ def show_task(c: Ctx, task: Task) -> None:
         ("queue", task.queue),
         ("priority", task.priority),
         ("artifact", task.artifact.uri),
+        *_credentials_row(task),
         ("args", " ".join(task.args)),
         ("attempts", task.attempts),
         ("run at", output.when(task.run_at)),
@@ -350,6 +351,14 @@ def progress_rows(task: Task) -> list[tuple[str, Any]]:
     if task.progress_timeout_s is not None:
         rows.append(("progress timeout", f"{task.progress_timeout_s} s without progress"))
     return rows
+
+
+def _credentials_row(task: Task) -> list[tuple[str, str]]:
+    """The secret an artifact is fetched with, as ``--artifact-credentials`` takes it."""
+    ref = task.artifact.credentials
+    if ref is None:
+        return []
+    return [("artifact keys", f"{ref.team}/{ref.secret}" if ref.team else ref.secret)]
 
 
 def _ref(text: str) -> dict[str, str]:

@@ -176,7 +176,11 @@ def test_the_cli_names_the_artifacts_credentials(
         ],
     )
     assert submitted.exit_code == 0, submitted.output
-    assert json.loads(submitted.output)["artifact"]["credentials"] == TEAM_REF
+    task = json.loads(submitted.output)
+    assert task["artifact"]["credentials"] == TEAM_REF
+    shown = runner.invoke(app, ["get", str(task["id"])])
+    assert shown.exit_code == 0, shown.output
+    assert "payroll/s3-payroll" in shown.output
 
 
 @pytest.mark.slow
