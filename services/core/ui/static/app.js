@@ -151,6 +151,13 @@ function loginPage(main) {
   input.focus();
 }
 
+// The secret an s3:// artifact is fetched with (docs/security.md, "Artifact credentials").
+function artifactKeys(artifact) {
+  const ref = artifact.credentials;
+  if (!ref) return "";
+  return ` · fetched with ${ref.team ? `${ref.team}/${ref.secret}` : ref.secret}`;
+}
+
 // A task's retry policy in one line: poison pill window and the causes it never or always retries.
 function retryPolicy(retry) {
   const causes = (c) => [c.exit_codes.length ? `exit ${c.exit_codes.join(", ")}` : "",
@@ -348,7 +355,7 @@ async function taskPage(main, id) {
         h("dt", {}, "name"), h("dd", {}, task.name),
         h("dt", {}, "owner"), h("dd", {}, task.owner),
         h("dt", {}, "queue"), h("dd", {}, task.queue, ` · priority ${task.priority}`),
-        h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri),
+        h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri, artifactKeys(task.artifact)),
         h("dt", {}, "args"), h("dd", {}, JSON.stringify(task.args)),
         h("dt", {}, "attempts"), h("dd", {}, `${task.attempts} of ${task.retry.max_attempts}`),
         h("dt", {}, "timeout"), h("dd", { id: "task-timeout" }, task.timeout_s === null ? "none" : `${task.timeout_s} s`),
