@@ -172,8 +172,8 @@ class S3Credentials(_Input):
         default=None, repr=False
     )
     region: Annotated[str, StringConstraints(pattern=r"^[a-z0-9-]{1,64}$")] | None = None
-    #: another S3-compatible service (``https://``; ``http://`` only where the worker
-    #: admits insecure http)
+    #: another S3-compatible service: ``https://`` (``http://`` only where the worker
+    #: admits insecure http), under the worker's ``CAIRN_ARTIFACT_SOURCES``
     endpoint: S3Endpoint | None = None
 
 

@@ -221,10 +221,19 @@ class ArtifactCache:
         if not bucket or not key:
             raise ArtifactError(f"not an s3://bucket/key URI: {uri!r}", retryable=False)
         if credentials is not None:
-            endpoint = credentials.endpoint or ""
+            endpoint = credentials.endpoint
+            if endpoint is None:
+                return bucket
             if endpoint.startswith("http://") and not self._allow_http:
                 raise ArtifactError(
                     "artifact.credentials: an http:// endpoint is not allowed here (https only)",
+                    retryable=False,
+                )
+            # The worker connects where the endpoint says: a source like any other.
+            if not source_allowed(endpoint.rstrip("/") + "/", self.sources):
+                raise ArtifactError(
+                    "artifact.credentials: its endpoint is not an allowed artifact source "
+                    "(CAIRN_ARTIFACT_SOURCES)",
                     retryable=False,
                 )
             return bucket

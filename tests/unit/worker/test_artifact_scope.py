@@ -106,10 +106,19 @@ def test_a_digest_cached_by_another_fetch_is_not_handed_to_other_credentials(
                 _run(made)
 
 
-def test_an_http_endpoint_in_credentials_needs_insecure_http(
-    tmp_path: Path, keys: dict[str, S3Credentials]
+def test_an_endpoint_in_credentials_is_a_source_the_worker_must_allow(
+    tmp_path: Path, iam_s3: IamS3, keys: dict[str, S3Credentials]
 ) -> None:
-    elsewhere = keys["payroll"].model_copy(update={"endpoint": "http://169.254.169.254"})
-    with pytest.raises(ArtifactError, match="http:// endpoint is not allowed") as caught:
-        _run(ArtifactCache(tmp_path / "c").fetch("s3://b/k", TOOL_SHA, credentials=elsewhere))
-    assert caught.value.retryable is False
+    named = keys["payroll"].model_copy(update={"endpoint": iam_s3.endpoint})
+    uri = "s3://payroll-tools/tool.sh"
+    closed = ArtifactCache(tmp_path / "a", allow_insecure_http=True, sources=("s3://",))
+    wide = ArtifactCache(tmp_path / "b", sources=("s3://", f"{iam_s3.endpoint}/"))
+    opened = ArtifactCache(
+        tmp_path / "c", allow_insecure_http=True, sources=("s3://", f"{iam_s3.endpoint}/")
+    )
+
+    for cache, refused in ((closed, "not an allowed artifact source"), (wide, "https only")):
+        with pytest.raises(ArtifactError, match=refused) as caught:
+            _run(cache.fetch(uri, TOOL_SHA, credentials=named))
+        assert caught.value.retryable is False
+    assert _run(opened.fetch(uri, TOOL_SHA, credentials=named)).read_bytes() == TOOL
