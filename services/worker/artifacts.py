@@ -35,7 +35,8 @@ fetch would have been allowed; naming a digest that another owner's credentials 
 finds nothing and fetches with its own (which fail if they may not read it). New
 credentials (a rotated key) fetch once more. ``https://`` artifacts (fetched with no
 credentials: anyone may fetch them again) keep the digest as their name, and a sealed copy
-of a ``file://`` artifact is named apart from them (opened as each attempt anyway).
+of a ``file://`` artifact is named apart from them (opened as each attempt anyway). A cache
+made before names were scoped is emptied once (``_forget_unscoped``).
 
 An ``https://`` download follows at most ``MAX_REDIRECTS`` redirects (a presigned URL, a
 release asset), each hop checked as the first URI was, before it is asked:
@@ -86,6 +87,8 @@ _TRANSIENT_HTTP = frozenset({408, 425, 429})
 _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
 #: S3 clients kept for artifacts' own credentials, the least recently used dropped first
 MAX_S3_CLIENTS = 32
+#: the folder in the cache that says its entries have scoped names (``_forget_unscoped``)
+SCOPED = ".scoped-names"
 #: the setting that lists the buckets the worker's own credentials may fetch from
 OWN_BUCKETS_SETTING = "CAIRN_WORKER_S3_OWN_BUCKETS"
 #: files no artifact may come from: the kernel's views of processes and devices
@@ -168,6 +171,17 @@ class ArtifactCache:
         self._s3_own_buckets = s3_own_buckets
         self._s3_clients: OrderedDict[str, Any] = OrderedDict()
         self._s3_lock = threading.Lock()
+        self._forget_unscoped()
+
+    def _forget_unscoped(self) -> None:
+        """Remove, once, what a cache of before scoped names (``_entry``) holds: it named
+        an ``s3://`` artifact by its digest alone, where an ``https://`` one of that
+        digest would find it now. ``SCOPED`` (a folder) says it was done."""
+        if not self.root.is_dir() or (self.root / SCOPED).is_dir():
+            return
+        for path in self.root.glob("??/" + "?" * 64):
+            path.unlink(missing_ok=True)
+        (self.root / SCOPED).mkdir(mode=0o700, exist_ok=True)
 
     def path_for(self, sha256: str) -> Path:
         """Where the artifact with this digest is (or will be) kept."""
@@ -421,6 +435,7 @@ class ArtifactCache:
         credentials: S3Credentials | None = None,
     ) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.root / SCOPED).mkdir(exist_ok=True, mode=0o700)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name[:16]}.", suffix=".part")
         tmp = Path(name)

@@ -70,7 +70,7 @@ def test_a_bucket_outside_the_setting_is_refused_without_credentials(
     assert "'internal'" in caught.value.reason
     assert "CAIRN_WORKER_S3_OWN_BUCKETS" in caught.value.reason
     assert "artifact.credentials" in caught.value.reason
-    assert not list((tmp_path / "cache").rglob("*"))  # nothing was fetched
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing fetched
 
 
 def test_the_workers_own_keys_serve_the_buckets_the_operator_lists(
@@ -122,3 +122,17 @@ def test_an_endpoint_in_credentials_is_a_source_the_worker_must_allow(
             _run(cache.fetch(uri, TOOL_SHA, credentials=named))
         assert caught.value.retryable is False
     assert _run(opened.fetch(uri, TOOL_SHA, credentials=named)).read_bytes() == TOOL
+
+
+def test_a_cache_of_before_scoped_names_is_emptied_once(tmp_path: Path) -> None:
+    """An s3 artifact it named by digest alone would answer an https URI of that digest."""
+    root = tmp_path / "cache"
+    old = root / INTERNAL_SHA[:2] / INTERNAL_SHA
+    old.parent.mkdir(parents=True)
+    old.write_bytes(INTERNAL)
+
+    ArtifactCache(root)
+    assert not old.exists()
+    old.write_bytes(INTERNAL)  # as if fetched under the new names: kept from now on
+    ArtifactCache(root)
+    assert old.exists()
