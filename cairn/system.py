@@ -306,6 +306,9 @@ def _up_locked(
             CAIRN_URL=urls["core"],
             CAIRN_TOKEN_FILE=str(settings.home / "local-worker-token"),
             CAIRN_WORKER_DRAIN_GRACE_S=os.environ.get("CAIRN_WORKER_DRAIN_GRACE_S", "5"),
+            # One person's machine: the worker's own credentials may fetch from any bucket
+            # (docs/security.md, "Artifact credentials"), unless the environment says less.
+            CAIRN_WORKER_S3_OWN_BUCKETS=os.environ.get("CAIRN_WORKER_S3_OWN_BUCKETS", "*"),
             **worker_run_dir(settings),
         )
         where = f"embedded, {settings.home / 'pg'}" if started else "as configured"

@@ -194,6 +194,7 @@ def show_task(c: Ctx, task: Task) -> None:
         ("queue", task.queue),
         ("priority", task.priority),
         ("artifact", task.artifact.uri),
+        *_credentials_row(task),
         ("args", " ".join(task.args)),
         ("attempts", task.attempts),
         ("run at", output.when(task.run_at)),
@@ -390,6 +391,20 @@ def _placement(
     body["placement"] = placement
 
 
+def _credentials_row(task: Task) -> list[tuple[str, str]]:
+    """The secret an artifact is fetched with, as ``--artifact-credentials`` takes it."""
+    ref = task.artifact.credentials
+    if ref is None:
+        return []
+    return [("artifact keys", f"{ref.team}/{ref.secret}" if ref.team else ref.secret)]
+
+
+def _ref(text: str) -> dict[str, str]:
+    """A secret reference from ``SECRET`` (yours) or ``TEAM/SECRET`` (a team's)."""
+    team, _, name = text.rpartition("/")
+    return {"secret": name, "team": team} if team else {"secret": name}
+
+
 def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small commands
     @app.command()
     def submit(  # noqa: C901 - one flag, one line each
@@ -400,6 +415,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         ] = None,
         sha256: Annotated[
             str | None, typer.Option(help="the artifact's digest (read locally for file://)")
+        ] = None,
+        artifact_credentials: Annotated[
+            str | None,
+            typer.Option(
+                help="SECRET or TEAM/SECRET: S3 keys the worker fetches an s3:// artifact with"
+            ),
         ] = None,
         arg: Annotated[list[str] | None, typer.Option("--arg", "-a", help="an argument")] = None,
         queue: Annotated[str, typer.Option(help="queue")] = "default",
@@ -473,6 +494,11 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             body["name"] = name
         if artifact:
             body["artifact"] = {"uri": artifact, "sha256": sha256 or sha256_of(artifact)}
+        if artifact_credentials:
+            body["artifact"] = {
+                **body.get("artifact", {}),
+                "credentials": _ref(artifact_credentials),
+            }
         if arg:
             body["args"] = list(arg)
         if queue != "default" or "queue" not in body:
@@ -482,9 +508,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if env:
             body["env"] = output.pairs(env)
         for key, ref in output.pairs(secret or []).items():
-            owner_team, _, name = ref.rpartition("/")
-            entry = {"secret": name, "team": owner_team} if owner_team else {"secret": name}
-            body["env"] = {**body.get("env", {}), key: entry}
+            body["env"] = {**body.get("env", {}), key: _ref(ref)}
         if team:
             body["team"] = team
         if label:

@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     JsonValue,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -132,6 +133,9 @@ class _Output(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+S3Endpoint = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/]+/?$")]
+
+
 class Artifact(_Input):
     """Where the executable lives, and the digest it must have."""
 
@@ -142,6 +146,35 @@ class Artifact(_Input):
         ),
     ]
     sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    #: an ``s3://`` artifact's credentials: a secret of the owner's (or, with ``team``,
+    #: that team's) holding ``S3Credentials`` as JSON; core opens it into the lease only
+    credentials: SecretRef | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @field_validator("credentials")
+    @classmethod
+    def _s3_only(cls, value: SecretRef | None, info: ValidationInfo) -> SecretRef | None:
+        if value is not None and not str(info.data.get("uri", "")).startswith("s3://"):
+            raise ValueError("only an s3:// artifact takes credentials")
+        return value
+
+
+class S3Credentials(_Input):
+    """The JSON value of an artifact's ``credentials`` secret: what the worker signs that
+    one fetch with (docs/security.md, "Artifact credentials"). Kept out of ``repr``."""
+
+    access_key_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] = Field(
+        repr=False
+    )
+    secret_access_key: Annotated[str, StringConstraints(min_length=1, max_length=1024)] = Field(
+        repr=False
+    )
+    session_token: Annotated[str, StringConstraints(min_length=1, max_length=8192)] | None = Field(
+        default=None, repr=False
+    )
+    region: Annotated[str, StringConstraints(pattern=r"^[a-z0-9-]{1,64}$")] | None = None
+    #: another S3-compatible service: ``https://`` (``http://`` only where the worker
+    #: admits insecure http), under the worker's ``CAIRN_ARTIFACT_SOURCES``
+    endpoint: S3Endpoint | None = None
 
 
 class Resources(_Input):
@@ -776,6 +809,10 @@ class Assignment(_Output):
     fencing_token: str | None = None
     #: its queue's egress policy (None: ``host``), applied by the agent
     egress: Egress | None = None
+    #: the opened value of ``artifact.credentials`` (``S3Credentials``), for that fetch only
+    artifact_credentials: S3Credentials | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ClaimAnswer(_Output):

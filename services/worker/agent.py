@@ -169,6 +169,7 @@ class Agent:
             settings.home / "artifacts",
             sources=settings.sources,
             max_cache_bytes=settings.worker_cache_mb * 2**20,
+            s3_own_buckets=settings.s3_own_buckets,
         )
         self.worker_id = 0
         self.lease = ""

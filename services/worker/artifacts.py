@@ -19,6 +19,25 @@ computed, so a mismatch is no oracle for a file's content. The cache is bounded
 (``max_cache_bytes``): the least recently used artifacts are removed first, never one
 being copied.
 
+An ``s3://`` artifact is fetched with the credentials its task names (``artifact.credentials``,
+a secret of its owner or team that core opens into the lease: ``S3Credentials``), by a client
+made for those credentials (a few are kept, by a digest of them); the worker's own
+credentials (boto3's chain: its role, its environment) sign a fetch only from a bucket the
+operator lists in ``s3_own_buckets`` (``CAIRN_WORKER_S3_OWN_BUCKETS``; ``*``: any bucket).
+Anything else fails at once, naming the bucket and the setting: the worker is nobody's
+deputy for objects only its own role may read (docs/security.md, "Artifact credentials").
+
+The cache is no way around that rule, by construction rather than by a check: an ``s3://``
+artifact is kept under a name derived from its bucket, the credentials that fetched it (a
+digest of them, or the worker's own) and its digest (``_entry``), so a hit needs the same
+bucket and the same credentials, and so an attempt gets a cached copy only where its own
+fetch would have been allowed; naming a digest that another owner's credentials fetched
+finds nothing and fetches with its own (which fail if they may not read it). New
+credentials (a rotated key) fetch once more. ``https://`` artifacts (fetched with no
+credentials: anyone may fetch them again) keep the digest as their name, and a sealed copy
+of a ``file://`` artifact is named apart from them (opened as each attempt anyway). A cache
+made before names were scoped is emptied once (``_forget_unscoped``).
+
 An ``https://`` download follows at most ``MAX_REDIRECTS`` redirects (a presigned URL, a
 release asset), each hop checked as the first URI was, before it is asked:
 ``CAIRN_ARTIFACT_SOURCES`` must allow it too, and https never leads to plain http. A refused
@@ -48,12 +67,14 @@ import time
 import urllib.parse
 import urllib.request
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import httpx
 
+from libs.common.models import S3Credentials
 from libs.common.sources import source_allowed
 from services.worker.isolation import Identity
 
@@ -64,6 +85,12 @@ MAX_REDIRECTS = 5
 CHUNK = 1 << 20
 _TRANSIENT_HTTP = frozenset({408, 425, 429})
 _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
+#: S3 clients kept for artifacts' own credentials, the least recently used dropped first
+MAX_S3_CLIENTS = 32
+#: the folder in the cache that says its entries have scoped names (``_forget_unscoped``)
+SCOPED = ".scoped-names"
+#: the setting that lists the buckets the worker's own credentials may fetch from
+OWN_BUCKETS_SETTING = "CAIRN_WORKER_S3_OWN_BUCKETS"
 #: files no artifact may come from: the kernel's views of processes and devices
 _PSEUDO = ("/proc/", "/sys/", "/dev/")
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
@@ -111,7 +138,9 @@ class ArtifactCache:
 
     ``allow_insecure_http`` admits ``http://`` URIs (for tests and trusted networks; the
     digest still guards the content). ``s3_endpoint_url`` defaults to the environment's
-    ``CAIRN_S3_ENDPOINT_URL``; credentials come from boto3's usual chain.
+    ``CAIRN_S3_ENDPOINT_URL`` (credentials may name another). ``s3_own_buckets``: the
+    buckets fetched from with the worker's own credentials (boto3's usual chain) when an
+    artifact names none (``*``: every bucket); none by default.
     """
 
     def __init__(
@@ -125,6 +154,7 @@ class ArtifactCache:
         transport: httpx.AsyncBaseTransport | None = None,
         sources: tuple[str, ...] = (),
         max_cache_bytes: int | None = None,
+        s3_own_buckets: frozenset[str] = frozenset(),
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -138,16 +168,35 @@ class ArtifactCache:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._verified: set[str] = set()
         self._fingerprints: dict[str, tuple[int, int, int, int]] = {}
-        self._s3_client: Any = None
+        self._s3_own_buckets = s3_own_buckets
+        self._s3_clients: OrderedDict[str, Any] = OrderedDict()
         self._s3_lock = threading.Lock()
+        self._forget_unscoped()
+
+    def _forget_unscoped(self) -> None:
+        """Remove, once, what a cache of before scoped names (``_entry``) holds: it named
+        an ``s3://`` artifact by its digest alone, where an ``https://`` one of that
+        digest would find it now. ``SCOPED`` (a folder) says it was done."""
+        if not self.root.is_dir() or (self.root / SCOPED).is_dir():
+            return
+        for path in self.root.glob("??/" + "?" * 64):
+            path.unlink(missing_ok=True)
+        (self.root / SCOPED).mkdir(mode=0o700, exist_ok=True)
 
     def path_for(self, sha256: str) -> Path:
         """Where the artifact with this digest is (or will be) kept."""
         return self.root / sha256[:2] / sha256
 
-    async def fetch(self, uri: str, sha256: str, reader: Identity | None = None) -> Path:
+    async def fetch(
+        self,
+        uri: str,
+        sha256: str,
+        reader: Identity | None = None,
+        credentials: S3Credentials | None = None,
+    ) -> Path:
         """The local path of the artifact at ``uri``, downloaded unless already cached;
-        a ``file://`` source is opened as ``reader`` when given.
+        a ``file://`` source is opened as ``reader`` when given, an ``s3://`` one fetched
+        with ``credentials`` (or, in ``s3_own_buckets``, the worker's own).
 
         Raises ``ArtifactError`` when it cannot be had or its digest is not ``sha256``.
         """
@@ -156,20 +205,68 @@ class ArtifactCache:
             raise ArtifactError(
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
-        final = self.path_for(digest)
-        lock = self._locks.get(digest)
+        entry = self._entry(uri, digest, credentials)
+        final = self.path_for(entry)
+        lock = self._locks.get(entry)
         if lock is None:
-            lock = self._locks[digest] = asyncio.Lock()
+            lock = self._locks[entry] = asyncio.Lock()
         async with lock:
-            if await self._usable(final, digest):
+            if await self._usable(final, entry, digest):
                 return final
-            await self._download(uri, digest, final, reader)
-            self._verified.add(digest)
-            self._evict(keep=digest)
+            await self._download(uri, digest, final, reader, credentials)
+            self._verified.add(entry)
+            self._evict(keep=entry)
             return final
 
+    def _entry(self, uri: str, digest: str, credentials: S3Credentials | None) -> str:
+        """The cache's name for this artifact (the module's docstring says why): its
+        digest, or for ``s3://`` one derived from the bucket, the credentials and the
+        digest, once the fetch is known to be allowed (``_s3_allowed``)."""
+        if _scheme(uri) != "s3":
+            return digest
+        bucket = self._s3_allowed(uri, credentials)
+        scope = "worker" if credentials is None else _credentials_key(credentials)
+        return hashlib.sha256(f"cairn-s3\x00{bucket}\x00{scope}\x00{digest}".encode()).hexdigest()
+
+    def _s3_allowed(self, uri: str, credentials: S3Credentials | None) -> str:
+        """The bucket of ``uri``, if this fetch may be made: with the artifact's own
+        credentials, or from a bucket the worker's own credentials serve anyone."""
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        if not bucket or not key:
+            raise ArtifactError(f"not an s3://bucket/key URI: {uri!r}", retryable=False)
+        if credentials is not None:
+            endpoint = credentials.endpoint
+            if endpoint is None:
+                return bucket
+            if endpoint.startswith("http://") and not self._allow_http:
+                raise ArtifactError(
+                    "artifact.credentials: an http:// endpoint is not allowed here (https only)",
+                    retryable=False,
+                )
+            # The worker connects where the endpoint says: a source like any other.
+            if not source_allowed(endpoint.rstrip("/") + "/", self.sources):
+                raise ArtifactError(
+                    "artifact.credentials: its endpoint is not an allowed artifact source "
+                    "(CAIRN_ARTIFACT_SOURCES)",
+                    retryable=False,
+                )
+            return bucket
+        if "*" in self._s3_own_buckets or bucket in self._s3_own_buckets:
+            return bucket
+        raise ArtifactError(
+            f"s3 bucket {bucket!r} is not one the worker fetches from with its own "
+            f"credentials ({OWN_BUCKETS_SETTING}): name credentials for the artifact "
+            "(artifact.credentials, a secret holding S3 keys)",
+            retryable=False,
+        )
+
     async def materialize(
-        self, uri: str, sha256: str, folder: Path, reader: Identity | None = None
+        self,
+        uri: str,
+        sha256: str,
+        folder: Path,
+        reader: Identity | None = None,
+        credentials: S3Credentials | None = None,
     ) -> Path:
         """A private copy of the artifact in ``folder``, checked against ``sha256`` as it
         is written (so what runs is verified now, not trusted from an earlier check).
@@ -183,24 +280,27 @@ class ArtifactCache:
         if _scheme(uri) == "file":
             sink = _Sink(None, self.max_bytes)
             return await _in_thread(sink, lambda: _copy_local(uri, digest, folder, reader, sink))
-        self._copying[digest] += 1
+        entry = self._entry(uri, digest, credentials)
+        self._copying[entry] += 1
         try:
             for tries_left in (1, 0):
-                cached = await self.fetch(uri, digest)
+                cached = await self.fetch(uri, digest, credentials=credentials)
                 seen = _fingerprint(cached)
                 if seen is not None:
                     with contextlib.suppress(OSError):
                         # Used now: last in the eviction order (its mtime is kept).
                         os.utime(cached, ns=(time.time_ns(), seen[3]))
-                if seen is not None and self._fingerprints.get(digest) == seen:
+                if seen is not None and self._fingerprints.get(entry) == seen:
                     copy = await asyncio.to_thread(_copy_same, cached, folder, seen)
                     if copy is not None:
                         return copy
-                    self._fingerprints.pop(digest, None)  # changed: hashed again below
+                    self._fingerprints.pop(entry, None)  # changed: hashed again below
                 try:
-                    copy = await self._copy_checked(_copier(cached, None), uri, digest, folder)
+                    copy = await self._copy_checked(
+                        _copier(cached, None), uri, digest, folder, entry
+                    )
                     if seen is not None and _fingerprint(cached) == seen:
-                        self._fingerprints[digest] = seen
+                        self._fingerprints[entry] = seen
                     return copy
                 except ArtifactError:
                     # The cached copy changed since it was checked: it is gone now,
@@ -209,7 +309,7 @@ class ArtifactCache:
                         raise
             raise AssertionError("unreachable")
         finally:
-            self._copying[digest] -= 1
+            self._copying[entry] -= 1
 
     def copy_local(
         self, uri: str, sha256: str, folder: Path, reader: Identity | None = None
@@ -232,31 +332,38 @@ class ArtifactCache:
             raise ArtifactError(
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
-        known = sealed.get(digest)
+        # Named apart from fetched artifacts: an https:// attempt naming this digest must
+        # not get a copy of a file only this reader may open.
+        name = hashlib.sha256(f"cairn-file\x00{digest}".encode()).hexdigest()
+        known = sealed.get(name)
         if known is None:
-            return sealed.add(digest, self.copy_local(uri, digest, sealed.folder, reader))
+            return sealed.add(name, self.copy_local(uri, digest, sealed.folder, reader))
         sink = _Sink(None, self.max_bytes)
         _copy_file(_local_path(uri), sink, reader)
         if sink.hexdigest() != digest:
             raise ArtifactError(_mismatch(uri), retryable=False)
         return known
 
-    async def seal(self, uri: str, sha256: str, sealed: Sealed) -> Path:
+    async def seal(
+        self, uri: str, sha256: str, sealed: Sealed, credentials: S3Credentials | None = None
+    ) -> Path:
         """The sealed copy of a fetched artifact, made from the cache (``materialize``)
-        when none is known, then used while its fingerprint holds."""
+        when none is known, then used while its fingerprint holds; named as the cache
+        names it (``_entry``), so it is shared on the same terms."""
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources):
             raise ArtifactError(
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
-        known = sealed.get(digest)
+        entry = self._entry(uri, digest, credentials)
+        known = sealed.get(entry)
         if known is not None:
             return known
-        copy = await self.materialize(uri, digest, sealed.folder)
-        return await asyncio.to_thread(sealed.add, digest, copy)
+        copy = await self.materialize(uri, digest, sealed.folder, credentials=credentials)
+        return await asyncio.to_thread(sealed.add, entry, copy)
 
     async def _copy_checked(
-        self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path
+        self, copy: Callable[[_Sink], None], uri: str, digest: str, folder: Path, entry: str
     ) -> Path:
         sink = _Sink(None, self.max_bytes)
         made: list[str] = []
@@ -274,9 +381,9 @@ class ArtifactCache:
             [name] = made
             if sink.hexdigest() != digest:
                 if _scheme(uri) != "file":
-                    self._verified.discard(digest)
-                    self._fingerprints.pop(digest, None)
-                    self.path_for(digest).unlink(missing_ok=True)
+                    self._verified.discard(entry)
+                    self._fingerprints.pop(entry, None)
+                    self.path_for(entry).unlink(missing_ok=True)
                 raise ArtifactError(_mismatch(uri), retryable=_scheme(uri) != "file")
         except BaseException:
             for name in made:
@@ -306,30 +413,36 @@ class ArtifactCache:
             self._fingerprints.pop(path.name, None)
             total -= size
 
-    async def _usable(self, final: Path, digest: str) -> bool:
+    async def _usable(self, final: Path, entry: str, digest: str) -> bool:
         """Whether the cached copy can be used; checked against its digest once a process."""
         if not final.exists():
-            self._verified.discard(digest)
+            self._verified.discard(entry)
             return False
-        if digest in self._verified:
+        if entry in self._verified:
             return True
         if await asyncio.to_thread(_file_digest, final) == digest:
-            self._verified.add(digest)
+            self._verified.add(entry)
             return True
         final.unlink(missing_ok=True)
         return False
 
     async def _download(
-        self, uri: str, digest: str, final: Path, reader: Identity | None = None
+        self,
+        uri: str,
+        digest: str,
+        final: Path,
+        reader: Identity | None = None,
+        credentials: S3Credentials | None = None,
     ) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.root / SCOPED).mkdir(exist_ok=True, mode=0o700)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{digest[:16]}.", suffix=".part")
+        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name[:16]}.", suffix=".part")
         tmp = Path(name)
         try:
             with os.fdopen(fd, "wb") as out:
                 sink = _Sink(out, self.max_bytes)
-                await self._fetch_into(uri, sink, reader)
+                await self._fetch_into(uri, sink, reader, credentials)
                 out.flush()
                 os.fsync(out.fileno())
             if sink.hexdigest() != digest:
@@ -339,14 +452,20 @@ class ArtifactCache:
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def _fetch_into(self, uri: str, sink: _Sink, reader: Identity | None = None) -> None:
+    async def _fetch_into(
+        self,
+        uri: str,
+        sink: _Sink,
+        reader: Identity | None = None,
+        credentials: S3Credentials | None = None,
+    ) -> None:
         scheme = _scheme(uri)
         if scheme == "file":
             await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink, reader))
         elif scheme == "https" or (scheme == "http" and self._allow_http):
             await self._download_http(uri, sink)
         elif scheme == "s3":
-            await _in_thread(sink, lambda: self._download_s3(uri, sink))
+            await _in_thread(sink, lambda: self._download_s3(uri, sink, credentials))
         else:
             allowed = "https://, s3:// or file://"
             if scheme == "http":
@@ -415,13 +534,12 @@ class ArtifactCache:
             )
         return target
 
-    def _download_s3(self, uri: str, sink: _Sink) -> None:
-        bucket, _, key = uri[len("s3://") :].partition("/")
-        if not bucket or not key:
-            raise ArtifactError(f"not an s3://bucket/key URI: {uri!r}", retryable=False)
+    def _download_s3(self, uri: str, sink: _Sink, credentials: S3Credentials | None) -> None:
+        bucket = self._s3_allowed(uri, credentials)
+        key = uri[len("s3://") + len(bucket) + 1 :]
         botocore = importlib.import_module("botocore.exceptions")
         try:
-            answer = self._s3().get_object(Bucket=bucket, Key=key)
+            answer = self._s3(credentials).get_object(Bucket=bucket, Key=key)
             body = answer["Body"]
             if int(answer.get("ContentLength") or 0) > self.max_bytes:
                 raise ArtifactError(
@@ -437,15 +555,31 @@ class ArtifactCache:
         except botocore.BotoCoreError as exc:
             raise ArtifactError(f"s3 GET {uri}: {exc}", retryable=True) from exc
 
-    def _s3(self) -> Any:
-        # boto3 is imported on first use: only workers that fetch from S3 need it.
+    def _s3(self, credentials: S3Credentials | None) -> Any:
+        """A client signing with ``credentials`` (the worker's own chain when None), kept
+        by a digest of them, at most ``MAX_S3_CLIENTS``."""
+        key = "worker" if credentials is None else _credentials_key(credentials)
         with self._s3_lock:
-            if self._s3_client is None:
-                boto3 = importlib.import_module("boto3")
-                self._s3_client = boto3.session.Session().client(
-                    "s3", endpoint_url=self._s3_endpoint_url
-                )
-            return self._s3_client
+            client = self._s3_clients.get(key)
+            if client is None:
+                # boto3 is imported on first use: only workers that fetch from S3 need it.
+                session = importlib.import_module("boto3").session.Session()
+                if credentials is None:
+                    client = session.client("s3", endpoint_url=self._s3_endpoint_url)
+                else:
+                    client = session.client(
+                        "s3",
+                        endpoint_url=credentials.endpoint or self._s3_endpoint_url,
+                        region_name=credentials.region,
+                        aws_access_key_id=credentials.access_key_id,
+                        aws_secret_access_key=credentials.secret_access_key,
+                        aws_session_token=credentials.session_token,
+                    )
+                self._s3_clients[key] = client
+                while len(self._s3_clients) > MAX_S3_CLIENTS:
+                    self._s3_clients.popitem(last=False)
+            self._s3_clients.move_to_end(key)
+            return client
 
 
 class Sealed:
@@ -653,6 +787,13 @@ def _copy_same(source: Path, folder: Path, seen: tuple[int, int, int, int]) -> P
         raise
     Path(name).unlink(missing_ok=True)
     return None
+
+
+def _credentials_key(credentials: S3Credentials) -> str:
+    """A digest of every part of the credentials: the secret key too, so knowing another
+    team's key id (which is no secret) names no cache entry or client of theirs."""
+    canonical = credentials.model_dump_json(exclude_none=True)
+    return hashlib.sha256(f"cairn-s3-credentials\x00{canonical}".encode()).hexdigest()
 
 
 def _digest(sha256: str) -> str:

@@ -254,11 +254,17 @@ class Host:
         folders = await asyncio.to_thread(self._made, assignment, identity)
         try:
             if self.sealed is not None and identity is not None:
-                sealed = await cache.seal(artifact.uri, artifact.sha256, self.sealed)
+                sealed = await cache.seal(
+                    artifact.uri, artifact.sha256, self.sealed, assignment.artifact_credentials
+                )
                 await asyncio.to_thread(folders.link_executable, sealed)
             else:
                 written = await cache.materialize(
-                    artifact.uri, artifact.sha256, folders.executable.parent, identity
+                    artifact.uri,
+                    artifact.sha256,
+                    folders.executable.parent,
+                    identity,
+                    assignment.artifact_credentials,
                 )
                 await asyncio.to_thread(folders.seal_executable, written)
         except BaseException:

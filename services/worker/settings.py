@@ -54,6 +54,11 @@ class WorkerSettings(WorkerOfferSettings):
     #: the artifact cache's bound; the least recently used artifacts go first
     worker_cache_mb: int = Field(default=10 * 1024, ge=1)
     artifact_sources: str = ""
+    #: the s3 buckets whose artifacts the worker fetches with its own credentials for any
+    #: task that names none (comma separated; ``*``: every bucket, for a single-tenant
+    #: install). Default none: an artifact elsewhere must name its own credentials
+    #: (docs/security.md, "Artifact credentials"); ``cairn up`` and compose set ``*``.
+    worker_s3_own_buckets: str = ""
     #: preempt preemptible attempts while the host has less memory available than this
     #: (default: 5 % of the worker's memory, at least 64 MB)
     worker_min_available_mb: int | None = Field(default=None, ge=0)
@@ -122,6 +127,10 @@ class WorkerSettings(WorkerOfferSettings):
     def uids(self) -> range:
         first, _, last = self.worker_uids.partition("-")
         return range(int(first), int(last) + 1)
+
+    @property
+    def s3_own_buckets(self) -> frozenset[str]:
+        return frozenset(parse_list(self.worker_s3_own_buckets))
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -798,7 +798,7 @@ SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        t.max_attempts, {tasks_db.RECENT_CRASHES} AS recent_crashes, t.poison_after,
        t.poison_window_s, t.retry_causes, t.backoff_base_s, t.backoff_cap_s,
        t.backoff_jitter,
-       jsonb_path_exists(t.env, '$.* ? (@.type() == "object")') AS has_secrets
+       {refers_to_secrets("t.env")} AS has_secrets
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:ids AS bigint[]))
 ORDER BY t.id

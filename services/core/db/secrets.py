@@ -1,6 +1,12 @@
 """Secrets: named values of an owner or a team, sealed with ``crypto.SecretBox``. No read
 of the API returns a value; core opens them only into the claim answer of the worker that
-leases an attempt, and masks them in what that attempt's worker sends back."""
+leases an attempt, and masks them in what that attempt's worker sends back.
+
+A task refers to secrets in two places, under one set of rules (who may use which, checked
+at submit, retry and every lease): its ``env`` values, and its artifact's ``credentials``
+(``S3Credentials`` as JSON, which the worker signs that one fetch with; docs/security.md,
+"Artifact credentials"). Each reference is named by its field (``env.KEY``,
+``artifact.credentials``) in every refusal."""
 
 from __future__ import annotations
 
@@ -8,11 +14,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from sqlalchemy import delete, func, insert, or_, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
-from libs.common.models import Assignment, SecretInfo, SecretRef
+from libs.common.models import Artifact, Assignment, S3Credentials, SecretInfo, SecretRef
 from services.core.db.tables import secrets
 from services.core.db.teams import held_teams, teams_of
 from services.core.identity.crypto import SecretBox, Unreadable
@@ -32,22 +39,31 @@ _INFO = (
 )
 
 
+#: the field of a task that names its artifact's credentials
+ARTIFACT_FIELD = "artifact.credentials"
+
+
 def refers_to_secrets(env: str) -> str:
-    """SQL: whether the env column ``env`` refers to secrets (a value that is an object)."""
-    return f"jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")')"
+    """SQL: whether the task whose env column is ``env`` (``alias.env``) refers to secrets:
+    an env value that is an object, or artifact credentials (the same alias's column)."""
+    alias, _, _ = env.rpartition(".")
+    credentials = f"{alias}.artifact_credentials" if alias else "artifact_credentials"
+    return (
+        f"(jsonb_path_exists({env}, '$.* ? (@.type() == \"object\")') OR {credentials} IS NOT NULL)"
+    )
 
 
 # The claimed tasks that refer to secrets, with their owners' recorded teams: a team's
 # secret is given out only while the owner belongs to the team (checked at every lease).
 _WITH_REFS = text(f"""
-SELECT t.id, t.owner, t.env,
+SELECT t.id, t.owner, t.env, t.artifact_credentials,
        ARRAY({held_teams("t.owner")}) AS teams
 FROM core.tasks t
 WHERE t.id = ANY(CAST(:ids AS bigint[])) AND {refers_to_secrets("t.env")}
 """)
 
 _OF_ATTEMPT = text(f"""
-SELECT t.owner, t.env FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+SELECT t.owner, t.env, t.artifact_credentials FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = :attempt AND {refers_to_secrets("t.env")}
 """)
 
@@ -157,28 +173,47 @@ class Asks(Protocol):
     def team(self) -> str | None: ...
     @property
     def env(self) -> Mapping[str, Any]: ...
+    @property
+    def artifact(self) -> Artifact: ...
 
 
 def refs_of(env: Mapping[str, Any]) -> dict[str, SecretRef]:
     """The env entries that are secret references (stored rows hold them as objects)."""
-    return {
-        key: value if isinstance(value, SecretRef) else SecretRef.model_validate(value)
-        for key, value in env.items()
-        if not isinstance(value, str)
-    }
+    return {key: _ref(value) for key, value in env.items() if not isinstance(value, str)}
+
+
+def _ref(value: Any) -> SecretRef:
+    return value if isinstance(value, SecretRef) else SecretRef.model_validate(value)
+
+
+def _named(env: Mapping[str, Any], credentials: Any) -> dict[str, SecretRef]:
+    """Every secret reference of a task by its field: ``env.KEY``, ``artifact.credentials``."""
+    named = {f"env.{key}": ref for key, ref in refs_of(env).items()}
+    if credentials is not None:
+        named[ARTIFACT_FIELD] = _ref(credentials)
+    return named
+
+
+def named_refs(spec: Asks) -> dict[str, SecretRef]:
+    """The secret references of a submission or a stored task, by field."""
+    return _named(spec.env, spec.artifact.credentials)
 
 
 def teams_used(spec: Asks) -> frozenset[str]:
     """The teams whose secrets ``spec`` refers to."""
-    return frozenset(ref.team for ref in refs_of(spec.env).values() if ref.team is not None)
+    return frozenset(ref.team for ref in named_refs(spec).values() if ref.team is not None)
 
 
 def needs_check(spec: Asks) -> bool:
-    return spec.team is not None or any(not isinstance(v, str) for v in spec.env.values())
+    return (
+        spec.team is not None
+        or spec.artifact.credentials is not None
+        or any(not isinstance(v, str) for v in spec.env.values())
+    )
 
 
 def outside_teams(refs: Mapping[str, SecretRef], teams: frozenset[str]) -> tuple[str, str] | None:
-    """The first (env key, team) whose team secret ``refs`` name but ``teams`` (the
+    """The first (field, team) whose team secret ``refs`` name but ``teams`` (the
     teams the owner holds, teams.teams_of) do not hold: the one rule for who may use a team's
     secrets, at submit, retry and lease."""
     for key, ref in refs.items():
@@ -197,13 +232,13 @@ async def check_submission(
     token expires): it is what every lease checks again."""
     if spec.team is not None and spec.team not in teams:
         raise Forbidden(f"{field}team: {owner!r} is not a member of team {spec.team!r}")
-    refs = refs_of(spec.env)
+    refs = named_refs(spec)
     if teams_used(spec):
         outside = outside_teams(refs, teams & await teams_of(conn, owner))
         if outside is not None:
             key, team = outside
             raise Forbidden(
-                f"{field}env.{key}: {owner!r} is not a member of team {team!r}, "
+                f"{field}{key}: {owner!r} is not a member of team {team!r}, "
                 "so may not use its secrets"
             )
     for key, ref in refs.items():
@@ -212,7 +247,7 @@ async def check_submission(
             select(secrets.c.id).where(scope.where(), secrets.c.name == ref.secret)
         )
         if found.first() is None:
-            raise InvalidInput(f"{field}env.{key}: no secret {ref.secret!r} of {scope.describe()}")
+            raise InvalidInput(f"{field}{key}: no secret {ref.secret!r} of {scope.describe()}")
 
 
 # --- claims: the one place values are opened ----------------------------------------------
@@ -248,7 +283,8 @@ async def _open_all(
 
 @dataclass(frozen=True)
 class _Refs:
-    """A leased task's secret references, its owner and the teams it holds (teams.held_teams)."""
+    """A leased task's secret references by field (``_named``), its owner and the teams it
+    holds (teams.held_teams)."""
 
     owner: str
     refs: dict[str, SecretRef]
@@ -261,7 +297,7 @@ class _Refs:
             return None
         key, team = outside
         return (
-            f"env {key}: {self.owner!r} is no longer a member of team {team!r}, "
+            f"{key}: {self.owner!r} is no longer a member of team {team!r}, "
             f"so its secret {self.refs[key].secret!r} is not given out"
         )
 
@@ -270,16 +306,34 @@ class _Refs:
     ) -> Assignment | str:
         """The assignment with its values, or why it cannot have them."""
         env = dict(assignment.env)
+        credentials = None
         for key, ref in self.refs.items():
             scope = Scope.of(self.owner, ref)
             value = opened.get((scope, ref.secret))
             if value is None:
                 return (
-                    f"env {key}: secret {ref.secret!r} of {scope.describe()} is gone or "
+                    f"{key}: secret {ref.secret!r} of {scope.describe()} is gone or "
                     "cannot be opened with the configured keys"
                 )
-            env[key] = value
-        return assignment.model_copy(update={"env": env})
+            if key != ARTIFACT_FIELD:
+                env[key.removeprefix("env.")] = value
+                continue
+            credentials = s3_credentials(value)
+            if credentials is None:
+                return (
+                    f"{key}: secret {ref.secret!r} of {scope.describe()} is not S3 "
+                    "credentials (JSON with access_key_id and secret_access_key)"
+                )
+        return assignment.model_copy(update={"env": env, "artifact_credentials": credentials})
+
+
+def s3_credentials(value: str) -> S3Credentials | None:
+    """An artifact secret's value as credentials; None (and no word of the value) if it
+    is not ``S3Credentials`` as JSON."""
+    try:
+        return S3Credentials.model_validate_json(value)
+    except ValidationError:
+        return None
 
 
 async def fill(
@@ -293,7 +347,10 @@ async def fill(
     rows = list(await conn.execute(_WITH_REFS, {"ids": [a.task_id for a in leased]}))
     if not rows:
         return list(leased), {}
-    wanted = {row.id: _Refs(row.owner, refs_of(row.env), frozenset(row.teams)) for row in rows}
+    wanted = {
+        row.id: _Refs(row.owner, _named(row.env, row.artifact_credentials), frozenset(row.teams))
+        for row in rows
+    }
     refused = {task_id: why for task_id, r in wanted.items() if (why := r.refusal()) is not None}
     opened = await _open_all(
         conn,
@@ -320,6 +377,18 @@ async def fill(
     return ready, broken
 
 
+def _maskable(opened: Iterable[str]) -> Iterable[str]:
+    """The values to hide: each secret's, and the parts of those that are credentials (an
+    error may quote a key without the JSON around it)."""
+    for value in opened:
+        yield value
+        credentials = s3_credentials(value) if value.startswith("{") else None
+        if credentials is not None:
+            yield from (credentials.access_key_id, credentials.secret_access_key)
+            if credentials.session_token:
+                yield credentials.session_token
+
+
 def mask_json(mask: Callable[[str], str], value: Any) -> Any:
     """``value`` (decoded JSON, such as an attempt's outputs) with ``mask`` applied to
     every string in it, keys included."""
@@ -339,9 +408,11 @@ async def masker(
     row = (await conn.execute(_OF_ATTEMPT, {"attempt": attempt_id})).first()
     if row is None:
         return None
-    refs = refs_of(row.env)
+    refs = _named(row.env, row.artifact_credentials)
     opened = await _open_all(conn, box, ((Scope.of(row.owner, r), r.secret) for r in refs.values()))
-    values = sorted((v for v in opened.values() if len(v) >= MASK_MIN_LEN), key=len, reverse=True)
+    values = sorted(
+        (v for v in _maskable(opened.values()) if len(v) >= MASK_MIN_LEN), key=len, reverse=True
+    )
     if not values:
         return None
 

@@ -313,6 +313,8 @@ tasks = Table(
     # compiled for the claim (domain.selectors); NULL for the common task.
     Column("placement", JSONB),
     Column("required", JSONB),
+    # The artifact's credentials, a secret reference ({"secret", "team"}; docs/security.md).
+    Column("artifact_credentials", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -333,6 +335,7 @@ tasks = Table(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
     CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
+    CheckConstraint("jsonb_typeof(artifact_credentials) = 'object'", name="artifact_credentials"),
     Index(
         "uq_tasks_owner_idempotency_key",
         "owner",

@@ -67,7 +67,8 @@ TASK_COLUMNS = """
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
-    start_by, poison_window_s, retry_causes, progress_timeout_s, placement
+    start_by, poison_window_s, retry_causes, progress_timeout_s, placement,
+    artifact_credentials
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -99,7 +100,7 @@ WITH input AS (
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
         poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
-        placement jsonb, required jsonb
+        placement jsonb, required jsonb, artifact_credentials jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -147,7 +148,8 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required, state
+        start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required,
+        artifact_credentials, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -158,6 +160,7 @@ WITH input AS (
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
         poison_window_s, retry_causes, progress_timeout_s, placement, required,
+        artifact_credentials,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -562,6 +565,9 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "kind": spec.kind,
         "artifact_uri": spec.artifact.uri,
         "artifact_sha256": spec.artifact.sha256,
+        "artifact_credentials": (
+            spec.artifact.credentials.model_dump() if spec.artifact.credentials else None
+        ),
         "args": spec.args,
         "env": {k: v if isinstance(v, str) else v.model_dump() for k, v in spec.env.items()},
         "input_path": spec.input_path,
@@ -697,7 +703,11 @@ def task_from_row(m: Any) -> Task:
         queue=m.queue,
         priority=m.priority,
         kind=m.kind,
-        artifact={"uri": m.artifact_uri, "sha256": m.artifact_sha256},
+        artifact={
+            "uri": m.artifact_uri,
+            "sha256": m.artifact_sha256,
+            "credentials": m.artifact_credentials,
+        },
         args=m.args,
         env=m.env,
         input_path=m.input_path,

@@ -10,9 +10,6 @@ import importlib
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,6 +24,7 @@ import pytest
 from services.worker import artifacts
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import AttemptSpec, run_attempt
+from tests.fixtures.s3 import moto_server
 
 T = TypeVar("T")
 TOOL = b"#!/bin/sh\necho fetched and run\n"
@@ -276,36 +274,10 @@ def test_two_caches_on_one_root_cannot_corrupt_each_other(tmp_path: Path) -> Non
     assert _files(tmp_path / "cache") == [paths[0]]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
-    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
-        pytest.skip("moto[server] and boto3 are not installed in this environment")
-    port = _free_port()
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert moto.poll() is None, "the moto server exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the moto server did not start"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        moto.terminate()
-        moto.wait(timeout=10)
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -324,7 +296,7 @@ def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_s3_artifact_is_downloaded_and_verified(tmp_path: Path, s3: Any) -> None:
     s3.put_object(Bucket="tools", Key="team/tool v1.sh", Body=TOOL)
-    cache = ArtifactCache(tmp_path / "cache")
+    cache = ArtifactCache(tmp_path / "cache", s3_own_buckets=frozenset({"tools"}))
 
     path = _run(cache.fetch("s3://tools/team/tool v1.sh", TOOL_SHA))
 
@@ -336,7 +308,8 @@ def test_s3_artifact_is_downloaded_and_verified(tmp_path: Path, s3: Any) -> None
 
 def test_a_missing_s3_object_is_not_retryable(tmp_path: Path, s3: Any) -> None:
     with pytest.raises(ArtifactError, match="NoSuchKey") as caught:
-        _run(ArtifactCache(tmp_path / "cache").fetch("s3://tools/absent", TOOL_SHA))
+        cache = ArtifactCache(tmp_path / "cache", s3_own_buckets=frozenset({"*"}))
+        _run(cache.fetch("s3://tools/absent", TOOL_SHA))
 
     assert caught.value.retryable is False
 

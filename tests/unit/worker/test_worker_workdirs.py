@@ -5,6 +5,7 @@ next attempt, and its removal never blocks nor escapes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -155,7 +156,9 @@ def test_attempts_run_one_sealed_copy_that_none_of_them_can_change(
     sealed_dir, sealed, cache = _sealing(workdirs, root)
     first, second = workdirs.make(401, "run", FIRST), workdirs.make(402, "run", SECOND)
     for folders, reader in ((first, FIRST), (second, SECOND)):
-        folders.link_executable(cache.seal_local(source.as_uri(), DIGEST, reader, sealed))
+        made = cache.seal_local(source.as_uri(), DIGEST, reader, sealed)
+        folders.link_executable(made)
+    assert made.parent == sealed_dir
     assert first.executable.samefile(second.executable)
     info = first.executable.stat()
     assert (info.st_uid, stat.S_IMODE(info.st_mode), info.st_nlink) == (0, 0o555, 3)
@@ -203,7 +206,17 @@ def test_attempts_run_one_sealed_copy_that_none_of_them_can_change(
     assert stranger.returncode != 0  # the other attempt's gid cannot enter its folder
     workdirs.give_back(first, reusable=True)
     workdirs.give_back(second, reusable=True)
-    assert (sealed_dir / DIGEST).stat().st_nlink == 1
+    assert made.stat().st_nlink == 1
+
+
+def test_a_sealed_file_artifact_is_not_what_a_download_of_its_digest_gets(
+    workdirs: Workdirs, root: Path, source: Path
+) -> None:
+    _, sealed, cache = _sealing(workdirs, root)
+    cache.seal_local(source.as_uri(), DIGEST, FIRST, sealed)
+    # Nothing listens there: only a fetch can answer, not the file only FIRST may read.
+    with pytest.raises(ArtifactError, match="ConnectError"):
+        asyncio.run(cache.seal("https://127.0.0.1:9/tool", DIGEST, sealed))
 
 
 def test_a_file_source_is_read_as_the_attempt_and_hashed_each_time_a_copy_is_sealed(

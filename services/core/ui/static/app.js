@@ -175,6 +175,13 @@ function loginPage(main) {
   input.focus();
 }
 
+// The secret an s3:// artifact is fetched with (docs/security.md, "Artifact credentials").
+function artifactKeys(artifact) {
+  const ref = artifact.credentials;
+  if (!ref) return "";
+  return ` · fetched with ${ref.team ? `${ref.team}/${ref.secret}` : ref.secret}`;
+}
+
 // A task's retry policy in one line: poison pill window and the causes it never or always retries.
 function placementOf(placement) {
   if (!placement) return "any worker";
@@ -382,7 +389,7 @@ async function taskPage(main, id) {
         h("dt", {}, "name"), h("dd", {}, task.name),
         h("dt", {}, "owner"), h("dd", {}, task.owner),
         h("dt", {}, "queue"), h("dd", {}, task.queue, ` · priority ${task.priority}`),
-        h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri),
+        h("dt", {}, "artifact"), h("dd", {}, task.artifact.uri, artifactKeys(task.artifact)),
         h("dt", {}, "args"), h("dd", {}, JSON.stringify(task.args)),
         h("dt", {}, "attempts"), h("dd", {}, `${task.attempts} of ${task.retry.max_attempts}`),
         h("dt", {}, "timeout"), h("dd", { id: "task-timeout" }, task.timeout_s === null ? "none" : `${task.timeout_s} s`),
