@@ -48,6 +48,8 @@ MAX_APPROVAL_TIMEOUT_S = MAX_RUN_TIMEOUT_S
 MAX_APPROVERS = 100
 #: the longest comment on an approval decision, in characters
 MAX_COMMENT_CHARS = 2000
+#: the deepest sub-workflows nest: a run's child's child's ... at most this many levels
+MAX_SUBFLOW_DEPTH = 5
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -258,9 +260,23 @@ class ApprovalSpec(_Input):
     approvers: Approvers | None = None
 
 
+class SubWorkflowSpec(_Input):
+    """Run another stored workflow of the same owner as this node: version ``version``,
+    or (unset) its newest version when the parent run started (the child run records
+    which). ``params`` are the child's parameters, string values templated like a task's
+    args (``{{ params.NAME }}``, ``{{ nodes.UPSTREAM.outputs.NAME }}``, ...). The node
+    ends as the child run does (succeeded: succeeded; failed, timed out or cancelled:
+    failed) and keeps as its declared ``outputs`` the values of those names that the
+    child's nodes kept (docs/dag.md, "Sub-workflows")."""
+
+    name: WorkflowName
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    params: Params = Field(default_factory=dict)
+
+
 class NodeSpec(_Input):
-    """One node of a workflow: its task (or, instead, an ``approval`` gate), what it
-    waits for, and when it may run."""
+    """One node of a workflow: its task (or, instead, an ``approval`` gate or a
+    sub-``workflow``), what it waits for, and when it may run."""
 
     name: NodeName
     #: (left out of a dump when unset: only an approval gate has none)
@@ -278,10 +294,19 @@ class NodeSpec(_Input):
     )
     #: wait for a person instead of running a task (docs/dag.md, "Approval gates")
     approval: ApprovalSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    #: run another stored workflow instead of a task (docs/dag.md, "Sub-workflows")
+    workflow: SubWorkflowSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _task_or_approval(self) -> NodeSpec:
-        if self.approval is not None:
+        if self.workflow is not None:
+            if self.task is not None or self.approval is not None:
+                raise ValueError("workflow: a node has a task, an approval gate or a workflow")
+            if self.map is not None:
+                raise ValueError("workflow: a sub-workflow node cannot map")
+            if any(declared.path is not None for declared in self.outputs.values()):
+                raise ValueError("workflow: a sub-workflow's outputs are its child's, not paths")
+        elif self.approval is not None:
             if self.task is not None:
                 raise ValueError("approval: a node has a task or an approval gate, not both")
             if self.map is not None:
@@ -289,7 +314,7 @@ class NodeSpec(_Input):
             if self.outputs:
                 raise ValueError("approval: an approval gate has no outputs")
         elif self.task is None:
-            raise ValueError("task: a node needs a task (or an approval gate)")
+            raise ValueError("task: a node needs a task (or an approval gate, or a workflow)")
         return self
 
     @model_validator(mode="before")
@@ -423,6 +448,8 @@ class Node(_Output):
     decided_at: datetime | None = None
     comment: str | None = None
     wait_until: datetime | None = None
+    #: a sub-workflow node: the run it started (``GET /v1/runs/{child_run_id}``)
+    child_run_id: int | None = None
 
 
 class ApprovalDecision(_Input):
@@ -452,6 +479,9 @@ class Run(_Output):
     reason: str | None = None
     #: the ``timeout_s`` of its node tasks that set none (the run's or the workflow's)
     task_timeout_s: int | None = None
+    #: a sub-workflow's run: the run and node that started it
+    parent_run_id: int | None = None
+    parent_node: str | None = None
     nodes: list[Node] = Field(default_factory=list)
 
 

@@ -37,7 +37,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from libs.common import locks, tracing
 from libs.common.client import CoreClient
 from libs.common.dag_models import (
+    MAX_SUBFLOW_DEPTH,
     NODE_FINAL,
+    RUN_FINAL,
     NodeSpec,
     NodeState,
     RunState,
@@ -49,7 +51,7 @@ from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, T
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
 from services.dag.domain import conditions, data, graph, rules
-from services.dag.domain.templates import Renderer, RunContext, release_key
+from services.dag.domain.templates import Renderer, RunContext, merged_params, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
 
@@ -273,6 +275,7 @@ class Engine:
         await self.admit()
         await self.expire()
         await self.gates()
+        await self.children()
         await self.release()
         await self.cancel_live()
         if (
@@ -388,6 +391,133 @@ class Engine:
                     log.info("run %s: approval gates decided", run_id, extra={"run_id": run_id})
                     await self._settle(conn, run, await store.nodes_of(conn, [run_id], lock=True))
         await self._tell_failed()
+
+    # --- sub-workflows ---------------------------------------------------------------------
+
+    async def children(self) -> None:
+        """End the sub-workflow nodes whose child run ended, as it did (with the outputs
+        it kept), and settle their runs. One query a turn when none has."""
+        async with self.db.connect() as conn:
+            due = await store.children_ended(conn)
+        if not due:
+            return
+        self._ended.clear()
+        self._failed.clear()
+        for run_id in due:
+            async with self._write() as conn:
+                await self._child_ended(conn, run_id)
+        for state in self._ended:
+            self.metrics.finished.labels(state.value).inc()
+        await self._tell_failed()
+
+    async def _child_ended(self, conn: AsyncConnection, run_id: int) -> None:
+        run = (await store.lock_runs(conn, [run_id]))[0]
+        dag = await self.graphs.get(conn, run.workflow_id)
+        nodes = await store.nodes_of(conn, [run_id], lock=True)
+        live = [n for n in nodes if n.child_run_id is not None and n.state in _LIVE]
+        kids = await store.child_runs(conn, [n.child_run_id for n in live if n.child_run_id])
+        changes: dict[str, tuple[NodeState, str | None]] = {}
+        kept: dict[str, dict[str, Any]] = {}
+        for n in live:
+            child = kids.get(n.child_run_id or 0)
+            if child is None or child.state not in RUN_FINAL:
+                continue
+            if n.state is N.CANCELLING:
+                changes[n.name] = (N.CANCELLED, None)
+                continue
+            state, error, outputs = await self._child_outcome(conn, dag.specs[n.name], child)
+            changes[n.name] = (state, error)
+            if outputs is not None:
+                kept[n.name] = outputs
+        await store.set_nodes(conn, run_id, changes)
+        await store.set_outputs(conn, run_id, kept)
+        if run.state == RunState.RUNNING and changes:
+            current = [
+                replace(n, state=changes.get(n.name, (n.state,))[0], outputs=kept.get(n.name))
+                if n.name in changes
+                else n
+                for n in nodes
+            ]
+            await self._settle(conn, run, current)
+
+    async def _child_outcome(
+        self, conn: AsyncConnection, spec: NodeSpec, child: Any
+    ) -> tuple[NodeState, str | None, dict[str, Any] | None]:
+        """What a sub-workflow node ends as, after its child run ended: its state, why it
+        failed, and the outputs it keeps (those its child's nodes kept, by name)."""
+        if child.state == RunState.CANCELLED:
+            return N.FAILED, f"its child run {child.id} was cancelled", None
+        if child.state != RunState.SUCCEEDED:
+            why = f": {child.reason}" if child.reason else ""
+            return N.FAILED, f"its child run {child.id} failed{why}", None
+        if not spec.outputs:
+            return N.SUCCEEDED, None, None
+        child_dag = await self.graphs.get(conn, child.workflow_id)
+        found = data.collect(_kept_rows(await store.nodes_of(conn, [child.id])), child_dag.specs)
+        written = {k: v for name in child_dag.order for k, v in found.get(name, {}).items()}
+        outputs, error = data.kept_outputs(spec, written, {})
+        if error is not None:
+            error = error.replace("CAIRN_OUTPUTS", f"the outputs of child run {child.id}")
+            return N.FAILED, error, outputs
+        return N.SUCCEEDED, None, outputs
+
+    async def _start_children(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        nodes: list[store.NodeRow],
+        names: list[str],
+        states: dict[str, NodeState],
+    ) -> bool:
+        """Start the child runs of these sub-workflow nodes the rules just readied (each
+        runs while its child does). A node whose child cannot start fails, and the run's
+        rules are applied again at once: False then (that settle has done the rest)."""
+        tries = {n.name: n.try_number for n in nodes}
+        outputs = data.collect(_kept_rows(nodes), dag.specs)
+        renderer = Renderer(dag, RunContext(run.id, run.workflow, run.owner, run.params, outputs))
+        failed = False
+        for name in names:
+            why = await self._start_child(conn, run, dag, renderer, name, tries)
+            if why is not None:
+                await store.fail_ready(conn, run.id, name, why)
+                failed = True
+        if failed:
+            await self._settle(conn, run, await store.nodes_of(conn, [run.id], lock=True))
+            return False
+        states.update(dict.fromkeys(names, N.RUNNING))
+        self._wake.set()  # a queued child to admit
+        return True
+
+    async def _start_child(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        renderer: Renderer,
+        name: str,
+        tries: Mapping[str, int],
+    ) -> str | None:
+        spec = dag.specs[name].workflow
+        assert spec is not None
+        if run.depth + 1 > MAX_SUBFLOW_DEPTH:
+            return f"sub-workflows may nest at most {MAX_SUBFLOW_DEPTH} levels deep"
+        row = await store.workflow_as_of(conn, run.owner, spec.name, spec.version, run.started_at)
+        if row is None:
+            which = f"version {spec.version} of " if spec.version else ""
+            return f"no {which}workflow '{spec.name}' of {run.owner} when the run started"
+        child = await self.graphs.get(conn, row.id)
+        try:
+            params = merged_params(child, renderer.child_params(name, tries[name]))
+        except InvalidInput as exc:
+            return f"the sub-workflow's {exc.detail}"
+        definition = child.definition
+        child_id = await store.start_child(
+            conn, run, name, tries[name], row, params, child.order,
+            definition.timeout_s, definition.max_active_nodes, definition.task_timeout_s,
+        )  # fmt: skip
+        log.info("run %s node %s: started child run %s", run.id, name, child_id)
+        return None
 
     # --- applying the feed -----------------------------------------------------------------
 
@@ -539,30 +669,37 @@ class Engine:
                 states[name] = N.MAPPED
                 states.update(dict.fromkeys(instances[name], N.READY))
                 expanded = True
-        # An approval gate whose rule is met waits for a person instead of a release.
-        gates = {
-            name: approval.timeout_s
-            for name, state in changed.items()
-            if state is N.READY
-            and name in dag.specs
-            and (approval := dag.specs[name].approval) is not None
-        }
+        gates, children = _not_released(dag, changed)
         for name in gates:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
             conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
         await store.start_waiting(conn, run.id, gates)
+        if children and not await self._start_children(conn, run, dag, nodes, children, states):
+            return
+        outcome = await self._end_if_done(conn, run, dag, nodes, states)
+        if expanded or gates or any(s is N.READY for s in changed.values()) or outcome is not None:
+            # New work for the releaser, or room for a queued run of this workflow (or a
+            # gate's timeout for the loop to wait for).
+            self._wake.set()
+
+    async def _end_if_done(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        nodes: list[store.NodeRow],
+        states: Mapping[str, NodeState],
+    ) -> RunState | None:
+        """End the run if its leaves say how; its outcome (None: it goes on)."""
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if expanded or gates or any(s is N.READY for s in changed.values()) or outcome is not None:
-            # New work for the releaser, or room for a queued run of this workflow (or a
-            # gate's timeout for the loop to wait for).
-            self._wake.set()
+        return outcome
 
     # --- anti-entropy -----------------------------------------------------------------------
 
@@ -763,7 +900,13 @@ class Engine:
             live = await store.cancelling_nodes(conn, MAX_BATCH)
         untracked: dict[str, list[Any]] = defaultdict(list)
         for row in live:
-            if row.task_id is None:
+            if row.child_run_id is not None:
+                async with self._write() as conn:
+                    why = f"its parent run {row.run_id} ended before it (node {row.name})"
+                    await store.cancel_child(conn, row.child_run_id, why)
+                    await store.close_cancelled_child(conn, row.run_id, row.name)
+                self._wake.set()  # the child's own live nodes to cancel
+            elif row.task_id is None:
                 untracked[row.owner].append(row)
             elif await self._cancel_task(row.task_id):
                 async with self._write() as conn:
@@ -873,6 +1016,25 @@ def _branch(
         elif state is not N.READY:
             now[name], errors[name] = state, why or ""
     return all(state is N.PENDING for state, _ in decided.values())
+
+
+def _not_released(
+    dag: graph.Dag, changed: Mapping[str, NodeState]
+) -> tuple[dict[str, int], list[str]]:
+    """Of the nodes the rules just readied, those that are not released to core: the
+    approval gates (they wait for a person; with their timeouts) and the sub-workflow
+    nodes (they start a child run)."""
+    gates: dict[str, int] = {}
+    children: list[str] = []
+    for name, state in changed.items():
+        spec = dag.specs.get(name)
+        if state is not N.READY or spec is None:
+            continue
+        if spec.approval is not None:
+            gates[name] = spec.approval.timeout_s
+        elif spec.workflow is not None:
+            children.append(name)
+    return gates, children
 
 
 def _kept_rows(nodes: Iterable[store.NodeRow]) -> list[data.Kept]:

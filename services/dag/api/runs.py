@@ -74,6 +74,7 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             decided_at=details[n.name].decided_at,
             comment=details[n.name].comment,
             wait_until=details[n.name].wait_until,
+            child_run_id=n.child_run_id,
         )
 
     found = []

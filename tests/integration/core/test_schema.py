@@ -31,7 +31,7 @@ SERVICES = [
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
     ),
     pytest.param(
-        dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0007_run_task_timeout", id="dag"
+        dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0008_subflows", id="dag"
     ),
 ]
 
