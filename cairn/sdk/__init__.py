@@ -19,7 +19,15 @@ The task fields, ``Artifact``, ``Resources``, ``RetryPolicy`` and the rest are t
 models of ``libs.common``: one definition of each, shared with the services.
 """
 
-from cairn.sdk.definition import DefinitionError, Node, Workflow, chain, render_all
+from cairn.sdk.definition import (
+    Approval,
+    DefinitionError,
+    Node,
+    SubWorkflow,
+    Workflow,
+    chain,
+    render_all,
+)
 from cairn.sdk.files import load_file
 from cairn.sdk.refs import (
     FIRE_BACKFILL,
@@ -58,6 +66,7 @@ __all__ = [
     "RUN_OWNER",
     "RUN_WORKFLOW",
     "Applied",
+    "Approval",
     "Artifact",
     "Client",
     "Concurrency",
@@ -75,6 +84,7 @@ __all__ = [
     "RunResult",
     "RunState",
     "SecretRef",
+    "SubWorkflow",
     "TriggerRule",
     "Workflow",
     "apply",

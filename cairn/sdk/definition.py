@@ -153,9 +153,19 @@ class Node:
             "map": {"over": map} if isinstance(map, str) else map,
             **_extra(extra, {"name", "task", "depends_on"}, f"node {name!r}"),
         }
+        self._made(fields, task_name is not None, workflow, depends_on)
+
+    def _made(
+        self,
+        fields: dict[str, Any],
+        named_task: bool,
+        workflow: Workflow | None,
+        depends_on: Iterable[Node],
+    ) -> None:
+        """Check the node's fields, join the workflow and link its upstream nodes."""
         self.spec: NodeSpec = _checked_node({k: v for k, v in fields.items() if v is not None})
         self.name: str = self.spec.name
-        self._named_task = task_name is not None
+        self._named_task = named_task
         self._upstream: dict[int, Node] = {}
         self._downstream: dict[int, Node] = {}
         self.workflow: Workflow | None = None
@@ -223,11 +233,73 @@ class Node:
     def render(self) -> dict[str, Any]:
         """This node as the definition's JSON holds it: the fields that were given."""
         body = self.spec.model_dump(mode="json", exclude_unset=True)
-        if not self._named_task:
+        if not self._named_task and "task" in body:
             del body["task"]["name"]  # the service names the task after the node
         if self._upstream:
             body["depends_on"] = [up.name for up in self._upstream.values()]
         return body
+
+
+class Approval(Node):
+    """An approval gate: when its rule is met it waits for a person to approve (it
+    succeeds) or reject (it fails) it; after ``timeout_s`` without a decision
+    ``on_timeout`` decides. ``people`` and ``team`` name who may decide (neither: the
+    run's owner and its team). Joins workflows and links like any ``Node``."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout_s: int,
+        on_timeout: Literal["approve", "reject"],
+        people: Sequence[str] = (),
+        team: str | None = None,
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        when: str | None = None,
+        workflow: Workflow | None = None,
+    ) -> None:
+        approvers = {"people": list(people), "team": team} if people or team else None
+        approval = {"timeout_s": timeout_s, "on_timeout": on_timeout}
+        if approvers is not None:
+            approval["approvers"] = {k: v for k, v in approvers.items() if v}
+        fields = {"name": name, "approval": approval, "trigger_rule": trigger_rule, "when": when}
+        self._made(fields, False, workflow, depends_on)
+
+
+class SubWorkflow(Node):
+    """Runs another stored workflow (``child``: its name, or the ``Workflow``) of the
+    same owner as a child run: ``version`` pins one (default: its newest when the run
+    starts). ``params`` are the child's, values may be templates (``param("day")``,
+    ``other.outputs.rows``). The node ends as the child run does and keeps as
+    ``outputs`` the values of those names its child's nodes kept."""
+
+    def __init__(
+        self,
+        name: str,
+        child: str | Workflow,
+        *,
+        version: int | None = None,
+        params: Mapping[str, ParamValue] | None = None,
+        outputs: Sequence[str] | None = None,
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        when: str | None = None,
+        workflow: Workflow | None = None,
+    ) -> None:
+        spec: dict[str, Any] = {"name": child if isinstance(child, str) else child.name}
+        if version is not None:
+            spec["version"] = version
+        if params:
+            spec["params"] = dict(params)
+        fields = {
+            "name": name,
+            "workflow": spec,
+            "outputs": _declared(outputs),
+            "trigger_rule": trigger_rule,
+            "when": when,
+        }
+        self._made(fields, False, workflow, depends_on)
 
 
 def _extra(extra: Mapping[str, Any] | None, reserved: set[str], what: str) -> dict[str, Any]:

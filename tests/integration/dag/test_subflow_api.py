@@ -10,8 +10,10 @@ import json
 
 import psycopg
 
+from cairn.sdk import Artifact, Node, SubWorkflow, Workflow
 from libs.common.dag_models import MAX_SUBFLOW_DEPTH
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
+from tests.support import TRUE_SHA
 
 
 def _sub(name: str, target: str, *depends_on: str, **workflow_spec: object) -> dict:
@@ -103,6 +105,17 @@ def test_a_run_hands_params_in_and_the_childs_outputs_on(
     )
     parent["nodes"][1]["outputs"] = {"total": {}}
     run = runner.run(parent)
+    # The same parent written with the SDK is the same definition to the service.
+    true = Artifact(uri="file:///bin/true", sha256=TRUE_SHA)
+    with Workflow("parent") as sdk:
+        prep = Node("prep", artifact=true, args=["out", '{"day": "2026-12-05"}'], outputs=["day"])
+        sub = SubWorkflow("sub", "child", params={"day": prep.outputs.day}, outputs=["total"])
+        missing = SubWorkflow("missing", "child", outputs=["nothing"])
+        use = Node("use", artifact=true, args=["ok", sub.outputs.total])
+        prep >> [sub, missing]
+        sub >> use
+    answer = runner.http.post("/v1/workflows", json=sdk.to_dict())
+    assert (answer.status_code, answer.json()["version"]) == (200, 1), answer.text
     by_name = {n["name"]: n for n in run["nodes"]}
     assert by_name["sub"]["state"] == "succeeded"
     assert by_name["sub"]["outputs"] == {"total": 3}
