@@ -10,8 +10,11 @@ import json
 
 import psycopg
 
+from rich.console import Console
+
+from cairn.dag_cli import tree
 from cairn.sdk import Artifact, Node, SubWorkflow, Workflow
-from libs.common.dag_models import MAX_SUBFLOW_DEPTH
+from libs.common.dag_models import MAX_SUBFLOW_DEPTH, Run
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
 from tests.support import TRUE_SHA
 
@@ -123,6 +126,11 @@ def test_a_run_hands_params_in_and_the_childs_outputs_on(
     child = runner.get(child_id)
     assert (child["parent_run_id"], child["parent_node"]) == (run["id"], "sub")
     assert child["params"] == {"day": "2026-12-05"} and child["state"] == "succeeded"
+    shown = Console(width=200, record=True)  # `cairn dag status`'s tree
+    shown.print(tree(Run.model_validate(run)), tree(Run.model_validate(child)))
+    text = shown.export_text()
+    assert f"sub: succeeded child run {child_id}" in text
+    assert f"(sub-workflow of run {run['id']}, node sub)" in text
     assert by_name["missing"]["state"] == "failed"
     assert (
         "nothing" in by_name["missing"]["error"]
