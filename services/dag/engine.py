@@ -47,7 +47,15 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
-from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, Task, TaskCreate
+from libs.common.models import (
+    MAX_BATCH,
+    AuditReport,
+    Event,
+    EventPage,
+    NotificationEvent,
+    Task,
+    TaskCreate,
+)
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
 from services.dag.domain import conditions, data, graph, rules
@@ -63,6 +71,7 @@ _KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
 _OUTPUT_FETCHES = 16  # attempts read from core at once for their outputs
 # What a task's event does to its node: the states it may move from, and the new one.
 _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
+_ROLES = frozenset({"user", "admin", "service"})  # the roles an audit report names
 
 
 def _after_event(node: store.NodeRow, state: NodeState, event: Event) -> NodeState | None:
@@ -204,6 +213,7 @@ class Engine:
         self._purged_at = -math.inf
         self._resynced_at = -math.inf
         self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
+        self._waiting: list[tuple[Any, str, int]] = []  # (run, gate, its try) to notify
         self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
         self._to_deadline: float | None = None
         self._made = 0  # mapped instances made this turn
@@ -256,9 +266,14 @@ class Engine:
         lease = self.lease
         if lease is None:
             raise LeadershipLost("the DAG loop writes only while it leads")
-        async with self.db.begin() as conn:
-            await lease.fence(conn)
-            yield conn
+        told = len(self._waiting)
+        try:
+            async with self.db.begin() as conn:
+                await lease.fence(conn)
+                yield conn
+        except BaseException:
+            del self._waiting[told:]  # gates that did not start waiting after all
+            raise
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -289,6 +304,8 @@ class Engine:
             if not self._full_page:
                 self.metrics.caught_up()
         self.metrics.mapped.inc(self._made)
+        await self._tell_waiting()
+        await self.report_decisions()
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
@@ -676,6 +693,8 @@ class Engine:
             conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
         await store.start_waiting(conn, run.id, gates)
+        tries = {n.name: n.try_number for n in nodes}
+        self._waiting += [(run, name, tries.get(name, 1)) for name in gates]
         if children and not await self._start_children(conn, run, dag, nodes, children, states):
             return
         outcome = await self._end_if_done(conn, run, dag, nodes, states)
@@ -890,6 +909,68 @@ class Engine:
                 await self.core.notify(event)
             except Exception as exc:  # whatever it is, the run's state is stored
                 log.warning("run %s: notification not posted: %s", run.id, exc)
+
+    async def _tell_waiting(self) -> None:
+        """Post the approval gates that started waiting (committed) to core, for their
+        runs' owners' ``approval.waiting`` webhooks. Best effort, as ``_tell_failed``;
+        core queues one delivery per gate's try whatever is posted again."""
+        waiting, self._waiting = self._waiting, []
+        for run, name, try_number in waiting:
+            path = f"/v1/runs/{run.id}/nodes/{name}"
+            event = NotificationEvent(
+                event="approval.waiting",
+                owner=run.owner,
+                key=f"run {run.id} node {name} try {try_number}",
+                summary=f"workflow {run.workflow} run {run.id}: {name} waits for approval",
+                subject={
+                    "run_id": str(run.id),
+                    "workflow": run.workflow,
+                    "node": name,
+                    "approve": f"{path}/approve",
+                    "reject": f"{path}/reject",
+                },
+            )
+            try:
+                await self.core.notify(event)
+            except Exception as exc:  # whatever it is, the gate waits all the same
+                log.warning("run %s: notification not posted: %s", run.id, exc)
+
+    async def report_decisions(self) -> int:
+        """Report the approval decisions not yet in core's audit trail (``dag.approve``,
+        ``dag.reject``, by the person, or by the service when a timeout decided), oldest
+        first; each is marked once core took it, so a decision is reported at least once
+        (twice only if the loop stops between the two). Returns how many."""
+        async with self.db.connect() as conn:
+            pending = await store.pending_audits(conn)
+        for row in pending:
+            report = AuditReport(
+                action=f"dag.{row.decision}",
+                target=f"run:{row.run_id}/node:{row.name}",
+                actor=row.decided_by,
+                actor_role=row.decided_role if row.decided_role in _ROLES else None,
+                after={
+                    "workflow": row.workflow,
+                    "owner": row.owner,
+                    "try": row.try_number,
+                    "decision": row.decision,
+                    "comment": row.comment,
+                    "by_timeout": row.decided_by is None,
+                    "decided_at": row.decided_at.isoformat(),
+                },
+            )
+            try:
+                await self.core.report_audit(report)
+            except CairnError as exc:
+                if not is_refusal(exc):
+                    log.warning("approval decisions wait to be audited: %r", exc)
+                    return 0
+                log.error("core refused the audit report %s: %s", report, exc.detail)
+            except httpx.TransportError as exc:
+                log.warning("approval decisions wait to be audited: %r", exc)
+                return 0
+            async with self._write() as conn:
+                await store.audited(conn, row.run_id, row.name, row.decided_at)
+        return len(pending)
 
     # --- cancelling ------------------------------------------------------------------------
 

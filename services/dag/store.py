@@ -519,7 +519,7 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
             "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
             " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
             " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
-            " comment = NULL, child_run_id = NULL"
+            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": names},
@@ -537,7 +537,7 @@ async def retry_instances(
             "UPDATE dag.nodes SET state = 'mapped', try_number = try_number + 1,"
             " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
             " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
-            " comment = NULL, child_run_id = NULL"
+            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": list(mapped)},
@@ -695,6 +695,7 @@ async def decide(
     decision: str,
     by: str | None,
     comment: str | None,
+    role: str | None = None,
 ) -> Row[Any] | None:
     """Record a decision on a waiting approval gate, once: None if the node is not
     waiting or was decided already (the conditional update is what makes it once, under
@@ -703,11 +704,19 @@ async def decide(
         await conn.execute(
             text(
                 "UPDATE dag.nodes SET decision = :decision, decided_by = :by,"
+                " decided_role = :role, audit_pending = true,"
                 " decided_at = now(), comment = :comment, updated_at = now()"
                 " WHERE run_id = :run AND name = :name AND state = 'waiting'"
                 " AND decision IS NULL RETURNING name, decision, decided_by, decided_at"
             ),
-            {"run": run_id, "name": name, "decision": decision, "by": by, "comment": comment},
+            {
+                "run": run_id,
+                "name": name,
+                "decision": decision,
+                "by": by,
+                "comment": comment,
+                "role": role,
+            },
         )
     ).first()
 
@@ -735,6 +744,7 @@ async def time_out_gates(
     await conn.execute(
         text(
             "UPDATE dag.nodes n SET decision = g.decision, decided_at = now(),"
+            " audit_pending = true,"
             " comment = 'no decision within ' || g.timeout_s || ' s: on_timeout applied'"
             " FROM unnest(CAST(:names AS text[]), CAST(:decisions AS text[]),"
             "   CAST(:timeouts AS int[])) AS g(name, decision, timeout_s)"
@@ -869,6 +879,33 @@ async def cancelled_untracked(conn: AsyncConnection, nodes: Sequence[tuple[int, 
             " AND n.task_id IS NULL"
         ),
         {"runs": [r for r, _ in nodes], "names": [n for _, n in nodes]},
+    )
+
+
+async def pending_audits(conn: AsyncConnection, limit: int = 100) -> list[Row[Any]]:
+    """Decisions not yet reported to core's audit trail, oldest first."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT n.run_id, n.name, n.try_number, n.decision, n.decided_by,"
+                " n.decided_role, n.decided_at, n.comment, r.workflow, r.owner"
+                " FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
+                " WHERE n.audit_pending AND n.decision IS NOT NULL"
+                " ORDER BY n.decided_at LIMIT :limit"
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+async def audited(conn: AsyncConnection, run_id: int, name: str, decided_at: Any) -> None:
+    """The decision made at ``decided_at`` was reported (a newer one stays pending)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET audit_pending = false"
+            " WHERE run_id = :run AND name = :name AND decided_at = :at"
+        ),
+        {"run": run_id, "name": name, "at": decided_at},
     )
 
 

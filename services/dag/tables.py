@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -169,6 +170,10 @@ nodes = Table(
     Column("decided_by", Text),
     _at("decided_at", nullable=True),
     Column("comment", Text),
+    # The decider's role, and whether the decision still waits to be reported to core's
+    # audit trail (the loop reports it, then clears this).
+    Column("decided_role", Text),
+    Column("audit_pending", Boolean, nullable=False, server_default=text("false")),
     # A sub-workflow node: the child run it started (in place of a task).
     Column("child_run_id", BigInteger),
     CheckConstraint(_in("state", NodeState), name="state"),
@@ -191,6 +196,7 @@ nodes = Table(
         "child_run_id",
         postgresql_where=text("child_run_id IS NOT NULL AND state IN ('running', 'cancelling')"),
     ),
+    Index("ix_nodes_audit_pending", "decided_at", postgresql_where=text("audit_pending")),
     # The loop's approval gates: decided ones to move on, and the next timeout.
     Index("ix_nodes_waiting", "wait_until", postgresql_where=text("state = 'waiting'")),
     # The resync's work list: nodes waiting on a live task, oldest change first.

@@ -2,6 +2,8 @@
 ``dag.nodes.child_run_id`` is the run a node started; the child run keeps its parent
 (run, node, try) under a unique index, so a parent node's try starts at most one child
 whatever restarts or leader changes happen; ``dag.runs.depth`` bounds the nesting.
+Approval decisions wait (``dag.nodes.audit_pending``) until the loop has reported them
+to core's audit trail, with the decider's role (``decided_role``).
 
 Revision ID: 0008_subflows
 Revises: 0007_run_task_timeout
@@ -35,9 +37,15 @@ ALTER TABLE dag.nodes ADD CONSTRAINT ck_nodes_live_has_task
         OR state NOT IN ('released', 'running'));
 CREATE INDEX ix_nodes_children ON dag.nodes (child_run_id)
     WHERE child_run_id IS NOT NULL AND state IN ('running', 'cancelling');
+ALTER TABLE dag.nodes ADD COLUMN decided_role TEXT;
+ALTER TABLE dag.nodes ADD COLUMN audit_pending BOOLEAN NOT NULL DEFAULT false;
+CREATE INDEX ix_nodes_audit_pending ON dag.nodes (decided_at) WHERE audit_pending;
 """
 
 DOWNGRADE = """
+DROP INDEX dag.ix_nodes_audit_pending;
+ALTER TABLE dag.nodes DROP COLUMN audit_pending;
+ALTER TABLE dag.nodes DROP COLUMN decided_role;
 DROP INDEX dag.ix_nodes_children;
 ALTER TABLE dag.nodes DROP CONSTRAINT ck_nodes_live_has_task;
 UPDATE dag.nodes SET state = 'failed', error = 'sub-workflows were removed'
