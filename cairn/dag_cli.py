@@ -160,7 +160,7 @@ def _gate(node: Node) -> str:
 
 def tree(found: Run) -> Tree:
     """The run as a tree: each node under its first upstream node, with its state."""
-    parent = (
+    origin = (
         f" [dim](sub-workflow of run {found.parent_run_id}, node "
         f"{output.safe(found.parent_node or '')})[/dim]"
         if found.parent_run_id
@@ -168,7 +168,7 @@ def tree(found: Run) -> Tree:
     )
     root = Tree(
         f"run {found.id} [bold]{output.safe(found.workflow)}[/bold] v{found.workflow_version}: "
-        f"{output.state(found.state)}{parent}"
+        f"{output.state(found.state)}{origin}"
     )
     branches: dict[str, Tree] = {}
     by_name = {n.name: n for n in found.nodes}

@@ -260,7 +260,7 @@ class Approval(Node):
         workflow: Workflow | None = None,
     ) -> None:
         approvers = {"people": list(people), "team": team} if people or team else None
-        approval = {"timeout_s": timeout_s, "on_timeout": on_timeout}
+        approval: dict[str, Any] = {"timeout_s": timeout_s, "on_timeout": on_timeout}
         if approvers is not None:
             approval["approvers"] = {k: v for k, v in approvers.items() if v}
         fields = {"name": name, "approval": approval, "trigger_rule": trigger_rule, "when": when}

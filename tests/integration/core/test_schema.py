@@ -30,9 +30,7 @@ SERVICES = [
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
     ),
-    pytest.param(
-        dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0008_subflows", id="dag"
-    ),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0008_subflows", id="dag"),
 ]
 
 

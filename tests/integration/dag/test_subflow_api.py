@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import psycopg
-
 from rich.console import Console
 
 from cairn.dag_cli import tree

@@ -464,9 +464,9 @@ def test_sub_workflows_and_approval_gates_render_what_the_service_validates() ->
     dag = graph.build(WorkflowCreate.model_validate_json(wf.to_json()))
     assert dag.upstream["ship"] == ("sign-off",)
     assert child.render().nodes[0].outputs == {"total": OutputSpec()}
-    with pytest.raises(DefinitionError, match="node 'bad': approval.timeout_s"):
+    with pytest.raises(DefinitionError, match=r"node 'bad': approval\.timeout_s"):
         Approval("bad", timeout_s=0, on_timeout="approve")
     with Workflow("w") as broken:
         SubWorkflow("s", "child", params={"day": "{{ nodes.nowhere.outputs.x }}"})
-    with pytest.raises(DefinitionError, match="node 's': workflow.params.day: 'nowhere' is not"):
+    with pytest.raises(DefinitionError, match=r"node 's': workflow\.params\.day: 'nowhere' is not"):
         broken.render()
