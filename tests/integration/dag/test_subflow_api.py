@@ -70,22 +70,6 @@ def test_references_are_checked_when_a_workflow_is_stored(dag: DagServer, runner
     assert "nest deeper than 5 levels: deeper -> top@1 -> l4@1" in deep["errors"][0]["reason"]
 
 
-def test_a_sub_workflow_node_is_validated_by_field(runner: Runner) -> None:
-    runner.define(workflow("a", [node("x")]))
-    both = _refused(runner, workflow("p", [{**node("s"), "workflow": {"name": "a"}}]))
-    assert both["errors"][0]["field"].startswith("body.nodes.0")
-    assert "a task, an approval gate or a workflow" in both["detail"]
-    mapped = {**_sub("s", "a"), "map": {"over": "{{ params.xs }}"}}
-    assert "cannot map" in _refused(runner, workflow("p", [mapped], params={"xs": []}))["detail"]
-    unknown = _refused(
-        runner, workflow("p", [_sub("s", "a", params={"x": "{{ nodes.z.outputs.v }}"})])
-    )
-    assert unknown["errors"][0] == {
-        "field": "body.nodes.0.workflow.params.x",
-        "reason": "'z' is not upstream of 's'",
-    }
-
-
 def test_a_run_hands_params_in_and_the_childs_outputs_on(
     runner: Runner, worker: Worker, db: psycopg.Connection
 ) -> None:

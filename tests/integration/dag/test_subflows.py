@@ -151,7 +151,7 @@ def expected(graph: nx.DiGraph, rule: dict[str, Any], fails: dict[str, bool]) ->
 
 
 @settings(
-    max_examples=15,
+    max_examples=10,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
