@@ -912,6 +912,12 @@ async def audited(conn: AsyncConnection, run_id: int, name: str, decided_at: Any
 # --- sub-workflows ---------------------------------------------------------------------------
 
 
+async def lock_references(conn: AsyncConnection, owner: str) -> None:
+    """Serialise, per owner, the storing of definitions that run sub-workflows: two that
+    reference each other, stored at once, would each pass the cycle check alone."""
+    await _lock(conn, owner, "*subflows")
+
+
 async def workflow_as_of(
     conn: AsyncConnection, owner: str, name: str, version: int | None, at: Any
 ) -> Row[Any] | None:

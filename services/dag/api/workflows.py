@@ -143,6 +143,7 @@ async def _check_subflows(conn: AsyncConnection, owner: str, body: WorkflowCreat
     own = [(i, n.name, n.workflow) for i, n in enumerate(body.nodes) if n.workflow is not None]
     if not own:
         return
+    await store.lock_references(conn, owner)  # held to the commit of what is stored
     refs = _References(conn, owner, body)
     first: list[tuple[str, subflows.Key]] = []
     for i, node, ref in own:
