@@ -353,3 +353,54 @@ def test_a_child_starts_at_most_once_per_parent_node_try(
     assert db.execute(
         "SELECT count(*) FROM dag.runs WHERE parent_run_id = %s", (run_id,)
     ).fetchone() == (1,)
+
+
+def test_a_child_that_cannot_start_fails_its_node_and_the_rules_go_on(
+    db_url: str, db: DB, tmp_path: Path
+) -> None:
+    strict = {
+        "name": "strict",
+        "nodes": [
+            {
+                "name": "t",
+                "task": {
+                    "artifact": {"uri": "file:///bin/true", "sha256": "ab" * 32},
+                    "args": ["{{ params.need }}"],
+                },
+            }
+        ],
+    }
+    parent = {
+        "name": "p",
+        "nodes": [
+            {"name": "s", "workflow": {"name": "strict", "params": {"other": 1}}},
+            {"name": "after", "depends_on": ["s"], "workflow": {"name": "gate"}},
+            {
+                "name": "cleanup",
+                "depends_on": ["s"],
+                "trigger_rule": "all_done",
+                "workflow": {"name": "gate"},
+            },
+        ],
+    }
+
+    async def scenario() -> int:
+        async with loop_over(db_url, tmp_path) as engine:
+            for body in (strict, GATE, parent):
+                await define(engine, body)
+            run_id = await start(engine, "p", {})
+            await run_until(engine, ended(engine, run_id))
+            return run_id
+
+    run_id = asyncio.run(scenario())
+    rows = db.execute(
+        "SELECT name, state, error, child_run_id FROM dag.nodes WHERE run_id = %s ORDER BY name",
+        (run_id,),
+    ).fetchall()
+    assert [(n, s) for n, s, _, _ in rows] == [
+        ("after", "upstream_failed"), ("cleanup", "succeeded"), ("s", "failed"),
+    ]  # fmt: skip
+    error, child = rows[2][2], rows[2][3]
+    assert child is None
+    assert error == "the sub-workflow's body.params.other: not a parameter of this workflow"
+    assert run_row(db, run_id)["state"] == "failed"
