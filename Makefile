@@ -29,7 +29,8 @@ up: install
 # their tools (and the deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1
 # (.ci/run); docs/deploy.md.
 BESIDE := tests/deploy tests/faults/system/test_failover.py \
-	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py
+	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py \
+	tests/faults/system/test_network_cut.py
 test: install
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \

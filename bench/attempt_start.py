@@ -7,12 +7,26 @@ attempt (``preexec_fn``, a fresh cgroup each, ``/bin/sh`` to clean up a uid) and
 is the fast path (the resident spawn helper, pooled cgroups on v1). Rounds alternate
 between the two, so load on the shared machine hits both alike.
 
-Run as root:  .venv/bin/python bench/attempt_start.py [-n 200] [--rounds 2] [--cpu 0.5]
-                   [--shell]
+Each round also runs the floor (``bench/floor.c``): the same program spawned ``-n`` times
+by a bare C loop (fork, mount namespace with a tmpfs /tmp, uid, pooled cgroup v1 slot,
+exec, wait4), and the ratios Cairn/floor are printed for the fast path of every
+configuration:
 
-``--cpu`` is what each attempt asks (its cgroup's CPU quota); ``--shell`` runs
-``/bin/bash -c true`` instead of ``/bin/true``: a start that needs a few milliseconds of
-CPU, which a small quota throttles.
+- CPU per attempt. Cairn: this process's own CPU (the agent's code: prepare, spawn
+  request, wait, release; user + system, all threads) + its reaped children's (the
+  attempts, forked agents and clean-up shells; the helpers that exited) + the live
+  ``cairn-spawn`` helpers' own, over the configuration's attempts. Floor: the C loop's
+  own + its reaped children's (the programs) rusage, over its spawns.
+- Wall per attempt: the p50 of prepare + spawn + exit + clean-up against the p50 of the
+  floor's fork-to-reaped.
+
+Run as root:  .venv/bin/python bench/attempt_start.py [-n 200] [--rounds 2] [--cpu 0.5]
+                   [--program true|bash|both]
+
+``--cpu`` is what each attempt asks (its cgroup's CPU quota; the floor's slot has none);
+``--program`` runs ``/bin/true``, ``/bin/bash -c true`` (a start that needs a few
+milliseconds of CPU, which a small quota throttles) or both (the default), each as its own
+table; ``--shell`` is ``--program bash``.
 """
 
 from __future__ import annotations
@@ -21,12 +35,18 @@ import argparse
 import asyncio
 import hashlib
 import os
+import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import PROGRAMS, Floor, Runner, describe, ratio
+from procstat import helpers_cpu_s
 
 from libs.common.models import Artifact, Assignment, Resources
 from services.worker.artifacts import ArtifactCache
@@ -36,7 +56,6 @@ from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 
 TRUE = Path("/bin/true")
-BASH = Path("/bin/bash")
 
 
 @dataclass
@@ -87,7 +106,7 @@ async def _one(host: Host, cache: ArtifactCache, attempt_id: int) -> tuple[float
 
 async def _case(
     name: str, n: int, root: Path, isolation: str, cgroups: bool, mounts: bool, fast: bool
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], float]:
     home = root / f"{name}-{fast}-{os.urandom(4).hex()}"
     settings = WorkerSettings(
         home=home,
@@ -107,12 +126,25 @@ async def _case(
         host.private_tmp = False
     cache = ArtifactCache(home / "artifacts")
     prepare, total = [], []
+    cpu = _cairn_cpu_s()
     for i in range(1, n + 1):
         p, t = await _one(host, cache, i)
         prepare.append(p * 1000)
         total.append(t * 1000)
+    cpu = _cairn_cpu_s() - cpu
     await host.close()
-    return prepare, total
+    return prepare, total, cpu
+
+
+def _cairn_cpu_s() -> float:
+    """This process (the agent's code, all threads) and its reaped children (the
+    attempts), user + system, and the live resident spawn helpers' own."""
+    own, reaped = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    used = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    return used + helpers_cpu_s(os.getpid())
 
 
 CASES = [
@@ -123,35 +155,93 @@ CASES = [
 ]
 
 
-async def main(n: int, rounds: int) -> None:
+Samples = dict[tuple[str, str, bool], tuple[list[float], list[float], list[float]]]
+
+
+async def main(n: int, rounds: int, programs: list[str]) -> None:
     root = Path(tempfile.mkdtemp(prefix="cairn-bench-", dir="/var/tmp"))
     root.chmod(0o711)
     print(
         f"load average {os.getloadavg()[0]:.2f} at start; n={n} per case and round; "
-        f"{PROGRAM.path} {' '.join(PROGRAM.args)} asking {PROGRAM.cpu} CPU"
+        f"programs {', '.join(' '.join(PROGRAMS[p]) for p in programs)} asking {PROGRAM.cpu} CPU"
     )
     cases = CASES if os.geteuid() == 0 else CASES[:1]
-    samples: dict[tuple[str, bool], tuple[list[float], list[float]]] = {}
+    samples: Samples = {}
+    floors = {program: Floor() for program in programs}
     try:
-        for _ in range(rounds):
-            for name, isolation, cgroups, mounts in cases:
-                for fast in (False, True):
-                    got = await _case(name, n, root, isolation, cgroups, mounts, fast)
-                    prepare, total = samples.setdefault((name, fast), ([], []))
-                    prepare += got[0]
-                    total += got[1]
+        with Runner() as floor:
+            for _ in range(rounds):
+                for program in programs:
+                    await _round(program, n, root, cases, samples, floor, floors[program])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    for program in programs:
+        _report(program, cases, samples, floors[program])
+
+
+async def _round(
+    program: str,
+    n: int,
+    root: Path,
+    cases: list[tuple[str, str, bool, bool]],
+    samples: Samples,
+    runner: Runner,
+    floor: Floor,
+) -> None:
+    """Every configuration once for ``program``, its floor before and after them."""
+    PROGRAM.path, PROGRAM.args = Path(PROGRAMS[program][0]), PROGRAMS[program][1:]
+    _measure_floor(runner, program, n, floor)
+    for name, isolation, cgroups, mounts in cases:
+        for fast in (False, True):
+            got = await _case(name, n, root, isolation, cgroups, mounts, fast)
+            prepare, total, cpu = samples.setdefault((program, name, fast), ([], [], []))
+            prepare += got[0]
+            total += got[1]
+            cpu.append(got[2] * 1000 / n)
+    _measure_floor(runner, program, n, floor)
+
+
+def _measure_floor(runner: Runner, program: str, n: int, floor: Floor) -> None:
+    if (got := runner.run(PROGRAMS[program], n)) is not None:
+        floor.add(got)
+
+
+def _report(
+    program: str, cases: list[tuple[str, str, bool, bool]], samples: Samples, floor: Floor
+) -> None:
+    print(f"\n{' '.join(PROGRAMS[program])}")
     print(f"{'configuration':<26} {'path':<7} {'prepare p50':>11} {'whole p50':>10} {'p99':>8}")
     for name, *_ in cases:
         for fast in (False, True):
-            prepare, total = samples[(name, fast)]
+            prepare, total, _ = samples[(program, name, fast)]
             q = statistics.quantiles(total, n=100)
             print(
                 f"{name:<26} {'after' if fast else 'before':<7} "
                 f"{statistics.median(prepare):8.2f} ms {statistics.median(total):7.2f} ms "
                 f"{q[98]:5.1f} ms"
+            )
+    if not floor.spawns:
+        print("floor: not measured (no C compiler)")
+        return
+    q = statistics.quantiles(floor.walls_us, n=100)
+    print(
+        f"{'floor (bare C spawn)':<26} {'':<7} {'':>11} {floor.wall_p50_ms:7.2f} ms {q[98] / 1000:5.1f} ms"
+    )
+    print(f"    floor: {describe(floor)}")
+    print(
+        f"    floor CPU per spawn {floor.cpu_ms:.3f} ms (its loop + the program); "
+        "Cairn's per attempt: the agent's code + helpers + the program"
+    )
+    for name, *_ in cases:
+        for fast in (False, True):
+            _, total, cpu = samples[(program, name, fast)]
+            cairn_cpu, wall = statistics.mean(cpu), statistics.median(total)
+            bar = " (bar 1.5x)" if fast and name == CASES[-1][0] else ""
+            print(
+                f"    Cairn/floor {name}, {'after' if fast else 'before'}: CPU per attempt "
+                f"{cairn_cpu:.2f} ms, {ratio(cairn_cpu, floor.cpu_ms)}{bar}; wall p50 "
+                f"{ratio(wall, floor.wall_p50_ms or 0)}"
             )
 
 
@@ -160,9 +250,9 @@ if __name__ == "__main__":
     parser.add_argument("-n", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cpu", type=float, default=0.5)
-    parser.add_argument("--shell", action="store_true")
+    parser.add_argument("--program", choices=[*PROGRAMS, "both"], default="both")
+    parser.add_argument("--shell", action="store_true", help="the same as --program bash")
     args = parser.parse_args()
     PROGRAM.cpu = args.cpu
-    if args.shell:
-        PROGRAM.path, PROGRAM.args = BASH, ("-c", "true")
-    asyncio.run(main(args.n, args.rounds))
+    program = "bash" if args.shell else args.program
+    asyncio.run(main(args.n, args.rounds, list(PROGRAMS) if program == "both" else [program]))

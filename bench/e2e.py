@@ -1,7 +1,8 @@
 """End to end through one worker agent running real processes.
 
     .venv/bin/python bench/e2e.py [--tasks 5000] [--rates 50,200,500] [--duration 10]
-                                  [--slots 64] [--json results.json]
+                                  [--slots 64] [--program true|bash|both|none]
+                                  [--json results.json]
 
 A fresh embedded PostgreSQL (durable), core as its own process (`bench/stack.py`) and one
 worker agent as its own process (`python -m services.worker`, as `cairn up` starts it,
@@ -16,6 +17,17 @@ for ``--slots`` at once.
    rate for ``--duration`` seconds (each sent at its instant, whatever the answers do),
    then created (core's `created_at`) -> process running (the process's own record):
    p50, p99 and max, and how many started within 60 s of the end of the window.
+
+3. The floor: for each ``--program`` (``/bin/true`` and ``/bin/bash -c true`` by default),
+   ``--tasks`` tasks running that program as in 1, and beside them, before and after, the
+   bare isolated spawn of the same program ``--tasks`` times (``bench/floor.c``, as many
+   loops as the machine has cores); the ratios Cairn/floor of CPU per task and of wall
+   time per task. Cairn's CPU per task: the agent's own + its reaped children's (the
+   attempts: ``CLONE_PARENT`` makes them the agent's) + its live ``cairn-spawn``
+   helpers', from ``/proc``; the floor's: its loops' and the programs' rusage. Wall per
+   task: first submission to last ``finished_at`` over the tasks, against the floor's
+   elapsed time over its spawns. The machine's CPU per task (core, PostgreSQL and this
+   script too) is put beside the same floor, which holds no core and no PostgreSQL.
 
 The bars (`../shared/DESIGN.md`): >= 1,000 tasks/s; at 500/s p99 <= 50 ms; at 200/s p50
 <= 10 ms. Everything shares the machine's cores: core, PostgreSQL, the agent, its
@@ -45,7 +57,8 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procstat import children, children_cpu_s, comm, cpu_s, machine_busy_s
+from floor import PROGRAMS, Floor, Runner, describe, ratio
+from procstat import children_cpu_s, cpu_s, helpers_cpu_s, machine_busy_s, reaped_cpu_s
 from rawhttp import Conn, request_bytes
 from stack import Stack, core_stack, exit_on_sigterm
 
@@ -75,10 +88,18 @@ def _artifact(root: Path) -> dict[str, str]:
     return {"uri": f"file://{path}", "sha256": hashlib.sha256(SCRIPT.encode()).hexdigest()}
 
 
-def _spec(artifact: dict[str, str], records: Path, i: int) -> dict[str, Any]:
+def _program_artifact(path: str) -> dict[str, str]:
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {"uri": f"file://{path}", "sha256": digest}
+
+
+def _spec(
+    artifact: dict[str, str], records: Path, i: int, args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     return {
         "name": "e2e",
         "artifact": artifact,
+        "args": list(args),
         "env": {"E2E_DIR": str(records)},
         "resources": {"cpu": 0.01, "memory_mb": 16},
         "retry": {"max_attempts": 1},
@@ -207,19 +228,13 @@ def _held(
 def _cpu_counters(stack: Stack, agent_pid: int) -> dict[str, float]:
     return {
         "agent": cpu_s(agent_pid),
-        "helpers": _helpers_cpu_s(agent_pid),
+        "reaped": reaped_cpu_s(agent_pid),
+        "helpers": helpers_cpu_s(agent_pid),
         "core": cpu_s(stack.core_pid) + children_cpu_s(stack.core_pid),
         "postgres": cpu_s(stack.postmaster_pid) + children_cpu_s(stack.postmaster_pid),
         "bench": cpu_s(os.getpid()),
         "machine": machine_busy_s(),
     }
-
-
-def _helpers_cpu_s(agent_pid: int) -> float:
-    """CPU seconds of the agent's resident spawn helpers (its ``cairn-spawn`` children)."""
-    return sum(
-        cpu_s(pid) for pid in children(agent_pid) if (comm(pid) or "").startswith("cairn-spawn")
-    )
 
 
 def _load() -> str:
@@ -273,14 +288,21 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def throughput(
-    core_url: str, token: str, artifact: dict[str, str], records: Path, count: int, base: int
+    core_url: str,
+    token: str,
+    artifact: dict[str, str],
+    records: Path,
+    count: int,
+    base: int,
+    args: tuple[str, ...] = (),
 ) -> float:
     headers = {"Authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=core_url, headers=headers, timeout=60) as http:
         began = time.time()
         for start in range(0, count, 500):
             batch = [
-                _spec(artifact, records, base + i) for i in range(start, min(count, start + 500))
+                _spec(artifact, records, base + i, args)
+                for i in range(start, min(count, start + 500))
             ]
             answer = await http.post("/v1/tasks/batch", json={"tasks": batch})
             answer.raise_for_status()
@@ -349,6 +371,65 @@ def _latencies(
     created: dict[int, tuple[float, float | None, str]], starts: dict[int, float]
 ) -> list[float]:
     return [(starts[i] - made) * 1000 for i, (made, _, _) in created.items() if i in starts]
+
+
+async def against_floor(
+    stack: Stack,
+    agent_pid: int,
+    token: str,
+    records: Path,
+    program: str,
+    count: int,
+    base: int,
+    runner: Runner,
+) -> dict[str, Any]:
+    """``count`` tasks running ``program``, the floor of the same program before and
+    after them; what each cost per task. The caller's tasks are all final before."""
+    command = PROGRAMS[program]
+    artifact = _program_artifact(command[0])
+    done = _final_count(stack.database_url)
+    await throughput(stack.core_url, token, artifact, records, 20, base, command[1:])
+    _wait_final(stack.database_url, done + 20, 60)
+    floor, jobs = Floor(), os.cpu_count() or 1
+    if (got := runner.run(command, count, jobs)) is not None:
+        floor.add(got)
+    first = _max_id(stack.database_url) + 1
+    before = _cpu_counters(stack, agent_pid)
+    began = await throughput(
+        stack.core_url, token, artifact, records, count, base + 100, command[1:]
+    )
+    _wait_final(stack.database_url, done + 20 + count, 600)
+    after = _cpu_counters(stack, agent_pid)
+    if (got := runner.run(command, count, jobs)) is not None:
+        floor.add(got)
+    created = _created(stack.database_url, first)
+    ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
+    cpu = {name: (after[name] - before[name]) * 1000 / count for name in after}
+    cairn_cpu = cpu["agent"] + cpu["reaped"] + cpu["helpers"]
+    wall = (max(ended) - began) * 1000 / len(ended) if ended else 0.0
+    return {
+        "program": " ".join(command),
+        "succeeded": len(ended),
+        "cairn_cpu_ms": round(cairn_cpu, 3),
+        "machine_cpu_ms": round(cpu["machine"], 3),
+        "cairn_wall_ms": round(wall, 3),
+        "floor_cpu_ms": round(floor.cpu_ms, 3) if floor.spawns else None,
+        "floor_wall_ms": round(floor.wall_ms, 3) if floor.spawns else None,
+        "floor_jobs": jobs,
+        "floor": describe(floor) if floor.spawns else "not measured (no C compiler)",
+        "cpu_ratio": ratio(cairn_cpu, floor.cpu_ms) if floor.spawns else None,
+        "machine_ratio": ratio(cpu["machine"], floor.cpu_ms) if floor.spawns else None,
+        "wall_ratio": ratio(wall, floor.wall_ms) if floor.spawns else None,
+        "load": _load(),
+    }
+
+
+def _final_count(database_url: str) -> int:
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM core.tasks WHERE state IN ('succeeded', 'dead', 'cancelled')"
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -439,6 +520,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     ),
                 }
                 base += 10**6
+            with Runner() as runner:
+                for program in args.programs:
+                    results[f"floor_{program}"] = await against_floor(
+                        stack, agent.pid, user, records, program, args.tasks, base, runner
+                    )
+                    base += 10**6
         finally:
             agent.send_signal(signal.SIGTERM)
             try:
@@ -459,8 +546,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--program", choices=[*PROGRAMS, "both", "none"], default="both")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    args.programs = {"both": list(PROGRAMS), "none": []}.get(args.program, [args.program])
     results = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -488,6 +577,25 @@ def main() -> None:
             )
             for step, figures in r["steps"].items():
                 print(f"    {step}: {figures}")
+    for key, f in results.items():
+        if key.startswith("floor_"):
+            _print_floor(f)
+
+
+def _print_floor(f: dict[str, Any]) -> None:
+    print(
+        f"{f['program']}: {f['succeeded']} tasks; load {f['load']}\n"
+        f"    Cairn CPU per task (agent + its reaped attempts + helpers) {f['cairn_cpu_ms']} ms, "
+        f"wall per task {f['cairn_wall_ms']} ms; machine CPU per task {f['machine_cpu_ms']} ms"
+    )
+    print(
+        f"    floor ({f['floor']}; {f['floor_jobs']} loops): CPU per spawn "
+        f"{f['floor_cpu_ms']} ms (its loops + the program), wall per spawn {f['floor_wall_ms']} ms"
+    )
+    print(
+        f"    Cairn/floor: CPU {f['cpu_ratio']} (bar 1.5x), wall {f['wall_ratio']}; "
+        f"machine/floor CPU {f['machine_ratio']} (the floor holds no core nor PostgreSQL)"
+    )
 
 
 if __name__ == "__main__":

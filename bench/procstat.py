@@ -1,6 +1,6 @@
 """The benchmarks' CPU accounting, from ``/proc``: one process's fields, its children, the
 machine's busy and total jiffies. Shared by bench/submit.py, bench/e2e.py (through
-bench/stack.py) and bench/submit_growth.py."""
+bench/stack.py), bench/attempt_start.py and bench/submit_growth.py."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def cpu_s(pid: int) -> float:
     return own_ticks(stat_fields(pid)) / TICK
 
 
+def reaped_cpu_s(pid: int) -> float:
+    """CPU seconds of the process's children that it has waited for (cutime + cstime):
+    for the worker agent, the attempts it reaped (``CLONE_PARENT`` makes them its own)."""
+    fields = stat_fields(pid)
+    return (int(fields[13]) + int(fields[14])) / TICK if fields else 0.0
+
+
 def children(ppid: int) -> list[int]:
     """The live children of ``ppid``."""
     found = []
@@ -49,6 +56,24 @@ def children_cpu_s(ppid: int) -> float:
     """The own CPU seconds of the live children of ``ppid`` (a postmaster's backends and
     background processes); those that ended between two reads are not in it."""
     return sum(cpu_s(pid) for pid in children(ppid))
+
+
+def run_time_s(pid: int) -> float:
+    """The process's own CPU seconds to the nanosecond (``/proc/PID/schedstat``), where
+    ``cpu_s`` would round each of many small processes down to whole clock ticks."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        return 0.0 if stat_fields(pid) is None else cpu_s(pid)
+
+
+def helpers_cpu_s(agent_pid: int) -> float:
+    """CPU seconds of a worker agent's live resident spawn helpers (``cairn-spawn``)."""
+    return sum(
+        run_time_s(pid)
+        for pid in children(agent_pid)
+        if (comm(pid) or "").startswith("cairn-spawn")
+    )
 
 
 def machine_ticks() -> tuple[int, int]:

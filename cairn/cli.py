@@ -142,6 +142,7 @@ def migrate(ctx: typer.Context) -> None:
 tasks_cli.register(app)
 identity_cli.register(app)
 placement_cli.register(app)
+placement_cli.register_usage(app)
 sharing_cli.register(app)
 
 

@@ -15,12 +15,24 @@ from rich.tree import Tree
 from cairn import output, sdk
 from cairn.tasks_cli import JsonFlag, ctx_of, load_document, validated
 from libs.common.dag_client import DagClient
-from libs.common.dag_models import Node, NodeState, Run, Workflow, WorkflowCreate
+from libs.common.dag_models import (
+    EventDelivery,
+    Node,
+    NodeState,
+    Run,
+    RunEvent,
+    TriggerCreate,
+    TriggerCreated,
+    Workflow,
+    WorkflowCreate,
+)
 
 app = typer.Typer(
     help="Workflows: submit FILE.yaml, apply FILE.py, ls, run, status, outputs, cancel, retry, "
-    "clear, approve, reject, graph."
+    "clear, approve, reject, signal, graph, trigger."
 )
+trigger_app = typer.Typer(help="Signed HTTP triggers of a workflow: create, list, delete.")
+app.add_typer(trigger_app, name="trigger")
 
 RUN_OVER = {"succeeded", "failed", "cancelled"}
 
@@ -148,7 +160,9 @@ def run(
 
 
 def _gate(node: Node) -> str:
-    """An approval gate's wait or decision, for the tree."""
+    """An approval gate's wait or decision (or an event node's wait), for the tree."""
+    if node.state == NodeState.WAITING and node.event is not None:
+        return f" [yellow]waits for event {output.safe(node.event)}[/yellow]"
     if node.state == NodeState.WAITING and node.decision is None:
         return " [yellow]waits for approval[/yellow]"
     if node.decision is None:
@@ -407,3 +421,99 @@ def graph(
         output.console.out(output.visible(found), highlight=False)
     else:
         output.dump(found)
+
+
+@app.command("signal")
+def signal(
+    ctx: typer.Context,
+    run_id: int,
+    event: str,
+    data: Annotated[
+        str | None, typer.Option(help="the event's data: a JSON object (the node's outputs)")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Deliver EVENT to RUN: the node waiting for it succeeds with the data as its
+    outputs (one that waits later finds it; an event is kept once per run)."""
+    try:
+        parsed = json.loads(data) if data is not None else {}
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--data is not JSON: {exc}") from None
+    body: EventDelivery = validated(EventDelivery, {"data": parsed}, "--data")
+
+    async def go() -> RunEvent:
+        async with _client(ctx) as dag:
+            return await dag.send_event(run_id, event, body.data)
+
+    found = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+    else:
+        to = f"node {output.safe(found.node)}" if found.node else "kept until a node waits"
+        output.console.print(f"run {found.run_id}: event {output.safe(found.name)} -> {to}")
+
+
+@trigger_app.command("create")
+def trigger_create(
+    ctx: typer.Context,
+    workflow: str,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(help="run parameter NAME=PATH, PATH dotted into the payload (a.b.c)"),
+    ] = None,
+    key_path: Annotated[
+        str | None, typer.Option(help="the payload's idempotency key, dotted (order.id)")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create a signed trigger of WORKFLOW; its secret is shown this once."""
+    mapping = output.pairs(param) if param else None
+    body: TriggerCreate = validated(
+        TriggerCreate, {"params": mapping, "key_path": key_path}, "the trigger"
+    )
+
+    async def go() -> TriggerCreated:
+        async with _client(ctx) as dag:
+            return await dag.create_trigger(workflow, body)
+
+    made = output.call(go)
+    if ctx_of(ctx).json or as_json:
+        output.dump(made)
+        return
+    output.console.print(f"trigger [bold]{made.id}[/bold]: POST {output.safe(made.path)}")
+    output.console.print(f"secret (shown once, keep it): {output.safe(made.secret)}")
+
+
+@trigger_app.command("list")
+def trigger_list(ctx: typer.Context, workflow: str, as_json: JsonFlag = False) -> None:
+    """WORKFLOW's triggers (never their secrets)."""
+
+    async def go() -> Any:
+        async with _client(ctx) as dag:
+            return await dag.list_triggers(workflow)
+
+    found = output.call(go).items
+    if ctx_of(ctx).json or as_json:
+        output.dump(found)
+        return
+    output.table(
+        None,
+        ["id", "path", "params", "key path", "created"],
+        [
+            [t.id, t.path, json.dumps(t.params) if t.params else "payload's params",
+             t.key_path or "-", output.ago(t.created_at)]
+            for t in found
+        ],
+    )  # fmt: skip
+
+
+@trigger_app.command("delete")
+def trigger_delete(ctx: typer.Context, workflow: str, trigger_id: int) -> None:
+    """Delete WORKFLOW's trigger TRIGGER_ID: its deliveries are refused from now on."""
+
+    async def go() -> None:
+        async with _client(ctx) as dag:
+            await dag.delete_trigger(workflow, trigger_id)
+
+    output.call(go)
+    output.console.print(f"trigger {trigger_id} deleted")

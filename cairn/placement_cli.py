@@ -11,6 +11,7 @@ import typer
 from cairn import output
 from cairn.tasks_cli import JsonFlag, _get, ctx_of
 from libs.common.models import Task
+from libs.common.settings import parse_labels
 from libs.common.states import FINAL, TaskState
 
 
@@ -30,6 +31,14 @@ def reason_of(task: Task) -> str:
             ended += f" (the last error: {task.last_error})"
         return ended
     return "core gave no reason"
+
+
+def _override(cluster: dict[str, Any], workers: int | None, labels: list[str]) -> None:
+    """The trace's cluster as the flags change it."""
+    if workers:
+        cluster["workers"] = workers
+    if labels:
+        cluster["labels"] = [parse_labels(item) for item in labels]
 
 
 def register(app: typer.Typer) -> None:
@@ -113,6 +122,10 @@ def register(app: typer.Typer) -> None:
         defer_above: Annotated[float, typer.Option()] = 1.0,
         workers: Annotated[int | None, typer.Option(help="override the trace's cluster")] = None,
         fair: Annotated[bool, typer.Option(help="fair share across owners")] = True,
+        worker_labels: Annotated[
+            list[str] | None,
+            typer.Option(help="KEY=VALUE,...: the labels of every Nth worker, dealt in turn"),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
         """Replay a trace through core's placement on a simulated clock."""
@@ -120,8 +133,7 @@ def register(app: typer.Typer) -> None:
         from cairn.trace import read
 
         meta, submissions = read(trace)
-        if workers:
-            meta["cluster"]["workers"] = workers
+        _override(meta["cluster"], workers, worker_labels or [])
         policy = Policy(
             measured=not declared, overcommit=overcommit, defer_above=defer_above, fair=fair
         )
@@ -130,3 +142,44 @@ def register(app: typer.Typer) -> None:
             output.dump(figures)
             return
         output.console.out(render(meta, policy, figures), highlight=False)
+
+
+def register_usage(app: typer.Typer) -> None:
+    """``cairn usage``: the month's accounting."""
+
+    @app.command()
+    def usage(
+        ctx: typer.Context,
+        month: Annotated[str | None, typer.Option(help="as 2026-12; this month")] = None,
+        by: Annotated[str, typer.Option(help="owner, team or queue")] = "owner",
+        as_json: JsonFlag = False,
+    ) -> None:
+        """What a month's attempts used, by owner, team or queue (your own and your
+        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved."""
+        c = ctx_of(ctx)
+
+        async def go() -> Any:
+            async with c.core() as core:
+                return await core.usage_accounts(month, by)
+
+        found = output.call(go)
+        if c.json or as_json:
+            output.dump(found)
+            return
+        output.table(
+            f"usage in {found.month}, by {found.by}",
+            [by, "attempts", "wall h", "cpu h used", "core-h reserved", "GB-h reserved",
+             "peak MB"],
+            [
+                [
+                    output.safe(a.key),
+                    a.attempts,
+                    f"{a.wall_s / 3600:.2f}",
+                    f"{a.cpu_s / 3600:.2f}",
+                    f"{a.cpu_reserved_s / 3600:.2f}",
+                    f"{a.memory_mb_s / 1024 / 3600:.2f}",
+                    f"{a.peak_memory_mb:.0f}",
+                ]
+                for a in found.items
+            ],
+        )  # fmt: skip

@@ -10,6 +10,11 @@ claim reads: ``domain.placement.claim_depth``); a guaranteed task that fits nowh
 capacity (overcommit gone wrong) kills its youngest preemptible attempt, counted as an
 OOM kill. CPU beyond capacity slows nothing here: CPU is compressible.
 
+Placement by label as core's claim: a submission's ``required`` selectors
+(``services.core.domain.selectors``) against its worker's labels, the cluster's
+``labels`` (a list of label maps, dealt to the workers in turn); a run no worker matches
+never starts.
+
 With ``fair`` (core's default) the line is ordered as core's claim orders it: priority,
 then each owner's fair-share stamp (``domain.sharing.fair_stamp``); without, priority
 then arrival. Owners whose name starts with ``flood`` are reported apart, so a trace
@@ -38,6 +43,7 @@ from services.core.domain.placement import (
     claim_depth,
     decayed_peak,
 )
+from services.core.domain.selectors import Selector, matches, parse
 from services.core.domain.sharing import fair_stamp
 
 MOST = 16
@@ -75,6 +81,8 @@ class Run:
     checks: int = 0
     #: the fair-share stamp (arrival order without fair share)
     vtime: float = 0.0
+    #: its required selectors, parsed
+    required: tuple[Selector, ...] = ()
 
     @property
     def guaranteed(self) -> bool:
@@ -93,9 +101,14 @@ class Worker:
     guaranteed: Amount = ZERO
     real_memory_mb: float = 0.0
     real_cpu: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
 
     def free(self) -> Amount:
         return self.capacity - self.held
+
+    def takes(self, run: Run) -> bool:
+        """Whether its labels meet the run's required selectors (the claim's filter)."""
+        return not run.required or matches(run.required, self.labels)
 
     def node(self) -> Node:
         placed = tuple(
@@ -141,7 +154,11 @@ class Stats:
 class Simulator:
     def __init__(self, cluster: dict[str, Any], policy: Policy) -> None:
         capacity = Amount(float(cluster["cpu"]), float(cluster["memory_mb"]))
-        self.workers = [Worker(i, capacity) for i in range(int(cluster["workers"]))]
+        labels = cluster.get("labels") or [{}]
+        self.workers = [
+            Worker(i, capacity, labels=dict(labels[i % len(labels)]))
+            for i in range(int(cluster["workers"]))
+        ]
         self.capacity = Amount(
             capacity.cpu * len(self.workers), capacity.memory_mb * len(self.workers)
         )
@@ -272,6 +289,7 @@ class Simulator:
 
     def _arrive(self, run: Run) -> None:
         self.runs[run.id] = run
+        run.required = tuple(parse(text) for text in run.sub.required)
         self._stamp(run)
         self._enqueue(run)
         self._place_anywhere(run)
@@ -283,7 +301,7 @@ class Simulator:
             return
         candidate = self._candidate(run)
         for worker in self.workers:
-            if choose(worker.free(), [candidate], 1):
+            if worker.takes(run) and choose(worker.free(), [candidate], 1):
                 self._start(run, worker, charge(candidate))
                 return
 
@@ -291,7 +309,7 @@ class Simulator:
         """What the worker's claim would lease: the head of the line that fits."""
         hot = self._hot()
         line = (self.runs[key[2]] for key in itertools.islice(self.waiting, HEAD * 2))
-        head = [r for r in line if not self._held_back(r, hot)]
+        head = [r for r in line if worker.takes(r) and not self._held_back(r, hot)]
         candidates = [self._candidate(r) for r in head[:HEAD]]
         for candidate, cost in choose(worker.free(), candidates, MOST):
             self._start(self.runs[candidate.task_id], worker, cost)
@@ -358,13 +376,14 @@ class Simulator:
 
     def _make_room(self, run: Run) -> None:
         need = Amount(run.sub.cpu, run.sub.memory_mb)
-        if any(need.fits_in(w.free()) for w in self.workers):
+        serving = [w for w in self.workers if w.takes(run)]
+        if any(need.fits_in(w.free()) for w in serving):
             self._place_anywhere(run)
             return
         # Only workers whose guaranteed work leaves room for it can make any; of those,
         # the few with the most room once preemptible work is gone are planned on (at
         # this scale, planning on every worker for every blocked task is the slow part).
-        able = [w for w in self.workers if (w.guaranteed + need).fits_in(w.capacity)]
+        able = [w for w in serving if (w.guaranteed + need).fits_in(w.capacity)]
         able.sort(key=lambda w: w.guaranteed.largest_share_of(w.capacity))
         plan = best_plan((w.node() for w in able[:PLAN_ON]), need)
         if plan is None:

@@ -32,6 +32,7 @@ from libs.common.models import (
     BulkResult,
     Egress,
     LogEnd,
+    Placement,
     QueueSettings,
     RetryCauses,
     Task,
@@ -199,12 +200,24 @@ def show_task(c: Ctx, task: Task) -> None:
         ("created", output.when(task.created_at)),
         ("labels", ", ".join(f"{k}={v}" for k, v in task.labels.items())),
     ]
+    if task.placement is not None:
+        rows.append(("placement", _placement_text(task.placement)))
     rows += policy_rows(task)
     reason = getattr(task, "pending_reason", None)
     if reason:
         rows.append(("waiting because", reason))
     rows.extend(progress_rows(task))
     output.table(None, ["field", "value"], rows)
+
+
+def _placement_text(placement: Placement) -> str:
+    parts = [f"requires {', '.join(placement.required)}"] if placement.required else []
+    parts += [f"prefers {p.selector} ({p.weight})" for p in placement.preferred]
+    if placement.spread:
+        parts.append(f"spread by {placement.spread.by} (skew {placement.spread.max_skew})")
+    if placement.anti_affinity:
+        parts.append(f"one per {placement.anti_affinity}")
+    return "; ".join(parts)
 
 
 def _causes(causes: RetryCauses) -> str:
@@ -352,6 +365,31 @@ def progress_rows(task: Task) -> list[tuple[str, Any]]:
     return rows
 
 
+def _placement(
+    body: dict[str, Any],
+    select: list[str],
+    prefer: list[str],
+    spread_by: str | None,
+    anti_affinity: str | None,
+) -> None:
+    """The placement flags into ``body["placement"]`` (core parses the selectors)."""
+    if not (select or prefer or spread_by or anti_affinity):
+        return
+    placement = dict(body.get("placement") or {})
+    if select:
+        placement["required"] = [*placement.get("required", []), *select]
+    for item in prefer:
+        weight, colon, selector = item.partition(":")
+        pair = {"selector": selector, "weight": int(weight)} if colon and weight.isdigit() else None
+        entry = pair or {"selector": item}
+        placement["preferred"] = [*placement.get("preferred", []), entry]
+    if spread_by:
+        placement["spread"] = {"by": spread_by}
+    if anti_affinity:
+        placement["anti_affinity"] = anti_affinity
+    body["placement"] = placement
+
+
 def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small commands
     @app.command()
     def submit(  # noqa: C901 - one flag, one line each
@@ -373,6 +411,22 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         ] = None,
         team: Annotated[str | None, typer.Option(help="share it with this team")] = None,
         label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE")] = None,
+        select: Annotated[
+            list[str] | None,
+            typer.Option(help="a worker label it requires: disk=ssd, 'zone in (a,b)', gpu exists"),
+        ] = None,
+        prefer: Annotated[
+            list[str] | None,
+            typer.Option(help="a worker label it prefers, weight 1, or WEIGHT:SELECTOR (5:zone=b)"),
+        ] = None,
+        spread_by: Annotated[
+            str | None,
+            typer.Option(help="spread its running replicas (same name) across this label or host"),
+        ] = None,
+        anti_affinity: Annotated[
+            str | None,
+            typer.Option(help="never two running replicas on one value of this label (or host)"),
+        ] = None,
         cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
         memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
         key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
@@ -435,6 +489,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
             body["team"] = team
         if label:
             body["labels"] = output.pairs(label)
+        _placement(body, select or [], prefer or [], spread_by, anti_affinity)
         if cpu is not None or memory_mb is not None:
             resources = dict(body.get("resources", {}))
             if cpu is not None:

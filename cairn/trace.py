@@ -39,6 +39,8 @@ class Submission:
     use_cpu: float
     use_memory_mb: float
     duration_s: float
+    #: required selectors of the workers' labels (``disk=ssd``: docs/placement.md)
+    required: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

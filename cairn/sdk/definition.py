@@ -25,7 +25,14 @@ from libs.common.dag_models import (
     WorkflowName,
 )
 from libs.common.errors import InvalidInput
-from libs.common.models import Artifact, Concurrency, Resources, RetryPolicy, SecretRef
+from libs.common.models import (
+    Artifact,
+    Concurrency,
+    Placement,
+    Resources,
+    RetryPolicy,
+    SecretRef,
+)
 from services.dag.domain import graph
 
 
@@ -115,6 +122,7 @@ class Node:
         team: str | None = None,
         concurrency: Concurrency | None = None,
         progress_timeout_s: int | None = None,
+        placement: Placement | Mapping[str, Any] | None = None,
         task_name: str | None = None,
         depends_on: Iterable[Node] = (),
         trigger_rule: TriggerRule | str | None = None,
@@ -144,6 +152,7 @@ class Node:
             "team": team,
             "concurrency": concurrency,
             "progress_timeout_s": progress_timeout_s,
+            "placement": placement,
         }
         fields: dict[str, Any] = {
             "name": name,
@@ -153,16 +162,16 @@ class Node:
             "map": {"over": map} if isinstance(map, str) else map,
             **_extra(extra, {"name", "task", "depends_on"}, f"node {name!r}"),
         }
-        self._made(fields, task_name is not None, workflow, depends_on)
+        self._join(fields, task_name is not None, workflow, depends_on)
 
-    def _made(
+    def _join(
         self,
         fields: dict[str, Any],
         named_task: bool,
         workflow: Workflow | None,
         depends_on: Iterable[Node],
     ) -> None:
-        """Check the node's fields, join the workflow and link its upstream nodes."""
+        """Check the node's fields, then join its workflow and its upstream nodes."""
         self.spec: NodeSpec = _checked_node({k: v for k, v in fields.items() if v is not None})
         self.name: str = self.spec.name
         self._named_task = named_task
@@ -264,7 +273,7 @@ class Approval(Node):
         if approvers is not None:
             approval["approvers"] = {k: v for k, v in approvers.items() if v}
         fields = {"name": name, "approval": approval, "trigger_rule": trigger_rule, "when": when}
-        self._made(fields, False, workflow, depends_on)
+        self._join(fields, False, workflow, depends_on)
 
 
 class SubWorkflow(Node):
@@ -299,7 +308,39 @@ class SubWorkflow(Node):
             "trigger_rule": trigger_rule,
             "when": when,
         }
-        self._made(fields, False, workflow, depends_on)
+        self._join(fields, False, workflow, depends_on)
+
+
+class WaitForEvent(Node):
+    """A node that waits for the external event ``event`` instead of running a task
+    (docs/dag.md, "Events"): delivered to its run (``cairn dag signal RUN EVENT``), it
+    succeeds with the event's data as its ``outputs``; after ``timeout_s`` without it,
+    ``on_timeout`` decides (``fail`` or ``succeed``)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        event: str,
+        timeout_s: int,
+        on_timeout: Literal["succeed", "fail"] = "fail",
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        outputs: Sequence[str] | Mapping[str, OutputSpec] | None = None,
+        workflow: Workflow | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        fields: dict[str, Any] = {
+            "name": name,
+            "event": {"name": event, "timeout_s": timeout_s, "on_timeout": on_timeout},
+            "trigger_rule": trigger_rule,
+            "outputs": _declared(outputs),
+            **_extra(extra, {"name", "task", "event", "depends_on"}, f"node {name!r}"),
+        }
+        self._join(fields, False, workflow, depends_on)
+
+    def __repr__(self) -> str:
+        return f"WaitForEvent({self.name!r})"
 
 
 def _extra(extra: Mapping[str, Any] | None, reserved: set[str], what: str) -> dict[str, Any]:

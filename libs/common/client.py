@@ -79,6 +79,7 @@ from libs.common.models import (
     TokenList,
     Turn,
     TurnAnswer,
+    UsageAccounts,
     UsageReport,
     UsageRow,
     WhoAmI,
@@ -170,6 +171,14 @@ class ApiClient:
         self._warned.add(call)
         sunset = response.headers.get("sunset", "not announced")
         log.warning("%s is deprecated (sunset: %s)", call, sunset)
+
+
+def _unset_of(body: Turn) -> set[str] | None:
+    """The fields of a turn left out of its body: those it does not use."""
+    unset = {name for name in ("progress", "holding") if not getattr(body, name)}
+    if body.holding == []:
+        unset.discard("holding")  # an empty list says "I hold nothing", not "not sent"
+    return unset or None
 
 
 class CoreClient(ApiClient):
@@ -322,8 +331,9 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST",
             f"/v1/workers/{worker_id}/turn",
-            # Without progress, as a core that knows no progress notes takes it.
-            content=body.model_dump_json(exclude=None if body.progress else {"progress"}),
+            # Without progress or holding when it has none, as a core that knows neither
+            # takes it.
+            content=body.model_dump_json(exclude=_unset_of(body)),
             timeout=httpx.Timeout(10.0 + wait, connect=2.0),
         )
         return TurnAnswer.model_validate_json(response.content)
@@ -390,6 +400,16 @@ class CoreClient(ApiClient):
         params = {k: v for k, v in (("owner", owner), ("name", name)) if v}
         response = await self._call("GET", "/v1/usage", params=params)
         return UsageReport.model_validate_json(response.content).items
+
+    async def usage_accounts(
+        self, month: str | None = None, by: str = "owner", limit: int = 100
+    ) -> UsageAccounts:
+        """What a month's attempts used, summed by owner, team or queue."""
+        params: dict[str, Any] = {"by": by, "limit": limit}
+        if month:
+            params["month"] = month
+        response = await self._call("GET", "/v1/usage/accounts", params=params)
+        return UsageAccounts.model_validate_json(response.content)
 
     async def workers(self, state: str | None = None) -> list[Worker]:
         """Every worker the caller may see (newest first, all pages), with capacity, use

@@ -11,16 +11,22 @@ from typing import Any, Literal
 from libs.common.client import ApiClient, _owner
 from libs.common.dag_models import (
     ApprovalDecision,
+    EventDelivery,
     Graph,
     Run,
     RunClear,
     RunCreate,
+    RunEvent,
     RunFire,
     RunList,
     RunRetry,
     RunState,
+    TriggerCreate,
+    TriggerCreated,
+    TriggerList,
     Workflow,
     WorkflowCreate,
+    WorkflowHistory,
     WorkflowList,
 )
 
@@ -142,3 +148,35 @@ class DagClient(ApiClient):
     async def mermaid(self, run_id: int) -> str:
         response = await self._call("GET", f"/v1/runs/{run_id}/graph", params={"format": "mermaid"})
         return response.text
+
+    async def send_event(
+        self, run_id: int, name: str, data: dict[str, Any] | None = None
+    ) -> RunEvent:
+        """Deliver event ``name`` to the run (kept once; the node waiting for it
+        succeeds with ``data`` as its outputs)."""
+        body = EventDelivery(data=data or {})
+        response = await self._call(
+            "POST", f"/v1/runs/{run_id}/events/{name}", content=body.model_dump_json()
+        )
+        return RunEvent.model_validate_json(response.content)
+
+    async def create_trigger(self, workflow: str, body: TriggerCreate) -> TriggerCreated:
+        """A new signed trigger of ``workflow``, with its secret (shown this once)."""
+        response = await self._call(
+            "POST", f"/v1/workflows/{workflow}/triggers", content=body.model_dump_json()
+        )
+        return TriggerCreated.model_validate_json(response.content)
+
+    async def list_triggers(self, workflow: str) -> TriggerList:
+        response = await self._call("GET", f"/v1/workflows/{workflow}/triggers")
+        return TriggerList.model_validate_json(response.content)
+
+    async def delete_trigger(self, workflow: str, trigger_id: int) -> None:
+        await self._call("DELETE", f"/v1/workflows/{workflow}/triggers/{trigger_id}")
+
+    async def history(self, workflow: str, limit: int = 25) -> WorkflowHistory:
+        """The workflow's newest ``limit`` runs (at most 100) by node."""
+        response = await self._call(
+            "GET", f"/v1/workflows/{workflow}/history", params={"limit": limit}
+        )
+        return WorkflowHistory.model_validate_json(response.content)

@@ -50,9 +50,27 @@ MAX_APPROVERS = 100
 MAX_COMMENT_CHARS = 2000
 #: the deepest sub-workflows nest: a run's child's child's ... at most this many levels
 MAX_SUBFLOW_DEPTH = 5
+#: the longest an event node waits for its event
+MAX_EVENT_TIMEOUT_S = MAX_RUN_TIMEOUT_S
+#: the largest data an event carries (and a trigger's body), as JSON bytes
+MAX_EVENT_BYTES = 64 * 1024
+#: the most triggers one workflow has
+MAX_TRIGGERS = 20
+#: the most runs the history grid shows
+MAX_HISTORY_RUNS = 100
 
 NodeName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+]
+EventName = Annotated[
+    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+]
+#: where a value sits in a JSON payload: keys separated by dots (``order.id``)
+PayloadPath = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+){0,9}$"
+    ),
 ]
 WorkflowName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[a-z0-9][a-z0-9_.\-]*$")
@@ -274,9 +292,22 @@ class SubWorkflowSpec(_Input):
     params: Params = Field(default_factory=dict)
 
 
+class EventSpec(_Input):
+    """Wait for an external event: when its trigger rule is met the node waits until an
+    event named ``name`` is delivered to its run (``POST /v1/runs/ID/events/NAME``; one
+    delivered earlier counts), and succeeds with the event's data as its outputs (the
+    ``outputs`` it declares, read from the data's keys). After ``timeout_s`` without it,
+    ``on_timeout`` decides: the node succeeds (with no outputs) or fails."""
+
+    name: EventName
+    timeout_s: int = Field(ge=1, le=MAX_EVENT_TIMEOUT_S)
+    on_timeout: Literal["succeed", "fail"] = "fail"
+
+
 class NodeSpec(_Input):
-    """One node of a workflow: its task (or, instead, an ``approval`` gate or a
-    sub-``workflow``), what it waits for, and when it may run."""
+    """One node of a workflow: its task (or, instead, an ``approval`` gate, a
+    sub-``workflow`` or an ``event`` to wait for), what it waits for, and when it may
+    run."""
 
     name: NodeName
     #: (left out of a dump when unset: only an approval gate has none)
@@ -296,26 +327,36 @@ class NodeSpec(_Input):
     approval: ApprovalSpec | None = Field(default=None, exclude_if=lambda value: value is None)
     #: run another stored workflow instead of a task (docs/dag.md, "Sub-workflows")
     workflow: SubWorkflowSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    #: wait for an external event instead of running a task (docs/dag.md, "Events")
+    event: EventSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _task_or_approval(self) -> NodeSpec:
-        if self.workflow is not None:
-            if self.task is not None or self.approval is not None:
-                raise ValueError("workflow: a node has a task, an approval gate or a workflow")
-            if self.map is not None:
-                raise ValueError("workflow: a sub-workflow node cannot map")
-            if any(declared.path is not None for declared in self.outputs.values()):
-                raise ValueError("workflow: a sub-workflow's outputs are its child's, not paths")
-        elif self.approval is not None:
-            if self.task is not None:
-                raise ValueError("approval: a node has a task or an approval gate, not both")
-            if self.map is not None:
-                raise ValueError("approval: an approval gate cannot map")
-            if self.outputs:
-                raise ValueError("approval: an approval gate has no outputs")
-        elif self.task is None:
-            raise ValueError("task: a node needs a task (or an approval gate, or a workflow)")
+        kinds: dict[str, object] = {"task": self.task, "approval": self.approval}
+        kinds |= {"workflow": self.workflow, "event": self.event}
+        given = [field for field, kind in kinds.items() if kind is not None]
+        if len(given) != 1:
+            field = given[-1] if given else "task"
+            raise ValueError(
+                f"{field}: a node has exactly one of a task, an approval gate, a workflow"
+                " or an event"
+            )
+        if given[0] != "task":
+            self._check_no_task(given[0])
         return self
+
+    def _check_no_task(self, kind: str) -> None:
+        """A node that runs no task (an approval gate, a sub-workflow or an event node)
+        cannot map, and has outputs only as its kind allows."""
+        what = {"approval": "an approval gate", "workflow": "a sub-workflow node"}
+        if self.map is not None:
+            raise ValueError(f"{kind}: {what.get(kind, 'an event node')} cannot map")
+        if kind == "approval" and self.outputs:
+            raise ValueError("approval: an approval gate has no outputs")
+        if any(declared.path is not None for declared in self.outputs.values()):
+            if kind == "workflow":
+                raise ValueError("workflow: a sub-workflow's outputs are its child's, not paths")
+            raise ValueError("event: an event node's outputs come from its data: no path")
 
     @model_validator(mode="before")
     @classmethod
@@ -450,6 +491,8 @@ class Node(_Output):
     wait_until: datetime | None = None
     #: a sub-workflow node: the run it started (``GET /v1/runs/{child_run_id}``)
     child_run_id: int | None = None
+    #: an event node's event (it waits while ``waiting``; its data are its outputs)
+    event: str | None = None
 
 
 class ApprovalDecision(_Input):
@@ -510,3 +553,91 @@ class Graph(_Output):
     nodes: list[GraphNode]
     edges: list[GraphEdge]
     mermaid: str
+
+
+class EventDelivery(_Input):
+    """An external event delivered to a run: ``data`` (an object) becomes the outputs of
+    the node waiting for it."""
+
+    data: dict[Annotated[str, StringConstraints(max_length=64)], Any] = Field(
+        default_factory=dict, max_length=MAX_PARAMS
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> EventDelivery:
+        import json
+
+        if len(json.dumps(self.data)) > MAX_EVENT_BYTES:
+            raise ValueError(f"data must be at most {MAX_EVENT_BYTES} bytes as JSON")
+        return self
+
+
+class RunEvent(_Output):
+    """An event as the run keeps it (once per name)."""
+
+    run_id: int
+    name: str
+    data: dict[str, Any]
+    sent_by: str
+    created_at: datetime
+    #: the node waiting for it when it came (None: kept until one waits)
+    node: str | None = None
+
+
+class TriggerCreate(_Input):
+    """A signed HTTP trigger of a workflow: each delivery starts a run of its newest
+    version. Its params come from ``params`` (run parameter name -> dotted path into the
+    JSON payload) or, without a mapping, from the payload's ``params`` object.
+    ``key_path`` names the payload's idempotency key (an ``Idempotency-Key`` header
+    also counts)."""
+
+    params: dict[ParamName, PayloadPath] | None = Field(default=None, max_length=MAX_PARAMS)
+    key_path: PayloadPath | None = None
+
+
+class Trigger(_Output):
+    id: int
+    owner: str
+    workflow: str
+    params: dict[str, str] | None
+    key_path: str | None
+    created_at: datetime
+    #: where deliveries go on the DAG service (``POST``, signed)
+    path: str
+
+
+class TriggerCreated(Trigger):
+    """A new trigger, with its secret: shown once, never again."""
+
+    secret: str
+
+
+class TriggerList(_Output):
+    items: list[Trigger]
+
+
+class HistoryCell(_Output):
+    state: NodeState
+    try_number: int
+    #: from its rule being met to its end (or now, while open); None before it started
+    duration_s: float | None
+
+
+class HistoryRun(_Output):
+    id: int
+    state: RunState
+    workflow_version: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    #: node name -> its cell (a node the run's version lacks has none)
+    nodes: dict[str, HistoryCell]
+
+
+class WorkflowHistory(_Output):
+    """A workflow's recent runs, oldest first, by node: ``nodes`` in the newest
+    version's order, then nodes only older versions had."""
+
+    workflow: str
+    nodes: list[str]
+    runs: list[HistoryRun]

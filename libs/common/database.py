@@ -15,17 +15,55 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from libs.common.settings import CairnSettings
+from libs.common.settings import CairnSettings, libpq_url
+
+# A peer that vanished without a word (its host lost power, a network cut: no FIN, no RST)
+# is noticed in about 5 + 2 x 2 s, on both ends, instead of the kernels' two hours:
+# - by Cairn (libpq's keepalives, and ``tcp_user_timeout`` for data sent and never
+#   acknowledged), so a pool or a listener waiting on a dead primary gives up and connects
+#   again (to the new primary, after a failover);
+# - by the server (its ``tcp_keepalives_*`` for this session, sent as startup options on
+#   a direct connection), so a vanished leader's session ends and frees its advisory lock
+#   for another replica, and a vanished client's open transaction releases its row locks.
+KEEPALIVE_IDLE_S = 5
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_COUNT = 2
+USER_TIMEOUT_MS = 10_000
+_CLIENT_KEEPALIVE: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": KEEPALIVE_IDLE_S,
+    "keepalives_interval": KEEPALIVE_INTERVAL_S,
+    "keepalives_count": KEEPALIVE_COUNT,
+    "tcp_user_timeout": USER_TIMEOUT_MS,
+}
+_SERVER_KEEPALIVE = (
+    f"-c tcp_keepalives_idle={KEEPALIVE_IDLE_S} -c tcp_keepalives_interval={KEEPALIVE_INTERVAL_S}"
+    f" -c tcp_keepalives_count={KEEPALIVE_COUNT} -c tcp_user_timeout={USER_TIMEOUT_MS}"
+)
 
 
-def connect_args(settings: CairnSettings) -> dict[str, Any]:
-    """psycopg's connection arguments for a pool over ``settings.database_url``."""
-    return {"prepare_threshold": None} if settings.pooler == "transaction" else {}
+def keepalive(url: str, direct: bool = True) -> dict[str, Any]:
+    """libpq's parameters for a connection to ``url`` that notices a vanished peer (above),
+    leaving alone any the URL sets itself. ``direct``: to the server itself, which then
+    watches this session too (a transaction pooler refuses the ``options`` startup
+    parameter; PgBouncer keeps its own server connections alive)."""
+    given = psycopg.conninfo.conninfo_to_dict(libpq_url(url))
+    args = {k: v for k, v in _CLIENT_KEEPALIVE.items() if k not in given}
+    if direct and "options" not in given:
+        args["options"] = _SERVER_KEEPALIVE
+    return args
+
+
+def connect_args(settings: CairnSettings, url: str = "") -> dict[str, Any]:
+    """psycopg's connection arguments for a pool over ``url`` (``settings.database_url``)."""
+    pooled = settings.pooler == "transaction"
+    args = keepalive(url, direct=not pooled)
+    return {**args, "prepare_threshold": None} if pooled else args
 
 
 def pool(url: str, settings: CairnSettings, **options: Any) -> AsyncEngine:
     """An engine over ``url`` (the request pools' URL), with ``options`` for its pool."""
-    return create_async_engine(url, connect_args=connect_args(settings), **options)
+    return create_async_engine(url, connect_args=connect_args(settings, url), **options)
 
 
 def outage(exc: BaseException) -> str | None:

@@ -3,7 +3,8 @@
 Leadership is a PostgreSQL session advisory lock held on a connection of the elector's
 own, used for nothing else but what the leader chooses to (cron LISTENs on it). The lock
 goes free the moment that session ends: the process died, the server terminated the
-backend, or a network cut was noticed (TCP keepalives on the connection).
+backend, or a network cut was noticed (TCP keepalives on both ends of the connection:
+``database.keepalive``).
 
 Holding the lock is not enough to write safely: a leader whose session was killed keeps
 running until it notices. So every win bumps a **leader epoch** (a row of the service's
@@ -30,17 +31,10 @@ from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common.database import keepalive
 from libs.common.settings import libpq_url
 
 log = logging.getLogger("cairn.leader")
-
-# Notice a dead peer within about 5 + 2 * 2 seconds instead of the kernel's two hours.
-_KEEPALIVE = {
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 2,
-}
 
 
 class LeadershipLost(Exception):
@@ -140,7 +134,9 @@ class Elector:
 
     async def _try_until_won(self) -> Lease:
         conn = await psycopg.AsyncConnection.connect(
-            psycopg.conninfo.make_conninfo(self.url, connect_timeout=5, **_KEEPALIVE),
+            # Both ends notice a vanished peer (``database.keepalive``): this process
+            # stops leading, and the server ends the session and frees the lock.
+            psycopg.conninfo.make_conninfo(self.url, connect_timeout=5, **keepalive(self.url)),
             autocommit=True,
         )
         try:

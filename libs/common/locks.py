@@ -33,6 +33,10 @@ TEAM_RUNNING = 4711
 TEAM_SUBMITS = 4712
 #: an owner's test deliveries of webhooks (one at a time, so that the limit holds)
 WEBHOOK_TESTS = 4713
+#: the running tasks of one owner and name spread across a label (a service's replicas):
+#: one claim at a time decides where the next goes; a claim takes these (sorted) before
+#: the quota classes above
+SPREAD_GROUP = 4714
 
 #: dag's per-(owner, workflow) writer locks are ``hashtextextended`` (64 bits) of a
 #: ``dag/...`` name: spread over the whole space, a clash with the keys above has odds
@@ -40,4 +44,5 @@ WEBHOOK_TESTS = 4713
 ALL_BIGINTS = (MIGRATIONS, CRON_LEADER, DAG_LEADER, CORE_LEADER)
 ALL_CLASSES = (
     CORE, OWNER_RUNNING, CONCURRENCY_KEY, OWNER_SUBMITS, TEAM_RUNNING, TEAM_SUBMITS, WEBHOOK_TESTS,
+    SPREAD_GROUP,
 )  # fmt: skip

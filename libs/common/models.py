@@ -212,6 +212,40 @@ class Concurrency(_Input):
     limit: int | None = Field(default=None, ge=1, le=100_000)
 
 
+SelectorText = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+
+
+class Preference(_Input):
+    """A selector a worker had better match: among the work a worker may take at one
+    priority, the task whose preferences it meets with the most weight goes first."""
+
+    selector: SelectorText
+    weight: int = Field(default=1, ge=1, le=100)
+
+
+class Spread(_Input):
+    """Spread the running tasks of the same owner and name (a service's replicas)
+    across the values of a worker label, or across hosts (``by: host``): a worker takes
+    one only while its domain holds at most ``max_skew`` more of them than the emptiest
+    domain. A worker without the label takes none."""
+
+    by: LabelKey
+    max_skew: int = Field(default=1, ge=1, le=1000)
+
+
+class Placement(_Input):
+    """Where a task may run, by the workers' labels (docs/placement.md). ``required``:
+    every selector must hold (``disk=ssd``, ``zone in (a,b)``, ``gpu exists``,
+    ``zone!=c``, ``zone notin (a,b)``, ``!gpu``). ``anti_affinity``: never two running
+    tasks of the same owner and name on workers with the same value of this label (or
+    on one host: ``host``)."""
+
+    required: list[SelectorText] = Field(default_factory=list, max_length=16)
+    preferred: list[Preference] = Field(default_factory=list, max_length=16)
+    spread: Spread | None = None
+    anti_affinity: LabelKey | None = None
+
+
 class TaskCreate(_Input):
     """A submission."""
 
@@ -253,6 +287,8 @@ class TaskCreate(_Input):
     #: an attempt that writes no progress (nor checkpoint) for this long is ended as
     #: ``timeout``, retried by its policy (docs/progress.md)
     progress_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
+    #: which workers may take it, by their labels (docs/placement.md)
+    placement: Placement | None = None
 
     @model_validator(mode="after")
     def _starts_after_it_is_due(self) -> TaskCreate:
@@ -386,6 +422,8 @@ class Task(_Output):
     progress_timeout_s: int | None = None
     #: its latest progress and checkpoint, when it reported any (read with the task)
     progress: TaskProgress | None = None
+    #: which workers may take it, by their labels, as submitted
+    placement: Placement | None = None
 
 
 class BatchItem(_Output):
@@ -889,6 +927,12 @@ class Turn(_Input):
     started: list[TaskId] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
     claim: ClaimRequest | None = None
     progress: list[ProgressNote] = Field(default_factory=list, max_length=MAX_TURN_ITEMS)
+    #: sent when the answer to the worker's last turn never came (a broken connection, a
+    #: timeout, a 5xx: core may have committed a lease the worker never saw): every
+    #: attempt the worker holds. Core answers again, among ``attempts``, each attempt it
+    #: holds for the worker that the worker has neither started nor listed here, with a
+    #: new fencing token (the first was never seen), so a lost answer costs no attempt.
+    holding: list[TaskId] | None = Field(default=None, max_length=10_000)
 
     @model_validator(mode="after")
     def _checkpoints_bounded(self) -> Turn:
@@ -972,6 +1016,34 @@ class UsageRow(_Output):
 
 class UsageReport(_Output):
     items: list[UsageRow]
+
+
+#: a calendar month, as ``2026-12``
+Month = Annotated[str, StringConstraints(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$")]
+
+
+class UsageAccount(_Output):
+    """What the attempts that ended in a month used, for one owner, team or queue
+    (docs/sharing.md, "Usage"). Reserved: the attempts' charges over their wall time."""
+
+    #: the owner, team or queue
+    key: str
+    attempts: int
+    wall_s: float
+    #: CPU seconds used, as the agents measured them
+    cpu_s: float
+    #: core-seconds reserved
+    cpu_reserved_s: float
+    #: MB-seconds of memory reserved
+    memory_mb_s: float
+    #: the largest peak memory of one attempt
+    peak_memory_mb: float
+
+
+class UsageAccounts(_Output):
+    month: Month
+    by: Literal["owner", "team", "queue"]
+    items: list[UsageAccount]
 
 
 # --- identity: tokens, teams, secrets, audit ----------------------------------------------

@@ -209,6 +209,20 @@ def span(
         yield current
 
 
+def task_environment(fallback: str | None) -> dict[str, str]:
+    """``TRACEPARENT`` (and ``TRACESTATE`` when there is one) for an attempt's process, so
+    that its own spans join the task's trace: the current span (the worker's run span)
+    as parent, or ``fallback`` (the claim's ``traceparent``) when this process does not
+    trace; empty when neither is known."""
+    current = trace.get_current_span().get_span_context() if _provider is not None else None
+    if current is None or not current.is_valid:
+        return {"TRACEPARENT": fallback} if fallback else {}
+    env = {"TRACEPARENT": traceparent(current)}
+    if current.trace_state:
+        env["TRACESTATE"] = current.trace_state.to_header()
+    return env
+
+
 def inject(headers: dict[str, str]) -> dict[str, str]:
     """``headers`` with the current span's ``traceparent``, when tracing."""
     if _provider is not None:

@@ -281,6 +281,10 @@ def singleton_loops(
             ),
             name="cairn-retention",
         ),
+        asyncio.create_task(
+            every(settings.usage_interval_s, "usage", lambda: upkeep.roll_up_usage(engine)),
+            name="cairn-usage",
+        ),
         *notification_loops(engine, settings),
         *audit_export_loops(engine, settings),
         *log_loops(

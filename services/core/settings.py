@@ -64,6 +64,9 @@ class CoreSettings(SecretsKeySettings):
     #: the leader checks it still holds it
     leader_poll_s: float = Field(default=1.0, gt=0, le=60)
     retention_interval_s: float = Field(default=300.0, gt=0)
+    # How often the leader adds the attempts that ended to the monthly usage sums
+    # (docs/sharing.md, "Usage"); it reads on at once while a page was full.
+    usage_interval_s: float = Field(default=60.0, gt=0)
     retention_batch: int = Field(default=500, ge=1, le=10000)
     token_cache_s: float = Field(default=30.0, ge=0)
     #: how long a worker's checked lease secret is trusted without reading its row again

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from libs.common import cors, database, health, metrics, pages, problems
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
-from services.dag.api import runs, workflows
+from services.dag.api import runs, triggers, workflows
 from services.dag.engine import Engine, Graphs
 from services.dag.settings import DagSettings
 
@@ -52,7 +52,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (workflows, runs, health, metrics):
+    for module in (workflows, triggers, runs, health, metrics):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     cors.allow_dashboard(app, settings.url, settings.ui_origins)

@@ -404,7 +404,8 @@ class Engine:
                     and (approval := dag.specs[n.name].approval) is not None
                 }
                 await store.time_out_gates(conn, run_id, defaults)
-                if await store.apply_decisions(conn, run_id):
+                waited = await self._end_waits(conn, dag, run_id)
+                if await store.apply_decisions(conn, run_id) or waited:
                     log.info("run %s: approval gates decided", run_id, extra={"run_id": run_id})
                     await self._settle(conn, run, await store.nodes_of(conn, [run_id], lock=True))
         await self._tell_failed()
@@ -535,6 +536,29 @@ class Engine:
         )  # fmt: skip
         log.info("run %s node %s: started child run %s", run.id, name, child_id)
         return None
+
+    async def _end_waits(self, conn: AsyncConnection, dag: graph.Dag, run_id: int) -> int:
+        """End the run's event nodes whose event came (they succeed with its data as
+        their outputs) or whose wait is over (their ``on_timeout``); under the run's lock.
+        How many ended."""
+        ended: dict[str, tuple[NodeState, str | None, dict[str, Any] | None]] = {}
+        for row in await store.event_waits(conn, run_id):
+            spec = dag.specs[row.name]
+            if spec.event is None:
+                continue
+            if row.data is not None:
+                kept, why = data.kept_outputs(spec, row.data, {})
+                ended[row.name] = (N.FAILED if why else N.SUCCEEDED, why, kept)
+            elif row.due:
+                on = spec.event.on_timeout
+                why = f"no event '{spec.event.name}' within {spec.event.timeout_s} s"
+                ended[row.name] = (
+                    (N.SUCCEEDED, None, None) if on == "succeed" else (N.FAILED, why, None)
+                )
+        done = await store.end_waits(conn, run_id, ended)
+        if done:
+            log.info("run %s: event nodes %s ended", run_id, done, extra={"run_id": run_id})
+        return len(done)
 
     # --- applying the feed -----------------------------------------------------------------
 
@@ -686,21 +710,24 @@ class Engine:
                 states[name] = N.MAPPED
                 states.update(dict.fromkeys(instances[name], N.READY))
                 expanded = True
-        gates, children = _not_released(dag, changed)
-        for name in gates:
+        # An approval gate whose rule is met waits for a person instead of a release, an
+        # event node for its event; a sub-workflow node starts a child run.
+        gates, waits, children = _not_released(dag, changed)
+        for name in [*gates, *waits]:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
             conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
         )
         await store.start_waiting(conn, run.id, gates)
+        await store.wait_for_events(conn, run.id, waits)
         tries = {n.name: n.try_number for n in nodes}
         self._waiting += [(run, name, tries.get(name, 1)) for name in gates]
         if children and not await self._start_children(conn, run, dag, nodes, children, states):
             return
         outcome = await self._end_if_done(conn, run, dag, nodes, states)
-        if expanded or gates or any(s is N.READY for s in changed.values()) or outcome is not None:
+        if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow (or a
-            # gate's timeout for the loop to wait for).
+            # gate's or an event node's timeout for the loop to wait for).
             self._wake.set()
 
     async def _end_if_done(
@@ -1101,11 +1128,13 @@ def _branch(
 
 def _not_released(
     dag: graph.Dag, changed: Mapping[str, NodeState]
-) -> tuple[dict[str, int], list[str]]:
+) -> tuple[dict[str, int], dict[str, tuple[str, int]], list[str]]:
     """Of the nodes the rules just readied, those that are not released to core: the
-    approval gates (they wait for a person; with their timeouts) and the sub-workflow
-    nodes (they start a child run)."""
+    approval gates (they wait for a person; with their timeouts), the event nodes (they
+    wait for their event; its name and their timeouts) and the sub-workflow nodes (they
+    start a child run)."""
     gates: dict[str, int] = {}
+    waits: dict[str, tuple[str, int]] = {}
     children: list[str] = []
     for name, state in changed.items():
         spec = dag.specs.get(name)
@@ -1113,9 +1142,11 @@ def _not_released(
             continue
         if spec.approval is not None:
             gates[name] = spec.approval.timeout_s
+        elif spec.event is not None:
+            waits[name] = (spec.event.name, spec.event.timeout_s)
         elif spec.workflow is not None:
             children.append(name)
-    return gates, children
+    return gates, waits, children
 
 
 def _kept_rows(nodes: Iterable[store.NodeRow]) -> list[data.Kept]:

@@ -37,3 +37,6 @@ class DagSettings(CairnSettings):
     graph_cache: int = Field(default=256, ge=1)
     #: and the memory they may take (estimated; a 10,000-node definition is about 40 MB)
     graph_cache_mb: int = Field(default=256, ge=1)
+    #: a trigger delivery's ``X-Cairn-Timestamp`` may be this far from now (replays of
+    #: one within it answer the run it started)
+    trigger_tolerance_s: int = Field(default=300, ge=1, le=3600)

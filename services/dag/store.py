@@ -270,6 +270,203 @@ async def list_runs(
     )
 
 
+# --- events, triggers and the history grid -----------------------------------------------
+
+
+async def deliver_event(
+    conn: AsyncConnection, run_id: int, name: str, data: Mapping[str, Any], sent_by: str
+) -> tuple[Row[Any], bool]:
+    """Keep an event for the run, once per name (the primary key makes it once under any
+    number of callers): the event kept, and whether this call delivered it."""
+    row = (
+        await conn.execute(
+            text(
+                "INSERT INTO dag.run_events (run_id, name, data, sent_by)"
+                " VALUES (:run, :name, CAST(:data AS jsonb), :by)"
+                " ON CONFLICT (run_id, name) DO NOTHING RETURNING *"
+            ),
+            {"run": run_id, "name": name, "data": orjson.dumps(data).decode(), "by": sent_by},
+        )
+    ).first()
+    if row is not None:
+        return row, True
+    existing = await conn.execute(
+        text("SELECT * FROM dag.run_events WHERE run_id = :run AND name = :name"),
+        {"run": run_id, "name": name},
+    )
+    return existing.one(), False
+
+
+async def node_waiting_for(conn: AsyncConnection, run_id: int, event: str) -> str | None:
+    name: str | None = await conn.scalar(
+        text(
+            "SELECT name FROM dag.nodes WHERE run_id = :run AND state = 'waiting'"
+            " AND event = :event LIMIT 1"
+        ),
+        {"run": run_id, "event": event},
+    )
+    return name
+
+
+async def wait_for_events(
+    conn: AsyncConnection, run_id: int, waits: Mapping[str, tuple[str, int]]
+) -> None:
+    """Event nodes the caller just set waiting: each for (its event, timeout_s)."""
+    if not waits:
+        return
+    names = list(waits)
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET event = w.event,"
+            " wait_until = now() + make_interval(secs => w.timeout_s)"
+            " FROM unnest(CAST(:names AS text[]), CAST(:events AS text[]),"
+            "   CAST(:timeouts AS int[])) AS w(name, event, timeout_s)"
+            " WHERE n.run_id = :run AND n.name = w.name AND n.state = 'waiting'"
+        ),
+        {
+            "run": run_id,
+            "names": names,
+            "events": [waits[n][0] for n in names],
+            "timeouts": [waits[n][1] for n in names],
+        },
+    )
+
+
+async def event_waits(conn: AsyncConnection, run_id: int) -> list[Row[Any]]:
+    """The run's waiting event nodes: each with its event's data (None: not come) and
+    whether its wait is over."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT n.name, e.data, n.wait_until <= now() AS due FROM dag.nodes n"
+                " LEFT JOIN dag.run_events e ON e.run_id = n.run_id AND e.name = n.event"
+                " WHERE n.run_id = :run AND n.state = 'waiting' AND n.event IS NOT NULL"
+            ),
+            {"run": run_id},
+        )
+    )
+
+
+async def end_waits(
+    conn: AsyncConnection,
+    run_id: int,
+    ended: Mapping[str, tuple[NodeState, str | None, Mapping[str, Any] | None]],
+) -> list[str]:
+    """Event nodes still waiting end as (state, error, outputs); the others are left
+    (guarded in SQL: a node ends its wait once). Returns those that ended."""
+    if not ended:
+        return []
+    names = list(ended)
+    rows = await conn.execute(
+        text(
+            "UPDATE dag.nodes n SET state = w.state, error = w.error,"
+            " outputs = CAST(w.outputs AS jsonb), wait_until = NULL, updated_at = now()"
+            " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
+            "   CAST(:errors AS text[]), CAST(:outputs AS text[])) AS w(name, state, error, outputs)"
+            " WHERE n.run_id = :run AND n.name = w.name AND n.state = 'waiting'"
+            " AND n.event IS NOT NULL RETURNING n.name"
+        ),
+        {
+            "run": run_id,
+            "names": names,
+            "states": [str(ended[n][0]) for n in names],
+            "errors": [ended[n][1] for n in names],
+            "outputs": [
+                None if ended[n][2] is None else orjson.dumps(ended[n][2]).decode() for n in names
+            ],
+        },
+    )
+    return [r.name for r in rows]
+
+
+async def create_trigger(
+    conn: AsyncConnection,
+    owner: str,
+    workflow: str,
+    secret: str,
+    params: Mapping[str, str] | None,
+    key_path: str | None,
+    most: int,
+) -> Row[Any]:
+    """A new trigger of the owner's workflow; ``Conflict`` past ``most`` of them."""
+    await _lock(conn, owner, workflow, "triggers")
+    count = await conn.scalar(
+        text("SELECT count(*) FROM dag.triggers WHERE owner = :owner AND workflow = :wf"),
+        {"owner": owner, "wf": workflow},
+    )
+    if int(count or 0) >= most:
+        raise Conflict(f"workflow '{workflow}' has {most} triggers already: delete one first")
+    return (
+        await conn.execute(
+            text(
+                "INSERT INTO dag.triggers (owner, workflow, secret, params, key_path)"
+                " VALUES (:owner, :wf, :secret, CAST(:params AS jsonb), :key) RETURNING *"
+            ),
+            {
+                "owner": owner,
+                "wf": workflow,
+                "secret": secret,
+                "params": None if params is None else orjson.dumps(params).decode(),
+                "key": key_path,
+            },
+        )
+    ).one()
+
+
+async def list_triggers(conn: AsyncConnection, owner: str, workflow: str) -> list[Row[Any]]:
+    return list(
+        await conn.execute(
+            text("SELECT * FROM dag.triggers WHERE owner = :owner AND workflow = :wf ORDER BY id"),
+            {"owner": owner, "wf": workflow},
+        )
+    )
+
+
+async def delete_trigger(conn: AsyncConnection, owner: str, workflow: str, trigger_id: int) -> None:
+    gone = await conn.scalar(
+        text(
+            "DELETE FROM dag.triggers WHERE id = :id AND owner = :owner AND workflow = :wf"
+            " RETURNING id"
+        ),
+        {"id": trigger_id, "owner": owner, "wf": workflow},
+    )
+    if gone is None:
+        raise NotFound(f"workflow '{workflow}' has no trigger {trigger_id}")
+
+
+async def get_trigger(conn: AsyncConnection, trigger_id: int) -> Row[Any] | None:
+    return (
+        await conn.execute(text("SELECT * FROM dag.triggers WHERE id = :id"), {"id": trigger_id})
+    ).first()
+
+
+async def history(
+    conn: AsyncConnection, owner: str, workflow: str, limit: int
+) -> tuple[list[Row[Any]], list[Row[Any]]]:
+    """The workflow's newest ``limit`` runs, and their nodes (not mapped instances) with
+    how long each took (from its rule being met to its end, or now while open)."""
+    runs = list(
+        await conn.execute(
+            text(
+                "SELECT id, state, workflow_version, created_at, started_at, finished_at"
+                " FROM dag.runs WHERE owner = :owner AND workflow = :wf"
+                " ORDER BY id DESC LIMIT :limit"
+            ),
+            {"owner": owner, "wf": workflow, "limit": limit},
+        )
+    )
+    nodes = await conn.execute(
+        text(
+            "SELECT run_id, name, state, try_number, EXTRACT(EPOCH FROM (CASE WHEN state IN"
+            " ('succeeded', 'failed', 'upstream_failed', 'skipped', 'cancelled')"
+            " THEN updated_at ELSE now() END) - started_at) AS duration_s"
+            " FROM dag.nodes WHERE run_id = ANY(:ids) AND map_of IS NULL"
+        ),
+        {"ids": [r.id for r in runs]},
+    )
+    return runs, list(nodes)
+
+
 async def nodes_of(
     conn: AsyncConnection, run_ids: Iterable[int], *, lock: bool = False
 ) -> list[NodeRow]:
@@ -519,7 +716,8 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
             "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
             " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
             " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
-            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false"
+            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false,"
+            " event = NULL, started_at = NULL"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": names},
@@ -659,7 +857,8 @@ async def set_nodes(
     await conn.execute(
         text(
             "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
-            " updated_at = now()"
+            " updated_at = now(), started_at = CASE WHEN n.state = 'pending'"
+            "   AND c.state IN ('ready', 'waiting', 'mapped') THEN now() ELSE n.started_at END"
             " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
             "   CAST(:errors AS text[])) AS c(name, state, error)"
             " WHERE n.run_id = :run AND n.name = c.name"
@@ -722,11 +921,14 @@ async def decide(
 
 
 async def due_gates(conn: AsyncConnection, limit: int = 1000) -> list[int]:
-    """Runs with an approval gate decided, or past its wait, that the loop moves on."""
+    """Runs with an approval gate decided, an event node whose event came, or either past
+    its wait, that the loop moves on."""
     rows = await conn.execute(
         text(
-            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes WHERE state = 'waiting'"
-            " AND (decision IS NOT NULL OR wait_until <= now()) LIMIT :limit) d"
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes n WHERE state = 'waiting'"
+            " AND (decision IS NOT NULL OR wait_until <= now() OR (event IS NOT NULL AND"
+            "   EXISTS (SELECT 1 FROM dag.run_events e"
+            "     WHERE e.run_id = n.run_id AND e.name = n.event))) LIMIT :limit) d"
         ),
         {"limit": limit},
     )

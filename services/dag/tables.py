@@ -139,6 +139,8 @@ runs = Table(
         "id",
         postgresql_where=text("state IN ('queued', 'running')"),
     ),
+    # A workflow's recent runs (the history grid).
+    Index("ix_runs_workflow", "owner", "workflow", "id"),
     # The loop fails running runs past their deadline.
     Index(
         "ix_runs_deadline",
@@ -176,6 +178,10 @@ nodes = Table(
     Column("audit_pending", Boolean, nullable=False, server_default=text("false")),
     # A sub-workflow node: the child run it started (in place of a task).
     Column("child_run_id", BigInteger),
+    # An event node: the event it waits for (set when it starts waiting).
+    Column("event", Text),
+    # When its rule was met this try (the history grid's durations run from it).
+    _at("started_at", nullable=True),
     CheckConstraint(_in("state", NodeState), name="state"),
     CheckConstraint("decision IS NULL OR decision IN ('approve', 'reject')", name="decision"),
     CheckConstraint("(decision IS NULL) = (decided_at IS NULL)", name="decision_has_time"),
@@ -214,6 +220,33 @@ feed_cursor = Table(
     Column("cursor", Text, nullable=False),
     _at("updated_at"),
     CheckConstraint("id = 1", name="one_row"),
+)
+
+# Events delivered to runs: once per run and name, kept until a node waits for them.
+run_events = Table(
+    "run_events",
+    metadata,
+    Column("run_id", BigInteger, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("name", Text, primary_key=True),
+    Column("data", JSONB, nullable=False),
+    Column("sent_by", Text, nullable=False),
+    _at("created_at"),
+)
+
+# Signed HTTP triggers: each delivery starts a run of the owner's workflow; a delivery's
+# idempotency key is the run's (``trigger:ID:KEY``, unique per owner in dag.runs).
+triggers = Table(
+    "triggers",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("workflow", Text, nullable=False),
+    # The HMAC key: verifying a signature needs it as is.
+    Column("secret", Text, nullable=False),
+    Column("params", JSONB),
+    Column("key_path", Text),
+    _at("created_at"),
+    Index("ix_triggers_owner", "owner", "workflow"),
 )
 
 leader = leader_table(metadata)

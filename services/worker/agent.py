@@ -6,6 +6,7 @@ grace period, then the rest are handed back without spending an attempt."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -82,6 +83,8 @@ def confirm_at(start: float) -> float:
 
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
+#: how many ended attempts an agent remembers, never to start them again
+RAN_KEPT = 4096
 DRAINING = Report(outcome="handed_back", error="the worker is draining")
 
 
@@ -208,6 +211,14 @@ class Agent:
         self.outbox: dict[int, Outgoing] = {}
         self.sending: dict[int, Outgoing] = {}
         self.started: set[int] = set()
+        # The last claiming turn got no answer: core may have leased what this agent never
+        # saw (``Turn.holding``), so the next claiming turn says what it holds. Only turns
+        # that claim lease anything, and only one of them is ever in flight (``_work``):
+        # no other turn's lease can be committed while core looks for lost ones.
+        self.unanswered = False
+        # Attempts this agent ran to their end (the last ``RAN_KEPT``): never started
+        # again, whatever core hands out.
+        self.ran: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.reported = asyncio.Event()
         self.claiming = False
         self.courier: asyncio.Task[None] | None = None
@@ -415,8 +426,16 @@ class Agent:
             ahead_s=self.settings.worker_claim_ahead_s,
         )
 
+    def _holding(self) -> list[int]:
+        """Every attempt this agent holds: running, starting, or ended and not yet
+        reported (``Turn.holding``)."""
+        return sorted({*self.running, *self.starting, *self.outbox, *self.sending})
+
     def _start_all(self, leased: list[Assignment]) -> None:
         for assignment in leased:
+            known = (self.running, self.starting, self.ran)
+            if any(assignment.attempt_id in where for where in known):
+                continue  # handed out again (``Turn.holding``), and already here or run
             self.running[assignment.attempt_id] = (assignment, None)
             task = asyncio.create_task(self._attempt(assignment))
             self.tasks.add(task)
@@ -449,7 +468,13 @@ class Agent:
         # An attempt reported in this turn needs no acknowledgement of its start.
         started = sorted(self.started.difference(o.report.attempt_id for o in items))
         self.started.clear()
-        body = Turn(reports=[o.report for o in items], started=started, claim=room, progress=notes)
+        body = Turn(
+            reports=[o.report for o in items],
+            started=started,
+            claim=room,
+            progress=notes,
+            holding=self._holding() if room is not None and self.unanswered else None,
+        )
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         self.turned_at = sent
         try:
@@ -468,7 +493,10 @@ class Agent:
             self._put_back(items)
             self._put_back_notes(notes)
             self.started.update(started)
+            self.unanswered = self.unanswered or room is not None
             return None
+        if room is not None:
+            self.unanswered = False
         if worker == self.worker_id:
             self._heard(answer.state, sent)
         self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
@@ -751,6 +779,9 @@ class Agent:
         finally:
             self.timings.mark(attempt, "reported")
             self.timings.done(attempt)
+            self.ran[attempt] = None
+            while len(self.ran) > RAN_KEPT:
+                self.ran.popitem(last=False)
             self.running.pop(attempt, None)
             self.squeezed.discard(attempt)
             self._publish()

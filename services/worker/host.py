@@ -12,6 +12,7 @@ from base64 import b64decode
 from dataclasses import dataclass
 from pathlib import Path
 
+from libs.common import tracing
 from libs.common.models import Assignment, Egress
 from services.worker import firewall, outputs, progress, spawner
 from services.worker.artifacts import ArtifactCache, Sealed
@@ -310,7 +311,7 @@ class Host:
             attempt_number=assignment.attempt_number,
             args=assignment.args,
             env=progress.with_paths(
-                outputs.with_path(assignment.env, folders.home),
+                outputs.with_path(_traced(assignment), folders.home),
                 folders.home,
                 assignment,
                 self.settings.url,
@@ -455,3 +456,10 @@ def _name_of(uri: str) -> str:
     last = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
     clean = "".join(c for c in last if c.isalnum() or c in "._-")[:100].lstrip(".")
     return clean or "run"
+
+
+def _traced(assignment: Assignment) -> dict[str, str]:
+    """The task's environment with the W3C trace context of its run (docs/observability.md):
+    its own ``TRACEPARENT``, if it sets one, is kept."""
+    context = tracing.task_environment(assignment.traceparent)
+    return {**context, **assignment.env} if context else assignment.env

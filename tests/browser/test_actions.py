@@ -3,10 +3,12 @@
 retried in bulk after a confirmation that shows the dry run's count (a user's own tasks, an
 admin's of every owner), tasks are cancelled in bulk by filter, schedules are paused,
 resumed and triggered, runs cancelled and retried, and a run shows its nodes' outputs and
-mapped instances. Each test checks what the services hold afterwards, not only the page."""
+mapped instances, and a workflow's run history grid shows each node's state and duration by run.
+Each test checks what the services hold afterwards, not only the page."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -366,3 +368,53 @@ def test_a_sub_workflow_node_links_its_child_run_and_the_child_its_parent(
         "SELECT parent_run_id, parent_node, state FROM dag.runs WHERE id = %s", (child_id,)
     ).fetchone()
     assert found == (rid, "sub", "succeeded")
+
+
+def test_the_run_history_grid_shows_each_node_by_run_with_its_duration(
+    page: Page, system: System, db: psycopg.Connection
+) -> None:
+    nodes = [node("extract"), node("load", "extract", args=("{{ params.mode }}",))]
+    with client(system, system.dag.url, "alice") as alice:
+        made = alice.post("/v1/workflows", json=workflow("grid", nodes, params={"mode": "ok"}))
+        assert made.status_code in (200, 201), made.text
+        ids = [
+            alice.post("/v1/workflows/grid/runs", json={"params": {"mode": mode}}).json()["id"]
+            for mode in ("ok", "fail")
+        ]
+        for rid in ids:
+            wait_for(lambda r=rid: alice.get(f"/v1/runs/{r}").json()["state"] in ("succeeded", "failed"), 30)  # fmt: skip
+        newest = alice.get("/v1/workflows/grid/history", params={"limit": 1}).json()
+        assert [r["id"] for r in newest["runs"]] == ids[1:]  # the newest N, oldest first
+        too_many = alice.get("/v1/workflows/grid/history", params={"limit": 101})
+        assert too_many.status_code == 422 and "limit" in too_many.text, too_many.text
+    with client(system, system.dag.url, "mallory") as stranger:
+        assert stranger.get("/v1/workflows/grid/history").status_code == 404
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/runs/{ids[1]}")
+    page.locator("#run-state a", has_text="grid").click()  # the workflow's history
+    grid = page.locator("#history table.history")
+    expect(grid.locator("th.run-col")).to_have_count(2)
+    load = grid.locator("tr[data-node-row='load'] td.cell")
+    expect(load.nth(0)).to_have_attribute("data-state", "succeeded")
+    expect(load.nth(1)).to_have_attribute("data-state", "failed")
+    took = re.compile(rf"^load in run {ids[1]}: failed, \S+ \((\d+\.\d{{3}}) s\)$")
+    expect(load.nth(1)).to_have_attribute("title", took)
+    screenshot(page, "run-history")
+    held = db.execute(
+        "SELECT run_id, name, state, EXTRACT(EPOCH FROM updated_at - started_at)::float"
+        " FROM dag.nodes WHERE run_id = ANY(%s) ORDER BY name, run_id",
+        (ids,),
+    ).fetchall()
+    cells = page.locator("#history td.cell")
+    shown = [
+        (
+            int(c.get_attribute("data-run-id") or 0),
+            c.get_attribute("data-state"),
+            c.get_attribute("title"),
+        )
+        for c in cells.all()
+    ]
+    assert [(r, s) for r, _, s, _ in held] == [(r, s) for r, s, _ in shown]
+    for (_, _, _, seconds), (_, _, title) in zip(held, shown, strict=True):
+        found = re.search(r"\((\d+\.\d{3}) s\)", title or "")
+        assert found and abs(float(found.group(1)) - seconds) < 0.002, (seconds, title)

@@ -74,7 +74,7 @@ def test_a_workflow_run_is_drawn_with_its_node_states(page: Page, system: System
         wait_for(lambda: alice.get(f"/v1/runs/{run['id']}").json()["state"] == "succeeded", 30)
     log_in(page, system, "alice")
     page.goto(f"{system.core.url}/ui#/runs")
-    page.locator(f"tr[data-run-id='{run['id']}'] a").click()
+    page.locator(f"tr[data-run-id='{run['id']}'] a[href='#/runs/{run['id']}']").click()
     nodes = page.locator("#run-graph g.node")
     expect(nodes).to_have_count(4)
     for name in "abcd":
@@ -123,6 +123,7 @@ def test_a_tasks_page_shows_its_policy(page: Page, system: System) -> None:
         timeout_s=600,
         max_wait_s=3600,
         retry={"poison_window_s": 7200, "never": {"exit_codes": [3]}, "always": {"signals": [15]}},
+        placement={"required": ["disk=ssd"], "anti_affinity": "host"},
     )
     with client(system, system.core.url, "alice") as alice:
         task = alice.post("/v1/tasks", json=body).json()
@@ -133,6 +134,8 @@ def test_a_tasks_page_shows_its_policy(page: Page, system: System) -> None:
     expect(page.locator("#task-retry")).to_have_text(
         "poison after 3 crashes within 2.0 h · never retried: exit 3 · always retried: signal 15"
     )
+    expect(page.locator("#task-placement")).to_have_text("requires disk=ssd; one per host")
+    expect(page.locator("#task-pending")).to_have_text("no live worker serves queue nobody-serves")
 
 
 def test_a_running_tasks_page_shows_its_progress_and_checkpoint(page: Page, system: System) -> None:

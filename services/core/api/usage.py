@@ -1,15 +1,25 @@
-"""Right-sizing: per owner and task name, what is requested against what is used."""
+"""Right-sizing (per owner and task name, what is requested against what is used) and
+usage accounting (what a month's attempts used, per owner, team or queue)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import UTC, date, datetime
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from libs.common.models import MAX_PAGE, Name, TeamName, UsageReport
+from libs.common.models import (
+    MAX_PAGE,
+    Month,
+    Name,
+    TeamName,
+    UsageAccount,
+    UsageAccounts,
+    UsageReport,
+)
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import Engine, Reader
-from services.core.db import placement
+from services.core.db import accounting, placement
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 
@@ -39,3 +49,42 @@ async def rightsizing(
     async with engine.connect() as conn:
         items = await placement.rightsizing(conn, owner, name, limit, team=team)
     return UsageReport(items=items)
+
+
+@router.get("/accounts", response_model=UsageAccounts, responses=PROBLEMS)
+async def accounts(
+    principal: Reader,
+    engine: Engine,
+    month: Annotated[Month | None, Query(description="As 2026-12; the current month")] = None,
+    by: Literal["owner", "team", "queue"] = "owner",
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+) -> UsageAccounts:
+    """What the attempts that ended in ``month`` (UTC) used, summed ``by`` owner, team
+    (the tasks each team owns) or queue, the largest reservations first: attempts, wall
+    seconds, CPU seconds used, core-seconds and MB-seconds reserved, the largest peak
+    memory. Rolled up from the event feed by the leader every ``CAIRN_USAGE_INTERVAL_S``
+    (60 s), and kept after the tasks' retention. Users see their own use (by owner or by
+    queue) and their teams' (by team); admins and services everyone's."""
+    month = month or datetime.now(UTC).strftime("%Y-%m")
+    first = date(int(month[:4]), int(month[5:]), 1)
+    owner = teams = None
+    if principal.owner_filter is not None:
+        if by == "team":
+            teams = sorted(principal.teams)
+        else:
+            owner = principal.name
+    async with engine.connect() as conn:
+        rows = await accounting.accounts(conn, first, by, limit, owner=owner, teams=teams)
+    items = [
+        UsageAccount(
+            key=r.key,
+            attempts=int(r.attempts),
+            wall_s=round(r.wall_s, 3),
+            cpu_s=round(r.cpu_s, 3),
+            cpu_reserved_s=round(r.cpu_reserved_s, 3),
+            memory_mb_s=round(r.memory_mb_s, 3),
+            peak_memory_mb=round(r.peak_memory_mb, 3),
+        )
+        for r in rows
+    ]
+    return UsageAccounts(month=month, by=by, items=items)

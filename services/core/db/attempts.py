@@ -35,7 +35,7 @@ from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
-from services.core.domain import outcomes
+from services.core.domain import outcomes, selectors
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth
 from services.core.domain.retry import SERVICE_RESTARTS
@@ -93,10 +93,21 @@ _AHEAD_READY = f"""{_READY} AND t.run_at > now()
   AND t.run_at <= now() + make_interval(secs => :ahead_s)"""
 
 
+# A task's required selectors against the worker's labels (``domain.selectors``: its
+# facts, as a jsonb array and as text[]): facts all present, none of some present, one of
+# each group present. A task without selectors (the common one) is one NULL test.
+_LABELLED = """(t.required IS NULL OR (
+    t.required->'all' <@ CAST(:facts AS jsonb)
+    AND NOT (t.required->'none' ?| CAST(:fact_names AS text[]))
+    AND NOT EXISTS (SELECT FROM jsonb_array_elements(t.required->'any') g
+                    WHERE NOT (g ?| CAST(:fact_names AS text[])))))"""
+
+
 _PICK = f"""
 SELECT t.id FROM core.tasks t
 WHERE {{which}}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
+  AND {_LABELLED}
   AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
            AND {placement.LATEST_START} > now())
 ORDER BY {{order}}
@@ -117,7 +128,8 @@ SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
-       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs
+       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs,
+       t.name, t.queue, t.placement
 FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
@@ -185,6 +197,21 @@ _WAITING_IN_QUEUE = _waiting_in("t.queue = :queue")
 _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 
 
+# The columns of a leased task's row (``moved``: the task's, and its attempt's id, number,
+# charge and fencing secret) that its assignment is built from (``_assignment``).
+_ASSIGNED = """
+    id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
+    memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
+    charge_cpu, charge_memory_mb, progress_timeout_s, fence,
+    -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
+    (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
+    -- its queue's egress policy (NULL: host, the default), for the agent to apply
+    (SELECT q.egress FROM core.queues q WHERE q.name = moved.queue) AS egress"""
+
+#: the most attempts one turn's answer carries again (``resend``)
+MAX_RESEND = 256
+
+
 # The lease: each chosen task moved (guarded by the claim's sources in the transitions
 # table and by the state the pick saw), its attempt numbered and inserted with the id the
 # move gave it (so an attempt exists only for a task that moved, and is its current one),
@@ -229,17 +256,46 @@ WITH holder AS (
 )
 -- What the assignment needs (``_assignment``), not the whole row: the turn's answer is
 -- built from these, and every column more is decoded for each lease.
-SELECT id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
-       memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
-       charge_cpu, charge_memory_mb, progress_timeout_s, fence,
-       -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
-       (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
-       -- its queue's egress policy (NULL: host, the default), for the agent to apply
-       (SELECT q.egress FROM core.queues q WHERE q.name = moved.queue) AS egress,
+SELECT {_ASSIGNED},
        GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - run_at)) AS waited_s,
        CASE WHEN from_state = '{S.READY}' AND run_at > now() THEN run_at END AS start_at
 FROM moved ORDER BY priority DESC, id
 """)
+
+
+# The attempts of a worker whose lease it never saw (``Turn.holding``): open on it, its
+# tasks' current ones, never started nor listed among those it holds. Each gets a new
+# fencing secret (the first went out in the lost answer only; the attempt keeps the new
+# digest) and comes back as the claim returned it: an attempt leased ahead keeps its start.
+_RESEND = text(f"""
+WITH lost AS (
+    SELECT a.id, replace(CAST(gen_random_uuid() AS text), '-', '') AS fence
+    FROM core.attempts a JOIN core.tasks t ON t.current_attempt_id = a.id
+    WHERE a.worker_id = :worker AND a.outcome IS NULL AND a.seen_at IS NULL
+      AND t.state = '{S.RUNNING}' AND NOT (a.id = ANY(CAST(:holding AS bigint[])))
+    ORDER BY a.id LIMIT :most
+    FOR UPDATE OF a
+), again AS (
+    UPDATE core.attempts a SET fence_sha256 = sha256(convert_to(lost.fence, 'UTF8'))
+    FROM lost WHERE a.id = lost.id
+    RETURNING a.id, a.task_id, a.number, a.charge_cpu, a.charge_memory_mb, a.started_at,
+              lost.fence
+), moved AS (
+    SELECT t.*, again.id AS attempt_id, again.number AS attempt_number, again.charge_cpu,
+           again.charge_memory_mb, again.fence, again.started_at AS starts
+    FROM again JOIN core.tasks t ON t.id = again.task_id
+)
+SELECT {_ASSIGNED}, CASE WHEN starts > now() THEN starts END AS start_at
+FROM moved ORDER BY priority DESC, id
+""")
+
+
+async def resend(conn: AsyncConnection, worker_id: int, holding: Sequence[int]) -> Leases:
+    """The attempts core holds for the worker that it never saw leased (``_RESEND``), as
+    a claim returns them; ``with_secrets``: all of them (``db.secrets.fill`` looks)."""
+    params = {"worker": worker_id, "holding": sorted(set(holding)), "most": MAX_RESEND}
+    found = list(await conn.execute(_RESEND, params))
+    return Leases([_assignment(row) for row in found], frozenset(r.id for r in found))
 
 
 _COMMIT = text("COMMIT")
@@ -329,19 +385,21 @@ async def hear(
     started: Sequence[int] = (),
     reported: Sequence[int] = (),
     fresh_s: float = 0.0,
+    always: bool = False,
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
     attempts: one round trip. A turn that carries reports or starts refreshes (and
     locks) the worker's row whatever its age, before any attempt or task row, as a
     heartbeat and the reaper do: it writes anyway, and its lease after those rows
-    could otherwise wait on a heartbeat that waits on them."""
+    could otherwise wait on a heartbeat that waits on them. ``always``: so does a turn
+    that will write attempt rows for another reason (``resend``)."""
     ids = sorted(set(reported))
     heard_params = {
         "worker": worker_id,
         "started": sorted(set(started)),
         "fresh_s": fresh_s,
-        "always": bool(started or reported),
+        "always": bool(started or reported or always),
     }
     chain: list[pipeline.Statement] = [
         (_HEARD, heard_params),
@@ -416,9 +474,12 @@ def ask(
     room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
     if room.cpu <= 0 or room.memory_mb <= 0:
         return None
+    facts = selectors.facts(worker.labels)
     params = {
         "sources": sources(Op.CLAIM, S.RUNNING),
         "queues": list(worker.queues),
+        "facts": jsonb(facts),
+        "fact_names": facts,
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
         "limit": claim_depth(most),
@@ -450,6 +511,8 @@ async def lease(
     rows = sorted(
         picked, key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id)
     )
+    if any(r.placement for r in rows):  # preferences and spreads: docs/placement.md
+        rows = await placement.by_labels(conn, asked.worker, rows)
     gate = await _gate(conn, rows)
     # Built as choose walks them: it stops at ``most``, before the over-fetched tail.
     candidates = (placement.candidate(row, asked.defaults) for row in rows)

@@ -47,6 +47,7 @@ from typing import Any
 
 import psycopg
 
+from libs.common.database import keepalive
 from libs.common.settings import libpq_url
 
 log = logging.getLogger("cairn.core.feed")
@@ -332,8 +333,9 @@ class Notifier:
         delay = 0.1
         while True:
             try:
+                # A dead primary noticed in seconds (``database.keepalive``), not hours.
                 async with await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True
+                    self._url, autocommit=True, **keepalive(self._url)
                 ) as conn:
                     delay = 0.1
                     await body(conn)

@@ -20,7 +20,7 @@ from libs.common.models import QueueSettings, Task, UsageRow
 from libs.common.states import TaskState, Workers
 from services.core.db import sharing
 from services.core.db.tables import queues, workers
-from services.core.domain import pending
+from services.core.domain import pending, selectors
 from services.core.domain.placement import (
     DECAY,
     ZERO,
@@ -165,6 +165,7 @@ def nodes_from(
             placed=tuple(placed[row.id]),
             queues=frozenset(row.queues),
             rest=rest.get(row.id, ZERO),
+            labels=tuple(sorted(row.labels.items())),
         )
         for row in rows
     ]
@@ -185,6 +186,89 @@ async def live_rooms(conn: AsyncConnection) -> list[Node]:
 
 async def _live_workers(conn: AsyncConnection) -> list[Any]:
     return list(await conn.execute(select(workers).where(workers.c.state == Workers.LIVE)))
+
+
+# --- placement by label --------------------------------------------------------------------
+
+# Where the running tasks of some groups (owner, name) run, those placed by label (a
+# spread's replicas carry their placement): the domains of a spread.
+_GROUPS_RUNNING = text(f"""
+SELECT t.owner, t.name, w.hostname, w.labels
+FROM core.tasks t
+JOIN core.attempts a ON a.id = t.current_attempt_id AND a.outcome IS NULL
+JOIN core.workers w ON w.id = a.worker_id
+WHERE t.state = '{S.RUNNING}' AND t.placement IS NOT NULL
+  AND (t.owner, t.name) IN (SELECT * FROM unnest(CAST(:owners AS text[]), CAST(:names AS text[])))
+""")
+_LIVE_LABELS = text(
+    f"SELECT hostname, labels, queues FROM core.workers WHERE state = '{Workers.LIVE}'"
+)
+
+
+async def by_labels(conn: AsyncConnection, worker: Any, rows: Sequence[Any]) -> list[Any]:
+    """A claim's picked rows (sorted best first) as placement by label orders and admits
+    them for ``worker``: at one effective priority, the rows whose preferred selectors it
+    meets with more weight first; rows whose spread (or anti-affinity) one more on this
+    worker would break left out, decided one group at a time (``locks.SPREAD_GROUP``)."""
+    rules = {r.id: selectors.rules_of(r.placement) for r in rows if r.placement}
+    labels = dict(worker.labels)
+
+    def key(r: Any) -> tuple[Any, ...]:
+        rule = rules.get(r.id)
+        score = selectors.score(rule.preferred, labels) if rule else 0
+        return (not r.reserved, r.ahead, -(r.priority + r.boost), -score, r.vtime, r.id)
+
+    ordered = sorted(rows, key=key)
+    spread = [r for r in ordered if r.id in rules and rules[r.id].spread is not None]
+    if not spread:
+        return ordered
+    groups = sorted({(r.owner, r.name) for r in spread})
+    await sharing.lock_names(conn, locks.SPREAD_GROUP, (f"{o}/{n}" for o, n in groups))
+    counts = await _spread_counts(conn, spread, rules)
+    refused = set()
+    for r in spread:
+        rule = rules[r.id]
+        by, _ = rule.spread  # type: ignore[misc]
+        mine = selectors.domain_of(by, worker.hostname, labels)
+        group = counts[(r.owner, r.name, by, r.queue)]
+        if not selectors.spread_allows_one(rule, mine, group):
+            refused.add(r.id)
+        elif mine is not None:
+            group[mine] = group.get(mine, 0) + 1  # a later row of the group sees it
+    return [r for r in ordered if r.id not in refused]
+
+
+async def _spread_counts(
+    conn: AsyncConnection, rows: Sequence[Any], rules: Mapping[int, selectors.Rules]
+) -> dict[tuple[str, str, str, str], dict[str, int]]:
+    """Per (owner, name, spread label, queue): its running tasks in each domain of the
+    live workers that serve the queue and meet the task's required selectors (zeros
+    included, as Kubernetes counts the eligible nodes' domains)."""
+    live = list(await conn.execute(_LIVE_LABELS))
+    owners = [r.owner for r in rows]
+    running = list(
+        await conn.execute(_GROUPS_RUNNING, {"owners": owners, "names": [r.name for r in rows]})
+    )
+    out: dict[tuple[str, str, str, str], dict[str, int]] = {}
+    for r in rows:
+        rule = rules[r.id]
+        by, _ = rule.spread  # type: ignore[misc]
+        key = (r.owner, r.name, by, r.queue)
+        if key in out:
+            continue
+        domains: dict[str, int] = {}
+        for w in live:
+            if r.queue in w.queues and selectors.matches(rule.required, w.labels):
+                mine = selectors.domain_of(by, w.hostname, w.labels)
+                if mine is not None:
+                    domains.setdefault(mine, 0)
+        for g in running:
+            if (g.owner, g.name) == (r.owner, r.name):
+                mine = selectors.domain_of(by, g.hostname, g.labels)
+                if mine is not None:
+                    domains[mine] = domains.get(mine, 0) + 1
+        out[key] = domains
+    return out
 
 
 def candidate(row: Any, defaults: Defaults) -> Candidate:
@@ -318,6 +402,13 @@ async def with_pending_reasons(
             False, defaults.overcommit, defaults.defer_above, None
         )
         serving = tuple(n for n in nodes if task.queue in n.queues)
+        required = (
+            selectors.rules_of(task.placement.model_dump()).required if task.placement else ()
+        )
+        unmatched = None
+        if required and serving:
+            unmatched = selectors.unmatched(required, [n.label_map for n in serving])
+            serving = tuple(n for n in serving if selectors.matches(required, n.label_map))
         pool = pending.Pool(
             name=task.queue,
             paused=row.paused,
@@ -342,6 +433,7 @@ async def with_pending_reasons(
             deferred=task.id in deferred,
             preempted_by=preempted.get(task.id),
             held=gate.held(task.id) if gate is not None else None,
+            unmatched=unmatched,
         )
         reason = pending.pending_reason(standing, pool, now)
         out.append(task.model_copy(update={"pending_reason": reason}))
@@ -436,7 +528,7 @@ SELECT count(*) FROM moved
 # latter as one hashed set (an OR inside NOT EXISTS was a nested loop of the whole
 # backlog by every open attempt: 570 ms a pass at 20,000 waiting, docs/benchmarks.md).
 _BLOCKED = text(f"""
-SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority FROM core.tasks t
+SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority, t.placement FROM core.tasks t
 WHERE t.state = '{S.WAITING}' AND NOT t.preemptible
   AND t.updated_at < now() - make_interval(secs => :after_s)
   AND t.id NOT IN (
@@ -516,7 +608,12 @@ async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     by_id = {n.worker_id: n for n in await live_nodes(conn)}
     for task in blocked:
         need = Amount(task.cpu, task.memory_mb)
-        serving = [n for n in by_id.values() if task.queue in n.queues]
+        required = selectors.rules_of(task.placement).required
+        serving = [
+            n
+            for n in by_id.values()
+            if task.queue in n.queues and selectors.matches(required, n.label_map)
+        ]
         if any(need.fits_in(n.free()) for n in serving):
             continue  # a claim takes it
         plan = best_plan(serving, need)

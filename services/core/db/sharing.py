@@ -101,7 +101,7 @@ WHERE team = ANY(CAST(:teams AS text[]))
 """)
 
 
-async def _lock(conn: AsyncConnection, lock_class: int, names: Iterable[str]) -> None:
+async def lock_names(conn: AsyncConnection, lock_class: int, names: Iterable[str]) -> None:
     ordered = sorted(set(names))
     if ordered:
         await conn.execute(_LOCK, {"class": lock_class, "names": ordered})
@@ -175,9 +175,9 @@ async def gate(
     if not quotas and not team_quotas and not keys:
         return None
     if lock:
-        await _lock(conn, _OWNER_LOCK, quotas)
-        await _lock(conn, _TEAM_LOCK, team_quotas)
-        await _lock(conn, _KEY_LOCK, keys)
+        await lock_names(conn, _OWNER_LOCK, quotas)
+        await lock_names(conn, _TEAM_LOCK, team_quotas)
+        await lock_names(conn, _KEY_LOCK, keys)
     use = await owner_use(conn, sorted(quotas)) if quotas else {}
     teams_use = await team_use(conn, sorted(team_quotas)) if team_quotas else {}
     limits, counts = await key_use(conn, keys) if keys else ({}, {})
@@ -352,8 +352,8 @@ async def admit_submissions(
     owners and teams locked so that two submits cannot both take the last room."""
     counts = Counter(owner for owner in owners if owner in book.quotas)
     team_counts = Counter(t for t in teams if t is not None and t in book.team_quotas)
-    await _lock(conn, _SUBMIT_LOCK, counts)
-    await _lock(conn, _TEAM_SUBMIT_LOCK, team_counts)
+    await lock_names(conn, _SUBMIT_LOCK, counts)
+    await lock_names(conn, _TEAM_SUBMIT_LOCK, team_counts)
     for owner, n in sorted(counts.items()):
         await _admit_one(conn, "owner", owner, n, book.quotas[owner], _WAITING, _COUNT_SUBMITS)
     for team, n in sorted(team_counts.items()):

@@ -7,6 +7,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Date,
     DateTime,
     Double,
     ForeignKey,
@@ -273,6 +274,10 @@ tasks = Table(
     Column("retry_causes", JSONB),
     # No new progress for this long ends the attempt as timed out (docs/progress.md).
     Column("progress_timeout_s", Integer),
+    # Placement by label (docs/placement.md): as submitted, and the required selectors
+    # compiled for the claim (domain.selectors); NULL for the common task.
+    Column("placement", JSONB),
+    Column("required", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -292,6 +297,7 @@ tasks = Table(
     CheckConstraint(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
+    CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
     Index(
         "uq_tasks_owner_idempotency_key",
         "owner",
@@ -339,6 +345,13 @@ tasks = Table(
         postgresql_where=text(sql_in("state", _LIVE)),
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
+    # Where a spread group runs (db.placement.by_labels): placed tasks only.
+    Index(
+        "ix_tasks_placed_running",
+        "owner",
+        "name",
+        postgresql_where=text(f"placement IS NOT NULL AND state = '{S.RUNNING}'"),
+    ),
     Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
     Index(
         "ix_tasks_team_waiting",
@@ -733,6 +746,25 @@ notification_answers = Table(
     Column("error", Text),
     Column("duration_ms", Double, nullable=False),
     Index("ix_notification_answers_subscription_id_id", "subscription_id", "id"),
+)
+
+#: what ended attempts used, per month (its first day), owner, team ('' for none) and
+#: queue, rolled up from the feed (``db/accounting.py``; docs/sharing.md "Usage")
+usage_monthly = Table(
+    "usage_monthly",
+    metadata,
+    Column("month", Date, primary_key=True),
+    Column("owner", Text, primary_key=True),
+    Column("team", Text, primary_key=True, server_default=text("''")),
+    Column("queue", Text, primary_key=True),
+    Column("attempts", BigInteger, nullable=False, server_default=text("0")),
+    Column("wall_s", Double, nullable=False, server_default=text("0")),
+    Column("cpu_s", Double, nullable=False, server_default=text("0")),
+    Column("cpu_reserved_s", Double, nullable=False, server_default=text("0")),
+    Column("memory_mb_s", Double, nullable=False, server_default=text("0")),
+    Column("peak_memory_mb", Double, nullable=False, server_default=text("0")),
+    CheckConstraint("EXTRACT(DAY FROM month) = 1", name="first_day"),
+    Index("ix_usage_monthly_month_team", "month", "team"),
 )
 
 notify_cursors = Table(

@@ -53,6 +53,7 @@ from services.core.db.tables import (
     task_events,
     tasks,
 )
+from services.core.domain import selectors
 from services.core.domain.limits import Defaults, Filled
 from services.core.domain.transitions import Op, check, sources
 
@@ -66,7 +67,7 @@ TASK_COLUMNS = """
     backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
-    start_by, poison_window_s, retry_causes, progress_timeout_s
+    start_by, poison_window_s, retry_causes, progress_timeout_s, placement
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -97,7 +98,8 @@ WITH input AS (
         run_at timestamptz, idempotency_key text, spec_hash text, labels jsonb, owner text,
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
-        poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer
+        poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
+        placement jsonb, required jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -145,7 +147,7 @@ WITH input AS (
         input_path, output_path, cpu, memory_mb, preemptible, max_attempts, backoff_base_s,
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
-        start_by, poison_window_s, retry_causes, progress_timeout_s, state
+        start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -155,7 +157,7 @@ WITH input AS (
         concurrency_limit, vtime,
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
-        poison_window_s, retry_causes, progress_timeout_s,
+        poison_window_s, retry_causes, progress_timeout_s, placement, required,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -520,6 +522,7 @@ _LATER_FIELDS: dict[str, object] = {
     "start_by": None,
     "max_wait_s": None,
     "progress_timeout_s": None,
+    "placement": None,
 }
 _LATER_RETRY_FIELDS: dict[str, object] = {
     "poison_window_s": None,
@@ -586,7 +589,17 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "concurrency_key": spec.concurrency.key if spec.concurrency else None,
         "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
         "progress_timeout_s": spec.progress_timeout_s,
+        **_placement_doc(spec),
     }
+
+
+def _placement_doc(spec: TaskCreate) -> dict[str, Any]:
+    """The placement as submitted and its required selectors compiled for the claim
+    (checked before: ``ops.tasks.fill_limits``)."""
+    if spec.placement is None:
+        return {"placement": None, "required": None}
+    doc = spec.placement.model_dump(mode="json", exclude_defaults=True)
+    return {"placement": doc, "required": selectors.rules_of(doc).compiled}
 
 
 async def submit(
@@ -719,6 +732,7 @@ def task_from_row(m: Any) -> Task:
             {"key": m.concurrency_key, "limit": m.concurrency_limit} if m.concurrency_key else None
         ),
         progress_timeout_s=m.progress_timeout_s,
+        placement=m.placement,
     )
 
 

@@ -35,6 +35,9 @@ class Standing:
     preempted_by: int | None = None
     #: what holds it back besides room: its owner's quota, its concurrency key
     held: str | None = None
+    #: no live worker of its queue meets its required selectors: which ones
+    #: (``domain.selectors.unmatched``)
+    unmatched: str | None = None
 
 
 def size(amount: Amount) -> str:
@@ -84,7 +87,9 @@ def _waiting(task: Standing, pool: Pool) -> str:
     parts: list[str] = []
     if task.preempted_by is not None:
         parts.append(f"preempted by task {task.preempted_by}, requeued")
-    if task.held is not None:
+    if task.unmatched is not None:
+        parts.append(f"{task.unmatched} (queue {pool.name})")
+    elif task.held is not None:
         parts.append(task.held)
     else:
         parts.append(_room(task.need, pool.name, pool.nodes))

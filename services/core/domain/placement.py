@@ -113,6 +113,12 @@ class Node:
     placed: tuple[Placed, ...] = ()
     queues: frozenset[str] = frozenset()
     rest: Amount = ZERO
+    #: its labels, as (key, value) pairs (``label_map``), for placement by label
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        return dict(self.labels)
 
     def used(self) -> Amount:
         return self.rest + total(p.held for p in self.placed)

@@ -5,6 +5,7 @@ pass. Each owns its transaction, then tells the notifier and the metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -34,6 +35,8 @@ from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Waiter, Work
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
+
+log = logging.getLogger("cairn.core.dispatch")
 
 #: how long after a claim held work back (a quota, a concurrency key) reports that end
 #: tasks sweep the waiting claims, so the work they release starts at once
@@ -100,7 +103,10 @@ async def turn(
     waiter = ops.notifier.line.join(worker_id) if waits else None
     try:
         async with ops.engine.begin() as conn:
-            heard = await attempts_db.hear(conn, worker_id, body.started, reported, ops.fresh_s)
+            heard = await attempts_db.hear(
+                conn, worker_id, body.started, reported, ops.fresh_s, body.holding is not None
+            )
+            resent, resent_tally = await _resend(ops, conn, heard, body.holding)
             settled = await attempts_db.settle(
                 conn, worker_id, body.reports, heard.reported, _masker(ops)
             )
@@ -112,7 +118,8 @@ async def turn(
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         if waiter is not None and heard.worker is not None:
             waiter.queues = frozenset(heard.worker.queues)
-        _told(ops, ended + lease_tally, body.reports, verdicts, leased, headers)
+        leased = resent + leased
+        _told(ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers)
         if waiter is None or leased or state != Workers.LIVE:
             return TurnResult(state, verdicts, leased)
         assert body.claim is not None
@@ -203,6 +210,14 @@ async def _lease(
     # Nothing follows the lease in the caller's transaction but the secrets' look-ups,
     # so a lease without secrets commits in its own round trip.
     leases = await attempts_db.lease(conn, asked, picked, last=True)
+    return await _filled(ops, conn, asked.worker.id, leases)
+
+
+async def _filled(
+    ops: Dispatcher, conn: AsyncConnection, worker_id: int, leases: attempts_db.Leases
+) -> tuple[list[Assignment], attempts_db.Tally]:
+    """The leases' secrets filled in; an attempt whose secret is gone fails at once (not
+    retryable) and is not handed out."""
     if not leases.with_secrets:
         return leases.assignments, leases.tally
     leased, broken = await secrets.fill(conn, ops.box, leases.assignments)
@@ -211,9 +226,29 @@ async def _lease(
             AttemptReport(attempt_id=a, outcome="failed", retryable=False, error=reason)
             for a, reason in broken.items()
         ]
-        _, ended = await attempts_db.report_many(conn, asked.worker.id, failed)
+        _, ended = await attempts_db.report_many(conn, worker_id, failed)
         return leased, leases.tally + ended
     return leased, leases.tally
+
+
+async def _resend(
+    ops: Dispatcher,
+    conn: AsyncConnection,
+    heard: attempts_db.Heard,
+    holding: Sequence[int] | None,
+) -> tuple[list[Assignment], attempts_db.Tally]:
+    """The worker never got its last turn's answer (``Turn.holding``): the attempts core
+    leased it that it does not hold, to hand out again."""
+    if holding is None or heard.worker is None:
+        return [], attempts_db.Tally()
+    leases = await attempts_db.resend(conn, heard.worker.id, holding)
+    if leases.assignments:
+        log.warning(
+            "worker %s never got the lease of attempts %s; handing them out again",
+            heard.worker.id,
+            [a.attempt_id for a in leases.assignments],
+        )
+    return await _filled(ops, conn, heard.worker.id, leases)
 
 
 async def _wait_for_work(

@@ -19,7 +19,7 @@ from services.core.db import secrets, sharing, teams
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
-from services.core.domain import limits
+from services.core.domain import limits, selectors
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
 from services.core.ops.metrics import CoreMetrics
@@ -117,6 +117,15 @@ def fill_limits(
     ]
 
 
+def check_placements(specs: Sequence[TaskCreate], field: Callable[[int], str]) -> None:
+    """Each placement's selectors parsed (``domain.selectors``): a 422 naming the field
+    (``body.tasks.3.placement.required.0``) and the reason when one is not."""
+    for i, spec in enumerate(specs):
+        if spec.placement is not None:
+            doc = spec.placement.model_dump(mode="json")
+            selectors.rules_of(doc, f"body.{field(i)}placement")
+
+
 async def submit(
     by: Submitter,
     owners: str | list[str],
@@ -133,6 +142,7 @@ async def submit(
     no transaction around it: autocommit saves two round trips. Time limits are filled
     in (or refused) first: ``fill_limits``."""
     filled = fill_limits(by, specs, field)
+    check_placements(specs, field)
     each = [owners] * len(specs) if isinstance(owners, str) else owners
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from services.core.db import audit, placement
+from services.core.db import accounting, audit, placement
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier, Work
 from services.core.ops.metrics import CoreMetrics
@@ -81,3 +81,15 @@ async def purge_audit(engine: AsyncEngine, settings: CoreSettings) -> int:
     return await in_batches(
         engine, batch, lambda c: audit.purge(c, age_s, batch, exported_only=exported_only)
     )
+
+
+#: feed events one roll-up transaction reads
+USAGE_PAGE = 2000
+
+
+async def roll_up_usage(engine: AsyncEngine) -> int:
+    """Add one page of the feed's ended attempts to the monthly usage sums
+    (``db.accounting``); the events read (a full page: ``loops.every`` reads on at once)."""
+    async with engine.begin() as conn:
+        rolled = await accounting.roll_up(conn, USAGE_PAGE)
+    return rolled.read if rolled.read >= USAGE_PAGE else 0

@@ -1,11 +1,11 @@
 """Runs: read them with their nodes, draw their graph, cancel and retry them, decide
-their approval gates."""
+their approval gates, deliver events to them."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import PlainTextResponse
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -13,6 +13,8 @@ from libs.common.auth import Caller, Person
 from libs.common.dag_models import (
     ApprovalDecision,
     ApprovalSpec,
+    EventDelivery,
+    EventName,
     Graph,
     GraphEdge,
     GraphNode,
@@ -20,6 +22,7 @@ from libs.common.dag_models import (
     NodeName,
     Run,
     RunClear,
+    RunEvent,
     RunList,
     RunRetry,
     RunState,
@@ -75,6 +78,7 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             comment=details[n.name].comment,
             wait_until=details[n.name].wait_until,
             child_run_id=n.child_run_id,
+            event=None if (spec := dag.specs[spec_name].event) is None else spec.name,
         )
 
     found = []
@@ -287,3 +291,43 @@ async def reject_node(
     """Reject a waiting approval gate: the node fails and its downstream follows the
     trigger rules. 403 if you are not an approver, 409 if it is not waiting."""
     return await _decide(run_id, name, "reject", body, caller, db, graphs, loop)
+
+
+EventNamePath = Annotated[EventName, Path(description="The event's name.")]
+
+
+@router.post(
+    "/{run_id}/events/{name}", response_model=RunEvent, status_code=201, responses=PROBLEMS
+)
+async def deliver_event(
+    run_id: RunIdPath,
+    name: EventNamePath,
+    caller: Person,
+    db: Db,
+    graphs: GraphCache,
+    loop: Loop,
+    response: Response,
+    body: EventDelivery | None = None,
+) -> RunEvent:
+    """Deliver event ``name`` to a queued or running run whose workflow has a node that
+    waits for it (404 otherwise; 409 once the run ended). The run keeps it once (201):
+    the node waiting for it succeeds with ``data`` as its outputs, and one that starts
+    waiting later finds it. The same event again answers the one kept (200), or 409 if
+    its data differ."""
+    given = body.data if body is not None else {}
+    async with db.begin() as conn:
+        row = await store.get_run(conn, run_id, caller.visibility)
+        dag = await graphs.get(conn, row.workflow_id)
+        if not any(s.event is not None and s.event.name == name for s in dag.specs.values()):
+            raise NotFound(f"run {run_id} has no node that waits for event '{name}'")
+        if row.state not in (RunState.QUEUED, RunState.RUNNING):
+            raise Conflict(f"run {run_id} is {row.state}: events go to a queued or running run")
+        kept, delivered = await store.deliver_event(conn, run_id, name, given, caller.name)
+        if not delivered and kept.data != given:
+            raise Conflict(f"event '{name}' was delivered to run {run_id} already, other data")
+        node = await store.node_waiting_for(conn, run_id, name)
+    if delivered:
+        loop.wake()
+    else:
+        response.status_code = 200
+    return RunEvent.model_validate({**kept._mapping, "node": node})

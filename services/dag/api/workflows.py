@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import ActingOwner, Caller, Person, Visibility
 from libs.common.dag_models import (
+    MAX_HISTORY_RUNS,
     MAX_SUBFLOW_DEPTH,
+    HistoryCell,
+    HistoryRun,
     Run,
     RunCreate,
     Workflow,
     WorkflowCreate,
+    WorkflowHistory,
     WorkflowList,
     WorkflowName,
 )
@@ -27,7 +32,7 @@ from services.dag.deps import Db, GraphCache, Loop
 from services.dag.domain import subflows
 from services.dag.domain.data import Instance, map_items
 from services.dag.domain.templates import Renderer, RunContext, merged_params
-from services.dag.engine import build_sized
+from services.dag.engine import Graphs, build_sized
 
 router = APIRouter(prefix="/v1/workflows", tags=["workflows"])
 #: the most workflow versions one definition's sub-workflow references reach
@@ -204,6 +209,60 @@ def _check_choices(caller: Caller, owner: str, body: RunCreate) -> None:
             check_what_runs(caller, owner, f"body.{field}")
 
 
+async def begin_run(
+    conn: AsyncConnection,
+    graphs: Graphs,
+    owner: str,
+    name: str,
+    body: RunCreate,
+    who: Visibility | None,
+) -> tuple[Row[Any], bool]:
+    """Queue a run of ``owner``'s workflow ``name`` (its params checked against the
+    definition, every node rendered once), or find the run its idempotency key names."""
+    workflow = await store.get_workflow(conn, owner, name, body.version, who)
+    dag = await graphs.get(conn, workflow.id)
+    params = merged_params(dag, body.params)
+    for node in dag.order:  # a list parameter a node maps over is checked now
+        spec = dag.specs[node]
+        if spec.map is not None and spec.map.over.strip("{} ").startswith("params."):
+            _, why = map_items(spec, params, {})
+            if why is not None:
+                name = spec.map.over.strip("{} ").removeprefix("params.")
+                raise InvalidInput(
+                    f"body.params.{name}: {why}",
+                    errors=[{"field": f"body.params.{name}", "reason": why}],
+                )
+    if body.fire is not None:  # {{ fire.slot }}: kept with the run's params
+        fire = body.fire.model_dump(mode="json")
+        fire["slot"] = body.fire.slot.astimezone(UTC).isoformat()  # as CAIRN_CRON_SLOT
+        params = {**params, "fire": fire}
+    definition = dag.definition
+    row, created = await store.create_run(
+        conn,
+        owner,
+        workflow,
+        params,
+        body.idempotency_key,
+        dag.order,
+        timeout_s=body.timeout_s or definition.timeout_s,
+        max_active_nodes=definition.max_active_nodes,
+        task_timeout_s=body.task_timeout_s or definition.task_timeout_s,
+    )
+    if created:
+        # Every node must render into a valid task now, not halfway through the run
+        # (what upstream nodes hand on renders empty here).
+        context = RunContext(
+            row.id, workflow.name, owner, params, task_timeout_s=row.task_timeout_s
+        )
+        renderer = Renderer(dag, context)
+        for node in dag.order:
+            if dag.specs[node].task is None:
+                continue  # a gate, a sub-workflow or an event node has no task
+            item = Instance(0, "") if dag.specs[node].map is not None else None
+            renderer.task(node, 1, item)
+    return row, created
+
+
 @router.post("/{name}/runs", response_model=Run, status_code=201, responses=PROBLEMS)
 async def start_run(
     name: WorkflowName,
@@ -227,50 +286,43 @@ async def start_run(
     if owner != acting:
         _check_choices(caller, owner, body)
     async with db.begin() as conn:
-        workflow = await store.get_workflow(conn, owner, name, body.version, who)
-        dag = await graphs.get(conn, workflow.id)
-        params = merged_params(dag, body.params)
-        for node in dag.order:  # a list parameter a node maps over is checked now
-            spec = dag.specs[node]
-            if spec.map is not None and spec.map.over.strip("{} ").startswith("params."):
-                _, why = map_items(spec, params, {})
-                if why is not None:
-                    name = spec.map.over.strip("{} ").removeprefix("params.")
-                    raise InvalidInput(
-                        f"body.params.{name}: {why}",
-                        errors=[{"field": f"body.params.{name}", "reason": why}],
-                    )
-        if body.fire is not None:  # {{ fire.slot }}: kept with the run's params
-            fire = body.fire.model_dump(mode="json")
-            fire["slot"] = body.fire.slot.astimezone(UTC).isoformat()  # as CAIRN_CRON_SLOT
-            params = {**params, "fire": fire}
-        definition = dag.definition
-        row, created = await store.create_run(
-            conn,
-            owner,
-            workflow,
-            params,
-            body.idempotency_key,
-            dag.order,
-            timeout_s=body.timeout_s or definition.timeout_s,
-            max_active_nodes=definition.max_active_nodes,
-            task_timeout_s=body.task_timeout_s or definition.task_timeout_s,
-        )
-        if created:
-            # Every node must render into a valid task now, not halfway through the run
-            # (what upstream nodes hand on renders empty here).
-            context = RunContext(
-                row.id, workflow.name, owner, params, task_timeout_s=row.task_timeout_s
-            )
-            renderer = Renderer(dag, context)
-            for node in dag.order:
-                if dag.specs[node].task is None:
-                    continue  # a gate or a sub-workflow has no task
-                item = Instance(0, "") if dag.specs[node].map is not None else None
-                renderer.task(node, 1, item)
+        row, created = await begin_run(conn, graphs, owner, name, body, who)
     if created:
         traces.started(row)
         loop.wake()
     else:
         response.status_code = 200
     return store.run_model(row)
+
+
+@router.get("/{name}/history", response_model=WorkflowHistory, responses=PROBLEMS)
+async def history(
+    name: WorkflowName,
+    caller: Person,
+    owner: ActingOwner,
+    db: Db,
+    graphs: GraphCache,
+    limit: Annotated[int, Query(ge=1, le=MAX_HISTORY_RUNS)] = 25,
+    of: WorkflowOwner = None,
+) -> WorkflowHistory:
+    """The workflow's newest ``limit`` runs (at most 100), oldest first, each with every
+    node's state, try and duration: the dashboard's grid of runs by node."""
+    async with db.connect() as conn:
+        whose, who = _whose(caller, owner, of)
+        newest = await store.get_workflow(conn, whose, name, None, who)
+        order = list((await graphs.get(conn, newest.id)).order)
+        runs, nodes = await store.history(conn, whose, name, limit)
+    cells: dict[int, dict[str, HistoryCell]] = {r.id: {} for r in runs}
+    for n in nodes:
+        duration = None if n.duration_s is None else round(float(n.duration_s), 3)
+        cells[n.run_id][n.name] = HistoryCell(
+            state=n.state, try_number=n.try_number, duration_s=duration
+        )
+    older = sorted({n.name for n in nodes} - set(order))
+    return WorkflowHistory(
+        workflow=name,
+        nodes=order + older,
+        runs=[
+            HistoryRun.model_validate({**r._mapping, "nodes": cells[r.id]}) for r in reversed(runs)
+        ],
+    )

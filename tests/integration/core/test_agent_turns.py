@@ -222,3 +222,59 @@ def test_a_turn_with_a_report_locks_the_worker_row_however_fresh(
     report = {"attempt_id": attempt, "outcome": "succeeded", "exit_code": 0}
     assert [v["status"] for v in _turn(http, worker_id, reports=[report])["reports"]] == [200]
     assert _row(db, worker_id)[0] != fresh[0]
+
+
+# --- a lost answer: the next turn says what the worker holds (``Turn.holding``) ---------
+
+
+def _fence(core: Core, token: str) -> int:
+    return httpx.post(f"{core.url}/v1/fencing", json={"token": token}, timeout=10).status_code
+
+
+def test_a_lease_whose_answer_was_lost_is_handed_out_again_as_the_same_attempt(
+    core: Core, worker: tuple[httpx.Client, int], db: DB
+) -> None:
+    http, worker_id = worker
+    with core.client("alice") as alice:
+        task = alice.post("/v1/tasks", json=spec(retry={"max_attempts": 1})).json()["id"]
+    # Core committed this lease; the worker never saw the answer.
+    [lost] = _turn(http, worker_id, claim=ROOM)["attempts"]
+    # Its next turn says it holds nothing: the same attempt comes again, with a new
+    # fencing token (the first went out only in the lost answer, and no longer fences).
+    [again] = _turn(http, worker_id, holding=[])["attempts"]
+    assert (again["attempt_id"], again["task_id"]) == (lost["attempt_id"], task)
+    assert again["fencing_token"] != lost["fencing_token"]
+    assert {k: v for k, v in again.items() if k != "fencing_token"} == {
+        k: v for k, v in lost.items() if k != "fencing_token"
+    }
+    assert _fence(core, again["fencing_token"]) == 200
+    assert _fence(core, lost["fencing_token"]) != 200
+    # Held now: not again; nor once started.
+    assert _turn(http, worker_id, holding=[again["attempt_id"]])["attempts"] == []
+    assert _turn(http, worker_id, started=[again["attempt_id"]])["attempts"] == []
+    assert _turn(http, worker_id, holding=[])["attempts"] == []
+    report = {"attempt_id": again["attempt_id"], "outcome": "succeeded", "exit_code": 0}
+    assert [v["status"] for v in _turn(http, worker_id, reports=[report])["reports"]] == [200]
+    rows = db.execute(
+        "SELECT t.state, count(a.id) FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id"
+        " WHERE t.id = %s GROUP BY t.state",
+        (task,),
+    ).fetchall()
+    assert rows == [("succeeded", 1)]  # one attempt: the lost answer cost none
+
+
+def test_a_turn_that_holds_its_leases_gets_nothing_again_and_may_claim_more(
+    core: Core, worker: tuple[httpx.Client, int]
+) -> None:
+    http, worker_id = worker
+    with core.client("alice") as alice:
+        for _ in range(3):
+            alice.post("/v1/tasks", json=spec()).raise_for_status()
+    [first] = _turn(http, worker_id, claim=ROOM)["attempts"]
+    [lost] = _turn(http, worker_id, claim=ROOM)["attempts"]
+    # It holds the first; the second's answer was lost. Its claim still fits only what
+    # the worker has room for beside both (core counts the lost one as placed there).
+    answer = _turn(http, worker_id, holding=[first["attempt_id"]], claim={**ROOM, "max": 1})
+    ids = [a["attempt_id"] for a in answer["attempts"]]
+    assert ids[0] == lost["attempt_id"] and len(ids) == 2 and first["attempt_id"] not in ids
+    assert http.post(f"/v1/workers/{worker_id}/turn", json={"holding": [0]}).status_code == 422

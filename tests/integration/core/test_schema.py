@@ -24,13 +24,11 @@ from services.dag import tables as dag_tables
 
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
-    pytest.param(
-        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0017_audit_chain", id="core"
-    ),
+    pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0021_usage", id="core"),
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
     ),
-    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0008_subflows", id="dag"),
+    pytest.param(dag_tables.SCHEMA, dag_tables.metadata, dag_migrate, "0009_events", id="dag"),
 ]
 
 

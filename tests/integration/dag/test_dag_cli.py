@@ -13,6 +13,7 @@ from cairn.cli import app
 from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
 from tests.integration.dag.test_approvals import _gate, _row, _waiting
 from tests.integration.dag.test_branches import _branching
+from tests.support import wait_for
 
 
 @pytest.fixture
@@ -120,3 +121,41 @@ def test_a_run_started_from_the_cli_takes_its_own_task_timeout(
         (str(run["id"]),),
     ).fetchall()
     assert dict(rows) == {"a": 90, "b": 300}
+
+
+def test_an_event_is_signalled_and_a_trigger_made_listed_and_deleted_from_the_cli(
+    cli: CliRunner, runner: Runner, db: psycopg.Connection
+) -> None:
+    wait = {"name": "wait", "event": {"name": "paid", "timeout_s": 600}, "outputs": {"n": {}}}
+    runner.define(workflow("cli-event", [wait], params={"who": "x"}))
+    rid = str(runner.start("cli-event")["id"])
+
+    def waiting() -> bool:
+        row = db.execute("SELECT state FROM dag.nodes WHERE run_id = %s", (int(rid),))
+        return row.fetchone() == ("waiting",)
+
+    wait_for(waiting, timeout=20, interval=0.05)
+    shown = cli.invoke(app, ["dag", "status", rid])
+    assert "waits for event paid" in shown.output, shown.output
+    bad = cli.invoke(app, ["dag", "signal", rid, "paid", "--data", "[1]"])
+    assert bad.exit_code == 2, bad.output
+    sent = cli.invoke(app, ["dag", "signal", rid, "paid", "--data", '{"n": 3}'])
+    assert sent.exit_code == 0 and "node wait" in sent.output, sent.output
+    assert runner.wait_end(int(rid))["state"] == "succeeded"
+    assert db.execute(
+        "SELECT outputs FROM dag.nodes WHERE run_id = %s", (int(rid),)
+    ).fetchone() == ({"n": 3},)
+
+    made = cli.invoke(
+        app, ["dag", "trigger", "create", "cli-event", "--param", "who=user.name", "--json"]
+    )
+    assert made.exit_code == 0, made.output
+    trigger = json.loads(made.output)
+    assert trigger["secret"] and trigger["params"] == {"who": "user.name"}
+    listed = cli.invoke(app, ["dag", "trigger", "list", "cli-event"], env={"COLUMNS": "200"})
+    assert (
+        f"/v1/triggers/{trigger['id']}" in listed.output and trigger["secret"] not in listed.output
+    )
+    gone = cli.invoke(app, ["dag", "trigger", "delete", "cli-event", str(trigger["id"])])
+    assert gone.exit_code == 0, gone.output
+    assert db.execute("SELECT count(*) FROM dag.triggers").fetchone() == (0,)

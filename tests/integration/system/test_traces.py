@@ -1,15 +1,21 @@
 """OpenTelemetry traces, caught by the SDK's in-memory exporter: a task is one trace from
 its submission through the claim, the worker agent's run and the report; a workflow run
-is one trace whose node releases link to their tasks' traces."""
+is one trace whose node releases link to their tasks' traces; a task's own spans, sent by
+its process to an OTLP receiver, join its trace under the run span (``TRACEPARENT``)."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from collections.abc import Iterator
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -20,7 +26,7 @@ from services.worker.agent import Agent
 from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 from tests.fixtures.dag import Runner, Worker, node, start_dag, workflow
-from tests.support import Core, spec
+from tests.support import Core, shell_spec, spec
 
 
 @pytest.fixture
@@ -41,14 +47,11 @@ def of_task(spans: list[ReadableSpan], task_id: int) -> dict[str, ReadableSpan]:
     return {s.name: s for s in spans if (s.attributes or {}).get("cairn.task_id") == task_id}
 
 
-# The agent's log upload passes bytes as data=, which httpx deprecates (not this test's
-# subject; in the agent's own process the warning is not an error).
-@pytest.mark.filterwarnings("ignore:Use 'content=<...>'")
-def test_a_task_is_one_trace_from_submit_through_claim_run_and_report(
-    core: Core, exporter: InMemorySpanExporter, tmp_path: Path
-) -> None:
+def run_one(core: Core, body: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], Assignment]:
+    """Submit ``body``, claim it as a registered worker and run it with a real agent to
+    its report; the task as it ended and its assignment."""
     with core.client() as alice:
-        task = alice.post("/v1/tasks", json=spec()).raise_for_status().json()
+        task = alice.post("/v1/tasks", json=body).raise_for_status().json()
         agent_http = core.client("agent", "worker")
         offer = {"hostname": "h", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
         registered = agent_http.post("/v1/workers", json=offer).json()
@@ -75,9 +78,19 @@ def test_a_task_is_one_trace_from_submit_through_claim_run_and_report(
                     await host.close()
 
         asyncio.run(run_it())
-        assert alice.get(f"/v1/tasks/{task['id']}").json()["state"] == "succeeded"
+        ended = alice.get(f"/v1/tasks/{task['id']}").json()
         agent_http.close()
+    return ended, assignment
 
+
+# The agent's log upload passes bytes as data=, which httpx deprecates (not this test's
+# subject; in the agent's own process the warning is not an error).
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>'")
+def test_a_task_is_one_trace_from_submit_through_claim_run_and_report(
+    core: Core, exporter: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    task, assignment = run_one(core, spec(), tmp_path)
+    assert task["state"] == "succeeded"
     spans = of_task(finished(exporter), task["id"])
     submit, claim = spans["cairn.task.submit"], spans["cairn.task.claim"]
     run, report = spans["cairn.attempt.run"], spans["cairn.task.report"]
@@ -91,6 +104,69 @@ def test_a_task_is_one_trace_from_submit_through_claim_run_and_report(
     assert run.attributes["cairn.outcome"] == report.attributes["cairn.outcome"] == "succeeded"
     assert report.attributes["cairn.state"] == "succeeded"
     assert run.attributes["cairn.attempt_id"] == assignment.attempt_id
+
+
+class Receiver(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: each export request's spans kept as decoded."""
+
+    got: list[ExportTraceServiceRequest]
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        self.server.got.append(request)  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+# The task's own program: a span of its work under the context Cairn gave it, exported
+# over OTLP/HTTP with the SDK, as an instrumented program would.
+TASK_PROGRAM = """
+import os
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.propagate import extract
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter()))
+carrier = {"traceparent": os.environ["TRACEPARENT"]}
+provider.get_tracer("task").start_span("task.work", context=extract(carrier)).end()
+provider.shutdown()
+"""
+
+
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>'")
+def test_a_tasks_own_spans_join_its_trace_under_the_run_span(
+    core: Core, exporter: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    server.got = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    body = shell_spec(
+        f'exec {sys.executable} -c "$PROGRAM"',
+        env={"PROGRAM": TASK_PROGRAM, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint},
+    )
+    try:
+        task, _ = run_one(core, body, tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert task["state"] == "succeeded", task
+    [request] = server.got  # type: ignore[attr-defined]
+    [work] = [s for r in request.resource_spans for ss in r.scope_spans for s in ss.spans]
+    run = of_task(finished(exporter), task["id"])["cairn.attempt.run"]
+    expected = tracing.task_context(task["id"], datetime.fromisoformat(task["created_at"]))
+    assert work.name == "task.work"
+    assert int.from_bytes(work.trace_id, "big") == expected.trace_id
+    assert int.from_bytes(work.parent_span_id, "big") == run.context.span_id
 
 
 def test_a_workflow_run_is_a_trace_whose_releases_link_to_their_tasks(

@@ -31,6 +31,7 @@ from cairn.sdk import (
     SecretRef,
     SubWorkflow,
     TriggerRule,
+    WaitForEvent,
     Workflow,
     chain,
     param,
@@ -470,3 +471,26 @@ def test_sub_workflows_and_approval_gates_render_what_the_service_validates() ->
         SubWorkflow("s", "child", params={"day": "{{ nodes.nowhere.outputs.x }}"})
     with pytest.raises(DefinitionError, match=r"node 's': workflow\.params\.day: 'nowhere' is not"):
         broken.render()
+
+
+def test_an_event_node_renders_without_a_task_and_hands_its_data_on() -> None:
+    with Workflow("settle") as wf:
+        invoice = Node("invoice", artifact=ART)
+        paid = WaitForEvent("paid", event="payment-received", timeout_s=3600, outputs=["amount"])
+        ship = Node("ship", artifact=ART, args=[paid.outputs.amount])
+        invoice >> paid >> ship
+    found = nodes_of(wf)
+    assert found["paid"] == {
+        "name": "paid",
+        "event": {"name": "payment-received", "timeout_s": 3600, "on_timeout": "fail"},
+        "outputs": {"amount": {}},
+        "depends_on": ["invoice"],
+    }
+    assert found["ship"]["task"]["args"] == ["{{ nodes.paid.outputs.amount }}"]
+    definition = WorkflowCreate.model_validate(wf.to_dict())
+    assert definition == wf.render()
+    assert graph.build(definition).order == ("invoice", "paid", "ship")
+    with pytest.raises(DefinitionError, match=r"node 'late'.*timeout_s"):
+        WaitForEvent("late", event="e", timeout_s=0)
+    with pytest.raises(DefinitionError, match=r"node 'bad'.*an event node cannot map"):
+        WaitForEvent("bad", event="e", timeout_s=5, extra={"map": {"over": "{{ params.x }}"}})

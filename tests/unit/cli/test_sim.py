@@ -4,12 +4,13 @@ what fair share does to everyone else's wait when one owner floods."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from cairn.cli import app
-from cairn.sim import Policy, percentile, simulate
+from cairn.sim import Policy, Simulator, percentile, simulate
 from cairn.trace import FLOOD_OWNER, Shape, cluster_for, generate, read, write
 
 SMALL = Shape(users=200, tasks_per_user=100, hours=1.0, seed=3)
@@ -84,3 +85,27 @@ def test_the_commands_write_a_trace_and_report_on_it(tmp_path: Path) -> None:
     text = runner.invoke(app, ["sim", str(path), "--no-fair"])
     assert text.exit_code == 0 and "fair share off" in text.output
     assert "others (all but the flood)" in text.output
+
+
+def test_the_simulator_places_by_label_as_the_claim_does(tmp_path: Path) -> None:
+    base = next(s for s in generate(SMALL) if s.kind == "task")
+    subs = [
+        replace(base, t=float(i), duration_s=5.0, required=("disk=ssd",) if i % 2 else ())
+        for i in range(40)
+    ]
+    nowhere = replace(base, t=40.0, required=("disk=nvme",))
+    path = tmp_path / "trace.jsonl"
+    meta = {"cluster": {"workers": 4, "cpu": 64, "memory_mb": 262144}}
+    path.write_text("\n".join(json.dumps(x) for x in [meta, *map(asdict, [*subs, nowhere])]))
+    sim = Simulator({**meta["cluster"], "labels": [{"disk": "ssd"}, {}]}, Policy())
+    _, read_back = read(path)
+    stats = sim.run(read_back)
+    assert stats.never_started == 1  # disk=nvme: no worker has it
+    started = [r for r in sim.runs.values() if r.sub.required == ["disk=ssd"]]
+    assert len(started) == 20
+    assert {sim.workers[r.worker or 0].labels.get("disk") for r in started if r.started} == {"ssd"}
+    assert all(r.started is not None for r in started)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["sim", str(path), "--worker-labels", "zone=a", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["never_started"] == 21  # nobody has disk=ssd there

@@ -27,7 +27,7 @@ def test_without_a_direct_url_every_connection_goes_to_the_one_url() -> None:
     settings = CairnSettings(database_url=SERVER)
     assert settings.direct_url("postgresql+psycopg://x/y") == "postgresql+psycopg://x/y"
     assert settings.pooler == "none"
-    assert database.connect_args(settings) == {}
+    assert database.connect_args(settings, SERVER) == {**CLIENT_KEEPALIVE, "options": SERVER_SIDE}
 
 
 def test_a_distinct_direct_url_means_a_transaction_pooler_unless_told_otherwise() -> None:
@@ -36,10 +36,37 @@ def test_a_distinct_direct_url_means_a_transaction_pooler_unless_told_otherwise(
         "postgresql+psycopg://cairn:pw@postgres:5432/cairn"  # normalised as database_url
     )
     assert settings.pooler == "transaction"
-    assert database.connect_args(settings) == {"prepare_threshold": None}
+    # No server-side keepalive through the pooler (it refuses the ``options`` parameter).
+    assert database.connect_args(settings, POOLER) == {
+        **CLIENT_KEEPALIVE,
+        "prepare_threshold": None,
+    }
     # PgBouncer 1.21+ with max_prepared_statements, or a session pooler: say so.
     keeps = CairnSettings(database_url=POOLER, database_direct_url=SERVER, database_pooler="none")
-    assert database.connect_args(keeps) == {}
+    assert "prepare_threshold" not in database.connect_args(keeps, POOLER)
+
+
+CLIENT_KEEPALIVE = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 10000,
+}
+SERVER_SIDE = (
+    "-c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=2"
+    " -c tcp_user_timeout=10000"
+)
+
+
+def test_keepalives_leave_alone_what_the_url_sets_itself() -> None:
+    url = f"{SERVER}?keepalives_idle=30&options=-c%20statement_timeout%3D5s"
+    args = database.keepalive(url)
+    assert "keepalives_idle" not in args and "options" not in args
+    assert args["keepalives_count"] == 2
+    # Several hosts (a cluster that fails over), in the driver's form.
+    many = "postgresql+psycopg://cairn:pw@/cairn?host=a,b&port=5432,5433"
+    assert database.keepalive(many) == {**CLIENT_KEEPALIVE, "options": SERVER_SIDE}
 
 
 def test_the_request_pools_connect_without_server_side_prepares_behind_a_pooler() -> None:

@@ -18,8 +18,13 @@ def _build(*nodes: dict) -> None:
 
 def test_a_sub_workflow_node_is_validated_by_field() -> None:
     task = {"artifact": {"uri": "file:///bin/true", "sha256": "ab" * 32}}
-    with pytest.raises(ValidationError, match="a task, an approval gate or a workflow"):
+    one_of = "exactly one of a task, an approval gate, a workflow or an event"
+    with pytest.raises(ValidationError, match=f"workflow: a node has {one_of}"):
         _build({"name": "s", "task": task, "workflow": {"name": "a"}})
+    with pytest.raises(ValidationError, match=f"event: a node has {one_of}"):
+        _build({"name": "s", "workflow": {"name": "a"}, "event": {"name": "e", "timeout_s": 9}})
+    with pytest.raises(ValidationError, match=f"task: a node has {one_of}"):
+        _build({"name": "s"})
     with pytest.raises(ValidationError, match="cannot map"):
         _build({"name": "s", "workflow": {"name": "a"}, "map": {"over": "{{ params.xs }}"}})
     with pytest.raises(ValidationError, match="outputs are its child's, not paths"):

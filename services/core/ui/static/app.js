@@ -152,6 +152,16 @@ function loginPage(main) {
 }
 
 // A task's retry policy in one line: poison pill window and the causes it never or always retries.
+function placementOf(placement) {
+  if (!placement) return "any worker";
+  const parts = [];
+  if (placement.required.length) parts.push(`requires ${placement.required.join(", ")}`);
+  for (const p of placement.preferred) parts.push(`prefers ${p.selector} (${p.weight})`);
+  if (placement.spread) parts.push(`spread by ${placement.spread.by} (skew ${placement.spread.max_skew})`);
+  if (placement.anti_affinity) parts.push(`one per ${placement.anti_affinity}`);
+  return parts.join("; ") || "any worker";
+}
+
 function retryPolicy(retry) {
   const causes = (c) => [c.exit_codes.length ? `exit ${c.exit_codes.join(", ")}` : "",
     c.signals.length ? `signal ${c.signals.join(", ")}` : ""].filter(Boolean).join("; ");
@@ -358,6 +368,8 @@ async function taskPage(main, id) {
         h("dt", {}, "checkpoint"), h("dd", { id: "task-checkpoint" }, checkpointOf(task)),
         h("dt", {}, "last error"), h("dd", {}, task.last_error || "—"),
         h("dt", {}, "labels"), h("dd", {}, labels.length ? labels.map(([k, v]) => `${k}=${v}`).join(", ") : "—"),
+        h("dt", {}, "placement"), h("dd", { id: "task-placement" }, placementOf(task.placement)),
+        task.pending_reason ? [h("dt", {}, "waiting because"), h("dd", { id: "task-pending" }, task.pending_reason)] : null,
         run ? [h("dt", {}, "workflow run"), h("dd", {}, h("a", { href: `#/runs/${run}` }, `run ${run}`))] : null,
         schedule ? [h("dt", {}, "schedule"), h("dd", {}, h("a", { href: "#/schedules" }, `schedule ${schedule}`))] : null,
         h("dt", {}, "created"), h("dd", {}, when(task.created_at)),
@@ -527,7 +539,8 @@ async function runsPage(main) {
     const page = await api("dag", "/v1/runs?limit=100");
     return table(["#", "workflow", "version", "owner", "state", "created", "finished", "actions"], page.items.map((r) =>
       h("tr", { "data-run-id": r.id }, h("td", { class: "num" }, h("a", { href: `#/runs/${r.id}` }, r.id)),
-        h("td", {}, r.workflow), h("td", { class: "num" }, r.workflow_version), h("td", {}, r.owner),
+        h("td", {}, h("a", { href: historyLink(r.workflow, r.owner), title: "run history" }, r.workflow)),
+        h("td", { class: "num" }, r.workflow_version), h("td", {}, r.owner),
         h("td", {}, badge(r.state)), h("td", {}, when(r.created_at)), h("td", {}, when(r.finished_at)),
         h("td", { class: "actions" }, runActions(r, message, () => refresh())))));
   });
@@ -545,7 +558,8 @@ async function runPage(main, id) {
     for (const n of run.nodes) if (n.map_of) (instances.get(n.map_of) || instances.set(n.map_of, []).get(n.map_of)).push(n);
     const failedInstances = run.nodes.some((n) => n.map_of && ["failed", "upstream_failed", "cancelled"].includes(n.state));
     return h("div", {},
-      h("p", { id: "run-state" }, `${run.workflow} v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`,
+      h("p", { id: "run-state" }, h("a", { href: historyLink(run.workflow, run.owner), title: "run history" }, run.workflow),
+        ` v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`,
         run.deadline ? ` · deadline ${when(run.deadline)}` : "", run.reason ? ` · ${run.reason}` : "",
         run.parent_run_id ? h("span", { id: "run-parent" }, " · sub-workflow of ",
           h("a", { href: `#/runs/${run.parent_run_id}` }, `run ${run.parent_run_id}`), ` (node ${run.parent_node})`) : ""),
@@ -557,11 +571,50 @@ async function runPage(main, id) {
   });
 }
 
+const historyLink = (workflow, owner) => `#/workflows/${encodeURIComponent(workflow)}/history?owner=${encodeURIComponent(owner)}`;
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  if (seconds < 60) return `${seconds.toFixed(seconds < 10 ? 1 : 0)}s`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)}m`;
+  return `${(seconds / 3600).toFixed(1)}h`;
+}
+
+// A workflow's recent runs (columns, oldest left) by node (rows): each cell coloured by
+// the node's state, its duration on it and in its title, so a slow or flaky node shows.
+async function historyPage(main, encoded, params) {
+  const name = decodeURIComponent(encoded);
+  const limit = Math.min(100, Math.max(1, Number(params.get("limit")) || 25));
+  const owner = params.get("owner");
+  main.append(h("h1", {}, `Run history: ${name}`));
+  const box = h("div", { id: "history" });
+  main.append(box);
+  await live(box, async () => {
+    const query = new URLSearchParams({ limit: String(limit), ...(owner ? { owner } : {}) });
+    const grid = await api("dag", `/v1/workflows/${encodeURIComponent(name)}/history?${query}`);
+    if (!grid.runs.length) return h("p", { class: "muted" }, "No runs yet.");
+    const head = h("tr", {}, h("th", {}, "node"), grid.runs.map((r) =>
+      h("th", { class: "run-col", "data-run-id": r.id, title: `run ${r.id}: ${r.state}, v${r.workflow_version}, ${when(r.created_at)}` },
+        h("a", { href: `#/runs/${r.id}` }, r.id), h("div", { class: `run-mark s-${r.state}` }))));
+    const rows = grid.nodes.map((node) => h("tr", { "data-node-row": node }, h("th", {}, node), grid.runs.map((r) => {
+      const c = r.nodes[node];
+      if (!c) return h("td", { class: "cell none", title: `${node}: not in v${r.workflow_version}` });
+      const took = c.duration_s === null ? "not started" : `${duration(c.duration_s)} (${c.duration_s.toFixed(3)} s)`;
+      return h("td", { class: `cell s-${c.state}`, "data-run-id": r.id, "data-state": c.state,
+        title: `${node} in run ${r.id}: ${c.state}, ${took}${c.try_number > 1 ? `, try ${c.try_number}` : ""}` }, duration(c.duration_s));
+    })));
+    return h("div", {}, h("table", { class: "history" }, h("thead", {}, head), h("tbody", {}, rows)),
+      h("div", { class: "legend" }, NODE_STATES.map(badge)));
+  });
+}
+
 const gateComments = new Map();
 
 // An approval gate that waits: approve or reject it, with an optional comment (the
 // DAG service says 403 to someone who is not its approver, 409 once it was decided).
+// An event node only says what it waits for (`cairn dag signal` delivers it).
 function gateActions(run, n, message, refresh) {
+  if (n.event) return n.state === "waiting" ? `waits for event ${n.event}` : "";
   if (n.state !== "waiting" || n.decision) return n.decision ? `${n.decision}d by ${n.decided_by || "its timeout"}${n.comment ? `: ${n.comment}` : ""}` : "";
   const key = `${run.id}/${n.name}`;  // what was typed outlives the page's redraws
   const comment = h("input", { id: `gate-comment-${n.name}`, placeholder: "comment", maxlength: 2000,
@@ -582,7 +635,7 @@ function nodeTable(nodes, gate = () => "") {
   const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
   const outputs = (kept) => kept && Object.keys(kept).length
     ? h("dl", { class: "outputs" }, Object.entries(kept).map(([key, value]) => [h("dt", {}, key), h("dd", {}, shown(value))])) : "—";
-  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval"], nodes.map((n) =>
+  return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval or event"], nodes.map((n) =>
     h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
       h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
       h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id)
@@ -642,7 +695,7 @@ const ROUTES = [
   [/^#\/queues$/, queuesPage], [/^#\/tasks$/, tasksPage], [/^#\/tasks\/(\d+)$/, taskPage],
   [/^#\/dead$/, deadPage],
   [/^#\/workers$/, workersPage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
-  [/^#\/runs\/(\d+)$/, runPage],
+  [/^#\/runs\/(\d+)$/, runPage], [/^#\/workflows\/([a-z0-9][a-z0-9_.%-]*)\/history$/, historyPage],
 ];
 
 function showUser() {

@@ -1,0 +1,145 @@
+"""A turn's answer lost on the way back (core committed the lease; the connection broke
+before the agent read it, as in a database failover or a load balancer's reset): a real
+agent behind a proxy that drops the first answer carrying a lease. The agent's next turn
+says what it holds, core hands the same attempt out again, and the task runs once, by one
+attempt, well before the heartbeat would have declared the attempt lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support import (
+    Core,
+    free_port,
+    shared_dir,
+    shell_spec,
+    spawn_worker,
+    start_core,
+    stop_process,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+MAX_HEAD = 64 * 1024
+
+
+class DroppingProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 in front of core that, once, closes the agent's
+    connection instead of passing on the answer to a turn that leased work."""
+
+    def __init__(self, backend: int) -> None:
+        self.backend = backend
+        self.port = free_port()
+        self.dropped: list[bytes] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="dropping-proxy")
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        )
+        self.ready.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            server.close()
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _message(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+        """One HTTP message (core's answers and the agent's requests carry a
+        Content-Length): its head and its body."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert len(head) < MAX_HEAD
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        return head, await reader.readexactly(length) if length else b""
+
+    async def _serve(self, agent_r: asyncio.StreamReader, agent_w: asyncio.StreamWriter) -> None:
+        core_r, core_w = await asyncio.open_connection("127.0.0.1", self.backend)
+        try:
+            while True:
+                head, body = await self._message(agent_r)
+                core_w.write(head + body)
+                await core_w.drain()
+                answer_head, answer = await self._message(core_r)
+                turn = head.split(b" ", 2)[1].endswith(b"/turn")
+                if turn and not self.dropped and b'"attempts":[{' in answer:
+                    self.dropped.append(answer)
+                    return  # both connections closed below: the answer never arrives
+                agent_w.write(answer_head + answer)
+                await agent_w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for writer in (agent_w, core_w):
+                writer.close()
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    # The heartbeat's default bounds: the attempt must come back by the agent's next
+    # turn, not by the heartbeat declaring it lost.
+    server = start_core(db_url, tmp_path / "core")
+    yield server
+    server.stop()
+
+
+def test_a_lease_whose_answer_is_lost_runs_once_by_one_attempt(
+    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    proxy = DroppingProxy(int(core.url.rsplit(":", 1)[1]))
+    shared = shared_dir()
+    agent = spawn_worker(
+        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
+        tmp_path / "worker",
+        "lost-answer-worker",
+    )
+    try:
+        with core.client("alice") as alice:
+            body = shell_spec(f"echo ran >> {shared}/runs", retry={"max_attempts": 1})
+            task = alice.post("/v1/tasks", json=body).json()["id"]
+        began = time.monotonic()
+        db.autocommit = True
+
+        def state() -> str:
+            row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()
+            assert row is not None
+            return str(row[0])
+
+        wait_for(lambda: state() in ("succeeded", "failed", "dead"), timeout=30)
+        took = time.monotonic() - began
+        final = state()
+        attempts = db.execute(
+            "SELECT count(*), min(outcome) FROM core.attempts WHERE task_id = %s", (task,)
+        ).fetchone()
+        assert len(proxy.dropped) == 1  # the lease's answer was lost
+        assert final == "succeeded" and attempts == (1, "succeeded")
+        assert (shared / "runs").read_text() == "ran\n"  # run once
+        assert took < 15  # by the next turn, not the heartbeat's grace
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()
