@@ -7,15 +7,40 @@ parent and child."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import psycopg
+import pytest
 from rich.console import Console
 
 from cairn.dag_cli import tree
 from cairn.sdk import Artifact, Node, SubWorkflow, Workflow
 from libs.common.dag_models import MAX_SUBFLOW_DEPTH, Run
-from tests.fixtures.dag import DagServer, Runner, Worker, node, workflow
-from tests.support import TRUE_SHA
+from libs.common.embedded import EmbeddedPostgres
+from tests.fixtures.dag import DagServer, Runner, Worker, node, start_dag, workflow
+from tests.support import TRUE_SHA, Core, fresh_database, start_core
+
+
+# One database, core and DAG service for this module's tests (each uses workflow names
+# of its own): a start of each per test costs over a second.
+@pytest.fixture(scope="module")
+def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
+    with fresh_database(pg_server.url, template_db, "sf_") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def core(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path_factory.mktemp("core"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dag(core: Core, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagServer]:
+    server = start_dag(core, tmp_path_factory.mktemp("dag"))
+    yield server
+    server.stop()
 
 
 def _sub(name: str, target: str, *depends_on: str, **workflow_spec: object) -> dict:
