@@ -418,3 +418,70 @@ def test_a_child_that_cannot_start_fails_its_node_and_the_rules_go_on(
     assert child is None
     assert error == "the sub-workflow's body.params.other: not a parameter of this workflow"
     assert run_row(db, run_id)["state"] == "failed"
+
+
+def test_an_event_delivered_to_a_child_run_ends_its_wait_and_the_parent_keeps_its_data(
+    db_url: str, db: DB, tmp_path: Path
+) -> None:
+    """Sub-workflows and event nodes together: the child waits for its event, which is
+    delivered to the child run; its data are the event node's outputs, then the
+    sub-workflow node's, and the parent's own event node times out to its default."""
+    child = {
+        "name": "waiter",
+        "nodes": [
+            {
+                "name": "paid",
+                "event": {"name": "payment", "timeout_s": 3600},
+                "outputs": {"amount": {}},
+            }
+        ],
+    }
+    parent = {
+        "name": "p",
+        "nodes": [
+            {"name": "s", "workflow": {"name": "waiter"}, "outputs": {"amount": {}}},
+            {
+                "name": "late",
+                "depends_on": ["s"],
+                "event": {"name": "never", "timeout_s": 3600, "on_timeout": "succeed"},
+            },
+        ],
+    }
+
+    async def scenario() -> tuple[int, int]:
+        async with loop_over(db_url, tmp_path) as engine:
+            for body in (child, parent):
+                await define(engine, body)
+            run_id = await start(engine, "p", {})
+            await turn(engine)
+            await turn(engine)  # the child admitted: its event node waits
+            child_id = nodes(db, run_id)["s"][1]
+            assert child_id is not None
+            assert nodes(db, child_id) == {"paid": ("waiting", None)}
+            async with engine.db.begin() as conn:
+                await store.deliver_event(conn, child_id, "payment", {"amount": 120}, "carol")
+            for _ in range(3):  # the child's node ends, then the child, then the parent's node
+                await turn(engine)
+            assert nodes(db, run_id)["late"][0] == "waiting"
+            async with engine.db.begin() as conn:  # as if the hour went by
+                await conn.exec_driver_sql(
+                    f"UPDATE dag.nodes SET wait_until = now() WHERE run_id = {run_id}"
+                )
+            await run_until(engine, ended(engine, run_id), turns=3)
+            return run_id, child_id
+
+    run_id, child_id = asyncio.run(scenario())
+    kept = db.execute(
+        "SELECT run_id, name, state, outputs FROM dag.nodes WHERE run_id IN (%s, %s)"
+        " ORDER BY run_id, name",
+        (run_id, child_id),
+    ).fetchall()
+    assert kept == [
+        (run_id, "late", "succeeded", None),
+        (run_id, "s", "succeeded", {"amount": 120}),
+        (child_id, "paid", "succeeded", {"amount": 120}),
+    ]
+    assert (run_row(db, run_id)["state"], run_row(db, child_id)["state"]) == (
+        "succeeded",
+        "succeeded",
+    )
