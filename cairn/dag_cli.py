@@ -174,9 +174,15 @@ def _gate(node: Node) -> str:
 
 def tree(found: Run) -> Tree:
     """The run as a tree: each node under its first upstream node, with its state."""
+    origin = (
+        f" [dim](sub-workflow of run {found.parent_run_id}, node "
+        f"{output.safe(found.parent_node or '')})[/dim]"
+        if found.parent_run_id
+        else ""
+    )
     root = Tree(
         f"run {found.id} [bold]{output.safe(found.workflow)}[/bold] v{found.workflow_version}: "
-        f"{output.state(found.state)}"
+        f"{output.state(found.state)}{origin}"
     )
     branches: dict[str, Tree] = {}
     by_name = {n.name: n for n in found.nodes}
@@ -185,6 +191,7 @@ def tree(found: Run) -> Tree:
     def label(name: str) -> str:
         node = by_name[name]
         extra = f" task {node.task_id}" if node.task_id else ""
+        extra += f" child run {node.child_run_id}" if node.child_run_id else ""
         if node.map_of is not None:
             extra += f" [dim]item {output.safe(json.dumps(node.map_item)[:60])}[/dim]"
         extra += f" try {node.try_number}" if node.try_number > 1 else ""

@@ -14,7 +14,7 @@ app = typer.Typer(
     help="Webhook notifications: add, ls, rm, test, enable, log.", no_args_is_help=True
 )
 
-EVENTS = "task.dead, task.deadline_missed, run.failed, fire.missed, fire.failed"
+EVENTS = "task.dead, task.deadline_missed, run.failed, fire.missed, fire.failed, approval.waiting"
 COLUMNS = ["id", "name", "events", "filter", "url", "status"]
 
 

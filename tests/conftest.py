@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from libs.common.settings import libpq_url
 from tests.fixtures.cron import clock, cron  # noqa: F401
 from tests.fixtures.dag import dag, runner, worker  # noqa: F401
 from tests.fixtures.faults import workers  # noqa: F401
-from tests.support import MIGRATIONS, Core, start_core
+from tests.support import MIGRATIONS, Core, fresh_database, start_core
 
 # The longest tests (minutes each, mostly waiting on processes and faults) start first, so
 # the two xdist workers run them side by side with the short ones after, instead of one
@@ -72,13 +71,8 @@ def template_db(pg_server: EmbeddedPostgres) -> str:
 @pytest.fixture
 def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
     """A fresh, migrated database of this test's own."""
-    name = "t_" + uuid.uuid4().hex[:16]
-    admin = libpq_url(pg_server.url)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    yield _with_database(pg_server.url, name)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with fresh_database(pg_server.url, template_db, "t_") as url:
+        yield url
 
 
 @pytest.fixture

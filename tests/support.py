@@ -13,15 +13,20 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 import uvicorn
 from typer.testing import CliRunner
 
+from libs.common.settings import libpq_url
 from services.core import admin
 from services.core import migrate as core_migrate
 from services.core.app import create_app
@@ -121,6 +126,19 @@ def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any
     app = create_app(config, config.database_url or db_url)
     server, thread = serve_in_thread(app, port, "core")
     return Core(url=f"http://127.0.0.1:{port}", db_url=db_url, server=server, thread=thread)
+
+
+@contextmanager
+def fresh_database(server_url: str, template_db: str, prefix: str) -> Iterator[str]:
+    """A new clone of the migrated template database on the server at ``server_url``
+    (dropped afterwards): its URL."""
+    name = prefix + uuid.uuid4().hex[:16]
+    admin = libpq_url(server_url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield server_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:

@@ -20,8 +20,10 @@ models of ``libs.common``: one definition of each, shared with the services.
 """
 
 from cairn.sdk.definition import (
+    Approval,
     DefinitionError,
     Node,
+    SubWorkflow,
     WaitForEvent,
     Workflow,
     chain,
@@ -65,6 +67,7 @@ __all__ = [
     "RUN_OWNER",
     "RUN_WORKFLOW",
     "Applied",
+    "Approval",
     "Artifact",
     "Client",
     "Concurrency",
@@ -82,6 +85,7 @@ __all__ = [
     "RunResult",
     "RunState",
     "SecretRef",
+    "SubWorkflow",
     "TriggerRule",
     "WaitForEvent",
     "Workflow",

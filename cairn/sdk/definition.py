@@ -249,6 +249,68 @@ class Node:
         return body
 
 
+class Approval(Node):
+    """An approval gate: when its rule is met it waits for a person to approve (it
+    succeeds) or reject (it fails) it; after ``timeout_s`` without a decision
+    ``on_timeout`` decides. ``people`` and ``team`` name who may decide (neither: the
+    run's owner and its team). Joins workflows and links like any ``Node``."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout_s: int,
+        on_timeout: Literal["approve", "reject"],
+        people: Sequence[str] = (),
+        team: str | None = None,
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        when: str | None = None,
+        workflow: Workflow | None = None,
+    ) -> None:
+        approvers = {"people": list(people), "team": team} if people or team else None
+        approval: dict[str, Any] = {"timeout_s": timeout_s, "on_timeout": on_timeout}
+        if approvers is not None:
+            approval["approvers"] = {k: v for k, v in approvers.items() if v}
+        fields = {"name": name, "approval": approval, "trigger_rule": trigger_rule, "when": when}
+        self._join(fields, False, workflow, depends_on)
+
+
+class SubWorkflow(Node):
+    """Runs another stored workflow (``child``: its name, or the ``Workflow``) of the
+    same owner as a child run: ``version`` pins one (default: its newest when the run
+    starts). ``params`` are the child's, values may be templates (``param("day")``,
+    ``other.outputs.rows``). The node ends as the child run does and keeps as
+    ``outputs`` the values of those names its child's nodes kept."""
+
+    def __init__(
+        self,
+        name: str,
+        child: str | Workflow,
+        *,
+        version: int | None = None,
+        params: Mapping[str, ParamValue] | None = None,
+        outputs: Sequence[str] | None = None,
+        depends_on: Iterable[Node] = (),
+        trigger_rule: TriggerRule | str | None = None,
+        when: str | None = None,
+        workflow: Workflow | None = None,
+    ) -> None:
+        spec: dict[str, Any] = {"name": child if isinstance(child, str) else child.name}
+        if version is not None:
+            spec["version"] = version
+        if params:
+            spec["params"] = dict(params)
+        fields = {
+            "name": name,
+            "workflow": spec,
+            "outputs": _declared(outputs),
+            "trigger_rule": trigger_rule,
+            "when": when,
+        }
+        self._join(fields, False, workflow, depends_on)
+
+
 class WaitForEvent(Node):
     """A node that waits for the external event ``event`` instead of running a task
     (docs/dag.md, "Events"): delivered to its run (``cairn dag signal RUN EVENT``), it

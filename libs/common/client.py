@@ -25,6 +25,7 @@ from libs.common.models import (
     AttemptList,
     AuditChainPage,
     AuditPage,
+    AuditReport,
     BatchItem,
     BatchResult,
     BulkAction,
@@ -531,6 +532,12 @@ class CoreClient(ApiClient):
         params = {"after": str(after), "limit": str(limit)}
         response = await self._call("GET", "/v1/audit/export", params=params)
         return AuditChainPage.model_validate_json(response.content)
+
+    async def report_audit(self, report: AuditReport) -> None:
+        """For services: record an action a person took through this service in core's
+        audit trail."""
+        body = report.model_dump_json(exclude_none=True)
+        await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
 
     # --- notifications (docs/notifications.md) ---
 

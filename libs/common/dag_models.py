@@ -48,6 +48,8 @@ MAX_APPROVAL_TIMEOUT_S = MAX_RUN_TIMEOUT_S
 MAX_APPROVERS = 100
 #: the longest comment on an approval decision, in characters
 MAX_COMMENT_CHARS = 2000
+#: the deepest sub-workflows nest: a run's child's child's ... at most this many levels
+MAX_SUBFLOW_DEPTH = 5
 #: the longest an event node waits for its event
 MAX_EVENT_TIMEOUT_S = MAX_RUN_TIMEOUT_S
 #: the largest data an event carries (and a trigger's body), as JSON bytes
@@ -276,6 +278,20 @@ class ApprovalSpec(_Input):
     approvers: Approvers | None = None
 
 
+class SubWorkflowSpec(_Input):
+    """Run another stored workflow of the same owner as this node: version ``version``,
+    or (unset) its newest version when the parent run started (the child run records
+    which). ``params`` are the child's parameters, string values templated like a task's
+    args (``{{ params.NAME }}``, ``{{ nodes.UPSTREAM.outputs.NAME }}``, ...). The node
+    ends as the child run does (succeeded: succeeded; failed, timed out or cancelled:
+    failed) and keeps as its declared ``outputs`` the values of those names that the
+    child's nodes kept (docs/dag.md, "Sub-workflows")."""
+
+    name: WorkflowName
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    params: Params = Field(default_factory=dict)
+
+
 class EventSpec(_Input):
     """Wait for an external event: when its trigger rule is met the node waits until an
     event named ``name`` is delivered to its run (``POST /v1/runs/ID/events/NAME``; one
@@ -289,8 +305,9 @@ class EventSpec(_Input):
 
 
 class NodeSpec(_Input):
-    """One node of a workflow: its task (or, instead, an ``approval`` gate or an
-    ``event`` to wait for), what it waits for, and when it may run."""
+    """One node of a workflow: its task (or, instead, an ``approval`` gate, a
+    sub-``workflow`` or an ``event`` to wait for), what it waits for, and when it may
+    run."""
 
     name: NodeName
     #: (left out of a dump when unset: only an approval gate has none)
@@ -308,28 +325,38 @@ class NodeSpec(_Input):
     )
     #: wait for a person instead of running a task (docs/dag.md, "Approval gates")
     approval: ApprovalSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    #: run another stored workflow instead of a task (docs/dag.md, "Sub-workflows")
+    workflow: SubWorkflowSpec | None = Field(default=None, exclude_if=lambda value: value is None)
     #: wait for an external event instead of running a task (docs/dag.md, "Events")
     event: EventSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _task_or_approval(self) -> NodeSpec:
-        if self.event is not None:
-            if self.task is not None or self.approval is not None:
-                raise ValueError("event: a node has a task, an approval gate or an event")
-            if self.map is not None:
-                raise ValueError("event: an event node cannot map")
-            if any(out.path is not None for out in self.outputs.values()):
-                raise ValueError("event: an event node's outputs come from its data: no path")
-        elif self.approval is not None:
-            if self.task is not None:
-                raise ValueError("approval: a node has a task or an approval gate, not both")
-            if self.map is not None:
-                raise ValueError("approval: an approval gate cannot map")
-            if self.outputs:
-                raise ValueError("approval: an approval gate has no outputs")
-        elif self.task is None:
-            raise ValueError("task: a node needs a task (or an approval gate, or an event)")
+        kinds: dict[str, object] = {"task": self.task, "approval": self.approval}
+        kinds |= {"workflow": self.workflow, "event": self.event}
+        given = [field for field, kind in kinds.items() if kind is not None]
+        if len(given) != 1:
+            field = given[-1] if given else "task"
+            raise ValueError(
+                f"{field}: a node has exactly one of a task, an approval gate, a workflow"
+                " or an event"
+            )
+        if given[0] != "task":
+            self._check_no_task(given[0])
         return self
+
+    def _check_no_task(self, kind: str) -> None:
+        """A node that runs no task (an approval gate, a sub-workflow or an event node)
+        cannot map, and has outputs only as its kind allows."""
+        what = {"approval": "an approval gate", "workflow": "a sub-workflow node"}
+        if self.map is not None:
+            raise ValueError(f"{kind}: {what.get(kind, 'an event node')} cannot map")
+        if kind == "approval" and self.outputs:
+            raise ValueError("approval: an approval gate has no outputs")
+        if any(declared.path is not None for declared in self.outputs.values()):
+            if kind == "workflow":
+                raise ValueError("workflow: a sub-workflow's outputs are its child's, not paths")
+            raise ValueError("event: an event node's outputs come from its data: no path")
 
     @model_validator(mode="before")
     @classmethod
@@ -462,6 +489,8 @@ class Node(_Output):
     decided_at: datetime | None = None
     comment: str | None = None
     wait_until: datetime | None = None
+    #: a sub-workflow node: the run it started (``GET /v1/runs/{child_run_id}``)
+    child_run_id: int | None = None
     #: an event node's event (it waits while ``waiting``; its data are its outputs)
     event: str | None = None
 
@@ -493,6 +522,9 @@ class Run(_Output):
     reason: str | None = None
     #: the ``timeout_s`` of its node tasks that set none (the run's or the workflow's)
     task_timeout_s: int | None = None
+    #: a sub-workflow's run: the run and node that started it
+    parent_run_id: int | None = None
+    parent_node: str | None = None
     nodes: list[Node] = Field(default_factory=list)
 
 

@@ -7,6 +7,7 @@ by hand, and bound every string, list and map.
 from __future__ import annotations
 
 import ipaddress
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -1256,6 +1257,29 @@ class AuditEntry(_Output):
     )
 
 
+def _small_json(value: dict[str, Any]) -> dict[str, Any]:
+    if len(json.dumps(value, default=str)) > 4096:
+        raise ValueError("at most 4096 bytes as JSON")
+    return value
+
+
+class AuditReport(_Input):
+    """An action a person took through the cron or DAG service (an approval gate's
+    decision), reported by that service for core's audit trail: who (None: the
+    service itself, as when a gate's timeout decided), with which role, what, on what,
+    and what it left. Its ``source`` is the reporting service."""
+
+    action: Annotated[
+        str, StringConstraints(max_length=64, pattern=r"^(dag|cron)\.[a-z_]+(\.[a-z_]+)*$")
+    ]
+    target: Name
+    actor: PrincipalName | None = None
+    actor_role: Literal["user", "admin", "service"] | None = None
+    after: Annotated[dict[str, Any], AfterValidator(_small_json)] = Field(
+        default_factory=dict, max_length=32
+    )
+
+
 class AuditPage(_Output):
     items: list[AuditEntry]
     next_before: int | None = Field(description="Pass as before= to read older entries.")
@@ -1372,9 +1396,16 @@ class ConcurrencyState(_Output):
 # the events the cron and DAG services post.
 
 #: what a subscription may ask to hear about
-EventName = Literal["task.dead", "task.deadline_missed", "run.failed", "fire.missed", "fire.failed"]
+EventName = Literal[
+    "task.dead",
+    "task.deadline_missed",
+    "run.failed",
+    "fire.missed",
+    "fire.failed",
+    "approval.waiting",
+]
 #: the events cron and DAG post (the others core sees itself)
-PostedEvent = Literal["run.failed", "fire.missed", "fire.failed"]
+PostedEvent = Literal["run.failed", "fire.missed", "fire.failed", "approval.waiting"]
 DeliveryState = Literal["pending", "delivered", "failed"]
 MAX_SUBSCRIPTIONS = 100
 EventText = Annotated[str, StringConstraints(max_length=1000, pattern=r"^[^\x00]*$")]
@@ -1417,7 +1448,7 @@ class SubscriptionCreate(_Input):
     """A webhook to call when one of ``events`` happens to the caller's work."""
 
     name: Name
-    events: list[EventName] = Field(min_length=1, max_length=5)
+    events: list[EventName] = Field(min_length=1, max_length=6)
     filter: SubscriptionFilter = Field(default_factory=SubscriptionFilter)
     url: WebhookUrl
 

@@ -37,7 +37,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from libs.common import locks, tracing
 from libs.common.client import CoreClient
 from libs.common.dag_models import (
+    MAX_SUBFLOW_DEPTH,
     NODE_FINAL,
+    RUN_FINAL,
     NodeSpec,
     NodeState,
     RunState,
@@ -45,11 +47,19 @@ from libs.common.dag_models import (
 )
 from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.leader import Elector, LeadershipLost, Lease
-from libs.common.models import MAX_BATCH, Event, EventPage, NotificationEvent, Task, TaskCreate
+from libs.common.models import (
+    MAX_BATCH,
+    AuditReport,
+    Event,
+    EventPage,
+    NotificationEvent,
+    Task,
+    TaskCreate,
+)
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
 from services.dag.domain import conditions, data, graph, rules
-from services.dag.domain.templates import Renderer, RunContext, release_key
+from services.dag.domain.templates import Renderer, RunContext, merged_params, release_key
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
 
@@ -61,6 +71,7 @@ _KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
 _OUTPUT_FETCHES = 16  # attempts read from core at once for their outputs
 # What a task's event does to its node: the states it may move from, and the new one.
 _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
+_ROLES = frozenset({"user", "admin", "service"})  # the roles an audit report names
 
 
 def _after_event(node: store.NodeRow, state: NodeState, event: Event) -> NodeState | None:
@@ -202,6 +213,7 @@ class Engine:
         self._purged_at = -math.inf
         self._resynced_at = -math.inf
         self._failed: list[tuple[Any, int]] = []  # (run, its newest node try) to notify
+        self._waiting: list[tuple[Any, str, int]] = []  # (run, gate, its try) to notify
         self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
         self._to_deadline: float | None = None
         self._made = 0  # mapped instances made this turn
@@ -254,9 +266,14 @@ class Engine:
         lease = self.lease
         if lease is None:
             raise LeadershipLost("the DAG loop writes only while it leads")
-        async with self.db.begin() as conn:
-            await lease.fence(conn)
-            yield conn
+        told = len(self._waiting)
+        try:
+            async with self.db.begin() as conn:
+                await lease.fence(conn)
+                yield conn
+        except BaseException:
+            del self._waiting[told:]  # gates that did not start waiting after all
+            raise
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -273,6 +290,7 @@ class Engine:
         await self.admit()
         await self.expire()
         await self.gates()
+        await self.children()
         await self.release()
         await self.cancel_live()
         if (
@@ -286,6 +304,8 @@ class Engine:
             if not self._full_page:
                 self.metrics.caught_up()
         self.metrics.mapped.inc(self._made)
+        await self._tell_waiting()
+        await self.report_decisions()
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
@@ -389,6 +409,133 @@ class Engine:
                     log.info("run %s: approval gates decided", run_id, extra={"run_id": run_id})
                     await self._settle(conn, run, await store.nodes_of(conn, [run_id], lock=True))
         await self._tell_failed()
+
+    # --- sub-workflows ---------------------------------------------------------------------
+
+    async def children(self) -> None:
+        """End the sub-workflow nodes whose child run ended, as it did (with the outputs
+        it kept), and settle their runs. One query a turn when none has."""
+        async with self.db.connect() as conn:
+            due = await store.children_ended(conn)
+        if not due:
+            return
+        self._ended.clear()
+        self._failed.clear()
+        for run_id in due:
+            async with self._write() as conn:
+                await self._child_ended(conn, run_id)
+        for state in self._ended:
+            self.metrics.finished.labels(state.value).inc()
+        await self._tell_failed()
+
+    async def _child_ended(self, conn: AsyncConnection, run_id: int) -> None:
+        run = (await store.lock_runs(conn, [run_id]))[0]
+        dag = await self.graphs.get(conn, run.workflow_id)
+        nodes = await store.nodes_of(conn, [run_id], lock=True)
+        live = [n for n in nodes if n.child_run_id is not None and n.state in _LIVE]
+        kids = await store.child_runs(conn, [n.child_run_id for n in live if n.child_run_id])
+        changes: dict[str, tuple[NodeState, str | None]] = {}
+        kept: dict[str, dict[str, Any]] = {}
+        for n in live:
+            child = kids.get(n.child_run_id or 0)
+            if child is None or child.state not in RUN_FINAL:
+                continue
+            if n.state is N.CANCELLING:
+                changes[n.name] = (N.CANCELLED, None)
+                continue
+            state, error, outputs = await self._child_outcome(conn, dag.specs[n.name], child)
+            changes[n.name] = (state, error)
+            if outputs is not None:
+                kept[n.name] = outputs
+        await store.set_nodes(conn, run_id, changes)
+        await store.set_outputs(conn, run_id, kept)
+        if run.state == RunState.RUNNING and changes:
+            current = [
+                replace(n, state=changes.get(n.name, (n.state,))[0], outputs=kept.get(n.name))
+                if n.name in changes
+                else n
+                for n in nodes
+            ]
+            await self._settle(conn, run, current)
+
+    async def _child_outcome(
+        self, conn: AsyncConnection, spec: NodeSpec, child: Any
+    ) -> tuple[NodeState, str | None, dict[str, Any] | None]:
+        """What a sub-workflow node ends as, after its child run ended: its state, why it
+        failed, and the outputs it keeps (those its child's nodes kept, by name)."""
+        if child.state == RunState.CANCELLED:
+            return N.FAILED, f"its child run {child.id} was cancelled", None
+        if child.state != RunState.SUCCEEDED:
+            why = f": {child.reason}" if child.reason else ""
+            return N.FAILED, f"its child run {child.id} failed{why}", None
+        if not spec.outputs:
+            return N.SUCCEEDED, None, None
+        child_dag = await self.graphs.get(conn, child.workflow_id)
+        found = data.collect(_kept_rows(await store.nodes_of(conn, [child.id])), child_dag.specs)
+        written = {k: v for name in child_dag.order for k, v in found.get(name, {}).items()}
+        outputs, error = data.kept_outputs(spec, written, {})
+        if error is not None:
+            error = error.replace("CAIRN_OUTPUTS", f"the outputs of child run {child.id}")
+            return N.FAILED, error, outputs
+        return N.SUCCEEDED, None, outputs
+
+    async def _start_children(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        nodes: list[store.NodeRow],
+        names: list[str],
+        states: dict[str, NodeState],
+    ) -> bool:
+        """Start the child runs of these sub-workflow nodes the rules just readied (each
+        runs while its child does). A node whose child cannot start fails, and the run's
+        rules are applied again at once: False then (that settle has done the rest)."""
+        tries = {n.name: n.try_number for n in nodes}
+        outputs = data.collect(_kept_rows(nodes), dag.specs)
+        renderer = Renderer(dag, RunContext(run.id, run.workflow, run.owner, run.params, outputs))
+        failed = False
+        for name in names:
+            why = await self._start_child(conn, run, dag, renderer, name, tries)
+            if why is not None:
+                await store.fail_ready(conn, run.id, name, why)
+                failed = True
+        if failed:
+            await self._settle(conn, run, await store.nodes_of(conn, [run.id], lock=True))
+            return False
+        states.update(dict.fromkeys(names, N.RUNNING))
+        self._wake.set()  # a queued child to admit
+        return True
+
+    async def _start_child(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        renderer: Renderer,
+        name: str,
+        tries: Mapping[str, int],
+    ) -> str | None:
+        spec = dag.specs[name].workflow
+        assert spec is not None
+        if run.depth + 1 > MAX_SUBFLOW_DEPTH:
+            return f"sub-workflows may nest at most {MAX_SUBFLOW_DEPTH} levels deep"
+        row = await store.workflow_as_of(conn, run.owner, spec.name, spec.version, run.started_at)
+        if row is None:
+            which = f"version {spec.version} of " if spec.version else ""
+            return f"no {which}workflow '{spec.name}' of {run.owner} when the run started"
+        child = await self.graphs.get(conn, row.id)
+        try:
+            params = merged_params(child, renderer.child_params(name, tries[name]))
+        except InvalidInput as exc:
+            return f"the sub-workflow's {exc.detail}"
+        definition = child.definition
+        child_id = await store.start_child(
+            conn, run, name, tries[name], row, params, child.order,
+            definition.timeout_s, definition.max_active_nodes, definition.task_timeout_s,
+        )  # fmt: skip
+        log.info("run %s node %s: started child run %s", run.id, name, child_id)
+        return None
 
     async def _end_waits(self, conn: AsyncConnection, dag: graph.Dag, run_id: int) -> int:
         """End the run's event nodes whose event came (they succeed with its data as
@@ -563,20 +710,9 @@ class Engine:
                 states[name] = N.MAPPED
                 states.update(dict.fromkeys(instances[name], N.READY))
                 expanded = True
-        # An approval gate whose rule is met waits for a person instead of a release.
-        gates = {
-            name: approval.timeout_s
-            for name, state in changed.items()
-            if state is N.READY
-            and name in dag.specs
-            and (approval := dag.specs[name].approval) is not None
-        }
-        # So does an event node, for its event.
-        waits = {
-            name: (event.name, event.timeout_s)
-            for name, state in changed.items()
-            if state is N.READY and name in dag.specs and (event := dag.specs[name].event)
-        }
+        # An approval gate whose rule is met waits for a person instead of a release, an
+        # event node for its event; a sub-workflow node starts a child run.
+        gates, waits, children = _not_released(dag, changed)
         for name in [*gates, *waits]:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
@@ -584,16 +720,32 @@ class Engine:
         )
         await store.start_waiting(conn, run.id, gates)
         await store.wait_for_events(conn, run.id, waits)
+        tries = {n.name: n.try_number for n in nodes}
+        self._waiting += [(run, name, tries.get(name, 1)) for name in gates]
+        if children and not await self._start_children(conn, run, dag, nodes, children, states):
+            return
+        outcome = await self._end_if_done(conn, run, dag, nodes, states)
+        if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
+            # New work for the releaser, or room for a queued run of this workflow (or a
+            # gate's or an event node's timeout for the loop to wait for).
+            self._wake.set()
+
+    async def _end_if_done(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        nodes: list[store.NodeRow],
+        states: Mapping[str, NodeState],
+    ) -> RunState | None:
+        """End the run if its leaves say how; its outcome (None: it goes on)."""
         outcome = rules.run_outcome(dag.leaves, states)
         if outcome is not None:
             await store.finish_run(conn, run.id, outcome)
             self._ended.append(outcome)
             if outcome is RunState.FAILED:
                 self._failed.append((run, max((n.try_number for n in nodes), default=0)))
-        if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
-            # New work for the releaser, or room for a queued run of this workflow (or a
-            # gate's timeout for the loop to wait for).
-            self._wake.set()
+        return outcome
 
     # --- anti-entropy -----------------------------------------------------------------------
 
@@ -785,6 +937,68 @@ class Engine:
             except Exception as exc:  # whatever it is, the run's state is stored
                 log.warning("run %s: notification not posted: %s", run.id, exc)
 
+    async def _tell_waiting(self) -> None:
+        """Post the approval gates that started waiting (committed) to core, for their
+        runs' owners' ``approval.waiting`` webhooks. Best effort, as ``_tell_failed``;
+        core queues one delivery per gate's try whatever is posted again."""
+        waiting, self._waiting = self._waiting, []
+        for run, name, try_number in waiting:
+            path = f"/v1/runs/{run.id}/nodes/{name}"
+            event = NotificationEvent(
+                event="approval.waiting",
+                owner=run.owner,
+                key=f"run {run.id} node {name} try {try_number}",
+                summary=f"workflow {run.workflow} run {run.id}: {name} waits for approval",
+                subject={
+                    "run_id": str(run.id),
+                    "workflow": run.workflow,
+                    "node": name,
+                    "approve": f"{path}/approve",
+                    "reject": f"{path}/reject",
+                },
+            )
+            try:
+                await self.core.notify(event)
+            except Exception as exc:  # whatever it is, the gate waits all the same
+                log.warning("run %s: notification not posted: %s", run.id, exc)
+
+    async def report_decisions(self) -> int:
+        """Report the approval decisions not yet in core's audit trail (``dag.approve``,
+        ``dag.reject``, by the person, or by the service when a timeout decided), oldest
+        first; each is marked once core took it, so a decision is reported at least once
+        (twice only if the loop stops between the two). Returns how many."""
+        async with self.db.connect() as conn:
+            pending = await store.pending_audits(conn)
+        for row in pending:
+            report = AuditReport(
+                action=f"dag.{row.decision}",
+                target=f"run:{row.run_id}/node:{row.name}",
+                actor=row.decided_by,
+                actor_role=row.decided_role if row.decided_role in _ROLES else None,
+                after={
+                    "workflow": row.workflow,
+                    "owner": row.owner,
+                    "try": row.try_number,
+                    "decision": row.decision,
+                    "comment": row.comment,
+                    "by_timeout": row.decided_by is None,
+                    "decided_at": row.decided_at.isoformat(),
+                },
+            )
+            try:
+                await self.core.report_audit(report)
+            except CairnError as exc:
+                if not is_refusal(exc):
+                    log.warning("approval decisions wait to be audited: %r", exc)
+                    return 0
+                log.error("core refused the audit report %s: %s", report, exc.detail)
+            except httpx.TransportError as exc:
+                log.warning("approval decisions wait to be audited: %r", exc)
+                return 0
+            async with self._write() as conn:
+                await store.audited(conn, row.run_id, row.name, row.decided_at)
+        return len(pending)
+
     # --- cancelling ------------------------------------------------------------------------
 
     async def cancel_live(self) -> None:
@@ -794,7 +1008,13 @@ class Engine:
             live = await store.cancelling_nodes(conn, MAX_BATCH)
         untracked: dict[str, list[Any]] = defaultdict(list)
         for row in live:
-            if row.task_id is None:
+            if row.child_run_id is not None:
+                async with self._write() as conn:
+                    why = f"its parent run {row.run_id} ended before it (node {row.name})"
+                    await store.cancel_child(conn, row.child_run_id, why)
+                    await store.close_cancelled_child(conn, row.run_id, row.name)
+                self._wake.set()  # the child's own live nodes to cancel
+            elif row.task_id is None:
                 untracked[row.owner].append(row)
             elif await self._cancel_task(row.task_id):
                 async with self._write() as conn:
@@ -904,6 +1124,29 @@ def _branch(
         elif state is not N.READY:
             now[name], errors[name] = state, why or ""
     return all(state is N.PENDING for state, _ in decided.values())
+
+
+def _not_released(
+    dag: graph.Dag, changed: Mapping[str, NodeState]
+) -> tuple[dict[str, int], dict[str, tuple[str, int]], list[str]]:
+    """Of the nodes the rules just readied, those that are not released to core: the
+    approval gates (they wait for a person; with their timeouts), the event nodes (they
+    wait for their event; its name and their timeouts) and the sub-workflow nodes (they
+    start a child run)."""
+    gates: dict[str, int] = {}
+    waits: dict[str, tuple[str, int]] = {}
+    children: list[str] = []
+    for name, state in changed.items():
+        spec = dag.specs.get(name)
+        if state is not N.READY or spec is None:
+            continue
+        if spec.approval is not None:
+            gates[name] = spec.approval.timeout_s
+        elif spec.event is not None:
+            waits[name] = (spec.event.name, spec.event.timeout_s)
+        elif spec.workflow is not None:
+            children.append(name)
+    return gates, waits, children
 
 
 def _kept_rows(nodes: Iterable[store.NodeRow]) -> list[data.Kept]:

@@ -24,10 +24,11 @@ from libs.common.errors import Conflict, NotFound
 RUN_COLUMNS = (
     "id, owner, team, workflow_id, workflow, workflow_version, params, state, idempotency_key,"
     " created_at, started_at, finished_at, timeout_s, deadline, reason, max_active_nodes,"
-    " task_timeout_s"
+    " task_timeout_s, parent_run_id, parent_node, depth"
 )
 _NODE_COLUMNS = (
-    "run_id, name, state, try_number, task_id, error, map_of, map_index, map_item, outputs"
+    "run_id, name, state, try_number, task_id, error, map_of, map_index, map_item, outputs,"
+    " child_run_id"
 )
 
 # Who may see a run: any (owner NULL), or its owner and the members of the team owning it.
@@ -53,6 +54,8 @@ class NodeRow:
     map_index: int | None = None
     map_item: Any = None
     outputs: dict[str, Any] | None = None
+    #: a sub-workflow node: the run it started
+    child_run_id: int | None = None
 
 
 def definition_hash(definition: WorkflowCreate) -> str:
@@ -489,6 +492,7 @@ def _node_row(r: Row[Any]) -> NodeRow:
         r.map_index,
         r.map_item,
         r.outputs,
+        r.child_run_id,
     )
 
 
@@ -588,6 +592,11 @@ async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None)
         raise Conflict(
             f"run {run_id} is {current.state}: only a queued or running run can be cancelled"
         )
+    await _cancel_nodes(conn, run_id)
+    return row
+
+
+async def _cancel_nodes(conn: AsyncConnection, run_id: int) -> None:
     await conn.execute(
         text(
             # A ready node's task may have been submitted with its answer never recorded:
@@ -600,7 +609,6 @@ async def cancel_run(conn: AsyncConnection, run_id: int, who: Visibility | None)
         ),
         {"id": run_id},
     )
-    return row
 
 
 async def time_out(conn: AsyncConnection, run_id: int) -> Row[Any] | None:
@@ -708,7 +716,8 @@ async def reset_nodes(conn: AsyncConnection, run_id: int, names: Iterable[str]) 
             "UPDATE dag.nodes SET state = 'pending', try_number = try_number + 1,"
             " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
             " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
-            " comment = NULL, event = NULL, started_at = NULL"
+            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false,"
+            " event = NULL, started_at = NULL"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": names},
@@ -726,7 +735,7 @@ async def retry_instances(
             "UPDATE dag.nodes SET state = 'mapped', try_number = try_number + 1,"
             " task_id = NULL, error = NULL, outputs = NULL, updated_at = now(),"
             " wait_until = NULL, decision = NULL, decided_by = NULL, decided_at = NULL,"
-            " comment = NULL"
+            " comment = NULL, child_run_id = NULL, decided_role = NULL, audit_pending = false"
             " WHERE run_id = :id AND name = ANY(:names)"
         ),
         {"id": run_id, "names": list(mapped)},
@@ -885,6 +894,7 @@ async def decide(
     decision: str,
     by: str | None,
     comment: str | None,
+    role: str | None = None,
 ) -> Row[Any] | None:
     """Record a decision on a waiting approval gate, once: None if the node is not
     waiting or was decided already (the conditional update is what makes it once, under
@@ -893,11 +903,19 @@ async def decide(
         await conn.execute(
             text(
                 "UPDATE dag.nodes SET decision = :decision, decided_by = :by,"
+                " decided_role = :role, audit_pending = true,"
                 " decided_at = now(), comment = :comment, updated_at = now()"
                 " WHERE run_id = :run AND name = :name AND state = 'waiting'"
                 " AND decision IS NULL RETURNING name, decision, decided_by, decided_at"
             ),
-            {"run": run_id, "name": name, "decision": decision, "by": by, "comment": comment},
+            {
+                "run": run_id,
+                "name": name,
+                "decision": decision,
+                "by": by,
+                "comment": comment,
+                "role": role,
+            },
         )
     ).first()
 
@@ -928,6 +946,7 @@ async def time_out_gates(
     await conn.execute(
         text(
             "UPDATE dag.nodes n SET decision = g.decision, decided_at = now(),"
+            " audit_pending = true,"
             " comment = 'no decision within ' || g.timeout_s || ' s: on_timeout applied'"
             " FROM unnest(CAST(:names AS text[]), CAST(:decisions AS text[]),"
             "   CAST(:timeouts AS int[])) AS g(name, decision, timeout_s)"
@@ -1031,7 +1050,8 @@ async def cancelling_nodes(conn: AsyncConnection, limit: int) -> list[Row[Any]]:
     return list(
         await conn.execute(
             text(
-                "SELECT n.run_id, n.name, n.task_id, n.try_number, r.owner FROM dag.nodes n"
+                "SELECT n.run_id, n.name, n.task_id, n.try_number, n.child_run_id, r.owner"
+                " FROM dag.nodes n"
                 " JOIN dag.runs r ON r.id = n.run_id WHERE n.state = 'cancelling'"
                 " ORDER BY n.run_id LIMIT :limit"
             ),
@@ -1061,6 +1081,201 @@ async def cancelled_untracked(conn: AsyncConnection, nodes: Sequence[tuple[int, 
             " AND n.task_id IS NULL"
         ),
         {"runs": [r for r, _ in nodes], "names": [n for _, n in nodes]},
+    )
+
+
+async def pending_audits(conn: AsyncConnection, limit: int = 100) -> list[Row[Any]]:
+    """Decisions not yet reported to core's audit trail, oldest first."""
+    return list(
+        await conn.execute(
+            text(
+                "SELECT n.run_id, n.name, n.try_number, n.decision, n.decided_by,"
+                " n.decided_role, n.decided_at, n.comment, r.workflow, r.owner"
+                " FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
+                " WHERE n.audit_pending AND n.decision IS NOT NULL"
+                " ORDER BY n.decided_at LIMIT :limit"
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+async def audited(conn: AsyncConnection, run_id: int, name: str, decided_at: Any) -> None:
+    """The decision made at ``decided_at`` was reported (a newer one stays pending)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET audit_pending = false"
+            " WHERE run_id = :run AND name = :name AND decided_at = :at"
+        ),
+        {"run": run_id, "name": name, "at": decided_at},
+    )
+
+
+# --- sub-workflows ---------------------------------------------------------------------------
+
+
+async def lock_references(conn: AsyncConnection, owner: str) -> None:
+    """Serialise, per owner, the storing of definitions that run sub-workflows: two that
+    reference each other, stored at once, would each pass the cycle check alone."""
+    await _lock(conn, owner, "*subflows")
+
+
+async def workflow_as_of(
+    conn: AsyncConnection, owner: str, name: str, version: int | None, at: Any
+) -> Row[Any] | None:
+    """``owner``'s workflow ``name`` at ``version``, or (None) its newest version stored
+    at or before ``at`` (when the parent run started); None if there is none."""
+    return (
+        await conn.execute(
+            text(
+                "SELECT * FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " AND (CAST(:version AS integer) IS NULL OR version = :version)"
+                " AND (CAST(:version AS integer) IS NOT NULL OR created_at <= :at)"
+                " ORDER BY version DESC LIMIT 1"
+            ),
+            {"owner": owner, "name": name, "version": version, "at": at},
+        )
+    ).first()
+
+
+async def references_of(
+    conn: AsyncConnection, owner: str, name: str, version: int | None
+) -> tuple[int, list[tuple[str, str, int | None]]] | None:
+    """``owner``'s workflow ``name`` at ``version`` (None: the newest): its version and,
+    for each of its sub-workflow nodes, (node, workflow, version or None); None if there
+    is no such workflow. Read from the stored JSON, not parsed."""
+    row = (
+        await conn.execute(
+            text(
+                "SELECT version, jsonb_path_query_array(definition,"
+                " '$.nodes[*] ? (exists(@.workflow))') AS refs"
+                " FROM dag.workflows WHERE owner = :owner AND name = :name"
+                " AND (CAST(:version AS integer) IS NULL OR version = :version)"
+                " ORDER BY version DESC LIMIT 1"
+            ),
+            {"owner": owner, "name": name, "version": version},
+        )
+    ).first()
+    if row is None:
+        return None
+    refs = [(n["name"], n["workflow"]["name"], n["workflow"].get("version")) for n in row.refs]
+    return int(row.version), refs
+
+
+async def start_child(
+    conn: AsyncConnection,
+    parent: Any,
+    node: str,
+    try_number: int,
+    workflow: Row[Any],
+    params: Mapping[str, Any],
+    node_names: Sequence[str],
+    timeout_s: int | None,
+    max_active_nodes: int | None,
+    task_timeout_s: int | None,
+) -> int:
+    """The child run of ``parent``'s ``node`` try: made queued, with every node pending,
+    unless that try already has one (the unique parent index: at most one, whatever
+    crash or leader change came between); its id, also recorded on the node, which
+    runs while the child does."""
+    child = await conn.scalar(
+        text(
+            "INSERT INTO dag.runs (workflow_id, owner, team, workflow, workflow_version,"
+            " params, timeout_s, max_active_nodes, task_timeout_s, parent_run_id,"
+            " parent_node, parent_try, depth)"
+            " VALUES (:wid, :owner, :team, :name, :version, CAST(:params AS jsonb),"
+            " :timeout, :max_nodes, :task_timeout, :parent, :node, :try, :depth)"
+            " ON CONFLICT (parent_run_id, parent_node, parent_try)"
+            " WHERE parent_run_id IS NOT NULL DO NOTHING RETURNING id"
+        ),
+        {
+            "wid": workflow.id,
+            "owner": parent.owner,
+            "team": workflow.team,
+            "name": workflow.name,
+            "version": workflow.version,
+            "params": orjson.dumps(params).decode(),
+            "timeout": timeout_s,
+            "max_nodes": max_active_nodes,
+            "task_timeout": task_timeout_s,
+            "parent": parent.id,
+            "node": node,
+            "try": try_number,
+            "depth": parent.depth + 1,
+        },
+    )
+    if child is None:
+        child = await conn.scalar(
+            text(
+                "SELECT id FROM dag.runs WHERE parent_run_id = :parent AND parent_node = :node"
+                " AND parent_try = :try"
+            ),
+            {"parent": parent.id, "node": node, "try": try_number},
+        )
+    else:
+        await conn.execute(
+            text(
+                "INSERT INTO dag.nodes (run_id, name) SELECT :run, unnest(CAST(:names AS text[]))"
+            ),
+            {"run": child, "names": list(node_names)},
+        )
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'running', child_run_id = :child, updated_at = now()"
+            " WHERE run_id = :run AND name = :name AND state = 'ready'"
+        ),
+        {"child": child, "run": parent.id, "name": node},
+    )
+    return int(child)
+
+
+async def children_ended(conn: AsyncConnection, limit: int = 1000) -> list[int]:
+    """Runs with a sub-workflow node running whose child run has ended."""
+    rows = await conn.execute(
+        text(
+            "SELECT DISTINCT n.run_id FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
+            " WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
+            " AND c.state IN ('succeeded', 'failed', 'cancelled') LIMIT :limit"
+        ),
+        {"limit": limit},
+    )
+    return sorted(r.run_id for r in rows)
+
+
+async def child_runs(conn: AsyncConnection, run_ids: Iterable[int]) -> dict[int, Row[Any]]:
+    """The runs (by id) of these ids."""
+    rows = await conn.execute(
+        text(f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = ANY(:ids)"), {"ids": list(run_ids)}
+    )
+    return {r.id: r for r in rows}
+
+
+async def cancel_child(conn: AsyncConnection, child_run_id: int, why: str) -> bool:
+    """Cancel a child run still queued or running (its live nodes then cancel in turn);
+    False if it had ended."""
+    row = await conn.scalar(
+        text(
+            "UPDATE dag.runs SET state = 'cancelled', finished_at = now(), updated_at = now(),"
+            " started_at = COALESCE(started_at, now()), reason = :why"
+            " WHERE id = :id AND state IN ('queued', 'running') RETURNING id"
+        ),
+        {"id": child_run_id, "why": why},
+    )
+    if row is None:
+        return False
+    await _cancel_nodes(conn, child_run_id)
+    return True
+
+
+async def close_cancelled_child(conn: AsyncConnection, run_id: int, name: str) -> None:
+    """A cancelling sub-workflow node whose child was cancelled (or had ended) is done."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'cancelled', updated_at = now()"
+            " WHERE run_id = :run AND name = :name AND state = 'cancelling'"
+            " AND child_run_id IS NOT NULL"
+        ),
+        {"run": run_id, "name": name},
     )
 
 

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -89,7 +90,19 @@ runs = Table(
     Column("reason", Text),
     Column("max_active_nodes", Integer),
     Column("task_timeout_s", Integer),
+    # A sub-workflow's run: the parent run, node and try that started it (at most one
+    # child each), and how deep it nests (0: started by a person, cron or a trigger).
+    Column("parent_run_id", BigInteger),
+    Column("parent_node", Text),
+    Column("parent_try", Integer),
+    Column("depth", SmallInteger, nullable=False, server_default=text("0")),
     CheckConstraint(_in("state", RunState), name="state"),
+    CheckConstraint(
+        "(parent_run_id IS NULL) = (parent_node IS NULL)"
+        " AND (parent_run_id IS NULL) = (parent_try IS NULL)"
+        " AND (parent_run_id IS NULL) = (depth = 0)",
+        name="parent_whole",
+    ),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint(
         "max_active_nodes IS NULL OR max_active_nodes > 0", name="max_active_nodes_positive"
@@ -107,6 +120,14 @@ runs = Table(
         postgresql_where=text("idempotency_key IS NOT NULL"),
     ),
     Index("ix_runs_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
+    Index(
+        "ix_runs_parent",
+        "parent_run_id",
+        "parent_node",
+        "parent_try",
+        unique=True,
+        postgresql_where=text("parent_run_id IS NOT NULL"),
+    ),
     # Retention deletes the oldest finished runs first.
     Index("ix_runs_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
     # Admission counts the active runs of one workflow.
@@ -151,6 +172,12 @@ nodes = Table(
     Column("decided_by", Text),
     _at("decided_at", nullable=True),
     Column("comment", Text),
+    # The decider's role, and whether the decision still waits to be reported to core's
+    # audit trail (the loop reports it, then clears this).
+    Column("decided_role", Text),
+    Column("audit_pending", Boolean, nullable=False, server_default=text("false")),
+    # A sub-workflow node: the child run it started (in place of a task).
+    Column("child_run_id", BigInteger),
     # An event node: the event it waits for (set when it starts waiting).
     Column("event", Text),
     # When its rule was met this try (the history grid's durations run from it).
@@ -162,13 +189,20 @@ nodes = Table(
     CheckConstraint("try_number > 0", name="try_positive"),
     # A cancelling node without a task: its release may have reached core unrecorded.
     CheckConstraint(
-        "task_id IS NOT NULL OR state NOT IN ('released', 'running')",
+        "task_id IS NOT NULL OR child_run_id IS NOT NULL OR state NOT IN ('released', 'running')",
         name="live_has_task",
     ),
     # Feed events find their node through the task; a task belongs to one node's try.
     Index("ix_nodes_task_id", "task_id", unique=True, postgresql_where=text("task_id IS NOT NULL")),
     # The releaser's and the canceller's work lists.
     Index("ix_nodes_to_do", "state", postgresql_where=text("state IN ('ready', 'cancelling')")),
+    # The loop's sub-workflow nodes waiting on (or cancelling) their child run.
+    Index(
+        "ix_nodes_children",
+        "child_run_id",
+        postgresql_where=text("child_run_id IS NOT NULL AND state IN ('running', 'cancelling')"),
+    ),
+    Index("ix_nodes_audit_pending", "decided_at", postgresql_where=text("audit_pending")),
     # The loop's approval gates: decided ones to move on, and the next timeout.
     Index("ix_nodes_waiting", "wait_until", postgresql_where=text("state = 'waiting'")),
     # The resync's work list: nodes waiting on a live task, oldest change first.

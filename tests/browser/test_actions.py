@@ -345,6 +345,31 @@ def test_a_waiting_approval_gate_is_approved_from_the_run_page(
     assert found == ("succeeded", "approve", "alice", "from the page")
 
 
+def test_a_sub_workflow_node_links_its_child_run_and_the_child_its_parent(
+    page: Page, system: System, db: psycopg.Connection
+) -> None:
+    with client(system, system.dag.url, "alice") as alice:
+        child = workflow("sub-child", [node("work")])
+        parent = workflow("sub-parent", [{"name": "sub", "workflow": {"name": "sub-child"}}])
+        for body in (child, parent):
+            assert alice.post("/v1/workflows", json=body).status_code in (200, 201)
+        rid = alice.post("/v1/workflows/sub-parent/runs", json={}).json()["id"]
+        done = wait_for(lambda: (r := alice.get(f"/v1/runs/{rid}").json())["state"] == "succeeded"
+                        and r, 30)  # fmt: skip
+    child_id = _node_of(done, "sub")["child_run_id"]
+    log_in(page, system, "alice")
+    page.goto(f"{system.core.url}/ui#/runs/{rid}")
+    link = page.locator("tr[data-node-row='sub'] a.child-run")
+    expect(link).to_have_text(f"run {child_id}")
+    link.click()
+    expect(page.locator("#run-parent")).to_contain_text(f"sub-workflow of run {rid} (node sub)")
+    expect(page.locator("tr[data-node-row='work'] [data-state='succeeded']")).to_be_visible()
+    found = db.execute(
+        "SELECT parent_run_id, parent_node, state FROM dag.runs WHERE id = %s", (child_id,)
+    ).fetchone()
+    assert found == (rid, "sub", "succeeded")
+
+
 def test_the_run_history_grid_shows_each_node_by_run_with_its_duration(
     page: Page, system: System, db: psycopg.Connection
 ) -> None:

@@ -74,7 +74,7 @@ def test_a_workflow_run_is_drawn_with_its_node_states(page: Page, system: System
         wait_for(lambda: alice.get(f"/v1/runs/{run['id']}").json()["state"] == "succeeded", 30)
     log_in(page, system, "alice")
     page.goto(f"{system.core.url}/ui#/runs")
-    page.locator(f"tr[data-run-id='{run['id']}'] a").click()
+    page.locator(f"tr[data-run-id='{run['id']}'] a[href='#/runs/{run['id']}']").click()
     nodes = page.locator("#run-graph g.node")
     expect(nodes).to_have_count(4)
     for name in "abcd":

@@ -1,19 +1,30 @@
 """The audit trail, for admins: newest first, filtered, in pages; and oldest first with
-its hash chain, for an export (``cairn audit export``)."""
+its hash chain, for an export (``cairn audit export``). The cron and DAG services report
+the actions people take through them."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request, Response, status
 
-from libs.common.models import MAX_PAGE, AuditChainPage, AuditEntry, AuditPage, StorableTime
+from libs.common.models import (
+    MAX_PAGE,
+    AuditChainPage,
+    AuditEntry,
+    AuditPage,
+    AuditReport,
+    StorableTime,
+)
 from libs.common.problems import PROBLEMS
-from services.core.api.deps import AdminOnly, Engine
+from services.core.api.deps import AdminOnly, Engine, require
 from services.core.db import audit
+from services.core.domain.principals import Principal
+from services.core.ops import reported
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
+Reporter = Annotated[Principal, Depends(require("service"))]
 _Text = Annotated[str | None, Query(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
 
 
@@ -57,3 +68,15 @@ async def read_chain(
         next_after=items[-1].id if len(items) == limit else None,
         exported_through=mark,
     )
+
+
+@router.post("/reports", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)
+async def report_action(
+    body: AuditReport, principal: Reporter, engine: Engine, request: Request
+) -> Response:
+    """For the cron and DAG services: record an action a person took through them (an
+    approval gate's decision: ``dag.approve``, ``dag.reject``) in the audit trail, with
+    the reporting service as its source."""
+    address = request.client.host if request.client else None
+    await reported.record(engine, principal, body, address)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -77,6 +77,7 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             decided_at=details[n.name].decided_at,
             comment=details[n.name].comment,
             wait_until=details[n.name].wait_until,
+            child_run_id=n.child_run_id,
             event=None if (spec := dag.specs[spec_name].event) is None else spec.name,
         )
 
@@ -250,7 +251,10 @@ async def _decide(
                 raise NotFound(f"run {run_id} has no approval gate '{name}'")
             raise Forbidden(f"you are not an approver of node '{name}' of run {run_id}")
         comment = body.comment if body is not None and body.comment else None
-        if await store.decide(conn, run_id, name, decision, caller.name, comment) is None:
+        decided = await store.decide(
+            conn, run_id, name, decision, caller.name, comment, caller.role
+        )
+        if decided is None:
             state = next(n.state for n in await store.nodes_of(conn, [run_id]) if n.name == name)
             raise Conflict(f"node '{name}' of run {run_id} is {state}, or decided: not waiting")
         run, _ = await _with_nodes(conn, graphs, row)

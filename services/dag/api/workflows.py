@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from libs.common.auth import ActingOwner, Caller, Person, Visibility
 from libs.common.dag_models import (
     MAX_HISTORY_RUNS,
+    MAX_SUBFLOW_DEPTH,
     HistoryCell,
     HistoryRun,
     Run,
@@ -28,11 +29,14 @@ from libs.common.problems import PROBLEMS
 from libs.common.teams import bound_to_team, check_member, check_what_runs
 from services.dag import store, traces
 from services.dag.deps import Db, GraphCache, Loop
+from services.dag.domain import subflows
 from services.dag.domain.data import Instance, map_items
 from services.dag.domain.templates import Renderer, RunContext, merged_params
 from services.dag.engine import Graphs, build_sized
 
 router = APIRouter(prefix="/v1/workflows", tags=["workflows"])
+#: the most workflow versions one definition's sub-workflow references reach
+MAX_REFERENCED = 500
 
 
 def _workflow(row: object) -> Workflow:
@@ -86,11 +90,82 @@ async def put_workflow(
     body = _for_team(body)
     dag, weight = await asyncio.to_thread(build_sized, body)  # a large one takes seconds
     async with db.begin() as conn:
+        await _check_subflows(conn, owner, body)
         row, created = await store.put_workflow(conn, owner, body)
     graphs.put(row.id, dag, weight)
     if not created:
         response.status_code = 200
     return _workflow(row)
+
+
+def _refused(field: str, reason: str, **extra: object) -> InvalidInput:
+    return InvalidInput(f"{field}: {reason}", errors=[{"field": field, "reason": reason}], **extra)
+
+
+class _References:
+    """The workflow versions one definition's sub-workflow references reach, read from
+    the store: each version's references (``subflows.Edges``)."""
+
+    def __init__(self, conn: AsyncConnection, owner: str, body: WorkflowCreate) -> None:
+        self.conn = conn
+        self.owner = owner
+        self.body = body
+        self.root: subflows.Key = (body.name, 0)
+        self.edges: dict[subflows.Key, list[tuple[str, subflows.Key]]] = {}
+        self._loaded: dict[subflows.Key, list[tuple[str, str, int | None]]] = {}
+
+    async def resolve(self, name: str, version: int | None) -> subflows.Key | None:
+        """The version a reference runs (None: there is none)."""
+        if name == self.body.name and version is None:
+            return self.root  # its newest version is the one being stored
+        found = await store.references_of(self.conn, self.owner, name, version)
+        if found is None:
+            return None
+        key = (name, found[0])
+        self._loaded[key] = found[1]
+        return key
+
+    async def follow(self, todo: list[subflows.Key]) -> None:
+        """Read every version reachable from ``todo``."""
+        while todo:
+            key = todo.pop()
+            if key in self.edges:
+                continue
+            if len(self.edges) > MAX_REFERENCED:
+                raise _refused("body.nodes", f"sub-workflows reach over {MAX_REFERENCED} versions")
+            self.edges[key] = []
+            for node, name, version in self._loaded.get(key, []):
+                target = await self.resolve(name, version)
+                if target is not None:  # a stored version's reference was checked then
+                    self.edges[key].append((node, target))
+                    todo.append(target)
+
+
+async def _check_subflows(conn: AsyncConnection, owner: str, body: WorkflowCreate) -> None:
+    """Every sub-workflow a node runs is one of ``owner``'s (the version it pins exists),
+    and the references reach no cycle and nest no deeper than ``MAX_SUBFLOW_DEPTH``
+    (422 naming the node's ``workflow.name`` and the path)."""
+    own = [(i, n.name, n.workflow) for i, n in enumerate(body.nodes) if n.workflow is not None]
+    if not own:
+        return
+    await store.lock_references(conn, owner)  # held to the commit of what is stored
+    refs = _References(conn, owner, body)
+    first: list[tuple[str, subflows.Key]] = []
+    for i, node, ref in own:
+        target = await refs.resolve(ref.name, ref.version)
+        if target is None:
+            which = f"version {ref.version} of " if ref.version else ""
+            field = f"body.nodes.{i}.workflow." + ("version" if ref.version else "name")
+            raise _refused(field, f"no {which}workflow '{ref.name}' of yours")
+        first.append((node, target))
+    refs.edges[refs.root] = first
+    await refs.follow([target for _, target in first])
+    problem = subflows.check(body.name, refs.edges, MAX_SUBFLOW_DEPTH)
+    if problem is not None:
+        index = next(i for i, node, _ in own if node == problem.node)
+        raise _refused(
+            f"body.nodes.{index}.workflow.name", problem.reason, subflow_path=list(problem.path)
+        )
 
 
 @router.get("", response_model=WorkflowList, responses=PROBLEMS)
@@ -182,7 +257,7 @@ async def begin_run(
         renderer = Renderer(dag, context)
         for node in dag.order:
             if dag.specs[node].task is None:
-                continue  # a gate, or an event node, has no task
+                continue  # a gate, a sub-workflow or an event node has no task
             item = Instance(0, "") if dag.specs[node].map is not None else None
             renderer.task(node, 1, item)
     return row, created

@@ -56,6 +56,12 @@ def _templated_fields(spec: NodeSpec) -> list[tuple[str, str]]:
             (f"task.env.{key}", value) for key, value in task.env.items() if isinstance(value, str)
         ]
         fields += [(f"task.{name}", getattr(task, name)) for name in ("input_path", "output_path")]
+    if spec.workflow is not None:
+        fields += [
+            (f"workflow.params.{key}", value)
+            for key, value in spec.workflow.params.items()
+            if isinstance(value, str)
+        ]
     fields += [(f"outputs.{name}.path", out.path) for name, out in spec.outputs.items()]
     if spec.map is not None:
         fields.append(("map.over", spec.map.over))

@@ -116,6 +116,29 @@ class Renderer:
             if declared.path is not None
         }
 
+    def child_params(self, node: str, try_number: int) -> dict[str, Any]:
+        """A sub-workflow node's parameters for its child run: a string that is one
+        ``{{ params.NAME }}`` or ``{{ nodes.UPSTREAM.outputs.NAME }}`` passes that value as
+        it is (a list stays a list); other strings render as a task's args do."""
+        spec = self.dag.specs[node].workflow
+        if spec is None:
+            raise InvalidInput(f"nodes.{node}: not a sub-workflow node")
+        return {
+            name: self._raw(node, try_number, value) if isinstance(value, str) else value
+            for name, value in spec.params.items()
+        }
+
+    def _raw(self, node: str, try_number: int, text: str) -> Any:
+        whole = TEMPLATE.fullmatch(text.strip())
+        if whole is not None:
+            head, _, rest = whole[1].partition(".")
+            if head == "params":
+                return self.run.params.get(rest)
+            upstream, _, output = rest.rpartition(".outputs.")
+            if head == "nodes" and upstream:
+                return self.run.outputs.get(upstream, {}).get(output)
+        return self._render(node, try_number, text)
+
     def task(self, node: str, try_number: int, instance: Instance | None = None) -> TaskCreate:
         """The submission of ``node``'s try (of one of its items when it is mapped);
         ``InvalidInput`` if what renders is invalid."""

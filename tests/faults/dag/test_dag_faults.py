@@ -205,3 +205,56 @@ def test_core_answering_5xx_for_a_while_delays_releases_but_never_doubles_them(
     per_node = _tasks_per_node(db, run["id"])
     assert len(per_node) == 22 and set(per_node.values()) == {1}
     assert set(worker.claims.values()) == {1}
+
+
+def test_kill_9_while_sub_workflows_run_starts_no_child_twice(
+    core: Core, db: psycopg.Connection, tmp_path: Path
+) -> None:
+    """Parent nodes each run a child workflow; the DAG process is killed with SIGKILL
+    once some children exist, and started again: each parent node has one child run,
+    and every child node ran one task."""
+    port = free_port()
+    token = make_token(core.db_url, "dag-service", "service")
+    proc = _spawn_dag(core, tmp_path, port, token)
+    worker = Worker(core, delay_s=0.02)
+    http = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": f"Bearer {make_token(core.db_url, 'alice', 'user')}"},
+        timeout=10,
+    )
+    subs = [f"s{i}" for i in range(3)]
+    try:
+        runner = Runner(http)
+        runner.define(workflow("child", [node("a"), node("b", "a")]))
+        nodes = [{"name": s, "workflow": {"name": "child"}} for s in subs]
+        runner.define(workflow("parent", [*nodes, node("sink", *subs)]))
+        run_id = runner.start("parent")["id"]
+
+        def children() -> int:
+            (count,) = db.execute(
+                "SELECT count(*) FROM dag.runs WHERE parent_run_id = %s", (run_id,)
+            ).fetchone()
+            return int(count)
+
+        wait_for(lambda: children() >= 1, timeout=30, interval=0.02)
+        stop_process(proc, signal.SIGKILL)
+        proc = _spawn_dag(core, tmp_path, port, token)
+        run = runner.wait_end(run_id, timeout=60)
+    finally:
+        http.close()
+        worker.stop()
+        stop_process(proc)
+    assert run["state"] == "succeeded"
+    rows = db.execute(
+        "SELECT parent_node, count(*), min(state), max(state) FROM dag.runs"
+        " WHERE parent_run_id = %s GROUP BY parent_node",
+        (run_id,),
+    ).fetchall()
+    assert sorted(rows) == [(s, 1, "succeeded", "succeeded") for s in subs]
+    child_tasks = db.execute(
+        "SELECT count(*), count(DISTINCT t.id) FROM dag.runs r JOIN dag.nodes n ON n.run_id = r.id"
+        " JOIN core.tasks t ON t.id = n.task_id WHERE r.parent_run_id = %s",
+        (run_id,),
+    ).fetchone()
+    assert child_tasks == (6, 6)
+    assert len(worker.claims) == 7 and set(worker.claims.values()) == {1}  # and the sink

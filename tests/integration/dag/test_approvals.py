@@ -13,7 +13,8 @@ import psycopg
 
 from tests.fixtures.dag import DagServer, Runner, Worker, node, start_dag, workflow
 from tests.integration.dag.test_runs import _tasks
-from tests.support import wait_for
+from tests.support import Core, wait_for
+from tests.webhooks import Receiver, subscribe
 
 
 def _gate(name: str, *depends_on: str, **approval: Any) -> dict:
@@ -171,3 +172,64 @@ def test_a_decision_through_a_follower_survives_a_leader_change(
     assert set(_tasks(db, run_id)) == {"build", "deploy", "cleanup"}  # each released once
     row = _row(db, run_id, "sign-off")
     assert (row["state"], row["decided_by"], row["comment"]) == ("succeeded", "alice", "ok")
+
+
+def _audited(db: psycopg.Connection, run_id: int) -> list[tuple[Any, ...]]:
+    return db.execute(
+        "SELECT actor, actor_role, action, target, source, after FROM core.audit"
+        " WHERE target LIKE %s ORDER BY id",
+        (f"run:{run_id}/%",),
+    ).fetchall()
+
+
+def test_decisions_reach_the_audit_trail_and_a_waiting_gate_the_webhook(
+    core: Core, dag: DagServer, runner: Runner, worker: Worker, db: psycopg.Connection
+) -> None:
+    hook = Receiver()
+    try:
+        with core.client() as alice:
+            made = subscribe(alice, hook.url, events=["approval.waiting"])
+            report = {"action": "dag.approve", "target": "run:1/node:x", "actor": "mallory"}
+            forged = alice.post("/v1/audit/reports", json=report)
+            assert forged.status_code == 403, forged.text  # services only
+        with core.client("dag-reporter", "service") as service:
+            bad = service.post("/v1/audit/reports", json={**report, "action": "token.revoke"})
+            assert bad.status_code == 422, bad.text
+            assert bad.json()["errors"][0]["field"] == "body.action"
+        runner.define(
+            workflow(
+                "audited", [_gate("person"), _gate("clock", timeout_s=1, on_timeout="approve")]
+            )
+        )
+        run_id = runner.start("audited")["id"]
+        _waiting(db, run_id, "person")
+        path = f"/v1/runs/{run_id}/nodes/person/reject"
+        assert runner.http.post(path, json={"comment": "not today"}).status_code == 200
+        assert runner.wait_end(run_id, timeout=30)["state"] == "failed"
+        rows = wait_for(lambda: len(found := _audited(db, run_id)) == 2 and found, timeout=20)
+        wait_for(lambda: len(hook.all()) == 2, timeout=20)
+    finally:
+        hook.close()
+    by_action = {row[2]: row for row in rows}
+    actor, role, _, target, source, after = by_action["dag.reject"]
+    assert (actor, role, target) == ("alice", "user", f"run:{run_id}/node:person")
+    assert source.startswith("dag-service-")  # the reporting service, then its address
+    assert after | {"decided_at": None} == {
+        "workflow": "audited", "owner": "alice", "try": 1, "decision": "reject",
+        "comment": "not today", "by_timeout": False, "decided_at": None,
+    }  # fmt: skip
+    actor, role, _, target, _, after = by_action["dag.approve"]
+    assert actor.startswith("dag-service-") and role == "service"  # its timeout decided
+    assert (target, after["by_timeout"]) == (f"run:{run_id}/node:clock", True)
+    pending = db.execute(
+        "SELECT count(*) FROM dag.nodes WHERE run_id = %s AND audit_pending", (run_id,)
+    ).fetchone()
+    assert pending == (0,)
+    got = sorted(hook.all(), key=lambda r: r.doc["data"]["subject"]["node"])
+    assert all(r.signed_by(made["secret"]) for r in got)
+    assert [r.doc["event"] for r in got] == ["approval.waiting"] * 2
+    assert got[1].doc["data"]["subject"] == {
+        "run_id": str(run_id), "workflow": "audited", "node": "person",
+        "approve": f"/v1/runs/{run_id}/nodes/person/approve",
+        "reject": f"/v1/runs/{run_id}/nodes/person/reject",
+    }  # fmt: skip

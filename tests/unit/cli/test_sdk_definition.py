@@ -18,6 +18,7 @@ from cairn.sdk import (
     RUN_ID,
     RUN_OWNER,
     RUN_WORKFLOW,
+    Approval,
     Artifact,
     Concurrency,
     DefinitionError,
@@ -28,6 +29,7 @@ from cairn.sdk import (
     RetryCauses,
     RetryPolicy,
     SecretRef,
+    SubWorkflow,
     TriggerRule,
     WaitForEvent,
     Workflow,
@@ -410,6 +412,65 @@ def test_extra_carries_fields_the_sdk_has_no_keyword_for_checked_all_the_same() 
         Node("c", artifact=ART, extra={"depends_on": ["a"]})
     with pytest.raises(DefinitionError, match="workflow 'y': extra may not set nodes"):
         Workflow("y", extra={"nodes": []})
+
+
+def test_sub_workflows_and_approval_gates_render_what_the_service_validates() -> None:
+    with Workflow("child", params={"day": "x"}) as child:
+        Node("count", artifact=ART, args=[param("day")], outputs=["total"])
+    with Workflow("release", params={"day": "2026-12-05"}) as wf:
+        prep = Node("prep", artifact=ART, outputs=["day"])
+        sub = SubWorkflow("sub", child, params={"day": prep.outputs.day}, outputs=["total"])
+        pinned = SubWorkflow("pinned", "child", version=2, params={"day": param("day")})
+        gate = Approval(
+            "sign-off", timeout_s=3600, on_timeout="reject", people=["carol"], team="ops",
+            trigger_rule="all_done",
+        )  # fmt: skip
+        ship = Node("ship", artifact=ART, args=[sub.outputs.total])
+        prep >> [sub, pinned] >> gate >> ship
+    by_hand = [
+        {"name": "prep", "task": {"artifact": ART_JSON}, "outputs": {"day": {}}},
+        {
+            "name": "sub",
+            "depends_on": ["prep"],
+            "workflow": {"name": "child", "params": {"day": "{{ nodes.prep.outputs.day }}"}},
+            "outputs": {"total": {}},
+        },
+        {
+            "name": "pinned",
+            "depends_on": ["prep"],
+            "workflow": {"name": "child", "version": 2, "params": {"day": "{{ params.day }}"}},
+        },
+        {
+            "name": "sign-off",
+            "depends_on": ["sub", "pinned"],
+            "trigger_rule": "all_done",
+            "approval": {
+                "timeout_s": 3600,
+                "on_timeout": "reject",
+                "approvers": {"people": ["carol"], "team": "ops"},
+            },
+        },
+        {
+            "name": "ship",
+            "depends_on": ["sign-off"],
+            "task": {"artifact": ART_JSON, "args": ["{{ nodes.sub.outputs.total }}"]},
+        },
+    ]
+    rendered = wf.render()
+    assert rendered == WorkflowCreate.model_validate(
+        {"name": "release", "params": {"day": "2026-12-05"}, "nodes": by_hand}
+    )
+    assert nodes_of(wf)["sub"] == by_hand[1]
+    assert "task" not in nodes_of(wf)["sign-off"]
+    dag = graph.build(WorkflowCreate.model_validate_json(wf.to_json()))
+    assert dag.upstream["ship"] == ("sign-off",)
+    assert child.render().nodes[0].outputs == {"total": OutputSpec()}
+    with pytest.raises(DefinitionError, match=r"node 'bad': approval\.timeout_s"):
+        Approval("bad", timeout_s=0, on_timeout="approve")
+    with Workflow("w") as broken:
+        SubWorkflow("s", "child", params={"day": "{{ nodes.nowhere.outputs.x }}"})
+    with pytest.raises(DefinitionError, match=r"node 's': workflow\.params\.day: 'nowhere' is not"):
+        broken.render()
 
 
 def test_an_event_node_renders_without_a_task_and_hands_its_data_on() -> None:

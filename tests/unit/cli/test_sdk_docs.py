@@ -33,3 +33,17 @@ def test_the_example_in_the_page_is_the_example_file() -> None:
     code = (DOCS / "examples" / "daily_files.py").read_text()
     body = code[code.index("SH = Artifact") :]
     assert body.strip() in shown[1]
+
+
+def test_the_approval_and_sub_workflow_example_renders_what_the_page_shows() -> None:
+    page = (DOCS / "sdk.md").read_text()
+    section = page[page.index("## Approval gates and sub-workflows") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    shown = re.search(r"```\n(\[.*?)```", section, re.S)
+    assert code is not None and shown is not None
+    digest = hashlib.sha256(Path("/bin/sh").read_bytes()).hexdigest()
+    made: dict = {}
+    exec(code[1].replace('sha256="…"', f'sha256="{digest}"'), made)
+    release = made["release"]
+    assert release.to_dict()["nodes"][:2] == json.loads(shown[1])
+    assert graph.build(release.render()).order == ("counted", "sign-off", "publish")

@@ -591,7 +591,9 @@ async function runPage(main, id) {
     return h("div", {},
       h("p", { id: "run-state" }, h("a", { href: historyLink(run.workflow, run.owner), title: "run history" }, run.workflow),
         ` v${run.workflow_version} · `, badge(run.state), ` · started ${when(run.started_at)}`,
-        run.deadline ? ` · deadline ${when(run.deadline)}` : "", run.reason ? ` · ${run.reason}` : ""),
+        run.deadline ? ` · deadline ${when(run.deadline)}` : "", run.reason ? ` · ${run.reason}` : "",
+        run.parent_run_id ? h("span", { id: "run-parent" }, " · sub-workflow of ",
+          h("a", { href: `#/runs/${run.parent_run_id}` }, `run ${run.parent_run_id}`), ` (node ${run.parent_node})`) : ""),
       h("div", { class: "actions" }, runActions(run, message, () => refresh(), failedInstances)),
       drawGraph(graph, instances),
       h("div", { class: "legend" }, NODE_STATES.map(badge)),
@@ -659,7 +661,7 @@ function gateActions(run, n, message, refresh) {
 
 // Every node in order, each mapped node followed by its instances (indented, with the
 // item each got), with the outputs each kept and why it failed or was skipped (a false
-// ``when``: "when is false: ...").
+// ``when``: "when is false: ..."); a sub-workflow node links its child run.
 function nodeTable(nodes, gate = () => "") {
   const shown = (value) => typeof value === "string" ? value : JSON.stringify(value);
   const outputs = (kept) => kept && Object.keys(kept).length
@@ -667,7 +669,8 @@ function nodeTable(nodes, gate = () => "") {
   return table(["node", "state", "try", "task", "map item", "outputs", "error or reason", "approval or event"], nodes.map((n) =>
     h("tr", { "data-node-row": n.name, "data-map-of": n.map_of, class: n.map_of ? "instance" : null },
       h("td", {}, n.map_of ? `↳ ${n.name}` : n.name), h("td", {}, badge(n.state)), h("td", { class: "num" }, n.try_number),
-      h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id) : "—"),
+      h("td", {}, n.task_id ? h("a", { href: `#/tasks/${n.task_id}` }, n.task_id)
+        : n.child_run_id ? h("a", { href: `#/runs/${n.child_run_id}`, class: "child-run" }, `run ${n.child_run_id}`) : "—"),
       h("td", {}, n.map_of ? shown(n.map_item) : ""), h("td", { class: "node-outputs" }, outputs(n.outputs)),
       h("td", { class: "muted node-reason" }, n.error || ""), h("td", { class: "node-gate" }, gate(n)))));
 }

@@ -3,7 +3,7 @@ once per run and name, also before a node waits for them), the event a waiting n
 waits for, and when each node started (the run history grid's durations).
 
 Revision ID: 0009_events
-Revises: 0007_run_task_timeout
+Revises: 0008_subflows
 Create Date: 2026-12-05
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0009_events"
-down_revision = "0007_run_task_timeout"
+down_revision = "0008_subflows"
 branch_labels = None
 depends_on = None
 
