@@ -623,6 +623,15 @@ class LoginConfig(_Output):
     scopes: str
 
 
+class SessionToken(_Output):
+    """A short-lived bearer token of a dashboard session's person (for cron's and dag's
+    APIs, which take bearer tokens): it ends with the session, at ``expires_at`` at
+    the latest."""
+
+    token: str
+    expires_at: datetime
+
+
 class Health(_Output):
     status: Literal["ok", "unavailable"]
     detail: str | None = None
