@@ -27,7 +27,7 @@ from services.core.ops.teams import claims_seen
 ENDED = "your session has ended: sign in again"
 #: what a session's bearer token begins with: never a ``cairn token create`` token's
 #: beginning (``cairn_`` and base64url), so the two are told apart without a query
-SESSION_TOKEN_PREFIX = "cairns_"
+SESSION_TOKEN_PREFIX = "cairns_"  # noqa: S105 - a prefix, not a secret
 
 
 async def jwt_principal(

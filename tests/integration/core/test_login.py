@@ -139,7 +139,9 @@ def test_the_dashboard_signs_in_into_a_session_that_needs_its_csrf_token(
         ended = browser.get(f"{core.url}/v1/whoami")
         assert ended.status_code == 401 and "sign in again" in ended.json()["detail"]
         late = browser.post(f"{core.url}/v1/login/token", headers={"X-CSRF-Token": csrf})
-        assert late.status_code == 401 and late.headers["content-type"] == "application/problem+json"
+        assert (
+            late.status_code == 401 and late.headers["content-type"] == "application/problem+json"
+        )
 
 
 @contextmanager
