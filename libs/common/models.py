@@ -657,6 +657,15 @@ class LoginConfig(_Output):
     scopes: str
 
 
+class SessionToken(_Output):
+    """A short-lived bearer token of a dashboard session's person (for cron's and dag's
+    APIs, which take bearer tokens): it ends with the session, at ``expires_at`` at
+    the latest."""
+
+    token: str
+    expires_at: datetime
+
+
 class Health(_Output):
     status: Literal["ok", "unavailable"]
     detail: str | None = None
@@ -1082,7 +1091,7 @@ class UsageReport(_Output):
 
 
 #: a calendar month, as ``2026-12``
-Month = Annotated[str, StringConstraints(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$")]
+Month = Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{3}-(0[1-9]|1[0-2])$")]
 
 
 class UsageAccount(_Output):

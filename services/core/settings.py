@@ -146,6 +146,9 @@ class CoreSettings(SecretsKeySettings):
     )
     #: how long a dashboard session lasts after sign-in, whatever is done with it
     session_max_s: float = Field(default=8 * 3600.0, ge=60, le=7 * 86400)
+    #: the longest a bearer token minted for a session lives (``POST /v1/login/token``,
+    #: what the dashboard calls cron and dag with); never past the session's end
+    session_token_s: float = Field(default=300.0, ge=30, le=3600)
     #: provider groups that start with this grant the team named by the rest
     oidc_team_prefix: str | None = Field(default=None, min_length=1, max_length=200)
     #: ``group=team,...``: provider groups that grant a team; with no prefix and no

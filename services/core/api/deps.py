@@ -160,7 +160,8 @@ async def authenticate(
     principal = cache.get(token)
     if principal is None:
         principal = await _resolve(request, engine, token)
-        cache.put(token, principal)
+        if not token.startswith(login_ops.SESSION_TOKEN_PREFIX):
+            cache.put(token, principal)  # a session's ends with it, at once
     return principal
 
 
@@ -191,6 +192,10 @@ async def _resolve(request: Request, engine: AsyncEngine, token: str) -> Princip
         return await login_ops.jwt_principal(engine, oidc, token)
     if len(token) > 200:
         raise Unauthorized("unknown or revoked token")
+    if token.startswith(login_ops.SESSION_TOKEN_PREFIX):
+        from_session = await login_ops.token_principal(engine, token)
+        if from_session is not None:
+            return from_session
     principal = await tokens_ops.principal_for(engine, token)
     if principal is None:
         raise Unauthorized("unknown or revoked token")

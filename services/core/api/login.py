@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from libs.common.errors import InvalidInput, NotFound, Unauthorized
-from libs.common.models import LoginConfig
+from libs.common.models import LoginConfig, SessionToken
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import CSRF_COOKIE, SESSION_COOKIE, Engine, authenticate
 from services.core.db.login import FLOW_MAX_S
@@ -143,3 +143,21 @@ async def logout(request: Request, engine: Engine) -> Response:
     response.delete_cookie(SESSION_COOKIE)
     response.delete_cookie(CSRF_COOKIE)
     return response
+
+
+@router.post("/token", response_model=SessionToken, responses=PROBLEMS)
+async def session_token(request: Request, response: Response, engine: Engine) -> SessionToken:
+    """A short-lived bearer token of the signed-in person, for the dashboard's calls to
+    cron and dag (which take bearer tokens, not core's cookie). It needs the session
+    cookie and its CSRF token; it stands for whom the session does (the teams its ID token
+    claimed included), expires within ``CAIRN_SESSION_TOKEN_S`` and never after the
+    session, and ends with it (signing out). Asked again soon, the same token."""
+    session = request.cookies.get(SESSION_COOKIE)
+    if not session:
+        raise Unauthorized("no dashboard session: sign in first (a bearer token needs no other)")
+    await authenticate(request, engine, None)  # the session live, its CSRF token sent
+    token, until = await login_ops.session_token(
+        engine, session, _settings(request).session_token_s
+    )
+    response.headers["Cache-Control"] = "no-store"
+    return SessionToken(token=token, expires_at=until)

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from services.core.db.tables import login_flows, sessions
+from services.core.db.tables import login_flows, session_tokens, sessions
 from services.core.db.workers import lease_digest
 
 #: how long a sign-in may take at the provider
@@ -120,6 +120,48 @@ async def get_session(conn: AsyncConnection, session_id: str) -> Session | None:
             )
         )
     ).first()
+    return None if row is None else _session(row)
+
+
+_KEEP_TOKEN = text("""
+INSERT INTO core.session_tokens (token_hash, session_hash, expires_at)
+SELECT :token_hash, s.id_hash, least(:until, s.expires_at)
+FROM core.sessions s WHERE s.id_hash = :session_hash AND s.expires_at > now()
+ON CONFLICT (token_hash) DO UPDATE SET expires_at = core.session_tokens.expires_at
+RETURNING expires_at
+""")
+
+_TOKEN_SESSION = text("""
+SELECT s.principal, s.role, s.teams, s.kid, s.csrf_hash,
+       least(t.expires_at, s.expires_at) AS expires_at
+FROM core.session_tokens t JOIN core.sessions s ON s.id_hash = t.session_hash
+WHERE t.token_hash = :token_hash AND t.expires_at > now() AND s.expires_at > now()
+""")
+
+
+async def keep_token(
+    conn: AsyncConnection, session_id: str, token: str, until: datetime
+) -> datetime | None:
+    """Bind ``token`` to the live session of ``session_id`` until ``until`` (never past the
+    session's end; a token kept already keeps its expiry): when it expires, or None when
+    the session has ended. Expired tokens go."""
+    await conn.execute(delete(session_tokens).where(session_tokens.c.expires_at <= func.now()))
+    found = await conn.execute(
+        _KEEP_TOKEN,
+        {
+            "token_hash": lease_digest(token),
+            "session_hash": lease_digest(session_id),
+            "until": until,
+        },
+    )
+    ends: datetime | None = found.scalar_one_or_none()
+    return ends
+
+
+async def token_session(conn: AsyncConnection, token: str) -> Session | None:
+    """The live session a live session token was minted for (its expiry the sooner of
+    the two), if any."""
+    row = (await conn.execute(_TOKEN_SESSION, {"token_hash": lease_digest(token)})).first()
     return None if row is None else _session(row)
 
 

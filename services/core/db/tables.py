@@ -142,6 +142,23 @@ sessions = Table(
     CheckConstraint("expires_at > created_at", name="lifetime"),
 )
 
+# Bearer tokens core mints for a live session (db/login.py), by their SHA-256: they
+# end with it, and stand for whom it does.
+session_tokens = Table(
+    "session_tokens",
+    metadata,
+    Column("token_hash", Text, primary_key=True),
+    Column(
+        "session_hash",
+        Text,
+        ForeignKey("sessions.id_hash", ondelete="CASCADE"),
+        nullable=False,
+        index=True,
+    ),
+    _now(),
+    Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
+)
+
 secrets = Table(
     "secrets",
     metadata,

@@ -4,8 +4,13 @@ dashboard's authorization-code flow (start, finish into a session) and its sessi
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import secrets
+import time
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -20,6 +25,9 @@ from services.core.identity.signin import ProviderClient
 from services.core.ops.teams import claims_seen
 
 ENDED = "your session has ended: sign in again"
+#: what a session's bearer token begins with: never a ``cairn token create`` token's
+#: beginning (``cairn_`` and base64url), so the two are told apart without a query
+SESSION_TOKEN_PREFIX = "cairns_"  # noqa: S105 - a prefix, not a secret
 
 
 async def jwt_principal(
@@ -119,7 +127,11 @@ async def session_principal(engine: AsyncEngine, session_id: str) -> tuple[Princ
         if found is None:
             raise Unauthorized(ENDED)
         known = await recorded_teams(conn, found.principal)
-    principal = Principal(
+    return _principal(found, known), found.csrf_hash
+
+
+def _principal(found: login.Session, known: frozenset[str]) -> Principal:
+    return Principal(
         name=found.principal,
         role=found.role,
         teams=found.teams | known,
@@ -127,7 +139,43 @@ async def session_principal(engine: AsyncEngine, session_id: str) -> tuple[Princ
         key_id=found.kid,
         claimed=found.teams,
     )
-    return principal, found.csrf_hash
+
+
+def _session_token(session_id: str, turn: int) -> str:
+    """The session's token for stretch ``turn``: derived from the cookie (which only the
+    browser holds), so asking again within a stretch gives the same one, and the table
+    holds no more than its digest."""
+    mac = hmac.new(session_id.encode(), f"cairn bearer {turn}".encode(), hashlib.sha256)
+    return SESSION_TOKEN_PREFIX + base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
+
+async def session_token(
+    engine: AsyncEngine, session_id: str, lifetime_s: float, now: float | None = None
+) -> tuple[str, datetime]:
+    """A bearer token of the session's person and when it expires: time runs in
+    stretches of half ``lifetime_s``; a stretch's token lasts to the end of the next one
+    (so it has half to all of ``lifetime_s`` left when given out) and never past the
+    session. A session has at most two live ones; they end with it. 401 when it has ended."""
+    stretch = lifetime_s / 2
+    turn = int((time.time() if now is None else now) // stretch)
+    token = _session_token(session_id, turn)
+    until = datetime.fromtimestamp((turn + 2) * stretch, UTC)
+    async with engine.begin() as conn:
+        ends = await login.keep_token(conn, session_id, token, until)
+    if ends is None:
+        raise Unauthorized(ENDED)
+    return token, ends
+
+
+async def token_principal(engine: AsyncEngine, token: str) -> Principal | None:
+    """Whom a session's bearer token stands for: the session's person, its claimed teams
+    with those recorded, until the token or the session ends; None if neither is live."""
+    async with engine.connect() as conn:
+        found = await login.token_session(conn, token)
+        if found is None:
+            return None
+        known = await recorded_teams(conn, found.principal)
+    return _principal(found, known)
 
 
 async def sign_out(engine: AsyncEngine, session_id: str) -> None:

@@ -166,7 +166,7 @@ def test_cairn_usage_prints_the_month_by_queue(
 
 def test_a_month_that_is_not_one_is_refused_naming_the_field(core: Core) -> None:
     with core.client("alice") as alice:
-        for bad in ("2026-13", "2026-1", "december", "2026-12-01"):
+        for bad in ("2026-13", "2026-1", "december", "2026-12-01", "0000-01"):
             answer = alice.get("/v1/usage/accounts", params={"month": bad})
             assert answer.status_code == 422, bad
             assert "month" in answer.text

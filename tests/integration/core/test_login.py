@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from typer.testing import CliRunner
 from cairn.cli import app
 from libs.common import signin as signin_lib
 from libs.common.client import ON_BEHALF_OF
-from tests.fixtures.cron import start_cron
-from tests.fixtures.dag import start_dag
+from tests.fixtures.cron import Cron, start_cron
+from tests.fixtures.dag import DagServer, start_dag
 from tests.fixtures.idp import Idp, approve_device, available, form, start_idp
 from tests.support import Core, free_port, spec, start_core, wait_for
 
@@ -77,7 +78,7 @@ def _set_cookies(answer: httpx.Response) -> dict[str, str]:
 
 
 def test_the_dashboard_signs_in_into_a_session_that_needs_its_csrf_token(
-    signin: tuple[Idp, Core], db: Any
+    signin: tuple[Idp, Core], db: Any, tmp_path: Path
 ) -> None:
     _, core = signin
     with core.client("root", "admin") as root:
@@ -116,14 +117,94 @@ def test_the_dashboard_signs_in_into_a_session_that_needs_its_csrf_token(
             assert bob.post("/v1/tasks", json=task).status_code == 201
 
         cookie = browser.cookies["cairn_session"]
-        assert browser.post(f"{core.url}/v1/login/logout").status_code == 403
-        out = browser.post(f"{core.url}/v1/login/logout", headers={"X-CSRF-Token": csrf})
-        assert out.status_code == 204
-        assert db.execute("SELECT count(*) FROM core.sessions").fetchone()[0] == 0
+        with _cron_and_dag(core, tmp_path) as (cron, dag):
+            bearer = _session_token(browser, core, csrf, db)
+            _works_for_alice(bearer, core, cron, dag)
+            # Past its expiry (backdated, as the clock would) it is refused everywhere.
+            db.execute("UPDATE core.session_tokens SET expires_at = now() - interval '1 s'")
+            _refused(core, cron, dag, bearer)
+            bearer = _session_token(browser, core, csrf, db)  # the dashboard renews it
+
+            assert browser.post(f"{core.url}/v1/login/logout").status_code == 403
+            out = browser.post(f"{core.url}/v1/login/logout", headers={"X-CSRF-Token": csrf})
+            assert out.status_code == 204
+            assert db.execute("SELECT count(*) FROM core.sessions").fetchone()[0] == 0
+            assert db.execute("SELECT count(*) FROM core.session_tokens").fetchone()[0] == 0
+            # The session's token ended with it: core, cron and dag refuse it at once.
+            _refused(core, cron, dag, bearer)
         assert "cairn_session" not in browser.cookies
+        none = browser.post(f"{core.url}/v1/login/token", headers={"X-CSRF-Token": csrf})
+        assert none.status_code == 401 and "sign in" in none.json()["detail"]
         browser.cookies.set("cairn_session", cookie)  # kept by someone: it is over anyway
         ended = browser.get(f"{core.url}/v1/whoami")
         assert ended.status_code == 401 and "sign in again" in ended.json()["detail"]
+        late = browser.post(f"{core.url}/v1/login/token", headers={"X-CSRF-Token": csrf})
+        assert (
+            late.status_code == 401 and late.headers["content-type"] == "application/problem+json"
+        )
+
+
+@contextmanager
+def _cron_and_dag(core: Core, home: Path) -> Iterator[tuple[Cron, DagServer]]:
+    cron = start_cron(core, home / "cron")
+    try:
+        dag = start_dag(core, home / "dag")
+        try:
+            yield cron, dag
+        finally:
+            dag.stop()
+    finally:
+        cron.stop()
+
+
+def _refused(core: Core, cron: Cron, dag: DagServer, token: str) -> None:
+    """Core, cron and dag all answer ``token`` with a 401 (cron and dag ask core)."""
+    for url in (f"{core.url}/v1/whoami", f"{cron.url}/v1/schedules", f"{dag.url}/v1/runs"):
+        answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"})
+        assert answer.status_code == 401, (url, answer.text)
+        assert answer.headers["content-type"] == "application/problem+json"
+
+
+def _session_token(browser: httpx.Client, core: Core, csrf: str, db: Any) -> str:
+    """The dashboard's bearer token for cron and dag, minted for its session: the CSRF
+    token required, the same token asked twice, its digest alone kept."""
+    url = f"{core.url}/v1/login/token"
+    bare = browser.post(url)
+    assert bare.status_code == 403 and bare.headers["content-type"] == "application/problem+json"
+    minted = browser.post(url, headers={"X-CSRF-Token": csrf})
+    assert minted.status_code == 200, minted.text
+    assert minted.headers["cache-control"] == "no-store"
+    token, until = minted.json()["token"], datetime.fromisoformat(minted.json()["expires_at"])
+    assert token.startswith("cairns_")
+    now = datetime.now(UTC)
+    assert now + timedelta(seconds=140) < until <= now + timedelta(seconds=301)
+    assert browser.post(url, headers={"X-CSRF-Token": csrf}).json()["token"] == token
+    held = db.execute("SELECT token_hash FROM core.session_tokens").fetchall()
+    assert len(held) == 1 and token not in held[0][0]
+    # No cookie at all: nothing to mint for.
+    assert httpx.post(url, headers={"X-CSRF-Token": csrf}).status_code == 401
+    return str(token)
+
+
+def _works_for_alice(token: str, core: Core, cron: Cron, dag: DagServer) -> None:
+    """cron and dag take the session's token as alice's own, with the team that only her
+    ID token's claim gave her (recorded with the session)."""
+    bearer = {"Authorization": f"Bearer {token}"}
+    me = httpx.get(f"{core.url}/v1/whoami", headers=bearer).json()
+    assert me["name"] == "alice" and me["teams"] == ["sre"]
+    with httpx.Client(base_url=cron.url, headers=bearer, timeout=10) as alice:
+        body = {
+            "name": "sre-nightly",
+            "expression": "30 2 * * *",
+            "team": "sre",
+            "target": {"kind": "task", "task": spec()},
+        }
+        made = alice.post("/v1/schedules", json=body)
+        assert made.status_code == 201 and made.json()["owner"] == "alice", made.text
+        assert [s["name"] for s in alice.get("/v1/schedules").json()["items"]] == ["sre-nightly"]
+    with httpx.Client(base_url=dag.url, headers=bearer, timeout=10) as alice:
+        flow = {"name": "etl", "team": "sre", "nodes": [{"name": "x", "task": spec()}]}
+        assert alice.post("/v1/workflows", json=flow).status_code == 201
 
 
 def test_a_bad_or_refused_sign_in_is_a_clear_4xx(signin: tuple[Idp, Core], db: Any) -> None:

@@ -1,7 +1,10 @@
 // Cairn's dashboard: plain JavaScript, no dependencies. Signed in through the identity
 // provider, the session is core's HttpOnly cookie, and every call sends the session's CSRF
-// token (the cairn_csrf cookie) as X-CSRF-Token. A pasted token stays in this tab's
-// sessionStorage and goes, as a bearer token, to core's, cron's and dag's public APIs.
+// token (the cairn_csrf cookie) as X-CSRF-Token. cron and dag take bearer tokens, not
+// core's cookie: for them core mints a short-lived token bound to the session
+// (POST /v1/login/token), which this page keeps in memory only, renews before it
+// expires, and drops on sign-out. A pasted token stays in this tab's sessionStorage and
+// goes, as a bearer token, to core's, cron's and dag's public APIs.
 "use strict";
 
 const CONFIG = JSON.parse(document.getElementById("cairn-config").textContent);
@@ -34,12 +37,31 @@ const token = () => sessionStorage.getItem(TOKEN_KEY);
 const signedIn = () => Boolean(token() || csrfToken());
 const authorization = () => token() ? { Authorization: `Bearer ${token()}` } : { "X-CSRF-Token": csrfToken() || "" };
 
+// The session's bearer token for cron and dag: { token, expires } (ms), never stored.
+let sessionBearer = null;
+let minting = null;
+const RENEW_MS = 60_000;
+
+async function mintSessionBearer() {
+  const answer = await fetch("/v1/login/token", { method: "POST", headers: { "X-CSRF-Token": csrfToken() || "" } });
+  const data = await answer.json().catch(() => ({}));
+  if (answer.status === 401) { logout(); throw new ApiError(401, "log in again"); }
+  if (!answer.ok) throw new ApiError(answer.status, data.detail || answer.statusText);
+  sessionBearer = { token: data.token, expires: Date.parse(data.expires_at) };
+  return data.token;
+}
+
+// What goes to cron and dag: the pasted token, or the session's (renewed a minute before
+// it expires; one request at a time however many pages ask).
+async function bearerFor(renew = false) {
+  if (token()) return token();
+  if (!renew && sessionBearer && sessionBearer.expires - Date.now() > RENEW_MS) return sessionBearer.token;
+  minting = minting || mintSessionBearer().finally(() => { minting = null; });
+  return minting;
+}
+
 async function api(service, path, options = {}) {
-  if (!token() && service !== "core") {
-    // The session cookie is core's: cron and dag take a bearer token.
-    throw new ApiError(401, "the schedule and run pages read cron and dag, which take a token: log in with one (cairn token create NAME) to see them");
-  }
-  const headers = authorization();
+  const headers = service === "core" ? authorization() : { Authorization: `Bearer ${await bearerFor()}` };
   if (options.body !== undefined) headers["Content-Type"] = "application/json";
   const answer = await fetch(BASES[service] + path, {
     method: options.method || "GET",
@@ -47,6 +69,10 @@ async function api(service, path, options = {}) {
     body: options.body === undefined ? undefined : JSON.stringify(options.body),
   });
   if (answer.status === 401 && service === "core" && !options.quiet) { logout(); throw new ApiError(401, "log in again"); }
+  if (answer.status === 401 && service !== "core" && !token() && !options.retried) {
+    await bearerFor(true);  // the session's token ended early (a key withdrawn): a new one, or sign in
+    return api(service, path, { ...options, retried: true });
+  }
   const type = answer.headers.get("content-type") || "";
   const data = type.includes("json") ? await answer.json() : await answer.text();
   if (!answer.ok) throw new ApiError(answer.status, (data && data.detail) || answer.statusText);
@@ -744,6 +770,7 @@ async function signOut() {
 
 function logout() {
   sessionStorage.removeItem(TOKEN_KEY);
+  sessionBearer = null;
   me = null;
   showUser();
   location.hash = "#/login";
