@@ -3,7 +3,7 @@
 it). Random parents of sub-workflow nodes under random trigger rules, each child ending
 as its parameters say (its gate approved or rejected, one or two levels down), are
 checked against an oracle; a parent's cancel and timeout reach its child; a leader
-change between turns starts no child twice. The tests share one database (a clone each
+change between turns starts no child twice, nor ends an event node's wait twice. The tests share one database (a clone each
 costs half a second), emptied of workflows and runs before each."""
 
 from __future__ import annotations
@@ -485,3 +485,54 @@ def test_an_event_delivered_to_a_child_run_ends_its_wait_and_the_parent_keeps_it
         "succeeded",
         "succeeded",
     )
+
+
+def test_an_event_delivered_across_a_leader_change_ends_its_wait_once(
+    db_url: str, db: DB, tmp_path: Path
+) -> None:
+    """An event node waits; its event is delivered; the leader dies before it ends the
+    wait. The next leader ends it (the data become its outputs) and the run goes on; the
+    old leader, back, is fenced: the node ended once, the event is kept once."""
+    body = {
+        "name": "pay",
+        "params": {"verdict": "approve"},
+        "nodes": [
+            {"name": "paid", "event": {"name": "payment", "timeout_s": 3600}, "outputs": {"n": {}}},
+            {
+                "name": "sign",
+                "depends_on": ["paid"],
+                "approval": {"timeout_s": 3600, "on_timeout": "reject"},
+            },
+        ],
+    }
+
+    async def scenario() -> int:
+        async with loop_over(db_url, tmp_path) as first:
+            await define(first, body)
+            run_id = await start(first, "pay", {})
+            await turn(first)
+            assert nodes(db, run_id)["paid"][0] == "waiting"
+            async with first.db.begin() as conn:
+                await store.deliver_event(conn, run_id, "payment", {"n": 7}, "carol")
+            stale = first.lease
+            await stale.close()  # the leader dies before its next turn ends the wait
+            async with loop_over(db_url, tmp_path) as second:
+                await run_until(second, ended(second, run_id))
+                first.lease = stale  # the old leader comes back: fenced, it writes nothing
+                await first.gates()  # nothing due any more: nothing to write
+                with pytest.raises(LeadershipLost):
+                    async with first._write():
+                        pass
+            first.lease = await first.elector.campaign()
+            return run_id
+
+    run_id = asyncio.run(scenario())
+    assert run_row(db, run_id)["state"] == "succeeded"
+    rows = db.execute(
+        "SELECT name, state, outputs, try_number FROM dag.nodes WHERE run_id = %s ORDER BY name",
+        (run_id,),
+    ).fetchall()
+    assert rows == [("paid", "succeeded", {"n": 7}, 1), ("sign", "succeeded", None, 1)]
+    assert db.execute(
+        "SELECT count(*) FROM dag.run_events WHERE run_id = %s", (run_id,)
+    ).fetchone() == (1,)
