@@ -49,6 +49,7 @@ import psycopg
 
 from libs.common.database import keepalive
 from libs.common.settings import libpq_url
+from services.core.domain.selectors import satisfies
 
 log = logging.getLogger("cairn.core.feed")
 
@@ -76,24 +77,32 @@ class Work:
     any: int = 0
     workers: frozenset[int] = frozenset()
     sweep: bool = False
+    #: tasks that require labels, one (queue, compiled required selectors) each
+    #: (``domain.selectors.compile_required``): each wakes a claim whose worker matches
+    placed: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
     @classmethod
     def of_queues(cls, queues: Iterable[str]) -> Work:
         return cls(queues=dict(Counter(queues)))
 
     def __bool__(self) -> bool:
-        return bool(self.queues or self.any or self.workers or self.sweep)
+        return bool(self.queues or self.any or self.workers or self.sweep or self.placed)
 
     def __add__(self, other: Work) -> Work:
         queues = dict(Counter(self.queues) + Counter(other.queues))
         return Work(
-            queues, self.any + other.any, self.workers | other.workers, self.sweep or other.sweep
+            queues,
+            self.any + other.any,
+            self.workers | other.workers,
+            self.sweep or other.sweep,
+            self.placed + other.placed,
         )
 
     def dump(self) -> str:
         """The NOTIFY payload; too many names become a sweep with the total count."""
-        if len(self.queues) + len(self.workers) > _WORK_NAMES_MAX:
-            return Work(any=self.any + sum(self.queues.values()), sweep=True).dump()
+        if len(self.queues) + len(self.workers) + len(self.placed) > _WORK_NAMES_MAX:
+            total = self.any + sum(self.queues.values()) + len(self.placed)
+            return Work(any=total, sweep=True).dump()
         body: dict[str, Any] = {}
         if self.queues:
             body["q"] = dict(self.queues)
@@ -103,6 +112,8 @@ class Work:
             body["w"] = sorted(self.workers)
         if self.sweep:
             body["s"] = 1
+        if self.placed:
+            body["p"] = [[queue, dict(rule)] for queue, rule in self.placed]
         return json.dumps(body, separators=(",", ":"))
 
     @classmethod
@@ -115,6 +126,7 @@ class Work:
                 any=int(body.get("n", 0)),
                 workers=frozenset(int(w) for w in body.get("w", ())),
                 sweep=bool(body.get("s", 0)),
+                placed=tuple((str(q), dict(rule)) for q, rule in body.get("p", ())),
             )
         except (ValueError, TypeError, AttributeError):
             return cls(sweep=True)
@@ -124,15 +136,22 @@ class Waiter:
     """One waiting claim: its worker, its queues (None until its worker's row is read:
     then it serves every queue), and the event that wakes it."""
 
-    __slots__ = ("event", "queues", "worker")
+    __slots__ = ("event", "facts", "queues", "worker")
 
     def __init__(self, worker: int, queues: frozenset[str] | None) -> None:
         self.worker = worker
         self.queues = queues
+        #: its worker's labels as facts (``domain.selectors.facts``); None until read
+        self.facts: frozenset[str] | None = None
         self.event = asyncio.Event()
 
     def serves(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
+
+    def can_take(self, queue: str, rule: Mapping[str, Any]) -> bool:
+        """Whether its worker serves ``queue`` and matches a task's required selectors
+        (compiled); a worker not read yet may."""
+        return self.serves(queue) and (self.facts is None or satisfies(rule, self.facts))
 
     def shares(self, other: Waiter) -> bool:
         return (
@@ -178,6 +197,14 @@ class Line:
         """About to look again: later work wakes it anew."""
         waiter.event.clear()
 
+    def back(self, waiter: Waiter) -> None:
+        """It looked and found nothing it could take: to the back of the line, so that the
+        next wake-up or sweep of its queues reaches the others first (one of them may
+        match work it cannot: placement by label)."""
+        if waiter in self._waiting:
+            del self._waiting[waiter]
+            self._waiting[waiter] = None
+
     def leave(self, waiter: Waiter, *, used: bool = True) -> None:
         """The claim answers. A wake-up it did not use (it leased, or went, before it
         could look) goes to the next waiter of its queues."""
@@ -196,6 +223,8 @@ class Line:
             woken += self._wake_first(len(self._waiting), lambda w: w.worker in work.workers)
         for queue, n in work.queues.items():
             woken += self._wake_first(n, lambda w, q=queue: w.serves(q))  # type: ignore[misc]
+        for queue, rule in work.placed:
+            woken += self._wake_first(1, lambda w, q=queue, r=rule: w.can_take(q, r))  # type: ignore[misc]
         if work.any:
             woken += self._wake_first(work.any, lambda w: True)
         if work.sweep:

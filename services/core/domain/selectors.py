@@ -130,6 +130,16 @@ def compile_required(selectors: Iterable[Selector]) -> dict[str, Any] | None:
     return {"all": sorted(every), "none": sorted(none), "any": groups}
 
 
+def satisfies(rule: Mapping[str, Any], facts: frozenset[str] | set[str]) -> bool:
+    """Whether a worker's facts meet compiled required selectors (``compile_required``),
+    as the claim's SQL tests them: all present, none of ``none``, one of each group."""
+    return (
+        all(f in facts for f in rule.get("all", ()))
+        and not any(f in facts for f in rule.get("none", ()))
+        and all(any(f in facts for f in group) for group in rule.get("any", ()))
+    )
+
+
 def matches(required: Sequence[Selector], labels: Mapping[str, str]) -> bool:
     return all(s.matches(labels) for s in required)
 

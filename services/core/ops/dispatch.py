@@ -33,6 +33,7 @@ from services.core.db import progress as progress_db
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Waiter, Work
+from services.core.domain import selectors
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
 
@@ -118,6 +119,7 @@ async def turn(
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         if waiter is not None and heard.worker is not None:
             waiter.queues = frozenset(heard.worker.queues)
+            waiter.facts = frozenset(selectors.facts(heard.worker.labels or {}))
         leased = resent + leased
         _told(ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers)
         if waiter is None or leased or state != Workers.LIVE:
@@ -286,6 +288,7 @@ async def _wait_for_work(
             return leased, state
         if state != Workers.LIVE:
             return leased, state
+        line.back(waiter)  # nothing it could take: the next wake-up goes to the others
 
 
 def _told(

@@ -30,12 +30,33 @@ def test_work_for_one_task_wakes_one_claim_the_longest_waiting_of_its_queue() ->
     assert not a.woken
 
 
-def test_a_claim_that_looked_and_found_nothing_keeps_its_place() -> None:
+def test_a_claim_about_to_look_keeps_its_place_and_one_that_found_nothing_goes_back() -> None:
     line, (a, b) = _line(("q",), ("q",))
     line.wake(Work(queues={"q": 1}))
-    line.rest(a)  # it looked, found nothing, waits again
+    line.rest(a)  # about to look: later work wakes it anew, first in line still
     line.wake(Work(queues={"q": 1}))
     assert a.woken and not b.woken
+    line.rest(a)
+    line.back(a)  # it looked and found nothing it could take: the others come first
+    line.wake(Work(queues={"q": 1}))
+    assert b.woken and not a.woken
+    line.wake(Work(sweep=True))  # the sweep reaches it again after them
+    assert a.woken
+
+
+def test_a_task_that_requires_labels_wakes_a_claim_whose_worker_has_them() -> None:
+    line, (hdd, unread, ssd) = _line(("q",), ("q",), ("q",))
+    hdd.facts = frozenset({"disk", "disk=hdd"})
+    ssd.facts = frozenset({"disk", "disk=ssd", "zone", "zone=a"})
+    rule = {"all": ["disk=ssd"], "none": [], "any": [["zone=a", "zone=b"]]}
+    # The longest waiting claims cannot take it (hdd) or may (a worker not read yet).
+    assert line.wake(Work(placed=(("q", rule),))) == 1
+    assert [w.woken for w in (hdd, unread, ssd)] == [False, True, False]
+    assert line.wake(Work(placed=(("q", rule), ("q", rule)))) == 1  # only ssd is left
+    assert ssd.woken and not hdd.woken
+    # Through the NOTIFY payload between replicas.
+    both = Work(queues={"q": 1}) + Work(placed=(("q", rule),))
+    assert Work.load(both.dump()) == both
 
 
 def test_a_claim_whose_worker_is_not_read_yet_serves_every_queue() -> None:
