@@ -121,7 +121,10 @@ async def turn(
             waiter.queues = frozenset(heard.worker.queues)
             waiter.facts = frozenset(selectors.facts(heard.worker.labels or {}))
         leased = resent + leased
-        _told(ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers)
+        _told(
+            ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers,
+            worker_id,
+        )  # fmt: skip
         if waiter is None or leased or state != Workers.LIVE:
             return TurnResult(state, verdicts, leased)
         assert body.claim is not None
@@ -298,8 +301,12 @@ def _told(
     verdicts: Sequence[ReportVerdict],
     leased: Sequence[Assignment],
     headers: Mapping[str, str] | None,
+    worker_id: int | None = None,
 ) -> None:
-    """After the commit: metrics, traces, and one announcement for the lot."""
+    """After the commit: metrics, traces, and one announcement for the lot. Reports that
+    ended attempts of ``worker_id`` freed room on it: its own waiting claim (the agent's
+    next claim may be waiting already, sent while these reports were on their way, and
+    core then counted that room as taken) looks again, on whichever replica it waits."""
     ops.meter.count(tally)
     outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
@@ -319,7 +326,8 @@ def _told(
         # Work for waiting claims: tasks whose attempts were lost are back in line; an
         # ending task helps another claim only if a limit held work back (``Holds``).
         released = applied > 0 and ops.holds.recent()
-        ops.notifier.announce(Work(any=tally.lost, sweep=released))
+        freed = frozenset([worker_id]) if applied and worker_id is not None else frozenset()
+        ops.notifier.announce(Work(any=tally.lost, sweep=released, workers=freed))
     ended = [v.attempt_id for v in verdicts if v.state is not None]
     if ended:
         ops.notifier.announce_log(ended)  # their logs are complete: followers end
