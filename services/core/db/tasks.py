@@ -608,6 +608,12 @@ def _placement_doc(spec: TaskCreate) -> dict[str, Any]:
     return {"placement": doc, "required": selectors.rules_of(doc).compiled}
 
 
+def required_of(spec: TaskCreate) -> dict[str, Any] | None:
+    """A submission's required selectors as stored and tested by the claim (None for
+    the common task): what its announcement carries (``feed.Work.placed``)."""
+    return _placement_doc(spec)["required"] if spec.placement is not None else None
+
+
 async def submit(
     conn: AsyncConnection,
     owner: str | Sequence[str],

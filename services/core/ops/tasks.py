@@ -173,7 +173,7 @@ async def submit(
             or (row.state == TaskState.READY and row.run_at <= soon)
         ]
         # A task that requires labels wakes a claim whose worker matches them.
-        rules = [(spec.queue, _required(spec)) for _, spec in claimable]
+        rules = [(spec.queue, tasks_db.required_of(spec)) for _, spec in claimable]
         by.notifier.announce(
             Work.of_queues(queue for queue, rule in rules if rule is None)
             + Work(placed=tuple((queue, rule) for queue, rule in rules if rule is not None))
@@ -184,14 +184,6 @@ async def submit(
         by.meter.submitted_to(spec.queue for _, spec in created)
         traces.submitted(headers, created, start_ns)
     return rows
-
-
-def _required(spec: TaskCreate) -> dict[str, Any] | None:
-    """A submission's required selectors, compiled (None for the common task)."""
-    if spec.placement is None or not spec.placement.required:
-        return None
-    doc = spec.placement.model_dump(mode="json", exclude_defaults=True)
-    return selectors.rules_of(doc).compiled
 
 
 # --- one task ----------------------------------------------------------------------------
