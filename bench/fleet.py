@@ -3,6 +3,7 @@ with a fleet waiting (issue 30).
 
     .venv/bin/python bench/fleet.py [--agents 10,100,1000] [--replicas 1] [--phase-s 30]
                                     [--rate 20] [--run-ms 200] [--json results.json]
+                                    [--hosts 8 --rtt-ms 1]
 
 For each number of agents (and of core replicas), a fresh embedded PostgreSQL (durable
 settings) and core (``bench/stack.py``), plus ``--replicas - 1`` more core processes on
@@ -12,7 +13,10 @@ cost milliseconds on the same two cores), do what the agent does: register, turn
 long-poll claim of the agent's own wait (``services.worker.agent.claim_wait`` for core's
 heartbeat settings), beat every heartbeat interval, and report each attempt leased after
 a sampled duration (exponential, mean ``--run-ms``) on a second connection, as the
-agent's courier does. The agents are spread over the replicas.
+agent's courier does. The agents are spread over the replicas. With ``--hosts N`` (root) they
+are spread over N simulated hosts as well: network namespaces on veth pairs, ``--rtt-ms``
+away (``bench/netns.py``: ``tc netem`` where the kernel has it, else the client adds the
+delay), and core's replicas listen on every address.
 
 Three phases of ``--phase-s`` each, measured from /proc and PostgreSQL's statistics:
 no agents; the agents registered and idle; the agents and ``--rate`` single submissions a
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -45,6 +50,8 @@ from typing import Any
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns import Hosts
+from netns import available as netns_available
 from procstat import TICK, children, comm, cpu_s, stat_fields
 from rawhttp import Conn, request_bytes
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -147,20 +154,37 @@ class Counts:
 
 
 class Http:
-    """Keep-alive raw HTTP connections to one core replica."""
+    """Keep-alive raw HTTP connections to one core replica: from this host's loopback, or
+    from simulated host ``index`` of ``hosts`` (its own network namespace, ``--rtt-ms``
+    away)."""
 
-    def __init__(self, port: int, token: str) -> None:
+    def __init__(self, port: int, token: str, hosts: Hosts | None = None, index: int = 0) -> None:
         self.port = port
         self.token = token
+        self.hosts = hosts
+        self.index = index
+        self.host = hosts.core_addr(index % hosts.count) if hosts else "127.0.0.1"
 
     async def connect(self) -> Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: Conn(loop), "127.0.0.1", self.port)
+        if self.hosts is None:
+            _, conn = await loop.create_connection(lambda: Conn(loop), self.host, self.port)
+            return conn
+        sock = self.hosts.socket(self.index)
+        try:
+            await loop.sock_connect(sock, (self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        delay = self.hosts.client_delay_s
+        _, conn = await loop.create_connection(lambda: Conn(loop, delay), sock=sock)
+        if delay:  # the handshake's round trip
+            await asyncio.sleep(delay)
         return conn
 
     def request(self, path: str, body: Any, headers: dict[str, str] | None = None) -> bytes:
         data = json.dumps(body, separators=(",", ":")).encode()
-        return request_bytes("127.0.0.1", self.port, path, data, self.token, headers)
+        return request_bytes(self.host, self.port, path, data, self.token, headers)
 
 
 class Agent:
@@ -340,11 +364,20 @@ def start_replicas(
 
 
 async def launch(
-    kind: type[Agent], ports: list[int], token: str, c: Counts, count: int, run_ms: float, cap: int
+    kind: type[Agent],
+    ports: list[int],
+    token: str,
+    c: Counts,
+    count: int,
+    run_ms: float,
+    cap: int,
+    hosts: Hosts | None = None,
 ) -> tuple[list[Agent], list[asyncio.Task[None]]]:
-    """``count`` simulated agents spread over the replicas, registered 50 at a time, with
-    their claim and heartbeat loops running."""
-    fleet = [kind(Http(ports[i % len(ports)], token), c, run_ms, cap) for i in range(count)]
+    """``count`` simulated agents spread over the replicas (and over the simulated hosts,
+    when there are), registered 50 at a time, with their claim and heartbeat loops
+    running."""
+    n = len(ports)
+    fleet = [kind(Http(ports[i % n], token, hosts, i // n), c, run_ms, cap) for i in range(count)]
     for start in range(0, count, 50):
         await asyncio.gather(
             *(a.register(f"sim-{start + j}") for j, a in enumerate(fleet[start:][:50]))
@@ -415,6 +448,20 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
         "CAIRN_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
         **dict(item.split("=", 1) for item in args.core_env),
     }
+    hosts = hosts_of(args, env)
+    with contextlib.ExitStack() as made:
+        if hosts is not None:
+            made.enter_context(hosts)
+        return await measure(args, agents, replicas, env, hosts)
+
+
+async def measure(
+    args: argparse.Namespace,
+    agents: int,
+    replicas: int,
+    env: dict[str, str],
+    hosts: Hosts | None,
+) -> dict[str, Any]:
     with core_stack("cairn-bench-fleet-", **env) as stack:
         extra: list[subprocess.Popen[bytes]] = []
         try:
@@ -432,7 +479,9 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
                 s0 = sample(db, cores, stack.postmaster_pid, c)
                 await asyncio.sleep(args.phase_s)
                 s1 = sample(db, cores, stack.postmaster_pid, c)
-                fleet, loops = await launch(Agent, ports, worker, c, agents, args.run_ms, args.cap)
+                fleet, loops = await launch(
+                    Agent, ports, worker, c, agents, args.run_ms, args.cap, hosts
+                )
                 if args.real_rate:
                     real_token = await asyncio.to_thread(
                         admin.create_token, stack.database_url, "real", "worker"
@@ -515,6 +564,13 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
     return {
         "agents": agents,
         "replicas": replicas,
+        "hosts": {
+            "count": hosts.count,
+            "rtt_ms": hosts.rtt_ms,
+            "delay_by": "client" if hosts.client_delay_s else "netem",
+        }
+        if hosts
+        else None,
         "no_agents": none,
         "idle": idle,
         "load": load,
@@ -550,6 +606,37 @@ async def run_one(args: argparse.Namespace, agents: int, replicas: int) -> dict[
     }
 
 
+def add_host_args(parser: argparse.ArgumentParser) -> None:
+    """The options that put the simulated agents on simulated hosts (``netns.Hosts``)."""
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="simulated hosts: the agents spread over this many network namespaces (root)",
+    )
+    parser.add_argument("--rtt-ms", type=float, default=1.0, help="added round trip (--hosts)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="netem jitter (--hosts)")
+
+
+def check_host_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.hosts and (why := netns_available()):
+        parser.error(f"--hosts: {why}")
+
+
+def hosts_of(args: argparse.Namespace, env: dict[str, str]) -> Hosts | None:
+    """The simulated hosts the options ask for (to be entered), with core's replicas then
+    listening on every address (``env``), or None."""
+    if not args.hosts:
+        return None
+    env["CAIRN_BIND_HOST"] = "0.0.0.0"  # reached from the simulated hosts' veths
+    return Hosts(args.hosts, args.rtt_ms, args.jitter_ms)
+
+
+def hosted(r: dict[str, Any]) -> str:
+    h = r["hosts"]
+    return f" on {h['count']} hosts {h['rtt_ms']} ms away ({h['delay_by']})" if h else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", default="10,100,1000")
@@ -564,8 +651,10 @@ def main() -> None:
     parser.add_argument(
         "--real-rate", type=float, default=0.0, help="tasks/s for one real agent among them"
     )
+    add_host_args(parser)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    check_host_args(parser, args)
     exit_on_sigterm()
     results = []
     for replicas in (int(r) for r in args.replicas.split(",")):
@@ -573,7 +662,7 @@ def main() -> None:
             r = asyncio.run(run_one(args, agents, replicas))
             results.append(r)
             print(
-                f"{agents:5d} agents, {replicas} core: idle {r['idle']['turns_per_s']} turns/s,"
+                f"{agents:5d} agents{hosted(r)}, {replicas} core: idle {r['idle']['turns_per_s']} turns/s,"
                 f" {r['idle']['commits_per_s']} commits/s, core {r['idle']['core_ms_per_s']}"
                 f" + PG {r['idle']['pg_ms_per_s']} ms/s -> {r['idle_ms_per_agent_s']} ms per"
                 f" agent-second (bar {IDLE_BAR_MS}); load {r['load']['tasks']} tasks:"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import resource
 import signal
@@ -48,12 +49,16 @@ from fleet import (
     Agent,
     Counts,
     Http,
+    add_host_args,
     bulk_tokens,
+    check_host_args,
+    hosts_of,
     launch,
     noted,
     pg_cpu_s,
     start_replicas,
 )
+from netns import Hosts
 from procstat import cpu_s
 from rawhttp import Conn, request_bytes
 from stack import core_stack, exit_on_sigterm
@@ -213,6 +218,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "CAIRN_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
         **dict(item.split("=", 1) for item in args.core_env),
     }
+    hosts = hosts_of(args, env)
+    with contextlib.ExitStack() as made:
+        if hosts is not None:
+            made.enter_context(hosts)
+        return await measure(args, env, hosts)
+
+
+async def measure(
+    args: argparse.Namespace, env: dict[str, str], hosts: Hosts | None
+) -> dict[str, Any]:
     with core_stack("cairn-bench-peak-", **env) as stack:
         extra: list[subprocess.Popen[bytes]] = []
         try:
@@ -223,7 +238,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             tokens = await asyncio.to_thread(bulk_tokens, stack.database_url, args.owners)
             c = Counts()
-            fleet, loops = await launch(Agent, ports, worker, c, args.agents, args.run_ms, args.cap)
+            fleet, loops = await launch(
+                Agent, ports, worker, c, args.agents, args.run_ms, args.cap, hosts
+            )
             await asyncio.sleep(claim_wait(HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S) + 2)
             submitter = Submitter([Http(p, "") for p in ports], tokens, args.in_flight, c)
             out: dict[str, Any] = {"ramp": [], "windows": []}
@@ -364,8 +381,10 @@ def main() -> None:
     parser.add_argument(
         "--core-env", action="append", default=[], help="KEY=VALUE for every core replica"
     )
+    add_host_args(parser)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    check_host_args(parser, args)
     exit_on_sigterm()
     out = asyncio.run(run(args))
     m = out["main"]

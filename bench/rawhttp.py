@@ -12,8 +12,10 @@ from typing import Any
 class Conn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection, one request at a time; bodies by Content-Length."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay_s: float = 0.0) -> None:
         self.loop = loop
+        #: a round trip added to every request, half each way (``netns.Hosts``)
+        self.delay_s = delay_s
         self.transport: Any = None
         self.buf = bytearray()
         self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
@@ -65,9 +67,14 @@ class Conn(asyncio.Protocol):
     async def request(self, data: bytes, timeout: float) -> tuple[int, bytes]:
         if self.closed:  # the server closed it (an idle keep-alive's timeout)
             raise ConnectionError("connection closed")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s / 2)
         self.waiter = self.loop.create_future()
         self.transport.write(data)
-        return await asyncio.wait_for(self.waiter, timeout)
+        answer = await asyncio.wait_for(self.waiter, timeout)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s / 2)
+        return answer
 
 
 def request_bytes(
