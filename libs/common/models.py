@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from libs.common.selectors import parse as parse_selector
 from libs.common.states import ReportedOutcome, TaskState, WorkerState
 
 MAX_BATCH = 1000
@@ -245,7 +246,16 @@ class Concurrency(_Input):
     limit: int | None = Field(default=None, ge=1, le=100_000)
 
 
-SelectorText = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+def _selector(text: str) -> str:
+    """The selector's text as given, once it parses (``libs.common.selectors``)."""
+    parse_selector(text)
+    return text
+
+
+#: one placement selector, checked wherever a task is defined (core, a schedule, a workflow)
+SelectorText = Annotated[
+    str, StringConstraints(min_length=1, max_length=512), AfterValidator(_selector)
+]
 
 
 class Preference(_Input):

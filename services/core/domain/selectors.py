@@ -17,74 +17,17 @@ jsonb tests, no function per row (``db.attempts``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from libs.common.selectors import KEY, LABEL_KEY, MAX_VALUES, Op, Selector, parse
 from services.core.domain.limits import refuse
 
-Op = Literal["=", "!=", "in", "notin", "exists", "!exists"]
+__all__ = ["KEY", "MAX_VALUES", "Op", "Selector", "parse"]
 
-#: a label key, as workers register them (``libs.common.models.LabelKey``)
-KEY = r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}"
-_VALUE = r"[^\x00-\x1f\x7f,()\s]{1,256}"
-_EQUALS = re.compile(rf"^({KEY})\s*(==|=|!=)\s*([^\x00-\x1f\x7f]{{0,256}})$")
-_SET = re.compile(rf"^({KEY})\s+(in|notin)\s*\((.*)\)$")
-_EXISTS = re.compile(rf"^({KEY})(?:\s+exists)?$")
-_ABSENT = re.compile(rf"^!\s*({KEY})$")
-_KEY = re.compile(rf"^{KEY}$")
-#: values an ``in`` or ``notin`` may list
-MAX_VALUES = 16
 #: the spread domain that is the worker's host (its registered hostname), not a label
 HOST = "host"
-
-
-@dataclass(frozen=True)
-class Selector:
-    """One requirement on a worker's labels."""
-
-    key: str
-    op: Op
-    values: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        if self.op in ("=", "!="):
-            return f"{self.key}{self.op}{self.values[0]}"
-        if self.op in ("in", "notin"):
-            return f"{self.key} {self.op} ({','.join(self.values)})"
-        return self.key + " exists" if self.op == "exists" else "!" + self.key
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        value = labels.get(self.key)
-        if self.op in ("=", "in"):
-            return value in self.values
-        if self.op in ("!=", "notin"):
-            return value not in self.values
-        return (value is not None) == (self.op == "exists")
-
-
-def parse(text: str) -> Selector:
-    """A selector from its text; ``ValueError`` saying what is wrong."""
-    text = text.strip()
-    if m := _SET.match(text):
-        values = tuple(v.strip() for v in m[3].split(","))
-        if not all(re.fullmatch(_VALUE, v) for v in values):
-            raise ValueError(f"{text!r}: {m[2]} needs a list of values, as in {m[1]} {m[2]} (a,b)")
-        if len(values) > MAX_VALUES:
-            raise ValueError(f"{text!r}: at most {MAX_VALUES} values")
-        op: Op = "in" if m[2] == "in" else "notin"
-        return Selector(m[1], op, tuple(dict.fromkeys(values)))
-    if m := _EQUALS.match(text):
-        return Selector(m[1], "!=" if m[2] == "!=" else "=", (m[3].strip(),))
-    if m := _EXISTS.match(text):
-        return Selector(m[1], "exists")
-    if m := _ABSENT.match(text):
-        return Selector(m[1], "!exists")
-    raise ValueError(
-        f"{text!r} is not a selector: write key=value, key!=value, key in (a,b), "
-        "key notin (a,b), key exists or !key (a key is letters, digits and _.-/)"
-    )
 
 
 def parse_all(texts: Sequence[str], field: str) -> list[Selector]:
@@ -180,7 +123,7 @@ def spread_allows(mine: str | None, counts: Mapping[str, int], max_skew: int) ->
 
 
 def check_key(key: str, field: str) -> str:
-    if not _KEY.match(key):
+    if not LABEL_KEY.match(key):
         raise refuse(field, f"{key!r} is not a label key (letters, digits and _.-/)")
     return key
 

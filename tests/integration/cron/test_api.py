@@ -87,6 +87,13 @@ def test_preview_across_next_march_dst_change(cron: Cron) -> None:
             "body.target.task",
             "idempotency_key",
         ),
+        # a selector that is not one is refused when the schedule is defined, not when
+        # it fires (the one parser: libs.common.selectors)
+        (
+            {"target": {"kind": "task", "task": spec(placement={"required": ["zone in a"]})}},
+            "body.target.task.task.placement.required.0",
+            "zone in a",
+        ),
         # A discriminated union names its branch ("task") in the path.
         ({"target": {"kind": "task", "task": {"name": "x"}}}, "body.target.task.task.artifact", ""),
         ({"target": {"kind": "email"}}, "body.target", ""),

@@ -354,6 +354,11 @@ BAD = [
         "add up to 110000, more than 100000",
     ),
     (
+        [node("a"), node("b", "a", task={"placement": {"preferred": [{"selector": "=x"}]}})],
+        "body.nodes.1.task.placement.preferred.0.selector",
+        "'=x' is not a selector",
+    ),
+    (
         [node("a", outputs={"t": {"path": "/local/{{ run.id }}"}})],
         "body.nodes.0.outputs.t.path",
         "pattern",
