@@ -96,7 +96,9 @@ WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
 # ahead holds thousands). A charge is fixed at placement; an attempt without one is
 # charged its task's request (looked up only then). The one reading of what a worker
 # holds: placement, ``/v1/workers`` and ``/metrics`` (``held_in_all`` of its row).
-USE = text("""
+def _use(which: str) -> str:
+    """``USE`` over the open attempts ``which`` selects (a condition on ``a``)."""
+    return f"""
 SELECT u.worker_id, count(*) AS running,
        COALESCE(sum(u.cpu) FILTER (WHERE NOT u.squeezed), 0)::float8 AS cpu,
        COALESCE(sum(u.cpu) FILTER (WHERE u.squeezed), 0)::float8 AS squeezed_cpu,
@@ -108,10 +110,31 @@ FROM (
            COALESCE(a.charge_memory_mb,
                     (SELECT t.memory_mb FROM core.tasks t WHERE t.id = a.task_id)) AS memory_mb
     FROM core.attempts a
-    WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
-      AND a.id <> ALL(CAST(:listed AS bigint[]))
+    WHERE a.outcome IS NULL AND {which}
 ) u
 GROUP BY u.worker_id
+"""
+
+
+USE = text(
+    _use("a.worker_id = ANY(CAST(:workers AS bigint[])) AND a.id <> ALL(CAST(:listed AS bigint[]))")
+)
+
+# Each served queue's pool summed by the database: the capacity of its live workers and
+# what their open attempts hold (``USE`` per worker, summed again), one row a queue however
+# many workers serve it: the placement pass reads this every second, and a fleet of
+# thousands of workers would otherwise be read row by row each time.
+_POOLS = text(f"""
+SELECT q.queue, sum(w.cpu)::float8 AS capacity_cpu,
+       sum(w.memory_mb)::float8 AS capacity_memory_mb,
+       COALESCE(sum(u.cpu), 0)::float8 AS cpu,
+       COALESCE(sum(u.squeezed_cpu), 0)::float8 AS squeezed_cpu,
+       COALESCE(sum(u.memory_mb), 0)::float8 AS memory_mb
+FROM core.workers w
+CROSS JOIN LATERAL unnest(w.queues) AS q(queue)
+LEFT JOIN ({_use("TRUE")}) u ON u.worker_id = w.id
+WHERE w.state = '{Workers.LIVE}'
+GROUP BY q.queue
 """)
 
 #: ``PLACED`` of some of the attempts only (``:ids``)
@@ -557,13 +580,22 @@ RETURNING id, task_id
 PASS_BATCH = 500
 
 
-async def measure_pools(conn: AsyncConnection, nodes: Iterable[Node]) -> dict[str, float]:
-    """Each served queue's utilisation, stored for the claim path and the deferral."""
-    serving: dict[str, list[Node]] = defaultdict(list)
-    for node in nodes:
-        for queue in node.queues:
-            serving[queue].append(node)
-    shares = {queue: utilisation(members) for queue, members in serving.items()}
+async def measure_pools(conn: AsyncConnection) -> dict[str, float]:
+    """Each served queue's utilisation, stored for the claim path and the deferral: of
+    its pool summed by the database (``_POOLS``) as one node, which is the same share
+    as of its workers one by one (what they hold and their capacities add up)."""
+    shares = {
+        row.queue: utilisation(
+            [
+                Node(
+                    worker_id=0,
+                    capacity=Amount(row.capacity_cpu, row.capacity_memory_mb),
+                    rest=held_in_all(row.cpu, row.squeezed_cpu, row.memory_mb),
+                )
+            ]
+        )
+        for row in await conn.execute(_POOLS)
+    }
     names = sorted(shares)
     await conn.execute(
         _SET_UTILISATION, {"names": names, "shares": [round(shares[n], 4) for n in names]}
@@ -777,7 +809,7 @@ async def place_once(conn: AsyncConnection, defaults: Defaults) -> int:
     time-insensitive work, make room for blocked guaranteed work."""
     if not (await conn.execute(_PASS_LOCK)).scalar_one():
         return 0
-    await measure_pools(conn, await live_rooms(conn))
+    await measure_pools(conn)
     await release_reservations(conn)
     moved = await defer_and_release(conn, defaults)
     return moved + await make_room(conn, defaults)

@@ -19,7 +19,7 @@ from libs.common.settings import libpq_url
 from services.core.db import attempts as attempts_db
 from services.core.db import placement
 from services.core.db import workers as workers_db
-from services.core.domain.placement import Amount
+from services.core.domain.placement import Amount, utilisation
 from tests.support import Core, TurnWorker, spec, start_core, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -152,18 +152,25 @@ def test_a_turns_room_counts_a_squeezed_attempt_little_cpu_and_a_chargeless_one_
     batch(1)
     assert worker.turn(claim=ROOM)["attempts"] == []  # 0.8 free
 
-    async def rooms() -> tuple[object, object]:
+    async def rooms() -> tuple[object, object, dict[str, float], dict[str, float]]:
         engine = create_async_engine(db_url)
         try:
             async with engine.begin() as conn:
                 summed = {n.worker_id: n.used() for n in await placement.live_rooms(conn)}
-                listed = {n.worker_id: n.used() for n in await placement.live_nodes(conn)}
-                return summed[worker.id], listed[worker.id]
+                nodes = await placement.live_nodes(conn)
+                listed = {n.worker_id: n.used() for n in nodes}
+                # the pass's pools, summed per queue by the database, are as full as
+                # their workers one by one
+                pools = await placement.measure_pools(conn)
+                serving = {q for n in nodes for q in n.queues}
+                one_by_one = {q: utilisation([n for n in nodes if q in n.queues]) for q in serving}
+                return summed[worker.id], listed[worker.id], pools, one_by_one
         finally:
             await engine.dispose()
 
-    summed, listed = asyncio.run(rooms())
+    summed, listed, pools, one_by_one = asyncio.run(rooms())
     assert summed == pytest.approx(listed)
+    assert pools == pytest.approx(one_by_one) and pools["default"] > 0
     assert listed == Amount(pytest.approx(4 + 3 + 4 * SQUEEZED_CPU_SHARE), 3 * 64)
 
 
