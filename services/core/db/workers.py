@@ -21,9 +21,9 @@ from libs.common.models import (
     WorkerRegister,
 )
 from libs.common.states import TaskState, Workers, sql_in
-from services.core.db import placement
+from services.core.db import pipeline, placement
 from services.core.db.attempts import Tally, lose
-from services.core.db.tables import attempts, workers
+from services.core.db.tables import workers
 from services.core.domain.placement import ZERO, Amount
 
 S = TaskState
@@ -188,6 +188,8 @@ class Beat:
     lost: int
     #: what losing the missing ones ended, for the metrics
     tally: Tally
+    #: the worker's state as the beat wrote its liveness (None: read it again)
+    state: str | None = None
 
 
 _ROOM_MADE = text("""
@@ -203,60 +205,61 @@ async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_
     """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
     for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
     lost), squeeze and preempt."""
-    stop, lost, tally = await _beat(conn, worker, alive, grace_s)
+    stop, lost, tally, state = await _beat(conn, worker, alive, grace_s)
     if not alive:
-        return Beat(stop, [], [], lost, tally)
+        return Beat(stop, [], [], lost, tally, state)
     rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
     squeeze = [r.id for r in rows if r.squeezed and not r.preempted]
     preempt = [r.id for r in rows if r.preempted]
-    return Beat(stop, squeeze, preempt, lost, tally)
+    return Beat(stop, squeeze, preempt, lost, tally, state)
+
+
+_BEAT = text("UPDATE core.workers SET last_heartbeat_at = now() WHERE id = :worker RETURNING state")
+_SEEN = text("""
+UPDATE core.attempts SET seen_at = now()
+WHERE worker_id = :worker AND outcome IS NULL AND id = ANY(CAST(:alive AS bigint[]))
+""")
+_MISSING = text("""
+SELECT a.id FROM core.attempts a
+WHERE a.worker_id = :worker AND a.outcome IS NULL
+  AND a.started_at < now() - make_interval(secs => :grace)
+  AND NOT (a.id = ANY(CAST(:alive AS bigint[])))
+""")
+_STOP = text(f"""
+SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
+WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
+  AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
+       OR t.state <> '{S.RUNNING}')
+""")
 
 
 async def _beat(
     conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
-) -> tuple[list[int], int, Tally]:
-    await conn.execute(
-        update(workers).where(workers.c.id == worker.id).values(last_heartbeat_at=func.now())
-    )
-    reported = set(alive)
+) -> tuple[list[int], int, Tally, str | None]:
+    """The beat's writes and reads in one round trip (an idle worker's beat is this
+    alone): its liveness, its reported attempts seen, the open ones it no longer reports
+    (lost here, rare) and those it must stop. The worker's state as written, or None when
+    attempts were lost (read again)."""
+    reported = sorted(set(alive))
+    params = {"worker": worker.id, "alive": reported, "grace": grace_s}
+    chain: list[pipeline.Statement] = [(_BEAT, params), (_MISSING, params)]
     if reported:
-        await conn.execute(
-            update(attempts)
-            .where(
-                attempts.c.worker_id == worker.id,
-                attempts.c.outcome.is_(None),
-                attempts.c.id.in_(sorted(reported)),
-            )
-            .values(seen_at=func.now())
-        )
-    missing = await conn.execute(
-        text("""
-            SELECT a.id FROM core.attempts a
-            WHERE a.worker_id = :worker AND a.outcome IS NULL
-              AND a.started_at < now() - make_interval(secs => :grace)
-              AND NOT (a.id = ANY(CAST(:alive AS bigint[])))
-        """),
-        {"worker": worker.id, "grace": grace_s, "alive": sorted(reported)},
-    )
-    gone = list(missing)
+        chain[1:1] = [(_SEEN, params)]
+        chain.append((_STOP, params))
+    beat, *found = await pipeline.run(conn, chain)
+    missing = found[1] if reported else found[0]
+    stop = [row.id for row in found[2]] if reported else []
     tally = Tally()
-    for row in gone:
+    for row in missing:
         _, ended = await lose(
             conn, row.id, "the process is gone (missing from its worker's heartbeat)"
         )
         tally = tally + ended
-    if not reported:
-        return [], len(gone), tally
-    stop = await conn.execute(
-        text(f"""
-            SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
-            WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
-              AND (a.outcome IS NOT NULL OR t.current_attempt_id IS DISTINCT FROM a.id
-                   OR t.state <> '{S.RUNNING}')
-        """),
-        {"alive": sorted(reported), "worker": worker.id},
-    )
-    return [row.id for row in stop], len(gone), tally
+    if missing and reported:
+        # losing one may have moved another's task: read what must stop again
+        stop = [row.id for row in await conn.execute(_STOP, params)]
+    state = str(beat[0].state) if beat and not missing else None
+    return stop, len(missing), tally, state
 
 
 async def lose_all(

@@ -345,7 +345,7 @@ async def heartbeat(
             found = workers_db.Beat([], [], [], tally.lost, tally)
         else:
             found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
-        state = await _state_of(conn, worker.id)
+        state = found.state or await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:
         ops.notifier.announce(Work(any=found.tally.lost))
