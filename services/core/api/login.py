@@ -117,7 +117,14 @@ async def login_callback(
     if code is None:
         raise InvalidInput("query.code: the provider sent no code")
     signed = await login_ops.finish(
-        engine, oidc, client, code, state, _redirect_uri(settings), settings.session_max_s
+        engine,
+        oidc,
+        client,
+        code,
+        state,
+        _redirect_uri(settings),
+        settings.session_max_s,
+        request.client.host if request.client else None,
     )
     response = RedirectResponse(signed.next, status_code=303)
     response.delete_cookie(STATE_COOKIE, path="/v1/login")
@@ -134,11 +141,12 @@ async def logout(request: Request, engine: Engine) -> Response:
     session = request.cookies.get(SESSION_COOKIE)
     if session:
         try:
-            await authenticate(request, engine, None)  # the session's CSRF check
+            who = await authenticate(request, engine, None)  # the session's CSRF check
         except Unauthorized:
             pass  # ended already: only its cookies are left to clear
         else:
-            await login_ops.sign_out(engine, session)
+            source = request.client.host if request.client else None
+            await login_ops.sign_out(engine, session, who, source)
     response = Response(status_code=204)
     response.delete_cookie(SESSION_COOKIE)
     response.delete_cookie(CSRF_COOKIE)

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common import signin
 from libs.common.errors import InvalidInput, Unauthorized
 from services.core.db import login, tokens
+from services.core.db.audit import Auditor
 from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.identity.oidc import OidcVerifier
@@ -94,10 +95,13 @@ async def finish(
     state: str,
     redirect_uri: str,
     lifetime_s: float,
+    source: str | None = None,
 ) -> Signed:
     """The provider sent the browser back with ``code``: the flow of ``state`` (once),
     the code exchanged with its verifier, the ID token verified with its nonce, and a
-    session made for whom it names."""
+    session made for whom it names, audited (``login.session``, from ``source``) in the
+    session's own transaction. The session's short-lived bearer tokens
+    (``session_token``) are derived from it and end with it: its row stands for them."""
     async with engine.begin() as conn:
         flow = await login.take_flow(conn, state)
     if flow is None:
@@ -115,6 +119,16 @@ async def finish(
             principal.claimed,
             principal.key_id,
             lifetime_s,
+        )
+        await Auditor(principal, source)(
+            conn,
+            "login.session",
+            f"principal:{principal.name}",
+            after={
+                "role": principal.role,
+                "claimed_teams": sorted(principal.claimed),
+                "lifetime_s": lifetime_s,
+            },
         )
     return Signed(session_id, csrf, flow.next, principal)
 
@@ -178,9 +192,13 @@ async def token_principal(engine: AsyncEngine, token: str) -> Principal | None:
     return _principal(found, known)
 
 
-async def sign_out(engine: AsyncEngine, session_id: str) -> None:
+async def sign_out(
+    engine: AsyncEngine, session_id: str, who: Principal, source: str | None = None
+) -> None:
+    """End ``who``'s session, audited (``login.sign_out``)."""
     async with engine.begin() as conn:
         await login.end_session(conn, session_id)
+        await Auditor(who, source)(conn, "login.sign_out", f"principal:{who.name}")
 
 
 async def forget_sessions(engine: AsyncEngine, kids: list[str]) -> int:

@@ -142,6 +142,17 @@ def test_the_dashboard_signs_in_into_a_session_that_needs_its_csrf_token(
         assert (
             late.status_code == 401 and late.headers["content-type"] == "application/problem+json"
         )
+    # The sign-in and the sign-out are in the audit trail, from the browser's address;
+    # the refused sign-out (no CSRF token) is not.
+    trail = db.execute(
+        "SELECT actor, actor_role, action, target, source, after FROM core.audit"
+        " WHERE action LIKE 'login.%' ORDER BY id"
+    ).fetchall()
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in trail] == [
+        ("alice", "user", "login.session", "principal:alice", "127.0.0.1"),
+        ("alice", "user", "login.sign_out", "principal:alice", "127.0.0.1"),
+    ]
+    assert trail[0][5]["claimed_teams"] == ["sre"] and trail[0][5]["lifetime_s"] == 28800
 
 
 @contextmanager
