@@ -1376,6 +1376,10 @@ class QueuePolicy(_Input):
     services: bool = True
     guaranteed: bool = True
     owners: list[Name] | None = Field(default=None, max_length=10_000)
+    #: how the claim orders this queue's work across owners (docs/sharing.md): by the
+    #: fair-share stamps alone (``tasks``) or pushed back by decayed usage (``usage``);
+    #: null: core's ``CAIRN_FAIR_SHARE``
+    fair_share: Literal["tasks", "usage"] | None = None
 
 
 class ConcurrencyLimit(_Input):
