@@ -76,11 +76,14 @@ def _batch(client: Any) -> list[int]:
 def _both(core: Core, db: DB) -> list[str]:
     """hog's three tasks, then lamb's three, submitted while the queue is paused and
     released at once; the owners in the order the agent's claims took them."""
-    with core.client("root", "admin") as root, core.client("hog") as hog:
-        with core.client("lamb") as lamb:
-            assert root.post("/v1/queues/default/pause").status_code == 200
-            ids = _batch(hog) + _batch(lamb)
-            assert root.post("/v1/queues/default/resume").status_code == 200
+    with (
+        core.client("root", "admin") as root,
+        core.client("hog") as hog,
+        core.client("lamb") as lamb,
+    ):
+        assert root.post("/v1/queues/default/pause").status_code == 200
+        ids = _batch(hog) + _batch(lamb)
+        assert root.post("/v1/queues/default/resume").status_code == 200
     wait_for(lambda: _ended(db, ids), timeout=30)
     return _owners_in_claim_order(db, ids)
 
