@@ -116,33 +116,16 @@ FOR UPDATE OF t SKIP LOCKED
 """
 
 
-def _aging(stamp: str) -> str:
-    return f"""LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
-    (EXTRACT(EPOCH FROM now()) - {stamp}) / :aging_s)))"""
-
-
-_AGING = _aging("t.vtime")
-
-
-# Fair share by usage (docs/sharing.md): in a queue whose policy (else core's setting)
-# says ``usage``, a row's stamp is pushed back by its flow's (its team's, else its
-# owner's) reserved core-seconds, decayed to now, over the flow's weight: one fair-share
-# step per ``:fair_unit`` core-seconds. Read by primary key for the few rows picked, and
-# used as the stamp in every order below (aging counts from it too).
-_PUSHED_BACK = """CASE WHEN fu.cpu_s > 0
-    AND COALESCE(q.policy->>'fair_share', CAST(:fair_share AS text)) = 'usage'
-THEN :fair_quantum * fu.cpu_s * power(CAST(2 AS float8), -LEAST(CAST(1000 AS float8),
-        GREATEST(0, CAST(EXTRACT(EPOCH FROM now() - fu.at) AS float8)) / :fair_half_life))
-     / (:fair_unit * COALESCE(CASE WHEN t.team IS NULL THEN s.weight ELSE ts.weight END, 1))
-ELSE 0 END"""
+_AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
+    (EXTRACT(EPOCH FROM now()) - t.vtime) / :aging_s)))"""
 
 
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
 SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead,
        t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
-       t.vtime + f.pushed AS vtime, t.concurrency_key, t.concurrency_limit,
-       {_aging("(t.vtime + f.pushed)")}::int AS boost,
+       t.vtime, t.concurrency_key, t.concurrency_limit,
+       {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
        t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
        ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs,
@@ -152,10 +135,6 @@ LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
 LEFT JOIN core.queues q ON q.name = t.queue
 LEFT JOIN core.shares s ON s.name = t.owner
 LEFT JOIN core.team_shares ts ON ts.team = t.team
-LEFT JOIN core.fair_usage fu
-    ON fu.kind = CASE WHEN t.team IS NULL THEN 'owner' ELSE 'team' END
-   AND fu.name = COALESCE(t.team, t.owner)
-CROSS JOIN LATERAL (SELECT {_PUSHED_BACK} AS pushed) f
 """
 
 
@@ -511,10 +490,6 @@ def ask(
         "aging_s": defaults.aging_s,
         "aging_max": defaults.aging_max,
         "ahead_s": ahead_s,
-        "fair_share": defaults.fair_share,
-        "fair_half_life": defaults.fair_half_life_s,
-        "fair_unit": defaults.fair_unit_cpu_s,
-        "fair_quantum": defaults.fair_quantum_s,
     }
     return Ask(worker, room, most, defaults, params)
 

@@ -53,10 +53,6 @@ class Defaults:
     preempt_grace_s: float = 10.0
     aging_s: float = 60.0
     aging_max: int = 200
-    fair_share: str = "tasks"
-    fair_half_life_s: float = 7 * 86400.0
-    fair_unit_cpu_s: float = 60.0
-    fair_quantum_s: float = 1.0
 
     @classmethod
     def of(cls, settings: CoreSettings) -> Defaults:
@@ -69,10 +65,6 @@ class Defaults:
             preempt_grace_s=settings.preempt_grace_s,
             aging_s=settings.aging_s,
             aging_max=settings.aging_max,
-            fair_share=settings.fair_share,
-            fair_half_life_s=settings.fair_share_half_life_s,
-            fair_unit_cpu_s=settings.fair_share_unit_cpu_s,
-            fair_quantum_s=settings.fair_quantum_s,
         )
 
 

@@ -57,7 +57,7 @@ def _owners_in_claim_order(db: DB, ids: list[int]) -> list[str]:
 
 
 def _pushed_back(db: DB, owner: str) -> float:
-    """The owner's push-back in fair-share steps, as the claim computes it now."""
+    """The owner's push-back in fair-share steps, as a submission computes it now."""
     row = db.execute(
         "SELECT cpu_s * power(2, -extract(epoch FROM now() - at)::float8 / %s) / %s"
         " FROM core.fair_usage WHERE kind = 'owner' AND name = %s",
