@@ -7,6 +7,7 @@ taking, gives a waiting task its pending reason.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -202,7 +203,7 @@ def decayed(cpu_s: float, age_s: float, half_life_s: float) -> float:
     """Core-seconds counted ``age_s`` ago, as they weigh now: halved every
     ``half_life_s`` (Slurm's PriorityDecayHalfLife; the roll-up and the submit compute
     the same in SQL, floored at 2^-1000)."""
-    return cpu_s * 2.0 ** -min(1000.0, max(0.0, age_s) / half_life_s)
+    return cpu_s * math.pow(2.0, -min(1000.0, max(0.0, age_s) / half_life_s))
 
 
 def usage_push_back(used_cpu_s: float, weight: float, step: float, unit_cpu_s: float) -> float:

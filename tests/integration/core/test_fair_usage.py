@@ -115,6 +115,14 @@ def test_recent_usage_is_served_last_and_decays_back_to_turns(
         assert (mine["key"], mine["attempts"]) == ("hog", 1)
         assert mine["cpu_s"] == pytest.approx(float(cpu_s), abs=1e-3)
         assert mine["cpu_reserved_s"] == pytest.approx(float(reserved_s), abs=1e-3)
+        # The flow's usage is the same reservation, decayed from the attempt's end.
+        [[undecayed]] = db.execute(
+            "SELECT f.cpu_s * power(2, extract(epoch FROM f.at - a.ended_at)::float8 / %s)"
+            " FROM core.fair_usage f, core.attempts a"
+            " WHERE (f.kind, f.name) = ('owner', 'hog') AND a.task_id = %s",
+            (HALF_LIFE_S, first[0]),
+        ).fetchall()
+        assert undecayed == pytest.approx(float(reserved_s), rel=1e-6)
 
         # hog's reserved core-seconds push its work back: lamb's three go first.
         assert _pushed_back(db, "hog") > 10
