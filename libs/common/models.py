@@ -1347,6 +1347,10 @@ class OwnerUsage(_Output):
     #: the quotas it is at now, by name (``cpu``, ``memory``, ``running``, ``waiting``)
     at_quota: list[str]
     submitted_last_minute: int
+    #: the core-seconds its ended attempts reserved, halved every
+    #: ``CAIRN_FAIR_SHARE_HALF_LIFE_S``, as of now: what fair share by usage weighs
+    #: (docs/sharing.md; counted by the usage loop, every ``CAIRN_USAGE_INTERVAL_S``)
+    decayed_cpu_s: float = 0.0
 
 
 class OwnerList(_Output):

@@ -25,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.states import TaskState
+from services.core.domain.sharing import HALF_LIFE_S
 
 S = TaskState
 
@@ -121,7 +122,7 @@ class Rolled:
     ended: int
 
 
-async def roll_up(conn: AsyncConnection, limit: int, half_life_s: float = 7 * 86400.0) -> Rolled:
+async def roll_up(conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S) -> Rolled:
     """Add the next page of the feed's ended attempts to the monthly sums and to each
     fair-share flow's decayed usage (halved every ``half_life_s``), and move the cursor
     past it, in the caller's transaction (``_ROLL_UP``)."""

@@ -188,6 +188,10 @@ def fair_stamp(
     return min(now, head) if head is not None else now
 
 
+#: fair share's default half-life (``CAIRN_FAIR_SHARE_HALF_LIFE_S``): a week, Slurm's
+HALF_LIFE_S = 7 * 86400.0
+
+
 @dataclass(frozen=True)
 class FairShare:
     """How submissions are stamped across flows (docs/sharing.md): by task counts alone
@@ -195,7 +199,7 @@ class FairShare:
     core-seconds (``usage``); a queue's policy may say otherwise."""
 
     by: str = "tasks"
-    half_life_s: float = 7 * 86400.0
+    half_life_s: float = HALF_LIFE_S
     unit_cpu_s: float = 60.0
 
 

@@ -123,6 +123,9 @@ def test_recent_usage_is_served_last_and_decays_back_to_turns(
             (HALF_LIFE_S, first[0]),
         ).fetchall()
         assert undecayed == pytest.approx(float(reserved_s), rel=1e-6)
+        with core.client("hog") as hog:
+            shown = hog.get("/v1/owners/hog/usage").json()["decayed_cpu_s"]
+        assert 0 < shown <= float(reserved_s)
 
         # hog's reserved core-seconds push its work back: lamb's three go first.
         assert _pushed_back(db, "hog") > 10
