@@ -44,11 +44,12 @@ WHERE name = 'usage'
 """)
 
 
-def _decay(since: str, until: str) -> str:
-    """What one core-second at ``since`` weighs at ``until``: halved every
-    ``:half_life`` seconds (Slurm's PriorityDecayHalfLife), floored at 2^-1000."""
+def decay(since: str, until: str, half_life: str = ":half_life") -> str:
+    """SQL: what one core-second at ``since`` weighs at ``until``, halved every
+    ``half_life`` seconds (Slurm's PriorityDecayHalfLife), floored at 2^-1000
+    (``domain.sharing.decayed``); the submit's stamps read it too."""
     return f"""power(CAST(2 AS float8), -LEAST(CAST(1000 AS float8), GREATEST(0,
-        CAST(EXTRACT(EPOCH FROM {until} - {since}) AS float8)) / :half_life))"""
+        CAST(EXTRACT(EPOCH FROM {until} - {since}) AS float8)) / {half_life}))"""
 
 
 _ROLL_UP = text(f"""
@@ -93,14 +94,14 @@ WITH h AS (
     RETURNING 1
 ), decayed AS (
     -- each flow's reserved core-seconds, decayed from the attempt's end to now, added to
-    -- what it had decayed to now (``_DECAY``)
+    -- what it had decayed to now (``decay``)
     INSERT INTO core.fair_usage AS f (kind, name, cpu_s, at)
     SELECT CASE WHEN team = '' THEN 'owner' ELSE 'team' END,
            CASE WHEN team = '' THEN owner ELSE team END,
-           sum(wall_s * charge_cpu * {_decay("ended_at", "now()")}), now()
+           sum(wall_s * charge_cpu * {decay("ended_at", "now()")}), now()
     FROM ended GROUP BY 1, 2
     ON CONFLICT (kind, name) DO UPDATE SET
-        cpu_s = f.cpu_s * {_decay("f.at", "EXCLUDED.at")} + EXCLUDED.cpu_s,
+        cpu_s = f.cpu_s * {decay("f.at", "EXCLUDED.at")} + EXCLUDED.cpu_s,
         at = EXCLUDED.at
     RETURNING 1
 )

@@ -44,7 +44,7 @@ from libs.common.models import (
     TaskSelector,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
-from services.core.db import pipeline
+from services.core.db import accounting, pipeline
 from services.core.db.params import jsonb
 from services.core.db.tables import (
     LABELLED,
@@ -131,9 +131,7 @@ WITH input AS (
            CASE WHEN COALESCE((SELECT q.policy->>'fair_share' FROM core.queues q
                                WHERE q.name = o.queue), CAST(:fair_share AS text)) = 'usage'
            THEN COALESCE((
-               SELECT u.cpu_s * power(CAST(2 AS float8), -LEAST(CAST(1000 AS float8),
-                          GREATEST(0, CAST(EXTRACT(EPOCH FROM now() - u.at) AS float8))
-                          / :fair_half_life))
+               SELECT u.cpu_s * {accounting.decay("u.at", "now()", ":fair_half_life")}
                FROM core.fair_usage u
                WHERE u.kind = CASE WHEN o.team IS NULL THEN 'owner' ELSE 'team' END
                  AND u.name = COALESCE(o.team, o.flow_owner)), 0)

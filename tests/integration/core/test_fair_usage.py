@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.integration.core.test_bad_input import problem
 from tests.support import Core, shell_spec, spawn_worker, spec, start_core, stop_process, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -140,11 +141,26 @@ def test_recent_usage_is_served_last_and_decays_back_to_turns(
         stop_process(agent, signal.SIGKILL)
 
 
-def test_a_queues_policy_chooses_its_fair_share_and_a_wrong_one_is_a_422(core: Core) -> None:
+def test_a_queues_policy_chooses_its_fair_share_and_a_wrong_one_is_a_422(
+    core: Core, db: DB
+) -> None:
+    """Core weighs usage; queue ``batch`` says ``tasks``: hog's 6 core-seconds push its
+    work up to 300 steps back in ``default`` and not at all in ``batch``."""
     with core.client("root", "admin") as root:
         answer = root.put("/v1/queues/batch/policy", json={"fair_share": "tasks"})
         assert answer.status_code == 200, answer.text
         assert root.get("/v1/queues/batch/policy").json()["fair_share"] == "tasks"
         refused = root.put("/v1/queues/batch/policy", json={"fair_share": "bytes"})
-    assert refused.status_code == 422
-    assert "fair_share" in refused.text
+    problem(refused, 422, "body.fair_share")
+    db.execute("INSERT INTO core.fair_usage (kind, name, cpu_s) VALUES ('owner', 'hog', 6)")
+    with core.client("hog") as hog:
+        for queue in ("default", "batch"):
+            assert hog.post("/v1/tasks", json=spec(queue=queue)).status_code == 201
+    ahead = dict(
+        db.execute(
+            "SELECT queue, vtime - extract(epoch FROM created_at)::float8 FROM core.tasks"
+        ).fetchall()
+    )
+    # (Decayed by the time it is read: halved each second here.)
+    assert 6 / UNIT_CPU_S / 8 < ahead["default"] <= 6 / UNIT_CPU_S
+    assert ahead["batch"] == pytest.approx(0, abs=0.01)
