@@ -10,7 +10,10 @@ import typer
 from cairn import output
 from cairn.tasks_cli import JsonFlag, ctx_of
 
-_QUOTA_COLUMNS = ["owner", "weight", "share", "running", "cpu", "memory MB", "waiting", "at quota"]
+_QUOTA_COLUMNS = [
+    "owner", "weight", "share", "running", "cpu", "memory MB", "waiting", "at quota",
+    "core-h used (decayed)",
+]  # fmt: skip
 
 
 def _limit(used: float, most: float | None) -> str:
@@ -28,6 +31,7 @@ def _quota_row(r: Any) -> list[Any]:
         _limit(r.running.memory_mb, q.max_memory_mb),
         _limit(r.waiting, q.max_waiting),
         ", ".join(r.at_quota) or "-",
+        f"{r.decayed_cpu_s / 3600:.2f}",
     ]
 
 

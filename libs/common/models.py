@@ -1357,6 +1357,10 @@ class OwnerUsage(_Output):
     #: the quotas it is at now, by name (``cpu``, ``memory``, ``running``, ``waiting``)
     at_quota: list[str]
     submitted_last_minute: int
+    #: the core-seconds its ended attempts reserved, halved every
+    #: ``CAIRN_FAIR_SHARE_HALF_LIFE_S``, as of now: what fair share by usage weighs
+    #: (docs/sharing.md; counted by the usage loop, every ``CAIRN_USAGE_INTERVAL_S``)
+    decayed_cpu_s: float = 0.0
 
 
 class OwnerList(_Output):
@@ -1386,6 +1390,10 @@ class QueuePolicy(_Input):
     services: bool = True
     guaranteed: bool = True
     owners: list[Name] | None = Field(default=None, max_length=10_000)
+    #: how the claim orders this queue's work across owners (docs/sharing.md): by the
+    #: fair-share stamps alone (``tasks``) or pushed back by decayed usage (``usage``);
+    #: null: core's ``CAIRN_FAIR_SHARE``
+    fair_share: Literal["tasks", "usage"] | None = None
 
 
 class ConcurrencyLimit(_Input):

@@ -282,7 +282,11 @@ def singleton_loops(
             name="cairn-retention",
         ),
         asyncio.create_task(
-            every(settings.usage_interval_s, "usage", lambda: upkeep.roll_up_usage(engine)),
+            every(
+                settings.usage_interval_s,
+                "usage",
+                lambda: upkeep.roll_up_usage(engine, settings.fair_share_half_life_s),
+            ),
             name="cairn-usage",
         ),
         *notification_loops(engine, settings),

@@ -258,6 +258,15 @@ class CoreSettings(SecretsKeySettings):
     aging_s: float = Field(default=60.0, gt=0)
     aging_max: int = Field(default=200, ge=0, le=200)
     sharing_cache_s: float = Field(default=5.0, ge=0, le=300)
+    #: how submissions are stamped across owners and teams (the claim's order within a
+    #: priority level): ``tasks`` (one step a task) or ``usage`` (a flow's new work also
+    #: pushed back by its decayed reserved core-seconds); a queue's policy may say otherwise
+    fair_share: Literal["tasks", "usage"] = "tasks"
+    #: the half-life of the usage fair share weighs (Slurm's PriorityDecayHalfLife)
+    fair_share_half_life_s: float = Field(default=7 * 86400.0, gt=0, le=366 * 86400.0)
+    #: the decayed core-seconds (over the flow's weight) that push its new work back by
+    #: one fair-share step (``CAIRN_FAIR_QUANTUM_S``): one task's turn per core-minute
+    fair_share_unit_cpu_s: float = Field(default=60.0, gt=0, le=1e9)
 
     # live logs (see docs/logs.md)
     #: what one attempt's log keeps at most (its end; a marker says what was dropped)

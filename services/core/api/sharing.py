@@ -36,27 +36,38 @@ def _book(request: Request) -> sharing.Book:
 
 @router.get("/v1/owners", response_model=OwnerList, responses=PROBLEMS)
 async def top_owners(
-    principal: Reader, engine: Engine, limit: Annotated[int, Query(ge=1, le=100)] = 10
+    request: Request,
+    principal: Reader,
+    engine: Engine,
+    limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> OwnerList:
     """The owners with the most work running and waiting (users see only themselves and
     their teams)."""
+    half_life = _half_life(request)
     async with engine.connect() as conn:
         if principal.owner_filter is not None:
-            mine = await sharing.usage_of(conn, [principal.name])
-            teams = await sharing.team_usage_of(conn, sorted(principal.teams))
+            mine = await sharing.usage_of(conn, [principal.name], half_life)
+            teams = await sharing.team_usage_of(conn, sorted(principal.teams), half_life)
             return OwnerList(items=mine + teams)
-        return OwnerList(items=await sharing.top_owners(conn, limit))
+        return OwnerList(items=await sharing.top_owners(conn, limit, half_life))
+
+
+def _half_life(request: Request) -> float:
+    """Fair share's half-life (``CAIRN_FAIR_SHARE_HALF_LIFE_S``), for decayed usage."""
+    return float(request.app.state.settings.fair_share_half_life_s)
 
 
 @router.get("/v1/owners/{name}/usage", response_model=OwnerUsage, responses=PROBLEMS)
-async def owner_usage(name: OwnerName, principal: Reader, engine: Engine) -> OwnerUsage:
+async def owner_usage(
+    request: Request, name: OwnerName, principal: Reader, engine: Engine
+) -> OwnerUsage:
     """The owner's weight and share of the pool, what it runs (attempts, CPU, memory
-    requested), how much waits, its quotas and which of them it is at. Users read their
-    own (another's is a 404)."""
+    requested), how much waits, its quotas and which of them it is at, and the decayed
+    core-seconds fair share by usage weighs. Users read their own (another's is a 404)."""
     if principal.owner_filter is not None and name != principal.name:
         raise NotFound(f"owner {name} not found")
     async with engine.connect() as conn:
-        [usage] = await sharing.usage_of(conn, [name])
+        [usage] = await sharing.usage_of(conn, [name], _half_life(request))
     return usage
 
 

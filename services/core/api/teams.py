@@ -73,13 +73,16 @@ async def remove_member(
 
 
 @router.get("/{name}/usage", response_model=OwnerUsage, responses=PROBLEMS)
-async def team_usage(name: TeamPath, principal: Reader, engine: Engine) -> OwnerUsage:
+async def team_usage(
+    request: Request, name: TeamPath, principal: Reader, engine: Engine
+) -> OwnerUsage:
     """The team's weight and share of the pool (its tasks are one fair-share flow), what
-    the tasks it owns run and have waiting, its quotas and which it is at. Members and
-    admins; anyone else gets a 404."""
+    the tasks it owns run and have waiting, its quotas and which it is at, and its
+    decayed usage. Members and admins; anyone else gets a 404."""
+    half_life = float(request.app.state.settings.fair_share_half_life_s)
     async with engine.connect() as conn:
         await teams.get(conn, name, principal.owner_filter)
-        [usage] = await sharing.team_usage_of(conn, [name])
+        [usage] = await sharing.team_usage_of(conn, [name], half_life)
     return usage
 
 

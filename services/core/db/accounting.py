@@ -25,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.states import TaskState
+from services.core.domain.sharing import HALF_LIFE_S
 
 S = TaskState
 
@@ -41,6 +42,15 @@ _MOVE = text("""
 UPDATE core.notify_cursors SET feed_xid = :xid, feed_id = :id, updated_at = now()
 WHERE name = 'usage'
 """)
+
+
+def decay(since: str, until: str, half_life: str = ":half_life") -> str:
+    """SQL: what one core-second at ``since`` weighs at ``until``, halved every
+    ``half_life`` seconds (Slurm's PriorityDecayHalfLife), floored at 2^-1000
+    (``domain.sharing.decayed``); the submit's stamps read it too."""
+    return f"""power(CAST(2 AS float8), -LEAST(CAST(1000 AS float8), GREATEST(0,
+        CAST(EXTRACT(EPOCH FROM {until} - {since}) AS float8)) / {half_life}))"""
+
 
 _ROLL_UP = text(f"""
 WITH h AS (
@@ -60,7 +70,8 @@ WITH h AS (
            COALESCE(a.cpu_seconds, 0) AS cpu_s,
            COALESCE(a.charge_cpu, 0) AS charge_cpu,
            COALESCE(a.charge_memory_mb, 0) AS charge_memory_mb,
-           COALESCE(a.peak_memory_mb, 0) AS peak_memory_mb
+           COALESCE(a.peak_memory_mb, 0) AS peak_memory_mb,
+           COALESCE(a.ended_at, now()) AS ended_at
     FROM page p
     JOIN core.attempts a ON a.id = p.attempt_id
     JOIN core.tasks t ON t.id = a.task_id
@@ -81,6 +92,18 @@ WITH h AS (
         memory_mb_s = u.memory_mb_s + EXCLUDED.memory_mb_s,
         peak_memory_mb = GREATEST(u.peak_memory_mb, EXCLUDED.peak_memory_mb)
     RETURNING 1
+), decayed AS (
+    -- each flow's reserved core-seconds, decayed from the attempt's end to now, added to
+    -- what it had decayed to now (``decay``)
+    INSERT INTO core.fair_usage AS f (kind, name, cpu_s, at)
+    SELECT CASE WHEN team = '' THEN 'owner' ELSE 'team' END,
+           CASE WHEN team = '' THEN owner ELSE team END,
+           sum(wall_s * charge_cpu * {decay("ended_at", "now()")}), now()
+    FROM ended GROUP BY 1, 2
+    ON CONFLICT (kind, name) DO UPDATE SET
+        cpu_s = f.cpu_s * {decay("f.at", "EXCLUDED.at")} + EXCLUDED.cpu_s,
+        at = EXCLUDED.at
+    RETURNING 1
 )
 SELECT (SELECT count(*) FROM page) AS read,
        (SELECT count(*) FROM ended) AS ended,
@@ -100,13 +123,13 @@ class Rolled:
     ended: int
 
 
-async def roll_up(conn: AsyncConnection, limit: int) -> Rolled:
-    """Add the next page of the feed's ended attempts to the monthly sums and move the
-    cursor past it, in the caller's transaction (``_ROLL_UP``)."""
+async def roll_up(conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S) -> Rolled:
+    """Add the next page of the feed's ended attempts to the monthly sums and to each
+    fair-share flow's decayed usage (halved every ``half_life_s``), and move the cursor
+    past it, in the caller's transaction (``_ROLL_UP``)."""
     at = (await conn.execute(_CURSOR)).one()
-    row = (
-        await conn.execute(_ROLL_UP, {"xid": at.feed_xid, "id": at.feed_id, "limit": limit})
-    ).one()
+    params = {"xid": at.feed_xid, "id": at.feed_id, "limit": limit, "half_life": half_life_s}
+    row = (await conn.execute(_ROLL_UP, params)).one()
     if row.last_xid is not None:
         await conn.execute(_MOVE, {"xid": row.last_xid, "id": row.last_id})
     elif row.horizon - 1 - at.feed_xid >= JUMP_XIDS:

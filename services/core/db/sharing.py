@@ -32,6 +32,7 @@ from services.core.db.tables import concurrency_limits, queues, shares, team_sha
 from services.core.domain.limits import NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount
 from services.core.domain.sharing import (
+    HALF_LIFE_S,
     Asked,
     Gate,
     Gated,
@@ -39,6 +40,7 @@ from services.core.domain.sharing import (
     KeyUse,
     Quota,
     Use,
+    decayed,
     refusal,
     weights_share,
 )
@@ -480,22 +482,32 @@ SELECT owner FROM (
 """)
 
 
-async def usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsage]:
+async def usage_of(
+    conn: AsyncConnection, names: Sequence[str], half_life_s: float = HALF_LIFE_S
+) -> list[OwnerUsage]:
     """Each owner's share, running use, waiting count and quotas (its use counts every
-    task it submitted, its teams' included)."""
+    task it submitted, its teams' included), and its own flow's decayed usage."""
     use = await owner_use(conn, names)
     found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
     rows = {r.name: r for r in found}
-    return await _usage(conn, False, names, use, rows, _WAITING_OF)
+    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s)
 
 
-async def team_usage_of(conn: AsyncConnection, names: Sequence[str]) -> list[OwnerUsage]:
+async def team_usage_of(
+    conn: AsyncConnection, names: Sequence[str], half_life_s: float = HALF_LIFE_S
+) -> list[OwnerUsage]:
     """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
-    owns, whoever of its members submitted them."""
+    owns, whoever of its members submitted them, and its decayed usage."""
     use = await team_use(conn, names)
     found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
     rows = {r.team: r for r in found}
-    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF)
+    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s)
+
+
+_FAIR_USAGE = text("""
+SELECT name, cpu_s, GREATEST(0, CAST(EXTRACT(EPOCH FROM now() - at) AS float8)) AS age_s
+FROM core.fair_usage WHERE kind = :kind AND name = ANY(CAST(:names AS text[]))
+""")
 
 
 async def _usage(
@@ -505,10 +517,16 @@ async def _usage(
     use: dict[str, Use],
     rows: dict[str, Any],
     waiting_query: Any,
+    half_life_s: float,
 ) -> list[OwnerUsage]:
     active = {(r.is_team, r.name): float(r.weight) for r in await conn.execute(_ACTIVE)}
     counted = await conn.execute(waiting_query, {"owners": list(names)})
     waiting = {r.owner: int(r.n) for r in counted}
+    kind = "team" if is_team else "owner"
+    used = {
+        r.name: decayed(r.cpu_s, r.age_s, half_life_s)
+        for r in await conn.execute(_FAIR_USAGE, {"kind": kind, "names": list(names)})
+    }
     out = []
     for name in names:
         row = rows.get(name)
@@ -535,6 +553,7 @@ async def _usage(
                 quota=quota,
                 at_quota=at_quota(quota, running, waiting.get(name, 0)),
                 submitted_last_minute=_submitted(row),
+                decayed_cpu_s=round(used.get(name, 0.0), 3),
             )
         )
     return out
@@ -561,6 +580,8 @@ def at_quota(quota: Quotas, running: Use, waiting: int) -> list[str]:
     return held
 
 
-async def top_owners(conn: AsyncConnection, limit: int) -> list[OwnerUsage]:
+async def top_owners(
+    conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S
+) -> list[OwnerUsage]:
     names = [r.owner for r in await conn.execute(_TOP, {"limit": limit})]
-    return await usage_of(conn, names)
+    return await usage_of(conn, names, half_life_s)

@@ -822,6 +822,20 @@ usage_monthly = Table(
     Index("ix_usage_monthly_month_team", "month", "team"),
 )
 
+#: each fair-share flow's reserved core-seconds (an owner's own work: kind ``owner``; a
+#: team's: ``team``), decayed with ``CAIRN_FAIR_SHARE_HALF_LIFE_S``, as of ``at`` (a reader
+#: decays it to its now): kept by the usage roll-up, read by the claim in queues with
+#: ``fair_share: usage`` (``db/accounting.py``; docs/sharing.md "Fair share by usage")
+fair_usage = Table(
+    "fair_usage",
+    metadata,
+    Column("kind", Text, primary_key=True),
+    Column("name", Text, primary_key=True),
+    Column("cpu_s", Double, nullable=False, server_default=text("0")),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint("kind IN ('owner', 'team')", name="kind"),
+)
+
 notify_cursors = Table(
     "notify_cursors",
     metadata,

@@ -44,7 +44,7 @@ from libs.common.models import (
     TaskSelector,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
-from services.core.db import pipeline
+from services.core.db import accounting, pipeline
 from services.core.db.params import jsonb
 from services.core.db.tables import (
     LABELLED,
@@ -55,6 +55,7 @@ from services.core.db.tables import (
 )
 from services.core.domain import selectors
 from services.core.domain.limits import Defaults, Filled
+from services.core.domain.sharing import FairShare
 from services.core.domain.transitions import Op, check, sources
 
 S = TaskState
@@ -123,18 +124,36 @@ WITH input AS (
            LEAST(EXTRACT(EPOCH FROM now()),
                  (SELECT min(h.vtime) FROM core.tasks h
                   WHERE h.queue = o.queue AND h.state = '{S.WAITING}')) AS head,
-           CAST(:quantum AS double precision) / COALESCE(
-               CASE WHEN o.team IS NULL
-                    THEN (SELECT s.weight FROM core.shares s WHERE s.name = o.flow_owner)
-                    ELSE (SELECT s.weight FROM core.team_shares s WHERE s.team = o.team) END,
-               1) AS step
-    FROM (SELECT DISTINCT CASE WHEN team IS NULL THEN owner END AS flow_owner, team, queue
-          FROM input) o
+           CAST(:quantum AS double precision) / o.weight AS step,
+           -- Fair share by usage (docs/sharing.md): in a queue that weighs usage, the
+           -- flow's decayed reserved core-seconds over its weight, in steps of the
+           -- quantum: its new work is stamped no earlier than that far after now.
+           CASE WHEN COALESCE((SELECT q.policy->>'fair_share' FROM core.queues q
+                               WHERE q.name = o.queue), CAST(:fair_share AS text)) = 'usage'
+           THEN COALESCE((
+               SELECT u.cpu_s * {accounting.decay("u.at", "now()", ":fair_half_life")}
+               FROM core.fair_usage u
+               WHERE u.kind = CASE WHEN o.team IS NULL THEN 'owner' ELSE 'team' END
+                 AND u.name = COALESCE(o.team, o.flow_owner)), 0)
+                * CAST(:quantum AS double precision) / (:fair_unit * o.weight)
+           ELSE 0 END AS pushed
+    FROM (SELECT f.*, COALESCE(
+              CASE WHEN f.team IS NULL
+                   THEN (SELECT s.weight FROM core.shares s WHERE s.name = f.flow_owner)
+                   ELSE (SELECT s.weight FROM core.team_shares s WHERE s.team = f.team) END,
+              1) AS weight
+          FROM (SELECT DISTINCT CASE WHEN team IS NULL THEN owner END AS flow_owner, team,
+                       queue
+                FROM input) f) o
 ), stamped AS (
     SELECT input.*,
            GREATEST(
                EXTRACT(EPOCH FROM COALESCE(input.run_at, now())),
-               COALESCE(clock.last + clock.step, clock.head, EXTRACT(EPOCH FROM now()))
+               CASE WHEN clock.pushed > 0
+                    THEN GREATEST(clock.last + clock.step,
+                                  EXTRACT(EPOCH FROM now()) + clock.pushed)
+                    ELSE COALESCE(clock.last + clock.step, clock.head,
+                                  EXTRACT(EPOCH FROM now())) END
                    + clock.step * (row_number() OVER (
                        PARTITION BY clock.flow_owner, clock.team, input.queue
                        ORDER BY input.ord) - 1)
@@ -620,13 +639,15 @@ async def submit(
     specs: Sequence[TaskCreate],
     quantum_s: float = 1.0,
     filled: Sequence[Filled] | None = None,
+    fair: FairShare | None = None,
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
     ``owner`` is one owner for all, or one per submission. Rows hold
     ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
     weight 1 (docs/sharing.md). ``filled``: each one's time limits (``domain.limits``;
-    none: as the spec sets them, with core's default crash window)."""
+    none: as the spec sets them, with core's default crash window). ``fair``: whether
+    queues weigh usage by default, and how (none: they do not)."""
     owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
     limits = filled or [_as_set(spec) for spec in specs]
     docs = [
@@ -634,7 +655,15 @@ async def submit(
         for spec, fill, who in zip(specs, limits, owners, strict=True)
     ]
     rows = jsonb(docs)
-    created = await _fetch(conn, SUBMIT, {"rows": rows, "quantum": quantum_s})
+    fair = fair or FairShare()
+    params = {
+        "rows": rows,
+        "quantum": quantum_s,
+        "fair_share": fair.by,
+        "fair_half_life": fair.half_life_s,
+        "fair_unit": fair.unit_cpu_s,
+    }
+    created = await _fetch(conn, SUBMIT, params)
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None

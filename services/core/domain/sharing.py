@@ -7,6 +7,7 @@ taking, gives a waiting task its pending reason.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -171,14 +172,49 @@ def _take(use: Use, request: Amount) -> None:
     use.memory_mb += request.memory_mb
 
 
-def fair_stamp(last: float | None, head: float | None, now: float, step: float) -> float:
+def fair_stamp(
+    last: float | None, head: float | None, now: float, step: float, pushed: float = 0.0
+) -> float:
     """A new task's fair-share stamp (core's submit computes the same in SQL): one
     ``step`` (the quantum over the owner's weight) after the owner's last waiting stamp;
     an owner with nothing waiting starts at the queue's head stamp, or now if that is
-    earlier, so it interleaves with any backlog instead of queueing behind it."""
+    earlier, so it interleaves with any backlog instead of queueing behind it. In a
+    queue that weighs usage, a flow ``pushed`` back (``usage_push_back``) is stamped no
+    earlier than that long after now (where work with no usage starts)."""
+    if pushed > 0:
+        return max(last + step, now + pushed) if last is not None else now + pushed
     if last is not None:
         return last + step
     return min(now, head) if head is not None else now
+
+
+#: fair share's default half-life (``CAIRN_FAIR_SHARE_HALF_LIFE_S``): a week, Slurm's
+HALF_LIFE_S = 7 * 86400.0
+
+
+@dataclass(frozen=True)
+class FairShare:
+    """How submissions are stamped across flows (docs/sharing.md): by task counts alone
+    (``tasks``, the default), or also pushed back by each flow's decayed reserved
+    core-seconds (``usage``); a queue's policy may say otherwise."""
+
+    by: str = "tasks"
+    half_life_s: float = HALF_LIFE_S
+    unit_cpu_s: float = 60.0
+
+
+def decayed(cpu_s: float, age_s: float, half_life_s: float) -> float:
+    """Core-seconds counted ``age_s`` ago, as they weigh now: halved every
+    ``half_life_s`` (Slurm's PriorityDecayHalfLife; the roll-up and the submit compute
+    the same in SQL, floored at 2^-1000)."""
+    return cpu_s * math.pow(2.0, -min(1000.0, max(0.0, age_s) / half_life_s))
+
+
+def usage_push_back(used_cpu_s: float, weight: float, step: float, unit_cpu_s: float) -> float:
+    """How far behind the queue's head a flow's new work is stamped in a queue that
+    weighs usage: one ``step`` (the quantum) per ``unit_cpu_s`` of its decayed usage,
+    over its weight (core's submit computes the same in SQL)."""
+    return step * used_cpu_s / (unit_cpu_s * weight)
 
 
 def aging_boost(waited_past_turn_s: float, aging_s: float, most: int) -> int:

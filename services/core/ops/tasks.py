@@ -21,6 +21,7 @@ from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
 from services.core.domain import limits, selectors
 from services.core.domain.principals import Principal
+from services.core.domain.sharing import FairShare
 from services.core.domain.transitions import Op
 from services.core.ops.metrics import CoreMetrics
 
@@ -101,6 +102,8 @@ class Submitter:
     quantum: float
     #: core's defaults of a task's limits (``domain.limits``)
     defaults: limits.Defaults = field(default_factory=limits.Defaults)
+    #: whether queues weigh decayed usage in fair share by default (docs/sharing.md)
+    fair: FairShare = field(default_factory=FairShare)
 
 
 def fill_limits(
@@ -161,7 +164,7 @@ async def submit(
                     await check_owner(conn, by.principal, each[i], spec, field(i))
             if limited:
                 await _admit(conn, by.book, each, by.meter, team_of)
-            rows = await tasks_db.submit(conn, owners, specs, by.quantum, filled)
+            rows = await tasks_db.submit(conn, owners, specs, by.quantum, filled, by.fair)
     created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
     if created:
         # Claimable now, or soon enough for a claim that leases ahead.

@@ -87,9 +87,10 @@ async def purge_audit(engine: AsyncEngine, settings: CoreSettings) -> int:
 USAGE_PAGE = 2000
 
 
-async def roll_up_usage(engine: AsyncEngine) -> int:
-    """Add one page of the feed's ended attempts to the monthly usage sums
-    (``db.accounting``); the events read (a full page: ``loops.every`` reads on at once)."""
+async def roll_up_usage(engine: AsyncEngine, half_life_s: float) -> int:
+    """Add one page of the feed's ended attempts to the monthly usage sums and the flows'
+    decayed usage (``db.accounting``); the events read (a full page: ``loops.every``
+    reads on at once)."""
     async with engine.begin() as conn:
-        rolled = await accounting.roll_up(conn, USAGE_PAGE)
+        rolled = await accounting.roll_up(conn, USAGE_PAGE, half_life_s)
     return rolled.read if rolled.read >= USAGE_PAGE else 0

@@ -38,38 +38,56 @@ def _buffers(plan: dict[str, Any]) -> int:
 def _prepared(db: DB) -> None:
     text = pipeline.driver_sql(tasks_db.SUBMIT, dialects.dialect())  # type: ignore[no-untyped-call]
     db.execute(
-        sql.SQL("PREPARE submit_rows(jsonb, float8) AS {}").format(
-            sql.SQL(text.replace("%(rows)s", "$1").replace("%(quantum)s", "$2"))
+        sql.SQL("PREPARE submit_rows(jsonb, float8, text, float8, float8) AS {}").format(
+            sql.SQL(
+                text.replace("%(rows)s", "$1")
+                .replace("%(quantum)s", "$2")
+                .replace("%(fair_share)s", "$3")
+                .replace("%(fair_half_life)s", "$4")
+                .replace("%(fair_unit)s", "$5")
+            )
         )
     )
 
 
-def _submit(db: DB, rows: str) -> None:
-    db.execute(sql.SQL("EXECUTE submit_rows({}, 1.0)").format(sql.Literal(rows)))
-
-
-def _spent(db: DB, rows: str) -> int:
-    [[plan]] = db.execute(
-        sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE submit_rows({}, 1.0)").format(
-            sql.Literal(rows)
+def _submit(db: DB, rows: str, fair: str = "tasks") -> None:
+    db.execute(
+        sql.SQL("EXECUTE submit_rows({}, 1.0, {}, 604800, 60)").format(
+            sql.Literal(rows), sql.Literal(fair)
         )
+    )
+
+
+def _spent(db: DB, rows: str, fair: str = "tasks") -> int:
+    [[plan]] = db.execute(
+        sql.SQL(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE submit_rows({}, 1.0, {}, 604800, 60)"
+        ).format(sql.Literal(rows), sql.Literal(fair))
     ).fetchall()
     return _buffers(plan[0])
 
 
-@pytest.mark.parametrize("flow", ["owner", "team"])
+@pytest.mark.parametrize(("flow", "fair"), [("owner", "tasks"), ("team", "usage")])
 def test_a_flows_stamp_behind_another_owners_backlog_reads_a_few_buffers(
-    db_url: str, db: DB, flow: str
+    db_url: str, db: DB, flow: str, fair: str
 ) -> None:
+    """(In a queue that weighs usage, the flow's decayed usage is one more row, by key.)"""
     _prepared(db)
     for _ in range(BACKLOG // 1000):
-        _submit(db, _rows(1000, "alice"))
+        _submit(db, _rows(1000, "alice"), fair)
+    db.execute("INSERT INTO core.fair_usage (kind, name, cpu_s) VALUES ('team', 'ops', 600)")
     db.execute("ANALYZE core.tasks")  # the statistics see one owner, no team
     db.execute("SET plan_cache_mode = force_generic_plan")
-    spent = [_spent(db, _rows(1, "bob", "ops" if flow == "team" else None)) for _ in range(3)]
+    team = "ops" if flow == "team" else None
+    spent = [_spent(db, _rows(1, "bob", team), fair) for _ in range(3)]
     # Each of bob's submissions: the insert, its indexes and its event, a few dozen
     # buffers; the walk over alice's 5,000 waiting tasks read about 220.
     assert max(spent) < 100, spent
+    # bob's first stamp: now (past alice's head), or 600 core-seconds / 60 = 10 steps later.
+    [[behind]] = db.execute(
+        "SELECT min(vtime) - extract(epoch FROM now())::float8 FROM core.tasks WHERE owner = 'bob'"
+    ).fetchall()
+    assert behind == pytest.approx(10.0 if fair == "usage" else 0.0, abs=1.0)
 
 
 @pytest.mark.parametrize("flow", ["owner", "team"])

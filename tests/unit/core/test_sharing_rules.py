@@ -14,9 +14,11 @@ from services.core.domain.sharing import (
     Quota,
     Use,
     aging_boost,
+    decayed,
     fair_stamp,
     over_quota,
     refusal,
+    usage_push_back,
 )
 
 ONE = Amount(1.0, 512.0)
@@ -82,6 +84,17 @@ def test_fair_stamps_interleave_a_newcomer_with_a_backlog() -> None:
     assert fair_stamp(None, 40.0, now=100.0, step=1.0) == 40.0, "joins at the head"
     assert fair_stamp(None, 140.0, now=100.0, step=1.0) == 100.0, "or now, if earlier"
     assert fair_stamp(7000.0, 40.0, now=100.0, step=0.5) == 7000.5, "after its own"
+
+
+def test_usage_pushes_a_flows_new_work_back_and_decays() -> None:
+    used = decayed(7200.0, age_s=86400.0, half_life_s=86400.0)
+    assert used == 3600.0, "a half-life ago: half"
+    assert decayed(1.0, age_s=1e12, half_life_s=1.0) == 2.0**-1000, "floored, never an error"
+    pushed = usage_push_back(used, weight=2.0, step=1.0, unit_cpu_s=60.0)
+    assert pushed == 30.0, "a core-minute a step, over the weight"
+    assert fair_stamp(None, 40.0, now=100.0, step=1.0, pushed=pushed) == 130.0
+    assert fair_stamp(101.0, 40.0, now=100.0, step=1.0, pushed=pushed) == 130.0
+    assert fair_stamp(500.0, 40.0, now=100.0, step=1.0, pushed=pushed) == 501.0, "its own line"
 
 
 def test_aging_is_one_level_per_interval_and_bounded() -> None:

@@ -531,6 +531,37 @@ async function workersPage(main) {
   });
 }
 
+// What a month's ended attempts used (GET /v1/usage/accounts), by owner, team and queue:
+// the API decides whose (an admin everyone's, a user their own and their teams').
+const BY = [["owner", "By owner"], ["team", "By team (the tasks each team owns)"], ["queue", "By queue"]];
+const thisMonth = () => new Date().toISOString().slice(0, 7);
+
+async function usagePage(main, params) {
+  const asked = params.get("month") || "";
+  const month = /^\d{4}-(0[1-9]|1[0-2])$/.test(asked) ? asked : thisMonth();
+  const picker = h("input", { type: "month", id: "usage-month", value: month, max: thisMonth(),
+    onchange: (event) => { if (event.target.value) location.hash = `#/usage?month=${event.target.value}`; } });
+  main.append(h("h1", {}, "Usage"),
+    h("p", {}, h("label", { for: "usage-month" }, "Month (UTC) "), picker,
+      h("span", { class: "muted" }, " · attempts that ended in it; rolled up every minute")));
+  const box = h("div", { id: "usage" });
+  main.append(box);
+  await live(box, async () => {
+    const found = await Promise.all(BY.map(([by]) =>
+      api("core", `/v1/usage/accounts?month=${month}&by=${by}&limit=1000`)));
+    return h("div", {}, BY.map(([by, title], i) => {
+      const rows = found[i].items.map((a) => h("tr", { "data-key": a.key },
+        h("td", {}, a.key), h("td", { class: "num" }, a.attempts),
+        h("td", { class: "num", "data-cpu-s": a.cpu_s }, num(a.cpu_s, 1)),
+        h("td", { class: "num", "data-cpu-reserved-s": a.cpu_reserved_s }, num(a.cpu_reserved_s, 1)),
+        h("td", { class: "num", "data-memory-gb-s": a.memory_mb_s / 1024 }, num(a.memory_mb_s / 1024, 1)),
+        h("td", { class: "num" }, num(a.wall_s, 1)), h("td", { class: "num" }, num(a.peak_memory_mb))));
+      return h("section", { id: `usage-${by}` }, h("h2", {}, title),
+        table([by, "attempts", "CPU s used", "core-s reserved", "memory GB-s reserved", "wall s", "peak MB"], rows));
+    }));
+  });
+}
+
 async function schedulesPage(main) {
   main.append(h("h1", {}, "Schedules"), h("p", { class: "muted" }, "From the cron service; the next fires over the coming 24 hours."));
   const message = h("p", { id: "schedule-message" });
@@ -751,7 +782,7 @@ function drawGraph(graph, instances = new Map()) {
 const ROUTES = [
   [/^#\/queues$/, queuesPage], [/^#\/tasks$/, tasksPage], [/^#\/tasks\/(\d+)$/, taskPage],
   [/^#\/dead$/, deadPage],
-  [/^#\/workers$/, workersPage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
+  [/^#\/workers$/, workersPage], [/^#\/usage$/, usagePage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
   [/^#\/runs\/(\d+)$/, runPage], [/^#\/workflows\/([a-z0-9][a-z0-9_.%-]*)\/history$/, historyPage],
 ];
 
