@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import database, health, metrics, pages, problems
 from libs.common.limits import BodyLimit
+from libs.common.settings import libpq_url
 from services.core import loops
 from services.core.api import (
     audit,
@@ -39,6 +40,7 @@ from services.core.objects import LogObjects
 from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
+from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
@@ -111,6 +113,15 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.oidc = oidc
         app.state.signin = ProviderClient(settings) if settings.signin_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
+        group = None
+        if settings.submit_group_commit:
+            group = GroupCommit(
+                libpq_url(database_url),
+                database.connect_args(settings, database_url),
+                settings.fair_quantum_s,
+            )
+            group.start()
+        app.state.group_commit = group
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
         app.state.webhooks = await notify.Webhooks.of(
@@ -141,6 +152,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if group is not None:
+                await group.stop()
             await notifier.stop()
             await engine.dispose()
             await liveness.dispose()

@@ -50,6 +50,9 @@ class CoreSettings(SecretsKeySettings):
     #: connections of the liveness path alone (heartbeats, the reaper), which the data
     #: path's load cannot take
     liveness_pool_size: int = Field(default=4, ge=1, le=50)
+    #: single submissions written together, in one statement and one commit, on a
+    #: connection of their own (``ops.groupcommit``); false: each in its own statement
+    submit_group_commit: bool = True
     promote_interval_s: float = Field(default=1.0, gt=0)
     #: how long past its run_at a ready task is left to claims (which take it from its
     #: run_at on) before the promoter moves it to waiting

@@ -105,6 +105,7 @@ async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
         book=await _book(request, call.engine),
         quantum=float(request.app.state.settings.fair_quantum_s),
         defaults=_task_defaults(request.app.state.settings),
+        group=request.app.state.group_commit,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -514,6 +515,27 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
         ) from exc
 
 
+_PSYCOPG = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+
+
+async def _fetch_plain(
+    driver: psycopg.AsyncConnection[Any], query: TextClause, params: dict[str, Any]
+) -> list[Any]:
+    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it): a
+    refusal raises as SQLAlchemy's error would, ``connection_invalidated`` when the
+    connection is lost, so the same handlers answer it."""
+    sql = pipeline.driver_sql(query, _PSYCOPG)
+    try:
+        async with driver.cursor(row_factory=namedtuple_row) as cursor:
+            await cursor.execute(sql, params)
+            return await cursor.fetchall()
+    except psycopg.Error as exc:
+        lost = driver.broken or driver.closed or isinstance(exc, psycopg.OperationalError)
+        raise DBAPIError.instance(
+            sql, params, exc, psycopg.Error, connection_invalidated=lost, dialect=_PSYCOPG
+        ) from exc
+
+
 # --- submissions --------------------------------------------------------------------------
 
 
@@ -614,6 +636,22 @@ def required_of(spec: TaskCreate) -> dict[str, Any] | None:
     return _placement_doc(spec)["required"] if spec.placement is not None else None
 
 
+def submission_docs(
+    owner: str | Sequence[str],
+    specs: Sequence[TaskCreate],
+    filled: Sequence[Filled] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows SUBMIT takes, one per submission: ``owner`` is one owner for all, or one
+    per submission; ``filled`` each one's time limits (``domain.limits``; none: as the
+    spec sets them, with core's default crash window)."""
+    owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
+    limits = filled or [_as_set(spec) for spec in specs]
+    return [
+        {**_row_doc(spec, fill), "owner": who}
+        for spec, fill, who in zip(specs, limits, owners, strict=True)
+    ]
+
+
 async def submit(
     conn: AsyncConnection,
     owner: str | Sequence[str],
@@ -623,18 +661,36 @@ async def submit(
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
-    ``owner`` is one owner for all, or one per submission. Rows hold
-    ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
-    weight 1 (docs/sharing.md). ``filled``: each one's time limits (``domain.limits``;
-    none: as the spec sets them, with core's default crash window)."""
-    owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
-    limits = filled or [_as_set(spec) for spec in specs]
-    docs = [
-        {**_row_doc(spec, fill), "owner": who}
-        for spec, fill, who in zip(specs, limits, owners, strict=True)
-    ]
-    rows = jsonb(docs)
-    created = await _fetch(conn, SUBMIT, {"rows": rows, "quantum": quantum_s})
+    ``IdempotencyMismatch`` if a key matched a different request. Rows hold
+    ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of weight 1
+    (docs/sharing.md); ``owner`` and ``filled``: ``submission_docs``."""
+    docs = submission_docs(owner, specs, filled)
+    out = await _store(functools.partial(_fetch, conn), docs, quantum_s)
+    for item in out:
+        if isinstance(item, IdempotencyMismatch):
+            raise item
+    return out  # type: ignore[return-value]
+
+
+# One submission's outcome: its row and whether it was created, or its refusal.
+Stored = tuple[Any, bool] | IdempotencyMismatch
+
+
+async def submit_docs(
+    driver: psycopg.AsyncConnection[Any], docs: Sequence[dict[str, Any]], quantum_s: float
+) -> list[Stored]:
+    """Store ``docs`` (``submission_docs``) in one statement on a plain psycopg connection
+    in autocommit: one commit for all. Each one's outcome, in the order given: a key that
+    matched a different request is that submission's ``IdempotencyMismatch``, the
+    others stand. A statement the database refuses raises, as ``_fetch`` does."""
+    return await _store(functools.partial(_fetch_plain, driver), docs, quantum_s)
+
+
+Fetch = Callable[[TextClause, dict[str, Any]], Awaitable[list[Any]]]
+
+
+async def _store(fetch: Fetch, docs: Sequence[dict[str, Any]], quantum_s: float) -> list[Stored]:
+    created = await fetch(SUBMIT, {"rows": jsonb(docs), "quantum": quantum_s})
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
@@ -642,31 +698,31 @@ async def submit(
     created_keys = {(row.owner, row.idempotency_key) for row in created if row.idempotency_key}
     wanted = {k for k in map(key_of, docs) if k is not None}
     missing = sorted(wanted - created_keys)
-    existing: dict[tuple[str, str], Any] = {}
+    by_key: dict[tuple[str, str], Any] = {}
     if missing:
-        found = await _fetch(
-            conn,
+        found = await fetch(
             BY_IDEMPOTENCY_KEYS,
             {"owners": [o for o, _ in missing], "keys": [k for _, k in missing]},
         )
-        existing = {(row.owner, row.idempotency_key): row for row in found}
-    out: list[tuple[Any, bool]] = []
+        by_key = {(row.owner, row.idempotency_key): row for row in found}
+    out: list[Stored] = []
     fresh = iter(created)
-    seen: set[tuple[str, str]] = set()
     for doc in docs:
         key = key_of(doc)
-        if key is None or (key in created_keys and key not in seen):
+        if key is None or (key in created_keys and key not in by_key):
             row = next(fresh)
             if key:
-                seen.add(key)
+                by_key[key] = row  # a second of the same key in this statement matches it
             out.append((row, True))
-            continue
-        row = existing.get(key) or next(r for r, _ in out if (r.owner, r.idempotency_key) == key)
-        if row.spec_hash != doc["spec_hash"]:
-            raise IdempotencyMismatch(
-                f"idempotency_key {key[1]!r} was used for task {row.id} with a different request"
+        elif by_key[key].spec_hash != doc["spec_hash"]:
+            out.append(
+                IdempotencyMismatch(
+                    f"idempotency_key {key[1]!r} was used for task {by_key[key].id}"
+                    " with a different request"
+                )
             )
-        out.append((row, False))
+        else:
+            out.append((by_key[key], False))
     return out
 
 

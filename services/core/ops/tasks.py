@@ -22,6 +22,7 @@ from services.core.db.feed import Notifier, Work
 from services.core.domain import limits, selectors
 from services.core.domain.principals import Principal
 from services.core.domain.transitions import Op
+from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
 
 # --- rules a submission and a retry share ----------------------------------------------
@@ -101,6 +102,9 @@ class Submitter:
     quantum: float
     #: core's defaults of a task's limits (``domain.limits``)
     defaults: limits.Defaults = field(default_factory=limits.Defaults)
+    #: the writer that stores single submissions together (``ops.groupcommit``); None:
+    #: each in its own statement
+    group: GroupCommit | None = None
 
 
 def fill_limits(
@@ -144,24 +148,26 @@ async def submit(
     the owners' rights to their teams and secrets checked (``field(i)`` prefixes a
     refusal's field), their submission quotas admitted, then the notifier, the metrics
     and the traces told of what is new. Each row with whether it was created (False: its
-    idempotency key matched a task). One task that no quota limits is one statement with
-    no transaction around it: autocommit saves two round trips. Time limits are filled
-    in (or refused) first: ``fill_limits``."""
+    idempotency key matched a task). One task that no quota limits and that names no
+    secret goes to the group commit (``by.group``), in one statement and one commit with
+    the others of this moment; else one task is one statement with no transaction around
+    it (autocommit saves two round trips). Time limits are filled in (or refused)
+    first: ``fill_limits``."""
     filled = fill_limits(by, specs, field)
     check_placements(specs, field)
     each = [owners] * len(specs) if isinstance(owners, str) else owners
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)
-    async with by.engine.connect() as conn:
-        if len(specs) == 1 and not limited:
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-        async with conn.begin():
-            for i, spec in enumerate(specs):
-                if secrets.needs_check(spec):
-                    await check_owner(conn, by.principal, each[i], spec, field(i))
-            if limited:
-                await _admit(conn, by.book, each, by.meter, team_of)
-            rows = await tasks_db.submit(conn, owners, specs, by.quantum, filled)
+    if (
+        by.group is not None
+        and len(specs) == 1
+        and not limited
+        and not secrets.needs_check(specs[0])
+    ):
+        [doc] = tasks_db.submission_docs(owners, specs, filled)
+        rows = [await by.group.submit(doc)]
+    else:
+        rows = await _submit_alone(by, owners, specs, filled, field, limited)
     created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
     if created:
         # Claimable now, or soon enough for a claim that leases ahead.
@@ -184,6 +190,29 @@ async def submit(
         by.meter.submitted_to(spec.queue for _, spec in created)
         traces.submitted(headers, created, start_ns)
     return rows
+
+
+async def _submit_alone(
+    by: Submitter,
+    owners: str | list[str],
+    specs: list[TaskCreate],
+    filled: list[limits.Filled],
+    field: Callable[[int], str],
+    limited: bool,
+) -> list[tuple[Any, bool]]:
+    """``specs`` in one transaction (in autocommit for one unlimited task): the owners'
+    teams and secrets checked, their quotas admitted, then the rows."""
+    each = [owners] * len(specs) if isinstance(owners, str) else owners
+    async with by.engine.connect() as conn:
+        if len(specs) == 1 and not limited:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+        async with conn.begin():
+            for i, spec in enumerate(specs):
+                if secrets.needs_check(spec):
+                    await check_owner(conn, by.principal, each[i], spec, field(i))
+            if limited:
+                await _admit(conn, by.book, each, by.meter, [spec.team for spec in specs])
+            return await tasks_db.submit(conn, owners, specs, by.quantum, filled)
 
 
 # --- one task ----------------------------------------------------------------------------
