@@ -119,6 +119,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
                 libpq_url(database_url),
                 database.connect_args(settings, database_url),
                 settings.fair_quantum_s,
+                notifier,
             )
             group.start()
         app.state.group_commit = group

@@ -518,17 +518,36 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 _PSYCOPG = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
 
 
+# Notes to the other replicas' listeners (``feed.notes_of``), sent by the transaction
+# that wrote what they announce.
+NOTES: TextClause = text("""
+SELECT pg_notify(n.channel, n.payload)
+FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(channel, payload)
+""")
+
+
 async def _fetch_plain(
-    driver: psycopg.AsyncConnection[Any], query: TextClause, params: dict[str, Any]
+    driver: psycopg.AsyncConnection[Any],
+    query: TextClause,
+    params: dict[str, Any],
+    notes: Sequence[tuple[str, str]] = (),
 ) -> list[Any]:
-    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it): a
-    refusal raises as SQLAlchemy's error would, ``connection_invalidated`` when the
-    connection is lost, so the same handlers answer it."""
+    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it), with
+    ``notes`` sent in the same transaction (one round trip: a pipeline). A refusal
+    raises as SQLAlchemy's error would, ``connection_invalidated`` when the connection
+    is lost, so the same handlers answer it."""
     sql = pipeline.driver_sql(query, _PSYCOPG)
     try:
-        async with driver.cursor(row_factory=namedtuple_row) as cursor:
+        if not notes:
+            async with driver.cursor(row_factory=namedtuple_row) as cursor:
+                await cursor.execute(sql, params)
+                return await cursor.fetchall()
+        told = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+        cursor = driver.cursor(row_factory=namedtuple_row)
+        async with driver.pipeline(), driver.transaction():
             await cursor.execute(sql, params)
-            return await cursor.fetchall()
+            await driver.execute(pipeline.driver_sql(NOTES, _PSYCOPG), told)
+        return await cursor.fetchall()
     except psycopg.Error as exc:
         lost = driver.broken or driver.closed or isinstance(exc, psycopg.OperationalError)
         raise DBAPIError.instance(
@@ -677,20 +696,30 @@ Stored = tuple[Any, bool] | IdempotencyMismatch
 
 
 async def submit_docs(
-    driver: psycopg.AsyncConnection[Any], docs: Sequence[dict[str, Any]], quantum_s: float
+    driver: psycopg.AsyncConnection[Any],
+    docs: Sequence[dict[str, Any]],
+    quantum_s: float,
+    notes: Sequence[tuple[str, str]] = (),
 ) -> list[Stored]:
     """Store ``docs`` (``submission_docs``) in one statement on a plain psycopg connection
-    in autocommit: one commit for all. Each one's outcome, in the order given: a key that
-    matched a different request is that submission's ``IdempotencyMismatch``, the
-    others stand. A statement the database refuses raises, as ``_fetch`` does."""
-    return await _store(functools.partial(_fetch_plain, driver), docs, quantum_s)
+    in autocommit, ``notes`` (``feed.notes_of``) sent in its transaction: one commit for
+    all. Each one's outcome, in the order given: a key that matched a different request
+    is that submission's ``IdempotencyMismatch``, the others stand. A statement the
+    database refuses raises, as ``_fetch`` does."""
+    fetch = functools.partial(_fetch_plain, driver)
+    first = functools.partial(_fetch_plain, driver, notes=notes)
+    return await _store(fetch, docs, quantum_s, first)
 
 
 Fetch = Callable[[TextClause, dict[str, Any]], Awaitable[list[Any]]]
 
 
-async def _store(fetch: Fetch, docs: Sequence[dict[str, Any]], quantum_s: float) -> list[Stored]:
-    created = await fetch(SUBMIT, {"rows": jsonb(docs), "quantum": quantum_s})
+async def _store(
+    fetch: Fetch, docs: Sequence[dict[str, Any]], quantum_s: float, first: Fetch | None = None
+) -> list[Stored]:
+    """Run SUBMIT (through ``first``, if given) and match each doc to its row, reading
+    the rows of keys that matched tasks stored before."""
+    created = await (first or fetch)(SUBMIT, {"rows": jsonb(docs), "quantum": quantum_s})
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None

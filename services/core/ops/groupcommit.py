@@ -1,7 +1,8 @@
 """Group commit of single submissions: concurrent ``POST /v1/tasks`` of one process are
 written together, in one statement and one commit, on a plain psycopg connection of
-their own (autocommit; the task rows and their events in the same statement,
-``db.tasks.SUBMIT``).
+their own (the task rows and their events in the same statement, ``db.tasks.SUBMIT``;
+the other replicas told of them in the same transaction and round trip, not by the
+notifier's own NOTIFY: a transaction and a commit less).
 
 One writer task takes every submission waiting, writes them, answers each, and takes the
 next lot: while one lot is being written the next collects, and a submission that finds
@@ -27,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 from libs.common.database import outage
 from libs.common.errors import Unavailable
 from services.core.db import tasks as tasks_db
+from services.core.db.feed import Notifier, Work, notes_of
 
 log = logging.getLogger("cairn.core.groupcommit")
 
@@ -37,17 +39,20 @@ MAX_GROUP = 500
 @dataclass
 class _Waiting:
     doc: dict[str, Any]
+    work: Work
     answer: asyncio.Future[tuple[Any, bool]]
 
 
 @dataclass
 class GroupCommit:
     """The writer of one process's single submissions (``submit``), over ``url`` (libpq
-    form) with psycopg's ``connect_args``; ``quantum_s`` is core's fair-share step."""
+    form) with psycopg's ``connect_args``; ``quantum_s`` is core's fair-share step. With
+    ``notifier``, each commit tells the other replicas of what it stored."""
 
     url: str
     connect_args: dict[str, Any]
     quantum_s: float
+    notifier: Notifier | None = None
     max_group: int = MAX_GROUP
     _waiting: list[_Waiting] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -65,16 +70,21 @@ class GroupCommit:
         if self._writer is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
-        if self._conn is not None:
-            await self._conn.close()
+        await self._drop()
 
-    async def submit(self, doc: dict[str, Any]) -> tuple[Any, bool]:
+    @property
+    def told(self) -> bool:
+        """Whether its commits tell the other replicas (``Notifier.announce(told=...)``)."""
+        return self.notifier is not None
+
+    async def submit(self, doc: dict[str, Any], work: Work | None = None) -> tuple[Any, bool]:
         """Store one submission (``db.tasks.submission_docs``) with whatever else waits;
-        its row and whether it was created, once committed. Raises its own refusal."""
+        its row and whether it was created, once committed. Raises its own refusal.
+        ``work``: what it makes claimable, for the other replicas (``feed.Work``)."""
         if self._closed:
             raise Unavailable("core is stopping")
         answer: asyncio.Future[tuple[Any, bool]] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(doc, answer))
+        self._waiting.append(_Waiting(doc, work or Work(), answer))
         self._wake.set()
         return await answer
 
@@ -94,7 +104,9 @@ class GroupCommit:
     async def _write(self, group: Sequence[_Waiting]) -> None:
         try:
             conn = await self._connection()
-            stored = await tasks_db.submit_docs(conn, [w.doc for w in group], self.quantum_s)
+            notes = notes_of(sum((w.work for w in group), Work())) if self.notifier else []
+            docs = [w.doc for w in group]
+            stored = await tasks_db.submit_docs(conn, docs, self.quantum_s, notes)
         except DBAPIError as exc:
             if exc.connection_invalidated or outage(exc):
                 await self._drop()
@@ -123,10 +135,14 @@ class GroupCommit:
             self._conn = await psycopg.AsyncConnection.connect(
                 self.url, autocommit=True, **self.connect_args
             )
+            if self.notifier is not None:
+                self.notifier.telling(self._conn.info.backend_pid)
         return self._conn
 
     async def _drop(self) -> None:
         if self._conn is not None:
+            if self.notifier is not None:
+                self.notifier.telling(self._conn.info.backend_pid, gone=True)
             with contextlib.suppress(psycopg.Error):
                 await self._conn.close()
             self._conn = None

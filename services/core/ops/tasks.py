@@ -4,7 +4,7 @@ and the bulk actions. The API parses, authorises (a queue's policy), calls and s
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -158,6 +158,7 @@ async def submit(
     each = [owners] * len(specs) if isinstance(owners, str) else owners
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)
+    told = False
     if (
         by.group is not None
         and len(specs) == 1
@@ -165,31 +166,43 @@ async def submit(
         and not secrets.needs_check(specs[0])
     ):
         [doc] = tasks_db.submission_docs(owners, specs, filled)
-        rows = [await by.group.submit(doc)]
+        # Told to the other replicas by its commit, before its row says whether it is
+        # new (an idempotent repeat may wake a claim for nothing; it goes back to wait).
+        work = _work_of(spec for spec in specs if spec.run_at is None or spec.run_at <= _soon())
+        rows = [await by.group.submit(doc, work)]
+        told = by.group.told
     else:
         rows = await _submit_alone(by, owners, specs, filled, field, limited)
     created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
     if created:
-        # Claimable now, or soon enough for a claim that leases ahead.
-        soon = datetime.now(UTC) + timedelta(seconds=MAX_AHEAD_S)
+        soon = _soon()
         claimable = [
-            (row, spec)
+            spec
             for row, spec in created
             if row.state == TaskState.WAITING
             or (row.state == TaskState.READY and row.run_at <= soon)
         ]
-        # A task that requires labels wakes a claim whose worker matches them.
-        rules = [(spec.queue, tasks_db.required_of(spec)) for _, spec in claimable]
-        by.notifier.announce(
-            Work.of_queues(queue for queue, rule in rules if rule is None)
-            + Work(placed=tuple((queue, rule) for queue, rule in rules if rule is not None))
-        )
+        by.notifier.announce(_work_of(claimable), told=told)
         delayed = [row.run_at for row, _ in created if row.state == TaskState.READY]
         if delayed:
             by.notifier.announce_due(min(delayed))
         by.meter.submitted_to(spec.queue for _, spec in created)
         traces.submitted(headers, created, start_ns)
     return rows
+
+
+def _soon() -> datetime:
+    """Due before this, a task is claimable now (a claim leases ahead)."""
+    return datetime.now(UTC) + timedelta(seconds=MAX_AHEAD_S)
+
+
+def _work_of(specs: Iterable[TaskCreate]) -> Work:
+    """The wake-ups these claimable submissions are worth: one per task in its queue; a
+    task that requires labels wakes a claim whose worker matches them."""
+    rules = [(spec.queue, tasks_db.required_of(spec)) for spec in specs]
+    return Work.of_queues(queue for queue, rule in rules if rule is None) + Work(
+        placed=tuple((queue, rule) for queue, rule in rules if rule is not None)
+    )
 
 
 async def _submit_alone(

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import psycopg
 from sqlalchemy.exc import IntegrityError
 
 from libs.common.database import connect_args
@@ -15,6 +16,7 @@ from libs.common.errors import IdempotencyMismatch
 from libs.common.models import TaskCreate
 from libs.common.settings import CairnSettings, libpq_url
 from services.core.db import tasks as tasks_db
+from services.core.db.feed import WORK_CHANNEL, Notifier, Work
 from services.core.ops.groupcommit import GroupCommit
 from tests.support import Core, make_token, spec
 
@@ -90,6 +92,28 @@ def test_one_statement_one_commit_for_what_waits_together(db_url: str, db: Any) 
     assert _largest_commit(db) == 12
     rows = db.execute("SELECT id, name FROM core.tasks ORDER BY id").fetchall()
     assert rows == [(row.id, f"t{i}") for i, (row, _) in enumerate(outcomes)]
+
+
+def test_its_commit_tells_the_other_replicas_in_one_note(db_url: str) -> None:
+    async def run() -> tuple[list[Any], set[int]]:
+        notifier = Notifier(db_url)  # not started: the group commit sends, not it
+        listener = await psycopg.AsyncConnection.connect(libpq_url(db_url), autocommit=True)
+        await listener.execute(f"LISTEN {WORK_CHANNEL}")
+        group = GroupCommit(libpq_url(db_url), connect_args(CairnSettings(), db_url), 1.0, notifier)
+        group.start()
+        docs = _docs("alice", *(spec(name=f"t{i}") for i in range(3)))
+        await asyncio.gather(*(group.submit(doc, Work.of_queues(["q1"])) for doc in docs))
+        telling = set(notifier._telling_pids)
+        await group.stop()
+        notes = []
+        async for note in listener.notifies(timeout=1.0):
+            notes.append((note.pid, Work.load(note.payload).queues))
+        await listener.close()
+        return notes, telling
+
+    notes, telling = asyncio.run(run())
+    assert len(telling) == 1
+    assert notes == [(next(iter(telling)), {"q1": 3})]
 
 
 def test_a_refused_submission_fails_alone(db_url: str, db: Any) -> None:
