@@ -87,7 +87,7 @@ CRASHED_NOW = """(array_append(t.crashed_at, now()))[
     greatest(1, cardinality(t.crashed_at) + 2 - t.poison_after):]"""
 
 # Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
-SUBMIT: TextClause = text(f"""
+_SUBMIT = f"""
 WITH input AS (
     SELECT r.*, e.ord
     FROM jsonb_array_elements(CAST(:rows AS jsonb)) WITH ORDINALITY AS e(doc, ord),
@@ -172,9 +172,17 @@ WITH input AS (
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state)
     SELECT id, 1, owner, 'submit', NULL, state FROM new
+)"""
+SUBMIT: TextClause = text(f"{_SUBMIT}\nSELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id")
+
+# The same, telling the other replicas' listeners of what it stored (``feed.notes_of``)
+# in its own transaction: once, if it stored anything (the CTE calls a volatile
+# function, so it is computed once, and only if read).
+SUBMIT_TELLING: TextClause = text(f"""{_SUBMIT}, told AS (
+    SELECT count(pg_notify(n.channel, n.payload)) AS notes
+    FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(channel, payload)
 )
-SELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id
-""")
+SELECT {SUBMITTED_COLUMNS} FROM new CROSS JOIN told ORDER BY id""")
 
 
 BY_IDEMPOTENCY_KEYS: TextClause = text(f"""
@@ -518,36 +526,17 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
 _PSYCOPG = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
 
 
-# Notes to the other replicas' listeners (``feed.notes_of``), sent by the transaction
-# that wrote what they announce.
-NOTES: TextClause = text("""
-SELECT pg_notify(n.channel, n.payload)
-FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(channel, payload)
-""")
-
-
 async def _fetch_plain(
-    driver: psycopg.AsyncConnection[Any],
-    query: TextClause,
-    params: dict[str, Any],
-    notes: Sequence[tuple[str, str]] = (),
+    driver: psycopg.AsyncConnection[Any], query: TextClause, params: dict[str, Any]
 ) -> list[Any]:
-    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it), with
-    ``notes`` sent in the same transaction (one round trip: a pipeline). A refusal
-    raises as SQLAlchemy's error would, ``connection_invalidated`` when the connection
-    is lost, so the same handlers answer it."""
+    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it): a
+    refusal raises as SQLAlchemy's error would, ``connection_invalidated`` when the
+    connection is lost, so the same handlers answer it."""
     sql = pipeline.driver_sql(query, _PSYCOPG)
     try:
-        if not notes:
-            async with driver.cursor(row_factory=namedtuple_row) as cursor:
-                await cursor.execute(sql, params)
-                return await cursor.fetchall()
-        told = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
-        cursor = driver.cursor(row_factory=namedtuple_row)
-        async with driver.pipeline(), driver.transaction():
+        async with driver.cursor(row_factory=namedtuple_row) as cursor:
             await cursor.execute(sql, params)
-            await driver.execute(pipeline.driver_sql(NOTES, _PSYCOPG), told)
-        return await cursor.fetchall()
+            return await cursor.fetchall()
     except psycopg.Error as exc:
         lost = driver.broken or driver.closed or isinstance(exc, psycopg.OperationalError)
         raise DBAPIError.instance(
@@ -702,24 +691,30 @@ async def submit_docs(
     notes: Sequence[tuple[str, str]] = (),
 ) -> list[Stored]:
     """Store ``docs`` (``submission_docs``) in one statement on a plain psycopg connection
-    in autocommit, ``notes`` (``feed.notes_of``) sent in its transaction: one commit for
-    all. Each one's outcome, in the order given: a key that matched a different request
-    is that submission's ``IdempotencyMismatch``, the others stand. A statement the
-    database refuses raises, as ``_fetch`` does."""
+    in autocommit, ``notes`` (``feed.notes_of``) sent by it: one commit for all. Each
+    one's outcome, in the order given: a key that matched a different request is that
+    submission's ``IdempotencyMismatch``, the others stand. A statement the database
+    refuses raises, as ``_fetch`` does."""
     fetch = functools.partial(_fetch_plain, driver)
-    first = functools.partial(_fetch_plain, driver, notes=notes)
-    return await _store(fetch, docs, quantum_s, first)
+    if not notes:
+        return await _store(fetch, docs, quantum_s)
+    told = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+    return await _store(fetch, docs, quantum_s, SUBMIT_TELLING, told)
 
 
 Fetch = Callable[[TextClause, dict[str, Any]], Awaitable[list[Any]]]
 
 
 async def _store(
-    fetch: Fetch, docs: Sequence[dict[str, Any]], quantum_s: float, first: Fetch | None = None
+    fetch: Fetch,
+    docs: Sequence[dict[str, Any]],
+    quantum_s: float,
+    query: TextClause = SUBMIT,
+    extra: dict[str, Any] | None = None,
 ) -> list[Stored]:
-    """Run SUBMIT (through ``first``, if given) and match each doc to its row, reading
-    the rows of keys that matched tasks stored before."""
-    created = await (first or fetch)(SUBMIT, {"rows": jsonb(docs), "quantum": quantum_s})
+    """Run ``query`` (SUBMIT, or a form of it taking ``extra`` parameters) and match
+    each doc to its row, reading the rows of keys that matched tasks stored before."""
+    created = await fetch(query, {"rows": jsonb(docs), "quantum": quantum_s, **(extra or {})})
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None

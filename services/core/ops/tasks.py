@@ -199,10 +199,15 @@ def _soon() -> datetime:
 def _work_of(specs: Iterable[TaskCreate]) -> Work:
     """The wake-ups these claimable submissions are worth: one per task in its queue; a
     task that requires labels wakes a claim whose worker matches them."""
-    rules = [(spec.queue, tasks_db.required_of(spec)) for spec in specs]
-    return Work.of_queues(queue for queue, rule in rules if rule is None) + Work(
-        placed=tuple((queue, rule) for queue, rule in rules if rule is not None)
-    )
+    queues: dict[str, int] = {}
+    placed = []
+    for spec in specs:
+        rule = tasks_db.required_of(spec)
+        if rule is None:
+            queues[spec.queue] = queues.get(spec.queue, 0) + 1
+        else:
+            placed.append((spec.queue, rule))
+    return Work(queues=queues, placed=tuple(placed))
 
 
 async def _submit_alone(
