@@ -115,11 +115,10 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
         group = None
         if settings.submit_group_commit:
+            # Direct, as the notifier's: its notes' echo is known by its backend's pid,
+            # which a pooler does not tell.
             group = GroupCommit(
-                libpq_url(database_url),
-                database.connect_args(settings, database_url),
-                settings.fair_quantum_s,
-                notifier,
+                libpq_url(direct), database.keepalive(direct), settings.fair_quantum_s, notifier
             )
             group.start()
         app.state.group_commit = group
