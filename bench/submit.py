@@ -2,7 +2,8 @@
 endpoint in the same run, and ``POST /v1/tasks/batch`` on its own.
 
     .venv/bin/python bench/submit.py [--duration 10] [--concurrency 32] [--batch-size 1000]
-                                     [--rounds 3] [--core-workers 1] [--json results.json]
+                                     [--rounds 3] [--core-workers 1] [--open-rate 300]
+                                     [--port-base 22000] [--json results.json]
 
 One run starts a fresh embedded PostgreSQL (durable settings unless ``--fast``) in a temp
 folder, migrates it, creates a token, and starts two servers as their own processes, each
@@ -14,7 +15,11 @@ bare and cairn (bare first in even rounds, cairn first in odd ones) and the medi
 reported. The servers, PostgreSQL and the load generator share the machine's cores, so the
 CPU each used per 1000 tasks is shown too, with the machine's total load and the share of
 it that was not this benchmark. At the end the rows in each table are counted against the
-201 answers received. Bars (DESIGN.md): cairn/bare >= 0.9; batch >= 30,000 tasks/s.
+201 answers received. With ``--open-rate R``, rounds of single submissions open loop at R
+a second (on up to ``--open-connections``) follow, bare and cairn alternating, and the
+server + PostgreSQL CPU per submission of each and their ratio are printed. Bars
+(DESIGN.md, issue 35): cairn/bare >= 0.9 closed loop; cairn/bare CPU per submission
+<= 1.25 open loop; batch >= 30,000 tasks/s.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ ROOT = HERE.parent
 NPROC = os.cpu_count() or 1
 
 SINGLE_BAR = 0.9
+OPEN_BAR = 1.25
 BATCH_BAR = 30_000
 
 
@@ -54,8 +60,10 @@ BATCH_BAR = 30_000
 
 
 class _Load:
-    """Closed-loop load: each connection sends the next request when the last one answers.
-    Requests sent and answered inside the measured window are counted and timed."""
+    """Closed-loop load: each connection sends the next request when the last one answers;
+    or, with ``rate``, open loop: a request every 1/rate s on the next free connection
+    (``late`` counts sends that found every connection busy and waited). Requests sent
+    and answered inside the measured window are counted and timed."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -68,6 +76,8 @@ class _Load:
         self.samples: list[str] = []
         self.marks: dict[str, float] = {}
         self.t0 = self.t1 = 0.0
+        self.answered = 0  # answers (any status) that arrived inside the window
+        self.late = 0
 
     async def run(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -83,7 +93,10 @@ class _Load:
             asyncio.ensure_future(self._mark(n, t))
             for n, t in (("start", self.t0), ("end", self.t1))
         ]
-        await asyncio.gather(*(self._worker(c) for c in conns))
+        if self.cfg.get("rate"):
+            await self._open_loop(conns)
+        else:
+            await asyncio.gather(*(self._worker(c) for c in conns))
         await asyncio.gather(*marks)
         for conn in conns:
             conn.transport.close()
@@ -97,24 +110,56 @@ class _Load:
         print(f"MARK {name}", flush=True)
 
     async def _worker(self, conn: Conn) -> None:
-        expect = self.cfg["expect"]
-        while (sent := time.perf_counter()) < self.t1:
-            try:
-                status, answer = await conn.request(self.data, self.cfg["timeout"])
-            except (OSError, TimeoutError, ConnectionError) as exc:
-                self.errors += 1
-                self.samples.append(repr(exc))
+        while time.perf_counter() < self.t1:
+            if not await self._one(conn):
                 return
-            done = time.perf_counter()
-            if status != expect:
-                self.errors += 1
-                self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
-                if len(self.samples) < 3:
-                    self.samples.append(answer[:300].decode(errors="replace"))
-                continue
-            self.ok += 1
-            if self.t0 <= sent and done <= self.t1:
-                self.latencies.append(done - sent)
+
+    async def _one(self, conn: Conn) -> bool:
+        """One request on ``conn``, counted; False if the connection failed."""
+        sent = time.perf_counter()
+        try:
+            status, answer = await conn.request(self.data, self.cfg["timeout"])
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            self.errors += 1
+            self.samples.append(repr(exc))
+            return False
+        done = time.perf_counter()
+        if self.t0 <= done <= self.t1:
+            self.answered += 1
+        if status != self.cfg["expect"]:
+            self.errors += 1
+            self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
+            if len(self.samples) < 3:
+                self.samples.append(answer[:300].decode(errors="replace"))
+            return True
+        self.ok += 1
+        if self.t0 <= sent and done <= self.t1:
+            self.latencies.append(done - sent)
+        return True
+
+    async def _open_loop(self, conns: list[Conn]) -> None:
+        free: asyncio.Queue[Conn] = asyncio.Queue()
+        for conn in conns:
+            free.put_nowait(conn)
+        interval = 1.0 / self.cfg["rate"]
+        start = time.perf_counter()
+        running: set[asyncio.Future[None]] = set()
+
+        async def send(conn: Conn) -> None:
+            if await self._one(conn):
+                free.put_nowait(conn)
+
+        n = 0
+        while (due := start + n * interval) < self.t1:
+            if (delay := due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            if free.empty():
+                self.late += 1
+            job = asyncio.ensure_future(send(await free.get()))
+            running.add(job)
+            job.add_done_callback(running.discard)
+            n += 1
+        await asyncio.gather(*running)
 
     def _result(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -129,6 +174,8 @@ class _Load:
             "tasks_per_request": per,
             "window_s": window,
             "requests_per_s": len(lat) / window,
+            "answered": self.answered,
+            "late": self.late,
             "tasks_per_s": len(lat) * per / window,
             "p50_ms": pct(0.50),
             "p99_ms": pct(0.99),
@@ -289,7 +336,9 @@ class Bench:
         self.core: subprocess.Popen[bytes] | None = None
         self.bare: subprocess.Popen[bytes] | None = None
         self.stats: Any = None
-        self.runs: dict[str, list[dict[str, Any]]] = {"bare": [], "cairn": [], "batch": []}
+        self.runs: dict[str, list[dict[str, Any]]] = {
+            name: [] for name in ("bare", "cairn", "batch", "open_bare", "open_cairn")
+        }
         self.info: dict[str, Any] = {}
 
     def setup(self) -> None:
@@ -299,6 +348,9 @@ class Bench:
         from libs.common.settings import libpq_url
         from services.core import admin, migrate
 
+        if self.args.port_base:  # the embedded server takes the port its folder names
+            (self.work / "pg").mkdir(mode=0o700)
+            (self.work / "pg" / "port").write_text(str(self.args.port_base + 2))
         url = self.pg.start()
         self.url, self.libpq = url, libpq_url(url)
         migrate.upgrade(url)
@@ -314,7 +366,10 @@ class Bench:
                 for key in ("server_version", "fsync", "synchronous_commit", "full_page_writes")
             }
         self.token = admin.create_token(url, "bench", "user")
-        self.core_port, self.bare_port = _free_port(), _free_port()
+        if self.args.port_base:
+            self.core_port, self.bare_port = self.args.port_base, self.args.port_base + 1
+        else:
+            self.core_port, self.bare_port = _free_port(), _free_port()
         self.core = subprocess.Popen(
             [sys.executable, "-m", "services.core"],
             cwd=ROOT,
@@ -407,7 +462,9 @@ class Bench:
         result["other_cores"] = max(0.0, result["machine_busy"] * NPROC - ours)
         return result
 
-    def single_rounds(self) -> None:
+    def single_rounds(self, rate: float = 0.0) -> None:
+        """Rounds of bare and cairn, alternating which goes first: closed loop on
+        ``--concurrency`` connections, or open loop at ``rate`` a second."""
         targets = {
             "bare": (self.bare, self.bare_port, None),
             "cairn": (self.core, self.core_port, self.token),
@@ -421,12 +478,14 @@ class Bench:
                     "path": "/v1/tasks",
                     "body_file": str(self.single_body),
                     "token": token,
-                    "concurrency": self.args.concurrency,
+                    "concurrency": self.args.open_connections if rate else self.args.concurrency,
                     "tasks_per_request": 1,
+                    "rate": rate,
                 }
-                r = self.load(f"{name}-{rnd}", server, cfg)
-                self.runs[name].append(r)
-                _progress(rnd, name, r)
+                key = f"open_{name}" if rate else name
+                r = self.load(f"{key}-{rnd}", server, cfg)
+                self.runs[key].append(r)
+                _progress(rnd, key, r)
 
     def batch_rounds(self) -> None:
         assert self.core is not None
@@ -448,10 +507,10 @@ class Bench:
         count = "SELECT count(*) FROM {}"
         bare_rows = self.stats.execute(count.format("public.bare_tasks")).fetchone()[0]
         core_rows = self.stats.execute(count.format("core.tasks")).fetchone()[0]
-        bare_ok = sum(r["ok_total"] for r in self.runs["bare"])
-        core_ok = sum(r["ok_total"] for r in self.runs["cairn"]) + self.args.batch_size * sum(
-            r["ok_total"] for r in self.runs["batch"]
-        )
+        runs = self.runs
+        bare_ok = sum(r["ok_total"] for r in runs["bare"] + runs["open_bare"])
+        core_ok = sum(r["ok_total"] for r in runs["cairn"] + runs["open_cairn"])
+        core_ok += self.args.batch_size * sum(r["ok_total"] for r in runs["batch"])
         return {
             "bare_rows": bare_rows,
             "bare_201": bare_ok,
@@ -473,7 +532,8 @@ class Bench:
 
 def _progress(rnd: int, name: str, r: dict[str, Any]) -> None:
     print(
-        f"  round {rnd + 1} {name:5s}: {r['tasks_per_s']:8.0f} tasks/s  p50 {r['p50_ms']:.2f} ms"
+        f"  round {rnd + 1} {name:10s}: {r['tasks_per_s']:8.0f} tasks/s"
+        f"  p50 {r['p50_ms']:.2f} ms"
         f"  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  "
         f"(other load {r['other_cores']:.2f} cores)",
         flush=True,
@@ -523,6 +583,8 @@ def _results(bench: Bench, started: dt.datetime, background: float) -> dict[str,
             "batch_concurrency": args.batch_concurrency,
             "bare_table": args.bare_table,
             "core_workers": args.core_workers,
+            "open_rate": args.open_rate,
+            "open_connections": args.open_connections,
             "core_pool": "core's defaults: SQLAlchemy pool_size 10, max_overflow 10",
             "bare_pool": "psycopg_pool min_size 10, max_size 20",
         },
@@ -538,7 +600,34 @@ def _results(bench: Bench, started: dt.datetime, background: float) -> dict[str,
         ]
     if runs["batch"]:
         res["batch"] = _summary(runs["batch"])
+    if runs["open_bare"] and runs["open_cairn"]:
+        res["open"] = _open_summary(args.open_rate, runs["open_bare"], runs["open_cairn"])
     return res
+
+
+def _cpu_per_answer(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Milliseconds of CPU per answer inside the window, by process group, over rounds."""
+    answered = sum(r["answered"] for r in runs) or 1
+    return {k: 1000 * sum(r["cpu_s"][k] for r in runs) / answered for k in ("server", "postgres")}
+
+
+def _open_summary(
+    rate: float, bare: list[dict[str, Any]], cairn: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The open-loop bar: server + PostgreSQL CPU per submission, cairn over bare, over
+    all rounds and round by round."""
+
+    def both(runs: list[dict[str, Any]]) -> float:
+        return sum(_cpu_per_answer(runs).values())
+
+    return {
+        "rate": rate,
+        "bare": {**_summary(bare), "cpu_ms_per_submission": _cpu_per_answer(bare)},
+        "cairn": {**_summary(cairn), "cpu_ms_per_submission": _cpu_per_answer(cairn)},
+        "sent_late": {"bare": sum(r["late"] for r in bare), "cairn": sum(r["late"] for r in cairn)},
+        "ratio": both(cairn) / both(bare),
+        "ratio_rounds": [both([c]) / both([b]) for b, c in zip(bare, cairn, strict=True)],
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -569,7 +658,21 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="core's uvicorn worker processes (CAIRN_CORE_WORKERS; the bare app keeps one) (1)",
     )
-    p.add_argument("--skip-single", action="store_true", help="only the batch rounds")
+    p.add_argument(
+        "--open-rate",
+        type=float,
+        default=0.0,
+        help="also rounds of single submissions open loop at this rate a second, bare and "
+        "cairn: server + PostgreSQL CPU per submission and their ratio (off: 0)",
+    )
+    p.add_argument("--open-connections", type=int, default=64, help="connections, open loop (64)")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="core on this port, bare on the next, PostgreSQL on the one after (0: free ports)",
+    )
+    p.add_argument("--skip-single", action="store_true", help="no closed-loop single rounds")
     p.add_argument("--skip-batch", action="store_true", help="only the single-submit rounds")
     p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
     p.add_argument("--loadgen", help=argparse.SUPPRESS)
@@ -600,6 +703,8 @@ def main() -> None:
         bench.setup()
         if not args.skip_single:
             bench.single_rounds()
+        if args.open_rate:
+            bench.single_rounds(args.open_rate)
         if not args.skip_batch:
             bench.batch_rounds()
         res = _results(bench, started, background)
@@ -672,6 +777,8 @@ def report(res: dict[str, Any]) -> None:
             f"single submit, cairn/bare: {res['ratio']:.3f} (per round: {rounds}) -> "
             f"{verdict} the bar >= {SINGLE_BAR}"
         )
+    if "open" in res:
+        _report_open(res["open"])
     if "batch" in res:
         rate = res["batch"]["tasks_per_s"]
         verdict = "meets" if rate >= BATCH_BAR else "MISSES"
@@ -681,6 +788,25 @@ def report(res: dict[str, Any]) -> None:
         f"check: bare rows {c['bare_rows']} = 201s {c['bare_201']}; core rows "
         f"{c['core_rows']} = tasks answered 201 {c['core_201_tasks']}: "
         + ("ok" if c["consistent"] else "MISMATCH")
+    )
+
+
+def _report_open(o: dict[str, Any]) -> None:
+    print(f"open loop at {o['rate']:g} submissions/s (sends that found every connection busy:")
+    print(f"  bare {o['sent_late']['bare']}, cairn {o['sent_late']['cairn']})")
+    for name in ("bare", "cairn"):
+        r = o[name]
+        cpu = r["cpu_ms_per_submission"]
+        print(
+            f"  {name:5s}: {r['tasks_per_s']:6.0f} tasks/s answered, p50 {r['p50_ms']:.2f} ms; "
+            f"CPU a submission: server {cpu['server']:.3f} + PostgreSQL {cpu['postgres']:.3f}"
+            f" = {cpu['server'] + cpu['postgres']:.3f} ms"
+        )
+    verdict = "meets" if o["ratio"] <= OPEN_BAR else "MISSES"
+    rounds = ", ".join(f"{x:.3f}" for x in o["ratio_rounds"])
+    print(
+        f"open-loop CPU a submission, cairn/bare: {o['ratio']:.3f} (per round: {rounds}) -> "
+        f"{verdict} the bar <= {OPEN_BAR}"
     )
 
 

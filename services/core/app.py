@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import database, health, metrics, pages, problems
 from libs.common.limits import BodyLimit
+from libs.common.settings import libpq_url
 from services.core import loops
 from services.core.api import (
     audit,
@@ -39,6 +40,7 @@ from services.core.objects import LogObjects
 from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
+from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings, SecretsKeySettings
 from services.core.ui import router as ui
@@ -111,6 +113,19 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.oidc = oidc
         app.state.signin = ProviderClient(settings) if settings.signin_enabled else None
         app.state.sharing = sharing.Book(settings.sharing_cache_s)
+        group = None
+        if settings.submit_group_commit:
+            # Direct, as the notifier's: its notes' echo is known by its backend's pid,
+            # which a pooler does not tell.
+            group = GroupCommit(
+                libpq_url(direct),
+                database.keepalive(direct),
+                settings.fair_quantum_s,
+                notifier,
+                fair=settings.fair_share_rule,
+            )
+            group.start()
+        app.state.group_commit = group
         app.state.log_maskers = tasklogs.Maskers(app.state.secret_box)
         app.state.log_objects = LogObjects.of(settings)
         app.state.webhooks = await notify.Webhooks.of(
@@ -141,6 +156,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             for task in background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if group is not None:
+                await group.stop()
             await notifier.stop()
             await engine.dispose()
             await liveness.dispose()

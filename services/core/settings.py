@@ -12,6 +12,7 @@ from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
 from services.core.domain.groups import TeamMapping, parse_team_map
+from services.core.domain.sharing import FairShare
 
 
 class SecretsKeySettings(CairnSettings):
@@ -50,6 +51,9 @@ class CoreSettings(SecretsKeySettings):
     #: connections of the liveness path alone (heartbeats, the reaper), which the data
     #: path's load cannot take
     liveness_pool_size: int = Field(default=4, ge=1, le=50)
+    #: single submissions written together, in one statement and one commit, on a
+    #: connection of their own (``ops.groupcommit``); false: each in its own statement
+    submit_group_commit: bool = True
     promote_interval_s: float = Field(default=1.0, gt=0)
     #: how long past its run_at a ready task is left to claims (which take it from its
     #: run_at on) before the promoter moves it to waiting
@@ -267,6 +271,11 @@ class CoreSettings(SecretsKeySettings):
     #: the decayed core-seconds (over the flow's weight) that push its new work back by
     #: one fair-share step (``CAIRN_FAIR_QUANTUM_S``): one task's turn per core-minute
     fair_share_unit_cpu_s: float = Field(default=60.0, gt=0, le=1e9)
+
+    @property
+    def fair_share_rule(self) -> FairShare:
+        """The three settings above as the submit path takes them."""
+        return FairShare(self.fair_share, self.fair_share_half_life_s, self.fair_share_unit_cpu_s)
 
     # live logs (see docs/logs.md)
     #: what one attempt's log keeps at most (its end; a marker says what was dropped)

@@ -49,7 +49,6 @@ from services.core.api.deps import (
 from services.core.db import placement, progress, sharing
 from services.core.db import tasks as tasks_db
 from services.core.domain import limits
-from services.core.domain.sharing import FairShare
 from services.core.ops import tasklogs
 from services.core.ops import tasks as tasks_ops
 from services.core.settings import CoreSettings
@@ -106,13 +105,8 @@ async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
         book=await _book(request, call.engine),
         quantum=float(request.app.state.settings.fair_quantum_s),
         defaults=_task_defaults(request.app.state.settings),
-        fair=_fair_share(request.app.state.settings),
-    )
-
-
-def _fair_share(settings: CoreSettings) -> FairShare:
-    return FairShare(
-        settings.fair_share, settings.fair_share_half_life_s, settings.fair_share_unit_cpu_s
+        fair=request.app.state.settings.fair_share_rule,
+        group=request.app.state.group_commit,
     )
 
 

@@ -255,6 +255,12 @@ class Line:
         return 1
 
 
+def notes_of(work: Work) -> list[tuple[str, str]]:
+    """The notes a transaction that commits new events, and ``work`` that became
+    claimable, sends the other replicas itself: (channel, payload) pairs."""
+    return [(CHANNEL, ""), (WORK_CHANNEL, work.dump())] if work else [(CHANNEL, "")]
+
+
 class Notifier:
     def __init__(self, database_url: str) -> None:
         self._url = libpq_url(database_url)
@@ -268,6 +274,9 @@ class Notifier:
         self.line = Line()
         self._log_waiters: dict[int, tuple[asyncio.Event, list[int]]] = {}
         self._sender_pid: int | None = None  # the backend our announcements come from
+        #: backends that tell the other replicas from their own writing transactions
+        #: (the group commit's, ``ops.groupcommit``): their notes are ours too
+        self._telling_pids: set[int] = set()
         self.on_due: Callable[[float], None] | None = None
 
     def start(self) -> None:
@@ -288,16 +297,28 @@ class Notifier:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def announce(self, work: Work | None = None) -> None:
+    def announce(self, work: Work | None = None, *, told: bool = False) -> None:
         """New events are committed: wake followers here, and tell the other replicas;
         with ``work``, what became claimable: wake as many waiting claims as it can use
-        here, and as many on each other replica."""
+        here, and as many on each other replica. ``told``: the writing transaction told
+        the other replicas itself (``notes_of``), so only this one's are woken."""
         self._wake()
-        self._events_out = True
         if work:
             self.line.wake(work)
+        if told:
+            return
+        self._events_out = True
+        if work:
             self._work_out = self._work_out + work
         self._outgoing.set()
+
+    def telling(self, pid: int, *, gone: bool = False) -> None:
+        """Backend ``pid`` sends this process's notes from its own transactions (or no
+        longer does, ``gone``): their echo is not a wake-up here."""
+        if gone:
+            self._telling_pids.discard(pid)
+        else:
+            self._telling_pids.add(pid)
 
     def sweep(self) -> int:
         """This replica's own floor under lost wake-ups: the longest waiting claim of each
@@ -384,7 +405,8 @@ class Notifier:
             self._ring(list(self._log_waiters))
             self.line.wake_all()
             async for note in conn.notifies():
-                if note.channel in (CHANNEL, WORK_CHANNEL) and note.pid == self._sender_pid:
+                ours = note.pid == self._sender_pid or note.pid in self._telling_pids
+                if note.channel in (CHANNEL, WORK_CHANNEL) and ours:
                     continue  # our own: its waiters were woken when it was announced
                 if note.channel == WORK_CHANNEL:
                     self.line.wake(Work.load(note.payload))

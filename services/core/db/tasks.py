@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -87,7 +88,7 @@ CRASHED_NOW = """(array_append(t.crashed_at, now()))[
     greatest(1, cardinality(t.crashed_at) + 2 - t.poison_after):]"""
 
 # Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
-SUBMIT: TextClause = text(f"""
+_SUBMIT = f"""
 WITH input AS (
     SELECT r.*, e.ord
     FROM jsonb_array_elements(CAST(:rows AS jsonb)) WITH ORDINALITY AS e(doc, ord),
@@ -190,9 +191,17 @@ WITH input AS (
 ), events AS (
     INSERT INTO core.task_events (task_id, seq, owner, op, from_state, to_state)
     SELECT id, 1, owner, 'submit', NULL, state FROM new
+)"""
+SUBMIT: TextClause = text(f"{_SUBMIT}\nSELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id")
+
+# The same, telling the other replicas' listeners of what it stored (``feed.notes_of``)
+# in its own transaction: once, if it stored anything (the CTE calls a volatile
+# function, so it is computed once, and only if read).
+SUBMIT_TELLING: TextClause = text(f"""{_SUBMIT}, told AS (
+    SELECT count(pg_notify(n.channel, n.payload)) AS notes
+    FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(channel, payload)
 )
-SELECT {SUBMITTED_COLUMNS} FROM new ORDER BY id
-""")
+SELECT {SUBMITTED_COLUMNS} FROM new CROSS JOIN told ORDER BY id""")
 
 
 BY_IDEMPOTENCY_KEYS: TextClause = text(f"""
@@ -533,6 +542,27 @@ async def _fetch(conn: AsyncConnection, query: TextClause, params: dict[str, Any
         ) from exc
 
 
+_PSYCOPG = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+
+
+async def _fetch_plain(
+    driver: psycopg.AsyncConnection[Any], query: TextClause, params: dict[str, Any]
+) -> list[Any]:
+    """``_fetch`` on a plain psycopg connection (no SQLAlchemy engine under it): a
+    refusal raises as SQLAlchemy's error would, ``connection_invalidated`` when the
+    connection is lost, so the same handlers answer it."""
+    sql = pipeline.driver_sql(query, _PSYCOPG)
+    try:
+        async with driver.cursor(row_factory=namedtuple_row) as cursor:
+            await cursor.execute(sql, params)
+            return await cursor.fetchall()
+    except psycopg.Error as exc:
+        lost = driver.broken or driver.closed or isinstance(exc, psycopg.OperationalError)
+        raise DBAPIError.instance(
+            sql, params, exc, psycopg.Error, connection_invalidated=lost, dialect=_PSYCOPG
+        ) from exc
+
+
 # --- submissions --------------------------------------------------------------------------
 
 
@@ -633,6 +663,22 @@ def required_of(spec: TaskCreate) -> dict[str, Any] | None:
     return _placement_doc(spec)["required"] if spec.placement is not None else None
 
 
+def submission_docs(
+    owner: str | Sequence[str],
+    specs: Sequence[TaskCreate],
+    filled: Sequence[Filled] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows SUBMIT takes, one per submission: ``owner`` is one owner for all, or one
+    per submission; ``filled`` each one's time limits (``domain.limits``; none: as the
+    spec sets them, with core's default crash window)."""
+    owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
+    limits = filled or [_as_set(spec) for spec in specs]
+    return [
+        {**_row_doc(spec, fill), "owner": who}
+        for spec, fill, who in zip(specs, limits, owners, strict=True)
+    ]
+
+
 async def submit(
     conn: AsyncConnection,
     owner: str | Sequence[str],
@@ -643,27 +689,64 @@ async def submit(
 ) -> list[tuple[Any, bool]]:
     """Store the submissions in one statement; return each one's task row, in the order
     given, and whether it was created (False: its idempotency key matched a task).
-    ``owner`` is one owner for all, or one per submission. Rows hold
-    ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of
-    weight 1 (docs/sharing.md). ``filled``: each one's time limits (``domain.limits``;
-    none: as the spec sets them, with core's default crash window). ``fair``: whether
+    ``IdempotencyMismatch`` if a key matched a different request. Rows hold
+    ``SUBMITTED_COLUMNS``. ``quantum_s`` is the fair-share step of an owner of weight 1
+    (docs/sharing.md); ``owner`` and ``filled``: ``submission_docs``; ``fair``: whether
     queues weigh usage by default, and how (none: they do not)."""
-    owners = [owner] * len(specs) if isinstance(owner, str) else list(owner)
-    limits = filled or [_as_set(spec) for spec in specs]
-    docs = [
-        {**_row_doc(spec, fill), "owner": who}
-        for spec, fill, who in zip(specs, limits, owners, strict=True)
-    ]
-    rows = jsonb(docs)
+    docs = submission_docs(owner, specs, filled)
+    out = await _store(functools.partial(_fetch, conn), docs, quantum_s, fair)
+    for item in out:
+        if isinstance(item, IdempotencyMismatch):
+            raise item
+    return out  # type: ignore[return-value]
+
+
+# One submission's outcome: its row and whether it was created, or its refusal.
+Stored = tuple[Any, bool] | IdempotencyMismatch
+
+
+async def submit_docs(
+    driver: psycopg.AsyncConnection[Any],
+    docs: Sequence[dict[str, Any]],
+    quantum_s: float,
+    notes: Sequence[tuple[str, str]] = (),
+    fair: FairShare | None = None,
+) -> list[Stored]:
+    """Store ``docs`` (``submission_docs``) in one statement on a plain psycopg connection
+    in autocommit, ``notes`` (``feed.notes_of``) sent by it: one commit for all. Each
+    one's outcome, in the order given: a key that matched a different request is that
+    submission's ``IdempotencyMismatch``, the others stand. A statement the database
+    refuses raises, as ``_fetch`` does."""
+    fetch = functools.partial(_fetch_plain, driver)
+    if not notes:
+        return await _store(fetch, docs, quantum_s, fair)
+    told = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+    return await _store(fetch, docs, quantum_s, fair, SUBMIT_TELLING, told)
+
+
+Fetch = Callable[[TextClause, dict[str, Any]], Awaitable[list[Any]]]
+
+
+async def _store(
+    fetch: Fetch,
+    docs: Sequence[dict[str, Any]],
+    quantum_s: float,
+    fair: FairShare | None = None,
+    query: TextClause = SUBMIT,
+    extra: dict[str, Any] | None = None,
+) -> list[Stored]:
+    """Run ``query`` (SUBMIT, or a form of it taking ``extra`` parameters) and match
+    each doc to its row, reading the rows of keys that matched tasks stored before."""
     fair = fair or FairShare()
     params = {
-        "rows": rows,
+        "rows": jsonb(docs),
         "quantum": quantum_s,
         "fair_share": fair.by,
         "fair_half_life": fair.half_life_s,
         "fair_unit": fair.unit_cpu_s,
+        **(extra or {}),
     }
-    created = await _fetch(conn, SUBMIT, params)
+    created = await fetch(query, params)
 
     def key_of(row: Any) -> tuple[str, str] | None:
         return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
@@ -671,31 +754,31 @@ async def submit(
     created_keys = {(row.owner, row.idempotency_key) for row in created if row.idempotency_key}
     wanted = {k for k in map(key_of, docs) if k is not None}
     missing = sorted(wanted - created_keys)
-    existing: dict[tuple[str, str], Any] = {}
+    by_key: dict[tuple[str, str], Any] = {}
     if missing:
-        found = await _fetch(
-            conn,
+        found = await fetch(
             BY_IDEMPOTENCY_KEYS,
             {"owners": [o for o, _ in missing], "keys": [k for _, k in missing]},
         )
-        existing = {(row.owner, row.idempotency_key): row for row in found}
-    out: list[tuple[Any, bool]] = []
+        by_key = {(row.owner, row.idempotency_key): row for row in found}
+    out: list[Stored] = []
     fresh = iter(created)
-    seen: set[tuple[str, str]] = set()
     for doc in docs:
         key = key_of(doc)
-        if key is None or (key in created_keys and key not in seen):
+        if key is None or (key in created_keys and key not in by_key):
             row = next(fresh)
             if key:
-                seen.add(key)
+                by_key[key] = row  # a second of the same key in this statement matches it
             out.append((row, True))
-            continue
-        row = existing.get(key) or next(r for r, _ in out if (r.owner, r.idempotency_key) == key)
-        if row.spec_hash != doc["spec_hash"]:
-            raise IdempotencyMismatch(
-                f"idempotency_key {key[1]!r} was used for task {row.id} with a different request"
+        elif by_key[key].spec_hash != doc["spec_hash"]:
+            out.append(
+                IdempotencyMismatch(
+                    f"idempotency_key {key[1]!r} was used for task {by_key[key].id}"
+                    " with a different request"
+                )
             )
-        out.append((row, False))
+        else:
+            out.append((by_key[key], False))
     return out
 
 

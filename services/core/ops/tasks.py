@@ -4,7 +4,7 @@ and the bulk actions. The API parses, authorises (a queue's policy), calls and s
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -23,6 +23,7 @@ from services.core.domain import limits, selectors
 from services.core.domain.principals import Principal
 from services.core.domain.sharing import FairShare
 from services.core.domain.transitions import Op
+from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
 
 # --- rules a submission and a retry share ----------------------------------------------
@@ -104,6 +105,9 @@ class Submitter:
     defaults: limits.Defaults = field(default_factory=limits.Defaults)
     #: whether queues weigh decayed usage in fair share by default (docs/sharing.md)
     fair: FairShare = field(default_factory=FairShare)
+    #: the writer that stores single submissions together (``ops.groupcommit``); None:
+    #: each in its own statement
+    group: GroupCommit | None = None
 
 
 def fill_limits(
@@ -147,14 +151,79 @@ async def submit(
     the owners' rights to their teams and secrets checked (``field(i)`` prefixes a
     refusal's field), their submission quotas admitted, then the notifier, the metrics
     and the traces told of what is new. Each row with whether it was created (False: its
-    idempotency key matched a task). One task that no quota limits is one statement with
-    no transaction around it: autocommit saves two round trips. Time limits are filled
-    in (or refused) first: ``fill_limits``."""
+    idempotency key matched a task). One task that no quota limits and that names no
+    secret goes to the group commit (``by.group``), in one statement and one commit with
+    the others of this moment; else one task is one statement with no transaction around
+    it (autocommit saves two round trips). Time limits are filled in (or refused)
+    first: ``fill_limits``."""
     filled = fill_limits(by, specs, field)
     check_placements(specs, field)
     each = [owners] * len(specs) if isinstance(owners, str) else owners
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)
+    told = False
+    if (
+        by.group is not None
+        and len(specs) == 1
+        and not limited
+        and not secrets.needs_check(specs[0])
+    ):
+        [doc] = tasks_db.submission_docs(owners, specs, filled)
+        # Told to the other replicas by its commit, before its row says whether it is
+        # new (an idempotent repeat may wake a claim for nothing; it goes back to wait).
+        work = _work_of(spec for spec in specs if spec.run_at is None or spec.run_at <= _soon())
+        rows = [await by.group.submit(doc, work)]
+        told = by.group.told
+    else:
+        rows = await _submit_alone(by, owners, specs, filled, field, limited)
+    created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
+    if created:
+        soon = _soon()
+        claimable = [
+            spec
+            for row, spec in created
+            if row.state == TaskState.WAITING
+            or (row.state == TaskState.READY and row.run_at <= soon)
+        ]
+        by.notifier.announce(_work_of(claimable), told=told)
+        delayed = [row.run_at for row, _ in created if row.state == TaskState.READY]
+        if delayed:
+            by.notifier.announce_due(min(delayed))
+        by.meter.submitted_to(spec.queue for _, spec in created)
+        traces.submitted(headers, created, start_ns)
+    return rows
+
+
+def _soon() -> datetime:
+    """Due before this, a task is claimable now (a claim leases ahead)."""
+    return datetime.now(UTC) + timedelta(seconds=MAX_AHEAD_S)
+
+
+def _work_of(specs: Iterable[TaskCreate]) -> Work:
+    """The wake-ups these claimable submissions are worth: one per task in its queue; a
+    task that requires labels wakes a claim whose worker matches them."""
+    queues: dict[str, int] = {}
+    placed = []
+    for spec in specs:
+        rule = tasks_db.required_of(spec)
+        if rule is None:
+            queues[spec.queue] = queues.get(spec.queue, 0) + 1
+        else:
+            placed.append((spec.queue, rule))
+    return Work(queues=queues, placed=tuple(placed))
+
+
+async def _submit_alone(
+    by: Submitter,
+    owners: str | list[str],
+    specs: list[TaskCreate],
+    filled: list[limits.Filled],
+    field: Callable[[int], str],
+    limited: bool,
+) -> list[tuple[Any, bool]]:
+    """``specs`` in one transaction (in autocommit for one unlimited task): the owners'
+    teams and secrets checked, their quotas admitted, then the rows."""
+    each = [owners] * len(specs) if isinstance(owners, str) else owners
     async with by.engine.connect() as conn:
         if len(specs) == 1 and not limited:
             await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -163,30 +232,8 @@ async def submit(
                 if secrets.needs_check(spec):
                     await check_owner(conn, by.principal, each[i], spec, field(i))
             if limited:
-                await _admit(conn, by.book, each, by.meter, team_of)
-            rows = await tasks_db.submit(conn, owners, specs, by.quantum, filled, by.fair)
-    created = [(row, spec) for spec, (row, new) in zip(specs, rows, strict=True) if new]
-    if created:
-        # Claimable now, or soon enough for a claim that leases ahead.
-        soon = datetime.now(UTC) + timedelta(seconds=MAX_AHEAD_S)
-        claimable = [
-            (row, spec)
-            for row, spec in created
-            if row.state == TaskState.WAITING
-            or (row.state == TaskState.READY and row.run_at <= soon)
-        ]
-        # A task that requires labels wakes a claim whose worker matches them.
-        rules = [(spec.queue, tasks_db.required_of(spec)) for _, spec in claimable]
-        by.notifier.announce(
-            Work.of_queues(queue for queue, rule in rules if rule is None)
-            + Work(placed=tuple((queue, rule) for queue, rule in rules if rule is not None))
-        )
-        delayed = [row.run_at for row, _ in created if row.state == TaskState.READY]
-        if delayed:
-            by.notifier.announce_due(min(delayed))
-        by.meter.submitted_to(spec.queue for _, spec in created)
-        traces.submitted(headers, created, start_ns)
-    return rows
+                await _admit(conn, by.book, each, by.meter, [spec.team for spec in specs])
+            return await tasks_db.submit(conn, owners, specs, by.quantum, filled, by.fair)
 
 
 # --- one task ----------------------------------------------------------------------------

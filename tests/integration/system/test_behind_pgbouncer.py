@@ -3,7 +3,8 @@ in front of the embedded PostgreSQL, core, cron, dag and a worker agent as proce
 ``CAIRN_DATABASE_URL`` through the pooler and ``CAIRN_DATABASE_DIRECT_URL`` straight to
 the server. A task, a schedule's fire and a two-node workflow run go through; afterwards
 the database holds them succeeded, the pooler carried the request pools' transactions, and
-only the direct sessions (LISTEN, the leaders' locks) reached the server around it.
+only the direct sessions (LISTEN, the leaders' locks, the group commit's writer) reached the
+server around it.
 
 Skipped where pgbouncer is not installed, unless ``CAIRN_REQUIRE_DEPLOY=1`` (``.ci/run``,
 which installs it): then it fails, as the deployment test does."""
