@@ -228,7 +228,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_to_pgqueuer": round(len(done) / elapsed / pgq["jobs_per_s"], 3)
             if pgq and done
             else None,
-            "cpu_ratio_to_pgqueuer": round(cpu * 1000 / max(len(done), 1) / pgq["cpu_ms_per_job"], 3)
+            "cpu_ratio_to_pgqueuer": round(
+                cpu * 1000 / max(len(done), 1) / pgq["cpu_ms_per_job"], 3
+            )
             if pgq and done
             else None,
         }
