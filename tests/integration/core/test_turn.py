@@ -393,3 +393,28 @@ def test_a_turn_that_only_reports_commits_with_its_statement(
     assert asyncio.run(report()) is not claims
     assert closed()
 
+
+def test_a_start_acknowledgement_is_a_hot_update(core: Core, worker: Worker, db: DB) -> None:
+    # Enough attempts to fill the table's first page: the first attempt's start,
+    # acknowledged by a turn (``seen_at``, which no index holds), stays in its page (a
+    # HOT update: no index entry added), as the page keeps room for it (fillfactor 80).
+    small = spec(resources={"cpu": 0.01, "memory_mb": 1})
+    with core.client("alice") as alice:
+        answer = alice.post("/v1/tasks/batch", json={"tasks": [small] * 120})
+        assert answer.status_code in (200, 201), answer.text
+    leased = worker.turn(claim={**ROOM, "max": 120})["attempts"]
+    assert len(leased) == 120
+    pages = db.execute("SELECT count(DISTINCT (ctid::text::point)[0]) FROM core.attempts")
+    assert pages.fetchone()[0] > 1, "the attempts should span more than one page"
+    first = min(a["attempt_id"] for a in leased)
+
+    def where() -> str:
+        [(ctid,)] = db.execute("SELECT ctid::text FROM core.attempts WHERE id = %s", (first,))
+        db.commit()
+        return str(ctid).strip("()").split(",")[0]
+
+    page = where()
+    worker.turn(started=[first])
+    [(seen,)] = db.execute("SELECT seen_at FROM core.attempts WHERE id = %s", (first,))
+    assert seen is not None
+    assert where() == page
