@@ -134,13 +134,12 @@ async def work(
 
 
 async def pgqueuer_drain(
-    database_url: str, count: int, batch: int, postmaster_pid_file: Path
+    database_url: str, count: int, batch: int, postmaster: int
 ) -> dict[str, Any]:
     """Enqueue ``count`` no-op jobs in bulk, then drain them with one pgqueuer worker."""
     from pgqueuer import PsycopgDriver, Queries, QueueManager
     from pgqueuer.types import QueueExecutionMode
 
-    postmaster = int((Path(postmaster_pid_file)).read_text().split()[0])
     dsn = libpq_url(database_url)
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         queries = Queries(PsycopgDriver(conn))
@@ -200,8 +199,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         steady = (len(marks) * 8 // 10) / (hi - lo) if hi > lo else float("nan")
         pgq = None
         if not args.skip_pgqueuer:
-            pid_file = stack.root / "pg" / "data" / "postmaster.pid"
-            pgq = await pgqueuer_drain(stack.database_url, args.tasks, args.pgq_batch, pid_file)
+            pgq = await pgqueuer_drain(
+                stack.database_url, args.tasks, args.pgq_batch, stack.postmaster_pid
+            )
         with psycopg.connect(libpq_url(stack.database_url)) as conn:
             states = dict(conn.execute("SELECT state, count(*) FROM core.tasks GROUP BY 1"))
             attempts = conn.execute(
@@ -218,7 +218,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "steady_tasks_per_s": round(steady),
             "states": states,
             "turns": len(turns),
-            # core and PostgreSQL (the simulated agents' own CPU apart)
+            # core and PostgreSQL (the simulated agents' own CPU apart), until the last
+            # worker's third empty turn
             "cpu_ms_per_task": round(cpu * 1000 / max(len(done), 1), 3),
             "core_cpu_ms_per_task": round(core_cpu * 1000 / max(len(done), 1), 3),
             **moves(before, after, len(done)),
