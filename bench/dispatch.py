@@ -17,6 +17,10 @@ In the same run, on the same PostgreSQL server, pgqueuer (the `bench` extra) dra
 same number of no-op jobs in one process (one ``QueueManager`` with a psycopg connection,
 ``--pgq-batch`` jobs per dequeue, the jobs enqueued in bulk first), and the ratio
 Cairn / pgqueuer is printed: the design's bar is 1.0. ``--skip-pgqueuer`` leaves it out.
+
+Also printed for the claim phase: the CPU per task of core and PostgreSQL against
+pgqueuer's (its process and PostgreSQL) per job (bar 1.25), the share of ``core.tasks``'
+and ``core.attempts``' updates that were HOT, commits per task, and the turns made.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +39,8 @@ import httpx
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fleet import pg_cpu_s
+from procstat import cpu_s
 from stack import core_stack
 
 from libs.common.client import CoreClient
@@ -58,8 +65,49 @@ async def submit_all(core_url: str, token: str, count: int) -> None:
             await core.submit_batch([spec] * min(1000, count - start))
 
 
+# What PostgreSQL counted: each table's updates and how many of them were HOT (no index
+# touched), and the database's commits.
+_TABLES = """
+SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+WHERE schemaname = 'core' AND relname IN ('tasks', 'attempts')
+"""
+
+
+def pg_counts(database_url: str) -> dict[str, int]:
+    """The tables' update counts and the database's commits (``pg_stat_*``), once the
+    backends have flushed them (a backend flushes its counts at most once a second)."""
+    time.sleep(1.5)
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        found = {}
+        for name, upd, hot in conn.execute(_TABLES):
+            found[f"{name}_upd"], found[f"{name}_hot"] = int(upd), int(hot)
+        [commits] = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone() or [0]
+        found["commits"] = int(commits)
+    return found
+
+
+def moves(before: dict[str, int], after: dict[str, int], tasks: int) -> dict[str, Any]:
+    """What the claim phase cost PostgreSQL: the HOT share of each table's updates, and
+    commits per task."""
+    out: dict[str, Any] = {}
+    for table in ("tasks", "attempts"):
+        upd = after[f"{table}_upd"] - before[f"{table}_upd"]
+        hot = after[f"{table}_hot"] - before[f"{table}_hot"]
+        out[f"{table}_updates"] = upd
+        out[f"{table}_hot_share"] = round(hot / upd, 3) if upd else None
+    out["commits_per_task"] = round((after["commits"] - before["commits"]) / max(tasks, 1), 4)
+    return out
+
+
 async def work(
-    core_url: str, token: str, name: str, args: argparse.Namespace, done: list[float]
+    core_url: str,
+    token: str,
+    name: str,
+    args: argparse.Namespace,
+    done: list[float],
+    turns: list[int],
 ) -> None:
     """One simulated agent: each turn reports the attempts the last turn leased (all
     ``succeeded``) and claims again, in one request, as the real agent does."""
@@ -72,6 +120,7 @@ async def work(
         idle = 0
         while idle < 3:
             answer = await core.turn(me.worker.id, Turn(reports=reports, claim=room))
+            turns.append(1)
             refused = [v for v in answer.reports if v.status != 200]
             if refused:
                 raise SystemExit(f"reports refused: {refused[:3]}")
@@ -88,7 +137,9 @@ async def work(
                 idle = 0
 
 
-async def pgqueuer_drain(database_url: str, count: int, batch: int) -> dict[str, Any]:
+async def pgqueuer_drain(
+    database_url: str, count: int, batch: int, postmaster: int
+) -> dict[str, Any]:
     """Enqueue ``count`` no-op jobs in bulk, then drain them with one pgqueuer worker."""
     from pgqueuer import PsycopgDriver, Queries, QueueManager
     from pgqueuer.types import QueueExecutionMode
@@ -109,10 +160,14 @@ async def pgqueuer_drain(database_url: str, count: int, batch: int) -> dict[str,
             done.append(time.perf_counter())
 
         began = time.perf_counter()
+        cpu0 = time.process_time() + pg_cpu_s(postmaster)
         await manager.run(batch_size=batch, mode=QueueExecutionMode.drain)
+        cpu = time.process_time() + pg_cpu_s(postmaster) - cpu0
     elapsed = max(done) - began if done else float("nan")
     return {
         "jobs": len(done),
+        # its one process (queue manager and worker) and PostgreSQL
+        "cpu_ms_per_job": round(cpu * 1000 / max(len(done), 1), 3),
         "elapsed_s": round(elapsed, 2),
         "jobs_per_s": round(len(done) / elapsed),
     }
@@ -131,10 +186,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.workers)
         ]
         done: list[float] = []
+        turns: list[int] = []
+        before = await asyncio.to_thread(pg_counts, stack.database_url)
         began = time.perf_counter()
+        core0, pg0 = cpu_s(stack.core_pid), pg_cpu_s(stack.postmaster_pid)
         await asyncio.gather(
-            *(work(stack.core_url, t, f"w{i}", args, done) for i, t in enumerate(tokens))
+            *(work(stack.core_url, t, f"w{i}", args, done, turns) for i, t in enumerate(tokens))
         )
+        core_cpu = cpu_s(stack.core_pid) - core0
+        cpu = core_cpu + pg_cpu_s(stack.postmaster_pid) - pg0
+        after = await asyncio.to_thread(pg_counts, stack.database_url)
         elapsed = max(done) - began if done else float("nan")
         # Steady rate: the middle 80% of completions, without warm-up and tail.
         marks = sorted(done)
@@ -142,7 +203,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         steady = (len(marks) * 8 // 10) / (hi - lo) if hi > lo else float("nan")
         pgq = None
         if not args.skip_pgqueuer:
-            pgq = await pgqueuer_drain(stack.database_url, args.tasks, args.pgq_batch)
+            pgq = await pgqueuer_drain(
+                stack.database_url, args.tasks, args.pgq_batch, stack.postmaster_pid
+            )
         with psycopg.connect(libpq_url(stack.database_url)) as conn:
             states = dict(conn.execute("SELECT state, count(*) FROM core.tasks GROUP BY 1"))
             attempts = conn.execute(
@@ -158,10 +221,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "tasks_per_s": round(len(done) / elapsed) if done else 0,
             "steady_tasks_per_s": round(steady),
             "states": states,
+            "turns": len(turns),
+            # core and PostgreSQL (the simulated agents' own CPU apart), until the last
+            # worker's third empty turn
+            "cpu_ms_per_task": round(cpu * 1000 / max(len(done), 1), 3),
+            "core_cpu_ms_per_task": round(core_cpu * 1000 / max(len(done), 1), 3),
+            **moves(before, after, len(done)),
             "attempts_per_task": list(attempts) if attempts else None,
             "bar": BAR,
             "pgqueuer": pgq,
             "ratio_to_pgqueuer": round(len(done) / elapsed / pgq["jobs_per_s"], 3)
+            if pgq and done
+            else None,
+            "cpu_ratio_to_pgqueuer": round(
+                cpu * 1000 / max(len(done), 1) / pgq["cpu_ms_per_job"], 3
+            )
             if pgq and done
             else None,
         }
@@ -177,6 +251,7 @@ def main() -> None:
     parser.add_argument("--skip-pgqueuer", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()}")
     results = [asyncio.run(run(args)) for _ in range(args.rounds)]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -187,12 +262,22 @@ def main() -> None:
             f"{r['steady_tasks_per_s']} tasks/s steady (bar {BAR}); states {r['states']}; "
             f"attempts per task max/min {r['attempts_per_task']}"
         )
+        print(
+            f"{r['turns']} turns; HOT share of updates: tasks {r['tasks_hot_share']} of "
+            f"{r['tasks_updates']}, attempts {r['attempts_hot_share']} of "
+            f"{r['attempts_updates']}; {r['commits_per_task']} commits a task; core + "
+            f"PostgreSQL CPU {r['cpu_ms_per_task']} ms a task (core "
+            f"{r['core_cpu_ms_per_task']})"
+        )
         if r["pgqueuer"]:
             print(
                 f"pgqueuer, same run and server: {r['pgqueuer']['jobs']} jobs in "
                 f"{r['pgqueuer']['elapsed_s']} s, {r['pgqueuer']['jobs_per_s']} jobs/s; "
-                f"cairn / pgqueuer = {r['ratio_to_pgqueuer']} (bar 1.0)"
+                f"cairn / pgqueuer = {r['ratio_to_pgqueuer']} (bar 1.0); CPU "
+                f"{r['pgqueuer']['cpu_ms_per_job']} ms a job (its process + PostgreSQL), "
+                f"cairn / pgqueuer = {r['cpu_ratio_to_pgqueuer']} (bar 1.25)"
             )
+    print(f"load average at end: {os.getloadavg()}")
     if len(results) > 1:
         print(f"median overall: {statistics.median(r['tasks_per_s'] for r in results)} tasks/s")
 

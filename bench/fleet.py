@@ -309,6 +309,8 @@ class Sample:
     commits: int
     wal: int
     counts: dict[str, int]
+    #: core.tasks' and core.attempts' updates and HOT updates (pg_stat_user_tables)
+    updates: dict[str, int] = field(default_factory=dict)
 
 
 def pg_cpu_s(postmaster: int) -> float:
@@ -325,6 +327,12 @@ def sample(db: psycopg.Connection[Any], cores: list[int], postmaster: int, c: Co
     ).fetchone()
     assert row is not None
     counts = {k: v for k, v in vars(c).items() if isinstance(v, int)}
+    updates: dict[str, int] = {}
+    for name, upd, hot in db.execute(
+        "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+        " WHERE schemaname = 'core' AND relname IN ('tasks', 'attempts')"
+    ):
+        updates[f"{name}_upd"], updates[f"{name}_hot"] = int(upd), int(hot)
     return Sample(
         time.monotonic(),
         sum(cpu_s(p) for p in cores),
@@ -332,7 +340,18 @@ def sample(db: psycopg.Connection[Any], cores: list[int], postmaster: int, c: Co
         int(row[0]),
         int(row[1]),
         counts,
+        updates,
     )
+
+
+def hot_share(a: Sample, b: Sample) -> dict[str, Any]:
+    """Of each table's updates between two samples, the HOT share (no index touched)."""
+    out: dict[str, Any] = {}
+    for table in ("tasks", "attempts"):
+        upd = b.updates.get(f"{table}_upd", 0) - a.updates.get(f"{table}_upd", 0)
+        hot = b.updates.get(f"{table}_hot", 0) - a.updates.get(f"{table}_hot", 0)
+        out[table] = f"{hot}/{upd}"
+    return out
 
 
 def phase(a: Sample, b: Sample) -> dict[str, float]:
@@ -579,6 +598,8 @@ async def measure(
         "commits_per_task": round(
             (load["commits_per_s"] - idle["commits_per_s"]) * load["seconds"] / tasks, 2
         ),
+        # the load phase's (PostgreSQL flushes a backend's counts within a second)
+        "hot_updates": hot_share(s3, s4),
         "created_to_leased_ms": {
             "p50": round(lat[0], 1) if lat and lat[0] is not None else None,
             "p99": round(lat[1], 1) if lat and lat[1] is not None else None,
@@ -667,6 +688,7 @@ def main() -> None:
                 f" + PG {r['idle']['pg_ms_per_s']} ms/s -> {r['idle_ms_per_agent_s']} ms per"
                 f" agent-second (bar {IDLE_BAR_MS}); load {r['load']['tasks']} tasks:"
                 f" {r['cpu_ms_per_task']} ms CPU and {r['commits_per_task']} commits a task,"
+                f" HOT updates {r['hot_updates']},"
                 f" created->leased p50 {r['created_to_leased_ms']['p50']} ms"
                 f" p99 {r['created_to_leased_ms']['p99']} ms; states {r['states']},"
                 f" real agent {r['real_agent']},"

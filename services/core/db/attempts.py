@@ -215,9 +215,10 @@ MAX_RESEND = 256
 # The lease: each chosen task moved (guarded by the claim's sources in the transitions
 # table and by the state the pick saw), its attempt numbered and inserted with the id the
 # move gave it (so an attempt exists only for a task that moved, and is its current one),
-# and its event appended. The move is driven by the chosen ids through the primary key: a
-# join of the tasks with the chosen rows was planned as a scan of the waiting work, which
-# grows with the backlog (docs/benchmarks.md).
+# and its event appended. The move is driven by the chosen ids through the primary key
+# (``t.id = ANY(:ids)``, as ``_FINISH`` is): a join of the tasks with the chosen rows alone
+# was planned as a scan of all the claimable work (the state guard matches the waiting
+# index), which grows with the backlog: 4,744 rows read to move 64 at 5,000 waiting.
 _CLAIM = text(f"""
 WITH holder AS (
     -- the worker, still present, locked against the reaper until commit
@@ -231,7 +232,8 @@ WITH holder AS (
         CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
         CAST(:froms AS text[])
     ) AS c(id, cpu, memory_mb, from_state)
-    WHERE t.id = c.id AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
+    WHERE t.id = ANY(CAST(:ids AS bigint[])) AND t.id = c.id
+      AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
       AND EXISTS (SELECT FROM holder)
     RETURNING t.*, t.current_attempt_id AS attempt_id,
               1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
@@ -995,14 +997,20 @@ async def finish_and_pick(
     settled: Settled,
     asked: Ask | None,
     first: Sequence[pipeline.Statement] = (),
+    last: bool = False,
 ) -> list[Any]:
     """A turn's second round trip: ``first`` (its progress notes), the reports applied,
-    then the claim's pick (after them, so it sees the room they made): the rows picked."""
+    then the claim's pick (after them, so it sees the room they made): the rows picked.
+    ``last``: the caller runs nothing after this in the transaction unless there is a
+    pick to lease or a service's exit to decide (``applied``); without either (a turn
+    that only reports, as the agent's courier sends them), the COMMIT goes in the same
+    round trip (as ``lease(..., last=True)`` does), not in one of its own."""
     chain = [*first, *settled.statements()] + ([asked.statement()] if asked is not None else [])
     if not chain:
         return []
-    found = await pipeline.run(conn, chain)
-    return found[-1] if asked is not None else []
+    done = last and asked is None and all(move is not None for _, _, move in settled.batch)
+    found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
+    return found[len(chain) - 1] if asked is not None else []
 
 
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:

@@ -533,6 +533,9 @@ attempts = Table(
         "started_at",
         postgresql_where=text("concurrency_key IS NOT NULL"),
     ),
+    # Room in each page for the updates that change no indexed column (``seen_at``: a
+    # start's acknowledgement, a heartbeat), so that they are HOT (migration 0033).
+    postgresql_with={"fillfactor": 80},
 )
 
 # A task's latest progress and checkpoint (docs/progress.md): one row per task that

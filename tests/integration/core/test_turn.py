@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from libs.common.models import AttemptReport
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.settings import libpq_url
 from services.core.db import attempts as attempts_db
@@ -364,3 +365,63 @@ def test_a_lease_without_secrets_commits_in_its_own_round_trip(
     assert count == 1
     assert (during, committed) == ((0, False) if secret else (1, True))
     assert leased() == 1
+
+
+@pytest.mark.parametrize("claims", [False, True], ids=["reports-only", "with-a-claim"])
+def test_a_turn_that_only_reports_commits_with_its_statement(
+    core: Core, worker: Worker, db: DB, db_url: str, claims: bool
+) -> None:
+    # Seen from another session while the turn's transaction is still open: a turn that
+    # only reports (the agent's courier) committed in the round trip of its reports; one
+    # that also claims leaves the COMMIT to its lease.
+    _submit(core, 2)
+    attempt = worker.turn(claim={**ROOM, "max": 1})["attempts"][0]["attempt_id"]
+
+    def closed() -> bool:
+        [(outcome,)] = db.execute("SELECT outcome FROM core.attempts WHERE id = %s", (attempt,))
+        db.commit()
+        return outcome is not None
+
+    async def report() -> bool:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                heard = await attempts_db.hear(conn, worker.id, reported=[attempt])
+                item = AttemptReport(attempt_id=attempt, outcome="succeeded")
+                settled = await attempts_db.settle(conn, worker.id, [item], heard.reported)
+                asked = None
+                if claims:
+                    asked = attempts_db.ask(heard.worker, heard.placed, heard.rest, 8, 16384, 1)
+                await attempts_db.finish_and_pick(conn, settled, asked, last=True)
+                return await asyncio.to_thread(closed)
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(report()) is not claims
+    assert closed()
+
+
+def test_a_start_acknowledgement_is_a_hot_update(core: Core, worker: Worker, db: DB) -> None:
+    # Enough attempts to fill the table's first page: the first attempt's start,
+    # acknowledged by a turn (``seen_at``, which no index holds), stays in its page (a
+    # HOT update: no index entry added), as the page keeps room for it (fillfactor 80).
+    small = spec(resources={"cpu": 0.01, "memory_mb": 1})
+    with core.client("alice") as alice:
+        answer = alice.post("/v1/tasks/batch", json={"tasks": [small] * 120})
+        assert answer.status_code in (200, 201), answer.text
+    leased = worker.turn(claim={**ROOM, "max": 120})["attempts"]
+    assert len(leased) == 120
+    pages = db.execute("SELECT count(DISTINCT (ctid::text::point)[0]) FROM core.attempts")
+    assert pages.fetchone()[0] > 1, "the attempts should span more than one page"
+    first = min(a["attempt_id"] for a in leased)
+
+    def where() -> str:
+        [(ctid,)] = db.execute("SELECT ctid::text FROM core.attempts WHERE id = %s", (first,))
+        db.commit()
+        return str(ctid).strip("()").split(",")[0]
+
+    page = where()
+    worker.turn(started=[first])
+    [(seen,)] = db.execute("SELECT seen_at FROM core.attempts WHERE id = %s", (first,))
+    assert seen is not None
+    assert where() == page
