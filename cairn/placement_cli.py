@@ -144,6 +144,10 @@ def register(app: typer.Typer) -> None:
         output.console.out(render(meta, policy, figures), highlight=False)
 
 
+def _device_hours(held: dict[str, float]) -> str:
+    return ", ".join(f"{name} {s / 3600:.2f}" for name, s in sorted(held.items()))
+
+
 def register_usage(app: typer.Typer) -> None:
     """``cairn usage``: the month's accounting."""
 
@@ -155,7 +159,8 @@ def register_usage(app: typer.Typer) -> None:
         as_json: JsonFlag = False,
     ) -> None:
         """What a month's attempts used, by owner, team or queue (your own and your
-        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved."""
+        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved,
+        device-hours held (``gpu 2.00``)."""
         c = ctx_of(ctx)
 
         async def go() -> Any:
@@ -169,7 +174,7 @@ def register_usage(app: typer.Typer) -> None:
         output.table(
             f"usage in {found.month}, by {found.by}",
             [by, "attempts", "wall h", "cpu h used", "core-h reserved", "GB-h reserved",
-             "peak MB"],
+             "peak MB", "device h"],
             [
                 [
                     output.safe(a.key),
@@ -179,6 +184,7 @@ def register_usage(app: typer.Typer) -> None:
                     f"{a.cpu_reserved_s / 3600:.2f}",
                     f"{a.memory_mb_s / 1024 / 3600:.2f}",
                     f"{a.peak_memory_mb:.0f}",
+                    output.safe(_device_hours(a.device_s)),
                 ]
                 for a in found.items
             ],

@@ -108,6 +108,9 @@ class WorkerOfferSettings(BaseSettings):
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
     worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
     worker_labels: str = ""
+    #: the countable devices the worker offers, by name: ``gpu=2,fpga=1``
+    #: (docs/placement.md, "Devices")
+    worker_devices: str = ""
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
 

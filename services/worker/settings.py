@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
+from libs.common.models import WorkerRegister
 from libs.common.settings import WorkerOfferSettings, parse_labels, parse_list
 from libs.common.sources import parse_sources
+from services.worker.devices import parse_devices
 from services.worker.firewall import parse_blocked
 
 
@@ -43,6 +45,9 @@ class WorkerSettings(WorkerOfferSettings):
     worker_run_dir: Path | None = None
     #: where agents on one host take the uids they hand out (a lock file per uid)
     worker_uid_locks: Path = Path("/run/cairn/uids")
+    #: where agents on one host take the devices they hand out (a lock file per index;
+    #: agents sharing a host's devices must share it); default ``$CAIRN_HOME/devices``
+    worker_device_locks: Path | None = None
     #: destinations no attempt may reach besides link-local (169.254.0.0/16, fe80::/10),
     #: as ``CIDR[:PORT]`` (``[v6/len]:PORT``), comma separated: list the database's host
     #: and port here (docs/security.md, "Egress")
@@ -93,6 +98,18 @@ class WorkerSettings(WorkerOfferSettings):
         parse_sources(value)
         return value
 
+    @field_validator("worker_devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        offered = parse_devices(value)
+        try:
+            WorkerRegister.model_validate(
+                {"hostname": "x", "queues": ["x"], "cpu": 1, "memory_mb": 1, "devices": offered}
+            )
+        except ValidationError as exc:
+            raise ValueError(f"not a set of devices core takes: {exc.errors()[0]['msg']}") from None
+        return value
+
     @field_validator("worker_egress_block")
     @classmethod
     def _check_blocked(cls, value: str) -> str:
@@ -118,6 +135,14 @@ class WorkerSettings(WorkerOfferSettings):
     @property
     def labels(self) -> dict[str, str]:
         return parse_labels(self.worker_labels)
+
+    @property
+    def devices(self) -> dict[str, int]:
+        return parse_devices(self.worker_devices)
+
+    @property
+    def device_locks(self) -> Path:
+        return self.worker_device_locks or self.home / "devices"
 
     @property
     def queues(self) -> list[str]:
