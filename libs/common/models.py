@@ -510,6 +510,8 @@ class Attempt(_Output):
     log_tail: str | None
     charge_cpu: float | None = None
     charge_memory_mb: float | None = None
+    #: the devices it held, by name (None: none)
+    charge_devices: dict[str, int] | None = None
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
     outputs: dict[str, Any] | None = None
@@ -796,10 +798,6 @@ class ClaimRequest(_Input):
 
     cpu: float = Field(ge=0, le=4096)
     memory_mb: int = Field(ge=0, le=64 * 1024 * 1024)
-    #: the devices it has free, by name (none: it takes no work that asks for devices)
-    devices: dict[DeviceName, Annotated[int, Field(ge=0, le=MAX_DEVICES)]] = Field(
-        default_factory=dict, max_length=MAX_DEVICE_NAMES
-    )
     max: int = Field(default=16, ge=1, le=256)
     wait: float = Field(default=0, ge=0, le=MAX_WAIT_S)
     #: also lease delayed work due within this many seconds (capped by core's

@@ -427,7 +427,6 @@ class Agent:
         return ClaimRequest(
             cpu=cpu,
             memory_mb=memory_mb,
-            devices=self._free_devices(),
             max=min(slots, 64),
             wait=claim_wait(*self._beat),
             ahead_s=self.settings.worker_claim_ahead_s,
@@ -729,17 +728,6 @@ class Agent:
         # One still being released holds its slot (its uid, its pooled cgroup) a little
         # longer: releases never pile up behind a burst.
         return cpu, memory, self.settings.worker_slots - len(held) - len(self.releasing)
-
-    def _free_devices(self) -> dict[str, int]:
-        """The devices no attempt holds, as core charged them (from the lease on)."""
-        if not self.devices.offered:
-            return {}
-        ended = self.outbox.keys() | self.sending.keys()
-        return self.devices.free(
-            a.charge.devices if a.charge else a.resources.devices
-            for i, (a, _) in self.running.items()
-            if i not in ended
-        )
 
     def _publish(self, now: bool = False) -> None:
         """Tell the sidecar which attempts this agent holds (``state.Board``). Changes

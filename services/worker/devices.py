@@ -17,8 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,14 +71,6 @@ class DevicePool:
         self._held: dict[tuple[str, int], int] = {}
         if self.offered:
             lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-
-    def free(self, charges: Iterable[Mapping[str, int]]) -> dict[str, int]:
-        """Devices left, by name, when attempts are charged ``charges`` (core's count,
-        which holds from the lease on, before the attempt takes its indexes)."""
-        total: Counter[str] = Counter()
-        for charge in charges:
-            total.update(charge)
-        return {name: max(0, n - total[name]) for name, n in self.offered.items()}
 
     def take(self, want: Mapping[str, int]) -> Held:
         """Indexes for ``want`` (``{"gpu": 1}``), the lowest free first; raises

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from base64 import b64encode
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
 from services.core.domain import outcomes, selectors
 from services.core.domain.outcomes import Move
-from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth, counts
+from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth
 from services.core.domain.retry import SERVICE_RESTARTS
 from services.core.domain.sharing import Gate
 from services.core.domain.transitions import Op, sources
@@ -467,7 +467,6 @@ def ask(
     defaults: placement.Defaults | None = None,
     closing: frozenset[int] = frozenset(),
     ahead_s: float = 0.0,
-    devices: Mapping[str, int] | None = None,
 ) -> Ask | None:
     """A claim's first half, for a worker just heard (``Heard``: its row, locked,
     liveness refreshed): lease waiting work of its queues that fits both the room it
@@ -477,19 +476,19 @@ def ask(
     it first, then highest effective priority, then fair share across owners; rows other
     claims hold are skipped, never shared (``lease``). None when there is nothing to
     lease. ``ahead_s``: also delayed work due within it, into the room the work due now
-    leaves, each started at its ``run_at``. ``devices``: those the worker says it has
-    free, by name (a name it leaves out has none)."""
+    leaves, each started at its ``run_at``. Devices are counted by core alone (the
+    claim's room says none): what the worker offers less what its open attempts hold,
+    so a claim that waits sees the devices a report frees meanwhile."""
     defaults = defaults or placement.Defaults()
     if worker.state != Workers.LIVE or most <= 0:
         return None
     listed = [p for p in placed if p.id not in closing]
     [node] = placement.nodes_from([worker], listed, {worker.id: rest})
     free = node.free()
-    said = devices or {}
     room = Amount(
         min(cpu, free.cpu),
         min(memory_mb, free.memory_mb),
-        counts({name: min(n, said.get(name, 0)) for name, n in free.devices if n > 0}),
+        tuple((name, n) for name, n in free.devices if n > 0),
     )
     if room.cpu <= 0 or room.memory_mb <= 0:
         return None

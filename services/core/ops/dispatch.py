@@ -199,7 +199,6 @@ def _ask(
         ops.defaults,
         closing,
         min(room.ahead_s, ops.ahead_max_s),
-        room.devices,
     )
 
 
