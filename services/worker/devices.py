@@ -132,14 +132,26 @@ class DevicePool:
 
 
 def _group_alive(recorded: bytes) -> bool:
-    """Whether the process group a lock file names still has a process."""
+    """Whether the process group a lock file names still has a live process (a zombie
+    left unreaped, where no init reaps, holds no device)."""
     text = recorded.decode(errors="replace").strip()
     if not text.isdigit() or int(text) <= 1:
         return False
+    group = int(text)
     try:
-        os.killpg(int(text), 0)
+        os.killpg(group, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return any(_live_in(entry, group) for entry in os.listdir("/proc") if entry.isdigit())
+
+
+def _live_in(pid: str, group: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    # after the command: state, ppid, pgrp
+    return len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group

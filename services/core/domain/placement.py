@@ -273,6 +273,8 @@ def make_room(node: Node, need: Amount) -> Plan | None:
     for victim in victims:
         if need.fits_in(free):
             break
+        if not _helps(victim.charge, need.short_of(free)):
+            continue  # it holds none of what is short (a GPU, when only GPUs are)
         charged = victim.charge
         now_held = (
             held_in_all(0.0, charged.cpu, charged.memory_mb, charged.devices)
@@ -287,6 +289,16 @@ def make_room(node: Node, need: Amount) -> Plan | None:
         worker_id=node.worker_id,
         squeeze=tuple(v.attempt_id for v in squeezed if v not in preempted),
         preempt=tuple(v.attempt_id for v in preempted),
+    )
+
+
+def _helps(held: Amount, short: list[str]) -> bool:
+    """Whether freeing ``held`` gives back any of the ``short`` resources."""
+    return any(
+        (name == "cpu" and held.cpu > 0)
+        or (name == "memory" and held.memory_mb > 0)
+        or held.device(name) > 0
+        for name in short
     )
 
 
