@@ -35,7 +35,8 @@ async def rightsizing(
 ) -> UsageReport:
     """Each kind of task (owner, name) with ended attempts: its mean request, the p95 of
     its measured peak memory and CPU (cores: CPU seconds over wall time), and a suggested
-    request (the p95 with 20% headroom). ``team`` takes the tasks that team owns. Users
+    request (the p95 with 20% headroom), and the devices it asked for per attempt (held
+    whole, not measured). ``team`` takes the tasks that team owns. Users
     see their own, and with ``team`` their teams' (of every member); admins and services
     every owner's."""
     if principal.owner_filter is not None:

@@ -1,0 +1,125 @@
+"""Countable devices over real HTTP and the real claim SQL (docs/placement.md, "Devices"):
+a worker leases gpu work only while it has the GPUs free, whatever room it says it has;
+an owner's gpu quota holds the next gpu task with a reason; right-sizing shows the
+devices asked for; bad device names and counts are 422s naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.integration.core.test_bad_input import problem
+from tests.support import Core, register_worker, spec, start_core
+
+ROOM = {"cpu": 64, "memory_mb": 65536, "max": 16}
+GPU = {"cpu": 1, "memory_mb": 256, "devices": {"gpu": 1}}
+
+
+@pytest.fixture
+def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
+    server = start_core(db_url, tmp_path)
+    yield server
+    server.stop()
+
+
+def _claim(http: Any, worker: int) -> list[dict[str, Any]]:
+    answer = http.post(f"/v1/workers/{worker}/claim", json=ROOM)
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["attempts"])
+
+
+def _offer(devices: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "hostname": "h",
+        "queues": ["default"],
+        "cpu": 64,
+        "memory_mb": 65536,
+        **({"devices": devices} if devices else {}),
+    }
+
+
+def test_a_worker_leases_gpu_work_only_onto_free_gpus(
+    core: Core, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    with (
+        core.client("agent-gpu", "worker") as gpu_http,
+        core.client("agent-cpu", "worker") as cpu_http,
+        core.client() as alice,
+    ):
+        gpu_worker = register_worker(gpu_http, _offer({"gpu": 2}))
+        cpu_worker = register_worker(cpu_http, _offer())
+        ids = [alice.post("/v1/tasks", json=spec(resources=GPU)).json()["id"] for _ in range(3)]
+        assert _claim(cpu_http, cpu_worker) == []  # no GPU: it takes none of them
+        leased = _claim(gpu_http, gpu_worker)
+        assert [a["task_id"] for a in leased] == ids[:2]
+        assert [a["charge"]["devices"] for a in leased] == [{"gpu": 1}] * 2
+        assert [a["resources"]["devices"] for a in leased] == [{"gpu": 1}] * 2
+        assert _claim(gpu_http, gpu_worker) == []  # both GPUs held
+        stored = db.execute(
+            "SELECT charge_devices FROM core.attempts WHERE worker_id = %s ORDER BY id",
+            [gpu_worker],
+        ).fetchall()
+        assert stored == [({"gpu": 1},), ({"gpu": 1},)]
+        waiting = alice.get(f"/v1/tasks/{ids[2]}").json()
+        assert waiting["resources"]["devices"] == {"gpu": 1}
+        assert "0 gpu (short of gpu)" in waiting["pending_reason"]
+        with core.client("root", "admin") as admin:
+            fleet = admin.get("/v1/workers").json()["items"]
+        [worker] = [w for w in fleet if w["id"] == gpu_worker]
+        assert worker["devices"] == {"gpu": 2} and worker["used_devices"] == {"gpu": 2}
+
+        report = {"outcome": "succeeded", "exit_code": 0, "cpu_seconds": 1, "peak_memory_mb": 9}
+        first = leased[0]["attempt_id"]
+        answer = gpu_http.post(f"/v1/workers/{gpu_worker}/attempts/{first}/report", json=report)
+        assert answer.status_code == 200, answer.text
+        assert [a["task_id"] for a in _claim(gpu_http, gpu_worker)] == ids[2:]
+
+        [row] = alice.get("/v1/usage").json()["items"]
+        assert row["requested_devices"] == {"gpu": 1.0}
+
+
+def test_an_owners_gpu_quota_holds_the_next_gpu_task(core: Core) -> None:
+    with (
+        core.client("root", "admin") as admin,
+        core.client("agent", "worker") as http,
+        core.client() as alice,
+    ):
+        share = admin.patch("/v1/owners/alice/share", json={"max_devices": {"gpu": 1}})
+        assert share.status_code == 200, share.text
+        assert share.json()["quota"]["max_devices"] == {"gpu": 1}
+        worker = register_worker(http, _offer({"gpu": 4}))
+        ids = [alice.post("/v1/tasks", json=spec(resources=GPU)).json()["id"] for _ in range(2)]
+        plain = alice.post("/v1/tasks", json=spec()).json()["id"]
+        assert sorted(a["task_id"] for a in _claim(http, worker)) == [ids[0], plain]
+        held = alice.get(f"/v1/tasks/{ids[1]}").json()
+        assert held["pending_reason"] == "owner at quota (gpu 1/1)"
+        usage = admin.get("/v1/owners/alice/usage").json()
+        assert usage["running"]["devices"] == {"gpu": 1} and usage["at_quota"] == ["gpu"]
+
+
+BAD = [
+    ({"GPU": 1}, ".GPU"),
+    ({"gpu": 0}, ".gpu"),
+    ({"gpu": 100_000}, ".gpu"),
+    ({f"d{i}": 1 for i in range(9)}, ""),
+    ({"gpu": "two"}, ".gpu"),
+]
+
+
+def test_bad_devices_are_refused_naming_the_field(core: Core) -> None:
+    with (
+        core.client() as alice,
+        core.client("root", "admin") as admin,
+        core.client("agent", "worker") as http,
+    ):
+        for devices, where in BAD:
+            bad = spec(resources={"devices": devices})
+            problem(alice.post("/v1/tasks", json=bad), 422, f"body.resources.devices{where}")
+            problem(http.post("/v1/workers", json=_offer(devices)), 422, f"body.devices{where}")
+            quota = {"max_devices": devices}
+            answer = admin.patch("/v1/owners/bob/share", json=quota)
+            problem(answer, 422, f"body.max_devices{where}")
