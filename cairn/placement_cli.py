@@ -11,7 +11,7 @@ import typer
 from cairn import output
 from cairn.tasks_cli import JsonFlag, _get, ctx_of
 from libs.common.models import Task
-from libs.common.settings import parse_labels
+from libs.common.settings import parse_devices, parse_labels
 from libs.common.states import FINAL, TaskState
 
 
@@ -33,12 +33,23 @@ def reason_of(task: Task) -> str:
     return "core gave no reason"
 
 
-def _override(cluster: dict[str, Any], workers: int | None, labels: list[str]) -> None:
+def _override(
+    cluster: dict[str, Any], workers: int | None, labels: list[str], devices: list[dict[str, int]]
+) -> None:
     """The trace's cluster as the flags change it."""
     if workers:
         cluster["workers"] = workers
     if labels:
         cluster["labels"] = [parse_labels(item) for item in labels]
+    if devices:
+        cluster["devices"] = devices
+
+
+def _devices_of(flags: list[str]) -> list[dict[str, int]]:
+    try:
+        return [parse_devices(item) for item in flags]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--worker-devices") from None
 
 
 def register(app: typer.Typer) -> None:
@@ -126,14 +137,19 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option(help="KEY=VALUE,...: the labels of every Nth worker, dealt in turn"),
         ] = None,
+        worker_devices: Annotated[
+            list[str] | None,
+            typer.Option(help="NAME=COUNT,...: the devices of every Nth worker, dealt in turn"),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
         """Replay a trace through core's placement on a simulated clock."""
         from cairn.sim import Policy, render, simulate
         from cairn.trace import read
 
+        devices = _devices_of(worker_devices or [])
         meta, submissions = read(trace)
-        _override(meta["cluster"], workers, worker_labels or [])
+        _override(meta["cluster"], workers, worker_labels or [], devices)
         policy = Policy(
             measured=not declared, overcommit=overcommit, defer_above=defer_above, fair=fair
         )

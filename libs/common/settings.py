@@ -212,6 +212,17 @@ def parse_labels(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
+def parse_devices(text: str) -> dict[str, int]:
+    """``CAIRN_WORKER_DEVICES`` as counts by name: ``gpu=2,fpga=1``."""
+    out: dict[str, int] = {}
+    for name, count in parse_labels(text).items():
+        if not count.isdigit():
+            raise ValueError(f"device {name!r}: {count!r} is not a count")
+        if int(count) > 0:
+            out[name] = int(count)
+    return out
+
+
 def parse_list(text: str) -> list[str]:
     """A comma-separated setting as its non-empty items."""
     return [item.strip() for item in text.split(",") if item.strip()]

@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libs.common.settings import parse_labels
-
 #: the variable CUDA reads, for the devices named ``gpu``
 CUDA_VARIABLE = "CUDA_VISIBLE_DEVICES"
 
@@ -30,17 +28,6 @@ CUDA_VARIABLE = "CUDA_VISIBLE_DEVICES"
 class DevicesBusy(Exception):
     """Fewer free devices than the attempt holds: another attempt (perhaps one a dead
     agent left, not yet killed) has them."""
-
-
-def parse_devices(text: str) -> dict[str, int]:
-    """``CAIRN_WORKER_DEVICES`` as counts by name: ``gpu=2,fpga=1``."""
-    out: dict[str, int] = {}
-    for name, count in parse_labels(text).items():
-        if not count.isdigit():
-            raise ValueError(f"device {name!r}: {count!r} is not a count")
-        if int(count) > 0:
-            out[name] = int(count)
-    return out
 
 
 @dataclass

@@ -11,9 +11,8 @@ from pydantic_settings import SettingsConfigDict
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.models import WorkerRegister
-from libs.common.settings import WorkerOfferSettings, parse_labels, parse_list
+from libs.common.settings import WorkerOfferSettings, parse_devices, parse_labels, parse_list
 from libs.common.sources import parse_sources
-from services.worker.devices import parse_devices
 from services.worker.firewall import parse_blocked
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.devices import DevicePool, DevicesBusy, Held, parse_devices
+from libs.common.settings import parse_devices
+from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.settings import WorkerSettings
 from tests.support import wait_for
 
