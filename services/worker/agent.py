@@ -819,7 +819,9 @@ class Agent:
     async def _prepared(self, assignment: Assignment) -> Report | None:
         attempt = assignment.attempt_id
         try:
-            prepared = await self.host.prepare(assignment, self.cache)
+            held = self.held_devices.get(attempt)
+            devices = held.indexes if held is not None else None
+            prepared = await self.host.prepare(assignment, self.cache, devices)
             self.timings.mark(attempt, "prepared")
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,3 +143,27 @@ def _live_in(pid: str, group: int) -> bool:
         return False
     # after the command: state, ppid, pgrp
     return len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group
+
+
+def node_rule(path: str) -> str:
+    """The device cgroup rule of a device node (``c 195:0 rwm``); raises ``ValueError``
+    if ``path`` is not one."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}") from None
+    if stat.S_ISCHR(info.st_mode):
+        kind = "c"
+    elif stat.S_ISBLK(info.st_mode):
+        kind = "b"
+    else:
+        raise ValueError(f"{path} is not a device node")
+    return f"{kind} {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} rwm"
+
+
+def denied(nodes: Mapping[tuple[str, int], str], held: Mapping[str, list[int]]) -> list[str]:
+    """The rules of the device nodes (``(name, index) -> node``) an attempt holding
+    ``held`` may not open: every other index's."""
+    return sorted(
+        node_rule(path) for (name, index), path in nodes.items() if index not in held.get(name, ())
+    )

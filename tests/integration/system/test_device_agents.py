@@ -2,10 +2,14 @@
 offering two GPUs (``CAIRN_WORKER_DEVICES=gpu=2``) runs two one-GPU tasks at once, each
 seeing its own device (``CUDA_VISIBLE_DEVICES``, ``CAIRN_DEVICES_GPU``); a third waits,
 its pending reason naming gpu, and takes the index freed; work without devices sees
-none; the month's usage holds the device-seconds the attempts' rows add up to."""
+none; the month's usage holds the device-seconds the attempts' rows add up to. With
+device nodes configured (``CAIRN_WORKER_DEVICE_NODES``), cgroup v1's devices controller
+lets an attempt open only its own."""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -85,3 +89,37 @@ def test_two_gpu_tasks_run_at_once_on_distinct_devices_and_a_third_waits_naming_
             return row["device_s"] if row and row["attempts"] == 4 else None
 
         assert wait_for(accounted, timeout=20) == {"gpu": round(float(held), 3)}  # type: ignore[arg-type]
+
+
+def test_an_attempt_opens_only_the_device_nodes_of_the_devices_it_holds(
+    core: Core, workers: Workers, tmp_path: Path
+) -> None:
+    # Two stand-in device nodes in the test's own folder (the host has no GPU): copies of
+    # /dev/zero and /dev/full, as gpu 0 and gpu 1 (the devices cgroup decides by number;
+    # neither is one that the shell or the spawn helper opens).
+    marks = shared_dir()
+    for index, minor in ((0, 5), (1, 7)):
+        node = marks / f"gpu{index}"
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
+        node.chmod(0o666)
+    nodes = f"gpu:0={marks}/gpu0,gpu:1={marks}/gpu1"
+    workers.start(
+        core, tmp_path / "gpu", "gpu", CAIRN_WORKER_DEVICES="gpu=2", CAIRN_WORKER_DEVICE_NODES=nodes
+    )
+    script = (
+        f"for i in 0 1; do if (: < {marks}/gpu$i) 2>/dev/null; then r=ok; else r=denied; fi; "
+        f'echo "gpu$i $r"; done > {marks}/out-$CAIRN_TASK_ID.tmp; '
+        f"mv {marks}/out-$CAIRN_TASK_ID.tmp {marks}/out-$CAIRN_TASK_ID"
+    )
+    small = {"cpu": 0.5, "memory_mb": 64}
+    with core.client() as alice:
+        held = alice.post(
+            "/v1/tasks", json=shell_spec(script, resources={**small, "devices": {"gpu": 1}})
+        ).json()["id"]
+        plain = alice.post("/v1/tasks", json=shell_spec(script, resources=small)).json()["id"]
+        for task in (held, plain):
+            done = lambda t=task: alice.get(f"/v1/tasks/{t}").json()["state"] == "succeeded"  # noqa: E731
+            wait_for(done, timeout=30)
+    lines = (marks / f"out-{held}").read_text().split("\n")
+    assert sorted(lines[:2]) in (["gpu0 denied", "gpu1 ok"], ["gpu0 ok", "gpu1 denied"])
+    assert (marks / f"out-{plain}").read_text() == "gpu0 denied\ngpu1 denied\n"

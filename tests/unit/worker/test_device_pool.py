@@ -6,6 +6,7 @@ until that attempt's processes are gone; the attempt's environment names its dev
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from libs.common.settings import parse_devices
-from services.worker.devices import DevicePool, DevicesBusy, Held
+from services.worker.devices import DevicePool, DevicesBusy, Held, denied
 from services.worker.settings import WorkerSettings
 from tests.support import wait_for
 
@@ -108,3 +109,22 @@ def test_the_worker_setting_is_parsed_and_bad_values_refused() -> None:
     for bad in ("gpu=two", "GPU=1", "gpu=100000", "gpu-x=1"):
         with pytest.raises(ValueError, match="worker_devices"):
             WorkerSettings(worker_devices=bad)
+
+
+def test_device_nodes_must_be_device_nodes_of_offered_devices(tmp_path: Path) -> None:
+    node = tmp_path / "gpu0"
+    os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    ok = WorkerSettings(worker_devices="gpu=2", worker_device_nodes=f"gpu:0={node}")
+    assert ok.device_nodes == {("gpu", 0): str(node)}
+    assert denied(ok.device_nodes, {"gpu": [1]}) == ["c 1:7 rwm"]
+    assert denied(ok.device_nodes, {"gpu": [0]}) == []
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    for devices, nodes, why in (
+        ("gpu=1", f"gpu:1={node}", "does not offer"),
+        ("gpu=1", f"fpga:0={node}", "does not offer"),
+        ("gpu=1", f"gpu:0={plain}", "not a device node"),
+        ("gpu=1", "gpu:0=relative", "NAME:INDEX=/dev/PATH"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            WorkerSettings(worker_devices=devices, worker_device_nodes=nodes)
