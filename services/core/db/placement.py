@@ -5,7 +5,7 @@ use and right-sizing. Decisions are the domain's; this module reads and writes."
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -33,6 +33,7 @@ from services.core.domain.placement import (
     charge,
     counts,
     held_in_all,
+    summed,
     utilisation,
 )
 from services.core.domain.sharing import Gate, Gated
@@ -125,10 +126,8 @@ PLACED_AMONG = text(f"{PLACED.text.rstrip()}\n  AND a.id = ANY(CAST(:ids AS bigi
 
 def _held(row: Any) -> Amount:
     """What one row of ``USE`` says a worker's attempts hold in all."""
-    devices: Counter[str] = Counter()
-    for held in row.devices or ():
-        devices.update(held)
-    return held_in_all(row.cpu, row.squeezed_cpu, row.memory_mb, counts(devices))
+    devices = counts(summed(row.devices))
+    return held_in_all(row.cpu, row.squeezed_cpu, row.memory_mb, devices)
 
 
 def rest_from(use_rows: Iterable[Any]) -> dict[int, Amount]:
@@ -793,9 +792,7 @@ async def rightsizing(
 
 def _average(requests: list[dict[str, int]] | None, attempts: int) -> dict[str, float]:
     """The devices asked for per attempt, by name, from the requests of those asking."""
-    asked: Counter[str] = Counter()
-    for request in requests or ():
-        asked.update(request)
+    asked = summed(requests)
     return {name: round(n / attempts, 3) for name, n in sorted(asked.items())}
 
 

@@ -30,7 +30,7 @@ from libs.common.models import (
 from libs.common.states import TaskState
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.limits import NO_LIMITS, QueueLimits
-from services.core.domain.placement import Amount, counts
+from services.core.domain.placement import Amount, counts, summed
 from services.core.domain.sharing import (
     Asked,
     Gate,
@@ -139,10 +139,7 @@ async def owner_use(conn: AsyncConnection, owners: Sequence[str]) -> dict[str, U
 
 def _use(row: Any) -> Use:
     """A row of ``_OWNER_USE`` or ``_TEAM_USE``."""
-    devices: Counter[str] = Counter()
-    for request in row.devices or ():
-        devices.update(request)
-    return Use(int(row.running), float(row.cpu), float(row.memory_mb), devices)
+    return Use(int(row.running), float(row.cpu), float(row.memory_mb), summed(row.devices))
 
 
 async def team_use(conn: AsyncConnection, teams: Sequence[str]) -> dict[str, Use]:

@@ -11,6 +11,7 @@ nowhere, preemptible attempts are squeezed (CPU is compressible), then preempted
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -34,6 +35,14 @@ def counts(mapping: Mapping[str, int] | None) -> Counts:
     if not mapping:
         return ()
     return tuple(sorted((name, int(n)) for name, n in mapping.items() if n))
+
+
+def summed(maps: Iterable[Mapping[str, int]] | None) -> Counter[str]:
+    """Device counts added up by name (the ``jsonb_agg`` of requests or charges)."""
+    out: Counter[str] = Counter()
+    for devices in maps or ():
+        out.update(devices)
+    return out
 
 
 def _merged(mine: Counts, theirs: Counts, sign: int) -> Counts:
