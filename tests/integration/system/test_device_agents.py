@@ -17,6 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.integration.system.test_metrics import scrape, value
 from tests.support import Core, Workers, shared_dir, shell_spec, start_core, wait_for
 
 
@@ -89,6 +90,9 @@ def test_two_gpu_tasks_run_at_once_on_distinct_devices_and_a_third_waits_naming_
             return row["device_s"] if row and row["attempts"] == 4 else None
 
         assert wait_for(accounted, timeout=20) == {"gpu": round(float(held), 3)}  # type: ignore[arg-type]
+        samples = scrape(core.url)
+        gauge = value(samples, "cairn_usage_device_seconds", queue="default", device="gpu")
+        assert round(gauge, 3) == round(float(held), 3)  # type: ignore[arg-type]
 
 
 def test_an_attempt_opens_only_the_device_nodes_of_the_devices_it_holds(
