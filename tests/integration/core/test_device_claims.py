@@ -5,6 +5,7 @@ devices asked for; bad device names and counts are 422s naming the field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from cairn.cli import app
 from tests.integration.core.test_bad_input import problem
-from tests.support import Core, register_worker, spec, start_core
+from tests.support import Core, cli_as, register_worker, spec, start_core
 
 ROOM = {"cpu": 64, "memory_mb": 65536, "max": 16}
 GPU = {"cpu": 1, "memory_mb": 256, "devices": {"gpu": 1}}
@@ -82,15 +84,20 @@ def test_a_worker_leases_gpu_work_only_onto_free_gpus(
         assert row["requested_devices"] == {"gpu": 1.0}
 
 
-def test_an_owners_gpu_quota_holds_the_next_gpu_task(core: Core) -> None:
+def test_an_owners_gpu_quota_holds_the_next_gpu_task(
+    core: Core, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     with (
         core.client("root", "admin") as admin,
         core.client("agent", "worker") as http,
         core.client() as alice,
     ):
-        share = admin.patch("/v1/owners/alice/share", json={"max_devices": {"gpu": 1}})
-        assert share.status_code == 200, share.text
-        assert share.json()["quota"]["max_devices"] == {"gpu": 1}
+        cli = cli_as(core, monkeypatch, tmp_path, "root", "admin")
+        shown = cli.invoke(app, ["quota", "alice", "--devices", "gpu=1", "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.output)[0]["quota"]["max_devices"] == {"gpu": 1}
+        refused = cli.invoke(app, ["quota", "alice", "--devices", "gpu=one"])
+        assert refused.exit_code != 0 and "--devices" in refused.output
         worker = register_worker(http, _offer({"gpu": 4}))
         ids = [alice.post("/v1/tasks", json=spec(resources=GPU)).json()["id"] for _ in range(2)]
         plain = alice.post("/v1/tasks", json=spec()).json()["id"]
@@ -99,6 +106,8 @@ def test_an_owners_gpu_quota_holds_the_next_gpu_task(core: Core) -> None:
         assert held["pending_reason"] == "owner at quota (gpu 1/1)"
         usage = admin.get("/v1/owners/alice/usage").json()
         assert usage["running"]["devices"] == {"gpu": 1} and usage["at_quota"] == ["gpu"]
+        table = cli.invoke(app, ["quota", "alice"])
+        assert table.exit_code == 0 and "gpu 1/1" in table.output
 
 
 BAD = [
