@@ -85,6 +85,8 @@ class Host:
         #: the agent's egress table (``firewall``); None: not isolated, or no nftables
         self.firewall: firewall.Firewall | None = None
         self._allowing: set[int] = set()  # uids with an ``allow`` chain
+        #: each device index's node (``CAIRN_WORKER_DEVICE_NODES``), for the device cgroup
+        self.device_nodes = settings.device_nodes
 
     def start(self) -> list[str]:
         """Check and set up; returns what the agent tells at start-up. Raises HostError."""
@@ -108,10 +110,9 @@ class Host:
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
         notes.append(self._egress_note())
-        nodes = self.settings.device_nodes
-        self.cgroups, note = Cgroups.detect(devices=bool(nodes))
+        self.cgroups, note = Cgroups.detect(devices=bool(self.device_nodes))
         notes.append(note)
-        if nodes:
+        if self.device_nodes:
             notes.append(self._devices_note())
         if self.cgroups is not None:
             self.cgroups.sweep()
@@ -216,9 +217,8 @@ class Host:
                 group = self.cgroups.create(
                     assignment.attempt_id, resources.memory_mb, resources.cpu, pids_max
                 )
-            nodes = self.settings.device_nodes
-            if nodes and group is not None:
-                group.confine_devices(denied(nodes, devices or {}))
+            if self.device_nodes and group is not None:
+                group.confine_devices(denied(self.device_nodes, devices or {}))
             spec = self._spec(assignment, folders, identity, group, slot)
             if assignment.checkpoint is not None:
                 data = b64decode(assignment.checkpoint)
