@@ -15,6 +15,7 @@ import pytest
 
 from cairn.cli import app
 from tests.integration.core.test_bad_input import problem
+from tests.integration.system.test_metrics import scrape, value
 from tests.support import Core, cli_as, register_worker, spec, start_core
 
 ROOM = {"cpu": 64, "memory_mb": 65536, "max": 16}
@@ -106,6 +107,8 @@ def test_an_owners_gpu_quota_holds_the_next_gpu_task(
         assert held["pending_reason"] == "owner at quota (gpu 1/1)"
         usage = admin.get("/v1/owners/alice/usage").json()
         assert usage["running"]["devices"] == {"gpu": 1} and usage["at_quota"] == ["gpu"]
+        samples = scrape(core.url)
+        assert value(samples, "cairn_owners_at_quota", quota="devices") == 1
         table = cli.invoke(app, ["quota", "alice"])
         assert table.exit_code == 0 and "gpu 1/1" in table.output
 
