@@ -46,7 +46,10 @@ def _offer(devices: dict[str, int] | None = None) -> dict[str, Any]:
 
 
 def test_a_worker_leases_gpu_work_only_onto_free_gpus(
-    core: Core, db: psycopg.Connection[tuple[object, ...]]
+    core: Core,
+    db: psycopg.Connection[tuple[object, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     with (
         core.client("agent-gpu", "worker") as gpu_http,
@@ -55,7 +58,17 @@ def test_a_worker_leases_gpu_work_only_onto_free_gpus(
     ):
         gpu_worker = register_worker(gpu_http, _offer({"gpu": 2}))
         cpu_worker = register_worker(cpu_http, _offer())
-        ids = [alice.post("/v1/tasks", json=spec(resources=GPU)).json()["id"] for _ in range(3)]
+        ids = [alice.post("/v1/tasks", json=spec(resources=GPU)).json()["id"] for _ in range(2)]
+        cli = cli_as(core, monkeypatch, tmp_path)  # the third through ``cairn submit``
+        submitted = cli.invoke(
+            app,
+            ["--json", "submit", "t", "--artifact", "file:///bin/true", "--sha256", "0" * 64,
+             "--cpu", "1", "--memory-mb", "256", "--devices", "gpu=1"],
+        )  # fmt: skip
+        assert submitted.exit_code == 0, submitted.output
+        ids.append(json.loads(submitted.output)["id"])
+        bad = cli.invoke(app, ["submit", "t", "--artifact", "file:///bin/true", "--devices", "x"])
+        assert bad.exit_code != 0 and "--devices" in bad.output
         assert _claim(cpu_http, cpu_worker) == []  # no GPU: it takes none of them
         leased = _claim(gpu_http, gpu_worker)
         assert [a["task_id"] for a in leased] == ids[:2]
@@ -70,10 +83,15 @@ def test_a_worker_leases_gpu_work_only_onto_free_gpus(
         waiting = alice.get(f"/v1/tasks/{ids[2]}").json()
         assert waiting["resources"]["devices"] == {"gpu": 1}
         assert "0 gpu (short of gpu)" in waiting["pending_reason"]
+        shown = cli.invoke(app, ["get", str(ids[2])])
+        assert shown.exit_code == 0 and "gpu 1" in shown.output and "short of gpu" in shown.output
         with core.client("root", "admin") as admin:
             fleet = admin.get("/v1/workers").json()["items"]
         [worker] = [w for w in fleet if w["id"] == gpu_worker]
         assert worker["devices"] == {"gpu": 2} and worker["used_devices"] == {"gpu": 2}
+        fleet_cli = cli_as(core, monkeypatch, tmp_path, "root", "admin")
+        listed = fleet_cli.invoke(app, ["workers"])
+        assert listed.exit_code == 0 and "gpu 2/2" in listed.output
 
         report = {"outcome": "succeeded", "exit_code": 0, "cpu_seconds": 1, "peak_memory_mb": 9}
         first = leased[0]["attempt_id"]
