@@ -1,6 +1,6 @@
 """Countable devices over real HTTP and the real claim SQL (docs/placement.md, "Devices"):
 a worker leases gpu work only while it has the GPUs free, whatever room it says it has;
-an owner's gpu quota holds the next gpu task with a reason; right-sizing shows the
+an owner's (and a team's) gpu quota holds the next gpu task with a reason; right-sizing shows the
 devices asked for; bad device names and counts are 422s naming the field."""
 
 from __future__ import annotations
@@ -129,6 +129,19 @@ def test_an_owners_gpu_quota_holds_the_next_gpu_task(
         assert value(samples, "cairn_owners_at_quota", quota="devices") == 1
         table = cli.invoke(app, ["quota", "alice"])
         assert table.exit_code == 0 and "gpu 1/1" in table.output
+
+        # A team's device quota bounds the sum over its members' team tasks.
+        assert admin.post("/v1/teams", json={"name": "ml"}).status_code == 201
+        for member in ("bob", "carol"):
+            assert admin.put(f"/v1/teams/ml/members/{member}").status_code == 200
+        admin.patch("/v1/teams/ml/share", json={"max_devices": {"gpu": 1}}).raise_for_status()
+        with core.client("bob") as bob, core.client("carol") as carol:
+            team_gpu = spec(resources=GPU, team="ml")
+            mine = bob.post("/v1/tasks", json=team_gpu).json()["id"]
+            theirs = carol.post("/v1/tasks", json=team_gpu).json()["id"]
+            assert [a["task_id"] for a in _claim(http, worker)] == [mine]
+            held = carol.get(f"/v1/tasks/{theirs}").json()
+            assert held["pending_reason"] == "team ml at quota (gpu 1/1)"
 
 
 BAD = [
