@@ -1,7 +1,8 @@
 """Countable devices over real HTTP and the real claim SQL (docs/placement.md, "Devices"):
 a worker leases gpu work only while it has the GPUs free, whatever room it says it has;
-an owner's (and a team's) gpu quota holds the next gpu task with a reason; right-sizing shows the
-devices asked for; bad device names and counts are 422s naming the field."""
+an owner's (and a team's) gpu quota holds the next gpu task with a reason; right-sizing
+shows the devices asked for; bad device names and counts are 422s naming the field; the
+CLI submits, shows and sets them."""
 
 from __future__ import annotations
 
