@@ -11,7 +11,7 @@ import typer
 from cairn import output
 from cairn.tasks_cli import JsonFlag, _get, ctx_of
 from libs.common.models import Task
-from libs.common.settings import parse_labels
+from libs.common.settings import parse_devices, parse_labels
 from libs.common.states import FINAL, TaskState
 
 
@@ -33,12 +33,23 @@ def reason_of(task: Task) -> str:
     return "core gave no reason"
 
 
-def _override(cluster: dict[str, Any], workers: int | None, labels: list[str]) -> None:
+def _override(
+    cluster: dict[str, Any], workers: int | None, labels: list[str], devices: list[dict[str, int]]
+) -> None:
     """The trace's cluster as the flags change it."""
     if workers:
         cluster["workers"] = workers
     if labels:
         cluster["labels"] = [parse_labels(item) for item in labels]
+    if devices:
+        cluster["devices"] = devices
+
+
+def _devices_of(flags: list[str]) -> list[dict[str, int]]:
+    try:
+        return [parse_devices(item) for item in flags]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--worker-devices") from None
 
 
 def register(app: typer.Typer) -> None:
@@ -126,14 +137,19 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option(help="KEY=VALUE,...: the labels of every Nth worker, dealt in turn"),
         ] = None,
+        worker_devices: Annotated[
+            list[str] | None,
+            typer.Option(help="NAME=COUNT,...: the devices of every Nth worker, dealt in turn"),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
         """Replay a trace through core's placement on a simulated clock."""
         from cairn.sim import Policy, render, simulate
         from cairn.trace import read
 
+        devices = _devices_of(worker_devices or [])
         meta, submissions = read(trace)
-        _override(meta["cluster"], workers, worker_labels or [])
+        _override(meta["cluster"], workers, worker_labels or [], devices)
         policy = Policy(
             measured=not declared, overcommit=overcommit, defer_above=defer_above, fair=fair
         )
@@ -142,6 +158,10 @@ def register(app: typer.Typer) -> None:
             output.dump(figures)
             return
         output.console.out(render(meta, policy, figures), highlight=False)
+
+
+def _device_hours(held: dict[str, float]) -> str:
+    return ", ".join(f"{name} {s / 3600:.2f}" for name, s in sorted(held.items()))
 
 
 def register_usage(app: typer.Typer) -> None:
@@ -155,7 +175,8 @@ def register_usage(app: typer.Typer) -> None:
         as_json: JsonFlag = False,
     ) -> None:
         """What a month's attempts used, by owner, team or queue (your own and your
-        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved."""
+        teams' unless you are an admin): CPU used, core-hours and GB-hours reserved,
+        device-hours held (``gpu 2.00``)."""
         c = ctx_of(ctx)
 
         async def go() -> Any:
@@ -169,7 +190,7 @@ def register_usage(app: typer.Typer) -> None:
         output.table(
             f"usage in {found.month}, by {found.by}",
             [by, "attempts", "wall h", "cpu h used", "core-h reserved", "GB-h reserved",
-             "peak MB"],
+             "peak MB", "device h"],
             [
                 [
                     output.safe(a.key),
@@ -179,6 +200,7 @@ def register_usage(app: typer.Typer) -> None:
                     f"{a.cpu_reserved_s / 3600:.2f}",
                     f"{a.memory_mb_s / 1024 / 3600:.2f}",
                     f"{a.peak_memory_mb:.0f}",
+                    output.safe(_device_hours(a.device_s)),
                 ]
                 for a in found.items
             ],

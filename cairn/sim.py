@@ -15,6 +15,11 @@ Placement by label as core's claim: a submission's ``required`` selectors
 ``labels`` (a list of label maps, dealt to the workers in turn); a run no worker matches
 never starts.
 
+Countable devices as core counts them: a submission's ``devices`` (``{"gpu": 1}``) against
+its worker's, the cluster's ``devices`` (a list of device maps, dealt to the workers in
+turn as labels are); devices are held whole, never overcommitted nor squeezed, and the
+report adds each device name's placed share (``placed_<name>``).
+
 With ``fair`` (core's default) the line is ordered as core's claim orders it: priority,
 then each owner's fair-share stamp (``domain.sharing.fair_stamp``); without, priority
 then arrival. Owners whose name starts with ``flood`` are reported apart, so a trace
@@ -41,7 +46,10 @@ from services.core.domain.placement import (
     charge,
     choose,
     claim_depth,
+    counts,
     decayed_peak,
+    held_in_all,
+    total,
 )
 from services.core.domain.selectors import Selector, matches, parse
 from services.core.domain.sharing import fair_stamp
@@ -128,7 +136,7 @@ class Worker:
 
 def _held(run: Run) -> Amount:
     if run.squeezed:
-        return Amount(run.cost.cpu * 0.05, run.cost.memory_mb)
+        return held_in_all(0.0, run.cost.cpu, run.cost.memory_mb, run.cost.devices)
     return run.cost
 
 
@@ -153,15 +161,18 @@ class Stats:
 
 class Simulator:
     def __init__(self, cluster: dict[str, Any], policy: Policy) -> None:
-        capacity = Amount(float(cluster["cpu"]), float(cluster["memory_mb"]))
+        cpu, memory_mb = float(cluster["cpu"]), float(cluster["memory_mb"])
         labels = cluster.get("labels") or [{}]
+        devices = cluster.get("devices") or [{}]
         self.workers = [
-            Worker(i, capacity, labels=dict(labels[i % len(labels)]))
+            Worker(
+                i,
+                Amount(cpu, memory_mb, counts(devices[i % len(devices)])),
+                labels=dict(labels[i % len(labels)]),
+            )
             for i in range(int(cluster["workers"]))
         ]
-        self.capacity = Amount(
-            capacity.cpu * len(self.workers), capacity.memory_mb * len(self.workers)
-        )
+        self.capacity = total(w.capacity for w in self.workers)
         self.policy = policy
         self.now = 0.0
         self.waiting: list[tuple[int, float, int]] = []  # run keys, best first
@@ -188,11 +199,13 @@ class Simulator:
             )
             real_cpu = sum(min(w.real_cpu, w.capacity.cpu) for w in self.workers)
             real_memory = sum(w.real_memory_mb for w in self.workers)
+            devices = total(w.held for w in self.workers).devices
             for name, value in (
                 ("held_cpu", held.cpu),
                 ("held_memory", held.memory_mb),
                 ("real_cpu", real_cpu),
                 ("real_memory", real_memory),
+                *((f"held_device_{device}", float(n)) for device, n in devices),
             ):
                 self.stats.area[name] = self.stats.area.get(name, 0.0) + value * dt
             self._last = to
@@ -238,7 +251,7 @@ class Simulator:
             task_id=run.id,
             priority=sub.priority,
             preemptible=preemptible,
-            request=Amount(sub.cpu, sub.memory_mb),
+            request=Amount(sub.cpu, sub.memory_mb, counts(sub.devices)),
             measured=self.peaks.get((sub.owner, sub.name)) if preemptible else None,
             overcommit=self.policy.overcommit,
         )
@@ -375,7 +388,7 @@ class Simulator:
             self._requeue(youngest)
 
     def _make_room(self, run: Run) -> None:
-        need = Amount(run.sub.cpu, run.sub.memory_mb)
+        need = Amount(run.sub.cpu, run.sub.memory_mb, counts(run.sub.devices))
         serving = [w for w in self.workers if w.takes(run)]
         if any(need.fits_in(w.free()) for w in serving):
             self._place_anywhere(run)
@@ -394,10 +407,8 @@ class Simulator:
         worker = self.workers[plan.worker_id]
         for victim_id in plan.squeeze:
             victim = worker.runs[victim_id]
-            worker.held = (
-                worker.held - victim.cost + Amount(victim.cost.cpu * 0.05, victim.cost.memory_mb)
-            )
             victim.squeezed = True
+            worker.held = worker.held - victim.cost + _held(victim)
             self.stats.squeezes += 1
         for victim_id in plan.preempt:
             self.stats.preemptions += 1
@@ -441,6 +452,10 @@ def report(stats: Stats, capacity: Amount) -> dict[str, float]:
         "squeezes": float(stats.squeezes),
         "oom_kills": float(stats.oom_kills),
         "deferred": float(stats.deferred),
+        **{
+            f"placed_{name}": stats.area.get(f"held_device_{name}", 0.0) / seconds / n
+            for name, n in capacity.devices
+        },
     }
 
 
@@ -454,6 +469,7 @@ def simulate(
 def render(meta: dict[str, Any], policy: Policy, figures: dict[str, float]) -> str:
     """The report as text."""
     cluster = meta["cluster"]
+    devices = {name for offered in cluster.get("devices") or [] for name in offered}
     mode = (
         f"measured use, overcommit {policy.overcommit:g}"
         if policy.measured
@@ -478,7 +494,8 @@ def render(meta: dict[str, Any], policy: Policy, figures: dict[str, float]) -> s
         [
             f"cluster: {cluster['workers']} workers x {cluster['cpu']:g} CPU / "
             f"{cluster['memory_mb'] // 1024} GB; placement: {mode}",
-            f"placed (held/capacity): CPU {f['placed_cpu']:.0%}, memory {f['placed_memory']:.0%}",
+            f"placed (held/capacity): CPU {f['placed_cpu']:.0%}, memory {f['placed_memory']:.0%}"
+            + "".join(f", {k[7:]} {v:.0%}" for k, v in f.items() if k[7:] in devices),
             f"used (real/capacity):   CPU {f['used_cpu']:.0%}, memory {f['used_memory']:.0%}",
             f"wait p50/p99: all {f['wait_p50_s']:.1f}/{f['wait_p99_s']:.0f} s; guaranteed "
             f"{f['guaranteed_wait_p50_s']:.1f}/{f['guaranteed_wait_p99_s']:.0f} s "

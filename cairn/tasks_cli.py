@@ -39,6 +39,7 @@ from libs.common.models import (
     TaskCreate,
     TaskProgress,
 )
+from libs.common.settings import parse_devices
 from libs.common.states import FINAL, TaskState
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -201,6 +202,9 @@ def show_task(c: Ctx, task: Task) -> None:
         ("created", output.when(task.created_at)),
         ("labels", ", ".join(f"{k}={v}" for k, v in task.labels.items())),
     ]
+    if task.resources.devices:
+        devices = ", ".join(f"{n} {c}" for n, c in sorted(task.resources.devices.items()))
+        rows.append(("devices", devices))
     if task.placement is not None:
         rows.append(("placement", _placement_text(task.placement)))
     rows += policy_rows(task)
@@ -209,6 +213,17 @@ def show_task(c: Ctx, task: Task) -> None:
         rows.append(("waiting because", reason))
     rows.extend(progress_rows(task))
     output.table(None, ["field", "value"], rows)
+
+
+def _devices_option(text: str) -> dict[str, int]:
+    try:
+        return parse_devices(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--devices") from None
+
+
+def _devices_used(used: dict[str, int], offered: dict[str, int]) -> str:
+    return ", ".join(f"{n} {used.get(n, 0)}/{c}" for n, c in sorted(offered.items())) or "-"
 
 
 def _placement_text(placement: Placement) -> str:
@@ -450,6 +465,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         ] = None,
         cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
         memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
+        devices: Annotated[str | None, typer.Option(help="devices request: gpu=1")] = None,
         key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
         timeout: Annotated[
             int | None, typer.Option(help="seconds an attempt may run (default: its queue's)")
@@ -514,12 +530,14 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if label:
             body["labels"] = output.pairs(label)
         _placement(body, select or [], prefer or [], spread_by, anti_affinity)
-        if cpu is not None or memory_mb is not None:
+        if cpu is not None or memory_mb is not None or devices is not None:
             resources = dict(body.get("resources", {}))
             if cpu is not None:
                 resources["cpu"] = cpu
             if memory_mb is not None:
                 resources["memory_mb"] = memory_mb
+            if devices is not None:
+                resources["devices"] = _devices_option(devices)
             body["resources"] = resources
         if key:
             body["idempotency_key"] = key
@@ -694,6 +712,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                 "queues",
                 "cpu used/cap",
                 "memory MB used/cap",
+                "devices used/cap",
                 "running",
                 "heartbeat",
                 "turn",
@@ -706,6 +725,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                     ",".join(w.queues),
                     f"{w.used_cpu:g}/{w.cpu:g}",
                     f"{w.used_memory_mb}/{w.memory_mb}",
+                    output.safe(_devices_used(w.used_devices, w.devices)),
                     w.running,
                     output.ago(w.last_heartbeat_at),
                     output.ago(w.last_turn_at),

@@ -12,7 +12,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class Submission:
     duration_s: float
     #: required selectors of the workers' labels (``disk=ssd``: docs/placement.md)
     required: tuple[str, ...] = ()
+    #: countable devices it asks for (``{"gpu": 1}``: docs/placement.md, "Devices")
+    devices: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,28 @@ class S3Credentials(_Input):
     endpoint: S3Endpoint | None = None
 
 
+#: a countable device's name (``gpu``, ``fpga``): lower case, as it goes into the attempt's
+#: ``CAIRN_DEVICES_<NAME>`` (docs/placement.md, "Devices")
+DeviceName = Annotated[
+    str, StringConstraints(min_length=1, max_length=32, pattern=r"^[a-z][a-z0-9_]*$")
+]
+#: the most device names one worker offers or one task asks for, and of one name
+MAX_DEVICE_NAMES = 8
+MAX_DEVICES = 256
+#: counts of devices by name: a task's request (each at least one), a worker's offer
+Devices = Annotated[
+    dict[DeviceName, Annotated[int, Field(ge=1, le=MAX_DEVICES)]],
+    Field(max_length=MAX_DEVICE_NAMES),
+]
+
+
 class Resources(_Input):
-    """What one attempt declares it needs."""
+    """What one attempt declares it needs: CPU, memory, and whole devices by name
+    (``{"gpu": 1}``), which the attempt holds alone (docs/placement.md, "Devices")."""
 
     cpu: float = Field(default=1.0, gt=0, le=1024)
     memory_mb: int = Field(default=512, ge=1, le=4 * 1024 * 1024)
+    devices: Devices = Field(default_factory=dict, exclude_if=lambda value: not value)
 
 
 ExitCode = Annotated[int, Field(ge=0, le=255)]
@@ -503,6 +520,8 @@ class Attempt(_Output):
     log_tail: str | None
     charge_cpu: float | None = None
     charge_memory_mb: float | None = None
+    #: the devices it held, by name (None: none)
+    charge_devices: dict[str, int] | None = None
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
     outputs: dict[str, Any] | None = None
@@ -708,6 +727,8 @@ class WorkerRegister(_Input):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     cpu: float = Field(gt=0, le=4096)
     memory_mb: int = Field(ge=1, le=64 * 1024 * 1024)
+    #: the countable devices it offers, by name (``{"gpu": 2}``)
+    devices: Devices = Field(default_factory=dict)
     #: the agent turns at least every eighth of ``agent_hang_timeout_s`` (keep-alive turns
     #: when it claims nothing), so core may declare it dead when it takes no turn for the
     #: bound; agents from before leave it unset, and only their heartbeats count
@@ -722,6 +743,7 @@ class Worker(_Output):
     labels: dict[str, str]
     cpu: float
     memory_mb: int
+    devices: dict[str, int] = Field(default_factory=dict)
     state: WorkerState
     registered_at: datetime
     last_heartbeat_at: datetime
@@ -731,6 +753,8 @@ class Worker(_Output):
     last_turn_at: datetime | None = None
     used_cpu: float = 0
     used_memory_mb: int = 0
+    #: the devices its attempts hold, by name
+    used_devices: dict[str, int] = Field(default_factory=dict)
     running: int = 0
 
 
@@ -797,6 +821,8 @@ class Charge(_Output):
 
     cpu: float
     memory_mb: float
+    #: whole devices, by name: never overcommitted, always the request
+    devices: dict[str, int] = Field(default_factory=dict, exclude_if=lambda value: not value)
 
 
 class Assignment(_Output):
@@ -1094,6 +1120,9 @@ class UsageRow(_Output):
     suggested_memory_mb: int
     #: the measured p95 as a share of the request, of the fuller resource
     used_share: float
+    #: the devices its attempts asked for, on average, by name (held whole while they
+    #: run: a hint to ask for fewer where the work does not use them)
+    requested_devices: dict[str, float] = Field(default_factory=dict)
 
 
 class UsageReport(_Output):
@@ -1120,6 +1149,8 @@ class UsageAccount(_Output):
     memory_mb_s: float
     #: the largest peak memory of one attempt
     peak_memory_mb: float
+    #: device-seconds held, by device name (``{"gpu": 7200.0}``)
+    device_s: dict[str, float] = Field(default_factory=dict)
 
 
 class UsageAccounts(_Output):
@@ -1323,6 +1354,8 @@ class ShareSettings(_Input):
     max_cpu: float | None = Field(default=None, gt=0, le=1_000_000)
     max_memory_mb: float | None = Field(default=None, gt=0, le=2**40)
     max_running: int | None = Field(default=None, ge=1, le=10_000_000)
+    #: devices running at once, by name (``{"gpu": 4}``)
+    max_devices: Devices | None = None
     max_waiting: int | None = Field(default=None, ge=1, le=100_000_000)
     max_submits_per_min: int | None = Field(default=None, ge=1, le=100_000_000)
 
@@ -1331,6 +1364,7 @@ class Quotas(_Output):
     max_cpu: float | None = None
     max_memory_mb: float | None = None
     max_running: int | None = None
+    max_devices: dict[str, int] | None = None
     max_waiting: int | None = None
     max_submits_per_min: int | None = None
 
@@ -1339,6 +1373,7 @@ class RunningUse(_Output):
     attempts: int
     cpu: float
     memory_mb: float
+    devices: dict[str, int] = Field(default_factory=dict)
 
 
 class OwnerUsage(_Output):
@@ -1354,7 +1389,8 @@ class OwnerUsage(_Output):
     running: RunningUse
     waiting: int
     quota: Quotas
-    #: the quotas it is at now, by name (``cpu``, ``memory``, ``running``, ``waiting``)
+    #: the quotas it is at now, by name (``cpu``, ``memory``, ``running``, ``waiting``, a
+    #: device's name)
     at_quota: list[str]
     submitted_last_minute: int
     #: the core-seconds its ended attempts reserved, halved every

@@ -108,6 +108,9 @@ class WorkerOfferSettings(BaseSettings):
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
     worker_memory_mb: int = Field(default_factory=lambda: host_memory_mb(), gt=0)
     worker_labels: str = ""
+    #: the countable devices the worker offers, by name: ``gpu=2,fpga=1``
+    #: (docs/placement.md, "Devices")
+    worker_devices: str = ""
     worker_drain_grace_s: float = Field(default=60.0, ge=0)
     worker_slots: int = Field(default=64, ge=1, le=4096)
 
@@ -207,6 +210,17 @@ def parse_labels(text: str) -> dict[str, str]:
     """``CAIRN_WORKER_LABELS`` as a map: ``zone=a,gpu=none``."""
     pairs = (item.partition("=") for item in text.split(",") if item.strip())
     return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def parse_devices(text: str) -> dict[str, int]:
+    """``CAIRN_WORKER_DEVICES`` as counts by name: ``gpu=2,fpga=1``."""
+    out: dict[str, int] = {}
+    for name, count in parse_labels(text).items():
+        if not count.isdigit():
+            raise ValueError(f"device {name!r}: {count!r} is not a count")
+        if int(count) > 0:
+            out[name] = int(count)
+    return out
 
 
 def parse_list(text: str) -> list[str]:

@@ -46,6 +46,7 @@ from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
 from services.worker import hardening, outputs, pressure, progress, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
     AttemptResult,
     RunningAttempt,
@@ -193,6 +194,9 @@ class Agent:
         self.confirm_soon: asyncio.Handle | None = None
         self.asking: set[asyncio.Task[None]] = set()
         self.board = state.Board.create()  # what the sidecar reads: ``_write_attempts``
+        # Countable devices (``devices``): the pool, and the indexes each attempt holds.
+        self.devices = DevicePool(settings.devices, settings.device_locks)
+        self.held_devices: dict[int, Held] = {}
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
         self.cgroups: dict[str, str] = {}  # attempt -> its folders, encoded once as JSON
@@ -246,6 +250,7 @@ class Agent:
             labels=self.settings.labels,
             cpu=self.settings.worker_cpu,
             memory_mb=self.settings.worker_memory_mb,
+            devices=self.settings.devices,
             hang_watch=True,  # ``_pulse``: a turn at least every eighth of the bound
         )
         loop = asyncio.get_running_loop()
@@ -788,9 +793,35 @@ class Agent:
             self._publish()
 
     async def _execute(self, assignment: Assignment) -> Report | None:
+        try:
+            assignment = self._with_devices(assignment)
+        except DevicesBusy as exc:
+            log.warning("attempt %s handed back: %s", assignment.attempt_id, exc)
+            return Report(outcome="handed_back", error=str(exc))
+        try:
+            return await self._prepared(assignment)
+        finally:
+            held = self.held_devices.pop(assignment.attempt_id, None)
+            if held is not None:
+                self.devices.give_back(held)
+
+    def _with_devices(self, assignment: Assignment) -> Assignment:
+        """The assignment with the devices it holds taken from the pool and named in
+        its environment (``devices.Held.env``); as it was on a worker without devices."""
+        if not self.devices.offered:
+            return assignment
+        want = assignment.charge.devices if assignment.charge else assignment.resources.devices
+        held = self.devices.take(want)
+        self.held_devices[assignment.attempt_id] = held
+        env = {**assignment.env, **held.env(self.devices.offered)}
+        return assignment.model_copy(update={"env": env})
+
+    async def _prepared(self, assignment: Assignment) -> Report | None:
         attempt = assignment.attempt_id
         try:
-            prepared = await self.host.prepare(assignment, self.cache)
+            held = self.held_devices.get(attempt)
+            devices = held.indexes if held is not None else None
+            prepared = await self.host.prepare(assignment, self.cache, devices)
             self.timings.mark(attempt, "prepared")
         except ArtifactError as exc:
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
@@ -890,6 +921,8 @@ class Agent:
         finally:
             self.starting.discard(attempt)
         self.timings.mark(attempt, "spawned")
+        if attempt in self.held_devices:
+            self.devices.started(self.held_devices[attempt], handle.pid)
         self.running[attempt] = (assignment, handle)
         self.started.add(attempt)
         self._publish()

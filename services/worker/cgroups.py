@@ -146,8 +146,10 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
-def _mounts() -> dict[str, Path]:
-    """Mount points per v1 controller, and ``""`` for the cgroup2 mount."""
+def _mounts(devices: bool = False) -> dict[str, Path]:
+    """Mount points per v1 controller (``devices`` too, if asked), and ``""`` for the
+    cgroup2 mount."""
+    wanted = (*_V1_CONTROLLERS, "devices") if devices else _V1_CONTROLLERS
     found: dict[str, Path] = {}
     for line in (_read(Path("/proc/self/mountinfo")) or "").splitlines():
         left, _, right = line.partition(" - ")
@@ -157,7 +159,7 @@ def _mounts() -> dict[str, Path]:
             found.setdefault("", point)
         elif fstype == "cgroup":
             for option in options.split(","):
-                if option in _V1_CONTROLLERS:
+                if option in wanted:
                     found.setdefault(option, point)
     return found
 
@@ -257,6 +259,18 @@ class AttemptCgroup:
             return _write(folder / "cpu.shares", "2")
         return _write(folder / "cpu.weight", "1")
 
+    def confine_devices(self, denied: list[str]) -> bool:
+        """Allow every device but those ``denied`` (``c 195:1 rwm`` rules) to the
+        attempt's processes (cgroup v1's ``devices`` controller: a pooled slot's rules
+        are rewritten for each attempt, before its start); False without that folder."""
+        folder = self.folders.get("devices")
+        if folder is None:
+            return False
+        (folder / "devices.allow").write_text("a")
+        for rule in denied:
+            (folder / "devices.deny").write_text(rule)
+        return True
+
     def oom_kills(self) -> int:
         folder = self._folder("memory")
         if folder is None:
@@ -292,10 +306,12 @@ class Cgroups:
     enforced: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def detect(cls) -> tuple[Cgroups | None, str]:
-        """The driver for this host, and a sentence on what is enforced and what not."""
-        own, mounts = _own_paths(), _mounts()
-        driver = _v2(own, mounts) or _v1(own, mounts)
+    def detect(cls, devices: bool = False) -> tuple[Cgroups | None, str]:
+        """The driver for this host, and a sentence on what is enforced and what not.
+        ``devices``: on v1, also a folder per attempt in the ``devices`` hierarchy (for
+        ``AttemptCgroup.confine_devices``), where it is mounted."""
+        own, mounts = _own_paths(), _mounts(devices)
+        driver = _v2(own, mounts) or _v1(own, mounts, devices)
         if driver is None:
             return None, (
                 "no writable cgroup hierarchy: an attempt's memory is an RLIMIT_DATA per "
@@ -377,10 +393,10 @@ def _prepare(base: Path) -> bool:
     return os.access(base, os.W_OK)
 
 
-def _v1(own: dict[str, str], mounts: dict[str, Path]) -> Cgroups | None:
+def _v1(own: dict[str, str], mounts: dict[str, Path], devices: bool = False) -> Cgroups | None:
     bases: dict[str, Path] = {}
     tag = f"cairn/agent-{os.getpid()}"
-    for name in _V1_CONTROLLERS:
+    for name in (*_V1_CONTROLLERS, "devices") if devices else _V1_CONTROLLERS:
         if name not in mounts or name not in own:
             continue
         base = mounts[name] / own[name].lstrip("/") / tag

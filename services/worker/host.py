@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 from base64 import b64decode
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from services.worker import firewall, outputs, progress, spawner
 from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
+from services.worker.devices import denied
 from services.worker.executor import AttemptSpec
 from services.worker.isolation import (
     Folders,
@@ -83,6 +85,8 @@ class Host:
         #: the agent's egress table (``firewall``); None: not isolated, or no nftables
         self.firewall: firewall.Firewall | None = None
         self._allowing: set[int] = set()  # uids with an ``allow`` chain
+        #: each device index's node (``CAIRN_WORKER_DEVICE_NODES``), for the device cgroup
+        self.device_nodes = settings.device_nodes
 
     def start(self) -> list[str]:
         """Check and set up; returns what the agent tells at start-up. Raises HostError."""
@@ -106,8 +110,10 @@ class Host:
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
         notes.append(self._egress_note())
-        self.cgroups, note = Cgroups.detect()
+        self.cgroups, note = Cgroups.detect(devices=bool(self.device_nodes))
         notes.append(note)
+        if self.device_nodes:
+            notes.append(self._devices_note())
         if self.cgroups is not None:
             self.cgroups.sweep()
         notes.append(self._starter())
@@ -160,6 +166,14 @@ class Host:
         shown = ", ".join(str(n) + (f" port {p}" if p else "") for n, p in wall.refused)
         return f"egress: attempts never reach {shown} (nftables table {wall.table})"
 
+    def _devices_note(self) -> str:
+        if self.cgroups is not None and "devices" in self.cgroups.bases:
+            return "device nodes: an attempt opens only those of the devices it holds (cgroup v1)"
+        return (
+            "device nodes are not confined here (no cgroup v1 devices controller): an "
+            "attempt is told its devices but could open the others'"
+        )
+
     def _tmp_note(self) -> str:
         if not mount_namespaces_work():
             return "no mount namespaces here: each attempt's TMPDIR is its own, /tmp is shared"
@@ -172,9 +186,16 @@ class Host:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
         return note
 
-    async def prepare(self, assignment: Assignment, cache: ArtifactCache) -> Prepared:
-        """Folders, the verified executable and the cgroup of one attempt. Raises
-        ``ArtifactError``, ``IsolationError`` or ``OSError`` (after undoing its part)."""
+    async def prepare(
+        self,
+        assignment: Assignment,
+        cache: ArtifactCache,
+        devices: Mapping[str, list[int]] | None = None,
+    ) -> Prepared:
+        """Folders, the verified executable and the cgroup of one attempt (which may open
+        only the device nodes of ``devices``, the indexes it holds, where nodes are
+        configured). Raises ``ArtifactError``, ``IsolationError`` or ``OSError`` (after
+        undoing its part)."""
         identity = self.pool.take() if self.pool is not None else None
         folders: Folders | None = None
         group: AttemptCgroup | None = None
@@ -196,6 +217,8 @@ class Host:
                 group = self.cgroups.create(
                     assignment.attempt_id, resources.memory_mb, resources.cpu, pids_max
                 )
+            if self.device_nodes and group is not None:
+                group.confine_devices(denied(self.device_nodes, devices or {}))
             spec = self._spec(assignment, folders, identity, group, slot)
             if assignment.checkpoint is not None:
                 data = b64decode(assignment.checkpoint)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
-from libs.common.settings import WorkerOfferSettings, parse_labels, parse_list
+from libs.common.models import WorkerRegister
+from libs.common.settings import WorkerOfferSettings, parse_devices, parse_labels, parse_list
 from libs.common.sources import parse_sources
+from services.worker.devices import node_rule
 from services.worker.firewall import parse_blocked
 
 
@@ -43,6 +45,13 @@ class WorkerSettings(WorkerOfferSettings):
     worker_run_dir: Path | None = None
     #: where agents on one host take the uids they hand out (a lock file per uid)
     worker_uid_locks: Path = Path("/run/cairn/uids")
+    #: where agents on one host take the devices they hand out (a lock file per index;
+    #: agents sharing a host's devices must share it); default ``$CAIRN_HOME/devices``
+    worker_device_locks: Path | None = None
+    #: each device index's node(s) on this host, ``gpu:0=/dev/nvidia0,gpu:1=/dev/nvidia1``:
+    #: where cgroup v1's devices controller is mounted, an attempt may open only those of
+    #: the indexes it holds (docs/placement.md, "Devices")
+    worker_device_nodes: str = ""
     #: destinations no attempt may reach besides link-local (169.254.0.0/16, fe80::/10),
     #: as ``CIDR[:PORT]`` (``[v6/len]:PORT``), comma separated: list the database's host
     #: and port here (docs/security.md, "Egress")
@@ -93,6 +102,29 @@ class WorkerSettings(WorkerOfferSettings):
         parse_sources(value)
         return value
 
+    @field_validator("worker_devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        offered = parse_devices(value)
+        try:
+            WorkerRegister.model_validate(
+                {"hostname": "x", "queues": ["x"], "cpu": 1, "memory_mb": 1, "devices": offered}
+            )
+        except ValidationError as exc:
+            raise ValueError(f"not a set of devices core takes: {exc.errors()[0]['msg']}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_device_nodes(self) -> WorkerSettings:
+        for (name, index), path in self.device_nodes.items():
+            if index >= self.devices.get(name, 0):
+                raise ValueError(
+                    f"CAIRN_WORKER_DEVICE_NODES names {name}:{index}, which "
+                    "CAIRN_WORKER_DEVICES does not offer"
+                )
+            node_rule(path)
+        return self
+
     @field_validator("worker_egress_block")
     @classmethod
     def _check_blocked(cls, value: str) -> str:
@@ -118,6 +150,25 @@ class WorkerSettings(WorkerOfferSettings):
     @property
     def labels(self) -> dict[str, str]:
         return parse_labels(self.worker_labels)
+
+    @property
+    def devices(self) -> dict[str, int]:
+        return parse_devices(self.worker_devices)
+
+    @property
+    def device_nodes(self) -> dict[tuple[str, int], str]:
+        """``CAIRN_WORKER_DEVICE_NODES`` by (name, index)."""
+        out: dict[tuple[str, int], str] = {}
+        for key, path in parse_labels(self.worker_device_nodes).items():
+            name, _, index = key.partition(":")
+            if not index.isdigit() or not path.startswith("/"):
+                raise ValueError(f"device node {key}={path}: want NAME:INDEX=/dev/PATH")
+            out[(name, int(index))] = path
+        return out
+
+    @property
+    def device_locks(self) -> Path:
+        return self.worker_device_locks or self.home / "devices"
 
     @property
     def queues(self) -> list[str]:

@@ -35,7 +35,8 @@ async def rightsizing(
 ) -> UsageReport:
     """Each kind of task (owner, name) with ended attempts: its mean request, the p95 of
     its measured peak memory and CPU (cores: CPU seconds over wall time), and a suggested
-    request (the p95 with 20% headroom). ``team`` takes the tasks that team owns. Users
+    request (the p95 with 20% headroom), and the devices it asked for per attempt (held
+    whole, not measured). ``team`` takes the tasks that team owns. Users
     see their own, and with ``team`` their teams' (of every member); admins and services
     every owner's."""
     if principal.owner_filter is not None:
@@ -62,7 +63,7 @@ async def accounts(
     """What the attempts that ended in ``month`` (UTC) used, summed ``by`` owner, team
     (the tasks each team owns) or queue, the largest reservations first: attempts, wall
     seconds, CPU seconds used, core-seconds and MB-seconds reserved, the largest peak
-    memory. Rolled up from the event feed by the leader every ``CAIRN_USAGE_INTERVAL_S``
+    memory, device-seconds held by device name. Rolled up from the event feed by the leader every ``CAIRN_USAGE_INTERVAL_S``
     (60 s), and kept after the tasks' retention. Users see their own use (by owner or by
     queue) and their teams' (by team); admins and services everyone's."""
     month = month or datetime.now(UTC).strftime("%Y-%m")
@@ -75,6 +76,8 @@ async def accounts(
             owner = principal.name
     async with engine.connect() as conn:
         rows = await accounting.accounts(conn, first, by, limit, owner=owner, teams=teams)
+        keys = [r.key for r in rows]
+        devices = await accounting.device_seconds(conn, first, by, keys, owner, teams)
     items = [
         UsageAccount(
             key=r.key,
@@ -84,6 +87,7 @@ async def accounts(
             cpu_reserved_s=round(r.cpu_reserved_s, 3),
             memory_mb_s=round(r.memory_mb_s, 3),
             peak_memory_mb=round(r.peak_memory_mb, 3),
+            device_s={k: round(v, 3) for k, v in sorted(devices.get(r.key, {}).items())},
         )
         for r in rows
     ]

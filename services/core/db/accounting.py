@@ -13,7 +13,8 @@ then and no CPU.
 
 Per attempt: wall seconds (``ended_at - started_at``), the CPU seconds it used (as its
 agent measured them), the CPU and memory it reserved over its wall time (its charge:
-core-seconds, MB-seconds), and its peak memory (the month's largest)."""
+core-seconds, MB-seconds), its peak memory (the month's largest), and the devices it held
+over its wall time (device-seconds by device name, in ``core.usage_monthly_devices``)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ WITH h AS (
            COALESCE(a.charge_cpu, 0) AS charge_cpu,
            COALESCE(a.charge_memory_mb, 0) AS charge_memory_mb,
            COALESCE(a.peak_memory_mb, 0) AS peak_memory_mb,
-           COALESCE(a.ended_at, now()) AS ended_at
+           COALESCE(a.ended_at, now()) AS ended_at,
+           a.charge_devices
     FROM page p
     JOIN core.attempts a ON a.id = p.attempt_id
     JOIN core.tasks t ON t.id = a.task_id
@@ -104,10 +106,21 @@ WITH h AS (
         cpu_s = f.cpu_s * {decay("f.at", "EXCLUDED.at")} + EXCLUDED.cpu_s,
         at = EXCLUDED.at
     RETURNING 1
+), devices_added AS (
+    -- device-seconds: each device an attempt held, over its wall time
+    INSERT INTO core.usage_monthly_devices AS u (month, owner, team, queue, device, device_s)
+    SELECT month, owner, team, queue, d.key, sum(wall_s * d.value::float8)
+    FROM ended, jsonb_each_text(ended.charge_devices) d
+    WHERE ended.charge_devices IS NOT NULL
+    GROUP BY month, owner, team, queue, d.key
+    ON CONFLICT (month, owner, team, queue, device) DO UPDATE SET
+        device_s = u.device_s + EXCLUDED.device_s
+    RETURNING 1
 )
 SELECT (SELECT count(*) FROM page) AS read,
        (SELECT count(*) FROM ended) AS ended,
        (SELECT count(*) FROM added) AS groups,
+       (SELECT count(*) FROM devices_added) AS device_groups,
        last.xid AS last_xid, last.id AS last_id, h.horizon
 FROM h LEFT JOIN LATERAL (
     SELECT xid, id FROM page ORDER BY xid DESC, id DESC LIMIT 1
@@ -159,6 +172,39 @@ LIMIT :limit
 
 
 _BY: dict[str, Any] = {by: _accounts(by) for by in ("owner", "team", "queue")}
+
+
+def _devices(by: By) -> Any:
+    return text(f"""
+SELECT {by} AS key, device, sum(device_s) AS device_s
+FROM core.usage_monthly_devices
+WHERE month = :month AND {by} = ANY(CAST(:keys AS text[]))
+  AND (CAST(:owner AS text) IS NULL OR owner = :owner)
+  AND (CAST(:teams AS text[]) IS NULL OR team = ANY(CAST(:teams AS text[])))
+GROUP BY {by}, device
+""")
+
+
+_DEVICES_BY: dict[str, Any] = {by: _devices(by) for by in ("owner", "team", "queue")}
+
+
+async def device_seconds(
+    conn: AsyncConnection,
+    month: date,
+    by: By,
+    keys: list[str],
+    owner: str | None = None,
+    teams: list[str] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Of the accounts ``keys`` (``accounts``' rows, with the same filters), the
+    device-seconds held in ``month``, by device name."""
+    out: dict[str, dict[str, float]] = {}
+    if not keys:
+        return out
+    params = {"month": month, "keys": keys, "owner": owner, "teams": teams}
+    for r in await conn.execute(_DEVICES_BY[by], params):
+        out.setdefault(r.key, {})[r.device] = float(r.device_s)
+    return out
 
 
 async def accounts(

@@ -103,10 +103,19 @@ _LABELLED = """(t.required IS NULL OR (
                     WHERE NOT (g ?| CAST(:fact_names AS text[])))))"""
 
 
+# The devices a task asks for against those the worker has free (``:devices``, a jsonb
+# object of counts): devices are never overcommitted, so every task is filtered by them.
+# A task without devices (the common one) is one NULL test.
+_DEVICES_FIT = """(t.devices IS NULL OR NOT EXISTS (
+    SELECT FROM jsonb_each_text(t.devices) d
+    WHERE d.value::int > COALESCE((CAST(:devices AS jsonb)->>d.key)::int, 0)))"""
+
+
 _PICK = f"""
 SELECT t.id FROM core.tasks t
 WHERE {{which}}
   AND (t.preemptible OR (t.cpu <= :cpu AND t.memory_mb <= :memory_mb))
+  AND {_DEVICES_FIT}
   AND {_LABELLED}
   AND NOT ({placement.DEFERRABLE} AND t.queue IN {placement.HOT_QUEUES}
            AND {placement.LATEST_START} > now())
@@ -123,12 +132,13 @@ _AGING = """LEAST(CAST(:aging_max AS integer), GREATEST(0, floor(
 # What placement and sharing need of the rows picked, joined once they are few.
 _DETAILS = f"""
 SELECT t.id, p.reserved, t.state = '{_FROM_READY}' AND t.run_at > now() AS ahead,
-       t.state, t.owner, t.cpu, t.memory_mb, t.preemptible, t.priority,
+       t.state, t.owner, t.cpu, t.memory_mb, t.devices, t.preemptible, t.priority,
        t.vtime, t.concurrency_key, t.concurrency_limit,
        {_AGING}::int AS boost,
        u.peak_cpu, u.peak_memory_mb, q.overcommit, s.max_cpu, s.max_memory_mb, s.max_running,
-       t.team, ts.max_cpu AS team_max_cpu, ts.max_memory_mb AS team_max_memory_mb,
-       ts.max_running AS team_max_running, {refers_to_secrets("t.env")} AS secret_refs,
+       s.max_devices, t.team, ts.max_cpu AS team_max_cpu,
+       ts.max_memory_mb AS team_max_memory_mb, ts.max_running AS team_max_running,
+       ts.max_devices AS team_max_devices, {refers_to_secrets("t.env")} AS secret_refs,
        t.name, t.queue, t.placement
 FROM picked p JOIN core.tasks t ON t.id = p.id
 LEFT JOIN core.usage u ON u.owner = t.owner AND u.name = t.name
@@ -201,8 +211,8 @@ _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 # charge and fencing secret) that its assignment is built from (``_assignment``).
 _ASSIGNED = """
     id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
-    memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
-    charge_cpu, charge_memory_mb, progress_timeout_s, fence,
+    memory_mb, devices, timeout_s, preemptible, created_at, attempt_id, attempt_number,
+    charge_cpu, charge_memory_mb, charge_devices, progress_timeout_s, fence,
     -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
     (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
     -- its queue's egress policy (NULL: host, the default), for the agent to apply
@@ -230,25 +240,26 @@ WITH holder AS (
         current_attempt_id = nextval('core.attempts_id_seq'), attempts = t.attempts + 1
     FROM unnest(
         CAST(:ids AS bigint[]), CAST(:cpus AS float8[]), CAST(:memories AS float8[]),
-        CAST(:froms AS text[])
-    ) AS c(id, cpu, memory_mb, from_state)
+        CAST(:froms AS text[]), CAST(:devices AS jsonb[])
+    ) AS c(id, cpu, memory_mb, from_state, devices)
     WHERE t.id = ANY(CAST(:ids AS bigint[])) AND t.id = c.id
       AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
       AND EXISTS (SELECT FROM holder)
     RETURNING t.*, t.current_attempt_id AS attempt_id,
               1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
                   AS attempt_number,
-              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb, c.from_state,
+              c.cpu AS charge_cpu, c.memory_mb AS charge_memory_mb,
+              c.devices AS charge_devices, c.from_state,
               -- the fencing secret (gen_random_uuid: PostgreSQL's strong random source);
               -- the attempt keeps only its digest
               replace(CAST(gen_random_uuid() AS text), '-', '') AS fence
 ), leased AS (
     INSERT INTO core.attempts (
-        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, concurrency_key,
-        fence_sha256, started_at
+        id, task_id, number, worker_id, charge_cpu, charge_memory_mb, charge_devices,
+        concurrency_key, fence_sha256, started_at
     ) OVERRIDING SYSTEM VALUE
     SELECT attempt_id, id, attempt_number, :worker, charge_cpu, charge_memory_mb,
-           concurrency_key, sha256(convert_to(fence, 'UTF8')),
+           charge_devices, concurrency_key, sha256(convert_to(fence, 'UTF8')),
            -- leased ahead: it starts at its run_at, and every deadline counts from then
            CASE WHEN from_state = '{S.READY}' THEN GREATEST(now(), run_at) ELSE now() END
     FROM moved
@@ -280,11 +291,12 @@ WITH lost AS (
 ), again AS (
     UPDATE core.attempts a SET fence_sha256 = sha256(convert_to(lost.fence, 'UTF8'))
     FROM lost WHERE a.id = lost.id
-    RETURNING a.id, a.task_id, a.number, a.charge_cpu, a.charge_memory_mb, a.started_at,
-              lost.fence
+    RETURNING a.id, a.task_id, a.number, a.charge_cpu, a.charge_memory_mb,
+              a.charge_devices, a.started_at, lost.fence
 ), moved AS (
     SELECT t.*, again.id AS attempt_id, again.number AS attempt_number, again.charge_cpu,
-           again.charge_memory_mb, again.fence, again.started_at AS starts
+           again.charge_memory_mb, again.charge_devices, again.fence,
+           again.started_at AS starts
     FROM again JOIN core.tasks t ON t.id = again.task_id
 )
 SELECT {_ASSIGNED}, CASE WHEN starts > now() THEN starts END AS start_at
@@ -466,14 +478,20 @@ def ask(
     it first, then highest effective priority, then fair share across owners; rows other
     claims hold are skipped, never shared (``lease``). None when there is nothing to
     lease. ``ahead_s``: also delayed work due within it, into the room the work due now
-    leaves, each started at its ``run_at``."""
+    leaves, each started at its ``run_at``. Devices are counted by core alone (the
+    claim's room says none): what the worker offers less what its open attempts hold,
+    so a claim that waits sees the devices a report frees meanwhile."""
     defaults = defaults or placement.Defaults()
     if worker.state != Workers.LIVE or most <= 0:
         return None
     listed = [p for p in placed if p.id not in closing]
     [node] = placement.nodes_from([worker], listed, {worker.id: rest})
     free = node.free()
-    room = Amount(min(cpu, free.cpu), min(memory_mb, free.memory_mb))
+    room = Amount(
+        min(cpu, free.cpu),
+        min(memory_mb, free.memory_mb),
+        tuple((name, n) for name, n in free.devices if n > 0),
+    )
     if room.cpu <= 0 or room.memory_mb <= 0:
         return None
     facts = selectors.facts(worker.labels)
@@ -484,6 +502,7 @@ def ask(
         "fact_names": facts,
         "cpu": room.cpu,
         "memory_mb": room.memory_mb,
+        "devices": jsonb(dict(room.devices)),
         "limit": claim_depth(most),
         "aged_limit": most,
         "defer_above": defaults.defer_above,
@@ -531,6 +550,7 @@ async def lease(
         "cpus": [float(cost.cpu) for _, cost in chosen],
         "memories": [float(cost.memory_mb) for _, cost in chosen],
         "froms": [by_id[c.task_id].state for c, _ in chosen],
+        "devices": [jsonb(dict(cost.devices)) if cost.devices else None for _, cost in chosen],
         "worker": asked.worker.id,
         "target": S.RUNNING.value,
         "sources": asked.params["sources"],
@@ -606,9 +626,13 @@ def _assignment(row: Any) -> Assignment:
         env={k: v for k, v in row.env.items() if isinstance(v, str)},
         input_path=row.input_path,
         output_path=row.output_path,
-        resources=Resources.model_construct(cpu=row.cpu, memory_mb=row.memory_mb),
+        resources=Resources.model_construct(
+            cpu=row.cpu, memory_mb=row.memory_mb, devices=row.devices or {}
+        ),
         timeout_s=row.timeout_s,
-        charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
+        charge=Charge.model_construct(
+            cpu=row.charge_cpu, memory_mb=row.charge_memory_mb, devices=row.charge_devices or {}
+        ),
         traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
         preemptible=row.preemptible,
         start_at=row.start_at,

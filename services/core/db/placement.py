@@ -31,7 +31,9 @@ from services.core.domain.placement import (
     Plan,
     best_plan,
     charge,
+    counts,
     held_in_all,
+    summed,
     utilisation,
 )
 from services.core.domain.sharing import Gate, Gated
@@ -83,6 +85,7 @@ PLACED = text("""
 SELECT a.id, a.task_id, a.worker_id, t.priority, t.preemptible,
        COALESCE(a.charge_cpu, t.cpu) AS charge_cpu,
        COALESCE(a.charge_memory_mb, t.memory_mb) AS charge_memory_mb,
+       COALESCE(a.charge_devices, t.devices) AS charge_devices,
        EXTRACT(EPOCH FROM a.started_at)::float8 AS started,
        a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
@@ -102,13 +105,16 @@ def _use(which: str) -> str:
 SELECT u.worker_id, count(*) AS running,
        COALESCE(sum(u.cpu) FILTER (WHERE NOT u.squeezed), 0)::float8 AS cpu,
        COALESCE(sum(u.cpu) FILTER (WHERE u.squeezed), 0)::float8 AS squeezed_cpu,
-       COALESCE(sum(u.memory_mb), 0)::float8 AS memory_mb
+       COALESCE(sum(u.memory_mb), 0)::float8 AS memory_mb,
+       -- the devices held (rare): each attempt's, summed by ``rest_from``
+       jsonb_agg(u.devices) FILTER (WHERE u.devices IS NOT NULL) AS devices
 FROM (
     SELECT a.worker_id, a.squeezed_at IS NOT NULL AS squeezed,
            COALESCE(a.charge_cpu, (SELECT t.cpu FROM core.tasks t WHERE t.id = a.task_id))
                AS cpu,
            COALESCE(a.charge_memory_mb,
-                    (SELECT t.memory_mb FROM core.tasks t WHERE t.id = a.task_id)) AS memory_mb
+                    (SELECT t.memory_mb FROM core.tasks t WHERE t.id = a.task_id)) AS memory_mb,
+           a.charge_devices AS devices
     FROM core.attempts a
     WHERE a.outcome IS NULL AND {which}
 ) u
@@ -141,16 +147,22 @@ GROUP BY q.queue
 PLACED_AMONG = text(f"{PLACED.text.rstrip()}\n  AND a.id = ANY(CAST(:ids AS bigint[]))\n")
 
 
+def _held(row: Any) -> Amount:
+    """What one row of ``USE`` says a worker's attempts hold in all."""
+    devices = counts(summed(row.devices))
+    return held_in_all(row.cpu, row.squeezed_cpu, row.memory_mb, devices)
+
+
 def rest_from(use_rows: Iterable[Any]) -> dict[int, Amount]:
     """Per worker, what its attempts hold in all, from the rows of ``USE``."""
-    return {r.worker_id: held_in_all(r.cpu, r.squeezed_cpu, r.memory_mb) for r in use_rows}
+    return {r.worker_id: _held(r) for r in use_rows}
 
 
 async def use_of(conn: AsyncConnection, worker_ids: Sequence[int]) -> dict[int, tuple[Amount, int]]:
     """Per worker among ``worker_ids`` holding any, what its open attempts hold in all
     and how many they are."""
     rows = await conn.execute(USE, {"workers": list(worker_ids), "listed": []})
-    return {r.worker_id: (held_in_all(r.cpu, r.squeezed_cpu, r.memory_mb), r.running) for r in rows}
+    return {r.worker_id: (_held(r), r.running) for r in rows}
 
 
 def _placed(row: Any) -> Placed:
@@ -159,7 +171,7 @@ def _placed(row: Any) -> Placed:
         task_id=row.task_id,
         priority=row.priority,
         preemptible=row.preemptible,
-        charge=Amount(row.charge_cpu, row.charge_memory_mb),
+        charge=Amount(row.charge_cpu, row.charge_memory_mb, counts(row.charge_devices)),
         started=row.started,
         squeezed=row.squeezed,
         preempted=row.preempted,
@@ -184,7 +196,7 @@ def nodes_from(
     return [
         Node(
             worker_id=row.id,
-            capacity=Amount(row.cpu, row.memory_mb),
+            capacity=Amount(row.cpu, row.memory_mb, counts(row.devices)),
             placed=tuple(placed[row.id]),
             queues=frozenset(row.queues),
             rest=rest.get(row.id, ZERO),
@@ -304,7 +316,7 @@ def candidate(row: Any, defaults: Defaults) -> Candidate:
         task_id=row.id,
         priority=row.priority,
         preemptible=row.preemptible,
-        request=Amount(row.cpu, row.memory_mb),
+        request=Amount(row.cpu, row.memory_mb, counts(row.devices)),
         measured=measured,
         overcommit=row.overcommit or defaults.overcommit,
     )
@@ -444,7 +456,7 @@ async def with_pending_reasons(
                 task_id=task.id,
                 priority=task.priority,
                 preemptible=task.preemptible,
-                request=Amount(task.resources.cpu, task.resources.memory_mb),
+                request=request_of(task),
                 measured=use.get((task.owner, task.name)),
                 overcommit=row.overcommit,
             )
@@ -463,12 +475,18 @@ async def with_pending_reasons(
     return out
 
 
+def request_of(task: Task) -> Amount:
+    """What a task asks for, as placement counts it."""
+    resources = task.resources
+    return Amount(resources.cpu, resources.memory_mb, counts(resources.devices))
+
+
 async def _gate(conn: AsyncConnection, waiting: Sequence[Task]) -> Gate | None:
     """What quotas and concurrency keys say of these waiting tasks, read without locks."""
     tasks = {
         t.id: Gated(
             owner=t.owner,
-            request=Amount(t.resources.cpu, t.resources.memory_mb),
+            request=request_of(t),
             key=t.concurrency.key if t.concurrency else None,
             key_limit=t.concurrency.limit if t.concurrency else None,
             team=t.team,
@@ -551,7 +569,8 @@ SELECT count(*) FROM moved
 # latter as one hashed set (an OR inside NOT EXISTS was a nested loop of the whole
 # backlog by every open attempt: 570 ms a pass at 20,000 waiting, docs/benchmarks.md).
 _BLOCKED = text(f"""
-SELECT t.id, t.queue, t.cpu, t.memory_mb, t.priority, t.placement FROM core.tasks t
+SELECT t.id, t.queue, t.cpu, t.memory_mb, t.devices, t.priority, t.placement
+FROM core.tasks t
 WHERE t.state = '{S.WAITING}' AND NOT t.preemptible
   AND t.updated_at < now() - make_interval(secs => :after_s)
   AND t.id NOT IN (
@@ -639,7 +658,7 @@ async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     changed = 0
     by_id = {n.worker_id: n for n in await live_nodes(conn)}
     for task in blocked:
-        need = Amount(task.cpu, task.memory_mb)
+        need = Amount(task.cpu, task.memory_mb, counts(task.devices))
         required = selectors.rules_of(task.placement).required
         serving = [
             n
@@ -747,6 +766,7 @@ async def _preempt(conn: AsyncConnection, for_task: int, ids: Sequence[int]) -> 
 _RIGHTSIZING = text("""
 SELECT t.owner, t.name, count(*) AS attempts,
        avg(t.cpu) AS requested_cpu, avg(t.memory_mb) AS requested_memory_mb,
+       jsonb_agg(t.devices) FILTER (WHERE t.devices IS NOT NULL) AS devices,
        percentile_cont(0.95) WITHIN GROUP (ORDER BY a.peak_memory_mb) AS p95_memory_mb,
        percentile_cont(0.95) WITHIN GROUP (
            ORDER BY a.cpu_seconds / GREATEST(EXTRACT(EPOCH FROM a.ended_at - a.started_at), 1.0)
@@ -796,9 +816,16 @@ async def rightsizing(
                 suggested_cpu=cpu,
                 suggested_memory_mb=memory,
                 used_share=round(Amount(p95_cpu, p95_memory).largest_share_of(requested), 3),
+                requested_devices=_average(r.devices, r.attempts),
             )
         )
     return out
+
+
+def _average(requests: list[dict[str, int]] | None, attempts: int) -> dict[str, float]:
+    """The devices asked for per attempt, by name, from the requests of those asking."""
+    asked = summed(requests)
+    return {name: round(n / attempts, 3) for name, n in sorted(asked.items())}
 
 
 _PASS_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.PLACEMENT_PASS}")

@@ -30,7 +30,7 @@ from libs.common.models import (
 from libs.common.states import TaskState
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.limits import NO_LIMITS, QueueLimits
-from services.core.domain.placement import Amount
+from services.core.domain.placement import Amount, counts, summed
 from services.core.domain.sharing import (
     HALF_LIFE_S,
     Asked,
@@ -64,14 +64,16 @@ SELECT count(pg_advisory_xact_lock(CAST(:class AS integer), s.h)) FROM (
 """)
 
 _OWNER_USE = text("""
-SELECT t.owner, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+SELECT t.owner, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb,
+       jsonb_agg(t.devices) FILTER (WHERE t.devices IS NOT NULL) AS devices
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.outcome IS NULL AND t.owner = ANY(CAST(:owners AS text[]))
 GROUP BY t.owner
 """)
 
 _TEAM_USE = text("""
-SELECT t.team, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+SELECT t.team, count(*) AS running, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb,
+       jsonb_agg(t.devices) FILTER (WHERE t.devices IS NOT NULL) AS devices
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.outcome IS NULL AND t.team = ANY(CAST(:teams AS text[]))
 GROUP BY t.team
@@ -90,16 +92,18 @@ LEFT JOIN core.concurrency_limits l ON l.key = k.key
 """)
 
 _QUOTAS = text("""
-SELECT name, max_cpu, max_memory_mb, max_running FROM core.shares
+SELECT name, max_cpu, max_memory_mb, max_running, max_devices FROM core.shares
 WHERE name = ANY(CAST(:owners AS text[]))
-  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL)
+  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL
+       OR max_devices IS NOT NULL)
 """)
 
 
 _TEAM_QUOTAS = text("""
-SELECT team AS name, max_cpu, max_memory_mb, max_running FROM core.team_shares
+SELECT team AS name, max_cpu, max_memory_mb, max_running, max_devices FROM core.team_shares
 WHERE team = ANY(CAST(:teams AS text[]))
-  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL)
+  AND (max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL OR max_running IS NOT NULL
+       OR max_devices IS NOT NULL)
 """)
 
 
@@ -110,7 +114,7 @@ async def lock_names(conn: AsyncConnection, lock_class: int, names: Iterable[str
 
 
 def _quota(row: Any) -> Quota:
-    return Quota(row.max_cpu, row.max_memory_mb, row.max_running)
+    return Quota(row.max_cpu, row.max_memory_mb, row.max_running, counts(row.max_devices))
 
 
 def quota_of(row: Any) -> Quota | None:
@@ -121,19 +125,29 @@ def quota_of(row: Any) -> Quota | None:
 
 def team_quota_of(row: Any) -> Quota | None:
     """The running quota of a candidate row's team (``team_max_cpu``, ...), if any."""
-    quota = Quota(row.team_max_cpu, row.team_max_memory_mb, row.team_max_running)
+    quota = Quota(
+        row.team_max_cpu,
+        row.team_max_memory_mb,
+        row.team_max_running,
+        counts(row.team_max_devices),
+    )
     return quota if row.team is not None and quota.limits_running else None
 
 
 async def owner_use(conn: AsyncConnection, owners: Sequence[str]) -> dict[str, Use]:
     rows = await conn.execute(_OWNER_USE, {"owners": list(owners)})
-    return {r.owner: Use(int(r.running), float(r.cpu), float(r.memory_mb)) for r in rows}
+    return {r.owner: _use(r) for r in rows}
+
+
+def _use(row: Any) -> Use:
+    """A row of ``_OWNER_USE`` or ``_TEAM_USE``."""
+    return Use(int(row.running), float(row.cpu), float(row.memory_mb), summed(row.devices))
 
 
 async def team_use(conn: AsyncConnection, teams: Sequence[str]) -> dict[str, Use]:
     """What the open attempts of each team's tasks request."""
     rows = await conn.execute(_TEAM_USE, {"teams": list(teams)})
-    return {r.team: Use(int(r.running), float(r.cpu), float(r.memory_mb)) for r in rows}
+    return {r.team: _use(r) for r in rows}
 
 
 async def key_use(
@@ -182,7 +196,7 @@ async def gate(
         await lock_names(conn, _KEY_LOCK, keys)
     use = await owner_use(conn, sorted(quotas)) if quotas else {}
     teams_use = await team_use(conn, sorted(team_quotas)) if team_quotas else {}
-    limits, counts = await key_use(conn, keys) if keys else ({}, {})
+    limits, running = await key_use(conn, keys) if keys else ({}, {})
     return Gate(
         tasks=tasks,
         quotas=quotas,
@@ -190,7 +204,7 @@ async def gate(
         team_quotas=team_quotas,
         team_use=teams_use,
         limits=limits,
-        keys=counts,
+        keys=running,
     )
 
 
@@ -199,7 +213,7 @@ def gated(row: Any) -> Gated:
     gate sees it."""
     return Gated(
         owner=row.owner,
-        request=Amount(row.cpu, row.memory_mb),
+        request=Amount(row.cpu, row.memory_mb, counts(row.devices)),
         key=row.concurrency_key,
         key_limit=row.concurrency_limit,
         team=row.team,
@@ -536,6 +550,7 @@ async def _usage(
             max_cpu=row.max_cpu if row else None,
             max_memory_mb=row.max_memory_mb if row else None,
             max_running=row.max_running if row else None,
+            max_devices=row.max_devices if row else None,
             max_waiting=row.max_waiting if row else None,
             max_submits_per_min=row.max_submits_per_min if row else None,
         )
@@ -547,7 +562,10 @@ async def _usage(
                 weight=weight,
                 share=round(weights_share(weight, [weight, *others]), 6),
                 running=RunningUse(
-                    attempts=running.running, cpu=running.cpu, memory_mb=running.memory_mb
+                    attempts=running.running,
+                    cpu=running.cpu,
+                    memory_mb=running.memory_mb,
+                    devices=dict(running.devices),
                 ),
                 waiting=waiting.get(name, 0),
                 quota=quota,
@@ -575,6 +593,9 @@ def at_quota(quota: Quotas, running: Use, waiting: int) -> list[str]:
         held.append("memory")
     if quota.max_running is not None and running.running >= quota.max_running:
         held.append("running")
+    held += [
+        k for k, most in sorted((quota.max_devices or {}).items()) if running.devices[k] >= most
+    ]
     if quota.max_waiting is not None and waiting >= quota.max_waiting:
         held.append("waiting")
     return held

@@ -99,12 +99,13 @@ async def live_workers_per_queue(conn: AsyncConnection) -> dict[str, int]:
 # Owners at each running or waiting quota: the label is the quota's name, never the owner.
 _AT_QUOTA = text(f"""
 WITH running AS (
-    SELECT t.owner, count(*) AS n, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb
+    SELECT t.owner, count(*) AS n, sum(t.cpu) AS cpu, sum(t.memory_mb) AS memory_mb,
+           jsonb_agg(t.devices) FILTER (WHERE t.devices IS NOT NULL) AS devices
     FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
     WHERE a.outcome IS NULL
       AND t.owner IN (SELECT name FROM core.shares
                       WHERE max_cpu IS NOT NULL OR max_memory_mb IS NOT NULL
-                         OR max_running IS NOT NULL)
+                         OR max_running IS NOT NULL OR max_devices IS NOT NULL)
     GROUP BY t.owner
 ), waiting AS (
     SELECT t.owner, count(*) AS n FROM core.tasks t
@@ -116,13 +117,19 @@ SELECT
     count(*) FILTER (WHERE r.cpu >= s.max_cpu) AS cpu,
     count(*) FILTER (WHERE r.memory_mb >= s.max_memory_mb) AS memory,
     count(*) FILTER (WHERE r.n >= s.max_running) AS running,
-    count(*) FILTER (WHERE w.n >= s.max_waiting) AS waiting
+    count(*) FILTER (WHERE w.n >= s.max_waiting) AS waiting,
+    -- at the quota of any device name: its running devices summed from the requests
+    count(*) FILTER (WHERE EXISTS (
+        SELECT FROM jsonb_each_text(s.max_devices) m
+        WHERE (SELECT COALESCE(sum((d->>m.key)::int), 0)
+               FROM jsonb_array_elements(COALESCE(r.devices, '[]'::jsonb)) d)
+              >= m.value::int)) AS devices
 FROM core.shares s
 LEFT JOIN running r ON r.owner = s.name
 LEFT JOIN waiting w ON w.owner = s.name
 """)
 
-QUOTAS = ("cpu", "memory", "running", "waiting")
+QUOTAS = ("cpu", "memory", "running", "waiting", "devices")
 
 
 async def owners_at_quota(conn: AsyncConnection) -> dict[str, int]:

@@ -332,6 +332,8 @@ tasks = Table(
     Column("required", JSONB),
     # The artifact's credentials, a secret reference ({"secret", "team"}; docs/security.md).
     Column("artifact_credentials", JSONB),
+    # Countable devices it asks for ({"gpu": 1}; docs/placement.md), NULL for none.
+    Column("devices", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -465,6 +467,8 @@ workers = Table(
     # sha-256 of the worker's lease secret: only the agent that registered it may act for it
     Column("lease_sha256", Text),
     Column("reserved_for", BigInteger),
+    # the countable devices it offers ({"gpu": 2}; docs/placement.md)
+    Column("devices", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     CheckConstraint(sql_in("state", WORKER_STATES), name="state"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint(
@@ -511,6 +515,8 @@ attempts = Table(
     Column("signal", SmallInteger),
     # sha-256 of the attempt's fencing secret (its token: docs/progress.md)
     Column("fence_sha256", LargeBinary),
+    # the devices it holds ({"gpu": 1}), NULL for none
+    Column("charge_devices", JSONB),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),
@@ -586,6 +592,8 @@ shares = Table(
     Column("rate_window_at", DateTime(timezone=True)),
     Column("rate_count", Integer, nullable=False, server_default=text("0")),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # running quota of countable devices, by name ({"gpu": 4})
+    Column("max_devices", JSONB),
     CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
     CheckConstraint(
         "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
@@ -609,6 +617,8 @@ team_shares = Table(
     Column("rate_window_at", DateTime(timezone=True)),
     Column("rate_count", Integer, nullable=False, server_default=text("0")),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # running quota of countable devices, by name ({"gpu": 4})
+    Column("max_devices", JSONB),
     CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
     CheckConstraint(
         "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
@@ -837,6 +847,19 @@ fair_usage = Table(
     Column("cpu_s", Double, nullable=False, server_default=text("0")),
     Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     CheckConstraint("kind IN ('owner', 'team')", name="kind"),
+)
+
+#: the device-seconds of the same attempts, per device name (``db/accounting.py``)
+usage_monthly_devices = Table(
+    "usage_monthly_devices",
+    metadata,
+    Column("month", Date, primary_key=True),
+    Column("owner", Text, primary_key=True),
+    Column("team", Text, primary_key=True, server_default=text("''")),
+    Column("queue", Text, primary_key=True),
+    Column("device", Text, primary_key=True),
+    Column("device_s", Double, nullable=False, server_default=text("0")),
+    CheckConstraint("EXTRACT(DAY FROM month) = 1", name="first_day"),
 )
 
 notify_cursors = Table(

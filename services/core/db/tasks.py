@@ -70,7 +70,7 @@ TASK_COLUMNS = """
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
     start_by, poison_window_s, retry_causes, progress_timeout_s, placement,
-    artifact_credentials
+    artifact_credentials, devices
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -102,7 +102,7 @@ WITH input AS (
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
         poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
-        placement jsonb, required jsonb, artifact_credentials jsonb
+        placement jsonb, required jsonb, artifact_credentials jsonb, devices jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -169,7 +169,7 @@ WITH input AS (
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
         start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials, state
+        artifact_credentials, devices, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -180,7 +180,7 @@ WITH input AS (
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
         poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials,
+        artifact_credentials, devices,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -593,6 +593,8 @@ def spec_hash(spec: TaskCreate) -> str:
         for name, default in fields.items():
             if part.get(name) == default:
                 del part[name]
+    if not doc["resources"].get("devices"):
+        doc["resources"].pop("devices", None)
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -623,6 +625,7 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "output_path": spec.output_path,
         "cpu": spec.resources.cpu,
         "memory_mb": spec.resources.memory_mb,
+        "devices": spec.resources.devices or None,
         "preemptible": spec.preemptible,
         "max_attempts": spec.retry.max_attempts,
         "backoff_base_s": spec.retry.base_s,
@@ -830,7 +833,7 @@ def task_from_row(m: Any) -> Task:
         env=m.env,
         input_path=m.input_path,
         output_path=m.output_path,
-        resources={"cpu": m.cpu, "memory_mb": m.memory_mb},
+        resources={"cpu": m.cpu, "memory_mb": m.memory_mb, "devices": m.devices or {}},
         preemptible=m.preemptible,
         retry={
             "max_attempts": m.max_attempts,

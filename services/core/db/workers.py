@@ -78,12 +78,14 @@ def _worker(row: Any, use: dict[int, tuple[Amount, int]] | None = None) -> Worke
         labels=row.labels,
         cpu=row.cpu,
         memory_mb=row.memory_mb,
+        devices=row.devices,
         state=row.state,
         registered_at=row.registered_at,
         last_heartbeat_at=row.last_heartbeat_at,
         last_turn_at=row.last_turn_at,
         used_cpu=float(held.cpu),
         used_memory_mb=round(held.memory_mb),
+        used_devices=dict(held.devices),
         running=int(running),
     )
 
@@ -106,6 +108,7 @@ async def register(
             labels=offer.labels,
             cpu=offer.cpu,
             memory_mb=offer.memory_mb,
+            devices=offer.devices,
             lease_sha256=lease_digest(lease),
             last_turn_at=func.now() if offer.hang_watch else None,
         )

@@ -46,7 +46,8 @@ def size(amount: Amount) -> str:
         if amount.memory_mb >= 1024
         else f"{amount.memory_mb:.0f} MB"
     )
-    return f"{amount.cpu:.3g} CPU / {memory}"
+    devices = "".join(f" / {n} {name}" for name, n in amount.devices)
+    return f"{amount.cpu:.3g} CPU / {memory}{devices}"
 
 
 def when(moment: datetime) -> str:
@@ -100,13 +101,29 @@ def _room(need: Amount, queue: str, nodes: Sequence[Node]) -> str:
     if not nodes:
         return f"no live worker serves queue {queue}"
     if not any(need.fits_in(n.capacity) for n in nodes):
+        missing = _devices_nowhere(need, nodes)
+        if missing:
+            return f"needs {missing}: no live worker of queue {queue} has that many"
         biggest = max((n.capacity for n in nodes), key=lambda c: (c.cpu, c.memory_mb))
         return f"needs {size(need)}, larger than any worker (largest {size(biggest)})"
     free = largest_free(nodes, need)
     if free is not None and not need.fits_in(free):
-        return f"needs {size(need)}, largest free slot {size(_floor(free))}"
+        reason = f"needs {size(need)}, largest free slot {size(_floor(free, need))}"
+        if not need.devices:
+            return reason
+        # With devices, which resource is short is not plain from the sizes: say it.
+        return f"{reason} (short of {', '.join(need.short_of(free))})"
     return "fits a worker; waiting for its next claim"
 
 
-def _floor(amount: Amount) -> Amount:
-    return Amount(max(0.0, amount.cpu), max(0.0, amount.memory_mb))
+def _devices_nowhere(need: Amount, nodes: Sequence[Node]) -> str:
+    """The devices ``need`` asks for more of than any node has (``2 gpu``)."""
+    return ", ".join(
+        f"{n} {name}" for name, n in need.devices if all(x.capacity.device(name) < n for x in nodes)
+    )
+
+
+def _floor(amount: Amount, need: Amount) -> Amount:
+    """What is free, none below zero, with every device ``need`` names (0 when none)."""
+    devices = tuple((name, max(0, amount.device(name))) for name, _ in need.devices)
+    return Amount(max(0.0, amount.cpu), max(0.0, amount.memory_mb), devices)

@@ -11,7 +11,8 @@ nowhere, preemptible attempts are squeezed (CPU is compressible), then preempted
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -24,31 +25,86 @@ MIN_CHARGE_SHARE = 0.1
 _EPS = 1e-9
 
 
+#: countable devices by name, as sorted (name, count) pairs (``counts``): a request, a
+#: charge, a worker's capacity or what is left of it (a count may go below zero there)
+Counts = tuple[tuple[str, int], ...]
+
+
+def counts(mapping: Mapping[str, int] | None) -> Counts:
+    """Device counts as ``Amount`` keeps them: sorted, zeros left out."""
+    if not mapping:
+        return ()
+    return tuple(sorted((name, int(n)) for name, n in mapping.items() if n))
+
+
+def summed(maps: Iterable[Mapping[str, int]] | None) -> Counter[str]:
+    """Device counts added up by name (the ``jsonb_agg`` of requests or charges)."""
+    out: Counter[str] = Counter()
+    for devices in maps or ():
+        out.update(devices)
+    return out
+
+
+def _merged(mine: Counts, theirs: Counts, sign: int) -> Counts:
+    if not theirs:
+        return mine
+    out = dict(mine)
+    for name, n in theirs:
+        out[name] = out.get(name, 0) + sign * n
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class Amount:
-    """CPU (cores) and memory (MB)."""
+    """CPU (cores), memory (MB) and whole devices by name (``devices``, ``counts``).
+    Devices are never overcommitted nor squeezed: ``scaled`` leaves them."""
 
     cpu: float
     memory_mb: float
+    devices: Counts = ()
 
     def __add__(self, other: Amount) -> Amount:
-        return Amount(self.cpu + other.cpu, self.memory_mb + other.memory_mb)
+        return Amount(
+            self.cpu + other.cpu,
+            self.memory_mb + other.memory_mb,
+            _merged(self.devices, other.devices, 1),
+        )
 
     def __sub__(self, other: Amount) -> Amount:
-        return Amount(self.cpu - other.cpu, self.memory_mb - other.memory_mb)
+        return Amount(
+            self.cpu - other.cpu,
+            self.memory_mb - other.memory_mb,
+            _merged(self.devices, other.devices, -1),
+        )
 
     def scaled(self, factor: float) -> Amount:
-        return Amount(self.cpu * factor, self.memory_mb * factor)
+        return Amount(self.cpu * factor, self.memory_mb * factor, self.devices)
+
+    def device(self, name: str) -> int:
+        return dict(self.devices).get(name, 0)
+
+    def short_of(self, room: Amount) -> list[str]:
+        """What of this does not fit ``room``: ``cpu``, ``memory``, device names."""
+        short = [name for name, n in self.devices if n > room.device(name)]
+        if self.memory_mb > room.memory_mb + _EPS:
+            short.insert(0, "memory")
+        if self.cpu > room.cpu + _EPS:
+            short.insert(0, "cpu")
+        return short
 
     def fits_in(self, room: Amount) -> bool:
-        return self.cpu <= room.cpu + _EPS and self.memory_mb <= room.memory_mb + _EPS
+        if self.cpu > room.cpu + _EPS or self.memory_mb > room.memory_mb + _EPS:
+            return False
+        return not self.devices or all(n <= room.device(name) for name, n in self.devices)
 
     def largest_share_of(self, whole: Amount) -> float:
-        """The fuller of the two resources, as a share of ``whole``."""
-        return max(
+        """The fullest of the resources, as a share of ``whole``."""
+        shares = [
             self.cpu / whole.cpu if whole.cpu > 0 else 0.0,
             self.memory_mb / whole.memory_mb if whole.memory_mb > 0 else 0.0,
-        )
+        ]
+        shares += [n / whole.device(name) for name, n in self.devices if whole.device(name) > 0]
+        return max(shares)
 
 
 ZERO = Amount(0.0, 0.0)
@@ -79,7 +135,7 @@ class Placed:
     def held(self) -> Amount:
         """What it counts for now: a squeezed attempt keeps its memory, little CPU."""
         if self.squeezed:
-            return held_in_all(0.0, self.charge.cpu, self.charge.memory_mb)
+            return held_in_all(0.0, self.charge.cpu, self.charge.memory_mb, self.charge.devices)
         return self.charge
 
 
@@ -94,11 +150,11 @@ def claim_depth(most: int) -> int:
     return most + min(3 * most, CANDIDATE_SLACK)
 
 
-def held_in_all(cpu: float, squeezed_cpu: float, memory_mb: float) -> Amount:
+def held_in_all(cpu: float, squeezed_cpu: float, memory_mb: float, devices: Counts = ()) -> Amount:
     """What attempts hold together, from their charges summed: ``cpu`` of those running
     as charged, ``squeezed_cpu`` of the squeezed (who keep little of it), all their
-    memory."""
-    return Amount(cpu + squeezed_cpu * SQUEEZED_CPU_SHARE, memory_mb)
+    memory and devices."""
+    return Amount(cpu + squeezed_cpu * SQUEEZED_CPU_SHARE, memory_mb, devices)
 
 
 @dataclass(frozen=True)
@@ -151,7 +207,9 @@ def charge(candidate: Candidate) -> Amount:
         return candidate.request
     seen = candidate.measured or candidate.request
     floor = candidate.request.scaled(MIN_CHARGE_SHARE)
-    base = Amount(max(seen.cpu, floor.cpu), max(seen.memory_mb, floor.memory_mb))
+    base = Amount(
+        max(seen.cpu, floor.cpu), max(seen.memory_mb, floor.memory_mb), candidate.request.devices
+    )
     return base.scaled(1.0 / max(1.0, candidate.overcommit))
 
 
@@ -224,10 +282,13 @@ def make_room(node: Node, need: Amount) -> Plan | None:
     for victim in victims:
         if need.fits_in(free):
             break
+        if not _helps(victim.charge, need.short_of(free)):
+            continue  # it holds none of what is short (a GPU, when only GPUs are)
+        charged = victim.charge
         now_held = (
-            Amount(victim.charge.cpu * SQUEEZED_CPU_SHARE, victim.charge.memory_mb)
+            held_in_all(0.0, charged.cpu, charged.memory_mb, charged.devices)
             if victim.squeezed or victim in squeezed
-            else victim.charge
+            else charged
         )
         free = free + now_held
         preempted.append(victim)
@@ -237,6 +298,16 @@ def make_room(node: Node, need: Amount) -> Plan | None:
         worker_id=node.worker_id,
         squeeze=tuple(v.attempt_id for v in squeezed if v not in preempted),
         preempt=tuple(v.attempt_id for v in preempted),
+    )
+
+
+def _helps(held: Amount, short: list[str]) -> bool:
+    """Whether freeing ``held`` gives back any of the ``short`` resources."""
+    return any(
+        (name == "cpu" and held.cpu > 0)
+        or (name == "memory" and held.memory_mb > 0)
+        or held.device(name) > 0
+        for name in short
     )
 
 
@@ -255,20 +326,24 @@ def best_plan(nodes: Iterable[Node], need: Amount) -> Plan | None:
 
 
 def utilisation(nodes: Iterable[Node]) -> float:
-    """How full a pool is: held over capacity, of the fuller resource, from 0 to 1 (or
-    above, when overcommitted)."""
+    """How full a pool is: held over capacity, of the fuller of CPU and memory, from 0
+    to 1 (or above, when overcommitted)."""
     pool = list(nodes)
     capacity = total(n.capacity for n in pool)
     if capacity.cpu <= 0 or capacity.memory_mb <= 0:
         return 0.0
-    return total(n.used() for n in pool).largest_share_of(capacity)
+    used = total(n.used() for n in pool)
+    # Devices left out: a pool whose GPUs are all taken is not full for CPU-only work.
+    return Amount(used.cpu, used.memory_mb).largest_share_of(capacity)
 
 
 def largest_free(nodes: Iterable[Node], need: Amount) -> Amount | None:
     """The free room, among ``nodes``, that comes closest to holding ``need``."""
 
     def closeness(free: Amount) -> float:
-        return min(free.cpu / max(need.cpu, _EPS), free.memory_mb / max(need.memory_mb, _EPS))
+        ratios = [free.cpu / max(need.cpu, _EPS), free.memory_mb / max(need.memory_mb, _EPS)]
+        ratios += [free.device(name) / n for name, n in need.devices]
+        return min(ratios)
 
     rooms = [n.free() for n in nodes]
     return max(rooms, key=closeness) if rooms else None

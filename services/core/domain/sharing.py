@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from libs.common.models import QueuePolicy
-from services.core.domain.placement import Amount
+from services.core.domain.placement import Amount, Counts
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,13 @@ class Quota:
     max_cpu: float | None = None
     max_memory_mb: float | None = None
     max_running: int | None = None
+    #: running devices, by name (``counts``)
+    max_devices: Counts = ()
 
     @property
     def limits_running(self) -> bool:
-        return (self.max_cpu, self.max_memory_mb, self.max_running) != (None, None, None)
+        limits = (self.max_cpu, self.max_memory_mb, self.max_running)
+        return limits != (None, None, None) or bool(self.max_devices)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Use:
     running: int = 0
     cpu: float = 0.0
     memory_mb: float = 0.0
+    devices: Counter[str] = field(default_factory=Counter)
 
 
 def _n(value: float) -> str:
@@ -52,6 +56,9 @@ def over_quota(quota: Quota, use: Use, need: Amount) -> str | None:
         return f"cpu {_n(use.cpu)}/{_n(quota.max_cpu)}"
     if quota.max_memory_mb is not None and use.memory_mb + need.memory_mb > quota.max_memory_mb:
         return f"memory {_n(use.memory_mb)}/{_n(quota.max_memory_mb)} MB"
+    for name, most in quota.max_devices:
+        if use.devices[name] + need.device(name) > most:
+            return f"{name} {use.devices[name]}/{most}"
     return None
 
 
@@ -170,6 +177,7 @@ def _take(use: Use, request: Amount) -> None:
     use.running += 1
     use.cpu += request.cpu
     use.memory_mb += request.memory_mb
+    use.devices.update(dict(request.devices))
 
 
 def fair_stamp(

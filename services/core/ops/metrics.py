@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from prometheus_client.core import Metric
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -204,7 +204,19 @@ async def read_usage(conn: AsyncConnection) -> list[Metric]:
             "MB-seconds of memory reserved this month per queue",
             "memory_mb_s",
         ),
+        await _device_usage(conn, month, [r.key for r in rows]),
     ]
+
+
+async def _device_usage(conn: AsyncConnection, month: date, queues: list[str]) -> Metric:
+    held = await accounting.device_seconds(conn, month, "queue", queues)
+    values = [((q, name), s) for q, by_name in held.items() for name, s in sorted(by_name.items())]
+    return gauge_family(
+        "cairn_usage_device_seconds",
+        "Device-seconds held this month per queue and device name",
+        ["queue", "device"],
+        values,
+    )
 
 
 #: the most queues the usage gauges list (the largest reservations first)

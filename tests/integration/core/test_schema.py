@@ -25,9 +25,7 @@ from services.dag import tables as dag_tables
 
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
-    pytest.param(
-        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0027_hot_states", id="core"
-    ),
+    pytest.param(core_tables.SCHEMA, core_tables.metadata, core_migrate, "0023_devices", id="core"),
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
     ),
@@ -86,11 +84,15 @@ def test_downgrade_then_upgrade_round_trips(
     assert _diff(db_url, schema, metadata) == []
 
 
+#: the revision of 0033_hot_states and the one before it
+HOT, HOT_BEFORE = "0027_hot_states", "0024_fairshare"
+
+
 def test_hot_states_keeps_every_row_and_sets_the_fill_factor(db_url: str) -> None:
     # 0033_hot_states on a database with a task (and an attempt) in every state: no row
     # moves or changes; core.attempts gets its fill factor, and the downgrade resets it.
     config = alembic_config(core_migrate.MIGRATIONS, db_url)
-    command.downgrade(config, "0022_session_tokens")
+    command.downgrade(config, HOT_BEFORE)
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
         [(worker,)] = conn.execute(
             "INSERT INTO core.workers (principal, hostname, queues, cpu, memory_mb)"
@@ -128,7 +130,7 @@ def test_hot_states_keeps_every_row_and_sets_the_fill_factor(db_url: str) -> Non
         states = conn.execute("SELECT DISTINCT state FROM core.tasks").fetchall()
         assert {s for (s,) in states} == {s.value for s in TaskState}
         before = rows()
-        command.upgrade(config, "head")
+        command.upgrade(config, HOT)
         assert (rows(), options()) == (before, ["fillfactor=80"])
-        command.downgrade(config, "0022_session_tokens")
+        command.downgrade(config, HOT_BEFORE)
         assert (rows(), options()) == (before, None)

@@ -109,3 +109,33 @@ def test_the_simulator_places_by_label_as_the_claim_does(tmp_path: Path) -> None
     shown = runner.invoke(app, ["sim", str(path), "--worker-labels", "zone=a", "--json"])
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.output)["never_started"] == 21  # nobody has disk=ssd there
+
+
+def test_the_simulator_counts_devices_as_the_claim_does(tmp_path: Path) -> None:
+    base = next(s for s in generate(SMALL) if s.kind == "task")
+    base = replace(base, preemptible=False, cpu=1.0, memory_mb=512, use_memory_mb=100.0)
+    # Eight 2-GPU tasks of 100 s at once on two workers with 4 GPUs each (one without):
+    # four run at a time, the other four after them; a 5-GPU task fits no worker.
+    gpu = [replace(base, t=0.0, duration_s=100.0, devices={"gpu": 2}) for _ in range(8)]
+    huge = replace(base, t=1.0, devices={"gpu": 5})
+    tail = replace(base, t=400.0, duration_s=1.0)  # the clock runs past them all
+    path = tmp_path / "trace.jsonl"
+    meta = {"cluster": {"workers": 3, "cpu": 64, "memory_mb": 262144}}
+    path.write_text("\n".join(json.dumps(x) for x in [meta, *map(asdict, [*gpu, huge, tail])]))
+    sim = Simulator({**meta["cluster"], "devices": [{"gpu": 4}, {"gpu": 4}, {}]}, Policy())
+    _, read_back = read(path)
+    stats = sim.run(read_back)
+    starts = sorted(r.started for r in sim.runs.values() if r.sub.devices == {"gpu": 2})
+    assert starts == [0.0] * 4 + [100.0] * 4
+    assert stats.never_started == 1  # gpu 5
+    assert {sim.workers[r.worker or 0].id for r in sim.runs.values() if r.worker} <= {0, 1}
+    runner = CliRunner()
+    shown = runner.invoke(app, ["sim", str(path), "--worker-devices", "gpu=4", "--json"])
+    assert shown.exit_code == 0, shown.output
+    figures = json.loads(shown.output)
+    # every worker with 4 GPUs: 1,600 GPU-seconds held over 400 s of 12 GPUs
+    assert figures["never_started"] == 1 and round(figures["placed_gpu"], 6) == round(1 / 3, 6)
+    text = runner.invoke(app, ["sim", str(path), "--worker-devices", "gpu=4"])
+    assert "gpu 33%" in text.output
+    refused = runner.invoke(app, ["sim", str(path), "--worker-devices", "gpu=x"])
+    assert refused.exit_code != 0 and "--worker-devices" in refused.output

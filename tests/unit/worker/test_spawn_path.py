@@ -246,7 +246,9 @@ def test_the_uid_is_cleaned_up_by_the_helper_without_a_cgroup(
     from services.worker import cgroups
     from services.worker import host as host_module
 
-    monkeypatch.setattr(cgroups.Cgroups, "detect", classmethod(lambda cls: (None, "off")))
+    monkeypatch.setattr(
+        cgroups.Cgroups, "detect", classmethod(lambda cls, devices=False: (None, "off"))
+    )
     monkeypatch.setattr(
         host_module, "kill_every_process_of", lambda identity: pytest.fail("spawned a shell")
     )
