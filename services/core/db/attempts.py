@@ -201,7 +201,7 @@ _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 # charge and fencing secret) that its assignment is built from (``_assignment``).
 _ASSIGNED = """
     id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
-    memory_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
+    memory_mb, disk_mb, timeout_s, preemptible, created_at, attempt_id, attempt_number,
     charge_cpu, charge_memory_mb, progress_timeout_s, fence,
     -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
     (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
@@ -604,7 +604,9 @@ def _assignment(row: Any) -> Assignment:
         env={k: v for k, v in row.env.items() if isinstance(v, str)},
         input_path=row.input_path,
         output_path=row.output_path,
-        resources=Resources.model_construct(cpu=row.cpu, memory_mb=row.memory_mb),
+        resources=Resources.model_construct(
+            cpu=row.cpu, memory_mb=row.memory_mb, disk_mb=row.disk_mb
+        ),
         timeout_s=row.timeout_s,
         charge=Charge.model_construct(cpu=row.charge_cpu, memory_mb=row.charge_memory_mb),
         traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),

@@ -222,7 +222,7 @@ def test_the_pool_hands_no_process_file_or_counter_to_the_next_attempt(root: Pat
     async def scenario() -> tuple[Prepared, AttemptResult, Prepared, AttemptResult, int]:
         try:
             first, one = await _attempt(host, 1, first_script, memory_mb=128)
-            stray = int((first.folders.home / "pid").read_text())
+            stray = int((first.folders.view / "pid").read_text())
             await host.release(first)
             second, two = await _attempt(host, 2, second_script, memory_mb=128)
             assert second.slot is first.slot
@@ -258,7 +258,7 @@ def test_the_uid_is_cleaned_up_by_the_helper_without_a_cgroup(
         try:
             prepared, result = await _attempt(host, 1, script)
             assert result.outcome == "succeeded"
-            stray = int((prepared.folders.home / "pid").read_text())
+            stray = int((prepared.folders.view / "pid").read_text())
             await host.release(prepared)
             return stray
         finally:
