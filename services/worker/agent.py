@@ -909,7 +909,6 @@ class Agent:
             self.watches.pop(attempt, None)
             handle.log.close()
         report = outputs.attach(report_of(result), prepared.folders.view)
-        prepared.folders.unmount()  # its tmpfs freed before its cgroup is handed back
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})

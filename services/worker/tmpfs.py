@@ -36,6 +36,8 @@ MIN_INODES, MAX_INODES = 1024, 1 << 20
 FULL_BELOW_PAGES = 16
 #: the tmp folder inside it, bound on /tmp and /var/tmp
 TMP = "tmp"
+#: a tmpfs holding more than this is let go in a thread, not on the agent's event loop
+FREE_INLINE_MB = 8
 
 
 def _call(number: int, *args: object) -> int:
@@ -92,6 +94,15 @@ def full(mount: int) -> bool:
     except OSError:
         return False
     return info.f_bavail < FULL_BELOW_PAGES or info.f_favail == 0
+
+
+def used_mb(mount: int) -> float:
+    """What its files hold, in MB (0 if it cannot be read)."""
+    try:
+        info = os.fstatvfs(mount)
+    except OSError:
+        return 0.0
+    return (info.f_blocks - info.f_bfree) * info.f_frsize / 2**20
 
 
 def close(mount: int | None) -> None:

@@ -135,8 +135,8 @@ def test_a_write_past_the_quota_fails_with_enospc_and_ends_disk_exceeded(root: P
 
 
 def test_a_full_tmpfs_with_a_success_is_a_success(root: Path) -> None:
-    host = _host(root)  # the worker's default quota: 8 MB
-    result, _ = _run(host, "dd if=/dev/zero of=big bs=1M count=16 status=none; true")
+    host = _host(root, worker_disk_mb=16)  # the worker's default quota (larger: let go in a thread)
+    result, _ = _run(host, "dd if=/dev/zero of=big bs=1M count=24 status=none; true")
 
     assert result.outcome == "succeeded", result
 
