@@ -6,73 +6,37 @@ with ENOSPC and the attempt ends ``disk_exceeded``; its pages count towards its 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import subprocess
-import tempfile
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from libs.common.models import Artifact, Assignment, Resources
 from services.worker import outputs
 from services.worker.artifacts import ArtifactCache
 from services.worker.executor import AttemptResult, start_attempt
 from services.worker.host import Host
-from services.worker.settings import WorkerSettings
+from tests.unit.worker.test_spawn_path import _assignment, run_root
+from tests.unit.worker.test_spawn_path import _host as _spawn_host
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own as root"),
 ]
 
-SH = Path("/bin/sh")
-SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
-
 
 @pytest.fixture
 def root() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="cairn-tmpfs-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
+    yield from run_root()
 
 
 def _host(root: Path, fast: bool = True, **settings: Any) -> Host:
-    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    first = 27000 + 100 * (index % 9)
-    values: dict[str, Any] = {
-        "home": root / "home",
-        "worker_isolation": "user",
-        "worker_run_dir": root / "run",
-        "worker_uid_locks": root / "uids",
-        "worker_uids": f"{first}-{first + 99}",
-        "worker_slots": 2,
-        "worker_disk_mb": 8,
-    } | settings
-    host = Host(WorkerSettings(**values), root / "home" / "logs", fast=fast)
-    host.start()
+    host = _spawn_host(root, fast, **{"worker_disk_mb": 8, **settings})
     if not host.tmpfs:
         pytest.skip("no private tmpfs on this host (mount namespaces or the mount API)")
     return host
-
-
-def _assignment(attempt_id: int, script: str, memory_mb: int, disk_mb: int | None) -> Assignment:
-    return Assignment(
-        attempt_id=attempt_id,
-        attempt_number=1,
-        task_id=attempt_id,
-        kind="task",
-        artifact=Artifact(uri=f"file://{SH}", sha256=SH_SHA),
-        args=["-c", script],
-        env={},
-        input_path=None,
-        output_path=None,
-        resources=Resources(cpu=0.5, memory_mb=memory_mb, disk_mb=disk_mb),
-        timeout_s=30,
-    )
 
 
 def _run(
@@ -84,7 +48,8 @@ def _run(
     async def scenario() -> tuple[AttemptResult, Any]:
         try:
             cache = ArtifactCache(host.settings.home / "artifacts")
-            prepared = await host.prepare(_assignment(1, script, memory_mb, disk_mb), cache)
+            assignment = _assignment(1, script, memory_mb, disk_mb=disk_mb)
+            prepared = await host.prepare(assignment, cache)
             assert prepared.folders.mount is not None
             handle = await start_attempt(prepared.spec)
             result = await handle.wait()
@@ -114,7 +79,8 @@ def test_home_and_tmp_are_a_tmpfs_of_the_quota_read_back_after_the_end(
 
     log = result.log_tail
     assert result.outcome == "succeeded", log
-    assert "fs tmpfs" in log and "home 700 27" in log, log
+    owner = re.search(r"home 700 (\d+)", log)
+    assert "fs tmpfs" in log and owner and int(owner.group(1)) in host.settings.uids, log
     assert f"{host.workdirs.mount_point}\n" in log, log  # its working folder
     assert " 3072 " in log, log  # /tmp is the same 3 MB tmpfs
     assert "mine" in log, log
@@ -135,7 +101,7 @@ def test_a_write_past_the_quota_fails_with_enospc_and_ends_disk_exceeded(root: P
 
 
 def test_a_full_tmpfs_with_a_success_is_a_success(root: Path) -> None:
-    host = _host(root, worker_disk_mb=16)  # the worker's default quota (larger: let go in a thread)
+    host = _host(root, worker_disk_mb=16)  # its default quota; over 8 MB: let go in a thread
     result, _ = _run(host, "dd if=/dev/zero of=big bs=1M count=24 status=none; true")
 
     assert result.outcome == "succeeded", result
