@@ -56,6 +56,7 @@ from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 
 TRUE = Path("/bin/true")
+UIDS = range(27000, 28000)
 
 
 @dataclass
@@ -99,6 +100,7 @@ async def _one(host: Host, cache: ArtifactCache, attempt_id: int) -> tuple[float
     handle = await start_attempt(prepared.spec)
     result = await handle.wait()
     assert result.outcome == "succeeded", result
+    handle.log.close()  # as the agent does: its log file then goes back to the spares
     await host.stop_leftovers(prepared)
     await host.release(prepared)
     return spawned - began, time.perf_counter() - began
@@ -113,7 +115,7 @@ async def _case(
         worker_isolation=isolation,  # type: ignore[arg-type]
         worker_run_dir=home / "run",
         worker_uid_locks=root / "uids",
-        worker_uids="27000-27999",
+        worker_uids=f"{UIDS.start}-{UIDS.stop - 1}",
     )
     host = Host(settings, home / "logs", fast=fast)
     if not cgroups:
@@ -161,6 +163,12 @@ Samples = dict[tuple[str, str, bool], tuple[list[float], list[float], list[float
 async def main(n: int, rounds: int, programs: list[str]) -> None:
     root = Path(tempfile.mkdtemp(prefix="cairn-bench-", dir="/var/tmp"))
     root.chmod(0o711)
+    # As on a host whose agent ran before: every uid's lock file exists (an agent makes
+    # each once, then only opens and locks it), so no case pays the first-time creation.
+    locks = root / "uids"
+    locks.mkdir(mode=0o700)
+    for uid in UIDS:
+        (locks / str(uid)).touch(mode=0o600)
     print(
         f"load average {os.getloadavg()[0]:.2f} at start; n={n} per case and round; "
         f"programs {', '.join(' '.join(PROGRAMS[p]) for p in programs)} asking {PROGRAM.cpu} CPU"

@@ -271,6 +271,8 @@ _UNSET = {
     "default-timeout": "default_timeout_s",
     "max-timeout": "max_timeout_s",
     "max-wait": "max_wait_s",
+    "default-disk": "default_disk_mb",
+    "max-disk": "max_disk_mb",
 }
 
 
@@ -306,11 +308,14 @@ def _queue_change(
     max_wait: int | None,
     unset: list[str],
     egress: dict[str, Any] | None = None,
+    disk: tuple[int | None, int | None] = (None, None),
 ) -> QueueSettings:
     given = {
         "default_timeout_s": default_timeout,
         "max_timeout_s": max_timeout,
         "max_wait_s": max_wait,
+        "default_disk_mb": disk[0],
+        "max_disk_mb": disk[1],
         "egress": egress,
     }
     body: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
@@ -466,6 +471,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         cpu: Annotated[float | None, typer.Option(help="CPU request")] = None,
         memory_mb: Annotated[int | None, typer.Option(help="memory request, MB")] = None,
         devices: Annotated[str | None, typer.Option(help="devices request: gpu=1")] = None,
+        disk_mb: Annotated[
+            int | None, typer.Option(help="disk quota of its home and /tmp, MB (a tmpfs)")
+        ] = None,
         key: Annotated[str | None, typer.Option(help="idempotency key")] = None,
         timeout: Annotated[
             int | None, typer.Option(help="seconds an attempt may run (default: its queue's)")
@@ -530,12 +538,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         if label:
             body["labels"] = output.pairs(label)
         _placement(body, select or [], prefer or [], spread_by, anti_affinity)
-        if cpu is not None or memory_mb is not None or devices is not None:
+        asked = {"cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb}
+        if any(v is not None for v in asked.values()) or devices is not None:
             resources = dict(body.get("resources", {}))
-            if cpu is not None:
-                resources["cpu"] = cpu
-            if memory_mb is not None:
-                resources["memory_mb"] = memory_mb
+            resources.update({k: v for k, v in asked.items() if v is not None})
             if devices is not None:
                 resources["devices"] = _devices_option(devices)
             body["resources"] = resources
@@ -747,9 +753,18 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         max_wait: Annotated[
             int | None, typer.Option(help="set the seconds a task may wait to start")
         ] = None,
+        default_disk: Annotated[
+            int | None, typer.Option(help="set the disk quota (MB) of its tasks that ask none")
+        ] = None,
+        max_disk: Annotated[
+            int | None, typer.Option(help="set the largest disk quota (MB) a task may ask")
+        ] = None,
         unset: Annotated[
             list[str] | None,
-            typer.Option(help="back to no limit: default-timeout, max-timeout, max-wait"),
+            typer.Option(
+                help="back to no limit: default-timeout, max-timeout, max-wait, default-disk, "
+                "max-disk"
+            ),
         ] = None,
         egress: Annotated[
             str | None,
@@ -769,7 +784,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
         refused)."""
         c = ctx_of(ctx)
         change = _queue_change(
-            default_timeout, max_timeout, max_wait, unset or [], _egress_change(egress, allow or [])
+            default_timeout,
+            max_timeout,
+            max_wait,
+            unset or [],
+            _egress_change(egress, allow or []),
+            (default_disk, max_disk),
         )
         if change.model_fields_set and name is None:
             output.errors.print("[red]error[/red] name the queue to set")
@@ -798,6 +818,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                 "oldest waiting s",
                 "timeout s (default/max)",
                 "max wait s",
+                "disk MB (default/max)",
                 "egress",
             ],
             [
@@ -808,6 +829,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one block of small comma
                     f"{q.oldest_waiting_age_s:.0f}" if q.oldest_waiting_age_s is not None else "",
                     f"{_or_dash(q.default_timeout_s)}/{_or_dash(q.max_timeout_s)}",
                     _or_dash(q.max_wait_s),
+                    f"{_or_dash(q.default_disk_mb)}/{_or_dash(q.max_disk_mb)}",
                     _egress_shown(q.egress),
                 ]
                 for q in found

@@ -193,14 +193,21 @@ Devices = Annotated[
     Field(max_length=MAX_DEVICE_NAMES),
 ]
 
+#: the largest disk quota an attempt may ask (MiB)
+MAX_DISK_MB = 1024 * 1024
+
 
 class Resources(_Input):
-    """What one attempt declares it needs: CPU, memory, and whole devices by name
-    (``{"gpu": 1}``), which the attempt holds alone (docs/placement.md, "Devices")."""
+    """What one attempt declares it needs: CPU, memory, whole devices by name
+    (``{"gpu": 1}``), which the attempt holds alone (docs/placement.md, "Devices"), and
+    ``disk_mb``: its disk quota, the size of the tmpfs that holds its home and /tmp (its
+    pages count towards ``memory_mb``); unset: its queue's ``default_disk_mb``, else the
+    worker's ``CAIRN_WORKER_DISK_MB``."""
 
     cpu: float = Field(default=1.0, gt=0, le=1024)
     memory_mb: int = Field(default=512, ge=1, le=4 * 1024 * 1024)
     devices: Devices = Field(default_factory=dict, exclude_if=lambda value: not value)
+    disk_mb: int | None = Field(default=None, ge=1, le=MAX_DISK_MB)
 
 
 ExitCode = Annotated[int, Field(ge=0, le=255)]
@@ -611,6 +618,10 @@ class QueueInfo(_Output):
     default_timeout_s: int | None = None
     #: the largest ``timeout_s`` a submission may ask for (null: no limit)
     max_timeout_s: int | None = None
+    #: ``resources.disk_mb`` of its tasks that set none (null: the worker's default)
+    default_disk_mb: int | None = None
+    #: the largest ``resources.disk_mb`` a submission may ask for (null: no limit)
+    max_disk_mb: int | None = None
     #: a task not started this long after it is due ends ``dead`` (null: no limit)
     max_wait_s: int | None = None
     #: what its attempts' network may reach
@@ -627,6 +638,9 @@ class QueueSettings(_Input):
     default_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     max_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     max_wait_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
+    #: its tasks' disk quota when they ask none, and the most they may ask (MiB)
+    default_disk_mb: int | None = Field(default=None, ge=1, le=MAX_DISK_MB)
+    max_disk_mb: int | None = Field(default=None, ge=1, le=MAX_DISK_MB)
     #: its attempts' egress policy (null: ``host``, the default)
     egress: Egress | None = None
 
@@ -904,6 +918,8 @@ class Report(_Input):
     work, requeued without spending one either. ``crashed``: the process died of a signal the
     worker did not send; it counts towards the poison-pill limit. ``oom_killed``: the
     attempt went over its memory limit and the kernel killed it; retried as a failure.
+    ``disk_exceeded``: it failed with its files filling its disk quota (``disk_mb``: a
+    write failed with ENOSPC); retried as a failure too.
     ``retryable: false`` makes a failure final."""
 
     outcome: ReportedOutcome

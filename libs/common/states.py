@@ -55,7 +55,14 @@ class Workers:
 
 #: how a worker may say an attempt ended (``Report.outcome``)
 ReportedOutcome = Literal[
-    "succeeded", "failed", "timeout", "crashed", "oom_killed", "handed_back", "preempted"
+    "succeeded",
+    "failed",
+    "timeout",
+    "crashed",
+    "oom_killed",
+    "disk_exceeded",
+    "handed_back",
+    "preempted",
 ]
 #: every way an attempt ends: reported, or core's (``lost`` with its worker, ``cancelled``
 #: with its task)

@@ -927,7 +927,7 @@ class Agent:
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, handle.log)
-        self._watch(attempt, spec.workdir, spec.progress_timeout_s)
+        self._watch(attempt, prepared.folders.view, spec.progress_timeout_s)
         try:
             result = await handle.wait()
             self._look(attempt, self.watches.get(attempt))  # its last words
@@ -941,7 +941,7 @@ class Agent:
         finally:
             self.watches.pop(attempt, None)
             handle.log.close()
-        report = outputs.attach(report_of(result), spec.workdir)
+        report = outputs.attach(report_of(result), prepared.folders.view)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})

@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Literal
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES
+from services.worker import tmpfs
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Sandbox
 from services.worker.logfile import AttemptLog
 from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
 
-Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed"]
+Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed", "disk_exceeded"]
 StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -88,6 +89,8 @@ class AttemptSpec:
     tmpdir: str | None = None
     helper: Helper | None = None
     log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    #: the size of its tmpfs (``sandbox.mount``), its disk quota
+    disk_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,12 @@ class RunningAttempt:
             ):
                 outcome = "oom_killed"
                 error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
+        if outcome in ("failed", "killed") and self._stopped is None and self._disk_full():
+            outcome = "disk_exceeded"
+            error = (
+                f"disk quota exceeded: its files filled the attempt's {self.spec.disk_mb} MB "
+                "(a write failed with ENOSPC)"
+            )
         return AttemptResult(
             outcome=outcome,
             exit_code=exit_code,
@@ -220,6 +229,10 @@ class RunningAttempt:
             log_tail=read_tail(self.spec.log_path),
             stopped=self._stopped,
         )
+
+    def _disk_full(self) -> bool:
+        mount = self.spec.sandbox.mount if self.spec.sandbox else None
+        return mount is not None and tmpfs.full(mount)
 
 
 def _judge(
@@ -290,7 +303,8 @@ async def _start_by_helper(spec: AttemptSpec, helper: Helper, log: AttemptLog) -
         if group is not None and group.version == "v2" and group.resident is None:
             into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         started = time.monotonic()
-        pid = await helper.spawn(_launch(spec), log.writer, into)
+        mount = spec.sandbox.mount if spec.sandbox else None
+        pid = await helper.spawn(_launch(spec), log.writer, into, mount)
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
@@ -324,6 +338,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         tmp_targets=sandbox.tmp_targets if sandbox else (),
         shm=bool(sandbox and sandbox.shm),
         netns=bool(sandbox and sandbox.netns),
+        mount_at=sandbox.home if sandbox and sandbox.mount is not None else None,
     )
 
 

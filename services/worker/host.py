@@ -15,7 +15,7 @@ from pathlib import Path
 
 from libs.common import tracing
 from libs.common.models import Assignment, Egress
-from services.worker import firewall, outputs, progress, spawner
+from services.worker import firewall, outputs, progress, spawner, tmpfs
 from services.worker.artifacts import ArtifactCache, Sealed
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
@@ -73,6 +73,8 @@ class Host:
         self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
         self.pool: UidPool | None = None
         self.private_tmp = False
+        #: attempts' homes and tmp on a tmpfs of their own, sized by their disk quota
+        self.tmpfs = False
         self.fresh_shm = False  # a private /dev/shm (not where the run folder lies)
         self.tmp_targets: tuple[str, ...] = ()
         self.cgroups: Cgroups | None = None
@@ -109,6 +111,7 @@ class Host:
                 )
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
+            notes.append(self._disk_note())
         notes.append(self._egress_note())
         self.cgroups, note = Cgroups.detect(devices=bool(self.device_nodes))
         notes.append(note)
@@ -186,6 +189,25 @@ class Host:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
         return note
 
+    def _disk_note(self) -> str:
+        if not self.private_tmp or not tmpfs.works():
+            return "no private tmpfs here: attempts' folders are on disk, with no disk quota"
+        if self.settings.worker_keep_attempts_s > 0:
+            return (
+                "attempts' folders are kept on disk (CAIRN_WORKER_KEEP_ATTEMPTS_S): no disk quota"
+            )
+        self.tmpfs = True
+        return (
+            "each attempt's home and /tmp are a tmpfs of its own, its disk quota in size "
+            f"(default {self.settings.worker_disk_mb} MB), charged to its memory"
+        )
+
+    def _quota_mb(self, assignment: Assignment) -> int | None:
+        """The size of the attempt's tmpfs; None: its folders are on disk."""
+        if not (self.tmpfs and self.private_tmp):
+            return None
+        return assignment.resources.disk_mb or self.settings.worker_disk_mb
+
     async def prepare(
         self,
         assignment: Assignment,
@@ -222,7 +244,7 @@ class Host:
             spec = self._spec(assignment, folders, identity, group, slot)
             if assignment.checkpoint is not None:
                 data = b64decode(assignment.checkpoint)
-                await asyncio.to_thread(progress.place_checkpoint, folders.home, data, identity)
+                await asyncio.to_thread(progress.place_checkpoint, folders.view, data, identity)
         except BaseException:
             log_path = self._log_path(assignment)
             await self._undo(folders, identity, group, slot, log_path, never_ran=True)
@@ -254,7 +276,9 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
-        folders = self.workdirs.make(assignment.attempt_id, _name_of(artifact.uri), identity)
+        folders = self.workdirs.make(
+            assignment.attempt_id, _name_of(artifact.uri), identity, self._quota_mb(assignment)
+        )
         self.spare_logs.take(self._log_path(assignment))
         try:
             if self.sealed is not None and identity is not None:
@@ -297,7 +321,9 @@ class Host:
 
     def _made(self, assignment: Assignment, identity: Identity | None) -> Folders:
         name = _name_of(assignment.artifact.uri)
-        folders = self.workdirs.make(assignment.attempt_id, name, identity)
+        folders = self.workdirs.make(
+            assignment.attempt_id, name, identity, self._quota_mb(assignment)
+        )
         self.spare_logs.take(self._log_path(assignment))
         return folders
 
@@ -329,6 +355,8 @@ class Host:
             shm=self.fresh_shm,
             rlimits=tuple(limits),
             netns=assignment.egress is not None and assignment.egress.mode == "none",
+            mount=folders.mount,
+            home=str(folders.home) if folders.mount is not None else None,
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(
@@ -356,6 +384,7 @@ class Host:
             tmpdir=tmpdir,
             helper=helper,
             log_max_bytes=self.settings.log_max_bytes,
+            disk_mb=folders.quota_mb,
         )
 
     async def stop_leftovers(self, prepared: Prepared) -> None:
@@ -427,6 +456,8 @@ class Host:
     ) -> None:
         """Hand back what the attempt held; its folders are reused only if nothing of it
         can still be running (it never ran, or its cgroup was seen empty)."""
+        if folders is not None:
+            await _unmount(folders)  # its tmpfs's pages uncharged before its cgroup is reused
         try:
             settled = await self._release_cgroup(group, slot)
             if group is None and slot is None and identity is not None and not never_ran:
@@ -474,6 +505,14 @@ class Host:
     def _give_up_spares(self) -> None:
         self.workdirs.close()
         self.spare_logs.close()
+
+
+async def _unmount(folders: Folders) -> None:
+    """Let the attempt's tmpfs go: at once when it holds little, else in a thread (the
+    closing thread frees its pages, a millisecond for every few MB)."""
+    if folders.mount is not None and tmpfs.used_mb(folders.mount) > tmpfs.FREE_INLINE_MB:
+        await asyncio.to_thread(folders.unmount)
+    folders.unmount()
 
 
 def _under(path: Path, top: str) -> bool:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from services.worker import hardening
+from services.worker import hardening, tmpfs
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -80,6 +80,9 @@ class Sandbox:
     shm: bool = False
     rlimits: tuple[tuple[int, int], ...] = ()
     netns: bool = False
+    #: the attempt's tmpfs, attached on ``home`` in its mount namespace
+    mount: int | None = None
+    home: str | None = None
 
     def preexec(self) -> Callable[[], None]:
         def apply() -> None:
@@ -88,7 +91,10 @@ class Sandbox:
                 with open(procs, "w") as handle:
                     handle.write(pid)
             if self.private_tmp is not None:
-                _private_mounts(self.private_tmp, self.tmp_targets, self.shm)
+                home = self.home if self.mount is not None else None
+                _private_mounts(self.private_tmp, self.tmp_targets, self.shm, self.mount, home)
+                if home is not None:
+                    os.chdir(home)  # Popen entered the folder under the mount
             if self.netns:
                 own_network()
             for which, value in self.rlimits:
@@ -112,11 +118,15 @@ def _mount(
         raise OSError(errno, f"mount {target.decode()}: {os.strerror(errno)}")
 
 
-def _private_mounts(tmp: Path, targets: tuple[str, ...], shm: bool) -> None:
+def _private_mounts(
+    tmp: Path, targets: tuple[str, ...], shm: bool, mount: int | None, home: str | None
+) -> None:
     if _libc.unshare(CLONE_NEWNS) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"unshare: {os.strerror(errno)}")
     _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
+    if mount is not None and home is not None:
+        tmpfs.attach(mount, home)
     for target in targets:
         _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
     if shm:
@@ -226,6 +236,15 @@ class Folders:
     executable: Path
     identity: Identity | None = None
     made: list[Path] = field(default_factory=list)
+    #: the attempt's tmpfs (``tmpfs``), attached on ``home`` in its mount namespace; None:
+    #: its home and tmp are folders on the run folder's file system
+    mount: int | None = None
+    quota_mb: int | None = None
+
+    @property
+    def view(self) -> Path:
+        """Where the agent reads the attempt's files (its home)."""
+        return tmpfs.view(self.mount) if self.mount is not None else self.home
 
     def seal_executable(self, written: Path) -> None:
         """Put the verified copy in place: the agent's, read+exec for the attempt only."""
@@ -242,8 +261,14 @@ class Folders:
         os.link(sealed, self.executable)
 
     def remove(self) -> None:
+        self.unmount()
         for folder in self.made:
             remove_tree(folder)
+
+    def unmount(self) -> None:
+        """Let the tmpfs go (freed once the attempt's namespace is gone too)."""
+        mount, self.mount = self.mount, None
+        tmpfs.close(mount)
 
 
 #: how a folder an attempt wrote into is opened: never through a link, never blocking (a

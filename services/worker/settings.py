@@ -58,6 +58,8 @@ class WorkerSettings(WorkerOfferSettings):
     worker_egress_block: str = ""
     #: processes (and threads) one attempt may have at once
     worker_pids_max: int = Field(default=1024, ge=8, le=4_194_304)
+    #: an attempt's disk quota (its tmpfs's size) when its task asks none (``disk_mb``)
+    worker_disk_mb: int = Field(default=1024, ge=1, le=1024 * 1024)
     #: how long an attempt's folder is kept after its log is uploaded (0: removed at once)
     worker_keep_attempts_s: float = Field(default=0.0, ge=0)
     #: the artifact cache's bound; the least recently used artifacts go first

@@ -6,7 +6,8 @@
  * migration. For each request it clones a child whose parent is the agent
  * (CLONE_PARENT, so the agent waits for it as for any child), optionally straight into
  * a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the child applies, as root and in
- * this order: a new session, a private mount namespace with its own /tmp, a network
+ * this order: a new session, a private mount namespace with its own home (a tmpfs the agent
+ * made) and /tmp, a network
  * namespace of its own with loopback only (egress "none"), rlimits, the
  * attempt's uid and gid with no other groups, no_new_privs, umask 077, its working
  * directory, stdin /dev/null and stdout/stderr the log, every other descriptor closed;
@@ -21,7 +22,10 @@
  *   t dir      the private /tmp source T path  a target bound on it (/tmp, /var/tmp)
  *   s          a fresh /dev/shm        c       the second descriptor is a cgroup2 folder
  *   n          a network namespace of its own, loopback up (nothing else)
- * with the log file's descriptor (and the cgroup folder's) passed along (SCM_RIGHTS).
+ *   m dir      the passed detached mount (the attempt's tmpfs, made by the agent with
+ *              fsmount) is attached on dir in the attempt's mount namespace: its home
+ * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
+ * along (SCM_RIGHTS).
  * A request whose first field is "k uid" instead kills every process of that uid.
  */
 #define _GNU_SOURCE
@@ -51,6 +55,10 @@
 #ifndef CLONE_INTO_CGROUP
 #define CLONE_INTO_CGROUP 0x200000000ULL
 #endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK };
@@ -58,13 +66,13 @@ enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, 
 struct reply { int32_t pid, step, err; };
 
 struct request {
-    char *exe, *dir, *tmp;
+    char *exe, *dir, *tmp, *mount_at;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
     int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
-    int log_fd, cgroup_fd;
+    int log_fd, cgroup_fd, mount_fd;
 };
 
 static char buffer[MAX_REQUEST];
@@ -78,6 +86,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'x': r->exe = value; break;
         case 'd': r->dir = value; break;
         case 't': r->tmp = value; break;
+        case 'm': r->mount_at = value; break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -124,9 +133,12 @@ static int loopback_up(void) {
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
-    if (r->tmp) {
+    if (r->tmp || r->mount_at) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
+        if (r->mount_at && syscall(SYS_move_mount, r->mount_fd, "", AT_FDCWD, r->mount_at,
+                                   MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail(status_fd, MOUNTS);
         for (int i = 0; i < r->ntargets; i++)
             if (mount(r->tmp, r->targets[i], NULL, MS_BIND, NULL) < 0) fail(status_fd, MOUNTS);
         if (r->shm && mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
@@ -226,7 +238,7 @@ int main(int argc, char **argv) {
     struct reply ready = {getpid(), OK, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        char control[CMSG_SPACE(2 * sizeof(int))];
+        char control[CMSG_SPACE(3 * sizeof(int))];
         struct iovec iov = {buffer, sizeof buffer - 1};
         struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
                              .msg_control = control, .msg_controllen = sizeof control};
@@ -234,24 +246,26 @@ int main(int argc, char **argv) {
         if (size < 0 && errno == EINTR) continue;
         if (size <= 0) return 0;
         buffer[size] = '\0';
-        int fds[2] = {-1, -1}, nfds = 0;
+        int fds[3] = {-1, -1, -1}, nfds = 0;
         for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
             if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
                 nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                memcpy(fds, CMSG_DATA(c), (nfds > 2 ? 2 : nfds) * sizeof(int));
+                if (nfds > 3) nfds = 3;
+                memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
             }
         }
         struct reply reply = {0, OK, 0};
         struct request request;
         if (buffer[0] == 'k') {
             kill_uid(strtol(buffer + 1, NULL, 10), &reply);
-        } else if (parse(buffer, (size_t)size, &request) < 0 || fds[0] < 0
-                   || (request.has_cgroup && fds[1] < 0)) {
+        } else if (parse(buffer, (size_t)size, &request) < 0
+                   || nfds != 1 + request.has_cgroup + (request.mount_at != NULL)) {
             reply.step = CLONE;
             reply.err = EINVAL;
         } else {
             request.log_fd = fds[0];
-            request.cgroup_fd = fds[1];
+            request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
+            request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
             int pipe_fds[2];
             if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
                 reply.step = CLONE;
@@ -281,7 +295,7 @@ int main(int argc, char **argv) {
                 close(pipe_fds[0]);
             }
         }
-        for (int i = 0; i < nfds && i < 2; i++) close(fds[i]);
+        for (int i = 0; i < nfds; i++) close(fds[i]);
         if (send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0) return 1;
     }
 }

@@ -4,7 +4,7 @@ process started once with ``posix_spawn``, forks each attempt on request.
 The agent is a large Python process; forking it for every attempt (``subprocess`` with
 ``preexec_fn``) copies its page tables and runs Python between fork and exec. The helper
 is 18 KB of C: its fork is cheap, and it applies the sandbox (session, private mount
-namespace, network namespace for egress ``none``, rlimits, uid and gid, no_new_privs,
+namespace with the attempt's tmpfs as its home (``tmpfs``), network namespace for egress ``none``, rlimits, uid and gid, no_new_privs,
 umask, working directory, descriptors) itself before it execs the task. Its children are the agent's (``CLONE_PARENT``), so the
 agent waits for them with ``wait4`` as before and reads their rusage. On cgroup v1 a
 helper lives inside each pooled cgroup (it joined it once), so an attempt it starts is born
@@ -87,6 +87,8 @@ class Launch:
     shm: bool = False
     #: egress ``none``: a network namespace of its own, loopback only
     netns: bool = False
+    #: where the passed tmpfs (``tmpfs``) is attached: the attempt's home
+    mount_at: str | None = None
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -95,6 +97,8 @@ class Launch:
         if self.uid is not None and self.gid is not None:
             fields += [f"u{self.uid}", f"g{self.gid}"]
         fields += [f"r{which}={value}" for which, value in self.rlimits]
+        if self.mount_at is not None:
+            fields.append(f"m{self.mount_at}")
         if self.private_tmp is not None:
             fields.append(f"t{self.private_tmp}")
             fields += [f"T{target}" for target in self.tmp_targets]
@@ -164,12 +168,19 @@ class Helper:
                 await self._recv()
                 self._ready = True
 
-    async def spawn(self, launch: Launch, log_fd: int, cgroup_fd: int | None = None) -> int:
+    async def spawn(
+        self, launch: Launch, log_fd: int, cgroup_fd: int | None = None, mount: int | None = None
+    ) -> int:
         """The started attempt's pid (a child of this process); ``SpawnFailed`` if it
-        failed before its exec (then already reaped), ``HelperGone`` if the helper died."""
+        failed before its exec (then already reaped), ``HelperGone`` if the helper died.
+        ``mount``: the attempt's tmpfs, attached on ``launch.mount_at``."""
         await self.ready()
         request = launch.encode(cgroup_fd is not None)
         fds = [log_fd] if cgroup_fd is None else [log_fd, cgroup_fd]
+        if launch.mount_at is not None:
+            if mount is None:
+                raise ValueError("a mount point without its tmpfs")
+            fds.append(mount)
         async with self._lock:
             if self.gone:
                 raise HelperGone("the spawn helper is gone")

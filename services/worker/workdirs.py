@@ -33,6 +33,7 @@ import stat
 import threading
 from pathlib import Path
 
+from services.worker import tmpfs
 from services.worker.isolation import Folders, Identity, remove_tree
 
 log = logging.getLogger("cairn.worker.workdirs")
@@ -49,6 +50,8 @@ class Workdirs:
         self.isolated = isolated
         self.keep = keep
         self.exe_root = run_dir / ".exe"
+        #: where an attempt's tmpfs is attached, in its own mount namespace only
+        self.mount_point = run_dir / ".home"
         self.pool = run_dir / ".pool" / f"agent-{os.getpid()}"
         self._homes: list[Path] = []
         self._exes: list[Path] = []
@@ -64,6 +67,7 @@ class Workdirs:
         """Make the pool folder (removing those of agents no longer alive) and ``ahead``
         ready sets."""
         self.exe_root.mkdir(mode=0o711, exist_ok=True)
+        self.mount_point.mkdir(mode=0o700, exist_ok=True)
         pools = self.run_dir / ".pool"
         pools.mkdir(mode=0o700, exist_ok=True)
         pools.chmod(0o700)
@@ -82,8 +86,14 @@ class Workdirs:
             self._homes, self._exes = [], []
         remove_tree(self.pool)
 
-    def make(self, attempt_id: int, name: str, identity: Identity | None) -> Folders:
-        """The attempt's folders, from a ready set (or new ones)."""
+    def make(
+        self, attempt_id: int, name: str, identity: Identity | None, quota_mb: int | None = None
+    ) -> Folders:
+        """The attempt's folders, from a ready set (or new ones); with ``quota_mb`` (and
+        an ``identity``), its home and tmp are a tmpfs of that size instead (``tmpfs``),
+        attached on ``mount_point`` when it starts."""
+        if quota_mb is not None and identity is not None:
+            return self._on_tmpfs(attempt_id, name, identity, quota_mb)
         home = self.run_dir / str(attempt_id)
         exe_dir = self.exe_root / str(attempt_id)
         for stale in (home, exe_dir):
@@ -104,10 +114,31 @@ class Workdirs:
             os.chown(exe_dir, os.geteuid(), identity.gid, follow_symlinks=False)
         return Folders(home, tmp, exe_dir / name, identity, [home, exe_dir])
 
+    def _on_tmpfs(self, attempt_id: int, name: str, identity: Identity, quota_mb: int) -> Folders:
+        exe_dir = self.exe_root / str(attempt_id)
+        remove_tree(exe_dir)  # left by an earlier try of the same attempt
+        with self._lock:
+            ready_exe = self._exes.pop() if self._exes else None
+        if ready_exe is not None:
+            self.reused += 1
+        os.rename(ready_exe or self._new_exe(), exe_dir)
+        try:
+            os.chown(exe_dir, os.geteuid(), identity.gid, follow_symlinks=False)
+            mount = tmpfs.make(quota_mb, identity.uid, identity.gid)
+        except BaseException:
+            remove_tree(exe_dir)
+            raise
+        home = self.mount_point
+        return Folders(home, home / tmpfs.TMP, exe_dir / name, identity, [exe_dir], mount, quota_mb)
+
     def give_back(self, folders: Folders, reusable: bool) -> None:
-        """Take the attempt's folders back: its home is removed and a new set made ahead;
-        its executable folder, emptied, goes back to the pool when ``reusable`` (no
-        process of the attempt is left), else it is removed too."""
+        """Take the attempt's folders back: its home is removed (a tmpfs: let go) and a
+        new set made ahead; its executable folder, emptied, goes back to the pool when
+        ``reusable`` (no process of the attempt is left), else it is removed too."""
+        if folders.quota_mb is not None:
+            folders.unmount()
+            self._exe_back(folders.made[0], reusable)
+            return
         home, exe_dir = folders.made
         try:
             if not remove_tree(home):
@@ -118,10 +149,13 @@ class Workdirs:
                     self._homes.append(fresh)
                 self.ahead += 1
         finally:
-            if reusable and self._clear_exe(exe_dir) and len(self._exes) < self.keep:
-                self._shelve(exe_dir, self._exes, "x")
-            elif not remove_tree(exe_dir):
-                self._set_aside(exe_dir)
+            self._exe_back(exe_dir, reusable)
+
+    def _exe_back(self, exe_dir: Path, reusable: bool) -> None:
+        if reusable and self._clear_exe(exe_dir) and len(self._exes) < self.keep:
+            self._shelve(exe_dir, self._exes, "x")
+        elif not remove_tree(exe_dir):
+            self._set_aside(exe_dir)
 
     def tidy(self) -> None:
         """Retry removing what an earlier removal left (it gave up after its bounds), in

@@ -211,8 +211,8 @@ _WAITING_IN_QUEUES = _waiting_in("t.queue = ANY(CAST(:queues AS text[]))")
 # charge and fencing secret) that its assignment is built from (``_assignment``).
 _ASSIGNED = """
     id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
-    memory_mb, devices, timeout_s, preemptible, created_at, attempt_id, attempt_number,
-    charge_cpu, charge_memory_mb, charge_devices, progress_timeout_s, fence,
+    memory_mb, devices, disk_mb, timeout_s, preemptible, created_at, attempt_id,
+    attempt_number, charge_cpu, charge_memory_mb, charge_devices, progress_timeout_s, fence,
     -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
     (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
     -- its queue's egress policy (NULL: host, the default), for the agent to apply
@@ -627,7 +627,7 @@ def _assignment(row: Any) -> Assignment:
         input_path=row.input_path,
         output_path=row.output_path,
         resources=Resources.model_construct(
-            cpu=row.cpu, memory_mb=row.memory_mb, devices=row.devices or {}
+            cpu=row.cpu, memory_mb=row.memory_mb, devices=row.devices or {}, disk_mb=row.disk_mb
         ),
         timeout_s=row.timeout_s,
         charge=Charge.model_construct(

@@ -29,7 +29,7 @@ from libs.common.models import (
 )
 from libs.common.states import TaskState
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
-from services.core.domain.limits import NO_LIMITS, QueueLimits
+from services.core.domain.limits import LIMIT_COLUMNS, NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount, counts, summed
 from services.core.domain.sharing import (
     HALF_LIFE_S,
@@ -303,12 +303,9 @@ class Book:
 
 async def queue_limits(conn: AsyncConnection) -> dict[str, QueueLimits]:
     """Every queue's time limits, of those that set any."""
-    columns = (queues.c.default_timeout_s, queues.c.max_timeout_s, queues.c.max_wait_s)
+    columns = [queues.c[name] for name in LIMIT_COLUMNS]
     query = select(queues.c.name, *columns).where(or_(*(column.isnot(None) for column in columns)))
-    return {
-        r.name: QueueLimits(r.default_timeout_s, r.max_timeout_s, r.max_wait_s)
-        for r in await conn.execute(query)
-    }
+    return {r.name: _limits(r) for r in await conn.execute(query)}
 
 
 async def limits_for_update(conn: AsyncConnection, name: str) -> QueueLimits:
@@ -319,7 +316,11 @@ async def limits_for_update(conn: AsyncConnection, name: str) -> QueueLimits:
     ).first()
     if row is None:
         return NO_LIMITS
-    return QueueLimits(row.default_timeout_s, row.max_timeout_s, row.max_wait_s)
+    return _limits(row)
+
+
+def _limits(row: Any) -> QueueLimits:
+    return QueueLimits(**{name: getattr(row, name) for name in LIMIT_COLUMNS})
 
 
 _WAITING = text(f"""

@@ -261,6 +261,15 @@ queues = Table(
         name="time_limits_positive",
     ),
     CheckConstraint("default_timeout_s <= max_timeout_s", name="default_timeout_within_max"),
+    # Its tasks' disk quota (MiB): when they ask none, and the most they may ask.
+    Column("default_disk_mb", Integer),
+    Column("max_disk_mb", Integer),
+    CheckConstraint(
+        "(default_disk_mb IS NULL OR default_disk_mb > 0)"
+        " AND (max_disk_mb IS NULL OR max_disk_mb > 0)",
+        name="disk_limits_positive",
+    ),
+    CheckConstraint("default_disk_mb <= max_disk_mb", name="default_disk_within_max"),
     # Its attempts' egress policy (``models.Egress``; NULL: ``host``, the default).
     Column("egress", JSONB),
     CheckConstraint("egress->>'mode' IN ('none', 'allow')", name="egress_mode"),
@@ -287,6 +296,8 @@ tasks = Table(
     Column("output_path", Text),
     Column("cpu", Double, nullable=False),
     Column("memory_mb", Integer, nullable=False),
+    # its disk quota (MiB; NULL: the worker's default)
+    Column("disk_mb", Integer),
     Column("preemptible", Boolean, nullable=False, server_default=text("false")),
     Column("max_attempts", Integer, nullable=False),
     Column("backoff_base_s", Double),
@@ -342,6 +353,7 @@ tasks = Table(
     CheckConstraint("poison_window_s > 0", name="poison_window_positive"),
     CheckConstraint("attempts >= 0 AND crashes >= 0", name="counts_non_negative"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
+    CheckConstraint("disk_mb IS NULL OR disk_mb > 0", name="disk_positive"),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
     CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
     CheckConstraint(

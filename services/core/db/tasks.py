@@ -70,14 +70,14 @@ TASK_COLUMNS = """
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
     start_by, poison_window_s, retry_causes, progress_timeout_s, placement,
-    artifact_credentials, devices
+    artifact_credentials, devices, disk_mb
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
 # queue's and core's defaults, domain.limits). The rest is the spec.
 SUBMITTED_COLUMNS = (
     "id, owner, state, idempotency_key, spec_hash, run_at, created_at, updated_at,"
-    " timeout_s, start_by, poison_window_s"
+    " timeout_s, start_by, poison_window_s, disk_mb"
 )
 
 # A task's crashes within its window (towards poison_after: domain.outcomes), and its
@@ -102,7 +102,7 @@ WITH input AS (
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
         poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
-        placement jsonb, required jsonb, artifact_credentials jsonb, devices jsonb
+        placement jsonb, required jsonb, artifact_credentials jsonb, devices jsonb, disk_mb integer
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -169,7 +169,7 @@ WITH input AS (
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
         start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials, devices, state
+        artifact_credentials, devices, disk_mb, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -180,7 +180,7 @@ WITH input AS (
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
         poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials, devices,
+        artifact_credentials, devices, disk_mb,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -626,6 +626,7 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "cpu": spec.resources.cpu,
         "memory_mb": spec.resources.memory_mb,
         "devices": spec.resources.devices or None,
+        "disk_mb": filled.disk_mb,
         "preemptible": spec.preemptible,
         "max_attempts": spec.retry.max_attempts,
         "backoff_base_s": spec.retry.base_s,
@@ -787,10 +788,10 @@ async def _store(
 
 def _as_set(spec: TaskCreate) -> Filled:
     window = spec.retry.poison_window_s or Defaults().poison_window_s
-    return Filled(spec.timeout_s, spec.max_wait_s, window)
+    return Filled(spec.timeout_s, spec.max_wait_s, window, spec.resources.disk_mb)
 
 
-_FILLED_IN = ("run_at", "timeout_s", "start_by", "retry", "max_wait_s")
+_FILLED_IN = ("run_at", "timeout_s", "start_by", "retry", "max_wait_s", "resources")
 
 
 def new_task(spec: TaskCreate, row: Any) -> Task:
@@ -802,6 +803,7 @@ def new_task(spec: TaskCreate, row: Any) -> Task:
         timeout_s=row.timeout_s,
         start_by=row.start_by,
         retry=spec.retry.model_copy(update={"poison_window_s": row.poison_window_s}),
+        resources=spec.resources.model_copy(update={"disk_mb": row.disk_mb}),
         id=row.id,
         owner=row.owner,
         state=TaskState(row.state),
@@ -833,7 +835,12 @@ def task_from_row(m: Any) -> Task:
         env=m.env,
         input_path=m.input_path,
         output_path=m.output_path,
-        resources={"cpu": m.cpu, "memory_mb": m.memory_mb, "devices": m.devices or {}},
+        resources={
+            "cpu": m.cpu,
+            "memory_mb": m.memory_mb,
+            "devices": m.devices or {},
+            "disk_mb": m.disk_mb,
+        },
         preemptible=m.preemptible,
         retry={
             "max_attempts": m.max_attempts,
@@ -1217,6 +1224,8 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
         entry.default_timeout_s = row.default_timeout_s
         entry.max_timeout_s = row.max_timeout_s
         entry.max_wait_s = row.max_wait_s
+        entry.default_disk_mb = row.default_disk_mb
+        entry.max_disk_mb = row.max_disk_mb
         if row.egress is not None:
             entry.egress = Egress.model_validate(row.egress)
     for entry in infos.values():

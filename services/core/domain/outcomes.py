@@ -86,6 +86,7 @@ OUTCOMES: dict[ReportedOutcome, Rule] = {
     "failed": _FAILURE,
     "timeout": _FAILURE,
     "oom_killed": _FAILURE,
+    "disk_exceeded": _FAILURE,
     "crashed": Rule(None, None, "", crashed=True),
 }
 

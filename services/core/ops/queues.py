@@ -46,7 +46,7 @@ async def set_paused(
     notifier.announce(Work(queues={name: moved}) if moved and not paused else None)
 
 
-_LIMITS = ("default_timeout_s", "max_timeout_s", "max_wait_s")
+_LIMITS = limits.LIMIT_COLUMNS
 
 
 async def set_pool(

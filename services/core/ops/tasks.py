@@ -125,6 +125,7 @@ def fill_limits(
             by.book.limits_of(spec.queue),
             by.defaults,
             f"body.{field(i)}",
+            spec.resources.disk_mb,
         )
         for i, spec in enumerate(specs)
     ]

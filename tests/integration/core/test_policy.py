@@ -115,6 +115,50 @@ def test_with_only_a_maximum_the_maximum_is_the_default_and_cores_default_fills_
     assert _row(db, plain["id"], "timeout_s") == (7200,) and read["timeout_s"] == 7200
 
 
+def test_a_disk_quota_is_filled_from_the_queue_held_to_its_maximum_and_leased_with_it(
+    core: Core, db
+) -> None:
+    answer = _set_queue(core, "scratch", default_disk_mb=256, max_disk_mb=1024)
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["default_disk_mb"], answer.json()["max_disk_mb"]) == (256, 1024)
+    assert _problem_field(_set_queue(core, "scratch", max_disk_mb=100)) == "body.max_disk_mb"
+    disk = {"cpu": 1, "memory_mb": 512}
+    with core.client() as alice:
+        plain = alice.post("/v1/tasks", json=spec(queue="scratch")).json()
+        own = alice.post(
+            "/v1/tasks", json=spec(queue="scratch", resources={**disk, "disk_mb": 1024})
+        )
+        over = alice.post(
+            "/v1/tasks", json=spec(queue="scratch", resources={**disk, "disk_mb": 1025})
+        )
+        zero = alice.post("/v1/tasks", json=spec(resources={**disk, "disk_mb": 0}))
+        elsewhere = alice.post("/v1/tasks", json=spec()).json()
+    assert plain["resources"]["disk_mb"] == 256
+    assert _row(db, own.json()["id"], "disk_mb") == (1024,)
+    assert _problem_field(over) == "body.resources.disk_mb"
+    assert "maximum of 1024 MB" in over.json()["detail"]
+    assert _problem_field(zero) == "body.resources.disk_mb"
+    assert _row(db, elsewhere["id"], "disk_mb") == (None,)  # the worker's default
+
+    leased = Agent(core, queues=("scratch",)).claim()
+    assert sorted(a["resources"]["disk_mb"] for a in leased) == [256, 1024]
+
+
+def test_disk_exceeded_is_stored_and_retried_as_a_failure(core: Core, db) -> None:
+    with core.client() as alice:
+        task = alice.post("/v1/tasks", json=spec(retry={"max_attempts": 2, "base_s": 0.01}))
+    agent = Agent(core)
+    [first] = agent.claim()
+    error = "disk quota exceeded: its files filled the attempt's 8 MB (a write failed with ENOSPC)"
+    answer = agent.report(first["attempt_id"], "disk_exceeded", exit_code=1, error=error)
+    assert answer.status_code == 200, answer.text
+    assert db.execute(
+        "SELECT outcome, error FROM core.attempts WHERE id = %s", (first["attempt_id"],)
+    ).fetchone() == ("disk_exceeded", error)
+    # retried after its backoff, as a failure (as oom_killed is)
+    assert _row(db, task.json()["id"], "state, attempts") == ("failed", 1)
+
+
 def test_an_idempotent_resend_matches_although_the_default_changed(core: Core, db) -> None:
     assert _set_queue(core, "batch", default_timeout_s=600).status_code == 200
     body = spec(queue="batch", idempotency_key="nightly-1")

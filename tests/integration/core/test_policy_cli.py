@@ -91,3 +91,25 @@ def test_submit_takes_the_policys_flags_and_get_shows_them(
         cairn, "submit", "x", "--artifact", "file:///bin/true", "--retry-exit", "300", code=2
     )
     assert "exit_codes" in too_long
+
+
+def test_a_queues_disk_quota_is_set_and_a_submission_asks_its_own(
+    core: Core, cairn: CliRunner, db
+) -> None:
+    shown = _run(cairn, "queues", "scratch", "--default-disk", "256", "--max-disk", "2048")
+    assert "256/2048" in shown
+    refused = _run(cairn, "queues", "scratch", "--max-disk", "100", code=1)
+    assert "max_disk_mb" in refused
+    args = ("submit", "big", "--artifact", "file:///bin/true", "--queue", "scratch", "--json")
+    out = _run(cairn, *args, "--disk-mb", "2048")
+    plain = _run(cairn, *args)
+    over = _run(cairn, *args, "--disk-mb", "4096", code=1)
+    assert "resources.disk_mb" in over
+    stored = [
+        db.execute(
+            "SELECT disk_mb FROM core.tasks WHERE id = %s",
+            (int(text.split('"id":')[1].split(",")[0]),),
+        ).fetchone()
+        for text in (out, plain)
+    ]
+    assert stored == [(2048,), (256,)]

@@ -60,3 +60,36 @@ def test_a_default_above_the_maximum_names_what_was_changed(changed: set[str], f
     assert refused.value.extra["errors"][0]["field"] == field
     check_queue(QueueLimits(default_timeout_s=60, max_timeout_s=60), changed)
     check_queue(QueueLimits(default_timeout_s=600), changed)
+
+
+@pytest.mark.parametrize(
+    ("queue", "asked", "expected"),
+    [
+        (NO_LIMITS, None, None),  # the worker's default
+        (NO_LIMITS, 4096, 4096),
+        (QueueLimits(default_disk_mb=256), None, 256),
+        (QueueLimits(max_disk_mb=512), None, 512),
+        (QueueLimits(default_disk_mb=256, max_disk_mb=512), 512, 512),
+    ],
+)
+def test_a_disk_quota_is_the_tasks_then_the_queues(
+    queue: QueueLimits, asked: int | None, expected: int | None
+) -> None:
+    assert fill("task", None, None, None, queue, CORE, "body.", asked).disk_mb == expected
+
+
+def test_a_disk_quota_over_the_queues_maximum_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidInput) as refused:
+        fill("task", None, None, None, QueueLimits(max_disk_mb=512), CORE, "body.tasks.1.", 513)
+    assert refused.value.extra["errors"][0]["field"] == "body.tasks.1.resources.disk_mb"
+    assert "over the queue's maximum of 512 MB" in str(refused.value)
+
+
+def test_a_disk_default_above_the_disk_maximum_is_refused() -> None:
+    limits = QueueLimits(default_disk_mb=900, max_disk_mb=100)
+    with pytest.raises(InvalidInput) as refused:
+        check_queue(limits, {"max_disk_mb"})
+    assert refused.value.extra["errors"][0]["field"] == "body.max_disk_mb"
+    with pytest.raises(InvalidInput) as refused:
+        check_queue(limits, {"default_disk_mb"})
+    assert refused.value.extra["errors"][0]["field"] == "body.default_disk_mb"

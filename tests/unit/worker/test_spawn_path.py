@@ -36,6 +36,11 @@ SECRET = "cairn_token_that_no_attempt_may_see"
 
 @pytest.fixture
 def root() -> Iterator[Path]:
+    yield from run_root()
+
+
+def run_root() -> Iterator[Path]:
+    """A folder for the agent's home and run folder, removed after the test."""
     # The attempts' uids must pass through every parent of the run folder.
     folder = Path(tempfile.mkdtemp(prefix="cairn-spawn-test-", dir="/var/tmp"))
     folder.chmod(0o711)
@@ -43,7 +48,7 @@ def root() -> Iterator[Path]:
     subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
-def _host(root: Path, **settings: Any) -> Host:
+def _host(root: Path, fast: bool = True, **settings: Any) -> Host:
     index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     first = 29000 + 100 * (index % 9)
     values: dict[str, Any] = {
@@ -55,14 +60,20 @@ def _host(root: Path, **settings: Any) -> Host:
         "worker_pids_max": 32,
         "worker_slots": 2,
     } | settings
-    host = Host(WorkerSettings(**values), root / "home" / "logs")
+    host = Host(WorkerSettings(**values), root / "home" / "logs", fast=fast)
     host.start()
-    if host.helper is None:
+    if fast and host.helper is None:
         pytest.skip("no C compiler for the spawn helper")
     return host
 
 
-def _assignment(attempt_id: int, script: str, memory_mb: int = 64, cpu: float = 0.5) -> Assignment:
+def _assignment(
+    attempt_id: int,
+    script: str,
+    memory_mb: int = 64,
+    cpu: float = 0.5,
+    disk_mb: int | None = None,
+) -> Assignment:
     return Assignment(
         attempt_id=attempt_id,
         attempt_number=1,
@@ -73,7 +84,7 @@ def _assignment(attempt_id: int, script: str, memory_mb: int = 64, cpu: float = 
         env={},
         input_path=None,
         output_path=None,
-        resources=Resources(cpu=cpu, memory_mb=memory_mb),
+        resources=Resources(cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb),
         timeout_s=30,
     )
 
@@ -222,7 +233,7 @@ def test_the_pool_hands_no_process_file_or_counter_to_the_next_attempt(root: Pat
     async def scenario() -> tuple[Prepared, AttemptResult, Prepared, AttemptResult, int]:
         try:
             first, one = await _attempt(host, 1, first_script, memory_mb=128)
-            stray = int((first.folders.home / "pid").read_text())
+            stray = int((first.folders.view / "pid").read_text())
             await host.release(first)
             second, two = await _attempt(host, 2, second_script, memory_mb=128)
             assert second.slot is first.slot
@@ -260,7 +271,7 @@ def test_the_uid_is_cleaned_up_by_the_helper_without_a_cgroup(
         try:
             prepared, result = await _attempt(host, 1, script)
             assert result.outcome == "succeeded"
-            stray = int((prepared.folders.home / "pid").read_text())
+            stray = int((prepared.folders.view / "pid").read_text())
             await host.release(prepared)
             return stray
         finally:

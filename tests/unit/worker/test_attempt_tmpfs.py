@@ -1,0 +1,119 @@
+"""An attempt's home and /tmp on a tmpfs of its own (``services.worker.tmpfs``), through
+the agent's own ``Host``, as root, by the spawn helper and by ``preexec_fn``: sized by its
+disk quota, read back after it ended, nothing left on disk; a write past the quota fails
+with ENOSPC and the attempt ends ``disk_exceeded``; its pages count towards its memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.worker import outputs
+from services.worker.artifacts import ArtifactCache
+from services.worker.executor import AttemptResult, start_attempt
+from services.worker.host import Host
+from tests.unit.worker.test_spawn_path import _assignment, run_root
+from tests.unit.worker.test_spawn_path import _host as _spawn_host
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own as root"),
+]
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    yield from run_root()
+
+
+def _host(root: Path, fast: bool = True, **settings: Any) -> Host:
+    host = _spawn_host(root, fast, **{"worker_disk_mb": 8, **settings})
+    if not host.tmpfs:
+        pytest.skip("no private tmpfs on this host (mount namespaces or the mount API)")
+    return host
+
+
+def _run(
+    host: Host, script: str, memory_mb: int = 64, disk_mb: int | None = None
+) -> tuple[AttemptResult, Any]:
+    """Run one attempt; its result and its outputs (read after it ended, as the agent
+    does), then release it."""
+
+    async def scenario() -> tuple[AttemptResult, Any]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            assignment = _assignment(1, script, memory_mb, disk_mb=disk_mb)
+            prepared = await host.prepare(assignment, cache)
+            assert prepared.folders.mount is not None
+            handle = await start_attempt(prepared.spec)
+            result = await handle.wait()
+            handle.log.close()
+            await host.stop_leftovers(prepared)
+            found = outputs.read(prepared.folders.view)
+            await host.release(prepared)
+            assert prepared.folders.mount is None  # let go
+            return result, found
+        finally:
+            await host.close()
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["helper", "preexec_fn"])
+def test_home_and_tmp_are_a_tmpfs_of_the_quota_read_back_after_the_end(
+    root: Path, fast: bool
+) -> None:
+    host = _host(root, fast=fast)
+    script = (
+        'stat -f -c "fs %T" "$HOME"; stat -c "home %a %u" "$HOME"; pwd; '
+        'df -k /tmp | tail -1; echo x > /tmp/mine; ls "$HOME/tmp"; '
+        'echo \'{"answer": 42}\' > "$CAIRN_OUTPUTS"'
+    )
+    result, found = _run(host, script, disk_mb=3)
+
+    log = result.log_tail
+    assert result.outcome == "succeeded", log
+    owner = re.search(r"home 700 (\d+)", log)
+    assert "fs tmpfs" in log and owner and int(owner.group(1)) in host.settings.uids, log
+    assert f"{host.workdirs.mount_point}\n" in log, log  # its working folder
+    assert " 3072 " in log, log  # /tmp is the same 3 MB tmpfs
+    assert "mine" in log, log
+    assert found == {"answer": 42}
+    # Nothing of it on disk: no folder made, nothing to remove.
+    assert not (host.run_dir / "1").exists()
+    assert list(host.workdirs.mount_point.iterdir()) == []
+
+
+def test_a_write_past_the_quota_fails_with_enospc_and_ends_disk_exceeded(root: Path) -> None:
+    host = _host(root)
+    script = "dd if=/dev/zero of=/tmp/big bs=1M count=16 status=none || exit 3"
+    result, _ = _run(host, script, disk_mb=2)
+
+    assert result.outcome == "disk_exceeded", result
+    assert "No space left on device" in result.log_tail, result.log_tail
+    assert result.error is not None and "2 MB" in result.error and "ENOSPC" in result.error
+
+
+def test_a_full_tmpfs_with_a_success_is_a_success(root: Path) -> None:
+    host = _host(root, worker_disk_mb=16)  # its default quota; over 8 MB: let go in a thread
+    result, _ = _run(host, "dd if=/dev/zero of=big bs=1M count=24 status=none; true")
+
+    assert result.outcome == "succeeded", result
+
+
+def test_its_pages_count_towards_its_memory_limit(root: Path) -> None:
+    host = _host(root)
+    if host.cgroups is None or "memory" not in host.cgroups.enforced:
+        pytest.skip("no memory cgroup here")
+    script = "dd if=/dev/zero of=big bs=1M count=96 status=none; echo wrote=$?"
+    result, _ = _run(host, script, memory_mb=32, disk_mb=128)
+
+    # 96 MB of files do not fit in 32 MB of memory: the kernel kills the writer.
+    assert result.outcome == "oom_killed", result
+    assert "wrote=0" not in result.log_tail
