@@ -279,6 +279,120 @@ class Placement(_Input):
     anti_affinity: LabelKey | None = None
 
 
+# --- services (docs/services.md): ports, probes, replicas --------------------------------
+
+#: a port's name, as Kubernetes spells it (``IANA_SVC_NAME``)
+PortName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,14}$")]
+#: a port by number or by the name the service declared
+PortRef = Annotated[int, Field(ge=1, le=65535)] | PortName
+ProbeArg = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
+HttpPath = Annotated[str, StringConstraints(max_length=1024, pattern=r"^/[\x21-\x7e]*$")]
+MAX_PORTS = 16
+MAX_REPLICAS_LISTED = 1000
+
+
+class ServicePort(_Input):
+    """A port the service listens on. ``port`` 0: the agent picks a free one for each
+    replica; the service reads it from ``CAIRN_PORT_<NAME>`` (upper case, ``-`` as ``_``)."""
+
+    name: PortName
+    port: int = Field(default=0, ge=0, le=65535)
+
+
+class HttpProbe(_Input):
+    """``GET path`` on ``port`` of the replica's loopback: a 2xx or 3xx answer is a success."""
+
+    path: HttpPath = "/"
+    port: PortRef
+
+
+class TcpProbe(_Input):
+    """A TCP connection to ``port`` of the replica's loopback: accepted is a success."""
+
+    port: PortRef
+
+
+class ExecProbe(_Input):
+    """A command run in the replica's sandbox (its user, cgroup, /tmp and network): exit
+    0 is a success."""
+
+    command: list[ProbeArg] = Field(min_length=1, max_length=64)
+
+
+class Probe(_Input):
+    """One probe: exactly one of ``http``, ``tcp``, ``exec``, run every ``period_s`` from
+    ``initial_delay_s`` after the start, each try given ``timeout_s``. ``failure_threshold``
+    failures in a row make it fail, ``success_threshold`` successes in a row make it pass
+    (Kubernetes' semantics)."""
+
+    http: HttpProbe | None = None
+    tcp: TcpProbe | None = None
+    exec: ExecProbe | None = None
+    initial_delay_s: float = Field(default=0, ge=0, le=3600)
+    period_s: float = Field(default=10, ge=0.1, le=3600)
+    timeout_s: float = Field(default=1, ge=0.05, le=600)
+    failure_threshold: int = Field(default=3, ge=1, le=1000)
+    success_threshold: int = Field(default=1, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Probe:
+        given = [k for k in ("http", "tcp", "exec") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of http, tcp or exec (given: {given or 'none'})")
+        return self
+
+
+class ServiceSpec(_Input):
+    """What a ``kind: service`` adds: the ports it listens on and its probes. A startup
+    probe gates the other two: they start once it has passed; a failing startup or
+    liveness probe kills the attempt (restarted by the service's backoff); readiness is
+    reported to core, and only ready replicas are listed as endpoints."""
+
+    ports: list[ServicePort] = Field(default_factory=list, max_length=MAX_PORTS)
+    liveness: Probe | None = None
+    readiness: Probe | None = None
+    startup: Probe | None = None
+
+
+class ReplicaStatus(_Input):
+    """What an agent tells core of one running replica: whether it is ready, the address
+    of its host and the port each declared name resolved to."""
+
+    attempt_id: Annotated[int, Field(ge=1, le=2**63 - 1)]
+    ready: bool
+    address: Annotated[str, StringConstraints(min_length=1, max_length=255)] | None = None
+    ports: dict[PortName, Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=dict, max_length=MAX_PORTS
+    )
+
+
+class ReplicaStatuses(_Input):
+    items: list[ReplicaStatus] = Field(min_length=1, max_length=256)
+
+
+class ReplicaStatusAnswer(_Output):
+    """The attempts whose status core kept (the others are no longer open on this worker)."""
+
+    kept: list[int]
+
+
+class Endpoint(_Output):
+    """One replica of a service and where it listens (``address:port`` per port name)."""
+
+    task_id: int
+    attempt_id: int
+    owner: str
+    ready: bool
+    address: str | None
+    ports: dict[str, int]
+    endpoints: dict[str, str]
+
+
+class EndpointList(_Output):
+    name: str
+    items: list[Endpoint]
+
+
 class TaskCreate(_Input):
     """A submission."""
 
@@ -322,6 +436,8 @@ class TaskCreate(_Input):
     progress_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
     #: which workers may take it, by their labels (docs/placement.md)
     placement: Placement | None = None
+    #: a service's ports and probes (docs/services.md); ``kind: service`` only
+    service: ServiceSpec | None = None
 
     @model_validator(mode="after")
     def _starts_after_it_is_due(self) -> TaskCreate:
@@ -457,6 +573,7 @@ class Task(_Output):
     progress: TaskProgress | None = None
     #: which workers may take it, by their labels, as submitted
     placement: Placement | None = None
+    service: ServiceSpec | None = None
 
 
 class BatchItem(_Output):
@@ -496,6 +613,11 @@ class Attempt(_Output):
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
     outputs: dict[str, Any] | None = None
+    #: a service's replica: whether its readiness probe passes (None: not a service, or
+    #: not reported yet), its host's address and its ports (docs/services.md)
+    ready: bool | None = None
+    address: str | None = None
+    ports: dict[str, int] | None = None
     #: the signal that killed it, when the worker did not send it
     signal: int | None = None
 
@@ -823,6 +945,8 @@ class Assignment(_Output):
     artifact_credentials: S3Credentials | None = Field(
         default=None, exclude_if=lambda value: value is None
     )
+    #: a service's ports and probes, run by the agent (docs/services.md)
+    service: ServiceSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ClaimAnswer(_Output):

@@ -332,6 +332,8 @@ tasks = Table(
     Column("required", JSONB),
     # The artifact's credentials, a secret reference ({"secret", "team"}; docs/security.md).
     Column("artifact_credentials", JSONB),
+    # A service's declared ports and probes (docs/services.md); NULL for everything else.
+    Column("service", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -352,6 +354,14 @@ tasks = Table(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
     CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
+    CheckConstraint("service IS NULL OR kind = 'service'", name="service_kind"),
+    # Where a service's replicas run (db.services.endpoints).
+    Index(
+        "ix_tasks_services_running",
+        "name",
+        "owner",
+        postgresql_where=text(f"kind = 'service' AND state = '{S.RUNNING}'"),
+    ),
     CheckConstraint("jsonb_typeof(artifact_credentials) = 'object'", name="artifact_credentials"),
     Index(
         "uq_tasks_owner_idempotency_key",
@@ -511,6 +521,12 @@ attempts = Table(
     Column("signal", SmallInteger),
     # sha-256 of the attempt's fencing secret (its token: docs/progress.md)
     Column("fence_sha256", LargeBinary),
+    # A service's replica, as its agent reports it (docs/services.md): its readiness
+    # probe passes, since when, its host's address and the port of each declared name.
+    Column("ready", Boolean),
+    Column("ready_at", DateTime(timezone=True)),
+    Column("address", Text),
+    Column("ports", JSONB),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),
