@@ -289,6 +289,7 @@ ProbeArg = Annotated[str, StringConstraints(min_length=1, max_length=1024, patte
 HttpPath = Annotated[str, StringConstraints(max_length=1024, pattern=r"^/[\x21-\x7e]*$")]
 MAX_PORTS = 16
 MAX_REPLICAS_LISTED = 1000
+MAX_REPLICAS = 1000
 
 
 class ServicePort(_Input):
@@ -444,6 +445,71 @@ class TaskCreate(_Input):
         if self.start_by is not None and self.run_at is not None and self.start_by <= self.run_at:
             raise ValueError("start_by must be after run_at")
         return self
+
+
+class RolloutPolicy(_Input):
+    """How a service moves to a new template (Kubernetes' rolling update): at most
+    ``max_surge`` replicas above ``replicas`` and at most ``max_unavailable`` below it
+    ready at any time; a rollout whose new replicas are not all ready within
+    ``deadline_s`` is rolled back to the previous template."""
+
+    max_surge: int = Field(default=1, ge=0, le=1000)
+    max_unavailable: int = Field(default=0, ge=0, le=1000)
+    deadline_s: int = Field(default=600, ge=1, le=86400)
+
+    @model_validator(mode="after")
+    def _moves(self) -> RolloutPolicy:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("max_surge and max_unavailable may not both be 0")
+        return self
+
+
+class ServiceCreate(_Input):
+    """A service kept at ``replicas`` running tasks of ``template`` (its ``kind`` must be
+    ``service``; its tasks are named after the service, docs/services.md)."""
+
+    name: Name
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    template: TaskCreate
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
+
+
+class ServiceChange(_Input):
+    """A change of a service: a new ``template`` starts a rolling update to it."""
+
+    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    template: TaskCreate | None = None
+    rollout: RolloutPolicy | None = None
+
+
+class ServiceStep(_Output):
+    """One step the service controller took (docs/services.md)."""
+
+    at: datetime
+    step: str
+    detail: str | None
+
+
+class ServiceInfo(_Output):
+    """A service, its rollout and its replicas now. ``rollout_state``: ``complete`` (all
+    replicas of ``revision`` ready), ``progressing``, or ``rolled_back`` (the last new
+    template was not ready within the deadline; ``revision`` is the previous one again)."""
+
+    name: str
+    owner: str
+    replicas: int
+    revision: int
+    template: TaskCreate
+    rollout: RolloutPolicy
+    rollout_state: Literal["progressing", "complete", "rolled_back"]
+    message: str | None
+    #: live tasks of the service, those of ``revision``, and the ready ones of it
+    live: int = 0
+    current: int = 0
+    ready: int = 0
+    created_at: datetime
+    updated_at: datetime
+    steps: list[ServiceStep] = Field(default_factory=list)
 
 
 class TaskBatchCreate(_Input):

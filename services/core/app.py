@@ -126,6 +126,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             webhooks=app.state.webhooks,
             objects=app.state.log_objects,
             database_url=direct,  # the leader's session advisory lock
+            book=app.state.sharing,
         )
         app.state.leadership = leadership
         meter.lead(lambda: leadership.leading)

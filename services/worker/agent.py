@@ -38,6 +38,7 @@ from libs.common.models import (
     ClaimRequest,
     ProgressNote,
     Report,
+    ServiceSpec,
     Turn,
     TurnAnswer,
     WorkerRegister,
@@ -932,7 +933,9 @@ class Agent:
     ) -> tuple[asyncio.Task[None], probes.Prober] | None:
         """Start the replica's probes: a failed startup or liveness probe stops it as
         ``unhealthy``; each readiness flip goes to core."""
-        if assignment.service is None:
+        # A service without probes is ready once it runs: its controller counts it.
+        service = assignment.service or (ServiceSpec() if assignment.kind == "service" else None)
+        if service is None:
             return None
         attempt = assignment.attempt_id
         sandbox = handle.spec.sandbox
@@ -950,7 +953,7 @@ class Agent:
         def ready(flag: bool) -> None:
             self.replicas.tell(attempt, flag, ports, reachable=not own_network)
 
-        prober = probes.Prober(assignment.service, target, fail, ready)
+        prober = probes.Prober(service, target, fail, ready)
         return asyncio.create_task(prober.run(), name=f"probes-{attempt}"), prober
 
     async def _unprobe(

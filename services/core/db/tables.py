@@ -159,6 +159,49 @@ session_tokens = Table(
     Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
 )
 
+# Services kept at N replicas with rolling updates (docs/services.md): the template of
+# the current revision and of the one before (a rollback's target), the rollout policy
+# and where the rollout stands; the controller's steps, newest last.
+services = Table(
+    "services",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("replicas", Integer, nullable=False),
+    Column("template", JSONB, nullable=False),
+    Column("revision", Integer, nullable=False),
+    Column("previous", JSONB),
+    Column("previous_revision", Integer),
+    Column("revisions", Integer, nullable=False),
+    Column("max_surge", Integer, nullable=False),
+    Column("max_unavailable", Integer, nullable=False),
+    Column("deadline_s", Integer, nullable=False),
+    Column("rollout", Text, nullable=False),
+    Column("rollout_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("message", Text),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("owner", "name"),
+    CheckConstraint("replicas >= 0", name="replicas"),
+    CheckConstraint("rollout IN ('progressing', 'complete', 'rolled_back')", name="rollout"),
+    CheckConstraint(
+        "max_surge >= 0 AND max_unavailable >= 0 AND max_surge + max_unavailable > 0",
+        name="moves",
+    ),
+)
+
+service_steps = Table(
+    "service_steps",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("service_id", BigInteger, ForeignKey("services.id", ondelete="CASCADE"), nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("step", Text, nullable=False),
+    Column("detail", Text),
+    Index("ix_service_steps_service_id", "service_id", "id"),
+)
+
 secrets = Table(
     "secrets",
     metadata,
@@ -355,6 +398,15 @@ tasks = Table(
     ),
     CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
     CheckConstraint("service IS NULL OR kind = 'service'", name="service_kind"),
+    # A service's live tasks, read by its controller (db.services.live_replicas).
+    Index(
+        "ix_tasks_service_replicas",
+        "owner",
+        "name",
+        postgresql_where=text(
+            "labels ? 'cairn.service' AND state IN ('ready', 'waiting', 'running', 'failed')"
+        ),
+    ),
     # Where a service's replicas run (db.services.endpoints).
     Index(
         "ix_tasks_services_running",
