@@ -512,6 +512,10 @@ class ServiceInfo(_Output):
     steps: list[ServiceStep] = Field(default_factory=list)
 
 
+class ServiceList(_Output):
+    items: list[ServiceInfo]
+
+
 class TaskBatchCreate(_Input):
     """Up to 1,000 submissions, accepted all together or not at all."""
 

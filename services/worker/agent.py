@@ -919,7 +919,8 @@ class Agent:
         finally:
             self.watches.pop(attempt, None)
             handle.log.close()
-            await self._unprobe(attempt, probing)
+            if probing is not None:
+                await self._unprobe(attempt, probing)
         report = outputs.attach(report_of(result), spec.workdir)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
@@ -957,11 +958,9 @@ class Agent:
         return asyncio.create_task(prober.run(), name=f"probes-{attempt}"), prober
 
     async def _unprobe(
-        self, attempt: int, probing: tuple[asyncio.Task[None], probes.Prober] | None
+        self, attempt: int, probing: tuple[asyncio.Task[None], probes.Prober]
     ) -> None:
         self.replicas.forget(attempt)
-        if probing is None:
-            return
         task, prober = probing
         task.cancel()
         [ended] = await asyncio.gather(task, return_exceptions=True)

@@ -7,7 +7,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
 
-from libs.common.models import EndpointList, ServiceChange, ServiceCreate, ServiceInfo
+from libs.common.models import (
+    EndpointList,
+    ServiceChange,
+    ServiceCreate,
+    ServiceInfo,
+    ServiceList,
+)
 from libs.common.problems import PROBLEMS
 from services.core.api.deps import Announcer, Audit, Engine, Reader, Submitter
 from services.core.db import services as services_db
@@ -28,7 +34,14 @@ async def create_service(
     the controller; 409 when the caller has one of that name."""
     book = await request.app.state.sharing.fresh(engine)
     services_ops.check(book, principal, principal.name, body.template)
-    return await services_ops.create(engine, record, principal.name, body)
+    return await services_ops.create(engine, record, principal, principal.name, body)
+
+
+@router.get("", response_model=ServiceList, responses=PROBLEMS)
+async def list_services(principal: Reader, engine: Engine) -> ServiceList:
+    """The caller's services (at most 200), by name."""
+    async with engine.connect() as conn:
+        return ServiceList(items=await services_ops.list_of(conn, principal.name))
 
 
 @router.get("/{name}", response_model=ServiceInfo, responses=PROBLEMS)
@@ -54,7 +67,7 @@ async def change_service(
     if body.template is not None:
         book = await request.app.state.sharing.fresh(engine)
         services_ops.check(book, principal, principal.name, body.template)
-    return await services_ops.change(engine, record, principal.name, name, body)
+    return await services_ops.change(engine, record, principal, principal.name, name, body)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=PROBLEMS)

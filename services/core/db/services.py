@@ -169,11 +169,30 @@ async def live_replicas(conn: AsyncConnection, owner: str, name: str) -> list[Re
     return [Replica(row.task_id, row.revision or 0, bool(row.ready)) for row in rows]
 
 
+# A service keeps its last STEPS_KEPT steps.
+_TRIM_STEPS = text("""
+DELETE FROM core.service_steps
+WHERE service_id = :service AND id < (
+    SELECT min(id) FROM (
+        SELECT id FROM core.service_steps WHERE service_id = :service
+        ORDER BY id DESC LIMIT :kept) newest)
+""")
+STEPS_KEPT = 200
+
+
 async def add_step(conn: AsyncConnection, service_id: int, step: str, detail: str) -> None:
-    """Record a step of the controller (shown by ``GET /v1/services/{name}``)."""
+    """Record a step of the controller (shown by ``GET /v1/services/{name}``), keeping
+    the service's last ``STEPS_KEPT``."""
     await conn.execute(
         insert(service_steps).values(service_id=service_id, step=step, detail=detail)
     )
+    await conn.execute(_TRIM_STEPS, {"service": service_id, "kept": STEPS_KEPT})
+
+
+async def list_services(conn: AsyncConnection, owner: str, limit: int) -> list[Any]:
+    """The owner's services, by name (at most ``limit``)."""
+    query = select(services).where(services.c.owner == owner).order_by(services.c.name)
+    return list(await conn.execute(query.limit(limit)))
 
 
 async def steps_of(conn: AsyncConnection, service_id: int, limit: int = 50) -> list[ServiceStep]:

@@ -24,8 +24,8 @@ from libs.common.models import (
     ServiceInfo,
     TaskCreate,
 )
+from services.core.db import secrets, sharing
 from services.core.db import services as services_db
-from services.core.db import sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
@@ -39,6 +39,8 @@ log = logging.getLogger("cairn.core.services")
 
 #: services read per page of a controller pass
 PAGE = 100
+#: the most services one listing shows
+MAX_SERVICES_LISTED = 200
 #: who the controller submits and cancels as (for the service's owner)
 CONTROLLER = Principal(name="cairn-services", role="service")
 
@@ -68,10 +70,19 @@ def check(book: sharing.Book, principal: Principal, owner: str, template: TaskCr
     book.check_policy(role, owner, template, "body.template")
 
 
+async def _check_owner(
+    conn: AsyncConnection, principal: Principal, owner: str, template: TaskCreate
+) -> None:
+    """The owner's right to the template's team and secrets, as a submission's."""
+    if secrets.needs_check(template):
+        await tasks_ops.check_owner(conn, principal, owner, template, "template.")
+
+
 async def create(
-    engine: AsyncEngine, record: Auditor, owner: str, create: ServiceCreate
+    engine: AsyncEngine, record: Auditor, principal: Principal, owner: str, create: ServiceCreate
 ) -> ServiceInfo:
     async with engine.begin() as conn:
+        await _check_owner(conn, principal, owner, create.template)
         service_id = await services_db.insert_service(
             conn, owner, create, _template(create.template)
         )
@@ -89,11 +100,18 @@ async def create(
 
 
 async def change(
-    engine: AsyncEngine, record: Auditor, owner: str, name: str, change: ServiceChange
+    engine: AsyncEngine,
+    record: Auditor,
+    principal: Principal,
+    owner: str,
+    name: str,
+    change: ServiceChange,
 ) -> ServiceInfo:
     """A new template starts a rollout to a new revision (the current one kept as the
     rollback's target); a new count starts one to the same revision."""
     async with engine.begin() as conn:
+        if change.template is not None:
+            await _check_owner(conn, principal, owner, change.template)
         row = await services_db.get_service(conn, owner, name, lock=True)
         if row is None:
             raise NotFound(f"service {name!r} not found")
@@ -134,6 +152,15 @@ async def delete(
         await services_db.delete_service(conn, row.id)
         await record(conn, "service.delete", f"service:{owner}/{name}")
     notifier.announce(Work(sweep=True))
+
+
+async def list_of(conn: AsyncConnection, owner: str) -> list[ServiceInfo]:
+    """The owner's services (at most ``MAX_SERVICES_LISTED``), without their steps."""
+    found = []
+    for row in await services_db.list_services(conn, owner, MAX_SERVICES_LISTED):
+        live = await services_db.live_replicas(conn, owner, row.name)
+        found.append(services_db.service_info(row, live, []))
+    return found
 
 
 async def read(conn: AsyncConnection, owner: str, name: str) -> ServiceInfo:
