@@ -32,6 +32,7 @@ from libs.common.models import (
     Resources,
     RetryPolicy,
     SecretRef,
+    ServiceSpec,
 )
 from services.dag.domain import graph
 
@@ -123,6 +124,7 @@ class Node:
         concurrency: Concurrency | None = None,
         progress_timeout_s: int | None = None,
         placement: Placement | Mapping[str, Any] | None = None,
+        service: ServiceSpec | Mapping[str, Any] | None = None,
         task_name: str | None = None,
         depends_on: Iterable[Node] = (),
         trigger_rule: TriggerRule | str | None = None,
@@ -153,6 +155,7 @@ class Node:
             "concurrency": concurrency,
             "progress_timeout_s": progress_timeout_s,
             "placement": placement,
+            "service": service,
         }
         fields: dict[str, Any] = {
             "name": name,

@@ -53,6 +53,9 @@ from libs.common.models import (
     QueueSettings,
     RekeyRequest,
     RekeyResult,
+    ReplicaStatus,
+    ReplicaStatusAnswer,
+    ReplicaStatuses,
     Report,
     ReportAnswer,
     SecretCreate,
@@ -343,6 +346,15 @@ class CoreClient(ApiClient):
         ``StaleAttempt`` when it does not."""
         response = await self._call("POST", f"/v1/workers/{worker_id}/attempts/{attempt_id}/start")
         return ReportAnswer.model_validate_json(response.content)
+
+    async def report_replicas(
+        self, worker_id: int, items: list[ReplicaStatus]
+    ) -> ReplicaStatusAnswer:
+        """Tell core whether the services' replicas this worker runs are ready, and where
+        they listen (docs/services.md)."""
+        body = ReplicaStatuses(items=items).model_dump_json()
+        response = await self._call("POST", f"/v1/workers/{worker_id}/replicas", content=body)
+        return ReplicaStatusAnswer.model_validate_json(response.content)
 
     async def start_attempts(self, worker_id: int, attempt_ids: list[int]) -> StartsAnswer:
         """Ask core which of these attempts leased ahead it still holds, before starting

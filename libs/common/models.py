@@ -313,6 +313,121 @@ class Placement(_Input):
     anti_affinity: LabelKey | None = None
 
 
+# --- services (docs/services.md): ports, probes, replicas --------------------------------
+
+#: a port's name, as Kubernetes spells it (``IANA_SVC_NAME``)
+PortName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9-]{0,14}$")]
+#: a port by number or by the name the service declared
+PortRef = Annotated[int, Field(ge=1, le=65535)] | PortName
+ProbeArg = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00]+$")]
+HttpPath = Annotated[str, StringConstraints(max_length=1024, pattern=r"^/[\x21-\x7e]*$")]
+MAX_PORTS = 16
+MAX_REPLICAS_LISTED = 1000
+MAX_REPLICAS = 1000
+
+
+class ServicePort(_Input):
+    """A port the service listens on. ``port`` 0: the agent picks a free one for each
+    replica; the service reads it from ``CAIRN_PORT_<NAME>`` (upper case, ``-`` as ``_``)."""
+
+    name: PortName
+    port: int = Field(default=0, ge=0, le=65535)
+
+
+class HttpProbe(_Input):
+    """``GET path`` on ``port`` of the replica's loopback: a 2xx or 3xx answer is a success."""
+
+    path: HttpPath = "/"
+    port: PortRef
+
+
+class TcpProbe(_Input):
+    """A TCP connection to ``port`` of the replica's loopback: accepted is a success."""
+
+    port: PortRef
+
+
+class ExecProbe(_Input):
+    """A command run in the replica's sandbox (its user, cgroup, /tmp and network): exit
+    0 is a success."""
+
+    command: list[ProbeArg] = Field(min_length=1, max_length=64)
+
+
+class Probe(_Input):
+    """One probe: exactly one of ``http``, ``tcp``, ``exec``, run every ``period_s`` from
+    ``initial_delay_s`` after the start, each try given ``timeout_s``. ``failure_threshold``
+    failures in a row make it fail, ``success_threshold`` successes in a row make it pass
+    (Kubernetes' semantics)."""
+
+    http: HttpProbe | None = None
+    tcp: TcpProbe | None = None
+    exec: ExecProbe | None = None
+    initial_delay_s: float = Field(default=0, ge=0, le=3600)
+    period_s: float = Field(default=10, ge=0.1, le=3600)
+    timeout_s: float = Field(default=1, ge=0.05, le=600)
+    failure_threshold: int = Field(default=3, ge=1, le=1000)
+    success_threshold: int = Field(default=1, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Probe:
+        given = [k for k in ("http", "tcp", "exec") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of http, tcp or exec (given: {given or 'none'})")
+        return self
+
+
+class ServiceSpec(_Input):
+    """What a ``kind: service`` adds: the ports it listens on and its probes. A startup
+    probe gates the other two: they start once it has passed; a failing startup or
+    liveness probe kills the attempt (restarted by the service's backoff); readiness is
+    reported to core, and only ready replicas are listed as endpoints."""
+
+    ports: list[ServicePort] = Field(default_factory=list, max_length=MAX_PORTS)
+    liveness: Probe | None = None
+    readiness: Probe | None = None
+    startup: Probe | None = None
+
+
+class ReplicaStatus(_Input):
+    """What an agent tells core of one running replica: whether it is ready, the address
+    of its host and the port each declared name resolved to."""
+
+    attempt_id: Annotated[int, Field(ge=1, le=2**63 - 1)]
+    ready: bool
+    address: Annotated[str, StringConstraints(min_length=1, max_length=255)] | None = None
+    ports: dict[PortName, Annotated[int, Field(ge=1, le=65535)]] = Field(
+        default_factory=dict, max_length=MAX_PORTS
+    )
+
+
+class ReplicaStatuses(_Input):
+    items: list[ReplicaStatus] = Field(min_length=1, max_length=256)
+
+
+class ReplicaStatusAnswer(_Output):
+    """The attempts whose status core kept (the others are no longer open on this worker)."""
+
+    kept: list[int]
+
+
+class Endpoint(_Output):
+    """One replica of a service and where it listens (``address:port`` per port name)."""
+
+    task_id: int
+    attempt_id: int
+    owner: str
+    ready: bool
+    address: str | None
+    ports: dict[str, int]
+    endpoints: dict[str, str]
+
+
+class EndpointList(_Output):
+    name: str
+    items: list[Endpoint]
+
+
 class TaskCreate(_Input):
     """A submission."""
 
@@ -356,12 +471,83 @@ class TaskCreate(_Input):
     progress_timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400)
     #: which workers may take it, by their labels (docs/placement.md)
     placement: Placement | None = None
+    #: a service's ports and probes (docs/services.md); ``kind: service`` only
+    service: ServiceSpec | None = None
 
     @model_validator(mode="after")
     def _starts_after_it_is_due(self) -> TaskCreate:
         if self.start_by is not None and self.run_at is not None and self.start_by <= self.run_at:
             raise ValueError("start_by must be after run_at")
         return self
+
+
+class RolloutPolicy(_Input):
+    """How a service moves to a new template (Kubernetes' rolling update): at most
+    ``max_surge`` replicas above ``replicas`` and at most ``max_unavailable`` below it
+    ready at any time; a rollout whose new replicas are not all ready within
+    ``deadline_s`` is rolled back to the previous template."""
+
+    max_surge: int = Field(default=1, ge=0, le=1000)
+    max_unavailable: int = Field(default=0, ge=0, le=1000)
+    deadline_s: int = Field(default=600, ge=1, le=86400)
+
+    @model_validator(mode="after")
+    def _moves(self) -> RolloutPolicy:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("max_surge and max_unavailable may not both be 0")
+        return self
+
+
+class ServiceCreate(_Input):
+    """A service kept at ``replicas`` running tasks of ``template`` (its ``kind`` must be
+    ``service``; its tasks are named after the service, docs/services.md)."""
+
+    name: Name
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    template: TaskCreate
+    rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
+
+
+class ServiceChange(_Input):
+    """A change of a service: a new ``template`` starts a rolling update to it."""
+
+    replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
+    template: TaskCreate | None = None
+    rollout: RolloutPolicy | None = None
+
+
+class ServiceStep(_Output):
+    """One step the service controller took (docs/services.md)."""
+
+    at: datetime
+    step: str
+    detail: str | None
+
+
+class ServiceInfo(_Output):
+    """A service, its rollout and its replicas now. ``rollout_state``: ``complete`` (all
+    replicas of ``revision`` ready), ``progressing``, or ``rolled_back`` (the last new
+    template was not ready within the deadline; ``revision`` is the previous one again)."""
+
+    name: str
+    owner: str
+    replicas: int
+    revision: int
+    template: TaskCreate
+    rollout: RolloutPolicy
+    rollout_state: Literal["progressing", "complete", "rolled_back"]
+    message: str | None
+    #: live tasks of the service, those of ``revision``, and the ready ones of it
+    live: int = 0
+    current: int = 0
+    ready: int = 0
+    created_at: datetime
+    updated_at: datetime
+    steps: list[ServiceStep] = Field(default_factory=list)
+
+
+class ServiceList(_Output):
+    items: list[ServiceInfo]
 
 
 class TaskBatchCreate(_Input):
@@ -491,6 +677,7 @@ class Task(_Output):
     progress: TaskProgress | None = None
     #: which workers may take it, by their labels, as submitted
     placement: Placement | None = None
+    service: ServiceSpec | None = None
 
 
 class BatchItem(_Output):
@@ -532,6 +719,11 @@ class Attempt(_Output):
     squeezed_at: datetime | None = None
     preempted_by: int | None = None
     outputs: dict[str, Any] | None = None
+    #: a service's replica: whether its readiness probe passes (None: not a service, or
+    #: not reported yet), its host's address and its ports (docs/services.md)
+    ready: bool | None = None
+    address: str | None = None
+    ports: dict[str, int] | None = None
     #: the signal that killed it, when the worker did not send it
     signal: int | None = None
 
@@ -873,6 +1065,8 @@ class Assignment(_Output):
     artifact_credentials: S3Credentials | None = Field(
         default=None, exclude_if=lambda value: value is None
     )
+    #: a service's ports and probes, run by the agent (docs/services.md)
+    service: ServiceSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ClaimAnswer(_Output):

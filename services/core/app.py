@@ -29,6 +29,7 @@ from services.core.api import (
     usage,
     workers,
 )
+from services.core.api import services as services_api
 from services.core.api import sharing as sharing_api
 from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import sharing
@@ -140,6 +141,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             webhooks=app.state.webhooks,
             objects=app.state.log_objects,
             database_url=direct,  # the leader's session advisory lock
+            book=app.state.sharing,
         )
         app.state.leadership = leadership
         meter.lead(lambda: leadership.leading)
@@ -166,7 +168,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
 
     app = pages.service_app(
         title="Cairn core",
-        version="1.1.0",  # the API's: docs/api.md says when it moves
+        version="1.2.0",  # the API's: docs/api.md says when it moves
         summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",
         lifespan=lifespan,
     )
@@ -187,6 +189,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         secrets,
         audit,
         fencing,
+        services_api,
     )
     for module in (*routers, health, metrics):
         app.include_router(module.router)

@@ -1,7 +1,7 @@
 """Core's background work. One replica at a time, the leader (``libs/common/leader.py``),
 runs the singletons: the promoter (due and paused work), the reaper, the placement pass,
-the retention purges, the notification matcher and deadline scan, the log archive and
-the audit export.
+the retention purges, the notification matcher and deadline scan, the log archive,
+the audit export and the service controller.
 Their writes were made safe to run side by side (SKIP LOCKED, transaction locks), so the
 moments two replicas both think they lead, while an old leader notices it lost, cost
 work twice and nothing else. Every replica runs its own wake-up sweep and delivers
@@ -21,10 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common import locks
 from libs.common.database import outage
 from libs.common.leader import Elector, Lease, lead_forever
-from services.core.db import placement
+from services.core.db import placement, sharing
 from services.core.db.feed import Notifier, Work
+from services.core.domain import limits
 from services.core.objects import LogObjects
-from services.core.ops import auditexport, notify, tasklogs, upkeep
+from services.core.ops import auditexport, notify, services, tasklogs, upkeep
 from services.core.ops import dispatch as ops
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings
@@ -212,6 +213,7 @@ def start(
     webhooks: notify.Webhooks,
     objects: LogObjects | None = None,
     database_url: str | None = None,
+    book: sharing.Book | None = None,
 ) -> tuple[Leadership, list[asyncio.Task[None]]]:
     """Core's loops: the leadership (which runs the singletons while it leads, on
     ``database_url``'s elector; without one, this process always leads), the wake-up
@@ -219,7 +221,7 @@ def start(
     pool, else ``engine``): what it hears of the database is what the heartbeats meet."""
 
     def singletons() -> list[asyncio.Task[None]]:
-        return singleton_loops(engine, notifier, settings, meter, liveness, objects)
+        return singleton_loops(engine, notifier, settings, meter, liveness, objects, book)
 
     elector = None
     if database_url is not None:
@@ -245,6 +247,7 @@ def singleton_loops(
     meter: CoreMetrics,
     liveness: AsyncEngine | None = None,
     objects: LogObjects | None = None,
+    book: sharing.Book | None = None,
 ) -> list[asyncio.Task[None]]:
     """What one replica at a time runs: the leader's loops."""
     reaping = liveness or engine
@@ -291,6 +294,7 @@ def singleton_loops(
         ),
         *notification_loops(engine, settings),
         *audit_export_loops(engine, settings),
+        *service_loops(engine, notifier, settings, meter, book),
         *log_loops(
             engine,
             objects,
@@ -341,6 +345,26 @@ class Leadership:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self.running = []
+
+
+def service_loops(
+    engine: AsyncEngine,
+    notifier: Notifier,
+    settings: CoreSettings,
+    meter: CoreMetrics,
+    book: sharing.Book | None,
+) -> list[asyncio.Task[None]]:
+    """The service controller (docs/services.md): replicas kept, rollouts moved on."""
+    controller = services.Controller(
+        engine,
+        notifier,
+        meter,
+        book or sharing.Book(settings.sharing_cache_s),
+        float(settings.fair_quantum_s),
+        limits.Defaults(settings.default_timeout_s, settings.poison_window_s),
+    )
+    step = every(settings.services_interval_s, "services", controller.run_pass)
+    return [asyncio.create_task(step, name="cairn-services")]
 
 
 async def sweep(notifier: Notifier, interval_s: float) -> None:

@@ -96,6 +96,8 @@ class CoreSettings(SecretsKeySettings):
     preempt_after_s: float = Field(default=5.0, ge=0)
     preempt_grace_s: float = Field(default=10.0, ge=0, le=3600)
     placement_interval_s: float = Field(default=1.0, gt=0)
+    #: how often the service controller passes over every service (docs/services.md)
+    services_interval_s: float = Field(default=1.0, gt=0, le=300)
 
     # identity (see docs/security.md)
     audit_retention_days: float = Field(default=400.0, gt=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from libs.common.models import (
     ClaimRequest,
     ProgressNote,
     Report,
+    ServiceSpec,
     Turn,
     TurnAnswer,
     WorkerRegister,
@@ -44,7 +46,7 @@ from libs.common.models import (
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
-from services.worker import hardening, outputs, pressure, progress, state
+from services.worker import hardening, outputs, pressure, probes, progress, state
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
@@ -57,6 +59,7 @@ from services.worker.firewall import Unenforceable
 from services.worker.host import Host, HostError, Prepared
 from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
+from services.worker.replicas import Replicas, host_address
 from services.worker.settings import WorkerSettings
 from services.worker.squeeze import squeeze
 from services.worker.timings import Timings
@@ -240,6 +243,10 @@ class Agent:
         self.noting: asyncio.TimerHandle | None = None
         self.noter: asyncio.Task[TurnAnswer | None] | None = None
         self.stalling: set[asyncio.Task[AttemptResult]] = set()
+        # Services (docs/services.md): what their probes say, on its way to core.
+        self.replicas = Replicas(
+            client, lambda: self.worker_id, host_address(settings.worker_address)
+        )
 
     # --- lifecycle ---
 
@@ -914,6 +921,9 @@ class Agent:
         self.starting.add(attempt)
         self._publish(now=True)
         self.timings.mark(attempt, "published")
+        ports = probes.pick_ports(assignment.service) if assignment.service else {}
+        if ports:
+            spec = dataclasses.replace(spec, env={**spec.env, **probes.port_env(ports)})
         try:
             handle = await start_attempt(spec)
         except SpawnError as exc:
@@ -928,6 +938,7 @@ class Agent:
         self._publish()
         self.logs.register(self.worker_id, attempt, handle.log)
         self._watch(attempt, prepared.folders.view, spec.progress_timeout_s)
+        probing = self._probe(assignment, handle, ports)
         try:
             result = await handle.wait()
             self._look(attempt, self.watches.get(attempt))  # its last words
@@ -941,11 +952,56 @@ class Agent:
         finally:
             self.watches.pop(attempt, None)
             handle.log.close()
+            if probing is not None:
+                await self._unprobe(attempt, probing)
         report = outputs.attach(report_of(result), prepared.folders.view)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})
         return report
+
+    # --- services' probes (docs/services.md) ---
+
+    def _probe(
+        self, assignment: Assignment, handle: RunningAttempt, ports: dict[str, int]
+    ) -> tuple[asyncio.Task[None], probes.Prober] | None:
+        """Start the replica's probes: a failed startup or liveness probe stops it as
+        ``unhealthy``; each readiness flip goes to core."""
+        # A service without probes is ready once it runs: its controller counts it.
+        service = assignment.service or (ServiceSpec() if assignment.kind == "service" else None)
+        if service is None:
+            return None
+        attempt = assignment.attempt_id
+        sandbox = handle.spec.sandbox
+        own_network = sandbox is not None and sandbox.netns
+        target = probes.Target(
+            handle.spec, ports, handle.pid if own_network else None, pid=handle.pid
+        )
+
+        def fail(why: str) -> None:
+            log.info("attempt %s: %s", attempt, why)
+            stopping = asyncio.create_task(
+                handle.terminate(handle.spec.kill_grace_s, why="unhealthy", detail=why)
+            )
+            self.stalling.add(stopping)
+            stopping.add_done_callback(self.stalling.discard)
+
+        def ready(flag: bool) -> None:
+            self.replicas.tell(attempt, flag, ports, reachable=not own_network)
+
+        prober = probes.Prober(service, target, fail, ready)
+        return asyncio.create_task(prober.run(), name=f"probes-{attempt}"), prober
+
+    async def _unprobe(
+        self, attempt: int, probing: tuple[asyncio.Task[None], probes.Prober]
+    ) -> None:
+        self.replicas.forget(attempt)
+        task, prober = probing
+        task.cancel()
+        [ended] = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(ended, Exception):
+            log.error("attempt %s's probes failed: %s", attempt, ended)
+        prober.close()
 
     # --- progress (docs/progress.md) ---
 

@@ -41,7 +41,7 @@ from services.worker.logfile import AttemptLog
 from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed", "disk_exceeded"]
-StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted"]
+StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted", "unhealthy"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
@@ -131,6 +131,7 @@ class RunningAttempt:
         self._started_wall = datetime.now(UTC)
         self._started = started
         self._stopped: StopReason | None = None
+        self._detail: str | None = None  # why it was stopped as ``unhealthy``
         self._exit: asyncio.Future[_Exit] = _watch_exit(pid, spec.cgroup)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
         _supervisors.add(self._supervisor)
@@ -145,11 +146,14 @@ class RunningAttempt:
         return await asyncio.shield(self._supervisor)
 
     async def terminate(
-        self, grace_s: float = 10.0, why: StopReason = "terminated"
+        self, grace_s: float = 10.0, why: StopReason = "terminated", detail: str | None = None
     ) -> AttemptResult:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``; the result."""
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; the result. ``detail``
+        is the error of an ``unhealthy`` stop (a failed probe: ``probes``)."""
         if self._exit.done():
             return await self.wait()
+        if self._stopped is None:
+            self._detail = detail
         self._stopped = self._stopped or why
         await self._stop(grace_s)
         return await self.wait()
@@ -194,7 +198,7 @@ class RunningAttempt:
     def _result(self, status: int, usage: resource.struct_rusage) -> AttemptResult:
         exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        outcome, error = _judge(exit_code, signum, self._stopped, self.spec)
+        outcome, error = _judge(exit_code, signum, self._stopped, self.spec, self._detail)
         group = self.spec.cgroup
         peak = round(usage.ru_maxrss / 1024, 3)  # Linux reports KiB
         cpu = round(usage.ru_utime + usage.ru_stime, 3)
@@ -236,8 +240,14 @@ class RunningAttempt:
 
 
 def _judge(
-    exit_code: int | None, signum: int | None, stopped: StopReason | None, spec: AttemptSpec
+    exit_code: int | None,
+    signum: int | None,
+    stopped: StopReason | None,
+    spec: AttemptSpec,
+    detail: str | None = None,
 ) -> tuple[Outcome, str | None]:
+    if stopped == "unhealthy":
+        return "failed", detail or "a probe failed"
     if stopped == "timeout":
         return "timeout", f"timed out after {spec.timeout_s:g} s"
     if stopped == "stalled":

@@ -39,6 +39,7 @@ import socket
 import stat
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +84,12 @@ class Sandbox:
     #: the attempt's tmpfs, attached on ``home`` in its mount namespace
     mount: int | None = None
     home: str | None = None
+    #: enter the network namespace of this process (an exec probe of an attempt with
+    #: egress ``none``: docs/services.md) instead of the host's
+    join_netns: int | None = None
+    #: enter the mount namespace of this process (an exec probe: it sees the attempt's
+    #: own home and /tmp, its tmpfs included) instead of making private mounts
+    join_mounts: int | None = None
 
     def preexec(self) -> Callable[[], None]:
         def apply() -> None:
@@ -90,13 +97,19 @@ class Sandbox:
             for procs in self.cgroup_procs:
                 with open(procs, "w") as handle:
                     handle.write(pid)
-            if self.private_tmp is not None:
+            if self.join_mounts is not None:
+                here = os.getcwd()
+                _join(self.join_mounts, "mnt", CLONE_NEWNS)  # resets the cwd to its root
+                os.chdir(self.home if self.mount is not None and self.home else here)
+            elif self.private_tmp is not None:
                 home = self.home if self.mount is not None else None
                 _private_mounts(self.private_tmp, self.tmp_targets, self.shm, self.mount, home)
                 if home is not None:
                     os.chdir(home)  # Popen entered the folder under the mount
             if self.netns:
                 own_network()
+            if self.join_netns is not None:
+                join_network(self.join_netns)
             for which, value in self.rlimits:
                 resource.setrlimit(which, (value, value))
             if self.identity is not None:
@@ -142,6 +155,45 @@ def own_network() -> None:
         request = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
         fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def join_network(pid: int) -> None:
+    """Enter the network namespace of process ``pid`` (this thread only)."""
+    _join(pid, "net", CLONE_NEWNET)
+
+
+def _join(pid: int, kind: str, flag: int) -> None:
+    """Enter the ``kind`` namespace of process ``pid`` (``setns``)."""
+    fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, flag) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def socket_in_network(pid: int) -> socket.socket:
+    """A TCP socket of the network namespace of process ``pid``: made by a thread of its
+    own that enters that namespace and ends, so no other thread of the agent leaves the
+    host's network (a socket keeps the namespace it was made in)."""
+    made: list[socket.socket | BaseException] = []
+
+    def make() -> None:
+        try:
+            join_network(pid)
+            made.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the caller
+            made.append(exc)
+
+    thread = threading.Thread(target=make, name=f"netns-{pid}", daemon=True)
+    thread.start()
+    thread.join()
+    if not made:
+        raise OSError(f"no socket in the network of process {pid}")
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def mount_namespaces_work() -> bool:

@@ -90,6 +90,9 @@ class WorkerSettings(WorkerOfferSettings):
     #: own (it rides along on every other turn)
     worker_progress_poll_s: float = Field(default=1.0, gt=0, le=60)
     worker_progress_interval_s: float = Field(default=5.0, ge=0.05, le=300)
+    #: services (docs/services.md): the address other hosts reach this one's replicas at
+    #: (unset: the address the host name resolves to, else 127.0.0.1)
+    worker_address: str | None = Field(default=None, min_length=1, max_length=255)
     #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
     worker_timings_file: Path | None = None
 

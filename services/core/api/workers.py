@@ -18,6 +18,8 @@ from libs.common.models import (
     HeartbeatAnswer,
     LogBatch,
     LogBatchAnswer,
+    ReplicaStatusAnswer,
+    ReplicaStatuses,
     Report,
     ReportAnswer,
     Starts,
@@ -51,6 +53,7 @@ from services.core.db import workers as workers_db
 from services.core.domain.principals import Principal
 from services.core.domain.workers import missing_grace_s, turn_fresh_s
 from services.core.ops import dispatch as ops
+from services.core.ops import services as services_ops
 from services.core.ops import tasklogs
 from services.core.settings import CoreSettings
 
@@ -288,6 +291,15 @@ async def ship_logs(
     )
     notifier.announce_log(a.attempt_id for a in acks if a.status == 200)
     return LogBatchAnswer(items=acks)
+
+
+@router.post("/{worker_id}/replicas", response_model=ReplicaStatusAnswer, responses=PROBLEMS)
+async def replicas(body: ReplicaStatuses, worker: OwnWorker, engine: Engine) -> ReplicaStatusAnswer:
+    """What the agent's probes say of the services' replicas it runs: ready or not, the
+    host's address and the port of each declared name (docs/services.md). An attempt no
+    longer open on this worker is left out of ``kept``."""
+    kept = await services_ops.report_replicas(engine, worker.id, body.items)
+    return ReplicaStatusAnswer(kept=kept)
 
 
 @router.post("/{worker_id}/drain", response_model=Worker, responses=PROBLEMS)

@@ -27,6 +27,7 @@ from libs.common.models import (
     Egress,
     ReportVerdict,
     Resources,
+    ServiceSpec,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core import traces
@@ -213,6 +214,7 @@ _ASSIGNED = """
     id, kind, artifact_uri, artifact_sha256, args, env, input_path, output_path, cpu,
     memory_mb, devices, disk_mb, timeout_s, preemptible, created_at, attempt_id,
     attempt_number, charge_cpu, charge_memory_mb, charge_devices, progress_timeout_s, fence,
+    service,
     -- the task's latest checkpoint, for this attempt's CAIRN_CHECKPOINT
     (SELECT p.checkpoint FROM core.task_progress p WHERE p.task_id = moved.id) AS checkpoint,
     -- its queue's egress policy (NULL: host, the default), for the agent to apply
@@ -640,6 +642,7 @@ def _assignment(row: Any) -> Assignment:
         checkpoint=b64encode(row.checkpoint).decode() if row.checkpoint is not None else None,
         fencing_token=fencing_token(row.attempt_id, row.attempt_number, row.fence),
         egress=Egress.model_validate(row.egress) if row.egress is not None else None,
+        service=ServiceSpec.model_validate(row.service) if row.service is not None else None,
     )
 
 

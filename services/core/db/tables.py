@@ -159,6 +159,49 @@ session_tokens = Table(
     Column("expires_at", DateTime(timezone=True), nullable=False, index=True),
 )
 
+# Services kept at N replicas with rolling updates (docs/services.md): the template of
+# the current revision and of the one before (a rollback's target), the rollout policy
+# and where the rollout stands; the controller's steps, newest last.
+services = Table(
+    "services",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("replicas", Integer, nullable=False),
+    Column("template", JSONB, nullable=False),
+    Column("revision", Integer, nullable=False),
+    Column("previous", JSONB),
+    Column("previous_revision", Integer),
+    Column("revisions", Integer, nullable=False),
+    Column("max_surge", Integer, nullable=False),
+    Column("max_unavailable", Integer, nullable=False),
+    Column("deadline_s", Integer, nullable=False),
+    Column("rollout", Text, nullable=False),
+    Column("rollout_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("message", Text),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("owner", "name"),
+    CheckConstraint("replicas >= 0", name="replicas"),
+    CheckConstraint("rollout IN ('progressing', 'complete', 'rolled_back')", name="rollout"),
+    CheckConstraint(
+        "max_surge >= 0 AND max_unavailable >= 0 AND max_surge + max_unavailable > 0",
+        name="moves",
+    ),
+)
+
+service_steps = Table(
+    "service_steps",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("service_id", BigInteger, ForeignKey("services.id", ondelete="CASCADE"), nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("step", Text, nullable=False),
+    Column("detail", Text),
+    Index("ix_service_steps_service_id", "service_id", "id"),
+)
+
 secrets = Table(
     "secrets",
     metadata,
@@ -345,6 +388,8 @@ tasks = Table(
     Column("artifact_credentials", JSONB),
     # Countable devices it asks for ({"gpu": 1}; docs/placement.md), NULL for none.
     Column("devices", JSONB),
+    # A service's declared ports and probes (docs/services.md); NULL for everything else.
+    Column("service", JSONB),
     CheckConstraint(_ALL_STATES_SQL, name="state"),
     CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
@@ -366,6 +411,23 @@ tasks = Table(
         "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
     CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
+    CheckConstraint("service IS NULL OR kind = 'service'", name="service_kind"),
+    # A service's live tasks, read by its controller (db.services.live_replicas).
+    Index(
+        "ix_tasks_service_replicas",
+        "owner",
+        "name",
+        postgresql_where=text(
+            "labels ? 'cairn.service' AND state IN ('ready', 'waiting', 'running', 'failed')"
+        ),
+    ),
+    # Where a service's replicas run (db.services.endpoints).
+    Index(
+        "ix_tasks_services_running",
+        "name",
+        "owner",
+        postgresql_where=text(f"kind = 'service' AND state = '{S.RUNNING}'"),
+    ),
     CheckConstraint("jsonb_typeof(artifact_credentials) = 'object'", name="artifact_credentials"),
     Index(
         "uq_tasks_owner_idempotency_key",
@@ -529,6 +591,12 @@ attempts = Table(
     Column("fence_sha256", LargeBinary),
     # the devices it holds ({"gpu": 1}), NULL for none
     Column("charge_devices", JSONB),
+    # A service's replica, as its agent reports it (docs/services.md): its readiness
+    # probe passes, since when, its host's address and the port of each declared name.
+    Column("ready", Boolean),
+    Column("ready_at", DateTime(timezone=True)),
+    Column("address", Text),
+    Column("ports", JSONB),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),

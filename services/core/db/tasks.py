@@ -70,7 +70,7 @@ TASK_COLUMNS = """
     spec_hash, labels, state, attempts, last_error, current_attempt_id, created_at,
     updated_at, finished_at, defer_ok, deadline, team, concurrency_key, concurrency_limit,
     start_by, poison_window_s, retry_causes, progress_timeout_s, placement,
-    artifact_credentials, devices, disk_mb
+    artifact_credentials, devices, disk_mb, service
 """
 
 # What a submission reads back: what the database decided (its time limits too: the
@@ -102,7 +102,8 @@ WITH input AS (
         defer_ok boolean, deadline timestamptz, team text, concurrency_key text,
         concurrency_limit integer, start_by timestamptz, max_wait_s integer,
         poison_window_s double precision, retry_causes jsonb, progress_timeout_s integer,
-        placement jsonb, required jsonb, artifact_credentials jsonb, devices jsonb, disk_mb integer
+        placement jsonb, required jsonb, artifact_credentials jsonb, devices jsonb, disk_mb integer,
+        service jsonb
     )
 ), clock AS (
     -- Fair share (docs/sharing.md): a flow's work in a queue is stamped one step (the
@@ -169,7 +170,7 @@ WITH input AS (
         backoff_cap_s, backoff_jitter, poison_after, timeout_s, run_at, idempotency_key,
         spec_hash, labels, defer_ok, deadline, team, concurrency_key, concurrency_limit, vtime,
         start_by, poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials, devices, disk_mb, state
+        artifact_credentials, devices, disk_mb, service, state
     )
     SELECT
         owner, name, queue, priority, kind, artifact_uri, artifact_sha256, args, env,
@@ -180,7 +181,7 @@ WITH input AS (
         -- the earlier of its own start_by and its wait bound, counted from when it is due
         LEAST(start_by, COALESCE(run_at, now()) + make_interval(secs => max_wait_s)),
         poison_window_s, retry_causes, progress_timeout_s, placement, required,
-        artifact_credentials, devices, disk_mb,
+        artifact_credentials, devices, disk_mb, service,
         CASE WHEN run_at > now()
               OR EXISTS (SELECT 1 FROM core.queues q WHERE q.name = stamped.queue AND q.paused)
              THEN '{S.READY}' ELSE '{S.WAITING}' END
@@ -575,6 +576,7 @@ _LATER_FIELDS: dict[str, object] = {
     "max_wait_s": None,
     "progress_timeout_s": None,
     "placement": None,
+    "service": None,
 }
 _LATER_RETRY_FIELDS: dict[str, object] = {
     "poison_window_s": None,
@@ -648,6 +650,9 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         "concurrency_key": spec.concurrency.key if spec.concurrency else None,
         "concurrency_limit": spec.concurrency.limit if spec.concurrency else None,
         "progress_timeout_s": spec.progress_timeout_s,
+        "service": (
+            spec.service.model_dump(mode="json", exclude_defaults=True) if spec.service else None
+        ),
         **_placement_doc(spec),
     }
 
@@ -871,6 +876,7 @@ def task_from_row(m: Any) -> Task:
         ),
         progress_timeout_s=m.progress_timeout_s,
         placement=m.placement,
+        service=m.service,
     )
 
 

@@ -20,6 +20,7 @@ from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
 from services.core.domain import limits, selectors
+from services.core.domain import services as service_rules
 from services.core.domain.principals import Principal
 from services.core.domain.sharing import FairShare
 from services.core.domain.transitions import Op
@@ -132,12 +133,16 @@ def fill_limits(
 
 
 def check_placements(specs: Sequence[TaskCreate], field: Callable[[int], str]) -> None:
-    """Each placement's selectors parsed (``domain.selectors``): a 422 naming the field
+    """Each placement's selectors parsed (``domain.selectors``) and each service's ports
+    and probes checked (``domain.services``): a 422 naming the field
     (``body.tasks.3.placement.required.0``) and the reason when one is not."""
     for i, spec in enumerate(specs):
         if spec.placement is not None:
             doc = spec.placement.model_dump(mode="json")
             selectors.rules_of(doc, f"body.{field(i)}placement")
+        if spec.service is not None:
+            service = spec.service.model_dump(mode="json")
+            service_rules.check(service, spec.kind, f"body.{field(i)}service")
 
 
 async def submit(
