@@ -497,7 +497,8 @@ def _node_row(r: Row[Any]) -> NodeRow:
 
 
 async def nodes_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[Row[Any]]:
-    """The nodes (and their runs' workflow versions) of these tasks."""
+    """The nodes (and their runs' workflow versions) of these tasks (a task's node never
+    changes: a node's next try is another task)."""
     return list(
         await conn.execute(
             text(
@@ -755,6 +756,49 @@ async def retry_instances(
 # --- what the engine does -----------------------------------------------------------------
 
 
+async def chores(conn: AsyncConnection) -> Row[Any]:
+    """What the loop has to do this turn besides the feed, in one round trip (each a look
+    along its own partial index): runs queued, the seconds to the next deadline or gate
+    timeout (None: none), gates or event nodes to move on (``due_gates``), sub-workflow
+    nodes whose child ended (``children_ended``), nodes ready to release or cancelling,
+    decisions not yet audited. Each part then reads what it does in full."""
+    return (
+        await conn.execute(
+            text(
+                "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
+                " EXTRACT(EPOCH FROM LEAST("
+                "  (SELECT min(deadline) FROM dag.runs"
+                "    WHERE state = 'running' AND deadline IS NOT NULL),"
+                "  (SELECT min(wait_until) FROM dag.nodes"
+                "    WHERE state = 'waiting' AND decision IS NULL)) - now()) AS to_deadline,"
+                " EXISTS (SELECT 1 FROM dag.nodes n WHERE state = 'waiting'"
+                "  AND (decision IS NOT NULL OR wait_until <= now() OR (event IS NOT NULL AND"
+                "   EXISTS (SELECT 1 FROM dag.run_events e"
+                "     WHERE e.run_id = n.run_id AND e.name = n.event)))) AS gates,"
+                " EXISTS (SELECT 1 FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
+                "  WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
+                "  AND c.state IN ('succeeded', 'failed', 'cancelled')) AS children,"
+                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
+                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
+                " EXISTS (SELECT 1 FROM dag.nodes WHERE audit_pending AND decision IS NOT NULL)"
+                "  AS audits"
+            )
+        )
+    ).one()
+
+
+async def mark_running(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
+    """The nodes released on these tasks are running (a move no trigger rule reads, so
+    nothing else in their runs changes)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'running', updated_at = now()"
+            " WHERE task_id = ANY(:ids) AND state = 'released'"
+        ),
+        {"ids": list(task_ids)},
+    )
+
+
 async def queued_runs(conn: AsyncConnection, limit: int = 1000) -> list[Row[Any]]:
     return list(
         await conn.execute(
@@ -809,14 +853,6 @@ async def lock_runs(conn: AsyncConnection, run_ids: Iterable[int]) -> list[Row[A
             {"ids": list(run_ids)},
         )
     )
-
-
-async def runs_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[int]:
-    rows = await conn.execute(
-        text("SELECT DISTINCT run_id FROM dag.nodes WHERE task_id = ANY(:ids)"),
-        {"ids": list(task_ids)},
-    )
-    return [r.run_id for r in rows]
 
 
 async def stale_nodes(conn: AsyncConnection, age_s: float, limit: int) -> list[Row[Any]]:
