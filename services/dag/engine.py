@@ -27,7 +27,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import orjson
@@ -75,6 +75,23 @@ _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
 _MOVES = frozenset({TaskState.RUNNING, *FINAL})
 #: a feed page that moves no node stores its cursor at most this often
 _CURSOR_EVERY_S = 1.0
+#: how long the starts of tasks (``released -> running``, which no rule reads) may wait
+#: to be written with the next page's events (a short task's end, mostly)
+_STARTS_HOLD_S = 0.25
+#: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
+_RELEASED_KEPT = 100_000
+
+
+class _Released(NamedTuple):
+    """A released node as ``store.nodes_of_tasks`` reads it."""
+
+    run_id: int
+    name: str
+    map_of: str | None
+    task_id: int
+    workflow_id: int
+
+
 _ROLES = frozenset({"user", "admin", "service"})  # the roles an audit report names
 
 
@@ -227,6 +244,10 @@ class Engine:
         self._made = 0  # mapped instances made this turn
         self._readied = False  # a settle readied nodes (or made instances) to release
         self._cursor_stored_at = -math.inf  # when the cursor was last stored
+        self._starts: list[Event] = []  # start events read, not yet written (``apply``)
+        #: the nodes of the tasks this loop released, by task id, newest last
+        self._released: OrderedDict[int, _Released] = OrderedDict()
+        self._starts_due = math.inf  # when they are written even if no event follows
 
     def wake(self) -> None:
         self._wake.set()
@@ -251,7 +272,7 @@ class Engine:
             finally:
                 self.leading = False
                 self.lease = None
-                self._cursor = None
+                self._reread()
                 await lease.close()
 
     async def _turn_forever(self, lease: Lease) -> None:
@@ -264,7 +285,7 @@ class Engine:
                 raise
             except Exception as exc:
                 log.warning("a turn of the DAG loop failed, again in %.2f s: %r", pause, exc)
-                self._cursor = None
+                self._reread()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, self.settings.retry_cap_s)
             else:
@@ -339,6 +360,12 @@ class Engine:
             await self.cancel_live()
         return due
 
+    def _reread(self) -> None:
+        """Read the feed again from the stored cursor (the held starts with it)."""
+        self._cursor = None
+        self._starts = []
+        self._starts_due = math.inf
+
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
             async with self.reads.connect() as conn:
@@ -346,6 +373,8 @@ class Engine:
         wait = 0 if self._full_page else self.settings.feed_wait_s
         if self._to_deadline is not None:  # back in time to fail the next run that is due
             wait = min(wait, self._to_deadline + 0.01)
+        if self._starts:  # back in time to write the held starts
+            wait = min(wait, max(0.0, self._starts_due - time.monotonic()))
         poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
         # Whatever happens to this turn, the poll's outcome is collected.
         poll.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -628,8 +657,20 @@ class Engine:
 
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
-        transaction."""
-        await self._apply_events(page.items, page.next_cursor)
+        transaction. A page whose only moves are starts is held (its cursor not stored)
+        and written with the next page, or after ``_STARTS_HOLD_S``: a short task's start
+        and end then cost one transaction, not two."""
+        events = [*self._starts, *page.items]
+        moves = [e for e in events if e.to_state in _MOVES]
+        now = time.monotonic()
+        if moves and all(e.to_state is TaskState.RUNNING for e in moves) and now < self._starts_due:
+            self._starts = moves
+            self._starts_due = min(self._starts_due, now + _STARTS_HOLD_S)
+            self._cursor = page.next_cursor
+            return
+        await self._apply_events(events, page.next_cursor)
+        self._starts = []
+        self._starts_due = math.inf
         self._cursor = page.next_cursor
 
     async def _apply_events(
@@ -644,10 +685,7 @@ class Engine:
                 by_task[event.task_id].append(event)
         self._ended.clear()
         self._failed.clear()
-        mine: list[Any] = []
-        if by_task:
-            async with self.reads.connect() as conn:
-                mine = await store.nodes_of_tasks(conn, by_task)
+        mine = await self._nodes_of_tasks(by_task)
         if not mine:
             await self._skip_to(cursor)  # none of this page's events moves a node
             return
@@ -669,9 +707,23 @@ class Engine:
             for run in runs:
                 await self._apply_run(conn, run, per_run[run.id], by_task, errors or {})
             await self._store_cursor(conn, cursor)
+        for task_id, said in by_task.items():
+            if any(e.to_state in FINAL for e in said):
+                self._released.pop(task_id, None)  # its node reads no more of it
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
         await self._tell_failed()
+
+    async def _nodes_of_tasks(self, task_ids: Iterable[int]) -> list[Any]:
+        """The nodes of these tasks with their runs' workflow versions: those this loop
+        released from memory (a task's node never changes), the others read."""
+        ids = list(task_ids)
+        known: list[Any] = [self._released[t] for t in ids if t in self._released]
+        unknown = [t for t in ids if t not in self._released]
+        if unknown:
+            async with self.reads.connect() as conn:
+                known += await store.nodes_of_tasks(conn, unknown)
+        return known
 
     async def _store_cursor(self, conn: AsyncConnection, cursor: str | None) -> None:
         if cursor is not None:
@@ -715,18 +767,17 @@ class Engine:
                 kept[node.name], error = self._kept(dag, run, node)
                 state = N.FAILED if error else state
             changes[node.name] = (state, error)
-        await store.set_nodes(conn, run.id, changes)
         await store.set_outputs(conn, run.id, kept)
         if run.state == RunState.RUNNING and changes:
             current = [
-                replace(
-                    n,
-                    state=changes.get(n.name, (n.state,))[0],
-                    outputs=kept.get(n.name, n.outputs),
-                )
+                replace(n, state=changes[n.name][0], outputs=kept.get(n.name, n.outputs))
+                if n.name in changes
+                else n
                 for n in nodes
             ]
-            await self._settle(conn, run, current)
+            await self._settle(conn, run, current, changes)  # it writes them with its own
+        else:
+            await store.set_nodes(conn, run.id, changes)
 
     def _kept(
         self, dag: graph.Dag, run: Any, node: store.NodeRow
@@ -739,8 +790,16 @@ class Engine:
         written = self._written.get(node.task_id) if node.task_id is not None else None
         return data.kept_outputs(dag.specs[spec_name], written, paths)
 
-    async def _settle(self, conn: AsyncConnection, run: Any, nodes: list[store.NodeRow]) -> None:
-        """Apply the trigger rules to a running run's pending nodes; end it if all ended."""
+    async def _settle(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        nodes: list[store.NodeRow],
+        written: Mapping[str, tuple[NodeState, str | None]] | None = None,
+    ) -> None:
+        """Apply the trigger rules to a running run's pending nodes; end it if all ended.
+        ``written``: node changes the caller made in ``nodes`` (not stored yet), stored in
+        the same statement as the rules' own."""
         dag = await self.graphs.get(conn, run.workflow_id)
         states = {n.name: n.state for n in nodes}
         instances = _instances(nodes)
@@ -781,7 +840,12 @@ class Engine:
         for name in [*gates, *waits]:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
-            conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
+            conn,
+            run.id,
+            {
+                **(written or {}),
+                **{name: (state, errors.get(name)) for name, state in changed.items()},
+            },
         )
         await store.start_waiting(conn, run.id, gates)
         await store.wait_for_events(conn, run.id, waits)
@@ -940,6 +1004,13 @@ class Engine:
         ]
         async with self._write() as conn:
             recorded = await store.record_released(conn, released)
+        ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
+        for row, _ in items:
+            task_id = ids.get((row.run_id, row.name), 0)
+            if task_id in recorded:
+                self._remember(
+                    _Released(row.run_id, row.name, row.map_of, task_id, row.workflow_id)
+                )
         waited = time.monotonic() - read_at
         accepted = {(run_id, name) for run_id, name, _, task_id in released if task_id in recorded}
         for row, _ in items:
@@ -950,6 +1021,11 @@ class Engine:
             if task_id not in recorded:
                 # The run was cancelled while its task was being submitted.
                 await self._cancel_task(task_id)
+
+    def _remember(self, node: _Released) -> None:
+        self._released[node.task_id] = node
+        while len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
 
     async def _send(
         self, owner: str, items: list[tuple[Any, TaskCreate]]
