@@ -654,15 +654,7 @@ async def overdue_runs(conn: AsyncConnection, limit: int = 1000) -> list[int]:
 async def seconds_to_deadline(conn: AsyncConnection) -> float | None:
     """How long until the next running run's deadline or approval gate's timeout
     (None: there is none)."""
-    value = await conn.scalar(
-        text(
-            "SELECT EXTRACT(EPOCH FROM LEAST("
-            " (SELECT min(deadline) FROM dag.runs"
-            "   WHERE state = 'running' AND deadline IS NOT NULL),"
-            " (SELECT min(wait_until) FROM dag.nodes"
-            "   WHERE state = 'waiting' AND decision IS NULL)) - now())"
-        )
-    )
+    value = await conn.scalar(text(f"SELECT {_TO_DEADLINE}"))
     return None if value is None else max(0.0, float(value))
 
 
@@ -755,6 +747,31 @@ async def retry_instances(
 
 # --- what the engine does -----------------------------------------------------------------
 
+# What each of the loop's chores looks for, in one place: ``chores`` asks whether any
+# exists, the chore itself reads them.
+#: seconds until the next running run's deadline or approval gate's timeout (NULL: none)
+_TO_DEADLINE = (
+    "EXTRACT(EPOCH FROM LEAST("
+    " (SELECT min(deadline) FROM dag.runs"
+    "   WHERE state = 'running' AND deadline IS NOT NULL),"
+    " (SELECT min(wait_until) FROM dag.nodes"
+    "   WHERE state = 'waiting' AND decision IS NULL)) - now())"
+)
+#: a waiting node (``n``) to move on: decided, past its wait, or its event came
+_GATE_DUE = (
+    "n.state = 'waiting' AND (n.decision IS NOT NULL OR n.wait_until <= now()"
+    " OR (n.event IS NOT NULL AND EXISTS (SELECT 1 FROM dag.run_events e"
+    "   WHERE e.run_id = n.run_id AND e.name = n.event)))"
+)
+#: a sub-workflow node (``n``) live whose child run (``c``) ended
+_CHILD_ENDED = (
+    "FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
+    " WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
+    " AND c.state IN ('succeeded', 'failed', 'cancelled')"
+)
+#: a node (``n``) whose decision core's audit trail has not taken yet
+_AUDIT_PENDING = "n.audit_pending AND n.decision IS NOT NULL"
+
 
 async def chores(conn: AsyncConnection) -> Row[Any]:
     """What the loop has to do this turn besides the feed, in one round trip (each a look
@@ -766,22 +783,12 @@ async def chores(conn: AsyncConnection) -> Row[Any]:
         await conn.execute(
             text(
                 "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
-                " EXTRACT(EPOCH FROM LEAST("
-                "  (SELECT min(deadline) FROM dag.runs"
-                "    WHERE state = 'running' AND deadline IS NOT NULL),"
-                "  (SELECT min(wait_until) FROM dag.nodes"
-                "    WHERE state = 'waiting' AND decision IS NULL)) - now()) AS to_deadline,"
-                " EXISTS (SELECT 1 FROM dag.nodes n WHERE state = 'waiting'"
-                "  AND (decision IS NOT NULL OR wait_until <= now() OR (event IS NOT NULL AND"
-                "   EXISTS (SELECT 1 FROM dag.run_events e"
-                "     WHERE e.run_id = n.run_id AND e.name = n.event)))) AS gates,"
-                " EXISTS (SELECT 1 FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
-                "  WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
-                "  AND c.state IN ('succeeded', 'failed', 'cancelled')) AS children,"
+                f" {_TO_DEADLINE} AS to_deadline,"
+                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
+                f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
                 " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
                 " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
-                " EXISTS (SELECT 1 FROM dag.nodes WHERE audit_pending AND decision IS NOT NULL)"
-                "  AS audits"
+                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
             )
         )
     ).one()
@@ -961,10 +968,8 @@ async def due_gates(conn: AsyncConnection, limit: int = 1000) -> list[int]:
     its wait, that the loop moves on."""
     rows = await conn.execute(
         text(
-            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes n WHERE state = 'waiting'"
-            " AND (decision IS NOT NULL OR wait_until <= now() OR (event IS NOT NULL AND"
-            "   EXISTS (SELECT 1 FROM dag.run_events e"
-            "     WHERE e.run_id = n.run_id AND e.name = n.event))) LIMIT :limit) d"
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes n"
+            f" WHERE {_GATE_DUE} LIMIT :limit) d"
         ),
         {"limit": limit},
     )
@@ -1128,8 +1133,7 @@ async def pending_audits(conn: AsyncConnection, limit: int = 100) -> list[Row[An
                 "SELECT n.run_id, n.name, n.try_number, n.decision, n.decided_by,"
                 " n.decided_role, n.decided_at, n.comment, r.workflow, r.owner"
                 " FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE n.audit_pending AND n.decision IS NOT NULL"
-                " ORDER BY n.decided_at LIMIT :limit"
+                f" WHERE {_AUDIT_PENDING} ORDER BY n.decided_at LIMIT :limit"
             ),
             {"limit": limit},
         )
@@ -1268,11 +1272,7 @@ async def start_child(
 async def children_ended(conn: AsyncConnection, limit: int = 1000) -> list[int]:
     """Runs with a sub-workflow node running whose child run has ended."""
     rows = await conn.execute(
-        text(
-            "SELECT DISTINCT n.run_id FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
-            " WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
-            " AND c.state IN ('succeeded', 'failed', 'cancelled') LIMIT :limit"
-        ),
+        text(f"SELECT DISTINCT n.run_id {_CHILD_ENDED} LIMIT :limit"),
         {"limit": limit},
     )
     return sorted(r.run_id for r in rows)
