@@ -27,7 +27,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import orjson
@@ -71,6 +71,27 @@ _KEYS_PER_LOOKUP = 100  # core's bound on idempotency_key values in one listing
 _OUTPUT_FETCHES = 16  # attempts read from core at once for their outputs
 # What a task's event does to its node: the states it may move from, and the new one.
 _LIVE = frozenset({N.RELEASED, N.RUNNING, N.CANCELLING})
+#: the task states whose events may move a node (``_after_event``)
+_MOVES = frozenset({TaskState.RUNNING, *FINAL})
+#: a feed page that moves no node stores its cursor at most this often
+_CURSOR_EVERY_S = 1.0
+#: how long the starts of tasks (``released -> running``, which no rule reads) may wait
+#: to be written with the next page's events (a short task's end, mostly)
+_STARTS_HOLD_S = 0.25
+#: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
+_RELEASED_KEPT = 100_000
+
+
+class _Released(NamedTuple):
+    """A released node as ``store.nodes_of_tasks`` reads it."""
+
+    run_id: int
+    name: str
+    map_of: str | None
+    task_id: int
+    workflow_id: int
+
+
 _ROLES = frozenset({"user", "admin", "service"})  # the roles an audit report names
 
 
@@ -197,6 +218,10 @@ class Engine:
         self, engine: AsyncEngine, settings: DagSettings, graphs: Graphs, database_url: str
     ) -> None:
         self.db = engine
+        # The loop's reads, one statement each: no BEGIN before them, no ROLLBACK after
+        # (two round trips of every read saved; each statement has its own snapshot, as
+        # under READ COMMITTED it had).
+        self.reads = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.elector = Elector(
             database_url, name="dag", key=_LEADER_KEY, table="dag.leader", poll_s=1.0
         )
@@ -217,6 +242,12 @@ class Engine:
         self._written: dict[int, dict[str, Any] | None] = {}  # task id -> its outputs file
         self._to_deadline: float | None = None
         self._made = 0  # mapped instances made this turn
+        self._readied = False  # a settle readied nodes (or made instances) to release
+        self._cursor_stored_at = -math.inf  # when the cursor was last stored
+        self._starts: list[Event] = []  # start events read, not yet written (``apply``)
+        #: the nodes of the tasks this loop released, by task id, newest last
+        self._released: OrderedDict[int, _Released] = OrderedDict()
+        self._starts_due = math.inf  # when they are written even if no event follows
 
     def wake(self) -> None:
         self._wake.set()
@@ -241,7 +272,7 @@ class Engine:
             finally:
                 self.leading = False
                 self.lease = None
-                self._cursor = None
+                self._reread()
                 await lease.close()
 
     async def _turn_forever(self, lease: Lease) -> None:
@@ -254,7 +285,7 @@ class Engine:
                 raise
             except Exception as exc:
                 log.warning("a turn of the DAG loop failed, again in %.2f s: %r", pause, exc)
-                self._cursor = None
+                self._reread()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, self.settings.retry_cap_s)
             else:
@@ -280,19 +311,15 @@ class Engine:
             await asyncio.wait_for(self._wake.wait(), seconds)
 
     async def step(self) -> None:
-        """One turn: admit, release, cancel, then read and apply one page of the feed;
-        now and then, purge runs past the retention."""
+        """One turn: admit, release, cancel, then read and apply one page of the feed and
+        release at once what it readied; now and then, purge runs past the retention.
+        One query says which of the chores before the read have anything to do."""
         self._wake.clear()
         self._made = 0
         if time.monotonic() - self._purged_at > self.settings.retention_interval_s:
             await self.purge()
             self._purged_at = time.monotonic()
-        await self.admit()
-        await self.expire()
-        await self.gates()
-        await self.children()
-        await self.release()
-        await self.cancel_live()
+        due = await self._chores()
         if (
             time.monotonic() - self._resynced_at > self.settings.dag_resync_s
             and await self.resync() < self.settings.dag_resync_batch
@@ -300,20 +327,54 @@ class Engine:
             self._resynced_at = time.monotonic()  # else the next batch at the next turn
         page = await self._read()
         if page is not None:
+            self._readied = False
             await self.apply(page)
+            if self._readied:
+                # The next nodes go to core now, before anything else: the hop's path.
+                # (Releases still come before the next read: see the module's doc.)
+                await self.release()
             if not self._full_page:
                 self.metrics.caught_up()
         self.metrics.mapped.inc(self._made)
         await self._tell_waiting()
-        await self.report_decisions()
+        if due.audits:
+            await self.report_decisions()
+
+    async def _chores(self) -> Any:
+        """Admit, time out, move gates and sub-workflow nodes on, release, cancel: each
+        only if ``store.chores`` says it has something to do. What it said."""
+        async with self.reads.connect() as conn:
+            due = await store.chores(conn)
+        self._to_deadline = None if due.to_deadline is None else max(0.0, float(due.to_deadline))
+        if due.queued:
+            await self.admit()
+        if self._to_deadline == 0:
+            await self.expire()
+        if due.gates:
+            await self.gates()
+        if due.children:
+            await self.children()
+        if due.ready or due.queued or due.gates or due.children:
+            await self.release()
+        if due.cancelling:
+            await self.cancel_live()
+        return due
+
+    def _reread(self) -> None:
+        """Read the feed again from the stored cursor (the held starts with it)."""
+        self._cursor = None
+        self._starts = []
+        self._starts_due = math.inf
 
     async def _read(self) -> EventPage | None:
         if self._cursor is None:
-            async with self.db.connect() as conn:
+            async with self.reads.connect() as conn:
                 self._cursor = await store.read_cursor(conn)
         wait = 0 if self._full_page else self.settings.feed_wait_s
         if self._to_deadline is not None:  # back in time to fail the next run that is due
             wait = min(wait, self._to_deadline + 0.01)
+        if self._starts:  # back in time to write the held starts
+            wait = min(wait, max(0.0, self._starts_due - time.monotonic()))
         poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
         # Whatever happens to this turn, the poll's outcome is collected.
         poll.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -343,7 +404,7 @@ class Engine:
     # --- admitting runs --------------------------------------------------------------------
 
     async def admit(self) -> None:
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             queued = await store.queued_runs(conn)
         groups = {(r.owner, r.workflow) for r in queued}
         for owner, workflow in sorted(groups):
@@ -357,7 +418,7 @@ class Engine:
     async def expire(self) -> None:
         """Fail running runs past their deadline; their live tasks are cancelled next.
         One query a turn when none is due: how long until the next deadline."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             self._to_deadline = await store.seconds_to_deadline(conn)
             if self._to_deadline is None or self._to_deadline > 0:
                 return
@@ -374,7 +435,7 @@ class Engine:
                 self.metrics.finished.labels(RunState.FAILED.value).inc()
                 self.metrics.timed_out.inc()
         await self._tell_failed()
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             self._to_deadline = await store.seconds_to_deadline(conn)
 
     # --- approval gates --------------------------------------------------------------------
@@ -383,7 +444,7 @@ class Engine:
         """Move on the approval gates a person decided (the API records a decision once,
         on a waiting node) and decide those past their wait by their ``on_timeout``; then
         settle their runs. One query a turn when none is due."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             due = await store.due_gates(conn)
         if not due:
             return
@@ -415,7 +476,7 @@ class Engine:
     async def children(self) -> None:
         """End the sub-workflow nodes whose child run ended, as it did (with the outputs
         it kept), and settle their runs. One query a turn when none has."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             due = await store.children_ended(conn)
         if not due:
             return
@@ -562,18 +623,25 @@ class Engine:
 
     # --- applying the feed -----------------------------------------------------------------
 
-    async def _fetch_outputs(self, events: list[Event]) -> dict[int, dict[str, Any] | None]:
+    async def _fetch_outputs(
+        self, events: list[Event], nodes: list[Any]
+    ) -> dict[int, dict[str, Any] | None]:
         """The outputs files of the tasks these events say succeeded, for the nodes that
-        declare values from one (read from core's attempt, before the transaction)."""
+        declare values from one (``nodes``: ``store.nodes_of_tasks``; read from core's
+        attempt, before the transaction)."""
         succeeded = {e.task_id: e.attempt_id for e in events if e.to_state is TaskState.SUCCEEDED}
         if not succeeded:
             return {}
         wanted = []
-        async with self.db.connect() as conn:
-            for row in await store.nodes_of_tasks(conn, succeeded):
+        async with self.reads.connect() as conn:
+            for row in nodes:
+                if row.task_id not in succeeded:
+                    continue
                 dag = await self.graphs.get(conn, row.workflow_id)
                 if data.needs_file(dag.specs[row.map_of or row.name]):
                     wanted.append(row.task_id)
+        if not wanted:
+            return {}
         gate = asyncio.Semaphore(_OUTPUT_FETCHES)
 
         async def written(task_id: int) -> dict[str, Any] | None:
@@ -589,8 +657,20 @@ class Engine:
 
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
-        transaction."""
-        await self._apply_events(page.items, page.next_cursor)
+        transaction. A page whose only moves are starts is held (its cursor not stored)
+        and written with the next page, or after ``_STARTS_HOLD_S``: a short task's start
+        and end then cost one transaction, not two."""
+        events = [*self._starts, *page.items]
+        moves = [e for e in events if e.to_state in _MOVES]
+        now = time.monotonic()
+        if moves and all(e.to_state is TaskState.RUNNING for e in moves) and now < self._starts_due:
+            self._starts = moves
+            self._starts_due = min(self._starts_due, now + _STARTS_HOLD_S)
+            self._cursor = page.next_cursor
+            return
+        await self._apply_events(events, page.next_cursor)
+        self._starts = []
+        self._starts_due = math.inf
         self._cursor = page.next_cursor
 
     async def _apply_events(
@@ -601,25 +681,62 @@ class Engine:
         fails, instead of how the task ended."""
         by_task: dict[int, list[Event]] = defaultdict(list)
         for event in events:
-            by_task[event.task_id].append(event)
+            if event.to_state in _MOVES:  # the others move no node
+                by_task[event.task_id].append(event)
         self._ended.clear()
         self._failed.clear()
-        self._written = await self._fetch_outputs(events)
+        mine = await self._nodes_of_tasks(by_task)
+        if not mine:
+            await self._skip_to(cursor)  # none of this page's events moves a node
+            return
+        run_ids = sorted({row.run_id for row in mine})
+        if not any(e.to_state in FINAL for row in mine for e in by_task[row.task_id]):
+            # Only starts (released -> running): no rule reads them, nothing to settle.
+            async with self._write() as conn:
+                await store.lock_runs(conn, run_ids)
+                await store.mark_running(conn, [row.task_id for row in mine])
+                await self._store_cursor(conn, cursor)
+            return
+        self._written = await self._fetch_outputs(events, mine)
         async with self._write() as conn:
-            run_ids = await store.runs_of_tasks(conn, by_task) if by_task else []
-            if run_ids:
-                runs = await store.lock_runs(conn, run_ids)
-                nodes = await store.nodes_of(conn, run_ids, lock=True)
-                per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
-                for node in nodes:
-                    per_run[node.run_id].append(node)
-                for run in runs:
-                    await self._apply_run(conn, run, per_run[run.id], by_task, errors or {})
-            if cursor is not None:
-                await store.store_cursor(conn, cursor)
+            runs = await store.lock_runs(conn, run_ids)
+            nodes = await store.nodes_of(conn, run_ids, lock=True)
+            per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
+            for node in nodes:
+                per_run[node.run_id].append(node)
+            for run in runs:
+                await self._apply_run(conn, run, per_run[run.id], by_task, errors or {})
+            await self._store_cursor(conn, cursor)
+        for task_id, said in by_task.items():
+            if any(e.to_state in FINAL for e in said):
+                self._released.pop(task_id, None)  # its node reads no more of it
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
         await self._tell_failed()
+
+    async def _nodes_of_tasks(self, task_ids: Iterable[int]) -> list[Any]:
+        """The nodes of these tasks with their runs' workflow versions: those this loop
+        released from memory (a task's node never changes), the others read."""
+        ids = list(task_ids)
+        known: list[Any] = [self._released[t] for t in ids if t in self._released]
+        unknown = [t for t in ids if t not in self._released]
+        if unknown:
+            async with self.reads.connect() as conn:
+                known += await store.nodes_of_tasks(conn, unknown)
+        return known
+
+    async def _store_cursor(self, conn: AsyncConnection, cursor: str | None) -> None:
+        if cursor is not None:
+            await store.store_cursor(conn, cursor)
+            self._cursor_stored_at = time.monotonic()
+
+    async def _skip_to(self, cursor: str | None) -> None:
+        """A page that moves no node: its cursor is stored at most once a
+        ``_CURSOR_EVERY_S`` (what a restart reads again meanwhile moves nothing either;
+        the next page that moves a node stores it in its own transaction)."""
+        if cursor is not None and time.monotonic() - self._cursor_stored_at >= _CURSOR_EVERY_S:
+            async with self._write() as conn:
+                await self._store_cursor(conn, cursor)
 
     async def _apply_run(
         self,
@@ -650,18 +767,17 @@ class Engine:
                 kept[node.name], error = self._kept(dag, run, node)
                 state = N.FAILED if error else state
             changes[node.name] = (state, error)
-        await store.set_nodes(conn, run.id, changes)
         await store.set_outputs(conn, run.id, kept)
         if run.state == RunState.RUNNING and changes:
             current = [
-                replace(
-                    n,
-                    state=changes.get(n.name, (n.state,))[0],
-                    outputs=kept.get(n.name, n.outputs),
-                )
+                replace(n, state=changes[n.name][0], outputs=kept.get(n.name, n.outputs))
+                if n.name in changes
+                else n
                 for n in nodes
             ]
-            await self._settle(conn, run, current)
+            await self._settle(conn, run, current, changes)  # it writes them with its own
+        else:
+            await store.set_nodes(conn, run.id, changes)
 
     def _kept(
         self, dag: graph.Dag, run: Any, node: store.NodeRow
@@ -674,8 +790,16 @@ class Engine:
         written = self._written.get(node.task_id) if node.task_id is not None else None
         return data.kept_outputs(dag.specs[spec_name], written, paths)
 
-    async def _settle(self, conn: AsyncConnection, run: Any, nodes: list[store.NodeRow]) -> None:
-        """Apply the trigger rules to a running run's pending nodes; end it if all ended."""
+    async def _settle(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        nodes: list[store.NodeRow],
+        written: Mapping[str, tuple[NodeState, str | None]] | None = None,
+    ) -> None:
+        """Apply the trigger rules to a running run's pending nodes; end it if all ended.
+        ``written``: node changes the caller made in ``nodes`` (not stored yet), stored in
+        the same statement as the rules' own."""
         dag = await self.graphs.get(conn, run.workflow_id)
         states = {n.name: n.state for n in nodes}
         instances = _instances(nodes)
@@ -716,7 +840,12 @@ class Engine:
         for name in [*gates, *waits]:
             states[name] = changed[name] = N.WAITING
         await store.set_nodes(
-            conn, run.id, {name: (state, errors.get(name)) for name, state in changed.items()}
+            conn,
+            run.id,
+            {
+                **(written or {}),
+                **{name: (state, errors.get(name)) for name, state in changed.items()},
+            },
         )
         await store.start_waiting(conn, run.id, gates)
         await store.wait_for_events(conn, run.id, waits)
@@ -725,6 +854,8 @@ class Engine:
         if children and not await self._start_children(conn, run, dag, nodes, children, states):
             return
         outcome = await self._end_if_done(conn, run, dag, nodes, states)
+        if expanded or N.READY in changed.values():
+            self._readied = True
         if expanded or gates or waits or N.READY in changed.values() or outcome is not None:
             # New work for the releaser, or room for a queued run of this workflow (or a
             # gate's or an event node's timeout for the loop to wait for).
@@ -758,7 +889,7 @@ class Engine:
         for an interval). The writes are the feed's: fenced, under the run's lock, and only
         to a node still live on that very task, so a feed event for it, before or after, is
         a no-op. Returns how many nodes it checked."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             stale = await store.stale_nodes(
                 conn, self.settings.dag_resync_s, self.settings.dag_resync_batch
             )
@@ -807,7 +938,7 @@ class Engine:
         waits for the next turn without holding up any other run."""
         held: set[int] = set()
         while True:
-            async with self.db.connect() as conn:
+            async with self.reads.connect() as conn:
                 read_at = time.monotonic()
                 ready = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
                 specs = await self._render(conn, ready)
@@ -833,10 +964,13 @@ class Engine:
         self, conn: AsyncConnection, ready: list[Any]
     ) -> dict[tuple[int, str], TaskCreate]:
         specs: dict[tuple[int, str], TaskCreate] = {}
-        kept = await store.outputs_of(conn, {row.run_id for row in ready})
+        dags = {w: await self.graphs.get(conn, w) for w in {row.workflow_id for row in ready}}
+        # Only a run whose definition declares outputs has any kept (or any to collect).
+        keeping = {row.run_id for row in ready if dags[row.workflow_id].keeps_outputs}
+        kept = await store.outputs_of(conn, keeping) if keeping else {}
         outputs: dict[int, Mapping[str, Mapping[str, Any]]] = {}
         for row in ready:
-            dag = await self.graphs.get(conn, row.workflow_id)
+            dag = dags[row.workflow_id]
             if row.run_id not in outputs:
                 outputs[row.run_id] = data.collect(_kept_rows(kept.get(row.run_id, [])), dag.specs)
             context = RunContext(
@@ -870,6 +1004,13 @@ class Engine:
         ]
         async with self._write() as conn:
             recorded = await store.record_released(conn, released)
+        ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
+        for row, _ in items:
+            task_id = ids.get((row.run_id, row.name), 0)
+            if task_id in recorded:
+                self._remember(
+                    _Released(row.run_id, row.name, row.map_of, task_id, row.workflow_id)
+                )
         waited = time.monotonic() - read_at
         accepted = {(run_id, name) for run_id, name, _, task_id in released if task_id in recorded}
         for row, _ in items:
@@ -880,6 +1021,11 @@ class Engine:
             if task_id not in recorded:
                 # The run was cancelled while its task was being submitted.
                 await self._cancel_task(task_id)
+
+    def _remember(self, node: _Released) -> None:
+        self._released[node.task_id] = node
+        while len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
 
     async def _send(
         self, owner: str, items: list[tuple[Any, TaskCreate]]
@@ -967,7 +1113,7 @@ class Engine:
         ``dag.reject``, by the person, or by the service when a timeout decided), oldest
         first; each is marked once core took it, so a decision is reported at least once
         (twice only if the loop stops between the two). Returns how many."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             pending = await store.pending_audits(conn)
         for row in pending:
             report = AuditReport(
@@ -1004,7 +1150,7 @@ class Engine:
     async def cancel_live(self) -> None:
         """Cancel in core what cancelled runs still have there: recorded tasks by id, and
         for nodes whose release was never recorded, whatever their key submitted."""
-        async with self.db.connect() as conn:
+        async with self.reads.connect() as conn:
             live = await store.cancelling_nodes(conn, MAX_BATCH)
         untracked: dict[str, list[Any]] = defaultdict(list)
         for row in live:

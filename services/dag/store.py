@@ -497,7 +497,8 @@ def _node_row(r: Row[Any]) -> NodeRow:
 
 
 async def nodes_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[Row[Any]]:
-    """The nodes (and their runs' workflow versions) of these tasks."""
+    """The nodes (and their runs' workflow versions) of these tasks (a task's node never
+    changes: a node's next try is another task)."""
     return list(
         await conn.execute(
             text(
@@ -653,15 +654,7 @@ async def overdue_runs(conn: AsyncConnection, limit: int = 1000) -> list[int]:
 async def seconds_to_deadline(conn: AsyncConnection) -> float | None:
     """How long until the next running run's deadline or approval gate's timeout
     (None: there is none)."""
-    value = await conn.scalar(
-        text(
-            "SELECT EXTRACT(EPOCH FROM LEAST("
-            " (SELECT min(deadline) FROM dag.runs"
-            "   WHERE state = 'running' AND deadline IS NOT NULL),"
-            " (SELECT min(wait_until) FROM dag.nodes"
-            "   WHERE state = 'waiting' AND decision IS NULL)) - now())"
-        )
-    )
+    value = await conn.scalar(text(f"SELECT {_TO_DEADLINE}"))
     return None if value is None else max(0.0, float(value))
 
 
@@ -754,6 +747,64 @@ async def retry_instances(
 
 # --- what the engine does -----------------------------------------------------------------
 
+# What each of the loop's chores looks for, in one place: ``chores`` asks whether any
+# exists, the chore itself reads them.
+#: seconds until the next running run's deadline or approval gate's timeout (NULL: none)
+_TO_DEADLINE = (
+    "EXTRACT(EPOCH FROM LEAST("
+    " (SELECT min(deadline) FROM dag.runs"
+    "   WHERE state = 'running' AND deadline IS NOT NULL),"
+    " (SELECT min(wait_until) FROM dag.nodes"
+    "   WHERE state = 'waiting' AND decision IS NULL)) - now())"
+)
+#: a waiting node (``n``) to move on: decided, past its wait, or its event came
+_GATE_DUE = (
+    "n.state = 'waiting' AND (n.decision IS NOT NULL OR n.wait_until <= now()"
+    " OR (n.event IS NOT NULL AND EXISTS (SELECT 1 FROM dag.run_events e"
+    "   WHERE e.run_id = n.run_id AND e.name = n.event)))"
+)
+#: a sub-workflow node (``n``) live whose child run (``c``) ended
+_CHILD_ENDED = (
+    "FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
+    " WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
+    " AND c.state IN ('succeeded', 'failed', 'cancelled')"
+)
+#: a node (``n``) whose decision core's audit trail has not taken yet
+_AUDIT_PENDING = "n.audit_pending AND n.decision IS NOT NULL"
+
+
+async def chores(conn: AsyncConnection) -> Row[Any]:
+    """What the loop has to do this turn besides the feed, in one round trip (each a look
+    along its own partial index): runs queued, the seconds to the next deadline or gate
+    timeout (None: none), gates or event nodes to move on (``due_gates``), sub-workflow
+    nodes whose child ended (``children_ended``), nodes ready to release or cancelling,
+    decisions not yet audited. Each part then reads what it does in full."""
+    return (
+        await conn.execute(
+            text(
+                "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
+                f" {_TO_DEADLINE} AS to_deadline,"
+                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
+                f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
+                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
+                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
+                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
+            )
+        )
+    ).one()
+
+
+async def mark_running(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
+    """The nodes released on these tasks are running (a move no trigger rule reads, so
+    nothing else in their runs changes)."""
+    await conn.execute(
+        text(
+            "UPDATE dag.nodes SET state = 'running', updated_at = now()"
+            " WHERE task_id = ANY(:ids) AND state = 'released'"
+        ),
+        {"ids": list(task_ids)},
+    )
+
 
 async def queued_runs(conn: AsyncConnection, limit: int = 1000) -> list[Row[Any]]:
     return list(
@@ -809,14 +860,6 @@ async def lock_runs(conn: AsyncConnection, run_ids: Iterable[int]) -> list[Row[A
             {"ids": list(run_ids)},
         )
     )
-
-
-async def runs_of_tasks(conn: AsyncConnection, task_ids: Iterable[int]) -> list[int]:
-    rows = await conn.execute(
-        text("SELECT DISTINCT run_id FROM dag.nodes WHERE task_id = ANY(:ids)"),
-        {"ids": list(task_ids)},
-    )
-    return [r.run_id for r in rows]
 
 
 async def stale_nodes(conn: AsyncConnection, age_s: float, limit: int) -> list[Row[Any]]:
@@ -925,10 +968,8 @@ async def due_gates(conn: AsyncConnection, limit: int = 1000) -> list[int]:
     its wait, that the loop moves on."""
     rows = await conn.execute(
         text(
-            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes n WHERE state = 'waiting'"
-            " AND (decision IS NOT NULL OR wait_until <= now() OR (event IS NOT NULL AND"
-            "   EXISTS (SELECT 1 FROM dag.run_events e"
-            "     WHERE e.run_id = n.run_id AND e.name = n.event))) LIMIT :limit) d"
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM dag.nodes n"
+            f" WHERE {_GATE_DUE} LIMIT :limit) d"
         ),
         {"limit": limit},
     )
@@ -1092,8 +1133,7 @@ async def pending_audits(conn: AsyncConnection, limit: int = 100) -> list[Row[An
                 "SELECT n.run_id, n.name, n.try_number, n.decision, n.decided_by,"
                 " n.decided_role, n.decided_at, n.comment, r.workflow, r.owner"
                 " FROM dag.nodes n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE n.audit_pending AND n.decision IS NOT NULL"
-                " ORDER BY n.decided_at LIMIT :limit"
+                f" WHERE {_AUDIT_PENDING} ORDER BY n.decided_at LIMIT :limit"
             ),
             {"limit": limit},
         )
@@ -1232,11 +1272,7 @@ async def start_child(
 async def children_ended(conn: AsyncConnection, limit: int = 1000) -> list[int]:
     """Runs with a sub-workflow node running whose child run has ended."""
     rows = await conn.execute(
-        text(
-            "SELECT DISTINCT n.run_id FROM dag.nodes n JOIN dag.runs c ON c.id = n.child_run_id"
-            " WHERE n.child_run_id IS NOT NULL AND n.state IN ('running', 'cancelling')"
-            " AND c.state IN ('succeeded', 'failed', 'cancelled') LIMIT :limit"
-        ),
+        text(f"SELECT DISTINCT n.run_id {_CHILD_ENDED} LIMIT :limit"),
         {"limit": limit},
     )
     return sorted(r.run_id for r in rows)

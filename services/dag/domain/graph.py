@@ -42,6 +42,8 @@ class Dag:
     leaves: frozenset[str] = field(default_factory=frozenset)
     #: the parsed ``when`` of each node that has one
     conditions: dict[str, Condition] = field(default_factory=dict)
+    #: some node declares outputs (else no node of a run keeps any)
+    keeps_outputs: bool = True
 
     def rule(self, name: str) -> TriggerRule:
         return self.specs[name].trigger_rule
@@ -247,4 +249,5 @@ def build(definition: WorkflowCreate) -> Dag:
         referenced_params=frozenset(params),
         leaves=frozenset(name for name in order if graph.out_degree(name) == 0),
         conditions=parsed,
+        keeps_outputs=any(spec.outputs for spec in specs.values()),
     )
