@@ -18,9 +18,9 @@ it is the file that was hashed. A ``file://`` source is still opened as the atte
 every start, and hashed again unless ``FileStamps`` holds that the file it opened (its
 device, inode, size, modification and change times) was hashed to that digest already and
 is provably unchanged since (docs/security.md, "Verifying a file:// artifact"). No error
-names a digest the agent computed, so a mismatch is no oracle for a file's content. The cache is bounded
-(``max_cache_bytes``): the least recently used artifacts are removed first, never one
-being copied.
+names a digest the agent computed, so a mismatch is no oracle for a file's content. The
+cache is bounded (``max_cache_bytes``): the least recently used artifacts are removed
+first, never one being copied.
 
 An ``s3://`` artifact is fetched with the credentials its task names (``artifact.credentials``,
 a secret of its owner or team that core opens into the lease: ``S3Credentials``), by a client
