@@ -362,7 +362,10 @@ class ArtifactCache:
                 raise ArtifactError(_mismatch(uri), retryable=False)
             if quiet and stamp is not None and _stamp(src.fileno()) == stamp:
                 self.stamps.remember(stamp, digest)
-        return known if written is None else sealed.add(name, written)
+        if written is not None:
+            return sealed.add(name, written)
+        assert known is not None  # one of the two: read into the sealed copy, or a new one
+        return known
 
     async def seal(
         self, uri: str, sha256: str, sealed: Sealed, credentials: S3Credentials | None = None
