@@ -10,14 +10,17 @@ attempt runs is a private copy (``materialize``). The first copy of a cached art
 this process is hashed while it is written; later copies are made by the kernel
 (``copy_file_range``, no pass through Python) for as long as the cached file is the same
 file it was when hashed (device, inode, size, modification time: only the agent can write
-the cache, so a change shows there), and hashed again otherwise. A ``file://`` artifact is opened with the attempt's own permissions (its uid, its
-gid, no other groups), every time, and is not cached. An attempt of another uid than the
-agent's runs a ``Sealed`` copy through a hard link rather than a copy of its own: made as
-above once per digest, then linked while it is the file that was hashed (a ``file://``
-source is still opened as the attempt and hashed at every start). No error names a digest the agent
-computed, so a mismatch is no oracle for a file's content. The cache is bounded
-(``max_cache_bytes``): the least recently used artifacts are removed first, never one
-being copied.
+the cache, so a change shows there), and hashed again otherwise. A ``file://`` artifact is
+opened with the attempt's own permissions (its uid, its gid, no other groups), every time,
+and is not cached. An attempt of another uid than the agent's runs a ``Sealed`` copy through
+a hard link rather than a copy of its own: made as above once per digest, then linked while
+it is the file that was hashed. A ``file://`` source is still opened as the attempt at
+every start, and hashed again unless ``FileStamps`` holds that the file it opened (its
+device, inode, size, modification and change times) was hashed to that digest already and
+is provably unchanged since (docs/security.md, "Verifying a file:// artifact"). No error
+names a digest the agent computed, so a mismatch is no oracle for a file's content. The
+cache is bounded (``max_cache_bytes``): the least recently used artifacts are removed
+first, never one being copied.
 
 An ``s3://`` artifact is fetched with the credentials its task names (``artifact.credentials``,
 a secret of its owner or team that core opens into the lease: ``S3Credentials``), by a client
@@ -55,11 +58,13 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import importlib
 import os
 import platform
 import queue
+import signal
 import stat
 import tempfile
 import threading
@@ -171,6 +176,7 @@ class ArtifactCache:
         self._s3_own_buckets = s3_own_buckets
         self._s3_clients: OrderedDict[str, Any] = OrderedDict()
         self._s3_lock = threading.Lock()
+        self.stamps = FileStamps()
         self._forget_unscoped()
 
     def _forget_unscoped(self) -> None:
@@ -325,8 +331,10 @@ class ArtifactCache:
 
     def seal_local(self, uri: str, sha256: str, reader: Identity, sealed: Sealed) -> Path:
         """The sealed copy (``Sealed``) of a ``file://`` artifact: its source is opened as
-        ``reader`` and hashed at every call, as ``copy_local`` does, but written only when
-        no sealed copy of that digest exists (then it is written while it is hashed)."""
+        ``reader`` at every call, as ``copy_local`` does, and hashed unless ``stamps``
+        holds that this very file, unchanged since, was hashed to ``sha256`` already;
+        written only when no sealed copy of that digest exists (then while it is hashed).
+        What the attempt runs is always the sealed copy, never the source's path."""
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
             raise ArtifactError(
@@ -336,12 +344,27 @@ class ArtifactCache:
         # not get a copy of a file only this reader may open.
         name = hashlib.sha256(f"cairn-file\x00{digest}".encode()).hexdigest()
         known = sealed.get(name)
-        if known is None:
-            return sealed.add(name, self.copy_local(uri, digest, sealed.folder, reader))
-        sink = _Sink(None, self.max_bytes)
-        _copy_file(_local_path(uri), sink, reader)
-        if sink.hexdigest() != digest:
-            raise ArtifactError(_mismatch(uri), retryable=False)
+        source = _local_path(uri)
+        with os.fdopen(_open_source(source, reader), "rb") as src:
+            stamp = _stamp(src.fileno())
+            if known is not None and self.stamps.holds(stamp, digest):
+                return known
+            quiet = stamp is not None and self.stamps.quiet(stamp) and _no_writer(src.fileno())
+            sink = _Sink(None, self.max_bytes)
+            written = None
+            if known is None:
+                written = _write_copy(sealed.folder, sink, lambda: _read_into(src, sink))
+            else:
+                _read_into(src, sink)
+            if sink.hexdigest() != digest:
+                if written is not None:
+                    written.unlink(missing_ok=True)
+                raise ArtifactError(_mismatch(uri), retryable=False)
+            if quiet and stamp is not None and _stamp(src.fileno()) == stamp:
+                self.stamps.remember(stamp, digest)
+        if written is not None:
+            return sealed.add(name, written)
+        assert known is not None  # one of the two: read into the sealed copy, or a new one
         return known
 
     async def seal(
@@ -635,6 +658,88 @@ class Sealed:
             total -= fingerprint[2]
 
 
+#: a ``file://`` source's identity and change stamp: (st_dev, st_ino, st_size,
+#: st_mtime_ns, st_ctime_ns), from an ``fstat`` of the descriptor opened as the attempt
+Stamp = tuple[int, int, int, int, int]
+#: file systems whose stamps only this kernel sets (statfs's f_type): ext2/3/4, xfs,
+#: btrfs, tmpfs, overlayfs. Not NFS, CIFS, 9p or FUSE, whose server says what it likes.
+_LOCAL_FS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630})
+#: how old a source's last change must be before its digest is remembered (past any
+#: timestamp granularity of ``_LOCAL_FS``: ext4 and xfs keep ns, but the kernel stamps
+#: with a clock that ticks every few ms, and 128-byte ext inodes keep whole seconds)
+QUIET_NS = 2_000_000_000
+#: ``file://`` sources remembered at most, the least recently used forgotten first
+MAX_STAMPS = 1024
+
+
+class FileStamps:
+    """The digests of ``file://`` sources hashed already, each under the ``Stamp`` the
+    file had while it was hashed, so a start that finds the same stamp again skips the
+    hash (docs/security.md, "Verifying a file:// artifact" says why it is sound): any
+    write, truncate, chmod, chown, rename or link of the inode moves its ctime, which no
+    unprivileged process can set, and a new file at the path is another inode. Only
+    remembered when the stamp held from before the hash to after it, the last change is
+    ``quiet_ns`` old (so a later change cannot share its timestamp), the file system is
+    local (``_LOCAL_FS``) and no process had it open for writing (``_no_writer``: a
+    writable shared mapping changes bytes without moving the stamp)."""
+
+    def __init__(self, quiet_ns: int = QUIET_NS, max_entries: int = MAX_STAMPS) -> None:
+        self.quiet_ns = quiet_ns
+        self.max_entries = max_entries
+        self._known: OrderedDict[tuple[int, int], tuple[Stamp, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def holds(self, stamp: Stamp | None, digest: str) -> bool:
+        """Whether the file of this stamp was hashed to ``digest``, unchanged since."""
+        if stamp is None:
+            return False
+        with self._lock:
+            known = self._known.get(stamp[:2])
+            if known is None:
+                return False
+            if known[0] != stamp:
+                del self._known[stamp[:2]]  # changed: hashed again
+                return False
+            self._known.move_to_end(stamp[:2])
+            return known[1] == digest
+
+    def quiet(self, stamp: Stamp) -> bool:
+        """Whether the file's last change is old enough to be told from the next one."""
+        return stamp[4] <= time.time_ns() - self.quiet_ns
+
+    def remember(self, stamp: Stamp, digest: str) -> None:
+        with self._lock:
+            self._known[stamp[:2]] = (stamp, digest)
+            self._known.move_to_end(stamp[:2])
+            while len(self._known) > self.max_entries:
+                self._known.popitem(last=False)
+
+
+def _stamp(fd: int) -> Stamp | None:
+    """The open file's ``Stamp``, or None where the file system's stamps are not this
+    kernel's own (``_LOCAL_FS``)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first, 120 bytes
+    if _libc.fstatfs(fd, buf) != 0:
+        return None
+    if ctypes.c_long.from_buffer(buf).value not in _LOCAL_FS:
+        return None
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def _no_writer(fd: int) -> bool:
+    """Whether no process has the file open for writing: a read lease is granted only
+    then (and only on a read-only descriptor); it is released at once. A writer that
+    came in that instant would signal us with SIGWINCH, ignored by default."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGWINCH)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:
+        return False  # a writer (EAGAIN), or leases unavailable here: hashed each time
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
+
+
 def _sealed_print(path: Path) -> tuple[int, ...] | None:
     try:
         info = path.stat(follow_symlinks=False)
@@ -647,13 +752,21 @@ def _sealed_print(path: Path) -> tuple[int, ...] | None:
 
 def _copy_local(uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink) -> Path:
     """A verified copy of a ``file://`` artifact in ``folder``, read as ``reader``."""
+    written = _write_copy(folder, sink, lambda: _copy_file(_local_path(uri), sink, reader))
+    if sink.hexdigest() != digest:
+        written.unlink(missing_ok=True)
+        raise ArtifactError(_mismatch(uri), retryable=False)
+    return written
+
+
+def _write_copy(folder: Path, sink: _Sink, read: Callable[[], None]) -> Path:
+    """A new file in ``folder`` holding what ``read`` passes through ``sink``; removed if
+    reading fails."""
     fd, name = tempfile.mkstemp(dir=folder, prefix=".copy.")
     try:
         with os.fdopen(fd, "wb") as out:
             sink.out = out
-            _copy_file(_local_path(uri), sink, reader)
-        if sink.hexdigest() != digest:
-            raise ArtifactError(_mismatch(uri), retryable=False)
+            read()
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
@@ -681,6 +794,14 @@ def _copier(source: Path, reader: Identity | None) -> Callable[[_Sink], None]:
 
 
 def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
+    with os.fdopen(_open_source(source, reader), "rb") as src:
+        _read_into(src, sink)
+
+
+def _open_source(source: Path, reader: Identity | None) -> int:
+    """A descriptor of the regular file ``source``, opened with ``reader``'s permissions
+    (``_open_as``); the kernel's views (``_PSEUDO``) are refused, by name and by the
+    name the descriptor resolved to through links."""
     unreadable = ArtifactError(
         f"cannot read {source}: no such file, or not readable by the attempt", retryable=False
     )
@@ -690,13 +811,19 @@ def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
         fd = _open_as(source, reader)
     except OSError:
         raise unreadable from None
-    with os.fdopen(fd, "rb") as src:
-        # The name resolved through symlinks: a link into /proc is refused as well.
-        resolved = os.readlink(f"/proc/self/fd/{src.fileno()}")
-        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode) or resolved.startswith(_PSEUDO):
+    try:
+        resolved = os.readlink(f"/proc/self/fd/{fd}")
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or resolved.startswith(_PSEUDO):
             raise ArtifactError(f"{source} is not a regular file", retryable=False)
-        for chunk in iter(lambda: src.read(CHUNK), b""):
-            sink.write(chunk)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_into(src: IO[bytes], sink: _Sink) -> None:
+    for chunk in iter(lambda: src.read(CHUNK), b""):
+        sink.write(chunk)
 
 
 def _open_as(source: Path, reader: Identity | None) -> int:

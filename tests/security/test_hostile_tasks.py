@@ -16,12 +16,14 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.worker.artifacts import QUIET_NS
 from tests.support import (
     Core,
     isolation_env,
@@ -252,6 +254,49 @@ def test_a_host_file_cannot_be_read_as_an_artifact_and_no_digest_is_revealed(
     assert "sha256 mismatch" in mismatch["last_error"]
     assert hashlib.sha256(readable.read_bytes()).hexdigest() not in str(mismatch)
     assert not [p for p in folder.iterdir() if p.name not in ("secret.sh", "public.sh")]
+
+
+def test_a_file_artifact_changed_after_a_verified_run_is_refused_and_never_run(
+    core, agents, tmp_path
+):
+    agents.append(Agent(core, tmp_path / "w"))
+    folder = shared_dir()
+    good, evil = b"#!/bin/sh\necho verified-bytes\n", b"#!/bin/sh\necho attacker-bytes\n"
+    in_place, renamed = folder / "in_place.sh", folder / "renamed.sh"
+    for path in (in_place, renamed):
+        path.write_bytes(good)
+        path.chmod(0o755)
+    # Changed longer ago than the agent's quiet time: their digests are remembered.
+    time.sleep(QUIET_NS / 1e9 + 0.2)
+
+    def body(path: Path) -> dict[str, Any]:
+        artifact = {"uri": path.as_uri(), "sha256": hashlib.sha256(good).hexdigest()}
+        return {**shell(""), "args": [], "artifact": artifact}
+
+    for path in (in_place, renamed, in_place, renamed):
+        ran = run(core, body(path))
+        assert ran["state"] == "succeeded" and "verified-bytes" in ran["log"], ran
+    before = in_place.stat()
+    with in_place.open("r+b") as f:
+        f.write(evil)  # the same size, and the same mtime put back
+    os.utime(in_place, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = in_place.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    replacement = folder / "replacement.sh"
+    replacement.write_bytes(evil)
+    replacement.chmod(0o755)
+    was = renamed.stat()
+    os.utime(replacement, ns=(was.st_atime_ns, was.st_mtime_ns))
+    os.replace(replacement, renamed)
+    for path in (in_place, renamed):
+        final = run(core, body(path))
+        assert final["state"] == "dead", final
+        assert "sha256 mismatch" in final["last_error"], final["last_error"]
+        assert "attacker-bytes" not in final["log"] + str(final["attempts_list"])
 
 
 def test_a_memory_hog_split_over_processes_is_stopped_at_the_attempts_limit(core, agents, tmp_path):
