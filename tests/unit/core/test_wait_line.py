@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.core.db.feed import Line, Work
+from services.core.domain.placement import Amount
 
 
 def _line(*queues: tuple[str, ...]) -> tuple[Line, list]:
@@ -79,6 +80,20 @@ def test_workers_named_are_woken_whatever_the_counts() -> None:
     line, (a, b) = _line(("q",), ("q",))
     assert line.wake(Work(workers=frozenset([1]))) == 1
     assert b.woken and not a.woken
+
+
+def test_room_freed_by_a_workers_reports_adds_up_on_its_claims_and_crosses_replicas() -> None:
+    line, (a, b) = _line(("q",), ("q",))
+    first = Work(freed={1: Amount(1.0, 400.0)})
+    # Two reports' announcements coalesced into one payload: their room adds up.
+    both = Work.load((first + Work(freed={1: Amount(0.5, 100.0)})).dump())
+    assert both == Work(freed={1: Amount(1.5, 500.0)})
+    assert line.wake(both) == 1
+    assert b.woken and b.freed == Amount(1.5, 500.0)
+    assert not a.woken and a.freed == Amount(0.0, 0.0)
+    line.rest(b)  # looking: room freed meanwhile still counts, and wakes it again
+    line.wake(first)
+    assert b.woken and b.freed == Amount(2.5, 900.0)
 
 
 def test_a_sweep_wakes_the_longest_waiting_claim_of_each_queue() -> None:
