@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -109,11 +110,14 @@ class Work:
         )
 
     def dump(self) -> str:
-        """The NOTIFY payload; too many names become a sweep with the total count."""
+        """The NOTIFY payload; too many names become a sweep with the total count (room
+        freed on workers stays, a sweep cannot stand in for it: the first
+        ``_WORK_NAMES_MAX`` workers')."""
         names = len(self.queues) + len(self.workers) + len(self.placed) + len(self.freed)
         if names > _WORK_NAMES_MAX:
             total = self.any + sum(self.queues.values()) + len(self.placed)
-            return Work(any=total, sweep=True).dump()
+            freed = dict(sorted(self.freed.items())[:_WORK_NAMES_MAX])
+            return Work(any=total, sweep=True, freed=freed).dump()
         body: dict[str, Any] = {}
         if self.queues:
             body["q"] = dict(self.queues)
@@ -126,7 +130,11 @@ class Work:
         if self.placed:
             body["p"] = [[queue, dict(rule)] for queue, rule in self.placed]
         if self.freed:
-            body["f"] = {str(w): [a.cpu, a.memory_mb] for w, a in sorted(self.freed.items())}
+            # rounded down to 1/1000 (a claim grows a little less at worst), to keep
+            # ``_WORK_NAMES_MAX`` of them short of the payload's bound
+            body["f"] = {
+                str(w): [_down(a.cpu), _down(a.memory_mb)] for w, a in sorted(self.freed.items())
+            }
         return json.dumps(body, separators=(",", ":"))
 
     @classmethod
@@ -147,6 +155,10 @@ class Work:
             )
         except (ValueError, TypeError, AttributeError):
             return cls(sweep=True)
+
+
+def _down(value: float) -> float:
+    return math.floor(value * 1000) / 1000
 
 
 class Waiter:

@@ -132,6 +132,13 @@ def test_a_payload_naming_too_much_or_unreadable_becomes_a_sweep_with_the_count(
     back = Work.load(many.dump())
     assert back.sweep and back.any == 500 and not back.queues
     assert len(many.dump()) < 7900
+    # Room freed on workers stays (a sweep cannot stand in for it), within the bound.
+    room = Amount(1 / 3, 1e6 / 7)
+    crowd = many + Work(freed={10**9 + i: room for i in range(300)})
+    back = Work.load(crowd.dump())
+    assert back.sweep and back.any == 500 and len(back.freed) == 200
+    assert back.freed[10**9] == Amount(0.333, 142857.142)
+    assert len(crowd.dump()) < 7900
     assert Work.load("not json") == Work(sweep=True)
     assert Work.load('{"q": 3}') == Work(sweep=True)
 
