@@ -466,7 +466,7 @@ def ask(
     placed: Sequence[Any],
     rest: Amount,
     cpu: float,
-    memory_mb: int,
+    memory_mb: float,
     most: int,
     defaults: placement.Defaults | None = None,
     closing: frozenset[int] = frozenset(),

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ import psycopg
 
 from libs.common.database import keepalive
 from libs.common.settings import libpq_url
+from services.core.domain.placement import ZERO, Amount
 from services.core.domain.selectors import satisfies
 
 log = logging.getLogger("cairn.core.feed")
@@ -80,13 +82,18 @@ class Work:
     #: tasks that require labels, one (queue, compiled required selectors) each
     #: (``domain.selectors.compile_required``): each wakes a claim whose worker matches
     placed: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    #: room a worker's own reports freed on it (CPU and memory its charges held), by
+    #: worker id: its waiting claim looks again, its room grown by it (``Waiter.freed``)
+    freed: Mapping[int, Amount] = field(default_factory=dict)
 
     @classmethod
     def of_queues(cls, queues: Iterable[str]) -> Work:
         return cls(queues=dict(Counter(queues)))
 
     def __bool__(self) -> bool:
-        return bool(self.queues or self.any or self.workers or self.sweep or self.placed)
+        return bool(
+            self.queues or self.any or self.workers or self.sweep or self.placed or self.freed
+        )
 
     def __add__(self, other: Work) -> Work:
         queues = dict(Counter(self.queues) + Counter(other.queues))
@@ -96,13 +103,21 @@ class Work:
             self.workers | other.workers,
             self.sweep or other.sweep,
             self.placed + other.placed,
+            {
+                w: self.freed.get(w, ZERO) + other.freed.get(w, ZERO)
+                for w in {*self.freed, *other.freed}
+            },
         )
 
     def dump(self) -> str:
-        """The NOTIFY payload; too many names become a sweep with the total count."""
-        if len(self.queues) + len(self.workers) + len(self.placed) > _WORK_NAMES_MAX:
+        """The NOTIFY payload; too many names become a sweep with the total count (room
+        freed on workers stays, a sweep cannot stand in for it: the first
+        ``_WORK_NAMES_MAX`` workers')."""
+        names = len(self.queues) + len(self.workers) + len(self.placed) + len(self.freed)
+        if names > _WORK_NAMES_MAX:
             total = self.any + sum(self.queues.values()) + len(self.placed)
-            return Work(any=total, sweep=True).dump()
+            freed = dict(sorted(self.freed.items())[:_WORK_NAMES_MAX])
+            return Work(any=total, sweep=True, freed=freed).dump()
         body: dict[str, Any] = {}
         if self.queues:
             body["q"] = dict(self.queues)
@@ -114,6 +129,12 @@ class Work:
             body["s"] = 1
         if self.placed:
             body["p"] = [[queue, dict(rule)] for queue, rule in self.placed]
+        if self.freed:
+            # rounded down to 1/1000 (a claim grows a little less at worst), to keep
+            # ``_WORK_NAMES_MAX`` of them short of the payload's bound
+            body["f"] = {
+                str(w): [_down(a.cpu), _down(a.memory_mb)] for w, a in sorted(self.freed.items())
+            }
         return json.dumps(body, separators=(",", ":"))
 
     @classmethod
@@ -127,16 +148,26 @@ class Work:
                 workers=frozenset(int(w) for w in body.get("w", ())),
                 sweep=bool(body.get("s", 0)),
                 placed=tuple((str(q), dict(rule)) for q, rule in body.get("p", ())),
+                freed={
+                    int(w): Amount(float(cpu), float(memory_mb))
+                    for w, (cpu, memory_mb) in body.get("f", {}).items()
+                },
             )
         except (ValueError, TypeError, AttributeError):
             return cls(sweep=True)
 
 
+def _down(value: float) -> float:
+    return math.floor(value * 1000) / 1000
+
+
 class Waiter:
     """One waiting claim: its worker, its queues (None until its worker's row is read:
-    then it serves every queue), and the event that wakes it."""
+    then it serves every queue), the event that wakes it, and the room its worker's own
+    reports freed while it waited (``freed``: the agent measured the claim's room before
+    those attempts ended)."""
 
-    __slots__ = ("event", "facts", "queues", "worker")
+    __slots__ = ("event", "facts", "freed", "queues", "worker")
 
     def __init__(self, worker: int, queues: frozenset[str] | None) -> None:
         self.worker = worker
@@ -144,6 +175,7 @@ class Waiter:
         #: its worker's labels as facts (``domain.selectors.facts``); None until read
         self.facts: frozenset[str] | None = None
         self.event = asyncio.Event()
+        self.freed = ZERO
 
     def serves(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
@@ -221,6 +253,10 @@ class Line:
         woken = 0
         if work.workers:
             woken += self._wake_first(len(self._waiting), lambda w: w.worker in work.workers)
+        for waiter in list(self._waiting):
+            if waiter.worker in work.freed:
+                waiter.freed += work.freed[waiter.worker]
+                woken += 0 if waiter.woken else self._set(waiter)
         for queue, n in work.queues.items():
             woken += self._wake_first(n, lambda w, q=queue: w.serves(q))  # type: ignore[misc]
         for queue, rule in work.placed:

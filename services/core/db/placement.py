@@ -34,6 +34,7 @@ from services.core.domain.placement import (
     counts,
     held_in_all,
     summed,
+    total,
     utilisation,
 )
 from services.core.domain.sharing import Gate, Gated
@@ -163,6 +164,11 @@ async def use_of(conn: AsyncConnection, worker_ids: Sequence[int]) -> dict[int, 
     and how many they are."""
     rows = await conn.execute(USE, {"workers": list(worker_ids), "listed": []})
     return {r.worker_id: (_held(r), r.running) for r in rows}
+
+
+def held_by(rows: Iterable[Any]) -> Amount:
+    """What these rows of ``PLACED`` hold together (a squeezed attempt little CPU)."""
+    return total(_placed(row).held for row in rows)
 
 
 def _placed(row: Any) -> Placed:

@@ -34,6 +34,7 @@ from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Waiter, Work
 from services.core.domain import selectors
+from services.core.domain.placement import ZERO, Amount
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
 
@@ -123,9 +124,10 @@ async def turn(
             waiter.queues = frozenset(heard.worker.queues)
             waiter.facts = frozenset(selectors.facts(heard.worker.labels or {}))
         leased = resent + leased
+        freed = _freed(heard, verdicts) if body.claim is None else None
         _told(
             ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers,
-            worker_id,
+            worker_id, freed,
         )  # fmt: skip
         if waiter is None or leased or state != Workers.LIVE:
             return TurnResult(state, verdicts, leased)
@@ -186,17 +188,29 @@ def _masker(ops: Dispatcher) -> attempts_db.Masker:
     return mask
 
 
+def _freed(heard: attempts_db.Heard, verdicts: Sequence[ReportVerdict]) -> Amount:
+    """What the attempts this turn's reports ended held on the worker."""
+    ended = {v.attempt_id for v in verdicts if v.state is not None}
+    return placement.held_by(row for row in heard.placed if row.id in ended)
+
+
 def _ask(
-    ops: Dispatcher, heard: attempts_db.Heard, room: ClaimRequest | None, closing: frozenset[int]
+    ops: Dispatcher,
+    heard: attempts_db.Heard,
+    room: ClaimRequest | None,
+    closing: frozenset[int],
+    grown: Amount = ZERO,
 ) -> attempts_db.Ask | None:
+    """The claim's first half, in ``room`` (the agent's, when it sent the claim) grown by
+    what its own reports have freed since (``grown``: ``Waiter.freed``)."""
     if heard.worker is None or room is None:
         return None
     return attempts_db.ask(
         heard.worker,
         heard.placed,
         heard.rest,
-        room.cpu,
-        room.memory_mb,
+        room.cpu + grown.cpu,
+        room.memory_mb + grown.memory_mb,
         room.max,
         ops.defaults,
         closing,
@@ -266,8 +280,11 @@ async def _wait_for_work(
     waiter: Waiter,
 ) -> tuple[list[Assignment], str]:
     """Wait in the line until woken, then look (a pick and a lease, alone); until the
-    claim's wait is over. A look that leased and may have left work behind (it filled
-    its room, or saw candidates it could not take) wakes the next waiter of its queues."""
+    claim's wait is over. The claim's room is the agent's when it sent it: each look
+    adds what the worker's own reports freed meanwhile (``Waiter.freed``), or a claim
+    sent while an attempt ran would never see that attempt's room again. A look that
+    leased and may have left work behind (it filled its room, or saw candidates it
+    could not take) wakes the next waiter of its queues."""
     line = ops.notifier.line
     loop = asyncio.get_running_loop()
     deadline = loop.time() + room.wait
@@ -281,7 +298,7 @@ async def _wait_for_work(
             return [], Workers.LIVE
         async with ops.engine.begin() as conn:
             heard = await attempts_db.hear(conn, worker_id, fresh_s=ops.fresh_s)
-            asked = _ask(ops, heard, room, frozenset())
+            asked = _ask(ops, heard, room, frozenset(), waiter.freed)
             picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
             leased, tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
@@ -304,11 +321,14 @@ def _told(
     leased: Sequence[Assignment],
     headers: Mapping[str, str] | None,
     worker_id: int | None = None,
+    freed: Amount | None = None,
 ) -> None:
     """After the commit: metrics, traces, and one announcement for the lot. Reports that
     ended attempts of ``worker_id`` freed room on it: its own waiting claim (the agent's
     next claim may be waiting already, sent while these reports were on their way, and
-    core then counted that room as taken) looks again, on whichever replica it waits."""
+    core then counted that room as taken) looks again, on whichever replica it waits;
+    reports sent without a claim (``freed``: what their attempts held) were sent after
+    that claim's room was measured, and grow it by what they freed."""
     ops.meter.count(tally)
     outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
@@ -328,8 +348,9 @@ def _told(
         # Work for waiting claims: tasks whose attempts were lost are back in line; an
         # ending task helps another claim only if a limit held work back (``Holds``).
         released = applied > 0 and ops.holds.recent()
-        freed = frozenset([worker_id]) if applied and worker_id is not None else frozenset()
-        ops.notifier.announce(Work(any=tally.lost, sweep=released, workers=freed))
+        mine = frozenset([worker_id]) if applied and worker_id is not None else frozenset()
+        grown = {worker_id: freed} if mine and worker_id is not None and freed is not None else {}
+        ops.notifier.announce(Work(any=tally.lost, sweep=released, workers=mine, freed=grown))
     ended = [v.attempt_id for v in verdicts if v.state is not None]
     if ended:
         ops.notifier.announce_log(ended)  # their logs are complete: followers end

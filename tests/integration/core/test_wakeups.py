@@ -2,8 +2,9 @@
 "Wake-ups"), on two real core replicas over one database: waiting claims cost the
 database nothing while nothing happens; an announced task wakes as many waiting claims
 as it can use, on whichever replica they wait, not all of them; a drained worker's
-waiting claim answers at once; and on SIGTERM core answers its waiting claims instead of
-holding the shutdown for their long polls."""
+waiting claim answers at once; on SIGTERM core answers its waiting claims instead of
+holding the shutdown for their long polls; and a worker's report grows the room of its
+claim waiting on the other replica."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from typing import Any
 import httpx
 import psycopg
 
-from tests.support import free_port, make_token, spawn_core, spec, stop_process, wait_for
+from tests.support import (
+    free_port,
+    make_token,
+    spawn_core,
+    spec,
+    start_core,
+    stop_process,
+    wait_for,
+)
 
 DB = psycopg.Connection[tuple[Any, ...]]
 CLAIMS = 12
@@ -151,3 +160,56 @@ def _running(db: DB) -> int:
     row = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'running'").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def test_a_report_on_one_replica_grows_the_room_of_its_workers_claim_waiting_on_the_other(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A claim sent with the room its worker had while an attempt ran (200 MB of 600)
+    waits on replica 1; that attempt's report, a turn of its own on replica 0, frees its
+    400 MB: the claim leases the next 400 MB task at once, not when its wait runs out."""
+    quiet = {"claim_sweep_s": 30, "heartbeat_timeout_s": 600}
+    cores = [start_core(db_url, tmp_path / f"c{i}", **quiet) for i in range(2)]
+    bases = [core.url for core in cores]
+    token = make_token(db_url, "fleet", "worker")
+    user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
+    big = spec(resources={"cpu": 1, "memory_mb": 400})
+    try:
+        with httpx.Client(base_url=bases[0], headers={"Authorization": f"Bearer {token}"}) as c:
+            offer = {"hostname": "w", "queues": ["default"], "cpu": 4, "memory_mb": 600}
+            answer = c.post("/v1/workers", json=offer)
+            answer.raise_for_status()
+            wid, lease = answer.json()["worker"]["id"], answer.json()["lease"]
+        heads = {"Authorization": f"Bearer {token}", "X-Cairn-Worker-Lease": lease}
+        near, far = (httpx.Client(base_url=b, headers=heads, timeout=60) for b in bases)
+        with near, far, httpx.Client(base_url=bases[0], headers=user) as alice:
+            for _ in range(2):
+                assert alice.post("/v1/tasks", json=big).status_code == 201
+            room = {"cpu": 4, "memory_mb": 600, "max": 4}
+            [first] = near.post(f"/v1/workers/{wid}/turn", json={"claim": room}).json()["attempts"]
+            # Room for one at a time: the second waits. The agent's next claim says what
+            # it has left while the first runs.
+            left = {"cpu": 3, "memory_mb": 200, "max": 3, "wait": WAIT_S}
+
+            async def run() -> tuple[dict[str, Any], float]:
+                claim = asyncio.create_task(
+                    asyncio.to_thread(far.post, f"/v1/workers/{wid}/turn", json={"claim": left})
+                )
+                await asyncio.sleep(1.0)  # it looked, found nothing that fits, waits
+                assert not claim.done()
+                report = {"attempt_id": first["attempt_id"], "outcome": "succeeded"}
+                began = time.monotonic()
+                answer = await asyncio.to_thread(
+                    near.post, f"/v1/workers/{wid}/turn", json={"reports": [report]}
+                )
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["reports"][0]["status"] == 200
+                claimed = await asyncio.wait_for(claim, WAIT_S + 10)
+                return claimed.json(), time.monotonic() - began
+
+            claimed, took = asyncio.run(run())
+            assert len(claimed["attempts"]) == 1
+            assert took < 3.0, f"the waiting claim leased {took:.1f} s after the report"
+    finally:
+        for core in cores:
+            core.stop()

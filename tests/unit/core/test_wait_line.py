@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.core.db.feed import Line, Work
+from services.core.domain.placement import Amount
 
 
 def _line(*queues: tuple[str, ...]) -> tuple[Line, list]:
@@ -81,6 +82,20 @@ def test_workers_named_are_woken_whatever_the_counts() -> None:
     assert b.woken and not a.woken
 
 
+def test_room_freed_by_a_workers_reports_adds_up_on_its_claims_and_crosses_replicas() -> None:
+    line, (a, b) = _line(("q",), ("q",))
+    first = Work(freed={1: Amount(1.0, 400.0)})
+    # Two reports' announcements coalesced into one payload: their room adds up.
+    both = Work.load((first + Work(freed={1: Amount(0.5, 100.0)})).dump())
+    assert both == Work(freed={1: Amount(1.5, 500.0)})
+    assert line.wake(both) == 1
+    assert b.woken and b.freed == Amount(1.5, 500.0)
+    assert not a.woken and a.freed == Amount(0.0, 0.0)
+    line.rest(b)  # looking: room freed meanwhile still counts, and wakes it again
+    line.wake(first)
+    assert b.woken and b.freed == Amount(2.5, 900.0)
+
+
 def test_a_sweep_wakes_the_longest_waiting_claim_of_each_queue() -> None:
     line, ws = _line(("a",), ("a",), ("b",), ("a", "b"), ("c", "a"))
     assert line.wake(Work(sweep=True)) == 3
@@ -117,6 +132,13 @@ def test_a_payload_naming_too_much_or_unreadable_becomes_a_sweep_with_the_count(
     back = Work.load(many.dump())
     assert back.sweep and back.any == 500 and not back.queues
     assert len(many.dump()) < 7900
+    # Room freed on workers stays (a sweep cannot stand in for it), within the bound.
+    room = Amount(1 / 3, 1e6 / 7)
+    crowd = many + Work(freed={10**9 + i: room for i in range(300)})
+    back = Work.load(crowd.dump())
+    assert back.sweep and back.any == 500 and len(back.freed) == 200
+    assert back.freed[10**9] == Amount(0.333, 142857.142)
+    assert len(crowd.dump()) < 7900
     assert Work.load("not json") == Work(sweep=True)
     assert Work.load('{"q": 3}') == Work(sweep=True)
 
