@@ -242,10 +242,9 @@ class Controller:
             await services_db.change_service(conn, row.id, rollout="complete", message=None)
             await services_db.add_step(conn, row.id, "complete", f"revision {row.revision}")
             return row, plan
-        started = row.rollout_at.timestamp()
-        if not rules.rollout_overdue(started, datetime.now(UTC).timestamp(), row.deadline_s):
+        why = await self._failing(conn, row)
+        if why is None:
             return row, plan
-        why = f"revision {row.revision} not ready within {row.deadline_s} s"
         if row.previous is None:
             if row.message != why:
                 await services_db.change_service(conn, row.id, message=why)
@@ -265,6 +264,15 @@ class Controller:
         await services_db.add_step(conn, row.id, "rolled_back", why)
         row = await services_db.lock_service(conn, row.id)
         return row, self._plan(row, live)
+
+    async def _failing(self, conn: AsyncConnection, row: Any) -> str | None:
+        """Why the rollout in progress fails: its deadline passed, or its new replicas
+        failed ``max_failures`` times already; None while it may still succeed."""
+        started = row.rollout_at.timestamp()
+        if rules.rollout_overdue(started, datetime.now(UTC).timestamp(), row.deadline_s):
+            return f"revision {row.revision} not ready within {row.deadline_s} s"
+        failed = await services_db.failures(conn, row, rules.REPLICA_FAILURES, row.max_failures)
+        return rules.rollout_failing(failed, row.max_failures, row.revision)
 
     def _plan(self, row: Any, live: list[rules.Replica]) -> rules.Plan:
         return rules.plan(row.replicas, row.revision, row.max_surge, row.max_unavailable, live)

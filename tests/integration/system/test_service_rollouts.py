@@ -2,7 +2,8 @@
 (docs/services.md): its replicas spread across them; a rolling update to a new artifact
 ends with N replicas of it, never fewer than N ready on the way (``max_unavailable`` 0);
 a new artifact whose replicas never get ready is rolled back at its deadline, and the
-old replicas, never stopped, keep serving."""
+old replicas, never stopped, keep serving; one whose replicas exit at once is rolled
+back after ``max_failures`` of their exits, long before its deadline."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("0.0.0.0", int(os.environ["CAIRN_PORT_HTTP"])), H).serve_forever()
 """
 BROKEN = "#!/bin/sh\nexit 3\n"
+CRASHING = "#!/bin/sh\nexit 1\n"
 
 
 @pytest.fixture
@@ -183,8 +185,77 @@ def test_a_bad_service_spec_is_refused_naming_the_field(core: Core) -> None:
             answer = alice.post("/v1/services", json=body)
             assert answer.status_code == 422, answer.text
             assert answer.json()["errors"][0]["field"] == field
+        for bad in (0, 1001):
+            body = {"name": "web", "template": template, "rollout": {"max_failures": bad}}
+            answer = alice.post("/v1/services", json=body)
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["errors"][0]["field"] == "body.rollout.max_failures"
         zero = {"name": "web", "template": template, "rollout": {"max_surge": 0}}
         answer = alice.post("/v1/services", json=zero)
         assert answer.status_code == 422
         assert answer.json()["errors"][0]["field"] == "body.rollout"
         assert alice.get("/v1/services/nothing").status_code == 404
+
+
+def test_a_revision_whose_replicas_exit_at_once_is_rolled_back_before_its_deadline(
+    core: Core, workers: Workers, db: DB, tmp_path: Path, artifacts: Path
+) -> None:
+    workers.start(
+        core, tmp_path / "w", "w", CAIRN_WORKER_LABELS="zone=a", CAIRN_WORKER_ADDRESS="127.0.0.1"
+    )
+    v1 = _artifact(artifacts, "v1", SERVER.replace("VERSION", "v1"))
+    crashing = _artifact(artifacts, "v2", CRASHING)
+    rollout = {"max_surge": 1, "max_unavailable": 0, "deadline_s": 600, "max_failures": 2}
+    body = {"name": "web", "replicas": 1, "template": _template(v1), "rollout": rollout}
+    with core.client() as alice:
+        assert alice.post("/v1/services", json=body).status_code == 201
+
+        def state() -> dict[str, Any]:
+            return alice.get("/v1/services/web").json()
+
+        wait_for(lambda: state()["rollout_state"] == "complete", timeout=40)
+        (old,) = _running(db)
+        (old_attempt,) = db.execute(
+            "SELECT current_attempt_id FROM core.tasks WHERE id = %s", (old[0],)
+        ).fetchone()
+        # Its restarts quick (0.2 s backoff), so that two exits come at once.
+        bad = {**_template(crashing), "retry": {"base_s": 0.2, "cap_s": 0.5}}
+        changed = alice.patch("/v1/services/web", json={"template": bad})
+        assert changed.status_code == 200, changed.text
+        assert changed.json()["revision"] == 2
+        wait_for(lambda: state()["rollout_state"] == "rolled_back", timeout=30, interval=0.1)
+        # Back on revision 1 after two exits, ten minutes before the deadline.
+        service = db.execute(
+            "SELECT revision, rollout, message, updated_at - rollout_at FROM core.services"
+        ).fetchone()
+        assert service[:2] == (1, "rolled_back")
+        assert service[2].startswith("revision 2 failed 2 times (last: exited 1)")
+        assert service[2].endswith(": rolled back to revision 1")
+        assert service[3].total_seconds() < 30
+        (step,) = db.execute(
+            "SELECT detail FROM core.service_steps WHERE step = 'rolled_back'"
+        ).fetchone()
+        assert step == service[2]
+        failed = db.execute(
+            "SELECT count(*) FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id"
+            " WHERE t.labels->>'cairn.revision' = '2' AND a.outcome = 'failed'"
+            " AND a.exit_code = 1"
+        ).fetchone()[0]
+        assert failed >= 2
+        # The old replica was never stopped: the same task, on the same attempt.
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT count(*) FROM core.tasks WHERE labels->>'cairn.revision' = '2'"
+                    " AND state IN ('ready', 'waiting', 'running', 'failed')"
+                ).fetchone()[0]
+                == 0
+            ),
+            timeout=10,
+        )
+        assert _running(db) == [old]
+        row = db.execute(
+            "SELECT state, current_attempt_id FROM core.tasks WHERE id = %s", (old[0],)
+        ).fetchone()
+        assert row == ("running", old_attempt)
+        assert _versions(alice) == ["v1"]
