@@ -3,11 +3,13 @@
 ends with N replicas of it, never fewer than N ready on the way (``max_unavailable`` 0);
 a new artifact whose replicas never get ready is rolled back at its deadline, and the
 old replicas, never stopped, keep serving; one whose replicas exit at once is rolled
-back after ``max_failures`` of their exits, long before its deadline."""
+back after ``max_failures`` of their exits, long before its deadline. And the same through
+``cairn service``."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -19,7 +21,8 @@ import httpx
 import psycopg
 import pytest
 
-from tests.support import Core, Workers, start_core, wait_for
+from cairn.cli import app
+from tests.support import Core, Workers, cli_as, start_core, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent must run as root")
 
@@ -86,6 +89,11 @@ def _running(db: DB) -> list[tuple[int, str, int]]:
         " WHERE t.state = 'running' ORDER BY t.id"
     ).fetchall()
     return [tuple(r) for r in rows]
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a row of the CLI's table."""
+    return [cell.strip() for cell in line.strip().strip("│┃").split("│")]
 
 
 def _versions(alice: httpx.Client) -> list[str]:
@@ -259,3 +267,71 @@ def test_a_revision_whose_replicas_exit_at_once_is_rolled_back_before_its_deadli
         ).fetchone()
         assert row == ("running", old_attempt)
         assert _versions(alice) == ["v1"]
+
+
+def test_the_cli_creates_shows_rolls_lists_and_removes_a_service(
+    core: Core,
+    workers: Workers,
+    db: DB,
+    tmp_path: Path,
+    artifacts: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cli = cli_as(core, monkeypatch, tmp_path)
+    workers.start(
+        core, tmp_path / "w", "w", CAIRN_WORKER_LABELS="zone=a", CAIRN_WORKER_ADDRESS="127.0.0.1"
+    )
+    v1 = _artifact(artifacts, "v1", SERVER.replace("VERSION", "v1"))
+    v2 = _artifact(artifacts, "v2", SERVER.replace("VERSION", "v2"))
+    spec = tmp_path / "web.json"
+    spec.write_text(json.dumps(_template(v1)))
+
+    def complete(revision: int) -> bool:
+        row = db.execute("SELECT revision, rollout FROM core.services").fetchone()
+        return row == (revision, "complete")
+
+    made = cli.invoke(app, ["service", "create", "web", "-f", str(spec), "--max-failures", "2"])
+    assert made.exit_code == 0, made.output
+    assert "service web created: revision 1, 1 replicas" in made.output
+    wait_for(lambda: complete(1), timeout=40)
+    shown = cli.invoke(app, ["service", "get", "web"])
+    assert shown.exit_code == 0, shown.output
+    ((port,),) = db.execute(
+        "SELECT a.ports->>'http' FROM core.tasks t JOIN core.attempts a"
+        " ON a.id = t.current_attempt_id WHERE t.state = 'running'"
+    ).fetchall()
+    for text in ("1/1 of revision 1", f"http 127.0.0.1:{port}", "max failures 2"):
+        assert text in shown.output
+    assert [_cells(line)[1] for line in shown.output.splitlines() if "Z │" in line] == [
+        "created",
+        "starting",
+        "complete",
+    ]
+
+    # A new artifact on the same template: rolled out.
+    rolled = cli.invoke(app, ["service", "set", "web", "--artifact", v2["uri"]])
+    assert rolled.exit_code == 0, rolled.output
+    assert "revision 2, 1 replicas, rollout progressing" in rolled.output
+    wait_for(lambda: complete(2), timeout=40)
+    got = json.loads(cli.invoke(app, ["--json", "service", "get", "web"]).output)
+    assert got["template"]["artifact"] == v2
+    assert got["rollout"]["max_failures"] == 2  # kept
+    assert [e["ready"] for e in got["endpoints"]] == [True]
+    (address,) = got["endpoints"][0]["endpoints"].values()
+    assert httpx.get(f"http://{address}/").text == "v2"
+    listed = cli.invoke(app, ["service", "ls"])
+    assert _cells(listed.output.splitlines()[3])[:5] == ["web", "2", "complete", "1/1", "1"]
+
+    refused = cli.invoke(app, ["service", "set", "web", "--max-failures", "0"])
+    assert refused.exit_code != 0
+    assert "rollout.max_failures" in refused.output
+
+    removed = cli.invoke(app, ["service", "rm", "web"])
+    assert removed.exit_code == 0, removed.output
+    assert db.execute("SELECT count(*) FROM core.services").fetchone() == (0,)
+    live = db.execute(
+        "SELECT count(*) FROM core.tasks WHERE state IN ('ready', 'waiting', 'running', 'failed')"
+    ).fetchone()
+    assert live == (0,)
+    gone = cli.invoke(app, ["service", "get", "web"])
+    assert gone.exit_code == 1 and "404" in gone.output
