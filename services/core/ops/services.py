@@ -239,7 +239,16 @@ class Controller:
         if row.rollout != "progressing":
             return row, plan
         if plan.settled:
-            await services_db.change_service(conn, row.id, rollout="complete", message=None)
+            # Nothing to roll back to once complete: a later change of the count alone
+            # that fails stalls, as Kubernetes' would, instead of reviving an old template.
+            await services_db.change_service(
+                conn,
+                row.id,
+                rollout="complete",
+                message=None,
+                previous=None,
+                previous_revision=None,
+            )
             await services_db.add_step(conn, row.id, "complete", f"revision {row.revision}")
             return row, plan
         why = await self._failing(conn, row)
@@ -262,6 +271,14 @@ class Controller:
             message=why,
         )
         await services_db.add_step(conn, row.id, "rolled_back", why)
+        # The template changed back, by the controller: audited as people's changes are.
+        await Auditor(CONTROLLER, None)(
+            conn,
+            "service.rollback",
+            f"service:{row.owner}/{row.name}",
+            before={"revision": row.revision},
+            after={"revision": row.previous_revision, "reason": why},
+        )
         row = await services_db.lock_service(conn, row.id)
         return row, self._plan(row, live)
 

@@ -244,6 +244,17 @@ def test_a_revision_whose_replicas_exit_at_once_is_rolled_back_before_its_deadli
             "SELECT detail FROM core.service_steps WHERE step = 'rolled_back'"
         ).fetchone()
         assert step == service[2]
+        audited = db.execute(
+            "SELECT actor, target, before, after FROM core.audit WHERE action = 'service.rollback'"
+        ).fetchall()
+        assert audited == [
+            (
+                "cairn-services",
+                "service:alice/web",
+                {"revision": 2},
+                {"revision": 1, "reason": step},
+            )
+        ]
         failed = db.execute(
             "SELECT count(*) FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id"
             " WHERE t.labels->>'cairn.revision' = '2' AND a.outcome = 'failed'"
@@ -313,6 +324,11 @@ def test_the_cli_creates_shows_rolls_lists_and_removes_a_service(
     assert rolled.exit_code == 0, rolled.output
     assert "revision 2, 1 replicas, rollout progressing" in rolled.output
     wait_for(lambda: complete(2), timeout=40)
+    # Complete: nothing left to roll back to.
+    assert db.execute("SELECT previous, previous_revision FROM core.services").fetchone() == (
+        None,
+        None,
+    )
     got = json.loads(cli.invoke(app, ["--json", "service", "get", "web"]).output)
     assert got["template"]["artifact"] == v2
     assert got["rollout"]["max_failures"] == 2  # kept
