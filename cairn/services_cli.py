@@ -55,10 +55,13 @@ def _template(
     return template
 
 
-def _rollout(base: dict[str, Any], **given: int | None) -> dict[str, Any] | None:
-    """``base`` with the options given; None when none is."""
-    chosen = {k: v for k, v in given.items() if v is not None}
-    return {**base, **chosen} if chosen else None
+def _rollout(body: dict[str, Any], base: dict[str, Any], *given: int | None) -> None:
+    """Put ``base`` with the rollout options given (max surge, max unavailable, deadline,
+    max failures) into ``body``; nothing when none is given."""
+    names = ("max_surge", "max_unavailable", "deadline_s", "max_failures")
+    chosen = {k: v for k, v in zip(names, given, strict=True) if v is not None}
+    if chosen:
+        body["rollout"] = {**base, **chosen}
 
 
 def _readiness(s: ServiceInfo) -> str:
@@ -111,6 +114,14 @@ def _show(service: ServiceInfo, endpoints: list[Endpoint]) -> None:
     )
 
 
+def _answer(ctx: typer.Context, as_json: bool, service: ServiceInfo, markup: str) -> None:
+    """The service as JSON, or a line of rich ``markup`` after its name."""
+    if ctx_of(ctx).json or as_json:
+        output.dump(service)
+    else:
+        output.console.print(f"service [bold]{output.safe(service.name)}[/bold]: {markup}")
+
+
 @app.command("create")
 def create(
     ctx: typer.Context,
@@ -132,15 +143,7 @@ def create(
         output.errors.print("[red]error[/red] give the template (--file) or an --artifact")
         raise typer.Exit(2)
     body: dict[str, Any] = {"name": name, "replicas": replicas, "template": template}
-    rollout = _rollout(
-        {},
-        max_surge=max_surge,
-        max_unavailable=max_unavailable,
-        deadline_s=deadline,
-        max_failures=max_failures,
-    )
-    if rollout is not None:
-        body["rollout"] = rollout
+    _rollout(body, {}, max_surge, max_unavailable, deadline, max_failures)
     spec = validated(ServiceCreate, body, "the service")
 
     async def go() -> ServiceInfo:
@@ -148,13 +151,7 @@ def create(
             return await core.create_service(spec)
 
     made = output.call(go)
-    if ctx_of(ctx).json or as_json:
-        output.dump(made)
-        return
-    output.console.print(
-        f"service [bold]{output.safe(made.name)}[/bold] created: revision {made.revision}, "
-        f"{made.replicas} replicas"
-    )
+    _answer(ctx, as_json, made, f"created: revision {made.revision}, {made.replicas} replicas")
 
 
 @app.command("ls")
@@ -218,27 +215,15 @@ def change(
             template = _template(current, file, artifact, sha256)
             if template is not None:
                 body["template"] = template
-            rollout = _rollout(
-                now.rollout.model_dump(),
-                max_surge=max_surge,
-                max_unavailable=max_unavailable,
-                deadline_s=deadline,
-                max_failures=max_failures,
-            )
-            if rollout is not None:
-                body["rollout"] = rollout
+            rollout = now.rollout.model_dump()
+            _rollout(body, rollout, max_surge, max_unavailable, deadline, max_failures)
             if not body:
                 return now
             return await core.change_service(name, validated(ServiceChange, body, "the change"))
 
     changed = output.call(go)
-    if ctx_of(ctx).json or as_json:
-        output.dump(changed)
-        return
-    output.console.print(
-        f"service [bold]{output.safe(changed.name)}[/bold]: revision {changed.revision}, "
-        f"{changed.replicas} replicas, rollout {output.state(changed.rollout_state)}"
-    )
+    said = f"revision {changed.revision}, {changed.replicas} replicas, rollout "
+    _answer(ctx, as_json, changed, said + output.state(changed.rollout_state))
 
 
 @app.command("rm")

@@ -303,7 +303,7 @@ def test_the_cli_creates_shows_rolls_lists_and_removes_a_service(
 
     made = cli.invoke(app, ["service", "create", "web", "-f", str(spec), "--max-failures", "2"])
     assert made.exit_code == 0, made.output
-    assert "service web created: revision 1, 1 replicas" in made.output
+    assert "service web: created: revision 1, 1 replicas" in made.output
     wait_for(lambda: complete(1), timeout=40)
     shown = cli.invoke(app, ["service", "get", "web"])
     assert shown.exit_code == 0, shown.output
