@@ -3,7 +3,7 @@
 Running Cairn: ``up`` (everything, on loopback), ``core``, ``cron``, ``dag``, ``worker``,
 ``migrate``. Using it: ``submit``, ``get``, ``ls``, ``cancel``, ``retry``, ``logs``,
 ``wait``, ``workers``, ``queues``, ``cron ...``, ``dag ...``, ``token ...``, ``team ...``,
-``secret ...``, ``audit``, ``notify ...``; ``login``, ``logout``, ``whoami``.
+``secret ...``, ``audit``, ``notify ...``, ``service ...``; ``login``, ``logout``, ``whoami``.
 Tables by default, ``--json`` for scripts. See ``cairn/config.py`` for where the URLs and
 the token come from.
 """
@@ -24,6 +24,7 @@ from cairn import (
     notify_cli,
     output,
     placement_cli,
+    services_cli,
     sharing_cli,
     system,
     tasks_cli,
@@ -124,6 +125,7 @@ _service_group(dag_cli.app, "services.dag", "the DAG service")
 app.add_typer(cron_cli.app, name="cron")
 app.add_typer(dag_cli.app, name="dag")
 app.add_typer(notify_cli.app, name="notify")
+app.add_typer(services_cli.app, name="service")
 
 
 @app.command()

@@ -77,6 +77,9 @@ STATE_STYLE = {
     "submitted": "green",
     "missed": "yellow",
     "skipped_overlap": "yellow",
+    "progressing": "yellow",
+    "complete": "green",
+    "rolled_back": "red",
 }
 
 

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -34,6 +35,8 @@ from libs.common.models import (
     ClaimRequest,
     Delivery,
     DeliveryList,
+    Endpoint,
+    EndpointList,
     Event,
     EventList,
     EventPage,
@@ -62,6 +65,10 @@ from libs.common.models import (
     SecretInfo,
     SecretList,
     SecretUpdate,
+    ServiceChange,
+    ServiceCreate,
+    ServiceInfo,
+    ServiceList,
     ShareSettings,
     Starts,
     StartsAnswer,
@@ -550,6 +557,41 @@ class CoreClient(ApiClient):
         audit trail."""
         body = report.model_dump_json(exclude_none=True)
         await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
+
+    # --- services kept at N replicas (docs/services.md) ---
+
+    async def create_service(self, spec: ServiceCreate) -> ServiceInfo:
+        """A service of the caller's, kept at ``replicas`` tasks of its template."""
+        body = spec.model_dump_json(exclude_unset=True)
+        response = await self._call("POST", "/v1/services", content=body)
+        return ServiceInfo.model_validate_json(response.content)
+
+    async def services(self) -> list[ServiceInfo]:
+        """The caller's services (without their steps)."""
+        response = await self._call("GET", "/v1/services")
+        return ServiceList.model_validate_json(response.content).items
+
+    async def service(self, name: str) -> ServiceInfo:
+        """The caller's service with the controller's last steps."""
+        response = await self._call("GET", f"/v1/services/{quote(name, safe='')}")
+        return ServiceInfo.model_validate_json(response.content)
+
+    async def change_service(self, name: str, change: ServiceChange) -> ServiceInfo:
+        """Change a service's count, rollout policy or template (a rollout)."""
+        body = change.model_dump_json(exclude_unset=True)
+        response = await self._call("PATCH", f"/v1/services/{quote(name, safe='')}", content=body)
+        return ServiceInfo.model_validate_json(response.content)
+
+    async def delete_service(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/services/{quote(name, safe='')}")
+
+    async def endpoints(self, name: str, *, only_ready: bool = True) -> list[Endpoint]:
+        """The running replicas of the services called ``name`` the caller may see (the
+        ready ones, or with ``only_ready`` false all), and where they listen."""
+        params = {} if only_ready else {"all": "true"}
+        path = f"/v1/services/{quote(name, safe='')}/endpoints"
+        response = await self._call("GET", path, params=params)
+        return EndpointList.model_validate_json(response.content).items
 
     # --- notifications (docs/notifications.md) ---
 

@@ -485,11 +485,14 @@ class RolloutPolicy(_Input):
     """How a service moves to a new template (Kubernetes' rolling update): at most
     ``max_surge`` replicas above ``replicas`` and at most ``max_unavailable`` below it
     ready at any time; a rollout whose new replicas are not all ready within
-    ``deadline_s`` is rolled back to the previous template."""
+    ``deadline_s``, or whose new replicas have failed ``max_failures`` times in all
+    (exited, or stopped by their startup or liveness probe), is rolled back to the
+    previous template."""
 
     max_surge: int = Field(default=1, ge=0, le=1000)
     max_unavailable: int = Field(default=0, ge=0, le=1000)
     deadline_s: int = Field(default=600, ge=1, le=86400)
+    max_failures: int = Field(default=3, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _moves(self) -> RolloutPolicy:

@@ -63,7 +63,7 @@ async def change_service(
 ) -> ServiceInfo:
     """Change the count, the rollout policy or the template; a new template is rolled
     out (``max_surge``, ``max_unavailable``) and rolled back if its replicas are not all
-    ready within ``deadline_s``."""
+    ready within ``deadline_s``, or at once when they have failed ``max_failures`` times."""
     if body.template is not None:
         book = await request.app.state.sharing.fresh(engine)
         services_ops.check(book, principal, principal.name, body.template)

@@ -125,6 +125,7 @@ async def insert_service(
             max_surge=rollout.max_surge,
             max_unavailable=rollout.max_unavailable,
             deadline_s=rollout.deadline_s,
+            max_failures=rollout.max_failures,
             rollout="progressing",
         )
         .on_conflict_do_nothing()
@@ -167,6 +168,36 @@ async def live_replicas(conn: AsyncConnection, owner: str, name: str) -> list[Re
     """The service's tasks that are not finished (a failed one waits for its restart)."""
     rows = await conn.execute(_LIVE_REPLICAS, {"owner": owner, "name": name})
     return [Replica(row.task_id, row.revision or 0, bool(row.ready)) for row in rows]
+
+
+# The failed attempts of a revision's live tasks that ended since its rollout began.
+_FAILURES = text(f"""
+SELECT a.outcome, a.error
+FROM core.tasks t JOIN core.attempts a ON a.task_id = t.id
+WHERE t.owner = :owner AND t.name = :name AND t.labels ? '{SERVICE_LABEL}'
+  AND t.state IN ('{S.READY}', '{S.WAITING}', '{S.RUNNING}', '{S.FAILED}')
+  AND t.labels->>'{SERVICE_LABEL}' = :name AND t.labels->>'{REVISION_LABEL}' = :revision
+  AND a.ended_at >= :since AND a.outcome = ANY(CAST(:outcomes AS text[]))
+ORDER BY a.ended_at DESC, a.id DESC
+LIMIT :most
+""")
+
+
+async def failures(
+    conn: AsyncConnection, row: Any, outcomes: Sequence[str], most: int
+) -> list[str]:
+    """Why the live replicas of the service's revision failed since its rollout began
+    (``outcomes``), newest first, at most ``most``."""
+    params = {
+        "owner": row.owner,
+        "name": row.name,
+        "revision": str(row.revision),
+        "since": row.rollout_at,
+        "outcomes": list(outcomes),
+        "most": most,
+    }
+    found = await conn.execute(_FAILURES, params)
+    return [r.error or f"attempt {r.outcome}" for r in found]
 
 
 # A service keeps its last STEPS_KEPT steps.
@@ -219,6 +250,7 @@ def service_info(row: Any, live: list[Replica], steps: list[ServiceStep]) -> Ser
             "max_surge": row.max_surge,
             "max_unavailable": row.max_unavailable,
             "deadline_s": row.deadline_s,
+            "max_failures": row.max_failures,
         },
         rollout_state=row.rollout,
         message=row.message,

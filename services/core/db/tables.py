@@ -177,6 +177,8 @@ services = Table(
     Column("max_surge", Integer, nullable=False),
     Column("max_unavailable", Integer, nullable=False),
     Column("deadline_s", Integer, nullable=False),
+    # failures of the new revision's replicas that roll a rollout back before its deadline
+    Column("max_failures", Integer, nullable=False, server_default=text("3")),
     Column("rollout", Text, nullable=False),
     Column("rollout_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("message", Text),
@@ -189,6 +191,7 @@ services = Table(
         "max_surge >= 0 AND max_unavailable >= 0 AND max_surge + max_unavailable > 0",
         name="moves",
     ),
+    CheckConstraint("max_failures >= 1", name="max_failures"),
 )
 
 service_steps = Table(

@@ -93,6 +93,21 @@ def plan(replicas: int, revision: int, surge: int, unavailable: int, live: list[
     return Plan(start, tuple(stop))
 
 
+#: how a replica's attempt ends that counts as its failure in a rollout: an exit (even
+#: 0: a service runs until stopped), a failed startup or liveness probe, a kill; not a
+#: lost host, a preemption or a cancel
+REPLICA_FAILURES = ("succeeded", "failed", "timeout", "crashed", "oom_killed", "disk_exceeded")
+
+
+def rollout_failing(failures: list[str], max_failures: int, revision: int) -> str | None:
+    """Why a rollout is certain to fail before its deadline: its new replicas have failed
+    ``max_failures`` times in all (``failures``: why each failed, newest first)."""
+    if len(failures) < max_failures:
+        return None
+    times = "once" if len(failures) == 1 else f"{len(failures)} times"
+    return f"revision {revision} failed {times} (last: {failures[0][:200]})"
+
+
 def rollout_overdue(started_s: float, now_s: float, deadline_s: int) -> bool:
     """Whether a rollout that has not settled has run past its deadline."""
     return now_s - started_s > deadline_s

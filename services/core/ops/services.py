@@ -239,13 +239,21 @@ class Controller:
         if row.rollout != "progressing":
             return row, plan
         if plan.settled:
-            await services_db.change_service(conn, row.id, rollout="complete", message=None)
+            # Nothing to roll back to once complete: a later change of the count alone
+            # that fails stalls, as Kubernetes' would, instead of reviving an old template.
+            await services_db.change_service(
+                conn,
+                row.id,
+                rollout="complete",
+                message=None,
+                previous=None,
+                previous_revision=None,
+            )
             await services_db.add_step(conn, row.id, "complete", f"revision {row.revision}")
             return row, plan
-        started = row.rollout_at.timestamp()
-        if not rules.rollout_overdue(started, datetime.now(UTC).timestamp(), row.deadline_s):
+        why = await self._failing(conn, row)
+        if why is None:
             return row, plan
-        why = f"revision {row.revision} not ready within {row.deadline_s} s"
         if row.previous is None:
             if row.message != why:
                 await services_db.change_service(conn, row.id, message=why)
@@ -263,8 +271,25 @@ class Controller:
             message=why,
         )
         await services_db.add_step(conn, row.id, "rolled_back", why)
+        # The template changed back, by the controller: audited as people's changes are.
+        await Auditor(CONTROLLER, None)(
+            conn,
+            "service.rollback",
+            f"service:{row.owner}/{row.name}",
+            before={"revision": row.revision},
+            after={"revision": row.previous_revision, "reason": why},
+        )
         row = await services_db.lock_service(conn, row.id)
         return row, self._plan(row, live)
+
+    async def _failing(self, conn: AsyncConnection, row: Any) -> str | None:
+        """Why the rollout in progress fails: its deadline passed, or its new replicas
+        failed ``max_failures`` times already; None while it may still succeed."""
+        started = row.rollout_at.timestamp()
+        if rules.rollout_overdue(started, datetime.now(UTC).timestamp(), row.deadline_s):
+            return f"revision {row.revision} not ready within {row.deadline_s} s"
+        failed = await services_db.failures(conn, row, rules.REPLICA_FAILURES, row.max_failures)
+        return rules.rollout_failing(failed, row.max_failures, row.revision)
 
     def _plan(self, row: Any, live: list[rules.Replica]) -> rules.Plan:
         return rules.plan(row.replicas, row.revision, row.max_surge, row.max_unavailable, live)

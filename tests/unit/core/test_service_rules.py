@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from libs.common.errors import InvalidInput
-from services.core.domain.services import Plan, Replica, check, plan
+from services.core.domain.services import Plan, Replica, check, plan, rollout_failing
 
 
 def _r(task_id: int, revision: int, ready: bool = True) -> Replica:
@@ -41,3 +41,11 @@ def test_a_service_spec_on_a_plain_task_and_an_unknown_port_name_are_refused() -
         check(
             {"ports": [{"name": "a", "port": 0}], "readiness": {"http": {"port": "b"}}}, "service"
         )
+
+
+def test_a_rollout_fails_at_its_max_failures_naming_the_last() -> None:
+    assert rollout_failing([], 3, 2) is None
+    assert rollout_failing(["exited 1", "exited 1"], 3, 2) is None
+    why = rollout_failing(["liveness probe failed: HTTP 500", "exited 1", "exited 1"], 3, 2)
+    assert why == "revision 2 failed 3 times (last: liveness probe failed: HTTP 500)"
+    assert rollout_failing(["x" * 5000], 1, 7) == f"revision 7 failed once (last: {'x' * 200})"

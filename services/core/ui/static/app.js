@@ -562,6 +562,31 @@ async function usagePage(main, params) {
   });
 }
 
+// The caller's services (GET /v1/services): revision, rollout, ready replicas of the
+// current revision against the count, and where the ready ones listen (their endpoints).
+async function servicesPage(main) {
+  main.append(h("h1", {}, "Services"),
+    h("p", { class: "muted" }, "Kept at N replicas by core's controller; ready replicas and where they listen."));
+  const box = h("div", { id: "services" });
+  main.append(box);
+  await live(box, async () => {
+    const found = await api("core", "/v1/services");
+    const ends = await Promise.all(found.items.map((sv) =>
+      api("core", `/v1/services/${encodeURIComponent(sv.name)}/endpoints`)));
+    const rows = found.items.map((sv, i) => {
+      const where = ends[i].items.filter((e) => e.owner === sv.owner)
+        .flatMap((e) => Object.entries(e.endpoints).map(([port, at]) => `${port} ${at}`)).sort();
+      return h("tr", { "data-service": sv.name },
+        h("td", {}, sv.name), h("td", { class: "num" }, sv.revision),
+        h("td", { "data-rollout": sv.rollout_state }, sv.rollout_state),
+        h("td", { class: "num", "data-ready": sv.ready, "data-replicas": sv.replicas }, `${sv.ready} / ${sv.replicas}`),
+        h("td", { class: "endpoints" }, where.length ? where.map((x) => h("div", {}, h("code", {}, x))) : "—"),
+        h("td", {}, sv.message || ""));
+    });
+    return table(["name", "revision", "rollout", "ready / replicas", "endpoints", "message"], rows);
+  });
+}
+
 async function schedulesPage(main) {
   main.append(h("h1", {}, "Schedules"), h("p", { class: "muted" }, "From the cron service; the next fires over the coming 24 hours."));
   const message = h("p", { id: "schedule-message" });
@@ -782,7 +807,7 @@ function drawGraph(graph, instances = new Map()) {
 const ROUTES = [
   [/^#\/queues$/, queuesPage], [/^#\/tasks$/, tasksPage], [/^#\/tasks\/(\d+)$/, taskPage],
   [/^#\/dead$/, deadPage],
-  [/^#\/workers$/, workersPage], [/^#\/usage$/, usagePage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
+  [/^#\/workers$/, workersPage], [/^#\/usage$/, usagePage], [/^#\/services$/, servicesPage], [/^#\/schedules$/, schedulesPage], [/^#\/runs$/, runsPage],
   [/^#\/runs\/(\d+)$/, runPage], [/^#\/workflows\/([a-z0-9][a-z0-9_.%-]*)\/history$/, historyPage],
 ];
 
