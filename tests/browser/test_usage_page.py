@@ -64,6 +64,11 @@ def used(system: System) -> dict[str, dict]:
             " VALUES (%s, 'bob', '', 'default', 7, 700, 650.5, 1400, 2048000, 300)",
             (date.fromisoformat(BEFORE + "-01"),),
         )
+        db.execute(
+            "INSERT INTO core.usage_monthly_devices (month, owner, team, queue, device,"
+            " device_s) VALUES (%s, 'bob', '', 'default', 'gpu', 7200)",
+            (date.fromisoformat(BEFORE + "-01"),),
+        )
     with _client(system, "root", "admin") as root:
         return {
             by: {
@@ -103,6 +108,7 @@ def test_an_admin_sees_everyones_month_and_picks_an_earlier_one(
         assert float(cell.get_attribute("data-cpu-reserved-s")) == figures["cpu_reserved_s"]
         gb = float(row.locator("[data-memory-gb-s]").get_attribute("data-memory-gb-s"))
         assert gb == pytest.approx(figures["memory_mb_s"] / 1024)
+        expect(row.locator("[data-device-s]")).to_have_text("—")
     assert used["owner"]["alice"]["attempts"] == 2 and used["team"]["ml"]["attempts"] == 1
     screenshot(page, "usage")
 
@@ -110,6 +116,8 @@ def test_an_admin_sees_everyones_month_and_picks_an_earlier_one(
     expect(page).to_have_url(f"{system.core.url}/ui#/usage?month={BEFORE}")
     expect(_row(page, "owner", "bob").locator("[data-cpu-s]")).to_have_text("650.5")
     expect(_row(page, "owner", "bob").locator("[data-memory-gb-s]")).to_have_text("2000.0")
+    # the devices the attempts held, by name (this month's ran none)
+    expect(_row(page, "owner", "bob").locator("[data-device-s]")).to_have_text("gpu 7200.0")
     assert _shown(page, "owner") == ["bob"]
     expect(page.locator("#usage-team")).to_contain_text("nothing here")
 

@@ -555,9 +555,11 @@ async function usagePage(main, params) {
         h("td", { class: "num", "data-cpu-s": a.cpu_s }, num(a.cpu_s, 1)),
         h("td", { class: "num", "data-cpu-reserved-s": a.cpu_reserved_s }, num(a.cpu_reserved_s, 1)),
         h("td", { class: "num", "data-memory-gb-s": a.memory_mb_s / 1024 }, num(a.memory_mb_s / 1024, 1)),
-        h("td", { class: "num" }, num(a.wall_s, 1)), h("td", { class: "num" }, num(a.peak_memory_mb))));
+        h("td", { class: "num" }, num(a.wall_s, 1)), h("td", { class: "num" }, num(a.peak_memory_mb)),
+        h("td", { class: "num", "data-device-s": JSON.stringify(a.device_s || {}) },
+          Object.entries(a.device_s || {}).map(([name, s]) => `${name} ${num(s, 1)}`).join(", ") || "—")));
       return h("section", { id: `usage-${by}` }, h("h2", {}, title),
-        table([by, "attempts", "CPU s used", "core-s reserved", "memory GB-s reserved", "wall s", "peak MB"], rows));
+        table([by, "attempts", "CPU s used", "core-s reserved", "memory GB-s reserved", "wall s", "peak MB", "device s held"], rows));
     }));
   });
 }
