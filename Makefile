@@ -33,15 +33,19 @@ up: install
 # mostly on clusters or whole systems of their own: the deployment test (tests/deploy: the
 # network and its containers), the PostgreSQL failover test (a Patroni cluster), the two
 # that drive `cairn up` end to end (minutes each, mostly waiting on its processes), the
-# network cut (waits out TCP keepalives), and the three longest fault tests of the suite
+# network cut (waits out TCP keepalives), the three longest fault tests of the suite
 # (kills and restarts of whole systems, 20-40 s each, mostly waiting: beside, they keep the
-# suite under its 15 minutes); their output is kept and printed when both are done. Fails
+# suite under its 15 minutes), and three more that mostly wait on processes of their own
+# (a usage decay, an agent's held lease, a notifier's restart; 14-20 s each: the suite
+# reached 14:14 with them); their output is kept and printed when both are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
 BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py \
 	tests/faults/system/test_network_cut.py tests/faults/system/test_jepsen_flows.py \
-	tests/integration/system/test_prometheus_e2e.py tests/faults/cron/test_replicas.py
+	tests/integration/system/test_prometheus_e2e.py tests/faults/cron/test_replicas.py \
+	tests/integration/core/test_fair_usage.py tests/faults/worker/test_claim_ahead_agent.py \
+	tests/faults/core/test_notify_restart.py
 test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
