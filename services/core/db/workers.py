@@ -258,9 +258,6 @@ async def _beat(
             conn, row.id, "the process is gone (missing from its worker's heartbeat)"
         )
         tally = tally + ended
-    if missing and reported:
-        # losing one may have moved another's task: read what must stop again
-        stop = [row.id for row in await conn.execute(_STOP, params)]
     state = str(beat[0].state) if beat and not missing else None
     return stop, len(missing), tally, state
 
