@@ -17,14 +17,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import httpx
 
 from cairn.output import visible
 from libs.common import procs
-from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import CairnSettings
+
+if TYPE_CHECKING:  # loaded where a command starts a database: psycopg is not light
+    from libs.common.embedded import EmbeddedPostgres
 
 ROLES = ("admin", "service", "user", "worker")
 
@@ -36,6 +38,8 @@ def database(
     ``adopt``, found it running: left by a `cairn up` that was killed)."""
     if settings.database_url:
         return settings.database_url, None
+    from libs.common.embedded import EmbeddedPostgres
+
     server = EmbeddedPostgres(settings.home / "pg")
     was_running = server.running() if (server.data / "PG_VERSION").exists() else False
     if was_running and adopt:

@@ -34,7 +34,6 @@ from libs.common.models import (
     SecretRef,
     ServiceSpec,
 )
-from services.dag.domain import graph
 
 
 class DefinitionError(InvalidInput):
@@ -510,6 +509,9 @@ class Workflow:
             raise self._refusal(
                 [(_dotted(("body", *loc)), msg) for loc, msg in _validation_reasons(exc)]
             ) from None
+        # here, not at the top: networkx costs every CLI command a fifth of a second
+        from services.dag.domain import graph
+
         try:
             graph.build(definition)
         except InvalidInput as exc:

@@ -11,7 +11,6 @@ import orjson
 from pydantic import (
     AfterValidator,
     AwareDatetime,
-    BaseModel,
     ConfigDict,
     Field,
     JsonValue,
@@ -19,7 +18,16 @@ from pydantic import (
     model_validator,
 )
 
-from libs.common.models import CRON_ENV, MAX_PAGE, Name, TaskCreate, TeamName, _storable_time
+from libs.common.models import (
+    CRON_ENV,
+    MAX_PAGE,
+    Input,
+    Name,
+    Output,
+    TaskCreate,
+    TeamName,
+    _storable_time,
+)
 
 MisfirePolicy = Literal["skip", "fire_once", "catch_up"]
 OverlapPolicy = Literal["allow", "forbid", "replace"]
@@ -32,15 +40,7 @@ MAX_JITTER_S = 3600
 MAX_BACKFILL = 1000
 
 
-class _Input(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Output(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TaskTarget(_Input):
+class TaskTarget(Input):
     """Each fire submits this task to core, owned by the schedule's owner (and team)."""
 
     kind: Literal["task"] = "task"
@@ -65,7 +65,7 @@ def _bounded_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
     return params
 
 
-class DagTarget(_Input):
+class DagTarget(Input):
     """Each fire starts a run of this workflow in the DAG service."""
 
     kind: Literal["dag"]
@@ -78,7 +78,7 @@ class DagTarget(_Input):
 Target = Annotated[TaskTarget | DagTarget, Field(discriminator="kind")]
 
 
-class ScheduleCreate(_Input):
+class ScheduleCreate(Input):
     """A new schedule. Its name is unique per owner. With ``team`` (one the caller
     belongs to), the team's members see and act on it, and its fires' tasks are owned by
     the team; a task target may then use only the team's secrets."""
@@ -113,7 +113,7 @@ class ScheduleCreate(_Input):
         return self
 
 
-class ScheduleUpdate(_Input):
+class ScheduleUpdate(Input):
     """A change to a schedule: only the fields given change. ``team`` moves it to a team
     of its owner's, or with null back to the owner alone (the owner's call only)."""
 
@@ -131,7 +131,7 @@ class ScheduleUpdate(_Input):
     ends_at: Instant | None = None
 
 
-class Schedule(_Output):
+class Schedule(Output):
     id: int
     owner: str
     team: str | None = None
@@ -155,12 +155,12 @@ class Schedule(_Output):
     updated_at: datetime
 
 
-class SchedulePage(_Output):
+class SchedulePage(Output):
     items: list[Schedule]
     next_after: int | None = Field(description="Pass as `after` for the next page.")
 
 
-class Fire(_Output):
+class Fire(Output):
     """One fire of a schedule: its slot, and what became of it."""
 
     schedule_id: int
@@ -180,23 +180,23 @@ class Fire(_Output):
     )
 
 
-class FirePage(_Output):
+class FirePage(Output):
     items: list[Fire]
 
 
-class NextFire(_Output):
+class NextFire(Output):
     utc: datetime
     local: str = Field(description="The same instant on the schedule's wall clock, with offset.")
 
 
-class NextFires(_Output):
+class NextFires(Output):
     schedule_id: int
     timezone: str
     after: datetime
     items: list[NextFire]
 
 
-class BackfillCreate(_Input):
+class BackfillCreate(Input):
     """Fire every slot of the schedule in ``[from, to]`` once (at most
     ``MAX_BACKFILL`` slots), paced, under the schedule's overlap policy."""
 
@@ -212,7 +212,7 @@ class BackfillCreate(_Input):
         return self
 
 
-class Backfill(_Output):
+class Backfill(Output):
     schedule_id: int
     slots: int = Field(description="Slots of the schedule in the range.")
     queued: int = Field(description="Slots not fired before, now queued to fire.")
@@ -221,7 +221,7 @@ class Backfill(_Output):
     last: datetime | None
 
 
-class CronStatus(_Output):
+class CronStatus(Output):
     """This replica: whether it leads, and what its engine holds."""
 
     instance: str

@@ -14,8 +14,6 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     AwareDatetime,
-    BaseModel,
-    ConfigDict,
     Field,
     StringConstraints,
     model_validator,
@@ -24,6 +22,8 @@ from pydantic import (
 from libs.common.models import (
     MAX_TIME_LIMIT_S,
     IdempotencyKey,
+    Input,
+    Output,
     PrincipalName,
     TaskCreate,
     TeamName,
@@ -184,14 +184,6 @@ OutputName = Annotated[
 ]
 
 
-class _Input(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Output(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
 def _bounded_params(params: dict[str, Any]) -> dict[str, Any]:
     import json
 
@@ -226,7 +218,7 @@ class TaskTemplate(TaskCreate):
         return self
 
 
-class OutputSpec(_Input):
+class OutputSpec(Input):
     """One output a node declares. Without ``path``: a value its task writes to its
     ``CAIRN_OUTPUTS`` file (required unless ``required`` is false). With ``path``: an
     object-store path (templated like ``output_path``), known when the node is released
@@ -244,7 +236,7 @@ class OutputSpec(_Input):
     required: bool = True
 
 
-class MapSpec(_Input):
+class MapSpec(Input):
     """Run the node once per item of a list: ``over`` is ``{{ params.NAME }}`` or
     ``{{ nodes.UPSTREAM.outputs.NAME }}``; each instance sees ``{{ map.item }}`` and
     ``{{ map.index }}``. A list longer than ``max_items`` fails the node."""
@@ -253,7 +245,7 @@ class MapSpec(_Input):
     max_items: int = Field(default=1000, ge=1, le=MAX_MAP_ITEMS)
 
 
-class Approvers(_Input):
+class Approvers(Input):
     """Who may decide an approval gate: the members of ``team``, the ``people`` named,
     or both."""
 
@@ -267,7 +259,7 @@ class Approvers(_Input):
         return self
 
 
-class ApprovalSpec(_Input):
+class ApprovalSpec(Input):
     """An approval gate: when its trigger rule is met the node waits for a person to
     approve (it succeeds) or reject (it fails) it; after ``timeout_s`` without a
     decision ``on_timeout`` decides. Without ``approvers``: the run's owner and the
@@ -278,7 +270,7 @@ class ApprovalSpec(_Input):
     approvers: Approvers | None = None
 
 
-class SubWorkflowSpec(_Input):
+class SubWorkflowSpec(Input):
     """Run another stored workflow of the same owner as this node: version ``version``,
     or (unset) its newest version when the parent run started (the child run records
     which). ``params`` are the child's parameters, string values templated like a task's
@@ -292,7 +284,7 @@ class SubWorkflowSpec(_Input):
     params: Params = Field(default_factory=dict)
 
 
-class EventSpec(_Input):
+class EventSpec(Input):
     """Wait for an external event: when its trigger rule is met the node waits until an
     event named ``name`` is delivered to its run (``POST /v1/runs/ID/events/NAME``; one
     delivered earlier counts), and succeeds with the event's data as its outputs (the
@@ -304,7 +296,7 @@ class EventSpec(_Input):
     on_timeout: Literal["succeed", "fail"] = "fail"
 
 
-class NodeSpec(_Input):
+class NodeSpec(Input):
     """One node of a workflow: its task (or, instead, an ``approval`` gate, a
     sub-``workflow`` or an ``event`` to wait for), what it waits for, and when it may
     run."""
@@ -368,7 +360,7 @@ class NodeSpec(_Input):
         return data
 
 
-class WorkflowCreate(_Input):
+class WorkflowCreate(Input):
     """A workflow definition; storing it under a name already used makes a new version.
     With ``team`` (one the caller belongs to), the team's members see the workflow, run
     it and act on its runs, and its nodes' tasks are owned by the team; the nodes may
@@ -390,7 +382,7 @@ class WorkflowCreate(_Input):
     nodes: list[NodeSpec] = Field(min_length=1, max_length=MAX_NODES)
 
 
-class Workflow(_Output):
+class Workflow(Output):
     """One stored version of a workflow."""
 
     id: int
@@ -402,7 +394,7 @@ class Workflow(_Output):
     created_at: datetime
 
 
-class WorkflowSummary(_Output):
+class WorkflowSummary(Output):
     id: int
     owner: str
     team: str | None = None
@@ -412,11 +404,11 @@ class WorkflowSummary(_Output):
     created_at: datetime
 
 
-class WorkflowList(_Output):
+class WorkflowList(Output):
     items: list[WorkflowSummary]
 
 
-class RunFire(_Input):
+class RunFire(Input):
     """The cron fire that starts a run: its slot (``{{ fire.slot }}``), schedule and
     whether a backfill asked for it. Kept in the run's params as ``fire``."""
 
@@ -427,7 +419,7 @@ class RunFire(_Input):
     changed_by: PrincipalName | None = None
 
 
-class RunCreate(_Input):
+class RunCreate(Input):
     """Start a run of the newest version (or ``version``) with these parameters."""
 
     params: Params = Field(default_factory=dict)
@@ -447,7 +439,7 @@ class RunCreate(_Input):
         return self
 
 
-class RunClear(_Input):
+class RunClear(Input):
     """Run ``node`` again in a finished run, with everything downstream of it (unless
     ``downstream`` is false): each with its next try; the run queues again."""
 
@@ -455,7 +447,7 @@ class RunClear(_Input):
     downstream: bool = True
 
 
-class RunRetry(_Input):
+class RunRetry(Input):
     """How a retry runs a mapped node that failed again: ``all`` maps it again whole
     (every instance with the next try); ``failed`` keeps the instances that succeeded,
     with their outputs, and runs only the others again."""
@@ -463,7 +455,7 @@ class RunRetry(_Input):
     instances: Literal["all", "failed"] = "all"
 
 
-class Node(_Output):
+class Node(Output):
     name: str
     state: NodeState
     trigger_rule: TriggerRule
@@ -495,13 +487,13 @@ class Node(_Output):
     event: str | None = None
 
 
-class ApprovalDecision(_Input):
+class ApprovalDecision(Input):
     """A person's decision on a waiting approval gate."""
 
     comment: Annotated[str, StringConstraints(max_length=MAX_COMMENT_CHARS)] = ""
 
 
-class Run(_Output):
+class Run(Output):
     """A run of one workflow version; ``nodes`` is empty in lists."""
 
     id: int
@@ -528,24 +520,24 @@ class Run(_Output):
     nodes: list[Node] = Field(default_factory=list)
 
 
-class RunList(_Output):
+class RunList(Output):
     items: list[Run]
     next_cursor: str | None
 
 
-class GraphNode(_Output):
+class GraphNode(Output):
     name: str
     state: NodeState
     trigger_rule: TriggerRule
     task_id: int | None
 
 
-class GraphEdge(_Output):
+class GraphEdge(Output):
     source: str
     target: str
 
 
-class Graph(_Output):
+class Graph(Output):
     """A run's graph: nodes with their states, and ``depends_on`` as edges upstream to
     downstream; ``mermaid`` draws the same as a Mermaid flowchart."""
 
@@ -555,7 +547,7 @@ class Graph(_Output):
     mermaid: str
 
 
-class EventDelivery(_Input):
+class EventDelivery(Input):
     """An external event delivered to a run: ``data`` (an object) becomes the outputs of
     the node waiting for it."""
 
@@ -572,7 +564,7 @@ class EventDelivery(_Input):
         return self
 
 
-class RunEvent(_Output):
+class RunEvent(Output):
     """An event as the run keeps it (once per name)."""
 
     run_id: int
@@ -584,7 +576,7 @@ class RunEvent(_Output):
     node: str | None = None
 
 
-class TriggerCreate(_Input):
+class TriggerCreate(Input):
     """A signed HTTP trigger of a workflow: each delivery starts a run of its newest
     version. Its params come from ``params`` (run parameter name -> dotted path into the
     JSON payload) or, without a mapping, from the payload's ``params`` object.
@@ -595,7 +587,7 @@ class TriggerCreate(_Input):
     key_path: PayloadPath | None = None
 
 
-class Trigger(_Output):
+class Trigger(Output):
     id: int
     owner: str
     workflow: str
@@ -612,18 +604,18 @@ class TriggerCreated(Trigger):
     secret: str
 
 
-class TriggerList(_Output):
+class TriggerList(Output):
     items: list[Trigger]
 
 
-class HistoryCell(_Output):
+class HistoryCell(Output):
     state: NodeState
     try_number: int
     #: from its rule being met to its end (or now, while open); None before it started
     duration_s: float | None
 
 
-class HistoryRun(_Output):
+class HistoryRun(Output):
     id: int
     state: RunState
     workflow_version: int
@@ -634,7 +626,7 @@ class HistoryRun(_Output):
     nodes: dict[str, HistoryCell]
 
 
-class WorkflowHistory(_Output):
+class WorkflowHistory(Output):
     """A workflow's recent runs, oldest first, by node: ``nodes`` in the newest
     version's order, then nodes only older versions had."""
 

@@ -127,18 +127,25 @@ def _storable_time(value: datetime) -> datetime:
 StorableTime = Annotated[AwareDatetime, AfterValidator(_storable_time)]
 
 
-class _Input(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# The bases of every wire model here and in cron_models and dag_models. defer_build: a
+# model's validator is built when it is first used, not when its module is imported; the
+# CLI and each service use a part of these 200-odd models.
+class Input(BaseModel):
+    """What a client sends: unknown fields refused, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
-class _Output(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Output(BaseModel):
+    """What a service answers: fields a newer service adds are ignored."""
+
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
 
 S3Endpoint = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/]+/?$")]
 
 
-class Artifact(_Input):
+class Artifact(Input):
     """Where the executable lives, and the digest it must have."""
 
     uri: Annotated[
@@ -160,7 +167,7 @@ class Artifact(_Input):
         return value
 
 
-class S3Credentials(_Input):
+class S3Credentials(Input):
     """The JSON value of an artifact's ``credentials`` secret: what the worker signs that
     one fetch with (docs/security.md, "Artifact credentials"). Kept out of ``repr``."""
 
@@ -197,7 +204,7 @@ Devices = Annotated[
 MAX_DISK_MB = 1024 * 1024
 
 
-class Resources(_Input):
+class Resources(Input):
     """What one attempt declares it needs: CPU, memory, whole devices by name
     (``{"gpu": 1}``), which the attempt holds alone (docs/placement.md, "Devices"), and
     ``disk_mb``: its disk quota, the size of the tmpfs that holds its home and /tmp (its
@@ -214,7 +221,7 @@ ExitCode = Annotated[int, Field(ge=0, le=255)]
 SignalNumber = Annotated[int, Field(ge=1, le=64)]
 
 
-class RetryCauses(_Input):
+class RetryCauses(Input):
     """Why an attempt failed: the exit codes it exited with, the signals that killed it
     (one the worker did not send)."""
 
@@ -225,7 +232,7 @@ class RetryCauses(_Input):
         return bool(self.exit_codes or self.signals)
 
 
-class RetryPolicy(_Input):
+class RetryPolicy(Input):
     """How failures are retried. With no ``base_s`` the Sidekiq curve applies:
     ``attempt**4 + 15 + rand(10) * (attempt + 1)`` seconds. ``never``: causes whose
     failure is final at once; ``always``: causes retried after backoff without spending
@@ -262,7 +269,7 @@ ConcurrencyKeyName = Annotated[
 ]
 
 
-class Concurrency(_Input):
+class Concurrency(Input):
     """A shared downstream system the task uses: at most ``limit`` attempts naming
     ``key`` run at once across the pool (an admin's limit for the key wins)."""
 
@@ -282,7 +289,7 @@ SelectorText = Annotated[
 ]
 
 
-class Preference(_Input):
+class Preference(Input):
     """A selector a worker had better match: among the work a worker may take at one
     priority, the task whose preferences it meets with the most weight goes first."""
 
@@ -290,7 +297,7 @@ class Preference(_Input):
     weight: int = Field(default=1, ge=1, le=100)
 
 
-class Spread(_Input):
+class Spread(Input):
     """Spread the running tasks of the same owner and name (a service's replicas)
     across the values of a worker label, or across hosts (``by: host``): a worker takes
     one only while its domain holds at most ``max_skew`` more of them than the emptiest
@@ -300,7 +307,7 @@ class Spread(_Input):
     max_skew: int = Field(default=1, ge=1, le=1000)
 
 
-class Placement(_Input):
+class Placement(Input):
     """Where a task may run, by the workers' labels (docs/placement.md). ``required``:
     every selector must hold (``disk=ssd``, ``zone in (a,b)``, ``gpu exists``,
     ``zone!=c``, ``zone notin (a,b)``, ``!gpu``). ``anti_affinity``: never two running
@@ -326,7 +333,7 @@ MAX_REPLICAS_LISTED = 1000
 MAX_REPLICAS = 1000
 
 
-class ServicePort(_Input):
+class ServicePort(Input):
     """A port the service listens on. ``port`` 0: the agent picks a free one for each
     replica; the service reads it from ``CAIRN_PORT_<NAME>`` (upper case, ``-`` as ``_``)."""
 
@@ -334,27 +341,27 @@ class ServicePort(_Input):
     port: int = Field(default=0, ge=0, le=65535)
 
 
-class HttpProbe(_Input):
+class HttpProbe(Input):
     """``GET path`` on ``port`` of the replica's loopback: a 2xx or 3xx answer is a success."""
 
     path: HttpPath = "/"
     port: PortRef
 
 
-class TcpProbe(_Input):
+class TcpProbe(Input):
     """A TCP connection to ``port`` of the replica's loopback: accepted is a success."""
 
     port: PortRef
 
 
-class ExecProbe(_Input):
+class ExecProbe(Input):
     """A command run in the replica's sandbox (its user, cgroup, /tmp and network): exit
     0 is a success."""
 
     command: list[ProbeArg] = Field(min_length=1, max_length=64)
 
 
-class Probe(_Input):
+class Probe(Input):
     """One probe: exactly one of ``http``, ``tcp``, ``exec``, run every ``period_s`` from
     ``initial_delay_s`` after the start, each try given ``timeout_s``. ``failure_threshold``
     failures in a row make it fail, ``success_threshold`` successes in a row make it pass
@@ -377,7 +384,7 @@ class Probe(_Input):
         return self
 
 
-class ServiceSpec(_Input):
+class ServiceSpec(Input):
     """What a ``kind: service`` adds: the ports it listens on and its probes. A startup
     probe gates the other two: they start once it has passed; a failing startup or
     liveness probe kills the attempt (restarted by the service's backoff); readiness is
@@ -389,7 +396,7 @@ class ServiceSpec(_Input):
     startup: Probe | None = None
 
 
-class ReplicaStatus(_Input):
+class ReplicaStatus(Input):
     """What an agent tells core of one running replica: whether it is ready, the address
     of its host and the port each declared name resolved to."""
 
@@ -401,17 +408,17 @@ class ReplicaStatus(_Input):
     )
 
 
-class ReplicaStatuses(_Input):
+class ReplicaStatuses(Input):
     items: list[ReplicaStatus] = Field(min_length=1, max_length=256)
 
 
-class ReplicaStatusAnswer(_Output):
+class ReplicaStatusAnswer(Output):
     """The attempts whose status core kept (the others are no longer open on this worker)."""
 
     kept: list[int]
 
 
-class Endpoint(_Output):
+class Endpoint(Output):
     """One replica of a service and where it listens (``address:port`` per port name)."""
 
     task_id: int
@@ -423,12 +430,12 @@ class Endpoint(_Output):
     endpoints: dict[str, str]
 
 
-class EndpointList(_Output):
+class EndpointList(Output):
     name: str
     items: list[Endpoint]
 
 
-class TaskCreate(_Input):
+class TaskCreate(Input):
     """A submission."""
 
     name: Name
@@ -481,7 +488,7 @@ class TaskCreate(_Input):
         return self
 
 
-class RolloutPolicy(_Input):
+class RolloutPolicy(Input):
     """How a service moves to a new template (Kubernetes' rolling update): at most
     ``max_surge`` replicas above ``replicas`` and at most ``max_unavailable`` below it
     ready at any time; a rollout whose new replicas are not all ready within
@@ -501,7 +508,7 @@ class RolloutPolicy(_Input):
         return self
 
 
-class ServiceCreate(_Input):
+class ServiceCreate(Input):
     """A service kept at ``replicas`` running tasks of ``template`` (its ``kind`` must be
     ``service``; its tasks are named after the service, docs/services.md)."""
 
@@ -511,7 +518,7 @@ class ServiceCreate(_Input):
     rollout: RolloutPolicy = Field(default_factory=RolloutPolicy)
 
 
-class ServiceChange(_Input):
+class ServiceChange(Input):
     """A change of a service: a new ``template`` starts a rolling update to it."""
 
     replicas: int | None = Field(default=None, ge=0, le=MAX_REPLICAS)
@@ -519,7 +526,7 @@ class ServiceChange(_Input):
     rollout: RolloutPolicy | None = None
 
 
-class ServiceStep(_Output):
+class ServiceStep(Output):
     """One step the service controller took (docs/services.md)."""
 
     at: datetime
@@ -527,7 +534,7 @@ class ServiceStep(_Output):
     detail: str | None
 
 
-class ServiceInfo(_Output):
+class ServiceInfo(Output):
     """A service, its rollout and its replicas now. ``rollout_state``: ``complete`` (all
     replicas of ``revision`` ready), ``progressing``, or ``rolled_back`` (the last new
     template was not ready within the deadline; ``revision`` is the previous one again)."""
@@ -549,11 +556,11 @@ class ServiceInfo(_Output):
     steps: list[ServiceStep] = Field(default_factory=list)
 
 
-class ServiceList(_Output):
+class ServiceList(Output):
     items: list[ServiceInfo]
 
 
-class TaskBatchCreate(_Input):
+class TaskBatchCreate(Input):
     """Up to 1,000 submissions, accepted all together or not at all."""
 
     tasks: list[TaskCreate] = Field(min_length=1, max_length=MAX_BATCH)
@@ -578,7 +585,7 @@ MAX_BULK = 10_000
 MAX_BULK_COUNT = 100_000
 
 
-class TaskSelector(_Input):
+class TaskSelector(Input):
     """Which tasks a bulk action takes: every condition given must hold. ``state`` must
     be one the action starts from; unset, every such state is taken."""
 
@@ -594,7 +601,7 @@ class TaskSelector(_Input):
     finished_before: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
 
 
-class BulkAction(_Input):
+class BulkAction(Input):
     """Retry or cancel the tasks a filter selects, at most ``limit`` of them in this call
     (oldest first); ``dry_run`` only counts them."""
 
@@ -603,7 +610,7 @@ class BulkAction(_Input):
     limit: int = Field(default=1000, ge=1, le=MAX_BULK)
 
 
-class BulkResult(_Output):
+class BulkResult(Output):
     """What a bulk action found and did."""
 
     #: tasks the filter selects now, before this call acted (counted up to 100,000)
@@ -625,7 +632,7 @@ ProgressMessage = Annotated[
 ]
 
 
-class TaskProgress(_Output):
+class TaskProgress(Output):
     """What the task last said of its progress (``CAIRN_PROGRESS``), and of its latest
     checkpoint (``CAIRN_CHECKPOINT_OUT``): by which attempt, when, how large."""
 
@@ -638,7 +645,7 @@ class TaskProgress(_Output):
     checkpoint_at: datetime | None = None
 
 
-class Task(_Output):
+class Task(Output):
     """A task as core stores it."""
 
     id: int
@@ -683,7 +690,7 @@ class Task(_Output):
     service: ServiceSpec | None = None
 
 
-class BatchItem(_Output):
+class BatchItem(Output):
     id: int
     state: TaskState
     created: bool
@@ -691,18 +698,18 @@ class BatchItem(_Output):
     created_at: datetime | None = None
 
 
-class BatchResult(_Output):
+class BatchResult(Output):
     """One entry per submitted task, in the order given."""
 
     tasks: list[BatchItem]
 
 
-class TaskPage(_Output):
+class TaskPage(Output):
     items: list[Task]
     next_cursor: str | None
 
 
-class Attempt(_Output):
+class Attempt(Output):
     id: int
     task_id: int
     number: int
@@ -731,11 +738,11 @@ class Attempt(_Output):
     signal: int | None = None
 
 
-class AttemptList(_Output):
+class AttemptList(Output):
     items: list[Attempt]
 
 
-class Event(_Output):
+class Event(Output):
     """One state change of one task; ``seq`` counts the task's own changes from 1."""
 
     cursor: str
@@ -750,11 +757,11 @@ class Event(_Output):
     at: datetime
 
 
-class EventList(_Output):
+class EventList(Output):
     items: list[Event]
 
 
-class EventPage(_Output):
+class EventPage(Output):
     """A page of the feed. Pass ``next_cursor`` as ``after`` to read on; it moves even
     when the page is empty, and never skips an event that commits later."""
 
@@ -766,7 +773,7 @@ class EventPage(_Output):
 MAX_EGRESS_RULES = 32
 
 
-class EgressRule(_Input):
+class EgressRule(Input):
     """One destination an ``allow`` policy opens: a CIDR range (IPv4 or IPv6; a bare
     address is one host) and, optionally, one port (TCP and UDP); no port: every port."""
 
@@ -782,7 +789,7 @@ class EgressRule(_Input):
             raise ValueError(f"{value!r} is not an IPv4 or IPv6 CIDR range") from None
 
 
-class Egress(_Input):
+class Egress(Input):
     """What an attempt's network may reach (docs/security.md, "Egress"): ``host`` (the
     default) the host's network, except the blocked destinations (link-local, the
     database: ``CAIRN_WORKER_EGRESS_BLOCK``); ``none`` its own network namespace with
@@ -798,7 +805,7 @@ class Egress(_Input):
         return self
 
 
-class QueueInfo(_Output):
+class QueueInfo(Output):
     name: str
     paused: bool
     depth: dict[TaskState, int]
@@ -823,7 +830,7 @@ class QueueInfo(_Output):
     egress: Egress = Field(default_factory=Egress)
 
 
-class QueueSettings(_Input):
+class QueueSettings(Input):
     """A queue's settings: its pool's placement, and its tasks' time limits. A field left
     out keeps its value, null restores the default. A default above the maximum is
     refused (422)."""
@@ -840,11 +847,11 @@ class QueueSettings(_Input):
     egress: Egress | None = None
 
 
-class QueueList(_Output):
+class QueueList(Output):
     items: list[QueueInfo]
 
 
-class QueueSeries(_Output):
+class QueueSeries(Output):
     """One queue's last hour, a value a minute, oldest first."""
 
     name: str
@@ -853,13 +860,13 @@ class QueueSeries(_Output):
     backlog: list[int] = Field(description="Unfinished tasks at the end of each minute.")
 
 
-class QueueHistory(_Output):
+class QueueHistory(Output):
     minutes: int
     until: datetime
     items: list[QueueSeries]
 
 
-class TeamSource(_Output):
+class TeamSource(Output):
     """Where a team of the caller comes from."""
 
     team: str
@@ -871,7 +878,7 @@ class TeamSource(_Output):
     standing_until: datetime | None = None
 
 
-class WhoAmI(_Output):
+class WhoAmI(Output):
     """The principal a token stands for."""
 
     name: str
@@ -887,7 +894,7 @@ class WhoAmI(_Output):
     via: Literal["token", "session"] = "token"
 
 
-class LoginConfig(_Output):
+class LoginConfig(Output):
     """What a client needs to sign a person in at the identity provider."""
 
     issuer: str
@@ -895,7 +902,7 @@ class LoginConfig(_Output):
     scopes: str
 
 
-class SessionToken(_Output):
+class SessionToken(Output):
     """A short-lived bearer token of a dashboard session's person (for cron's and dag's
     APIs, which take bearer tokens): it ends with the session, at ``expires_at`` at
     the latest."""
@@ -904,12 +911,12 @@ class SessionToken(_Output):
     expires_at: datetime
 
 
-class Health(_Output):
+class Health(Output):
     status: Literal["ok", "unavailable"]
     detail: str | None = None
 
 
-class Problem(_Output):
+class Problem(Output):
     """An RFC 9457 problem document, as every error answer carries."""
 
     type: str
@@ -928,7 +935,7 @@ class Problem(_Output):
 # --- workers ------------------------------------------------------------------------------
 
 
-class WorkerRegister(_Input):
+class WorkerRegister(Input):
     """What a worker agent offers when it starts."""
 
     hostname: Name
@@ -944,7 +951,7 @@ class WorkerRegister(_Input):
     hang_watch: bool = False
 
 
-class Worker(_Output):
+class Worker(Output):
     id: int
     principal: str
     hostname: str
@@ -967,7 +974,7 @@ class Worker(_Output):
     running: int = 0
 
 
-class WorkerList(_Output):
+class WorkerList(Output):
     items: list[Worker]
     #: the next page (newest first), None on the last one
     next_cursor: str | None = None
@@ -977,7 +984,7 @@ class WorkerList(_Output):
 WORKER_LEASE_HEADER = "X-Cairn-Worker-Lease"
 
 
-class WorkerRegistered(_Output):
+class WorkerRegistered(Output):
     worker: Worker
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
@@ -992,7 +999,7 @@ class WorkerRegistered(_Output):
     lease: str
 
 
-class Heartbeat(_Input):
+class Heartbeat(Input):
     """The attempts whose processes the sidecar sees alive."""
 
     attempts: list[TaskId] = Field(default_factory=list, max_length=10_000)
@@ -1001,7 +1008,7 @@ class Heartbeat(_Input):
     hung_s: float | None = Field(default=None, ge=0, le=10.0**9)
 
 
-class HeartbeatAnswer(_Output):
+class HeartbeatAnswer(Output):
     state: WorkerState
     #: attempts the worker must stop: cancelled, or no longer current (lost)
     stop: list[int]
@@ -1012,7 +1019,7 @@ class HeartbeatAnswer(_Output):
     preempt_grace_s: float = 10.0
 
 
-class ClaimRequest(_Input):
+class ClaimRequest(Input):
     """Room the worker has now; core hands out work that fits it."""
 
     cpu: float = Field(ge=0, le=4096)
@@ -1025,7 +1032,7 @@ class ClaimRequest(_Input):
     ahead_s: float = Field(default=0, ge=0, le=MAX_AHEAD_S)
 
 
-class Charge(_Output):
+class Charge(Output):
     """What an attempt holds against its worker's capacity."""
 
     cpu: float
@@ -1034,7 +1041,7 @@ class Charge(_Output):
     devices: dict[str, int] = Field(default_factory=dict, exclude_if=lambda value: not value)
 
 
-class Assignment(_Output):
+class Assignment(Output):
     """One attempt leased to a worker: everything it needs to run it."""
 
     attempt_id: int
@@ -1072,7 +1079,7 @@ class Assignment(_Output):
     service: ServiceSpec | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
-class ClaimAnswer(_Output):
+class ClaimAnswer(Output):
     attempts: list[Assignment]
 
 
@@ -1109,7 +1116,7 @@ Outputs = Annotated[
 ]
 
 
-class Report(_Input):
+class Report(Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
     does not spend an attempt; ``preempted``: stopped at core's request for guaranteed
     work, requeued without spending one either. ``crashed``: the process died of a signal the
@@ -1132,7 +1139,7 @@ class Report(_Input):
     outputs: Outputs | None = None
 
 
-class ReportAnswer(_Output):
+class ReportAnswer(Output):
     task_id: int
     state: TaskState
 
@@ -1144,7 +1151,7 @@ MAX_LOG_BATCH = 256
 AttemptId = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
 
-class LogChunk(_Input):
+class LogChunk(Input):
     """Bytes ``offset`` to ``offset + length`` of the attempt's log file on its worker,
     decoded as ``text``. Core keeps each (attempt, offset) once, so a retried batch is
     not doubled; an ``offset`` past what core has means the worker skipped output."""
@@ -1155,13 +1162,13 @@ class LogChunk(_Input):
     text: Annotated[str, StringConstraints(min_length=1, max_length=MAX_LOG_CHUNK)]
 
 
-class LogBatch(_Input):
+class LogBatch(Input):
     """What a worker ships in one request: chunks of any of its running attempts."""
 
     chunks: list[LogChunk] = Field(min_length=1, max_length=MAX_LOG_BATCH)
 
 
-class LogAck(_Output):
+class LogAck(Output):
     """One chunk's answer: ``status`` 200 (stored, or already held) or 409 (the attempt
     is no longer this worker's, or has ended: ship no more of it); ``next_offset`` is
     where core's copy of the file ends, where the next chunk starts."""
@@ -1173,11 +1180,11 @@ class LogAck(_Output):
     detail: str | None = None
 
 
-class LogBatchAnswer(_Output):
+class LogBatchAnswer(Output):
     items: list[LogAck]
 
 
-class LogPiece(_Output):
+class LogPiece(Output):
     """A part of a stored log, as ``GET /v1/tasks/{id}/logs?follow=true`` sends it (the
     data of an SSE ``log`` event): ``text`` starts at ``offset`` of the stored log and
     ends at ``next_offset``, the cursor to resume from."""
@@ -1188,7 +1195,7 @@ class LogPiece(_Output):
     text: str
 
 
-class LogEnd(_Output):
+class LogEnd(Output):
     """The data of the SSE ``end`` event: the attempt ended and all of its log was sent."""
 
     attempt_id: int | None
@@ -1226,7 +1233,7 @@ Checkpoint = Annotated[
 ]
 
 
-class ProgressNote(_Input):
+class ProgressNote(Input):
     """What a running attempt last wrote of its progress and (or) its checkpoint (base64),
     as its agent read them (docs/progress.md). ``progress`` false: only the checkpoint
     changed. Core keeps it while the attempt is its task's current one."""
@@ -1238,7 +1245,7 @@ class ProgressNote(_Input):
     checkpoint: Checkpoint | None = None
 
 
-class Turn(_Input):
+class Turn(Input):
     """One round trip of a worker agent: the reports of attempts that ended since its last
     turn, the attempts it started since (acknowledged, not asked for), the progress its
     running attempts wrote, and the room it wants filled (none: only report). Core
@@ -1266,21 +1273,21 @@ class Turn(_Input):
         return self
 
 
-class Starts(_Input):
+class Starts(Input):
     """Attempts leased ahead whose ``start_at`` has come: the agent asks, for all of
     them at once, whether core still holds them before it starts their processes."""
 
     attempts: list[TaskId] = Field(min_length=1, max_length=MAX_STARTS)
 
 
-class StartsAnswer(_Output):
+class StartsAnswer(Output):
     #: held for this worker: start them
     held: list[int]
     #: no longer held (cancelled, lost, not this worker's): never start them
     gone: list[int]
 
 
-class ReportVerdict(_Output):
+class ReportVerdict(Output):
     """What became of one report of a turn: ``status`` 200 (applied; ``state`` is the
     task's state now), 409 (stale: not the task's current attempt, or not this worker's)
     or 404 (no such attempt); a refused report changed nothing."""
@@ -1292,13 +1299,13 @@ class ReportVerdict(_Output):
     detail: str | None = None
 
 
-class FencingCheck(_Input):
+class FencingCheck(Input):
     """Is the attempt that holds this fencing token still its task's current one?"""
 
     token: Annotated[str, StringConstraints(max_length=64, pattern=FENCING_TOKEN_PATTERN)]
 
 
-class FencingAnswer(_Output):
+class FencingAnswer(Output):
     """``current``: the attempt is its task's current attempt and still running, so a
     write it fences may go ahead. ``epoch`` grows with each attempt of the task: a system
     that remembers the highest epoch it accepted refuses an older one."""
@@ -1309,7 +1316,7 @@ class FencingAnswer(_Output):
     epoch: int
 
 
-class TurnAnswer(_Output):
+class TurnAnswer(Output):
     #: the worker's state: a ``dead`` or ``left`` worker is leased nothing
     state: WorkerState
     reports: list[ReportVerdict]
@@ -1319,7 +1326,7 @@ class TurnAnswer(_Output):
 # --- right-sizing -------------------------------------------------------------------------
 
 
-class UsageRow(_Output):
+class UsageRow(Output):
     """One kind of task (owner, name): what it asks for, what it uses, what to ask for."""
 
     owner: str
@@ -1338,7 +1345,7 @@ class UsageRow(_Output):
     requested_devices: dict[str, float] = Field(default_factory=dict)
 
 
-class UsageReport(_Output):
+class UsageReport(Output):
     items: list[UsageRow]
 
 
@@ -1346,7 +1353,7 @@ class UsageReport(_Output):
 Month = Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{3}-(0[1-9]|1[0-2])$")]
 
 
-class UsageAccount(_Output):
+class UsageAccount(Output):
     """What the attempts that ended in a month used, for one owner, team or queue
     (docs/sharing.md, "Usage"). Reserved: the attempts' charges over their wall time."""
 
@@ -1366,7 +1373,7 @@ class UsageAccount(_Output):
     device_s: dict[str, float] = Field(default_factory=dict)
 
 
-class UsageAccounts(_Output):
+class UsageAccounts(Output):
     month: Month
     by: Literal["owner", "team", "queue"]
     items: list[UsageAccount]
@@ -1375,7 +1382,7 @@ class UsageAccounts(_Output):
 # --- identity: tokens, teams, secrets, audit ----------------------------------------------
 
 
-class TokenCreate(_Input):
+class TokenCreate(Input):
     """A new token. Without ``principal`` it is the caller's own; only admins name another
     principal (and ``role``, for one that does not exist yet)."""
 
@@ -1387,7 +1394,7 @@ class TokenCreate(_Input):
     expires_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
 
 
-class TokenInfo(_Output):
+class TokenInfo(Output):
     """A token as the API shows it: never its value, which only its creation answer holds."""
 
     id: int
@@ -1401,27 +1408,27 @@ class TokenInfo(_Output):
     revoked_at: datetime | None
 
 
-class TokenCreated(_Output):
+class TokenCreated(Output):
     token: str = Field(description="The bearer token; shown this once, stored only as a hash.")
     info: TokenInfo
 
 
-class TokenList(_Output):
+class TokenList(Output):
     items: list[TokenInfo]
 
 
-class TeamCreate(_Input):
+class TeamCreate(Input):
     name: TeamName
 
 
-class Team(_Output):
+class Team(Output):
     name: str
     members: list[str]
     created_at: datetime
     created_by: str
 
 
-class TeamList(_Output):
+class TeamList(Output):
     items: list[Team]
 
 
@@ -1430,7 +1437,7 @@ SecretValue = Annotated[
 ]
 
 
-class SecretCreate(_Input):
+class SecretCreate(Input):
     """A secret of the caller, or with ``team`` of a team the caller belongs to."""
 
     name: SecretName
@@ -1438,11 +1445,11 @@ class SecretCreate(_Input):
     team: TeamName | None = None
 
 
-class SecretUpdate(_Input):
+class SecretUpdate(Input):
     value: SecretValue
 
 
-class SecretInfo(_Output):
+class SecretInfo(Output):
     """A secret's name and metadata; its value is never returned."""
 
     name: str
@@ -1454,11 +1461,11 @@ class SecretInfo(_Output):
     updated_by: str
 
 
-class SecretList(_Output):
+class SecretList(Output):
     items: list[SecretInfo]
 
 
-class RekeyRequest(_Input):
+class RekeyRequest(Input):
     """How many sealed values one call may visit, and where to go on from (the CLI calls
     again with the last answer's ``next`` until it is null)."""
 
@@ -1467,7 +1474,7 @@ class RekeyRequest(_Input):
     after: Annotated[str | None, Field(pattern=r"^[a-z_]{1,40}:[0-9]{1,19}$")] = None
 
 
-class RekeyResult(_Output):
+class RekeyResult(Output):
     """What one rekey call did: values sealed anew under ``key_id``, those that do not
     open with their key (left as they are), and how many are still under another key."""
 
@@ -1480,7 +1487,7 @@ class RekeyResult(_Output):
     next: str | None = None
 
 
-class SealedCount(_Output):
+class SealedCount(Output):
     """How many values of a sealed column one key seals."""
 
     column: str
@@ -1492,7 +1499,7 @@ class SealedCount(_Output):
     current: bool
 
 
-class KeyStatus(_Output):
+class KeyStatus(Output):
     """The secrets keys core holds and what each seals; ``remaining`` values are under a
     key other than the current one (0: every older key may be removed)."""
 
@@ -1502,7 +1509,7 @@ class KeyStatus(_Output):
     remaining: int
 
 
-class AuditEntry(_Output):
+class AuditEntry(Output):
     """One security-relevant action: who, what, on what, from where, when, before/after."""
 
     id: int
@@ -1526,7 +1533,7 @@ def _small_json(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-class AuditReport(_Input):
+class AuditReport(Input):
     """An action a person took through the cron or DAG service (an approval gate's
     decision), reported by that service for core's audit trail: who (None: the
     service itself, as when a gate's timeout decided), with which role, what, on what,
@@ -1543,12 +1550,12 @@ class AuditReport(_Input):
     )
 
 
-class AuditPage(_Output):
+class AuditPage(Output):
     items: list[AuditEntry]
     next_before: int | None = Field(description="Pass as before= to read older entries.")
 
 
-class AuditChainPage(_Output):
+class AuditChainPage(Output):
     """The chained trail oldest first, for an export (docs/security.md)."""
 
     items: list[AuditEntry]
@@ -1559,7 +1566,7 @@ class AuditChainPage(_Output):
 # --- sharing ------------------------------------------------------------------------------
 
 
-class ShareSettings(_Input):
+class ShareSettings(Input):
     """An owner's share and quotas, set by an admin; a field left out keeps its value,
     null removes the limit (the weight: back to 1)."""
 
@@ -1573,7 +1580,7 @@ class ShareSettings(_Input):
     max_submits_per_min: int | None = Field(default=None, ge=1, le=100_000_000)
 
 
-class Quotas(_Output):
+class Quotas(Output):
     max_cpu: float | None = None
     max_memory_mb: float | None = None
     max_running: int | None = None
@@ -1582,14 +1589,14 @@ class Quotas(_Output):
     max_submits_per_min: int | None = None
 
 
-class RunningUse(_Output):
+class RunningUse(Output):
     attempts: int
     cpu: float
     memory_mb: float
     devices: dict[str, int] = Field(default_factory=dict)
 
 
-class OwnerUsage(_Output):
+class OwnerUsage(Output):
     """An owner's (or a team's) share, what it runs and has waiting, its quotas, and which
     it is at."""
 
@@ -1612,11 +1619,11 @@ class OwnerUsage(_Output):
     decayed_cpu_s: float = 0.0
 
 
-class OwnerList(_Output):
+class OwnerList(Output):
     items: list[OwnerUsage]
 
 
-class PriorityRange(_Input):
+class PriorityRange(Input):
     min: int = Field(default=-100, ge=-100, le=100)
     max: int = Field(default=100, ge=-100, le=100)
 
@@ -1630,7 +1637,7 @@ class PriorityRange(_Input):
 PolicyRole = Literal["user", "admin", "service"]
 
 
-class QueuePolicy(_Input):
+class QueuePolicy(Input):
     """What submitters may ask for in a queue. A role missing from ``priority`` may use
     any priority; ``owners`` null lets everyone in. ``services`` and ``guaranteed`` apply
     to the user role (and to a service submitting on someone's behalf)."""
@@ -1645,7 +1652,7 @@ class QueuePolicy(_Input):
     fair_share: Literal["tasks", "usage"] | None = None
 
 
-class ConcurrencyLimit(_Input):
+class ConcurrencyLimit(Input):
     """An admin's limits for a concurrency key: running at once, and starts per window."""
 
     max_running: int | None = Field(default=None, ge=1, le=100_000)
@@ -1659,7 +1666,7 @@ class ConcurrencyLimit(_Input):
         return self
 
 
-class ConcurrencyState(_Output):
+class ConcurrencyState(Output):
     key: str
     max_running: int | None
     max_starts: int | None
@@ -1712,7 +1719,7 @@ WebhookUrl = Annotated[
 ]
 
 
-class SubscriptionFilter(_Input):
+class SubscriptionFilter(Input):
     """Only events of tasks in this queue and carrying all these labels (task events;
     posted events match on the queue and labels they name)."""
 
@@ -1720,7 +1727,7 @@ class SubscriptionFilter(_Input):
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
 
 
-class SubscriptionCreate(_Input):
+class SubscriptionCreate(Input):
     """A webhook to call when one of ``events`` happens to the caller's work."""
 
     name: Name
@@ -1729,7 +1736,7 @@ class SubscriptionCreate(_Input):
     url: WebhookUrl
 
 
-class Subscription(_Output):
+class Subscription(Output):
     id: int
     owner: str
     name: str
@@ -1751,11 +1758,11 @@ class SubscriptionCreated(Subscription):
     secret: str
 
 
-class SubscriptionList(_Output):
+class SubscriptionList(Output):
     items: list[Subscription]
 
 
-class Answer(_Output):
+class Answer(Output):
     """One try of one delivery: the webhook's status, or the error instead."""
 
     delivery_id: UUID
@@ -1767,11 +1774,11 @@ class Answer(_Output):
     duration_ms: float
 
 
-class AnswerList(_Output):
+class AnswerList(Output):
     items: list[Answer]
 
 
-class Delivery(_Output):
+class Delivery(Output):
     """A notification in the outbox and where its delivery stands."""
 
     delivery_id: UUID
@@ -1787,11 +1794,11 @@ class Delivery(_Output):
     last_at: datetime | None
 
 
-class DeliveryList(_Output):
+class DeliveryList(Output):
     items: list[Delivery]
 
 
-class NotificationEvent(_Input):
+class NotificationEvent(Input):
     """An event cron or DAG saw, posted for ``owner``'s subscriptions. ``key`` names the
     occurrence (a schedule and fire time, a run): posting it again notifies nobody twice."""
 
@@ -1805,7 +1812,7 @@ class NotificationEvent(_Input):
     at: StorableTime | None = None
 
 
-class NotificationAccepted(_Output):
+class NotificationAccepted(Output):
     """How many subscriptions got a delivery queued for the event (0: none match, or all
     already had it)."""
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -43,6 +42,8 @@ def libpq_url(url: str) -> str:
 def database_hosts(url: str) -> list[tuple[str, int | None]]:
     """Every (host, port) a normalised database URL names, in order (one for most URLs;
     a Unix socket's folder is a host too), as libpq reads them."""
+    from psycopg.conninfo import conninfo_to_dict  # psycopg is not loaded by the CLI
+
     info = conninfo_to_dict(libpq_url(url))
     names = str(info.get("host") or "").split(",")
     numbers = str(info.get("port") or "").split(",")
