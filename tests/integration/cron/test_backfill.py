@@ -57,7 +57,11 @@ def test_a_backfill_of_48_hourly_slots_runs_48_tasks_each_seeing_its_slot(
         )
         assert too_many.status_code == 422
         assert too_many.json()["errors"][0]["field"] == "body.to"
-    worker = spawn_worker(core, tmp_path / "w", "w", cpu=2, memory_mb=2000)
+    # Each task's log is read below: on a loaded machine, let its end take longer than
+    # the 5 s an agent waits for it by default before it reports anyway (docs/logs.md).
+    worker = spawn_worker(
+        core, tmp_path / "w", "w", cpu=2, memory_mb=2000, CAIRN_WORKER_LOG_FLUSH_S="60"
+    )
     try:
         wait_for(
             lambda: (
