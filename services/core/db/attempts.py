@@ -230,7 +230,11 @@ MAX_RESEND = 256
 # and its event appended. The move is driven by the chosen ids through the primary key
 # (``t.id = ANY(:ids)``, as ``_FINISH`` is): a join of the tasks with the chosen rows alone
 # was planned as a scan of all the claimable work (the state guard matches the waiting
-# index), which grows with the backlog: 4,744 rows read to move 64 at 5,000 waiting.
+# index), which grows with the backlog: 4,744 rows read to move 64 at 5,000 waiting. The
+# sources guard is on the chosen rows' states (``c.from_state``, which the task's state
+# must equal), not a constant on ``t.state``: with one, a table whose statistics predate
+# its backlog got a bitmap scan of ``ix_tasks_live_queue_state`` (every live task's
+# entry, 1,000 at 1,000 tasks) ANDed with, or instead of, the primary key's.
 _CLAIM = text(f"""
 WITH holder AS (
     -- the worker, still present, locked against the reaper until commit
@@ -245,7 +249,7 @@ WITH holder AS (
         CAST(:froms AS text[]), CAST(:devices AS jsonb[])
     ) AS c(id, cpu, memory_mb, from_state, devices)
     WHERE t.id = ANY(CAST(:ids AS bigint[])) AND t.id = c.id
-      AND t.state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
+      AND c.from_state = ANY(CAST(:sources AS text[])) AND t.state = c.from_state
       AND EXISTS (SELECT FROM holder)
     RETURNING t.*, t.current_attempt_id AS attempt_id,
               1 + (SELECT count(*) FROM core.attempts a WHERE a.task_id = t.id)
