@@ -7,15 +7,17 @@ constant on the task's state was planned as a bitmap scan of every live task's e
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
 from libs.common.states import TaskState
 from services.core.db import attempts as attempts_db
-from services.core.db import pipeline
+from services.core.db import pipeline, placement
 from services.core.domain.transitions import Op, sources
 
 BACKLOG = 5000
@@ -76,3 +78,49 @@ def test_a_claim_moves_its_tasks_through_the_primary_key_behind_a_backlog(db: DB
     assert max(n["Actual Rows"] for n in scans) <= MOVED, [
         (n["Node Type"], n.get("Index Name"), n["Actual Rows"]) for n in scans
     ]
+
+
+def _generic(db: DB, clause: Any) -> dict[str, Any]:
+    """The generic plan of one of the turn's statements (``EXPLAIN (GENERIC_PLAN)``: its
+    parameters unknown, as a turn's prepared statements run: ``attempts._GENERIC``)."""
+    text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
+    names: dict[str, str] = {}
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        return names.setdefault(match.group(1), f"${len(names) + 1}")
+
+    numbered = re.sub(r"%\((\w+)\)s|%%", number, text)
+    [[plan]] = db.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + numbered)).fetchall()
+    return dict(plan[0]["Plan"])
+
+
+def test_the_turns_generic_plans_read_tasks_by_key_behind_an_analysed_backlog(db: DB) -> None:
+    """Each statement of a turn, planned without its values, still finds the tasks and
+    attempts by ids, a worker or a queue: no scan of the whole table."""
+    worker = _backlog(db)
+    # as many attempts of earlier work, ended
+    db.execute(
+        """INSERT INTO core.attempts (task_id, number, worker_id, outcome, ended_at)
+           SELECT id, 1, %s, 'succeeded', now() FROM core.tasks""",
+        (worker,),
+    )
+    db.execute("ANALYZE core.tasks, core.attempts")
+    statements = {
+        "heard": attempts_db._HEARD,
+        "use": placement.USE,
+        "placed": placement.PLACED_AMONG,
+        "reported": attempts_db._REPORTED,
+        "finish": attempts_db._FINISH,
+        # (a worker of several queues sorts their waiting work: an ANY is no index order)
+        "pick": attempts_db._WAITING_IN_QUEUE,
+        "claim": attempts_db._CLAIM,
+    }
+    for name, clause in statements.items():
+        seq = [
+            n["Relation Name"]
+            for n in _nodes(_generic(db, clause))
+            if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
+        ]
+        assert not seq, (name, seq)
