@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import TextClause, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -634,34 +635,60 @@ async def fence(conn: AsyncConnection, attempt_id: int, epoch: int, secret: str)
 
 
 def _assignment(row: Any) -> Assignment:
-    """The lease as the worker gets it, from the claim's row. Built without validating
-    again what the submission validated (the claim's hot loop: one per attempt)."""
-    return Assignment.model_construct(
-        attempt_id=row.attempt_id,
-        attempt_number=row.attempt_number,
-        task_id=row.id,
-        kind=row.kind,
-        artifact=Artifact.model_construct(uri=row.artifact_uri, sha256=row.artifact_sha256),
-        args=row.args,
+    """The lease as the worker gets it, from the claim's row (the claim's hot loop: one per
+    attempt). Validated by pydantic-core, which costs a third of ``model_construct``'s
+    loop in Python over the same fields; a row that today's bounds refuse (stored under
+    looser ones) goes out as it is, as it did before."""
+    fields = {
+        "attempt_id": row.attempt_id,
+        "attempt_number": row.attempt_number,
+        "task_id": row.id,
+        "kind": row.kind,
+        "artifact": {"uri": row.artifact_uri, "sha256": row.artifact_sha256},
+        "args": row.args,
         # Secret references are filled in by the claim itself (db.secrets).
-        env={k: v for k, v in row.env.items() if isinstance(v, str)},
-        input_path=row.input_path,
-        output_path=row.output_path,
-        resources=Resources.model_construct(
-            cpu=row.cpu, memory_mb=row.memory_mb, devices=row.devices or {}, disk_mb=row.disk_mb
-        ),
-        timeout_s=row.timeout_s,
-        charge=Charge.model_construct(
-            cpu=row.charge_cpu, memory_mb=row.charge_memory_mb, devices=row.charge_devices or {}
-        ),
-        traceparent=traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
-        preemptible=row.preemptible,
-        start_at=row.start_at,
-        progress_timeout_s=row.progress_timeout_s,
-        checkpoint=b64encode(row.checkpoint).decode() if row.checkpoint is not None else None,
-        fencing_token=fencing_token(row.attempt_id, row.attempt_number, row.fence),
-        egress=Egress.model_validate(row.egress) if row.egress is not None else None,
-        service=ServiceSpec.model_validate(row.service) if row.service is not None else None,
+        "env": {k: v for k, v in row.env.items() if isinstance(v, str)},
+        "input_path": row.input_path,
+        "output_path": row.output_path,
+        "resources": {
+            "cpu": row.cpu,
+            "memory_mb": row.memory_mb,
+            "devices": row.devices or {},
+            "disk_mb": row.disk_mb,
+        },
+        "timeout_s": row.timeout_s,
+        "charge": {
+            "cpu": row.charge_cpu,
+            "memory_mb": row.charge_memory_mb,
+            "devices": row.charge_devices or {},
+        },
+        "traceparent": traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
+        "preemptible": row.preemptible,
+        "start_at": row.start_at,
+        "progress_timeout_s": row.progress_timeout_s,
+        "checkpoint": b64encode(row.checkpoint).decode() if row.checkpoint is not None else None,
+        "fencing_token": fencing_token(row.attempt_id, row.attempt_number, row.fence),
+        "egress": row.egress,
+        "service": row.service,
+    }
+    try:
+        return Assignment.model_validate(fields)
+    except ValidationError:
+        return _unvalidated(fields)
+
+
+def _unvalidated(fields: dict[str, Any]) -> Assignment:
+    """An assignment built without validating its fields (``_assignment``)."""
+    egress, service = fields["egress"], fields["service"]
+    return Assignment.model_construct(
+        **{
+            **fields,
+            "artifact": Artifact.model_construct(**fields["artifact"]),
+            "resources": Resources.model_construct(**fields["resources"]),
+            "charge": Charge.model_construct(**fields["charge"]),
+            "egress": Egress.model_validate(egress) if egress is not None else None,
+            "service": ServiceSpec.model_validate(service) if service is not None else None,
+        }
     )
 
 
