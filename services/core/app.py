@@ -88,6 +88,9 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             pool_size=settings.db_pool_size,
             max_overflow=0,
             pool_timeout=settings.db_pool_timeout_s,
+            # the connections most used first: theirs are the prepared statements
+            # (db.pipeline), the rest idle
+            pool_use_lifo=True,
         )
         liveness = database.pool(
             database_url,

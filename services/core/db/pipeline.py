@@ -4,7 +4,12 @@ costs one round trip (the transaction's BEGIN included) instead of one each.
 
 The statements run in order, in the caller's transaction, as ``conn.execute`` would run
 them one by one; an error in one raises here and aborts the transaction (the rest of the
-chain is not run). Rows are named tuples (``row.id``), as SQLAlchemy's rows read."""
+chain is not run). Rows are named tuples (``row.id``), as SQLAlchemy's rows read.
+
+They are the hot path's named statements, each prepared on its connection at its first
+run, not after psycopg's five unprepared runs on each pooled connection (each parsed and
+planned anew: the claim's pick took 7 ms to plan behind 20,000 tasks, more than it took
+to run). Where prepared statements are off (a transaction pooler) they run unprepared."""
 
 from __future__ import annotations
 
@@ -86,6 +91,6 @@ async def run(conn: AsyncConnection, statements: Sequence[Statement]) -> list[li
     async with driver.pipeline():
         for clause, params in statements:
             cursor = driver.cursor(row_factory=namedtuple_row)
-            await cursor.execute(driver_sql(clause, conn.dialect), params)
+            await cursor.execute(driver_sql(clause, conn.dialect), params, prepare=True)
             cursors.append(cursor)
     return [await c.fetchall() if c.description is not None else [] for c in cursors]

@@ -1,0 +1,126 @@
+"""What the claim's move reads, on a real PostgreSQL whose statistics predate the backlog
+(as they do when work arrives in a burst and is claimed before autovacuum analyses it):
+the chosen tasks through the primary key, whatever waits. A state guard written as a
+constant on the task's state was planned as a bitmap scan of every live task's entry in
+``ix_tasks_live_queue_state`` (5,000 behind 5,000 waiting), at every claim."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.dialects.postgresql import psycopg as dialects
+
+from libs.common.states import TaskState
+from services.core.db import attempts as attempts_db
+from services.core.db import pipeline, placement
+from services.core.domain.transitions import Op, sources
+
+BACKLOG = 5000
+MOVED = 64
+DB = psycopg.Connection[tuple[Any, ...]]
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _backlog(db: DB) -> int:
+    db.execute(
+        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
+               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
+               state)
+           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
+                  0.01, 1, 1, 60, false, 3, 'waiting'
+           FROM generate_series(1, %s)""",
+        (BACKLOG,),
+    )
+    row = db.execute(
+        "INSERT INTO core.workers (principal, hostname, queues, cpu, memory_mb)"
+        " VALUES ('w', 'w', '{default}', 4000, 1000000) RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_claim_moves_its_tasks_through_the_primary_key_behind_a_backlog(db: DB) -> None:
+    worker = _backlog(db)
+    ids = [r[0] for r in db.execute("SELECT id FROM core.tasks ORDER BY id LIMIT %s", (MOVED,))]
+    params = {
+        "ids": ids,
+        "cpus": [0.01] * MOVED,
+        "memories": [1.0] * MOVED,
+        "froms": [TaskState.WAITING.value] * MOVED,
+        "devices": [None] * MOVED,
+        "worker": worker,
+        "target": TaskState.RUNNING.value,
+        "sources": sources(Op.CLAIM, TaskState.RUNNING),
+        "op": Op.CLAIM.value,
+    }
+    claim = pipeline.driver_sql(attempts_db._CLAIM, dialects.dialect())  # type: ignore[no-untyped-call]
+    with db.transaction(force_rollback=True):
+        [[plan]] = db.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + claim, params).fetchall()
+        moved = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'running'").fetchone()
+    assert moved == (MOVED,)
+    scans = [
+        n for n in _nodes(plan[0]["Plan"]) if n.get("Relation Name") == "tasks" or (
+            n["Node Type"] == "Bitmap Index Scan" and n["Index Name"].startswith("ix_tasks")
+        )
+    ]  # fmt: skip
+    assert scans, json.dumps(plan)
+    # Each scan of the tasks reads the rows it moves, not the backlog.
+    assert max(n["Actual Rows"] for n in scans) <= MOVED, [
+        (n["Node Type"], n.get("Index Name"), n["Actual Rows"]) for n in scans
+    ]
+
+
+def _generic(db: DB, clause: Any) -> dict[str, Any]:
+    """The generic plan of one of the turn's statements (``EXPLAIN (GENERIC_PLAN)``: its
+    parameters unknown, as a turn's prepared statements run: ``attempts._GENERIC``)."""
+    text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
+    names: dict[str, str] = {}
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        return names.setdefault(match.group(1), f"${len(names) + 1}")
+
+    numbered = re.sub(r"%\((\w+)\)s|%%", number, text)
+    [[plan]] = db.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + numbered)).fetchall()
+    return dict(plan[0]["Plan"])
+
+
+def test_the_turns_generic_plans_read_tasks_by_key_behind_an_analysed_backlog(db: DB) -> None:
+    """Each statement of a turn, planned without its values, still finds the tasks and
+    attempts by ids, a worker or a queue: no scan of the whole table."""
+    worker = _backlog(db)
+    # as many attempts of earlier work, ended
+    db.execute(
+        """INSERT INTO core.attempts (task_id, number, worker_id, outcome, ended_at)
+           SELECT id, 1, %s, 'succeeded', now() FROM core.tasks""",
+        (worker,),
+    )
+    db.execute("ANALYZE core.tasks, core.attempts")
+    statements = {
+        "heard": attempts_db._HEARD,
+        "use": placement.USE,
+        "placed": placement.PLACED_AMONG,
+        "reported": attempts_db._REPORTED,
+        "finish": attempts_db._FINISH,
+        # (a worker of several queues sorts their waiting work: an ANY is no index order)
+        "pick": attempts_db._WAITING_IN_QUEUE,
+        "claim": attempts_db._CLAIM,
+    }
+    for name, clause in statements.items():
+        seq = [
+            n["Relation Name"]
+            for n in _nodes(_generic(db, clause))
+            if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
+        ]
+        assert not seq, (name, seq)
