@@ -83,6 +83,7 @@ class CgroupPool:
             raise
         slot.group.memory_mb = memory_mb
         slot.group.removed = False
+        slot.group.settled = False
         self._busy[id(slot.group)] = slot
         return slot
 

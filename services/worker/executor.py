@@ -230,7 +230,7 @@ class RunningAttempt:
             ended_at=datetime.now(UTC),
             duration_s=time.monotonic() - self._started,
             error=error,
-            log_tail=read_tail(self.spec.log_path),
+            log_tail=read_tail(self.spec.log_path, log=self.log),
             stopped=self._stopped,
         )
 
@@ -391,14 +391,17 @@ def child_env(spec: AttemptSpec) -> dict[str, str]:
     return env
 
 
-def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
-    """The last ``size`` bytes of a log, decoded; a character cut in two is dropped."""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-            tail = f.read()
-    except FileNotFoundError:
-        return ""
+def read_tail(path: Path, size: int = LOG_TAIL_BYTES, log: AttemptLog | None = None) -> str:
+    """The last ``size`` bytes of a log (through ``log``'s descriptor while it is open),
+    decoded; a character cut in two is dropped."""
+    tail = log.tail(size) if log is not None else None
+    if tail is None:
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+                tail = f.read()
+        except FileNotFoundError:
+            return ""
     cut = 0
     while cut < min(3, len(tail)) and 0x80 <= tail[cut] < 0xC0:
         cut += 1
@@ -485,7 +488,7 @@ def _reap(pid: int, options: int, group: AttemptCgroup | None = None) -> _Exit |
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     if group is not None:
-        group.kill_all()
+        group.settle()
     reaped_pid, status, usage = os.wait4(pid, options)
     return (status, usage) if reaped_pid == pid else None
 
