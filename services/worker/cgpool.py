@@ -90,6 +90,10 @@ class CgroupPool:
     def slot_of(self, group: AttemptCgroup) -> Slot | None:
         return self._busy.get(id(group))
 
+    def slots(self) -> list[Slot]:
+        """Every slot it holds: free, busy, and those still emptying."""
+        return [*self._free, *self._busy.values(), *self._stuck]
+
     async def give_back(self, slot: Slot) -> bool:
         """Empty the slot and return it to the pool; whether no process of the attempt
         is left (then its folders may be reused). A slot some process of which is still
@@ -202,6 +206,7 @@ class CgroupPool:
     def _retire(self, slot: Slot) -> None:
         slot.helper.close()
         slot.group.resident = None
+        slot.group.settled = False  # its helper, counted now, may still be exiting
         if not slot.group.remove():
             self._leftover.append(slot.group)  # its last processes are still exiting
 
