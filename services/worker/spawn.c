@@ -4,9 +4,10 @@
  * The agent starts it with posix_spawn, hands it one end of a SOCK_SEQPACKET socket pair
  * (its number is argv[2]) and, on cgroup v1, the cgroup.procs files it joins once
  * (argv[3..]): every attempt it starts afterwards is born inside those cgroups, with no
- * migration. For each request it clones a child of its own, optionally straight into a
- * cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the child applies, as root and in
- * this order: a new session, a private mount namespace with its own home (a tmpfs the
+ * migration. For each request it clones a child of its own that shares its memory until
+ * its exec (CLONE_VM | CLONE_VFORK, as posix_spawn does: this process waits meanwhile),
+ * or a copy of it straight into a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the
+ * child applies, as root and in this order: a new session, a private mount namespace with its own home (a tmpfs the
  * agent made) and /tmp, a network namespace of its own with loopback only (egress
  * "none"), rlimits, the attempt's uid and gid with no other groups, no_new_privs, umask
  * 077, its working directory, stdin /dev/null and stdout/stderr the log, every other
