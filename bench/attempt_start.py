@@ -14,8 +14,9 @@ configuration:
 
 - CPU per attempt. Cairn: this process's own CPU (the agent's code: prepare, spawn
   request, wait, release; user + system, all threads) + its reaped children's (the
-  attempts, forked agents and clean-up shells; the helpers that exited) + the live
-  ``cairn-spawn`` helpers' own, over the configuration's attempts. Floor: the C loop's
+  attempts it forked, clean-up shells; the helpers that exited) + the live
+  ``cairn-spawn`` helpers' own and the attempts they started and reaped (their exit
+  records' rusage), over the configuration's attempts. Floor: the C loop's
   own + its reaped children's (the programs) rusage, over its spawns.
 - Wall per attempt: the p50 of prepare + spawn + exit + clean-up against the p50 of the
   floor's fork-to-reaped.
@@ -133,25 +134,31 @@ async def _case(
         host.private_tmp = False
     cache = ArtifactCache(home / "artifacts")
     prepare, total = [], []
-    cpu = _cairn_cpu_s()
+    cpu = _cairn_cpu_s(host)
     for i in range(1, n + 1):
         p, t = await _one(host, cache, i)
         prepare.append(p * 1000)
         total.append(t * 1000)
-    cpu = _cairn_cpu_s() - cpu
+    cpu = _cairn_cpu_s(host) - cpu
     await host.close()
     return prepare, total, cpu
 
 
-def _cairn_cpu_s() -> float:
-    """This process (the agent's code, all threads) and its reaped children (the
-    attempts), user + system, and the live resident spawn helpers' own."""
+def _cairn_cpu_s(host: Host) -> float:
+    """This process (the agent's code, all threads) and its reaped children (attempts it
+    forked itself, helpers that exited), user + system; the live resident spawn helpers'
+    own, and the attempts they reaped (the rusage of their exit records, to the
+    microsecond, where ``/proc``'s counts of reaped children are whole clock ticks)."""
     own, reaped = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
     )
     used = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
-    return used + helpers_cpu_s(os.getpid())
+    helpers = [host.helper] if host.helper is not None else []
+    if host.slots is not None:
+        helpers += [slot.helper for slot in host.slots.slots()]
+    attempts = sum(helper.reaped_cpu_s for helper in helpers if not helper.gone)
+    return used + helpers_cpu_s(os.getpid(), with_reaped=False) + attempts
 
 
 CASES = [

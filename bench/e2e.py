@@ -22,9 +22,9 @@ for ``--slots`` at once.
    ``--tasks`` tasks running that program as in 1, and beside them, before and after, the
    bare isolated spawn of the same program ``--tasks`` times (``bench/floor.c``, as many
    loops as the machine has cores); the ratios Cairn/floor of CPU per task and of wall
-   time per task. Cairn's CPU per task: the agent's own + its reaped children's (the
-   attempts: ``CLONE_PARENT`` makes them the agent's) + its live ``cairn-spawn``
-   helpers', from ``/proc``; the floor's: its loops' and the programs' rusage. Wall per
+   time per task. Cairn's CPU per task: the agent's own + its reaped children's (attempts
+   it forked itself, helpers that exited) + its live ``cairn-spawn`` helpers' own and
+   their reaped children's (the attempts they started), from ``/proc``; the floor's: its loops' and the programs' rusage. Wall per
    task: first submission to last ``finished_at`` over the tasks, against the floor's
    elapsed time over its spawns. The machine's CPU per task (core, PostgreSQL and this
    script too) is put beside the same floor, which holds no core and no PostgreSQL.

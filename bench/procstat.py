@@ -38,7 +38,8 @@ def cpu_s(pid: int) -> float:
 
 def reaped_cpu_s(pid: int) -> float:
     """CPU seconds of the process's children that it has waited for (cutime + cstime):
-    for the worker agent, the attempts it reaped (``CLONE_PARENT`` makes them its own)."""
+    for a spawn helper, the attempts it started; for the worker agent, those it forked
+    itself (no C compiler) and the helpers that exited (with their attempts)."""
     fields = stat_fields(pid)
     return (int(fields[13]) + int(fields[14])) / TICK if fields else 0.0
 
@@ -67,10 +68,12 @@ def run_time_s(pid: int) -> float:
         return 0.0 if stat_fields(pid) is None else cpu_s(pid)
 
 
-def helpers_cpu_s(agent_pid: int) -> float:
-    """CPU seconds of a worker agent's live resident spawn helpers (``cairn-spawn``)."""
+def helpers_cpu_s(agent_pid: int, with_reaped: bool = True) -> float:
+    """CPU seconds of a worker agent's live resident spawn helpers (``cairn-spawn``): their
+    own and, ``with_reaped``, the attempts they started and reaped (the helper is their
+    parent), in whole clock ticks."""
     return sum(
-        run_time_s(pid)
+        run_time_s(pid) + (reaped_cpu_s(pid) if with_reaped else 0.0)
         for pid in children(agent_pid)
         if (comm(pid) or "").startswith("cairn-spawn")
     )

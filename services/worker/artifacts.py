@@ -838,40 +838,66 @@ def _open_as(source: Path, reader: Identity | None) -> int:
 
 
 class _Opener:
-    """One resident thread that only opens files, each with the permissions of the
-    attempt that asked: its filesystem uid and gid set to the reader's before every open
-    (both are per thread in Linux, and its effective uid stays 0, so it may set them
-    again), and no supplementary groups (dropped once, by the raw system call, which is
-    per thread too). Made once per agent, not a thread per attempt."""
+    """One resident thread that opens files, each with the permissions of the attempt
+    that asked: its filesystem uid and gid set to the reader's for the open, and the
+    agent's again right after it (both are per thread in Linux, and its effective uid
+    stays 0, so it may set them again), with no supplementary groups (dropped once, by the
+    raw system call, which is per thread too). Made once per agent, not a thread per
+    attempt. Work that opens such a file among other file work (an attempt's folders and
+    sealed executable: ``Host.prepare``) runs on this thread whole (``in_open_thread``),
+    its opens made in place: one hand-off from the event loop instead of two."""
 
     def __init__(self) -> None:
         self._requests: queue.SimpleQueue[
-            tuple[Path, int, Identity, concurrent.futures.Future[int]]
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
+        self._refused: OSError | None = None
         self._thread = threading.Thread(target=self._serve, name="open-as-attempt", daemon=True)
         self._thread.start()
 
     def open(self, source: Path, flags: int, reader: Identity) -> int:
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._requests.put((source, flags, reader, done))
-        return done.result()
+        if threading.get_ident() == self._thread.ident:
+            return self._open(source, flags, reader)
+        return self.submit(lambda: self._open(source, flags, reader)).result()
+
+    def submit(self, work: Callable[[], T]) -> concurrent.futures.Future[T]:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._requests.put((work, done))
+        return done
 
     def _serve(self) -> None:
         grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
-        refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
+        self._refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
         while True:
-            source, flags, reader, done = self._requests.get()
+            work, done = self._requests.get()
             try:
-                if refused is not None:
-                    raise refused
-                _libc.setfsgid(reader.gid)
-                _libc.setfsuid(reader.uid)
-                # Each reads back the current value: the open runs as the reader or not at all.
-                if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
-                    raise PermissionError("setfsuid")
-                done.set_result(os.open(source, flags))
-            except Exception as exc:  # a NUL in the name too: the asker has it, the thread goes on
+                done.set_result(work())
+            except BaseException as exc:  # the asker has it (a NUL in a name too); it goes on
                 done.set_exception(exc)
+
+    def _open(self, source: Path, flags: int, reader: Identity) -> int:
+        if self._refused is not None:
+            raise self._refused
+        _libc.setfsgid(reader.gid)
+        _libc.setfsuid(reader.uid)
+        try:
+            # Each reads back the current value: the open runs as the reader or not at all.
+            if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
+                raise PermissionError("setfsuid")
+            return os.open(source, flags)
+        finally:
+            _libc.setfsuid(os.geteuid())
+            _libc.setfsgid(os.getegid())
+            if _libc.setfsuid(-1) != os.geteuid() or _libc.setfsgid(-1) != os.getegid():
+                # Never the agent's rights again on this thread: every later open refused.
+                self._refused = PermissionError("cannot take the agent's filesystem uid back")
+
+
+async def in_open_thread(work: Callable[[], T]) -> T:
+    """``work()`` on the thread that opens files as attempts (``_Opener``), off the event
+    loop: work that opens a source as an attempt among other file work (``seal_local``,
+    ``copy_local``) then hands off once, not twice."""
+    return await asyncio.wrap_future(_opener().submit(work))
 
 
 _openers: list[_Opener] = []

@@ -83,11 +83,16 @@ class CgroupPool:
             raise
         slot.group.memory_mb = memory_mb
         slot.group.removed = False
+        slot.group.settled = False
         self._busy[id(slot.group)] = slot
         return slot
 
     def slot_of(self, group: AttemptCgroup) -> Slot | None:
         return self._busy.get(id(group))
+
+    def slots(self) -> list[Slot]:
+        """Every slot it holds: free, busy, and those still emptying."""
+        return [*self._free, *self._busy.values(), *self._stuck]
 
     async def give_back(self, slot: Slot) -> bool:
         """Empty the slot and return it to the pool; whether no process of the attempt
@@ -201,6 +206,7 @@ class CgroupPool:
     def _retire(self, slot: Slot) -> None:
         slot.helper.close()
         slot.group.resident = None
+        slot.group.settled = False  # its helper, counted now, may still be exiting
         if not slot.group.remove():
             self._leftover.append(slot.group)  # its last processes are still exiting
 

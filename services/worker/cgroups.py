@@ -184,6 +184,10 @@ class AttemptCgroup:
     cpu_base: float = 0.0
     #: kept open for a pooled cgroup's values (``ControlFiles``); None: opened per read
     files: ControlFiles | None = None
+    #: seen empty after its attempt's leader was reaped (``settle``): nothing of the attempt
+    #: can come back (a process is born where its parent is, only root moves one, and
+    #: the resident helper forks only when asked), so later kills need no read
+    settled: bool = False
 
     def value(self, path: Path) -> str | None:
         """A control file's text (None if it cannot be read)."""
@@ -209,9 +213,17 @@ class AttemptCgroup:
         none."""
         return not self.pids()
 
+    def settle(self) -> bool:
+        """``kill_all`` once the attempt's leader is reaped; an empty cgroup is then
+        ``settled`` until its next attempt (``CgroupPool.take``)."""
+        self.settled = self.kill_all()
+        return self.settled
+
     def kill_all(self) -> bool:
         """SIGKILL every process of the attempt, those it forks meanwhile included;
         whether the cgroup was then seen empty (``empty``)."""
+        if self.settled:
+            return True
         folder = self.folders.get("")
         if folder is not None and self.resident is None and _write(folder / "cgroup.kill", "1"):
             return self.empty()

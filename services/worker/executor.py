@@ -13,9 +13,10 @@ Measurement is the ``wait4`` rusage of the direct child: ``ru_maxrss`` (the larg
 resident set of the child and of the descendants it waited for) and user + system time
 (of the same processes). Descendants that are never waited for are not counted.
 
-The agent must be the only one reaping its children: this module waits for its own
-children with ``wait4`` (through a pidfd), so no ``waitpid(-1)`` child watcher may run
-beside it.
+An attempt started by the spawn helper (``spawner``) is the helper's child: the helper
+reaps it and reports its status and rusage, and signals reach it through the helper. One
+forked by the agent (no C compiler) is the agent's: this module waits for it with
+``wait4`` (through a pidfd), so no ``waitpid(-1)`` child watcher may run beside it.
 """
 
 from __future__ import annotations
@@ -124,7 +125,17 @@ class RunningAttempt:
     (drain, preemption) or ``kill()`` to stop it at once; all act on its process group.
     ``log`` is its output, open until ``log.close()`` (after the shipper's last read)."""
 
-    def __init__(self, spec: AttemptSpec, pid: int, started: float, log: AttemptLog):
+    def __init__(
+        self,
+        spec: AttemptSpec,
+        pid: int,
+        started: float,
+        log: AttemptLog,
+        exited: asyncio.Future[_Exit] | None = None,
+        parent: Helper | None = None,
+    ):
+        """``exited``: its end as ``parent``, the spawn helper that started and reaps it,
+        reports it; None: a child of the agent's, reaped here (``_watch_exit``)."""
         self.spec = spec
         self.pid = pid
         self.log = log
@@ -132,7 +143,8 @@ class RunningAttempt:
         self._started = started
         self._stopped: StopReason | None = None
         self._detail: str | None = None  # why it was stopped as ``unhealthy``
-        self._exit: asyncio.Future[_Exit] = _watch_exit(pid, spec.cgroup)
+        self._parent = parent
+        self._exit: asyncio.Future[_Exit] = exited or _watch_exit(pid, spec.cgroup)
         self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
         _supervisors.add(self._supervisor)
         self._supervisor.add_done_callback(_supervisors.discard)
@@ -172,13 +184,51 @@ class RunningAttempt:
                     await asyncio.shield(self._exit)
             except TimeoutError:
                 self._stopped = self._stopped or "timeout"
-                await self._stop(self.spec.kill_grace_s)
-            status, usage = await asyncio.shield(self._exit)
+                with contextlib.suppress(HelperGone):
+                    await self._stop(self.spec.kill_grace_s)
+            except HelperGone:
+                pass  # seen below
+            try:
+                status, usage = await asyncio.shield(self._exit)
+            except HelperGone:
+                _signal_cgroup(self.spec.cgroup, signal.SIGKILL)  # an orphan now: stopped
+                await self.log.drained()
+                return self._orphaned()
+            if self._parent is not None and self.spec.cgroup is not None:
+                self.spec.cgroup.settle()  # its process group the helper killed
             await self.log.drained()
         except asyncio.CancelledError:
             self._signal(signal.SIGKILL)
             raise
         return self._result(status, usage)
+
+    def _orphaned(self) -> AttemptResult:
+        """Its parent, the spawn helper, died before it ended: its exit status is lost,
+        and it was stopped (its cgroup killed; without one, ``Host.stop_leftovers`` kills
+        its uid's processes)."""
+        outcome: Outcome = "failed"
+        error: str | None = (
+            "its spawn helper (its parent) died: the attempt was stopped, its exit status lost"
+        )
+        if self._stopped is not None:
+            outcome, error = _judge(None, None, self._stopped, self.spec, self._detail)
+        group = self.spec.cgroup
+        if group is not None and self._stopped is None and group.oom_kills():
+            outcome = "oom_killed"
+            error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
+        return AttemptResult(
+            outcome=outcome,
+            exit_code=None,
+            signal=None,
+            peak_memory_mb=group.peak_memory_mb() if group is not None else None,
+            cpu_seconds=group.cpu_seconds() if group is not None else None,
+            started_at=self._started_wall,
+            ended_at=datetime.now(UTC),
+            duration_s=time.monotonic() - self._started,
+            error=error,
+            log_tail=read_tail(self.spec.log_path, log=self.log),
+            stopped=self._stopped,
+        )
 
     async def _stop(self, grace_s: float) -> None:
         self._signal(signal.SIGTERM)
@@ -191,8 +241,11 @@ class RunningAttempt:
     def _signal(self, signum: int) -> None:
         if self._exit.done():  # reaped: the group is gone and its id may be reused
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
+        if self._parent is not None:
+            self._parent.signal(self.pid, signum)  # it alone knows whether it reaped it
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signum)
         _signal_cgroup(self.spec.cgroup, signum)
 
     def _result(self, status: int, usage: resource.struct_rusage) -> AttemptResult:
@@ -230,7 +283,7 @@ class RunningAttempt:
             ended_at=datetime.now(UTC),
             duration_s=time.monotonic() - self._started,
             error=error,
-            log_tail=read_tail(self.spec.log_path),
+            log_tail=read_tail(self.spec.log_path, log=self.log),
             stopped=self._stopped,
         )
 
@@ -270,17 +323,20 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup
     log = AttemptLog(spec.log_path, spec.log_max_bytes)
+    exited: asyncio.Future[_Exit] | None = None
+    parent: Helper | None = None
     try:
         # A v1 cgroup is joined only by being forked inside it, by its slot's own helper.
         if spec.helper is not None and (group is None or group.version == "v2" or group.resident):
-            started, pid = await _start_by_helper(spec, spec.helper, log)
+            parent = spec.helper
+            started, pid, exited = await _start_by_helper(spec, parent, log)
         else:
             started, pid = _fork(spec, log)
     except BaseException:
         log.close()
         raise
     log.started()
-    return RunningAttempt(spec, pid, started, log)
+    return RunningAttempt(spec, pid, started, log, exited, parent)
 
 
 def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
@@ -306,7 +362,9 @@ def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
     return started, process.pid
 
 
-async def _start_by_helper(spec: AttemptSpec, helper: Helper, log: AttemptLog) -> tuple[float, int]:
+async def _start_by_helper(
+    spec: AttemptSpec, helper: Helper, log: AttemptLog
+) -> tuple[float, int, asyncio.Future[_Exit]]:
     into: int | None = None
     try:
         group = spec.cgroup
@@ -314,7 +372,7 @@ async def _start_by_helper(spec: AttemptSpec, helper: Helper, log: AttemptLog) -
             into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         started = time.monotonic()
         mount = spec.sandbox.mount if spec.sandbox else None
-        pid = await helper.spawn(_launch(spec), log.writer, into, mount)
+        pid, exited = await helper.spawn(_launch(spec), log.writer, into, mount)
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
@@ -325,7 +383,7 @@ async def _start_by_helper(spec: AttemptSpec, helper: Helper, log: AttemptLog) -
     finally:
         if into is not None:
             os.close(into)
-    return started, pid
+    return started, pid, exited
 
 
 def _launch(spec: AttemptSpec) -> Launch:
@@ -391,14 +449,17 @@ def child_env(spec: AttemptSpec) -> dict[str, str]:
     return env
 
 
-def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
-    """The last ``size`` bytes of a log, decoded; a character cut in two is dropped."""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-            tail = f.read()
-    except FileNotFoundError:
-        return ""
+def read_tail(path: Path, size: int = LOG_TAIL_BYTES, log: AttemptLog | None = None) -> str:
+    """The last ``size`` bytes of a log (through ``log``'s descriptor while it is open),
+    decoded; a character cut in two is dropped."""
+    tail = log.tail(size) if log is not None else None
+    if tail is None:
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+                tail = f.read()
+        except FileNotFoundError:
+            return ""
     cut = 0
     while cut < min(3, len(tail)) and 0x80 <= tail[cut] < 0xC0:
         cut += 1
@@ -485,7 +546,7 @@ def _reap(pid: int, options: int, group: AttemptCgroup | None = None) -> _Exit |
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     if group is not None:
-        group.kill_all()
+        group.settle()
     reaped_pid, status, usage = os.wait4(pid, options)
     return (status, usage) if reaped_pid == pid else None
 

@@ -148,6 +148,16 @@ class AttemptLog:
                 return start, b""
             return start, os.pread(self._fd, count, self._at(start))
 
+    def tail(self, most: int) -> bytes | None:
+        """The file's last ``most`` bytes (the marker line too, if they reach it), read
+        through its descriptor; None once it is closed."""
+        with self._lock:
+            if self._fd < 0:
+                return None
+            length = self._at(self._end)
+            start = max(0, length - most)
+            return os.pread(self._fd, length - start, start)
+
     # --- moving and cutting ---
 
     def _at(self, position: int) -> int:

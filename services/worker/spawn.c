@@ -1,19 +1,27 @@
-/* cairn-spawn: the worker agent's resident starter of attempts (a "zygote").
+/* cairn-spawn: the worker agent's resident starter of attempts (a "zygote"), and their
+ * parent.
  *
  * The agent starts it with posix_spawn, hands it one end of a SOCK_SEQPACKET socket pair
  * (its number is argv[2]) and, on cgroup v1, the cgroup.procs files it joins once
  * (argv[3..]): every attempt it starts afterwards is born inside those cgroups, with no
- * migration. For each request it clones a child whose parent is the agent
- * (CLONE_PARENT, so the agent waits for it as for any child), optionally straight into
- * a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the child applies, as root and in
- * this order: a new session, a private mount namespace with its own home (a tmpfs the agent
- * made) and /tmp, a network
- * namespace of its own with loopback only (egress "none"), rlimits, the
- * attempt's uid and gid with no other groups, no_new_privs, umask 077, its working
- * directory, stdin /dev/null and stdout/stderr the log, every other descriptor closed;
- * then it execs the task. The reply says the child's pid and, if it failed before the
- * exec, at which step and with which errno. End of file on the socket: the agent is
- * gone, so is this process.
+ * migration. For each request it clones a child of its own that shares its memory until
+ * its exec (CLONE_VM | CLONE_VFORK, as posix_spawn does: this process waits meanwhile),
+ * or a copy of it straight into a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the
+ * child applies, as root and in this order: a new session, a private mount namespace with its own home (a tmpfs the
+ * agent made) and /tmp, a network namespace of its own with loopback only (egress
+ * "none"), rlimits, the attempt's uid and gid with no other groups, no_new_privs, umask
+ * 077, its working directory, stdin /dev/null and stdout/stderr the log, every other
+ * descriptor closed, every signal unblocked; then it execs the task. The reply says the
+ * child's pid and, if it failed before the exec (then reaped here), at which step and
+ * with which errno.
+ *
+ * When attempts end (SIGCHLD, read from a signalfd beside the socket), it kills each
+ * one's process group while its leader is an unreaped zombie (so the group's id cannot
+ * have been reused), reaps it with wait4 and sends its exit record: pid, wait status,
+ * user and system CPU, peak resident set; all that ended together in one message. The
+ * agent keeps no watcher per attempt. End of file on the socket: the agent is gone, so
+ * is this process (its attempts still running are orphans then, which the agent's
+ * sidecar kills).
  *
  * A request is a list of NUL-terminated fields, each a tag byte and its value:
  *   x path     the executable          a arg   one argv entry, in order
@@ -26,7 +34,9 @@
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
- * A request whose first field is "k uid" instead kills every process of that uid.
+ * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
+ * signals the process group of the attempt pid, only while it is a child not yet reaped
+ * (no reply).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -36,6 +46,7 @@
 #include <linux/sched.h>
 #include <sched.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,7 +54,9 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <poll.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -63,7 +76,13 @@
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK };
 
-struct reply { int32_t pid, step, err; };
+/* What the helper sends: a reply to each request, in order, and exit records. */
+enum kind { REPLY = 1, EXITS = 2 };
+struct reply { int32_t kind, pid, step, err; };
+/* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB). */
+struct exit_record { int32_t pid, status; int64_t utime_us, stime_us, maxrss_kb; };
+#define MAX_EXITS 256
+struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 
 struct request {
     char *exe, *dir, *tmp, *mount_at;
@@ -107,7 +126,7 @@ static int parse(char *data, size_t size, struct request *r) {
 }
 
 static void fail(int status_fd, enum step step) {
-    struct reply reply = {0, step, errno};
+    struct reply reply = {REPLY, 0, step, errno};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
 }
@@ -181,16 +200,80 @@ static void become(struct request *r, int status_fd) {
     fail(status_fd, EXEC);
 }
 
-static pid_t start(struct request *r) {
+/* What the child needs, for a child that shares this process's memory until its exec. */
+struct child { struct request *request; int sock, status_read, status_write; };
+
+/* The stack of a child started with CLONE_VM: one at a time (CLONE_VFORK holds this
+ * process until the child has exec'd or exited). */
+static char child_stack[256 * 1024] __attribute__((aligned(16)));
+
+static int child_main(void *arg) {
+    struct child *c = arg;
+    close(c->sock);
+    close(c->status_read);
+    become(c->request, c->status_write);
+    return 127;
+}
+
+/* Start the child; its pid, or -1. Into a cgroup v2 folder: clone3 CLONE_INTO_CGROUP,
+ * a copy of this process (fork semantics). Else CLONE_VM | CLONE_VFORK, as posix_spawn
+ * does: no page tables copied for a child that is about to exec, and none to tear down at
+ * its exec; the child runs on its own stack, changes only its own descriptors (no
+ * CLONE_FILES), credentials and signal mask, and this process waits meanwhile. */
+static pid_t start(struct child *c) {
+    struct request *r = c->request;
     if (r->has_cgroup) {
         struct clone_args args;
         memset(&args, 0, sizeof args);
-        args.flags = CLONE_PARENT | CLONE_INTO_CGROUP;
-        args.exit_signal = 0; /* with CLONE_PARENT the kernel takes our own exit signal */
+        args.flags = CLONE_INTO_CGROUP;
+        args.exit_signal = SIGCHLD;
         args.cgroup = (uint64_t)r->cgroup_fd;
-        return (pid_t)syscall(SYS_clone3, &args, sizeof args);
+        pid_t pid = (pid_t)syscall(SYS_clone3, &args, sizeof args);
+        if (pid == 0) _exit(child_main(c));
+        return pid;
     }
-    return (pid_t)syscall(SYS_clone, CLONE_PARENT, 0, 0, 0, 0);
+    return clone(child_main, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, c);
+}
+
+/* Reap every attempt that ended, its process group killed first (while the leader is an
+ * unreaped zombie its pid, the group's id, cannot be reused), and send their records in
+ * one message per MAX_EXITS. Returns -1 if the agent is gone. */
+static int reap(int sock) {
+    static struct exits batch;
+    batch.kind = EXITS;
+    batch.count = 0;
+    for (;;) {
+        siginfo_t info;
+        memset(&info, 0, sizeof info);
+        if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) < 0 || info.si_pid == 0) break;
+        pid_t pid = info.si_pid;
+        kill(-pid, SIGKILL);
+        int status = 0;
+        struct rusage usage;
+        memset(&usage, 0, sizeof usage);
+        if (wait4(pid, &status, 0, &usage) != pid) break;
+        struct exit_record *record = &batch.records[batch.count++];
+        record->pid = pid;
+        record->status = status;
+        record->utime_us = (int64_t)usage.ru_utime.tv_sec * 1000000 + usage.ru_utime.tv_usec;
+        record->stime_us = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
+        record->maxrss_kb = usage.ru_maxrss;
+        if (batch.count == MAX_EXITS) {
+            if (send(sock, &batch, sizeof batch, MSG_NOSIGNAL) < 0) return -1;
+            batch.count = 0;
+        }
+    }
+    if (batch.count == 0) return 0;
+    size_t size = offsetof(struct exits, records) + batch.count * sizeof(struct exit_record);
+    return send(sock, &batch, size, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
+/* Signal an attempt's process group, only while its leader is our child not yet reaped
+ * (once reaped, its pid may belong to another process). */
+static void signal_attempt(pid_t pid, int signum) {
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    if (pid > 0 && waitid(P_PID, pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0) kill(-pid, signum);
 }
 
 static void kill_uid(long uid, struct reply *reply) {
@@ -227,6 +310,75 @@ static void join(char **procs, int count) {
     }
 }
 
+/* One request: spawn (a reply), kill a uid (a reply), or signal an attempt (none).
+ * Returns -1 if the agent is gone. */
+static int serve(int sock) {
+    char control[CMSG_SPACE(3 * sizeof(int))];
+    struct iovec iov = {buffer, sizeof buffer - 1};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
+                         .msg_control = control, .msg_controllen = sizeof control};
+    ssize_t size = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (size < 0 && (errno == EINTR || errno == EAGAIN)) return 0;
+    if (size <= 0) return -1;
+    buffer[size] = '\0';
+    int fds[3] = {-1, -1, -1}, nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            if (nfds > 3) nfds = 3;
+            memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
+        }
+    }
+    struct reply reply = {REPLY, 0, OK, 0};
+    struct request request;
+    if (buffer[0] == 'S') {
+        char *rest;
+        long pid = strtol(buffer + 1, &rest, 10);
+        signal_attempt((pid_t)pid, (int)strtol(rest + (*rest == ' '), NULL, 10));
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        return 0;
+    }
+    if (buffer[0] == 'k') {
+        kill_uid(strtol(buffer + 1, NULL, 10), &reply);
+    } else if (parse(buffer, (size_t)size, &request) < 0
+               || nfds != 1 + request.has_cgroup + (request.mount_at != NULL)) {
+        reply.step = CLONE;
+        reply.err = EINVAL;
+    } else {
+        request.log_fd = fds[0];
+        request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
+        request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
+        int pipe_fds[2];
+        if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
+            reply.step = CLONE;
+            reply.err = errno;
+        } else {
+            struct child child = {&request, sock, pipe_fds[0], pipe_fds[1]};
+            pid_t pid = start(&child);
+            close(pipe_fds[1]);
+            if (pid < 0) {
+                reply.step = CLONE;
+                reply.err = errno;
+            } else {
+                struct reply failed;
+                ssize_t got;
+                do got = read(pipe_fds[0], &failed, sizeof failed);
+                while (got < 0 && errno == EINTR);
+                reply.pid = pid;
+                if (got == (ssize_t)sizeof failed) {
+                    reply.step = failed.step;
+                    reply.err = failed.err;
+                    /* It exits right after saying so: reaped here, no exit record. */
+                    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+                }
+            }
+            close(pipe_fds[0]);
+        }
+    }
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3 || strcmp(argv[1], "zygote") != 0) {
         fprintf(stderr, "usage: cairn-spawn zygote FD [CGROUP_PROCS...]\n");
@@ -235,67 +387,27 @@ int main(int argc, char **argv) {
     int sock = atoi(argv[2]);
     fcntl(sock, F_SETFD, FD_CLOEXEC);
     join(argv + 3, argc - 3);
-    struct reply ready = {getpid(), OK, 0};
+    /* Exits arrive on a signalfd, beside the requests: SIGCHLD is blocked here (each
+     * child unblocks every signal before its exec). */
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    if (sigprocmask(SIG_BLOCK, &chld, NULL) < 0) return 1;
+    int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (exited < 0) return 1;
+    struct reply ready = {REPLY, getpid(), OK, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        char control[CMSG_SPACE(3 * sizeof(int))];
-        struct iovec iov = {buffer, sizeof buffer - 1};
-        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
-                             .msg_control = control, .msg_controllen = sizeof control};
-        ssize_t size = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-        if (size < 0 && errno == EINTR) continue;
-        if (size <= 0) return 0;
-        buffer[size] = '\0';
-        int fds[3] = {-1, -1, -1}, nfds = 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-                nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                if (nfds > 3) nfds = 3;
-                memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
-            }
+        struct pollfd ready_fds[2] = {{sock, POLLIN, 0}, {exited, POLLIN, 0}};
+        if (poll(ready_fds, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 1;
         }
-        struct reply reply = {0, OK, 0};
-        struct request request;
-        if (buffer[0] == 'k') {
-            kill_uid(strtol(buffer + 1, NULL, 10), &reply);
-        } else if (parse(buffer, (size_t)size, &request) < 0
-                   || nfds != 1 + request.has_cgroup + (request.mount_at != NULL)) {
-            reply.step = CLONE;
-            reply.err = EINVAL;
-        } else {
-            request.log_fd = fds[0];
-            request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
-            request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
-            int pipe_fds[2];
-            if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
-                reply.step = CLONE;
-                reply.err = errno;
-            } else {
-                pid_t pid = start(&request);
-                if (pid == 0) {
-                    close(sock);
-                    close(pipe_fds[0]);
-                    become(&request, pipe_fds[1]);
-                }
-                close(pipe_fds[1]);
-                if (pid < 0) {
-                    reply.step = CLONE;
-                    reply.err = errno;
-                } else {
-                    struct reply failed;
-                    ssize_t got;
-                    do got = read(pipe_fds[0], &failed, sizeof failed);
-                    while (got < 0 && errno == EINTR);
-                    reply.pid = pid;
-                    if (got == (ssize_t)sizeof failed) {
-                        reply.step = failed.step;
-                        reply.err = failed.err;
-                    }
-                }
-                close(pipe_fds[0]);
-            }
+        if (ready_fds[1].revents) {
+            struct signalfd_siginfo info;
+            while (read(exited, &info, sizeof info) == (ssize_t)sizeof info) {}
+            if (reap(sock) < 0) return 1;
         }
-        for (int i = 0; i < nfds; i++) close(fds[i]);
-        if (send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0) return 1;
+        if (ready_fds[0].revents && serve(sock) < 0) return 0;
     }
 }

@@ -1,21 +1,28 @@
 """Starting attempts without forking the agent: ``cairn-spawn`` (``spawn.c``), a small C
-process started once with ``posix_spawn``, forks each attempt on request.
+process started once with ``posix_spawn``, forks each attempt on request and is its parent.
 
 The agent is a large Python process; forking it for every attempt (``subprocess`` with
 ``preexec_fn``) copies its page tables and runs Python between fork and exec. The helper
 is 18 KB of C: its fork is cheap, and it applies the sandbox (session, private mount
-namespace with the attempt's tmpfs as its home (``tmpfs``), network namespace for egress ``none``, rlimits, uid and gid, no_new_privs,
-umask, working directory, descriptors) itself before it execs the task. Its children are the agent's (``CLONE_PARENT``), so the
-agent waits for them with ``wait4`` as before and reads their rusage. On cgroup v1 a
-helper lives inside each pooled cgroup (it joined it once), so an attempt it starts is born
-there: no ``cgroup.procs`` write per attempt (``cgpool``). On cgroup v2 one helper starts
-every attempt straight into its cgroup (``clone3`` with ``CLONE_INTO_CGROUP``).
+namespace with the attempt's tmpfs as its home (``tmpfs``), network namespace for egress
+``none``, rlimits, uid and gid, no_new_privs, umask, working directory, descriptors)
+itself before it execs the task. It reaps its attempts with ``wait4`` and sends each
+one's exit record (wait status, user and system CPU, peak resident set) on the same
+socket as its replies, those that ended together in one message; one reader on the
+agent's event loop settles each attempt's end future from it, so the agent keeps no
+pidfd, watcher or thread per attempt (``Helper``). Signals to an attempt go through the
+helper too, which alone knows whether its pid is still its unreaped child. If a helper
+dies, its attempts still running become orphans: their futures end with ``HelperGone``
+and the agent stops them through their cgroup or uid (``executor``). On cgroup v1 a
+helper lives inside each pooled cgroup (it joined it once), so an attempt it starts is
+born there: no ``cgroup.procs`` write per attempt (``cgpool``). On cgroup v2 one helper
+starts every attempt straight into its cgroup (``clone3`` with ``CLONE_INTO_CGROUP``).
 
 The helper is compiled from ``spawn.c`` with the host's C compiler, once per source
 version, into the package's ``_bin`` folder (``make install`` does it) or, when that is not
 writable, the agent's home; without a compiler the agent starts attempts with
-``preexec_fn`` as before. It is run only when it and its folder belong to the agent's user
-and nobody else may write them.
+``preexec_fn`` as before (its own children then, reaped through a pidfd). It is run only
+when it and its folder belong to the agent's user and nobody else may write them.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import resource
 import select
 import shutil
 import signal
@@ -33,14 +41,25 @@ import stat
 import struct
 import subprocess
 import sys
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("cairn.worker.spawner")
 
 SOURCE = Path(__file__).with_name("spawn.c")
-_REPLY = struct.Struct("=iii")
+#: what the helper sends: a reply (kind 1: pid, step, errno) to each request that has one,
+#: in order, and exit records (kind 2: a count, then each one's pid, wait status, user
+#: and system CPU in microseconds and peak resident set in KiB)
+_KIND = struct.Struct("=i")
+_REPLY = struct.Struct("=iiii")
+_EXITS = struct.Struct("=ii")
+_EXIT = struct.Struct("=iiqqq")
+_REPLY_KIND, _EXITS_KIND = 1, 2
+#: the largest message the helper sends (256 exit records)
+_MAX_MESSAGE = _EXITS.size + 256 * _EXIT.size
 _STEPS = {
     1: "new session",
     2: "private mounts",
@@ -69,6 +88,19 @@ class SpawnFailed(Exception):
 
 class HelperGone(Exception):
     """The helper process exited (killed, or it could not join its cgroups)."""
+
+
+#: a reply: pid, step, errno, and for a started attempt the future of its end
+_Reply = tuple[int, int, int, "asyncio.Future[Exit] | None"]
+#: an attempt's end as its parent saw it: the wait status and its rusage (user and system
+#: CPU, peak resident set; the other fields are 0)
+Exit = tuple[int, resource.struct_rusage]
+
+
+def _usage(utime_us: int, stime_us: int, maxrss_kb: int) -> resource.struct_rusage:
+    fields = [0.0] * 16
+    fields[0], fields[1], fields[2] = utime_us / 1e6, stime_us / 1e6, maxrss_kb
+    return resource.struct_rusage(fields)
 
 
 @dataclass(frozen=True)
@@ -114,8 +146,13 @@ class Launch:
 
 
 class Helper:
-    """One resident ``cairn-spawn`` process (started with ``posix_spawn``), serving one
-    request at a time; ``join`` names the cgroup.procs files it enters once at start."""
+    """One resident ``cairn-spawn`` process (started with ``posix_spawn``), the parent of
+    the attempts it starts; ``join`` names the cgroup.procs files it enters once at start.
+
+    One reader on the event loop takes everything it sends: the replies to requests, in
+    the order they were sent, and the exit records of its attempts, several to a message
+    when they end together. An attempt's end is a future (``spawn``) settled from its
+    record: no watcher, thread or system call of the agent's per attempt."""
 
     def __init__(self, binary: Path, join: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -136,9 +173,14 @@ class Helper:
         finally:
             theirs.close()
         self._sock = ours
-        self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._replies: deque[asyncio.Future[_Reply]] = deque()
+        #: the attempts it started that have not ended, by pid
+        self._exits: dict[int, asyncio.Future[Exit]] = {}
         self._ready = False
         self.gone = False
+        #: user + system CPU seconds of the attempts it reaped (their own rusage)
+        self.reaped_cpu_s = 0.0
         # Readable once the helper has exited: ``alive`` asks it, no /proc read.
         self._exit: select.poll | None = None
         with contextlib.suppress(OSError):
@@ -146,34 +188,93 @@ class Helper:
             self._exit = select.poll()
             self._exit.register(self._pidfd, select.POLLIN)
 
-    async def _recv(self) -> tuple[int, int, int]:
+    def _listen(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
-        data = await loop.sock_recv(self._sock, _REPLY.size)
-        if len(data) != _REPLY.size:
-            self._lost()
-        pid, step, errno = _REPLY.unpack(data)
-        return pid, step, errno
+        if self._loop is not loop:  # the first use, or a new event loop since
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            self._loop = loop
+            self._sock.setblocking(False)
+            loop.add_reader(self._sock.fileno(), self._readable)
+        return loop
 
-    def _lost(self) -> None:
-        self.close()
-        raise HelperGone(f"the spawn helper (pid {self.pid}) is gone")
+    def _readable(self) -> None:
+        """Everything the helper sent so far: replies settle the oldest request's future,
+        exit records their attempts' futures."""
+        while not self.gone:
+            try:
+                data = self._sock.recv(_MAX_MESSAGE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            (kind,) = _KIND.unpack_from(data) if len(data) >= _KIND.size else (0,)
+            if kind == _REPLY_KIND and len(data) == _REPLY.size:
+                self._replied(*_REPLY.unpack(data)[1:])
+            elif kind == _EXITS_KIND and len(data) >= _EXITS.size:
+                self._ended(data)
+            else:  # end of file: it exited
+                self.close()
+
+    def _replied(self, pid: int, step: int, errno: int) -> None:
+        exited = None
+        if not step and pid > 0 and self._ready and self._loop is not None:
+            # Before the next message, which may be its exit record.
+            exited = self._exits[pid] = self._loop.create_future()
+        if self._replies:
+            reply = self._replies.popleft()
+            if not reply.done():
+                reply.set_result((pid, step, errno, exited))
+
+    def _ended(self, data: bytes) -> None:
+        _, count = _EXITS.unpack_from(data)
+        for i in range(min(count, (len(data) - _EXITS.size) // _EXIT.size)):
+            pid, status, utime_us, stime_us, maxrss_kb = _EXIT.unpack_from(
+                data, _EXITS.size + i * _EXIT.size
+            )
+            self.reaped_cpu_s += (utime_us + stime_us) / 1e6
+            exited = self._exits.pop(pid, None)
+            if exited is not None and not exited.done():
+                exited.set_result((status, _usage(utime_us, stime_us, maxrss_kb)))
+
+    def _gone(self) -> HelperGone:
+        return HelperGone(f"the spawn helper (pid {self.pid}) is gone")
+
+    async def _request(self, data: bytes, fds: Sequence[int] = ()) -> _Reply:
+        if self.gone:
+            raise self._gone()
+        reply: asyncio.Future[_Reply] = self._listen().create_future()
+        try:
+            if fds:
+                socket.send_fds(self._sock, [data], fds)
+            else:
+                self._sock.send(data)
+        except OSError:
+            self.close()
+            raise self._gone() from None
+        self._replies.append(reply)
+        return await reply
 
     async def ready(self) -> None:
         """Wait for its start (and its move into the cgroups); raises ``HelperGone``."""
         if self._ready:
             return
-        self._sock.setblocking(False)
-        async with self._lock:
-            if not self._ready:
-                await self._recv()
-                self._ready = True
+        if self.gone:
+            raise self._gone()
+        loop = self._listen()
+        if not self._replies:  # the first to ask waits for its ready message
+            self._replies.append(loop.create_future())
+        await asyncio.shield(self._replies[0])
+        self._ready = True
 
     async def spawn(
         self, launch: Launch, log_fd: int, cgroup_fd: int | None = None, mount: int | None = None
-    ) -> int:
-        """The started attempt's pid (a child of this process); ``SpawnFailed`` if it
-        failed before its exec (then already reaped), ``HelperGone`` if the helper died.
-        ``mount``: the attempt's tmpfs, attached on ``launch.mount_at``."""
+    ) -> tuple[int, asyncio.Future[Exit]]:
+        """The started attempt's pid (a child of the helper) and the future of its end
+        (its wait status and rusage; ``HelperGone`` if the helper died first);
+        ``SpawnFailed`` if it failed before its exec (then already reaped),
+        ``HelperGone`` if the helper died. ``mount``: the attempt's tmpfs, attached on
+        ``launch.mount_at``."""
         await self.ready()
         request = launch.encode(cgroup_fd is not None)
         fds = [log_fd] if cgroup_fd is None else [log_fd, cgroup_fd]
@@ -181,32 +282,28 @@ class Helper:
             if mount is None:
                 raise ValueError("a mount point without its tmpfs")
             fds.append(mount)
-        async with self._lock:
-            if self.gone:
-                raise HelperGone("the spawn helper is gone")
-            try:
-                socket.send_fds(self._sock, [request], fds)
-            except OSError:
-                self._lost()
-            pid, step, errno = await self._recv()
+        pid, step, errno, exited = await self._request(request, fds)
         if step:
-            if pid > 0:
-                _reap_quietly(pid)
             raise SpawnFailed(step, errno, pid)
-        return pid
+        if exited is None:  # a reply that is no spawn's: the helper is out of step
+            self.close()
+            raise self._gone()
+        return pid, exited
+
+    def signal(self, pid: int, signum: int) -> None:
+        """Signal the process group of its attempt ``pid``, which it does only while it
+        has not reaped it (a pid reaped may be another process's already). Nothing if the
+        helper is gone."""
+        if self.gone or pid <= 0:
+            return
+        with contextlib.suppress(OSError):
+            self._sock.send(f"S{pid} {signum}".encode())
 
     async def kill_uid(self, uid: int) -> None:
         """SIGKILL every process of ``uid`` (a child of the helper sends ``kill -9 -1``
         as that uid)."""
         await self.ready()
-        async with self._lock:
-            if self.gone:
-                raise HelperGone("the spawn helper is gone")
-            try:
-                self._sock.send(f"k{uid}".encode())
-            except OSError:
-                self._lost()
-            await self._recv()
+        await self._request(f"k{uid}".encode())
 
     def alive(self) -> bool:
         """Whether the helper still runs (not closed, not exited, not a zombie)."""
@@ -221,21 +318,27 @@ class Helper:
         return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
     def close(self) -> None:
+        """Stop it. Attempts of its still running are orphans then: their futures end with
+        ``HelperGone`` and the agent stops them through their cgroup or uid."""
         if self.gone:
             return
         self.gone = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.fileno())
         self._sock.close()  # end of file: the helper exits
         if self._exit is not None:
             self._exit = None
             os.close(self._pidfd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+        waiting: list[asyncio.Future[Any]] = [*self._replies, *self._exits.values()]
+        for future in waiting:
+            if not future.done():
+                future.set_exception(self._gone())
+                future.exception()  # retrieved: one nobody waits for is no error
+        self._replies.clear()
+        self._exits.clear()
         _reap_later(self.pid)
-
-
-def _reap_quietly(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
 
 
 def _reap_later(pid: int) -> None:

@@ -301,8 +301,8 @@ def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
         into = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
             launch = spawner.Launch("/bin/cat", ["cat", "/proc/self/cgroup"], {}, str(tmp_path))
-            pid = await helper.spawn(launch, log, into)
-            _, status = os.waitpid(pid, 0)  # our own child, not the helper's
+            _, exited = await helper.spawn(launch, log, into)
+            status, _ = await exited  # the helper's child, reaped by it
             return status
         finally:
             os.close(log)
@@ -384,3 +384,68 @@ def test_a_helper_killed_between_attempts_is_replaced(root: Path) -> None:
     result, killed, started_by = asyncio.run(scenario())
     assert result.outcome == "succeeded" and "still-works" in result.log_tail
     assert started_by != killed
+
+
+def test_the_helper_reports_exits_and_delivers_stops(root: Path) -> None:
+    """The helper is the attempts' parent: their exit code, signal and timeout come from
+    its exit records, and a stop reaches the process group through it."""
+    host = _host(root)
+
+    async def run(attempt_id: int, script: str, timeout_s: float | None) -> AttemptResult:
+        cache = ArtifactCache(host.settings.home / "artifacts")
+        assignment = _assignment(attempt_id, script).model_copy(update={"timeout_s": timeout_s})
+        prepared = await host.prepare(assignment, cache)
+        try:
+            handle = await start_attempt(prepared.spec)
+            if timeout_s is not None:  # still running: the helper's child, not ours
+                helper = prepared.slot.helper if prepared.slot else host.helper
+                assert helper is not None and _parent_of(handle.pid) == helper.pid
+            result = await handle.wait()
+            await host.stop_leftovers(prepared)
+            return result
+        finally:
+            await host.release(prepared)
+
+    async def scenario() -> list[AttemptResult]:
+        try:
+            return [
+                await run(1, "exit 3", None),
+                await run(2, "kill -9 $$", None),
+                await run(3, "trap '' TERM; sleep 30 & wait", 0.3),
+            ]
+        finally:
+            await host.close()
+
+    exited, killed, timed_out = asyncio.run(scenario())
+    assert (exited.outcome, exited.exit_code, exited.error) == ("failed", 3, "exited 3")
+    assert (killed.outcome, killed.signal) == ("killed", 9)
+    assert timed_out.outcome == "timeout" and timed_out.signal == 9  # SIGTERM ignored
+    assert exited.cpu_seconds is not None and exited.peak_memory_mb
+
+
+def test_an_attempt_whose_helper_dies_is_stopped_and_failed(root: Path) -> None:
+    """Its exit status dies with its parent: it is stopped, and fails saying why."""
+    host = _host(root)
+
+    async def scenario() -> tuple[AttemptResult, int]:
+        cache = ArtifactCache(host.settings.home / "artifacts")
+        prepared = await host.prepare(_assignment(1, "sleep 30"), cache)
+        try:
+            handle = await start_attempt(prepared.spec)
+            helper = prepared.slot.helper if prepared.slot else host.helper
+            assert helper is not None
+            os.kill(helper.pid, 9)
+            result = await asyncio.wait_for(handle.wait(), 10)
+            await host.stop_leftovers(prepared)
+            return result, handle.pid
+        finally:
+            await host.release(prepared)
+            await host.close()
+
+    result, pid = asyncio.run(scenario())
+    assert result.outcome == "failed" and "spawn helper" in (result.error or "")
+    assert _gone(pid)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
