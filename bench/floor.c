@@ -3,7 +3,9 @@
  *
  *   floor [-n N] [-j J] [-u UID] [-c CGROUP_PROCS_FILE]... -- PROGRAM [ARG]...
  *
- * Each spawn: fork; in the child a new mount namespace (unshare, "/" made private, a
+ * Each spawn: a child sharing this process's memory until its exec (clone with CLONE_VM
+ * | CLONE_VFORK on a stack of its own, as posix_spawn and Cairn's helper start attempts:
+ * no page tables copied; about 0.1 ms less a spawn than fork); in the child a new mount namespace (unshare, "/" made private, a
  * fresh tmpfs on /tmp), setgroups/setresgid/setresuid to UID, stdin and stdout on
  * /dev/null, exec PROGRAM; the parent reaps it with wait4. On cgroup v1 the process
  * joins the given pooled slot once (a cgroup.procs file per hierarchy, folders made by
@@ -13,13 +15,14 @@
  *
  * Prints key=value lines: spawns, cpu_us (its own and its reaped descendants' rusage,
  * user + system, over the loops), wall_us (the loops' elapsed time), skipped, and with
- * -j 1 walls_us (each spawn's fork-to-reaped time, comma-separated).
+ * -j 1 walls_us (each spawn's clone-to-reaped time, comma-separated).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,13 +83,25 @@ static void become(char **argv, char **envp, int null) {
     _exit(125);
 }
 
+struct child { char **argv, **envp; int null; };
+
+static int child_main(void *arg) {
+    struct child *c = arg;
+    become(c->argv, c->envp, c->null);
+    return 125;
+}
+
+/* the child's stack until its exec (each -j loop is a process with its own copy) */
+static char child_stack[64 * 1024] __attribute__((aligned(16)));
+
 /* n spawns one after another; each one's wall time into walls (when not NULL). */
 static void loop(int n, char **argv, char **envp, int null, long long *walls) {
     for (int i = 0; i < n; i++) {
         long long began = now_us();
-        pid_t pid = fork();
-        if (pid < 0) die("fork");
-        if (pid == 0) become(argv, envp, null);
+        struct child c = {argv, envp, null};
+        pid_t pid = clone(child_main, child_stack + sizeof child_stack,
+                          CLONE_VM | CLONE_VFORK | SIGCHLD, &c);
+        if (pid < 0) die("clone");
         int status;
         struct rusage usage;
         if (wait4(pid, &status, 0, &usage) < 0) die("wait4");
