@@ -700,7 +700,13 @@ class Engine:
         self._written = await self._fetch_outputs(events, mine)
         async with self._write() as conn:
             runs = await store.lock_runs(conn, run_ids)
-            nodes = await store.nodes_of(conn, run_ids, lock=True)
+            # Under the runs' locks, their nodes read without one: every writer of a
+            # running run's nodes either holds its run's lock first (this loop, a cancel)
+            # or writes only on a condition this transaction does not change (a release
+            # recorded, a gate decided); a retry or a clear takes a finished run's nodes
+            # and then its run. Locking each node too wrote a lock on every node of the
+            # run at every hop (400 for a chain of 400), for nothing.
+            nodes = await store.nodes_of(conn, run_ids)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
             for node in nodes:
                 per_run[node.run_id].append(node)
