@@ -291,16 +291,21 @@ class Engine:
             else:
                 pause = self.settings.retry_base_s
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        """A write transaction of the leader, fenced by its epoch."""
-        lease = self.lease
-        if lease is None:
+    def _leading(self) -> Lease:
+        if self.lease is None:
             raise LeadershipLost("the DAG loop writes only while it leads")
+        return self.lease
+
+    @contextlib.asynccontextmanager
+    async def _write(self, *, fenced: bool = True) -> AsyncIterator[AsyncConnection]:
+        """A write transaction of the leader, fenced by its epoch (``fenced=False``: the
+        caller fences it itself, before anything it writes: ``Lease.fencing``)."""
+        lease = self._leading()
         told = len(self._waiting)
         try:
             async with self.db.begin() as conn:
-                await lease.fence(conn)
+                if fenced:
+                    await lease.fence(conn)
                 yield conn
         except BaseException:
             del self._waiting[told:]  # gates that did not start waiting after all
@@ -698,15 +703,16 @@ class Engine:
                 await self._store_cursor(conn, cursor)
             return
         self._written = await self._fetch_outputs(events, mine)
-        async with self._write() as conn:
-            runs = await store.lock_runs(conn, run_ids)
-            # Under the runs' locks, their nodes read without one: every writer of a
-            # running run's nodes either holds its run's lock first (this loop, a cancel)
-            # or writes only on a condition this transaction does not change (a release
-            # recorded, a gate decided); a retry or a clear takes a finished run's nodes
-            # and then its run. Locking each node too wrote a lock on every node of the
-            # run at every hop (400 for a chain of 400), for nothing.
-            nodes = await store.nodes_of(conn, run_ids)
+        async with self._write(fenced=False) as conn:
+            lease = self._leading()
+            # The fence, the runs' locks and their nodes in one round trip. The nodes are
+            # read without a lock: every writer of a running run's nodes either holds its
+            # run's lock first (this loop, a cancel) or writes only on a condition this
+            # transaction does not change (a release recorded, a gate decided); a retry
+            # or a clear takes a finished run's nodes and then its run. Locking each node
+            # too wrote a lock on every node of the run at every hop, for nothing.
+            fence, runs, nodes = await store.locked_with_nodes(conn, run_ids, lease.fencing())
+            lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
             for node in nodes:
                 per_run[node.run_id].append(node)
