@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
-from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, text
+from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, TextClause, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -89,11 +89,19 @@ class Lease:
     async def fence(self, conn: AsyncConnection) -> None:
         """Inside a write transaction on ``conn``: go on only under this epoch. The row
         stays share-locked until the transaction ends, so no new leader commits between."""
+        clause, params = self.fencing()
+        self.fenced(await conn.scalar(clause, params))
+
+    def fencing(self) -> tuple[TextClause, dict[str, Any]]:
+        """``fence``'s statement, to send first of a transaction's statements in one round
+        trip (``pipeline.run``); its answer goes to ``fenced`` before anything is written."""
         e = self.elector
-        current = await conn.scalar(
-            text(f"SELECT epoch FROM {e.table} WHERE name = :name FOR SHARE"), {"name": e.name}
-        )
+        return text(f"SELECT epoch FROM {e.table} WHERE name = :name FOR SHARE"), {"name": e.name}
+
+    def fenced(self, current: Any) -> None:
+        """Go on only if ``current`` (the fencing statement's answer) is this epoch."""
         if current != self.epoch:
+            e = self.elector
             raise LeadershipLost(f"{e.name}: epoch {self.epoch} was superseded by {current}")
 
     async def close(self) -> None:

@@ -80,6 +80,10 @@ _CURSOR_EVERY_S = 1.0
 _STARTS_HOLD_S = 0.25
 #: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
 _RELEASED_KEPT = 100_000
+#: a turn nobody woke checks the lease and asks which chores have work at most this often:
+#: each task the loop releases wakes it three times (created, running, ended), and only
+#: the end moves its run on; a turn that skips them waits on the feed no longer than this
+_CHORES_EVERY_S = 0.05
 
 
 class _Released(NamedTuple):
@@ -244,6 +248,8 @@ class Engine:
         self._made = 0  # mapped instances made this turn
         self._readied = False  # a settle readied nodes (or made instances) to release
         self._cursor_stored_at = -math.inf  # when the cursor was last stored
+        self._chored_at = -math.inf  # when the chores were last asked for (``step``)
+        self._skipped = False  # this turn went without them
         self._starts: list[Event] = []  # start events read, not yet written (``apply``)
         #: the nodes of the tasks this loop released, by task id, newest last
         self._released: OrderedDict[int, _Released] = OrderedDict()
@@ -259,8 +265,9 @@ class Engine:
 
     async def run_forever(self) -> None:
         """Lead (or wait to), then turn until cancelled. A failed turn is retried with
-        backoff; the lease is checked before every turn and every write is fenced by its
-        epoch, so a leader that lost its lock stops within one turn and writes nothing."""
+        backoff; the lease is checked before every turn (at most every
+        ``_CHORES_EVERY_S``) and every write is fenced by its epoch, so a leader that lost
+        its lock stops within a turn or two and writes nothing."""
         while True:
             lease = await self.elector.campaign()
             self.lease = lease
@@ -277,8 +284,11 @@ class Engine:
 
     async def _turn_forever(self, lease: Lease) -> None:
         pause = self.settings.retry_base_s
+        checked = -math.inf
         while True:
-            await lease.check()
+            if time.monotonic() - checked >= _CHORES_EVERY_S:
+                await lease.check()
+                checked = time.monotonic()
             try:
                 await self.step()
             except LeadershipLost:
@@ -291,16 +301,21 @@ class Engine:
             else:
                 pause = self.settings.retry_base_s
 
-    @contextlib.asynccontextmanager
-    async def _write(self) -> AsyncIterator[AsyncConnection]:
-        """A write transaction of the leader, fenced by its epoch."""
-        lease = self.lease
-        if lease is None:
+    def _leading(self) -> Lease:
+        if self.lease is None:
             raise LeadershipLost("the DAG loop writes only while it leads")
+        return self.lease
+
+    @contextlib.asynccontextmanager
+    async def _write(self, *, fenced: bool = True) -> AsyncIterator[AsyncConnection]:
+        """A write transaction of the leader, fenced by its epoch (``fenced=False``: the
+        caller fences it itself, before anything it writes: ``Lease.fencing``)."""
+        lease = self._leading()
         told = len(self._waiting)
         try:
             async with self.db.begin() as conn:
-                await lease.fence(conn)
+                if fenced:
+                    await lease.fence(conn)
                 yield conn
         except BaseException:
             del self._waiting[told:]  # gates that did not start waiting after all
@@ -313,13 +328,20 @@ class Engine:
     async def step(self) -> None:
         """One turn: admit, release, cancel, then read and apply one page of the feed and
         release at once what it readied; now and then, purge runs past the retention.
-        One query says which of the chores before the read have anything to do."""
+        One query says which of the chores before the read have anything to do: asked at
+        every turn something woke, else at most every ``_CHORES_EVERY_S`` (the read then
+        waits no longer than the next time it is due)."""
+        woken = self._wake.is_set()
         self._wake.clear()
         self._made = 0
         if time.monotonic() - self._purged_at > self.settings.retention_interval_s:
             await self.purge()
             self._purged_at = time.monotonic()
-        due = await self._chores()
+        due = None
+        self._skipped = not woken and time.monotonic() - self._chored_at < _CHORES_EVERY_S
+        if not self._skipped:
+            due = await self._chores()
+            self._chored_at = time.monotonic()
         if (
             time.monotonic() - self._resynced_at > self.settings.dag_resync_s
             and await self.resync() < self.settings.dag_resync_batch
@@ -337,7 +359,7 @@ class Engine:
                 self.metrics.caught_up()
         self.metrics.mapped.inc(self._made)
         await self._tell_waiting()
-        if due.audits:
+        if due is not None and due.audits:
             await self.report_decisions()
 
     async def _chores(self) -> Any:
@@ -371,6 +393,8 @@ class Engine:
             async with self.reads.connect() as conn:
                 self._cursor = await store.read_cursor(conn)
         wait = 0 if self._full_page else self.settings.feed_wait_s
+        if self._skipped:  # back when the chores are due again
+            wait = min(wait, max(0.0, self._chored_at + _CHORES_EVERY_S - time.monotonic()))
         if self._to_deadline is not None:  # back in time to fail the next run that is due
             wait = min(wait, self._to_deadline + 0.01)
         if self._starts:  # back in time to write the held starts
@@ -698,9 +722,16 @@ class Engine:
                 await self._store_cursor(conn, cursor)
             return
         self._written = await self._fetch_outputs(events, mine)
-        async with self._write() as conn:
-            runs = await store.lock_runs(conn, run_ids)
-            nodes = await store.nodes_of(conn, run_ids, lock=True)
+        async with self._write(fenced=False) as conn:
+            lease = self._leading()
+            # The fence, the runs' locks and their nodes in one round trip. The nodes are
+            # read without a lock: every writer of a running run's nodes either holds its
+            # run's lock first (this loop, a cancel) or writes only on a condition this
+            # transaction does not change (a release recorded, a gate decided); a retry
+            # or a clear takes a finished run's nodes and then its run. Locking each node
+            # too wrote a lock on every node of the run at every hop, for nothing.
+            fence, runs, nodes = await store.locked_with_nodes(conn, run_ids, lease.fencing())
+            lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
             for node in nodes:
                 per_run[node.run_id].append(node)

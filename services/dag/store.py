@@ -12,6 +12,7 @@ import orjson
 from sqlalchemy import Row, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import pipeline
 from libs.common.auth import Visibility
 from libs.common.dag_models import (
     NodeState,
@@ -853,13 +854,27 @@ async def newest_max_active(conn: AsyncConnection, owner: str, workflow: str) ->
     return int(value) if value is not None else 16
 
 
+_LOCK_RUNS = text(f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE")
+_NODES_OF_RUNS = text(
+    f"SELECT {_NODE_COLUMNS} FROM dag.nodes WHERE run_id = ANY(:ids) ORDER BY run_id, name"
+)
+
+
 async def lock_runs(conn: AsyncConnection, run_ids: Iterable[int]) -> list[Row[Any]]:
-    return list(
-        await conn.execute(
-            text(f"SELECT {RUN_COLUMNS} FROM dag.runs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"),
-            {"ids": list(run_ids)},
-        )
+    return list(await conn.execute(_LOCK_RUNS, {"ids": list(run_ids)}))
+
+
+async def locked_with_nodes(
+    conn: AsyncConnection, run_ids: Iterable[int], first: pipeline.Statement
+) -> tuple[list[Any], list[Any], list[NodeRow]]:
+    """``first``'s rows (the leader's fence), then these runs locked (``lock_runs``) and
+    their nodes read (``nodes_of``, no lock: under their runs' locks), in one round trip
+    with the transaction's BEGIN: a workflow hop's transaction waited on four."""
+    ids = {"ids": list(run_ids)}
+    fenced, runs, nodes = await pipeline.run(
+        conn, [first, (_LOCK_RUNS, ids), (_NODES_OF_RUNS, ids)]
     )
+    return fenced, runs, [_node_row(r) for r in nodes]
 
 
 async def stale_nodes(conn: AsyncConnection, age_s: float, limit: int) -> list[Row[Any]]:

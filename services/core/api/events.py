@@ -47,6 +47,9 @@ async def read_events(
     while True:
         since = notifier.mark()  # an event committed after this read wakes the wait
         async with engine.connect() as conn:
+            # One statement, with its own snapshot: no BEGIN before it, no ROLLBACK after
+            # (two round trips of each read saved; a workflow hop waits on this one).
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
             events, next_cursor = await tasks_db.read_feed(
                 conn, cursor, limit, principal.visibility
             )

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from sqlalchemy import TextClause, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import pipeline
 from libs.common.errors import NotFound, StaleAttempt
 from libs.common.models import (
     Artifact,
@@ -32,7 +33,7 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core import traces
-from services.core.db import pipeline, placement, sharing
+from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.params import jsonb
 from services.core.db.secrets import mask_json, refers_to_secrets

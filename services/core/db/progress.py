@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import pipeline
 from libs.common.models import ProgressNote, Task, TaskProgress
-from services.core.db import pipeline
 from services.core.db.params import jsonb
 
 # Kept only from the worker the attempt is leased to, while it is open and its task's

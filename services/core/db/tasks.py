@@ -31,6 +31,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import pipeline
 from libs.common.auth import Visibility
 from libs.common.errors import IdempotencyMismatch, IllegalTransition, InvalidInput, NotFound
 from libs.common.models import (
@@ -45,7 +46,7 @@ from libs.common.models import (
     TaskSelector,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
-from services.core.db import accounting, pipeline
+from services.core.db import accounting
 from services.core.db.params import jsonb
 from services.core.db.tables import (
     LABELLED,

@@ -15,13 +15,14 @@ from typing import Any
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from libs.common import pipeline
 from libs.common.errors import NotFound
 from libs.common.models import (
     Worker,
     WorkerRegister,
 )
 from libs.common.states import TaskState, Workers, sql_in
-from services.core.db import pipeline, placement
+from services.core.db import placement
 from services.core.db.attempts import Tally, lose
 from services.core.db.tables import workers
 from services.core.domain.placement import ZERO, Amount

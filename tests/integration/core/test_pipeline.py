@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from services.core.db import pipeline
+from libs.common import pipeline
 
 DB = psycopg.Connection[tuple[Any, ...]]
 

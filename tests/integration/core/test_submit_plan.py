@@ -15,8 +15,8 @@ import pytest
 from psycopg import sql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
+from libs.common import pipeline
 from libs.common.models import TaskCreate
-from services.core.db import pipeline
 from services.core.db import tasks as tasks_db
 
 BACKLOG = 5000
