@@ -15,9 +15,10 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
+from libs.common import pipeline
 from libs.common.states import TaskState
 from services.core.db import attempts as attempts_db
-from services.core.db import pipeline, placement
+from services.core.db import placement
 from services.core.domain.transitions import Op, sources
 
 BACKLOG = 5000
