@@ -191,10 +191,12 @@ SUBMIT: TextClause = text(f"{_SUBMIT}\nSELECT new.* FROM new ORDER BY id")
 
 # The same, telling the other replicas' listeners of what it stored (``feed.notes_of``)
 # in its own transaction: once, if it stored anything (the CTE calls a volatile
-# function, so it is computed once, and only if read).
+# function, so it is computed once, and only if read). The notes come as one JSON array
+# of [channel, payload] pairs: psycopg dumps a list as an array in Python, about 30 µs
+# of a lone submission's CPU for two text arrays.
 SUBMIT_TELLING: TextClause = text(f"""{_SUBMIT}, told AS (
-    SELECT count(pg_notify(n.channel, n.payload)) AS notes
-    FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(channel, payload)
+    SELECT count(pg_notify(n->>0, n->>1)) AS notes
+    FROM jsonb_array_elements(CAST(:notes AS jsonb)) AS n
 )
 SELECT new.* FROM new CROSS JOIN told ORDER BY id""")
 
@@ -723,7 +725,7 @@ async def submit_docs(
     fetch = functools.partial(_fetch_plain, driver)
     if not notes:
         return await _store(fetch, docs, quantum_s, fair)
-    told = {"channels": [c for c, _ in notes], "payloads": [p for _, p in notes]}
+    told = {"notes": jsonb(notes)}
     return await _store(fetch, docs, quantum_s, fair, SUBMIT_TELLING, told)
 
 

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
+
+from libs.common.client import ON_BEHALF_OF
 from tests.support import Core, spec
 
 
@@ -23,6 +26,30 @@ def test_submit_returns_201_and_the_stored_task(core: Core, db) -> None:
         "SELECT owner, state, args FROM core.tasks WHERE id = %s", (task["id"],)
     ).fetchone()
     assert row == ("alice", "waiting", ["a", "b"])
+
+
+def test_a_submission_that_fastapi_answers_is_the_same_submission(core: Core, db) -> None:
+    """``SubmitRoute`` serves the plain request itself and hands the others (another
+    spelling of the JSON content type, a service acting for someone) to FastAPI's handler:
+    both store and answer the same task."""
+    body = orjson.dumps(spec(args=["a"], labels={"team": "x"}))
+    charset = {"content-type": "application/json; charset=utf-8"}
+    with core.client() as alice, core.client("cron", role="service") as cron:
+        plain = alice.post("/v1/tasks", content=body, headers={"content-type": "application/json"})
+        other = alice.post("/v1/tasks", content=body, headers=charset)
+        acting = cron.post("/v1/tasks", content=body, headers={**charset, ON_BEHALF_OF: "alice"})
+    assert [a.status_code for a in (plain, other, acting)] == [201, 201, 201]
+    ids = [a.json()["id"] for a in (plain, other, acting)]
+    answers = [{k: v for k, v in a.json().items() if k not in VARY} for a in (plain, other, acting)]
+    assert answers[0] == answers[1] == answers[2]
+    rows = db.execute(
+        "SELECT owner, args, labels FROM core.tasks WHERE id = ANY(%s) ORDER BY id", (ids,)
+    ).fetchall()
+    assert rows == [("alice", ["a"], {"team": "x"})] * 3
+
+
+# What differs between two submissions of the same request.
+VARY = ("id", "created_at", "updated_at", "run_at", "start_by")
 
 
 def test_submit_writes_one_event_in_the_same_transaction(core: Core, db) -> None:
