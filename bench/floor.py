@@ -145,5 +145,5 @@ class Runner:
 
 def describe(floor: Floor) -> str:
     """What the floor did and did not do, for the benchmark's output."""
-    did = "fork + mount ns + tmpfs /tmp + uid + pooled cgroup v1 + exec + wait4"
+    did = "clone (vfork) + mount ns + tmpfs /tmp + uid + pooled cgroup v1 + exec + wait4"
     return f"{did}; skipped: {floor.skipped}" if floor.skipped else did
