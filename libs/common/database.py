@@ -69,16 +69,18 @@ class KeepingConnection(psycopg.AsyncConnection[Any]):
     changed under it) is prepared afresh at its next run."""
 
     async def rollback(self) -> None:
-        if (
-            self.pgconn.transaction_status != _IN_TRANSACTION
-            or self._num_transactions
-            or self._tpc
-            or self._pipeline
-        ):
+        try:  # psycopg's internals, not its public API (the dependency is >=3.2)
+            keep = self.pgconn.transaction_status == _IN_TRANSACTION and not (
+                self._num_transactions or self._tpc or self._pipeline
+            )
+            lock, command = self.lock, self._exec_command
+        except AttributeError:  # a psycopg that moved them: roll back as it does
+            keep = False
+        if not keep:
             await super().rollback()
             return
-        async with self.lock:
-            await self.wait(self._exec_command(b"ROLLBACK"))
+        async with lock:
+            await self.wait(command(b"ROLLBACK"))
 
 
 def connect_args(settings: CairnSettings, url: str = "") -> dict[str, Any]:
