@@ -177,6 +177,10 @@ class ArtifactCache:
         self._s3_clients: OrderedDict[str, Any] = OrderedDict()
         self._s3_lock = threading.Lock()
         self.stamps = FileStamps()
+        #: ``file://`` sources whose last seal found them on a local file system, hashed
+        #: and sealed (``sealed_known`` opens only those)
+        self._local_uris: dict[str, None] = {}
+        self._local_lock = threading.Lock()
         self._forget_unscoped()
 
     def _forget_unscoped(self) -> None:
@@ -335,19 +339,13 @@ class ArtifactCache:
         holds that this very file, unchanged since, was hashed to ``sha256`` already;
         written only when no sealed copy of that digest exists (then while it is hashed).
         What the attempt runs is always the sealed copy, never the source's path."""
-        digest = _digest(sha256)
-        if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
-            raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
-            )
-        # Named apart from fetched artifacts: an https:// attempt naming this digest must
-        # not get a copy of a file only this reader may open.
-        name = hashlib.sha256(f"cairn-file\x00{digest}".encode()).hexdigest()
+        digest, name = self._local_name(uri, sha256)
         known = sealed.get(name)
         source = _local_path(uri)
         with os.fdopen(_open_source(source, reader), "rb") as src:
             stamp = _stamp(src.fileno())
             if known is not None and self.stamps.holds(stamp, digest):
+                self._local(uri)
                 return known
             quiet = stamp is not None and self.stamps.quiet(stamp) and _no_writer(src.fileno())
             sink = _Sink(None, self.max_bytes)
@@ -362,10 +360,53 @@ class ArtifactCache:
                 raise ArtifactError(_mismatch(uri), retryable=False)
             if quiet and stamp is not None and _stamp(src.fileno()) == stamp:
                 self.stamps.remember(stamp, digest)
+                self._local(uri)
         if written is not None:
             return sealed.add(name, written)
         assert known is not None  # one of the two: read into the sealed copy, or a new one
         return known
+
+    def sealed_known(self, uri: str, sha256: str, reader: Identity, sealed: Sealed) -> Path | None:
+        """``seal_local`` for a caller that must not block long (the event loop): its
+        sealed copy where that needs no read of the source, else None, having read and
+        written nothing. It opens only a source that the last seal of ``uri`` found on a
+        local file system (no network file system's open on the loop), whose sealed copy
+        holds, as ``reader`` on the calling thread (``open_as_here`` first)."""
+        if uri not in self._local_uris:
+            return None
+        digest, name = self._local_name(uri, sha256)
+        known = sealed.get(name)
+        if known is None:
+            return None
+        fd = _open_source(_local_path(uri), reader)
+        try:
+            if self.stamps.holds(_stamp(fd), digest):
+                return known
+        finally:
+            os.close(fd)
+        with self._local_lock:
+            self._local_uris.pop(uri, None)  # hashed again, in a thread
+        return None
+
+    def _local_name(self, uri: str, sha256: str) -> tuple[str, str]:
+        """The digest, and the name of the sealed copy of a ``file://`` artifact; raises
+        ``ArtifactError`` if its source is not allowed."""
+        digest = _digest(sha256)
+        if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
+            raise ArtifactError(
+                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+            )
+        # Named apart from fetched artifacts: an https:// attempt naming this digest must
+        # not get a copy of a file only this reader may open.
+        return digest, hashlib.sha256(f"cairn-file\x00{digest}".encode()).hexdigest()
+
+    def _local(self, uri: str) -> None:
+        """``uri``'s source is on a local file system, hashed (bounded as ``stamps``)."""
+        with self._local_lock:
+            self._local_uris.pop(uri, None)
+            self._local_uris[uri] = None
+            while len(self._local_uris) > self.stamps.max_entries:
+                del self._local_uris[next(iter(self._local_uris))]
 
     async def seal(
         self, uri: str, sha256: str, sealed: Sealed, credentials: S3Credentials | None = None
@@ -827,38 +868,74 @@ def _read_into(src: IO[bytes], sink: _Sink) -> None:
 
 
 def _open_as(source: Path, reader: Identity | None) -> int:
-    """Open ``source`` for reading with ``reader``'s permissions (``_Opener``), so root's
-    rights never apply."""
+    """Open ``source`` for reading with ``reader``'s permissions (``_Opener``, or the
+    calling thread itself after ``open_as_here``), so root's rights never apply."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     if reader is None:
         return os.open(source, flags)
     if os.geteuid() != 0 or _SYS_SETGROUPS is None:
         raise PermissionError("cannot take the attempt's permissions here")
+    if hasattr(_here, "refused"):
+        return _open_here(source, flags, reader)
     return _opener().open(source, flags, reader)
+
+
+#: per thread: ``refused`` is set once the thread opens files as attempts in place (its
+#: supplementary groups dropped), None while it may, else why it may not
+_here = threading.local()
+
+
+def open_as_here() -> None:
+    """From now on the calling thread opens files as attempts itself (``_open_as``), with
+    no hand-off: its supplementary groups are dropped, once, by the raw system call (per
+    thread in Linux; glibc's ``setgroups`` would drop every thread's). The agent's loop
+    thread does this for ``ArtifactCache.sealed_known``; as root it needs no group."""
+    if not hasattr(_here, "refused") and os.geteuid() == 0 and _SYS_SETGROUPS is not None:
+        grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
+        _here.refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
+
+
+def _open_here(source: Path, flags: int, reader: Identity) -> int:
+    """Open ``source`` on this thread (``open_as_here`` first) with its filesystem uid and
+    gid set to the reader's for the open alone, and the agent's again right after it (both
+    per thread in Linux; its effective uid stays 0, so it may set them again). Nothing
+    but the open runs meanwhile."""
+    if _here.refused is not None:
+        raise _here.refused
+    _libc.setfsgid(reader.gid)
+    _libc.setfsuid(reader.uid)
+    try:
+        # Each reads back the current value: the open runs as the reader or not at all.
+        if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
+            raise PermissionError("setfsuid")
+        return os.open(source, flags)
+    finally:
+        _libc.setfsuid(os.geteuid())
+        _libc.setfsgid(os.getegid())
+        if _libc.setfsuid(-1) != os.geteuid() or _libc.setfsgid(-1) != os.getegid():
+            # Never the agent's rights again on this thread: every later open refused.
+            _here.refused = PermissionError("cannot take the agent's filesystem uid back")
 
 
 class _Opener:
     """One resident thread that opens files, each with the permissions of the attempt
-    that asked: its filesystem uid and gid set to the reader's for the open, and the
-    agent's again right after it (both are per thread in Linux, and its effective uid
-    stays 0, so it may set them again), with no supplementary groups (dropped once, by the
-    raw system call, which is per thread too). Made once per agent, not a thread per
-    attempt. Work that opens such a file among other file work (an attempt's folders and
-    sealed executable: ``Host.prepare``) runs on this thread whole (``in_open_thread``),
-    its opens made in place: one hand-off from the event loop instead of two."""
+    that asked (``_open_here``: its supplementary groups dropped once, its filesystem uid
+    and gid the reader's for each open). Made once per agent, not a thread per attempt.
+    Work that opens such a file among other file work (an attempt's folders and sealed
+    executable: ``Host.prepare``) runs on this thread whole (``in_open_thread``), its
+    opens made in place: one hand-off from the event loop instead of two."""
 
     def __init__(self) -> None:
         self._requests: queue.SimpleQueue[
             tuple[Callable[[], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
-        self._refused: OSError | None = None
         self._thread = threading.Thread(target=self._serve, name="open-as-attempt", daemon=True)
         self._thread.start()
 
     def open(self, source: Path, flags: int, reader: Identity) -> int:
         if threading.get_ident() == self._thread.ident:
-            return self._open(source, flags, reader)
-        return self.submit(lambda: self._open(source, flags, reader)).result()
+            return _open_here(source, flags, reader)
+        return self.submit(lambda: _open_here(source, flags, reader)).result()
 
     def submit(self, work: Callable[[], T]) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -866,31 +943,13 @@ class _Opener:
         return done
 
     def _serve(self) -> None:
-        grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
-        self._refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
+        open_as_here()
         while True:
             work, done = self._requests.get()
             try:
                 done.set_result(work())
             except BaseException as exc:  # the asker has it (a NUL in a name too); it goes on
                 done.set_exception(exc)
-
-    def _open(self, source: Path, flags: int, reader: Identity) -> int:
-        if self._refused is not None:
-            raise self._refused
-        _libc.setfsgid(reader.gid)
-        _libc.setfsuid(reader.uid)
-        try:
-            # Each reads back the current value: the open runs as the reader or not at all.
-            if _libc.setfsuid(-1) != reader.uid or _libc.setfsgid(-1) != reader.gid:
-                raise PermissionError("setfsuid")
-            return os.open(source, flags)
-        finally:
-            _libc.setfsuid(os.geteuid())
-            _libc.setfsgid(os.getegid())
-            if _libc.setfsuid(-1) != os.geteuid() or _libc.setfsgid(-1) != os.getegid():
-                # Never the agent's rights again on this thread: every later open refused.
-                self._refused = PermissionError("cannot take the agent's filesystem uid back")
 
 
 async def in_open_thread(work: Callable[[], T]) -> T:

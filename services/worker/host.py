@@ -17,7 +17,7 @@ from pathlib import Path
 from libs.common import tracing
 from libs.common.models import Assignment, Egress
 from services.worker import firewall, outputs, progress, spawner, tmpfs
-from services.worker.artifacts import ArtifactCache, Sealed, in_open_thread
+from services.worker.artifacts import ArtifactCache, Sealed, in_open_thread, open_as_here
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.devices import denied
@@ -227,11 +227,14 @@ class Host:
             await self._egress(assignment.egress, identity)
             # Folder work blocks on the file system's journal: off the event loop; for a
             # file:// artifact, the folders, the verified copy and its seal in one hand-off,
-            # to the thread that opens its source as the attempt (``in_open_thread``).
+            # to the thread that opens its source as the attempt (``in_open_thread``),
+            # unless nothing of it blocks long (``_local_files_here``).
             if assignment.artifact.uri.startswith("file:"):
-                folders = await in_open_thread(
-                    functools.partial(self._local_files, assignment, identity, cache)
-                )
+                folders = self._local_files_here(assignment, identity, cache)
+                if folders is None:
+                    folders = await in_open_thread(
+                        functools.partial(self._local_files, assignment, identity, cache)
+                    )
             else:
                 folders = await self._fetched_files(assignment, identity, cache)
             resources = assignment.resources
@@ -293,6 +296,34 @@ class Host:
                     artifact.uri, artifact.sha256, folders.executable.parent, identity
                 )
                 folders.seal_executable(written)
+        except BaseException:
+            self.workdirs.give_back(folders, reusable=True)
+            raise
+        return folders
+
+    def _local_files_here(
+        self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
+    ) -> Folders | None:
+        """``_local_files`` on the event loop, with no thread's round trip (0.1-0.15 ms of
+        the agent's CPU an attempt), where none of it blocks for long: the home a tmpfs
+        (nothing made or walked on disk: a rename, a chown and a link, as ``_undo``'s
+        give back), its sealed copy known and its local source unchanged
+        (``sealed_known``: one open as the attempt, on this thread, nothing read); None
+        otherwise, having done nothing."""
+        quota_mb = self._quota_mb(assignment)
+        if self.sealed is None or identity is None or quota_mb is None:
+            return None
+        artifact = assignment.artifact
+        open_as_here()
+        sealed = cache.sealed_known(artifact.uri, artifact.sha256, identity, self.sealed)
+        if sealed is None:
+            return None
+        folders = self.workdirs.make(
+            assignment.attempt_id, _name_of(artifact.uri), identity, quota_mb
+        )
+        self.spare_logs.take(self._log_path(assignment))
+        try:
+            folders.link_executable(sealed)
         except BaseException:
             self.workdirs.give_back(folders, reusable=True)
             raise

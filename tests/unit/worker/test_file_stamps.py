@@ -10,13 +10,20 @@ import mmap
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.worker.artifacts import ArtifactCache, ArtifactError, FileStamps, Sealed
+from services.worker.artifacts import (
+    ArtifactCache,
+    ArtifactError,
+    FileStamps,
+    Sealed,
+    open_as_here,
+)
 from services.worker.isolation import Identity
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sources are opened as a uid")
@@ -154,6 +161,45 @@ def test_a_fresh_source_or_one_open_for_writing_is_hashed_at_every_start(
     _write(source)
     _seal(cache, source, sealed)
     assert cache.stamps.holds(_stamp(source), DIGEST)
+
+
+def _known_here(cache: ArtifactCache, source: Path, sealed: Sealed) -> Path | BaseException | None:
+    """``sealed_known`` on a thread of its own, as the agent's loop calls it
+    (``open_as_here``: that thread's groups are dropped, not the test's)."""
+    got: list[Path | BaseException | None] = []
+
+    def run() -> None:
+        open_as_here()
+        try:
+            got.append(cache.sealed_known(source.as_uri(), DIGEST, READER, sealed))
+        except BaseException as exc:  # the test asserts on it
+            got.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return got[0]
+
+
+def test_the_loops_look_takes_only_a_remembered_source_opened_as_the_attempt(
+    cache: ArtifactCache, sealed: Sealed, root: Path
+) -> None:
+    source = _write(root / "tool.sh")
+    assert _known_here(cache, source, sealed) is None  # never sealed: the thread's work
+    copy = _seal(cache, source, sealed)
+    assert _known_here(cache, source, sealed) == copy
+    # Its folder closed to the attempt (the file's own stamp unchanged): refused, as the
+    # thread's open refuses it, never opened with root's rights.
+    root.chmod(0o700)
+    refused = _known_here(cache, source, sealed)
+    assert isinstance(refused, ArtifactError) and "not readable by the attempt" in str(refused)
+    root.chmod(0o711)
+    assert _known_here(cache, source, sealed) == copy
+    _write(source, OTHER)  # changed: nothing read on the loop, hashed again in a thread
+    assert _known_here(cache, source, sealed) is None
+    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+        _seal(cache, source, sealed)
+    assert _known_here(cache, source, sealed) is None
 
 
 def test_file_stamps_keep_to_their_bound_and_forget_a_changed_file() -> None:
