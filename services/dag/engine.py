@@ -873,7 +873,8 @@ class Engine:
         now = rules.settle(order, dag.upstream, {n: dag.rule(n) for n in order}, states)
         if any(state is not N.READY for state in now.values()):
             return False
-        if any(map(any, _not_released(dag, now))):
+        gates, waits, children = _not_released(dag, now)
+        if gates or waits or children:
             return False
         changes = {name: (state, None) for name, state in now.items()}
         await store.set_nodes(conn, run.id, {**written, **changes})
