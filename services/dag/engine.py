@@ -724,19 +724,25 @@ class Engine:
         self._written = await self._fetch_outputs(events, mine)
         async with self._write(fenced=False) as conn:
             lease = self._leading()
+            few = await self._few_nodes(conn, mine)
             # The fence, the runs' locks and their nodes in one round trip. The nodes are
             # read without a lock: every writer of a running run's nodes either holds its
             # run's lock first (this loop, a cancel) or writes only on a condition this
             # transaction does not change (a release recorded, a gate decided); a retry
             # or a clear takes a finished run's nodes and then its run. Locking each node
-            # too wrote a lock on every node of the run at every hop, for nothing.
-            fence, runs, nodes = await store.locked_with_nodes(conn, run_ids, lease.fencing())
+            # too wrote a lock on every node of the run at every hop, for nothing. Of a run
+            # whose rules settle locally only the nodes the ended ones can move are read
+            # (``_few_nodes``), and whether any other node is still open.
+            fence, runs, nodes, open_elsewhere = await store.locked_with_some_nodes(
+                conn, run_ids, few, lease.fencing()
+            )
             lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
             for node in nodes:
                 per_run[node.run_id].append(node)
             for run in runs:
-                await self._apply_run(conn, run, per_run[run.id], by_task, errors or {})
+                some = None if run.id not in few else run.id in open_elsewhere
+                await self._apply_run(conn, run, per_run[run.id], by_task, errors or {}, some)
             await self._store_cursor(conn, cursor)
         for task_id, said in by_task.items():
             if any(e.to_state in FINAL for e in said):
@@ -744,6 +750,30 @@ class Engine:
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
         await self._tell_failed()
+
+    async def _few_nodes(self, conn: AsyncConnection, mine: list[Any]) -> dict[int, set[str]]:
+        """The nodes to read of each run whose rules settle locally (``Dag.settles_locally``):
+        those whose tasks the page names, the nodes right below them and the upstream nodes
+        of those (what their rules read). Every other pending node of a running run already
+        waits on an upstream node not ended (each change of a running run's nodes is
+        settled in its own transaction), and only a node that ends changes what a rule of
+        the nodes right below it says."""
+        few: dict[int, set[str]] = {}
+        local: dict[int, bool] = {}
+        for row in mine:
+            if row.run_id in local and not local[row.run_id]:
+                continue
+            dag = await self.graphs.get(conn, row.workflow_id)
+            local[row.run_id] = dag.settles_locally and row.name in dag.specs
+            if not local[row.run_id]:
+                few.pop(row.run_id, None)
+                continue
+            names = few.setdefault(row.run_id, set())
+            names.add(row.name)
+            for below in dag.downstream[row.name]:
+                names.add(below)
+                names.update(dag.upstream[below])
+        return few
 
     async def _nodes_of_tasks(self, task_ids: Iterable[int]) -> list[Any]:
         """The nodes of these tasks with their runs' workflow versions: those this loop
@@ -776,7 +806,10 @@ class Engine:
         nodes: list[store.NodeRow],
         by_task: dict[int, list[Event]],
         errors: Mapping[int, str],
+        open_elsewhere: bool | None = None,
     ) -> None:
+        """Apply the events to the run's nodes and settle it. ``open_elsewhere``: None if
+        ``nodes`` are all the run's nodes, else whether a node not in them is open."""
         changes: dict[str, tuple[NodeState, str | None]] = {}
         kept: dict[str, dict[str, Any]] = {}
         dag = await self.graphs.get(conn, run.workflow_id)
@@ -799,16 +832,56 @@ class Engine:
                 state = N.FAILED if error else state
             changes[node.name] = (state, error)
         await store.set_outputs(conn, run.id, kept)
-        if run.state == RunState.RUNNING and changes:
-            current = [
+        if run.state != RunState.RUNNING or not changes:
+            await store.set_nodes(conn, run.id, changes)
+            return
+
+        def current(nodes: list[store.NodeRow]) -> list[store.NodeRow]:
+            return [
                 replace(n, state=changes[n.name][0], outputs=kept.get(n.name, n.outputs))
                 if n.name in changes
                 else n
                 for n in nodes
             ]
-            await self._settle(conn, run, current, changes)  # it writes them with its own
-        else:
-            await store.set_nodes(conn, run.id, changes)
+
+        if open_elsewhere is not None:
+            if await self._settle_few(conn, run, dag, current(nodes), changes, open_elsewhere):
+                return
+            nodes = await store.nodes_of(conn, [run.id])  # the rules need the whole run
+        await self._settle(conn, run, current(nodes), changes)  # it writes them with its own
+
+    async def _settle_few(
+        self,
+        conn: AsyncConnection,
+        run: Any,
+        dag: graph.Dag,
+        nodes: list[store.NodeRow],
+        written: Mapping[str, tuple[NodeState, str | None]],
+        open_elsewhere: bool,
+    ) -> bool:
+        """``_settle`` over the nodes ``_few_nodes`` read, when what the ended ``written``
+        nodes change is only nodes right below them made ready, to be released, and the run
+        goes on: then write it all and return True. Else (a node below skipped or failed
+        upstream, which flows further down; an approval, an event or a sub-workflow node
+        readied; the run may be ending) write nothing and return False: the caller settles
+        over every node."""
+        if not open_elsewhere:
+            return False
+        states = {n.name: n.state for n in nodes}
+        below = {d for name in written for d in dag.downstream[name]}
+        order = [name for name in dag.order if name in below]
+        now = rules.settle(order, dag.upstream, {n: dag.rule(n) for n in order}, states)
+        if any(state is not N.READY for state in now.values()):
+            return False
+        gates, waits, children = _not_released(dag, now)
+        if gates or waits or children:
+            return False
+        changes = {name: (state, None) for name, state in now.items()}
+        await store.set_nodes(conn, run.id, {**written, **changes})
+        if now:
+            self._readied = True
+            self._wake.set()
+        return True
 
     def _kept(
         self, dag: graph.Dag, run: Any, node: store.NodeRow

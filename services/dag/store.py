@@ -877,6 +877,48 @@ async def locked_with_nodes(
     return fenced, runs, [_node_row(r) for r in nodes]
 
 
+_SOME_NODES = text(
+    f"SELECT {_NODE_COLUMNS} FROM dag.nodes"
+    " WHERE (run_id, name) IN (SELECT * FROM unnest(CAST(:runs AS bigint[]),"
+    "   CAST(:names AS text[]))) ORDER BY run_id, name"
+)
+# The runs with a node still open besides the ones named (``_SOME_NODES``'s pairs).
+_OPEN_ELSEWHERE = text(
+    "SELECT r.id FROM unnest(CAST(:ids AS bigint[])) AS r(id) WHERE EXISTS ("
+    " SELECT 1 FROM dag.nodes n WHERE n.run_id = r.id"
+    " AND n.state NOT IN ('succeeded', 'failed', 'upstream_failed', 'skipped', 'cancelled')"
+    " AND (n.run_id, n.name) NOT IN (SELECT * FROM unnest(CAST(:runs AS bigint[]),"
+    "   CAST(:names AS text[]))))"
+)
+
+
+async def locked_with_some_nodes(
+    conn: AsyncConnection,
+    run_ids: Iterable[int],
+    names: Mapping[int, Iterable[str]],
+    first: pipeline.Statement,
+) -> tuple[list[Any], list[Any], list[NodeRow], set[int]]:
+    """As ``locked_with_nodes``, for a page's runs: all nodes of the runs not in ``names``,
+    only the named nodes of those in it; and which of those have a node still open besides
+    the named ones. One round trip with the transaction's BEGIN."""
+    ids = {"ids": list(run_ids)}
+    pairs = [(run, name) for run, some in names.items() for name in some]
+    some = {"runs": [r for r, _ in pairs], "names": [n for _, n in pairs]}
+    whole = {"ids": [r for r in ids["ids"] if r not in names]}
+    fenced, runs, nodes, few, open_elsewhere = await pipeline.run(
+        conn,
+        [
+            first,
+            (_LOCK_RUNS, ids),
+            (_NODES_OF_RUNS, whole),
+            (_SOME_NODES, some),
+            (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
+        ],
+    )
+    rows = [_node_row(r) for r in [*nodes, *few]]
+    return fenced, runs, rows, {r.id for r in open_elsewhere}
+
+
 async def stale_nodes(conn: AsyncConnection, age_s: float, limit: int) -> list[Row[Any]]:
     """Nodes whose task is live as far as the feed said, unchanged for ``age_s``: the
     resync reads their tasks from core (oldest first; ``ix_nodes_live``)."""

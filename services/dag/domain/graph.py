@@ -3,6 +3,7 @@ templates that name only what exists. Ordering is networkx's topological sort.""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,6 +48,13 @@ class Dag:
 
     def rule(self, name: str) -> TriggerRule:
         return self.specs[name].trigger_rule
+
+    @functools.cached_property
+    def settles_locally(self) -> bool:
+        """Whether what a node's end changes is decided by its dependents' rules alone:
+        no node maps (instances end their mapped node) and none has a condition (which may
+        read a node above its own upstream nodes, and wait on it)."""
+        return not self.conditions and all(spec.map is None for spec in self.specs.values())
 
 
 def _templated_fields(spec: NodeSpec) -> list[tuple[str, str]]:
