@@ -73,7 +73,9 @@ def test_the_agent_leases_ahead_and_starts_each_process_no_earlier_than_its_run_
     marks = shared_dir()
     workers.start(core, tmp_path / "w", "w", CAIRN_WORKER_CLAIM_AHEAD_S=AHEAD_S)
     _serving(db, tmp_path / "w")
-    ids = [_submit(core, _marking(marks, 2.0 + n * 0.3, db)) for n in range(5)]
+    # Due 4 s on: a loaded machine (CI's suite beside this test) may take seconds between a
+    # submission and its lease, which must come before run_at to be "ahead".
+    ids = [_submit(core, _marking(marks, 4.0 + n * 0.3, db)) for n in range(5)]
     wait_for(lambda: all(_state(db, t) == "succeeded" for t in ids), timeout=60, interval=0.1)
     for task in ids:
         assert _claimed_ahead(db, task)
