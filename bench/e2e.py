@@ -201,6 +201,16 @@ def _steps(
         # Attempts leased by one turn share its answer time: how many came in each.
         turns = Counter(timings[a]["answered"] for a, _ in leases.values() if a in timings)
         out["leased_per_turn"] = {"mean": round(sum(turns.values()) / len(turns), 2)}
+        # How soon the agent's next claim left once a turn's leases arrived: the time no
+        # claim of its own was on its way to core (one claiming turn at a time).
+        sent = sorted({(timings[a]["sent"], timings[a]["answered"]) for a, _ in leases.values()
+                       if a in timings})  # fmt: skip
+        gaps = [(b[0] - a[1]) * 1000 for a, b in pairwise(sent) if b[0] >= a[1]]
+        if gaps:
+            out["answered->next_claim_sent"] = {
+                "p50_ms": round(_pct(gaps, 0.5), 2),
+                "p99_ms": round(_pct(gaps, 0.99), 2),
+            }
     return out
 
 
