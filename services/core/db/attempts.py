@@ -1081,7 +1081,7 @@ SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
 
 class Picked(list[Any]):
     """The rows a claim's pick locked, and whether any work of its queues waited at all
-    (``waiting``; asked only when the pick found none)."""
+    (``waiting``: probed with every pick, read by a look that leased nothing)."""
 
     waiting = True
 
