@@ -164,6 +164,17 @@ def _times(up: Up, task_id: int) -> tuple[float, float, float]:
     return created, started, ended
 
 
+def _looks(up: Up) -> dict[str, float]:
+    """Core's looks by woken waiting claims so far, by what they found (leased, empty);
+    a claim's first look, in its own turn, is not counted."""
+    found = {"leased": 0.0, "empty": 0.0}
+    for line in up.core.get("/metrics").text.splitlines():
+        if line.startswith("cairn_claim_looks_total{"):
+            kind = "leased" if 'outcome="leased"' in line else "empty"
+            found[kind] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def _ms(values: list[float]) -> str:
     ordered = sorted(values)
     p90 = ordered[int(0.9 * (len(ordered) - 1))]
@@ -190,9 +201,9 @@ def main() -> None:
             {"name": f"n{i}", "task": task, "depends_on": [f"n{i - 1}"]}
             for i in range(1, args.chain)
         ]
-        before = up.cpu()
+        before, looks = up.cpu(), _looks(up)
         took, run = _run(up, "chain", chain, 30 + args.chain)
-        after = up.cpu()
+        after, looked = up.cpu(), _looks(up)
         print(
             f"chain of {args.chain} ({args.program}): {run['state']} in {took:.2f} s, "
             f"{took / args.chain * 1000:.1f} ms a hop (bar: 10 s for 400)"
@@ -203,6 +214,10 @@ def main() -> None:
                 f"{name} {(after[name] - before[name]) / args.chain * 1000:.1f} ms"
                 for name in before
             )
+        )
+        print(
+            "  woken claims' looks a hop: "
+            + ", ".join(f"{k} {(looked[k] - looks[k]) / args.chain:.2f}" for k in looks)
         )
         by_name = {n["name"]: n for n in run["nodes"]}
         times = [_times(up, by_name[f"n{i}"]["task_id"]) for i in range(args.chain)]

@@ -156,6 +156,16 @@ def _leases(database_url: str, first_id: int) -> dict[int, tuple[int, float]]:
     return {int(r[0]): (int(r[1]), float(r[2])) for r in rows}
 
 
+def _claim_looks(core_url: str) -> dict[str, float]:
+    """Core's ``cairn_claim_looks_total`` by what the look found (leased, empty)."""
+    found = {"leased": 0.0, "empty": 0.0}
+    for line in httpx.get(core_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("cairn_claim_looks_total{"):
+            kind = "leased" if 'outcome="leased"' in line else "empty"
+            found[kind] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def _timings(path: Path) -> dict[int, dict[str, float]]:
     """The agent's step times per attempt (``services/worker/timings.py``)."""
     if not path.exists():
@@ -201,6 +211,16 @@ def _steps(
         # Attempts leased by one turn share its answer time: how many came in each.
         turns = Counter(timings[a]["answered"] for a, _ in leases.values() if a in timings)
         out["leased_per_turn"] = {"mean": round(sum(turns.values()) / len(turns), 2)}
+        # How soon the agent's next claim left once a turn's leases arrived: the time no
+        # claim of its own was on its way to core (one claiming turn at a time).
+        sent = sorted({(timings[a]["sent"], timings[a]["answered"]) for a, _ in leases.values()
+                       if a in timings})  # fmt: skip
+        gaps = [(b[0] - a[1]) * 1000 for a, b in pairwise(sent) if b[0] >= a[1]]
+        if gaps:
+            out["answered->next_claim_sent"] = {
+                "p50_ms": round(_pct(gaps, 0.5), 2),
+                "p99_ms": round(_pct(gaps, 0.99), 2),
+            }
     return out
 
 
@@ -488,12 +508,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for rate in args.rates:
                 first = _max_id(stack.database_url) + 1
                 cpu_before = _cpu_counters(stack, agent.pid)
+                looks_before = _claim_looks(stack.core_url)
                 window = time.monotonic()
                 accepted, offered = await steady(
                     stack.core_url, user, artifact, records, rate, args.duration, base
                 )
                 _wait_final(stack.database_url, done_before + accepted, 60)
                 cpu_after = _cpu_counters(stack, agent.pid)
+                looks = _claim_looks(stack.core_url)
                 window = time.monotonic() - window
                 done_before += accepted
                 created = _created(stack.database_url, first)
@@ -518,6 +540,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "steps": _steps(
                         created, _leases(stack.database_url, first), _timings(timings), starts
                     ),
+                    # looks by woken waiting claims (a claim's first look is in its turn)
+                    "claim_looks_per_task": {
+                        found: round((looks[found] - looks_before[found]) / max(accepted, 1), 2)
+                        for found in looks
+                    },
                 }
                 base += 10**6
             with Runner() as runner:
@@ -577,6 +604,7 @@ def main() -> None:
             )
             for step, figures in r["steps"].items():
                 print(f"    {step}: {figures}")
+            print(f"    woken claims' looks per task: {r['claim_looks_per_task']}")
     for key, f in results.items():
         if key.startswith("floor_"):
             _print_floor(f)

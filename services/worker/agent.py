@@ -184,6 +184,7 @@ class Agent:
         self.draining = asyncio.Event()
         self.running: dict[int, tuple[Assignment, RunningAttempt | None]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.launching: list[Assignment] = []  # leased, their tasks made next (``_launch``)
         self.releasing: set[asyncio.Task[None]] = set()
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.bridge: asyncio.Task[None] | None = None
@@ -307,6 +308,7 @@ class Agent:
 
     async def _abandon(self) -> None:
         """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
+        self._launch()
         for attempt_id in list(self.holding):
             self._wake(attempt_id, "stop")
         for _, handle in list(self.running.values()):
@@ -445,16 +447,30 @@ class Agent:
         return sorted({*self.running, *self.starting, *self.outbox, *self.sending})
 
     def _start_all(self, leased: list[Assignment]) -> None:
+        """Hold what a turn leased at once (its room is taken: the next claim is measured
+        without it), and start preparing it on the loop's next pass: the main loop sends
+        its next claim first, so that a claim waits at core while these are prepared."""
+        fresh = []
         for assignment in leased:
             known = (self.running, self.starting, self.ran)
             if any(assignment.attempt_id in where for where in known):
                 continue  # handed out again (``Turn.holding``), and already here or run
             self.running[assignment.attempt_id] = (assignment, None)
+            fresh.append(assignment)
+        if fresh:
+            self._publish()
+            if not self.launching:
+                asyncio.get_running_loop().call_soon(self._launch)
+            self.launching.extend(fresh)
+
+    def _launch(self) -> None:
+        """Start preparing the attempts ``_start_all`` held (also at once before a drain
+        or an abandon counts the attempts' tasks)."""
+        leased, self.launching = self.launching, []
+        for assignment in leased:
             task = asyncio.create_task(self._attempt(assignment))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
-        if leased:
-            self._publish()
 
     # --- the turn: one request carries the reports, the starts and the claim ---
 
@@ -636,6 +652,7 @@ class Agent:
 
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
+        self._launch()  # leased last: each hands itself back (draining is set)
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
         for attempt_id in list(self.holding):
             self._wake(attempt_id, "drain")  # not started yet: handed back at once

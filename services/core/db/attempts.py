@@ -1066,6 +1066,26 @@ async def report_many(
     return await applied(conn, settled)
 
 
+# Whether any work of a claim's queues waits, whatever its size or labels (due or not,
+# locked or not: a superset of what its pick could take in a larger room): one probe of
+# each state's index, sent with the pick. A claim whose look found nothing and none of
+# this has nothing to gain from room freed on its worker (``feed.Line.may_grow``).
+_ANY_WAITING = text(f"""
+SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
+                 AND t.queue = ANY(CAST(:queues AS text[])))
+    OR EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_READY}'
+                 AND t.queue = ANY(CAST(:queues AS text[]))
+                 AND t.run_at <= now() + make_interval(secs => :ahead_s)) AS waiting
+""")
+
+
+class Picked(list[Any]):
+    """The rows a claim's pick locked, and whether any work of its queues waited at all
+    (``waiting``: probed with every pick, read by a look that leased nothing)."""
+
+    waiting = True
+
+
 async def finish_and_pick(
     conn: AsyncConnection,
     settled: Settled,
@@ -1079,12 +1099,19 @@ async def finish_and_pick(
     pick to lease or a service's exit to decide (``applied``); without either (a turn
     that only reports, as the agent's courier sends them), the COMMIT goes in the same
     round trip (as ``lease(..., last=True)`` does), not in one of its own."""
-    chain = [*first, *settled.statements()] + ([asked.statement()] if asked is not None else [])
+    chain = [*first, *settled.statements()]
+    if asked is not None:
+        probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
+        chain += [asked.statement(), (_ANY_WAITING, probe)]
     if not chain:
         return []
     done = last and asked is None and all(move is not None for _, _, move in settled.batch)
     found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
-    return found[len(chain) - 1] if asked is not None else []
+    if asked is None:
+        return []
+    picked = Picked(found[-2])
+    picked.waiting = bool(found[-1][0].waiting)
+    return picked
 
 
 def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[str, Any]:

@@ -85,6 +85,9 @@ class Work:
     #: room a worker's own reports freed on it (CPU and memory its charges held), by
     #: worker id: its waiting claim looks again, its room grown by it (``Waiter.freed``)
     freed: Mapping[int, Amount] = field(default_factory=dict)
+    #: workers whose reports ended attempts (room freed on them): each one's waiting claim
+    #: looks again if it may have been short of room (``Line.may_grow``)
+    ended: frozenset[int] = frozenset()
 
     @classmethod
     def of_queues(cls, queues: Iterable[str]) -> Work:
@@ -92,7 +95,13 @@ class Work:
 
     def __bool__(self) -> bool:
         return bool(
-            self.queues or self.any or self.workers or self.sweep or self.placed or self.freed
+            self.queues
+            or self.any
+            or self.workers
+            or self.sweep
+            or self.placed
+            or self.freed
+            or self.ended
         )
 
     def __add__(self, other: Work) -> Work:
@@ -107,6 +116,7 @@ class Work:
                 w: self.freed.get(w, ZERO) + other.freed.get(w, ZERO)
                 for w in {*self.freed, *other.freed}
             },
+            self.ended | other.ended,
         )
 
     def dump(self) -> str:
@@ -114,7 +124,7 @@ class Work:
         freed on workers stays, a sweep cannot stand in for it: the first
         ``_WORK_NAMES_MAX`` workers')."""
         names = len(self.queues) + len(self.workers) + len(self.placed) + len(self.freed)
-        if names > _WORK_NAMES_MAX:
+        if names + len(self.ended) > _WORK_NAMES_MAX:
             total = self.any + sum(self.queues.values()) + len(self.placed)
             freed = dict(sorted(self.freed.items())[:_WORK_NAMES_MAX])
             return Work(any=total, sweep=True, freed=freed).dump()
@@ -125,6 +135,8 @@ class Work:
             body["n"] = self.any
         if self.workers:
             body["w"] = sorted(self.workers)
+        if self.ended:
+            body["e"] = sorted(self.ended)
         if self.sweep:
             body["s"] = 1
         if self.placed:
@@ -152,6 +164,7 @@ class Work:
                     int(w): Amount(float(cpu), float(memory_mb))
                     for w, (cpu, memory_mb) in body.get("f", {}).items()
                 },
+                ended=frozenset(int(w) for w in body.get("e", ())),
             )
         except (ValueError, TypeError, AttributeError):
             return cls(sweep=True)
@@ -165,9 +178,12 @@ class Waiter:
     """One waiting claim: its worker, its queues (None until its worker's row is read:
     then it serves every queue), the event that wakes it, and the room its worker's own
     reports freed while it waited (``freed``: the agent measured the claim's room before
-    those attempts ended)."""
+    those attempts ended), and whether its last look may have been short of room
+    (``short``: it had none, or work of its queues waited that it did not take; True
+    until it has looked, and while it looks) as of the line's count of such looks
+    (``seen``: ``Line.may_grow``)."""
 
-    __slots__ = ("event", "facts", "freed", "queues", "worker")
+    __slots__ = ("event", "facts", "freed", "queues", "seen", "short", "worker")
 
     def __init__(self, worker: int, queues: frozenset[str] | None) -> None:
         self.worker = worker
@@ -176,6 +192,8 @@ class Waiter:
         self.facts: frozenset[str] | None = None
         self.event = asyncio.Event()
         self.freed = ZERO
+        self.short = True
+        self.seen = 0
 
     def serves(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
@@ -209,6 +227,8 @@ class Line:
 
     def __init__(self) -> None:
         self._waiting: dict[Waiter, None] = {}  # insertion order: waiting order
+        #: looks on this line that may have been short of room (``looked``)
+        self.shorts = 0
         #: the process is stopping: waiting claims answer now (nothing leased)
         self.closed = False
 
@@ -228,6 +248,22 @@ class Line:
     def rest(self, waiter: Waiter) -> None:
         """About to look again: later work wakes it anew."""
         waiter.event.clear()
+        waiter.short = True  # until its look says
+
+    def looked(self, waiter: Waiter, short: bool) -> None:
+        """Its look leased nothing; ``short``: it may have been for want of room (it had
+        none, or work of its queues waited)."""
+        if short:
+            self.shorts += 1
+        waiter.short, waiter.seen = short, self.shorts
+
+    def may_grow(self, waiter: Waiter) -> bool:
+        """Whether room freed on its worker may let it lease: its last look may have been
+        short of room, or another look here was since (work waits that some claim did
+        not take, and this one has not looked at it). A claim that last found nothing
+        waiting at all has nothing more to find in a larger room: the work that comes
+        next is announced and wakes it."""
+        return waiter.short or waiter.seen != self.shorts
 
     def back(self, waiter: Waiter) -> None:
         """It looked and found nothing it could take: to the back of the line, so that the
@@ -253,10 +289,7 @@ class Line:
         woken = 0
         if work.workers:
             woken += self._wake_first(len(self._waiting), lambda w: w.worker in work.workers)
-        for waiter in list(self._waiting):
-            if waiter.worker in work.freed:
-                waiter.freed += work.freed[waiter.worker]
-                woken += 0 if waiter.woken else self._set(waiter)
+        woken += self._grow(work)
         for queue, n in work.queues.items():
             woken += self._wake_first(n, lambda w, q=queue: w.serves(q))  # type: ignore[misc]
         for queue, rule in work.placed:
@@ -269,6 +302,20 @@ class Line:
                 if waiter.queues is None or not waiter.queues <= seen:
                     seen |= waiter.queues or set()
                     woken += self._set(waiter)
+        return woken
+
+    def _grow(self, work: Work) -> int:
+        """Room freed on workers: added to their claims' (``freed``), and each claim
+        that may lease more in it looks again (``may_grow``)."""
+        if not work.freed and not work.ended:
+            return 0
+        woken = 0
+        for waiter in list(self._waiting):
+            if waiter.worker in work.freed:
+                waiter.freed += work.freed[waiter.worker]
+            grown = waiter.worker in work.freed or waiter.worker in work.ended
+            if grown and not waiter.woken and self.may_grow(waiter):
+                woken += self._set(waiter)
         return woken
 
     def wake_all(self) -> int:

@@ -124,14 +124,19 @@ async def turn(
             waiter.queues = frozenset(heard.worker.queues)
             waiter.facts = frozenset(selectors.facts(heard.worker.labels or {}))
         leased = resent + leased
-        freed = _freed(heard, verdicts) if body.claim is None else None
+        # Reports sent with a claim free room that claim's own pick already saw (it
+        # follows them in this transaction), and the agent has no other claim out: they
+        # wake none of its claims. Those sent alone may (``_told``).
+        alone = body.claim is None
+        freed = _freed(heard, verdicts) if alone else None
         _told(
             ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers,
-            worker_id, freed,
+            worker_id if alone else None, freed,
         )  # fmt: skip
         if waiter is None or leased or state != Workers.LIVE:
             return TurnResult(state, verdicts, leased)
         assert body.claim is not None
+        ops.notifier.line.looked(waiter, _short(asked, picked))
         leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, waiter)
         return TurnResult(state, verdicts, leased)
     finally:
@@ -310,7 +315,14 @@ async def _wait_for_work(
             return leased, state
         if state != Workers.LIVE:
             return leased, state
+        line.looked(waiter, _short(asked, picked))
         line.back(waiter)  # nothing it could take: the next wake-up goes to the others
+
+
+def _short(asked: attempts_db.Ask | None, picked: list[Any]) -> bool:
+    """Whether a look that leased nothing may have been short of room: it had none to
+    fill, or work of its queues waited (``attempts.Picked``)."""
+    return asked is None or getattr(picked, "waiting", True)
 
 
 def _told(
@@ -328,7 +340,9 @@ def _told(
     next claim may be waiting already, sent while these reports were on their way, and
     core then counted that room as taken) looks again, on whichever replica it waits;
     reports sent without a claim (``freed``: what their attempts held) were sent after
-    that claim's room was measured, and grow it by what they freed."""
+    that claim's room was measured, and grow it by what they freed. That claim looks
+    again only if its last look may have been short of room (``feed.Line.may_grow``):
+    one that found nothing waiting has nothing more to find."""
     ops.meter.count(tally)
     outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
@@ -350,7 +364,7 @@ def _told(
         released = applied > 0 and ops.holds.recent()
         mine = frozenset([worker_id]) if applied and worker_id is not None else frozenset()
         grown = {worker_id: freed} if mine and worker_id is not None and freed is not None else {}
-        ops.notifier.announce(Work(any=tally.lost, sweep=released, workers=mine, freed=grown))
+        ops.notifier.announce(Work(any=tally.lost, sweep=released, ended=mine, freed=grown))
     ended = [v.attempt_id for v in verdicts if v.state is not None]
     if ended:
         ops.notifier.announce_log(ended)  # their logs are complete: followers end

@@ -213,3 +213,53 @@ def test_a_report_on_one_replica_grows_the_room_of_its_workers_claim_waiting_on_
     finally:
         for core in cores:
             core.stop()
+
+
+def test_a_report_costs_its_workers_waiting_claim_no_look_when_nothing_waits(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A hop of a chain: the worker's next claim looked and found nothing waiting; the
+    report of the attempt before it frees room, which cannot make that claim lease
+    anything (nothing waits), so it costs no look; the next task announced wakes it."""
+    core = start_core(db_url, tmp_path / "c", claim_sweep_s=30, heartbeat_timeout_s=600)
+    token = make_token(db_url, "fleet", "worker")
+    user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
+    task = spec(queue="chain-hop", resources={"cpu": 1, "memory_mb": 100})
+    try:
+        with httpx.Client(base_url=core.url, headers={"Authorization": f"Bearer {token}"}) as c:
+            offer = {"hostname": "w", "queues": ["chain-hop"], "cpu": 4, "memory_mb": 600}
+            answer = c.post("/v1/workers", json=offer)
+            answer.raise_for_status()
+            wid, lease = answer.json()["worker"]["id"], answer.json()["lease"]
+        heads = {"Authorization": f"Bearer {token}", "X-Cairn-Worker-Lease": lease}
+        agent = httpx.Client(base_url=core.url, headers=heads, timeout=60)
+        courier = httpx.Client(base_url=core.url, headers=heads, timeout=60)
+        with agent, courier, httpx.Client(base_url=core.url, headers=user) as alice:
+            assert alice.post("/v1/tasks", json=task).status_code == 201
+            room = {"cpu": 4, "memory_mb": 600, "max": 4}
+            [first] = agent.post(f"/v1/workers/{wid}/turn", json={"claim": room}).json()["attempts"]
+            left = {"cpu": 3, "memory_mb": 500, "max": 3, "wait": WAIT_S}
+
+            async def run() -> tuple[dict[str, Any], int, int]:
+                claim = asyncio.create_task(
+                    asyncio.to_thread(agent.post, f"/v1/workers/{wid}/turn", json={"claim": left})
+                )
+                await asyncio.sleep(0.5)  # it looked, found nothing, waits
+                looks = _looks([core.url])
+                report = {"attempt_id": first["attempt_id"], "outcome": "succeeded"}
+                answer = await asyncio.to_thread(
+                    courier.post, f"/v1/workers/{wid}/turn", json={"reports": [report]}
+                )
+                assert answer.json()["reports"][0]["status"] == 200
+                await asyncio.sleep(0.5)
+                assert not claim.done()
+                after_report = _looks([core.url])
+                assert alice.post("/v1/tasks", json=task).status_code == 201
+                claimed = await asyncio.wait_for(claim, WAIT_S + 10)
+                return claimed.json(), after_report - looks, _looks([core.url]) - looks
+
+            claimed, wasted, looks = asyncio.run(run())
+            assert wasted == 0, "the report woke a claim that had nothing to find"
+            assert len(claimed["attempts"]) == 1 and looks == 1
+    finally:
+        core.stop()

@@ -96,6 +96,25 @@ def test_room_freed_by_a_workers_reports_adds_up_on_its_claims_and_crosses_repli
     assert b.woken and b.freed == Amount(2.5, 900.0)
 
 
+def test_room_freed_wakes_a_claim_only_if_its_last_look_may_have_been_short_of_room() -> None:
+    line, (a, b) = _line(("q",), ("q",))
+    ended = Work(ended=frozenset([0]), freed={0: Amount(1.0, 100.0)})
+    assert Work.load(ended.dump()) == ended
+    # Not looked yet (or looking): it may be short, so room freed wakes it.
+    assert line.wake(Work(ended=frozenset([0]))) == 1 and a.woken
+    line.rest(a)
+    line.looked(a, short=False)  # found nothing waiting at all
+    line.looked(b, short=False)
+    # Its room still grows, but it does not look again for it: nothing waits.
+    assert line.wake(ended) == 0 and not a.woken and a.freed == Amount(1.0, 100.0)
+    # Another claim here found work it did not take: room freed on a's worker may help.
+    line.looked(b, short=True)
+    assert line.wake(ended) == 1 and a.woken and a.freed == Amount(2.0, 200.0)
+    line.rest(a)
+    line.looked(a, short=True)  # work waited that it did not take
+    assert line.wake(Work(ended=frozenset([0]))) == 1 and a.woken
+
+
 def test_a_sweep_wakes_the_longest_waiting_claim_of_each_queue() -> None:
     line, ws = _line(("a",), ("a",), ("b",), ("a", "b"), ("c", "a"))
     assert line.wake(Work(sweep=True)) == 3
