@@ -213,21 +213,14 @@ class RunningAttempt:
         if self._stopped is not None:
             outcome, error = _judge(None, None, self._stopped, self.spec, self._detail)
         group = self.spec.cgroup
-        if group is not None and self._stopped is None and group.oom_kills():
-            outcome = "oom_killed"
-            error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
-        return AttemptResult(
-            outcome=outcome,
-            exit_code=None,
-            signal=None,
-            peak_memory_mb=group.peak_memory_mb() if group is not None else None,
-            cpu_seconds=group.cpu_seconds() if group is not None else None,
-            started_at=self._started_wall,
-            ended_at=datetime.now(UTC),
-            duration_s=time.monotonic() - self._started,
-            error=error,
-            log_tail=read_tail(self.spec.log_path, log=self.log),
-            stopped=self._stopped,
+        outcome, error = self._memory_verdict(outcome, error)
+        return self._ended(
+            outcome,
+            error,
+            None,
+            None,
+            group.peak_memory_mb() if group is not None else None,
+            group.cpu_seconds() if group is not None else None,
         )
 
     async def _stop(self, grace_s: float) -> None:
@@ -258,21 +251,39 @@ class RunningAttempt:
         if group is not None:
             peak = group.peak_memory_mb() or peak
             cpu = group.cpu_seconds() or cpu
-            # Any process of the attempt killed for memory makes it an OOM kill, even if
-            # its leader shrugged that off and exited 0.
-            if (
-                outcome in ("succeeded", "failed", "killed")
-                and self._stopped is None
-                and group.oom_kills()
-            ):
-                outcome = "oom_killed"
-                error = f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
+        outcome, error = self._memory_verdict(outcome, error)
         if outcome in ("failed", "killed") and self._stopped is None and self._disk_full():
             outcome = "disk_exceeded"
             error = (
                 f"disk quota exceeded: its files filled the attempt's {self.spec.disk_mb} MB "
                 "(a write failed with ENOSPC)"
             )
+        return self._ended(outcome, error, exit_code, signum, peak, cpu)
+
+    def _memory_verdict(self, outcome: Outcome, error: str | None) -> tuple[Outcome, str | None]:
+        """Any process of the attempt killed for memory makes it an OOM kill, even if its
+        leader shrugged that off and exited 0 (or its exit status was lost)."""
+        group = self.spec.cgroup
+        if (
+            group is not None
+            and outcome in ("succeeded", "failed", "killed")
+            and self._stopped is None
+            and group.oom_kills()
+        ):
+            return "oom_killed", (
+                f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
+            )
+        return outcome, error
+
+    def _ended(
+        self,
+        outcome: Outcome,
+        error: str | None,
+        exit_code: int | None,
+        signum: int | None,
+        peak: float | None,
+        cpu: float | None,
+    ) -> AttemptResult:
         return AttemptResult(
             outcome=outcome,
             exit_code=exit_code,
