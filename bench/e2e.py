@@ -27,7 +27,11 @@ for ``--slots`` at once.
    their reaped children's (the attempts they started), from ``/proc``; the floor's: its loops' and the programs' rusage. Wall per
    task: first submission to last ``finished_at`` over the tasks, against the floor's
    elapsed time over its spawns. The machine's CPU per task (core, PostgreSQL and this
-   script too) is put beside the same floor, which holds no core and no PostgreSQL.
+   script too) is put beside the same floor, which holds no core and no PostgreSQL, and
+   beside the whole floor: that spawn plus the cheapest queue's cost per task on the same
+   PostgreSQL server, pgqueuer (the `bench` extra) enqueuing the same number of jobs in
+   batches of 500 and one pgqueuer worker draining them (its process and PostgreSQL). It
+   has no HTTP, no authentication and no event rows, so the ratio to it is a strict one.
 
 The bars (`../shared/DESIGN.md`): >= 1,000 tasks/s; at 500/s p99 <= 50 ms; at 200/s p50
 <= 10 ms. Everything shares the machine's cores: core, PostgreSQL, the agent, its
@@ -427,6 +431,8 @@ async def against_floor(
     cpu = {name: (after[name] - before[name]) * 1000 / count for name in after}
     cairn_cpu = cpu["agent"] + cpu["reaped"] + cpu["helpers"]
     wall = (max(ended) - began) * 1000 / len(ended) if ended else 0.0
+    queue = await _queue_floor(stack, count)
+    whole = floor.cpu_ms + queue["cpu_ms"] if floor.spawns and queue else None
     return {
         "program": " ".join(command),
         "succeeded": len(ended),
@@ -440,8 +446,30 @@ async def against_floor(
         "cpu_ratio": ratio(cairn_cpu, floor.cpu_ms) if floor.spawns else None,
         "machine_ratio": ratio(cpu["machine"], floor.cpu_ms) if floor.spawns else None,
         "wall_ratio": ratio(wall, floor.wall_ms) if floor.spawns else None,
+        "queue_floor": queue,
+        "whole_floor_cpu_ms": round(whole, 3) if whole else None,
+        "whole_ratio": ratio(cpu["machine"], whole) if whole else None,
         "load": _load(),
     }
+
+
+async def _queue_floor(stack: Stack, count: int) -> dict[str, Any] | None:
+    """What the cheapest queue on this PostgreSQL spends to take ``count`` tasks in and
+    hand each out and back: pgqueuer (the `bench` extra) enqueuing them in batches of
+    500, as the run submits its tasks, and one pgqueuer worker draining them (its
+    process and PostgreSQL, per job); None without pgqueuer."""
+    try:
+        from dispatch import pgqueuer_drain
+    except ImportError:  # pragma: no cover - the bench extra is not installed
+        return None
+    try:
+        got = await pgqueuer_drain(
+            stack.database_url, count, 64, stack.postmaster_pid, enqueue_batch=500
+        )
+    except ImportError:
+        return None
+    per_job = got["enqueue_cpu_ms_per_job"] + got["cpu_ms_per_job"]
+    return {**got, "cpu_ms": round(per_job, 3)}
 
 
 def _final_count(database_url: str) -> int:
@@ -622,7 +650,17 @@ def _print_floor(f: dict[str, Any]) -> None:
     )
     print(
         f"    Cairn/floor: CPU {f['cpu_ratio']} (bar 1.5x), wall {f['wall_ratio']}; "
-        f"machine/floor CPU {f['machine_ratio']} (the floor holds no core nor PostgreSQL)"
+        f"machine/floor CPU {f['machine_ratio']} (that floor holds no core nor PostgreSQL)"
+    )
+    q = f["queue_floor"]
+    if q is None:
+        print("    the whole floor: not measured (pgqueuer, the `bench` extra, not installed)")
+        return
+    print(
+        f"    the queue's floor: pgqueuer enqueued {q['jobs']} jobs at "
+        f"{q['enqueue_cpu_ms_per_job']} ms and drained them at {q['cpu_ms_per_job']} ms of CPU "
+        f"a job (its process + PostgreSQL); the whole floor (spawn + queue) "
+        f"{f['whole_floor_cpu_ms']} ms; machine/whole floor CPU {f['whole_ratio']} (bar 1.5x)"
     )
 
 
