@@ -108,12 +108,37 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     async def _db_error(request: Request, exc: DBAPIError) -> JSONResponse:
-        if exc.connection_invalidated:
-            return problem_response(Unavailable(), request)
-        if isinstance(exc, DataError):
-            # A value the models let through but PostgreSQL cannot hold: still the
-            # caller's input, so a 422, never a 500.
-            log.warning("database refused a value: %s", exc.orig)
-            return problem_response(InvalidInput("a value is outside what can be stored"), request)
-        log.exception("database error")
-        return problem_response(CairnError("internal database error"), request)
+        return _database_error(exc, request)
+
+
+def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
+    """The answer to a request that met ``exc`` from the database."""
+    if exc.connection_invalidated:
+        return problem_response(Unavailable(), request)
+    if isinstance(exc, DataError):
+        # A value the models let through but PostgreSQL cannot hold: still the
+        # caller's input, so a 422, never a 500.
+        log.warning("database refused a value: %s", exc.orig)
+        return problem_response(InvalidInput("a value is outside what can be stored"), request)
+    if _replanned(exc):
+        # Prepared afresh at its next run (the pool's connection forgot it with the
+        # failed transaction's rollback), so an answer the caller may retry at once.
+        log.warning("a table changed under a prepared statement: %s", exc.orig)
+        response = problem_response(Unavailable(_REPLANNED), request)
+        response.headers["Retry-After"] = "0"
+        return response
+    log.exception("database error")
+    return problem_response(CairnError("internal database error"), request)
+
+
+_REPLANNED = "a table changed under this request (an upgrade in progress); retry it"
+
+
+def _replanned(exc: DBAPIError) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing a prepared statement whose result's columns
+    changed under it (SQLSTATE 0A000, "cached plan must not change result type"): a
+    statement reading ``t.*`` after a rolling upgrade's migration added a column to ``t``.
+    The transaction changed nothing, and the pool's connection forgot its statements with
+    the failed transaction's rollback, so the retry prepares them afresh."""
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) == "0A000" and "cached plan" in str(orig)

@@ -43,3 +43,63 @@ def test_reads_keep_prepared_statements_and_an_error_forgets_them(db_url: str) -
     # A transaction in error is rolled back as psycopg does: every statement forgotten
     # (DEALLOCATE ALL), so a plan the server refused is prepared afresh.
     assert not any("FROM core.tasks WHERE state" in s for s in after_error), after_error
+
+
+async def _reads_across_a_migration(db_url: str) -> list[tuple[int, str | None, int]]:
+    """A read of ``t.*`` served 7 times (prepared at its 6th), a column added to ``t`` by
+    another connection (a rolling upgrade's migration), then the read twice more."""
+    import httpx
+    import psycopg
+    from fastapi import FastAPI
+
+    from libs.common import problems
+    from libs.common.settings import libpq_url
+
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+        admin.execute("DROP SCHEMA IF EXISTS replan CASCADE")
+        admin.execute("CREATE SCHEMA replan")
+        admin.execute("CREATE TABLE replan.t (id int PRIMARY KEY)")
+        admin.execute("INSERT INTO replan.t VALUES (1)")
+    engine = database.pool(db_url, CairnSettings(database_url=db_url), pool_size=1, max_overflow=0)
+    app = FastAPI()
+    problems.install(app)
+
+    @app.get("/rows")
+    async def rows() -> list[dict[str, object]]:
+        async with engine.connect() as conn:
+            return [
+                dict(r) for r in (await conn.execute(text("SELECT t.* FROM replan.t t"))).mappings()
+            ]
+
+    answers = []
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t"
+        ) as http:
+            for _ in range(7):
+                assert (await http.get("/rows")).status_code == 200
+            with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+                admin.execute("ALTER TABLE replan.t ADD COLUMN note text DEFAULT 'new'")
+            for _ in range(2):
+                got = await http.get("/rows")
+                answers.append(
+                    (
+                        got.status_code,
+                        got.headers.get("retry-after"),
+                        len(got.json()[0]) if got.status_code == 200 else 0,
+                    )
+                )
+    finally:
+        await engine.dispose()
+        with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+            admin.execute("DROP SCHEMA replan CASCADE")
+    return answers
+
+
+def test_a_column_added_under_a_prepared_read_is_a_503_then_served(db_url: str) -> None:
+    # PostgreSQL refuses the cached plan of a statement whose result's columns changed:
+    # a 503 the caller may retry at once (never a 500), and the retry is served with the
+    # new column, prepared afresh.
+    first, second = asyncio.run(_reads_across_a_migration(db_url))
+    assert first == (503, "0", 0), first
+    assert second == (200, None, 2), second
