@@ -10,9 +10,8 @@ import json
 import logging
 from pathlib import Path
 
-import pytest
-
 import httpx
+import pytest
 
 from libs.common.client import CoreClient
 from services.worker.logship import LogShipper
