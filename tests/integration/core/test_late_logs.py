@@ -8,33 +8,18 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 
 from libs.common.settings import libpq_url
 from tests.integration.core.test_log_store import BUCKET, _keys, s3  # noqa: F401 (fixture)
-from tests.integration.core.test_logs import OFFER, Shipper
-from tests.support import Core, register_worker, spec, start_core, wait_for
+from tests.integration.core.test_logs import OFFER, Shipper, _running, shipper  # noqa: F401
+from tests.support import Core, register_worker, start_core, wait_for
 
 WHOLE = ["one\n", "two\n", "three é\n"]
 SIZE = len("".join(WHOLE).encode())
-
-
-@pytest.fixture
-def shipper(core: Core) -> Iterator[Shipper]:
-    made = Shipper(core)
-    yield made
-    made.http.close()
-
-
-def _running(core: Core, shipper: Shipper) -> tuple[int, int]:
-    with core.client() as alice:
-        task = alice.post("/v1/tasks", json=spec()).json()
-    return task["id"], shipper.claim()["attempt_id"]
 
 
 def _statuses(answer: Any) -> list[tuple[int, str | None]]:
@@ -61,7 +46,8 @@ def _follow(core: Core, task_id: int, events: list[tuple[str, dict]]) -> threadi
 
 
 def test_the_rest_of_a_log_after_the_report_is_taken_and_the_follower_waits_for_it(
-    core: Core, shipper: Shipper
+    core: Core,
+    shipper: Shipper,  # noqa: F811 (the fixture)
 ) -> None:
     task_id, attempt = _running(core, shipper)
     assert _statuses(shipper.ship((attempt, 0, WHOLE[0]))) == [(200, None)]
@@ -94,7 +80,8 @@ def test_the_rest_of_a_log_after_the_report_is_taken_and_the_follower_waits_for_
 
 
 def test_late_chunks_are_refused_with_a_reason_unless_their_report_declared_them(
-    core: Core, shipper: Shipper
+    core: Core,
+    shipper: Shipper,  # noqa: F811 (the fixture)
 ) -> None:
     _, plain = _running(core, shipper)
     shipper.report(plain)  # core had it all: nothing more is taken
