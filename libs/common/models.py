@@ -1137,6 +1137,10 @@ class Report(Input):
     log_tail: Annotated[str, StringConstraints(max_length=16384)] | None = None
     #: what the attempt wrote to its ``CAIRN_OUTPUTS`` file (a JSON object), if anything
     outputs: Outputs | None = None
+    #: how many bytes of output the attempt wrote, when the end of its log is still on
+    #: its way to core (core then takes the rest for ``CAIRN_LOG_LATE_S``: docs/logs.md);
+    #: omitted when core has it all
+    log_bytes: int | None = Field(default=None, ge=0, le=2**62)
 
 
 class ReportAnswer(Output):
@@ -1167,11 +1171,26 @@ class LogBatch(Input):
 
     chunks: list[LogChunk] = Field(min_length=1, max_length=MAX_LOG_BATCH)
 
+    @model_validator(mode="after")
+    def _in_order(self) -> LogBatch:
+        """One attempt's chunks follow each other in the file, none overlapping an
+        earlier one (a gap is skipped output; an overlap is no worker's)."""
+        ends: dict[int, int] = {}
+        for chunk in self.chunks:
+            if chunk.offset < ends.get(chunk.attempt_id, 0):
+                raise ValueError(
+                    f"chunks: attempt {chunk.attempt_id}'s chunk at offset {chunk.offset} "
+                    "overlaps an earlier one of this batch"
+                )
+            ends[chunk.attempt_id] = chunk.offset + chunk.length
+        return self
+
 
 class LogAck(Output):
-    """One chunk's answer: ``status`` 200 (stored, or already held) or 409 (the attempt
-    is no longer this worker's, or has ended: ship no more of it); ``next_offset`` is
-    where core's copy of the file ends, where the next chunk starts."""
+    """One chunk's answer: ``status`` 200 (stored, or already held), 409 (the attempt is
+    no longer this worker's, or has ended and its log is closed: ship no more of it) or
+    422 (past the end of the output its report gave); ``next_offset`` is where core's copy
+    of the file ends, where the next chunk starts; ``detail`` says why a chunk is refused."""
 
     attempt_id: int
     offset: int

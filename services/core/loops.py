@@ -299,6 +299,7 @@ def singleton_loops(
             engine,
             objects,
             settings.log_archive_interval_s,
+            settings.log_late_s,
             settings.retention_days * 86400,
             settings.retention_interval_s,
             settings.retention_batch,
@@ -443,6 +444,7 @@ def log_loops(
     engine: AsyncEngine,
     objects: LogObjects | None,
     archive_interval_s: float,
+    late_s: float,
     retention_s: float,
     retention_interval_s: float,
     batch: int,
@@ -453,7 +455,11 @@ def log_loops(
     store = objects
     return [
         asyncio.create_task(
-            every(archive_interval_s, "log archive", lambda: tasklogs.archive_once(engine, store)),
+            every(
+                archive_interval_s,
+                "log archive",
+                lambda: tasklogs.archive_once(engine, store, late_s),
+            ),
             name="cairn-log-archive",
         ),
         asyncio.create_task(

@@ -283,6 +283,10 @@ class CoreSettings(SecretsKeySettings):
     #: what one attempt's log keeps at most (its end; a marker says what was dropped)
     #: (the worker agent reads the same variable for its file: ``libs.common.loglimit``)
     log_max_bytes: LogMaxBytes = DEFAULT_LOG_MAX_BYTES
+    #: how long after an attempt's report core still takes the rest of its log, when the
+    #: report said some was still on its way (``log_bytes``: its worker's agent found core
+    #: slow); its archiving and its followers' end wait for the rest as long
+    log_late_s: float = Field(default=60.0, ge=0, le=3600)
     #: where the logs of ended attempts live: ``postgres`` (their chunks stay), or ``s3``
     #: (an S3-compatible store: each ended attempt's chunks become one object)
     log_store: Literal["postgres", "s3"] = "postgres"

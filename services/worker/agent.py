@@ -956,6 +956,7 @@ class Agent:
         self.logs.register(self.worker_id, attempt, handle.log)
         self._watch(attempt, prepared.folders.view, spec.progress_timeout_s)
         probing = self._probe(assignment, handle, ports)
+        late: int | None = None  # the output's length, if its log's end is still on its way
         try:
             result = await handle.wait()
             self._look(attempt, self.watches.get(attempt))  # its last words
@@ -965,16 +966,18 @@ class Agent:
             # or a beat in between would have core declare it lost.
             self.running[attempt] = (assignment, None)
             self._publish()
-            await self.logs.finish(attempt)  # the rest of its log, before the report
+            late = await self.logs.finish(attempt)  # the rest of its log, before the report
         finally:
             self.watches.pop(attempt, None)
-            handle.log.close()
+            self.logs.release(attempt, handle.log.close)
             if probing is not None:
                 await self._unprobe(attempt, probing)
         report = outputs.attach(report_of(result), prepared.folders.view)
         why = self.preempt_reasons.pop(attempt, None)
         if report is not None and report.outcome == "preempted" and why:
             report = report.model_copy(update={"error": why})
+        if report is not None and late is not None:
+            report = report.model_copy(update={"log_bytes": late})
         return report
 
     # --- services' probes (docs/services.md) ---

@@ -15,7 +15,12 @@ refuses (409: the attempt is no longer this worker's) ends that attempt's shippi
 The chunks are the log: at an attempt's end ``finish`` sends the rest at once, not rate
 limited, before the agent reports, so a follower sees every line before the end; it
 waits at most ``CAIRN_WORKER_LOG_FLUSH_S`` for that. An attempt that wrote nothing more
-costs no request at all.
+costs no request at all. If core is slower than that, the report says how long the
+output was (``Report.log_bytes``) and the rest goes on after it, for at most
+``CAIRN_WORKER_LOG_TAIL_S`` more (core takes it for ``CAIRN_LOG_LATE_S`` after the
+report, and holds the log's end and its archiving until then); past that it is given up
+with a warning naming the bytes core never got. The file stays open until then
+(``release``): the bytes left are bounded as any backlog is.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,8 +67,10 @@ class _Log:
     allowance: float = 0.0  # bytes it may send now (a token bucket)
     held: bool = False  # a partial line was kept back last round
     finishing: bool = False
+    late: bool = False  # reported while its end was still on its way
     deadline: float = 0.0
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    close: Callable[[], None] | None = None  # the agent is done with the file
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class LogShipper:
         self.burst = max(self.rate * self.interval_s, MAX_LOG_CHUNK)
         self.backlog = settings.worker_log_backlog_mb * 2**20
         self.flush_s = settings.worker_log_flush_s
+        self.tail_s = settings.worker_log_tail_s
         self._logs: dict[int, _Log] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -94,24 +103,57 @@ class LogShipper:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="cairn-log-shipper")
 
-    async def finish(self, attempt_id: int) -> None:
-        """The attempt's process has ended: send the rest of its log, then forget it."""
+    async def finish(self, attempt_id: int) -> int | None:
+        """The attempt's process has ended: send the rest of its log, waiting at most
+        ``flush_s``. None once core holds it all (or shipping is off, or core refused
+        it); else how long its output is, for the report: the rest goes on after it, for
+        at most ``tail_s`` more."""
         entry = self._logs.get(attempt_id)
         if entry is None:
-            return
-        if self.flush_s <= 0 or entry.source.size() <= entry.offset:
+            return None
+        size = entry.source.size()
+        if self.flush_s <= 0 or size <= entry.offset:
             self._forget(attempt_id)
-            return
-        entry.finishing, entry.deadline = True, time.monotonic() + self.flush_s
+            return None
+        entry.finishing, entry.deadline = True, time.monotonic() + self.flush_s + self.tail_s
         self._wake.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(entry.done.wait(), self.flush_s + 1.0)
-        self._forget(attempt_id)
+            await asyncio.wait_for(entry.done.wait(), self.flush_s)
+        if entry.done.is_set():
+            return None
+        if self.tail_s <= 0:
+            self._give_up(attempt_id, entry)
+            return None
+        entry.late = True
+        log.info(
+            "attempt %s: %d bytes of its log still on their way to core; reported, the rest"
+            " goes on for at most %g s",
+            attempt_id,
+            size - entry.offset,
+            self.tail_s,
+        )
+        return size
+
+    def release(self, attempt_id: int, close: Callable[[], None]) -> None:
+        """The agent is done with the attempt's file: ``close`` it once its log is
+        shipped (or given up), at once if nothing of it is left to send."""
+        entry = self._logs.get(attempt_id)
+        if entry is None or not entry.late:
+            self._forget(attempt_id)
+            close()
+            return
+        entry.close = close
 
     def _forget(self, attempt_id: int) -> None:
         entry = self._logs.pop(attempt_id, None)
-        if entry is not None:
-            entry.done.set()
+        if entry is None:
+            return
+        entry.done.set()
+        if entry.close is not None:
+            try:
+                entry.close()
+            except OSError as exc:
+                log.warning("attempt %s's log file not closed: %s", attempt_id, exc)
 
     # --- the loop ---
 
@@ -209,7 +251,7 @@ class LogShipper:
             entry = self._logs.get(ack.attempt_id)
             if entry is None:
                 continue
-            if ack.status == 409:
+            if ack.status >= 400:
                 log.warning("core refused attempt %s's log: %s", ack.attempt_id, ack.detail)
                 self._forget(ack.attempt_id)
             else:
@@ -219,6 +261,8 @@ class LogShipper:
         """Finishing attempts whose whole file core holds are done."""
         for attempt_id, entry in list(self._logs.items()):
             if entry.finishing and entry.source.size() <= entry.offset:
+                if entry.late:
+                    log.info("attempt %s: the end of its log reached core", attempt_id)
                 self._forget(attempt_id)
         self._give_up_late()
 
@@ -226,8 +270,17 @@ class LogShipper:
         now = time.monotonic()
         for attempt_id, entry in list(self._logs.items()):
             if entry.finishing and now > entry.deadline:
-                log.warning("the end of attempt %s's log did not reach core in time", attempt_id)
-                self._forget(attempt_id)
+                self._give_up(attempt_id, entry)
+
+    def _give_up(self, attempt_id: int, entry: _Log) -> None:
+        log.warning(
+            "attempt %s: gave up on the end of its log: %d bytes did not reach core in"
+            " %g s after its end",
+            attempt_id,
+            max(0, entry.source.size() - entry.offset),
+            self.flush_s + self.tail_s,
+        )
+        self._forget(attempt_id)
 
 
 def _read_all(wanted: list[tuple[int, LogSource, int, int]], backlog: int) -> list[_Read]:

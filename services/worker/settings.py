@@ -81,6 +81,9 @@ class WorkerSettings(WorkerOfferSettings):
     worker_log_rate_kib_s: int = Field(default=256, ge=1, le=1024 * 1024)
     worker_log_backlog_mb: int = Field(default=16, ge=1, le=4096)
     worker_log_flush_s: float = Field(default=5.0, ge=0, le=300)
+    #: how long after the report the rest of a log core was too slow to take before it
+    #: is still sent (keep it under core's ``CAIRN_LOG_LATE_S``, 60 s); 0: given up then
+    worker_log_tail_s: float = Field(default=50.0, ge=0, le=3600)
     #: what the attempt's log file on this host keeps, its last bytes (a marker line first
     #: says how much was dropped): the same variable and rule as core's copy
     #: (``CAIRN_LOG_MAX_BYTES``, ``libs.common.loglimit``), so the file holds what core keeps

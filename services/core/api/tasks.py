@@ -449,7 +449,7 @@ _LOG_HEADERS = {
     "X-Cairn-Attempt": "the attempt whose log this is",
     "X-Cairn-Log-Offset": "where this answer ends in the stored log: the next `offset`",
     "X-Cairn-Log-Truncated": "whether some of the log was dropped (over the cap, skipped)",
-    "X-Cairn-Log-Complete": "whether the attempt has ended, so the log will not grow",
+    "X-Cairn-Log-Complete": "whether the attempt has ended and its log is whole (a late end came, or the wait for it is over), so it will not grow",
 }
 
 
@@ -489,7 +489,7 @@ async def read_log(
         if attempt_id is not None:  # refused before the stream starts, as a 404
             await tasklogs.attempt_of(engine, task.id, attempt_id)
         stream = tasklogs.Follow(
-            engine, notifier, objects, settings.log_max_bytes, request.is_disconnected
+            engine, notifier, objects, tasklogs.Limits.of(settings), request.is_disconnected
         )
         return StreamingResponse(
             tasklogs.follow(stream, task.id, attempt_id, offset),
@@ -506,13 +506,13 @@ async def read_log(
         attempt,
         offset,
         2 * settings.log_max_bytes,
-        settings.log_max_bytes,
+        tasklogs.Limits.of(settings),
     )
     headers = {
         "X-Cairn-Attempt": str(attempt),
         "X-Cairn-Log-Offset": str(got.next_offset),
         "X-Cairn-Log-Truncated": str(got.view.truncated).lower(),
-        "X-Cairn-Log-Complete": str(got.view.ended).lower(),
+        "X-Cairn-Log-Complete": str(got.view.complete).lower(),
     }
     return PlainTextResponse("".join(p.text for p in got.pieces), headers=headers)
 

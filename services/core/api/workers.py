@@ -284,11 +284,12 @@ async def ship_logs(
 ) -> LogBatchAnswer:
     """Chunks of the logs of attempts this worker runs, any number of attempts in one
     batch. Each chunk is answered on its own: 200 stored (or already held: a retried
-    batch is not doubled), 409 when its attempt is not open on this worker; the
-    secrets' values are masked before anything is stored (docs/logs.md)."""
-    acks = await tasklogs.append(
-        engine, request.app.state.log_maskers, worker.id, batch, _settings(request).log_max_bytes
-    )
+    batch is not doubled), 409 when its attempt is not open on this worker (nor ended by
+    its report less than ``CAIRN_LOG_LATE_S`` ago with the rest of its log on its way),
+    422 when it goes past the output's end that report gave; the secrets' values are
+    masked before anything is stored (docs/logs.md)."""
+    limits = tasklogs.Limits.of(_settings(request))
+    acks = await tasklogs.append(engine, request.app.state.log_maskers, worker.id, batch, limits)
     notifier.announce_log(a.attempt_id for a in acks if a.status == 200)
     return LogBatchAnswer(items=acks)
 

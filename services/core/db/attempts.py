@@ -894,12 +894,12 @@ WITH input AS MATERIALIZED (
         peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
         name text, op text, target text, sources text, from_state text, reason text,
         last_error text, delay_s float8, crashed integer, refund integer, final boolean,
-        outputs jsonb, signal smallint)
+        outputs jsonb, signal smallint, log_bytes bigint)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
         peak_memory_mb = i.peak_memory_mb, cpu_seconds = i.cpu_seconds, log_tail = i.log_tail,
-        outputs = i.outputs, signal = i.signal
+        outputs = i.outputs, signal = i.signal, log_bytes = i.log_bytes
     FROM input i
     WHERE a.id = ANY(ARRAY(SELECT attempt_id FROM input)) AND a.id = i.attempt_id
       AND a.outcome IS NULL
@@ -1145,6 +1145,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
             "final": move.target in FINAL if move else False,
             "outputs": item.outputs,
             "signal": item.signal,
+            "log_bytes": item.log_bytes,
         }
 
     return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}

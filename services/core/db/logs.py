@@ -11,19 +11,41 @@ from typing import Any
 from sqlalchemy import TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-# The heads of logs the worker may still append to: their attempts must be open and
-# leased to this worker. FOR SHARE holds off the report that would close one until this
-# commits, and the upsert locks the heads (in id order), so two batches take turns.
+# Whether an ended attempt's log is whole: its report did not say more was on its way
+# (``log_bytes`` NULL: core had it all, or core itself closed the attempt), core now
+# holds that much, or the wait for the rest (``late_s``, CAIRN_LOG_LATE_S) is over.
+_WHOLE = """(a.log_bytes IS NULL OR coalesce(h.size, 0) >= a.log_bytes
+    OR a.ended_at <= now() - make_interval(secs => :late_s))"""
+
+# The heads of logs the worker may still append to: their attempts must be leased to
+# this worker and open, or ended by its report less than ``late_s`` ago with the rest of
+# their log on its way (docs/logs.md: late chunks), and not archived. FOR SHARE holds off
+# the report that would close one until this commits, and the upsert locks the heads
+# (in id order), so two batches take turns, and a batch and the archive loop too.
 _HELD_HEADS: TextClause = text("""
 WITH held AS (
-    SELECT id FROM core.attempts
-    WHERE id = ANY(:attempts) AND worker_id = :worker AND outcome IS NULL
+    SELECT id, log_bytes FROM core.attempts
+    WHERE id = ANY(:attempts) AND worker_id = :worker
+      AND (outcome IS NULL
+           OR (log_bytes IS NOT NULL AND ended_at > now() - make_interval(secs => :late_s)))
     ORDER BY id
     FOR SHARE
+), heads AS (
+    INSERT INTO core.attempt_logs (attempt_id) SELECT id FROM held ORDER BY id
+    ON CONFLICT (attempt_id) DO UPDATE SET size = core.attempt_logs.size
+    WHERE core.attempt_logs.archived_at IS NULL
+    RETURNING attempt_id, size, length, start_pos
 )
-INSERT INTO core.attempt_logs (attempt_id) SELECT id FROM held ORDER BY id
-ON CONFLICT (attempt_id) DO UPDATE SET size = core.attempt_logs.size
-RETURNING attempt_id, size, length, start_pos
+SELECT heads.*, held.log_bytes AS until FROM heads JOIN held ON held.id = heads.attempt_id
+""")
+
+# Why the worker may not append to these attempts' logs (the refused chunks' answers).
+_REFUSED: TextClause = text("""
+SELECT a.id, a.outcome, a.log_bytes IS NOT NULL AS late,
+       EXTRACT(EPOCH FROM now() - a.ended_at)::float8 AS ended_s,
+       h.archived_at IS NOT NULL AS archived
+FROM core.attempts a LEFT JOIN core.attempt_logs h ON h.attempt_id = a.id
+WHERE a.id = ANY(:attempts) AND a.worker_id = :worker
 """)
 
 _APPEND: TextClause = text("""
@@ -56,10 +78,10 @@ WHERE attempt_id = :attempt
 RETURNING start_pos
 """)
 
-_VIEW: TextClause = text("""
+_VIEW: TextClause = text(f"""
 SELECT a.id AS attempt_id, a.task_id, a.outcome, coalesce(h.length, 0) AS length,
        coalesce(h.start_pos, 0) AS start_pos, coalesce(h.truncated, false) AS truncated,
-       h.archived_at
+       h.archived_at, a.outcome IS NOT NULL AND {_WHOLE} AS complete
 FROM core.attempts a LEFT JOIN core.attempt_logs h ON h.attempt_id = a.id
 WHERE a.id = :attempt AND a.task_id = :task
 """)
@@ -75,11 +97,11 @@ ORDER BY pos
 LIMIT :limit
 """)
 
-# Ended attempts whose log is still in chunks, for the object store.
-_UNARCHIVED: TextClause = text("""
+# Ended attempts whose log is whole and still in chunks, for the object store.
+_UNARCHIVED: TextClause = text(f"""
 SELECT h.attempt_id, a.task_id, h.length, h.start_pos
 FROM core.attempt_logs h JOIN core.attempts a ON a.id = h.attempt_id
-WHERE h.archived_at IS NULL AND a.outcome IS NOT NULL
+WHERE h.archived_at IS NULL AND a.outcome IS NOT NULL AND {_WHOLE}
 ORDER BY h.attempt_id
 LIMIT :limit
 FOR UPDATE OF h SKIP LOCKED
@@ -113,6 +135,7 @@ class Head:
     size: int
     length: int
     start_pos: int
+    until: int | None = None  # an ended attempt's: the output's length its report gave
 
 
 @dataclass(frozen=True)
@@ -126,10 +149,8 @@ class View:
     start_pos: int
     truncated: bool
     archived_at: datetime | None
-
-    @property
-    def ended(self) -> bool:
-        return self.outcome is not None
+    #: the attempt ended and its log is whole: it will not grow
+    complete: bool
 
 
 @dataclass(frozen=True)
@@ -141,12 +162,31 @@ class Unarchived:
 
 
 async def held_heads(
-    conn: AsyncConnection, worker_id: int, attempt_ids: Sequence[int]
+    conn: AsyncConnection, worker_id: int, attempt_ids: Sequence[int], late_s: float
 ) -> dict[int, Head]:
-    """The locked heads of the attempts this worker holds open (the others are absent)."""
-    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
+    """The locked heads of the logs this worker may append to (the others are absent)."""
+    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id, "late_s": late_s}
     rows = await conn.execute(_HELD_HEADS, params)
-    return {row.attempt_id: Head(row.size, row.length, row.start_pos) for row in rows}
+    return {row.attempt_id: Head(row.size, row.length, row.start_pos, row.until) for row in rows}
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a worker may not append to the log of one of its attempts."""
+
+    id: int
+    outcome: str | None
+    late: bool  # its report said the rest of its log was on its way
+    ended_s: float | None
+    archived: bool
+
+
+async def refused(
+    conn: AsyncConnection, worker_id: int, attempt_ids: Sequence[int]
+) -> dict[int, Refused]:
+    """The worker's attempts among these (another worker's, or none, are absent)."""
+    params = {"attempts": sorted(set(attempt_ids)), "worker": worker_id}
+    return {row.id: Refused(**row._mapping) for row in await conn.execute(_REFUSED, params)}
 
 
 @dataclass(frozen=True)
@@ -198,8 +238,9 @@ async def latest_attempt(conn: AsyncConnection, task_id: int) -> int | None:
     return None if value is None else int(value)
 
 
-async def view(conn: AsyncConnection, task_id: int, attempt_id: int) -> View | None:
-    row = (await conn.execute(_VIEW, {"attempt": attempt_id, "task": task_id})).first()
+async def view(conn: AsyncConnection, task_id: int, attempt_id: int, late_s: float) -> View | None:
+    params = {"attempt": attempt_id, "task": task_id, "late_s": late_s}
+    row = (await conn.execute(_VIEW, params)).first()
     return None if row is None else View(**row._mapping)
 
 
@@ -209,8 +250,8 @@ async def chunks(conn: AsyncConnection, attempt_id: int, after: int, limit: int)
     return list(await conn.execute(_CHUNKS, params))
 
 
-async def unarchived(conn: AsyncConnection, limit: int) -> list[Unarchived]:
-    rows = await conn.execute(_UNARCHIVED, {"limit": limit})
+async def unarchived(conn: AsyncConnection, limit: int, late_s: float) -> list[Unarchived]:
+    rows = await conn.execute(_UNARCHIVED, {"limit": limit, "late_s": late_s})
     return [Unarchived(**row._mapping) for row in rows]
 
 

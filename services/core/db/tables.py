@@ -600,6 +600,10 @@ attempts = Table(
     Column("ready_at", DateTime(timezone=True)),
     Column("address", Text),
     Column("ports", JSONB),
+    # The output's length its worker reported, when the end of its log was still on its
+    # way to core then (docs/logs.md: late chunks); NULL: core had it all, or no report.
+    Column("log_bytes", BigInteger),
+    CheckConstraint("log_bytes >= 0", name="log_bytes"),
     CheckConstraint("(outcome IS NULL) = (ended_at IS NULL)", name="ended_has_outcome"),
     CheckConstraint(
         sql_in("outcome", ATTEMPT_OUTCOMES),

@@ -27,6 +27,7 @@ from services.core.db import secrets
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox
 from services.core.objects import LogObjects
+from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.logs")
 
@@ -67,20 +68,42 @@ def _skipped(count: int) -> str:
     return f"[cairn: {count} bytes of output skipped by the worker]\n"
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The bounds of the logs core keeps (``CoreSettings``): the bytes one attempt's log
+    keeps at most, and how long after its report an attempt still takes the rest."""
+
+    cap: int
+    late_s: float
+
+    @classmethod
+    def of(cls, settings: CoreSettings) -> Limits:
+        return cls(settings.log_max_bytes, settings.log_late_s)
+
+
 async def append(
-    engine: AsyncEngine, maskers: Maskers, worker_id: int, batch: LogBatch, cap: int
+    engine: AsyncEngine, maskers: Maskers, worker_id: int, batch: LogBatch, limits: Limits
 ) -> list[LogAck]:
     """Store a worker's batch in one transaction (a few statements, whatever its size);
     each chunk answered on its own."""
     acks: list[LogAck] = []
     async with engine.begin() as conn:
-        heads = await db.held_heads(conn, worker_id, [c.attempt_id for c in batch.chunks])
+        ids = [c.attempt_id for c in batch.chunks]
+        heads = await db.held_heads(conn, worker_id, ids, limits.late_s)
+        refused = await _refusals(conn, worker_id, ids, heads, limits.late_s)
         new: list[db.NewChunk] = []
         moved: dict[int, tuple[db.Head, bool]] = {}
         for chunk in batch.chunks:
             head = heads.get(chunk.attempt_id)
             if head is None:
-                acks.append(_stale(worker_id, chunk))
+                acks.append(_refused(chunk, 409, refused[chunk.attempt_id]))
+                continue
+            if head.until is not None and chunk.offset + chunk.length > head.until:
+                why = (
+                    f"attempt {chunk.attempt_id} has ended: its report said its output was "
+                    f"{head.until} bytes, and this chunk ends at {chunk.offset + chunk.length}"
+                )
+                acks.append(_refused(chunk, 422, why))
                 continue
             if chunk.offset >= head.size:  # below: sent before, its answer lost
                 piece, head, skipped = await _placed(conn, maskers, head, chunk)
@@ -91,17 +114,46 @@ async def append(
             acks.append(_ok(chunk.attempt_id, chunk.offset, head.size))
         await db.append(conn, new, moved)
         for attempt_id, (head, _) in moved.items():
-            if head.length - head.start_pos > cap:
-                await db.trim(conn, attempt_id, head.length - cap)
+            if head.length - head.start_pos > limits.cap:
+                await db.trim(conn, attempt_id, head.length - limits.cap)
     return acks
 
 
-def _stale(worker_id: int, chunk: LogChunk) -> LogAck:
-    detail = f"attempt {chunk.attempt_id} is not open on worker {worker_id}"
+async def _refusals(
+    conn: AsyncConnection,
+    worker_id: int,
+    ids: list[int],
+    heads: dict[int, db.Head],
+    late_s: float,
+) -> dict[int, str]:
+    """Why each attempt of the batch without a head may not be appended to (one query,
+    only when there is one)."""
+    missing = sorted(set(ids) - set(heads))
+    if not missing:
+        return {}
+    known = await db.refused(conn, worker_id, missing)
+    why = {}
+    for attempt_id in missing:
+        row = known.get(attempt_id)
+        if row is None or row.outcome is None:
+            why[attempt_id] = f"attempt {attempt_id} is not open on worker {worker_id}"
+        elif row.archived:
+            why[attempt_id] = f"attempt {attempt_id}'s log is archived: it is closed"
+        elif row.late:
+            why[attempt_id] = (
+                f"attempt {attempt_id} ended {row.ended_s:.0f} s ago, more than "
+                f"CAIRN_LOG_LATE_S ({late_s:g} s): its log is closed"
+            )
+        else:
+            why[attempt_id] = f"attempt {attempt_id} has ended ({row.outcome}): its log is closed"
+    return why
+
+
+def _refused(chunk: LogChunk, status: int, detail: str) -> LogAck:
     return LogAck(
         attempt_id=chunk.attempt_id,
         offset=chunk.offset,
-        status=409,
+        status=status,
         next_offset=chunk.offset,
         detail=detail,
     )
@@ -145,7 +197,7 @@ async def attempt_of(engine: AsyncEngine, task_id: int, attempt_id: int | None) 
     async with engine.connect() as conn:
         if attempt_id is None:
             return await db.latest_attempt(conn, task_id)
-        if await db.view(conn, task_id, attempt_id) is None:
+        if await db.view(conn, task_id, attempt_id, 0.0) is None:  # whether it is there
             raise NotFound(f"task {task_id} has no attempt {attempt_id}")
     return attempt_id
 
@@ -157,19 +209,19 @@ async def read(
     attempt_id: int,
     after: int,
     limit: int,
-    cap: int,
+    limits: Limits,
 ) -> Read:
     """At most ``limit`` bytes of the log from ``after``, from one snapshot: if the view
-    says the attempt ended, what follows is all there will ever be."""
+    says the log is complete, what follows is all there will ever be."""
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="REPEATABLE READ")
         async with conn.begin():
-            view = await db.view(conn, task_id, attempt_id)
+            view = await db.view(conn, task_id, attempt_id, limits.late_s)
             if view is None:
                 raise NotFound(f"task {task_id} has no attempt {attempt_id}")
             pieces: list[LogPiece] = []
             if after < view.start_pos:
-                text = dropped_marker(view.start_pos, cap)
+                text = dropped_marker(view.start_pos, limits.cap)
                 pieces.append(_piece(view, after, view.start_pos, text))
                 after = view.start_pos
             if after < view.length and view.archived_at is None:
@@ -237,15 +289,16 @@ class Follow:
     engine: AsyncEngine
     notifier: Notifier
     objects: LogObjects | None
-    cap: int
+    limits: Limits
     gone: Callable[[], Awaitable[bool]]  # the client disconnected
 
 
 async def follow(
     f: Follow, task_id: int, attempt_id: int | None, after: int
 ) -> AsyncIterator[bytes]:
-    """SSE: ``log`` events as the log grows, then one ``end`` when the attempt has ended
-    and everything was sent. Without an attempt, the task's latest (waiting for its
+    """SSE: ``log`` events as the log grows, then one ``end`` when the attempt has ended,
+    its log is complete (a late end has come, or the wait for it is over) and everything
+    was sent. Without an attempt, the task's latest (waiting for its
     first while the task has none and is not final)."""
     yield b": following\n\n"
     if attempt_id is None:
@@ -257,13 +310,13 @@ async def follow(
         attempt_id = found
     quiet_since = time.monotonic()
     while True:
-        got = await read(f.engine, f.objects, task_id, attempt_id, after, PIECE_BYTES, f.cap)
+        got = await read(f.engine, f.objects, task_id, attempt_id, after, PIECE_BYTES, f.limits)
         for piece in got.pieces:
             yield sse("log", piece, f"{attempt_id}:{piece.next_offset}")
             after, quiet_since = piece.next_offset, time.monotonic()
         if got.pieces and after < got.view.length:
             continue
-        if got.view.ended and after >= got.view.length:
+        if got.view.complete and after >= got.view.length:
             state = await _task_state(f.engine, task_id)
             end = LogEnd(
                 attempt_id=attempt_id, outcome=got.view.outcome, next_offset=after, task_state=state
@@ -307,13 +360,14 @@ async def _task_state(engine: AsyncEngine, task_id: int) -> TaskState:
 _ARCHIVE_PER_PASS = 50
 
 
-async def archive_once(engine: AsyncEngine, objects: LogObjects) -> int:
-    """Move ended attempts' logs from their chunks to one object each; one attempt per
-    transaction, so memory holds one log (at most the cap) at a time."""
+async def archive_once(engine: AsyncEngine, objects: LogObjects, late_s: float) -> int:
+    """Move ended attempts' complete logs from their chunks to one object each (a log
+    whose end is late waits for it, at most ``late_s``); one attempt per transaction, so
+    memory holds one log (at most the cap) at a time."""
     moved = 0
     while moved < _ARCHIVE_PER_PASS:
         async with engine.begin() as conn:
-            picked = await db.unarchived(conn, 1)
+            picked = await db.unarchived(conn, 1, late_s)
             if not picked:
                 return moved
             item = picked[0]

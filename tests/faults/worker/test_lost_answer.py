@@ -6,9 +6,7 @@ attempt, well before the heartbeat would have declared the attempt lost."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.httpproxy import Proxy
 from tests.support import (
     Core,
-    free_port,
     shared_dir,
     shell_spec,
     spawn_worker,
@@ -29,74 +27,21 @@ from tests.support import (
 
 pytestmark = pytest.mark.slow
 
-MAX_HEAD = 64 * 1024
 
-
-class DroppingProxy:
-    """An HTTP/1.1 proxy on 127.0.0.1 in front of core that, once, closes the agent's
-    connection instead of passing on the answer to a turn that leased work."""
+class DroppingProxy(Proxy):
+    """Once, closes the agent's connection instead of passing on the answer to a turn
+    that leased work."""
 
     def __init__(self, backend: int) -> None:
-        self.backend = backend
-        self.port = free_port()
         self.dropped: list[bytes] = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="dropping-proxy")
-        self.thread.start()
-        assert self.ready.wait(10)
+        super().__init__(backend)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        )
-        self.ready.set()
-        try:
-            self.loop.run_forever()
-        finally:
-            server.close()
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.close()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    async def _message(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-        """One HTTP message (core's answers and the agent's requests carry a
-        Content-Length): its head and its body."""
-        head = await reader.readuntil(b"\r\n\r\n")
-        assert len(head) < MAX_HEAD
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value.strip())
-        return head, await reader.readexactly(length) if length else b""
-
-    async def _serve(self, agent_r: asyncio.StreamReader, agent_w: asyncio.StreamWriter) -> None:
-        core_r, core_w = await asyncio.open_connection("127.0.0.1", self.backend)
-        try:
-            while True:
-                head, body = await self._message(agent_r)
-                core_w.write(head + body)
-                await core_w.drain()
-                answer_head, answer = await self._message(core_r)
-                turn = head.split(b" ", 2)[1].endswith(b"/turn")
-                if turn and not self.dropped and b'"attempts":[{' in answer:
-                    self.dropped.append(answer)
-                    return  # both connections closed below: the answer never arrives
-                agent_w.write(answer_head + answer)
-                await agent_w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            for writer in (agent_w, core_w):
-                writer.close()
+    def drop(self, head: bytes, answer: bytes) -> bool:
+        turn = head.split(b" ", 2)[1].endswith(b"/turn")
+        if turn and not self.dropped and b'"attempts":[{' in answer:
+            self.dropped.append(answer)
+            return True
+        return False
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 
@@ -33,6 +34,8 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Any]]:
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
+    # moto keeps its buckets in the process, across servers: each test starts empty
+    httpx.post(f"{endpoint}/moto-api/reset").raise_for_status()
     client = importlib.import_module("boto3").client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket=BUCKET)
     yield endpoint, client

@@ -40,9 +40,11 @@ class Shipper:
         }
         return self.http.post(f"/v1/workers/{self.id}/logs", json=body)
 
-    def report(self, attempt_id: int) -> None:
+    def report(self, attempt_id: int, log_bytes: int | None = None) -> None:
+        """Succeeded; ``log_bytes``: the end of its log is still on its way."""
         path = f"/v1/workers/{self.id}/attempts/{attempt_id}/report"
-        self.http.post(path, json={"outcome": "succeeded", "exit_code": 0}).raise_for_status()
+        body = {"outcome": "succeeded", "exit_code": 0, "log_bytes": log_bytes}
+        self.http.post(path, json=body).raise_for_status()
 
 
 @pytest.fixture

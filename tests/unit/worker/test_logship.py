@@ -1,14 +1,17 @@
 """The worker's log shipper (services/worker/logship.py) against a mock core: it batches,
 catches up from the file offset after core fails, never sends a byte twice as new, keeps
-to its rate, stops at a 409, and ``finish`` sends the rest at once."""
+to its rate, stops at a 409, and ``finish`` sends the rest at once; when core is slower
+than ``CAIRN_WORKER_LOG_FLUSH_S``, the rest goes after the report, for a bounded time."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import httpx
+import pytest
 
 from libs.common.client import CoreClient
 from services.worker.logship import LogShipper
@@ -20,14 +23,15 @@ class MockCore:
 
     def __init__(self, failures: int = 0, refuse: set[int] | None = None) -> None:
         self.failures = failures
+        self.down = False  # every request fails while set
         self.refuse = refuse or set()
         self.sizes: dict[int, int] = {}
         self.text: dict[int, str] = {}
         self.requests: list[list[dict]] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        if self.failures:
-            self.failures -= 1
+        if self.failures or self.down:
+            self.failures = max(0, self.failures - 1)
             raise httpx.ConnectError("core is down", request=request)
         chunks = json.loads(request.content)["chunks"]
         self.requests.append(chunks)
@@ -172,3 +176,59 @@ def test_an_attempt_that_wrote_nothing_more_costs_no_request(tmp_path: Path) -> 
         return core
 
     assert asyncio.run(go()).requests == []
+
+
+def test_the_end_core_was_too_slow_for_goes_after_the_report_then_the_file_is_closed(
+    tmp_path: Path,
+) -> None:
+    async def go() -> tuple[MockCore, int | None, list[str], list[str]]:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_flush_s=0.1)
+        path = tmp_path / "a.log"
+        path.write_text("one\n")
+        shipper.register(7, 1, _File(path))
+        await _until(lambda: core.sizes.get(1) == 4)
+        core.down = True  # core is slow: the end does not go before the report
+        with path.open("a") as f:
+            f.write("two\nthree\n")
+        closed: list[str] = []
+        late = await shipper.finish(1)
+        shipper.release(1, lambda: closed.append("closed"))
+        before = list(closed)  # the file stays open for the rest
+        core.down = False
+        await _until(lambda: closed)
+        await client.aclose()
+        return core, late, before, closed
+
+    core, late, before, closed = asyncio.run(go())
+    assert late == len("one\ntwo\nthree\n")  # what the report says
+    assert core.text[1] == "one\ntwo\nthree\n"
+    assert before == [] and closed == ["closed"]
+
+
+def test_the_end_of_a_log_is_given_up_after_the_tail_time_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def go(tail_s: float) -> tuple[int | None, list[str]]:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_flush_s=0.1, worker_log_tail_s=tail_s)
+        path = tmp_path / f"{tail_s}.log"
+        path.write_text("one\n")
+        shipper.register(7, 1, _File(path))
+        await _until(lambda: core.sizes.get(1) == 4)
+        core.down = True  # and stays so
+        with path.open("a") as f:
+            f.write("two\n")
+        closed: list[str] = []
+        late = await shipper.finish(1)
+        shipper.release(1, lambda: closed.append("closed"))
+        await _until(lambda: closed, timeout=5)
+        await client.aclose()
+        return late, closed
+
+    with caplog.at_level(logging.WARNING, "cairn.worker.logs"):
+        assert asyncio.run(go(0.3)) == (8, ["closed"])
+        assert asyncio.run(go(0)) == (None, ["closed"])  # no tail: given up at the report
+    given_up = [r.getMessage() for r in caplog.records if "gave up" in r.getMessage()]
+    assert len(given_up) == 2
+    assert "4 bytes did not reach core" in given_up[0]

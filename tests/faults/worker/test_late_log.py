@@ -1,0 +1,81 @@
+"""The end of a log when core is slow (docs/logs.md, "When core is slow"): a real agent
+behind a proxy that holds every log request 1.5 s, far longer than the agent waits
+(``CAIRN_WORKER_LOG_FLUSH_S`` 0.3 s) before it reports the attempt's end. The report goes
+first and says how long the output was; the chunks that reach core after it are taken,
+and the log core holds is the task's whole output, complete, where the end used to be
+refused (the attempt had ended) and lost for good."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.httpproxy import Proxy
+from tests.support import Core, shell_spec, spawn_worker, stop_process, wait_for
+
+pytestmark = pytest.mark.slow
+
+LINES = 300
+SCRIPT = f"echo start; sleep 1; seq 1 {LINES}"
+OUTPUT = "start\n" + "".join(f"{i}\n" for i in range(1, LINES + 1))
+
+
+class SlowLogs(Proxy):
+    """Holds each ``POST .../logs`` for ``delay_s`` before core sees it."""
+
+    def __init__(self, backend: int, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.held = 0
+        super().__init__(backend)
+
+    async def hold(self, head: bytes) -> None:
+        if head.split(b" ", 2)[1].endswith(b"/logs"):
+            self.held += 1
+            await asyncio.sleep(self.delay_s)
+
+
+def test_the_end_of_a_log_that_reaches_core_after_the_report_is_kept(
+    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    proxy = SlowLogs(int(core.url.rsplit(":", 1)[1]), delay_s=1.5)
+    agent = spawn_worker(
+        Core(proxy.url, core.db_url, core.server, core.thread),
+        tmp_path / "worker",
+        "late-log-worker",
+        CAIRN_WORKER_LOG_FLUSH_S="0.3",
+    )
+    db.autocommit = True
+    try:
+        with core.client("alice") as alice:
+            task = alice.post("/v1/tasks", json=shell_spec(SCRIPT)).json()["id"]
+
+            def ended() -> bool:
+                return alice.get(f"/v1/tasks/{task}").json()["state"] == "succeeded"
+
+            wait_for(ended, timeout=30)
+            log = wait_for(
+                lambda: (
+                    (r := alice.get(f"/v1/tasks/{task}/logs")).headers["x-cairn-log-complete"]
+                    == "true"
+                    and r
+                ),
+                timeout=30,
+            )
+        assert log.text == OUTPUT
+        stored = db.execute(
+            "SELECT string_agg(c.content, '' ORDER BY c.pos) FROM core.log_chunks c"
+            " JOIN core.attempts a ON a.id = c.attempt_id WHERE a.task_id = %s",
+            (task,),
+        ).fetchone()
+        assert stored == (OUTPUT,)
+        # The report went while the end was held: it said how long the output was.
+        row = db.execute("SELECT log_bytes FROM core.attempts WHERE task_id = %s", (task,))
+        assert row.fetchone() == (len(OUTPUT),)
+        assert proxy.held >= 2  # the end came in more than the one request held at the report
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()

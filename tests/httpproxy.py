@@ -1,0 +1,88 @@
+"""An HTTP/1.1 proxy on 127.0.0.1 in front of core, for faults tests that need core's
+answers lost or its requests late, as a network or a slow core would have them: one
+request at a time per connection, each message with a Content-Length (the agent's
+requests and core's answers all have one). Subclasses say what happens on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from tests.support import free_port
+
+MAX_HEAD = 64 * 1024
+
+
+class Proxy:
+    """Passes every request to core at ``backend`` and its answer back, unless ``hold``
+    delays the request or ``drop`` closes the connection instead of passing an answer."""
+
+    def __init__(self, backend: int) -> None:
+        self.backend = backend
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="test-proxy")
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def hold(self, head: bytes) -> None:
+        """Awaited before the request goes on to core."""
+
+    def drop(self, head: bytes, answer: bytes) -> bool:
+        """Whether to close the agent's connection instead of passing core's answer."""
+        return False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        )
+        self.ready.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            server.close()
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _message(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+        """One HTTP message: its head and its body."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert len(head) < MAX_HEAD
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        return head, await reader.readexactly(length) if length else b""
+
+    async def _serve(self, agent_r: asyncio.StreamReader, agent_w: asyncio.StreamWriter) -> None:
+        core_r, core_w = await asyncio.open_connection("127.0.0.1", self.backend)
+        try:
+            while True:
+                head, body = await self._message(agent_r)
+                await self.hold(head)
+                core_w.write(head + body)
+                await core_w.drain()
+                answer_head, answer = await self._message(core_r)
+                if self.drop(head, answer):
+                    return  # both connections closed below: the answer never arrives
+                agent_w.write(answer_head + answer)
+                await agent_w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for writer in (agent_w, core_w):
+                writer.close()
