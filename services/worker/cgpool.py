@@ -9,8 +9,10 @@ slot is forked by it: no migration, no mkdir or rmdir per attempt.
 
 Per attempt, only limits that differ from the slot's last ones are written (but the CPU
 quota always: the write refills the period's budget), each a ``pwrite`` to a file the slot
-keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
-is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
+keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``,
+``cpuacct.usage``; the OOM-kill count is read as a baseline): by the helper itself right
+before the start where it keeps them (``Helper.counts``), which also reads them at the
+exit (``spawner.Counters``), else here. The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
 (every process but the helper killed), checked empty (in one hierarchy, which answers
 for all: ``AttemptCgroup.empty``), its page cache
@@ -77,7 +79,8 @@ class CgroupPool:
             slot = await self._make()
         try:
             self._limit(slot, memory_mb, cpu, pids_max)
-            self._reset(slot)
+            if not slot.helper.counts:  # else its helper resets them before the start
+                self._reset(slot)
         except OSError:
             self._retire(slot)
             raise
@@ -180,11 +183,9 @@ class CgroupPool:
             if slot.limits.get("pids") != value:
                 files.write(pids / "pids.max", value)
                 slot.limits["pids"] = value
-        if (
-            cpu_folder is not None
-            and (files.read(cpu_folder / "cpu.shares") or "").strip() != "1024"
-        ):
-            files.write(cpu_folder / "cpu.shares", "1024")  # an earlier attempt was squeezed
+        if cpu_folder is not None and slot.group.squeezed:  # an earlier attempt's
+            files.write(cpu_folder / "cpu.shares", "1024")
+            slot.group.squeezed = False
 
     def _reset(self, slot: Slot) -> None:
         group, files = slot.group, _files(slot)
