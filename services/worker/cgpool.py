@@ -49,6 +49,14 @@ class Slot:
     group: AttemptCgroup
     helper: Helper
     limits: dict[str, str] = field(default_factory=dict)
+    #: the files written or read at every attempt, joined once (None: no such hierarchy)
+    quota_file: Path | None = field(init=False, default=None)
+    usage_file: Path | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        cpu, memory = self.group.folders.get("cpu"), self.group.folders.get("memory")
+        self.quota_file = cpu / "cpu.cfs_quota_us" if cpu is not None else None
+        self.usage_file = memory / "memory.usage_in_bytes" if memory is not None else None
 
 
 class CgroupPool:
@@ -176,7 +184,7 @@ class CgroupPool:
                 slot.limits["cpu_period"] = str(period)
             # Written every time: a write refills the period's budget, so an attempt
             # never starts throttled for the CPU its slot's last attempt spent.
-            files.write(cpu_folder / "cpu.cfs_quota_us", str(quota))
+            files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(quota))
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper
@@ -213,8 +221,8 @@ class CgroupPool:
 
 
 def _charged(slot: Slot) -> int:
-    memory = slot.group.folders.get("memory")
-    text = slot.group.value(memory / "memory.usage_in_bytes") if memory is not None else None
+    usage = slot.usage_file
+    text = slot.group.value(usage) if usage is not None else None
     return int(text) if text and text.strip().isdigit() else 0
 
 
