@@ -116,7 +116,7 @@ class Counters:
         return self.alone and min(self.peak_bytes, self.cpu_ns, self.oom_kills) >= 0
 
 
-class Exit(tuple):  # type: ignore[type-arg]
+class Exit(tuple[int, resource.struct_rusage]):
     """An attempt's end as its parent saw it: the wait status and its rusage (user and
     system CPU, peak resident set; the other fields are 0), and ``counters``, its slot's
     (None where its helper keeps none)."""
