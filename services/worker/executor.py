@@ -358,8 +358,9 @@ def _judge(
 
 async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     """Start the attempt's process in a new session; raises ``SpawnError`` if it cannot."""
-    spec.workdir.mkdir(parents=True, exist_ok=True)
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (spec.workdir, spec.log_path.parent):
+        if not os.path.isdir(folder):  # one stat where it is there, as it mostly is
+            folder.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup
     log = AttemptLog(spec.log_path, spec.log_max_bytes)
     exited: asyncio.Future[_Exit] | None = None
