@@ -177,6 +177,9 @@ class ArtifactCache:
         self._s3_clients: OrderedDict[str, Any] = OrderedDict()
         self._s3_lock = threading.Lock()
         self.stamps = FileStamps()
+        #: ``sealed_known``'s digest, sealed copy's name and path of a ``file://`` source
+        #: (a pure function of the URI, digest and allowed sources), kept as ``stamps``
+        self._named: dict[tuple[str, str, tuple[str, ...]], tuple[str, str, Path]] = {}
         #: ``file://`` sources whose last seal found them on a local file system, hashed
         #: and sealed (``sealed_known`` opens only those)
         self._local_uris: dict[str, None] = {}
@@ -374,11 +377,18 @@ class ArtifactCache:
         holds, as ``reader`` on the calling thread (``open_as_here`` first)."""
         if uri not in self._local_uris:
             return None
-        digest, name = self._local_name(uri, sha256)
+        key = (uri, sha256, self.sources)
+        named = self._named.get(key)
+        if named is None:
+            named = (*self._local_name(uri, sha256), _local_path(uri))
+            if len(self._named) >= self.stamps.max_entries:
+                self._named.clear()
+            self._named[key] = named
+        digest, name, source = named
         known = sealed.get(name)
         if known is None:
             return None
-        fd = _open_source(_local_path(uri), reader)
+        fd = _open_source(source, reader)
         try:
             if self.stamps.holds(_stamp(fd), digest):
                 return known

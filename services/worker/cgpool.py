@@ -9,8 +9,10 @@ slot is forked by it: no migration, no mkdir or rmdir per attempt.
 
 Per attempt, only limits that differ from the slot's last ones are written (but the CPU
 quota always: the write refills the period's budget), each a ``pwrite`` to a file the slot
-keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``, ``cpuacct.usage``; the OOM-kill count
-is read as a baseline). The helper is the slot's ``resident``: it is never signalled nor
+keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``,
+``cpuacct.usage``; the OOM-kill count is read as a baseline): by the helper itself right
+before the start where it keeps them (``Helper.counts``), which also reads them at the
+exit (``spawner.Counters``), else here. The helper is the slot's ``resident``: it is never signalled nor
 counted, and ``pids.max`` leaves room for it. When an attempt ends the slot is emptied
 (every process but the helper killed), checked empty (in one hierarchy, which answers
 for all: ``AttemptCgroup.empty``), its page cache
@@ -47,6 +49,14 @@ class Slot:
     group: AttemptCgroup
     helper: Helper
     limits: dict[str, str] = field(default_factory=dict)
+    #: the files written or read at every attempt, joined once (None: no such hierarchy)
+    quota_file: Path | None = field(init=False, default=None)
+    usage_file: Path | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        cpu, memory = self.group.folders.get("cpu"), self.group.folders.get("memory")
+        self.quota_file = cpu / "cpu.cfs_quota_us" if cpu is not None else None
+        self.usage_file = memory / "memory.usage_in_bytes" if memory is not None else None
 
 
 class CgroupPool:
@@ -77,7 +87,8 @@ class CgroupPool:
             slot = await self._make()
         try:
             self._limit(slot, memory_mb, cpu, pids_max)
-            self._reset(slot)
+            if not slot.helper.counts:  # else its helper resets them before the start
+                self._reset(slot)
         except OSError:
             self._retire(slot)
             raise
@@ -173,18 +184,16 @@ class CgroupPool:
                 slot.limits["cpu_period"] = str(period)
             # Written every time: a write refills the period's budget, so an attempt
             # never starts throttled for the CPU its slot's last attempt spent.
-            files.write(cpu_folder / "cpu.cfs_quota_us", str(quota))
+            files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(quota))
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper
             if slot.limits.get("pids") != value:
                 files.write(pids / "pids.max", value)
                 slot.limits["pids"] = value
-        if (
-            cpu_folder is not None
-            and (files.read(cpu_folder / "cpu.shares") or "").strip() != "1024"
-        ):
-            files.write(cpu_folder / "cpu.shares", "1024")  # an earlier attempt was squeezed
+        if cpu_folder is not None and slot.group.squeezed:  # an earlier attempt's
+            files.write(cpu_folder / "cpu.shares", "1024")
+            slot.group.squeezed = False
 
     def _reset(self, slot: Slot) -> None:
         group, files = slot.group, _files(slot)
@@ -212,8 +221,8 @@ class CgroupPool:
 
 
 def _charged(slot: Slot) -> int:
-    memory = slot.group.folders.get("memory")
-    text = slot.group.value(memory / "memory.usage_in_bytes") if memory is not None else None
+    usage = slot.usage_file
+    text = slot.group.value(usage) if usage is not None else None
     return int(text) if text and text.strip().isdigit() else 0
 
 

@@ -188,6 +188,8 @@ class AttemptCgroup:
     #: can come back (a process is born where its parent is, only root moves one, and
     #: the resident helper forks only when asked), so later kills need no read
     settled: bool = False
+    #: its CPU share was lowered (``lower_cpu_share``): a pooled slot's is put back
+    squeezed: bool = False
 
     def value(self, path: Path) -> str | None:
         """A control file's text (None if it cannot be read)."""
@@ -267,6 +269,7 @@ class AttemptCgroup:
         folder = self._folder("cpu")
         if folder is None:
             return False
+        self.squeezed = True  # before the write: a slot is never reused unsqueezed
         if self.version == "v1":
             return _write(folder / "cpu.shares", "2")
         return _write(folder / "cpu.weight", "1")

@@ -39,14 +39,22 @@ from services.worker import tmpfs
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Sandbox
 from services.worker.logfile import AttemptLog
-from services.worker.spawner import EXEC_STEP, Helper, HelperGone, Launch, SpawnFailed
+from services.worker.spawner import (
+    EXEC_STEP,
+    Counters,
+    Exit,
+    Helper,
+    HelperGone,
+    Launch,
+    SpawnFailed,
+)
 
 Outcome = Literal["succeeded", "failed", "timeout", "killed", "oom_killed", "disk_exceeded"]
 StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted", "unhealthy"]
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
-_Exit = tuple[int, resource.struct_rusage]
+_Exit = Exit
 _supervisors: set[asyncio.Task[AttemptResult]] = set()
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
@@ -189,18 +197,26 @@ class RunningAttempt:
             except HelperGone:
                 pass  # seen below
             try:
-                status, usage = await asyncio.shield(self._exit)
+                ended = await asyncio.shield(self._exit)
             except HelperGone:
                 _signal_cgroup(self.spec.cgroup, signal.SIGKILL)  # an orphan now: stopped
                 await self.log.drained()
                 return self._orphaned()
-            if self._parent is not None and self.spec.cgroup is not None:
-                self.spec.cgroup.settle()  # its process group the helper killed
+            status, usage = ended
+            counters: Counters | None = getattr(ended, "counters", None)
+            if counters is None or not counters.final:
+                counters = None
+            group = self.spec.cgroup
+            if self._parent is not None and group is not None:
+                if counters is not None:
+                    group.settled = True  # its helper saw nothing of it left in the slot
+                else:
+                    group.settle()  # its process group the helper killed
             await self.log.drained()
         except asyncio.CancelledError:
             self._signal(signal.SIGKILL)
             raise
-        return self._result(status, usage)
+        return self._result(status, usage, counters)
 
     def _orphaned(self) -> AttemptResult:
         """Its parent, the spawn helper, died before it ended: its exit status is lost,
@@ -241,17 +257,26 @@ class RunningAttempt:
                 os.killpg(self.pid, signum)
         _signal_cgroup(self.spec.cgroup, signum)
 
-    def _result(self, status: int, usage: resource.struct_rusage) -> AttemptResult:
+    def _result(
+        self, status: int, usage: resource.struct_rusage, counters: Counters | None = None
+    ) -> AttemptResult:
+        """``counters``: its slot's final figures as its helper read them (then no cgroup
+        file is read here)."""
         exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
         signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         outcome, error = _judge(exit_code, signum, self._stopped, self.spec, self._detail)
         group = self.spec.cgroup
         peak = round(usage.ru_maxrss / 1024, 3)  # Linux reports KiB
         cpu = round(usage.ru_utime + usage.ru_stime, 3)
-        if group is not None:
+        oom_kills = None
+        if counters is not None:
+            peak = round(counters.peak_bytes / 2**20, 3) or peak
+            cpu = round(counters.cpu_ns / 1e9, 3) or cpu
+            oom_kills = counters.oom_kills
+        elif group is not None:
             peak = group.peak_memory_mb() or peak
             cpu = group.cpu_seconds() or cpu
-        outcome, error = self._memory_verdict(outcome, error)
+        outcome, error = self._memory_verdict(outcome, error, oom_kills)
         if outcome in ("failed", "killed") and self._stopped is None and self._disk_full():
             outcome = "disk_exceeded"
             error = (
@@ -260,15 +285,18 @@ class RunningAttempt:
             )
         return self._ended(outcome, error, exit_code, signum, peak, cpu)
 
-    def _memory_verdict(self, outcome: Outcome, error: str | None) -> tuple[Outcome, str | None]:
+    def _memory_verdict(
+        self, outcome: Outcome, error: str | None, oom_kills: int | None = None
+    ) -> tuple[Outcome, str | None]:
         """Any process of the attempt killed for memory makes it an OOM kill, even if its
-        leader shrugged that off and exited 0 (or its exit status was lost)."""
+        leader shrugged that off and exited 0 (or its exit status was lost). ``oom_kills``:
+        as its helper counted them; None: read from its cgroup."""
         group = self.spec.cgroup
         if (
             group is not None
             and outcome in ("succeeded", "failed", "killed")
             and self._stopped is None
-            and group.oom_kills()
+            and (oom_kills if oom_kills is not None else group.oom_kills())
         ):
             return "oom_killed", (
                 f"out of memory: killed at the attempt's limit of {group.memory_mb} MB"
@@ -330,8 +358,9 @@ def _judge(
 
 async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     """Start the attempt's process in a new session; raises ``SpawnError`` if it cannot."""
-    spec.workdir.mkdir(parents=True, exist_ok=True)
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (spec.workdir, spec.log_path.parent):
+        if not os.path.isdir(folder):  # one stat where it is there, as it mostly is
+            folder.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup
     log = AttemptLog(spec.log_path, spec.log_max_bytes)
     exited: asyncio.Future[_Exit] | None = None
@@ -383,7 +412,10 @@ async def _start_by_helper(
             into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         started = time.monotonic()
         mount = spec.sandbox.mount if spec.sandbox else None
-        pid, exited = await helper.spawn(_launch(spec), log.writer, into, mount)
+        pid, exited, oom_base = await helper.spawn_counted(_launch(spec), log.writer, into, mount)
+        if group is not None and oom_base >= 0:
+            # Its helper reset the slot's counters before the start (``CgroupPool.take``).
+            group.oom_base, group.cpu_base = oom_base, 0.0
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
@@ -559,7 +591,7 @@ def _reap(pid: int, options: int, group: AttemptCgroup | None = None) -> _Exit |
     if group is not None:
         group.settle()
     reaped_pid, status, usage = os.wait4(pid, options)
-    return (status, usage) if reaped_pid == pid else None
+    return Exit(status, usage) if reaped_pid == pid else None
 
 
 def _signal_cgroup(group: AttemptCgroup | None, signum: int) -> None:

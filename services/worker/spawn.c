@@ -19,6 +19,11 @@
  * one's process group while its leader is an unreaped zombie (so the group's id cannot
  * have been reused), reaps it with wait4 and sends its exit record: pid, wait status,
  * user and system CPU, peak resident set; all that ended together in one message. The
+ * cgroup v1 slot it joined keeps the attempt's counters: it resets them (peak memory,
+ * CPU usage) before each start and says the OOM-kill count then in its reply; at the
+ * exit it reads them again (peak, CPU, OOM kills since the start) and whether the slot
+ * then held no process but itself (pids.current 1: nothing of the attempt is left, so
+ * the figures are final), all in the exit record. The
  * agent keeps no watcher per attempt. End of file on the socket: the agent is gone, so
  * is this process (its attempts still running are orphans then, which the agent's
  * sidecar kills).
@@ -76,11 +81,19 @@
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK };
 
-/* What the helper sends: a reply to each request, in order, and exit records. */
+/* What the helper sends: a reply to each request, in order, and exit records. A spawn's
+ * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
+ * ready message, whether it keeps them (1) or not (-1). */
 enum kind { REPLY = 1, EXITS = 2 };
-struct reply { int32_t kind, pid, step, err; };
-/* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB). */
-struct exit_record { int32_t pid, status; int64_t utime_us, stime_us, maxrss_kb; };
+struct reply { int32_t kind, pid, step, err; int64_t oom_base; };
+/* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB);
+ * its slot's peak memory (bytes) and CPU (ns) since its start, its OOM kills, and whether
+ * nothing of it was left in the slot (1; 0: something was; -1 for what is not known). */
+struct exit_record {
+    int32_t pid, status;
+    int64_t utime_us, stime_us, maxrss_kb, peak_bytes, cpu_ns;
+    int32_t oom_kills, alone;
+};
 #define MAX_EXITS 256
 struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 
@@ -95,6 +108,48 @@ struct request {
 };
 
 static char buffer[MAX_REQUEST];
+
+/* The joined v1 slot's counters, opened once (-1: not there): the peak memory and CPU
+ * usage, reset before each start; the OOM-kill count; the processes in the slot. */
+static int peak_fd = -1, cpu_fd = -1, oom_fd = -1, pids_fd = -1;
+static int64_t oom_base = -1;
+
+/* A number from a counter file: the whole file, or the value after "key " in it. */
+static int64_t counter(int fd, const char *key) {
+    char text[4096];
+    if (fd < 0) return -1;
+    ssize_t size = pread(fd, text, sizeof text - 1, 0);
+    if (size <= 0) return -1;
+    text[size] = '\0';
+    char *at = text;
+    if (key) {
+        size_t length = strlen(key);
+        for (at = text; at; at = strchr(at, '\n'), at = at ? at + 1 : NULL)
+            if (strncmp(at, key, length) == 0 && at[length] == ' ') break;
+        if (!at) return -1;
+        at += length + 1;
+    }
+    char *end;
+    errno = 0;
+    long long value = strtoll(at, &end, 10);
+    return end == at || errno ? -1 : (int64_t)value;
+}
+
+/* Before a start: the peak and the CPU usage back to 0, the OOM-kill count noted. */
+static void reset_counters(void) {
+    oom_base = -1;
+    if (peak_fd < 0 || cpu_fd < 0 || pwrite(peak_fd, "0", 1, 0) < 0 || pwrite(cpu_fd, "0", 1, 0) < 0)
+        return;
+    oom_base = counter(oom_fd, "oom_kill");
+}
+
+static void read_counters(struct exit_record *record) {
+    int64_t kills = counter(oom_fd, "oom_kill"), pids = counter(pids_fd, NULL);
+    record->peak_bytes = oom_base >= 0 ? counter(peak_fd, NULL) : -1;
+    record->cpu_ns = oom_base >= 0 ? counter(cpu_fd, NULL) : -1;
+    record->oom_kills = oom_base >= 0 && kills >= 0 ? (int32_t)(kills - oom_base) : -1;
+    record->alone = pids < 0 ? -1 : pids == 1;
+}
 
 static int parse(char *data, size_t size, struct request *r) {
     memset(r, 0, sizeof *r);
@@ -126,7 +181,7 @@ static int parse(char *data, size_t size, struct request *r) {
 }
 
 static void fail(int status_fd, enum step step) {
-    struct reply reply = {REPLY, 0, step, errno};
+    struct reply reply = {REPLY, 0, step, errno, -1};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
 }
@@ -258,6 +313,7 @@ static int reap(int sock) {
         record->utime_us = (int64_t)usage.ru_utime.tv_sec * 1000000 + usage.ru_utime.tv_usec;
         record->stime_us = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
         record->maxrss_kb = usage.ru_maxrss;
+        read_counters(record);
         if (batch.count == MAX_EXITS) {
             if (send(sock, &batch, sizeof batch, MSG_NOSIGNAL) < 0) return -1;
             batch.count = 0;
@@ -297,6 +353,15 @@ static void kill_uid(long uid, struct reply *reply) {
     reply->err = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* A counter file beside a joined cgroup.procs, opened once if it is there. */
+static void open_counter(int *fd, const char *procs, const char *name, int flags) {
+    char path[4096];
+    const char *slash = strrchr(procs, '/');
+    if (*fd >= 0 || !slash) return;
+    int length = snprintf(path, sizeof path, "%.*s/%s", (int)(slash - procs), procs, name);
+    if (length > 0 && length < (int)sizeof path) *fd = open(path, flags | O_CLOEXEC);
+}
+
 static void join(char **procs, int count) {
     char pid[32];
     int length = snprintf(pid, sizeof pid, "%d", getpid());
@@ -307,6 +372,10 @@ static void join(char **procs, int count) {
             exit(3);
         }
         close(fd);
+        open_counter(&peak_fd, procs[i], "memory.max_usage_in_bytes", O_RDWR);
+        open_counter(&oom_fd, procs[i], "memory.oom_control", O_RDONLY);
+        open_counter(&cpu_fd, procs[i], "cpuacct.usage", O_RDWR);
+        open_counter(&pids_fd, procs[i], "pids.current", O_RDONLY);
     }
 }
 
@@ -329,7 +398,7 @@ static int serve(int sock) {
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
     }
-    struct reply reply = {REPLY, 0, OK, 0};
+    struct reply reply = {REPLY, 0, OK, 0, -1};
     struct request request;
     if (buffer[0] == 'S') {
         char *rest;
@@ -354,6 +423,8 @@ static int serve(int sock) {
             reply.err = errno;
         } else {
             struct child child = {&request, sock, pipe_fds[0], pipe_fds[1]};
+            reset_counters();
+            reply.oom_base = oom_base;
             pid_t pid = start(&child);
             close(pipe_fds[1]);
             if (pid < 0) {
@@ -395,7 +466,8 @@ int main(int argc, char **argv) {
     if (sigprocmask(SIG_BLOCK, &chld, NULL) < 0) return 1;
     int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     if (exited < 0) return 1;
-    struct reply ready = {REPLY, getpid(), OK, 0};
+    /* Its last field: whether it keeps its slot's counters (1) or not (-1). */
+    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
         struct pollfd ready_fds[2] = {{sock, POLLIN, 0}, {exited, POLLIN, 0}};

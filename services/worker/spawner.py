@@ -10,7 +10,9 @@ itself before it execs the task. It reaps its attempts with ``wait4`` and sends 
 one's exit record (wait status, user and system CPU, peak resident set) on the same
 socket as its replies, those that ended together in one message; one reader on the
 agent's event loop settles each attempt's end future from it, so the agent keeps no
-pidfd, watcher or thread per attempt (``Helper``). Signals to an attempt go through the
+pidfd, watcher or thread per attempt (``Helper``). A helper resident in a cgroup v1 slot
+also keeps the slot's counters: it resets them before each start and reads them at the
+exit (``Counters``, in the exit record), so the agent reads no cgroup file for them. Signals to an attempt go through the
 helper too, which alone knows whether its pid is still its unreaped child. If a helper
 dies, its attempts still running become orphans: their futures end with ``HelperGone``
 and the agent stops them through their cgroup or uid (``executor``). On cgroup v1 a
@@ -50,13 +52,14 @@ from typing import Any
 log = logging.getLogger("cairn.worker.spawner")
 
 SOURCE = Path(__file__).with_name("spawn.c")
-#: what the helper sends: a reply (kind 1: pid, step, errno) to each request that has one,
-#: in order, and exit records (kind 2: a count, then each one's pid, wait status, user
-#: and system CPU in microseconds and peak resident set in KiB)
+#: what the helper sends: a reply (kind 1: pid, step, errno, and the slot's OOM-kill count
+#: before a start) to each request that has one, in order, and exit records (kind 2: a
+#: count, then each one's pid, wait status, user and system CPU in microseconds, peak
+#: resident set in KiB, and its slot's ``Counters``)
 _KIND = struct.Struct("=i")
-_REPLY = struct.Struct("=iiii")
+_REPLY = struct.Struct("=iiiiq")
 _EXITS = struct.Struct("=ii")
-_EXIT = struct.Struct("=iiqqq")
+_EXIT = struct.Struct("=iiqqqqqii")
 _REPLY_KIND, _EXITS_KIND = 1, 2
 #: the largest message the helper sends (256 exit records)
 _MAX_MESSAGE = _EXITS.size + 256 * _EXIT.size
@@ -90,11 +93,42 @@ class HelperGone(Exception):
     """The helper process exited (killed, or it could not join its cgroups)."""
 
 
-#: a reply: pid, step, errno, and for a started attempt the future of its end
-_Reply = tuple[int, int, int, "asyncio.Future[Exit] | None"]
-#: an attempt's end as its parent saw it: the wait status and its rusage (user and system
-#: CPU, peak resident set; the other fields are 0)
-Exit = tuple[int, resource.struct_rusage]
+#: a reply: pid, step, errno, the slot's OOM-kill count before the start (-1: none), and
+#: for a started attempt the future of its end
+_Reply = tuple[int, int, int, int, "asyncio.Future[Exit] | None"]
+
+
+@dataclass(frozen=True)
+class Counters:
+    """An attempt's cgroup v1 slot as its helper read it when the attempt was reaped:
+    peak memory (bytes) and CPU (ns) since the helper reset them before the start, OOM
+    kills since then (-1 for what it could not read), and ``alone``: the slot then held
+    no process but the helper, so nothing of the attempt was left (the slot is empty and
+    these figures are final)."""
+
+    peak_bytes: int
+    cpu_ns: int
+    oom_kills: int
+    alone: bool
+
+    @property
+    def final(self) -> bool:
+        return self.alone and min(self.peak_bytes, self.cpu_ns, self.oom_kills) >= 0
+
+
+class Exit(tuple[int, resource.struct_rusage]):
+    """An attempt's end as its parent saw it: the wait status and its rusage (user and
+    system CPU, peak resident set; the other fields are 0), and ``counters``, its slot's
+    (None where its helper keeps none)."""
+
+    counters: Counters | None
+
+    def __new__(
+        cls, status: int, usage: resource.struct_rusage, counters: Counters | None = None
+    ) -> Exit:
+        self = super().__new__(cls, (status, usage))
+        self.counters = counters
+        return self
 
 
 def _usage(utime_us: int, stime_us: int, maxrss_kb: int) -> resource.struct_rusage:
@@ -140,9 +174,10 @@ class Launch:
             fields.append("n")
         if with_cgroup:
             fields.append("c")
-        if any("\0" in f for f in fields):
+        data = "\0".join(fields)
+        if data.count("\0") != len(fields) - 1:
             raise ValueError("an argument or environment entry holds a NUL byte")
-        return b"".join(f.encode() + b"\0" for f in fields)
+        return data.encode() + b"\0"
 
 
 class Helper:
@@ -179,6 +214,9 @@ class Helper:
         self._exits: dict[int, asyncio.Future[Exit]] = {}
         self._ready = False
         self.gone = False
+        #: it keeps its cgroup v1 slot's counters (its ready message says so): resets
+        #: them before each start, reads them at each exit (``Counters``)
+        self.counts = False
         #: user + system CPU seconds of the attempts it reaped (their own rusage)
         self.reaped_cpu_s = 0.0
         # Readable once the helper has exited: ``alive`` asks it, no /proc read.
@@ -199,24 +237,27 @@ class Helper:
         return loop
 
     def _readable(self) -> None:
-        """Everything the helper sent so far: replies settle the oldest request's future,
-        exit records their attempts' futures."""
-        while not self.gone:
-            try:
-                data = self._sock.recv(_MAX_MESSAGE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            (kind,) = _KIND.unpack_from(data) if len(data) >= _KIND.size else (0,)
-            if kind == _REPLY_KIND and len(data) == _REPLY.size:
-                self._replied(*_REPLY.unpack(data)[1:])
-            elif kind == _EXITS_KIND and len(data) >= _EXITS.size:
-                self._ended(data)
-            else:  # end of file: it exited
-                self.close()
+        """One message the helper sent: a reply settles the oldest request's future, exit
+        records their attempts' futures. One a wake-up: the socket stays readable while
+        more wait (the loop's epoll is level-triggered), and no call is spent on finding
+        it empty, which it mostly is."""
+        if self.gone:
+            return
+        try:
+            data = self._sock.recv(_MAX_MESSAGE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        (kind,) = _KIND.unpack_from(data) if len(data) >= _KIND.size else (0,)
+        if kind == _REPLY_KIND and len(data) == _REPLY.size:
+            self._replied(*_REPLY.unpack(data)[1:])
+        elif kind == _EXITS_KIND and len(data) >= _EXITS.size:
+            self._ended(data)
+        else:  # end of file: it exited
+            self.close()
 
-    def _replied(self, pid: int, step: int, errno: int) -> None:
+    def _replied(self, pid: int, step: int, errno: int, oom_base: int) -> None:
         exited = None
         if not step and pid > 0 and self._ready and self._loop is not None:
             # Before the next message, which may be its exit record.
@@ -224,18 +265,19 @@ class Helper:
         if self._replies:
             reply = self._replies.popleft()
             if not reply.done():
-                reply.set_result((pid, step, errno, exited))
+                reply.set_result((pid, step, errno, oom_base, exited))
 
     def _ended(self, data: bytes) -> None:
         _, count = _EXITS.unpack_from(data)
         for i in range(min(count, (len(data) - _EXITS.size) // _EXIT.size)):
-            pid, status, utime_us, stime_us, maxrss_kb = _EXIT.unpack_from(
-                data, _EXITS.size + i * _EXIT.size
+            pid, status, utime_us, stime_us, maxrss_kb, peak, cpu_ns, kills, alone = (
+                _EXIT.unpack_from(data, _EXITS.size + i * _EXIT.size)
             )
             self.reaped_cpu_s += (utime_us + stime_us) / 1e6
             exited = self._exits.pop(pid, None)
             if exited is not None and not exited.done():
-                exited.set_result((status, _usage(utime_us, stime_us, maxrss_kb)))
+                counters = Counters(peak, cpu_ns, kills, alone == 1) if self.counts else None
+                exited.set_result(Exit(status, _usage(utime_us, stime_us, maxrss_kb), counters))
 
     def _gone(self) -> HelperGone:
         return HelperGone(f"the spawn helper (pid {self.pid}) is gone")
@@ -264,7 +306,8 @@ class Helper:
         loop = self._listen()
         if not self._replies:  # the first to ask waits for its ready message
             self._replies.append(loop.create_future())
-        await asyncio.shield(self._replies[0])
+        ready = await asyncio.shield(self._replies[0])
+        self.counts = ready[3] == 1  # the ready message's last field
         self._ready = True
 
     async def spawn(
@@ -275,6 +318,14 @@ class Helper:
         ``SpawnFailed`` if it failed before its exec (then already reaped),
         ``HelperGone`` if the helper died. ``mount``: the attempt's tmpfs, attached on
         ``launch.mount_at``."""
+        pid, exited, _ = await self.spawn_counted(launch, log_fd, cgroup_fd, mount)
+        return pid, exited
+
+    async def spawn_counted(
+        self, launch: Launch, log_fd: int, cgroup_fd: int | None = None, mount: int | None = None
+    ) -> tuple[int, asyncio.Future[Exit], int]:
+        """``spawn``, and its slot's OOM-kill count before the start (-1 where the helper
+        keeps no counters: ``counts``)."""
         await self.ready()
         request = launch.encode(cgroup_fd is not None)
         fds = [log_fd] if cgroup_fd is None else [log_fd, cgroup_fd]
@@ -282,13 +333,13 @@ class Helper:
             if mount is None:
                 raise ValueError("a mount point without its tmpfs")
             fds.append(mount)
-        pid, step, errno, exited = await self._request(request, fds)
+        pid, step, errno, oom_base, exited = await self._request(request, fds)
         if step:
             raise SpawnFailed(step, errno, pid)
         if exited is None:  # a reply that is no spawn's: the helper is out of step
             self.close()
             raise self._gone()
-        return pid, exited
+        return pid, exited, oom_base
 
     def signal(self, pid: int, signum: int) -> None:
         """Signal the process group of its attempt ``pid``, which it does only while it

@@ -97,7 +97,7 @@ class Workdirs:
         home = self.run_dir / str(attempt_id)
         exe_dir = self.exe_root / str(attempt_id)
         for stale in (home, exe_dir):
-            remove_tree(stale)  # left by an earlier try of the same attempt
+            _remove_stale(stale)
         with self._lock:
             ready_home = self._homes.pop() if self._homes else None
             ready_exe = self._exes.pop() if self._exes else None
@@ -116,7 +116,7 @@ class Workdirs:
 
     def _on_tmpfs(self, attempt_id: int, name: str, identity: Identity, quota_mb: int) -> Folders:
         exe_dir = self.exe_root / str(attempt_id)
-        remove_tree(exe_dir)  # left by an earlier try of the same attempt
+        _remove_stale(exe_dir)
         with self._lock:
             ready_exe = self._exes.pop() if self._exes else None
         if ready_exe is not None:
@@ -291,6 +291,14 @@ class SpareLogs:
             return
         with self._lock:
             self._ready.append(spare)
+
+
+def _remove_stale(folder: Path) -> None:
+    """Remove what an earlier try of the same attempt left at ``folder``: mostly nothing,
+    seen by one ``lstat`` (only the agent writes where attempts' folders are named, so
+    nothing comes there between the look and the rename that follows)."""
+    if os.path.lexists(folder):
+        remove_tree(folder)
 
 
 def _emptied_alone(path: Path) -> bool:
