@@ -300,6 +300,16 @@ def _errors(database_url: str, first_id: int) -> list[str]:
     return [r[0] for r in rows] + [f"log: {r[0][-300:]}" for r in tails]
 
 
+def _attempts(database_url: str) -> dict[int, int]:
+    """How many tasks had how many attempts (every task of the run: each should have one)."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute(
+            "SELECT n, count(*) FROM (SELECT count(*) n FROM core.attempts GROUP BY task_id) a"
+            " GROUP BY n ORDER BY n"
+        ).fetchall()
+    return {int(n): int(c) for n, c in rows}
+
+
 def _max_id(database_url: str) -> int:
     with psycopg.connect(libpq_url(database_url)) as conn:
         row = conn.execute("SELECT COALESCE(max(id), 0) FROM core.tasks").fetchone()
@@ -581,6 +591,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         stack, agent.pid, user, records, program, args.tasks, base, runner
                     )
                     base += 10**6
+            results["attempts"] = _attempts(stack.database_url)
         finally:
             agent.send_signal(signal.SIGTERM)
             try:
@@ -636,6 +647,7 @@ def main() -> None:
     for key, f in results.items():
         if key.startswith("floor_"):
             _print_floor(f)
+    print(f"tasks by their number of attempts (one each expected): {results['attempts']}")
 
 
 def _print_floor(f: dict[str, Any]) -> None:
