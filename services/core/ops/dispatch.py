@@ -48,7 +48,8 @@ HELD_WINDOW_S = 60.0
 class Holds:
     """When this replica's claims last held work back by a limit that an ending task
     releases: while recent, reports sweep the waiting claims; otherwise an ending task
-    wakes no one (no other claim can be helped by it)."""
+    wakes no one (no other claim can be helped by it). One per replica, in the app's
+    state (a ``Dispatcher`` is made per request)."""
 
     def __init__(self) -> None:
         self.at = -math.inf
