@@ -194,6 +194,14 @@ def _steps(
     leased a task had been sent before the task was created (a long poll woken)."""
     gaps: dict[str, list[float]] = {f"{a}->{b}": [] for a, b in pairwise(STEPS)}
     woken = []
+    # created -> leased, split: a task whose claim waited at core when it was created
+    # (woken), and one that waited for the agent's next claim to be sent (created ->
+    # sent), then for that claim's turn (sent -> leased).
+    split: dict[str, list[float]] = {
+        "woken: created->leased": [],
+        "unwoken: created->claim_sent": [],
+        "unwoken: claim_sent->leased": [],
+    }
     for task_id, (made, _, _) in created.items():
         if task_id not in leases or task_id not in starts:
             continue
@@ -205,11 +213,19 @@ def _steps(
         for a, b in pairwise(STEPS):
             gaps[f"{a}->{b}"].append((at[b] - at[a]) * 1000)
         woken.append(agent["sent"] < made)
+        if agent["sent"] < made:
+            split["woken: created->leased"].append((leased - made) * 1000)
+        else:
+            split["unwoken: created->claim_sent"].append((agent["sent"] - made) * 1000)
+            split["unwoken: claim_sent->leased"].append((leased - agent["sent"]) * 1000)
     out = {
         name: {"p50_ms": round(_pct(v, 0.5), 1), "p99_ms": round(_pct(v, 0.99), 1)}
         for name, v in gaps.items()
         if v
     }
+    for name, v in split.items():
+        if v:
+            out[name] = {"p50_ms": round(_pct(v, 0.5), 2), "p99_ms": round(_pct(v, 0.99), 1)}
     if woken:
         out["turn_sent_before_created"] = {"share": round(sum(woken) / len(woken), 3)}
         # Attempts leased by one turn share its answer time: how many came in each.

@@ -41,6 +41,7 @@ from services.core.objects import LogObjects
 from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
+from services.core.ops.dispatch import Holds, Known
 from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
 from services.core.settings import CoreSettings, SecretsKeySettings
@@ -107,6 +108,8 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         app.state.leases = LeaseCache(settings.lease_cache_s)
         app.state.settings = settings
         app.state.notifier = notifier
+        app.state.known_workers = Known()  # for the claims' early picks (ops.dispatch)
+        app.state.claim_holds = Holds()  # when this replica's claims last held work back
         # On SIGTERM, before uvicorn waits for requests to end: long polls answer now.
         app.state.on_exit = [notifier.line.close]
         app.state.tokens = TokenCache(settings.token_cache_s)

@@ -159,6 +159,8 @@ def _dispatcher_on(request: Request, engine: AsyncEngine) -> ops.Dispatcher:
         defaults,
         settings.claim_ahead_max_s,
         fresh_s=_fresh_s(settings),
+        holds=state.claim_holds,
+        known=state.known_workers,
     )
 
 

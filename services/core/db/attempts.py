@@ -412,6 +412,8 @@ class Heard:
     reported: dict[int, Any] = field(default_factory=dict)
     placed: list[Any] = field(default_factory=list)
     rest: Amount = ZERO
+    #: the rows an early pick locked (``hear(..., early=)``), None without one
+    picked: Picked | None = None
 
 
 async def hear(
@@ -421,6 +423,7 @@ async def hear(
     reported: Sequence[int] = (),
     fresh_s: float = 0.0,
     always: bool = False,
+    early: Ask | None = None,
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
@@ -429,7 +432,12 @@ async def hear(
     heartbeat and the reaper do: it writes anyway, and its lease after those rows
     could otherwise wait on a heartbeat that waits on them. ``always``: so does a turn
     that will write attempt rows for another reason (``resend``). The turn's first round
-    trip: the statements of its transaction run on their generic plans (``_GENERIC``)."""
+    trip: the statements of its transaction run on their generic plans (``_GENERIC``).
+
+    ``early``: a claim's pick sent in the same round trip, asked before the worker was
+    heard (``early_ask``: the claim's room, at most the worker's capacity); the turn
+    uses its rows only if the pick asked once heard would have found the same
+    (``same_pick``), and picks again otherwise."""
     ids = sorted(set(reported))
     heard_params = {
         "worker": worker_id,
@@ -445,11 +453,48 @@ async def hear(
     if reported:
         chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
         chain.append((_REPORTED, {"ids": ids}))
-    _, heard, use, *among = await pipeline.run(conn, chain)
+    if early is not None:
+        chain += _pick_statements(early)
+    found = await pipeline.run(conn, chain)
+    picked = _picked(found[-2:]) if early is not None else None
+    _, heard, use, *among = found[: len(found) - 2] if early is not None else found
     placed, locked = among or ([], [])
     rest = placement.rest_from(use).get(worker_id, ZERO)
     rows = {r.attempt_id: r for r in locked}
-    return Heard(heard[0] if heard else None, rows, placed, rest)
+    return Heard(heard[0] if heard else None, rows, placed, rest, picked)
+
+
+def early_ask(
+    worker: Any,
+    cpu: float,
+    memory_mb: float,
+    most: int,
+    defaults: placement.Defaults | None = None,
+    ahead_s: float = 0.0,
+) -> Ask | None:
+    """A claim's pick asked before its worker is heard, from the worker's row as a
+    turn last read it: the claim's room, at most the worker's capacity (nothing
+    placed), so never less than the room the worker's turn will find (``ask``)."""
+    return ask(worker, [], ZERO, cpu, memory_mb, most, defaults, frozenset(), ahead_s)
+
+
+def same_pick(early: Ask, asked: Ask, picked: Sequence[Any]) -> bool:
+    """Whether the early pick locked exactly what the pick ``asked`` would have: the
+    same statement but for a room at least as large (devices and all else equal), and
+    either the same room or every row it found fitting the smaller one as the pick's
+    filter reads it (the best ``limit`` rows fitting a larger room, all fitting the
+    smaller, are the best ``limit`` fitting it)."""
+    room = ("cpu", "memory_mb")
+    if early.worker.id != asked.worker.id or early.most != asked.most:
+        return False
+    if any(early.params[k] != v for k, v in asked.params.items() if k not in room):
+        return False
+    if early.room.cpu < asked.room.cpu or early.room.memory_mb < asked.room.memory_mb:
+        return False
+    if (early.room.cpu, early.room.memory_mb) == (asked.room.cpu, asked.room.memory_mb):
+        return True
+    cpu, memory_mb = asked.params["cpu"], asked.params["memory_mb"]
+    return all(r.preemptible or (r.cpu <= cpu and r.memory_mb <= memory_mb) for r in picked)
 
 
 @dataclass(frozen=True)
@@ -543,18 +588,27 @@ async def lease(
     asked: Ask,
     picked: Sequence[Any],
     last: bool = False,
+    first: Sequence[pipeline.Statement] = (),
 ) -> Leases:
     """The claim's second half: of the rows its pick locked, lease what placement and
     sharing admit, best first. A worker reserved for a task that does not fit yet
     starts nothing else. ``last``: the caller runs nothing after the lease in this
     transaction unless some leased task refers to secrets; then, when none does, the
     lease and the COMMIT go in one round trip (the transaction's own commit on leaving
-    finds nothing to do: psycopg sends no COMMIT on an idle connection)."""
+    finds nothing to do: psycopg sends no COMMIT on an idle connection). ``first``:
+    statements that must run before the lease reads or moves anything (the turn's
+    reports and notes, after an early pick: ``hear``), sent with the lease when it
+    reads nothing else, else on their own first; always run, lease or none."""
     # Reserved work first, then the rest due now, then what is leased ahead, each by
     # effective priority (priority plus aging), fair-share stamp and id.
     rows = sorted(
         picked, key=lambda r: (not r.reserved, r.ahead, -(r.priority + r.boost), r.vtime, r.id)
     )
+    reads = asked.worker.reserved_for is not None or any(r.placement for r in rows)
+    if first and (reads or _gated(rows)):
+        # what the reads see (a concurrency key's slot) follows the reports
+        await pipeline.run(conn, first)
+        first = ()
     if any(r.placement for r in rows):  # preferences and spreads: docs/placement.md
         rows = await placement.by_labels(conn, asked.worker, rows)
     gate = await _gate(conn, rows)
@@ -562,9 +616,9 @@ async def lease(
     candidates = (placement.candidate(row, asked.defaults) for row in rows)
     chosen = choose(asked.room, candidates, asked.most, gate)
     held = Tally(held=Counter(gate.refused)) if gate is not None else Tally()
-    if await _held_for(conn, asked.worker.reserved_for, chosen):
-        return Leases([], tally=held)
-    if not chosen:
+    if not chosen or await _held_for(conn, asked.worker.reserved_for, chosen):
+        if first:
+            await pipeline.run(conn, [*first, (_COMMIT, {})] if last else first)
         return Leases([], tally=held)
     by_id = {row.id: row for row in rows}
     params = {
@@ -580,8 +634,10 @@ async def lease(
         "op": Op.CLAIM.value,
     }
     commit = last and not any(by_id[c.task_id].secret_refs for c, _ in chosen)
-    if commit:
-        [found, _] = await pipeline.run(conn, [(_CLAIM, params), (_COMMIT, {})])
+    chain = [*first, (_CLAIM, params)]
+    if commit or first:
+        ran = await pipeline.run(conn, [*chain, (_COMMIT, {})] if commit else chain)
+        found = ran[len(first)]
     else:
         found = list(await conn.execute(_CLAIM, params))
     waited = Tally(waits=[float(row.waited_s) for row in found])
@@ -599,13 +655,23 @@ async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) 
     return (await conn.execute(waiting)).first() is not None
 
 
+def _gated(rows: Sequence[Any]) -> bool:
+    """Whether any candidate has a quota (its owner's, its team's) or a concurrency key:
+    the gate reads what runs under them (``_gate``)."""
+    return any(
+        r.concurrency_key or sharing.quota_of(r) is not None
+        or sharing.team_quota_of(r) is not None
+        for r in rows
+    )  # fmt: skip
+
+
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:
     """Quotas (its owner's, its team's) and concurrency keys, when any candidate has them
     (the common claim has none and costs no more queries)."""
+    if not _gated(rows):
+        return None
     quotas = {r.owner: q for r in rows if (q := sharing.quota_of(r)) is not None}
     team_quotas = {r.team: q for r in rows if (q := sharing.team_quota_of(r)) is not None}
-    if not quotas and not team_quotas and not any(r.concurrency_key for r in rows):
-        return None
     tasks = {r.id: sharing.gated(r) for r in rows}
     return await sharing.gate(conn, tasks, quotas, lock=True, team_quotas=team_quotas)
 
@@ -1101,16 +1167,26 @@ async def finish_and_pick(
     round trip (as ``lease(..., last=True)`` does), not in one of its own."""
     chain = [*first, *settled.statements()]
     if asked is not None:
-        probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
-        chain += [asked.statement(), (_ANY_WAITING, probe)]
+        chain += _pick_statements(asked)
     if not chain:
         return []
     done = last and asked is None and all(move is not None for _, _, move in settled.batch)
     found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
     if asked is None:
         return []
-    picked = Picked(found[-2])
-    picked.waiting = bool(found[-1][0].waiting)
+    return _picked(found[len(chain) - 2 : len(chain)])
+
+
+def _pick_statements(asked: Ask) -> list[pipeline.Statement]:
+    """The claim's pick and the probe of whether any work of its queues waits."""
+    probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
+    return [asked.statement(), (_ANY_WAITING, probe)]
+
+
+def _picked(found: list[list[Any]]) -> Picked:
+    """``_pick_statements``' rows."""
+    picked = Picked(found[0])
+    picked.waiting = bool(found[1][0].waiting)
     return picked
 
 

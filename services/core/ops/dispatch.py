@@ -48,7 +48,8 @@ HELD_WINDOW_S = 60.0
 class Holds:
     """When this replica's claims last held work back by a limit that an ending task
     releases: while recent, reports sweep the waiting claims; otherwise an ending task
-    wakes no one (no other claim can be helped by it)."""
+    wakes no one (no other claim can be helped by it). One per replica, in the app's
+    state (a ``Dispatcher`` is made per request)."""
 
     def __init__(self) -> None:
         self.at = -math.inf
@@ -59,6 +60,31 @@ class Holds:
 
     def recent(self) -> bool:
         return asyncio.get_running_loop().time() - self.at < HELD_WINDOW_S
+
+
+#: the most worker rows a replica keeps for its claims' early picks (``Known``)
+KNOWN_MAX = 10_000
+
+
+class Known:
+    """The worker rows this replica's turns last read, so that a worker's next claim
+    sends its pick with the turn's first round trip (``attempts.early_ask``): at most
+    ``KNOWN_MAX``, the longest unheard forgotten first. A row gone stale costs only
+    that round trip's pick (``attempts.same_pick`` refuses it)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, Any] = {}
+
+    def get(self, worker_id: int) -> Any | None:
+        return self.rows.get(worker_id)
+
+    def saw(self, worker_id: int, row: Any | None) -> None:
+        self.rows.pop(worker_id, None)
+        if row is None:
+            return
+        self.rows[worker_id] = row
+        if len(self.rows) > KNOWN_MAX:
+            del self.rows[next(iter(self.rows))]
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ class Dispatcher:
     #: the most a claim may ask to lease ahead (``CAIRN_CLAIM_AHEAD_MAX_S``)
     ahead_max_s: float = 0.0
     holds: Holds = field(default_factory=Holds)
+    known: Known = field(default_factory=Known)
     #: a turn leaves its worker's liveness times unwritten while younger than this
     #: (``domain.workers.turn_fresh_s``); 0: every turn writes them
     fresh_s: float = 0.0
@@ -103,22 +130,28 @@ async def turn(
     waits = body.claim is not None and body.claim.wait > 0
     # Joined before the pick: work announced while it looks wakes it.
     waiter = ops.notifier.line.join(worker_id) if waits else None
+    early = _early(ops, worker_id, body.claim)
     try:
         async with ops.engine.begin() as conn:
             heard = await attempts_db.hear(
-                conn, worker_id, body.started, reported, ops.fresh_s, body.holding is not None
+                conn,
+                worker_id,
+                body.started,
+                reported,
+                ops.fresh_s,
+                body.holding is not None,
+                early,
             )
+            ops.known.saw(worker_id, heard.worker)
             resent, resent_tally = await _resend(ops, conn, heard, body.holding)
             settled = await attempts_db.settle(
                 conn, worker_id, body.reports, heard.reported, _masker(ops)
             )
             asked = _ask(ops, heard, body.claim, settled.closing)
             notes = progress_db.noted(worker_id, body.progress)
-            # Nothing follows a turn without a claim but a service's exit (``applied``)
-            # and, for a worker gone, its state: its COMMIT goes with its reports.
-            picked = await attempts_db.finish_and_pick(conn, settled, asked, notes, last=True)
+            picked, later = await _pick(ops, conn, early, heard, asked, settled, notes)
             verdicts, ended = await attempts_db.applied(conn, settled)
-            leased, lease_tally = await _lease(ops, conn, asked, picked)
+            leased, lease_tally = await _lease(ops, conn, asked, picked, later)
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         if waiter is not None and heard.worker is not None:
             waiter.queues = frozenset(heard.worker.queues)
@@ -199,6 +232,56 @@ def _freed(heard: attempts_db.Heard, verdicts: Sequence[ReportVerdict]) -> Amoun
     return placement.held_by(row for row in heard.placed if row.id in ended)
 
 
+def _early(
+    ops: Dispatcher, worker_id: int, room: ClaimRequest | None, grown: Amount = ZERO
+) -> attempts_db.Ask | None:
+    """The claim's pick to send with the turn's first round trip, from its worker's row
+    as this replica last read it (``Known``); None without a claim or a row."""
+    worker = ops.known.get(worker_id)
+    if worker is None or room is None:
+        return None
+    return attempts_db.early_ask(
+        worker,
+        room.cpu + grown.cpu,
+        room.memory_mb + grown.memory_mb,
+        room.max,
+        ops.defaults,
+        min(room.ahead_s, ops.ahead_max_s),
+    )
+
+
+async def _pick(
+    ops: Dispatcher,
+    conn: AsyncConnection,
+    early: attempts_db.Ask | None,
+    heard: attempts_db.Heard,
+    asked: attempts_db.Ask | None,
+    settled: attempts_db.Settled,
+    notes: Sequence[Any],
+) -> tuple[list[Any], list[Any]]:
+    """The claim's pick, and the statements still to run before its lease: the early
+    pick's rows when they are what ``asked`` picks (``attempts.same_pick``), the turn's
+    reports and notes then going with the lease (one round trip fewer); otherwise the
+    reports, then a pick after them (``finish_and_pick``). A service's exit is decided
+    after its report's statement (``applied``): such a turn picks after them. Nothing
+    follows a turn without a claim but a service's exit and, for a worker gone, its
+    state: its COMMIT goes with its reports."""
+    services = any(move is None for _, _, move in settled.batch)
+    found = heard.picked
+    if (
+        early is None
+        or found is None
+        or asked is None
+        or services
+        or not attempts_db.same_pick(early, asked, found)
+    ):
+        if asked is not None:
+            ops.meter.claim_picks.labels("after" if early is None else "again").inc()
+        return await attempts_db.finish_and_pick(conn, settled, asked, notes, last=True), []
+    ops.meter.claim_picks.labels("first").inc()
+    return found, [*notes, *settled.statements()]
+
+
 def _ask(
     ops: Dispatcher,
     heard: attempts_db.Heard,
@@ -228,14 +311,16 @@ async def _lease(
     conn: AsyncConnection,
     asked: attempts_db.Ask | None,
     picked: list[Any],
+    first: Sequence[Any] = (),
 ) -> tuple[list[Assignment], attempts_db.Tally]:
-    """Lease what the pick found, the secrets filled in; an attempt whose secret is gone
-    fails at once (not retryable) and is not handed out. With what it counted."""
+    """Lease what the pick found (after ``first``: ``_pick``), the secrets filled in; an
+    attempt whose secret is gone fails at once (not retryable) and is not handed out.
+    With what it counted."""
     if asked is None:
         return [], attempts_db.Tally()
     # Nothing follows the lease in the caller's transaction but the secrets' look-ups,
     # so a lease without secrets commits in its own round trip.
-    leases = await attempts_db.lease(conn, asked, picked, last=True)
+    leases = await attempts_db.lease(conn, asked, picked, last=True, first=first)
     return await _filled(ops, conn, asked.worker.id, leases)
 
 
@@ -301,10 +386,12 @@ async def _wait_for_work(
         if gone is not None and await gone():
             line.pass_on(waiter)  # its wake-up was meant for a claim that can use it
             return [], Workers.LIVE
+        early = _early(ops, worker_id, room, waiter.freed)
         async with ops.engine.begin() as conn:
-            heard = await attempts_db.hear(conn, worker_id, fresh_s=ops.fresh_s)
+            heard = await attempts_db.hear(conn, worker_id, fresh_s=ops.fresh_s, early=early)
+            ops.known.saw(worker_id, heard.worker)
             asked = _ask(ops, heard, room, frozenset(), waiter.freed)
-            picked = await attempts_db.finish_and_pick(conn, attempts_db.Settled([], []), asked)
+            picked, _ = await _pick(ops, conn, early, heard, asked, attempts_db.Settled([], []), [])
             leased, tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
         _told(ops, tally, [], [], leased, None)

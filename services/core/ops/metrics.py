@@ -65,8 +65,16 @@ class CoreMetrics:
             " (leased, empty)",
             ["outcome"],
         )
+        self.claim_picks = m.counter(
+            "cairn_claim_picks_total",
+            "Claims' picks by when they ran: with the turn's first round trip (first),"
+            " sent then but refused and run again (again), after it (after)",
+            ["when"],
+        )
         for found in ("leased", "empty"):
             self.claim_looks.labels(found)
+        for when in ("first", "again", "after"):
+            self.claim_picks.labels(when)
         for quota in ("waiting", "submits_per_min"):
             self.quota_refusals.labels(quota)
         for reason in ("quota", "concurrency", "rate"):

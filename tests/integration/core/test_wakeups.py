@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import httpx
 import psycopg
 
 from tests.support import (
+    TurnWorker,
     free_port,
     make_token,
     spawn_core,
@@ -263,3 +265,49 @@ def test_a_report_costs_its_workers_waiting_claim_no_look_when_nothing_waits(
             assert len(claimed["attempts"]) == 1 and looks == 1
     finally:
         core.stop()
+
+
+def test_a_report_that_ends_a_task_under_a_held_key_wakes_another_workers_claim(
+    db_url: str, tmp_path: Path, db: DB
+) -> None:
+    # One replica, no sweep within the test: a claim held back by a concurrency key waits;
+    # the report that ends the key's running task, sent alone by another worker, wakes
+    # it at once (the replica remembers that its claims held work back: ops.dispatch.Holds,
+    # one per replica, not per request).
+    core = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0, claim_sweep_s=30.0)
+    w1, w2 = TurnWorker(core, "w1"), TurnWorker(core, "w2")
+    try:
+        with core.client("alice") as alice:
+            key = {"key": "db-main", "limit": 1}
+            for _ in range(2):
+                alice.post("/v1/tasks", json=spec(concurrency=key)).raise_for_status()
+        room = {"cpu": 4, "memory_mb": 4096, "max": 4}
+        [running] = w1.turn(claim=room)["attempts"]
+        box: dict[str, Any] = {}
+
+        def wait() -> None:
+            started = time.monotonic()
+            box["answer"] = w2.turn(claim={**room, "wait": 10})
+            box["took"] = time.monotonic() - started
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        wait_for(lambda: _looks_held(core.url) >= 1, timeout=10)  # held back: it waits
+        time.sleep(0.2)
+        report = {"attempt_id": running["attempt_id"], "outcome": "succeeded", "exit_code": 0}
+        assert w1.turn(reports=[report])["reports"][0]["status"] == 200
+        waiting.join(15)
+        assert len(box["answer"]["attempts"]) == 1
+        assert box["took"] < 5  # woken by the report, not by the wait's end (10 s)
+    finally:
+        w1.http.close()
+        w2.http.close()
+        core.stop()
+
+
+def _looks_held(base: str) -> float:
+    """Candidates this replica's claims held back by a concurrency key."""
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith('cairn_claim_held_total{reason="concurrency"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
