@@ -208,9 +208,14 @@ class LogShipper:
         wanted: list[tuple[int, LogSource, int, int]] = []
         room, chunks, worker, left = REQUEST_BYTES, MAX_LOG_BATCH, None, False
         for attempt_id, entry in sorted(self._logs.items(), key=lambda i: not i[1].finishing):
+            # Room for what it has to send, not for its allowance: an attempt that wrote
+            # little since takes little, and leaves the rest to the others.
+            pending = entry.source.size() - entry.offset
+            if pending <= 0:
+                continue
             worker = entry.worker_id if worker is None else worker
             most = MAX_LOG_CHUNK * _FINISHING_CHUNKS if entry.finishing else int(entry.allowance)
-            most = min(most, room, chunks * MAX_LOG_CHUNK)
+            most = min(most, room, chunks * MAX_LOG_CHUNK, pending)
             if entry.worker_id != worker or most <= 0:
                 left = left or entry.worker_id != worker or room <= 0 or chunks <= 0
                 continue

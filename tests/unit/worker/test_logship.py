@@ -6,6 +6,7 @@ than ``CAIRN_WORKER_LOG_FLUSH_S``, the rest goes after the report, for a bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -232,3 +233,26 @@ def test_the_end_of_a_log_is_given_up_after_the_tail_time_with_a_warning(
     given_up = [r.getMessage() for r in caplog.records if "gave up" in r.getMessage()]
     assert len(given_up) == 2
     assert "4 bytes did not reach core" in given_up[0]
+
+
+def test_every_running_attempt_of_a_busy_worker_ships_its_lines(tmp_path: Path) -> None:
+    # A request has room for 1 MiB; each attempt may send its allowance (up to the burst,
+    # 128 KiB at the default rate and interval). Room is what an attempt has to send, not
+    # its allowance: else the first 8 attempts registered took a request's room every
+    # round, however little they wrote, and the 9th's lines never went while they ran.
+    count = 12
+
+    async def go() -> MockCore:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_interval_s=0.5)
+        paths = {a: tmp_path / f"{a}.log" for a in range(1, count + 1)}
+        for attempt, path in paths.items():
+            path.write_text("starts\n")
+            shipper.register(7, attempt, _File(path))
+        with contextlib.suppress(TimeoutError):
+            await _until(lambda: len(core.sizes) == count, timeout=3)
+        await client.aclose()
+        return core
+
+    core = asyncio.run(go())
+    assert sorted(core.sizes) == list(range(1, count + 1))
