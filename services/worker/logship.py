@@ -43,6 +43,9 @@ from services.worker.settings import WorkerSettings
 log = logging.getLogger("cairn.worker.logs")
 
 REQUEST_BYTES = 1024 * 1024
+#: the most logs whose end goes on after their report (``finish``), each keeping its file
+#: open until then: past it, an end core was too slow for is given up at the report
+MAX_LATE_LOGS = 128
 _FINISHING_CHUNKS = 16
 _BACKOFF_MAX_S = 10.0
 
@@ -121,7 +124,7 @@ class LogShipper:
             await asyncio.wait_for(entry.done.wait(), self.flush_s)
         if entry.done.is_set():
             return None
-        if self.tail_s <= 0:
+        if self.tail_s <= 0 or sum(e.late for e in self._logs.values()) >= MAX_LATE_LOGS:
             self._give_up(attempt_id, entry)
             return None
         entry.late = True

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from libs.common.client import CoreClient
-from services.worker.logship import LogShipper
+from services.worker.logship import MAX_LATE_LOGS, LogShipper
 from services.worker.settings import WorkerSettings
 
 
@@ -256,3 +256,41 @@ def test_every_running_attempt_of_a_busy_worker_ships_its_lines(tmp_path: Path) 
 
     core = asyncio.run(go())
     assert sorted(core.sizes) == list(range(1, count + 1))
+
+
+def test_the_logs_whose_end_goes_after_the_report_are_bounded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each such log keeps its file open until its end reaches core (``release``): while
+    # core is slow, an agent ending attempts faster than the tail time would otherwise
+    # hold one more descriptor per attempt (200/s for 50 s: 10,000, past a service's
+    # usual limit of 1,024) and fail to open the next attempt's log.
+    count = MAX_LATE_LOGS + 40
+
+    async def go() -> tuple[list[int | None], int]:
+        core = MockCore()
+        shipper, client = _shipper(core, worker_log_flush_s=0.1, worker_log_tail_s=30)
+        paths = {a: tmp_path / f"{a}.log" for a in range(1, count + 1)}
+        for attempt, path in paths.items():
+            path.write_text("one\n")
+            shipper.register(7, attempt, _File(path))
+        await _until(lambda: len(core.sizes) == count)
+        core.down = True  # core is slow: every end goes after its report
+        for path in paths.values():
+            with path.open("a") as f:
+                f.write("two\n")
+        closed: list[int] = []
+        late = await asyncio.gather(*(shipper.finish(a) for a in paths))
+        for attempt in paths:
+            shipper.release(attempt, lambda a=attempt: closed.append(a))
+        held_open = count - len(closed)
+        core.down = False  # the rest goes
+        await _until(lambda: len(closed) == count)
+        await client.aclose()
+        return late, held_open
+
+    with caplog.at_level(logging.WARNING, "cairn.worker.logs"):
+        late, held_open = asyncio.run(go())
+    assert held_open <= MAX_LATE_LOGS, held_open
+    assert sum(n is not None for n in late) == held_open  # the others reported whole-less
+    assert any("gave up" in r.getMessage() for r in caplog.records)
