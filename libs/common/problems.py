@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -110,6 +111,15 @@ def install(app: FastAPI) -> None:
     async def _db_error(request: Request, exc: DBAPIError) -> JSONResponse:
         return _database_error(exc, request)
 
+    @app.exception_handler(psycopg.Error)
+    async def _driver_error(request: Request, exc: psycopg.Error) -> JSONResponse:
+        # The driver's own, not wrapped in a DBAPIError: the statements sent together
+        # (``libs.common.pipeline``, the worker's turn among them) run on it directly.
+        if _replanned(exc):
+            return _replanned_response(exc, request)
+        log.exception("database error")
+        return problem_response(CairnError("internal database error"), request)
+
 
 def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
     """The answer to a request that met ``exc`` from the database."""
@@ -120,13 +130,8 @@ def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
         # caller's input, so a 422, never a 500.
         log.warning("database refused a value: %s", exc.orig)
         return problem_response(InvalidInput("a value is outside what can be stored"), request)
-    if _replanned(exc):
-        # Prepared afresh at its next run (the pool's connection forgot it with the
-        # failed transaction's rollback), so an answer the caller may retry at once.
-        log.warning("a table changed under a prepared statement: %s", exc.orig)
-        response = problem_response(Unavailable(_REPLANNED), request)
-        response.headers["Retry-After"] = "0"
-        return response
+    if _replanned(exc.orig):
+        return _replanned_response(exc.orig, request)
     log.exception("database error")
     return problem_response(CairnError("internal database error"), request)
 
@@ -134,11 +139,19 @@ def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
 _REPLANNED = "a table changed under this request (an upgrade in progress); retry it"
 
 
-def _replanned(exc: DBAPIError) -> bool:
-    """Whether ``exc`` is PostgreSQL refusing a prepared statement whose result's columns
+def _replanned_response(orig: BaseException | None, request: Request) -> JSONResponse:
+    """Prepared afresh at its next run (the pool's connection forgot it with the failed
+    transaction's rollback), so an answer the caller may retry at once."""
+    log.warning("a table changed under a prepared statement: %s", orig)
+    response = problem_response(Unavailable(_REPLANNED), request)
+    response.headers["Retry-After"] = "0"
+    return response
+
+
+def _replanned(orig: BaseException | None) -> bool:
+    """Whether ``orig`` (the driver's error) is PostgreSQL refusing a prepared statement whose result's columns
     changed under it (SQLSTATE 0A000, "cached plan must not change result type"): a
     statement reading ``t.*`` after a rolling upgrade's migration added a column to ``t``.
     The transaction changed nothing, and the pool's connection forgot its statements with
     the failed transaction's rollback, so the retry prepares them afresh."""
-    orig = exc.orig
     return getattr(orig, "sqlstate", None) == "0A000" and "cached plan" in str(orig)

@@ -45,14 +45,18 @@ def test_reads_keep_prepared_statements_and_an_error_forgets_them(db_url: str) -
     assert not any("FROM core.tasks WHERE state" in s for s in after_error), after_error
 
 
-async def _reads_across_a_migration(db_url: str) -> list[tuple[int, str | None, int]]:
-    """A read of ``t.*`` served 7 times (prepared at its 6th), a column added to ``t`` by
-    another connection (a rolling upgrade's migration), then the read twice more."""
+async def _reads_across_a_migration(
+    db_url: str, pipelined: bool = False
+) -> list[tuple[int, str | None, int]]:
+    """A read of ``t.*`` served 7 times (prepared at its 6th; at its first when
+    ``pipelined``: ``libs.common.pipeline``, as a worker's turn reads its row), a column
+    added to ``t`` by another connection (a rolling upgrade's migration), then the read
+    twice more."""
     import httpx
     import psycopg
     from fastapi import FastAPI
 
-    from libs.common import problems
+    from libs.common import pipeline, problems
     from libs.common.settings import libpq_url
 
     with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
@@ -67,6 +71,9 @@ async def _reads_across_a_migration(db_url: str) -> list[tuple[int, str | None, 
     @app.get("/rows")
     async def rows() -> list[dict[str, object]]:
         async with engine.connect() as conn:
+            if pipelined:
+                [found] = await pipeline.run(conn, [(text("SELECT t.* FROM replan.t t"), {})])
+                return [r._asdict() for r in found]
             return [
                 dict(r) for r in (await conn.execute(text("SELECT t.* FROM replan.t t"))).mappings()
             ]
@@ -101,5 +108,14 @@ def test_a_column_added_under_a_prepared_read_is_a_503_then_served(db_url: str) 
     # a 503 the caller may retry at once (never a 500), and the retry is served with the
     # new column, prepared afresh.
     first, second = asyncio.run(_reads_across_a_migration(db_url))
+    assert first == (503, "0", 0), first
+    assert second == (200, None, 2), second
+
+
+def test_a_column_added_under_a_pipelined_statement_is_a_503_then_served(db_url: str) -> None:
+    # The hot path's statements go through psycopg's pipeline (the worker's turn reads
+    # ``SELECT * FROM core.workers`` so), whose errors are psycopg's own, not SQLAlchemy's
+    # DBAPIError: the same refusal must be the same 503, not a 500.
+    first, second = asyncio.run(_reads_across_a_migration(db_url, pipelined=True))
     assert first == (503, "0", 0), first
     assert second == (200, None, 2), second
