@@ -5,6 +5,7 @@ and exits when the task ends."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -130,3 +131,39 @@ def test_logs_follow_prints_lines_as_they_are_written_and_exits_when_the_task_en
     assert seen[0][0] < finished.timestamp() - 1.5
     assert seen[LINES // 2][0] < finished.timestamp() - 0.5
     assert seen[-1][0] < finished.timestamp() + 2.0
+
+
+def test_every_running_task_of_a_busy_worker_has_its_log_read_while_it_runs(
+    core: Core, tmp_path: Path
+) -> None:
+    # More attempts running at once than one log request holds allowances for (8 at the
+    # default rate and interval): each one's first line is readable while they all run,
+    # not only the first 8 started (the others' went at their end).
+    count = 12
+    proc = spawn_worker(core, tmp_path / "busy", "busy-log-worker")
+    body = {
+        "name": "busy",
+        "artifact": {"uri": f"file://{SH}", "sha256": SH_SHA},
+        "args": ["-c", "echo hello; sleep 20"],
+        "resources": {"cpu": 0.25, "memory_mb": 128},
+    }
+    try:
+        with core.client() as alice:
+            answers = [alice.post("/v1/tasks", json=body) for _ in range(count)]
+            assert all(a.status_code == 201 for a in answers), answers[-1].text
+            ids = [a.json()["id"] for a in answers]
+
+            def running() -> bool:
+                states = [alice.get(f"/v1/tasks/{i}").json()["state"] for i in ids]
+                return states.count("running") == count
+
+            wait_for(running, timeout=30)
+
+            def unread() -> list[int]:
+                return [i for i in ids if "hello" not in alice.get(f"/v1/tasks/{i}/logs").text]
+
+            with contextlib.suppress(TimeoutError, AssertionError):
+                wait_for(lambda: not unread(), timeout=5)
+            assert unread() == []
+    finally:
+        stop_process(proc, signal.SIGKILL)
