@@ -113,12 +113,19 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(psycopg.Error)
     async def _driver_error(request: Request, exc: psycopg.Error) -> JSONResponse:
-        # The driver's own, not wrapped in a DBAPIError: the statements sent together
-        # (``libs.common.pipeline``, the worker's turn among them) run on it directly.
-        if _replanned(exc):
-            return _replanned_response(exc, request)
-        log.exception("database error")
-        return problem_response(CairnError("internal database error"), request)
+        return _driver_error_response(exc, request)
+
+
+def _driver_error_response(exc: psycopg.Error, request: Request) -> JSONResponse:
+    """The driver's own error, not wrapped in a DBAPIError: the statements sent together
+    (``libs.common.pipeline``, the worker's turn among them) run on it directly."""
+    if _replanned(exc):
+        return _replanned_response(exc, request)
+    if isinstance(exc, psycopg.OperationalError):  # as ``_db_down``: out of reach
+        log.warning("database unavailable: %s", exc)
+        return problem_response(Unavailable(), request)
+    log.exception("database error")
+    return problem_response(CairnError("internal database error"), request)
 
 
 def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
