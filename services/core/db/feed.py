@@ -387,6 +387,7 @@ class Notifier:
         self.alone = False
         self.peers_check_s = PEERS_CHECK_S
         self._listener_pid: int | None = None
+        self._uncounted = False  # the last count failed (logged once)
 
     def start(self) -> None:
         self._tasks = [
@@ -536,7 +537,16 @@ class Notifier:
         tell them this one listens."""
         if hello:
             await conn.execute(_HELLO)
-        row = await (await conn.execute(_PEERS, {"name": LISTENER_NAME})).fetchone()
+        try:
+            row = await (await conn.execute(_PEERS, {"name": LISTENER_NAME})).fetchone()
+        except psycopg.Error as exc:  # a refused read: tell everyone, and go on listening
+            if conn.broken or conn.closed:
+                raise
+            if not self._uncounted:
+                log.warning("could not count the other replicas (%s); telling them", exc)
+            self._uncounted, self.alone = True, False
+            return
+        self._uncounted = False
         self.alone = row is not None and row[0] == 0
 
     def _hear(self, note: psycopg.Notify) -> bool:

@@ -10,8 +10,10 @@ import asyncio
 from datetime import UTC, datetime
 
 import psycopg
+import pytest
 
 from libs.common.settings import libpq_url
+from services.core.db import feed
 from services.core.db.feed import CHANNEL, DUE_CHANNEL, WORK_CHANNEL, Notifier, Work
 
 
@@ -139,5 +141,31 @@ def test_a_replica_alone_tells_no_one_until_another_says_hello(db_url: str) -> N
             await a.notifier.stop()
             await b.notifier.stop()
             await outsider.close()
+
+    asyncio.run(run())
+
+
+def test_a_replica_that_cannot_count_the_others_tells_them_and_listens_on(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A count PostgreSQL refuses (a view this role may not read, say) leaves the replica
+    telling everyone, its listener up: it still hears the others."""
+    monkeypatch.setattr(feed, "_PEERS", "SELECT count(*) FROM no_such_view_here")
+
+    async def run() -> None:
+        a, b = _Counted(db_url), _Counted(db_url)
+        a.notifier.peers_check_s = 0.1
+        a.notifier.start()
+        b.notifier.start()
+        try:
+            await _until(lambda: a.notifier._listener_pid and b.notifier._sender_pid)
+            await asyncio.sleep(0.3)  # a few failed counts
+            assert not a.notifier.alone and a.notifier._uncounted
+            before = a.wakes
+            b.notifier.announce()
+            await _until(lambda: a.wakes > before)
+        finally:
+            await a.notifier.stop()
+            await b.notifier.stop()
 
     asyncio.run(run())
