@@ -37,8 +37,12 @@ from services.core.identity.crypto import SecretBox
 
 # One replica at a time runs each scan: a transaction-scoped advisory lock, taken without
 # waiting (the other replicas skip the turn). 4707 is core's namespace (placement: 1).
-MATCHER_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.MATCHER}")
-DEADLINE_LOCK = text(f"SELECT pg_try_advisory_xact_lock{locks.DEADLINE_SCAN}")
+# A loop's cursor, read only if its transaction took the loop's lock (one replica at a
+# time; no row: another has it): the lock and the read in one round trip.
+_LOCKED_CURSOR = """SELECT c.* FROM core.notify_cursors c
+WHERE c.name = :name AND (SELECT pg_try_advisory_xact_lock{lock})"""
+MATCHER_CURSOR = text(_LOCKED_CURSOR.format(lock=locks.MATCHER))
+DEADLINE_CURSOR = text(_LOCKED_CURSOR.format(lock=locks.DEADLINE_SCAN))
 
 _MATCHES = """
 JOIN core.subscriptions s ON s.owner = {owner} AND s.enabled AND {event} = ANY(s.events)
@@ -365,6 +369,12 @@ async def cursor(conn: AsyncConnection, name: str) -> Row[Any]:
     return (await conn.execute(query)).one()
 
 
+async def locked_cursor(conn: AsyncConnection, lock: TextClause, name: str) -> Row[Any] | None:
+    """The cursor ``name`` if this transaction took its loop's ``lock`` (``MATCHER_CURSOR``,
+    ``DEADLINE_CURSOR``); None if another replica holds it."""
+    return (await conn.execute(lock, {"name": name})).one_or_none()
+
+
 async def move_cursor(conn: AsyncConnection, name: str, **values: Any) -> None:
     query = (
         update(notify_cursors)
@@ -375,8 +385,11 @@ async def move_cursor(conn: AsyncConnection, name: str, **values: Any) -> None:
 
 
 async def queue_deadlines(conn: AsyncConnection, limit: int) -> tuple[int, int]:
-    """Scan the next passed deadlines; return (tasks scanned, deliveries queued)."""
-    at = await cursor(conn, "deadlines")
+    """Scan the next passed deadlines, if this transaction takes the scan's lock (else
+    (0, 0)); return (tasks scanned, deliveries queued)."""
+    at = await locked_cursor(conn, DEADLINE_CURSOR, "deadlines")
+    if at is None:
+        return 0, 0
     found = (
         await conn.execute(
             QUEUE_DEADLINES,

@@ -2,7 +2,7 @@
 written together, in one statement and one commit, on a plain psycopg connection of
 their own (the task rows and their events in the same statement, ``db.tasks.SUBMIT``;
 the other replicas told of them in the same transaction and round trip, not by the
-notifier's own NOTIFY: a transaction and a commit less).
+notifier's own NOTIFY: a transaction and a commit less; none when there is no other).
 
 One writer task takes every submission waiting, writes them, answers each, and takes the
 next lot: while one lot is being written the next collects, and a submission that finds
@@ -107,7 +107,9 @@ class GroupCommit:
     async def _write(self, group: Sequence[_Waiting]) -> None:
         try:
             conn = await self._connection()
-            notes = notes_of(sum((w.work for w in group), Work())) if self.notifier else []
+            # no other replica listens (``Notifier.alone``): no note, no echo of it
+            tell = self.notifier is not None and not self.notifier.alone
+            notes = notes_of(sum((w.work for w in group), Work())) if tell else []
             docs = [w.doc for w in group]
             stored = await tasks_db.submit_docs(conn, docs, self.quantum_s, notes, self.fair)
         except DBAPIError as exc:

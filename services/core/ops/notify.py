@@ -37,9 +37,9 @@ async def match_once(engine: AsyncEngine, limit: int) -> int:
     per matching subscription. One replica at a time; a page read twice (a crash before
     the commit) queues nothing twice, by the outbox's unique key. Return the events read."""
     async with engine.begin() as conn:
-        if not await conn.scalar(notifications.MATCHER_LOCK):
+        at = await notifications.locked_cursor(conn, notifications.MATCHER_CURSOR, "matcher")
+        if at is None:  # another replica's turn
             return 0
-        at = await notifications.cursor(conn, "matcher")
         cursor = (at.feed_xid, at.feed_id)
         # Only deaths become deliveries from the feed (the other events are posted or
         # scanned), so only they are read.
@@ -57,8 +57,6 @@ async def match_once(engine: AsyncEngine, limit: int) -> int:
 async def deadlines_once(engine: AsyncEngine, limit: int) -> int:
     """Queue ``task.deadline_missed`` for tasks whose deadline passed unfinished."""
     async with engine.begin() as conn:
-        if not await conn.scalar(notifications.DEADLINE_LOCK):
-            return 0
         scanned, _ = await notifications.queue_deadlines(conn, limit)
     return scanned
 
@@ -143,7 +141,9 @@ class Deliverer:
         if room <= 0:
             await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
             return 1
-        async with self.engine.begin() as conn:
+        async with self.engine.connect() as conn:
+            # one statement: in autocommit, no BEGIN and COMMIT round trips around it
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
             leased = await notifications.claim(conn, room, self.lease_s)
         for item in leased:
             task = asyncio.create_task(self._deliver(item), name=f"cairn-deliver-{item.id}")

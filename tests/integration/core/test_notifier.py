@@ -1,14 +1,20 @@
 """The notifier between replicas, on a real PostgreSQL: another replica's announcement
 wakes this one's waiters; this replica's own, echoed back by PostgreSQL to its listener,
-does not wake them a second time (each waiting claim would run a lease for nothing); and
-a waiter that marks before its read misses nothing announced before it waits."""
+does not wake them a second time (each waiting claim would run a lease for nothing); a
+waiter that marks before its read misses nothing announced before it waits; and a replica
+with no other tells no one."""
 
 from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
 
-from services.core.db.feed import Notifier
+import psycopg
+import pytest
+
+from libs.common.settings import libpq_url
+from services.core.db import feed
+from services.core.db.feed import CHANNEL, DUE_CHANNEL, WORK_CHANNEL, Notifier, Work
 
 
 class _Counted:
@@ -91,6 +97,73 @@ def test_a_replica_is_woken_by_the_others_announcements_and_not_by_its_own_echo(
             began = loop.time()
             await a.notifier.wait(0.3)
             assert loop.time() - began >= 0.29
+        finally:
+            await a.notifier.stop()
+            await b.notifier.stop()
+
+    asyncio.run(run())
+
+
+def test_a_replica_alone_tells_no_one_until_another_says_hello(db_url: str) -> None:
+    """A replica whose listener counts no other tells no one (no note, so no echo of it
+    at every commit); another replica's hello ends that at once, and once the other has
+    gone, the next count makes it alone again."""
+
+    async def run() -> None:
+        outsider = await psycopg.AsyncConnection.connect(libpq_url(db_url), autocommit=True)
+        for channel in (CHANNEL, WORK_CHANNEL, DUE_CHANNEL):
+            await outsider.execute(f"LISTEN {channel}")  # not a replica: not counted
+
+        async def heard(seconds: float) -> list[str]:
+            return [n.channel async for n in outsider.notifies(timeout=seconds)]
+
+        a, b = _Counted(db_url), _Counted(db_url)
+        a.notifier.peers_check_s = 0.2
+        a.notifier.start()
+        try:
+            await _until(lambda: a.notifier.alone and a.notifier._sender_pid)
+            a.notifier.announce(Work.of_queues(["q1"]))
+            a.notifier.announce_due(datetime(2030, 1, 1, tzinfo=UTC))
+            assert a.dues, "its own promoter is still told"
+            assert await heard(0.3) == []
+
+            b.notifier.start()
+            await _until(lambda: not a.notifier.alone and b.notifier._sender_pid)
+            assert not b.notifier.alone
+            b_before = b.wakes
+            a.notifier.announce(Work.of_queues(["q1"]))
+            await _until(lambda: b.wakes > b_before)
+            assert set(await heard(0.3)) >= {CHANNEL, WORK_CHANNEL}
+
+            await b.notifier.stop()
+            await _until(lambda: a.notifier.alone)
+        finally:
+            await a.notifier.stop()
+            await b.notifier.stop()
+            await outsider.close()
+
+    asyncio.run(run())
+
+
+def test_a_replica_that_cannot_count_the_others_tells_them_and_listens_on(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A count PostgreSQL refuses (a view this role may not read, say) leaves the replica
+    telling everyone, its listener up: it still hears the others."""
+    monkeypatch.setattr(feed, "_PEERS", "SELECT count(*) FROM no_such_view_here")
+
+    async def run() -> None:
+        a, b = _Counted(db_url), _Counted(db_url)
+        a.notifier.peers_check_s = 0.1
+        a.notifier.start()
+        b.notifier.start()
+        try:
+            await _until(lambda: a.notifier._listener_pid and b.notifier._sender_pid)
+            await asyncio.sleep(0.3)  # a few failed counts
+            assert not a.notifier.alone and a.notifier._uncounted
+            before = a.wakes
+            b.notifier.announce()
+            await _until(lambda: a.wakes > before)
         finally:
             await a.notifier.stop()
             await b.notifier.stop()

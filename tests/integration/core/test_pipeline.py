@@ -75,8 +75,9 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     from services.core.db import tasks as tasks_db
 
     dialect = dialects.dialect()  # type: ignore[no-untyped-call]
-    # the group commit's form of it (SUBMIT_TELLING), every single submission's, too
-    for submit in (tasks_db.SUBMIT, tasks_db.SUBMIT_TELLING):
+    # the group commit's forms of it (TELLING; ONE, a lone submission's), too
+    forms = (tasks_db.SUBMIT_TELLING, tasks_db.SUBMIT_ONE, tasks_db.SUBMIT_ONE_TELLING)
+    for submit in (tasks_db.SUBMIT, *forms):
         assert len(pipeline.driver_sql(submit, dialect).encode()) <= MAX_CACHED_STATEMENT_LENGTH
     for clause in (tasks_db.SUBMIT, attempts_db._WAITING_IN_QUEUE, attempts_db._WAITING_IN_QUEUES):
         assert "--" not in pipeline.driver_sql(clause, dialect)

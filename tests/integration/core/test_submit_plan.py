@@ -3,7 +3,8 @@ prepared SUBMIT (the generic plan), measured by the buffers EXPLAIN counts on a 
 PostgreSQL: a few, whatever waits in the queue. A flow's last stamp once walked the
 queue's backlog of other owners' work (221 buffers behind 5,000 of alice's tasks), and a
 first respelling moved the walk onto the flow's own delayed and paused work (191-195
-buffers filling a paused queue); both cases are here, for an owner's flow and a team's."""
+buffers filling a paused queue); both cases are here, for an owner's flow and a team's,
+by the form for one row (SUBMIT_ONE, a single submission's) and by the form for many."""
 
 from __future__ import annotations
 
@@ -36,18 +37,21 @@ def _buffers(plan: dict[str, Any]) -> int:
 
 
 def _prepared(db: DB) -> None:
-    text = pipeline.driver_sql(tasks_db.SUBMIT, dialects.dialect())  # type: ignore[no-untyped-call]
-    db.execute(
-        sql.SQL("PREPARE submit_rows(jsonb, float8, text, float8, float8) AS {}").format(
-            sql.SQL(
-                text.replace("%(rows)s", "$1")
-                .replace("%(quantum)s", "$2")
-                .replace("%(fair_share)s", "$3")
-                .replace("%(fair_half_life)s", "$4")
-                .replace("%(fair_unit)s", "$5")
+    """SUBMIT as ``submit_rows``, and its form for one row (SUBMIT_ONE) as ``submit_one``."""
+    for name, clause in (("submit_rows", tasks_db.SUBMIT), ("submit_one", tasks_db.SUBMIT_ONE)):
+        text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
+        db.execute(
+            sql.SQL("PREPARE {}(jsonb, float8, text, float8, float8) AS {}").format(
+                sql.Identifier(name),
+                sql.SQL(
+                    text.replace("%(rows)s", "$1")
+                    .replace("%(quantum)s", "$2")
+                    .replace("%(fair_share)s", "$3")
+                    .replace("%(fair_half_life)s", "$4")
+                    .replace("%(fair_unit)s", "$5")
+                ),
             )
         )
-    )
 
 
 def _submit(db: DB, rows: str, fair: str = "tasks") -> None:
@@ -59,10 +63,13 @@ def _submit(db: DB, rows: str, fair: str = "tasks") -> None:
 
 
 def _spent(db: DB, rows: str, fair: str = "tasks") -> int:
+    """The buffers one submission of ``rows`` reads: one row by the form a single
+    submission takes (SUBMIT_ONE), more by SUBMIT."""
+    name = "submit_one" if len(json.loads(rows)) == 1 else "submit_rows"
     [[plan]] = db.execute(
         sql.SQL(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE submit_rows({}, 1.0, {}, 604800, 60)"
-        ).format(sql.Literal(rows), sql.Literal(fair))
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, 1.0, {}, 604800, 60)"
+        ).format(sql.Identifier(name), sql.Literal(rows), sql.Literal(fair))
     ).fetchall()
     return _buffers(plan[0])
 
@@ -79,9 +86,9 @@ def test_a_flows_stamp_behind_another_owners_backlog_reads_a_few_buffers(
     db.execute("ANALYZE core.tasks")  # the statistics see one owner, no team
     db.execute("SET plan_cache_mode = force_generic_plan")
     team = "ops" if flow == "team" else None
-    spent = [_spent(db, _rows(1, "bob", team), fair) for _ in range(3)]
+    spent = [_spent(db, _rows(n, "bob", team), fair) for n in (1, 1, 2)]
     # Each of bob's submissions: the insert, its indexes and its event, a few dozen
-    # buffers; the walk over alice's 5,000 waiting tasks read about 220.
+    # buffers a row; the walk over alice's 5,000 waiting tasks read about 220.
     assert max(spent) < 100, spent
     # bob's first stamp: now (past alice's head), or 600 core-seconds / 60 = 10 steps later.
     [[behind]] = db.execute(
@@ -101,7 +108,7 @@ def test_filling_a_paused_queue_reads_a_few_buffers_a_submission(
         _submit(db, _rows(1000, "alice", team))
     db.execute("ANALYZE core.tasks")
     db.execute("SET plan_cache_mode = force_generic_plan")
-    spent = [_spent(db, _rows(1, "alice", team)) for _ in range(3)]
+    spent = [_spent(db, _rows(n, "alice", team)) for n in (1, 1, 2)]
     assert max(spent) < 100, spent
     [(ready,)] = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'ready'").fetchall()
-    assert ready == BACKLOG + 3
+    assert ready == BACKLOG + 4
