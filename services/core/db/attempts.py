@@ -1068,8 +1068,11 @@ async def report_many(
 
 # Whether any work of a claim's queues waits, whatever its size or labels (due or not,
 # locked or not: a superset of what its pick could take in a larger room): one probe of
-# each state's index, sent with the pick. A claim whose look found nothing and none of
-# this has nothing to gain from room freed on its worker (``feed.Line.may_grow``).
+# each state's index, sent with the pick of a claim that waits. A claim whose look found
+# nothing and none of this has nothing to gain from room freed on its worker
+# (``feed.Line.may_grow``). A claim that does not wait never reads it, and it is not
+# free: the probe walks its index past the entries of every task claimed since the last
+# vacuum (59 to 150 pages a call while 20,000 queued tasks drain), so it is not sent.
 _ANY_WAITING = text(f"""
 SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
                  AND t.queue = ANY(CAST(:queues AS text[])))
@@ -1081,7 +1084,8 @@ SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
 
 class Picked(list[Any]):
     """The rows a claim's pick locked, and whether any work of its queues waited at all
-    (``waiting``: probed with every pick, read by a look that leased nothing)."""
+    (``waiting``: probed with the pick of a claim that waits, read by a look that leased
+    nothing; True, may have been short, when not probed)."""
 
     waiting = True
 
@@ -1092,23 +1096,30 @@ async def finish_and_pick(
     asked: Ask | None,
     first: Sequence[pipeline.Statement] = (),
     last: bool = False,
+    waits: bool = True,
 ) -> list[Any]:
     """A turn's second round trip: ``first`` (its progress notes), the reports applied,
     then the claim's pick (after them, so it sees the room they made): the rows picked.
     ``last``: the caller runs nothing after this in the transaction unless there is a
     pick to lease or a service's exit to decide (``applied``); without either (a turn
     that only reports, as the agent's courier sends them), the COMMIT goes in the same
-    round trip (as ``lease(..., last=True)`` does), not in one of its own."""
+    round trip (as ``lease(..., last=True)`` does), not in one of its own. ``waits``:
+    the claim waits for work if it leases none, so whether any waited is probed
+    (``Picked.waiting``, ``_ANY_WAITING``)."""
     chain = [*first, *settled.statements()]
     if asked is not None:
-        probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
-        chain += [asked.statement(), (_ANY_WAITING, probe)]
+        chain.append(asked.statement())
+        if waits:
+            probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
+            chain.append((_ANY_WAITING, probe))
     if not chain:
         return []
     done = last and asked is None and all(move is not None for _, _, move in settled.batch)
     found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
     if asked is None:
         return []
+    if not waits:
+        return Picked(found[-1])
     picked = Picked(found[-2])
     picked.waiting = bool(found[-1][0].waiting)
     return picked

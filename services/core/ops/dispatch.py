@@ -116,7 +116,9 @@ async def turn(
             notes = progress_db.noted(worker_id, body.progress)
             # Nothing follows a turn without a claim but a service's exit (``applied``)
             # and, for a worker gone, its state: its COMMIT goes with its reports.
-            picked = await attempts_db.finish_and_pick(conn, settled, asked, notes, last=True)
+            picked = await attempts_db.finish_and_pick(
+                conn, settled, asked, notes, last=True, waits=waits
+            )
             verdicts, ended = await attempts_db.applied(conn, settled)
             leased, lease_tally = await _lease(ops, conn, asked, picked)
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
