@@ -35,7 +35,7 @@ from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core import traces
 from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
-from services.core.db.params import jsonb
+from services.core.db.params import floats, ints, jsonb, words
 from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
 from services.core.domain import outcomes, selectors
@@ -431,20 +431,21 @@ async def hear(
     that will write attempt rows for another reason (``resend``). The turn's first round
     trip: the statements of its transaction run on their generic plans (``_GENERIC``)."""
     ids = sorted(set(reported))
+    listed = ints(ids)  # one literal for the three statements that take the ids
     heard_params = {
         "worker": worker_id,
-        "started": sorted(set(started)),
+        "started": ints(sorted(set(started))),
         "fresh_s": fresh_s,
         "always": bool(started or reported or always),
     }
     chain: list[pipeline.Statement] = [
         (_GENERIC, {}),
         (_HEARD, heard_params),
-        (placement.USE, {"workers": [worker_id], "listed": ids}),
+        (placement.USE, {"workers": [worker_id], "listed": listed}),
     ]
     if reported:
-        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
-        chain.append((_REPORTED, {"ids": ids}))
+        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": listed}))
+        chain.append((_REPORTED, {"ids": listed}))
     _, heard, use, *among = await pipeline.run(conn, chain)
     placed, locked = among or ([], [])
     rest = placement.rest_from(use).get(worker_id, ZERO)
@@ -568,12 +569,11 @@ async def lease(
         return Leases([], tally=held)
     by_id = {row.id: row for row in rows}
     params = {
-        "ids": [c.task_id for c, _ in chosen],
-        # float8[]: psycopg refuses a list that mixes ints and floats
-        "cpus": [float(cost.cpu) for _, cost in chosen],
-        "memories": [float(cost.memory_mb) for _, cost in chosen],
-        "froms": [by_id[c.task_id].state for c, _ in chosen],
-        "devices": [jsonb(dict(cost.devices)) if cost.devices else None for _, cost in chosen],
+        "ids": ints(c.task_id for c, _ in chosen),
+        "cpus": floats(float(cost.cpu) for _, cost in chosen),
+        "memories": floats(float(cost.memory_mb) for _, cost in chosen),
+        "froms": words(by_id[c.task_id].state for c, _ in chosen),
+        "devices": words(jsonb(dict(cost.devices)) if cost.devices else None for _, cost in chosen),
         "worker": asked.worker.id,
         "target": S.RUNNING.value,
         "sources": asked.params["sources"],
@@ -973,11 +973,13 @@ def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptRe
 
 @dataclass(frozen=True)
 class Settled:
-    """A batch of reports decided, not yet applied: a verdict for each (in the order
-    sent; the refused final), and the accepted ones with their moves (None: a service,
-    whose restart is decided with its history once its attempt is closed)."""
+    """A batch of reports decided, not yet applied: in the order sent, a verdict for
+    each refused one (final) and the attempt id of each accepted one (its verdict, with
+    the state it moved its task to, is ``applied``'s); and the accepted ones with their
+    moves (None: a service, whose restart is decided with its history once its attempt
+    is closed)."""
 
-    order: list[ReportVerdict]
+    order: list[ReportVerdict | int]
     batch: list[tuple[AttemptReport, Any, Move | None]]
 
     @property
@@ -1001,7 +1003,7 @@ async def settle(
     ``_REPORTED`` read them (``hear``), each fenced by its attempt id and this worker: a
     stale one (not the task's current attempt, not this worker's, or reported twice) is
     refused alone and changes nothing. The move of each comes from ``domain.outcomes``."""
-    order: list[ReportVerdict] = []
+    order: list[ReportVerdict | int] = []
     batch: list[tuple[AttemptReport, Any, Move | None]] = []
     seen: set[int] = set()
     for raw in items:
@@ -1022,7 +1024,7 @@ async def settle(
             cause=outcomes.Cause(item.exit_code, item.signal, row.number),
         )
         batch.append((item, row, move))
-        order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
+        order.append(item.attempt_id)
     return Settled(order, batch)
 
 
@@ -1038,14 +1040,15 @@ async def applied(conn: AsyncConnection, settled: Settled) -> tuple[list[ReportV
             target, moved = await _restart_service(
                 conn, row, item.attempt_id, error, crashed, False
             )
+            tally = tally + moved
         else:
-            target, moved = move.target, Tally.of(move)
-        tally = tally + moved
+            target = move.target
+            if target is S.DEAD:  # the rest count nothing (``Tally.of``): no Tally each
+                tally = tally + Tally.of(move)
         verdicts[item.attempt_id] = ReportVerdict(
             attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
         )
-    order = [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
-    return order, tally
+    return [verdicts[v] if isinstance(v, int) else v for v in settled.order], tally
 
 
 async def report_many(
