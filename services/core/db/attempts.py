@@ -431,21 +431,20 @@ async def hear(
     that will write attempt rows for another reason (``resend``). The turn's first round
     trip: the statements of its transaction run on their generic plans (``_GENERIC``)."""
     ids = sorted(set(reported))
-    listed = ints(ids)  # one literal for the three statements that take the ids
     heard_params = {
         "worker": worker_id,
-        "started": ints(sorted(set(started))),
+        "started": sorted(set(started)),
         "fresh_s": fresh_s,
         "always": bool(started or reported or always),
     }
     chain: list[pipeline.Statement] = [
         (_GENERIC, {}),
         (_HEARD, heard_params),
-        (placement.USE, {"workers": [worker_id], "listed": listed}),
+        (placement.USE, {"workers": [worker_id], "listed": ids}),
     ]
     if reported:
-        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": listed}))
-        chain.append((_REPORTED, {"ids": listed}))
+        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
+        chain.append((_REPORTED, {"ids": ids}))
     _, heard, use, *among = await pipeline.run(conn, chain)
     placed, locked = among or ([], [])
     rest = placement.rest_from(use).get(worker_id, ZERO)
