@@ -35,7 +35,7 @@ from libs.common.states import FINAL, TaskState, Workers, sql_in
 from services.core import traces
 from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
-from services.core.db.params import jsonb
+from services.core.db.params import floats, ints, jsonb, words
 from services.core.db.secrets import mask_json, refers_to_secrets
 from services.core.db.tables import attempts, tasks
 from services.core.domain import outcomes, selectors
@@ -424,6 +424,7 @@ async def hear(
     fresh_s: float = 0.0,
     always: bool = False,
     early: Ask | None = None,
+    waits: bool = True,
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
@@ -437,7 +438,8 @@ async def hear(
     ``early``: a claim's pick sent in the same round trip, asked before the worker was
     heard (``early_ask``: the claim's room, at most the worker's capacity); the turn
     uses its rows only if the pick asked once heard would have found the same
-    (``same_pick``), and picks again otherwise."""
+    (``same_pick``), and picks again otherwise; ``waits``: the claim waits for work if
+    it leases none (the probe goes with its pick: ``finish_and_pick``)."""
     ids = sorted(set(reported))
     heard_params = {
         "worker": worker_id,
@@ -453,11 +455,12 @@ async def hear(
     if reported:
         chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
         chain.append((_REPORTED, {"ids": ids}))
+    picks = _picks(waits) if early is not None else 0
     if early is not None:
-        chain += _pick_statements(early)
+        chain += _pick_statements(early, waits)
     found = await pipeline.run(conn, chain)
-    picked = _picked(found[-2:]) if early is not None else None
-    _, heard, use, *among = found[: len(found) - 2] if early is not None else found
+    picked = _picked(found[len(found) - picks :], waits) if early is not None else None
+    _, heard, use, *among = found[: len(found) - picks]
     placed, locked = among or ([], [])
     rest = placement.rest_from(use).get(worker_id, ZERO)
     rows = {r.attempt_id: r for r in locked}
@@ -622,12 +625,11 @@ async def lease(
         return Leases([], tally=held)
     by_id = {row.id: row for row in rows}
     params = {
-        "ids": [c.task_id for c, _ in chosen],
-        # float8[]: psycopg refuses a list that mixes ints and floats
-        "cpus": [float(cost.cpu) for _, cost in chosen],
-        "memories": [float(cost.memory_mb) for _, cost in chosen],
-        "froms": [by_id[c.task_id].state for c, _ in chosen],
-        "devices": [jsonb(dict(cost.devices)) if cost.devices else None for _, cost in chosen],
+        "ids": ints(c.task_id for c, _ in chosen),
+        "cpus": floats(float(cost.cpu) for _, cost in chosen),
+        "memories": floats(float(cost.memory_mb) for _, cost in chosen),
+        "froms": words(by_id[c.task_id].state for c, _ in chosen),
+        "devices": words(jsonb(dict(cost.devices)) if cost.devices else None for _, cost in chosen),
         "worker": asked.worker.id,
         "target": S.RUNNING.value,
         "sources": asked.params["sources"],
@@ -1039,11 +1041,13 @@ def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptRe
 
 @dataclass(frozen=True)
 class Settled:
-    """A batch of reports decided, not yet applied: a verdict for each (in the order
-    sent; the refused final), and the accepted ones with their moves (None: a service,
-    whose restart is decided with its history once its attempt is closed)."""
+    """A batch of reports decided, not yet applied: in the order sent, a verdict for
+    each refused one (final) and the attempt id of each accepted one (its verdict, with
+    the state it moved its task to, is ``applied``'s); and the accepted ones with their
+    moves (None: a service, whose restart is decided with its history once its attempt
+    is closed)."""
 
-    order: list[ReportVerdict]
+    order: list[ReportVerdict | int]
     batch: list[tuple[AttemptReport, Any, Move | None]]
 
     @property
@@ -1067,7 +1071,7 @@ async def settle(
     ``_REPORTED`` read them (``hear``), each fenced by its attempt id and this worker: a
     stale one (not the task's current attempt, not this worker's, or reported twice) is
     refused alone and changes nothing. The move of each comes from ``domain.outcomes``."""
-    order: list[ReportVerdict] = []
+    order: list[ReportVerdict | int] = []
     batch: list[tuple[AttemptReport, Any, Move | None]] = []
     seen: set[int] = set()
     for raw in items:
@@ -1088,7 +1092,7 @@ async def settle(
             cause=outcomes.Cause(item.exit_code, item.signal, row.number),
         )
         batch.append((item, row, move))
-        order.append(ReportVerdict(attempt_id=item.attempt_id, status=200, task_id=row.id))
+        order.append(item.attempt_id)
     return Settled(order, batch)
 
 
@@ -1104,14 +1108,15 @@ async def applied(conn: AsyncConnection, settled: Settled) -> tuple[list[ReportV
             target, moved = await _restart_service(
                 conn, row, item.attempt_id, error, crashed, False
             )
+            tally = tally + moved
         else:
-            target, moved = move.target, Tally.of(move)
-        tally = tally + moved
+            target = move.target
+            if target is S.DEAD:  # the rest count nothing (``Tally.of``): no Tally each
+                tally = tally + Tally.of(move)
         verdicts[item.attempt_id] = ReportVerdict(
             attempt_id=item.attempt_id, status=200, task_id=row.id, state=target
         )
-    order = [verdicts.get(v.attempt_id, v) if v.status == 200 else v for v in settled.order]
-    return order, tally
+    return [verdicts[v] if isinstance(v, int) else v for v in settled.order], tally
 
 
 async def report_many(
@@ -1134,8 +1139,11 @@ async def report_many(
 
 # Whether any work of a claim's queues waits, whatever its size or labels (due or not,
 # locked or not: a superset of what its pick could take in a larger room): one probe of
-# each state's index, sent with the pick. A claim whose look found nothing and none of
-# this has nothing to gain from room freed on its worker (``feed.Line.may_grow``).
+# each state's index, sent with the pick of a claim that waits. A claim whose look found
+# nothing and none of this has nothing to gain from room freed on its worker
+# (``feed.Line.may_grow``). A claim that does not wait never reads it, and it is not
+# free: the probe walks its index past the entries of every task claimed since the last
+# vacuum (59 to 150 pages a call while 20,000 queued tasks drain), so it is not sent.
 _ANY_WAITING = text(f"""
 SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
                  AND t.queue = ANY(CAST(:queues AS text[])))
@@ -1147,7 +1155,8 @@ SELECT EXISTS (SELECT FROM core.tasks t WHERE t.state = '{_FROM_WAITING}'
 
 class Picked(list[Any]):
     """The rows a claim's pick locked, and whether any work of its queues waited at all
-    (``waiting``: probed with every pick, read by a look that leased nothing)."""
+    (``waiting``: probed with the pick of a claim that waits, read by a look that leased
+    nothing; True, may have been short, when not probed)."""
 
     waiting = True
 
@@ -1158,35 +1167,47 @@ async def finish_and_pick(
     asked: Ask | None,
     first: Sequence[pipeline.Statement] = (),
     last: bool = False,
+    waits: bool = True,
 ) -> list[Any]:
     """A turn's second round trip: ``first`` (its progress notes), the reports applied,
     then the claim's pick (after them, so it sees the room they made): the rows picked.
     ``last``: the caller runs nothing after this in the transaction unless there is a
     pick to lease or a service's exit to decide (``applied``); without either (a turn
     that only reports, as the agent's courier sends them), the COMMIT goes in the same
-    round trip (as ``lease(..., last=True)`` does), not in one of its own."""
+    round trip (as ``lease(..., last=True)`` does), not in one of its own. ``waits``:
+    the claim waits for work if it leases none, so whether any waited is probed
+    (``Picked.waiting``, ``_ANY_WAITING``)."""
     chain = [*first, *settled.statements()]
     if asked is not None:
-        chain += _pick_statements(asked)
+        chain += _pick_statements(asked, waits)
     if not chain:
         return []
     done = last and asked is None and all(move is not None for _, _, move in settled.batch)
     found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
     if asked is None:
         return []
-    return _picked(found[len(chain) - 2 : len(chain)])
+    return _picked(found[len(chain) - _picks(waits) : len(chain)], waits)
 
 
-def _pick_statements(asked: Ask) -> list[pipeline.Statement]:
-    """The claim's pick and the probe of whether any work of its queues waits."""
+def _picks(waits: bool) -> int:
+    """How many statements ``_pick_statements`` sends."""
+    return 2 if waits else 1
+
+
+def _pick_statements(asked: Ask, waits: bool) -> list[pipeline.Statement]:
+    """The claim's pick and, for a claim that waits (nothing else reads its answer), the
+    probe of whether any work of its queues waits."""
+    if not waits:
+        return [asked.statement()]
     probe = {"queues": asked.params["queues"], "ahead_s": asked.params["ahead_s"]}
     return [asked.statement(), (_ANY_WAITING, probe)]
 
 
-def _picked(found: list[list[Any]]) -> Picked:
+def _picked(found: list[list[Any]], waits: bool) -> Picked:
     """``_pick_statements``' rows."""
     picked = Picked(found[0])
-    picked.waiting = bool(found[1][0].waiting)
+    if waits:
+        picked.waiting = bool(found[1][0].waiting)
     return picked
 
 

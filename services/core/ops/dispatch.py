@@ -141,6 +141,7 @@ async def turn(
                 ops.fresh_s,
                 body.holding is not None,
                 early,
+                waits,
             )
             ops.known.saw(worker_id, heard.worker)
             resent, resent_tally = await _resend(ops, conn, heard, body.holding)
@@ -149,7 +150,7 @@ async def turn(
             )
             asked = _ask(ops, heard, body.claim, settled.closing)
             notes = progress_db.noted(worker_id, body.progress)
-            picked, later = await _pick(ops, conn, early, heard, asked, settled, notes)
+            picked, later = await _pick(ops, conn, early, heard, asked, settled, notes, waits)
             verdicts, ended = await attempts_db.applied(conn, settled)
             leased, lease_tally = await _lease(ops, conn, asked, picked, later)
             state = await _state(conn, worker_id, heard, bool(picked) and not leased)
@@ -258,6 +259,7 @@ async def _pick(
     asked: attempts_db.Ask | None,
     settled: attempts_db.Settled,
     notes: Sequence[Any],
+    waits: bool = True,
 ) -> tuple[list[Any], list[Any]]:
     """The claim's pick, and the statements still to run before its lease: the early
     pick's rows when they are what ``asked`` picks (``attempts.same_pick``), the turn's
@@ -265,7 +267,8 @@ async def _pick(
     reports, then a pick after them (``finish_and_pick``). A service's exit is decided
     after its report's statement (``applied``): such a turn picks after them. Nothing
     follows a turn without a claim but a service's exit and, for a worker gone, its
-    state: its COMMIT goes with its reports."""
+    state: its COMMIT goes with its reports. ``waits``: the claim waits for work if it
+    leases none (only then is whether any waited probed)."""
     services = any(move is None for _, _, move in settled.batch)
     found = heard.picked
     if (
@@ -277,7 +280,10 @@ async def _pick(
     ):
         if asked is not None:
             ops.meter.claim_picks.labels("after" if early is None else "again").inc()
-        return await attempts_db.finish_and_pick(conn, settled, asked, notes, last=True), []
+        picked = await attempts_db.finish_and_pick(
+            conn, settled, asked, notes, last=True, waits=waits
+        )
+        return picked, []
     ops.meter.claim_picks.labels("first").inc()
     return found, [*notes, *settled.statements()]
 

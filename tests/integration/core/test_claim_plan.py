@@ -18,6 +18,7 @@ from sqlalchemy.dialects.postgresql import psycopg as dialects
 from libs.common import pipeline
 from libs.common.states import TaskState
 from services.core.db import attempts as attempts_db
+from services.core.db import params as params_db
 from services.core.db import placement
 from services.core.domain.transitions import Op, sources
 
@@ -53,12 +54,12 @@ def _backlog(db: DB) -> int:
 def test_a_claim_moves_its_tasks_through_the_primary_key_behind_a_backlog(db: DB) -> None:
     worker = _backlog(db)
     ids = [r[0] for r in db.execute("SELECT id FROM core.tasks ORDER BY id LIMIT %s", (MOVED,))]
-    params = {
-        "ids": ids,
-        "cpus": [0.01] * MOVED,
-        "memories": [1.0] * MOVED,
-        "froms": [TaskState.WAITING.value] * MOVED,
-        "devices": [None] * MOVED,
+    params = {  # as ``attempts.lease`` sends them: arrays as their text literals
+        "ids": params_db.ints(ids),
+        "cpus": params_db.floats([0.01] * MOVED),
+        "memories": params_db.floats([1.0] * MOVED),
+        "froms": params_db.words([TaskState.WAITING.value] * MOVED),
+        "devices": params_db.words([None] * MOVED),
         "worker": worker,
         "target": TaskState.RUNNING.value,
         "sources": sources(Op.CLAIM, TaskState.RUNNING),

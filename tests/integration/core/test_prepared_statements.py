@@ -5,12 +5,14 @@ claim's pick, planned in 2-6 ms and run in 0.1-0.4 ms) was ever prepared."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from libs.common import database
+from libs.common import database, pipeline
 from libs.common.settings import CairnSettings
 
 _READ = text("SELECT count(*) FROM core.tasks WHERE state = :state")
@@ -119,3 +121,46 @@ def test_a_column_added_under_a_pipelined_statement_is_a_503_then_served(db_url:
     first, second = asyncio.run(_reads_across_a_migration(db_url, pipelined=True))
     assert first == (503, "0", 0), first
     assert second == (200, None, 2), second
+
+
+_XID = text("SELECT pg_current_xact_id()::text AS xid")
+
+
+async def _pipelined_transaction(db_url: str, trace: Path) -> tuple[list[str], str, str]:
+    engine = database.pool(db_url, CairnSettings(database_url=db_url), pool_size=1, max_overflow=0)
+    try:
+        async with engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            driver = raw.driver_connection
+            assert driver is not None
+            with trace.open("w") as out:
+                driver.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+                driver.pgconn.trace(out.fileno())
+                async with conn.begin():
+                    rows = await pipeline.run(conn, [(_XID, {}), (_XID, {})])
+                    after = (await conn.execute(_XID)).scalar_one()
+                driver.pgconn.untrace()
+        return [r[0].xid for r in rows], str(after), trace.read_text()
+    finally:
+        await engine.dispose()
+
+
+def test_a_transaction_begun_in_a_pipeline_sends_its_begin_with_the_statements(
+    db_url: str, tmp_path: Path
+) -> None:
+    # psycopg queues the BEGIN of a transaction whose first statements go in a pipeline
+    # and then syncs, a round trip of its own; the pool's connections send it with them
+    # (database.KeepingConnection._start_query). One transaction all the same.
+    xids, after, wire = asyncio.run(_pipelined_transaction(db_url, tmp_path / "trace"))
+    assert xids[0] == xids[1] == after
+    sent = []  # the messages core sent: (type, what), timestamps (if any) left out
+    for line in wire.splitlines():
+        fields = line.split("\t")
+        fields = fields if fields[0] in ("F", "B") else fields[1:]
+        if fields[0] == "F":
+            sent.append((fields[2], fields[-1]))
+    first_sync = [kind for kind, _ in sent].index("Sync")
+    before = sent[:first_sync]
+    assert next(what for kind, what in before if kind == "Parse").endswith('"BEGIN" 0'), wire
+    # the BEGIN and both statements, then the one Sync of the pipeline: one round trip
+    assert [kind for kind, _ in before].count("Execute") == 3, wire

@@ -425,3 +425,32 @@ def test_a_start_acknowledgement_is_a_hot_update(core: Core, worker: Worker, db:
     [(seen,)] = db.execute("SELECT seen_at FROM core.attempts WHERE id = %s", (first,))
     assert seen is not None
     assert where() == page
+
+
+def test_only_a_claim_that_waits_probes_for_waiting_work(
+    core: Core, worker: Worker, db_url: str
+) -> None:
+    # Whether any work waited (Picked.waiting) is read only by a waiting claim's look that
+    # leased nothing, so the probe goes with the pick of a claim that waits alone; one
+    # that does not wait picks the same rows and reads "may have been short" (not probed).
+    async def look(waits: bool) -> tuple[list[int], bool]:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.connect() as conn, conn.begin() as tx:
+                heard = await attempts_db.hear(conn, worker.id)
+                asked = attempts_db.ask(heard.worker, heard.placed, heard.rest, 8, 16384, 16)
+                assert asked is not None
+                picked = await attempts_db.finish_and_pick(
+                    conn, attempts_db.Settled([], []), asked, waits=waits
+                )
+                await tx.rollback()
+            assert isinstance(picked, attempts_db.Picked)
+            return sorted(r.id for r in picked), picked.waiting
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(look(True)) == ([], False)  # probed: nothing waits
+    assert asyncio.run(look(False)) == ([], True)  # not probed
+    tasks = _submit(core, 2)
+    assert asyncio.run(look(True)) == (sorted(tasks), True)
+    assert asyncio.run(look(False)) == (sorted(tasks), True)
