@@ -80,9 +80,8 @@ _CURSOR_EVERY_S = 1.0
 _STARTS_HOLD_S = 0.25
 #: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
 _RELEASED_KEPT = 100_000
-#: a turn nobody woke checks the lease and asks which chores have work at most this often:
-#: each task the loop releases wakes it three times (created, running, ended), and only
-#: the end moves its run on; a turn that skips them waits on the feed no longer than this
+#: a turn nobody woke checks the lease and asks which chores have work at most this often;
+#: a turn that skips them waits on the feed no longer than this
 _CHORES_EVERY_S = 0.05
 
 
@@ -399,7 +398,11 @@ class Engine:
             wait = min(wait, self._to_deadline + 0.01)
         if self._starts:  # back in time to write the held starts
             wait = min(wait, max(0.0, self._starts_due - time.monotonic()))
-        poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
+        # Held by core until a task ends (or ``_STARTS_HOLD_S``): a released task's
+        # creation and start, which move the run on by nothing, wake no turn of their own.
+        poll = asyncio.create_task(
+            self.core.events(self._cursor, self.settings.feed_page, wait, _STARTS_HOLD_S)
+        )
         # Whatever happens to this turn, the poll's outcome is collected.
         poll.add_done_callback(lambda t: t.cancelled() or t.exception())
         woken = asyncio.create_task(self._wake.wait())
