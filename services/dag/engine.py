@@ -83,6 +83,17 @@ _RELEASED_KEPT = 100_000
 #: a turn nobody woke checks the lease and asks which chores have work at most this often;
 #: a turn that skips them waits on the feed no longer than this
 _CHORES_EVERY_S = 0.05
+#: Whether the feed's writes (node moves, the runs' ends, the cursor) and the releases'
+#: records wait for their WAL's flush at commit. They do not (``Lease.fencing``): on the
+#: hop's path that was one disk flush of the two between a task's end and the next
+#: node's submission. What a server crash may lose of them is the last fraction of a
+#: second of derived state, made again as it was made: the cursor goes back with the
+#: nodes it moved (one transaction), so the feed's events are read and applied again; a
+#: node whose release record was lost is ``ready`` again and its submission, under the
+#: same idempotency key (``dag:RUN:NODE:TRY``), answers the task already made. And any
+#: durable commit after them in the same cluster flushes them too (the WAL is one
+#: sequence): core's commit of the next node's task does, before it answers.
+_FEED_DURABLE = False
 
 
 class _Released(NamedTuple):
@@ -306,15 +317,19 @@ class Engine:
         return self.lease
 
     @contextlib.asynccontextmanager
-    async def _write(self, *, fenced: bool = True) -> AsyncIterator[AsyncConnection]:
+    async def _write(
+        self, *, fenced: bool = True, durable: bool = True
+    ) -> AsyncIterator[AsyncConnection]:
         """A write transaction of the leader, fenced by its epoch (``fenced=False``: the
-        caller fences it itself, before anything it writes: ``Lease.fencing``)."""
+        caller fences it itself, before anything it writes: ``Lease.fencing``).
+        ``durable=False``: its commit does not wait for its WAL's flush
+        (``_FEED_DURABLE``)."""
         lease = self._leading()
         told = len(self._waiting)
         try:
             async with self.db.begin() as conn:
                 if fenced:
-                    await lease.fence(conn)
+                    await lease.fence(conn, durable=durable)
                 yield conn
         except BaseException:
             del self._waiting[told:]  # gates that did not start waiting after all
@@ -719,7 +734,7 @@ class Engine:
         run_ids = sorted({row.run_id for row in mine})
         if not any(e.to_state in FINAL for row in mine for e in by_task[row.task_id]):
             # Only starts (released -> running): no rule reads them, nothing to settle.
-            async with self._write() as conn:
+            async with self._write(durable=_FEED_DURABLE) as conn:
                 await store.lock_runs(conn, run_ids)
                 await store.mark_running(conn, [row.task_id for row in mine])
                 await self._store_cursor(conn, cursor)
@@ -737,7 +752,7 @@ class Engine:
             # whose rules settle locally only the nodes the ended ones can move are read
             # (``_few_nodes``), and whether any other node is still open.
             fence, runs, nodes, open_elsewhere = await store.locked_with_some_nodes(
-                conn, run_ids, few, lease.fencing()
+                conn, run_ids, few, lease.fencing(durable=_FEED_DURABLE)
             )
             lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
@@ -799,7 +814,7 @@ class Engine:
         ``_CURSOR_EVERY_S`` (what a restart reads again meanwhile moves nothing either;
         the next page that moves a node stores it in its own transaction)."""
         if cursor is not None and time.monotonic() - self._cursor_stored_at >= _CURSOR_EVERY_S:
-            async with self._write() as conn:
+            async with self._write(durable=_FEED_DURABLE) as conn:
                 await self._store_cursor(conn, cursor)
 
     async def _apply_run(
@@ -1109,7 +1124,7 @@ class Engine:
             for (row, _), task_id in zip(items, task_ids, strict=True)
             if task_id
         ]
-        async with self._write() as conn:
+        async with self._write(durable=_FEED_DURABLE) as conn:
             recorded = await store.record_released(conn, released)
         ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
         for row, _ in items:
