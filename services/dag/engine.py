@@ -751,8 +751,10 @@ class Engine:
             # too wrote a lock on every node of the run at every hop, for nothing. Of a run
             # whose rules settle locally only the nodes the ended ones can move are read
             # (``_few_nodes``), and whether any other node is still open.
+            # The cursor is written in the same round trip (the transaction's writes commit
+            # together, whatever their order).
             fence, runs, nodes, open_elsewhere = await store.locked_with_some_nodes(
-                conn, run_ids, few, lease.fencing(durable=_FEED_DURABLE)
+                conn, run_ids, few, lease.fencing(durable=_FEED_DURABLE), self._cursor_write(cursor)
             )
             lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
@@ -761,7 +763,6 @@ class Engine:
             for run in runs:
                 some = None if run.id not in few else run.id in open_elsewhere
                 await self._apply_run(conn, run, per_run[run.id], by_task, errors or {}, some)
-            await self._store_cursor(conn, cursor)
         for task_id, said in by_task.items():
             if any(e.to_state in FINAL for e in said):
                 self._released.pop(task_id, None)  # its node reads no more of it
@@ -803,6 +804,14 @@ class Engine:
             async with self.reads.connect() as conn:
                 known += await store.nodes_of_tasks(conn, unknown)
         return known
+
+    def _cursor_write(self, cursor: str | None) -> list[Any]:
+        """The cursor's write (none for None), to send with a transaction's first
+        statements (``pipeline.run``)."""
+        if cursor is None:
+            return []
+        self._cursor_stored_at = time.monotonic()
+        return [store.cursor_stored(cursor)]
 
     async def _store_cursor(self, conn: AsyncConnection, cursor: str | None) -> None:
         if cursor is not None:

@@ -897,10 +897,12 @@ async def locked_with_some_nodes(
     run_ids: Iterable[int],
     names: Mapping[int, Iterable[str]],
     first: pipeline.Statement,
+    last: Sequence[pipeline.Statement] = (),
 ) -> tuple[list[Any], list[Any], list[NodeRow], set[int]]:
     """As ``locked_with_nodes``, for a page's runs: all nodes of the runs not in ``names``,
     only the named nodes of those in it; and which of those have a node still open besides
-    the named ones. One round trip with the transaction's BEGIN."""
+    the named ones. One round trip with the transaction's BEGIN, and ``last`` (writes
+    whose rows are not read: the feed's cursor) after them."""
     ids = {"ids": list(run_ids)}
     pairs = [(run, name) for run, some in names.items() for name in some]
     some = {"runs": [r for r, _ in pairs], "names": [n for _, n in pairs]}
@@ -913,8 +915,9 @@ async def locked_with_some_nodes(
             (_NODES_OF_RUNS, whole),
             (_SOME_NODES, some),
             (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
+            *last,
         ],
-    )
+    )[:5]
     rows = [_node_row(r) for r in [*nodes, *few]]
     return fenced, runs, rows, {r.id for r in open_elsewhere}
 
@@ -1394,11 +1397,16 @@ async def read_cursor(conn: AsyncConnection) -> str:
     return str(value)
 
 
+_STORE_CURSOR = text("UPDATE dag.feed_cursor SET cursor = :cursor, updated_at = now() WHERE id = 1")
+
+
+def cursor_stored(cursor: str) -> pipeline.Statement:
+    """``store_cursor``'s statement, to send with others (``pipeline.run``)."""
+    return _STORE_CURSOR, {"cursor": cursor}
+
+
 async def store_cursor(conn: AsyncConnection, cursor: str) -> None:
-    await conn.execute(
-        text("UPDATE dag.feed_cursor SET cursor = :cursor, updated_at = now() WHERE id = 1"),
-        {"cursor": cursor},
-    )
+    await conn.execute(*cursor_stored(cursor))
 
 
 def run_model(row: Row[Any], nodes: list[Any] | None = None) -> Run:
