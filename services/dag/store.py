@@ -907,17 +907,15 @@ async def locked_with_some_nodes(
     pairs = [(run, name) for run, some in names.items() for name in some]
     some = {"runs": [r for r, _ in pairs], "names": [n for _, n in pairs]}
     whole = {"ids": [r for r in ids["ids"] if r not in names]}
-    fenced, runs, nodes, few, open_elsewhere = await pipeline.run(
-        conn,
-        [
-            first,
-            (_LOCK_RUNS, ids),
-            (_NODES_OF_RUNS, whole),
-            (_SOME_NODES, some),
-            (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
-            *last,
-        ],
-    )[:5]
+    statements = [
+        first,
+        (_LOCK_RUNS, ids),
+        (_NODES_OF_RUNS, whole),
+        (_SOME_NODES, some),
+        (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
+    ]
+    found = await pipeline.run(conn, [*statements, *last])
+    fenced, runs, nodes, few, open_elsewhere = found[: len(statements)]
     rows = [_node_row(r) for r in [*nodes, *few]]
     return fenced, runs, rows, {r.id for r in open_elsewhere}
 
