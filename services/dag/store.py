@@ -902,20 +902,21 @@ async def locked_with_some_nodes(
     """As ``locked_with_nodes``, for a page's runs: all nodes of the runs not in ``names``,
     only the named nodes of those in it; and which of those have a node still open besides
     the named ones. One round trip with the transaction's BEGIN, and ``last`` (writes
-    whose rows are not read: the feed's cursor) after them."""
+    whose rows are not read: the feed's cursor) after them. A read with nothing to read
+    (no run read whole, as in a chain's hop; none read in part) is not sent."""
     ids = {"ids": list(run_ids)}
     pairs = [(run, name) for run, some in names.items() for name in some]
     some = {"runs": [r for r, _ in pairs], "names": [n for _, n in pairs]}
     whole = {"ids": [r for r in ids["ids"] if r not in names]}
-    statements = [
-        first,
-        (_LOCK_RUNS, ids),
-        (_NODES_OF_RUNS, whole),
-        (_SOME_NODES, some),
-        (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
-    ]
-    found = await pipeline.run(conn, [*statements, *last])
-    fenced, runs, nodes, few, open_elsewhere = found[: len(statements)]
+    reads: list[pipeline.Statement] = [first, (_LOCK_RUNS, ids)]
+    if whole["ids"]:
+        reads.append((_NODES_OF_RUNS, whole))
+    if pairs:
+        reads += [(_SOME_NODES, some), (_OPEN_ELSEWHERE, {"ids": list(names), **some})]
+    found = await pipeline.run(conn, [*reads, *last])
+    fenced, runs = found[0], found[1]
+    nodes = found[2] if whole["ids"] else []
+    few, open_elsewhere = found[len(reads) - 2 : len(reads)] if pairs else ([], [])
     rows = [_node_row(r) for r in [*nodes, *few]]
     return fenced, runs, rows, {r.id for r in open_elsewhere}
 
