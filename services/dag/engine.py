@@ -264,6 +264,8 @@ class Engine:
         #: the nodes of the tasks this loop released, by task id, newest last
         self._released: OrderedDict[int, _Released] = OrderedDict()
         self._starts_due = math.inf  # when they are written even if no event follows
+        #: ready nodes the feed's apply read in its transaction, for ``release`` to take
+        self._ready_rows: list[Any] = []
 
     def wake(self) -> None:
         self._wake.set()
@@ -325,7 +327,7 @@ class Engine:
         ``durable=False``: its commit does not wait for its WAL's flush
         (``_FEED_DURABLE``)."""
         lease = self._leading()
-        told = len(self._waiting)
+        told, read = len(self._waiting), len(self._ready_rows)
         try:
             async with self.db.begin() as conn:
                 if fenced:
@@ -333,6 +335,7 @@ class Engine:
                 yield conn
         except BaseException:
             del self._waiting[told:]  # gates that did not start waiting after all
+            del self._ready_rows[read:]  # nodes it did not ready after all
             raise
 
     async def _sleep(self, seconds: float) -> None:
@@ -400,6 +403,7 @@ class Engine:
         """Read the feed again from the stored cursor (the held starts with it)."""
         self._cursor = None
         self._starts = []
+        self._ready_rows = []
         self._starts_due = math.inf
 
     async def _read(self) -> EventPage | None:
@@ -904,10 +908,15 @@ class Engine:
         if gates or waits or children:
             return False
         changes = {name: (state, None) for name, state in now.items()}
-        await store.set_nodes(conn, run.id, {**written, **changes})
-        if now:
-            self._readied = True
-            self._wake.set()
+        if not now:
+            await store.set_nodes(conn, run.id, {**written, **changes})
+            return True
+        # Read what it readied in the same round trip: released once this commits.
+        self._ready_rows += await store.set_nodes_reading_ready(
+            conn, run.id, {**written, **changes}, MAX_BATCH
+        )
+        self._readied = True
+        self._wake.set()
         return True
 
     def _kept(
@@ -1068,10 +1077,14 @@ class Engine:
         size; a run whose batch core could not take now (unreachable, 5xx, rate limited)
         waits for the next turn without holding up any other run."""
         held: set[int] = set()
+        # What the feed's apply readied, read in its transaction (``_settle_few``), goes
+        # first, without a read of its own; other runs' ready nodes on the next turn (the
+        # apply woke it), or right after them if they filled a batch.
+        read, self._ready_rows = self._ready_rows[:MAX_BATCH], []
         while True:
             async with self.reads.connect() as conn:
                 read_at = time.monotonic()
-                ready = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
+                ready = read or await store.ready_nodes(conn, MAX_BATCH, sorted(held))
                 specs = await self._render(conn, ready)
             if not ready:
                 return
@@ -1090,6 +1103,7 @@ class Engine:
                         held |= runs
             if len(ready) < MAX_BATCH:
                 return
+            read = []
 
     async def _render(
         self, conn: AsyncConnection, ready: list[Any]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, text
+from sqlalchemy import Row, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common import pipeline
@@ -949,6 +949,16 @@ async def touch_live(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
     )
 
 
+_SET_NODES = text(
+    "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
+    " updated_at = now(), started_at = CASE WHEN n.state = 'pending'"
+    "   AND c.state IN ('ready', 'waiting', 'mapped') THEN now() ELSE n.started_at END"
+    " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
+    "   CAST(:errors AS text[])) AS c(name, state, error)"
+    " WHERE n.run_id = :run AND n.name = c.name"
+)
+
+
 async def set_nodes(
     conn: AsyncConnection, run_id: int, changes: Mapping[str, tuple[NodeState, str | None]]
 ) -> None:
@@ -957,14 +967,7 @@ async def set_nodes(
         return
     names = list(changes)
     await conn.execute(
-        text(
-            "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
-            " updated_at = now(), started_at = CASE WHEN n.state = 'pending'"
-            "   AND c.state IN ('ready', 'waiting', 'mapped') THEN now() ELSE n.started_at END"
-            " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
-            "   CAST(:errors AS text[])) AS c(name, state, error)"
-            " WHERE n.run_id = :run AND n.name = c.name"
-        ),
+        _SET_NODES,
         {
             "run": run_id,
             "names": names,
@@ -1087,30 +1090,61 @@ async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> Non
     )
 
 
+def _ready(runs: str) -> TextClause:
+    return text(
+        "WITH ready AS (SELECT n.*, row_number() OVER (PARTITION BY n.run_id"
+        "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
+        f"   FROM dag.nodes n WHERE n.state = 'ready' AND {runs})"
+        " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
+        " r.owner, r.workflow, r.workflow_id, r.params, r.task_timeout_s,"
+        " r.created_at AS run_created_at,"
+        " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
+        " FROM ready n JOIN dag.runs r ON r.id = n.run_id"
+        " WHERE r.max_active_nodes IS NULL OR n.rank <= r.max_active_nodes - ("
+        "   SELECT count(*) FROM dag.nodes l WHERE l.run_id = n.run_id"
+        "   AND l.state IN ('released', 'running', 'cancelling'))"
+        " ORDER BY n.run_id, n.rank LIMIT :limit"
+    )
+
+
+_READY = _ready("NOT (n.run_id = ANY(:skip))")
+_READY_OF = _ready("n.run_id = ANY(CAST(:runs AS bigint[]))")
+
+
 async def ready_nodes(
     conn: AsyncConnection, limit: int, skip_runs: Sequence[int] = ()
 ) -> list[Row[Any]]:
     """Ready nodes to release, within each run's ``max_active_nodes`` (counting the
     tasks it has live in core)."""
-    return list(
-        await conn.execute(
-            text(
-                "WITH ready AS (SELECT n.*, row_number() OVER (PARTITION BY n.run_id"
-                "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
-                "   FROM dag.nodes n WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip)))"
-                " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
-                " r.owner, r.workflow, r.workflow_id, r.params, r.task_timeout_s,"
-                " r.created_at AS run_created_at,"
-                " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
-                " FROM ready n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE r.max_active_nodes IS NULL OR n.rank <= r.max_active_nodes - ("
-                "   SELECT count(*) FROM dag.nodes l WHERE l.run_id = n.run_id"
-                "   AND l.state IN ('released', 'running', 'cancelling'))"
-                " ORDER BY n.run_id, n.rank LIMIT :limit"
+    return list(await conn.execute(_READY, {"limit": limit, "skip": list(skip_runs)}))
+
+
+async def set_nodes_reading_ready(
+    conn: AsyncConnection,
+    run_id: int,
+    changes: Mapping[str, tuple[NodeState, str | None]],
+    limit: int,
+) -> list[Any]:
+    """``set_nodes``, and then the run's ready nodes as ``ready_nodes`` reads them, in
+    one round trip: the nodes these changes readied, for the release that follows the
+    transaction's commit."""
+    names = list(changes)
+    found = await pipeline.run(
+        conn,
+        [
+            (
+                _SET_NODES,
+                {
+                    "run": run_id,
+                    "names": names,
+                    "states": [str(changes[n][0]) for n in names],
+                    "errors": [changes[n][1] for n in names],
+                },
             ),
-            {"limit": limit, "skip": list(skip_runs)},
-        )
+            (_READY_OF, {"runs": [run_id], "limit": limit}),
+        ],
     )
+    return found[1]
 
 
 async def record_released(
