@@ -1147,8 +1147,12 @@ class Engine:
             for (row, _), task_id in zip(items, task_ids, strict=True)
             if task_id
         ]
-        async with self._write(durable=_FEED_DURABLE) as conn:
-            recorded = await store.record_released(conn, released)
+        async with self._write(fenced=False) as conn:
+            lease = self._leading()
+            fence, recorded = await store.record_released(
+                conn, released, lease.fencing(durable=_FEED_DURABLE)
+            )
+            lease.fenced(fence[0].epoch if fence else None)
         ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
         for row, _ in items:
             task_id = ids.get((row.run_id, row.name), 0)

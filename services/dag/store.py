@@ -1147,27 +1147,31 @@ async def set_nodes_reading_ready(
     return found[1]
 
 
+_RECORD_RELEASED = text(
+    "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
+    " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
+    "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
+    " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
+    " AND n.state = 'ready' RETURNING n.task_id"
+)
+
+
 async def record_released(
-    conn: AsyncConnection, released: Sequence[tuple[int, str, int, int]]
-) -> set[int]:
-    """Mark (run, node, try, task) released if the node is still ready for that try;
-    return the task ids recorded (the others' runs were cancelled meanwhile)."""
-    rows = await conn.execute(
-        text(
-            "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
-            " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
-            "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
-            " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
-            " AND n.state = 'ready' RETURNING n.task_id"
-        ),
-        {
-            "runs": [r[0] for r in released],
-            "names": [r[1] for r in released],
-            "tries": [r[2] for r in released],
-            "tasks": [r[3] for r in released],
-        },
-    )
-    return {r.task_id for r in rows}
+    conn: AsyncConnection,
+    released: Sequence[tuple[int, str, int, int]],
+    first: pipeline.Statement,
+) -> tuple[list[Any], set[int]]:
+    """``first``'s rows (the leader's fence), then (run, node, try, task) marked released
+    where the node is still ready for that try, in one round trip with the transaction's
+    BEGIN; the task ids recorded (the others' runs were cancelled meanwhile)."""
+    params = {
+        "runs": [r[0] for r in released],
+        "names": [r[1] for r in released],
+        "tries": [r[2] for r in released],
+        "tasks": [r[3] for r in released],
+    }
+    fenced, rows = await pipeline.run(conn, [first, (_RECORD_RELEASED, params)])
+    return fenced, {r.task_id for r in rows}
 
 
 async def fail_ready(conn: AsyncConnection, run_id: int, name: str, error: str) -> None:
