@@ -297,9 +297,12 @@ class CoreClient(ApiClient):
         response = await self._call("GET", f"/v1/tasks/{task_id}/events")
         return EventList.model_validate_json(response.content).items
 
-    async def events(self, after: str = "0.0", limit: int = 100, wait: float = 0) -> EventPage:
-        """One page of the feed; with ``wait`` the call is held until events arrive."""
-        params = {"after": after, "limit": limit, "wait": wait}
+    async def events(
+        self, after: str = "0.0", limit: int = 100, wait: float = 0, hold: float = 0
+    ) -> EventPage:
+        """One page of the feed; with ``wait`` the call is held until events arrive, and
+        with ``hold`` too, up to that much longer until one of them ends a task."""
+        params = {"after": after, "limit": limit, "wait": wait, "hold": hold}
         timeout = httpx.Timeout(5.0 + wait, connect=2.0)
         response = await self._call("GET", "/v1/events", params=params, timeout=timeout)
         return EventPage.model_validate_json(response.content)

@@ -86,17 +86,26 @@ class Lease:
         if row is None or row[0] != self.epoch or not row[1]:
             raise LeadershipLost(f"{e.name}: lock or epoch {self.epoch} no longer held")
 
-    async def fence(self, conn: AsyncConnection) -> None:
+    async def fence(self, conn: AsyncConnection, *, durable: bool = True) -> None:
         """Inside a write transaction on ``conn``: go on only under this epoch. The row
-        stays share-locked until the transaction ends, so no new leader commits between."""
-        clause, params = self.fencing()
+        stays share-locked until the transaction ends, so no new leader commits between.
+        ``durable=False``: see ``fencing``."""
+        clause, params = self.fencing(durable=durable)
         self.fenced(await conn.scalar(clause, params))
 
-    def fencing(self) -> tuple[TextClause, dict[str, Any]]:
+    def fencing(self, *, durable: bool = True) -> tuple[TextClause, dict[str, Any]]:
         """``fence``'s statement, to send first of a transaction's statements in one round
-        trip (``pipeline.run``); its answer goes to ``fenced`` before anything is written."""
+        trip (``pipeline.run``); its answer goes to ``fenced`` before anything is written.
+        ``durable=False`` also sets the transaction's commit asynchronous (no wait for its
+        WAL flush; ``synchronous_commit = off`` for it alone): for a leader whose writes
+        are all derived from durable sources and would be derived again if a server crash
+        lost them."""
         e = self.elector
-        return text(f"SELECT epoch FROM {e.table} WHERE name = :name FOR SHARE"), {"name": e.name}
+        sync = "" if durable else ", set_config('synchronous_commit', 'off', true)"
+        return (
+            text(f"SELECT epoch{sync} FROM {e.table} WHERE name = :name FOR SHARE"),
+            {"name": e.name},
+        )
 
     def fenced(self, current: Any) -> None:
         """Go on only if ``current`` (the fencing statement's answer) is this epoch."""

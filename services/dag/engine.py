@@ -80,10 +80,20 @@ _CURSOR_EVERY_S = 1.0
 _STARTS_HOLD_S = 0.25
 #: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
 _RELEASED_KEPT = 100_000
-#: a turn nobody woke checks the lease and asks which chores have work at most this often:
-#: each task the loop releases wakes it three times (created, running, ended), and only
-#: the end moves its run on; a turn that skips them waits on the feed no longer than this
+#: a turn nobody woke checks the lease and asks which chores have work at most this often;
+#: a turn that skips them waits on the feed no longer than this
 _CHORES_EVERY_S = 0.05
+#: Whether the feed's writes (node moves, the runs' ends, the cursor) and the releases'
+#: records wait for their WAL's flush at commit. They do not (``Lease.fencing``): on the
+#: hop's path that was one disk flush of the two between a task's end and the next
+#: node's submission. What a server crash may lose of them is the last fraction of a
+#: second of derived state, made again as it was made: the cursor goes back with the
+#: nodes it moved (one transaction), so the feed's events are read and applied again; a
+#: node whose release record was lost is ``ready`` again and its submission, under the
+#: same idempotency key (``dag:RUN:NODE:TRY``), answers the task already made. And any
+#: durable commit after them in the same cluster flushes them too (the WAL is one
+#: sequence): core's commit of the next node's task does, before it answers.
+_FEED_DURABLE = False
 
 
 class _Released(NamedTuple):
@@ -254,6 +264,8 @@ class Engine:
         #: the nodes of the tasks this loop released, by task id, newest last
         self._released: OrderedDict[int, _Released] = OrderedDict()
         self._starts_due = math.inf  # when they are written even if no event follows
+        #: ready nodes the feed's apply read in its transaction, for ``release`` to take
+        self._ready_rows: list[Any] = []
 
     def wake(self) -> None:
         self._wake.set()
@@ -307,18 +319,23 @@ class Engine:
         return self.lease
 
     @contextlib.asynccontextmanager
-    async def _write(self, *, fenced: bool = True) -> AsyncIterator[AsyncConnection]:
+    async def _write(
+        self, *, fenced: bool = True, durable: bool = True
+    ) -> AsyncIterator[AsyncConnection]:
         """A write transaction of the leader, fenced by its epoch (``fenced=False``: the
-        caller fences it itself, before anything it writes: ``Lease.fencing``)."""
+        caller fences it itself, before anything it writes: ``Lease.fencing``).
+        ``durable=False``: its commit does not wait for its WAL's flush
+        (``_FEED_DURABLE``)."""
         lease = self._leading()
-        told = len(self._waiting)
+        told, read = len(self._waiting), len(self._ready_rows)
         try:
             async with self.db.begin() as conn:
                 if fenced:
-                    await lease.fence(conn)
+                    await lease.fence(conn, durable=durable)
                 yield conn
         except BaseException:
             del self._waiting[told:]  # gates that did not start waiting after all
+            del self._ready_rows[read:]  # nodes it did not ready after all
             raise
 
     async def _sleep(self, seconds: float) -> None:
@@ -386,6 +403,7 @@ class Engine:
         """Read the feed again from the stored cursor (the held starts with it)."""
         self._cursor = None
         self._starts = []
+        self._ready_rows = []
         self._starts_due = math.inf
 
     async def _read(self) -> EventPage | None:
@@ -399,7 +417,11 @@ class Engine:
             wait = min(wait, self._to_deadline + 0.01)
         if self._starts:  # back in time to write the held starts
             wait = min(wait, max(0.0, self._starts_due - time.monotonic()))
-        poll = asyncio.create_task(self.core.events(self._cursor, self.settings.feed_page, wait))
+        # Held by core until a task ends (or ``_STARTS_HOLD_S``): a released task's
+        # creation and start, which move the run on by nothing, wake no turn of their own.
+        poll = asyncio.create_task(
+            self.core.events(self._cursor, self.settings.feed_page, wait, _STARTS_HOLD_S)
+        )
         # Whatever happens to this turn, the poll's outcome is collected.
         poll.add_done_callback(lambda t: t.cancelled() or t.exception())
         woken = asyncio.create_task(self._wake.wait())
@@ -716,7 +738,7 @@ class Engine:
         run_ids = sorted({row.run_id for row in mine})
         if not any(e.to_state in FINAL for row in mine for e in by_task[row.task_id]):
             # Only starts (released -> running): no rule reads them, nothing to settle.
-            async with self._write() as conn:
+            async with self._write(durable=_FEED_DURABLE) as conn:
                 await store.lock_runs(conn, run_ids)
                 await store.mark_running(conn, [row.task_id for row in mine])
                 await self._store_cursor(conn, cursor)
@@ -733,8 +755,10 @@ class Engine:
             # too wrote a lock on every node of the run at every hop, for nothing. Of a run
             # whose rules settle locally only the nodes the ended ones can move are read
             # (``_few_nodes``), and whether any other node is still open.
+            # The cursor is written in the same round trip (the transaction's writes commit
+            # together, whatever their order).
             fence, runs, nodes, open_elsewhere = await store.locked_with_some_nodes(
-                conn, run_ids, few, lease.fencing()
+                conn, run_ids, few, lease.fencing(durable=_FEED_DURABLE), self._cursor_write(cursor)
             )
             lease.fenced(fence[0].epoch if fence else None)
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
@@ -743,7 +767,6 @@ class Engine:
             for run in runs:
                 some = None if run.id not in few else run.id in open_elsewhere
                 await self._apply_run(conn, run, per_run[run.id], by_task, errors or {}, some)
-            await self._store_cursor(conn, cursor)
         for task_id, said in by_task.items():
             if any(e.to_state in FINAL for e in said):
                 self._released.pop(task_id, None)  # its node reads no more of it
@@ -786,6 +809,14 @@ class Engine:
                 known += await store.nodes_of_tasks(conn, unknown)
         return known
 
+    def _cursor_write(self, cursor: str | None) -> list[Any]:
+        """The cursor's write (none for None), to send with a transaction's first
+        statements (``pipeline.run``)."""
+        if cursor is None:
+            return []
+        self._cursor_stored_at = time.monotonic()
+        return [store.cursor_stored(cursor)]
+
     async def _store_cursor(self, conn: AsyncConnection, cursor: str | None) -> None:
         if cursor is not None:
             await store.store_cursor(conn, cursor)
@@ -796,7 +827,7 @@ class Engine:
         ``_CURSOR_EVERY_S`` (what a restart reads again meanwhile moves nothing either;
         the next page that moves a node stores it in its own transaction)."""
         if cursor is not None and time.monotonic() - self._cursor_stored_at >= _CURSOR_EVERY_S:
-            async with self._write() as conn:
+            async with self._write(durable=_FEED_DURABLE) as conn:
                 await self._store_cursor(conn, cursor)
 
     async def _apply_run(
@@ -877,10 +908,15 @@ class Engine:
         if gates or waits or children:
             return False
         changes = {name: (state, None) for name, state in now.items()}
-        await store.set_nodes(conn, run.id, {**written, **changes})
-        if now:
-            self._readied = True
-            self._wake.set()
+        if not now:
+            await store.set_nodes(conn, run.id, {**written, **changes})
+            return True
+        # Read what it readied in the same round trip: released once this commits.
+        self._ready_rows += await store.set_nodes_reading_ready(
+            conn, run.id, {**written, **changes}, MAX_BATCH
+        )
+        self._readied = True
+        self._wake.set()
         return True
 
     def _kept(
@@ -1041,10 +1077,14 @@ class Engine:
         size; a run whose batch core could not take now (unreachable, 5xx, rate limited)
         waits for the next turn without holding up any other run."""
         held: set[int] = set()
+        # What the feed's apply readied, read in its transaction (``_settle_few``), goes
+        # first, without a read of its own; other runs' ready nodes on the next turn (the
+        # apply woke it), or right after them if they filled a batch.
+        read, self._ready_rows = self._ready_rows[:MAX_BATCH], []
         while True:
             async with self.reads.connect() as conn:
                 read_at = time.monotonic()
-                ready = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
+                ready = read or await store.ready_nodes(conn, MAX_BATCH, sorted(held))
                 specs = await self._render(conn, ready)
             if not ready:
                 return
@@ -1063,6 +1103,7 @@ class Engine:
                         held |= runs
             if len(ready) < MAX_BATCH:
                 return
+            read = []
 
     async def _render(
         self, conn: AsyncConnection, ready: list[Any]
@@ -1106,8 +1147,12 @@ class Engine:
             for (row, _), task_id in zip(items, task_ids, strict=True)
             if task_id
         ]
-        async with self._write() as conn:
-            recorded = await store.record_released(conn, released)
+        async with self._write(fenced=False) as conn:
+            lease = self._leading()
+            fence, recorded = await store.record_released(
+                conn, released, lease.fencing(durable=_FEED_DURABLE)
+            )
+            lease.fenced(fence[0].epoch if fence else None)
         ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
         for row, _ in items:
             task_id = ids.get((row.run_id, row.name), 0)

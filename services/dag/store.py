@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import Row, text
+from sqlalchemy import Row, TextClause, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common import pipeline
@@ -897,24 +897,26 @@ async def locked_with_some_nodes(
     run_ids: Iterable[int],
     names: Mapping[int, Iterable[str]],
     first: pipeline.Statement,
+    last: Sequence[pipeline.Statement] = (),
 ) -> tuple[list[Any], list[Any], list[NodeRow], set[int]]:
     """As ``locked_with_nodes``, for a page's runs: all nodes of the runs not in ``names``,
     only the named nodes of those in it; and which of those have a node still open besides
-    the named ones. One round trip with the transaction's BEGIN."""
+    the named ones. One round trip with the transaction's BEGIN, and ``last`` (writes
+    whose rows are not read: the feed's cursor) after them. A read with nothing to read
+    (no run read whole, as in a chain's hop; none read in part) is not sent."""
     ids = {"ids": list(run_ids)}
     pairs = [(run, name) for run, some in names.items() for name in some]
     some = {"runs": [r for r, _ in pairs], "names": [n for _, n in pairs]}
     whole = {"ids": [r for r in ids["ids"] if r not in names]}
-    fenced, runs, nodes, few, open_elsewhere = await pipeline.run(
-        conn,
-        [
-            first,
-            (_LOCK_RUNS, ids),
-            (_NODES_OF_RUNS, whole),
-            (_SOME_NODES, some),
-            (_OPEN_ELSEWHERE, {"ids": list(names), **some}),
-        ],
-    )
+    reads: list[pipeline.Statement] = [first, (_LOCK_RUNS, ids)]
+    if whole["ids"]:
+        reads.append((_NODES_OF_RUNS, whole))
+    if pairs:
+        reads += [(_SOME_NODES, some), (_OPEN_ELSEWHERE, {"ids": list(names), **some})]
+    found = await pipeline.run(conn, [*reads, *last])
+    fenced, runs = found[0], found[1]
+    nodes = found[2] if whole["ids"] else []
+    few, open_elsewhere = found[len(reads) - 2 : len(reads)] if pairs else ([], [])
     rows = [_node_row(r) for r in [*nodes, *few]]
     return fenced, runs, rows, {r.id for r in open_elsewhere}
 
@@ -947,6 +949,16 @@ async def touch_live(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
     )
 
 
+_SET_NODES = text(
+    "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
+    " updated_at = now(), started_at = CASE WHEN n.state = 'pending'"
+    "   AND c.state IN ('ready', 'waiting', 'mapped') THEN now() ELSE n.started_at END"
+    " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
+    "   CAST(:errors AS text[])) AS c(name, state, error)"
+    " WHERE n.run_id = :run AND n.name = c.name"
+)
+
+
 async def set_nodes(
     conn: AsyncConnection, run_id: int, changes: Mapping[str, tuple[NodeState, str | None]]
 ) -> None:
@@ -955,14 +967,7 @@ async def set_nodes(
         return
     names = list(changes)
     await conn.execute(
-        text(
-            "UPDATE dag.nodes n SET state = c.state, error = COALESCE(c.error, n.error),"
-            " updated_at = now(), started_at = CASE WHEN n.state = 'pending'"
-            "   AND c.state IN ('ready', 'waiting', 'mapped') THEN now() ELSE n.started_at END"
-            " FROM unnest(CAST(:names AS text[]), CAST(:states AS text[]),"
-            "   CAST(:errors AS text[])) AS c(name, state, error)"
-            " WHERE n.run_id = :run AND n.name = c.name"
-        ),
+        _SET_NODES,
         {
             "run": run_id,
             "names": names,
@@ -1085,53 +1090,88 @@ async def finish_run(conn: AsyncConnection, run_id: int, state: RunState) -> Non
     )
 
 
+def _ready(runs: str) -> TextClause:
+    return text(
+        "WITH ready AS (SELECT n.*, row_number() OVER (PARTITION BY n.run_id"
+        "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
+        f"   FROM dag.nodes n WHERE n.state = 'ready' AND {runs})"
+        " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
+        " r.owner, r.workflow, r.workflow_id, r.params, r.task_timeout_s,"
+        " r.created_at AS run_created_at,"
+        " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
+        " FROM ready n JOIN dag.runs r ON r.id = n.run_id"
+        " WHERE r.max_active_nodes IS NULL OR n.rank <= r.max_active_nodes - ("
+        "   SELECT count(*) FROM dag.nodes l WHERE l.run_id = n.run_id"
+        "   AND l.state IN ('released', 'running', 'cancelling'))"
+        " ORDER BY n.run_id, n.rank LIMIT :limit"
+    )
+
+
+_READY = _ready("NOT (n.run_id = ANY(:skip))")
+_READY_OF = _ready("n.run_id = ANY(CAST(:runs AS bigint[]))")
+
+
 async def ready_nodes(
     conn: AsyncConnection, limit: int, skip_runs: Sequence[int] = ()
 ) -> list[Row[Any]]:
     """Ready nodes to release, within each run's ``max_active_nodes`` (counting the
     tasks it has live in core)."""
-    return list(
-        await conn.execute(
-            text(
-                "WITH ready AS (SELECT n.*, row_number() OVER (PARTITION BY n.run_id"
-                "   ORDER BY n.map_index NULLS FIRST, n.name) AS rank"
-                "   FROM dag.nodes n WHERE n.state = 'ready' AND NOT (n.run_id = ANY(:skip)))"
-                " SELECT n.run_id, n.name, n.try_number, n.map_of, n.map_index, n.map_item,"
-                " r.owner, r.workflow, r.workflow_id, r.params, r.task_timeout_s,"
-                " r.created_at AS run_created_at,"
-                " GREATEST(0, EXTRACT(EPOCH FROM clock_timestamp() - n.updated_at)) AS ready_s"
-                " FROM ready n JOIN dag.runs r ON r.id = n.run_id"
-                " WHERE r.max_active_nodes IS NULL OR n.rank <= r.max_active_nodes - ("
-                "   SELECT count(*) FROM dag.nodes l WHERE l.run_id = n.run_id"
-                "   AND l.state IN ('released', 'running', 'cancelling'))"
-                " ORDER BY n.run_id, n.rank LIMIT :limit"
+    return list(await conn.execute(_READY, {"limit": limit, "skip": list(skip_runs)}))
+
+
+async def set_nodes_reading_ready(
+    conn: AsyncConnection,
+    run_id: int,
+    changes: Mapping[str, tuple[NodeState, str | None]],
+    limit: int,
+) -> list[Any]:
+    """``set_nodes``, and then the run's ready nodes as ``ready_nodes`` reads them, in
+    one round trip: the nodes these changes readied, for the release that follows the
+    transaction's commit."""
+    names = list(changes)
+    found = await pipeline.run(
+        conn,
+        [
+            (
+                _SET_NODES,
+                {
+                    "run": run_id,
+                    "names": names,
+                    "states": [str(changes[n][0]) for n in names],
+                    "errors": [changes[n][1] for n in names],
+                },
             ),
-            {"limit": limit, "skip": list(skip_runs)},
-        )
+            (_READY_OF, {"runs": [run_id], "limit": limit}),
+        ],
     )
+    return found[1]
+
+
+_RECORD_RELEASED = text(
+    "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
+    " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
+    "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
+    " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
+    " AND n.state = 'ready' RETURNING n.task_id"
+)
 
 
 async def record_released(
-    conn: AsyncConnection, released: Sequence[tuple[int, str, int, int]]
-) -> set[int]:
-    """Mark (run, node, try, task) released if the node is still ready for that try;
-    return the task ids recorded (the others' runs were cancelled meanwhile)."""
-    rows = await conn.execute(
-        text(
-            "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
-            " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
-            "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
-            " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
-            " AND n.state = 'ready' RETURNING n.task_id"
-        ),
-        {
-            "runs": [r[0] for r in released],
-            "names": [r[1] for r in released],
-            "tries": [r[2] for r in released],
-            "tasks": [r[3] for r in released],
-        },
-    )
-    return {r.task_id for r in rows}
+    conn: AsyncConnection,
+    released: Sequence[tuple[int, str, int, int]],
+    first: pipeline.Statement,
+) -> tuple[list[Any], set[int]]:
+    """``first``'s rows (the leader's fence), then (run, node, try, task) marked released
+    where the node is still ready for that try, in one round trip with the transaction's
+    BEGIN; the task ids recorded (the others' runs were cancelled meanwhile)."""
+    params = {
+        "runs": [r[0] for r in released],
+        "names": [r[1] for r in released],
+        "tries": [r[2] for r in released],
+        "tasks": [r[3] for r in released],
+    }
+    fenced, rows = await pipeline.run(conn, [first, (_RECORD_RELEASED, params)])
+    return fenced, {r.task_id for r in rows}
 
 
 async def fail_ready(conn: AsyncConnection, run_id: int, name: str, error: str) -> None:
@@ -1394,11 +1434,16 @@ async def read_cursor(conn: AsyncConnection) -> str:
     return str(value)
 
 
+_STORE_CURSOR = text("UPDATE dag.feed_cursor SET cursor = :cursor, updated_at = now() WHERE id = 1")
+
+
+def cursor_stored(cursor: str) -> pipeline.Statement:
+    """``store_cursor``'s statement, to send with others (``pipeline.run``)."""
+    return _STORE_CURSOR, {"cursor": cursor}
+
+
 async def store_cursor(conn: AsyncConnection, cursor: str) -> None:
-    await conn.execute(
-        text("UPDATE dag.feed_cursor SET cursor = :cursor, updated_at = now() WHERE id = 1"),
-        {"cursor": cursor},
-    )
+    await conn.execute(*cursor_stored(cursor))
 
 
 def run_model(row: Row[Any], nodes: list[Any] | None = None) -> Run:

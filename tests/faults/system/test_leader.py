@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.leader import Elector, LeadershipLost
@@ -54,6 +55,31 @@ def test_a_new_epoch_fences_the_old_leaders_writes(db_url: str, db: DB) -> None:
             await new.check()
         await new.close()
         await old.close()
+        await engine.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_fence_not_durable_makes_its_own_transactions_commit_asynchronous(db_url: str) -> None:
+    """``fence(durable=False)`` (the DAG loop's feed writes) turns ``synchronous_commit``
+    off for that transaction alone; the session's next transaction waits for its flush."""
+
+    async def scenario() -> None:
+        engine = create_async_engine(db_url)
+        elector = Elector(db_url, name="dag", key=DAG_KEY, table="dag.leader", poll_s=0.05)
+        lease = await elector.campaign()
+        show = text("SHOW synchronous_commit")
+        async with engine.connect() as conn:
+            await conn.execute(text("SET synchronous_commit = on"))
+            await conn.commit()
+            async with conn.begin():
+                await lease.fence(conn, durable=False)
+                assert await conn.scalar(show) == "off"
+            async with conn.begin():
+                assert await conn.scalar(show) == "on"
+                await lease.fence(conn)
+                assert await conn.scalar(show) == "on"
+        await lease.close()
         await engine.dispose()
 
     asyncio.run(scenario())

@@ -111,6 +111,39 @@ def test_a_long_poll_wakes_when_an_event_arrives(core: Core) -> None:
     assert answer["took"] < 15  # woken by the event, not by the 20 s deadline
 
 
+def test_a_held_poll_answers_at_a_tasks_end_with_what_came_before(core: Core) -> None:
+    """With ``hold``, a page that ends no task waits for one that does (or ``hold``): the
+    task's creation and its cancellation come in one answer, at the cancellation."""
+    with core.client("svc", "service") as svc, core.client() as alice:
+        cursor = svc.get("/v1/events").json()["next_cursor"]
+        answer: dict = {}
+
+        def poll(hold: float) -> None:
+            started = time.monotonic()
+            params = {"after": cursor, "wait": 20, "hold": hold}
+            page = svc.get("/v1/events", params=params).json()
+            answer.update(page=page, took=time.monotonic() - started)
+
+        poller = threading.Thread(target=poll, args=(20,))
+        poller.start()
+        task = alice.post("/v1/tasks", json=spec()).json()
+        time.sleep(0.5)
+        assert not answer  # its creation alone is held
+        alice.post(f"/v1/tasks/{task['id']}/cancel")
+        poller.join(timeout=25)
+        assert [e["to_state"] for e in answer["page"]["items"]] == ["waiting", "cancelled"]
+        assert answer["took"] < 15  # answered at the end, not at the deadline
+        # Past ``hold`` without an end, what came is answered.
+        cursor = answer["page"]["next_cursor"]
+        poller = threading.Thread(target=poll, args=(0.3,))
+        poller.start()
+        time.sleep(0.2)
+        other = alice.post("/v1/tasks", json=spec()).json()
+        poller.join(timeout=25)
+    assert [e["task_id"] for e in answer["page"]["items"]] == [other["id"]]
+    assert 0.25 < answer["took"] < 15
+
+
 def test_users_read_only_their_own_events(core: Core) -> None:
     with core.client("alice") as alice, core.client("bob") as bob:
         mine = alice.post("/v1/tasks", json=spec()).json()
