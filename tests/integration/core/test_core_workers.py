@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import psycopg
 
+from services.core.db.feed import LISTENER_NAME
 from tests.support import free_port, make_token, spawn_core, spec, stop_process, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -19,7 +20,8 @@ def _listeners(db: DB) -> int:
     """Core processes connected: each has one LISTEN connection of its own."""
     row = db.execute(
         "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND query LIKE 'LISTEN cairn_work%'"
+        " WHERE datname = current_database() AND application_name = %s",
+        (LISTENER_NAME,),
     ).fetchone()
     assert row is not None
     return int(row[0])
