@@ -30,6 +30,7 @@ from sqlalchemy.engine import make_url
 
 from libs.common import database
 from libs.common.settings import CairnSettings, libpq_url
+from services.core.db.feed import LISTENER_NAME
 from tests.support import (
     SH_SHA,
     free_port,
@@ -252,8 +253,9 @@ def test_a_task_a_schedule_and_a_workflow_run_through_pgbouncer_in_transaction_m
     # on another ("prepared statement ... does not exist") is logged by the loop it broke.
     assert errors == [], errors[:3]
     # Every connection around the pooler is one of the direct ones: the leaders' locks
-    # (core's, cron's and dag's) and the LISTEN sessions; none of the request pools' did.
-    assert {name for name, _ in around} == {DIRECT}, around
+    # (core's, cron's and dag's) and the LISTEN sessions (core's names itself, so that
+    # replicas count each other: ``feed.LISTENER_NAME``); none of the request pools' did.
+    assert {name for name, _ in around} == {DIRECT, LISTENER_NAME}, around
     assert sum(locks for _, locks in around) == 3
     assert through and all(locks == 0 for _, locks in through)
     assert transactions >= 50, transactions
