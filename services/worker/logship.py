@@ -124,8 +124,12 @@ class LogShipper:
             await asyncio.wait_for(entry.done.wait(), self.flush_s)
         if entry.done.is_set():
             return None
-        if self.tail_s <= 0 or sum(e.late for e in self._logs.values()) >= MAX_LATE_LOGS:
-            self._give_up(attempt_id, entry)
+        if self.tail_s <= 0:
+            self._give_up(attempt_id, entry, f"in {self.flush_s:g} s after its end")
+            return None
+        if sum(e.late for e in self._logs.values()) >= MAX_LATE_LOGS:
+            why = f"at its end: {MAX_LATE_LOGS} other logs' ends were already on their way"
+            self._give_up(attempt_id, entry, why)
             return None
         entry.late = True
         log.info(
@@ -280,13 +284,12 @@ class LogShipper:
             if entry.finishing and now > entry.deadline:
                 self._give_up(attempt_id, entry)
 
-    def _give_up(self, attempt_id: int, entry: _Log) -> None:
+    def _give_up(self, attempt_id: int, entry: _Log, why: str = "") -> None:
         log.warning(
-            "attempt %s: gave up on the end of its log: %d bytes did not reach core in"
-            " %g s after its end",
+            "attempt %s: gave up on the end of its log: %d bytes did not reach core %s",
             attempt_id,
             max(0, entry.source.size() - entry.offset),
-            self.flush_s + self.tail_s,
+            why or f"in {self.flush_s + self.tail_s:g} s after its end",
         )
         self._forget(attempt_id)
 
