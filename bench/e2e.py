@@ -484,10 +484,8 @@ async def _queue_floor(stack: Stack, count: int) -> dict[str, Any] | None:
     hand each out and back: pgqueuer (the `bench` extra) enqueuing them in batches of
     500, as the run submits its tasks, and one pgqueuer worker draining them (its
     process and PostgreSQL, per job); None without pgqueuer."""
-    try:
-        from dispatch import pgqueuer_drain
-    except ImportError:  # pragma: no cover - the bench extra is not installed
-        return None
+    from dispatch import pgqueuer_drain  # imports pgqueuer only when it drains
+
     try:
         got = await pgqueuer_drain(
             stack.database_url, count, 64, stack.postmaster_pid, enqueue_batch=500
