@@ -450,6 +450,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         shm=bool(sandbox and sandbox.shm),
         netns=bool(sandbox and sandbox.netns),
         mount_at=sandbox.home if sandbox and sandbox.mount is not None else None,
+        bind_from=sandbox.bind[0] if sandbox and sandbox.bind else None,
     )
 
 

@@ -203,6 +203,13 @@ class Host:
             f"(default {self.settings.worker_disk_mb} MB), charged to its memory"
         )
 
+    @property
+    def _bound(self) -> bool:
+        """Whether an attempt's sealed executable is bound on a placeholder by its spawn
+        helper (``workdirs.Workdirs.placeholder``) rather than linked into a folder of its
+        own: where a helper starts attempts (its home then a tmpfs, in a mount namespace)."""
+        return self.binary is not None
+
     def _quota_mb(self, assignment: Assignment) -> int | None:
         """The size of the attempt's tmpfs; None: its folders are on disk."""
         if not (self.tmpfs and self.private_tmp):
@@ -283,8 +290,13 @@ class Host:
         self, assignment: Assignment, identity: Identity | None, cache: ArtifactCache
     ) -> Folders:
         artifact = assignment.artifact
+        bound = self._bound and self.sealed is not None and identity is not None
         folders = self.workdirs.make(
-            assignment.attempt_id, _name_of(artifact.uri), identity, self._quota_mb(assignment)
+            assignment.attempt_id,
+            _name_of(artifact.uri),
+            identity,
+            self._quota_mb(assignment),
+            bound,
         )
         self.spare_logs.take(self._log_path(assignment))
         try:
@@ -319,7 +331,7 @@ class Host:
         if sealed is None:
             return None
         folders = self.workdirs.make(
-            assignment.attempt_id, _name_of(artifact.uri), identity, quota_mb
+            assignment.attempt_id, _name_of(artifact.uri), identity, quota_mb, self._bound
         )
         self.spare_logs.take(self._log_path(assignment))
         try:
@@ -356,8 +368,9 @@ class Host:
 
     def _made(self, assignment: Assignment, identity: Identity | None) -> Folders:
         name = _name_of(assignment.artifact.uri)
+        bound = self._bound and self.sealed is not None and identity is not None
         folders = self.workdirs.make(
-            assignment.attempt_id, name, identity, self._quota_mb(assignment)
+            assignment.attempt_id, name, identity, self._quota_mb(assignment), bound
         )
         self.spare_logs.take(self._log_path(assignment))
         return folders
@@ -392,6 +405,7 @@ class Host:
             netns=assignment.egress is not None and assignment.egress.mode == "none",
             mount=folders.mount,
             home=str(folders.home) if folders.mount is not None else None,
+            bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(

@@ -84,6 +84,8 @@ class Sandbox:
     #: the attempt's tmpfs, attached on ``home`` in its mount namespace
     mount: int | None = None
     home: str | None = None
+    #: (the sealed copy, the executable's path): bound there in its mount namespace
+    bind: tuple[str, str] | None = None
     #: enter the network namespace of this process (an exec probe of an attempt with
     #: egress ``none``: docs/services.md) instead of the host's
     join_netns: int | None = None
@@ -103,7 +105,9 @@ class Sandbox:
                 os.chdir(self.home if self.mount is not None and self.home else here)
             elif self.private_tmp is not None:
                 home = self.home if self.mount is not None else None
-                _private_mounts(self.private_tmp, self.tmp_targets, self.shm, self.mount, home)
+                _private_mounts(
+                    self.private_tmp, self.tmp_targets, self.shm, self.mount, home, self.bind
+                )
                 if home is not None:
                     os.chdir(home)  # Popen entered the folder under the mount
             if self.netns:
@@ -132,7 +136,12 @@ def _mount(
 
 
 def _private_mounts(
-    tmp: Path, targets: tuple[str, ...], shm: bool, mount: int | None, home: str | None
+    tmp: Path,
+    targets: tuple[str, ...],
+    shm: bool,
+    mount: int | None,
+    home: str | None,
+    bind: tuple[str, str] | None = None,
 ) -> None:
     if _libc.unshare(CLONE_NEWNS) != 0:
         errno = ctypes.get_errno()
@@ -140,6 +149,8 @@ def _private_mounts(
     _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
     if mount is not None and home is not None:
         tmpfs.attach(mount, home)
+    if bind is not None:
+        _mount(bind[0].encode(), bind[1].encode(), None, MS_BIND, None)
     for target in targets:
         _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
     if shm:
@@ -292,6 +303,11 @@ class Folders:
     #: its home and tmp are folders on the run folder's file system
     mount: int | None = None
     quota_mb: int | None = None
+    #: ``executable`` is a placeholder (``workdirs.Workdirs.placeholder``): the sealed
+    #: copy is bound on it in the attempt's mount namespace (``bound``), no file is linked
+    placeholder: bool = False
+    #: the sealed copy (``artifacts.Sealed``) bound on ``executable`` when it starts
+    bound: Path | None = None
 
     @property
     def view(self) -> Path:
@@ -309,7 +325,12 @@ class Folders:
 
     def link_executable(self, sealed: Path) -> None:
         """The executable as a hard link to a sealed verified copy (``artifacts.Sealed``:
-        the agent's, 0555), in a folder only the attempt's gid may search."""
+        the agent's, 0555), in a folder only the attempt's gid may search; or, on a
+        ``placeholder``, the copy bound on it in the attempt's mount namespace (nothing
+        made here)."""
+        if self.placeholder:
+            self.bound = sealed
+            return
         os.link(sealed, self.executable)
 
     def remove(self) -> None:

@@ -8,7 +8,7 @@
  * its exec (CLONE_VM | CLONE_VFORK, as posix_spawn does: this process waits meanwhile),
  * or a copy of it straight into a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the
  * child applies, as root and in this order: a new session, a private mount namespace with its own home (a tmpfs the
- * agent made) and /tmp, a network namespace of its own with loopback only (egress
+ * agent made), its sealed executable bound on its path, and /tmp, a network namespace of its own with loopback only (egress
  * "none"), rlimits, the attempt's uid and gid with no other groups, no_new_privs, umask
  * 077, its working directory, stdin /dev/null and stdout/stderr the log, every other
  * descriptor closed, every signal unblocked; then it execs the task. The reply says the
@@ -37,6 +37,8 @@
  *   n          a network namespace of its own, loopback up (nothing else)
  *   m dir      the passed detached mount (the attempt's tmpfs, made by the agent with
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
+ *   b path     the sealed executable, bound on the executable's path (x) in the
+ *              attempt's mount namespace: the file it runs, seen there only
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
@@ -98,7 +100,7 @@ struct exit_record {
 struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 
 struct request {
-    char *exe, *dir, *tmp, *mount_at;
+    char *exe, *dir, *tmp, *mount_at, *bind_from;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
     int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
     long uid, gid;
@@ -161,6 +163,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'd': r->dir = value; break;
         case 't': r->tmp = value; break;
         case 'm': r->mount_at = value; break;
+        case 'b': r->bind_from = value; break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -207,11 +210,13 @@ static int loopback_up(void) {
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
-    if (r->tmp || r->mount_at) {
+    if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
         if (r->mount_at && syscall(SYS_move_mount, r->mount_fd, "", AT_FDCWD, r->mount_at,
                                    MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail(status_fd, MOUNTS);
+        if (r->bind_from && mount(r->bind_from, r->exe, NULL, MS_BIND, NULL) < 0)
             fail(status_fd, MOUNTS);
         for (int i = 0; i < r->ntargets; i++)
             if (mount(r->tmp, r->targets[i], NULL, MS_BIND, NULL) < 0) fail(status_fd, MOUNTS);

@@ -155,6 +155,8 @@ class Launch:
     netns: bool = False
     #: where the passed tmpfs (``tmpfs``) is attached: the attempt's home
     mount_at: str | None = None
+    #: the sealed copy bound on ``executable`` in the attempt's mount namespace
+    bind_from: str | None = None
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -165,6 +167,8 @@ class Launch:
         fields += [f"r{which}={value}" for which, value in self.rlimits]
         if self.mount_at is not None:
             fields.append(f"m{self.mount_at}")
+        if self.bind_from is not None:
+            fields.append(f"b{self.bind_from}")
         if self.private_tmp is not None:
             fields.append(f"t{self.private_tmp}")
             fields += [f"T{target}" for target in self.tmp_targets]

@@ -19,6 +19,12 @@ walk's bounds is set aside and retried by ``tidy``.
 The executable folder never belonged to the attempt (0710, the agent's; its gid may only
 pass through it to the executable, neither list it nor watch it), so it is used again:
 only its one link is removed.
+
+An attempt whose home is a tmpfs and whose spawn helper binds its sealed executable
+(``bound``) has no executable folder at all: its executable's path is a placeholder,
+``RUN/.bin/NAME`` (an empty file of the agent's, 0444, in a folder others may only pass
+through, made once per name), on which the sealed copy is bound in the attempt's own
+mount namespace only. Nothing is renamed, linked, owned or emptied per attempt.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class Workdirs:
         self.isolated = isolated
         self.keep = keep
         self.exe_root = run_dir / ".exe"
+        #: placeholders of bound executables (``bound``), one per name
+        self.bin_root = run_dir / ".bin"
+        self._placeholders: set[str] = set()
         #: where an attempt's tmpfs is attached, in its own mount namespace only
         self.mount_point = run_dir / ".home"
         self.pool = run_dir / ".pool" / f"agent-{os.getpid()}"
@@ -67,6 +76,7 @@ class Workdirs:
         """Make the pool folder (removing those of agents no longer alive) and ``ahead``
         ready sets."""
         self.exe_root.mkdir(mode=0o711, exist_ok=True)
+        self.bin_root.mkdir(mode=0o711, exist_ok=True)
         self.mount_point.mkdir(mode=0o700, exist_ok=True)
         pools = self.run_dir / ".pool"
         pools.mkdir(mode=0o700, exist_ok=True)
@@ -87,12 +97,30 @@ class Workdirs:
         remove_tree(self.pool)
 
     def make(
-        self, attempt_id: int, name: str, identity: Identity | None, quota_mb: int | None = None
+        self,
+        attempt_id: int,
+        name: str,
+        identity: Identity | None,
+        quota_mb: int | None = None,
+        bound: bool = False,
     ) -> Folders:
         """The attempt's folders, from a ready set (or new ones); with ``quota_mb`` (and
         an ``identity``), its home and tmp are a tmpfs of that size instead (``tmpfs``),
-        attached on ``mount_point`` when it starts."""
+        attached on ``mount_point`` when it starts; with ``bound`` too, its executable is
+        the placeholder of ``name`` (``placeholder``), no folder of its own, on which
+        ``Folders.link_executable`` has the sealed copy bound when it starts."""
         if quota_mb is not None and identity is not None:
+            if bound:
+                mount = tmpfs.make(quota_mb, identity.uid, identity.gid)
+                home = self.mount_point
+                try:
+                    executable = self.placeholder(name)
+                except BaseException:
+                    tmpfs.close(mount)
+                    raise
+                return Folders(
+                    home, home / tmpfs.TMP, executable, identity, [], mount, quota_mb, True
+                )
             return self._on_tmpfs(attempt_id, name, identity, quota_mb)
         home = self.run_dir / str(attempt_id)
         exe_dir = self.exe_root / str(attempt_id)
@@ -113,6 +141,24 @@ class Workdirs:
             os.chown(tmp, identity.uid, identity.gid, follow_symlinks=False)
             os.chown(exe_dir, os.geteuid(), identity.gid, follow_symlinks=False)
         return Folders(home, tmp, exe_dir / name, identity, [home, exe_dir])
+
+    def placeholder(self, name: str) -> Path:
+        """``bin_root``/``name``: an empty file of the agent's, 0444, made the first time
+        (one an earlier agent left is taken if it is one; anything else there is replaced:
+        only the agent writes in ``bin_root``). Raises ``OSError``."""
+        path = self.bin_root / name
+        if name in self._placeholders:
+            return path
+        if not _placeholder(path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
+            except FileExistsError:  # another agent sharing the run folder made it
+                if not _placeholder(path):
+                    raise
+        self._placeholders.add(name)
+        return path
 
     def _on_tmpfs(self, attempt_id: int, name: str, identity: Identity, quota_mb: int) -> Folders:
         exe_dir = self.exe_root / str(attempt_id)
@@ -137,7 +183,8 @@ class Workdirs:
         ``reusable`` (no process of the attempt is left), else it is removed too."""
         if folders.quota_mb is not None:
             folders.unmount()
-            self._exe_back(folders.made[0], reusable)
+            if folders.made:  # none for a bound executable
+                self._exe_back(folders.made[0], reusable)
             return
         home, exe_dir = folders.made
         try:
@@ -291,6 +338,20 @@ class SpareLogs:
             return
         with self._lock:
             self._ready.append(spare)
+
+
+def _placeholder(path: Path) -> bool:
+    """Whether ``path`` is a placeholder: an empty regular file of ours nobody may write."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    return (
+        stat.S_ISREG(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and info.st_size == 0
+        and not info.st_mode & 0o222
+    )
 
 
 def _remove_stale(folder: Path) -> None:

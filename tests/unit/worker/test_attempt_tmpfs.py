@@ -117,3 +117,24 @@ def test_its_pages_count_towards_its_memory_limit(root: Path) -> None:
     # 96 MB of files do not fit in 32 MB of memory: the kernel kills the writer.
     assert result.outcome == "oom_killed", result
     assert "wrote=0" not in result.log_tail
+
+
+def test_its_sealed_executable_is_bound_on_a_placeholder_in_its_namespace_only(
+    root: Path,
+) -> None:
+    host = _host(root)
+    script = (
+        'echo "zero=$0"; cmp "$0" /bin/sh && echo same; '
+        'echo pwned > "$0"; echo write=$?; chmod 777 "$0"; echo chmod=$?'
+    )
+    result, _ = _run(host, script)
+
+    log = result.log_tail
+    placeholder = host.workdirs.bin_root / "sh"
+    assert result.outcome == "succeeded", log
+    assert f"zero={placeholder}\n" in log and "same" in log, log
+    assert "write=0" not in log and "chmod=0" not in log, log
+    # Outside its namespace: the agent's empty placeholder, and no executable folder.
+    info = placeholder.lstat()
+    assert (info.st_uid, info.st_size, info.st_mode & 0o7777) == (0, 0, 0o444)
+    assert list(host.workdirs.exe_root.iterdir()) == []
