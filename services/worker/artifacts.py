@@ -673,17 +673,21 @@ class Sealed:
         self.folder = folder
         self.max_bytes = max_bytes
         self._known: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._paths: dict[str, Path] = {}  # of the digests known, made once each
         self._lock = threading.Lock()
 
     def get(self, digest: str) -> Path | None:
         """The sealed copy of ``digest``, if one is known and unchanged."""
-        path = self.folder / digest
         with self._lock:
             expected = self._known.get(digest)
             if expected is None:
                 return None
+            path = self._paths.get(digest)
+            if path is None:
+                path = self._paths[digest] = self.folder / digest
             if _sealed_print(path) != expected:
                 del self._known[digest]
+                self._paths.pop(digest, None)
                 return None
             self._known.move_to_end(digest)
         return path
@@ -705,6 +709,7 @@ class Sealed:
         total = sum(fingerprint[2] for fingerprint in self._known.values())
         while total > self.max_bytes and len(self._known) > 1:
             digest, fingerprint = self._known.popitem(last=False)
+            self._paths.pop(digest, None)
             (self.folder / digest).unlink(missing_ok=True)
             total -= fingerprint[2]
 

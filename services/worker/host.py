@@ -71,6 +71,7 @@ class Host:
         self.slots: CgroupPool | None = None
         self.settings = settings
         self.logs_dir = logs_dir
+        self._last_log: tuple[int, Path] = (0, logs_dir)
         self.isolated = settings.worker_isolation == "user" and os.geteuid() == 0
         self.pool: UidPool | None = None
         self.private_tmp = False
@@ -376,7 +377,12 @@ class Host:
         return folders
 
     def _log_path(self, assignment: Assignment) -> Path:
-        return self.logs_dir / f"{assignment.attempt_id}.log"
+        # Asked twice an attempt (its spare log, its spec): one path made, not two.
+        attempt, path = self._last_log
+        if attempt != assignment.attempt_id:
+            path = self.logs_dir / f"{assignment.attempt_id}.log"
+            self._last_log = (assignment.attempt_id, path)
+        return path
 
     def _spec(
         self,

@@ -240,6 +240,7 @@ class UidPool:
     def __init__(self, uids: range, lock_dir: Path) -> None:
         self.uids = uids
         self.lock_dir = lock_dir
+        self._lock_prefix = f"{lock_dir}/"  # a lock file's path, with no Path made
         self._held: dict[int, int] = {}
         self._next = random.randrange(len(uids))  # noqa: S311 - spreading, not secrecy
         lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -257,7 +258,7 @@ class UidPool:
             if uid in self._held:
                 continue
             fd = os.open(
-                self.lock_dir / str(uid),
+                f"{self._lock_prefix}{uid}",
                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                 0o600,
             )

@@ -10,6 +10,7 @@ bound only, so an attempt cannot make the agent read anything of the host's.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -32,7 +33,13 @@ class OutputsError(Exception):
 
 def with_path(env: Mapping[str, str], workdir: Path) -> dict[str, str]:
     """The attempt's environment with ``CAIRN_OUTPUTS`` naming its outputs file."""
-    return {**env, ENV: str(workdir / FILE)}
+    return {**env, ENV: _path(workdir)}
+
+
+@functools.lru_cache(maxsize=64)
+def _path(workdir: Path) -> str:
+    """The outputs file's path in ``workdir`` (every attempt on a tmpfs has the same)."""
+    return str(workdir / FILE)
 
 
 def read_bounded(path: Path, limit: int, name: str) -> bytes | None:

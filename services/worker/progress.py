@@ -21,6 +21,7 @@ file (``outputs.read_bounded``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -58,17 +59,25 @@ def with_paths(
     env: Mapping[str, str], workdir: Path, assignment: Assignment, core_url: str
 ) -> dict[str, str]:
     """The attempt's environment with its progress and checkpoint files and its token."""
-    out = {
-        **env,
-        PROGRESS_ENV: str(workdir / PROGRESS_FILE),
-        CHECKPOINT_OUT_ENV: str(workdir / CHECKPOINT_OUT_FILE),
-    }
+    progress, checkpoint_out, checkpoint = _paths(workdir)
+    out = {**env, PROGRESS_ENV: progress, CHECKPOINT_OUT_ENV: checkpoint_out}
     if assignment.checkpoint is not None:
-        out[CHECKPOINT_ENV] = str(workdir / CHECKPOINT_FILE)
+        out[CHECKPOINT_ENV] = checkpoint
     if assignment.fencing_token is not None:
         out[FENCING_TOKEN_ENV] = assignment.fencing_token
         out[FENCING_URL_ENV] = core_url.rstrip("/") + "/v1/fencing"
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _paths(workdir: Path) -> tuple[str, str, str]:
+    """The progress, checkpoint-out and checkpoint files' paths in ``workdir`` (made once
+    for the few workdirs there are: every attempt on a tmpfs has the same)."""
+    return (
+        str(workdir / PROGRESS_FILE),
+        str(workdir / CHECKPOINT_OUT_FILE),
+        str(workdir / CHECKPOINT_FILE),
+    )
 
 
 def place_checkpoint(workdir: Path, data: bytes, identity: Identity | None) -> None:

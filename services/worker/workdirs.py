@@ -44,6 +44,8 @@ from services.worker.isolation import Folders, Identity, remove_tree
 
 log = logging.getLogger("cairn.worker.workdirs")
 
+#: placeholders remembered (``Workdirs.placeholder``; one per executable name)
+MAX_PLACEHOLDERS = 4096
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -58,9 +60,10 @@ class Workdirs:
         self.exe_root = run_dir / ".exe"
         #: placeholders of bound executables (``bound``), one per name
         self.bin_root = run_dir / ".bin"
-        self._placeholders: set[str] = set()
+        self._placeholders: dict[str, Path] = {}
         #: where an attempt's tmpfs is attached, in its own mount namespace only
         self.mount_point = run_dir / ".home"
+        self._mount_tmp = self.mount_point / tmpfs.TMP
         self.pool = run_dir / ".pool" / f"agent-{os.getpid()}"
         self._homes: list[Path] = []
         self._exes: list[Path] = []
@@ -112,15 +115,13 @@ class Workdirs:
         if quota_mb is not None and identity is not None:
             if bound:
                 mount = tmpfs.make(quota_mb, identity.uid, identity.gid)
-                home = self.mount_point
                 try:
                     executable = self.placeholder(name)
                 except BaseException:
                     tmpfs.close(mount)
                     raise
-                return Folders(
-                    home, home / tmpfs.TMP, executable, identity, [], mount, quota_mb, True
-                )
+                home, tmp = self.mount_point, self._mount_tmp
+                return Folders(home, tmp, executable, identity, [], mount, quota_mb, True)
             return self._on_tmpfs(attempt_id, name, identity, quota_mb)
         home = self.run_dir / str(attempt_id)
         exe_dir = self.exe_root / str(attempt_id)
@@ -146,9 +147,10 @@ class Workdirs:
         """``bin_root``/``name``: an empty file of the agent's, 0444, made the first time
         (one an earlier agent left is taken if it is one; anything else there is replaced:
         only the agent writes in ``bin_root``). Raises ``OSError``."""
+        known = self._placeholders.get(name)
+        if known is not None:
+            return known
         path = self.bin_root / name
-        if name in self._placeholders:
-            return path
         if not _placeholder(path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -157,7 +159,9 @@ class Workdirs:
             except FileExistsError:  # another agent sharing the run folder made it
                 if not _placeholder(path):
                     raise
-        self._placeholders.add(name)
+        if len(self._placeholders) >= MAX_PLACEHOLDERS:
+            self._placeholders.clear()
+        self._placeholders[name] = path
         return path
 
     def _on_tmpfs(self, attempt_id: int, name: str, identity: Identity, quota_mb: int) -> Folders:
