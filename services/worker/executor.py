@@ -28,11 +28,11 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES
 from services.worker import tmpfs
@@ -55,7 +55,8 @@ StopReason = Literal["timeout", "stalled", "terminated", "cancelled", "preempted
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4096
 _Exit = Exit
-_supervisors: set[asyncio.Task[AttemptResult]] = set()
+#: the few tasks an attempt's end needs (a stop, a log's rest), held until they are done
+_tasks: set[asyncio.Task[None]] = set()
 _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
 
@@ -143,7 +144,11 @@ class RunningAttempt:
         parent: Helper | None = None,
     ):
         """``exited``: its end as ``parent``, the spawn helper that started and reaps it,
-        reports it; None: a child of the agent's, reaped here (``_watch_exit``)."""
+        reports it; None: a child of the agent's, reaped here (``_watch_exit``).
+
+        No task of its own: its end is a callback on ``exited`` that settles its result
+        (a task only where its log's rest must wait on a cut, or its parent died), and its
+        timeout a timer."""
         self.spec = spec
         self.pid = pid
         self.log = log
@@ -153,17 +158,20 @@ class RunningAttempt:
         self._detail: str | None = None  # why it was stopped as ``unhealthy``
         self._parent = parent
         self._exit: asyncio.Future[_Exit] = exited or _watch_exit(pid, spec.cgroup)
-        self._supervisor = asyncio.create_task(self._supervise(), name=f"attempt-{self.pid}")
-        _supervisors.add(self._supervisor)
-        self._supervisor.add_done_callback(_supervisors.discard)
+        loop = asyncio.get_running_loop()
+        self._result_future: asyncio.Future[AttemptResult] = loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        if spec.timeout_s is not None:
+            self._timer = loop.call_later(spec.timeout_s, self._timed_out)
+        self._exit.add_done_callback(self._exited)
 
     @property
     def done(self) -> bool:
-        return self._supervisor.done()
+        return self._result_future.done()
 
     async def wait(self) -> AttemptResult:
         """The result, once the process has ended. Cancelling this wait leaves it running."""
-        return await asyncio.shield(self._supervisor)
+        return await asyncio.shield(self._result_future)
 
     async def terminate(
         self, grace_s: float = 10.0, why: StopReason = "terminated", detail: str | None = None
@@ -185,24 +193,36 @@ class RunningAttempt:
         self._stopped = self._stopped or "cancelled"
         self._signal(signal.SIGKILL)
 
-    async def _supervise(self) -> AttemptResult:
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._exit.done():
+            return
+        self._stopped = self._stopped or "timeout"
+        _keep(self._stop_quietly(self.spec.kill_grace_s))
+
+    async def _stop_quietly(self, grace_s: float) -> None:
+        with contextlib.suppress(HelperGone):
+            await self._stop(grace_s)
+
+    def _exited(self, exit: asyncio.Future[_Exit]) -> None:
+        """Its process ended (or its parent died): settle the result, here where nothing
+        of it waits (mostly), else in a task."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if exit.cancelled():
+            self._result_future.cancel()
+            return
+        failure = exit.exception()
+        if isinstance(failure, HelperGone):
+            _signal_cgroup(self.spec.cgroup, signal.SIGKILL)  # an orphan now: stopped
+            _keep(self._settle(self._orphaned_after_drain()))
+            return
+        if failure is not None:
+            self._result_future.set_exception(failure)
+            return
         try:
-            try:
-                async with asyncio.timeout(self.spec.timeout_s):
-                    await asyncio.shield(self._exit)
-            except TimeoutError:
-                self._stopped = self._stopped or "timeout"
-                with contextlib.suppress(HelperGone):
-                    await self._stop(self.spec.kill_grace_s)
-            except HelperGone:
-                pass  # seen below
-            try:
-                ended = await asyncio.shield(self._exit)
-            except HelperGone:
-                _signal_cgroup(self.spec.cgroup, signal.SIGKILL)  # an orphan now: stopped
-                await self.log.drained()
-                return self._orphaned()
-            status, usage = ended
+            status, usage = ended = exit.result()
             counters: Counters | None = getattr(ended, "counters", None)
             if counters is None or not counters.final:
                 counters = None
@@ -212,11 +232,36 @@ class RunningAttempt:
                     group.settled = True  # its helper saw nothing of it left in the slot
                 else:
                     group.settle()  # its process group the helper killed
-            await self.log.drained()
-        except asyncio.CancelledError:
-            self._signal(signal.SIGKILL)
-            raise
+            if not self.log.drained_now():
+                _keep(self._settle(self._result_after_drain(status, usage, counters)))
+                return
+            result = self._result(status, usage, counters)
+        except BaseException as exc:  # the waiter has it
+            self._result_future.set_exception(exc)
+            return
+        self._result_future.set_result(result)
+
+    async def _settle(self, result: Awaitable[AttemptResult]) -> None:
+        try:
+            got = await result
+        except BaseException as exc:  # the waiter has it
+            if not self._result_future.done():
+                self._result_future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if not self._result_future.done():
+            self._result_future.set_result(got)
+
+    async def _result_after_drain(
+        self, status: int, usage: resource.struct_rusage, counters: Counters | None
+    ) -> AttemptResult:
+        await self.log.drained()
         return self._result(status, usage, counters)
+
+    async def _orphaned_after_drain(self) -> AttemptResult:
+        await self.log.drained()
+        return self._orphaned()
 
     def _orphaned(self) -> AttemptResult:
         """Its parent, the spawn helper, died before it ended: its exit status is lost,
@@ -329,6 +374,12 @@ class RunningAttempt:
     def _disk_full(self) -> bool:
         mount = self.spec.sandbox.mount if self.spec.sandbox else None
         return mount is not None and tmpfs.full(mount)
+
+
+def _keep(work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(work)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
 
 
 def _judge(

@@ -81,6 +81,8 @@ class AttemptLog:
         self._broken = False  # moving failed unexpectedly: the rest is dropped unread
         self._cutting: asyncio.Task[None] | None = None
         self._resume: asyncio.TimerHandle | None = None
+        self._budget = -1  # what the drain may still move (-1: it has not begun)
+        self._drain_done = False  # the drain found the pipe's end, or nothing more
 
     # --- the agent's side ---
 
@@ -101,23 +103,50 @@ class AttemptLog:
         """The process has ended: move what it left in the pipe (no more than the bound
         holds: a process that escaped the attempt may still be writing), then close the
         pipe."""
-        self._draining = True
-        self._close_writer()
+        self._begin_drain()
         if self._cutting is not None:
             await self._cutting
+        while True:
+            if self._over():
+                await asyncio.to_thread(self._cut)
+            if self._drain_moves():
+                break
+        self._close_pipe()
+
+    def drained_now(self) -> bool:
+        """``drained`` on the spot, where none of it waits (no cut under way nor due, as
+        for nearly every attempt): whether it was done; if not, ``await drained()``
+        finishes it."""
+        self._begin_drain()
+        if self._cutting is not None or self._over() or not self._drain_moves():
+            return False
+        self._close_pipe()
+        return True
+
+    def _begin_drain(self) -> None:
+        self._draining = True
+        self._close_writer()
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
         self._unlisten()
-        budget = self.limit + self.slack
-        while self._pipe >= 0 and budget > 0 and not self._ended:
+        if self._budget < 0:
+            self._budget = self.limit + self.slack
+
+    def _drain_moves(self) -> bool:
+        """Move what is left in the pipe, within the drain's budget; False when the file
+        is over its bound first (cut it, then call again)."""
+        while self._pipe >= 0 and self._budget > 0 and not self._ended and not self._drain_done:
             before = self._end
-            ended = self._move(budget)
-            budget -= self._end - before
-            if self._over():
-                await asyncio.to_thread(self._cut)
+            ended = self._move(self._budget)
+            self._budget -= self._end - before
             if ended or self._end == before:
-                break
+                self._drain_done = True
+            if self._over():
+                return False
+        return True
+
+    def _close_pipe(self) -> None:
         if self._pipe >= 0:
             os.close(self._pipe)
             self._pipe = -1

@@ -137,3 +137,28 @@ def test_a_log_whose_moving_fails_drops_the_rest_and_the_task_runs_to_its_end(
     kept = spec.log_path.read_bytes()
     assert re.fullmatch(rb"\[cairn: the first \d+ bytes [^\n]*\]\n", kept), kept[:200]
     assert "keeps no more output" in caplog.text and "a bug in moving" in caplog.text
+
+
+def test_the_drain_at_the_end_is_done_on_the_spot_unless_a_cut_is_due(tmp_path: Path) -> None:
+    """An attempt's end settles its result without a task when its log's rest fits
+    (``drained_now``); a rest over the bound is cut first, by ``drained``."""
+
+    async def go(size: int) -> tuple[bool, bytes]:
+        log = AttemptLog(tmp_path / f"{size}.log", 4096)
+        os.write(log.writer, b"x" * 4000)
+        log.pump()  # moved as it came: 4,000 bytes in the file, under the bound
+        os.write(log.writer, b"x" * (size - 4) + b"end\n")
+        now = log.drained_now()
+        if not now:
+            await log.drained()
+        try:
+            return now, log.path.read_bytes()
+        finally:
+            log.close()
+
+    assert asyncio.run(go(100)) == (True, b"x" * 4096 + b"end\n")
+    now, kept = asyncio.run(go(4000))
+    assert not now
+    marker, _, body = kept.partition(b"\n")
+    assert marker.startswith(b"[cairn: the first ") and body.endswith(b"xend\n")
+    assert len(body) <= 4096 * 5 // 4
