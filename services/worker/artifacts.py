@@ -388,7 +388,7 @@ class ArtifactCache:
         known = sealed.get(name)
         if known is None:
             return None
-        fd = _open_source(source, reader)
+        fd = _open_known(source, reader)
         try:
             if self.stamps.holds(_stamp(fd), digest):
                 return known
@@ -858,9 +858,7 @@ def _open_source(source: Path, reader: Identity | None) -> int:
     """A descriptor of the regular file ``source``, opened with ``reader``'s permissions
     (``_open_as``); the kernel's views (``_PSEUDO``) are refused, by name and by the
     name the descriptor resolved to through links."""
-    unreadable = ArtifactError(
-        f"cannot read {source}: no such file, or not readable by the attempt", retryable=False
-    )
+    unreadable = _unreadable(source)
     if str(source).startswith(_PSEUDO):
         raise unreadable
     try:
@@ -875,6 +873,25 @@ def _open_source(source: Path, reader: Identity | None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _open_known(source: Path, reader: Identity | None) -> int:
+    """``_open_source`` for a source whose stamp is then checked against those
+    remembered (``FileStamps.holds``): a stamp is remembered only for a file that passed
+    ``_open_source``'s checks, and one that holds names that same file (device and inode),
+    so they are not made again; only the name's."""
+    if str(source).startswith(_PSEUDO):
+        raise _unreadable(source)
+    try:
+        return _open_as(source, reader)
+    except OSError:
+        raise _unreadable(source) from None
+
+
+def _unreadable(source: Path) -> ArtifactError:
+    return ArtifactError(
+        f"cannot read {source}: no such file, or not readable by the attempt", retryable=False
+    )
 
 
 def _read_into(src: IO[bytes], sink: _Sink) -> None:
@@ -907,6 +924,7 @@ def open_as_here() -> None:
     thread does this for ``ArtifactCache.sealed_known``; as root it needs no group."""
     if not hasattr(_here, "refused") and os.geteuid() == 0 and _SYS_SETGROUPS is not None:
         grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
+        _here.own = (os.geteuid(), os.getegid())  # the thread's own, taken back after each
         _here.refused = None if grouped else OSError(ctypes.get_errno(), "setgroups")
 
 
@@ -917,6 +935,7 @@ def _open_here(source: Path, flags: int, reader: Identity) -> int:
     but the open runs meanwhile."""
     if _here.refused is not None:
         raise _here.refused
+    uid, gid = _here.own
     _libc.setfsgid(reader.gid)
     _libc.setfsuid(reader.uid)
     try:
@@ -925,9 +944,9 @@ def _open_here(source: Path, flags: int, reader: Identity) -> int:
             raise PermissionError("setfsuid")
         return os.open(source, flags)
     finally:
-        _libc.setfsuid(os.geteuid())
-        _libc.setfsgid(os.getegid())
-        if _libc.setfsuid(-1) != os.geteuid() or _libc.setfsgid(-1) != os.getegid():
+        _libc.setfsuid(uid)
+        _libc.setfsgid(gid)
+        if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:
             # Never the agent's rights again on this thread: every later open refused.
             _here.refused = PermissionError("cannot take the agent's filesystem uid back")
 
