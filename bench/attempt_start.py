@@ -53,7 +53,6 @@ from procstat import helpers_cpu_s
 from libs.common.models import Artifact, Assignment, Resources
 from services.worker.artifacts import ArtifactCache
 from services.worker.cgroups import Cgroups
-from services.worker.executor import start_attempt
 from services.worker.host import Host
 from services.worker.settings import WorkerSettings
 
@@ -103,7 +102,7 @@ async def _one(host: Host, cache: ArtifactCache, attempt_id: int) -> tuple[float
     began = time.perf_counter()
     prepared = await host.prepare(_assignment(attempt_id), cache)
     spawned = time.perf_counter()
-    handle = await start_attempt(prepared.spec)
+    handle = await host.launch(prepared, cache)
     result = await handle.wait()
     assert result.outcome == "succeeded", result
     handle.log.close()  # as the agent does: its log file then goes back to the spares

@@ -51,9 +51,9 @@ from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
     AttemptResult,
+    AttemptSpec,
     RunningAttempt,
     SpawnError,
-    start_attempt,
 )
 from services.worker.firewall import Unenforceable
 from services.worker.host import Host, HostError, Prepared
@@ -921,6 +921,15 @@ class Agent:
         woken = await self._hold(attempt_id, start)  # a beat's stop still counts here
         return "held" if woken == "start" else woken
 
+    async def _spawn(self, prepared: Prepared, spec: AttemptSpec) -> RunningAttempt | Report:
+        """The started attempt, or the report of why it could not start."""
+        try:
+            return await self.host.launch(prepared, self.cache, spec)
+        except SpawnError as exc:
+            return Report(outcome="failed", error=str(exc), retryable=False)
+        except ArtifactError as exc:  # its source changed since it was prepared
+            return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
+
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
         cleared, refusal = await self._cleared(assignment)
@@ -942,11 +951,11 @@ class Agent:
         if ports:
             spec = dataclasses.replace(spec, env={**spec.env, **probes.port_env(ports)})
         try:
-            handle = await start_attempt(spec)
-        except SpawnError as exc:
-            return Report(outcome="failed", error=str(exc), retryable=False)
+            handle = await self._spawn(prepared, spec)
         finally:
             self.starting.discard(attempt)
+        if isinstance(handle, Report):
+            return handle
         self.timings.mark(attempt, "spawned")
         if attempt in self.held_devices:
             self.devices.started(self.held_devices[attempt], handle.pid)

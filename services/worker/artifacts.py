@@ -182,7 +182,7 @@ class ArtifactCache:
         self._named: dict[tuple[str, str, tuple[str, ...]], tuple[str, str, Path]] = {}
         #: ``file://`` sources whose last seal found them on a local file system, hashed
         #: and sealed (``sealed_known`` opens only those)
-        self._local_uris: dict[str, None] = {}
+        self._local_uris: dict[str, Stamp | None] = {}
         self._local_lock = threading.Lock()
         self._forget_unscoped()
 
@@ -348,7 +348,7 @@ class ArtifactCache:
         with os.fdopen(_open_source(source, reader), "rb") as src:
             stamp = _stamp(src.fileno())
             if known is not None and self.stamps.holds(stamp, digest):
-                self._local(uri)
+                self._local(uri, stamp)
                 return known
             quiet = stamp is not None and self.stamps.quiet(stamp) and _no_writer(src.fileno())
             sink = _Sink(None, self.max_bytes)
@@ -363,7 +363,7 @@ class ArtifactCache:
                 raise ArtifactError(_mismatch(uri), retryable=False)
             if quiet and stamp is not None and _stamp(src.fileno()) == stamp:
                 self.stamps.remember(stamp, digest)
-                self._local(uri)
+                self._local(uri, stamp)
         if written is not None:
             return sealed.add(name, written)
         assert known is not None  # one of the two: read into the sealed copy, or a new one
@@ -377,14 +377,7 @@ class ArtifactCache:
         holds, as ``reader`` on the calling thread (``open_as_here`` first)."""
         if uri not in self._local_uris:
             return None
-        key = (uri, sha256, self.sources)
-        named = self._named.get(key)
-        if named is None:
-            named = (*self._local_name(uri, sha256), _local_path(uri))
-            if len(self._named) >= self.stamps.max_entries:
-                self._named.clear()
-            self._named[key] = named
-        digest, name, source = named
+        digest, name, source = self._named_local(uri, sha256)
         known = sealed.get(name)
         if known is None:
             return None
@@ -398,6 +391,39 @@ class ArtifactCache:
             self._local_uris.pop(uri, None)  # hashed again, in a thread
         return None
 
+    def sealed_stamp(
+        self, uri: str, sha256: str, sealed: Sealed
+    ) -> tuple[Path, Path, Stamp] | None:
+        """``sealed_known`` without the open, for a start whose spawn helper checks the
+        source itself (``spawner.Launch.source``): the sealed copy, the source's path and
+        the stamp its last seal found it with, where that stamp holds ``sha256``; None
+        otherwise. The check left to the helper is the one ``sealed_known`` makes: the
+        source opened as the attempt has that stamp (else ``forget_local``, and
+        ``seal_local`` again)."""
+        stamp = self._local_uris.get(uri)
+        if stamp is None:
+            return None
+        digest, name, source = self._named_local(uri, sha256)
+        known = sealed.get(name)
+        if known is None or not self.stamps.holds(stamp, digest):
+            return None
+        return known, source, stamp
+
+    def forget_local(self, uri: str) -> None:
+        """The source of ``uri`` is no longer the file of its last stamp: sealed again."""
+        with self._local_lock:
+            self._local_uris.pop(uri, None)
+
+    def _named_local(self, uri: str, sha256: str) -> tuple[str, str, Path]:
+        key = (uri, sha256, self.sources)
+        named = self._named.get(key)
+        if named is None:
+            named = (*self._local_name(uri, sha256), _local_path(uri))
+            if len(self._named) >= self.stamps.max_entries:
+                self._named.clear()
+            self._named[key] = named
+        return named
+
     def _local_name(self, uri: str, sha256: str) -> tuple[str, str]:
         """The digest, and the name of the sealed copy of a ``file://`` artifact; raises
         ``ArtifactError`` if its source is not allowed."""
@@ -410,11 +436,12 @@ class ArtifactCache:
         # not get a copy of a file only this reader may open.
         return digest, hashlib.sha256(f"cairn-file\x00{digest}".encode()).hexdigest()
 
-    def _local(self, uri: str) -> None:
-        """``uri``'s source is on a local file system, hashed (bounded as ``stamps``)."""
+    def _local(self, uri: str, stamp: Stamp | None = None) -> None:
+        """``uri``'s source is on a local file system, hashed (bounded as ``stamps``),
+        with the stamp it had (``sealed_stamp``)."""
         with self._local_lock:
             self._local_uris.pop(uri, None)
-            self._local_uris[uri] = None
+            self._local_uris[uri] = stamp
             while len(self._local_uris) > self.stamps.max_entries:
                 del self._local_uris[next(iter(self._local_uris))]
 
@@ -720,6 +747,8 @@ Stamp = tuple[int, int, int, int, int]
 #: file systems whose stamps only this kernel sets (statfs's f_type): ext2/3/4, xfs,
 #: btrfs, tmpfs, overlayfs. Not NFS, CIFS, 9p or FUSE, whose server says what it likes.
 _LOCAL_FS = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630})
+#: the same, as the spawn helper reads them (``spawner.Launch.source_types``)
+LOCAL_FS_TYPES = ",".join(f"{kind:x}" for kind in sorted(_LOCAL_FS))
 #: how old a source's last change must be before its digest is remembered (past any
 #: timestamp granularity of ``_LOCAL_FS``: ext4 and xfs keep ns, but the kernel stamps
 #: with a clock that ticks every few ms, and 128-byte ext inodes keep whole seconds)

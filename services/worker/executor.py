@@ -36,11 +36,13 @@ from typing import Any, Literal
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES
 from services.worker import tmpfs
+from services.worker.artifacts import LOCAL_FS_TYPES
 from services.worker.cgroups import AttemptCgroup
 from services.worker.isolation import Sandbox
 from services.worker.logfile import AttemptLog
 from services.worker.spawner import (
     EXEC_STEP,
+    SOURCE_STEP,
     Counters,
     Exit,
     Helper,
@@ -127,6 +129,12 @@ class AttemptResult:
 
 class SpawnError(Exception):
     """The attempt's process could not be started."""
+
+
+class SourceChanged(SpawnError):
+    """Its spawn helper found the attempt's ``file://`` source not the file of the stamp
+    it was prepared with (``Sandbox.source_check``): nothing of it ran, and nothing was
+    written to its log; ``Host.launch`` seals the source again."""
 
 
 class RunningAttempt:
@@ -432,6 +440,8 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
 
 def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
     """Start the process by a fork of the agent; (when, its pid)."""
+    if spec.sandbox is not None and spec.sandbox.source_check is not None:
+        raise SourceChanged("a fork of the agent checks no source: sealed again first")
     started = time.monotonic()
     try:
         process = subprocess.Popen(  # noqa: S603 - no shell; the task's own argv
@@ -468,6 +478,8 @@ async def _start_by_helper(
             # Its helper reset the slot's counters before the start (``CgroupPool.take``).
             group.oom_base, group.cpu_base = oom_base, 0.0
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
+        if isinstance(exc, SpawnFailed) and exc.step == SOURCE_STEP:
+            raise SourceChanged(f"{spec.sandbox and spec.sandbox.source_check}: {exc}") from exc
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
         else:
@@ -488,6 +500,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         rlimits = ((resource.RLIMIT_DATA, _data_limit(spec.memory_mb)),)
     identity = sandbox.identity if sandbox else None
     private_tmp = sandbox.private_tmp if sandbox else None
+    check = sandbox.source_check if sandbox else None
     return Launch(
         executable=str(spec.executable),
         argv=[str(spec.executable), *spec.args],
@@ -502,6 +515,9 @@ def _launch(spec: AttemptSpec) -> Launch:
         netns=bool(sandbox and sandbox.netns),
         mount_at=sandbox.home if sandbox and sandbox.mount is not None else None,
         bind_from=sandbox.bind[0] if sandbox and sandbox.bind else None,
+        source=check[0] if check else None,
+        source_stamp=check[1] if check else None,
+        source_types=LOCAL_FS_TYPES,
     )
 
 

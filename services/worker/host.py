@@ -5,6 +5,7 @@ clean-up. See ``isolation`` for the layout and ``cgroups`` for the limits."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -17,11 +18,17 @@ from pathlib import Path
 from libs.common import tracing
 from libs.common.models import Assignment, Egress
 from services.worker import firewall, outputs, progress, spawner, tmpfs
-from services.worker.artifacts import ArtifactCache, Sealed, in_open_thread, open_as_here
+from services.worker.artifacts import (
+    ArtifactCache,
+    Sealed,
+    Stamp,
+    in_open_thread,
+    open_as_here,
+)
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.devices import denied
-from services.worker.executor import AttemptSpec
+from services.worker.executor import AttemptSpec, RunningAttempt, SourceChanged, start_attempt
 from services.worker.isolation import (
     Folders,
     Identity,
@@ -57,6 +64,9 @@ class Prepared:
     identity: Identity | None
     cgroup: AttemptCgroup | None
     slot: Slot | None = None
+    #: the ``file://`` artifact (uri, sha256) whose source its spawn helper checks
+    #: (``Folders.source_check``): sealed again if that check fails (``Host.launch``)
+    local: tuple[str, str] | None = None
 
 
 class Host:
@@ -264,7 +274,41 @@ class Host:
             log_path = self._log_path(assignment)
             await self._undo(folders, identity, group, slot, log_path, never_ran=True)
             raise
-        return Prepared(spec, folders, identity, group, slot)
+        local = None
+        if folders.source_check is not None:
+            local = (assignment.artifact.uri, assignment.artifact.sha256)
+        return Prepared(spec, folders, identity, group, slot, local)
+
+    async def launch(
+        self, prepared: Prepared, cache: ArtifactCache, spec: AttemptSpec | None = None
+    ) -> RunningAttempt:
+        """Start the prepared attempt (``spec``: its spec as the caller changed it). If its
+        spawn helper finds its ``file://`` source no longer the file of the stamp it was
+        prepared with (``Folders.source_check``: changed, replaced, unreadable), nothing
+        of it ran: the source is sealed again as the attempt (hashed unless unchanged,
+        in the thread that opens files as attempts, as when no stamp is known) and the
+        attempt started once more. Raises ``SpawnError``, or ``ArtifactError`` (the source
+        is unreadable now, or its bytes are not the digest's)."""
+        spec = spec or prepared.spec
+        try:
+            return await start_attempt(spec)
+        except SourceChanged:
+            if prepared.local is None or self.sealed is None or prepared.identity is None:
+                raise
+        uri, sha256 = prepared.local
+        cache.forget_local(uri)
+        sealed = await in_open_thread(
+            functools.partial(cache.seal_local, uri, sha256, prepared.identity, self.sealed)
+        )
+        folders = prepared.folders
+        folders.bound, folders.source_check, prepared.local = sealed, None, None
+        assert spec.sandbox is not None  # a checked source is a sandboxed attempt's
+        sandbox = dataclasses.replace(
+            spec.sandbox, bind=(str(sealed), str(folders.executable)), source_check=None
+        )
+        spec = dataclasses.replace(spec, sandbox=sandbox)
+        prepared.spec = dataclasses.replace(prepared.spec, sandbox=sandbox)
+        return await start_attempt(spec)
 
     async def _egress(self, policy: Egress | None, identity: Identity | None) -> None:
         """Refuse a policy this agent cannot apply; open an ``allow`` attempt's chain
@@ -321,16 +365,27 @@ class Host:
         the agent's CPU an attempt), where none of it blocks for long: the home a tmpfs
         (nothing made or walked on disk: a rename, a chown and a link, as ``_undo``'s
         give back), its sealed copy known and its local source unchanged
-        (``sealed_known``: one open as the attempt, on this thread, nothing read); None
+        (``sealed_known``: one open as the attempt, on this thread, nothing read; where a
+        spawn helper starts it, that open is the helper's child's, before anything else:
+        ``sealed_stamp``, ``Folders.source_check``, and ``launch`` if it fails); None
         otherwise, having done nothing."""
         quota_mb = self._quota_mb(assignment)
         if self.sealed is None or identity is None or quota_mb is None:
             return None
         artifact = assignment.artifact
-        open_as_here()
-        sealed = cache.sealed_known(artifact.uri, artifact.sha256, identity, self.sealed)
-        if sealed is None:
-            return None
+        check: tuple[Path, Stamp] | None = None
+        if self._bound:
+            stamped = cache.sealed_stamp(artifact.uri, artifact.sha256, self.sealed)
+            if stamped is None:
+                return None
+            sealed, source, stamp = stamped
+            check = (source, stamp)
+        else:
+            open_as_here()
+            known = cache.sealed_known(artifact.uri, artifact.sha256, identity, self.sealed)
+            if known is None:
+                return None
+            sealed = known
         folders = self.workdirs.make(
             assignment.attempt_id, _name_of(artifact.uri), identity, quota_mb, self._bound
         )
@@ -340,6 +395,7 @@ class Host:
         except BaseException:
             self.workdirs.give_back(folders, reusable=True)
             raise
+        folders.source_check = check
         return folders
 
     async def _fetched_files(
@@ -412,6 +468,7 @@ class Host:
             mount=folders.mount,
             home=str(folders.home) if folders.mount is not None else None,
             bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,
+            source_check=_source_check(folders.source_check),
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(
@@ -574,6 +631,10 @@ async def _unmount(folders: Folders) -> None:
     if folders.mount is not None and tmpfs.used_mb(folders.mount) > tmpfs.FREE_INLINE_MB:
         await asyncio.to_thread(folders.unmount)
     folders.unmount()
+
+
+def _source_check(check: tuple[Path, Stamp] | None) -> tuple[str, Stamp] | None:
+    return (str(check[0]), check[1]) if check is not None else None
 
 
 def _under(path: Path, top: str) -> bool:

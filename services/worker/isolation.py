@@ -86,6 +86,9 @@ class Sandbox:
     home: str | None = None
     #: (the sealed copy, the executable's path): bound there in its mount namespace
     bind: tuple[str, str] | None = None
+    #: (a ``file://`` source, its stamp): checked by the spawn helper's child first
+    #: (``Folders.source_check``); a fork of the agent never starts such an attempt
+    source_check: tuple[str, tuple[int, int, int, int, int]] | None = None
     #: enter the network namespace of this process (an exec probe of an attempt with
     #: egress ``none``: docs/services.md) instead of the host's
     join_netns: int | None = None
@@ -309,6 +312,9 @@ class Folders:
     placeholder: bool = False
     #: the sealed copy (``artifacts.Sealed``) bound on ``executable`` when it starts
     bound: Path | None = None
+    #: its ``file://`` source and the stamp it must still have, checked by its spawn
+    #: helper's child as the attempt before anything else (``spawner.Launch.source``)
+    source_check: tuple[Path, tuple[int, int, int, int, int]] | None = None
 
     @property
     def view(self) -> Path:

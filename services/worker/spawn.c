@@ -39,6 +39,13 @@
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
  *   b path     the sealed executable, bound on the executable's path (x) in the
  *              attempt's mount namespace: the file it runs, seen there only
+ *   o path     a file:// source checked first, opened as the attempt (its uid and gid as
+ *              the filesystem ids, no groups) in the host's mount namespace: it must be
+ *   O stamp    the file of this stamp (st_dev:st_ino:st_size:mtime ns:ctime ns) on a
+ *   F types    file system of one of these types (statfs f_type, hexadecimal, comma-
+ *              separated), else the start fails at step "source" (ESTALE, or the open's
+ *              errno) and the agent seals the source again (the stamp the agent
+ *              remembered is what it hashed: artifacts.FileStamps)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
@@ -66,6 +73,8 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/fsuid.h>
+#include <sys/vfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -81,7 +90,7 @@
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
-            NETWORK };
+            NETWORK, SOURCE };
 
 /* What the helper sends: a reply to each request, in order, and exit records. A spawn's
  * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
@@ -100,7 +109,7 @@ struct exit_record {
 struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 
 struct request {
-    char *exe, *dir, *tmp, *mount_at, *bind_from;
+    char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
     int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
     long uid, gid;
@@ -164,6 +173,9 @@ static int parse(char *data, size_t size, struct request *r) {
         case 't': r->tmp = value; break;
         case 'm': r->mount_at = value; break;
         case 'b': r->bind_from = value; break;
+        case 'o': r->source = value; break;
+        case 'O': r->stamp = value; break;
+        case 'F': r->fstypes = value; break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -180,6 +192,7 @@ static int parse(char *data, size_t size, struct request *r) {
         default: return -1;
         }
     }
+    if (r->source && (!r->stamp || !r->fstypes || r->uid < 0 || r->gid < 0)) return -1;
     return r->exe && r->argc > 0 ? 0 : -1;
 }
 
@@ -207,9 +220,60 @@ static int loopback_up(void) {
     return rc;
 }
 
+static int listed(const char *types, unsigned long type) {
+    for (const char *at = types; at && *at; at = strchr(at, ',') ? strchr(at, ',') + 1 : NULL)
+        if (strtoul(at, NULL, 16) == type) return 1;
+    return 0;
+}
+
+static long long ns(struct timespec t) { return (long long)t.tv_sec * 1000000000LL + t.tv_nsec; }
+
+/* Whether the file:// source, opened as the attempt, is the file of the agent's stamp;
+ * errno says why not (ESTALE: another file, or changed). As root still: only the
+ * filesystem ids are the attempt's, for the open alone, and read back. */
+static int source_holds(struct request *r) {
+    if (setgroups(0, NULL) < 0) return -1;
+    uid_t uid = geteuid();
+    gid_t gid = getegid();
+    setfsgid((gid_t)r->gid);
+    setfsuid((uid_t)r->uid);
+    int fd = -1, saved = EPERM;
+    if ((uid_t)setfsuid(-1) == (uid_t)r->uid && (gid_t)setfsgid(-1) == (gid_t)r->gid) {
+        fd = open(r->source, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        saved = errno;
+    }
+    setfsuid(uid);
+    setfsgid(gid);
+    if ((uid_t)setfsuid(-1) != uid || (gid_t)setfsgid(-1) != gid) {
+        if (fd >= 0) close(fd);
+        errno = EPERM;  /* it fails, and exits: nothing runs with these ids */
+        return -1;
+    }
+    if (fd < 0) {
+        errno = saved;
+        return -1;
+    }
+    struct stat info;
+    struct statfs fs;
+    unsigned long long dev, ino, size;
+    long long mtime, ctime;
+    int same = fstat(fd, &info) == 0 && fstatfs(fd, &fs) == 0
+               && sscanf(r->stamp, "%llu:%llu:%llu:%lld:%lld", &dev, &ino, &size, &mtime, &ctime) == 5
+               && (unsigned long long)info.st_dev == dev && (unsigned long long)info.st_ino == ino
+               && (unsigned long long)info.st_size == size && ns(info.st_mtim) == mtime
+               && ns(info.st_ctim) == ctime && listed(r->fstypes, (unsigned long)fs.f_type);
+    close(fd);
+    if (!same) {
+        errno = ESTALE;
+        return -1;
+    }
+    return 0;
+}
+
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
+    if (r->source && source_holds(r) < 0) fail(status_fd, SOURCE);
     if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);

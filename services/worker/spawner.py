@@ -74,8 +74,11 @@ _STEPS = {
     8: "exec",
     9: "clone",
     10: "network namespace",
+    11: "file:// source",
 }
 EXEC_STEP = 8
+#: the step at which the spawn helper found a ``file://`` source not the file of its stamp
+SOURCE_STEP = 11
 
 
 class SpawnFailed(Exception):
@@ -157,6 +160,12 @@ class Launch:
     mount_at: str | None = None
     #: the sealed copy bound on ``executable`` in the attempt's mount namespace
     bind_from: str | None = None
+    #: a ``file://`` source checked before anything else, opened as the attempt: it must
+    #: be the file of this stamp (``artifacts.Stamp``) on a file system of one of these
+    #: ``statfs`` types, else the start fails at ``SOURCE_STEP``
+    source: str | None = None
+    source_stamp: tuple[int, int, int, int, int] | None = None
+    source_types: str = ""
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -169,6 +178,9 @@ class Launch:
             fields.append(f"m{self.mount_at}")
         if self.bind_from is not None:
             fields.append(f"b{self.bind_from}")
+        if self.source is not None and self.source_stamp is not None:
+            fields += [f"o{self.source}", "O" + ":".join(map(str, self.source_stamp))]
+            fields.append(f"F{self.source_types}")
         if self.private_tmp is not None:
             fields.append(f"t{self.private_tmp}")
             fields += [f"T{target}" for target in self.tmp_targets]

@@ -6,6 +6,7 @@ with ENOSPC and the attempt ends ``disk_exceeded``; its pages count towards its 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 from collections.abc import Iterator
@@ -14,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from libs.common.models import Artifact
 from services.worker import outputs
-from services.worker.artifacts import ArtifactCache
+from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import AttemptResult, start_attempt
 from services.worker.host import Host
 from tests.unit.worker.test_spawn_path import _assignment, run_root
@@ -138,3 +140,68 @@ def test_its_sealed_executable_is_bound_on_a_placeholder_in_its_namespace_only(
     info = placeholder.lstat()
     assert (info.st_uid, info.st_size, info.st_mode & 0o7777) == (0, 0, 0o444)
     assert list(host.workdirs.exe_root.iterdir()) == []
+
+
+def test_its_file_source_is_checked_by_the_helpers_child_and_sealed_again_when_it_changed(
+    root: Path,
+) -> None:
+    """A ``file://`` source whose stamp is remembered is opened as the attempt by its
+    spawn helper's child, not by the agent; changed, it is hashed again before anything
+    runs (same bytes: it runs, with nothing of the failed check in its log; other bytes
+    or unreadable: refused)."""
+    host = _host(root)
+    source = root / "job.sh"
+    v1, v2 = b"#!/bin/sh\necho v1\n", b"#!/bin/sh\necho v2\n"
+    source.write_bytes(v1)
+    source.chmod(0o755)
+    digest = hashlib.sha256(v1).hexdigest()
+
+    async def attempt(cache: ArtifactCache, attempt_id: int) -> tuple[str, str | Exception]:
+        """How its source was checked (``agent``: opened and hashed or stamped by the
+        agent; ``child``: by the helper's child; ``again``: the child's check failed and
+        the agent sealed it again), and its log or why it was refused."""
+        assignment = _assignment(attempt_id, "")
+        assignment = assignment.model_copy(
+            update={"artifact": Artifact(uri=source.as_uri(), sha256=digest), "args": []}
+        )
+        prepared = await host.prepare(assignment, cache)
+        checked = prepared.folders.source_check is not None
+        try:
+            handle = await host.launch(prepared, cache)
+        except ArtifactError as exc:
+            await host.release(prepared)
+            return "again", exc
+        result = await handle.wait()
+        handle.log.close()
+        await host.stop_leftovers(prepared)
+        await host.release(prepared)
+        assert result.outcome == "succeeded", result
+        how = "agent" if not checked else "child" if prepared.local else "again"
+        return how, result.log_tail
+
+    async def scenario() -> list[tuple[str, str | Exception]]:
+        cache = ArtifactCache(host.settings.home / "artifacts")
+        cache.stamps.quiet_ns = 0  # its stamp remembered at once (no 2 s wait)
+        try:
+            seen = [await attempt(cache, 1), await attempt(cache, 2)]
+            source.write_bytes(v1)  # the same bytes again: a new stamp
+            seen.append(await attempt(cache, 3))
+            source.write_bytes(v2)
+            seen.append(await attempt(cache, 4))
+            source.write_bytes(v1)
+            seen.append(await attempt(cache, 5))
+            source.chmod(0o700)  # the agent's only: the attempt cannot open it
+            seen.append(await attempt(cache, 6))
+            return seen
+        finally:
+            await host.close()
+
+    first, known, touched, changed, back, hidden = asyncio.run(scenario())
+    assert first == ("agent", "v1\n")  # hashed by the agent, its stamp remembered
+    assert known == ("child", "v1\n")  # checked by the helper's child alone
+    assert touched == ("again", "v1\n")  # the check failed, hashed again, run; a clean log
+    assert changed[0] == "again" and isinstance(changed[1], ArtifactError), changed
+    assert "sha256" in str(changed[1]) or "digest" in str(changed[1]), changed
+    assert back == ("agent", "v1\n")
+    assert hidden[0] == "again" and isinstance(hidden[1], ArtifactError), hidden
+    assert "not readable by the attempt" in str(hidden[1]), hidden
