@@ -929,6 +929,9 @@ class Agent:
             return Report(outcome="failed", error=str(exc), retryable=False)
         except ArtifactError as exc:  # its source changed since it was prepared
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
+        except OSError as exc:  # sealing its changed source again failed (as in prepare)
+            log.error("attempt %s cannot be prepared: %s", prepared.spec.attempt_id, exc)
+            return Report(outcome="handed_back", error="the worker could not prepare it")
 
     async def _run(self, assignment: Assignment, prepared: Prepared) -> Report | None:
         attempt, spec = assignment.attempt_id, prepared.spec
