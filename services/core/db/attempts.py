@@ -659,12 +659,15 @@ async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) 
 
 def _gated(rows: Sequence[Any]) -> bool:
     """Whether any candidate has a quota (its owner's, its team's) or a concurrency key:
-    the gate reads what runs under them (``_gate``)."""
-    return any(
-        r.concurrency_key or sharing.quota_of(r) is not None
-        or sharing.team_quota_of(r) is not None
-        for r in rows
-    )  # fmt: skip
+    the gate reads what runs under them (``_gate``). A row's quotas are its owner's and
+    its team's (``_DETAILS`` joins them by name), so each is read once, not once a row."""
+    if any(r.concurrency_key for r in rows):
+        return True
+    owners = {r.owner: r for r in rows}.values()
+    teams = {r.team: r for r in rows if r.team is not None}.values()
+    return any(sharing.quota_of(r) is not None for r in owners) or any(
+        sharing.team_quota_of(r) is not None for r in teams
+    )
 
 
 async def _gate(conn: AsyncConnection, rows: list[Any]) -> Gate | None:

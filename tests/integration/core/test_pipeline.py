@@ -67,7 +67,8 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     """psycopg caches the parse of a query's placeholders only up to 4,096 bytes: the
     statements go out compacted, SUBMIT (every submission's) and its group commit's form
     under it; literals are
-    kept byte for byte. (The pick, 4,777 bytes compacted, stays over it.)"""
+    kept byte for byte. (The pick, 7,274 bytes compacted, stays over it: the chain goes
+    out numbered, ``test_a_chain_goes_out_numbered_and_the_driver_reads_no_text``.)"""
     from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
     from sqlalchemy.dialects.postgresql import psycopg as dialects
 
@@ -94,3 +95,22 @@ def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     # What it cannot read line by line goes as written.
     for written in ("SELECT 'two\n  lines' -- x", "SELECT $$ -- $$", "SELECT E'\\'' -- x"):
         assert pipeline.compact_sql(written) == written
+
+
+def test_a_chain_goes_out_numbered_and_the_driver_reads_no_text(db_url: str) -> None:
+    """A chain's statements go out on raw cursors, ``$n`` for each name (the same name,
+    the same number) and ``%`` for SQLAlchemy's ``%%``: psycopg parses no query text,
+    however long (the pick's parse cost 185 µs a turn)."""
+    from sqlalchemy.dialects.postgresql import psycopg as dialects
+
+    clause = text(
+        "SELECT CAST(:a AS int) * 10 + CAST(:b AS int) + CAST(:a AS int) AS n, 'x%y' AS kept"
+    )
+    dialect = dialects.dialect()  # type: ignore[no-untyped-call]
+    assert pipeline.raw_sql(clause, dialect) == (
+        "SELECT CAST($1 AS int) * 10 + CAST($2 AS int) + CAST($1 AS int) AS n, 'x%y' AS kept",
+        ("a", "b"),
+    )
+    # names the statement does not take are left out, as psycopg's named form leaves them
+    [[row]] = asyncio.run(_run(db_url, (clause, {"a": 4, "b": 2, "unused": 9})))
+    assert (row.n, row.kept) == (46, "x%y")
