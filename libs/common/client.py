@@ -16,6 +16,7 @@ import httpx
 import orjson
 
 from libs.common import tracing
+from libs.common.corked import cork
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
     WORKER_LEASE_HEADER,
@@ -148,6 +149,8 @@ class ApiClient:
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
+        if transport is None:
+            cork(self._http)  # a request's head and body in one write
         self._warned: set[str] = set()
 
     async def __aenter__(self) -> Self:

@@ -18,11 +18,11 @@ at most 4,096 bytes, and the claim's pick is 7,274 (185 µs a parse, loaded)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 from psycopg import AsyncConnection as PsycopgConnection
-from psycopg import AsyncRawCursor
+from psycopg import AsyncPipeline, AsyncRawCursor
 from psycopg.rows import namedtuple_row
 from sqlalchemy import TextClause
 from sqlalchemy.engine import Dialect
@@ -119,10 +119,76 @@ async def run(conn: AsyncConnection, statements: Sequence[Statement]) -> list[li
     returns none)."""
     driver = await _driver(conn)
     cursors: list[AsyncRawCursor[Any]] = []
-    async with driver.pipeline():
-        for clause, params in statements:
-            sql, names = raw_sql(clause, conn.dialect)
-            cursor = AsyncRawCursor(driver, row_factory=namedtuple_row)
-            await cursor.execute(sql, [params[name] for name in names], prepare=True)
-            cursors.append(cursor)
+    held: _HeldUntilSync | None = None
+    try:
+        async with driver.pipeline() as pipe:
+            held = _HeldUntilSync.of(pipe)
+            for clause, params in statements:
+                sql, names = raw_sql(clause, conn.dialect)
+                cursor = AsyncRawCursor(driver, row_factory=namedtuple_row)
+                await cursor.execute(sql, [params[name] for name in names], prepare=True)
+                cursors.append(cursor)
+    finally:
+        if held is not None:
+            held.release()
     return [await c.fetchall() if c.description is not None else [] for c in cursors]
+
+
+class _HeldUntilSync:
+    """A pipeline whose statements go out in one write with its Sync. psycopg sends
+    each statement as it is queued (``cursor.execute``), and at a Sync runs what is
+    queued one command at a time with a flush before each, then asks the server to
+    flush: a system call and a segment per statement, each waking PostgreSQL (a
+    worker's turn made 15 where its 3 round trips need 3). Here a statement is only
+    queued; a Sync (the pipeline's end, or a BEGIN's in psycopg's own transactions)
+    runs the queue and flushes once, and the Sync's answer needs no flush request.
+    psycopg's internals, as ``database.KeepingConnection``: a psycopg without them
+    runs as it would."""
+
+    def __init__(self, pipe: AsyncPipeline) -> None:
+        self.pipe = pipe
+        self.send, self.sync, self.fetch = (
+            pipe._communicate_gen,
+            pipe._enqueue_sync,
+            pipe._fetch_gen,
+        )
+        self.syncing = self.synced = False
+        pipe._communicate_gen = self._communicate  # type: ignore[method-assign]
+        pipe._enqueue_sync = self._enqueue_sync  # type: ignore[method-assign]
+        pipe._fetch_gen = self._fetch  # type: ignore[method-assign]
+
+    @classmethod
+    def of(cls, pipe: AsyncPipeline) -> _HeldUntilSync | None:
+        names = ("_communicate_gen", "_enqueue_sync", "_fetch_gen", "command_queue")
+        if not all(hasattr(pipe, n) for n in names) or "_communicate_gen" in vars(pipe):
+            return None  # another psycopg, or held already (a pipeline nested in one)
+        return cls(pipe)
+
+    def release(self) -> None:
+        for name in ("_communicate_gen", "_enqueue_sync", "_fetch_gen"):
+            vars(self.pipe).pop(name, None)
+
+    def _enqueue_sync(self) -> None:
+        self.sync()
+        self.syncing, self.synced = True, False
+
+    def _communicate(self) -> Generator[Any, Any, None]:
+        if not self.syncing:
+            self.synced = False
+            return  # queued only: the Sync sends it
+        self.syncing = False
+        self._queue_all()
+        yield from self.send()
+        self.synced = True
+
+    def _queue_all(self) -> None:
+        queue = self.pipe.command_queue
+        while queue:
+            queue.popleft()()  # libpq queues each in its buffer, unflushed
+
+    def _fetch(self, *, flush: bool) -> Generator[Any, Any, None]:
+        if self.pipe.command_queue:  # rows asked for before a Sync: send what waits
+            self._queue_all()
+            self.synced = False
+        # After a Sync sent whole, the server flushes its answers without being asked.
+        yield from self.fetch(flush=flush and not self.synced)

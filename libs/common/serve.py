@@ -11,8 +11,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from libs.common import logs, tracing
+from libs.common.corked import Corked
 from libs.common.embedded import database_url
 from libs.common.settings import CairnSettings
 
@@ -58,7 +60,7 @@ def main(
         "log_config": None,  # uvicorn logs through the root handler: JSON like the rest
         "access_log": False,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": CorkedHttpTools,  # a response in one write, not its head and body apart
         "timeout_graceful_shutdown": graceful_s,
     }
     if factory is not None and workers > 1:
@@ -72,6 +74,15 @@ def main(
     if freeze:
         _freeze()
     _Server(uvicorn.Config(app, **options), app).run()
+
+
+class CorkedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol writing each response (its head and its body, written
+    in one pass of the loop) in one system call (``corked``)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = Corked(transport)  # type: ignore[assignment]
 
 
 class _Server(uvicorn.Server):

@@ -272,14 +272,18 @@ Submitting = Annotated[Submission, Depends(submission)]
 _PLAIN_OWNER = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
 
 
+async def plain_caller(request: Request, roles: tuple[str, ...]) -> Principal:
+    """The caller, authenticated and of one of ``roles`` (401, 403 as the dependencies
+    answer), without FastAPI's dependency solving: for the hot paths' routes."""
+    return allow(await authenticate(request, engine_of(request), await _bearer(request)), roles)
+
+
 async def plain_submission(request: Request) -> Submission | None:
     """``submission`` without FastAPI's dependency solving, for the hot submit path
     (``api.tasks.SubmitRoute``): the caller authenticated first (401, 403 as there), then
     the owner; None when the header is not one ``OnBehalfOf`` takes as it is, for FastAPI
     to answer (its 422 naming it)."""
-    principal = allow(
-        await authenticate(request, engine_of(request), await _bearer(request)), SUBMITTERS
-    )
+    principal = await plain_caller(request, SUBMITTERS)
     on_behalf_of = request.headers.get(ON_BEHALF_OF)
     if on_behalf_of is not None and _PLAIN_OWNER.fullmatch(on_behalf_of) is None:
         return None

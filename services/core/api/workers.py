@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.errors import NotFound
@@ -44,6 +47,7 @@ from services.core.api.deps import (
     authenticate,
     engine_of,
     on_liveness_pool,
+    plain_caller,
     require,
 )
 from services.core.api.tasks import decode_cursor, encode_cursor
@@ -78,7 +82,8 @@ def _settings(request: Request) -> CoreSettings:
     return settings
 
 
-LeaseHeader = Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=200)]
+LEASE_MAX = 200
+LeaseHeader = Annotated[str | None, Header(alias=WORKER_LEASE_HEADER, max_length=LEASE_MAX)]
 
 
 async def _hold(
@@ -220,7 +225,6 @@ async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> Heartbeat
     )
 
 
-@router.post("/{worker_id}/turn", response_model=TurnAnswer, responses=PROBLEMS)
 async def turn(body: Turn, call: Agent, request: Request) -> Response:
     """One round trip of a worker agent, in one transaction: the reports of attempts that
     ended (each fenced by its attempt and this worker: a stale one is refused alone, with
@@ -229,7 +233,62 @@ async def turn(body: Turn, call: Agent, request: Request) -> Response:
     worker, dispatcher = call.worker, call.dispatcher
     done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
     answer = TurnAnswer(state=done.state, reports=done.reports, attempts=done.attempts)
-    return Response(answer.model_dump_json(), media_type="application/json")
+    return Response(answer.model_dump_json(), media_type=JSON)
+
+
+JSON = "application/json"
+MAX_ID = 2**63 - 1
+
+
+class TurnRoute(APIRoute):
+    """``POST /v1/workers/{worker_id}/turn`` as ``turn`` declares it (its OpenAPI, its
+    answers), with an agent's turn served without FastAPI's dependency solving and body
+    handling, as ``tasks.SubmitRoute`` serves a submission: the caller authenticated
+    first (401, 403 as there), then the worker held (404), then the JSON body parsed by
+    pydantic straight from the bytes. A request this path would not take as it is (an
+    id or a lease header the dependencies would refuse, a body that does not validate,
+    another content type) goes to FastAPI's own handler, so every refusal is the one it
+    gives."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        standard = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            if request.headers.get("content-type") == JSON:
+                principal = await plain_caller(request, AGENTS)
+                worker_id = _plain_id(request.path_params.get("worker_id"))
+                lease = request.headers.get(WORKER_LEASE_HEADER)
+                if worker_id is not None and (lease is None or len(lease) <= LEASE_MAX):
+                    engine = engine_of(request)
+                    worker = await _hold(worker_id, principal, engine, request, lease)
+                    try:
+                        body = Turn.model_validate_json(await request.body())
+                    except ValidationError:
+                        pass
+                    else:
+                        call = AgentCall(worker, _dispatcher_on(request, engine))
+                        return await turn(body, call, request)
+            return await standard(request)
+
+        return handle
+
+
+def _plain_id(value: str | None) -> int | None:
+    """A path's id as the path parameter takes it, if it is plain digits in range."""
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > 19:
+        return None
+    number = int(value)
+    return number if 1 <= number <= MAX_ID else None
+
+
+router.add_api_route(
+    "/{worker_id}/turn",
+    turn,
+    methods=["POST"],
+    response_model=TurnAnswer,
+    responses=PROBLEMS,
+    route_class_override=TurnRoute,
+)
 
 
 @router.post("/{worker_id}/claim", response_model=ClaimAnswer, responses=PROBLEMS)

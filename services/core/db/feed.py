@@ -196,6 +196,48 @@ def _down(value: float) -> float:
     return math.floor(value * 1000) / 1000
 
 
+class Bell:
+    """``asyncio.Event``'s ``set``, ``clear`` and ``is_set`` for one waiter, whose wait
+    with a timeout is one future: ``asyncio.wait_for`` runs the event's wait in a task of
+    its own, a pass of the loop more for every claim woken."""
+
+    __slots__ = ("_future", "_rung")
+
+    def __init__(self) -> None:
+        self._rung = False
+        self._future: asyncio.Future[None] | None = None
+
+    def is_set(self) -> bool:
+        return self._rung
+
+    def set(self) -> None:
+        self._rung = True
+        _settle(self._future)
+
+    def clear(self) -> None:
+        self._rung = False
+
+    async def wait_for(self, timeout: float) -> bool:
+        """Until rung (True) or ``timeout`` seconds (False)."""
+        if self._rung:
+            return True
+        loop = asyncio.get_running_loop()
+        future = self._future = loop.create_future()
+        timer = loop.call_later(timeout, _settle, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+            if self._future is future:
+                self._future = None
+        return self._rung
+
+
+def _settle(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
 class Waiter:
     """One waiting claim: its worker, its queues (None until its worker's row is read:
     then it serves every queue), the event that wakes it, and the room its worker's own
@@ -212,7 +254,7 @@ class Waiter:
         self.queues = queues
         #: its worker's labels as facts (``domain.selectors.facts``); None until read
         self.facts: frozenset[str] | None = None
-        self.event = asyncio.Event()
+        self.event = Bell()
         self.freed = ZERO
         self.short = True
         self.seen = 0
@@ -236,10 +278,7 @@ class Waiter:
 
     async def wait(self, timeout: float) -> bool:
         """Until woken (True) or ``timeout`` seconds (False)."""
-        if not self.event.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.event.wait(), timeout)
-        return self.event.is_set()
+        return await self.event.wait_for(timeout)
 
 
 class Line:

@@ -61,6 +61,43 @@ def test_a_statement_that_returns_no_rows_answers_an_empty_list(db_url: str) -> 
     assert [r.name for r in found[1]] == ["q4"]
 
 
+def test_the_chain_goes_out_at_once_with_its_sync(
+    db_url: str, db: DB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psycopg would send each statement as it is queued, a communication each: the
+    chain's statements are queued, then sent by one communication at its Sync (psycopg's
+    own BEGIN, outside ``KeepingConnection``, syncs once before them); a chain after it
+    in the same transaction goes the same way, in one."""
+    from psycopg import _pipeline_base
+
+    calls: list[int] = []
+    communicate = _pipeline_base.pipeline_communicate
+
+    def counted(pgconn: Any, commands: Any) -> Any:
+        calls.append(len(commands))
+        return communicate(pgconn, commands)
+
+    monkeypatch.setattr(_pipeline_base, "pipeline_communicate", counted)
+
+    async def twice() -> list[list[Any]]:
+        engine = create_async_engine(db_url)
+        try:
+            async with engine.begin() as conn:
+                chain = [(INSERT, {"name": "q5"}), (INSERT, {"name": "q6"})]
+                first = await pipeline.run(conn, [*chain, (READ, {"names": ["q5", "q6"]})])
+                assert len(calls) <= 2  # psycopg: 5 (BEGIN's Sync, 3 statements, Sync)
+                calls.clear()
+                second = await pipeline.run(conn, [(READ, {"names": ["q5"]})])
+                assert calls == [0]  # everything queued was in libpq's buffer already
+                return [*first, *second]
+        finally:
+            await engine.dispose()
+
+    found = asyncio.run(twice())
+    assert [r.name for r in found[3]] == ["q5"]
+    assert {"q5", "q6"} <= _queues(db)
+
+
 def test_a_statement_is_sent_without_its_comments_and_short_enough_to_be_cached(
     db_url: str, db: DB
 ) -> None:

@@ -454,3 +454,27 @@ def test_only_a_claim_that_waits_probes_for_waiting_work(
     tasks = _submit(core, 2)
     assert asyncio.run(look(True)) == (sorted(tasks), True)
     assert asyncio.run(look(False)) == (sorted(tasks), True)
+
+
+def test_a_turn_is_refused_as_its_declaration_refuses_it(core: Core, worker: Worker) -> None:
+    """The turn's route serves a plain turn without FastAPI's dependency solving
+    (``api.workers.TurnRoute``): what that path does not take is refused as FastAPI
+    refuses it, 404 for a lease that is not the worker's, 422 naming what is wrong."""
+    url = f"/v1/workers/{worker.id}/turn"
+    bad_reports = worker.post_turn(reports=[{"attempt_id": "x", "outcome": "succeeded"}])
+    assert bad_reports.status_code == 422 and "attempt_id" in bad_reports.text
+    unknown = worker.post_turn(claims={"cpu": 1})
+    assert unknown.status_code == 422 and "claims" in unknown.text
+    for path in ("/v1/workers/0/turn", f"/v1/workers/{2**63}/turn"):
+        answer = worker.http.post(path, json={})
+        assert answer.status_code == 422 and "worker_id" in answer.text, answer.text
+    lease = worker.http.headers["X-Cairn-Worker-Lease"]
+    for headers in ({"X-Cairn-Worker-Lease": "not-its-lease"}, {"X-Cairn-Worker-Lease": ""}):
+        assert worker.http.post(url, json={}, headers=headers).status_code == 404
+    long = worker.http.post(url, json={}, headers={"X-Cairn-Worker-Lease": "l" * 201})
+    assert long.status_code == 422 and "x-cairn-worker-lease" in long.text.lower()
+    # Not JSON by its content type: FastAPI's handler, which does not read it as JSON.
+    answer = worker.http.post(url, content=b"{}", headers={"Content-Type": "text/plain"})
+    assert answer.status_code == 422 and '"field":"body"' in answer.text, answer.text
+    assert worker.turn()["state"] == "live"
+    assert worker.http.headers["X-Cairn-Worker-Lease"] == lease

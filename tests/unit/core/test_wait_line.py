@@ -138,6 +138,22 @@ def test_a_woken_waiter_returns_at_once_and_an_idle_one_after_its_timeout() -> N
     asyncio.run(run())
 
 
+def test_a_waiting_claim_wakes_as_work_is_announced_and_rests_until_the_next() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        line = Line()
+        w = line.join(1, ["q"])
+        waiting = asyncio.ensure_future(w.wait(5.0))
+        await asyncio.sleep(0)
+        began = loop.time()
+        line.wake(Work(queues={"q": 1}))
+        assert await waiting and loop.time() - began < 1.0
+        line.rest(w)  # about to look again: the wake-up it had is used
+        assert not await w.wait(0.01)
+
+    asyncio.run(run())
+
+
 def test_counts_add_up_across_announcements_coalesced_into_one_payload() -> None:
     total = (
         Work(queues={"a": 1}) + Work(queues={"a": 2, "b": 1}, any=1) + Work(workers=frozenset([3]))
