@@ -226,12 +226,13 @@ def test_sigterm_drains_and_hands_back_without_spending_an_attempt(core, workers
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=40) == 0
         final = alice.get(f"/v1/tasks/{task['id']}").json()
+    # What ended each attempt, and how: which path spent one, should one be spent.
     events = db.execute("SELECT op, reason FROM core.task_events ORDER BY id").fetchall()
-    assert final["state"] == "waiting" and final["attempts"] == 0, events
+    ended = db.execute("SELECT id, outcome, error FROM core.attempts ORDER BY id").fetchall()
+    assert final["state"] == "waiting" and final["attempts"] == 0, (events, ended)
     # A claim already in flight when SIGTERM came may lease the task once more; that
     # lease is handed back too, and no attempt is spent either way.
-    outcomes = {row[0] for row in db.execute("SELECT outcome FROM core.attempts")}
-    assert outcomes == {"handed_back"}, events
+    assert {outcome for _, outcome, _ in ended} == {"handed_back"}, (events, ended)
     assert db.execute("SELECT state FROM core.workers").fetchall() == [("left",)]
 
 
