@@ -1000,7 +1000,8 @@ class WorkerRegistered(Output):
 
 
 class Heartbeat(Input):
-    """The attempts whose processes the sidecar sees alive."""
+    """The attempts the worker's agent holds: being prepared or started, running, or
+    ended and not yet reported (an open attempt left out is lost)."""
 
     attempts: list[TaskId] = Field(default_factory=list, max_length=10_000)
     #: the agent's loop has stood still this many seconds, past the hang bound: the

@@ -974,8 +974,8 @@ class Agent:
             self._look(attempt, self.watches.get(attempt))  # its last words
             self.timings.mark(attempt, "exited")
             await self.host.stop_leftovers(prepared)
-            # Still ours until core has the report: keep it listed (pid 0) in the heartbeat,
-            # or a beat in between would have core declare it lost.
+            # Still ours until core has the report: listed in every heartbeat (the sidecar
+            # names all the board holds), its pid 0 now that the id may name another group.
             self.running[attempt] = (assignment, None)
             self._publish()
             late = await self.logs.finish(attempt)  # the rest of its log, before the report

@@ -1,5 +1,5 @@
 """The sidecar: a process beside the agent that tells core, every heartbeat interval, that
-the worker lives and which attempts' processes it sees alive. When the agent is gone it
+the worker lives and which attempts its agent holds. When the agent is gone it
 stops beating (so core declares the worker dead), kills the attempts left behind and
 removes the agent's egress table (``firewall``); when the agent lives but its loop stands
 still (hung: its pulse on the board stops) for half the hang bound, it kills the
@@ -129,11 +129,16 @@ async def beat_forever(
 
 
 async def _beat(folder: Path, worker_id: int, attempts: dict[str, int], client: CoreClient) -> bool:
-    """One heartbeat, its answer left for the agent; whether core answered."""
-    # pid 0: claimed and being prepared by the (living) agent; -1: being started.
-    living = [int(a) for a, pid in attempts.items() if pid <= 0 or state.alive(pid)]
+    """One heartbeat, its answer left for the agent; whether core answered.
+
+    It names every attempt on the board, whatever its process does: the living agent
+    holds each until core has its report (the agent dead or hung, this sidecar stops
+    beating). A process that has exited is still the agent's to report: it is reaped
+    (by its spawn helper) before the agent hears of it and takes its pid off the board,
+    and a beat that left it out then would have core lose an attempt that ended well,
+    spend it, and refuse its report."""
     try:
-        answer = await client.heartbeat(worker_id, living)
+        answer = await client.heartbeat(worker_id, [int(a) for a in attempts])
     except (httpx.TransportError, CairnError) as exc:
         log.warning("heartbeat failed: %s", exc)
         return False

@@ -226,6 +226,8 @@ _ASSIGNED = """
 
 #: the most attempts one turn's answer carries again (``resend``)
 MAX_RESEND = 256
+#: how much of a closed attempt's error a refusal of its report quotes
+ENDED_WHY_CHARS = 200
 
 
 # The lease: each chosen task moved (guarded by the claim's sources in the transitions
@@ -937,9 +939,11 @@ async def lose(
 
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
-# never deadlock), and what the decision and the measured use need.
+# never deadlock), and what the decision and the measured use need; for a refusal, how
+# an attempt already closed ended (its outcome, the start of its error).
 _REPORTED = text(f"""
 SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
+       a.outcome AS ended_as, left(a.error, {ENDED_WHY_CHARS}) AS ended_why,
        EXTRACT(EPOCH FROM now() - a.started_at)::float8 AS ran_s,
        t.id, t.owner, t.name, t.kind, t.state, t.current_attempt_id, t.attempts,
        t.max_attempts, {tasks_db.RECENT_CRASHES} AS recent_crashes, t.poison_after,
@@ -1024,6 +1028,14 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
         return ReportVerdict(attempt_id=attempt, status=404, detail=f"attempt {attempt} not found")
     if row.worker_id != worker_id:
         detail = f"attempt {attempt} is not leased to worker {worker_id}"
+    elif row.ended_as is not None:
+        # Which of core's paths closed it (the reaper, a beat without it, a cancel, this
+        # report once before): the worker's log says so beside the refusal.
+        why = f": {row.ended_why}" if row.ended_why else ""
+        detail = (
+            f"attempt {attempt} of task {row.id} already ended ({row.ended_as}{why}); "
+            "its report is refused"
+        )
     elif attempt in seen or row.current_attempt_id != attempt or row.state != S.RUNNING:
         detail = f"attempt {attempt} is not task {row.id}'s current attempt; its report is refused"
     else:

@@ -217,6 +217,9 @@ def test_a_stale_attempts_late_report_is_refused_and_changes_nothing(core: Core,
     late = cut_off.report(old["attempt_id"], "succeeded", exit_code=0)
     assert late.status_code == 409
     assert late.json()["type"].endswith("/stale-attempt")
+    # The refusal says how core ended it, so the worker's log tells which path did.
+    ended = f"attempt {old['attempt_id']} of task {task['id']} already ended (lost: its worker"
+    assert late.json()["detail"].startswith(ended), late.json()
     assert db.execute("SELECT state, current_attempt_id FROM core.tasks").fetchone() == (
         "running",
         new["attempt_id"],
@@ -266,7 +269,8 @@ def test_cancelling_a_running_task_tells_its_worker_to_stop(core: Core, db) -> N
         assert agent.beat([attempt["attempt_id"]])["stop"] == []
         alice.post(f"/v1/tasks/{task['id']}/cancel")
     assert agent.beat([attempt["attempt_id"]])["stop"] == [attempt["attempt_id"]]
-    assert agent.report(attempt["attempt_id"], "failed").status_code == 409
+    late = agent.report(attempt["attempt_id"], "failed")
+    assert late.status_code == 409 and "already ended (cancelled" in late.json()["detail"]
     assert db.execute("SELECT outcome FROM core.attempts").fetchone() == ("cancelled",)
 
 
