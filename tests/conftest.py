@@ -18,10 +18,12 @@ import pytest
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 
-# The fixtures of cron's, dag's and the fault tests, wherever a test of them sits.
+# The fixtures of cron's, dag's, the fault and the log store tests, wherever a test of them
+# sits.
 from tests.fixtures.cron import clock, cron  # noqa: F401
 from tests.fixtures.dag import dag, runner, worker  # noqa: F401
 from tests.fixtures.faults import workers  # noqa: F401
+from tests.fixtures.logs import s3  # noqa: F401
 from tests.support import MIGRATIONS, Core, fresh_database, start_core
 
 # The longest tests (minutes each, mostly waiting on processes and faults) start first, so

@@ -25,7 +25,7 @@ from services.core.db import audit
 from services.core.domain import auditchain
 from services.core.ops import auditexport, upkeep
 from services.core.settings import CoreSettings
-from tests.integration.core.test_log_store import BUCKET, s3  # noqa: F401
+from tests.fixtures.logs import BUCKET
 from tests.support import start_core, wait_for
 
 T = TypeVar("T")
@@ -165,7 +165,7 @@ def test_the_export_goes_on_from_its_mark_and_cairn_audit_verify_finds_a_cut(
 def test_the_export_to_an_s3_store_is_one_object_per_batch(
     db_url: str,
     db,
-    s3: tuple[str, Any],  # noqa: F811
+    s3: tuple[str, Any],
 ) -> None:
     endpoint, client = s3
     _record(db_url, 5)
