@@ -112,7 +112,10 @@ def db(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 
 
 @pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path)
+def core(db_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Core]:
+    """Core in a thread over the test's database; with the settings of the test's
+    ``pytest.mark.core(**settings)`` (or its module's ``pytestmark``), if any."""
+    marker = request.node.get_closest_marker("core")
+    server = start_core(db_url, tmp_path, **(marker.kwargs if marker else {}))
     yield server
     server.stop()

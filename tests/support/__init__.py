@@ -69,9 +69,34 @@ def shell_spec(script: str, **overrides: Any) -> dict[str, Any]:
     return spec(**{"name": "sh", "artifact": artifact, "args": ["-c", script], **overrides})
 
 
+class Served:
+    """A service the tests serve from a thread (:func:`serve_in_thread`): clients of it as
+    a principal, and its stop."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def token(self, name: str, role: str) -> str:
+        """The principal's token (made with ``role`` if new)."""
+        raise NotImplementedError
+
+    def client(self, name: str = "alice", role: str = "user") -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.token(name, role)}"},
+            timeout=httpx.Timeout(30.0, connect=5.0),
+        )
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
 @dataclass
-class Core:
-    """A core server running in a thread, serving real HTTP on 127.0.0.1."""
+class Core(Served):
+    """A core server running in a thread, serving real HTTP on 127.0.0.1; it keeps the
+    tokens of the test's principals (the other services' clients use them too)."""
 
     url: str
     db_url: str
@@ -79,18 +104,10 @@ class Core:
     thread: threading.Thread
     tokens: dict[str, str] = field(default_factory=dict)
 
-    def client(self, name: str = "alice", role: str = "user") -> httpx.Client:
+    def token(self, name: str, role: str) -> str:
         if name not in self.tokens:
             self.tokens[name] = make_token(self.db_url, name, role)
-        return httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {self.tokens[name]}"},
-            timeout=httpx.Timeout(30.0, connect=5.0),
-        )
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+        return self.tokens[name]
 
 
 def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
@@ -111,6 +128,11 @@ def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, thr
 #: the tests' webhook receivers listen on loopback, which core refuses unless an
 #: administrator opens it (CAIRN_NOTIFY_ALLOW_CIDRS); the database's port stays refused
 LOOPBACK_WEBHOOKS = "127.0.0.0/8"
+
+
+#: Core's reaper out of the way (no heartbeat bound passes during a test): for the tests
+#: that drive workers' turns by hand and reap by hand
+REAPER_AWAY = pytest.mark.core(heartbeat_timeout_s=3600.0)
 
 
 def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any) -> Core:
