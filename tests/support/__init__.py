@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import hashlib
 import os
@@ -14,16 +15,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psycopg
 import pytest
 import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from typer.testing import CliRunner
 
 from libs.common.settings import libpq_url
@@ -33,6 +35,8 @@ from services.core.app import create_app
 from services.core.settings import CoreSettings
 from services.cron import migrate as cron_migrate
 from services.dag import migrate as dag_migrate
+
+T = TypeVar("T")
 
 # Every service's schema, migrated into the template database each test clones.
 MIGRATIONS = [core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade]
@@ -173,6 +177,20 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def with_engine(db_url: str, work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+    """``work`` over an engine of its own on ``db_url`` (disposed after), in a new event
+    loop: its result."""
+
+    async def run() -> T:
+        engine = create_async_engine(db_url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
 
 
 def _popen(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen[bytes]:
