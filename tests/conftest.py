@@ -3,21 +3,27 @@ database migrated once, and a fresh clone of it for every test."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import ssl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx._transports.default as httpx_transports
 import psycopg
 import pytest
 
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 
-# The fixtures of cron's, dag's and the fault tests, wherever a test of them sits.
+# The fixtures of cron's, dag's, the fault and the log store tests, wherever a test of them
+# sits.
 from tests.fixtures.cron import clock, cron  # noqa: F401
 from tests.fixtures.dag import dag, runner, worker  # noqa: F401
 from tests.fixtures.faults import workers  # noqa: F401
+from tests.fixtures.logs import s3  # noqa: F401
 from tests.support import MIGRATIONS, Core, fresh_database, start_core
 
 # The longest tests (minutes each, mostly waiting on processes and faults) start first, so
@@ -38,6 +44,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return len(_LONGEST) + (0 if item.get_closest_marker("slow") else 1)
 
     items.sort(key=rank)  # stable: the order within each rank is kept
+
+
+# Every httpx client makes its TLS context anew from certifi's bundle (20-40 ms of CPU):
+# the tests make thousands (each Core.client and httpx.get, each CLI run). A client with
+# httpx's defaults gets one context a process instead, with the same checks (a client
+# given its own verify= or cert= still makes its own).
+_make_context = httpx_transports.create_ssl_context
+_contexts: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
+
+
+def _shared_context(
+    verify: ssl.SSLContext | str | bool = True, cert: Any = None, trust_env: bool = True
+) -> ssl.SSLContext:
+    if verify is not True or cert is not None:
+        return _make_context(verify=verify, cert=cert, trust_env=trust_env)
+    env = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    key = env if trust_env else (None, None)
+    if key not in _contexts:
+        _contexts[key] = _make_context(verify=True, cert=None, trust_env=trust_env)
+    return _contexts[key]
+
+
+httpx_transports.create_ssl_context = _shared_context
 
 
 TEMPLATE = "cairn_template"
@@ -83,7 +112,10 @@ def db(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 
 
 @pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path)
+def core(db_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Core]:
+    """Core in a thread over the test's database; with the settings of the test's
+    ``pytest.mark.core(**settings)`` (or its module's ``pytestmark``), if any."""
+    marker = request.node.get_closest_marker("core")
+    server = start_core(db_url, tmp_path, **(marker.kwargs if marker else {}))
     yield server
     server.stop()

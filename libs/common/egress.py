@@ -13,8 +13,10 @@ an answer's body is read to a bound only (:func:`post`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
+import ssl
 import typing
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -219,15 +221,23 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """The certificate checks of every guarded client: httpx's default context, made once
+    a process (loading the certificate store costs tens of ms of CPU a client)."""
+    return httpx.create_ssl_context(trust_env=False)
+
+
 class GuardedTransport(httpx.AsyncHTTPTransport):
     """httpx's transport over :class:`GuardedBackend`, without proxies."""
 
     def __init__(self, policy: Policy, resolver: Resolver = resolve) -> None:
-        super().__init__(trust_env=False)
+        context = _tls()
+        super().__init__(verify=context, trust_env=False)
         # httpx takes no network backend of its own: its pool is rebuilt with one, as
         # the pool httpx would make without a proxy (the same certificate checks).
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(trust_env=False),
+            ssl_context=context,
             max_connections=LIMITS.max_connections,
             max_keepalive_connections=LIMITS.max_keepalive_connections,
             keepalive_expiry=LIMITS.keepalive_expiry,

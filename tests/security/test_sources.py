@@ -3,20 +3,14 @@ field, for single and batch submissions, and no way around it with dot segments.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from libs.common.sources import parse_sources, source_allowed
-from tests.support import TRUE_SHA, Core, spec, start_core
+from tests.support import TRUE_SHA, Core, spec
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, artifact_sources="s3://jobs/,file:///opt/jobs/")
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(artifact_sources="s3://jobs/,file:///opt/jobs/")
 
 
 def _artifact(uri: str) -> dict:

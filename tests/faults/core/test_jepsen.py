@@ -41,6 +41,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support.loopserver import LoopServer
 
 pytestmark = pytest.mark.slow
 
@@ -56,43 +57,15 @@ CORE_ENV = {
 EXPLAINED = {"lost", "crashed", "handed_back"}
 
 
-class Proxy:
+class Proxy(LoopServer):
     """A TCP proxy on 127.0.0.1 that sends each new connection to the first backend that
     accepts it: the load balancer in front of the core replicas."""
 
     def __init__(self, backends: list[int]) -> None:
         self.backends = backends
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.writers: set[asyncio.StreamWriter] = set()  # every connection, both sides
-        self.thread = threading.Thread(target=self._run, daemon=True, name="proxy")
-        self.thread.start()
-        self.ready.wait(10)
+        super().__init__("proxy")
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        )
-        self.ready.set()
-        try:
-            self.loop.run_forever()
-        finally:
-            # Close what it holds (the piped connections, the listener, the loop itself):
-            # left to the garbage collector they warn in whichever test runs then.
-            server.close()
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            for writer in self.writers:
-                writer.transport.abort()  # also one cancelled before it was piped
-            self.loop.run_until_complete(asyncio.sleep(0.05))  # transports finish closing
-            self.loop.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writers.add(writer)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             for port in self.backends:
                 try:
@@ -101,7 +74,7 @@ class Proxy:
                     )
                 except (OSError, TimeoutError):
                     continue
-                self.writers.add(up_writer)
+                self.track(up_writer)
                 await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
                 return
         finally:
@@ -118,10 +91,6 @@ class Proxy:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
 
 
 @dataclass

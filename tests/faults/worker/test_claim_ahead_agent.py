@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,9 @@ from tests.support import Core, Workers, shared_dir, shell_spec, start_core, wai
 AHEAD_S = "30"
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(
-        db_url,
-        tmp_path,
-        promote_interval_s=60.0,
-        heartbeat_interval_s=1,
-        heartbeat_timeout_s=4,
-        claim_ahead_max_s=30,
-    )
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(
+    promote_interval_s=60.0, heartbeat_interval_s=1, heartbeat_timeout_s=4, claim_ahead_max_s=30
+)
 
 
 def _marking(folder: Path, run_in_s: float, db) -> dict[str, object]:

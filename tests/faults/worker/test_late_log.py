@@ -14,8 +14,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.httpproxy import Proxy
 from tests.support import Core, shell_spec, spawn_worker, stop_process, wait_for
+from tests.support.httpproxy import Proxy
 
 pytestmark = pytest.mark.slow
 

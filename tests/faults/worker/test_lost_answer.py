@@ -14,7 +14,6 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.httpproxy import Proxy
 from tests.support import (
     Core,
     shared_dir,
@@ -24,6 +23,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support.httpproxy import Proxy
 
 pytestmark = pytest.mark.slow
 

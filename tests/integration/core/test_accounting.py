@@ -6,7 +6,6 @@ whatever pages and passes; users see their own and their teams' sums only."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,14 @@ from typer.testing import CliRunner
 from cairn.cli import app
 from services.core.db import accounting
 from tests.integration.system.test_metrics import scrape, value
-from tests.support import Core, TurnWorker, cli_as, spec, start_core, wait_for
+from tests.support import Core, TurnWorker, cli_as, spec, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 8}
 MONTH = datetime.now(UTC).strftime("%Y-%m")
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, usage_interval_s=0.1, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(usage_interval_s=0.1, heartbeat_timeout_s=3600.0)
 
 
 def _run(core: Core, worker: TurnWorker, submitted: list[tuple[str, dict[str, Any]]]) -> None:

@@ -14,21 +14,16 @@ import httpx
 import psycopg
 import pytest
 
-from tests.support import Core, register_worker, spec, start_core, wait_for
+from tests.support import REAPER_AWAY, Core, register_worker, spec, start_core, wait_for
+
+# The tests drive the workers' turns and reap by hand.
+pytestmark = REAPER_AWAY
 
 DB = psycopg.Connection[tuple[Any, ...]]
 OFFER = {
     "hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384, "hang_watch": True,
 }  # fmt: skip
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 1}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    # Neither bound passes during a test: the reaper stays out of the way.
-    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -3,23 +3,17 @@ the claim and the start is refused (409), so the agent never runs it beside its 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from tests.support import Core, register_worker, spec, start_core, wait_for
+from tests.support import Core, register_worker, spec, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
 
 
 def test_a_lease_lost_before_its_start_is_refused_and_a_held_one_is_confirmed(

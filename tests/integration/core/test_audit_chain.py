@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 from alembic import command
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.auth import Caller
 from libs.common.migrations import alembic_config
@@ -25,22 +23,11 @@ from services.core.db import audit
 from services.core.domain import auditchain
 from services.core.ops import auditexport, upkeep
 from services.core.settings import CoreSettings
-from tests.integration.core.test_log_store import BUCKET, s3  # noqa: F401
-from tests.support import start_core, wait_for
+from tests.fixtures.logs import BUCKET
+from tests.support import start_core, wait_for, with_engine
 
 T = TypeVar("T")
 ROOT = Caller("root", "admin")
-
-
-def _run(db_url: str, work: Callable[[Any], Awaitable[T]]) -> T:
-    async def go() -> T:
-        engine = create_async_engine(db_url)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
 
 
 def _record(db_url: str, count: int, tag: str = "t") -> None:
@@ -49,7 +36,7 @@ def _record(db_url: str, count: int, tag: str = "t") -> None:
             async with engine.begin() as conn:
                 await audit.record(conn, ROOT, "team.create", f"team:{tag}{i}", after={"n": i})
 
-    _run(db_url, work)
+    with_engine(db_url, work)
 
 
 def _export_lines(db) -> list[bytes]:
@@ -74,7 +61,7 @@ def test_inserts_from_two_connections_at_once_form_one_chain(db_url: str, db) ->
     async def work(engine: Any) -> None:
         await asyncio.gather(writer(engine, "a"), writer(engine, "b"))
 
-    _run(db_url, work)
+    with_engine(db_url, work)
     lines = _export_lines(db)
     assert len(lines) == 50
     verdict = auditchain.verify(lines, auditchain.GENESIS)
@@ -126,12 +113,12 @@ def test_the_export_goes_on_from_its_mark_and_cairn_audit_verify_finds_a_cut(
     out = tmp_path / "audit.jsonl"
     sink = auditexport.FileSink(out)
     _record(db_url, 3, "a")
-    assert _run(db_url, lambda e: auditexport.export_all(e, sink, 2)) == 3
+    assert with_engine(db_url, lambda e: auditexport.export_all(e, sink, 2)) == 3
     first = db.execute("SELECT max(id) FROM core.audit").fetchone()[0]
     assert db.execute("SELECT last_id FROM core.audit_export").fetchone() == (first,)
     _record(db_url, 2, "b")
-    assert _run(db_url, lambda e: auditexport.export_all(e, sink, 100)) == 2
-    assert _run(db_url, lambda e: auditexport.export_all(e, sink, 100)) == 0
+    assert with_engine(db_url, lambda e: auditexport.export_all(e, sink, 100)) == 2
+    assert with_engine(db_url, lambda e: auditexport.export_all(e, sink, 100)) == 0
     written = out.read_bytes().splitlines(keepends=True)
     assert written == _export_lines(db)
     assert [json.loads(line)["target"] for line in written] == [
@@ -165,14 +152,14 @@ def test_the_export_goes_on_from_its_mark_and_cairn_audit_verify_finds_a_cut(
 def test_the_export_to_an_s3_store_is_one_object_per_batch(
     db_url: str,
     db,
-    s3: tuple[str, Any],  # noqa: F811
+    s3: tuple[str, Any],
 ) -> None:
     endpoint, client = s3
     _record(db_url, 5)
     sink = auditexport.sink_for(f"s3://{BUCKET}/audit", endpoint)
     assert isinstance(sink, auditexport.ObjectSink)
     try:
-        assert _run(db_url, lambda e: auditexport.export_all(e, sink, 2)) == 5
+        assert with_engine(db_url, lambda e: auditexport.export_all(e, sink, 2)) == 5
     finally:
         sink.objects.close()
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=BUCKET)["Contents"])
@@ -190,11 +177,11 @@ def test_retention_keeps_the_rows_not_yet_exported(db_url: str, db, tmp_path: Pa
     settings = CoreSettings(
         home=tmp_path, database_url=db_url, audit_export_to=str(tmp_path / "a.jsonl")
     )
-    assert _run(db_url, lambda e: upkeep.purge_audit(e, settings)) == 2
+    assert with_engine(db_url, lambda e: upkeep.purge_audit(e, settings)) == 2
     assert [r[0] for r in db.execute("SELECT id FROM core.audit ORDER BY id")] == ids[2:]
     # Without an export, the retention is the age alone.
     unset = CoreSettings(home=tmp_path, database_url=db_url)
-    assert _run(db_url, lambda e: upkeep.purge_audit(e, unset)) == 2
+    assert with_engine(db_url, lambda e: upkeep.purge_audit(e, unset)) == 2
 
 
 def test_the_migration_chains_the_rows_written_before_it(db_url: str, db) -> None:

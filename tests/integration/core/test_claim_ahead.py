@@ -5,30 +5,22 @@ the claim can find delayed work."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 from tests.integration.core.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
-from tests.support import Core, spec, start_core
+from tests.support import Core, spec
 
 AHEAD_MAX_S = 30.0
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(
-        db_url,
-        tmp_path,
-        promote_interval_s=60.0,
-        heartbeat_interval_s=1,
-        heartbeat_timeout_s=60,
-        claim_ahead_max_s=AHEAD_MAX_S,
-    )
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(
+    promote_interval_s=60.0,
+    heartbeat_interval_s=1,
+    heartbeat_timeout_s=60,
+    claim_ahead_max_s=AHEAD_MAX_S,
+)
 
 
 def _due_in(core: Core, db, seconds: float, count: int = 1, **extra: object) -> list[int]:

@@ -7,7 +7,6 @@ CLI submits, shows and sets them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,10 @@ import pytest
 from cairn.cli import app
 from tests.integration.core.test_bad_input import problem
 from tests.integration.system.test_metrics import scrape, value
-from tests.support import Core, cli_as, register_worker, spec, start_core
+from tests.support import Core, cli_as, register_worker, spec
 
 ROOM = {"cpu": 64, "memory_mb": 65536, "max": 16}
 GPU = {"cpu": 1, "memory_mb": 256, "devices": {"gpu": 1}}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path)
-    yield server
-    server.stop()
 
 
 def _claim(http: Any, worker: int) -> list[dict[str, Any]]:

@@ -14,13 +14,7 @@ from tests.support import Core, spec, start_core, wait_for
 
 # The reaper tolerates stalls of 3 of its turns (timeout / 4 each): room for a loaded CI.
 TIMEOUT_S = 2.0
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=TIMEOUT_S)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=TIMEOUT_S)
 
 
 _OPEN: list[httpx.Client] = []

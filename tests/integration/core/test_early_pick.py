@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,17 +17,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from libs.common.models import AttemptReport
 from libs.common.settings import libpq_url
 from services.core.db import attempts as attempts_db
-from tests.support import Core, TurnWorker, spec, start_core
+from tests.support import REAPER_AWAY, Core, TurnWorker, spec
+
+# The tests drive the workers' turns and reap by hand.
+pytestmark = REAPER_AWAY
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 16}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ month's sums are asserted against what the agent measured of the attempts."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import psycopg
 import pytest
 
 from tests.integration.core.test_bad_input import problem
-from tests.support import Core, shell_spec, spawn_worker, spec, start_core, stop_process, wait_for
+from tests.support import Core, shell_spec, spawn_worker, spec, stop_process, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 HALF_LIFE_S = 1.0
@@ -26,19 +25,13 @@ TASK = {"resources": {"cpu": 0.001, "memory_mb": 64}}
 BURN = "end=$(($(date +%s%N) + 500000000)); while [ $(date +%s%N) -lt $end ]; do :; done; sleep 0.5"
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(
-        db_url,
-        tmp_path,
-        usage_interval_s=0.1,
-        heartbeat_interval_s=0.2,
-        fair_share="usage",
-        fair_share_half_life_s=HALF_LIFE_S,
-        fair_share_unit_cpu_s=UNIT_CPU_S,
-    )
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(
+    usage_interval_s=0.1,
+    heartbeat_interval_s=0.2,
+    fair_share="usage",
+    fair_share_half_life_s=HALF_LIFE_S,
+    fair_share_unit_cpu_s=UNIT_CPU_S,
+)
 
 
 def _ended(db: DB, ids: list[int]) -> bool:

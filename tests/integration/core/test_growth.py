@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from services.core.ops import upkeep
 from services.core.settings import CoreSettings
 from services.dag import store as dag_store
-from tests.support import Core, spec
+from tests.support import Core, spec, with_engine
 
 DB = psycopg.Connection[tuple[Any, ...]]
 
@@ -43,14 +43,7 @@ def test_workers_gone_past_retention_are_purged_and_their_attempts_kept(
     db.execute("UPDATE core.workers SET state = 'left', gone_at = now() WHERE id = %s", (young,))
     settings = CoreSettings(home=tmp_path, database_url=core.db_url, retention_batch=1)
 
-    async def purge() -> int:
-        engine = create_async_engine(core.db_url)
-        try:
-            return await upkeep.purge(engine, settings)
-        finally:
-            await engine.dispose()
-
-    assert asyncio.run(purge()) == 1
+    assert with_engine(core.db_url, lambda engine: upkeep.purge(engine, settings)) == 1
     assert {r[0] for r in db.execute("SELECT id FROM core.workers")} == {young, live}
     assert db.execute("SELECT worker_id FROM core.attempts").fetchall() == [(None,)]
 

@@ -7,7 +7,6 @@ timeout); these tests turn a reaper of their own on a clock they move."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from services.core import loops
 from services.core.db.feed import Notifier
 from services.core.settings import CoreSettings
-from tests.support import Core, register_worker, spec, start_core
+from tests.support import REAPER_AWAY, Core, register_worker, spec
 
 DB = psycopg.Connection[tuple[Any, ...]]
 OFFER = {"hostname": "w.test", "queues": ["default"], "cpu": 8, "memory_mb": 16384}
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
+pytestmark = REAPER_AWAY
 
 
 class Clock:

@@ -16,15 +16,7 @@ import pytest
 
 from cairn.cli import app
 from services.core.domain import selectors
-from tests.support import Core, cli_as, register_worker, spec, start_core
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path)
-    yield server
-    server.stop()
-
+from tests.support import Core, cli_as, register_worker, spec
 
 LABELS = {
     "ssd-a": {"disk": "ssd", "zone": "a"},

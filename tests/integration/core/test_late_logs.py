@@ -6,17 +6,15 @@ chunk, with a reason, and never stored."""
 
 from __future__ import annotations
 
-import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 from libs.common.settings import libpq_url
-from tests.integration.core.test_log_store import BUCKET, _keys, s3  # noqa: F401 (fixture)
+from tests.fixtures.logs import BUCKET, follow_log, keys, s3_core
 from tests.integration.core.test_logs import OFFER, Shipper, _running, shipper  # noqa: F401
-from tests.support import Core, register_worker, start_core, wait_for
+from tests.support import Core, register_worker, wait_for
 
 WHOLE = ["one\n", "two\n", "three é\n"]
 SIZE = len("".join(WHOLE).encode())
@@ -27,24 +25,6 @@ def _statuses(answer: Any) -> list[tuple[int, str | None]]:
     return [(a["status"], a["detail"]) for a in answer.json()["items"]]
 
 
-def _follow(core: Core, task_id: int, events: list[tuple[str, dict]]) -> threading.Thread:
-    def run() -> None:
-        with (
-            core.client() as alice,
-            alice.stream("GET", f"/v1/tasks/{task_id}/logs", params={"follow": "true"}) as stream,
-        ):
-            name = ""
-            for line in stream.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-
-    reader = threading.Thread(target=run, daemon=True)
-    reader.start()
-    return reader
-
-
 def test_the_rest_of_a_log_after_the_report_is_taken_and_the_follower_waits_for_it(
     core: Core,
     shipper: Shipper,  # noqa: F811 (the fixture)
@@ -53,7 +33,7 @@ def test_the_rest_of_a_log_after_the_report_is_taken_and_the_follower_waits_for_
     assert _statuses(shipper.ship((attempt, 0, WHOLE[0]))) == [(200, None)]
     shipper.report(attempt, log_bytes=SIZE)  # the rest is still on its way
     events: list[tuple[str, dict]] = []
-    reader = _follow(core, task_id, events)
+    reader = follow_log(core, task_id, events)
     wait_for(lambda: len(events) == 1, timeout=10)
     with core.client() as alice:
         early = alice.get(f"/v1/tasks/{task_id}/logs")
@@ -129,17 +109,10 @@ def test_late_chunks_are_refused_with_a_reason_unless_their_report_declared_them
 def test_a_late_log_is_archived_once_whole(
     db_url: str,
     tmp_path: Path,
-    s3: tuple[str, Any],  # noqa: F811 (the fixture)
+    s3: tuple[str, Any],
 ) -> None:
     endpoint, client = s3
-    core = start_core(
-        db_url,
-        tmp_path / "core",
-        log_store="s3",
-        log_s3_bucket=BUCKET,
-        log_s3_endpoint_url=endpoint,
-        log_archive_interval_s=0.1,
-    )
+    core = s3_core(db_url, tmp_path / "core", endpoint)
     try:
         shipper = Shipper(core)
         task_id, attempt = _running(core, shipper)
@@ -149,11 +122,11 @@ def test_a_late_log_is_archived_once_whole(
         _, plain = _running(core, shipper)
         shipper.ship((plain, 0, "plain\n"))
         shipper.report(plain)
-        wait_for(lambda: any(k.endswith(f"/{plain}.log") for k in _keys(client)), timeout=20)
+        wait_for(lambda: any(k.endswith(f"/{plain}.log") for k in keys(client)), timeout=20)
         key = f"logs/{task_id}/{attempt}.log"
-        assert key not in _keys(client)
+        assert key not in keys(client)
         shipper.ship((attempt, 4, WHOLE[1]), (attempt, 8, WHOLE[2]))
-        wait_for(lambda: key in _keys(client), timeout=20)
+        wait_for(lambda: key in keys(client), timeout=20)
         stored = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         assert stored.decode() == "".join(WHOLE)
         [(status, why)] = _statuses(shipper.ship((attempt, 8, WHOLE[2])))

@@ -5,62 +5,22 @@ read; the object is deleted when the retention purge deletes its task."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
-import pytest
 
 from libs.common.settings import libpq_url
+from tests.fixtures.logs import BUCKET, keys, s3_core
 from tests.integration.core.test_logs import Shipper
-from tests.support import free_port, spec, start_core, wait_for
-
-BUCKET = "cairn-logs"
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Any]]:
-    server_module = importlib.import_module("moto.server")
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    port = free_port()
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    # moto keeps its buckets in the process, across servers: each test starts empty
-    httpx.post(f"{endpoint}/moto-api/reset").raise_for_status()
-    client = importlib.import_module("boto3").client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket=BUCKET)
-    yield endpoint, client
-    client.close()
-    server.stop()
-
-
-def _keys(client: Any) -> list[str]:
-    return [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+from tests.support import spec, wait_for
 
 
 def test_an_ended_attempts_log_is_one_object_read_whole_and_deleted_with_its_task(
     db_url: str, tmp_path: Path, s3: tuple[str, Any]
 ) -> None:
     endpoint, client = s3
-    core = start_core(
-        db_url,
-        tmp_path / "core",
-        log_store="s3",
-        log_s3_bucket=BUCKET,
-        log_s3_endpoint_url=endpoint,
-        log_archive_interval_s=0.1,
-        retention_days=1,
-        retention_interval_s=0.2,
-    )
+    core = s3_core(db_url, tmp_path / "core", endpoint, retention_days=1, retention_interval_s=0.2)
     try:
         shipper = Shipper(core)
         with core.client() as alice:
@@ -73,10 +33,10 @@ def test_an_ended_attempts_log_is_one_object_read_whole_and_deleted_with_its_tas
             offset += len(line.encode())
         with core.client() as alice:
             assert alice.get(f"/v1/tasks/{task_id}/logs").text == "".join(lines)
-        assert _keys(client) == []  # running: in PostgreSQL
+        assert keys(client) == []  # running: in PostgreSQL
         shipper.report(attempt)
         key = f"logs/{task_id}/{attempt}.log"
-        wait_for(lambda: _keys(client) == [key], timeout=20)
+        wait_for(lambda: keys(client) == [key], timeout=20)
         with psycopg.connect(libpq_url(db_url)) as conn:
             wait_for(
                 lambda: (
@@ -111,7 +71,7 @@ def test_an_ended_attempts_log_is_one_object_read_whole_and_deleted_with_its_tas
                 (task_id,),
             )
             conn.execute("UPDATE core.log_objects SET archived_at = now() - interval '2 days'")
-            wait_for(lambda: _keys(client) == [], timeout=20)
+            wait_for(lambda: keys(client) == [], timeout=20)
             wait_for(
                 lambda: conn.execute("SELECT count(*) FROM core.log_objects").fetchone() == (0,)
             )

@@ -4,8 +4,6 @@ when a batch is sent again, bounded per attempt, and followed as server-sent eve
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import psycopg
 import pytest
 
 from libs.common.settings import libpq_url
+from tests.fixtures.logs import follow_log
 from tests.support import Core, register_worker, spec, start_core, wait_for
 
 OFFER = {"hostname": "logs.test", "queues": ["default"], "cpu": 64, "memory_mb": 65536}
@@ -144,22 +143,7 @@ def test_follow_streams_each_chunk_as_it_is_stored_and_ends_with_the_attempt(
 ) -> None:
     task_id, attempt = _running(core, shipper)
     events: list[tuple[str, dict]] = []
-
-    def follow() -> None:
-        with (
-            core.client() as alice,
-            alice.stream("GET", f"/v1/tasks/{task_id}/logs", params={"follow": "true"}) as stream,
-        ):
-            assert stream.headers["content-type"].startswith("text/event-stream")
-            name = ""
-            for line in stream.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: "):
-                    events.append((name, json.loads(line[6:])))
-
-    reader = threading.Thread(target=follow)
-    reader.start()
+    reader = follow_log(core, task_id, events)
     offset = 0
     for i in range(3):
         text = f"line {i}\n"

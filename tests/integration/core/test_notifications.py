@@ -30,11 +30,7 @@ FAST = {
 }
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, **FAST)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(**FAST)
 
 
 @pytest.fixture

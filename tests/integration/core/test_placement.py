@@ -3,21 +3,14 @@ measured use and right-sizing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from contextlib import closing
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support import Core, spec, start_core
+from tests.support import Core, spec
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, placement_interval_s=0.1)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, placement_interval_s=0.1)
 
 
 def _register(

@@ -4,7 +4,6 @@ decided by the attempt's exit code or signal, and crashes counted within a windo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,12 +13,7 @@ from libs.common.models import NO_RETRY_EXIT_CODE
 from tests.integration.core.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
 from tests.support import Core, spec, start_core, wait_for
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
 
 
 def _set_queue(core: Core, name: str, **change: object) -> httpx.Response:

@@ -5,7 +5,6 @@ attempt's lease carries the checkpoint; fencing tokens; what the API refuses; wh
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +15,13 @@ from typer.testing import CliRunner
 
 from cairn.cli import app
 from libs.common.models import MAX_CHECKPOINT_BYTES
-from tests.support import Core, TurnWorker, cli_as, spec, start_core
+from tests.support import REAPER_AWAY, Core, TurnWorker, cli_as, spec
+
+# The tests drive the workers' turns and reap by hand.
+pytestmark = REAPER_AWAY
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 1}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
 
 
 class Worker(TurnWorker):

@@ -5,7 +5,6 @@ tests/security/test_attempt_egress.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,14 +12,7 @@ import pytest
 
 from libs.common.models import MAX_EGRESS_RULES
 from tests.integration.core.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
-from tests.support import Core, spec, start_core
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path)
-    yield server
-    server.stop()
+from tests.support import Core, spec
 
 
 def _set(core: Core, name: str, egress: object) -> httpx.Response:

@@ -1,12 +1,8 @@
 from __future__ import annotations
 
-import asyncio
-
-from sqlalchemy.ext.asyncio import create_async_engine
-
 from services.core.ops import upkeep
 from services.core.settings import CoreSettings
-from tests.support import Core, spec
+from tests.support import Core, spec, with_engine
 
 
 def test_finished_tasks_past_retention_go_with_their_events(core: Core, db, tmp_path) -> None:
@@ -23,14 +19,7 @@ def test_finished_tasks_past_retention_go_with_their_events(core: Core, db, tmp_
     )
     settings = CoreSettings(home=tmp_path, database_url=core.db_url, retention_batch=1)
 
-    async def purge() -> int:
-        engine = create_async_engine(core.db_url)
-        try:
-            return await upkeep.purge(engine, settings)
-        finally:
-            await engine.dispose()
-
-    assert asyncio.run(purge()) == 1
+    assert with_engine(core.db_url, lambda engine: upkeep.purge(engine, settings)) == 1
     remaining = {row[0] for row in db.execute("SELECT id FROM core.tasks")}
     assert remaining == {young, live}
     assert db.execute(

@@ -6,23 +6,17 @@ move ``run_at`` in SQL (which hints no promoter), so only the claim can find the
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from services.core.settings import CoreSettings
 from tests.integration.core.test_dispatch import Agent
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, spec, wait_for
 
 POLL_S = 60.0
 
 
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, promote_interval_s=POLL_S, heartbeat_timeout_s=60)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(promote_interval_s=POLL_S, heartbeat_timeout_s=60)
 
 
 def _delayed(core: Core, count: int, owner: str = "alice", **extra: object) -> list[int]:

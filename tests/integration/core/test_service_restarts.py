@@ -3,25 +3,18 @@ recent crashes count towards burying it, and its host's death never does."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
 
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, spec, wait_for
+
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 4, "memory_mb": 4096, "max": 1, "wait": 2}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
-    yield server
-    server.stop()
 
 
 def _register(http: httpx.Client) -> int:

@@ -4,17 +4,17 @@ Minting over HTTP and its use against real cron and dag is in test_login.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.errors import Unauthorized
 from services.core.db import login as login_db
 from services.core.ops import login
+from tests.support import with_engine
 
 COOKIE = "the-session-cookie"
 
@@ -24,17 +24,6 @@ async def _session(engine: AsyncEngine, lifetime_s: float, cookie: str = COOKIE)
         await login_db.create_session(
             conn, cookie, "csrf", "alice", "user", frozenset({"sre"}), None, lifetime_s
         )
-
-
-def _run(db_url: str, work: Any) -> Any:
-    async def go() -> Any:
-        engine = create_async_engine(db_url)
-        try:
-            return await work(engine)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
 
 
 def test_a_stretch_has_one_token_that_lives_to_the_end_of_the_next(db_url: str, db: Any) -> None:
@@ -55,7 +44,7 @@ def test_a_stretch_has_one_token_that_lives_to_the_end_of_the_next(db_url: str, 
         assert me is not None and me.name == "alice" and me.teams == {"sre"}
         assert me.claimed == {"sre"} and me.expires_at == until
 
-    _run(db_url, work)
+    with_engine(db_url, work)
     assert db.execute("SELECT count(*) FROM core.session_tokens").fetchone()[0] == 3
 
 
@@ -72,5 +61,5 @@ def test_a_token_never_outlives_its_session_and_ends_with_it(db_url: str, db: An
         with pytest.raises(Unauthorized, match="sign in again"):
             await login.session_token(engine, COOKIE, 3600)
 
-    _run(db_url, work)
+    with_engine(db_url, work)
     assert db.execute("SELECT count(*) FROM core.session_tokens").fetchone()[0] == 0

@@ -5,7 +5,6 @@ concurrency keys, aging, and the owner's usage report."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,7 @@ import pytest
 from tests.integration.core.test_dispatch import Agent
 from tests.support import Core, spec, start_core, wait_for
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0)
 
 
 def _batch(client, n: int, **overrides) -> list[int]:

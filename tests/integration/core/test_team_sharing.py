@@ -4,20 +4,12 @@ teams' events and usage (outsiders do not), and members act in bulk on team task
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from tests.integration.core.test_dispatch import Agent
-from tests.support import Core, spec, start_core
+from tests.support import Core, spec
 
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    server = start_core(db_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0)
-    yield server
-    server.stop()
+pytestmark = pytest.mark.core(heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0)
 
 
 def _team(core: Core, name: str, *members: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,18 +20,13 @@ from services.core.db import attempts as attempts_db
 from services.core.db import placement
 from services.core.db import workers as workers_db
 from services.core.domain.placement import Amount, utilisation
-from tests.support import Core, TurnWorker, spec, start_core, wait_for
+from tests.support import REAPER_AWAY, Core, TurnWorker, spec, wait_for
+
+# The tests drive the workers' turns and reap by hand.
+pytestmark = REAPER_AWAY
 
 DB = psycopg.Connection[tuple[Any, ...]]
 ROOM = {"cpu": 8, "memory_mb": 16384, "max": 16}
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    # A long timeout: core's own reaper stays out of the way; the tests reap by hand.
-    server = start_core(db_url, tmp_path, heartbeat_timeout_s=3600.0)
-    yield server
-    server.stop()
 
 
 Worker = TurnWorker

@@ -3,27 +3,17 @@ a task core refuses fails only its own node, and no run holds up another's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from libs.common.errors import CairnError
 from libs.common.models import TaskCreate
 from services.dag.engine import by_size, is_refusal
 from tests.fixtures.dag import DagServer, Runner, node, states, workflow
-from tests.support import TRUE_SHA, Core, start_core
+from tests.support import TRUE_SHA, Core
 
-pytestmark = pytest.mark.slow
 LIMIT = 64 * 1024
-
-
-@pytest.fixture
-def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
-    """Core with a small body limit, so a few nodes make a batch it refuses (413)."""
-    server = start_core(db_url, tmp_path, max_body_bytes=LIMIT)
-    yield server
-    server.stop()
+# Core with a small body limit, so a few nodes make a batch it refuses (413).
+pytestmark = [pytest.mark.slow, pytest.mark.core(max_body_bytes=LIMIT)]
 
 
 def test_a_batch_over_cores_limit_fails_only_the_node_too_large_and_blocks_no_run(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import hashlib
 import os
 import shutil
@@ -14,16 +16,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psycopg
 import pytest
 import uvicorn
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from typer.testing import CliRunner
 
 from libs.common.settings import libpq_url
@@ -33,6 +36,8 @@ from services.core.app import create_app
 from services.core.settings import CoreSettings
 from services.cron import migrate as cron_migrate
 from services.dag import migrate as dag_migrate
+
+T = TypeVar("T")
 
 # Every service's schema, migrated into the template database each test clones.
 MIGRATIONS = [core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade]
@@ -69,9 +74,37 @@ def shell_spec(script: str, **overrides: Any) -> dict[str, Any]:
     return spec(**{"name": "sh", "artifact": artifact, "args": ["-c", script], **overrides})
 
 
+class Served:
+    """A service the tests serve from a thread (:func:`serve_in_thread`): clients of it as
+    a principal, and its stop."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def token(self, name: str, role: str) -> str:
+        """The principal's token (made with ``role`` if new)."""
+        raise NotImplementedError
+
+    def client(self, name: str = "alice", role: str = "user") -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {self.token(name, role)}"},
+            timeout=httpx.Timeout(30.0, connect=5.0),
+        )
+
+    def stop(self) -> None:
+        if isinstance(self.server, ThreadServer):
+            self.server.exit()
+        else:
+            self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
 @dataclass
-class Core:
-    """A core server running in a thread, serving real HTTP on 127.0.0.1."""
+class Core(Served):
+    """A core server running in a thread, serving real HTTP on 127.0.0.1; it keeps the
+    tokens of the test's principals (the other services' clients use them too)."""
 
     url: str
     db_url: str
@@ -79,23 +112,43 @@ class Core:
     thread: threading.Thread
     tokens: dict[str, str] = field(default_factory=dict)
 
-    def client(self, name: str = "alice", role: str = "user") -> httpx.Client:
+    def token(self, name: str, role: str) -> str:
         if name not in self.tokens:
             self.tokens[name] = make_token(self.db_url, name, role)
-        return httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {self.tokens[name]}"},
-            timeout=httpx.Timeout(30.0, connect=5.0),
-        )
+        return self.tokens[name]
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+
+class ThreadServer(uvicorn.Server):
+    """uvicorn's server, whose main loop also wakes when :meth:`exit` tells it to stop:
+    uvicorn's own looks at ``should_exit`` every 0.1 s, and the tests stop one or more
+    servers a test. The loop is uvicorn's otherwise (a tick every 0.1 s)."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _woken: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._woken = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+    def exit(self) -> None:
+        """Stop serving (uvicorn's graceful shutdown), from any thread."""
+        self.should_exit = True
+        loop, woken = self._loop, self._woken
+        if loop is not None and woken is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: it has exited
+                loop.call_soon_threadsafe(woken.set)
 
 
 def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
     """Serve ``app`` on 127.0.0.1:``port`` from a thread; return once it accepts requests."""
-    server = uvicorn.Server(
+    server = ThreadServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     thread = threading.Thread(target=server.run, daemon=True, name=f"{name}-{port}")
@@ -111,6 +164,11 @@ def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, thr
 #: the tests' webhook receivers listen on loopback, which core refuses unless an
 #: administrator opens it (CAIRN_NOTIFY_ALLOW_CIDRS); the database's port stays refused
 LOOPBACK_WEBHOOKS = "127.0.0.0/8"
+
+
+#: Core's reaper out of the way (no heartbeat bound passes during a test): for the tests
+#: that drive workers' turns by hand and reap by hand
+REAPER_AWAY = pytest.mark.core(heartbeat_timeout_s=3600.0)
 
 
 def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any) -> Core:
@@ -151,6 +209,20 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def with_engine(db_url: str, work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+    """``work`` over an engine of its own on ``db_url`` (disposed after), in a new event
+    loop: its result."""
+
+    async def run() -> T:
+        engine = create_async_engine(db_url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
 
 
 def _popen(command: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen[bytes]:

@@ -6,29 +6,19 @@ requests and core's answers all have one). Subclasses say what happens on the wa
 from __future__ import annotations
 
 import asyncio
-import threading
 
-from tests.support import free_port
+from tests.support.loopserver import LoopServer
 
 MAX_HEAD = 64 * 1024
 
 
-class Proxy:
+class Proxy(LoopServer):
     """Passes every request to core at ``backend`` and its answer back, unless ``hold``
     delays the request or ``drop`` closes the connection instead of passing an answer."""
 
     def __init__(self, backend: int) -> None:
         self.backend = backend
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="test-proxy")
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        super().__init__("test-proxy")
 
     async def hold(self, head: bytes) -> None:
         """Awaited before the request goes on to core."""
@@ -36,26 +26,6 @@ class Proxy:
     def drop(self, head: bytes, answer: bytes) -> bool:
         """Whether to close the agent's connection instead of passing core's answer."""
         return False
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        )
-        self.ready.set()
-        try:
-            self.loop.run_forever()
-        finally:
-            server.close()
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            self.loop.close()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
     async def _message(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
         """One HTTP message: its head and its body."""
@@ -68,8 +38,9 @@ class Proxy:
                 length = int(value.strip())
         return head, await reader.readexactly(length) if length else b""
 
-    async def _serve(self, agent_r: asyncio.StreamReader, agent_w: asyncio.StreamWriter) -> None:
+    async def serve(self, agent_r: asyncio.StreamReader, agent_w: asyncio.StreamWriter) -> None:
         core_r, core_w = await asyncio.open_connection("127.0.0.1", self.backend)
+        self.track(core_w)
         try:
             while True:
                 head, body = await self._message(agent_r)
