@@ -1033,8 +1033,8 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
         # report once before): the worker's log says so beside the refusal.
         why = f": {row.ended_why}" if row.ended_why else ""
         detail = (
-            f"attempt {attempt} of task {row.id} already ended ({row.ended_as}{why}); "
-            "its report is refused"
+            f"attempt {attempt} is not task {row.id}'s current attempt: it already ended "
+            f"({row.ended_as}{why}); its report is refused"
         )
     elif attempt in seen or row.current_attempt_id != attempt or row.state != S.RUNNING:
         detail = f"attempt {attempt} is not task {row.id}'s current attempt; its report is refused"

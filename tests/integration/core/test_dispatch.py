@@ -212,7 +212,10 @@ def test_a_stale_attempts_late_report_is_refused_and_changes_nothing(core: Core,
     assert late.status_code == 409
     assert late.json()["type"].endswith("/stale-attempt")
     # The refusal says how core ended it, so the worker's log tells which path did.
-    ended = f"attempt {old['attempt_id']} of task {task['id']} already ended (lost: its worker"
+    ended = (
+        f"attempt {old['attempt_id']} is not task {task['id']}'s current attempt: it already"
+        " ended (lost: its worker"
+    )
     assert late.json()["detail"].startswith(ended), late.json()
     assert db.execute("SELECT state, current_attempt_id FROM core.tasks").fetchone() == (
         "running",
