@@ -205,3 +205,42 @@ def test_its_file_source_is_checked_by_the_helpers_child_and_sealed_again_when_i
     assert back == ("agent", "v1\n")
     assert hidden[0] == "again" and isinstance(hidden[1], ArtifactError), hidden
     assert "not readable by the attempt" in str(hidden[1]), hidden
+
+
+def test_a_prepared_attempts_sealed_copy_outlives_the_caches_eviction_until_it_starts(
+    root: Path,
+) -> None:
+    """A bound executable names its sealed copy by path until its start binds it (no link
+    holds it meanwhile): another attempt's seal that evicts the cache's oldest copies in
+    between leaves it in place, and it starts; once given back, the cache is trimmed."""
+    host = _host(root)  # the spawn helper binds the copy (a fork of the agent: a link)
+    other = root / "other.sh"
+    other.write_bytes(b"#!/bin/sh\necho other\n")
+    other.chmod(0o755)
+    second = Artifact(uri=other.as_uri(), sha256=hashlib.sha256(other.read_bytes()).hexdigest())
+
+    async def scenario() -> tuple[AttemptResult, bool, bool]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            first = await host.prepare(_assignment(1, "echo ran"), cache)
+            bound = first.folders.bound
+            assert bound is not None and first.folders.placeholder
+            assert host.sealed is not None
+            host.sealed.max_bytes = 1  # every copy but the newest one is over the bound
+            assignment = _assignment(2, "").model_copy(update={"artifact": second, "args": []})
+            later = await host.prepare(assignment, cache)  # sealed after: the newest
+            kept = bound.exists()
+            handle = await host.launch(first, cache)
+            result = await handle.wait()
+            handle.log.close()
+            await host.stop_leftovers(first)
+            await host.release(first)
+            await host.release(later)
+            return result, kept, bound.exists()
+        finally:
+            await host.close()
+
+    result, kept, after = asyncio.run(scenario())
+    assert kept, "the sealed copy of a prepared attempt was evicted before it started"
+    assert result.outcome == "succeeded" and "ran" in result.log_tail, result
+    assert not after  # given back: the cache trims what it held over its bound
