@@ -404,6 +404,9 @@ class Host:
         self.spare_logs.take(self._log_path(assignment))
         try:
             self._link(folders, sealed)
+        except FileNotFoundError:  # its copy evicted since it was found: sealed again
+            self.workdirs.give_back(folders, reusable=True)
+            return None
         except BaseException:
             self.workdirs.give_back(folders, reusable=True)
             raise

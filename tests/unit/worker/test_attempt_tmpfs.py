@@ -244,3 +244,42 @@ def test_a_prepared_attempts_sealed_copy_outlives_the_caches_eviction_until_it_s
     assert kept, "the sealed copy of a prepared attempt was evicted before it started"
     assert result.outcome == "succeeded" and "ran" in result.log_tail, result
     assert not after  # given back: the cache trims what it held over its bound
+
+
+def test_a_sealed_copy_evicted_between_its_look_up_and_its_hold_is_sealed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's seal may evict a copy the fast path just found: its hold fails,
+    and the attempt is prepared as if none were known (sealed again), not handed back."""
+    host = _host(root)
+    assert host.sealed is not None
+    sealed = host.sealed
+    hold = sealed.hold
+    evicted: list[str] = []
+
+    def evicted_first(path: Path) -> Any:
+        if not evicted:  # as another thread's seal would, between look-up and hold
+            evicted.append(path.name)
+            sealed._known.pop(path.name)
+        return hold(path)
+
+    async def scenario() -> tuple[AttemptResult, bool]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            cache.stamps.quiet_ns = 0  # its stamp remembered at once: the fast path next
+            first = await host.prepare(_assignment(1, ""), cache)
+            await host.release(first)
+            monkeypatch.setattr(sealed, "hold", evicted_first)
+            again = await host.prepare(_assignment(2, "echo ran"), cache)
+            handle = await host.launch(again, cache)
+            result = await handle.wait()
+            handle.log.close()
+            await host.stop_leftovers(again)
+            await host.release(again)
+            return result, again.folders.source_check is None
+        finally:
+            await host.close()
+
+    result, slow = asyncio.run(scenario())
+    assert evicted and slow  # the look-up found it; prepared by the thread's seal instead
+    assert result.outcome == "succeeded" and "ran" in result.log_tail, result
