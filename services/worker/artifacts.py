@@ -693,7 +693,9 @@ class Sealed:
     ``seal``), and trusted afterwards only while it is the file that was hashed (device,
     inode, size, mode, owner, modification time): otherwise it is made again. At most
     ``max_bytes`` are kept, the least recently used removed first (an attempt running
-    one keeps its inode until its folder is emptied). Only for attempts of another uid:
+    one keeps its inode until its folder is emptied; one bound on a placeholder is not
+    removed until its attempt's folders are given back: ``hold``). Only for attempts of
+    another uid:
     an attempt running as the agent could change a shared file, so it gets a copy."""
 
     def __init__(self, folder: Path, max_bytes: int) -> None:
@@ -701,6 +703,8 @@ class Sealed:
         self.max_bytes = max_bytes
         self._known: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
         self._paths: dict[str, Path] = {}  # of the digests known, made once each
+        #: copies named by path by attempts not started yet (``hold``): never evicted
+        self._held: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
 
     def get(self, digest: str) -> Path | None:
@@ -732,10 +736,42 @@ class Sealed:
             self._evict()
         return path
 
+    def hold(self, path: Path) -> Callable[[], None]:
+        """Keep the sealed copy at ``path`` until the call returned is made: an attempt
+        whose executable is bound on a placeholder names its copy by path alone (no link
+        holds it) until its start binds it, and an eviction in between would fail that
+        start. What is over the bound meanwhile is evicted at the last let-go. Raises
+        ``FileNotFoundError`` if the copy was evicted already (by another thread's seal,
+        since it was handed out)."""
+        digest = path.name
+        with self._lock:
+            if digest not in self._known:
+                raise FileNotFoundError(f"sealed copy {digest} evicted")
+            self._held[digest] += 1
+        once = [digest]
+
+        def let_go() -> None:
+            if not once:  # let go already
+                return
+            once.clear()
+            with self._lock:
+                self._held[digest] -= 1
+                if self._held[digest] <= 0:
+                    del self._held[digest]
+                self._evict()
+
+        return let_go
+
     def _evict(self) -> None:
         total = sum(fingerprint[2] for fingerprint in self._known.values())
-        while total > self.max_bytes and len(self._known) > 1:
-            digest, fingerprint = self._known.popitem(last=False)
+        if total <= self.max_bytes:
+            return
+        for digest in list(self._known)[:-1]:  # the oldest first; the newest is kept
+            if total <= self.max_bytes:
+                break
+            if digest in self._held:
+                continue
+            fingerprint = self._known.pop(digest)
             self._paths.pop(digest, None)
             (self.folder / digest).unlink(missing_ok=True)
             total -= fingerprint[2]

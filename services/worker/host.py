@@ -221,6 +221,14 @@ class Host:
         own: where a helper starts attempts (its home then a tmpfs, in a mount namespace)."""
         return self.binary is not None
 
+    def _link(self, folders: Folders, sealed: Path) -> None:
+        """``folders.link_executable``; a copy bound on a placeholder is named by its path
+        alone until its start binds it: held from the cache's eviction (``Sealed.hold``)
+        until the folders are given back."""
+        folders.link_executable(sealed)
+        if folders.placeholder and self.sealed is not None:
+            folders.unbind = self.sealed.hold(sealed)
+
     def _quota_mb(self, assignment: Assignment) -> int | None:
         """The size of the attempt's tmpfs; None: its folders are on disk."""
         if not (self.tmpfs and self.private_tmp):
@@ -301,7 +309,11 @@ class Host:
             functools.partial(cache.seal_local, uri, sha256, prepared.identity, self.sealed)
         )
         folders = prepared.folders
-        folders.bound, folders.source_check, prepared.local = sealed, None, None
+        unbind, folders.unbind = folders.unbind, None
+        if unbind is not None:
+            unbind()
+        self._link(folders, sealed)
+        folders.source_check, prepared.local = None, None
         assert spec.sandbox is not None  # a checked source is a sandboxed attempt's
         sandbox = dataclasses.replace(
             spec.sandbox, bind=(str(sealed), str(folders.executable)), source_check=None
@@ -347,7 +359,7 @@ class Host:
         try:
             if self.sealed is not None and identity is not None:
                 sealed = cache.seal_local(artifact.uri, artifact.sha256, identity, self.sealed)
-                folders.link_executable(sealed)
+                self._link(folders, sealed)
             else:
                 written = cache.copy_local(
                     artifact.uri, artifact.sha256, folders.executable.parent, identity
@@ -391,7 +403,10 @@ class Host:
         )
         self.spare_logs.take(self._log_path(assignment))
         try:
-            folders.link_executable(sealed)
+            self._link(folders, sealed)
+        except FileNotFoundError:  # its copy evicted since it was found: sealed again
+            self.workdirs.give_back(folders, reusable=True)
+            return None
         except BaseException:
             self.workdirs.give_back(folders, reusable=True)
             raise
@@ -408,7 +423,7 @@ class Host:
                 sealed = await cache.seal(
                     artifact.uri, artifact.sha256, self.sealed, assignment.artifact_credentials
                 )
-                await asyncio.to_thread(folders.link_executable, sealed)
+                await asyncio.to_thread(self._link, folders, sealed)
             else:
                 written = await cache.materialize(
                     artifact.uri,

@@ -315,6 +315,9 @@ class Folders:
     #: its ``file://`` source and the stamp it must still have, checked by its spawn
     #: helper's child as the attempt before anything else (``spawner.Launch.source``)
     source_check: tuple[Path, tuple[int, int, int, int, int]] | None = None
+    #: lets go of the sealed copy ``bound`` names (``artifacts.Sealed.hold``), kept from
+    #: the cache's eviction until these folders are given back (``workdirs.give_back``)
+    unbind: Callable[[], None] | None = None
 
     @property
     def view(self) -> Path:

@@ -185,6 +185,9 @@ class Workdirs:
         """Take the attempt's folders back: its home is removed (a tmpfs: let go) and a
         new set made ahead; its executable folder, emptied, goes back to the pool when
         ``reusable`` (no process of the attempt is left), else it is removed too."""
+        unbind, folders.unbind = folders.unbind, None
+        if unbind is not None:
+            unbind()  # its bound copy, no longer named by a start to come
         if folders.quota_mb is not None:
             folders.unmount()
             if folders.made:  # none for a bound executable

@@ -205,3 +205,81 @@ def test_its_file_source_is_checked_by_the_helpers_child_and_sealed_again_when_i
     assert back == ("agent", "v1\n")
     assert hidden[0] == "again" and isinstance(hidden[1], ArtifactError), hidden
     assert "not readable by the attempt" in str(hidden[1]), hidden
+
+
+def test_a_prepared_attempts_sealed_copy_outlives_the_caches_eviction_until_it_starts(
+    root: Path,
+) -> None:
+    """A bound executable names its sealed copy by path until its start binds it (no link
+    holds it meanwhile): another attempt's seal that evicts the cache's oldest copies in
+    between leaves it in place, and it starts; once given back, the cache is trimmed."""
+    host = _host(root)  # the spawn helper binds the copy (a fork of the agent: a link)
+    other = root / "other.sh"
+    other.write_bytes(b"#!/bin/sh\necho other\n")
+    other.chmod(0o755)
+    second = Artifact(uri=other.as_uri(), sha256=hashlib.sha256(other.read_bytes()).hexdigest())
+
+    async def scenario() -> tuple[AttemptResult, bool, bool]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            first = await host.prepare(_assignment(1, "echo ran"), cache)
+            bound = first.folders.bound
+            assert bound is not None and first.folders.placeholder
+            assert host.sealed is not None
+            host.sealed.max_bytes = 1  # every copy but the newest one is over the bound
+            assignment = _assignment(2, "").model_copy(update={"artifact": second, "args": []})
+            later = await host.prepare(assignment, cache)  # sealed after: the newest
+            kept = bound.exists()
+            handle = await host.launch(first, cache)
+            result = await handle.wait()
+            handle.log.close()
+            await host.stop_leftovers(first)
+            await host.release(first)
+            await host.release(later)
+            return result, kept, bound.exists()
+        finally:
+            await host.close()
+
+    result, kept, after = asyncio.run(scenario())
+    assert kept, "the sealed copy of a prepared attempt was evicted before it started"
+    assert result.outcome == "succeeded" and "ran" in result.log_tail, result
+    assert not after  # given back: the cache trims what it held over its bound
+
+
+def test_a_sealed_copy_evicted_between_its_look_up_and_its_hold_is_sealed_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's seal may evict a copy the fast path just found: its hold fails,
+    and the attempt is prepared as if none were known (sealed again), not handed back."""
+    host = _host(root)
+    assert host.sealed is not None
+    sealed = host.sealed
+    hold = sealed.hold
+    evicted: list[str] = []
+
+    def evicted_first(path: Path) -> Any:
+        if not evicted:  # as another thread's seal would, between look-up and hold
+            evicted.append(path.name)
+            sealed._known.pop(path.name)
+        return hold(path)
+
+    async def scenario() -> tuple[AttemptResult, bool]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            cache.stamps.quiet_ns = 0  # its stamp remembered at once: the fast path next
+            first = await host.prepare(_assignment(1, ""), cache)
+            await host.release(first)
+            monkeypatch.setattr(sealed, "hold", evicted_first)
+            again = await host.prepare(_assignment(2, "echo ran"), cache)
+            handle = await host.launch(again, cache)
+            result = await handle.wait()
+            handle.log.close()
+            await host.stop_leftovers(again)
+            await host.release(again)
+            return result, again.folders.source_check is None
+        finally:
+            await host.close()
+
+    result, slow = asyncio.run(scenario())
+    assert evicted and slow  # the look-up found it; prepared by the thread's seal instead
+    assert result.outcome == "succeeded" and "ran" in result.log_tail, result
