@@ -11,7 +11,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path, Request, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -270,6 +271,32 @@ Submitting = Annotated[Submission, Depends(submission)]
 # What FastAPI checks of the ``X-Cairn-On-Behalf-Of`` header (``OnBehalfOf``), for
 # ``plain_submission``: a value outside it goes to FastAPI's own answer.
 _PLAIN_OWNER = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
+
+
+JSON = "application/json"
+
+
+class PlainRoute(APIRoute):
+    """A route as its endpoint declares it (its OpenAPI, its answers) whose common
+    request, a JSON body, ``plain`` serves without FastAPI's dependency solving and body
+    handling (the hot paths: ``tasks.SubmitRoute``, ``workers.TurnRoute``). A request
+    ``plain`` would not take as it is (None) goes to FastAPI's own handler, so every
+    refusal is the one it gives."""
+
+    async def plain(self, request: Request) -> Response | None:
+        raise NotImplementedError
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        standard = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            if request.headers.get("content-type") == JSON:
+                answer = await self.plain(request)
+                if answer is not None:
+                    return answer
+            return await standard(request)
+
+        return handle
 
 
 async def plain_caller(request: Request, roles: tuple[str, ...]) -> Principal:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import orjson
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -39,6 +37,7 @@ from libs.common.sources import source_allowed
 from libs.common.states import TaskState
 from services.core.api import deps
 from services.core.api.deps import (
+    JSON,
     Announcer,
     Audit,
     Engine,
@@ -57,9 +56,6 @@ from services.core.ops import tasks as tasks_ops
 from services.core.settings import CoreSettings
 
 router = APIRouter(prefix="/v1/tasks", tags=["tasks"])
-
-
-JSON = "application/json"
 
 
 def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Response:
@@ -96,32 +92,24 @@ async def _submit_one(spec: TaskCreate, call: Submission, request: Request, star
     )
 
 
-class SubmitRoute(APIRoute):
-    """``POST /v1/tasks`` as ``submit_task`` declares it (its OpenAPI, its answers), with
-    the common request served without FastAPI's dependency solving and body handling
-    (about 0.13 ms of the 1.1-1.2 ms a lone submission cost core, docs/benchmarks.md):
-    the caller authenticated first (``deps.plain_submission``), then the JSON body parsed
-    by pydantic straight from the bytes. A request this path would not take as it is (a
-    body that does not validate, another content type, a header ``OnBehalfOf`` refuses)
-    goes to FastAPI's own handler, so every refusal is the one it gives."""
+class SubmitRoute(deps.PlainRoute):
+    """``POST /v1/tasks`` as ``submit_task`` declares it, with the common request served
+    without FastAPI's dependency solving and body handling (about 0.13 ms of the 1.1-1.2
+    ms a lone submission cost core, docs/benchmarks.md): the caller authenticated first
+    (``deps.plain_submission``), then the JSON body parsed by pydantic straight from the
+    bytes; a body that does not validate or a header ``OnBehalfOf`` refuses goes to
+    FastAPI's own handler."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        standard = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            start = tracing.now_ns()
-            if request.headers.get("content-type") == JSON:
-                call = await deps.plain_submission(request)
-                if call is not None:
-                    try:
-                        spec = TaskCreate.model_validate_json(await request.body())
-                    except ValidationError:
-                        pass
-                    else:
-                        return await _submit_one(spec, call, request, start)
-            return await standard(request)
-
-        return handle
+    async def plain(self, request: Request) -> Response | None:
+        start = tracing.now_ns()
+        call = await deps.plain_submission(request)
+        if call is None:
+            return None
+        try:
+            spec = TaskCreate.model_validate_json(await request.body())
+        except ValidationError:
+            return None
+        return await _submit_one(spec, call, request, start)
 
 
 router.add_api_route(

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, status
-from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -37,12 +35,14 @@ from libs.common.models import (
 from libs.common.problems import PROBLEMS
 from libs.common.states import TaskState, WorkerState
 from services.core.api.deps import (
+    JSON,
     AdminOnly,
     Announcer,
     Audit,
     Bearer,
     Engine,
     LeaseCache,
+    PlainRoute,
     allow,
     authenticate,
     engine_of,
@@ -236,41 +236,30 @@ async def turn(body: Turn, call: Agent, request: Request) -> Response:
     return Response(answer.model_dump_json(), media_type=JSON)
 
 
-JSON = "application/json"
 MAX_ID = 2**63 - 1
 
 
-class TurnRoute(APIRoute):
-    """``POST /v1/workers/{worker_id}/turn`` as ``turn`` declares it (its OpenAPI, its
-    answers), with an agent's turn served without FastAPI's dependency solving and body
-    handling, as ``tasks.SubmitRoute`` serves a submission: the caller authenticated
-    first (401, 403 as there), then the worker held (404), then the JSON body parsed by
-    pydantic straight from the bytes. A request this path would not take as it is (an
-    id or a lease header the dependencies would refuse, a body that does not validate,
-    another content type) goes to FastAPI's own handler, so every refusal is the one it
-    gives."""
+class TurnRoute(PlainRoute):
+    """``POST /v1/workers/{worker_id}/turn`` as ``turn`` declares it, with an agent's turn
+    served without FastAPI's dependency solving and body handling, as
+    ``tasks.SubmitRoute`` serves a submission: the caller authenticated first (401, 403
+    as there), then the worker held (404), then the JSON body parsed by pydantic
+    straight from the bytes; an id or a lease header the dependencies would refuse, or
+    a body that does not validate, goes to FastAPI's own handler."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        standard = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            if request.headers.get("content-type") == JSON:
-                principal = await plain_caller(request, AGENTS)
-                worker_id = _plain_id(request.path_params.get("worker_id"))
-                lease = request.headers.get(WORKER_LEASE_HEADER)
-                if worker_id is not None and (lease is None or len(lease) <= LEASE_MAX):
-                    engine = engine_of(request)
-                    worker = await _hold(worker_id, principal, engine, request, lease)
-                    try:
-                        body = Turn.model_validate_json(await request.body())
-                    except ValidationError:
-                        pass
-                    else:
-                        call = AgentCall(worker, _dispatcher_on(request, engine))
-                        return await turn(body, call, request)
-            return await standard(request)
-
-        return handle
+    async def plain(self, request: Request) -> Response | None:
+        principal = await plain_caller(request, AGENTS)
+        worker_id = _plain_id(request.path_params.get("worker_id"))
+        lease = request.headers.get(WORKER_LEASE_HEADER)
+        if worker_id is None or (lease is not None and len(lease) > LEASE_MAX):
+            return None
+        engine = engine_of(request)
+        worker = await _hold(worker_id, principal, engine, request, lease)
+        try:
+            body = Turn.model_validate_json(await request.body())
+        except ValidationError:
+            return None
+        return await turn(body, AgentCall(worker, _dispatcher_on(request, engine)), request)
 
 
 def _plain_id(value: str | None) -> int | None:
