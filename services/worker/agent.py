@@ -925,8 +925,8 @@ class Agent:
         """The started attempt, or the report of why it could not start."""
         try:
             return await self.host.launch(prepared, self.cache, spec)
-        except SpawnError as exc:
-            return Report(outcome="failed", error=str(exc), retryable=False)
+        except SpawnError as exc:  # SourceUnanswered too: the task's retry policy decides
+            return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
         except OSError as exc:  # sealing its changed source again failed (as in prepare)

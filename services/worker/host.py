@@ -484,6 +484,7 @@ class Host:
             home=str(folders.home) if folders.mount is not None else None,
             bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,
             source_check=_source_check(folders.source_check),
+            source_timeout_s=self.settings.worker_source_timeout_s,
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(

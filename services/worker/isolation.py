@@ -89,6 +89,8 @@ class Sandbox:
     #: (a ``file://`` source, its stamp): checked by the spawn helper's child first
     #: (``Folders.source_check``); a fork of the agent never starts such an attempt
     source_check: tuple[str, tuple[int, int, int, int, int]] | None = None
+    #: how long that check may take (``WorkerSettings.worker_source_timeout_s``)
+    source_timeout_s: float | None = None
     #: enter the network namespace of this process (an exec probe of an attempt with
     #: egress ``none``: docs/services.md) instead of the host's
     join_netns: int | None = None

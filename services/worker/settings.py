@@ -62,6 +62,11 @@ class WorkerSettings(WorkerOfferSettings):
     worker_disk_mb: int = Field(default=1024, ge=1, le=1024 * 1024)
     #: how long an attempt's folder is kept after its log is uploaded (0: removed at once)
     worker_keep_attempts_s: float = Field(default=0.0, ge=0)
+    #: how long a start waits for its ``file://`` source to open (the spawn helper's check,
+    #: as the attempt): a healthy local open takes microseconds; one that has not answered
+    #: by then (a FUSE mount whose server hangs) fails the start (docs/security.md,
+    #: "file:// sources that do not answer")
+    worker_source_timeout_s: float = Field(default=5.0, gt=0, le=300)
     #: the artifact cache's bound; the least recently used artifacts go first
     worker_cache_mb: int = Field(default=10 * 1024, ge=1)
     artifact_sources: str = ""

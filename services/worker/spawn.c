@@ -46,6 +46,10 @@
  *              separated), else the start fails at step "source" (ESTALE, or the open's
  *              errno) and the agent seals the source again (the stamp the agent
  *              remembered is what it hashed: artifacts.FileStamps)
+ *   W ms       within this many milliseconds (given with o), else the start fails at step
+ *              "source" with ETIMEDOUT (check_source: the open runs in a checker process
+ *              this one waits for no longer; EBUSY while an earlier checker of the same
+ *              path, or MAX_STUCK of them, still hang)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
@@ -77,6 +81,7 @@
 #include <sys/vfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_REQUEST (1 << 20)
@@ -111,7 +116,7 @@ struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 struct request {
     char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
-    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
+    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, source_ms;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
@@ -176,6 +181,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'o': r->source = value; break;
         case 'O': r->stamp = value; break;
         case 'F': r->fstypes = value; break;
+        case 'W': r->source_ms = (int)strtol(value, NULL, 10); break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -192,7 +198,8 @@ static int parse(char *data, size_t size, struct request *r) {
         default: return -1;
         }
     }
-    if (r->source && (!r->stamp || !r->fstypes || r->uid < 0 || r->gid < 0)) return -1;
+    if (r->source && (!r->stamp || !r->fstypes || r->uid < 0 || r->gid < 0 || r->source_ms <= 0))
+        return -1;
     return r->exe && r->argc > 0 ? 0 : -1;
 }
 
@@ -270,10 +277,98 @@ static int source_holds(struct request *r) {
     return 0;
 }
 
+/* Checkers of sources that did not answer in time (an open under a FUSE mount whose
+ * server never replies waits in the kernel, and past the first waiter of a directory
+ * not even SIGKILL ends it): their pids and paths, at most MAX_STUCK, each reaped once it
+ * is let go (a "clone" child, exit signal 0: reap's wait never sees it). */
+#define MAX_STUCK 8
+static struct { pid_t pid; char *path; } stuck[MAX_STUCK];
+
+static void reap_checkers(void) {
+    for (int i = 0; i < MAX_STUCK; i++)
+        if (stuck[i].pid > 0 && waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE) == stuck[i].pid) {
+            stuck[i].pid = 0;
+            free(stuck[i].path);
+            stuck[i].path = NULL;
+        }
+}
+
+static long long now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* source_holds, bounded: run in a checker process (a copy of this one holding only the
+ * pipe it answers on), waited for at most r->source_ms. 0 if the source holds, else an
+ * errno: the check's, ETIMEDOUT if it did not answer in time (then killed, and kept in
+ * stuck until it is gone), EBUSY if a checker of this path (or MAX_STUCK) still hangs:
+ * this process never waits on a file system longer than that, so it goes on serving. */
+static int check_source(struct request *r) {
+    int free_slot = -1;
+    for (int i = 0; i < MAX_STUCK; i++) {
+        if (stuck[i].pid > 0 && (!stuck[i].path || strcmp(stuck[i].path, r->source) == 0))
+            return EBUSY;
+        if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
+    }
+    if (free_slot < 0) return EBUSY;
+    int answer[2];
+    if (pipe2(answer, O_CLOEXEC) < 0) return errno;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    pid_t pid = (pid_t)syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0) {
+        if (answer[1] != 3 && dup3(answer[1], 3, O_CLOEXEC) < 0) _exit(1);
+        if (syscall(SYS_close_range, 4, ~0U, 0) < 0)
+            for (int fd = 4; fd < 65536; fd++) close(fd);
+        int err = source_holds(r) < 0 ? errno : 0;
+        _exit(write(3, &err, sizeof err) == (ssize_t)sizeof err ? 0 : 1);
+    }
+    int saved = errno;
+    close(answer[1]);
+    if (pid < 0) {
+        close(answer[0]);
+        return saved;
+    }
+    int err = 0;
+    ssize_t got = -1;
+    long long deadline = now_ms() + r->source_ms;
+    for (;;) {
+        long long left = deadline - now_ms();
+        struct pollfd readable = {answer[0], POLLIN, 0};
+        int ready = left > 0 ? poll(&readable, 1, (int)left) : 0;
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready > 0) {
+            do got = read(answer[0], &err, sizeof err);
+            while (got < 0 && errno == EINTR);
+        }
+        break;
+    }
+    close(answer[0]);
+    if (got == (ssize_t)sizeof err) {
+        while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        return err;
+    }
+    kill(pid, SIGKILL);
+    if (got == 0) {  /* it died unanswered */
+        while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        return EIO;
+    }
+    /* No answer in time: killed, which ends a wait for a request the server has not read
+     * yet at once; one that cannot end yet is kept until it does (the path NULL if it
+     * cannot be copied: then it stands for every path). */
+    for (int waited = 0; waited < 50; waited++) {
+        if (waitpid(pid, NULL, WNOHANG | __WCLONE) == pid) return ETIMEDOUT;
+        usleep(1000);
+    }
+    stuck[free_slot].pid = pid;
+    stuck[free_slot].path = strdup(r->source);
+    return ETIMEDOUT;
+}
+
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
-    if (r->source && source_holds(r) < 0) fail(status_fd, SOURCE);
     if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
@@ -469,6 +564,7 @@ static int serve(int sock) {
     }
     struct reply reply = {REPLY, 0, OK, 0, -1};
     struct request request;
+    reap_checkers();  /* none, mostly: then no system call */
     if (buffer[0] == 'S') {
         char *rest;
         long pid = strtol(buffer + 1, &rest, 10);
@@ -487,7 +583,11 @@ static int serve(int sock) {
         request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
         request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
         int pipe_fds[2];
-        if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
+        int unsound = request.source ? check_source(&request) : 0;
+        if (unsound) {
+            reply.step = SOURCE;
+            reply.err = unsound;
+        } else if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
             reply.step = CLONE;
             reply.err = errno;
         } else {
