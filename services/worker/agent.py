@@ -174,6 +174,7 @@ class Agent:
             sources=settings.sources,
             max_cache_bytes=settings.worker_cache_mb * 2**20,
             s3_own_buckets=settings.s3_own_buckets,
+            open_timeout_s=settings.worker_source_timeout_s,
         )
         self.worker_id = 0
         self.lease = ""

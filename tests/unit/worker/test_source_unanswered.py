@@ -1,20 +1,29 @@
-"""The spawn helper's ``file://`` source check against a real FUSE mount whose server
-never answers (``tests.support.fuse``), as root: the check gives up after its time limit
+"""Opens of a ``file://`` source under a real FUSE mount whose server never answers
+(``tests.support.fuse``), as root. The spawn helper's check gives up after its time limit
 (ETIMEDOUT at the source step), a second check of the same path fails at once while the
 first checker still hangs (EBUSY), the helper goes on starting other attempts meanwhile,
-and it reaps the checker once the mount lets it go."""
+and it reaps the checker once the mount lets it go. The agent's own seal of such a source
+(``ArtifactCache.seal_local``, on its thread that opens files as attempts) fails the same
+way and leaves one thread to the open, no more."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import os
+import subprocess
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.worker import spawner
+from services.worker import artifacts, spawner
+from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed, in_open_thread
+from services.worker.isolation import Identity
 from tests.support.fuse import unanswered_fuse
 
 pytestmark = pytest.mark.skipif(
@@ -100,3 +109,60 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(tmp_path: 
             helper.close()
 
     asyncio.run(scenario())
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A folder the attempt's uid may pass through (every parent of it too)."""
+    folder = Path(tempfile.mkdtemp(prefix="cairn-fuse-test-", dir="/var/tmp"))
+    folder.chmod(0o711)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
+    tmp_path = root
+    cache = ArtifactCache(tmp_path / "cache", open_timeout_s=LIMIT_S)
+    (tmp_path / "sealed").mkdir(mode=0o700)
+    sealed = Sealed(tmp_path / "sealed", 2**20)
+    reader = Identity(29993, 29993)
+    healthy = tmp_path / "healthy.sh"
+    healthy.write_bytes(b"#!/bin/sh\n")
+    healthy.chmod(0o644)
+    digest = hashlib.sha256(healthy.read_bytes()).hexdigest()
+
+    def seal(source: Path) -> tuple[float, Path | ArtifactError]:
+        began = time.monotonic()
+        work = in_open_thread(lambda: cache.seal_local(source.as_uri(), digest, reader, sealed))
+        try:
+            return time.monotonic() - began, asyncio.run(asyncio.wait_for(work, 10))
+        except ArtifactError as exc:
+            return time.monotonic() - began, exc
+
+    def hanging() -> int:
+        return sum(t.name == "open-with-limit" for t in threading.enumerate())
+
+    before = hanging()
+    with unanswered_fuse(tmp_path / "jammed") as mount:
+        source = mount / "task.sh"
+        took, failed = seal(source)
+        assert isinstance(failed, ArtifactError) and failed.retryable, failed
+        assert f"{source}: it did not answer within {LIMIT_S:g} s" in failed.reason
+        assert LIMIT_S <= took < LIMIT_S + 2, took
+        took, busy = seal(source)  # its open still hangs: this one fails at once
+        assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
+        assert took < LIMIT_S, took
+        # The thread that opens files as attempts goes on: a healthy source seals.
+        took, copy = seal(healthy)
+        assert isinstance(copy, Path) and copy.read_bytes() == healthy.read_bytes()
+        assert hanging() == before + 2  # the one left to the open, and the spare
+        assert artifacts._guard.hanging() == [str(source)]
+    # The mount gone, the open returns (ENOTCONN); its thread ends at the next open.
+    deadline = time.monotonic() + 10
+    while artifacts._guard.hanging() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(seal(healthy)[1], Path)
+    deadline = time.monotonic() + 10
+    while hanging() > max(before, 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hanging() == max(before, 1)
