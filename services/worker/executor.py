@@ -494,9 +494,10 @@ async def _start_by_helper(
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == SOURCE_STEP:
             if exc.errno in SOURCE_UNANSWERED:
-                why = _unanswered(spec, exc.errno)
-                log.note(f"cairn: cannot start {spec.executable}: {why}\n")
-                raise SourceUnanswered(f"cannot start {spec.executable}: {why}") from exc
+                still = "an earlier check of it still hangs" if exc.errno == SOURCE_BUSY else ""
+                failure = unanswered(spec, still)
+                log.note(f"cairn: {failure}\n")
+                raise failure from exc
             raise SourceChanged(f"{spec.sandbox and spec.sandbox.source_check}: {exc}") from exc
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
@@ -510,15 +511,17 @@ async def _start_by_helper(
     return started, pid, exited
 
 
-def _unanswered(spec: AttemptSpec, errno: int) -> str:
-    """Why a start whose source check did not answer (``SOURCE_UNANSWERED``) failed."""
+def unanswered(spec: AttemptSpec, context: str = "") -> SourceUnanswered:
+    """The failure of a start whose ``file://`` source check did not answer in time
+    (``SOURCE_UNANSWERED``); ``context``: which check (another one's, still hanging)."""
     sandbox = spec.sandbox
     source = sandbox.source_check[0] if sandbox and sandbox.source_check else "?"
-    limit = sandbox.source_timeout_s if sandbox else None
+    limit = sandbox.source_timeout_s if sandbox and sandbox.source_timeout_s else 0.0
     why = f"its file:// source {source} did not answer within {limit:g} s"
-    if errno == SOURCE_BUSY:
-        why += " (an earlier open of it that did not answer still hangs)"
-    return why + ": its file system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)"
+    if context:
+        why += f" ({context})"
+    why += ": its file system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)"
+    return SourceUnanswered(f"cannot start {spec.executable}: {why}")
 
 
 def _launch(spec: AttemptSpec) -> Launch:

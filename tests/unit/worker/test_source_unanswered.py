@@ -33,17 +33,23 @@ pytestmark = pytest.mark.skipif(
 LIMIT_S = 0.3
 
 
-def _check(source: Path) -> spawner.Launch:
+def _check(source: Path, healthy: bool = False) -> spawner.Launch:
+    """``/bin/true``, started once ``source`` (opened as uid 29992) is the file of its
+    stamp (``healthy``: the one it has now) on a local file system."""
+    stamp = (0, 0, 0, 0, 0)
+    if healthy:
+        info = source.stat()
+        stamp = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     return spawner.Launch(
         "/bin/true",
         ["true"],
         {},
         "/",
-        uid=os.getuid(),
-        gid=os.getgid(),
+        uid=29992,
+        gid=29992,
         source=str(source),
-        source_stamp=(0, 0, 0, 0, 0),
-        source_types="ef53",
+        source_stamp=stamp,
+        source_types=artifacts.LOCAL_FS_TYPES,
         source_timeout_s=LIMIT_S,
     )
 
@@ -63,7 +69,17 @@ def _children(pid: int) -> list[str]:
     return states
 
 
-def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(tmp_path: Path) -> None:
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A folder the attempt's uid may pass through (every parent of it too)."""
+    folder = Path(tempfile.mkdtemp(prefix="cairn-fuse-test-", dir="/var/tmp"))
+    folder.chmod(0o711)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path) -> None:
+    tmp_path = root
     binary = spawner.build(spawner.default_folders(tmp_path))
     if binary is None:
         pytest.skip("no C compiler for the spawn helper")
@@ -83,6 +99,9 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(tmp_path: 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
         try:
+            # Its resident checker answers the first check, outside any start.
+            took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
+            assert status == 0 and _children(helper.pid) == ["S"], _children(helper.pid)
             with unanswered_fuse(tmp_path / "jammed") as mount:
                 source = mount / "bin" / "task"
                 took, failed = await spawn(helper, _check(source))
@@ -102,22 +121,14 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(tmp_path: 
             deadline = time.monotonic() + 10
             while "D" in _children(helper.pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            took, status = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
+            # Its checker hung: each check is a copy of its own now, reaped at once.
+            took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
             assert status == 0
             assert _children(helper.pid) == [], _children(helper.pid)
         finally:
             helper.close()
 
     asyncio.run(scenario())
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    """A folder the attempt's uid may pass through (every parent of it too)."""
-    folder = Path(tempfile.mkdtemp(prefix="cairn-fuse-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
 def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
