@@ -1094,10 +1094,9 @@ class _Guard:
     def open(self, source: Path, flags: int, reader: Identity, limit_s: float) -> int:
         key = str(source)
         with self._lock:
-            for path, (stuck, waiting) in list(self._stuck.items()):
-                if waiting.done():  # it returned at last: its thread ends
+            for path, (_, waiting) in list(self._stuck.items()):
+                if waiting.done():  # it returned at last (its thread ended with it)
                     del self._stuck[path]
-                    stuck.stop()
             if key in self._stuck or len(self._stuck) >= MAX_STUCK_OPENS:
                 raise _unanswered(source, limit_s, still=True)
             opener, self._spare = self._spare or _Opener("open-with-limit"), None
@@ -1106,6 +1105,7 @@ class _Guard:
             fd = done.result(timeout=limit_s)
         except concurrent.futures.TimeoutError:
             done.add_done_callback(_close_opened)
+            opener.stop()  # its thread ends as soon as the open returns
             with self._lock:
                 self._stuck[key] = (opener, done)
             raise _unanswered(source, limit_s, still=False) from None
