@@ -146,7 +146,8 @@ class SourceUnanswered(SpawnError):
     """The attempt's ``file://`` source did not answer its spawn helper's open in time
     (``Sandbox.source_timeout_s``: a file system that hangs, such as a FUSE mount whose
     server does not reply): nothing of it ran. Not sealed again (that open would hang
-    the agent's thread on the same path); a failure the task's retry policy sees."""
+    the agent's thread on the same path), and the source's next starts fail at once for
+    a while (``Host.launch``); a failure the task's retry policy sees."""
 
     retryable = True
 

@@ -410,8 +410,7 @@ class Host:
         (``sealed_known``: one open as the attempt, on this thread, nothing read; where a
         spawn helper starts it, that open is the helper's checker's, before anything else
         and bounded in time: ``sealed_stamp``, ``Folders.source_check``, and ``launch`` if
-        it fails); None
-        otherwise, having done nothing."""
+        it fails); None otherwise, having done nothing."""
         quota_mb = self._quota_mb(assignment)
         if self.sealed is None or identity is None or quota_mb is None:
             return None

@@ -80,8 +80,8 @@ _STEPS = {
 EXEC_STEP = 8
 #: the step at which the spawn helper found a ``file://`` source not the file of its stamp
 SOURCE_STEP = 11
-#: its errno there when the source's open did not answer in time (ETIMEDOUT), or when an
-#: earlier check of the same source that did not still hangs (EBUSY): no other file
+#: its errno there when the source's open did not answer in time (ETIMEDOUT), or while an
+#: earlier check of the same source that did not answer still hangs (EBUSY)
 SOURCE_BUSY = errno.EBUSY
 SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
 
