@@ -70,12 +70,15 @@ def run_time_s(pid: int) -> float:
 
 def helpers_cpu_s(agent_pid: int, with_reaped: bool = True) -> float:
     """CPU seconds of a worker agent's live resident spawn helpers (``cairn-spawn``): their
-    own and, ``with_reaped``, the attempts they started and reaped (the helper is their
-    parent), in whole clock ticks."""
+    own, their resident source checkers' (their live children of the same name; read
+    between attempts, when no attempt is one) and, ``with_reaped``, the attempts they
+    started and reaped (the helper is their parent), in whole clock ticks."""
+    helpers = [pid for pid in children(agent_pid) if (comm(pid) or "").startswith("cairn-spawn")]
     return sum(
-        run_time_s(pid) + (reaped_cpu_s(pid) if with_reaped else 0.0)
-        for pid in children(agent_pid)
-        if (comm(pid) or "").startswith("cairn-spawn")
+        run_time_s(pid)
+        + sum(run_time_s(c) for c in children(pid) if (comm(c) or "").startswith("cairn-spawn"))
+        + (reaped_cpu_s(pid) if with_reaped else 0.0)
+        for pid in helpers
     )
 
 

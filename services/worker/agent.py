@@ -174,6 +174,7 @@ class Agent:
             sources=settings.sources,
             max_cache_bytes=settings.worker_cache_mb * 2**20,
             s3_own_buckets=settings.s3_own_buckets,
+            open_timeout_s=settings.worker_source_timeout_s,
         )
         self.worker_id = 0
         self.lease = ""
@@ -925,8 +926,8 @@ class Agent:
         """The started attempt, or the report of why it could not start."""
         try:
             return await self.host.launch(prepared, self.cache, spec)
-        except SpawnError as exc:
-            return Report(outcome="failed", error=str(exc), retryable=False)
+        except SpawnError as exc:  # SourceUnanswered too: the task's retry policy decides
+            return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)
         except OSError as exc:  # sealing its changed source again failed (as in prepare)

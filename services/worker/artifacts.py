@@ -82,12 +82,18 @@ import httpx
 from libs.common.models import S3Credentials
 from libs.common.sources import source_allowed
 from services.worker.isolation import Identity
+from services.worker.settings import SOURCE_TIMEOUT_S
 
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 #: redirects followed at most (a presigned URL, a release download: one or two hops)
 MAX_REDIRECTS = 5
 CHUNK = 1 << 20
+#: how long an open of a ``file://`` source as an attempt may take (``open_timeout_s``)
+DEFAULT_OPEN_TIMEOUT_S = SOURCE_TIMEOUT_S
+#: opens that did not answer in time and still wait in the kernel (a FUSE mount whose
+#: server hangs): at most this many threads are left to them (``_Guard``)
+MAX_STUCK_OPENS = 4
 _TRANSIENT_HTTP = frozenset({408, 425, 429})
 _MISSING_S3 = frozenset({"NoSuchKey", "NoSuchBucket", "404", "AccessDenied", "403"})
 #: S3 clients kept for artifacts' own credentials, the least recently used dropped first
@@ -160,9 +166,13 @@ class ArtifactCache:
         sources: tuple[str, ...] = (),
         max_cache_bytes: int | None = None,
         s3_own_buckets: frozenset[str] = frozenset(),
+        open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        #: a ``file://`` source's open (as the attempt) that has not answered by then fails
+        #: the attempt (``_Guard``)
+        self.open_timeout_s = open_timeout_s
         self.sources = sources
         self.max_cache_bytes = max_cache_bytes
         self._copying: collections.Counter[str] = collections.Counter()
@@ -292,7 +302,10 @@ class ArtifactCache:
             )
         if _scheme(uri) == "file":
             sink = _Sink(None, self.max_bytes)
-            return await _in_thread(sink, lambda: _copy_local(uri, digest, folder, reader, sink))
+            limit = self.open_timeout_s
+            return await _in_thread(
+                sink, lambda: _copy_local(uri, digest, folder, reader, sink, limit)
+            )
         entry = self._entry(uri, digest, credentials)
         self._copying[entry] += 1
         try:
@@ -309,9 +322,7 @@ class ArtifactCache:
                         return copy
                     self._fingerprints.pop(entry, None)  # changed: hashed again below
                 try:
-                    copy = await self._copy_checked(
-                        _copier(cached, None), uri, digest, folder, entry
-                    )
+                    copy = await self._copy_checked(_copier(cached), uri, digest, folder, entry)
                     if seen is not None and _fingerprint(cached) == seen:
                         self._fingerprints[entry] = seen
                     return copy
@@ -334,7 +345,8 @@ class ArtifactCache:
             raise ArtifactError(
                 f"{_redact(uri)} is not an allowed artifact source", retryable=False
             )
-        return _copy_local(uri, digest, folder, reader, _Sink(None, self.max_bytes))
+        sink = _Sink(None, self.max_bytes)
+        return _copy_local(uri, digest, folder, reader, sink, self.open_timeout_s)
 
     def seal_local(self, uri: str, sha256: str, reader: Identity, sealed: Sealed) -> Path:
         """The sealed copy (``Sealed``) of a ``file://`` artifact: its source is opened as
@@ -345,7 +357,7 @@ class ArtifactCache:
         digest, name = self._local_name(uri, sha256)
         known = sealed.get(name)
         source = _local_path(uri)
-        with os.fdopen(_open_source(source, reader), "rb") as src:
+        with os.fdopen(_open_source(source, reader, self.open_timeout_s), "rb") as src:
             stamp = _stamp(src.fileno())
             if known is not None and self.stamps.holds(stamp, digest):
                 self._local(uri, stamp)
@@ -381,7 +393,7 @@ class ArtifactCache:
         known = sealed.get(name)
         if known is None:
             return None
-        fd = _open_known(source, reader)
+        fd = _open_known(source, reader, self.open_timeout_s)
         try:
             if self.stamps.holds(_stamp(fd), digest):
                 return known
@@ -562,7 +574,8 @@ class ArtifactCache:
     ) -> None:
         scheme = _scheme(uri)
         if scheme == "file":
-            await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink, reader))
+            limit = self.open_timeout_s
+            await _in_thread(sink, lambda: _copy_file(_local_path(uri), sink, reader, limit))
         elif scheme == "https" or (scheme == "http" and self._allow_http):
             await self._download_http(uri, sink)
         elif scheme == "s3":
@@ -871,9 +884,13 @@ def _sealed_print(path: Path) -> tuple[int, ...] | None:
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
-def _copy_local(uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink) -> Path:
-    """A verified copy of a ``file://`` artifact in ``folder``, read as ``reader``."""
-    written = _write_copy(folder, sink, lambda: _copy_file(_local_path(uri), sink, reader))
+def _copy_local(
+    uri: str, digest: str, folder: Path, reader: Identity | None, sink: _Sink, limit_s: float
+) -> Path:
+    """A verified copy of a ``file://`` artifact in ``folder``, read as ``reader`` (its
+    open answered within ``limit_s``)."""
+    source = _local_path(uri)
+    written = _write_copy(folder, sink, lambda: _copy_file(source, sink, reader, limit_s))
     if sink.hexdigest() != digest:
         written.unlink(missing_ok=True)
         raise ArtifactError(_mismatch(uri), retryable=False)
@@ -910,24 +927,25 @@ def _local_path(uri: str) -> Path:
     return Path(urllib.request.url2pathname(parsed.path))
 
 
-def _copier(source: Path, reader: Identity | None) -> Callable[[_Sink], None]:
-    return lambda sink: _copy_file(source, sink, reader)
+def _copier(cached: Path) -> Callable[[_Sink], None]:
+    """Copies the agent's own cached file (opened as the agent: no time limit applies)."""
+    return lambda sink: _copy_file(cached, sink, None, DEFAULT_OPEN_TIMEOUT_S)
 
 
-def _copy_file(source: Path, sink: _Sink, reader: Identity | None) -> None:
-    with os.fdopen(_open_source(source, reader), "rb") as src:
+def _copy_file(source: Path, sink: _Sink, reader: Identity | None, limit_s: float) -> None:
+    with os.fdopen(_open_source(source, reader, limit_s), "rb") as src:
         _read_into(src, sink)
 
 
-def _open_source(source: Path, reader: Identity | None) -> int:
+def _open_source(source: Path, reader: Identity | None, limit_s: float) -> int:
     """A descriptor of the regular file ``source``, opened with ``reader``'s permissions
-    (``_open_as``); the kernel's views (``_PSEUDO``) are refused, by name and by the
-    name the descriptor resolved to through links."""
+    (``_open_as``, within ``limit_s``); the kernel's views (``_PSEUDO``) are refused, by
+    name and by the name the descriptor resolved to through links."""
     unreadable = _unreadable(source)
     if str(source).startswith(_PSEUDO):
         raise unreadable
     try:
-        fd = _open_as(source, reader)
+        fd = _open_as(source, reader, limit_s)
     except OSError:
         raise unreadable from None
     try:
@@ -940,7 +958,7 @@ def _open_source(source: Path, reader: Identity | None) -> int:
     return fd
 
 
-def _open_known(source: Path, reader: Identity | None) -> int:
+def _open_known(source: Path, reader: Identity | None, limit_s: float) -> int:
     """``_open_source`` for a source whose stamp is then checked against those
     remembered (``FileStamps.holds``): a stamp is remembered only for a file that passed
     ``_open_source``'s checks, and one that holds names that same file (device and inode),
@@ -948,7 +966,7 @@ def _open_known(source: Path, reader: Identity | None) -> int:
     if str(source).startswith(_PSEUDO):
         raise _unreadable(source)
     try:
-        return _open_as(source, reader)
+        return _open_as(source, reader, limit_s)
     except OSError:
         raise _unreadable(source) from None
 
@@ -964,17 +982,18 @@ def _read_into(src: IO[bytes], sink: _Sink) -> None:
         sink.write(chunk)
 
 
-def _open_as(source: Path, reader: Identity | None) -> int:
-    """Open ``source`` for reading with ``reader``'s permissions (``_Opener``, or the
-    calling thread itself after ``open_as_here``), so root's rights never apply."""
+def _open_as(source: Path, reader: Identity | None, limit_s: float) -> int:
+    """Open ``source`` for reading with ``reader``'s permissions, so root's rights never
+    apply: on a thread of ``_Guard``'s, waited for at most ``limit_s`` (else
+    ``ArtifactError``), or on the calling thread itself after ``open_as_here``."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     if reader is None:
         return os.open(source, flags)
     if os.geteuid() != 0 or _SYS_SETGROUPS is None:
         raise PermissionError("cannot take the attempt's permissions here")
-    if hasattr(_here, "refused"):
+    if getattr(_here, "in_place", False):
         return _open_here(source, flags, reader)
-    return _opener().open(source, flags, reader)
+    return _guard.open(source, flags, reader, limit_s)
 
 
 #: per thread: ``refused`` is set once the thread opens files as attempts in place (its
@@ -984,9 +1003,17 @@ _here = threading.local()
 
 def open_as_here() -> None:
     """From now on the calling thread opens files as attempts itself (``_open_as``), with
-    no hand-off: its supplementary groups are dropped, once, by the raw system call (per
-    thread in Linux; glibc's ``setgroups`` would drop every thread's). The agent's loop
-    thread does this for ``ArtifactCache.sealed_known``; as root it needs no group."""
+    no hand-off and no time limit: its supplementary groups are dropped, once, by the raw
+    system call (per thread in Linux; glibc's ``setgroups`` would drop every thread's).
+    The agent's loop thread does this for ``ArtifactCache.sealed_known`` (only where no
+    spawn helper starts attempts, which checks the source itself, bounded); as root it
+    needs no group."""
+    _drop_groups()
+    _here.in_place = True
+
+
+def _drop_groups() -> None:
+    """The calling thread's supplementary groups dropped, once (``open_as_here``)."""
     if not hasattr(_here, "refused") and os.geteuid() == 0 and _SYS_SETGROUPS is not None:
         grouped = _libc.syscall(_SYS_SETGROUPS, 0, None) == 0
         _here.own = (os.geteuid(), os.getegid())  # the thread's own, taken back after each
@@ -1017,38 +1044,105 @@ def _open_here(source: Path, flags: int, reader: Identity) -> int:
 
 
 class _Opener:
-    """One resident thread that opens files, each with the permissions of the attempt
-    that asked (``_open_here``: its supplementary groups dropped once, its filesystem uid
-    and gid the reader's for each open). Made once per agent, not a thread per attempt.
-    Work that opens such a file among other file work (an attempt's folders and sealed
-    executable: ``Host.prepare``) runs on this thread whole (``in_open_thread``), its
-    opens made in place: one hand-off from the event loop instead of two."""
+    """One resident thread that runs work handed to it, opens as attempts among it: the
+    thread of ``in_open_thread`` (an attempt's folders and sealed executable:
+    ``Host.prepare``), or one of ``_Guard``'s, whose work is one open. Its supplementary
+    groups are dropped once (``_drop_groups``); each open's filesystem uid and gid are the
+    reader's (``_open_here``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "open-as-attempt") -> None:
         self._requests: queue.SimpleQueue[
-            tuple[Callable[[], Any], concurrent.futures.Future[Any]]
+            tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
         ] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="open-as-attempt", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
-
-    def open(self, source: Path, flags: int, reader: Identity) -> int:
-        if threading.get_ident() == self._thread.ident:
-            return _open_here(source, flags, reader)
-        return self.submit(lambda: _open_here(source, flags, reader)).result()
 
     def submit(self, work: Callable[[], T]) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._requests.put((work, done))
         return done
 
+    def stop(self) -> None:
+        """The thread ends once the work before this is done."""
+        self._requests.put(None)
+
     def _serve(self) -> None:
-        open_as_here()
-        while True:
-            work, done = self._requests.get()
+        _drop_groups()
+        while (request := self._requests.get()) is not None:
+            work, done = request
             try:
                 done.set_result(work())
             except BaseException as exc:  # the asker has it (a NUL in a name too); it goes on
                 done.set_exception(exc)
+
+
+class _Guard:
+    """Opens as attempts that may be given up on: each runs on a thread of its own (one
+    kept spare, reused), waited for at most its time limit. One that does not answer by
+    then (a FUSE mount whose server hangs: the open waits in the kernel, and past the
+    first waiter of a folder not even SIGKILL ends it) fails its attempt
+    (``ArtifactError``, retryable) and keeps its thread until it returns; an open of the
+    same path meanwhile, or any while ``MAX_STUCK_OPENS`` hang, fails at once, so no
+    more threads than that are ever left hanging. An open the waiter gave up on that
+    returns later is closed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: _Opener | None = None
+        self._stuck: dict[str, tuple[_Opener, concurrent.futures.Future[int]]] = {}
+
+    def open(self, source: Path, flags: int, reader: Identity, limit_s: float) -> int:
+        key = str(source)
+        with self._lock:
+            for path, (_, waiting) in list(self._stuck.items()):
+                if waiting.done():  # it returned at last (its thread ended with it)
+                    del self._stuck[path]
+            if key in self._stuck or len(self._stuck) >= MAX_STUCK_OPENS:
+                raise _unanswered(source, limit_s, still=True)
+            opener, self._spare = self._spare or _Opener("open-with-limit"), None
+        done = opener.submit(lambda: _open_here(source, flags, reader))
+        try:
+            fd = done.result(timeout=limit_s)
+        except concurrent.futures.TimeoutError:
+            done.add_done_callback(_close_opened)
+            opener.stop()  # its thread ends as soon as the open returns
+            with self._lock:
+                self._stuck[key] = (opener, done)
+            raise _unanswered(source, limit_s, still=False) from None
+        except BaseException:
+            self._give_back(opener)
+            raise
+        self._give_back(opener)
+        return fd
+
+    def _give_back(self, opener: _Opener) -> None:
+        with self._lock:
+            if self._spare is None:
+                self._spare = opener
+                return
+        opener.stop()  # another open ran meanwhile, on a thread of its own
+
+    def hanging(self) -> list[str]:
+        """The paths whose opens did not answer and have not returned since."""
+        with self._lock:
+            return [path for path, (_, waiting) in self._stuck.items() if not waiting.done()]
+
+
+def _close_opened(done: concurrent.futures.Future[int]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        os.close(done.result())
+
+
+def _unanswered(source: Path, limit_s: float, *, still: bool) -> ArtifactError:
+    why = " (an earlier open of it that did not answer still hangs)" if still else ""
+    return ArtifactError(
+        f"cannot read {source}: it did not answer within {limit_s:g} s{why}: its file "
+        "system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)",
+        retryable=True,
+    )
+
+
+_guard = _Guard()
 
 
 async def in_open_thread(work: Callable[[], T]) -> T:

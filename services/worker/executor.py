@@ -42,7 +42,9 @@ from services.worker.isolation import Sandbox
 from services.worker.logfile import AttemptLog
 from services.worker.spawner import (
     EXEC_STEP,
+    SOURCE_BUSY,
     SOURCE_STEP,
+    SOURCE_UNANSWERED,
     Counters,
     Exit,
     Helper,
@@ -128,13 +130,26 @@ class AttemptResult:
 
 
 class SpawnError(Exception):
-    """The attempt's process could not be started."""
+    """The attempt's process could not be started; ``retryable``: the task's retry policy
+    may try it again (else its failure is final)."""
+
+    retryable = False
 
 
 class SourceChanged(SpawnError):
     """Its spawn helper found the attempt's ``file://`` source not the file of the stamp
     it was prepared with (``Sandbox.source_check``): nothing of it ran, and nothing was
     written to its log; ``Host.launch`` seals the source again."""
+
+
+class SourceUnanswered(SpawnError):
+    """The attempt's ``file://`` source did not answer its spawn helper's open in time
+    (``Sandbox.source_timeout_s``: a file system that hangs, such as a FUSE mount whose
+    server does not reply): nothing of it ran. Not sealed again (that open would hang
+    the agent's thread on the same path), and the source's next starts fail at once for
+    a while (``Host.launch``); a failure the task's retry policy sees."""
+
+    retryable = True
 
 
 class RunningAttempt:
@@ -479,6 +494,11 @@ async def _start_by_helper(
             group.oom_base, group.cpu_base = oom_base, 0.0
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == SOURCE_STEP:
+            if exc.errno in SOURCE_UNANSWERED:
+                still = "an earlier check of it still hangs" if exc.errno == SOURCE_BUSY else ""
+                failure = unanswered(spec, still)
+                log.note(f"cairn: {failure}\n")
+                raise failure from exc
             raise SourceChanged(f"{spec.sandbox and spec.sandbox.source_check}: {exc}") from exc
         if isinstance(exc, SpawnFailed) and exc.step == EXEC_STEP:
             why = os.strerror(exc.errno)
@@ -490,6 +510,19 @@ async def _start_by_helper(
         if into is not None:
             os.close(into)
     return started, pid, exited
+
+
+def unanswered(spec: AttemptSpec, context: str = "") -> SourceUnanswered:
+    """The failure of a start whose ``file://`` source check did not answer in time
+    (``SOURCE_UNANSWERED``); ``context``: which check (another one's, still hanging)."""
+    sandbox = spec.sandbox
+    source = sandbox.source_check[0] if sandbox and sandbox.source_check else "?"
+    limit = sandbox.source_timeout_s if sandbox and sandbox.source_timeout_s else 0.0
+    why = f"its file:// source {source} did not answer within {limit:g} s"
+    if context:
+        why += f" ({context})"
+    why += ": its file system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)"
+    return SourceUnanswered(f"cannot start {spec.executable}: {why}")
 
 
 def _launch(spec: AttemptSpec) -> Launch:
@@ -518,6 +551,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         source=check[0] if check else None,
         source_stamp=check[1] if check else None,
         source_types=LOCAL_FS_TYPES,
+        source_timeout_s=sandbox.source_timeout_s if sandbox else None,
     )
 
 

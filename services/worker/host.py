@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import resource
+import time
 from base64 import b64decode
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from services.worker.artifacts import (
 from services.worker.cgpool import CgroupPool, Slot
 from services.worker.cgroups import AttemptCgroup, Cgroups
 from services.worker.devices import denied
-from services.worker.executor import AttemptSpec, RunningAttempt, SourceChanged, start_attempt
+from services.worker.executor import (
+    AttemptSpec,
+    RunningAttempt,
+    SourceChanged,
+    SourceUnanswered,
+    start_attempt,
+    unanswered,
+)
 from services.worker.isolation import (
     Folders,
     Identity,
@@ -45,6 +53,11 @@ log = logging.getLogger("cairn.worker")
 
 #: ready folder sets made as the agent starts (more as attempts need them, up to its slots)
 AHEAD = 64
+#: how long after its spawn helper's check of a ``file://`` source did not answer every
+#: start of that source fails at once, no helper asked (each ask may leave one more
+#: checker waiting in the kernel); at most this many sources are held so
+HUNG_SOURCE_HOLD_S = 60.0
+HUNG_SOURCES_MAX = 1024
 GIVES_UP = (
     "attempts run as the agent's own user: they can read its token and environment, "
     "signal it, read other attempts' folders and logs, and change the artifact cache"
@@ -96,6 +109,8 @@ class Host:
         self.workdirs = Workdirs(self.run_dir, self.isolated, settings.worker_slots)
         self.spare_logs = SpareLogs(logs_dir, settings.worker_slots)
         self.sealed: Sealed | None = None
+        #: ``file://`` sources whose check did not answer: until when each fails at once
+        self._hung: dict[str, float] = {}
         #: the agent's egress table (``firewall``); None: not isolated, or no nftables
         self.firewall: firewall.Firewall | None = None
         self._allowing: set[int] = set()  # uids with an ``allow`` chain
@@ -298,8 +313,15 @@ class Host:
         attempt started once more. Raises ``SpawnError``, or ``ArtifactError`` (the source
         is unreadable now, or its bytes are not the digest's)."""
         spec = spec or prepared.spec
+        check = spec.sandbox.source_check if spec.sandbox else None
+        if check is not None and self._hung and self._hung.get(check[0], 0.0) > time.monotonic():
+            raise unanswered(spec, f"another start within {HUNG_SOURCE_HOLD_S:g} s")
         try:
             return await start_attempt(spec)
+        except SourceUnanswered:
+            if check is not None:
+                self._held_hung(check[0])
+            raise
         except SourceChanged:
             if prepared.local is None or self.sealed is None or prepared.identity is None:
                 raise
@@ -321,6 +343,14 @@ class Host:
         spec = dataclasses.replace(spec, sandbox=sandbox)
         prepared.spec = dataclasses.replace(prepared.spec, sandbox=sandbox)
         return await start_attempt(spec)
+
+    def _held_hung(self, source: str) -> None:
+        now = time.monotonic()
+        for path in [path for path, until in self._hung.items() if until <= now]:
+            del self._hung[path]
+        if len(self._hung) >= HUNG_SOURCES_MAX:
+            del self._hung[next(iter(self._hung))]
+        self._hung[source] = now + HUNG_SOURCE_HOLD_S
 
     async def _egress(self, policy: Egress | None, identity: Identity | None) -> None:
         """Refuse a policy this agent cannot apply; open an ``allow`` attempt's chain
@@ -378,9 +408,9 @@ class Host:
         (nothing made or walked on disk: a rename, a chown and a link, as ``_undo``'s
         give back), its sealed copy known and its local source unchanged
         (``sealed_known``: one open as the attempt, on this thread, nothing read; where a
-        spawn helper starts it, that open is the helper's child's, before anything else:
-        ``sealed_stamp``, ``Folders.source_check``, and ``launch`` if it fails); None
-        otherwise, having done nothing."""
+        spawn helper starts it, that open is the helper's checker's, before anything else
+        and bounded in time: ``sealed_stamp``, ``Folders.source_check``, and ``launch`` if
+        it fails); None otherwise, having done nothing."""
         quota_mb = self._quota_mb(assignment)
         if self.sealed is None or identity is None or quota_mb is None:
             return None
@@ -484,6 +514,7 @@ class Host:
             home=str(folders.home) if folders.mount is not None else None,
             bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,
             source_check=_source_check(folders.source_check),
+            source_timeout_s=self.settings.worker_source_timeout_s,
         )
         tmpdir = "/tmp" if self.private_tmp and "/tmp" in self.tmp_targets else str(folders.tmp)
         return AttemptSpec(

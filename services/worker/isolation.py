@@ -86,9 +86,11 @@ class Sandbox:
     home: str | None = None
     #: (the sealed copy, the executable's path): bound there in its mount namespace
     bind: tuple[str, str] | None = None
-    #: (a ``file://`` source, its stamp): checked by the spawn helper's child first
+    #: (a ``file://`` source, its stamp): checked by the spawn helper's checker first
     #: (``Folders.source_check``); a fork of the agent never starts such an attempt
     source_check: tuple[str, tuple[int, int, int, int, int]] | None = None
+    #: how long that check may take (``WorkerSettings.worker_source_timeout_s``)
+    source_timeout_s: float | None = None
     #: enter the network namespace of this process (an exec probe of an attempt with
     #: egress ``none``: docs/services.md) instead of the host's
     join_netns: int | None = None
@@ -313,7 +315,7 @@ class Folders:
     #: the sealed copy (``artifacts.Sealed``) bound on ``executable`` when it starts
     bound: Path | None = None
     #: its ``file://`` source and the stamp it must still have, checked by its spawn
-    #: helper's child as the attempt before anything else (``spawner.Launch.source``)
+    #: helper's checker as the attempt before anything else (``spawner.Launch.source``)
     source_check: tuple[Path, tuple[int, int, int, int, int]] | None = None
     #: lets go of the sealed copy ``bound`` names (``artifacts.Sealed.hold``), kept from
     #: the cache's eviction until these folders are given back (``workdirs.give_back``)

@@ -16,6 +16,9 @@ from libs.common.sources import parse_sources
 from services.worker.devices import node_rule
 from services.worker.firewall import parse_blocked
 
+#: ``worker_source_timeout_s``'s default: a healthy local open takes microseconds
+SOURCE_TIMEOUT_S = 5.0
+
 
 class WorkerSettings(WorkerOfferSettings):
     """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
@@ -62,6 +65,11 @@ class WorkerSettings(WorkerOfferSettings):
     worker_disk_mb: int = Field(default=1024, ge=1, le=1024 * 1024)
     #: how long an attempt's folder is kept after its log is uploaded (0: removed at once)
     worker_keep_attempts_s: float = Field(default=0.0, ge=0)
+    #: how long a start waits for its ``file://`` source to open (the spawn helper's check,
+    #: as the attempt): a healthy local open takes microseconds; one that has not answered
+    #: by then (a FUSE mount whose server hangs) fails the start (docs/security.md,
+    #: "file:// sources that do not answer")
+    worker_source_timeout_s: float = Field(default=SOURCE_TIMEOUT_S, gt=0, le=300)
     #: the artifact cache's bound; the least recently used artifacts go first
     worker_cache_mb: int = Field(default=10 * 1024, ge=1)
     artifact_sources: str = ""

@@ -39,13 +39,18 @@
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
  *   b path     the sealed executable, bound on the executable's path (x) in the
  *              attempt's mount namespace: the file it runs, seen there only
- *   o path     a file:// source checked first, opened as the attempt (its uid and gid as
- *              the filesystem ids, no groups) in the host's mount namespace: it must be
+ *   o path     a file:// source checked first, by a checker process before the clone,
+ *              opened as the attempt (its uid and gid as the filesystem ids, no groups)
+ *              in the host's mount namespace: it must be
  *   O stamp    the file of this stamp (st_dev:st_ino:st_size:mtime ns:ctime ns) on a
  *   F types    file system of one of these types (statfs f_type, hexadecimal, comma-
  *              separated), else the start fails at step "source" (ESTALE, or the open's
  *              errno) and the agent seals the source again (the stamp the agent
  *              remembered is what it hashed: artifacts.FileStamps)
+ *   W ms       within this many milliseconds (given with o), else the start fails at step
+ *              "source" with ETIMEDOUT (check_source: the open runs in a checker process
+ *              this one waits for no longer; EBUSY while an earlier checker of the same
+ *              path, or MAX_STUCK of them, still hang)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
@@ -77,6 +82,8 @@
 #include <sys/vfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <limits.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_REQUEST (1 << 20)
@@ -111,7 +118,7 @@ struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 struct request {
     char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
-    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns;
+    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, source_ms;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
@@ -176,6 +183,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'o': r->source = value; break;
         case 'O': r->stamp = value; break;
         case 'F': r->fstypes = value; break;
+        case 'W': r->source_ms = (int)strtol(value, NULL, 10); break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -192,7 +200,8 @@ static int parse(char *data, size_t size, struct request *r) {
         default: return -1;
         }
     }
-    if (r->source && (!r->stamp || !r->fstypes || r->uid < 0 || r->gid < 0)) return -1;
+    if (r->source && (!r->stamp || !r->fstypes || r->uid < 0 || r->gid < 0 || r->source_ms <= 0))
+        return -1;
     return r->exe && r->argc > 0 ? 0 : -1;
 }
 
@@ -270,10 +279,182 @@ static int source_holds(struct request *r) {
     return 0;
 }
 
+/* Checkers of sources that did not answer in time (an open under a FUSE mount whose
+ * server never replies waits in the kernel, and past the first waiter of a directory
+ * not even SIGKILL ends it): their pids and paths, at most MAX_STUCK, each reaped once it
+ * is let go (a "clone" child, exit signal 0: reap's wait never sees it). */
+#define MAX_STUCK 8
+static struct { pid_t pid; char *path; } stuck[MAX_STUCK];
+
+static void reap_checkers(void) {
+    for (int i = 0; i < MAX_STUCK; i++)
+        if (stuck[i].pid > 0 && waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE) == stuck[i].pid) {
+            stuck[i].pid = 0;
+            free(stuck[i].path);
+            stuck[i].path = NULL;
+        }
+}
+
+static long long now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* The resident checker: a copy of this process made before it joins its cgroups (so it
+ * lives outside the slot, and counts in none of its figures), which answers each check
+ * on a SOCK_SEQPACKET socket: "uid gid stamp types", a NUL, the path; the reply, an int
+ * errno (0: it holds). -1 once it hung or died: then each check is a one-shot copy of
+ * this process instead (in the slot, reaped before the attempt starts). */
+static int resident_fd = -1;
+static pid_t resident_pid = 0;
+#define MAX_CHECK (PATH_MAX + 512)
+
+/* In a checker: keep only fd (as 3) of what this process holds. */
+static void only(int fd) {
+    if (fd != 3 && dup3(fd, 3, O_CLOEXEC) < 0) _exit(1);
+    if (syscall(SYS_close_range, 4, ~0U, 0) < 0)
+        for (int other = 4; other < 65536; other++) close(other);
+}
+
+static void start_resident(void) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) return;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);  /* exit signal 0: reap's wait never sees it */
+    pid_t pid = (pid_t)syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0) {
+        static char check[MAX_CHECK + 1];
+        static char stamp[128], types[256];
+        only(pair[1]);
+        for (;;) {
+            ssize_t size = recv(3, check, MAX_CHECK, 0);
+            if (size <= 0) _exit(0);  /* this process is gone */
+            check[size] = '\0';
+            struct request r;
+            memset(&r, 0, sizeof r);
+            int err = EINVAL;
+            size_t head = strlen(check);
+            if (head + 1 < (size_t)size
+                && sscanf(check, "%ld %ld %127s %255s", &r.uid, &r.gid, stamp, types) == 4) {
+                r.stamp = stamp;
+                r.fstypes = types;
+                r.source = check + head + 1;
+                err = source_holds(&r) < 0 ? errno : 0;
+            }
+            if (send(3, &err, sizeof err, MSG_NOSIGNAL) < 0) _exit(0);
+        }
+    }
+    close(pair[1]);
+    if (pid < 0) {
+        close(pair[0]);
+        return;
+    }
+    resident_fd = pair[0];
+    resident_pid = pid;
+}
+
+/* The check handed to the resident checker; its socket, or -1 if there is none. */
+static int ask_resident(struct request *r) {
+    static char check[MAX_CHECK + 1];
+    if (resident_fd < 0) return -1;
+    int head = snprintf(check, sizeof check, "%ld %ld %s %s", r->uid, r->gid, r->stamp, r->fstypes);
+    size_t path = strlen(r->source);
+    if (head < 0 || (size_t)head + 1 + path > MAX_CHECK) return -1;
+    memcpy(check + head + 1, r->source, path);
+    if (send(resident_fd, check, (size_t)head + 1 + path, MSG_NOSIGNAL) < 0) {
+        close(resident_fd);  /* it exited (its end closed): reaped */
+        resident_fd = -1;
+        kill(resident_pid, SIGKILL);
+        while (waitpid(resident_pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        return -1;
+    }
+    return resident_fd;
+}
+
+/* A one-shot checker: a copy of this process that checks, answers and exits. */
+static pid_t one_shot(struct request *r, int *answer_fd) {
+    int answer[2];
+    if (pipe2(answer, O_CLOEXEC) < 0) return -1;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    pid_t pid = (pid_t)syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0) {
+        only(answer[1]);
+        int err = source_holds(r) < 0 ? errno : 0;
+        _exit(write(3, &err, sizeof err) == (ssize_t)sizeof err ? 0 : 1);
+    }
+    int saved = errno;
+    close(answer[1]);
+    if (pid < 0) {
+        close(answer[0]);
+        errno = saved;
+        return -1;
+    }
+    *answer_fd = answer[0];
+    return pid;
+}
+
+/* source_holds, bounded: by the resident checker (or a one-shot one), waited for at most
+ * r->source_ms. 0 if the source holds, else an errno: the check's, ETIMEDOUT if it did
+ * not answer in time (the checker then killed, and kept in stuck until it is gone), EBUSY
+ * if a checker of this path (or MAX_STUCK) still hangs: this process never waits on a
+ * file system longer than that, so it goes on serving. */
+static int check_source(struct request *r) {
+    int free_slot = -1;
+    for (int i = 0; i < MAX_STUCK; i++) {
+        if (stuck[i].pid > 0 && (!stuck[i].path || strcmp(stuck[i].path, r->source) == 0))
+            return EBUSY;
+        if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
+    }
+    if (free_slot < 0) return EBUSY;
+    pid_t pid = resident_pid;
+    int fd = ask_resident(r);
+    if (fd < 0 && (pid = one_shot(r, &fd)) < 0) return errno;
+    int resident = fd == resident_fd;
+    int err = 0;
+    ssize_t got = -1;
+    long long deadline = now_ms() + r->source_ms;
+    for (;;) {
+        long long left = deadline - now_ms();
+        struct pollfd readable = {fd, POLLIN, 0};
+        int ready = left > 0 ? poll(&readable, 1, (int)left) : 0;
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready > 0) {
+            do got = read(fd, &err, sizeof err);
+            while (got < 0 && errno == EINTR);
+        }
+        break;
+    }
+    if (got == (ssize_t)sizeof err) {
+        if (!resident) {
+            close(fd);
+            while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        }
+        return err;
+    }
+    close(fd);
+    if (resident) resident_fd = -1;  /* one-shot checkers from now on */
+    kill(pid, SIGKILL);
+    if (got == 0) {  /* it died unanswered */
+        while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        return EIO;
+    }
+    /* No answer in time: killed, which ends a wait for a request the server has not read
+     * yet at once; one that cannot end yet is kept until it does (the path NULL if it
+     * cannot be copied: then it stands for every path). */
+    for (int waited = 0; waited < 50; waited++) {
+        if (waitpid(pid, NULL, WNOHANG | __WCLONE) == pid) return ETIMEDOUT;
+        usleep(1000);
+    }
+    stuck[free_slot].pid = pid;
+    stuck[free_slot].path = strdup(r->source);
+    return ETIMEDOUT;
+}
+
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
-    if (r->source && source_holds(r) < 0) fail(status_fd, SOURCE);
     if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
@@ -469,6 +650,7 @@ static int serve(int sock) {
     }
     struct reply reply = {REPLY, 0, OK, 0, -1};
     struct request request;
+    reap_checkers();  /* none, mostly: then no system call */
     if (buffer[0] == 'S') {
         char *rest;
         long pid = strtol(buffer + 1, &rest, 10);
@@ -487,7 +669,11 @@ static int serve(int sock) {
         request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
         request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
         int pipe_fds[2];
-        if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
+        int unsound = request.source ? check_source(&request) : 0;
+        if (unsound) {
+            reply.step = SOURCE;
+            reply.err = unsound;
+        } else if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
             reply.step = CLONE;
             reply.err = errno;
         } else {
@@ -526,6 +712,7 @@ int main(int argc, char **argv) {
     }
     int sock = atoi(argv[2]);
     fcntl(sock, F_SETFD, FD_CLOEXEC);
+    start_resident();  /* before the join: outside the slot */
     join(argv + 3, argc - 3);
     /* Exits arrive on a signalfd, beside the requests: SIGCHLD is blocked here (each
      * child unblocks every signal before its exec). */

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -79,6 +80,10 @@ _STEPS = {
 EXEC_STEP = 8
 #: the step at which the spawn helper found a ``file://`` source not the file of its stamp
 SOURCE_STEP = 11
+#: its errno there when the source's open did not answer in time (ETIMEDOUT), or while an
+#: earlier check of the same source that did not answer still hangs (EBUSY)
+SOURCE_BUSY = errno.EBUSY
+SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
 
 
 class SpawnFailed(Exception):
@@ -162,10 +167,12 @@ class Launch:
     bind_from: str | None = None
     #: a ``file://`` source checked before anything else, opened as the attempt: it must
     #: be the file of this stamp (``artifacts.Stamp``) on a file system of one of these
-    #: ``statfs`` types, else the start fails at ``SOURCE_STEP``
+    #: ``statfs`` types, else the start fails at ``SOURCE_STEP``; within
+    #: ``source_timeout_s``, else it fails there with ETIMEDOUT (``SOURCE_UNANSWERED``)
     source: str | None = None
     source_stamp: tuple[int, int, int, int, int] | None = None
     source_types: str = ""
+    source_timeout_s: float | None = None
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -178,9 +185,7 @@ class Launch:
             fields.append(f"m{self.mount_at}")
         if self.bind_from is not None:
             fields.append(f"b{self.bind_from}")
-        if self.source is not None and self.source_stamp is not None:
-            fields += [f"o{self.source}", "O" + ":".join(map(str, self.source_stamp))]
-            fields.append(f"F{self.source_types}")
+        fields += self._source_fields()
         if self.private_tmp is not None:
             fields.append(f"t{self.private_tmp}")
             fields += [f"T{target}" for target in self.tmp_targets]
@@ -194,6 +199,15 @@ class Launch:
         if data.count("\0") != len(fields) - 1:
             raise ValueError("an argument or environment entry holds a NUL byte")
         return data.encode() + b"\0"
+
+    def _source_fields(self) -> list[str]:
+        if self.source is None or self.source_stamp is None:
+            return []
+        if self.source_timeout_s is None:
+            raise ValueError("a source check needs its time limit")
+        stamp = ":".join(map(str, self.source_stamp))
+        limit_ms = max(1, round(self.source_timeout_s * 1000))
+        return [f"o{self.source}", f"O{stamp}", f"F{self.source_types}", f"W{limit_ms}"]
 
 
 class Helper:

@@ -17,6 +17,8 @@ from services.worker import artifacts, cgroups
 from services.worker.cgroups import ControlFiles
 from services.worker.isolation import Identity
 
+LIMIT_S = artifacts.DEFAULT_OPEN_TIMEOUT_S
+
 
 def test_control_files_read_and_write_the_current_value_through_one_descriptor(
     tmp_path: Path,
@@ -76,15 +78,16 @@ def test_one_opener_thread_takes_each_readers_permissions_in_turn() -> None:
         mine.chmod(0o600)
         flags = os.O_RDONLY | os.O_CLOEXEC
         for _ in range(3):  # the same thread, switching back and forth
-            os.close(artifacts._open_as(mine, first))
+            os.close(artifacts._open_as(mine, first, LIMIT_S))
             with pytest.raises(PermissionError):
-                artifacts._open_as(mine, second)
+                artifacts._open_as(mine, second, LIMIT_S)
         with pytest.raises(PermissionError):  # root's own file, 0600: not for an attempt
             rootonly = folder / "root-only"
             rootonly.write_bytes(b"y")
             rootonly.chmod(0o600)
-            artifacts._opener().open(rootonly, flags, first)
-        openers = [t for t in threading.enumerate() if t.name == "open-as-attempt"]
+            artifacts._open_as(rootonly, first, LIMIT_S)
+        # One thread took them all in turn (``_Guard``'s spare, kept between opens).
+        openers = [t for t in threading.enumerate() if t.name == "open-with-limit"]
         assert len(openers) == 1
         # The asking thread kept root's permissions: it still reads root's own file.
         os.close(os.open(rootonly, flags))
@@ -95,9 +98,9 @@ def test_one_opener_thread_takes_each_readers_permissions_in_turn() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid's permissions needs root")
 def test_the_opener_survives_a_name_it_cannot_open() -> None:
     with pytest.raises(ValueError):
-        artifacts._open_as(Path("/tmp/a\0b"), Identity(29997, 29997))
+        artifacts._open_as(Path("/tmp/a\0b"), Identity(29997, 29997), LIMIT_S)
     with pytest.raises(FileNotFoundError):
-        artifacts._open_as(Path("/nonexistent/cairn-test"), Identity(29997, 29997))
+        artifacts._open_as(Path("/nonexistent/cairn-test"), Identity(29997, 29997), LIMIT_S)
 
 
 def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:

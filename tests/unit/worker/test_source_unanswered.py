@@ -1,0 +1,175 @@
+"""Opens of a ``file://`` source under a real FUSE mount whose server never answers
+(``tests.support.fuse``), as root. The spawn helper's check gives up after its time limit
+(ETIMEDOUT at the source step), a second check of the same path fails at once while the
+first checker still hangs (EBUSY), the helper goes on starting other attempts meanwhile,
+and it reaps the checker once the mount lets it go. The agent's own seal of such a source
+(``ArtifactCache.seal_local``, on its thread that opens files as attempts) fails the same
+way and leaves one thread to the open, no more."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.worker import artifacts, spawner
+from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed, in_open_thread
+from services.worker.isolation import Identity
+from tests.support.fuse import unanswered_fuse
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
+)
+
+LIMIT_S = 0.3
+
+
+def _check(source: Path, healthy: bool = False) -> spawner.Launch:
+    """``/bin/true``, started once ``source`` (opened as uid 29992) is the file of its
+    stamp (``healthy``: the one it has now) on a local file system."""
+    stamp = (0, 0, 0, 0, 0)
+    if healthy:
+        info = source.stat()
+        stamp = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    return spawner.Launch(
+        "/bin/true",
+        ["true"],
+        {},
+        "/",
+        uid=29992,
+        gid=29992,
+        source=str(source),
+        source_stamp=stamp,
+        source_types=artifacts.LOCAL_FS_TYPES,
+        source_timeout_s=LIMIT_S,
+    )
+
+
+def _children(pid: int) -> list[str]:
+    """The states of ``pid``'s children (``R``, ``D``, ``Z``...)."""
+    states = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rpartition(")")[2].split()
+            if int(fields[1]) == pid:
+                states.append(fields[0])
+    return states
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A folder the attempt's uid may pass through (every parent of it too)."""
+    folder = Path(tempfile.mkdtemp(prefix="cairn-fuse-test-", dir="/var/tmp"))
+    folder.chmod(0o711)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path) -> None:
+    tmp_path = root
+    binary = spawner.build(spawner.default_folders(tmp_path))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    log_path = tmp_path / "log"
+
+    async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> tuple[float, object]:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        began = time.monotonic()
+        try:
+            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
+            return time.monotonic() - began, (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return time.monotonic() - began, failed
+        finally:
+            os.close(log)
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        try:
+            # Its resident checker answers the first check, outside any start.
+            took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
+            assert status == 0 and _children(helper.pid) == ["S"], _children(helper.pid)
+            with unanswered_fuse(tmp_path / "jammed") as mount:
+                source = mount / "bin" / "task"
+                took, failed = await spawn(helper, _check(source))
+                assert isinstance(failed, spawner.SpawnFailed), failed
+                assert failed.step == spawner.SOURCE_STEP and failed.errno == errno.ETIMEDOUT
+                assert LIMIT_S <= took < LIMIT_S + 2, took
+                # Its checker still hangs (the mount's probe holds the folder's lock, so not
+                # even SIGKILL ends it): the same path fails at once, and says why.
+                took, busy = await spawn(helper, _check(source))
+                assert isinstance(busy, spawner.SpawnFailed), busy
+                assert busy.errno == spawner.SOURCE_BUSY and took < LIMIT_S, took
+                assert "D" in _children(helper.pid)
+                # The helper is not jammed: another attempt starts and ends.
+                took, status = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
+                assert status == 0 and took < 5, (took, status)
+            # The mount gone, its checker ends; the next request reaps it.
+            deadline = time.monotonic() + 10
+            while "D" in _children(helper.pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # Its checker hung: each check is a copy of its own now, reaped at once.
+            took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
+            assert status == 0
+            assert _children(helper.pid) == [], _children(helper.pid)
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
+    tmp_path = root
+    cache = ArtifactCache(tmp_path / "cache", open_timeout_s=LIMIT_S)
+    (tmp_path / "sealed").mkdir(mode=0o700)
+    sealed = Sealed(tmp_path / "sealed", 2**20)
+    reader = Identity(29993, 29993)
+    healthy = tmp_path / "healthy.sh"
+    healthy.write_bytes(b"#!/bin/sh\n")
+    healthy.chmod(0o644)
+    digest = hashlib.sha256(healthy.read_bytes()).hexdigest()
+
+    def seal(source: Path) -> tuple[float, Path | ArtifactError]:
+        began = time.monotonic()
+        work = in_open_thread(lambda: cache.seal_local(source.as_uri(), digest, reader, sealed))
+        try:
+            return time.monotonic() - began, asyncio.run(asyncio.wait_for(work, 10))
+        except ArtifactError as exc:
+            return time.monotonic() - began, exc
+
+    def hanging() -> int:
+        return sum(t.name == "open-with-limit" for t in threading.enumerate())
+
+    with unanswered_fuse(tmp_path / "jammed") as mount:
+        source = mount / "task.sh"
+        took, failed = seal(source)
+        assert isinstance(failed, ArtifactError) and failed.retryable, failed
+        assert f"{source}: it did not answer within {LIMIT_S:g} s" in failed.reason
+        assert LIMIT_S <= took < LIMIT_S + 2, took
+        took, busy = seal(source)  # its open still hangs: this one fails at once
+        assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
+        assert took < LIMIT_S, took
+        # The thread that opens files as attempts goes on: a healthy source seals.
+        took, copy = seal(healthy)
+        assert isinstance(copy, Path) and copy.read_bytes() == healthy.read_bytes()
+        assert hanging() == 2  # the one left to the open, and the spare
+        assert artifacts._guard.hanging() == [str(source)]
+    # The mount gone, the open returns (ENOTCONN) and its thread ends: the spare is left.
+    deadline = time.monotonic() + 10
+    while (artifacts._guard.hanging() or hanging() > 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert artifacts._guard.hanging() == [] and hanging() == 1
+    assert isinstance(seal(healthy)[1], Path)
