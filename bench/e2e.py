@@ -479,11 +479,13 @@ async def against_floor(
         floor.add(got)
     first = _max_id(stack.database_url) + 1
     before = _cpu_counters(stack, agent_pid)
+    turns_before = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
     began = await throughput(
         stack.core_url, token, artifact, records, count, base + 100, command[1:]
     )
     _wait_final(stack.database_url, done + 20 + count, 600)
     after = _cpu_counters(stack, agent_pid)
+    turns = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
     if (got := runner.run(command, count, jobs)) is not None:
         floor.add(got)
     created = _created(stack.database_url, first)
@@ -509,6 +511,7 @@ async def against_floor(
         "queue_floor": queue,
         "whole_floor_cpu_ms": round(whole, 3) if whole else None,
         "whole_ratio": ratio(cpu["machine"], whole) if whole else None,
+        "turns": _turn_counts(turns_before, turns, count),
         "load": _load(),
     }
 
@@ -716,6 +719,7 @@ def _print_floor(f: dict[str, Any]) -> None:
         f"    Cairn/floor: CPU {f['cpu_ratio']} (bar 1.5x), wall {f['wall_ratio']}; "
         f"machine/floor CPU {f['machine_ratio']} (that floor holds no core nor PostgreSQL)"
     )
+    print(f"    turns: {f['turns']}")
     q = f["queue_floor"]
     if q is None:
         print("    the whole floor: not measured (pgqueuer, the `bench` extra, not installed)")
