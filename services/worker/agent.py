@@ -85,11 +85,13 @@ def confirm_at(start: float) -> float:
     return math.floor((start - CONFIRM_BEFORE_S) / CONFIRM_GRID_S) * CONFIRM_GRID_S
 
 
-#: the longest a report waits for the claim in flight to come back and the next claim to
-#: carry it, when the last claim was answered without waiting for work (work arrives
-#: faster than turns go round: ``Agent._ride_s``); a claim that waits longer at core, or
-#: one sent after a claim that waited (a chain's hop), leaves its reports to the courier
-RIDE_S = 0.02
+#: how long a report may wait for the claim in flight to come back so that the next
+#: claim carries it, when the last claim was answered without waiting for work (work
+#: arrives faster than turns go round: ``Agent._ride_s``): twice the round trip such
+#: claims took of late, at most ``RIDE_MAX_S`` after the claim was sent. A claim that
+#: takes longer, or one sent after a claim that waited (a chain's hop), leaves its
+#: reports to the courier at once.
+RIDE_MAX_S = 0.05
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 #: how many ended attempts an agent remembers, never to start them again
@@ -235,10 +237,12 @@ class Agent:
         self.ran: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.reported = asyncio.Event()
         self.claiming = False
-        # When the claim in flight was sent (monotonic), and whether the last claim was
-        # answered without waiting in core's line (``_ride_s``).
+        # When the claim in flight was sent (monotonic), whether the last claim was
+        # answered without waiting in core's line, and the round trip of such claims of
+        # late (a moving average: ``_ride_s``).
         self.claim_sent = -math.inf
         self.quick = False
+        self.quick_rtt = 0.0
         self.courier: asyncio.Task[None] | None = None
         self.heard_at = -math.inf
         self.working = False
@@ -434,7 +438,7 @@ class Agent:
                     await self._pause(1.0)
                     continue
                 if room is not None:
-                    self.quick = bool(answer.attempts) and not answer.waited
+                    self._answered(answer)
                 if room is not None and not answer.attempts and not self.outbox:
                     await self._pause(0.2, self.reported)  # core answers at once: no lease
                 self._start_all(answer.attempts)
@@ -644,16 +648,25 @@ class Agent:
         if idle and self.outbox and (self.claiming or not self.working):
             self.courier = asyncio.create_task(self._deliver())
 
+    def _answered(self, answer: TurnAnswer) -> None:
+        """A claim came back: whether core answered it without waiting for work (the
+        next is likely answered as soon), and how long such claims take."""
+        self.quick = bool(answer.attempts) and not answer.waited
+        if self.quick:
+            rtt = asyncio.get_running_loop().time() - self.claim_sent
+            self.quick_rtt = rtt if not self.quick_rtt else 0.8 * self.quick_rtt + 0.2 * rtt
+
     def _ride_s(self) -> float:
         """How much longer the reports waiting may wait for the next claim to carry them
-        (0: the courier sends them now): while the claim in flight is younger than
-        ``RIDE_S`` and the last claim was answered without waiting for work, so that
-        this one is likely answered as soon and the main loop's next claim goes at once
-        with every report then waiting: a turn fewer, and a report at most ``RIDE_S``
-        later than alone."""
+        (0: the courier sends them now): while the last claim was answered without
+        waiting for work, so that the one in flight is likely answered as soon and the
+        main loop's next claim goes at once with every report then waiting (a turn fewer
+        for them), until that claim is twice as old as such claims take (at most
+        ``RIDE_MAX_S``): it may be waiting for work after all."""
         if not (self.claiming and self.quick):
             return 0.0
-        return self.claim_sent + RIDE_S - asyncio.get_running_loop().time()
+        patience = min(RIDE_MAX_S, 2 * self.quick_rtt)
+        return self.claim_sent + patience - asyncio.get_running_loop().time()
 
     async def _deliver(self) -> None:
         delay = 0.2
