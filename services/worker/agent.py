@@ -92,6 +92,11 @@ def confirm_at(start: float) -> float:
 #: takes longer, or one sent after a claim that waited (a chain's hop), leaves its
 #: reports to the courier at once.
 RIDE_MAX_S = 0.05
+#: after a claim that waited for work leased attempts, the next claim waits for the
+#: first of them to end (at most twice as long as that took of late: ``Agent._hold_claim``),
+#: so that it carries its report: one turn a task (a chain's hop) instead of a claim
+#: and a courier's report. Not when that took longer than this.
+HOLD_MAX_S = 0.03
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 #: how many ended attempts an agent remembers, never to start them again
@@ -243,6 +248,10 @@ class Agent:
         self.claim_sent = -math.inf
         self.quick = False
         self.quick_rtt = 0.0
+        # When a claim that waited was answered with leases (None: a report came since),
+        # and how long after such an answer a report comes of late (``_hold_claim``).
+        self.answered_at: float | None = None
+        self.report_after = 0.0
         self.courier: asyncio.Task[None] | None = None
         self.heard_at = -math.inf
         self.working = False
@@ -442,6 +451,8 @@ class Agent:
                 if room is not None and not answer.attempts and not self.outbox:
                     await self._pause(0.2, self.reported)  # core answers at once: no lease
                 self._start_all(answer.attempts)
+                if room is not None and answer.attempts and answer.waited:
+                    await self._hold_claim()
         finally:
             self.working = False
         self._kick()
@@ -640,9 +651,26 @@ class Agent:
             if not out.done.done():
                 out.done.set_result(None)
 
+    async def _hold_claim(self) -> None:
+        """A claim that waited for work was answered with leases: work comes slower than
+        turns go round, and its attempts may be short. Hold the next claim until a
+        report is ready, so that it carries it, if reports came soon after such answers
+        of late (``HOLD_MAX_S``); the claim goes anyway when that time is up."""
+        loop = asyncio.get_running_loop()
+        self.answered_at = loop.time()
+        patience = 2 * self.report_after
+        if self.outbox or not 0 < patience <= HOLD_MAX_S:
+            return
+        await self._pause(patience, self.reported)
+
     def _kick(self) -> None:
         """A report is waiting: the next turn takes it, or, while the main loop's claim
         waits for work (or after the loop ended), the courier sends it at once."""
+        if self.answered_at is not None:
+            after = min(asyncio.get_running_loop().time() - self.answered_at, 2 * HOLD_MAX_S)
+            self.answered_at = None
+            old = self.report_after
+            self.report_after = after if not old else 0.8 * old + 0.2 * after
         self.reported.set()
         idle = self.courier is None or self.courier.done()
         if idle and self.outbox and (self.claiming or not self.working):
