@@ -169,12 +169,16 @@ def _times(up: Up, task_id: int) -> tuple[float, float, float]:
 
 def _looks(up: Up) -> dict[str, float]:
     """Core's looks by woken waiting claims so far, by what they found (leased, empty);
-    a claim's first look, in its own turn, is not counted."""
+    a claim's first look, in its own turn, is not counted. Beside them the agent's turns
+    by what they carried (``turn_<kind>``: ``cairn_turns_total``)."""
     found = {"leased": 0.0, "empty": 0.0}
     for line in up.core.get("/metrics").text.splitlines():
         if line.startswith("cairn_claim_looks_total{"):
             kind = "leased" if 'outcome="leased"' in line else "empty"
             found[kind] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("cairn_turns_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            found[f"turn_{kind}"] = float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -219,7 +223,7 @@ def main() -> None:
             )
         )
         print(
-            "  woken claims' looks a hop: "
+            "  woken claims' looks and turns by kind a hop: "
             + ", ".join(f"{k} {(looked[k] - looks[k]) / args.chain:.2f}" for k in looks)
         )
         by_name = {n["name"]: n for n in run["nodes"]}

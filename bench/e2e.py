@@ -161,13 +161,47 @@ def _leases(database_url: str, first_id: int) -> dict[int, tuple[int, float]]:
 
 
 def _claim_looks(core_url: str) -> dict[str, float]:
-    """Core's ``cairn_claim_looks_total`` by what the look found (leased, empty)."""
+    """Core's counters of its turns and claims: ``cairn_claim_looks_total`` by what the
+    look found (leased, empty), ``cairn_turns_total`` by kind (``turn_<kind>``), the
+    reports the turns carried (``reports``), the attempts leased (``leased``), and
+    PostgreSQL's committed transactions (``xacts``: all of the database's)."""
     found = {"leased": 0.0, "empty": 0.0}
     for line in httpx.get(core_url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("cairn_claim_looks_total{"):
             kind = "leased" if 'outcome="leased"' in line else "empty"
             found[kind] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("cairn_turns_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            found[f"turn_{kind}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("cairn_turn_reports_total "):
+            found["reports"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("cairn_attempts_started_total "):
+            found["started"] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+def _xacts(database_url: str) -> float:
+    """PostgreSQL's committed transactions in the bench's database so far."""
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return float(row[0]) if row else 0.0
+
+
+def _turn_counts(before: dict[str, float], after: dict[str, float], tasks: int) -> dict[str, Any]:
+    """Turns per task by kind, reports per reporting turn, leases per claiming turn and
+    transactions per task between two readings of ``_claim_looks`` (with ``xacts``)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    kinds = ("both", "claim", "report", "other")
+    claiming = d.get("turn_both", 0) + d.get("turn_claim", 0)
+    reporting = d.get("turn_both", 0) + d.get("turn_report", 0)
+    return {
+        "turns_per_task": {k: round(d.get(f"turn_{k}", 0) / max(tasks, 1), 2) for k in kinds},
+        "reports_per_reporting_turn": round(d.get("reports", 0) / max(reporting, 1), 2),
+        "leased_per_claiming_turn": round(d.get("started", 0) / max(claiming, 1), 2),
+        "xacts_per_task": round(d.get("xacts", 0) / max(tasks, 1), 2),
+    }
 
 
 def _timings(path: Path) -> dict[int, dict[str, float]]:
@@ -445,11 +479,13 @@ async def against_floor(
         floor.add(got)
     first = _max_id(stack.database_url) + 1
     before = _cpu_counters(stack, agent_pid)
+    turns_before = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
     began = await throughput(
         stack.core_url, token, artifact, records, count, base + 100, command[1:]
     )
     _wait_final(stack.database_url, done + 20 + count, 600)
     after = _cpu_counters(stack, agent_pid)
+    turns = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
     if (got := runner.run(command, count, jobs)) is not None:
         floor.add(got)
     created = _created(stack.database_url, first)
@@ -475,6 +511,7 @@ async def against_floor(
         "queue_floor": queue,
         "whole_floor_cpu_ms": round(whole, 3) if whole else None,
         "whole_ratio": ratio(cpu["machine"], whole) if whole else None,
+        "turns": _turn_counts(turns_before, turns, count),
         "load": _load(),
     }
 
@@ -561,6 +598,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 first = _max_id(stack.database_url) + 1
                 cpu_before = _cpu_counters(stack, agent.pid)
                 looks_before = _claim_looks(stack.core_url)
+                looks_before["xacts"] = _xacts(stack.database_url)
                 window = time.monotonic()
                 accepted, offered = await steady(
                     stack.core_url, user, artifact, records, rate, args.duration, base
@@ -568,6 +606,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 _wait_final(stack.database_url, done_before + accepted, 60)
                 cpu_after = _cpu_counters(stack, agent.pid)
                 looks = _claim_looks(stack.core_url)
+                looks["xacts"] = _xacts(stack.database_url)
                 window = time.monotonic() - window
                 done_before += accepted
                 created = _created(stack.database_url, first)
@@ -595,8 +634,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     # looks by woken waiting claims (a claim's first look is in its turn)
                     "claim_looks_per_task": {
                         found: round((looks[found] - looks_before[found]) / max(accepted, 1), 2)
-                        for found in looks
+                        for found in ("leased", "empty")
                     },
+                    "turns": _turn_counts(looks_before, looks, accepted),
                 }
                 base += 10**6
             with Runner() as runner:
@@ -658,6 +698,7 @@ def main() -> None:
             for step, figures in r["steps"].items():
                 print(f"    {step}: {figures}")
             print(f"    woken claims' looks per task: {r['claim_looks_per_task']}")
+            print(f"    turns: {r['turns']}")
     for key, f in results.items():
         if key.startswith("floor_"):
             _print_floor(f)
@@ -678,6 +719,7 @@ def _print_floor(f: dict[str, Any]) -> None:
         f"    Cairn/floor: CPU {f['cpu_ratio']} (bar 1.5x), wall {f['wall_ratio']}; "
         f"machine/floor CPU {f['machine_ratio']} (that floor holds no core nor PostgreSQL)"
     )
+    print(f"    turns: {f['turns']}")
     q = f["queue_floor"]
     if q is None:
         print("    the whole floor: not measured (pgqueuer, the `bench` extra, not installed)")

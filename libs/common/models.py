@@ -1341,6 +1341,10 @@ class TurnAnswer(Output):
     state: WorkerState
     reports: list[ReportVerdict]
     attempts: list[Assignment]
+    #: the claim waited in core's line for work (a long poll): without it, work was
+    #: waiting when the turn looked, and the agent's next claim is likely answered as
+    #: soon (its reports ride on it rather than in a turn of their own)
+    waited: bool = False
 
 
 # --- right-sizing -------------------------------------------------------------------------

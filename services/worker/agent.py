@@ -85,6 +85,18 @@ def confirm_at(start: float) -> float:
     return math.floor((start - CONFIRM_BEFORE_S) / CONFIRM_GRID_S) * CONFIRM_GRID_S
 
 
+#: how long a report may wait for the claim in flight to come back so that the next
+#: claim carries it, when the last claim was answered without waiting for work (work
+#: arrives faster than turns go round: ``Agent._ride_s``): twice the round trip such
+#: claims took of late, at most ``RIDE_MAX_S`` after the claim was sent. A claim that
+#: takes longer, or one sent after a claim that waited (a chain's hop), leaves its
+#: reports to the courier at once.
+RIDE_MAX_S = 0.05
+#: after a claim that waited for work leased attempts, the next claim waits for the
+#: first of them to end (at most twice as long as that took of late: ``Agent._hold_claim``),
+#: so that it carries its report: one turn a task (a chain's hop) instead of a claim
+#: and a courier's report. Not when that took longer than this.
+HOLD_MAX_S = 0.03
 IO_THREADS = 16
 REPORT_PATIENCE_S = 300.0
 #: how many ended attempts an agent remembers, never to start them again
@@ -231,6 +243,16 @@ class Agent:
         self.ran: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.reported = asyncio.Event()
         self.claiming = False
+        # When the claim in flight was sent (monotonic), whether the last claim was
+        # answered without waiting in core's line, and the round trip of such claims of
+        # late (a moving average: ``_ride_s``).
+        self.claim_sent = -math.inf
+        self.quick = False
+        self.quick_rtt = 0.0
+        # When a claim that waited was answered with leases (None: a report came since),
+        # and how long after such an answer a report comes of late (``_hold_claim``).
+        self.answered_at: float | None = None
+        self.report_after = 0.0
         self.courier: asyncio.Task[None] | None = None
         self.heard_at = -math.inf
         self.working = False
@@ -416,16 +438,22 @@ class Agent:
                     await self._pause(0.2, self.reported)
                     continue
                 self.claiming = room is not None
+                self.claim_sent = asyncio.get_running_loop().time()
                 try:
                     answer = await self._turn_unless_draining(room)
                 finally:
                     self.claiming = False
                 if answer is None:
+                    self.quick = False
                     await self._pause(1.0)
                     continue
+                if room is not None:
+                    self._answered(answer)
                 if room is not None and not answer.attempts and not self.outbox:
                     await self._pause(0.2, self.reported)  # core answers at once: no lease
                 self._start_all(answer.attempts)
+                if room is not None and answer.attempts and answer.waited:
+                    await self._hold_claim()
         finally:
             self.working = False
         self._kick()
@@ -624,17 +652,58 @@ class Agent:
             if not out.done.done():
                 out.done.set_result(None)
 
+    async def _hold_claim(self) -> None:
+        """A claim that waited for work was answered with leases: work comes slower than
+        turns go round, and its attempts may be short. Hold the next claim until a
+        report is ready, so that it carries it, if reports came soon after such answers
+        of late (``HOLD_MAX_S``); the claim goes anyway when that time is up."""
+        loop = asyncio.get_running_loop()
+        self.answered_at = loop.time()
+        patience = 2 * self.report_after
+        if self.outbox or not 0 < patience <= HOLD_MAX_S:
+            return
+        await self._pause(patience, self.reported)
+
     def _kick(self) -> None:
         """A report is waiting: the next turn takes it, or, while the main loop's claim
         waits for work (or after the loop ended), the courier sends it at once."""
+        if self.answered_at is not None:
+            after = min(asyncio.get_running_loop().time() - self.answered_at, 2 * HOLD_MAX_S)
+            self.answered_at = None
+            old = self.report_after
+            self.report_after = after if not old else 0.8 * old + 0.2 * after
         self.reported.set()
         idle = self.courier is None or self.courier.done()
         if idle and self.outbox and (self.claiming or not self.working):
             self.courier = asyncio.create_task(self._deliver())
 
+    def _answered(self, answer: TurnAnswer) -> None:
+        """A claim came back: whether core answered it without waiting for work (the
+        next is likely answered as soon), and how long such claims take."""
+        self.quick = bool(answer.attempts) and not answer.waited
+        if self.quick:
+            rtt = asyncio.get_running_loop().time() - self.claim_sent
+            self.quick_rtt = rtt if not self.quick_rtt else 0.8 * self.quick_rtt + 0.2 * rtt
+
+    def _ride_s(self) -> float:
+        """How much longer the reports waiting may wait for the next claim to carry them
+        (0: the courier sends them now): while the last claim was answered without
+        waiting for work, so that the one in flight is likely answered as soon and the
+        main loop's next claim goes at once with every report then waiting (a turn fewer
+        for them), until that claim is twice as old as such claims take (at most
+        ``RIDE_MAX_S``): it may be waiting for work after all."""
+        if not (self.claiming and self.quick):
+            return 0.0
+        patience = min(RIDE_MAX_S, 2 * self.quick_rtt)
+        return self.claim_sent + patience - asyncio.get_running_loop().time()
+
     async def _deliver(self) -> None:
         delay = 0.2
         while self.outbox:
+            ride = self._ride_s()
+            if ride > 0:
+                await asyncio.sleep(ride)
+                continue
             if await self._turn(None) is None and self.outbox:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

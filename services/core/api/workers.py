@@ -232,7 +232,9 @@ async def turn(body: Turn, call: Agent, request: Request) -> Response:
     with ``wait``, an empty answer is held until work arrives or ``wait`` seconds pass)."""
     worker, dispatcher = call.worker, call.dispatcher
     done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
-    answer = TurnAnswer(state=done.state, reports=done.reports, attempts=done.attempts)
+    answer = TurnAnswer(
+        state=done.state, reports=done.reports, attempts=done.attempts, waited=done.waited
+    )
     return Response(answer.model_dump_json(), media_type=JSON)
 
 

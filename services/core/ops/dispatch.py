@@ -107,12 +107,13 @@ class Dispatcher:
 
 @dataclass(frozen=True)
 class TurnResult:
-    """The worker's state after the turn, a verdict per report (in the order sent) and
-    the attempts leased."""
+    """The worker's state after the turn, a verdict per report (in the order sent), the
+    attempts leased, and whether its claim waited in the line for work (``waited``)."""
 
     state: str
     reports: list[ReportVerdict]
     attempts: list[Assignment]
+    waited: bool = False
 
 
 async def turn(
@@ -127,6 +128,7 @@ async def turn(
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     reported = [r.attempt_id for r in body.reports]
+    ops.meter.turned(body.claim is not None, len(reported))
     waits = body.claim is not None and body.claim.wait > 0
     # Joined before the pick: work announced while it looks wakes it.
     waiter = ops.notifier.line.join(worker_id) if waits else None
@@ -172,7 +174,7 @@ async def turn(
         assert body.claim is not None
         ops.notifier.line.looked(waiter, _short(asked, picked))
         leased, state = await _wait_for_work(ops, worker_id, body.claim, gone, waiter)
-        return TurnResult(state, verdicts, leased)
+        return TurnResult(state, verdicts, leased, waited=True)
     finally:
         if waiter is not None:
             ops.notifier.line.leave(waiter, used=False)

@@ -15,6 +15,9 @@ from libs.common.states import ATTEMPT_OUTCOMES, FINAL, TaskState
 from services.core.db import accounting, stats
 from services.core.db.attempts import Tally
 
+#: what a worker's turn carried (``cairn_turns_total``)
+TURN_KINDS = ("both", "claim", "report", "other")
+
 
 class CoreMetrics:
     """The counters and histograms core bumps, and its scrape-time readers."""
@@ -71,6 +74,16 @@ class CoreMetrics:
             " sent then but refused and run again (again), after it (after)",
             ["when"],
         )
+        self.turns = m.counter(
+            "cairn_turns_total",
+            "Workers' turns by what they carried: a claim and reports (both), a claim alone"
+            " (claim), reports without a claim (report), neither (other: starts, progress)",
+            ["kind"],
+        )
+        self.turn_kinds = {kind: self.turns.labels(kind) for kind in TURN_KINDS}
+        self.turn_reports = m.counter(
+            "cairn_turn_reports_total", "Attempt reports carried by workers' turns"
+        )
         for found in ("leased", "empty"):
             self.claim_looks.labels(found)
         for when in ("first", "again", "after"):
@@ -89,6 +102,13 @@ class CoreMetrics:
         m.read_at_scrape(read_queue_workers)
         m.read_at_scrape(read_quotas)
         m.read_at_scrape(read_usage)
+
+    def turned(self, claimed: bool, reports: int) -> None:
+        """A worker's turn, by what it carried (``TURN_KINDS``)."""
+        kind = ("both" if reports else "claim") if claimed else ("report" if reports else "other")
+        self.turn_kinds[kind].inc()
+        if reports:
+            self.turn_reports.inc(reports)
 
     def lead(self, leading: Callable[[], bool]) -> None:
         """Whether this replica runs core's singleton loops (``loops.Leadership``)."""

@@ -60,6 +60,7 @@ def test_an_idle_turn_of_a_fresh_worker_leaves_its_row_unwritten(
             "state": "live",
             "reports": [],
             "attempts": [],
+            "waited": False,
         }
     # The same row version: no UPDATE ran. And the turns took no transaction ids (each
     # wrote before, one apiece); core's own loops take one now and then.

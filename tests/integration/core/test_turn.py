@@ -115,6 +115,7 @@ def test_a_turns_claim_fills_the_room_its_own_reports_free(
     assert [v["state"] for v in answer["reports"]] == ["succeeded", "succeeded"]
     second = answer["attempts"]
     assert len(second) == 2
+    assert answer["waited"] is False  # work waited when it looked: answered at once
     assert {a["task_id"] for a in second}.isdisjoint(a["task_id"] for a in first)
     open_attempts = db.execute(
         "SELECT count(*) FROM core.attempts WHERE worker_id = %s AND outcome IS NULL",

@@ -105,6 +105,7 @@ def test_waiting_claims_cost_nothing_and_a_task_wakes_one_of_them_on_either_repl
         assert len(done) == 1
         [first] = done
         assert len(first.result()["attempts"]) == 1
+        assert first.result()["waited"] is True  # the agent's reports go at once
         await asyncio.sleep(1.0)
         assert sum(c.done() for c in claims) == 1
         assert 1 <= await asyncio.to_thread(_looks, bases) - before <= 2
