@@ -382,6 +382,10 @@ class Tally:
 # work is never leased to a worker the reaper buried meanwhile. Only an idle turn takes
 # that path (``hear``): what it holds by then is the waiting tasks it picked, which no
 # holder of a worker's row (a heartbeat, the reaper, a turn with reports) waits for.
+# A turn that must hold the row however fresh (``:always``) locks it as an update would
+# (``FOR NO KEY UPDATE``, which a heartbeat's update and the reaper's lock wait for)
+# without writing it: a fresh row's rewrite cost a new row version and an entry in each of
+# the table's indexes (``ix_workers_heartbeat`` keys the time), at every turn with reports.
 _HEARD = text(f"""
 WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
@@ -391,14 +395,21 @@ WITH seen AS (
     SET last_heartbeat_at = now(),
         last_turn_at = CASE WHEN last_turn_at IS NOT NULL THEN now() END
     WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
-      AND (CAST(:always AS boolean)
-           OR LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s))
+      AND LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s)
     RETURNING *
+), held AS (
+    SELECT * FROM core.workers
+    WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} AND CAST(:always AS boolean)
+      AND NOT EXISTS (SELECT FROM stale)
+    FOR NO KEY UPDATE
 )
 SELECT * FROM stale
 UNION ALL
+SELECT * FROM held
+UNION ALL
 SELECT * FROM core.workers
-WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} AND NOT EXISTS (SELECT FROM stale)
+WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
+  AND NOT EXISTS (SELECT FROM stale) AND NOT EXISTS (SELECT FROM held)
 """)
 
 
@@ -430,10 +441,10 @@ async def hear(
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
-    attempts: one round trip. A turn that carries reports or starts refreshes (and
-    locks) the worker's row whatever its age, before any attempt or task row, as a
-    heartbeat and the reaper do: it writes anyway, and its lease after those rows
-    could otherwise wait on a heartbeat that waits on them. ``always``: so does a turn
+    attempts: one round trip. A turn that carries reports or starts locks the worker's
+    row whatever its age (refreshing it only when stale), before any attempt or task
+    row, as a heartbeat and the reaper do: its lease after those rows could otherwise
+    wait on a heartbeat that waits on them. ``always``: so does a turn
     that will write attempt rows for another reason (``resend``). The turn's first round
     trip: the statements of its transaction run on their generic plans (``_GENERIC``).
 
