@@ -951,7 +951,12 @@ async def lose(
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
 # never deadlock), and what the decision and the measured use need; for a refusal, how
-# an attempt already closed ended (its outcome, the start of its error).
+# an attempt already closed ended (its outcome, the start of its error). The tasks are
+# found through their primary key (``t.id = ANY(ARRAY(...))``, as ``_FINISH`` finds them):
+# a join on ``a.task_id`` alone got, on a connection that prepared it while the table was
+# young and unanalysed, a generic plan hashing a scan of every task, kept for as long as
+# the connection lives: each turn with reports read the whole table (968,000 rows read
+# for 1,000 tasks claimed and reported at one a turn).
 _REPORTED = text(f"""
 SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        a.outcome AS ended_as, left(a.error, {ENDED_WHY_CHARS}) AS ended_why,
@@ -963,6 +968,8 @@ SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        {refers_to_secrets("t.env")} AS has_secrets
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:ids AS bigint[]))
+  AND t.id = ANY(ARRAY(
+      SELECT r.task_id FROM core.attempts r WHERE r.id = ANY(CAST(:ids AS bigint[]))))
 ORDER BY t.id
 FOR UPDATE OF t
 """)
