@@ -334,8 +334,15 @@ _COMMIT = text("COMMIT")
 # plans find the rows by ids, a worker or a queue (test_claim_plan); a worker of several
 # queues sorts their waiting work either way, and its generic pick ran faster than the
 # custom one behind 5,000 waiting and 100,000 finished tasks (14 ms against 19, planning
-# included). Local to the turn's transaction.
-_GENERIC = text("SET LOCAL plan_cache_mode = force_generic_plan")
+# included). A generic plan is kept for as long as its connection lives, so it is made
+# with sequential scans off: one made while the tables were young (a few hundred tasks,
+# never analysed) scanned every task in the report's lock, its move, the pick and the
+# lease, at every turn after, however large the table grew (test_claim_plan). Both
+# settings local to the turn's transaction, in one statement.
+_GENERIC = text(
+    "SELECT set_config('plan_cache_mode', 'force_generic_plan', true) AS plan_cache_mode,"
+    " set_config('enable_seqscan', 'off', true) AS enable_seqscan"
+)
 
 
 def _clean(value: str | None) -> str | None:
