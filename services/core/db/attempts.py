@@ -334,8 +334,15 @@ _COMMIT = text("COMMIT")
 # plans find the rows by ids, a worker or a queue (test_claim_plan); a worker of several
 # queues sorts their waiting work either way, and its generic pick ran faster than the
 # custom one behind 5,000 waiting and 100,000 finished tasks (14 ms against 19, planning
-# included). Local to the turn's transaction.
-_GENERIC = text("SET LOCAL plan_cache_mode = force_generic_plan")
+# included). A generic plan is kept for as long as its connection lives, so it is made
+# with sequential scans off: one made while the tables were young (a few hundred tasks,
+# never analysed) scanned every task in the report's lock, its move, the pick and the
+# lease, at every turn after, however large the table grew (test_claim_plan). Both
+# settings local to the turn's transaction, in one statement.
+_GENERIC = text(
+    "SELECT set_config('plan_cache_mode', 'force_generic_plan', true) AS plan_cache_mode,"
+    " set_config('enable_seqscan', 'off', true) AS enable_seqscan"
+)
 
 
 def _clean(value: str | None) -> str | None:
@@ -382,6 +389,10 @@ class Tally:
 # work is never leased to a worker the reaper buried meanwhile. Only an idle turn takes
 # that path (``hear``): what it holds by then is the waiting tasks it picked, which no
 # holder of a worker's row (a heartbeat, the reaper, a turn with reports) waits for.
+# A turn that must hold the row however fresh (``:always``) locks it as an update would
+# (``FOR NO KEY UPDATE``, which a heartbeat's update and the reaper's lock wait for)
+# without writing it: a fresh row's rewrite cost a new row version and an entry in each of
+# the table's indexes (``ix_workers_heartbeat`` keys the time), at every turn with reports.
 _HEARD = text(f"""
 WITH seen AS (
     UPDATE core.attempts SET seen_at = COALESCE(seen_at, now())
@@ -391,14 +402,21 @@ WITH seen AS (
     SET last_heartbeat_at = now(),
         last_turn_at = CASE WHEN last_turn_at IS NOT NULL THEN now() END
     WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
-      AND (CAST(:always AS boolean)
-           OR LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s))
+      AND LEAST(last_heartbeat_at, last_turn_at) < now() - make_interval(secs => :fresh_s)
     RETURNING *
+), held AS (
+    SELECT * FROM core.workers
+    WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} AND CAST(:always AS boolean)
+      AND NOT EXISTS (SELECT FROM stale)
+    FOR NO KEY UPDATE
 )
 SELECT * FROM stale
 UNION ALL
+SELECT * FROM held
+UNION ALL
 SELECT * FROM core.workers
-WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} AND NOT EXISTS (SELECT FROM stale)
+WHERE id = :worker AND {sql_in("state", Workers.PRESENT)}
+  AND NOT EXISTS (SELECT FROM stale) AND NOT EXISTS (SELECT FROM held)
 """)
 
 
@@ -430,10 +448,10 @@ async def hear(
 ) -> Heard:
     """Refresh the worker's liveness if older than ``fresh_s`` (and mark ``started``
     attempts seen), read what is placed on it and lock the tasks of the ``reported``
-    attempts: one round trip. A turn that carries reports or starts refreshes (and
-    locks) the worker's row whatever its age, before any attempt or task row, as a
-    heartbeat and the reaper do: it writes anyway, and its lease after those rows
-    could otherwise wait on a heartbeat that waits on them. ``always``: so does a turn
+    attempts: one round trip. A turn that carries reports or starts locks the worker's
+    row whatever its age (refreshing it only when stale), before any attempt or task
+    row, as a heartbeat and the reaper do: its lease after those rows could otherwise
+    wait on a heartbeat that waits on them. ``always``: so does a turn
     that will write attempt rows for another reason (``resend``). The turn's first round
     trip: the statements of its transaction run on their generic plans (``_GENERIC``).
 
@@ -940,7 +958,12 @@ async def lose(
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
 # never deadlock), and what the decision and the measured use need; for a refusal, how
-# an attempt already closed ended (its outcome, the start of its error).
+# an attempt already closed ended (its outcome, the start of its error). The tasks are
+# found through their primary key (``t.id = ANY(ARRAY(...))``, as ``_FINISH`` finds them):
+# a join on ``a.task_id`` alone got, on a connection that prepared it while the table was
+# young and unanalysed, a generic plan hashing a scan of every task, kept for as long as
+# the connection lives: each turn with reports read the whole table (968,000 rows read
+# for 1,000 tasks claimed and reported at one a turn).
 _REPORTED = text(f"""
 SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        a.outcome AS ended_as, left(a.error, {ENDED_WHY_CHARS}) AS ended_why,
@@ -952,6 +975,8 @@ SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        {refers_to_secrets("t.env")} AS has_secrets
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:ids AS bigint[]))
+  AND t.id = ANY(ARRAY(
+      SELECT r.task_id FROM core.attempts r WHERE r.id = ANY(CAST(:ids AS bigint[]))))
 ORDER BY t.id
 FOR UPDATE OF t
 """)

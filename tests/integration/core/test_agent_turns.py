@@ -216,14 +216,27 @@ def test_the_reaper_still_buries_a_worker_whose_turns_wrote_nothing(
 def test_a_turn_with_a_report_locks_the_worker_row_however_fresh(
     core: Core, worker: tuple[httpx.Client, int], db: DB
 ) -> None:
-    # A fresh row, but the turn closes an attempt: it writes the worker row first (as a
-    # heartbeat does), so its lease never waits on a beat that waits on that attempt.
+    # A fresh row, but the turn closes an attempt: it locks the worker row first (as a
+    # heartbeat's update does), so its lease never waits on a beat that waits on that
+    # attempt; being fresh, the row is not rewritten (the same version, locked: its xmax
+    # is the turn's transaction).
     http, worker_id = worker
     _, attempt = _leased(core, http, worker_id)
     fresh = _row(db, worker_id)
+    locker = _locker(db, worker_id)
     report = {"attempt_id": attempt, "outcome": "succeeded", "exit_code": 0}
     assert [v["status"] for v in _turn(http, worker_id, reports=[report])["reports"]] == [200]
-    assert _row(db, worker_id)[0] != fresh[0]
+    assert _row(db, worker_id) == fresh
+    assert _locker(db, worker_id) not in (0, locker)
+
+
+def _locker(db: DB, worker: int) -> int:
+    """The transaction that last locked or deleted the worker's row version (0: none)."""
+    row = db.execute(
+        "SELECT xmax::text::bigint FROM core.workers WHERE id = %s", (worker,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 # --- a lost answer: the next turn says what the worker holds (``Turn.holding``) ---------

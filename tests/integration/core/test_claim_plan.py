@@ -33,7 +33,7 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
-def _backlog(db: DB) -> int:
+def _backlog(db: DB, count: int = BACKLOG) -> int:
     db.execute(
         """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
                cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
@@ -41,7 +41,7 @@ def _backlog(db: DB) -> int:
            SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
                   0.01, 1, 1, 60, false, 3, 'waiting'
            FROM generate_series(1, %s)""",
-        (BACKLOG,),
+        (count,),
     )
     row = db.execute(
         "INSERT INTO core.workers (principal, hostname, queues, cpu, memory_mb)"
@@ -98,6 +98,19 @@ def _generic(db: DB, clause: Any) -> dict[str, Any]:
     return dict(plan[0]["Plan"])
 
 
+# The statements of a turn (``attempts.hear``, ``finish_and_pick``, ``lease``)
+_TURN = {
+    "heard": attempts_db._HEARD,
+    "use": placement.USE,
+    "placed": placement.PLACED_AMONG,
+    "reported": attempts_db._REPORTED,
+    "finish": attempts_db._FINISH,
+    # (a worker of several queues sorts their waiting work: an ANY is no index order)
+    "pick": attempts_db._WAITING_IN_QUEUE,
+    "claim": attempts_db._CLAIM,
+}
+
+
 def test_the_turns_generic_plans_read_tasks_by_key_behind_an_analysed_backlog(db: DB) -> None:
     """Each statement of a turn, planned without its values, still finds the tasks and
     attempts by ids, a worker or a queue: no scan of the whole table."""
@@ -109,20 +122,28 @@ def test_the_turns_generic_plans_read_tasks_by_key_behind_an_analysed_backlog(db
         (worker,),
     )
     db.execute("ANALYZE core.tasks, core.attempts")
-    statements = {
-        "heard": attempts_db._HEARD,
-        "use": placement.USE,
-        "placed": placement.PLACED_AMONG,
-        "reported": attempts_db._REPORTED,
-        "finish": attempts_db._FINISH,
-        # (a worker of several queues sorts their waiting work: an ANY is no index order)
-        "pick": attempts_db._WAITING_IN_QUEUE,
-        "claim": attempts_db._CLAIM,
-    }
-    for name, clause in statements.items():
+    for name, clause in _TURN.items():
         seq = [
             n["Relation Name"]
             for n in _nodes(_generic(db, clause))
             if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
         ]
         assert not seq, (name, seq)
+
+
+def test_the_turns_generic_plans_read_tasks_by_key_on_a_young_unanalysed_table(db: DB) -> None:
+    """As a pooled connection's first turns plan them on a young install: a few hundred
+    tasks, never analysed, no attempt yet, and the turn's settings (``attempts._GENERIC``).
+    The plan is kept for as long as the connection lives (``database.KeepingConnection``),
+    so a scan here is one at every turn while the tables grow (planned with sequential
+    scans on, four of the seven scanned every task)."""
+    _backlog(db, 300)
+    with db.transaction():
+        db.execute(attempts_db._GENERIC.text)
+        for name, clause in _TURN.items():
+            seq = [
+                n["Relation Name"]
+                for n in _nodes(_generic(db, clause))
+                if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
+            ]
+            assert not seq, (name, seq)
