@@ -142,14 +142,20 @@ class SourceChanged(SpawnError):
     written to its log; ``Host.launch`` seals the source again."""
 
 
-class SourceUnanswered(SpawnError):
+class SourceUnchecked(SpawnError):
+    """The attempt's spawn helper could not check its ``file://`` source (``SOURCE_UNCHECKED``:
+    a fault of this agent, which says nothing of the source): nothing of it ran, and it is
+    handed back (no attempt spent; ``WorkerAgent._spawn``)."""
+
+    retryable = True
+
+
+class SourceUnanswered(SourceUnchecked):
     """The attempt's ``file://`` source did not answer its spawn helper's open in time
     (``Sandbox.source_timeout_s``: a file system that hangs, such as a FUSE mount whose
     server does not reply): nothing of it ran. Not sealed again (that open would hang
-    the agent's thread on the same path), and the source's next starts fail at once for
-    a while (``Host.launch``); a failure the task's retry policy sees."""
-
-    retryable = True
+    the agent's thread on the same path), and the source's next starts on this agent
+    fail at once for a while (``Host.launch``); handed back, as the host's fault."""
 
 
 class RunningAttempt:
