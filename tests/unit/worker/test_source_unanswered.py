@@ -168,6 +168,30 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def spawn(uid: int) -> object:
+        helper = spawner.Helper(binary)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            launch = spawner.Launch("/bin/true", ["true"], {}, "/", uid=uid, gid=29992)
+            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
+            return (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return failed.errno
+        finally:
+            os.close(log)
+            helper.close()
+
+    # 2**32 would be uid 0 to setfsuid and setresuid; 2**32 - 1 is their "unchanged".
+    assert asyncio.run(spawn(2**32)) == errno.EINVAL
+    assert asyncio.run(spawn(2**32 - 1)) == errno.EINVAL
+    assert asyncio.run(spawn(29992)) == 0
+
+
 def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
     tmp_path = root
     cache = ArtifactCache(tmp_path / "cache", open_timeout_s=LIMIT_S)
