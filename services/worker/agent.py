@@ -53,6 +53,7 @@ from services.worker.executor import (
     AttemptResult,
     AttemptSpec,
     RunningAttempt,
+    SourceUnchecked,
     SpawnError,
 )
 from services.worker.firewall import Unenforceable
@@ -993,9 +994,17 @@ class Agent:
 
     async def _spawn(self, prepared: Prepared, spec: AttemptSpec) -> RunningAttempt | Report:
         """The started attempt, or the report of why it could not start."""
+        began = time.monotonic()
         try:
             return await self.host.launch(prepared, self.cache, spec)
-        except SpawnError as exc:  # SourceUnanswered too: the task's retry policy decides
+        except SourceUnchecked as exc:  # unanswered too: this host's fault, not the task's
+            # Kept one source limit from the try's start before it goes back (a held path
+            # fails at once): at most one hand-back per limit and slot, never a hot loop.
+            limit = spec.sandbox.source_timeout_s if spec.sandbox else None
+            await asyncio.sleep(max(0.0, (limit or 0.0) - (time.monotonic() - began)))
+            log.warning("attempt %s handed back: %s", spec.attempt_id, exc)
+            return Report(outcome="handed_back", error=str(exc))
+        except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared
             return Report(outcome="failed", error=exc.reason, retryable=exc.retryable)

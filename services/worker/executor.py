@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import signal
@@ -45,6 +46,7 @@ from services.worker.spawner import (
     SOURCE_BUSY,
     SOURCE_STEP,
     SOURCE_UNANSWERED,
+    SOURCE_UNCHECKED,
     Counters,
     Exit,
     Helper,
@@ -142,14 +144,20 @@ class SourceChanged(SpawnError):
     written to its log; ``Host.launch`` seals the source again."""
 
 
-class SourceUnanswered(SpawnError):
+class SourceUnchecked(SpawnError):
+    """The attempt's spawn helper could not check its ``file://`` source (``SOURCE_UNCHECKED``:
+    a fault of this agent, which says nothing of the source): nothing of it ran, and it is
+    handed back (no attempt spent; ``WorkerAgent._spawn``)."""
+
+    retryable = True
+
+
+class SourceUnanswered(SourceUnchecked):
     """The attempt's ``file://`` source did not answer its spawn helper's open in time
     (``Sandbox.source_timeout_s``: a file system that hangs, such as a FUSE mount whose
     server does not reply): nothing of it ran. Not sealed again (that open would hang
-    the agent's thread on the same path), and the source's next starts fail at once for
-    a while (``Host.launch``); a failure the task's retry policy sees."""
-
-    retryable = True
+    the agent's thread on the same path), and the source's next starts on this agent
+    fail at once for a while (``Host.launch``); handed back, as the host's fault."""
 
 
 class RunningAttempt:
@@ -494,9 +502,11 @@ async def _start_by_helper(
             group.oom_base, group.cpu_base = oom_base, 0.0
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == SOURCE_STEP:
-            if exc.errno in SOURCE_UNANSWERED:
+            if exc.errno in SOURCE_UNANSWERED | SOURCE_UNCHECKED:
                 still = "an earlier check of it still hangs" if exc.errno == SOURCE_BUSY else ""
-                failure = unanswered(spec, still)
+                failure: SourceUnchecked = unanswered(spec, still)
+                if exc.errno in SOURCE_UNCHECKED:
+                    failure = unchecked(spec, exc.errno)
                 log.note(f"cairn: {failure}\n")
                 raise failure from exc
             raise SourceChanged(f"{spec.sandbox and spec.sandbox.source_check}: {exc}") from exc
@@ -523,6 +533,20 @@ def unanswered(spec: AttemptSpec, context: str = "") -> SourceUnanswered:
         why += f" ({context})"
     why += ": its file system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)"
     return SourceUnanswered(f"cannot start {spec.executable}: {why}")
+
+
+def unchecked(spec: AttemptSpec, error: int) -> SourceUnchecked:
+    """The failure of a start whose spawn helper could not check its ``file://`` source
+    (``SOURCE_UNCHECKED``: ``error``, its errno)."""
+    sandbox = spec.sandbox
+    source = sandbox.source_check[0] if sandbox and sandbox.source_check else "?"
+    why = os.strerror(error)
+    if error == errno.EAGAIN:
+        why = "too many of its checks still hang, or none could be made"
+    return SourceUnchecked(
+        f"cannot start {spec.executable}: this worker could not check its file:// source"
+        f" {source} ({why}): a fault of the worker, not of the source"
+    )
 
 
 def _launch(spec: AttemptSpec) -> Launch:

@@ -50,7 +50,8 @@
  *   W ms       within this many milliseconds (given with o), else the start fails at step
  *              "source" with ETIMEDOUT (check_source: the open runs in a checker process
  *              this one waits for no longer; EBUSY while an earlier checker of the same
- *              path, or MAX_STUCK of them, still hang)
+ *              path still hangs; EAGAIN while MAX_STUCK checkers of any paths hang, or
+ *              no checker could be made; EIO if the checker died unanswered)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
@@ -169,6 +170,17 @@ static void read_counters(struct exit_record *record) {
     record->alone = pids < 0 ? -1 : pids == 1;
 }
 
+/* A uid or gid: 0 to UINT32_MAX - 1 (-1 is "unchanged" to setfsuid; anything larger
+ * would be truncated to another id), the whole value a number. */
+static int parse_id(const char *value, long *id) {
+    char *end;
+    errno = 0;
+    long long got = strtoll(value, &end, 10);
+    if (errno || end == value || *end || got < 0 || got >= (long long)UINT32_MAX) return -1;
+    *id = (long)got;
+    return 0;
+}
+
 static int parse(char *data, size_t size, struct request *r) {
     memset(r, 0, sizeof *r);
     r->uid = r->gid = -1;
@@ -187,8 +199,8 @@ static int parse(char *data, size_t size, struct request *r) {
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
-        case 'u': r->uid = strtol(value, NULL, 10); break;
-        case 'g': r->gid = strtol(value, NULL, 10); break;
+        case 'u': if (parse_id(value, &r->uid) < 0) return -1; break;
+        case 'g': if (parse_id(value, &r->gid) < 0) return -1; break;
         case 'a': if (r->argc < MAX_ITEMS - 1) r->argv[r->argc++] = value; else return -1; break;
         case 'e': if (r->envc < MAX_ITEMS - 1) r->envp[r->envc++] = value; else return -1; break;
         case 'T': if (r->ntargets < 8) r->targets[r->ntargets++] = value; else return -1; break;
@@ -253,11 +265,8 @@ static int source_holds(struct request *r) {
     }
     setfsuid(uid);
     setfsgid(gid);
-    if ((uid_t)setfsuid(-1) != uid || (gid_t)setfsgid(-1) != gid) {
-        if (fd >= 0) close(fd);
-        errno = EPERM;  /* it fails, and exits: nothing runs with these ids */
-        return -1;
-    }
+    if ((uid_t)setfsuid(-1) != uid || (gid_t)setfsgid(-1) != gid)
+        _exit(1);  /* a checker only: it dies unanswered (EIO), never serves with these ids */
     if (fd < 0) {
         errno = saved;
         return -1;
@@ -282,7 +291,8 @@ static int source_holds(struct request *r) {
 /* Checkers of sources that did not answer in time (an open under a FUSE mount whose
  * server never replies waits in the kernel, and past the first waiter of a directory
  * not even SIGKILL ends it): their pids and paths, at most MAX_STUCK, each reaped once it
- * is let go (a "clone" child, exit signal 0: reap's wait never sees it). */
+ * is let go (a "clone" child, exit signal 0: reap's wait never sees it). A path that
+ * could not be copied is kept as NULL: that checker only counts towards MAX_STUCK. */
 #define MAX_STUCK 8
 static struct { pid_t pid; char *path; } stuck[MAX_STUCK];
 
@@ -398,16 +408,18 @@ static pid_t one_shot(struct request *r, int *answer_fd) {
 /* source_holds, bounded: by the resident checker (or a one-shot one), waited for at most
  * r->source_ms. 0 if the source holds, else an errno: the check's, ETIMEDOUT if it did
  * not answer in time (the checker then killed, and kept in stuck until it is gone), EBUSY
- * if a checker of this path (or MAX_STUCK) still hangs: this process never waits on a
- * file system longer than that, so it goes on serving. */
+ * if a checker of this same path still hangs: this process never waits on a file system
+ * longer than that, so it goes on serving. The checking's own faults, which say nothing
+ * of this path: EAGAIN if MAX_STUCK checkers (of any paths) still hang, EIO if the
+ * checker died unanswered, clone's errno if none could be made. */
 static int check_source(struct request *r) {
     int free_slot = -1;
     for (int i = 0; i < MAX_STUCK; i++) {
-        if (stuck[i].pid > 0 && (!stuck[i].path || strcmp(stuck[i].path, r->source) == 0))
+        if (stuck[i].pid > 0 && stuck[i].path && strcmp(stuck[i].path, r->source) == 0)
             return EBUSY;
         if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
     }
-    if (free_slot < 0) return EBUSY;
+    if (free_slot < 0) return EAGAIN;
     pid_t pid = resident_pid;
     int fd = ask_resident(r);
     if (fd < 0 && (pid = one_shot(r, &fd)) < 0) return errno;
@@ -442,7 +454,7 @@ static int check_source(struct request *r) {
     }
     /* No answer in time: killed, which ends a wait for a request the server has not read
      * yet at once; one that cannot end yet is kept until it does (the path NULL if it
-     * cannot be copied: then it stands for every path). */
+     * cannot be copied: then it only counts towards MAX_STUCK). */
     for (int waited = 0; waited < 50; waited++) {
         if (waitpid(pid, NULL, WNOHANG | __WCLONE) == pid) return ETIMEDOUT;
         usleep(1000);

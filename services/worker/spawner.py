@@ -84,6 +84,14 @@ SOURCE_STEP = 11
 #: earlier check of the same source that did not answer still hangs (EBUSY)
 SOURCE_BUSY = errno.EBUSY
 SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
+#: its errno there when the checking itself failed, which says nothing of the source: too
+#: many checkers of other paths still hang (EAGAIN), the checker died unanswered (EIO), no
+#: checker could be made (EAGAIN, ENOMEM), the request was refused (EINVAL), or no file
+#: could be opened at all (EMFILE, ENFILE). Any other errno (ESTALE: another file; the
+#: open's own: ENOENT, EACCES...) says the source is not the file of its stamp.
+SOURCE_UNCHECKED = frozenset(
+    {errno.EAGAIN, errno.EIO, errno.ENOMEM, errno.EINVAL, errno.EMFILE, errno.ENFILE}
+)
 
 
 class SpawnFailed(Exception):

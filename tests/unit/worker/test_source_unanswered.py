@@ -131,6 +131,67 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
     asyncio.run(scenario())
 
 
+def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
+    """``MAX_STUCK`` checkers of other paths still hang: a check of any path then fails
+    with EAGAIN (the helper's fault, ``SOURCE_UNCHECKED``), not EBUSY (that path's)."""
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> object:
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
+            return (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return failed.step, failed.errno
+        finally:
+            os.close(log)
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        try:
+            with unanswered_fuse(root / "jammed") as mount:
+                for n in range(8):  # MAX_STUCK in spawn.c
+                    failed = await spawn(helper, _check(mount / f"d{n}" / "task"))
+                    assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), (n, failed)
+                assert _children(helper.pid).count("D") == 8, _children(helper.pid)
+                same = await spawn(helper, _check(mount / "d0" / "task"))
+                assert same == (spawner.SOURCE_STEP, spawner.SOURCE_BUSY), same
+                for source in (mount / "d8" / "task", Path("/bin/true")):
+                    full = await spawn(helper, _check(source, healthy=source.name == "true"))
+                    assert full == (spawner.SOURCE_STEP, errno.EAGAIN), (source, full)
+                    assert errno.EAGAIN in spawner.SOURCE_UNCHECKED
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def spawn(uid: int) -> object:
+        helper = spawner.Helper(binary)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            launch = spawner.Launch("/bin/true", ["true"], {}, "/", uid=uid, gid=29992)
+            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
+            return (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return failed.errno
+        finally:
+            os.close(log)
+            helper.close()
+
+    # 2**32 would be uid 0 to setfsuid and setresuid; 2**32 - 1 is their "unchanged".
+    assert asyncio.run(spawn(2**32)) == errno.EINVAL
+    assert asyncio.run(spawn(2**32 - 1)) == errno.EINVAL
+    assert asyncio.run(spawn(29992)) == 0
+
+
 def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
     tmp_path = root
     cache = ArtifactCache(tmp_path / "cache", open_timeout_s=LIMIT_S)
