@@ -40,6 +40,9 @@ up: install
 # reached 14:14 with them); their output is kept and printed when both are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
+# The suite's two workers steal queued tests from each other (--dist worksteal): with the
+# default (load), the tests already queued on one worker stay there, and one worker ran
+# the last 150 of them (2.5 minutes) alone while the other had finished.
 BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py \
 	tests/faults/system/test_network_cut.py tests/faults/system/test_jepsen_flows.py \
@@ -49,7 +52,7 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -n 2 --durations=25 $(addprefix --ignore=,$(BESIDE)); main=$$?; \
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 $(addprefix --ignore=,$(BESIDE)); main=$$?; \
 	wait $$deploy; deployed=$$?; \
 	echo "=== the tests run beside the suite ($(BESIDE)) ==="; cat "$$log"; rm -f "$$log"; \
 	echo "make test: the suite exited $$main, the tests beside it $$deployed"; \

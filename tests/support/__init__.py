@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import hashlib
 import os
 import shutil
@@ -99,6 +100,11 @@ class Served:
         else:
             self.server.should_exit = True
         self.thread.join(timeout=15)
+        # A database connection the service's loops were opening when it stopped is left
+        # half open until the cycle holding it is collected: its backend waits in
+        # authentication, and the drop of the test's database with it, for PostgreSQL's
+        # 60 s authentication_timeout. The young generations hold it: collect them now.
+        gc.collect(1)
 
 
 @dataclass
@@ -121,7 +127,8 @@ class Core(Served):
 class ThreadServer(uvicorn.Server):
     """uvicorn's server, whose main loop also wakes when :meth:`exit` tells it to stop:
     uvicorn's own looks at ``should_exit`` every 0.1 s, and the tests stop one or more
-    servers a test. The loop is uvicorn's otherwise (a tick every 0.1 s)."""
+    servers a test. The loop is uvicorn's otherwise (a tick every 0.1 s), and so is the
+    shutdown (:meth:`shutdown`), but for its fixed pauses."""
 
     _loop: asyncio.AbstractEventLoop | None = None
     _woken: asyncio.Event | None = None
@@ -136,6 +143,31 @@ class ThreadServer(uvicorn.Server):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._woken.wait(), 0.1)
             should_exit = await self.on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown, without its fixed 0.1 s pause after asking the open
+        connections to close and its 0.1 s steps while waiting on them: the same waits
+        (each open connection and request ends, up to the graceful bound), looked at every
+        5 ms, so a stop with nothing open costs no 0.1 s (a test stops one or more servers).
+        Then the application's shutdown, as uvicorn's."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while (state.connections or state.tasks) and not self.force_exit:
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            for task in state.tasks:
+                task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
     def exit(self) -> None:
         """Stop serving (uvicorn's graceful shutdown), from any thread."""
