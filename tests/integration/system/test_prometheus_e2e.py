@@ -38,7 +38,7 @@ DOCS = ROOT / "docs" / "observability.md"
 FALSE = Path("/bin/false")
 
 # Label names a Cairn metric may carry: bounded sets, never an id or an owner.
-BOUNDED_LABELS = {"queue", "state", "outcome", "pool", "le", "quota", "reason", "when"}
+BOUNDED_LABELS = {"queue", "state", "outcome", "pool", "le", "quota", "reason", "when", "kind"}
 
 
 def scaled(duration: str) -> str:
