@@ -98,6 +98,15 @@ def _generic(db: DB, clause: Any) -> dict[str, Any]:
     return dict(plan[0]["Plan"])
 
 
+def _task_scans(db: DB, clause: Any) -> list[str]:
+    """The tables among tasks and attempts that ``clause``'s generic plan reads whole."""
+    return [
+        n["Relation Name"]
+        for n in _nodes(_generic(db, clause))
+        if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
+    ]
+
+
 # The statements of a turn (``attempts.hear``, ``finish_and_pick``, ``lease``)
 _TURN = {
     "heard": attempts_db._HEARD,
@@ -123,11 +132,7 @@ def test_the_turns_generic_plans_read_tasks_by_key_behind_an_analysed_backlog(db
     )
     db.execute("ANALYZE core.tasks, core.attempts")
     for name, clause in _TURN.items():
-        seq = [
-            n["Relation Name"]
-            for n in _nodes(_generic(db, clause))
-            if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
-        ]
+        seq = _task_scans(db, clause)
         assert not seq, (name, seq)
 
 
@@ -141,9 +146,5 @@ def test_the_turns_generic_plans_read_tasks_by_key_on_a_young_unanalysed_table(d
     with db.transaction():
         db.execute(attempts_db._GENERIC.text)
         for name, clause in _TURN.items():
-            seq = [
-                n["Relation Name"]
-                for n in _nodes(_generic(db, clause))
-                if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
-            ]
+            seq = _task_scans(db, clause)
             assert not seq, (name, seq)
