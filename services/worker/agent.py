@@ -86,6 +86,11 @@ def confirm_at(start: float) -> float:
     return math.floor((start - CONFIRM_BEFORE_S) / CONFIRM_GRID_S) * CONFIRM_GRID_S
 
 
+def _smoothed(old: float, new: float) -> float:
+    """A moving average of recent times (``new`` alone while there is none yet)."""
+    return new if not old else 0.8 * old + 0.2 * new
+
+
 #: how long a report may wait for the claim in flight to come back so that the next
 #: claim carries it, when the last claim was answered without waiting for work (work
 #: arrives faster than turns go round: ``Agent._ride_s``): twice the round trip such
@@ -671,8 +676,7 @@ class Agent:
         if self.answered_at is not None:
             after = min(asyncio.get_running_loop().time() - self.answered_at, 2 * HOLD_MAX_S)
             self.answered_at = None
-            old = self.report_after
-            self.report_after = after if not old else 0.8 * old + 0.2 * after
+            self.report_after = _smoothed(self.report_after, after)
         self.reported.set()
         idle = self.courier is None or self.courier.done()
         if idle and self.outbox and (self.claiming or not self.working):
@@ -684,7 +688,7 @@ class Agent:
         self.quick = bool(answer.attempts) and not answer.waited
         if self.quick:
             rtt = asyncio.get_running_loop().time() - self.claim_sent
-            self.quick_rtt = rtt if not self.quick_rtt else 0.8 * self.quick_rtt + 0.2 * rtt
+            self.quick_rtt = _smoothed(self.quick_rtt, rtt)
 
     def _ride_s(self) -> float:
         """How much longer the reports waiting may wait for the next claim to carry them
