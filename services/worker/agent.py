@@ -1007,7 +1007,8 @@ class Agent:
             limit = spec.sandbox.source_timeout_s if spec.sandbox else None
             await asyncio.sleep(max(0.0, (limit or 0.0) - (time.monotonic() - began)))
             log.warning("attempt %s handed back: %s", spec.attempt_id, exc)
-            return Report(outcome="handed_back", error=str(exc))
+            # Counted by core, which buries a task whose source never answers.
+            return Report(outcome="handed_back", error=str(exc), hand_back_cause="source")
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared

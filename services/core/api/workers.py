@@ -164,6 +164,7 @@ def _dispatcher_on(request: Request, engine: AsyncEngine) -> ops.Dispatcher:
         defaults,
         settings.claim_ahead_max_s,
         fresh_s=_fresh_s(settings),
+        source_cap=settings.source_unanswered_max,
         holds=state.claim_holds,
         known=state.known_workers,
     )
