@@ -24,7 +24,7 @@ import pytest
 from services.worker import artifacts, spawner
 from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed, in_open_thread
 from services.worker.isolation import Identity
-from tests.support.fuse import unanswered_fuse
+from tests.support.fuse import unanswered_fuse, unread_fuse
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
@@ -236,3 +236,41 @@ def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Pat
         time.sleep(0.05)
     assert artifacts._guard.hanging() == [] and hanging() == 1
     assert isinstance(seal(healthy)[1], Path)
+
+
+def test_a_seal_whose_source_opens_but_never_reads_fails_after_the_limit(root: Path) -> None:
+    """A file system that answers the open and hangs on the read: the seal's reads are
+    bounded as its open is, the copy begun is removed, the read's thread is left to it
+    (one, until the read returns) and the open thread goes on."""
+    cache = ArtifactCache(root / "cache", open_timeout_s=LIMIT_S)
+    (root / "sealed").mkdir(mode=0o700)
+    sealed = Sealed(root / "sealed", 2**20)
+    reader = Identity(29994, 29994)
+    healthy = root / "healthy.sh"
+    healthy.write_bytes(b"#!/bin/sh\n")
+    healthy.chmod(0o644)
+
+    def seal(source: Path, digest: str) -> tuple[float, Path | ArtifactError]:
+        began = time.monotonic()
+        work = in_open_thread(lambda: cache.seal_local(source.as_uri(), digest, reader, sealed))
+        try:
+            return time.monotonic() - began, asyncio.run(asyncio.wait_for(work, 10))
+        except ArtifactError as exc:
+            return time.monotonic() - began, exc
+
+    with unread_fuse(root / "unread", "task.sh", 4096) as source:
+        took, failed = seal(source, "0" * 64)
+        assert isinstance(failed, ArtifactError) and failed.retryable, failed
+        assert f"{source}: it did not answer within {LIMIT_S:g} s" in failed.reason
+        assert LIMIT_S <= took < LIMIT_S + 2, took
+        assert artifacts._guard.hanging() == [str(source)]
+        assert list((root / "sealed").iterdir()) == []  # the copy begun is gone
+        took, busy = seal(source, "0" * 64)  # its read still hangs: this fails at once
+        assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
+        assert took < LIMIT_S, took
+        took, copy = seal(healthy, hashlib.sha256(healthy.read_bytes()).hexdigest())
+        assert isinstance(copy, Path) and copy.read_bytes() == healthy.read_bytes()
+    deadline = time.monotonic() + 10
+    while artifacts._guard.hanging() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert artifacts._guard.hanging() == []
