@@ -1007,6 +1007,12 @@ class Heartbeat(Input):
     #: the agent's loop has stood still this many seconds, past the hang bound: the
     #: sidecar killed its attempts, and core declares the worker dead at once
     hung_s: float | None = Field(default=None, ge=0, le=10.0**9)
+    #: the agent's threads left to opens or reads of ``file://`` sources that did not
+    #: answer, and its spawn helpers' checker processes of such sources held aside
+    #: (docs/security.md, "A ``file://`` source that does not answer"); core's gauge
+    #: ``cairn_workers_hung_sources``
+    hung_source_threads: int = Field(default=0, ge=0, le=10_000)
+    hung_source_checkers: int = Field(default=0, ge=0, le=10_000)
 
 
 class HeartbeatAnswer(Output):

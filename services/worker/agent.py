@@ -46,7 +46,16 @@ from libs.common.models import (
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
-from services.worker import hardening, outputs, pressure, probes, progress, state
+from services.worker import (
+    artifacts,
+    hardening,
+    outputs,
+    pressure,
+    probes,
+    progress,
+    spawner,
+    state,
+)
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
@@ -353,7 +362,7 @@ class Agent:
         claim when none went for a while (core buries a worker whose agent takes none)."""
         loop = asyncio.get_running_loop()
         while True:
-            self.board.pulse(time.monotonic())
+            self.board.pulse(time.monotonic(), (artifacts.hung_opens(), spawner.hung_checkers()))
             quiet = loop.time() - self.turned_at > keepalive_after(self.hang_s)
             idle = self.keepalive is None or self.keepalive.done()
             if quiet and idle and self.worker_id and not self.dead:

@@ -1200,6 +1200,12 @@ def _unanswered(source: Path, limit_s: float, *, still: bool) -> ArtifactError:
 _guard = _Guard()
 
 
+def hung_opens() -> int:
+    """The agent's threads left to an open or read of a source that did not answer and
+    has not returned since (a gauge of the worker's)."""
+    return len(_guard.hanging())
+
+
 async def in_open_thread(work: Callable[[], T]) -> T:
     """``work()`` on the thread that opens files as attempts (``_Opener``), off the event
     loop: work that opens a source as an attempt among other file work (``seal_local``,

@@ -102,9 +102,10 @@ enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, 
 
 /* What the helper sends: a reply to each request, in order, and exit records. A spawn's
  * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
- * ready message, whether it keeps them (1) or not (-1). */
+ * ready message, whether it keeps them (1) or not (-1). Every reply to a request says
+ * how many checkers of sources that did not answer still hang (stuck, below). */
 enum kind { REPLY = 1, EXITS = 2 };
-struct reply { int32_t kind, pid, step, err; int64_t oom_base; };
+struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung; };
 /* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB);
  * its slot's peak memory (bytes) and CPU (ns) since its start, its OOM kills, and whether
  * nothing of it was left in the slot (1; 0: something was; -1 for what is not known). */
@@ -218,7 +219,7 @@ static int parse(char *data, size_t size, struct request *r) {
 }
 
 static void fail(int status_fd, enum step step) {
-    struct reply reply = {REPLY, 0, step, errno, -1};
+    struct reply reply = {REPLY, 0, step, errno, -1, 0};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
 }
@@ -660,7 +661,7 @@ static int serve(int sock) {
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
     }
-    struct reply reply = {REPLY, 0, OK, 0, -1};
+    struct reply reply = {REPLY, 0, OK, 0, -1, 0};
     struct request request;
     reap_checkers();  /* none, mostly: then no system call */
     if (buffer[0] == 'S') {
@@ -714,6 +715,7 @@ static int serve(int sock) {
         }
     }
     for (int i = 0; i < nfds; i++) close(fds[i]);
+    for (int i = 0; i < MAX_STUCK; i++) reply.hung += stuck[i].pid > 0;
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
@@ -735,7 +737,7 @@ int main(int argc, char **argv) {
     int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     if (exited < 0) return 1;
     /* Its last field: whether it keeps its slot's counters (1) or not (-1). */
-    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1};
+    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
         struct pollfd ready_fds[2] = {{sock, POLLIN, 0}, {exited, POLLIN, 0}};

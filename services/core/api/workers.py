@@ -216,7 +216,8 @@ async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> Heartbeat
     is dead at once, its attempts lost."""
     worker, dispatcher = call.worker, call.dispatcher
     grace = missing_grace_s(_settings(request).heartbeat_interval_s)
-    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s)
+    hung = (beat.hung_source_threads, beat.hung_source_checkers)
+    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s, hung)
     return HeartbeatAnswer(
         state=state,
         stop=found.stop,

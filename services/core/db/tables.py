@@ -550,7 +550,14 @@ workers = Table(
     Column("reserved_for", BigInteger),
     # the countable devices it offers ({"gpu": 2}; docs/placement.md)
     Column("devices", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # what of its agent hangs on file:// sources that did not answer, at its last beat:
+    # threads left to an open or read, spawn helpers' checkers (cairn_workers_hung_sources)
+    Column("hung_source_threads", Integer, nullable=False, server_default=text("0")),
+    Column("hung_source_checkers", Integer, nullable=False, server_default=text("0")),
     CheckConstraint(sql_in("state", WORKER_STATES), name="state"),
+    CheckConstraint(
+        "hung_source_threads >= 0 AND hung_source_checkers >= 0", name="hung_non_negative"
+    ),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint(
         f"({sql_in('state', Workers.GONE)}) = (gone_at IS NOT NULL)", name="gone_has_time"

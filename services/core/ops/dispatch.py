@@ -470,17 +470,23 @@ def _told(
 
 
 async def heartbeat(
-    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float, hung_s: float | None = None
+    ops: Dispatcher,
+    worker: Any,
+    alive: Sequence[int],
+    grace_s: float,
+    hung_s: float | None = None,
+    hung: tuple[int, int] = (0, 0),
 ) -> tuple[workers_db.Beat, str]:
     """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it.
     ``hung_s``: the sidecar saw its agent hang and killed its attempts; the worker is
-    dead at once (``db.workers.bury_hung``)."""
+    dead at once (``db.workers.bury_hung``). ``hung``: what of the agent hangs on
+    sources that did not answer (threads, checkers), kept for the gauges."""
     async with ops.engine.begin() as conn:
         if hung_s is not None:
             tally = await workers_db.bury_hung(conn, worker.id, hung_s)
             found = workers_db.Beat([], [], [], tally.lost, tally)
         else:
-            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
+            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, hung)
         state = found.state or await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:

@@ -1,16 +1,25 @@
 """A task whose ``file://`` source does not answer on any worker is handed back, each
 time at no cost, until ``CAIRN_SOURCE_UNANSWERED_MAX`` such hand-backs in a row bury it
 (docs/security.md, "A ``file://`` source that does not answer"); other hand-backs (a
-drain) and a report without a cause (an older agent's) are never counted."""
+drain) and a report without a cause (an older agent's) are never counted. What of a
+worker's agent hangs on such sources reaches core with its heartbeats, for the gauge
+``cairn_workers_hung_sources``."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from libs.common.client import CoreClient
+from services.worker import sidecar
+from services.worker.state import Board
 from tests.support import Core, TurnWorker, spec, wait_for
 
 CAP = 3
@@ -116,3 +125,52 @@ def test_a_cause_is_refused_on_any_other_outcome_and_any_other_value(worker: Tur
     ):
         answer = worker.post_turn(reports=[report])
         assert answer.status_code == 422 and "hand_back_cause" in answer.text, answer.text
+
+
+def test_what_hangs_on_sources_reaches_core_from_the_board_through_a_beat(
+    core: Core, worker: TurnWorker, db: DB, tmp_path: Path
+) -> None:
+    """The agent marks on its board what of it hangs on sources (threads, checkers); its
+    sidecar's beat tells core, which keeps it on the worker and reports it by pool."""
+    board = Board.create()
+    lease = worker.http.headers["X-Cairn-Worker-Lease"]
+
+    async def beat() -> bool:
+        async with CoreClient(core.url, core.token("w1", "worker")) as client:
+            client.use_lease(lease)
+            return await sidecar._beat(tmp_path, worker.id, {}, client, board.hung())
+
+    def held() -> tuple[Any, ...]:
+        row = db.execute(
+            "SELECT hung_source_threads, hung_source_checkers FROM core.workers WHERE id = %s",
+            (worker.id,),
+        ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    def gauge(kind: str) -> float:
+        text = httpx.get(core.url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "cairn_workers_hung_sources" and sample.labels == {
+                    "pool": "default",
+                    "kind": kind,
+                }:
+                    return float(sample.value)
+        raise AssertionError(f"no cairn_workers_hung_sources for kind {kind}")
+
+    try:
+        board.pulse(1.0, (2, 3))
+        assert asyncio.run(beat())
+        assert held() == (2, 3)
+        assert (gauge("thread"), gauge("checker")) == (2.0, 3.0)
+        board.pulse(2.0)  # nothing hangs any more
+        assert asyncio.run(beat())
+        assert held() == (0, 0)
+        assert (gauge("thread"), gauge("checker")) == (0.0, 0.0)
+    finally:
+        board.close()
+    bad = worker.http.post(
+        f"/v1/workers/{worker.id}/heartbeat", json={"attempts": [], "hung_source_threads": -1}
+    )
+    assert bad.status_code == 422 and "hung_source_threads" in bad.text, bad.text

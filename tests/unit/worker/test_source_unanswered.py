@@ -114,7 +114,7 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
                 took, busy = await spawn(helper, _check(source))
                 assert isinstance(busy, spawner.SpawnFailed), busy
                 assert busy.errno == spawner.SOURCE_BUSY and took < LIMIT_S, took
-                assert "D" in _children(helper.pid)
+                assert "D" in _children(helper.pid) and helper.hung_checkers == 1
                 # The helper is not jammed: another attempt starts and ends.
                 took, status = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
                 assert status == 0 and took < 5, (took, status)
@@ -125,7 +125,7 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
                 await asyncio.sleep(0.05)
             # Its checker hung: each check is a copy of its own now, reaped at once.
             took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
-            assert status == 0
+            assert status == 0 and helper.hung_checkers == 0
             assert _children(helper.pid) == [], _children(helper.pid)
         finally:
             helper.close()
@@ -158,6 +158,8 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
                     failed = await spawn(helper, _check(mount / f"d{n}" / "task"))
                     assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), (n, failed)
                 assert _children(helper.pid).count("D") == 8, _children(helper.pid)
+                # Its replies say so: the agent's gauge (``spawner.hung_checkers``).
+                assert helper.hung_checkers == 8 and spawner.hung_checkers() >= 8
                 same = await spawn(helper, _check(mount / "d0" / "task"))
                 assert same == (spawner.SOURCE_STEP, spawner.SOURCE_BUSY), same
                 for source in (mount / "d8" / "task", Path("/bin/true")):
@@ -263,7 +265,7 @@ def test_a_seal_whose_source_opens_but_never_reads_fails_after_the_limit(root: P
         assert isinstance(failed, ArtifactError) and failed.retryable, failed
         assert f"{source}: it did not answer within {LIMIT_S:g} s" in failed.reason
         assert LIMIT_S <= took < LIMIT_S + 2, took
-        assert artifacts._guard.hanging() == [str(source)]
+        assert artifacts._guard.hanging() == [str(source)] and artifacts.hung_opens() == 1
         assert list((root / "sealed").iterdir()) == []  # the copy begun is gone
         took, busy = seal(source, "0" * 64)  # its read still hangs: this fails at once
         assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
@@ -273,4 +275,4 @@ def test_a_seal_whose_source_opens_but_never_reads_fails_after_the_limit(root: P
     deadline = time.monotonic() + 10
     while artifacts._guard.hanging() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert artifacts._guard.hanging() == []
+    assert artifacts._guard.hanging() == [] and artifacts.hung_opens() == 0
