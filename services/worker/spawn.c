@@ -315,10 +315,15 @@ static long long now_ms(void) {
 /* The resident checker: a copy of this process made before it joins its cgroups (so it
  * lives outside the slot, and counts in none of its figures), which answers each check
  * on a SOCK_SEQPACKET socket: "uid gid stamp types", a NUL, the path; the reply, an int
- * errno (0: it holds). -1 once it hung or died: then each check is a one-shot copy of
- * this process instead (in the slot, reaped before the attempt starts). */
+ * errno (0: it holds). -1 once it hung or died (then killed, and reaped or kept in stuck).
+ * A process that joined no cgroup (cgroup v2, or none: its attempts are cloned into their
+ * own) makes a new one at its next check, which would be born where the first was
+ * (restartable); one that joined a v1 slot would have it born in the slot, where it
+ * would count in the slot's figures and never leave it alone: there each check is a
+ * one-shot copy of this process instead (reaped before the attempt starts). */
 static int resident_fd = -1;
 static pid_t resident_pid = 0;
+static int restartable = 0;
 #define MAX_CHECK (PATH_MAX + 512)
 
 /* In a checker: keep only fd (as 3) of what this process holds. */
@@ -368,6 +373,7 @@ static void start_resident(void) {
 /* The check handed to the resident checker; its socket, or -1 if there is none. */
 static int ask_resident(struct request *r) {
     static char check[MAX_CHECK + 1];
+    if (resident_fd < 0 && restartable) start_resident();
     if (resident_fd < 0) return -1;
     int head = snprintf(check, sizeof check, "%ld %ld %s %s", r->uid, r->gid, r->stamp, r->fstypes);
     size_t path = strlen(r->source);
@@ -421,8 +427,8 @@ static int check_source(struct request *r) {
         if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
     }
     if (free_slot < 0) return EAGAIN;
+    int fd = ask_resident(r);  /* it may make a new resident: its pid read after */
     pid_t pid = resident_pid;
-    int fd = ask_resident(r);
     if (fd < 0 && (pid = one_shot(r, &fd)) < 0) return errno;
     int resident = fd == resident_fd;
     int err = 0;
@@ -727,6 +733,7 @@ int main(int argc, char **argv) {
     int sock = atoi(argv[2]);
     fcntl(sock, F_SETFD, FD_CLOEXEC);
     start_resident();  /* before the join: outside the slot */
+    restartable = argc == 3;  /* no slot to join: a new one is born where the first was */
     join(argv + 3, argc - 3);
     /* Exits arrive on a signalfd, beside the requests: SIGCHLD is blocked here (each
      * child unblocks every signal before its exec). */
