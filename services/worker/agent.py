@@ -46,17 +46,8 @@ from libs.common.models import (
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
-from services.worker import (
-    artifacts,
-    hardening,
-    outputs,
-    pressure,
-    probes,
-    progress,
-    spawner,
-    state,
-)
-from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker import hardening, outputs, pressure, probes, progress, state
+from services.worker.artifacts import ArtifactCache, ArtifactError, hung_opens
 from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
     AttemptResult,
@@ -71,6 +62,7 @@ from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
 from services.worker.replicas import Replicas, host_address
 from services.worker.settings import WorkerSettings
+from services.worker.spawner import hung_checkers
 from services.worker.squeeze import squeeze
 from services.worker.timings import Timings
 
@@ -362,7 +354,7 @@ class Agent:
         claim when none went for a while (core buries a worker whose agent takes none)."""
         loop = asyncio.get_running_loop()
         while True:
-            self.board.pulse(time.monotonic(), (artifacts.hung_opens(), spawner.hung_checkers()))
+            self.board.pulse(time.monotonic(), (hung_opens(), hung_checkers()))
             quiet = loop.time() - self.turned_at > keepalive_after(self.hang_s)
             idle = self.keepalive is None or self.keepalive.done()
             if quiet and idle and self.worker_id and not self.dead:
