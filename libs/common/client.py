@@ -324,9 +324,22 @@ class CoreClient(ApiClient):
         self._http.headers[WORKER_LEASE_HEADER] = lease
 
     async def heartbeat(
-        self, worker_id: int, alive: Sequence[int], hung_s: float | None = None
+        self,
+        worker_id: int,
+        alive: Sequence[int],
+        hung_s: float | None = None,
+        hung: tuple[int, int] = (0, 0),
     ) -> HeartbeatAnswer:
-        body = Heartbeat(attempts=list(alive), hung_s=hung_s).model_dump_json()
+        """``hung``: the agent's threads and its spawn helpers' checkers that hang on
+        sources that did not answer (sent only when some do)."""
+        threads, checkers = hung
+        beat = Heartbeat(
+            attempts=list(alive),
+            hung_s=hung_s,
+            hung_source_threads=threads,
+            hung_source_checkers=checkers,
+        )
+        body = beat.model_dump_json(exclude_defaults=True)
         response = await self._call("POST", f"/v1/workers/{worker_id}/heartbeat", content=body)
         return HeartbeatAnswer.model_validate_json(response.content)
 

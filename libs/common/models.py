@@ -1007,6 +1007,12 @@ class Heartbeat(Input):
     #: the agent's loop has stood still this many seconds, past the hang bound: the
     #: sidecar killed its attempts, and core declares the worker dead at once
     hung_s: float | None = Field(default=None, ge=0, le=10.0**9)
+    #: the agent's threads left to opens or reads of ``file://`` sources that did not
+    #: answer, and its spawn helpers' checker processes of such sources held aside
+    #: (docs/security.md, "A ``file://`` source that does not answer"); core's gauge
+    #: ``cairn_workers_hung_sources``
+    hung_source_threads: int = Field(default=0, ge=0, le=10_000)
+    hung_source_checkers: int = Field(default=0, ge=0, le=10_000)
 
 
 class HeartbeatAnswer(Output):
@@ -1117,6 +1123,14 @@ Outputs = Annotated[
 ]
 
 
+#: why a worker handed an attempt back, where core treats it apart: ``source``: its
+#: ``file://`` source did not answer the spawn helper's check in time, or could not be
+#: checked (docs/security.md, "A ``file://`` source that does not answer"); core buries
+#: the task after ``CAIRN_SOURCE_UNANSWERED_MAX`` of them in a row. A report without
+#: one (an older worker's, a drain's) is an ordinary hand-back
+HandBackCause = Literal["source"]
+
+
 class Report(Input):
     """How an attempt ended. ``handed_back``: not run to the end (drain, preemption), so it
     does not spend an attempt; ``preempted``: stopped at core's request for guaranteed
@@ -1125,7 +1139,8 @@ class Report(Input):
     attempt went over its memory limit and the kernel killed it; retried as a failure.
     ``disk_exceeded``: it failed with its files filling its disk quota (``disk_mb``: a
     write failed with ENOSPC); retried as a failure too.
-    ``retryable: false`` makes a failure final."""
+    ``retryable: false`` makes a failure final. ``hand_back_cause``: why a
+    ``handed_back`` attempt did not start, when the worker knows (``HandBackCause``)."""
 
     outcome: ReportedOutcome
     exit_code: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
@@ -1142,6 +1157,13 @@ class Report(Input):
     #: its way to core (core then takes the rest for ``CAIRN_LOG_LATE_S``: docs/logs.md);
     #: omitted when core has it all
     log_bytes: int | None = Field(default=None, ge=0, le=2**62)
+    hand_back_cause: HandBackCause | None = None
+
+    @model_validator(mode="after")
+    def _cause_of_hand_back(self) -> Report:
+        if self.hand_back_cause is not None and self.outcome != "handed_back":
+            raise ValueError("hand_back_cause: only a handed_back report has one")
+        return self
 
 
 class ReportAnswer(Output):

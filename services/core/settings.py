@@ -12,6 +12,7 @@ from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
 from services.core.domain.groups import TeamMapping, parse_team_map
+from services.core.domain.outcomes import SOURCE_UNANSWERED_MAX
 from services.core.domain.sharing import FairShare
 
 
@@ -87,6 +88,9 @@ class CoreSettings(SecretsKeySettings):
     #: crashes count towards a task's poison-pill limit only within this window (a task's
     #: ``retry.poison_window_s`` overrides it)
     poison_window_s: float = Field(default=72 * 3600.0, gt=0, le=30 * 86400)
+    #: a task whose ``file://`` source did not answer (or could not be checked) on this
+    #: many starts in a row, each handed back by its worker, is buried (docs/security.md)
+    source_unanswered_max: int = Field(default=SOURCE_UNANSWERED_MAX, ge=1, le=10_000)
 
     # placement (see docs/placement.md)
     overcommit_ratio: float = Field(default=1.0, ge=1, le=10)

@@ -47,7 +47,7 @@ from libs.common.models import (
 from libs.common.placement import SQUEEZED_CPU_SHARE
 from libs.common.states import Workers
 from services.worker import hardening, outputs, pressure, probes, progress, state
-from services.worker.artifacts import ArtifactCache, ArtifactError
+from services.worker.artifacts import ArtifactCache, ArtifactError, hung_opens
 from services.worker.devices import DevicePool, DevicesBusy, Held
 from services.worker.executor import (
     AttemptResult,
@@ -62,6 +62,7 @@ from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
 from services.worker.replicas import Replicas, host_address
 from services.worker.settings import WorkerSettings
+from services.worker.spawner import hung_checkers
 from services.worker.squeeze import squeeze
 from services.worker.timings import Timings
 
@@ -353,7 +354,7 @@ class Agent:
         claim when none went for a while (core buries a worker whose agent takes none)."""
         loop = asyncio.get_running_loop()
         while True:
-            self.board.pulse(time.monotonic())
+            self.board.pulse(time.monotonic(), (hung_opens(), hung_checkers()))
             quiet = loop.time() - self.turned_at > keepalive_after(self.hang_s)
             idle = self.keepalive is None or self.keepalive.done()
             if quiet and idle and self.worker_id and not self.dead:
@@ -1007,7 +1008,8 @@ class Agent:
             limit = spec.sandbox.source_timeout_s if spec.sandbox else None
             await asyncio.sleep(max(0.0, (limit or 0.0) - (time.monotonic() - began)))
             log.warning("attempt %s handed back: %s", spec.attempt_id, exc)
-            return Report(outcome="handed_back", error=str(exc))
+            # Counted by core, which buries a task whose source never answers.
+            return Report(outcome="handed_back", error=str(exc), hand_back_cause="source")
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared

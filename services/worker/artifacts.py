@@ -365,10 +365,11 @@ class ArtifactCache:
             quiet = stamp is not None and self.stamps.quiet(stamp) and _no_writer(src.fileno())
             sink = _Sink(None, self.max_bytes)
             written = None
+            guarded = _guarded(source, reader, self.open_timeout_s)
             if known is None:
-                written = _write_copy(sealed.folder, sink, lambda: _read_into(src, sink))
+                written = _write_copy(sealed.folder, sink, lambda: _read_into(src, sink, guarded))
             else:
-                _read_into(src, sink)
+                _read_into(src, sink, guarded)
             if sink.hexdigest() != digest:
                 if written is not None:
                     written.unlink(missing_ok=True)
@@ -934,7 +935,7 @@ def _copier(cached: Path) -> Callable[[_Sink], None]:
 
 def _copy_file(source: Path, sink: _Sink, reader: Identity | None, limit_s: float) -> None:
     with os.fdopen(_open_source(source, reader, limit_s), "rb") as src:
-        _read_into(src, sink)
+        _read_into(src, sink, _guarded(source, reader, limit_s))
 
 
 def _open_source(source: Path, reader: Identity | None, limit_s: float) -> int:
@@ -977,9 +978,25 @@ def _unreadable(source: Path) -> ArtifactError:
     )
 
 
-def _read_into(src: IO[bytes], sink: _Sink) -> None:
-    for chunk in iter(lambda: src.read(CHUNK), b""):
+def _read_into(src: IO[bytes], sink: _Sink, guarded: tuple[Path, float] | None = None) -> None:
+    """Every byte of ``src`` through ``sink``; ``guarded`` (a source opened as an attempt:
+    its path and time limit), each read on a thread of ``_guard``'s, given up after that
+    limit as its open is (a file system may answer an open and hang on a read)."""
+    if guarded is None:
+        for chunk in iter(lambda: src.read(CHUNK), b""):
+            sink.write(chunk)
+        return
+    source, limit_s = guarded
+    while chunk := _guard.read(source, src.fileno(), CHUNK, limit_s):
         sink.write(chunk)
+
+
+def _guarded(source: Path, reader: Identity | None, limit_s: float) -> tuple[Path, float] | None:
+    """How ``_read_into`` reads ``source``, opened as ``reader`` by ``_open_as``: on the
+    guard's threads where its open was too."""
+    if reader is None or getattr(_here, "in_place", False):
+        return None
+    return source, limit_s
 
 
 def _open_as(source: Path, reader: Identity | None, limit_s: float) -> int:
@@ -1077,43 +1094,72 @@ class _Opener:
 
 
 class _Guard:
-    """Opens as attempts that may be given up on: each runs on a thread of its own (one
-    kept spare, reused), waited for at most its time limit. One that does not answer by
-    then (a FUSE mount whose server hangs: the open waits in the kernel, and past the
-    first waiter of a folder not even SIGKILL ends it) fails its attempt
-    (``ArtifactError``, retryable) and keeps its thread until it returns; an open of the
-    same path meanwhile, or any while ``MAX_STUCK_OPENS`` hang, fails at once, so no
-    more threads than that are ever left hanging. An open the waiter gave up on that
-    returns later is closed."""
+    """Opens as attempts, and reads of what they opened, that may be given up on: each
+    runs on a thread of its own (one kept spare, reused), waited for at most its time
+    limit. One that does not answer by then (a FUSE mount whose server hangs: the open
+    or read waits in the kernel, and past the first waiter of a folder not even SIGKILL
+    ends it) fails its attempt (``ArtifactError``, retryable) and keeps its thread until
+    it returns; an open or read of the same path meanwhile, or any while
+    ``MAX_STUCK_OPENS`` hang, fails at once, so no more threads than that are ever left
+    hanging. An open the waiter gave up on that returns later is closed; a read reads a
+    copy of the descriptor that its thread closes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spare: _Opener | None = None
-        self._stuck: dict[str, tuple[_Opener, concurrent.futures.Future[int]]] = {}
+        self._stuck: dict[str, tuple[_Opener, concurrent.futures.Future[Any]]] = {}
 
     def open(self, source: Path, flags: int, reader: Identity, limit_s: float) -> int:
-        key = str(source)
+        opener = self._take(source, limit_s)
+        done = opener.submit(lambda: _open_here(source, flags, reader))
+        return self._wait(source, opener, done, limit_s, _close_opened)
+
+    def read(self, source: Path, fd: int, size: int, limit_s: float) -> bytes:
+        """Up to ``size`` bytes read from ``fd`` (``source``, opened by ``open``)."""
+        opener = self._take(source, limit_s)
+        try:
+            copy = os.dup(fd)
+        except BaseException:
+            self._give_back(opener)
+            raise
+        done = opener.submit(lambda: _read_copy(copy, size))
+        return self._wait(source, opener, done, limit_s)
+
+    def _take(self, source: Path, limit_s: float) -> _Opener:
+        """A thread for work on ``source``, unless one of it hangs, or too many do."""
         with self._lock:
             for path, (_, waiting) in list(self._stuck.items()):
                 if waiting.done():  # it returned at last (its thread ended with it)
                     del self._stuck[path]
-            if key in self._stuck or len(self._stuck) >= MAX_STUCK_OPENS:
+            if str(source) in self._stuck or len(self._stuck) >= MAX_STUCK_OPENS:
                 raise _unanswered(source, limit_s, still=True)
             opener, self._spare = self._spare or _Opener("open-with-limit"), None
-        done = opener.submit(lambda: _open_here(source, flags, reader))
+        return opener
+
+    def _wait(
+        self,
+        source: Path,
+        opener: _Opener,
+        done: concurrent.futures.Future[T],
+        limit_s: float,
+        late: Callable[[concurrent.futures.Future[T]], object] | None = None,
+    ) -> T:
+        """``done``'s result within ``limit_s``, else the thread is left to it (``late``:
+        what to do with its result if it comes after all)."""
         try:
-            fd = done.result(timeout=limit_s)
+            value = done.result(timeout=limit_s)
         except concurrent.futures.TimeoutError:
-            done.add_done_callback(_close_opened)
-            opener.stop()  # its thread ends as soon as the open returns
+            if late is not None:
+                done.add_done_callback(late)
+            opener.stop()  # its thread ends as soon as the work returns
             with self._lock:
-                self._stuck[key] = (opener, done)
+                self._stuck[str(source)] = (opener, done)
             raise _unanswered(source, limit_s, still=False) from None
         except BaseException:
             self._give_back(opener)
             raise
         self._give_back(opener)
-        return fd
+        return value
 
     def _give_back(self, opener: _Opener) -> None:
         with self._lock:
@@ -1123,9 +1169,18 @@ class _Guard:
         opener.stop()  # another open ran meanwhile, on a thread of its own
 
     def hanging(self) -> list[str]:
-        """The paths whose opens did not answer and have not returned since."""
+        """The paths whose opens or reads did not answer and have not returned since."""
         with self._lock:
             return [path for path, (_, waiting) in self._stuck.items() if not waiting.done()]
+
+
+def _read_copy(fd: int, size: int) -> bytes:
+    """A read of ``fd``, a copy of the descriptor the caller reads, closed after it: the
+    caller may close its own at once if it gives up on the read."""
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _close_opened(done: concurrent.futures.Future[int]) -> None:
@@ -1134,7 +1189,7 @@ def _close_opened(done: concurrent.futures.Future[int]) -> None:
 
 
 def _unanswered(source: Path, limit_s: float, *, still: bool) -> ArtifactError:
-    why = " (an earlier open of it that did not answer still hangs)" if still else ""
+    why = " (an earlier open or read of it that did not answer still hangs)" if still else ""
     return ArtifactError(
         f"cannot read {source}: it did not answer within {limit_s:g} s{why}: its file "
         "system hangs (CAIRN_WORKER_SOURCE_TIMEOUT_S)",
@@ -1143,6 +1198,12 @@ def _unanswered(source: Path, limit_s: float, *, still: bool) -> ArtifactError:
 
 
 _guard = _Guard()
+
+
+def hung_opens() -> int:
+    """The agent's threads left to an open or read of a source that did not answer and
+    has not returned since (a gauge of the worker's)."""
+    return len(_guard.hanging())
 
 
 async def in_open_thread(work: Callable[[], T]) -> T:

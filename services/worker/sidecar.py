@@ -117,7 +117,7 @@ async def beat_forever(
             await _hung(folder, board, worker_id, client, still, gone, every)
             return
         if loop.time() >= next_beat:
-            if await _beat(folder, worker_id, attempts, client):
+            if await _beat(folder, worker_id, attempts, client, board.hung()):
                 last_ok = loop.time()
             elif loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
                 log.error("cut off from core too long: stopping this worker's attempts")
@@ -128,8 +128,15 @@ async def beat_forever(
             await asyncio.wait_for(gone.wait(), max(0.0, pause))
 
 
-async def _beat(folder: Path, worker_id: int, attempts: dict[str, int], client: CoreClient) -> bool:
-    """One heartbeat, its answer left for the agent; whether core answered.
+async def _beat(
+    folder: Path,
+    worker_id: int,
+    attempts: dict[str, int],
+    client: CoreClient,
+    hung: state.Hung = (0, 0),
+) -> bool:
+    """One heartbeat, its answer left for the agent; whether core answered. ``hung``:
+    what of the agent hangs on sources that did not answer, for core's gauges.
 
     It names every attempt on the board, whatever its process does: the living agent
     holds each until core has its report (the agent dead or hung, this sidecar stops
@@ -138,7 +145,7 @@ async def _beat(folder: Path, worker_id: int, attempts: dict[str, int], client: 
     and a beat that left it out then would have core lose an attempt that ended well,
     spend it, and refuse its report."""
     try:
-        answer = await client.heartbeat(worker_id, [int(a) for a in attempts])
+        answer = await client.heartbeat(worker_id, [int(a) for a in attempts], hung=hung)
     except (httpx.TransportError, CairnError) as exc:
         log.warning("heartbeat failed: %s", exc)
         return False

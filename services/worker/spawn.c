@@ -102,9 +102,10 @@ enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, 
 
 /* What the helper sends: a reply to each request, in order, and exit records. A spawn's
  * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
- * ready message, whether it keeps them (1) or not (-1). */
+ * ready message, whether it keeps them (1) or not (-1). Every reply to a request says
+ * how many checkers of sources that did not answer still hang (stuck, below). */
 enum kind { REPLY = 1, EXITS = 2 };
-struct reply { int32_t kind, pid, step, err; int64_t oom_base; };
+struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung; };
 /* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB);
  * its slot's peak memory (bytes) and CPU (ns) since its start, its OOM kills, and whether
  * nothing of it was left in the slot (1; 0: something was; -1 for what is not known). */
@@ -218,7 +219,7 @@ static int parse(char *data, size_t size, struct request *r) {
 }
 
 static void fail(int status_fd, enum step step) {
-    struct reply reply = {REPLY, 0, step, errno, -1};
+    struct reply reply = {REPLY, 0, step, errno, -1, 0};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
 }
@@ -314,10 +315,15 @@ static long long now_ms(void) {
 /* The resident checker: a copy of this process made before it joins its cgroups (so it
  * lives outside the slot, and counts in none of its figures), which answers each check
  * on a SOCK_SEQPACKET socket: "uid gid stamp types", a NUL, the path; the reply, an int
- * errno (0: it holds). -1 once it hung or died: then each check is a one-shot copy of
- * this process instead (in the slot, reaped before the attempt starts). */
+ * errno (0: it holds). -1 once it hung or died (then killed, and reaped or kept in stuck).
+ * A process that joined no cgroup (cgroup v2, or none: its attempts are cloned into their
+ * own) makes a new one at its next check, which would be born where the first was
+ * (restartable); one that joined a v1 slot would have it born in the slot, where it
+ * would count in the slot's figures and never leave it alone: there each check is a
+ * one-shot copy of this process instead (reaped before the attempt starts). */
 static int resident_fd = -1;
 static pid_t resident_pid = 0;
+static int restartable = 0;
 #define MAX_CHECK (PATH_MAX + 512)
 
 /* In a checker: keep only fd (as 3) of what this process holds. */
@@ -367,6 +373,7 @@ static void start_resident(void) {
 /* The check handed to the resident checker; its socket, or -1 if there is none. */
 static int ask_resident(struct request *r) {
     static char check[MAX_CHECK + 1];
+    if (resident_fd < 0 && restartable) start_resident();
     if (resident_fd < 0) return -1;
     int head = snprintf(check, sizeof check, "%ld %ld %s %s", r->uid, r->gid, r->stamp, r->fstypes);
     size_t path = strlen(r->source);
@@ -420,8 +427,8 @@ static int check_source(struct request *r) {
         if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
     }
     if (free_slot < 0) return EAGAIN;
+    int fd = ask_resident(r);  /* it may make a new resident: its pid read after */
     pid_t pid = resident_pid;
-    int fd = ask_resident(r);
     if (fd < 0 && (pid = one_shot(r, &fd)) < 0) return errno;
     int resident = fd == resident_fd;
     int err = 0;
@@ -660,7 +667,7 @@ static int serve(int sock) {
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
     }
-    struct reply reply = {REPLY, 0, OK, 0, -1};
+    struct reply reply = {REPLY, 0, OK, 0, -1, 0};
     struct request request;
     reap_checkers();  /* none, mostly: then no system call */
     if (buffer[0] == 'S') {
@@ -714,6 +721,7 @@ static int serve(int sock) {
         }
     }
     for (int i = 0; i < nfds; i++) close(fds[i]);
+    for (int i = 0; i < MAX_STUCK; i++) reply.hung += stuck[i].pid > 0;
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
@@ -725,6 +733,7 @@ int main(int argc, char **argv) {
     int sock = atoi(argv[2]);
     fcntl(sock, F_SETFD, FD_CLOEXEC);
     start_resident();  /* before the join: outside the slot */
+    restartable = argc == 3;  /* no slot to join: a new one is born where the first was */
     join(argv + 3, argc - 3);
     /* Exits arrive on a signalfd, beside the requests: SIGCHLD is blocked here (each
      * child unblocks every signal before its exec). */
@@ -735,7 +744,7 @@ int main(int argc, char **argv) {
     int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     if (exited < 0) return 1;
     /* Its last field: whether it keeps its slot's counters (1) or not (-1). */
-    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1};
+    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
         struct pollfd ready_fds[2] = {{sock, POLLIN, 0}, {exited, POLLIN, 0}};

@@ -44,6 +44,7 @@ import stat
 import struct
 import subprocess
 import sys
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ SOURCE = Path(__file__).with_name("spawn.c")
 #: count, then each one's pid, wait status, user and system CPU in microseconds, peak
 #: resident set in KiB, and its slot's ``Counters``)
 _KIND = struct.Struct("=i")
-_REPLY = struct.Struct("=iiiiq")
+_REPLY = struct.Struct("=iiiiqq")
 _EXITS = struct.Struct("=ii")
 _EXIT = struct.Struct("=iiqqqqqii")
 _REPLY_KIND, _EXITS_KIND = 1, 2
@@ -103,6 +104,16 @@ class SpawnFailed(Exception):
         self.pid = pid
         what = _STEPS.get(step, f"step {step}")
         super().__init__(f"{what}: {os.strerror(errno) if errno > 0 else 'refused'}")
+
+
+#: every helper started and not closed (``hung_checkers``)
+_helpers: weakref.WeakSet[Helper] = weakref.WeakSet()
+
+
+def hung_checkers() -> int:
+    """The checker processes of sources that did not answer that the agent's helpers
+    still hold aside, as each helper's last reply said (a gauge of the worker's)."""
+    return sum(helper.hung_checkers for helper in list(_helpers) if not helper.gone)
 
 
 class HelperGone(Exception):
@@ -257,6 +268,10 @@ class Helper:
         self.counts = False
         #: user + system CPU seconds of the attempts it reaped (their own rusage)
         self.reaped_cpu_s = 0.0
+        #: its checkers of sources that did not answer that still hang, as its last reply
+        #: said (``hung_checkers``)
+        self.hung_checkers = 0
+        _helpers.add(self)
         # Readable once the helper has exited: ``alive`` asks it, no /proc read.
         self._exit: select.poll | None = None
         with contextlib.suppress(OSError):
@@ -295,7 +310,8 @@ class Helper:
         else:  # end of file: it exited
             self.close()
 
-    def _replied(self, pid: int, step: int, errno: int, oom_base: int) -> None:
+    def _replied(self, pid: int, step: int, errno: int, oom_base: int, hung: int) -> None:
+        self.hung_checkers = hung
         exited = None
         if not step and pid > 0 and self._ready and self._loop is not None:
             # Before the next message, which may be its exit record.

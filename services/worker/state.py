@@ -21,12 +21,17 @@ from pathlib import Path
 from typing import Any
 
 ANSWER = "answer.json"
+#: its threads left to opens or reads of ``file://`` sources that did not answer
+#: (``artifacts.hung_opens``), and its spawn helpers' checkers of such sources still
+#: held aside (``spawner.hung_checkers``)
+Hung = tuple[int, int]
 
 _HEADER = struct.Struct("=QII")  # sequence number, length, crc32 of the payload
 #: each half's room (the memfd is sparse: only written pages take memory)
 HALF = 16 * 2**20
-#: the pulse: one time written twice, so a read torn by a write is seen as such
-_PULSE = struct.Struct("=dd")
+#: the pulse: one time written twice, so a read torn by a write is seen as such, around
+#: what of the agent hangs on sources that did not answer (``Hung``)
+_PULSE = struct.Struct("=dIId")
 
 
 class Board:
@@ -45,17 +50,27 @@ class Board:
         os.ftruncate(fd, 2 * HALF + _PULSE.size)
         return cls(fd)
 
-    def pulse(self, at: float) -> None:
-        """Record that the agent's loop turned at ``at`` (``time.monotonic()``)."""
-        os.pwrite(self.fd, _PULSE.pack(at, at), 2 * HALF)
+    def pulse(self, at: float, hung: Hung = (0, 0)) -> None:
+        """Record that the agent's loop turned at ``at`` (``time.monotonic()``), and what
+        of it hangs on sources then."""
+        os.pwrite(self.fd, _PULSE.pack(at, *hung, at), 2 * HALF)
 
     def pulse_at(self) -> float | None:
         """When the agent's loop last turned (``time.monotonic()``); None before its first."""
+        return self._pulse()[0]
+
+    def hung(self) -> Hung:
+        """What of the agent hung on sources at its last pulse (``Hung``)."""
+        return self._pulse()[1]
+
+    def _pulse(self) -> tuple[float | None, Hung]:
         for _ in range(5):
-            first, second = _PULSE.unpack(os.pread(self.fd, _PULSE.size, 2 * HALF))
+            first, threads, checkers, second = _PULSE.unpack(
+                os.pread(self.fd, _PULSE.size, 2 * HALF)
+            )
             if first == second:
-                return first or None
-        return None
+                return first or None, (threads, checkers)
+        return None, (0, 0)
 
     def write(self, value: dict[str, Any]) -> None:
         self.write_json(json.dumps(value, separators=(",", ":")).encode())

@@ -97,6 +97,9 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
     # Handed back each time, spending none of its one attempt: it waits for a worker that
     # can read its source (or its cancel).
     assert jammed["attempts"] == 0 and jammed["state"] != "dead", jammed
+    # Each told core why (``hand_back_cause``): counted towards CAIRN_SOURCE_UNANSWERED_MAX.
+    counted = db.execute("SELECT source_handbacks FROM core.tasks WHERE id = %s", (jammed["id"],))
+    assert counted.fetchone()[0] >= 3
     assert [outcome for outcome, _, _ in rows][:3] == ["handed_back"] * 3, rows
     for _, error, _ in rows:
         assert f"{task} did not answer within {LIMIT_S:g} s" in error, rows

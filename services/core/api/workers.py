@@ -164,6 +164,7 @@ def _dispatcher_on(request: Request, engine: AsyncEngine) -> ops.Dispatcher:
         defaults,
         settings.claim_ahead_max_s,
         fresh_s=_fresh_s(settings),
+        source_cap=settings.source_unanswered_max,
         holds=state.claim_holds,
         known=state.known_workers,
     )
@@ -215,7 +216,8 @@ async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> Heartbeat
     is dead at once, its attempts lost."""
     worker, dispatcher = call.worker, call.dispatcher
     grace = missing_grace_s(_settings(request).heartbeat_interval_s)
-    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s)
+    hung = (beat.hung_source_threads, beat.hung_source_checkers)
+    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s, hung)
     return HeartbeatAnswer(
         state=state,
         stop=found.stop,

@@ -971,7 +971,7 @@ SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        t.id, t.owner, t.name, t.kind, t.state, t.current_attempt_id, t.attempts,
        t.max_attempts, {tasks_db.RECENT_CRASHES} AS recent_crashes, t.poison_after,
        t.poison_window_s, t.retry_causes, t.backoff_base_s, t.backoff_cap_s,
-       t.backoff_jitter,
+       t.backoff_jitter, t.artifact_uri, t.source_handbacks,
        {refers_to_secrets("t.env")} AS has_secrets
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:ids AS bigint[]))
@@ -994,7 +994,7 @@ WITH input AS MATERIALIZED (
         peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
         name text, op text, target text, sources text, from_state text, reason text,
         last_error text, delay_s float8, crashed integer, refund integer, final boolean,
-        outputs jsonb, signal smallint, log_bytes bigint)
+        outputs jsonb, signal smallint, log_bytes bigint, unanswered integer)
 ), closed AS (
     UPDATE core.attempts a SET
         outcome = i.outcome, ended_at = now(), exit_code = i.exit_code, error = i.error,
@@ -1015,6 +1015,9 @@ WITH input AS MATERIALIZED (
         attempts = t.attempts - i.refund,
         crashes = t.crashes + i.crashed,
         crashed_at = CASE WHEN i.crashed > 0 THEN {tasks_db.CRASHED_NOW} ELSE t.crashed_at END,
+        source_handbacks = CASE WHEN i.unanswered > 0 THEN t.source_handbacks + 1
+                                WHEN i.outcome = 'handed_back' THEN t.source_handbacks
+                                ELSE 0 END,
         last_error = COALESCE(i.last_error, t.last_error),
         deferred = false
     FROM input i
@@ -1022,6 +1025,11 @@ WITH input AS MATERIALIZED (
       AND i.op IS NOT NULL AND t.current_attempt_id = i.attempt_id
       AND t.state = ANY(string_to_array(i.sources, ','))
     RETURNING t.id, t.owner, t.version, t.state, i.op, i.from_state, i.reason, i.attempt_id
+), ran AS (
+    -- A service's exit (its restart is decided after this): its source answered.
+    UPDATE core.tasks t SET source_handbacks = 0
+    WHERE t.id = ANY(ARRAY(SELECT task_id FROM input WHERE op IS NULL))
+      AND t.source_handbacks > 0
 ), events AS (
     INSERT INTO core.task_events (
         task_id, seq, owner, op, from_state, to_state, reason, attempt_id
@@ -1106,11 +1114,13 @@ async def settle(
     items: Sequence[AttemptReport],
     rows: dict[int, Any],
     masker: Masker | None = None,
+    source_cap: int = outcomes.SOURCE_UNANSWERED_MAX,
 ) -> Settled:
     """Decide a worker's reports of how its attempts ended, over their rows as
     ``_REPORTED`` read them (``hear``), each fenced by its attempt id and this worker: a
     stale one (not the task's current attempt, not this worker's, or reported twice) is
-    refused alone and changes nothing. The move of each comes from ``domain.outcomes``."""
+    refused alone and changes nothing. The move of each comes from ``domain.outcomes``
+    (``source_cap``: ``CAIRN_SOURCE_UNANSWERED_MAX``)."""
     order: list[ReportVerdict | int] = []
     batch: list[tuple[AttemptReport, Any, Move | None]] = []
     seen: set[int] = set()
@@ -1130,6 +1140,8 @@ async def settle(
             retryable=item.retryable,
             preempted_by=row.preempted_by,
             cause=outcomes.Cause(item.exit_code, item.signal, row.number),
+            hand_back_cause=item.hand_back_cause,
+            source_cap=source_cap,
         )
         batch.append((item, row, move))
         order.append(item.attempt_id)
@@ -1283,6 +1295,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
             "outputs": item.outputs,
             "signal": item.signal,
             "log_bytes": item.log_bytes,
+            "unanswered": int(move.unanswered) if move else 0,
         }
 
     return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}

@@ -45,7 +45,8 @@ async def queues(conn: AsyncConnection) -> Queues:
 # A worker's pool is the set of queues it serves: bounded by configuration, not by hosts.
 _POOL_WORKERS = text(f"""
 SELECT id, array_to_string(queues, ',') AS pool, cpu, memory_mb,
-       CAST(EXTRACT(EPOCH FROM now() - last_heartbeat_at) AS double precision) AS heartbeat_age
+       CAST(EXTRACT(EPOCH FROM now() - last_heartbeat_at) AS double precision) AS heartbeat_age,
+       hung_source_threads, hung_source_checkers
 FROM core.workers
 WHERE {sql_in("state", Workers.PRESENT)}
 """)
@@ -63,6 +64,9 @@ class Pool:
     used_memory_mb: float = 0.0
     running: int = 0
     heartbeat_age: float = 0.0
+    #: what of their agents hangs on sources that did not answer, at their last beats
+    hung_source_threads: int = 0
+    hung_source_checkers: int = 0
 
 
 async def pools(conn: AsyncConnection) -> dict[str, Pool]:
@@ -75,6 +79,8 @@ async def pools(conn: AsyncConnection) -> dict[str, Pool]:
         pool.cpu += row.cpu
         pool.memory_mb += row.memory_mb
         pool.heartbeat_age = max(pool.heartbeat_age, row.heartbeat_age or 0.0)
+        pool.hung_source_threads += row.hung_source_threads
+        pool.hung_source_checkers += row.hung_source_checkers
         if row.id in use:
             held, running = use[row.id]
             pool.used_cpu += held.cpu

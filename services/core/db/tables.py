@@ -358,6 +358,9 @@ tasks = Table(
     Column("state", Text, nullable=False),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("crashes", Integer, nullable=False, server_default=text("0")),
+    # Attempts handed back in a row because its file:// source did not answer
+    # (domain.outcomes.source_unanswered); reset by any other end of an attempt.
+    Column("source_handbacks", Integer, nullable=False, server_default=text("0")),
     Column("last_error", Text),
     Column("current_attempt_id", BigInteger),
     Column("version", Integer, nullable=False, server_default=text("1")),
@@ -400,6 +403,7 @@ tasks = Table(
     CheckConstraint("poison_after > 0", name="poison_after_positive"),
     CheckConstraint("poison_window_s > 0", name="poison_window_positive"),
     CheckConstraint("attempts >= 0 AND crashes >= 0", name="counts_non_negative"),
+    CheckConstraint("source_handbacks >= 0", name="source_handbacks_non_negative"),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
     CheckConstraint("disk_mb IS NULL OR disk_mb > 0", name="disk_positive"),
     CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
@@ -546,7 +550,14 @@ workers = Table(
     Column("reserved_for", BigInteger),
     # the countable devices it offers ({"gpu": 2}; docs/placement.md)
     Column("devices", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    # what of its agent hangs on file:// sources that did not answer, at its last beat:
+    # threads left to an open or read, spawn helpers' checkers (cairn_workers_hung_sources)
+    Column("hung_source_threads", Integer, nullable=False, server_default=text("0")),
+    Column("hung_source_checkers", Integer, nullable=False, server_default=text("0")),
     CheckConstraint(sql_in("state", WORKER_STATES), name="state"),
+    CheckConstraint(
+        "hung_source_threads >= 0 AND hung_source_checkers >= 0", name="hung_non_negative"
+    ),
     CheckConstraint("cpu > 0 AND memory_mb > 0", name="capacity_positive"),
     CheckConstraint(
         f"({sql_in('state', Workers.GONE)}) = (gone_at IS NOT NULL)", name="gone_has_time"

@@ -261,6 +261,7 @@ WITH old AS (
             ELSE t.run_at END,
         attempts = CASE WHEN :reset_counts THEN 0 ELSE t.attempts - :refund END,
         crashes = CASE WHEN :reset_counts THEN 0 ELSE t.crashes + :crashed END,
+        source_handbacks = CASE WHEN :reset_counts THEN 0 ELSE t.source_handbacks END,
         crashed_at = CASE WHEN :reset_counts THEN '{{}}'
                           WHEN :crashed > 0 THEN {CRASHED_NOW} ELSE t.crashed_at END,
         start_by = CASE WHEN :reset_counts THEN NULL ELSE t.start_by END,
@@ -429,7 +430,7 @@ BULK_RETRY: TextClause = text(
         selected=_SELECTED,
         changes=f"""state = CASE WHEN t.queue IN {_PAUSED_QUEUES} THEN '{S.READY}' ELSE '{S.WAITING}' END,
         finished_at = NULL, run_at = now(), attempts = 0, crashes = 0, crashed_at = '{{}}',
-        start_by = NULL""",
+        source_handbacks = 0, start_by = NULL""",
         closing="",
     )
 )

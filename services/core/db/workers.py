@@ -205,11 +205,18 @@ WHERE a.worker_id = :worker AND a.outcome IS NULL
 """)
 
 
-async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float) -> Beat:
-    """Record the worker alive; open attempts it no longer reports (after ``grace_s``,
-    for those just claimed) are lost. Say which reported attempts it must stop (cancelled,
-    lost), squeeze and preempt."""
-    stop, lost, tally, state = await _beat(conn, worker, alive, grace_s)
+async def heartbeat(
+    conn: AsyncConnection,
+    worker: Any,
+    alive: list[int],
+    grace_s: float,
+    hung: tuple[int, int] = (0, 0),
+) -> Beat:
+    """Record the worker alive, with what of its agent hangs on sources (``hung``:
+    threads, checkers); open attempts it no longer reports (after ``grace_s``, for those
+    just claimed) are lost. Say which reported attempts it must stop (cancelled, lost),
+    squeeze and preempt."""
+    stop, lost, tally, state = await _beat(conn, worker, alive, grace_s, hung)
     if not alive:
         return Beat(stop, [], [], lost, tally, state)
     rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
@@ -218,7 +225,11 @@ async def heartbeat(conn: AsyncConnection, worker: Any, alive: list[int], grace_
     return Beat(stop, squeeze, preempt, lost, tally, state)
 
 
-_BEAT = text("UPDATE core.workers SET last_heartbeat_at = now() WHERE id = :worker RETURNING state")
+_BEAT = text("""
+UPDATE core.workers SET last_heartbeat_at = now(), hung_source_threads = :threads,
+    hung_source_checkers = :checkers
+WHERE id = :worker RETURNING state
+""")
 _SEEN = text("""
 UPDATE core.attempts SET seen_at = now()
 WHERE worker_id = :worker AND outcome IS NULL AND id = ANY(CAST(:alive AS bigint[]))
@@ -238,7 +249,7 @@ WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
 
 
 async def _beat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float
+    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, hung: tuple[int, int]
 ) -> tuple[list[int], int, Tally, str | None]:
     """The beat's writes and reads in one round trip (an idle worker's beat is this
     alone): its liveness, its reported attempts seen, the open ones it no longer reports
@@ -246,7 +257,9 @@ async def _beat(
     attempts were lost (read again)."""
     reported = sorted(set(alive))
     params = {"worker": worker.id, "alive": reported, "grace": grace_s}
-    chain: list[pipeline.Statement] = [(_BEAT, params), (_MISSING, params)]
+    threads, checkers = hung
+    beat_params = {"worker": worker.id, "threads": threads, "checkers": checkers}
+    chain: list[pipeline.Statement] = [(_BEAT, beat_params), (_MISSING, params)]
     if reported:
         chain[1:1] = [(_SEEN, params)]
         chain.append((_STOP, params))

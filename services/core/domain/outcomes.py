@@ -9,12 +9,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from libs.common.models import ALWAYS_RETRY_LIMIT, NO_RETRY_EXIT_CODE
+from libs.common.models import ALWAYS_RETRY_LIMIT, NO_RETRY_EXIT_CODE, HandBackCause
 from libs.common.states import REPORTED_OUTCOMES, ReportedOutcome, TaskState
 from services.core.domain.retry import SERVICE_RESTARTS, Backoff
 from services.core.domain.transitions import Op
 
 S = TaskState
+
+#: hand-backs in a row because the task's ``file://`` source did not answer (or could
+#: not be checked) after which the task is buried (``CAIRN_SOURCE_UNANSWERED_MAX``)
+SOURCE_UNANSWERED_MAX = 20
 
 
 class Budget(Protocol):
@@ -45,12 +49,20 @@ class Budget(Protocol):
     def backoff_cap_s(self) -> float: ...
     @property
     def backoff_jitter(self) -> bool: ...
+    @property
+    def artifact_uri(self) -> str: ...
+    @property
+    def source_handbacks(self) -> int:
+        """Its attempts handed back in a row because its source did not answer."""
 
 
 @dataclass(frozen=True)
 class Move:
     """One task's move at the end of its attempt. ``refund`` gives the attempt back;
-    ``crashed`` counts towards the poison-pill limit; ``delay_s`` is a retry's backoff."""
+    ``crashed`` counts towards the poison-pill limit; ``delay_s`` is a retry's backoff;
+    ``unanswered``: a hand-back because its source did not answer, counted towards
+    ``SOURCE_UNANSWERED_MAX`` (any other end of an attempt than a hand-back resets the
+    count)."""
 
     op: Op
     target: TaskState
@@ -59,6 +71,7 @@ class Move:
     refund: bool = False
     crashed: bool = False
     delay_s: float | None = None
+    unanswered: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,14 +202,19 @@ def reported(
     retryable: bool,
     preempted_by: int | None = None,
     cause: Cause | None = None,
+    hand_back_cause: HandBackCause | None = None,
+    source_cap: int = SOURCE_UNANSWERED_MAX,
 ) -> Move | None:
     """The move a worker's report makes (``cause``: its exit code or signal, which the
-    task's retry policy may name); None for a service's exit, which its restart history
-    decides (``restarted``)."""
+    task's retry policy may name; ``hand_back_cause``: why it was handed back, counted
+    towards ``source_cap`` for ``source``); None for a service's exit, which its restart
+    history decides (``restarted``)."""
     rule = OUTCOMES[outcome]
     if outcome == "preempted":
         reason = preempted_reason(preempted_by, error)
         return Move(Op.PREEMPT, S.WAITING, reason, refund=True)
+    if outcome == "handed_back" and hand_back_cause == "source":
+        return source_unanswered(task, error, source_cap)
     if task.kind == "service" and outcome not in GIVEN_BACK and (retryable or not rule.failure):
         return None
     if rule.failure:
@@ -205,6 +223,22 @@ def reported(
     assert rule.op is not None and rule.target is not None
     reason = (error or rule.reason) if outcome == "handed_back" else rule.reason
     return Move(rule.op, rule.target, reason, refund=rule.refund)
+
+
+def source_unanswered(task: Budget, error: str | None, cap: int) -> Move:
+    """A start handed back because the task's ``file://`` source did not answer (the
+    host's fault: no attempt spent), once more in a row: back to waiting, or buried once
+    that makes ``cap`` (a source that hangs on every worker would otherwise be handed
+    back for good, about once per source limit and worker)."""
+    count = task.source_handbacks + 1
+    if count >= cap:
+        reason = (
+            f"its source {task.artifact_uri} did not answer on {count} starts in a row "
+            "(CAIRN_SOURCE_UNANSWERED_MAX): retry it once its file system answers"
+        )
+        return Move(Op.BURY, S.DEAD, reason, error, refund=True, unanswered=True)
+    reason = error or OUTCOMES["handed_back"].reason
+    return Move(Op.REQUEUE, S.WAITING, reason, refund=True, unanswered=True)
 
 
 def service_error(outcome: str, error: str | None) -> str:

@@ -34,6 +34,7 @@ from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Waiter, Work
 from services.core.domain import selectors
+from services.core.domain.outcomes import SOURCE_UNANSWERED_MAX
 from services.core.domain.placement import ZERO, Amount
 from services.core.identity.crypto import SecretBox
 from services.core.ops.metrics import CoreMetrics
@@ -103,6 +104,9 @@ class Dispatcher:
     #: a turn leaves its worker's liveness times unwritten while younger than this
     #: (``domain.workers.turn_fresh_s``); 0: every turn writes them
     fresh_s: float = 0.0
+    #: hand-backs in a row of a source that does not answer that bury its task
+    #: (``CAIRN_SOURCE_UNANSWERED_MAX``)
+    source_cap: int = SOURCE_UNANSWERED_MAX
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ async def turn(
             ops.known.saw(worker_id, heard.worker)
             resent, resent_tally = await _resend(ops, conn, heard, body.holding)
             settled = await attempts_db.settle(
-                conn, worker_id, body.reports, heard.reported, _masker(ops)
+                conn, worker_id, body.reports, heard.reported, _masker(ops), ops.source_cap
             )
             asked = _ask(ops, heard, body.claim, settled.closing)
             notes = progress_db.noted(worker_id, body.progress)
@@ -466,17 +470,23 @@ def _told(
 
 
 async def heartbeat(
-    ops: Dispatcher, worker: Any, alive: Sequence[int], grace_s: float, hung_s: float | None = None
+    ops: Dispatcher,
+    worker: Any,
+    alive: Sequence[int],
+    grace_s: float,
+    hung_s: float | None = None,
+    hung: tuple[int, int] = (0, 0),
 ) -> tuple[workers_db.Beat, str]:
     """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it.
     ``hung_s``: the sidecar saw its agent hang and killed its attempts; the worker is
-    dead at once (``db.workers.bury_hung``)."""
+    dead at once (``db.workers.bury_hung``). ``hung``: what of the agent hangs on
+    sources that did not answer (threads, checkers), kept for the gauges."""
     async with ops.engine.begin() as conn:
         if hung_s is not None:
             tally = await workers_db.bury_hung(conn, worker.id, hung_s)
             found = workers_db.Beat([], [], [], tally.lost, tally)
         else:
-            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s)
+            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, hung)
         state = found.state or await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:

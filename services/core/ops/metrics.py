@@ -177,7 +177,19 @@ async def read_workers(conn: AsyncConnection) -> list[Metric]:
         values = [((pool,), float(getattr(read, column))) for pool, read in pools.items()]
         return gauge_family(name, doc, ["pool"], values)
 
+    hung = [
+        ((pool, kind), float(getattr(read, f"hung_source_{kind}s")))
+        for pool, read in pools.items()
+        for kind in ("thread", "checker")
+    ]
     return [
+        gauge_family(
+            "cairn_workers_hung_sources",
+            "What of the pool's agents hangs on file:// sources that did not answer, at"
+            " their last beats: threads left to an open or read, spawn helpers' checkers",
+            ["pool", "kind"],
+            hung,
+        ),
         family("cairn_workers_alive", "Live or draining workers per pool", "alive"),
         family("cairn_workers_cpu", "CPU the pool's live workers offer", "cpu"),
         family("cairn_workers_memory_mb", "Memory (MB) the pool's live workers offer", "memory_mb"),

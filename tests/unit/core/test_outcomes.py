@@ -30,6 +30,8 @@ class Task:
     backoff_jitter: bool = False
     poison_window_s: float = 72 * 3600.0
     retry_causes: dict[str, Any] | None = None
+    artifact_uri: str = "file:///opt/jobs/report"
+    source_handbacks: int = 0
 
 
 def test_every_outcome_a_worker_may_report_is_in_the_table() -> None:
@@ -170,3 +172,21 @@ def test_windows_read_as_people_say_them() -> None:
         "45 s",
         "90.5 s",
     ]
+
+
+@pytest.mark.parametrize("kind", ["task", "service"])
+def test_a_source_that_does_not_answer_is_handed_back_until_the_cap_then_buried(
+    kind: str,
+) -> None:
+    def back(count: int, cause: Any = "source") -> outcomes.Move | None:
+        task = Task(kind=kind, source_handbacks=count)
+        return outcomes.reported(
+            task, "handed_back", "hung", retryable=True, hand_back_cause=cause, source_cap=3
+        )
+
+    assert back(1) == outcomes.Move(Op.REQUEUE, S.WAITING, "hung", refund=True, unanswered=True)
+    buried = back(2)
+    assert buried is not None and (buried.op, buried.target) == (Op.BURY, S.DEAD)
+    assert buried.reason.startswith("its source file:///opt/jobs/report did not answer on 3 ")
+    assert (buried.error, buried.refund, buried.unanswered) == ("hung", True, True)
+    assert back(50, None) == outcomes.Move(Op.REQUEUE, S.WAITING, "hung", refund=True)

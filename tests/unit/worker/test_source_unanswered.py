@@ -2,9 +2,10 @@
 (``tests.support.fuse``), as root. The spawn helper's check gives up after its time limit
 (ETIMEDOUT at the source step), a second check of the same path fails at once while the
 first checker still hangs (EBUSY), the helper goes on starting other attempts meanwhile,
-and it reaps the checker once the mount lets it go. The agent's own seal of such a source
-(``ArtifactCache.seal_local``, on its thread that opens files as attempts) fails the same
-way and leaves one thread to the open, no more."""
+and it reaps the checker once the mount lets it go, and makes a new resident checker.
+The agent's own seal of such a source (``ArtifactCache.seal_local``, on its thread that
+opens files as attempts) fails the same way and leaves one thread to the open, no more;
+so does a source whose file system answers its open and hangs on a read."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import pytest
 from services.worker import artifacts, spawner
 from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed, in_open_thread
 from services.worker.isolation import Identity
-from tests.support.fuse import unanswered_fuse
+from tests.support.fuse import unanswered_fuse, unread_fuse
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
@@ -114,7 +115,7 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
                 took, busy = await spawn(helper, _check(source))
                 assert isinstance(busy, spawner.SpawnFailed), busy
                 assert busy.errno == spawner.SOURCE_BUSY and took < LIMIT_S, took
-                assert "D" in _children(helper.pid)
+                assert "D" in _children(helper.pid) and helper.hung_checkers == 1
                 # The helper is not jammed: another attempt starts and ends.
                 took, status = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
                 assert status == 0 and took < 5, (took, status)
@@ -123,10 +124,12 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
             deadline = time.monotonic() + 10
             while set(_children(helper.pid)) - {"Z"} and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            # Its checker hung: each check is a copy of its own now, reaped at once.
-            took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
-            assert status == 0
-            assert _children(helper.pid) == [], _children(helper.pid)
+            # Its resident checker hung, and is gone: the next check makes a new one (a
+            # helper that joined no cgroup v1 slot), which stays for the checks after it.
+            for _ in range(2):
+                took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
+                assert status == 0 and helper.hung_checkers == 0
+                assert _children(helper.pid) in (["S"], ["R"]), _children(helper.pid)
         finally:
             helper.close()
 
@@ -158,6 +161,8 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
                     failed = await spawn(helper, _check(mount / f"d{n}" / "task"))
                     assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), (n, failed)
                 assert _children(helper.pid).count("D") == 8, _children(helper.pid)
+                # Its replies say so: the agent's gauge (``spawner.hung_checkers``).
+                assert helper.hung_checkers == 8 and spawner.hung_checkers() >= 8
                 same = await spawn(helper, _check(mount / "d0" / "task"))
                 assert same == (spawner.SOURCE_STEP, spawner.SOURCE_BUSY), same
                 for source in (mount / "d8" / "task", Path("/bin/true")):
@@ -194,29 +199,40 @@ def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
     assert asyncio.run(spawn(29992)) == 0
 
 
-def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
-    tmp_path = root
-    cache = ArtifactCache(tmp_path / "cache", open_timeout_s=LIMIT_S)
-    (tmp_path / "sealed").mkdir(mode=0o700)
-    sealed = Sealed(tmp_path / "sealed", 2**20)
-    reader = Identity(29993, 29993)
-    healthy = tmp_path / "healthy.sh"
-    healthy.write_bytes(b"#!/bin/sh\n")
-    healthy.chmod(0o644)
-    digest = hashlib.sha256(healthy.read_bytes()).hexdigest()
+class _Sealer:
+    """``ArtifactCache.seal_local`` of a source as uid 29993, on the thread that opens
+    files as attempts, each open and read given up after ``LIMIT_S``; ``healthy``: a
+    source on a local file system (the digest it seals against)."""
 
-    def seal(source: Path) -> tuple[float, Path | ArtifactError]:
+    def __init__(self, root: Path) -> None:
+        self.cache = ArtifactCache(root / "cache", open_timeout_s=LIMIT_S)
+        self.folder = root / "sealed"
+        self.folder.mkdir(mode=0o700)
+        self.sealed = Sealed(self.folder, 2**20)
+        self.healthy = root / "healthy.sh"
+        self.healthy.write_bytes(b"#!/bin/sh\n")
+        self.healthy.chmod(0o644)
+        self.digest = hashlib.sha256(self.healthy.read_bytes()).hexdigest()
+
+    def __call__(self, source: Path) -> tuple[float, Path | ArtifactError]:
+        """How long it took, and the sealed copy or why not."""
+        reader = Identity(29993, 29993)
+        uri = source.as_uri()
         began = time.monotonic()
-        work = in_open_thread(lambda: cache.seal_local(source.as_uri(), digest, reader, sealed))
+        work = in_open_thread(lambda: self.cache.seal_local(uri, self.digest, reader, self.sealed))
         try:
             return time.monotonic() - began, asyncio.run(asyncio.wait_for(work, 10))
         except ArtifactError as exc:
             return time.monotonic() - began, exc
 
+
+def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Path) -> None:
+    seal = _Sealer(root)
+
     def hanging() -> int:
         return sum(t.name == "open-with-limit" for t in threading.enumerate())
 
-    with unanswered_fuse(tmp_path / "jammed") as mount:
+    with unanswered_fuse(root / "jammed") as mount:
         source = mount / "task.sh"
         took, failed = seal(source)
         assert isinstance(failed, ArtifactError) and failed.retryable, failed
@@ -226,8 +242,8 @@ def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Pat
         assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
         assert took < LIMIT_S, took
         # The thread that opens files as attempts goes on: a healthy source seals.
-        took, copy = seal(healthy)
-        assert isinstance(copy, Path) and copy.read_bytes() == healthy.read_bytes()
+        took, copy = seal(seal.healthy)
+        assert isinstance(copy, Path) and copy.read_bytes() == seal.healthy.read_bytes()
         assert hanging() == 2  # the one left to the open, and the spare
         assert artifacts._guard.hanging() == [str(source)]
     # The mount gone, the open returns (ENOTCONN) and its thread ends: the spare is left.
@@ -235,4 +251,27 @@ def test_a_seal_whose_source_never_answers_fails_and_leaves_one_thread(root: Pat
     while (artifacts._guard.hanging() or hanging() > 1) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert artifacts._guard.hanging() == [] and hanging() == 1
-    assert isinstance(seal(healthy)[1], Path)
+    assert isinstance(seal(seal.healthy)[1], Path)
+
+
+def test_a_seal_whose_source_opens_but_never_reads_fails_after_the_limit(root: Path) -> None:
+    """A file system that answers the open and hangs on the read: the seal's reads are
+    bounded as its open is, the copy begun is removed, the read's thread is left to it
+    (one, until the read returns) and the open thread goes on."""
+    seal = _Sealer(root)
+    with unread_fuse(root / "unread", "task.sh", 4096) as source:
+        took, failed = seal(source)
+        assert isinstance(failed, ArtifactError) and failed.retryable, failed
+        assert f"{source}: it did not answer within {LIMIT_S:g} s" in failed.reason
+        assert LIMIT_S <= took < LIMIT_S + 2, took
+        assert artifacts._guard.hanging() == [str(source)] and artifacts.hung_opens() == 1
+        assert list(seal.folder.iterdir()) == []  # the copy begun is gone
+        took, busy = seal(source)  # its read still hangs: this fails at once
+        assert isinstance(busy, ArtifactError) and "still hangs" in busy.reason, busy
+        assert took < LIMIT_S, took
+        took, copy = seal(seal.healthy)
+        assert isinstance(copy, Path) and copy.read_bytes() == seal.healthy.read_bytes()
+    deadline = time.monotonic() + 10
+    while artifacts._guard.hanging() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert artifacts._guard.hanging() == [] and artifacts.hung_opens() == 0

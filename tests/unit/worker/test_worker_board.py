@@ -103,3 +103,18 @@ def test_the_sidecar_takes_an_agent_for_hung_past_half_the_bound_only() -> None:
         assert pulse.hung() is None
     finally:
         board.close()
+
+
+def test_what_hangs_on_sources_is_read_with_the_pulse_and_none_when_torn() -> None:
+    board = Board.create()
+    try:
+        assert board.hung() == (0, 0)
+        board.pulse(5.0, (1, 8))
+        assert (board.pulse_at(), board.hung()) == (5.0, (1, 8))
+        board.pulse(6.0)
+        assert board.hung() == (0, 0)
+        board.pulse(7.0, (2, 0))
+        os.pwrite(board.fd, struct.pack("=d", 1.0), 2 * HALF)  # torn
+        assert (board.pulse_at(), board.hung()) == (None, (0, 0))
+    finally:
+        board.close()
