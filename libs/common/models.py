@@ -1133,7 +1133,8 @@ Outputs = Annotated[
 #: ``file://`` source did not answer the spawn helper's check in time, or could not be
 #: checked (docs/security.md, "A ``file://`` source that does not answer"); core buries
 #: the task after ``CAIRN_SOURCE_UNANSWERED_MAX`` of them in a row. A report without
-#: one (an older worker's, a drain's) is an ordinary hand-back
+#: one (an older worker's, a drain's), or a task whose artifact is not ``file://``, is an
+#: ordinary hand-back
 HandBackCause = Literal["source"]
 
 
