@@ -19,6 +19,7 @@ from libs.common import tracing
 from libs.common.corked import cork
 from libs.common.errors import BY_SLUG, CairnError
 from libs.common.models import (
+    HUNG_SOURCES_MAX,
     WORKER_LEASE_HEADER,
     Answer,
     AnswerList,
@@ -331,8 +332,9 @@ class CoreClient(ApiClient):
         hung: tuple[int, int] = (0, 0),
     ) -> HeartbeatAnswer:
         """``hung``: the agent's threads and its spawn helpers' checkers that hang on
-        sources that did not answer (sent only when some do)."""
-        threads, checkers = hung
+        sources that did not answer (sent only when some do; at most
+        ``HUNG_SOURCES_MAX`` each, so a beat never fails for its count)."""
+        threads, checkers = (min(max(0, n), HUNG_SOURCES_MAX) for n in hung)
         beat = Heartbeat(
             attempts=list(alive),
             hung_s=hung_s,

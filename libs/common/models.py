@@ -999,6 +999,12 @@ class WorkerRegistered(Output):
     lease: str
 
 
+#: the most of each kind a heartbeat says hangs on sources (``Heartbeat``): an agent
+#: with more (a spawn helper for each of thousands of cgroup v1 slots, 8 checkers each)
+#: says this many
+HUNG_SOURCES_MAX = 10_000
+
+
 class Heartbeat(Input):
     """The attempts the worker's agent holds: being prepared or started, running, or
     ended and not yet reported (an open attempt left out is lost)."""
@@ -1011,8 +1017,8 @@ class Heartbeat(Input):
     #: answer, and its spawn helpers' checker processes of such sources held aside
     #: (docs/security.md, "A ``file://`` source that does not answer"); core's gauge
     #: ``cairn_workers_hung_sources``
-    hung_source_threads: int = Field(default=0, ge=0, le=10_000)
-    hung_source_checkers: int = Field(default=0, ge=0, le=10_000)
+    hung_source_threads: int = Field(default=0, ge=0, le=HUNG_SOURCES_MAX)
+    hung_source_checkers: int = Field(default=0, ge=0, le=HUNG_SOURCES_MAX)
 
 
 class HeartbeatAnswer(Output):
@@ -1127,7 +1133,8 @@ Outputs = Annotated[
 #: ``file://`` source did not answer the spawn helper's check in time, or could not be
 #: checked (docs/security.md, "A ``file://`` source that does not answer"); core buries
 #: the task after ``CAIRN_SOURCE_UNANSWERED_MAX`` of them in a row. A report without
-#: one (an older worker's, a drain's) is an ordinary hand-back
+#: one (an older worker's, a drain's), or a task whose artifact is not ``file://``, is an
+#: ordinary hand-back
 HandBackCause = Literal["source"]
 
 

@@ -62,7 +62,7 @@ from services.worker.isolation import IsolationError
 from services.worker.logship import LogShipper
 from services.worker.replicas import Replicas, host_address
 from services.worker.settings import WorkerSettings
-from services.worker.spawner import hung_checkers
+from services.worker.spawner import hung_checkers, recount_hung
 from services.worker.squeeze import squeeze
 from services.worker.timings import Timings
 
@@ -231,6 +231,8 @@ class Agent:
         self.fresh_s = 0.0
         self.turned_at = -math.inf  # when the last turn was sent (monotonic)
         self.keepalive: asyncio.Task[TurnAnswer | None] | None = None
+        #: its spawn helpers asked how many of their checkers still hang (``_pulse``)
+        self.recounting: asyncio.Task[None] | None = None
         self.dead = False
         self.logs = LogShipper(client, settings)
         self.timings = Timings(settings.worker_timings_file)
@@ -308,8 +310,9 @@ class Agent:
             await self._drain()
         finally:
             pulse.cancel()
-            if self.keepalive is not None:
-                self.keepalive.cancel()
+            for task in (self.keepalive, self.recounting):
+                if task is not None:
+                    task.cancel()
             if self.releasing:
                 await asyncio.wait(set(self.releasing), timeout=30)
             if self.noting is not None:
@@ -354,7 +357,11 @@ class Agent:
         claim when none went for a while (core buries a worker whose agent takes none)."""
         loop = asyncio.get_running_loop()
         while True:
-            self.board.pulse(time.monotonic(), (hung_opens(), hung_checkers()))
+            hung = (hung_opens(), hung_checkers())
+            self.board.pulse(time.monotonic(), hung)
+            if hung[1] and (self.recounting is None or self.recounting.done()):
+                # A checker that ended is counted out at its helper's next request only.
+                self.recounting = asyncio.create_task(recount_hung())
             quiet = loop.time() - self.turned_at > keepalive_after(self.hang_s)
             idle = self.keepalive is None or self.keepalive.done()
             if quiet and idle and self.worker_id and not self.dead:

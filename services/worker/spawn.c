@@ -56,7 +56,8 @@
  * along (SCM_RIGHTS).
  * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
  * signals the process group of the attempt pid, only while it is a child not yet reaped
- * (no reply).
+ * (no reply); "h" asks only how many checkers still hang (a reply: those that ended are
+ * reaped at a request, so a helper that starts nothing would go on counting them).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -648,7 +649,8 @@ static void join(char **procs, int count) {
     }
 }
 
-/* One request: spawn (a reply), kill a uid (a reply), or signal an attempt (none).
+/* One request: spawn (a reply), kill a uid (a reply), count the hung checkers (a reply),
+ * or signal an attempt (none).
  * Returns -1 if the agent is gone. */
 static int serve(int sock) {
     char control[CMSG_SPACE(3 * sizeof(int))];
@@ -679,6 +681,8 @@ static int serve(int sock) {
     }
     if (buffer[0] == 'k') {
         kill_uid(strtol(buffer + 1, NULL, 10), &reply);
+    } else if (buffer[0] == 'h') {
+        /* reaped above, counted below */
     } else if (parse(buffer, (size_t)size, &request) < 0
                || nfds != 1 + request.has_cgroup + (request.mount_at != NULL)) {
         reply.step = CLONE;

@@ -116,6 +116,15 @@ def hung_checkers() -> int:
     return sum(helper.hung_checkers for helper in list(_helpers) if not helper.gone)
 
 
+async def recount_hung() -> None:
+    """``Helper.recount`` of each helper whose last reply said some of its checkers hang
+    (none asked otherwise); a helper gone meanwhile is passed over."""
+    for helper in list(_helpers):
+        if helper.hung_checkers and not helper.gone:
+            with contextlib.suppress(HelperGone):
+                await helper.recount()
+
+
 class HelperGone(Exception):
     """The helper process exited (killed, or it could not join its cgroups)."""
 
@@ -409,6 +418,12 @@ class Helper:
         as that uid)."""
         await self.ready()
         await self._request(f"k{uid}".encode())
+
+    async def recount(self) -> None:
+        """``hung_checkers`` asked again: a checker that ended is counted out only at a
+        request, so without one a helper that starts nothing would count it for good."""
+        await self.ready()
+        await self._request(b"h")
 
     def alive(self) -> bool:
         """Whether the helper still runs (not closed, not exited, not a zombie)."""

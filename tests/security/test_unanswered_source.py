@@ -5,8 +5,9 @@ naming the source and the limit. When the spawn helper's check gave up, the atte
 handed back (the host's fault: no attempt spent), and while the path is held
 (``HUNG_SOURCE_HOLD_S``) its next starts on that agent are handed back too, each one
 limit after its claim, not in a hot loop; when the agent's own seal opened it, the task's
-retry policy sees it. The worker goes on starting other attempts; asserted from what the
-database holds."""
+retry policy sees it. The worker goes on starting other attempts, and what hangs on the
+source reaches core with its heartbeats (and leaves it once the mount is gone); asserted
+from what the database holds."""
 
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
         fresh = run(core, unsealed, until=("succeeded", "dead"))
         # The worker is not jammed: another task runs on it meanwhile.
         other = run(core, shell("echo still-serving"))
+        # What hangs (the seal's thread, the helper's checker) goes from the agent's pulse
+        # on its board, through its sidecar's beats, to core.
+        wait_for(lambda: all(n >= 1 for n in _hung(db)), 30)
     # Handed back each time, spending none of its one attempt: it waits for a worker that
     # can read its source (or its cancel).
     assert jammed["attempts"] == 0 and jammed["state"] != "dead", jammed
@@ -122,3 +126,15 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
     assert rows[0][0] == "handed_back", rows
     assert f"another start within {HUNG_SOURCE_HOLD_S:g} s" in rows[0][1], rows
     assert time.monotonic() - began < 10
+    # The mount gone, the open and the check returned: counted out (the helper asked
+    # again by the pulse, though it started nothing since).
+    wait_for(lambda: _hung(db) == (0, 0), 30)
+
+
+def _hung(db) -> tuple[int, int]:
+    """What core holds of the agents' threads and checkers hung on sources."""
+    row = db.execute(
+        "SELECT COALESCE(max(hung_source_threads), 0), COALESCE(max(hung_source_checkers), 0)"
+        " FROM core.workers WHERE gone_at IS NULL"
+    ).fetchone()
+    return int(row[0]), int(row[1])

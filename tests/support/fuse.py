@@ -80,8 +80,8 @@ _ROOT, _FILE = 1, 2
 def unread_fuse(target: Path, name: str, size: int) -> Iterator[Path]:
     """``target`` with a FUSE file system on it whose server answers everything but a
     read: the root folder holds the file ``name`` of ``size`` bytes (mode 0755, owned by
-    root), which opens at once and whose every read waits in the kernel (until the exit,
-    which aborts the connection). Its path."""
+    root), which opens at once (checked before it is handed over) and whose every read
+    waits in the kernel (until the exit, which aborts the connection). Its path."""
     target.mkdir(parents=True, exist_ok=True)
     device = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     stop = threading.Event()
@@ -95,6 +95,9 @@ def unread_fuse(target: Path, name: str, size: int) -> Iterator[Path]:
             raise OSError(err, f"mount fuse on {target}: {os.strerror(err)}")
         server.start()
         try:
+            # Else a test of a read that hangs would pass on an open that hangs.
+            if blocks(target / name, 5.0):
+                raise AssertionError(f"an open of {name} under the FUSE mount did not answer")
             yield target / name
         finally:
             stop.set()

@@ -359,7 +359,8 @@ tasks = Table(
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("crashes", Integer, nullable=False, server_default=text("0")),
     # Attempts handed back in a row because its file:// source did not answer
-    # (domain.outcomes.source_unanswered); reset by any other end of an attempt.
+    # (domain.outcomes.source_unanswered); reset by any other end a worker reports
+    # (but a hand-back without that cause) and by a person's retry.
     Column("source_handbacks", Integer, nullable=False, server_default=text("0")),
     Column("last_error", Text),
     Column("current_attempt_id", BigInteger),

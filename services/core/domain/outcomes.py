@@ -5,6 +5,7 @@ through the transitions table."""
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -213,7 +214,7 @@ def reported(
     if outcome == "preempted":
         reason = preempted_reason(preempted_by, error)
         return Move(Op.PREEMPT, S.WAITING, reason, refund=True)
-    if outcome == "handed_back" and hand_back_cause == "source":
+    if outcome == "handed_back" and hand_back_cause == "source" and _local(task.artifact_uri):
         return source_unanswered(task, error, source_cap)
     if task.kind == "service" and outcome not in GIVEN_BACK and (retryable or not rule.failure):
         return None
@@ -223,6 +224,13 @@ def reported(
     assert rule.op is not None and rule.target is not None
     reason = (error or rule.reason) if outcome == "handed_back" else rule.reason
     return Move(rule.op, rule.target, reason, refund=rule.refund)
+
+
+def _local(uri: str) -> bool:
+    """Whether ``uri`` names a ``file://`` source, the only kind a worker checks: the
+    cause ``source`` on any other task is an ordinary hand-back (so the burial's reason
+    never names a URI that may carry credentials in its query, a presigned URL's)."""
+    return urllib.parse.urlsplit(uri).scheme == "file"
 
 
 def source_unanswered(task: Budget, error: str | None, cap: int) -> Move:

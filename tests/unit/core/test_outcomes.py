@@ -190,3 +190,17 @@ def test_a_source_that_does_not_answer_is_handed_back_until_the_cap_then_buried(
     assert buried.reason.startswith("its source file:///opt/jobs/report did not answer on 3 ")
     assert (buried.error, buried.refund, buried.unanswered) == ("hung", True, True)
     assert back(50, None) == outcomes.Move(Op.REQUEUE, S.WAITING, "hung", refund=True)
+
+
+def test_a_source_cause_counts_only_for_a_file_source() -> None:
+    """A worker checks only a ``file://`` source: the cause on any other task is an
+    ordinary hand-back, and the reason never names a URI that may carry credentials in
+    its query (a presigned URL's)."""
+    signed = "https://bucket.example/job?X-Amz-Signature=secret"
+    for uri, counted in (("FILE:///opt/jobs/report", True), (signed, False)):
+        task = Task(artifact_uri=uri, source_handbacks=2)
+        move = outcomes.reported(
+            task, "handed_back", "hung", retryable=True, hand_back_cause="source", source_cap=3
+        )
+        assert move is not None and move.unanswered is counted, (uri, move)
+        assert (move.target is S.DEAD) is counted and "secret" not in move.reason, move

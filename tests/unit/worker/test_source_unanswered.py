@@ -124,6 +124,11 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
             deadline = time.monotonic() + 10
             while set(_children(helper.pid)) - {"Z"} and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            # Its last reply still counts it; asked again (as the agent's pulse asks a
+            # helper whose checkers hang), it is reaped and counted out, nothing started.
+            assert helper.hung_checkers == 1
+            await spawner.recount_hung()
+            assert helper.hung_checkers == 0 and _children(helper.pid) == []
             # Its resident checker hung, and is gone: the next check makes a new one (a
             # helper that joined no cgroup v1 slot), which stays for the checks after it.
             for _ in range(2):
