@@ -53,6 +53,7 @@ from services.worker.executor import (
     AttemptResult,
     AttemptSpec,
     RunningAttempt,
+    SourceUnanswered,
     SourceUnchecked,
     SpawnError,
 )
@@ -1015,8 +1016,10 @@ class Agent:
             limit = spec.sandbox.source_timeout_s if spec.sandbox else None
             await asyncio.sleep(max(0.0, (limit or 0.0) - (time.monotonic() - began)))
             log.warning("attempt %s handed back: %s", spec.attempt_id, exc)
-            # Counted by core, which buries a task whose source never answers.
-            return Report(outcome="handed_back", error=str(exc), hand_back_cause="source")
+            # An unanswered source is counted by core, which buries a task whose source
+            # never answers; a check this helper could not make says nothing of the source.
+            cause = "source" if isinstance(exc, SourceUnanswered) else None
+            return Report(outcome="handed_back", error=str(exc), hand_back_cause=cause)
         except SpawnError as exc:
             return Report(outcome="failed", error=str(exc), retryable=exc.retryable)
         except ArtifactError as exc:  # its source changed since it was prepared
