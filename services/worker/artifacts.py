@@ -89,8 +89,6 @@ DEFAULT_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 #: redirects followed at most (a presigned URL, a release download: one or two hops)
 MAX_REDIRECTS = 5
 CHUNK = 1 << 20
-#: how long an open of a ``file://`` source as an attempt may take (``open_timeout_s``)
-DEFAULT_OPEN_TIMEOUT_S = SOURCE_TIMEOUT_S
 #: opens that did not answer in time and still wait in the kernel (a FUSE mount whose
 #: server hangs): at most this many threads are left to them (``_Guard``)
 MAX_STUCK_OPENS = 4
@@ -166,7 +164,7 @@ class ArtifactCache:
         sources: tuple[str, ...] = (),
         max_cache_bytes: int | None = None,
         s3_own_buckets: frozenset[str] = frozenset(),
-        open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
+        open_timeout_s: float = SOURCE_TIMEOUT_S,
     ) -> None:
         self.root = root
         self.max_bytes = max_bytes
@@ -930,10 +928,12 @@ def _local_path(uri: str) -> Path:
 
 def _copier(cached: Path) -> Callable[[_Sink], None]:
     """Copies the agent's own cached file (opened as the agent: no time limit applies)."""
-    return lambda sink: _copy_file(cached, sink, None, DEFAULT_OPEN_TIMEOUT_S)
+    return lambda sink: _copy_file(cached, sink)
 
 
-def _copy_file(source: Path, sink: _Sink, reader: Identity | None, limit_s: float) -> None:
+def _copy_file(
+    source: Path, sink: _Sink, reader: Identity | None = None, limit_s: float = SOURCE_TIMEOUT_S
+) -> None:
     with os.fdopen(_open_source(source, reader, limit_s), "rb") as src:
         _read_into(src, sink, _guarded(source, reader, limit_s))
 

@@ -5,7 +5,8 @@ cgroup v2 is used where the agent's own cgroup offers the ``memory``, ``cpu`` an
 controllers and lets it enable them for children; otherwise cgroup v1, one hierarchy per
 controller (``memory``, ``cpu``, ``cpuacct``, ``pids``). Attempt cgroups live under the
 agent's own cgroup in each hierarchy, in ``cairn/agent-PID/aATTEMPT``; an agent that starts
-removes what dead agents left there. ``Cgroups.detect`` says what it cannot enforce.
+removes what dead agents left there (``Cgroups.sweep``), in every hierarchy, those it does
+not use itself too. ``Cgroups.detect`` says what it cannot enforce.
 """
 
 from __future__ import annotations
@@ -319,13 +320,16 @@ class Cgroups:
     version: Literal["v1", "v2"]
     bases: dict[str, Path]
     enforced: frozenset[str] = field(default_factory=frozenset)
+    #: Cairn's folder (``cairn``, the parent of the agents' own) in every hierarchy where
+    #: this agent's cgroup has one, used by it or not (``sweep``); empty: its bases'
+    roots: frozenset[Path] = field(default_factory=frozenset)
 
     @classmethod
     def detect(cls, devices: bool = False) -> tuple[Cgroups | None, str]:
         """The driver for this host, and a sentence on what is enforced and what not.
         ``devices``: on v1, also a folder per attempt in the ``devices`` hierarchy (for
         ``AttemptCgroup.confine_devices``), where it is mounted."""
-        own, mounts = _own_paths(), _mounts(devices)
+        own, mounts = _own_paths(), _mounts(devices=True)
         driver = _v2(own, mounts) or _v1(own, mounts, devices)
         if driver is None:
             return None, (
@@ -383,13 +387,22 @@ class Cgroups:
             (pids / "pids.max").write_text(str(pids_max))
 
     def sweep(self) -> None:
-        """Remove attempt cgroups that agents no longer alive left behind."""
-        for base in set(self.bases.values()):
-            for stale in base.parent.glob("agent-*"):
+        """Remove the cgroups that agents no longer alive left behind (an agent killed
+        with SIGKILL leaves its pooled slots' folders, and its attempts' processes if
+        any, which are killed first), in each of Cairn's folders (``roots``): also in a
+        hierarchy this agent does not use (``devices``, where no device is offered), which
+        no later agent would sweep otherwise. An agent's folder is named by its pid: one
+        whose pid runs is left alone (this agent's own among them)."""
+        for root in self.roots or {base.parent for base in self.bases.values()}:
+            for stale in root.glob("agent-*"):
                 pid = stale.name.removeprefix("agent-")
-                if stale == base or (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+                if pid.isdigit() and Path(f"/proc/{pid}").exists():
                     continue
-                for folder in (f for f in stale.iterdir() if f.is_dir()):
+                try:
+                    folders = [f for f in stale.iterdir() if f.is_dir()]
+                except OSError:  # another agent starting at once swept it meanwhile
+                    continue
+                for folder in folders:
                     AttemptCgroup(self.version, {"": folder}).remove()
                 with contextlib.suppress(OSError):
                     stale.rmdir()
@@ -420,7 +433,8 @@ def _v1(own: dict[str, str], mounts: dict[str, Path], devices: bool = False) -> 
     enforced = {"memory", "cpu", "pids"} & set(bases)
     if not enforced:
         return None
-    return Cgroups("v1", bases, frozenset(enforced))
+    roots = {mounts[n] / own[n].lstrip("/") / "cairn" for n in mounts if n and n in own}
+    return Cgroups("v1", bases, frozenset(enforced), frozenset(roots))
 
 
 def _v2(own: dict[str, str], mounts: dict[str, Path]) -> Cgroups | None:

@@ -503,10 +503,12 @@ async def _start_by_helper(
     except (SpawnFailed, HelperGone, OSError, ValueError) as exc:
         if isinstance(exc, SpawnFailed) and exc.step == SOURCE_STEP:
             if exc.errno in SOURCE_UNANSWERED | SOURCE_UNCHECKED:
-                still = "an earlier check of it still hangs" if exc.errno == SOURCE_BUSY else ""
-                failure: SourceUnchecked = unanswered(spec, still)
+                failure: SourceUnchecked
                 if exc.errno in SOURCE_UNCHECKED:
                     failure = unchecked(spec, exc.errno)
+                else:
+                    still = "an earlier check of it still hangs" if exc.errno == SOURCE_BUSY else ""
+                    failure = unanswered(spec, still)
                 log.note(f"cairn: {failure}\n")
                 raise failure from exc
             raise SourceChanged(f"{spec.sandbox and spec.sandbox.source_check}: {exc}") from exc

@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +19,13 @@ from services.worker import outputs
 from services.worker.artifacts import ArtifactCache, ArtifactError
 from services.worker.executor import AttemptResult, start_attempt
 from services.worker.host import Host
-from tests.unit.worker.test_spawn_path import _assignment, run_root
+from tests.unit.worker.test_spawn_path import _assignment
 from tests.unit.worker.test_spawn_path import _host as _spawn_host
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own as root"),
 ]
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    yield from run_root()
 
 
 def _host(root: Path, fast: bool = True, **settings: Any) -> Host:

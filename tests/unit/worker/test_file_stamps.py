@@ -8,11 +8,8 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,15 +33,6 @@ QUIET_S = 0.05
 
 
 @pytest.fixture
-def root() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="cairn-stamps-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    (folder / "sealed").mkdir(mode=0o700)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
-
-
-@pytest.fixture
 def cache(root: Path) -> ArtifactCache:
     made = ArtifactCache(root / "cache")
     made.stamps = FileStamps(quiet_ns=int(QUIET_S * 1e9))
@@ -53,6 +41,7 @@ def cache(root: Path) -> ArtifactCache:
 
 @pytest.fixture
 def sealed(root: Path) -> Sealed:
+    (root / "sealed").mkdir(mode=0o700)
     return Sealed(root / "sealed", 2**20)
 
 

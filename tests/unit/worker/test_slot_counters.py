@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from services.worker.cgroups import AttemptCgroup
 from services.worker.executor import AttemptResult
-from tests.unit.worker.test_spawn_path import _attempt, _gone, _host, run_root
+from tests.unit.worker.test_spawn_path import _attempt, _gone, _host
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,11 +22,6 @@ pytestmark = [
 ]
 
 HOG = "python3 -c \"b = bytearray(40 * 2**20); b[::4096] = b'x' * len(b[::4096])\""
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    yield from run_root()
 
 
 def test_the_helpers_figures_stand_unless_something_of_the_attempt_is_left(

@@ -13,11 +13,8 @@ import asyncio
 import errno
 import hashlib
 import os
-import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,15 +65,6 @@ def _children(pid: int) -> list[str]:
             if int(fields[1]) == pid:
                 states.append(fields[0])
     return states
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    """A folder the attempt's uid may pass through (every parent of it too)."""
-    folder = Path(tempfile.mkdtemp(prefix="cairn-fuse-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
 def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path) -> None:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +29,6 @@ pytestmark = [
 SH = Path("/bin/sh")
 SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 SECRET = "cairn_token_that_no_attempt_may_see"
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    yield from run_root()
-
-
-def run_root() -> Iterator[Path]:
-    """A folder for the agent's home and run folder, removed after the test."""
-    # The attempts' uids must pass through every parent of the run folder.
-    folder = Path(tempfile.mkdtemp(prefix="cairn-spawn-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
 def _host(root: Path, fast: bool = True, **settings: Any) -> Host:

@@ -16,8 +16,9 @@ import pytest
 from services.worker import artifacts, cgroups
 from services.worker.cgroups import ControlFiles
 from services.worker.isolation import Identity
+from services.worker.settings import SOURCE_TIMEOUT_S
 
-LIMIT_S = artifacts.DEFAULT_OPEN_TIMEOUT_S
+LIMIT_S = SOURCE_TIMEOUT_S
 
 
 def test_control_files_read_and_write_the_current_value_through_one_descriptor(

@@ -12,9 +12,7 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,14 +31,6 @@ ACCOMPLICE = Identity(29993, 29993)  # a process of another attempt, still runni
 UNPRIVILEGED_PYTHON = (
     "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 )
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    folder = Path(tempfile.mkdtemp(prefix="cairn-workdirs-test-", dir="/var/tmp"))
-    folder.chmod(0o711)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 
 @pytest.fixture
