@@ -168,7 +168,7 @@ class ApiClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _call(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         if tracing.enabled():
@@ -197,6 +197,9 @@ def _unset_of(body: Turn) -> set[str] | None:
 
 class CoreClient(ApiClient):
     """An async client of core's API. Pass ``transport`` to test without a server."""
+
+    #: the worker whose turns this client sends last, and their URL joined to the base
+    _turn_at: tuple[int, httpx.URL] | None = None
 
     async def whoami(self) -> WhoAmI:
         """The principal this client's token stands for."""
@@ -359,9 +362,14 @@ class CoreClient(ApiClient):
         """One round trip of a worker: its reports (each answered with a verdict: a stale
         one is refused alone), its start acknowledgements and its claim."""
         wait = body.claim.wait if body.claim is not None else 0.0
+        if self._turn_at is None or self._turn_at[0] != worker_id:
+            # Joined once: each turn's own join to the base and parse of the result cost
+            # about as much as encoding its body.
+            path = f"/v1/workers/{worker_id}/turn"
+            self._turn_at = (worker_id, self._http.build_request("POST", path).url)
         response = await self._call(
             "POST",
-            f"/v1/workers/{worker_id}/turn",
+            self._turn_at[1],
             # Without progress or holding when it has none, as a core that knows neither
             # takes it.
             content=body.model_dump_json(exclude=_unset_of(body)),

@@ -11,6 +11,8 @@ client's until it reads the answer (``cork``)."""
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
 import ssl
 from typing import Any
 
@@ -82,6 +84,9 @@ class _HeldStream(httpcore.AsyncNetworkStream):
         self._stream = stream
         self._held: list[bytes] = []
         self._size = 0
+        # asked for "is_readable" before each reuse of the connection: anyio builds its
+        # table of attributes on every ask, so the socket is looked up once
+        self._socket = stream.get_extra_info("socket")
 
     async def _flush(self, timeout: float | None) -> None:
         if self._held:
@@ -115,7 +120,20 @@ class _HeldStream(httpcore.AsyncNetworkStream):
         return _HeldStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable" and self._socket is not None:
+            return _readable(self._socket)
         return self._stream.get_extra_info(info)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a read would not wait (data, or the peer's close), as httpcore asks of an
+    idle connection before it reuses it; a closed socket counts as readable, as there."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 class _HeldBackend(httpcore.AsyncNetworkBackend):

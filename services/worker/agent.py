@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from libs.common import logs, tracing
 from libs.common.client import CoreClient
@@ -1291,7 +1292,9 @@ def _ring(wake: asyncio.Future[str], why: str) -> None:
 
 
 def _compact(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    """Compact JSON (orjson: the board is written a few times an attempt, and the
+    standard encoder took two thirds of each write)."""
+    return orjson.dumps(value).decode()
 
 
 def _token(settings: WorkerSettings) -> str:

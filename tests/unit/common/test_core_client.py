@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -8,7 +9,7 @@ import respx
 
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, IllegalTransition, InvalidInput, NotFound
-from libs.common.models import TaskCreate
+from libs.common.models import WORKER_LEASE_HEADER, TaskCreate, Turn
 from tests.support import spec
 
 BASE = "http://core.test"
@@ -108,3 +109,32 @@ def test_a_deprecated_call_is_warned_of_once_with_its_sunset(
         _run(calls())
     warned = [r.getMessage() for r in caplog.records if r.name == "cairn.client"]
     assert warned == [f"GET /v1/whoami is deprecated (sunset: {sunset})"]
+
+
+@respx.mock
+def test_a_turn_goes_to_its_workers_path_under_the_base_with_the_lease() -> None:
+    """The turn's URL is joined to the base once per worker: under a base with a path,
+    for each worker in turn, with the client's headers as they are at each call."""
+    answer = {"state": "live", "reports": [], "attempts": []}
+    routes = {
+        worker: respx.post(f"{BASE}/cairn/v1/workers/{worker}/turn").mock(
+            return_value=httpx.Response(200, json=answer)
+        )
+        for worker in (5, 6)
+    }
+
+    async def calls() -> None:
+        async with CoreClient(f"{BASE}/cairn", "tok") as client:
+            client.use_lease("first")
+            await client.turn(5, Turn())
+            client.use_lease("second")
+            await client.turn(5, Turn(started=[3]))
+            await client.turn(6, Turn())
+
+    _run(calls())
+    first, second = routes[5].calls
+    assert first.request.headers[WORKER_LEASE_HEADER] == "first"
+    assert second.request.headers[WORKER_LEASE_HEADER] == "second"
+    assert second.request.headers["content-type"] == "application/json"
+    assert json.loads(second.request.content)["started"] == [3]
+    assert routes[6].call_count == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from typing import Any
 
 import httpcore
@@ -130,3 +131,60 @@ def test_a_corked_client_and_server_answer_as_before() -> None:
         await serving
 
     asyncio.run(scenario())
+
+
+def test_an_idle_connection_the_server_closed_is_seen_and_not_reused() -> None:
+    """``is_readable``, asked of an idle connection before its reuse, from the socket looked
+    up once: false while the peer is quiet, true once it closed (or wrote); a corked
+    client then sends its next request on a fresh connection."""
+
+    async def scenario() -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        held = _HeldStream(await httpcore.AnyIOBackend().connect_tcp("127.0.0.1", port))
+        peer, _ = await asyncio.get_running_loop().sock_accept(server)
+        assert held.get_extra_info("is_readable") is False
+        peer.close()
+        for _ in range(100):  # the close reaches our socket
+            if held.get_extra_info("is_readable"):
+                break
+            await asyncio.sleep(0.01)
+        assert held.get_extra_info("is_readable") is True
+        await held.aclose()
+
+        # A server that answers one request per connection and closes it (keep-alive
+        # announced): each request of the client finds its connection closed.
+        conns = 0
+
+        async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal conns
+            conns += 1
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        closing = await asyncio.start_server(once, sock=server)
+        async with cork(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")) as http:
+            for _ in range(3):
+                assert (await http.get("/")).text == "ok"
+                await asyncio.sleep(0.05)  # the close arrives while the connection idles
+        assert conns == 3
+        closing.close()
+
+    asyncio.run(scenario())
+
+
+def test_httpcore_finds_sniffio_so_no_request_pays_a_failed_import() -> None:
+    """httpcore asks sniffio which async library runs at each lock, event and cancel
+    shield of a request; without it installed (anyio no longer brings it) each ask is a
+    failed import through the whole path, about 0.2 ms of CPU a request: pyproject.toml
+    names it."""
+    from httpcore._synchronization import current_async_library
+
+    async def ask() -> str:
+        return current_async_library()
+
+    assert asyncio.run(ask()) == "asyncio"
+    assert sys.modules.get("sniffio") is not None
