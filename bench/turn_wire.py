@@ -16,9 +16,11 @@ the ``k`` attempts the turn before leased (``succeeded``) and claims ``k`` more 
 claim wait, as the agent's claims carry; work is always there, so none waits), for
 ``--turns`` turns a phase, ``k`` in ``--sizes``. The HTTP side is the agent's client
 (``libs.common.client.CoreClient.turn``: httpx, its default settings, the lease header);
-the WebSocket side is ``websockets``' asyncio client on one connection (no compression
-unless ``--deflate``). Phases alternate http, ws, ws, http for each size, ``--rounds``
-times. Each phase's tasks are submitted before it, outside its window. Printed per
+**raw** is the same HTTP request on a lean HTTP/1.1 client (``bench/rawhttp.py``: one
+keep-alive connection, tens of microseconds a request), which tells httpx's share from
+HTTP's; the WebSocket side (**ws**) is ``websockets``' asyncio client on one connection
+(no compression unless ``--deflate``). Phases go http, raw, ws, ws, raw, http for each
+size (reversed in odd rounds), ``--rounds`` times. Each phase's tasks are submitted before it, outside its window. Printed per
 phase and per side: CPU a turn of this process (the client), of core and of PostgreSQL
 (all its processes), from ``/proc``; and core's and PostgreSQL's net of what they spend
 idle (measured before and after, per second, times the phase's length: core's loops
@@ -30,9 +32,12 @@ for work; after a claim that waited and leased, the next claim goes once the fir
 those attempts has ended (``--run-ms`` after its lease, at most 30 ms: the agent's
 ``_hold_claim``), carrying its report; after one that leased at once, at once. Each task's
 created → leased comes from the database, split by whether the claim that leased it had
-waited at core for it. A task that found no claim waiting waits for the next one; with
-leases pushed as work arrives, every task would be served as the ones a waiting claim
-got: the estimate is the difference. Run once per side.
+waited at core for it (a task that found no claim waiting waits for the next turn). Then
+the same with leases pushed (``/v1/workers/{id}/push``, this benchmark's only too): the
+claim stands at core, which claims again as soon as a claim leased and sends what it
+leased; reports go as each attempt ends, in turns of their own (those that end while
+one is on its way go together in the next). http, ws and push once a round each, with
+the CPU a task of each side.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import psycopg
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fleet import pg_cpu_s
 from procstat import cpu_s
+from rawhttp import Conn, request_bytes
 from stack import core_stack, exit_on_sigterm
 
 from libs.common.client import CoreClient, _unset_of
@@ -216,6 +222,23 @@ def serve() -> None:
 def http_turner(client: CoreClient, worker_id: int) -> Turner:
     async def turn(body: Turn) -> TurnAnswer:
         return await client.turn(worker_id, body)
+
+    return turn
+
+
+def raw_turner(conn: Conn, url: str, worker_id: int, token: str, lease: str) -> Turner:
+    """The same request as ``http_turner``'s on a lean HTTP/1.1 client (``rawhttp``)."""
+    where = httpx.URL(url)
+    path = f"/v1/workers/{worker_id}/turn"
+    headers = {WORKER_LEASE_HEADER: lease}
+
+    async def turn(body: Turn) -> TurnAnswer:
+        content = body.model_dump_json(exclude=_unset_of(body)).encode()
+        data = request_bytes(where.host, where.port or 80, path, content, token, headers)
+        status, answer = await conn.request(data, 30.0)
+        if status != 200:
+            raise SystemExit(f"turn answered {status}: {answer[:200]!r}")
+        return TurnAnswer.model_validate_json(answer)
 
     return turn
 
@@ -454,19 +477,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with websockets.connect(
                 url, additional_headers=headers, compression=compression
             ) as ws:
-                sides = {"http": http_turner(agent, me.worker.id), "ws": ws_turner(ws)}
+                loop = asyncio.get_running_loop()
+                where = httpx.URL(stack.core_url)
+                _, conn = await loop.create_connection(lambda: Conn(loop), where.host, where.port)
+                sides = {
+                    "http": http_turner(agent, me.worker.id),
+                    "raw": raw_turner(conn, stack.core_url, me.worker.id, token, me.lease),
+                    "ws": ws_turner(ws),
+                }
                 for side in sides.values():  # warm both: statements prepared, caches filled
                     await turn_phase(side, core, 4, 30, pids)
                 idle0 = await idle_rates(pids)
                 phases: list[dict[str, Any]] = []
                 for r in range(args.rounds):
                     for k in args.sizes:
-                        order = (
-                            ("http", "ws", "ws", "http")
-                            if r % 2 == 0
-                            else ("ws", "http", "http", "ws")
-                        )
-                        for name in order:
+                        names = ["http", "raw", "ws"][:: 1 if r % 2 == 0 else -1]
+                        for name in [*names, *reversed(names)]:
                             found = await turn_phase(sides[name], core, k, args.turns, pids)
                             phases.append({"side": name, "k": k, "round": r, **found})
                             print(f"  {name:4} k={k:<3} {per_turn(found, args.turns)}", flush=True)
@@ -523,7 +549,7 @@ def summary(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     ]
     for k in args.sizes:
         got: dict[str, dict[str, float]] = {}
-        for side in ("http", "ws"):
+        for side in ("http", "raw", "ws"):
             mine = [p for p in result["phases"] if p["side"] == side and p["k"] == k]
             turns = args.turns * len(mine)
             wall = sum(p["wall_s"] for p in mine)
@@ -541,12 +567,13 @@ def summary(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 f"{k:>3} {side:5} {row['client']:7.3f} {row['core']:7.3f} {row['core_net']:7.3f}"
                 f" {row['pg']:7.3f} {row['pg_net']:7.3f} {row['all']:7.3f} {row['rate']:8.0f}"
             )
-        h, w = got["http"], got["ws"]
-        lines.append(
-            f"{k:>3} ws/http: client {w['client'] / h['client']:.2f}, core"
-            f" {w['core'] / h['core']:.2f} (net {w['core_net'] / h['core_net']:.2f}),"
-            f" PostgreSQL {w['pg'] / h['pg']:.2f}, all three {w['all'] / h['all']:.2f}"
-        )
+        for side in ("raw", "ws"):
+            h, w = got["http"], got[side]
+            lines.append(
+                f"{k:>3} {side}/http: client {w['client'] / h['client']:.2f}, core"
+                f" {w['core'] / h['core']:.2f} (net {w['core_net'] / h['core_net']:.2f}),"
+                f" PostgreSQL {w['pg'] / h['pg']:.2f}, all three {w['all'] / h['all']:.2f}"
+            )
         result.setdefault("per_turn", {})[k] = got
     for side, runs in result["latency"].items():
         for lat in runs:
