@@ -36,8 +36,8 @@ waited at core for it (a task that found no claim waiting waits for the next tur
 the same with leases pushed (``/v1/workers/{id}/push``, this benchmark's only too): the
 claim stands at core, which claims again as soon as a claim leased and sends what it
 leased; reports go as each attempt ends, in turns of their own (those that end while
-one is on its way go together in the next). http, ws and push once a round each, with
-the CPU a task of each side.
+one is on its way go together in the next). http, raw, ws and push once a round each,
+with the CPU a task of each side.
 """
 
 from __future__ import annotations
@@ -226,16 +226,23 @@ def http_turner(client: CoreClient, worker_id: int) -> Turner:
     return turn
 
 
-def raw_turner(conn: Conn, url: str, worker_id: int, token: str, lease: str) -> Turner:
-    """The same request as ``http_turner``'s on a lean HTTP/1.1 client (``rawhttp``)."""
+def raw_turner(url: str, worker_id: int, token: str, lease: str) -> Turner:
+    """The same request as ``http_turner``'s on a lean HTTP/1.1 client (``rawhttp``), on
+    one keep-alive connection, opened again when core closed it (idle between phases)."""
     where = httpx.URL(url)
+    host, port = where.host, where.port or 80
     path = f"/v1/workers/{worker_id}/turn"
     headers = {WORKER_LEASE_HEADER: lease}
+    conns: list[Conn] = []
 
     async def turn(body: Turn) -> TurnAnswer:
+        if not conns or conns[0].closed:
+            loop = asyncio.get_running_loop()
+            _, conn = await loop.create_connection(lambda: Conn(loop), host, port)
+            conns[:] = [conn]
         content = body.model_dump_json(exclude=_unset_of(body)).encode()
-        data = request_bytes(where.host, where.port or 80, path, content, token, headers)
-        status, answer = await conn.request(data, 30.0)
+        data = request_bytes(host, port, path, content, token, headers)
+        status, answer = await conns[0].request(data, 30.0)
         if status != 200:
             raise SystemExit(f"turn answered {status}: {answer[:200]!r}")
         return TurnAnswer.model_validate_json(answer)
@@ -477,12 +484,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with websockets.connect(
                 url, additional_headers=headers, compression=compression
             ) as ws:
-                loop = asyncio.get_running_loop()
-                where = httpx.URL(stack.core_url)
-                _, conn = await loop.create_connection(lambda: Conn(loop), where.host, where.port)
                 sides = {
                     "http": http_turner(agent, me.worker.id),
-                    "raw": raw_turner(conn, stack.core_url, me.worker.id, token, me.lease),
+                    "raw": raw_turner(stack.core_url, me.worker.id, token, me.lease),
                     "ws": ws_turner(ws),
                 }
                 for side in sides.values():  # warm both: statements prepared, caches filled
@@ -497,12 +501,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             phases.append({"side": name, "k": k, "round": r, **found})
                             print(f"  {name:4} k={k:<3} {per_turn(found, args.turns)}", flush=True)
                 idle1 = await idle_rates(pids)
-                latency: dict[str, list[dict[str, Any]]] = {"http": [], "ws": [], "push": []}
+                latency: dict[str, list[dict[str, Any]]] = {
+                    "http": [],
+                    "raw": [],
+                    "ws": [],
+                    "push": [],
+                }
                 pushing = stack.core_url.replace("http", "ws", 1) + PUSH.format(
                     worker_id=me.worker.id
                 )
                 for r in range(args.rounds if args.latency_s > 0 else 0):
-                    order = ("http", "ws", "push") if r % 2 == 0 else ("push", "ws", "http")
+                    order = ["http", "raw", "ws", "push"][:: 1 if r % 2 == 0 else -1]
                     for name in order:
                         await asyncio.sleep(1.0)
                         if name == "push":
