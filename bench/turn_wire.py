@@ -20,11 +20,12 @@ claim wait, as the agent's claims carry; work is always there, so none waits), f
 keep-alive connection, tens of microseconds a request), which tells httpx's share from
 HTTP's; the WebSocket side (**ws**) is ``websockets``' asyncio client on one connection
 (no compression unless ``--deflate``). Phases go http, raw, ws, ws, raw, http for each
-size (reversed in odd rounds), ``--rounds`` times. Each phase's tasks are submitted before it, outside its window. Printed per
-phase and per side: CPU a turn of this process (the client), of core and of PostgreSQL
-(all its processes), from ``/proc``; and core's and PostgreSQL's net of what they spend
-idle (measured before and after, per second, times the phase's length: core's loops
-run whether or not turns come).
+size (reversed in odd rounds), ``--rounds`` times. Each phase's tasks are submitted
+before it, outside its window. Printed per phase and per side: CPU a turn of this
+process (the client), of core and of PostgreSQL (all its processes), from ``/proc``;
+and core's net of what it spends idle (measured before the first task, per second,
+times the phase's length: core's loops run whether or not turns come, and a faster
+side's phase is shorter).
 
 **Created → leased.** ``--latency-s`` seconds of single submissions at ``--rate`` a
 second (open loop), while one worker turns as the agent does: a claim that waits at core
@@ -301,11 +302,12 @@ async def turn_phase(
     return {"wall_s": wall, "client_s": client, "core_s": core_s, "pg_s": pg_s}
 
 
-async def idle_rates(pids: tuple[int, int]) -> tuple[float, float]:
-    """Core's and PostgreSQL's CPU a second with no turns."""
-    core0, pg0 = cpu_s(pids[0]), pg_cpu_s(pids[1])
+async def idle_core(core_pid: int) -> float:
+    """Core's CPU a second with no turns (its loops). PostgreSQL's is left out: after the
+    phases' drains its autovacuum makes it mostly noise."""
+    core0 = cpu_s(core_pid)
     await asyncio.sleep(IDLE_S)
-    return (cpu_s(pids[0]) - core0) / IDLE_S, (pg_cpu_s(pids[1]) - pg0) / IDLE_S
+    return (cpu_s(core_pid) - core0) / IDLE_S
 
 
 # --- created -> leased: claims as the agent sends them, or leases pushed ----------------
@@ -489,9 +491,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "raw": raw_turner(stack.core_url, me.worker.id, token, me.lease),
                     "ws": ws_turner(ws),
                 }
-                for side in sides.values():  # warm both: statements prepared, caches filled
+                idle = await idle_core(stack.core_pid)  # before any task: no vacuum to come
+                for side in sides.values():  # warm each: statements prepared, caches filled
                     await turn_phase(side, core, 4, 30, pids)
-                idle0 = await idle_rates(pids)
                 phases: list[dict[str, Any]] = []
                 for r in range(args.rounds):
                     for k in args.sizes:
@@ -500,7 +502,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             found = await turn_phase(sides[name], core, k, args.turns, pids)
                             phases.append({"side": name, "k": k, "round": r, **found})
                             print(f"  {name:4} k={k:<3} {per_turn(found, args.turns)}", flush=True)
-                idle1 = await idle_rates(pids)
                 latency: dict[str, list[dict[str, Any]]] = {
                     "http": [],
                     "raw": [],
@@ -525,8 +526,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             found = await latency_phase(drive, core, stack, args)
                         latency[name].append(found)
                         print(f"  {name:4} {latency_line(found)}", flush=True)
-        idle = ((idle0[0] + idle1[0]) / 2, (idle0[1] + idle1[1]) / 2)
-        return {"phases": phases, "idle_per_s": idle, "latency": latency}
+        return {"phases": phases, "core_idle_per_s": idle, "latency": latency}
 
 
 def latency_line(lat: dict[str, Any]) -> str:
@@ -549,11 +549,11 @@ def per_turn(found: dict[str, float], turns: int) -> str:
 
 
 def summary(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    idle_core, idle_pg = result["idle_per_s"]
+    idle_core = result["core_idle_per_s"]
     lines = [
-        f"idle: core {idle_core * 1000:.1f} ms/s, PostgreSQL {idle_pg * 1000:.1f} ms/s",
-        "ms of CPU a turn (sum of phases / turns); net = minus idle rate x phase length",
-        f"{'k':>3} {'side':5} {'client':>7} {'core':>7} {'net':>7} {'pg':>7} {'net':>7}"
+        f"core idle: {idle_core * 1000:.1f} ms/s (its loops; before any task)",
+        "ms of CPU a turn (sum of phases / turns); core net: minus its idle rate x the time",
+        f"{'k':>3} {'side':5} {'client':>7} {'core':>7} {'net':>7} {'pg':>7}"
         f" {'all':>7} {'turns/s':>8}",
     ]
     for k in args.sizes:
@@ -567,14 +567,13 @@ def summary(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 "core": sum(p["core_s"] for p in mine) * 1000 / turns,
                 "core_net": (sum(p["core_s"] for p in mine) - idle_core * wall) * 1000 / turns,
                 "pg": sum(p["pg_s"] for p in mine) * 1000 / turns,
-                "pg_net": (sum(p["pg_s"] for p in mine) - idle_pg * wall) * 1000 / turns,
                 "rate": turns / wall,
             }
             row["all"] = row["client"] + row["core"] + row["pg"]
             got[side] = row
             lines.append(
                 f"{k:>3} {side:5} {row['client']:7.3f} {row['core']:7.3f} {row['core_net']:7.3f}"
-                f" {row['pg']:7.3f} {row['pg_net']:7.3f} {row['all']:7.3f} {row['rate']:8.0f}"
+                f" {row['pg']:7.3f} {row['all']:7.3f} {row['rate']:8.0f}"
             )
         for side in ("raw", "ws"):
             h, w = got["http"], got[side]
