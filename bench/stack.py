@@ -52,9 +52,13 @@ class Stack:
     postmaster_pid: int = 0
 
 
-def start_service(module: str, env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
-    """``python -m module`` with ``env`` added, once ``url/readyz`` answers 200."""
-    proc = subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env})
+def start_service(
+    module: str, env: dict[str, str], url: str, command: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``python -m module`` (or ``command``) with ``env`` added, once ``url/readyz``
+    answers 200."""
+    argv = command or [sys.executable, "-m", module]
+    proc = subprocess.Popen(argv, env={**os.environ, **env})
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -69,9 +73,12 @@ def start_service(module: str, env: dict[str, str], url: str) -> subprocess.Pope
         time.sleep(0.1)
 
 
-def start_core(database_url: str, home: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
-    """Core (``python -m services.core``) on ``port`` over a migrated database, once it
-    answers ``/readyz``: one of a benchmark's core replicas."""
+def start_core(
+    database_url: str, home: Path, port: int, command: list[str] | None = None, **env: str
+) -> subprocess.Popen[bytes]:
+    """Core (``python -m services.core``, or ``command``: a benchmark's own app around
+    core's) on ``port`` over a migrated database, once it answers ``/readyz``: one of a
+    benchmark's core replicas."""
     return start_service(
         "services.core",
         {
@@ -83,12 +90,16 @@ def start_core(database_url: str, home: Path, port: int, **env: str) -> subproce
             **env,
         },
         f"http://127.0.0.1:{port}",
+        command,
     )
 
 
 @contextlib.contextmanager
-def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
-    """The database and core (``python -m services.core``) for one benchmark run."""
+def core_stack(
+    prefix: str, command: list[str] | None = None, port: int = 0, **core_env: str
+) -> Iterator[Stack]:
+    """The database and core (``python -m services.core``, or ``command``; on ``port``,
+    else a free one) for one benchmark run."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     server = EmbeddedPostgres(root / "pg")
     proc: subprocess.Popen[bytes] | None = None
@@ -96,9 +107,9 @@ def core_stack(prefix: str, **core_env: str) -> Iterator[Stack]:
         url = server.start()
         for upgrade in (core_migrate.upgrade, cron_migrate.upgrade, dag_migrate.upgrade):
             upgrade(url)
-        port = free_port()
+        port = port or free_port()
         core_url = f"http://127.0.0.1:{port}"
-        proc = start_core(url, root / "home", port, **core_env)
+        proc = start_core(url, root / "home", port, command, **core_env)
         postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
         yield Stack(root, url, core_url, proc.pid, postmaster)
     finally:
