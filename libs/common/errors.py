@@ -12,7 +12,8 @@ them from problem+json answers). Each maps to one HTTP status and problem type.
     │   ├── StaleAttempt            a report from an attempt that is no longer current
     │   └── IdempotencyMismatch     the key was used before with a different request
     ├── QuotaExceeded         429  an owner's waiting or submission-rate quota is full
-    └── Unavailable           503  the database cannot be reached right now
+    └── Unavailable           503  something the request needs (the database, core, an
+                                   identity provider) is unavailable right now
 """
 
 from __future__ import annotations
@@ -127,10 +128,15 @@ class QuotaExceeded(CairnError):
 
 
 class Unavailable(CairnError):
-    """The database cannot be reached right now; try again."""
+    """Something this request needs is unavailable right now; try again."""
 
     status = 503
     slug = "unavailable"
+
+
+#: the detail of an ``Unavailable`` raised because the database is out of reach (the
+#: title says only that something the request needs is: core, a provider, ...)
+DATABASE_UNAVAILABLE = "The database cannot be reached right now; try again."
 
 
 BY_SLUG: dict[str, type[CairnError]] = {

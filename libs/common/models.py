@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from libs.common.selectors import parse as parse_selector
-from libs.common.states import ReportedOutcome, TaskState, WorkerState
+from libs.common.states import AttemptOutcome, ReportedOutcome, TaskState, WorkerState
 
 MAX_BATCH = 1000
 MAX_PAGE = 1000
@@ -1339,13 +1339,16 @@ class StartsAnswer(Output):
 class ReportVerdict(Output):
     """What became of one report of a turn: ``status`` 200 (applied; ``state`` is the
     task's state now), 409 (stale: not the task's current attempt, or not this worker's)
-    or 404 (no such attempt); a refused report changed nothing."""
+    or 404 (no such attempt); a refused report changed nothing. ``ended_as``: refused
+    because the attempt had already ended, how it ended (the same outcome as the report's
+    when it is this report again: sent by a turn whose answer was lost, and applied then)."""
 
     attempt_id: int
     status: Literal[200, 404, 409]
     task_id: int | None = None
     state: TaskState | None = None
     detail: str | None = None
+    ended_as: AttemptOutcome | None = None
 
 
 class FencingCheck(Input):

@@ -14,6 +14,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from libs.common.errors import (
+    DATABASE_UNAVAILABLE,
     CairnError,
     Forbidden,
     InvalidInput,
@@ -100,12 +101,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(PoolTimeout)
     async def _pool_exhausted(request: Request, exc: PoolTimeout) -> JSONResponse:
         log.warning("no database connection free: %s", exc)
-        return problem_response(Unavailable(), request)
+        return problem_response(Unavailable(DATABASE_UNAVAILABLE), request)
 
     @app.exception_handler(OperationalError)
     async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)
-        return problem_response(Unavailable(), request)
+        return problem_response(Unavailable(DATABASE_UNAVAILABLE), request)
 
     @app.exception_handler(DBAPIError)
     async def _db_error(request: Request, exc: DBAPIError) -> JSONResponse:
@@ -123,7 +124,7 @@ def _driver_error_response(exc: psycopg.Error, request: Request) -> JSONResponse
         return _replanned_response(exc, request)
     if isinstance(exc, psycopg.OperationalError):  # as ``_db_down``: out of reach
         log.warning("database unavailable: %s", exc)
-        return problem_response(Unavailable(), request)
+        return problem_response(Unavailable(DATABASE_UNAVAILABLE), request)
     log.exception("database error")
     return problem_response(CairnError("internal database error"), request)
 
@@ -131,7 +132,7 @@ def _driver_error_response(exc: psycopg.Error, request: Request) -> JSONResponse
 def _database_error(exc: DBAPIError, request: Request) -> JSONResponse:
     """The answer to a request that met ``exc`` from the database."""
     if exc.connection_invalidated:
-        return problem_response(Unavailable(), request)
+        return problem_response(Unavailable(DATABASE_UNAVAILABLE), request)
     if isinstance(exc, DataError):
         # A value the models let through but PostgreSQL cannot hold: still the
         # caller's input, so a 422, never a 500.

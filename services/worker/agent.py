@@ -39,6 +39,7 @@ from libs.common.models import (
     ClaimRequest,
     ProgressNote,
     Report,
+    ReportVerdict,
     ServiceSpec,
     Turn,
     TurnAnswer,
@@ -121,6 +122,9 @@ class Outgoing:
     report: AttemptReport
     done: asyncio.Future[None]
     give_up_at: float
+    #: a turn carried it and its answer was never heard (given up while its claim
+    #: waited at core, as a drain does, or lost on the way): core may have applied it
+    unheard: bool = False
 
 
 def report_of(result: AttemptResult) -> Report | None:
@@ -554,7 +558,7 @@ class Agent:
         try:
             answer = await self.client.turn(worker, body)
         except asyncio.CancelledError:
-            self._put_back(items)
+            self._put_back(items, unheard=True)
             self._put_back_notes(notes)
             self.started.update(started)
             raise
@@ -564,7 +568,7 @@ class Agent:
             return None
         except (httpx.TransportError, CairnError) as exc:
             log.warning("turn failed: %s", exc)
-            self._put_back(items)
+            self._put_back(items, unheard=isinstance(exc, httpx.TransportError))
             self._put_back_notes(notes)
             self.started.update(started)
             self.unanswered = self.unanswered or room is not None
@@ -574,7 +578,7 @@ class Agent:
         if worker == self.worker_id:
             self._heard(answer.state, sent)
         self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
-        self._settle(items, {v.attempt_id: v.detail for v in answer.reports if v.status != 200})
+        self._settle(items, {v.attempt_id: v for v in answer.reports if v.status != 200})
         return answer
 
     def _heard(self, state: str, sent: float) -> None:
@@ -649,22 +653,33 @@ class Agent:
             return
         self.noter = asyncio.create_task(self._turn(None))
 
-    def _put_back(self, items: list[Outgoing]) -> None:
+    def _put_back(self, items: list[Outgoing], unheard: bool = False) -> None:
         for out in items:
+            out.unheard = out.unheard or unheard
             self.sending.pop(out.report.attempt_id, None)
             self.outbox.setdefault(out.report.attempt_id, out)
 
     def _settle(
-        self, items: list[Outgoing], refused: dict[int, str | None], why: str | None = None
+        self, items: list[Outgoing], refused: dict[int, ReportVerdict], why: str | None = None
     ) -> None:
         """Core answered these reports: applied, or refused (stale, gone), which is final."""
         for out in items:
             attempt_id = out.report.attempt_id
             self.sending.pop(attempt_id, None)
-            if why is not None or attempt_id in refused:
-                log.warning(
-                    "report of attempt %s refused: %s", attempt_id, why or refused[attempt_id]
+            verdict = refused.get(attempt_id)
+            if verdict is not None and out.unheard and verdict.ended_as == out.report.outcome:
+                # Sent again after a turn whose answer was not heard (a drain gives up
+                # the claim that carried it while it waits at core, which applied its
+                # reports first): core ended the attempt as it says, by this report.
+                log.info(
+                    "report of attempt %s was applied by an earlier turn whose answer was "
+                    "not heard; core refuses it again, as it should (%s)",
+                    attempt_id,
+                    verdict.ended_as,
                 )
+            elif why is not None or verdict is not None:
+                detail = why if verdict is None else verdict.detail
+                log.warning("report of attempt %s refused: %s", attempt_id, detail)
             if not out.done.done():
                 out.done.set_result(None)
 

@@ -1059,6 +1059,7 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
     attempt = item.attempt_id
     if row is None:
         return ReportVerdict(attempt_id=attempt, status=404, detail=f"attempt {attempt} not found")
+    ended_as = None
     if row.worker_id != worker_id:
         detail = f"attempt {attempt} is not leased to worker {worker_id}"
     elif row.ended_as is not None:
@@ -1069,11 +1070,14 @@ def _refusal(item: AttemptReport, worker_id: int, row: Any, seen: set[int]) -> R
             f"attempt {attempt} is not task {row.id}'s current attempt: it already ended "
             f"({row.ended_as}{why}); its report is refused"
         )
+        ended_as = row.ended_as
     elif attempt in seen or row.current_attempt_id != attempt or row.state != S.RUNNING:
         detail = f"attempt {attempt} is not task {row.id}'s current attempt; its report is refused"
     else:
         return None
-    return ReportVerdict(attempt_id=attempt, status=409, task_id=row.id, detail=detail)
+    return ReportVerdict(
+        attempt_id=attempt, status=409, task_id=row.id, detail=detail, ended_as=ended_as
+    )
 
 
 def _masked(item: AttemptReport, mask: Callable[[str], str] | None) -> AttemptReport:

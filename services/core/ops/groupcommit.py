@@ -26,7 +26,7 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 
 from libs.common.database import outage
-from libs.common.errors import Unavailable
+from libs.common.errors import DATABASE_UNAVAILABLE, Unavailable
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier, Work, notes_of
 from services.core.domain.sharing import FairShare
@@ -125,7 +125,7 @@ class GroupCommit:
         except psycopg.OperationalError as exc:  # no connection
             log.warning("database unavailable: %s", exc)
             await self._drop()
-            _fail(group, Unavailable())
+            _fail(group, Unavailable(DATABASE_UNAVAILABLE))
             return
         for one, outcome in zip(group, stored, strict=True):
             if one.answer.done():  # its caller went away; the task is stored all the same

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from libs.common.embedded import EmbeddedPostgres
+from libs.common.errors import DATABASE_UNAVAILABLE
 from libs.common.settings import libpq_url
 from services.core import migrate
 from tests.support import free_port, make_token, spawn_core, spec, stop_process, wait_for
@@ -44,6 +45,7 @@ def test_acknowledged_submissions_survive_a_database_restart(
     core = spawn_core(url, tmp_path, port)
     acked: list[int] = []
     statuses: set[int] = set()
+    unavailable: set[str] = set()
     stop = threading.Event()
 
     def submit() -> None:
@@ -60,6 +62,8 @@ def test_acknowledged_submissions_survive_a_database_restart(
                 except httpx.TransportError:
                     continue
                 statuses.add(answer.status_code)
+                if answer.status_code == 503:
+                    unavailable.add(answer.json()["detail"])
                 if answer.status_code == 201:
                     acked.append(answer.json()["id"])
 
@@ -82,6 +86,8 @@ def test_acknowledged_submissions_survive_a_database_restart(
             thread.join(timeout=30)
         stop_process(core)
     assert statuses <= {201, 503}, statuses
+    # Out of reach, the database is named in the detail (the title is the type's own).
+    assert unavailable <= {DATABASE_UNAVAILABLE, "core is stopping"}, unavailable
     with psycopg.connect(libpq_url(url)) as conn:
         stored = {row[0] for row in conn.execute("SELECT id FROM core.tasks")}
         events = conn.execute(

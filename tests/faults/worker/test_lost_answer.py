@@ -6,6 +6,7 @@ attempt, well before the heartbeat would have declared the attempt lost."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -85,6 +86,62 @@ def test_a_lease_whose_answer_is_lost_runs_once_by_one_attempt(
         assert final == "succeeded" and attempts == (1, "succeeded")
         assert (shared / "runs").read_text() == "ran\n"  # run once
         assert took < 15  # by the next turn, not the heartbeat's grace
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()
+
+
+class ReportAnswerDropper(Proxy):
+    """Once, closes the agent's connection instead of passing on the answer to a turn
+    whose report core applied."""
+
+    def __init__(self, backend: int) -> None:
+        self.dropped: list[bytes] = []
+        super().__init__(backend)
+
+    def drop(self, head: bytes, answer: bytes) -> bool:
+        turn = head.split(b" ", 2)[1].endswith(b"/turn")
+        if turn and not self.dropped and b'"reports":[{' in answer:
+            self.dropped.append(answer)
+            return True
+        return False
+
+
+def test_a_report_whose_answer_is_lost_is_sent_again_and_refused_as_applied(
+    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The agent cannot know whether a turn whose answer it never heard reached core, so
+    it sends its reports again (as after a drain gives up a claim that carried them while
+    it waited at core): core refuses the second one, having applied the first, and the
+    agent says so at info, not as a warning of a report refused."""
+    proxy = ReportAnswerDropper(int(core.url.rsplit(":", 1)[1]))
+    shared = shared_dir()
+    log = tmp_path / "agent.log"
+    agent = spawn_worker(
+        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
+        tmp_path / "worker",
+        "lost-report-answer-worker",
+        log=log,
+        CAIRN_LOG_LEVEL="info",
+    )
+    try:
+        with core.client("alice") as alice:
+            body = shell_spec(f"echo ran >> {shared}/runs", retry={"max_attempts": 1})
+            task = alice.post("/v1/tasks", json=body).json()["id"]
+        db.autocommit = True
+        wait_for(lambda: b"earlier turn" in log.read_bytes(), timeout=30)
+        row = db.execute(
+            "SELECT t.state, count(a.id), min(a.outcome) FROM core.tasks t"
+            " JOIN core.attempts a ON a.task_id = t.id WHERE t.id = %s GROUP BY t.state",
+            (task,),
+        ).fetchone()
+        assert len(proxy.dropped) == 1  # the report's answer was lost
+        assert row == ("succeeded", 1, "succeeded")
+        assert (shared / "runs").read_text() == "ran\n"  # run once
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line[:1] == "{"]
+        told = [e for e in lines if "report of attempt" in e["message"]]
+        assert [e["level"] for e in told] == ["info"]
+        assert "(succeeded)" in told[0]["message"]
     finally:
         stop_process(agent, signal.SIGKILL)
         proxy.stop()

@@ -157,9 +157,9 @@ def test_the_dashboard_signs_in_into_a_session_that_needs_its_csrf_token(
 
 @contextmanager
 def _cron_and_dag(core: Core, home: Path) -> Iterator[tuple[Cron, DagServer]]:
-    cron = start_cron(core, home / "cron")
+    cron = start_cron(core, home / "cron", token_cache_s=0)  # the token's end seen at once
     try:
-        dag = start_dag(core, home / "dag", token_cache_s=0)  # the token's end seen at once
+        dag = start_dag(core, home / "dag", token_cache_s=0)
         try:
             yield cron, dag
         finally:

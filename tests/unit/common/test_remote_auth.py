@@ -48,8 +48,13 @@ def test_an_unknown_token_is_unauthorized() -> None:
 @respx.mock
 def test_core_unreachable_is_unavailable_not_unauthorized() -> None:
     respx.get(f"{CORE}/v1/whoami").mock(side_effect=httpx.ConnectError("refused"))
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable) as refused:
         asyncio.run(RemoteAuth(CORE).resolve("t"))
+    # The problem's title, one for every use of the type, is true of core too; the
+    # detail says which service could not be reached.
+    problem = refused.value.problem()
+    assert problem["title"] == "Something this request needs is unavailable right now; try again."
+    assert problem["detail"].startswith("core cannot be reached to check the token")
 
 
 @respx.mock
