@@ -773,8 +773,9 @@ static int go_on(int sock) {
 }
 
 /* A start whose source is checked first: pending (with its own copy of the request)
- * while the check runs; answered at once if it cannot begin. Returns -1 if the agent is
- * gone. */
+ * while the check runs; answered at once if it cannot begin (or cannot be kept: no free
+ * slot, which main avoids by reading no request then, or no memory). Returns -1 if the
+ * agent is gone. */
 static int check_first(int sock, struct request *parsed, ssize_t size, int *fds, int nfds,
                        int64_t seq) {
     int slot = -1;
@@ -886,13 +887,14 @@ int main(int argc, char **argv) {
     struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        /* The requests (not while a kill waits: go_on), the exits, and each pending
-         * check's answer, until its deadline. */
-        struct pollfd ready_fds[2 + MAX_PENDING] = {{deferred_uid < 0 ? sock : -1, POLLIN, 0},
-                                                    {exited, POLLIN, 0}};
+        /* The requests (not while a kill waits, go_on, nor while MAX_PENDING starts do:
+         * the next ones wait in the socket), the exits, and each pending check's answer,
+         * until its deadline. */
+        struct pollfd ready_fds[2 + MAX_PENDING] = {{-1, POLLIN, 0}, {exited, POLLIN, 0}};
         int slots[MAX_PENDING], n = 2, timeout = -1;
         long long now = now_ms();
-        for (int i = 0; i < MAX_PENDING; i++)
+        for (int i = 0; i < MAX_PENDING; i++) {
+            if (!pending[i] && deferred_uid < 0) ready_fds[0].fd = sock;
             if (pending[i] && pending[i]->fd >= 0) {
                 long long left = pending[i]->deadline - now;
                 left = left < 0 ? 0 : left;
@@ -900,6 +902,7 @@ int main(int argc, char **argv) {
                 slots[n - 2] = i;
                 ready_fds[n++] = (struct pollfd){pending[i]->fd, POLLIN, 0};
             }
+        }
         if (poll(ready_fds, n, timeout) < 0) {
             if (errno == EINTR) continue;
             return 1;

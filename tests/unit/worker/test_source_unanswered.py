@@ -234,6 +234,33 @@ def test_a_check_that_hangs_holds_back_no_other_request_of_its_helper(root: Path
     asyncio.run(scenario())
 
 
+def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
+    """More checked starts at once than a helper keeps pending (32 in spawn.c): the rest
+    wait in its socket, none fails for it (no EAGAIN), each one started."""
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def scenario() -> list[object]:
+        helper = spawner.Helper(binary)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+        async def spawn() -> object:
+            try:
+                _, exited = await helper.spawn(_check(Path("/bin/true"), healthy=True), log)
+                return (await exited)[0]
+            except spawner.SpawnFailed as failed:
+                return failed.step, failed.errno
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(spawn() for _ in range(100))), 30)
+        finally:
+            os.close(log)
+            helper.close()
+
+    assert asyncio.run(scenario()) == [0] * 100
+
+
 def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
     binary = spawner.build(spawner.default_folders(root))
     if binary is None:
