@@ -105,10 +105,11 @@
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK, SOURCE };
 
-/* What the helper sends: a reply to each request, in order, and exit records. A spawn's
- * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
- * ready message, whether it keeps them (1) or not (-1). Every reply to a request says
- * how many checkers of sources that did not answer still hang (stuck, below). */
+/* What the helper sends: a reply to each request, numbered as its request (seq; in
+ * order but for a start whose source is checked, which comes when its check ends), and
+ * exit records. A spawn's reply says its slot's OOM-kill count before the start (-1: no
+ * slot counters); the ready message, whether it keeps them (1) or not (-1). Every reply
+ * to a request says how many checkers of sources that did not answer still hang. */
 enum kind { REPLY = 1, EXITS = 2 };
 struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung, seq; };
 /* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB);
