@@ -48,16 +48,20 @@
  *              errno) and the agent seals the source again (the stamp the agent
  *              remembered is what it hashed: artifacts.FileStamps)
  *   W ms       within this many milliseconds (given with o), else the start fails at step
- *              "source" with ETIMEDOUT (check_source: the open runs in a checker process
- *              this one waits for no longer; EBUSY while an earlier checker of the same
- *              path still hangs; EAGAIN while MAX_STUCK checkers of any paths hang, or
- *              no checker could be made; EIO if the checker died unanswered)
+ *              "source" with ETIMEDOUT (begin_check, end_check: the open runs in a checker
+ *              process this one waits for no longer; EBUSY while an earlier checker of
+ *              the same path still hangs; EAGAIN while MAX_STUCK checkers of any paths
+ *              hang, or no checker could be made; EIO if the checker died unanswered)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
- * along (SCM_RIGHTS).
- * A request "k uid" instead kills every process of that uid (a reply); "S pid signal"
- * signals the process group of the attempt pid, only while it is a child not yet reaped
- * (no reply); "h" asks only how many checkers still hang (a reply: those that ended are
- * reaped at a request, so a helper that starts nothing would go on counting them).
+ * along (SCM_RIGHTS). While a start's source is checked, this process serves its other
+ * requests (pending, main's poll): that start's reply comes when the check ends.
+ * A request "k uid" instead kills every process of that uid (a reply; after the pending
+ * starts of that uid, no request read meanwhile); "S pid signal" signals the process
+ * group of the attempt pid, only while it is a child not yet reaped (no reply); "h" asks
+ * only how many checkers still hang (a reply: those that ended are reaped at a request,
+ * so a helper that starts nothing would go on counting them). Each reply carries the
+ * number of its request (seq: 1 for the first request that has a reply, 0 for the ready
+ * message), as replies to checked starts may come after later requests' replies.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -101,12 +105,13 @@
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK, SOURCE };
 
-/* What the helper sends: a reply to each request, in order, and exit records. A spawn's
- * reply says its slot's OOM-kill count before the start (-1: no slot counters); the
- * ready message, whether it keeps them (1) or not (-1). Every reply to a request says
- * how many checkers of sources that did not answer still hang (stuck, below). */
+/* What the helper sends: a reply to each request, numbered as its request (seq; in
+ * order but for a start whose source is checked, which comes when its check ends), and
+ * exit records. A spawn's reply says its slot's OOM-kill count before the start (-1: no
+ * slot counters); the ready message, whether it keeps them (1) or not (-1). Every reply
+ * to a request says how many checkers of sources that did not answer still hang. */
 enum kind { REPLY = 1, EXITS = 2 };
-struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung; };
+struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung, seq; };
 /* One attempt that ended, reaped by wait4: its status and rusage (microseconds, KiB);
  * its slot's peak memory (bytes) and CPU (ns) since its start, its OOM kills, and whether
  * nothing of it was left in the slot (1; 0: something was; -1 for what is not known). */
@@ -220,7 +225,7 @@ static int parse(char *data, size_t size, struct request *r) {
 }
 
 static void fail(int status_fd, enum step step) {
-    struct reply reply = {REPLY, 0, step, errno, -1, 0};
+    struct reply reply = {REPLY, 0, step, errno, -1, 0, 0};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
 }
@@ -290,21 +295,46 @@ static int source_holds(struct request *r) {
     return 0;
 }
 
+/* A start waiting for its source's check: its request (its own copy of it), descriptors
+ * and the number of its reply; once its check began, its checker (pid, the socket or
+ * pipe of its answer, resident or one-shot) and deadline. fd -1: not begun while a check
+ * of the same path is pending (it begins once that one ends: EBUSY then if that one
+ * hung). The helper serves its other requests meanwhile (main polls each answer, and
+ * wakes at the nearest deadline), so a check that hangs holds back its own path only. */
+#define MAX_PENDING 32
+struct pending {
+    char *data;
+    struct request request;
+    int fds[3], nfds, fd, resident;
+    int64_t seq;
+    pid_t pid;
+    long long deadline;
+};
+static struct pending *pending[MAX_PENDING];
+
 /* Checkers of sources that did not answer in time (an open under a FUSE mount whose
  * server never replies waits in the kernel, and past the first waiter of a directory
- * not even SIGKILL ends it): their pids and paths, at most MAX_STUCK, each reaped once it
- * is let go (a "clone" child, exit signal 0: reap's wait never sees it). A path that
- * could not be copied is kept as NULL: that checker only counts towards MAX_STUCK. */
+ * not even SIGKILL ends it): their pids and paths, each reaped once it is let go (a
+ * "clone" child, exit signal 0: reap's wait never sees it). A check begins only while
+ * fewer than MAX_STUCK hang; room for every pending one besides, each of which may yet
+ * hang. A path that could not be copied is kept as NULL: that checker only counts. */
 #define MAX_STUCK 8
-static struct { pid_t pid; char *path; } stuck[MAX_STUCK];
+#define STUCK_SLOTS (MAX_STUCK + MAX_PENDING)
+static struct { pid_t pid; char *path; } stuck[STUCK_SLOTS];
 
 static void reap_checkers(void) {
-    for (int i = 0; i < MAX_STUCK; i++)
+    for (int i = 0; i < STUCK_SLOTS; i++)
         if (stuck[i].pid > 0 && waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE) == stuck[i].pid) {
             stuck[i].pid = 0;
             free(stuck[i].path);
             stuck[i].path = NULL;
         }
+}
+
+static int64_t hung(void) {
+    int64_t count = 0;
+    for (int i = 0; i < STUCK_SLOTS; i++) count += stuck[i].pid > 0;
+    return count;
 }
 
 static long long now_ms(void) {
@@ -322,7 +352,7 @@ static long long now_ms(void) {
  * (restartable); one that joined a v1 slot would have it born in the slot, where it
  * would count in the slot's figures and never leave it alone: there each check is a
  * one-shot copy of this process instead (reaped before the attempt starts). */
-static int resident_fd = -1;
+static int resident_fd = -1, resident_busy = 0;  /* busy: a check of its is pending */
 static pid_t resident_pid = 0;
 static int restartable = 0;
 #define MAX_CHECK (PATH_MAX + 512)
@@ -371,9 +401,11 @@ static void start_resident(void) {
     resident_pid = pid;
 }
 
-/* The check handed to the resident checker; its socket, or -1 if there is none. */
+/* The check handed to the resident checker; its socket, or -1 if there is none or it
+ * is busy with another check. */
 static int ask_resident(struct request *r) {
     static char check[MAX_CHECK + 1];
+    if (resident_busy) return -1;
     if (resident_fd < 0 && restartable) start_resident();
     if (resident_fd < 0) return -1;
     int head = snprintf(check, sizeof check, "%ld %ld %s %s", r->uid, r->gid, r->stamp, r->fstypes);
@@ -413,65 +445,73 @@ static pid_t one_shot(struct request *r, int *answer_fd) {
     return pid;
 }
 
-/* source_holds, bounded: by the resident checker (or a one-shot one), waited for at most
- * r->source_ms. 0 if the source holds, else an errno: the check's, ETIMEDOUT if it did
- * not answer in time (the checker then killed, and kept in stuck until it is gone), EBUSY
- * if a checker of this same path still hangs: this process never waits on a file system
- * longer than that, so it goes on serving. The checking's own faults, which say nothing
- * of this path: EAGAIN if MAX_STUCK checkers (of any paths) still hang, EIO if the
- * checker died unanswered, clone's errno if none could be made. */
-static int check_source(struct request *r) {
-    int free_slot = -1;
-    for (int i = 0; i < MAX_STUCK; i++) {
+/* source_holds, bounded: by the resident checker (or a one-shot one while the resident
+ * is busy with another check, or where there is none), waited for at most r->source_ms.
+ * begin_check starts it: 0 (begun, or to begin after a pending check of the same path),
+ * or the errno of a start that fails at once: EBUSY if a checker of this same path
+ * still hangs, and the checking's own faults, which say nothing of this path: EAGAIN if
+ * MAX_STUCK checkers (of any paths) still hang, clone's errno if none could be made.
+ * end_check takes its answer (readable) or gives up on it (its deadline passed): 0 if
+ * the source holds, else an errno: the check's, ETIMEDOUT if it did not answer in time
+ * (the checker then killed, and kept in stuck until it is gone), EIO if the checker
+ * died unanswered. This process never waits on a file system: it goes on serving. */
+static int begin_check(struct pending *p) {
+    struct request *r = &p->request;
+    for (int i = 0; i < STUCK_SLOTS; i++)
         if (stuck[i].pid > 0 && stuck[i].path && strcmp(stuck[i].path, r->source) == 0)
             return EBUSY;
-        if (stuck[i].pid <= 0 && free_slot < 0) free_slot = i;
-    }
-    if (free_slot < 0) return EAGAIN;
+    if (hung() >= MAX_STUCK) return EAGAIN;
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (pending[i] && pending[i]->fd >= 0 && strcmp(pending[i]->request.source, r->source) == 0)
+            return 0;
     int fd = ask_resident(r);  /* it may make a new resident: its pid read after */
     pid_t pid = resident_pid;
     if (fd < 0 && (pid = one_shot(r, &fd)) < 0) return errno;
-    int resident = fd == resident_fd;
-    int err = 0;
+    p->fd = fd;
+    p->pid = pid;
+    p->resident = fd == resident_fd;
+    resident_busy |= p->resident;
+    p->deadline = now_ms() + r->source_ms;
+    return 0;
+}
+
+static int end_check(struct pending *p, int readable) {
+    int err = 0, fd = p->fd;
     ssize_t got = -1;
-    long long deadline = now_ms() + r->source_ms;
-    for (;;) {
-        long long left = deadline - now_ms();
-        struct pollfd readable = {fd, POLLIN, 0};
-        int ready = left > 0 ? poll(&readable, 1, (int)left) : 0;
-        if (ready < 0 && errno == EINTR) continue;
-        if (ready > 0) {
-            do got = read(fd, &err, sizeof err);
-            while (got < 0 && errno == EINTR);
-        }
-        break;
+    p->fd = -1;
+    if (readable) {
+        do got = read(fd, &err, sizeof err);
+        while (got < 0 && errno == EINTR);
     }
+    if (p->resident) resident_busy = 0;
     if (got == (ssize_t)sizeof err) {
-        if (!resident) {
+        if (!p->resident) {
             close(fd);
-            while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+            while (waitpid(p->pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
         }
         return err;
     }
     close(fd);
-    if (resident) resident_fd = -1;  /* one-shot checkers from now on */
-    kill(pid, SIGKILL);
+    if (p->resident) resident_fd = -1;  /* a new one (or one-shot checkers) from now on */
+    kill(p->pid, SIGKILL);
     if (got == 0) {  /* it died unanswered */
-        while (waitpid(pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
+        while (waitpid(p->pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
         return EIO;
     }
     /* No answer in time: killed, which ends a wait for a request the server has not read
-     * yet at once; one that cannot end yet is kept until it does (the path NULL if it
-     * cannot be copied: then it only counts towards MAX_STUCK). */
+     * yet at once; one that cannot end yet is kept until it does. */
     for (int waited = 0; waited < 50; waited++) {
-        if (waitpid(pid, NULL, WNOHANG | __WCLONE) == pid) return ETIMEDOUT;
+        if (waitpid(p->pid, NULL, WNOHANG | __WCLONE) == p->pid) return ETIMEDOUT;
         usleep(1000);
     }
-    stuck[free_slot].pid = pid;
-    stuck[free_slot].path = strdup(r->source);
+    for (int i = 0; i < STUCK_SLOTS; i++)
+        if (stuck[i].pid <= 0) {  /* always one: see stuck */
+            stuck[i].pid = p->pid;
+            stuck[i].path = strdup(p->request.source);
+            break;
+        }
     return ETIMEDOUT;
 }
-
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
     if (setsid() < 0) fail(status_fd, SESSION);
@@ -649,10 +689,129 @@ static void join(char **procs, int count) {
     }
 }
 
-/* One request: spawn (a reply), kill a uid (a reply), count the hung checkers (a reply),
- * or signal an attempt (none).
+/* A start's reply, numbered seq: the attempt started, unless its source check said why
+ * not (unsound: an errno). Returns -1 if the agent is gone. */
+static int answer_start(int sock, struct request *request, int unsound, int64_t seq) {
+    struct reply reply = {REPLY, 0, OK, 0, -1, 0, seq};
+    int pipe_fds[2];
+    if (unsound) {
+        reply.step = SOURCE;
+        reply.err = unsound;
+    } else if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
+        reply.step = CLONE;
+        reply.err = errno;
+    } else {
+        struct child child = {request, sock, pipe_fds[0], pipe_fds[1]};
+        reset_counters();
+        reply.oom_base = oom_base;
+        pid_t pid = start(&child);
+        close(pipe_fds[1]);
+        if (pid < 0) {
+            reply.step = CLONE;
+            reply.err = errno;
+        } else {
+            struct reply failed;
+            ssize_t got;
+            do got = read(pipe_fds[0], &failed, sizeof failed);
+            while (got < 0 && errno == EINTR);
+            reply.pid = pid;
+            if (got == (ssize_t)sizeof failed) {
+                reply.step = failed.step;
+                reply.err = failed.err;
+                /* It exits right after saying so: reaped here, no exit record. */
+                while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+            }
+        }
+        close(pipe_fds[0]);
+    }
+    reply.hung = hung();
+    return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
+/* The pending start in slot i, answered (its check ended: err) and let go. */
+static int answer_pending(int sock, int i, int err) {
+    struct pending *p = pending[i];
+    int rc = answer_start(sock, &p->request, err, p->seq);
+    for (int k = 0; k < p->nfds; k++) close(p->fds[k]);
+    free(p->data);
+    free(p);
+    pending[i] = NULL;
+    return rc;
+}
+
+/* A kill of a uid that a pending start will run as waits for that start (it would
+ * outlive the kill otherwise), and no request is read meanwhile (none overtakes it). */
+static long deferred_uid = -1;
+static int64_t deferred_seq;
+
+static int starting(long uid) {
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (pending[i] && pending[i]->request.uid == uid) return 1;
+    return 0;
+}
+
+static int answer_kill(int sock, long uid, int64_t seq) {
+    struct reply reply = {REPLY, 0, OK, 0, -1, 0, seq};
+    kill_uid(uid, &reply);
+    reply.hung = hung();
+    return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
+/* After a check ended: the starts waiting for a check of their path begin (or fail at
+ * once), and a kill waiting for starts goes ahead once none of its uid is left. */
+static int go_on(int sock) {
+    reap_checkers();
+    for (int i = 0; i < MAX_PENDING; i++) {
+        int err = pending[i] && pending[i]->fd < 0 ? begin_check(pending[i]) : 0;
+        if (err && answer_pending(sock, i, err) < 0) return -1;
+    }
+    if (deferred_uid >= 0 && !starting(deferred_uid)) {
+        long uid = deferred_uid;
+        deferred_uid = -1;
+        return answer_kill(sock, uid, deferred_seq);
+    }
+    return 0;
+}
+
+/* A start whose source is checked first: pending (with its own copy of the request)
+ * while the check runs; answered at once if it cannot begin (or cannot be kept: no free
+ * slot, which main avoids by reading no request then, or no memory). Returns -1 if the
+ * agent is gone. */
+static int check_first(int sock, struct request *parsed, ssize_t size, int *fds, int nfds,
+                       int64_t seq) {
+    int slot = -1;
+    for (int i = MAX_PENDING - 1; i >= 0; i--)
+        if (!pending[i]) slot = i;
+    struct pending *p = slot < 0 ? NULL : malloc(sizeof *p);
+    char *data = p ? malloc((size_t)size + 1) : NULL;
+    if (!data) {
+        free(p);
+        int rc = answer_start(sock, parsed, slot < 0 ? EAGAIN : ENOMEM, seq);
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        return rc;
+    }
+    memcpy(data, buffer, (size_t)size + 1);
+    parse(data, (size_t)size, &p->request);  /* the same fields, parsed once already */
+    p->request.log_fd = parsed->log_fd;
+    p->request.cgroup_fd = parsed->cgroup_fd;
+    p->request.mount_fd = parsed->mount_fd;
+    p->data = data;
+    memcpy(p->fds, fds, sizeof p->fds);
+    p->nfds = nfds;
+    p->seq = seq;
+    p->fd = -1;
+    p->resident = 0;
+    p->pid = 0;
+    pending[slot] = p;
+    int err = begin_check(p);
+    return err ? answer_pending(sock, slot, err) : 0;
+}
+/* One request: spawn (a reply, later if its source is checked: answer_pending), kill a
+ * uid (a reply), count the hung checkers (a reply), or signal an attempt (none). Each
+ * reply carries its request's number (seq: 1 for the first request that has a reply).
  * Returns -1 if the agent is gone. */
 static int serve(int sock) {
+    static int64_t served;
     char control[CMSG_SPACE(3 * sizeof(int))];
     struct iovec iov = {buffer, sizeof buffer - 1};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
@@ -669,7 +828,7 @@ static int serve(int sock) {
             memcpy(fds, CMSG_DATA(c), nfds * sizeof(int));
         }
     }
-    struct reply reply = {REPLY, 0, OK, 0, -1, 0};
+    struct reply reply = {REPLY, 0, OK, 0, -1, 0, 0};
     struct request request;
     reap_checkers();  /* none, mostly: then no system call */
     if (buffer[0] == 'S') {
@@ -679,8 +838,14 @@ static int serve(int sock) {
         for (int i = 0; i < nfds; i++) close(fds[i]);
         return 0;
     }
+    reply.seq = ++served;
     if (buffer[0] == 'k') {
-        kill_uid(strtol(buffer + 1, NULL, 10), &reply);
+        long uid = strtol(buffer + 1, NULL, 10);
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        if (!starting(uid)) return answer_kill(sock, uid, reply.seq);
+        deferred_uid = uid;
+        deferred_seq = reply.seq;
+        return 0;
     } else if (buffer[0] == 'h') {
         /* reaped above, counted below */
     } else if (parse(buffer, (size_t)size, &request) < 0
@@ -691,41 +856,13 @@ static int serve(int sock) {
         request.log_fd = fds[0];
         request.cgroup_fd = request.has_cgroup ? fds[1] : -1;
         request.mount_fd = request.mount_at ? fds[1 + request.has_cgroup] : -1;
-        int pipe_fds[2];
-        int unsound = request.source ? check_source(&request) : 0;
-        if (unsound) {
-            reply.step = SOURCE;
-            reply.err = unsound;
-        } else if (pipe2(pipe_fds, O_CLOEXEC) < 0) {
-            reply.step = CLONE;
-            reply.err = errno;
-        } else {
-            struct child child = {&request, sock, pipe_fds[0], pipe_fds[1]};
-            reset_counters();
-            reply.oom_base = oom_base;
-            pid_t pid = start(&child);
-            close(pipe_fds[1]);
-            if (pid < 0) {
-                reply.step = CLONE;
-                reply.err = errno;
-            } else {
-                struct reply failed;
-                ssize_t got;
-                do got = read(pipe_fds[0], &failed, sizeof failed);
-                while (got < 0 && errno == EINTR);
-                reply.pid = pid;
-                if (got == (ssize_t)sizeof failed) {
-                    reply.step = failed.step;
-                    reply.err = failed.err;
-                    /* It exits right after saying so: reaped here, no exit record. */
-                    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
-                }
-            }
-            close(pipe_fds[0]);
-        }
+        if (request.source) return check_first(sock, &request, size, fds, nfds, reply.seq);
+        int rc = answer_start(sock, &request, 0, reply.seq);
+        for (int i = 0; i < nfds; i++) close(fds[i]);
+        return rc;
     }
     for (int i = 0; i < nfds; i++) close(fds[i]);
-    for (int i = 0; i < MAX_STUCK; i++) reply.hung += stuck[i].pid > 0;
+    reply.hung = hung();
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
@@ -748,11 +885,26 @@ int main(int argc, char **argv) {
     int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     if (exited < 0) return 1;
     /* Its last field: whether it keeps its slot's counters (1) or not (-1). */
-    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0};
+    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        struct pollfd ready_fds[2] = {{sock, POLLIN, 0}, {exited, POLLIN, 0}};
-        if (poll(ready_fds, 2, -1) < 0) {
+        /* The requests (not while a kill waits, go_on, nor while MAX_PENDING starts do:
+         * the next ones wait in the socket), the exits, and each pending check's answer,
+         * until its deadline. */
+        struct pollfd ready_fds[2 + MAX_PENDING] = {{-1, POLLIN, 0}, {exited, POLLIN, 0}};
+        int slots[MAX_PENDING], n = 2, timeout = -1;
+        long long now = now_ms();
+        for (int i = 0; i < MAX_PENDING; i++) {
+            if (!pending[i] && deferred_uid < 0) ready_fds[0].fd = sock;
+            if (pending[i] && pending[i]->fd >= 0) {
+                long long left = pending[i]->deadline - now;
+                left = left < 0 ? 0 : left;
+                timeout = timeout < 0 || left < timeout ? (int)left : timeout;
+                slots[n - 2] = i;
+                ready_fds[n++] = (struct pollfd){pending[i]->fd, POLLIN, 0};
+            }
+        }
+        if (poll(ready_fds, n, timeout) < 0) {
             if (errno == EINTR) continue;
             return 1;
         }
@@ -761,6 +913,16 @@ int main(int argc, char **argv) {
             while (read(exited, &info, sizeof info) == (ssize_t)sizeof info) {}
             if (reap(sock) < 0) return 1;
         }
+        now = now_ms();
+        int ended = 0;
+        for (int k = 2; k < n; k++) {
+            struct pending *p = pending[slots[k - 2]];
+            if (!ready_fds[k].revents && p->deadline > now) continue;
+            ended = 1;
+            if (answer_pending(sock, slots[k - 2], end_check(p, ready_fds[k].revents != 0)) < 0)
+                return 0;
+        }
+        if (ended && go_on(sock) < 0) return 0;
         if (ready_fds[0].revents && serve(sock) < 0) return 0;
     }
 }

@@ -45,7 +45,6 @@ import struct
 import subprocess
 import sys
 import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,12 +53,15 @@ from typing import Any
 log = logging.getLogger("cairn.worker.spawner")
 
 SOURCE = Path(__file__).with_name("spawn.c")
-#: what the helper sends: a reply (kind 1: pid, step, errno, and the slot's OOM-kill count
-#: before a start) to each request that has one, in order, and exit records (kind 2: a
-#: count, then each one's pid, wait status, user and system CPU in microseconds, peak
-#: resident set in KiB, and its slot's ``Counters``)
+#: what the helper sends: a reply (kind 1: pid, step, errno, the slot's OOM-kill count
+#: before a start, its hung checkers, and the number of its request: 1 for the first that
+#: has a reply, 0 the ready message) to each request that has one, and exit records (kind
+#: 2: a count, then each one's pid, wait status, user and system CPU in microseconds, peak
+#: resident set in KiB, and its slot's ``Counters``). Replies come in the order of their
+#: requests, except a start's whose source is checked: it comes when its check ends, and
+#: the helper answers later requests meanwhile.
 _KIND = struct.Struct("=i")
-_REPLY = struct.Struct("=iiiiqq")
+_REPLY = struct.Struct("=iiiiqqq")
 _EXITS = struct.Struct("=ii")
 _EXIT = struct.Struct("=iiqqqqqii")
 _REPLY_KIND, _EXITS_KIND = 1, 2
@@ -242,8 +244,8 @@ class Helper:
     """One resident ``cairn-spawn`` process (started with ``posix_spawn``), the parent of
     the attempts it starts; ``join`` names the cgroup.procs files it enters once at start.
 
-    One reader on the event loop takes everything it sends: the replies to requests, in
-    the order they were sent, and the exit records of its attempts, several to a message
+    One reader on the event loop takes everything it sends: the replies to requests, each
+    matched to its request by number (``_REPLY``), and the exit records of its attempts, several to a message
     when they end together. An attempt's end is a future (``spawn``) settled from its
     record: no watcher, thread or system call of the agent's per attempt."""
 
@@ -267,7 +269,10 @@ class Helper:
             theirs.close()
         self._sock = ours
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._replies: deque[asyncio.Future[_Reply]] = deque()
+        #: the replies awaited, by the number of their request (0: the ready message)
+        self._replies: dict[int, asyncio.Future[_Reply]] = {}
+        self._sent = 0
+        self._ready_reply: asyncio.Future[_Reply] | None = None
         #: the attempts it started that have not ended, by pid
         self._exits: dict[int, asyncio.Future[Exit]] = {}
         self._ready = False
@@ -319,16 +324,15 @@ class Helper:
         else:  # end of file: it exited
             self.close()
 
-    def _replied(self, pid: int, step: int, errno: int, oom_base: int, hung: int) -> None:
+    def _replied(self, pid: int, step: int, errno: int, oom_base: int, hung: int, seq: int) -> None:
         self.hung_checkers = hung
         exited = None
         if not step and pid > 0 and self._ready and self._loop is not None:
             # Before the next message, which may be its exit record.
             exited = self._exits[pid] = self._loop.create_future()
-        if self._replies:
-            reply = self._replies.popleft()
-            if not reply.done():
-                reply.set_result((pid, step, errno, oom_base, exited))
+        reply = self._replies.pop(seq, None)
+        if reply is not None and not reply.done():
+            reply.set_result((pid, step, errno, oom_base, exited))
 
     def _ended(self, data: bytes) -> None:
         _, count = _EXITS.unpack_from(data)
@@ -349,6 +353,7 @@ class Helper:
         if self.gone:
             raise self._gone()
         reply: asyncio.Future[_Reply] = self._listen().create_future()
+        self._sent += 1
         try:
             if fds:
                 socket.send_fds(self._sock, [data], fds)
@@ -357,7 +362,7 @@ class Helper:
         except OSError:
             self.close()
             raise self._gone() from None
-        self._replies.append(reply)
+        self._replies[self._sent] = reply
         return await reply
 
     async def ready(self) -> None:
@@ -367,9 +372,9 @@ class Helper:
         if self.gone:
             raise self._gone()
         loop = self._listen()
-        if not self._replies:  # the first to ask waits for its ready message
-            self._replies.append(loop.create_future())
-        ready = await asyncio.shield(self._replies[0])
+        if self._ready_reply is None:  # the first to ask waits for its ready message
+            self._ready_reply = self._replies[0] = loop.create_future()
+        ready = await asyncio.shield(self._ready_reply)
         self.counts = ready[3] == 1  # the ready message's last field
         self._ready = True
 
@@ -451,7 +456,7 @@ class Helper:
             os.close(self._pidfd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        waiting: list[asyncio.Future[Any]] = [*self._replies, *self._exits.values()]
+        waiting: list[asyncio.Future[Any]] = [*self._replies.values(), *self._exits.values()]
         for future in waiting:
             if not future.done():
                 future.set_exception(self._gone())

@@ -10,11 +10,13 @@ so does a source whose file system answers its open and hangs on a read."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import hashlib
 import os
 import threading
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,97 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
             helper.close()
 
     asyncio.run(scenario())
+
+
+def test_a_check_that_hangs_holds_back_no_other_request_of_its_helper(root: Path) -> None:
+    """One helper starts every attempt of an agent on cgroup v2 (or without cgroups): while
+    a check of one source hangs, it starts other attempts (with another source checked, or
+    none), answers a kill and a recount; the start of the hung source still fails with
+    ETIMEDOUT after the limit, and another start of that path sent meanwhile waits for it,
+    then fails with EBUSY. A kill of that start's uid waits for it (no start outlives a
+    kill sent after it), and the helper reads no request meanwhile (none overtakes it)."""
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    limit_s = 1.5
+
+    async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> tuple[float, object]:
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        began = time.monotonic()
+        try:
+            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
+            return time.monotonic() - began, (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return time.monotonic() - began, (failed.step, failed.errno)
+        finally:
+            os.close(log)
+
+    async def timed(request: Awaitable[None]) -> float:
+        began = time.monotonic()
+        await asyncio.wait_for(request, 10)
+        return time.monotonic() - began
+
+    def checked(source: Path, healthy: bool = False) -> spawner.Launch:
+        return dataclasses.replace(_check(source, healthy), source_timeout_s=limit_s)
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        try:
+            with unanswered_fuse(root / "jammed") as mount:
+                source = mount / "bin" / "task"
+                hung = asyncio.create_task(spawn(helper, checked(source)))
+                await asyncio.sleep(0.1)  # its check begun
+                same = asyncio.create_task(spawn(helper, checked(source)))
+                await asyncio.sleep(0.1)
+                plain = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
+                other = await spawn(helper, checked(Path("/bin/true"), healthy=True))
+                other_kill = await timed(helper.kill_uid(29993))
+                recount = await timed(helper.recount())
+                assert not hung.done() and not same.done()
+                for took, status in (plain, other):
+                    assert status == 0 and took < limit_s / 2, (plain, other)
+                assert max(other_kill, recount) < limit_s / 2, (other_kill, recount)
+                killed = asyncio.create_task(timed(helper.kill_uid(29992)))
+                await asyncio.sleep(0.05)
+                after = asyncio.create_task(timed(helper.recount()))
+                took, failed = await hung
+                assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), failed
+                assert limit_s <= took < limit_s + 2, took
+                took, busy = await same
+                assert busy == (spawner.SOURCE_STEP, spawner.SOURCE_BUSY), busy
+                assert min(await killed, await after) >= limit_s / 2
+                assert helper.hung_checkers == 1
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
+    """More checked starts at once than a helper keeps pending (32 in spawn.c): the rest
+    wait in its socket, none fails for it (no EAGAIN), each one started."""
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+
+    async def scenario() -> list[object]:
+        helper = spawner.Helper(binary)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+        async def spawn() -> object:
+            try:
+                _, exited = await helper.spawn(_check(Path("/bin/true"), healthy=True), log)
+                return (await exited)[0]
+            except spawner.SpawnFailed as failed:
+                return failed.step, failed.errno
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(spawn() for _ in range(100))), 30)
+        finally:
+            os.close(log)
+            helper.close()
+
+    assert asyncio.run(scenario()) == [0] * 100
 
 
 def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
