@@ -8,6 +8,7 @@ unreachable is a 503, never a 401: the caller's token may be fine.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -74,7 +75,12 @@ def cache_for(ttl_s: float, expires_at: datetime | None) -> float:
 
 
 class RemoteAuth:
-    """Resolves bearer tokens through core, with a small cache of recent answers."""
+    """Resolves bearer tokens through core, with a small cache of recent answers.
+
+    One client, made once, checks every caller's token over its pooled keep-alive
+    connections (the token goes in each request); close it with ``aclose`` when the
+    service stops. Resolves of one token that is not cached share one call to core, and
+    its answer or error (errors are not kept)."""
 
     def __init__(
         self,
@@ -86,16 +92,41 @@ class RemoteAuth:
         self.core_url = core_url
         self.ttl_s = ttl_s
         self.size = size
-        self._transport = transport
+        self._core = CoreClient(core_url, None, transport=transport)
         self._entries: dict[str, tuple[float, Caller]] = {}
+        # The calls under way, one per token; past ``size`` of them a resolve asks alone.
+        self._asking: dict[str, asyncio.Task[Caller]] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._core.is_closed
+
+    async def aclose(self) -> None:
+        await self._core.aclose()
 
     async def resolve(self, token: str) -> Caller:
         entry = self._entries.get(token)
         if entry is not None and entry[0] >= time.monotonic():
             return entry[1]
+        asking = self._asking.get(token)
+        if asking is None:
+            if len(self._asking) >= self.size:
+                return await self._ask(token)
+            asking = asyncio.create_task(self._ask(token), name="whoami")
+            self._asking[token] = asking
+            asking.add_done_callback(lambda done: self._asked(token, done))
+        # A caller that goes away does not cancel the call the others wait on.
+        return await asyncio.shield(asking)
+
+    def _asked(self, token: str, done: asyncio.Task[Caller]) -> None:
+        if self._asking.get(token) is done:
+            del self._asking[token]
+        if not done.cancelled():
+            done.exception()  # seen here, should every waiter have gone away
+
+    async def _ask(self, token: str) -> Caller:
         try:
-            async with CoreClient(self.core_url, token, transport=self._transport) as core:
-                who = await core.whoami()
+            who = await self._core.whoami(token)
         except httpx.TransportError as exc:
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise Unavailable(f"core cannot be reached to check the token ({why})") from None

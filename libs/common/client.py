@@ -168,6 +168,10 @@ class ApiClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
     async def _call(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
@@ -201,9 +205,11 @@ class CoreClient(ApiClient):
     #: the worker whose turns this client sends last, and their URL joined to the base
     _turn_at: tuple[int, httpx.URL] | None = None
 
-    async def whoami(self) -> WhoAmI:
-        """The principal this client's token stands for."""
-        response = await self._call("GET", "/v1/whoami")
+    async def whoami(self, token: str | None = None) -> WhoAmI:
+        """The principal this client's token stands for, or ``token`` if given (one
+        client then checks many callers' tokens over its pooled connections)."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = await self._call("GET", "/v1/whoami", headers=headers)
         return WhoAmI.model_validate_json(response.content)
 
     async def submit(

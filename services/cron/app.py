@@ -52,7 +52,7 @@ def create_app(
         app.state.sender = sender
         app.state.cron = cron
         app.state.metrics = cron.metrics.metrics
-        app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
+        auth = app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
         if engine:
             app.state.unready = lambda: cron.unready(runner)
@@ -65,6 +65,7 @@ def create_app(
                     await runner
             await core.aclose()
             await dag.aclose()
+            await auth.aclose()
             await db.dispose()
             await engine_db.dispose()
 

@@ -33,7 +33,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         app.state.graphs = graphs
         app.state.loop = loop
         app.state.metrics = loop.metrics.metrics
-        app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
+        auth = app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
         app.state.loops = {"dag-loop": task}
         try:
@@ -43,6 +43,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await loop.close()
+            await auth.aclose()
             await engine.dispose()
 
     app = pages.service_app(
