@@ -50,8 +50,10 @@
  *   W ms       within this many milliseconds (given with o), else the start fails at step
  *              "source" with ETIMEDOUT (begin_check, end_check: the open runs in a checker
  *              process this one waits for no longer; EBUSY while an earlier checker of
- *              the same path still hangs; EAGAIN while MAX_STUCK checkers of any paths
- *              hang, or no checker could be made; EIO if the checker died unanswered)
+ *              the same path still hangs, or if the earlier check of the same path this
+ *              start waited for did not answer in time (hung_path); EAGAIN while
+ *              MAX_STUCK checkers of any paths hang, or no checker could be made; EIO
+ *              if the checker died unanswered)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS). While a start's source is checked, this process serves its other
  * requests (pending, main's poll): that start's reply comes when the check ends.
@@ -757,6 +759,22 @@ static int answer_kill(int sock, long uid, int64_t seq) {
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
+/* A check of checked's path did not answer in time: the starts that waited for it fail
+ * at once with EBUSY (an earlier check of their path hung), whether or not its checker
+ * could be reaped. Without this, where a SIGKILL ends a hung checker (NFS, a FUSE server
+ * that never read the request), each of them would begin its own check and wait its
+ * own full limit after the one before it: N starts of a hung path, N limits, with a kill
+ * of their uid (and every request, once MAX_PENDING wait) held back all along. Returns -1
+ * if the agent is gone. */
+static int hung_path(int sock, struct pending *checked) {
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (pending[i] && pending[i] != checked && pending[i]->fd < 0
+            && strcmp(pending[i]->request.source, checked->request.source) == 0
+            && answer_pending(sock, i, EBUSY) < 0)
+            return -1;
+    return 0;
+}
+
 /* After a check ended: the starts waiting for a check of their path begin (or fail at
  * once), and a kill waiting for starts goes ahead once none of its uid is left. */
 static int go_on(int sock) {
@@ -919,8 +937,9 @@ int main(int argc, char **argv) {
             struct pending *p = pending[slots[k - 2]];
             if (!ready_fds[k].revents && p->deadline > now) continue;
             ended = 1;
-            if (answer_pending(sock, slots[k - 2], end_check(p, ready_fds[k].revents != 0)) < 0)
-                return 0;
+            int err = end_check(p, ready_fds[k].revents != 0);
+            if (err == ETIMEDOUT && hung_path(sock, p) < 0) return 0;
+            if (answer_pending(sock, slots[k - 2], err) < 0) return 0;
         }
         if (ended && go_on(sock) < 0) return 0;
         if (ready_fds[0].revents && serve(sock) < 0) return 0;

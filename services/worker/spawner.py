@@ -245,9 +245,10 @@ class Helper:
     the attempts it starts; ``join`` names the cgroup.procs files it enters once at start.
 
     One reader on the event loop takes everything it sends: the replies to requests, each
-    matched to its request by number (``_REPLY``), and the exit records of its attempts, several to a message
-    when they end together. An attempt's end is a future (``spawn``) settled from its
-    record: no watcher, thread or system call of the agent's per attempt."""
+    matched to its request by number (``_REPLY``), and the exit records of its attempts,
+    several to a message when they end together. An attempt's end is a future (``spawn``)
+    settled from its record: no watcher, thread or system call of the agent's per
+    attempt."""
 
     def __init__(self, binary: Path, join: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -304,10 +305,11 @@ class Helper:
         return loop
 
     def _readable(self) -> None:
-        """One message the helper sent: a reply settles the oldest request's future, exit
-        records their attempts' futures. One a wake-up: the socket stays readable while
-        more wait (the loop's epoll is level-triggered), and no call is spent on finding
-        it empty, which it mostly is."""
+        """One message the helper sent: a reply settles the future of the request of its
+        number (one nobody awaits any more is dropped), exit records their attempts'
+        futures. One a wake-up: the socket stays readable while more wait (the loop's
+        epoll is level-triggered), and no call is spent on finding it empty, which it
+        mostly is."""
         if self.gone:
             return
         try:

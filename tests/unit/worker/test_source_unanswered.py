@@ -234,6 +234,49 @@ def test_a_check_that_hangs_holds_back_no_other_request_of_its_helper(root: Path
     asyncio.run(scenario())
 
 
+def test_starts_that_waited_for_a_check_that_timed_out_fail_with_it(root: Path) -> None:
+    """Where SIGKILL ends a checker that did not answer (the first open of a FUSE mount
+    whose server reads nothing, as on a hard NFS mount whose server is gone) it is reaped
+    and none hangs: the starts of the same path that waited for that check fail with it
+    (EBUSY) at the limit, rather than each check again and wait a limit more (three
+    starts of a hung path would take three limits, a kill of their uid held back all
+    along)."""
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    limit_s = 1.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            with unanswered_fuse(root / "jammed", probe=False) as mount:
+                source = mount / "bin" / "task"
+                launch = dataclasses.replace(_check(source), source_timeout_s=limit_s)
+                await helper.ready()
+                began = time.monotonic()
+
+                async def start() -> tuple[int, float]:
+                    with pytest.raises(spawner.SpawnFailed) as failed:
+                        await helper.spawn(launch, log)
+                    return failed.value.errno, time.monotonic() - began
+
+                first = asyncio.create_task(start())
+                await asyncio.sleep(0.1)  # its check begun: the next two wait for it
+                waited = [asyncio.create_task(start()) for _ in range(2)]
+                results = await asyncio.wait_for(asyncio.gather(first, *waited), 10)
+                assert results[0][0] == errno.ETIMEDOUT and results[0][1] >= limit_s, results
+                for err, took in results[1:]:
+                    assert err == spawner.SOURCE_BUSY and took < limit_s + 0.5, results
+                await helper.recount()
+                assert helper.hung_checkers == 0  # its checker killed and reaped
+        finally:
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
     """More checked starts at once than a helper keeps pending (32 in spawn.c): the rest
     wait in its socket, none fails for it (no EAGAIN), each one started."""
