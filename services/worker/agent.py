@@ -326,6 +326,7 @@ class Agent:
             await self._stop_sidecar()
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
+            await self.cache.aclose()
             await self.host.close()
             self.timings.close()
             self.board.close()

@@ -60,6 +60,7 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import http.cookiejar
 import importlib
 import os
 import platform
@@ -102,6 +103,10 @@ SCOPED = ".scoped-names"
 OWN_BUCKETS_SETTING = "CAIRN_WORKER_S3_OWN_BUCKETS"
 #: files no artifact may come from: the kernel's views of processes and devices
 _PSEUDO = ("/proc/", "/sys/", "/dev/")
+#: the download client's cookie policy: no cookie is kept or sent (``ArtifactCache._http``)
+_NO_COOKIES = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
+#: keep-alive connections the download client keeps open between downloads
+MAX_IDLE_CONNECTIONS = 20
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
 T = TypeVar("T")
@@ -178,6 +183,8 @@ class ArtifactCache:
         self._s3_endpoint_url = s3_endpoint_url or os.environ.get("CAIRN_S3_ENDPOINT_URL")
         self._allow_http = allow_insecure_http
         self._transport = transport
+        #: the one client every http(s) download goes through (``_http``), its event loop
+        self._client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._verified: set[str] = set()
         self._fingerprints: dict[str, tuple[int, int, int, int]] = {}
@@ -591,12 +598,7 @@ class ArtifactCache:
     async def _download_http(self, uri: str, sink: _Sink) -> None:
         shown = _redact(uri)
         try:
-            async with (
-                httpx.AsyncClient(
-                    timeout=self._timeout, transport=self._transport, follow_redirects=False
-                ) as client,
-                self._follow(client, uri) as response,
-            ):
+            async with self._follow(self._http(), uri) as response:
                 if response.status_code >= 400:
                     code = response.status_code
                     raise ArtifactError(
@@ -616,6 +618,37 @@ class ArtifactCache:
             raise ArtifactError(
                 f"GET {shown}: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
+
+    def _http(self) -> httpx.AsyncClient:
+        """The cache's one client, built on first use: its keep-alive connections serve
+        every download, and a client's build (its TLS context, ~17 ms of CPU) is paid
+        once. It follows no redirect (``_follow`` checks each hop) and keeps no cookie, so
+        nothing one download is answered carries into another; a URI's user and password
+        become that request's Authorization alone. A client is bound to its event loop:
+        another loop (``asyncio.run`` again) gets a client of its own."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client[0] is not loop:
+            client = httpx.AsyncClient(
+                timeout=self._timeout,
+                transport=self._transport,
+                follow_redirects=False,
+                cookies=http.cookiejar.CookieJar(_NO_COOKIES),
+                # as many downloads at once as before (a client each), at most
+                # ``MAX_IDLE_CONNECTIONS`` kept open between them
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=MAX_IDLE_CONNECTIONS
+                ),
+            )
+            self._client = (loop, client)
+        return self._client[1]
+
+    async def aclose(self) -> None:
+        """Close the download client's connections (the agent's shutdown; a test's before
+        its event loop ends). One of another, ended loop is only dropped."""
+        held, self._client = self._client, None
+        if held is not None and held[0] is asyncio.get_running_loop():
+            with contextlib.suppress(httpx.HTTPError, OSError):
+                await held[1].aclose()
 
     @contextlib.asynccontextmanager
     async def _follow(self, client: httpx.AsyncClient, uri: str) -> AsyncIterator[httpx.Response]:

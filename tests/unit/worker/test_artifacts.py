@@ -48,17 +48,35 @@ def _files(root: Path) -> list[Path]:
 
 
 class _Server:
-    """A plain HTTP server on 127.0.0.1 that serves ``routes`` and counts the GETs."""
+    """A plain HTTP server on 127.0.0.1 that serves ``routes``, counts the GETs and the
+    connections (``connections`` made, ``open`` now) and keeps each GET's headers
+    (``seen``). HTTP/1.0 (a connection per GET) unless ``keep_alive``: a test that lets
+    it keep connections closes its cache before its event loop ends."""
 
     def __init__(self) -> None:
         self.routes: dict[str, tuple[int, bytes]] = {}
         self.redirects: dict[str, str] = {}  # path -> Location of a 302
+        self.cookies: dict[str, str] = {}  # path -> a Set-Cookie its answer sends
         self.hits: dict[str, int] = {}
+        self.seen: dict[str, dict[str, str]] = {}
+        self.connections = self.open = 0
+        self.keep_alive = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            def setup(self) -> None:
+                super().setup()
+                self.protocol_version = "HTTP/1.1" if server.keep_alive else "HTTP/1.0"
+                server.connections += 1
+                server.open += 1
+
+            def finish(self) -> None:
+                super().finish()
+                server.open -= 1
+
             def do_GET(self) -> None:
                 server.hits[self.path] = server.hits.get(self.path, 0) + 1
+                server.seen[self.path] = {k.lower(): v for k, v in self.headers.items()}
                 status, body = server.routes.get(self.path, (404, b"not found"))
                 if self.path in server.redirects:
                     status, body = 302, b""
@@ -66,6 +84,8 @@ class _Server:
                     self.send_header("Location", server.redirects[self.path])
                 else:
                     self.send_response(status)
+                if self.path in server.cookies:
+                    self.send_header("Set-Cookie", server.cookies[self.path])
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -179,6 +199,56 @@ def test_http_download_with_allow_insecure_http(tmp_path: Path, server: _Server)
     path = _run(cache.fetch(f"{server.base}/tool", TOOL_SHA))
 
     assert path.read_bytes() == TOOL
+
+
+def test_downloads_share_one_client_and_its_connection_until_close(
+    tmp_path: Path, server: _Server
+) -> None:
+    """Every http(s) download of a cache goes over one pooled client: three artifacts, one
+    TCP connection (a client per download would open three); closing the cache closes it."""
+    bodies = {f"/tool{i}": TOOL + bytes([i]) for i in range(3)}
+    server.routes = {path: (200, body) for path, body in bodies.items()}
+    server.keep_alive = True
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+
+    async def three_then_close() -> None:
+        for path, body in bodies.items():
+            got = await cache.fetch(f"{server.base}{path}", hashlib.sha256(body).hexdigest())
+            assert got.read_bytes() == body
+        assert server.connections == 1
+        await cache.aclose()
+
+    _run(three_then_close())
+
+    deadline = time.monotonic() + 5
+    while server.open and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (server.connections, server.open) == (1, 0)
+
+
+def test_a_shared_connection_carries_no_download_s_cookie_or_credentials(
+    tmp_path: Path, server: _Server
+) -> None:
+    """A cookie one answer sets and one URI's user:password are not sent with the
+    downloads after it over the same connection."""
+    bodies = {path: TOOL + path.encode() for path in ("/a", "/b", "/c")}
+    server.routes = {path: (200, body) for path, body in bodies.items()}
+    server.cookies["/a"] = "session=secret; Path=/"
+    server.keep_alive = True
+    cache = ArtifactCache(tmp_path / "cache", allow_insecure_http=True)
+    authed = server.base.replace("http://", "http://user:pw@")
+
+    async def three() -> None:
+        for base, path in ((server.base, "/a"), (authed, "/b"), (server.base, "/c")):
+            await cache.fetch(f"{base}{path}", hashlib.sha256(bodies[path]).hexdigest())
+        await cache.aclose()
+
+    _run(three())
+
+    assert server.connections == 1
+    assert server.seen["/b"]["authorization"].startswith("Basic ")
+    assert "cookie" not in server.seen["/b"]
+    assert "authorization" not in server.seen["/c"] and "cookie" not in server.seen["/c"]
 
 
 @pytest.mark.parametrize(("status", "retryable"), [(404, False), (403, False), (503, True)])
