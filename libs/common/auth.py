@@ -88,11 +88,14 @@ class RemoteAuth:
         ttl_s: float = 30.0,
         size: int = 10_000,
         transport: httpx.AsyncBaseTransport | None = None,
+        timeout_s: float = 5.0,
     ) -> None:
         self.core_url = core_url
         self.ttl_s = ttl_s
         self.size = size
-        self._core = CoreClient(core_url, None, transport=transport)
+        # ``timeout_s``: how long one check waits for core's answer (then a 503)
+        timeout = httpx.Timeout(timeout_s, connect=min(2.0, timeout_s))
+        self._core = CoreClient(core_url, None, transport=transport, timeout=timeout)
         self._entries: dict[str, tuple[float, Caller]] = {}
         # The calls under way, one per token; past ``size`` of them a resolve asks alone.
         self._asking: dict[str, asyncio.Task[Caller]] = {}

@@ -52,7 +52,11 @@ def create_app(
         app.state.sender = sender
         app.state.cron = cron
         app.state.metrics = cron.metrics.metrics
-        auth = app.state.auth = RemoteAuth(settings.url, settings.token_cache_s)
+        auth = app.state.auth = RemoteAuth(
+            settings.url,
+            settings.token_cache_s,
+            timeout_s=settings.token_check_timeout_s,
+        )
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
         if engine:
             app.state.unready = lambda: cron.unready(runner)

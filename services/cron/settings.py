@@ -14,6 +14,8 @@ class CronSettings(CairnSettings):
     db_pool_size: int = Field(default=10, ge=2, le=200)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     token_cache_s: float = Field(default=30.0, ge=0)
+    #: how long a caller's token check waits for core's answer before a 503
+    token_check_timeout_s: float = Field(default=5.0, gt=0, le=120)
     migrate_on_start: bool = True
     # How often a standby tries to take the lead, and the leader checks it still holds it.
     cron_leader_poll_s: float = Field(default=1.0, gt=0)

@@ -33,7 +33,11 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         app.state.graphs = graphs
         app.state.loop = loop
         app.state.metrics = loop.metrics.metrics
-        auth = app.state.auth = RemoteAuth(settings.url, ttl_s=settings.token_cache_s)
+        auth = app.state.auth = RemoteAuth(
+            settings.url,
+            ttl_s=settings.token_cache_s,
+            timeout_s=settings.token_check_timeout_s,
+        )
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
         app.state.loops = {"dag-loop": task}
         try:

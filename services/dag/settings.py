@@ -14,6 +14,8 @@ class DagSettings(CairnSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     db_pool_size: int = Field(default=10, ge=1, le=200)
     token_cache_s: float = Field(default=30.0, ge=0)
+    #: how long a caller's token check waits for core's answer before a 503
+    token_check_timeout_s: float = Field(default=5.0, gt=0, le=120)
     migrate_on_start: bool = True
     #: how long one read of core's feed waits for events
     feed_wait_s: float = Field(default=10.0, ge=0, le=30)

@@ -243,3 +243,45 @@ def test_the_service_closes_its_token_checker_when_it_stops(service: str) -> Non
         return auth
 
     assert asyncio.run(start_stop()).closed
+
+
+@pytest.mark.parametrize(("timeout_s", "resolved"), [(0.1, False), (3.0, True)])
+def test_a_check_waits_its_timeout_for_core(timeout_s: float, resolved: bool) -> None:
+    """Against a real server on loopback that answers after 0.5 s: a check that waits
+    0.1 s is a 503 naming the read timeout; one that waits 3 s resolves."""
+    served = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = b'{"name": "alice", "role": "user"}'
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(0.5)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+        served.set()
+
+    async def check() -> str:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        auth = RemoteAuth(f"http://127.0.0.1:{port}", timeout_s=timeout_s)
+        try:
+            return (await auth.resolve("t")).name
+        finally:
+            await auth.aclose()
+            await asyncio.wait_for(served.wait(), 5)
+            server.close()
+            await server.wait_closed()
+
+    if resolved:
+        assert asyncio.run(check()) == "alice"
+    else:
+        with pytest.raises(Unavailable, match="ReadTimeout"):
+            asyncio.run(check())
