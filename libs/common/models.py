@@ -1130,11 +1130,11 @@ Outputs = Annotated[
 
 
 #: why a worker handed an attempt back, where core treats it apart: ``source``: its
-#: ``file://`` source did not answer the spawn helper's check in time, or could not be
-#: checked (docs/security.md, "A ``file://`` source that does not answer"); core buries
-#: the task after ``CAIRN_SOURCE_UNANSWERED_MAX`` of them in a row. A report without
-#: one (an older worker's, a drain's), or a task whose artifact is not ``file://``, is an
-#: ordinary hand-back
+#: ``file://`` source did not answer the spawn helper's check in time (docs/security.md,
+#: "A ``file://`` source that does not answer"); core buries the task after
+#: ``CAIRN_SOURCE_UNANSWERED_MAX`` of them in a row. A report without one (an older
+#: worker's, a drain's, a check the helper could not make, which says nothing of the
+#: source), or a task whose artifact is not ``file://``, is an ordinary hand-back
 HandBackCause = Literal["source"]
 
 

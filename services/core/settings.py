@@ -88,8 +88,8 @@ class CoreSettings(SecretsKeySettings):
     #: crashes count towards a task's poison-pill limit only within this window (a task's
     #: ``retry.poison_window_s`` overrides it)
     poison_window_s: float = Field(default=72 * 3600.0, gt=0, le=30 * 86400)
-    #: a task whose ``file://`` source did not answer (or could not be checked) on this
-    #: many starts in a row, each handed back by its worker, is buried (docs/security.md)
+    #: a task whose ``file://`` source did not answer on this many starts in a row, each
+    #: handed back by its worker, is buried (docs/security.md)
     source_unanswered_max: int = Field(default=SOURCE_UNANSWERED_MAX, ge=1, le=10_000)
 
     # placement (see docs/placement.md)

@@ -17,8 +17,8 @@ from services.core.domain.transitions import Op
 
 S = TaskState
 
-#: hand-backs in a row because the task's ``file://`` source did not answer (or could
-#: not be checked) after which the task is buried (``CAIRN_SOURCE_UNANSWERED_MAX``)
+#: hand-backs in a row because the task's ``file://`` source did not answer after which
+#: the task is buried (``CAIRN_SOURCE_UNANSWERED_MAX``)
 SOURCE_UNANSWERED_MAX = 20
 
 
