@@ -1310,6 +1310,17 @@ class Turn(Input):
     #: holds for the worker that the worker has neither started nor listed here, with a
     #: new fencing token (the first was never seen), so a lost answer costs no attempt.
     holding: list[TaskId] | None = Field(default=None, max_length=10_000)
+    #: the agent drains (SIGTERM): core marks a live worker ``draining`` before it applies
+    #: the rest of the turn, leases it nothing more, and answers its claim waiting at
+    #: core at once (nothing leased), so the agent hears that claim's answer, and the
+    #: verdicts of the reports it carried, instead of giving it up
+    draining: bool = False
+
+    @model_validator(mode="after")
+    def _draining_claims_nothing(self) -> Turn:
+        if self.draining and self.claim is not None:
+            raise ValueError("claim: a turn that says its worker drains claims nothing")
+        return self
 
     @model_validator(mode="after")
     def _checkpoints_bounded(self) -> Turn:

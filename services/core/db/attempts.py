@@ -243,9 +243,10 @@ ENDED_WHY_CHARS = 200
 # entry, 1,000 at 1,000 tasks) ANDed with, or instead of, the primary key's.
 _CLAIM = text(f"""
 WITH holder AS (
-    -- the worker, still present, locked against the reaper until commit
+    -- the worker, still live (not draining, not gone), locked against the reaper and a
+    -- drain until commit
     SELECT id FROM core.workers
-    WHERE id = :worker AND {sql_in("state", Workers.PRESENT)} FOR SHARE
+    WHERE id = :worker AND state = '{Workers.LIVE}' FOR SHARE
 ), moved AS (
     UPDATE core.tasks t SET
         state = :target, version = t.version + 1, updated_at = now(),

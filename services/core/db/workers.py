@@ -174,6 +174,18 @@ async def list_workers(
     return [_worker(row, use) for row in rows]
 
 
+async def start_draining(conn: AsyncConnection, worker_id: int) -> bool:
+    """A live worker drains (its row locked until commit, so no lease of this worker's
+    commits after it: ``attempts._CLAIM``); False when it was not live."""
+    moved = await conn.execute(
+        update(workers)
+        .where(workers.c.id == worker_id, workers.c.state == Workers.LIVE)
+        .values(state=Workers.DRAINING)
+        .returning(workers.c.id)
+    )
+    return moved.first() is not None
+
+
 async def set_worker_state(conn: AsyncConnection, worker_id: int, state: str) -> None:
     gone = func.now() if state in Workers.GONE else None
     await conn.execute(

@@ -128,7 +128,8 @@ async def turn(
     gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> TurnResult:
     """One round trip of a worker: in one transaction, hear it (refresh its liveness
-    when stale, note what it started), apply its reports, lease what fits its room. With
+    when stale, note what it started; mark it draining first when the agent says it
+    drains, ``Turn.draining``), apply its reports, lease what fits its room. With
     ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
     the wait is over or the caller is ``gone``."""
     reported = [r.attempt_id for r in body.reports]
@@ -139,6 +140,7 @@ async def turn(
     early = _early(ops, worker_id, body.claim)
     try:
         async with ops.engine.begin() as conn:
+            drained = body.draining and await workers_db.start_draining(conn, worker_id)
             heard = await attempts_db.hear(
                 conn,
                 worker_id,
@@ -173,6 +175,9 @@ async def turn(
             ops, ended + lease_tally + resent_tally, body.reports, verdicts, leased, headers,
             worker_id if alone else None, freed,
         )  # fmt: skip
+        if drained:
+            # Its claim waiting at core, on any replica, answers now (``drain``).
+            ops.notifier.announce(Work(workers=frozenset([worker_id])))
         if waiter is None or leased or state != Workers.LIVE:
             return TurnResult(state, verdicts, leased)
         assert body.claim is not None

@@ -473,3 +473,48 @@ def test_a_turn_is_refused_as_its_declaration_refuses_it(core: Core, worker: Wor
     assert answer.status_code == 422 and '"field":"body"' in answer.text, answer.text
     assert worker.turn()["state"] == "live"
     assert worker.http.headers["X-Cairn-Worker-Lease"] == lease
+
+
+def test_a_turn_that_says_its_worker_drains_answers_its_waiting_claim_at_once(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    [attempt] = worker.turn(claim=ROOM)["attempts"]
+    done = {"attempt_id": attempt["attempt_id"], "outcome": "succeeded", "exit_code": 0}
+    # The report rides on a claim that finds no work and waits (a long poll).
+    waiting, answer = _in_thread(lambda: worker.turn(reports=[done], claim={**ROOM, "wait": 20}))
+    wait_for(lambda: _state(db, task) == "succeeded", timeout=15)
+    with core.client("w1", "worker") as agent:
+        agent.headers["X-Cairn-Worker-Lease"] = worker.http.headers["X-Cairn-Worker-Lease"]
+        told = agent.post(f"/v1/workers/{worker.id}/turn", json={"draining": True})
+        assert told.status_code == 200, told.text
+        assert told.json()["state"] == "draining"
+        waiting.join(5)
+        # The claim heard: nothing leased, and the verdict of the report it carried.
+        assert answer and answer[0]["state"] == "draining" and answer[0]["attempts"] == []
+        assert [v["status"] for v in answer[0]["reports"]] == [200]
+        [late] = _submit(core, 1)
+        assert worker.turn(claim=ROOM) == {
+            "state": "draining", "reports": [], "attempts": [], "waited": False,
+        }  # fmt: skip
+        both = agent.post(f"/v1/workers/{worker.id}/turn", json={"draining": True, "claim": ROOM})
+    assert both.status_code == 422 and "claim" in both.text
+    assert _state(db, late) == "waiting"
+    assert db.execute("SELECT state FROM core.workers").fetchall() == [("draining",)]
+
+
+def test_a_lease_that_waits_on_a_drain_leases_nothing_once_it_drained(
+    core: Core, worker: Worker, db_url: str, db: DB
+) -> None:
+    [task] = _submit(core, 1)
+    with psycopg.connect(libpq_url(db_url)) as drain:
+        # A drain committing while the claim leases (its row locked until then): the
+        # claim read the worker live, and its lease waits on the row.
+        drain.execute("UPDATE core.workers SET state = 'draining' WHERE id = %s", (worker.id,))
+        turning, answer = _in_thread(lambda: worker.turn(claim=ROOM))
+        wait_for(lambda: _waiting_on_lock(db_url, "core.workers"), timeout=15)
+        drain.commit()
+    turning.join(30)
+    assert answer[0]["attempts"] == [] and answer[0]["state"] == "draining"
+    assert _state(db, task) == "waiting"
+    assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (0,)
