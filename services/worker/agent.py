@@ -1,7 +1,8 @@
 """The worker agent (``cairn worker``): registers the host's capacity with core, claims
 attempts that fit the room it has, runs each in its own process group and reports how it
-ended. Its sidecar heartbeats. SIGTERM drains it: no new work, running attempts get the
-grace period, then the rest are handed back without spending an attempt."""
+ended. Its sidecar heartbeats. SIGTERM drains it: it tells core (which leases it nothing
+more and answers its waiting claim), running attempts get the grace period, then the rest
+are handed back without spending an attempt."""
 
 from __future__ import annotations
 
@@ -112,6 +113,10 @@ REPORT_PATIENCE_S = 300.0
 #: how many ended attempts an agent remembers, never to start them again
 RAN_KEPT = 4096
 DRAINING = Report(outcome="handed_back", error="the worker is draining")
+#: how long a draining agent waits for the answer to its claim waiting at core once it
+#: told core it drains (core answers that claim at once: ``Turn.draining``); past it (a
+#: core that cannot be reached), it gives the claim up, and what that carried goes again
+DRAIN_ANSWER_S = 5.0
 
 
 @dataclass
@@ -122,8 +127,8 @@ class Outgoing:
     report: AttemptReport
     done: asyncio.Future[None]
     give_up_at: float
-    #: a turn carried it and its answer was never heard (given up while its claim
-    #: waited at core, as a drain does, or lost on the way): core may have applied it
+    #: a turn carried it and its answer was never heard (lost on the way, or given up
+    #: by a drain that core did not answer in time): core may have applied it
     unheard: bool = False
 
 
@@ -237,6 +242,8 @@ class Agent:
         self.fresh_s = 0.0
         self.turned_at = -math.inf  # when the last turn was sent (monotonic)
         self.keepalive: asyncio.Task[TurnAnswer | None] | None = None
+        #: the turn that tells core this worker drains (``_tell_draining``)
+        self.telling: asyncio.Task[TurnAnswer | None] | None = None
         #: its spawn helpers asked how many of their checkers still hang (``_pulse``)
         self.recounting: asyncio.Task[None] | None = None
         self.dead = False
@@ -525,22 +532,35 @@ class Agent:
     # --- the turn: one request carries the reports, the starts and the claim ---
 
     async def _turn_unless_draining(self, room: ClaimRequest | None) -> TurnAnswer | None:
-        """A turn, given up when the agent starts draining while its claim waits at core
-        (what it carried goes back; what core leased meanwhile is lost when it leaves)."""
+        """A turn; when the agent starts draining while its claim waits at core, it tells
+        core, which answers that claim at once with nothing leased: its answer is heard,
+        and what the turn carried is settled by it. Given up only if that answer does
+        not come within ``DRAIN_ANSWER_S`` (what it carried goes back)."""
         turn = asyncio.ensure_future(self._turn(room))
         drained = asyncio.ensure_future(self.draining.wait())
         try:
             await asyncio.wait({turn, drained}, return_when=asyncio.FIRST_COMPLETED)
+            if not turn.done():
+                self._tell_draining()
+                await asyncio.wait({turn}, timeout=DRAIN_ANSWER_S)
         finally:
             drained.cancel()
         if turn.done():
             return turn.result()
+        log.warning("core did not answer the claim of a draining worker; giving it up")
         turn.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             return await turn
         return None
 
-    async def _turn(self, room: ClaimRequest | None) -> TurnAnswer | None:
+    def _tell_draining(self) -> asyncio.Task[TurnAnswer | None]:
+        """The turn (once) that tells core this worker drains, with the reports waiting:
+        core leases it nothing more and answers its waiting claim (``Turn.draining``)."""
+        if self.telling is None:
+            self.telling = asyncio.create_task(self._turn(None, draining=True))
+        return self.telling
+
+    async def _turn(self, room: ClaimRequest | None, draining: bool = False) -> TurnAnswer | None:
         """One round trip; None when it failed (its reports and starts go again)."""
         items = self._take()
         notes = self._take_notes({o.report.attempt_id for o in items})
@@ -553,6 +573,7 @@ class Agent:
             claim=room,
             progress=notes,
             holding=self._holding() if room is not None and self.unanswered else None,
+            draining=draining,
         )
         worker, sent, sent_wall = self.worker_id, asyncio.get_running_loop().time(), time.time()
         self.turned_at = sent
@@ -669,9 +690,9 @@ class Agent:
             self.sending.pop(attempt_id, None)
             verdict = refused.get(attempt_id)
             if verdict is not None and out.unheard and verdict.ended_as == out.report.outcome:
-                # Sent again after a turn whose answer was not heard (a drain gives up
-                # the claim that carried it while it waits at core, which applied its
-                # reports first): core ended the attempt as it says, by this report.
+                # Sent again after a turn whose answer was not heard (lost on the way,
+                # after core applied its reports): core ended the attempt as it says, by
+                # this report.
                 log.info(
                     "report of attempt %s was applied by an earlier turn whose answer was "
                     "not heard; core refuses it again, as it should (%s)",
@@ -753,6 +774,7 @@ class Agent:
 
     async def _drain(self) -> None:
         grace = self.settings.worker_drain_grace_s
+        telling = self._tell_draining()  # core leases this worker nothing more
         self._launch()  # leased last: each hands itself back (draining is set)
         log.info("draining: %d attempts running, %g s grace", len(self.tasks), grace)
         for attempt_id in list(self.holding):
@@ -772,6 +794,7 @@ class Agent:
                 if handle is not None and not handle.done:
                     await handle.terminate(grace_s=5.0)
             await asyncio.wait(set(self.tasks), timeout=1.0)
+        await asyncio.wait({telling}, timeout=DRAIN_ANSWER_S)  # before the worker leaves
 
     # --- what core says through the sidecar ---
 

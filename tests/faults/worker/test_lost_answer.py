@@ -111,9 +111,8 @@ def test_a_report_whose_answer_is_lost_is_sent_again_and_refused_as_applied(
     core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     """The agent cannot know whether a turn whose answer it never heard reached core, so
-    it sends its reports again (as after a drain gives up a claim that carried them while
-    it waited at core): core refuses the second one, having applied the first, and the
-    agent says so at info, not as a warning of a report refused."""
+    it sends its reports again: core refuses the second one, having applied the first,
+    and the agent says so at info, not as a warning of a report refused."""
     proxy = ReportAnswerDropper(int(core.url.rsplit(":", 1)[1]))
     shared = shared_dir()
     log = tmp_path / "agent.log"
