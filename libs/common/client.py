@@ -193,7 +193,7 @@ class ApiClient:
 
 def _unset_of(body: Turn) -> set[str] | None:
     """The fields of a turn left out of its body: those it does not use."""
-    unset = {name for name in ("progress", "holding") if not getattr(body, name)}
+    unset = {name for name in ("progress", "holding", "draining") if not getattr(body, name)}
     if body.holding == []:
         unset.discard("holding")  # an empty list says "I hold nothing", not "not sent"
     return unset or None
@@ -376,8 +376,8 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST",
             self._turn_at[1],
-            # Without progress or holding when it has none, as a core that knows neither
-            # takes it.
+            # Without progress, holding or draining when it has none, as a core that
+            # knows none of them takes it.
             content=body.model_dump_json(exclude=_unset_of(body)),
             timeout=httpx.Timeout(10.0 + wait, connect=2.0),
         )

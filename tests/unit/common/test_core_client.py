@@ -138,3 +138,21 @@ def test_a_turn_goes_to_its_workers_path_under_the_base_with_the_lease() -> None
     assert second.request.headers["content-type"] == "application/json"
     assert json.loads(second.request.content)["started"] == [3]
     assert routes[6].call_count == 1
+
+
+@respx.mock
+def test_a_turn_leaves_out_the_fields_it_does_not_use_as_an_older_core_takes_it() -> None:
+    answer = {"state": "live", "reports": [], "attempts": []}
+    route = respx.post(f"{BASE}/v1/workers/5/turn").mock(
+        return_value=httpx.Response(200, json=answer)
+    )
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.turn(5, Turn())
+            await client.turn(5, Turn(draining=True, holding=[]))
+
+    _run(calls())
+    plain, drains = (json.loads(call.request.content) for call in route.calls)
+    assert not {"progress", "holding", "draining"} & plain.keys()
+    assert drains["draining"] is True and drains["holding"] == []
