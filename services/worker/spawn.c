@@ -60,8 +60,9 @@
  * A request "k uid" instead kills every process of that uid (a reply; after the pending
  * starts of that uid, no request read meanwhile); "S pid signal" signals the process
  * group of the attempt pid, only while it is a child not yet reaped (no reply); "h" asks
- * only how many checkers still hang (a reply: those that ended are reaped at a request,
- * so a helper that starts nothing would go on counting them). Each reply carries the
+ * only how many checkers still hang (a reply: each reply says how many were kept then,
+ * so a helper that starts nothing would go on counting those that ended since, reaped
+ * as they end). Each reply carries the
  * number of its request (seq: 1 for the first request that has a reply, 0 for the ready
  * message), as replies to checked starts may come after later requests' replies.
  */
@@ -103,6 +104,9 @@
 #define SYS_move_mount 429
 #endif
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK, SOURCE };
@@ -316,28 +320,49 @@ static struct pending *pending[MAX_PENDING];
 
 /* Checkers of sources that did not answer in time (an open under a FUSE mount whose
  * server never replies waits in the kernel, and past the first waiter of a directory
- * not even SIGKILL ends it): their pids and paths, each reaped once it is let go (a
- * "clone" child, exit signal 0: reap's wait never sees it). A check begins only while
- * fewer than MAX_STUCK hang; room for every pending one besides, each of which may yet
- * hang. A path that could not be copied is kept as NULL: that checker only counts. */
+ * not even SIGKILL ends it): their pids and paths, each sent SIGKILL and kept here
+ * until it is gone, then reaped (a "clone" child, exit signal 0: reap's wait never sees
+ * it). Nothing waits for one to die: each one's pidfd is polled in main beside the
+ * socket (readable once it exited: reaped then, mostly within a millisecond of its
+ * SIGKILL), and each request reaps those that ended (all there is without pidfds). A
+ * check begins only while fewer than MAX_STUCK are kept; room for every pending one
+ * besides, each of which may yet hang. A path that could not be copied is kept as NULL:
+ * that checker only counts. */
 #define MAX_STUCK 8
 #define STUCK_SLOTS (MAX_STUCK + MAX_PENDING)
-static struct { pid_t pid; char *path; } stuck[STUCK_SLOTS];
+static struct { pid_t pid; int pidfd; char *path; } stuck[STUCK_SLOTS];
+static int stuck_count;  /* kept (none, mostly: then no loop over stuck at all) */
 
 static void reap_checkers(void) {
-    for (int i = 0; i < STUCK_SLOTS; i++)
-        if (stuck[i].pid > 0 && waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE) == stuck[i].pid) {
+    for (int i = 0; i < STUCK_SLOTS && stuck_count; i++) {
+        if (stuck[i].pid <= 0) continue;
+        pid_t got = waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE);
+        if (got == stuck[i].pid || (got < 0 && errno == ECHILD)) {  /* gone: its pidfd too */
             stuck[i].pid = 0;
+            if (stuck[i].pidfd >= 0) close(stuck[i].pidfd);
+            stuck[i].pidfd = -1;
             free(stuck[i].path);
             stuck[i].path = NULL;
+            stuck_count--;
+        }
+    }
+}
+
+/* A checker that did not answer in time: SIGKILL, which ends a wait for a request the
+ * server has not read yet at once, and kept until it is gone (reap_checkers). */
+static void let_go(pid_t pid, const char *path) {
+    kill(pid, SIGKILL);
+    for (int i = 0; i < STUCK_SLOTS; i++)
+        if (stuck[i].pid <= 0) {  /* always one: see stuck */
+            stuck[i].pid = pid;
+            stuck[i].pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+            stuck[i].path = strdup(path);
+            stuck_count++;
+            break;
         }
 }
 
-static int64_t hung(void) {
-    int64_t count = 0;
-    for (int i = 0; i < STUCK_SLOTS; i++) count += stuck[i].pid > 0;
-    return count;
-}
+static int64_t hung(void) { return stuck_count; }
 
 static long long now_ms(void) {
     struct timespec t;
@@ -455,8 +480,10 @@ static pid_t one_shot(struct request *r, int *answer_fd) {
  * MAX_STUCK checkers (of any paths) still hang, clone's errno if none could be made.
  * end_check takes its answer (readable) or gives up on it (its deadline passed): 0 if
  * the source holds, else an errno: the check's, ETIMEDOUT if it did not answer in time
- * (the checker then killed, and kept in stuck until it is gone), EIO if the checker
- * died unanswered. This process never waits on a file system: it goes on serving. */
+ * (the checker then sent SIGKILL and kept in stuck until it is gone, however soon:
+ * this process waits for no checker to die, and until it is reaped a start of its path
+ * fails with EBUSY and it counts among the MAX_STUCK), EIO if the checker died
+ * unanswered. This process never waits on a file system: it goes on serving. */
 static int begin_check(struct pending *p) {
     struct request *r = &p->request;
     for (int i = 0; i < STUCK_SLOTS; i++)
@@ -495,23 +522,13 @@ static int end_check(struct pending *p, int readable) {
     }
     close(fd);
     if (p->resident) resident_fd = -1;  /* a new one (or one-shot checkers) from now on */
-    kill(p->pid, SIGKILL);
-    if (got == 0) {  /* it died unanswered */
+    if (got == 0) {  /* it died unanswered (its end closed: exiting) */
+        kill(p->pid, SIGKILL);
         while (waitpid(p->pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
         return EIO;
     }
-    /* No answer in time: killed, which ends a wait for a request the server has not read
-     * yet at once; one that cannot end yet is kept until it does. */
-    for (int waited = 0; waited < 50; waited++) {
-        if (waitpid(p->pid, NULL, WNOHANG | __WCLONE) == p->pid) return ETIMEDOUT;
-        usleep(1000);
-    }
-    for (int i = 0; i < STUCK_SLOTS; i++)
-        if (stuck[i].pid <= 0) {  /* always one: see stuck */
-            stuck[i].pid = p->pid;
-            stuck[i].path = strdup(p->request.source);
-            break;
-        }
+    /* No answer in time: killed and kept until it is gone, not waited for. */
+    let_go(p->pid, p->request.source);
     return ETIMEDOUT;
 }
 /* In the child: become the attempt, then exec it. Never returns. */
@@ -908,8 +925,9 @@ int main(int argc, char **argv) {
     for (;;) {
         /* The requests (not while a kill waits, go_on, nor while MAX_PENDING starts do:
          * the next ones wait in the socket), the exits, and each pending check's answer,
-         * until its deadline. */
-        struct pollfd ready_fds[2 + MAX_PENDING] = {{-1, POLLIN, 0}, {exited, POLLIN, 0}};
+         * until its deadline, and the end of each checker let go (its pidfd). */
+        struct pollfd ready_fds[2 + MAX_PENDING + STUCK_SLOTS] = {{-1, POLLIN, 0},
+                                                                  {exited, POLLIN, 0}};
         int slots[MAX_PENDING], n = 2, timeout = -1;
         long long now = now_ms();
         for (int i = 0; i < MAX_PENDING; i++) {
@@ -922,6 +940,10 @@ int main(int argc, char **argv) {
                 ready_fds[n++] = (struct pollfd){pending[i]->fd, POLLIN, 0};
             }
         }
+        int checks = n;
+        for (int i = 0; i < STUCK_SLOTS && stuck_count; i++)
+            if (stuck[i].pid > 0 && stuck[i].pidfd >= 0)
+                ready_fds[n++] = (struct pollfd){stuck[i].pidfd, POLLIN, 0};
         if (poll(ready_fds, n, timeout) < 0) {
             if (errno == EINTR) continue;
             return 1;
@@ -931,9 +953,14 @@ int main(int argc, char **argv) {
             while (read(exited, &info, sizeof info) == (ssize_t)sizeof info) {}
             if (reap(sock) < 0) return 1;
         }
+        for (int k = checks; k < n; k++)
+            if (ready_fds[k].revents) {
+                reap_checkers();
+                break;
+            }
         now = now_ms();
         int ended = 0;
-        for (int k = 2; k < n; k++) {
+        for (int k = 2; k < checks; k++) {
             struct pending *p = pending[slots[k - 2]];
             if (!ready_fds[k].revents && p->deadline > now) continue;
             ended = 1;
