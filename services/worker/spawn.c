@@ -53,16 +53,17 @@
  *              the same path still hangs, or if the earlier check of the same path this
  *              start waited for did not answer in time (hung_path); EAGAIN while
  *              MAX_STUCK checkers of any paths hang, or no checker could be made; EIO
- *              if the checker died unanswered)
+ *              if the checker died unanswered; ECANCELED if its uid was killed while it
+ *              was checked)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS). While a start's source is checked, this process serves its other
  * requests (pending, main's poll): that start's reply comes when the check ends.
- * A request "k uid" instead kills every process of that uid (a reply; after the pending
- * starts of that uid, no request read meanwhile); "S pid signal" signals the process
- * group of the attempt pid, only while it is a child not yet reaped (no reply); "h" asks
- * only how many checkers still hang (a reply: each reply says how many were kept then,
- * so a helper that starts nothing would go on counting those that ended since, reaped
- * as they end). Each reply carries the
+ * A request "k uid" instead kills every process of that uid (a reply, at once; the
+ * pending starts of that uid never start: answer_kill); "S pid signal" signals the
+ * process group of the attempt pid, only while it is a child not yet reaped (no reply);
+ * "h" asks only how many checkers still hang (a reply: each reply says how many were
+ * kept then, so a helper that starts nothing would go on counting those that ended
+ * since, reaped as they end). Each reply carries the
  * number of its request (seq: 1 for the first request that has a reply, 0 for the ready
  * message), as replies to checked starts may come after later requests' replies.
  */
@@ -306,12 +307,13 @@ static int source_holds(struct request *r) {
  * pipe of its answer, resident or one-shot) and deadline. fd -1: not begun while a check
  * of the same path is pending (it begins once that one ends: EBUSY then if that one
  * hung). The helper serves its other requests meanwhile (main polls each answer, and
- * wakes at the nearest deadline), so a check that hangs holds back its own path only. */
+ * wakes at the nearest deadline), so a check that hangs holds back its own path only.
+ * killed: its uid was killed meanwhile, so it never starts. */
 #define MAX_PENDING 32
 struct pending {
     char *data;
     struct request request;
-    int fds[3], nfds, fd, resident;
+    int fds[3], nfds, fd, resident, killed;
     int64_t seq;
     pid_t pid;
     long long deadline;
@@ -747,10 +749,12 @@ static int answer_start(int sock, struct request *request, int unsound, int64_t 
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
-/* The pending start in slot i, answered (its check ended: err) and let go. */
+/* The pending start in slot i, answered (its check ended: err) and let go; one whose uid
+ * was killed meanwhile (killed) never starts: it fails as its check says, or with
+ * ECANCELED if its source held. */
 static int answer_pending(int sock, int i, int err) {
     struct pending *p = pending[i];
-    int rc = answer_start(sock, &p->request, err, p->seq);
+    int rc = answer_start(sock, &p->request, err || !p->killed ? err : ECANCELED, p->seq);
     for (int k = 0; k < p->nfds; k++) close(p->fds[k]);
     free(p->data);
     free(p);
@@ -758,18 +762,19 @@ static int answer_pending(int sock, int i, int err) {
     return rc;
 }
 
-/* A kill of a uid that a pending start will run as waits for that start (it would
- * outlive the kill otherwise), and no request is read meanwhile (none overtakes it). */
-static long deferred_uid = -1;
-static int64_t deferred_seq;
-
-static int starting(long uid) {
-    for (int i = 0; i < MAX_PENDING; i++)
-        if (pending[i] && pending[i]->request.uid == uid) return 1;
-    return 0;
-}
-
+/* A kill of a uid: the pending starts of that uid are cancelled first (a start after
+ * the kill would outlive it): one whose check has not begun fails at once (ECANCELED),
+ * one whose check runs is marked, and never starts when its check ends (answer_pending);
+ * then every process of the uid is killed, and the kill answered at once. Nothing waits:
+ * the uid may be handed to another attempt as soon as the kill is answered, and that
+ * attempt's starts, sent after the kill, are not cancelled. Returns -1 if the agent is
+ * gone. */
 static int answer_kill(int sock, long uid, int64_t seq) {
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (pending[i] && pending[i]->request.uid == uid) {
+            pending[i]->killed = 1;
+            if (pending[i]->fd < 0 && answer_pending(sock, i, ECANCELED) < 0) return -1;
+        }
     struct reply reply = {REPLY, 0, OK, 0, -1, 0, seq};
     kill_uid(uid, &reply);
     reply.hung = hung();
@@ -780,9 +785,9 @@ static int answer_kill(int sock, long uid, int64_t seq) {
  * at once with EBUSY (an earlier check of their path hung), whether or not its checker
  * could be reaped. Without this, where a SIGKILL ends a hung checker (NFS, a FUSE server
  * that never read the request), each of them would begin its own check and wait its
- * own full limit after the one before it: N starts of a hung path, N limits, with a kill
- * of their uid (and every request, once MAX_PENDING wait) held back all along. Returns -1
- * if the agent is gone. */
+ * own full limit after the one before it: N starts of a hung path, N limits, with their
+ * pending slots (and every request, once MAX_PENDING wait) held all along. Returns -1 if
+ * the agent is gone. */
 static int hung_path(int sock, struct pending *checked) {
     for (int i = 0; i < MAX_PENDING; i++)
         if (pending[i] && pending[i] != checked && pending[i]->fd < 0
@@ -793,17 +798,12 @@ static int hung_path(int sock, struct pending *checked) {
 }
 
 /* After a check ended: the starts waiting for a check of their path begin (or fail at
- * once), and a kill waiting for starts goes ahead once none of its uid is left. */
+ * once). */
 static int go_on(int sock) {
     reap_checkers();
     for (int i = 0; i < MAX_PENDING; i++) {
         int err = pending[i] && pending[i]->fd < 0 ? begin_check(pending[i]) : 0;
         if (err && answer_pending(sock, i, err) < 0) return -1;
-    }
-    if (deferred_uid >= 0 && !starting(deferred_uid)) {
-        long uid = deferred_uid;
-        deferred_uid = -1;
-        return answer_kill(sock, uid, deferred_seq);
     }
     return 0;
 }
@@ -836,6 +836,7 @@ static int check_first(int sock, struct request *parsed, ssize_t size, int *fds,
     p->seq = seq;
     p->fd = -1;
     p->resident = 0;
+    p->killed = 0;
     p->pid = 0;
     pending[slot] = p;
     int err = begin_check(p);
@@ -877,10 +878,7 @@ static int serve(int sock) {
     if (buffer[0] == 'k') {
         long uid = strtol(buffer + 1, NULL, 10);
         for (int i = 0; i < nfds; i++) close(fds[i]);
-        if (!starting(uid)) return answer_kill(sock, uid, reply.seq);
-        deferred_uid = uid;
-        deferred_seq = reply.seq;
-        return 0;
+        return answer_kill(sock, uid, reply.seq);
     } else if (buffer[0] == 'h') {
         /* reaped above, counted below */
     } else if (parse(buffer, (size_t)size, &request) < 0
@@ -923,7 +921,7 @@ int main(int argc, char **argv) {
     struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        /* The requests (not while a kill waits, go_on, nor while MAX_PENDING starts do:
+        /* The requests (not while MAX_PENDING starts wait for their checks:
          * the next ones wait in the socket), the exits, and each pending check's answer,
          * until its deadline, and the end of each checker let go (its pidfd). */
         struct pollfd ready_fds[2 + MAX_PENDING + STUCK_SLOTS] = {{-1, POLLIN, 0},
@@ -931,7 +929,7 @@ int main(int argc, char **argv) {
         int slots[MAX_PENDING], n = 2, timeout = -1;
         long long now = now_ms();
         for (int i = 0; i < MAX_PENDING; i++) {
-            if (!pending[i] && deferred_uid < 0) ready_fds[0].fd = sock;
+            if (!pending[i]) ready_fds[0].fd = sock;
             if (pending[i] && pending[i]->fd >= 0) {
                 long long left = pending[i]->deadline - now;
                 left = left < 0 ? 0 : left;

@@ -1,6 +1,7 @@
 """The spawn helper goes on serving whatever its source checks do (real helpers, real
-FUSE mounts, as root): checkers that did not answer are let go without waiting for them
-to die, and reaped as they end, no request needed."""
+FUSE mounts, as root): a kill of a uid whose start is being checked is answered at once
+and that start never runs; checkers that did not answer are let go without waiting for
+them to die, and reaped as they end, no request needed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import dataclasses
 import errno
 import os
+import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from services.worker import spawner
-from tests.support.fuse import unanswered_fuse
+from tests.support.fuse import FUSE_TYPE, unanswered_fuse, unread_fuse
 from tests.unit.worker.test_source_unanswered import _check, _children
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +58,51 @@ async def _timed(request: Awaitable[Any]) -> float:
     began = time.monotonic()
     await asyncio.wait_for(request, 10)
     return time.monotonic() - began
+
+
+def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
+    """The agent kills a uid whose start it gave up on while its source was checked: the
+    kill is answered at once and the helper goes on serving; that start never runs (its
+    check answers later, it fails with ECANCELED, started by nobody); a start of the same
+    uid sent after the kill runs."""
+    binary = _binary(root)
+    limit_s = 2.0
+    held = threading.Event()
+
+    async def scenario(source: Path) -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        info = source.stat()
+        stamp = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        launch = dataclasses.replace(
+            _check(source),
+            source_stamp=stamp,
+            source_types=f"{FUSE_TYPE:x}",
+            source_timeout_s=limit_s,
+        )
+        try:
+            await helper.ready()
+            held.set()  # its open waits, as on a slow file system
+            checked = asyncio.create_task(start(launch))
+            await asyncio.sleep(0.1)
+            kill = await _timed(helper.kill_uid(29992))
+            plain = await start(PLAIN)
+            other = await _timed(helper.kill_uid(29993))
+            assert not checked.done()
+            assert max(kill, plain[0], other) < limit_s / 4 and plain[1] == 0, (kill, plain, other)
+            held.clear()  # its check answers: the source holds
+            took, cancelled = await checked
+            assert cancelled == (spawner.SOURCE_STEP, errno.ECANCELED), cancelled
+            assert took < limit_s, took
+            assert errno.ECANCELED in spawner.SOURCE_UNCHECKED  # handed back, if awaited
+            took, status = await start(launch)  # sent after the kill: not cancelled
+            assert status == 0, status
+        finally:
+            held.clear()
+            helper.close()
+
+    with unread_fuse(root / "slow", "task", 4096, held) as source:
+        asyncio.run(scenario(source))
 
 
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
