@@ -52,12 +52,13 @@
  *              process this one waits for no longer; EBUSY while an earlier checker of
  *              the same path still hangs, or if the earlier check of the same path this
  *              start waited for did not answer in time (hung_path); EAGAIN while
- *              MAX_STUCK checkers of any paths hang, or no checker could be made; EIO
- *              if the checker died unanswered; ECANCELED if its uid was killed while it
- *              was checked)
+ *              MAX_STUCK checkers of any paths hang, while MAX_PENDING starts wait for
+ *              their checks already, or if no checker could be made; EIO if the checker
+ *              died unanswered; ECANCELED if its uid was killed while it was checked)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS). While a start's source is checked, this process serves its other
- * requests (pending, main's poll): that start's reply comes when the check ends.
+ * requests (pending, main's poll): that start's reply comes when the check ends. It
+ * reads its socket at all times, so no check holds back another request.
  * A request "k uid" instead kills every process of that uid (a reply, at once; the
  * pending starts of that uid never start: answer_kill); "S pid signal" signals the
  * process group of the attempt pid, only while it is a child not yet reaped (no reply);
@@ -306,10 +307,17 @@ static int source_holds(struct request *r) {
  * and the number of its reply; once its check began, its checker (pid, the socket or
  * pipe of its answer, resident or one-shot) and deadline. fd -1: not begun while a check
  * of the same path is pending (it begins once that one ends: EBUSY then if that one
- * hung). The helper serves its other requests meanwhile (main polls each answer, and
- * wakes at the nearest deadline), so a check that hangs holds back its own path only.
- * killed: its uid was killed meanwhile, so it never starts. */
-#define MAX_PENDING 32
+ * hung, or while MAX_CHECKING checks run). The helper serves its other requests
+ * meanwhile (main polls each answer, and wakes at the nearest deadline), so a check that
+ * hangs holds back its own path only (and its slot: a checked start that finds none free
+ * fails at once, EAGAIN, and the agent hands it back). MAX_PENDING is above what a burst
+ * of starts of one path fills while they are checked one after another (100 starts sent
+ * at once filled 32 and more), and bounds what they hold: 128 requests (about 66 KB each
+ * parsed) and 384 descriptors. At most MAX_CHECKING checks run at once (checker
+ * processes, polled answers). killed: its uid was killed meanwhile, so it never starts. */
+#define MAX_PENDING 128
+#define MAX_CHECKING 32
+static int checking;  /* checks running (begun, not ended) */
 struct pending {
     char *data;
     struct request request;
@@ -327,11 +335,11 @@ static struct pending *pending[MAX_PENDING];
  * it). Nothing waits for one to die: each one's pidfd is polled in main beside the
  * socket (readable once it exited: reaped then, mostly within a millisecond of its
  * SIGKILL), and each request reaps those that ended (all there is without pidfds). A
- * check begins only while fewer than MAX_STUCK are kept; room for every pending one
+ * check begins only while fewer than MAX_STUCK are kept; room for every running one
  * besides, each of which may yet hang. A path that could not be copied is kept as NULL:
  * that checker only counts. */
 #define MAX_STUCK 8
-#define STUCK_SLOTS (MAX_STUCK + MAX_PENDING)
+#define STUCK_SLOTS (MAX_STUCK + MAX_CHECKING)
 static struct { pid_t pid; int pidfd; char *path; } stuck[STUCK_SLOTS];
 static int stuck_count;  /* kept (none, mostly: then no loop over stuck at all) */
 
@@ -476,7 +484,8 @@ static pid_t one_shot(struct request *r, int *answer_fd) {
 
 /* source_holds, bounded: by the resident checker (or a one-shot one while the resident
  * is busy with another check, or where there is none), waited for at most r->source_ms.
- * begin_check starts it: 0 (begun, or to begin after a pending check of the same path),
+ * begin_check starts it: 0 (begun, or to begin after a pending check of the same path,
+ * or once fewer than MAX_CHECKING checks run: go_on),
  * or the errno of a start that fails at once: EBUSY if a checker of this same path
  * still hangs, and the checking's own faults, which say nothing of this path: EAGAIN if
  * MAX_STUCK checkers (of any paths) still hang, clone's errno if none could be made.
@@ -492,6 +501,7 @@ static int begin_check(struct pending *p) {
         if (stuck[i].pid > 0 && stuck[i].path && strcmp(stuck[i].path, r->source) == 0)
             return EBUSY;
     if (hung() >= MAX_STUCK) return EAGAIN;
+    if (checking >= MAX_CHECKING) return 0;
     for (int i = 0; i < MAX_PENDING; i++)
         if (pending[i] && pending[i]->fd >= 0 && strcmp(pending[i]->request.source, r->source) == 0)
             return 0;
@@ -503,6 +513,7 @@ static int begin_check(struct pending *p) {
     p->resident = fd == resident_fd;
     resident_busy |= p->resident;
     p->deadline = now_ms() + r->source_ms;
+    checking++;
     return 0;
 }
 
@@ -510,6 +521,7 @@ static int end_check(struct pending *p, int readable) {
     int err = 0, fd = p->fd;
     ssize_t got = -1;
     p->fd = -1;
+    checking--;
     if (readable) {
         do got = read(fd, &err, sizeof err);
         while (got < 0 && errno == EINTR);
@@ -786,8 +798,8 @@ static int answer_kill(int sock, long uid, int64_t seq) {
  * could be reaped. Without this, where a SIGKILL ends a hung checker (NFS, a FUSE server
  * that never read the request), each of them would begin its own check and wait its
  * own full limit after the one before it: N starts of a hung path, N limits, with their
- * pending slots (and every request, once MAX_PENDING wait) held all along. Returns -1 if
- * the agent is gone. */
+ * pending slots (and every other checked start, once MAX_PENDING wait) held all along.
+ * Returns -1 if the agent is gone. */
 static int hung_path(int sock, struct pending *checked) {
     for (int i = 0; i < MAX_PENDING; i++)
         if (pending[i] && pending[i] != checked && pending[i]->fd < 0
@@ -809,9 +821,10 @@ static int go_on(int sock) {
 }
 
 /* A start whose source is checked first: pending (with its own copy of the request)
- * while the check runs; answered at once if it cannot begin (or cannot be kept: no free
- * slot, which main avoids by reading no request then, or no memory). Returns -1 if the
- * agent is gone. */
+ * while the check runs; answered at once if it cannot begin, or cannot be kept: EAGAIN
+ * while MAX_PENDING starts are pending already (the agent hands it back, as it does a
+ * start while too many checkers hang: the checking's fault, not the source's), ENOMEM.
+ * Returns -1 if the agent is gone. */
 static int check_first(int sock, struct request *parsed, ssize_t size, int *fds, int nfds,
                        int64_t seq) {
     int slot = -1;
@@ -921,15 +934,13 @@ int main(int argc, char **argv) {
     struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        /* The requests (not while MAX_PENDING starts wait for their checks:
-         * the next ones wait in the socket), the exits, and each pending check's answer,
-         * until its deadline, and the end of each checker let go (its pidfd). */
-        struct pollfd ready_fds[2 + MAX_PENDING + STUCK_SLOTS] = {{-1, POLLIN, 0},
-                                                                  {exited, POLLIN, 0}};
-        int slots[MAX_PENDING], n = 2, timeout = -1;
+        /* The requests (always), the exits, each pending check's answer until its
+         * deadline, and the end of each checker let go (its pidfd). */
+        struct pollfd ready_fds[2 + MAX_CHECKING + STUCK_SLOTS] = {{sock, POLLIN, 0},
+                                                                   {exited, POLLIN, 0}};
+        int slots[MAX_CHECKING], n = 2, timeout = -1;
         long long now = now_ms();
-        for (int i = 0; i < MAX_PENDING; i++) {
-            if (!pending[i]) ready_fds[0].fd = sock;
+        for (int i = 0; i < MAX_PENDING && n - 2 < checking; i++) {
             if (pending[i] && pending[i]->fd >= 0) {
                 long long left = pending[i]->deadline - now;
                 left = left < 0 ? 0 : left;

@@ -278,8 +278,9 @@ def test_starts_that_waited_for_a_check_that_timed_out_fail_with_it(root: Path) 
 
 
 def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
-    """More checked starts at once than a helper keeps pending (32 in spawn.c): the rest
-    wait in its socket, none fails for it (no EAGAIN), each one started."""
+    """A burst of checked starts of one source: checked one after another (one check of a
+    path at a time), they wait in the helper's pending table (128 in spawn.c), none fails
+    for it (no EAGAIN), each one started."""
     binary = spawner.build(spawner.default_folders(root))
     if binary is None:
         pytest.skip("no C compiler for the spawn helper")

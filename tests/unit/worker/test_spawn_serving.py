@@ -1,7 +1,9 @@
-"""The spawn helper goes on serving whatever its source checks do (real helpers, real
-FUSE mounts, as root): a kill of a uid whose start is being checked is answered at once
-and that start never runs; checkers that did not answer are let go without waiting for
-them to die, and reaped as they end, no request needed."""
+"""The spawn helper reads its socket at all times, whatever its source checks do (real
+helpers, real FUSE mounts, as root): a kill of a uid whose start is being checked is
+answered at once and that start never runs; a checked start that finds every pending
+slot taken fails at once (EAGAIN, handed back) while signals, kills and other starts are
+served; checkers that did not answer are let go without waiting for them to die, and
+reaped as they end, no request needed."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import dataclasses
 import errno
 import os
+import signal
 import threading
 import time
 from collections.abc import Awaitable
@@ -105,6 +108,46 @@ def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) 
         asyncio.run(scenario(source))
 
 
+def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> None:
+    """128 starts (MAX_PENDING in spawn.c) wait for a check that hangs: the next checked
+    start fails at once with EAGAIN (the checking's fault: handed back), and a signal to
+    a running attempt, a kill and a start without a check are served at once."""
+    binary = _binary(root)
+    limit_s = 2.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            pid, exited = await helper.spawn(
+                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
+            )
+            with unanswered_fuse(root / "jammed") as mount:
+                hung = dataclasses.replace(_check(mount / "task"), source_timeout_s=limit_s)
+                waiting = [asyncio.create_task(start(hung)) for _ in range(128)]
+                await asyncio.sleep(0.3)  # all read: one checked, 127 waiting for it
+                full = await start(_check(Path("/bin/true"), healthy=True))
+                plain = await start(PLAIN)
+                kill = await _timed(helper.kill_uid(29993))
+                helper.signal(pid, signal.SIGTERM)
+                signalled = await _timed(exited)
+                assert not any(task.done() for task in waiting)
+                assert full[1] == (spawner.SOURCE_STEP, errno.EAGAIN), full
+                assert errno.EAGAIN in spawner.SOURCE_UNCHECKED
+                assert plain[1] == 0 and exited.result()[0] == signal.SIGTERM
+                took = (full[0], plain[0], kill, signalled)
+                assert max(took) < limit_s / 4, took
+                results = [result for _, result in await asyncio.gather(*waiting)]
+                assert results[0] == (spawner.SOURCE_STEP, errno.ETIMEDOUT), results
+                assert set(results[1:]) == {(spawner.SOURCE_STEP, spawner.SOURCE_BUSY)}
+        finally:
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
     """8 checks of paths under a mount where not even SIGKILL ends an open (MAX_STUCK in
     spawn.c) time out together: all 8 are answered together (no wait for a checker to
@@ -139,6 +182,42 @@ def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> 
             assert _children(helper.pid) == []  # not even zombies: reaped, nothing asked
             await helper.recount()
             assert helper.hung_checkers == 0
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_at_most_32_checks_run_at_once(root: Path) -> None:
+    """40 starts of 40 paths under a mount that hangs: 32 checker processes at most
+    (MAX_CHECKING in spawn.c), the 8 other starts wait for a place, then fail at once
+    with EAGAIN (8 and more checkers hang by then: the checking's fault)."""
+    binary = _binary(root)
+    limit_s = 1.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        try:
+            await helper.ready()
+            with unanswered_fuse(root / "jammed") as mount:
+                starts = [
+                    asyncio.create_task(
+                        start(
+                            dataclasses.replace(
+                                _check(mount / f"d{n}" / "task"), source_timeout_s=limit_s
+                            )
+                        )
+                    )
+                    for n in range(40)
+                ]
+                await asyncio.sleep(limit_s / 2)
+                assert len(_children(helper.pid)) == 32 and not any(t.done() for t in starts)
+                results = [result for _, result in await asyncio.gather(*starts)]
+                timed_out = (spawner.SOURCE_STEP, errno.ETIMEDOUT)
+                assert results.count(timed_out) == 32, results
+                assert results.count((spawner.SOURCE_STEP, errno.EAGAIN)) == 8, results
+                assert helper.hung_checkers == 32
         finally:
             helper.close()
 
