@@ -189,9 +189,9 @@ def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> 
 
 
 def test_at_most_32_checks_run_at_once(root: Path) -> None:
-    """40 starts of 40 paths under a mount that hangs: 32 checker processes at most
-    (MAX_CHECKING in spawn.c), the 8 other starts wait for a place, then fail at once
-    with EAGAIN (8 and more checkers hang by then: the checking's fault)."""
+    """40 starts of 40 paths under a mount that hangs: 32 checks run at once at most
+    (MAX_CHECKING in spawn.c), the 8 other starts wait for a place, then fail with EAGAIN
+    once 8 checkers hang (the checking's fault), or begin before that and time out."""
     binary = _binary(root)
     limit_s = 1.0
 
@@ -214,10 +214,12 @@ def test_at_most_32_checks_run_at_once(root: Path) -> None:
                 await asyncio.sleep(limit_s / 2)
                 assert len(_children(helper.pid)) == 32 and not any(t.done() for t in starts)
                 results = [result for _, result in await asyncio.gather(*starts)]
-                timed_out = (spawner.SOURCE_STEP, errno.ETIMEDOUT)
-                assert results.count(timed_out) == 32, results
-                assert results.count((spawner.SOURCE_STEP, errno.EAGAIN)) == 8, results
-                assert helper.hung_checkers == 32
+                # The first 32 time out; as each one ends, a waiting start may begin while
+                # fewer than 8 hang (MAX_STUCK), the rest fail with EAGAIN.
+                timed_out = results.count((spawner.SOURCE_STEP, errno.ETIMEDOUT))
+                refused = results.count((spawner.SOURCE_STEP, errno.EAGAIN))
+                assert 32 <= timed_out <= 39 and timed_out + refused == 40, results
+                assert helper.hung_checkers == timed_out
         finally:
             helper.close()
 
