@@ -126,7 +126,9 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
             with unanswered_fuse(root / "jammed") as mount:
                 hung = dataclasses.replace(_check(mount / "task"), source_timeout_s=limit_s)
                 waiting = [asyncio.create_task(start(hung)) for _ in range(128)]
-                await asyncio.sleep(0.3)  # all read: one checked, 127 waiting for it
+                await asyncio.sleep(0.05)  # all sent
+                await helper.recount()  # answered once all before it were read (in order):
+                # one checked, 127 waiting for it
                 full = await start(_check(Path("/bin/true"), healthy=True))
                 plain = await start(PLAIN)
                 kill = await _timed(helper.kill_uid(29993))
@@ -211,7 +213,8 @@ def test_at_most_32_checks_run_at_once(root: Path) -> None:
                     )
                     for n in range(40)
                 ]
-                await asyncio.sleep(limit_s / 2)
+                await asyncio.sleep(0.05)  # all sent
+                await helper.recount()  # all read: 32 begun, 8 waiting for a place
                 assert len(_children(helper.pid)) == 32 and not any(t.done() for t in starts)
                 results = [result for _, result in await asyncio.gather(*starts)]
                 # The first 32 time out; as each one ends, a waiting start may begin while
