@@ -544,7 +544,9 @@ def unchecked(spec: AttemptSpec, error: int) -> SourceUnchecked:
     source = sandbox.source_check[0] if sandbox and sandbox.source_check else "?"
     why = os.strerror(error)
     if error == errno.EAGAIN:
-        why = "too many of its checks still hang, or none could be made"
+        why = "too many of its checks still hang or wait, or none could be made"
+    elif error == errno.ECANCELED:
+        why = "a kill of its uid came while it was checked"
     return SourceUnchecked(
         f"cannot start {spec.executable}: this worker could not check its file:// source"
         f" {source} ({why}): a fault of the worker, not of the source"

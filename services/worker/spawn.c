@@ -52,16 +52,19 @@
  *              process this one waits for no longer; EBUSY while an earlier checker of
  *              the same path still hangs, or if the earlier check of the same path this
  *              start waited for did not answer in time (hung_path); EAGAIN while
- *              MAX_STUCK checkers of any paths hang, or no checker could be made; EIO
- *              if the checker died unanswered)
+ *              MAX_STUCK checkers of any paths hang, while MAX_PENDING starts wait for
+ *              their checks already, or if no checker could be made; EIO if the checker
+ *              died unanswered; ECANCELED if its uid was killed while it was checked)
  * with the log file's descriptor (then the cgroup folder's, then the mount's) passed
  * along (SCM_RIGHTS). While a start's source is checked, this process serves its other
- * requests (pending, main's poll): that start's reply comes when the check ends.
- * A request "k uid" instead kills every process of that uid (a reply; after the pending
- * starts of that uid, no request read meanwhile); "S pid signal" signals the process
- * group of the attempt pid, only while it is a child not yet reaped (no reply); "h" asks
- * only how many checkers still hang (a reply: those that ended are reaped at a request,
- * so a helper that starts nothing would go on counting them). Each reply carries the
+ * requests (pending, main's poll): that start's reply comes when the check ends. It
+ * reads its socket at all times, so no check holds back another request.
+ * A request "k uid" instead kills every process of that uid (a reply, at once; the
+ * pending starts of that uid never start: answer_kill); "S pid signal" signals the
+ * process group of the attempt pid, only while it is a child not yet reaped (no reply);
+ * "h" asks only how many checkers still hang (a reply: each reply says how many were
+ * kept then, so a helper that starts nothing would go on counting those that ended
+ * since, reaped as they end). Each reply carries the
  * number of its request (seq: 1 for the first request that has a reply, 0 for the ready
  * message), as replies to checked starts may come after later requests' replies.
  */
@@ -103,6 +106,9 @@
 #define SYS_move_mount 429
 #endif
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
             NETWORK, SOURCE };
@@ -301,13 +307,21 @@ static int source_holds(struct request *r) {
  * and the number of its reply; once its check began, its checker (pid, the socket or
  * pipe of its answer, resident or one-shot) and deadline. fd -1: not begun while a check
  * of the same path is pending (it begins once that one ends: EBUSY then if that one
- * hung). The helper serves its other requests meanwhile (main polls each answer, and
- * wakes at the nearest deadline), so a check that hangs holds back its own path only. */
-#define MAX_PENDING 32
+ * hung, or while MAX_CHECKING checks run). The helper serves its other requests
+ * meanwhile (main polls each answer, and wakes at the nearest deadline), so a check that
+ * hangs holds back its own path only (and its slot: a checked start that finds none free
+ * fails at once, EAGAIN, and the agent hands it back). MAX_PENDING is above what a burst
+ * of starts of one path fills while they are checked one after another (100 starts sent
+ * at once filled 32 and more), and bounds what they hold: 128 requests (about 66 KB each
+ * parsed) and 384 descriptors. At most MAX_CHECKING checks run at once (checker
+ * processes, polled answers). killed: its uid was killed meanwhile, so it never starts. */
+#define MAX_PENDING 128
+#define MAX_CHECKING 32
+static int checking;  /* checks running (begun, not ended) */
 struct pending {
     char *data;
     struct request request;
-    int fds[3], nfds, fd, resident;
+    int fds[3], nfds, fd, resident, killed;
     int64_t seq;
     pid_t pid;
     long long deadline;
@@ -316,28 +330,49 @@ static struct pending *pending[MAX_PENDING];
 
 /* Checkers of sources that did not answer in time (an open under a FUSE mount whose
  * server never replies waits in the kernel, and past the first waiter of a directory
- * not even SIGKILL ends it): their pids and paths, each reaped once it is let go (a
- * "clone" child, exit signal 0: reap's wait never sees it). A check begins only while
- * fewer than MAX_STUCK hang; room for every pending one besides, each of which may yet
- * hang. A path that could not be copied is kept as NULL: that checker only counts. */
+ * not even SIGKILL ends it): their pids and paths, each sent SIGKILL and kept here
+ * until it is gone, then reaped (a "clone" child, exit signal 0: reap's wait never sees
+ * it). Nothing waits for one to die: each one's pidfd is polled in main beside the
+ * socket (readable once it exited: reaped then, mostly within a millisecond of its
+ * SIGKILL), and each request reaps those that ended (all there is without pidfds). A
+ * check begins only while fewer than MAX_STUCK are kept; room for every running one
+ * besides, each of which may yet hang. A path that could not be copied is kept as NULL:
+ * that checker only counts. */
 #define MAX_STUCK 8
-#define STUCK_SLOTS (MAX_STUCK + MAX_PENDING)
-static struct { pid_t pid; char *path; } stuck[STUCK_SLOTS];
+#define STUCK_SLOTS (MAX_STUCK + MAX_CHECKING)
+static struct { pid_t pid; int pidfd; char *path; } stuck[STUCK_SLOTS];
+static int stuck_count;  /* kept (none, mostly: then no loop over stuck at all) */
 
 static void reap_checkers(void) {
-    for (int i = 0; i < STUCK_SLOTS; i++)
-        if (stuck[i].pid > 0 && waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE) == stuck[i].pid) {
+    for (int i = 0; i < STUCK_SLOTS && stuck_count; i++) {
+        if (stuck[i].pid <= 0) continue;
+        pid_t got = waitpid(stuck[i].pid, NULL, WNOHANG | __WCLONE);
+        if (got == stuck[i].pid || (got < 0 && errno == ECHILD)) {  /* gone: its pidfd too */
             stuck[i].pid = 0;
+            if (stuck[i].pidfd >= 0) close(stuck[i].pidfd);
+            stuck[i].pidfd = -1;
             free(stuck[i].path);
             stuck[i].path = NULL;
+            stuck_count--;
+        }
+    }
+}
+
+/* A checker that did not answer in time: SIGKILL, which ends a wait for a request the
+ * server has not read yet at once, and kept until it is gone (reap_checkers). */
+static void let_go(pid_t pid, const char *path) {
+    kill(pid, SIGKILL);
+    for (int i = 0; i < STUCK_SLOTS; i++)
+        if (stuck[i].pid <= 0) {  /* always one: see stuck */
+            stuck[i].pid = pid;
+            stuck[i].pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+            stuck[i].path = strdup(path);
+            stuck_count++;
+            break;
         }
 }
 
-static int64_t hung(void) {
-    int64_t count = 0;
-    for (int i = 0; i < STUCK_SLOTS; i++) count += stuck[i].pid > 0;
-    return count;
-}
+static int64_t hung(void) { return stuck_count; }
 
 static long long now_ms(void) {
     struct timespec t;
@@ -449,20 +484,24 @@ static pid_t one_shot(struct request *r, int *answer_fd) {
 
 /* source_holds, bounded: by the resident checker (or a one-shot one while the resident
  * is busy with another check, or where there is none), waited for at most r->source_ms.
- * begin_check starts it: 0 (begun, or to begin after a pending check of the same path),
+ * begin_check starts it: 0 (begun, or to begin after a pending check of the same path,
+ * or once fewer than MAX_CHECKING checks run: go_on),
  * or the errno of a start that fails at once: EBUSY if a checker of this same path
  * still hangs, and the checking's own faults, which say nothing of this path: EAGAIN if
  * MAX_STUCK checkers (of any paths) still hang, clone's errno if none could be made.
  * end_check takes its answer (readable) or gives up on it (its deadline passed): 0 if
  * the source holds, else an errno: the check's, ETIMEDOUT if it did not answer in time
- * (the checker then killed, and kept in stuck until it is gone), EIO if the checker
- * died unanswered. This process never waits on a file system: it goes on serving. */
+ * (the checker then sent SIGKILL and kept in stuck until it is gone, however soon:
+ * this process waits for no checker to die, and until it is reaped a start of its path
+ * fails with EBUSY and it counts among the MAX_STUCK), EIO if the checker died
+ * unanswered. This process never waits on a file system: it goes on serving. */
 static int begin_check(struct pending *p) {
     struct request *r = &p->request;
     for (int i = 0; i < STUCK_SLOTS; i++)
         if (stuck[i].pid > 0 && stuck[i].path && strcmp(stuck[i].path, r->source) == 0)
             return EBUSY;
     if (hung() >= MAX_STUCK) return EAGAIN;
+    if (checking >= MAX_CHECKING) return 0;
     for (int i = 0; i < MAX_PENDING; i++)
         if (pending[i] && pending[i]->fd >= 0 && strcmp(pending[i]->request.source, r->source) == 0)
             return 0;
@@ -474,6 +513,7 @@ static int begin_check(struct pending *p) {
     p->resident = fd == resident_fd;
     resident_busy |= p->resident;
     p->deadline = now_ms() + r->source_ms;
+    checking++;
     return 0;
 }
 
@@ -481,6 +521,7 @@ static int end_check(struct pending *p, int readable) {
     int err = 0, fd = p->fd;
     ssize_t got = -1;
     p->fd = -1;
+    checking--;
     if (readable) {
         do got = read(fd, &err, sizeof err);
         while (got < 0 && errno == EINTR);
@@ -495,23 +536,13 @@ static int end_check(struct pending *p, int readable) {
     }
     close(fd);
     if (p->resident) resident_fd = -1;  /* a new one (or one-shot checkers) from now on */
-    kill(p->pid, SIGKILL);
-    if (got == 0) {  /* it died unanswered */
+    if (got == 0) {  /* it died unanswered (its end closed: exiting) */
+        kill(p->pid, SIGKILL);
         while (waitpid(p->pid, NULL, __WCLONE) < 0 && errno == EINTR) {}
         return EIO;
     }
-    /* No answer in time: killed, which ends a wait for a request the server has not read
-     * yet at once; one that cannot end yet is kept until it does. */
-    for (int waited = 0; waited < 50; waited++) {
-        if (waitpid(p->pid, NULL, WNOHANG | __WCLONE) == p->pid) return ETIMEDOUT;
-        usleep(1000);
-    }
-    for (int i = 0; i < STUCK_SLOTS; i++)
-        if (stuck[i].pid <= 0) {  /* always one: see stuck */
-            stuck[i].pid = p->pid;
-            stuck[i].path = strdup(p->request.source);
-            break;
-        }
+    /* No answer in time: killed and kept until it is gone, not waited for. */
+    let_go(p->pid, p->request.source);
     return ETIMEDOUT;
 }
 /* In the child: become the attempt, then exec it. Never returns. */
@@ -730,10 +761,12 @@ static int answer_start(int sock, struct request *request, int unsound, int64_t 
     return send(sock, &reply, sizeof reply, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
-/* The pending start in slot i, answered (its check ended: err) and let go. */
+/* The pending start in slot i, answered (its check ended: err) and let go; one whose uid
+ * was killed meanwhile (killed) never starts: it fails as its check says, or with
+ * ECANCELED if its source held. */
 static int answer_pending(int sock, int i, int err) {
     struct pending *p = pending[i];
-    int rc = answer_start(sock, &p->request, err, p->seq);
+    int rc = answer_start(sock, &p->request, err || !p->killed ? err : ECANCELED, p->seq);
     for (int k = 0; k < p->nfds; k++) close(p->fds[k]);
     free(p->data);
     free(p);
@@ -741,18 +774,19 @@ static int answer_pending(int sock, int i, int err) {
     return rc;
 }
 
-/* A kill of a uid that a pending start will run as waits for that start (it would
- * outlive the kill otherwise), and no request is read meanwhile (none overtakes it). */
-static long deferred_uid = -1;
-static int64_t deferred_seq;
-
-static int starting(long uid) {
-    for (int i = 0; i < MAX_PENDING; i++)
-        if (pending[i] && pending[i]->request.uid == uid) return 1;
-    return 0;
-}
-
+/* A kill of a uid: the pending starts of that uid are cancelled first (a start after
+ * the kill would outlive it): one whose check has not begun fails at once (ECANCELED),
+ * one whose check runs is marked, and never starts when its check ends (answer_pending);
+ * then every process of the uid is killed, and the kill answered at once. Nothing waits:
+ * the uid may be handed to another attempt as soon as the kill is answered, and that
+ * attempt's starts, sent after the kill, are not cancelled. Returns -1 if the agent is
+ * gone. */
 static int answer_kill(int sock, long uid, int64_t seq) {
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (pending[i] && pending[i]->request.uid == uid) {
+            pending[i]->killed = 1;
+            if (pending[i]->fd < 0 && answer_pending(sock, i, ECANCELED) < 0) return -1;
+        }
     struct reply reply = {REPLY, 0, OK, 0, -1, 0, seq};
     kill_uid(uid, &reply);
     reply.hung = hung();
@@ -763,9 +797,9 @@ static int answer_kill(int sock, long uid, int64_t seq) {
  * at once with EBUSY (an earlier check of their path hung), whether or not its checker
  * could be reaped. Without this, where a SIGKILL ends a hung checker (NFS, a FUSE server
  * that never read the request), each of them would begin its own check and wait its
- * own full limit after the one before it: N starts of a hung path, N limits, with a kill
- * of their uid (and every request, once MAX_PENDING wait) held back all along. Returns -1
- * if the agent is gone. */
+ * own full limit after the one before it: N starts of a hung path, N limits, with their
+ * pending slots (and every other checked start, once MAX_PENDING wait) held all along.
+ * Returns -1 if the agent is gone. */
 static int hung_path(int sock, struct pending *checked) {
     for (int i = 0; i < MAX_PENDING; i++)
         if (pending[i] && pending[i] != checked && pending[i]->fd < 0
@@ -776,25 +810,21 @@ static int hung_path(int sock, struct pending *checked) {
 }
 
 /* After a check ended: the starts waiting for a check of their path begin (or fail at
- * once), and a kill waiting for starts goes ahead once none of its uid is left. */
+ * once). */
 static int go_on(int sock) {
     reap_checkers();
     for (int i = 0; i < MAX_PENDING; i++) {
         int err = pending[i] && pending[i]->fd < 0 ? begin_check(pending[i]) : 0;
         if (err && answer_pending(sock, i, err) < 0) return -1;
     }
-    if (deferred_uid >= 0 && !starting(deferred_uid)) {
-        long uid = deferred_uid;
-        deferred_uid = -1;
-        return answer_kill(sock, uid, deferred_seq);
-    }
     return 0;
 }
 
 /* A start whose source is checked first: pending (with its own copy of the request)
- * while the check runs; answered at once if it cannot begin (or cannot be kept: no free
- * slot, which main avoids by reading no request then, or no memory). Returns -1 if the
- * agent is gone. */
+ * while the check runs; answered at once if it cannot begin, or cannot be kept: EAGAIN
+ * while MAX_PENDING starts are pending already (the agent hands it back, as it does a
+ * start while too many checkers hang: the checking's fault, not the source's), ENOMEM.
+ * Returns -1 if the agent is gone. */
 static int check_first(int sock, struct request *parsed, ssize_t size, int *fds, int nfds,
                        int64_t seq) {
     int slot = -1;
@@ -819,6 +849,7 @@ static int check_first(int sock, struct request *parsed, ssize_t size, int *fds,
     p->seq = seq;
     p->fd = -1;
     p->resident = 0;
+    p->killed = 0;
     p->pid = 0;
     pending[slot] = p;
     int err = begin_check(p);
@@ -860,10 +891,7 @@ static int serve(int sock) {
     if (buffer[0] == 'k') {
         long uid = strtol(buffer + 1, NULL, 10);
         for (int i = 0; i < nfds; i++) close(fds[i]);
-        if (!starting(uid)) return answer_kill(sock, uid, reply.seq);
-        deferred_uid = uid;
-        deferred_seq = reply.seq;
-        return 0;
+        return answer_kill(sock, uid, reply.seq);
     } else if (buffer[0] == 'h') {
         /* reaped above, counted below */
     } else if (parse(buffer, (size_t)size, &request) < 0
@@ -906,14 +934,13 @@ int main(int argc, char **argv) {
     struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
-        /* The requests (not while a kill waits, go_on, nor while MAX_PENDING starts do:
-         * the next ones wait in the socket), the exits, and each pending check's answer,
-         * until its deadline. */
-        struct pollfd ready_fds[2 + MAX_PENDING] = {{-1, POLLIN, 0}, {exited, POLLIN, 0}};
-        int slots[MAX_PENDING], n = 2, timeout = -1;
+        /* The requests (always), the exits, each pending check's answer until its
+         * deadline, and the end of each checker let go (its pidfd). */
+        struct pollfd ready_fds[2 + MAX_CHECKING + STUCK_SLOTS] = {{sock, POLLIN, 0},
+                                                                   {exited, POLLIN, 0}};
+        int slots[MAX_CHECKING], n = 2, timeout = -1;
         long long now = now_ms();
-        for (int i = 0; i < MAX_PENDING; i++) {
-            if (!pending[i] && deferred_uid < 0) ready_fds[0].fd = sock;
+        for (int i = 0; i < MAX_PENDING && n - 2 < checking; i++) {
             if (pending[i] && pending[i]->fd >= 0) {
                 long long left = pending[i]->deadline - now;
                 left = left < 0 ? 0 : left;
@@ -922,6 +949,10 @@ int main(int argc, char **argv) {
                 ready_fds[n++] = (struct pollfd){pending[i]->fd, POLLIN, 0};
             }
         }
+        int checks = n;
+        for (int i = 0; i < STUCK_SLOTS && stuck_count; i++)
+            if (stuck[i].pid > 0 && stuck[i].pidfd >= 0)
+                ready_fds[n++] = (struct pollfd){stuck[i].pidfd, POLLIN, 0};
         if (poll(ready_fds, n, timeout) < 0) {
             if (errno == EINTR) continue;
             return 1;
@@ -931,9 +962,14 @@ int main(int argc, char **argv) {
             while (read(exited, &info, sizeof info) == (ssize_t)sizeof info) {}
             if (reap(sock) < 0) return 1;
         }
+        for (int k = checks; k < n; k++)
+            if (ready_fds[k].revents) {
+                reap_checkers();
+                break;
+            }
         now = now_ms();
         int ended = 0;
-        for (int k = 2; k < n; k++) {
+        for (int k = 2; k < checks; k++) {
             struct pending *p = pending[slots[k - 2]];
             if (!ready_fds[k].revents && p->deadline > now) continue;
             ended = 1;

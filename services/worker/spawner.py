@@ -88,12 +88,22 @@ SOURCE_STEP = 11
 SOURCE_BUSY = errno.EBUSY
 SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
 #: its errno there when the checking itself failed, which says nothing of the source: too
-#: many checkers of other paths still hang (EAGAIN), the checker died unanswered (EIO), no
-#: checker could be made (EAGAIN, ENOMEM), the request was refused (EINVAL), or no file
-#: could be opened at all (EMFILE, ENFILE). Any other errno (ESTALE: another file; the
-#: open's own: ENOENT, EACCES...) says the source is not the file of its stamp.
+#: many checkers of other paths still hang, or too many starts wait for their checks
+#: already (EAGAIN), the checker died unanswered (EIO), no checker could be made (EAGAIN,
+#: ENOMEM), the request was refused (EINVAL), no file could be opened at all (EMFILE,
+#: ENFILE), or a kill of its uid came while it was checked (ECANCELED: it never started).
+#: Any other errno (ESTALE: another file; the open's own: ENOENT, EACCES...) says the
+#: source is not the file of its stamp.
 SOURCE_UNCHECKED = frozenset(
-    {errno.EAGAIN, errno.EIO, errno.ENOMEM, errno.EINVAL, errno.EMFILE, errno.ENFILE}
+    {
+        errno.EAGAIN,
+        errno.EIO,
+        errno.ENOMEM,
+        errno.EINVAL,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ECANCELED,
+    }
 )
 
 

@@ -6,7 +6,7 @@ any LOOKUP) stays unanswered and an open of a path under the mount waits in the 
 Closing the device aborts the connection (every waiter gets ENOTCONN) and the mount is
 detached, in ``unanswered_fuse``'s exit, so a failing test leaves nothing mounted.
 ``unread_fuse`` answers every request but a read: its one file opens, and hangs on a
-read."""
+read; or, while the test holds its opens, its opens wait, and are answered once let go."""
 
 from __future__ import annotations
 
@@ -71,7 +71,19 @@ def blocks(path: Path, wait_s: float = 0.3) -> bool:
 
 # The FUSE protocol as far as ``unread_fuse`` needs it (linux/fuse.h): opcodes, the
 # headers, and the replies it makes.
-_LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _RELEASE, _FLUSH, _INIT = 1, 2, 3, 14, 15, 18, 25, 26
+_LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _STATFS, _RELEASE, _FLUSH, _INIT = (
+    1,
+    2,
+    3,
+    14,
+    15,
+    17,
+    18,
+    25,
+    26,
+)
+#: ``statfs``'s f_type of every FUSE mount (the kernel's FUSE_SUPER_MAGIC)
+FUSE_TYPE = 0x65735546
 _UNANSWERED_OPS = frozenset({_FORGET, _READ, 36, 42})  # FORGET, READ, INTERRUPT, BATCH_FORGET
 _IN = struct.Struct("<IIQQIIII")
 _OUT = struct.Struct("<IiQ")
@@ -81,16 +93,23 @@ _ROOT, _FILE = 1, 2
 
 
 @contextlib.contextmanager
-def unread_fuse(target: Path, name: str, size: int) -> Iterator[Path]:
+def unread_fuse(
+    target: Path, name: str, size: int, held: threading.Event | None = None
+) -> Iterator[Path]:
     """``target`` with a FUSE file system on it whose server answers everything but a
     read: the root folder holds the file ``name`` of ``size`` bytes (mode 0755, owned by
     root), which opens at once (checked before it is handed over) and whose every read
-    waits in the kernel (until the exit, which aborts the connection). Its path."""
+    waits in the kernel (until the exit, which aborts the connection). Its path.
+    ``held``: while it is set, each open waits unanswered; once it is cleared, they are
+    answered (within 50 ms)."""
     target.mkdir(parents=True, exist_ok=True)
     device = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     stop = threading.Event()
     server = threading.Thread(
-        target=_serve, args=(device, name.encode(), size, stop), daemon=True, name="fuse-unread"
+        target=_serve,
+        args=(device, name.encode(), size, stop, held),
+        daemon=True,
+        name="fuse-unread",
     )
     try:
         data = f"fd={device},rootmode=40000,user_id=0,group_id=0,allow_other".encode()
@@ -114,21 +133,33 @@ def unread_fuse(target: Path, name: str, size: int) -> Iterator[Path]:
             os.close(device)
 
 
-def _serve(device: int, name: bytes, size: int, stop: threading.Event) -> None:
+def _serve(
+    device: int, name: bytes, size: int, stop: threading.Event, held: threading.Event | None
+) -> None:
+    waiting: list[bytes] = []  # the opens held
     while not stop.is_set():
+        if waiting and not (held and held.is_set()):
+            for request in waiting:
+                _answer(device, request, name, size)
+            waiting.clear()
         if not select.select([device], [], [], 0.05)[0]:
             continue
         try:
             request = os.read(device, _MAX_WRITE + 4096)
         except OSError:
             return  # ENODEV: unmounted
-        _, opcode, unique, node, *_ = _IN.unpack_from(request)
-        if opcode in _UNANSWERED_OPS:
-            continue
-        body = request[_IN.size :]
-        error, reply = _reply(opcode, node, body, name, size)
-        with contextlib.suppress(OSError):  # ENOENT: the request was interrupted
-            os.write(device, _OUT.pack(_OUT.size + len(reply), -error, unique) + reply)
+        opcode = _IN.unpack_from(request)[1]
+        if opcode == _OPEN and held is not None and held.is_set():
+            waiting.append(request)
+        elif opcode not in _UNANSWERED_OPS:
+            _answer(device, request, name, size)
+
+
+def _answer(device: int, request: bytes, name: bytes, size: int) -> None:
+    _, opcode, unique, node, *_ = _IN.unpack_from(request)
+    error, reply = _reply(opcode, node, request[_IN.size :], name, size)
+    with contextlib.suppress(OSError):  # ENOENT: the request was interrupted
+        os.write(device, _OUT.pack(_OUT.size + len(reply), -error, unique) + reply)
 
 
 def _reply(opcode: int, node: int, body: bytes, name: bytes, size: int) -> tuple[int, bytes]:
@@ -145,6 +176,8 @@ def _reply(opcode: int, node: int, body: bytes, name: bytes, size: int) -> tuple
         return 0, struct.pack("<QII", 3600, 0, 0) + _attr(node, size)
     if opcode == _OPEN:
         return 0, struct.pack("<QII", 1, 0, 0)
+    if opcode == _STATFS:  # blocks, free, available, files, free files; sizes; spare
+        return 0, struct.pack("<QQQQQIIII", 1, 0, 0, 2, 0, 4096, 255, 4096, 0) + bytes(24)
     if opcode in (_RELEASE, _FLUSH):
         return 0, b""
     return errno.ENOSYS, b""

@@ -1,0 +1,229 @@
+"""The spawn helper reads its socket at all times, whatever its source checks do (real
+helpers, real FUSE mounts, as root): a kill of a uid whose start is being checked is
+answered at once and that start never runs; a checked start that finds every pending
+slot taken fails at once (EAGAIN, handed back) while signals, kills and other starts are
+served; checkers that did not answer are let go without waiting for them to die, and
+reaped as they end, no request needed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.worker import spawner
+from tests.support.fuse import FUSE_TYPE, unanswered_fuse, unread_fuse
+from tests.unit.worker.test_source_unanswered import _check, _children
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
+)
+
+PLAIN = spawner.Launch("/bin/true", ["true"], {}, "/")
+
+
+def _binary(root: Path) -> Path:
+    binary = spawner.build(spawner.default_folders(root))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    return binary
+
+
+class _Starts:
+    """Starts by one helper, each timed: (seconds, exit status or (step, errno))."""
+
+    def __init__(self, helper: spawner.Helper, root: Path) -> None:
+        self.helper = helper
+        self.log = root / "log"
+
+    async def __call__(self, launch: spawner.Launch) -> tuple[float, object]:
+        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        began = time.monotonic()
+        try:
+            _, exited = await asyncio.wait_for(self.helper.spawn(launch, log), 10)
+            return time.monotonic() - began, (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return time.monotonic() - began, (failed.step, failed.errno)
+        finally:
+            os.close(log)
+
+
+async def _timed(request: Awaitable[Any]) -> float:
+    began = time.monotonic()
+    await asyncio.wait_for(request, 10)
+    return time.monotonic() - began
+
+
+def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
+    """The agent kills a uid whose start it gave up on while its source was checked: the
+    kill is answered at once and the helper goes on serving; that start never runs (its
+    check answers later, it fails with ECANCELED, started by nobody); a start of the same
+    uid sent after the kill runs."""
+    binary = _binary(root)
+    limit_s = 2.0
+    held = threading.Event()
+
+    async def scenario(source: Path) -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        info = source.stat()
+        stamp = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        launch = dataclasses.replace(
+            _check(source),
+            source_stamp=stamp,
+            source_types=f"{FUSE_TYPE:x}",
+            source_timeout_s=limit_s,
+        )
+        try:
+            await helper.ready()
+            held.set()  # its open waits, as on a slow file system
+            checked = asyncio.create_task(start(launch))
+            await asyncio.sleep(0.1)
+            kill = await _timed(helper.kill_uid(29992))
+            plain = await start(PLAIN)
+            other = await _timed(helper.kill_uid(29993))
+            assert not checked.done()
+            assert max(kill, plain[0], other) < limit_s / 4 and plain[1] == 0, (kill, plain, other)
+            held.clear()  # its check answers: the source holds
+            took, cancelled = await checked
+            assert cancelled == (spawner.SOURCE_STEP, errno.ECANCELED), cancelled
+            assert took < limit_s, took
+            assert errno.ECANCELED in spawner.SOURCE_UNCHECKED  # handed back, if awaited
+            took, status = await start(launch)  # sent after the kill: not cancelled
+            assert status == 0, status
+        finally:
+            held.clear()
+            helper.close()
+
+    with unread_fuse(root / "slow", "task", 4096, held) as source:
+        asyncio.run(scenario(source))
+
+
+def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> None:
+    """128 starts (MAX_PENDING in spawn.c) wait for a check that hangs: the next checked
+    start fails at once with EAGAIN (the checking's fault: handed back), and a signal to
+    a running attempt, a kill and a start without a check are served at once."""
+    binary = _binary(root)
+    limit_s = 2.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            pid, exited = await helper.spawn(
+                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
+            )
+            with unanswered_fuse(root / "jammed") as mount:
+                hung = dataclasses.replace(_check(mount / "task"), source_timeout_s=limit_s)
+                waiting = [asyncio.create_task(start(hung)) for _ in range(128)]
+                await asyncio.sleep(0.05)  # all sent
+                await helper.recount()  # answered once all before it were read (in order):
+                # one checked, 127 waiting for it
+                full = await start(_check(Path("/bin/true"), healthy=True))
+                plain = await start(PLAIN)
+                kill = await _timed(helper.kill_uid(29993))
+                helper.signal(pid, signal.SIGTERM)
+                signalled = await _timed(exited)
+                assert not any(task.done() for task in waiting)
+                assert full[1] == (spawner.SOURCE_STEP, errno.EAGAIN), full
+                assert errno.EAGAIN in spawner.SOURCE_UNCHECKED
+                assert plain[1] == 0 and exited.result()[0] == signal.SIGTERM
+                took = (full[0], plain[0], kill, signalled)
+                assert max(took) < limit_s / 4, took
+                results = [result for _, result in await asyncio.gather(*waiting)]
+                assert results[0] == (spawner.SOURCE_STEP, errno.ETIMEDOUT), results
+                assert set(results[1:]) == {(spawner.SOURCE_STEP, spawner.SOURCE_BUSY)}
+        finally:
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
+    """8 checks of paths under a mount where not even SIGKILL ends an open (MAX_STUCK in
+    spawn.c) time out together: all 8 are answered together (no wait for a checker to
+    die between them); once the mount is gone, the checkers are reaped as they end, the
+    helper asked nothing."""
+    binary = _binary(root)
+    limit_s = 1.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        try:
+            await helper.ready()
+            with unanswered_fuse(root / "jammed") as mount:
+                launches = [
+                    dataclasses.replace(_check(mount / f"d{n}" / "task"), source_timeout_s=limit_s)
+                    for n in range(8)
+                ]
+
+                async def answered(launch: spawner.Launch) -> tuple[object, float]:
+                    _, result = await start(launch)
+                    return result, time.monotonic()
+
+                results = await asyncio.gather(*(answered(launch) for launch in launches))
+                assert {result for result, _ in results} == {(spawner.SOURCE_STEP, errno.ETIMEDOUT)}
+                times = [at for _, at in results]
+                assert max(times) - min(times) < 0.15, [at - min(times) for at in times]
+                assert helper.hung_checkers == 8 and _children(helper.pid).count("D") == 8
+            deadline = time.monotonic() + 10
+            while _children(helper.pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert _children(helper.pid) == []  # not even zombies: reaped, nothing asked
+            await helper.recount()
+            assert helper.hung_checkers == 0
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_at_most_32_checks_run_at_once(root: Path) -> None:
+    """40 starts of 40 paths under a mount that hangs: 32 checks run at once at most
+    (MAX_CHECKING in spawn.c), the 8 other starts wait for a place, then fail with EAGAIN
+    once 8 checkers hang (the checking's fault), or begin before that and time out."""
+    binary = _binary(root)
+    limit_s = 1.0
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        try:
+            await helper.ready()
+            with unanswered_fuse(root / "jammed") as mount:
+                starts = [
+                    asyncio.create_task(
+                        start(
+                            dataclasses.replace(
+                                _check(mount / f"d{n}" / "task"), source_timeout_s=limit_s
+                            )
+                        )
+                    )
+                    for n in range(40)
+                ]
+                await asyncio.sleep(0.05)  # all sent
+                await helper.recount()  # all read: 32 begun, 8 waiting for a place
+                assert len(_children(helper.pid)) == 32 and not any(t.done() for t in starts)
+                results = [result for _, result in await asyncio.gather(*starts)]
+                # The first 32 time out; as each one ends, a waiting start may begin while
+                # fewer than 8 hang (MAX_STUCK), the rest fail with EAGAIN.
+                timed_out = results.count((spawner.SOURCE_STEP, errno.ETIMEDOUT))
+                refused = results.count((spawner.SOURCE_STEP, errno.EAGAIN))
+                assert 32 <= timed_out <= 39 and timed_out + refused == 40, results
+                assert helper.hung_checkers == timed_out
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
