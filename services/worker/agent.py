@@ -610,6 +610,10 @@ class Agent:
             self._put_back_notes(notes)
             self.started.update(started)
             self.unanswered = self.unanswered or room is not None
+            if room is None:
+                # A turn of its own (the drain's, a keep-alive, notes) took reports the
+                # courier then found gone: they go again by it, not by the next such turn.
+                self._deliver_soon()
             return None
         if room is not None:
             self.unanswered = False
@@ -741,6 +745,11 @@ class Agent:
             self.answered_at = None
             self.report_after = _smoothed(self.report_after, after)
         self.reported.set()
+        self._deliver_soon()
+
+    def _deliver_soon(self) -> None:
+        """Reports wait and no claim will carry them (the main loop's claim waits for
+        work, or the loop ended): the courier sends them now, unless it runs already."""
         idle = self.courier is None or self.courier.done()
         if idle and self.outbox and (self.claiming or not self.working):
             self.courier = asyncio.create_task(self._deliver())

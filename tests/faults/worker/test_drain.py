@@ -4,18 +4,22 @@ the agent tells core it drains, core answers that claim at once with nothing lea
 and the agent hears the answer, so no report goes twice. Core leases nothing more to
 the worker while it drains, and it leaves when its last attempt has ended. When core
 does not hear the drain's turn (one that predates ``Turn.draining`` refuses it), the
-agent gives its claim up at once, as before."""
+agent gives its claim up at once, as before; when the drain's turn's answer is lost, the
+reports it carried go again by the courier."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 
@@ -183,4 +187,76 @@ def test_a_drain_that_core_does_not_hear_gives_its_waiting_claim_up_at_once(
     print("EVIDENCE", code, proxy.refused, (gave_up - refused).total_seconds())
     assert code == 0 and proxy.refused == 1
     assert (gave_up - refused).total_seconds() < 2.5  # DRAIN_ANSWER_S (5) before
+    assert _one(db, "SELECT state FROM core.workers") == "left"
+
+
+class LostDrainAnswer(Proxy):
+    """Refuses (503) the turns that carry reports without a claim until the agent drains,
+    so its courier backs off with a report waiting; passes the drain's turn on to core,
+    then loses its answer after ``HELD_S`` (longer than the courier's back-off then)."""
+
+    HELD_S = 3.0
+
+    def __init__(self, backend: int) -> None:
+        self.refused = 0
+        self.lost: list[str] = []
+        super().__init__(backend)
+
+    async def answer(self, head: bytes, body: bytes) -> bytes | None:
+        path = _turn(head)
+        if path is None:
+            return None
+        if b'"draining":true' in body and not self.lost:
+            fields = (line.split(b":", 1) for line in head.split(b"\r\n")[1:] if line)
+            keep = (b"authorization", b"x-cairn-worker-lease", b"content-type")
+            headers = {k.decode(): v.strip().decode() for k, v in fields if k.lower() in keep}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.backend}") as client:
+                applied = await client.post(path.decode(), content=body, headers=headers)
+            self.lost.append(applied.text)
+            await asyncio.sleep(self.HELD_S)
+            return b""  # core applied it; its answer never arrives
+        if not self.lost and b'"claim":null' in body and b'"reports":[{' in body:
+            self.refused += 1
+            return _problem(503, "core is busy")
+        return None
+
+
+def test_the_reports_of_a_drain_whose_answer_is_lost_go_again_at_once(
+    core: Core, tmp_path: Path, db: DB
+) -> None:
+    """The drain's turn took the report the courier was backing off with; the courier
+    found none left and ended; that turn's answer lost, the report goes again by a
+    courier at once (refused as applied), not by a keep-alive turn an eighth of the hang
+    bound later (37.5 s), which held the drain that long."""
+    db.autocommit = True
+    proxy = LostDrainAnswer(int(core.url.rsplit(":", 1)[1]))
+    with core.client("alice") as alice:
+        body = shell_spec("sleep 2", retry={"max_attempts": 1})
+        task = alice.post("/v1/tasks", json=body).json()["id"]
+    log = tmp_path / "agent.log"
+    agent = spawn_worker(
+        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
+        tmp_path / "worker", "lost-drain-worker", log=log,
+        CAIRN_WORKER_SLOTS="2", CAIRN_LOG_LEVEL="info",
+    )  # fmt: skip
+    try:
+        # Its attempt ended while its next claim waited at core; the courier backs off.
+        wait_for(lambda: proxy.refused >= 4, timeout=40)
+        agent.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = agent.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()
+    lines = _lines(log)
+    [print(e.get("asctime", e.get("time")), e["level"], e["message"]) for e in lines]
+    attempts = db.execute("SELECT task_id, outcome FROM core.attempts").fetchall()
+    print("EVIDENCE", code, proxy.refused, proxy.lost, attempts)
+    assert len(proxy.lost) == 1 and '"state":"draining"' in proxy.lost[0]
+    assert '"reports":[{' in proxy.lost[0]  # the drain's turn carried the report
+    assert code == 0  # within 20 s of the SIGTERM
+    assert any("applied by an earlier turn" in e["message"] for e in lines)
+    assert attempts == [(task, "succeeded")]
     assert _one(db, "SELECT state FROM core.workers") == "left"
