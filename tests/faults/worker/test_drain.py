@@ -110,7 +110,7 @@ def test_a_drain_while_a_claim_waits_hears_its_answer_and_sends_no_report_twice(
         # then), which core applied, found no work for, and holds as a long poll.
         ended = "SELECT count(*) FROM core.attempts WHERE task_id = %s AND outcome = 'succeeded'"
         wait_for(lambda: _one(db, ended, quick) == 1, timeout=30)
-        time.sleep(0.2)  # the claim waits in core's line
+        wait_for(lambda: _waiting(core) == 1, timeout=30)  # that claim is in core's line
         agent.send_signal(signal.SIGTERM)
         state = "SELECT state FROM core.workers"
         draining = _reached(lambda: _one(db, state) == "draining", timeout=10)
