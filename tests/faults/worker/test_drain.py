@@ -230,8 +230,9 @@ def test_the_reports_of_a_drain_whose_answer_is_lost_go_again_at_once(
     bound later (37.5 s), which held the drain that long."""
     db.autocommit = True
     proxy = LostDrainAnswer(int(core.url.rsplit(":", 1)[1]))
+    go = shared_dir() / "go"
     with core.client("alice") as alice:
-        body = shell_spec("sleep 2", retry={"max_attempts": 1})
+        body = shell_spec(f"while [ ! -e {go} ]; do sleep 0.05; done", retry={"max_attempts": 1})
         task = alice.post("/v1/tasks", json=body).json()["id"]
     log = tmp_path / "agent.log"
     agent = spawn_worker(
@@ -240,8 +241,9 @@ def test_the_reports_of_a_drain_whose_answer_is_lost_go_again_at_once(
         CAIRN_WORKER_SLOTS="2", CAIRN_LOG_LEVEL="info",
     )  # fmt: skip
     try:
-        # Its attempt ended while its next claim waited at core; the courier backs off.
-        wait_for(lambda: proxy.refused >= 4, timeout=40)
+        wait_for(lambda: _waiting(core) == 1, timeout=30)  # its next claim waits at core
+        go.touch()  # the attempt ends: the courier sends its report, and backs off
+        wait_for(lambda: proxy.refused >= 4, timeout=30)
         agent.send_signal(signal.SIGTERM)
         try:
             code: int | None = agent.wait(timeout=20)
