@@ -55,7 +55,8 @@ def _one(db: DB, query: str, *args: object) -> Any:
 
 def _waiting(core: Core) -> int:
     """How many claims wait in core's line (``cairn_claims_waiting``)."""
-    return len(core.server.config.app.state.notifier.line)
+    app: Any = core.server.config.app
+    return len(app.state.notifier.line)
 
 
 def _lines(log: Path) -> list[dict[str, Any]]:
@@ -65,7 +66,7 @@ def _lines(log: Path) -> list[dict[str, Any]]:
 def _at(lines: list[dict[str, Any]], words: str) -> datetime:
     """When the agent first logged a line with ``words``."""
     [first, *_] = [e for e in lines if words in e["message"]]
-    return datetime.fromisoformat(first.get("asctime", first.get("time")))
+    return datetime.fromisoformat(str(first.get("asctime", first.get("time"))))
 
 
 def _turn(head: bytes) -> bytes | None:
