@@ -242,8 +242,10 @@ class Agent:
         self.fresh_s = 0.0
         self.turned_at = -math.inf  # when the last turn was sent (monotonic)
         self.keepalive: asyncio.Task[TurnAnswer | None] | None = None
-        #: the turn that tells core this worker drains (``_tell_draining``)
+        #: the turn that tells core this worker drains (``_tell_draining``), and until
+        #: when (monotonic) the agent waits for the answers it brings
         self.telling: asyncio.Task[TurnAnswer | None] | None = None
+        self.told_by = math.inf
         #: its spawn helpers asked how many of their checkers still hang (``_pulse``)
         self.recounting: asyncio.Task[None] | None = None
         self.dead = False
@@ -541,8 +543,7 @@ class Agent:
         try:
             await asyncio.wait({turn, drained}, return_when=asyncio.FIRST_COMPLETED)
             if not turn.done():
-                self._tell_draining()
-                await asyncio.wait({turn}, timeout=DRAIN_ANSWER_S)
+                await self._answer_of(turn)
         finally:
             drained.cancel()
         if turn.done():
@@ -553,10 +554,25 @@ class Agent:
             return await turn
         return None
 
+    async def _answer_of(self, turn: asyncio.Future[TurnAnswer | None]) -> None:
+        """Wait for the answer of a claim waiting at core once the drain's turn told core
+        (which answers it at once), until ``told_by``; no longer once the drain's turn
+        failed: core did not hear it (one that predates ``Turn.draining`` refuses it, or
+        none can be reached), and will not answer that claim before its wait is over."""
+        telling = self._tell_draining()
+        loop = asyncio.get_running_loop()
+        first = asyncio.FIRST_COMPLETED
+        await asyncio.wait(
+            {turn, telling}, timeout=max(0.0, self.told_by - loop.time()), return_when=first
+        )
+        if not turn.done() and telling.done() and _heard_of(telling):
+            await asyncio.wait({turn}, timeout=max(0.0, self.told_by - loop.time()))
+
     def _tell_draining(self) -> asyncio.Task[TurnAnswer | None]:
         """The turn (once) that tells core this worker drains, with the reports waiting:
         core leases it nothing more and answers its waiting claim (``Turn.draining``)."""
         if self.telling is None:
+            self.told_by = asyncio.get_running_loop().time() + DRAIN_ANSWER_S
             self.telling = asyncio.create_task(self._turn(None, draining=True))
         return self.telling
 
@@ -594,6 +610,10 @@ class Agent:
             self._put_back_notes(notes)
             self.started.update(started)
             self.unanswered = self.unanswered or room is not None
+            if room is None:
+                # A turn of its own (the drain's, a keep-alive, notes) took reports the
+                # courier then found gone: they go again by it, not by the next such turn.
+                self._deliver_soon()
             return None
         if room is not None:
             self.unanswered = False
@@ -725,6 +745,11 @@ class Agent:
             self.answered_at = None
             self.report_after = _smoothed(self.report_after, after)
         self.reported.set()
+        self._deliver_soon()
+
+    def _deliver_soon(self) -> None:
+        """Reports wait and no claim will carry them (the main loop's claim waits for
+        work, or the loop ended): the courier sends them now, unless it runs already."""
         idle = self.courier is None or self.courier.done()
         if idle and self.outbox and (self.claiming or not self.working):
             self.courier = asyncio.create_task(self._deliver())
@@ -794,7 +819,9 @@ class Agent:
                 if handle is not None and not handle.done:
                     await handle.terminate(grace_s=5.0)
             await asyncio.wait(set(self.tasks), timeout=1.0)
-        await asyncio.wait({telling}, timeout=DRAIN_ANSWER_S)  # before the worker leaves
+        # Before the worker leaves, within the drain's turn's own bound (a core that does
+        # not answer costs that bound once, not again here).
+        await asyncio.wait({telling}, timeout=max(0.0, self.told_by - loop.time()))
 
     # --- what core says through the sidecar ---
 
@@ -1323,6 +1350,11 @@ class Agent:
         self.outbox[attempt_id] = out
         self._kick()
         await out.done
+
+
+def _heard_of(turn: asyncio.Task[TurnAnswer | None]) -> bool:
+    """Whether a turn that is done was answered by core."""
+    return not turn.cancelled() and turn.exception() is None and turn.result() is not None
 
 
 def _ring(wake: asyncio.Future[str], why: str) -> None:

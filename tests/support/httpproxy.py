@@ -13,8 +13,9 @@ MAX_HEAD = 64 * 1024
 
 
 class Proxy(LoopServer):
-    """Passes every request to core at ``backend`` and its answer back, unless ``hold``
-    delays the request or ``drop`` closes the connection instead of passing an answer."""
+    """Passes every request to core at ``backend`` and its answer back, unless ``answer``
+    answers it itself, ``hold`` delays the request or ``drop`` closes the connection
+    instead of passing an answer."""
 
     def __init__(self, backend: int) -> None:
         self.backend = backend
@@ -26,6 +27,11 @@ class Proxy(LoopServer):
     def drop(self, head: bytes, answer: bytes) -> bool:
         """Whether to close the agent's connection instead of passing core's answer."""
         return False
+
+    async def answer(self, head: bytes, body: bytes) -> bytes | None:
+        """An answer of the proxy's own (a whole HTTP message) instead of core's, the
+        request never passed on; ``b""`` closes the agent's connection; None passes it."""
+        return None
 
     async def _message(self, reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
         """One HTTP message: its head and its body."""
@@ -44,6 +50,13 @@ class Proxy(LoopServer):
         try:
             while True:
                 head, body = await self._message(agent_r)
+                own = await self.answer(head, body)
+                if own == b"":
+                    return
+                if own is not None:
+                    agent_w.write(own)
+                    await agent_w.drain()
+                    continue
                 await self.hold(head)
                 core_w.write(head + body)
                 await core_w.drain()

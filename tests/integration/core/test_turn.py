@@ -475,6 +475,9 @@ def test_a_turn_is_refused_as_its_declaration_refuses_it(core: Core, worker: Wor
     assert worker.http.headers["X-Cairn-Worker-Lease"] == lease
 
 
+# The sweep (a floor under lost wake-ups, every second by default) out of the way: it
+# would answer the claim within a second without the drain's own wake-up.
+@pytest.mark.core(heartbeat_timeout_s=3600.0, claim_sweep_s=60.0)
 def test_a_turn_that_says_its_worker_drains_answers_its_waiting_claim_at_once(
     core: Core, worker: Worker, db: DB
 ) -> None:
@@ -482,14 +485,14 @@ def test_a_turn_that_says_its_worker_drains_answers_its_waiting_claim_at_once(
     [attempt] = worker.turn(claim=ROOM)["attempts"]
     done = {"attempt_id": attempt["attempt_id"], "outcome": "succeeded", "exit_code": 0}
     # The report rides on a claim that finds no work and waits (a long poll).
-    waiting, answer = _in_thread(lambda: worker.turn(reports=[done], claim={**ROOM, "wait": 20}))
+    waiting, answer = _in_thread(lambda: worker.turn(reports=[done], claim={**ROOM, "wait": 30}))
     wait_for(lambda: _state(db, task) == "succeeded", timeout=15)
     with core.client("w1", "worker") as agent:
         agent.headers["X-Cairn-Worker-Lease"] = worker.http.headers["X-Cairn-Worker-Lease"]
         told = agent.post(f"/v1/workers/{worker.id}/turn", json={"draining": True})
         assert told.status_code == 200, told.text
         assert told.json()["state"] == "draining"
-        waiting.join(5)
+        waiting.join(15)  # woken by the drain, not at the end of its wait (30 s)
         # The claim heard: nothing leased, and the verdict of the report it carried.
         assert answer and answer[0]["state"] == "draining" and answer[0]["attempts"] == []
         assert [v["status"] for v in answer[0]["reports"]] == [200]
