@@ -489,8 +489,8 @@ async def hear(
 def _placed(reported: Sequence[Any], worker_id: int) -> list[placement.Placement]:
     """``placement.PLACED``'s rows of the reported attempts still open on the worker,
     from their rows of ``_REPORTED`` (which reads them as ``PLACED`` does, in the same
-    round trip: a statement of its own cost each turn with reports about 0.05 ms of core's
-    and PostgreSQL's CPU)."""
+    round trip). A statement of its own costs a turn about 0.05 ms of core's CPU and
+    0.03 ms of PostgreSQL's (``USE``'s, left out in a probe with ``bench/turn_ab.py``)."""
     return [
         placement.Placement(
             r.attempt_id,
