@@ -426,8 +426,8 @@ class Heard:
     """What a turn's first round trip read: the worker's row (None when it is dead or
     gone: the reaper won), the reported attempts with their tasks, locked (by attempt
     id), and what is placed on the worker before the reports close any: the reported
-    attempts still open on it one by one (``placement.PLACED``), what the others hold in
-    all (``placement.USE``)."""
+    attempts still open on it one by one (``placement.PLACED``'s rows, read with them by
+    ``_REPORTED``), what the others hold in all (``placement.USE``)."""
 
     worker: Any | None
     reported: dict[int, Any] = field(default_factory=dict)
@@ -474,7 +474,6 @@ async def hear(
         (placement.USE, {"workers": [worker_id], "listed": ids}),
     ]
     if reported:
-        chain.append((placement.PLACED_AMONG, {"workers": [worker_id], "ids": ids}))
         chain.append((_REPORTED, {"ids": ids}))
     picks = _picks(waits) if early is not None else 0
     if early is not None:
@@ -482,10 +481,34 @@ async def hear(
     found = await pipeline.run(conn, chain)
     picked = _picked(found[len(found) - picks :], waits) if early is not None else None
     _, heard, use, *among = found[: len(found) - picks]
-    placed, locked = among or ([], [])
+    locked = among[0] if among else []
     rest = placement.rest_from(use).get(worker_id, ZERO)
     rows = {r.attempt_id: r for r in locked}
-    return Heard(heard[0] if heard else None, rows, placed, rest, picked)
+    return Heard(heard[0] if heard else None, rows, _placed(locked, worker_id), rest, picked)
+
+
+def _placed(reported: Sequence[Any], worker_id: int) -> list[placement.Placement]:
+    """``placement.PLACED``'s rows of the reported attempts still open on the worker,
+    from their rows of ``_REPORTED`` (which reads them as ``PLACED`` does, in the same
+    round trip). A statement of its own costs a turn about 0.05 ms of core's CPU and
+    0.03 ms of PostgreSQL's (``USE``'s, left out in a probe with ``bench/turn_ab.py``)."""
+    return [
+        placement.Placement(
+            r.attempt_id,
+            r.id,
+            r.worker_id,
+            r.priority,
+            r.preemptible,
+            r.charge_cpu,
+            r.charge_memory_mb,
+            r.charge_devices,
+            r.started,
+            r.squeezed,
+            r.preempted,
+        )
+        for r in reported
+        if r.ended_as is None and r.worker_id == worker_id
+    ]
 
 
 def early_ask(
@@ -959,7 +982,8 @@ async def lose(
 
 # The reported attempts with their tasks, the tasks locked (in id order, so two batches
 # never deadlock), and what the decision and the measured use need; for a refusal, how
-# an attempt already closed ended (its outcome, the start of its error). The tasks are
+# an attempt already closed ended (its outcome, the start of its error); for a turn's
+# placement, what ``placement.PLACED`` reads of them (``_placed``). The tasks are
 # found through their primary key (``t.id = ANY(ARRAY(...))``, as ``_FINISH`` finds them):
 # a join on ``a.task_id`` alone got, on a connection that prepared it while the table was
 # young and unanalysed, a generic plan hashing a scan of every task, kept for as long as
@@ -973,7 +997,8 @@ SELECT a.id AS attempt_id, a.worker_id, a.preempted_by, a.number,
        t.max_attempts, {tasks_db.RECENT_CRASHES} AS recent_crashes, t.poison_after,
        t.poison_window_s, t.retry_causes, t.backoff_base_s, t.backoff_cap_s,
        t.backoff_jitter, t.artifact_uri, t.source_handbacks,
-       {refers_to_secrets("t.env")} AS has_secrets
+       {refers_to_secrets("t.env")} AS has_secrets,
+       {placement.PLACEMENT}
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:ids AS bigint[]))
   AND t.id = ANY(ARRAY(

@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -81,17 +81,38 @@ HOT_QUEUES = (
     "(SELECT h.name FROM core.queues h WHERE h.utilisation > COALESCE(h.defer_above, :defer_above))"
 )
 
-#: the open attempts on some workers (``:workers``), as ``nodes_from`` takes them
-PLACED = text("""
-SELECT a.id, a.task_id, a.worker_id, t.priority, t.preemptible,
+#: What placement reads of an open attempt ``a`` of task ``t`` beside its ids: a charge
+#: is fixed at placement; an attempt without one is charged its task's request. (A turn's
+#: ``attempts._REPORTED`` reads it of the reported attempts: ``Placement``.)
+PLACEMENT = """t.priority, t.preemptible,
        COALESCE(a.charge_cpu, t.cpu) AS charge_cpu,
        COALESCE(a.charge_memory_mb, t.memory_mb) AS charge_memory_mb,
        COALESCE(a.charge_devices, t.devices) AS charge_devices,
        EXTRACT(EPOCH FROM a.started_at)::float8 AS started,
-       a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted
+       a.squeezed_at IS NOT NULL AS squeezed, a.preempted_by IS NOT NULL AS preempted"""
+
+#: the open attempts on some workers (``:workers``), as ``nodes_from`` takes them
+PLACED = text(f"""
+SELECT a.id, a.task_id, a.worker_id, {PLACEMENT}
 FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.outcome IS NULL AND a.worker_id = ANY(CAST(:workers AS bigint[]))
 """)
+
+
+class Placement(NamedTuple):
+    """A row of ``PLACED``, made of another statement's row that read ``PLACEMENT``."""
+
+    id: int
+    task_id: int
+    worker_id: int
+    priority: int
+    preemptible: bool
+    charge_cpu: float
+    charge_memory_mb: float
+    charge_devices: Any
+    started: float
+    squeezed: bool
+    preempted: bool
 
 
 # What the open attempts on some workers hold, summed per worker, leaving out ``:listed``
@@ -143,9 +164,6 @@ LEFT JOIN ({_use("TRUE")}) u ON u.worker_id = w.id
 WHERE w.state = '{Workers.LIVE}'
 GROUP BY q.queue
 """)
-
-#: ``PLACED`` of some of the attempts only (``:ids``)
-PLACED_AMONG = text(f"{PLACED.text.rstrip()}\n  AND a.id = ANY(CAST(:ids AS bigint[]))\n")
 
 
 def _held(row: Any) -> Amount:

@@ -111,7 +111,6 @@ def _task_scans(db: DB, clause: Any) -> list[str]:
 _TURN = {
     "heard": attempts_db._HEARD,
     "use": placement.USE,
-    "placed": placement.PLACED_AMONG,
     "reported": attempts_db._REPORTED,
     "finish": attempts_db._FINISH,
     # (a worker of several queues sorts their waiting work: an ANY is no index order)

@@ -244,7 +244,9 @@ def test_the_reaper_skips_a_worker_whose_turn_committed_first(
         # Hold the task, so that the turn stops inside its transaction, worker row locked.
         holder.execute("SELECT id FROM core.tasks WHERE id = %s FOR UPDATE", (task,))
         turning, answer = _in_thread(lambda: worker.turn(reports=[report], claim=ROOM))
-        wait_for(lambda: _waiting_on_lock(db_url, "FOR UPDATE OF t"), timeout=15)
+        # (the reports' lock, ``_REPORTED``, by a name of its own: pg_stat_activity shows
+        # a query's first 1,024 bytes, and its ``FOR UPDATE OF t`` comes after them)
+        wait_for(lambda: _waiting_on_lock(db_url, "AS ended_why"), timeout=15)
         reaping, reaped = _in_thread(lambda: asyncio.run(_reap(core.db_url, 60.0)))
         wait_for(lambda: _waiting_on_lock(db_url, "core.workers"), timeout=15)
         holder.rollback()
