@@ -34,6 +34,18 @@ Statement = tuple[TextClause, Mapping[str, Any]]
 # Each named statement's text as the driver takes it (``%(name)s``), compiled once.
 _COMPILED: dict[int, tuple[TextClause, str]] = {}
 
+#: How many statements ``_COMPILED`` and ``_RAW`` keep each: the services' named ones are
+#: a few hundred. Past it the one kept longest goes: a statement built anew at each run
+#: (``text(f"...")`` in a function) was kept for good, with its texts (1.4 kB a run).
+STATEMENTS_KEPT = 1024
+
+
+def _keep(cache: dict[int, Any], clause: TextClause, found: Any) -> None:
+    """``found`` kept for ``clause`` in ``cache``, within ``STATEMENTS_KEPT``."""
+    if id(clause) not in cache and len(cache) >= STATEMENTS_KEPT:
+        del cache[next(iter(cache))]
+    cache[id(clause)] = found
+
 
 def driver_sql(clause: TextClause, dialect: Dialect) -> str:
     """``clause`` as psycopg takes it, compiled once, comments and indentation dropped:
@@ -43,7 +55,7 @@ def driver_sql(clause: TextClause, dialect: Dialect) -> str:
     found = _COMPILED.get(id(clause))
     if found is None or found[0] is not clause:
         found = (clause, compact_sql(str(clause.compile(dialect=dialect))))
-        _COMPILED[id(clause)] = found
+        _keep(_COMPILED, clause, found)
     return found[1]
 
 
@@ -88,6 +100,14 @@ def raw_sql(clause: TextClause, dialect: Dialect) -> tuple[str, tuple[str, ...]]
     """``driver_sql(clause)`` with ``$1, $2, ...`` for its named placeholders (the same
     name, the same number) and ``%`` for ``%%``, as psycopg's parse would make it, and
     the names in number order: what a raw cursor takes. Made once per statement."""
+    found = _numbered(clause, dialect)
+    return found[1], found[2]
+
+
+def _numbered(
+    clause: TextClause, dialect: Dialect
+) -> tuple[TextClause, str, tuple[str, ...], _Rows]:
+    """``clause``'s entry of ``_RAW`` (``raw_sql``), made if it has none."""
     found = _RAW.get(id(clause))
     if found is None or found[0] is not clause:
         numbers: dict[str, int] = {}
@@ -99,8 +119,8 @@ def raw_sql(clause: TextClause, dialect: Dialect) -> tuple[str, tuple[str, ...]]
 
         sql = _PLACEHOLDER.sub(number, driver_sql(clause, dialect))
         found = (clause, sql, tuple(numbers), _Rows())
-        _RAW[id(clause)] = found
-    return found[1], found[2]
+        _keep(_RAW, clause, found)
+    return found
 
 
 class _Rows:
@@ -159,8 +179,8 @@ async def run(conn: AsyncConnection, statements: Sequence[Statement]) -> list[li
             held = _HeldUntilSync.of(pipe)
             dialect = conn.dialect
             for clause, params in statements:
-                sql, names = raw_sql(clause, dialect)
-                cursor = AsyncRawCursor(driver, row_factory=_RAW[id(clause)][3])
+                _, sql, names, rows = _numbered(clause, dialect)
+                cursor = AsyncRawCursor(driver, row_factory=rows)
                 await cursor.execute(sql, [params[name] for name in names], prepare=True)
                 cursors.append(cursor)
     finally:
