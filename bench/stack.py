@@ -60,17 +60,22 @@ def start_service(
     argv = command or [sys.executable, "-m", module]
     proc = subprocess.Popen(argv, env={**os.environ, **env})
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"{module} did not start")
-        time.sleep(0.1)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{module} did not start")
+            time.sleep(0.1)
+    except BaseException:
+        # Not started, or the benchmark stopped meanwhile (Ctrl-C, ``exit_on_sigterm``):
+        # its caller has no handle to stop it by.
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def start_core(
