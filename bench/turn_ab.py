@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,9 +92,15 @@ class Side:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(20)
-        self.server.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        try:
+            self.server.stop()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 async def block(side: Side, core: CoreClient, worker_id: int, room: ClaimRequest, n: int) -> None:
@@ -170,8 +177,19 @@ def main() -> None:
             f"{ratio(this.pg, base.pg)}, both {ratio(this.core + this.pg, base.core + base.pg)}"
         )
     finally:
-        for side in sides:
-            side.stop()
+        # Both sides stopped whatever happens to one, and a second Ctrl-C or SIGTERM
+        # waits until they are (one that came while the first side stopped left the
+        # other's core and PostgreSQL running, and both temp folders).
+        stopping = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+        try:
+            for side in sides:
+                try:
+                    side.stop()
+                except Exception as exc:
+                    print(f"{side.name}: not stopped cleanly: {exc!r}", file=sys.stderr)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
 
 
 if __name__ == "__main__":
