@@ -151,3 +151,31 @@ def test_a_chain_goes_out_numbered_and_the_driver_reads_no_text(db_url: str) -> 
     # names the statement does not take are left out, as psycopg's named form leaves them
     [[row]] = asyncio.run(_run(db_url, (clause, {"a": 4, "b": 2, "unused": 9})))
     assert (row.n, row.kept) == (46, "x%y")
+
+
+def test_a_statements_rows_follow_a_column_added_under_it(db_url: str, db: DB) -> None:
+    """Each statement keeps its row type while its results have as many columns
+    (``pipeline._Rows``): a ``SELECT p.*`` run again after a column was added (a
+    migration, which only adds) names the new column, unprepared on the same connection
+    (behind a transaction pooler) and prepared anew on another."""
+    db.execute("CREATE TABLE public.rows_probe (a integer)")
+    db.execute("INSERT INTO public.rows_probe VALUES (1)")
+    star = text("SELECT p.* FROM public.rows_probe p")
+
+    async def rows() -> tuple[Any, Any]:
+        engine = create_async_engine(db_url, connect_args={"prepare_threshold": None})
+        try:
+            async with engine.begin() as conn:
+                [[before]] = await pipeline.run(conn, [(star, {})])
+            db.execute("ALTER TABLE public.rows_probe ADD COLUMN b text DEFAULT 'x'")
+            async with engine.begin() as conn:
+                [[after]] = await pipeline.run(conn, [(star, {})])
+        finally:
+            await engine.dispose()
+        return before, after
+
+    before, after = asyncio.run(rows())
+    assert (before._fields, tuple(before)) == (("a",), (1,))
+    assert (after._fields, tuple(after)) == (("a", "b"), (1, "x"))
+    [[prepared]] = asyncio.run(_run(db_url, (star, {})))
+    assert (prepared.a, prepared.b) == (1, "x")
