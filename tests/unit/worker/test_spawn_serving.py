@@ -66,8 +66,11 @@ async def _timed(request: Awaitable[Any]) -> float:
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
     """The agent kills a uid whose start it gave up on while its source was checked: the
     kill is answered at once and the helper goes on serving; that start never runs (its
-    check answers later, it fails with ECANCELED, started by nobody); a start of the same
-    uid sent after the kill runs."""
+    check answers later, it fails with ECANCELED, started by nobody), nor does another
+    start of that uid still waiting for the check of its path (ECANCELED at once, before
+    the kill's reply), while a start of that path by another uid waits and runs; a start
+    of the same uid sent after the kill runs. The helper then holds no descriptor of
+    theirs."""
     binary = _binary(root)
     limit_s = 2.0
     held = threading.Event()
@@ -85,21 +88,30 @@ def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) 
         )
         try:
             await helper.ready()
+            descriptors = len(os.listdir(f"/proc/{helper.pid}/fd"))
             held.set()  # its open waits, as on a slow file system
             checked = asyncio.create_task(start(launch))
+            # Both wait for that check of their path (read in order, after it).
+            queued = asyncio.create_task(start(launch))
+            another = asyncio.create_task(start(dataclasses.replace(launch, uid=29995, gid=29995)))
             await asyncio.sleep(0.1)
             kill = await _timed(helper.kill_uid(29992))
+            waited, result = await queued  # answered before the kill (else at the check's end)
+            assert result == (spawner.SOURCE_STEP, errno.ECANCELED), result
             plain = await start(PLAIN)
             other = await _timed(helper.kill_uid(29993))
-            assert not checked.done()
-            assert max(kill, plain[0], other) < limit_s / 4 and plain[1] == 0, (kill, plain, other)
+            assert not checked.done() and not another.done()
+            took = (kill, waited, plain[0], other)
+            assert max(took) < limit_s / 4 and plain[1] == 0, (took, plain)
             held.clear()  # its check answers: the source holds
             took, cancelled = await checked
             assert cancelled == (spawner.SOURCE_STEP, errno.ECANCELED), cancelled
             assert took < limit_s, took
+            assert (await another)[1] == 0  # checked once the cancelled one's check ended
             assert errno.ECANCELED in spawner.SOURCE_UNCHECKED  # handed back, if awaited
             took, status = await start(launch)  # sent after the kill: not cancelled
             assert status == 0, status
+            assert len(os.listdir(f"/proc/{helper.pid}/fd")) == descriptors
         finally:
             held.clear()
             helper.close()
