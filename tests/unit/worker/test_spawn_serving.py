@@ -3,7 +3,7 @@ helpers, real FUSE mounts, as root): a kill of a uid whose start is being checke
 answered at once and that start never runs; a checked start that finds every pending
 slot taken fails at once (EAGAIN, handed back) while signals, kills and other starts are
 served; checkers that did not answer are let go without waiting for them to die, and
-reaped as they end, no request needed."""
+reaped as they end, no request needed. A kill names an attempt's uid, never root's."""
 
 from __future__ import annotations
 
@@ -236,6 +236,35 @@ def test_at_most_32_checks_run_at_once(root: Path) -> None:
                 assert 32 <= timed_out <= 39 and timed_out + refused == 40, results
                 assert helper.hung_checkers == timed_out
         finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_kill_of_root_or_of_no_uid_kills_nothing(root: Path) -> None:
+    """A kill names the uid of an attempt: uid 0 (its killer, root still, would send
+    SIGKILL to every process there is) or -1 (no uid: setresuid leaves root) is refused,
+    and an attempt running as root goes on. The helper runs as process 1 of a PID
+    namespace of its own, so that one without this check kills nothing outside it."""
+    binary = _binary(root)
+    wrapper = root / "in-own-pid-namespace"
+    wrapper.write_text(f'#!/bin/sh\nexec unshare --pid --fork --kill-child {binary} "$@"\n')
+    wrapper.chmod(0o755)
+
+    async def scenario() -> None:
+        helper = spawner.Helper(wrapper)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            sleeping = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
+            pid, exited = await asyncio.wait_for(helper.spawn(sleeping, log), 10)
+            for uid in (0, -1):
+                await _timed(helper.kill_uid(uid))
+            await _timed(helper.kill_uid(29993))  # a uid of an attempt: as ever
+            helper.signal(pid, signal.SIGTERM)
+            status, _ = await asyncio.wait_for(exited, 10)
+            assert status == signal.SIGTERM, status  # not SIGKILL: it outlived the kills
+        finally:
+            os.close(log)
             helper.close()
 
     asyncio.run(scenario())
