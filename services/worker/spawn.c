@@ -60,7 +60,8 @@
  * requests (pending, main's poll): that start's reply comes when the check ends. It
  * reads its socket at all times, so no check holds back another request.
  * A request "k uid" instead kills every process of that uid (a reply, at once; the
- * pending starts of that uid never start: answer_kill); "S pid signal" signals the
+ * pending starts of that uid never start: answer_kill; a uid that is 0 or none is
+ * refused, EINVAL, nothing killed); "S pid signal" signals the
  * process group of the attempt pid, only while it is a child not yet reaped (no reply);
  * "h" asks only how many checkers still hang (a reply: each reply says how many were
  * kept then, so a helper that starts nothing would go on counting those that ended
@@ -889,9 +890,14 @@ static int serve(int sock) {
     }
     reply.seq = ++served;
     if (buffer[0] == 'k') {
-        long uid = strtol(buffer + 1, NULL, 10);
-        for (int i = 0; i < nfds; i++) close(fds[i]);
-        return answer_kill(sock, uid, reply.seq);
+        /* An attempt's uid only: the killer of uid 0, root still, and of what is no uid
+         * (-1: setresuid leaves the ids as they are) would SIGKILL every process there is. */
+        long uid = 0;
+        if (parse_id(buffer + 1, &uid) == 0 && uid > 0) {
+            for (int i = 0; i < nfds; i++) close(fds[i]);
+            return answer_kill(sock, uid, reply.seq);
+        }
+        reply.err = EINVAL;
     } else if (buffer[0] == 'h') {
         /* reaped above, counted below */
     } else if (parse(buffer, (size_t)size, &request) < 0

@@ -3,7 +3,7 @@ helpers, real FUSE mounts, as root): a kill of a uid whose start is being checke
 answered at once and that start never runs; a checked start that finds every pending
 slot taken fails at once (EAGAIN, handed back) while signals, kills and other starts are
 served; checkers that did not answer are let go without waiting for them to die, and
-reaped as they end, no request needed."""
+reaped as they end, no request needed. A kill names an attempt's uid, never root's."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import errno
 import os
+import shutil
 import signal
 import threading
 import time
@@ -66,8 +67,11 @@ async def _timed(request: Awaitable[Any]) -> float:
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
     """The agent kills a uid whose start it gave up on while its source was checked: the
     kill is answered at once and the helper goes on serving; that start never runs (its
-    check answers later, it fails with ECANCELED, started by nobody); a start of the same
-    uid sent after the kill runs."""
+    check answers later, it fails with ECANCELED, started by nobody), nor does another
+    start of that uid still waiting for the check of its path (ECANCELED at once, before
+    the kill's reply), while a start of that path by another uid waits and runs; a start
+    of the same uid sent after the kill runs. The helper then holds no descriptor of
+    theirs."""
     binary = _binary(root)
     limit_s = 2.0
     held = threading.Event()
@@ -85,21 +89,30 @@ def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) 
         )
         try:
             await helper.ready()
+            descriptors = len(os.listdir(f"/proc/{helper.pid}/fd"))
             held.set()  # its open waits, as on a slow file system
             checked = asyncio.create_task(start(launch))
+            # Both wait for that check of their path (read in order, after it).
+            queued = asyncio.create_task(start(launch))
+            another = asyncio.create_task(start(dataclasses.replace(launch, uid=29995, gid=29995)))
             await asyncio.sleep(0.1)
             kill = await _timed(helper.kill_uid(29992))
+            waited, result = await queued  # answered before the kill (else at the check's end)
+            assert result == (spawner.SOURCE_STEP, errno.ECANCELED), result
             plain = await start(PLAIN)
             other = await _timed(helper.kill_uid(29993))
-            assert not checked.done()
-            assert max(kill, plain[0], other) < limit_s / 4 and plain[1] == 0, (kill, plain, other)
+            assert not checked.done() and not another.done()
+            times = (kill, waited, plain[0], other)
+            assert max(times) < limit_s / 4 and plain[1] == 0, (times, plain)
             held.clear()  # its check answers: the source holds
             took, cancelled = await checked
             assert cancelled == (spawner.SOURCE_STEP, errno.ECANCELED), cancelled
             assert took < limit_s, took
+            assert (await another)[1] == 0  # checked once the cancelled one's check ended
             assert errno.ECANCELED in spawner.SOURCE_UNCHECKED  # handed back, if awaited
             took, status = await start(launch)  # sent after the kill: not cancelled
             assert status == 0, status
+            assert len(os.listdir(f"/proc/{helper.pid}/fd")) == descriptors
         finally:
             held.clear()
             helper.close()
@@ -224,6 +237,37 @@ def test_at_most_32_checks_run_at_once(root: Path) -> None:
                 assert 32 <= timed_out <= 39 and timed_out + refused == 40, results
                 assert helper.hung_checkers == timed_out
         finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_kill_of_root_or_of_no_uid_kills_nothing(root: Path) -> None:
+    """A kill names the uid of an attempt: uid 0 (its killer, root still, would send
+    SIGKILL to every process there is) or -1 (no uid: setresuid leaves root) is refused,
+    and an attempt running as root goes on. The helper runs as process 1 of a PID
+    namespace of its own, so that one without this check kills nothing outside it."""
+    binary, unshare = _binary(root), shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare (util-linux) to give the helper a PID namespace")
+    wrapper = root / "in-own-pid-namespace"
+    wrapper.write_text(f'#!/bin/sh\nexec {unshare} --pid --fork --kill-child {binary} "$@"\n')
+    wrapper.chmod(0o755)
+
+    async def scenario() -> None:
+        helper = spawner.Helper(wrapper)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            sleeping = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
+            pid, exited = await asyncio.wait_for(helper.spawn(sleeping, log), 10)
+            for uid in (0, -1):
+                await _timed(helper.kill_uid(uid))
+            await _timed(helper.kill_uid(29993))  # a uid of an attempt: as ever
+            helper.signal(pid, signal.SIGTERM)
+            status, _ = await asyncio.wait_for(exited, 10)
+            assert status == signal.SIGTERM, status  # not SIGKILL: it outlived the kills
+        finally:
+            os.close(log)
             helper.close()
 
     asyncio.run(scenario())
