@@ -244,13 +244,22 @@ class AttemptLog:
         if self._broken:
             return self._skip(most)
         moved = 0
+        emptied = False  # the file was just emptied to its marker and has not taken a byte
         while moved < most:
             try:
                 at = self._at(self._end)
                 step = os.splice(self._pipe, self._fd, most - moved, offset_dst=at, flags=_SPLICE)
             except BlockingIOError:
                 return False
-            except OSError as exc:  # the file cannot take it (a full disk): dropped
+            except OSError as exc:  # the file cannot take it (a full disk)
+                if not emptied:
+                    # What the file holds is dropped, not what the pipe holds: the newest
+                    # output (a task's last lines, read with the rest) goes to the file
+                    # emptied to its marker.
+                    self._drop_all(exc)
+                    emptied = True
+                    continue
+                # Not even an empty file takes it: the pipe's bytes are dropped.
                 step = _discard(self._pipe, most - moved)
                 self._end += step
                 self._drop_all(exc)
@@ -263,6 +272,7 @@ class AttemptLog:
                 return True
             self._end += step
             moved += step
+            emptied = False
             if self._over():
                 return False
         return False

@@ -85,8 +85,10 @@ def test_quiet_output_is_kept_whole_without_a_marker(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("yes") is None, reason="mounts a tmpfs")
 def test_a_full_disk_drops_the_output_and_the_task_runs_on(tmp_path: Path) -> None:
-    """The log's file system fills (a 256 KiB tmpfs): what cannot be written is dropped,
-    the file starts over after the marker, and the task never sees an error."""
+    """The log's file system fills (a 256 KiB tmpfs): what the file holds is dropped, it
+    starts over after the marker with what came next, and the task never sees an error.
+    The task's last line is kept however much the pipe held with it (it was dropped with
+    the pipe's bytes once, when the agent read the pipe late under load)."""
     disk = tmp_path / "logs"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
