@@ -229,7 +229,11 @@ def test_a_report_costs_its_workers_waiting_claim_no_look_when_nothing_waits(
     user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
     task = spec(queue="chain-hop", resources={"cpu": 1, "memory_mb": 100})
     try:
-        with httpx.Client(base_url=core.url, headers={"Authorization": f"Bearer {token}"}) as c:
+        # 30 s, not httpx's 5: a fresh core's first write waited longer than 5 s for its
+        # commit in a CI run beside the system tests (load 15)
+        with httpx.Client(
+            base_url=core.url, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ) as c:
             offer = {"hostname": "w", "queues": ["chain-hop"], "cpu": 4, "memory_mb": 600}
             answer = c.post("/v1/workers", json=offer)
             answer.raise_for_status()
@@ -237,7 +241,7 @@ def test_a_report_costs_its_workers_waiting_claim_no_look_when_nothing_waits(
         heads = {"Authorization": f"Bearer {token}", "X-Cairn-Worker-Lease": lease}
         agent = httpx.Client(base_url=core.url, headers=heads, timeout=60)
         courier = httpx.Client(base_url=core.url, headers=heads, timeout=60)
-        with agent, courier, httpx.Client(base_url=core.url, headers=user) as alice:
+        with agent, courier, httpx.Client(base_url=core.url, headers=user, timeout=30) as alice:
             assert alice.post("/v1/tasks", json=task).status_code == 201
             room = {"cpu": 4, "memory_mb": 600, "max": 4}
             [first] = agent.post(f"/v1/workers/{wid}/turn", json={"claim": room}).json()["attempts"]
