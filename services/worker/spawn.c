@@ -517,10 +517,11 @@ static int end_check(struct pending *p, int readable) {
 }
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
-    /* A group of its own, not a session: in a cpu cgroup (v1 here) a setsid() before the
-     * exec (which makes a scheduler autogroup) held the exec about 1 ms longer. The
-     * session is this process's, which has no controlling terminal (main), and one who
-     * is not a session's leader cannot take one; the task may setsid() itself. */
+    /* A group of its own, not a session: in a cpu cgroup (v1 here) a setsid() here (it
+     * makes a scheduler autogroup) kept this process's clone from returning about 1 ms
+     * after the exec (the task ran meanwhile; its reply, and the next request, waited).
+     * The session is this process's, which has no controlling terminal (main), and one
+     * who is not a session's leader cannot take one; the task may setsid() itself. */
     if (setpgid(0, 0) < 0) fail(status_fd, SESSION);
     if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
