@@ -505,10 +505,11 @@ class Agent:
         reported (``Turn.holding``)."""
         return sorted({*self.running, *self.starting, *self.outbox, *self.sending})
 
-    def _start_all(self, leased: list[Assignment]) -> None:
+    def _start_all(self, leased: list[Assignment], now: bool = False) -> None:
         """Hold what a turn leased at once (its room is taken: the next claim is measured
         without it), and start preparing it on the loop's next pass: the main loop sends
-        its next claim first, so that a claim waits at core while these are prepared."""
+        its next claim first, so that a claim waits at core while these are prepared
+        (``now``: no claim goes next; they start first)."""
         fresh = []
         for assignment in leased:
             known = (self.running, self.starting, self.ran)
@@ -518,9 +519,11 @@ class Agent:
             fresh.append(assignment)
         if fresh:
             self._publish()
-            if not self.launching:
+            if not self.launching and not now:
                 asyncio.get_running_loop().call_soon(self._launch)
             self.launching.extend(fresh)
+            if now:
+                self._launch()
 
     def _launch(self) -> None:
         """Start preparing the attempts ``_start_all`` held (also at once before a drain
@@ -620,6 +623,12 @@ class Agent:
         if worker == self.worker_id:
             self._heard(answer.state, sent)
         self.timings.leased([a.attempt_id for a in answer.attempts], sent_wall)
+        if room is not None and answer.waited:
+            # Work came while the claim waited (slower than turns go round): the next
+            # claim is in no hurry (``_hold_claim`` holds it for a report), so these
+            # start now, not a few loop passes later once the main loop has woken
+            # (answered -> preparing p50 0.25 -> 0.06 ms at 50 tasks/s).
+            self._start_all(answer.attempts, now=True)
         self._settle(items, {v.attempt_id: v for v in answer.reports if v.status != 200})
         return answer
 

@@ -439,7 +439,9 @@ def _judge(
 
 
 async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
-    """Start the attempt's process in a new session; raises ``SpawnError`` if it cannot."""
+    """Start the attempt's process in a process group of its own (a new session where the
+    agent forks it; the spawn helper's own where it starts it); raises ``SpawnError`` if
+    it cannot."""
     for folder in (spec.workdir, spec.log_path.parent):
         if not os.path.isdir(folder):  # one stat where it is there, as it mostly is
             folder.mkdir(parents=True, exist_ok=True)

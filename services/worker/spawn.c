@@ -7,7 +7,8 @@
  * migration. For each request it clones a child of its own that shares its memory until
  * its exec (CLONE_VM | CLONE_VFORK, as posix_spawn does: this process waits meanwhile),
  * or a copy of it straight into a cgroup v2 folder (clone3 CLONE_INTO_CGROUP), and the
- * child applies, as root and in this order: a new session, a private mount namespace with its own home (a tmpfs the
+ * child applies, as root and in this order: a process group of its own (in this process's
+ * session, which it made at its start: no controlling terminal), a private mount namespace with its own home (a tmpfs the
  * agent made), its sealed executable bound on its path, and /tmp, a network namespace of its own with loopback only (egress
  * "none"), rlimits, the attempt's uid and gid with no other groups, no_new_privs, umask
  * 077, its working directory, stdin /dev/null and stdout/stderr the log, every other
@@ -548,7 +549,12 @@ static int end_check(struct pending *p, int readable) {
 }
 /* In the child: become the attempt, then exec it. Never returns. */
 static void become(struct request *r, int status_fd) {
-    if (setsid() < 0) fail(status_fd, SESSION);
+    /* A group of its own, not a session: in a cpu cgroup (v1 here) a setsid() here (it
+     * makes a scheduler autogroup) kept this process's clone from returning about 1 ms
+     * after the exec (the task ran meanwhile; its reply, and the next request, waited).
+     * The session is this process's, which has no controlling terminal (main), and one
+     * who is not a session's leader cannot take one; the task may setsid() itself. */
+    if (setpgid(0, 0) < 0) fail(status_fd, SESSION);
     if (r->tmp || r->mount_at || r->bind_from) {
         if (unshare(CLONE_NEWNS) < 0) fail(status_fd, MOUNTS);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail(status_fd, MOUNTS);
@@ -925,6 +931,12 @@ int main(int argc, char **argv) {
     }
     int sock = atoi(argv[2]);
     fcntl(sock, F_SETFD, FD_CLOEXEC);
+    /* A session of its own, so that no controlling terminal of the agent's reaches its
+     * attempts (each starts in a process group of its own in it: become). */
+    if (setsid() < 0) {
+        perror("setsid");
+        return 3;
+    }
     start_resident();  /* before the join: outside the slot */
     restartable = argc == 3;  /* no slot to join: a new one is born where the first was */
     join(argv + 3, argc - 3);

@@ -68,7 +68,7 @@ _REPLY_KIND, _EXITS_KIND = 1, 2
 #: the largest message the helper sends (256 exit records)
 _MAX_MESSAGE = _EXITS.size + 256 * _EXIT.size
 _STEPS = {
-    1: "new session",
+    1: "process group",
     2: "private mounts",
     3: "rlimits",
     4: "uid and gid",

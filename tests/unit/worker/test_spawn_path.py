@@ -120,6 +120,32 @@ def test_a_hostile_attempt_started_by_the_helper_cannot_read_the_token(root: Pat
     assert helper_environ == b""  # the helper was given no environment at all
 
 
+def test_an_attempt_leads_its_own_group_in_a_session_without_a_terminal(root: Path) -> None:
+    """The helper starts each attempt in a process group of its own (what the agent
+    signals and kills), in the helper's session, made at its start: no controlling
+    terminal there, and the attempt, not its leader, cannot take one."""
+    host = _host(root)
+    assert host.helper is not None
+    script = "cat /proc/$$/stat; echo; if (exec 3</dev/tty) 2>/dev/null; then echo tty; fi"
+
+    async def scenario() -> AttemptResult:
+        try:
+            prepared, result = await _attempt(host, 1, script)
+            await host.release(prepared)
+            return result
+        finally:
+            await host.close()
+
+    result = asyncio.run(scenario())
+    log = result.log_tail
+    assert result.outcome == "succeeded", log
+    pid, _, rest = log.partition(" (")
+    group, session, tty = (int(field) for field in rest.rpartition(") ")[2].split()[2:5])
+    assert group == int(pid), log  # a group of its own
+    assert session not in (0, int(pid), os.getsid(0)), log  # the helper's, not the agent's
+    assert tty == 0 and "tty" not in log.splitlines()[-1], log  # none, and none to take
+
+
 def test_an_attempt_is_born_in_its_pooled_cgroup_with_its_limits(root: Path) -> None:
     host = _host(root)
     if host.slots is None:
