@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,11 +70,42 @@ def _children(pid: int) -> list[str]:
     return states
 
 
-def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path) -> None:
-    tmp_path = root
-    binary = spawner.build(spawner.default_folders(tmp_path))
+def _binary(root: Path) -> Path:
+    """The spawn helper built for ``root``'s folders (skipped without a C compiler)."""
+    binary = spawner.build(spawner.default_folders(root))
     if binary is None:
         pytest.skip("no C compiler for the spawn helper")
+    return binary
+
+
+class _Starts:
+    """Starts by one helper, each timed: (seconds, exit status or (step, errno))."""
+
+    def __init__(self, helper: spawner.Helper, root: Path) -> None:
+        self.helper = helper
+        self.log = root / "log"
+
+    async def __call__(self, launch: spawner.Launch) -> tuple[float, object]:
+        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        began = time.monotonic()
+        try:
+            _, exited = await asyncio.wait_for(self.helper.spawn(launch, log), 10)
+            return time.monotonic() - began, (await exited)[0]
+        except spawner.SpawnFailed as failed:
+            return time.monotonic() - began, (failed.step, failed.errno)
+        finally:
+            os.close(log)
+
+
+async def _timed(request: Awaitable[Any]) -> float:
+    began = time.monotonic()
+    await asyncio.wait_for(request, 10)
+    return time.monotonic() - began
+
+
+def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path) -> None:
+    tmp_path = root
+    binary = _binary(root)
     log_path = tmp_path / "log"
 
     async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> tuple[float, object]:
@@ -134,9 +166,7 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
 def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
     """``MAX_STUCK`` checkers of other paths still hang: a check of any path then fails
     with EAGAIN (the helper's fault, ``SOURCE_UNCHECKED``), not EBUSY (that path's)."""
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
+    binary = _binary(root)
 
     async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> object:
         log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -177,50 +207,33 @@ def test_a_check_that_hangs_holds_back_no_other_request_of_its_helper(root: Path
     ETIMEDOUT after the limit, and another start of that path sent meanwhile waits for it,
     then fails with EBUSY. A kill of that start's uid is answered at once too (that start
     never runs: ``test_spawn_serving``)."""
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
+    binary = _binary(root)
     limit_s = 1.5
-
-    async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> tuple[float, object]:
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        began = time.monotonic()
-        try:
-            _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
-            return time.monotonic() - began, (await exited)[0]
-        except spawner.SpawnFailed as failed:
-            return time.monotonic() - began, (failed.step, failed.errno)
-        finally:
-            os.close(log)
-
-    async def timed(request: Awaitable[None]) -> float:
-        began = time.monotonic()
-        await asyncio.wait_for(request, 10)
-        return time.monotonic() - began
 
     def checked(source: Path, healthy: bool = False) -> spawner.Launch:
         return dataclasses.replace(_check(source, healthy), source_timeout_s=limit_s)
 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
+        spawn = _Starts(helper, root)
         try:
             with unanswered_fuse(root / "jammed") as mount:
                 source = mount / "bin" / "task"
-                hung = asyncio.create_task(spawn(helper, checked(source)))
+                hung = asyncio.create_task(spawn(checked(source)))
                 await asyncio.sleep(0.1)  # its check begun
                 launch = dataclasses.replace(checked(source), uid=29994, gid=29994)
-                same = asyncio.create_task(spawn(helper, launch))
+                same = asyncio.create_task(spawn(launch))
                 await asyncio.sleep(0.1)
-                plain = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
-                other = await spawn(helper, checked(Path("/bin/true"), healthy=True))
-                other_kill = await timed(helper.kill_uid(29993))
-                recount = await timed(helper.recount())
+                plain = await spawn(spawner.Launch("/bin/true", ["true"], {}, "/"))
+                other = await spawn(checked(Path("/bin/true"), healthy=True))
+                other_kill = await _timed(helper.kill_uid(29993))
+                recount = await _timed(helper.recount())
                 assert not hung.done() and not same.done()
                 for took, status in (plain, other):
                     assert status == 0 and took < limit_s / 2, (plain, other)
                 assert max(other_kill, recount) < limit_s / 2, (other_kill, recount)
-                killed = await timed(helper.kill_uid(29992))
-                after = await timed(helper.recount())
+                killed = await _timed(helper.kill_uid(29992))
+                after = await _timed(helper.recount())
                 assert max(killed, after) < limit_s / 2, (killed, after)
                 took, failed = await hung
                 assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), failed
@@ -241,9 +254,7 @@ def test_starts_that_waited_for_a_check_that_timed_out_fail_with_it(root: Path) 
     (EBUSY) at the limit, rather than each check again and wait a limit more (three
     starts of a hung path would take three limits, a kill of their uid held back all
     along)."""
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
+    binary = _binary(root)
     limit_s = 1.0
 
     async def scenario() -> None:
@@ -281,9 +292,7 @@ def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
     """A burst of checked starts of one source: checked one after another (one check of a
     path at a time), they wait in the helper's pending table (128 in spawn.c), none fails
     for it (no EAGAIN), each one started."""
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
+    binary = _binary(root)
 
     async def scenario() -> list[object]:
         helper = spawner.Helper(binary)
@@ -306,9 +315,7 @@ def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
 
 
 def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
+    binary = _binary(root)
 
     async def spawn(uid: int) -> object:
         helper = spawner.Helper(binary)

@@ -15,53 +15,19 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from services.worker import spawner
 from tests.support.fuse import FUSE_TYPE, unanswered_fuse, unread_fuse
-from tests.unit.worker.test_source_unanswered import _check, _children
+from tests.unit.worker.test_source_unanswered import _binary, _check, _children, _Starts, _timed
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
 )
 
 PLAIN = spawner.Launch("/bin/true", ["true"], {}, "/")
-
-
-def _binary(root: Path) -> Path:
-    binary = spawner.build(spawner.default_folders(root))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
-    return binary
-
-
-class _Starts:
-    """Starts by one helper, each timed: (seconds, exit status or (step, errno))."""
-
-    def __init__(self, helper: spawner.Helper, root: Path) -> None:
-        self.helper = helper
-        self.log = root / "log"
-
-    async def __call__(self, launch: spawner.Launch) -> tuple[float, object]:
-        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        began = time.monotonic()
-        try:
-            _, exited = await asyncio.wait_for(self.helper.spawn(launch, log), 10)
-            return time.monotonic() - began, (await exited)[0]
-        except spawner.SpawnFailed as failed:
-            return time.monotonic() - began, (failed.step, failed.errno)
-        finally:
-            os.close(log)
-
-
-async def _timed(request: Awaitable[Any]) -> float:
-    began = time.monotonic()
-    await asyncio.wait_for(request, 10)
-    return time.monotonic() - began
 
 
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
