@@ -183,18 +183,33 @@ def _get(http: httpx.Client, path: str) -> Any:
 
 def _sessions(direct: str, bouncer: Bouncer) -> tuple[list[Any], list[Any], int]:
     """The server's sessions of the test's database (not this one): those that bypassed
-    the pooler and those it opened, as (application_name, advisory locks held); and the
-    transactions the pooler carried."""
+    the pooler and those it opened, as (application_name, advisory locks held in each of
+    three looks 50 ms apart); and the transactions the pooler carried. A session's lock
+    stays; a transaction's own (sharing, placement and notifications take one, which a
+    pooler in transaction mode carries well) goes with its commit, and was once caught
+    by a single look."""
     pooler_ports = {int(s["local_port"]) for s in bouncer.show("SERVERS")}
+    held: dict[int, tuple[int, str, int]] = {}
     with psycopg.connect(libpq_url(direct), autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT a.client_port, a.application_name, (SELECT count(*) FROM pg_locks l"
-            "  WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)"
-            " FROM pg_stat_activity a WHERE a.datname = current_database()"
-            " AND a.pid <> pg_backend_pid()"
-        ).fetchall()
-    around = [(name, locks) for port, name, locks in rows if port not in pooler_ports]
-    through = [(name, locks) for port, name, locks in rows if port in pooler_ports]
+        for look in range(3):
+            rows = conn.execute(
+                "SELECT a.pid, a.client_port, a.application_name, (SELECT count(*)"
+                "  FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'"
+                "  AND l.granted)"
+                " FROM pg_stat_activity a WHERE a.datname = current_database()"
+                " AND a.pid <> pg_backend_pid()"
+            ).fetchall()
+            seen = {pid: (port, name, locks) for pid, port, name, locks in rows}
+            if look == 0:
+                held = seen
+            else:
+                held = {
+                    pid: (port, name, min(locks, seen[pid][2] if pid in seen else 0))
+                    for pid, (port, name, locks) in held.items()
+                }
+            time.sleep(0.05)
+    around = [(name, locks) for port, name, locks in held.values() if port not in pooler_ports]
+    through = [(name, locks) for port, name, locks in held.values() if port in pooler_ports]
     stats = [s for s in bouncer.show("STATS") if s["database"] == bouncer.database]
     return around, through, int(stats[0]["total_xact_count"])
 
