@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -23,9 +25,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.types import TypeEngine
 
 from libs.common.leader import leader_table
-from libs.common.schema import metadata_for
+from libs.common.schema import Domain, metadata_for
 from libs.common.states import ATTEMPT_OUTCOMES, FINAL, WORKER_STATES, TaskState, Workers, sql_in
 
 S = TaskState
@@ -36,8 +39,22 @@ metadata = metadata_for(SCHEMA)
 
 
 _FINAL_SQL = sql_in("state", FINAL)
-_ALL_STATES_SQL = sql_in("state", TaskState)
 _LIVE = [s for s in TaskState if s not in FINAL] + [TaskState.DEAD]
+
+
+_NULL_OR_POSITIVE = "VALUE IS NULL OR VALUE > 0"
+
+
+def _ruled(column: str, base: type[TypeEngine[Any]], rule: str, check: str) -> Domain:
+    """The type of a ``core.tasks`` column whose rule is on its value alone: a domain,
+    ``core.tasks_<column>``, whose check is named as the rule (``ck_tasks_<rule>``).
+    PostgreSQL checks a domain where a value is made one (an INSERT, an UPDATE that sets
+    the column), its check planned once and kept by each connection; a table's CHECK
+    constraints, all of them at every UPDATE of a row, read and planned afresh at each
+    statement (migration 0039)."""
+    return Domain(
+        f"tasks_{column}", base, constraint_name=f"ck_tasks_{rule}", check=check, schema=SCHEMA
+    )
 
 
 def _now() -> Column[object]:
@@ -332,36 +349,66 @@ tasks = Table(
     Column("owner", Text, nullable=False),
     Column("name", Text, nullable=False),
     Column("queue", Text, nullable=False),
-    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
-    Column("kind", Text, nullable=False),
+    Column(
+        "priority",
+        _ruled("priority", SmallInteger, "priority_range", "VALUE BETWEEN -100 AND 100"),
+        nullable=False,
+        server_default=text("0"),
+    ),
+    Column("kind", _ruled("kind", Text, "kind", "VALUE IN ('service', 'task')"), nullable=False),
     Column("artifact_uri", Text, nullable=False),
     Column("artifact_sha256", Text, nullable=False),
     Column("args", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     Column("env", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("input_path", Text),
     Column("output_path", Text),
-    Column("cpu", Double, nullable=False),
-    Column("memory_mb", Integer, nullable=False),
+    Column("cpu", _ruled("cpu", Double, "resources_positive", "VALUE > 0"), nullable=False),
+    Column(
+        "memory_mb", _ruled("memory_mb", Integer, "resources_positive", "VALUE > 0"), nullable=False
+    ),
     # its disk quota (MiB; NULL: the worker's default)
-    Column("disk_mb", Integer),
+    Column("disk_mb", _ruled("disk_mb", Integer, "disk_positive", _NULL_OR_POSITIVE)),
     Column("preemptible", Boolean, nullable=False, server_default=text("false")),
-    Column("max_attempts", Integer, nullable=False),
+    Column(
+        "max_attempts",
+        _ruled("max_attempts", Integer, "max_attempts_positive", "VALUE > 0"),
+        nullable=False,
+    ),
     Column("backoff_base_s", Double),
     Column("backoff_cap_s", Double, nullable=False),
     Column("backoff_jitter", Boolean, nullable=False),
-    Column("poison_after", Integer, nullable=False),
-    Column("timeout_s", Integer),
+    Column(
+        "poison_after",
+        _ruled("poison_after", Integer, "poison_after_positive", "VALUE > 0"),
+        nullable=False,
+    ),
+    Column("timeout_s", _ruled("timeout_s", Integer, "timeout_positive", _NULL_OR_POSITIVE)),
     Column("run_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("idempotency_key", Text),
     Column("spec_hash", Text),
     Column("labels", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("state", Text, nullable=False),
-    Column("attempts", Integer, nullable=False, server_default=text("0")),
-    Column("crashes", Integer, nullable=False, server_default=text("0")),
+    Column("state", _ruled("state", Text, "state", sql_in("VALUE", TaskState)), nullable=False),
+    Column(
+        "attempts",
+        _ruled("attempts", Integer, "counts_non_negative", "VALUE >= 0"),
+        nullable=False,
+        server_default=text("0"),
+    ),
+    Column(
+        "crashes",
+        _ruled("crashes", Integer, "counts_non_negative", "VALUE >= 0"),
+        nullable=False,
+        server_default=text("0"),
+    ),
     # Attempts handed back in a row because its file:// source did not answer
     # (domain.outcomes.source_unanswered); reset by any other end a worker reports
     # (but a hand-back without that cause) and by a person's retry.
-    Column("source_handbacks", Integer, nullable=False, server_default=text("0")),
+    Column(
+        "source_handbacks",
+        _ruled("source_handbacks", Integer, "source_handbacks_non_negative", "VALUE >= 0"),
+        nullable=False,
+        server_default=text("0"),
+    ),
     Column("last_error", Text),
     Column("current_attempt_id", BigInteger),
     Column("version", Integer, nullable=False, server_default=text("1")),
@@ -374,49 +421,48 @@ tasks = Table(
     Column("team", Text),
     Column("vtime", Double, nullable=False, server_default=text("EXTRACT(EPOCH FROM now())")),
     Column("concurrency_key", Text),
-    Column("concurrency_limit", Integer),
+    Column(
+        "concurrency_limit",
+        _ruled("concurrency_limit", Integer, "concurrency_limit_positive", _NULL_OR_POSITIVE),
+    ),
     # Ends dead if it has not started by then (Op.EXPIRE).
     Column("start_by", DateTime(timezone=True)),
     # Crashes count towards poison_after only within this window: their times, the last
     # poison_after of them (domain.outcomes).
-    Column("poison_window_s", Double, nullable=False, server_default=text("259200")),
+    Column(
+        "poison_window_s",
+        _ruled("poison_window_s", Double, "poison_window_positive", "VALUE > 0"),
+        nullable=False,
+        server_default=text("259200"),
+    ),
     Column(
         "crashed_at", ARRAY(DateTime(timezone=True)), nullable=False, server_default=text("'{}'")
     ),
     # The retry policy's never/always causes (RetryPolicy), NULL when it lists none.
     Column("retry_causes", JSONB),
     # No new progress for this long ends the attempt as timed out (docs/progress.md).
-    Column("progress_timeout_s", Integer),
+    Column(
+        "progress_timeout_s",
+        _ruled("progress_timeout_s", Integer, "progress_timeout_positive", _NULL_OR_POSITIVE),
+    ),
     # Placement by label (docs/placement.md): as submitted, and the required selectors
     # compiled for the claim (domain.selectors); NULL for the common task.
     Column("placement", JSONB),
     Column("required", JSONB),
     # The artifact's credentials, a secret reference ({"secret", "team"}; docs/security.md).
-    Column("artifact_credentials", JSONB),
+    Column(
+        "artifact_credentials",
+        _ruled(
+            "artifact_credentials", JSONB, "artifact_credentials", "jsonb_typeof(VALUE) = 'object'"
+        ),
+    ),
     # Countable devices it asks for ({"gpu": 1}; docs/placement.md), NULL for none.
     Column("devices", JSONB),
     # A service's declared ports and probes (docs/services.md); NULL for everything else.
     Column("service", JSONB),
-    CheckConstraint(_ALL_STATES_SQL, name="state"),
-    CheckConstraint("kind IN ('service', 'task')", name="kind"),
     CheckConstraint(f"({_FINAL_SQL}) = (finished_at IS NOT NULL)", name="final_has_finished_at"),
-    CheckConstraint("max_attempts > 0", name="max_attempts_positive"),
-    CheckConstraint("poison_after > 0", name="poison_after_positive"),
-    CheckConstraint("poison_window_s > 0", name="poison_window_positive"),
-    CheckConstraint("attempts >= 0 AND crashes >= 0", name="counts_non_negative"),
-    CheckConstraint("source_handbacks >= 0", name="source_handbacks_non_negative"),
-    CheckConstraint("cpu > 0 AND memory_mb > 0", name="resources_positive"),
-    CheckConstraint("disk_mb IS NULL OR disk_mb > 0", name="disk_positive"),
-    CheckConstraint("timeout_s IS NULL OR timeout_s > 0", name="timeout_positive"),
-    CheckConstraint("priority BETWEEN -100 AND 100", name="priority_range"),
-    CheckConstraint(
-        "progress_timeout_s IS NULL OR progress_timeout_s > 0", name="progress_timeout_positive"
-    ),
     CheckConstraint(
         f"state <> '{S.RUNNING}' OR current_attempt_id IS NOT NULL", name="running_has_attempt"
-    ),
-    CheckConstraint(
-        "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
     ),
     CheckConstraint("required IS NULL OR placement IS NOT NULL", name="required_placed"),
     CheckConstraint("service IS NULL OR kind = 'service'", name="service_kind"),
@@ -436,7 +482,6 @@ tasks = Table(
         "owner",
         postgresql_where=text(f"kind = 'service' AND state = '{S.RUNNING}'"),
     ),
-    CheckConstraint("jsonb_typeof(artifact_credentials) = 'object'", name="artifact_credentials"),
     Index(
         "uq_tasks_owner_idempotency_key",
         "owner",

@@ -1,0 +1,128 @@
+"""core.tasks' one-column rules become domains (issue 35, "cheaper moves in PostgreSQL").
+
+PostgreSQL checks every CHECK constraint of a table on each UPDATE of one of its rows,
+and reads and plans each one afresh for each statement: a task's every move paid for
+eighteen. A domain's check runs only where a value is made into the column's type (an
+INSERT, an UPDATE that sets that column), planned once and kept in the type cache. So
+each one-column rule becomes the check of a domain of its own, ``core.tasks_<column>``,
+under the constraint's old name (an error still names the rule); the four rules that tie
+columns together stay CHECK constraints of the table.
+
+No row is rewritten: a column takes its domain while the domain has no check yet (a
+change of type PostgreSQL knows needs no new row), then each domain gets its check,
+which reads the rows once to validate them.
+
+Revision ID: 0033_task_domains
+Revises: 0032_source_handbacks
+Create Date: 2026-12-06
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0033_task_domains"
+down_revision = "0032_source_handbacks"
+branch_labels = None
+depends_on = None
+
+_STATES = "'cancelled', 'dead', 'failed', 'ready', 'running', 'succeeded', 'waiting'"
+
+# (column, its type, the rule's name, the rule on VALUE, the rule on the column)
+RULES = [
+    ("state", "TEXT", "state", f"VALUE IN ({_STATES})", f"state IN ({_STATES})"),
+    ("kind", "TEXT", "kind", "VALUE IN ('service', 'task')", "kind IN ('service', 'task')"),
+    (
+        "priority",
+        "SMALLINT",
+        "priority_range",
+        "VALUE BETWEEN -100 AND 100",
+        "priority BETWEEN -100 AND 100",
+    ),
+    ("max_attempts", "INTEGER", "max_attempts_positive", "VALUE > 0", "max_attempts > 0"),
+    ("poison_after", "INTEGER", "poison_after_positive", "VALUE > 0", "poison_after > 0"),
+    (
+        "poison_window_s",
+        "DOUBLE PRECISION",
+        "poison_window_positive",
+        "VALUE > 0",
+        "poison_window_s > 0",
+    ),
+    ("attempts", "INTEGER", "counts_non_negative", "VALUE >= 0", "attempts >= 0"),
+    ("crashes", "INTEGER", "counts_non_negative", "VALUE >= 0", "crashes >= 0"),
+    (
+        "source_handbacks",
+        "INTEGER",
+        "source_handbacks_non_negative",
+        "VALUE >= 0",
+        "source_handbacks >= 0",
+    ),
+    ("cpu", "DOUBLE PRECISION", "resources_positive", "VALUE > 0", "cpu > 0"),
+    ("memory_mb", "INTEGER", "resources_positive", "VALUE > 0", "memory_mb > 0"),
+    (
+        "disk_mb",
+        "INTEGER",
+        "disk_positive",
+        "VALUE IS NULL OR VALUE > 0",
+        "disk_mb IS NULL OR disk_mb > 0",
+    ),
+    (
+        "timeout_s",
+        "INTEGER",
+        "timeout_positive",
+        "VALUE IS NULL OR VALUE > 0",
+        "timeout_s IS NULL OR timeout_s > 0",
+    ),
+    (
+        "progress_timeout_s",
+        "INTEGER",
+        "progress_timeout_positive",
+        "VALUE IS NULL OR VALUE > 0",
+        "progress_timeout_s IS NULL OR progress_timeout_s > 0",
+    ),
+    (
+        "concurrency_limit",
+        "INTEGER",
+        "concurrency_limit_positive",
+        "VALUE IS NULL OR VALUE > 0",
+        "concurrency_limit IS NULL OR concurrency_limit > 0",
+    ),
+    (
+        "artifact_credentials",
+        "JSONB",
+        "artifact_credentials",
+        "jsonb_typeof(VALUE) = 'object'",
+        "jsonb_typeof(artifact_credentials) = 'object'",
+    ),
+]
+
+# The table's rules that two columns made one (counts, resources), as they stood.
+_PAIRS = {
+    "counts_non_negative": "attempts >= 0 AND crashes >= 0",
+    "resources_positive": "cpu > 0 AND memory_mb > 0",
+}
+
+
+def _table_rules() -> dict[str, str]:
+    rules = {name: on_column for _, _, name, _, on_column in RULES}
+    return {**rules, **_PAIRS}
+
+
+def upgrade() -> None:
+    for column, base, _, _, _ in RULES:
+        op.execute(f"CREATE DOMAIN core.tasks_{column} AS {base}")
+    changes = [f"DROP CONSTRAINT ck_tasks_{name}" for name in _table_rules()]
+    changes += [f"ALTER COLUMN {c} TYPE core.tasks_{c}" for c, *_ in RULES]
+    op.execute("ALTER TABLE core.tasks " + ", ".join(changes))
+    for column, _, name, on_value, _ in RULES:
+        op.execute(
+            f"ALTER DOMAIN core.tasks_{column} ADD CONSTRAINT ck_tasks_{name} CHECK ({on_value})"
+        )
+
+
+def downgrade() -> None:
+    changes = [f"ALTER COLUMN {c} TYPE {base}" for c, base, *_ in RULES]
+    changes += [f"ADD CONSTRAINT ck_tasks_{n} CHECK ({rule})" for n, rule in _table_rules().items()]
+    op.execute("ALTER TABLE core.tasks " + ", ".join(changes))
+    for column, *_ in RULES:
+        op.execute(f"DROP DOMAIN core.tasks_{column}")
