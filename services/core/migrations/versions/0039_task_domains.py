@@ -12,8 +12,8 @@ No row is rewritten: a column takes its domain while the domain has no check yet
 change of type PostgreSQL knows needs no new row), then each domain gets its check,
 which reads the rows once to validate them. PostgreSQL builds again the partial indexes
 whose predicate names ``state`` (and those on ``kind``, ``priority``) and checks the four
-CHECKs left, a read of the table each: 2.2 to 3 s for 300,000 tasks (98 MB of rows), under the
-ALTER TABLE's lock; the downgrade, 1.8 s.
+CHECKs left, a read of the table each: 2.2 to 3 s for 300,000 tasks (98 MB of rows),
+under the ALTER TABLE's lock; the downgrade, 1.8 s.
 
 Revision ID: 0033_task_domains
 Revises: 0032_source_handbacks
