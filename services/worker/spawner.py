@@ -88,8 +88,8 @@ SOURCE_STEP = 11
 SOURCE_BUSY = errno.EBUSY
 SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
 #: its errno there when the checking itself failed, which says nothing of the source: too
-#: many checkers of other paths still hang, or too many starts wait for their checks
-#: already (EAGAIN), the checker died unanswered (EIO), no checker could be made (EAGAIN,
+#: many checkers of other paths still hang, or too many starts (or bytes of their
+#: requests) wait for their checks already (EAGAIN), the checker died unanswered (EIO), no checker could be made (EAGAIN,
 #: ENOMEM), the request was refused (EINVAL), no file could be opened at all (EMFILE,
 #: ENFILE), or a kill of its uid came while it was checked (ECANCELED: it never started).
 #: Any other errno (ESTALE: another file; the open's own: ENOENT, EACCES...) says the

@@ -129,6 +129,44 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
     asyncio.run(scenario())
 
 
+def test_the_bytes_pending_starts_keep_are_bounded_together(root: Path) -> None:
+    """Starts of 520 KB requests wait for a check that hangs: past 16 MB of them together
+    (PENDING_BYTES in spawn.c) the next fails at once with EAGAIN, though most of the 128
+    slots are free (128 such requests held 66 MB, 1 MB ones 136 MB); a small checked
+    start still fits and runs, and the waiting ones end as their check does."""
+    binary = _binary(root)
+    limit_s = 2.0
+    big = ["true", *["x" * 130_000] * 4]
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        try:
+            with unanswered_fuse(root / "jammed") as mount:
+                hung = dataclasses.replace(
+                    _check(mount / "task"), argv=big, source_timeout_s=limit_s
+                )
+                starts = []
+                for _ in range(40):
+                    starts.append(asyncio.create_task(start(hung)))
+                    # Answered once all before it were read (in order): no more than one
+                    # such request at a time fills the agent's end of the socket.
+                    await helper.recount()
+                small = await start(_check(Path("/bin/true"), healthy=True))
+                assert small[1] == 0 and small[0] < limit_s / 4, small
+                ended = await asyncio.gather(*starts)
+                refused = [took for took, r in ended if r == (spawner.SOURCE_STEP, errno.EAGAIN)]
+                assert len(refused) in range(1, 11), ended  # 16 MB: 32 of 520 KB
+                assert max(refused) < limit_s / 4, refused  # at once, not after the check
+                waited = [r for _, r in ended if r != (spawner.SOURCE_STEP, errno.EAGAIN)]
+                assert waited[0] == (spawner.SOURCE_STEP, errno.ETIMEDOUT), ended
+                assert set(waited[1:]) == {(spawner.SOURCE_STEP, spawner.SOURCE_BUSY)}
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
     """8 checks of paths under a mount where not even SIGKILL ends an open (MAX_STUCK in
     spawn.c) time out together: all 8 are answered together (no wait for a checker to
