@@ -167,6 +167,36 @@ def test_the_bytes_pending_starts_keep_are_bounded_together(root: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: Path) -> None:
+    """40 starts of 520 KB requests sent at once, 20 MB where the agent's end of the socket
+    holds 2: those it has no room for wait for it and go in order (each reply is matched
+    to its request by number), a signal sent meanwhile too; none is lost, the helper
+    lives on (a full socket was taken for a helper gone: every attempt of it lost)."""
+    binary = _binary(root)
+    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            pid, exited = await helper.spawn(
+                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
+            )
+            starts = [asyncio.create_task(start(big)) for _ in range(40)]
+            await asyncio.sleep(0)  # each sent, or waiting for room
+            helper.signal(pid, signal.SIGTERM)
+            assert [status for _, status in await asyncio.gather(*starts)] == [0] * 40
+            assert (await asyncio.wait_for(exited, 10))[0] == signal.SIGTERM
+            assert not helper.gone
+            assert (await start(PLAIN))[1] == 0
+        finally:
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
     """8 checks of paths under a mount where not even SIGKILL ends an open (MAX_STUCK in
     spawn.c) time out together: all 8 are answered together (no wait for a checker to
