@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 from pathlib import Path
 
 import psycopg
@@ -41,16 +42,21 @@ class SlowLogs(Proxy):
             await asyncio.sleep(self.delay_s)
 
 
+def _agent_behind(proxy: Proxy, core: Core, tmp_path: Path, name: str) -> subprocess.Popen[bytes]:
+    """A real agent whose calls go through ``proxy``, waiting 0.3 s for a log's end."""
+    return spawn_worker(
+        Core(proxy.url, core.db_url, core.server, core.thread),
+        tmp_path / "worker",
+        name,
+        CAIRN_WORKER_LOG_FLUSH_S="0.3",
+    )
+
+
 def test_the_end_of_a_log_that_reaches_core_after_the_report_is_kept(
     core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     proxy = SlowLogs(int(core.url.rsplit(":", 1)[1]), delay_s=1.5)
-    agent = spawn_worker(
-        Core(proxy.url, core.db_url, core.server, core.thread),
-        tmp_path / "worker",
-        "late-log-worker",
-        CAIRN_WORKER_LOG_FLUSH_S="0.3",
-    )
+    agent = _agent_behind(proxy, core, tmp_path, "late-log-worker")
     db.autocommit = True
     try:
         with core.client("alice") as alice:
@@ -120,12 +126,7 @@ def test_an_older_core_that_refuses_log_bytes_gets_the_report_without_it(
     core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     proxy = OlderCore(int(core.url.rsplit(":", 1)[1]), delay_s=1.5)
-    agent = spawn_worker(
-        Core(proxy.url, core.db_url, core.server, core.thread),
-        tmp_path / "worker",
-        "older-core-worker",
-        CAIRN_WORKER_LOG_FLUSH_S="0.3",
-    )
+    agent = _agent_behind(proxy, core, tmp_path, "older-core-worker")
     db.autocommit = True
     try:
         with core.client("alice") as alice:

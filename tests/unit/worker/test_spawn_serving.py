@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PLAIN = spawner.Launch("/bin/true", ["true"], {}, "/")
+SLEEPER = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
 
 
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
@@ -99,9 +100,7 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
         start = _Starts(helper, root)
         log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            pid, exited = await helper.spawn(
-                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
-            )
+            pid, exited = await helper.spawn(SLEEPER, log)
             with unanswered_fuse(root / "jammed") as mount:
                 hung = dataclasses.replace(_check(mount / "task"), source_timeout_s=limit_s)
                 waiting = [asyncio.create_task(start(hung)) for _ in range(128)]
@@ -180,9 +179,7 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
         start = _Starts(helper, root)
         log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            pid, exited = await helper.spawn(
-                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
-            )
+            pid, exited = await helper.spawn(SLEEPER, log)
             starts = [asyncio.create_task(start(big)) for _ in range(40)]
             await asyncio.sleep(0)  # each sent, or waiting for room
             helper.signal(pid, signal.SIGTERM)
