@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,31 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held off while the block runs: a clean-up that a second Ctrl-C
+    (or SIGTERM, ``exit_on_sigterm``) would cut short, leaving PostgreSQL or core
+    running. One that came is delivered after a block that ended normally; if the block
+    ends by an exception, the benchmark already stops. Python handles signals in the
+    main thread only: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():  # None: not set from Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    for signum in dict.fromkeys(caught):
+        signal.raise_signal(signum)
 
 
 def free_port() -> int:
@@ -73,8 +99,9 @@ def start_service(
     except BaseException:
         # Not started, or the benchmark stopped meanwhile (Ctrl-C, ``exit_on_sigterm``):
         # its caller has no handle to stop it by.
-        proc.kill()
-        proc.wait()
+        with signals_held():
+            proc.kill()
+            proc.wait()
         raise
 
 
@@ -118,8 +145,14 @@ def core_stack(
         postmaster = int((server.data / "postmaster.pid").read_text().split()[0])
         yield Stack(root, url, core_url, proc.pid, postmaster)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(20)
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        # To its end, whatever comes meanwhile: a second Ctrl-C, a core slow to stop.
+        with signals_held():
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            server.stop()
+            shutil.rmtree(root, ignore_errors=True)

@@ -7,7 +7,7 @@ its problem+json body; a transport failure is raised as httpx's own ``TransportE
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import quote
@@ -17,7 +17,7 @@ import orjson
 
 from libs.common import tracing
 from libs.common.corked import cork
-from libs.common.errors import BY_SLUG, CairnError
+from libs.common.errors import BY_SLUG, CairnError, InvalidInput
 from libs.common.models import (
     HUNG_SOURCES_MAX,
     WORKER_LEASE_HEADER,
@@ -191,12 +191,35 @@ class ApiClient:
         log.warning("%s is deprecated (sunset: %s)", call, sunset)
 
 
-def _unset_of(body: Turn) -> set[str] | None:
-    """The fields of a turn left out of its body: those it does not use."""
-    unset = {name for name in ("progress", "holding", "draining") if not getattr(body, name)}
+#: the fields of a report that a core older than them refuses (422, "Extra inputs are not
+#: permitted"), and that a report can go without: they only tell core more (a late log's
+#: length; why an attempt was handed back). Unset, they are never sent (``Report``).
+OPTIONAL_REPORT_FIELDS = frozenset({"log_bytes", "hand_back_cause"})
+
+
+def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
+    """The fields of a turn left out of its body: those it does not use, and those of its
+    reports that core refused as unknown (``refused``)."""
+    unset: dict[str, Any] = {
+        name: True for name in ("progress", "holding", "draining") if not getattr(body, name)
+    }
     if body.holding == []:
-        unset.discard("holding")  # an empty list says "I hold nothing", not "not sent"
+        del unset["holding"]  # an empty list says "I hold nothing", not "not sent"
+    if refused and body.reports:
+        unset["reports"] = {"__all__": set(refused)}
     return unset or None
+
+
+def refused_fields(error: InvalidInput) -> set[str]:
+    """The optional report fields a 422 refuses as unknown to the core that answered."""
+    named = set()
+    for item in error.extra.get("errors") or ():
+        if not isinstance(item, dict) or "extra" not in str(item.get("reason", "")).lower():
+            continue
+        name = str(item.get("field", "")).rsplit(".", 1)[-1]
+        if name in OPTIONAL_REPORT_FIELDS:
+            named.add(name)
+    return named
 
 
 class CoreClient(ApiClient):
@@ -204,6 +227,9 @@ class CoreClient(ApiClient):
 
     #: the worker whose turns this client sends last, and their URL joined to the base
     _turn_at: tuple[int, httpx.URL] | None = None
+    #: optional report fields core refused as unknown (an older core): left out of every
+    #: report from then on, for as long as this client lives (the agent's process)
+    refused: frozenset[str] = frozenset()
 
     async def whoami(self, token: str | None = None) -> WhoAmI:
         """The principal this client's token stands for, or ``token`` if given (one
@@ -373,15 +399,35 @@ class CoreClient(ApiClient):
             # about as much as encoding its body.
             path = f"/v1/workers/{worker_id}/turn"
             self._turn_at = (worker_id, self._http.build_request("POST", path).url)
-        response = await self._call(
-            "POST",
-            self._turn_at[1],
-            # Without progress, holding or draining when it has none, as a core that
-            # knows none of them takes it.
-            content=body.model_dump_json(exclude=_unset_of(body)),
-            timeout=httpx.Timeout(10.0 + wait, connect=2.0),
+        at = self._turn_at[1]
+        response = await self._without_refused(
+            lambda refused: self._call(
+                "POST",
+                at,
+                # Without progress, holding or draining when it has none, as a core that
+                # knows none of them takes it.
+                content=body.model_dump_json(exclude=_unset_of(body, refused)),
+                timeout=httpx.Timeout(10.0 + wait, connect=2.0),
+            )
         )
         return TurnAnswer.model_validate_json(response.content)
+
+    async def _without_refused(
+        self, send: Callable[[frozenset[str]], Awaitable[httpx.Response]]
+    ) -> httpx.Response:
+        """``send(refused)``'s answer. A core older than an optional field of the reports
+        refuses it (422) before it applies anything: the request goes again at once
+        without it, and leaves it out from then on (``draining`` is not optional: a core
+        that refuses it did not hear the drain). Each pass leaves out one field more."""
+        while True:
+            try:
+                return await send(self.refused)
+            except InvalidInput as exc:
+                new = refused_fields(exc) - self.refused
+                if not new:
+                    raise
+                log.warning("core refuses report fields %s (an older core): sent without", new)
+                self.refused = self.refused | new
 
     async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
         """Ask core whether it still holds the attempt before starting it; raises
@@ -407,7 +453,11 @@ class CoreClient(ApiClient):
 
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"
-        response = await self._call("POST", path, content=outcome.model_dump_json())
+        response = await self._without_refused(
+            lambda refused: self._call(
+                "POST", path, content=outcome.model_dump_json(exclude=set(refused))
+            )
+        )
         return ReportAnswer.model_validate_json(response.content)
 
     async def ship_logs(self, worker_id: int, batch: LogBatch) -> list[LogAck]:

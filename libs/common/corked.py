@@ -78,12 +78,17 @@ class Corked:
 
 class _HeldStream(httpcore.AsyncNetworkStream):
     """A client's stream that holds what it writes until it reads (a request's head and
-    body, then the answer)."""
+    body, then the answer). httpcore waits for an answer only by reading (HTTP/1.1:
+    ``_receive_event``), so nothing held is left behind while it waits; what is held goes
+    out within the timeout it was written with (the request's write timeout), not the
+    read's: a long poll's read timeout (``httpx.Timeout(5, read=60)``) is no bound on a
+    stalled write of its request."""
 
     def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
         self._stream = stream
         self._held: list[bytes] = []
         self._size = 0
+        self._timeout: float | None = None  # the write timeout of what is held
         # asked for "is_readable" before each reuse of the connection: anyio builds its
         # table of attributes on every ask, so the socket is looked up once
         self._socket = stream.get_extra_info("socket")
@@ -99,11 +104,12 @@ class _HeldStream(httpcore.AsyncNetworkStream):
             return
         self._held.append(buffer)
         self._size += len(buffer)
+        self._timeout = timeout
         if self._size >= HELD_MAX:
             await self._flush(timeout)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        await self._flush(timeout)
+        await self._flush(self._timeout)
         return await self._stream.read(max_bytes, timeout)
 
     async def aclose(self) -> None:
@@ -116,7 +122,7 @@ class _HeldStream(httpcore.AsyncNetworkStream):
         server_hostname: str | None = None,
         timeout: float | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        await self._flush(timeout)
+        await self._flush(self._timeout)
         return _HeldStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> Any:

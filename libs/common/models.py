@@ -1162,9 +1162,14 @@ class Report(Input):
     outputs: Outputs | None = None
     #: how many bytes of output the attempt wrote, when the end of its log is still on
     #: its way to core (core then takes the rest for ``CAIRN_LOG_LATE_S``: docs/logs.md);
-    #: omitted when core has it all
-    log_bytes: int | None = Field(default=None, ge=0, le=2**62)
-    hand_back_cause: HandBackCause | None = None
+    #: omitted when core has it all. This field and the next are left out of a report's
+    #: body when unset, so a core that predates them takes the report (docs/deploy.md)
+    log_bytes: int | None = Field(
+        default=None, ge=0, le=2**62, exclude_if=lambda value: value is None
+    )
+    hand_back_cause: HandBackCause | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
     @model_validator(mode="after")
     def _cause_of_hand_back(self) -> Report:

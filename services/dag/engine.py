@@ -76,7 +76,9 @@ _MOVES = frozenset({TaskState.RUNNING, *FINAL})
 #: a feed page that moves no node stores its cursor at most this often
 _CURSOR_EVERY_S = 1.0
 #: how long the starts of tasks (``released -> running``, which no rule reads) may wait
-#: to be written with the next page's events (a short task's end, mostly)
+#: to be written with the next page's events (a short task's end, mostly), counted from
+#: when the read that brought them was sent: core holds such a page for that long itself
+#: (``hold``), and the loop holds it only for what core's answer left of it
 _STARTS_HOLD_S = 0.25
 #: tasks whose node the loop keeps in memory once it released them (about 200 bytes each)
 _RELEASED_KEPT = 100_000
@@ -264,6 +266,7 @@ class Engine:
         #: the nodes of the tasks this loop released, by task id, newest last
         self._released: OrderedDict[int, _Released] = OrderedDict()
         self._starts_due = math.inf  # when they are written even if no event follows
+        self._polled_at = -math.inf  # when the read of the feed's last page was sent
         #: ready nodes the feed's apply read in its transaction, for ``release`` to take
         self._ready_rows: list[Any] = []
 
@@ -419,6 +422,7 @@ class Engine:
             wait = min(wait, max(0.0, self._starts_due - time.monotonic()))
         # Held by core until a task ends (or ``_STARTS_HOLD_S``): a released task's
         # creation and start, which move the run on by nothing, wake no turn of their own.
+        self._polled_at = time.monotonic()
         poll = asyncio.create_task(
             self.core.events(self._cursor, self.settings.feed_page, wait, _STARTS_HOLD_S)
         )
@@ -704,14 +708,16 @@ class Engine:
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
         transaction. A page whose only moves are starts is held (its cursor not stored)
-        and written with the next page, or after ``_STARTS_HOLD_S``: a short task's start
-        and end then cost one transaction, not two."""
+        and written with the next page, until ``_STARTS_HOLD_S`` after the read that
+        brought it was sent: a short task's start and end then cost one transaction, not
+        two. Core holds such a page that long already (``hold``), unless the read's
+        ``wait`` was shorter: the loop holds it only for the rest, not a second time."""
         events = [*self._starts, *page.items]
         moves = [e for e in events if e.to_state in _MOVES]
-        now = time.monotonic()
-        if moves and all(e.to_state is TaskState.RUNNING for e in moves) and now < self._starts_due:
+        due = min(self._starts_due, self._polled_at + _STARTS_HOLD_S)
+        if moves and all(e.to_state is TaskState.RUNNING for e in moves) and time.monotonic() < due:
             self._starts = moves
-            self._starts_due = min(self._starts_due, now + _STARTS_HOLD_S)
+            self._starts_due = due
             self._cursor = page.next_cursor
             return
         await self._apply_events(events, page.next_cursor)

@@ -314,14 +314,23 @@ static int source_holds(struct request *r) {
  * hangs holds back its own path only (and its slot: a checked start that finds none free
  * fails at once, EAGAIN, and the agent hands it back). MAX_PENDING is above what a burst
  * of starts of one path fills while they are checked one after another (100 starts sent
- * at once filled 32 and more), and bounds what they hold: 128 requests (about 66 KB each
- * parsed) and 384 descriptors. At most MAX_CHECKING checks run at once (checker
- * processes, polled answers). killed: its uid was killed meanwhile, so it never starts. */
+ * at once filled 32 and more), and bounds the slots: 128, each a parsed request (about
+ * 66 KB: its argv and envp tables) and up to 3 descriptors. Each also keeps its request's
+ * bytes, up to MAX_REQUEST (1 MB) each: 128 of the largest would hold 136 MB, so the
+ * bytes the pending starts keep are bounded together too, PENDING_BYTES (16 MB: any one
+ * request fits when none waits), past which a checked start fails at once, EAGAIN, as
+ * when no slot is free. At worst 128 x 66 KB + 16 MB, about 25 MB. At most MAX_CHECKING
+ * checks run at once (checker processes, polled answers). killed: its uid was killed
+ * meanwhile, so it never starts. size: the bytes of its request it keeps. */
 #define MAX_PENDING 128
+#define PENDING_BYTES (16 << 20)
+_Static_assert(PENDING_BYTES > MAX_REQUEST, "any one request fits when none waits");
 #define MAX_CHECKING 32
 static int checking;  /* checks running (begun, not ended) */
+static size_t pending_bytes;  /* what the pending starts' requests keep, together */
 struct pending {
     char *data;
+    size_t size;
     struct request request;
     int fds[3], nfds, fd, resident, killed;
     int64_t seq;
@@ -775,6 +784,7 @@ static int answer_pending(int sock, int i, int err) {
     struct pending *p = pending[i];
     int rc = answer_start(sock, &p->request, err || !p->killed ? err : ECANCELED, p->seq);
     for (int k = 0; k < p->nfds; k++) close(p->fds[k]);
+    pending_bytes -= p->size;
     free(p->data);
     free(p);
     pending[i] = NULL;
@@ -829,23 +839,27 @@ static int go_on(int sock) {
 
 /* A start whose source is checked first: pending (with its own copy of the request)
  * while the check runs; answered at once if it cannot begin, or cannot be kept: EAGAIN
- * while MAX_PENDING starts are pending already (the agent hands it back, as it does a
- * start while too many checkers hang: the checking's fault, not the source's), ENOMEM.
- * Returns -1 if the agent is gone. */
+ * while MAX_PENDING starts are pending already, or their requests would keep more than
+ * PENDING_BYTES with this one's (the agent hands it back, as it does a start while too
+ * many checkers hang: the checking's fault, not the source's), ENOMEM. Returns -1 if
+ * the agent is gone. */
 static int check_first(int sock, struct request *parsed, ssize_t size, int *fds, int nfds,
                        int64_t seq) {
     int slot = -1;
     for (int i = MAX_PENDING - 1; i >= 0; i--)
         if (!pending[i]) slot = i;
-    struct pending *p = slot < 0 ? NULL : malloc(sizeof *p);
+    int full = slot < 0 || pending_bytes + (size_t)size + 1 > PENDING_BYTES;
+    struct pending *p = full ? NULL : malloc(sizeof *p);
     char *data = p ? malloc((size_t)size + 1) : NULL;
     if (!data) {
         free(p);
-        int rc = answer_start(sock, parsed, slot < 0 ? EAGAIN : ENOMEM, seq);
+        int rc = answer_start(sock, parsed, full ? EAGAIN : ENOMEM, seq);
         for (int i = 0; i < nfds; i++) close(fds[i]);
         return rc;
     }
     memcpy(data, buffer, (size_t)size + 1);
+    p->size = (size_t)size + 1;
+    pending_bytes += p->size;
     parse(data, (size_t)size, &p->request);  /* the same fields, parsed once already */
     p->request.log_fd = parsed->log_fd;
     p->request.cgroup_fd = parsed->cgroup_fd;

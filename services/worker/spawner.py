@@ -30,6 +30,7 @@ when it and its folder belong to the agent's user and nobody else may write them
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import hashlib
@@ -88,8 +89,8 @@ SOURCE_STEP = 11
 SOURCE_BUSY = errno.EBUSY
 SOURCE_UNANSWERED = frozenset({errno.ETIMEDOUT, SOURCE_BUSY})
 #: its errno there when the checking itself failed, which says nothing of the source: too
-#: many checkers of other paths still hang, or too many starts wait for their checks
-#: already (EAGAIN), the checker died unanswered (EIO), no checker could be made (EAGAIN,
+#: many checkers of other paths still hang, or too many starts (or bytes of their
+#: requests) wait for their checks already (EAGAIN), the checker died unanswered (EIO), no checker could be made (EAGAIN,
 #: ENOMEM), the request was refused (EINVAL), no file could be opened at all (EMFILE,
 #: ENFILE), or a kill of its uid came while it was checked (ECANCELED: it never started).
 #: Any other errno (ESTALE: another file; the open's own: ENOENT, EACCES...) says the
@@ -283,6 +284,12 @@ class Helper:
         #: the replies awaited, by the number of their request (0: the ready message)
         self._replies: dict[int, asyncio.Future[_Reply]] = {}
         self._sent = 0
+        #: requests the socket had no room for yet (a burst of large ones: it holds about
+        #: 2 MB), each with the reply it awaits (None: a signal's), sent in order as the
+        #: helper reads (``_drain``); a request meanwhile goes after them
+        self._backlog: collections.deque[
+            tuple[bytes, Sequence[int], asyncio.Future[_Reply] | None]
+        ] = collections.deque()
         self._ready_reply: asyncio.Future[_Reply] | None = None
         #: the attempts it started that have not ended, by pid
         self._exits: dict[int, asyncio.Future[Exit]] = {}
@@ -309,9 +316,12 @@ class Helper:
         if self._loop is not loop:  # the first use, or a new event loop since
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._sock.fileno())
+                self._loop.remove_writer(self._sock.fileno())
             self._loop = loop
             self._sock.setblocking(False)
             loop.add_reader(self._sock.fileno(), self._readable)
+            if self._backlog:
+                loop.add_writer(self._sock.fileno(), self._drain)
         return loop
 
     def _readable(self) -> None:
@@ -365,17 +375,48 @@ class Helper:
         if self.gone:
             raise self._gone()
         reply: asyncio.Future[_Reply] = self._listen().create_future()
-        self._sent += 1
+        try:
+            self._send_in_turn(data, fds, reply)
+        except OSError:
+            self.close()
+            raise self._gone() from None
+        return await reply
+
+    def _send_in_turn(
+        self, data: bytes, fds: Sequence[int], reply: asyncio.Future[_Reply] | None
+    ) -> None:
+        """Send a request now, or once those waiting for room went (``_backlog``)."""
+        if self._backlog or not self._send(data, fds, reply):
+            self._backlog.append((data, fds, reply))
+            if len(self._backlog) == 1:
+                self._listen().add_writer(self._sock.fileno(), self._drain)
+
+    def _send(self, data: bytes, fds: Sequence[int], reply: asyncio.Future[_Reply] | None) -> bool:
+        """One request sent, its reply awaited by its number; False: no room for it yet.
+        Raises ``OSError`` if the helper is gone."""
         try:
             if fds:
                 socket.send_fds(self._sock, [data], fds)
             else:
                 self._sock.send(data)
+        except BlockingIOError:
+            return False
+        if reply is not None:  # numbered in the order sent, as the helper reads them
+            self._sent += 1
+            self._replies[self._sent] = reply
+        return True
+
+    def _drain(self) -> None:
+        """The socket has room: the requests waiting for it go, in order."""
+        try:
+            while self._backlog:
+                if not self._send(*self._backlog[0]):
+                    return  # called again when there is room
+                self._backlog.popleft()
         except OSError:
             self.close()
-            raise self._gone() from None
-        self._replies[self._sent] = reply
-        return await reply
+            return
+        self._listen().remove_writer(self._sock.fileno())
 
     async def ready(self) -> None:
         """Wait for its start (and its move into the cgroups); raises ``HelperGone``."""
@@ -427,8 +468,8 @@ class Helper:
         helper is gone."""
         if self.gone or pid <= 0:
             return
-        with contextlib.suppress(OSError):
-            self._sock.send(f"S{pid} {signum}".encode())
+        with contextlib.suppress(OSError):  # gone: its reader sees the end
+            self._send_in_turn(f"S{pid} {signum}".encode(), (), None)
 
     async def kill_uid(self, uid: int) -> None:
         """SIGKILL every process of ``uid`` (a child of the helper sends ``kill -9 -1``
@@ -462,13 +503,18 @@ class Helper:
         self.gone = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
         self._sock.close()  # end of file: the helper exits
         if self._exit is not None:
             self._exit = None
             os.close(self._pidfd)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        waiting: list[asyncio.Future[Any]] = [*self._replies.values(), *self._exits.values()]
+        unsent = [reply for _, _, reply in self._backlog if reply is not None]
+        self._backlog.clear()
+        waiting: list[asyncio.Future[Any]] = [
+            *self._replies.values(), *unsent, *self._exits.values()
+        ]  # fmt: skip
         for future in waiting:
             if not future.done():
                 future.set_exception(self._gone())

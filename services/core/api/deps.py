@@ -336,8 +336,13 @@ async def get_secret_box(request: Request) -> SecretBox:
 Box = Annotated[SecretBox, Depends(get_secret_box)]
 
 
-async def get_auditor(request: Request, principal: CurrentPrincipal) -> Auditor:
+def auditor_of(request: Request, principal: Principal) -> Auditor:
+    """The writer of the audit rows of ``principal``'s request, from its client's address."""
     return Auditor(principal, request.client.host if request.client else None)
+
+
+async def get_auditor(request: Request, principal: CurrentPrincipal) -> Auditor:
+    return auditor_of(request, principal)
 
 
 Audit = Annotated[Auditor, Depends(get_auditor)]

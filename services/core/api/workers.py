@@ -44,6 +44,7 @@ from services.core.api.deps import (
     LeaseCache,
     PlainRoute,
     allow,
+    auditor_of,
     authenticate,
     engine_of,
     on_liveness_pool,
@@ -189,6 +190,8 @@ class AgentCall:
 
     worker: workers_db.Holder
     dispatcher: ops.Dispatcher
+    #: who calls: the actor of what the call audits (an agent's own drain)
+    principal: Principal
 
 
 async def _agent_call(
@@ -198,7 +201,7 @@ async def _agent_call(
     # validated: a request without a valid token is a 401, whatever else is wrong.
     engine = engine_of(request)
     worker = await _hold(worker_id, principal, engine, request, lease)
-    return AgentCall(worker, _dispatcher_on(request, engine))
+    return AgentCall(worker, _dispatcher_on(request, engine), principal)
 
 
 Agent = Annotated[AgentCall, Depends(_agent_call)]
@@ -233,7 +236,11 @@ async def turn(body: Turn, call: Agent, request: Request) -> Response:
     409 in its verdict), the attempts it started, and the room it wants filled (``claim``;
     with ``wait``, an empty answer is held until work arrives or ``wait`` seconds pass)."""
     worker, dispatcher = call.worker, call.dispatcher
-    done = await ops.turn(dispatcher, worker.id, body, request.headers, request.is_disconnected)
+    # An agent's own drain is audited as an admin's is, the agent the actor.
+    record = auditor_of(request, call.principal) if body.draining else None
+    done = await ops.turn(
+        dispatcher, worker.id, body, request.headers, request.is_disconnected, record
+    )
     answer = TurnAnswer(
         state=done.state, reports=done.reports, attempts=done.attempts, waited=done.waited
     )
@@ -263,7 +270,8 @@ class TurnRoute(PlainRoute):
             body = Turn.model_validate_json(await request.body())
         except ValidationError:
             return None
-        return await turn(body, AgentCall(worker, _dispatcher_on(request, engine)), request)
+        call = AgentCall(worker, _dispatcher_on(request, engine), principal)
+        return await turn(body, call, request)
 
 
 def _plain_id(value: str | None) -> int | None:

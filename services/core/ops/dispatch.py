@@ -126,12 +126,14 @@ async def turn(
     body: Turn,
     headers: Mapping[str, str] | None = None,
     gone: Callable[[], Awaitable[bool]] | None = None,
+    record: Auditor | None = None,
 ) -> TurnResult:
     """One round trip of a worker: in one transaction, hear it (refresh its liveness
     when stale, note what it started; mark it draining first when the agent says it
-    drains, ``Turn.draining``), apply its reports, lease what fits its room. With
-    ``claim.wait`` and nothing leased, claim again (alone) as work is announced, until
-    the wait is over or the caller is ``gone``."""
+    drains, ``Turn.draining``, audited by ``record`` as an admin's drain is), apply its
+    reports, lease what fits its room. With ``claim.wait`` and nothing leased, claim
+    again (alone) as work is announced, until the wait is over or the caller is
+    ``gone``."""
     reported = [r.attempt_id for r in body.reports]
     ops.meter.turned(body.claim is not None, len(reported))
     waits = body.claim is not None and body.claim.wait > 0
@@ -141,6 +143,8 @@ async def turn(
     try:
         async with ops.engine.begin() as conn:
             drained = body.draining and await workers_db.start_draining(conn, worker_id)
+            if drained and record is not None:
+                await _drain_audited(conn, record, worker_id, Workers.LIVE)
             heard = await attempts_db.hear(
                 conn,
                 worker_id,
@@ -558,11 +562,16 @@ async def drain(engine: AsyncEngine, notifier: Notifier, record: Auditor, worker
         if row.state not in Workers.PRESENT:
             raise Conflict(f"worker {worker_id} is {row.state}; only a live worker drains")
         await workers_db.set_worker_state(conn, worker_id, Workers.DRAINING)
-        await record(
-            conn,
-            "worker.drain",
-            f"worker:{worker_id}",
-            before={"state": row.state},
-            after={"state": Workers.DRAINING},
-        )
+        await _drain_audited(conn, record, worker_id, row.state)
     notifier.announce(Work(workers=frozenset([worker_id])))
+
+
+async def _drain_audited(conn: AsyncConnection, record: Auditor, worker_id: int, was: str) -> None:
+    """The audit row of a drain: an admin's (``drain``) or the agent's own (``turn``)."""
+    await record(
+        conn,
+        "worker.drain",
+        f"worker:{worker_id}",
+        before={"state": was},
+        after={"state": Workers.DRAINING},
+    )

@@ -494,6 +494,14 @@ def test_a_turn_that_says_its_worker_drains_answers_its_waiting_claim_at_once(
         told = agent.post(f"/v1/workers/{worker.id}/turn", json={"draining": True})
         assert told.status_code == 200, told.text
         assert told.json()["state"] == "draining"
+        again = agent.post(f"/v1/workers/{worker.id}/turn", json={"draining": True})
+        assert again.status_code == 200, again.text
+        # Audited as an admin's drain is, the agent the actor; once, when it moved.
+        audited = "SELECT actor, actor_role, target, before, after, source FROM core.audit"
+        assert db.execute(f"{audited} WHERE action = 'worker.drain'").fetchall() == [
+            ("w1", "worker", f"worker:{worker.id}", {"state": "live"}, {"state": "draining"},
+             "127.0.0.1"),
+        ]  # fmt: skip
         waiting.join(15)  # woken by the drain, not at the end of its wait (30 s)
         # The claim heard: nothing leased, and the verdict of the report it carried.
         assert answer and answer[0]["state"] == "draining" and answer[0]["attempts"] == []

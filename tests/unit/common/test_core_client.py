@@ -9,7 +9,7 @@ import respx
 
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, IllegalTransition, InvalidInput, NotFound
-from libs.common.models import WORKER_LEASE_HEADER, TaskCreate, Turn
+from libs.common.models import WORKER_LEASE_HEADER, AttemptReport, TaskCreate, Turn
 from tests.support import spec
 
 BASE = "http://core.test"
@@ -156,3 +156,43 @@ def test_a_turn_leaves_out_the_fields_it_does_not_use_as_an_older_core_takes_it(
     plain, drains = (json.loads(call.request.content) for call in route.calls)
     assert not {"progress", "holding", "draining"} & plain.keys()
     assert drains["draining"] is True and drains["holding"] == []
+
+
+@respx.mock
+def test_a_report_field_an_older_core_refuses_is_left_out_from_then_on() -> None:
+    """Unset, ``log_bytes`` and ``hand_back_cause`` are not sent; set, and refused by a core
+    that predates them (422: unknown field), the turn goes again without them, and so
+    does every turn after. A 422 about anything else is raised as it was."""
+    answer = {"state": "live", "reports": [], "attempts": []}
+    unknown = [
+        {"field": "body.reports.0.hand_back_cause", "reason": "Extra inputs are not permitted"}
+    ]
+    route = respx.post(f"{BASE}/v1/workers/5/turn").mock(
+        side_effect=[
+            _problem("invalid-input", 422, "body.reports.0.hand_back_cause: ...", errors=unknown),
+            httpx.Response(200, json=answer),
+            httpx.Response(200, json=answer),
+            _problem("invalid-input", 422, "body.claim: bad", errors=[{"field": "body.claim"}]),
+        ]
+    )
+    back = AttemptReport(attempt_id=3, outcome="handed_back", hand_back_cause="source")
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.turn(5, Turn(reports=[back]))
+            await client.turn(
+                5, Turn(reports=[back, AttemptReport(attempt_id=4, outcome="succeeded")])
+            )
+            with pytest.raises(InvalidInput):
+                await client.turn(5, Turn(reports=[back]))
+
+    _run(calls())
+    bodies = [json.loads(call.request.content)["reports"] for call in route.calls]
+    assert [[r.get("hand_back_cause") for r in b] for b in bodies] == [
+        ["source"],
+        [None],
+        [None, None],
+        [None],
+    ]
+    assert not any({"hand_back_cause", "log_bytes"} & r.keys() for b in bodies[1:] for r in b)
+    assert route.call_count == 4

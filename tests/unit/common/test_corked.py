@@ -22,10 +22,11 @@ class _Counted:
     """A real transport, or a real stream, counting the writes it is asked for."""
 
     def __init__(self, real: Any) -> None:
-        self.real, self.writes = real, []
+        self.real, self.writes, self.timeouts = real, [], []
 
     def write(self, data: bytes, *timeout: Any) -> Any:
         self.writes.append(bytes(data))
+        self.timeouts.append(timeout[0] if timeout else None)
         return self.real.write(data, *timeout)
 
     def __getattr__(self, name: str) -> Any:
@@ -94,6 +95,29 @@ def test_a_clients_request_goes_out_in_one_write_when_it_reads() -> None:
         await asyncio.get_running_loop().sock_sendall(peer, b"answer")
         assert await held.read(100) == b"answer"
         assert counted.writes == [b"POST /x HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}"]
+        await held.aclose()
+        peer.close()
+        server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_held_request_goes_out_within_its_write_timeout_not_its_reads() -> None:
+    """A long poll's read timeout (60 s) is no bound on its request's write: what is held
+    goes out, at the read, under the timeout it was written with (0.5 s)."""
+
+    async def scenario() -> None:
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        counted = _Counted(await httpcore.AnyIOBackend().connect_tcp("127.0.0.1", port))
+        held = _HeldStream(counted)  # type: ignore[arg-type]
+        peer, _ = await asyncio.get_running_loop().sock_accept(server)
+        await held.write(b"POST /claim HTTP/1.1\r\ncontent-length: 2\r\n\r\n", 0.5)
+        await held.write(b"{}", 0.5)
+        await asyncio.get_running_loop().sock_sendall(peer, b"answer")
+        assert await held.read(100, 60.0) == b"answer"
+        assert counted.timeouts == [0.5]
         await held.aclose()
         peer.close()
         server.close()

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PLAIN = spawner.Launch("/bin/true", ["true"], {}, "/")
+SLEEPER = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
 
 
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
@@ -99,9 +100,7 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
         start = _Starts(helper, root)
         log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            pid, exited = await helper.spawn(
-                spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/"), log
-            )
+            pid, exited = await helper.spawn(SLEEPER, log)
             with unanswered_fuse(root / "jammed") as mount:
                 hung = dataclasses.replace(_check(mount / "task"), source_timeout_s=limit_s)
                 waiting = [asyncio.create_task(start(hung)) for _ in range(128)]
@@ -122,6 +121,72 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
                 results = [result for _, result in await asyncio.gather(*waiting)]
                 assert results[0] == (spawner.SOURCE_STEP, errno.ETIMEDOUT), results
                 assert set(results[1:]) == {(spawner.SOURCE_STEP, spawner.SOURCE_BUSY)}
+        finally:
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_bytes_pending_starts_keep_are_bounded_together(root: Path) -> None:
+    """Starts of 520 KB requests wait for a check that hangs: past 16 MB of them together
+    (PENDING_BYTES in spawn.c) the next fails at once with EAGAIN, though most of the 128
+    slots are free (128 such requests held 66 MB, 1 MB ones 136 MB); a small checked
+    start still fits and runs, and the waiting ones end as their check does."""
+    binary = _binary(root)
+    limit_s = 2.0
+    big = ["true", *["x" * 130_000] * 4]
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        try:
+            with unanswered_fuse(root / "jammed") as mount:
+                hung = dataclasses.replace(
+                    _check(mount / "task"), argv=big, source_timeout_s=limit_s
+                )
+                starts = []
+                for _ in range(40):
+                    starts.append(asyncio.create_task(start(hung)))
+                    # Answered once all before it were read (in order): no more than one
+                    # such request at a time fills the agent's end of the socket.
+                    await helper.recount()
+                small = await start(_check(Path("/bin/true"), healthy=True))
+                assert small[1] == 0 and small[0] < limit_s / 4, small
+                ended = await asyncio.gather(*starts)
+                refused = [took for took, r in ended if r == (spawner.SOURCE_STEP, errno.EAGAIN)]
+                assert len(refused) in range(1, 11), ended  # 16 MB: 32 of 520 KB
+                assert max(refused) < limit_s / 4, refused  # at once, not after the check
+                waited = [r for _, r in ended if r != (spawner.SOURCE_STEP, errno.EAGAIN)]
+                assert waited[0] == (spawner.SOURCE_STEP, errno.ETIMEDOUT), ended
+                assert set(waited[1:]) == {(spawner.SOURCE_STEP, spawner.SOURCE_BUSY)}
+        finally:
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: Path) -> None:
+    """40 starts of 520 KB requests sent at once, 20 MB where the agent's end of the socket
+    holds 2: those it has no room for wait for it and go in order (each reply is matched
+    to its request by number), a signal sent meanwhile too; none is lost, the helper
+    lives on (a full socket was taken for a helper gone: every attempt of it lost)."""
+    binary = _binary(root)
+    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            pid, exited = await helper.spawn(SLEEPER, log)
+            starts = [asyncio.create_task(start(big)) for _ in range(40)]
+            await asyncio.sleep(0)  # each sent, or waiting for room
+            helper.signal(pid, signal.SIGTERM)
+            assert [status for _, status in await asyncio.gather(*starts)] == [0] * 40
+            assert (await asyncio.wait_for(exited, 10))[0] == signal.SIGTERM
+            assert not helper.gone
+            assert (await start(PLAIN))[1] == 0
         finally:
             os.close(log)
             helper.close()
