@@ -387,7 +387,10 @@ class Helper:
     ) -> None:
         """Send a request now, or once those waiting for room went (``_backlog``)."""
         if self._backlog or not self._send(data, fds, reply):
-            self._backlog.append((data, fds, reply))
+            # its own copies of the descriptors: the caller closes its own when it stops
+            # waiting (cancelled), and a number closed there may name another file by the
+            # time the request goes
+            self._backlog.append((data, [os.dup(fd) for fd in fds], reply))
             if len(self._backlog) == 1:
                 self._listen().add_writer(self._sock.fileno(), self._drain)
 
@@ -410,9 +413,12 @@ class Helper:
         """The socket has room: the requests waiting for it go, in order."""
         try:
             while self._backlog:
-                if not self._send(*self._backlog[0]):
+                data, fds, reply = self._backlog[0]
+                # a start whose caller stopped waiting goes nowhere: it was never sent
+                if (reply is None or not reply.done()) and not self._send(data, fds, reply):
                     return  # called again when there is room
                 self._backlog.popleft()
+                _close_all(fds)
         except OSError:
             self.close()
             return
@@ -511,6 +517,8 @@ class Helper:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         unsent = [reply for _, _, reply in self._backlog if reply is not None]
+        for _, fds, _ in self._backlog:
+            _close_all(fds)
         self._backlog.clear()
         waiting: list[asyncio.Future[Any]] = [
             *self._replies.values(), *unsent, *self._exits.values()
@@ -522,6 +530,12 @@ class Helper:
         self._replies.clear()
         self._exits.clear()
         _reap_later(self.pid)
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _reap_later(pid: int) -> None:

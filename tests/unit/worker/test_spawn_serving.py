@@ -8,6 +8,7 @@ reaped as they end, no request needed. A kill names an attempt's uid, never root
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import os
@@ -191,6 +192,50 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
             os.close(log)
             helper.close()
 
+    asyncio.run(scenario())
+
+
+def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None:
+    """A start that waits for the socket's room and whose caller stops waiting (cancelled:
+    it closes its log) is never sent: not with the descriptor number it gave, which by
+    then names another file (here the next one opened: the start's output went there)."""
+    binary = _binary(root)
+    pad = ["x" * 130_000] * 4
+    big = spawner.Launch("/bin/true", ["true", *pad], {}, "/")
+    marked = spawner.Launch("/bin/sh", ["sh", "-c", "echo MARK", *pad], {}, "/")
+
+    async def begin(launch: spawner.Launch, path: Path) -> int:
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _, exited = await helper.spawn(launch, log)
+            return (await exited)[0]
+        finally:
+            os.close(log)
+
+    async def scenario() -> None:
+        nonlocal helper
+        helper = spawner.Helper(binary)
+        await helper.ready()
+        try:
+            starts = [asyncio.create_task(begin(big, root / f"log{i}")) for i in range(40)]
+            given_up = asyncio.create_task(begin(marked, root / "given-up"))
+            await asyncio.sleep(0)  # each sent, or waiting for room
+            assert helper._backlog, "the burst fit the socket: nothing waited"
+            given_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await given_up
+            other = os.open(root / "other", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                assert await asyncio.gather(*starts) == [0] * 40
+                await asyncio.sleep(0.2)  # a start that went would have printed by now
+            finally:
+                os.close(other)
+            assert (root / "other").read_bytes() == b""
+            assert not helper.gone
+        finally:
+            helper.close()
+
+    helper: spawner.Helper
     asyncio.run(scenario())
 
 
