@@ -55,8 +55,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.get_context().autocommit_block():
         op.execute(
-            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_id"
-            " ON core.task_events (id)"
+            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_id ON core.task_events (id)"
         )
         op.execute(
             "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_task_id_seq"
