@@ -3,15 +3,14 @@ on a filled table (its generic plan, as a prepared statement runs once cached): 
 running placed tasks and the running services by ``ix_tasks_running_named`` (one index
 now, where there were two), a task's events by the events' key ``(task_id, seq)`` (the
 primary key now; ``id`` has no index; the purge deletes a batch's events by the same
-lookup), the feed by ``ix_task_events_xid_id``. Dropping the index that serves one of them fails its
-test here: the read would fall back to every running task, or every event."""
+lookup), the feed by ``ix_task_events_xid_id``. Dropping the index that serves one of
+them fails the test: the read would fall back to every running task, or every event."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import psycopg
-import pytest
 
 from services.core.db import placement
 from services.core.db import services as services_db
@@ -56,12 +55,6 @@ def _fill(db: DB) -> None:
     db.execute("ANALYZE core.tasks, core.task_events")
 
 
-@pytest.fixture
-def filled(db: DB) -> DB:
-    _fill(db)
-    return db
-
-
 def _reads(db: DB, clause: Any, table: str) -> tuple[set[str], list[str]]:
     """The indexes of ``table`` that ``clause``'s generic plan reads, and the tables it
     reads whole."""
@@ -70,38 +63,24 @@ def _reads(db: DB, clause: Any, table: str) -> tuple[set[str], list[str]]:
     return indexes(plan, table), scans
 
 
-@pytest.mark.parametrize(
-    "clause",
-    [services_db._REPLICAS, placement._GROUPS_RUNNING],
-    ids=["service endpoints", "spread groups"],
-)
-def test_the_running_services_and_placed_tasks_are_read_by_their_index(
-    filled: DB, clause: Any
-) -> None:
-    used, scans = _reads(filled, clause, "tasks")
-    assert "ix_tasks_running_named" in used, used
-    assert "tasks" not in scans, scans
+# (what reads, its statement, the table, the index that serves it); one filled table for
+# all of them (its fill is most of the test's time)
+_READS = [
+    ("service endpoints", services_db._REPLICAS, "tasks", "ix_tasks_running_named"),
+    ("spread groups", placement._GROUPS_RUNNING, "tasks", "ix_tasks_running_named"),
+    ("a task's history", tasks_db.EVENTS_OF, "task_events", "pk_task_events"),
+    ("the feed", tasks_db.FEED, "task_events", "ix_task_events_xid_id"),
+]
 
 
-@pytest.mark.parametrize(
-    ("clause", "index"),
-    [
-        (tasks_db.EVENTS_OF, "pk_task_events"),
-        (tasks_db.FEED, "ix_task_events_xid_id"),
-    ],
-    ids=["a task's history", "the feed"],
-)
-def test_the_events_are_read_by_their_key_or_in_feed_order(
-    filled: DB, clause: Any, index: str
-) -> None:
-    used, scans = _reads(filled, clause, "task_events")
-    assert index in used, (used, scans)
-    assert "task_events" not in scans, scans
-
-
-def test_an_events_id_has_no_index_of_its_own(filled: DB) -> None:
-    """(The change itself: each event is one index entry less.)"""
-    found = filled.execute(
+def test_each_moved_read_keeps_its_index_and_an_event_has_one_entry_less(db: DB) -> None:
+    _fill(db)
+    for what, clause, table, index in _READS:
+        used, scans = _reads(db, clause, table)
+        assert index in used, (what, used, scans)
+        assert table not in scans, (what, scans)
+    # the change itself: the events' indexes, ``id`` in none of them
+    found = db.execute(
         """SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index
            WHERE indrelid = 'core.task_events'::regclass ORDER BY 1"""
     ).fetchall()
