@@ -9,7 +9,9 @@ tree, with ``--tasks`` no-op tasks submitted. One simulated worker per side turn
 ``bench/dispatch.py``'s do (each turn reports what the last one leased, ``succeeded``,
 and claims up to ``--max``), in blocks of ``--block`` turns, the sides taking turns,
 until both have drained; the first block of each is not counted. Printed: each side's
-core and PostgreSQL CPU a turn and a task, and this side's over the base's.
+core and PostgreSQL CPU a turn and a task, and this side's over the base's; and the WAL
+each side's server wrote from the end of the submission to the drain, a task (bytes, by
+the insert position; records, by ``pg_stat_wal``: every block counted).
 
 Run one after the other, two versions of ``bench/dispatch.py`` meet different minutes of
 a shared machine, whose load moves their figures more than a change of a few per cent;
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dispatch import submit_all
@@ -40,6 +43,7 @@ from stack import exit_on_sigterm, free_port, start_core
 from libs.common.client import CoreClient
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import AttemptReport, ClaimRequest, Turn, WorkerRegister
+from libs.common.settings import libpq_url
 from services.core import admin
 
 HERE = Path(__file__).resolve().parent.parent
@@ -66,6 +70,7 @@ class Side:
         self.reports: list[AttemptReport] = []
         self.done = self.warm = False
         self.pid = self.postmaster = 0
+        self.wal = (0, 0)
 
     def start(self, tasks: int) -> None:
         url = self.server.start()
@@ -88,6 +93,13 @@ class Side:
         user = admin.create_token(url, "alice", "user")
         asyncio.run(submit_all(self.url, user, tasks))
         self.token = admin.create_token(url, "w0", "worker")
+        self.db_url = url
+        self.wal = wal(url)
+
+    def wal_since(self) -> tuple[int, int]:
+        """WAL bytes and records written since the submission ended."""
+        now = wal(self.db_url)
+        return now[0] - self.wal[0], now[1] - self.wal[1]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -101,6 +113,18 @@ class Side:
             self.server.stop()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def wal(url: str) -> tuple[int, int]:
+    """The server's WAL insert position (bytes) and records written (``pg_stat_wal``,
+    after the backends' pending counts are flushed: they report at most once a second)."""
+    time.sleep(1.5)
+    with psycopg.connect(libpq_url(url)) as db:
+        row = db.execute(
+            "SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn, wal_records FROM pg_stat_wal"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
 
 
 async def block(side: Side, core: CoreClient, worker_id: int, room: ClaimRequest, n: int) -> None:
@@ -155,6 +179,7 @@ def main() -> None:
             side.start(args.tasks)
         load = os.getloadavg()[0]
         asyncio.run(alternate(sides, args))
+        written = [side.wal_since() for side in sides]
         print(
             f"load average {load:.2f} -> {os.getloadavg()[0]:.2f}; --tasks {args.tasks} "
             f"--max {args.max} --block {args.block}"
@@ -166,6 +191,11 @@ def main() -> None:
                 f"{s.turns / max(s.wall, 1e-9):.0f} turns/s; ms of CPU a turn: core "
                 f"{s.core * 1e3 / turns:.3f}, PostgreSQL {s.pg * 1e3 / turns:.3f}; a task: "
                 f"{(s.core + s.pg) * 1e3 / tasks:.4f}"
+            )
+        for s, (size, records) in zip(sides, written, strict=True):
+            print(
+                f"{s.name}: WAL a task {size / args.tasks:.0f} B, "
+                f"{records / args.tasks:.1f} records"
             )
         base, this = sides
 

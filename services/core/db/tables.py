@@ -17,6 +17,7 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
+    PrimaryKeyConstraint,
     SmallInteger,
     Table,
     Text,
@@ -475,12 +476,16 @@ tasks = Table(
             "labels ? 'cairn.service' AND state IN ('ready', 'waiting', 'running', 'failed')"
         ),
     ),
-    # Where a service's replicas run (db.services.endpoints).
+    # The running tasks placed by label or that are services, by name and owner: where a
+    # spread group runs (db.placement.by_labels), where a service's replicas run
+    # (db.services.endpoints). One index for both (migration 0040_task_indexes).
     Index(
-        "ix_tasks_services_running",
+        "ix_tasks_running_named",
         "name",
         "owner",
-        postgresql_where=text(f"kind = 'service' AND state = '{S.RUNNING}'"),
+        postgresql_where=text(
+            f"state = '{S.RUNNING}' AND (placement IS NOT NULL OR kind = 'service')"
+        ),
     ),
     Index(
         "uq_tasks_owner_idempotency_key",
@@ -529,13 +534,6 @@ tasks = Table(
         postgresql_where=text(sql_in("state", _LIVE)),
     ),
     Index("ix_tasks_owner_id", "owner", "id"),
-    # Where a spread group runs (db.placement.by_labels): placed tasks only.
-    Index(
-        "ix_tasks_placed_running",
-        "owner",
-        "name",
-        postgresql_where=text(f"placement IS NOT NULL AND state = '{S.RUNNING}'"),
-    ),
     Index("ix_tasks_team_id", "team", "id", postgresql_where=text("team IS NOT NULL")),
     Index(
         "ix_tasks_team_waiting",
@@ -841,7 +839,7 @@ log_objects = Table(
 task_events = Table(
     "task_events",
     metadata,
-    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("id", BigInteger, Identity(always=True), nullable=False),
     Column(
         "xid",
         BigInteger,
@@ -857,7 +855,9 @@ task_events = Table(
     Column("reason", Text),
     Column("attempt_id", BigInteger),
     Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    UniqueConstraint("task_id", "seq"),
+    # Its natural key: nothing reads an event by its id alone (the feed walks ``(xid,
+    # id)``), so ``id`` has no index of its own (migration 0040_task_indexes).
+    PrimaryKeyConstraint("task_id", "seq"),
     Index("ix_task_events_xid_id", "xid", "id"),
     # The notification matcher's feed (``queries.feed_to``): deaths only.
     Index("ix_task_events_dead", "xid", "id", postgresql_where=text(f"to_state = '{S.DEAD}'")),

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Row,
     TextClause,
     and_,
+    bindparam,
     func,
     literal_column,
     or_,
@@ -996,9 +997,16 @@ def _event(row: Row[Any]) -> Event:
     )
 
 
+# A task's history, by the events' key (task_id, seq).
+EVENTS_OF = (
+    select(task_events)
+    .where(task_events.c.task_id == bindparam("task_id"))
+    .order_by(task_events.c.seq)
+)
+
+
 async def task_events_of(conn: AsyncConnection, task_id: int) -> list[Event]:
-    query = select(task_events).where(task_events.c.task_id == task_id).order_by(task_events.c.seq)
-    return [_event(row) for row in await conn.execute(query)]
+    return [_event(row) for row in await conn.execute(EVENTS_OF, {"task_id": task_id})]
 
 
 async def read_feed(

@@ -7,12 +7,9 @@ constant on the task's state was planned as a bitmap scan of every live task's e
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
 from libs.common import pipeline
@@ -21,16 +18,11 @@ from services.core.db import attempts as attempts_db
 from services.core.db import params as params_db
 from services.core.db import placement
 from services.core.domain.transitions import Op, sources
+from tests.support.plans import generic, nodes
 
 BACKLOG = 5000
 MOVED = 64
 DB = psycopg.Connection[tuple[Any, ...]]
-
-
-def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _nodes(child)
 
 
 def _backlog(db: DB, count: int = BACKLOG) -> int:
@@ -71,7 +63,7 @@ def test_a_claim_moves_its_tasks_through_the_primary_key_behind_a_backlog(db: DB
         moved = db.execute("SELECT count(*) FROM core.tasks WHERE state = 'running'").fetchone()
     assert moved == (MOVED,)
     scans = [
-        n for n in _nodes(plan[0]["Plan"]) if n.get("Relation Name") == "tasks" or (
+        n for n in nodes(plan[0]["Plan"]) if n.get("Relation Name") == "tasks" or (
             n["Node Type"] == "Bitmap Index Scan" and n["Index Name"].startswith("ix_tasks")
         )
     ]  # fmt: skip
@@ -82,27 +74,11 @@ def test_a_claim_moves_its_tasks_through_the_primary_key_behind_a_backlog(db: DB
     ]
 
 
-def _generic(db: DB, clause: Any) -> dict[str, Any]:
-    """The generic plan of one of the turn's statements (``EXPLAIN (GENERIC_PLAN)``: its
-    parameters unknown, as a turn's prepared statements run: ``attempts._GENERIC``)."""
-    text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
-    names: dict[str, str] = {}
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(0) == "%%":
-            return "%"
-        return names.setdefault(match.group(1), f"${len(names) + 1}")
-
-    numbered = re.sub(r"%\((\w+)\)s|%%", number, text)
-    [[plan]] = db.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + numbered)).fetchall()
-    return dict(plan[0]["Plan"])
-
-
 def _task_scans(db: DB, clause: Any) -> list[str]:
     """The tables among tasks and attempts that ``clause``'s generic plan reads whole."""
     return [
         n["Relation Name"]
-        for n in _nodes(_generic(db, clause))
+        for n in nodes(generic(db, clause))
         if n["Node Type"] == "Seq Scan" and n["Relation Name"] in ("tasks", "attempts")
     ]
 
