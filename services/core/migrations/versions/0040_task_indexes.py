@@ -17,7 +17,7 @@ The new indexes are built without blocking the writers (as ``0011_speed`` does),
 swapped in; the downgrade builds the old ones back the same way.
 
 Revision ID: 0034_task_indexes
-Revises: 0032_source_handbacks
+Revises: 0033_task_domains
 Create Date: 2026-12-06
 """
 
