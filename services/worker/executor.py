@@ -476,7 +476,10 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     """Start the attempt's process in a process group of its own (a new session where the
     agent forks it; the spawn helper's own where it starts it); raises ``SpawnError`` if
     it cannot."""
-    for folder in (spec.workdir, spec.log_path.parent):
+    # A home that is the attempt's tmpfs is the mount point its start attaches it on
+    # (``workdirs.Workdirs.mount_point``), made with the run folder: not looked at here.
+    mounted = spec.sandbox is not None and spec.sandbox.mount is not None
+    for folder in (spec.log_path.parent,) if mounted else (spec.workdir, spec.log_path.parent):
         if not os.path.isdir(folder):  # one stat where it is there, as it mostly is
             folder.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup

@@ -184,6 +184,8 @@ class AttemptLog:
             if self._fd < 0:
                 return None
             length = self._at(self._end)
+            if length == 0:  # nothing written (nor a marker): no read
+                return b""
             start = max(0, length - most)
             return os.pread(self._fd, length - start, start)
 
