@@ -640,12 +640,13 @@ static pid_t start(struct child *c) {
     return clone(child_main, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, c);
 }
 
-/* The log descriptor of each attempt started and not yet reaped, a copy held until its
- * exit record is sent: the log pipe then ends after the record, not at the attempt's
- * exit, so the agent's one wake-up for the record finds the pipe to drain (it was woken
- * twice, for the pipe's end and then for the record). At most held_max (a part of the
- * descriptor limit, set in main): past it a log is not held, and its pipe ends as the
- * attempt exits, as before. */
+/* The log descriptor of each attempt started and not yet reaped, a copy held until the
+ * moment its exit record is sent (closed right before, so that no copy is left once the
+ * agent has the record): the log pipe then ends with the record, not at the attempt's
+ * exit, so the agent's one wake-up mostly finds both (it was woken twice, for the pipe's
+ * end and then, once this process had been woken and had reaped the attempt, for the
+ * record). At most held_max (a part of the descriptor limit, set in main): past it a log
+ * is not held, and its pipe ends as the attempt exits, as before. */
 #define MAX_HELD 4096
 static struct { pid_t pid; int fd; } held[MAX_HELD];
 static int held_count, held_max;
@@ -680,7 +681,7 @@ static void close_all(int *fds, int *count) {
  * one message per MAX_EXITS. Returns -1 if the agent is gone. */
 static int reap(int sock) {
     static struct exits batch;
-    static int logs[MAX_EXITS];  /* held logs, closed once their records are sent */
+    static int logs[MAX_EXITS];  /* held logs, closed as their records are sent */
     int nlogs = 0;
     batch.kind = EXITS;
     batch.count = 0;
@@ -704,17 +705,15 @@ static int reap(int sock) {
         int log_fd = release_log(pid);
         if (log_fd >= 0) logs[nlogs++] = log_fd;
         if (batch.count == MAX_EXITS) {
-            int rc = send(sock, &batch, sizeof batch, MSG_NOSIGNAL);
             close_all(logs, &nlogs);
-            if (rc < 0) return -1;
+            if (send(sock, &batch, sizeof batch, MSG_NOSIGNAL) < 0) return -1;
             batch.count = 0;
         }
     }
     if (batch.count == 0) return 0;
     size_t size = offsetof(struct exits, records) + batch.count * sizeof(struct exit_record);
-    int rc = send(sock, &batch, size, MSG_NOSIGNAL) < 0 ? -1 : 0;
     close_all(logs, &nlogs);
-    return rc;
+    return send(sock, &batch, size, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
 /* Signal an attempt's process group, only while its leader is our child not yet reaped

@@ -8,9 +8,9 @@ namespace with the attempt's tmpfs as its home (``tmpfs``), network namespace fo
 ``none``, rlimits, uid and gid, no_new_privs, umask, working directory, descriptors)
 itself before it execs the task. It reaps its attempts with ``wait4`` and sends each
 one's exit record (wait status, user and system CPU, peak resident set) on the same
-socket as its replies, those that ended together in one message, and only then closes
-its copy of the attempt's log pipe (so the pipe's end wakes the agent no sooner than the
-record, which drains it: ``logfile``); one reader on the
+socket as its replies, those that ended together in one message, closing its copy of
+each one's log pipe right before (so the pipe's end comes with the record, which drains
+it, not at the attempt's exit: ``logfile``); one reader on the
 agent's event loop settles each attempt's end future from it, so the agent keeps no
 pidfd, watcher or thread per attempt (``Helper``). A helper resident in a cgroup v1 slot
 also keeps the slot's counters: it resets them before each start and reads them at the
