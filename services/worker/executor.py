@@ -190,19 +190,47 @@ class RunningAttempt:
         self._parent = parent
         self._exit: asyncio.Future[_Exit] = exited or _watch_exit(pid, spec.cgroup)
         loop = asyncio.get_running_loop()
+        self._loop = loop
         self._result_future: asyncio.Future[AttemptResult] = loop.create_future()
+        #: the futures of ``wait`` calls, settled with the result (``_settle_waiters``)
+        self._waiters: list[asyncio.Future[AttemptResult]] = []
         self._timer: asyncio.TimerHandle | None = None
         if spec.timeout_s is not None:
             self._timer = loop.call_later(spec.timeout_s, self._timed_out)
-        self._exit.add_done_callback(self._exited)
+        if parent is not None and exited is not None:
+            parent.on_exit(pid, exited, self._exited)  # called as its exit record is read
+        else:
+            self._exit.add_done_callback(self._exited)
 
     @property
     def done(self) -> bool:
         return self._result_future.done()
 
     async def wait(self) -> AttemptResult:
-        """The result, once the process has ended. Cancelling this wait leaves it running."""
-        return await asyncio.shield(self._result_future)
+        """The result, once the process has ended. Cancelling this wait leaves it running.
+
+        Each wait is a future of its own, settled together with the result
+        (``_settle_waiters``): what ``asyncio.shield`` does, less its pass of the event
+        loop between the result and the waiter."""
+        if self._result_future.done():
+            return self._result_future.result()
+        waiter: asyncio.Future[AttemptResult] = self._loop.create_future()
+        self._waiters.append(waiter)
+        return await waiter
+
+    def _settle_waiters(self) -> None:
+        """The result is settled: every ``wait`` still waiting gets it."""
+        waiters, self._waiters = self._waiters, []
+        result = self._result_future
+        for waiter in waiters:
+            if waiter.done():  # its waiting task was cancelled
+                continue
+            if result.cancelled():
+                waiter.cancel()
+            elif (failure := result.exception()) is not None:
+                waiter.set_exception(failure)
+            else:
+                waiter.set_result(result.result())
 
     async def terminate(
         self, grace_s: float = 10.0, why: StopReason = "terminated", detail: str | None = None
@@ -243,6 +271,7 @@ class RunningAttempt:
             self._timer = None
         if exit.cancelled():
             self._result_future.cancel()
+            self._settle_waiters()
             return
         failure = exit.exception()
         if isinstance(failure, HelperGone):
@@ -251,6 +280,7 @@ class RunningAttempt:
             return
         if failure is not None:
             self._result_future.set_exception(failure)
+            self._settle_waiters()
             return
         try:
             status, usage = ended = exit.result()
@@ -269,8 +299,10 @@ class RunningAttempt:
             result = self._result(status, usage, counters)
         except BaseException as exc:  # the waiter has it
             self._result_future.set_exception(exc)
+            self._settle_waiters()
             return
         self._result_future.set_result(result)
+        self._settle_waiters()
 
     async def _settle(self, result: Awaitable[AttemptResult]) -> None:
         try:
@@ -278,11 +310,13 @@ class RunningAttempt:
         except BaseException as exc:  # the waiter has it
             if not self._result_future.done():
                 self._result_future.set_exception(exc)
+                self._settle_waiters()
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
         if not self._result_future.done():
             self._result_future.set_result(got)
+            self._settle_waiters()
 
     async def _result_after_drain(
         self, status: int, usage: resource.struct_rusage, counters: Counters | None
@@ -442,7 +476,10 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
     """Start the attempt's process in a process group of its own (a new session where the
     agent forks it; the spawn helper's own where it starts it); raises ``SpawnError`` if
     it cannot."""
-    for folder in (spec.workdir, spec.log_path.parent):
+    # A home that is the attempt's tmpfs is the mount point its start attaches it on
+    # (``workdirs.Workdirs.mount_point``), made with the run folder: not looked at here.
+    mounted = spec.sandbox is not None and spec.sandbox.mount is not None
+    for folder in (spec.log_path.parent,) if mounted else (spec.workdir, spec.log_path.parent):
         if not os.path.isdir(folder):  # one stat where it is there, as it mostly is
             folder.mkdir(parents=True, exist_ok=True)
     group = spec.cgroup

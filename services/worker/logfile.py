@@ -4,8 +4,10 @@ The attempt's stdout and stderr are the write end of a pipe, and the agent moves
 comes out of it into the file with ``splice`` (the kernel moves the pages: no copy
 through Python, no work per line). Every attempt's pipe is watched by one epoll of the
 agent's (``_Pumps``), itself one reader of the event loop: a pipe costs a register and
-an unregister, and a task that prints nothing one wake-up, at its end, shared with every
-other pipe ready then.
+an unregister, and a task that prints nothing mostly no wake-up of its own where a spawn
+helper started it (the helper holds a copy of the write end until it sends the attempt's
+exit record, so the pipe ends with the record, whose handling drains it: ``drained_now``);
+one at its end, shared with every other pipe ready then, where the agent forked it.
 
 Why a pipe: a file the task wrote itself could not be bounded. ``RLIMIT_FSIZE`` caps
 every file the process writes, its own results too, not one descriptor; and a truncate
@@ -184,6 +186,8 @@ class AttemptLog:
             if self._fd < 0:
                 return None
             length = self._at(self._end)
+            if length == 0:  # nothing written (nor a marker): no read
+                return b""
             start = max(0, length - most)
             return os.pread(self._fd, length - start, start)
 

@@ -649,11 +649,49 @@ static pid_t start(struct child *c) {
     return clone(child_main, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, c);
 }
 
+/* The log descriptor of each attempt started and not yet reaped, a copy held until the
+ * moment its exit record is sent (closed right before, so that no copy is left once the
+ * agent has the record): the log pipe then ends with the record, not at the attempt's
+ * exit, so the agent's one wake-up mostly finds both (it was woken twice, for the pipe's
+ * end and then, once this process had been woken and had reaped the attempt, for the
+ * record). At most held_max (a part of the descriptor limit, set in main): past it a log
+ * is not held, and its pipe ends as the attempt exits, as before. */
+#define MAX_HELD 4096
+static struct { pid_t pid; int fd; } held[MAX_HELD];
+static int held_count, held_max;
+
+static void hold_log(pid_t pid, int log_fd) {
+    if (held_count >= held_max) return;
+    int copy = fcntl(log_fd, F_DUPFD_CLOEXEC, 3);
+    if (copy < 0) return;
+    held[held_count].pid = pid;
+    held[held_count].fd = copy;
+    held_count++;
+}
+
+/* The held log descriptor of pid, let go of (-1: none). */
+static int release_log(pid_t pid) {
+    for (int i = 0; i < held_count; i++)
+        if (held[i].pid == pid) {
+            int fd = held[i].fd;
+            held[i] = held[--held_count];
+            return fd;
+        }
+    return -1;
+}
+
+static void close_all(int *fds, int *count) {
+    for (int i = 0; i < *count; i++) close(fds[i]);
+    *count = 0;
+}
+
 /* Reap every attempt that ended, its process group killed first (while the leader is an
  * unreaped zombie its pid, the group's id, cannot be reused), and send their records in
  * one message per MAX_EXITS. Returns -1 if the agent is gone. */
 static int reap(int sock) {
     static struct exits batch;
+    static int logs[MAX_EXITS];  /* held logs, closed as their records are sent */
+    int nlogs = 0;
     batch.kind = EXITS;
     batch.count = 0;
     for (;;) {
@@ -673,13 +711,17 @@ static int reap(int sock) {
         record->stime_us = (int64_t)usage.ru_stime.tv_sec * 1000000 + usage.ru_stime.tv_usec;
         record->maxrss_kb = usage.ru_maxrss;
         read_counters(record);
+        int log_fd = release_log(pid);
+        if (log_fd >= 0) logs[nlogs++] = log_fd;
         if (batch.count == MAX_EXITS) {
+            close_all(logs, &nlogs);
             if (send(sock, &batch, sizeof batch, MSG_NOSIGNAL) < 0) return -1;
             batch.count = 0;
         }
     }
     if (batch.count == 0) return 0;
     size_t size = offsetof(struct exits, records) + batch.count * sizeof(struct exit_record);
+    close_all(logs, &nlogs);
     return send(sock, &batch, size, MSG_NOSIGNAL) < 0 ? -1 : 0;
 }
 
@@ -769,6 +811,8 @@ static int answer_start(int sock, struct request *request, int unsound, int64_t 
                 reply.err = failed.err;
                 /* It exits right after saying so: reaped here, no exit record. */
                 while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+            } else {
+                hold_log(pid, request->log_fd);
             }
         }
         close(pipe_fds[0]);
@@ -950,6 +994,14 @@ int main(int argc, char **argv) {
     if (setsid() < 0) {
         perror("setsid");
         return 3;
+    }
+    struct rlimit files;
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+        /* Half of what is left past a margin for requests' descriptors and checks. */
+        long spare = ((long)files.rlim_cur - 256) / 2;
+        held_max = spare < 0 ? 0 : spare > MAX_HELD ? MAX_HELD : (int)spare;
+    } else {
+        held_max = MAX_HELD;
     }
     start_resident();  /* before the join: outside the slot */
     restartable = argc == 3;  /* no slot to join: a new one is born where the first was */

@@ -8,7 +8,9 @@ namespace with the attempt's tmpfs as its home (``tmpfs``), network namespace fo
 ``none``, rlimits, uid and gid, no_new_privs, umask, working directory, descriptors)
 itself before it execs the task. It reaps its attempts with ``wait4`` and sends each
 one's exit record (wait status, user and system CPU, peak resident set) on the same
-socket as its replies, those that ended together in one message; one reader on the
+socket as its replies, those that ended together in one message, closing its copy of
+each one's log pipe right before (so the pipe's end comes with the record, which drains
+it, not at the attempt's exit: ``logfile``); one reader on the
 agent's event loop settles each attempt's end future from it, so the agent keeps no
 pidfd, watcher or thread per attempt (``Helper``). A helper resident in a cgroup v1 slot
 also keeps the slot's counters: it resets them before each start and reads them at the
@@ -46,7 +48,7 @@ import struct
 import subprocess
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,6 +295,8 @@ class Helper:
         self._ready_reply: asyncio.Future[_Reply] | None = None
         #: the attempts it started that have not ended, by pid
         self._exits: dict[int, asyncio.Future[Exit]] = {}
+        #: what is called with each one's end future as its exit record is read (``on_exit``)
+        self._on_exit: dict[int, Callable[[asyncio.Future[Exit]], None]] = {}
         self._ready = False
         self.gone = False
         #: it keeps its cgroup v1 slot's counters (its ready message says so): resets
@@ -364,9 +368,29 @@ class Helper:
             )
             self.reaped_cpu_s += (utime_us + stime_us) / 1e6
             exited = self._exits.pop(pid, None)
-            if exited is not None and not exited.done():
+            if exited is None:
+                continue
+            if not exited.done():
                 counters = Counters(peak, cpu_ns, kills, alone == 1) if self.counts else None
                 exited.set_result(Exit(status, _usage(utime_us, stime_us, maxrss_kb), counters))
+            then = self._on_exit.pop(pid, None)
+            if then is not None:
+                try:
+                    then(exited)
+                except Exception:  # one attempt's trouble must not keep the others' ends
+                    log.exception("the end of attempt pid %s was not taken", pid)
+
+    def on_exit(
+        self, pid: int, exited: asyncio.Future[Exit], then: Callable[[asyncio.Future[Exit]], None]
+    ) -> None:
+        """``then(exited)`` once ``exited``, the end future of its attempt ``pid``, is
+        settled: on the spot where its exit record settles it (the reader calls it, no pass
+        of the event loop in between, as there is for a done callback); as its done
+        callback where it ends otherwise (the helper gone) or has ended already."""
+        if self._exits.get(pid) is exited and not self.gone:
+            self._on_exit[pid] = then
+        else:
+            exited.add_done_callback(then)
 
     def _gone(self) -> HelperGone:
         return HelperGone(f"the spawn helper (pid {self.pid}) is gone")
@@ -527,8 +551,12 @@ class Helper:
             if not future.done():
                 future.set_exception(self._gone())
                 future.exception()  # retrieved: one nobody waits for is no error
+        for pid, then in self._on_exit.items():
+            if (exited := self._exits.get(pid)) is not None:
+                exited.add_done_callback(then)
         self._replies.clear()
         self._exits.clear()
+        self._on_exit.clear()
         _reap_later(self.pid)
 
 

@@ -379,9 +379,11 @@ def _emptied_alone(path: Path) -> bool:
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             return False
-        os.ftruncate(fd, 0)
+        if info.st_size:  # an empty one (a task that wrote nothing) is left as it is
+            os.ftruncate(fd, 0)
     except OSError:
         return False
     finally:
