@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import resource
 import shutil
 import signal
 import threading
@@ -237,6 +238,54 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
 
     helper: spawner.Helper
     asyncio.run(scenario())
+
+
+def test_a_start_that_cannot_copy_its_descriptors_fails_alone(root: Path) -> None:
+    """A start that waits for the socket's room copies its descriptors (``os.dup``): with
+    the agent's descriptor table full (EMFILE), that start alone fails (``OSError``, as
+    any start the agent cannot make), not the helper: it was closed for it, every attempt
+    it ran lost. The helper then keeps no copy of the failed start's."""
+    binary = _binary(root)
+    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+        filler: list[int] = []
+        try:
+            _, exited = await helper.spawn(SLEEPER, log)
+            starts = [asyncio.create_task(start(big)) for _ in range(40)]
+            for _ in range(3):  # each sent, or waiting for room (``wait_for``: a task)
+                await asyncio.sleep(0)
+            assert helper._backlog, "the burst fit the socket: nothing waited"
+            mine = set(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, mine)) + 1, limits[1]))
+            with contextlib.suppress(OSError):
+                while True:  # the holes below the limit taken: the table is full
+                    filler.append(os.dup(log))
+            with pytest.raises(OSError) as failed:
+                await helper.spawn(PLAIN, log)
+            assert failed.value.errno == errno.EMFILE
+            assert not helper.gone and not exited.done()
+            _close(filler)
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            assert [status for _, status in await asyncio.gather(*starts)] == [0] * 40
+            assert not helper._backlog and not helper.gone
+            assert set(os.listdir("/proc/self/fd")) <= mine
+        finally:
+            _close(filler)
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def _close(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
