@@ -401,6 +401,8 @@ class Helper:
         reply: asyncio.Future[_Reply] = self._listen().create_future()
         try:
             self._send_in_turn(data, fds, reply)
+        except _Uncopied as exc:  # the agent's own descriptors ran out: this request fails
+            raise exc.error from None
         except OSError:
             self.close()
             raise self._gone() from None
@@ -414,7 +416,7 @@ class Helper:
             # its own copies of the descriptors: the caller closes its own when it stops
             # waiting (cancelled), and a number closed there may name another file by the
             # time the request goes
-            self._backlog.append((data, [os.dup(fd) for fd in fds], reply))
+            self._backlog.append((data, _copies(fds), reply))
             if len(self._backlog) == 1:
                 self._listen().add_writer(self._sock.fileno(), self._drain)
 
@@ -558,6 +560,27 @@ class Helper:
         self._exits.clear()
         self._on_exit.clear()
         _reap_later(self.pid)
+
+
+class _Uncopied(Exception):
+    """The descriptors of a request that waits for room could not be copied (EMFILE: the
+    agent's table is full): that request fails alone, its helper is not at fault."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copies(fds: Sequence[int]) -> list[int]:
+    """Copies of ``fds`` (``os.dup``), all or none; raises ``_Uncopied``."""
+    copies: list[int] = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except OSError as exc:
+        _close_all(copies)
+        raise _Uncopied(exc) from exc
+    return copies
 
 
 def _close_all(fds: Sequence[int]) -> None:

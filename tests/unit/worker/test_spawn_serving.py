@@ -12,10 +12,12 @@ import contextlib
 import dataclasses
 import errno
 import os
+import resource
 import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,9 +183,11 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
         log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             pid, exited = await helper.spawn(SLEEPER, log)
-            starts = [asyncio.create_task(start(big)) for _ in range(40)]
-            await asyncio.sleep(0)  # each sent, or waiting for room
-            helper.signal(pid, signal.SIGTERM)
+            with _unread(helper):
+                starts = [asyncio.create_task(start(big)) for _ in range(40)]
+                await _turns(3)  # each sent, or waiting for room (``wait_for``: a task)
+                helper.signal(pid, signal.SIGTERM)
+                assert helper._backlog[-1][2] is None, "the signal did not wait its turn"
             assert [status for _, status in await asyncio.gather(*starts)] == [0] * 40
             assert (await asyncio.wait_for(exited, 10))[0] == signal.SIGTERM
             assert not helper.gone
@@ -217,14 +221,15 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
         helper = spawner.Helper(binary)
         await helper.ready()
         try:
-            starts = [asyncio.create_task(begin(big, root / f"log{i}")) for i in range(40)]
-            given_up = asyncio.create_task(begin(marked, root / "given-up"))
-            await asyncio.sleep(0)  # each sent, or waiting for room
-            assert helper._backlog, "the burst fit the socket: nothing waited"
-            given_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await given_up
-            other = os.open(root / "other", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with _unread(helper):
+                starts = [asyncio.create_task(begin(big, root / f"log{i}")) for i in range(40)]
+                given_up = asyncio.create_task(begin(marked, root / "given-up"))
+                await asyncio.sleep(0)  # each sent, or waiting for room
+                assert helper._backlog, "the burst fit the socket: nothing waited"
+                given_up.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await given_up
+                other = os.open(root / "other", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
                 assert await asyncio.gather(*starts) == [0] * 40
                 await asyncio.sleep(0.2)  # a start that went would have printed by now
@@ -237,6 +242,72 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
 
     helper: spawner.Helper
     asyncio.run(scenario())
+
+
+def test_a_start_that_cannot_copy_its_descriptors_fails_alone(root: Path) -> None:
+    """A start that waits for the socket's room copies its descriptors (``os.dup``): with
+    the agent's descriptor table full (EMFILE), that start alone fails (``OSError``, as
+    any start the agent cannot make), not the helper: it was closed for it, every attempt
+    it ran lost. The helper then keeps no copy of the failed start's."""
+    binary = _binary(root)
+    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
+
+    async def scenario() -> None:
+        helper = spawner.Helper(binary)
+        start = _Starts(helper, root)
+        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+        filler: list[int] = []
+        try:
+            _, exited = await helper.spawn(SLEEPER, log)
+            with _unread(helper):
+                starts = [asyncio.create_task(start(big)) for _ in range(40)]
+                await _turns(3)  # each sent, or waiting for room (``wait_for``: a task)
+                assert helper._backlog, "the burst fit the socket: nothing waited"
+                mine = set(os.listdir("/proc/self/fd"))
+                top = max(map(int, mine)) + 1
+                resource.setrlimit(resource.RLIMIT_NOFILE, (top, limits[1]))
+                with contextlib.suppress(OSError):
+                    while True:  # the holes below the limit taken: the table is full
+                        filler.append(os.dup(log))
+                with pytest.raises(OSError) as failed:
+                    await helper.spawn(PLAIN, log)
+                assert failed.value.errno == errno.EMFILE
+                assert not helper.gone and not exited.done()
+                _close(filler)
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            assert [status for _, status in await asyncio.gather(*starts)] == [0] * 40
+            assert not helper._backlog and not helper.gone
+            assert set(os.listdir("/proc/self/fd")) <= mine
+        finally:
+            _close(filler)
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            os.close(log)
+            helper.close()
+
+    asyncio.run(scenario())
+
+
+def _close(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+@contextlib.contextmanager
+def _unread(helper: spawner.Helper) -> Iterator[None]:
+    """The helper stopped (SIGSTOP), reading nothing: a burst fills its socket however
+    fast the machine is (a helper that kept up took all of it, and nothing waited)."""
+    os.kill(helper.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper.pid, signal.SIGCONT)
+
+
+async def _turns(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
 
 
 def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> None:
