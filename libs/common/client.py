@@ -7,6 +7,8 @@ its problem+json body; a transport failure is raised as httpx's own ``TransportE
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -195,6 +197,11 @@ class ApiClient:
 #: permitted"), and that a report can go without: they only tell core more (a late log's
 #: length; why an attempt was handed back). Unset, they are never sent (``Report``).
 OPTIONAL_REPORT_FIELDS = frozenset({"log_bytes", "hand_back_cause"})
+#: how long refused report fields stay left out before a request tries them again: core
+#: may have been upgraded since (agents upgraded first, against deploy.md's order), and
+#: what they tell core is lost while they are left out; one 422 and a resend each time
+#: against a core still older
+REFUSED_FOR_S = 600.0
 
 
 def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
@@ -228,8 +235,9 @@ class CoreClient(ApiClient):
     #: the worker whose turns this client sends last, and their URL joined to the base
     _turn_at: tuple[int, httpx.URL] | None = None
     #: optional report fields core refused as unknown (an older core): left out of every
-    #: report from then on, for as long as this client lives (the agent's process)
+    #: report for ``REFUSED_FOR_S`` from the last refusal (``refused_at``, monotonic)
     refused: frozenset[str] = frozenset()
+    refused_at = -math.inf
 
     async def whoami(self, token: str | None = None) -> WhoAmI:
         """The principal this client's token stands for, or ``token`` if given (one
@@ -417,8 +425,10 @@ class CoreClient(ApiClient):
     ) -> httpx.Response:
         """``send(refused)``'s answer. A core older than an optional field of the reports
         refuses it (422) before it applies anything: the request goes again at once
-        without it, and leaves it out from then on (``draining`` is not optional: a core
+        without it, and leaves it out for ``REFUSED_FOR_S`` (``draining`` is not optional: a core
         that refuses it did not hear the drain). Each pass leaves out one field more."""
+        if self.refused and time.monotonic() - self.refused_at > REFUSED_FOR_S:
+            self.refused = frozenset()  # tried again: core may know them by now
         while True:
             try:
                 return await send(self.refused)
@@ -428,6 +438,7 @@ class CoreClient(ApiClient):
                     raise
                 log.warning("core refuses report fields %s (an older core): sent without", new)
                 self.refused = self.refused | new
+                self.refused_at = time.monotonic()
 
     async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
         """Ask core whether it still holds the attempt before starting it; raises

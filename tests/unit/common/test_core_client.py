@@ -7,6 +7,7 @@ import httpx
 import pytest
 import respx
 
+from libs.common import client as client_module
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, IllegalTransition, InvalidInput, NotFound
 from libs.common.models import WORKER_LEASE_HEADER, AttemptReport, TaskCreate, Turn
@@ -196,3 +197,38 @@ def test_a_report_field_an_older_core_refuses_is_left_out_from_then_on() -> None
     ]
     assert not any({"hand_back_cause", "log_bytes"} & r.keys() for b in bodies[1:] for r in b)
     assert route.call_count == 4
+
+
+@respx.mock
+def test_refused_report_fields_are_tried_again_after_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A field left out after a refusal is tried again ``REFUSED_FOR_S`` later (core may
+    have been upgraded since): sent and taken, it is sent from then on."""
+    answer = {"state": "live", "reports": [], "attempts": []}
+    unknown = [{"field": "body.reports.0.log_bytes", "reason": "Extra inputs are not permitted"}]
+    route = respx.post(f"{BASE}/v1/workers/5/turn").mock(
+        side_effect=[
+            _problem("invalid-input", 422, "body.reports.0.log_bytes: ...", errors=unknown),
+            httpx.Response(200, json=answer),
+            httpx.Response(200, json=answer),
+            httpx.Response(200, json=answer),
+            httpx.Response(200, json=answer),
+        ]
+    )
+    now = [1000.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    late = AttemptReport(attempt_id=3, outcome="succeeded", log_bytes=10)
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.turn(5, Turn(reports=[late]))  # refused, then sent without
+            now[0] += client_module.REFUSED_FOR_S - 1
+            await client.turn(5, Turn(reports=[late]))  # still left out
+            now[0] += 2
+            await client.turn(5, Turn(reports=[late]))  # tried again: taken
+            await client.turn(5, Turn(reports=[late]))
+
+    _run(calls())
+    sent = [json.loads(call.request.content)["reports"][0].get("log_bytes") for call in route.calls]
+    assert sent == [10, None, None, 10, 10]
