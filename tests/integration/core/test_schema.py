@@ -15,6 +15,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import MetaData, create_engine
 
 from libs.common.migrations import alembic_config
+from libs.common.schema import Domain
 from libs.common.settings import libpq_url
 from libs.common.states import FINAL, TaskState
 from services.core import migrate as core_migrate
@@ -280,3 +281,38 @@ def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
         assert (files(), rows().fetchall()) == before
         command.downgrade(config, DOMAINS_BEFORE)
         assert (files(), rows().fetchall()) == before
+
+
+def test_task_domains_keep_the_planner_statistics(db_url: str) -> None:
+    # ALTER COLUMN ... TYPE drops what ANALYZE knew of each column it changes, even when no
+    # row is rewritten: without it the planner guesses (``state = 'waiting'``: 0.5 % of the
+    # rows) until autovacuum's next analyze, which waits for a tenth of the table to change,
+    # and a turn's statements keep the generic plans made meanwhile. The migration analyses
+    # what it changed, both ways.
+    config = alembic_config(core_migrate.MIGRATIONS, db_url)
+    command.downgrade(config, DOMAINS_BEFORE)
+    ruled = [c.name for c in core_tables.tasks.c if isinstance(c.type, Domain)]
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " priority) SELECT 'alice', 't' || i, 'default', 'task', 'file:///bin/true', %s,"
+            " 1, 1, 3, 60, false, 3, CASE WHEN i %% 10 = 0 THEN 'ready' ELSE 'waiting' END,"
+            " i %% 5 FROM generate_series(1, 200) i",
+            ("0" * 64,),
+        )
+        conn.execute("ANALYZE core.tasks")
+
+        def known() -> list[str]:
+            found = conn.execute(
+                "SELECT attname FROM pg_stats WHERE schemaname = 'core'"
+                " AND tablename = 'tasks' AND attname = ANY(%s) ORDER BY attname",
+                (ruled,),
+            )
+            return [name for (name,) in found]
+
+        assert known() == sorted(ruled)
+        command.upgrade(config, DOMAINS)
+        assert known() == sorted(ruled)
+        command.downgrade(config, DOMAINS_BEFORE)
+        assert known() == sorted(ruled)
