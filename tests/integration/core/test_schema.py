@@ -249,9 +249,10 @@ def test_a_task_move_meets_only_the_rules_of_several_columns(
 
 
 def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
-    # 0039_task_domains on a database with a task in every state: the table keeps its file
+    # 0039_task_domains on a database with a task in every state, a service and a placed
+    # task with every column of a nullable rule set: the table keeps its file
     # (no row is rewritten; the partial indexes on ``state`` are built again) and every
-    # row, both ways.
+    # row, both ways and up again.
     config = alembic_config(core_migrate.MIGRATIONS, db_url)
     command.downgrade(config, DOMAINS_BEFORE)
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
@@ -265,6 +266,25 @@ def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
                 " 60, false, 3, %s, CASE WHEN %s THEN now() END, %s, '{}')",
                 (f"t{i}", "0" * 64, state.value, state in FINAL, 1000 + i),
             )
+        # a running service, and a placed task with every nullable rule's column set
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " current_attempt_id, service, priority)"
+            " VALUES ('alice', 's', 'default', 'service', 'file:///bin/true', %s, 0.25, 64, 3,"
+            ' 60, false, 3, \'running\', 2000, \'{"ports": [{"name": "http"}]}\', -100)',
+            ("0" * 64,),
+        )
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " placement, required, disk_mb, timeout_s, progress_timeout_s, concurrency_key,"
+            " concurrency_limit, attempts, crashes, source_handbacks, priority)"
+            " VALUES ('alice', 'p', 'default', 'task', 'file:///bin/true', %s, 2, 512, 5, 60,"
+            " true, 2, 'waiting', '{\"require\": {\"zone\": \"a\"}}', '[]', 100, 60, 30,"
+            " 'k', 1, 2, 1, 1, 100)",
+            ("0" * 64,),
+        )
 
         def files() -> list[tuple[object, ...]]:
             return conn.execute(
@@ -280,6 +300,8 @@ def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
         command.upgrade(config, DOMAINS)
         assert (files(), rows().fetchall()) == before
         command.downgrade(config, DOMAINS_BEFORE)
+        assert (files(), rows().fetchall()) == before
+        command.upgrade(config, DOMAINS)  # and up again
         assert (files(), rows().fetchall()) == before
 
 
