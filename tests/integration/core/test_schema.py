@@ -338,3 +338,16 @@ def test_task_domains_keep_the_planner_statistics(db_url: str) -> None:
         assert known() == sorted(ruled)
         command.downgrade(config, DOMAINS_BEFORE)
         assert known() == sorted(ruled)
+
+
+def test_a_new_install_leaves_core_tasks_never_analysed(
+    db: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    # The migration analyses again only what had statistics: a new install's empty table,
+    # analysed, would be taken at its true size as it grows instead of at ten pages at
+    # least (PostgreSQL's guess for a table never analysed), and sequential scans planned.
+    [(tuples, known)] = db.execute(
+        "SELECT reltuples, (SELECT count(*) FROM pg_stats WHERE schemaname = 'core'"
+        " AND tablename = 'tasks') FROM pg_class WHERE oid = 'core.tasks'::regclass"
+    )
+    assert (tuples, known) == (-1, 0)
