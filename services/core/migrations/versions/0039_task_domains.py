@@ -15,8 +15,8 @@ whose predicate names ``state`` (and those on ``kind``, ``priority``) and checks
 CHECKs left, a read of the table each: 2.2 to 3 s for 300,000 tasks (98 MB of rows),
 under the ALTER TABLE's lock; the downgrade, 1.8 s. Half of the upgrade's is the domains'
 checks, a read of the table each (1.07 s of 2.2). Both ways it then analyses the changed
-columns again (``_analyse``: the change of type lost their statistics), 0.4 s more under
-the lock at 300,000 tasks.
+columns again if they had statistics (``_analyse``: the change of type loses them), 0.4 s
+more under the lock at 300,000 tasks.
 
 Revision ID: 0033_task_domains
 Revises: 0032_source_handbacks
