@@ -15,6 +15,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import MetaData, create_engine
 
 from libs.common.migrations import alembic_config
+from libs.common.schema import Domain
 from libs.common.settings import libpq_url
 from libs.common.states import FINAL, TaskState
 from services.core import migrate as core_migrate
@@ -248,9 +249,10 @@ def test_a_task_move_meets_only_the_rules_of_several_columns(
 
 
 def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
-    # 0039_task_domains on a database with a task in every state: the table keeps its file
+    # 0039_task_domains on a database with a task in every state, a service and a placed
+    # task with every column of a nullable rule set: the table keeps its file
     # (no row is rewritten; the partial indexes on ``state`` are built again) and every
-    # row, both ways.
+    # row, both ways and up again.
     config = alembic_config(core_migrate.MIGRATIONS, db_url)
     command.downgrade(config, DOMAINS_BEFORE)
     with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
@@ -264,6 +266,25 @@ def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
                 " 60, false, 3, %s, CASE WHEN %s THEN now() END, %s, '{}')",
                 (f"t{i}", "0" * 64, state.value, state in FINAL, 1000 + i),
             )
+        # a running service, and a placed task with every nullable rule's column set
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " current_attempt_id, service, priority)"
+            " VALUES ('alice', 's', 'default', 'service', 'file:///bin/true', %s, 0.25, 64, 3,"
+            ' 60, false, 3, \'running\', 2000, \'{"ports": [{"name": "http"}]}\', -100)',
+            ("0" * 64,),
+        )
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " placement, required, disk_mb, timeout_s, progress_timeout_s, concurrency_key,"
+            " concurrency_limit, attempts, crashes, source_handbacks, priority)"
+            " VALUES ('alice', 'p', 'default', 'task', 'file:///bin/true', %s, 2, 512, 5, 60,"
+            " true, 2, 'waiting', '{\"require\": {\"zone\": \"a\"}}', '[]', 100, 60, 30,"
+            " 'k', 1, 2, 1, 1, 100)",
+            ("0" * 64,),
+        )
 
         def files() -> list[tuple[object, ...]]:
             return conn.execute(
@@ -280,3 +301,53 @@ def test_task_domains_rewrite_no_row_and_keep_every_one(db_url: str) -> None:
         assert (files(), rows().fetchall()) == before
         command.downgrade(config, DOMAINS_BEFORE)
         assert (files(), rows().fetchall()) == before
+        command.upgrade(config, DOMAINS)  # and up again
+        assert (files(), rows().fetchall()) == before
+
+
+def test_task_domains_keep_the_planner_statistics(db_url: str) -> None:
+    # ALTER COLUMN ... TYPE drops what ANALYZE knew of each column it changes, even when no
+    # row is rewritten: without it the planner guesses (``state = 'waiting'``: 0.5 % of the
+    # rows) until autovacuum's next analyze, which waits for a tenth of the table to change,
+    # and a turn's statements keep the generic plans made meanwhile. The migration analyses
+    # what it changed, both ways.
+    config = alembic_config(core_migrate.MIGRATIONS, db_url)
+    command.downgrade(config, DOMAINS_BEFORE)
+    ruled = [c.name for c in core_tables.tasks.c if isinstance(c.type, Domain)]
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,"
+            " cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state,"
+            " priority) SELECT 'alice', 't' || i, 'default', 'task', 'file:///bin/true', %s,"
+            " 1, 1, 3, 60, false, 3, CASE WHEN i %% 10 = 0 THEN 'ready' ELSE 'waiting' END,"
+            " i %% 5 FROM generate_series(1, 200) i",
+            ("0" * 64,),
+        )
+        conn.execute("ANALYZE core.tasks")
+
+        def known() -> list[str]:
+            found = conn.execute(
+                "SELECT attname FROM pg_stats WHERE schemaname = 'core'"
+                " AND tablename = 'tasks' AND attname = ANY(%s) ORDER BY attname",
+                (ruled,),
+            )
+            return [name for (name,) in found]
+
+        assert known() == sorted(ruled)
+        command.upgrade(config, DOMAINS)
+        assert known() == sorted(ruled)
+        command.downgrade(config, DOMAINS_BEFORE)
+        assert known() == sorted(ruled)
+
+
+def test_a_new_install_leaves_core_tasks_never_analysed(
+    db: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    # The migration analyses again only what had statistics: a new install's empty table,
+    # analysed, would be taken at its true size as it grows instead of at ten pages at
+    # least (PostgreSQL's guess for a table never analysed), and sequential scans planned.
+    [(tuples, known)] = db.execute(
+        "SELECT reltuples, (SELECT count(*) FROM pg_stats WHERE schemaname = 'core'"
+        " AND tablename = 'tasks') FROM pg_class WHERE oid = 'core.tasks'::regclass"
+    )
+    assert (tuples, known) == (-1, 0)
