@@ -116,6 +116,22 @@ class WorkerOfferSettings(BaseSettings):
     worker_slots: int = Field(default=64, ge=1, le=4096)
 
 
+class MigrationSettings(BaseSettings):
+    """How a migration run waits for its locks (``CAIRN_MIGRATION_*``): read by every
+    service's ``migrate.upgrade`` (the setup job, ``cairn migrate``/``up``, a service's
+    start). A statement waits at most ``lock_timeout_s`` for a lock (a long transaction
+    holding one on a hot table would otherwise queue every later query behind the
+    migration's request), then the run rolls back what it had not finished and tries
+    again after a backoff, ``lock_attempts`` times in all (docs/deploy.md)."""
+
+    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
+
+    migration_lock_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    migration_lock_attempts: int = Field(default=6, ge=1, le=100)
+    #: the first backoff; each next one doubles, up to 60 s
+    migration_lock_backoff_s: float = Field(default=5.0, ge=0, le=60)
+
+
 class CairnSettings(WorkerOfferSettings):
     """The settings shared by every process; names and defaults are part of the interface."""
 
