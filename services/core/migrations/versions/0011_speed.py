@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from libs.common.migrations import create_index_concurrently
+
 revision = "0006_speed"
 down_revision = "0005_data"
 branch_labels = None
@@ -19,9 +21,11 @@ depends_on = None
 def upgrade() -> None:
     # Built without blocking the writers of a large feed.
     with op.get_context().autocommit_block():
-        op.execute(
+        create_index_concurrently(
+            "core",
+            "ix_task_events_dead",
             "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_task_events_dead"
-            " ON core.task_events (xid, id) WHERE to_state = 'dead'"
+            " ON core.task_events (xid, id) WHERE to_state = 'dead'",
         )
 
 

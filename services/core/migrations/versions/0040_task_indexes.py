@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from libs.common.migrations import create_index_concurrently
+
 revision = "0034_task_indexes"
 down_revision = "0033_task_domains"
 branch_labels = None
@@ -38,11 +40,13 @@ RUNNING_NAMED = (
 
 def upgrade() -> None:
     with op.get_context().autocommit_block():
-        op.execute(
+        create_index_concurrently(
+            "core",
+            "task_events_key",
             "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_key"
-            " ON core.task_events (task_id, seq)"
+            " ON core.task_events (task_id, seq)",
         )
-        op.execute(RUNNING_NAMED)
+        create_index_concurrently("core", "ix_tasks_running_named", RUNNING_NAMED)
     op.execute(
         "ALTER TABLE core.task_events DROP CONSTRAINT pk_task_events,"
         " DROP CONSTRAINT uq_task_events_task_id_seq,"
@@ -54,20 +58,28 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.get_context().autocommit_block():
-        op.execute(
-            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_id ON core.task_events (id)"
+        create_index_concurrently(
+            "core",
+            "task_events_id",
+            "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_id ON core.task_events (id)",
         )
-        op.execute(
+        create_index_concurrently(
+            "core",
+            "task_events_task_id_seq",
             "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS task_events_task_id_seq"
-            " ON core.task_events (task_id, seq)"
+            " ON core.task_events (task_id, seq)",
         )
-        op.execute(
+        create_index_concurrently(
+            "core",
+            "ix_tasks_placed_running",
             "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_tasks_placed_running"
-            " ON core.tasks (owner, name) WHERE placement IS NOT NULL AND state = 'running'"
+            " ON core.tasks (owner, name) WHERE placement IS NOT NULL AND state = 'running'",
         )
-        op.execute(
+        create_index_concurrently(
+            "core",
+            "ix_tasks_services_running",
             "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_tasks_services_running"
-            " ON core.tasks (name, owner) WHERE kind = 'service' AND state = 'running'"
+            " ON core.tasks (name, owner) WHERE kind = 'service' AND state = 'running'",
         )
     op.execute(
         "ALTER TABLE core.task_events DROP CONSTRAINT pk_task_events,"
