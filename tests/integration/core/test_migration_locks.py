@@ -138,11 +138,23 @@ def test_a_blocker_that_never_ends_fails_the_run_naming_it(before: str, tmp_path
         assert "'LOCK TABLE core.tasks IN ACCESS SHARE MODE'" in last
         assert err.count("trying again") == 2
         assert _version(watch) == [(BEFORE,)]
-        # what the failed try had done in its transaction is rolled back
+        # what the last try had done in its transaction before it waited (the new primary
+        # key of core.task_events, in place of these two) is rolled back
         assert watch.execute(
-            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'core'"
-            " AND indexname = 'ix_tasks_placed_running'"
-        ).fetchone() == (1,)
+            "SELECT conname, pg_get_indexdef(conindid) FROM pg_constraint"
+            " WHERE conrelid = 'core.task_events'::regclass AND contype IN ('p', 'u')"
+            " ORDER BY conname"
+        ).fetchall() == [
+            (
+                "pk_task_events",
+                "CREATE UNIQUE INDEX pk_task_events ON core.task_events USING btree (id)",
+            ),
+            (
+                "uq_task_events_task_id_seq",
+                "CREATE UNIQUE INDEX uq_task_events_task_id_seq ON core.task_events"
+                " USING btree (task_id, seq)",
+            ),
+        ]
         blocker.rollback()
 
 
