@@ -179,6 +179,6 @@ def test_an_index_build_cut_short_is_built_again_valid(before: str) -> None:
         run = _migrate(before, attempts=3, backoff_s=0.05)
         _, err = run.communicate(timeout=60)
         assert run.returncode == 0, err
-        assert "an invalid index left by a build cut short" in err
         assert watch.execute(invalid).fetchall() == []
+        assert "an invalid index left by a build cut short" in err
         assert _version(watch) == [(HEAD,)]
