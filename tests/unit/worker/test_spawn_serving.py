@@ -32,6 +32,9 @@ pytestmark = pytest.mark.skipif(
 
 PLAIN = spawner.Launch("/bin/true", ["true"], {}, "/")
 SLEEPER = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
+#: arguments that make a start's request about 520 KB: 40 of them fill the socket
+PAD = ["x" * 130_000] * 4
+BIG = spawner.Launch("/bin/true", ["true", *PAD], {}, "/")
 
 
 def test_a_kill_of_a_uid_whose_start_is_checked_is_answered_at_once(root: Path) -> None:
@@ -138,7 +141,7 @@ def test_the_bytes_pending_starts_keep_are_bounded_together(root: Path) -> None:
     start still fits and runs, and the waiting ones end as their check does."""
     binary = _binary(root)
     limit_s = 2.0
-    big = ["true", *["x" * 130_000] * 4]
+    big = ["true", *PAD]
 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
@@ -175,7 +178,6 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
     to its request by number), a signal sent meanwhile too; none is lost, the helper
     lives on (a full socket was taken for a helper gone: every attempt of it lost)."""
     binary = _binary(root)
-    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
@@ -184,7 +186,7 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
         try:
             pid, exited = await helper.spawn(SLEEPER, log)
             with _unread(helper):
-                starts = [asyncio.create_task(start(big)) for _ in range(40)]
+                starts = [asyncio.create_task(start(BIG)) for _ in range(40)]
                 await _turns(3)  # each sent, or waiting for room (``wait_for``: a task)
                 helper.signal(pid, signal.SIGTERM)
                 assert helper._backlog[-1][2] is None, "the signal did not wait its turn"
@@ -204,9 +206,7 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
     it closes its log) is never sent: not with the descriptor number it gave, which by
     then names another file (here the next one opened: the start's output went there)."""
     binary = _binary(root)
-    pad = ["x" * 130_000] * 4
-    big = spawner.Launch("/bin/true", ["true", *pad], {}, "/")
-    marked = spawner.Launch("/bin/sh", ["sh", "-c", "echo MARK", *pad], {}, "/")
+    marked = spawner.Launch("/bin/sh", ["sh", "-c", "echo MARK", *PAD], {}, "/")
 
     async def begin(launch: spawner.Launch, path: Path) -> int:
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -222,7 +222,7 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
         await helper.ready()
         try:
             with _unread(helper):
-                starts = [asyncio.create_task(begin(big, root / f"log{i}")) for i in range(40)]
+                starts = [asyncio.create_task(begin(BIG, root / f"log{i}")) for i in range(40)]
                 given_up = asyncio.create_task(begin(marked, root / "given-up"))
                 await asyncio.sleep(0)  # each sent, or waiting for room
                 assert helper._backlog, "the burst fit the socket: nothing waited"
@@ -250,7 +250,6 @@ def test_a_start_that_cannot_copy_its_descriptors_fails_alone(root: Path) -> Non
     any start the agent cannot make), not the helper: it was closed for it, every attempt
     it ran lost. The helper then keeps no copy of the failed start's."""
     binary = _binary(root)
-    big = spawner.Launch("/bin/true", ["true", *["x" * 130_000] * 4], {}, "/")
 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
@@ -261,7 +260,7 @@ def test_a_start_that_cannot_copy_its_descriptors_fails_alone(root: Path) -> Non
         try:
             _, exited = await helper.spawn(SLEEPER, log)
             with _unread(helper):
-                starts = [asyncio.create_task(start(big)) for _ in range(40)]
+                starts = [asyncio.create_task(start(BIG)) for _ in range(40)]
                 await _turns(3)  # each sent, or waiting for room (``wait_for``: a task)
                 assert helper._backlog, "the burst fit the socket: nothing waited"
                 mine = set(os.listdir("/proc/self/fd"))
