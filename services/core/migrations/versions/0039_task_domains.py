@@ -35,72 +35,24 @@ depends_on = None
 
 _STATES = "'cancelled', 'dead', 'failed', 'ready', 'running', 'succeeded', 'waiting'"
 
-# (column, its type, the rule's name, the rule on VALUE, the rule on the column)
+# (column, its type, the rule's name, the rule on VALUE: on the column, VALUE is its name)
 RULES = [
-    ("state", "TEXT", "state", f"VALUE IN ({_STATES})", f"state IN ({_STATES})"),
-    ("kind", "TEXT", "kind", "VALUE IN ('service', 'task')", "kind IN ('service', 'task')"),
-    (
-        "priority",
-        "SMALLINT",
-        "priority_range",
-        "VALUE BETWEEN -100 AND 100",
-        "priority BETWEEN -100 AND 100",
-    ),
-    ("max_attempts", "INTEGER", "max_attempts_positive", "VALUE > 0", "max_attempts > 0"),
-    ("poison_after", "INTEGER", "poison_after_positive", "VALUE > 0", "poison_after > 0"),
-    (
-        "poison_window_s",
-        "DOUBLE PRECISION",
-        "poison_window_positive",
-        "VALUE > 0",
-        "poison_window_s > 0",
-    ),
-    ("attempts", "INTEGER", "counts_non_negative", "VALUE >= 0", "attempts >= 0"),
-    ("crashes", "INTEGER", "counts_non_negative", "VALUE >= 0", "crashes >= 0"),
-    (
-        "source_handbacks",
-        "INTEGER",
-        "source_handbacks_non_negative",
-        "VALUE >= 0",
-        "source_handbacks >= 0",
-    ),
-    ("cpu", "DOUBLE PRECISION", "resources_positive", "VALUE > 0", "cpu > 0"),
-    ("memory_mb", "INTEGER", "resources_positive", "VALUE > 0", "memory_mb > 0"),
-    (
-        "disk_mb",
-        "INTEGER",
-        "disk_positive",
-        "VALUE IS NULL OR VALUE > 0",
-        "disk_mb IS NULL OR disk_mb > 0",
-    ),
-    (
-        "timeout_s",
-        "INTEGER",
-        "timeout_positive",
-        "VALUE IS NULL OR VALUE > 0",
-        "timeout_s IS NULL OR timeout_s > 0",
-    ),
-    (
-        "progress_timeout_s",
-        "INTEGER",
-        "progress_timeout_positive",
-        "VALUE IS NULL OR VALUE > 0",
-        "progress_timeout_s IS NULL OR progress_timeout_s > 0",
-    ),
-    (
-        "concurrency_limit",
-        "INTEGER",
-        "concurrency_limit_positive",
-        "VALUE IS NULL OR VALUE > 0",
-        "concurrency_limit IS NULL OR concurrency_limit > 0",
-    ),
-    (
-        "artifact_credentials",
-        "JSONB",
-        "artifact_credentials",
-        "jsonb_typeof(VALUE) = 'object'",
-        "jsonb_typeof(artifact_credentials) = 'object'",
-    ),
+    ("state", "TEXT", "state", f"VALUE IN ({_STATES})"),
+    ("kind", "TEXT", "kind", "VALUE IN ('service', 'task')"),
+    ("priority", "SMALLINT", "priority_range", "VALUE BETWEEN -100 AND 100"),
+    ("max_attempts", "INTEGER", "max_attempts_positive", "VALUE > 0"),
+    ("poison_after", "INTEGER", "poison_after_positive", "VALUE > 0"),
+    ("poison_window_s", "DOUBLE PRECISION", "poison_window_positive", "VALUE > 0"),
+    ("attempts", "INTEGER", "counts_non_negative", "VALUE >= 0"),
+    ("crashes", "INTEGER", "counts_non_negative", "VALUE >= 0"),
+    ("source_handbacks", "INTEGER", "source_handbacks_non_negative", "VALUE >= 0"),
+    ("cpu", "DOUBLE PRECISION", "resources_positive", "VALUE > 0"),
+    ("memory_mb", "INTEGER", "resources_positive", "VALUE > 0"),
+    ("disk_mb", "INTEGER", "disk_positive", "VALUE IS NULL OR VALUE > 0"),
+    ("timeout_s", "INTEGER", "timeout_positive", "VALUE IS NULL OR VALUE > 0"),
+    ("progress_timeout_s", "INTEGER", "progress_timeout_positive", "VALUE IS NULL OR VALUE > 0"),
+    ("concurrency_limit", "INTEGER", "concurrency_limit_positive", "VALUE IS NULL OR VALUE > 0"),
+    ("artifact_credentials", "JSONB", "artifact_credentials", "jsonb_typeof(VALUE) = 'object'"),
 ]
 
 # The table's rules that two columns made one (counts, resources), as they stood.
@@ -111,7 +63,7 @@ _PAIRS = {
 
 
 def _table_rules() -> dict[str, str]:
-    rules = {name: on_column for _, _, name, _, on_column in RULES}
+    rules = {name: on_value.replace("VALUE", column) for column, _, name, on_value in RULES}
     return {**rules, **_PAIRS}
 
 
@@ -142,12 +94,12 @@ def _analyse(analysed: bool) -> None:
 
 def upgrade() -> None:
     analysed = _analysed()
-    for column, base, _, _, _ in RULES:
+    for column, base, _, _ in RULES:
         op.execute(f"CREATE DOMAIN core.tasks_{column} AS {base}")
     changes = [f"DROP CONSTRAINT ck_tasks_{name}" for name in _table_rules()]
     changes += [f"ALTER COLUMN {c} TYPE core.tasks_{c}" for c, *_ in RULES]
     op.execute("ALTER TABLE core.tasks " + ", ".join(changes))
-    for column, _, name, on_value, _ in RULES:
+    for column, _, name, on_value in RULES:
         op.execute(
             f"ALTER DOMAIN core.tasks_{column} ADD CONSTRAINT ck_tasks_{name} CHECK ({on_value})"
         )
