@@ -78,6 +78,11 @@ def _binary(root: Path) -> Path:
     return binary
 
 
+def _log(path: Path) -> int:
+    """A log for starts to write to (appended to, the agent's way)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
 class _Starts:
     """Starts by one helper, each timed: (seconds, exit status or (step, errno))."""
 
@@ -86,7 +91,7 @@ class _Starts:
         self.log = root / "log"
 
     async def __call__(self, launch: spawner.Launch) -> tuple[float, object]:
-        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(self.log)
         began = time.monotonic()
         try:
             _, exited = await asyncio.wait_for(self.helper.spawn(launch, log), 10)
@@ -109,7 +114,7 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
     log_path = tmp_path / "log"
 
     async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> tuple[float, object]:
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(log_path)
         began = time.monotonic()
         try:
             _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
@@ -169,7 +174,7 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
     binary = _binary(root)
 
     async def spawn(helper: spawner.Helper, launch: spawner.Launch) -> object:
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)
             return (await exited)[0]
@@ -259,7 +264,7 @@ def test_starts_that_waited_for_a_check_that_timed_out_fail_with_it(root: Path) 
 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             with unanswered_fuse(root / "jammed", probe=False) as mount:
                 source = mount / "bin" / "task"
@@ -296,7 +301,7 @@ def test_a_burst_of_checked_starts_all_start(root: Path) -> None:
 
     async def scenario() -> list[object]:
         helper = spawner.Helper(binary)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
 
         async def spawn() -> object:
             try:
@@ -319,7 +324,7 @@ def test_a_uid_the_kernel_would_truncate_is_refused(root: Path) -> None:
 
     async def spawn(uid: int) -> object:
         helper = spawner.Helper(binary)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             launch = spawner.Launch("/bin/true", ["true"], {}, "/", uid=uid, gid=29992)
             _, exited = await asyncio.wait_for(helper.spawn(launch, log), 10)

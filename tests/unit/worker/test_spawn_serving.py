@@ -24,7 +24,14 @@ import pytest
 
 from services.worker import spawner
 from tests.support.fuse import FUSE_TYPE, unanswered_fuse, unread_fuse
-from tests.unit.worker.test_source_unanswered import _binary, _check, _children, _Starts, _timed
+from tests.unit.worker.test_source_unanswered import (
+    _binary,
+    _check,
+    _children,
+    _log,
+    _Starts,
+    _timed,
+)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
@@ -104,7 +111,7 @@ def test_a_full_pending_table_holds_back_no_signal_kill_or_start(root: Path) -> 
     async def scenario() -> None:
         helper = spawner.Helper(binary)
         start = _Starts(helper, root)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             pid, exited = await helper.spawn(SLEEPER, log)
             with unanswered_fuse(root / "jammed") as mount:
@@ -182,7 +189,7 @@ def test_a_burst_of_requests_past_the_sockets_room_waits_for_it_in_order(root: P
     async def scenario() -> None:
         helper = spawner.Helper(binary)
         start = _Starts(helper, root)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             pid, exited = await helper.spawn(SLEEPER, log)
             with _unread(helper):
@@ -209,7 +216,7 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
     marked = spawner.Launch("/bin/sh", ["sh", "-c", "echo MARK", *PAD], {}, "/")
 
     async def begin(launch: spawner.Launch, path: Path) -> int:
-        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(path)
         try:
             _, exited = await helper.spawn(launch, log)
             return (await exited)[0]
@@ -229,7 +236,7 @@ def test_a_start_given_up_while_it_waits_for_room_never_goes(root: Path) -> None
                 given_up.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await given_up
-                other = os.open(root / "other", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                other = _log(root / "other")
             try:
                 assert await asyncio.gather(*starts) == [0] * 40
                 await asyncio.sleep(0.2)  # a start that went would have printed by now
@@ -254,7 +261,7 @@ def test_a_start_that_cannot_copy_its_descriptors_fails_alone(root: Path) -> Non
     async def scenario() -> None:
         helper = spawner.Helper(binary)
         start = _Starts(helper, root)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         limits = resource.getrlimit(resource.RLIMIT_NOFILE)
         filler: list[int] = []
         try:
@@ -402,7 +409,7 @@ def test_a_kill_of_root_or_of_no_uid_kills_nothing(root: Path) -> None:
 
     async def scenario() -> None:
         helper = spawner.Helper(wrapper)
-        log = os.open(root / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _log(root / "log")
         try:
             sleeping = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/")
             pid, exited = await asyncio.wait_for(helper.spawn(sleeping, log), 10)
