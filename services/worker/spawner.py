@@ -297,6 +297,10 @@ class Helper:
         self._exits: dict[int, asyncio.Future[Exit]] = {}
         #: what is called with each one's end future as its exit record is read (``on_exit``)
         self._on_exit: dict[int, Callable[[asyncio.Future[Exit]], None]] = {}
+        #: starts sent whose caller stopped waiting (cancelled) before it had their reply,
+        #: by the future of that reply: each one's end, settled once what it started has
+        #: ended (``_abandon``, ``_unwaited``)
+        self._abandoned: dict[asyncio.Future[_Reply], asyncio.Future[None]] = {}
         self._ready = False
         self.gone = False
         #: it keeps its cgroup v1 slot's counters (its ready message says so): resets
@@ -359,6 +363,69 @@ class Helper:
         reply = self._replies.pop(seq, None)
         if reply is not None and not reply.done():
             reply.set_result((pid, step, errno, oom_base, exited))
+        elif exited is not None or self._abandoned:
+            self._unwaited(reply, pid, exited)
+
+    def _unwaited(
+        self, reply: asyncio.Future[_Reply] | None, pid: int, exited: asyncio.Future[Exit] | None
+    ) -> None:
+        """A reply whose caller stopped waiting: a start that failed settles its end now
+        (nothing of it runs); one that started is killed at once (``_stop_unwaited``).
+        Its end is kept for its caller where that caller has not yet resumed (its
+        cancellation came in this same pass of the event loop: ``_abandon`` takes it)."""
+        ended = self._abandoned.pop(reply, None) if reply is not None else None
+        if exited is not None:
+            stopped = self._stop_unwaited(pid, exited, ended)
+            if ended is None and reply is not None and reply.cancelled():
+                self._abandoned[reply] = stopped  # for its caller, about to resume
+        elif ended is not None and not ended.done():
+            ended.set_result(None)
+
+    def _stop_unwaited(
+        self, pid: int, exited: asyncio.Future[Exit], ended: asyncio.Future[None] | None = None
+    ) -> asyncio.Future[None]:
+        """Its attempt ``pid`` started for a caller who no longer waits for it: its process
+        group killed now, and ``ended`` (made if None) settled from its exit record, or the
+        helper's end, as an attempt's end is (``on_exit``): only then may what it held (its
+        slot, its uid, its folders) be handed back."""
+        if ended is None:
+            ended = self._listen().create_future()
+
+        def settle(_: asyncio.Future[Exit]) -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        if not exited.done():
+            self.signal(pid, signal.SIGKILL)
+        self.on_exit(pid, exited, settle)
+        return ended
+
+    def _abandon(
+        self,
+        reply: asyncio.Future[_Reply],
+        unsettled: Callable[[asyncio.Future[None]], None] | None,
+    ) -> None:
+        """A start whose caller stopped waiting (cancelled) is settled all the same: one
+        still waiting for room is never sent (``_drain``); one sent is killed as soon as
+        its reply says it started (``_unwaited``), or now if that reply came already.
+        ``unsettled`` is given the future of its end (the caller's release awaits it)."""
+        if self.gone or self._loop is None:
+            return  # its attempts are orphans, stopped through their cgroup or uid (``close``)
+        if not reply.cancelled():  # answered, its caller cancelled before it resumed
+            if reply.exception() is not None:
+                return
+            pid, step, _, _, exited = reply.result()
+            if step or exited is None:
+                return
+            ended = self._stop_unwaited(pid, exited)
+        elif (answered := self._abandoned.pop(reply, None)) is not None:
+            ended = answered  # it started, and was killed, before its caller resumed
+        elif any(waiting is reply for waiting in self._replies.values()):
+            ended = self._abandoned[reply] = self._loop.create_future()  # sent, unanswered
+        else:
+            return  # never sent (it waited for room), or it failed: nothing of it runs
+        if unsettled is not None:
+            unsettled(ended)
 
     def _ended(self, data: bytes) -> None:
         _, count = _EXITS.unpack_from(data)
@@ -395,7 +462,13 @@ class Helper:
     def _gone(self) -> HelperGone:
         return HelperGone(f"the spawn helper (pid {self.pid}) is gone")
 
-    async def _request(self, data: bytes, fds: Sequence[int] = ()) -> _Reply:
+    async def _request(
+        self,
+        data: bytes,
+        fds: Sequence[int] = (),
+        start: bool = False,
+        unsettled: Callable[[asyncio.Future[None]], None] | None = None,
+    ) -> _Reply:
         if self.gone:
             raise self._gone()
         reply: asyncio.Future[_Reply] = self._listen().create_future()
@@ -406,7 +479,12 @@ class Helper:
         except OSError:
             self.close()
             raise self._gone() from None
-        return await reply
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            if start:
+                self._abandon(reply, unsettled)
+            raise
 
     def _send_in_turn(
         self, data: bytes, fds: Sequence[int], reply: asyncio.Future[_Reply] | None
@@ -475,10 +553,18 @@ class Helper:
         return pid, exited
 
     async def spawn_counted(
-        self, launch: Launch, log_fd: int, cgroup_fd: int | None = None, mount: int | None = None
+        self,
+        launch: Launch,
+        log_fd: int,
+        cgroup_fd: int | None = None,
+        mount: int | None = None,
+        unsettled: Callable[[asyncio.Future[None]], None] | None = None,
     ) -> tuple[int, asyncio.Future[Exit], int]:
         """``spawn``, and its slot's OOM-kill count before the start (-1 where the helper
-        keeps no counters: ``counts``)."""
+        keeps no counters: ``counts``). Cancelled once its request went, the start is
+        settled all the same (``_abandon``): what it started is killed at once, and
+        ``unsettled`` is given the future of its end, which comes with its exit record
+        (or the helper's end): what the attempt holds is handed back only then."""
         await self.ready()
         request = launch.encode(cgroup_fd is not None)
         fds = [log_fd] if cgroup_fd is None else [log_fd, cgroup_fd]
@@ -486,7 +572,7 @@ class Helper:
             if mount is None:
                 raise ValueError("a mount point without its tmpfs")
             fds.append(mount)
-        pid, step, errno, oom_base, exited = await self._request(request, fds)
+        pid, step, errno, oom_base, exited = await self._request(request, fds, True, unsettled)
         if step:
             raise SpawnFailed(step, errno, pid)
         if exited is None:  # a reply that is no spawn's: the helper is out of step
@@ -556,10 +642,19 @@ class Helper:
         for pid, then in self._on_exit.items():
             if (exited := self._exits.get(pid)) is not None:
                 exited.add_done_callback(then)
+        self._settle_abandoned()
         self._replies.clear()
         self._exits.clear()
         self._on_exit.clear()
         _reap_later(self.pid)
+
+    def _settle_abandoned(self) -> None:
+        """The helper is gone: the starts given up on are settled, never started or
+        orphans now (stopped through their cgroup or uid by their release)."""
+        for ended in self._abandoned.values():
+            if not ended.done():
+                ended.set_result(None)
+        self._abandoned.clear()
 
 
 class _Uncopied(Exception):
