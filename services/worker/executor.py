@@ -472,10 +472,14 @@ def _judge(
     return "failed", f"exited {exit_code}"
 
 
-async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
+async def start_attempt(
+    spec: AttemptSpec, unsettled: Callable[[asyncio.Future[None]], None] | None = None
+) -> RunningAttempt:
     """Start the attempt's process in a process group of its own (a new session where the
     agent forks it; the spawn helper's own where it starts it); raises ``SpawnError`` if
-    it cannot."""
+    it cannot. Cancelled after its spawn helper was asked, what that start runs is killed
+    and ``unsettled`` given the future of its end (``Helper.spawn_counted``): what the
+    attempt holds is handed back only once it is settled (``Host.release``)."""
     # A home that is the attempt's tmpfs is the mount point its start attaches it on
     # (``workdirs.Workdirs.mount_point``), made with the run folder: not looked at here.
     mounted = spec.sandbox is not None and spec.sandbox.mount is not None
@@ -490,7 +494,7 @@ async def start_attempt(spec: AttemptSpec) -> RunningAttempt:
         # A v1 cgroup is joined only by being forked inside it, by its slot's own helper.
         if spec.helper is not None and (group is None or group.version == "v2" or group.resident):
             parent = spec.helper
-            started, pid, exited = await _start_by_helper(spec, parent, log)
+            started, pid, exited = await _start_by_helper(spec, parent, log, unsettled)
         else:
             started, pid = _fork(spec, log)
     except BaseException:
@@ -526,7 +530,10 @@ def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
 
 
 async def _start_by_helper(
-    spec: AttemptSpec, helper: Helper, log: AttemptLog
+    spec: AttemptSpec,
+    helper: Helper,
+    log: AttemptLog,
+    unsettled: Callable[[asyncio.Future[None]], None] | None = None,
 ) -> tuple[float, int, asyncio.Future[_Exit]]:
     into: int | None = None
     try:
@@ -535,7 +542,9 @@ async def _start_by_helper(
             into = os.open(group.folders[""], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         started = time.monotonic()
         mount = spec.sandbox.mount if spec.sandbox else None
-        pid, exited, oom_base = await helper.spawn_counted(_launch(spec), log.writer, into, mount)
+        pid, exited, oom_base = await helper.spawn_counted(
+            _launch(spec), log.writer, into, mount, unsettled
+        )
         if group is not None and oom_base >= 0:
             # Its helper reset the slot's counters before the start (``CgroupPool.take``).
             group.oom_base, group.cpu_base = oom_base, 0.0

@@ -80,6 +80,13 @@ class Prepared:
     #: the ``file://`` artifact (uri, sha256) whose source its spawn helper checks
     #: (``Folders.source_check``): sealed again if that check fails (``Host.launch``)
     local: tuple[str, str] | None = None
+    #: the end of a start its spawn helper was sent when ``launch`` was cancelled: what
+    #: it started killed, settled by its exit record (or the helper's end); ``release``
+    #: hands nothing back before
+    unsettled: asyncio.Future[None] | None = None
+
+    def abandoned(self, ended: asyncio.Future[None]) -> None:
+        self.unsettled = ended
 
 
 class Host:
@@ -317,7 +324,7 @@ class Host:
         if check is not None and self._hung and self._hung.get(check[0], 0.0) > time.monotonic():
             raise unanswered(spec, f"another start within {HUNG_SOURCE_HOLD_S:g} s")
         try:
-            return await start_attempt(spec)
+            return await start_attempt(spec, prepared.abandoned)
         except SourceUnanswered:
             if check is not None:
                 self._held_hung(check[0])
@@ -342,7 +349,7 @@ class Host:
         )
         spec = dataclasses.replace(spec, sandbox=sandbox)
         prepared.spec = dataclasses.replace(prepared.spec, sandbox=sandbox)
-        return await start_attempt(spec)
+        return await start_attempt(spec, prepared.abandoned)
 
     def _held_hung(self, source: str) -> None:
         now = time.monotonic()
@@ -574,7 +581,12 @@ class Host:
 
     async def release(self, prepared: Prepared) -> None:
         """After the log is uploaded: remove the folders (now, or after the keep time),
-        then hand the uid back (never while a folder of that uid remains)."""
+        then hand the uid back (never while a folder of that uid remains). An attempt
+        whose ``launch`` was cancelled after its spawn helper was asked first waits for
+        the end of what that start ran (``Prepared.unsettled``: killed at once): until
+        then its process may still be born, in its slot, as its uid."""
+        if prepared.unsettled is not None:
+            await prepared.unsettled
         keep = self.settings.worker_keep_attempts_s
         log_path = prepared.spec.log_path
         if keep <= 0:

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from services.worker import spawner
+from services.worker.artifacts import ArtifactCache
 from tests.unit.worker.test_source_unanswered import _binary, _children, _log
+from tests.unit.worker.test_spawn_path import _assignment, _attempt, _gone, _host
 from tests.unit.worker.test_spawn_serving import _turns, _unread
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own")
@@ -95,5 +97,72 @@ def test_a_start_whose_caller_stopped_waiting_is_killed_and_its_end_awaited(
             os.close(log)
             helper.close()
         assert _fds() <= before
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_and_uid_are_handed_back_only_after_the_cancelled_start_ended(root: Path) -> None:
+    """One pooled cgroup v1 slot: an attempt's launch is cancelled after its request was
+    sent, its helper not yet having read it, and its release begun at once (as the
+    agent's ``_prepared`` does). Until the start's exit record the slot stays out of the
+    pool and the uid held; then the process it started (writing its pid, then sleeping)
+    is gone, the slot holds its helper alone, and the next attempt gets that slot, runs
+    alone in it (its helper's counters final) and succeeds. No descriptor is left."""
+    host = _host(root, worker_slots=1)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+    marks = root / "marks"
+    marks.mkdir(mode=0o777)
+    marks.chmod(0o777)
+    cache = ArtifactCache(host.settings.home / "artifacts")
+
+    async def scenario() -> None:
+        try:
+            warm, _ = await _attempt(host, 1, "true")  # its slot and helper made
+            await host.release(warm)
+            before = _fds()
+            script = f"echo $$ > {marks}/pid; exec sleep 30"
+            prepared = await host.prepare(_assignment(2, script), cache)
+            slot = prepared.slot
+            assert slot is not None and prepared.identity is not None
+            uid, helper = prepared.identity.uid, slot.helper
+            releases: list[asyncio.Task[None]] = []
+
+            async def attempt() -> None:
+                try:
+                    await host.launch(prepared, cache)
+                finally:
+                    releases.append(asyncio.create_task(host.release(prepared)))
+
+            with _unread(helper):
+                launch = asyncio.create_task(attempt())
+                await _turns(3)
+                assert helper._replies and not helper._backlog  # sent, unanswered
+                launch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await launch
+                await asyncio.sleep(0.2)
+                [release] = releases
+                assert not release.done(), "released before its start was settled"
+                assert slot not in host.slots._free and host.pool is not None
+                assert uid in host.pool._held
+            await asyncio.wait_for(release, 10)
+            stray = marks / "pid"
+            if stray.exists():  # it ran as far as its first line before the kill
+                assert _gone(int(stray.read_text()))
+            assert _of_uid(uid) == []
+            assert slot in host.slots._free and uid not in host.pool._held
+            procs = (slot.group.folders["memory"] / "cgroup.procs").read_text().split()
+            assert procs == [str(helper.pid)]
+            nxt = await host.prepare(_assignment(3, "echo alone"), cache)
+            handle = await host.launch(nxt, cache)
+            result = await handle.wait()
+            handle.log.close()
+            assert nxt.slot is slot and result.outcome == "succeeded"
+            assert nxt.cgroup is not None and nxt.cgroup.settled  # its helper's figures final
+            await host.release(nxt)
+            assert _fds() <= before
+        finally:
+            await host.close()
 
     asyncio.run(scenario())
