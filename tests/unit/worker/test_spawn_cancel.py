@@ -159,7 +159,8 @@ def test_a_slot_and_uid_are_handed_back_only_after_the_cancelled_start_ended(roo
             result = await handle.wait()
             handle.log.close()
             assert nxt.slot is slot and result.outcome == "succeeded"
-            assert nxt.cgroup is not None and nxt.cgroup.settled  # its helper's figures final
+            counters = handle._exit.result().counters  # its helper's, at its exit record
+            assert counters is not None and counters.alone and counters.final, counters
             await host.release(nxt)
             assert _fds() <= before
         finally:
