@@ -53,8 +53,8 @@ def test_a_start_whose_caller_stopped_waiting_is_killed_and_its_end_awaited(
     in the pass of the event loop that reads its reply (before the reply is taken, and
     after, the caller not yet resumed). The process it started (as uid 29996, sleeping
     30 s) is killed, the future given to ``unsettled`` ends with its exit record, and
-    nothing of it is left: no process of that uid, no child of the helper but its checker, no record or
-    descriptor of it in the agent."""
+    nothing of it is left: no process of that uid, no child of the helper but its
+    checker, no record or descriptor of it in the agent."""
     binary = _binary(root)
     sleeper = spawner.Launch("/bin/sleep", ["sleep", "30"], {}, "/", uid=UID, gid=UID)
 
