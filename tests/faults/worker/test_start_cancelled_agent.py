@@ -22,6 +22,8 @@ from services.worker.artifacts import ArtifactCache
 from services.worker.executor import AttemptSpec, RunningAttempt
 from services.worker.host import Host, Prepared
 from services.worker.settings import WorkerSettings
+from tests.integration.core.test_dispatch import Agent as Registered
+from tests.integration.core.test_dispatch import _close_agents  # noqa: F401 - closes them
 from tests.support import Core, isolation_env, shell_spec
 from tests.unit.worker.test_spawn_cancel import _of_uid
 from tests.unit.worker.test_spawn_serving import _turns
@@ -37,14 +39,10 @@ def _claimed(core: Core, body: dict[str, Any]) -> tuple[int, int, str, Assignmen
     its lease and the assignment."""
     with core.client() as alice:
         task = alice.post("/v1/tasks", json=body).raise_for_status().json()
-    with core.client("agent", "worker") as agent_http:
-        offer = {"hostname": "h", "queues": ["default"], "cpu": 4, "memory_mb": 4096}
-        registered = agent_http.post("/v1/workers", json=offer).json()
-        worker_id, lease = registered["worker"]["id"], registered["lease"]
-        agent_http.headers[WORKER_LEASE_HEADER] = lease
-        room = {"cpu": 4, "memory_mb": 4096}
-        [raw] = agent_http.post(f"/v1/workers/{worker_id}/claim", json=room).json()["attempts"]
-    return int(task["id"]), worker_id, lease, Assignment.model_validate(raw)
+    worker = Registered(core, "agent")  # its token: core.tokens["agent"]
+    [raw] = worker.claim(most=1)
+    lease = worker.http.headers[WORKER_LEASE_HEADER]
+    return int(task["id"]), worker.id, lease, Assignment.model_validate(raw)
 
 
 def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_process_ended(
@@ -82,17 +80,20 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
 
     host.launch = stopped_first  # type: ignore[method-assign]
 
-    async def scenario() -> int:
-        async with CoreClient(core.url, core.tokens["agent"]) as client:
-            client.use_lease(lease)
-            agent = Agent(settings, client, core.tokens["agent"], host)
-            agent.worker_id = worker_id
-            try:
+    async def scenario() -> None:
+        try:
+            async with CoreClient(core.url, core.tokens["agent"]) as client:
+                client.use_lease(lease)
+                agent = Agent(settings, client, core.tokens["agent"], host)
+                agent.worker_id = worker_id
                 attempt = asyncio.create_task(agent._attempt(assignment))
-                while not held or not held[0].slot.helper._replies:  # type: ignore[union-attr]
+                for _ in range(1000):  # until its start is sent (10 s at most)
                     await asyncio.sleep(0.01)
+                    if held and held[0].slot and held[0].slot.helper._replies:
+                        break
                 prepared = held[0]
                 assert prepared.slot is not None and prepared.identity is not None
+                assert prepared.slot.helper._replies, "its start was never sent"
                 helper, uid = prepared.slot.helper, prepared.identity.uid
                 try:
                     attempt.cancel()
@@ -109,9 +110,8 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                 assert done == releasing
                 await _turns(2)
                 assert agent._room()[2] == 1 and _of_uid(uid) == []
-                return uid
-            finally:
-                await host.close()
+        finally:
+            await host.close()
 
     asyncio.run(scenario())
     # It may have run as far as its first line before the kill, never further, and once.
