@@ -202,3 +202,42 @@ def test_an_index_build_waits_out_an_older_transaction_past_the_lock_timeout(
             " WHERE c.relname IN ('ix_tasks_running_named', 'pk_task_events')"
             " AND i.indisvalid"
         ).fetchone() == (2,)
+
+
+def test_a_run_killed_while_its_index_build_waits_ends_its_session(before: str) -> None:
+    # A run killed while its build waits for a report (a deploy that gave up on it, a
+    # replaced pod): its session notices the client gone and ends, and with it the
+    # migrations' advisory lock, instead of waiting on for the report (and holding up
+    # the next run behind that lock). The build leaves an INVALID index, which the next
+    # run drops and builds again.
+    url = libpq_url(before)
+    with (
+        psycopg.connect(url, autocommit=True) as watch,
+        psycopg.connect(url, application_name="report") as report,
+    ):
+        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT count(*) FROM core.workers")
+        report_pid = report.info.backend_pid
+        with reaped(_migrate(before, attempts=1, backoff_s=0.05)) as run:
+            wait_for(lambda: waiting_on(watch, report_pid), "the migration waited for its lock")
+            [(session,)] = watch.execute(
+                "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                (report_pid,),
+            ).fetchall()
+            run.kill()
+            run.communicate()
+        alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: watch.execute(alive, (session,)).fetchone() == (0,), "session ended")
+        invalid = (
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'core' AND NOT i.indisvalid"
+        )
+        assert watch.execute(invalid).fetchall() == [("task_events_key",)]
+        report.commit()
+        run = _migrate(before, attempts=1, backoff_s=0.05)
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert "an invalid index left by a build cut short" in err
+        assert watch.execute(invalid).fetchall() == []
+        assert CORE.version(watch) == [(HEAD,)]
