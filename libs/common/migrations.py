@@ -46,6 +46,7 @@ _MAX_BLOCKERS = 20
 #: how often a concurrent build logs again a transaction it still waits for
 _TELL_EVERY_S = 30.0
 _CLIENT_CHECK = "1s"
+_TURN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def run_online(schema: str, metadata: MetaData) -> None:
     with engine.connect() as connection:
         # The advisory lock waits as long as another replica's run takes; only then the
         # session's statements get their bound.
-        connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _LOCK_KEY})
+        _take_turn(connection)
         connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
         connection.execute(text(_lock_timeout(timeout_s)))
         _end_with_client(connection)
@@ -243,6 +244,22 @@ def run_online(schema: str, metadata: MetaData) -> None:
         connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LOCK_KEY})
         connection.commit()
     engine.dispose()
+
+
+def _take_turn(connection: Connection) -> None:
+    """The migrations' advisory lock, asked for again every so often outside any
+    transaction: a session waiting in ``pg_advisory_lock`` holds a snapshot, which the
+    other run's index build (holding the lock) waits for, a deadlock PostgreSQL breaks
+    by failing one of the runs. The transaction of the try that got it is left open."""
+    told = False
+    while not connection.execute(
+        text("SELECT pg_try_advisory_lock(:k)"), {"k": _LOCK_KEY}
+    ).scalar_one():
+        connection.commit()
+        if not told:
+            log.info("another run is migrating: this one waits its turn")
+            told = True
+        time.sleep(_TURN_POLL_S)
 
 
 def _end_with_client(connection: Connection) -> None:
