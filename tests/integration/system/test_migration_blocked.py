@@ -1,8 +1,9 @@
 """Every service's migrations behind a long transaction, in real processes against the
 test's database: cron's and dag's runner, like core's (tests/integration/core/
 test_migration_locks.py), times out, tries again and completes once the blocker ends; and
-a service's start (``python -m services.X``, ``cairn up``) that gives up says so in one
-message naming the blocker and what to do, and exits 1, without a traceback."""
+a service's start (``python -m services.X``, ``cairn up``), or a command that migrates
+first (``cairn token create --db``), that gives up says so in one message naming the
+blocker and what to do, and exits 1, without a traceback."""
 
 from __future__ import annotations
 
@@ -54,11 +55,18 @@ def test_a_blocked_migration_tries_again_and_completes_once_the_blocker_ends(
         assert schema.version(watch) == [(schema.head(),)]
 
 
-@pytest.mark.parametrize("service", ["core", "cron", "dag", "up"])
+#: the commands that migrate every schema before they do their work (core's first)
+COMMANDS = {
+    "up": ["-m", "cairn", "up"],
+    "token": ["-m", "cairn", "token", "create", "boot", "--db", "--role", "admin"],
+}
+
+
+@pytest.mark.parametrize("service", ["core", "cron", "dag", *COMMANDS])
 def test_a_start_that_a_migration_gives_up_on_exits_1_with_one_message(
     service: str, db_url: str, tmp_path: Path
 ) -> None:
-    schema = SCHEMAS["core" if service == "up" else service]  # up migrates core first
+    schema = SCHEMAS.get(service, SCHEMAS["core"])
     schema.back(db_url)
     ports = {f"CAIRN_{name.upper()}_PORT": str(free_port()) for name in SCHEMAS}
     env = migration_env(
@@ -69,7 +77,7 @@ def test_a_start_that_a_migration_gives_up_on_exits_1_with_one_message(
         CAIRN_LOG_FORMAT="text",
         **ports,
     )
-    argv = ["-m", "cairn", "up"] if service == "up" else ["-m", f"services.{service}"]
+    argv = COMMANDS.get(service, ["-m", f"services.{service}"])
     url = libpq_url(db_url)
     with (
         psycopg.connect(url, autocommit=True) as watch,
