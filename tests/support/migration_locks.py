@@ -54,9 +54,7 @@ SCHEMAS = {
 }
 
 
-def migration_env(
-    attempts: int, backoff_s: float, index_wait_s: float = 600.0, **more: str
-) -> dict[str, str]:
+def migration_env(attempts: int, backoff_s: float, index_wait_s: float = 600.0) -> dict[str, str]:
     """The environment of a process that migrates, with short bounds."""
     return {
         **os.environ,
@@ -65,7 +63,6 @@ def migration_env(
         "CAIRN_MIGRATION_LOCK_ATTEMPTS": str(attempts),
         "CAIRN_MIGRATION_LOCK_BACKOFF_S": str(backoff_s),
         "CAIRN_MIGRATION_INDEX_WAIT_S": str(index_wait_s),
-        **more,
     }
 
 

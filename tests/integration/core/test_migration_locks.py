@@ -89,7 +89,8 @@ def _waiting(conn: psycopg.Connection[tuple[object, ...]], blocker: int) -> int:
     [(pid,)] = conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (blocker,)
     ).fetchall()
-    return int(pid)  # type: ignore[call-overload]
+    assert isinstance(pid, int)
+    return pid
 
 
 def _migrate(

@@ -69,14 +69,12 @@ def test_a_start_that_a_migration_gives_up_on_exits_1_with_one_message(
     schema = SCHEMAS.get(service, SCHEMAS["core"])
     schema.back(db_url)
     ports = {f"CAIRN_{name.upper()}_PORT": str(free_port()) for name in SCHEMAS}
-    env = migration_env(
-        attempts=2,
-        backoff_s=0.05,
-        CAIRN_DATABASE_URL=db_url,
-        CAIRN_HOME=str(tmp_path / "home"),
-        CAIRN_LOG_FORMAT="text",
-        **ports,
-    )
+    env = migration_env(attempts=2, backoff_s=0.05) | ports
+    env |= {
+        "CAIRN_DATABASE_URL": db_url,
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_LOG_FORMAT": "text",
+    }
     argv = COMMANDS.get(service, ["-m", f"services.{service}"])
     url = libpq_url(db_url)
     with (
