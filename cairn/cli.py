@@ -131,16 +131,11 @@ app.add_typer(services_cli.app, name="service")
 @app.command()
 def migrate(ctx: typer.Context) -> None:
     """Migrate every service's schema to its newest version."""
-    from libs.common.migrations import MigrationBlocked  # alembic: only when migrating
-
     settings = _settings(ctx)
     system.prepare_home(settings)
     url, started = system.database(settings)
     try:
-        system.migrate_all(settings.direct_url(url))
-    except MigrationBlocked as blocked:  # the sessions it names, not a traceback
-        output.errors.print(output.visible(str(blocked)), markup=False)
-        raise typer.Exit(1) from None
+        system.migrate_or_exit(settings.direct_url(url))
     finally:
         if started is not None:
             started.stop()

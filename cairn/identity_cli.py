@@ -78,7 +78,7 @@ def _create_in_database(
     url, started = system.database(settings)
     direct = settings.direct_url(url)
     try:
-        system.migrate_all(direct)
+        system.migrate_or_exit(direct)
         return admin.create_token(direct, principal, role, given, label)
     except CairnError as exc:
         output.errors.print(f"cairn: {output.safe(exc.detail)}")

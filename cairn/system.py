@@ -125,6 +125,19 @@ def migrate_all(url: str) -> None:
     dag_migrate.upgrade(url)
 
 
+def migrate_or_exit(url: str) -> None:
+    """``migrate_all`` for a command: when a migration gives up behind a blocker, its
+    message (whom it waited for, what to do) on stderr and exit status 1, not a
+    traceback."""
+    from libs.common.migrations import MigrationBlocked  # alembic: only when migrating
+
+    try:
+        migrate_all(url)
+    except MigrationBlocked as blocked:
+        print(f"cairn: {visible(str(blocked))}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def local_token(settings: CairnSettings, url: str, name: str, role: str) -> str:
     """A token for local use, kept in ``$CAIRN_HOME/NAME-token`` (mode 0600) and reused."""
     from services.core import admin
@@ -337,8 +350,8 @@ def _up_locked(
                 return 1
             time.sleep(0.2)
         return 0
-    except RuntimeError as exc:
-        print(f"cairn: {exc}", file=sys.stderr)
+    except RuntimeError as exc:  # a port taken, a migration given up on, a start failed
+        print(f"cairn: {visible(str(exc))}", file=sys.stderr)
         return 1
     finally:
         stop(stack.procs)

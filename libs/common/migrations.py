@@ -6,20 +6,27 @@ migration asking for an ACCESS EXCLUSIVE lock on a hot table behind one long tra
 would otherwise queue every later query on that table behind its request, and the service
 would stop serving until that transaction ended. A run that times out rolls back the
 migration it was in (one transaction per migration: the version table stays at the last
-one completed), logs the sessions that blocked it, and tries again after a backoff."""
+one completed), logs the sessions that blocked it, and tries again after a backoff.
+
+An index built ``CONCURRENTLY`` is the exception: it takes a lock that blocks no read or
+write, then waits for every transaction older than it to end (a report running for
+minutes, on any table). That wait stalls nobody, so it has a bound of its own,
+``migration_index_wait_s`` (long), and logs whom it waits for while it waits."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 from alembic import command, context, op
 from alembic.config import Config
-from sqlalchemy import MetaData, create_engine, text
+from sqlalchemy import Connection, MetaData, create_engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
@@ -36,6 +43,10 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _QUERY_CHARS = 100
 _BACKOFF_CAP_S = 60.0
 _MAX_BLOCKERS = 20
+#: how often a concurrent build logs again a transaction it still waits for
+_TELL_EVERY_S = 30.0
+_CLIENT_CHECK = "1s"
+_TURN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -43,21 +54,30 @@ class Blocker:
     """A session a migration's lock request waited behind."""
 
     pid: int
+    application: str
     state: str
     xact_age_s: float | None
+    #: when its current (or last) query started, UTC
+    query_start: str | None
     query: str
 
     def __str__(self) -> str:
+        app = f" {self.application!r}" if self.application else ""
         age = "no transaction" if self.xact_age_s is None else f"xact {self.xact_age_s:.1f} s"
-        return f"pid {self.pid} ({self.state}, {age}): {self.query!r}"
+        since = f", query started {self.query_start}" if self.query_start else ""
+        return f"pid {self.pid}{app} ({self.state}, {age}{since}): {self.query!r}"
 
 
 class MigrationBlocked(RuntimeError):
-    """A migration's statement waited longer than the lock timeout for a lock."""
+    """A migration's statement waited longer than its bound for a lock; ``setting``
+    names that bound's environment variable, and ``retry`` says whether another try
+    may do better (not after an index build's long wait)."""
 
-    def __init__(self, message: str, blockers: list[Blocker]) -> None:
+    def __init__(
+        self, message: str, blockers: list[Blocker], setting: str, *, retry: bool = True
+    ) -> None:
         super().__init__(message)
-        self.blockers = blockers
+        self.blockers, self.setting, self.retry = blockers, setting, retry
 
 
 def describe(blockers: list[Blocker]) -> str:
@@ -70,7 +90,9 @@ def alembic_config(
     config = Config()
     config.set_main_option("script_location", str(script_location))
     config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
-    config.attributes["lock_timeout_s"] = (settings or MigrationSettings()).migration_lock_timeout_s
+    settings = settings or MigrationSettings()
+    config.attributes["lock_timeout_s"] = settings.migration_lock_timeout_s
+    config.attributes["index_wait_s"] = settings.migration_index_wait_s
     return config
 
 
@@ -78,7 +100,8 @@ def upgrade(
     script_location: Path, database_url: str, settings: MigrationSettings | None = None
 ) -> None:
     """Bring the schema whose migrations live at ``script_location`` to the newest,
-    trying again (``migration_lock_attempts`` in all) while a lock is not to be had."""
+    trying again (``migration_lock_attempts`` in all) while a lock is not to be had;
+    ``MigrationBlocked`` when it gives up, its message what to do."""
     settings = settings or MigrationSettings()
     attempts = settings.migration_lock_attempts
     for attempt in range(1, attempts + 1):
@@ -86,12 +109,17 @@ def upgrade(
             command.upgrade(alembic_config(script_location, database_url, settings), "head")
             return
         except MigrationBlocked as blocked:
-            if attempt == attempts:
+            if attempt == attempts or not blocked.retry:
+                tries = "1 attempt" if attempt == 1 else f"{attempt} attempts"
                 raise MigrationBlocked(
-                    f"migrations of {script_location.parent.name} gave up after {attempts}"
-                    f" attempts: {blocked}; end those sessions (pg_terminate_backend) or wait"
-                    " for them, then run the migrations again",
+                    f"migrations of {script_location.parent.name} gave up after {tries}:"
+                    f" {blocked}; end those sessions (SELECT pg_terminate_backend(pid)) or"
+                    f" let them finish, or raise {blocked.setting}"
+                    f"{'' if not blocked.retry else ' or CAIRN_MIGRATION_LOCK_ATTEMPTS'},"
+                    " then try again",
                     blocked.blockers,
+                    blocked.setting,
+                    retry=False,
                 ) from blocked
             backoff = min(settings.migration_lock_backoff_s * 2 ** (attempt - 1), _BACKOFF_CAP_S)
             log.warning(
@@ -106,12 +134,15 @@ def upgrade(
 
 class _Watch(threading.Thread):
     """Polls, on a connection of its own, the sessions the migration's session waits
-    behind: once its lock wait has timed out there is none left to ask about."""
+    behind: once its lock wait has timed out there is none left to ask about. While an
+    index is built concurrently (``building``), it also logs each, every 30 s."""
 
     def __init__(self, url: str, pid: int, every_s: float) -> None:
         super().__init__(name="migration-blockers", daemon=True)
         self.url, self.pid, self.every_s = url, pid, every_s
         self.seen: dict[int, Blocker] = {}
+        self.building: str | None = None
+        self.told: dict[int, float] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -119,19 +150,44 @@ class _Watch(threading.Thread):
             with psycopg.connect(self.url, autocommit=True) as conn:
                 while not self.done.wait(self.every_s):
                     for row in conn.execute(
-                        "SELECT pid, coalesce(state, ''),"
+                        "SELECT pid, coalesce(application_name, ''), coalesce(state, ''),"
                         " extract(epoch FROM now() - xact_start)::float8,"
+                        " to_char(query_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')"
+                        " || ' UTC',"
                         " left(regexp_replace(coalesce(query, ''), '\\s+', ' ', 'g'), %s)"
                         " FROM pg_stat_activity WHERE pid = ANY(pg_blocking_pids(%s))"
                         " ORDER BY xact_start LIMIT %s",
                         (_QUERY_CHARS, self.pid, _MAX_BLOCKERS),
                     ):
-                        self.seen[row[0]] = Blocker(*row)
+                        self.seen[row[0]] = blocker = Blocker(*row)
+                        self.tell(blocker)
         except Exception:  # the watch only explains a failure: the run goes on without it
             log.warning("cannot watch the migration's lock waits", exc_info=True)
 
+    def tell(self, blocker: Blocker) -> None:
+        building, now = self.building, time.monotonic()
+        if building is None or now - self.told.get(blocker.pid, -_TELL_EVERY_S) < _TELL_EVERY_S:
+            return
+        self.told[blocker.pid] = now
+        log.warning(
+            "building index %s concurrently waits for an older transaction to end: %s",
+            building,
+            blocker,
+        )
+
     def blockers(self) -> list[Blocker]:
         return list(self.seen.values())[:_MAX_BLOCKERS]
+
+
+def _attribute(name: str) -> float:
+    """A bound ``alembic_config`` set (``lock_timeout_s``, ``index_wait_s``), else its
+    default: a config made elsewhere (a test's) has none."""
+    default = getattr(MigrationSettings(), f"migration_{name}")
+    return float(context.config.attributes.get(name, default))
+
+
+def _lock_timeout(seconds: float) -> str:
+    return f"SET lock_timeout = '{max(1, round(seconds * 1000))}ms'"
 
 
 def _lock_timed_out(error: DBAPIError) -> bool:
@@ -144,11 +200,7 @@ def run_online(schema: str, metadata: MetaData) -> None:
     timeout for a lock (``MigrationBlocked`` when one does)."""
     url = context.config.get_main_option("sqlalchemy.url")
     assert url, "sqlalchemy.url must be set"
-    timeout_s = float(
-        context.config.attributes.get(
-            "lock_timeout_s", MigrationSettings().migration_lock_timeout_s
-        )
-    )
+    timeout_s = _attribute("lock_timeout_s")
     # No pool: closing the connection ends its session, so a migration that fails still
     # lets the lock go (a pooled connection kept it, and the next upgrade in this process
     # waited on it for ever).
@@ -156,9 +208,10 @@ def run_online(schema: str, metadata: MetaData) -> None:
     with engine.connect() as connection:
         # The advisory lock waits as long as another replica's run takes; only then the
         # session's statements get their bound.
-        connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _LOCK_KEY})
+        _take_turn(connection)
         connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
-        connection.execute(text(f"SET lock_timeout = '{max(1, round(timeout_s * 1000))}ms'"))
+        connection.execute(text(_lock_timeout(timeout_s)))
+        _end_with_client(connection)
         pid = connection.execute(text("SELECT pg_backend_pid()")).scalar_one()
         connection.commit()
         context.configure(
@@ -170,6 +223,7 @@ def run_online(schema: str, metadata: MetaData) -> None:
             transaction_per_migration=True,
         )
         watch = _Watch(libpq_url(url), pid, min(max(timeout_s / 5, 0.01), 1.0))
+        context.config.attributes["watch"] = watch
         watch.start()
         try:
             with context.begin_transaction():
@@ -182,6 +236,7 @@ def run_online(schema: str, metadata: MetaData) -> None:
                 f"a statement waited over {timeout_s:g} s for a lock (lock_timeout) and was"
                 f" rolled back; blocked by {describe(blockers)}",
                 blockers,
+                "CAIRN_MIGRATION_LOCK_TIMEOUT_S",
             ) from error
         finally:
             watch.done.set()
@@ -191,11 +246,39 @@ def run_online(schema: str, metadata: MetaData) -> None:
     engine.dispose()
 
 
+def _take_turn(connection: Connection) -> None:
+    """The migrations' advisory lock, asked for again every so often outside any
+    transaction: a session waiting in ``pg_advisory_lock`` holds a snapshot, which the
+    other run's index build (holding the lock) waits for, a deadlock PostgreSQL breaks
+    by failing one of the runs. The transaction of the try that got it is left open."""
+    told = False
+    while not connection.execute(
+        text("SELECT pg_try_advisory_lock(:k)"), {"k": _LOCK_KEY}
+    ).scalar_one():
+        connection.commit()
+        if not told:
+            log.info("another run is migrating: this one waits its turn")
+            told = True
+        time.sleep(_TURN_POLL_S)
+
+
+def _end_with_client(connection: Connection) -> None:
+    """A session whose client is gone (a run killed while an index build waits) notices
+    within a second and ends, letting the advisory lock go, instead of waiting on for
+    up to the index wait (PostgreSQL 14 and later; on Linux)."""
+    known = connection.execute(
+        text("SELECT current_setting('client_connection_check_interval', true)")
+    ).scalar()
+    if known is not None:
+        connection.execute(text(f"SET client_connection_check_interval = '{_CLIENT_CHECK}'"))
+
+
 def create_index_concurrently(schema: str, name: str, statement: str) -> None:
     """``statement`` (a ``CREATE [UNIQUE] INDEX CONCURRENTLY IF NOT EXISTS name ...``),
-    in a migration's autocommit block, safe to run again: a build cut short (a lock
-    timeout, a cancel) leaves an INVALID index of that name, which IF NOT EXISTS would
-    keep for good; it is dropped first."""
+    in a migration's autocommit block, waiting up to ``migration_index_wait_s`` (not the
+    short lock timeout) for each older transaction; safe to run again: a build cut short
+    (that bound, a cancel, a killed process) leaves an INVALID index of that name, which
+    IF NOT EXISTS would keep for good; it is dropped first."""
     invalid = (
         op.get_bind()
         .execute(
@@ -209,7 +292,37 @@ def create_index_concurrently(schema: str, name: str, statement: str) -> None:
         )
         .scalar()
     )
-    if invalid:
-        log.warning("dropping %s.%s, an invalid index left by a build cut short", schema, name)
-        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
-    op.execute(statement)
+    with _waiting_long(f"{schema}.{name}"):
+        if invalid:
+            log.warning("dropping %s.%s, an invalid index left by a build cut short", schema, name)
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}")
+        op.execute(statement)
+
+
+@contextmanager
+def _waiting_long(index: str) -> Iterator[None]:
+    """The statements inside (each a transaction of its own, taking no lock that blocks a
+    read or a write) wait up to the index wait for each lock, the watch telling whom for;
+    the short lock timeout is back after."""
+    wait_s = _attribute("index_wait_s")
+    watch: _Watch | None = context.config.attributes.get("watch")
+    op.execute(_lock_timeout(wait_s))
+    if watch is not None:
+        watch.building = index
+    try:
+        yield
+    except DBAPIError as error:
+        if not _lock_timed_out(error):
+            raise
+        blockers = watch.blockers() if watch is not None else []
+        raise MigrationBlocked(
+            f"building index {index} concurrently waited over {wait_s:g} s for an older"
+            f" transaction to end; blocked by {describe(blockers)}",
+            blockers,
+            "CAIRN_MIGRATION_INDEX_WAIT_S",
+            retry=False,
+        ) from error
+    finally:
+        if watch is not None:
+            watch.building = None
+        op.execute(_lock_timeout(_attribute("lock_timeout_s")))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,7 +52,7 @@ def main(
     tracing.setup(name)
     url = database_url(settings.home, settings.database_url)
     if getattr(settings, "migrate_on_start", True):
-        upgrade(settings.direct_url(url))  # its advisory lock needs a session
+        _migrate(name, upgrade, settings.direct_url(url))  # its advisory lock needs a session
     workers = int(getattr(settings, f"{name}_workers", 1))
     options: dict[str, Any] = {
         "host": settings.bind_host,
@@ -74,6 +75,18 @@ def main(
     if freeze:
         _freeze()
     _Server(uvicorn.Config(app, **options), app).run()
+
+
+def _migrate(name: str, upgrade: Callable[[str], None], url: str) -> None:
+    """``upgrade(url)``; when a migration gives up behind a blocker, its message (whom it
+    waited for, what to do) as one log line and exit status 1, as ``cairn migrate``."""
+    from libs.common.migrations import MigrationBlocked  # alembic: only when migrating
+
+    try:
+        upgrade(url)
+    except MigrationBlocked as blocked:
+        logging.getLogger(f"cairn.{name}").error("%s did not start: %s", name, blocked)
+        raise SystemExit(1) from None
 
 
 class CorkedHttpTools(HttpToolsProtocol):

@@ -122,7 +122,9 @@ class MigrationSettings(BaseSettings):
     start). A statement waits at most ``lock_timeout_s`` for a lock (a long transaction
     holding one on a hot table would otherwise queue every later query behind the
     migration's request), then the run rolls back what it had not finished and tries
-    again after a backoff, ``lock_attempts`` times in all (docs/deploy.md)."""
+    again after a backoff, ``lock_attempts`` times in all. An index built concurrently
+    blocks no query while it waits for the transactions older than it: it waits up to
+    ``index_wait_s`` for each, and is not tried again (docs/deploy.md)."""
 
     model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
@@ -130,6 +132,7 @@ class MigrationSettings(BaseSettings):
     migration_lock_attempts: int = Field(default=6, ge=1, le=100)
     #: the first backoff; each next one doubles, up to 60 s
     migration_lock_backoff_s: float = Field(default=5.0, ge=0, le=60)
+    migration_index_wait_s: float = Field(default=1800.0, gt=0, le=86400)
 
 
 class CairnSettings(WorkerOfferSettings):

@@ -1,0 +1,105 @@
+"""Every service's migrations behind a long transaction, in real processes against the
+test's database: cron's and dag's runner, like core's (tests/integration/core/
+test_migration_locks.py), times out, tries again and completes once the blocker ends; and
+a service's start (``python -m services.X``, ``cairn up``), or a command that migrates
+first (``cairn token create --db``), that gives up says so in one message naming the
+blocker and what to do, and exits 1, without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from libs.common.settings import libpq_url
+from tests.support import free_port
+from tests.support.migration_locks import ROOT, SCHEMAS, migration_env, reaped, wait_for
+
+
+@pytest.mark.parametrize("service", ["cron", "dag"])
+def test_a_blocked_migration_tries_again_and_completes_once_the_blocker_ends(
+    service: str, db_url: str, tmp_path: Path
+) -> None:
+    schema = SCHEMAS[service]
+    schema.back(db_url)
+    url, log = libpq_url(db_url), tmp_path / "stderr"
+    code = f"import logging, sys; from services.{service} import migrate; "
+    code += "logging.basicConfig(level=logging.INFO); migrate.upgrade(sys.argv[1])"
+    with (
+        psycopg.connect(url, autocommit=True) as watch,
+        psycopg.connect(url) as blocker,
+        log.open("w") as stderr,
+    ):
+        blocker.execute(f"LOCK TABLE {schema.table} IN ACCESS SHARE MODE")  # a long report
+        blocker_pid = blocker.info.backend_pid
+        with reaped(
+            subprocess.Popen(
+                [sys.executable, "-c", code, db_url],
+                env=migration_env(attempts=40, backoff_s=0.05),
+                cwd=ROOT,
+                stderr=stderr,
+                text=True,
+            )
+        ) as run:
+            wait_for(lambda: log.read_text().count("trying again") >= 2, "two timed-out tries")
+            assert schema.version(watch) == [(schema.before,)]  # each rolled back
+            blocker.commit()
+            run.wait(timeout=60)
+    err = log.read_text()
+    assert run.returncode == 0, err
+    assert f"pid {blocker_pid} (idle in transaction, xact " in err
+    with psycopg.connect(url, autocommit=True) as watch:
+        assert schema.version(watch) == [(schema.head(),)]
+
+
+#: the commands that migrate every schema before they do their work (core's first)
+COMMANDS = {
+    "up": ["-m", "cairn", "up"],
+    "token": ["-m", "cairn", "token", "create", "boot", "--db", "--role", "admin"],
+}
+
+
+@pytest.mark.parametrize("service", ["core", "cron", "dag", *COMMANDS])
+def test_a_start_that_a_migration_gives_up_on_exits_1_with_one_message(
+    service: str, db_url: str, tmp_path: Path
+) -> None:
+    schema = SCHEMAS.get(service, SCHEMAS["core"])
+    schema.back(db_url)
+    ports = {f"CAIRN_{name.upper()}_PORT": str(free_port()) for name in SCHEMAS}
+    env = migration_env(attempts=2, backoff_s=0.05) | ports
+    env |= {
+        "CAIRN_DATABASE_URL": db_url,
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_LOG_FORMAT": "text",
+    }
+    argv = COMMANDS.get(service, ["-m", f"services.{service}"])
+    url = libpq_url(db_url)
+    with (
+        psycopg.connect(url, autocommit=True) as watch,
+        psycopg.connect(url, application_name="nightly-report") as blocker,
+    ):
+        blocker.execute(f"LOCK TABLE {schema.table} IN ACCESS SHARE MODE")
+        run = subprocess.run(
+            [sys.executable, *argv],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 1, run.stderr
+        assert "Traceback" not in run.stderr
+        [message] = [line for line in run.stderr.splitlines() if "gave up" in line]
+        assert f"migrations of {schema.name} gave up after 2 attempts" in message
+        assert (
+            f"pid {blocker.info.backend_pid} 'nightly-report' (idle in transaction, xact "
+            in message
+        )
+        assert ", query started 20" in message and " UTC): 'LOCK TABLE " in message
+        assert "pg_terminate_backend" in message
+        assert "raise CAIRN_MIGRATION_LOCK_TIMEOUT_S or CAIRN_MIGRATION_LOCK_ATTEMPTS" in message
+        assert schema.version(watch) == [(schema.before,)]
+        blocker.rollback()
