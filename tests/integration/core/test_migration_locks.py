@@ -3,7 +3,7 @@ for a lock (so the queries queued behind its request wait no longer), it rolls b
 tries again, and it gives up naming the sessions that blocked it. Each run is a real
 ``migrate.upgrade`` process against the test's database, at ``0033_task_domains``:
 ``0034_task_indexes`` builds two indexes CONCURRENTLY, then drops an index of
-``core.tasks`` (ACCESS EXCLUSIVE)."""
+``core.tasks`` (ACCESS EXCLUSIVE); ``0035_feed_owner`` after it builds one more."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from libs.common.migrations import alembic_config
 from libs.common.settings import libpq_url
 from services.core import migrate as core_migrate
 
-HEAD, BEFORE = "0034_task_indexes", "0033_task_domains"
+HEAD, BEFORE = "0035_feed_owner", "0033_task_domains"
 LOCK_TIMEOUT_S = 0.2
 ROOT = Path(__file__).resolve().parents[3]
 
