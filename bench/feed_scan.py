@@ -43,7 +43,8 @@ def fill(db: psycopg.Connection[Any], n: int) -> None:
                        ELSE 'u' || (g %% 5000) END,
                   'job', 'q' || (g %% 4), 'task', 'file:///bin/true', repeat('0', 64), 0.1,
                   1, 1, 60, false, 3, 'succeeded', now(),
-                  CASE WHEN g %% 10000 = 17 THEN 'crew' WHEN g %% 20 = 3 THEN 'big' END
+                  CASE WHEN g %% 10000 = 17 THEN 'crew' WHEN g %% 20 = 3 THEN 'big'
+                       WHEN g %% 100 = 42 THEN 'mid' END
            FROM generate_series(1, %(n)s) g""",
         {"n": n},
     )
@@ -124,6 +125,8 @@ def main() -> None:
                 ("team crew member, mid", middle, Visibility("nobody", frozenset({"crew"}))),
                 ("sparse + crew, cursor 0", (0, 0), Visibility("sparse", frozenset({"crew"}))),
                 ("team big member, cursor 0", (0, 0), Visibility("nobody", frozenset({"big"}))),
+                ("team big member, head", head, Visibility("nobody", frozenset({"big"}))),
+                ("team mid member, cursor 0", (0, 0), Visibility("nobody", frozenset({"mid"}))),
                 ("u7 (67 tasks) + big, mid", middle, Visibility("u7", frozenset({"big"}))),
                 ("dense, cursor 0", (0, 0), Visibility("dense")),
                 ("dense, cursor mid", middle, Visibility("dense")),

@@ -509,24 +509,29 @@ _AFTER = "(e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon {to_state}"
 _ALL_EVENTS = f"SELECT * FROM core.task_events e WHERE {_AFTER}"
 _IN_TEAMS = "t.team = ANY(CAST(:teams AS text[]))"
 # A user's events are its own, read by owner in feed order (``ix_task_events_owner``), and
-# those of its teams' tasks that are not its own. These are read one of two ways, chosen
-# when the statement runs: from the teams' tasks (``ix_tasks_team_id``) through each
-# task's events (their key) when the teams own fewer than ``team_tasks`` tasks and the
-# cursor is ``near`` events or more from the head; else by walking the events after the
-# cursor, as an admin's feed does (near the head that walk is short; teams with many
-# tasks fill a page soon). Either way a page is the first ``limit`` events after the
-# cursor that the user sees, as one walk would find them.
-NEAR = 5000
+# those of its teams' tasks that are not its own, read one of three ways chosen when the
+# statement runs. Fewer than ``near`` events after the cursor: walk them, each one's task
+# looked up by key (a long poll at the head pays for the new events only). Else, if the
+# teams own fewer than ``team_tasks`` tasks, from those tasks (``ix_tasks_team_id``)
+# through each one's events (their key). Else walk the events after the cursor against a
+# hash of the teams' tasks, built once a read (``IS TRUE`` keeps the ``IN`` a hashed
+# subplan, not a join; teams this large fill a page soon). Each way a page is the first
+# ``limit`` events after the cursor that the user sees, as one walk would find them.
+NEAR = 1000
 TEAM_TASKS = 2000
 _OWN_EVENTS = """
-    WITH way AS MATERIALIZED (
-        SELECT CAST(:teams AS text[]) IS NOT NULL
-           AND (SELECT count(*) FROM (SELECT FROM core.tasks t WHERE {in_teams}
-                                      LIMIT {team_tasks}) few) < {team_tasks}
-           AND (SELECT count(*) FROM (SELECT FROM core.task_events e
+    WITH counts AS MATERIALIZED (
+        SELECT (SELECT count(*) FROM (SELECT FROM core.task_events e
                                       WHERE (e.xid, e.id) > (:xid, :id)
-                                      ORDER BY e.xid, e.id LIMIT {near}) far) = {near}
-           AS by_tasks
+                                      ORDER BY e.xid, e.id LIMIT {near}) ahead) < {near} AS near,
+               (SELECT count(*) FROM (SELECT FROM core.tasks t WHERE {in_teams}
+                                      LIMIT {team_tasks}) few) < {team_tasks} AS few
+        WHERE CAST(:teams AS text[]) IS NOT NULL
+    ), way AS MATERIALIZED (
+        SELECT COALESCE(bool_or(NOT near AND few), false) AS by_tasks,
+               COALESCE(bool_or(near), false) AS near,
+               COALESCE(bool_or(NOT near AND NOT few), false) AS many
+        FROM counts
     )
     SELECT * FROM (SELECT * FROM core.task_events e WHERE e.owner = :owner AND {after}
                    ORDER BY e.xid, e.id LIMIT :limit) own
@@ -541,10 +546,15 @@ _OWN_EVENTS = """
     UNION ALL
     SELECT * FROM (
         SELECT * FROM core.task_events e
-        WHERE CAST(:teams AS text[]) IS NOT NULL AND NOT (SELECT by_tasks FROM way)
-          AND e.owner <> :owner AND {after}
+        WHERE (SELECT near FROM way) AND e.owner <> :owner AND {after}
           AND EXISTS (SELECT 1 FROM core.tasks t WHERE t.id = e.task_id AND {in_teams})
-        ORDER BY e.xid, e.id LIMIT :limit) by_events"""
+        ORDER BY e.xid, e.id LIMIT :limit) by_probes
+    UNION ALL
+    SELECT * FROM (
+        SELECT * FROM core.task_events e
+        WHERE (SELECT many FROM way) AND e.owner <> :owner AND {after}
+          AND (e.task_id IN (SELECT t.id FROM core.tasks t WHERE {in_teams})) IS TRUE
+        ORDER BY e.xid, e.id LIMIT :limit) by_hash"""
 
 
 @functools.cache

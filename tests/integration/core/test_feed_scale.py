@@ -172,8 +172,9 @@ def test_every_way_of_reading_answers_what_one_walk_keeps(
     if reader is not None:  # also each way the teams' events can be read, forced
         to_state = TaskState.DEAD if dead else None
         statements += [
-            tasks_db.feed_statement(to_state, own=True, near=0, team_tasks=1000),
-            tasks_db.feed_statement(to_state, own=True, near=10**6),
+            tasks_db.feed_statement(to_state, own=True, near=0, team_tasks=1000),  # by tasks
+            tasks_db.feed_statement(to_state, own=True, near=10**6),  # by probes
+            tasks_db.feed_statement(to_state, own=True, near=0, team_tasks=0),  # by hash
         ]
     for statement in statements:
         sql = pipeline.driver_sql(statement, dialects.dialect())  # type: ignore[no-untyped-call]
