@@ -1,12 +1,14 @@
 """A user's feed costs what the user sees, not the whole history: a user with a few events
 among 120,000 reads its own events by owner (``ix_task_events_owner``), and a member of a
 small team reads the team's tasks' events through the tasks, with the walk of the history
-capped (``db.tasks.NEAR``). And whichever way it reads, the feed answers exactly what one
+capped (``db.tasks.NEAR``), a member of a large one walks against a hash of its tasks built
+once, not a lookup per event. And whichever way it reads, the feed answers exactly what one
 walk of the events in ``(xid, id)`` order keeps: checked against that walk, written in
 Python, on random small histories."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import psycopg
@@ -36,11 +38,11 @@ def _horizon(db: DB) -> int:
 
 def _fill(db: DB) -> None:
     """120,000 events of 200 owners in commit order; ``sparse`` owns 4 tasks spread over
-    the history, team ``crew`` 4 tasks of other owners."""
+    the history, team ``crew`` 4 tasks of other owners, team ``many`` one in ten."""
     db.execute(
         f"""INSERT INTO core.tasks ({_COLUMNS})
             SELECT CASE WHEN g % 10000 = 5 THEN 'sparse' ELSE 'u' || (g % 200) END, {_VALUES},
-                   CASE WHEN g % 10000 = 17 THEN 'crew' END
+                   CASE WHEN g % 10000 = 17 THEN 'crew' WHEN g % 10 = 3 THEN 'many' END
             FROM generate_series(1, {TASKS}) g"""
     )
     db.execute(
@@ -58,11 +60,13 @@ def test_a_sparse_users_page_reads_its_own_events_not_the_history(db: DB) -> Non
     assert row is not None
     middle = (int(row[0]), 0)
     sparse, member = Visibility("sparse"), Visibility("nobody", frozenset({"crew"}))
+    large = Visibility("nobody", frozenset({"many"}))  # 4,000 tasks: a hash of them
     for who, after, sees, bound in [
         (sparse, (0, 0), 12, 12),
         (sparse, middle, 6, 12),
         (member, (0, 0), 12, tasks_db.NEAR + 12),
         (member, middle, 6, tasks_db.NEAR + 12),
+        (large, middle, 100, tasks_db.NEAR + 1100),
     ]:
         clause, params = tasks_db.feed_query(after, 100, who, None)
         for generic in (True, False):
@@ -70,6 +74,8 @@ def test_a_sparse_users_page_reads_its_own_events_not_the_history(db: DB) -> Non
             assert int(plan["Actual Rows"]) == sees, (who, after, generic)
             read = rows_read(plan, "task_events")
             assert read <= bound, (who, after, generic, read)
+            if who is large:  # its tasks hashed once, not looked up for each event
+                assert "hashed SubPlan" in json.dumps(plan), generic
 
 
 # --- the same answers as one walk of the history --------------------------------------------
