@@ -24,9 +24,8 @@ def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from nodes(child)
 
 
-def generic(db: DB, clause: Any) -> dict[str, Any]:
-    """The generic plan of ``clause`` (``EXPLAIN (GENERIC_PLAN)``: its parameters
-    unknown, as a turn's prepared statements run: ``attempts._GENERIC``)."""
+def _numbered(clause: Any) -> tuple[str, list[str]]:
+    """``clause``'s text with its parameters numbered ``$1``..., and their names."""
     text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
     names: dict[str, str] = {}
 
@@ -35,9 +34,43 @@ def generic(db: DB, clause: Any) -> dict[str, Any]:
             return "%"
         return names.setdefault(match.group(1), f"${len(names) + 1}")
 
-    numbered = re.sub(r"%\((\w+)\)s|%%", number, text)
+    return re.sub(r"%\((\w+)\)s|%%", number, text), list(names)
+
+
+def generic(db: DB, clause: Any) -> dict[str, Any]:
+    """The generic plan of ``clause`` (``EXPLAIN (GENERIC_PLAN)``: its parameters
+    unknown, as a turn's prepared statements run: ``attempts._GENERIC``)."""
+    numbered, _ = _numbered(clause)
     [[plan]] = db.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) " + numbered)).fetchall()
     return dict(plan[0]["Plan"])
+
+
+def analyzed(db: DB, clause: Any, params: dict[str, Any], *, generic: bool) -> dict[str, Any]:
+    """The plan of ``clause`` run with ``params`` (``EXPLAIN (ANALYZE, BUFFERS)``), as a
+    prepared statement runs it: its generic plan, or a custom one for these values."""
+    numbered, names = _numbered(clause)
+    db.execute(sql.SQL("PREPARE analyzed AS " + numbered))
+    try:
+        mode = "force_generic_plan" if generic else "force_custom_plan"
+        db.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
+        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
+        [[plan]] = db.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE analyzed ({})").format(values)
+        ).fetchall()
+    finally:
+        db.execute("DEALLOCATE analyzed")
+        db.execute("RESET plan_cache_mode")
+    return dict(plan[0]["Plan"])
+
+
+def rows_read(plan: dict[str, Any], table: str) -> int:
+    """How many rows of ``table`` (``core.`` omitted) ``plan`` read, kept or filtered out."""
+    return sum(
+        (int(node["Actual Rows"]) + int(node.get("Rows Removed by Filter", 0)))
+        * int(node["Actual Loops"])
+        for node in nodes(plan)
+        if node.get("Relation Name") == table
+    )
 
 
 def indexes(plan: dict[str, Any], table: str) -> set[str]:

@@ -859,7 +859,9 @@ task_events = Table(
     # id)``), so ``id`` has no index of its own (migration 0040_task_indexes).
     PrimaryKeyConstraint("task_id", "seq"),
     Index("ix_task_events_xid_id", "xid", "id"),
-    # The notification matcher's feed (``queries.feed_to``): deaths only.
+    # A user's feed reads its own events by owner, in feed order (``queries.FEED_OWN``).
+    Index("ix_task_events_owner", "owner", "xid", "id"),
+    # The notification matcher's feed (``queries.feed_statement``): deaths only.
     Index("ix_task_events_dead", "xid", "id", postgresql_where=text(f"to_state = '{S.DEAD}'")),
 )
 

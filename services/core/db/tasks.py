@@ -492,33 +492,94 @@ DELETE FROM core.workers w USING doomed WHERE w.id = doomed.id
 """)
 
 # The feed: only events of transactions older than every running one are served, so an
-# event that commits later can never land behind a cursor already handed out. A user
-# reads its own tasks' events and those of tasks its teams own (``teams``; NULL: none).
+# event that commits later can never land behind a cursor already handed out. An admin or
+# a service reads every event (``FEED``); a user its own tasks' events and those of tasks
+# its teams own (``FEED_OWN``; ``teams`` NULL: none).
 _FEED = """
 SELECT e.xid, e.id, e.task_id, e.seq, e.owner, e.op, e.from_state, e.to_state, e.reason,
        e.attempt_id, e.at, h.horizon
 FROM (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h
-LEFT JOIN LATERAL (
-    SELECT * FROM core.task_events e
-    WHERE (e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon {to_state}
-      AND (CAST(:owner AS text) IS NULL OR e.owner = :owner
-           OR (CAST(:teams AS text[]) IS NOT NULL AND EXISTS (
-               SELECT 1 FROM core.tasks t
-               WHERE t.id = e.task_id AND t.team = ANY(CAST(:teams AS text[])))))
-    ORDER BY e.xid, e.id
+LEFT JOIN LATERAL ({events}
+    ORDER BY xid, id
     LIMIT :limit
 ) e ON true
 """
 
-FEED: TextClause = text(_FEED.format(to_state=""))
+_AFTER = "(e.xid, e.id) > (:xid, :id) AND e.xid < h.horizon {to_state}"
+_ALL_EVENTS = f"SELECT * FROM core.task_events e WHERE {_AFTER}"
+_IN_TEAMS = "t.team = ANY(CAST(:teams AS text[]))"
+# A user's events are its own, read by owner in feed order (``ix_task_events_owner``), and
+# those of its teams' tasks that are not its own, read one of three ways chosen when the
+# statement runs. Fewer than ``near`` events after the cursor: walk them, each one's task
+# looked up by key (a long poll at the head pays for the new events only). Else, if the
+# teams own fewer than ``team_tasks`` tasks, from those tasks (``ix_tasks_team_id``)
+# through each one's events (their key). Else walk the events after the cursor against a
+# hash of the teams' tasks, built once a read (``IS TRUE`` keeps the ``IN`` a hashed
+# subplan, not a join; teams this large fill a page soon). Each way a page is the first
+# ``limit`` events after the cursor that the user sees, as one walk would find them.
+NEAR = 1000
+TEAM_TASKS = 2000
+_OWN_EVENTS = """
+    WITH counts AS MATERIALIZED (
+        SELECT (SELECT count(*) FROM (SELECT FROM core.task_events e
+                                      WHERE (e.xid, e.id) > (:xid, :id)
+                                      ORDER BY e.xid, e.id LIMIT {near}) ahead) < {near} AS near,
+               (SELECT count(*) FROM (SELECT FROM core.tasks t WHERE {in_teams}
+                                      LIMIT {team_tasks}) few) < {team_tasks} AS few
+        WHERE CAST(:teams AS text[]) IS NOT NULL
+    ), way AS MATERIALIZED (
+        SELECT COALESCE(bool_or(NOT near AND few), false) AS by_tasks,
+               COALESCE(bool_or(near), false) AS near,
+               COALESCE(bool_or(NOT near AND NOT few), false) AS many
+        FROM counts
+    )
+    SELECT * FROM (SELECT * FROM core.task_events e WHERE e.owner = :owner AND {after}
+                   ORDER BY e.xid, e.id LIMIT :limit) own
+    UNION ALL
+    SELECT * FROM (
+        SELECT e.* FROM core.tasks t CROSS JOIN LATERAL (
+            SELECT * FROM core.task_events e WHERE e.task_id = t.id AND e.owner <> :owner
+              AND {after}
+            ORDER BY e.xid, e.id LIMIT :limit) e
+        WHERE (SELECT by_tasks FROM way) AND {in_teams}
+        ORDER BY e.xid, e.id LIMIT :limit) by_tasks
+    UNION ALL
+    SELECT * FROM (
+        SELECT * FROM core.task_events e
+        WHERE (SELECT near FROM way) AND e.owner <> :owner AND {after}
+          AND EXISTS (SELECT 1 FROM core.tasks t WHERE t.id = e.task_id AND {in_teams})
+        ORDER BY e.xid, e.id LIMIT :limit) by_probes
+    UNION ALL
+    SELECT * FROM (
+        SELECT * FROM core.task_events e
+        WHERE (SELECT many FROM way) AND e.owner <> :owner AND {after}
+          AND (e.task_id IN (SELECT t.id FROM core.tasks t WHERE {in_teams})) IS TRUE
+        ORDER BY e.xid, e.id LIMIT :limit) by_hash"""
 
 
 @functools.cache
-def feed_to(state: TaskState) -> TextClause:
-    """The feed of events that moved a task to ``state`` only. The state is written into
-    the text, not bound, so a partial index on it (``ix_task_events_dead``) serves even a
-    prepared statement's generic plan."""
-    return text(_FEED.format(to_state=f"AND e.to_state = '{state.value}'"))
+def feed_statement(
+    to_state: TaskState | None = None,
+    *,
+    own: bool = False,
+    near: int = NEAR,
+    team_tasks: int = TEAM_TASKS,
+) -> TextClause:
+    """The feed: every event (``own``: a user's), ``to_state``: only the events that moved
+    a task there. The state is written into the text, not bound, so a partial index on it
+    (``ix_task_events_dead``) serves even a prepared statement's generic plan."""
+    only = "" if to_state is None else f"AND e.to_state = '{to_state.value}'"
+    after = _AFTER.format(to_state=only)
+    events = (
+        _OWN_EVENTS.format(after=after, in_teams=_IN_TEAMS, near=near, team_tasks=team_tasks)
+        if own
+        else _ALL_EVENTS.format(to_state=only)
+    )
+    return text(_FEED.format(events=events))
+
+
+FEED = feed_statement()
+FEED_OWN = feed_statement(own=True)
 
 
 QUEUE_DEPTHS: TextClause = text(f"""
@@ -1009,6 +1070,17 @@ async def task_events_of(conn: AsyncConnection, task_id: int) -> list[Event]:
     return [_event(row) for row in await conn.execute(EVENTS_OF, {"task_id": task_id})]
 
 
+def feed_query(
+    after: tuple[int, int], limit: int, who: Visibility | None, to_state: TaskState | None
+) -> tuple[TextClause, dict[str, Any]]:
+    """The feed's statement for ``who`` (None: every event) and its parameters."""
+    params: dict[str, Any] = {"xid": after[0], "id": after[1], "limit": limit}
+    if who is None:
+        return feed_statement(to_state), params
+    params |= {"owner": who.owner, "teams": sorted(who.teams) if who.teams else None}
+    return feed_statement(to_state, own=True), params
+
+
 async def read_feed(
     conn: AsyncConnection,
     after: tuple[int, int],
@@ -1019,14 +1091,7 @@ async def read_feed(
     """Events after the cursor, oldest first, and the cursor to read on from; with
     ``who``, only those of its own tasks and its teams'; with ``to_state``, only those
     that moved a task there (the cursor still moves past the others)."""
-    query = FEED if to_state is None else feed_to(to_state)
-    params = {
-        "xid": after[0],
-        "id": after[1],
-        "limit": limit,
-        "owner": who.owner if who is not None else None,
-        "teams": sorted(who.teams) if who is not None and who.teams else None,
-    }
+    query, params = feed_query(after, limit, who, to_state)
     rows = list(await conn.execute(query, params))
     events = [_event(row) for row in rows if row.id is not None]
     if events:

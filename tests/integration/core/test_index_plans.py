@@ -70,6 +70,7 @@ _READS = [
     ("spread groups", placement._GROUPS_RUNNING, "tasks", "ix_tasks_running_named"),
     ("a task's history", tasks_db.EVENTS_OF, "task_events", "pk_task_events"),
     ("the feed", tasks_db.FEED, "task_events", "ix_task_events_xid_id"),
+    ("a user's feed", tasks_db.FEED_OWN, "task_events", "ix_task_events_owner"),
 ]
 
 
@@ -79,13 +80,15 @@ def test_each_moved_read_keeps_its_index_and_an_event_has_one_entry_less(db: DB)
         used, scans = _reads(db, clause, table)
         assert index in used, (what, used, scans)
         assert table not in scans, (what, scans)
-    # the change itself: the events' indexes, ``id`` in none of them
+    # the change itself: the events' indexes, ``id`` in none of them (the owner's is
+    # migration 0041_feed_owner's, for a user's feed)
     found = db.execute(
         """SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index
            WHERE indrelid = 'core.task_events'::regclass ORDER BY 1"""
     ).fetchall()
     assert [name for name, _ in found] == [
         "core.ix_task_events_dead",
+        "core.ix_task_events_owner",
         "core.ix_task_events_xid_id",
         "core.pk_task_events",
     ], found
