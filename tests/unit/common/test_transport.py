@@ -66,7 +66,9 @@ class Conn:
         self.sock.settimeout(WAIT_S)
         try:
             return self.file.read() == b""
-        except OSError:
+        except TimeoutError:
+            return False
+        except OSError:  # reset: closed too
             return True
 
 
