@@ -542,6 +542,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         for conn in list(self._all):
             conn.close()
         self._forget_all()
+        await asyncio.sleep(0)  # their sockets closed (asyncio's next pass)
 
 
 def _head(request: httpx.Request) -> bytes:

@@ -6,8 +6,6 @@ httpx raises them, TLS, the pool's bound, and where httpx's own transport stays.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 import ssl
 import threading
@@ -18,13 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from libs.common.client import CoreClient
 from libs.common.transport import LeanTransport
+from tests.support.tls import loopback_cert
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 WAIT_S = 5.0
@@ -235,14 +230,15 @@ def test_chunked_and_close_delimited_bodies_arrive_whole(serve: Any) -> None:
 
 def test_a_stream_closed_early_closes_its_connection(serve: Any) -> None:
     """A streamed answer left before its end: its connection is closed, not reused."""
-    saw_close: list[bool] = []
+    saw_close = threading.Event()
 
     def streaming(conn: Conn) -> None:
         if conn.number == 1:
             conn.request()
             conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
             conn.send(b"6\r\nline1\n\r\n6\r\nline2\n\r\n")
-            saw_close.append(conn.closed_by_peer())
+            if conn.closed_by_peer():
+                saw_close.set()
         else:
             keep_alive(conn)
 
@@ -260,17 +256,13 @@ def test_a_stream_closed_early_closes_its_connection(serve: Any) -> None:
 
     assert asyncio.run(calls()) == (["line1", "line2"], "ok")
     assert server.connections == 2
-    for _ in range(100):
-        if saw_close:
-            break
-        time.sleep(0.05)
-    assert saw_close == [True]
+    assert saw_close.wait(WAIT_S)
 
 
 def test_follow_log_streams_pieces_and_leaves_at_the_end(serve: Any) -> None:
     """``CoreClient.follow_log`` (server-sent events, chunked) on the default transport:
     the pieces as they come, the end, and the stream left open by core is closed."""
-    saw_close: list[bool] = []
+    saw_close = threading.Event()
     piece = b'{"attempt_id": 1, "offset": 0, "next_offset": 3, "text": "hi\\n"}'
     end = b'{"attempt_id": 1, "outcome": "succeeded", "next_offset": 3, "task_state": "succeeded"}'
 
@@ -284,7 +276,8 @@ def test_follow_log_streams_pieces_and_leaves_at_the_end(serve: Any) -> None:
         ):
             conn.send(b"%x\r\n%s\r\n" % (len(event), event))
             time.sleep(0.02)
-        saw_close.append(conn.closed_by_peer())
+        if conn.closed_by_peer():
+            saw_close.set()
 
     server = serve(sse)
 
@@ -295,11 +288,7 @@ def test_follow_log_streams_pieces_and_leaves_at_the_end(serve: Any) -> None:
     items = asyncio.run(follow())
     assert [type(item).__name__ for item in items] == ["LogPiece", "LogEnd"]
     assert items[0].text == "hi\n"  # type: ignore[union-attr]
-    for _ in range(100):
-        if saw_close:
-            break
-        time.sleep(0.05)
-    assert saw_close == [True]
+    assert saw_close.wait(WAIT_S)
 
 
 def test_a_cancelled_request_discards_its_connection(serve: Any) -> None:
@@ -387,7 +376,8 @@ def test_a_read_timeout_is_httpxs(serve: Any) -> None:
 
 def test_a_write_timeout_is_httpxs(serve: Any) -> None:
     """The server never reads: a large body fills the socket's buffers."""
-    server = serve(lambda conn: conn.closed_by_peer())
+    done = threading.Event()
+    server = serve(lambda conn: done.wait(WAIT_S))
 
     async def call() -> None:
         async with client(server, timeout=httpx.Timeout(WAIT_S, write=0.2)) as http:
@@ -395,6 +385,7 @@ def test_a_write_timeout_is_httpxs(serve: Any) -> None:
 
     with pytest.raises(httpx.WriteTimeout):
         asyncio.run(call())
+    done.set()
 
 
 def test_a_connect_timeout_is_httpxs() -> None:
@@ -511,42 +502,10 @@ def test_a_streamed_request_body_is_sent_chunked(serve: Any) -> None:
     assert got[0].endswith(b"\r\n\r\none two three")
 
 
-def _certificate(tmp: Path) -> tuple[ssl.SSLContext, Path]:
-    """A server context with a self-signed certificate for 127.0.0.1, and its file."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cairn test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = tmp / "cert.pem", tmp / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+def test_https_verifies_the_servers_certificate(serve: Any, tmp_path: Path) -> None:
+    cert_file, key_file = loopback_cert(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_file, key_file)
-    return context, cert_file
-
-
-def test_https_verifies_the_servers_certificate(serve: Any, tmp_path: Path) -> None:
-    context, cert_file = _certificate(tmp_path)
     server = serve(keep_alive, tls=context)
 
     async def call(verify: ssl.SSLContext | bool) -> list[str]:
