@@ -150,6 +150,20 @@ def test_the_default_client_keeps_one_connection_alive_for_many_requests(serve: 
     assert server.connections == 1
 
 
+def test_an_idle_connection_past_its_expiry_is_not_reused(serve: Any) -> None:
+    server = serve(keep_alive)
+
+    async def calls() -> None:
+        async with client(server, limits=httpx.Limits(keepalive_expiry=0.1)) as http:
+            await http.get("/")
+            await http.get("/")  # within the expiry: the same connection
+            await asyncio.sleep(0.3)
+            await http.get("/")
+
+    asyncio.run(calls())
+    assert server.connections == 2
+
+
 def test_an_idle_connection_the_server_closed_is_not_reused(serve: Any) -> None:
     """The server answers one request per connection (keep-alive announced) and closes it
     while the client's loop is busy elsewhere (it cannot have read the close): the client
