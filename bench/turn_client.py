@@ -1,13 +1,15 @@
 """What a worker agent's turn costs its own process on the HTTP side: the CPU of
-``CoreClient.turn`` (the agent's client: httpx, corked) per call, against a server in
-another process that answers every request at once with one canned ``TurnAnswer``, and
-beside it the same request and the same answer over a bare keep-alive connection
-(``bench/rawhttp.py``), both encoding the same ``Turn`` and validating the same answer.
+``CoreClient.turn`` per call, against a server in another process that answers every
+request at once with one canned ``TurnAnswer``, three ways: the agent's client as it is
+(httpx on Cairn's lean transport, ``libs/common/transport.py``), the same client on
+httpx's own transport (httpcore, h11, anyio), and the same request and answer over a
+bare keep-alive connection (``bench/rawhttp.py``); each encodes the same ``Turn`` and
+validates the same answer.
 
     .venv/bin/python bench/turn_client.py [--calls 1000] [--rounds 5] [--leases 3]
 
 Each turn carries ``--leases`` reports and a claim, and its answer as many verdicts and
-assignments (about 2 KB at 3). The two clients run in alternate rounds in one process;
+assignments (about 2 KB at 3). The three clients run in alternate rounds in one process;
 the figure of each is its median round, with the load average beside it."""
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
 
 from bench.rawhttp import Conn, request_bytes
 from libs.common.client import CoreClient, _unset_of
@@ -100,15 +104,22 @@ async def rounds(port: int, args: argparse.Namespace) -> dict[str, list[float]]:
     loop = asyncio.get_running_loop()
     client = CoreClient(f"http://127.0.0.1:{port}", TOKEN)
     client.use_lease(LEASE)
+    httpcore_client = CoreClient(
+        f"http://127.0.0.1:{port}", TOKEN, transport=httpx.AsyncHTTPTransport()
+    )
+    httpcore_client.use_lease(LEASE)
     _, conn = await loop.create_connection(lambda: Conn(loop), "127.0.0.1", port)
     path = "/v1/workers/1/turn"
 
-    async def by_httpx() -> None:
+    async def lean() -> None:
         await client.turn(1, turn_of(args.leases))
+
+    async def by_httpcore() -> None:
+        await httpcore_client.turn(1, turn_of(args.leases))
 
     async def bare() -> None:
         body = turn_of(args.leases)
-        data = body.model_dump_json(exclude=_unset_of(body)).encode()
+        data = body.model_dump_json(exclude=_unset_of(body, frozenset())).encode()
         head = {WORKER_LEASE_HEADER: LEASE}
         status, content = await conn.request(
             request_bytes("127.0.0.1", port, path, data, TOKEN, head), 30.0
@@ -116,7 +127,7 @@ async def rounds(port: int, args: argparse.Namespace) -> dict[str, list[float]]:
         assert status == 200
         TurnAnswer.model_validate_json(content)
 
-    ways = {"httpx": by_httpx, "bare": bare}
+    ways = {"lean": lean, "httpcore": by_httpcore, "bare": bare}
     for way in ways.values():  # warm: connections, validators' first calls
         for _ in range(100):
             await way()
@@ -128,6 +139,7 @@ async def rounds(port: int, args: argparse.Namespace) -> dict[str, list[float]]:
                 await way()
             spent[name].append((time.process_time() - began) / args.calls * 1e6)
     await client.aclose()
+    await httpcore_client.aclose()
     conn.transport.close()
     return spent
 
@@ -151,19 +163,17 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    httpx_us, bare_us = (statistics.median(spent[name]) for name in ("httpx", "bare"))
-    try:
-        import sniffio  # noqa: F401
-
-        sniffed = "installed"
-    except ImportError:
-        sniffed = "missing (httpcore fails its import at every lock, event and shield)"
-    print(f"load {load}; sniffio {sniffed}; {args.leases} reports and leases a turn")
-    for name in ("httpx", "bare"):
+    lean_us, httpcore_us, bare_us = (
+        statistics.median(spent[name]) for name in ("lean", "httpcore", "bare")
+    )
+    print(f"load {load}; {args.leases} reports and leases a turn")
+    for name in ("lean", "httpcore", "bare"):
         print(f"  {name}: CPU per turn {' '.join(f'{us:.0f}' for us in spent[name])} us")
     print(
-        f"CoreClient.turn {httpx_us:.0f} us of CPU a turn, a bare connection {bare_us:.0f} us:"
-        f" {httpx_us / bare_us:.1f}x; load {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
+        f"CoreClient.turn {lean_us:.0f} us of CPU a turn on the lean transport,"
+        f" {httpcore_us:.0f} us on httpx's own, a bare connection {bare_us:.0f} us:"
+        f" {lean_us / bare_us:.1f}x and {httpcore_us / bare_us:.1f}x the bare;"
+        f" load {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
     )
 
 

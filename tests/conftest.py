@@ -14,6 +14,7 @@ from typing import Any
 import httpx._transports.default as httpx_transports
 import psycopg
 import pytest
+import respx.mocks
 
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
@@ -67,6 +68,11 @@ def _shared_context(
 
 
 httpx_transports.create_ssl_context = _shared_context
+
+# Cairn's clients of its services send through a transport of their own
+# (libs/common/transport.py), not httpcore's pool, which respx patches by default: mocked,
+# their requests are caught where httpx's client picks its transport (the same routes).
+respx.mocks.DEFAULT_MOCKER = "httpx"
 
 
 TEMPLATE = "cairn_template"

@@ -18,7 +18,6 @@ import httpx
 import orjson
 
 from libs.common import tracing
-from libs.common.corked import cork
 from libs.common.errors import BY_SLUG, CairnError, InvalidInput
 from libs.common.models import (
     HUNG_SOURCES_MAX,
@@ -103,6 +102,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.states import TaskState
+from libs.common.transport import LeanTransport, proxy_applies
 
 DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 _JSON = {"Content-Type": "application/json"}
@@ -149,11 +149,13 @@ class ApiClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if transport is None and not proxy_applies(base_url):
+            # httpx's client on a lean transport of ours (``libs/common/transport.py``);
+            # through a proxy the environment names, httpx's own
+            transport = LeanTransport()
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport
         )
-        if transport is None:
-            cork(self._http)  # a request's head and body in one write
         self._warned: set[str] = set()
 
     async def __aenter__(self) -> Self:

@@ -5,10 +5,8 @@ that it failed, from the task's own log and from what the database holds."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import http.server
-import ipaddress
 import os
 import re
 import signal
@@ -33,6 +31,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support.tls import loopback_cert
 
 pytestmark = [
     pytest.mark.slow,
@@ -482,48 +481,10 @@ class _TLSOrigin:
         self.httpd.server_close()
 
 
-def _loopback_cert(folder: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1, and its key."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 @pytest.fixture
 def origins(tmp_path: Path) -> Iterator[tuple[_TLSOrigin, _TLSOrigin, Path]]:
     """Two https origins on loopback: the allowed one and one outside the allow-list."""
-    cert, key = _loopback_cert(tmp_path / "tls")
+    cert, key = loopback_cert(tmp_path / "tls")
     allowed, outside = _TLSOrigin(cert, key), _TLSOrigin(cert, key)
     yield allowed, outside, cert
     allowed.stop()

@@ -1,6 +1,6 @@
-"""One write per HTTP message (``libs/common/corked.py``): a server's writes of one pass
-of the loop go out together, a client's request goes out when it reads its answer; over
-real sockets, what the peer receives is the same bytes."""
+"""One write per HTTP answer (``libs/common/corked.py``): a server's writes of one pass
+of the loop go out together; over real sockets, what the peer receives is the same
+bytes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import socket
 import sys
 from typing import Any
 
-import httpcore
 import httpx
 import uvicorn
 
 from libs.common.client import CoreClient
-from libs.common.corked import HELD_MAX, Corked, _HeldBackend, _HeldStream, cork
+from libs.common.corked import HELD_MAX, Corked
 from libs.common.serve import CorkedHttpTools
 
 
@@ -80,54 +79,9 @@ def test_a_long_body_is_not_held_whole_and_an_abort_drops_what_is_held() -> None
     asyncio.run(scenario())
 
 
-def test_a_clients_request_goes_out_in_one_write_when_it_reads() -> None:
-    async def scenario() -> None:
-        server = socket.create_server(("127.0.0.1", 0))
-        server.setblocking(False)
-        port = server.getsockname()[1]
-        stream = await httpcore.AnyIOBackend().connect_tcp("127.0.0.1", port)
-        counted = _Counted(stream)
-        held = _HeldStream(counted)  # type: ignore[arg-type]
-        peer, _ = await asyncio.get_running_loop().sock_accept(server)
-        await held.write(b"POST /x HTTP/1.1\r\ncontent-length: 2\r\n\r\n")
-        await held.write(b"{}")
-        assert counted.writes == []
-        await asyncio.get_running_loop().sock_sendall(peer, b"answer")
-        assert await held.read(100) == b"answer"
-        assert counted.writes == [b"POST /x HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}"]
-        await held.aclose()
-        peer.close()
-        server.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_held_request_goes_out_within_its_write_timeout_not_its_reads() -> None:
-    """A long poll's read timeout (60 s) is no bound on its request's write: what is held
-    goes out, at the read, under the timeout it was written with (0.5 s)."""
-
-    async def scenario() -> None:
-        server = socket.create_server(("127.0.0.1", 0))
-        server.setblocking(False)
-        port = server.getsockname()[1]
-        counted = _Counted(await httpcore.AnyIOBackend().connect_tcp("127.0.0.1", port))
-        held = _HeldStream(counted)  # type: ignore[arg-type]
-        peer, _ = await asyncio.get_running_loop().sock_accept(server)
-        await held.write(b"POST /claim HTTP/1.1\r\ncontent-length: 2\r\n\r\n", 0.5)
-        await held.write(b"{}", 0.5)
-        await asyncio.get_running_loop().sock_sendall(peer, b"answer")
-        assert await held.read(100, 60.0) == b"answer"
-        assert counted.timeouts == [0.5]
-        await held.aclose()
-        peer.close()
-        server.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_corked_client_and_server_answer_as_before() -> None:
-    """A real uvicorn with the corked protocol, answered through a corked client: heads,
-    bodies and keep-alive as without them (one connection, several calls)."""
+def test_a_corked_server_answers_as_before() -> None:
+    """A real uvicorn with the corked protocol, answered through httpx's client and
+    through Cairn's (its lean transport): heads, bodies and keep-alive as without it."""
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -144,58 +98,14 @@ def test_a_corked_client_and_server_answer_as_before() -> None:
         while not server.started:
             await asyncio.sleep(0.01)
         port = sock.getsockname()[1]
-        async with cork(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")) as http:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             answers = [(await http.post("/", content=f"{i}")).text for i in range(3)]
         assert answers == ["echo:0", "echo:1", "echo:2"]
-        client = CoreClient(f"http://127.0.0.1:{port}", None)
-        pool = client._http._transport._pool  # type: ignore[attr-defined]
-        assert isinstance(pool._network_backend, _HeldBackend)  # every client's requests
-        await client.aclose()
+        async with CoreClient(f"http://127.0.0.1:{port}", None) as client:
+            answers = [(await client._call("POST", "/", content=f"{i}")).text for i in range(3)]
+        assert answers == ["echo:0", "echo:1", "echo:2"]
         server.should_exit = True
         await serving
-
-    asyncio.run(scenario())
-
-
-def test_an_idle_connection_the_server_closed_is_seen_and_not_reused() -> None:
-    """``is_readable``, asked of an idle connection before its reuse, from the socket looked
-    up once: false while the peer is quiet, true once it closed (or wrote); a corked
-    client then sends its next request on a fresh connection."""
-
-    async def scenario() -> None:
-        server = socket.create_server(("127.0.0.1", 0))
-        server.setblocking(False)
-        port = server.getsockname()[1]
-        held = _HeldStream(await httpcore.AnyIOBackend().connect_tcp("127.0.0.1", port))
-        peer, _ = await asyncio.get_running_loop().sock_accept(server)
-        assert held.get_extra_info("is_readable") is False
-        peer.close()
-        for _ in range(100):  # the close reaches our socket
-            if held.get_extra_info("is_readable"):
-                break
-            await asyncio.sleep(0.01)
-        assert held.get_extra_info("is_readable") is True
-        await held.aclose()
-
-        # A server that answers one request per connection and closes it (keep-alive
-        # announced): each request of the client finds its connection closed.
-        conns = 0
-
-        async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal conns
-            conns += 1
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-            writer.close()
-
-        closing = await asyncio.start_server(once, sock=server)
-        async with cork(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")) as http:
-            for _ in range(3):
-                assert (await http.get("/")).text == "ok"
-                await asyncio.sleep(0.05)  # the close arrives while the connection idles
-        assert conns == 3
-        closing.close()
 
     asyncio.run(scenario())
 
