@@ -1124,35 +1124,39 @@ async def set_nodes_reading_ready(
     run_id: int,
     changes: Mapping[str, tuple[NodeState, str | None]],
     limit: int,
+    commit: bool = False,
 ) -> list[Any]:
     """``set_nodes``, and then the run's ready nodes as ``ready_nodes`` reads them, in
     one round trip: the nodes these changes readied, for the release that follows the
-    transaction's commit."""
+    transaction's commit. ``commit``: nothing follows in the transaction, whose COMMIT
+    goes in the same round trip (``pipeline.COMMIT``)."""
     names = list(changes)
-    found = await pipeline.run(
-        conn,
-        [
-            (
-                _SET_NODES,
-                {
-                    "run": run_id,
-                    "names": names,
-                    "states": [str(changes[n][0]) for n in names],
-                    "errors": [changes[n][1] for n in names],
-                },
-            ),
-            (_READY_OF, {"runs": [run_id], "limit": limit}),
-        ],
-    )
+    chain: list[pipeline.Statement] = [
+        (
+            _SET_NODES,
+            {
+                "run": run_id,
+                "names": names,
+                "states": [str(changes[n][0]) for n in names],
+                "errors": [changes[n][1] for n in names],
+            },
+        ),
+        (_READY_OF, {"runs": [run_id], "limit": limit}),
+    ]
+    found = await pipeline.run(conn, [*chain, pipeline.COMMIT] if commit else chain)
     return found[1]
 
 
+# Written only under the leader's epoch (``:leader``, ``:epoch``): the fence before it in
+# the same round trip holds the leader's row, so the epoch it reads is the fence's.
 _RECORD_RELEASED = text(
     "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
     " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
     "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
     " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
-    " AND n.state = 'ready' RETURNING n.task_id"
+    " AND n.state = 'ready'"
+    " AND EXISTS (SELECT 1 FROM dag.leader l WHERE l.name = :leader AND l.epoch = :epoch)"
+    " RETURNING n.task_id"
 )
 
 
