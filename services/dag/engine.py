@@ -1162,7 +1162,7 @@ class Engine:
         async with self._write(fenced=False) as conn:
             lease = self._leading()
             fence, recorded = await store.record_released(
-                conn, released, lease.fencing(durable=_FEED_DURABLE)
+                conn, released, lease.fencing(durable=_FEED_DURABLE), lease.epoch
             )
             lease.fenced(fence[0].epoch if fence else None)
         ids = {(run_id, name): task_id for run_id, name, _, task_id in released}

@@ -1164,17 +1164,23 @@ async def record_released(
     conn: AsyncConnection,
     released: Sequence[tuple[int, str, int, int]],
     first: pipeline.Statement,
+    epoch: int,
 ) -> tuple[list[Any], set[int]]:
-    """``first``'s rows (the leader's fence), then (run, node, try, task) marked released
-    where the node is still ready for that try, in one round trip with the transaction's
-    BEGIN; the task ids recorded (the others' runs were cancelled meanwhile)."""
+    """``first``'s rows (the leader's fence, ``Lease.fencing``), then (run, node, try,
+    task) marked released where the node is still ready for that try and the leader's
+    epoch is still ``epoch``, and the COMMIT, in one round trip with the transaction's
+    BEGIN: nothing follows in the transaction, and a fence that fails (its rows are
+    another epoch or none: the caller raises) let it write nothing. The task ids
+    recorded (the others' runs were cancelled meanwhile)."""
     params = {
         "runs": [r[0] for r in released],
         "names": [r[1] for r in released],
         "tries": [r[2] for r in released],
         "tasks": [r[3] for r in released],
+        "leader": first[1]["name"],
+        "epoch": epoch,
     }
-    fenced, rows = await pipeline.run(conn, [first, (_RECORD_RELEASED, params)])
+    fenced, rows, _ = await pipeline.run(conn, [first, (_RECORD_RELEASED, params), pipeline.COMMIT])
     return fenced, {r.task_id for r in rows}
 
 
