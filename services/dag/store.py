@@ -774,25 +774,28 @@ _CHILD_ENDED = (
 _AUDIT_PENDING = "n.audit_pending AND n.decision IS NOT NULL"
 
 
-async def chores(conn: AsyncConnection) -> Row[Any]:
+_CHORES = text(
+    "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
+    f" {_TO_DEADLINE} AS to_deadline,"
+    f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
+    f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
+    " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
+    " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
+    f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
+)
+
+
+async def chores(conn: AsyncConnection) -> Any:
     """What the loop has to do this turn besides the feed, in one round trip (each a look
     along its own partial index): runs queued, the seconds to the next deadline or gate
     timeout (None: none), gates or event nodes to move on (``due_gates``), sub-workflow
     nodes whose child ended (``children_ended``), nodes ready to release or cancelling,
-    decisions not yet audited. Each part then reads what it does in full."""
-    return (
-        await conn.execute(
-            text(
-                "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
-                f" {_TO_DEADLINE} AS to_deadline,"
-                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
-                f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
-                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
-                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
-                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
-            )
-        )
-    ).one()
+    decisions not yet audited. Each part then reads what it does in full. Built once and
+    sent as the hot path's statements are (``pipeline.run``: prepared at its first run):
+    the loop asks at most every ``_CHORES_EVERY_S`` and at each turn something woke, as
+    each workflow hop's does."""
+    [[row]] = await pipeline.run(conn, [(_CHORES, {})])
+    return row
 
 
 async def mark_running(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
