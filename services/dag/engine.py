@@ -1389,7 +1389,10 @@ def is_refusal(exc: CairnError) -> bool:
 
 def by_size(items: list[tuple[Any, TaskCreate]], limit: int) -> list[list[tuple[Any, TaskCreate]]]:
     """``items`` cut into runs whose encoded specs stay under ``limit`` bytes (an item
-    larger than that goes alone: core says whether it takes it)."""
+    larger than that goes alone: core says whether it takes it). One item goes alone
+    whatever its size: it is not encoded to be measured (the client encodes it to send)."""
+    if len(items) <= 1:
+        return [list(items)] if items else []
     chunks: list[list[tuple[Any, TaskCreate]]] = []
     size = limit + 1
     for item in items:
