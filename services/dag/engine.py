@@ -211,6 +211,14 @@ class Graphs:
         self._dags.move_to_end(workflow_id)
         return entry[0]
 
+    def cached(self, workflow_id: int) -> graph.Dag | None:
+        """``get``'s answer when it needs no read (None: it does)."""
+        entry = self._dags.get(workflow_id)
+        if entry is None:
+            return None
+        self._dags.move_to_end(workflow_id)
+        return entry[0]
+
     def put(self, workflow_id: int, dag: graph.Dag, weight: int) -> None:
         if weight > self.max_bytes:
             return  # parsed again when needed, rather than holding more than the bound
@@ -682,14 +690,13 @@ class Engine:
         succeeded = {e.task_id: e.attempt_id for e in events if e.to_state is TaskState.SUCCEEDED}
         if not succeeded:
             return {}
-        wanted = []
-        async with self.reads.connect() as conn:
-            for row in nodes:
-                if row.task_id not in succeeded:
-                    continue
-                dag = await self.graphs.get(conn, row.workflow_id)
-                if data.needs_file(dag.specs[row.map_of or row.name]):
-                    wanted.append(row.task_id)
+        ended = [row for row in nodes if row.task_id in succeeded]
+        dags = await self._dags({row.workflow_id for row in ended})
+        wanted = [
+            row.task_id
+            for row in ended
+            if data.needs_file(dags[row.workflow_id].specs[row.map_of or row.name])
+        ]
         if not wanted:
             return {}
         gate = asyncio.Semaphore(_OUTPUT_FETCHES)
@@ -704,6 +711,17 @@ class Engine:
 
         found = await asyncio.gather(*(written(t) for t in wanted))
         return dict(zip(wanted, found, strict=True))
+
+    async def _dags(self, workflow_ids: set[int]) -> dict[int, graph.Dag]:
+        """The parsed definitions of these workflow versions, a read connection checked
+        out only for those not cached (none at a workflow hop: two checkouts a hop were
+        for nothing)."""
+        found = {w: dag for w in workflow_ids if (dag := self.graphs.cached(w)) is not None}
+        if len(found) < len(workflow_ids):
+            async with self.reads.connect() as conn:
+                for w in workflow_ids - found.keys():
+                    found[w] = await self.graphs.get(conn, w)
+        return found
 
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
@@ -1094,12 +1112,15 @@ class Engine:
         # apply woke it), or right after them if they filled a batch.
         read, self._ready_rows = self._ready_rows[:MAX_BATCH], []
         while True:
-            async with self.reads.connect() as conn:
-                read_at = time.monotonic()
-                ready = read or await store.ready_nodes(conn, MAX_BATCH, sorted(held))
-                specs = await self._render(conn, ready)
+            read_at = time.monotonic()
+            if not read:
+                async with self.reads.connect() as conn:
+                    read_at = time.monotonic()
+                    read = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
+            ready = read
             if not ready:
                 return
+            specs = await self._render(ready)
             by_owner: dict[str, list[tuple[Any, TaskCreate]]] = defaultdict(list)
             for row in ready:
                 spec = specs.get((row.run_id, row.name))
@@ -1117,14 +1138,15 @@ class Engine:
                 return
             read = []
 
-    async def _render(
-        self, conn: AsyncConnection, ready: list[Any]
-    ) -> dict[tuple[int, str], TaskCreate]:
+    async def _render(self, ready: list[Any]) -> dict[tuple[int, str], TaskCreate]:
         specs: dict[tuple[int, str], TaskCreate] = {}
-        dags = {w: await self.graphs.get(conn, w) for w in {row.workflow_id for row in ready}}
+        dags = await self._dags({row.workflow_id for row in ready})
         # Only a run whose definition declares outputs has any kept (or any to collect).
         keeping = {row.run_id for row in ready if dags[row.workflow_id].keeps_outputs}
-        kept = await store.outputs_of(conn, keeping) if keeping else {}
+        kept: dict[int, Any] = {}
+        if keeping:
+            async with self.reads.connect() as conn:
+                kept = await store.outputs_of(conn, keeping)
         outputs: dict[int, Mapping[str, Mapping[str, Any]]] = {}
         for row in ready:
             dag = dags[row.workflow_id]
