@@ -25,11 +25,16 @@ from psycopg import AsyncConnection as PsycopgConnection
 from psycopg import AsyncPipeline, AsyncRawCursor
 from psycopg.pq import ExecStatus
 from psycopg.rows import RowMaker, namedtuple_row
-from sqlalchemy import TextClause
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 Statement = tuple[TextClause, Mapping[str, Any]]
+
+#: The transaction's COMMIT as the last of a chain: the chain and the commit in one round
+#: trip, when nothing follows it in the transaction (the transaction's own commit on
+#: leaving then finds nothing to do: psycopg sends no COMMIT on an idle connection).
+COMMIT: Statement = (text("COMMIT"), {})
 
 # Each named statement's text as the driver takes it (``%(name)s``), compiled once.
 _COMPILED: dict[int, tuple[TextClause, str]] = {}

@@ -211,6 +211,14 @@ class Graphs:
         self._dags.move_to_end(workflow_id)
         return entry[0]
 
+    def cached(self, workflow_id: int) -> graph.Dag | None:
+        """``get``'s answer when it needs no read (None: it does)."""
+        entry = self._dags.get(workflow_id)
+        if entry is None:
+            return None
+        self._dags.move_to_end(workflow_id)
+        return entry[0]
+
     def put(self, workflow_id: int, dag: graph.Dag, weight: int) -> None:
         if weight > self.max_bytes:
             return  # parsed again when needed, rather than holding more than the bound
@@ -682,14 +690,13 @@ class Engine:
         succeeded = {e.task_id: e.attempt_id for e in events if e.to_state is TaskState.SUCCEEDED}
         if not succeeded:
             return {}
-        wanted = []
-        async with self.reads.connect() as conn:
-            for row in nodes:
-                if row.task_id not in succeeded:
-                    continue
-                dag = await self.graphs.get(conn, row.workflow_id)
-                if data.needs_file(dag.specs[row.map_of or row.name]):
-                    wanted.append(row.task_id)
+        ended = [row for row in nodes if row.task_id in succeeded]
+        dags = await self._dags({row.workflow_id for row in ended})
+        wanted = [
+            row.task_id
+            for row in ended
+            if data.needs_file(dags[row.workflow_id].specs[row.map_of or row.name])
+        ]
         if not wanted:
             return {}
         gate = asyncio.Semaphore(_OUTPUT_FETCHES)
@@ -704,6 +711,17 @@ class Engine:
 
         found = await asyncio.gather(*(written(t) for t in wanted))
         return dict(zip(wanted, found, strict=True))
+
+    async def _dags(self, workflow_ids: set[int]) -> dict[int, graph.Dag]:
+        """The parsed definitions of these workflow versions, a read connection checked
+        out only for those not cached (none at a workflow hop: two checkouts a hop were
+        for nothing)."""
+        found = {w: dag for w in workflow_ids if (dag := self.graphs.cached(w)) is not None}
+        if len(found) < len(workflow_ids):
+            async with self.reads.connect() as conn:
+                for w in workflow_ids - found.keys():
+                    found[w] = await self.graphs.get(conn, w)
+        return found
 
     async def apply(self, page: EventPage) -> None:
         """Apply one page to the nodes whose tasks it names, and store its cursor, in one
@@ -770,9 +788,10 @@ class Engine:
             per_run: dict[int, list[store.NodeRow]] = defaultdict(list)
             for node in nodes:
                 per_run[node.run_id].append(node)
-            for run in runs:
+            for i, run in enumerate(runs):
                 some = None if run.id not in few else run.id in open_elsewhere
-                await self._apply_run(conn, run, per_run[run.id], by_task, errors or {}, some)
+                last = i == len(runs) - 1  # nothing follows its writes in the transaction
+                await self._apply_run(conn, run, per_run[run.id], by_task, errors or {}, some, last)
         for task_id, said in by_task.items():
             if any(e.to_state in FINAL for e in said):
                 self._released.pop(task_id, None)  # its node reads no more of it
@@ -844,9 +863,11 @@ class Engine:
         by_task: dict[int, list[Event]],
         errors: Mapping[int, str],
         open_elsewhere: bool | None = None,
+        last: bool = False,
     ) -> None:
         """Apply the events to the run's nodes and settle it. ``open_elsewhere``: None if
-        ``nodes`` are all the run's nodes, else whether a node not in them is open."""
+        ``nodes`` are all the run's nodes, else whether a node not in them is open.
+        ``last``: nothing follows in the caller's transaction (``_settle_few``)."""
         changes: dict[str, tuple[NodeState, str | None]] = {}
         kept: dict[str, dict[str, Any]] = {}
         dag = await self.graphs.get(conn, run.workflow_id)
@@ -882,7 +903,8 @@ class Engine:
             ]
 
         if open_elsewhere is not None:
-            if await self._settle_few(conn, run, dag, current(nodes), changes, open_elsewhere):
+            few = current(nodes)
+            if await self._settle_few(conn, run, dag, few, changes, open_elsewhere, last):
                 return
             nodes = await store.nodes_of(conn, [run.id])  # the rules need the whole run
         await self._settle(conn, run, current(nodes), changes)  # it writes them with its own
@@ -895,13 +917,15 @@ class Engine:
         nodes: list[store.NodeRow],
         written: Mapping[str, tuple[NodeState, str | None]],
         open_elsewhere: bool,
+        last: bool = False,
     ) -> bool:
         """``_settle`` over the nodes ``_few_nodes`` read, when what the ended ``written``
         nodes change is only nodes right below them made ready, to be released, and the run
         goes on: then write it all and return True. Else (a node below skipped or failed
         upstream, which flows further down; an approval, an event or a sub-workflow node
         readied; the run may be ending) write nothing and return False: the caller settles
-        over every node."""
+        over every node. ``last``: nothing follows in the transaction, whose COMMIT then
+        goes with the nodes' write and read (a round trip fewer on the hop's path)."""
         if not open_elsewhere:
             return False
         states = {n.name: n.state for n in nodes}
@@ -919,7 +943,7 @@ class Engine:
             return True
         # Read what it readied in the same round trip: released once this commits.
         self._ready_rows += await store.set_nodes_reading_ready(
-            conn, run.id, {**written, **changes}, MAX_BATCH
+            conn, run.id, {**written, **changes}, MAX_BATCH, commit=last
         )
         self._readied = True
         self._wake.set()
@@ -1088,12 +1112,15 @@ class Engine:
         # apply woke it), or right after them if they filled a batch.
         read, self._ready_rows = self._ready_rows[:MAX_BATCH], []
         while True:
-            async with self.reads.connect() as conn:
-                read_at = time.monotonic()
-                ready = read or await store.ready_nodes(conn, MAX_BATCH, sorted(held))
-                specs = await self._render(conn, ready)
+            read_at = time.monotonic()
+            if not read:
+                async with self.reads.connect() as conn:
+                    read_at = time.monotonic()
+                    read = await store.ready_nodes(conn, MAX_BATCH, sorted(held))
+            ready = read
             if not ready:
                 return
+            specs = await self._render(ready)
             by_owner: dict[str, list[tuple[Any, TaskCreate]]] = defaultdict(list)
             for row in ready:
                 spec = specs.get((row.run_id, row.name))
@@ -1111,14 +1138,15 @@ class Engine:
                 return
             read = []
 
-    async def _render(
-        self, conn: AsyncConnection, ready: list[Any]
-    ) -> dict[tuple[int, str], TaskCreate]:
+    async def _render(self, ready: list[Any]) -> dict[tuple[int, str], TaskCreate]:
         specs: dict[tuple[int, str], TaskCreate] = {}
-        dags = {w: await self.graphs.get(conn, w) for w in {row.workflow_id for row in ready}}
+        dags = await self._dags({row.workflow_id for row in ready})
         # Only a run whose definition declares outputs has any kept (or any to collect).
         keeping = {row.run_id for row in ready if dags[row.workflow_id].keeps_outputs}
-        kept = await store.outputs_of(conn, keeping) if keeping else {}
+        kept: dict[int, Any] = {}
+        if keeping:
+            async with self.reads.connect() as conn:
+                kept = await store.outputs_of(conn, keeping)
         outputs: dict[int, Mapping[str, Mapping[str, Any]]] = {}
         for row in ready:
             dag = dags[row.workflow_id]
@@ -1156,7 +1184,7 @@ class Engine:
         async with self._write(fenced=False) as conn:
             lease = self._leading()
             fence, recorded = await store.record_released(
-                conn, released, lease.fencing(durable=_FEED_DURABLE)
+                conn, released, lease.fencing(durable=_FEED_DURABLE), lease.epoch
             )
             lease.fenced(fence[0].epoch if fence else None)
         ids = {(run_id, name): task_id for run_id, name, _, task_id in released}
@@ -1383,7 +1411,10 @@ def is_refusal(exc: CairnError) -> bool:
 
 def by_size(items: list[tuple[Any, TaskCreate]], limit: int) -> list[list[tuple[Any, TaskCreate]]]:
     """``items`` cut into runs whose encoded specs stay under ``limit`` bytes (an item
-    larger than that goes alone: core says whether it takes it)."""
+    larger than that goes alone: core says whether it takes it). One item goes alone
+    whatever its size: it is not encoded to be measured (the client encodes it to send)."""
+    if len(items) <= 1:
+        return [list(items)] if items else []
     chunks: list[list[tuple[Any, TaskCreate]]] = []
     size = limit + 1
     for item in items:

@@ -774,25 +774,28 @@ _CHILD_ENDED = (
 _AUDIT_PENDING = "n.audit_pending AND n.decision IS NOT NULL"
 
 
-async def chores(conn: AsyncConnection) -> Row[Any]:
+_CHORES = text(
+    "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
+    f" {_TO_DEADLINE} AS to_deadline,"
+    f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
+    f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
+    " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
+    " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
+    f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
+)
+
+
+async def chores(conn: AsyncConnection) -> Any:
     """What the loop has to do this turn besides the feed, in one round trip (each a look
     along its own partial index): runs queued, the seconds to the next deadline or gate
     timeout (None: none), gates or event nodes to move on (``due_gates``), sub-workflow
     nodes whose child ended (``children_ended``), nodes ready to release or cancelling,
-    decisions not yet audited. Each part then reads what it does in full."""
-    return (
-        await conn.execute(
-            text(
-                "SELECT EXISTS (SELECT 1 FROM dag.runs WHERE state = 'queued') AS queued,"
-                f" {_TO_DEADLINE} AS to_deadline,"
-                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_GATE_DUE}) AS gates,"
-                f" EXISTS (SELECT 1 {_CHILD_ENDED}) AS children,"
-                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'ready') AS ready,"
-                " EXISTS (SELECT 1 FROM dag.nodes WHERE state = 'cancelling') AS cancelling,"
-                f" EXISTS (SELECT 1 FROM dag.nodes n WHERE {_AUDIT_PENDING}) AS audits"
-            )
-        )
-    ).one()
+    decisions not yet audited. Each part then reads what it does in full. Built once and
+    sent as the hot path's statements are (``pipeline.run``: prepared at its first run):
+    the loop asks at most every ``_CHORES_EVERY_S`` and at each turn something woke, as
+    each workflow hop's does."""
+    [[row]] = await pipeline.run(conn, [(_CHORES, {})])
+    return row
 
 
 async def mark_running(conn: AsyncConnection, task_ids: Iterable[int]) -> None:
@@ -1124,35 +1127,39 @@ async def set_nodes_reading_ready(
     run_id: int,
     changes: Mapping[str, tuple[NodeState, str | None]],
     limit: int,
+    commit: bool = False,
 ) -> list[Any]:
     """``set_nodes``, and then the run's ready nodes as ``ready_nodes`` reads them, in
     one round trip: the nodes these changes readied, for the release that follows the
-    transaction's commit."""
+    transaction's commit. ``commit``: nothing follows in the transaction, whose COMMIT
+    goes in the same round trip (``pipeline.COMMIT``)."""
     names = list(changes)
-    found = await pipeline.run(
-        conn,
-        [
-            (
-                _SET_NODES,
-                {
-                    "run": run_id,
-                    "names": names,
-                    "states": [str(changes[n][0]) for n in names],
-                    "errors": [changes[n][1] for n in names],
-                },
-            ),
-            (_READY_OF, {"runs": [run_id], "limit": limit}),
-        ],
-    )
+    chain: list[pipeline.Statement] = [
+        (
+            _SET_NODES,
+            {
+                "run": run_id,
+                "names": names,
+                "states": [str(changes[n][0]) for n in names],
+                "errors": [changes[n][1] for n in names],
+            },
+        ),
+        (_READY_OF, {"runs": [run_id], "limit": limit}),
+    ]
+    found = await pipeline.run(conn, [*chain, pipeline.COMMIT] if commit else chain)
     return found[1]
 
 
+# Written only under the leader's epoch (``:leader``, ``:epoch``): the fence before it in
+# the same round trip holds the leader's row, so the epoch it reads is the fence's.
 _RECORD_RELEASED = text(
     "UPDATE dag.nodes n SET state = 'released', task_id = r.task, updated_at = now()"
     " FROM unnest(CAST(:runs AS bigint[]), CAST(:names AS text[]),"
     "   CAST(:tries AS integer[]), CAST(:tasks AS bigint[])) AS r(run, name, try, task)"
     " WHERE n.run_id = r.run AND n.name = r.name AND n.try_number = r.try"
-    " AND n.state = 'ready' RETURNING n.task_id"
+    " AND n.state = 'ready'"
+    " AND EXISTS (SELECT 1 FROM dag.leader l WHERE l.name = :leader AND l.epoch = :epoch)"
+    " RETURNING n.task_id"
 )
 
 
@@ -1160,17 +1167,23 @@ async def record_released(
     conn: AsyncConnection,
     released: Sequence[tuple[int, str, int, int]],
     first: pipeline.Statement,
+    epoch: int,
 ) -> tuple[list[Any], set[int]]:
-    """``first``'s rows (the leader's fence), then (run, node, try, task) marked released
-    where the node is still ready for that try, in one round trip with the transaction's
-    BEGIN; the task ids recorded (the others' runs were cancelled meanwhile)."""
+    """``first``'s rows (the leader's fence, ``Lease.fencing``), then (run, node, try,
+    task) marked released where the node is still ready for that try and the leader's
+    epoch is still ``epoch``, and the COMMIT, in one round trip with the transaction's
+    BEGIN: nothing follows in the transaction, and a fence that fails (its rows are
+    another epoch or none: the caller raises) let it write nothing. The task ids
+    recorded (the others' runs were cancelled meanwhile)."""
     params = {
         "runs": [r[0] for r in released],
         "names": [r[1] for r in released],
         "tries": [r[2] for r in released],
         "tasks": [r[3] for r in released],
+        "leader": first[1]["name"],
+        "epoch": epoch,
     }
-    fenced, rows = await pipeline.run(conn, [first, (_RECORD_RELEASED, params)])
+    fenced, rows, _ = await pipeline.run(conn, [first, (_RECORD_RELEASED, params), pipeline.COMMIT])
     return fenced, {r.task_id for r in rows}
 
 

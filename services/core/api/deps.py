@@ -223,6 +223,7 @@ def require(*roles: str) -> Callable[[Principal], Coroutine[Any, Any, Principal]
 
 
 SUBMITTERS = ("user", "admin", "service")
+READERS = SUBMITTERS
 
 
 async def submitter(request: Request, credentials: Bearer) -> Principal:
@@ -232,7 +233,7 @@ async def submitter(request: Request, credentials: Bearer) -> Principal:
 
 
 Submitter = Annotated[Principal, Depends(submitter)]
-Reader = Annotated[Principal, Depends(require("user", "admin", "service"))]
+Reader = Annotated[Principal, Depends(require(*READERS))]
 AdminOnly = Annotated[Principal, Depends(require("admin"))]
 
 
@@ -286,11 +287,15 @@ class PlainRoute(APIRoute):
     async def plain(self, request: Request) -> Response | None:
         raise NotImplementedError
 
+    def takes(self, request: Request) -> bool:
+        """Whether ``plain`` may serve the request at all: one with a JSON body."""
+        return request.headers.get("content-type") == JSON
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         standard = super().get_route_handler()
 
         async def handle(request: Request) -> Response:
-            if request.headers.get("content-type") == JSON:
+            if self.takes(request):
                 answer = await self.plain(request)
                 if answer is not None:
                     return answer

@@ -325,9 +325,6 @@ async def resend(conn: AsyncConnection, worker_id: int, holding: Sequence[int]) 
     return Leases([_assignment(row) for row in found], frozenset(r.id for r in found))
 
 
-_COMMIT = text("COMMIT")
-
-
 # A turn's statements are planned once per connection (prepared, ``db.pipeline``), not at
 # each run: PostgreSQL plans a prepared statement anew for its first five runs and then
 # for as long as its generic plan looks dearer than those, and planning the pick (five
@@ -665,7 +662,7 @@ async def lease(
     held = Tally(held=Counter(gate.refused)) if gate is not None else Tally()
     if not chosen or await _held_for(conn, asked.worker.reserved_for, chosen):
         if first:
-            await pipeline.run(conn, [*first, (_COMMIT, {})] if last else first)
+            await pipeline.run(conn, [*first, pipeline.COMMIT] if last else first)
         return Leases([], tally=held)
     by_id = {row.id: row for row in rows}
     params = {
@@ -682,7 +679,7 @@ async def lease(
     commit = last and not any(by_id[c.task_id].secret_refs for c, _ in chosen)
     chain = [*first, (_CLAIM, params)]
     if commit or first:
-        ran = await pipeline.run(conn, [*chain, (_COMMIT, {})] if commit else chain)
+        ran = await pipeline.run(conn, [*chain, pipeline.COMMIT] if commit else chain)
         found = ran[len(first)]
     else:
         found = list(await conn.execute(_CLAIM, params))
@@ -1265,7 +1262,7 @@ async def finish_and_pick(
     if not chain:
         return []
     done = last and asked is None and all(move is not None for _, _, move in settled.batch)
-    found = await pipeline.run(conn, [*chain, (_COMMIT, {})] if done else chain)
+    found = await pipeline.run(conn, [*chain, pipeline.COMMIT] if done else chain)
     if asked is None:
         return []
     return _picked(found[len(chain) - _picks(waits) : len(chain)], waits)

@@ -16,7 +16,6 @@ import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import (
     Boolean,
-    Row,
     TextClause,
     and_,
     bindparam,
@@ -1042,19 +1041,19 @@ async def list_attempts(conn: AsyncConnection, task_id: int) -> list[Attempt]:
     return [Attempt.model_validate(row._mapping) for row in await conn.execute(query)]
 
 
-def _event(row: Row[Any]) -> Event:
-    m = row._mapping
+def _event(row: Any) -> Event:
+    """An event from its row: SQLAlchemy's or a pipeline's (``pipeline.run``), by name."""
     return Event(
-        cursor=f"{m['xid']}.{m['id']}",
-        task_id=m["task_id"],
-        seq=m["seq"],
-        owner=m["owner"],
-        op=m["op"],
-        from_state=m["from_state"],
-        to_state=m["to_state"],
-        reason=m["reason"],
-        attempt_id=m["attempt_id"],
-        at=m["at"],
+        cursor=f"{row.xid}.{row.id}",
+        task_id=row.task_id,
+        seq=row.seq,
+        owner=row.owner,
+        op=row.op,
+        from_state=row.from_state,
+        to_state=row.to_state,
+        reason=row.reason,
+        attempt_id=row.attempt_id,
+        at=row.at,
     )
 
 
@@ -1092,7 +1091,10 @@ async def read_feed(
     ``who``, only those of its own tasks and its teams'; with ``to_state``, only those
     that moved a task there (the cursor still moves past the others)."""
     query, params = feed_query(after, limit, who, to_state)
-    rows = list(await conn.execute(query, params))
+    # Sent as the hot path's statements are (``pipeline.run``): prepared at its first
+    # run, its rows named tuples, without SQLAlchemy's result machinery (the DAG's long
+    # poll reads it twice a workflow hop).
+    [rows] = await pipeline.run(conn, [(query, params)])
     events = [_event(row) for row in rows if row.id is not None]
     if events:
         last = rows[-1]

@@ -436,6 +436,9 @@ BAD_QUERIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "events-wait-inf": ("/v1/events", {"wait": "inf"}, "wait"),
     "events-wait-nan": ("/v1/events", {"wait": "nan"}, "wait"),
     "events-wait-not-a-number": ("/v1/events", {"wait": "soon"}, "wait"),
+    "events-hold-31": ("/v1/events", {"hold": 31}, "hold"),
+    "events-hold-negative": ("/v1/events", {"hold": -1}, "hold"),
+    "events-hold-not-a-number": ("/v1/events", {"hold": "1e1x"}, "hold"),
 }
 
 

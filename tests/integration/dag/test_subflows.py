@@ -536,3 +536,51 @@ def test_an_event_delivered_across_a_leader_change_ends_its_wait_once(
     assert db.execute(
         "SELECT count(*) FROM dag.run_events WHERE run_id = %s", (run_id,)
     ).fetchone() == (1,)
+
+
+def test_a_release_recorded_under_a_superseded_epoch_writes_nothing(
+    db_url: str, db: DB, tmp_path: Path
+) -> None:
+    """The release's record sends its COMMIT in the round trip of the fence and its
+    UPDATE (``store.record_released``): under an epoch another leader superseded, the
+    UPDATE writes nothing (the node stays ready for the new leader to release) and the
+    fence's answer stops the old one; under the current epoch it records the task."""
+    one = {
+        "name": "one",
+        "nodes": [
+            {"name": "t", "task": {"artifact": {"uri": "file:///bin/true", "sha256": "ab" * 32}}}
+        ],
+    }
+
+    async def scenario() -> tuple[int, set[int], set[int]]:
+        async with loop_over(db_url, tmp_path) as first:
+            await define(first, one)
+            run_id = await start(first, "one", {})
+            await first.admit()
+            assert nodes(db, run_id) == {"t": ("ready", None)}
+            stale = first.lease
+            assert stale is not None
+            await stale.close()  # the leader dies; another takes over
+            async with loop_over(db_url, tmp_path) as second:
+                assert second.lease is not None and second.lease.epoch == stale.epoch + 1
+                async with first.db.begin() as conn:
+                    fence, old = await store.record_released(
+                        conn, [(run_id, "t", 1, 7001)], stale.fencing(durable=False), stale.epoch
+                    )
+                with pytest.raises(LeadershipLost):
+                    stale.fenced(fence[0].epoch)
+                assert nodes(db, run_id) == {"t": ("ready", None)}
+                lease = second.lease
+                async with second.db.begin() as conn:
+                    fence, new = await store.record_released(
+                        conn, [(run_id, "t", 1, 7002)], lease.fencing(durable=False), lease.epoch
+                    )
+                lease.fenced(fence[0].epoch)
+            first.lease = await first.elector.campaign()
+            return run_id, old, new
+
+    run_id, old, new = asyncio.run(scenario())
+    assert old == set() and new == {7002}
+    assert db.execute(
+        "SELECT state, task_id FROM dag.nodes WHERE run_id = %s", (run_id,)
+    ).fetchone() == ("released", 7002)
