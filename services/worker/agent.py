@@ -1031,8 +1031,8 @@ class Agent:
         is queued (its processes are already gone: ``stop_leftovers``), so neither the
         report nor the room it frees waits for a folder to be removed. One whose start
         was given up on after it was sent (``Prepared.unsettled``) stays on the board
-        until then: its process may yet be born, and were the agent to die meanwhile,
-        its sidecar kills it there."""
+        until then: its process may yet be born, and were the agent's loop to stand
+        still meanwhile, its sidecar's kills reach it there."""
 
         async def release() -> None:
             try:
