@@ -1017,20 +1017,32 @@ class Agent:
         try:
             return await self._run(assignment, prepared)
         finally:
-            self.cgroups.pop(str(attempt), None)
-            self.uids.pop(str(attempt), None)
+            if prepared.unsettled is None:
+                self._unlist(attempt)
             self._release(attempt, prepared)
+
+    def _unlist(self, attempt_id: int) -> None:
+        """The attempt's cgroup and uid off the board: nothing of it is left to kill."""
+        self.cgroups.pop(str(attempt_id), None)
+        self.uids.pop(str(attempt_id), None)
 
     def _release(self, attempt_id: int, prepared: Prepared) -> None:
         """Remove the attempt's folders and hand back its slot and uid, after the report
         is queued (its processes are already gone: ``stop_leftovers``), so neither the
-        report nor the room it frees waits for a folder to be removed."""
+        report nor the room it frees waits for a folder to be removed. One whose start
+        was given up on after it was sent (``Prepared.unsettled``) stays on the board
+        until then: its process may yet be born, and were the agent's loop to stand
+        still meanwhile, its sidecar's kills reach it there."""
 
         async def release() -> None:
             try:
                 await self.host.release(prepared)
             except Exception:
                 log.exception("attempt %s's folders or cgroup not released", attempt_id)
+            finally:
+                if prepared.unsettled is not None:
+                    self._unlist(attempt_id)
+                    self._publish()
 
         task = asyncio.create_task(release())
         self.releasing.add(task)

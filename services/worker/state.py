@@ -76,7 +76,11 @@ class Board:
         self.write_json(json.dumps(value, separators=(",", ":")).encode())
 
     def write_json(self, data: bytes) -> None:
-        """Write a value already encoded as JSON (one object)."""
+        """Write a value already encoded as JSON (one object); nothing once closed (a
+        release that ends as the agent exits: its descriptor's number may name another
+        file by then)."""
+        if self.fd < 0:
+            return
         if len(data) > HALF - _HEADER.size:
             raise ValueError(f"the board holds {HALF} bytes, not {len(data)}")
         self._seq += 1
@@ -102,7 +106,9 @@ class Board:
         return {}
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def write(path: Path, value: dict[str, Any]) -> None:

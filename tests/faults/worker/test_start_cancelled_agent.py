@@ -1,8 +1,9 @@
 """The real agent's attempt, cancelled once its start was sent to its spawn helper and
 before the reply (its helper stopped in between, on a one-slot cgroup v1 pool, as root):
 the process that start runs is killed as its reply comes, and the attempt keeps its
-slot and uid (its release waits, and the agent counts no room free) until that process's
-exit record; core was told it started, and nothing else of it ran."""
+slot and uid (its release waits, and the agent counts no room free), and its cgroup and
+uid stay on the board its sidecar reads, until that process's exit record; core was told
+it started, and nothing else of it ran."""
 
 from __future__ import annotations
 
@@ -104,12 +105,20 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                     unsettled = releasing and not any(task.done() for task in releasing)
                     assert unsettled, "released before its start was settled"
                     assert agent._room()[2] == 0  # its slot is not offered to core again
+                    # Still on the board: were the agent to die now, its sidecar kills
+                    # what that start runs, which its helper may yet read and start.
+                    await _turns(2)
+                    board = agent.board.read()
+                    assert board["uids"].get(str(assignment.attempt_id)) == uid, board
+                    assert str(assignment.attempt_id) in board["cgroups"], board
                 finally:
                     os.kill(helper.pid, signal.SIGCONT)
                 done, _ = await asyncio.wait(releasing, timeout=10)
                 assert done == releasing
                 await _turns(2)
                 assert agent._room()[2] == 1 and _of_uid(uid) == []
+                board = agent.board.read()
+                assert not board["uids"] and not board["cgroups"], board
         finally:
             await host.close()
 

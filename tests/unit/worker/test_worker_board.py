@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from services.worker.sidecar import Pulse
 from services.worker.state import HALF, Board
@@ -22,6 +23,22 @@ def test_a_fresh_board_reads_empty_and_then_the_newest_value() -> None:
             assert board.read() == {"agent_pid": 7, "attempts": {str(i): i for i in range(n)}}
     finally:
         board.close()
+
+
+def test_a_closed_board_writes_nothing_into_the_file_that_took_its_number(tmp_path: Path) -> None:
+    """A write after ``close`` (a release ending as the agent exits publishes) is dropped:
+    the number its descriptor had names the next file opened."""
+    board = Board.create()
+    number = board.fd
+    board.close()
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert other == number  # the lowest free number: the board's
+        board.write({"uids": {"1": 29000}})
+        board.close()
+        assert os.fstat(other).st_size == 0
+    finally:
+        os.close(other)
 
 
 def test_a_half_cut_short_leaves_the_value_before_it() -> None:
