@@ -1,6 +1,6 @@
 """What a page of the event feed costs PostgreSQL, by who reads and where their cursor is.
 
-    PYTHONPATH=TREE .venv/bin/python bench/feed_scan.py [--tasks 333334]
+    PYTHONPATH=TREE .venv/bin/python bench/feed_scan.py [--tasks 333334] [--generic]
 
 A private PostgreSQL, migrated by TREE's core, is filled straight in SQL (no API) with
 ``--tasks`` finished tasks and three events each (1,000,002 events by default), in commit
@@ -8,7 +8,9 @@ order: 30 % of the tasks are one dense owner's, the rest spread over 5,000 owner
 sparse owner has 10 tasks spread over the whole history; team ``crew`` owns 34 tasks of
 other owners, team ``big`` one in twenty. Each case runs TREE's feed statement for a page
 of 100 under ``EXPLAIN (ANALYZE, BUFFERS)`` (the second of two runs, so warm) and prints
-the buffers it touched, the rows it read from ``core.task_events`` and its time.
+the buffers it touched, the rows it read from ``core.task_events``, its time and the
+parallel workers it started. ``--generic``: the statement prepared and run on its generic
+plan (``plan_cache_mode = force_generic_plan``), as a prepared statement may be.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
 from libs.common import pipeline
@@ -29,6 +32,7 @@ from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from services.core import migrate
 from services.core.db import tasks as tasks_db
+from tests.support.plans import _numbered
 
 PAGE = 100
 
@@ -84,21 +88,45 @@ def scanned(node: dict[str, Any]) -> int:
     return rows
 
 
+def workers(node: dict[str, Any]) -> int:
+    return int(node.get("Workers Launched", 0)) + sum(map(workers, node.get("Plans", [])))
+
+
 def explain(
-    db: psycopg.Connection[Any], after: tuple[int, int], who: Visibility | None, show: bool
+    db: psycopg.Connection[Any],
+    after: tuple[int, int],
+    who: Visibility | None,
+    show: bool,
+    generic: bool = False,
 ) -> str:
     clause, params = statement(after, who)
-    sql = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
-    if show:
-        for (line,) in db.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params):
-            print(line)
-    for _ in range(2):
-        [[plan]] = db.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchall()
+    if generic:  # prepared, its parameters unknown to the plan
+        numbered, names = _numbered(clause)
+        db.execute(pgsql.SQL("PREPARE feed AS " + numbered))
+        db.execute("SET plan_cache_mode = force_generic_plan")
+        values = pgsql.SQL(", ").join(pgsql.Literal(params[name]) for name in names)
+        sql: Any = pgsql.SQL("EXECUTE feed ({})").format(values)
+        params = {}
+    else:
+        sql = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
+    try:
+        if show:
+            for (line,) in db.execute(pgsql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + sql, params):
+                print(line)
+        for _ in range(2):
+            [[plan]] = db.execute(
+                pgsql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql, params
+            ).fetchall()
+    finally:
+        if generic:
+            db.execute("DEALLOCATE feed")
+            db.execute("RESET plan_cache_mode")
     top = plan[0]["Plan"]
     buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
     return (
         f"{buffers:>8} buffers {scanned(top):>9} event rows "
         f"{plan[0]['Execution Time']:>9.2f} ms  {top['Actual Rows']} rows out"
+        f"  {workers(top)} workers"
     )
 
 
@@ -106,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=333_334)
     parser.add_argument("--show", default="", help="print the plans of cases so named")
+    parser.add_argument("--generic", action="store_true", help="on the generic plan")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cairn-feed-"))
     server = EmbeddedPostgres(root / "pg", fast=True)
@@ -136,7 +165,8 @@ def main() -> None:
             events = db.execute("SELECT count(*) FROM core.task_events").fetchone()
             print(json.dumps({"events": events[0] if events else 0, "xids": [lo, hi]}))
             for name, after, who in cases:
-                print(f"{name:<30} {explain(db, after, who, args.show and args.show in name)}")
+                show = bool(args.show and args.show in name)
+                print(f"{name:<30} {explain(db, after, who, show, args.generic)}")
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -515,7 +515,12 @@ _IN_TEAMS = "t.team = ANY(CAST(:teams AS text[]))"
 # through each one's events (their key). Else walk the events after the cursor against a
 # hash of the teams' tasks, built once a read (``IS TRUE`` keeps the ``IN`` a hashed
 # subplan, not a join; teams this large fill a page soon). Each way a page is the first
-# ``limit`` events after the cursor that the user sees, as one walk would find them.
+# ``limit`` events after the cursor that the user sees, as one walk would find them. Each
+# way's choice gates it from above its LIMIT, so a way not chosen never starts: gated
+# under it, a parallel walk's Gather started its workers (two processes, 5-15 ms a read,
+# long polls included) only for them to find the gate shut. The probes' walk is capped
+# at ``near`` events (all there are after the cursor when it runs), so it is never
+# planned parallel either.
 NEAR = 1000
 TEAM_TASKS = 2000
 _OWN_EVENTS = """
@@ -540,20 +545,24 @@ _OWN_EVENTS = """
             SELECT * FROM core.task_events e WHERE e.task_id = t.id AND e.owner <> :owner
               AND {after}
             ORDER BY e.xid, e.id LIMIT :limit) e
-        WHERE (SELECT by_tasks FROM way) AND {in_teams}
+        WHERE {in_teams}
         ORDER BY e.xid, e.id LIMIT :limit) by_tasks
+    WHERE (SELECT by_tasks FROM way)
     UNION ALL
     SELECT * FROM (
-        SELECT * FROM core.task_events e
-        WHERE (SELECT near FROM way) AND e.owner <> :owner AND {after}
+        SELECT * FROM (SELECT * FROM core.task_events e WHERE {after}
+                       ORDER BY e.xid, e.id LIMIT {near}) e
+        WHERE e.owner <> :owner
           AND EXISTS (SELECT 1 FROM core.tasks t WHERE t.id = e.task_id AND {in_teams})
         ORDER BY e.xid, e.id LIMIT :limit) by_probes
+    WHERE (SELECT near FROM way)
     UNION ALL
     SELECT * FROM (
         SELECT * FROM core.task_events e
-        WHERE (SELECT many FROM way) AND e.owner <> :owner AND {after}
+        WHERE e.owner <> :owner AND {after}
           AND (e.task_id IN (SELECT t.id FROM core.tasks t WHERE {in_teams})) IS TRUE
-        ORDER BY e.xid, e.id LIMIT :limit) by_hash"""
+        ORDER BY e.xid, e.id LIMIT :limit) by_hash
+    WHERE (SELECT many FROM way)"""
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import psycopg
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.dialects.postgresql import psycopg as dialects
 
@@ -20,7 +20,7 @@ from libs.common import pipeline
 from libs.common.auth import Visibility
 from libs.common.states import TaskState
 from services.core.db import tasks as tasks_db
-from tests.support.plans import analyzed, rows_read
+from tests.support.plans import analyzed, nodes, rows_read
 
 DB = psycopg.Connection[tuple[Any, ...]]
 TASKS = 40_000  # three events each
@@ -59,14 +59,32 @@ def test_a_sparse_users_page_reads_its_own_events_not_the_history(db: DB) -> Non
     row = db.execute("SELECT (min(xid) + max(xid)) / 2 FROM core.task_events").fetchone()
     assert row is not None
     middle = (int(row[0]), 0)
+    # 300 events from the head: a long poll's cursor, whose teams' events are probed
+    row = db.execute("SELECT xid, id FROM core.task_events ORDER BY xid DESC, id DESC OFFSET 300")
+    head = row.fetchone()
+    assert head is not None
     sparse, member = Visibility("sparse"), Visibility("nobody", frozenset({"crew"}))
     large = Visibility("nobody", frozenset({"many"}))  # 4,000 tasks: a hash of them
+    # a member of 50 teams (48 of them owning nothing): by their tasks, or by a hash
+    others = frozenset(f"team{i}" for i in range(48))
+    fifty = Visibility("nobody", others | {"crew", "sparse"})
+    fifty_large = Visibility("nobody", others | {"crew", "many"})
+    near = tasks_db.NEAR
+    # parallel plans as cheap as a server with more data finds them: none may start
+    db.execute("SET parallel_setup_cost = 0")
+    db.execute("SET min_parallel_index_scan_size = 0")
     for who, after, sees, bound in [
         (sparse, (0, 0), 12, 12),
         (sparse, middle, 6, 12),
-        (member, (0, 0), 12, tasks_db.NEAR + 12),
-        (member, middle, 6, tasks_db.NEAR + 12),
-        (large, middle, 100, tasks_db.NEAR + 1100),
+        (sparse, head, 1, 1),  # an empty page
+        (member, (0, 0), 12, near + 12),
+        (member, middle, 6, near + 12),
+        (member, head, 1, 2 * 300),  # the count of what is ahead, then its walk
+        (large, middle, 100, near + 1100),
+        (large, head, 30, 2 * 300),
+        (fifty, (0, 0), 12, near + 12),
+        (fifty, head, 1, 2 * 300),
+        (fifty_large, middle, 100, near + 1100),
     ]:
         clause, params = tasks_db.feed_query(after, 100, who, None)
         for generic in (True, False):
@@ -74,8 +92,15 @@ def test_a_sparse_users_page_reads_its_own_events_not_the_history(db: DB) -> Non
             assert int(plan["Actual Rows"]) == sees, (who, after, generic)
             read = rows_read(plan, "task_events")
             assert read <= bound, (who, after, generic, read)
-            if who is large:  # its tasks hashed once, not looked up for each event
+            if who is large and after == middle:  # its tasks hashed once, not probed
                 assert "hashed SubPlan" in json.dumps(plan), generic
+            # no arm starts parallel workers: not one that is not chosen (its one-time
+            # filter under the Gather, checked by each worker once started: 5-15 ms and
+            # two processes a read, long polls included), nor the walk near the head
+            workers = [
+                node["Workers Launched"] for node in nodes(plan) if "Workers Launched" in node
+            ]
+            assert not any(workers), (who, after, generic, workers)
 
 
 # --- the same answers as one walk of the history --------------------------------------------
@@ -162,6 +187,13 @@ def _walk(db: DB, after: tuple[int, int], limit: int, who: Visibility | None, de
     limit=st.integers(1, 6),
     dead=st.booleans(),
 )
+@example(  # a team's page of three, every way (the probes' walk not cut short)
+    history=([("a", "x")] * 3, [(0, 3, "running"), (1, 3, "running"), (2, 3, "running")]),
+    reader=Visibility("b", frozenset({"x"})),
+    after=(0, 0),
+    limit=6,
+    dead=False,
+)
 def test_every_way_of_reading_answers_what_one_walk_keeps(
     db: DB,
     history: tuple[list[tuple[str, str | None]], list[tuple[int, int, str]]],
@@ -181,6 +213,8 @@ def test_every_way_of_reading_answers_what_one_walk_keeps(
             tasks_db.feed_statement(to_state, own=True, near=0, team_tasks=1000),  # by tasks
             tasks_db.feed_statement(to_state, own=True, near=10**6),  # by probes
             tasks_db.feed_statement(to_state, own=True, near=0, team_tasks=0),  # by hash
+            # probes, their walk capped, or by tasks: the way turning at the page's size
+            tasks_db.feed_statement(to_state, own=True, near=3),
         ]
     for statement in statements:
         sql = pipeline.driver_sql(statement, dialects.dialect())  # type: ignore[no-untyped-call]
