@@ -40,8 +40,10 @@ up: install
 # reached 14:14 with them), and three that wait on lock timeouts and holds (core's
 # migration blocked and retried, its index builds waiting out a report, killed, raced by a
 # second run, 30 s; every service's migrations and starts behind a blocker, 25 s, both at
-# load 5 on the shared 2 cores; a DAG page of starts held, 5 s); their output is kept and
-# printed when both are done. Fails
+# load 5 on the shared 2 cores; a DAG page of starts held, 5 s), and three that wait on
+# processes, fuses and holds (the system behind PgBouncer, 17 s; an agent's start on a FUSE
+# source that never answers, 20 s; an output flood that runs `yes` 4 s and waits out its
+# log, 21 s: alone, at load 2-4); their output is kept and printed when both are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
 # The suite's two workers steal queued tests from each other (--dist worksteal): with the
@@ -53,11 +55,15 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/integration/system/test_prometheus_e2e.py tests/faults/cron/test_replicas.py \
 	tests/integration/core/test_fair_usage.py tests/faults/worker/test_claim_ahead_agent.py \
 	tests/faults/core/test_notify_restart.py tests/integration/core/test_migration_locks.py \
-	tests/integration/dag/test_starts_hold.py tests/integration/system/test_migration_blocked.py
+	tests/integration/dag/test_starts_hold.py tests/integration/system/test_migration_blocked.py \
+	tests/integration/system/test_behind_pgbouncer.py tests/security/test_unanswered_source.py
+# Single tests run beside the suite (deselected from it): their files' other tests stay in it.
+BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound
 test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
-	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 $(addprefix --ignore=,$(BESIDE)); main=$$?; \
+	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 $(addprefix --ignore=,$(BESIDE)) \
+		$(addprefix --deselect=,$(BESIDE_ONE)); main=$$?; \
 	wait $$deploy; deployed=$$?; \
 	echo "=== the tests run beside the suite ($(BESIDE)) ==="; cat "$$log"; rm -f "$$log"; \
 	echo "make test: the suite exited $$main, the tests beside it $$deployed"; \
