@@ -43,7 +43,9 @@ up: install
 # load 5 on the shared 2 cores; a DAG page of starts held, 5 s), and three that wait on
 # processes, fuses and holds (the system behind PgBouncer, 17 s; an agent's start on a FUSE
 # source that never answers, 20 s; an output flood that runs `yes` 4 s and waits out its
-# log, 21 s: alone, at load 2-4); their output is kept and printed when both are done. Fails
+# log, 21 s: alone, at load 2-4), and two fault tests that wait out kills, a database
+# restart and a worker declared dead behind its cut link (core's Jepsen-style run, 27 s;
+# the network partition, 20 s, inside `pytest -n 2 tests/faults`); their output is kept and printed when both are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
 # The suite's two workers steal queued tests from each other (--dist worksteal): with the
@@ -56,7 +58,8 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/integration/core/test_fair_usage.py tests/faults/worker/test_claim_ahead_agent.py \
 	tests/faults/core/test_notify_restart.py tests/integration/core/test_migration_locks.py \
 	tests/integration/dag/test_starts_hold.py tests/integration/system/test_migration_blocked.py \
-	tests/integration/system/test_behind_pgbouncer.py tests/security/test_unanswered_source.py
+	tests/integration/system/test_behind_pgbouncer.py tests/security/test_unanswered_source.py \
+	tests/faults/core/test_jepsen.py tests/faults/worker/test_partition.py
 # Single tests run beside the suite (deselected from it): their files' other tests stay in it.
 BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound
 test: install $(OIDC)/node_modules/.installed
