@@ -73,8 +73,8 @@ def test_a_concurrency_key_of_three_never_has_a_fourth_running(core, workers, tm
         workers.start(core, tmp_path / f"w{i}", f"w{i}", cpu=4, memory_mb=2048)
     key = {"key": "db-main", "limit": 3}
     with core.client("alice") as alice, core.client("bob") as bob:
-        ids = _submit(alice, [shell("sleep 0.3", concurrency=key) for _ in range(12)])
-        ids += _submit(bob, [shell("sleep 0.3", concurrency=key) for _ in range(12)])
+        ids = _submit(alice, [shell("sleep 0.3", concurrency=key) for _ in range(6)])
+        ids += _submit(bob, [shell("sleep 0.3", concurrency=key) for _ in range(6)])
         _submit(bob, [shell("sleep 0.2") for _ in range(8)])
     peaks: list[int] = []
     done = threading.Event()
