@@ -42,7 +42,9 @@ import httpx
 DEFAULT_LIMITS = httpx.Limits(
     max_connections=100, max_keepalive_connections=20, keepalive_expiry=4.0
 )
-#: a head larger than this is refused, as httpcore refuses it (``MAX_INCOMPLETE_EVENT_SIZE``)
+#: a head larger than this is refused, as httpcore refuses it (``MAX_INCOMPLETE_EVENT_SIZE``);
+#: so are trailers, or a chunk's size line, as long: bytes that are no body, which httptools
+#: would gather (a trailer's value) or chew through (a chunk extension) without end
 MAX_HEAD = 100 * 1024
 #: an answer's bytes held for a slow reader before reading from the socket pauses
 HELD_MAX = 256 * 1024
@@ -87,7 +89,8 @@ class _Connection(asyncio.Protocol):
         self.version = b"HTTP/1.1"
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_size = 0
+        self.head_size = 0  # bytes since the last of the answer's progress (head, body, end)
+        self.progress = False
         self.head_done = False
         self.framed = False  # Content-Length or chunked: the end is not the close
         self.complete = False
@@ -110,6 +113,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.received = True
+        self.progress = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -120,10 +124,13 @@ class _Connection(asyncio.Protocol):
             # bytes past a whole answer (more than its Content-Length): the answer
             # stands, as httpcore gives it, and the connection is not reused
             self.keep_alive = False
-        if not self.head_done and self.error is None:
+        if self.progress or self.complete:
+            self.head_size = 0
+        elif self.error is None:
             self.head_size += len(data)
             if self.head_size > MAX_HEAD:
-                self._fail(httpx.RemoteProtocolError("The answer's head is too large."))
+                what = "trailers or a chunk's size line" if self.head_done else "head"
+                self._fail(httpx.RemoteProtocolError(f"The answer's {what} is too large."))
         if self.error is not None:
             self.close()
         self._wake()
@@ -171,7 +178,7 @@ class _Connection(asyncio.Protocol):
         if self.head_done:
             self._fail(httpx.RemoteProtocolError("More than one answer to one request."))
             return
-        self.status, self.head_done = status, True
+        self.status, self.head_done, self.progress = status, True, True
         self.version = b"HTTP/" + self.parser.get_http_version().encode("ascii")
         self.keep_alive = self.keep and self.parser.should_keep_alive() and not self.head_only
         self.framed = status in (204, 304) or any(
@@ -181,6 +188,7 @@ class _Connection(asyncio.Protocol):
             self.framed = self.complete = True
 
     def on_body(self, body: bytes) -> None:
+        self.progress = True
         if self.head_only:
             return
         self.chunks.append(body)

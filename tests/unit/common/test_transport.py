@@ -485,6 +485,36 @@ def test_a_head_past_its_bound_is_refused(serve: Any) -> None:
         asyncio.run(call())
 
 
+@pytest.mark.parametrize(
+    "after_body",
+    [b"0\r\nx-trailer: ", b"2;ext="],  # a trailer's value; a chunk's size line
+    ids=["trailer", "chunk-extension"],
+)
+def test_bytes_after_the_head_that_are_no_body_are_bounded_too(
+    serve: Any, after_body: bytes
+) -> None:
+    """A hostile server that sends, after a body's first chunk, a trailer or a chunk
+    extension without end: refused past the head's bound, not gathered."""
+
+    def endless(conn: Conn) -> None:
+        conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+        conn.send(after_body)
+        for _ in range(40):
+            conn.send(b"a" * 50_000)
+            time.sleep(0.005)
+        conn.closed_by_peer()
+
+    server = serve(endless)
+
+    async def call() -> None:
+        async with client(server) as http:
+            await http.get("/")
+
+    with pytest.raises(httpx.RemoteProtocolError, match="too large"):
+        asyncio.run(call())
+
+
 def test_a_safe_request_goes_again_when_a_reused_connection_closes_unanswered(
     serve: Any,
 ) -> None:
