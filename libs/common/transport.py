@@ -9,6 +9,7 @@ so callers see no difference, and sends each request on an asyncio protocol of i
   ``Limits`` say (connections in all, idle ones kept, idle expiry); a connection goes
   back to it only once its answer arrived whole and neither side said ``Connection:
   close``; one whose request was cancelled, or whose answer was left unread, is closed;
+  ``aclose()`` fails the requests still waiting for one;
 - a request's head and body in one write;
 - answers parsed by ``httptools`` (Content-Length, chunked, or up to the close), streamed
   to the caller as they arrive, reading paused while the caller lags;
@@ -41,7 +42,9 @@ import httpx
 DEFAULT_LIMITS = httpx.Limits(
     max_connections=100, max_keepalive_connections=20, keepalive_expiry=4.0
 )
-#: a head larger than this is refused, as httpcore refuses it (``MAX_INCOMPLETE_EVENT_SIZE``)
+#: a head larger than this is refused, as httpcore refuses it (``MAX_INCOMPLETE_EVENT_SIZE``);
+#: so are trailers, or a chunk's size line, as long: bytes that are no body, which httptools
+#: would gather (a trailer's value) or chew through (a chunk extension) without end
 MAX_HEAD = 100 * 1024
 #: an answer's bytes held for a slow reader before reading from the socket pauses
 HELD_MAX = 256 * 1024
@@ -83,9 +86,11 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head_only = head_only
         self.status = 0
+        self.version = b"HTTP/1.1"
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_size = 0
+        self.head_size = 0  # bytes since the last of the answer's progress (head, body, end)
+        self.progress = False
         self.head_done = False
         self.framed = False  # Content-Length or chunked: the end is not the close
         self.complete = False
@@ -108,16 +113,24 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.received = True
+        self.progress = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(httpx.RemoteProtocolError("Upgrade answers are not supported."))
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"Invalid answer: {exc}"))
-        if not self.head_done and self.error is None:
+            if not self.complete:
+                self._fail(httpx.RemoteProtocolError(f"Invalid answer: {exc}"))
+            # bytes past a whole answer (more than its Content-Length): the answer
+            # stands, as httpcore gives it, and the connection is not reused
+            self.keep_alive = False
+        if self.progress or self.complete:
+            self.head_size = 0
+        elif self.error is None:
             self.head_size += len(data)
             if self.head_size > MAX_HEAD:
-                self._fail(httpx.RemoteProtocolError("The answer's head is too large."))
+                what = "trailers or a chunk's size line" if self.head_done else "head"
+                self._fail(httpx.RemoteProtocolError(f"The answer's {what} is too large."))
         if self.error is not None:
             self.close()
         self._wake()
@@ -165,7 +178,8 @@ class _Connection(asyncio.Protocol):
         if self.head_done:
             self._fail(httpx.RemoteProtocolError("More than one answer to one request."))
             return
-        self.status, self.head_done = status, True
+        self.status, self.head_done, self.progress = status, True, True
+        self.version = b"HTTP/" + self.parser.get_http_version().encode("ascii")
         self.keep_alive = self.keep and self.parser.should_keep_alive() and not self.head_only
         self.framed = status in (204, 304) or any(
             n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers
@@ -174,6 +188,7 @@ class _Connection(asyncio.Protocol):
             self.framed = self.complete = True
 
     def on_body(self, body: bytes) -> None:
+        self.progress = True
         if self.head_only:
             return
         self.chunks.append(body)
@@ -250,7 +265,7 @@ class _Connection(asyncio.Protocol):
             return
         if self.complete and self.error is None and self.keep_alive:
             self.busy = False
-            self.chunks.clear()
+            self.take()  # a whole answer left unread: reading resumes, or the next stalls
             self.pool._idle(self)
         else:
             self.close()
@@ -292,6 +307,7 @@ class _Streamed(httpx.AsyncByteStream):
 
     def __init__(self, conn: _Connection, timeout: float | None) -> None:
         self._conn, self._timeout = conn, timeout
+        self._given_back = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn = self._conn
@@ -304,10 +320,14 @@ class _Streamed(httpx.AsyncByteStream):
                 else:
                     await conn.wait(self._timeout)
         except BaseException:
-            conn.close()
+            # An iteration left part-way is closed by asyncio's finalizer, later than the
+            # answer's close: by then its connection, given back, may carry the next request.
+            if not self._given_back:
+                conn.close()
             raise
 
     async def aclose(self) -> None:
+        self._given_back = True
         self._conn.done()
 
 
@@ -334,6 +354,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle_count = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closings = 0  # aclose() calls: a request that waited across one fails
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeout = request.extensions.get("timeout", {})
@@ -389,7 +410,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         read = timeout.get("read")
         while not conn.head_done:
             await conn.wait(read)
-        extensions = {"http_version": b"HTTP/1.1", "reason_phrase": conn.reason}
+        extensions = {"http_version": conn.version, "reason_phrase": conn.reason}
         if conn.complete:  # the whole answer is here: the connection is free already
             body = conn.take()
             headers = conn.headers
@@ -418,16 +439,23 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._forget_all()  # a new event loop: the old one's connections are gone
             self._loop = loop
         deadline = None if timeout.get("pool") is None else loop.time() + timeout["pool"]
+        closings = self._closings
         while True:
             self._expire_idle()
             if not fresh and (conn := self._reuse(key)) is not None:
                 return conn, True
             if self._max is None or len(self._all) < self._max:
-                return await self._connect(request, key, timeout.get("connect")), False
+                conn = await self._connect(request, key, timeout.get("connect"))
+                if self._closings != closings:  # closed while it connected: not pooled
+                    conn.close()
+                    raise httpx.ConnectError("The client was closed.")
+                return conn, False
             if self._idle_count:
                 self._oldest_idle().close()  # room for this origin
                 continue
             await self._wait_for_room(deadline)
+            if self._closings != closings:
+                raise httpx.ConnectError("The client was closed.")
 
     def _reuse(self, key: Key) -> _Connection | None:
         idle = self._idle_by.get(key)
@@ -542,8 +570,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._waiting.clear()
 
     async def aclose(self) -> None:
+        self._closings += 1
         for conn in list(self._all):
             conn.close()
+        while self._waiting:  # those waiting for a connection fail, not connect anew
+            self._wake_one()
         self._forget_all()
         await asyncio.sleep(0)  # their sockets closed (asyncio's next pass)
 

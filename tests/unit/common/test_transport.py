@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from libs.common.client import CoreClient
-from libs.common.transport import LeanTransport
+from libs.common.transport import HELD_MAX, LeanTransport
 from tests.support.tls import loopback_cert
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -305,6 +305,142 @@ def test_follow_log_streams_pieces_and_leaves_at_the_end(serve: Any) -> None:
     assert saw_close.wait(WAIT_S)
 
 
+def test_a_follow_left_at_its_end_leaves_the_next_request_its_connection(serve: Any) -> None:
+    """``follow_log``'s shape: lines read from a stream inside a generator that returns at
+    the end event. The stream's iteration is closed by asyncio's finalizer after the
+    answer was given back, and must not close the connection the next POST now uses."""
+
+    def follow_then_answer(conn: Conn) -> None:
+        conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        time.sleep(0.1)  # the body after the head: the answer is streamed
+        body = b"event: log\ndata: 1\n\nevent: end\ndata: 2\n\n"
+        conn.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        while conn.request() is not None:
+            time.sleep(0.2)  # the finalizer runs while the POST waits
+            conn.send(OK)
+
+    server = serve(follow_then_answer)
+
+    async def calls() -> tuple[list[str], str]:
+        async with client(server) as http:
+
+            async def follow() -> AsyncIterator[str]:
+                async with http.stream("GET", "/follow") as answer:
+                    async for line in answer.aiter_lines():
+                        yield line
+                        if line == "data: 2":
+                            return
+
+            lines = [line async for line in follow()]
+            return lines, (await http.post("/", content=b"{}")).text
+
+    lines, text = asyncio.run(calls())
+    assert lines[-1] == "data: 2" and text == "ok"
+    assert server.connections == 1
+
+
+def test_a_whole_answer_left_unread_gives_back_a_connection_that_reads(serve: Any) -> None:
+    """An answer past the held bound pauses reading; left unread once whole, its
+    connection goes back to the pool reading again, or the next answer never arrives.
+    (Its last byte is the one past the bound: reading pauses as it ends.)"""
+    size = HELD_MAX + 1
+
+    def large_then_ok(conn: Conn) -> None:
+        if conn.number == 1:
+            conn.request()
+            conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+            time.sleep(0.1)  # the body after the head: the answer is streamed
+            conn.send(b"x" * size)
+        keep_alive(conn)
+
+    server = serve(large_then_ok)
+
+    async def calls() -> str:
+        async with client(server, timeout=httpx.Timeout(2.0)) as http:
+            async with http.stream("GET", "/large"):
+                (conn,) = http._transport._all  # type: ignore[attr-defined]
+                for _ in range(100):
+                    if conn.complete:
+                        break
+                    await asyncio.sleep(0.05)
+                assert conn._paused
+            return (await http.get("/")).text
+
+    assert asyncio.run(calls()) == "ok"
+    assert server.connections == 1
+
+
+def test_requests_waiting_for_a_connection_fail_when_the_client_closes(serve: Any) -> None:
+    """Closed with one request in flight and one waiting for the only connection: both
+    fail, and the waiting one does not open a connection of its own afterwards."""
+    asked, release = threading.Event(), threading.Event()
+
+    def unanswered(conn: Conn) -> None:
+        conn.request()
+        asked.set()
+        release.wait(WAIT_S)
+
+    server = serve(unanswered)
+
+    async def calls() -> list[str]:
+        http = client(server, limits=httpx.Limits(max_connections=1), timeout=None)
+        requests = [asyncio.create_task(http.get("/")) for _ in range(2)]
+        await asyncio.to_thread(asked.wait, WAIT_S)  # one sent, the other waiting
+        await http.aclose()
+        done, pending = await asyncio.wait(requests, timeout=WAIT_S)
+        for task in pending:
+            task.cancel()
+        assert not http._transport._all  # type: ignore[attr-defined]
+        return sorted(type(task.exception()).__name__ for task in done)
+
+    try:
+        assert asyncio.run(calls()) == ["ConnectError", "RemoteProtocolError"]
+    finally:
+        release.set()
+    assert server.connections == 1
+
+
+def test_bytes_past_the_content_length_leave_the_answer_and_drop_the_connection(
+    serve: Any,
+) -> None:
+    """A server that sends more than its Content-Length: the answer is what the length
+    says (as httpcore gives it), and the connection is not reused."""
+
+    def too_long(conn: Conn) -> None:
+        conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSMUGGLED")
+        keep_alive(conn)
+
+    server = serve(too_long)
+
+    async def calls() -> list[str]:
+        async with client(server) as http:
+            return [(await http.get("/")).text, (await http.get("/")).text]
+
+    assert asyncio.run(calls()) == ["ok", "ok"]
+    assert server.connections == 2
+
+
+def test_the_http_version_and_repeated_headers_are_the_servers(serve: Any) -> None:
+    def http10(conn: Conn) -> None:
+        conn.request()
+        conn.send(
+            b"HTTP/1.0 200 OK\r\nset-cookie: a=1\r\nset-cookie: b=2\r\ncontent-length: 2\r\n\r\nok"
+        )
+
+    server = serve(http10)
+
+    async def call() -> httpx.Response:
+        async with client(server) as http:
+            return await http.get("/")
+
+    answer = asyncio.run(call())
+    assert answer.http_version == "HTTP/1.0"
+    assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
+    assert answer.request.url == httpx.URL(server.url + "/")
+
+
 def test_a_cancelled_request_discards_its_connection(serve: Any) -> None:
     """The first request is never answered and is cancelled: its connection is closed at
     once (the second connection answers only once the first is closed)."""
@@ -340,6 +476,36 @@ def test_a_head_past_its_bound_is_refused(serve: Any) -> None:
         conn.closed_by_peer()
 
     server = serve(large)
+
+    async def call() -> None:
+        async with client(server) as http:
+            await http.get("/")
+
+    with pytest.raises(httpx.RemoteProtocolError, match="too large"):
+        asyncio.run(call())
+
+
+@pytest.mark.parametrize(
+    "after_body",
+    [b"0\r\nx-trailer: ", b"2;ext="],  # a trailer's value; a chunk's size line
+    ids=["trailer", "chunk-extension"],
+)
+def test_bytes_after_the_head_that_are_no_body_are_bounded_too(
+    serve: Any, after_body: bytes
+) -> None:
+    """A hostile server that sends, after a body's first chunk, a trailer or a chunk
+    extension without end: refused past the head's bound, not gathered."""
+
+    def endless(conn: Conn) -> None:
+        conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+        conn.send(after_body)
+        for _ in range(40):
+            conn.send(b"a" * 50_000)
+            time.sleep(0.005)
+        conn.closed_by_peer()
+
+    server = serve(endless)
 
     async def call() -> None:
         async with client(server) as http:
