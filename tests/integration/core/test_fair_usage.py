@@ -18,7 +18,10 @@ from tests.support import Core, shell_spec, spawn_worker, spec, stop_process, wa
 
 DB = psycopg.Connection[tuple[Any, ...]]
 HALF_LIFE_S = 1.0
-UNIT_CPU_S = 0.02
+# A fine step, so the burn pushes hog about 2,000 steps back: under a loaded machine
+# several seconds may pass between the burn's end and the next submissions, each halving
+# it, and it must still be more than lamb's three steps then.
+UNIT_CPU_S = 0.001
 # Tasks that reserve next to nothing (their own use barely moves the scales).
 TASK = {"resources": {"cpu": 0.001, "memory_mb": 64}}
 # What the heavy owner ran first: half a second of CPU, a second held of 2 cores.
@@ -126,7 +129,7 @@ def test_recent_usage_is_served_last_and_decays_back_to_turns(
         assert _both(core, db) == ["lamb"] * 3 + ["hog"] * 3
 
         # Decayed to under half a step each: the stamps decide again, one for one.
-        wait_for(lambda: max(_pushed_back(db, o) for o in ("hog", "lamb")) < 0.4, timeout=20)
+        wait_for(lambda: max(_pushed_back(db, o) for o in ("hog", "lamb")) < 0.4, timeout=40)
         # (Within a turn, which of the two goes first is the last tenths of a step.)
         order = _both(core, db)
         assert [sorted(order[i : i + 2]) for i in (0, 2, 4)] == [["hog", "lamb"]] * 3, order
@@ -138,7 +141,7 @@ def test_a_queues_policy_chooses_its_fair_share_and_a_wrong_one_is_a_422(
     core: Core, db: DB
 ) -> None:
     """Core weighs usage; queue ``batch`` says ``tasks``: hog's 6 core-seconds push its
-    work up to 300 steps back in ``default`` and not at all in ``batch``."""
+    work up to 6,000 steps back in ``default`` and not at all in ``batch``."""
     with core.client("root", "admin") as root:
         answer = root.put("/v1/queues/batch/policy", json={"fair_share": "tasks"})
         assert answer.status_code == 200, answer.text
