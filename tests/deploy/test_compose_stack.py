@@ -196,10 +196,16 @@ def submit_chaos_batch(core: httpx.Client) -> dict[str, Any]:
 
 
 def cron_status(stack: Stack, port: str) -> dict[str, Any]:
+    """The replica's status; not leading while it cannot answer, or answers 503 (while a
+    core is being killed, the token check it asks of core may meet that core's reset
+    connection: "try again")."""
     try:
-        status: dict[str, Any] = ok(stack.client(port).get("/v1/cron/status"))
+        response = stack.client(port).get("/v1/cron/status")
     except httpx.TransportError:
         return {"leader": False}
+    if response.status_code == 503:
+        return {"leader": False}
+    status: dict[str, Any] = ok(response)
     return status
 
 
