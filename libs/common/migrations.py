@@ -31,6 +31,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from libs.common import locks
+from libs.common.database import keepalive
 from libs.common.settings import MigrationSettings, libpq_url
 
 log = logging.getLogger("cairn.migrations")
@@ -203,8 +204,11 @@ def run_online(schema: str, metadata: MetaData) -> None:
     timeout_s = _attribute("lock_timeout_s")
     # No pool: closing the connection ends its session, so a migration that fails still
     # lets the lock go (a pooled connection kept it, and the next upgrade in this process
-    # waited on it for ever).
-    engine = create_engine(url, poolclass=NullPool)
+    # waited on it for ever). Keepalives on both ends, as a leader's lock session: a run
+    # cut off without a word (its host lost power) holds the lock, and every other
+    # replica's start behind it, only seconds, not the kernel's two hours
+    # (client_connection_check_interval sees only a FIN).
+    engine = create_engine(url, poolclass=NullPool, connect_args=keepalive(url))
     with engine.connect() as connection:
         # The advisory lock waits as long as another replica's run takes; only then the
         # session's statements get their bound.

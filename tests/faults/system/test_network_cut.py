@@ -3,7 +3,9 @@ FIN, no RST ever reaches the server): nftables drops every packet of the leader'
 session on loopback. The server must end that session by itself and free the advisory
 lock, or no other replica could lead (cron firing nothing, workflows standing still)
 until the kernel's two-hour keepalive; the cut-off leader must notice too and stop
-leading. Both happen within seconds (``libs/common/database.keepalive``).
+leading. Both happen within seconds (``libs/common/database.keepalive``). The same for a
+migrating replica cut off while its index build waits: its session holds the migrations'
+advisory lock, behind which every other replica's start waits.
 
 Confined to this test: an nftables table of its own (named by its pid), matching only
 the lock session's own port, deleted afterwards."""
@@ -15,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -22,7 +25,10 @@ import psycopg
 import pytest
 
 from libs.common.leader import Elector, LeadershipLost
+from libs.common.locks import MIGRATIONS
+from libs.common.settings import libpq_url
 from services.dag.engine import _LEADER_KEY as DAG_KEY
+from tests.support.migration_locks import ROOT, SCHEMAS, migration_env, reaped, wait_for, waiting_on
 
 pytestmark = [
     pytest.mark.slow,
@@ -77,3 +83,62 @@ def test_a_leader_cut_off_without_a_word_frees_the_lead_within_seconds(db_url: s
         assert took < BOUND_S
 
     asyncio.run(scenario())
+
+
+def test_a_migration_cut_off_without_a_word_frees_the_migration_lock_within_seconds(
+    db_url: str,
+) -> None:
+    """A migrating replica cut off while its index build waits for a report (its host
+    lost power: no FIN ever reaches the server). Its session holds the migrations'
+    advisory lock, behind which every other replica's migrations (and so its start)
+    wait: the server must end it within seconds, as a leader's, not at the kernel's
+    two-hour keepalive (``client_connection_check_interval`` alone sees only a FIN)."""
+    table = f"cairn_migration_cut_{os.getpid()}"
+    SCHEMAS["core"].back(db_url)  # the next migration builds indexes concurrently
+    with (
+        psycopg.connect(libpq_url(db_url), application_name="report") as report,
+        psycopg.connect(libpq_url(db_url), autocommit=True) as watch,
+    ):
+        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT count(*) FROM core.workers")
+        blocker = report.info.backend_pid
+        run = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from services.core import migrate;"
+             " migrate.upgrade(sys.argv[1])", db_url],
+            env=migration_env(attempts=1, backoff_s=0.05),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        with reaped(run):  # type: ignore[arg-type]
+            wait_for(lambda: waiting_on(watch, blocker), "the build waited for the report")
+            [(session, port)] = watch.execute(
+                "SELECT pid, client_port FROM pg_stat_activity"
+                " WHERE %s = ANY(pg_blocking_pids(pid))",
+                (blocker,),
+            ).fetchall()
+            _nft("add", "table", "inet", table)
+            try:
+                _nft(
+                    "add", "chain", "inet", table, "out",
+                    "{ type filter hook output priority 0 ; policy accept ; }",
+                )  # fmt: skip
+                _nft("add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop")
+                _nft("add", "rule", "inet", table, "out", "tcp", "dport", str(port), "drop")
+                run.kill()  # its FIN, like all else on that connection, never arrives
+                run.wait()
+                alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+                wait_for(
+                    lambda: watch.execute(alive, (session,)).fetchone() == (0,),
+                    "the cut-off run's session ended",
+                    timeout_s=BOUND_S,
+                )
+            finally:
+                _nft("delete", "table", "inet", table)
+        # The lock went with it: the next run takes it at once.
+        held = watch.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objid = %s",
+            (MIGRATIONS & 0xFFFF_FFFF,),
+        ).fetchone()
+        assert held == (0,)
+        report.rollback()
