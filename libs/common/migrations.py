@@ -148,7 +148,9 @@ class _Watch(threading.Thread):
 
     def run(self) -> None:
         try:
-            with psycopg.connect(self.url, autocommit=True) as conn:
+            # Keepalives as the session's (``run_online``): a server that vanished fails
+            # this poll within seconds, and the run's wait for this thread with it.
+            with psycopg.connect(self.url, autocommit=True, **keepalive(self.url)) as conn:
                 while not self.done.wait(self.every_s):
                     for row in conn.execute(
                         "SELECT pid, coalesce(application_name, ''), coalesce(state, ''),"

@@ -13,12 +13,14 @@ the lock session's own port, deleted afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -141,4 +143,68 @@ def test_a_migration_cut_off_without_a_word_frees_the_migration_lock_within_seco
             (MIGRATIONS & 0xFFFF_FFFF,),
         ).fetchone()
         assert held == (0,)
+        report.rollback()
+
+
+def _tcp_ports(pid: int) -> set[int]:
+    """The local ports of the TCP connections process ``pid`` holds (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_migration_whose_server_vanishes_gives_up_within_seconds(db_url: str) -> None:
+    """The server vanishes without a word (a failover, its host lost power) while a run's
+    index build waits: every packet of the run's connections (its session's and its
+    blockers' watch) is dropped from then on. The run gives up within seconds, its
+    process exits and the deploy's restart can try the new server, instead of waiting
+    on those connections for ever (its session's) or for the kernel's 15 minutes of
+    retransmissions (the watch's query)."""
+    table = f"cairn_migration_vanish_{os.getpid()}"
+    SCHEMAS["core"].back(db_url)
+    with (
+        psycopg.connect(libpq_url(db_url), application_name="report") as report,
+        psycopg.connect(libpq_url(db_url), autocommit=True) as watch,
+    ):
+        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT count(*) FROM core.workers")
+        run = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from services.core import migrate;"
+             " migrate.upgrade(sys.argv[1])", db_url],
+            env=migration_env(attempts=1, backoff_s=0.05),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        with reaped(run):
+            wait_for(lambda: waiting_on(watch, report.info.backend_pid), "the build waited")
+            ports = _tcp_ports(run.pid)
+            assert len(ports) == 2  # the session and the watch
+            _nft("add", "table", "inet", table)
+            try:
+                _nft(
+                    "add", "chain", "inet", table, "out",
+                    "{ type filter hook output priority 0 ; policy accept ; }",
+                )  # fmt: skip
+                for port in ports:
+                    _nft("add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop")
+                    _nft("add", "rule", "inet", table, "out", "tcp", "dport", str(port), "drop")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    run.wait(timeout=BOUND_S)
+                assert run.returncode is not None, "the run still waits on a vanished server"
+                _, err = run.communicate()
+                assert run.returncode != 0, err
+            finally:
+                _nft("delete", "table", "inet", table)
         report.rollback()
