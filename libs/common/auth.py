@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated
@@ -84,18 +85,19 @@ class RemoteAuth:
 
     def __init__(
         self,
-        core_url: str,
+        cores: str | Sequence[str],
         ttl_s: float = 30.0,
         size: int = 10_000,
         transport: httpx.AsyncBaseTransport | None = None,
         timeout_s: float = 5.0,
     ) -> None:
-        self.core_url = core_url
         self.ttl_s = ttl_s
         self.size = size
-        # ``timeout_s``: how long one check waits for core's answer (then a 503)
+        # ``timeout_s``: how long one check waits for a core's answer (then the next
+        # core's, then a 503); a core that cannot be reached or answers 5xx passes the
+        # check to the next of ``cores`` (``ApiClient``), a 401 is final
         timeout = httpx.Timeout(timeout_s, connect=min(2.0, timeout_s))
-        self._core = CoreClient(core_url, None, transport=transport, timeout=timeout)
+        self._core = CoreClient(cores, None, transport=transport, timeout=timeout)
         self._entries: dict[str, tuple[float, Caller]] = {}
         # The calls under way, one per token; past ``size`` of them a resolve asks alone.
         self._asking: dict[str, asyncio.Task[Caller]] = {}

@@ -102,7 +102,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.states import TaskState
-from libs.common.transport import LeanTransport, proxy_applies
+from libs.common.transport import SAFE, LeanTransport, proxy_applies
 
 DEFAULT_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 _JSON = {"Content-Type": "application/json"}
@@ -131,6 +131,25 @@ def raise_for_problem(response: httpx.Response) -> None:
 
 
 log = logging.getLogger("cairn.client")
+#: the transport errors after which nothing of the request can have reached the server
+_NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def _http_client(
+    base_url: str,
+    headers: dict[str, str],
+    timeout: httpx.Timeout,
+    transport: httpx.AsyncBaseTransport | None,
+) -> httpx.AsyncClient:
+    if transport is None and not proxy_applies(base_url):
+        # httpx's client on a lean transport of ours (``libs/common/transport.py``);
+        # through a proxy the environment names, httpx's own
+        transport = LeanTransport()
+    return httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=timeout, transport=transport
+    )
+
+
 # Deprecated calls are warned of once per client each; a bound, as paths carry ids.
 WARNED_MAX = 64
 
@@ -138,25 +157,32 @@ WARNED_MAX = 64
 class ApiClient:
     """An async client of one Cairn service's API. Pass ``transport`` to test without a
     server. A call that answers with ``Deprecation`` is logged as a warning, once, with
-    its ``Sunset`` (docs/api.md)."""
+    its ``Sunset`` (docs/api.md).
+
+    ``base_url`` may name several replicas of the service: a call goes to the one that
+    answered last, and passes to the next when that one cannot be reached (its connection
+    refused), or, for a safe method (GET), fails before its answer is whole or answers
+    5xx; any other answer is final. The last replica's error is the call's."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         token: str | None,
         *,
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        bases = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not bases:
+            raise ValueError("no base URL")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if transport is None and not proxy_applies(base_url):
-            # httpx's client on a lean transport of ours (``libs/common/transport.py``);
-            # through a proxy the environment names, httpx's own
-            transport = LeanTransport()
-        self._http = httpx.AsyncClient(
-            base_url=base_url, headers=headers, timeout=timeout, transport=transport
-        )
+        self._clients = [_http_client(base, headers, timeout, transport) for base in bases]
+        self._at = 0  # the replica that answered last
         self._warned: set[str] = set()
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        return self._clients[self._at]
 
     async def __aenter__(self) -> Self:
         return self
@@ -170,22 +196,41 @@ class ApiClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return all(client.is_closed for client in self._clients)
 
     async def _call(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         if tracing.enabled():
             kwargs["headers"] = tracing.inject(dict(kwargs.get("headers") or {}))
-        response = await self._http.request(method, path, **kwargs)
+        response = await self._request(method, path, **kwargs)
         if "deprecation" in response.headers:
             self._deprecated(f"{method} {response.request.url.path}", response)
         raise_for_problem(response)
         return response
+
+    async def _request(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+        count, start = len(self._clients), self._at  # another call may move ``_at``
+        for step in range(count):
+            at = (start + step) % count
+            last = step == count - 1
+            try:
+                response = await self._clients[at].request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if last or not (method in SAFE or isinstance(exc, _NOTHING_SENT)):
+                    raise
+                log.info("%s %s: %r; asking the next replica", method, path, exc)
+                continue
+            if last or response.status_code < 500 or method not in SAFE:
+                self._at = at
+                return response
+            log.info("%s %s: %s; asking the next replica", method, path, response.status_code)
+        raise AssertionError("unreachable")
 
     def _deprecated(self, call: str, response: httpx.Response) -> None:
         if call in self._warned or len(self._warned) >= WARNED_MAX:
@@ -367,7 +412,8 @@ class CoreClient(ApiClient):
 
     def use_lease(self, lease: str) -> None:
         """Act for the worker whose lease secret this is."""
-        self._http.headers[WORKER_LEASE_HEADER] = lease
+        for client in self._clients:
+            client.headers[WORKER_LEASE_HEADER] = lease
 
     async def heartbeat(
         self,

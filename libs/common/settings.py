@@ -150,6 +150,10 @@ class CairnSettings(WorkerOfferSettings):
     # statements); unset, it does when a direct URL other than database_url is given.
     database_pooler: Literal["transaction", "none"] | None = None
     url: str = "http://127.0.0.1:8400"
+    # Core's replicas, comma-separated, for the cron and DAG services' calls and token
+    # checks: one that cannot be reached passes a call to the next (``ApiClient``);
+    # unset, ``url`` alone.
+    core_urls: str = ""
     token: str | None = None
     bind_host: str = "127.0.0.1"
     core_port: int = Field(default=8400, ge=1, le=65535)
@@ -216,6 +220,11 @@ class CairnSettings(WorkerOfferSettings):
         """Where sessions go that must stay one server session (LISTEN, session advisory
         locks, migrations): ``CAIRN_DATABASE_DIRECT_URL``, else ``url`` (the pools')."""
         return self.database_direct_url or url
+
+    @property
+    def cores(self) -> list[str]:
+        """Where cron and dag reach core: ``CAIRN_CORE_URLS``, else ``CAIRN_URL``."""
+        return parse_list(self.core_urls) or [self.url]
 
     @property
     def labels(self) -> dict[str, str]:

@@ -34,7 +34,7 @@ def create_app(
         db = database.pool(
             database_url, settings, pool_size=settings.db_pool_size, max_overflow=0, pool_timeout=10
         )
-        core = CoreClient(settings.url, settings.token)
+        core = CoreClient(settings.cores, settings.token)
         dag = DagClient(settings.dag_url, settings.token)
         sender = Sender(core, settings.cron_submit_chunk, dag)
         if clock is None and settings.cron_clock_warp:
@@ -53,7 +53,7 @@ def create_app(
         app.state.cron = cron
         app.state.metrics = cron.metrics.metrics
         auth = app.state.auth = RemoteAuth(
-            settings.url,
+            settings.cores,
             settings.token_cache_s,
             timeout_s=settings.token_check_timeout_s,
         )

@@ -34,7 +34,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         app.state.loop = loop
         app.state.metrics = loop.metrics.metrics
         auth = app.state.auth = RemoteAuth(
-            settings.url,
+            settings.cores,
             ttl_s=settings.token_cache_s,
             timeout_s=settings.token_check_timeout_s,
         )

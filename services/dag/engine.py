@@ -252,7 +252,7 @@ class Engine:
         self.lease: Lease | None = None
         self.settings = settings
         self.graphs = graphs
-        self.core = CoreClient(settings.url, settings.token)
+        self.core = CoreClient(settings.cores, settings.token)
         self._wake = asyncio.Event()
         self._cursor: str | None = None
         self._full_page = False

@@ -232,3 +232,22 @@ def test_refused_report_fields_are_tried_again_after_a_while(
     _run(calls())
     sent = [json.loads(call.request.content)["reports"][0].get("log_bytes") for call in route.calls]
     assert sent == [10, None, None, 10, 10]
+
+
+@respx.mock
+def test_a_post_passes_to_the_next_core_only_when_nothing_of_it_was_sent() -> None:
+    other = "http://core-2.test"
+    respx.post(f"{BASE}/v1/tasks/1/cancel").mock(side_effect=httpx.ConnectError("refused"))
+    respx.post(f"{BASE}/v1/tasks/2/cancel").mock(side_effect=httpx.ReadError("reset"))
+    respx.post(f"{other}/v1/tasks/1/cancel").mock(return_value=httpx.Response(204))
+    second = respx.post(f"{other}/v1/tasks/2/cancel").mock(return_value=httpx.Response(204))
+
+    async def both() -> None:
+        async with CoreClient([BASE, other], "t") as core:
+            await core._call("POST", "/v1/tasks/1/cancel")
+            core._at = 0
+            with pytest.raises(httpx.ReadError):
+                await core._call("POST", "/v1/tasks/2/cancel")
+
+    _run(both())
+    assert second.call_count == 0

@@ -285,3 +285,26 @@ def test_a_check_waits_its_timeout_for_core(timeout_s: float, resolved: bool) ->
     else:
         with pytest.raises(Unavailable, match="ReadTimeout"):
             asyncio.run(check())
+
+
+OTHER = "http://core-2.test"
+ALICE = httpx.Response(200, json={"name": "alice", "role": "user"})
+
+
+@respx.mock
+def test_a_core_that_answers_5xx_passes_the_check_to_the_next() -> None:
+    failing = respx.get(f"{CORE}/v1/whoami").mock(return_value=httpx.Response(502))
+    respx.get(f"{OTHER}/v1/whoami").mock(return_value=ALICE)
+    caller = asyncio.run(RemoteAuth([CORE, OTHER], ttl_s=0).resolve("t"))
+    assert caller.name == "alice"
+    assert failing.call_count == 1
+
+
+@respx.mock
+def test_a_401_from_a_core_that_answered_is_final() -> None:
+    revoked = {"type": "https://cairn.dev/problems/unauthorized", "detail": "revoked"}
+    respx.get(f"{CORE}/v1/whoami").mock(return_value=httpx.Response(401, json=revoked))
+    other = respx.get(f"{OTHER}/v1/whoami").mock(return_value=ALICE)
+    with pytest.raises(Unauthorized):
+        asyncio.run(RemoteAuth([CORE, OTHER]).resolve("t"))
+    assert other.call_count == 0
