@@ -131,7 +131,11 @@ app.add_typer(services_cli.app, name="service")
 @app.command()
 def migrate(ctx: typer.Context) -> None:
     """Migrate every service's schema to its newest version."""
+    from libs.common import logs
+
     settings = _settings(ctx)
+    # what the migrations say as they go (each step; whom an index build waits for)
+    logs.setup("migrate", settings.log_level)
     system.prepare_home(settings)
     url, started = system.database(settings)
     try:

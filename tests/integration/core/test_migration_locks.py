@@ -9,6 +9,7 @@ good, and neither outlive a killed run nor deadlock with a second one. Each run 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -293,3 +294,15 @@ def test_a_second_run_waits_its_turn_without_deadlocking_the_first(
     assert second.returncode == 0, log.read_text()
     with psycopg.connect(url, autocommit=True) as watch:
         assert CORE.version(watch) == [(HEAD,)]
+
+
+def test_cairn_migrate_logs_its_steps_on_stderr_as_the_services_do(
+    before: str, tmp_path: Path
+) -> None:
+    run = _migrate(before, attempts=1, backoff_s=0.05, cli=tmp_path)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    steps = [line for line in lines if line["logger"] == "alembic.runtime.migration"]
+    assert {(s["level"], s["service"]) for s in steps} == {("info", "migrate")}
+    assert any(f"Running upgrade {BEFORE} -> 0034_task_indexes" in s["message"] for s in steps)
