@@ -47,6 +47,10 @@ _MAX_BLOCKERS = 20
 #: how often a concurrent build logs again a transaction it still waits for
 _TELL_EVERY_S = 30.0
 _CLIENT_CHECK = "1s"
+#: SQLSTATE of a setting's value refused (a client check where the platform has none)
+_INVALID_PARAMETER_VALUE = "22023"
+#: set once the refusal of the client check was logged: once a process
+_told_no_client_check = threading.Event()
 _TURN_POLL_S = 0.2
 
 
@@ -275,8 +279,23 @@ def _end_with_client(connection: Connection) -> None:
     known = connection.execute(
         text("SELECT current_setting('client_connection_check_interval', true)")
     ).scalar()
-    if known is not None:
-        connection.execute(text(f"SET client_connection_check_interval = '{_CLIENT_CHECK}'"))
+    if known is None:
+        return
+    try:
+        with connection.begin_nested():  # a refusal rolls back this alone
+            connection.execute(text(f"SET client_connection_check_interval = '{_CLIENT_CHECK}'"))
+    except DBAPIError as error:
+        # PostgreSQL without POLLRDHUP (macOS, Windows) refuses any value but 0
+        if getattr(error.orig, "sqlstate", None) != _INVALID_PARAMETER_VALUE:
+            raise
+        if not _told_no_client_check.is_set():
+            _told_no_client_check.set()
+            log.info(
+                "client_connection_check_interval refused (%s): the migrations' check that"
+                " their client is still there is off, so a run killed while an index build"
+                " waits leaves its session waiting up to CAIRN_MIGRATION_INDEX_WAIT_S",
+                str(error.orig).strip().replace("\n", " "),
+            )
 
 
 def create_index_concurrently(schema: str, name: str, statement: str) -> None:

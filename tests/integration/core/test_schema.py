@@ -3,6 +3,8 @@ a downgrade."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +16,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import MetaData, create_engine
 
+from libs.common import migrations
 from libs.common.migrations import alembic_config
 from libs.common.schema import Domain
 from libs.common.settings import libpq_url
@@ -92,6 +95,25 @@ def test_downgrade_then_upgrade_round_trips(
     assert left == [("alembic_version",)]
     migrate.upgrade(db_url)
     assert _diff(db_url, schema, metadata) == []
+
+
+def test_a_server_that_refuses_the_client_check_still_migrates(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    command.downgrade(alembic_config(cron_migrate.MIGRATIONS, db_url), "cron_0003_teams")
+    # PostgreSQL without POLLRDHUP (macOS, Windows) refuses any client check but 0 with
+    # SQLSTATE 22023 (invalid_parameter_value); here a value out of range gets the same
+    monkeypatch.setattr(migrations, "_CLIENT_CHECK", "-1")
+    monkeypatch.setattr(migrations, "_told_no_client_check", threading.Event(), raising=False)
+    with caplog.at_level(logging.INFO, logger="cairn.migrations"):
+        cron_migrate.upgrade(db_url)
+        core_migrate.upgrade(db_url)
+    with psycopg.connect(libpq_url(db_url)) as conn:
+        found = conn.execute("SELECT version_num FROM cron.alembic_version").fetchall()
+    assert found == [("cron_0004_changed_by",)]
+    told = [r.getMessage() for r in caplog.records if "check_interval refused" in r.getMessage()]
+    assert len(told) == 1, told  # once a process
+    assert "outside the valid range" in told[0]
 
 
 #: the revision of 0033_hot_states and the one before it
