@@ -31,6 +31,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support.procs import children
 from tests.support.tls import loopback_cert
 
 pytestmark = [
@@ -381,17 +382,7 @@ def test_a_worker_outside_the_allow_list_refuses_the_artifact(core, agents, tmp_
 
 def _spawn_helpers(agent_pid: int) -> list[int]:
     """The agent's resident spawn helpers (``cairn-spawn``), by their parent and name."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if f"PPid:\t{agent_pid}\n" in status and b"cairn-spawn" in cmdline:
-                found.append(int(entry.name))
-    return found
+    return [proc.pid for proc in children(agent_pid) if b"cairn-spawn" in proc.cmdline]
 
 
 def test_the_fast_path_reuses_a_cgroup_without_leaking_the_last_attempt(core, agents, tmp_path):

@@ -26,7 +26,7 @@ from services.worker.settings import WorkerSettings
 from tests.integration.core.test_dispatch import Agent as Registered
 from tests.integration.core.test_dispatch import _close_agents  # noqa: F401 - closes them
 from tests.support import Core, isolation_env, shell_spec
-from tests.unit.worker.test_spawn_cancel import _of_uid
+from tests.support.procs import of_uid
 from tests.unit.worker.test_spawn_serving import _turns
 
 pytestmark = [
@@ -116,7 +116,7 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                 done, _ = await asyncio.wait(releasing, timeout=10)
                 assert done == releasing
                 await _turns(2)
-                assert agent._room()[2] == 1 and _of_uid(uid) == []
+                assert agent._room()[2] == 1 and of_uid(uid) == []
                 board = agent.board.read()
                 assert not board["uids"] and not board["cgroups"], board
         finally:

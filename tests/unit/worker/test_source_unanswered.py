@@ -26,6 +26,7 @@ from services.worker import artifacts, spawner
 from services.worker.artifacts import ArtifactCache, ArtifactError, Sealed, in_open_thread
 from services.worker.isolation import Identity
 from tests.support.fuse import unanswered_fuse, unread_fuse
+from tests.support.procs import child_states
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="root mounts FUSE itself"
@@ -53,21 +54,6 @@ def _check(source: Path, healthy: bool = False) -> spawner.Launch:
         source_types=artifacts.LOCAL_FS_TYPES,
         source_timeout_s=LIMIT_S,
     )
-
-
-def _children(pid: int) -> list[str]:
-    """The states of ``pid``'s children (``R``, ``D``, ``Z``...)."""
-    states = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rpartition(")")[2].split()
-            if int(fields[1]) == pid:
-                states.append(fields[0])
-    return states
 
 
 def _binary(root: Path) -> Path:
@@ -130,7 +116,9 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
             # Its resident checker answers the first check, outside any start.
             took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
             # (sleeping in its recv, or about to: running)
-            assert status == 0 and _children(helper.pid) in (["S"], ["R"]), _children(helper.pid)
+            assert status == 0 and child_states(helper.pid) in (["S"], ["R"]), child_states(
+                helper.pid
+            )
             with unanswered_fuse(tmp_path / "jammed") as mount:
                 source = mount / "bin" / "task"
                 took, failed = await spawn(helper, _check(source))
@@ -142,26 +130,26 @@ def test_a_source_that_never_answers_fails_its_start_and_jams_nothing(root: Path
                 took, busy = await spawn(helper, _check(source))
                 assert isinstance(busy, spawner.SpawnFailed), busy
                 assert busy.errno == spawner.SOURCE_BUSY and took < LIMIT_S, took
-                assert "D" in _children(helper.pid) and helper.hung_checkers == 1
+                assert "D" in child_states(helper.pid) and helper.hung_checkers == 1
                 # The helper is not jammed: another attempt starts and ends.
                 took, status = await spawn(helper, spawner.Launch("/bin/true", ["true"], {}, "/"))
                 assert status == 0 and took < 5, (took, status)
             # The mount gone, its checker ends (a zombie once its exit is done: until then
             # a request finds it still running); the next request reaps it.
             deadline = time.monotonic() + 10
-            while set(_children(helper.pid)) - {"Z"} and time.monotonic() < deadline:
+            while set(child_states(helper.pid)) - {"Z"} and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             # Its last reply still counts it; asked again (as the agent's pulse asks a
             # helper whose checkers hang), it is reaped and counted out, nothing started.
             assert helper.hung_checkers == 1
             await spawner.recount_hung()
-            assert helper.hung_checkers == 0 and _children(helper.pid) == []
+            assert helper.hung_checkers == 0 and child_states(helper.pid) == []
             # Its resident checker hung, and is gone: the next check makes a new one (a
             # helper that joined no cgroup v1 slot), which stays for the checks after it.
             for _ in range(2):
                 took, status = await spawn(helper, _check(Path("/bin/true"), healthy=True))
                 assert status == 0 and helper.hung_checkers == 0
-                assert _children(helper.pid) in (["S"], ["R"]), _children(helper.pid)
+                assert child_states(helper.pid) in (["S"], ["R"]), child_states(helper.pid)
         finally:
             helper.close()
 
@@ -190,7 +178,7 @@ def test_a_full_table_of_hung_checkers_blames_no_source(root: Path) -> None:
                 for n in range(8):  # MAX_STUCK in spawn.c
                     failed = await spawn(helper, _check(mount / f"d{n}" / "task"))
                     assert failed == (spawner.SOURCE_STEP, errno.ETIMEDOUT), (n, failed)
-                assert _children(helper.pid).count("D") == 8, _children(helper.pid)
+                assert child_states(helper.pid).count("D") == 8, child_states(helper.pid)
                 # Its replies say so: the agent's gauge (``spawner.hung_checkers``).
                 assert helper.hung_checkers == 8 and spawner.hung_checkers() >= 8
                 same = await spawn(helper, _check(mount / "d0" / "task"))

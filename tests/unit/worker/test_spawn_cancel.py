@@ -17,28 +17,14 @@ import pytest
 
 from services.worker import spawner
 from services.worker.artifacts import ArtifactCache
-from tests.unit.worker.test_source_unanswered import _binary, _children, _log
+from tests.support.procs import child_states, of_uid
+from tests.unit.worker.test_source_unanswered import _binary, _log
 from tests.unit.worker.test_spawn_path import _assignment, _attempt, _gone, _host
 from tests.unit.worker.test_spawn_serving import _turns, _unread
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="attempts run as uids of their own")
 
 UID = 29996
-
-
-def _of_uid(uid: int) -> list[int]:
-    """The processes running as ``uid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            line = next(x for x in status.splitlines() if x.startswith("Uid:"))
-            if int(line.split()[1]) == uid:
-                found.append(int(entry.name))
-    return found
 
 
 def _fds() -> set[str]:
@@ -61,7 +47,7 @@ def test_a_start_whose_caller_stopped_waiting_is_killed_and_its_end_awaited(
     async def scenario() -> None:
         helper = spawner.Helper(binary)
         await helper.ready()
-        before, resident = _fds(), len(_children(helper.pid))  # its source checker
+        before, resident = _fds(), len(child_states(helper.pid))  # its source checker
         ends: list[asyncio.Future[None]] = []
         log = _log(root / "log")
         try:
@@ -88,7 +74,7 @@ def test_a_start_whose_caller_stopped_waiting_is_killed_and_its_end_awaited(
             assert spawn.cancelled()
             assert len(ends) == 1, "a start sent and given up was not settled"
             await asyncio.wait_for(ends[0], 10)
-            assert _of_uid(UID) == [] and len(_children(helper.pid)) == resident
+            assert of_uid(UID) == [] and len(child_states(helper.pid)) == resident
             assert not helper._exits and not helper._abandoned and not helper._replies
             # Its helper goes on: the next start runs.
             _, exited = await helper.spawn(spawner.Launch("/bin/true", ["true"], {}, "/"), log)
@@ -150,7 +136,7 @@ def test_a_slot_and_uid_are_handed_back_only_after_the_cancelled_start_ended(roo
             stray = marks / "pid"
             if stray.exists():  # it ran as far as its first line before the kill
                 assert _gone(int(stray.read_text()))
-            assert _of_uid(uid) == []
+            assert of_uid(uid) == []
             assert slot in host.slots._free and uid not in host.pool._held
             procs = (slot.group.folders["memory"] / "cgroup.procs").read_text().split()
             assert procs == [str(helper.pid)]

@@ -24,10 +24,10 @@ import pytest
 
 from services.worker import spawner
 from tests.support.fuse import FUSE_TYPE, unanswered_fuse, unread_fuse
+from tests.support.procs import child_states
 from tests.unit.worker.test_source_unanswered import (
     _binary,
     _check,
-    _children,
     _log,
     _Starts,
     _timed,
@@ -343,11 +343,11 @@ def test_checkers_that_did_not_answer_are_let_go_without_waiting(root: Path) -> 
                 assert {result for result, _ in results} == {(spawner.SOURCE_STEP, errno.ETIMEDOUT)}
                 times = [at for _, at in results]
                 assert max(times) - min(times) < 0.15, [at - min(times) for at in times]
-                assert helper.hung_checkers == 8 and _children(helper.pid).count("D") == 8
+                assert helper.hung_checkers == 8 and child_states(helper.pid).count("D") == 8
             deadline = time.monotonic() + 10
-            while _children(helper.pid) and time.monotonic() < deadline:
+            while child_states(helper.pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert _children(helper.pid) == []  # not even zombies: reaped, nothing asked
+            assert child_states(helper.pid) == []  # not even zombies: reaped, nothing asked
             await helper.recount()
             assert helper.hung_checkers == 0
         finally:
@@ -381,7 +381,7 @@ def test_at_most_32_checks_run_at_once(root: Path) -> None:
                 ]
                 await asyncio.sleep(0.05)  # all sent
                 await helper.recount()  # all read: 32 begun, 8 waiting for a place
-                assert len(_children(helper.pid)) == 32 and not any(t.done() for t in starts)
+                assert len(child_states(helper.pid)) == 32 and not any(t.done() for t in starts)
                 results = [result for _, result in await asyncio.gather(*starts)]
                 # The first 32 time out; as each one ends, a waiting start may begin while
                 # fewer than 8 hang (MAX_STUCK), the rest fail with EAGAIN.
