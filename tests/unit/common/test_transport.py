@@ -138,6 +138,17 @@ def client(server: Server, **kwargs: Any) -> httpx.AsyncClient:
     )
 
 
+def get(server: Server, path: str = "/", **kwargs: Any) -> httpx.Response:
+    """One GET of ``path`` by a new client of ``server`` (``kwargs``: the client's), in
+    an event loop of its own; what it raises, raised."""
+
+    async def call() -> httpx.Response:
+        async with client(server, **kwargs) as http:
+            return await http.get(path)
+
+    return asyncio.run(call())
+
+
 def test_the_default_client_keeps_one_connection_alive_for_many_requests(serve: Any) -> None:
     server = serve(keep_alive)
 
@@ -431,11 +442,7 @@ def test_the_http_version_and_repeated_headers_are_the_servers(serve: Any) -> No
 
     server = serve(http10)
 
-    async def call() -> httpx.Response:
-        async with client(server) as http:
-            return await http.get("/")
-
-    answer = asyncio.run(call())
+    answer = get(server)
     assert answer.http_version == "HTTP/1.0"
     assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
     assert answer.request.url == httpx.URL(server.url + "/")
@@ -477,12 +484,8 @@ def test_a_head_past_its_bound_is_refused(serve: Any) -> None:
 
     server = serve(large)
 
-    async def call() -> None:
-        async with client(server) as http:
-            await http.get("/")
-
     with pytest.raises(httpx.RemoteProtocolError, match="too large"):
-        asyncio.run(call())
+        get(server)
 
 
 @pytest.mark.parametrize(
@@ -507,12 +510,8 @@ def test_bytes_after_the_head_that_are_no_body_are_bounded_too(
 
     server = serve(endless)
 
-    async def call() -> None:
-        async with client(server) as http:
-            await http.get("/")
-
     with pytest.raises(httpx.RemoteProtocolError, match="too large"):
-        asyncio.run(call())
+        get(server)
 
 
 def test_a_safe_request_goes_again_when_a_reused_connection_closes_unanswered(
@@ -546,12 +545,8 @@ def test_a_safe_request_goes_again_when_a_reused_connection_closes_unanswered(
 def test_a_read_timeout_is_httpxs(serve: Any) -> None:
     server = serve(lambda conn: (conn.request(), conn.closed_by_peer()))
 
-    async def call() -> None:
-        async with client(server, timeout=httpx.Timeout(WAIT_S, read=0.2)) as http:
-            await http.get("/")
-
     with pytest.raises(httpx.ReadTimeout):
-        asyncio.run(call())
+        get(server, timeout=httpx.Timeout(WAIT_S, read=0.2))
 
 
 def test_a_write_timeout_is_httpxs(serve: Any) -> None:
@@ -639,14 +634,10 @@ def test_garbage_and_an_early_close_are_remote_protocol_errors(serve: Any) -> No
 
     server = serve(bad)
 
-    async def call(path: str) -> None:
-        async with client(server) as http:
-            await http.get(path)
-
     with pytest.raises(httpx.RemoteProtocolError):
-        asyncio.run(call("/garbage"))
+        get(server, "/garbage")
     with pytest.raises(httpx.RemoteProtocolError):
-        asyncio.run(call("/short"))
+        get(server, "/short")
 
 
 def test_a_header_that_would_break_the_head_is_refused(serve: Any) -> None:
