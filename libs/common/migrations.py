@@ -52,6 +52,15 @@ _INVALID_PARAMETER_VALUE = "22023"
 #: set once the refusal of the client check was logged: once a process
 _told_no_client_check = threading.Event()
 _TURN_POLL_S = 0.2
+#: A role's or database's timeouts, which would cut a migration short: its waits have
+#: bounds of their own (the lock timeout, the index wait), an index build on a big table
+#: runs long, its transaction sits idle while Python works between statements, and a run
+#: waiting its turn sits idle between asks. Each is set to 0 where the server knows it.
+_UNBOUNDED = (
+    "SELECT set_config(name, '0', false) FROM unnest(CAST('{statement_timeout,"
+    "idle_in_transaction_session_timeout,idle_session_timeout,transaction_timeout}'"
+    " AS text[])) AS name WHERE current_setting(name, true) IS NOT NULL"
+)
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,7 @@ class _Watch(threading.Thread):
             # Keepalives as the session's (``run_online``): a server that vanished fails
             # this poll within seconds, and the run's wait for this thread with it.
             with psycopg.connect(self.url, autocommit=True, **keepalive(self.url)) as conn:
+                conn.execute(_UNBOUNDED)
                 while not self.done.wait(self.every_s):
                     for row in conn.execute(
                         "SELECT pid, coalesce(application_name, ''), coalesce(state, ''),"
@@ -216,6 +226,7 @@ def run_online(schema: str, metadata: MetaData) -> None:
     # (client_connection_check_interval sees only a FIN).
     engine = create_engine(url, poolclass=NullPool, connect_args=keepalive(url))
     with engine.connect() as connection:
+        connection.execute(text(_UNBOUNDED))  # kept: _take_turn commits (or we do, below)
         # The advisory lock waits as long as another replica's run takes; only then the
         # session's statements get their bound.
         _take_turn(connection)

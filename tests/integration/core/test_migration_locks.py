@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from libs.common.settings import libpq_url
 from tests.support.migration_locks import (
@@ -233,6 +235,33 @@ def test_an_index_build_waits_out_an_older_transaction_past_the_lock_timeout(
             " WHERE c.relname IN ('ix_tasks_running_named', 'pk_task_events')"
             " AND i.indisvalid"
         ).fetchone() == (2,)
+
+
+def test_a_database_statement_timeout_does_not_cancel_an_index_build(
+    before: str, report: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    # A database's (or a role's) statement_timeout applies to every new session, the
+    # migration's too: it cancelled the build waiting for the report after 50 ms (SQLSTATE
+    # 57014). The migration's waits have bounds of their own; its session sets it to 0.
+    name = sql.Identifier(conninfo_to_dict(libpq_url(before))["dbname"])
+    with psycopg.connect(libpq_url(before), autocommit=True) as admin:
+        for setting in ("statement_timeout", "idle_in_transaction_session_timeout"):
+            admin.execute(
+                sql.SQL("ALTER DATABASE {} SET {} = '50ms'").format(name, sql.SQL(setting))
+            )
+    with (
+        psycopg.connect(libpq_url(before), autocommit=True) as watch,
+        reaped(_migrate(before, attempts=1, backoff_s=0.05)) as run,
+    ):
+        blocker = report.info.backend_pid
+        waits = lambda: waiting_on(watch, blocker) or run.poll() is not None  # noqa: E731
+        wait_for(waits, "the build waited for the report (or the run ended)")
+        time.sleep(0.5)  # ten statement timeouts
+        report.commit()
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert CORE.version(watch) == [(HEAD,)]
+        assert watch.execute(INVALID).fetchall() == []
 
 
 def test_a_run_killed_while_its_index_build_waits_ends_its_session(
