@@ -126,14 +126,14 @@ def migrate_all(url: str) -> None:
 
 
 def migrate_or_exit(url: str) -> None:
-    """``migrate_all`` for a command: when a migration gives up behind a blocker, its
-    message (whom it waited for, what to do) on stderr and exit status 1, not a
-    traceback."""
-    from libs.common.migrations import MigrationBlocked  # alembic: only when migrating
+    """``migrate_all`` for a command: when a migration gives up behind a blocker, or its
+    server is lost or unreachable, its message (whom it waited for, what to do; which
+    server and what error) on stderr and exit status 1, not a traceback."""
+    from libs.common.migrations import MigrationFailed  # alembic: only when migrating
 
     try:
         migrate_all(url)
-    except MigrationBlocked as blocked:
+    except MigrationFailed as blocked:
         print(f"cairn: {visible(str(blocked))}", file=sys.stderr)
         raise SystemExit(1) from None
 

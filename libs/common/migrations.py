@@ -27,12 +27,12 @@ import psycopg
 from alembic import command, context, op
 from alembic.config import Config
 from sqlalchemy import Connection, MetaData, create_engine, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from libs.common import locks
 from libs.common.database import keepalive
-from libs.common.settings import MigrationSettings, libpq_url
+from libs.common.settings import MigrationSettings, database_hosts, libpq_url
 
 log = logging.getLogger("cairn.migrations")
 
@@ -82,7 +82,18 @@ class Blocker:
         return f"pid {self.pid}{app} ({self.state}, {age}{since}): {self.query!r}"
 
 
-class MigrationBlocked(RuntimeError):
+class MigrationFailed(RuntimeError):
+    """A run that stopped for a reason its message tells in one line, for a person: the
+    commands and services that migrate print it and exit 1, without a traceback."""
+
+
+class ServerLost(MigrationFailed):
+    """The database server refused the migration's connection, could not be reached, or
+    was lost during the run (an ``OperationalError``); the message names the server (its
+    hosts and ports, never the URL's password) and the error."""
+
+
+class MigrationBlocked(MigrationFailed):
     """A migration's statement waited longer than its bound for a lock; ``setting``
     names that bound's environment variable, and ``retry`` says whether another try
     may do better (not after an index build's long wait)."""
@@ -144,6 +155,21 @@ def upgrade(
                 backoff,
             )
             time.sleep(backoff)
+        except (OperationalError, psycopg.OperationalError) as error:
+            reason = " ".join(str(getattr(error, "orig", None) or error).split())
+            raise ServerLost(
+                f"migrations of {script_location.parent.name} stopped: the database server"
+                f" at {_servers(database_url)}: {reason}"
+            ) from error
+
+
+def _servers(url: str) -> str:
+    """The hosts and ports ``url`` names, as ``host:port,...`` (no user, no password)."""
+    hosts = (
+        f"{f'[{host}]' if ':' in host else host or 'localhost'}{f':{port}' if port else ''}"
+        for host, port in database_hosts(url)
+    )
+    return ",".join(hosts)
 
 
 class _Watch(threading.Thread):

@@ -78,13 +78,14 @@ def main(
 
 
 def _migrate(name: str, upgrade: Callable[[str], None], url: str) -> None:
-    """``upgrade(url)``; when a migration gives up behind a blocker, its message (whom it
-    waited for, what to do) as one log line and exit status 1, as ``cairn migrate``."""
-    from libs.common.migrations import MigrationBlocked  # alembic: only when migrating
+    """``upgrade(url)``; when a migration gives up behind a blocker, or its server is lost
+    or unreachable, its message (whom it waited for, what to do; which server and what
+    error) as one log line and exit status 1, as ``cairn migrate``."""
+    from libs.common.migrations import MigrationFailed  # alembic: only when migrating
 
     try:
         upgrade(url)
-    except MigrationBlocked as blocked:
+    except MigrationFailed as blocked:
         logging.getLogger(f"cairn.{name}").error("%s did not start: %s", name, blocked)
         raise SystemExit(1) from None
 

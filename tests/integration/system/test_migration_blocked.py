@@ -3,7 +3,8 @@ test's database: cron's and dag's runner, like core's (tests/integration/core/
 test_migration_locks.py), times out, tries again and completes once the blocker ends; and
 a service's start (``python -m services.X``, ``cairn up``), or a command that migrates
 first (``cairn token create --db``), that gives up says so in one message naming the
-blocker and what to do, and exits 1, without a traceback."""
+blocker and what to do, and exits 1, without a traceback; as does one whose database
+server refuses it, in a line naming the server and the error."""
 
 from __future__ import annotations
 
@@ -103,3 +104,28 @@ def test_a_start_that_a_migration_gives_up_on_exits_1_with_one_message(
         assert "raise CAIRN_MIGRATION_LOCK_TIMEOUT_S or CAIRN_MIGRATION_LOCK_ATTEMPTS" in message
         assert schema.version(watch) == [(schema.before,)]
         blocker.rollback()
+
+
+@pytest.mark.parametrize("command", ["migrate", "core"])
+def test_a_migration_whose_server_refuses_exits_1_with_one_line(
+    command: str, tmp_path: Path
+) -> None:
+    # Nobody listens on the port: the connection is refused. ``cairn migrate`` and a
+    # service's start say so in one line naming the server, not its password.
+    port = free_port()
+    env = {
+        **migration_env(attempts=2, backoff_s=0.05),
+        "CAIRN_DATABASE_URL": f"postgresql://cairn:s3cret-pw@127.0.0.1:{port}/cairn",
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_LOG_FORMAT": "text",
+        "CAIRN_CORE_PORT": str(free_port()),
+    }
+    argv = ["-m", "cairn", "migrate"] if command == "migrate" else ["-m", "services.core"]
+    run = subprocess.run(
+        [sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr and "s3cret" not in run.stderr, run.stderr
+    # besides it, only info lines (alembic's plugins, loaded as it starts)
+    [line] = [line for line in run.stderr.splitlines() if " INFO " not in line]
+    assert f"the database server at 127.0.0.1:{port}" in line and "refused" in line, line
