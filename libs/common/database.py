@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from libs.common.settings import CairnSettings, libpq_url
+from libs.common.settings import MULTI_HOST_CONNECT_TIMEOUT_S, CairnSettings, libpq_url
 
 _IN_TRANSACTION = psycopg.pq.TransactionStatus.INTRANS
 _IDLE = psycopg.pq.TransactionStatus.IDLE
@@ -58,6 +58,15 @@ def keepalive(url: str, direct: bool = True) -> dict[str, Any]:
     if direct and "options" not in given:
         args["options"] = _SERVER_KEEPALIVE
     return args
+
+
+def connect_timeout(url: str) -> dict[str, Any]:
+    """libpq's ``connect_timeout`` (:data:`MULTI_HOST_CONNECT_TIMEOUT_S`) for a connection
+    to ``url``, unless the URL sets its own: a host that answers nothing (its SYNs dropped)
+    otherwise holds each try until ``tcp_user_timeout`` (10 s) on Linux, the kernel's two
+    minutes of SYN retries where there is none."""
+    given = psycopg.conninfo.conninfo_to_dict(libpq_url(url))
+    return {} if "connect_timeout" in given else {"connect_timeout": MULTI_HOST_CONNECT_TIMEOUT_S}
 
 
 class KeepingConnection(psycopg.AsyncConnection[Any]):

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from alembic import command, context, op
@@ -31,7 +32,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from libs.common import locks
-from libs.common.database import keepalive
+from libs.common.database import connect_timeout, keepalive
 from libs.common.settings import MigrationSettings, database_hosts, libpq_url
 
 log = logging.getLogger("cairn.migrations")
@@ -172,6 +173,14 @@ def _servers(url: str) -> str:
     return ",".join(hosts)
 
 
+def connect_args(url: str) -> dict[str, Any]:
+    """libpq's parameters for the migration's connections to ``url`` (its session's and
+    its watch's): keepalives (``database.keepalive``), and a connect timeout unless the URL
+    sets one, so that a replica starting while the database host answers nothing (a
+    vanished host, a firewall dropping its SYNs) gives up within seconds."""
+    return keepalive(url) | connect_timeout(url)
+
+
 class _Watch(threading.Thread):
     """Polls, on a connection of its own, the sessions the migration's session waits
     behind: once its lock wait has timed out there is none left to ask about. While an
@@ -189,7 +198,7 @@ class _Watch(threading.Thread):
         try:
             # Keepalives as the session's (``run_online``): a server that vanished fails
             # this poll within seconds, and the run's wait for this thread with it.
-            with psycopg.connect(self.url, autocommit=True, **keepalive(self.url)) as conn:
+            with psycopg.connect(self.url, autocommit=True, **connect_args(self.url)) as conn:
                 conn.execute(_UNBOUNDED)
                 while not self.done.wait(self.every_s):
                     for row in conn.execute(
@@ -249,8 +258,9 @@ def run_online(schema: str, metadata: MetaData) -> None:
     # waited on it for ever). Keepalives on both ends, as a leader's lock session: a run
     # cut off without a word (its host lost power) holds the lock, and every other
     # replica's start behind it, only seconds, not the kernel's two hours
-    # (client_connection_check_interval sees only a FIN).
-    engine = create_engine(url, poolclass=NullPool, connect_args=keepalive(url))
+    # (client_connection_check_interval sees only a FIN). And a connect timeout
+    # (``connect_args``).
+    engine = create_engine(url, poolclass=NullPool, connect_args=connect_args(url))
     with engine.connect() as connection:
         connection.execute(text(_UNBOUNDED))  # kept: _take_turn commits (or we do, below)
         # The advisory lock waits as long as another replica's run takes; only then the

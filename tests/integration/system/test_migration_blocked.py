@@ -8,6 +8,7 @@ server refuses it, in a line naming the server and the error."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,45 @@ def test_a_migration_whose_server_refuses_exits_1_with_one_line(
     # besides it, only info lines (alembic's plugins, loaded as it starts)
     [line] = [line for line in run.stderr.splitlines() if " INFO " not in line]
     assert f"the database server at 127.0.0.1:{port}" in line and "refused" in line, line
+
+
+def test_a_migration_whose_server_answers_nothing_gives_up_at_its_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    # A listening socket whose backlog is full drops every SYN, as a host that vanished
+    # or a firewall does: without a connect timeout, the run waited until its
+    # tcp_user_timeout (10 s; the kernel's two minutes of SYN retries where there is
+    # none) and said the server closed the connection; with it, 5 s, and says so.
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as server:
+        port = server.getsockname()[1]
+        held = []
+        while True:  # fill the backlog until a connection is no longer answered
+            client = socket.socket()
+            client.settimeout(0.5)
+            try:
+                client.connect(("127.0.0.1", port))
+            except TimeoutError:
+                client.close()
+                break
+            held.append(client)
+        env = {
+            **migration_env(attempts=2, backoff_s=0.05),
+            "CAIRN_DATABASE_URL": f"postgresql://cairn:s3cret-pw@127.0.0.1:{port}/cairn",
+            "CAIRN_HOME": str(tmp_path / "home"),
+            "CAIRN_LOG_FORMAT": "text",
+        }
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "cairn", "migrate"],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            for client in held:
+                client.close()
+    assert run.returncode == 1, run.stderr
+    [line] = [line for line in run.stderr.splitlines() if " INFO " not in line]
+    assert f"the database server at 127.0.0.1:{port}: connection timeout expired" in line, line

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import event
 
-from libs.common import database
+from libs.common import database, migrations
 from libs.common.settings import CairnSettings
 
 POOLER = "postgresql://cairn:pw@pgbouncer:6432/cairn"
@@ -67,6 +67,15 @@ def test_keepalives_leave_alone_what_the_url_sets_itself() -> None:
     # Several hosts (a cluster that fails over), in the driver's form.
     many = "postgresql+psycopg://cairn:pw@/cairn?host=a,b&port=5432,5433"
     assert database.keepalive(many) == {**CLIENT_KEEPALIVE, "options": SERVER_SIDE}
+
+
+def test_a_migration_connects_with_a_connect_timeout_unless_the_url_sets_one() -> None:
+    # Its session's and its blockers' watch's: a database host that answers nothing would
+    # otherwise hold each try for the kernel's two minutes (SYNs retried 6 times).
+    args = migrations.connect_args(SERVER)
+    assert args == {**database.keepalive(SERVER), "connect_timeout": 5}
+    own = migrations.connect_args(f"{SERVER}?connect_timeout=30")
+    assert "connect_timeout" not in own and own["keepalives"] == 1
 
 
 def test_the_request_pools_connect_without_server_side_prepares_behind_a_pooler() -> None:
