@@ -18,6 +18,7 @@ import pytest
 
 from libs.common.embedded import EmbeddedPostgres
 from tests.support import free_port, isolation_env, spec, wait_for
+from tests.support.procs import children
 
 pytestmark = pytest.mark.slow
 
@@ -44,20 +45,6 @@ _DAG_PORTS: dict[int, int] = {}
 
 def dag_port(core_port: int) -> int:
     return _DAG_PORTS.setdefault(core_port, free_port())
-
-
-def _children(parent: int, marker: bytes) -> list[int]:
-    """Processes whose parent is ``parent`` and whose argv contains ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, NotADirectoryError):
-            continue
-        if f"PPid:\t{parent}\n" in status and marker in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def _up(home: Path, port: int, *args: str) -> subprocess.Popen[str]:
@@ -132,7 +119,9 @@ def test_up_serves_then_stops_everything_on_ctrl_c(own_tmp: Path) -> None:
         url = f"http://127.0.0.1:{port}/v1/tasks/{task.json()['id']}"
         wait_for(lambda: httpx.get(url, headers=headers).json()["state"] == "succeeded", 30)
         # The worker was given neither the database URL nor a token in its environment.
-        [worker] = _children(proc.pid, b"services.worker\x00")
+        [worker] = [
+            child.pid for child in children(proc.pid) if b"services.worker\x00" in child.cmdline
+        ]
         environ = Path(f"/proc/{worker}/environ").read_bytes()
         assert b"CAIRN_DATABASE_URL" not in environ and b"CAIRN_TOKEN=" not in environ
         assert b"CAIRN_TOKEN_FILE=" in environ

@@ -13,6 +13,7 @@ import pytest
 from services.worker import state
 from tests.integration.core.test_dispatch import Agent, _close_agents  # noqa: F401 - closes them
 from tests.support import Core, Workers, shared_dir, shell_spec, start_core, wait_for
+from tests.support.procs import children
 
 AHEAD_S = "30"
 
@@ -116,11 +117,6 @@ def _cancel_while_held(core: Core, db, tmp_path: Path, workers: Workers) -> None
     ).fetchone() == (1, 1)
 
 
-def _children(pid: int) -> list[int]:
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(p) for p in text.split()]
-
-
 def test_an_agent_killed_while_holding_a_lease_leaves_its_task_to_another_attempt(
     core: Core, db, tmp_path: Path, workers: Workers
 ) -> None:
@@ -132,8 +128,8 @@ def test_an_agent_killed_while_holding_a_lease_leaves_its_task_to_another_attemp
     task = _submit(core, _marking(marks, 20.0, db))
     wait_for(lambda: _claimed_ahead(db, task), timeout=30)
     os.kill(agent.pid, signal.SIGSTOP)  # so it cannot start its sidecar again
-    for child in _children(agent.pid):
-        os.kill(child, signal.SIGKILL)  # the sidecar (and nothing else: it holds no process)
+    for child in children(agent.pid):
+        os.kill(child.pid, signal.SIGKILL)  # the sidecar (and nothing else: it holds no process)
     os.kill(agent.pid, signal.SIGKILL)
     agent.wait()
 
