@@ -162,7 +162,9 @@ class ApiClient:
     ``base_url`` may name several replicas of the service: a call goes to the one that
     answered last, and passes to the next when that one cannot be reached (its connection
     refused), or, for a safe method (GET), fails before its answer is whole or answers
-    5xx; any other answer is final. The last replica's error is the call's."""
+    5xx; any other answer is final. The last replica's error is the call's; after a
+    transport error it does not send the call on for (a POST that timed out or was reset
+    may have reached its server), the next call goes first to the next replica."""
 
     def __init__(
         self,
@@ -223,6 +225,8 @@ class ApiClient:
                 response = await self._clients[at].request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 if last or not (method in SAFE or isinstance(exc, _NOTHING_SENT)):
+                    if self._at == at:  # the next call (the caller's retry) to the next
+                        self._at = (at + 1) % count
                     raise
                 log.info("%s %s: %r; asking the next replica", method, path, exc)
                 continue

@@ -53,6 +53,9 @@ _INVALID_PARAMETER_VALUE = "22023"
 #: set once the refusal of the client check was logged: once a process
 _told_no_client_check = threading.Event()
 _TURN_POLL_S = 0.2
+_QUERY_CANCELED = "57014"
+#: too many connections, and the server shutting down (admin, crash) or starting
+_SERVER_GONE = frozenset({"53300", "57P01", "57P02", "57P03"})
 #: A role's or database's timeouts, which would cut a migration short: its waits have
 #: bounds of their own (the lock timeout, the index wait), an index build on a big table
 #: runs long, its transaction sits idle while Python works between statements, and a run
@@ -90,8 +93,9 @@ class MigrationFailed(RuntimeError):
 
 class ServerLost(MigrationFailed):
     """The database server refused the migration's connection, could not be reached, or
-    was lost during the run (an ``OperationalError``); the message names the server (its
-    hosts and ports, never the URL's password) and the error."""
+    was lost during the run (an ``OperationalError`` whose SQLSTATE ``_server_lost``
+    names); the message names the server (its hosts and ports, never the URL's password)
+    and the error."""
 
 
 class MigrationBlocked(MigrationFailed):
@@ -157,11 +161,29 @@ def upgrade(
             )
             time.sleep(backoff)
         except (OperationalError, psycopg.OperationalError) as error:
-            reason = " ".join(str(getattr(error, "orig", None) or error).split())
+            orig = getattr(error, "orig", None) or error
+            sqlstate = getattr(orig, "sqlstate", None)
+            if not (_server_lost(sqlstate) or sqlstate == _QUERY_CANCELED):
+                raise  # a statement's own error (55000, 54000, 40P01...): a traceback
+            reason = " ".join(str(orig).split())
+            name, servers = script_location.parent.name, _servers(database_url)
+            if sqlstate == _QUERY_CANCELED:  # its timeouts are 0: pg_cancel_backend
+                raise MigrationFailed(
+                    f"migrations of {name} stopped: their statement was cancelled on the"
+                    f" database server at {servers} ({reason}); try again"
+                ) from error
             raise ServerLost(
-                f"migrations of {script_location.parent.name} stopped: the database server"
-                f" at {_servers(database_url)}: {reason}"
+                f"migrations of {name} stopped: the database server at {servers}: {reason}"
             ) from error
+
+
+def _server_lost(sqlstate: str | None) -> bool:
+    """Whether an ``OperationalError``'s SQLSTATE says the server refused, could not be
+    reached or dropped the session: none (libpq's own: refused, unreachable, closed),
+    a connection exception (08), refused authorization (28), too many connections, or a
+    shutdown (57P01-57P03). psycopg raises others as ``OperationalError`` too that are a
+    statement's own (55000 currval before nextval, 54000, 40P01 deadlock)."""
+    return sqlstate is None or sqlstate[:2] in ("08", "28") or sqlstate in _SERVER_GONE
 
 
 def _servers(url: str) -> str:

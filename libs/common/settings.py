@@ -176,6 +176,26 @@ class CairnSettings(WorkerOfferSettings):
     def _normalise_url(cls, value: str | None) -> str | None:
         return normalise_database_url(value) if value else None
 
+    @field_validator("core_urls")
+    @classmethod
+    def _check_core_urls(cls, value: str) -> str:
+        # Refused at start, naming the setting: a URL httpx cannot send to (no scheme, a
+        # space for a comma) failed every call to it later, a GET passing to the next
+        # replica and a POST or a lone URL failing (UnsupportedProtocol, a 503 per check)
+        for item in parse_list(value):
+            try:
+                parts = urlsplit(item)
+                ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+                parts.port  # noqa: B018  (raises ValueError when not a port)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"CAIRN_CORE_URLS: {item!r} is not an http(s) URL with a host"
+                    " (http://host:port), the URLs separated by commas"
+                )
+        return value
+
     @field_validator("home")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy.exc import DBAPIError
 
+from libs.common import migrations
 from libs.common.settings import libpq_url
 from tests.support import free_port
 from tests.support.migration_locks import ROOT, SCHEMAS, migration_env, reaped, wait_for
@@ -172,3 +175,62 @@ def test_a_migration_whose_server_answers_nothing_gives_up_at_its_connect_timeou
     assert run.returncode == 1, run.stderr
     [line] = [line for line in run.stderr.splitlines() if " INFO " not in line]
     assert f"the database server at 127.0.0.1:{port}: connection timeout expired" in line, line
+
+
+def _migrations(tmp_path: Path, statement: str) -> Path:
+    """A schema's migrations whose one migration runs ``statement``."""
+    where = tmp_path / "bugged" / "migrations"
+    (where / "versions").mkdir(parents=True)
+    (where / "env.py").write_text(
+        "from sqlalchemy import MetaData\n"
+        "from libs.common.migrations import run_online\n"
+        "run_online('bugged', MetaData())\n"
+    )
+    (where / "versions" / "0001_bug.py").write_text(
+        "from alembic import op\n"
+        "revision = '0001_bug'\n"
+        "down_revision = None\n"
+        "def upgrade() -> None:\n"
+        "    op.execute('CREATE SEQUENCE bugged.seq')\n"
+        f"    op.execute({statement!r})\n"
+    )
+    return where
+
+
+def test_a_bug_in_a_migration_that_postgres_classes_operational_stays_its_error(
+    db_url: str, tmp_path: Path
+) -> None:
+    # currval before nextval: SQLSTATE 55000, which psycopg raises as an OperationalError
+    # (as 54xxx, 55006, 40P01): a bug of the migration's, whose traceback is what its
+    # author needs, not a one-line "database server at ..." as if the server were lost.
+    where = _migrations(tmp_path, "SELECT currval('bugged.seq')")
+    with pytest.raises(DBAPIError) as raised:
+        migrations.upgrade(where, db_url)
+    assert getattr(raised.value.orig, "sqlstate", None) == "55000"
+
+
+def test_a_migration_an_admin_cancels_stops_saying_so(db_url: str, tmp_path: Path) -> None:
+    # pg_cancel_backend (SQLSTATE 57014): one line, as the run's other ends, but saying
+    # its statement was cancelled, not that the server was lost.
+    where = _migrations(tmp_path, "SELECT pg_sleep(120)")
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            migrations.upgrade(where, db_url)
+        except BaseException as exc:  # kept for the asserts below
+            failed.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as admin:
+        sleeping = "SELECT pid FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(120)'"
+        wait_for(lambda: admin.execute(sleeping).fetchone() is not None, "the migration runs")
+        admin.execute(f"SELECT pg_cancel_backend(pid) FROM ({sleeping}) AS s")
+    runner.join(timeout=60)
+    [error] = failed
+    assert isinstance(error, migrations.MigrationFailed), repr(error)
+    assert not isinstance(error, migrations.ServerLost), error
+    assert "was cancelled" in str(error) and "canceling statement due to user request" in str(
+        error
+    ), error
