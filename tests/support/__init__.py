@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ import httpx
 import psycopg
 import pytest
 import uvicorn
+from click.testing import Result
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from typer.testing import CliRunner
 
@@ -447,3 +448,15 @@ def cli_as(
     monkeypatch.setenv("CAIRN_TOKEN", core.tokens[name])
     monkeypatch.setenv("COLUMNS", str(columns))
     return CliRunner()
+
+
+def cairn_cli(
+    *args: str, env: Mapping[str, str | None] | None = None, input: str | None = None
+) -> Result:
+    """``cairn ARGS``, the real CLI run in this process with ``env`` over the test's own
+    environment: a subprocess paid Python's start and the CLI's imports (1-2.5 s of wall
+    under the suite's load) for each command; the tests that are about the process itself
+    (a terminal, a login's prompts, `cairn up`) still start one."""
+    from cairn.cli import app
+
+    return CliRunner().invoke(app, list(args), env=env, input=input)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import psycopg
 import pytest
@@ -15,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.core import admin
 from services.core.db import audit
-from tests.support import Core, spec
+from tests.support import Core, cairn_cli, spec
 
 
 def _rows(db) -> list[tuple[str, str, str]]:
@@ -145,15 +142,8 @@ def test_cli_tokens_and_cairn_audit(core: Core, db, tmp_path) -> None:
     ]
     with core.client("root", "admin"):
         pass
-    env = {**os.environ, "CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["root"]}
-    env["CAIRN_HOME"] = str(tmp_path)
-    shown = subprocess.run(
-        [sys.executable, "-m", "cairn", "--json", "audit", "--target", "token:1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert shown.returncode == 0, shown.stderr
+    env = {"CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["root"], "CAIRN_HOME": str(tmp_path)}
+    shown = cairn_cli("--json", "audit", "--target", "token:1", env=env)
+    assert shown.exit_code == 0, shown.stderr
     [entry] = json.loads(shown.stdout)["items"]
     assert entry["actor"].startswith("operator:") and entry["action"] == "token.create"

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 from alembic import command
+from click.testing import Result
 
 from libs.common.auth import Caller
 from libs.common.migrations import alembic_config
@@ -24,7 +22,7 @@ from services.core.domain import auditchain
 from services.core.ops import auditexport, upkeep
 from services.core.settings import CoreSettings
 from tests.fixtures.logs import BUCKET
-from tests.support import start_core, wait_for, with_engine
+from tests.support import cairn_cli, start_core, wait_for, with_engine
 
 T = TypeVar("T")
 ROOT = Caller("root", "admin")
@@ -125,21 +123,15 @@ def test_the_export_goes_on_from_its_mark_and_cairn_audit_verify_finds_a_cut(
         "team:a0", "team:a1", "team:a2", "team:b0", "team:b1"
     ]  # fmt: skip
 
-    def verify(path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cairn", "audit", "verify", str(path), *flags],
-            env={**os.environ, "CAIRN_HOME": str(tmp_path)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def verify(path: Path, *flags: str) -> Result:
+        return cairn_cli("audit", "verify", str(path), *flags, env={"CAIRN_HOME": str(tmp_path)})
 
     assert auditchain.verify(written, auditchain.GENESIS).rows == 5
     # A line dropped from the file, and one edited.
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"".join(written[:2] + written[3:]))
     bad = verify(cut)
-    assert bad.returncode == 1 and "line 3" in bad.stderr and "missing" in bad.stderr
+    assert bad.exit_code == 1 and "line 3" in bad.stderr and "missing" in bad.stderr
     edited = tmp_path / "edited.jsonl"
     row = json.loads(written[1])
     row["after"] = {"n": 7}
@@ -215,16 +207,10 @@ def test_core_exports_on_a_schedule_and_cairn_audit_export_reads_the_chain(
         total = db.execute("SELECT count(*) FROM core.audit").fetchone()[0]
         wait_for(lambda: scheduled.exists() and len(scheduled.read_bytes().splitlines()) == total)
         by_hand = tmp_path / "by-hand.jsonl"
-        env = {**os.environ, "CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["root"]}
+        env = {"CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["root"]}
         env["CAIRN_HOME"] = str(tmp_path)
-        done = subprocess.run(
-            [sys.executable, "-m", "cairn", "audit", "export", "--to", str(by_hand)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
+        done = cairn_cli("audit", "export", "--to", str(by_hand), env=env)
+        assert done.exit_code == 0, done.stderr
     finally:
         core.stop()
     assert by_hand.read_bytes() == scheduled.read_bytes()

@@ -1,25 +1,22 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import httpx
+from click.testing import Result
 
 from services.core import admin
-from tests.support import Core, spec
+from tests.support import Core, cairn_cli, spec
 
 
-def _cairn(core: Core, tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CAIRN_DATABASE_URL": core.db_url, "CAIRN_HOME": str(tmp_path)}
-    return subprocess.run(
-        [sys.executable, "-m", "cairn", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+def _cairn(core: Core, tmp_path, *args: str) -> Result:
+    env = {"CAIRN_DATABASE_URL": core.db_url, "CAIRN_HOME": str(tmp_path)}
+    return cairn_cli(*args, env=env)
 
 
 def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
     made = _cairn(core, tmp_path, "token", "create", "carol", "--role", "user", "--db")
-    assert made.returncode == 0, made.stderr
+    assert made.exit_code == 0, made.stderr
     token = made.stdout.strip()
     answer = httpx.post(
         core.url + "/v1/tasks", json=spec(), headers={"Authorization": f"Bearer {token}"}
@@ -29,10 +26,10 @@ def test_cli_token_create_prints_a_working_token(core: Core, tmp_path) -> None:
 
 def test_cli_refuses_to_change_a_principals_role(core: Core, tmp_path) -> None:
     assert (
-        _cairn(core, tmp_path, "token", "create", "dave", "--role", "user", "--db").returncode == 0
+        _cairn(core, tmp_path, "token", "create", "dave", "--role", "user", "--db").exit_code == 0
     )
     again = _cairn(core, tmp_path, "token", "create", "dave", "--role", "admin", "--db")
-    assert again.returncode == 2 and "exists with role 'user'" in again.stderr
+    assert again.exit_code == 2 and "exists with role 'user'" in again.stderr
 
 
 def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> None:
@@ -52,10 +49,10 @@ def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> Non
                 "--from-env",
                 env_name,
             )
-            assert made.returncode == 0, made.stderr
+            assert made.exit_code == 0, made.stderr
             assert made.stdout.strip() == secret
         taken = _cairn(core, tmp_path, "token", "create", "eve", "--from-env", env_name)
-        assert taken.returncode == 2
+        assert taken.exit_code == 2
         assert "belongs to 'cron'" in taken.stderr
     finally:
         del os.environ[env_name]
@@ -69,7 +66,7 @@ def test_cli_registers_a_deployments_own_token_once(core: Core, tmp_path) -> Non
         "via": "token",
     }
     missing = _cairn(core, tmp_path, "token", "create", "x", "--from-env", "CAIRN_UNSET_VAR")
-    assert missing.returncode == 2
+    assert missing.exit_code == 2
 
 
 def test_a_revoked_token_is_refused(core: Core) -> None:

@@ -3,14 +3,11 @@ owner, and each task moved as the one-task endpoints move it (guarded, with its 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from tests.support import Core, spec
+from tests.support import Core, cairn_cli, spec
 
 
 def _submit(client: httpx.Client, count: int, **overrides: object) -> list[int]:
@@ -173,15 +170,13 @@ def test_the_cli_counts_then_retries_by_filter(core: Core, db) -> None:
     with core.client() as alice:
         ids = _submit(alice, 40, labels={"batch": "x"})
     _bury(db, ids)
-    env = {**os.environ, "CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["alice"]}
-    command = [sys.executable, "-m", "cairn", "retry", "--state", "dead", "--label", "batch=x"]
-    dry = subprocess.run(
-        [*command, "--dry-run"], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert dry.returncode == 0, dry.stderr
+    env = {"CAIRN_URL": core.url, "CAIRN_TOKEN": core.tokens["alice"]}
+    command = ["retry", "--state", "dead", "--label", "batch=x"]
+    dry = cairn_cli(*command, "--dry-run", env=env)
+    assert dry.exit_code == 0, dry.stderr
     assert "40 tasks match; nothing done" in dry.stdout
     assert _states(db, ids) == {"dead": 40}
-    done = subprocess.run([*command, "--yes"], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = cairn_cli(*command, "--yes", env=env)
+    assert done.exit_code == 0, done.stderr
     assert "retried 40 of 40 tasks" in done.stdout
     assert _states(db, ids) == {"waiting": 40}

@@ -8,8 +8,6 @@ import asyncio
 import base64
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import Result
 
 from services.core.identity.crypto import new_key
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, cairn_cli, spec, start_core, wait_for
 from tests.webhooks import Receiver, subscribe
 
 FAST = {
@@ -471,15 +470,9 @@ def test_a_receiver_can_check_the_signature_over_the_timestamp_and_body() -> Non
     assert not verify("whsec_k", body, "-1", header, now=at)
 
 
-def _cairn(core: Core, token: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "CAIRN_URL": core.url, "CAIRN_TOKEN": token, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "cairn", "notify", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def _cairn(core: Core, token: str, *args: str) -> Result:
+    env = {"CAIRN_URL": core.url, "CAIRN_TOKEN": token, "COLUMNS": "200"}
+    return cairn_cli("notify", *args, env=env)
 
 
 def test_the_cli_adds_lists_tests_and_removes(core: Core, db) -> None:
@@ -488,11 +481,11 @@ def test_the_cli_adds_lists_tests_and_removes(core: Core, db) -> None:
         core.client().close()
         token = core.tokens["alice"]
         made = _cairn(core, token, "add", "nightly", hook.url, "-e", "task.dead", "-l", "team=a")
-        assert made.returncode == 0, made.stderr
+        assert made.exit_code == 0, made.stderr
         assert "whsec_" in made.stdout
         [sub] = json.loads(_cairn(core, token, "ls", "--json").stdout)
         assert (sub["name"], sub["filter"]["labels"]) == ("nightly", {"team": "a"})
-        assert _cairn(core, token, "test", str(sub["id"])).returncode == 0
+        assert _cairn(core, token, "test", str(sub["id"])).exit_code == 0
         wait_for(lambda: delivered(db, 1), timeout=20)
         [got] = hook.all()
         secret = made.stdout.split("with it): ")[1].split()[0]
@@ -500,10 +493,10 @@ def test_the_cli_adds_lists_tests_and_removes(core: Core, db) -> None:
         log = _cairn(core, token, "log", str(sub["id"]))
         assert "200" in log.stdout and "test" in log.stdout
         bad = _cairn(core, token, "add", "x", "ftp://nope", "-e", "task.dead")
-        assert bad.returncode == 2 and "url" in bad.stderr
-        assert _cairn(core, token, "rm", str(sub["id"])).returncode == 0
+        assert bad.exit_code == 2 and "url" in bad.stderr
+        assert _cairn(core, token, "rm", str(sub["id"])).exit_code == 0
         assert json.loads(_cairn(core, token, "ls", "--json").stdout) == []
-        assert _cairn(core, token, "rm", str(sub["id"])).returncode == 1
+        assert _cairn(core, token, "rm", str(sub["id"])).exit_code == 1
     finally:
         hook.close()
 

@@ -7,34 +7,29 @@ signature."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
+from click.testing import Result
 
 from libs.common.settings import libpq_url
 from services.core.identity.crypto import SecretBox, new_key
 from tests.integration.core.test_secrets import Worker
-from tests.support import Core, make_token, spec, start_core, wait_for
+from tests.support import Core, cairn_cli, make_token, spec, start_core, wait_for
 from tests.webhooks import Receiver, subscribe
 
 SECRETS = 230  # over two calls of --batch 100 and their batches of 100
 SEALED = SECRETS + 2  # and a team's secret, and a webhook's signing secret
 
 
-def _cairn(core: Core, home: Path, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _cairn(core: Core, home: Path, token: str, *args: str) -> Result:
     env = {
-        **os.environ,
         "CAIRN_URL": core.url,
         "CAIRN_TOKEN": token,
         "CAIRN_HOME": str(home),
         "CAIRN_CONFIG": str(home / "no-config.toml"),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "cairn", *args], env=env, capture_output=True, text=True, timeout=120
-    )
+    return cairn_cli(*args, env=env)
 
 
 def _key_ids(db_url: str) -> dict[str, int]:
@@ -83,16 +78,16 @@ def test_rekey_lets_the_old_key_go_and_every_secret_still_opens(
         assert (status["current"], status["remaining"]) == (b, SEALED)
         alice = make_token(db_url, "alice", "user")
         refused = _cairn(core, tmp_path, alice, "secret", "rekey")
-        assert refused.returncode == 1 and "403" in refused.stderr
+        assert refused.exit_code == 1 and "403" in refused.stderr
         done = _cairn(core, tmp_path, admin, "--json", "secret", "rekey", "--batch", "100")
-        assert done.returncode == 0, done.stderr
+        assert done.exit_code == 0, done.stderr
         assert json.loads(done.stdout) == {
             "key_id": b, "rekeyed": SEALED, "unreadable": 0, "remaining": 0, "next": None,
         }  # fmt: skip
         shown = _cairn(core, tmp_path, admin, "secret", "keys")
-        assert shown.returncode == 0 and f"0 values under a key other than {b}" in shown.stdout
+        assert shown.exit_code == 0 and f"0 values under a key other than {b}" in shown.stdout
         again = _cairn(core, tmp_path, admin, "--json", "secret", "rekey")
-        assert again.returncode == 0 and json.loads(again.stdout)["rekeyed"] == 0
+        assert again.exit_code == 0 and json.loads(again.stdout)["rekeyed"] == 0
         with core.client("root", "admin") as root:
             audit = root.get("/v1/audit", params={"action": "secret.rekey"}).json()["items"]
         assert sum(e["after"]["rekeyed"] for e in audit) == SEALED
@@ -196,5 +191,5 @@ def test_values_that_do_not_open_are_passed_once_not_visited_at_every_call(
         )
     finally:
         core.stop()
-    assert done.returncode == 1  # two values remain under another key, and it says so
+    assert done.exit_code == 1  # two values remain under another key, and it says so
     assert (json.loads(done.stdout)["rekeyed"], json.loads(done.stdout)["unreadable"]) == (0, 2)

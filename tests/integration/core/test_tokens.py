@@ -4,16 +4,14 @@ get more than they have."""
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+from click.testing import Result
 
-from tests.support import Core, start_core, wait_for
+from tests.support import Core, cairn_cli, start_core, wait_for
 
 
 def _bearer(core: Core, token: str) -> httpx.Client:
@@ -155,34 +153,27 @@ def test_the_cli_creates_lists_and_revokes_tokens_over_the_api(core: Core, tmp_p
     with core.client("root", "admin"):
         pass
     env = {
-        **os.environ,
         "CAIRN_URL": core.url,
         "CAIRN_TOKEN": core.tokens["root"],
         "CAIRN_HOME": str(tmp_path),
+        "CAIRN_DATABASE_URL": None,
     }
-    env.pop("CAIRN_DATABASE_URL", None)
 
-    def cairn(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cairn", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def cairn(*args: str) -> Result:
+        return cairn_cli(*args, env=env)
 
     made = cairn("token", "create", "dora", "--role", "user", "--name", "ci", "--expires", "30d")
-    assert made.returncode == 0, made.stderr
+    assert made.exit_code == 0, made.stderr
     token = made.stdout.strip()
     with _bearer(core, token) as dora:
         assert dora.get("/v1/whoami").json()["name"] == "dora"
     listed = cairn("--json", "token", "ls", "--principal", "dora")
-    assert listed.returncode == 0, listed.stderr
+    assert listed.exit_code == 0, listed.stderr
     assert token not in listed.stdout
     import json
 
     [info] = json.loads(listed.stdout)
     assert info["name"] == "ci" and info["expires_at"] is not None
-    assert cairn("token", "revoke", str(info["id"])).returncode == 0
+    assert cairn("token", "revoke", str(info["id"])).exit_code == 0
     with _bearer(core, token) as dora:
         assert dora.get("/v1/whoami").status_code == 401
