@@ -31,7 +31,18 @@ def normalise_database_url(url: str) -> str:
             break
     if not url.startswith("postgresql+psycopg://"):
         raise ValueError("must be a PostgreSQL URL (postgresql://...)")
+    if _RAW_PERCENT.search(url):
+        # libpq refuses such a URL at every connection, quoting the token (the password)
+        # in its error; SQLAlchemy reads it as it is. Refused here, the token unquoted.
+        raise ValueError(
+            "has a '%' not followed by two hex digits: in a URL a '%' in the user name"
+            " or password must be percent-encoded as %25 (and '@', ':', '/' as %40, %3A, %2F)"
+        )
     return _hosts_in_query(url)
+
+
+#: a ``%`` that does not start a percent-encoded byte (RFC 3986, 2.1)
+_RAW_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
 def libpq_url(url: str) -> str:
