@@ -29,7 +29,6 @@ import httpx
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
-    SettingsConfigDict,
     TomlConfigSettingsSource,
 )
 
@@ -50,8 +49,6 @@ def config_path() -> Path:
 
 class ClientSettings(CairnSettings):
     """The settings of the CLI: ``CairnSettings`` read from flags, environment, file."""
-
-    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
     @classmethod
     def settings_customise_sources(

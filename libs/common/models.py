@@ -1620,6 +1620,11 @@ class AuditReport(Input):
     after: Annotated[dict[str, Any], AfterValidator(_small_json)] = Field(
         default_factory=dict, max_length=32
     )
+    idempotency_key: IdempotencyKey | None = Field(
+        default=None,
+        description="A report sent again with the key of one the same service reported"
+        " is recorded once (409 if it differs).",
+    )
 
 
 class AuditPage(Output):

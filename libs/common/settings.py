@@ -31,7 +31,18 @@ def normalise_database_url(url: str) -> str:
             break
     if not url.startswith("postgresql+psycopg://"):
         raise ValueError("must be a PostgreSQL URL (postgresql://...)")
+    if _RAW_PERCENT.search(url):
+        # libpq refuses such a URL at every connection, quoting the token (the password)
+        # in its error; SQLAlchemy reads it as it is. Refused here, the token unquoted.
+        raise ValueError(
+            "has a '%' not followed by two hex digits: in a URL a '%' in the user name"
+            " or password must be percent-encoded as %25 (and '@', ':', '/' as %40, %3A, %2F)"
+        )
     return _hosts_in_query(url)
+
+
+#: a ``%`` that does not start a percent-encoded byte (RFC 3986, 2.1)
+_RAW_PERCENT = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
 def libpq_url(url: str) -> str:
@@ -95,15 +106,27 @@ def _host_port(item: str) -> tuple[str, str]:
     else:
         host, _, port = item.partition(":")
     if port and not port.isdigit():
-        raise ValueError(f"not a port: {port!r}")
+        # not the text itself: in a URL whose password holds an unencoded "/", "," or
+        # ":", what was read as a host and port is a piece of the password
+        raise ValueError("a host's port is not a number")
     return unquote(host), port
 
 
-class WorkerOfferSettings(BaseSettings):
+class CairnBaseSettings(BaseSettings):
+    """What every Cairn settings class shares: ``CAIRN_*`` variables, the others ignored,
+    frozen once read. A bad value's error names the setting and the reason, never the
+    value (``hide_input_in_errors``): a database URL holds a password, and the error
+    goes to a terminal, a log or a CI page. A subclass's own ``model_config`` is merged
+    with this one."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CAIRN_", extra="ignore", frozen=True, hide_input_in_errors=True
+    )
+
+
+class WorkerOfferSettings(CairnBaseSettings):
     """What a worker offers core (``CAIRN_WORKER_*``): read by the worker agent, and by
     ``cairn up`` for the worker it starts."""
-
-    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
     worker_queues: str = "default"
     worker_cpu: float = Field(default_factory=lambda: float(os.cpu_count() or 1), gt=0)
@@ -116,7 +139,7 @@ class WorkerOfferSettings(BaseSettings):
     worker_slots: int = Field(default=64, ge=1, le=4096)
 
 
-class MigrationSettings(BaseSettings):
+class MigrationSettings(CairnBaseSettings):
     """How a migration run waits for its locks (``CAIRN_MIGRATION_*``): read by every
     service's ``migrate.upgrade`` (the setup job, ``cairn migrate``/``up``, a service's
     start). A statement waits at most ``lock_timeout_s`` for a lock (a long transaction
@@ -125,8 +148,6 @@ class MigrationSettings(BaseSettings):
     again after a backoff, ``lock_attempts`` times in all. An index built concurrently
     blocks no query while it waits for the transactions older than it: it waits up to
     ``index_wait_s`` for each, and is not tried again (docs/deploy.md)."""
-
-    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
     migration_lock_timeout_s: float = Field(default=5.0, gt=0, le=600)
     migration_lock_attempts: int = Field(default=6, ge=1, le=100)
@@ -137,8 +158,6 @@ class MigrationSettings(BaseSettings):
 
 class CairnSettings(WorkerOfferSettings):
     """The settings shared by every process; names and defaults are part of the interface."""
-
-    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
     env: Literal["development", "production"] = "development"
     home: Path = Field(default_factory=lambda: Path.home() / ".cairn")

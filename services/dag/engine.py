@@ -59,7 +59,13 @@ from libs.common.models import (
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
 from services.dag.domain import conditions, data, graph, rules
-from services.dag.domain.templates import Renderer, RunContext, merged_params, release_key
+from services.dag.domain.templates import (
+    Renderer,
+    RunContext,
+    decision_key,
+    merged_params,
+    release_key,
+)
 from services.dag.metrics import DagMetrics
 from services.dag.settings import DagSettings
 
@@ -1294,8 +1300,9 @@ class Engine:
     async def report_decisions(self) -> int:
         """Report the approval decisions not yet in core's audit trail (``dag.approve``,
         ``dag.reject``, by the person, or by the service when a timeout decided), oldest
-        first; each is marked once core took it, so a decision is reported at least once
-        (twice only if the loop stops between the two). Returns how many."""
+        first; each is marked once core took it, so a decision is reported at least once,
+        and recorded once: a report sent again (a timeout, the loop stopped before the
+        mark) carries the same idempotency key (``decision_key``). Returns how many."""
         async with self.reads.connect() as conn:
             pending = await store.pending_audits(conn)
         for row in pending:
@@ -1313,6 +1320,7 @@ class Engine:
                     "by_timeout": row.decided_by is None,
                     "decided_at": row.decided_at.isoformat(),
                 },
+                idempotency_key=decision_key(row.run_id, row.name, row.try_number, row.decided_at),
             )
             try:
                 await self.core.report_audit(report)

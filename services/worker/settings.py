@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.models import WorkerRegister
@@ -22,8 +21,6 @@ SOURCE_TIMEOUT_S = 5.0
 
 class WorkerSettings(WorkerOfferSettings):
     """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
-
-    model_config = SettingsConfigDict(env_prefix="CAIRN_", extra="ignore", frozen=True)
 
     env: Literal["development", "production"] = "development"
     home: Path = Field(default_factory=lambda: Path.home() / ".cairn")

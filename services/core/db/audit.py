@@ -10,7 +10,8 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.auth import Caller
@@ -29,7 +30,8 @@ DELETE FROM core.audit a USING old WHERE a.id = old.id
 """)
 
 
-def _jsonable(value: dict[str, Any] | None) -> Any:
+def jsonable(value: dict[str, Any] | None) -> Any:
+    """``value`` as JSON gives it back (what a jsonb column returns, keys aside)."""
     return None if value is None else orjson.loads(orjson.dumps(value, default=str))
 
 
@@ -42,36 +44,55 @@ async def record(
     source: str | None = None,
     before: dict[str, Any] | None = None,
     after: dict[str, Any] | None = None,
-) -> None:
+    key: str | None = None,
+) -> bool:
     """Append one row, in the caller's transaction: the action and its record commit
     together, or neither does. The row links to the chain's head, whose row lock (held
     to the commit) orders every replica's inserts into one chain: audited actions commit
-    one at a time from their audit insert on (docs/security.md, "Audit export")."""
+    one at a time from their audit insert on (docs/security.md, "Audit export"). With a
+    ``key`` a row already holds, nothing is appended: returns whether a row was."""
     prev = (await conn.execute(select(audit_chain.c.head_hash).with_for_update())).scalar_one()
     row = (
         (
             await conn.execute(
-                insert(audit)
+                pg_insert(audit)
                 .values(
                     actor=actor.name,
                     actor_role=actor.role,
                     action=action,
                     target=target,
                     source=source,
-                    before=_jsonable(before),
-                    after=_jsonable(after),
+                    before=jsonable(before),
+                    after=jsonable(after),
                     prev_hash=prev,
+                    idempotency_key=key,
+                )
+                .on_conflict_do_nothing(
+                    index_elements=[audit.c.idempotency_key],
+                    index_where=audit.c.idempotency_key.is_not(None),
                 )
                 .returning(audit)
             )
         )
         .mappings()
-        .one()
+        .one_or_none()
     )
+    if row is None:
+        return False
     # Hashed as stored (jsonb may normalise what was given), then sealed.
     digest = auditchain.link(prev, row)
     await conn.execute(update(audit).where(audit.c.id == row["id"]).values(hash=digest))
     await conn.execute(update(audit_chain).values(head_id=row["id"], head_hash=digest))
+    return True
+
+
+async def keyed(conn: AsyncConnection, key: str) -> dict[str, Any] | None:
+    """The row recorded under ``key`` (its action, target and after), if one is."""
+    found = await conn.execute(
+        select(audit.c.action, audit.c.target, audit.c.after).where(audit.c.idempotency_key == key)
+    )
+    row = found.mappings().one_or_none()
+    return None if row is None else dict(row)
 
 
 @dataclass(frozen=True)

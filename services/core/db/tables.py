@@ -272,9 +272,18 @@ audit = Table(
     # transaction (NULL only inside it).
     Column("prev_hash", Text),
     Column("hash", Text),
+    # A reported action's key, the reporter's name first: a report sent again is recorded
+    # once (not hashed: the content is).
+    Column("idempotency_key", Text),
     Index("ix_audit_at", "at"),
     Index("ix_audit_actor_id", "actor", "id"),
     Index("ix_audit_action_id", "action", "id"),
+    Index(
+        "ix_audit_idempotency",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("idempotency_key IS NOT NULL"),
+    ),
 )
 
 # The audit chain's head: one row, locked by every audit insert, so that the rows of all

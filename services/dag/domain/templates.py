@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -60,6 +61,13 @@ def merged_params(dag: Dag, given: Mapping[str, Any]) -> dict[str, Any]:
 def release_key(run_id: int, node: str, try_number: int) -> str:
     """The idempotency key of a node's try: a release submitted again finds its task."""
     return f"dag:{run_id}:{node}:{try_number}"
+
+
+def decision_key(run_id: int, node: str, try_number: int, decided_at: datetime) -> str:
+    """The idempotency key of an approval decision's audit report: the same decision,
+    reported again after a timeout, is recorded once in core's audit trail."""
+    at = decided_at.astimezone(UTC).isoformat(timespec="microseconds")
+    return f"{release_key(run_id, node, try_number)}:decided:{at}"
 
 
 class Renderer:

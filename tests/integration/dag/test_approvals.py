@@ -225,6 +225,25 @@ def test_decisions_reach_the_audit_trail_and_a_waiting_gate_the_webhook(
         "SELECT count(*) FROM dag.nodes WHERE run_id = %s AND audit_pending", (run_id,)
     ).fetchone()
     assert pending == (0,)
+    # Reported again (the loop stopped between core's answer and the mark, or the answer
+    # timed out): the same key, so core's trail keeps one row per decision.
+    db.execute("UPDATE dag.nodes SET audit_pending = true WHERE run_id = %s", (run_id,))
+    wait_for(
+        lambda: (
+            db.execute(
+                "SELECT NOT bool_or(audit_pending) FROM dag.nodes WHERE run_id = %s", (run_id,)
+            ).fetchone()
+            == (True,)
+        ),
+        timeout=20,
+    )
+    assert _audited(db, run_id) == rows
+    keys = [k for (k,) in db.execute(
+        "SELECT idempotency_key FROM core.audit WHERE target LIKE %s ORDER BY id",
+        (f"run:{run_id}/%",),
+    )]  # fmt: skip
+    person = next(k for k in keys if ":person:" in k)
+    assert person.split(":", 1)[1].startswith(f"dag:{run_id}:person:1:decided:")
     got = sorted(hook.all(), key=lambda r: r.doc["data"]["subject"]["node"])
     assert all(r.signed_by(made["secret"]) for r in got)
     assert [r.doc["event"] for r in got] == ["approval.waiting"] * 2
@@ -233,3 +252,31 @@ def test_decisions_reach_the_audit_trail_and_a_waiting_gate_the_webhook(
         "approve": f"/v1/runs/{run_id}/nodes/person/approve",
         "reject": f"/v1/runs/{run_id}/nodes/person/reject",
     }  # fmt: skip
+
+
+def test_a_report_sent_again_with_its_key_is_recorded_once(
+    core: Core, db: psycopg.Connection
+) -> None:
+    report = {
+        "action": "dag.approve",
+        "target": "run:7/node:gate",
+        "actor": "alice",
+        "after": {"try": 1},
+        "idempotency_key": "dag:7:gate:1:decided:x",
+    }
+    with core.client("dag-reporter", "service") as service:
+        for _ in range(2):  # a retry after a timeout whose first send was recorded
+            sent = service.post("/v1/audit/reports", json=report)
+            assert sent.status_code == 204, sent.text
+        other = service.post("/v1/audit/reports", json={**report, "after": {"try": 2}})
+        assert other.status_code == 409, other.text
+        assert other.json()["type"].endswith("idempotency-mismatch")
+    with core.client("cron-reporter", "service") as another:  # a key is the service's own
+        assert another.post("/v1/audit/reports", json=report).status_code == 204
+    rows = db.execute(
+        "SELECT source, idempotency_key FROM core.audit WHERE target = 'run:7/node:gate' ORDER BY id"
+    ).fetchall()
+    assert [(s.split()[0], k) for s, k in rows] == [
+        ("dag-reporter", "dag-reporter:dag:7:gate:1:decided:x"),
+        ("cron-reporter", "cron-reporter:dag:7:gate:1:decided:x"),
+    ]

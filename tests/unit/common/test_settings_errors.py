@@ -1,0 +1,81 @@
+"""A bad setting stops a process with an error naming the setting and the reason, never
+its value: a database URL holds a password, and the error goes to a terminal or a log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from libs.common.database import keepalive
+from libs.common.settings import CairnSettings, libpq_url
+
+ROOT = Path(__file__).resolve().parents[3]
+PASSWORD = "s3cretPW"
+
+
+@pytest.mark.parametrize(
+    ("command", "url"),
+    [
+        # not PostgreSQL: pydantic printed the input, the URL whole
+        (["services.core"], f"mysql://alice:{PASSWORD}@db:3306/cairn"),
+        # an unencoded "/", "," and ":" in the password: a piece of it read as a port
+        (["services.core"], f"postgresql://alice:1,h:{PASSWORD}/x@db/cairn"),
+        # the CLI's settings (cairn migrate), read from the environment too
+        (["cairn", "migrate"], f"mysql://alice:{PASSWORD}@db:3306/cairn"),
+    ],
+)
+def test_a_bad_database_url_is_named_and_its_password_is_not_shown(
+    tmp_path: Path, command: list[str], url: str
+) -> None:
+    _refused(tmp_path, command, url)
+
+
+def test_a_raw_percent_in_the_password_is_refused_with_the_advice_to_encode_it(
+    tmp_path: Path,
+) -> None:
+    # libpq refuses it at every connection ("invalid percent-encoded token"), quoting the
+    # password: the service started, then failed where it first connected
+    stderr = _refused(
+        tmp_path, ["services.core"], f"postgresql://alice:{PASSWORD}%x@127.0.0.1:9/db"
+    )
+    assert "%25" in stderr
+
+
+def test_a_percent_encoded_percent_reaches_libpq_as_a_percent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CAIRN_DATABASE_DIRECT_URL", raising=False)
+    settings = CairnSettings(database_url="postgresql://alice:100%25sure@db/cairn")
+    url = settings.database_url or ""
+    assert conninfo_to_dict(libpq_url(url))["password"] == "100%sure"
+    assert keepalive(url)["keepalives"] == 1
+
+
+def _refused(tmp_path: Path, command: list[str], url: str) -> str:
+    """The stderr of ``python -m command`` refusing ``url``, checked."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_CONFIG": str(tmp_path / "config.toml"),
+        "CAIRN_DATABASE_URL": url,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", *command],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "database_url" in done.stderr
+    assert "Value error" in done.stderr  # and the reason
+    assert PASSWORD not in done.stdout + done.stderr
+    assert not (tmp_path / "home").exists()  # stopped before it made anything
+    return done.stderr
