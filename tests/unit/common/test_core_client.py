@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.cookiejar
 import json
 
 import httpx
@@ -251,3 +252,41 @@ def test_a_post_passes_to_the_next_core_only_when_nothing_of_it_was_sent() -> No
 
     _run(both())
     assert second.call_count == 0
+
+
+@respx.mock
+def test_cookies_are_read_only_from_answers_that_set_one_and_still_sent_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading an answer's cookies cost a urllib request and response of each answer;
+    the client reads them only from an answer with ``Set-Cookie``, and keeps and sends
+    them as httpx does."""
+    read: list[str] = []
+    jar_reads = http.cookiejar.CookieJar.extract_cookies
+
+    def counted(self: http.cookiejar.CookieJar, response: object, request: object) -> None:
+        read.append("read")
+        jar_reads(self, response, request)
+
+    monkeypatch.setattr(http.cookiejar.CookieJar, "extract_cookies", counted)
+    plain = respx.get(f"{BASE}/v1/queues").mock(
+        return_value=httpx.Response(200, json={"items": []})
+    )
+    respx.get(f"{BASE}/v1/whoami").mock(
+        return_value=httpx.Response(
+            200, json={"name": "alice", "role": "user"}, headers={"Set-Cookie": "lb=7; Path=/"}
+        )
+    )
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.queues()
+            assert read == []
+            await client.whoami()
+            assert read == ["read"]
+            await client.queues()
+            assert read == ["read"]
+
+    _run(calls())
+    assert "cookie" not in plain.calls[0].request.headers
+    assert plain.calls[-1].request.headers["cookie"] == "lb=7"
