@@ -29,10 +29,9 @@ install: $(VENV)/.installed $(VENV)/compose_spec.json
 up: install
 	$(BIN)/cairn up --demo
 
-# Three pytest processes at once: the main suite (-n 2) and, beside it, the tests that wait
-# mostly on clusters or whole systems of their own, in two processes: the deployment test
-# (tests/deploy: the network and its containers) with a few more (BESIDE_DEPLOY, below),
-# and in BESIDE the PostgreSQL failover test (a Patroni cluster), the two
+# Two pytest processes at once: the main suite (-n 2) and, beside it, the tests that wait
+# mostly on clusters or whole systems of their own: the deployment test (tests/deploy: the
+# network and its containers), the PostgreSQL failover test (a Patroni cluster), the two
 # that drive `cairn up` end to end (minutes each, mostly waiting on its processes), the
 # network cut (waits out TCP keepalives), the three longest fault tests of the suite
 # (kills and restarts of whole systems, 20-40 s each, mostly waiting: beside, they keep the
@@ -54,7 +53,7 @@ up: install
 # The suite's two workers steal queued tests from each other (--dist worksteal): with the
 # default (load), the tests already queued on one worker stay there, and one worker ran
 # the last 150 of them (2.5 minutes) alone while the other had finished.
-BESIDE := tests/faults/system/test_failover.py \
+BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/faults/system/test_cli_e2e.py tests/faults/system/test_cairn_up.py \
 	tests/faults/system/test_network_cut.py tests/faults/system/test_jepsen_flows.py \
 	tests/integration/system/test_prometheus_e2e.py tests/faults/cron/test_replicas.py \
@@ -66,27 +65,15 @@ BESIDE := tests/faults/system/test_failover.py \
 	tests/faults/worker/test_hung_agent.py tests/faults/core/test_database_restart.py
 # Single tests run beside the suite (deselected from it): their files' other tests stay in it.
 BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound
-# A second process beside the suite: the deployment test (about 5 minutes, mostly waiting
-# on its containers) and tests that mostly wait out kills, drains, hangs and sleeps (the
-# agent's faults, 36 s alone; the claims' wake-ups, 14 s; core's two worker processes,
-# 6 s; core killed mid-submission, 7 s: 68 s alone, quiet). With BESIDE in one process
-# they made it 13 minutes and the main suite 15; apart, each stays near 8.
-BESIDE_DEPLOY := tests/deploy tests/faults/worker/test_worker.py \
-	tests/integration/core/test_wakeups.py tests/integration/core/test_core_workers.py \
-	tests/faults/core/test_core_killed.py
 test: install $(OIDC)/node_modules/.installed
-	@log=$$(mktemp); log2=$$(mktemp); \
-	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA >"$$log" 2>&1 & beside=$$!; \
-	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE_DEPLOY) -q -rA >"$$log2" 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 \
-		$(addprefix --ignore=,$(BESIDE) $(BESIDE_DEPLOY)) \
+	@log=$$(mktemp); \
+	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 $(addprefix --ignore=,$(BESIDE)) \
 		$(addprefix --deselect=,$(BESIDE_ONE)); main=$$?; \
-	wait $$beside; besided=$$?; wait $$deploy; deployed=$$?; \
-	echo "=== the tests run beside the suite ($(BESIDE) $(BESIDE_ONE)) ==="; cat "$$log"; \
-	echo "=== the deployment test and the waiting tests beside it ($(BESIDE_DEPLOY)) ==="; \
-	cat "$$log2"; rm -f "$$log" "$$log2"; \
-	echo "make test: the suite exited $$main, the tests beside it $$besided and $$deployed"; \
-	[ $$main -eq 0 ] && [ $$besided -eq 0 ] && [ $$deployed -eq 0 ]
+	wait $$deploy; deployed=$$?; \
+	echo "=== the tests run beside the suite ($(BESIDE)) ==="; cat "$$log"; rm -f "$$log"; \
+	echo "make test: the suite exited $$main, the tests beside it $$deployed"; \
+	[ $$main -eq 0 ] && [ $$deployed -eq 0 ]
 
 # The deployment test alone (about 5 minutes).
 test-deploy: install
