@@ -43,5 +43,6 @@ def test_a_start_is_written_when_cores_hold_ends_not_a_hold_later(
             assert len(http.post(claim, json=ROOM).raise_for_status().json()["attempts"]) == 1
             wait_for(lambda n=started: len(_lags(db, run_id)) == n, timeout=20, interval=0.02)
     lags = _lags(db, run_id)
-    # Core's hold is 0.25 s; a second hold in the loop made each at least 0.5 s.
-    assert 0.1 < min(lags) < 0.45, lags
+    # Core's hold is 0.25 s; a second hold in the loop made each at least 0.5 s. (No lower
+    # bound: a page that ends core's hold early, on a loaded machine, is written as soon.)
+    assert min(lags) < 0.45, lags
