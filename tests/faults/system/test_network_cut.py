@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,53 @@ def test_a_leader_cut_off_without_a_word_frees_the_lead_within_seconds(db_url: s
     asyncio.run(scenario())
 
 
+@contextlib.contextmanager
+def _dropped(table: str, ports: set[int]) -> Iterator[None]:
+    """Every packet to or from ``ports`` dropped (an nftables table of this test's own,
+    deleted after)."""
+    _nft("add", "table", "inet", table)
+    try:
+        _nft(
+            "add", "chain", "inet", table, "out",
+            "{ type filter hook output priority 0 ; policy accept ; }",
+        )  # fmt: skip
+        for port in ports:
+            _nft("add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop")
+            _nft("add", "rule", "inet", table, "out", "tcp", "dport", str(port), "drop")
+        yield
+    finally:
+        _nft("delete", "table", "inet", table)
+
+
+@contextlib.contextmanager
+def _migration_behind_a_report(
+    db_url: str, stderr: int
+) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any], subprocess.Popen[str]]]:
+    """Core's next migration (it builds indexes concurrently) run as a process of its own,
+    its build waiting behind an open "report" transaction: the report, a watching
+    connection and the run (reaped after)."""
+    SCHEMAS["core"].back(db_url)
+    with (
+        psycopg.connect(libpq_url(db_url), application_name="report") as report,
+        psycopg.connect(libpq_url(db_url), autocommit=True) as watch,
+    ):
+        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        report.execute("SELECT count(*) FROM core.workers")
+        run = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from services.core import migrate;"
+             " migrate.upgrade(sys.argv[1])", db_url],
+            env=migration_env(attempts=1, backoff_s=0.05),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+        )  # fmt: skip
+        with reaped(run):
+            wait_for(lambda: waiting_on(watch, report.info.backend_pid), "the build waited")
+            yield report, watch, run
+        report.rollback()
+
+
 def test_a_migration_cut_off_without_a_word_frees_the_migration_lock_within_seconds(
     db_url: str,
 ) -> None:
@@ -96,54 +144,26 @@ def test_a_migration_cut_off_without_a_word_frees_the_migration_lock_within_seco
     wait: the server must end it within seconds, as a leader's, not at the kernel's
     two-hour keepalive (``client_connection_check_interval`` alone sees only a FIN)."""
     table = f"cairn_migration_cut_{os.getpid()}"
-    SCHEMAS["core"].back(db_url)  # the next migration builds indexes concurrently
-    with (
-        psycopg.connect(libpq_url(db_url), application_name="report") as report,
-        psycopg.connect(libpq_url(db_url), autocommit=True) as watch,
-    ):
-        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        report.execute("SELECT count(*) FROM core.workers")
-        blocker = report.info.backend_pid
-        run = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from services.core import migrate;"
-             " migrate.upgrade(sys.argv[1])", db_url],
-            env=migration_env(attempts=1, backoff_s=0.05),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        with reaped(run):  # type: ignore[arg-type]
-            wait_for(lambda: waiting_on(watch, blocker), "the build waited for the report")
-            [(session, port)] = watch.execute(
-                "SELECT pid, client_port FROM pg_stat_activity"
-                " WHERE %s = ANY(pg_blocking_pids(pid))",
-                (blocker,),
-            ).fetchall()
-            _nft("add", "table", "inet", table)
-            try:
-                _nft(
-                    "add", "chain", "inet", table, "out",
-                    "{ type filter hook output priority 0 ; policy accept ; }",
-                )  # fmt: skip
-                _nft("add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop")
-                _nft("add", "rule", "inet", table, "out", "tcp", "dport", str(port), "drop")
-                run.kill()  # its FIN, like all else on that connection, never arrives
-                run.wait()
-                alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-                wait_for(
-                    lambda: watch.execute(alive, (session,)).fetchone() == (0,),
-                    "the cut-off run's session ended",
-                    timeout_s=BOUND_S,
-                )
-            finally:
-                _nft("delete", "table", "inet", table)
+    with _migration_behind_a_report(db_url, subprocess.DEVNULL) as (report, watch, run):
+        [(session, port)] = watch.execute(
+            "SELECT pid, client_port FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+            (report.info.backend_pid,),
+        ).fetchall()
+        with _dropped(table, {port}):
+            run.kill()  # its FIN, like all else on that connection, never arrives
+            run.wait()
+            alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+            wait_for(
+                lambda: watch.execute(alive, (session,)).fetchone() == (0,),
+                "the cut-off run's session ended",
+                timeout_s=BOUND_S,
+            )
         # The lock went with it: the next run takes it at once.
         held = watch.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objid = %s",
             (MIGRATIONS & 0xFFFF_FFFF,),
         ).fetchone()
         assert held == (0,)
-        report.rollback()
 
 
 def _tcp_ports(pid: int) -> set[int]:
@@ -171,40 +191,12 @@ def test_a_migration_whose_server_vanishes_gives_up_within_seconds(db_url: str) 
     on those connections for ever (its session's) or for the kernel's 15 minutes of
     retransmissions (the watch's query)."""
     table = f"cairn_migration_vanish_{os.getpid()}"
-    SCHEMAS["core"].back(db_url)
-    with (
-        psycopg.connect(libpq_url(db_url), application_name="report") as report,
-        psycopg.connect(libpq_url(db_url), autocommit=True) as watch,
-    ):
-        report.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        report.execute("SELECT count(*) FROM core.workers")
-        run = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from services.core import migrate;"
-             " migrate.upgrade(sys.argv[1])", db_url],
-            env=migration_env(attempts=1, backoff_s=0.05),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        with reaped(run):
-            wait_for(lambda: waiting_on(watch, report.info.backend_pid), "the build waited")
-            ports = _tcp_ports(run.pid)
-            assert len(ports) == 2  # the session and the watch
-            _nft("add", "table", "inet", table)
-            try:
-                _nft(
-                    "add", "chain", "inet", table, "out",
-                    "{ type filter hook output priority 0 ; policy accept ; }",
-                )  # fmt: skip
-                for port in ports:
-                    _nft("add", "rule", "inet", table, "out", "tcp", "sport", str(port), "drop")
-                    _nft("add", "rule", "inet", table, "out", "tcp", "dport", str(port), "drop")
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    run.wait(timeout=BOUND_S)
-                assert run.returncode is not None, "the run still waits on a vanished server"
-                _, err = run.communicate()
-                assert run.returncode != 0, err
-            finally:
-                _nft("delete", "table", "inet", table)
-        report.rollback()
+    with _migration_behind_a_report(db_url, subprocess.PIPE) as (_, _, run):
+        ports = _tcp_ports(run.pid)
+        assert len(ports) == 2  # the session and the watch
+        with _dropped(table, ports):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                run.wait(timeout=BOUND_S)
+            assert run.returncode is not None, "the run still waits on a vanished server"
+            _, err = run.communicate()
+            assert run.returncode != 0, err
