@@ -32,7 +32,7 @@ from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, Text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.database import keepalive
+from libs.common.database import connect_timeout, keepalive
 from libs.common.settings import libpq_url
 
 log = logging.getLogger("cairn.leader")
@@ -158,8 +158,11 @@ class Elector:
     async def _try_until_won(self) -> Lease:
         conn = await psycopg.AsyncConnection.connect(
             # Both ends notice a vanished peer (``database.keepalive``): this process
-            # stops leading, and the server ends the session and frees the lock.
-            psycopg.conninfo.make_conninfo(self.url, connect_timeout=5, **keepalive(self.url)),
+            # stops leading, and the server ends the session and frees the lock. A
+            # connect timeout (5 s) unless the URL sets its own (``database.connect_timeout``).
+            psycopg.conninfo.make_conninfo(
+                self.url, **connect_timeout(self.url), **keepalive(self.url)
+            ),
             autocommit=True,
         )
         try:
