@@ -11,6 +11,8 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from libs.common.sources import redact_url
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 #: seconds a connection to one host of several may take before the next is tried (libpq's
 #: ``connect_timeout``), unless the URL says otherwise: without it psycopg gives each host
@@ -201,7 +203,8 @@ class CairnSettings(WorkerOfferSettings):
         # Refused at start, naming the setting: a URL httpx cannot send to (no scheme, a
         # space for a comma) failed every call to it later, a GET passing to the next
         # replica and a POST or a lone URL failing (UnsupportedProtocol, a 503 per check)
-        for item in parse_list(value):
+        items = parse_list(value)
+        for number, item in enumerate(items, 1):
             try:
                 parts = urlsplit(item)
                 ok = parts.scheme in ("http", "https") and bool(parts.hostname)
@@ -209,9 +212,11 @@ class CairnSettings(WorkerOfferSettings):
             except ValueError:
                 ok = False
             if not ok:
+                # shown without its credentials: the error reaches a terminal or a log
                 raise ValueError(
-                    f"CAIRN_CORE_URLS: {item!r} is not an http(s) URL with a host"
-                    " (http://host:port), the URLs separated by commas"
+                    f"CAIRN_CORE_URLS: {redact_url(item)!r} (URL {number} of {len(items)})"
+                    " is not an http(s) URL with a host (http://host:port), the URLs"
+                    " separated by commas"
                 )
         return value
 

@@ -4,6 +4,7 @@ agent checks it again before it fetches anything."""
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 
 
@@ -31,3 +32,17 @@ def source_allowed(uri: str, prefixes: tuple[str, ...]) -> bool:
     if any(segment in (".", "..") for segment in segments):
         return False
     return any(uri.startswith(prefix) for prefix in prefixes)
+
+
+def redact_url(uri: str) -> str:
+    """``uri`` as it may be shown in an error or a log: a ``user:password@`` masked as
+    ``***@``, the query and fragment dropped (presigned URLs carry their credentials
+    there). Text that is not a URL has any ``...@`` before its first ``/`` masked."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        scheme, rest = "", uri
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    shown = f"{scheme}{sep}{authority}{slash}{path}"
+    return re.split(r"[?#]", shown, maxsplit=1)[0]

@@ -81,7 +81,7 @@ from typing import IO, Any, TypeVar
 import httpx
 
 from libs.common.models import S3Credentials
-from libs.common.sources import source_allowed
+from libs.common.sources import redact_url, source_allowed
 from services.worker.isolation import Identity
 from services.worker.settings import SOURCE_TIMEOUT_S
 
@@ -231,7 +231,7 @@ class ArtifactCache:
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources):
             raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+                f"{redact_url(uri)} is not an allowed artifact source", retryable=False
             )
         entry = self._entry(uri, digest, credentials)
         final = self.path_for(entry)
@@ -303,7 +303,7 @@ class ArtifactCache:
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources):
             raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+                f"{redact_url(uri)} is not an allowed artifact source", retryable=False
             )
         if _scheme(uri) == "file":
             sink = _Sink(None, self.max_bytes)
@@ -348,7 +348,7 @@ class ArtifactCache:
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
             raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+                f"{redact_url(uri)} is not an allowed artifact source", retryable=False
             )
         sink = _Sink(None, self.max_bytes)
         return _copy_local(uri, digest, folder, reader, sink, self.open_timeout_s)
@@ -448,7 +448,7 @@ class ArtifactCache:
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources) or _scheme(uri) != "file":
             raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+                f"{redact_url(uri)} is not an allowed artifact source", retryable=False
             )
         # Named apart from fetched artifacts: an https:// attempt naming this digest must
         # not get a copy of a file only this reader may open.
@@ -472,7 +472,7 @@ class ArtifactCache:
         digest = _digest(sha256)
         if not source_allowed(uri, self.sources):
             raise ArtifactError(
-                f"{_redact(uri)} is not an allowed artifact source", retryable=False
+                f"{redact_url(uri)} is not an allowed artifact source", retryable=False
             )
         entry = self._entry(uri, digest, credentials)
         known = sealed.get(entry)
@@ -596,7 +596,7 @@ class ArtifactCache:
             )
 
     async def _download_http(self, uri: str, sink: _Sink) -> None:
-        shown = _redact(uri)
+        shown = redact_url(uri)
         try:
             async with self._follow(self._http(), uri) as response:
                 if response.status_code >= 400:
@@ -662,13 +662,13 @@ class ArtifactCache:
                     return
                 uri = self._hop(uri, urllib.parse.urljoin(uri, target))
         raise ArtifactError(
-            f"GET {_redact(uri)}: more than {MAX_REDIRECTS} redirects", retryable=False
+            f"GET {redact_url(uri)}: more than {MAX_REDIRECTS} redirects", retryable=False
         )
 
     def _hop(self, uri: str, target: str) -> str:
         """``target`` if a redirect from ``uri`` may be followed there: the allow-list
         holds for it as for the first URI, and https never leads to plain http."""
-        refused = f"GET {_redact(uri)} redirected to {_redact(target)}"
+        refused = f"GET {redact_url(uri)} redirected to {redact_url(target)}"
         scheme = _scheme(target)
         if scheme == "http" and _scheme(uri) == "https":
             raise ArtifactError(f"{refused}: a downgrade from https to http", retryable=False)
@@ -1307,15 +1307,9 @@ def _scheme(uri: str) -> str:
 
 
 def _mismatch(uri: str) -> str:
-    return f"sha256 mismatch: the content of {_redact(uri)} does not have the declared digest"
+    return f"sha256 mismatch: the content of {redact_url(uri)} does not have the declared digest"
 
 
 def _file_digest(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _redact(uri: str) -> str:
-    """The URI without its query: presigned URLs carry credentials there."""
-    parts = urllib.parse.urlsplit(uri)
-    return urllib.parse.urlunsplit(parts._replace(query="", fragment="")) if parts.query else uri

@@ -13,6 +13,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from libs.common.database import keepalive
 from libs.common.settings import CairnSettings, libpq_url
+from libs.common.sources import redact_url
 
 ROOT = Path(__file__).resolve().parents[3]
 PASSWORD = "s3cretPW"
@@ -79,3 +80,41 @@ def _refused(tmp_path: Path, command: list[str], url: str) -> str:
     assert PASSWORD not in done.stdout + done.stderr
     assert not (tmp_path / "home").exists()  # stopped before it made anything
     return done.stderr
+
+
+@pytest.mark.parametrize(
+    "urls",
+    [
+        # no scheme: "user:pw@host:port" for "http://user:pw@host:port"
+        f"http://127.0.0.1:8400,alice:{PASSWORD}@core-b:8400",
+        # a space for a comma, credentials in the first of the two
+        f"http://alice:{PASSWORD}@core-a:8400 http://core-b:8400",
+        # a query carrying a token
+        f"ftp://core-c/?token={PASSWORD}",
+    ],
+)
+def test_a_bad_core_url_is_named_by_its_place_and_its_credentials_are_not_shown(
+    urls: str,
+) -> None:
+    # the validator quoted the entry whole: a password in it reached the terminal or log
+    with pytest.raises(ValueError) as refused:
+        CairnSettings(core_urls=urls)
+    message = str(refused.value)
+    assert "CAIRN_CORE_URLS" in message
+    assert "is not an http(s) URL" in message
+    assert "URL " in message and " of " in message
+    assert PASSWORD not in message
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        (f"https://alice:{PASSWORD}@artifacts.corp/a/b.sh", "https://***@artifacts.corp/a/b.sh"),
+        (f"https://artifacts.corp/b.sh?X-Amz-Signature={PASSWORD}", "https://artifacts.corp/b.sh"),
+        (f"alice:{PASSWORD}@core:8400/x", "***@core:8400/x"),
+        ("s3://bucket/key@v1/run.sh", "s3://bucket/key@v1/run.sh"),
+        ("file:///opt/jobs/run.sh", "file:///opt/jobs/run.sh"),
+    ],
+)
+def test_a_url_is_shown_without_its_credentials(uri: str, shown: str) -> None:
+    assert redact_url(uri) == shown
