@@ -279,6 +279,8 @@ OPTIONAL_REPORT_FIELDS = frozenset({"log_bytes", "hand_back_cause"})
 #: what they tell core is lost while they are left out; one 422 and a resend each time
 #: against a core still older
 REFUSED_FOR_S = 600.0
+#: the audit report's field a core older than it refuses (``report_audit``)
+_AUDIT_KEY = frozenset({"idempotency_key"})
 
 
 def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
@@ -294,14 +296,16 @@ def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
     return unset or None
 
 
-def refused_fields(error: InvalidInput) -> set[str]:
-    """The optional report fields a 422 refuses as unknown to the core that answered."""
+def refused_fields(
+    error: InvalidInput, optional: frozenset[str] = OPTIONAL_REPORT_FIELDS
+) -> set[str]:
+    """The fields of ``optional`` a 422 refuses as unknown to the core that answered."""
     named = set()
     for item in error.extra.get("errors") or ():
         if not isinstance(item, dict) or "extra" not in str(item.get("reason", "")).lower():
             continue
         name = str(item.get("field", "")).rsplit(".", 1)[-1]
-        if name in OPTIONAL_REPORT_FIELDS:
+        if name in optional:
             named.add(name)
     return named
 
@@ -728,9 +732,22 @@ class CoreClient(ApiClient):
 
     async def report_audit(self, report: AuditReport) -> None:
         """For services: record an action a person took through this service in core's
-        audit trail."""
+        audit trail. A core older than the report's ``idempotency_key`` refuses it (422,
+        unknown field) before it records anything: the report goes again without it, so
+        the action is recorded (once, unless it is reported again) rather than lost to a
+        refusal (deploy.md upgrades core first; a DAG service upgraded before it)."""
         body = report.model_dump_json(exclude_none=True)
-        await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
+        try:
+            await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
+        except InvalidInput as exc:
+            if report.idempotency_key is None or not refused_fields(exc, _AUDIT_KEY):
+                raise
+            log.warning(
+                "core refuses the audit report's idempotency_key (an older core): sent"
+                " without it; a report sent again may be recorded twice until core is upgraded"
+            )
+            body = report.model_dump_json(exclude_none=True, exclude={"idempotency_key"})
+            await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
 
     # --- services kept at N replicas (docs/services.md) ---
 

@@ -11,7 +11,13 @@ import respx
 from libs.common import client as client_module
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError, IllegalTransition, InvalidInput, NotFound
-from libs.common.models import WORKER_LEASE_HEADER, AttemptReport, TaskCreate, Turn
+from libs.common.models import (
+    WORKER_LEASE_HEADER,
+    AttemptReport,
+    AuditReport,
+    TaskCreate,
+    Turn,
+)
 from tests.support import spec
 
 BASE = "http://core.test"
@@ -290,3 +296,35 @@ def test_cookies_are_read_only_from_answers_that_set_one_and_still_sent_back(
     _run(calls())
     assert "cookie" not in plain.calls[0].request.headers
     assert plain.calls[-1].request.headers["cookie"] == "lb=7"
+
+
+@respx.mock
+def test_an_audit_report_an_older_core_refuses_for_its_key_goes_again_without_it() -> None:
+    """A core that predates audit reports' ``idempotency_key`` refuses it (422, unknown
+    field) before recording anything: the DAG service logged the refusal and marked the
+    decision audited, so it was never recorded. Sent again without the key, it is; a 422
+    about anything else, or with no key to leave out, is raised as it was."""
+    unknown = [{"field": "body.idempotency_key", "reason": "Extra inputs are not permitted"}]
+    route = respx.post(f"{BASE}/v1/audit/reports").mock(
+        side_effect=[
+            _problem("invalid-input", 422, "body.idempotency_key: ...", errors=unknown),
+            httpx.Response(201, json={}),
+            _problem("invalid-input", 422, "body.target: bad", errors=[{"field": "body.target"}]),
+            _problem("invalid-input", 422, "body.idempotency_key: ...", errors=unknown),
+        ]
+    )
+    keyed = AuditReport(action="dag.approve", target="run:1/node:gate", idempotency_key="dag:1")
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            await client.report_audit(keyed)
+            with pytest.raises(InvalidInput):
+                await client.report_audit(keyed)
+            with pytest.raises(InvalidInput):  # nothing to leave out: raised
+                await client.report_audit(keyed.model_copy(update={"idempotency_key": None}))
+
+    _run(calls())
+    bodies = [json.loads(call.request.content) for call in route.calls]
+    assert [b.get("idempotency_key") for b in bodies] == ["dag:1", None, "dag:1", None]
+    assert all(b["action"] == "dag.approve" for b in bodies)
+    assert route.call_count == 4
