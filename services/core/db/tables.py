@@ -26,6 +26,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.schema import SchemaItem
 from sqlalchemy.types import TypeEngine
 
 from libs.common.leader import leader_table
@@ -729,29 +730,39 @@ usage = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+
+def _share_columns() -> list[SchemaItem]:
+    """A share's weight, quotas and submit-rate window, and their checks: an owner's
+    (``shares``) and a team's (``team_shares``) are the same (fresh objects a table)."""
+    return [
+        Column("weight", Double, nullable=False, server_default=text("1")),
+        Column("max_cpu", Double),
+        Column("max_memory_mb", Double),
+        Column("max_running", Integer),
+        Column("max_waiting", Integer),
+        Column("max_submits_per_min", Integer),
+        Column("rate_window_at", DateTime(timezone=True)),
+        Column("rate_count", Integer, nullable=False, server_default=text("0")),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        # running quota of countable devices, by name ({"gpu": 4})
+        Column("max_devices", JSONB),
+        CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
+        CheckConstraint(
+            "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
+            " AND (max_running IS NULL OR max_running > 0)"
+            " AND (max_waiting IS NULL OR max_waiting > 0)"
+            " AND (max_submits_per_min IS NULL OR max_submits_per_min > 0)",
+            name="limits_positive",
+        ),
+    ]
+
+
 # Share and quotas of a principal by name: an owner today; a team slots in by its name.
 shares = Table(
     "shares",
     metadata,
     Column("name", Text, primary_key=True),
-    Column("weight", Double, nullable=False, server_default=text("1")),
-    Column("max_cpu", Double),
-    Column("max_memory_mb", Double),
-    Column("max_running", Integer),
-    Column("max_waiting", Integer),
-    Column("max_submits_per_min", Integer),
-    Column("rate_window_at", DateTime(timezone=True)),
-    Column("rate_count", Integer, nullable=False, server_default=text("0")),
-    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    # running quota of countable devices, by name ({"gpu": 4})
-    Column("max_devices", JSONB),
-    CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
-    CheckConstraint(
-        "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
-        " AND (max_running IS NULL OR max_running > 0) AND (max_waiting IS NULL OR max_waiting > 0)"
-        " AND (max_submits_per_min IS NULL OR max_submits_per_min > 0)",
-        name="limits_positive",
-    ),
+    *_share_columns(),
 )
 
 # A team's share and quotas, as ``shares`` holds an owner's (docs/sharing.md, "Teams").
@@ -759,24 +770,7 @@ team_shares = Table(
     "team_shares",
     metadata,
     Column("team", Text, ForeignKey("teams.name", ondelete="CASCADE"), primary_key=True),
-    Column("weight", Double, nullable=False, server_default=text("1")),
-    Column("max_cpu", Double),
-    Column("max_memory_mb", Double),
-    Column("max_running", Integer),
-    Column("max_waiting", Integer),
-    Column("max_submits_per_min", Integer),
-    Column("rate_window_at", DateTime(timezone=True)),
-    Column("rate_count", Integer, nullable=False, server_default=text("0")),
-    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    # running quota of countable devices, by name ({"gpu": 4})
-    Column("max_devices", JSONB),
-    CheckConstraint("weight > 0 AND weight <= 1000", name="weight_range"),
-    CheckConstraint(
-        "(max_cpu IS NULL OR max_cpu > 0) AND (max_memory_mb IS NULL OR max_memory_mb > 0)"
-        " AND (max_running IS NULL OR max_running > 0) AND (max_waiting IS NULL OR max_waiting > 0)"
-        " AND (max_submits_per_min IS NULL OR max_submits_per_min > 0)",
-        name="limits_positive",
-    ),
+    *_share_columns(),
 )
 
 concurrency_limits = Table(
