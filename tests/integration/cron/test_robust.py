@@ -13,7 +13,7 @@ import psycopg
 
 from services.cron.engine import CronEngine
 from tests.fixtures.cron import EPOCH, FakeClock, start_cron
-from tests.integration.cron.test_engine import create
+from tests.integration.cron.test_engine import create, fires, settled
 from tests.support import Core, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -146,5 +146,41 @@ def test_a_pending_manual_fire_is_sent_without_a_leader_change(
             (str(sid),),
         ).fetchall()
         assert keys == [(f"cron:{sid}:manual:{EPOCH.isoformat()}",)]
+    finally:
+        cron.stop()
+
+
+def test_a_schedule_that_cannot_be_planned_fails_alone_and_the_others_fire(
+    core: Core, tmp_path: Path, db: Conn
+) -> None:
+    """A stored schedule the engine cannot plan (its zone gone from the tz database:
+    US/Pacific-New was dropped in 2020b) records a failed fire at its slot naming why, and
+    waits, with no next fire, until it is changed. It failed the turn of every schedule
+    due with it: the engine stepped down, led again and met it again, once a poll, and no
+    schedule fired any more (readiness said 200 throughout)."""
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock)
+    try:
+        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
+        (epoch,) = db.execute("SELECT epoch FROM cron.leader").fetchone() or (None,)
+        good = create(cron, name="good", expression="* * * * *", timezone="UTC")
+        bad = create(cron, name="bad", expression="* * * * *", timezone="UTC")
+        db.execute("UPDATE cron.schedules SET timezone = 'US/Pacific-New' WHERE id = %s", (bad,))
+        clock.set(SLOT)
+        wait_for(lambda: settled(db, good, 1) and settled(db, bad, 1))
+        assert [r[1] for r in fires(db, good)] == ["submitted"]
+        row = db.execute(
+            "SELECT f.fire_time, f.outcome, f.detail, s.next_fire_at FROM cron.fires f"
+            " JOIN cron.schedules s ON s.id = f.schedule_id WHERE s.id = %s",
+            (bad,),
+        ).fetchone()
+        assert row is not None
+        assert row[:2] == (SLOT, "failed") and "US/Pacific-New" in row[2], row
+        assert row[3] is None, "it waits until it is changed"
+        clock.set(SLOT + timedelta(minutes=1))
+        wait_for(lambda: settled(db, good, 2))
+        assert len(fires(db, bad)) == 1
+        assert db.execute("SELECT epoch FROM cron.leader").fetchone() == (epoch,)
+        assert httpx.get(cron.url + "/readyz").status_code == 200
     finally:
         cron.stop()
