@@ -55,6 +55,7 @@ from libs.common.models import (
     NotificationEvent,
     Task,
     TaskCreate,
+    first_error,
 )
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
@@ -203,9 +204,8 @@ class Unreadable(Exception):
     older bounds, or changed by hand): ``Engine.set_aside`` fails its runs."""
 
     def __init__(self, workflow_id: int, cause: Exception) -> None:
-        if isinstance(cause, ValidationError) and cause.errors():
-            first = cause.errors()[0]
-            said = f"{'.'.join(map(str, first['loc'])) or 'definition'}: {first['msg']}"
+        if isinstance(cause, ValidationError):
+            said = first_error(cause)
         else:
             said = f"{type(cause).__name__}: {cause}"
         self.workflow_id = workflow_id
