@@ -41,7 +41,13 @@ from typing import Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import locks
-from libs.common.leader import Elector, LeadershipLost, Lease, lead_forever
+from libs.common.leader import (
+    FAILED_LEAD_PAUSE_MAX_S,
+    Elector,
+    LeadershipLost,
+    Lease,
+    lead_forever,
+)
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import ontime, timing
@@ -244,6 +250,9 @@ class CronEngine:
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
         self.turned_at: float | None = None  # loop time of the fire loop's last turn
+        #: (first, last) loop time and kind of the leads that failed one after another
+        #: (``lead_forever``'s ``failed``); a fire loop turn that completes clears it
+        self.failing: tuple[float, float, str] | None = None
         self._telling: set[asyncio.Task[None]] = set()
 
     # --- leadership ---------------------------------------------------------------------
@@ -261,7 +270,13 @@ class CronEngine:
             lead,
             pause_s=self.settings.cron_leader_poll_s,
             stepped_down=self._step_down,
+            failed=self._lead_failed,
         )
+
+    def _lead_failed(self, exc: Exception) -> None:
+        now = asyncio.get_running_loop().time()
+        first = now if self.failing is None else self.failing[0]
+        self.failing = (first, now, type(exc).__name__)
 
     async def _lead(self, lease: Lease) -> None:
         self.leader = True
@@ -523,6 +538,7 @@ class CronEngine:
                 self._forget_past(now)
                 self._purged_at = loop.time()
             await self._prefetch(self.clock.now())
+            self.failing = None  # a turn went through
             await self._sleep(loop)
 
     def _forget_past(self, now: datetime) -> None:
@@ -825,9 +841,20 @@ class CronEngine:
 
     def unready(self, runner: asyncio.Task[None] | None) -> str | None:
         """Why this replica's engine cannot fire (for ``/readyz``), or None: its task
-        ended, or it leads and its fire loop has not turned for a minute."""
+        ended, or it leads and its fire loop has not turned for a minute, or its leads
+        have failed one after another for as long (and the last failed within the
+        longest pause between them: a replica another one relieved is ready again)."""
         if runner is None or runner.done():
             return "the cron engine is not running"
+        if self.failing is not None:
+            first, last, kind = self.failing
+            recent = FAILED_LEAD_PAUSE_MAX_S + 2 * self.settings.cron_leader_poll_s
+            now = asyncio.get_running_loop().time()
+            if last - first >= self.settings.cron_stall_s and now - last <= recent:
+                return (
+                    f"the cron engine's leads have failed for {last - first:.0f} s ({kind});"
+                    " see its log"
+                )
         if self.leader and self.turned_at is not None:  # set when the lead begins
             stalled = asyncio.get_running_loop().time() - self.turned_at
             if stalled > self.settings.cron_stall_s:

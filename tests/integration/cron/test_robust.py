@@ -184,3 +184,45 @@ def test_a_schedule_that_cannot_be_planned_fails_alone_and_the_others_fire(
         assert httpx.get(cron.url + "/readyz").status_code == 200
     finally:
         cron.stop()
+
+
+def test_leads_that_keep_failing_back_off_and_readiness_says_so(
+    core: Core, tmp_path: Path, db: Conn, caplog: Any
+) -> None:
+    """Every write of the fires refused (by a trigger here; a privilege taken away, a
+    constraint alike) failed every lead: the engine stepped down and led again
+    once a poll for as long as it lasted, the epoch bumped each time, and /readyz said 200
+    (each lead set the fire loop's turn anew). Now the pause between failed leads doubles
+    (to 30 s), readiness says 503 once they have failed for CAIRN_CRON_STALL_S, and once
+    the writes go through the fires are recorded and readiness is 200 again."""
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, cron_stall_s=0.5)
+    try:
+        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
+        sid = create(cron, expression="* * * * *")
+        db.execute(
+            "CREATE FUNCTION cron.refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused (a test)'; END $$"
+        )
+        db.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON cron.fires"
+            " FOR EACH ROW EXECUTE FUNCTION cron.refuse()"
+        )
+        with caplog.at_level("ERROR", logger="cairn.leader"):
+            clock.set(SLOT)
+            answer = wait_for(
+                lambda: (r := httpx.get(cron.url + "/readyz")).status_code == 503 and r,
+                timeout=20,
+            )
+        assert "leads have failed" in answer.json()["detail"], answer.json()
+        pauses = [
+            float(r.getMessage().rsplit(" in ", 1)[1].split(" s")[0])
+            for r in caplog.records
+            if "campaigning again in" in r.getMessage()
+        ]
+        assert len(pauses) >= 3 and pauses == sorted(pauses) and pauses[-1] > pauses[0], pauses
+        db.execute("DROP TRIGGER refuse ON cron.fires")
+        wait_for(lambda: settled(db, sid, 1), timeout=30)
+        wait_for(lambda: httpx.get(cron.url + "/readyz").status_code == 200, timeout=30)
+    finally:
+        cron.stop()
