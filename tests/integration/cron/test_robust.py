@@ -12,12 +12,24 @@ import httpx
 import psycopg
 
 from services.cron.engine import CronEngine
-from tests.fixtures.cron import EPOCH, FakeClock, start_cron
+from tests.fixtures.cron import EPOCH, Cron, FakeClock, start_cron
 from tests.integration.cron.test_engine import create, fires, settled
 from tests.support import Core, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 SLOT = datetime(2027, 1, 4, 12, 1, tzinfo=UTC)
+
+
+def _leading(core: Core, tmp_path: Path, **settings: Any) -> tuple[FakeClock, Cron]:
+    """A cron engine on a clock at ``EPOCH``, once it leads and its fire loop turned."""
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, **settings)
+    try:
+        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
+    except BaseException:
+        cron.stop()
+        raise
+    return clock, cron
 
 
 def test_an_unexpected_error_steps_the_engine_down_and_it_leads_again(
@@ -121,10 +133,8 @@ def test_a_slot_fired_again_does_not_replace_its_own_task(
 def test_a_pending_manual_fire_is_sent_without_a_leader_change(
     core: Core, tmp_path: Path, db: Conn
 ) -> None:
-    clock = FakeClock(EPOCH)
-    cron = start_cron(core, tmp_path, clock, cron_pending_scan_s=0.2)
+    _, cron = _leading(core, tmp_path, cron_pending_scan_s=0.2)
     try:
-        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
         sid = create(cron, expression="0 3 * * *")
         # What an API process that died after claiming a trigger leaves: a pending fire,
         # and no notification.
@@ -158,10 +168,8 @@ def test_a_schedule_that_cannot_be_planned_fails_alone_and_the_others_fire(
     waits, with no next fire, until it is changed. It failed the turn of every schedule
     due with it: the engine stepped down, led again and met it again, once a poll, and no
     schedule fired any more (readiness said 200 throughout)."""
-    clock = FakeClock(EPOCH)
-    cron = start_cron(core, tmp_path, clock)
+    clock, cron = _leading(core, tmp_path)
     try:
-        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
         (epoch,) = db.execute("SELECT epoch FROM cron.leader").fetchone() or (None,)
         good = create(cron, name="good", expression="* * * * *", timezone="UTC")
         bad = create(cron, name="bad", expression="* * * * *", timezone="UTC")
@@ -195,10 +203,8 @@ def test_leads_that_keep_failing_back_off_and_readiness_says_so(
     (each lead set the fire loop's turn anew). Now the pause between failed leads doubles
     (to 30 s), readiness says 503 once they have failed for CAIRN_CRON_STALL_S, and once
     the writes go through the fires are recorded and readiness is 200 again."""
-    clock = FakeClock(EPOCH)
-    cron = start_cron(core, tmp_path, clock, cron_stall_s=0.5)
+    clock, cron = _leading(core, tmp_path, cron_stall_s=0.5)
     try:
-        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
         sid = create(cron, expression="* * * * *")
         db.execute(
             "CREATE FUNCTION cron.refuse() RETURNS trigger LANGUAGE plpgsql AS"
