@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import httpx
 import orjson
+from pydantic import ValidationError
 
 from libs.common import tracing
 from libs.common.errors import BY_SLUG, CairnError, InvalidInput
@@ -100,6 +101,7 @@ from libs.common.models import (
     WorkerList,
     WorkerRegister,
     WorkerRegistered,
+    first_error,
 )
 from libs.common.states import TaskState
 from libs.common.transport import SAFE, LeanTransport, proxy_applies
@@ -281,6 +283,27 @@ OPTIONAL_REPORT_FIELDS = frozenset({"log_bytes", "hand_back_cause"})
 REFUSED_FOR_S = 600.0
 #: the audit report's field a core older than it refuses (``report_audit``)
 _AUDIT_KEY = frozenset({"idempotency_key"})
+
+
+def _turn_apart(content: bytes) -> TurnAnswer:
+    """A turn's answer with a leased attempt this side refuses (core leases a row stored
+    under looser bounds as it is): the other attempts read, that one kept apart by id with
+    why (``TurnAnswer._unreadable``), for the agent to fail it alone. An answer whose other
+    parts do not read, or an attempt with no id, raises as the whole answer did."""
+    body = orjson.loads(content)
+    raw = body.get("attempts") if isinstance(body, dict) else None
+    if not isinstance(raw, list):
+        return TurnAnswer.model_validate_json(content)  # raises what is wrong with it
+    answer = TurnAnswer.model_validate({**body, "attempts": []})
+    for item in raw:
+        try:
+            answer.attempts.append(Assignment.model_validate(item))
+        except ValidationError as exc:
+            attempt_id = item.get("attempt_id") if isinstance(item, dict) else None
+            if type(attempt_id) is not int:
+                raise
+            answer._unreadable.append((attempt_id, first_error(exc)))
+    return answer
 
 
 def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
@@ -500,7 +523,10 @@ class CoreClient(ApiClient):
                 timeout=httpx.Timeout(10.0 + wait, connect=2.0),
             )
         )
-        return TurnAnswer.model_validate_json(response.content)
+        try:
+            return TurnAnswer.model_validate_json(response.content)
+        except ValidationError:
+            return _turn_apart(response.content)
 
     async def _without_refused(
         self, send: Callable[[frozenset[str]], Awaitable[httpx.Response]]

@@ -29,10 +29,9 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import BigInteger, Column, DateTime, MetaData, Table, Text, TextClause, text
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from libs.common.database import connect_timeout, keepalive
+from libs.common.database import connect_timeout, keepalive, outage
 from libs.common.settings import libpq_url
 
 log = logging.getLogger("cairn.leader")
@@ -195,27 +194,54 @@ class Elector:
         return int(row[0])
 
 
+#: the longest pause between leads that failed one after another (``lead_forever``)
+FAILED_LEAD_PAUSE_MAX_S = 30.0
+
+
 async def lead_forever(
     elector: Elector,
     lead: Callable[[Lease], Awaitable[None]],
     *,
     pause_s: float,
     stepped_down: Callable[[], None] | None = None,
+    failed: Callable[[Exception], None] | None = None,
 ) -> None:
     """Campaign, ``lead`` while the lock is held (it returns or raises once the lead is
     lost), step down, campaign again, after ``pause_s``. Any failure of ``lead`` (a lost
     lock, the database gone, a pool timeout, a bug) steps down: it never stops the
-    replica from leading again."""
+    replica from leading again. A lead that failed otherwise than by losing the lead or
+    the database (``failed`` hears why) is followed by a pause that doubles from
+    ``pause_s`` to ``FAILED_LEAD_PAUSE_MAX_S`` while leads keep failing, and starts again
+    from ``pause_s`` after a lead that lasted that long: a fault that fails every lead
+    (a write refused, a bug) was met again, a traceback logged and the epoch bumped, once a
+    ``pause_s``, for as long as it lasted."""
+    loop = asyncio.get_running_loop()
+    failures = 0
     while True:
         lease = await elector.campaign()
+        began = loop.time()
+        pause = pause_s
         try:
             await lead(lease)
-        except (psycopg.Error, DBAPIError, OSError, LeadershipLost) as exc:
-            log.warning("%s leadership lost: %s", elector.name, exc)
-        except Exception:
-            log.exception("%s leader failed; stepping down to campaign again", elector.name)
+        except Exception as exc:
+            if isinstance(exc, LeadershipLost | OSError) or outage(exc) is not None:
+                failures = 0
+                log.warning("%s leadership lost: %s", elector.name, outage(exc) or exc)
+            else:
+                lasted = loop.time() - began >= FAILED_LEAD_PAUSE_MAX_S
+                failures = 1 if lasted else failures + 1
+                pause = min(FAILED_LEAD_PAUSE_MAX_S, pause_s * 2 ** min(failures - 1, 30))
+                log.exception(
+                    "%s leader failed; stepping down, campaigning again in %.2f s",
+                    elector.name,
+                    pause,
+                )
+                if failed is not None:
+                    failed(exc)
+        else:
+            failures = 0
         finally:
             if stepped_down is not None:
                 stepped_down()
             await lease.close()
-        await asyncio.sleep(pause_s)
+        await asyncio.sleep(pause)

@@ -20,7 +20,9 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    PrivateAttr,
     StringConstraints,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -140,6 +142,18 @@ class Output(BaseModel):
     """What a service answers: fields a newer service adds are ignored."""
 
     model_config = ConfigDict(extra="ignore", defer_build=True)
+
+
+def first_error(exc: ValidationError) -> str:
+    """A validation error in one line: its first error's field and reason, and how many
+    more (for a reason stored or reported, where pydantic's own text runs to lines)."""
+    errors = exc.errors()
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ())) or exc.title
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid')}{more}"
 
 
 S3Endpoint = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/]+/?$")]
@@ -1389,6 +1403,9 @@ class TurnAnswer(Output):
     state: WorkerState
     reports: list[ReportVerdict]
     attempts: list[Assignment]
+    #: leased attempts the worker could not read, (attempt id, why): ``CoreClient.turn``
+    #: takes them out of ``attempts``, for the agent to fail them alone; not on the wire
+    _unreadable: list[tuple[int, str]] = PrivateAttr(default_factory=list)
     #: the claim waited in core's line for work (a long poll): without it, work was
     #: waiting when the turn looked, and the agent's next claim is likely answered as
     #: soon (its reports ride on it rather than in a turn of their own)

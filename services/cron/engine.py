@@ -41,7 +41,13 @@ from typing import Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import locks
-from libs.common.leader import Elector, LeadershipLost, Lease, lead_forever
+from libs.common.leader import (
+    FAILED_LEAD_PAUSE_MAX_S,
+    Elector,
+    LeadershipLost,
+    Lease,
+    lead_forever,
+)
 from libs.common.settings import libpq_url
 from services.cron import store
 from services.cron.domain import ontime, timing
@@ -134,6 +140,33 @@ class Plan:
     record: list[tuple[datetime, str, str]] = field(default_factory=list)
     through: datetime | None = None
     replace: Made | None = None
+    #: the slot after ``through`` (None: no more, or it cannot be planned), and from when
+    after: datetime | None = None
+    next: datetime | None = None
+
+
+def plan_or_fail(row: Any, now: datetime) -> Plan:
+    """``plan_slots``, or for a row that cannot be planned (stored under older rules, or
+    its zone gone from the tz database) a plan that fires nothing: ``fail`` says why."""
+    try:
+        return plan_slots(row, now)
+    except Exception as exc:
+        return fail(Plan(row=row, through=row.next_fire_at), exc)
+
+
+def fail(plan: Plan, exc: Exception) -> Plan:
+    """The plan of a schedule that cannot be planned: what it would fire (its due slot if
+    nothing) is recorded ``failed`` naming why, and it has no next fire, so it waits until
+    it is changed. Any other schedule due with it fires all the same."""
+    row = plan.row
+    log.warning("schedule %s cannot be planned; it waits until changed: %r", row.id, exc)
+    why = f"the schedule cannot be planned, and waits until it is changed: {exc}"[:500]
+    slots = plan.fire or [row.next_fire_at]
+    plan.record = [r for r in plan.record if r[0] not in slots]  # one row a slot
+    plan.record.extend((s, "failed", why) for s in slots)
+    plan.fire, plan.next = [], None
+    plan.after = max(plan.through or row.next_fire_at, row.fired_through)
+    return plan
 
 
 def plan_slots(row: Any, now: datetime) -> Plan:
@@ -217,6 +250,9 @@ class CronEngine:
         self._purged_at = 0.0
         self.on_fire: Callable[[list[Result]], None] | None = None
         self.turned_at: float | None = None  # loop time of the fire loop's last turn
+        #: (first, last) loop time and kind of the leads that failed one after another
+        #: (``lead_forever``'s ``failed``); a fire loop turn that completes clears it
+        self.failing: tuple[float, float, str] | None = None
         self._telling: set[asyncio.Task[None]] = set()
 
     # --- leadership ---------------------------------------------------------------------
@@ -234,7 +270,13 @@ class CronEngine:
             lead,
             pause_s=self.settings.cron_leader_poll_s,
             stepped_down=self._step_down,
+            failed=self._lead_failed,
         )
+
+    def _lead_failed(self, exc: Exception) -> None:
+        now = asyncio.get_running_loop().time()
+        first = now if self.failing is None else self.failing[0]
+        self.failing = (first, now, type(exc).__name__)
 
     async def _lead(self, lease: Lease) -> None:
         self.leader = True
@@ -496,6 +538,7 @@ class CronEngine:
                 self._forget_past(now)
                 self._purged_at = loop.time()
             await self._prefetch(self.clock.now())
+            self.failing = None  # a turn went through
             await self._sleep(loop)
 
     def _forget_past(self, now: datetime) -> None:
@@ -541,9 +584,10 @@ class CronEngine:
             row = rows.get(sid)
             if row is None or row.version != version or row.paused or row.next_fire_at != slot:
                 continue  # changed under us: its notification brings the new version
-            plans.append(plan_slots(row, now))
+            plans.append(plan_or_fail(row, now))
         if not plans:
             return
+        _next_slots(plans)  # before sending: a schedule whose next slot fails sends nothing
         await self._check_overlap(plans)
         for plan in plans:
             if plan.replace is not None:
@@ -570,7 +614,7 @@ class CronEngine:
                 (plan.row.id, s, o, None, None, None, d, 0, plan.row.version)
                 for s, o, d in plan.record
             )
-        nexts = _next_slots(plans)
+        nexts = [(p.row.id, p.row.version, p.after, p.next) for p in plans]
         async with self._write() as conn:
             if fired:
                 await conn.execute(
@@ -797,9 +841,20 @@ class CronEngine:
 
     def unready(self, runner: asyncio.Task[None] | None) -> str | None:
         """Why this replica's engine cannot fire (for ``/readyz``), or None: its task
-        ended, or it leads and its fire loop has not turned for a minute."""
+        ended, or it leads and its fire loop has not turned for a minute, or its leads
+        have failed one after another for as long (and the last failed within the
+        longest pause between them: a replica another one relieved is ready again)."""
         if runner is None or runner.done():
             return "the cron engine is not running"
+        if self.failing is not None:
+            first, last, kind = self.failing
+            recent = FAILED_LEAD_PAUSE_MAX_S + 2 * self.settings.cron_leader_poll_s
+            now = asyncio.get_running_loop().time()
+            if last - first >= self.settings.cron_stall_s and now - last <= recent:
+                return (
+                    f"the cron engine's leads have failed for {last - first:.0f} s ({kind});"
+                    " see its log"
+                )
         if self.leader and self.turned_at is not None:  # set when the lead begins
             stalled = asyncio.get_running_loop().time() - self.turned_at
             if stalled > self.settings.cron_stall_s:
@@ -822,19 +877,24 @@ def _outdated(row: Any, fire: Ahead) -> bool:
     return row is None or bool(row.paused) or row.version != fire.version
 
 
-def _next_slots(plans: list[Plan]) -> list[tuple[int, int, datetime, datetime | None]]:
-    """(schedule, version, fired through, next slot) of each plan's schedule. Schedules
-    that share an expression, zone and last slot share the croniter computation."""
-    nexts = []
+def _next_slots(plans: list[Plan]) -> None:
+    """Set each plan's ``after`` (fired through) and ``next`` slot; a schedule whose next
+    slot cannot be computed ``fail``s. Schedules that share an expression, zone and last
+    slot share the croniter computation."""
     cache: dict[tuple[Any, ...], datetime | None] = {}
     for plan in plans:
         row = plan.row
+        if plan.after is not None:
+            continue  # failed already
         after = max(plan.through or row.next_fire_at, row.fired_through)
         key = (row.expression, row.timezone, row.starts_at, row.ends_at, after)
         if key not in cache:
-            cache[key] = store.timing_of(row).next_after(after)
-        nexts.append((row.id, row.version, after, cache[key]))
-    return nexts
+            try:
+                cache[key] = store.timing_of(row).next_after(after)
+            except Exception as exc:
+                fail(plan, exc)
+                continue
+        plan.after, plan.next = after, cache[key]
 
 
 def _keep_pending(row: Any, waiting: list[Pending], now: datetime) -> set[datetime]:

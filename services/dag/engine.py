@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import httpx
 import orjson
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import locks, tracing
@@ -55,6 +55,7 @@ from libs.common.models import (
     NotificationEvent,
     Task,
     TaskCreate,
+    first_error,
 )
 from libs.common.states import FINAL, TaskState
 from services.dag import store, traces
@@ -91,6 +92,8 @@ _RELEASED_KEPT = 100_000
 #: a turn nobody woke checks the lease and asks which chores have work at most this often;
 #: a turn that skips them waits on the feed no longer than this
 _CHORES_EVERY_S = 0.05
+#: the most workflow versions set aside kept in memory (``Engine.set_aside``)
+_UNREADABLE_KEPT = 1000
 #: Whether the feed's writes (node moves, the runs' ends, the cursor) and the releases'
 #: records wait for their WAL's flush at commit. They do not (``Lease.fencing``): on the
 #: hop's path that was one disk flush of the two between a task's end and the next
@@ -196,6 +199,20 @@ def _estimate(dag: graph.Dag, json_bytes: int) -> int:
     return _BYTES_PER_NODE * len(dag.order) + _BYTES_PER_JSON_BYTE * json_bytes
 
 
+class Unreadable(Exception):
+    """A workflow version whose stored definition cannot be parsed any more (stored under
+    older bounds, or changed by hand): ``Engine.set_aside`` fails its runs."""
+
+    def __init__(self, workflow_id: int, cause: Exception) -> None:
+        if isinstance(cause, ValidationError):
+            said = first_error(cause)
+        else:
+            said = f"{type(cause).__name__}: {cause}"
+        self.workflow_id = workflow_id
+        self.why = f"its workflow's stored definition can no longer be read ({said})"[:500]
+        super().__init__(f"workflow version {workflow_id}: {self.why}")
+
+
 class Graphs:
     """Parsed, ordered definitions by workflow version id (versions never change), least
     recently used first out, within ``size`` entries and ``max_bytes`` of memory. Parsing
@@ -211,7 +228,10 @@ class Graphs:
         entry = self._dags.get(workflow_id)
         if entry is None:
             row = await store.workflow_by_id(conn, workflow_id)
-            dag, weight = await asyncio.to_thread(parse, row.definition)
+            try:
+                dag, weight = await asyncio.to_thread(parse, row.definition)
+            except Exception as exc:
+                raise Unreadable(workflow_id, exc) from exc
             self.put(workflow_id, dag, weight)
             return dag
         self._dags.move_to_end(workflow_id)
@@ -279,6 +299,8 @@ class Engine:
         self._starts: list[Event] = []  # start events read, not yet written (``apply``)
         #: the nodes of the tasks this loop released, by task id, newest last
         self._released: OrderedDict[int, _Released] = OrderedDict()
+        #: workflow versions whose definition cannot be read: their runs were failed
+        self._unreadable: set[int] = set()
         self._starts_due = math.inf  # when they are written even if no event follows
         self._polled_at = -math.inf  # when the read of the feed's last page was sent
         #: ready nodes the feed's apply read in its transaction, for ``release`` to take
@@ -319,7 +341,7 @@ class Engine:
                 await lease.check()
                 checked = time.monotonic()
             try:
-                await self.step()
+                await self._turn()
             except LeadershipLost:
                 raise
             except Exception as exc:
@@ -329,6 +351,35 @@ class Engine:
                 pause = min(pause * 2, self.settings.retry_cap_s)
             else:
                 pause = self.settings.retry_base_s
+
+    async def _turn(self) -> None:
+        """``step``; one that met a workflow version whose definition cannot be read sets
+        it aside (``set_aside``) and the next turn goes on at once. Met again on a path
+        that does not skip it, it is a failed turn like any other (retried with backoff)."""
+        try:
+            await self.step()
+        except Unreadable as exc:
+            if exc.workflow_id in self._unreadable:
+                raise
+            await self.set_aside(exc)
+
+    async def set_aside(self, exc: Unreadable) -> None:
+        """Fail the open runs of a workflow version whose definition cannot be read (their
+        live tasks cancelled in core by ``cancel_live``), and from now on apply no event
+        to its nodes but the end of a task being cancelled. It failed every turn that met
+        it, for ever, and so every event behind it, every other workflow's."""
+        self._failed.clear()
+        async with self._write() as conn:
+            for run in await store.fail_unreadable(conn, exc.workflow_id, exc.why):
+                nodes = await store.nodes_of(conn, [run.id])
+                self._failed.append((run, max((n.try_number for n in nodes), default=0)))
+        if len(self._unreadable) >= _UNREADABLE_KEPT:
+            self._unreadable.clear()  # met again, each is set aside again
+        self._unreadable.add(exc.workflow_id)
+        log.error("%s; %d open runs of it failed", exc, len(self._failed))
+        self.metrics.finished.labels(RunState.FAILED.value).inc(len(self._failed))
+        await self._tell_failed()
+        self._reread()  # the page it failed on is read again, without it
 
     def _leading(self) -> Lease:
         if self.lease is None:
@@ -761,7 +812,7 @@ class Engine:
                 by_task[event.task_id].append(event)
         self._ended.clear()
         self._failed.clear()
-        mine = await self._nodes_of_tasks(by_task)
+        mine = await self._apart(await self._nodes_of_tasks(by_task), by_task)
         if not mine:
             await self._skip_to(cursor)  # none of this page's events moves a node
             return
@@ -804,6 +855,23 @@ class Engine:
         for state in self._ended:
             self.metrics.finished.labels(state.value).inc()
         await self._tell_failed()
+
+    async def _apart(self, mine: list[Any], by_task: Mapping[int, list[Event]]) -> list[Any]:
+        """``mine`` without the nodes of workflow versions set aside: of those only a
+        cancelling node whose task ended is written (cancelled; ``set_aside``)."""
+        if not self._unreadable:
+            return mine
+        ended = [
+            row.task_id
+            for row in mine
+            if row.workflow_id in self._unreadable
+            and any(e.to_state in FINAL for e in by_task[row.task_id])
+        ]
+        if ended:
+            async with self._write() as conn:
+                for task_id in ended:
+                    await store.cancelled(conn, task_id)
+        return [row for row in mine if row.workflow_id not in self._unreadable]
 
     async def _few_nodes(self, conn: AsyncConnection, mine: list[Any]) -> dict[int, set[str]]:
         """The nodes to read of each run whose rules settle locally (``Dag.settles_locally``):

@@ -641,6 +641,27 @@ async def time_out(conn: AsyncConnection, run_id: int) -> Row[Any] | None:
     return row
 
 
+async def fail_unreadable(conn: AsyncConnection, workflow_id: int, why: str) -> list[Row[Any]]:
+    """Fail the queued and running runs of a workflow version whose stored definition can
+    no longer be read (locked in id order, as every writer takes runs): open nodes are
+    cancelled, live ones wait for core to cancel their tasks, as a timed-out run's."""
+    rows = list(
+        await conn.execute(
+            text(
+                "UPDATE dag.runs SET state = 'failed', finished_at = now(), updated_at = now(),"
+                " started_at = COALESCE(started_at, now()), reason = :why"
+                " WHERE id IN (SELECT id FROM dag.runs WHERE workflow_id = :id"
+                " AND state IN ('queued', 'running') ORDER BY id FOR UPDATE)"
+                f" RETURNING {RUN_COLUMNS}"
+            ),
+            {"id": workflow_id, "why": why},
+        )
+    )
+    for row in rows:
+        await _cancel_nodes(conn, row.id)
+    return rows
+
+
 async def overdue_runs(conn: AsyncConnection, limit: int = 1000) -> list[int]:
     rows = await conn.execute(
         text(

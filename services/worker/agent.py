@@ -630,7 +630,22 @@ class Agent:
             # (answered -> preparing p50 0.25 -> 0.06 ms at 50 tasks/s).
             self._start_all(answer.attempts, now=True)
         self._settle(items, {v.attempt_id: v for v in answer.reports if v.status != 200})
+        for attempt_id, why in answer._unreadable:
+            self._unreadable(attempt_id, why)
         return answer
+
+    def _unreadable(self, attempt_id: int, why: str) -> None:
+        """A leased attempt whose assignment this agent cannot read (core leases a row
+        stored under looser bounds as it is) fails alone, nothing of it run; core's retry
+        policy says what follows. Its ValidationError failed the whole turn's answer: it
+        ended the agent, and the next agent leased it died of it in turn."""
+        if attempt_id in self.outbox or attempt_id in self.running:
+            return  # handed out again (``Turn.holding``): reported already, or running
+        log.error("attempt %s: its assignment cannot be read (%s); failed", attempt_id, why)
+        error = f"the worker could not read its assignment: {why}"[:4096]
+        task = asyncio.create_task(self._report(attempt_id, Report(outcome="failed", error=error)))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _heard(self, state: str, sent: float) -> None:
         if state in Workers.PRESENT:

@@ -51,6 +51,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,11 @@ LISTENER_NAME = "cairn-core-listener"
 PEERS_CHECK_S = 10.0
 _PAYLOAD_MAX = 7900  # under PostgreSQL's 8000-byte NOTIFY payload
 COALESCE_S = 0.005
+#: a listener's or announcer's session that lasted this long was a success: the pause
+#: before the next starts again at its shortest (``Notifier._connected``)
+SETTLED_S = 5.0
+#: at most one line this often says how many notes could not be read (``Notifier._lost``)
+UNREAD_LOG_S = 60.0
 
 # The other replicas' listening sessions (``Notifier.alone``), and the hello a new one sends.
 _PEERS = """SELECT count(*) FROM pg_stat_activity
@@ -173,7 +179,9 @@ class Work:
 
     @classmethod
     def load(cls, payload: str) -> Work:
-        """A payload back; one that cannot be read is a sweep (a count was lost)."""
+        """A payload back; one that cannot be read is a sweep (a count was lost). Any
+        session of the database may NOTIFY this channel: whatever its payload (a count of
+        1e400, arrays nested past the JSON reader's depth), it is read or swept."""
         try:
             body = json.loads(payload)
             return cls(
@@ -188,7 +196,7 @@ class Work:
                 },
                 ended=frozenset(int(w) for w in body.get("e", ())),
             )
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, ArithmeticError, RecursionError):
             return cls(sweep=True)
 
 
@@ -427,6 +435,8 @@ class Notifier:
         self.peers_check_s = PEERS_CHECK_S
         self._listener_pid: int | None = None
         self._uncounted = False  # the last count failed (logged once)
+        self._unread = 0  # notes that could not be read since the last line said so
+        self._unread_said = -math.inf
 
     def start(self) -> None:
         self._tasks = [
@@ -533,17 +543,28 @@ class Notifier:
         self._changed = asyncio.Event()
 
     async def _connected(self, name: str, body: Session, **args: Any) -> None:
+        """Run ``body`` on a session of its own, for good: whatever ends it (the server
+        lost, a statement refused, a bug) is logged and ``body`` runs again on a new
+        session, after a pause that doubles from 0.1 s to 5 s while sessions fail, and
+        starts again from 0.1 s after one that lasted ``SETTLED_S``: a body that fails as
+        soon as it is connected is not connected again ten times a second."""
         delay = 0.1
         while True:
+            began = time.monotonic()
             try:
                 # A dead primary noticed in seconds (``database.keepalive``), not hours.
                 async with await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True, **keepalive(self._url), **args
                 ) as conn:
-                    delay = 0.1
                     await body(conn)
             except psycopg.Error as exc:
-                log.warning("%s lost its connection (%s); retrying", name, exc)
+                if time.monotonic() - began >= SETTLED_S:
+                    delay = 0.1
+                log.warning("%s lost its connection (%s); again in %.1f s", name, exc, delay)
+            except Exception:
+                if time.monotonic() - began >= SETTLED_S:
+                    delay = 0.1
+                log.exception("%s failed; again in %.1f s", name, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -594,16 +615,40 @@ class Notifier:
         was_alone, self.alone = self.alone, self.alone and ours
         if note.channel in (CHANNEL, WORK_CHANNEL, PEERS_CHANNEL) and ours:
             return False  # our own: its waiters were woken when it was announced
-        if note.channel == WORK_CHANNEL:
-            self.line.wake(Work.load(note.payload))
-        elif note.channel == LOG_CHANNEL:
-            self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
-        elif note.channel == CHANNEL:
-            self._wake()
-        elif note.channel == DUE_CHANNEL and self.on_due is not None:
-            with contextlib.suppress(ValueError):
-                self.on_due(float(note.payload))
+        try:
+            if note.channel == WORK_CHANNEL:
+                self.line.wake(Work.load(note.payload))
+            elif note.channel == LOG_CHANNEL:
+                self._ring(int(i) for i in note.payload.split(",") if i.isdigit())
+            elif note.channel == CHANNEL:
+                self._wake()
+            elif note.channel == DUE_CHANNEL and self.on_due is not None:
+                with contextlib.suppress(ValueError):
+                    self.on_due(float(note.payload))
+        except Exception as exc:  # whatever the payload, the listener goes on
+            self._lost(note, exc)
         return was_alone and not self.alone
+
+    def _lost(self, note: psycopg.Notify, exc: Exception) -> None:
+        """A note that could not be read (any session of the database may NOTIFY these
+        channels) is a lost wake-up: every waiter here looks again. Said in one line a
+        ``UNREAD_LOG_S`` at most, without the payload (8000 bytes of anyone's)."""
+        self._wake()
+        self._ring(list(self._log_waiters))
+        self.line.wake_all()
+        self._unread += 1
+        now = time.monotonic()
+        if now - self._unread_said >= UNREAD_LOG_S:
+            log.warning(
+                "%d note(s) could not be read, the last on %s from backend %s (%s: %.200s);"
+                " every waiter looks again",
+                self._unread,
+                note.channel,
+                note.pid,
+                type(exc).__name__,
+                exc,
+            )
+            self._unread, self._unread_said = 0, now
 
     async def _send(self) -> None:
         async def body(conn: psycopg.AsyncConnection[Any]) -> None:

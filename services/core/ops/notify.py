@@ -152,7 +152,17 @@ class Deliverer:
         return len(leased)
 
     async def _deliver(self, leased: notifications.Leased) -> None:
-        status, error, took_ms = await self._send(leased)
+        try:
+            status, error, took_ms = await self._send(leased)
+        except Exception as exc:
+            # A try that failed inside core (a bug, a stored secret AES-GCM refuses) is a
+            # failed try like any other: recorded, retried on the curve, counted toward
+            # disabling, so logged once a try. Unrecorded, it went again at each lease's
+            # end for ever, and the task's exception was seen by no one. The owner is
+            # told its kind; its words (core's insides) stay in core's log.
+            log.exception("delivery %s failed inside core", leased.delivery_id)
+            why = f"could not deliver: core failed ({type(exc).__name__}; see core's log)"
+            status, error, took_ms = None, why, 0.0
         delivered = self.policy.delivered(status)
         retry_in = None if delivered else self.policy.retry_in_s(leased.tries, leased.event)
         outcome = notifications.Outcome(status, error, took_ms, delivered, retry_in)

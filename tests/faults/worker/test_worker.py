@@ -310,3 +310,33 @@ def test_a_service_is_restarted_when_it_exits_and_stopped_by_cancel(core, worker
         )
     assert db.execute("SELECT count(*) FROM core.attempts").fetchone()[0] == settled
     assert db.execute("SELECT state FROM core.tasks").fetchone() == ("cancelled",)
+
+
+def test_an_assignment_the_agent_cannot_read_fails_alone_and_the_agent_goes_on(
+    core, workers, tmp_path, db
+):
+    """Core leases a task row today's bounds refuse as it is (stored under looser ones:
+    here an upper-case digest), and the agent's reading of the whole turn's answer refused
+    it: the ValidationError ended the agent's loop and so the agent, and the attempt was
+    handed to the next agent, which died of it in turn. Now that attempt alone fails,
+    naming the field, and the agent runs the next task."""
+
+    def task(task_id: int) -> tuple[str, str | None]:
+        row = db.execute("SELECT state, last_error FROM core.tasks WHERE id = %s", (task_id,))
+        return row.fetchone()
+
+    with core.client() as alice:
+        bad = alice.post("/v1/tasks", json=shell("exit 0", retry={"max_attempts": 1})).json()
+        db.execute(
+            "UPDATE core.tasks SET artifact_sha256 = upper(artifact_sha256) WHERE id = %s",
+            (bad["id"],),
+        )
+        proc = start_worker(core, tmp_path / "w1", workers)
+        wait_for(lambda: task(bad["id"])[0] == "dead" or proc.poll() is not None, timeout=30)
+        assert proc.poll() is None, "the agent ended"
+        state, error = task(bad["id"])
+        assert state == "dead"
+        assert "artifact.sha256" in (error or ""), error
+        good = alice.post("/v1/tasks", json=shell("exit 0")).json()
+        wait_for(lambda: task(good["id"])[0] == "succeeded", timeout=30)
+    assert proc.poll() is None

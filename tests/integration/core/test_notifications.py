@@ -544,3 +544,39 @@ def test_deleting_a_subscription_while_its_delivery_is_recorded_does_not_deadloc
         assert answers == [204]
     assert db.execute("SELECT count(*) FROM core.subscriptions").fetchone()[0] == 0
     assert db.execute("SELECT count(*) FROM core.notifications").fetchone()[0] == 0
+
+
+def test_a_try_that_fails_inside_core_is_recorded_retried_and_counted(
+    db_url: str, tmp_path: Path, db
+) -> None:
+    """A try that fails inside core before any answer (here a stored secret whose nonce
+    AES-GCM refuses: a ValueError, not the Unreadable a wrong key gives) is a failed try
+    like any other: its answer recorded, retried on the curve, counted toward disabling.
+    It ended the delivery's task unseen (an exception never retrieved), nothing recorded:
+    the delivery went out again at each lease's end, for ever, never counted."""
+    hook = Receiver()
+    server = start_core(db_url, tmp_path, **FAST, notify_disable_after=2)
+    try:
+        with server.client() as alice:
+            made = subscribe(alice, hook.url)
+            db.execute(
+                "UPDATE core.subscriptions SET secret_nonce = '\\x00'::bytea WHERE id = %s",
+                (made["id"],),
+            )
+            bury(server, 1)
+
+            def disabled() -> Any:
+                found = alice.get(f"/v1/subscriptions/{made['id']}").json()
+                return found if not found["enabled"] else None
+
+            shown = wait_for(disabled, timeout=20)
+            answers = alice.get(f"/v1/subscriptions/{made['id']}/answers").json()["items"]
+            [delivery] = alice.get(f"/v1/subscriptions/{made['id']}/deliveries").json()["items"]
+        assert "ValueError" in shown["disabled_reason"], shown
+        assert [(a["try"], a["status"]) for a in answers] == [(2, None), (1, None)]
+        assert all("ValueError" in a["error"] for a in answers), answers
+        assert (delivery["state"], delivery["tries"]) == ("pending", 2)
+        assert hook.all() == []
+    finally:
+        server.stop()
+        hook.close()

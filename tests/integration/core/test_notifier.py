@@ -169,3 +169,71 @@ def test_a_replica_that_cannot_count_the_others_tells_them_and_listens_on(
             await b.notifier.stop()
 
     asyncio.run(run())
+
+
+def test_a_note_that_cannot_be_read_leaves_the_listener_listening(db_url: str) -> None:
+    """Any session of the database may NOTIFY a replica's channels: a payload no replica
+    wrote (a log bell with a digit int() refuses, a work count of 1e400, an array nested
+    past the JSON reader's depth) is a lost note, its waiters woken to look again, and the
+    listener goes on to the next. It ended the listener for good, so every replica's
+    /readyz said 503 until restarted (test: the note after them is still heard, on the
+    same session)."""
+
+    async def run() -> None:
+        sender = await psycopg.AsyncConnection.connect(libpq_url(db_url), autocommit=True)
+        a = _Counted(db_url)
+        a.notifier.start()
+        try:
+            await _until(lambda: a.notifier._listener_pid and a.wakes)
+            pid = a.notifier._listener_pid
+            bell = asyncio.create_task(a.notifier.wait_log(7, 30.0))
+            await asyncio.sleep(0)
+            for channel, payload in [
+                (feed.LOG_CHANNEL, "²"),
+                (WORK_CHANNEL, '{"n": 1e400}'),
+                (WORK_CHANNEL, "[" * 5000),
+                (DUE_CHANNEL, "1e400"),
+                (DUE_CHANNEL, "2000000000.5"),
+            ]:
+                await sender.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+            await _until(lambda: 2000000000.5 in a.dues)
+            assert bell.done(), "a bell that cannot be read rings every follower"
+            assert [t.done() for t in a.notifier.tasks] == [False, False]
+            row = await (
+                await sender.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND application_name"
+                    " = %s",
+                    (pid, feed.LISTENER_NAME),
+                )
+            ).fetchone()
+            assert row == (1,), "the same session listens on"
+        finally:
+            await a.notifier.stop()
+            await sender.close()
+
+    asyncio.run(run())
+
+
+def test_a_listener_that_fails_once_connected_is_not_connected_again_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session that fails as soon as it is connected (here its hello, refused by
+    PostgreSQL) is connected again after a pause that doubles (0.1, 0.2, 0.4, 0.8 s...):
+    the pause started again at 0.1 s at every connection, so such a listener connected,
+    failed and logged ten times a second for as long as the fault lasted."""
+    monkeypatch.setattr(feed, "_HELLO", "SELECT pg_notify('', '')")  # channel name empty
+
+    async def run() -> None:
+        a = Notifier(db_url)
+        a.start()
+        try:
+            await asyncio.sleep(2.0)
+            assert [t.done() for t in a.tasks] == [False, False]
+        finally:
+            await a.stop()
+
+    with caplog.at_level("WARNING", logger="cairn.core.feed"):
+        asyncio.run(run())
+    failures = [r for r in caplog.records if r.getMessage().startswith("event listener")]
+    # 0.1 + 0.2 + 0.4 + 0.8 s of pauses after the first four: at most five in 2 s.
+    assert 1 <= len(failures) <= 6, len(failures)

@@ -12,12 +12,24 @@ import httpx
 import psycopg
 
 from services.cron.engine import CronEngine
-from tests.fixtures.cron import EPOCH, FakeClock, start_cron
-from tests.integration.cron.test_engine import create
+from tests.fixtures.cron import EPOCH, Cron, FakeClock, start_cron
+from tests.integration.cron.test_engine import create, fires, settled
 from tests.support import Core, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 SLOT = datetime(2027, 1, 4, 12, 1, tzinfo=UTC)
+
+
+def _leading(core: Core, tmp_path: Path, **settings: Any) -> tuple[FakeClock, Cron]:
+    """A cron engine on a clock at ``EPOCH``, once it leads and its fire loop turned."""
+    clock = FakeClock(EPOCH)
+    cron = start_cron(core, tmp_path, clock, **settings)
+    try:
+        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
+    except BaseException:
+        cron.stop()
+        raise
+    return clock, cron
 
 
 def test_an_unexpected_error_steps_the_engine_down_and_it_leads_again(
@@ -121,10 +133,8 @@ def test_a_slot_fired_again_does_not_replace_its_own_task(
 def test_a_pending_manual_fire_is_sent_without_a_leader_change(
     core: Core, tmp_path: Path, db: Conn
 ) -> None:
-    clock = FakeClock(EPOCH)
-    cron = start_cron(core, tmp_path, clock, cron_pending_scan_s=0.2)
+    _, cron = _leading(core, tmp_path, cron_pending_scan_s=0.2)
     try:
-        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
         sid = create(cron, expression="0 3 * * *")
         # What an API process that died after claiming a trigger leaves: a pending fire,
         # and no notification.
@@ -146,5 +156,79 @@ def test_a_pending_manual_fire_is_sent_without_a_leader_change(
             (str(sid),),
         ).fetchall()
         assert keys == [(f"cron:{sid}:manual:{EPOCH.isoformat()}",)]
+    finally:
+        cron.stop()
+
+
+def test_a_schedule_that_cannot_be_planned_fails_alone_and_the_others_fire(
+    core: Core, tmp_path: Path, db: Conn
+) -> None:
+    """A stored schedule the engine cannot plan (its zone gone from the tz database:
+    US/Pacific-New was dropped in 2020b) records a failed fire at its slot naming why, and
+    waits, with no next fire, until it is changed. It failed the turn of every schedule
+    due with it: the engine stepped down, led again and met it again, once a poll, and no
+    schedule fired any more (readiness said 200 throughout)."""
+    clock, cron = _leading(core, tmp_path)
+    try:
+        (epoch,) = db.execute("SELECT epoch FROM cron.leader").fetchone() or (None,)
+        good = create(cron, name="good", expression="* * * * *", timezone="UTC")
+        bad = create(cron, name="bad", expression="* * * * *", timezone="UTC")
+        db.execute("UPDATE cron.schedules SET timezone = 'US/Pacific-New' WHERE id = %s", (bad,))
+        clock.set(SLOT)
+        wait_for(lambda: settled(db, good, 1) and settled(db, bad, 1))
+        assert [r[1] for r in fires(db, good)] == ["submitted"]
+        row = db.execute(
+            "SELECT f.fire_time, f.outcome, f.detail, s.next_fire_at FROM cron.fires f"
+            " JOIN cron.schedules s ON s.id = f.schedule_id WHERE s.id = %s",
+            (bad,),
+        ).fetchone()
+        assert row is not None
+        assert row[:2] == (SLOT, "failed") and "US/Pacific-New" in row[2], row
+        assert row[3] is None, "it waits until it is changed"
+        clock.set(SLOT + timedelta(minutes=1))
+        wait_for(lambda: settled(db, good, 2))
+        assert len(fires(db, bad)) == 1
+        assert db.execute("SELECT epoch FROM cron.leader").fetchone() == (epoch,)
+        assert httpx.get(cron.url + "/readyz").status_code == 200
+    finally:
+        cron.stop()
+
+
+def test_leads_that_keep_failing_back_off_and_readiness_says_so(
+    core: Core, tmp_path: Path, db: Conn, caplog: Any
+) -> None:
+    """Every write of the fires refused (by a trigger here; a privilege taken away, a
+    constraint alike) failed every lead: the engine stepped down and led again
+    once a poll for as long as it lasted, the epoch bumped each time, and /readyz said 200
+    (each lead set the fire loop's turn anew). Now the pause between failed leads doubles
+    (to 30 s), readiness says 503 once they have failed for CAIRN_CRON_STALL_S, and once
+    the writes go through the fires are recorded and readiness is 200 again."""
+    clock, cron = _leading(core, tmp_path, cron_stall_s=0.5)
+    try:
+        sid = create(cron, expression="* * * * *")
+        db.execute(
+            "CREATE FUNCTION cron.refuse() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN RAISE EXCEPTION 'refused (a test)'; END $$"
+        )
+        db.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON cron.fires"
+            " FOR EACH ROW EXECUTE FUNCTION cron.refuse()"
+        )
+        with caplog.at_level("ERROR", logger="cairn.leader"):
+            clock.set(SLOT)
+            answer = wait_for(
+                lambda: (r := httpx.get(cron.url + "/readyz")).status_code == 503 and r,
+                timeout=20,
+            )
+        assert "leads have failed" in answer.json()["detail"], answer.json()
+        pauses = [
+            float(r.getMessage().rsplit(" in ", 1)[1].split(" s")[0])
+            for r in caplog.records
+            if "campaigning again in" in r.getMessage()
+        ]
+        assert len(pauses) >= 3 and pauses == sorted(pauses) and pauses[-1] > pauses[0], pauses
+        db.execute("DROP TRIGGER refuse ON cron.fires")
+        wait_for(lambda: settled(db, sid, 1), timeout=30)
+        wait_for(lambda: httpx.get(cron.url + "/readyz").status_code == 200, timeout=30)
     finally:
         cron.stop()
