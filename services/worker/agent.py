@@ -607,9 +607,15 @@ class Agent:
             # Core knows no such worker (or lease): nothing of this turn can ever land.
             self._settle(items, {}, str(exc))
             return None
-        except (httpx.TransportError, CairnError) as exc:
-            log.warning("turn failed: %s", exc)
-            self._put_back(items, unheard=isinstance(exc, httpx.TransportError))
+        except Exception as exc:
+            # Core's answer not had: lost (transport), refused (a problem), or one this
+            # agent cannot read (a proxy's page for core's answer, a bug: core may have
+            # applied the turn); such an error ended the agent and lost what it carried
+            if isinstance(exc, (httpx.TransportError, CairnError)):
+                log.warning("turn failed: %s", exc)
+            else:
+                log.exception("turn failed: core's answer could not be read")
+            self._put_back(items, unheard=not isinstance(exc, CairnError))
             self._put_back_notes(notes)
             self.started.update(started)
             self.unanswered = self.unanswered or room is not None

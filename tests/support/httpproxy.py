@@ -14,8 +14,8 @@ MAX_HEAD = 64 * 1024
 
 class Proxy(LoopServer):
     """Passes every request to core at ``backend`` and its answer back, unless ``answer``
-    answers it itself, ``hold`` delays the request or ``drop`` closes the connection
-    instead of passing an answer."""
+    answers it itself, ``hold`` delays the request, ``drop`` closes the connection
+    instead of passing an answer or ``replace`` passes another."""
 
     def __init__(self, backend: int) -> None:
         self.backend = backend
@@ -27,6 +27,11 @@ class Proxy(LoopServer):
     def drop(self, head: bytes, answer: bytes) -> bool:
         """Whether to close the agent's connection instead of passing core's answer."""
         return False
+
+    def replace(self, head: bytes, answer: bytes) -> bytes | None:
+        """A whole HTTP message to pass instead of core's answer (core heard the
+        request); None passes core's."""
+        return None
 
     async def answer(self, head: bytes, body: bytes) -> bytes | None:
         """An answer of the proxy's own (a whole HTTP message) instead of core's, the
@@ -63,7 +68,7 @@ class Proxy(LoopServer):
                 answer_head, answer = await self._message(core_r)
                 if self.drop(head, answer):
                     return  # both connections closed below: the answer never arrives
-                agent_w.write(answer_head + answer)
+                agent_w.write(self.replace(head, answer) or answer_head + answer)
                 await agent_w.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass

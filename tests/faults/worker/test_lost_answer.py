@@ -144,3 +144,67 @@ def test_a_report_whose_answer_is_lost_is_sent_again_and_refused_as_applied(
     finally:
         stop_process(agent, signal.SIGKILL)
         proxy.stop()
+
+
+class GarblingProxy(Proxy):
+    """Once, passes a page of its own (a 200 that is not core's JSON, as a misconfigured
+    gateway may) instead of core's answer to a turn that leased work."""
+
+    PAGE = b"<html><body>gateway</body></html>"
+
+    def __init__(self, backend: int) -> None:
+        self.garbled: list[bytes] = []
+        super().__init__(backend)
+
+    def replace(self, head: bytes, answer: bytes) -> bytes | None:
+        turn = head.split(b" ", 2)[1].endswith(b"/turn")
+        if not turn or self.garbled or b'"attempts":[{' not in answer:
+            return None
+        self.garbled.append(answer)
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n"
+        return head % len(self.PAGE) + self.PAGE
+
+
+def test_an_answer_the_agent_cannot_read_is_a_failed_turn_and_the_lease_runs_once(
+    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """A turn's answer the agent cannot read (core committed the lease; what came back
+    is not its JSON) raised past the turn's handling: the agent ended, and its attempt
+    waited for the heartbeat to call it lost. Now it is a failed turn like a lost
+    answer: the agent goes on, says what it holds, gets the same attempt again and runs
+    it once; the next task runs on the same agent."""
+    proxy = GarblingProxy(int(core.url.rsplit(":", 1)[1]))
+    shared = shared_dir()
+    agent = spawn_worker(
+        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
+        tmp_path / "worker",
+        "garbled-answer-worker",
+    )
+    db.autocommit = True
+
+    def state(task: int) -> str:
+        row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    try:
+        with core.client("alice") as alice:
+            # a file a task: each attempt runs as a uid of its own
+            body = shell_spec(f"echo ran >> {shared}/first", retry={"max_attempts": 1})
+            first = alice.post("/v1/tasks", json=body).json()["id"]
+            wait_for(lambda: state(first) in ("succeeded", "failed", "dead"), timeout=30)
+            assert agent.poll() is None, "the agent ended"
+            body = shell_spec(f"echo ran >> {shared}/second", retry={"max_attempts": 1})
+            second = alice.post("/v1/tasks", json=body).json()["id"]
+            wait_for(lambda: state(second) in ("succeeded", "failed", "dead"), timeout=30)
+        assert len(proxy.garbled) == 1
+        attempts = db.execute(
+            "SELECT task_id, count(*), min(outcome) FROM core.attempts GROUP BY task_id"
+            " ORDER BY task_id"
+        ).fetchall()
+        assert attempts == [(first, 1, "succeeded"), (second, 1, "succeeded")]
+        assert (shared / "first").read_text() == "ran\n"  # run once
+        assert agent.poll() is None
+    finally:
+        stop_process(agent, signal.SIGKILL)
+        proxy.stop()
