@@ -71,14 +71,16 @@ class Promoter:
             self._wake.set()
 
     async def run(self) -> None:
+        failures = Failures("promoter", self.poll_s)
         while True:
             self._deadline, self._earliest = -math.inf, math.inf
             try:
                 wait = await self.step()
             except Exception as exc:
                 # A loop that dies stops promoting for good: log, and go on.
-                failed(exc, "promoter")
-                wait = self.poll_s
+                wait = failures.failed(exc)
+            else:
+                failures.worked()
             # A hint heard during the pass may be for a task the pass did not see yet.
             due_timer = wait < self.poll_s or self._earliest < math.inf
             self._deadline = min(time.time() + wait, self._earliest)
@@ -117,24 +119,62 @@ class Promoter:
             await asyncio.sleep(0)
 
 
-def failed(exc: Exception, name: str) -> None:
-    """A loop's turn failed: one line while the database is out of reach (each turn
-    meets it again until it is back), the traceback for anything else."""
-    if (why := outage(exc)) is not None:
-        log.warning("%s failed; retrying: %s", name, why)
-    else:
-        log.error("%s failed; retrying", name, exc_info=exc)
+#: a loop whose turns keep failing says so again at most this often (with the count)
+FAILED_TELL_S = 60.0
+#: the longest pause a failing loop backs off to (its own interval, when longer)
+FAILED_PAUSE_MAX_S = 5.0
+
+
+class Failures:
+    """A loop's turns failed in a row. The first is told whole (one line while the
+    database is out of reach, the traceback for anything else), then once every
+    ``FAILED_TELL_S`` with the count: a fault that lasts (a bug the loop meets at every
+    turn, a table refusing its writes) logged a traceback every turn, thousands an hour.
+    The pause after each doubles from the loop's interval up to ``FAILED_PAUSE_MAX_S``
+    (or the interval, when longer); a turn that works ends the streak, saying so."""
+
+    def __init__(
+        self, name: str, interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.clock = clock
+        self.count = 0
+        self.told_at = -math.inf
+
+    def failed(self, exc: Exception) -> float:
+        """Count (and tell, if due) a failed turn; return the pause before the next."""
+        self.count += 1
+        now = self.clock()
+        if self.count == 1 or now - self.told_at >= FAILED_TELL_S:
+            self.told_at = now
+            again = "" if self.count == 1 else f" ({self.count} turns in a row)"
+            if (why := outage(exc)) is not None:
+                log.warning("%s failed%s; retrying: %s", self.name, again, why)
+            else:
+                log.error("%s failed%s; retrying", self.name, again, exc_info=exc)
+        ceiling = max(self.interval_s, FAILED_PAUSE_MAX_S)
+        return min(self.interval_s * 2 ** min(self.count - 1, 30), ceiling)
+
+    def worked(self) -> None:
+        if self.count > 1:
+            log.warning("%s works again after %d failed turns", self.name, self.count)
+        self.count = 0
+        self.told_at = -math.inf
 
 
 async def every(interval_s: float, name: str, step: Callable[[], Awaitable[int]]) -> None:
-    """Run ``step`` forever, again at once while it finds work, else every ``interval_s``."""
+    """Run ``step`` forever, again at once while it finds work, else every ``interval_s``;
+    a failed turn is logged and the loop goes on after a pause (``Failures``): a loop
+    that dies stops reaping or promoting for good."""
+    failures = Failures(name, interval_s)
     while True:
         try:
             moved = await step()
         except Exception as exc:
-            # A loop that dies stops reaping or promoting for good: log, and go on.
-            failed(exc, name)
-            moved = 0
+            await asyncio.sleep(failures.failed(exc))
+            continue
+        failures.worked()
         if moved == 0:
             await asyncio.sleep(interval_s)
         else:
