@@ -42,6 +42,7 @@ from services.worker.isolation import (
     Identity,
     Sandbox,
     UidPool,
+    ipc_namespaces_work,
     kill_every_process_of,
     mount_namespaces_work,
     searchable_by_others,
@@ -108,6 +109,7 @@ class Host:
         #: attempts' homes and tmp on a tmpfs of their own, sized by their disk quota
         self.tmpfs = False
         self.fresh_shm = False  # a private /dev/shm (not where the run folder lies)
+        self.own_ipc = False  # an IPC namespace per attempt (``Sandbox.ipc``)
         self.tmp_targets: tuple[str, ...] = ()
         self.cgroups: Cgroups | None = None
         self.run_dir = settings.worker_run_dir or settings.home / "attempts"
@@ -146,6 +148,7 @@ class Host:
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
             notes.append(self._disk_note())
+            notes.append(self._ipc_note())
         notes.append(self._egress_note())
         self.cgroups, note = Cgroups.detect(devices=bool(self.device_nodes))
         notes.append(note)
@@ -222,6 +225,15 @@ class Host:
         if shared:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
         return note
+
+    def _ipc_note(self) -> str:
+        if not ipc_namespaces_work():
+            return (
+                "no IPC namespaces here: System V shared memory and message queues an "
+                "attempt leaves outlive it, and the next attempt given its uid may use them"
+            )
+        self.own_ipc = True
+        return "each attempt has its own System V IPC (an IPC namespace), gone with it"
 
     def _disk_note(self) -> str:
         if not self.private_tmp or not tmpfs.works():
@@ -517,6 +529,7 @@ class Host:
             shm=self.fresh_shm,
             rlimits=tuple(limits),
             netns=assignment.egress is not None and assignment.egress.mode == "none",
+            ipc=self.own_ipc,
             mount=folders.mount,
             home=str(folders.home) if folders.mount is not None else None,
             bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,

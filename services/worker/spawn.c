@@ -36,6 +36,8 @@
  *   t dir      the private /tmp source T path  a target bound on it (/tmp, /var/tmp)
  *   s          a fresh /dev/shm        c       the second descriptor is a cgroup2 folder
  *   n          a network namespace of its own, loopback up (nothing else)
+ *   i          an IPC namespace of its own: the System V shared memory, message queues
+ *              and semaphores it makes end with its last process, seen by no other
  *   m dir      the passed detached mount (the attempt's tmpfs, made by the agent with
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
  *   b path     the sealed executable, bound on the executable's path (x) in the
@@ -113,7 +115,7 @@
 #endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
-            NETWORK, SOURCE };
+            NETWORK, SOURCE, IPC };
 
 /* What the helper sends: a reply to each request, numbered as its request (seq; in
  * order but for a start whose source is checked, which comes when its check ends), and
@@ -136,7 +138,7 @@ struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 struct request {
     char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
-    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, source_ms;
+    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, ipc, source_ms;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
@@ -216,6 +218,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
+        case 'i': r->ipc = 1; break;
         case 'u': if (parse_id(value, &r->uid) < 0) return -1; break;
         case 'g': if (parse_id(value, &r->gid) < 0) return -1; break;
         case 'a': if (r->argc < MAX_ITEMS - 1) r->argv[r->argc++] = value; else return -1; break;
@@ -579,6 +582,7 @@ static void become(struct request *r, int status_fd) {
             fail(status_fd, MOUNTS);
     }
     if (r->netns && (unshare(CLONE_NEWNET) < 0 || loopback_up() < 0)) fail(status_fd, NETWORK);
+    if (r->ipc && unshare(CLONE_NEWIPC) < 0) fail(status_fd, IPC);
     for (int i = 0; i < r->nlimits; i++) {
         struct rlimit limit = {r->limit_value[i], r->limit_value[i]};
         if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);

@@ -13,7 +13,7 @@ import pytest
 
 from services.worker import hardening
 from services.worker.cgroups import Cgroups, cpu_bandwidth
-from services.worker.isolation import IsolationError, UidPool, remove_tree
+from services.worker.isolation import IsolationError, Sandbox, UidPool, remove_tree
 
 
 def test_a_scrubbed_secret_is_gone_from_proc_self_environ() -> None:
@@ -148,3 +148,22 @@ def test_cpu_bandwidth_keeps_the_share_and_gives_small_requests_10_ms_periods() 
         assert 100_000 <= period <= 1_000_000 and quota >= 1000
         assert quota >= 10_000 or period == 1_000_000
         assert abs(quota / period - cpu) <= max(0.001, cpu * 0.01)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an IPC namespace needs root")
+def test_a_forked_attempt_gets_an_ipc_namespace_of_its_own() -> None:
+    """Where the agent forks an attempt itself (no spawn helper), ``Sandbox.ipc`` enters
+    a new IPC namespace as the helper does (``tests/security/test_attempt_ipc.py``)."""
+
+    def namespace(sandbox: Sandbox) -> str:
+        return subprocess.run(
+            ["readlink", "/proc/self/ns/ipc"],
+            preexec_fn=sandbox.preexec(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    host = os.readlink("/proc/self/ns/ipc")
+    assert namespace(Sandbox()) == host
+    assert namespace(Sandbox(ipc=True)) not in ("", host)
