@@ -33,6 +33,7 @@ import fcntl
 import itertools
 import logging
 import os
+import platform
 import random
 import resource
 import socket
@@ -127,9 +128,11 @@ class Sandbox:
                 resource.setrlimit(which, (value, value))
             if self.identity is not None:
                 uid, gid = self.identity.uid, self.identity.gid
+                join_keyring()
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)
+                empty_keyrings()
             hardening.no_new_privs()
             os.umask(0o077)
 
@@ -177,6 +180,55 @@ def _unshare(flag: int) -> None:
     if _libc.unshare(flag) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"unshare: {os.strerror(errno)}")
+
+
+#: keyctl(2)'s number, for a fork of the agent (the spawn helper has ``SYS_keyctl``)
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+_JOIN, _EMPTY, _PERSISTENT = 1, 7, 22
+_SESSION, _USER, _USER_SESSION = -3, -4, -5
+
+
+def _keyctl(*args: int | None) -> int:
+    assert _KEYCTL is not None
+    result = int(_libc.syscall(_KEYCTL, *(ctypes.c_long(a) if a is not None else a for a in args)))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"keyctl: {os.strerror(code)}")
+    return result
+
+
+#: a keyring that the uid's quota had no room to make held nothing, and without keys
+#: (or persistent keyrings) in the kernel there is nothing to empty
+_NOTHING_THERE = (errno.ENOSYS, errno.EOPNOTSUPP, errno.EDQUOT)
+
+
+def join_keyring() -> None:
+    """As root, before the uid is dropped: a session keyring of the attempt's own
+    (``spawn.c``, ``join_keyring``, says why)."""
+    if _KEYCTL is not None:
+        with _tolerating(errno.ENOSYS):
+            _keyctl(_JOIN, None)
+
+
+def empty_keyrings() -> None:
+    """As the attempt's uid: its user, user-session and persistent keyrings emptied of
+    what an earlier attempt of the uid left (``spawn.c``, ``empty_keyrings``)."""
+    if _KEYCTL is None:
+        return
+    for ring in (_USER, _USER_SESSION):
+        with _tolerating(*_NOTHING_THERE):
+            _keyctl(_EMPTY, ring)
+    with _tolerating(*_NOTHING_THERE):
+        _keyctl(_EMPTY, _keyctl(_PERSISTENT, -1, _SESSION))
+
+
+@contextlib.contextmanager
+def _tolerating(*codes: int) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in codes:
+            raise
 
 
 def own_network() -> None:

@@ -115,7 +115,7 @@
 #endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
-            NETWORK, SOURCE, IPC };
+            NETWORK, SOURCE, IPC, KEYRINGS };
 
 /* What the helper sends: a reply to each request, numbered as its request (seq; in
  * order but for a start whose source is checked, which comes when its check ends), and
@@ -241,6 +241,37 @@ static void fail(int status_fd, enum step step) {
     struct reply reply = {REPLY, 0, step, errno, -1, 0, 0};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
+}
+
+/* The kernel's keyrings the attempt reaches, made its own. A session keyring of its own,
+ * joined as root (before the uid is dropped: charged to root's quota, so a uid whose
+ * quota an earlier attempt filled still gets one): it inherited the helper's, which is
+ * the agent's (under systemd a service has one), every attempt's, and possessing a
+ * keyring grants its possessor's rights whatever the uid. Then, as its uid, its user,
+ * user-session and persistent keyrings emptied of what an earlier attempt of the uid
+ * left there: they outlive their processes (the persistent one for
+ * kernel.keys.persistent_keyring_expiry). One the uid's quota has no room to make did
+ * not exist, so held nothing (EDQUOT); nothing to do without keys in the kernel
+ * (ENOSYS) or persistent keyrings (EOPNOTSUPP). */
+#define KEYCTL_JOIN 1
+#define KEYCTL_EMPTY 7
+#define KEYCTL_PERSISTENT 22
+#define KEYRING_SESSION (-3)
+#define KEYRING_USER (-4)
+#define KEYRING_USER_SESSION (-5)
+static int nothing_there(void) {
+    return errno == ENOSYS || errno == EOPNOTSUPP || errno == EDQUOT;
+}
+static int join_keyring(void) {
+    return syscall(SYS_keyctl, KEYCTL_JOIN, NULL) < 0 && errno != ENOSYS ? -1 : 0;
+}
+static int empty_keyrings(void) {
+    if (syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER) < 0 && !nothing_there()) return -1;
+    if (syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER_SESSION) < 0 && !nothing_there())
+        return -1;
+    long persistent = syscall(SYS_keyctl, KEYCTL_PERSISTENT, -1, KEYRING_SESSION);
+    if (persistent < 0) return nothing_there() ? 0 : -1;
+    return syscall(SYS_keyctl, KEYCTL_EMPTY, persistent) < 0 && !nothing_there() ? -1 : 0;
 }
 
 /* A fresh network namespace has loopback, down: bring it up. */
@@ -588,9 +619,11 @@ static void become(struct request *r, int status_fd) {
         if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);
     }
     if (r->uid >= 0) {
+        if (join_keyring() < 0) fail(status_fd, KEYRINGS);
         if (setgroups(0, NULL) < 0) fail(status_fd, IDENTITY);
         if (setresgid(r->gid, r->gid, r->gid) < 0) fail(status_fd, IDENTITY);
         if (setresuid(r->uid, r->uid, r->uid) < 0) fail(status_fd, IDENTITY);
+        if (empty_keyrings() < 0) fail(status_fd, KEYRINGS);
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail(status_fd, PRIVS);
     umask(077);

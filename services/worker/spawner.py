@@ -83,6 +83,7 @@ _STEPS = {
     10: "network namespace",
     11: "file:// source",
     12: "IPC namespace",
+    13: "keyrings",
 }
 EXEC_STEP = 8
 #: the step at which the spawn helper found a ``file://`` source not the file of its stamp

@@ -4,6 +4,7 @@ uid pool, folder removal that never follows links, and (as root) attempt cgroups
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 
 from services.worker import hardening
 from services.worker.cgroups import Cgroups, cpu_bandwidth
-from services.worker.isolation import IsolationError, Sandbox, UidPool, remove_tree
+from services.worker.isolation import Identity, IsolationError, Sandbox, UidPool, remove_tree
 
 
 def test_a_scrubbed_secret_is_gone_from_proc_self_environ() -> None:
@@ -167,3 +168,38 @@ def test_a_forked_attempt_gets_an_ipc_namespace_of_its_own() -> None:
     host = os.readlink("/proc/self/ns/ipc")
     assert namespace(Sandbox()) == host
     assert namespace(Sandbox(ipc=True)) not in ("", host)
+
+
+KEYS = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if sys.argv[1] == "write":
+    print(libc.syscall(248, b"user", b"cairn-unit", b"left", ctypes.c_long(4), ctypes.c_long(-4)))
+else:
+    print(libc.syscall(250, ctypes.c_long(10), ctypes.c_long(-4), b"user", b"cairn-unit", 0))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to a uid needs root")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="keyctl(2) by its x86-64 number")
+def test_a_forked_attempt_finds_its_uids_keyrings_emptied() -> None:
+    """Where the agent forks an attempt itself, ``Sandbox.preexec`` empties the uid's
+    keyrings as the spawn helper does (``tests/security/test_attempt_keyrings.py``): a
+    key the last attempt of the uid left in its user keyring is gone."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    uid = 20000 + 1000 * (index % 9) + 994
+    sandbox = Sandbox(identity=Identity(uid, uid))
+
+    def as_attempt(mode: str) -> int:
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", KEYS, mode],
+            preexec_fn=sandbox.preexec(),
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd="/",
+        )
+        return int(done.stdout)
+
+    assert as_attempt("write") > 0
+    assert as_attempt("read") == -1
