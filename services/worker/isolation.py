@@ -128,11 +128,12 @@ class Sandbox:
                 resource.setrlimit(which, (value, value))
             if self.identity is not None:
                 uid, gid = self.identity.uid, self.identity.gid
-                join_keyring()
+                keyrings = join_keyring()
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)
-                empty_keyrings()
+                if keyrings:
+                    empty_keyrings()
             hardening.no_new_privs()
             os.umask(0o077)
 
@@ -202,19 +203,24 @@ def _keyctl(*args: int | None) -> int:
 _NOTHING_THERE = (errno.ENOSYS, errno.EOPNOTSUPP, errno.EDQUOT)
 
 
-def join_keyring() -> None:
+def join_keyring() -> bool:
     """As root, before the uid is dropped: a session keyring of the attempt's own
-    (``spawn.c``, ``join_keyring``, says why)."""
-    if _KEYCTL is not None:
-        with _tolerating(errno.ENOSYS):
-            _keyctl(_JOIN, None)
+    (``spawn.c``, ``join_keyring``, says why); False where there are no keyrings (no
+    keys in the kernel, or a seccomp filter refuses ``keyctl``: ENOSYS, EPERM)."""
+    if _KEYCTL is None:
+        return False
+    try:
+        _keyctl(_JOIN, None)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSYS, errno.EPERM):
+            return False
+        raise
+    return True
 
 
 def empty_keyrings() -> None:
     """As the attempt's uid: its user, user-session and persistent keyrings emptied of
     what an earlier attempt of the uid left (``spawn.c``, ``empty_keyrings``)."""
-    if _KEYCTL is None:
-        return
     for ring in (_USER, _USER_SESSION):
         with _tolerating(*_NOTHING_THERE):
             _keyctl(_EMPTY, ring)

@@ -252,7 +252,8 @@ static void fail(int status_fd, enum step step) {
  * left there: they outlive their processes (the persistent one for
  * kernel.keys.persistent_keyring_expiry). One the uid's quota has no room to make did
  * not exist, so held nothing (EDQUOT); nothing to do without keys in the kernel
- * (ENOSYS) or persistent keyrings (EOPNOTSUPP). */
+ * (ENOSYS) or persistent keyrings (EOPNOTSUPP), nor where a seccomp filter refuses
+ * keyctl to every process (EPERM: Docker's default profile). */
 #define KEYCTL_JOIN 1
 #define KEYCTL_EMPTY 7
 #define KEYCTL_PERSISTENT 22
@@ -262,8 +263,10 @@ static void fail(int status_fd, enum step step) {
 static int nothing_there(void) {
     return errno == ENOSYS || errno == EOPNOTSUPP || errno == EDQUOT;
 }
+/* 0: joined; 1: no keyrings here; -1: failed */
 static int join_keyring(void) {
-    return syscall(SYS_keyctl, KEYCTL_JOIN, NULL) < 0 && errno != ENOSYS ? -1 : 0;
+    if (syscall(SYS_keyctl, KEYCTL_JOIN, NULL) >= 0) return 0;
+    return errno == ENOSYS || errno == EPERM ? 1 : -1;
 }
 static int empty_keyrings(void) {
     if (syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER) < 0 && !nothing_there()) return -1;
@@ -619,11 +622,12 @@ static void become(struct request *r, int status_fd) {
         if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);
     }
     if (r->uid >= 0) {
-        if (join_keyring() < 0) fail(status_fd, KEYRINGS);
+        int keyrings = join_keyring();
+        if (keyrings < 0) fail(status_fd, KEYRINGS);
         if (setgroups(0, NULL) < 0) fail(status_fd, IDENTITY);
         if (setresgid(r->gid, r->gid, r->gid) < 0) fail(status_fd, IDENTITY);
         if (setresuid(r->uid, r->uid, r->uid) < 0) fail(status_fd, IDENTITY);
-        if (empty_keyrings() < 0) fail(status_fd, KEYRINGS);
+        if (keyrings == 0 && empty_keyrings() < 0) fail(status_fd, KEYRINGS);
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail(status_fd, PRIVS);
     umask(077);
