@@ -3,8 +3,10 @@ uid pool, folder removal that never follows links, and (as root) attempt cgroups
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import struct
 import subprocess
 import sys
 import time
@@ -203,3 +205,45 @@ def test_a_forked_attempt_finds_its_uids_keyrings_emptied() -> None:
 
     assert as_attempt("write") > 0
     assert as_attempt("read") == -1
+
+
+def _refuse_keyctl() -> None:
+    """A seccomp filter, as Docker's default profile is for keyctl: EPERM, all else runs."""
+    nr, ret, jeq, k = 0x20, 0x06, 0x15, 0x00
+    program = [
+        (nr, 0, 0, 0),  # A = seccomp_data.nr
+        (jeq | k, 0, 1, 250),  # keyctl(2) on x86-64?
+        (ret | k, 0, 0, 0x00050000 | 1),  # SECCOMP_RET_ERRNO | EPERM
+        (ret | k, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    ]
+    filters = (ctypes.c_ubyte * (8 * len(program)))()
+    for i, (code, jt, jf, value) in enumerate(program):
+        struct.pack_into("=HBBI", filters, 8 * i, code, jt, jf, value)
+    fprog = struct.pack("@HP", len(program), ctypes.addressof(filters))
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(fprog)
+    if libc.prctl(22, 2, buffer, 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "seccomp")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to a uid needs root")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="keyctl(2) by its x86-64 number")
+def test_a_forked_attempt_starts_where_keyctl_is_refused_to_every_process() -> None:
+    """Docker's default seccomp profile refuses keyctl (EPERM) to the whole container:
+    there are no keyrings to make the attempt's own, and it starts as before."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    apply = Sandbox(identity=Identity(*(20000 + 1000 * (index % 9) + 994,) * 2)).preexec()
+
+    def refused_then_apply() -> None:
+        _refuse_keyctl()
+        apply()
+
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", KEYS, "read"],
+        preexec_fn=refused_then_apply,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
+    assert done.stdout.strip() == "-1"  # the task itself is refused keyctl too
