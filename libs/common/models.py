@@ -40,6 +40,13 @@ MAX_AHEAD_S = 60.0
 #: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
 MAX_OUTPUTS_BYTES = 64 * 1024
 MAX_OUTPUTS = 100
+#: how deep its arrays and objects may nest (the outputs object itself is level 1): a
+#: report carries them three levels further down a turn, whose encoders and parsers stop
+#: at a few hundred
+MAX_OUTPUTS_DEPTH = 32
+OUTPUTS_TOO_DEEP = f"outputs may not be nested deeper than {MAX_OUTPUTS_DEPTH} levels"
+#: the integers outputs may hold: a 64-bit signed one, what core's JSON encoder takes
+MAX_OUTPUTS_INT = 2**63 - 1
 #: the longest a task's ``timeout_s``, a queue's limits, or a wait to start may be
 MAX_TIME_LIMIT_S = 30 * 86400
 #: the exit code by which a task says "do not retry me": its failure is final at once
@@ -1113,25 +1120,59 @@ class ClaimAnswer(Output):
 def _bounded_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
     import json
 
+    problem = outputs_problem(outputs)
+    if problem is not None:
+        raise ValueError(problem)
     try:
         text = json.dumps(outputs, allow_nan=False)
     except ValueError:
         raise ValueError("outputs must be JSON: no NaN or Infinity") from None
     if len(text) > MAX_OUTPUTS_BYTES:
         raise ValueError(f"outputs must be at most {MAX_OUTPUTS_BYTES} bytes as JSON")
-    if _holds_nul(outputs):
-        raise ValueError("outputs may not hold NUL characters")
     return outputs
 
 
-def _holds_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, list):
-        return any(_holds_nul(item) for item in value)
-    if isinstance(value, dict):
-        return any(_holds_nul(key) or _holds_nul(item) for key, item in value.items())
-    return False
+def outputs_problem(outputs: Any) -> str | None:
+    """Why ``outputs`` (JSON as parsed) cannot be carried in a report, or None: nested
+    deeper than ``MAX_OUTPUTS_DEPTH``, a NUL (PostgreSQL's text holds none), an unpaired
+    surrogate (a JSON ``\\ud800`` escape: no UTF-8 encoder takes it, the agent's turn
+    neither), an integer past 64 bits (core's encoder refuses it). One walk, without
+    recursion, so any depth is answered."""
+    stack: list[tuple[Any, int]] = [(outputs, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            problem = _string_problem(value)
+        elif isinstance(value, bool | float) or value is None:
+            continue
+        elif isinstance(value, int):
+            problem = None if -MAX_OUTPUTS_INT - 1 <= value <= MAX_OUTPUTS_INT else _BIG_INT
+        elif depth > MAX_OUTPUTS_DEPTH:
+            problem = OUTPUTS_TOO_DEEP
+        elif isinstance(value, dict):
+            stack.extend((key, depth) for key in value)
+            stack.extend((item, depth + 1) for item in value.values())
+            continue
+        else:
+            stack.extend((item, depth + 1) for item in value)
+            continue
+        if problem is not None:
+            return problem
+    return None
+
+
+_BIG_INT = "outputs' integers must fit in 64 bits (-2**63 to 2**63 - 1)"
+
+
+def _string_problem(text: str) -> str | None:
+    if "\x00" in text:
+        return "outputs may not hold NUL characters"
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return "outputs may not hold an unpaired surrogate (such as \\ud800)"
+    return None
 
 
 OutputKey = Annotated[

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import orjson
+from pydantic_core import PydanticSerializationError
 
 from libs.common import logs, tracing
 from libs.common.client import CoreClient
@@ -113,6 +114,8 @@ REPORT_PATIENCE_S = 300.0
 #: how many ended attempts an agent remembers, never to start them again
 RAN_KEPT = 4096
 DRAINING = Report(outcome="handed_back", error="the worker is draining")
+#: the error of an attempt whose report could not be encoded as JSON (``Agent._report``)
+UNENCODABLE = "the agent could not encode this attempt's report as JSON"
 #: how long a draining agent waits for the answer to its claim waiting at core once it
 #: told core it drains (core answers that claim at once: ``Turn.draining``); past it (a
 #: core that cannot be reached), it gives the claim up, and what that carried goes again
@@ -1388,6 +1391,15 @@ class Agent:
         refusal (stale, gone) is final; through outages it goes again, for a while."""
         loop = asyncio.get_running_loop()
         item = AttemptReport(attempt_id=attempt_id, **report.model_dump())
+        try:
+            item.model_dump_json()
+        except PydanticSerializationError as exc:
+            # A report no turn could carry: each turn that took it would fail to encode,
+            # and with it every report, start and claim it carried, again and again.
+            log.error("attempt %s's report cannot be encoded: %s", attempt_id, exc)
+            item = AttemptReport(
+                attempt_id=attempt_id, outcome="failed", error=UNENCODABLE, retryable=False
+            )
         out = Outgoing(item, loop.create_future(), loop.time() + REPORT_PATIENCE_S)
         self.outbox[attempt_id] = out
         self._kick()

@@ -622,6 +622,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         tmp_targets=sandbox.tmp_targets if sandbox else (),
         shm=bool(sandbox and sandbox.shm),
         netns=bool(sandbox and sandbox.netns),
+        ipc=bool(sandbox and sandbox.ipc),
         mount_at=sandbox.home if sandbox and sandbox.mount is not None else None,
         bind_from=sandbox.bind[0] if sandbox and sandbox.bind else None,
         source=check[0] if check else None,

@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import resource
+import stat
 import time
 from base64 import b64decode
 from collections.abc import Mapping
@@ -42,6 +43,7 @@ from services.worker.isolation import (
     Identity,
     Sandbox,
     UidPool,
+    ipc_namespaces_work,
     kill_every_process_of,
     mount_namespaces_work,
     searchable_by_others,
@@ -108,6 +110,7 @@ class Host:
         #: attempts' homes and tmp on a tmpfs of their own, sized by their disk quota
         self.tmpfs = False
         self.fresh_shm = False  # a private /dev/shm (not where the run folder lies)
+        self.own_ipc = False  # an IPC namespace per attempt (``Sandbox.ipc``)
         self.tmp_targets: tuple[str, ...] = ()
         self.cgroups: Cgroups | None = None
         self.run_dir = settings.worker_run_dir or settings.home / "attempts"
@@ -146,6 +149,7 @@ class Host:
             self.pool = UidPool(self.settings.uids, self.settings.worker_uid_locks)
             notes.append(self._tmp_note())
             notes.append(self._disk_note())
+            notes.append(self._ipc_note())
         notes.append(self._egress_note())
         self.cgroups, note = Cgroups.detect(devices=bool(self.device_nodes))
         notes.append(note)
@@ -216,12 +220,24 @@ class Host:
             return "no mount namespaces here: each attempt's TMPDIR is its own, /tmp is shared"
         self.private_tmp = True
         shared = [t for t in ("/tmp", "/var/tmp", "/dev/shm") if _under(self.run_dir, t)]
-        self.tmp_targets = tuple(t for t in ("/tmp", "/var/tmp") if t not in shared)
+        elsewhere = [t for t in _writable_elsewhere() if not _under(self.run_dir, t)]
+        self.tmp_targets = (*(t for t in ("/tmp", "/var/tmp") if t not in shared), *elsewhere)
         self.fresh_shm = "/dev/shm" not in shared
         note = "each attempt has its own /tmp, /var/tmp and /dev/shm (a mount namespace)"
+        if elsewhere:
+            note += f"; its /tmp is bound on {', '.join(elsewhere)} too"
         if shared:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
         return note
+
+    def _ipc_note(self) -> str:
+        if not ipc_namespaces_work():
+            return (
+                "no IPC namespaces here: System V shared memory and message queues an "
+                "attempt leaves outlive it, and the next attempt given its uid may use them"
+            )
+        self.own_ipc = True
+        return "each attempt has its own System V IPC (an IPC namespace), gone with it"
 
     def _disk_note(self) -> str:
         if not self.private_tmp or not tmpfs.works():
@@ -517,6 +533,7 @@ class Host:
             shm=self.fresh_shm,
             rlimits=tuple(limits),
             netns=assignment.egress is not None and assignment.egress.mode == "none",
+            ipc=self.own_ipc,
             mount=folders.mount,
             home=str(folders.home) if folders.mount is not None else None,
             bind=(str(folders.bound), str(folders.executable)) if folders.bound else None,
@@ -693,6 +710,29 @@ async def _unmount(folders: Folders) -> None:
 
 def _source_check(check: tuple[Path, Stamp] | None) -> tuple[str, Stamp] | None:
     return (str(check[0]), check[1]) if check is not None else None
+
+
+#: folders every uid may write on common hosts, besides /tmp, /var/tmp and /dev/shm
+WRITABLE_ELSEWHERE = ("/run/lock", "/var/lock", "/var/crash")
+
+
+def _writable_elsewhere() -> list[str]:
+    """The folders of ``WRITABLE_ELSEWHERE`` that are here and writable by every uid, by
+    their real path, once each. In the attempt's mount namespace its own tmp is bound on
+    each: what it writes there counts towards its disk quota and ends with it, where on
+    the host's it filled the host's disk (/run/lock may lie on the root file system)
+    and stayed for the next attempt given its uid."""
+    found: list[str] = []
+    for name in WRITABLE_ELSEWHERE:
+        real = os.path.realpath(name)
+        try:
+            info = os.stat(real)
+        except OSError:
+            continue
+        writable = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IWOTH
+        if writable and real not in found and real not in ("/tmp", "/var/tmp", "/dev/shm"):
+            found.append(real)
+    return found
 
 
 def _under(path: Path, top: str) -> bool:

@@ -33,6 +33,7 @@ import fcntl
 import itertools
 import logging
 import os
+import platform
 import random
 import resource
 import socket
@@ -50,6 +51,7 @@ from services.worker import hardening, tmpfs
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWIPC = 0x08000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -70,7 +72,8 @@ class Identity:
 class Sandbox:
     """What the child applies to itself between fork and exec, as root, in this order:
     join the cgroups, enter a private mount namespace, a network namespace of its own
-    (egress ``none``: loopback only), set rlimits, drop to the uid.
+    (egress ``none``: loopback only), an IPC namespace of its own, set rlimits, drop to
+    the uid.
     ``preexec`` does it in a fork of the agent; the resident spawn helper (``spawner``)
     applies the same fields itself (``executor._launch``), born in its cgroup already."""
 
@@ -81,6 +84,11 @@ class Sandbox:
     shm: bool = False
     rlimits: tuple[tuple[int, int], ...] = ()
     netns: bool = False
+    #: an IPC namespace of its own: System V shared memory, message queues and
+    #: semaphores it makes are seen by no other attempt and end with its last process
+    #: (in the host's, they outlived it, their pages held, and the next attempt given
+    #: its uid could attach them)
+    ipc: bool = False
     #: the attempt's tmpfs, attached on ``home`` in its mount namespace
     mount: int | None = None
     home: str | None = None
@@ -115,21 +123,30 @@ class Sandbox:
                 )
                 if home is not None:
                     os.chdir(home)  # Popen entered the folder under the mount
-            if self.netns:
-                own_network()
-            if self.join_netns is not None:
-                join_network(self.join_netns)
+            self._namespaces()
             for which, value in self.rlimits:
                 resource.setrlimit(which, (value, value))
             if self.identity is not None:
                 uid, gid = self.identity.uid, self.identity.gid
+                keyrings = join_keyring()
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)
+                if keyrings:
+                    empty_keyrings()
             hardening.no_new_privs()
             os.umask(0o077)
 
         return apply
+
+    def _namespaces(self) -> None:
+        """The network and IPC namespaces ``preexec`` enters (after the mounts)."""
+        if self.netns:
+            own_network()
+        if self.ipc:
+            _unshare(CLONE_NEWIPC)
+        if self.join_netns is not None:
+            join_network(self.join_netns)
 
 
 def _mount(
@@ -148,9 +165,7 @@ def _private_mounts(
     home: str | None,
     bind: tuple[str, str] | None = None,
 ) -> None:
-    if _libc.unshare(CLONE_NEWNS) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"unshare: {os.strerror(errno)}")
+    _unshare(CLONE_NEWNS)
     _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
     if mount is not None and home is not None:
         tmpfs.attach(mount, home)
@@ -162,11 +177,69 @@ def _private_mounts(
         _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777,size=64m")
 
 
-def own_network() -> None:
-    """Enter a network namespace of its own, with loopback up and nothing else."""
-    if _libc.unshare(CLONE_NEWNET) != 0:
+def _unshare(flag: int) -> None:
+    if _libc.unshare(flag) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"unshare: {os.strerror(errno)}")
+
+
+#: keyctl(2)'s number, for a fork of the agent (the spawn helper has ``SYS_keyctl``)
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+_JOIN, _EMPTY, _PERSISTENT = 1, 7, 22
+_SESSION, _USER, _USER_SESSION = -3, -4, -5
+
+
+def _keyctl(*args: int | None) -> int:
+    assert _KEYCTL is not None
+    result = int(_libc.syscall(_KEYCTL, *(ctypes.c_long(a) if a is not None else a for a in args)))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"keyctl: {os.strerror(code)}")
+    return result
+
+
+#: a keyring that the uid's quota had no room to make held nothing, and without keys
+#: (or persistent keyrings) in the kernel there is nothing to empty
+_NOTHING_THERE = (errno.ENOSYS, errno.EOPNOTSUPP, errno.EDQUOT)
+
+
+def join_keyring() -> bool:
+    """As root, before the uid is dropped: a session keyring of the attempt's own
+    (``spawn.c``, ``join_keyring``, says why); False where there are no keyrings (no
+    keys in the kernel, or a seccomp filter refuses ``keyctl``: ENOSYS, EPERM)."""
+    if _KEYCTL is None:
+        return False
+    try:
+        _keyctl(_JOIN, None)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSYS, errno.EPERM):
+            return False
+        raise
+    return True
+
+
+def empty_keyrings() -> None:
+    """As the attempt's uid: its user, user-session and persistent keyrings emptied of
+    what an earlier attempt of the uid left (``spawn.c``, ``empty_keyrings``)."""
+    for ring in (_USER, _USER_SESSION):
+        with _tolerating(*_NOTHING_THERE):
+            _keyctl(_EMPTY, ring)
+    with _tolerating(*_NOTHING_THERE):
+        _keyctl(_EMPTY, _keyctl(_PERSISTENT, -1, _SESSION))
+
+
+@contextlib.contextmanager
+def _tolerating(*codes: int) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in codes:
+            raise
+
+
+def own_network() -> None:
+    """Enter a network namespace of its own, with loopback up and nothing else."""
+    _unshare(CLONE_NEWNET)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         request = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
@@ -220,6 +293,16 @@ def mount_namespaces_work() -> bool:
             raise OSError(ctypes.get_errno(), "unshare")
         _mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)
 
+    return _works(probe)
+
+
+def ipc_namespaces_work() -> bool:
+    """Whether this host lets the agent give an attempt its own IPC namespace."""
+    return _works(lambda: _unshare(CLONE_NEWIPC))
+
+
+def _works(probe: Callable[[], None]) -> bool:
+    """Whether a child that runs ``probe`` before its exec starts."""
     try:
         subprocess.run(["/bin/true"], preexec_fn=probe, check=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -19,7 +19,13 @@ from pathlib import Path
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
-from libs.common.models import MAX_OUTPUTS_BYTES, Outputs, Report
+from libs.common.models import (
+    MAX_OUTPUTS_BYTES,
+    OUTPUTS_TOO_DEEP,
+    Outputs,
+    Report,
+    outputs_problem,
+)
 
 ENV = "CAIRN_OUTPUTS"
 FILE = ".cairn-outputs.json"
@@ -68,7 +74,18 @@ def read(workdir: Path) -> dict[str, JsonValue] | None:
     if data is None:
         return None
     try:
-        return _OUTPUTS.validate_python(json.loads(data))
+        doc = json.loads(data)
+    except RecursionError:
+        raise OutputsError(f"{ENV}: {OUTPUTS_TOO_DEEP}") from None
+    except ValueError as exc:
+        raise OutputsError(f"{ENV}: not a JSON object of outputs: {exc}"[:1000]) from None
+    # Refused here with its reason (a report must carry what core is sent: a lone
+    # surrogate or a depth the turn's encoder refuses used to wedge the agent's turns).
+    problem = outputs_problem(doc)
+    if problem is not None:
+        raise OutputsError(f"{ENV}: {problem}")
+    try:
+        return _OUTPUTS.validate_python(doc)
     except (ValueError, ValidationError) as exc:
         reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         raise OutputsError(f"{ENV}: not a JSON object of outputs: {reason}"[:1000]) from None

@@ -102,6 +102,11 @@ def read_progress(workdir: Path) -> dict[str, object] | None:
         return None
     try:
         doc = json.loads(data)
+    except RecursionError:
+        # 4 KiB of "[" is deeper than the parser's recursion limit
+        raise OutputsError(
+            f"{PROGRESS_ENV}: not JSON: nested deeper than the agent parses"
+        ) from None
     except ValueError:
         raise OutputsError(f"{PROGRESS_ENV}: not JSON") from None
     if not isinstance(doc, dict):
@@ -111,6 +116,14 @@ def read_progress(workdir: Path) -> dict[str, object] | None:
         raise OutputsError(f"{PROGRESS_ENV}: fraction must be a number from 0 to 1")
     if message is not None and not isinstance(message, str):
         raise OutputsError(f"{PROGRESS_ENV}: message must be a string")
+    if message is not None and not message.isascii():
+        try:
+            message.encode()
+        except UnicodeEncodeError:
+            # a JSON "\\ud800" escape: no note (nor any turn) can carry it
+            raise OutputsError(
+                f"{PROGRESS_ENV}: message holds an unpaired surrogate (such as \\ud800)"
+            ) from None
     return {
         "progress": True,
         "fraction": None if fraction is None else float(fraction),

@@ -36,6 +36,8 @@
  *   t dir      the private /tmp source T path  a target bound on it (/tmp, /var/tmp)
  *   s          a fresh /dev/shm        c       the second descriptor is a cgroup2 folder
  *   n          a network namespace of its own, loopback up (nothing else)
+ *   i          an IPC namespace of its own: the System V shared memory, message queues
+ *              and semaphores it makes end with its last process, seen by no other
  *   m dir      the passed detached mount (the attempt's tmpfs, made by the agent with
  *              fsmount) is attached on dir in the attempt's mount namespace: its home
  *   b path     the sealed executable, bound on the executable's path (x) in the
@@ -113,7 +115,7 @@
 #endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
-            NETWORK, SOURCE };
+            NETWORK, SOURCE, IPC, KEYRINGS };
 
 /* What the helper sends: a reply to each request, numbered as its request (seq; in
  * order but for a start whose source is checked, which comes when its check ends), and
@@ -136,7 +138,7 @@ struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 struct request {
     char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
-    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, source_ms;
+    int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, ipc, source_ms;
     long uid, gid;
     int limit_which[16];
     unsigned long long limit_value[16];
@@ -216,6 +218,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
+        case 'i': r->ipc = 1; break;
         case 'u': if (parse_id(value, &r->uid) < 0) return -1; break;
         case 'g': if (parse_id(value, &r->gid) < 0) return -1; break;
         case 'a': if (r->argc < MAX_ITEMS - 1) r->argv[r->argc++] = value; else return -1; break;
@@ -238,6 +241,40 @@ static void fail(int status_fd, enum step step) {
     struct reply reply = {REPLY, 0, step, errno, -1, 0, 0};
     if (write(status_fd, &reply, sizeof reply) < 0) _exit(126);
     _exit(127);
+}
+
+/* The kernel's keyrings the attempt reaches, made its own. A session keyring of its own,
+ * joined as root (before the uid is dropped: charged to root's quota, so a uid whose
+ * quota an earlier attempt filled still gets one): it inherited the helper's, which is
+ * the agent's (under systemd a service has one), every attempt's, and possessing a
+ * keyring grants its possessor's rights whatever the uid. Then, as its uid, its user,
+ * user-session and persistent keyrings emptied of what an earlier attempt of the uid
+ * left there: they outlive their processes (the persistent one for
+ * kernel.keys.persistent_keyring_expiry). One the uid's quota has no room to make did
+ * not exist, so held nothing (EDQUOT); nothing to do without keys in the kernel
+ * (ENOSYS) or persistent keyrings (EOPNOTSUPP), nor where a seccomp filter refuses
+ * keyctl to every process (EPERM: Docker's default profile). */
+#define KEYCTL_JOIN 1
+#define KEYCTL_EMPTY 7
+#define KEYCTL_PERSISTENT 22
+#define KEYRING_SESSION (-3)
+#define KEYRING_USER (-4)
+#define KEYRING_USER_SESSION (-5)
+static int nothing_there(void) {
+    return errno == ENOSYS || errno == EOPNOTSUPP || errno == EDQUOT;
+}
+/* 0: joined; 1: no keyrings here; -1: failed */
+static int join_keyring(void) {
+    if (syscall(SYS_keyctl, KEYCTL_JOIN, NULL) >= 0) return 0;
+    return errno == ENOSYS || errno == EPERM ? 1 : -1;
+}
+static int empty_keyrings(void) {
+    if (syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER) < 0 && !nothing_there()) return -1;
+    if (syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER_SESSION) < 0 && !nothing_there())
+        return -1;
+    long persistent = syscall(SYS_keyctl, KEYCTL_PERSISTENT, -1, KEYRING_SESSION);
+    if (persistent < 0) return nothing_there() ? 0 : -1;
+    return syscall(SYS_keyctl, KEYCTL_EMPTY, persistent) < 0 && !nothing_there() ? -1 : 0;
 }
 
 /* A fresh network namespace has loopback, down: bring it up. */
@@ -579,14 +616,18 @@ static void become(struct request *r, int status_fd) {
             fail(status_fd, MOUNTS);
     }
     if (r->netns && (unshare(CLONE_NEWNET) < 0 || loopback_up() < 0)) fail(status_fd, NETWORK);
+    if (r->ipc && unshare(CLONE_NEWIPC) < 0) fail(status_fd, IPC);
     for (int i = 0; i < r->nlimits; i++) {
         struct rlimit limit = {r->limit_value[i], r->limit_value[i]};
         if (setrlimit(r->limit_which[i], &limit) < 0) fail(status_fd, LIMITS);
     }
     if (r->uid >= 0) {
+        int keyrings = join_keyring();
+        if (keyrings < 0) fail(status_fd, KEYRINGS);
         if (setgroups(0, NULL) < 0) fail(status_fd, IDENTITY);
         if (setresgid(r->gid, r->gid, r->gid) < 0) fail(status_fd, IDENTITY);
         if (setresuid(r->uid, r->uid, r->uid) < 0) fail(status_fd, IDENTITY);
+        if (keyrings == 0 && empty_keyrings() < 0) fail(status_fd, KEYRINGS);
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail(status_fd, PRIVS);
     umask(077);

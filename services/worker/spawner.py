@@ -82,6 +82,8 @@ _STEPS = {
     9: "clone",
     10: "network namespace",
     11: "file:// source",
+    12: "IPC namespace",
+    13: "keyrings",
 }
 EXEC_STEP = 8
 #: the step at which the spawn helper found a ``file://`` source not the file of its stamp
@@ -204,6 +206,8 @@ class Launch:
     shm: bool = False
     #: egress ``none``: a network namespace of its own, loopback only
     netns: bool = False
+    #: an IPC namespace of its own (``Sandbox.ipc``)
+    ipc: bool = False
     #: where the passed tmpfs (``tmpfs``) is attached: the attempt's home
     mount_at: str | None = None
     #: the sealed copy bound on ``executable`` in the attempt's mount namespace
@@ -236,6 +240,8 @@ class Launch:
                 fields.append("s")
         if self.netns:
             fields.append("n")
+        if self.ipc:
+            fields.append("i")
         if with_cgroup:
             fields.append("c")
         data = "\0".join(fields)

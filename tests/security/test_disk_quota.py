@@ -4,6 +4,12 @@ ends ``disk_exceeded`` in the database, and the outputs it wrote there reach cor
 
 from __future__ import annotations
 
+import stat
+import uuid
+from pathlib import Path
+
+import pytest
+
 from tests.security.test_hostile_tasks import (  # noqa: F401 - fixtures
     Agent,
     agents,
@@ -43,3 +49,33 @@ def test_a_task_past_its_disk_quota_ends_disk_exceeded_and_outputs_come_back(
     [done] = wrote["attempts_list"]
     assert done["outcome"] == "succeeded" and done["outputs"] == {"rows": 7}, wrote
     assert " 3072 " in wrote["log"], wrote["log"]
+
+
+def test_a_world_writable_folder_of_the_host_is_the_attempts_own_tmp(
+    core,  # noqa: F811
+    agents,  # noqa: F811
+    tmp_path,
+    db,
+):
+    """/run/lock is writable by every uid (1777) and here lies on the host's root file
+    system: an attempt wrote there past its quota, onto the host's disk, and what it
+    left stayed (for the next attempt given its uid to read). The attempt's own tmp is
+    bound on it now, as on /tmp: within its quota, gone with it."""
+    lock = Path("/run/lock")
+    if not lock.is_dir() or not lock.stat().st_mode & stat.S_IWOTH:
+        pytest.skip("no world-writable /run/lock on this host")
+    name = f"cairn-quota-{uuid.uuid4().hex}"
+    host_file = lock / name
+    agents.append(Agent(core, tmp_path / "w"))
+    hog = shell(
+        f"dd if=/dev/zero of=/var/lock/{name} bs=1M count=16",
+        resources={"cpu": 1, "memory_mb": 128, "disk_mb": 2},
+    )
+    try:
+        full = run(core, hog)
+        [attempt] = full["attempts_list"]
+        assert not host_file.exists(), f"{host_file} was written on the host"
+        assert full["state"] == "dead" and attempt["outcome"] == "disk_exceeded", full
+        assert "No space left on device" in full["log"], full["log"]
+    finally:
+        host_file.unlink(missing_ok=True)  # this test's own file, without the fix

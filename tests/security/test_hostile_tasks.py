@@ -5,6 +5,7 @@ that it failed, from the task's own log and from what the database holds."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import http.server
 import os
@@ -55,7 +56,14 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
 class Agent:
     """A root agent with a token file, as production runs it."""
 
-    def __init__(self, core: Core, home: Path, name: str = "w", **env: str) -> None:
+    def __init__(
+        self,
+        core: Core,
+        home: Path,
+        name: str = "w",
+        session_keyring: bool = False,
+        **env: str,
+    ) -> None:
         self.token = make_token(core.db_url, name, "worker")
         home.mkdir(parents=True, mode=0o700)
         token_file = home / "token"
@@ -80,7 +88,12 @@ class Agent:
             **env,
         }
         environment.pop("CAIRN_TOKEN", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.worker"], env=environment)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker"],
+            env=environment,
+            # As systemd starts a service (KeyringMode=private): a session keyring its own.
+            preexec_fn=join_session_keyring if session_keyring else None,
+        )
 
     def sidecar_pid(self) -> int:
         def find() -> int | None:
@@ -96,6 +109,13 @@ class Agent:
             return None
 
         return int(wait_for(find, timeout=30))
+
+
+def join_session_keyring() -> None:
+    """Join a new anonymous session keyring (keyctl(2) on x86-64)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(250, ctypes.c_long(1), None) < 0:
+        raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
 
 
 @pytest.fixture

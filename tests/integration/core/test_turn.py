@@ -531,3 +531,38 @@ def test_a_lease_that_waits_on_a_drain_leases_nothing_once_it_drained(
     assert answer[0]["attempts"] == [] and answer[0]["state"] == "draining"
     assert _state(db, task) == "waiting"
     assert db.execute("SELECT count(*) FROM core.attempts").fetchone() == (0,)
+
+
+def test_outputs_core_cannot_store_are_a_422_naming_them_not_a_500(
+    core: Core, worker: Worker, db: DB
+) -> None:
+    """An integer past 64 bits or a lone surrogate in a report's outputs passed
+    validation and failed core's JSON encoder as the report was applied: a 500 for the
+    whole turn, which the agent sent again and again with its claims. They, and outputs
+    nested deeper than the agent takes, are refused at the door now (a 422 naming the
+    field), and the attempt is untouched."""
+    [task] = _submit(core, 1)
+    [leased] = worker.turn(claim=ROOM)["attempts"]
+    bodies = [
+        f'{{"n": {2**64}}}',
+        f'{{"n": [{-(2**63) - 1}]}}',
+        '{"s": "a\\ud800"}',
+        '{"d": ' + "[" * 40 + "]" * 40 + "}",
+    ]
+    for outputs in bodies:
+        one = f'{{"attempt_id": {leased["attempt_id"]}, "outcome": "succeeded", "outputs": {outputs}}}'
+        report = f'{{"reports": [{one}]}}'
+        answer = worker.http.post(
+            f"/v1/workers/{worker.id}/turn",
+            content=report,
+            headers={"Content-Type": "application/json"},
+        )
+        assert answer.status_code == 422, (outputs, answer.status_code, answer.text)
+        assert "outputs" in answer.text, answer.text
+    assert _state(db, task) == "running"
+    fine = {"attempt_id": leased["attempt_id"], "outcome": "succeeded", "outputs": {"n": 2**63 - 1}}
+    assert worker.turn(reports=[fine])["reports"][0]["status"] == 200
+    row = db.execute(
+        "SELECT outputs FROM core.attempts WHERE id = %s", (leased["attempt_id"],)
+    ).fetchone()
+    assert row == ({"n": 2**63 - 1},)

@@ -3,7 +3,10 @@ uid pool, folder removal that never follows links, and (as root) attempt cgroups
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import struct
 import subprocess
 import sys
 import time
@@ -13,7 +16,7 @@ import pytest
 
 from services.worker import hardening
 from services.worker.cgroups import Cgroups, cpu_bandwidth
-from services.worker.isolation import IsolationError, UidPool, remove_tree
+from services.worker.isolation import Identity, IsolationError, Sandbox, UidPool, remove_tree
 
 
 def test_a_scrubbed_secret_is_gone_from_proc_self_environ() -> None:
@@ -148,3 +151,99 @@ def test_cpu_bandwidth_keeps_the_share_and_gives_small_requests_10_ms_periods() 
         assert 100_000 <= period <= 1_000_000 and quota >= 1000
         assert quota >= 10_000 or period == 1_000_000
         assert abs(quota / period - cpu) <= max(0.001, cpu * 0.01)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an IPC namespace needs root")
+def test_a_forked_attempt_gets_an_ipc_namespace_of_its_own() -> None:
+    """Where the agent forks an attempt itself (no spawn helper), ``Sandbox.ipc`` enters
+    a new IPC namespace as the helper does (``tests/security/test_attempt_ipc.py``)."""
+
+    def namespace(sandbox: Sandbox) -> str:
+        return subprocess.run(
+            ["readlink", "/proc/self/ns/ipc"],
+            preexec_fn=sandbox.preexec(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    host = os.readlink("/proc/self/ns/ipc")
+    assert namespace(Sandbox()) == host
+    assert namespace(Sandbox(ipc=True)) not in ("", host)
+
+
+KEYS = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if sys.argv[1] == "write":
+    print(libc.syscall(248, b"user", b"cairn-unit", b"left", ctypes.c_long(4), ctypes.c_long(-4)))
+else:
+    print(libc.syscall(250, ctypes.c_long(10), ctypes.c_long(-4), b"user", b"cairn-unit", 0))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to a uid needs root")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="keyctl(2) by its x86-64 number")
+def test_a_forked_attempt_finds_its_uids_keyrings_emptied() -> None:
+    """Where the agent forks an attempt itself, ``Sandbox.preexec`` empties the uid's
+    keyrings as the spawn helper does (``tests/security/test_attempt_keyrings.py``): a
+    key the last attempt of the uid left in its user keyring is gone."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    uid = 20000 + 1000 * (index % 9) + 994
+    sandbox = Sandbox(identity=Identity(uid, uid))
+
+    def as_attempt(mode: str) -> int:
+        done = subprocess.run(
+            ["/usr/bin/python3", "-c", KEYS, mode],
+            preexec_fn=sandbox.preexec(),
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd="/",
+        )
+        return int(done.stdout)
+
+    assert as_attempt("write") > 0
+    assert as_attempt("read") == -1
+
+
+def _refuse_keyctl() -> None:
+    """A seccomp filter, as Docker's default profile is for keyctl: EPERM, all else runs."""
+    nr, ret, jeq, k = 0x20, 0x06, 0x15, 0x00
+    program = [
+        (nr, 0, 0, 0),  # A = seccomp_data.nr
+        (jeq | k, 0, 1, 250),  # keyctl(2) on x86-64?
+        (ret | k, 0, 0, 0x00050000 | 1),  # SECCOMP_RET_ERRNO | EPERM
+        (ret | k, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    ]
+    filters = (ctypes.c_ubyte * (8 * len(program)))()
+    for i, (code, jt, jf, value) in enumerate(program):
+        struct.pack_into("=HBBI", filters, 8 * i, code, jt, jf, value)
+    fprog = struct.pack("@HP", len(program), ctypes.addressof(filters))
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(fprog)
+    if libc.prctl(22, 2, buffer, 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "seccomp")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to a uid needs root")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="keyctl(2) by its x86-64 number")
+def test_a_forked_attempt_starts_where_keyctl_is_refused_to_every_process() -> None:
+    """Docker's default seccomp profile refuses keyctl (EPERM) to the whole container:
+    there are no keyrings to make the attempt's own, and it starts as before."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    apply = Sandbox(identity=Identity(*(20000 + 1000 * (index % 9) + 994,) * 2)).preexec()
+
+    def refused_then_apply() -> None:
+        _refuse_keyctl()
+        apply()
+
+    done = subprocess.run(
+        ["/usr/bin/python3", "-c", KEYS, "read"],
+        preexec_fn=refused_then_apply,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
+    assert done.stdout.strip() == "-1"  # the task itself is refused keyctl too

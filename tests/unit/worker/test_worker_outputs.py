@@ -43,6 +43,12 @@ def test_no_file_is_no_outputs_and_an_object_is_read(tmp_path: Path) -> None:
         (json.dumps({"x": "y" * MAX_OUTPUTS_BYTES}), "larger than"),
         ('{"x": NaN}', "no NaN"),
         ('{"x": ["a\\u0000"]}', "NUL"),
+        ('{"x": ["a\\ud800"]}', "unpaired surrogate"),
+        ('{"x": {"\\udfff": 1}}', "unpaired surrogate"),
+        ('{"x": ' + "[" * 32 + "]" * 32 + "}", "nested deeper than 32"),
+        ('{"x": ' + "[" * 3000 + "]" * 3000 + "}", "nested deeper than 32"),
+        (f'{{"x": {2**63}}}', "64 bits"),
+        (f'{{"x": [{-(2**63) - 1}]}}', "64 bits"),
     ],
 )
 def test_a_broken_file_fails_a_succeeded_attempt_for_good(
@@ -53,6 +59,15 @@ def test_a_broken_file_fails_a_succeeded_attempt_for_good(
     assert report is not None
     assert (report.outcome, report.retryable, report.outputs) == ("failed", False, None)
     assert report.error is not None and reason in report.error
+
+
+def test_the_bounds_themselves_are_taken(tmp_path: Path) -> None:
+    deepest = "[" * 31 + "]" * 31  # the object is level 1: 31 arrays below it
+    big, small = 2**63 - 1, -(2**63)
+    _write(tmp_path, f'{{"x": {deepest}, "big": {big}, "small": {small}, "e": "\\u00e9"}}')
+    found = outputs.read(tmp_path)
+    assert found is not None and found["big"] == 2**63 - 1 and found["small"] == -(2**63)
+    assert found["e"] == "\u00e9"
 
 
 def test_a_link_is_not_followed_and_a_fifo_not_waited_on(tmp_path: Path) -> None:

@@ -90,6 +90,8 @@ def test_a_watch_sends_only_what_changed(tmp_path: Path) -> None:
         (PROGRESS_FILE, b'{"fraction": true}', "fraction must be a number from 0 to 1"),
         (PROGRESS_FILE, b'{"message": 3}', "message must be a string"),
         (PROGRESS_FILE, b" " * 4097, "CAIRN_PROGRESS: larger than 4096 bytes"),
+        (PROGRESS_FILE, b'{"message": "a\\ud800"}', "message holds an unpaired surrogate"),
+        (PROGRESS_FILE, b"[" * 2048 + b"]" * 2048, "nested deeper than the agent parses"),
         (
             CHECKPOINT_OUT_FILE,
             b"x" * (MAX_CHECKPOINT_BYTES + 1),
