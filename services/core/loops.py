@@ -154,7 +154,7 @@ class Failures:
             else:
                 log.error("%s failed%s; retrying", self.name, again, exc_info=exc)
         ceiling = max(self.interval_s, FAILED_PAUSE_MAX_S)
-        return min(self.interval_s * 2 ** min(self.count - 1, 30), ceiling)
+        return min(self.interval_s * 2.0 ** min(self.count - 1, 30), ceiling)
 
     def worked(self) -> None:
         if self.count > 1:
