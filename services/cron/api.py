@@ -197,15 +197,7 @@ async def next_fires(
     what a schedule does across a DST change before it happens."""
     async with _db(request).connect() as conn:
         schedule = await store.get(conn, schedule_id, caller.visibility)
-    if after is None:
-        start = _now(request)
-    else:
-        start = (after if after.tzinfo else after.replace(tzinfo=UTC)).astimezone(UTC)
-        if not 1970 <= start.year <= 9000:
-            raise InvalidInput(
-                "query.after: must be between 1970 and 9000",
-                errors=[{"field": "query.after", "reason": "must be between 1970 and 9000"}],
-            )
+    start = _now(request) if after is None else _preview_start(after)
     plan = store.check_timing(
         schedule.expression, schedule.timezone, schedule.starts_at, schedule.ends_at
     )
@@ -217,6 +209,21 @@ async def next_fires(
             local = at.astimezone(plan.zone)
             items.append(NextFire(utc=at, local=local.isoformat()))
     return NextFires(schedule_id=schedule_id, timezone=schedule.timezone, after=start, items=items)
+
+
+def _preview_start(after: datetime) -> datetime:
+    """``after`` in UTC (naive: UTC), or a 422 naming it: before 1970 or after 9000,
+    also where the conversion to UTC would pass the calendar's first or last day."""
+    try:
+        start = (after if after.tzinfo else after.replace(tzinfo=UTC)).astimezone(UTC)
+    except OverflowError:
+        start = None
+    if start is None or not 1970 <= start.year <= 9000:
+        raise InvalidInput(
+            "query.after: must be between 1970 and 9000",
+            errors=[{"field": "query.after", "reason": "must be between 1970 and 9000"}],
+        )
+    return start
 
 
 @router.get("/schedules/{schedule_id}/fires", response_model=FirePage, responses=PROBLEMS)

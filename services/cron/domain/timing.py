@@ -87,15 +87,16 @@ def _near_transition(naive: datetime, zone: ZoneInfo) -> bool:
 
 def next_after(expression: str, zone: ZoneInfo, after: datetime) -> datetime | None:
     """The first fire strictly after the instant ``after`` (UTC), or None if there is none
-    within croniter's search horizon."""
-    start = after.astimezone(zone).replace(tzinfo=None)
-    # One hour back: inside a repeated hour the naive time of ``after`` is its second
-    # occurrence, and fires skipped in a gap map one hour later than their wall time.
-    back = timedelta(hours=1) if _near_transition(start, zone) else timedelta(0)
-    walker = croniter(expression, start - back)
+    within croniter's search horizon or before the calendar ends (year 9999: a
+    ``starts_at`` of its last day must not break the walk)."""
     best: datetime | None = None
     horizon: datetime | None = None
     try:
+        start = after.astimezone(zone).replace(tzinfo=None)
+        # One hour back: inside a repeated hour the naive time of ``after`` is its second
+        # occurrence, and fires skipped in a gap map one hour later than their wall time.
+        back = timedelta(hours=1) if _near_transition(start, zone) else timedelta(0)
+        walker = croniter(expression, start - back)
         for _ in range(100_000):
             naive: datetime = walker.get_next(datetime)
             if horizon is not None and naive > horizon:
@@ -109,7 +110,7 @@ def next_after(expression: str, zone: ZoneInfo, after: datetime) -> datetime | N
                 if not _near_transition(naive, zone):
                     break
                 horizon = naive + _TRANSITION_WINDOW
-    except CroniterBadDateError:
+    except (OverflowError, ValueError):  # past croniter's horizon (CroniterBadDateError) or 9999
         pass
     return best
 

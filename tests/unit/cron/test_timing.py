@@ -85,6 +85,16 @@ def test_an_expression_that_never_fires_has_no_next_and_returns_quickly() -> Non
     assert timing.fires_between("59 23 31 2 *", NY, utc(2027, 1, 1), utc(2030, 1, 1), 5) == []
 
 
+@pytest.mark.parametrize("expression", ["* * * * *", "0 0 1 1 *", "59 23 31 12 *"])
+@pytest.mark.parametrize("zone", ["UTC", "Pacific/Kiritimati", "America/New_York"])
+def test_the_calendars_last_day_has_no_next_fire_past_it(expression: str, zone: str) -> None:
+    """A walk past 9999-12-31 (in UTC or the zone's wall clock) ends with no fire; it
+    raised, and a schedule starting then was a 500."""
+    for after in (utc(9999, 12, 31, 23, 59), utc(9999, 12, 31, 12), utc(9999, 12, 30)):
+        found = timing.next_after(expression, ZoneInfo(zone), after)
+        assert found is None or after < found < utc(9999, 12, 31, 23, 59, 59)
+
+
 def test_latest_between_walks_back_from_the_end() -> None:
     got = timing.latest_between("0 * * * *", NY, utc(2027, 1, 1), utc(2027, 1, 8, 0, 30), 3)
     assert got == [utc(2027, 1, 7, 22), utc(2027, 1, 7, 23), utc(2027, 1, 8, 0)]
