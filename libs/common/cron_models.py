@@ -7,17 +7,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-import orjson
 from pydantic import (
     AfterValidator,
     AwareDatetime,
     ConfigDict,
     Field,
-    JsonValue,
     StringConstraints,
     model_validator,
 )
 
+from libs.common.dag_models import RunParams
 from libs.common.models import (
     CRON_ENV,
     MAX_PAGE,
@@ -35,7 +34,6 @@ FireOutcome = Literal["pending", "submitted", "skipped_overlap", "missed", "fail
 Expression = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 ZoneName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 Instant = Annotated[AwareDatetime, AfterValidator(_storable_time)]
-MAX_PARAMS_BYTES = 64 * 1024
 MAX_JITTER_S = 3600
 MAX_BACKFILL = 1000
 
@@ -59,20 +57,14 @@ class TaskTarget(Input):
         return self
 
 
-def _bounded_params(params: dict[str, JsonValue]) -> dict[str, JsonValue]:
-    if len(orjson.dumps(params)) > MAX_PARAMS_BYTES:
-        raise ValueError(f"params are larger than {MAX_PARAMS_BYTES} bytes of JSON")
-    return params
-
-
 class DagTarget(Input):
     """Each fire starts a run of this workflow in the DAG service."""
 
     kind: Literal["dag"]
     workflow: Name
-    params: Annotated[dict[str, JsonValue], AfterValidator(_bounded_params)] = Field(
-        default_factory=dict, max_length=256
-    )
+    #: checked as the DAG service checks a run's: what it would refuse at every fire is
+    #: refused here, when the schedule is defined
+    params: RunParams = Field(default_factory=dict)
 
 
 Target = Annotated[TaskTarget | DagTarget, Field(discriminator="kind")]

@@ -27,6 +27,7 @@ from libs.common.models import (
     PrincipalName,
     TaskCreate,
     TeamName,
+    kept_json,
 )
 
 MAX_NODES = 10_000
@@ -185,11 +186,7 @@ OutputName = Annotated[
 
 
 def _bounded_params(params: dict[str, Any]) -> dict[str, Any]:
-    import json
-
-    if len(json.dumps(params)) > MAX_PARAMS_BYTES:
-        raise ValueError(f"parameters must be at most {MAX_PARAMS_BYTES} bytes as JSON")
-    return params
+    return kept_json(params, "params", MAX_PARAMS_BYTES)
 
 
 Params = Annotated[
@@ -197,6 +194,16 @@ Params = Annotated[
     Field(max_length=MAX_PARAMS),
     AfterValidator(_bounded_params),
 ]
+
+
+def _fire_is_reserved(params: dict[str, Any]) -> dict[str, Any]:
+    if "fire" in params:
+        raise ValueError("params.fire is reserved: the cron service sets fire")
+    return params
+
+
+#: a run's parameters, as a caller starts it (``fire`` is set by the cron service)
+RunParams = Annotated[Params, AfterValidator(_fire_is_reserved)]
 
 
 class TaskTemplate(TaskCreate):
@@ -368,7 +375,7 @@ class WorkflowCreate(Input):
 
     name: WorkflowName
     team: TeamName | None = None
-    description: Annotated[str, StringConstraints(max_length=4096)] = ""
+    description: Annotated[str, StringConstraints(max_length=4096, pattern=r"^[^\x00]*$")] = ""
     params: Params = Field(default_factory=dict)
     max_active_runs: int = Field(default=16, ge=1, le=1000)
     #: a run that has not ended this long after it started fails; its live tasks are
@@ -422,7 +429,7 @@ class RunFire(Input):
 class RunCreate(Input):
     """Start a run of the newest version (or ``version``) with these parameters."""
 
-    params: Params = Field(default_factory=dict)
+    params: RunParams = Field(default_factory=dict)
     idempotency_key: IdempotencyKey | None = None
     version: int | None = Field(default=None, ge=1, le=2**31 - 1)
     fire: RunFire | None = Field(default=None, description="Set by the cron service.")
@@ -431,12 +438,6 @@ class RunCreate(Input):
     #: overrides the definition's ``task_timeout_s`` for this run: the ``timeout_s`` of
     #: its node tasks that set none (a node's own still wins)
     task_timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
-
-    @model_validator(mode="after")
-    def _fire_is_not_a_param(self) -> RunCreate:
-        if "fire" in self.params:
-            raise ValueError("params.fire is reserved: the cron service sets fire")
-        return self
 
 
 class RunClear(Input):
@@ -490,7 +491,9 @@ class Node(Output):
 class ApprovalDecision(Input):
     """A person's decision on a waiting approval gate."""
 
-    comment: Annotated[str, StringConstraints(max_length=MAX_COMMENT_CHARS)] = ""
+    comment: Annotated[
+        str, StringConstraints(max_length=MAX_COMMENT_CHARS, pattern=r"^[^\x00]*$")
+    ] = ""
 
 
 class Run(Output):
@@ -547,21 +550,18 @@ class Graph(Output):
     mermaid: str
 
 
+def _bounded_event(data: dict[str, Any]) -> dict[str, Any]:
+    return kept_json(data, "data", MAX_EVENT_BYTES)
+
+
 class EventDelivery(Input):
     """An external event delivered to a run: ``data`` (an object) becomes the outputs of
     the node waiting for it."""
 
-    data: dict[Annotated[str, StringConstraints(max_length=64)], Any] = Field(
-        default_factory=dict, max_length=MAX_PARAMS
-    )
-
-    @model_validator(mode="after")
-    def _bounded(self) -> EventDelivery:
-        import json
-
-        if len(json.dumps(self.data)) > MAX_EVENT_BYTES:
-            raise ValueError(f"data must be at most {MAX_EVENT_BYTES} bytes as JSON")
-        return self
+    data: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], Any],
+        AfterValidator(_bounded_event),
+    ] = Field(default_factory=dict, max_length=MAX_PARAMS)
 
 
 class RunEvent(Output):

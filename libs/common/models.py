@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 from uuid import UUID
 
@@ -40,13 +41,14 @@ MAX_AHEAD_S = 60.0
 #: what a task may hand on in its outputs file (``CAIRN_OUTPUTS``), as JSON
 MAX_OUTPUTS_BYTES = 64 * 1024
 MAX_OUTPUTS = 100
-#: how deep its arrays and objects may nest (the outputs object itself is level 1): a
-#: report carries them three levels further down a turn, whose encoders and parsers stop
-#: at a few hundred
-MAX_OUTPUTS_DEPTH = 32
-OUTPUTS_TOO_DEEP = f"outputs may not be nested deeper than {MAX_OUTPUTS_DEPTH} levels"
-#: the integers outputs may hold: a 64-bit signed one, what core's JSON encoder takes
-MAX_OUTPUTS_INT = 2**63 - 1
+#: how deep the arrays and objects of JSON kept as given (outputs, event data, params) may
+#: nest, the object itself level 1: a report carries outputs three levels further down a
+#: turn, whose encoders and parsers stop at a few hundred
+MAX_JSON_DEPTH = 32
+OUTPUTS_TOO_DEEP = f"outputs may not be nested deeper than {MAX_JSON_DEPTH} levels"
+#: the integers such JSON may hold: a 64-bit signed one, what the services' encoder takes
+MAX_JSON_INT = 2**63 - 1
+_J = TypeVar("_J")
 #: the longest a task's ``timeout_s``, a queue's limits, or a wait to start may be
 MAX_TIME_LIMIT_S = 30 * 86400
 #: the exit code by which a task says "do not retry me": its failure is final at once
@@ -1118,60 +1120,70 @@ class ClaimAnswer(Output):
 
 
 def _bounded_outputs(outputs: dict[str, Any]) -> dict[str, Any]:
-    import json
+    return kept_json(outputs, "outputs", MAX_OUTPUTS_BYTES)
 
-    problem = outputs_problem(outputs)
+
+def kept_json(value: _J, name: str, max_bytes: int) -> _J:
+    """``value`` (JSON as parsed, the field ``name``) if ``json_problem`` finds none and
+    it is at most ``max_bytes`` as JSON, else a ValueError saying why: the AfterValidator
+    of every field whose JSON is kept as given (outputs, event data, params)."""
+    problem = json_problem(value, name)
     if problem is not None:
         raise ValueError(problem)
-    try:
-        text = json.dumps(outputs, allow_nan=False)
-    except ValueError:
-        raise ValueError("outputs must be JSON: no NaN or Infinity") from None
-    if len(text) > MAX_OUTPUTS_BYTES:
-        raise ValueError(f"outputs must be at most {MAX_OUTPUTS_BYTES} bytes as JSON")
-    return outputs
+    if len(json.dumps(value)) > max_bytes:
+        raise ValueError(f"{name} must be at most {max_bytes} bytes as JSON")
+    return value
 
 
 def outputs_problem(outputs: Any) -> str | None:
-    """Why ``outputs`` (JSON as parsed) cannot be carried in a report, or None: nested
-    deeper than ``MAX_OUTPUTS_DEPTH``, a NUL (PostgreSQL's text holds none), an unpaired
-    surrogate (a JSON ``\\ud800`` escape: no UTF-8 encoder takes it, the agent's turn
-    neither), an integer past 64 bits (core's encoder refuses it). One walk, without
-    recursion, so any depth is answered."""
-    stack: list[tuple[Any, int]] = [(outputs, 1)]
+    """Why ``outputs`` cannot be carried in a report, or None (``json_problem``)."""
+    return json_problem(outputs, "outputs")
+
+
+def json_problem(value: Any, name: str) -> str | None:
+    """Why ``value`` (JSON as parsed, the field ``name``) cannot be kept as given, or
+    None: nested deeper than ``MAX_JSON_DEPTH``, a NUL (PostgreSQL's text and jsonb hold
+    none), an unpaired surrogate (a JSON ``\\ud800`` escape: no UTF-8 encoder takes it,
+    the agent's turn neither), an integer past 64 bits (the services' encoder refuses
+    it), NaN or Infinity (not JSON: jsonb would keep null). One walk, without recursion,
+    so any depth is answered."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            problem = _string_problem(value)
-        elif isinstance(value, bool | float) or value is None:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            problem = _string_problem(item, name)
+        elif isinstance(item, bool) or item is None:
             continue
-        elif isinstance(value, int):
-            problem = None if -MAX_OUTPUTS_INT - 1 <= value <= MAX_OUTPUTS_INT else _BIG_INT
-        elif depth > MAX_OUTPUTS_DEPTH:
-            problem = OUTPUTS_TOO_DEEP
-        elif isinstance(value, dict):
-            stack.extend((key, depth) for key in value)
-            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(item, float):
+            problem = None if math.isfinite(item) else f"{name} must be JSON: no NaN or Infinity"
+        elif isinstance(item, int):
+            problem = None if -MAX_JSON_INT - 1 <= item <= MAX_JSON_INT else _big_int(name)
+        elif depth > MAX_JSON_DEPTH:
+            problem = f"{name} may not be nested deeper than {MAX_JSON_DEPTH} levels"
+        elif isinstance(item, dict):
+            stack.extend((key, depth) for key in item)
+            stack.extend((inner, depth + 1) for inner in item.values())
             continue
         else:
-            stack.extend((item, depth + 1) for item in value)
+            stack.extend((inner, depth + 1) for inner in item)
             continue
         if problem is not None:
             return problem
     return None
 
 
-_BIG_INT = "outputs' integers must fit in 64 bits (-2**63 to 2**63 - 1)"
+def _big_int(name: str) -> str:
+    return f"{name}: integers must fit in 64 bits (-2**63 to 2**63 - 1)"
 
 
-def _string_problem(text: str) -> str | None:
+def _string_problem(text: str, name: str) -> str | None:
     if "\x00" in text:
-        return "outputs may not hold NUL characters"
+        return f"{name} may not hold NUL characters"
     if not text.isascii():
         try:
             text.encode()
         except UnicodeEncodeError:
-            return "outputs may not hold an unpaired surrogate (such as \\ud800)"
+            return f"{name} may not hold an unpaired surrogate (such as \\ud800)"
     return None
 
 

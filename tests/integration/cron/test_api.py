@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.fixtures.cron import Cron
@@ -73,6 +75,10 @@ def test_preview_across_next_march_dst_change(cron: Cron) -> None:
         ]
 
 
+def _dag_target(params: dict[str, Any]) -> dict[str, Any]:
+    return {"target": {"kind": "dag", "workflow": "etl", "params": params}}
+
+
 @pytest.mark.parametrize(
     ("change", "field", "words"),
     [
@@ -104,6 +110,11 @@ def test_preview_across_next_march_dst_change(cron: Cron) -> None:
         ),
         # the calendar's last minute: the walk to the next slot passed year 9999 (a 500)
         ({"starts_at": "9999-12-31T23:59:00Z"}, "body.expression", "never fires"),
+        # a workflow's params as the DAG service takes a run's: these were stored, then
+        # every fire was refused by it
+        (_dag_target({"day": {"from": 1}}), "body.target.dag.params.day", ""),
+        (_dag_target({"fire": "x"}), "body.target.dag.params", "reserved"),
+        (_dag_target({"big": 2**70}), "body.target.dag.params", "64 bits"),
     ],
 )
 def test_bad_schedules_get_a_422_naming_the_field(
@@ -176,3 +187,25 @@ def test_preview_refuses_an_instant_out_of_range(cron: Cron, after: str) -> None
         answer = alice.get(f"/v1/schedules/{sid}/next", params={"after": after})
         assert answer.status_code == 422, answer.text
         assert answer.json()["errors"][0]["field"] == "query.after"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        '{"day": NaN}',  # was a 422 naming no field
+        '{"day": {"x": "\\ud800"}}',  # was a 500
+        '{"day": "\\u0000"}',  # was a 422 naming no field
+    ],
+)
+def test_a_dag_targets_params_are_refused_naming_the_field(
+    cron: Cron, db: psycopg.Connection[tuple[Any, ...]], params: str
+) -> None:
+    body = json.dumps(schedule(**_dag_target({})))
+    body = body.replace('"params": {}', f'"params": {params}')
+    with cron.client() as alice:
+        headers = {"content-type": "application/json"}
+        answer = alice.post("/v1/schedules", content=body.encode(), headers=headers)
+    assert answer.status_code == 422, answer.text
+    fields = {e["field"] for e in answer.json()["errors"]}
+    assert all(f.startswith("body.target.dag.params") for f in fields), fields
+    assert db.execute("SELECT count(*) FROM cron.schedules").fetchone() == (0,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from libs.common.dag_models import MAX_NODES
@@ -107,3 +108,44 @@ def test_run_ids_and_cursors_out_of_range_are_4xx(dag: DagServer) -> None:
         assert http.get("/v1/runs", params={"cursor": "9" * 19}).status_code == 422
         assert http.get("/v1/runs/0/graph", params={"format": "svg"}).status_code == 422
         assert http.post("/v1/runs/12345/cancel").status_code == 404
+
+
+_DEFINITION = (
+    '{"name": "w", "nodes": [{"name": "a", "task": {"artifact": {"uri": "file:///x", "sha256": "%s"}}}], '
+    % ("0" * 64)
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "why"),
+    [
+        # kept as null: the workflow's default, an event's data (a node's outputs)
+        ("/v1/workflows", _DEFINITION + '"params": {"limit": Infinity}}', "body.params", "NaN"),
+        ("/v1/runs/1/events/paid", '{"data": {"amount": NaN}}', "body.data", "NaN"),
+        # a 500: orjson, which writes the event, refused them
+        ("/v1/runs/1/events/paid", '{"data": {"id": "\\ud800"}}', "body.data", "surrogate"),
+        ("/v1/runs/1/events/paid", '{"data": {"id": 1180591620717411303424}}', "body.data", "64"),
+        (
+            "/v1/runs/1/events/paid",
+            '{"data": {"a": %s}}' % ("[" * 300 + "]" * 300),
+            "body.data",
+            "deeper",
+        ),
+        # a 422 naming no field: PostgreSQL refused the NUL
+        ("/v1/runs/1/events/paid", '{"data": {"a\\u0000": 1}}', "body.data", "NUL"),
+        ("/v1/workflows", _DEFINITION + '"description": "a\\u0000"}', "body.description", ""),
+        ("/v1/runs/1/nodes/gate/approve", '{"comment": "ok\\u0000"}', "body.comment", ""),
+        ("/v1/workflows/w/runs", '{"params": {"day": NaN}}', "body.params", "NaN"),
+    ],
+)
+def test_values_that_cannot_be_kept_as_given_are_refused_naming_the_field(
+    dag: DagServer, db: psycopg.Connection, path: str, body: str, field: str, why: str
+) -> None:
+    with dag.client() as http:
+        answer = http.post(
+            path, content=body.encode(), headers={"content-type": "application/json"}
+        )
+    assert answer.status_code == 422, answer.text
+    [error] = answer.json()["errors"]
+    assert error["field"] == field and why in error["reason"], error
+    assert db.execute("SELECT count(*) FROM dag.workflows").fetchone() == (0,)
