@@ -59,6 +59,14 @@ class Timing:
     def next_after(self, after: datetime) -> datetime | None:
         return timing.next_fire(self.expression, self.zone, after, self.starts_at, self.ends_at)
 
+    def first_after(self, after: datetime) -> datetime | None:
+        """The next fire after ``after`` of a timing being set (created or changed): a
+        422 naming the expression when there is none and no ``ends_at`` says why."""
+        first = self.next_after(after)
+        if first is None and self.ends_at is None:
+            raise _invalid("body.expression", ValueError(f"{self.expression!r} never fires"))
+        return first
+
 
 def check_timing(
     expression: str, zone_name: str, starts_at: datetime | None, ends_at: datetime | None
@@ -156,9 +164,7 @@ async def create(
     team = team_of(body)
     target = for_team(body.target, team)
     plan = check_timing(body.expression, body.timezone, body.starts_at, body.ends_at)
-    first = plan.next_after(now)
-    if first is None and body.ends_at is None:
-        raise _invalid("body.expression", ValueError(f"{plan.expression!r} never fires"))
+    first = plan.first_after(now)
     check_jitter(plan, body.jitter_s)
     count = (
         await conn.execute(select(func.count()).where(schedules.c.owner == owner))
@@ -298,7 +304,8 @@ async def update(
         # New timing applies from now on: slots of the old timing not yet fired are gone.
         after = max(row.fired_through, now)
         values["fired_through"] = after
-        values["next_fire_at"] = None if row.paused else plan.next_after(after)
+        first = plan.first_after(after)
+        values["next_fire_at"] = None if row.paused else first
     return await _save(conn, schedule_id, values)
 
 

@@ -129,6 +129,21 @@ def test_bad_schedules_get_a_422_naming_the_field(
     assert words in problem["detail"]
 
 
+def test_a_change_to_timing_that_never_fires_is_refused_as_at_create(
+    cron: Cron, db: psycopg.Connection[tuple[Any, ...]]
+) -> None:
+    """It was stored (200): the schedule then fired no more, with no word of why."""
+    with cron.client() as alice:
+        sid = alice.post("/v1/schedules", json=schedule()).json()["id"]
+        for change in ({"expression": "59 23 31 2 *"}, {"starts_at": "9999-12-31T23:59:00Z"}):
+            answer = alice.patch(f"/v1/schedules/{sid}", json=change)
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["errors"][0]["field"] == "body.expression"
+            assert "never fires" in answer.json()["detail"]
+    kept = db.execute("SELECT expression, starts_at, next_fire_at IS NOT NULL FROM cron.schedules")
+    assert kept.fetchall() == [("30 2 * * *", None, True)]
+
+
 def test_names_are_unique_per_owner(cron: Cron) -> None:
     with cron.client("alice") as alice, cron.client("bob") as bob:
         assert alice.post("/v1/schedules", json=schedule()).status_code == 201
