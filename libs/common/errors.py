@@ -156,3 +156,11 @@ BY_SLUG: dict[str, type[CairnError]] = {
         Unavailable,
     )
 }
+
+
+def is_refusal(exc: CairnError) -> bool:
+    """Whether a service refused the request itself (a 4xx: invalid, too large, forbidden,
+    not found, a conflicting key), as opposed to not taking it now (401: a token being
+    rotated; 429: a quota, try again after Retry-After; a 5xx): what a caller of another
+    service records as failed rather than tries again."""
+    return 400 <= exc.status < 500 and exc.status not in (401, 429)

@@ -128,8 +128,8 @@ async def resume_schedule(schedule_id: ScheduleId, caller: Person, request: Requ
 )
 async def trigger_schedule(schedule_id: ScheduleId, caller: Person, request: Request) -> Fire:
     """Fire now, once, outside the schedule (the overlap policy does not apply). Works on
-    a paused schedule too. While core cannot be reached the fire stays ``pending`` and the
-    leading engine sends it when core is back."""
+    a paused schedule too. While core cannot take it (unreachable, or the owner at a quota)
+    the fire stays ``pending`` (a 503) and the leading engine sends it when core can."""
     sender: Sender = request.app.state.sender
     db = _db(request)
     async with db.begin() as conn:
@@ -158,7 +158,9 @@ async def trigger_schedule(schedule_id: ScheduleId, caller: Person, request: Req
             await store.notify(conn, schedule_id)  # the leader picks the fire up
         fired = await store.list_fires(conn, schedule_id, None, 1)
     if result.outcome == "pending":
-        raise Unavailable(f"core cannot be reached; the fire is kept and retried: {result.detail}")
+        raise Unavailable(
+            f"core did not take the fire now; it is kept and retried: {result.detail}"
+        )
     return fired[0]
 
 

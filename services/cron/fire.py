@@ -16,7 +16,7 @@ import httpx
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
 from libs.common.dag_models import RunFire
-from libs.common.errors import CairnError, Unavailable
+from libs.common.errors import CairnError, is_refusal
 from libs.common.models import NotificationEvent
 from libs.common.states import FINAL
 from services.cron.domain.fires import Result
@@ -59,10 +59,11 @@ class Outgoing:
 
 
 def _retryable(exc: BaseException) -> bool:
-    """Core is down or overloaded: try again later. Anything else is the fire's own fault."""
-    if isinstance(exc, httpx.TransportError | Unavailable):
+    """Core (or the DAG service) is down, overloaded or holds the owner to a quota: try
+    again later. A refusal of the fire itself is its own fault."""
+    if isinstance(exc, httpx.TransportError):
         return True
-    return isinstance(exc, CairnError) and exc.status >= 500
+    return isinstance(exc, CairnError) and not is_refusal(exc)
 
 
 def _task_body(item: Outgoing) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from libs.common.dag_models import (
     RunState,
     WorkflowCreate,
 )
-from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
+from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound, is_refusal
 from libs.common.leader import Elector, LeadershipLost, Lease
 from libs.common.models import (
     MAX_BATCH,
@@ -1477,12 +1477,6 @@ def _gone(task_id: int) -> Event:
         attempt_id=None,
         at=datetime.now(UTC),
     )
-
-
-def is_refusal(exc: CairnError) -> bool:
-    """Whether core refused the tasks themselves (a 4xx: invalid, too large, forbidden,
-    a conflicting key), as opposed to not taking them now (auth, rate limit, 5xx)."""
-    return 400 <= exc.status < 500 and exc.status not in (401, 429)
 
 
 def by_size(items: list[tuple[Any, TaskCreate]], limit: int) -> list[list[tuple[Any, TaskCreate]]]:

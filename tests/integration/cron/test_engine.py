@@ -11,7 +11,7 @@ import psycopg
 
 from tests.fixtures.cron import EPOCH, Cron, FakeClock, start_cron
 from tests.integration.cron.test_api import schedule
-from tests.support import Core, start_core, wait_for
+from tests.support import Core, spec, start_core, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -240,6 +240,30 @@ def test_trigger_now_fires_at_once_even_when_paused(cron: Cron, clock: FakeClock
     [(task_id, owner, key, _)] = tasks_of(db, sid)
     assert (task_id, owner) == (body["task_id"], "alice")
     assert key.startswith(f"cron:{sid}:manual:")
+
+
+def test_a_fire_over_its_owners_quota_waits_and_is_sent_when_the_quota_allows(
+    cron: Cron, db: Conn
+) -> None:
+    """Core's 429 means try again after Retry-After, nothing stored: the fire was recorded
+    failed and its slot never got a task. It waits as for a core that is down."""
+    sid = create(cron, paused=True)
+    wait_for(lambda: cron.engine.leader)
+    with cron.core.client("root", "admin") as admin, cron.core.client() as alice_core:
+        assert admin.patch("/v1/owners/alice/share", json={"max_waiting": 1}).status_code == 200
+        assert alice_core.post("/v1/tasks", json=spec()).status_code == 201
+        with cron.client() as alice:
+            held = alice.post(f"/v1/schedules/{sid}/trigger")
+        assert held.status_code == 503, held.text
+        assert "waiting quota" in held.json()["detail"]
+        assert [r[1] for r in fires(db, sid)] == ["pending"]
+        assert tasks_of(db, sid) == []
+        lifted = admin.patch("/v1/owners/alice/share", json={"max_waiting": None})
+        assert lifted.status_code == 200
+    wait_for(lambda: settled(db, sid, 1), timeout=20)
+    [(_, outcome, task_id)] = fires(db, sid)
+    assert outcome == "submitted"
+    assert [t[0] for t in tasks_of(db, sid)] == [task_id]
 
 
 def test_shutdown_is_prompt_when_the_next_fire_is_an_hour_away(core: Core, tmp_path: Path) -> None:

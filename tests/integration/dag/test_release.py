@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from libs.common.errors import CairnError
+from libs.common.errors import CairnError, is_refusal
 from libs.common.models import TaskCreate
-from services.dag.engine import by_size, is_refusal
+from services.dag.engine import by_size
 from tests.fixtures.dag import DagServer, Runner, node, states, workflow
 from tests.support import TRUE_SHA, Core
 
