@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -128,14 +130,29 @@ async def _bulk_call(c: Ctx, method: str, action: BulkAction) -> BulkResult:
         return result
 
 
+#: the most a document (a submission, a definition) may hold: core's request body limit
+#: (``CAIRN_MAX_BODY_BYTES``, 8 MiB by default), the most any of them would take anyway
+MAX_DOCUMENT_BYTES = 8 * 1024 * 1024
+
+
 def load_document(path: Path) -> Any:
-    """A JSON or YAML file (by its suffix; YAML also reads JSON)."""
+    """A JSON or YAML file (by its suffix; YAML also reads JSON), read up to
+    ``MAX_DOCUMENT_BYTES``: ``-f /dev/zero`` or a runaway file is refused, not read into
+    memory without end."""
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            raw = file.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         output.errors.print(f"[red]error[/red] cannot read {output.safe(path)}: {exc.strerror}")
         raise typer.Exit(2) from None
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        output.errors.print(
+            f"[red]error[/red] {output.safe(path)} is over {MAX_DOCUMENT_BYTES} bytes,"
+            " more than a request may carry"
+        )
+        raise typer.Exit(2)
     try:
+        text = raw.decode()
         return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
         output.errors.print(
@@ -156,11 +173,15 @@ def validated(model: type[Any], data: Any, what: str) -> Any:
 
 
 def sha256_of(uri: str) -> str | None:
-    """The digest of a ``file://`` artifact, read locally; None for remote ones."""
+    """The digest of a ``file://`` artifact, read locally in pieces; None for remote ones
+    and for what is not a regular file (``file:///dev/zero`` was read without end)."""
     if not uri.startswith("file://"):
         return None
     try:
-        return hashlib.sha256(Path(uri[len("file://") :]).read_bytes()).hexdigest()
+        with open(uri[len("file://") :], "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                return None
+            return hashlib.file_digest(file, "sha256").hexdigest()
     except OSError:
         return None
 
