@@ -120,9 +120,11 @@ def raise_for_problem(response: httpx.Response) -> None:
     if response.is_success:
         return
     try:
-        body: dict[str, Any] = response.json()
+        found = response.json()
     except ValueError:
-        body = {}
+        found = None
+    # not a problem document (a proxy's answer, JSON or not): only the status speaks
+    body: dict[str, Any] = found if isinstance(found, dict) else {}
     slug = str(body.get("type", "")).rsplit("/", 1)[-1]
     cls = BY_SLUG.get(slug, CairnError)
     extra = {k: v for k, v in body.items() if k not in ("type", "title", "status", "detail")}

@@ -59,9 +59,20 @@ def test_problem_answers_become_the_matching_errors() -> None:
     _run(calls())
 
 
+@pytest.mark.parametrize(
+    # a proxy's or load balancer's own answer; JSON that is not an object was an
+    # AttributeError, which cron took for core refusing the fire (failed, not retried)
+    "answer",
+    [
+        {"text": "bad gateway"},
+        {"json": ["bad gateway"]},
+        {"json": "bad gateway"},
+        {"content": b"null"},
+    ],
+)
 @respx.mock
-def test_an_answer_without_a_problem_body_keeps_its_status() -> None:
-    respx.get(f"{BASE}/v1/queues").mock(return_value=httpx.Response(502, text="bad gateway"))
+def test_an_answer_without_a_problem_body_keeps_its_status(answer: dict[str, object]) -> None:
+    respx.get(f"{BASE}/v1/queues").mock(return_value=httpx.Response(502, **answer))  # type: ignore[arg-type]
 
     async def call() -> None:
         async with CoreClient(BASE, None) as client:
