@@ -92,9 +92,12 @@ def test_bad_deliveries_are_refused_as_problems(
     bad_param = _deliver(dag, path, secret, b'{"params": {"dya": "mon"}}')
     not_json = _deliver(dag, path, secret, b"{")
     too_big = _deliver(dag, path, secret, b'{"x": "' + b"a" * 70_000 + b'"}')
+    # "\xb2" (superscript two) passed str.isdigit and failed int(): a 500, unsigned
+    odd_digit = {"X-Cairn-Timestamp": b"\xb2", "X-Cairn-Signature": "sha256=" + "0" * 64}
+    odd_time = httpx.post(dag.url + path, content=body, headers=odd_digit, timeout=10)
     for answer, status in (
         (stale, 401), (unsigned, 401), (wrong, 403), (unknown, 403),
-        (bad_param, 422), (not_json, 422), (too_big, 413),
+        (bad_param, 422), (not_json, 422), (too_big, 413), (odd_time, 401),
     ):  # fmt: skip
         assert answer.status_code == status, (status, answer.text)
         assert answer.headers["content-type"].startswith(PROBLEM), answer.headers
