@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Annotated, TypeVar
 
 import orjson
@@ -506,10 +507,10 @@ async def read_log(
 
 
 def _resume(last_event_id: str) -> tuple[int, int]:
-    attempt, sep, offset = last_event_id.partition(":")
-    if not (sep and attempt.isdigit() and offset.isdigit()) or not 1 <= int(attempt) < 2**63:
+    found = re.fullmatch(r"([0-9]{1,19}):([0-9]{1,40})", last_event_id)  # isdigit takes "²"
+    if found is None or not 1 <= int(found[1]) < 2**63:
         raise InvalidInput("Last-Event-ID: not an id this stream gave out")
-    return int(attempt), min(int(offset), 2**62)
+    return int(found[1]), min(int(found[2]), 2**62)
 
 
 @router.get("/{task_id}/events", response_model=EventList, responses=PROBLEMS)

@@ -476,6 +476,16 @@ def test_an_odd_query_value_is_never_a_500(shared: Shared, query: str) -> None:
         problem(answer, answer.status_code)
 
 
+@pytest.mark.parametrize("last_event_id", [b"\xb2:0", b"1:\xb3", b"x:0", b"1"])
+def test_a_bad_last_event_id_is_a_422_not_a_500(shared: Shared, last_event_id: bytes) -> None:
+    """A superscript digit (latin-1 in a header) passed str.isdigit and failed int()."""
+    made = shared.user.post("/v1/tasks", json=spec())
+    assert made.status_code == 201, made.text
+    headers = {"Last-Event-ID": last_event_id}
+    answer = shared.user.get(f"/v1/tasks/{made.json()['id']}/logs?follow=true", headers=headers)
+    assert "Last-Event-ID" in problem(answer, 422)["detail"]
+
+
 def test_a_bad_queue_name_in_the_path_is_a_422(shared: Shared) -> None:
     problem(shared.admin.post("/v1/queues/Not%20A%20Queue/pause"), 422, "name")
     problem(shared.admin.post(f"/v1/queues/{'q' * 65}/resume"), 422, "name")
