@@ -18,6 +18,7 @@ increasing.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -32,6 +33,9 @@ MAX_EXPRESSION = 200
 # the size of the jump; candidates this far past the first are also looked at there.
 _TRANSITION_WINDOW = timedelta(hours=3)
 _ONE_US = timedelta(microseconds=1)
+#: croniter's random field item: ``R``, ``R(0-29)``, ``R/5`` (month and day names never
+#: start so)
+_RANDOM = re.compile(r"^r(\(|/|$)", re.IGNORECASE)
 
 
 class InvalidSchedule(ValueError):
@@ -56,6 +60,10 @@ def parse_expression(expression: str) -> str:
             f"{text!r} has {len(fields)} fields; a cron expression has 5 "
             "(minute hour day-of-month month day-of-week)"
         )
+    if any(_RANDOM.match(item) for field in fields for item in field.split(",")):
+        # croniter draws R afresh each time it is read: every next fire (the engine's,
+        # a preview's, another replica's) would be another minute
+        raise InvalidSchedule(f"{text!r} uses R (random), which gives no fixed fire times")
     try:
         croniter(text)
     except (CroniterBadCronError, ValueError, KeyError) as exc:

@@ -85,6 +85,7 @@ def _dag_target(params: dict[str, Any]) -> dict[str, Any]:
         ({"expression": "61 * * * *"}, "body.expression", "not a valid cron expression"),
         ({"expression": "* * * *"}, "body.expression", "has 4 fields"),
         ({"expression": "59 23 31 2 *"}, "body.expression", "never fires"),
+        ({"expression": "R 3 * * *"}, "body.expression", "random"),
         ({"timezone": "Mars/Olympus"}, "body.timezone", "IANA"),
         ({"misfire_policy": "sometimes"}, "body.misfire_policy", ""),
         ({"catch_up_limit": 0}, "body.catch_up_limit", ""),

@@ -112,11 +112,19 @@ def test_latest_between_walks_back_from_the_end() -> None:
         ("61 * * * *", "not a valid"),
         ("@reboot", "unknown macro"),
         ("x" * 300, "longer than"),
+        # croniter drew these afresh at each reading: each next fire was another minute
+        ("R * * * *", "random"),
+        ("0 0 R(1-5) * *", "random"),
+        ("0 r/2 * * *", "random"),
     ],
 )
 def test_bad_expressions_say_why(expression: str, reason: str) -> None:
     with pytest.raises(InvalidSchedule, match=reason):
         timing.parse_expression(expression)
+
+
+def test_month_and_day_names_are_not_taken_for_random() -> None:
+    assert timing.parse_expression("0 9 * mar,apr fri") == "0 9 * mar,apr fri"
 
 
 def test_macros_and_spacing_are_normalised() -> None:
