@@ -9,7 +9,8 @@ so callers see no difference, and sends each request on an asyncio protocol of i
   ``Limits`` say (connections in all, idle ones kept, idle expiry); a connection goes
   back to it only once its answer arrived whole and neither side said ``Connection:
   close``; one whose request was cancelled, or whose answer was left unread, is closed;
-  ``aclose()`` fails the requests still waiting for one;
+  ``aclose()`` fails the requests still waiting for one, and closes every socket at
+  once, without awaiting TLS's closing exchange (the event loop may end next);
 - a request's head and body in one write;
 - answers parsed by ``httptools`` (Content-Length, chunked, or up to the close), streamed
   to the caller as they arrive, reading paused while the caller lags;
@@ -104,6 +105,7 @@ class _Connection(asyncio.Protocol):
     # asyncio's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.pool._open.add(self)
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
 
@@ -150,6 +152,7 @@ class _Connection(asyncio.Protocol):
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__))
         elif not self.complete:
             self._fail(httpx.RemoteProtocolError("The connection closed before the answer's end."))
+        self.pool._open.discard(self)
         self._forget()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
@@ -270,10 +273,13 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
-    def close(self) -> None:
+    def close(self, *, at_once: bool = False) -> None:
+        """Close the connection: ``at_once``, or with bytes unsent (of no use now), its
+        socket in asyncio's next pass, without the rest of its writes or TLS's closing
+        exchange (a close_notify, then waiting for the server's)."""
         if self.transport is not None:
-            if self.transport.get_write_buffer_size():
-                self.transport.abort()  # what is unsent is of no use now
+            if at_once or self.transport.get_write_buffer_size():
+                self.transport.abort()
             else:
                 self.transport.close()
         self._forget()
@@ -350,6 +356,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._max_idle = limits.max_keepalive_connections
         self._expiry = limits.keepalive_expiry
         self._all: set[_Connection] = set()
+        #: every connection whose socket may be open: those of ``_all`` connected, and
+        #: those closed whose close is under way (TLS's, until the server's close_notify)
+        self._open: set[_Connection] = set()
         self._idle_by: dict[Key, list[_Connection]] = {}
         self._idle_count = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
@@ -560,19 +569,23 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return min((c for idle in self._idle_by.values() for c in idle), key=lambda c: c.idle_since)
 
     def _forget_all(self) -> None:
-        for conn in self._all:
+        for conn in self._all | self._open:
             if conn.transport is not None:
                 with contextlib.suppress(RuntimeError):  # its event loop is closed
                     conn.transport.close()
         self._all.clear()
+        self._open.clear()
         self._idle_by.clear()
         self._idle_count = 0
         self._waiting.clear()
 
     async def aclose(self) -> None:
         self._closings += 1
-        for conn in list(self._all):
-            conn.close()
+        # At once, those closing already too: a TLS connection's close waits for the
+        # server's close_notify (up to 30 s), and the caller's event loop may end next
+        # (``asyncio.run``), leaving the socket open until the garbage collector finds it.
+        for conn in list(self._all | self._open):
+            conn.close(at_once=True)
         while self._waiting:  # those waiting for a connection fail, not connect anew
             self._wake_one()
         self._forget_all()

@@ -690,6 +690,49 @@ def test_https_verifies_the_servers_certificate(serve: Any, tmp_path: Path) -> N
         asyncio.run(call(True))  # certifi's authorities do not know it
 
 
+@pytest.mark.parametrize("answer", [OK, OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")])
+def test_closing_the_client_closes_its_tls_sockets_before_its_loop_ends(
+    serve: Any, tmp_path: Path, answer: bytes
+) -> None:
+    """A TLS connection's close sends a close_notify and waits for the server's; a client's
+    ``aclose`` does not wait: the event loop that ends after it (``asyncio.run``) would
+    leave the socket open until the garbage collector found it. The server here answers,
+    then reads nothing more (no close_notify back): both the connection idle in the pool
+    and one whose close (the server said ``connection: close``) is under way are closed."""
+    cert_file, key_file = loopback_cert(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    release = threading.Event()
+
+    def answer_then_hold(conn: Conn) -> None:
+        conn.request()
+        conn.send(answer)
+        release.wait(WAIT_S)
+
+    server = serve(answer_then_hold, tls=context)
+
+    made: list[Any] = []
+
+    class Recording(LeanTransport):
+        async def _connect(self, *args: Any, **kwargs: Any) -> Any:
+            made.append(await super()._connect(*args, **kwargs))
+            return made[-1]
+
+    async def call() -> tuple[str, int]:
+        trusted = ssl.create_default_context(cafile=str(cert_file))
+        http = httpx.AsyncClient(base_url=server.url, transport=Recording(verify=trusted))
+        text = (await http.get("/")).text
+        (conn,) = made  # idle in the pool, or closing
+        sock = conn.transport.get_extra_info("socket")
+        await http.aclose()
+        return text, sock.fileno()
+
+    try:
+        assert asyncio.run(call()) == ("ok", -1)
+    finally:
+        release.set()
+
+
 def test_a_proxy_from_the_environment_keeps_httpxs_transport(
     serve: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
