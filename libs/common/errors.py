@@ -18,6 +18,7 @@ them from problem+json answers). Each maps to one HTTP status and problem type.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 
@@ -132,6 +133,27 @@ class Unavailable(CairnError):
 
     status = 503
     slug = "unavailable"
+
+
+class HttpStatusError(CairnError):
+    """An HTTP error of a status with no problem type of Cairn's own (405 for a method the
+    path does not take, 406, 415, ...): RFC 9457's ``about:blank``, titled by the
+    status's phrase. It was the ``internal`` type, "Something went wrong."."""
+
+    def __init__(self, status: int, detail: str | None = None) -> None:
+        self.status = status  # type: ignore[misc]
+        super().__init__(detail or self.title)
+
+    @property
+    def type_uri(self) -> str:
+        return "about:blank"
+
+    @property
+    def title(self) -> str:
+        try:
+            return HTTPStatus(self.status).phrase
+        except ValueError:
+            return "HTTP error"
 
 
 #: the detail of an ``Unavailable`` raised because the database is out of reach (the

@@ -17,6 +17,7 @@ from libs.common.errors import (
     DATABASE_UNAVAILABLE,
     CairnError,
     Forbidden,
+    HttpStatusError,
     InvalidInput,
     NotFound,
     PayloadTooLarge,
@@ -90,8 +91,7 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         cls = _BY_STATUS.get(exc.status_code)
         if cls is None:
-            error = CairnError(str(exc.detail))
-            error.status = exc.status_code  # type: ignore[misc]
+            error: CairnError = HttpStatusError(exc.status_code, str(exc.detail or ""))
         else:
             error = cls(str(exc.detail) if exc.detail else None)
         response = problem_response(error, request)

@@ -549,3 +549,16 @@ def test_a_user_may_not_pause_or_resume_a_queue(
         assert found["type"].endswith("/forbidden")
     assert db.execute("SELECT count(*) FROM core.queues WHERE paused").fetchone() == (0,)
     assert tasks_in(db) == 0
+
+
+def test_a_method_a_path_does_not_take_is_a_405_of_its_own_type_not_internal(
+    shared: Shared,
+) -> None:
+    """Starlette's 405 (and any status without a problem type of Cairn's) was answered as
+    the ``internal`` type titled "Something went wrong."; it is RFC 9457's about:blank,
+    titled by its status, with the methods the path takes."""
+    answer = shared.user.delete("/v1/tasks")
+    body = problem(answer, 405)
+    assert body["type"] == "about:blank"
+    assert body["title"] == "Method Not Allowed"
+    assert answer.headers.get("allow")
