@@ -11,7 +11,7 @@ import orjson
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import tracing
@@ -24,6 +24,7 @@ from libs.common.models import (
     BulkAction,
     BulkResult,
     EventList,
+    IdempotencyKey,
     LabelKey,
     QueueName,
     Task,
@@ -63,15 +64,50 @@ def _json(model: Task | BatchResult | TaskPage, status_code: int = 200) -> Respo
     return Response(model.model_dump_json(), status_code=status_code, media_type=JSON)
 
 
-async def submit_task(spec: TaskCreate, call: Submitting, request: Request) -> Response:
+async def submit_task(
+    spec: TaskCreate,
+    call: Submitting,
+    request: Request,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            description="The body's ``idempotency_key``, given as a header instead (both"
+            " given, they must be the same).",
+        ),
+    ] = None,
+) -> Response:
     """Submit one task. 201 with the new task; 200 with the existing one when the same
-    owner already submitted this ``idempotency_key``. ``team`` shares it with a team the
-    owner belongs to; ``env`` values may name secrets. 403 when the queue's policy does
-    not allow what it asks for; 429 (with ``Retry-After``) when the owner is at a quota."""
+    owner already submitted this ``idempotency_key`` (in the body, or the
+    ``Idempotency-Key`` header). ``team`` shares it with a team the owner belongs to;
+    ``env`` values may name secrets. 403 when the queue's policy does not allow what it
+    asks for; 429 (with ``Retry-After``) when the owner is at a quota."""
     return await _submit_one(spec, call, request, tracing.now_ns())
 
 
+_KEY = TypeAdapter(IdempotencyKey)
+
+
+def _keyed(spec: TaskCreate, request: Request) -> TaskCreate:
+    """``spec`` with the ``Idempotency-Key`` header's key, if one is given: a client that
+    sent the header (the common convention) and not the body's field got a task for
+    every retry of its request."""
+    key = request.headers.get("idempotency-key")
+    if key is None or key == spec.idempotency_key:
+        return spec
+    where = ("header", "Idempotency-Key")
+    try:
+        key = _KEY.validate_python(key)
+    except ValidationError as exc:
+        raise RequestValidationError([{**exc.errors()[0], "loc": where}]) from None
+    if spec.idempotency_key is not None:
+        why = "differs from the body's idempotency_key: give one, or the same in both"
+        raise RequestValidationError([{"loc": where, "msg": why, "type": "value_error"}])
+    return spec.model_copy(update={"idempotency_key": key})
+
+
 async def _submit_one(spec: TaskCreate, call: Submission, request: Request, start: int) -> Response:
+    spec = _keyed(spec, request)
     _check_sources(request, [spec], batch=False)
     by = await _submitter(request, call)
     by.book.check_policy(

@@ -562,3 +562,33 @@ def test_a_method_a_path_does_not_take_is_a_405_of_its_own_type_not_internal(
     assert body["type"] == "about:blank"
     assert body["title"] == "Method Not Allowed"
     assert answer.headers.get("allow")
+
+
+def test_an_idempotency_key_header_is_the_bodys_key(shared: Shared) -> None:
+    """The header (the common convention) was ignored: two POSTs with the same
+    ``Idempotency-Key`` made two tasks. It is the body's ``idempotency_key``; a bad one,
+    or one that differs from the body's, is a 422 naming the header, storing nothing."""
+    key = f"hdr-{uuid.uuid4()}"
+    first = shared.user.post("/v1/tasks", json=spec(), headers={"Idempotency-Key": key})
+    again = shared.user.post("/v1/tasks", json=spec(), headers={"Idempotency-Key": key})
+    body = shared.user.post("/v1/tasks", json=spec(idempotency_key=key))
+    assert (first.status_code, again.status_code, body.status_code) == (201, 200, 200)
+    assert first.json()["id"] == again.json()["id"] == body.json()["id"]
+    assert first.json()["idempotency_key"] == key
+    same = shared.user.post(
+        "/v1/tasks", json=spec(idempotency_key=key), headers={"Idempotency-Key": key}
+    )
+    assert same.status_code == 200 and same.json()["id"] == first.json()["id"]
+    before = tasks_in(shared.db)
+    differs = {"Idempotency-Key": f"other-{uuid.uuid4()}"}
+    problem(
+        shared.user.post("/v1/tasks", json=spec(idempotency_key=key), headers=differs),
+        422,
+        "Idempotency-Key",
+    )
+    problem(
+        shared.user.post("/v1/tasks", json=spec(), headers={"Idempotency-Key": "k" * 201}),
+        422,
+        "Idempotency-Key",
+    )
+    assert tasks_in(shared.db) == before
