@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests.fixtures.dag import DagServer, Runner, Worker, node, start_dag, workflow
 from tests.integration.dag.test_runs import _tasks
@@ -280,3 +281,22 @@ def test_a_report_sent_again_with_its_key_is_recorded_once(
         ("dag-reporter", "dag-reporter:dag:7:gate:1:decided:x"),
         ("cron-reporter", "cron-reporter:dag:7:gate:1:decided:x"),
     ]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [{"comment": "a\u0000b"}, {"try": 2**64}, {"\u0000": 1}],
+    ids=["nul-value", "int-past-64-bits", "nul-key"],
+)
+def test_an_audit_report_whose_after_cannot_be_kept_is_a_422_naming_it(
+    core: Core, db: psycopg.Connection, after: dict[str, object]
+) -> None:
+    """``after`` is kept as given in the chained trail: a NUL (PostgreSQL's jsonb holds
+    none) or an integer past 64 bits was a 500, not a 422 naming the field."""
+    report = {"action": "dag.approve", "target": "run:8/node:gate", "after": after}
+    with core.client("dag-reporter", "service") as service:
+        sent = service.post("/v1/audit/reports", json=report)
+    assert sent.status_code == 422, sent.text
+    assert "after" in sent.json()["detail"], sent.json()
+    found = db.execute("SELECT count(*) FROM core.audit WHERE target = 'run:8/node:gate'")
+    assert found.fetchone() == (0,)
