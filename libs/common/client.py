@@ -11,15 +11,15 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from libs.common import tracing
-from libs.common.errors import BY_SLUG, CairnError, InvalidInput
+from libs.common.errors import BY_SLUG, CairnError, InvalidInput, UnreadableAnswer
 from libs.common.models import (
     HUNG_SOURCES_MAX,
     WORKER_LEASE_HEADER,
@@ -113,6 +113,26 @@ ON_BEHALF_OF = "X-Cairn-On-Behalf-Of"
 
 def _owner(on_behalf_of: str | None) -> dict[str, str]:
     return {ON_BEHALF_OF: on_behalf_of} if on_behalf_of else {}
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def read_answer(model: type[_M], response: httpx.Response) -> _M:
+    """``response``'s body read as ``model``, or an ``UnreadableAnswer`` saying why: a
+    gateway's page passed for the service's answer, a service of another version. The
+    request may have been applied all the same. A ValidationError here was taken by the
+    services' callers for a refusal: cron recorded the fire failed though core may have
+    made its task, where a try again under the fire's key finds it."""
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as exc:
+        try:
+            asked = f"{response.request.method} {response.request.url.path}"
+        except RuntimeError:  # an answer made without a request
+            asked = "a request"
+        why = first_error(exc)
+        raise UnreadableAnswer(f"the answer to {asked} could not be read: {why}") from exc
 
 
 def raise_for_problem(response: httpx.Response) -> None:
@@ -350,7 +370,7 @@ class CoreClient(ApiClient):
         client then checks many callers' tokens over its pooled connections)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         response = await self._call("GET", "/v1/whoami", headers=headers)
-        return WhoAmI.model_validate_json(response.content)
+        return read_answer(WhoAmI, response)
 
     async def submit(
         self, spec: TaskCreate, *, on_behalf_of: str | None = None
@@ -360,7 +380,7 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST", "/v1/tasks", content=spec.model_dump_json(), headers=_owner(on_behalf_of)
         )
-        return Task.model_validate_json(response.content), response.status_code == 201
+        return read_answer(Task, response), response.status_code == 201
 
     async def submit_batch(
         self, specs: Sequence[TaskCreate], *, on_behalf_of: str | None = None
@@ -369,7 +389,7 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST", "/v1/tasks/batch", content=body, headers=_owner(on_behalf_of)
         )
-        return BatchResult.model_validate_json(response.content).tasks
+        return read_answer(BatchResult, response).tasks
 
     async def submit_batch_json(
         self,
@@ -387,11 +407,11 @@ class CoreClient(ApiClient):
         response = await self._call(
             "POST", "/v1/tasks/batch", content=orjson.dumps(doc), headers=_owner(on_behalf_of)
         )
-        return BatchResult.model_validate_json(response.content).tasks
+        return read_answer(BatchResult, response).tasks
 
     async def get_task(self, task_id: int) -> Task:
         response = await self._call("GET", f"/v1/tasks/{task_id}")
-        return Task.model_validate_json(response.content)
+        return read_answer(Task, response)
 
     async def list_tasks(
         self,
@@ -418,37 +438,37 @@ class CoreClient(ApiClient):
         if labels:
             params["label"] = [f"{k}={v}" for k, v in labels.items()]
         response = await self._call("GET", "/v1/tasks", params=params)
-        return TaskPage.model_validate_json(response.content)
+        return read_answer(TaskPage, response)
 
     async def cancel(self, task_id: int) -> Task:
         response = await self._call("POST", f"/v1/tasks/{task_id}/cancel")
-        return Task.model_validate_json(response.content)
+        return read_answer(Task, response)
 
     async def retry(self, task_id: int) -> Task:
         response = await self._call("POST", f"/v1/tasks/{task_id}/retry")
-        return Task.model_validate_json(response.content)
+        return read_answer(Task, response)
 
     async def retry_where(self, action: BulkAction) -> BulkResult:
         """Retry the tasks ``action.filter`` selects (at most ``action.limit``)."""
         response = await self._call(
             "POST", "/v1/tasks/retry", content=action.model_dump_json(exclude_defaults=True)
         )
-        return BulkResult.model_validate_json(response.content)
+        return read_answer(BulkResult, response)
 
     async def cancel_where(self, action: BulkAction) -> BulkResult:
         """Cancel the tasks ``action.filter`` selects (at most ``action.limit``)."""
         response = await self._call(
             "POST", "/v1/tasks/cancel", content=action.model_dump_json(exclude_defaults=True)
         )
-        return BulkResult.model_validate_json(response.content)
+        return read_answer(BulkResult, response)
 
     async def attempts(self, task_id: int) -> list[Attempt]:
         response = await self._call("GET", f"/v1/tasks/{task_id}/attempts")
-        return AttemptList.model_validate_json(response.content).items
+        return read_answer(AttemptList, response).items
 
     async def task_events(self, task_id: int) -> list[Event]:
         response = await self._call("GET", f"/v1/tasks/{task_id}/events")
-        return EventList.model_validate_json(response.content).items
+        return read_answer(EventList, response).items
 
     async def events(
         self, after: str = "0.0", limit: int = 100, wait: float = 0, hold: float = 0
@@ -458,14 +478,14 @@ class CoreClient(ApiClient):
         params = {"after": after, "limit": limit, "wait": wait, "hold": hold}
         timeout = httpx.Timeout(5.0 + wait, connect=2.0)
         response = await self._call("GET", "/v1/events", params=params, timeout=timeout)
-        return EventPage.model_validate_json(response.content)
+        return read_answer(EventPage, response)
 
     # --- the worker agent's calls ---
 
     async def register_worker(self, offer: WorkerRegister) -> WorkerRegistered:
         """Register a worker; this client then sends its lease secret on every call."""
         response = await self._call("POST", "/v1/workers", content=offer.model_dump_json())
-        registered = WorkerRegistered.model_validate_json(response.content)
+        registered = read_answer(WorkerRegistered, response)
         self.use_lease(registered.lease)
         return registered
 
@@ -493,7 +513,7 @@ class CoreClient(ApiClient):
         )
         body = beat.model_dump_json(exclude_defaults=True)
         response = await self._call("POST", f"/v1/workers/{worker_id}/heartbeat", content=body)
-        return HeartbeatAnswer.model_validate_json(response.content)
+        return read_answer(HeartbeatAnswer, response)
 
     async def claim(self, worker_id: int, room: ClaimRequest) -> list[Assignment]:
         timeout = httpx.Timeout(5.0 + room.wait, connect=2.0)
@@ -503,7 +523,7 @@ class CoreClient(ApiClient):
             content=room.model_dump_json(),
             timeout=timeout,
         )
-        return ClaimAnswer.model_validate_json(response.content).attempts
+        return read_answer(ClaimAnswer, response).attempts
 
     async def turn(self, worker_id: int, body: Turn) -> TurnAnswer:
         """One round trip of a worker: its reports (each answered with a verdict: a stale
@@ -554,7 +574,7 @@ class CoreClient(ApiClient):
         """Ask core whether it still holds the attempt before starting it; raises
         ``StaleAttempt`` when it does not."""
         response = await self._call("POST", f"/v1/workers/{worker_id}/attempts/{attempt_id}/start")
-        return ReportAnswer.model_validate_json(response.content)
+        return read_answer(ReportAnswer, response)
 
     async def report_replicas(
         self, worker_id: int, items: list[ReplicaStatus]
@@ -563,14 +583,14 @@ class CoreClient(ApiClient):
         they listen (docs/services.md)."""
         body = ReplicaStatuses(items=items).model_dump_json()
         response = await self._call("POST", f"/v1/workers/{worker_id}/replicas", content=body)
-        return ReplicaStatusAnswer.model_validate_json(response.content)
+        return read_answer(ReplicaStatusAnswer, response)
 
     async def start_attempts(self, worker_id: int, attempt_ids: list[int]) -> StartsAnswer:
         """Ask core which of these attempts leased ahead it still holds, before starting
         them at their ``start_at``."""
         body = Starts(attempts=attempt_ids).model_dump_json()
         response = await self._call("POST", f"/v1/workers/{worker_id}/starts", content=body)
-        return StartsAnswer.model_validate_json(response.content)
+        return read_answer(StartsAnswer, response)
 
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"
@@ -579,13 +599,13 @@ class CoreClient(ApiClient):
                 "POST", path, content=outcome.model_dump_json(exclude=set(refused))
             )
         )
-        return ReportAnswer.model_validate_json(response.content)
+        return read_answer(ReportAnswer, response)
 
     async def ship_logs(self, worker_id: int, batch: LogBatch) -> list[LogAck]:
         """Chunks of running attempts' logs; each answered on its own (docs/logs.md)."""
         path = f"/v1/workers/{worker_id}/logs"
         response = await self._call("POST", path, content=batch.model_dump_json())
-        return LogBatchAnswer.model_validate_json(response.content).items
+        return read_answer(LogBatchAnswer, response).items
 
     async def log(self, task_id: int, attempt_id: int | None = None) -> str:
         params = {"attempt_id": attempt_id} if attempt_id else {}
@@ -618,13 +638,13 @@ class CoreClient(ApiClient):
 
     async def leave(self, worker_id: int) -> Worker:
         response = await self._call("POST", f"/v1/workers/{worker_id}/leave")
-        return Worker.model_validate_json(response.content)
+        return read_answer(Worker, response)
 
     async def usage(self, owner: str | None = None, name: str | None = None) -> list[UsageRow]:
         """Requested against measured use per owner and task name, with suggestions."""
         params = {k: v for k, v in (("owner", owner), ("name", name)) if v}
         response = await self._call("GET", "/v1/usage", params=params)
-        return UsageReport.model_validate_json(response.content).items
+        return read_answer(UsageReport, response).items
 
     async def usage_accounts(
         self, month: str | None = None, by: str = "owner", limit: int = 100
@@ -634,7 +654,7 @@ class CoreClient(ApiClient):
         if month:
             params["month"] = month
         response = await self._call("GET", "/v1/usage/accounts", params=params)
-        return UsageAccounts.model_validate_json(response.content)
+        return read_answer(UsageAccounts, response)
 
     async def workers(self, state: str | None = None) -> list[Worker]:
         """Every worker the caller may see (newest first, all pages), with capacity, use
@@ -645,7 +665,7 @@ class CoreClient(ApiClient):
             params["state"] = state
         while True:
             response = await self._call("GET", "/v1/workers", params=params)
-            page = WorkerList.model_validate_json(response.content)
+            page = read_answer(WorkerList, response)
             found += page.items
             if page.next_cursor is None:
                 return found
@@ -653,29 +673,29 @@ class CoreClient(ApiClient):
 
     async def queues(self) -> list[QueueInfo]:
         response = await self._call("GET", "/v1/queues")
-        return QueueList.model_validate_json(response.content).items
+        return read_answer(QueueList, response).items
 
     async def set_queue(self, queue: str, change: QueueSettings) -> QueueInfo:
         """Set a queue's placement settings and time limits (admin); a field left out
         keeps its value, one set to None restores the default."""
         body = change.model_dump(mode="json", exclude_unset=True)
         response = await self._call("PATCH", f"/v1/queues/{queue}", json=body)
-        return QueueInfo.model_validate_json(response.content)
+        return read_answer(QueueInfo, response)
 
     async def pause(self, queue: str) -> QueueInfo:
         response = await self._call("POST", f"/v1/queues/{queue}/pause")
-        return QueueInfo.model_validate_json(response.content)
+        return read_answer(QueueInfo, response)
 
     async def resume(self, queue: str) -> QueueInfo:
         response = await self._call("POST", f"/v1/queues/{queue}/resume")
-        return QueueInfo.model_validate_json(response.content)
+        return read_answer(QueueInfo, response)
 
     # --- identity ---------------------------------------------------------------------
 
     async def create_token(self, body: TokenCreate) -> TokenCreated:
         """A new token (the caller's own, or with ``principal`` another's, admins only)."""
         response = await self._call("POST", "/v1/tokens", content=body.model_dump_json())
-        return TokenCreated.model_validate_json(response.content)
+        return read_answer(TokenCreated, response)
 
     async def tokens(
         self, principal: str | None = None, include_revoked: bool = False
@@ -684,7 +704,7 @@ class CoreClient(ApiClient):
         if principal:
             params["principal"] = principal
         response = await self._call("GET", "/v1/tokens", params=params)
-        return TokenList.model_validate_json(response.content).items
+        return read_answer(TokenList, response).items
 
     async def revoke_token(self, token_id: int) -> None:
         await self._call("DELETE", f"/v1/tokens/{token_id}")
@@ -692,26 +712,26 @@ class CoreClient(ApiClient):
     async def create_team(self, name: str) -> Team:
         body = TeamCreate(name=name).model_dump_json()
         response = await self._call("POST", "/v1/teams", content=body)
-        return Team.model_validate_json(response.content)
+        return read_answer(Team, response)
 
     async def teams(self) -> list[Team]:
         response = await self._call("GET", "/v1/teams")
-        return TeamList.model_validate_json(response.content).items
+        return read_answer(TeamList, response).items
 
     async def team(self, name: str) -> Team:
         response = await self._call("GET", f"/v1/teams/{name}")
-        return Team.model_validate_json(response.content)
+        return read_answer(Team, response)
 
     async def delete_team(self, name: str) -> None:
         await self._call("DELETE", f"/v1/teams/{name}")
 
     async def add_member(self, team: str, member: str) -> Team:
         response = await self._call("PUT", f"/v1/teams/{team}/members/{member}")
-        return Team.model_validate_json(response.content)
+        return read_answer(Team, response)
 
     async def remove_member(self, team: str, member: str) -> Team:
         response = await self._call("DELETE", f"/v1/teams/{team}/members/{member}")
-        return Team.model_validate_json(response.content)
+        return read_answer(Team, response)
 
     async def put_secret(self, name: str, value: str, team: str | None = None) -> SecretInfo:
         """Create the secret, or give an existing one a new value."""
@@ -724,11 +744,11 @@ class CoreClient(ApiClient):
                 f"/v1/secrets/{name}", content=update, params=params, headers=_JSON
             )
         raise_for_problem(response)
-        return SecretInfo.model_validate_json(response.content)
+        return read_answer(SecretInfo, response)
 
     async def secrets(self) -> list[SecretInfo]:
         response = await self._call("GET", "/v1/secrets")
-        return SecretList.model_validate_json(response.content).items
+        return read_answer(SecretList, response).items
 
     async def delete_secret(self, name: str, team: str | None = None) -> None:
         await self._call("DELETE", f"/v1/secrets/{name}", params={"team": team} if team else {})
@@ -736,27 +756,27 @@ class CoreClient(ApiClient):
     async def key_status(self) -> KeyStatus:
         """Which secrets keys seal how many values (admins)."""
         response = await self._call("GET", "/v1/secrets/keys")
-        return KeyStatus.model_validate_json(response.content)
+        return read_answer(KeyStatus, response)
 
     async def rekey(self, limit: int = 1000, after: str | None = None) -> RekeyResult:
         """Seal up to ``limit`` values anew under core's current key (admins), going on
         from ``after`` (the last answer's ``next``)."""
         body = RekeyRequest(limit=limit, after=after).model_dump_json()
         response = await self._call("POST", "/v1/secrets/rekey", content=body, headers=_JSON)
-        return RekeyResult.model_validate_json(response.content)
+        return read_answer(RekeyResult, response)
 
     async def audit(self, **filters: Any) -> AuditPage:
         """A page of the audit trail (admins): ``actor``, ``action``, ``target``, ``since``,
         ``until``, ``before``, ``limit``."""
         params = {k: str(v) for k, v in filters.items() if v is not None}
         response = await self._call("GET", "/v1/audit", params=params)
-        return AuditPage.model_validate_json(response.content)
+        return read_answer(AuditPage, response)
 
     async def audit_chain(self, after: int = 0, limit: int = 1000) -> AuditChainPage:
         """The chained trail after ``after``, oldest first (admins): what an export holds."""
         params = {"after": str(after), "limit": str(limit)}
         response = await self._call("GET", "/v1/audit/export", params=params)
-        return AuditChainPage.model_validate_json(response.content)
+        return read_answer(AuditChainPage, response)
 
     async def report_audit(self, report: AuditReport) -> None:
         """For services: record an action a person took through this service in core's
@@ -783,23 +803,23 @@ class CoreClient(ApiClient):
         """A service of the caller's, kept at ``replicas`` tasks of its template."""
         body = spec.model_dump_json(exclude_unset=True)
         response = await self._call("POST", "/v1/services", content=body)
-        return ServiceInfo.model_validate_json(response.content)
+        return read_answer(ServiceInfo, response)
 
     async def services(self) -> list[ServiceInfo]:
         """The caller's services (without their steps)."""
         response = await self._call("GET", "/v1/services")
-        return ServiceList.model_validate_json(response.content).items
+        return read_answer(ServiceList, response).items
 
     async def service(self, name: str) -> ServiceInfo:
         """The caller's service with the controller's last steps."""
         response = await self._call("GET", f"/v1/services/{quote(name, safe='')}")
-        return ServiceInfo.model_validate_json(response.content)
+        return read_answer(ServiceInfo, response)
 
     async def change_service(self, name: str, change: ServiceChange) -> ServiceInfo:
         """Change a service's count, rollout policy or template (a rollout)."""
         body = change.model_dump_json(exclude_unset=True)
         response = await self._call("PATCH", f"/v1/services/{quote(name, safe='')}", content=body)
-        return ServiceInfo.model_validate_json(response.content)
+        return read_answer(ServiceInfo, response)
 
     async def delete_service(self, name: str) -> None:
         await self._call("DELETE", f"/v1/services/{quote(name, safe='')}")
@@ -810,7 +830,7 @@ class CoreClient(ApiClient):
         params = {} if only_ready else {"all": "true"}
         path = f"/v1/services/{quote(name, safe='')}/endpoints"
         response = await self._call("GET", path, params=params)
-        return EndpointList.model_validate_json(response.content).items
+        return read_answer(EndpointList, response).items
 
     # --- notifications (docs/notifications.md) ---
 
@@ -824,15 +844,15 @@ class CoreClient(ApiClient):
             content=spec.model_dump_json(),
             headers=_owner(on_behalf_of),
         )
-        return SubscriptionCreated.model_validate_json(response.content)
+        return read_answer(SubscriptionCreated, response)
 
     async def subscriptions(self) -> list[Subscription]:
         response = await self._call("GET", "/v1/subscriptions")
-        return SubscriptionList.model_validate_json(response.content).items
+        return read_answer(SubscriptionList, response).items
 
     async def subscription(self, subscription_id: int) -> Subscription:
         response = await self._call("GET", f"/v1/subscriptions/{subscription_id}")
-        return Subscription.model_validate_json(response.content)
+        return read_answer(Subscription, response)
 
     async def delete_subscription(self, subscription_id: int) -> None:
         await self._call("DELETE", f"/v1/subscriptions/{subscription_id}")
@@ -840,22 +860,22 @@ class CoreClient(ApiClient):
     async def test_subscription(self, subscription_id: int) -> Delivery:
         """Queue a ``test`` delivery to the webhook."""
         response = await self._call("POST", f"/v1/subscriptions/{subscription_id}/test")
-        return Delivery.model_validate_json(response.content)
+        return read_answer(Delivery, response)
 
     async def enable_subscription(self, subscription_id: int) -> Subscription:
         response = await self._call("POST", f"/v1/subscriptions/{subscription_id}/enable")
-        return Subscription.model_validate_json(response.content)
+        return read_answer(Subscription, response)
 
     async def deliveries(self, subscription_id: int, limit: int = 50) -> list[Delivery]:
         path = f"/v1/subscriptions/{subscription_id}/deliveries"
         response = await self._call("GET", path, params={"limit": limit})
-        return DeliveryList.model_validate_json(response.content).items
+        return read_answer(DeliveryList, response).items
 
     async def answers(self, subscription_id: int, limit: int = 50) -> list[Answer]:
         """The webhook's newest answers, one per try."""
         path = f"/v1/subscriptions/{subscription_id}/answers"
         response = await self._call("GET", path, params={"limit": limit})
-        return AnswerList.model_validate_json(response.content).items
+        return read_answer(AnswerList, response).items
 
     async def notify(self, event: NotificationEvent) -> int:
         """For services: post an owner's event; return the deliveries it queued."""
@@ -868,25 +888,25 @@ class CoreClient(ApiClient):
     async def owner_usage(self, name: str) -> OwnerUsage:
         """The owner's share, running use, waiting count and quotas."""
         response = await self._call("GET", f"/v1/owners/{name}/usage")
-        return OwnerUsage.model_validate_json(response.content)
+        return read_answer(OwnerUsage, response)
 
     async def team_usage(self, name: str) -> OwnerUsage:
         """The team's share, the running use and waiting count of its tasks, its quotas."""
         response = await self._call("GET", f"/v1/teams/{name}/usage")
-        return OwnerUsage.model_validate_json(response.content)
+        return read_answer(OwnerUsage, response)
 
     async def set_team_share(self, name: str, change: ShareSettings) -> OwnerUsage:
         """Set a team's weight and quotas (admin); fields left unset keep their value."""
         body = change.model_dump_json(exclude_unset=True)
         response = await self._call("PATCH", f"/v1/teams/{name}/share", content=body)
-        return OwnerUsage.model_validate_json(response.content)
+        return read_answer(OwnerUsage, response)
 
     async def top_owners(self, limit: int = 10) -> list[OwnerUsage]:
         response = await self._call("GET", "/v1/owners", params={"limit": limit})
-        return OwnerList.model_validate_json(response.content).items
+        return read_answer(OwnerList, response).items
 
     async def set_share(self, name: str, change: ShareSettings) -> OwnerUsage:
         """Set an owner's weight and quotas (admin); fields left unset keep their value."""
         body = change.model_dump_json(exclude_unset=True)
         response = await self._call("PATCH", f"/v1/owners/{name}/share", content=body)
-        return OwnerUsage.model_validate_json(response.content)
+        return read_answer(OwnerUsage, response)

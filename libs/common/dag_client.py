@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from libs.common.client import ApiClient, _owner
+from libs.common.client import ApiClient, _owner, read_answer
 from libs.common.dag_models import (
     ApprovalDecision,
     EventDelivery,
@@ -46,16 +46,16 @@ class DagClient(ApiClient):
             content=definition.model_dump_json(exclude_unset=True),
             headers=_owner(on_behalf_of),
         )
-        return Workflow.model_validate_json(response.content), response.status_code == 201
+        return read_answer(Workflow, response), response.status_code == 201
 
     async def get_workflow(self, name: str, version: int | None = None) -> Workflow:
         params = {"version": version} if version else {}
         response = await self._call("GET", f"/v1/workflows/{name}", params=params)
-        return Workflow.model_validate_json(response.content)
+        return read_answer(Workflow, response)
 
     async def list_workflows(self) -> WorkflowList:
         response = await self._call("GET", "/v1/workflows")
-        return WorkflowList.model_validate_json(response.content)
+        return read_answer(WorkflowList, response)
 
     async def start_run(
         self,
@@ -86,12 +86,12 @@ class DagClient(ApiClient):
             content=body.model_dump_json(exclude_none=True),
             headers=_owner(on_behalf_of),
         )
-        return Run.model_validate_json(response.content), response.status_code == 201
+        return read_answer(Run, response), response.status_code == 201
 
     async def get_run(self, run_id: int) -> Run:
         """The run with its nodes' states."""
         response = await self._call("GET", f"/v1/runs/{run_id}")
-        return Run.model_validate_json(response.content)
+        return read_answer(Run, response)
 
     async def list_runs(
         self,
@@ -106,12 +106,12 @@ class DagClient(ApiClient):
             if value is not None:
                 params[key] = str(value)
         response = await self._call("GET", "/v1/runs", params=params)
-        return RunList.model_validate_json(response.content)
+        return read_answer(RunList, response)
 
     async def cancel_run(self, run_id: int) -> Run:
         """Cancel the run; its live node tasks are cancelled in core."""
         response = await self._call("POST", f"/v1/runs/{run_id}/cancel")
-        return Run.model_validate_json(response.content)
+        return read_answer(Run, response)
 
     async def retry_run(self, run_id: int, *, failed_instances: bool = False) -> Run:
         """Run a failed or cancelled run again from the nodes that did not succeed; with
@@ -120,7 +120,7 @@ class DagClient(ApiClient):
         response = await self._call(
             "POST", f"/v1/runs/{run_id}/retry", content=body.model_dump_json()
         )
-        return Run.model_validate_json(response.content)
+        return read_answer(Run, response)
 
     async def clear_run(self, run_id: int, node: str, *, downstream: bool = True) -> Run:
         """Run a finished run again from ``node`` (and, unless ``downstream`` is false,
@@ -129,7 +129,7 @@ class DagClient(ApiClient):
         response = await self._call(
             "POST", f"/v1/runs/{run_id}/clear", content=body.model_dump_json()
         )
-        return Run.model_validate_json(response.content)
+        return read_answer(Run, response)
 
     async def decide(
         self, run_id: int, node: str, decision: Literal["approve", "reject"], comment: str = ""
@@ -139,11 +139,11 @@ class DagClient(ApiClient):
         response = await self._call(
             "POST", f"/v1/runs/{run_id}/nodes/{node}/{decision}", content=body.model_dump_json()
         )
-        return Run.model_validate_json(response.content)
+        return read_answer(Run, response)
 
     async def graph(self, run_id: int) -> Graph:
         response = await self._call("GET", f"/v1/runs/{run_id}/graph")
-        return Graph.model_validate_json(response.content)
+        return read_answer(Graph, response)
 
     async def mermaid(self, run_id: int) -> str:
         response = await self._call("GET", f"/v1/runs/{run_id}/graph", params={"format": "mermaid"})
@@ -158,18 +158,18 @@ class DagClient(ApiClient):
         response = await self._call(
             "POST", f"/v1/runs/{run_id}/events/{name}", content=body.model_dump_json()
         )
-        return RunEvent.model_validate_json(response.content)
+        return read_answer(RunEvent, response)
 
     async def create_trigger(self, workflow: str, body: TriggerCreate) -> TriggerCreated:
         """A new signed trigger of ``workflow``, with its secret (shown this once)."""
         response = await self._call(
             "POST", f"/v1/workflows/{workflow}/triggers", content=body.model_dump_json()
         )
-        return TriggerCreated.model_validate_json(response.content)
+        return read_answer(TriggerCreated, response)
 
     async def list_triggers(self, workflow: str) -> TriggerList:
         response = await self._call("GET", f"/v1/workflows/{workflow}/triggers")
-        return TriggerList.model_validate_json(response.content)
+        return read_answer(TriggerList, response)
 
     async def delete_trigger(self, workflow: str, trigger_id: int) -> None:
         await self._call("DELETE", f"/v1/workflows/{workflow}/triggers/{trigger_id}")
@@ -179,4 +179,4 @@ class DagClient(ApiClient):
         response = await self._call(
             "GET", f"/v1/workflows/{workflow}/history", params={"limit": limit}
         )
-        return WorkflowHistory.model_validate_json(response.content)
+        return read_answer(WorkflowHistory, response)

@@ -135,6 +135,15 @@ class Unavailable(CairnError):
     slug = "unavailable"
 
 
+class UnreadableAnswer(CairnError):
+    """The service's answer could not be read."""
+
+    # a 502's: not a refusal (``is_refusal``), so a caller that records refusals as final
+    # (cron's fires, the DAG's releases) tries again, its request's key making it safe
+    status = 502
+    slug = "unreadable-answer"
+
+
 class HttpStatusError(CairnError):
     """An HTTP error of a status with no problem type of Cairn's own (405 for a method the
     path does not take, 406, 415, ...): RFC 9457's ``about:blank``, titled by the

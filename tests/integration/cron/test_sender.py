@@ -165,3 +165,22 @@ def test_a_dag_service_that_is_down_leaves_workflow_fires_pending() -> None:
     assert result.outcome == "pending"
     assert result.detail is not None
     assert result.detail.startswith("dag:")
+
+
+@respx.mock
+def test_an_answer_core_took_but_cron_cannot_read_leaves_fires_pending() -> None:
+    """A 201 whose body is not core's answer (a gateway's page passed for it, a core of
+    another version): core may have made the tasks. Its ValidationError was taken for a
+    refusal and the fires recorded failed, the slots lost; they stay pending, and the
+    next send, under the same keys, finds the tasks."""
+    route = respx.post(f"{CORE}/v1/tasks/batch").mock(
+        side_effect=[
+            httpx.Response(201, text="<html>gateway</html>"),
+            httpx.Response(201, json={"tasks": [{"id": 7}]}),  # not a BatchItem
+        ]
+    )
+    first = send([outgoing(1), outgoing(2)])
+    second = send([outgoing(3)])
+    assert [r.outcome for r in first + second] == ["pending"] * 3
+    assert "could not be read" in (first[0].detail or "")
+    assert route.call_count == 2  # not split to find a bad fire: none was refused
