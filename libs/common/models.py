@@ -45,7 +45,14 @@ MAX_OUTPUTS = 100
 #: nest, the object itself level 1: a report carries outputs three levels further down a
 #: turn, whose encoders and parsers stop at a few hundred
 MAX_JSON_DEPTH = 32
-OUTPUTS_TOO_DEEP = f"outputs may not be nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def too_deep(name: str) -> str:
+    """Why JSON of the field ``name`` nested past ``MAX_JSON_DEPTH`` is refused."""
+    return f"{name} may not be nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+OUTPUTS_TOO_DEEP = too_deep("outputs")
 #: the integers such JSON may hold: a 64-bit signed one, what the services' encoder takes
 MAX_JSON_INT = 2**63 - 1
 _J = TypeVar("_J")
@@ -1159,7 +1166,7 @@ def json_problem(value: Any, name: str) -> str | None:
         elif isinstance(item, int):
             problem = None if -MAX_JSON_INT - 1 <= item <= MAX_JSON_INT else _big_int(name)
         elif depth > MAX_JSON_DEPTH:
-            problem = f"{name} may not be nested deeper than {MAX_JSON_DEPTH} levels"
+            problem = too_deep(name)
         elif isinstance(item, dict):
             stack.extend((key, depth) for key in item)
             stack.extend((inner, depth + 1) for inner in item.values())

@@ -135,6 +135,15 @@ class Outgoing:
     unheard: bool = False
 
 
+def _encodable(item: AttemptReport) -> bool:
+    try:
+        item.model_dump_json()
+    except PydanticSerializationError as exc:
+        log.error("attempt %s's report cannot be encoded: %s", item.attempt_id, exc)
+        return False
+    return True
+
+
 def report_of(result: AttemptResult) -> Report | None:
     """What to tell core about a finished process; None when core already knows (the
     attempt was cancelled there)."""
@@ -1391,12 +1400,12 @@ class Agent:
         refusal (stale, gone) is final; through outages it goes again, for a while."""
         loop = asyncio.get_running_loop()
         item = AttemptReport(attempt_id=attempt_id, **report.model_dump())
-        try:
-            item.model_dump_json()
-        except PydanticSerializationError as exc:
+        if item.outputs is not None and not _encodable(item):
             # A report no turn could carry: each turn that took it would fail to encode,
             # and with it every report, start and claim it carried, again and again.
-            log.error("attempt %s's report cannot be encoded: %s", attempt_id, exc)
+            # Only the task's outputs are the task's own structure (``outputs_problem``
+            # checked them as they were read): the rest is the agent's, its text decoded
+            # with replacement, and not encoded twice an attempt.
             item = AttemptReport(
                 attempt_id=attempt_id, outcome="failed", error=UNENCODABLE, retryable=False
             )

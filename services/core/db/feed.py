@@ -557,14 +557,13 @@ class Notifier:
                     self._url, autocommit=True, **keepalive(self._url), **args
                 ) as conn:
                     await body(conn)
-            except psycopg.Error as exc:
+            except Exception as exc:
                 if time.monotonic() - began >= SETTLED_S:
                     delay = 0.1
-                log.warning("%s lost its connection (%s); again in %.1f s", name, exc, delay)
-            except Exception:
-                if time.monotonic() - began >= SETTLED_S:
-                    delay = 0.1
-                log.exception("%s failed; again in %.1f s", name, delay)
+                if isinstance(exc, psycopg.Error):
+                    log.warning("%s lost its connection (%s); again in %.1f s", name, exc, delay)
+                else:
+                    log.exception("%s failed; again in %.1f s", name, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -11,6 +11,8 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from subprocess import Popen
+from typing import Any
 
 import psycopg
 import pytest
@@ -27,6 +29,24 @@ from tests.support import (
 from tests.support.httpproxy import Proxy
 
 pytestmark = pytest.mark.slow
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+
+def behind(proxy: Proxy, core: Core, tmp_path: Path, name: str, **kwargs: Any) -> Popen[bytes]:
+    """A real agent that reaches core through ``proxy``."""
+    via = Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread)
+    return spawn_worker(via, tmp_path / "worker", name, **kwargs)
+
+
+def state(db: Conn, task: int) -> str:
+    row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def ended(db: Conn, task: int) -> bool:
+    return state(db, task) in ("succeeded", "failed", "dead")
 
 
 class DroppingProxy(Proxy):
@@ -55,15 +75,11 @@ def core(db_url: str, tmp_path: Path) -> Iterator[Core]:
 
 
 def test_a_lease_whose_answer_is_lost_runs_once_by_one_attempt(
-    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+    core: Core, tmp_path: Path, db: Conn
 ) -> None:
     proxy = DroppingProxy(int(core.url.rsplit(":", 1)[1]))
     shared = shared_dir()
-    agent = spawn_worker(
-        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
-        tmp_path / "worker",
-        "lost-answer-worker",
-    )
+    agent = behind(proxy, core, tmp_path, "lost-answer-worker")
     try:
         with core.client("alice") as alice:
             body = shell_spec(f"echo ran >> {shared}/runs", retry={"max_attempts": 1})
@@ -71,14 +87,9 @@ def test_a_lease_whose_answer_is_lost_runs_once_by_one_attempt(
         began = time.monotonic()
         db.autocommit = True
 
-        def state() -> str:
-            row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()
-            assert row is not None
-            return str(row[0])
-
-        wait_for(lambda: state() in ("succeeded", "failed", "dead"), timeout=30)
+        wait_for(lambda: ended(db, task), timeout=30)
         took = time.monotonic() - began
-        final = state()
+        final = state(db, task)
         attempts = db.execute(
             "SELECT count(*), min(outcome) FROM core.attempts WHERE task_id = %s", (task,)
         ).fetchone()
@@ -108,7 +119,7 @@ class ReportAnswerDropper(Proxy):
 
 
 def test_a_report_whose_answer_is_lost_is_sent_again_and_refused_as_applied(
-    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+    core: Core, tmp_path: Path, db: Conn
 ) -> None:
     """The agent cannot know whether a turn whose answer it never heard reached core, so
     it sends its reports again: core refuses the second one, having applied the first,
@@ -116,12 +127,8 @@ def test_a_report_whose_answer_is_lost_is_sent_again_and_refused_as_applied(
     proxy = ReportAnswerDropper(int(core.url.rsplit(":", 1)[1]))
     shared = shared_dir()
     log = tmp_path / "agent.log"
-    agent = spawn_worker(
-        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
-        tmp_path / "worker",
-        "lost-report-answer-worker",
-        log=log,
-        CAIRN_LOG_LEVEL="info",
+    agent = behind(
+        proxy, core, tmp_path, "lost-report-answer-worker", log=log, CAIRN_LOG_LEVEL="info"
     )
     try:
         with core.client("alice") as alice:
@@ -166,7 +173,7 @@ class GarblingProxy(Proxy):
 
 
 def test_an_answer_the_agent_cannot_read_is_a_failed_turn_and_the_lease_runs_once(
-    core: Core, tmp_path: Path, db: psycopg.Connection[tuple[object, ...]]
+    core: Core, tmp_path: Path, db: Conn
 ) -> None:
     """A turn's answer the agent cannot read (core committed the lease; what came back
     is not its JSON) raised past the turn's handling: the agent ended, and its attempt
@@ -175,28 +182,19 @@ def test_an_answer_the_agent_cannot_read_is_a_failed_turn_and_the_lease_runs_onc
     it once; the next task runs on the same agent."""
     proxy = GarblingProxy(int(core.url.rsplit(":", 1)[1]))
     shared = shared_dir()
-    agent = spawn_worker(
-        Core(f"http://127.0.0.1:{proxy.port}", core.db_url, core.server, core.thread),
-        tmp_path / "worker",
-        "garbled-answer-worker",
-    )
+    agent = behind(proxy, core, tmp_path, "garbled-answer-worker")
     db.autocommit = True
-
-    def state(task: int) -> str:
-        row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone()
-        assert row is not None
-        return str(row[0])
 
     try:
         with core.client("alice") as alice:
             # a file a task: each attempt runs as a uid of its own
             body = shell_spec(f"echo ran >> {shared}/first", retry={"max_attempts": 1})
             first = alice.post("/v1/tasks", json=body).json()["id"]
-            wait_for(lambda: state(first) in ("succeeded", "failed", "dead"), timeout=30)
+            wait_for(lambda: ended(db, first), timeout=30)
             assert agent.poll() is None, "the agent ended"
             body = shell_spec(f"echo ran >> {shared}/second", retry={"max_attempts": 1})
             second = alice.post("/v1/tasks", json=body).json()["id"]
-            wait_for(lambda: state(second) in ("succeeded", "failed", "dead"), timeout=30)
+            wait_for(lambda: ended(db, second), timeout=30)
         assert len(proxy.garbled) == 1
         attempts = db.execute(
             "SELECT task_id, count(*), min(outcome) FROM core.attempts GROUP BY task_id"
