@@ -347,10 +347,19 @@ def singleton_loops(
     ]
 
 
+class LoopEnded(Exception):
+    """A singleton loop ended while its replica led (a loop ends only by a fault that
+    escaped it: a stray ``CancelledError``, a ``BaseException``, a bug in the loop's own
+    frame)."""
+
+
 class Leadership:
     """Runs the singleton loops while this replica leads: campaigns, starts them once it
     wins, checks the lead every ``check_s``, and stops them (then campaigns again) the
-    moment it is lost. Without an elector it always leads (one process, tests)."""
+    moment it is lost. A singleton loop that ended on its own fails the lead: the replica
+    steps down, so another (or this one, after the failed lead's pause) leads with every
+    loop started again, instead of leading on without it, unseen. Without an elector it
+    always leads (one process, tests), starting the loops again after the same pause."""
 
     def __init__(
         self,
@@ -365,10 +374,15 @@ class Leadership:
         self.running: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
-        if self.elector is None:
-            await self._lead(None)
-        else:
+        if self.elector is not None:
             await lead_forever(self.elector, self._lead, pause_s=self.check_s)
+            return
+        failures = Failures("leadership", self.check_s)
+        while True:
+            try:
+                await self._lead(None)
+            except LoopEnded as exc:
+                await asyncio.sleep(failures.failed(exc))
 
     async def _lead(self, lease: Lease | None) -> None:
         self.running = self.loops()
@@ -378,14 +392,31 @@ class Leadership:
                 await asyncio.sleep(self.check_s)
                 if lease is not None:
                     await lease.check()
+                self._check_running()
         finally:
             self.leading = False
             for task in self.running:
                 task.cancel()
-            for task in self.running:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            if self.running:
+                # Waited, not awaited: a loop that ended by a BaseException would raise
+                # it here, past the elector's step-down.
+                await asyncio.wait(self.running)
             self.running = []
+
+    def _check_running(self) -> None:
+        """Raise ``LoopEnded`` if a singleton loop has ended, naming it and why."""
+        ended = [task for task in self.running if task.done()]
+        if not ended:
+            return
+        why = {task: None if task.cancelled() else task.exception() for task in ended}
+        names = ", ".join(
+            f"{task.get_name()} ("
+            + ("cancelled" if task.cancelled() else repr(why[task]) if why[task] else "returned")
+            + ")"
+            for task in ended
+        )
+        first = next((exc for exc in why.values() if exc is not None), None)
+        raise LoopEnded(f"singleton loops ended while leading: {names}") from first
 
 
 def service_loops(
