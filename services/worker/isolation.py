@@ -174,7 +174,12 @@ def _private_mounts(
     if bind is not None:
         _mount(bind[0].encode(), bind[1].encode(), None, MS_BIND, None)
     for target in targets:
-        _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
+        try:
+            _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
+        except OSError as exc:
+            # a folder gone since the agent looked has nothing to share (``spawn.c``)
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
     if shm:
         _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777,size=64m")
 

@@ -104,7 +104,12 @@ def test_any_world_writable_folder_of_the_host_is_the_attempts_own_tmp(
         assert list(drop.iterdir()) == [], "the attempt wrote in the host's folder"
         kept = json.loads((tmp_path / "uids" / "world-writable.json").read_text())
         assert str(drop) in kept["found"], kept
-    finally:
-        for leftover in drop.iterdir():  # this test's own files, without the fix
-            leftover.unlink()
+        # Gone since the agent looked: nothing to share there, and no attempt fails for it.
         drop.rmdir()
+        after = run(core, shell(f"test ! -e {drop} && echo gone"))
+        assert after["state"] == "succeeded" and "gone" in after["log"], after
+    finally:
+        if drop.exists():
+            for leftover in drop.iterdir():  # this test's own files, without the fix
+                leftover.unlink()
+            drop.rmdir()
