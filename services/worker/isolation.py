@@ -37,6 +37,7 @@ import logging
 import os
 import platform
 import random
+import re
 import resource
 import socket
 import stat
@@ -362,7 +363,7 @@ def _not_walked(mountinfo: str = "/proc/self/mountinfo") -> set[str]:
                 continue
             if kind[0] in NOT_WALKED or kind[0].startswith("fuse"):
                 # mountinfo escapes space, tab, newline and backslash as octal
-                skip.add(fields[4].encode().decode("unicode_escape"))
+                skip.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
     return skip
 
 

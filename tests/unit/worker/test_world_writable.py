@@ -81,3 +81,22 @@ def test_agents_of_a_host_share_a_look_while_boot_and_mounts_hold(
     isolation.host_writable_folders(kept_in)
     assert len(looks) == 5
     assert isolation.host_writable_folders(kept_in) == answer and len(looks) == 5
+
+
+def test_network_fuse_and_kernel_file_systems_are_not_walked(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 0:21 / /proc rw,nosuid - proc proc rw\n"
+        "30 1 0:40 / /srv/data rw - nfs4 host:/data rw\n"
+        "31 1 0:41 / /mnt/my\\040drive rw - fuse.sshfs me@host: rw\n"
+        "32 1 0:42 / /mnt/café rw - cifs //host/share rw\n"
+        "40 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        "41 1 0:50 / /run rw - tmpfs tmpfs rw\n"
+        "garbage\n"
+    )
+    assert isolation._not_walked(str(mountinfo)) == {
+        "/proc",
+        "/srv/data",
+        "/mnt/my drive",
+        "/mnt/café",
+    }
