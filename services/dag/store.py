@@ -36,6 +36,11 @@ _NODE_COLUMNS = (
 _VISIBLE = "(CAST(:owner AS text) IS NULL OR owner = :owner OR team = ANY(CAST(:teams AS text[])))"
 
 
+def visible(row: Any, who: Visibility | None) -> bool:
+    """Whether ``who`` (None: anyone) may see the run ``row``: ``_VISIBLE`` of a row read."""
+    return who is None or row.owner == who.owner or row.team in who.teams
+
+
 def _who(who: Visibility | None) -> dict[str, Any]:
     if who is None:
         return {"owner": None, "teams": []}

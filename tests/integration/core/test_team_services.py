@@ -217,3 +217,61 @@ def test_a_team_workflows_runs_and_tasks_are_the_teams(core: Core, tmp_path: Pat
             assert cancelled.status_code == 200, cancelled.text
     finally:
         dag.stop()
+
+
+def test_a_teammates_idempotency_key_neither_finds_nor_takes_the_owners_runs(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """Run keys are unique per owner: a teammate starting a run of alice's team workflow
+    with a key alice used for her private workflow got that private run back (its
+    params, its workflow); and a key the teammate used first (cron's, which are
+    predictable: ``cron:SCHEDULE:SLOT``) answered alice's own later run with the
+    teammate's run of another workflow, so hers never ran."""
+    _team(core, "sre", "alice", "bob")
+    dag = start_dag(core, tmp_path / "dag")
+    try:
+        with dag.client("alice") as alice, dag.client("bob") as bob:
+            node = {"name": "extract", "task": {"artifact": ARTIFACT}}
+            shared = {"name": "etl", "team": "sre", "nodes": [node]}
+            private = {"name": "payroll", "params": {"account": "x"}, "nodes": [node]}
+            assert alice.post("/v1/workflows", json=shared).status_code == 201
+            assert alice.post("/v1/workflows", json=private).status_code == 201
+            mine = alice.post(
+                "/v1/workflows/payroll/runs",
+                json={"idempotency_key": "nightly", "params": {"account": "CH93-0000"}},
+            )
+            assert mine.status_code == 201, mine.text
+            # bob's key is his own: alice's private run is not what it finds.
+            theirs = {"owner": "alice"}
+            run = bob.post(
+                "/v1/workflows/etl/runs", params=theirs, json={"idempotency_key": "nightly"}
+            )
+            assert run.status_code == 201, run.text
+            assert run.json()["workflow"] == "etl" and run.json()["id"] != mine.json()["id"]
+            assert "CH93-0000" not in run.text
+            again = bob.post(
+                "/v1/workflows/etl/runs", params=theirs, json={"idempotency_key": "nightly"}
+            )
+            assert (again.status_code, again.json()["id"]) == (200, run.json()["id"])
+            # A key bob takes first is not alice's: her run of it is her own, of her workflow.
+            taken = bob.post(
+                "/v1/workflows/etl/runs",
+                params={"owner": "alice"},
+                json={"idempotency_key": "cron:7:2026-12-07T00:00:00+00:00"},
+            )
+            assert taken.status_code == 201, taken.text
+            hers = alice.post(
+                "/v1/workflows/payroll/runs",
+                json={"idempotency_key": "cron:7:2026-12-07T00:00:00+00:00"},
+            )
+            assert hers.status_code == 201, hers.text
+            assert hers.json()["workflow"] == "payroll"
+            # A key names one run: of another workflow, it is a 409, not that run.
+            other = alice.post("/v1/workflows/etl/runs", json={"idempotency_key": "nightly"})
+            assert other.status_code == 409, other.text
+            assert other.json()["errors"][0]["field"] == "body.idempotency_key"
+            assert "CH93-0000" not in other.text
+    finally:
+        dag.stop()
+    runs = db.execute("SELECT workflow, count(*) FROM dag.runs GROUP BY 1 ORDER BY 1").fetchall()
+    assert runs == [("etl", 2), ("payroll", 2)]
