@@ -332,7 +332,7 @@ async def history(
         whose, who = _whose(caller, owner, of)
         newest = await store.get_workflow(conn, whose, name, None, who)
         order = list((await graphs.get(conn, newest.id)).order)
-        runs, nodes = await store.history(conn, whose, name, limit)
+        runs, nodes = await store.history(conn, whose, name, limit, who)
     cells: dict[int, dict[str, HistoryCell]] = {r.id: {} for r in runs}
     for n in nodes:
         duration = None if n.duration_s is None else round(float(n.duration_s), 3)

@@ -307,3 +307,30 @@ def test_a_teammate_signals_a_team_run_but_chooses_no_data_its_tasks_read(
         dag.stop()
     kept = db.execute("SELECT name, data, sent_by FROM dag.run_events").fetchall()
     assert kept == [("go", {}, "bob")]
+
+
+def test_a_shared_workflows_history_shows_a_member_only_the_teams_runs(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """A workflow's history listed every run of its name: a member of the team it is
+    shared with now saw the runs from before it was (their ids, states, node names and
+    timings), which the member may not read one by one."""
+    _team(core, "sre", "alice", "bob")
+    dag = start_dag(core, tmp_path / "dag")
+    try:
+        with dag.client("alice") as alice, dag.client("bob") as bob:
+            node = {"name": "extract", "task": {"artifact": ARTIFACT}}
+            assert alice.post("/v1/workflows", json={"name": "etl", "nodes": [node]}).is_success
+            private = alice.post("/v1/workflows/etl/runs", json={}).json()["id"]
+            shared = {"name": "etl", "team": "sre", "nodes": [node]}
+            assert alice.post("/v1/workflows", json=shared).status_code == 201
+            team_run = alice.post("/v1/workflows/etl/runs", json={}).json()["id"]
+            assert bob.get(f"/v1/runs/{private}").status_code == 404
+            seen = bob.get("/v1/workflows/etl/history", params={"owner": "alice"})
+            assert seen.status_code == 200, seen.text
+            assert [r["id"] for r in seen.json()["runs"]] == [team_run]
+            own = alice.get("/v1/workflows/etl/history").json()
+            assert [r["id"] for r in own["runs"]] == [private, team_run]
+    finally:
+        dag.stop()
+    assert db.execute("SELECT count(*) FROM dag.runs").fetchone() == (2,)
