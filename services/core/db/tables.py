@@ -92,7 +92,15 @@ tokens = Table(
     Column("expires_at", DateTime(timezone=True)),
     Column("last_used_at", DateTime(timezone=True)),
     Column("created_by", Text),
+    # the id of the identity provider's key the credential that made it rests on (a JWT,
+    # a session, a token made by one): the provider withdrawing it revokes the token
+    Column("kid", Text),
     CheckConstraint("length(name) <= 100", name="name_length"),
+    Index(
+        "ix_tokens_kid",
+        "kid",
+        postgresql_where=text("kid IS NOT NULL AND revoked_at IS NULL"),
+    ),
 )
 
 teams = Table(

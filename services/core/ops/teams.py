@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.models import OwnerUsage, ShareSettings, Team
-from services.core.db import sharing, teams
+from services.core.db import secrets, sharing, teams
 from services.core.db.audit import Auditor
 from services.core.domain.principals import Principal
 from services.core.ops.sharing import share_of
@@ -19,9 +19,14 @@ async def create(engine: AsyncEngine, record: Auditor, name: str, by: str) -> Te
 
 
 async def delete(engine: AsyncEngine, record: Auditor, name: str) -> None:
+    """The team, its memberships, claims and share, and its secrets (their names in the
+    audit row): a team made later with the same name must not open the old one's values,
+    which are sealed under the same scope."""
     async with engine.begin() as conn:
         before = await teams.delete_team(conn, name)
-        await record(conn, "team.delete", f"team:{name}", before=before.model_dump())
+        gone = await secrets.remove_all(conn, secrets.Scope(None, name))
+        kept = {**before.model_dump(), "secrets": gone}
+        await record(conn, "team.delete", f"team:{name}", before=kept)
 
 
 async def add_member(engine: AsyncEngine, record: Auditor, name: str, member: str, by: str) -> Team:

@@ -110,3 +110,28 @@ def test_leaving_a_team_ends_access(core: Core) -> None:
         assert bob.get(f"/v1/tasks/{task['id']}").status_code == 404
         assert root.delete("/v1/teams/sre").status_code == 204
         assert alice.get(f"/v1/tasks/{task['id']}").status_code == 200
+
+
+def test_a_deleted_teams_secrets_go_with_it_not_to_a_team_of_its_name(core: Core, db) -> None:
+    """A team's secrets outlived the team: an admin who later made a team of the same
+    name (names are reused in a company this size) gave its new members the old team's
+    values, which open under the same scope."""
+    _team(core, "payroll", "alice")
+    with core.client("alice") as alice:
+        made = alice.post(
+            "/v1/secrets", json={"name": "bank", "value": "s3cr3t", "team": "payroll"}
+        )
+        assert made.status_code == 201, made.text
+    with core.client("root", "admin") as root:
+        assert root.delete("/v1/teams/payroll").status_code == 204
+    assert db.execute("SELECT count(*) FROM core.secrets WHERE team = 'payroll'").fetchone() == (0,)
+    _team(core, "payroll", "mallory")
+    with core.client("mallory") as mallory:
+        assert mallory.get("/v1/secrets").json()["items"] == []
+        env = {"BANK": {"secret": "bank", "team": "payroll"}}
+        refused = mallory.post("/v1/tasks", json=spec(env=env))
+        assert refused.status_code == 422, refused.text
+    audit = db.execute(
+        "SELECT before FROM core.audit WHERE action = 'team.delete' AND target = 'team:payroll'"
+    ).fetchone()
+    assert audit[0]["secrets"] == ["bank"]
