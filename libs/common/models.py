@@ -1582,6 +1582,14 @@ class TokenList(Output):
 
 class TeamCreate(Input):
     name: TeamName
+    reuse_name: bool = Field(
+        default=False,
+        description=(
+            "Take the name of a team deleted before: its tasks, schedules and workflows "
+            "still name it, and the new team's members will see and act on them. Without "
+            "it, such a name is a 409."
+        ),
+    )
 
 
 class Team(Output):

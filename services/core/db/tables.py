@@ -112,6 +112,17 @@ teams = Table(
     CheckConstraint("length(name) BETWEEN 1 AND 64", name="name_length"),
 )
 
+# The names of deleted teams: their tasks, schedules and workflows still name them, so a
+# team made with one later would hand its members the old team's work; taken again only
+# when asked for (``reuse_name``, db/teams.py).
+retired_teams = Table(
+    "retired_teams",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("deleted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("deleted_by", Text, nullable=False),
+)
+
 team_members = Table(
     "team_members",
     metadata,
