@@ -1,5 +1,5 @@
-"""People and their rights from the command line: ``token``, ``team``, ``secret`` and
-``audit``, over core's API. ``token create --db`` (or ``--from-env``) writes straight
+"""People and their rights from the command line: ``token``, ``team``, ``principal``
+(disable someone who left, enable again), ``secret`` and ``audit``, over core's API. ``token create --db`` (or ``--from-env``) writes straight
 to the database instead: how the first admin token and a deployment's own service
 tokens come to be."""
 
@@ -16,12 +16,23 @@ import typer
 from cairn import output, system
 from cairn.tasks_cli import JsonFlag, ctx_of
 from libs.common.errors import CairnError
-from libs.common.models import KeyStatus, RekeyResult, SealedCount, TokenCreate, TokenInfo
+from libs.common.models import (
+    KeyStatus,
+    PrincipalInfo,
+    RekeyResult,
+    SealedCount,
+    TokenCreate,
+    TokenInfo,
+)
 
 token_app = typer.Typer(help="Bearer tokens: create, list, revoke.", no_args_is_help=True)
 team_app = typer.Typer(help="Teams and their members (admins manage them).", no_args_is_help=True)
 secret_app = typer.Typer(help="Secrets tasks refer to by name.", no_args_is_help=True)
 audit_app = typer.Typer(help="The audit trail: read, export, verify.")
+principal_app = typer.Typer(
+    help="Principals: show one, disable someone who left, enable again (admins).",
+    no_args_is_help=True,
+)
 
 _SPAN = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -238,6 +249,49 @@ def team_delete(ctx: typer.Context, team: str) -> None:
     _team_command(ctx, False, lambda core: core.delete_team(team))
 
 
+def _principal_command(ctx: typer.Context, as_json: bool, call: Any) -> None:
+    c = ctx_of(ctx)
+
+    async def go() -> PrincipalInfo:
+        async with c.core() as core:
+            found: PrincipalInfo = await call(core)
+            return found
+
+    found = output.call(go)
+    if c.json or as_json:
+        output.dump(found)
+        return
+    disabled = (
+        f"{output.when(found.disabled_at)} by {found.disabled_by}" if found.disabled_at else "-"
+    )
+    output.table(
+        None,
+        ["principal", "role", "created", "disabled"],
+        [[found.name, found.role, output.when(found.created_at), disabled]],
+    )
+
+
+@principal_app.command("show")
+def principal_show(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+    """A principal's role and whether it is disabled (admins)."""
+    _principal_command(ctx, as_json, lambda core: core.principal(name))
+
+
+@principal_app.command("disable")
+def principal_disable(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+    """Disable a principal (someone who left; admins): its tokens and sessions stop
+    working, services no longer submit for it (cron's fires, workflows' nodes), its
+    webhooks are not delivered and its services' replicas not started again. Its waiting
+    and running tasks are left as they are: cancel them with `cairn cancel --owner`."""
+    _principal_command(ctx, as_json, lambda core: core.disable_principal(name))
+
+
+@principal_app.command("enable")
+def principal_enable(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+    """Enable a disabled principal again (admins): its tokens not revoked work again."""
+    _principal_command(ctx, as_json, lambda core: core.enable_principal(name))
+
+
 @secret_app.command("set")
 def secret_set(
     ctx: typer.Context,
@@ -370,6 +424,7 @@ def secret_rekey(
 def register(app: typer.Typer) -> None:
     app.add_typer(token_app, name="token")
     app.add_typer(team_app, name="team")
+    app.add_typer(principal_app, name="principal")
     app.add_typer(secret_app, name="secret")
     app.add_typer(audit_app, name="audit")
 

@@ -55,6 +55,7 @@ from libs.common.models import (
     NotificationEvent,
     OwnerList,
     OwnerUsage,
+    PrincipalInfo,
     QueueInfo,
     QueueList,
     QueueSettings,
@@ -708,6 +709,21 @@ class CoreClient(ApiClient):
 
     async def revoke_token(self, token_id: int) -> None:
         await self._call("DELETE", f"/v1/tokens/{token_id}")
+
+    async def principal(self, name: str) -> PrincipalInfo:
+        """A principal's role and whether it is disabled (admins)."""
+        response = await self._call("GET", f"/v1/principals/{quote(name, safe='')}")
+        return read_answer(PrincipalInfo, response)
+
+    async def disable_principal(self, name: str) -> PrincipalInfo:
+        """Disable a principal, someone who left (admins; idempotent)."""
+        response = await self._call("POST", f"/v1/principals/{quote(name, safe='')}/disable")
+        return read_answer(PrincipalInfo, response)
+
+    async def enable_principal(self, name: str) -> PrincipalInfo:
+        """Enable a disabled principal again (admins; idempotent)."""
+        response = await self._call("POST", f"/v1/principals/{quote(name, safe='')}/enable")
+        return read_answer(PrincipalInfo, response)
 
     async def create_team(self, name: str, reuse_name: bool = False) -> Team:
         body = TeamCreate(name=name, reuse_name=reuse_name).model_dump_json()

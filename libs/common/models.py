@@ -1580,6 +1580,18 @@ class TokenList(Output):
     items: list[TokenInfo]
 
 
+class PrincipalInfo(Output):
+    """A principal as core keeps it: its role, and whether an admin has disabled it (someone
+    who left: its tokens, sessions, the work services submit for it and its webhooks are
+    refused until it is enabled again)."""
+
+    name: str
+    role: Role
+    created_at: datetime
+    disabled_at: datetime | None = None
+    disabled_by: str | None = None
+
+
 class TeamCreate(Input):
     name: TeamName
     reuse_name: bool = Field(

@@ -101,6 +101,11 @@ class TokenCache:
         for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
             del self._entries[key]
 
+    def evict_principal(self, name: str) -> None:
+        """Forget every credential of ``name`` (disabled through this replica)."""
+        for key in [k for k, (_, p) in self._entries.items() if p.name == name]:
+            del self._entries[key]
+
     def evict_jwts(self, kids: list[str]) -> None:
         """Forget every JWT, and the tokens resting on ``kids``: the identity provider
         withdrew these keys (every replica reads the key set, so each forgets its own,

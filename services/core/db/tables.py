@@ -70,6 +70,9 @@ principals = Table(
     Column("name", Text, nullable=False, unique=True),
     Column("role", Text, nullable=False),
     _now(),
+    # set while an admin has it disabled (someone who left): db/principals.py
+    Column("disabled_at", DateTime(timezone=True)),
+    Column("disabled_by", Text),
     CheckConstraint("role IN ('admin', 'service', 'user', 'worker')", name="role"),
     CheckConstraint("length(name) BETWEEN 1 AND 100", name="name_length"),
 )

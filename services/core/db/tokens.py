@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, InvalidInput, NotFound
 from libs.common.models import TokenInfo
+from services.core.db.principals import ENABLED
 from services.core.db.tables import principals, tokens
 from services.core.domain.principals import ROLES, Principal
 
@@ -33,7 +34,8 @@ _INFO = (
     tokens.c.revoked_at,
 )
 
-_LOOKUP = text("""
+# A disabled principal's tokens stand for no one (``principals.ENABLED``).
+_LOOKUP = text(f"""
 SELECT p.id, p.name, p.role, t.id AS token_id, t.expires_at, t.kid,
        t.last_used_at IS NULL
            OR t.last_used_at < now() - make_interval(secs => :every) AS stale,
@@ -41,7 +43,7 @@ SELECT p.id, p.name, p.role, t.id AS token_id, t.expires_at, t.kid,
              ORDER BY m.team) AS teams
 FROM core.tokens t JOIN core.principals p ON p.id = t.principal_id
 WHERE t.token_hash = :hash AND t.revoked_at IS NULL
-  AND (t.expires_at IS NULL OR t.expires_at > now())
+  AND (t.expires_at IS NULL OR t.expires_at > now()) AND {ENABLED}
 """)
 
 
@@ -129,7 +131,8 @@ async def create(
 
 
 async def principal_for(conn: AsyncConnection, token: str) -> Principal | None:
-    """Who a live token stands for (with its teams), noting that it was used."""
+    """Who a live token of an enabled principal stands for (with its teams), noting that
+    it was used."""
     found = (
         await conn.execute(_LOOKUP, {"hash": hash_token(token), "every": LAST_USED_EVERY_S})
     ).first()

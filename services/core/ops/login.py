@@ -19,6 +19,7 @@ from libs.common import signin
 from libs.common.errors import InvalidInput, Unauthorized
 from services.core.db import login, tokens
 from services.core.db.audit import Auditor
+from services.core.db.principals import is_disabled
 from services.core.db.teams import recorded_teams
 from services.core.domain.principals import Principal
 from services.core.identity.oidc import OidcVerifier
@@ -26,6 +27,8 @@ from services.core.identity.signin import ProviderClient
 from services.core.ops.teams import claims_seen
 
 ENDED = "your session has ended: sign in again"
+#: a JWT, a session or its token of a disabled principal (``db.principals``)
+DISABLED = "this principal is disabled"
 #: what a session's bearer token begins with: never a ``cairn token create`` token's
 #: beginning (``cairn_`` and base64url), so the two are told apart without a query
 SESSION_TOKEN_PREFIX = "cairns_"  # noqa: S105 - a prefix, not a secret
@@ -35,11 +38,14 @@ async def jwt_principal(
     engine: AsyncEngine, oidc: OidcVerifier, token: str, nonce: str | None = None
 ) -> Principal:
     """Whom a provider's JWT stands for (its claimed teams with those an admin recorded);
-    the teams it claims are kept (``ops.teams.claims_seen``)."""
+    the teams it claims are kept (``ops.teams.claims_seen``). 401 for a disabled name."""
     found = await oidc.verify(token, nonce)
     async with engine.connect() as conn:
         role = await tokens.role_of(conn, found.name)
         known = await recorded_teams(conn, found.name)
+        disabled = await is_disabled(conn, found.name)
+    if disabled:
+        raise Unauthorized(DISABLED)
     if role is not None and role not in ("user", found.role):
         # The provider names someone who is a service or worker here: not the same one.
         raise Unauthorized("unknown or revoked token")
@@ -135,11 +141,13 @@ async def finish(
 
 async def session_principal(engine: AsyncEngine, session_id: str) -> tuple[Principal, str]:
     """Whom a session cookie stands for, and the digest of its CSRF token; 401 when the
-    session is unknown or has ended."""
+    session is unknown or has ended, or its principal is disabled."""
     async with engine.connect() as conn:
         found = await login.get_session(conn, session_id)
         if found is None:
             raise Unauthorized(ENDED)
+        if await is_disabled(conn, found.principal):
+            raise Unauthorized(DISABLED)
         known = await recorded_teams(conn, found.principal)
     return _principal(found, known), found.csrf_hash
 
@@ -183,11 +191,14 @@ async def session_token(
 
 async def token_principal(engine: AsyncEngine, token: str) -> Principal | None:
     """Whom a session's bearer token stands for: the session's person, its claimed teams
-    with those recorded, until the token or the session ends; None if neither is live."""
+    with those recorded, until the token or the session ends; None if neither is live.
+    401 when its principal is disabled."""
     async with engine.connect() as conn:
         found = await login.token_session(conn, token)
         if found is None:
             return None
+        if await is_disabled(conn, found.principal):
+            raise Unauthorized(DISABLED)
         known = await recorded_teams(conn, found.principal)
     return _principal(found, known)
 
