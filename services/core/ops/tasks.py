@@ -11,11 +11,12 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from libs.common.client import ON_BEHALF_OF
 from libs.common.errors import Forbidden, InvalidInput, QuotaExceeded
 from libs.common.models import MAX_AHEAD_S, MAX_BULK_COUNT, BulkAction, BulkResult, Task, TaskCreate
 from libs.common.states import TaskState
 from services.core import traces
-from services.core.db import secrets, sharing, teams
+from services.core.db import principals, secrets, sharing, teams
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
@@ -161,10 +162,12 @@ async def submit(
     secret goes to the group commit (``by.group``), in one statement and one commit with
     the others of this moment; else one task is one statement with no transaction around
     it (autocommit saves two round trips). Time limits are filled in (or refused)
-    first: ``fill_limits``."""
+    first: ``fill_limits``. Work a service submits for a disabled owner is refused
+    (``refuse_for_others``)."""
     filled = fill_limits(by, specs, field)
     check_placements(specs, field)
     each = [owners] * len(specs) if isinstance(owners, str) else owners
+    await refuse_for_others(by, owners, each)
     team_of = [spec.team for spec in specs]
     limited = by.book.limits_submissions(each, team_of)
     told = False
@@ -198,6 +201,19 @@ async def submit(
         by.meter.submitted_to(spec.queue for _, spec in created)
         traces.submitted(headers, created, start_ns)
     return rows
+
+
+async def refuse_for_others(by: Submitter, owners: str | list[str], each: list[str]) -> None:
+    """A 403 naming the owner when a service submits for a disabled one (a cron fire, a
+    workflow's node); the caller's own work needs no look: its credential was refused."""
+    if all(owner == by.principal.name for owner in each):
+        return
+
+    def where(i: int) -> str:
+        return f"header.{ON_BEHALF_OF}" if isinstance(owners, str) else f"body.owners.{i}"
+
+    async with by.engine.connect() as conn:
+        await principals.refuse_disabled(conn, each, where)
 
 
 def _soon() -> datetime:

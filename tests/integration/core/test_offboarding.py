@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from libs.common.client import ON_BEHALF_OF
 from services.core.db.workers import lease_digest
+from tests.fixtures.cron import EPOCH, Cron, FakeClock
+from tests.fixtures.dag import DagServer, Runner, node, workflow
 from tests.integration.core.test_oidc import AUDIENCE, ISSUER, Keys
+from tests.integration.cron.test_engine import create, fires, settled, tasks_of
 from tests.support import Core, cairn_cli, spec, start_core, wait_for
 
 FAST_NOTIFY = {
@@ -165,6 +170,121 @@ def test_a_disabled_names_jwts_and_dashboard_sessions_are_refused(
         assert jwt.get("/v1/whoami").status_code == 200
         assert browser.get("/v1/whoami").status_code == 200
     assert [a for a, _ in _audited(db, name)] == ["principal.disable", "principal.enable"]
+
+
+def test_a_service_submitting_for_a_disabled_owner_is_a_403_naming_the_owner(
+    core: Core, db: Any
+) -> None:
+    with core.client("bob") as bob:
+        waiting = bob.post("/v1/tasks", json=spec(name="before")).json()["id"]
+    _disable(core, "bob")
+    with core.client("svc", "service") as svc:
+        one = svc.post("/v1/tasks", json=spec(name="fire"), headers={ON_BEHALF_OF: "bob"})
+        assert one.status_code == 403, one.text
+        assert one.headers["content-type"] == "application/problem+json"
+        assert one.json()["detail"] == "owner: principal 'bob' is disabled"
+        assert one.json()["errors"] == [
+            {"field": f"header.{ON_BEHALF_OF}", "reason": "principal 'bob' is disabled"}
+        ]
+        batch = {"tasks": [spec(name="a"), spec(name="b")], "owners": ["carol", "bob"]}
+        refused = svc.post("/v1/tasks/batch", json=batch)
+        assert refused.status_code == 403
+        assert refused.json()["errors"][0]["field"] == "body.owners.1"
+        # Its own work and others' go on.
+        assert svc.post("/v1/tasks", json=spec(name="own")).status_code == 201
+        carol = svc.post("/v1/tasks", json=spec(name="c"), headers={ON_BEHALF_OF: "carol"})
+        assert carol.status_code == 201
+        owned = db.execute(
+            "SELECT name, state FROM core.tasks WHERE owner = 'bob' ORDER BY id"
+        ).fetchall()
+        # What bob had waiting is left as it was (an admin may cancel it).
+        assert owned == [("before", "waiting")]
+        assert db.execute("SELECT count(*) FROM core.tasks WHERE owner = 'carol'").fetchone() == (
+            1,
+        )
+        _disable(core, "bob", "enable")
+        again = svc.post("/v1/tasks", json=spec(name="fire"), headers={ON_BEHALF_OF: "bob"})
+        assert again.status_code == 201 and again.json()["owner"] == "bob"
+    assert db.execute("SELECT state FROM core.tasks WHERE id = %s", (waiting,)).fetchone() == (
+        "waiting",
+    )
+
+
+def test_crons_fire_for_a_disabled_owner_is_recorded_refused_and_fires_again_once_enabled(
+    cron: Cron, clock: FakeClock, db: Any
+) -> None:
+    wait_for(lambda: cron.engine.leader)
+    sid = create(cron, expression="* * * * *", timezone="UTC")  # alice's
+    _disable(cron.core, "alice")
+    start = EPOCH.replace(second=0)
+    clock.set(start + timedelta(minutes=1))
+    wait_for(lambda: settled(db, sid, 1))
+    [(_, outcome, task_id)] = fires(db, sid)
+    assert (outcome, task_id) == ("failed", None)
+    (detail,) = db.execute(
+        "SELECT detail FROM cron.fires WHERE schedule_id = %s", (sid,)
+    ).fetchone()
+    assert "refused" in detail and "principal 'alice' is disabled" in detail
+    assert tasks_of(db, sid) == []
+    _disable(cron.core, "alice", "enable")
+    clock.set(start + timedelta(minutes=2))
+    wait_for(lambda: settled(db, sid, 2))
+    assert [r[1] for r in fires(db, sid)] == ["failed", "submitted"]
+    assert [t[1] for t in tasks_of(db, sid)] == ["alice"]
+
+
+def test_a_workflows_node_for_a_disabled_owner_fails_as_refused(dag: DagServer, db: Any) -> None:
+    with dag.client("bob") as bob, dag.client("cron", "service") as cron:
+        Runner(bob).define(workflow("nightly", [node("a"), node("b", "a")]))
+        _disable(dag.core, "bob")
+        started = cron.post("/v1/workflows/nightly/runs", json={}, headers={ON_BEHALF_OF: "bob"})
+        assert started.status_code == 201, started.text
+    with dag.client("root", "admin") as root:
+        run = Runner(root).wait_end(started.json()["id"])
+    assert run["state"] == "failed"
+    (detail,) = db.execute(
+        "SELECT error FROM dag.nodes WHERE run_id = %s AND name = 'a'", (run["id"],)
+    ).fetchone()
+    assert "core refused the task" in detail and "disabled" in detail
+    assert db.execute("SELECT count(*) FROM core.tasks WHERE owner = 'bob'").fetchone() == (0,)
+
+
+@pytest.mark.core(services_interval_s=0.1)
+def test_a_disabled_owners_service_replicas_are_not_started_again(core: Core, db: Any) -> None:
+    template = {
+        "name": "web",
+        "kind": "service",
+        "artifact": {"uri": "file:///bin/true", "sha256": "0" * 64},
+        "resources": {"cpu": 0.1, "memory_mb": 64},
+        "service": {"ports": [{"name": "http"}]},
+    }
+
+    def replicas() -> list[tuple[int, str]]:
+        rows = db.execute(
+            "SELECT id, state FROM core.tasks WHERE owner = 'alice' AND name = 'web' ORDER BY id"
+        ).fetchall()
+        return [tuple(r) for r in rows]
+
+    with core.client("alice") as alice:
+        made = alice.post("/v1/services", json={"name": "web", "replicas": 1, "template": template})
+        assert made.status_code == 201, made.text
+    wait_for(lambda: len(replicas()) == 1)
+    [(first, state)] = replicas()
+    assert state == "waiting"  # no worker: it waits, and is left so by disabling
+    _disable(core, "alice")
+    with core.client("root", "admin") as root:
+        assert root.post(f"/v1/tasks/{first}/cancel").status_code == 200
+
+    def refused() -> str | None:
+        row = db.execute("SELECT message FROM core.services WHERE name = 'web'").fetchone()
+        return row[0] if row and row[0] and "disabled" in row[0] else None
+
+    message = wait_for(refused)
+    assert "start refused" in message and "principal 'alice' is disabled" in message
+    assert replicas() == [(first, "cancelled")]
+    _disable(core, "alice", "enable")
+    wait_for(lambda: len(replicas()) == 2)
+    assert replicas()[1][1] == "waiting"
 
 
 def test_the_cli_shows_disables_and_enables_a_principal(core: Core, db: Any, tmp_path) -> None:
