@@ -26,6 +26,7 @@ from libs.common.models import (
     SubscriptionFilter,
 )
 from services.core.db.params import jsonb
+from services.core.db.principals import enabled_name
 from services.core.db.tables import (
     notification_answers,
     notifications,
@@ -44,10 +45,15 @@ WHERE c.name = :name AND (SELECT pg_try_advisory_xact_lock{lock})"""
 MATCHER_CURSOR = text(_LOCKED_CURSOR.format(lock=locks.MATCHER))
 DEADLINE_CURSOR = text(_LOCKED_CURSOR.format(lock=locks.DEADLINE_SCAN))
 
-_MATCHES = """
+# A disabled principal's subscriptions match nothing (``principals.enabled_name``).
+_MATCHES = (
+    """
 JOIN core.subscriptions s ON s.owner = {owner} AND s.enabled AND {event} = ANY(s.events)
      AND (s.queue IS NULL OR s.queue = {queue}) AND {labels} @> s.labels
-"""
+     AND """
+    + enabled_name("s.owner").replace("{", "{{").replace("}", "}}")
+    + "\n"
+)
 
 QUEUE_DEAD: TextClause = text(
     """
@@ -116,13 +122,15 @@ FROM (SELECT 1) one
 )
 
 # Due deliveries of enabled subscriptions (a test is delivered even to a disabled one),
-# leased to this replica: ``next_at`` moves past the lease, ``tries`` is its fence.
-CLAIM: TextClause = text("""
+# leased to this replica: ``next_at`` moves past the lease, ``tries`` is its fence. Those
+# of a disabled principal's subscriptions wait, and go once it is enabled again.
+CLAIM: TextClause = text(f"""
 WITH due AS (
     SELECT n.id
     FROM core.notifications n
     JOIN core.subscriptions s ON s.id = n.subscription_id
     WHERE n.state = 'pending' AND n.next_at <= now() AND (s.enabled OR n.event = 'test')
+      AND {enabled_name("s.owner")}
     ORDER BY n.next_at
     LIMIT :limit
     FOR UPDATE OF n SKIP LOCKED

@@ -7,6 +7,7 @@ enabling them restores all of it. Each asserts what the database holds."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.fixtures.dag import DagServer, Runner, node, workflow
 from tests.integration.core.test_oidc import AUDIENCE, ISSUER, Keys
 from tests.integration.cron.test_engine import create, fires, settled, tasks_of
 from tests.support import Core, cairn_cli, spec, start_core, wait_for
+from tests.webhooks import Receiver, subscribe
 
 FAST_NOTIFY = {
     "notify_interval_s": 0.05,
@@ -247,6 +249,56 @@ def test_a_workflows_node_for_a_disabled_owner_fails_as_refused(dag: DagServer, 
     ).fetchone()
     assert "core refused the task" in detail and "disabled" in detail
     assert db.execute("SELECT count(*) FROM core.tasks WHERE owner = 'bob'").fetchone() == (0,)
+
+
+@pytest.mark.core(**FAST_NOTIFY)
+def test_a_disabled_owners_webhooks_are_not_delivered_until_enabled(core: Core, db: Any) -> None:
+    hook = Receiver(fail_first=None)  # every try fails for now: bob's stays pending
+    try:
+        with core.client("alice") as alice, core.client("bob") as bob:
+            alices = subscribe(alice, hook.url, events=["fire.failed"])
+            bobs = subscribe(bob, hook.url, name="bob's", events=["fire.failed"])
+
+        def post(owner: str, key: str) -> int:
+            event = {
+                "event": "fire.failed",
+                "owner": owner,
+                "key": key,
+                "summary": "schedule nightly: core refused the submission",
+                "subject": {"schedule_id": "7"},
+            }
+            with core.client("cron", "service") as cron:
+                answer = cron.post("/v1/notifications/events", json=event)
+                assert answer.status_code == 202, answer.text
+                queued: int = answer.json()["queued"]
+                return queued
+
+        def tries(sub: int) -> list[tuple[str, int]]:
+            rows = db.execute(
+                "SELECT state, tries FROM core.notifications WHERE subscription_id = %s"
+                " ORDER BY id",
+                (sub,),
+            ).fetchall()
+            return [tuple(r) for r in rows]
+
+        assert post("bob", "before") == 1
+        wait_for(lambda: tries(bobs["id"]) and tries(bobs["id"])[0][1] >= 1)
+        _disable(core, "bob")
+        hook.fail_first = 0  # the receiver would take it now
+        # A new event of bob's matches nothing; alice's is delivered.
+        assert post("bob", "while disabled") == 0
+        assert post("alice", "while bob is disabled") == 1
+        wait_for(lambda: tries(alices["id"]) and tries(alices["id"])[0][0] == "delivered")
+        held = tries(bobs["id"])
+        time.sleep(1.0)  # ten times the retry backoff's cap
+        assert tries(bobs["id"]) == held and held[0][0] == "pending"
+        taken = [r for r in hook.all() if r.answered == 200]
+        assert [r.doc["subscription"]["id"] for r in taken] == [alices["id"]]
+        _disable(core, "bob", "enable")
+        wait_for(lambda: tries(bobs["id"])[0][0] == "delivered")
+        assert len(tries(bobs["id"])) == 1  # what came while disabled was never queued
+    finally:
+        hook.close()
 
 
 @pytest.mark.core(services_interval_s=0.1)
