@@ -68,7 +68,10 @@ async def may_retry(
 ) -> None:
     """A retry puts the task to work again as its owner, so it is checked as submitting
     it would be now: the owner's teams and secrets (``check_owner``) and the queue's
-    policy, for the owner and, when a user retries a teammate's task, for that user too."""
+    policy, for the owner and, when a user retries a teammate's task, for that user too;
+    another's retry of a disabled owner's task is refused as a service's submission is."""
+    if task.owner != principal.name:
+        await principals.refuse_disabled(conn, [task.owner], lambda _: "task.owner")
     book.check_policy(policy_role(principal, task.owner), task.owner, task, "task")
     if principal.role == "user" and principal.name != task.owner:
         book.check_policy("user", principal.name, task, "task")

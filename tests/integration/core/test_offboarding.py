@@ -212,6 +212,30 @@ def test_a_service_submitting_for_a_disabled_owner_is_a_403_naming_the_owner(
     )
 
 
+def test_a_teammates_retry_of_a_disabled_owners_task_is_refused(core: Core, db: Any) -> None:
+    with core.client("root", "admin") as root:
+        assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
+        for member in ("alice", "bob"):
+            assert root.put(f"/v1/teams/sre/members/{member}").status_code == 200
+    with core.client("bob") as bob:
+        task = bob.post("/v1/tasks", json=spec(team="sre")).json()["id"]
+        assert bob.post(f"/v1/tasks/{task}/cancel").status_code == 200
+    _disable(core, "bob")
+    with core.client("alice") as alice:
+        # A retry puts it to work again in bob's name, as a service's submission would.
+        refused = alice.post(f"/v1/tasks/{task}/retry")
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["errors"][0]["field"] == "task.owner"
+        assert db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone() == (
+            "cancelled",
+        )
+        _disable(core, "bob", "enable")
+        assert alice.post(f"/v1/tasks/{task}/retry").status_code == 200
+    assert db.execute("SELECT state FROM core.tasks WHERE id = %s", (task,)).fetchone() != (
+        "cancelled",
+    )
+
+
 def test_crons_fire_for_a_disabled_owner_is_recorded_refused_and_fires_again_once_enabled(
     cron: Cron, clock: FakeClock, db: Any
 ) -> None:
