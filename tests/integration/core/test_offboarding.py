@@ -16,13 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from cairn.cli import app
 from libs.common.client import ON_BEHALF_OF
 from services.core.db.workers import lease_digest
 from tests.fixtures.cron import EPOCH, Cron, FakeClock
 from tests.fixtures.dag import DagServer, Runner, node, workflow
 from tests.integration.core.test_oidc import AUDIENCE, ISSUER, Keys
 from tests.integration.cron.test_engine import create, fires, settled, tasks_of
-from tests.support import Core, cairn_cli, spec, start_core, wait_for
+from tests.support import Core, cli_as, spec, start_core, wait_for
 from tests.webhooks import Receiver, subscribe
 
 FAST_NOTIFY = {
@@ -363,18 +364,15 @@ def test_a_disabled_owners_service_replicas_are_not_started_again(core: Core, db
     assert replicas()[1][1] == "waiting"
 
 
-def test_the_cli_shows_disables_and_enables_a_principal(core: Core, db: Any, tmp_path) -> None:
-    with core.client("root", "admin"), core.client("bob"):
+def test_the_cli_shows_disables_and_enables_a_principal(
+    core: Core, db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with core.client("bob"):
         pass
-    env = {
-        "CAIRN_URL": core.url,
-        "CAIRN_TOKEN": core.tokens["root"],
-        "CAIRN_HOME": str(tmp_path),
-        "CAIRN_DATABASE_URL": None,
-    }
+    runner = cli_as(core, monkeypatch, tmp_path, "root", "admin")
 
     def cairn(*args: str) -> Any:
-        return cairn_cli(*args, env=env)
+        return runner.invoke(app, list(args))
 
     done = cairn("principal", "disable", "bob", "--json")
     assert done.exit_code == 0, done.output
