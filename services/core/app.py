@@ -32,6 +32,7 @@ from services.core.api import (
 from services.core.api import services as services_api
 from services.core.api import sharing as sharing_api
 from services.core.api.deps import LeaseCache, TokenCache
+from services.core.db import principals as principals_db
 from services.core.db import sharing
 from services.core.db.feed import Notifier
 from services.core.identity.crypto import SecretBox, read_key_file
@@ -118,6 +119,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         # On SIGTERM, before uvicorn waits for requests to end: long polls answer now.
         app.state.on_exit = [notifier.line.close]
         app.state.tokens = TokenCache(settings.token_cache_s)
+        app.state.disabled_owners = principals_db.DisabledOwners(settings.token_cache_s)
         app.state.secret_box = secret_box(settings)
         oidc = None
         if settings.oidc_enabled:

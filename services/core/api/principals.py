@@ -68,14 +68,19 @@ async def disable_principal(
     done = await principals_ops.set_disabled(engine, record, name, True, principal.name)
     cache: TokenCache = request.app.state.tokens
     cache.evict_principal(name)
+    owners: principals_db.DisabledOwners = request.app.state.disabled_owners
+    owners.forget(name)
     return done
 
 
 @router.post("/principals/{name}/enable", response_model=PrincipalInfo, responses=PROBLEMS)
 async def enable_principal(
-    name: NamePath, principal: AdminOnly, engine: Engine, record: Audit
+    name: NamePath, principal: AdminOnly, engine: Engine, record: Audit, request: Request
 ) -> PrincipalInfo:
     """Enable a disabled principal again (admins, idempotent, audited as
     ``principal.enable``): its tokens that were not revoked work again, and so does what
     services do on its behalf. 404 for a name core has no row for."""
-    return await principals_ops.set_disabled(engine, record, name, False, principal.name)
+    done = await principals_ops.set_disabled(engine, record, name, False, principal.name)
+    owners: principals_db.DisabledOwners = request.app.state.disabled_owners
+    owners.forget(name)
+    return done

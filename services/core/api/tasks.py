@@ -176,6 +176,7 @@ async def _submitter(request: Request, call: Submission) -> tasks_ops.Submitter:
         defaults=_task_defaults(request.app.state.settings),
         fair=request.app.state.settings.fair_share_rule,
         group=request.app.state.group_commit,
+        disabled=request.app.state.disabled_owners,
     )
 
 

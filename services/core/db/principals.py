@@ -6,12 +6,13 @@ provider vouches for, who never made a token) gets one, as a user, when disabled
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.errors import Forbidden, NotFound
 from libs.common.models import PrincipalInfo
@@ -72,6 +73,46 @@ async def refuse_disabled(
     for i, owner in enumerate(owners):
         if owner in gone:
             raise disabled_problem(owner, field(i))
+
+
+class DisabledOwners:
+    """Whether owners are disabled, as this replica last read them, each answer kept for
+    ``ttl_s`` (the token cache time: a name disabled through another replica is refused
+    within it, as its tokens are), so that a service's submissions for the same owners (a
+    cron burst, a workflow's nodes) do not each read them again: the read cost a service's
+    lone submission a connection and three round trips. Disabling or enabling a name
+    through this replica forgets it at once; 0 keeps nothing."""
+
+    def __init__(
+        self, ttl_s: float, size: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self.clock = clock
+        self._entries: dict[str, tuple[float, bool]] = {}
+
+    async def refuse(
+        self, engine: AsyncEngine, owners: Sequence[str], field: Callable[[int], str]
+    ) -> None:
+        """``refuse_disabled``, reading only the owners not known lately."""
+        now = self.clock()
+        known = {o: e[1] for o in set(owners) if (e := self._entries.get(o)) and e[0] >= now}
+        missing = sorted(set(owners) - known.keys())
+        if missing:
+            async with engine.connect() as conn:
+                gone = await disabled_among(conn, missing)
+            if self.ttl_s > 0:
+                if len(self._entries) + len(missing) > self.size:
+                    self._entries.clear()
+                until = now + self.ttl_s
+                self._entries.update((o, (until, o in gone)) for o in missing)
+            known.update((o, o in gone) for o in missing)
+        for i, owner in enumerate(owners):
+            if known[owner]:
+                raise disabled_problem(owner, field(i))
+
+    def forget(self, name: str) -> None:
+        self._entries.pop(name, None)
 
 
 async def get(conn: AsyncConnection, name: str) -> PrincipalInfo:

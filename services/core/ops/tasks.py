@@ -113,6 +113,8 @@ class Submitter:
     #: the writer that stores single submissions together (``ops.groupcommit``); None:
     #: each in its own statement
     group: GroupCommit | None = None
+    #: which owners are disabled, as this replica read them lately; None: read each time
+    disabled: principals.DisabledOwners | None = None
 
 
 def fill_limits(
@@ -215,6 +217,9 @@ async def refuse_for_others(by: Submitter, owners: str | list[str], each: list[s
     def where(i: int) -> str:
         return f"header.{ON_BEHALF_OF}" if isinstance(owners, str) else f"body.owners.{i}"
 
+    if by.disabled is not None:
+        await by.disabled.refuse(by.engine, each, where)
+        return
     async with by.engine.connect() as conn:
         await principals.refuse_disabled(conn, each, where)
 

@@ -213,6 +213,34 @@ def test_a_service_submitting_for_a_disabled_owner_is_a_403_naming_the_owner(
     )
 
 
+def test_a_service_is_refused_for_a_disabled_owner_on_every_replica_within_the_cache_time(
+    db_url: str, tmp_path: Path, db: Any
+) -> None:
+    cache_s = 1.0
+    a = start_core(db_url, tmp_path / "a", token_cache_s=cache_s)
+    b = start_core(db_url, tmp_path / "b", token_cache_s=cache_s)
+    headers = {ON_BEHALF_OF: "bob"}
+    try:
+        with a.client("svc", "service") as on_a, _bearer(b, a.tokens["svc"]) as on_b:
+
+            def status(http: httpx.Client) -> int:
+                return http.post("/v1/tasks", json=spec(), headers=headers).status_code
+
+            # Each replica reads bob's state once and keeps it for its cache time ...
+            assert (status(on_a), status(on_b)) == (201, 201)
+            _disable(a, "bob")
+            # ... the one that disabled bob forgets it at once, the other within that time.
+            assert status(on_a) == 403
+            wait_for(lambda: status(on_b) == 403, timeout=10 * cache_s)
+            _disable(a, "bob", "enable")
+            assert status(on_a) == 201
+            wait_for(lambda: status(on_b) == 201, timeout=10 * cache_s)
+        assert db.execute("SELECT count(*) FROM core.tasks WHERE owner = 'bob'").fetchone()[0] >= 4
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_teammates_retry_of_a_disabled_owners_task_is_refused(core: Core, db: Any) -> None:
     with core.client("root", "admin") as root:
         assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
