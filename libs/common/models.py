@@ -1337,11 +1337,44 @@ MAX_TURN_ITEMS = 256
 MAX_STARTS = 4096
 
 
+#: the variable naming an attempt's outputs file (services/worker/outputs.py), which
+#: the reason of an attempt failed for what it wrote there starts with
+OUTPUTS_ENV = "CAIRN_OUTPUTS"
+#: what of a report a turn keeps when it fails the attempt for its outputs
+_KEPT_OF_REFUSED = (
+    "attempt_id",
+    "exit_code",
+    "peak_memory_mb",
+    "cpu_seconds",
+    "log_tail",
+    "log_bytes",
+)
+
+
 class AttemptReport(Report):
     """A report inside a worker's turn: the attempt it is about, and how it ended (its
-    log reached core apart, in chunks: docs/logs.md)."""
+    log reached core apart, in chunks: docs/logs.md). A report whose ``outputs`` break
+    ``json_problem`` (sent by an agent from before that rule) is refused alone: it is read
+    as the attempt failed, not retryable, naming the rule, as a newer agent reports such
+    an attempt itself, so the rest of its turn is applied."""
 
     attempt_id: TaskId
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outputs_refused_alone(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("outputs") is None:
+            return data
+        problem = json_problem(data["outputs"], "outputs")
+        if problem is None:
+            return data
+        kept = {key: data[key] for key in _KEPT_OF_REFUSED if key in data}
+        return {
+            **kept,
+            "outcome": "failed",
+            "error": f"{OUTPUTS_ENV}: {problem}",
+            "retryable": False,
+        }
 
 
 def _checkpoint_size(value: str | None) -> str | None:
