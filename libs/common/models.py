@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     JsonValue,
     PrivateAttr,
+    SerializeAsAny,
     StringConstraints,
     ValidationError,
     ValidationInfo,
@@ -31,6 +32,7 @@ from pydantic import (
 
 from libs.common.selectors import parse as parse_selector
 from libs.common.states import AttemptOutcome, ReportedOutcome, TaskState, WorkerState
+from libs.common.stored import Stored
 
 MAX_BATCH = 1000
 MAX_PAGE = 1000
@@ -573,8 +575,8 @@ class ServiceInfo(Output):
     owner: str
     replicas: int
     revision: int
-    template: TaskCreate
-    rollout: RolloutPolicy
+    template: Stored[TaskCreate]
+    rollout: Stored[RolloutPolicy]
     rollout_state: Literal["progressing", "complete", "rolled_back"]
     message: str | None
     #: live tasks of the service, those of ``revision``, and the ready ones of it
@@ -684,14 +686,14 @@ class Task(Output):
     queue: str
     priority: int
     kind: Literal["task", "service"]
-    artifact: Artifact
+    artifact: Stored[Artifact]
     args: list[str]
-    env: dict[str, str | SecretRef]
+    env: dict[str, str | Stored[SecretRef]]
     input_path: str | None
     output_path: str | None
-    resources: Resources
+    resources: Stored[Resources]
     preemptible: bool
-    retry: RetryPolicy
+    retry: Stored[RetryPolicy]
     timeout_s: int | None
     run_at: datetime
     idempotency_key: str | None
@@ -705,7 +707,7 @@ class Task(Output):
     finished_at: datetime | None
     defer_ok: bool = False
     deadline: datetime | None = None
-    concurrency: Concurrency | None = None
+    concurrency: Stored[Concurrency] | None = None
     #: why it is not running (ready, waiting, failed), computed when it is read
     pending_reason: str | None = None
     team: str | None = None
@@ -716,8 +718,8 @@ class Task(Output):
     #: its latest progress and checkpoint, when it reported any (read with the task)
     progress: TaskProgress | None = None
     #: which workers may take it, by their labels, as submitted
-    placement: Placement | None = None
-    service: ServiceSpec | None = None
+    placement: Stored[Placement] | None = None
+    service: Stored[ServiceSpec] | None = None
 
 
 class BatchItem(Output):
@@ -857,7 +859,7 @@ class QueueInfo(Output):
     #: a task not started this long after it is due ends ``dead`` (null: no limit)
     max_wait_s: int | None = None
     #: what its attempts' network may reach
-    egress: Egress = Field(default_factory=Egress)
+    egress: Stored[Egress] = Field(default_factory=Egress)
 
 
 class QueueSettings(Input):
@@ -1112,14 +1114,17 @@ class Assignment(Output):
     checkpoint: str | None = None
     #: the attempt's fencing token, for ``CAIRN_FENCING_TOKEN`` (docs/progress.md)
     fencing_token: str | None = None
-    #: its queue's egress policy (None: ``host``), applied by the agent
-    egress: Egress | None = None
+    #: its queue's egress policy (None: ``host``), applied by the agent (serialised as
+    #: held: core sends one stored under older rules as it is, ``db.attempts``)
+    egress: SerializeAsAny[Egress] | None = None
     #: the opened value of ``artifact.credentials`` (``S3Credentials``), for that fetch only
     artifact_credentials: S3Credentials | None = Field(
         default=None, exclude_if=lambda value: value is None
     )
     #: a service's ports and probes, run by the agent (docs/services.md)
-    service: ServiceSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    service: SerializeAsAny[ServiceSpec] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ClaimAnswer(Output):
@@ -1928,7 +1933,7 @@ class Subscription(Output):
     owner: str
     name: str
     events: list[EventName]
-    filter: SubscriptionFilter
+    filter: Stored[SubscriptionFilter]
     url: str
     enabled: bool
     #: why deliveries stopped (set when ``enabled`` is false)

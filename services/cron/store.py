@@ -110,7 +110,7 @@ def schedule_from_row(row: Any) -> Schedule:
         name=row.name,
         expression=row.expression,
         timezone=row.timezone,
-        target=_TARGET.validate_python(row.target),
+        target=row.target,
         misfire_policy=row.misfire_policy,
         catch_up_limit=row.catch_up_limit,
         misfire_grace_s=row.misfire_grace_s,
