@@ -35,3 +35,29 @@ def test_a_schedule_stored_under_older_rules_is_read_as_stored(
     assert paused.status_code == 200, paused.text
     row = db.execute("SELECT paused FROM cron.schedules WHERE id = %s", (sid,)).fetchone()
     assert row == (True,)
+
+
+def test_a_move_to_a_team_that_keeps_a_target_stored_under_older_rules_is_a_422(
+    cron: Cron, db: psycopg.Connection[tuple[Any, ...]]
+) -> None:
+    """A move keeps the target, bound to the team: today's rules refuse it as stored, so
+    the move is a 422 naming the target (a new one may go with it), not a 500."""
+    with cron.core.client("root", "admin") as root:
+        assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
+        assert root.put("/v1/teams/sre/members/alice").status_code == 200
+    with cron.client("alice") as alice:
+        sid = alice.post("/v1/schedules", json=schedule()).json()["id"]
+        db.execute(
+            "UPDATE cron.schedules SET target = jsonb_set(target,"
+            " '{task,artifact,sha256}', to_jsonb(upper(%s))) WHERE id = %s",
+            (TRUE_SHA, sid),
+        )
+        moved = alice.patch(f"/v1/schedules/{sid}", json={"team": "sre"})
+        assert moved.status_code == 422, moved.text
+        assert moved.json()["errors"][0]["field"] == "body.target", moved.text
+        assert "sha256" in moved.json()["detail"]
+        renewed = schedule()["target"]
+        both = alice.patch(f"/v1/schedules/{sid}", json={"team": "sre", "target": renewed})
+    assert both.status_code == 200, both.text
+    row = db.execute("SELECT team FROM cron.schedules WHERE id = %s", (sid,)).fetchone()
+    assert row == ("sre",)
