@@ -102,3 +102,21 @@ def test_a_lease_under_an_egress_stored_under_older_rules_goes_out_as_stored(
     assert leased[0]["artifact"]["sha256"] == TRUE_SHA.upper()
     row = db.execute("SELECT state FROM core.tasks WHERE id = %s", (task_id,)).fetchone()
     assert row == ("running",)
+
+
+def test_a_queue_policy_stored_under_older_rules_is_shown_and_applied(core: Core, db: DB) -> None:
+    """A priority range wider than today's bounds: the policy's read was a 500, and so
+    was every submission, whose policy check reads every queue's policy."""
+    policy = {"priority": {"user": {"min": -500, "max": 500}}, "owners": ["alice"]}
+    db.execute("INSERT INTO core.queues (name, policy) VALUES ('old', %s)", (json.dumps(policy),))
+    with core.client() as alice:
+        shown = alice.get("/v1/queues/old/policy")
+        made = alice.post("/v1/tasks", json=spec(queue="old", priority=100))
+    with core.client("bob") as bob:
+        refused = bob.post("/v1/tasks", json=spec(queue="old"))
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["priority"] == {"user": {"min": -500, "max": 500}}
+    assert made.status_code == 201, made.text
+    assert refused.status_code == 403, refused.text
+    count = db.execute("SELECT count(*) FROM core.tasks WHERE queue = 'old'").fetchone()
+    assert count == (1,)
