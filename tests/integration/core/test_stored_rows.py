@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from cairn.cli import app
-from tests.support import TRUE_SHA, Core, TurnWorker, cli_as, spec
+from tests.support import TRUE_SHA, Core, TurnWorker, cli_as, spec, wait_for
 
 DB = psycopg.Connection[tuple[Any, ...]]
 
@@ -120,3 +120,31 @@ def test_a_queue_policy_stored_under_older_rules_is_shown_and_applied(core: Core
     assert refused.status_code == 403, refused.text
     count = db.execute("SELECT count(*) FROM core.tasks WHERE queue = 'old'").fetchone()
     assert count == (1,)
+
+
+@pytest.mark.core(services_interval_s=0.1)
+def test_a_service_whose_template_was_stored_under_older_rules_is_shown_and_refused(
+    core: Core, db: DB
+) -> None:
+    """Its read shows the template as stored (a 500 before); the controller's start of a
+    replica from it is refused naming the field, recorded as the service's message, and
+    the controller goes on (a ValidationError escaped its pass)."""
+    template = {"name": "web", "kind": "service", "artifact": spec()["artifact"]}
+    with core.client() as alice:
+        made = alice.post("/v1/services", json={"name": "web", "replicas": 0, "template": template})
+        assert made.status_code == 201, made.text
+    db.execute(
+        "UPDATE core.services SET replicas = 1, template = jsonb_set(template,"
+        " '{artifact,sha256}', to_jsonb(upper(template->'artifact'->>'sha256'))) WHERE name = 'web'"
+    )
+
+    def refused() -> str | None:
+        row = db.execute("SELECT message FROM core.services WHERE name = 'web'").fetchone()
+        return row[0] if row and row[0] and "start refused" in row[0] else None
+
+    assert "template.artifact.sha256" in wait_for(refused, timeout=30)
+    with core.client() as alice:
+        shown = alice.get("/v1/services/web")
+    assert shown.status_code == 200, shown.text
+    assert shown.json()["template"]["artifact"]["sha256"] == TRUE_SHA.upper()
+    assert db.execute("SELECT count(*) FROM core.tasks").fetchone() == (0,)
