@@ -148,3 +148,19 @@ def test_a_service_whose_template_was_stored_under_older_rules_is_shown_and_refu
     assert shown.status_code == 200, shown.text
     assert shown.json()["template"]["artifact"]["sha256"] == TRUE_SHA.upper()
     assert db.execute("SELECT count(*) FROM core.tasks").fetchone() == (0,)
+
+
+def test_a_subscription_whose_filter_was_stored_under_older_rules_is_listed(
+    core: Core, db: DB
+) -> None:
+    body = {"name": "hook", "events": ["task.dead"], "url": "https://example.com/x"}
+    with core.client() as alice:
+        made = alice.post("/v1/subscriptions", json=body)
+        assert made.status_code == 201, made.text
+        db.execute(
+            "UPDATE core.subscriptions SET queue = 'Old Queue', labels = '{\"Old Key\": \"x\"}'"
+        )
+        listed = alice.get("/v1/subscriptions")
+    assert listed.status_code == 200, listed.text
+    [hook] = listed.json()["items"]
+    assert hook["filter"] == {"queue": "Old Queue", "labels": {"Old Key": "x"}}
