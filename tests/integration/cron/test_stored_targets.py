@@ -4,17 +4,24 @@ a 500 for every read of the schedule and of the list that holds it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
+from cairn.cli import app
 from tests.fixtures.cron import Cron
 from tests.integration.cron.test_api import schedule
-from tests.support import TRUE_SHA
+from tests.support import TRUE_SHA, cli_as
 
 
 def test_a_schedule_stored_under_older_rules_is_read_as_stored(
-    cron: Cron, db: psycopg.Connection[tuple[Any, ...]]
+    cron: Cron,
+    db: psycopg.Connection[tuple[Any, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     with cron.client("alice") as alice:
         made = alice.post("/v1/schedules", json=schedule())
@@ -35,6 +42,12 @@ def test_a_schedule_stored_under_older_rules_is_read_as_stored(
     assert paused.status_code == 200, paused.text
     row = db.execute("SELECT paused FROM cron.schedules WHERE id = %s", (sid,)).fetchone()
     assert row == (True,)
+    cli = cli_as(cron.core, monkeypatch, tmp_path)
+    monkeypatch.setenv("CAIRN_CRON_URL", cron.url)
+    listed_by_cli = cli.invoke(app, ["--json", "cron", "ls"])
+    assert listed_by_cli.exit_code == 0, listed_by_cli.output
+    [shown] = json.loads(listed_by_cli.output)
+    assert shown["target"]["task"]["artifact"]["sha256"] == TRUE_SHA.upper()
 
 
 def test_a_move_to_a_team_that_keeps_a_target_stored_under_older_rules_is_a_422(

@@ -4,19 +4,22 @@ definition with the request models and were a 500."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
+from cairn.cli import app
 from tests.fixtures.dag import Runner, node, start_dag, workflow
-from tests.support import TRUE_SHA, Core
+from tests.support import TRUE_SHA, Core, cli_as
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 def test_a_definition_stored_under_older_bounds_and_its_runs_are_shown(
-    core: Core, tmp_path: Path, db: Conn
+    core: Core, tmp_path: Path, db: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = start_dag(core, tmp_path / "first")
     try:
@@ -38,6 +41,9 @@ def test_a_definition_stored_under_older_bounds_and_its_runs_are_shown(
             run = http.get(f"/v1/runs/{run_id}")
             graph = http.get(f"/v1/runs/{run_id}/graph")
             retried = http.post(f"/v1/runs/{run_id}/retry")
+        cli = cli_as(core, monkeypatch, tmp_path)
+        monkeypatch.setenv("CAIRN_DAG_URL", second.url)
+        status = cli.invoke(app, ["--json", "dag", "status", str(run_id)])
     finally:
         second.stop()
     assert shown.status_code == 200, shown.text
@@ -51,3 +57,6 @@ def test_a_definition_stored_under_older_bounds_and_its_runs_are_shown(
     # A change of such a run is refused saying why, not a 500.
     assert retried.status_code == 409, retried.text
     assert "can no longer be read" in retried.json()["detail"]
+    assert status.exit_code == 0, status.output
+    shown = json.loads(status.output)["nodes"]
+    assert [(n["name"], n["depends_on"]) for n in shown] == [("a", []), ("b", ["a"])]
