@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common import database, health, metrics, pages, problems
+from libs.common import database, health, metrics, pages, problems, waits
 from libs.common.limits import BodyLimit
 from libs.common.settings import libpq_url
 from services.core import loops
@@ -164,11 +164,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         try:
             yield
         finally:
-            for task in background:
-                task.cancel()
-            for task in background:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await waits.stop(*background)
             if group is not None:
                 await group.stop()
             await notifier.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,7 +11,7 @@ import psycopg
 
 from tests.fixtures.cron import EPOCH, Cron, FakeClock, start_cron
 from tests.integration.cron.test_api import schedule
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, spec, start_core, stop_as_woken, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 #: generous: a stopped engine ends within one pass of its loop (a query or a call to core
@@ -291,20 +290,11 @@ def test_the_engine_stops_when_its_stop_comes_as_a_change_wakes_its_fire_loop(
     so did the replica's shutdown (a test's teardown hung until its join gave up)."""
     cron = start_cron(core, tmp_path, FakeClock(EPOCH), cron_tick_s=3600)
     try:
-        wait_for(lambda: cron.engine.leader and cron.engine.turned_at)
-        time.sleep(0.1)  # the fire loop sleeps until a change wakes it
-
-        async def stop_as_woken() -> bool:
-            runner = next(t for t in asyncio.all_tasks() if t.get_name() == "cron-engine")
-            cron.engine.wake.set()  # what a schedule change's notification does
-            runner.cancel()  # what the lifespan does, in the same pass of the loop
-            done, _ = await asyncio.wait({runner}, timeout=STOPPED_WITHIN_S)
-            return bool(done)
-
-        loop = cron.server._loop
-        assert loop is not None
-        stopped = asyncio.run_coroutine_threadsafe(stop_as_woken(), loop)
-        assert stopped.result(STOPPED_WITHIN_S + 10), "the engine's task outlived its stop"
+        # past its first turn (which purges): asleep until a change wakes it
+        wait_for(lambda: cron.engine.leader and cron.engine._purged_at)
+        wake = cron.engine.wake.set  # what a schedule change's notification does
+        stopped = stop_as_woken(cron, "cron-engine", wake, STOPPED_WITHIN_S)
+        assert stopped, "the engine's task outlived its stop"
     finally:
         cron.stop()
 
