@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 from typing import Any
 
@@ -67,11 +66,27 @@ async def stop(*tasks: asyncio.Task[Any], bound_s: float = STOP_BOUND_S) -> None
 
 def _left_running(running: set[asyncio.Task[Any]], bound_s: float) -> None:
     for task in running:
-        where = io.StringIO()
-        task.print_stack(file=where)
         log.error(
             "task %s did not end %.0f s after it was stopped; left running:\n%s",
             task.get_name(),
             bound_s,
-            where.getvalue(),
+            awaiting(task),
         )
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where ``task`` waits: each coroutine down its chain of awaits, innermost last
+    (``Task.print_stack`` shows only the outermost of a suspended task)."""
+    lines = [f"task {task.get_name()}:\n"]
+    step: Any = task.get_coro()
+    while step is not None:
+        frame = getattr(step, "cr_frame", None) or getattr(step, "ag_frame", None)
+        frame = frame or getattr(step, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n')
+        step = next(
+            (n for a in ("cr_await", "ag_await", "gi_yieldfrom") if (n := getattr(step, a, None))),
+            None,
+        )
+    return "".join(lines)

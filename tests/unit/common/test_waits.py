@@ -87,3 +87,20 @@ def test_a_cancel_of_the_caller_waits_for_the_stop_then_is_raised() -> None:
         return ended
 
     assert asyncio.run(run()) == ["ended"]
+
+
+def test_awaiting_names_each_coroutine_down_to_where_the_task_waits() -> None:
+    async def run() -> str:
+        task = asyncio.create_task(_sleeper(asyncio.Event(), []), name="sleeper")
+        await asyncio.sleep(0.01)
+        where = waits.awaiting(task)
+        await waits.stop(task)
+        return where
+
+    where = asyncio.run(run())
+    assert where.startswith("task sleeper:\n")
+    assert [line.rsplit(" in ", 1)[1] for line in where.splitlines()[1:4]] == [
+        "_sleeper",
+        "woken",
+        "wait",  # asyncio.Event.wait, under asyncio.timeout
+    ]
