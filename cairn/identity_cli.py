@@ -197,9 +197,21 @@ def _team_command(ctx: typer.Context, as_json: bool, call: Any) -> None:
 
 
 @team_app.command("create")
-def team_create(ctx: typer.Context, name: str, as_json: JsonFlag = False) -> None:
+def team_create(
+    ctx: typer.Context,
+    name: str,
+    reuse_name: Annotated[
+        bool,
+        typer.Option(
+            "--reuse-name",
+            help="Take a deleted team's name: its tasks, schedules and workflows still name "
+            "it, and the new team's members will see and act on them.",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
     """Create a team (admins)."""
-    _team_command(ctx, as_json, lambda core: core.create_team(name))
+    _team_command(ctx, as_json, lambda core: core.create_team(name, reuse_name))
 
 
 @team_app.command("ls")

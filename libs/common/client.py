@@ -709,8 +709,8 @@ class CoreClient(ApiClient):
     async def revoke_token(self, token_id: int) -> None:
         await self._call("DELETE", f"/v1/tokens/{token_id}")
 
-    async def create_team(self, name: str) -> Team:
-        body = TeamCreate(name=name).model_dump_json()
+    async def create_team(self, name: str, reuse_name: bool = False) -> Team:
+        body = TeamCreate(name=name, reuse_name=reuse_name).model_dump_json()
         response = await self._call("POST", "/v1/teams", content=body)
         return read_answer(Team, response)
 

@@ -149,9 +149,9 @@ class HttpStatusError(CairnError):
     path does not take, 406, 415, ...): RFC 9457's ``about:blank``, titled by the
     status's phrase. It was the ``internal`` type, "Something went wrong."."""
 
-    def __init__(self, status: int, detail: str | None = None) -> None:
+    def __init__(self, status: int, detail: str | None = None, **extra: Any) -> None:
         self.status = status  # type: ignore[misc]
-        super().__init__(detail or self.title)
+        super().__init__(detail or self.title, **extra)
 
     @property
     def type_uri(self) -> str:

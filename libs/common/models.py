@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -58,6 +59,7 @@ OUTPUTS_TOO_DEEP = too_deep("outputs")
 #: the integers such JSON may hold: a 64-bit signed one, what the services' encoder takes
 MAX_JSON_INT = 2**63 - 1
 _J = TypeVar("_J")
+_I = TypeVar("_I", bound="Input")
 #: the longest a task's ``timeout_s``, a queue's limits, or a wait to start may be
 MAX_TIME_LIMIT_S = 30 * 86400
 #: the exit code by which a task says "do not retry me": its failure is final at once
@@ -154,6 +156,16 @@ class Input(BaseModel):
     """What a client sends: unknown fields refused, immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+
+
+def shared_default(model: Callable[[], _I]) -> Callable[[], _I]:
+    """A ``default_factory`` handing out one default instance of the ``Input`` model,
+    made once: ``default_factory=Model`` validated a whole default model, its validators
+    too, at every use (a task without ``retry`` or ``resources`` spent 6 of its 17 µs of
+    parsing there, in a batch of 1,000). Safe because an ``Input`` is frozen and nothing
+    changes a list or dict of one in place."""
+    made = model()
+    return lambda: made
 
 
 class Output(BaseModel):
@@ -279,11 +291,13 @@ class RetryPolicy(Input):
     jitter: bool = True
     poison_after: int = Field(default=3, ge=1, le=100)
     poison_window_s: float | None = Field(default=None, gt=0, le=MAX_TIME_LIMIT_S)
-    never: RetryCauses = Field(default_factory=RetryCauses)
-    always: RetryCauses = Field(default_factory=RetryCauses)
+    never: RetryCauses = Field(default_factory=shared_default(RetryCauses))
+    always: RetryCauses = Field(default_factory=shared_default(RetryCauses))
 
     @model_validator(mode="after")
     def _never_or_always(self) -> RetryPolicy:
+        if not (self.never and self.always):
+            return self
         codes = sorted(set(self.never.exit_codes) & set(self.always.exit_codes))
         signals = sorted(set(self.never.signals) & set(self.always.signals))
         if codes or signals:
@@ -484,9 +498,9 @@ class TaskCreate(Input):
     )
     input_path: Path_ | None = None
     output_path: Path_ | None = None
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(default_factory=shared_default(Resources))
     preemptible: bool = False
-    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    retry: RetryPolicy = Field(default_factory=shared_default(RetryPolicy))
     #: a hard limit per attempt; unset: its queue's default (or core's), none for a service
     timeout_s: int | None = Field(default=None, ge=1, le=MAX_TIME_LIMIT_S)
     run_at: Annotated[AwareDatetime, AfterValidator(_storable_time)] | None = None
@@ -1606,6 +1620,14 @@ class TokenList(Output):
 
 class TeamCreate(Input):
     name: TeamName
+    reuse_name: bool = Field(
+        default=False,
+        description=(
+            "Take the name of a team deleted before: its tasks, schedules and workflows "
+            "still name it, and the new team's members will see and act on them. Without "
+            "it, such a name is a 409."
+        ),
+    )
 
 
 class Team(Output):

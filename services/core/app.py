@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common import database, health, metrics, pages, problems
+from libs.common import database, health, metrics, pages, problems, waits
 from libs.common.limits import BodyLimit
 from libs.common.settings import libpq_url
 from services.core import loops
@@ -41,6 +41,7 @@ from services.core.objects import LogObjects
 from services.core.ops import login as login_ops
 from services.core.ops import notify, tasklogs
 from services.core.ops import teams as teams_ops
+from services.core.ops import tokens as tokens_ops
 from services.core.ops.dispatch import Holds, Known
 from services.core.ops.groupcommit import GroupCommit
 from services.core.ops.metrics import CoreMetrics
@@ -64,8 +65,12 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
 def _forget_withdrawn(app: FastAPI, engine: AsyncEngine) -> Callable[[list[str]], Awaitable[None]]:
     async def withdrawn(kids: list[str]) -> None:
         """The provider withdrew keys: what their tokens proved is not trusted either:
-        the cached principals, the team claims they vouched for, the sessions they began."""
-        app.state.tokens.evict_jwts()
+        the cached principals, the team claims they vouched for, the sessions they began,
+        the API tokens made with them."""
+        revoked = await tokens_ops.revoke_of_keys(engine, kids)
+        app.state.tokens.evict_jwts(kids)  # after the revocation: none is read back live
+        if revoked:
+            log.info("revoked %d tokens made with withdrawn keys", len(revoked))
         gone = await teams_ops.forget_claims(engine, kids)
         if gone:
             log.info("forgot %d team claims vouched for by withdrawn keys", gone)
@@ -159,11 +164,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         try:
             yield
         finally:
-            for task in background:
-                task.cancel()
-            for task in background:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await waits.stop(*background)
             if group is not None:
                 await group.stop()
             await notifier.stop()

@@ -10,7 +10,6 @@ webhooks (leased rows)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common import locks
+from libs.common import locks, waits
 from libs.common.database import outage
 from libs.common.leader import Elector, Lease, lead_forever
 from services.core.db import placement, sharing
@@ -87,8 +86,7 @@ class Promoter:
             self._wake.clear()
             remaining = self._deadline - time.time()
             if remaining > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), remaining)
+                await waits.woken(self._wake, remaining)
             if due_timer and not self._wake.is_set():
                 # The timer on a due instant rang. The claim takes due ready work itself,
                 # so workers are woken now, before the promotion (bookkeeping) runs: the
@@ -347,10 +345,19 @@ def singleton_loops(
     ]
 
 
+class LoopEnded(Exception):
+    """A singleton loop ended while its replica led (a loop ends only by a fault that
+    escaped it: a stray ``CancelledError``, a ``BaseException``, a bug in the loop's own
+    frame)."""
+
+
 class Leadership:
     """Runs the singleton loops while this replica leads: campaigns, starts them once it
     wins, checks the lead every ``check_s``, and stops them (then campaigns again) the
-    moment it is lost. Without an elector it always leads (one process, tests)."""
+    moment it is lost. A singleton loop that ended on its own fails the lead: the replica
+    steps down, so another (or this one, after the failed lead's pause) leads with every
+    loop started again, instead of leading on without it, unseen. Without an elector it
+    always leads (one process, tests), starting the loops again after the same pause."""
 
     def __init__(
         self,
@@ -365,10 +372,15 @@ class Leadership:
         self.running: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
-        if self.elector is None:
-            await self._lead(None)
-        else:
+        if self.elector is not None:
             await lead_forever(self.elector, self._lead, pause_s=self.check_s)
+            return
+        failures = Failures("leadership", self.check_s)
+        while True:
+            try:
+                await self._lead(None)
+            except LoopEnded as exc:
+                await asyncio.sleep(failures.failed(exc))
 
     async def _lead(self, lease: Lease | None) -> None:
         self.running = self.loops()
@@ -378,14 +390,28 @@ class Leadership:
                 await asyncio.sleep(self.check_s)
                 if lease is not None:
                     await lease.check()
+                self._check_running()
         finally:
             self.leading = False
-            for task in self.running:
-                task.cancel()
-            for task in self.running:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # Not raised here, what a loop ended by (a BaseException too): past the
+            # elector's step-down. A loop that lost its cancel is cancelled again.
+            await waits.stop(*self.running)
             self.running = []
+
+    def _check_running(self) -> None:
+        """Raise ``LoopEnded`` if a singleton loop has ended, naming it and why."""
+        ended = [task for task in self.running if task.done()]
+        if not ended:
+            return
+        why = {task: None if task.cancelled() else task.exception() for task in ended}
+        names = ", ".join(
+            f"{task.get_name()} ("
+            + ("cancelled" if task.cancelled() else repr(why[task]) if why[task] else "returned")
+            + ")"
+            for task in ended
+        )
+        first = next((exc for exc in why.values() if exc is not None), None)
+        raise LoopEnded(f"singleton loops ended while leading: {names}") from first
 
 
 def service_loops(

@@ -201,7 +201,11 @@ async def next_fires(
         schedule = await store.get(conn, schedule_id, caller.visibility)
     start = _now(request) if after is None else _preview_start(after)
     plan = store.check_timing(
-        schedule.expression, schedule.timezone, schedule.starts_at, schedule.ends_at
+        schedule.expression,
+        schedule.timezone,
+        schedule.starts_at,
+        schedule.ends_at,
+        zone_given=False,
     )
     items: list[NextFire] = []
     at: datetime | None = start

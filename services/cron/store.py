@@ -70,14 +70,22 @@ class Timing:
 
 
 def check_timing(
-    expression: str, zone_name: str, starts_at: datetime | None, ends_at: datetime | None
+    expression: str,
+    zone_name: str,
+    starts_at: datetime | None,
+    ends_at: datetime | None,
+    *,
+    zone_given: bool = True,
 ) -> Timing:
-    """The schedule's timing, or a 422 naming the field at fault."""
+    """The schedule's timing, or a 422 naming the field at fault. A zone given (not the
+    one stored) must also be a place's (``timing.check_new_zone``)."""
     try:
         expression = timing.parse_expression(expression)
     except InvalidSchedule as exc:
         raise _invalid("body.expression", exc) from None
     try:
+        if zone_given:
+            timing.check_new_zone(zone_name)
         zone = timing.parse_zone(zone_name)
     except InvalidSchedule as exc:
         raise _invalid("body.timezone", exc) from None
@@ -308,6 +316,7 @@ async def update(
         given.get("timezone", row.timezone),
         given.get("starts_at", row.starts_at),
         given.get("ends_at", row.ends_at),
+        zone_given="timezone" in given,
     )
     values["expression"] = plan.expression
     if {"expression", "timezone", "jitter_s"} & given.keys():

@@ -36,6 +36,11 @@ _NODE_COLUMNS = (
 _VISIBLE = "(CAST(:owner AS text) IS NULL OR owner = :owner OR team = ANY(CAST(:teams AS text[])))"
 
 
+def visible(row: Any, who: Visibility | None) -> bool:
+    """Whether ``who`` (None: anyone) may see the run ``row``: ``_VISIBLE`` of a row read."""
+    return who is None or row.owner == who.owner or row.team in who.teams
+
+
 def _who(who: Visibility | None) -> dict[str, Any]:
     if who is None:
         return {"owner": None, "teams": []}
@@ -442,18 +447,19 @@ async def get_trigger(conn: AsyncConnection, trigger_id: int) -> Row[Any] | None
 
 
 async def history(
-    conn: AsyncConnection, owner: str, workflow: str, limit: int
+    conn: AsyncConnection, owner: str, workflow: str, limit: int, who: Visibility | None
 ) -> tuple[list[Row[Any]], list[Row[Any]]]:
-    """The workflow's newest ``limit`` runs, and their nodes (not mapped instances) with
-    how long each took (from its rule being met to its end, or now while open)."""
+    """The workflow's newest ``limit`` runs that ``who`` (None: anyone) may see, and
+    their nodes (not mapped instances) with how long each took (from its rule being met
+    to its end, or now while open)."""
     runs = list(
         await conn.execute(
             text(
                 "SELECT id, state, workflow_version, created_at, started_at, finished_at"
-                " FROM dag.runs WHERE owner = :owner AND workflow = :wf"
+                f" FROM dag.runs WHERE owner = :wfowner AND workflow = :wf AND {_VISIBLE}"
                 " ORDER BY id DESC LIMIT :limit"
             ),
-            {"owner": owner, "wf": workflow, "limit": limit},
+            {"wfowner": owner, "wf": workflow, "limit": limit, **_who(who)},
         )
     )
     nodes = await conn.execute(

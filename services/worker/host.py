@@ -10,7 +10,6 @@ import functools
 import logging
 import os
 import resource
-import stat
 import time
 from base64 import b64decode
 from collections.abc import Mapping
@@ -39,10 +38,12 @@ from services.worker.executor import (
     unanswered,
 )
 from services.worker.isolation import (
+    OWN_TMP,
     Folders,
     Identity,
     Sandbox,
     UidPool,
+    host_writable_folders,
     ipc_namespaces_work,
     kill_every_process_of,
     mount_namespaces_work,
@@ -219,15 +220,21 @@ class Host:
         if not mount_namespaces_work():
             return "no mount namespaces here: each attempt's TMPDIR is its own, /tmp is shared"
         self.private_tmp = True
-        shared = [t for t in ("/tmp", "/var/tmp", "/dev/shm") if _under(self.run_dir, t)]
-        elsewhere = [t for t in _writable_elsewhere() if not _under(self.run_dir, t)]
+        shared = [t for t in OWN_TMP if _under(self.run_dir, t)]
+        found, cut = host_writable_folders(self.settings.worker_uid_locks)
+        elsewhere = [t for t in found if not _under(self.run_dir, t)]
         self.tmp_targets = (*(t for t in ("/tmp", "/var/tmp") if t not in shared), *elsewhere)
         self.fresh_shm = "/dev/shm" not in shared
         note = "each attempt has its own /tmp, /var/tmp and /dev/shm (a mount namespace)"
         if elsewhere:
-            note += f"; its /tmp is bound on {', '.join(elsewhere)} too"
+            note += f"; its /tmp is bound on {', '.join(elsewhere)} too (world-writable here)"
         if shared:
             note += f"; {', '.join(shared)} stay shared: the run folder lies under them"
+        if cut is not None:
+            note += (
+                f"; the look for world-writable folders {cut}: any others stay shared"
+                " between attempts"
+            )
         return note
 
     def _ipc_note(self) -> str:
@@ -710,29 +717,6 @@ async def _unmount(folders: Folders) -> None:
 
 def _source_check(check: tuple[Path, Stamp] | None) -> tuple[str, Stamp] | None:
     return (str(check[0]), check[1]) if check is not None else None
-
-
-#: folders every uid may write on common hosts, besides /tmp, /var/tmp and /dev/shm
-WRITABLE_ELSEWHERE = ("/run/lock", "/var/lock", "/var/crash")
-
-
-def _writable_elsewhere() -> list[str]:
-    """The folders of ``WRITABLE_ELSEWHERE`` that are here and writable by every uid, by
-    their real path, once each. In the attempt's mount namespace its own tmp is bound on
-    each: what it writes there counts towards its disk quota and ends with it, where on
-    the host's it filled the host's disk (/run/lock may lie on the root file system)
-    and stayed for the next attempt given its uid."""
-    found: list[str] = []
-    for name in WRITABLE_ELSEWHERE:
-        real = os.path.realpath(name)
-        try:
-            info = os.stat(real)
-        except OSError:
-            continue
-        writable = stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_IWOTH
-        if writable and real not in found and real not in ("/tmp", "/var/tmp", "/dev/shm"):
-            found.append(real)
-    return found
 
 
 def _under(path: Path, top: str) -> bool:

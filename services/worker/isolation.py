@@ -30,11 +30,14 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import itertools
+import json
 import logging
 import os
 import platform
 import random
+import re
 import resource
 import socket
 import stat
@@ -172,7 +175,12 @@ def _private_mounts(
     if bind is not None:
         _mount(bind[0].encode(), bind[1].encode(), None, MS_BIND, None)
     for target in targets:
-        _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
+        try:
+            _mount(str(tmp).encode(), target.encode(), None, MS_BIND, None)
+        except OSError as exc:
+            # a folder gone since the agent looked has nothing to share (``spawn.c``)
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
     if shm:
         _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777,size=64m")
 
@@ -320,6 +328,126 @@ def searchable_by_others(folder: Path) -> Path | None:
         if not mode & stat.S_IXOTH:
             return part
     return None
+
+
+#: file systems the look for world-writable folders does not enter: the kernel's own, and
+#: network, FUSE and automounted ones (slow or hanging to walk; walking an automount
+#: mounts it)
+NOT_WALKED = frozenset(
+    {
+        "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+        "bpf", "configfs", "fusectl", "binfmt_misc", "nsfs", "efivarfs", "hugetlbfs",
+        "rpc_pipefs", "autofs", "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph",
+        "glusterfs", "9p", "afs", "davfs", "lustre", "gpfs", "sshfs",
+    }
+)  # fmt: skip
+#: how far the look goes: entries read, seconds, folders deep, and folders found (each
+#: is a bind in every attempt's start)
+WALK_ENTRIES, WALK_S, WALK_DEPTH, WRITABLE_MAX = 1_000_000, 3.0, 12, 64
+#: the folders every attempt has of its own: its tmp (bound on /tmp and /var/tmp) and a
+#: fresh /dev/shm; the host's other world-writable folders get its tmp bound on them too
+OWN_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - the folders themselves
+#: how long agents of a host starting one after another take the last look's answer
+#: (same boot, same mounts) instead of walking the file systems again (0.3-0.8 s here)
+WRITABLE_KEPT_S = 300.0
+
+
+def _not_walked(mountinfo: str = "/proc/self/mountinfo") -> set[str]:
+    """The mount points of ``NOT_WALKED`` file systems (and FUSE's)."""
+    skip: set[str] = set()
+    with contextlib.suppress(OSError), open(mountinfo, encoding="utf-8") as lines:
+        for line in lines:
+            left, _, right = line.partition(" - ")
+            fields, kind = left.split(), right.split()[:1]
+            if len(fields) < 5 or not kind:
+                continue
+            if kind[0] in NOT_WALKED or kind[0].startswith("fuse"):
+                # mountinfo escapes space, tab, newline and backslash as octal
+                skip.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
+    return skip
+
+
+def world_writable_folders(leave: set[str], top: str = "/") -> tuple[list[str], str | None]:
+    """The folders under ``top`` every uid may write in (o+w) and reach (each folder
+    above them o+x): an attempt could leave files there for the next attempt given its
+    uid, past its disk quota. Not entered: ``leave``, folders others may not pass
+    (nothing below them is reachable), those found (their contents are shadowed whole),
+    ``NOT_WALKED`` file systems and symbolic links. Bounded (``WALK_*``,
+    ``WRITABLE_MAX``): returns what was found and, when a bound cut the look short, why."""
+    skip = _not_walked() | leave
+    found: list[str] = []
+    deadline = time.monotonic() + WALK_S
+    stack = [(top, 0)]
+    seen = 0
+    while stack:
+        path, depth = stack.pop()
+        for entry, mode in _folders_in(path):
+            seen += 1
+            if seen > WALK_ENTRIES or (seen % 4096 == 0 and time.monotonic() > deadline):
+                return sorted(found), f"stopped after {seen - 1} folders ({WALK_S:g} s at most)"
+            if entry in skip:
+                continue
+            if mode & stat.S_IWOTH:
+                found.append(entry)
+                if len(found) == WRITABLE_MAX:
+                    return sorted(found), f"stopped at {WRITABLE_MAX} folders"
+            elif mode & stat.S_IXOTH and depth < WALK_DEPTH:
+                stack.append((entry, depth + 1))
+    return sorted(found), None
+
+
+def _folders_in(path: str) -> Iterator[tuple[str, int]]:
+    """The folders right in ``path`` (not symbolic links), with their modes."""
+    try:
+        entries = os.scandir(path)
+    except OSError:
+        return
+    with entries:
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    yield entry.path, entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+
+
+def host_writable_folders(kept_in: Path) -> tuple[list[str], str | None]:
+    """``world_writable_folders`` of this host outside ``OWN_TMP``, as a look by any
+    agent of the host within ``WRITABLE_KEPT_S`` (the same boot and mounts) found them:
+    kept in ``kept_in`` (the uid locks' folder: this user's, others cannot write it), in
+    a file trusted only when it is this user's and no one else may write it."""
+    kept = kept_in / "world-writable.json"
+    key = _mounts_key()
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        fd = os.open(kept, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(file.fileno())
+            fresh = time.time() - info.st_mtime < WRITABLE_KEPT_S
+            if info.st_uid == os.geteuid() and not info.st_mode & 0o022 and fresh:
+                told = json.loads(file.read(1 << 20))
+                found, cut = told["found"], told["cut"]
+                paths = isinstance(found, list) and all(
+                    isinstance(p, str) and p.startswith("/") for p in found
+                )
+                if told["key"] == key and paths and isinstance(cut, str | None):
+                    return found, cut
+    found, cut = world_writable_folders(set(OWN_TMP))
+    with contextlib.suppress(OSError):
+        part = kept_in / f".world-writable.{os.getpid()}"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as file:
+            json.dump({"key": key, "found": found, "cut": cut}, file)
+        os.replace(part, kept)
+    return found, cut
+
+
+def _mounts_key() -> str:
+    """This boot and its mount table: a look's answer holds while both do."""
+    digest = hashlib.sha256()
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/mountinfo"):
+        with contextlib.suppress(OSError), open(source, "rb") as file:
+            digest.update(file.read(4 << 20))
+    return digest.hexdigest()
 
 
 class UidPool:

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from libs.common import logs
+from libs.common import logs, waits
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
 from libs.common.states import Workers
@@ -124,8 +124,7 @@ async def beat_forever(
                 _orphans_killed(shared)
             next_beat = loop.time() + interval_s
         pause = min(watch_every(interval_s, hang_s), next_beat - loop.time())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gone.wait(), max(0.0, pause))
+        await waits.woken(gone, max(0.0, pause))
 
 
 async def _beat(
@@ -181,8 +180,7 @@ async def _hung(
     # Until the agent stops this sidecar (it woke, saw it is dead) or exits, whatever it
     # starts meanwhile is stopped too: core re-places this worker's attempts.
     while not gone.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gone.wait(), every_s)
+        await waits.woken(gone, every_s)
         _orphans_killed(board.read())
 
 

@@ -609,8 +609,12 @@ static void become(struct request *r, int status_fd) {
             fail(status_fd, MOUNTS);
         if (r->bind_from && mount(r->bind_from, r->exe, NULL, MS_BIND, NULL) < 0)
             fail(status_fd, MOUNTS);
+        /* A world-writable folder gone (or no longer a folder) since the agent looked
+         * for them has nothing to share: skipped, not every attempt failed for it. */
         for (int i = 0; i < r->ntargets; i++)
-            if (mount(r->tmp, r->targets[i], NULL, MS_BIND, NULL) < 0) fail(status_fd, MOUNTS);
+            if (mount(r->tmp, r->targets[i], NULL, MS_BIND, NULL) < 0
+                && errno != ENOENT && errno != ENOTDIR)
+                fail(status_fd, MOUNTS);
         if (r->shm && mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
                             "mode=1777,size=64m") < 0)
             fail(status_fd, MOUNTS);

@@ -4,6 +4,7 @@ ends ``disk_exceeded`` in the database, and the outputs it wrote there reach cor
 
 from __future__ import annotations
 
+import json
 import stat
 import uuid
 from pathlib import Path
@@ -79,3 +80,36 @@ def test_a_world_writable_folder_of_the_host_is_the_attempts_own_tmp(
         assert "No space left on device" in full["log"], full["log"]
     finally:
         host_file.unlink(missing_ok=True)  # this test's own file, without the fix
+
+
+def test_any_world_writable_folder_of_the_host_is_the_attempts_own_tmp(
+    core,  # noqa: F811
+    agents,  # noqa: F811
+    tmp_path,
+):
+    """A folder every uid may write in, anywhere on the host (here one this test makes
+    under /run, 1777, as a package or an operator might): what an attempt left there
+    stayed for the next attempt given its uid, outside its disk quota. The agent looks
+    for such folders when it starts and binds the attempt's own tmp on each."""
+    if not Path("/run").is_dir():
+        pytest.skip("no /run on this host")
+    drop = Path("/run") / f"cairn-drop-{uuid.uuid4().hex[:12]}"
+    drop.mkdir(mode=0o700)
+    try:
+        drop.chmod(0o1777)
+        # Its own uid locks' folder: a look of its own, not one another agent kept.
+        agents.append(Agent(core, tmp_path / "w", CAIRN_WORKER_UID_LOCKS=str(tmp_path / "uids")))
+        left = run(core, shell(f"echo left > {drop}/note && cat {drop}/note"))
+        assert left["state"] == "succeeded" and "left" in left["log"], left
+        assert list(drop.iterdir()) == [], "the attempt wrote in the host's folder"
+        kept = json.loads((tmp_path / "uids" / "world-writable.json").read_text())
+        assert str(drop) in kept["found"], kept
+        # Gone since the agent looked: nothing to share there, and no attempt fails for it.
+        drop.rmdir()
+        after = run(core, shell(f"test ! -e {drop} && echo gone"))
+        assert after["state"] == "succeeded" and "gone" in after["log"], after
+    finally:
+        if drop.exists():
+            for leftover in drop.iterdir():  # this test's own files, without the fix
+                leftover.unlink()
+            drop.rmdir()

@@ -101,9 +101,14 @@ class TokenCache:
         for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
             del self._entries[key]
 
-    def evict_jwts(self) -> None:
-        """Forget every JWT: the identity provider withdrew a key some were checked with."""
-        for key in [k for k in self._entries if looks_like_jwt(k)]:
+    def evict_jwts(self, kids: list[str]) -> None:
+        """Forget every JWT, and the tokens resting on ``kids``: the identity provider
+        withdrew these keys (every replica reads the key set, so each forgets its own,
+        whichever revoked the tokens in the database)."""
+        gone = set(kids)
+        for key in [
+            k for k, (_, p) in self._entries.items() if looks_like_jwt(k) or p.key_id in gone
+        ]:
             del self._entries[key]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
 import orjson
@@ -15,7 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common import tracing
-from libs.common.errors import Forbidden, InvalidInput, NotFound
+from libs.common.errors import Forbidden, InvalidInput, NotFound, Unauthorized
 from libs.common.models import (
     MAX_BATCH,
     MAX_PAGE,
@@ -213,6 +215,7 @@ _BATCH = {
 }
 
 M = TypeVar("M", bound=BaseModel)
+Gone = Callable[[], Awaitable[bool]]
 
 
 def _check_sources(request: Request, specs: list[TaskCreate], batch: bool) -> None:
@@ -513,9 +516,8 @@ async def read_log(
             attempt_id, offset = _resume(last_event_id)
         if attempt_id is not None:  # refused before the stream starts, as a 404
             await tasklogs.attempt_of(engine, task.id, attempt_id)
-        stream = tasklogs.Follow(
-            engine, notifier, objects, tasklogs.Limits.of(settings), request.is_disconnected
-        )
+        gone = _reader_gone(request, engine, task.id)
+        stream = tasklogs.Follow(engine, notifier, objects, tasklogs.Limits.of(settings), gone)
         return StreamingResponse(
             tasklogs.follow(stream, task.id, attempt_id, offset),
             media_type="text/event-stream",
@@ -540,6 +542,34 @@ async def read_log(
         "X-Cairn-Log-Complete": str(got.view.complete).lower(),
     }
     return PlainTextResponse("".join(p.text for p in got.pieces), headers=headers)
+
+
+def _reader_gone(request: Request, engine: AsyncEngine, task_id: int) -> Gone:
+    """Whether a log's follower is gone: the client left, or its credential, looked at
+    again once a token cache time (``CAIRN_TOKEN_CACHE_S``, at least a second), no
+    longer reads the task (revoked, expired, its session ended, its member removed from
+    the task's team). A stream is authorised when it begins and may last as long as its
+    attempt runs, days for a service's replica; it then ends without its ``end``, and the
+    client that follows again gets the 401 or 404."""
+    every_s = max(1.0, request.app.state.tokens.ttl_s)
+    checked = time.monotonic()
+
+    async def gone() -> bool:
+        nonlocal checked
+        if await request.is_disconnected():
+            return True
+        if time.monotonic() - checked < every_s:
+            return False
+        checked = time.monotonic()
+        try:
+            principal = await deps.plain_caller(request, deps.READERS)
+            async with engine.connect() as conn:
+                await tasks_db.get_task(conn, task_id, principal.visibility)
+        except (Unauthorized, Forbidden, NotFound):
+            return True
+        return False
+
+    return gone
 
 
 def _resume(last_event_id: str) -> tuple[int, int]:

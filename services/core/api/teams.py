@@ -31,7 +31,9 @@ MemberPath = Annotated[PrincipalName, Path(description="A principal's name.")]
 async def create_team(
     body: TeamCreate, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Team:
-    return await teams_ops.create(engine, record, body.name, principal.name)
+    """Create a team. The name of a team deleted before is a 409 unless ``reuse_name``:
+    that team's tasks, schedules and workflows still name it."""
+    return await teams_ops.create(engine, record, body.name, principal.name, body.reuse_name)
 
 
 @router.get("", response_model=TeamList, responses=PROBLEMS)
@@ -52,8 +54,9 @@ async def get_team(name: TeamPath, principal: Reader, engine: Engine) -> Team:
 async def delete_team(
     name: TeamPath, principal: AdminOnly, engine: Engine, record: Audit
 ) -> Response:
-    """Delete the team and its memberships; work it owned stays with its submitters."""
-    await teams_ops.delete(engine, record, name)
+    """Delete the team, its memberships and its secrets; work it owned stays with its
+    submitters, naming the team, so its name is not taken again unless asked for."""
+    await teams_ops.delete(engine, record, name, principal.name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

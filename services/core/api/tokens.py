@@ -61,6 +61,7 @@ async def create_token(
         created_by=principal.name,
         expires_at=body.expires_at,
         most=request.app.state.settings.tokens_per_principal,
+        kid=principal.key_id,
     )
     return TokenCreated(token=token, info=info)
 

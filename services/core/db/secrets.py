@@ -153,6 +153,12 @@ async def remove(conn: AsyncConnection, scope: Scope, name: str) -> SecretInfo:
     return _info(row)
 
 
+async def remove_all(conn: AsyncConnection, scope: Scope) -> list[str]:
+    """Delete every secret of ``scope`` (a team's, as the team goes); their names."""
+    rows = await conn.execute(delete(secrets).where(scope.where()).returning(secrets.c.name))
+    return sorted(row.name for row in rows)
+
+
 async def list_(
     conn: AsyncConnection, owner: str | None, teams: frozenset[str] | None
 ) -> list[SecretInfo]:

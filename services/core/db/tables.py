@@ -92,7 +92,15 @@ tokens = Table(
     Column("expires_at", DateTime(timezone=True)),
     Column("last_used_at", DateTime(timezone=True)),
     Column("created_by", Text),
+    # the id of the identity provider's key the credential that made it rests on (a JWT,
+    # a session, a token made by one): the provider withdrawing it revokes the token
+    Column("kid", Text),
     CheckConstraint("length(name) <= 100", name="name_length"),
+    Index(
+        "ix_tokens_kid",
+        "kid",
+        postgresql_where=text("kid IS NOT NULL AND revoked_at IS NULL"),
+    ),
 )
 
 teams = Table(
@@ -102,6 +110,17 @@ teams = Table(
     _now(),
     Column("created_by", Text, nullable=False),
     CheckConstraint("length(name) BETWEEN 1 AND 64", name="name_length"),
+)
+
+# The names of deleted teams: their tasks, schedules and workflows still name them, so a
+# team made with one later would hand its members the old team's work; taken again only
+# when asked for (``reuse_name``, db/teams.py).
+retired_teams = Table(
+    "retired_teams",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("deleted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("deleted_by", Text, nullable=False),
 )
 
 team_members = Table(

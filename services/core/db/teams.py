@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.errors import Conflict, NotFound
 from libs.common.models import Team
-from services.core.db.tables import team_claims, team_members, teams
+from services.core.db.tables import retired_teams, team_claims, team_members, teams
 
 
 def _team(row: Any) -> Team:
@@ -39,7 +39,9 @@ def _query() -> Any:
     )
 
 
-async def create(conn: AsyncConnection, name: str, by: str) -> Team:
+async def create(conn: AsyncConnection, name: str, by: str, reuse_name: bool = False) -> bool:
+    """Make the team; a name of a deleted team only with ``reuse_name`` (a 409 naming
+    ``name`` otherwise). Returns whether it was such a name."""
     made = await conn.execute(
         pg_insert(teams)
         .values(name=name, created_by=by)
@@ -48,7 +50,22 @@ async def create(conn: AsyncConnection, name: str, by: str) -> Team:
     )
     if made.first() is None:
         raise Conflict(f"team {name!r} exists already")
-    return await get(conn, name)
+    retired = (
+        await conn.execute(
+            delete(retired_teams)
+            .where(retired_teams.c.name == name)
+            .returning(retired_teams.c.deleted_at)
+        )
+    ).first()
+    if retired is not None and not reuse_name:
+        day = retired.deleted_at.date().isoformat()
+        raise Conflict(
+            f"name: team {name!r} was deleted on {day} and its tasks, schedules and "
+            "workflows still name it; a team made with this name would show them to its "
+            "members: choose another name, or give reuse_name to take them on",
+            errors=[{"field": "body.name", "reason": f"a deleted team's (on {day})"}],
+        )
+    return retired is not None
 
 
 async def get(conn: AsyncConnection, name: str, member: str | None = None) -> Team:
@@ -68,9 +85,18 @@ async def list_(conn: AsyncConnection, member: str | None) -> list[Team]:
     return [_team(row) for row in await conn.execute(query)]
 
 
-async def delete_team(conn: AsyncConnection, name: str) -> Team:
+async def delete_team(conn: AsyncConnection, name: str, by: str) -> Team:
+    """Delete the team; its name is kept apart (``retired_teams``) until taken again."""
     before = await get(conn, name)
     await conn.execute(delete(teams).where(teams.c.name == name))
+    await conn.execute(
+        pg_insert(retired_teams)
+        .values(name=name, deleted_by=by)
+        .on_conflict_do_update(
+            index_elements=[retired_teams.c.name],
+            set_={"deleted_at": func.now(), "deleted_by": by},
+        )
+    )
     return before
 
 

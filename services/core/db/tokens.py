@@ -34,7 +34,7 @@ _INFO = (
 )
 
 _LOOKUP = text("""
-SELECT p.id, p.name, p.role, t.id AS token_id, t.expires_at,
+SELECT p.id, p.name, p.role, t.id AS token_id, t.expires_at, t.kid,
        t.last_used_at IS NULL
            OR t.last_used_at < now() - make_interval(secs => :every) AS stale,
        ARRAY(SELECT m.team FROM core.team_members m WHERE m.member = p.name
@@ -79,10 +79,12 @@ async def create(
     expires_at: datetime | None = None,
     token: str | None = None,
     most: int = 100,
+    kid: str | None = None,
 ) -> tuple[str, TokenInfo, bool]:
     """A token for ``principal`` (made with ``role`` if new): a fresh one, or ``token`` as
     given (a deployment's own secret; registering it again returns it unchanged, and
-    False for "not created")."""
+    False for "not created"). ``kid``: the identity provider's key the credential that
+    makes it rests on, which revokes it when withdrawn (``revoke_of_keys``)."""
     row = await _principal_row(conn, principal, role)
     if token is None:
         token = PREFIX + secrets.token_urlsafe(32)
@@ -118,6 +120,7 @@ async def create(
                 name=name,
                 expires_at=expires_at,
                 created_by=created_by,
+                kid=kid,
             )
             .returning(tokens.c.id)
         )
@@ -143,7 +146,19 @@ async def principal_for(conn: AsyncConnection, token: str) -> Principal | None:
         teams=frozenset(found.teams),
         expires_at=found.expires_at,
         token_id=found.token_id,
+        key_id=found.kid,
     )
+
+
+async def revoke_of_keys(conn: AsyncConnection, kids: list[str]) -> list[int]:
+    """Revoke the live tokens that rest on these withdrawn keys of the provider; their ids."""
+    rows = await conn.execute(
+        update(tokens)
+        .where(tokens.c.kid.in_(kids), tokens.c.revoked_at.is_(None))
+        .values(revoked_at=func.now())
+        .returning(tokens.c.id)
+    )
+    return [int(row.id) for row in rows]
 
 
 async def role_of(conn: AsyncConnection, principal: str) -> str | None:

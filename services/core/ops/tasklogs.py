@@ -290,7 +290,7 @@ class Follow:
     notifier: Notifier
     objects: LogObjects | None
     limits: Limits
-    gone: Callable[[], Awaitable[bool]]  # the client disconnected
+    gone: Callable[[], Awaitable[bool]]  # the client left, or may no longer read the log
 
 
 async def follow(

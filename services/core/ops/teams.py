@@ -5,23 +5,34 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.common.models import OwnerUsage, ShareSettings, Team
-from services.core.db import sharing, teams
+from services.core.db import secrets, sharing, teams
 from services.core.db.audit import Auditor
 from services.core.domain.principals import Principal
 from services.core.ops.sharing import share_of
 
 
-async def create(engine: AsyncEngine, record: Auditor, name: str, by: str) -> Team:
+async def create(
+    engine: AsyncEngine, record: Auditor, name: str, by: str, reuse_name: bool = False
+) -> Team:
+    """The team; a deleted team's name only with ``reuse_name`` (its work still names
+    it), which the audit row says."""
     async with engine.begin() as conn:
-        team = await teams.create(conn, name, by)
-        await record(conn, "team.create", f"team:{team.name}", after=team.model_dump())
+        reused = await teams.create(conn, name, by, reuse_name)
+        team = await teams.get(conn, name)
+        after = {**team.model_dump(), **({"reused_name": True} if reused else {})}
+        await record(conn, "team.create", f"team:{team.name}", after=after)
     return team
 
 
-async def delete(engine: AsyncEngine, record: Auditor, name: str) -> None:
+async def delete(engine: AsyncEngine, record: Auditor, name: str, by: str) -> None:
+    """The team, its memberships, claims and share, and its secrets (their names in the
+    audit row): a team made later with the same name must not open the old one's values,
+    which are sealed under the same scope. Its name is kept apart (``db.teams``)."""
     async with engine.begin() as conn:
-        before = await teams.delete_team(conn, name)
-        await record(conn, "team.delete", f"team:{name}", before=before.model_dump())
+        before = await teams.delete_team(conn, name, by)
+        gone = await secrets.remove_all(conn, secrets.Scope(None, name))
+        kept = {**before.model_dump(), "secrets": gone}
+        await record(conn, "team.delete", f"team:{name}", before=kept)
 
 
 async def add_member(engine: AsyncEngine, record: Auditor, name: str, member: str, by: str) -> Team:

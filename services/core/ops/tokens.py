@@ -28,8 +28,10 @@ async def create(
     created_by: str,
     expires_at: datetime | None,
     most: int,
+    kid: str | None = None,
 ) -> tuple[str, TokenInfo]:
-    """A new token (its value, shown once) and what is kept of it, audited."""
+    """A new token (its value, shown once) and what is kept of it, audited; ``kid``, the
+    provider's key the creator's credential rests on, which revokes it when withdrawn."""
     async with engine.begin() as conn:
         token, info, _ = await tokens.create(
             conn,
@@ -39,6 +41,7 @@ async def create(
             created_by=created_by,
             expires_at=expires_at,
             most=most,
+            kid=kid,
         )
         await record(conn, "token.create", f"token:{info.id}", after=info.model_dump())
     return token, info
@@ -53,3 +56,10 @@ async def revoke(
         if before is not None:
             await record(conn, "token.revoke", f"token:{token_id}", before=before.model_dump())
     return before
+
+
+async def revoke_of_keys(engine: AsyncEngine, kids: list[str]) -> list[int]:
+    """The provider withdrew these keys: the tokens made with credentials resting on
+    them (a JWT, a session, a token one of those made) are revoked; their ids."""
+    async with engine.begin() as conn:
+        return await tokens.revoke_of_keys(conn, kids)

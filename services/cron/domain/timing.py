@@ -71,6 +71,22 @@ def parse_expression(expression: str) -> str:
     return text
 
 
+# Names the tz database ships that are not a place's clock: the host's own time
+# (``localtime``; ``posixrules``, the rules a POSIX TZ string borrows), on which cron's
+# replicas on different hosts need not agree, and ``Factory`` (no zone: "-00").
+HOST_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+
+
+def check_new_zone(name: str) -> None:
+    """InvalidSchedule for a zone that a schedule being set may not take (``HOST_ZONES``;
+    ``parse_zone`` reads them still, so a schedule stored under one keeps firing)."""
+    if name.removeprefix("posix/") in HOST_ZONES:
+        raise InvalidSchedule(
+            f"{name!r} is not a place's time zone (the host's own clock or none);"
+            " name an IANA zone such as 'Europe/Paris' or 'UTC'"
+        )
+
+
 def parse_zone(name: str) -> ZoneInfo:
     """The IANA zone ``name``, or InvalidSchedule."""
     if not name or len(name) > 64 or name.startswith(("/", ".")) or ".." in name:

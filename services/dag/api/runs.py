@@ -39,6 +39,7 @@ from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import MAX_PAGE
 from libs.common.problems import PROBLEMS
 from libs.common.stored import as_stored
+from libs.common.teams import check_what_runs
 from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
 from services.dag.domain import data
@@ -385,6 +386,11 @@ async def deliver_event(
     given = body.data if body is not None else {}
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
+        if given and caller.role != "service":
+            # The data become the node's outputs, which the nodes after it read into
+            # their tasks, run as the owner: a teammate's would be a teammate's
+            # arguments run as someone else (as a run's params would be).
+            check_what_runs(caller, row.owner, "body.data")
         dag = await _dag(conn, graphs, row.workflow_id)
         if not any(s.event is not None and s.event.name == name for s in dag.specs.values()):
             raise NotFound(f"run {run_id} has no node that waits for event '{name}'")

@@ -24,7 +24,7 @@ from libs.common.dag_models import (
     WorkflowList,
     WorkflowName,
 )
-from libs.common.errors import InvalidInput
+from libs.common.errors import Conflict, InvalidInput
 from libs.common.problems import PROBLEMS
 from libs.common.teams import bound_to_team, check_member, check_what_runs
 from services.dag import store, traces
@@ -209,6 +209,17 @@ def _check_choices(caller: Caller, owner: str, body: RunCreate) -> None:
             check_what_runs(caller, owner, f"body.{field}")
 
 
+def run_key(key: str | None, owner: str, acting: str) -> str | None:
+    """The idempotency key a run is kept under. Keys are unique per owner, so a run
+    someone else starts of the owner's workflow (a teammate's, an admin's with
+    ``owner``) keeps its key apart, as ``by NAME: KEY``: it finds none of the owner's
+    own runs (another workflow's, its params), and takes none of the keys the owner's
+    runs will come with (cron's ``cron:SCHEDULE:SLOT`` are predictable)."""
+    if key is None or acting == owner:
+        return key
+    return f"by {acting}: {key}"
+
+
 async def begin_run(
     conn: AsyncConnection,
     graphs: Graphs,
@@ -218,7 +229,8 @@ async def begin_run(
     who: Visibility | None,
 ) -> tuple[Row[Any], bool]:
     """Queue a run of ``owner``'s workflow ``name`` (its params checked against the
-    definition, every node rendered once), or find the run its idempotency key names."""
+    definition, every node rendered once), or find the run its idempotency key names:
+    one of this workflow that ``who`` may see, else a 409 naming the key."""
     workflow = await store.get_workflow(conn, owner, name, body.version, who)
     dag = await graphs.get(conn, workflow.id)
     params = merged_params(dag, body.params)
@@ -248,6 +260,12 @@ async def begin_run(
         max_active_nodes=definition.max_active_nodes,
         task_timeout_s=body.task_timeout_s or definition.task_timeout_s,
     )
+    if not created and (row.workflow != workflow.name or not store.visible(row, who)):
+        reason = "names a run of another workflow: use a key of this run's own"
+        raise Conflict(
+            f"body.idempotency_key: {reason}",
+            errors=[{"field": "body.idempotency_key", "reason": reason}],
+        )
     if created:
         # Every node must render into a valid task now, not halfway through the run
         # (what upstream nodes hand on renders empty here).
@@ -285,6 +303,9 @@ async def start_run(
     owner, who = _whose(caller, owner, of)
     if owner != acting:
         _check_choices(caller, owner, body)
+        body = body.model_copy(
+            update={"idempotency_key": run_key(body.idempotency_key, owner, acting)}
+        )
     async with db.begin() as conn:
         row, created = await begin_run(conn, graphs, owner, name, body, who)
     if created:
@@ -311,7 +332,7 @@ async def history(
         whose, who = _whose(caller, owner, of)
         newest = await store.get_workflow(conn, whose, name, None, who)
         order = list((await graphs.get(conn, newest.id)).order)
-        runs, nodes = await store.history(conn, whose, name, limit)
+        runs, nodes = await store.history(conn, whose, name, limit, who)
     cells: dict[int, dict[str, HistoryCell]] = {r.id: {} for r in runs}
     for n in nodes:
         duration = None if n.duration_s is None else round(float(n.duration_s), 3)

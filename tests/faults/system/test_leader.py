@@ -4,6 +4,7 @@ within a turn, and the old leader's writes are fenced by the new epoch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common.leader import Elector, LeadershipLost
+from libs.common.locks import CORE_LEADER
+from services.core.loops import Leadership
 from services.dag.engine import _LEADER_KEY as DAG_KEY
 from tests.fixtures.dag import start_dag
 from tests.integration.system.test_metrics import scrape, value
@@ -106,3 +109,42 @@ def test_a_dag_replica_whose_lock_session_is_killed_stops_leading(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_core_singleton_loop_that_ends_fails_the_lead_and_every_loop_starts_again(
+    db_url: str, db: DB
+) -> None:
+    """A loop of core's leader that ended (here by a stray ``CancelledError``) steps the
+    replica down: the lead is won again under a new epoch with every loop started again,
+    where before the replica led on without that loop."""
+    leads: list[list[asyncio.Task[None]]] = []
+
+    async def ends() -> None:
+        await asyncio.sleep(0.05)
+        raise asyncio.CancelledError
+
+    def singletons() -> list[asyncio.Task[None]]:
+        tasks = [asyncio.create_task(asyncio.sleep(3600), name="cairn-steady")]
+        if not leads:
+            tasks.append(asyncio.create_task(ends(), name="cairn-fragile"))
+        leads.append(tasks)
+        return tasks
+
+    async def scenario() -> list[tuple[Any, ...]]:
+        elector = Elector(db_url, name="core", key=CORE_LEADER, table="core.leader", poll_s=0.05)
+        leadership = Leadership(elector, singletons, check_s=0.05)
+        runner = asyncio.create_task(leadership.run())
+        for _ in range(1000):
+            if len(leads) == 2 and leadership.leading:
+                break
+            await asyncio.sleep(0.01)
+        epochs = db.execute("SELECT epoch FROM core.leader WHERE name = 'core'").fetchall()
+        assert all(task.done() for task in leads[0])
+        assert not any(task.done() for task in leads[1])
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+        return epochs
+
+    (epoch,) = asyncio.run(scenario())
+    assert epoch == (2,)  # won twice: the lead failed once and was won again

@@ -3,6 +3,8 @@ never a 500, and a refused submission stores nothing."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import shutil
 import tempfile
 import uuid
@@ -268,6 +270,23 @@ def test_a_body_with_another_content_type_is_refused_not_a_500(shared: Shared) -
     assert 400 <= answer.status_code < 500, answer.text
     assert answer.headers["content-type"].startswith(PROBLEM_JSON)
     assert tasks_in(shared.db) == before
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip"])
+def test_a_coded_body_is_a_415_naming_the_coding_not_a_422(shared: Shared, coding: str) -> None:
+    """No service decodes a coded body: it was read as JSON and refused as malformed."""
+    before = tasks_in(shared.db)
+    answer = shared.user.post(
+        "/v1/tasks",
+        content=gzip.compress(json.dumps(spec()).encode()),
+        headers={"content-type": "application/json", "content-encoding": coding},
+    )
+    found = problem(answer, 415, "header.Content-Encoding", repr(coding))
+    assert found["type"] == "about:blank"
+    assert answer.headers["accept-encoding"] == "identity"
+    assert tasks_in(shared.db) == before
+    plain = shared.user.post("/v1/tasks", json=spec(), headers={"content-encoding": "identity"})
+    assert plain.status_code == 201, plain.text
 
 
 # --- batches -----------------------------------------------------------------------------

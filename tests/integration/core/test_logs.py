@@ -215,3 +215,35 @@ def test_a_log_is_deleted_with_its_task_by_the_retention_purge(db_url: str, tmp_
             assert conn.execute(heads, (attempt,)).fetchone() == (0,)
     finally:
         core.stop()
+
+
+@pytest.mark.core(token_cache_s=0.2)
+def test_a_followed_log_ends_for_a_member_removed_from_its_team(
+    core: Core, shipper: Shipper
+) -> None:
+    """A followed log was authorised once, when its stream began: a member removed from
+    the task's team (or whose token was revoked) read the log on for as long as the
+    attempt ran, days for a service's replica. The stream ends without its ``end`` once
+    the caller no longer may read the task, and following again is the 404."""
+    with core.client("root", "admin") as root:
+        assert root.post("/v1/teams", json={"name": "sre"}).status_code == 201
+        for member in ("alice", "bob"):
+            assert root.put(f"/v1/teams/sre/members/{member}").status_code == 200
+    with core.client("alice") as alice:
+        task_id = alice.post("/v1/tasks", json=spec(team="sre")).json()["id"]
+    attempt = shipper.claim()["attempt_id"]
+    events: list[tuple[str, dict]] = []
+    reader = follow_log(core, task_id, events, "bob")
+    shipper.ship((attempt, 0, "before\n"))
+    wait_for(lambda: len(events) == 1, timeout=10)
+    with core.client("root", "admin") as root:
+        assert root.delete("/v1/teams/sre/members/bob").status_code == 200
+    reader.join(timeout=20)
+    assert not reader.is_alive()
+    shipper.ship((attempt, 7, "after\n"))
+    assert [name for name, _ in events] == ["log"]  # no end: the attempt runs on
+    with core.client("bob") as bob:
+        path = f"/v1/tasks/{task_id}/logs"
+        assert bob.get(path, params={"follow": "true"}).status_code == 404
+    with core.client("alice") as alice:
+        assert alice.get(path).text == "before\nafter\n"

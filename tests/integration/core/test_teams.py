@@ -6,9 +6,10 @@ from __future__ import annotations
 from tests.support import Core, spec
 
 
-def _team(core: Core, name: str, *members: str) -> None:
+def _team(core: Core, name: str, *members: str, reuse_name: bool = False) -> None:
     with core.client("root", "admin") as root:
-        assert root.post("/v1/teams", json={"name": name}).status_code == 201
+        made = root.post("/v1/teams", json={"name": name, "reuse_name": reuse_name})
+        assert made.status_code == 201, made.text
         for member in members:
             assert root.put(f"/v1/teams/{name}/members/{member}").status_code == 200
 
@@ -110,3 +111,61 @@ def test_leaving_a_team_ends_access(core: Core) -> None:
         assert bob.get(f"/v1/tasks/{task['id']}").status_code == 404
         assert root.delete("/v1/teams/sre").status_code == 204
         assert alice.get(f"/v1/tasks/{task['id']}").status_code == 200
+
+
+def test_a_deleted_teams_secrets_go_with_it_not_to_a_team_of_its_name(core: Core, db) -> None:
+    """A team's secrets outlived the team: an admin who later made a team of the same
+    name (names are reused in a company this size) gave its new members the old team's
+    values, which open under the same scope."""
+    _team(core, "payroll", "alice")
+    with core.client("alice") as alice:
+        made = alice.post(
+            "/v1/secrets", json={"name": "bank", "value": "s3cr3t", "team": "payroll"}
+        )
+        assert made.status_code == 201, made.text
+    with core.client("root", "admin") as root:
+        assert root.delete("/v1/teams/payroll").status_code == 204
+    assert db.execute("SELECT count(*) FROM core.secrets WHERE team = 'payroll'").fetchone() == (0,)
+    _team(core, "payroll", "mallory", reuse_name=True)
+    with core.client("mallory") as mallory:
+        assert mallory.get("/v1/secrets").json()["items"] == []
+        env = {"BANK": {"secret": "bank", "team": "payroll"}}
+        refused = mallory.post("/v1/tasks", json=spec(env=env))
+        assert refused.status_code == 422, refused.text
+    audit = db.execute(
+        "SELECT before FROM core.audit WHERE action = 'team.delete' AND target = 'team:payroll'"
+    ).fetchone()
+    assert audit[0]["secrets"] == ["bank"]
+
+
+def test_a_deleted_teams_name_is_not_taken_again_unless_asked_for(core: Core, db) -> None:
+    """A deleted team's tasks (and its schedules and workflows) still name it: a team
+    made later with the same name showed them to its new members, who could read their
+    logs and act on them. Such a name is a 409 now, unless the admin asks to take the
+    work on (``reuse_name``), which the audit trail records."""
+    _team(core, "payroll", "alice")
+    with core.client("alice") as alice:
+        made = alice.post("/v1/tasks", json=spec(name="salaries", team="payroll"))
+        assert made.status_code == 201, made.text
+        task = made.json()["id"]
+    with core.client("root", "admin") as root:
+        assert root.delete("/v1/teams/payroll").status_code == 204
+        again = root.post("/v1/teams", json={"name": "payroll"})
+        assert again.status_code == 409, again.text
+        problem = again.json()
+        assert problem["errors"][0]["field"] == "body.name", problem
+        assert "was deleted on" in problem["detail"] and "reuse_name" in problem["detail"]
+        assert root.get("/v1/teams/payroll").status_code == 404  # nothing made
+    kept = db.execute("SELECT name, deleted_by FROM core.retired_teams").fetchall()
+    assert kept == [("payroll", "root")]
+    with core.client("mallory") as mallory:
+        assert mallory.get(f"/v1/tasks/{task}").status_code == 404
+    _team(core, "payroll", "mallory", reuse_name=True)
+    with core.client("mallory") as mallory:
+        assert mallory.get(f"/v1/tasks/{task}").status_code == 200  # asked for: taken on
+    assert db.execute("SELECT count(*) FROM core.retired_teams").fetchone() == (0,)
+    audit = db.execute(
+        "SELECT after FROM core.audit WHERE action = 'team.create' AND target = 'team:payroll'"
+        " ORDER BY id"
+    ).fetchall()
+    assert [row[0].get("reused_name") for row in audit] == [None, True]

@@ -87,6 +87,10 @@ def _dag_target(params: dict[str, Any]) -> dict[str, Any]:
         ({"expression": "59 23 31 2 *"}, "body.expression", "never fires"),
         ({"expression": "R 3 * * *"}, "body.expression", "random"),
         ({"timezone": "Mars/Olympus"}, "body.timezone", "IANA"),
+        # the host's own clock (replicas on different hosts need not agree) and no zone
+        ({"timezone": "localtime"}, "body.timezone", "not a place's time zone"),
+        ({"timezone": "posix/posixrules"}, "body.timezone", "not a place's time zone"),
+        ({"timezone": "Factory"}, "body.timezone", "not a place's time zone"),
         ({"misfire_policy": "sometimes"}, "body.misfire_policy", ""),
         ({"catch_up_limit": 0}, "body.catch_up_limit", ""),
         (
@@ -143,6 +147,25 @@ def test_a_change_to_timing_that_never_fires_is_refused_as_at_create(
             assert "never fires" in answer.json()["detail"]
     kept = db.execute("SELECT expression, starts_at, next_fire_at IS NOT NULL FROM cron.schedules")
     assert kept.fetchall() == [("30 2 * * *", None, True)]
+
+
+def test_a_schedule_stored_under_a_host_zone_keeps_working_but_cannot_be_set_to_one(
+    cron: Cron, db: psycopg.Connection[tuple[Any, ...]]
+) -> None:
+    """A schedule stored under ``localtime`` before such zones were refused is still
+    shown, previewed and changed; only a zone given is checked."""
+    with cron.client() as alice:
+        sid = alice.post("/v1/schedules", json=schedule()).json()["id"]
+        db.execute("UPDATE cron.schedules SET timezone = 'localtime' WHERE id = %s", (sid,))
+        assert alice.get(f"/v1/schedules/{sid}").json()["timezone"] == "localtime"
+        assert alice.get(f"/v1/schedules/{sid}/next").status_code == 200
+        assert alice.patch(f"/v1/schedules/{sid}", json={"expression": "0 3 * * *"}).is_success
+        refused = alice.patch(f"/v1/schedules/{sid}", json={"timezone": "Factory"})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == "body.timezone"
+        assert alice.patch(f"/v1/schedules/{sid}", json={"timezone": "UTC"}).is_success
+    kept = db.execute("SELECT expression, timezone FROM cron.schedules WHERE id = %s", (sid,))
+    assert kept.fetchall() == [("0 3 * * *", "UTC")]
 
 
 def test_names_are_unique_per_owner(cron: Cron) -> None:

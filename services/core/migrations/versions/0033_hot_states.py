@@ -6,7 +6,7 @@ heartbeat that lists it alive set ``seen_at``, which no index holds. Such an upd
 HOT (a new version in the same page, no index entry added) only when its page has room;
 attempts are inserted in id order into full pages, so each of these updates moved the row
 to another page and added an entry to each of the table's indexes. A fill factor of 80
-keeps a fifth of each page for them (docs/benchmarks.md).
+keeps a fifth of each page for them.
 
 Nothing is rewritten: the setting applies to the pages filled from now on (existing rows
 stay where they are, and keep their values); the downgrade restores the default.
