@@ -22,7 +22,7 @@ from tests.support import (
     TurnWorker,
     free_port,
     make_token,
-    spawn_core,
+    spawn_cores,
     spec,
     start_core,
     stop_process,
@@ -78,7 +78,7 @@ def test_waiting_claims_cost_nothing_and_a_task_wakes_one_of_them_on_either_repl
     db_url: str, tmp_path: Path, db: DB
 ) -> None:
     ports = [free_port(), free_port()]
-    cores = [spawn_core(db_url, tmp_path / f"c{i}", p, **ENV) for i, p in enumerate(ports)]
+    cores = spawn_cores(db_url, [(tmp_path / f"c{i}", p) for i, p in enumerate(ports)], **ENV)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     worker_token = make_token(db_url, "fleet", "worker")
     user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
