@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,18 +308,16 @@ def _popen(command: list[str], env: dict[str, str], log: Path | None) -> subproc
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def spawn_service(
+def _started(
     module: str,
     port_variable: str,
     db_url: str,
     home: Path,
     port: int,
-    *,
-    log: Path | None = None,
-    **env: str,
-) -> subprocess.Popen[bytes]:
-    """A service as its own process (``python -m <module>``), ready to serve; with
-    ``log``, its output goes to that file."""
+    log: Path | None,
+    env: dict[str, str],
+) -> tuple[subprocess.Popen[bytes], Callable[[], None]]:
+    """A service started as its own process, and what waits until it serves."""
     environment = {
         **os.environ,
         "CAIRN_DATABASE_URL": db_url,
@@ -339,7 +337,23 @@ def spawn_service(
         except httpx.HTTPError:
             return False
 
-    wait_for(ready, timeout=60, interval=0.1)
+    return proc, lambda: wait_for(ready, timeout=60, interval=0.1)
+
+
+def spawn_service(
+    module: str,
+    port_variable: str,
+    db_url: str,
+    home: Path,
+    port: int,
+    *,
+    log: Path | None = None,
+    **env: str,
+) -> subprocess.Popen[bytes]:
+    """A service as its own process (``python -m <module>``), ready to serve; with
+    ``log``, its output goes to that file."""
+    proc, serving = _started(module, port_variable, db_url, home, port, log, env)
+    serving()
     return proc
 
 
@@ -348,6 +362,26 @@ def spawn_core(
 ) -> subprocess.Popen[bytes]:
     """Core as its own process (``python -m services.core``), ready to serve."""
     return spawn_service("services.core", "CAIRN_CORE_PORT", db_url, home, port, log=log, **env)
+
+
+def spawn_cores(
+    db_url: str, places: Sequence[tuple[Path, int]], **env: str
+) -> list[subprocess.Popen[bytes]]:
+    """Cores as processes of their own (a home and a port each), started together so that
+    their starts (a second or two of imports each) overlap, then each waited for until it
+    serves; if one never does, all are killed."""
+    started = [
+        _started("services.core", "CAIRN_CORE_PORT", db_url, home, port, None, env)
+        for home, port in places
+    ]
+    try:
+        for _, serving in started:
+            serving()
+    except BaseException:
+        for proc, _ in started:
+            stop_process(proc, signal.SIGKILL)
+        raise
+    return [proc for proc, _ in started]
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
