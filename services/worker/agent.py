@@ -49,6 +49,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
+from libs.common.settings import load
 from libs.common.states import Workers
 from services.worker import hardening, outputs, pressure, probes, progress, state
 from services.worker.artifacts import ArtifactCache, ArtifactError, hung_opens
@@ -1459,7 +1460,7 @@ def _harden(settings: WorkerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     del argv
-    settings = WorkerSettings()
+    settings = load(WorkerSettings, "cairn worker")
     logs.setup("worker", settings.log_level)
     tracing.setup("worker")
     host = Host(settings, settings.home / "logs")

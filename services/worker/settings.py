@@ -10,7 +10,14 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.models import WorkerRegister
-from libs.common.settings import WorkerOfferSettings, parse_devices, parse_labels, parse_list
+from libs.common.settings import (
+    HttpUrl,
+    LogLevel,
+    WorkerOfferSettings,
+    parse_devices,
+    parse_labels,
+    parse_list,
+)
 from libs.common.sources import parse_sources
 from services.worker.devices import node_rule
 from services.worker.firewall import parse_blocked
@@ -24,11 +31,11 @@ class WorkerSettings(WorkerOfferSettings):
 
     env: Literal["development", "production"] = "development"
     home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
-    url: str = "http://127.0.0.1:8400"
+    url: HttpUrl = "http://127.0.0.1:8400"
     #: the worker token, or (better) a 0600 file holding it
     token: str | None = None
     token_file: Path | None = None
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     #: lease delayed work this many seconds before its run_at and start it at its run_at
     #: (a held attempt keeps its slot and charge meanwhile); 0: only work due now
