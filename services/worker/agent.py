@@ -326,7 +326,8 @@ class Agent:
             loop.add_signal_handler(signum, self.draining.set)
         pulse = asyncio.create_task(self._pulse())
         try:
-            await self._join(offer)
+            if not await self._join(offer):
+                return
             while True:
                 await self._work()
                 if not self.dead or self.draining.is_set():
@@ -334,27 +335,38 @@ class Agent:
                 # Core re-placed this worker's attempts: stop them, then join afresh.
                 log.warning("core declared worker %s dead; registering again", self.worker_id)
                 await self._abandon()
-                await self._join(offer)
+                if not await self._join(offer):
+                    return
             await self._drain()
         finally:
             pulse.cancel()
-            for task in (self.keepalive, self.recounting):
-                if task is not None:
-                    task.cancel()
-            if self.releasing:
-                await asyncio.wait(set(self.releasing), timeout=30)
-            if self.noting is not None:
-                self.noting.cancel()  # every attempt has ended: its notes went with its report
-            await self._stop_sidecar()
+            await self._close()
+
+    async def _close(self) -> None:
+        """What the agent ends with, whatever ended it: its loops, the sidecar, its leave
+        (when core had registered it), its cache, host and files."""
+        for task in (self.keepalive, self.recounting):
+            if task is not None:
+                task.cancel()
+        if self.releasing:
+            await asyncio.wait(set(self.releasing), timeout=30)
+        if self.noting is not None:
+            self.noting.cancel()  # every attempt has ended: its notes went with its report
+        await self._stop_sidecar()
+        if self.worker_id:  # 0: never registered
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
-            await self.cache.aclose()
-            await self.host.close()
-            self.timings.close()
-            self.board.close()
+        await self.cache.aclose()
+        await self.host.close()
+        self.timings.close()
+        self.board.close()
 
-    async def _join(self, offer: WorkerRegister) -> None:
+    async def _join(self, offer: WorkerRegister) -> bool:
+        """Register and start beating; False when told to stop before core answered."""
         registered = await self._register(offer)
+        if registered is None:
+            log.info("stopped before core registered this worker: nothing to drain")
+            return False
         self.dead = False
         self.heard_at = -math.inf
         self.worker_id = registered.worker.id
@@ -367,6 +379,7 @@ class Agent:
         self._launch_sidecar()
         logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
+        return True
 
     async def _abandon(self) -> None:
         """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
@@ -420,16 +433,20 @@ class Agent:
         sidecar.stdin.close()
         return sidecar
 
-    async def _register(self, offer: WorkerRegister) -> WorkerRegistered:
-        """Register, waiting for core if it is not up yet (it may be starting with us)."""
+    async def _register(self, offer: WorkerRegister) -> WorkerRegistered | None:
+        """Register, waiting for core if it is not up yet (it may be starting with us);
+        None once SIGTERM or SIGINT came (``draining``): the agent holds nothing yet, and
+        waiting on for a core that is down kept it from stopping until SIGKILL."""
         delay = 0.2
-        while True:
+        while not self.draining.is_set():
             try:
                 return await self.client.register_worker(offer)
             except (httpx.TransportError, Unavailable) as exc:
                 log.warning("core not reachable yet (%s); retrying", exc)
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.draining.wait(), delay)
                 delay = min(delay * 2, 5.0)
+        return None
 
     def _keep_sidecar(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is not None:
