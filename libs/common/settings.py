@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from libs.common.sources import redact_url
@@ -80,6 +87,8 @@ def _hosts_in_query(url: str) -> str:
     elif "," in hostlist:
         pairs = [_host_port(item) for item in hostlist.split(",")]
     else:  # one host, or several already in the one form
+        # its port a number: libpq's int() of it was a traceback at the first connection
+        _host_port(hostlist)
         several = bool(given) and "," in given[0]
         return url + _timeout(items) if several and "connect_timeout" not in keys else url
     rest = [i for i in items if i.partition("=")[0] not in ("host", "port")]
@@ -152,6 +161,21 @@ def _log_level(value: str) -> str:
 
 #: ``CAIRN_LOG_LEVEL``: any case; another word was a traceback from ``logging`` at start
 LogLevel = Annotated[str, AfterValidator(_log_level)]
+
+
+def _given(value: object) -> object:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("is empty: unset it for the default (~/.cairn), or name a folder")
+    return value
+
+
+def _expand(value: Path) -> Path:
+    return value.expanduser().absolute()
+
+
+#: ``CAIRN_HOME``, made absolute; empty is refused: it was read as the working folder, where
+#: the embedded database, tokens and secrets key were then made
+HomePath = Annotated[Path, BeforeValidator(_given), AfterValidator(_expand)]
 
 
 class CairnBaseSettings(BaseSettings):
@@ -233,7 +257,7 @@ class CairnSettings(WorkerOfferSettings):
     """The settings shared by every process; names and defaults are part of the interface."""
 
     env: Literal["development", "production"] = "development"
-    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
+    home: HomePath = Field(default_factory=lambda: Path.home() / ".cairn")
     database_url: str | None = None
     # Sessions a transaction pooler cannot carry (LISTEN, session advisory locks,
     # migrations) connect here; unset, the same as database_url.
@@ -284,11 +308,6 @@ class CairnSettings(WorkerOfferSettings):
                     " separated by commas"
                 )
         return value
-
-    @field_validator("home")
-    @classmethod
-    def _expand_home(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
 
     @model_validator(mode="after")
     def _refuse_insecure_production(self) -> CairnSettings:

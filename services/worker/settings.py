@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.models import WorkerRegister
 from libs.common.settings import (
+    HomePath,
     HttpUrl,
     LogLevel,
     WorkerOfferSettings,
@@ -30,7 +31,7 @@ class WorkerSettings(WorkerOfferSettings):
     """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
 
     env: Literal["development", "production"] = "development"
-    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
+    home: HomePath = Field(default_factory=lambda: Path.home() / ".cairn")
     url: HttpUrl = "http://127.0.0.1:8400"
     #: the worker token, or (better) a 0600 file holding it
     token: str | None = None
@@ -110,11 +111,6 @@ class WorkerSettings(WorkerOfferSettings):
     worker_address: str | None = Field(default=None, min_length=1, max_length=255)
     #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
     worker_timings_file: Path | None = None
-
-    @field_validator("home")
-    @classmethod
-    def _expand_home(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
 
     @field_validator("artifact_sources")
     @classmethod

@@ -12,8 +12,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from libs.common.database import keepalive
-from libs.common.settings import CairnSettings, libpq_url
+from libs.common.settings import CairnSettings, libpq_url, load
 from libs.common.sources import redact_url
+from services.worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 PASSWORD = "s3cretPW"
@@ -172,3 +173,26 @@ def test_a_bad_setting_stops_a_service_with_one_line_naming_its_variable(
     assert lines[0].startswith(f"cairn {module.split('.')[1]}: bad settings: ")
     assert variable in lines[0]
     assert not (tmp_path / "home").exists()  # stopped before it made anything
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "reason"),
+    [
+        # libpq's int() of the port: a traceback at the first connection
+        ("CAIRN_DATABASE_URL", "postgresql://cairn@db:5432x/cairn", "port is not a number"),
+        # read as the working folder, where the database and keys were then made
+        ("CAIRN_HOME", "", "is empty"),
+        ("CAIRN_HOME", " ", "is empty"),
+    ],
+)
+def test_a_setting_that_started_wrong_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, reason: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    for settings_class in (CairnSettings, WorkerSettings):
+        if variable.lower().removeprefix("cairn_") not in settings_class.model_fields:
+            continue
+        with pytest.raises(SystemExit) as refused:
+            load(settings_class, "cairn test")
+        assert str(refused.value).startswith(f"cairn test: bad settings: {variable}: ")
+        assert reason in str(refused.value)
