@@ -141,6 +141,10 @@ UNREACHABLE_DB = "postgresql://cairn:x@127.0.0.1:1/cairn"
         # ... the worker retrying its registration for ever
         ("services.worker", "CAIRN_URL", "127.0.0.1:8400"),
         ("services.worker", "CAIRN_WORKER_SLOTS", "0"),
+        # core migrated, then failed in its lifespan: a traceback, exit 3
+        ("services.core", "CAIRN_SECRETS_KEY", "not-a-key"),
+        ("services.core", "CAIRN_SECRETS_KEY", ""),
+        ("services.core", "CAIRN_SECRETS_KEY_FILE", "/"),
     ],
 )
 def test_a_bad_setting_stops_a_service_with_one_line_naming_its_variable(
