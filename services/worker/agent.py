@@ -30,7 +30,15 @@ from pydantic_core import PydanticSerializationError
 
 from libs.common import logs, tracing
 from libs.common.client import CoreClient
-from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
+from libs.common.errors import (
+    CairnError,
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
 from libs.common.models import (
     MAX_STARTS,
     MAX_TURN_CHECKPOINT_BYTES,
@@ -312,15 +320,7 @@ class Agent:
     # --- lifecycle ---
 
     async def run(self) -> None:
-        offer = WorkerRegister(
-            hostname=socket.gethostname()[:200] or "worker",
-            queues=self.settings.queues,
-            labels=self.settings.labels,
-            cpu=self.settings.worker_cpu,
-            memory_mb=self.settings.worker_memory_mb,
-            devices=self.settings.devices,
-            hang_watch=True,  # ``_pulse``: a turn at least every eighth of the bound
-        )
+        offer = self.settings.offer(socket.gethostname())
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.draining.set)
@@ -436,16 +436,23 @@ class Agent:
     async def _register(self, offer: WorkerRegister) -> WorkerRegistered | None:
         """Register, waiting for core if it is not up yet (it may be starting with us);
         None once SIGTERM or SIGINT came (``draining``): the agent holds nothing yet, and
-        waiting on for a core that is down kept it from stopping until SIGKILL."""
+        waiting on for a core that is down kept it from stopping until SIGKILL.
+        ``Refused`` when core refuses the token or the offer: no retry makes it right."""
         delay = 0.2
         while not self.draining.is_set():
             try:
                 return await self.client.register_worker(offer)
             except (httpx.TransportError, Unavailable) as exc:
                 log.warning("core not reachable yet (%s); retrying", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.draining.wait(), delay)
-                delay = min(delay * 2, 5.0)
+            except (Unauthorized, Forbidden, InvalidInput) as exc:
+                raise Refused(
+                    f"core refused to register this worker ({exc.status} {exc}): check"
+                    " that CAIRN_TOKEN_FILE or CAIRN_TOKEN holds a worker token (cairn"
+                    " token create NAME --role worker) and what CAIRN_WORKER_* offer"
+                ) from None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.draining.wait(), delay)
+            delay = min(delay * 2, 5.0)
         return None
 
     def _keep_sidecar(self) -> None:
@@ -1449,6 +1456,10 @@ def _compact(value: object) -> str:
     return orjson.dumps(value).decode()
 
 
+class Refused(Exception):
+    """Core refused the agent's registration (its token, its offer): one line, exit 1."""
+
+
 def _token(settings: WorkerSettings) -> str:
     """The worker token, from ``CAIRN_TOKEN_FILE`` or ``CAIRN_TOKEN``."""
     if settings.token_file is not None:
@@ -1498,7 +1509,10 @@ def main(argv: list[str] | None = None) -> None:
         async with CoreClient(settings.url, token) as client:
             await Agent(settings, client, token, host).run()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Refused as refused:  # its attempts, sidecar and host are closed already
+        sys.exit(f"cairn worker: {refused}")
 
 
 if __name__ == "__main__":

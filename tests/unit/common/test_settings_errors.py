@@ -200,3 +200,21 @@ def test_a_setting_that_started_wrong_is_refused(
             load(settings_class, "cairn test")
         assert str(refused.value).startswith(f"cairn test: bad settings: {variable}: ")
         assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        # what the agent offered core was built after its host's start: a traceback there
+        ("CAIRN_WORKER_QUEUES", ""),
+        ("CAIRN_WORKER_QUEUES", "batch jobs"),
+        ("CAIRN_WORKER_MEMORY_MB", str(2**40)),
+    ],
+)
+def test_an_offer_core_would_refuse_is_refused_by_the_worker_settings(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as refused:
+        load(WorkerSettings, "cairn worker")
+    assert f"{variable}: not an offer core takes" in str(refused.value)

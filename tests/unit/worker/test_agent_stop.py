@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support import free_port
+from tests.support import Core, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -46,3 +46,28 @@ def test_sigterm_while_core_cannot_be_reached_stops_the_agent(tmp_path: Path) ->
         agent.wait()
     assert code == 0, log.read_text()
     assert "stopped before core registered this worker" in log.read_text()
+
+
+def test_a_token_core_refuses_stops_the_agent_in_one_line(core: Core, tmp_path: Path) -> None:
+    # a traceback ending in libs.common.errors.Unauthorized
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_URL": core.url,
+        "CAIRN_TOKEN": "cairn_revoked-or-never-made",
+        "CAIRN_WORKER_ISOLATION": "none",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "services.worker"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cairn worker: core refused to register this worker (401 ")
+    assert "--role worker" in last
