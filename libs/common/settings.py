@@ -271,7 +271,9 @@ class CairnSettings(WorkerOfferSettings):
     # unset, ``url`` alone.
     core_urls: str = ""
     token: str | None = None
-    bind_host: str = "127.0.0.1"
+    #: an address or host name; empty is refused: uvicorn read it as every address, IPv4
+    #: and IPv6 (``0.0.0.0`` or ``::`` say so on purpose)
+    bind_host: str = Field(default="127.0.0.1", pattern=r"^\S+$")
     core_port: int = Field(default=8400, ge=1, le=65535)
     cron_port: int = Field(default=8401, ge=1, le=65535)
     dag_port: int = Field(default=8402, ge=1, le=65535)

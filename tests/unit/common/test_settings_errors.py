@@ -218,3 +218,14 @@ def test_an_offer_core_would_refuse_is_refused_by_the_worker_settings(
     with pytest.raises(SystemExit) as refused:
         load(WorkerSettings, "cairn worker")
     assert f"{variable}: not an offer core takes" in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_bind_host_is_refused_not_read_as_every_address(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # uvicorn bound "" to 0.0.0.0 and [::]: an unset template variable opened the port
+    monkeypatch.setenv("CAIRN_BIND_HOST", value)
+    with pytest.raises(SystemExit) as refused:
+        load(CairnSettings, "cairn core")
+    assert str(refused.value).startswith("cairn core: bad settings: CAIRN_BIND_HOST: ")
