@@ -34,6 +34,7 @@ from services.core.api import sharing as sharing_api
 from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import sharing
 from services.core.db.feed import Notifier
+from services.core.domain.keys import key_list
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.identity.signin import ProviderClient
@@ -55,7 +56,7 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
     """The keys secrets are sealed with: ``CAIRN_SECRETS_KEY``, else the key file (made
     with a fresh key on first start in development, unless ``create`` says otherwise)."""
     if settings.secrets_key is not None:
-        keys = [k for k in settings.secrets_key.get_secret_value().split(",") if k.strip()]
+        keys = key_list(settings.secrets_key.get_secret_value())
     else:
         made = settings.env == "development" if create is None else create
         keys = read_key_file(settings.secrets_key_path, create=made)

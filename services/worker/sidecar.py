@@ -25,6 +25,7 @@ import httpx
 from libs.common import logs, waits
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
+from libs.common.settings import load
 from libs.common.states import Workers
 from services.worker import firewall, hardening, state
 from services.worker.cgroups import AttemptCgroup
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("board_fd", type=int, help="the agent's state.Board (an inherited memfd)")
     parser.add_argument("--hang-s", type=float, default=math.inf, help="core's hang bound")
     args = parser.parse_args(argv)
-    settings = WorkerSettings()
+    settings = load(WorkerSettings, "cairn worker sidecar")
     logs.setup("sidecar", settings.log_level)
     secrets = json.loads(sys.stdin.read() or "{}")
     hardening.non_dumpable()

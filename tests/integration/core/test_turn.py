@@ -283,7 +283,7 @@ async def _reap(db_url: str, timeout_s: float) -> int:
     engine = create_async_engine(db_url)
     try:
         async with engine.begin() as conn:
-            changed, _ = await workers_db.reap(conn, timeout_s)
+            changed, _, _ = await workers_db.reap(conn, timeout_s)
             return changed
     finally:
         await engine.dispose()
