@@ -35,6 +35,7 @@ from pydantic_settings import (
 from libs.common import signin
 from libs.common.errors import CairnError
 from libs.common.settings import CairnSettings
+from libs.common.settings import load as load_settings
 
 #: the ID token is refreshed when it has less than this left
 REFRESH_AHEAD = timedelta(seconds=60)
@@ -82,7 +83,9 @@ class ClientSettings(CairnSettings):
 
 def load(**flags: Any) -> ClientSettings:
     """The CLI's settings, with the flags given (None means not given)."""
-    return ClientSettings(**{k: v for k, v in flags.items() if v is not None})
+    return load_settings(
+        ClientSettings, "cairn", **{k: v for k, v in flags.items() if v is not None}
+    )
 
 
 # --- the tokens of ``cairn login``, in the config file's [login] table ---------------

@@ -27,6 +27,7 @@ from libs.common.models import (
     TeamName,
     _storable_time,
 )
+from libs.common.stored import Stored
 
 MisfirePolicy = Literal["skip", "fire_once", "catch_up"]
 OverlapPolicy = Literal["allow", "forbid", "replace"]
@@ -68,6 +69,8 @@ class DagTarget(Input):
 
 
 Target = Annotated[TaskTarget | DagTarget, Field(discriminator="kind")]
+#: a target as a schedule's answer shows it (``Stored``)
+StoredTarget = Annotated[Stored[TaskTarget] | Stored[DagTarget], Field(discriminator="kind")]
 
 
 class ScheduleCreate(Input):
@@ -130,7 +133,7 @@ class Schedule(Output):
     name: str
     expression: str
     timezone: str
-    target: Target
+    target: StoredTarget
     misfire_policy: MisfirePolicy
     catch_up_limit: int
     misfire_grace_s: int

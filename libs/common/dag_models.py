@@ -29,6 +29,7 @@ from libs.common.models import (
     TeamName,
     kept_json,
 )
+from libs.common.stored import Stored
 
 MAX_NODES = 10_000
 MAX_DEPENDS_ON = 1_000
@@ -397,7 +398,7 @@ class Workflow(Output):
     team: str | None = None
     name: str
     version: int
-    definition: WorkflowCreate
+    definition: Stored[WorkflowCreate]
     created_at: datetime
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import psycopg
 from alembic import command, context, op
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, MetaData, create_engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
@@ -161,20 +163,60 @@ def upgrade(
             )
             time.sleep(backoff)
         except (OperationalError, psycopg.OperationalError) as error:
-            orig = getattr(error, "orig", None) or error
-            sqlstate = getattr(orig, "sqlstate", None)
-            if not (_server_lost(sqlstate) or sqlstate == _QUERY_CANCELED):
-                raise  # a statement's own error (55000, 54000, 40P01...): a traceback
-            reason = " ".join(str(orig).split())
-            name, servers = script_location.parent.name, _servers(database_url)
-            if sqlstate == _QUERY_CANCELED:  # its timeouts are 0: pg_cancel_backend
-                raise MigrationFailed(
-                    f"migrations of {name} stopped: their statement was cancelled on the"
-                    f" database server at {servers} ({reason}); try again"
-                ) from error
-            raise ServerLost(
-                f"migrations of {name} stopped: the database server at {servers}: {reason}"
-            ) from error
+            raise _stopped(error, script_location, database_url) from error
+
+
+def _stopped(error: Exception, script_location: Path, database_url: str) -> MigrationFailed:
+    """A run's ``OperationalError`` as what to tell the operator; raised again as it is
+    when it is a statement's own (55000, 54000, 40P01...: a traceback)."""
+    orig = getattr(error, "orig", None) or error
+    sqlstate = getattr(orig, "sqlstate", None)
+    if not (_server_lost(sqlstate) or sqlstate == _QUERY_CANCELED):
+        raise error
+    reason = " ".join(str(orig).split())
+    name, servers = script_location.parent.name, _servers(database_url)
+    if sqlstate == _QUERY_CANCELED:  # its timeouts are 0: pg_cancel_backend
+        return MigrationFailed(
+            f"migrations of {name} stopped: their statement was cancelled on the"
+            f" database server at {servers} ({reason}); try again"
+        )
+    return ServerLost(f"migrations of {name} stopped: the database server at {servers}: {reason}")
+
+
+def _newer(script: ScriptDirectory, current: tuple[str, ...]) -> list[str]:
+    """The revisions of ``current`` that this release's migrations do not know: a newer
+    release's (its migrations ran, then this older code started: a rolling upgrade, or
+    the code rolled back)."""
+    known = {revision.revision for revision in script.walk_revisions()}
+    return [revision for revision in current if revision not in known]
+
+
+def check(script_location: Path, database_url: str) -> None:
+    """For a service that does not migrate on start (``CAIRN_MIGRATE_ON_START=false``):
+    ``MigrationFailed`` unless its schema is at this release's newest migration or past it
+    (a newer release's, which only adds: docs/deploy.md). A schema behind, or none, made
+    the service start and answer ready, then fail every request and loop on
+    ``UndefinedTable``."""
+    script = ScriptDirectory.from_config(alembic_config(script_location, database_url))
+    head, name = script.get_current_head(), script_location.parent.name
+    engine = create_engine(
+        database_url, poolclass=NullPool, connect_args=connect_args(database_url)
+    )
+    try:
+        with engine.connect() as connection:
+            opts = {"version_table_schema": name}
+            current = MigrationContext.configure(connection, opts=opts).get_current_heads()
+    except (OperationalError, psycopg.OperationalError) as error:
+        raise _stopped(error, script_location, database_url) from error
+    finally:
+        engine.dispose()
+    if head in current or _newer(script, current):
+        return
+    raise MigrationFailed(
+        f"the database's {name} schema is at {', '.join(current) or 'no migration'}, this"
+        f" release needs {head}: run its migrations first (cairn migrate, the setup job),"
+        " or start it with CAIRN_MIGRATE_ON_START=true"
+    )
 
 
 def _server_lost(sqlstate: str | None) -> bool:
@@ -301,6 +343,22 @@ def run_online(schema: str, metadata: MetaData) -> None:
             include_name=lambda name, type_, _parents: type_ != "schema" or name == schema,
             transaction_per_migration=True,
         )
+        newer = _newer(
+            ScriptDirectory.from_config(context.config), context.get_context().get_current_heads()
+        )
+        if newer:
+            # Alembic failed with "Can't locate revision" (a traceback), so an older
+            # replica could not start again beside the newer schema it works with.
+            log.warning(
+                "the %s schema is at %s, a newer release's migration: this release's"
+                " migrations are there already, nothing to do",
+                schema,
+                ", ".join(newer),
+            )
+            connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LOCK_KEY})
+            connection.commit()
+            engine.dispose()
+            return
         watch = _Watch(libpq_url(url), pid, min(max(timeout_s / 5, 0.01), 1.0))
         context.config.attributes["watch"] = watch
         watch.start()

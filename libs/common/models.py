@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     JsonValue,
     PrivateAttr,
+    SerializeAsAny,
     StringConstraints,
     ValidationError,
     ValidationInfo,
@@ -32,6 +33,7 @@ from pydantic import (
 
 from libs.common.selectors import parse as parse_selector
 from libs.common.states import AttemptOutcome, ReportedOutcome, TaskState, WorkerState
+from libs.common.stored import Stored
 
 MAX_BATCH = 1000
 MAX_PAGE = 1000
@@ -587,8 +589,8 @@ class ServiceInfo(Output):
     owner: str
     replicas: int
     revision: int
-    template: TaskCreate
-    rollout: RolloutPolicy
+    template: Stored[TaskCreate]
+    rollout: Stored[RolloutPolicy]
     rollout_state: Literal["progressing", "complete", "rolled_back"]
     message: str | None
     #: live tasks of the service, those of ``revision``, and the ready ones of it
@@ -698,14 +700,14 @@ class Task(Output):
     queue: str
     priority: int
     kind: Literal["task", "service"]
-    artifact: Artifact
+    artifact: Stored[Artifact]
     args: list[str]
-    env: dict[str, str | SecretRef]
+    env: dict[str, str | Stored[SecretRef]]
     input_path: str | None
     output_path: str | None
-    resources: Resources
+    resources: Stored[Resources]
     preemptible: bool
-    retry: RetryPolicy
+    retry: Stored[RetryPolicy]
     timeout_s: int | None
     run_at: datetime
     idempotency_key: str | None
@@ -719,7 +721,7 @@ class Task(Output):
     finished_at: datetime | None
     defer_ok: bool = False
     deadline: datetime | None = None
-    concurrency: Concurrency | None = None
+    concurrency: Stored[Concurrency] | None = None
     #: why it is not running (ready, waiting, failed), computed when it is read
     pending_reason: str | None = None
     team: str | None = None
@@ -730,8 +732,8 @@ class Task(Output):
     #: its latest progress and checkpoint, when it reported any (read with the task)
     progress: TaskProgress | None = None
     #: which workers may take it, by their labels, as submitted
-    placement: Placement | None = None
-    service: ServiceSpec | None = None
+    placement: Stored[Placement] | None = None
+    service: Stored[ServiceSpec] | None = None
 
 
 class BatchItem(Output):
@@ -871,7 +873,7 @@ class QueueInfo(Output):
     #: a task not started this long after it is due ends ``dead`` (null: no limit)
     max_wait_s: int | None = None
     #: what its attempts' network may reach
-    egress: Egress = Field(default_factory=Egress)
+    egress: Stored[Egress] = Field(default_factory=Egress)
 
 
 class QueueSettings(Input):
@@ -1126,14 +1128,17 @@ class Assignment(Output):
     checkpoint: str | None = None
     #: the attempt's fencing token, for ``CAIRN_FENCING_TOKEN`` (docs/progress.md)
     fencing_token: str | None = None
-    #: its queue's egress policy (None: ``host``), applied by the agent
-    egress: Egress | None = None
+    #: its queue's egress policy (None: ``host``), applied by the agent (serialised as
+    #: held: core sends one stored under older rules as it is, ``db.attempts``)
+    egress: SerializeAsAny[Egress] | None = None
     #: the opened value of ``artifact.credentials`` (``S3Credentials``), for that fetch only
     artifact_credentials: S3Credentials | None = Field(
         default=None, exclude_if=lambda value: value is None
     )
     #: a service's ports and probes, run by the agent (docs/services.md)
-    service: ServiceSpec | None = Field(default=None, exclude_if=lambda value: value is None)
+    service: SerializeAsAny[ServiceSpec] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ClaimAnswer(Output):
@@ -1351,11 +1356,44 @@ MAX_TURN_ITEMS = 256
 MAX_STARTS = 4096
 
 
+#: the variable naming an attempt's outputs file (services/worker/outputs.py), which
+#: the reason of an attempt failed for what it wrote there starts with
+OUTPUTS_ENV = "CAIRN_OUTPUTS"
+#: what of a report a turn keeps when it fails the attempt for its outputs
+_KEPT_OF_REFUSED = (
+    "attempt_id",
+    "exit_code",
+    "peak_memory_mb",
+    "cpu_seconds",
+    "log_tail",
+    "log_bytes",
+)
+
+
 class AttemptReport(Report):
     """A report inside a worker's turn: the attempt it is about, and how it ended (its
-    log reached core apart, in chunks: docs/logs.md)."""
+    log reached core apart, in chunks: docs/logs.md). A report whose ``outputs`` break
+    ``json_problem`` (sent by an agent from before that rule) is refused alone: it is read
+    as the attempt failed, not retryable, naming the rule, as a newer agent reports such
+    an attempt itself, so the rest of its turn is applied."""
 
     attempt_id: TaskId
+
+    @model_validator(mode="before")
+    @classmethod
+    def _outputs_refused_alone(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("outputs") is None:
+            return data
+        problem = json_problem(data["outputs"], "outputs")
+        if problem is None:
+            return data
+        kept = {key: data[key] for key in _KEPT_OF_REFUSED if key in data}
+        return {
+            **kept,
+            "outcome": "failed",
+            "error": f"{OUTPUTS_ENV}: {problem}",
+            "retryable": False,
+        }
 
 
 def _checkpoint_size(value: str | None) -> str | None:
@@ -1929,7 +1967,7 @@ class Subscription(Output):
     owner: str
     name: str
     events: list[EventName]
-    filter: SubscriptionFilter
+    filter: Stored[SubscriptionFilter]
     url: str
     enabled: bool
     #: why deliveries stopped (set when ``enabled`` is false)

@@ -17,7 +17,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from libs.common import logs, tracing
 from libs.common.corked import Corked
 from libs.common.embedded import database_url
-from libs.common.settings import CairnSettings
+from libs.common.settings import CairnSettings, load
 
 S = TypeVar("S", bound=CairnSettings)
 
@@ -29,6 +29,7 @@ def main(
     settings_class: type[S],
     create_app: Callable[[S, str], Any],
     upgrade: Callable[[str], None],
+    check: Callable[[str], None],
     argv: list[str] | None = None,
     graceful_s: int = 5,
     freeze: bool = False,
@@ -47,12 +48,13 @@ def main(
     overrides = {
         k: v for k, v in {port_field: args.port, "bind_host": args.host}.items() if v is not None
     }
-    settings = settings_class(**overrides)
+    settings = load(settings_class, f"cairn {name}", **overrides)
     logs.setup(name, settings.log_level)
     tracing.setup(name)
     url = database_url(settings.home, settings.database_url)
-    if getattr(settings, "migrate_on_start", True):
-        _migrate(name, upgrade, settings.direct_url(url))  # its advisory lock needs a session
+    # either needs a session (the migrations' advisory lock; the version table's schema)
+    migrating = getattr(settings, "migrate_on_start", True)
+    _migrate(name, upgrade if migrating else check, settings.direct_url(url))
     workers = int(getattr(settings, f"{name}_workers", 1))
     options: dict[str, Any] = {
         "host": settings.bind_host,
@@ -78,9 +80,10 @@ def main(
 
 
 def _migrate(name: str, upgrade: Callable[[str], None], url: str) -> None:
-    """``upgrade(url)``; when a migration gives up behind a blocker, or its server is lost
-    or unreachable, its message (whom it waited for, what to do; which server and what
-    error) as one log line and exit status 1, as ``cairn migrate``."""
+    """``upgrade(url)`` (or ``check(url)``: the schema is this release's or newer); when a
+    migration gives up behind a blocker, its server is lost or unreachable, or the schema
+    is behind, its message (whom it waited for, what to do; which server and what error)
+    as one log line and exit status 1, as ``cairn migrate``."""
     from libs.common.migrations import MigrationFailed  # alembic: only when migrating
 
     try:
@@ -122,7 +125,7 @@ def app_from_environment(
     name: str, settings_class: type[S], create_app: Callable[[S, str], Any], freeze: bool
 ) -> Any:
     """A worker process's app, from the environment ``main`` set (migrated already)."""
-    settings = settings_class()
+    settings = load(settings_class, f"cairn {name}")
     logs.setup(name, settings.log_level)
     tracing.setup(name)
     app = create_app(settings, database_url(settings.home, settings.database_url))

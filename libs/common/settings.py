@@ -5,10 +5,17 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from libs.common.sources import redact_url
@@ -80,6 +87,8 @@ def _hosts_in_query(url: str) -> str:
     elif "," in hostlist:
         pairs = [_host_port(item) for item in hostlist.split(",")]
     else:  # one host, or several already in the one form
+        # its port a number: libpq's int() of it was a traceback at the first connection
+        _host_port(hostlist)
         several = bool(given) and "," in given[0]
         return url + _timeout(items) if several and "connect_timeout" not in keys else url
     rest = [i for i in items if i.partition("=")[0] not in ("host", "port")]
@@ -114,16 +123,102 @@ def _host_port(item: str) -> tuple[str, str]:
     return unquote(host), port
 
 
+def is_http_url(text: str) -> bool:
+    """Whether ``text`` is an http(s) URL with a host (and a port, if any, a number): one
+    httpx can send to."""
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018  (raises ValueError when not a port)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _http_url(value: str) -> str:
+    if not is_http_url(value):
+        # shown without its credentials: the error reaches a terminal or a log
+        raise ValueError(
+            f"{redact_url(value)!r} is not an http(s) URL with a host (http://host:port)"
+        )
+    return value
+
+
+#: a service's URL (``CAIRN_URL``, ``CAIRN_CRON_URL``, ``CAIRN_DAG_URL``): refused at
+#: start when httpx cannot send to it (no scheme, no host), which every call met later,
+#: a worker retrying its registration for ever ("core not reachable yet")
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+
+#: the levels ``logging`` and uvicorn both know, in the lower case uvicorn looks them up in
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().lower()
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+#: ``CAIRN_LOG_LEVEL``: any case; another word was a traceback from ``logging`` at start
+LogLevel = Annotated[str, AfterValidator(_log_level)]
+
+
+def _given(value: object) -> object:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("is empty: unset it for the default (~/.cairn), or name a folder")
+    return value
+
+
+def _expand(value: Path) -> Path:
+    return value.expanduser().absolute()
+
+
+#: ``CAIRN_HOME``, made absolute; empty is refused: it was read as the working folder, where
+#: the embedded database, tokens and secrets key were then made
+HomePath = Annotated[Path, BeforeValidator(_given), AfterValidator(_expand)]
+
+
 class CairnBaseSettings(BaseSettings):
     """What every Cairn settings class shares: ``CAIRN_*`` variables, the others ignored,
     frozen once read. A bad value's error names the setting and the reason, never the
     value (``hide_input_in_errors``): a database URL holds a password, and the error
-    goes to a terminal, a log or a CI page. A subclass's own ``model_config`` is merged
-    with this one."""
+    goes to a terminal, a log or a CI page. No number is infinite or NaN
+    (``allow_inf_nan``): ``inf`` passed every bound ``gt=0`` and reached a sleep, a
+    deadline or a JSON answer (which has no such number). A subclass's own
+    ``model_config`` is merged with this one. Processes read them with :func:`load`."""
 
     model_config = SettingsConfigDict(
-        env_prefix="CAIRN_", extra="ignore", frozen=True, hide_input_in_errors=True
+        env_prefix="CAIRN_",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
+        allow_inf_nan=False,
     )
+
+
+S = TypeVar("S", bound=CairnBaseSettings)
+
+
+def load(settings_class: type[S], program: str, **overrides: Any) -> S:
+    """``settings_class`` from the environment (and ``overrides``, the flags given); a bad
+    value stops the process before it does anything, with one line on stderr naming each
+    variable and the reason, and exit status 1: pydantic's own error was a traceback of
+    twenty lines that named the field (``heartbeat_interval_s``), not the variable."""
+    try:
+        return settings_class(**overrides)
+    except ValidationError as exc:
+        raise SystemExit(f"{program}: bad settings: {settings_problems(exc)}") from None
+
+
+def settings_problems(exc: ValidationError) -> str:
+    """A settings class's refusal as one line: ``CAIRN_NAME: reason; ...`` (a rule across
+    several settings names them in its reason)."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        field = error["loc"][0] if error["loc"] else None
+        name = f"CAIRN_{str(field).upper()}: " if field is not None else ""
+        problems.append(name + " ".join(error["msg"].split()))
+    return "; ".join(problems)
 
 
 class WorkerOfferSettings(CairnBaseSettings):
@@ -162,7 +257,7 @@ class CairnSettings(WorkerOfferSettings):
     """The settings shared by every process; names and defaults are part of the interface."""
 
     env: Literal["development", "production"] = "development"
-    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
+    home: HomePath = Field(default_factory=lambda: Path.home() / ".cairn")
     database_url: str | None = None
     # Sessions a transaction pooler cannot carry (LISTEN, session advisory locks,
     # migrations) connect here; unset, the same as database_url.
@@ -170,25 +265,27 @@ class CairnSettings(WorkerOfferSettings):
     # "transaction": database_url passes a transaction pooler (no server-side prepared
     # statements); unset, it does when a direct URL other than database_url is given.
     database_pooler: Literal["transaction", "none"] | None = None
-    url: str = "http://127.0.0.1:8400"
+    url: HttpUrl = "http://127.0.0.1:8400"
     # Core's replicas, comma-separated, for the cron and DAG services' calls and token
     # checks: one that cannot be reached passes a call to the next (``ApiClient``);
     # unset, ``url`` alone.
     core_urls: str = ""
     token: str | None = None
-    bind_host: str = "127.0.0.1"
+    #: an address or host name; empty is refused: uvicorn read it as every address, IPv4
+    #: and IPv6 (``0.0.0.0`` or ``::`` say so on purpose)
+    bind_host: str = Field(default="127.0.0.1", pattern=r"^\S+$")
     core_port: int = Field(default=8400, ge=1, le=65535)
     cron_port: int = Field(default=8401, ge=1, le=65535)
     dag_port: int = Field(default=8402, ge=1, le=65535)
-    dag_url: str = "http://127.0.0.1:8402"
-    cron_url: str = "http://127.0.0.1:8401"
+    dag_url: HttpUrl = "http://127.0.0.1:8402"
+    cron_url: HttpUrl = "http://127.0.0.1:8401"
     ui_origins: str = ""
     heartbeat_interval_s: float = Field(default=60.0, gt=0)
     heartbeat_timeout_s: float = Field(default=180.0, gt=0)
     # An agent whose loop has not turned for this long is hung: its sidecar kills its
     # attempts at half of it, core declares the worker dead at the whole (docs/architecture.md).
     agent_hang_timeout_s: float = Field(default=300.0, gt=0)
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     # The system user the embedded PostgreSQL runs as when Cairn runs as root.
     pg_system_user: str = Field(default="embedded_postgres", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
 
@@ -205,13 +302,7 @@ class CairnSettings(WorkerOfferSettings):
         # replica and a POST or a lone URL failing (UnsupportedProtocol, a 503 per check)
         items = parse_list(value)
         for number, item in enumerate(items, 1):
-            try:
-                parts = urlsplit(item)
-                ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-                parts.port  # noqa: B018  (raises ValueError when not a port)
-            except ValueError:
-                ok = False
-            if not ok:
+            if not is_http_url(item):
                 # shown without its credentials: the error reaches a terminal or a log
                 raise ValueError(
                     f"CAIRN_CORE_URLS: {redact_url(item)!r} (URL {number} of {len(items)})"
@@ -220,15 +311,23 @@ class CairnSettings(WorkerOfferSettings):
                 )
         return value
 
-    @field_validator("home")
-    @classmethod
-    def _expand_home(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
-
     @model_validator(mode="after")
     def _refuse_insecure_production(self) -> CairnSettings:
         if self.env == "production" and self.database_url is None:
             raise ValueError("CAIRN_DATABASE_URL is required when CAIRN_ENV=production")
+        return self
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> CairnSettings:
+        # A worker beats every interval and is declared dead after the timeout's silence:
+        # a timeout not above the interval buried every healthy worker between two beats,
+        # re-placing its attempts, and again after each registration.
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                "CAIRN_HEARTBEAT_TIMEOUT_S must be above CAIRN_HEARTBEAT_INTERVAL_S (a worker"
+                " beats every interval and is declared dead after the timeout's silence;"
+                " keep it two or three intervals)"
+            )
         return self
 
     @model_validator(mode="after")

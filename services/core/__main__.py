@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         settings_class=CoreSettings,
         create_app=create_app,
         upgrade=migrate.upgrade,
+        check=migrate.check,
         argv=argv,
         graceful_s=5,
         freeze=True,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common import database, health, metrics, pages, problems
+from libs.common import database, health, metrics, pages, problems, waits
 from libs.common.limits import BodyLimit
 from libs.common.settings import libpq_url
 from services.core import loops
@@ -35,6 +35,7 @@ from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import principals as principals_db
 from services.core.db import sharing
 from services.core.db.feed import Notifier
+from services.core.domain.keys import key_list
 from services.core.identity.crypto import SecretBox, read_key_file
 from services.core.identity.oidc import OidcVerifier
 from services.core.identity.signin import ProviderClient
@@ -56,7 +57,7 @@ def secret_box(settings: SecretsKeySettings, create: bool | None = None) -> Secr
     """The keys secrets are sealed with: ``CAIRN_SECRETS_KEY``, else the key file (made
     with a fresh key on first start in development, unless ``create`` says otherwise)."""
     if settings.secrets_key is not None:
-        keys = [k for k in settings.secrets_key.get_secret_value().split(",") if k.strip()]
+        keys = key_list(settings.secrets_key.get_secret_value())
     else:
         made = settings.env == "development" if create is None else create
         keys = read_key_file(settings.secrets_key_path, create=made)
@@ -166,11 +167,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         try:
             yield
         finally:
-            for task in background:
-                task.cancel()
-            for task in background:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await waits.stop(*background)
             if group is not None:
                 await group.stop()
             await notifier.stop()

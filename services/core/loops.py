@@ -10,7 +10,6 @@ webhooks (leased rows)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from libs.common import locks
+from libs.common import locks, waits
 from libs.common.database import outage
 from libs.common.leader import Elector, Lease, lead_forever
 from services.core.db import placement, sharing
@@ -87,8 +86,7 @@ class Promoter:
             self._wake.clear()
             remaining = self._deadline - time.time()
             if remaining > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), remaining)
+                await waits.woken(self._wake, remaining)
             if due_timer and not self._wake.is_set():
                 # The timer on a due instant rang. The claim takes due ready work itself,
                 # so workers are woken now, before the promotion (bookkeeping) runs: the
@@ -395,12 +393,9 @@ class Leadership:
                 self._check_running()
         finally:
             self.leading = False
-            for task in self.running:
-                task.cancel()
-            if self.running:
-                # Waited, not awaited: a loop that ended by a BaseException would raise
-                # it here, past the elector's step-down.
-                await asyncio.wait(self.running)
+            # Not raised here, what a loop ended by (a BaseException too): past the
+            # elector's step-down. A loop that lost its cancel is cancelled again.
+            await waits.stop(*self.running)
             self.running = []
 
     def _check_running(self) -> None:

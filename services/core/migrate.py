@@ -11,3 +11,8 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 def upgrade(database_url: str) -> None:
     migrations.upgrade(MIGRATIONS, database_url)
+
+
+def check(database_url: str) -> None:
+    """Refuse a schema behind this release's (``CAIRN_MIGRATE_ON_START=false``)."""
+    migrations.check(MIGRATIONS, database_url)

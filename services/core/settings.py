@@ -12,8 +12,22 @@ from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.settings import CairnSettings
 from libs.common.sources import parse_sources
 from services.core.domain.groups import TeamMapping, parse_team_map
+from services.core.domain.keys import decode_key, key_list
 from services.core.domain.outcomes import SOURCE_UNANSWERED_MAX
 from services.core.domain.sharing import FairShare
+
+
+def _check_keys(text: str, variable: str) -> None:
+    """Every key of ``text`` (``CAIRN_SECRETS_KEY``'s, or the key file's) opens; never
+    shown (a key is the secret itself)."""
+    keys = key_list(text)
+    if not keys:
+        raise ValueError(f"{variable} holds no key")
+    for number, key in enumerate(keys, 1):
+        try:
+            decode_key(key)
+        except ValueError as exc:
+            raise ValueError(f"{variable}: key {number} of {len(keys)}: {exc}") from None
 
 
 class SecretsKeySettings(CairnSettings):
@@ -29,6 +43,20 @@ class SecretsKeySettings(CairnSettings):
             raise ValueError(
                 "CAIRN_SECRETS_KEY or CAIRN_SECRETS_KEY_FILE is required when CAIRN_ENV=production"
             )
+        # Checked here, at start: a bad key passed the settings, the migrations ran, and
+        # core then failed in its lifespan with a traceback (exit 3).
+        if self.secrets_key is not None:
+            _check_keys(self.secrets_key.get_secret_value(), "CAIRN_SECRETS_KEY")
+        elif self.secrets_key_file is not None and (
+            self.secrets_key_file.exists() or self.env == "production"
+        ):
+            try:
+                text = self.secrets_key_file.read_text()
+            except OSError as exc:  # a folder, no such file, not readable
+                raise ValueError(
+                    f"CAIRN_SECRETS_KEY_FILE {self.secrets_key_file}: cannot read it ({exc.strerror})"
+                ) from None
+            _check_keys(text, "CAIRN_SECRETS_KEY_FILE")
         return self
 
     @property

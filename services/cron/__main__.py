@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> None:
         settings_class=CronSettings,
         create_app=create_app,
         upgrade=migrate.upgrade,
+        check=migrate.check,
         argv=argv,
         graceful_s=1,
     )

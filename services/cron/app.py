@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from libs.common import cors, database, health, metrics, pages, problems
+from libs.common import cors, database, health, metrics, pages, problems, waits
 from libs.common.auth import RemoteAuth
 from libs.common.client import CoreClient
 from libs.common.dag_client import DagClient
@@ -64,9 +64,7 @@ def create_app(
             yield
         finally:
             if runner is not None:
-                runner.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await runner
+                await waits.stop(runner)
             await core.aclose()
             await dag.aclose()
             await auth.aclose()

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from libs.common import locks
+from libs.common import locks, waits
 from libs.common.leader import (
     FAILED_LEAD_PAUSE_MAX_S,
     Elector,
@@ -288,11 +288,9 @@ class CronEngine:
             for task in done:
                 task.result()  # re-raise what ended it
         finally:
-            for task in (watch, fire):
-                task.cancel()
-            for task in (watch, fire):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # Not ``await task`` under suppress(CancelledError): a stop of the engine
+            # that came while it waited here was swallowed, and it campaigned again.
+            await waits.stop(watch, fire)
 
     async def _watch(self, lease: Lease) -> None:
         """Schedule changes wake the fire loop; a lost lock or epoch ends the lead."""
@@ -560,8 +558,7 @@ class CronEngine:
         if timeout <= 0:
             await asyncio.sleep(0)
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), timeout)
+        await waits.woken(self.wake, timeout)
 
     async def _fire_due(
         self, due: list[tuple[datetime, int, int, datetime]], now: datetime

@@ -15,7 +15,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import psycopg
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import Row, func, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -33,6 +33,7 @@ from libs.common.cron_models import (
     TaskTarget,
 )
 from libs.common.errors import Conflict, InvalidInput, NotFound
+from libs.common.models import first_error
 from libs.common.teams import bound_to_team, check_team_change, check_what_runs
 from services.cron.domain import timing
 from services.cron.domain.fires import Result
@@ -118,7 +119,7 @@ def schedule_from_row(row: Any) -> Schedule:
         name=row.name,
         expression=row.expression,
         timezone=row.timezone,
-        target=_TARGET.validate_python(row.target),
+        target=row.target,
         misfire_policy=row.misfire_policy,
         catch_up_limit=row.catch_up_limit,
         misfire_grace_s=row.misfire_grace_s,
@@ -264,6 +265,17 @@ async def _save(conn: AsyncConnection, schedule_id: int, values: dict[str, Any])
     return schedule_from_row(row)
 
 
+def _kept_target(stored: Any) -> Target:
+    """The stored target a move to a team keeps, as today's rules read it: a 422 naming
+    ``body.target`` when they refuse it (stored under older ones), so that a new target
+    goes with the move."""
+    try:
+        return _TARGET.validate_python(stored)
+    except ValidationError as exc:
+        why = f"the stored target no longer holds ({first_error(exc)}): give a new one"
+        raise _invalid("body.target", ValueError(why)) from None
+
+
 def _untied(target: Target) -> Target:
     """The stored target without the team it was bound to, to be bound to a new one."""
     if not isinstance(target, TaskTarget) or target.task.team is None:
@@ -295,7 +307,7 @@ async def update(
     if team != row.team:
         check_team_change(caller, row.owner, team, "body.team")
         values["team"] = team
-        moved = patch.target or _untied(_TARGET.validate_python(row.target))
+        moved = patch.target or _untied(_kept_target(row.target))
         values["target"] = for_team(moved, team).model_dump(mode="json")
     elif patch.target is not None:
         values["target"] = for_team(patch.target, row.team).model_dump(mode="json")

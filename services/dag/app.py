@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from libs.common import cors, database, health, metrics, pages, problems
+from libs.common import cors, database, health, metrics, pages, problems, waits
 from libs.common.auth import RemoteAuth
 from libs.common.limits import BodyLimit
 from services.dag.api import runs, triggers, workflows
@@ -43,9 +43,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await waits.stop(task)
             await loop.close()
             await auth.aclose()
             await engine.dispose()

@@ -406,10 +406,6 @@ class Engine:
             del self._ready_rows[read:]  # nodes it did not ready after all
             raise
 
-    async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
-
     async def step(self) -> None:
         """One turn: admit, release, cancel, then read and apply one page of the feed and
         release at once what it readied; now and then, purge runs past the retention.

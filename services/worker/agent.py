@@ -30,7 +30,15 @@ from pydantic_core import PydanticSerializationError
 
 from libs.common import logs, tracing
 from libs.common.client import CoreClient
-from libs.common.errors import CairnError, Conflict, NotFound, Unavailable
+from libs.common.errors import (
+    CairnError,
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
 from libs.common.models import (
     MAX_STARTS,
     MAX_TURN_CHECKPOINT_BYTES,
@@ -49,6 +57,7 @@ from libs.common.models import (
     WorkerRegistered,
 )
 from libs.common.placement import SQUEEZED_CPU_SHARE
+from libs.common.settings import load
 from libs.common.states import Workers
 from services.worker import hardening, outputs, pressure, probes, progress, state
 from services.worker.artifacts import ArtifactCache, ArtifactError, hung_opens
@@ -311,21 +320,14 @@ class Agent:
     # --- lifecycle ---
 
     async def run(self) -> None:
-        offer = WorkerRegister(
-            hostname=socket.gethostname()[:200] or "worker",
-            queues=self.settings.queues,
-            labels=self.settings.labels,
-            cpu=self.settings.worker_cpu,
-            memory_mb=self.settings.worker_memory_mb,
-            devices=self.settings.devices,
-            hang_watch=True,  # ``_pulse``: a turn at least every eighth of the bound
-        )
+        offer = self.settings.offer(socket.gethostname())
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.draining.set)
         pulse = asyncio.create_task(self._pulse())
         try:
-            await self._join(offer)
+            if not await self._join(offer):
+                return
             while True:
                 await self._work()
                 if not self.dead or self.draining.is_set():
@@ -333,27 +335,38 @@ class Agent:
                 # Core re-placed this worker's attempts: stop them, then join afresh.
                 log.warning("core declared worker %s dead; registering again", self.worker_id)
                 await self._abandon()
-                await self._join(offer)
+                if not await self._join(offer):
+                    return
             await self._drain()
         finally:
             pulse.cancel()
-            for task in (self.keepalive, self.recounting):
-                if task is not None:
-                    task.cancel()
-            if self.releasing:
-                await asyncio.wait(set(self.releasing), timeout=30)
-            if self.noting is not None:
-                self.noting.cancel()  # every attempt has ended: its notes went with its report
-            await self._stop_sidecar()
+            await self._close()
+
+    async def _close(self) -> None:
+        """What the agent ends with, whatever ended it: its loops, the sidecar, its leave
+        (when core had registered it), its cache, host and files."""
+        for task in (self.keepalive, self.recounting):
+            if task is not None:
+                task.cancel()
+        if self.releasing:
+            await asyncio.wait(set(self.releasing), timeout=30)
+        if self.noting is not None:
+            self.noting.cancel()  # every attempt has ended: its notes went with its report
+        await self._stop_sidecar()
+        if self.worker_id:  # 0: never registered
             with contextlib.suppress(httpx.HTTPError, CairnError):
                 await self.client.leave(self.worker_id)
-            await self.cache.aclose()
-            await self.host.close()
-            self.timings.close()
-            self.board.close()
+        await self.cache.aclose()
+        await self.host.close()
+        self.timings.close()
+        self.board.close()
 
-    async def _join(self, offer: WorkerRegister) -> None:
+    async def _join(self, offer: WorkerRegister) -> bool:
+        """Register and start beating; False when told to stop before core answered."""
         registered = await self._register(offer)
+        if registered is None:
+            log.info("stopped before core registered this worker: nothing to drain")
+            return False
         self.dead = False
         self.heard_at = -math.inf
         self.worker_id = registered.worker.id
@@ -366,6 +379,7 @@ class Agent:
         self._launch_sidecar()
         logs.bind(worker_id=self.worker_id)
         log.info("worker %s registered for %s", self.worker_id, ",".join(offer.queues))
+        return True
 
     async def _abandon(self) -> None:
         """Kill every attempt of a worker core declared dead (they run elsewhere now)."""
@@ -419,16 +433,27 @@ class Agent:
         sidecar.stdin.close()
         return sidecar
 
-    async def _register(self, offer: WorkerRegister) -> WorkerRegistered:
-        """Register, waiting for core if it is not up yet (it may be starting with us)."""
+    async def _register(self, offer: WorkerRegister) -> WorkerRegistered | None:
+        """Register, waiting for core if it is not up yet (it may be starting with us);
+        None once SIGTERM or SIGINT came (``draining``): the agent holds nothing yet, and
+        waiting on for a core that is down kept it from stopping until SIGKILL.
+        ``Refused`` when core refuses the token or the offer: no retry makes it right."""
         delay = 0.2
-        while True:
+        while not self.draining.is_set():
             try:
                 return await self.client.register_worker(offer)
             except (httpx.TransportError, Unavailable) as exc:
                 log.warning("core not reachable yet (%s); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            except (Unauthorized, Forbidden, InvalidInput) as exc:
+                raise Refused(
+                    f"core refused to register this worker ({exc.status} {exc}): check"
+                    " that CAIRN_TOKEN_FILE or CAIRN_TOKEN holds a worker token (cairn"
+                    " token create NAME --role worker) and what CAIRN_WORKER_* offer"
+                ) from None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.draining.wait(), delay)
+            delay = min(delay * 2, 5.0)
+        return None
 
     def _keep_sidecar(self) -> None:
         if self.sidecar is not None and self.sidecar.poll() is not None:
@@ -1431,6 +1456,10 @@ def _compact(value: object) -> str:
     return orjson.dumps(value).decode()
 
 
+class Refused(Exception):
+    """Core refused the agent's registration (its token, its offer): one line, exit 1."""
+
+
 def _token(settings: WorkerSettings) -> str:
     """The worker token, from ``CAIRN_TOKEN_FILE`` or ``CAIRN_TOKEN``."""
     if settings.token_file is not None:
@@ -1459,7 +1488,7 @@ def _harden(settings: WorkerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     del argv
-    settings = WorkerSettings()
+    settings = load(WorkerSettings, "cairn worker")
     logs.setup("worker", settings.log_level)
     tracing.setup("worker")
     host = Host(settings, settings.home / "logs")
@@ -1480,7 +1509,10 @@ def main(argv: list[str] | None = None) -> None:
         async with CoreClient(settings.url, token) as client:
             await Agent(settings, client, token, host).run()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except Refused as refused:  # its attempts, sidecar and host are closed already
+        sys.exit(f"cairn worker: {refused}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ with a warning naming the bytes core never got. The file stays open until then
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Protocol
 
 import httpx
 
+from libs.common import waits
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
 from libs.common.models import MAX_LOG_BATCH, MAX_LOG_CHUNK, LogAck, LogBatch, LogChunk
@@ -120,8 +120,7 @@ class LogShipper:
             return None
         entry.finishing, entry.deadline = True, time.monotonic() + self.flush_s + self.tail_s
         self._wake.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(entry.done.wait(), self.flush_s)
+        await waits.woken(entry.done, self.flush_s)
         if entry.done.is_set():
             return None
         if self.tail_s <= 0:
@@ -182,8 +181,7 @@ class LogShipper:
                 await self._pause(delay or self.interval_s)
 
     async def _pause(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+        await waits.woken(self._wake, seconds)
         self._wake.clear()
 
     async def _turn(self) -> bool:

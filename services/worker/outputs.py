@@ -21,13 +21,14 @@ from pydantic import JsonValue, TypeAdapter, ValidationError
 
 from libs.common.models import (
     MAX_OUTPUTS_BYTES,
+    OUTPUTS_ENV,
     OUTPUTS_TOO_DEEP,
     Outputs,
     Report,
     outputs_problem,
 )
 
-ENV = "CAIRN_OUTPUTS"
+ENV = OUTPUTS_ENV
 FILE = ".cairn-outputs.json"
 _OUTPUTS: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(Outputs)
 

@@ -10,7 +10,15 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from libs.common.loglimit import DEFAULT_LOG_MAX_BYTES, LogMaxBytes
 from libs.common.models import WorkerRegister
-from libs.common.settings import WorkerOfferSettings, parse_devices, parse_labels, parse_list
+from libs.common.settings import (
+    HomePath,
+    HttpUrl,
+    LogLevel,
+    WorkerOfferSettings,
+    parse_devices,
+    parse_labels,
+    parse_list,
+)
 from libs.common.sources import parse_sources
 from services.worker.devices import node_rule
 from services.worker.firewall import parse_blocked
@@ -19,16 +27,26 @@ from services.worker.firewall import parse_blocked
 SOURCE_TIMEOUT_S = 5.0
 
 
+#: the variable behind each field of the offer (``WorkerRegister``)
+_OFFERED = {
+    "queues": "CAIRN_WORKER_QUEUES",
+    "labels": "CAIRN_WORKER_LABELS",
+    "cpu": "CAIRN_WORKER_CPU",
+    "memory_mb": "CAIRN_WORKER_MEMORY_MB",
+    "devices": "CAIRN_WORKER_DEVICES",
+}
+
+
 class WorkerSettings(WorkerOfferSettings):
     """``CAIRN_*`` environment variables read by the worker agent and its sidecar."""
 
     env: Literal["development", "production"] = "development"
-    home: Path = Field(default_factory=lambda: Path.home() / ".cairn")
-    url: str = "http://127.0.0.1:8400"
+    home: HomePath = Field(default_factory=lambda: Path.home() / ".cairn")
+    url: HttpUrl = "http://127.0.0.1:8400"
     #: the worker token, or (better) a 0600 file holding it
     token: str | None = None
     token_file: Path | None = None
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
     #: lease delayed work this many seconds before its run_at and start it at its run_at
     #: (a held attempt keeps its slot and charge meanwhile); 0: only work due now
@@ -104,11 +122,6 @@ class WorkerSettings(WorkerOfferSettings):
     #: benchmarks: a file where the agent appends each attempt's step times (``timings``)
     worker_timings_file: Path | None = None
 
-    @field_validator("home")
-    @classmethod
-    def _expand_home(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
-
     @field_validator("artifact_sources")
     @classmethod
     def _check_sources(cls, value: str) -> str:
@@ -118,14 +131,34 @@ class WorkerSettings(WorkerOfferSettings):
     @field_validator("worker_devices")
     @classmethod
     def _check_devices(cls, value: str) -> str:
-        offered = parse_devices(value)
-        try:
-            WorkerRegister.model_validate(
-                {"hostname": "x", "queues": ["x"], "cpu": 1, "memory_mb": 1, "devices": offered}
-            )
-        except ValidationError as exc:
-            raise ValueError(f"not a set of devices core takes: {exc.errors()[0]['msg']}") from None
+        parse_devices(value)  # each a count; what core takes: ``_check_offer``
         return value
+
+    def offer(self, hostname: str = "worker") -> WorkerRegister:
+        """What the agent offers core as it registers (``CAIRN_WORKER_*``)."""
+        return WorkerRegister(
+            hostname=hostname[:200] or "worker",
+            queues=self.queues,
+            labels=self.labels,
+            cpu=self.worker_cpu,
+            memory_mb=self.worker_memory_mb,
+            devices=self.devices,
+            hang_watch=True,  # the agent's ``_pulse``: a turn at least every eighth of the bound
+        )
+
+    @model_validator(mode="after")
+    def _check_offer(self) -> WorkerSettings:
+        # Refused here, naming the variable: the agent built its offer after its host's
+        # start, and a queue name core does not take (none, a space) or a memory past its
+        # bound was a traceback there.
+        try:
+            self.offer()
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = str(error["loc"][0]) if error["loc"] else ""
+            name = _OFFERED.get(field, "CAIRN_WORKER_*")
+            raise ValueError(f"{name}: not an offer core takes ({field}: {error['msg']})") from None
+        return self
 
     @model_validator(mode="after")
     def _check_device_nodes(self) -> WorkerSettings:

@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from libs.common import logs
+from libs.common import logs, waits
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
+from libs.common.settings import load
 from libs.common.states import Workers
 from services.worker import firewall, hardening, state
 from services.worker.cgroups import AttemptCgroup
@@ -124,8 +125,7 @@ async def beat_forever(
                 _orphans_killed(shared)
             next_beat = loop.time() + interval_s
         pause = min(watch_every(interval_s, hang_s), next_beat - loop.time())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gone.wait(), max(0.0, pause))
+        await waits.woken(gone, max(0.0, pause))
 
 
 async def _beat(
@@ -181,8 +181,7 @@ async def _hung(
     # Until the agent stops this sidecar (it woke, saw it is dead) or exits, whatever it
     # starts meanwhile is stopped too: core re-places this worker's attempts.
     while not gone.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(gone.wait(), every_s)
+        await waits.woken(gone, every_s)
         _orphans_killed(board.read())
 
 
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("board_fd", type=int, help="the agent's state.Board (an inherited memfd)")
     parser.add_argument("--hang-s", type=float, default=math.inf, help="core's hang bound")
     args = parser.parse_args(argv)
-    settings = WorkerSettings()
+    settings = load(WorkerSettings, "cairn worker sidecar")
     logs.setup("sidecar", settings.log_level)
     secrets = json.loads(sys.stdin.read() or "{}")
     hardening.non_dumpable()

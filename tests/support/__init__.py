@@ -16,8 +16,9 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from click.testing import Result
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from typer.testing import CliRunner
 
+from libs.common import waits
 from libs.common.settings import libpq_url
 from services.core import admin
 from services.core import migrate as core_migrate
@@ -96,16 +98,39 @@ class Served:
         )
 
     def stop(self) -> None:
+        """Stop serving and wait for the thread; one that outlives ``STOP_JOIN_S`` fails the
+        test with where its thread and its loop's tasks wait (a hang was a silent 15 s
+        pause of a teardown, the service left running)."""
         if isinstance(self.server, ThreadServer):
             self.server.exit()
         else:
             self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=STOP_JOIN_S)
         # A database connection the service's loops were opening when it stopped is left
         # half open until the cycle holding it is collected: its backend waits in
         # authentication, and the drop of the test's database with it, for PostgreSQL's
         # 60 s authentication_timeout. The young generations hold it: collect them now.
         gc.collect(1)
+        if self.thread.is_alive():
+            where = _waits_in(self.thread, getattr(self.server, "_loop", None))
+            raise AssertionError(f"{self.thread.name} did not stop in {STOP_JOIN_S} s:\n{where}")
+
+
+#: how long ``Served.stop`` waits for a service's thread
+STOP_JOIN_S = 15.0
+
+
+def _waits_in(thread: threading.Thread, loop: asyncio.AbstractEventLoop | None) -> str:
+    """Where ``thread`` is, and where each task of its event loop waits."""
+    lines = [f"thread {thread.name}:\n"]
+    frame = sys._current_frames().get(thread.ident or 0)
+    lines += traceback.format_stack(frame) if frame is not None else ["  (no frame)\n"]
+    tasks: list[asyncio.Task[Any]] = []
+    for _ in range(10):  # the set changes as the loop runs in its thread
+        with contextlib.suppress(RuntimeError):
+            tasks = list(asyncio.all_tasks(loop)) if loop is not None else []
+            break
+    return "".join(lines + [waits.awaiting(task) for task in tasks])
 
 
 @dataclass
@@ -177,6 +202,23 @@ class ThreadServer(uvicorn.Server):
         if loop is not None and woken is not None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: it has exited
                 loop.call_soon_threadsafe(woken.set)
+
+
+def stop_as_woken(served: Served, task: str, wake: Callable[[], object], within_s: float) -> bool:
+    """Cancel ``served``'s task named ``task``, as its lifespan's stop does, in the same pass
+    of its event loop as ``wake`` wakes that task's loop from its sleep, as a change heard
+    does; whether the task ended within ``within_s``. ``asyncio.wait_for`` on Python 3.11
+    lost such a cancel (``libs.common.waits``) and the task never ended."""
+
+    async def stop() -> bool:
+        stopped = next(t for t in asyncio.all_tasks() if t.get_name() == task)
+        wake()
+        stopped.cancel()
+        done, _ = await asyncio.wait({stopped}, timeout=within_s)
+        return bool(done)
+
+    assert isinstance(served.server, ThreadServer) and served.server._loop is not None
+    return asyncio.run_coroutine_threadsafe(stop(), served.server._loop).result(within_s + 10)
 
 
 def serve_in_thread(app: Any, port: int, name: str) -> tuple[uvicorn.Server, threading.Thread]:
@@ -266,18 +308,16 @@ def _popen(command: list[str], env: dict[str, str], log: Path | None) -> subproc
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def spawn_service(
+def _started(
     module: str,
     port_variable: str,
     db_url: str,
     home: Path,
     port: int,
-    *,
-    log: Path | None = None,
-    **env: str,
-) -> subprocess.Popen[bytes]:
-    """A service as its own process (``python -m <module>``), ready to serve; with
-    ``log``, its output goes to that file."""
+    log: Path | None,
+    env: dict[str, str],
+) -> tuple[subprocess.Popen[bytes], Callable[[], None]]:
+    """A service started as its own process, and what waits until it serves."""
     environment = {
         **os.environ,
         "CAIRN_DATABASE_URL": db_url,
@@ -297,7 +337,23 @@ def spawn_service(
         except httpx.HTTPError:
             return False
 
-    wait_for(ready, timeout=60, interval=0.1)
+    return proc, lambda: wait_for(ready, timeout=60, interval=0.1)
+
+
+def spawn_service(
+    module: str,
+    port_variable: str,
+    db_url: str,
+    home: Path,
+    port: int,
+    *,
+    log: Path | None = None,
+    **env: str,
+) -> subprocess.Popen[bytes]:
+    """A service as its own process (``python -m <module>``), ready to serve; with
+    ``log``, its output goes to that file."""
+    proc, serving = _started(module, port_variable, db_url, home, port, log, env)
+    serving()
     return proc
 
 
@@ -306,6 +362,26 @@ def spawn_core(
 ) -> subprocess.Popen[bytes]:
     """Core as its own process (``python -m services.core``), ready to serve."""
     return spawn_service("services.core", "CAIRN_CORE_PORT", db_url, home, port, log=log, **env)
+
+
+def spawn_cores(
+    db_url: str, places: Sequence[tuple[Path, int]], **env: str
+) -> list[subprocess.Popen[bytes]]:
+    """Cores as processes of their own (a home and a port each), started together so that
+    their starts (a second or two of imports each) overlap, then each waited for until it
+    serves; if one never does, all are killed."""
+    started = [
+        _started("services.core", "CAIRN_CORE_PORT", db_url, home, port, None, env)
+        for home, port in places
+    ]
+    try:
+        for _, serving in started:
+            serving()
+    except BaseException:
+        for proc, _ in started:
+            stop_process(proc, signal.SIGKILL)
+        raise
+    return [proc for proc, _ in started]
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:

@@ -19,6 +19,7 @@ from libs.common.models import (
     ShareSettings,
 )
 from libs.common.problems import PROBLEMS
+from libs.common.stored import Stored
 from services.core.api.deps import AdminOnly, Audit, Engine, Reader
 from services.core.db import sharing
 from services.core.ops import sharing as sharing_ops
@@ -84,14 +85,14 @@ async def set_share(
     return await sharing_ops.set_share(engine, record, _book(request), name, change)
 
 
-@router.get("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
+@router.get("/v1/queues/{name}/policy", response_model=Stored[QueuePolicy], responses=PROBLEMS)
 async def get_policy(name: QueueName, principal: Reader, engine: Engine) -> QueuePolicy:
     """What submitters may ask for in the queue (everything, when no policy is set)."""
     async with engine.connect() as conn:
         return await sharing.get_policy(conn, name) or QueuePolicy()
 
 
-@router.put("/v1/queues/{name}/policy", response_model=QueuePolicy, responses=PROBLEMS)
+@router.put("/v1/queues/{name}/policy", response_model=Stored[QueuePolicy], responses=PROBLEMS)
 async def set_policy(
     name: QueueName,
     policy: QueuePolicy,

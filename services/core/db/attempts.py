@@ -32,6 +32,7 @@ from libs.common.models import (
     ServiceSpec,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
+from libs.common.stored import as_stored
 from services.core import traces
 from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
@@ -799,8 +800,8 @@ def _unvalidated(fields: dict[str, Any]) -> Assignment:
             "artifact": Artifact.model_construct(**fields["artifact"]),
             "resources": Resources.model_construct(**fields["resources"]),
             "charge": Charge.model_construct(**fields["charge"]),
-            "egress": Egress.model_validate(egress) if egress is not None else None,
-            "service": ServiceSpec.model_validate(service) if service is not None else None,
+            "egress": as_stored(Egress, egress) if egress is not None else None,
+            "service": as_stored(ServiceSpec, service) if service is not None else None,
         }
     )
 

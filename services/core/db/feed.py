@@ -60,6 +60,7 @@ from typing import Any
 
 import psycopg
 
+from libs.common import waits
 from libs.common.database import keepalive
 from libs.common.settings import libpq_url
 from services.core.domain.placement import ZERO, Amount
@@ -450,11 +451,7 @@ class Notifier:
         return list(self._tasks)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await waits.stop(*self._tasks)
 
     def announce(self, work: Work | None = None, *, told: bool = False) -> None:
         """New events are committed: wake followers here, and tell the other replicas;
@@ -499,8 +496,7 @@ class Notifier:
         entry = self._log_waiters.setdefault(attempt_id, (asyncio.Event(), [0]))
         entry[1][0] += 1
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(entry[0].wait(), timeout)
+            await waits.woken(entry[0], timeout)
         finally:
             entry[1][0] -= 1
             if not entry[1][0] and self._log_waiters.get(attempt_id) is entry:
@@ -535,8 +531,7 @@ class Notifier:
         event = self._changed if since is None else since
         if event.is_set():
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        await waits.woken(event, timeout)
 
     def _wake(self) -> None:
         self._changed.set()

@@ -23,7 +23,6 @@ from libs.common.models import (
     NotificationEvent,
     Subscription,
     SubscriptionCreate,
-    SubscriptionFilter,
 )
 from services.core.db.params import jsonb
 from services.core.db.principals import enabled_name
@@ -206,7 +205,7 @@ def _subscription(row: Row[Any]) -> Subscription:
         owner=m["owner"],
         name=m["name"],
         events=list(m["events"]),
-        filter=SubscriptionFilter(queue=m["queue"], labels=m["labels"]),
+        filter={"queue": m["queue"], "labels": m["labels"]},
         url=m["url"],
         enabled=m["enabled"],
         disabled_reason=m["disabled_reason"],

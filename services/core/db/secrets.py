@@ -189,7 +189,11 @@ def refs_of(env: Mapping[str, Any]) -> dict[str, SecretRef]:
 
 
 def _ref(value: Any) -> SecretRef:
-    return value if isinstance(value, SecretRef) else SecretRef.model_validate(value)
+    """A reference as a submission, a stored row (a dict) or a stored task's answer (its
+    stored form, ``Stored``) holds it."""
+    if isinstance(value, SecretRef):
+        return value
+    return SecretRef.model_validate(value, from_attributes=not isinstance(value, dict))
 
 
 def _named(env: Mapping[str, Any], credentials: Any) -> dict[str, SecretRef]:

@@ -28,6 +28,7 @@ from libs.common.models import (
     ShareSettings,
 )
 from libs.common.states import TaskState
+from libs.common.stored import as_stored
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.limits import LIMIT_COLUMNS, NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount, counts, summed
@@ -262,7 +263,7 @@ class Book:
         rows = await conn.execute(
             select(queues.c.name, queues.c.policy).where(queues.c.policy.isnot(None))
         )
-        self.policies = {r.name: QueuePolicy.model_validate(r.policy) for r in rows}
+        self.policies = {r.name: as_stored(QueuePolicy, r.policy) for r in rows}
         self.limits = await queue_limits(conn)
         limited = select(shares.c.name, shares.c.max_waiting, shares.c.max_submits_per_min).where(
             (shares.c.max_waiting.isnot(None)) | (shares.c.max_submits_per_min.isnot(None))
@@ -436,7 +437,7 @@ async def set_policy(conn: AsyncConnection, name: str, policy: QueuePolicy | Non
 
 async def get_policy(conn: AsyncConnection, name: str) -> QueuePolicy | None:
     doc = (await conn.execute(select(queues.c.policy).where(queues.c.name == name))).scalar()
-    return QueuePolicy.model_validate(doc) if doc is not None else None
+    return as_stored(QueuePolicy, doc) if doc is not None else None
 
 
 async def set_key_limit(conn: AsyncConnection, key: str, limit: ConcurrencyLimit) -> None:

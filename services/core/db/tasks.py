@@ -46,6 +46,7 @@ from libs.common.models import (
     TaskSelector,
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
+from libs.common.stored import as_stored
 from services.core.db import accounting
 from services.core.db.params import jsonb
 from services.core.db.tables import (
@@ -1352,7 +1353,7 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
         entry.default_disk_mb = row.default_disk_mb
         entry.max_disk_mb = row.max_disk_mb
         if row.egress is not None:
-            entry.egress = Egress.model_validate(row.egress)
+            entry.egress = as_stored(Egress, row.egress)
     for entry in infos.values():
         for state in TaskState:
             if state not in FINAL or state is TaskState.DEAD:

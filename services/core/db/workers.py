@@ -320,30 +320,34 @@ async def reap(
     *,
     hang_s: float = math.inf,
     heard_for_s: float = math.inf,
-) -> tuple[int, Tally]:
+) -> tuple[int, Tally, list[tuple[int, str, int]]]:
     """Workers silent for ``timeout_s``, or whose agent took no turn for ``hang_s``
-    (hung, while its sidecar beats), are dead; their open attempts are lost. Silence
+    (hung, while its sidecar beats), are dead; their open attempts are lost. Returns
+    what changed, what that ended, and each dead worker's (id, why, attempts lost) for
+    the caller's log. Silence
     counts only from when this replica could hear (``heard_for_s``: how long it has
     reached the database without a break): a worker silent since before then is dead
     only once core has listened for the bound too, and its attempts go back without
     cost, since its silence may be core's own absence."""
     if heard_for_s < min(timeout_s, hang_s):
-        return 0, Tally()
+        return 0, Tally(), []
     params = {
         "timeout_s": _bound(timeout_s, heard_for_s),
         "hang_s": _bound(hang_s, heard_for_s),
         "heard_for_s": min(heard_for_s, _NEVER_S),
     }
     dead = list(await conn.execute(_SILENT_WORKERS, params))
-    tally = Tally()
+    tally, buried = Tally(), []
     for row in dead:
         why = f"its worker {row.id} stopped heartbeating"
         if row.hung:
             why = f"its worker {row.id}'s agent took no turn for {hang_s:g} s (hung)"
         if row.deaf:
             why += " while core could not hear it"
-        tally = tally + await lose_all(conn, row.id, why, host_died=True, excused=row.deaf)
-    return len(dead) + tally.lost, tally
+        ended = await lose_all(conn, row.id, why, host_died=True, excused=row.deaf)
+        tally = tally + ended
+        buried.append((int(row.id), why, ended.lost))
+    return len(dead) + tally.lost, tally, buried
 
 
 #: a bound that never passes (an interval PostgreSQL still holds)

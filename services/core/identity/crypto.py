@@ -10,7 +10,6 @@ sealed value to it (``ops.rekey``, ``cairn secret rekey``), then dropping the ol
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import os
 import secrets
@@ -20,9 +19,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-
-class BadKey(ValueError):
-    """A key is missing, unreadable, or not 32 bytes of URL-safe base64."""
+from services.core.domain.keys import BadKey, decode_key, key_list
 
 
 class Unreadable(Exception):
@@ -31,16 +28,6 @@ class Unreadable(Exception):
 
 def new_key() -> str:
     return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
-
-
-def _decode(text: str) -> bytes:
-    try:
-        key = base64.urlsafe_b64decode(text.strip().encode())
-    except (binascii.Error, ValueError):
-        raise BadKey("a secrets key must be URL-safe base64") from None
-    if len(key) != 32:
-        raise BadKey("a secrets key must be 32 bytes (44 characters of base64)")
-    return key
 
 
 def key_id(key: bytes) -> str:
@@ -60,10 +47,10 @@ def read_key_file(path: Path, create: bool) -> list[str]:
             with os.fdopen(fd, "w") as out:
                 out.write(new_key() + "\n")
     try:
-        lines = path.read_text().split()
+        text = path.read_text()
     except OSError as exc:
         raise BadKey(f"cannot read the secrets key file {path}: {exc.strerror}") from None
-    return [line for line in lines if line]
+    return key_list(text)
 
 
 class SecretBox:
@@ -72,7 +59,7 @@ class SecretBox:
     def __init__(self, keys: Sequence[str]) -> None:
         if not keys:
             raise BadKey("no secrets key configured")
-        raw = [_decode(k) for k in keys]
+        raw = [decode_key(k) for k in keys]
         self.current = key_id(raw[0])
         self._ciphers = {key_id(k): AESGCM(k) for k in raw}
 

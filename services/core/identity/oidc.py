@@ -126,7 +126,8 @@ class OidcVerifier:
                 return
             self._tried_at = time.monotonic()
             try:
-                document, lifetime = await asyncio.wait_for(self._read_keyset(), READ_TIMEOUT_S)
+                async with asyncio.timeout(READ_TIMEOUT_S):  # not wait_for: libs.common.waits
+                    document, lifetime = await self._read_keyset()
                 keyset = jwt.PyJWKSet.from_dict(document)
             except (OSError, ValueError, TimeoutError, httpx.HTTPError, jwt.PyJWTError) as exc:
                 self._failed(exc)

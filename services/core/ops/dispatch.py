@@ -530,8 +530,17 @@ async def reap(
     without a break."""
     async with engine.begin() as conn:
         await workers_db.answer(conn)
-        changed, tally = await workers_db.reap(
+        changed, tally, buried = await workers_db.reap(
             conn, timeout_s, hang_s=hang_s, heard_for_s=hearing()
+        )
+    for worker_id, why, lost in buried:
+        # the line an operator looks for when work moved: which worker, why, what it cost
+        log.warning(
+            "worker %s declared dead (%s); attempts lost: %d",
+            worker_id,
+            why.removeprefix("its "),
+            lost,
+            extra={"worker_id": worker_id},
         )
     if meter is not None:
         meter.count(tally)

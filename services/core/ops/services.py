@@ -13,16 +13,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common import tracing
-from libs.common.errors import CairnError, Conflict, NotFound
+from libs.common.errors import CairnError, Conflict, InvalidInput, NotFound
 from libs.common.models import (
     ReplicaStatus,
     ServiceChange,
     ServiceCreate,
     ServiceInfo,
     TaskCreate,
+    first_error,
 )
 from services.core.db import secrets, sharing
 from services.core.db import services as services_db
@@ -295,12 +297,6 @@ class Controller:
         return rules.plan(row.replicas, row.revision, row.max_surge, row.max_unavailable, live)
 
     async def _start(self, row: Any, count: int) -> None:
-        labels = {
-            **row.template.get("labels", {}),
-            rules.SERVICE_LABEL: row.name,
-            rules.REVISION_LABEL: str(row.revision),
-        }
-        spec = TaskCreate.model_validate({**row.template, "name": row.name, "labels": labels})
         by = tasks_ops.Submitter(
             principal=CONTROLLER,
             engine=self.engine,
@@ -311,6 +307,7 @@ class Controller:
             defaults=self.defaults,
         )
         try:
+            spec = _replica(row)
             await tasks_ops.submit(
                 by, row.owner, [spec] * count, lambda _: "template.", {}, tracing.now_ns()
             )
@@ -322,3 +319,18 @@ class Controller:
             async with self.engine.begin() as conn:
                 await services_db.change_service(conn, row.id, message=why)
                 await services_db.add_step(conn, row.id, "refused", str(refused))
+
+
+def _replica(row: Any) -> TaskCreate:
+    """A replica's submission from the service's stored template; one that today's rules
+    refuse (stored under older ones) is refused as a submission of it would be (422
+    naming the field), so the controller records why and goes on."""
+    labels = {
+        **row.template.get("labels", {}),
+        rules.SERVICE_LABEL: row.name,
+        rules.REVISION_LABEL: str(row.revision),
+    }
+    try:
+        return TaskCreate.model_validate({**row.template, "name": row.name, "labels": labels})
+    except ValidationError as exc:
+        raise InvalidInput(f"template.{first_error(exc)}") from None

@@ -3,10 +3,14 @@ their approval gates, deliver events to them."""
 
 from __future__ import annotations
 
+import graphlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.auth import Caller, Person
@@ -20,23 +24,34 @@ from libs.common.dag_models import (
     GraphNode,
     Node,
     NodeName,
+    NodeSpec,
     Run,
     RunClear,
     RunEvent,
     RunList,
     RunRetry,
     RunState,
+    TriggerRule,
+    WorkflowCreate,
     WorkflowName,
 )
 from libs.common.errors import Conflict, Forbidden, InvalidInput, NotFound
 from libs.common.models import MAX_PAGE
 from libs.common.problems import PROBLEMS
+from libs.common.stored import as_stored
 from libs.common.teams import check_what_runs
 from services.dag import store
 from services.dag.deps import Db, GraphCache, Loop, RunIdPath
 from services.dag.domain import data
 from services.dag.domain.graph import Dag
-from services.dag.engine import Engine, Graphs, clear_set, failed_instances, reset_for_retry
+from services.dag.engine import (
+    Engine,
+    Graphs,
+    Unreadable,
+    clear_set,
+    failed_instances,
+    reset_for_retry,
+)
 from services.dag.mermaid import mermaid
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -44,15 +59,66 @@ _RETRIED = (RunState.FAILED, RunState.CANCELLED)
 _CLEARED = (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
 
-async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[Run, Dag]:
+@dataclass(frozen=True)
+class _Shape:
+    """What a run's answer reads of its workflow version: its nodes in order, and each
+    one's spec (its rule, upstream nodes, event, declared outputs)."""
+
+    order: tuple[str, ...]
+    specs: Mapping[str, NodeSpec]
+
+
+async def _shape(conn: AsyncConnection, graphs: Graphs, workflow_id: int) -> _Shape:
+    """The version's shape; of a definition the service can no longer parse (stored
+    under older bounds, or changed by hand) as far as it reads as stored (``Stored``):
+    its runs are still shown (the loop fails them, saying why), never a 500."""
+    try:
+        dag = await graphs.get(conn, workflow_id)
+    except Unreadable:
+        row = await store.workflow_by_id(conn, workflow_id)
+        return _stored_shape(row.definition)
+    return _Shape(dag.order, dag.specs)
+
+
+def _stored_shape(definition: Any) -> _Shape:
+    try:
+        body = as_stored(WorkflowCreate, definition)
+    except ValidationError:
+        return _Shape((), {})
+    specs = {node.name: node for node in body.nodes}
+    sorter = graphlib.TopologicalSorter(
+        {name: [up for up in spec.depends_on if up in specs] for name, spec in specs.items()}
+    )
+    try:
+        return _Shape(tuple(sorter.static_order()), specs)
+    except graphlib.CycleError:
+        return _Shape(tuple(specs), specs)
+
+
+async def _dag(conn: AsyncConnection, graphs: Graphs, workflow_id: int) -> Dag:
+    """The version's graph, for a change of its run: 409 saying why when its definition
+    can no longer be read."""
+    try:
+        return await graphs.get(conn, workflow_id)
+    except Unreadable as exc:
+        raise Conflict(f"the run cannot be changed: {exc.why}") from None
+
+
+async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> Run:
     """The run with its nodes in topological order, each mapped node followed by its
-    instances, and the outputs each kept."""
-    dag = await graphs.get(conn, row.workflow_id)
+    instances, and the outputs each kept. A node its version's definition does not name
+    (one it can no longer read) follows, with the default rule and no upstream."""
+    shape = await _shape(conn, graphs, row.workflow_id)
     rows = await store.nodes_of(conn, [row.id])
     nodes = {n.name: n for n in rows}
     details = await store.node_details(conn, row.id)
     outputs = data.collect(
-        (data.Kept(n.name, n.map_of, n.map_index, n.outputs) for n in rows), dag.specs
+        (
+            data.Kept(n.name, n.map_of, n.map_index, n.outputs)
+            for n in rows
+            if n.map_of is None or n.map_of in shape.specs
+        ),
+        shape.specs,
     )
     instances: dict[str, list[store.NodeRow]] = {}
     for n in rows:
@@ -60,11 +126,12 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             instances.setdefault(n.map_of, []).append(n)
 
     def listed(n: store.NodeRow, spec_name: str) -> Node:
+        spec = shape.specs.get(spec_name)
         return Node(
             name=n.name,
             state=n.state,
-            trigger_rule=dag.rule(spec_name),
-            depends_on=list(dag.upstream[spec_name]),
+            trigger_rule=TriggerRule.ALL_SUCCESS if spec is None else spec.trigger_rule,
+            depends_on=[] if spec is None else list(spec.depends_on),
             try_number=n.try_number,
             task_id=n.task_id,
             error=n.error,
@@ -79,15 +146,17 @@ async def _with_nodes(conn: AsyncConnection, graphs: Graphs, row: Any) -> tuple[
             comment=details[n.name].comment,
             wait_until=details[n.name].wait_until,
             child_run_id=n.child_run_id,
-            event=None if (spec := dag.specs[spec_name].event) is None else spec.name,
+            event=None if spec is None or spec.event is None else spec.event.name,
         )
 
+    order = [name for name in shape.order if name in nodes]
+    order += sorted(n.name for n in rows if n.map_of is None and n.name not in shape.specs)
     found = []
-    for name in dag.order:
+    for name in order:
         found.append(listed(nodes[name], name))
         mine = sorted(instances.get(name, []), key=lambda n: n.map_index or 0)
         found += [listed(n, name) for n in mine]
-    return store.run_model(row, found), dag
+    return store.run_model(row, found)
 
 
 @router.get("", response_model=RunList, responses=PROBLEMS)
@@ -115,8 +184,7 @@ async def get_run(run_id: RunIdPath, caller: Person, db: Db, graphs: GraphCache)
     """The run with every node's state, in topological order."""
     async with db.connect() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
-        run, _ = await _with_nodes(conn, graphs, row)
-    return run
+        return await _with_nodes(conn, graphs, row)
 
 
 @router.get(
@@ -135,9 +203,9 @@ async def get_graph(
     ``format=mermaid`` as a Mermaid flowchart."""
     async with db.connect() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
-        run, dag = await _with_nodes(conn, graphs, row)
-    edges = [GraphEdge(source=up, target=n) for n in dag.order for up in dag.upstream[n]]
+        run = await _with_nodes(conn, graphs, row)
     run.nodes = [n for n in run.nodes if n.map_of is None]
+    edges = [GraphEdge(source=up, target=n.name) for n in run.nodes for up in n.depends_on]
     text = mermaid(run.nodes, edges)
     if format == "mermaid":
         return PlainTextResponse(text)
@@ -155,7 +223,7 @@ async def cancel_run(
     """Cancel a queued or running run; its nodes' live tasks are cancelled in core."""
     async with db.begin() as conn:
         row = await store.cancel_run(conn, run_id, caller.visibility)
-        run, _ = await _with_nodes(conn, graphs, row)
+        run = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
 
@@ -175,7 +243,7 @@ async def retry_run(
     and runs only its failed ones again."""
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
-        dag = await graphs.get(conn, row.workflow_id)
+        dag = await _dag(conn, graphs, row.workflow_id)
         nodes = await store.nodes_of(conn, [run_id], lock=True)
         again = reset_for_retry(dag, {n.name: n.state for n in nodes})
         mapped: list[str] = []
@@ -187,7 +255,7 @@ async def retry_run(
             conn, run_id, caller.visibility, whole, sources=_RETRIED, action="retried"
         )
         await store.retry_instances(conn, run_id, mapped, instances)
-        run, _ = await _with_nodes(conn, graphs, row)
+        run = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
 
@@ -201,7 +269,7 @@ async def clear_run(
     the rest keep their outcomes and outputs. The run queues like a new one."""
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, caller.visibility)
-        dag = await graphs.get(conn, row.workflow_id)
+        dag = await _dag(conn, graphs, row.workflow_id)
         if body.node not in dag.specs:
             raise InvalidInput(
                 f"body.node: run {run_id} has no node '{body.node}'",
@@ -212,7 +280,7 @@ async def clear_run(
         row = await store.requeue(
             conn, run_id, caller.visibility, cleared, sources=_CLEARED, action="cleared"
         )
-        run, _ = await _with_nodes(conn, graphs, row)
+        run = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
 
@@ -241,7 +309,7 @@ async def _decide(
 ) -> Run:
     async with db.begin() as conn:
         row = await store.get_run(conn, run_id, None)
-        dag = await graphs.get(conn, row.workflow_id)
+        dag = await _dag(conn, graphs, row.workflow_id)
         spec = dag.specs.get(name)
         sees = caller.sees_all or caller.name == row.owner or row.team in caller.teams
         gate = spec.approval if spec is not None else None
@@ -258,7 +326,7 @@ async def _decide(
         if decided is None:
             state = next(n.state for n in await store.nodes_of(conn, [run_id]) if n.name == name)
             raise Conflict(f"node '{name}' of run {run_id} is {state}, or decided: not waiting")
-        run, _ = await _with_nodes(conn, graphs, row)
+        run = await _with_nodes(conn, graphs, row)
     loop.wake()
     return run
 
@@ -323,7 +391,7 @@ async def deliver_event(
             # their tasks, run as the owner: a teammate's would be a teammate's
             # arguments run as someone else (as a run's params would be).
             check_what_runs(caller, row.owner, "body.data")
-        dag = await graphs.get(conn, row.workflow_id)
+        dag = await _dag(conn, graphs, row.workflow_id)
         if not any(s.event is not None and s.event.name == name for s in dag.specs.values()):
             raise NotFound(f"run {run_id} has no node that waits for event '{name}'")
         if row.state not in (RunState.QUEUED, RunState.RUNNING):

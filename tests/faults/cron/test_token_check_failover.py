@@ -14,15 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port, make_token, spawn_core, spawn_service, stop_process
+from tests.support import free_port, make_token, spawn_cores, spawn_service, stop_process
 
 
 def test_a_killed_core_passes_the_token_check_to_the_other(db_url: str, tmp_path: Path) -> None:
     ports = [free_port(), free_port()]
-    cores = [
-        spawn_core(db_url, tmp_path / f"core{i}", port, CAIRN_MIGRATE_ON_START="false")
-        for i, port in enumerate(ports)
-    ]
+    places = [(tmp_path / f"core{i}", port) for i, port in enumerate(ports)]
+    cores = spawn_cores(db_url, places, CAIRN_MIGRATE_ON_START="false")
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     cron_port = free_port()
     try:

@@ -134,7 +134,9 @@ def test_claims_fit_what_core_has_placed_whatever_the_worker_reports(core: Core)
 def patient(db_url: str, tmp_path: Path) -> Iterator[Core]:
     """A core whose reaper gives the scripted workers (who never beat) a minute: claims
     are the subject here, not how fast a loaded machine makes them."""
-    server = start_core(db_url, tmp_path / "patient", heartbeat_timeout_s=60)
+    server = start_core(
+        db_url, tmp_path / "patient", heartbeat_interval_s=20, heartbeat_timeout_s=60
+    )
     yield server
     server.stop()
 
@@ -148,7 +150,9 @@ def test_two_workers_never_share_an_attempt(patient: Core, db) -> None:
 
 
 def test_two_core_replicas_never_hand_out_one_attempt_twice(patient: Core, db, tmp_path) -> None:
-    other = start_core(patient.db_url, tmp_path / "replica", heartbeat_timeout_s=60)
+    other = start_core(
+        patient.db_url, tmp_path / "replica", heartbeat_interval_s=20, heartbeat_timeout_s=60
+    )
     try:
         with patient.client() as alice:
             alice.post("/v1/tasks/batch", json={"tasks": [spec() for _ in range(150)]})

@@ -157,7 +157,28 @@ def test_a_beat_on_time_never_outlasts_the_timeout_within_the_gap(
     cannot make a worker that beats on time look silent for the timeout."""
     for interval_s in (0.2, 0.5, 1, 5, 10, 20, 30, 45, 60, 90):
         for timeout_s in (1, 2, 3, 10, 15, 30, 60, 90, 120, 180, 600):
+            if timeout_s <= interval_s:
+                continue  # refused by the settings
             settings = _settings(tmp_path, db_url, interval_s, timeout_s)
             if 3 * loops.reap_period(settings) > timeout_s - interval_s:
                 continue
             assert loops.hearing_gap(settings) + interval_s <= timeout_s, (interval_s, timeout_s)
+
+
+def test_a_worker_declared_dead_is_logged_with_its_id_why_and_what_it_cost(
+    core: Core, db: DB, db_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the metrics counted it, the task's events said it; core's log had no line at all
+    settings = _settings(tmp_path, db_url, 10, 60)
+    clock = Clock()
+    hearing = loops.Hearing.of(settings, clock)
+    worker, _ = _running_worker(core)
+    _heard_for(hearing, clock, 80, loops.reap_period(settings))
+    _silent_for(db, worker, 70)
+    with caplog.at_level("WARNING", logger="cairn.core.dispatch"):
+        assert _reap(db_url, settings, hearing) > 0
+    [line] = [r for r in caplog.records if r.name == "cairn.core.dispatch"]
+    assert line.getMessage() == (
+        f"worker {worker} declared dead (worker {worker} stopped heartbeating); attempts lost: 1"
+    )
+    assert line.worker_id == worker  # type: ignore[attr-defined]

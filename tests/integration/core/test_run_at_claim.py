@@ -16,7 +16,9 @@ from tests.support import Core, spec, wait_for
 POLL_S = 60.0
 
 
-pytestmark = pytest.mark.core(promote_interval_s=POLL_S, heartbeat_timeout_s=60)
+pytestmark = pytest.mark.core(
+    promote_interval_s=POLL_S, heartbeat_interval_s=20, heartbeat_timeout_s=60
+)
 
 
 def _delayed(core: Core, count: int, owner: str = "alice", **extra: object) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import unittest
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,19 @@ import psycopg
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.core.control import SkipTest
+from schemathesis.core.errors import InvalidHeadersExample
+from schemathesis.core.failures import FailureGroup, as_reported_failure
+from schemathesis.generation.feedback import FeedbackSources
+from schemathesis.generation.hypothesis.builder import (
+    InvalidHeadersExampleMark,
+    MissingPathParameters,
+    UnserializablePayloadMark,
+)
+from schemathesis.generation.hypothesis.reporting import ignore_hypothesis_output
+from schemathesis.pytest._test_builder import build_operation_test
+from schemathesis.python._constants.orchestrator import make_constants_value_source
+from schemathesis.schemas import APIOperation, BaseSchema
 from schemathesis.transport.requests import ManagedCookiesSession
 
 from libs.common.embedded import EmbeddedPostgres
@@ -163,6 +177,20 @@ as_user = schemathesis.openapi.from_dict(
 ).exclude(**TEMPLATED)
 
 
+def _operations(of: BaseSchema) -> dict[str, APIOperation]:
+    """The schema's operations by label ("GET /v1/tasks"), each test's parameter."""
+    return {result.ok().label: result.ok() for result in of.get_all_operations()}
+
+
+# The operations are listed when the file is collected (about a second), but each one's
+# test is built (its coverage phase's cases made: about 15 s of CPU for the three tests'
+# 162) only when it runs, as schemathesis's own runner does: ``schema.parametrize()``
+# built all of them while collecting, in each xdist worker, whichever ran them.
+OPERATIONS = _operations(schema)
+TEMPLATED_OPERATIONS = _operations(templated)
+USER_OPERATIONS = _operations(as_user)
+
+
 def _call(
     case: schemathesis.Case,
     core: Core,
@@ -232,25 +260,69 @@ def test_error_answers_are_documented_as_problem_json_with_a_schema() -> None:
     assert not missing, f"{len(missing)} error answers lack a problem+json schema: {missing[:5]}"
 
 
-@schema.parametrize()
-@FUZZ
+def _fuzz(
+    test: str,
+    of: BaseSchema,
+    operation: APIOperation,
+    fuzz: settings,
+    core: Core,
+    principal: str,
+    sessions: dict[str, ManagedCookiesSession],
+) -> None:
+    """The operation's cases (examples, coverage and fuzzing phases, as
+    ``schema.parametrize()`` makes them) sent as ``principal`` and checked."""
+
+    def send(case: schemathesis.Case) -> None:
+        _call(case, core, principal, sessions)
+
+    # Derandomized, hypothesis seeds each test from its function: one seed a test, as when
+    # each was its own function.
+    send._hypothesis_internal_add_digest = test.encode()  # type: ignore[attr-defined]
+    run = build_operation_test(
+        config=of.config,
+        operation=operation,
+        test_func=send,
+        given_kwargs={},
+        feedback=FeedbackSources(constants_value_source=make_constants_value_source(of)),
+        explicit_settings=fuzz,
+    )
+    # What schemathesis's pytest plugin does around a test of its own making: a failure
+    # reported with its cases' reproductions; no case made, or part of the operation left
+    # untested for its schema, fails the test (the plugin failed or skipped it; none does).
+    try:
+        with ignore_hypothesis_output():
+            run()
+    except FailureGroup as exc:
+        raise as_reported_failure(exc) from None
+    except (SkipTest, unittest.SkipTest) as exc:
+        pytest.fail(f"{operation.label}: no cases made: {exc}")
+    missing = MissingPathParameters.get(run)
+    if missing:
+        raise missing
+    headers = InvalidHeadersExampleMark.get(run)
+    if headers is not None:
+        raise InvalidHeadersExample.from_headers(headers)
+    unserializable = UnserializablePayloadMark.get(run)
+    assert unserializable is None, f"{operation.label}: payloads left unsent: {unserializable}"
+
+
+@pytest.mark.parametrize("label", list(OPERATIONS))
 def test_admin_gets_no_server_error_and_conforming_answers(
-    case: schemathesis.Case, live_core: Core, sessions: dict[str, ManagedCookiesSession]
+    label: str, live_core: Core, sessions: dict[str, ManagedCookiesSession]
 ) -> None:
-    _call(case, live_core, "root", sessions)
+    _fuzz("admin", schema, OPERATIONS[label], FUZZ, live_core, "root", sessions)
 
 
-@as_user.parametrize()
-@FUZZ
+@pytest.mark.parametrize("label", list(USER_OPERATIONS))
 def test_user_gets_no_server_error_and_conforming_answers(
-    case: schemathesis.Case, live_core: Core, sessions: dict[str, ManagedCookiesSession]
+    label: str, live_core: Core, sessions: dict[str, ManagedCookiesSession]
 ) -> None:
-    _call(case, live_core, "alice", sessions)
+    _fuzz("user", as_user, USER_OPERATIONS[label], FUZZ, live_core, "alice", sessions)
 
 
-@templated.parametrize()
-@settings(FUZZ, max_examples=8)
+@pytest.mark.parametrize("label", list(TEMPLATED_OPERATIONS))
 def test_service_templates_get_no_server_error_and_conforming_answers(
-    case: schemathesis.Case, live_core: Core, sessions: dict[str, ManagedCookiesSession]
+    label: str, live_core: Core, sessions: dict[str, ManagedCookiesSession]
 ) -> None:
-    _call(case, live_core, "alice", sessions)
+    fuzz = settings(FUZZ, max_examples=8)
+    _fuzz("templates", templated, TEMPLATED_OPERATIONS[label], fuzz, live_core, "alice", sessions)

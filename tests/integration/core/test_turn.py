@@ -4,6 +4,7 @@ one transaction, each report fenced alone; and the claim against the reaper."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -282,7 +283,7 @@ async def _reap(db_url: str, timeout_s: float) -> int:
     engine = create_async_engine(db_url)
     try:
         async with engine.begin() as conn:
-            changed, _ = await workers_db.reap(conn, timeout_s)
+            changed, _, _ = await workers_db.reap(conn, timeout_s)
             return changed
     finally:
         await engine.dispose()
@@ -539,8 +540,9 @@ def test_outputs_core_cannot_store_are_a_422_naming_them_not_a_500(
     """An integer past 64 bits or a lone surrogate in a report's outputs passed
     validation and failed core's JSON encoder as the report was applied: a 500 for the
     whole turn, which the agent sent again and again with its claims. They, and outputs
-    nested deeper than the agent takes, are refused at the door now (a 422 naming the
-    field), and the attempt is untouched."""
+    nested deeper than the agent takes, are refused at the door of a report alone (a 422
+    naming the field), and the attempt is untouched; in a turn, such a report fails its
+    attempt alone (the next test)."""
     [task] = _submit(core, 1)
     [leased] = worker.turn(claim=ROOM)["attempts"]
     bodies = [
@@ -550,10 +552,9 @@ def test_outputs_core_cannot_store_are_a_422_naming_them_not_a_500(
         '{"d": ' + "[" * 40 + "]" * 40 + "}",
     ]
     for outputs in bodies:
-        one = f'{{"attempt_id": {leased["attempt_id"]}, "outcome": "succeeded", "outputs": {outputs}}}'
-        report = f'{{"reports": [{one}]}}'
+        report = f'{{"outcome": "succeeded", "outputs": {outputs}}}'
         answer = worker.http.post(
-            f"/v1/workers/{worker.id}/turn",
+            f"/v1/workers/{worker.id}/attempts/{leased['attempt_id']}/report",
             content=report,
             headers={"Content-Type": "application/json"},
         )
@@ -566,3 +567,57 @@ def test_outputs_core_cannot_store_are_a_422_naming_them_not_a_500(
         "SELECT outputs FROM core.attempts WHERE id = %s", (leased["attempt_id"],)
     ).fetchone()
     assert row == ({"n": 2**63 - 1},)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "rule"),
+    [
+        ('{"n": 1180591620717411303424}', "integers must fit in 64 bits"),
+        ('{"s": "\\ud800"}', "unpaired surrogate"),
+        ('{"deep": ' + "[" * 40 + "]" * 40 + "}", "nested deeper than 32 levels"),
+    ],
+    ids=["big-int", "lone-surrogate", "too-deep"],
+)
+def test_a_report_whose_outputs_break_the_json_rule_fails_alone(
+    core: Core, worker: Worker, db: DB, outputs: str, rule: str
+) -> None:
+    """An agent from before ``json_problem`` sends outputs the rule refuses: the turn's
+    other report, its starts and its claim are applied, and that attempt fails naming the
+    rule, as a newer agent fails it itself (the whole turn was a 422, again and again)."""
+    bad, good, waiting = _submit(core, 3)
+    first = worker.turn(claim={**ROOM, "max": 2})["attempts"]
+    leased = {a["task_id"]: a["attempt_id"] for a in first}
+    assert set(leased) == {bad, good}
+    # Written as text: a lone surrogate is JSON an encoder of today refuses to write.
+    body = (
+        '{"reports": ['
+        f'{{"attempt_id": {leased[bad]}, "outcome": "succeeded", "exit_code": 0,'
+        f' "outputs": {outputs}}},'
+        f'{{"attempt_id": {leased[good]}, "outcome": "succeeded", "exit_code": 0,'
+        ' "outputs": {"n": 1}}],'
+        f' "claim": {json.dumps(ROOM)}}}'
+    )
+    answer = worker.http.post(
+        f"/v1/workers/{worker.id}/turn",
+        content=body.encode("utf-8", "surrogatepass"),
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 200, answer.text
+    verdicts = [(v["attempt_id"], v["status"]) for v in answer.json()["reports"]]
+    assert verdicts == [(leased[bad], 200), (leased[good], 200)]
+    assert [a["task_id"] for a in answer.json()["attempts"]] == [waiting]
+    rows = db.execute(
+        "SELECT task_id, outcome, exit_code, error, outputs FROM core.attempts"
+        " WHERE id = ANY(%s) ORDER BY id",
+        ([leased[bad], leased[good]],),
+    ).fetchall()
+    by_task = {r[0]: r[1:] for r in rows}
+    outcome, exit_code, error, kept = by_task[bad]
+    assert (outcome, exit_code, kept) == ("failed", 0, None)
+    assert error.startswith("CAIRN_OUTPUTS: outputs") and rule in error, error
+    assert by_task[good] == ("succeeded", 0, None, {"n": 1})
+    assert (_state(db, bad), _state(db, good), _state(db, waiting)) == (
+        "dead",
+        "succeeded",
+        "running",
+    )

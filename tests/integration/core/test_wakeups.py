@@ -22,7 +22,7 @@ from tests.support import (
     TurnWorker,
     free_port,
     make_token,
-    spawn_core,
+    spawn_cores,
     spec,
     start_core,
     stop_process,
@@ -35,14 +35,19 @@ WAIT_S = 20.0
 ENV = {"CAIRN_CLAIM_SWEEP_S": "30", "CAIRN_HEARTBEAT_TIMEOUT_S": "600"}
 
 
-def _looks(bases: list[str]) -> int:
-    """Looks by woken claims, over the replicas (``cairn_claim_looks_total``)."""
+def _metric(bases: list[str], name: str) -> int:
+    """The metric ``name``, over its labels and the replicas."""
     total = 0.0
     for base in bases:
         for line in httpx.get(base + "/metrics").text.splitlines():
-            if line.startswith("cairn_claim_looks_total{"):
+            if line.split(" ", 1)[0].split("{", 1)[0] == name:
                 total += float(line.rsplit(" ", 1)[1])
     return int(total)
+
+
+def _looks(bases: list[str]) -> int:
+    """Looks by woken claims, over the replicas (``cairn_claim_looks_total``)."""
+    return _metric(bases, "cairn_claim_looks_total")
 
 
 async def _register(base: str, token: str, n: int) -> list[tuple[int, str]]:
@@ -73,7 +78,7 @@ def test_waiting_claims_cost_nothing_and_a_task_wakes_one_of_them_on_either_repl
     db_url: str, tmp_path: Path, db: DB
 ) -> None:
     ports = [free_port(), free_port()]
-    cores = [spawn_core(db_url, tmp_path / f"c{i}", p, **ENV) for i, p in enumerate(ports)]
+    cores = spawn_cores(db_url, [(tmp_path / f"c{i}", p) for i, p in enumerate(ports)], **ENV)
     bases = [f"http://127.0.0.1:{p}" for p in ports]
     worker_token = make_token(db_url, "fleet", "worker")
     user = {"Authorization": f"Bearer {make_token(db_url, 'alice', 'user')}"}
@@ -85,7 +90,11 @@ def test_waiting_claims_cost_nothing_and_a_task_wakes_one_of_them_on_either_repl
             asyncio.create_task(_claim(bases[i % 2], worker_token, w))
             for i, w in enumerate(workers)
         ]
-        await asyncio.sleep(2.0)  # every claim looked, found nothing, waits
+        # Every claim is in its replica's line (it joins before its first look, which a
+        # woken claim's looks counted below do not include), found nothing, waits.
+        await asyncio.to_thread(
+            wait_for, lambda: _metric(bases, "cairn_claims_waiting") == CLAIMS, 10
+        )
         assert not any(c.done() for c in claims)
 
         # Idle: twelve waiting claims look no more (the old code re-polled each twice a

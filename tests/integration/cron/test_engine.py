@@ -11,9 +11,12 @@ import psycopg
 
 from tests.fixtures.cron import EPOCH, Cron, FakeClock, start_cron
 from tests.integration.cron.test_api import schedule
-from tests.support import Core, spec, start_core, wait_for
+from tests.support import Core, spec, start_core, stop_as_woken, wait_for
 
 Conn = psycopg.Connection[tuple[Any, ...]]
+#: generous: a stopped engine ends within one pass of its loop (a query or a call to core
+#: under way is cancelled, which psycopg and the client bound); before, it never ended
+STOPPED_WITHIN_S = 10.0
 
 
 def fires(db: Conn, sid: int) -> list[tuple[datetime, str, int | None]]:
@@ -276,6 +279,24 @@ def test_shutdown_is_prompt_when_the_next_fire_is_an_hour_away(core: Core, tmp_p
     cron.stop()
     assert not cron.thread.is_alive()
     assert time.monotonic() - began < 1.0
+
+
+def test_the_engine_stops_when_its_stop_comes_as_a_change_wakes_its_fire_loop(
+    core: Core, tmp_path: Path
+) -> None:
+    """The lifespan stops the engine by cancelling its task. A cancel that reached the fire
+    loop as a schedule change woke it (``asyncio.wait_for`` on Python 3.11 returns the
+    wake instead) was lost: the fire loop turned on, the engine waited on it for good, and
+    so did the replica's shutdown (a test's teardown hung until its join gave up)."""
+    cron = start_cron(core, tmp_path, FakeClock(EPOCH), cron_tick_s=3600)
+    try:
+        # past its first turn (which purges): asleep until a change wakes it
+        wait_for(lambda: cron.engine.leader and cron.engine._purged_at)
+        wake = cron.engine.wake.set  # what a schedule change's notification does
+        stopped = stop_as_woken(cron, "cron-engine", wake, STOPPED_WITHIN_S)
+        assert stopped, "the engine's task outlived its stop"
+    finally:
+        cron.stop()
 
 
 def test_a_paused_or_ended_schedule_is_not_in_the_heap(

@@ -12,8 +12,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from libs.common.database import keepalive
-from libs.common.settings import CairnSettings, libpq_url
+from libs.common.settings import CairnSettings, libpq_url, load
 from libs.common.sources import redact_url
+from services.worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 PASSWORD = "s3cretPW"
@@ -75,7 +76,7 @@ def _refused(tmp_path: Path, command: list[str], url: str) -> str:
         timeout=60,
     )
     assert done.returncode != 0
-    assert "database_url" in done.stderr
+    assert "CAIRN_DATABASE_URL" in done.stderr
     assert "Value error" in done.stderr  # and the reason
     assert PASSWORD not in done.stdout + done.stderr
     assert not (tmp_path / "home").exists()  # stopped before it made anything
@@ -118,3 +119,113 @@ def test_a_bad_core_url_is_named_by_its_place_and_its_credentials_are_not_shown(
 )
 def test_a_url_is_shown_without_its_credentials(uri: str, shown: str) -> None:
     assert redact_url(uri) == shown
+
+
+#: a core that refuses connections: a service that got past its settings on main stops
+#: at its first connection, without making a server of its own
+UNREACHABLE_DB = "postgresql://cairn:x@127.0.0.1:1/cairn"
+
+
+@pytest.mark.parametrize(
+    ("module", "variable", "value"),
+    [
+        ("services.core", "CAIRN_HEARTBEAT_INTERVAL_S", "-1"),
+        # not above the 60 s interval: every healthy worker buried between two beats
+        ("services.core", "CAIRN_HEARTBEAT_TIMEOUT_S", "30"),
+        # logging's own ValueError, a traceback, after the settings were taken
+        ("services.cron", "CAIRN_LOG_LEVEL", "verbose"),
+        # passed gt=0, and reached sleeps, deadlines and JSON answers
+        ("services.dag", "CAIRN_RETENTION_DAYS", "inf"),
+        # no scheme: taken, and every call to core failed later
+        ("services.dag", "CAIRN_URL", "127.0.0.1:8400"),
+        # ... the worker retrying its registration for ever
+        ("services.worker", "CAIRN_URL", "127.0.0.1:8400"),
+        ("services.worker", "CAIRN_WORKER_SLOTS", "0"),
+        # core migrated, then failed in its lifespan: a traceback, exit 3
+        ("services.core", "CAIRN_SECRETS_KEY", "not-a-key"),
+        ("services.core", "CAIRN_SECRETS_KEY", ""),
+        ("services.core", "CAIRN_SECRETS_KEY_FILE", "/"),
+    ],
+)
+def test_a_bad_setting_stops_a_service_with_one_line_naming_its_variable(
+    tmp_path: Path, module: str, variable: str, value: str
+) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CAIRN_HOME": str(tmp_path / "home"),
+        "CAIRN_DATABASE_URL": UNREACHABLE_DB,
+        "CAIRN_TOKEN": "a-worker-token",
+        "CAIRN_WORKER_ISOLATION": "none",
+        variable: value,
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", module],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{module} started with {variable}={value}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"cairn {module.split('.')[1]}: bad settings: ")
+    assert variable in lines[0]
+    assert not (tmp_path / "home").exists()  # stopped before it made anything
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "reason"),
+    [
+        # libpq's int() of the port: a traceback at the first connection
+        ("CAIRN_DATABASE_URL", "postgresql://cairn@db:5432x/cairn", "port is not a number"),
+        # read as the working folder, where the database and keys were then made
+        ("CAIRN_HOME", "", "is empty"),
+        ("CAIRN_HOME", " ", "is empty"),
+    ],
+)
+def test_a_setting_that_started_wrong_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, reason: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    for settings_class in (CairnSettings, WorkerSettings):
+        if variable.lower().removeprefix("cairn_") not in settings_class.model_fields:
+            continue
+        with pytest.raises(SystemExit) as refused:
+            load(settings_class, "cairn test")
+        assert str(refused.value).startswith(f"cairn test: bad settings: {variable}: ")
+        assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        # what the agent offered core was built after its host's start: a traceback there
+        ("CAIRN_WORKER_QUEUES", ""),
+        ("CAIRN_WORKER_QUEUES", "batch jobs"),
+        ("CAIRN_WORKER_MEMORY_MB", str(2**40)),
+    ],
+)
+def test_an_offer_core_would_refuse_is_refused_by_the_worker_settings(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as refused:
+        load(WorkerSettings, "cairn worker")
+    assert f"{variable}: not an offer core takes" in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_bind_host_is_refused_not_read_as_every_address(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # uvicorn bound "" to 0.0.0.0 and [::]: an unset template variable opened the port
+    monkeypatch.setenv("CAIRN_BIND_HOST", value)
+    with pytest.raises(SystemExit) as refused:
+        load(CairnSettings, "cairn core")
+    assert str(refused.value).startswith("cairn core: bad settings: CAIRN_BIND_HOST: ")

@@ -36,7 +36,7 @@ def _box() -> Any:
     keys' settings (``CAIRN_SECRETS_KEY`` / ``CAIRN_SECRETS_KEY_FILE``, else the key file
     in ``CAIRN_HOME``), and never a new key: a key made here would not be core's."""
     from services.core.app import secret_box
-    from services.core.identity.crypto import BadKey
+    from services.core.domain.keys import BadKey
     from services.core.settings import SecretsKeySettings
 
     try:
