@@ -196,11 +196,17 @@ class ThreadServer(uvicorn.Server):
             await self.lifespan.shutdown()
 
     def exit(self) -> None:
-        """Stop serving (uvicorn's graceful shutdown), from any thread."""
+        """Stop serving (uvicorn's graceful shutdown), from any thread; first the app's
+        ``state.on_exit`` hooks, as ``libs.common.serve`` runs them on SIGTERM (core's
+        closes its line of waiting claims: a worker's long poll would hold the shutdown
+        for its whole wait)."""
         self.should_exit = True
         loop, woken = self._loop, self._woken
         if loop is not None and woken is not None:
+            state = getattr(self.config.app, "state", None)
             with contextlib.suppress(RuntimeError):  # the loop has closed: it has exited
+                for hook in getattr(state, "on_exit", ()):
+                    loop.call_soon_threadsafe(hook)
                 loop.call_soon_threadsafe(woken.set)
 
 
