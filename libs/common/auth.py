@@ -21,6 +21,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from libs.common.client import ON_BEHALF_OF, CoreClient
 from libs.common.errors import Forbidden, Unauthorized, Unavailable
+from libs.common.expiring import Expiring
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `cairn token create`.")
 
@@ -98,7 +99,7 @@ class RemoteAuth:
         # check to the next of ``cores`` (``ApiClient``), a 401 is final
         timeout = httpx.Timeout(timeout_s, connect=min(2.0, timeout_s))
         self._core = CoreClient(cores, None, transport=transport, timeout=timeout)
-        self._entries: dict[str, tuple[float, Caller]] = {}
+        self._kept: Expiring[str, Caller] = Expiring(ttl_s, size)
         # The calls under way, one per token; past ``size`` of them a resolve asks alone.
         self._asking: dict[str, asyncio.Task[Caller]] = {}
 
@@ -110,9 +111,9 @@ class RemoteAuth:
         await self._core.aclose()
 
     async def resolve(self, token: str) -> Caller:
-        entry = self._entries.get(token)
-        if entry is not None and entry[0] >= time.monotonic():
-            return entry[1]
+        kept = self._kept.get(token)
+        if kept is not None:
+            return kept
         asking = self._asking.get(token)
         if asking is None:
             if len(self._asking) >= self.size:
@@ -138,9 +139,7 @@ class RemoteAuth:
         caller = Caller(
             name=who.name, role=who.role, teams=frozenset(who.teams), expires_at=who.expires_at
         )
-        if len(self._entries) >= self.size:
-            self._entries.clear()
-        self._entries[token] = (time.monotonic() + cache_for(self.ttl_s, who.expires_at), caller)
+        self._kept.put(token, caller, cache_for(self.ttl_s, who.expires_at))
         return caller
 
 

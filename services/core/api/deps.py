@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.client import ON_BEHALF_OF
 from libs.common.errors import Forbidden, Unauthorized
+from libs.common.expiring import Expiring
 from libs.common.models import Task
 from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
@@ -81,40 +82,28 @@ class TokenCache:
 
     def __init__(self, ttl_s: float, size: int = 10_000) -> None:
         self.ttl_s = ttl_s
-        self.size = size
-        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._kept: Expiring[str, Principal] = Expiring(ttl_s, size)
 
     def get(self, token: str) -> Principal | None:
-        entry = self._entries.get(token)
-        if entry is None or entry[0] < time.monotonic():
-            return None
-        return entry[1]
+        return self._kept.get(token)
 
     def put(self, token: str, principal: Principal) -> None:
-        if len(self._entries) >= self.size:
-            self._entries.clear()
-        keep = cache_for(self.ttl_s, principal.expires_at)
-        self._entries[token] = (time.monotonic() + keep, principal)
+        self._kept.put(token, principal, cache_for(self.ttl_s, principal.expires_at))
 
     def evict(self, token_id: int) -> None:
         """Forget the token with this id (revoked through this replica)."""
-        for key in [k for k, (_, p) in self._entries.items() if p.token_id == token_id]:
-            del self._entries[key]
+        self._kept.forget_where(lambda _, p: p.token_id == token_id)
 
     def evict_principal(self, name: str) -> None:
         """Forget every credential of ``name`` (disabled through this replica)."""
-        for key in [k for k, (_, p) in self._entries.items() if p.name == name]:
-            del self._entries[key]
+        self._kept.forget_where(lambda _, p: p.name == name)
 
     def evict_jwts(self, kids: list[str]) -> None:
         """Forget every JWT, and the tokens resting on ``kids``: the identity provider
         withdrew these keys (every replica reads the key set, so each forgets its own,
         whichever revoked the tokens in the database)."""
         gone = set(kids)
-        for key in [
-            k for k, (_, p) in self._entries.items() if looks_like_jwt(k) or p.key_id in gone
-        ]:
-            del self._entries[key]
+        self._kept.forget_where(lambda k, p: looks_like_jwt(k) or p.key_id in gone)
 
 
 class LeaseCache:
@@ -126,27 +115,20 @@ class LeaseCache:
     def __init__(
         self, ttl_s: float, size: int = 10_000, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.ttl_s = ttl_s
-        self.size = size
-        self.clock = clock
-        self._entries: dict[int, tuple[float, str, str]] = {}
+        self._kept: Expiring[int, tuple[str, str]] = Expiring(ttl_s, size, clock)
 
     def principal_of(self, worker_id: int, lease: str | None) -> str | None:
         """Who registered the worker, if ``lease`` is the one checked for it lately."""
-        entry = self._entries.get(worker_id)
-        if entry is None or not lease or entry[0] < self.clock():
+        entry = self._kept.get(worker_id)
+        if entry is None or not lease:
             return None
-        if not hmac.compare_digest(entry[1], workers_db.lease_digest(lease)):
+        if not hmac.compare_digest(entry[0], workers_db.lease_digest(lease)):
             return None
-        return entry[2]
+        return entry[1]
 
     def put(self, worker_id: int, lease: str | None, principal: str) -> None:
-        if self.ttl_s <= 0 or not lease:
-            return
-        if len(self._entries) >= self.size:
-            self._entries.clear()
-        digest = workers_db.lease_digest(lease)
-        self._entries[worker_id] = (self.clock() + self.ttl_s, digest, principal)
+        if lease:
+            self._kept.put(worker_id, (workers_db.lease_digest(lease), principal))
 
 
 Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

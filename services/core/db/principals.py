@@ -15,6 +15,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.errors import Forbidden, NotFound
+from libs.common.expiring import Expiring
 from libs.common.models import PrincipalInfo
 from services.core.db.tables import principals
 
@@ -86,33 +87,26 @@ class DisabledOwners:
     def __init__(
         self, ttl_s: float, size: int = 10_000, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.ttl_s = ttl_s
-        self.size = size
-        self.clock = clock
-        self._entries: dict[str, tuple[float, bool]] = {}
+        self._kept: Expiring[str, bool] = Expiring(ttl_s, size, clock)
 
     async def refuse(
         self, engine: AsyncEngine, owners: Sequence[str], field: Callable[[int], str]
     ) -> None:
         """``refuse_disabled``, reading only the owners not known lately."""
-        now = self.clock()
-        known = {o: e[1] for o in set(owners) if (e := self._entries.get(o)) and e[0] >= now}
+        known = {o: v for o in set(owners) if (v := self._kept.get(o)) is not None}
         missing = sorted(set(owners) - known.keys())
         if missing:
             async with engine.connect() as conn:
                 gone = await disabled_among(conn, missing)
-            if self.ttl_s > 0:
-                if len(self._entries) + len(missing) > self.size:
-                    self._entries.clear()
-                until = now + self.ttl_s
-                self._entries.update((o, (until, o in gone)) for o in missing)
-            known.update((o, o in gone) for o in missing)
+            for owner in missing:
+                known[owner] = owner in gone
+                self._kept.put(owner, known[owner])
         for i, owner in enumerate(owners):
             if known[owner]:
                 raise disabled_problem(owner, field(i))
 
     def forget(self, name: str) -> None:
-        self._entries.pop(name, None)
+        self._kept.forget(name)
 
 
 async def get(conn: AsyncConnection, name: str) -> PrincipalInfo:

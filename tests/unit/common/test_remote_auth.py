@@ -132,7 +132,7 @@ def test_a_refused_token_is_refused_to_every_waiter_and_not_kept() -> None:
     assert isinstance(again, Unauthorized)
     assert core.asked == ["Bearer bad", "Bearer bad"]  # the burst once, then again
     assert auth._asking == {}
-    assert auth._entries == {}
+    assert len(auth._kept) == 0
 
 
 def test_a_waiter_that_goes_away_does_not_cancel_the_others() -> None:

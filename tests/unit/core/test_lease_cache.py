@@ -40,5 +40,5 @@ def test_a_full_cache_starts_again_rather_than_growing() -> None:
     cache = LeaseCache(60.0, size=2)
     for worker_id in (1, 2, 3):
         cache.put(worker_id, f"lease-{worker_id}", "agent")
-    assert len(cache._entries) <= 2
+    assert len(cache._kept) <= 2
     assert cache.principal_of(3, "lease-3") == "agent"
