@@ -46,8 +46,11 @@ up: install
 # log, 21 s: alone, at load 2-4), and two fault tests that wait out kills, a database
 # restart and a worker declared dead behind its cut link (core's Jepsen-style run, 27 s;
 # the network partition, 20 s, inside `pytest -n 2 tests/faults`), and two that wait out
-# an agent's hang bound (6 s, twice: 17 s) and a database's kill and restart (15 s); their
-# output is kept and printed when both are done. Fails
+# an agent's hang bound (6 s, twice: 17 s) and a database's kill and restart (15 s), and
+# two that are long in one process rather than waiting (the state machine's property run,
+# 11-20 s of round trips to the database; the offboarding tests, two cores each, 12 s: the
+# suite reached 15:20 with them, 2026-12-06); their output is kept and printed when both
+# are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
 # The suite's two workers steal queued tests from each other (--dist worksteal): with the
@@ -62,7 +65,9 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/integration/dag/test_starts_hold.py tests/integration/system/test_migration_blocked.py \
 	tests/integration/system/test_behind_pgbouncer.py tests/security/test_unanswered_source.py \
 	tests/faults/core/test_jepsen.py tests/faults/worker/test_partition.py \
-	tests/faults/worker/test_hung_agent.py tests/faults/core/test_database_restart.py
+	tests/faults/worker/test_hung_agent.py tests/faults/core/test_database_restart.py \
+	tests/integration/core/test_offboarding.py \
+	tests/integration/core/test_state_machine_property.py
 # Single tests run beside the suite (deselected from it): their files' other tests stay in it.
 BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound
 test: install $(OIDC)/node_modules/.installed
