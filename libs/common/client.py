@@ -501,13 +501,17 @@ class CoreClient(ApiClient):
         alive: Sequence[int],
         hung_s: float | None = None,
         hung: tuple[int, int] = (0, 0),
+        seen: int | None = None,
     ) -> HeartbeatAnswer:
         """``hung``: the agent's threads and its spawn helpers' checkers that hang on
         sources that did not answer (sent only when some do; at most
-        ``HUNG_SOURCES_MAX`` each, so a beat never fails for its count)."""
+        ``HUNG_SOURCES_MAX`` each, so a beat never fails for its count). ``seen``: the
+        highest attempt id the agent had been handed when ``alive`` was read
+        (``Heartbeat.seen``)."""
         threads, checkers = (min(max(0, n), HUNG_SOURCES_MAX) for n in hung)
         beat = Heartbeat(
             attempts=list(alive),
+            seen=seen,
             hung_s=hung_s,
             hung_source_threads=threads,
             hung_source_checkers=checkers,

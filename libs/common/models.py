@@ -1056,6 +1056,12 @@ class Heartbeat(Input):
     ended and not yet reported (an open attempt left out is lost)."""
 
     attempts: list[TaskId] = Field(default_factory=list, max_length=10_000)
+    #: the highest attempt id the agent had been handed when the sidecar read that list:
+    #: an open attempt above it is not judged by this beat, whose list may have been read
+    #: before its lease's answer reached the agent and be heard long after (a beat held
+    #: by core through a database failover lost an attempt leased meanwhile, which then
+    #: ran twice). None (an older sidecar; its last word): every open attempt is judged
+    seen: int | None = Field(default=None, ge=0, le=2**63 - 1)
     #: the agent's loop has stood still this many seconds, past the hang bound: the
     #: sidecar killed its attempts, and core declares the worker dead at once
     hung_s: float | None = Field(default=None, ge=0, le=10.0**9)

@@ -286,6 +286,10 @@ class Agent:
         # Attempts this agent ran to their end (the last ``RAN_KEPT``): never started
         # again, whatever core hands out.
         self.ran: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # The highest attempt id a turn has handed this agent: written on the board with
+        # the attempts it holds, so that a beat judges only the attempts this agent had
+        # heard of when its list was read (``Heartbeat.seen``).
+        self.seen = 0
         self.reported = asyncio.Event()
         self.claiming = False
         # When the claim in flight was sent (monotonic), whether the last claim was
@@ -474,9 +478,9 @@ class Agent:
         is declared dead, and once registered again, dead again. Ends at the sidecar's
         first answer (or when the agent joins afresh)."""
         while self.worker_id == worker_id and not (folder / state.ANSWER).exists():
-            alive = sorted({*self.running, *self.starting})
+            alive, seen = sorted({*self.running, *self.starting}), self.seen
             try:
-                answer = await self.client.heartbeat(worker_id, alive)
+                answer = await self.client.heartbeat(worker_id, alive, seen=seen)
             except (httpx.TransportError, CairnError) as exc:
                 log.warning("heartbeat while the sidecar starts failed: %s", exc)
             else:
@@ -549,6 +553,7 @@ class Agent:
         (``now``: no claim goes next; they start first)."""
         fresh = []
         for assignment in leased:
+            self.seen = max(self.seen, assignment.attempt_id)
             known = (self.running, self.starting, self.ran)
             if any(assignment.attempt_id in where for where in known):
                 continue  # handed out again (``Turn.holding``), and already here or run
@@ -998,7 +1003,7 @@ class Agent:
         cgroups = ",".join(f'"{a}":{folders}' for a, folders in self.cgroups.items())
         self.board.write_json(
             (
-                f'{{"agent_pid":{os.getpid()},"attempts":{_compact(pids)},'
+                f'{{"agent_pid":{os.getpid()},"seen":{self.seen},"attempts":{_compact(pids)},'
                 f'"cgroups":{{{cgroups}}},"uids":{_compact(self.uids)}}}'
             ).encode()
         )

@@ -118,7 +118,8 @@ async def beat_forever(
             await _hung(folder, board, worker_id, client, still, gone, every)
             return
         if loop.time() >= next_beat:
-            if await _beat(folder, worker_id, attempts, client, board.hung()):
+            seen = shared.get("seen")
+            if await _beat(folder, worker_id, attempts, client, board.hung(), seen):
                 last_ok = loop.time()
             elif loop.time() - last_ok > max(timeout_s - interval_s, interval_s):
                 log.error("cut off from core too long: stopping this worker's attempts")
@@ -134,9 +135,12 @@ async def _beat(
     attempts: dict[str, int],
     client: CoreClient,
     hung: state.Hung = (0, 0),
+    seen: int | None = None,
 ) -> bool:
     """One heartbeat, its answer left for the agent; whether core answered. ``hung``:
-    what of the agent hangs on sources that did not answer, for core's gauges.
+    what of the agent hangs on sources that did not answer, for core's gauges;
+    ``seen``: the highest attempt id the agent had been handed when it wrote the board
+    this list was read from (``Heartbeat.seen``).
 
     It names every attempt on the board, whatever its process does: the living agent
     holds each until core has its report (the agent dead or hung, this sidecar stops
@@ -145,7 +149,8 @@ async def _beat(
     and a beat that left it out then would have core lose an attempt that ended well,
     spend it, and refuse its report."""
     try:
-        answer = await client.heartbeat(worker_id, [int(a) for a in attempts], hung=hung)
+        alive = [int(a) for a in attempts]
+        answer = await client.heartbeat(worker_id, alive, hung=hung, seen=seen)
     except (httpx.TransportError, CairnError) as exc:
         log.warning("heartbeat failed: %s", exc)
         return False

@@ -220,7 +220,9 @@ async def heartbeat(beat: Heartbeat, call: Agent, request: Request) -> Heartbeat
     worker, dispatcher = call.worker, call.dispatcher
     grace = missing_grace_s(_settings(request).heartbeat_interval_s)
     hung = (beat.hung_source_threads, beat.hung_source_checkers)
-    found, state = await ops.heartbeat(dispatcher, worker, beat.attempts, grace, beat.hung_s, hung)
+    found, state = await ops.heartbeat(
+        dispatcher, worker, beat.attempts, grace, beat.hung_s, hung, beat.seen
+    )
     return HeartbeatAnswer(
         state=state,
         stop=found.stop,

@@ -223,12 +223,15 @@ async def heartbeat(
     alive: list[int],
     grace_s: float,
     hung: tuple[int, int] = (0, 0),
+    seen: int | None = None,
 ) -> Beat:
     """Record the worker alive, with what of its agent hangs on sources (``hung``:
     threads, checkers); open attempts it no longer reports (after ``grace_s``, for those
-    just claimed) are lost. Say which reported attempts it must stop (cancelled, lost),
-    squeeze and preempt."""
-    stop, lost, tally, state = await _beat(conn, worker, alive, grace_s, hung)
+    just claimed; none above ``seen``, the highest attempt id its agent had been handed
+    when the list was read: a list read before a lease reached the agent and heard long
+    after says nothing of that lease) are lost. Say which reported attempts it must stop
+    (cancelled, lost), squeeze and preempt."""
+    stop, lost, tally, state = await _beat(conn, worker, alive, grace_s, hung, seen)
     if not alive:
         return Beat(stop, [], [], lost, tally, state)
     rows = list(await conn.execute(_ROOM_MADE, {"worker": worker.id, "alive": sorted(alive)}))
@@ -250,6 +253,7 @@ _MISSING = text("""
 SELECT a.id FROM core.attempts a
 WHERE a.worker_id = :worker AND a.outcome IS NULL
   AND a.started_at < now() - make_interval(secs => :grace)
+  AND (CAST(:seen AS bigint) IS NULL OR a.id <= CAST(:seen AS bigint))
   AND NOT (a.id = ANY(CAST(:alive AS bigint[])))
 """)
 _STOP = text(f"""
@@ -261,7 +265,12 @@ WHERE a.id = ANY(CAST(:alive AS bigint[])) AND a.worker_id = :worker
 
 
 async def _beat(
-    conn: AsyncConnection, worker: Any, alive: list[int], grace_s: float, hung: tuple[int, int]
+    conn: AsyncConnection,
+    worker: Any,
+    alive: list[int],
+    grace_s: float,
+    hung: tuple[int, int],
+    seen: int | None,
 ) -> tuple[list[int], int, Tally, str | None]:
     """The beat's writes and reads in one round trip (an idle worker's beat is this
     alone): its liveness, its reported attempts seen, the open ones it no longer reports
@@ -271,7 +280,7 @@ async def _beat(
     params = {"worker": worker.id, "alive": reported, "grace": grace_s}
     threads, checkers = hung
     beat_params = {"worker": worker.id, "threads": threads, "checkers": checkers}
-    chain: list[pipeline.Statement] = [(_BEAT, beat_params), (_MISSING, params)]
+    chain: list[pipeline.Statement] = [(_BEAT, beat_params), (_MISSING, {**params, "seen": seen})]
     if reported:
         chain[1:1] = [(_SEEN, params)]
         chain.append((_STOP, params))

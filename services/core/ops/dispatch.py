@@ -485,17 +485,19 @@ async def heartbeat(
     grace_s: float,
     hung_s: float | None = None,
     hung: tuple[int, int] = (0, 0),
+    seen: int | None = None,
 ) -> tuple[workers_db.Beat, str]:
     """The sidecar's beat (``db.workers.heartbeat``), and the worker's state after it.
     ``hung_s``: the sidecar saw its agent hang and killed its attempts; the worker is
     dead at once (``db.workers.bury_hung``). ``hung``: what of the agent hangs on
-    sources that did not answer (threads, checkers), kept for the gauges."""
+    sources that did not answer (threads, checkers), kept for the gauges. ``seen``:
+    ``Heartbeat.seen``."""
     async with ops.engine.begin() as conn:
         if hung_s is not None:
             tally = await workers_db.bury_hung(conn, worker.id, hung_s)
             found = workers_db.Beat([], [], [], tally.lost, tally)
         else:
-            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, hung)
+            found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, hung, seen)
         state = found.state or await _state_of(conn, worker.id)
     ops.meter.count(found.tally)
     if found.lost:

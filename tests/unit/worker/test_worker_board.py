@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import struct
@@ -10,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.worker.sidecar import Pulse
+from libs.common.models import HeartbeatAnswer
+from services.worker.sidecar import Pulse, beat_forever
 from services.worker.state import HALF, Board
 
 
@@ -135,3 +138,33 @@ def test_what_hangs_on_sources_is_read_with_the_pulse_and_none_when_torn() -> No
         assert (board.pulse_at(), board.hung()) == (None, (0, 0))
     finally:
         board.close()
+
+
+def test_a_beat_carries_the_highest_attempt_the_agent_wrote_with_the_list(tmp_path: Path) -> None:
+    """The sidecar sends the ``seen`` of the board it read the attempts from, so core
+    judges only those the agent had been handed (``Heartbeat.seen``)."""
+    beats: list[tuple[list[int], int | None]] = []
+
+    class Core:
+        async def heartbeat(self, worker_id: int, alive: list[int], **kw: object) -> object:
+            beats.append((alive, kw.get("seen")))  # type: ignore[arg-type]
+            return HeartbeatAnswer(state="live", stop=[])
+
+    async def beat_once(board: Board) -> None:
+        task = asyncio.create_task(
+            beat_forever(tmp_path, board, 7, 0.05, 10.0, Core())  # type: ignore[arg-type]
+        )
+        while not beats:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    board = Board.create()
+    try:
+        # The agent is this process's parent as the sidecar sees it.
+        board.write({"agent_pid": os.getppid(), "seen": 12, "attempts": {"9": 0, "12": -1}})
+        asyncio.run(beat_once(board))
+    finally:
+        board.close()
+    assert beats[0] == ([9, 12], 12)

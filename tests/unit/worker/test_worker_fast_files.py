@@ -116,11 +116,13 @@ def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:
             starting={9},
             cgroups={"7": agent._compact(['/sys/fs/cgroup/odd "name"/s1', "/x"])},
             uids={"7": 60001},
+            seen=9,
             board=board,
         )
         agent.Agent._write_attempts(held)  # type: ignore[arg-type]
         assert board.read() == {
             "agent_pid": os.getpid(),
+            "seen": 9,
             "attempts": {"7": 4321, "8": 0, "9": -1},
             "cgroups": {"7": ['/sys/fs/cgroup/odd "name"/s1', "/x"]},
             "uids": {"7": 60001},
