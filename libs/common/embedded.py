@@ -48,7 +48,17 @@ log = logging.getLogger("cairn.embedded")
 DB_USER = "cairn"
 DB_NAME = "cairn"
 
-_FAST_SETTINGS = ("fsync = off", "synchronous_commit = off", "full_page_writes = off")
+# For tests and benches. A client that stops in the middle of its connection's handshake
+# (a service's loop cancelled while it connects: psycopg leaves the socket open until the
+# garbage collector finds it) holds a backend in authentication for authentication_timeout,
+# and every DROP DATABASE waits on that backend (PostgreSQL 15+ signals every backend):
+# 60 s by default, a test's teardown here.
+_FAST_SETTINGS = (
+    "fsync = off",
+    "synchronous_commit = off",
+    "full_page_writes = off",
+    "authentication_timeout = 5s",
+)
 
 
 class EmbeddedPostgres:
