@@ -328,7 +328,15 @@ async def _decide(
             raise Conflict(f"node '{name}' of run {run_id} is {state}, or decided: not waiting")
         run = await _with_nodes(conn, graphs, row)
     loop.wake()
-    return run
+    return run if sees else _gate_only(run, name)
+
+
+def _gate_only(run: Run, name: str) -> Run:
+    """What a named approver who does not otherwise see the run gets of it: the run's
+    identity and state and the gate's node; not its params, nor its other nodes (their
+    tasks, errors and outputs), which the whole run carried to anyone a gate names."""
+    gate = [n for n in run.nodes if n.name == name]
+    return run.model_copy(update={"params": {}, "nodes": gate})
 
 
 @router.post("/{run_id}/nodes/{name}/approve", response_model=Run, responses=PROBLEMS)

@@ -133,7 +133,12 @@ def test_only_approvers_decide(
     assert runner.http.post(f"/v1/runs/{run_id}/nodes/build/approve").status_code == 404
     assert _row(db, run_id, "sign-off")["decision"] is None
     with dag.client("carol") as carol:
-        assert carol.post(path).status_code == 200
+        answer = carol.post(path)
+        assert answer.status_code == 200
+        assert carol.get(f"/v1/runs/{run_id}").status_code == 404  # she does not see it
+    # Of the run, carol gets the gate she decided, not its params nor its other nodes.
+    assert answer.json()["params"] == {}
+    assert [n["name"] for n in answer.json()["nodes"]] == ["sign-off"]
     assert runner.wait_end(run_id)["state"] == "succeeded"
     assert _row(db, run_id, "sign-off")["decided_by"] == "carol"
 
