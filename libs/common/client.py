@@ -215,7 +215,15 @@ class ApiClient:
     refused), or, for a safe method (GET), fails before its answer is whole or answers
     5xx; any other answer is final. The last replica's error is the call's; after a
     transport error it does not send the call on for (a POST that timed out or was reset
-    may have reached its server), the next call goes first to the next replica."""
+    may have reached its server), the next call goes first to the next replica.
+
+    A call that carried this client's own token and got a 401 leaves why in
+    ``token_refused``, until a call is answered again: a service's readiness says so
+    (cron's, dag's: a ``CAIRN_TOKEN`` core refuses failed every fire while they were
+    ready)."""
+
+    #: why the server refused this client's token, from its last call that carried it
+    token_refused: str | None = None
 
     def __init__(
         self,
@@ -229,6 +237,7 @@ class ApiClient:
         if not bases:
             raise ValueError("no base URL")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = bool(token)
         self._clients = [_http_client(base, headers, timeout, transport) for base in bases]
         self._at = 0  # the replica that answered last
         self._warned: set[str] = set()
@@ -262,6 +271,8 @@ class ApiClient:
         if tracing.enabled():
             kwargs["headers"] = tracing.inject(dict(kwargs.get("headers") or {}))
         response = await self._request(method, path, **kwargs)
+        if self._token and not any(k.lower() == "authorization" for k in kwargs.get("headers", {})):
+            self._heard(response)
         if "deprecation" in response.headers:
             self._deprecated(f"{method} {response.request.url.path}", response)
         raise_for_problem(response)
@@ -286,6 +297,22 @@ class ApiClient:
                 return response
             log.info("%s %s: %s; asking the next replica", method, path, response.status_code)
         raise AssertionError("unreachable")
+
+    def _heard(self, response: httpx.Response) -> None:
+        """Note whether the server took this client's own token (``token_refused``)."""
+        if response.status_code == 401:
+            refused = self.token_refused is None
+            try:
+                detail = str(response.json().get("detail") or response.reason_phrase)
+            except (ValueError, AttributeError):
+                detail = response.reason_phrase
+            self.token_refused = detail[:200]
+            if refused:
+                log.error(
+                    "%s refuses this service's token (CAIRN_TOKEN): %s", self._http.base_url, detail
+                )
+        elif response.status_code < 500:
+            self.token_refused = None
 
     def _deprecated(self, call: str, response: httpx.Response) -> None:
         if call in self._warned or len(self._warned) >= WARNED_MAX:

@@ -10,6 +10,7 @@ an ``ok`` answer's detail: every replica meets it alike, so none should leave th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Request
@@ -18,9 +19,27 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from libs.common.client import ApiClient, CoreClient
 from libs.common.models import Health
 
 router = APIRouter(tags=["health"])
+
+
+def token_refused(*clients: ApiClient) -> str | None:
+    """For an ``app.state.unready``: why the service cannot work when core (or the DAG
+    service) refuses its token (``ApiClient.token_refused``), or None."""
+    for client in clients:
+        if client.token_refused is not None:
+            return f"core refuses this service's token (CAIRN_TOKEN): {client.token_refused}"
+    return None
+
+
+async def probe_token(client: CoreClient) -> None:
+    """One call with the service's token as it starts, so that a token core refuses
+    shows in ``/readyz`` at once, not at the first fire; an unreachable core says
+    nothing here."""
+    with contextlib.suppress(Exception):
+        await client.whoami()
 
 
 def loops(app: FastAPI) -> dict[str, asyncio.Task[None]]:

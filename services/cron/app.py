@@ -58,11 +58,14 @@ def create_app(
             timeout_s=settings.token_check_timeout_s,
         )
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
-        if engine:
-            app.state.unready = lambda: cron.unready(runner)
+        probe = asyncio.create_task(health.probe_token(core), name="token-probe")
+        app.state.unready = lambda: (
+            (cron.unready(runner) if engine else None) or health.token_refused(core, dag)
+        )
         try:
             yield
         finally:
+            await waits.stop(probe)
             if runner is not None:
                 await waits.stop(runner)
             await core.aclose()

@@ -40,9 +40,12 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         )
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
         app.state.loops = {"dag-loop": task}
+        probe = asyncio.create_task(health.probe_token(loop.core), name="token-probe")
+        app.state.unready = lambda: health.token_refused(loop.core)
         try:
             yield
         finally:
+            await waits.stop(probe)
             await waits.stop(task)
             await loop.close()
             await auth.aclose()

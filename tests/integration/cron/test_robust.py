@@ -232,3 +232,29 @@ def test_leads_that_keep_failing_back_off_and_readiness_says_so(
         wait_for(lambda: httpx.get(cron.url + "/readyz").status_code == 200, timeout=30)
     finally:
         cron.stop()
+
+
+def test_a_token_core_refuses_makes_cron_and_dag_unready_until_one_it_takes(
+    core: Core, tmp_path: Path
+) -> None:
+    """Both started and said ready with a ``CAIRN_TOKEN`` core refuses, and every fire and
+    every node then failed with a 401. Now their readiness says so, from the start."""
+    from tests.fixtures.dag import start_dag
+
+    cron = start_cron(core, tmp_path / "cron", FakeClock(EPOCH), token="not-a-token")
+    dag = start_dag(core, tmp_path / "dag", token="not-a-token")
+    try:
+        for url in (cron.url, dag.url):
+            answer = wait_for(
+                lambda u=url: (r := httpx.get(u + "/readyz")).status_code == 503 and r, timeout=10
+            )
+            assert "CAIRN_TOKEN" in answer.json()["detail"], answer.text
+    finally:
+        cron.stop()
+        dag.stop()
+    # The same with a token core takes: ready.
+    cron = start_cron(core, tmp_path / "cron2", FakeClock(EPOCH))
+    try:
+        wait_for(lambda: httpx.get(cron.url + "/readyz").status_code == 200, timeout=10)
+    finally:
+        cron.stop()
