@@ -331,6 +331,8 @@ OPTIONAL_REPORT_FIELDS = frozenset({"log_bytes", "hand_back_cause"})
 #: what they tell core is lost while they are left out; one 422 and a resend each time
 #: against a core still older
 REFUSED_FOR_S = 600.0
+#: the heartbeat's field a core older than it refuses (``heartbeat``)
+_SEEN = frozenset({"seen"})
 #: the audit report's field a core older than it refuses (``report_audit``)
 _AUDIT_KEY = frozenset({"idempotency_key"})
 
@@ -392,6 +394,9 @@ class CoreClient(ApiClient):
     #: report for ``REFUSED_FOR_S`` from the last refusal (``refused_at``, monotonic)
     refused: frozenset[str] = frozenset()
     refused_at = -math.inf
+    #: when core last refused a heartbeat's ``seen`` as unknown (an older core; monotonic):
+    #: left out for ``REFUSED_FOR_S`` after
+    seen_refused_at = -math.inf
 
     async def whoami(self, token: str | None = None) -> WhoAmI:
         """The principal this client's token stands for, or ``token`` if given (one
@@ -536,6 +541,8 @@ class CoreClient(ApiClient):
         highest attempt id the agent had been handed when ``alive`` was read
         (``Heartbeat.seen``)."""
         threads, checkers = (min(max(0, n), HUNG_SOURCES_MAX) for n in hung)
+        if time.monotonic() - self.seen_refused_at < REFUSED_FOR_S:
+            seen = None  # an older core: it judges every open attempt by the list alone
         beat = Heartbeat(
             attempts=list(alive),
             seen=seen,
@@ -543,8 +550,18 @@ class CoreClient(ApiClient):
             hung_source_threads=threads,
             hung_source_checkers=checkers,
         )
-        body = beat.model_dump_json(exclude_defaults=True)
-        response = await self._call("POST", f"/v1/workers/{worker_id}/heartbeat", content=body)
+        path = f"/v1/workers/{worker_id}/heartbeat"
+        try:
+            response = await self._call(
+                "POST", path, content=beat.model_dump_json(exclude_defaults=True)
+            )
+        except InvalidInput as exc:
+            if seen is None or not refused_fields(exc, _SEEN):
+                raise
+            log.warning("core refuses the heartbeat's seen (an older core): sent without")
+            self.seen_refused_at = time.monotonic()
+            body = beat.model_dump_json(exclude_defaults=True, exclude={"seen"})
+            response = await self._call("POST", path, content=body)
         return read_answer(HeartbeatAnswer, response)
 
     async def claim(self, worker_id: int, room: ClaimRequest) -> list[Assignment]:

@@ -339,3 +339,28 @@ def test_an_audit_report_an_older_core_refuses_for_its_key_goes_again_without_it
     assert [b.get("idempotency_key") for b in bodies] == ["dag:1", None, "dag:1", None]
     assert all(b["action"] == "dag.approve" for b in bodies)
     assert route.call_count == 4
+
+
+@respx.mock
+def test_a_heartbeats_seen_an_older_core_refuses_is_left_out_from_then_on() -> None:
+    """A core older than ``Heartbeat.seen`` refuses it (422: unknown field): the beat goes
+    again at once without it, and so do the beats after; a worker upgraded first kept
+    beating (otherwise every beat failed and core buried it)."""
+    unknown = [{"field": "body.seen", "reason": "Extra inputs are not permitted"}]
+    route = respx.post(f"{BASE}/v1/workers/5/heartbeat").mock(
+        side_effect=[
+            _problem("invalid-input", 422, "body.seen: ...", errors=unknown),
+            httpx.Response(200, json={"state": "live", "stop": []}),
+            httpx.Response(200, json={"state": "live", "stop": []}),
+        ]
+    )
+
+    async def calls() -> None:
+        async with CoreClient(BASE, "tok") as client:
+            assert (await client.heartbeat(5, [3], seen=3)).state == "live"
+            assert (await client.heartbeat(5, [3, 4], seen=4)).state == "live"
+
+    _run(calls())
+    bodies = [json.loads(call.request.content) for call in route.calls]
+    assert [b.get("seen") for b in bodies] == [3, None, None]
+    assert [b["attempts"] for b in bodies] == [[3], [3], [3, 4]]
