@@ -3,14 +3,11 @@ database migrated once, and a fresh clone of it for every test."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import ssl
 import tempfile
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ from tests.fixtures.cron import clock, cron  # noqa: F401
 from tests.fixtures.dag import dag, runner, worker  # noqa: F401
 from tests.fixtures.faults import workers  # noqa: F401
 from tests.fixtures.logs import s3  # noqa: F401
-from tests.support import MIGRATIONS, Core, start_core
+from tests.support import MIGRATIONS, Core, fresh_database, start_core
 
 # The longest tests (minutes each, mostly waiting on processes and faults) start first, so
 # the two xdist workers run them side by side with the short ones after, instead of one
@@ -106,66 +103,11 @@ def template_db(pg_server: EmbeddedPostgres) -> str:
     return TEMPLATE
 
 
-class _Clones:
-    """Clones of the template made one ahead, and dropped, in a thread of their own: a
-    clone and its drop cost PostgreSQL 50-60 ms here, 0.1-0.35 s on a loaded CI, some
-    1,500 times a run, which the test process waited out between tests. The clone a test
-    takes was made while the test before it ran (its server's CPU when the test waited on
-    processes, sleeps and polls); the one it used is dropped while the next runs, in a
-    thread of its own: a drop waits on every backend of the server, one left in a
-    connection's handshake included (``libs.common.embedded._FAST_SETTINGS``), and the
-    next clone does not wait for it."""
-
-    def __init__(self, server_url: str, template: str) -> None:
-        self.server, self.template = server_url, template
-        self.work = ThreadPoolExecutor(1, thread_name_prefix="test-databases")
-        self.drops = ThreadPoolExecutor(1, thread_name_prefix="test-database-drops")
-        self.next: Future[str] = self.work.submit(self._clone)
-
-    def _admin(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(libpq_url(self.server), autocommit=True)
-
-    def _clone(self) -> str:
-        name = "t_" + uuid.uuid4().hex[:16]
-        with self._admin() as conn:
-            conn.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
-        return _with_database(self.server, name)
-
-    def _drop(self, url: str) -> None:
-        with self._admin() as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
-
-    def take(self) -> str:
-        """A fresh clone (made anew here if the one ahead failed)."""
-        ahead, self.next = self.next, self.work.submit(self._clone)
-        try:
-            return ahead.result()
-        except psycopg.Error:
-            return self._clone()
-
-    def give_back(self, url: str) -> None:
-        self.drops.submit(self._drop, url)
-
-    def close(self) -> None:
-        self.work.shutdown(wait=True)
-        self.drops.shutdown(wait=True)
-        with contextlib.suppress(psycopg.Error):
-            self._drop(self.next.result())
-
-
-@pytest.fixture(scope="session")
-def _clones(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[_Clones]:
-    clones = _Clones(pg_server.url, template_db)
-    yield clones
-    clones.close()
-
-
 @pytest.fixture
-def db_url(_clones: _Clones) -> Iterator[str]:
+def db_url(pg_server: EmbeddedPostgres, template_db: str) -> Iterator[str]:
     """A fresh, migrated database of this test's own."""
-    url = _clones.take()
-    yield url
-    _clones.give_back(url)
+    with fresh_database(pg_server.url, template_db, "t_") as url:
+        yield url
 
 
 @pytest.fixture
