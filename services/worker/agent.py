@@ -28,7 +28,7 @@ import httpx
 import orjson
 from pydantic_core import PydanticSerializationError
 
-from libs.common import logs, tracing
+from libs.common import logs, tracing, waits
 from libs.common.client import CoreClient
 from libs.common.errors import (
     CairnError,
@@ -594,10 +594,12 @@ class Agent:
         if turn.done():
             return turn.result()
         log.warning("core did not answer the claim of a draining worker; giving it up")
-        turn.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            return await turn
-        return None
+        # Stopped through ``waits.stop``: an await of it under suppress(CancelledError)
+        # swallowed a cancel of this task's own that came meanwhile (an agent's stop).
+        await waits.stop(turn)
+        if turn.cancelled() or turn.exception() is not None:
+            return None
+        return turn.result()
 
     async def _answer_of(self, turn: asyncio.Future[TurnAnswer | None]) -> None:
         """Wait for the answer of a claim waiting at core once the drain's turn told core

@@ -22,6 +22,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
+from libs.common import waits
 from libs.common.models import Probe, ServiceSpec
 from services.worker.executor import AttemptSpec, run_attempt
 from services.worker.isolation import socket_in_network
@@ -203,9 +204,9 @@ class Prober:
                 await readiness
         finally:
             if readiness is not None:
-                readiness.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await readiness
+                # not under suppress(CancelledError): that swallowed a cancel of this
+                # task's own that came while it waited
+                await waits.stop(readiness)
 
     async def _until(self, probe: Probe, passes: bool) -> str | None:
         """Try ``probe`` on its period until it fails (why) or, with ``passes``, until it
