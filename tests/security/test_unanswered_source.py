@@ -119,13 +119,24 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
     assert len(fresh["attempts_list"]) == 2, fresh["attempts_list"]
     assert other["state"] == "succeeded" and "still-serving" in other["log"], other
     # The mount gone, a start of that source is still handed back for a while: no helper
-    # is asked again (each ask may leave a checker hanging) until HUNG_SOURCE_HOLD_S.
+    # is asked again (each ask may leave a checker hanging) until HUNG_SOURCE_HOLD_S from
+    # the check that hung (the first hand-back). The steps above took longer than that on
+    # a loaded CI: then the hold is over, and the source, answering again, runs.
+    left = db.execute(
+        "SELECT EXTRACT(EPOCH FROM %s + make_interval(secs => %s) - now())::float8",
+        (rows[0][2], HUNG_SOURCE_HOLD_S),
+    ).fetchone()[0]
     began = time.monotonic()
-    after, rows = _handed_back(core, db, body, 1)
-    assert after["attempts"] == 0, after
-    assert rows[0][0] == "handed_back", rows
-    assert f"another start within {HUNG_SOURCE_HOLD_S:g} s" in rows[0][1], rows
-    assert time.monotonic() - began < 10
+    if left < 15:
+        ran = run(core, body)
+        assert ran["state"] == "succeeded" and "from-the-source" in ran["log"], ran
+        print(f"unanswered source: the hold was {left:.0f} s from its end; the source ran")
+    else:
+        after, rows = _handed_back(core, db, body, 1)
+        assert after["attempts"] == 0, after
+        assert rows[0][0] == "handed_back", rows
+        assert f"another start within {HUNG_SOURCE_HOLD_S:g} s" in rows[0][1], rows
+        assert time.monotonic() - began < 10
     # The mount gone, the open and the check returned: counted out (the helper asked
     # again by the pulse, though it started nothing since).
     wait_for(lambda: _hung(db) == (0, 0), 30)
