@@ -49,7 +49,10 @@ up: install
 # an agent's hang bound (6 s, twice: 17 s) and a database's kill and restart (15 s), and
 # two that are long in one process rather than waiting (the state machine's property run,
 # 11-20 s of round trips to the database; the offboarding tests, two cores each, 12 s: the
-# suite reached 15:20 with them, 2026-12-06); their output is kept and printed when both
+# suite reached 15:20 with them, 2026-12-06), and four that are long in one process
+# (core as two uvicorn processes, 15 s; the secrets CLI, 9-14 s; cron's token check passed
+# between two cores, 13-18 s: the suite reached 16:12 on a slower day, the tests beside it
+# 13:25, 2026-12-06 evening); their output is kept and printed when both
 # are done. Fails
 # when either fails. The cluster tests skip themselves without their tools (and the
 # deployment test without root), unless CAIRN_REQUIRE_DEPLOY=1 (.ci/run); docs/deploy.md.
@@ -67,9 +70,11 @@ BESIDE := tests/deploy tests/faults/system/test_failover.py \
 	tests/faults/core/test_jepsen.py tests/faults/worker/test_partition.py \
 	tests/faults/worker/test_hung_agent.py tests/faults/core/test_database_restart.py \
 	tests/integration/core/test_offboarding.py \
-	tests/integration/core/test_state_machine_property.py
+	tests/integration/core/test_state_machine_property.py \
+	tests/integration/core/test_core_workers.py tests/faults/cron/test_token_check_failover.py
 # Single tests run beside the suite (deselected from it): their files' other tests stay in it.
-BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound
+BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps_the_workers_log_file_to_the_bound \
+	tests/integration/core/test_secrets.py::test_the_cli_stores_and_uses_secrets_without_showing_them
 test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
 	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
