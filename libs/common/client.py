@@ -308,9 +308,10 @@ class ApiClient:
                 detail = response.reason_phrase
             self.token_refused = detail[:200]
             if refused:
-                log.error(
-                    "%s refuses this service's token (CAIRN_TOKEN): %s", self._http.base_url, detail
-                )
+                # info, not error: the CLI's logger is unconfigured (Python prints warnings
+                # and errors to its stderr), and its own answer already says why; a
+                # service's readiness says it (``token_refused``)
+                log.info("%s refused this client's token (401): %s", self._http.base_url, detail)
         elif response.status_code < 500:
             self.token_refused = None
 
