@@ -37,6 +37,16 @@ def processes() -> list[Proc]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie. A process that ends while
+    it is read is not alive."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def children(pid: int) -> list[Proc]:
     """The processes whose parent is ``pid``."""
     return [proc for proc in processes() if proc.ppid == pid]

@@ -5,7 +5,6 @@ attempt and retries its task; the agent, woken, joins afresh and the task comple
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import time
@@ -19,6 +18,7 @@ import pytest
 from tests.faults.worker import test_worker as base
 from tests.faults.worker.test_worker import shell, start_worker
 from tests.support import Core, shared_dir, start_core, wait_for
+from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
 workers = base.workers
@@ -77,10 +77,10 @@ def test_an_agent_stopped_while_its_sidecar_runs_has_its_attempt_killed_and_lost
         stopped = time.monotonic()
         agent.send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: not base._alive(orphan), timeout=HANG_S)
+            wait_for(lambda: not alive(orphan), timeout=HANG_S)
             killed_s = time.monotonic() - stopped
             wait_for(lambda: _workers(db) == [(worker, "dead")], timeout=HANG_S)
-            assert base._alive(sidecar), "the sidecar runs on beside the stopped agent"
+            assert alive(sidecar), "the sidecar runs on beside the stopped agent"
             outcome, error, state = db.execute(
                 "SELECT a.outcome, a.error, t.state FROM core.attempts a"
                 " JOIN core.tasks t ON t.id = a.task_id WHERE a.task_id = %s",
@@ -102,7 +102,7 @@ def test_an_agent_stopped_while_its_sidecar_runs_has_its_attempt_killed_and_lost
         " ORDER BY a.id"
     ).fetchall()
     assert rows == [("lost", "dead"), ("succeeded", "live")]
-    assert not os.path.exists(f"/proc/{sidecar}") or not base._alive(sidecar)
+    assert not alive(sidecar)
 
 
 def _state(alice: Any, task_id: int) -> str:
@@ -120,7 +120,7 @@ def test_a_hung_agents_task_with_no_attempt_left_is_dead_and_its_sidecar_ends_wi
         wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=30)
         orphan = int(pidfile.read_text())
         agent.send_signal(signal.SIGSTOP)
-        wait_for(lambda: not base._alive(orphan), timeout=HANG_S)
+        wait_for(lambda: not alive(orphan), timeout=HANG_S)
         wait_for(lambda: _state(alice, task) == "dead", timeout=HANG_S)
         final = alice.get(f"/v1/tasks/{task}").json()
     assert "agent hung" in final["last_error"]
@@ -128,5 +128,5 @@ def test_a_hung_agents_task_with_no_attempt_left_is_dead_and_its_sidecar_ends_wi
     # Killed while stopped, the agent takes its sidecar with it (its pidfd wakes it).
     agent.send_signal(signal.SIGKILL)
     agent.wait()
-    wait_for(lambda: not base._alive(sidecar), timeout=10)
+    wait_for(lambda: not alive(sidecar), timeout=10)
     assert [s for _, s in _workers(db)] == ["dead"]  # no last word turned it into "left"

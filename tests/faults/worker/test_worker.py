@@ -23,6 +23,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
 
@@ -85,17 +86,6 @@ def shell(script: str, **extra) -> dict:
     }
     body.update(extra)
     return body
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return (
-        Path(f"/proc/{pid}").exists()
-        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    )
 
 
 def _state(alice, task_id: int) -> str:
@@ -163,7 +153,7 @@ def test_kill_9_of_an_agent_mid_task_the_task_completes_elsewhere_once(core, wor
         first.send_signal(signal.SIGKILL)
         first.wait()
         # The sidecar sees its agent gone and kills what it left running.
-        wait_for(lambda: not _alive(orphan), timeout=10)
+        wait_for(lambda: not alive(orphan), timeout=10)
         start_worker(core, tmp_path / "w2", workers, "w2")
         wait_for(lambda: _state(alice, task["id"]) == "succeeded", timeout=60)
     rows = db.execute(
@@ -187,7 +177,7 @@ def test_an_agent_killed_and_left_a_zombie_still_has_its_attempts_stopped(
         orphan = int(pidfile.read_text())
         first.send_signal(signal.SIGKILL)
         wait_for(lambda: "Z" in Path(f"/proc/{first.pid}/stat").read_text().split()[2])
-        wait_for(lambda: not _alive(orphan), timeout=10)
+        wait_for(lambda: not alive(orphan), timeout=10)
         wait_for(
             lambda: db.execute("SELECT state FROM core.workers").fetchone() == ("left",),
             timeout=10,
