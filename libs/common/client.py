@@ -265,13 +265,17 @@ class ApiClient:
     def is_closed(self) -> bool:
         return all(client.is_closed for client in self._clients)
 
-    async def _call(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str | httpx.URL, *, own_token: bool = True, **kwargs: Any
+    ) -> httpx.Response:
+        """``own_token=False``: the call carries another caller's token (``whoami``), whose
+        refusal says nothing of this client's own (``token_refused``)."""
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         if tracing.enabled():
             kwargs["headers"] = tracing.inject(dict(kwargs.get("headers") or {}))
         response = await self._request(method, path, **kwargs)
-        if self._token and not any(k.lower() == "authorization" for k in kwargs.get("headers", {})):
+        if self._token and own_token:
             self._heard(response)
         if "deprecation" in response.headers:
             self._deprecated(f"{method} {response.request.url.path}", response)
@@ -386,24 +390,70 @@ def refused_fields(
     return named
 
 
+class _LeftOut:
+    """Optional fields of one kind of request that a core older than them refused as unknown
+    (422, before it applied anything): each request goes again at once without them, and
+    leaves them out for ``for_s`` from the last refusal; then it tries them again, as core
+    may have been upgraded since (0: every request tries them first, for a rare one whose
+    field must not be left out a moment longer than needed). Each pass leaves out one field
+    more."""
+
+    def __init__(self, optional: frozenset[str], what: str, for_s: float = REFUSED_FOR_S) -> None:
+        self.optional = optional
+        self.what = what  # for the log: "report fields", "the heartbeat's fields"...
+        self.for_s = for_s
+        self.refused: frozenset[str] = frozenset()
+        self.refused_at = -math.inf  # monotonic
+
+    async def send(
+        self,
+        send: Callable[[frozenset[str]], Awaitable[httpx.Response]],
+        sent: frozenset[str] | None = None,
+    ) -> httpx.Response:
+        """``send(refused)``'s answer, ``refused`` being the fields to leave out. ``sent``:
+        the optional fields this request holds, if not all (a refusal naming another is
+        raised as it came)."""
+        optional = self.optional if sent is None else self.optional & sent
+        if self.refused and time.monotonic() - self.refused_at >= self.for_s:
+            self.refused = frozenset()
+        while True:
+            try:
+                return await send(self.refused)
+            except InvalidInput as exc:
+                new = refused_fields(exc, optional) - self.refused
+                if not new:
+                    raise
+                log.warning("core refuses %s %s (an older core): sent without", self.what, new)
+                self.refused = self.refused | new
+                self.refused_at = time.monotonic()
+
+
 class CoreClient(ApiClient):
     """An async client of core's API. Pass ``transport`` to test without a server."""
 
     #: the worker whose turns this client sends last, and their URL joined to the base
     _turn_at: tuple[int, httpx.URL] | None = None
-    #: optional report fields core refused as unknown (an older core): left out of every
-    #: report for ``REFUSED_FOR_S`` from the last refusal (``refused_at``, monotonic)
-    refused: frozenset[str] = frozenset()
-    refused_at = -math.inf
-    #: when core last refused a heartbeat's ``seen`` as unknown (an older core; monotonic):
-    #: left out for ``REFUSED_FOR_S`` after
-    seen_refused_at = -math.inf
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: optional fields an older core refused, left out of what follows (``_LeftOut``):
+        #: of reports (turns' and alone; ``draining`` is not optional: a core that refuses
+        #: it did not hear the drain), of heartbeats, of audit reports
+        self.report_fields = _LeftOut(OPTIONAL_REPORT_FIELDS, "report fields")
+        self.beat_fields = _LeftOut(_SEEN, "the heartbeat's fields")
+        # Tried on every report: a report sent again without its key may be recorded twice.
+        self.audit_fields = _LeftOut(
+            _AUDIT_KEY,
+            "the audit report's fields (a report sent again may be recorded twice until"
+            " core is upgraded)",
+            for_s=0.0,
+        )
 
     async def whoami(self, token: str | None = None) -> WhoAmI:
         """The principal this client's token stands for, or ``token`` if given (one
         client then checks many callers' tokens over its pooled connections)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        response = await self._call("GET", "/v1/whoami", headers=headers)
+        response = await self._call("GET", "/v1/whoami", own_token=not token, headers=headers)
         return read_answer(WhoAmI, response)
 
     async def submit(
@@ -542,8 +592,6 @@ class CoreClient(ApiClient):
         highest attempt id the agent had been handed when ``alive`` was read
         (``Heartbeat.seen``)."""
         threads, checkers = (min(max(0, n), HUNG_SOURCES_MAX) for n in hung)
-        if time.monotonic() - self.seen_refused_at < REFUSED_FOR_S:
-            seen = None  # an older core: it judges every open attempt by the list alone
         beat = Heartbeat(
             attempts=list(alive),
             seen=seen,
@@ -552,17 +600,15 @@ class CoreClient(ApiClient):
             hung_source_checkers=checkers,
         )
         path = f"/v1/workers/{worker_id}/heartbeat"
-        try:
-            response = await self._call(
-                "POST", path, content=beat.model_dump_json(exclude_defaults=True)
-            )
-        except InvalidInput as exc:
-            if seen is None or not refused_fields(exc, _SEEN):
-                raise
-            log.warning("core refuses the heartbeat's seen (an older core): sent without")
-            self.seen_refused_at = time.monotonic()
-            body = beat.model_dump_json(exclude_defaults=True, exclude={"seen"})
-            response = await self._call("POST", path, content=body)
+        # Without ``seen``, an older core judges every open attempt by the list alone.
+        response = await self.beat_fields.send(
+            lambda refused: self._call(
+                "POST",
+                path,
+                content=beat.model_dump_json(exclude_defaults=True, exclude=set(refused)),
+            ),
+            sent=_SEEN if seen is not None else frozenset(),
+        )
         return read_answer(HeartbeatAnswer, response)
 
     async def claim(self, worker_id: int, room: ClaimRequest) -> list[Assignment]:
@@ -585,7 +631,7 @@ class CoreClient(ApiClient):
             path = f"/v1/workers/{worker_id}/turn"
             self._turn_at = (worker_id, self._http.build_request("POST", path).url)
         at = self._turn_at[1]
-        response = await self._without_refused(
+        response = await self.report_fields.send(
             lambda refused: self._call(
                 "POST",
                 at,
@@ -599,26 +645,6 @@ class CoreClient(ApiClient):
             return TurnAnswer.model_validate_json(response.content)
         except ValidationError:
             return _turn_apart(response.content)
-
-    async def _without_refused(
-        self, send: Callable[[frozenset[str]], Awaitable[httpx.Response]]
-    ) -> httpx.Response:
-        """``send(refused)``'s answer. A core older than an optional field of the reports
-        refuses it (422) before it applies anything: the request goes again at once
-        without it, and leaves it out for ``REFUSED_FOR_S`` (``draining`` is not optional: a core
-        that refuses it did not hear the drain). Each pass leaves out one field more."""
-        if self.refused and time.monotonic() - self.refused_at > REFUSED_FOR_S:
-            self.refused = frozenset()  # tried again: core may know them by now
-        while True:
-            try:
-                return await send(self.refused)
-            except InvalidInput as exc:
-                new = refused_fields(exc) - self.refused
-                if not new:
-                    raise
-                log.warning("core refuses report fields %s (an older core): sent without", new)
-                self.refused = self.refused | new
-                self.refused_at = time.monotonic()
 
     async def start_attempt(self, worker_id: int, attempt_id: int) -> ReportAnswer:
         """Ask core whether it still holds the attempt before starting it; raises
@@ -644,7 +670,7 @@ class CoreClient(ApiClient):
 
     async def report(self, worker_id: int, attempt_id: int, outcome: Report) -> ReportAnswer:
         path = f"/v1/workers/{worker_id}/attempts/{attempt_id}/report"
-        response = await self._without_refused(
+        response = await self.report_fields.send(
             lambda refused: self._call(
                 "POST", path, content=outcome.model_dump_json(exclude=set(refused))
             )
@@ -849,18 +875,15 @@ class CoreClient(ApiClient):
         unknown field) before it records anything: the report goes again without it, so
         the action is recorded (once, unless it is reported again) rather than lost to a
         refusal (deploy.md upgrades core first; a DAG service upgraded before it)."""
-        body = report.model_dump_json(exclude_none=True)
-        try:
-            await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
-        except InvalidInput as exc:
-            if report.idempotency_key is None or not refused_fields(exc, _AUDIT_KEY):
-                raise
-            log.warning(
-                "core refuses the audit report's idempotency_key (an older core): sent"
-                " without it; a report sent again may be recorded twice until core is upgraded"
-            )
-            body = report.model_dump_json(exclude_none=True, exclude={"idempotency_key"})
-            await self._call("POST", "/v1/audit/reports", content=body, headers=_JSON)
+        await self.audit_fields.send(
+            lambda refused: self._call(
+                "POST",
+                "/v1/audit/reports",
+                content=report.model_dump_json(exclude_none=True, exclude=set(refused)),
+                headers=_JSON,
+            ),
+            sent=_AUDIT_KEY if report.idempotency_key is not None else frozenset(),
+        )
 
     # --- services kept at N replicas (docs/services.md) ---
 

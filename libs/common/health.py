@@ -25,12 +25,13 @@ from libs.common.models import Health
 router = APIRouter(tags=["health"])
 
 
-def token_refused(*clients: ApiClient) -> str | None:
-    """For an ``app.state.unready``: why the service cannot work when core (or the DAG
-    service) refuses its token (``ApiClient.token_refused``), or None."""
-    for client in clients:
+def token_refused(clients: dict[str, ApiClient]) -> str | None:
+    """For an ``app.state.unready``: why the service cannot work when a service it calls
+    (named by the key: "core", "the DAG service") refuses its token
+    (``ApiClient.token_refused``), or None."""
+    for name, client in clients.items():
         if client.token_refused is not None:
-            return f"core refuses this service's token (CAIRN_TOKEN): {client.token_refused}"
+            return f"{name} refuses this service's token (CAIRN_TOKEN): {client.token_refused}"
     return None
 
 

@@ -60,7 +60,8 @@ def create_app(
         runner = asyncio.create_task(cron.run(), name="cron-engine") if engine else None
         probe = asyncio.create_task(health.probe_token(core), name="token-probe")
         app.state.unready = lambda: (
-            (cron.unready(runner) if engine else None) or health.token_refused(core, dag)
+            (cron.unready(runner) if engine else None)
+            or health.token_refused({"core": core, "the DAG service": dag})
         )
         try:
             yield
@@ -81,9 +82,7 @@ def create_app(
         lifespan=lifespan,
     )
     problems.install(app)
-    app.include_router(api.router)
-    app.include_router(health.router)
-    app.include_router(metrics.router)
+    pages.add_routes(app, api.router, health.router, metrics.router)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app

@@ -41,7 +41,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         task = asyncio.create_task(loop.run_forever(), name="dag-loop")
         app.state.loops = {"dag-loop": task}
         probe = asyncio.create_task(health.probe_token(loop.core), name="token-probe")
-        app.state.unready = lambda: health.token_refused(loop.core)
+        app.state.unready = lambda: health.token_refused({"core": loop.core})
         try:
             yield
         finally:
@@ -58,8 +58,7 @@ def create_app(settings: DagSettings, database_url: str) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    for module in (workflows, triggers, runs, health, metrics):
-        app.include_router(module.router)
+    pages.add_routes(app, *(m.router for m in (workflows, triggers, runs, health, metrics)))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     cors.allow_dashboard(app, settings.url, settings.ui_origins)
     return app
