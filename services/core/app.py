@@ -201,10 +201,12 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         fencing,
         services_api,
     )
-    for module in (*routers, health, metrics):
-        app.include_router(module.router)
-    app.include_router(subscriptions.router)
-    app.include_router(subscriptions.events_router)
-    app.include_router(ui)
+    pages.add_routes(
+        app,
+        *(module.router for module in (*routers, health, metrics)),
+        subscriptions.router,
+        subscriptions.events_router,
+        ui,
+    )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
