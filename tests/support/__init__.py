@@ -255,7 +255,7 @@ REAPER_AWAY = pytest.mark.core(heartbeat_timeout_s=3600.0)
 def start_core(db_url: str, home: Path, port: int | None = None, **settings: Any) -> Core:
     port = port or free_port()
     defaults = {
-        "promote_interval_s": 0.05,
+        "promote_interval_s": 0.2,
         "token_cache_s": 0,
         "notify_allow_cidrs": LOOPBACK_WEBHOOKS,
     }
