@@ -376,9 +376,7 @@ def _unset_of(body: Turn, refused: frozenset[str]) -> dict[str, Any] | None:
     return unset or None
 
 
-def refused_fields(
-    error: InvalidInput, optional: frozenset[str] = OPTIONAL_REPORT_FIELDS
-) -> set[str]:
+def refused_fields(error: InvalidInput, optional: frozenset[str]) -> set[str]:
     """The fields of ``optional`` a 422 refuses as unknown to the core that answered."""
     named = set()
     for item in error.extra.get("errors") or ():
@@ -398,9 +396,12 @@ class _LeftOut:
     field must not be left out a moment longer than needed). Each pass leaves out one field
     more."""
 
-    def __init__(self, optional: frozenset[str], what: str, for_s: float = REFUSED_FOR_S) -> None:
+    def __init__(
+        self, optional: frozenset[str], what: str, for_s: float = REFUSED_FOR_S, risk: str = ""
+    ) -> None:
         self.optional = optional
         self.what = what  # for the log: "report fields", "the heartbeat's fields"...
+        self.risk = risk  # for the log: what sending without them costs, if anything
         self.for_s = for_s
         self.refused: frozenset[str] = frozenset()
         self.refused_at = -math.inf  # monotonic
@@ -423,7 +424,9 @@ class _LeftOut:
                 new = refused_fields(exc, optional) - self.refused
                 if not new:
                     raise
-                log.warning("core refuses %s %s (an older core): sent without", self.what, new)
+                log.warning(
+                    "core refuses %s %s (an older core): sent without%s", self.what, new, self.risk
+                )
                 self.refused = self.refused | new
                 self.refused_at = time.monotonic()
 
@@ -444,9 +447,9 @@ class CoreClient(ApiClient):
         # Tried on every report: a report sent again without its key may be recorded twice.
         self.audit_fields = _LeftOut(
             _AUDIT_KEY,
-            "the audit report's fields (a report sent again may be recorded twice until"
-            " core is upgraded)",
+            "the audit report's fields",
             for_s=0.0,
+            risk="; a report sent again may be recorded twice until core is upgraded",
         )
 
     async def whoami(self, token: str | None = None) -> WhoAmI:

@@ -31,7 +31,7 @@ def processes() -> list[Proc]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        state, ppid = stat.rpartition(")")[2].split()[:2]  # the name may hold ") "
+        state, ppid = _fields(stat)[:2]
         uid = next(line for line in status.splitlines() if line.startswith("Uid:"))
         found.append(Proc(int(entry.name), int(ppid), state, int(uid.split()[1]), cmdline))
     return found
@@ -44,7 +44,13 @@ def alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
+    return _fields(stat)[0] != "Z"
+
+
+def _fields(stat: str) -> list[str]:
+    """The fields of a ``/proc/PID/stat`` after the name (state, ppid, ...): the name, in
+    parentheses, may hold ") " itself."""
+    return stat.rpartition(")")[2].split()
 
 
 def children(pid: int) -> list[Proc]:
