@@ -41,9 +41,9 @@ class Promoter:
     one; at the instant all of them wake, wake the workers (a claim takes a ready task
     whose ``run_at`` has come: ``db.attempts``), and share the promotion of the due rows
     that no claim took (SKIP LOCKED), so that their state reads ``waiting``. The timer
-    never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or a backoff
-    or deferral set by a transition (not hinted), or another replica's promotion that
-    rolled back."""
+    never sleeps longer than ``poll_s``: that bounds what a lost hint costs, or the end
+    of a deferral (set by the placement pass, not hinted), or another replica's
+    promotion that rolled back. Backoffs are hinted (``ops.dispatch.counted``)."""
 
     def __init__(
         self,

@@ -9,6 +9,8 @@ sources of each op.
 
 from __future__ import annotations
 
+import math
+import time
 from base64 import b64encode
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -360,6 +362,10 @@ class Tally:
     waits: list[float] = field(default_factory=list)
     #: candidates a claim held back, by what held them (quota, concurrency, rate)
     held: Counter[str] = field(default_factory=Counter)
+    #: the earliest instant (UNIX seconds) a backoff set on the way ends: the promoter's
+    #: due hint (``Notifier.announce_due``), so that a retry starts on time, not at the
+    #: promoter's next poll
+    due: float = math.inf
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
@@ -368,11 +374,17 @@ class Tally:
             self.buried + other.buried,
             self.waits + other.waits,
             self.held + other.held,
+            min(self.due, other.due),
         )
 
     @staticmethod
     def of(move: Move) -> Tally:
-        """A move's count: a burial, and whether a poison pill made it."""
+        """A move's count: a burial, and whether a poison pill made it; or the instant
+        its backoff ends. Its ``run_at`` is the database's ``now()`` (the transaction's
+        start) plus the delay, a little before this clock's reading: the hint is late by
+        the transaction's time, not early."""
+        if move.target is S.FAILED and move.delay_s is not None:
+            return Tally(due=time.time() + move.delay_s)
         if move.target is not S.DEAD:
             return Tally()
         return Tally(poisoned=int(move.reason.startswith("poison pill")), buried=1)
@@ -1191,7 +1203,7 @@ async def applied(conn: AsyncConnection, settled: Settled) -> tuple[list[ReportV
             tally = tally + moved
         else:
             target = move.target
-            if target is S.DEAD:  # the rest count nothing (``Tally.of``): no Tally each
+            if target is S.DEAD or target is S.FAILED:  # the rest count nothing: no Tally each
                 tally = tally + Tally.of(move)
         verdicts[item.attempt_id] = ReportVerdict(
             attempt_id=item.attempt_id, status=200, task_id=row.id, state=target

@@ -25,8 +25,9 @@ What a replica did not tell in the moment before a newcomer's hello reached it i
 wake-up: the newcomer looks at everything when it starts listening, and sweeps.
 
 The same two connections carry due hints (channel ``cairn_due``, payload UNIX seconds):
-whoever stores a delayed task calls ``announce_due(run_at)``, and every replica's promoter
-(``loops.Promoter``) hears of it, so its timer can be set on the earliest due instant.
+whoever stores a delayed task or sets a backoff calls ``announce_due(run_at)``, and every
+replica's promoter (``loops.Promoter``) hears of it, so its timer can be set on the
+earliest due instant.
 
 And log bells (channel ``cairn_logs``, payload attempt ids): whoever stores chunks of a
 log, or ends an attempt, rings its bell with ``announce_log``; followers of that log

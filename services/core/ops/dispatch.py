@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -427,6 +428,17 @@ async def _wait_for_work(
         line.back(waiter)  # nothing it could take: the next wake-up goes to the others
 
 
+def counted(meter: CoreMetrics | None, notifier: Notifier, tally: attempts_db.Tally) -> None:
+    """After the commit, what a call ended on the way: the metrics, and the earliest
+    backoff it set (``Tally.due``) hinted to the promoters, so that a retry, a lost
+    attempt placed again or a service's restart starts when its backoff ends, not at the
+    promoter's next poll."""
+    if meter is not None:
+        meter.count(tally)
+    if tally.due < math.inf:
+        notifier.announce_due(datetime.fromtimestamp(tally.due, UTC))
+
+
 def _short(asked: attempts_db.Ask | None, picked: list[Any]) -> bool:
     """Whether a look that leased nothing may have been short of room: it had none to
     fill, or work of its queues waited (``attempts.Picked``)."""
@@ -451,7 +463,7 @@ def _told(
     that claim's room was measured, and grow it by what they freed. That claim looks
     again only if its last look may have been short of room (``feed.Line.may_grow``):
     one that found nothing waiting has nothing more to find."""
-    ops.meter.count(tally)
+    counted(ops.meter, ops.notifier, tally)
     outcomes: Counter[str] = Counter()
     for item, verdict in zip(items, verdicts, strict=True):
         if verdict.state is None or verdict.task_id is None:
@@ -499,7 +511,7 @@ async def heartbeat(
         else:
             found = await workers_db.heartbeat(conn, worker, list(alive), grace_s, hung, seen)
         state = found.state or await _state_of(conn, worker.id)
-    ops.meter.count(found.tally)
+    counted(ops.meter, ops.notifier, found.tally)
     if found.lost:
         ops.notifier.announce(Work(any=found.tally.lost))
     return found, state
@@ -510,7 +522,7 @@ async def leave(ops: Dispatcher, worker_id: int) -> None:
     async with ops.engine.begin() as conn:
         await workers_db.set_worker_state(conn, worker_id, Workers.LEFT)
         tally = await workers_db.lose_all(conn, worker_id, "its worker left")
-    ops.meter.count(tally)
+    counted(ops.meter, ops.notifier, tally)
     if tally.lost:
         ops.notifier.announce(Work(any=tally.lost))
 
@@ -544,8 +556,7 @@ async def reap(
             lost,
             extra={"worker_id": worker_id},
         )
-    if meter is not None:
-        meter.count(tally)
+    counted(meter, notifier, tally)
     if changed:
         notifier.announce(Work(any=tally.lost))
     return changed

@@ -8,12 +8,14 @@ the promotion in test_run_at_claim.py."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import psycopg
+import pytest
 
-from tests.support import Core, spec, start_core, stop_as_woken, wait_for
+from tests.support import Core, TurnWorker, spec, start_core, stop_as_woken, wait_for
 
 POLL_S = 60.0  # far longer than any test waits: only the timer can be on time
 
@@ -149,5 +151,43 @@ def test_the_leader_stops_when_its_stop_comes_as_a_hint_wakes_the_promoter(
         wake = lambda: promoter.hint(time.time())  # noqa: E731  a task due now is stored
         # generous: a stop ends within a pass of the loops; before, it never ended
         assert stop_as_woken(core, "cairn-leadership", wake, 10.0), "the leader outlived its stop"
+    finally:
+        core.stop()
+
+
+BACKOFF = {"base_s": 1.0, "jitter": False, "max_attempts": 3}
+
+
+def _failed_by_report(worker: TurnWorker, attempt: int) -> None:
+    report = {"attempt_id": attempt, "outcome": "failed", "exit_code": 1, "retryable": True}
+    assert [v["status"] for v in worker.turn(reports=[report])["reports"]] == [200]
+
+
+def _lost_with_its_worker(worker: TurnWorker, attempt: int) -> None:
+    worker.turn(started=[attempt])  # seen running: its loss is a crash, retried after backoff
+    assert worker.http.post(f"/v1/workers/{worker.id}/leave").status_code == 200
+
+
+@pytest.mark.parametrize("end", [_failed_by_report, _lost_with_its_worker])
+def test_a_retry_starts_when_its_backoff_ends_not_at_the_next_poll(
+    db_url: str, db, tmp_path: Path, end: Callable[[TurnWorker, int], None]
+) -> None:
+    """A backoff set by a report, or by an attempt lost with its worker, hints the
+    promoter as a delayed submission does."""
+    core = start_core(db_url, tmp_path, promote_interval_s=POLL_S, promote_after_s=0)
+    try:
+        worker = TurnWorker(core, "w-backoff")
+        with core.client() as alice:
+            task = alice.post("/v1/tasks", json=spec(retry=BACKOFF)).json()
+        [lease] = worker.turn(claim={"cpu": 8, "memory_mb": 16384, "max": 1})["attempts"]
+        end(worker, lease["attempt_id"])
+        row = db.execute(
+            "SELECT state, EXTRACT(EPOCH FROM run_at - now())::float FROM core.tasks WHERE id = %s",
+            (task["id"],),
+        ).fetchone()
+        assert row is not None and row[0] == "failed" and row[1] > 0.5, row
+        wait_for(lambda: _waiting(db, [task["id"]]), timeout=10)
+        [(_, lag)] = _promotions(db, [task["id"]])
+        assert 0 <= lag < 1.0  # generous: the poll is a minute away
     finally:
         core.stop()
