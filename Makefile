@@ -77,7 +77,7 @@ BESIDE_ONE := tests/security/test_hostile_tasks.py::test_a_flood_of_output_keeps
 	tests/integration/core/test_secrets.py::test_the_cli_stores_and_uses_secrets_without_showing_them
 test: install $(OIDC)/node_modules/.installed
 	@log=$$(mktemp); \
-	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA >"$$log" 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -p no:xdist -p no:cacheprovider $(BESIDE) $(BESIDE_ONE) -q -rA --durations=15 >"$$log" 2>&1 & deploy=$$!; \
 	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=25 $(addprefix --ignore=,$(BESIDE)) \
 		$(addprefix --deselect=,$(BESIDE_ONE)); main=$$?; \
 	wait $$deploy; deployed=$$?; \
