@@ -280,15 +280,22 @@ def fresh_database(server_url: str, template_db: str, prefix: str) -> Iterator[s
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+def wait_for(
+    predicate: Any,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    seen: Callable[[], object] | None = None,
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``,
+    saying what ``seen()`` returns then (what the test waited on, as it stands)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            found = f": {seen()}" if seen is not None else ""
+            raise AssertionError(f"condition not met within {timeout} s{found}")
         time.sleep(interval)
 
 

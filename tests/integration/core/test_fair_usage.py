@@ -81,8 +81,19 @@ def _both(core: Core, db: DB) -> list[str]:
         assert root.post("/v1/queues/default/pause").status_code == 200
         ids = _batch(hog) + _batch(lamb)
         assert root.post("/v1/queues/default/resume").status_code == 200
-    wait_for(lambda: _ended(db, ids), timeout=30)
+    wait_for(lambda: _ended(db, ids), timeout=30, seen=lambda: _where(db, ids))
     return _owners_in_claim_order(db, ids)
+
+
+def _where(db: DB, ids: list[int]) -> list[tuple[Any, ...]]:
+    """Each task's state, and its attempts' outcomes and errors (a wait's failure says)."""
+    return db.execute(
+        "SELECT t.id, t.owner, t.state, t.run_at, array_agg((a.outcome, a.error, a.worker_id)"
+        " ORDER BY a.id) FILTER (WHERE a.id IS NOT NULL)"
+        " FROM core.tasks t LEFT JOIN core.attempts a ON a.task_id = t.id"
+        " WHERE t.id = ANY(%s) GROUP BY t.id ORDER BY t.id",
+        (ids,),
+    ).fetchall()
 
 
 def test_recent_usage_is_served_last_and_decays_back_to_turns(
