@@ -44,7 +44,9 @@ SCRIPT = b"#!/bin/sh\necho from-the-source\n"
 
 def _handed_back(server, db, body: dict, count: int) -> tuple[dict, list]:
     """Post the task, wait until ``count`` of its attempts were handed back, cancel it:
-    the task as it was then, and its attempts' (outcome, error, ended_at)."""
+    the task as it was then, and its ended attempts' (outcome, error, ended_at), read
+    before the cancel (which ends the attempt then in flight: each hand-back puts the
+    task back in line at once, and the next attempt is leased while the test reads)."""
     with server.client() as alice:
         task = alice.post("/v1/tasks", json=body).json()
 
@@ -57,8 +59,9 @@ def _handed_back(server, db, body: dict, count: int) -> tuple[dict, list]:
 
         wait_for(lambda: len(rows()) >= count, 30)
         seen = alice.get(f"/v1/tasks/{task['id']}").json()
+        ended = rows()
         assert alice.post(f"/v1/tasks/{task['id']}/cancel").status_code == 200
-    return seen, rows()
+    return seen, ended
 
 
 def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
