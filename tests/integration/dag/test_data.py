@@ -166,15 +166,15 @@ def test_a_map_over_an_empty_list_is_skipped_and_a_too_long_one_refused(
 def test_a_run_past_its_timeout_fails_and_its_running_tasks_are_cancelled(
     runner: Runner, worker: Worker, db: psycopg.Connection
 ) -> None:
+    # "stuck" is a root, submitted with "quick" as the run starts: behind "quick" it had
+    # to wait a hop, and on a loaded CI the run's time ran out before it was submitted.
     runner.define(
-        workflow(
-            "stuck", [node("quick"), node("stuck", "quick", args=("hold",)), node("after", "stuck")]
-        )
+        workflow("stuck", [node("quick"), node("stuck", args=("hold",)), node("after", "stuck")])
     )
-    run = runner.wait_end(runner.start("stuck", timeout_s=2)["id"], timeout=30)
+    run = runner.wait_end(runner.start("stuck", timeout_s=3)["id"], timeout=30)
     assert run["state"] == "failed"
-    assert run["reason"] == "timed out after 2 s"
-    assert run["timeout_s"] == 2
+    assert run["reason"] == "timed out after 3 s"
+    assert run["timeout_s"] == 3
     wait_for(lambda: states(runner.get(run["id"]))["stuck"] == "cancelled")
     run = runner.get(run["id"])
     assert states(run) == {"quick": "succeeded", "stuck": "cancelled", "after": "cancelled"}
