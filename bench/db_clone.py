@@ -8,7 +8,7 @@ an embedded PostgreSQL with the tests' settings (``fast``) under ``DIR`` (by def
 folder the tests use, ``tests.conftest._in_memory``: ``/dev/shm`` when it is a tmpfs with
 room), migrates a template as the tests do, and times rounds of ``--clones`` clones and
 drops: the wall time of each statement and PostgreSQL's CPU (the postmaster's reaped
-backends and its live children, ``bench/procstat.py``) a clone.
+backends and its live children, ``fleet.pg_cpu_s``) a clone.
 
 On a file system that checks new inodes against recently deleted ones (ext4 without a
 journal: ``recently_deleted``, for 30 s) the rounds grow slower as the clones' files
@@ -29,7 +29,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the tests' own settings
 
-from procstat import children_cpu_s, reaped_cpu_s
+from fleet import pg_cpu_s
 
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
@@ -37,10 +37,6 @@ from tests.conftest import _cheap_password_check, _in_memory
 from tests.support import MIGRATIONS
 
 TEMPLATE = "bench_template"
-
-
-def _pg_cpu_s(postmaster: int) -> float:
-    return reaped_cpu_s(postmaster) + children_cpu_s(postmaster)
 
 
 def main() -> None:
@@ -65,7 +61,7 @@ def main() -> None:
         print(f"data in {root} ({shutil.disk_usage(root).total >> 30} GiB file system)")
         for round_no in range(1, args.rounds + 1):
             created = dropped = 0.0
-            cpu = _pg_cpu_s(postmaster)
+            cpu = pg_cpu_s(postmaster)
             for clone in range(args.clones):
                 name = f"clone_{round_no}_{clone}"
                 with psycopg.connect(admin, autocommit=True) as conn:
@@ -75,7 +71,7 @@ def main() -> None:
                     conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
                     created += middle - began
                     dropped += time.perf_counter() - middle
-            spent = _pg_cpu_s(postmaster) - cpu
+            spent = pg_cpu_s(postmaster) - cpu
             n = args.clones
             print(
                 f"round {round_no}: create {created / n * 1000:.1f} ms, drop"

@@ -52,7 +52,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns import Hosts
 from netns import available as netns_available
-from procstat import TICK, children, comm, cpu_s, stat_fields
+from procstat import children, children_cpu_s, comm, cpu_s, reaped_cpu_s
 from rawhttp import Conn, request_bytes
 from sqlalchemy.ext.asyncio import create_async_engine
 from stack import Stack, core_stack, exit_on_sigterm, free_port, start_core
@@ -315,9 +315,7 @@ class Sample:
 
 def pg_cpu_s(postmaster: int) -> float:
     """The postmaster's own CPU, its reaped children's, and its live children's."""
-    fields = stat_fields(postmaster)
-    reaped = (int(fields[13]) + int(fields[14])) / TICK if fields else 0.0
-    return cpu_s(postmaster) + reaped + sum(cpu_s(p) for p in children(postmaster))
+    return cpu_s(postmaster) + reaped_cpu_s(postmaster) + children_cpu_s(postmaster)
 
 
 def sample(db: psycopg.Connection[Any], cores: list[int], postmaster: int, c: Counts) -> Sample:
