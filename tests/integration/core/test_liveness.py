@@ -31,9 +31,11 @@ def _register(core: Core, name: str) -> tuple[httpx.Client, int]:
 
 
 def _lock_waiters(db: DB) -> int:
+    """Sessions waiting for a table's lock: with the group commit off (below), only the data
+    pool's (the submissions' inserts, the promoter's moves), each holding its connection."""
     row = db.execute(
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND wait_event = 'relation'"
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -42,8 +44,15 @@ def _lock_waiters(db: DB) -> int:
 def test_a_heartbeat_is_answered_while_submits_hold_every_data_connection(
     db_url: str, tmp_path: Path, db: DB
 ) -> None:
+    # Without the group commit each submission's insert holds a data connection while it
+    # waits (with it, they wait on the group's own connection and the pool stays free).
     core = start_core(
-        db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=60.0, heartbeat_timeout_s=3600.0
+        db_url,
+        tmp_path,
+        db_pool_size=DATA_POOL,
+        db_pool_timeout_s=60.0,
+        heartbeat_timeout_s=3600.0,
+        submit_group_commit=False,
     )
     worker, worker_id = _register(core, "w1")
     answers: list[int] = []
@@ -118,7 +127,12 @@ def test_an_overloaded_core_refuses_a_request_before_its_client_gives_up(
     nothing done) within the pool's wait, before the client's own read timeout, rather than
     done later for a client that stopped listening."""
     assert CoreSettings().db_pool_timeout_s < DEFAULT_TIMEOUT.read  # type: ignore[operator]
-    core = start_core(db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=1.0)
+    # Without the group commit (as above): with it, the submissions wait on the group's own
+    # connection, and a lock waiter counted there left a data connection free for the
+    # request that should find none (it took one and waited out its client's 30 s).
+    core = start_core(
+        db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=1.0, submit_group_commit=False
+    )
     held: list[int] = []
     try:
         with psycopg.connect(libpq_url(db_url)) as locker:
