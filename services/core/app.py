@@ -138,6 +138,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
                 settings.fair_quantum_s,
                 notifier,
                 fair=settings.fair_share_rule,
+                wait_s=settings.db_pool_timeout_s,
             )
             group.start()
         app.state.group_commit = group

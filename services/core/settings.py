@@ -72,7 +72,8 @@ class CoreSettings(SecretsKeySettings):
     retention_days: float = Field(default=30.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     db_pool_size: int = Field(default=20, ge=1, le=200)
-    #: how long a request waits for a free connection before core answers 503: shorter
+    #: how long a request waits for a free connection (a single submission, for its group
+    #: commit's write to take it) before core answers 503: shorter
     #: than the clients' read timeout (``libs.common.client.DEFAULT_TIMEOUT``, 5 s), so an
     #: overloaded core refuses a request (retryable, nothing done) before its client gives
     #: up on it, rather than doing work whose answer nobody reads

@@ -10,7 +10,11 @@ the writer idle goes at once, alone, with no wait added. Each submission gets it
 answer: a key that matched a different request is its own 409, the others stand; a
 statement the database refuses is written again one submission at a time, so the one at
 fault gets its own error and the others are stored. A submission is answered only after
-its commit, so an answer given is a task stored.
+its commit, so an answer given is a task stored. One that waits in line longer than
+``wait_s`` (core's ``CAIRN_DB_POOL_TIMEOUT_S``, as a request waits for a pooled
+connection) while a write is held up (a lock, a slow disk) leaves the line unwritten and
+is answered 503, before its client gives up: never stored later for a client that
+stopped listening.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class GroupCommit:
     notifier: Notifier | None = None
     #: how submissions are stamped across flows (``CoreSettings.fair_share_rule``)
     fair: FairShare | None = None
+    #: the longest a submission waits in line for its write to begin (then a 503)
+    wait_s: float = 4.0
     max_group: int = MAX_GROUP
     _waiting: list[_Waiting] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -86,10 +92,27 @@ class GroupCommit:
         ``work``: what it makes claimable, for the other replicas (``feed.Work``)."""
         if self._closed:
             raise Unavailable("core is stopping")
-        answer: asyncio.Future[tuple[Any, bool]] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(doc, work or Work(), answer))
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[tuple[Any, bool]] = loop.create_future()
+        waiting = _Waiting(doc, work or Work(), answer)
+        self._waiting.append(waiting)
         self._wake.set()
-        return await answer
+        timer = loop.call_later(self.wait_s, self._expire, waiting)
+        try:
+            return await answer
+        finally:
+            timer.cancel()
+
+    def _expire(self, waiting: _Waiting) -> None:
+        """``waiting`` out of line, answered 503, if no write has taken it (once taken,
+        its answer is its write's outcome, stored or not)."""
+        for i, other in enumerate(self._waiting):
+            if other is waiting:
+                del self._waiting[i]
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(Unavailable(DATABASE_UNAVAILABLE))
+                log.warning("a submission waited %g s in line for its write; refused", self.wait_s)
+                return
 
     async def _run(self) -> None:
         while not (self._closed and not self._waiting):

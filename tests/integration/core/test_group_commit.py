@@ -12,7 +12,7 @@ import psycopg
 from sqlalchemy.exc import IntegrityError
 
 from libs.common.database import connect_args
-from libs.common.errors import IdempotencyMismatch
+from libs.common.errors import IdempotencyMismatch, Unavailable
 from libs.common.models import TaskCreate
 from libs.common.settings import CairnSettings, libpq_url
 from services.core.db import tasks as tasks_db
@@ -162,3 +162,43 @@ def test_a_lost_connection_fails_its_group_and_the_next_one_reconnects(
     assert after[1] is True
     names = {name for (name,) in db.execute("SELECT name FROM core.tasks").fetchall()}
     assert {"before", "after"} <= names and "cut" not in names
+
+
+def test_a_submission_held_in_line_past_its_wait_is_refused_and_never_stored(
+    db_url: str, db: Any
+) -> None:
+    """A write held up (here by a lock on the table): the one written waits for it, however
+    long; one that waits in line behind it past ``wait_s`` is answered 503 and dropped
+    from the line, before its client gives up: not stored later for nobody."""
+    locker = psycopg.connect(libpq_url(db_url))
+    locker.execute("LOCK TABLE core.tasks IN SHARE MODE")
+
+    async def run() -> tuple[Any, Any, float]:
+        group = GroupCommit(
+            libpq_url(db_url), connect_args(CairnSettings(), db_url), 1.0, wait_s=0.5
+        )
+        group.start()
+        try:
+            [held] = _docs("alice", spec(name="held"))
+            [queued] = _docs("alice", spec(name="queued"))
+            writing = asyncio.ensure_future(group.submit(held))
+            await asyncio.sleep(0.2)  # the writer took it and waits on the lock
+            began = asyncio.get_running_loop().time()
+            refused = await asyncio.gather(group.submit(queued), return_exceptions=True)
+            took = asyncio.get_running_loop().time() - began
+            await asyncio.sleep(0.5)  # the held write is past its wait_s too, still writing
+            assert not writing.done()
+            locker.rollback()
+            return await writing, refused[0], took
+        finally:
+            await group.stop()
+
+    try:
+        written, refused, took = asyncio.run(run())
+    finally:
+        locker.close()
+    assert written[1] is True
+    assert isinstance(refused, Unavailable) and refused.status == 503
+    assert 0.4 < took < 2.0
+    names = {name for (name,) in db.execute("SELECT name FROM core.tasks").fetchall()}
+    assert names == {"held"}

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 
 from libs.common.client import DEFAULT_TIMEOUT
 from libs.common.settings import libpq_url
@@ -36,6 +37,18 @@ def _lock_waiters(db: DB) -> int:
     row = db.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
         " AND wait_event_type = 'Lock' AND wait_event = 'relation'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _inserts_waiting(db: DB) -> int:
+    """Submissions' statements waiting for a table's lock (``db.tasks``' submit statements,
+    one task's and many's, by how they begin)."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND wait_event = 'relation'"
+        " AND query ~ '^\\s*WITH (stamped|input) AS'"
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -120,18 +133,24 @@ def test_a_cached_lease_still_fences_out_another_principal_and_a_wrong_lease(
         core.stop()
 
 
+@pytest.mark.parametrize("group_commit", [False, True], ids=["pooled", "group-commit"])
 def test_an_overloaded_core_refuses_a_request_before_its_client_gives_up(
-    db_url: str, tmp_path: Path, db: DB
+    db_url: str, tmp_path: Path, db: DB, group_commit: bool
 ) -> None:
-    """Every data connection held: a request that finds none is answered 503 (retryable,
-    nothing done) within the pool's wait, before the client's own read timeout, rather than
-    done later for a client that stopped listening."""
+    """Every data connection held (each submission's insert waiting on a lock), or, with
+    the group commit, its write held: a submission that finds no connection free, or waits
+    in the group's line, is answered 503 (retryable, nothing done) within the pool's wait,
+    before the client's own read timeout, rather than done later for a client that
+    stopped listening."""
     assert CoreSettings().db_pool_timeout_s < DEFAULT_TIMEOUT.read  # type: ignore[operator]
-    # Without the group commit (as above): with it, the submissions wait on the group's own
-    # connection, and a lock waiter counted there left a data connection free for the
-    # request that should find none (it took one and waited out its client's 30 s).
+    # With the group commit, a pool with room: the requests' other reads (the token) and
+    # core's loops (their moves wait on the lock too) leave connections free.
     core = start_core(
-        db_url, tmp_path, db_pool_size=DATA_POOL, db_pool_timeout_s=1.0, submit_group_commit=False
+        db_url,
+        tmp_path,
+        db_pool_size=8 if group_commit else DATA_POOL,
+        db_pool_timeout_s=1.0,
+        submit_group_commit=group_commit,
     )
     held: list[int] = []
     try:
@@ -145,7 +164,10 @@ def test_an_overloaded_core_refuses_a_request_before_its_client_gives_up(
             holders = [threading.Thread(target=submit) for _ in range(DATA_POOL)]
             for thread in holders:
                 thread.start()
-            wait_for(lambda: _lock_waiters(db) >= DATA_POOL)
+            if group_commit:  # the group's write waits on the lock
+                wait_for(lambda: _inserts_waiting(db) >= 1)
+            else:
+                wait_for(lambda: _lock_waiters(db) >= DATA_POOL)
             with core.client("bob") as bob:
                 started = time.monotonic()
                 refused = bob.post("/v1/tasks", json=spec(name="extra"), timeout=30)
