@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ class _Waiting:
     doc: dict[str, Any]
     work: Work
     answer: asyncio.Future[tuple[Any, bool]]
+    #: the event loop's time when it leaves the line unwritten
+    due: float
 
 
 @dataclass
@@ -63,7 +66,7 @@ class GroupCommit:
     #: the longest a submission waits in line for its write to begin (then a 503)
     wait_s: float = 4.0
     max_group: int = MAX_GROUP
-    _waiting: list[_Waiting] = field(default_factory=list)
+    _waiting: deque[_Waiting] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _conn: psycopg.AsyncConnection[Any] | None = None
     _writer: asyncio.Task[None] | None = None
@@ -94,33 +97,41 @@ class GroupCommit:
             raise Unavailable("core is stopping")
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[tuple[Any, bool]] = loop.create_future()
-        waiting = _Waiting(doc, work or Work(), answer)
-        self._waiting.append(waiting)
+        due = loop.time() + self.wait_s
+        self._waiting.append(_Waiting(doc, work or Work(), answer, due))
         self._wake.set()
-        timer = loop.call_later(self.wait_s, self._expire, waiting)
-        try:
-            return await answer
-        finally:
-            timer.cancel()
+        timer = loop.call_at(due, self._expire)
+        result = await answer
+        timer.cancel()
+        return result
 
-    def _expire(self, waiting: _Waiting) -> None:
-        """``waiting`` out of line, answered 503, if no write has taken it (once taken,
-        its answer is its write's outcome, stored or not)."""
-        for i, other in enumerate(self._waiting):
-            if other is waiting:
-                del self._waiting[i]
-                if not waiting.answer.done():
-                    waiting.answer.set_exception(Unavailable(DATABASE_UNAVAILABLE))
-                log.warning("a submission waited %g s in line for its write; refused", self.wait_s)
-                return
+    def _expire(self) -> None:
+        """Those whose time in line is up out of it, answered 503 (once a write has taken
+        one, its answer is the write's outcome, stored or not); also when its caller went
+        away. The line is first in, first out and every wait the same: they are at its
+        head."""
+        now = asyncio.get_running_loop().time()
+        refused = 0
+        while self._waiting and self._waiting[0].due <= now:
+            waiting = self._waiting.popleft()
+            if not waiting.answer.done():
+                waiting.answer.set_exception(Unavailable(DATABASE_UNAVAILABLE))
+            refused += 1
+        if refused:
+            log.warning(
+                "%d submissions waited %g s in line for their write; refused",
+                refused,
+                self.wait_s,
+            )
 
     async def _run(self) -> None:
         while not (self._closed and not self._waiting):
             await self._wake.wait()
             self._wake.clear()
             while self._waiting:
-                group = self._waiting[: self.max_group]
-                del self._waiting[: self.max_group]
+                group = [
+                    self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_group))
+                ]
                 try:
                     await self._write(group)
                 except Exception as exc:  # the loop goes on; each is told

@@ -180,16 +180,18 @@ def test_a_submission_held_in_line_past_its_wait_is_refused_and_never_stored(
         group.start()
         try:
             [held] = _docs("alice", spec(name="held"))
-            [queued] = _docs("alice", spec(name="queued"))
+            queued = _docs("alice", *(spec(name=f"queued-{i}") for i in range(20)))
             writing = asyncio.ensure_future(group.submit(held))
             await asyncio.sleep(0.2)  # the writer took it and waits on the lock
             began = asyncio.get_running_loop().time()
-            refused = await asyncio.gather(group.submit(queued), return_exceptions=True)
+            refused = await asyncio.gather(
+                *(group.submit(doc) for doc in queued), return_exceptions=True
+            )
             took = asyncio.get_running_loop().time() - began
             await asyncio.sleep(0.5)  # the held write is past its wait_s too, still writing
             assert not writing.done()
             locker.rollback()
-            return await writing, refused[0], took
+            return await writing, refused, took
         finally:
             await group.stop()
 
@@ -198,7 +200,7 @@ def test_a_submission_held_in_line_past_its_wait_is_refused_and_never_stored(
     finally:
         locker.close()
     assert written[1] is True
-    assert isinstance(refused, Unavailable) and refused.status == 503
+    assert all(isinstance(one, Unavailable) and one.status == 503 for one in refused), refused
     assert 0.4 < took < 2.0
     names = {name for (name,) in db.execute("SELECT name FROM core.tasks").fetchall()}
     assert names == {"held"}
