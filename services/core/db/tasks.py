@@ -712,8 +712,13 @@ def retry_causes(spec: TaskCreate) -> dict[str, Any] | None:
 
 
 def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
+    """A submission's row for SUBMIT, without the keys whose value is None: the statement
+    reads a key a row lacks as NULL, and a common task's document is half as long without
+    them (about 400 bytes, not 800). PostgreSQL parses it in about 60 % of the time, and
+    core dumps and sends less: a batched task 48-51 -> 40-41 µs of PostgreSQL's CPU and
+    25-29 -> 24 of core's (docs/benchmarks.md, "Submit")."""
     filled = filled or _as_set(spec)
-    return {
+    row = {
         "name": spec.name,
         "queue": spec.queue,
         "priority": spec.priority,
@@ -757,6 +762,7 @@ def _row_doc(spec: TaskCreate, filled: Filled | None = None) -> dict[str, Any]:
         ),
         **_placement_doc(spec),
     }
+    return {key: value for key, value in row.items() if value is not None}
 
 
 def _placement_doc(spec: TaskCreate) -> dict[str, Any]:
@@ -864,7 +870,7 @@ async def _store(
     created = await fetch(query, params)
 
     def key_of(row: Any) -> tuple[str, str] | None:
-        return (row["owner"], row["idempotency_key"]) if row["idempotency_key"] else None
+        return (row["owner"], row["idempotency_key"]) if row.get("idempotency_key") else None
 
     created_keys = {(row.owner, row.idempotency_key) for row in created if row.idempotency_key}
     wanted = {k for k in map(key_of, docs) if k is not None}
