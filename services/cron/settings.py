@@ -45,6 +45,18 @@ class CronSettings(CairnSettings):
     cron_clock_warp: str | None = None
 
     @model_validator(mode="after")
+    def _stall_past_the_tick(self) -> CronSettings:
+        # An idle fire loop turns once a tick: a stall bound within two of them would
+        # have /readyz say "stalled" between healthy turns, flapping.
+        if self.cron_stall_s <= 2 * self.cron_tick_s:
+            raise ValueError(
+                f"CAIRN_CRON_STALL_S ({self.cron_stall_s:g}) must be more than twice"
+                f" CAIRN_CRON_TICK_S ({self.cron_tick_s:g}): an idle engine turns once a"
+                " tick, and readiness would call it stalled between turns"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _no_warp_in_production(self) -> CronSettings:
         if self.env == "production" and self.cron_clock_warp:
             raise ValueError("CAIRN_CRON_CLOCK_WARP is for tests; it is refused in production")

@@ -271,7 +271,7 @@ def test_a_fire_over_its_owners_quota_waits_and_is_sent_when_the_quota_allows(
 
 def test_shutdown_is_prompt_when_the_next_fire_is_an_hour_away(core: Core, tmp_path: Path) -> None:
     clock = FakeClock(EPOCH)
-    cron = start_cron(core, tmp_path, clock, cron_tick_s=3600)
+    cron = start_cron(core, tmp_path, clock, cron_tick_s=3600, cron_stall_s=7201)
     wait_for(lambda: cron.engine.leader)
     create(cron, expression="0 * * * *", timezone="UTC")
     time.sleep(0.2)
@@ -288,7 +288,7 @@ def test_the_engine_stops_when_its_stop_comes_as_a_change_wakes_its_fire_loop(
     loop as a schedule change woke it (``asyncio.wait_for`` on Python 3.11 returns the
     wake instead) was lost: the fire loop turned on, the engine waited on it for good, and
     so did the replica's shutdown (a test's teardown hung until its join gave up)."""
-    cron = start_cron(core, tmp_path, FakeClock(EPOCH), cron_tick_s=3600)
+    cron = start_cron(core, tmp_path, FakeClock(EPOCH), cron_tick_s=3600, cron_stall_s=7201)
     try:
         # past its first turn (which purges): asleep until a change wakes it
         wait_for(lambda: cron.engine.leader and cron.engine._purged_at)
