@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -361,6 +363,33 @@ def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_read(core: 
         head = sock.recv(65536).decode("latin-1")
     assert head.startswith("HTTP/1.1 413"), head[:200]
     assert PROBLEM_JSON in head
+
+
+def test_a_caller_gone_mid_body_is_let_go_without_a_traceback(
+    core: Core,
+    alice: httpx.Client,
+    db: psycopg.Connection[tuple[Any, ...]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that sends half its body and goes (a killed agent, a cut network): the
+    hot paths' own handling (``deps.PlainRoute``) let starlette's ClientDisconnect reach
+    uvicorn, which logged it as an exception in the application (an agent's turn goes the
+    same way); nothing is done."""
+    import socket
+
+    host, port = core.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            "POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: {alice.headers['Authorization']}\r\n"
+            "Content-Length: 200\r\n\r\n".encode()
+            + b'{"name": "half'
+        )
+    assert alice.get("/v1/tasks").status_code == 200  # served on, after the one that went
+    time.sleep(0.2)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert tasks_in(db) == 0
 
 
 def test_a_chunked_body_over_the_limit_is_a_413(
