@@ -4,7 +4,7 @@ connection through ``db.tasks.submit_docs``, the backend's CPU a task over ``--r
 beside it, the same rows only read from their jsonb into ``core.tasks`` records (what the
 row format costs), and with ``--drop-indexes`` the statement again without any non-unique
 index of ``core.tasks`` and ``core.task_events`` (what the indexes cost). A fresh
-embedded PostgreSQL, migrated as the tests' template is.
+embedded PostgreSQL, migrated.
 
     .venv/bin/python bench/submit_statement.py [--size 1000] [--rounds 20] [--drop-indexes]
 """
@@ -30,11 +30,9 @@ from procstat import cpu_s
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
+from services.core import migrate
 from services.core.db import tasks as tasks_db
-from tests.conftest import _cheap_password_check, _in_memory
-from tests.support import MIGRATIONS, spec
-
-DATABASE = "bench_submit"
+from tests.support import spec
 
 # The rows read into records and nothing more (SUBMIT's first step).
 READ_ONLY = """SELECT count(*), sum(length(r.name))
@@ -79,17 +77,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--drop-indexes", action="store_true")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cairn-bench-submit-", dir=_in_memory()))
+    root = Path(tempfile.mkdtemp(prefix="cairn-bench-submit-"))
     server = EmbeddedPostgres(root / "pg", fast=True)
+    server.start()
     try:
-        server.start()
-        _cheap_password_check(server)
-        with psycopg.connect(libpq_url(server.url), autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {DATABASE}")
-        db_url = server.url.rsplit("/", 1)[0] + "/" + DATABASE
-        for upgrade in MIGRATIONS:
-            upgrade(db_url)
-        url = libpq_url(db_url)
+        migrate.upgrade(server.url)
+        url = libpq_url(server.url)
         specs = [
             TaskCreate.model_validate(spec(name=f"t{i}", labels={"team": "x"}))
             for i in range(args.size)
