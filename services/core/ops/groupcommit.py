@@ -35,6 +35,7 @@ from libs.common.errors import DATABASE_UNAVAILABLE, Unavailable
 from services.core.db import tasks as tasks_db
 from services.core.db.feed import Notifier, Work, notes_of
 from services.core.domain.sharing import FairShare
+from services.core.settings import CoreSettings
 
 log = logging.getLogger("cairn.core.groupcommit")
 
@@ -64,7 +65,7 @@ class GroupCommit:
     #: how submissions are stamped across flows (``CoreSettings.fair_share_rule``)
     fair: FairShare | None = None
     #: the longest a submission waits in line for its write to begin (then a 503)
-    wait_s: float = 4.0
+    wait_s: float = CoreSettings.model_fields["db_pool_timeout_s"].default
     max_group: int = MAX_GROUP
     _waiting: deque[_Waiting] = field(default_factory=deque)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
