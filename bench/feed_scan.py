@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql as pgsql
 from sqlalchemy.dialects.postgresql import psycopg as dialects
+from stack import core_database
 
 from libs.common import pipeline
 from libs.common.auth import Visibility
-from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
-from services.core import migrate
 from services.core.db import tasks as tasks_db
 from tests.support.plans import _numbered
 
@@ -108,7 +104,7 @@ def explain(
         sql: Any = pgsql.SQL("EXECUTE feed ({})").format(values)
         params = {}
     else:
-        sql = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
+        sql = pgsql.SQL(pipeline.driver_sql(clause, dialects.dialect()))  # type: ignore[no-untyped-call]
     try:
         if show:
             for (line,) in db.execute(pgsql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + sql, params):
@@ -136,40 +132,35 @@ def main() -> None:
     parser.add_argument("--show", default="", help="print the plans of cases so named")
     parser.add_argument("--generic", action="store_true", help="on the generic plan")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cairn-feed-"))
-    server = EmbeddedPostgres(root / "pg", fast=True)
-    server.start()
-    try:
-        migrate.upgrade(server.url)
-        with psycopg.connect(libpq_url(server.url), autocommit=True) as db:
-            fill(db, args.tasks)
-            [[lo, hi]] = db.execute("SELECT min(xid), max(xid) FROM core.task_events").fetchall()
-            middle = ((lo + hi) // 2, 0)
-            head = (hi - 1, 0)
-            cases = [
-                ("sparse, cursor 0", (0, 0), Visibility("sparse")),
-                ("sparse, cursor mid", middle, Visibility("sparse")),
-                ("sparse, cursor head", head, Visibility("sparse")),
-                ("team crew member, cursor 0", (0, 0), Visibility("nobody", frozenset({"crew"}))),
-                ("team crew member, mid", middle, Visibility("nobody", frozenset({"crew"}))),
-                ("sparse + crew, cursor 0", (0, 0), Visibility("sparse", frozenset({"crew"}))),
-                ("team big member, cursor 0", (0, 0), Visibility("nobody", frozenset({"big"}))),
-                ("team big member, head", head, Visibility("nobody", frozenset({"big"}))),
-                ("team mid member, cursor 0", (0, 0), Visibility("nobody", frozenset({"mid"}))),
-                ("u7 (67 tasks) + big, mid", middle, Visibility("u7", frozenset({"big"}))),
-                ("dense, cursor 0", (0, 0), Visibility("dense")),
-                ("dense, cursor mid", middle, Visibility("dense")),
-                ("admin, cursor head", head, None),
-                ("admin, cursor 0", (0, 0), None),
-            ]
-            events = db.execute("SELECT count(*) FROM core.task_events").fetchone()
-            print(json.dumps({"events": events[0] if events else 0, "xids": [lo, hi]}))
-            for name, after, who in cases:
-                show = bool(args.show and args.show in name)
-                print(f"{name:<30} {explain(db, after, who, show, args.generic)}")
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with (
+        core_database("cairn-feed-") as url,
+        psycopg.connect(libpq_url(url), autocommit=True) as db,
+    ):
+        fill(db, args.tasks)
+        [[lo, hi]] = db.execute("SELECT min(xid), max(xid) FROM core.task_events").fetchall()
+        middle = ((lo + hi) // 2, 0)
+        head = (hi - 1, 0)
+        cases = [
+            ("sparse, cursor 0", (0, 0), Visibility("sparse")),
+            ("sparse, cursor mid", middle, Visibility("sparse")),
+            ("sparse, cursor head", head, Visibility("sparse")),
+            ("team crew member, cursor 0", (0, 0), Visibility("nobody", frozenset({"crew"}))),
+            ("team crew member, mid", middle, Visibility("nobody", frozenset({"crew"}))),
+            ("sparse + crew, cursor 0", (0, 0), Visibility("sparse", frozenset({"crew"}))),
+            ("team big member, cursor 0", (0, 0), Visibility("nobody", frozenset({"big"}))),
+            ("team big member, head", head, Visibility("nobody", frozenset({"big"}))),
+            ("team mid member, cursor 0", (0, 0), Visibility("nobody", frozenset({"mid"}))),
+            ("u7 (67 tasks) + big, mid", middle, Visibility("u7", frozenset({"big"}))),
+            ("dense, cursor 0", (0, 0), Visibility("dense")),
+            ("dense, cursor mid", middle, Visibility("dense")),
+            ("admin, cursor head", head, None),
+            ("admin, cursor 0", (0, 0), None),
+        ]
+        events = db.execute("SELECT count(*) FROM core.task_events").fetchone()
+        print(json.dumps({"events": events[0] if events else 0, "xids": [lo, hi]}))
+        for name, after, who in cases:
+            show = bool(args.show and args.show in name)
+            print(f"{name:<30} {explain(db, after, who, show, args.generic)}")
 
 
 if __name__ == "__main__":

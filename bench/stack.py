@@ -127,6 +127,22 @@ def start_core(
 
 
 @contextlib.contextmanager
+def core_database(prefix: str) -> Iterator[str]:
+    """A fresh embedded PostgreSQL with the tests' settings (``fast``) in a temp folder,
+    core's schema migrated: its URL (SQLAlchemy's form); stopped and removed after. For a
+    benchmark of statements alone, with no core process."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    server = EmbeddedPostgres(root / "pg", fast=True)
+    url = server.start()
+    try:
+        core_migrate.upgrade(url)
+        yield url
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def core_stack(
     prefix: str, command: list[str] | None = None, port: int = 0, **core_env: str
 ) -> Iterator[Stack]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +21,12 @@ import orjson
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the tests' own settings
 
 from procstat import cpu_s
+from stack import core_database
 
-from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
-from services.core import migrate
 from services.core.db import tasks as tasks_db
 from tests.support import spec
 
@@ -77,12 +73,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--drop-indexes", action="store_true")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cairn-bench-submit-"))
-    server = EmbeddedPostgres(root / "pg", fast=True)
-    server.start()
-    try:
-        migrate.upgrade(server.url)
-        url = libpq_url(server.url)
+    with core_database("cairn-bench-submit-") as db_url:
+        url = libpq_url(db_url)
         specs = [
             TaskCreate.model_validate(spec(name=f"t{i}", labels={"team": "x"}))
             for i in range(args.size)
@@ -103,9 +95,6 @@ def main() -> None:
             _empty(url)
             bare = asyncio.run(_per_task_us(url, docs, args.rounds, read_only=False))
             print(f"the statement without {len(names)} non-unique indexes: {bare:.1f} µs a task")
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
