@@ -105,8 +105,7 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
     # can read its source (or its cancel). A hand-back puts it back in line at once, so it
     # may be read with its next attempt leased (``running``): that one is counted until it
     # is handed back too.
-    in_flight = 1 if jammed["state"] == "running" else 0
-    assert jammed["attempts"] == in_flight and jammed["state"] != "dead", jammed
+    assert _none_spent(jammed) and jammed["state"] != "dead", jammed
     # Each told core why (``hand_back_cause``): counted towards CAIRN_SOURCE_UNANSWERED_MAX.
     counted = db.execute("SELECT source_handbacks FROM core.tasks WHERE id = %s", (jammed["id"],))
     assert counted.fetchone()[0] >= 3
@@ -139,13 +138,19 @@ def test_a_source_under_a_fuse_mount_that_never_answers_is_handed_back(
         print(f"unanswered source: the hold was {left:.0f} s from its end; the source ran")
     else:
         after, rows = _handed_back(core, db, body, 1)
-        assert after["attempts"] == (1 if after["state"] == "running" else 0), after
+        assert _none_spent(after), after
         assert rows[0][0] == "handed_back", rows
         assert f"another start within {HUNG_SOURCE_HOLD_S:g} s" in rows[0][1], rows
         assert time.monotonic() - began < 10
     # The mount gone, the open and the check returned: counted out (the helper asked
     # again by the pulse, though it started nothing since).
     wait_for(lambda: _hung(db) == (0, 0), 30)
+
+
+def _none_spent(task: dict) -> bool:
+    """Whether the task spent no attempt but the one it may have leased now (counted while
+    it runs: a hand-back puts the task back in line at once)."""
+    return task["attempts"] == (1 if task["state"] == "running" else 0)
 
 
 def _hung(db) -> tuple[int, int]:

@@ -31,27 +31,22 @@ def _register(core: Core, name: str) -> tuple[httpx.Client, int]:
     return http, answer.json()["worker"]["id"]
 
 
-def _lock_waiters(db: DB) -> int:
+def _lock_waiters(db: DB, statement: str | None = None) -> int:
     """Sessions waiting for a table's lock: with the group commit off (below), only the data
-    pool's (the submissions' inserts, the promoter's moves), each holding its connection."""
+    pool's (the submissions' inserts, the promoter's moves), each holding its connection.
+    ``statement``: only those whose statement matches this regular expression."""
     row = db.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
         " AND wait_event_type = 'Lock' AND wait_event = 'relation'"
+        " AND (%(statement)s::text IS NULL OR query ~ %(statement)s)",
+        {"statement": statement},
     ).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def _inserts_waiting(db: DB) -> int:
-    """Submissions' statements waiting for a table's lock (``db.tasks``' submit statements,
-    one task's and many's, by how they begin)."""
-    row = db.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-        " AND wait_event_type = 'Lock' AND wait_event = 'relation'"
-        " AND query ~ '^\\s*WITH (stamped|input) AS'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
+#: ``db.tasks``' submit statements, one task's and many's, by how they begin
+SUBMITS = r"^\s*WITH (stamped|input) AS"
 
 
 def test_a_heartbeat_is_answered_while_submits_hold_every_data_connection(
@@ -165,7 +160,7 @@ def test_an_overloaded_core_refuses_a_request_before_its_client_gives_up(
             for thread in holders:
                 thread.start()
             if group_commit:  # the group's write waits on the lock
-                wait_for(lambda: _inserts_waiting(db) >= 1)
+                wait_for(lambda: _lock_waiters(db, SUBMITS) >= 1)
             else:
                 wait_for(lambda: _lock_waiters(db) >= DATA_POOL)
             with core.client("bob") as bob:
