@@ -1,8 +1,9 @@
 """What a page of the event feed costs PostgreSQL, by who reads and where their cursor is.
 
-    PYTHONPATH=TREE .venv/bin/python bench/feed_scan.py [--tasks 333334] [--generic]
+    .venv/bin/python TREE/bench/feed_scan.py [--tasks 333334] [--generic]
 
-A private PostgreSQL, migrated by TREE's core, is filled straight in SQL (no API) with
+A private PostgreSQL (``stack.core_database``: the script's own checkout, TREE, first on the
+path), migrated by TREE's core, is filled straight in SQL (no API) with
 ``--tasks`` finished tasks and three events each (1,000,002 events by default), in commit
 order: 30 % of the tasks are one dense owner's, the rest spread over 5,000 owners; the
 sparse owner has 10 tasks spread over the whole history; team ``crew`` owns 34 tasks of
