@@ -589,15 +589,27 @@ WITH picked AS (
 SELECT count(*) FROM moved
 """)
 
-# Guaranteed work waiting too long, less the tasks room is already being made for: the
-# latter as one hashed set (an OR inside NOT EXISTS was a nested loop of the whole
-# backlog by every open attempt: 570 ms a pass at 20,000 waiting, docs/benchmarks.md).
+# Guaranteed work waiting too long, less the tasks room is already being made for (as one
+# hashed set: an OR inside NOT EXISTS was a nested loop of the whole backlog by every open
+# attempt, 570 ms a pass at 20,000 waiting, docs/benchmarks.md), among the first
+# ``:line`` in line of each queue a live worker serves, in the claim's order
+# (``ix_tasks_waiting``): a pass reads at most that many rows a queue, however long the
+# backlog (it read and sorted every waiting task, 13 % of PostgreSQL's time beside batch
+# submits at 500,000 waiting). Work deeper in line waits for the line, not for room.
 _BLOCKED = text(f"""
-SELECT t.id, t.queue, t.cpu, t.memory_mb, t.devices, t.priority, t.placement
-FROM core.tasks t
-WHERE t.state = '{S.WAITING}' AND NOT t.preemptible
-  AND t.updated_at < now() - make_interval(secs => :after_s)
-  AND t.id NOT IN (
+SELECT b.id, b.queue, b.cpu, b.memory_mb, b.devices, b.priority, b.placement
+FROM unnest(CAST(:queues AS text[])) AS q(name)
+CROSS JOIN LATERAL (
+    SELECT t.id, t.queue, t.cpu, t.memory_mb, t.devices, t.priority, t.vtime, t.placement,
+           t.preemptible, t.updated_at
+    FROM core.tasks t
+    WHERE t.state = '{S.WAITING}' AND t.queue = q.name
+    ORDER BY t.priority DESC, t.vtime, t.id
+    LIMIT :line
+) b
+WHERE NOT b.preemptible
+  AND b.updated_at < now() - make_interval(secs => :after_s)
+  AND b.id NOT IN (
       SELECT a.preempted_by FROM core.attempts a
       WHERE a.outcome IS NULL AND a.preempted_by IS NOT NULL
       UNION ALL
@@ -605,9 +617,12 @@ WHERE t.state = '{S.WAITING}' AND NOT t.preemptible
       WHERE a.outcome IS NULL AND a.squeezed_for IS NOT NULL
         AND a.squeezed_at > now() - make_interval(secs => :after_s)
   )
-ORDER BY t.priority DESC, t.id
+ORDER BY b.priority DESC, b.vtime, b.id
 LIMIT :limit
 """)
+
+# How far into each queue's line the pass looks for blocked guaranteed work.
+BLOCKED_LINE = 1000
 
 _SQUEEZE = text("""
 UPDATE core.attempts SET squeezed_at = now(), squeezed_for = :task
@@ -673,14 +688,20 @@ async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
 
 
 async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
-    """For guaranteed tasks that have waited ``preempt_after_s`` and fit nowhere: squeeze,
-    then preempt, preemptible attempts on the worker where that costs least. The live
+    """For guaranteed tasks that have waited ``preempt_after_s`` and fit nowhere, among
+    the first ``BLOCKED_LINE`` in line of each queue a live worker serves: squeeze, then
+    preempt, preemptible attempts on the worker where that costs least. The live
     workers' attempts are read one by one only when such a task waits."""
-    blocked = list(await conn.execute(_BLOCKED, {"after_s": defaults.preempt_after_s, "limit": 50}))
+    live = await _live_workers(conn)
+    served = sorted({queue for w in live for queue in w.queues})
+    if not served:
+        return 0
+    params = {"queues": served, "after_s": defaults.preempt_after_s, "line": BLOCKED_LINE}
+    blocked = list(await conn.execute(_BLOCKED, {**params, "limit": 50}))
     if not blocked:
         return 0
     changed = 0
-    by_id = {n.worker_id: n for n in await live_nodes(conn)}
+    by_id = {n.worker_id: n for n in await nodes_of(conn, live)}
     for task in blocked:
         need = Amount(task.cpu, task.memory_mb, counts(task.devices))
         required = selectors.rules_of(task.placement).required
