@@ -207,16 +207,19 @@ def _cpu_ticks(pid: int) -> int:
 
 class CpuMeter:
     """CPU seconds used by groups of processes between ``start`` and ``stop``, the machine's
-    busy fraction, and the sessions PostgreSQL opened meanwhile."""
+    busy fraction, and how far PostgreSQL's counters (``counters``: sessions opened, WAL
+    written, checkpoints) moved meanwhile."""
 
     def __init__(
-        self, groups: dict[str, Callable[[], list[int]]], sessions: Callable[[], int]
+        self,
+        groups: dict[str, Callable[[], list[int]]],
+        counters: Callable[[], dict[str, int]],
     ) -> None:
         self.groups = groups
-        self.sessions = sessions
+        self.counters = counters
         self.before: dict[str, dict[int, int]] = {}
         self.machine_before = (0, 0)
-        self.sessions_before = 0
+        self.counters_before: dict[str, int] = {}
 
     def _snap(self) -> dict[str, dict[int, int]]:
         return {
@@ -226,7 +229,7 @@ class CpuMeter:
     def start(self) -> None:
         self.before = self._snap()
         self.machine_before = machine_ticks()
-        self.sessions_before = self.sessions()
+        self.counters_before = self.counters()
 
     def stop(self) -> dict[str, Any]:
         after = self._snap()
@@ -236,11 +239,13 @@ class CpuMeter:
             name: sum(t - self.before.get(name, {}).get(pid, 0) for pid, t in now.items()) / TICK
             for name, now in after.items()
         }
+        # PostgreSQL's counters lag by up to a second; a window of seconds absorbs it.
+        moved = {k: v - self.counters_before.get(k, 0) for k, v in self.counters().items()}
         return {
             "cpu_s": cpu,
             "machine_busy": (busy1 - busy0) / max(1, total1 - total0),
-            # PostgreSQL's counters lag by up to a second; a window of seconds absorbs it.
-            "pg_sessions_opened": self.sessions() - self.sessions_before,
+            "pg_sessions_opened": moved.pop("sessions"),
+            "pg": moved,
         }
 
 
@@ -403,11 +408,17 @@ class Bench:
         self.batch_body.write_text(json.dumps({"tasks": [spec] * self.args.batch_size}))
         self.stats = psycopg.connect(self.libpq, autocommit=True)
 
-    def _sessions(self) -> int:
+    def _counters(self) -> dict[str, int]:
+        """Sessions opened, WAL written (bytes, full-page images) and checkpoints done."""
+        self.stats.execute("SELECT pg_stat_force_next_flush()")
         row = self.stats.execute(
-            "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+            "SELECT (SELECT sessions FROM pg_stat_database WHERE datname = current_database()),"
+            " w.wal_bytes, w.wal_fpi, c.num_done"
+            " FROM pg_stat_wal w, pg_stat_checkpointer c"
         ).fetchone()
-        return int(row[0]) if row else 0
+        assert row is not None
+        keys = ("sessions", "wal_bytes", "wal_fpi", "checkpoints")
+        return {k: int(v or 0) for k, v in zip(keys, row, strict=True)}
 
     def _postgres_pids(self) -> list[int]:
         pid = self.pg.pid()
@@ -432,7 +443,7 @@ class Bench:
                 "server": lambda: [server.pid, *children(server.pid)],
                 "postgres": self._postgres_pids,
             },
-            self._sessions,
+            self._counters,
         )
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--loadgen", str(cfg_path)],
@@ -531,11 +542,14 @@ class Bench:
 
 
 def _progress(rnd: int, name: str, r: dict[str, Any]) -> None:
+    tasks = max(1, r["requests"] * r["tasks_per_request"])
+    pg = r["pg"]
     print(
         f"  round {rnd + 1} {name:10s}: {r['tasks_per_s']:8.0f} tasks/s"
         f"  p50 {r['p50_ms']:.2f} ms"
         f"  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  "
-        f"(other load {r['other_cores']:.2f} cores)",
+        f"(other load {r['other_cores']:.2f} cores); WAL {pg['wal_bytes'] / tasks:.0f} B"
+        f" and {pg['wal_fpi'] / tasks:.2f} page images a task, {pg['checkpoints']} checkpoints",
         flush=True,
     )
 
