@@ -28,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_s
 
+from libs.common import pipeline
 from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
 from services.core import migrate
-from services.core.db import pipeline
 from services.core.db import tasks as tasks_db
+from services.core.domain.sharing import FairShare
 
 SPEC = {
     "name": "bench-task",
@@ -52,7 +53,15 @@ def run(args: argparse.Namespace) -> None:
         url = pg.start()
         migrate.upgrade(url)
         doc = {**tasks_db._row_doc(TaskCreate.model_validate(SPEC)), "owner": "bench"}
-        one, batch = json.dumps([doc]), json.dumps([doc] * 1000)
+        fair = FairShare()
+        params = {
+            "quantum": 1.0,
+            "fair_share": fair.by,
+            "fair_half_life": fair.half_life_s,
+            "fair_unit": fair.unit_cpu_s,
+        }
+        one = {**params, "rows": json.dumps([doc]), "waits": json.dumps([None])}
+        batch = {**params, "rows": json.dumps([doc] * 1000), "waits": json.dumps([None] * 1000)}
         sql = pipeline.driver_sql(tasks_db.SUBMIT, postgresql_psycopg.dialect())  # type: ignore[no-untyped-call]
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             conn.execute(f"ALTER INDEX core.ix_tasks_labels SET (fastupdate = {args.fastupdate})")
@@ -62,7 +71,7 @@ def run(args: argparse.Namespace) -> None:
             while rows <= args.rows:
                 cpu0, wall0 = cpu_s(pid), time.perf_counter()
                 for _ in range(SAMPLE):
-                    conn.execute(sql, {"rows": one, "quantum": 1.0}).fetchall()
+                    conn.execute(sql, one).fetchall()
                 cpu1, wall1 = cpu_s(pid), time.perf_counter()
                 vacuums = conn.execute(
                     "SELECT autovacuum_count, autoanalyze_count FROM pg_stat_user_tables"
@@ -77,7 +86,7 @@ def run(args: argparse.Namespace) -> None:
                 )
                 rows += SAMPLE
                 for _ in range(args.step // 1000):
-                    conn.execute(sql, {"rows": batch, "quantum": 1.0}).fetchall()
+                    conn.execute(sql, batch).fetchall()
                 rows += args.step // 1000 * 1000
     finally:
         pg.stop()

@@ -1,7 +1,7 @@
 """What core's submit statement costs PostgreSQL a task, alone: batches of ``--size`` rows
 (``db.tasks.submission_docs`` of a common task, as core sends them) written by one
 connection through ``db.tasks.submit_docs``, the backend's CPU a task over ``--rounds``;
-beside it, the same rows only read from their jsonb into ``core.tasks`` records (what the
+beside it, the same rows only read from their JSON into ``core.tasks`` records (what the
 row format costs), and with ``--drop-indexes`` the statement again without any non-unique
 index of ``core.tasks`` and ``core.task_events`` (what the indexes cost). A fresh
 embedded PostgreSQL, migrated.
@@ -32,8 +32,7 @@ from tests.support import spec
 
 # The rows read into records and nothing more (SUBMIT's first step).
 READ_ONLY = """SELECT count(*), sum(length(r.name))
-FROM jsonb_array_elements(CAST(%s AS jsonb)) AS e(doc),
-     jsonb_populate_record(CAST(NULL AS core.tasks), e.doc) AS r"""
+FROM json_populate_recordset(CAST(NULL AS core.tasks), CAST(%s AS json)) AS r"""
 
 NON_UNIQUE = """SELECT indexrelid::regclass::text FROM pg_index
 WHERE indrelid IN ('core.tasks'::regclass, 'core.task_events'::regclass) AND NOT indisunique"""
@@ -81,7 +80,7 @@ def main() -> None:
         ]
         docs = tasks_db.submission_docs("bench", specs)
         size = len(orjson.dumps(docs)) / len(docs)
-        print(f"{args.size} rows a statement, {size:.0f} bytes of jsonb a row")
+        print(f"{args.size} rows a statement, {size:.0f} bytes of JSON a row")
         _empty(url)
         whole = asyncio.run(_per_task_us(url, docs, args.rounds, read_only=False))
         print(f"the submit statement: {whole:.1f} µs of PostgreSQL's CPU a task")

@@ -174,16 +174,21 @@ _STORE = f"""new AS (
 _NTH_OF_FLOW = """row_number() OVER (
     PARTITION BY clock.owner, clock.team, input.queue ORDER BY input.ord) - 1"""
 
-# Rows arrive as one jsonb array; ORDER BY ord makes identities follow the given order.
-# Each row is read as a core.tasks row (the keys it lacks NULL; ``vtime`` and ``state``
-# are set below), with the wait bound that is not a column: no list of columns and types
-# here keeps the statement under psycopg's 4,096-byte parse cache
-# (tests/integration/core/test_pipeline.py). A flow's reads are made once for its rows.
+# Rows arrive as one JSON array, each read as a core.tasks row (the keys it lacks NULL,
+# the keys that are no column ignored; ``vtime`` and ``state`` are set below), and the
+# wait bounds, which are no column, as a second array in the same order (``:waits``);
+# ORDER BY ord makes identities follow the given order. No list of columns and types here
+# keeps the statement under psycopg's 4,096-byte parse cache
+# (tests/integration/core/test_pipeline.py). ``json``, not ``jsonb``: read straight into
+# the records, not built into a document first, about 3 µs of PostgreSQL's CPU a row less
+# (docs/benchmarks.md, "Submit"). A flow's reads are made once for its rows.
 _SUBMIT = f"""
 WITH input AS (
-    SELECT r.*, CAST(e.doc->>'max_wait_s' AS integer) AS max_wait_s, e.ord
-    FROM jsonb_array_elements(CAST(:rows AS jsonb)) WITH ORDINALITY AS e(doc, ord),
-    jsonb_populate_record(CAST(NULL AS core.tasks), e.doc) AS r
+    SELECT r.*, CAST(w.wait AS integer) AS max_wait_s, r.ordinality AS ord
+    FROM json_populate_recordset(CAST(NULL AS core.tasks), CAST(:rows AS json))
+        WITH ORDINALITY AS r
+    JOIN json_array_elements_text(CAST(:waits AS json)) WITH ORDINALITY AS w(wait, n)
+        ON w.n = r.ordinality
 ), clock AS (
     SELECT {_FLOW_CLOCK}
     FROM (SELECT f.flow_owner AS owner, f.team, f.queue,
@@ -210,10 +215,9 @@ _SUBMIT_ONE = f"""
 WITH stamped AS (
     SELECT k.*, {_stamp("k", "0")} AS stamp
     FROM (SELECT {_FLOW_CLOCK}
-          FROM (SELECT r.*, CAST(e.doc->>'max_wait_s' AS integer) AS max_wait_s, 1 AS ord,
-                       {_flow_reads("r.owner", "r.team", "r.queue")}
-                FROM (SELECT CAST(:rows AS jsonb)->0 AS doc) e
-                CROSS JOIN jsonb_populate_record(CAST(NULL AS core.tasks), e.doc) AS r
+          FROM (SELECT r.*, CAST(CAST(:waits AS json)->>0 AS integer) AS max_wait_s,
+                       1 AS ord, {_flow_reads("r.owner", "r.team", "r.queue")}
+                FROM json_populate_recordset(CAST(NULL AS core.tasks), CAST(:rows AS json)) r
                 LEFT JOIN core.queues q ON q.name = r.queue
                 OFFSET 0) c) k
 ), {_STORE}"""
@@ -861,6 +865,7 @@ async def _store(
     fair = fair or FairShare()
     params = {
         "rows": jsonb(docs),
+        "waits": jsonb([doc.get("max_wait_s") for doc in docs]),
         "quantum": quantum_s,
         "fair_share": fair.by,
         "fair_half_life": fair.half_life_s,

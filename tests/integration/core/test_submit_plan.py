@@ -41,7 +41,7 @@ def _prepared(db: DB) -> None:
     for name, clause in (("submit_rows", tasks_db.SUBMIT), ("submit_one", tasks_db.SUBMIT_ONE)):
         text = pipeline.driver_sql(clause, dialects.dialect())  # type: ignore[no-untyped-call]
         db.execute(
-            sql.SQL("PREPARE {}(jsonb, float8, text, float8, float8) AS {}").format(
+            sql.SQL("PREPARE {}(json, float8, text, float8, float8, json) AS {}").format(
                 sql.Identifier(name),
                 sql.SQL(
                     text.replace("%(rows)s", "$1")
@@ -49,15 +49,21 @@ def _prepared(db: DB) -> None:
                     .replace("%(fair_share)s", "$3")
                     .replace("%(fair_half_life)s", "$4")
                     .replace("%(fair_unit)s", "$5")
+                    .replace("%(waits)s", "$6")
                 ),
             )
         )
 
 
+def _waits(rows: str) -> sql.Literal:
+    """The rows' wait bounds (none), as SUBMIT takes them beside the rows."""
+    return sql.Literal(json.dumps([None] * len(json.loads(rows))))
+
+
 def _submit(db: DB, rows: str, fair: str = "tasks") -> None:
     db.execute(
-        sql.SQL("EXECUTE submit_rows({}, 1.0, {}, 604800, 60)").format(
-            sql.Literal(rows), sql.Literal(fair)
+        sql.SQL("EXECUTE submit_rows({}, 1.0, {}, 604800, 60, {})").format(
+            sql.Literal(rows), sql.Literal(fair), _waits(rows)
         )
     )
 
@@ -68,8 +74,8 @@ def _spent(db: DB, rows: str, fair: str = "tasks") -> int:
     name = "submit_one" if len(json.loads(rows)) == 1 else "submit_rows"
     [[plan]] = db.execute(
         sql.SQL(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, 1.0, {}, 604800, 60)"
-        ).format(sql.Identifier(name), sql.Literal(rows), sql.Literal(fair))
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {}({}, 1.0, {}, 604800, 60, {})"
+        ).format(sql.Identifier(name), sql.Literal(rows), sql.Literal(fair), _waits(rows))
     ).fetchall()
     return _buffers(plan[0])
 
