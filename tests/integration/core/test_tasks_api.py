@@ -131,6 +131,35 @@ def test_batch_is_all_or_nothing(core: Core, db) -> None:
     assert [n for (n,) in names] == [f"t{i}" for i in range(10)]
 
 
+def test_a_batch_the_database_refuses_one_row_of_stores_none_of_it(core: Core, db) -> None:
+    # A batch without idempotency keys is one statement in autocommit: a row refused by
+    # the database (here a trigger) after the others were written takes them back too.
+    db.execute(
+        """CREATE FUNCTION core.refuse_t7() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+               IF NEW.name = 't7' THEN RAISE EXCEPTION 'refused by the test'; END IF;
+               RETURN NEW;
+           END $$"""
+    )
+    db.execute(
+        "CREATE TRIGGER refuse_t7 BEFORE INSERT ON core.tasks"
+        " FOR EACH ROW EXECUTE FUNCTION core.refuse_t7()"
+    )
+    with core.client() as alice:
+        answer = alice.post(
+            "/v1/tasks/batch", json={"tasks": [spec(name=f"t{i}") for i in range(10)]}
+        )
+        assert answer.status_code == 500, answer.text  # not the caller's fault
+        assert db.execute("SELECT count(*) FROM core.tasks").fetchone() == (0,)
+        assert db.execute("SELECT count(*) FROM core.task_events").fetchone() == (0,)
+        db.execute("DROP TRIGGER refuse_t7 ON core.tasks")
+        again = alice.post(
+            "/v1/tasks/batch", json={"tasks": [spec(name=f"t{i}") for i in range(10)]}
+        )
+    assert again.status_code == 201
+    assert db.execute("SELECT count(*) FROM core.tasks").fetchone() == (10,)
+
+
 def test_batch_conflict_rolls_back_every_task(core: Core, db) -> None:
     with core.client() as alice:
         alice.post("/v1/tasks", json=spec(idempotency_key="k"))
