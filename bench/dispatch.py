@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +306,8 @@ def main() -> None:
         )
         if r["pgqueuer"]:
             print(
-                f"pgqueuer, same run and server: {r['pgqueuer']['jobs']} jobs in "
+                f"pgqueuer {version('pgqueuer')}, same run and server: "
+                f"{r['pgqueuer']['jobs']} jobs in "
                 f"{r['pgqueuer']['elapsed_s']} s, {r['pgqueuer']['jobs_per_s']} jobs/s; "
                 f"cairn / pgqueuer = {r['ratio_to_pgqueuer']} (bar 1.0); CPU "
                 f"{r['pgqueuer']['cpu_ms_per_job']} ms a job (its process + PostgreSQL), "
