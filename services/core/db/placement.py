@@ -624,6 +624,12 @@ LIMIT :limit
 # How far into each queue's line the pass looks for blocked guaranteed work.
 BLOCKED_LINE = 1000
 
+# The queues some live worker serves (a few words, not a fleet's rows).
+_SERVED = text(f"""
+SELECT DISTINCT q.queue FROM core.workers w, unnest(w.queues) AS q(queue)
+WHERE w.state = '{Workers.LIVE}'
+""")
+
 _SQUEEZE = text("""
 UPDATE core.attempts SET squeezed_at = now(), squeezed_for = :task
 WHERE id = ANY(CAST(:ids AS bigint[])) AND outcome IS NULL AND squeezed_at IS NULL
@@ -692,8 +698,7 @@ async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     the first ``BLOCKED_LINE`` in line of each queue a live worker serves: squeeze, then
     preempt, preemptible attempts on the worker where that costs least. The live
     workers' attempts are read one by one only when such a task waits."""
-    live = await _live_workers(conn)
-    served = sorted({queue for w in live for queue in w.queues})
+    served = [row.queue for row in await conn.execute(_SERVED)]
     if not served:
         return 0
     params = {"queues": served, "after_s": defaults.preempt_after_s, "line": BLOCKED_LINE}
@@ -701,7 +706,7 @@ async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     if not blocked:
         return 0
     changed = 0
-    by_id = {n.worker_id: n for n in await nodes_of(conn, live)}
+    by_id = {n.worker_id: n for n in await live_nodes(conn)}
     for task in blocked:
         need = Amount(task.cpu, task.memory_mb, counts(task.devices))
         required = selectors.rules_of(task.placement).required
