@@ -493,7 +493,12 @@ class Agent:
             self.bridge.cancel()
         if self.sidecar is not None and self.sidecar.poll() is None:
             self.sidecar.terminate()
-            await asyncio.to_thread(self.sidecar.wait, 10)
+            try:
+                await asyncio.to_thread(self.sidecar.wait, 10)
+            except subprocess.TimeoutExpired:
+                log.error("the sidecar (pid %s) did not stop on SIGTERM: killed", self.sidecar.pid)
+                self.sidecar.kill()
+                await asyncio.to_thread(self.sidecar.wait)
 
     async def _work(self) -> None:
         self.working = True

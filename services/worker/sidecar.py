@@ -255,7 +255,11 @@ def main(argv: list[str] | None = None) -> None:
                 settings.home,
             )
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    # SIGTERM (the agent stopping it) ends it at once: it holds nothing to flush. Raised
+    # as SystemExit inside the loop instead, the loop's shutdown waited for its tasks to
+    # end and once never returned: a sidecar left sleeping after its agent and its test
+    # had gone (a fresh-clone CI run, 2026-12-07).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
 
