@@ -598,7 +598,8 @@ SELECT count(*) FROM moved
 # submits at 500,000 waiting). Work deeper in line waits for the line, not for room.
 _BLOCKED = text(f"""
 SELECT b.id, b.queue, b.cpu, b.memory_mb, b.devices, b.priority, b.placement
-FROM unnest(CAST(:queues AS text[])) AS q(name)
+FROM (SELECT DISTINCT s.name FROM core.workers w, unnest(w.queues) AS s(name)
+      WHERE w.state = '{Workers.LIVE}') AS q
 CROSS JOIN LATERAL (
     SELECT t.id, t.queue, t.cpu, t.memory_mb, t.devices, t.priority, t.vtime, t.placement,
            t.preemptible, t.updated_at
@@ -623,12 +624,6 @@ LIMIT :limit
 
 # How far into each queue's line the pass looks for blocked guaranteed work.
 BLOCKED_LINE = 1000
-
-# The queues some live worker serves (a few words, not a fleet's rows).
-_SERVED = text(f"""
-SELECT DISTINCT q.queue FROM core.workers w, unnest(w.queues) AS q(queue)
-WHERE w.state = '{Workers.LIVE}'
-""")
 
 _SQUEEZE = text("""
 UPDATE core.attempts SET squeezed_at = now(), squeezed_for = :task
@@ -698,11 +693,8 @@ async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:
     the first ``BLOCKED_LINE`` in line of each queue a live worker serves: squeeze, then
     preempt, preemptible attempts on the worker where that costs least. The live
     workers' attempts are read one by one only when such a task waits."""
-    served = [row.queue for row in await conn.execute(_SERVED)]
-    if not served:
-        return 0
-    params = {"queues": served, "after_s": defaults.preempt_after_s, "line": BLOCKED_LINE}
-    blocked = list(await conn.execute(_BLOCKED, {**params, "limit": 50}))
+    params = {"after_s": defaults.preempt_after_s, "line": BLOCKED_LINE, "limit": 50}
+    blocked = list(await conn.execute(_BLOCKED, params))
     if not blocked:
         return 0
     changed = 0

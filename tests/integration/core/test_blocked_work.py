@@ -93,8 +93,9 @@ def _reserved(db: DB, worker: int) -> int | None:
 def test_the_look_reads_the_head_of_each_served_line_in_the_claims_order(db: DB) -> None:
     _waiting(db, 3 * LINE)
     _waiting(db, 200, queue="unserved")
+    _worker(db)
     db.execute("ANALYZE core.tasks")
-    params = {"queues": ["default"], "after_s": 5.0, "line": LINE, "limit": 50}
+    params = {"after_s": 5.0, "line": LINE, "limit": 50}
     for generic in (False, True):
         plan = analyzed(db, placement._BLOCKED, params, generic=generic)
         read = [n for n in nodes(plan) if n.get("Relation Name") == "tasks"]
@@ -105,7 +106,8 @@ def test_the_look_reads_the_head_of_each_served_line_in_the_claims_order(db: DB)
     expected = [
         row[0]
         for row in db.execute(
-            "SELECT id FROM core.tasks WHERE queue = 'default' AND NOT preemptible"
+            "SELECT id FROM core.tasks WHERE queue = 'default' AND state = 'waiting'"
+            " AND NOT preemptible"
             " ORDER BY priority DESC, vtime, id LIMIT 50"
         )
     ]
