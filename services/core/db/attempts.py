@@ -1021,11 +1021,13 @@ FOR UPDATE OF t
 # Close the attempts, move their tasks (each guarded by its op's sources in the
 # transitions table and by still being the task's current attempt), append the events
 # fold the measured use into each kind's decaying peak, and keep the outputs the task
-# wrote: one statement for the batch, which comes as one jsonb array of records (cheaper
-# to send than an array per column). The rows are found through their primary keys.
+# wrote: one statement for the batch, which comes as one json array of records (cheaper
+# to send than an array per column), each without its null keys (``_finish_params``: a
+# key left out reads as NULL), read from json text (not first built into a jsonb
+# document). The rows are found through their primary keys.
 _FINISH = text(f"""
 WITH input AS MATERIALIZED (
-    SELECT * FROM jsonb_to_recordset(CAST(:input AS jsonb)) AS i(
+    SELECT * FROM json_to_recordset(CAST(:input AS json)) AS i(
         attempt_id bigint, task_id bigint, outcome text, exit_code integer, error text,
         peak_memory_mb float8, cpu_seconds float8, cores float8, log_tail text, owner text,
         name text, op text, target text, sources text, from_state text, reason text,
@@ -1310,7 +1312,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
         return item.cpu_seconds / max(float(row.ran_s), 1.0)
 
     def record(item: AttemptReport, row: Any, move: Move | None) -> dict[str, Any]:
-        return {
+        doc = {
             "attempt_id": item.attempt_id,
             "task_id": row.id,
             "outcome": item.outcome,
@@ -1337,6 +1339,7 @@ def _finish_params(batch: list[tuple[AttemptReport, Any, Move | None]]) -> dict[
             "log_bytes": item.log_bytes,
             "unanswered": int(move.unanswered) if move else 0,
         }
+        return {k: v for k, v in doc.items() if v is not None}
 
     return {"input": jsonb([record(*entry) for entry in batch]), "decay": DECAY}
 
