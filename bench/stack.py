@@ -127,12 +127,13 @@ def start_core(
 
 
 @contextlib.contextmanager
-def core_database(prefix: str) -> Iterator[str]:
-    """A fresh embedded PostgreSQL with the tests' settings (``fast``) in a temp folder,
-    core's schema migrated: its URL (SQLAlchemy's form); stopped and removed after. For a
-    benchmark of statements alone, with no core process."""
+def core_database(prefix: str, fast: bool = True) -> Iterator[str]:
+    """A fresh embedded PostgreSQL in a temp folder, with the tests' settings (``fast``:
+    no fsync) unless ``fast`` is False, core's schema migrated: its URL (SQLAlchemy's
+    form); stopped and removed after. For a benchmark of statements alone, with no core
+    process."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
-    server = EmbeddedPostgres(root / "pg", fast=True)
+    server = EmbeddedPostgres(root / "pg", fast=fast)
     url = server.start()
     try:
         core_migrate.upgrade(url)

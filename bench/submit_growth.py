@@ -3,38 +3,34 @@
     .venv/bin/python bench/submit_growth.py [--rows 1000000] [--step 200000]
                                             [--fastupdate on|off] [--durable]
 
-A fresh embedded PostgreSQL (``--fast`` settings unless ``--durable``), migrated. On one
-connection: 2,000 single submits (``tasks_db.SUBMIT`` of one task, as ``POST /v1/tasks``
-sends it), timed by the backend's own CPU (``/proc/<pid>/stat``) and by the wall clock;
-then ``--step`` tasks added in batches of 1,000; again, until ``--rows``. Each line also
-shows how many autovacuums and autoanalyzes of ``core.tasks`` have run so far.
-``--fastupdate`` sets the labels GIN index's pending list on or off first.
+A fresh embedded PostgreSQL (``--fast`` settings unless ``--durable``), migrated
+(``stack.core_database``). On one connection, submissions stored as core stores them
+(``tasks_db.submit_docs``: the statement and its parameters are core's own): 2,000
+single submits (one task a statement, as ``POST /v1/tasks`` sends a lone one), timed by
+the backend's own CPU (``/proc/<pid>/stat``) and by the wall clock; then ``--step``
+tasks added in batches of 1,000; again, until ``--rows``. Each line also shows how many
+autovacuums and autoanalyzes of ``core.tasks`` have run so far. ``--fastupdate`` sets
+the labels GIN index's pending list on or off first.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
+import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psycopg
-from sqlalchemy.dialects.postgresql import psycopg as postgresql_psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from procstat import cpu_s
+from stack import core_database
 
-from libs.common import pipeline
-from libs.common.embedded import EmbeddedPostgres
 from libs.common.models import TaskCreate
 from libs.common.settings import libpq_url
-from services.core import migrate
 from services.core.db import tasks as tasks_db
-from services.core.domain.sharing import FairShare
 
 SPEC = {
     "name": "bench-task",
@@ -46,37 +42,25 @@ SPEC = {
 SAMPLE = 2000
 
 
-def run(args: argparse.Namespace) -> None:
-    work = Path(tempfile.mkdtemp(prefix="cairn-growth-"))
-    pg = EmbeddedPostgres(work / "pg", fast=not args.durable)
-    try:
-        url = pg.start()
-        migrate.upgrade(url)
-        doc = {**tasks_db._row_doc(TaskCreate.model_validate(SPEC)), "owner": "bench"}
-        fair = FairShare()
-        params = {
-            "quantum": 1.0,
-            "fair_share": fair.by,
-            "fair_half_life": fair.half_life_s,
-            "fair_unit": fair.unit_cpu_s,
-        }
-        one = {**params, "rows": json.dumps([doc]), "waits": json.dumps([None])}
-        batch = {**params, "rows": json.dumps([doc] * 1000), "waits": json.dumps([None] * 1000)}
-        sql = pipeline.driver_sql(tasks_db.SUBMIT, postgresql_psycopg.dialect())  # type: ignore[no-untyped-call]
-        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
-            conn.execute(f"ALTER INDEX core.ix_tasks_labels SET (fastupdate = {args.fastupdate})")
-            row = conn.execute("SELECT pg_backend_pid()").fetchone()
-            assert row is not None
-            pid, rows = int(row[0]), 0
+async def run(args: argparse.Namespace) -> None:
+    with core_database("cairn-growth-", fast=not args.durable) as url:
+        [doc] = tasks_db.submission_docs("bench", [TaskCreate.model_validate(SPEC)])
+        conn = await psycopg.AsyncConnection.connect(libpq_url(url), autocommit=True)
+        try:
+            await conn.execute(
+                f"ALTER INDEX core.ix_tasks_labels SET (fastupdate = {args.fastupdate})"
+            )
+            pid, rows = conn.info.backend_pid, 0
             while rows <= args.rows:
                 cpu0, wall0 = cpu_s(pid), time.perf_counter()
                 for _ in range(SAMPLE):
-                    conn.execute(sql, one).fetchall()
+                    await tasks_db.submit_docs(conn, [doc], 1.0)
                 cpu1, wall1 = cpu_s(pid), time.perf_counter()
-                vacuums = conn.execute(
+                found = await conn.execute(
                     "SELECT autovacuum_count, autoanalyze_count FROM pg_stat_user_tables"
                     " WHERE schemaname = 'core' AND relname = 'tasks'"
-                ).fetchone()
+                )
+                vacuums = await found.fetchone()
                 print(
                     f"fastupdate={args.fastupdate} rows={rows:>9,}"
                     f"  backend CPU {(cpu1 - cpu0) / SAMPLE * 1e6:5.0f} us/submit"
@@ -86,11 +70,10 @@ def run(args: argparse.Namespace) -> None:
                 )
                 rows += SAMPLE
                 for _ in range(args.step // 1000):
-                    conn.execute(sql, batch).fetchall()
+                    await tasks_db.submit_docs(conn, [doc] * 1000, 1.0)
                 rows += args.step // 1000 * 1000
-    finally:
-        pg.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        finally:
+            await conn.close()
 
 
 def main() -> None:
@@ -101,7 +84,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=200_000)
     parser.add_argument("--fastupdate", choices=("on", "off"), default="on")
     parser.add_argument("--durable", action="store_true", help="fsync and synchronous_commit on")
-    run(parser.parse_args())
+    asyncio.run(run(parser.parse_args()))
 
 
 if __name__ == "__main__":
