@@ -8,10 +8,12 @@ import asyncio
 import gc
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import uvicorn
+from pydantic.warnings import UnsupportedFieldAttributeWarning
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from libs.common import logs, tracing
@@ -44,6 +46,7 @@ def main(
     parser.add_argument("--port", type=int, help=f"listening port (CAIRN_{name.upper()}_PORT)")
     parser.add_argument("--host", help="listening address (CAIRN_BIND_HOST)")
     args = parser.parse_args(argv)
+    quiet_fastapi_aliases()
     port_field = f"{name}_port"
     overrides = {
         k: v for k, v in {port_field: args.port, "bind_host": args.host}.items() if v is not None
@@ -125,6 +128,7 @@ def app_from_environment(
     name: str, settings_class: type[S], create_app: Callable[[S, str], Any], freeze: bool
 ) -> Any:
     """A worker process's app, from the environment ``main`` set (migrated already)."""
+    quiet_fastapi_aliases()
     settings = load(settings_class, f"cairn {name}")
     logs.setup(name, settings.log_level)
     tracing.setup(name)
@@ -132,6 +136,21 @@ def app_from_environment(
     if freeze:
         _freeze()
     return app
+
+
+def quiet_fastapi_aliases() -> None:
+    """Silence pydantic's false alarm about FastAPI's request parameters: FastAPI gives
+    each body parameter a ``Field`` with an alias (the parameter's name) and applies the
+    alias itself, and pydantic 2.12 and later warns, at the first request of each route
+    and again for the OpenAPI document, that such an alias "has no effect" (pydantic
+    issue 12356; FastAPI silences it for headers only). A service printed one for each
+    of its routes with a body. Only this message about an alias is silenced."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The '(validation_|serialization_)?alias' attribute with value .* was provided "
+        r"to the `Field\(\)` function",
+        category=UnsupportedFieldAttributeWarning,
+    )
 
 
 def _freeze() -> None:
