@@ -97,10 +97,12 @@ class Up:
         self.core = httpx.Client(base_url=self.core_url, headers=headers, timeout=30)
         self.dag = httpx.Client(base_url=self.dag_url, headers=headers, timeout=30)
 
-    def cpu(self) -> dict[str, float]:
+    def cpu(self, *, end: bool = False) -> dict[str, float]:
         """CPU seconds so far of each service (core, dag, the worker agent with its spawn
         helpers and the attempts it reaped, PostgreSQL's postmaster and backends) and of
-        the whole machine."""
+        the whole machine. The machine's is read before the walks of ``/proc`` at the
+        window's ``end`` and after them at its start, so that their cost is not in it."""
+        machine = machine_busy_s() if end else None
         pids = {
             name: pid
             for name, pid, _ in json.loads((self.home / "up.json").read_text())["services"]
@@ -112,7 +114,7 @@ class Up:
             "dag": cpu_s(pids["dag"]),
             "agent": cpu_s(agent) + helpers_cpu_s(agent) + reaped_cpu_s(agent),
             "postgres": cpu_s(pg) + children_cpu_s(pg),
-            "machine": machine_busy_s(),
+            "machine": machine if machine is not None else machine_busy_s(),
         }
 
     def stop(self) -> None:
@@ -208,9 +210,10 @@ def main() -> None:
             {"name": f"n{i}", "task": task, "depends_on": [f"n{i - 1}"]}
             for i in range(1, args.chain)
         ]
-        before, looks = up.cpu(), _looks(up)
+        looks = _looks(up)
+        before = up.cpu()
         took, run = _run(up, "chain", chain, 30 + args.chain)
-        after, looked = up.cpu(), _looks(up)
+        after, looked = up.cpu(end=True), _looks(up)
         print(
             f"chain of {args.chain} ({args.program}): {run['state']} in {took:.2f} s, "
             f"{took / args.chain * 1000:.1f} ms a hop (bar: 10 s for 400)"
