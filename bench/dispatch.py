@@ -45,7 +45,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet import pg_cpu_s
 from procstat import cpu_s
-from stack import core_stack
+from stack import core_stack, paused
 
 from libs.common.client import CoreClient
 from libs.common.models import AttemptReport, ClaimRequest, TaskCreate, Turn, WorkerRegister
@@ -234,9 +234,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cairn_rates = rates(began, done)
         pgq = None
         if not args.skip_pgqueuer:
-            pgq = await pgqueuer_drain(
-                stack.database_url, args.tasks, args.pgq_batch, stack.postmaster_pid
-            )
+            with paused(stack.core_pid):
+                pgq = await pgqueuer_drain(
+                    stack.database_url, args.tasks, args.pgq_batch, stack.postmaster_pid
+                )
         with psycopg.connect(libpq_url(stack.database_url)) as conn:
             states = dict(conn.execute("SELECT state, count(*) FROM core.tasks GROUP BY 1"))
             attempts = conn.execute(

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import PROGRAMS, Floor, Runner, describe, ratio
 from procstat import children_cpu_s, cpu_s, helpers_cpu_s, machine_busy_s, reaped_cpu_s
 from rawhttp import Conn, request_bytes
-from stack import Stack, core_stack, exit_on_sigterm
+from stack import Stack, core_stack, exit_on_sigterm, paused
 
 from libs.common.settings import libpq_url
 from services.core import admin
@@ -501,7 +501,8 @@ async def against_floor(
     cpu = {name: (after[name] - before[name]) * 1000 / count for name in after}
     cairn_cpu = cpu["agent"] + cpu["reaped"] + cpu["helpers"]
     wall = (max(ended) - began) * 1000 / len(ended) if ended else 0.0
-    queue = await _queue_floor(stack, count)
+    with paused(stack.core_pid, agent_pid):  # their idle loops are not the floor's
+        queue = await _queue_floor(stack, count)
     whole = floor.cpu_ms + queue["cpu_ms"] if floor.spawns and queue else None
     return {
         "program": " ".join(command),

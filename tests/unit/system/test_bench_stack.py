@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -139,3 +140,26 @@ def test_a_second_signal_during_clean_up_does_not_cut_it_short(tmp_path: Path) -
                 shutil.rmtree(started.root, ignore_errors=True)
         if pidfile.exists() and _alive(pid := int(pidfile.read_text())):
             os.kill(pid, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def test_paused_stops_the_benchs_processes_and_lets_them_go_on_whatever_happens() -> None:
+    """``paused``: a peer measured on the same server while core's loops would share it
+    (``bench/dispatch.py``, ``bench/e2e.py``); core goes on after, also when the
+    measurement fails."""
+    stack = _load()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        with stack.paused(proc.pid):
+            assert _state(proc.pid) == "T"
+        assert _state(proc.pid) in ("S", "R")
+        with pytest.raises(RuntimeError), stack.paused(proc.pid):
+            assert _state(proc.pid) == "T"
+            raise RuntimeError("the peer failed")
+        assert _state(proc.pid) in ("S", "R")
+    finally:
+        proc.kill()
+        proc.wait()
