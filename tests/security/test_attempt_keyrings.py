@@ -28,17 +28,27 @@ SESSION, USER = -3, -4
 def keyctl(*args):
     return libc.syscall(250, *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
 
-rings = {{"session": SESSION, "user": USER, "persistent": keyctl(22, -1, SESSION)}}
-for name, ring in rings.items():
-    if sys.argv[1] == "write":
-        made = libc.syscall(248, b"user", b"cairn-" + name.encode(), b"secret-of-" + name.encode(),
-                            ctypes.c_long(len(b"secret-of-" + name.encode())), ctypes.c_long(ring))
-        print("wrote", name, made, ctypes.get_errno(), "uid", os.getuid())
-    else:
-        key = keyctl(10, ring, b"user", b"cairn-" + name.encode(), 0)
-        data = ctypes.create_string_buffer(64)
-        got = keyctl(11, key, data, 64) if key > 0 else -1
-        print("read", name, key, got, data.value.decode() or "nothing", "uid", os.getuid())
+# "own" and "read": a session keyring of the task's own first (as "keyctl session" makes
+# one): the one it inherits is sealed (seen, not searched nor written), and only a
+# keyring linked from one's own session keyring is one's to write ("own" writes, then
+# reads back)
+own = sys.argv[1] in ("own", "read")
+if own:
+    print("joined", keyctl(1, None), ctypes.get_errno())
+rings = {{"session": SESSION, "user": USER, "persistent": keyctl(22, -1, SESSION if own else USER)}}
+steps = {{"write": ["write"], "read": ["read"], "own": ["write", "read"]}}[sys.argv[1]]
+for step in steps:
+    for name, ring in rings.items():
+        if step == "write":
+            secret = b"secret-of-" + name.encode()
+            made = libc.syscall(248, b"user", b"cairn-" + name.encode(), secret,
+                                ctypes.c_long(len(secret)), ctypes.c_long(ring))
+            print("wrote", name, made, ctypes.get_errno(), "uid", os.getuid())
+        else:
+            key = keyctl(10, ring, b"user", b"cairn-" + name.encode(), 0)
+            data = ctypes.create_string_buffer(64)
+            got = keyctl(11, key, data, 64) if key > 0 else -1
+            print("read", name, key, got, data.value.decode() or "nothing", "uid", os.getuid())
 PY"""
 
 
@@ -46,6 +56,7 @@ PY"""
 FILL = """python3 - <<'PY'
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(250, ctypes.c_long(1), None)  # a session keyring of its own to link it from
 ring = libc.syscall(250, ctypes.c_long(22), ctypes.c_long(-1), ctypes.c_long(-3))
 made = 0
 while libc.syscall(248, b"user", b"k%d" % made, b"x" * 90, ctypes.c_long(90), ctypes.c_long(ring)) > 0:
@@ -75,8 +86,9 @@ def test_a_key_one_attempt_stores_is_found_by_no_other(
     possessing a keyring grants its possessor's rights whatever the uid: an attempt
     stored a key there and an attempt of another uid read it. A uid's user and
     persistent keyrings outlive its processes: the next attempt given the uid read what
-    the last one left there. Each attempt joins a session keyring of its own now, and
-    finds its uid's keyrings emptied."""
+    the last one left there. Each spawn helper's attempts inherit a session keyring the
+    helper sealed now (seen, not written), and find their uid's keyrings emptied; a task
+    that wants a session keyring makes its own."""
     if platform.machine() != "x86_64":
         pytest.skip("the tasks call keyctl(2) by its x86-64 number")
     index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
@@ -84,9 +96,16 @@ def test_a_key_one_attempt_stores_is_found_by_no_other(
     uids = f"{first}-{first + 1}"
     agents.append(Agent(core, tmp_path / "w", session_keyring=True, CAIRN_WORKER_UIDS=uids))
     try:
-        writer = run(core, shell(PROGRAM.format(mode="write")))
-        assert writer["state"] == "succeeded", writer["log"]
-        assert writer["log"].count("wrote") == 3, writer["log"]
+        writer = run(core, shell(PROGRAM.format(mode="own")))
+        log = writer["log"]
+        assert writer["state"] == "succeeded", log
+        for ring in ("session", "user", "persistent"):
+            assert re.search(rf"wrote {ring} \d+ ", log), log
+            # Found again (the user keyring's key is the owner's to see, not to read:
+            # it is not linked from the session keyring).
+            assert re.search(rf"read {ring} \d+ ", log), log
+        for ring in ("session", "persistent"):
+            assert re.search(rf"read {ring} \d+ \d+ secret-of-{ring} ", log), log
         [uid] = set(re.findall(r"uid (\d+)", writer["log"]))
         # The least recently used uid first (another uid), then the writer's again.
         readers = [run(core, shell(PROGRAM.format(mode="read"))) for _ in range(2)]
@@ -94,13 +113,22 @@ def test_a_key_one_attempt_stores_is_found_by_no_other(
         assert seen[0] != {uid} and seen[1] == {uid}, seen
         for reader in readers:
             assert reader["state"] == "succeeded", reader["log"]
-            assert "secret-of" not in reader["log"], reader["log"]
+            for ring in ("session", "user", "persistent"):  # nothing found, let alone read
+                assert f"read {ring} -1 -1 nothing" in reader["log"], reader["log"]
+        # The session keyring every attempt of a spawn helper inherits is sealed: seen,
+        # not written (EACCES), so there is nothing in it to share; nor is the uid's
+        # persistent keyring written through a keyring the task does not possess.
+        sealed = run(core, shell(PROGRAM.format(mode="write")))
+        assert sealed["state"] == "succeeded", sealed["log"]
+        assert re.search(r"wrote session -1 13 ", sealed["log"]), sealed["log"]
+        assert re.search(r"wrote user \d+ ", sealed["log"]), sealed["log"]
+        assert re.search(r"wrote persistent -1 13 ", sealed["log"]), sealed["log"]
         # An attempt that fills its uid's key quota keeps no later one of the uid from
-        # starting (its session keyring is root's to make; the uid's are emptied).
+        # starting (the session keyring it inherits is root's; the uid's are emptied).
         full = run(core, shell(FILL))
         assert full["state"] == "succeeded" and "errno 122" in full["log"], full["log"]
         [filled] = set(re.findall(r"uid (\d+)", full["log"]))
-        after = [run(core, shell(PROGRAM.format(mode="write"))) for _ in range(2)]
+        after = [run(core, shell(PROGRAM.format(mode="own"))) for _ in range(2)]
         assert any(f"uid {filled}" in a["log"] for a in after), [a["log"] for a in after]
         assert all(a["state"] == "succeeded" for a in after), [a["log"] for a in after]
     finally:
