@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import warnings
@@ -16,7 +15,7 @@ import uvicorn
 from pydantic.warnings import UnsupportedFieldAttributeWarning
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from libs.common import logs, tracing
+from libs.common import logs, procs, tracing
 from libs.common.corked import Corked
 from libs.common.embedded import database_url
 from libs.common.settings import CairnSettings, load
@@ -78,7 +77,7 @@ def main(
         return
     app = create_app(settings, url)
     if freeze:
-        _freeze()
+        procs.settle_collector()
     _Server(uvicorn.Config(app, **options), app).run()
 
 
@@ -134,7 +133,7 @@ def app_from_environment(
     tracing.setup(name)
     app = create_app(settings, database_url(settings.home, settings.database_url))
     if freeze:
-        _freeze()
+        procs.settle_collector()
     return app
 
 
@@ -151,11 +150,3 @@ def quiet_fastapi_aliases() -> None:
         r"to the `Field\(\)` function",
         category=UnsupportedFieldAttributeWarning,
     )
-
-
-def _freeze() -> None:
-    # Requests allocate many short-lived objects: collect the young generation far less
-    # often, and keep what start-up built out of every collection.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)

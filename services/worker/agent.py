@@ -28,7 +28,7 @@ import httpx
 import orjson
 from pydantic_core import PydanticSerializationError
 
-from libs.common import logs, tracing, waits
+from libs.common import logs, procs, tracing, waits
 from libs.common.client import CoreClient
 from libs.common.errors import (
     CairnError,
@@ -1512,6 +1512,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"cairn worker: {exc}")
     for note in notes:
         log.info("isolation: %s", note)
+    procs.settle_collector()
 
     async def run() -> None:
         # Folders, copies and removals of many attempts at once, each blocked on the disk
