@@ -4,27 +4,19 @@ the ratio the benchmarks print is Cairn's figure over it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from tests.support.bench import load
 
 
 @pytest.fixture(scope="module")
 def floor() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_floor", BENCH / "floor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load("floor")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the floor is compiled with cc")

@@ -5,30 +5,18 @@ inside the window of the machine's figure (``bench/e2e.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from tests.support.bench import load
 
 # Spends some CPU, says so, then waits for its stdin to close (a builtin: no child).
 _BUSY = "i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done; echo spent; read line"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_procstat", BENCH / "procstat.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -58,7 +46,7 @@ def busy(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], subprocess.Pop
 def test_a_helpers_cpu_is_counted_and_no_other_childs(
     busy: tuple[subprocess.Popen[str], subprocess.Popen[str]],
 ) -> None:
-    procstat = _load()
+    procstat = load("procstat")
     helper, other = busy
     table = procstat.processes()
     assert table[helper.pid] == (os.getpid(), "cairn-spawn-t")
@@ -78,7 +66,7 @@ def test_one_walk_of_proc_for_all_helpers(
 ) -> None:
     """``/proc`` is walked once, whatever the number of helpers, not once more for each
     helper's own children."""
-    procstat = _load()
+    procstat = load("procstat")
     walks = 0
     real = procstat.processes
 

@@ -6,7 +6,6 @@ running against its removed database, retrying forever."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -15,30 +14,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import Any
 
 import pytest
 
 from libs.common.embedded import EmbeddedPostgres
-
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from tests.support.bench import load
 
 # Never ready: it writes its pid and sleeps (nothing listens on the port asked).
 _SLEEPER = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_stack", BENCH / "stack.py")
-    assert spec is not None and spec.loader is not None
-    stack = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = stack  # dataclasses look their module up
-    spec.loader.exec_module(stack)
-    return stack
-
-
 def test_a_bench_stopped_while_its_service_starts_leaves_no_process(tmp_path: Path) -> None:
-    stack = _load()
+    stack = load("stack")
     pidfile = tmp_path / "pid"
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -113,7 +102,7 @@ def test_a_second_signal_during_clean_up_does_not_cut_it_short(tmp_path: Path) -
     stop: ``core_stack`` still stops core and PostgreSQL and removes its folder (the
     second signal used to cut the clean-up short in ``proc.wait``, PostgreSQL left
     running), then the benchmark stops."""
-    stack = _load()
+    stack = load("stack")
     pidfile = tmp_path / "pid"
     port = stack.free_port()
     core = [sys.executable, "-c", _SLOW_CORE, str(pidfile), str(port)]
@@ -150,7 +139,7 @@ def test_paused_stops_the_benchs_processes_and_lets_them_go_on_whatever_happens(
     """``paused``: a peer measured on the same server while core's loops would share it
     (``bench/dispatch.py``, ``bench/e2e.py``); core goes on after, also when the
     measurement fails."""
-    stack = _load()
+    stack = load("stack")
     proc = subprocess.Popen(["sleep", "60"])
     try:
         with stack.paused(proc.pid):
