@@ -248,9 +248,10 @@ static void fail(int status_fd, enum step step) {
  * keyring grants its possessor's rights whatever the uid. So the attempt inherits the
  * one this process made and sealed at its start (seal_keyring, below); where that could
  * not be, it joins one of its own as root (before the uid is dropped: charged to root's
- * quota, so a uid whose quota an earlier attempt filled still gets one). Then, as its
- * uid, its user, user-session and persistent keyrings emptied of what an earlier attempt
- * of the uid left there: they outlive their processes (the persistent one for
+ * quota, so a uid whose quota an earlier attempt filled still gets one). Then its uid's
+ * user, user-session and persistent keyrings emptied of what an earlier attempt of the
+ * uid left there (empty_persistent, empty_keyrings): they outlive their processes (the
+ * persistent one for
  * kernel.keys.persistent_keyring_expiry). One the uid's quota has no room to make did
  * not exist, so held nothing (EDQUOT); nothing to do without keys in the kernel
  * (ENOSYS) or persistent keyrings (EOPNOTSUPP), nor where a seccomp filter refuses
@@ -271,9 +272,10 @@ static int join_keyring(void) {
 }
 /* Set (sealed_keyring) when this process's session keyring, which its attempts inherit,
  * is one it made at its start and sealed: root's, and its possessors (the attempts) may
- * only see that it is there (KEY_POS_VIEW: no search, read, write, link, invalidation or
- * change of its rights), so no attempt stores anything there for another to find, nor
- * spoils it for the next. Then an attempt joins no keyring of its own: each one made and
+ * see it (KEY_POS_VIEW) but not search, write, link, invalidate it or change its rights,
+ * so no attempt stores anything there for another to find, nor spoils it for the next.
+ * (A possessor may list what it links: nothing, but for the moment root empties a
+ * persistent keyring through it, whose keys no one who cannot search it reaches.) Then an attempt joins no keyring of its own: each one made and
  * freed at its end had the kernel's key collector walk every key on the host (each uid
  * handed out keeps its user and user-session keyrings for good: 30,000 keys after a pool
  * of 10,000 uids went round; 0.25-0.3 ms of a kworker's CPU a start, and 0.2 ms of the
