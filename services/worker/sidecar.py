@@ -36,17 +36,46 @@ log = logging.getLogger("cairn.sidecar")
 
 
 def _orphans_killed(shared: dict[str, Any]) -> None:
-    """Kill every process the agent's attempts left: process groups, cgroups, uids."""
+    """Kill every process the agent's attempts left: their cgroups, their uids, and the
+    process groups of those that run as the agent's own uid (no uid of their own).
+
+    A group is not killed by its id alone: a leader its spawn helper reaped stays on the
+    board until the agent hears of its exit, and by then its pid may lead another
+    process's group (pids wrap at ``pid_max``, 32,768 by default, and every PostgreSQL
+    backend leads a group of its own): only the group's processes of the agent's uid
+    are killed. An attempt with a uid of its own is reached, all of it, through its uid
+    (no_new_privs: none of its processes runs as another)."""
     attempts: dict[str, int] = shared.get("attempts", {})
-    for pid in attempts.values():
-        if pid > 0:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+    uids: dict[str, int] = shared.get("uids", {})
+    _groups_killed({pid for attempt, pid in attempts.items() if pid > 0 and attempt not in uids})
     for folders in shared.get("cgroups", {}).values():
         for folder in folders[:1]:
             AttemptCgroup("v1", {"": Path(folder)}).kill_all()
-    for uid in shared.get("uids", {}).values():
+    for uid in uids.values():
         kill_every_process_of(Identity(int(uid), int(uid)))
+
+
+def _groups_killed(groups: set[int]) -> None:
+    """SIGKILL the processes of these process groups that run as this process's uid."""
+    if not groups:
+        return
+    mine = os.geteuid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rpartition(")")[2].split()
+            if int(fields[2]) in groups and _euid(entry.name) == mine:
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _euid(pid: str) -> int | None:
+    """The process's effective uid (``/proc/PID/status``: its folder's owner is root for
+    a process that is not dumpable)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[2])
+    return None
 
 
 def hung_after(hang_s: float) -> float:
