@@ -307,7 +307,11 @@ def _cpu_counters(stack: Stack, agent_pid: int, *, end: bool = False) -> dict[st
     counted): they are made outside the window of this process's own CPU and the
     machine's, after reading those at the window's start and before them at its
     ``end``."""
-    edges = {} if not end else {"machine": machine_busy_s(), "bench": cpu_s(os.getpid())}
+
+    def edges() -> dict[str, float]:
+        return {"bench": cpu_s(os.getpid()), "machine": machine_busy_s()}
+
+    first = edges() if end else {}
     counters = {
         "agent": cpu_s(agent_pid),
         "reaped": reaped_cpu_s(agent_pid),
@@ -315,9 +319,7 @@ def _cpu_counters(stack: Stack, agent_pid: int, *, end: bool = False) -> dict[st
         "core": cpu_s(stack.core_pid) + children_cpu_s(stack.core_pid),
         "postgres": cpu_s(stack.postmaster_pid) + children_cpu_s(stack.postmaster_pid),
     }
-    if not end:
-        edges = {"bench": cpu_s(os.getpid()), "machine": machine_busy_s()}
-    return {**counters, **edges}
+    return {**counters, **(first if end else edges())}
 
 
 def _load() -> str:

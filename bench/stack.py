@@ -21,6 +21,9 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from procstat import stat_fields  # noqa: E402
 
 from libs.common.embedded import EmbeddedPostgres  # noqa: E402
 from services.core import migrate as core_migrate  # noqa: E402
@@ -126,12 +129,10 @@ def start_core(
     )
 
 
-def _state(pid: int) -> str | None:
-    """The process's state letter (``/proc/PID/stat``), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+def _running(pid: int) -> bool:
+    """Whether the process is there and not stopped."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("T", "t")
 
 
 @contextlib.contextmanager
@@ -147,7 +148,7 @@ def paused(*pids: int) -> Iterator[None]:
             stopped.append(pid)
         for pid in stopped:  # the signal is taken asynchronously
             deadline = time.monotonic() + 5
-            while _state(pid) not in ("T", "t", None) and time.monotonic() < deadline:
+            while _running(pid) and time.monotonic() < deadline:
                 time.sleep(0.001)
         yield
     finally:

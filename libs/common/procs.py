@@ -8,7 +8,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,6 +41,36 @@ def start_time(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def group_members(groups: Collection[int]) -> list[int]:
+    """The live processes (zombies aside) of these process groups: one walk of ``/proc``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command: state, ppid, pgrp
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) in groups:
+            found.append(int(entry))
+    return found
+
+
+def effective_uid(pid: int) -> int | None:
+    """The process's effective uid (``/proc/PID/status``: its folder's owner is root for
+    a process that is not dumpable); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except OSError:
+        return None
+    return None
 
 
 def stop_pid(pid: int, started: int, grace_s: float = 20.0) -> bool:

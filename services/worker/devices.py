@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.common import procs
+
 #: the variable CUDA reads, for the devices named ``gpu``
 CUDA_VARIABLE = "CUDA_VISIBLE_DEVICES"
 
@@ -132,17 +134,7 @@ def _group_alive(recorded: bytes) -> bool:
         return False
     except PermissionError:
         pass
-    return any(_live_in(entry, group) for entry in os.listdir("/proc") if entry.isdigit())
-
-
-def _live_in(pid: str, group: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    # after the command: state, ppid, pgrp
-    return len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group
+    return bool(procs.group_members({group}))
 
 
 def node_rule(path: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from libs.common import logs, waits
+from libs.common import logs, procs, waits
 from libs.common.client import CoreClient
 from libs.common.errors import CairnError
 from libs.common.settings import load
@@ -60,22 +60,10 @@ def _groups_killed(groups: set[int]) -> None:
     if not groups:
         return
     mine = os.geteuid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{entry.name}/stat").read_text().rpartition(")")[2].split()
-            if int(fields[2]) in groups and _euid(entry.name) == mine:
-                os.kill(int(entry.name), signal.SIGKILL)
-
-
-def _euid(pid: str) -> int | None:
-    """The process's effective uid (``/proc/PID/status``: its folder's owner is root for
-    a process that is not dumpable)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[2])
-    return None
+    for pid in procs.group_members(groups):
+        if procs.effective_uid(pid) == mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def hung_after(hang_s: float) -> float:

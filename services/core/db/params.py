@@ -9,7 +9,7 @@ import orjson
 
 
 def jsonb(value: Any) -> str:
-    """``value`` as JSON text, for a parameter the query casts to ``jsonb``."""
+    """``value`` as JSON text, for a parameter the query casts to ``jsonb`` or ``json``."""
     return orjson.dumps(value).decode()
 
 

@@ -132,7 +132,9 @@ def test_a_second_signal_during_clean_up_does_not_cut_it_short(tmp_path: Path) -
 
 
 def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    fields = load("procstat").stat_fields(pid)
+    assert fields is not None
+    return str(fields[0])
 
 
 def test_paused_stops_the_benchs_processes_and_lets_them_go_on_whatever_happens() -> None:
