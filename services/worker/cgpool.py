@@ -8,8 +8,15 @@ hierarchy) holds a ``cairn-spawn`` helper that joined it once, and every attempt
 slot is forked by it: no migration, no mkdir or rmdir per attempt.
 
 Per attempt, only limits that differ from the slot's last ones are written (but the CPU
-quota always: the write refills the period's budget), each a ``pwrite`` to a file the slot
-keeps open (``ControlFiles``), and the counters are reset (``memory.max_usage_in_bytes``,
+quota always: the write refills the period's budget and forgives what the last attempt
+overran), each a ``pwrite`` to a file the slot keeps open (``ControlFiles``). Where the
+helper can (``Helper.sets_quota``), the quota written before the start is a period's worth
+of every CPU (``start_budget_us``) and the helper writes the attempt's own once it has
+exec'd (``Launch.cpu_quota``): the start's work (the helper's clone, the child's
+namespaces, keyrings and identity) is Cairn's, not the attempt's. Charged to a small quota
+(10 ms a second at 0.01 CPU), a start held up there, a spin lock's holder preempted on
+this VM's host, overran it and kept the attempt throttled for 0.2 to 3 s before its first
+instruction, 4 starts in 1,000. The counters are reset (``memory.max_usage_in_bytes``,
 ``cpuacct.usage``; the OOM-kill count is read as a baseline): by the helper itself right
 before the start where it keeps them (``Helper.counts``), which also reads them at the
 exit (``spawner.Counters``), else here. The helper is the slot's ``resident``: it is never signalled nor
@@ -30,7 +37,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.worker.cgroups import AttemptCgroup, Cgroups, ControlFiles, cpu_bandwidth
+from services.worker.cgroups import (
+    AttemptCgroup,
+    Cgroups,
+    ControlFiles,
+    cpu_bandwidth,
+    start_budget_us,
+)
 from services.worker.spawner import Helper
 
 log = logging.getLogger("cairn.worker.cgpool")
@@ -184,7 +197,10 @@ class CgroupPool:
                 slot.limits["cpu_period"] = str(period)
             # Written every time: a write refills the period's budget, so an attempt
             # never starts throttled for the CPU its slot's last attempt spent.
-            files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(quota))
+            deferred = period is not None and slot.helper.sets_quota
+            start = start_budget_us(period) if deferred and period is not None else quota
+            files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(start))
+            slot.group.quota_at_exec = int(quota) if deferred else None
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper

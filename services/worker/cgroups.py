@@ -128,6 +128,13 @@ def cpu_bandwidth(cpu: float) -> tuple[int, int]:
     return max(1000, int(cpu * period)), period
 
 
+def start_budget_us(period_us: int) -> int:
+    """The CPU quota a pooled slot holds while its helper starts an attempt: a period's
+    worth of every CPU, which nothing throttles (``cgpool``: the attempt's own is written
+    once it has exec'd)."""
+    return period_us * (os.cpu_count() or 1)
+
+
 def _keyed(text: str | None, key: str) -> int | None:
     """The number after ``key`` in a flat-keyed cgroup file (``oom_kill 3``)."""
     for line in (text or "").splitlines():
@@ -191,6 +198,9 @@ class AttemptCgroup:
     settled: bool = False
     #: its CPU share was lowered (``lower_cpu_share``): a pooled slot's is put back
     squeezed: bool = False
+    #: the CPU quota its resident helper writes once the attempt has exec'd (a pooled
+    #: slot's, ``cgpool.CgroupPool.take``); None: the quota written before the start holds
+    quota_at_exec: int | None = None
 
     def value(self, path: Path) -> str | None:
         """A control file's text (None if it cannot be read)."""

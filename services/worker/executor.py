@@ -508,6 +508,8 @@ def _fork(spec: AttemptSpec, log: AttemptLog) -> tuple[float, int]:
     """Start the process by a fork of the agent; (when, its pid)."""
     if spec.sandbox is not None and spec.sandbox.source_check is not None:
         raise SourceChanged("a fork of the agent checks no source: sealed again first")
+    if spec.cgroup is not None and spec.cgroup.quota_at_exec is not None:
+        raise SpawnError("a fork of the agent cannot apply its slot's CPU quota at exec")
     started = time.monotonic()
     try:
         process = subprocess.Popen(  # noqa: S603 - no shell; the task's own argv
@@ -629,6 +631,7 @@ def _launch(spec: AttemptSpec) -> Launch:
         source_stamp=check[1] if check else None,
         source_types=LOCAL_FS_TYPES,
         source_timeout_s=sandbox.source_timeout_s if sandbox else None,
+        cpu_quota=spec.cgroup.quota_at_exec if spec.cgroup is not None else None,
     )
 
 

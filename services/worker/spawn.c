@@ -50,6 +50,9 @@
  *              separated), else the start fails at step "source" (ESTALE, or the open's
  *              errno) and the agent seals the source again (the stamp the agent
  *              remembered is what it hashed: artifacts.FileStamps)
+ *   q us       the slot's CPU quota (cpu.cfs_quota_us, a number), written once the child
+ *              has exec'd (apply_quota), else the start fails at step "CPU quota" (the
+ *              attempt killed and reaped: no exit record)
  *   W ms       within this many milliseconds (given with o), else the start fails at step
  *              "source" with ETIMEDOUT (begin_check, end_check: the open runs in a checker
  *              process this one waits for no longer; EBUSY while an earlier checker of
@@ -115,12 +118,13 @@
 #endif
 
 enum step { OK, SESSION, MOUNTS, LIMITS, IDENTITY, PRIVS, WORKDIR, DESCRIPTORS, EXEC, CLONE,
-            NETWORK, SOURCE, IPC, KEYRINGS };
+            NETWORK, SOURCE, IPC, KEYRINGS, CPU_QUOTA };
 
 /* What the helper sends: a reply to each request, numbered as its request (seq; in
  * order but for a start whose source is checked, which comes when its check ends), and
  * exit records. A spawn's reply says its slot's OOM-kill count before the start (-1: no
- * slot counters); the ready message, whether it keeps them (1) or not (-1). Every reply
+ * slot counters); the ready message, whether it keeps them (flag 1) and whether it can
+ * write the slot's CPU quota (flag 2; 0: neither). Every reply
  * to a request says how many checkers of sources that did not answer still hang. */
 enum kind { REPLY = 1, EXITS = 2 };
 struct reply { int32_t kind, pid, step, err; int64_t oom_base, hung, seq; };
@@ -136,7 +140,7 @@ struct exit_record {
 struct exits { int32_t kind, count; struct exit_record records[MAX_EXITS]; };
 
 struct request {
-    char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes;
+    char *exe, *dir, *tmp, *mount_at, *bind_from, *source, *stamp, *fstypes, *quota;
     char *argv[MAX_ITEMS], *envp[MAX_ITEMS], *targets[8];
     int argc, envc, ntargets, shm, has_cgroup, nlimits, netns, ipc, source_ms;
     long uid, gid;
@@ -148,8 +152,9 @@ struct request {
 static char buffer[MAX_REQUEST];
 
 /* The joined v1 slot's counters, opened once (-1: not there): the peak memory and CPU
- * usage, reset before each start; the OOM-kill count; the processes in the slot. */
-static int peak_fd = -1, cpu_fd = -1, oom_fd = -1, pids_fd = -1;
+ * usage, reset before each start; the OOM-kill count; the processes in the slot. And its
+ * CPU quota (cpu.cfs_quota_us), written once a start has exec'd (a request's q). */
+static int peak_fd = -1, cpu_fd = -1, oom_fd = -1, pids_fd = -1, quota_fd = -1;
 static int64_t oom_base = -1;
 
 /* A number from a counter file: the whole file, or the value after "key " in it. */
@@ -215,6 +220,11 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'O': r->stamp = value; break;
         case 'F': r->fstypes = value; break;
         case 'W': r->source_ms = (int)strtol(value, NULL, 10); break;
+        case 'q':
+            if (!*value || strspn(value, "0123456789") != strlen(value) || strlen(value) > 18)
+                return -1;
+            r->quota = value;
+            break;
         case 's': r->shm = 1; break;
         case 'c': r->has_cgroup = 1; break;
         case 'n': r->netns = 1; break;
@@ -864,7 +874,27 @@ static void join(char **procs, int count) {
         open_counter(&oom_fd, procs[i], "memory.oom_control", O_RDONLY);
         open_counter(&cpu_fd, procs[i], "cpuacct.usage", O_RDWR);
         open_counter(&pids_fd, procs[i], "pids.current", O_RDONLY);
+        open_counter(&quota_fd, procs[i], "cpu.cfs_quota_us", O_WRONLY);
     }
+}
+
+/* The attempt's own CPU quota, once it has exec'd: what ran before (this process's clone,
+ * the child's namespaces, keyrings and identity) is Cairn's work, done on the budget the
+ * agent wrote before the start (a period's worth of every CPU), not the attempt's. Charged
+ * to a small quota (10 ms a second), a start held up there (a spin lock's holder preempted
+ * on the host) overran it and held the attempt throttled for seconds before its first
+ * instruction. The attempt runs on that budget only from its exec to this write, a few
+ * microseconds. If the quota cannot be written the attempt is killed and reaped here
+ * (errno kept): it never runs without its limit. */
+static int apply_quota(pid_t pid, const char *quota) {
+    size_t length = strlen(quota);
+    if (quota_fd >= 0 && pwrite(quota_fd, quota, length, 0) == (ssize_t)length) return 0;
+    int err = quota_fd < 0 ? ENOENT : errno ? errno : EIO;
+    kill(-pid, SIGKILL);
+    kill(pid, SIGKILL);
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+    errno = err;
+    return -1;
 }
 
 /* A start's reply, numbered seq: the attempt started, unless its source check said why
@@ -898,6 +928,9 @@ static int answer_start(int sock, struct request *request, int unsound, int64_t 
                 reply.err = failed.err;
                 /* It exits right after saying so: reaped here, no exit record. */
                 while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+            } else if (request->quota && apply_quota(pid, request->quota) < 0) {
+                reply.step = CPU_QUOTA;
+                reply.err = errno;
             } else {
                 hold_log(pid, request->log_fd);
             }
@@ -1102,8 +1135,10 @@ int main(int argc, char **argv) {
     if (sigprocmask(SIG_BLOCK, &chld, NULL) < 0) return 1;
     int exited = signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
     if (exited < 0) return 1;
-    /* Its last field: whether it keeps its slot's counters (1) or not (-1). */
-    struct reply ready = {REPLY, getpid(), OK, 0, peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : -1, 0, 0};
+    /* Its last field, flags: it keeps its slot's counters (1), it can write its slot's
+     * CPU quota after each exec (2). */
+    int keeps = (peak_fd >= 0 && cpu_fd >= 0 && oom_fd >= 0 ? 1 : 0) | (quota_fd >= 0 ? 2 : 0);
+    struct reply ready = {REPLY, getpid(), OK, 0, keeps, 0, 0};
     if (send(sock, &ready, sizeof ready, MSG_NOSIGNAL) < 0) return 1;
     for (;;) {
         /* The requests (always), the exits, each pending check's answer until its

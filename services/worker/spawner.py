@@ -84,6 +84,7 @@ _STEPS = {
     11: "file:// source",
     12: "IPC namespace",
     13: "keyrings",
+    14: "CPU quota",
 }
 EXEC_STEP = 8
 #: the step at which the spawn helper found a ``file://`` source not the file of its stamp
@@ -220,6 +221,9 @@ class Launch:
     source_stamp: tuple[int, int, int, int, int] | None = None
     source_types: str = ""
     source_timeout_s: float | None = None
+    #: the slot's CPU quota (``cpu.cfs_quota_us``), which the helper writes once the
+    #: attempt has exec'd (``sets_quota``; ``cgpool.CgroupPool.take``)
+    cpu_quota: int | None = None
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -236,14 +240,15 @@ class Launch:
         if self.private_tmp is not None:
             fields.append(f"t{self.private_tmp}")
             fields += [f"T{target}" for target in self.tmp_targets]
-            if self.shm:
-                fields.append("s")
-        if self.netns:
-            fields.append("n")
-        if self.ipc:
-            fields.append("i")
-        if with_cgroup:
-            fields.append("c")
+        flags = (
+            (self.private_tmp is not None and self.shm, "s"),
+            (self.netns, "n"),
+            (self.ipc, "i"),
+            (with_cgroup, "c"),
+        )
+        fields += [tag for on, tag in flags if on]
+        if self.cpu_quota is not None:
+            fields.append(f"q{int(self.cpu_quota)}")
         data = "\0".join(fields)
         if data.count("\0") != len(fields) - 1:
             raise ValueError("an argument or environment entry holds a NUL byte")
@@ -312,6 +317,9 @@ class Helper:
         #: it keeps its cgroup v1 slot's counters (its ready message says so): resets
         #: them before each start, reads them at each exit (``Counters``)
         self.counts = False
+        #: it can write its cgroup v1 slot's CPU quota once a start has exec'd
+        #: (``Launch.cpu_quota``; its ready message says so)
+        self.sets_quota = False
         #: user + system CPU seconds of the attempts it reaped (their own rusage)
         self.reaped_cpu_s = 0.0
         #: its checkers of sources that did not answer that still hang, as its last reply
@@ -544,7 +552,8 @@ class Helper:
         if self._ready_reply is None:  # the first to ask waits for its ready message
             self._ready_reply = self._replies[0] = loop.create_future()
         ready = await asyncio.shield(self._ready_reply)
-        self.counts = ready[3] == 1  # the ready message's last field
+        flags = max(ready[3], 0)  # the ready message's last field (-1 before: none)
+        self.counts, self.sets_quota = bool(flags & 1), bool(flags & 2)
         self._ready = True
 
     async def spawn(

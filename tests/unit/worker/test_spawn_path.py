@@ -6,6 +6,7 @@ previous attempt's processes, counters or files to the next one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import time
@@ -17,7 +18,7 @@ import pytest
 from libs.common.models import Artifact, Assignment, Resources
 from services.worker import spawner
 from services.worker.artifacts import ArtifactCache
-from services.worker.executor import AttemptResult, start_attempt
+from services.worker.executor import AttemptResult, SpawnError, start_attempt
 from services.worker.host import Host, Prepared
 from services.worker.settings import WorkerSettings
 
@@ -226,6 +227,69 @@ def test_a_small_cpu_request_starts_unthrottled_with_the_same_share(root: Path) 
     assert (period_one, quota_one) == ("1000000", "10000")
     assert throttled == 0
     assert (period_two, quota_two) == ("100000", "50000")  # the same slot, reset
+
+
+def test_the_start_runs_on_the_slots_budget_and_the_task_on_its_own_quota(root: Path) -> None:
+    """The start's own work (the helper's clone, the child's namespaces, keyrings and
+    identity) is not charged to the attempt's quota: before the start the slot holds a
+    period's worth of every CPU, and the helper writes the attempt's quota once it has
+    exec'd, so the task reads its own (10 ms a second at 0.01 CPU) from its first line."""
+    host = _host(root)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+
+    async def scenario() -> tuple[str, str, AttemptResult]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            prepared = await host.prepare(_assignment(1, "true", cpu=0.01), cache)
+            assert prepared.cgroup is not None and prepared.slot is not None
+            assert prepared.slot.helper.sets_quota
+            quota_file = prepared.cgroup.folders["cpu"] / "cpu.cfs_quota_us"
+            before = quota_file.read_text().strip()
+            prepared.spec = dataclasses.replace(prepared.spec, args=["-c", f"cat {quota_file}"])
+            handle = await start_attempt(prepared.spec)
+            result = await handle.wait()
+            after = quota_file.read_text().strip()
+            await host.stop_leftovers(prepared)
+            await host.release(prepared)
+            return before, after, result
+        finally:
+            await host.close()
+
+    before, after, result = asyncio.run(scenario())
+    assert result.outcome == "succeeded", result
+    assert before == str(1_000_000 * (os.cpu_count() or 1))
+    assert result.log_tail.strip() == "10000" and after == "10000"
+
+
+def test_a_quota_the_kernel_refuses_kills_the_attempt_before_it_runs(root: Path) -> None:
+    """The helper cannot write the attempt's quota (below the kernel's 1 ms): the start
+    fails at its step, the process is killed and reaped, and nothing of it ran on."""
+    host = _host(root)
+    if host.slots is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+    mark = root / "ran"
+
+    async def scenario() -> tuple[SpawnError, list[int]]:
+        try:
+            cache = ArtifactCache(host.settings.home / "artifacts")
+            script = f"sleep 0.3; echo ran > {mark}"
+            prepared = await host.prepare(_assignment(1, script, cpu=0.5), cache)
+            assert prepared.cgroup is not None
+            prepared.cgroup.quota_at_exec = 5
+            with pytest.raises(SpawnError) as failed:
+                await start_attempt(prepared.spec)
+            await asyncio.sleep(0.5)
+            left = prepared.cgroup.pids()
+            await host.release(prepared)
+            return failed.value, left
+        finally:
+            await host.close()
+
+    root.chmod(0o777)  # the attempt's uid could write the mark, had it run
+    failure, left = asyncio.run(scenario())
+    assert "CPU quota" in str(failure) and "Invalid argument" in str(failure), failure
+    assert left == [] and not mark.exists()
 
 
 def test_the_pool_hands_no_process_file_or_counter_to_the_next_attempt(root: Path) -> None:
