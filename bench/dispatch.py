@@ -135,14 +135,18 @@ async def work(
     args: argparse.Namespace,
     done: list[float],
     turns: list[int],
+    ready: asyncio.Barrier,
 ) -> None:
-    """One simulated agent: each turn reports the attempts the last turn leased (all
-    ``succeeded``) and claims again, in one request, as the real agent does."""
+    """One simulated agent: registered (then waits at ``ready`` for the others, so the
+    clock starts when all can claim, as pgqueuer's starts with its manager made and
+    connected), each turn reports the attempts the last turn leased (all ``succeeded``)
+    and claims again, in one request, as the real agent does."""
     async with CoreClient(core_url, token, timeout=httpx.Timeout(60, connect=5)) as core:
         me = await core.register_worker(
             WorkerRegister(hostname=name, queues=["default"], cpu=4000, memory_mb=10_000_000)
         )
         room = ClaimRequest(cpu=4000, memory_mb=10_000_000, max=args.max)
+        await ready.wait()
         reports: list[AttemptReport] = []
         idle = 0
         while idle < 3:
@@ -222,11 +226,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         done: list[float] = []
         turns: list[int] = []
         before = await asyncio.to_thread(pg_counts, stack.database_url)
+        ready = asyncio.Barrier(args.workers + 1)
+        workers = asyncio.gather(
+            *(
+                work(stack.core_url, t, f"w{i}", args, done, turns, ready)
+                for i, t in enumerate(tokens)
+            )
+        )
+        all_ready = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({all_ready, workers}, return_when=asyncio.FIRST_COMPLETED)
+        if workers.done():  # one failed before the start (its registration): say why
+            all_ready.cancel()
+            await workers
         began = time.perf_counter()
         core0, pg0 = cpu_s(stack.core_pid), pg_cpu_s(stack.postmaster_pid)
-        await asyncio.gather(
-            *(work(stack.core_url, t, f"w{i}", args, done, turns) for i, t in enumerate(tokens))
-        )
+        await workers
         core_cpu = cpu_s(stack.core_pid) - core0
         cpu = core_cpu + pg_cpu_s(stack.postmaster_pid) - pg0
         after = await asyncio.to_thread(pg_counts, stack.database_url)
