@@ -128,11 +128,15 @@ def cpu_bandwidth(cpu: float) -> tuple[int, int]:
     return max(1000, int(cpu * period)), period
 
 
+#: the host's CPUs, counted once (``os.cpu_count`` reads a file of ``/sys`` each time)
+_CPUS = os.cpu_count() or 1
+
+
 def start_budget_us(period_us: int) -> int:
     """The CPU quota a pooled slot holds while its helper starts an attempt: a period's
     worth of every CPU, which nothing throttles (``cgpool``: the attempt's own is written
     once it has exec'd)."""
-    return period_us * (os.cpu_count() or 1)
+    return period_us * _CPUS
 
 
 def _keyed(text: str | None, key: str) -> int | None:
