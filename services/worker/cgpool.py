@@ -200,7 +200,7 @@ class CgroupPool:
             deferred = period is not None and slot.helper.sets_quota
             start = start_budget_us(period) if deferred and period is not None else quota
             files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(start))
-            slot.group.quota_at_exec = int(quota) if deferred else None
+            slot.group.quota_at_exec = str(quota) if deferred else None
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper

@@ -202,9 +202,10 @@ class AttemptCgroup:
     settled: bool = False
     #: its CPU share was lowered (``lower_cpu_share``): a pooled slot's is put back
     squeezed: bool = False
-    #: the CPU quota its resident helper writes once the attempt has exec'd (a pooled
-    #: slot's, ``cgpool.CgroupPool.take``); None: the quota written before the start holds
-    quota_at_exec: int | None = None
+    #: the CPU quota the spawn helper writes once the attempt has exec'd (a pooled v1
+    #: slot's, ``cgpool.CgroupPool.take``; a v2 cgroup's ``cpu.max``, ``Cgroups.create``
+    #: with ``defer_cpu``); None: the quota written before the start holds
+    quota_at_exec: str | None = None
 
     def value(self, path: Path) -> str | None:
         """A control file's text (None if it cannot be read)."""
@@ -357,9 +358,17 @@ class Cgroups:
         return driver, note
 
     def create(
-        self, attempt_id: int, memory_mb: int | None, cpu: float | None, pids_max: int
+        self,
+        attempt_id: int,
+        memory_mb: int | None,
+        cpu: float | None,
+        pids_max: int,
+        defer_cpu: bool = False,
     ) -> AttemptCgroup:
-        """A fresh cgroup for the attempt with its limits set; raises ``OSError``."""
+        """A fresh cgroup for the attempt with its limits set; raises ``OSError``. With
+        ``defer_cpu`` (v2, started by the spawn helper into it), its CPU quota is a
+        period's worth of every CPU until the helper writes the attempt's own after its
+        exec (``AttemptCgroup.quota_at_exec``): the start's work is not the attempt's."""
         folders = {name: base / f"a{attempt_id}" for name, base in self.bases.items()}
         group = AttemptCgroup(self.version, folders, memory_mb)
         for folder in set(folders.values()):
@@ -367,14 +376,19 @@ class Cgroups:
                 AttemptCgroup(self.version, {"": folder}).remove()
             folder.mkdir()
         try:
-            self._limit(group, memory_mb, cpu, pids_max)
+            self._limit(group, memory_mb, cpu, pids_max, defer_cpu and self.version == "v2")
         except OSError:
             group.remove()
             raise
         return group
 
     def _limit(
-        self, group: AttemptCgroup, memory_mb: int | None, cpu: float | None, pids_max: int
+        self,
+        group: AttemptCgroup,
+        memory_mb: int | None,
+        cpu: float | None,
+        pids_max: int,
+        defer_cpu: bool = False,
     ) -> None:
         memory, cpu_folder, pids = (
             group._folder("memory"),
@@ -395,6 +409,9 @@ class Cgroups:
             if v1:
                 (cpu_folder / "cpu.cfs_period_us").write_text(str(period))
                 (cpu_folder / "cpu.cfs_quota_us").write_text(str(quota))
+            elif defer_cpu:
+                (cpu_folder / "cpu.max").write_text(f"{start_budget_us(period)} {period}")
+                group.quota_at_exec = f"{quota} {period}"
             else:
                 (cpu_folder / "cpu.max").write_text(f"{quota} {period}")
         if pids is not None:

@@ -314,8 +314,13 @@ class Host:
                 slot = await self.slots.take(resources.memory_mb, resources.cpu, pids_max)
                 group = slot.group
             elif self.cgroups is not None:
+                # v2: the helper starts the attempt into it, and writes its quota then
                 group = self.cgroups.create(
-                    assignment.attempt_id, resources.memory_mb, resources.cpu, pids_max
+                    assignment.attempt_id,
+                    resources.memory_mb,
+                    resources.cpu,
+                    pids_max,
+                    defer_cpu=self.helper is not None,
                 )
             if self.device_nodes and group is not None:
                 group.confine_devices(denied(self.device_nodes, devices or {}))

@@ -50,9 +50,10 @@
  *              separated), else the start fails at step "source" (ESTALE, or the open's
  *              errno) and the agent seals the source again (the stamp the agent
  *              remembered is what it hashed: artifacts.FileStamps)
- *   q us       the slot's CPU quota (cpu.cfs_quota_us, a number), written once the child
- *              has exec'd (apply_quota), else the start fails at step "CPU quota" (the
- *              attempt killed and reaped: no exit record)
+ *   q quota    the attempt's CPU quota, written once the child has exec'd (apply_quota):
+ *              "US" to the joined v1 slot's cpu.cfs_quota_us, or "US PERIOD" to the
+ *              passed cgroup2 folder's cpu.max (with c); else the start fails at step
+ *              "CPU quota" (the attempt killed and reaped: no exit record)
  *   W ms       within this many milliseconds (given with o), else the start fails at step
  *              "source" with ETIMEDOUT (begin_check, end_check: the open runs in a checker
  *              process this one waits for no longer; EBUSY while an earlier checker of
@@ -205,6 +206,16 @@ static int parse_id(const char *value, long *id) {
     return 0;
 }
 
+/* A quota's text: a number, or two separated by one space (cgroup2's "quota period"). */
+static int valid_quota(const char *value) {
+    size_t first = strspn(value, "0123456789"), length = strlen(value);
+    if (first == 0 || first > 18) return 0;
+    if (first == length) return 1;
+    const char *second = value + first + 1;
+    size_t rest = strspn(second, "0123456789");
+    return value[first] == ' ' && rest > 0 && rest <= 18 && second[rest] == '\0';
+}
+
 static int parse(char *data, size_t size, struct request *r) {
     memset(r, 0, sizeof *r);
     r->uid = r->gid = -1;
@@ -221,8 +232,7 @@ static int parse(char *data, size_t size, struct request *r) {
         case 'F': r->fstypes = value; break;
         case 'W': r->source_ms = (int)strtol(value, NULL, 10); break;
         case 'q':
-            if (!*value || strspn(value, "0123456789") != strlen(value) || strlen(value) > 18)
-                return -1;
+            if (!valid_quota(value)) return -1;
             r->quota = value;
             break;
         case 's': r->shm = 1; break;
@@ -886,10 +896,14 @@ static void join(char **procs, int count) {
  * instruction. The attempt runs on that budget only from its exec to this write, a few
  * microseconds. If the quota cannot be written the attempt is killed and reaped here
  * (errno kept): it never runs without its limit. */
-static int apply_quota(pid_t pid, const char *quota) {
-    size_t length = strlen(quota);
-    if (quota_fd >= 0 && pwrite(quota_fd, quota, length, 0) == (ssize_t)length) return 0;
-    int err = quota_fd < 0 ? ENOENT : errno ? errno : EIO;
+static int apply_quota(pid_t pid, const struct request *r) {
+    size_t length = strlen(r->quota);
+    int fd = r->has_cgroup ? openat(r->cgroup_fd, "cpu.max", O_WRONLY | O_CLOEXEC) : quota_fd;
+    errno = fd < 0 && !r->has_cgroup ? ENOENT : errno;
+    ssize_t wrote = fd >= 0 ? pwrite(fd, r->quota, length, 0) : -1;
+    int err = wrote == (ssize_t)length ? 0 : wrote >= 0 || !errno ? EIO : errno;
+    if (r->has_cgroup && fd >= 0) close(fd);
+    if (!err) return 0;
     kill(-pid, SIGKILL);
     kill(pid, SIGKILL);
     while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
@@ -928,7 +942,7 @@ static int answer_start(int sock, struct request *request, int unsound, int64_t 
                 reply.err = failed.err;
                 /* It exits right after saying so: reaped here, no exit record. */
                 while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
-            } else if (request->quota && apply_quota(pid, request->quota) < 0) {
+            } else if (request->quota && apply_quota(pid, request) < 0) {
                 reply.step = CPU_QUOTA;
                 reply.err = errno;
             } else {

@@ -38,6 +38,7 @@ import errno
 import hashlib
 import logging
 import os
+import re
 import resource
 import select
 import shutil
@@ -68,6 +69,8 @@ _REPLY = struct.Struct("=iiiiqqq")
 _EXITS = struct.Struct("=ii")
 _EXIT = struct.Struct("=iiqqqqqii")
 _REPLY_KIND, _EXITS_KIND = 1, 2
+#: a CPU quota the helper writes (``Launch.cpu_quota``): v1's one number, v2's two
+_QUOTA = re.compile(r"[0-9]{1,18}( [0-9]{1,18})?")
 #: the largest message the helper sends (256 exit records)
 _MAX_MESSAGE = _EXITS.size + 256 * _EXIT.size
 _STEPS = {
@@ -221,9 +224,11 @@ class Launch:
     source_stamp: tuple[int, int, int, int, int] | None = None
     source_types: str = ""
     source_timeout_s: float | None = None
-    #: the slot's CPU quota (``cpu.cfs_quota_us``), which the helper writes once the
-    #: attempt has exec'd (``sets_quota``; ``cgpool.CgroupPool.take``)
-    cpu_quota: int | None = None
+    #: the attempt's CPU quota, which the helper writes once it has exec'd: ``US`` to
+    #: its v1 slot's ``cpu.cfs_quota_us`` (``sets_quota``; ``cgpool.CgroupPool.take``),
+    #: or ``US PERIOD`` to the passed cgroup2 folder's ``cpu.max``
+    #: (``cgroups.Cgroups.create``)
+    cpu_quota: str | None = None
 
     def encode(self, with_cgroup: bool) -> bytes:
         fields = [f"x{self.executable}", *(f"a{a}" for a in self.argv)]
@@ -248,7 +253,9 @@ class Launch:
         )
         fields += [tag for on, tag in flags if on]
         if self.cpu_quota is not None:
-            fields.append(f"q{int(self.cpu_quota)}")
+            if not _QUOTA.fullmatch(self.cpu_quota):
+                raise ValueError(f"not a CPU quota: {self.cpu_quota!r}")
+            fields.append(f"q{self.cpu_quota}")
         data = "\0".join(fields)
         if data.count("\0") != len(fields) - 1:
             raise ValueError("an argument or environment entry holds a NUL byte")

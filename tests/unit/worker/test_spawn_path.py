@@ -276,7 +276,7 @@ def test_a_quota_the_kernel_refuses_kills_the_attempt_before_it_runs(root: Path)
             script = f"sleep 0.3; echo ran > {mark}"
             prepared = await host.prepare(_assignment(1, script, cpu=0.5), cache)
             assert prepared.cgroup is not None
-            prepared.cgroup.quota_at_exec = 5
+            prepared.cgroup.quota_at_exec = "5"
             with pytest.raises(SpawnError) as failed:
                 await start_attempt(prepared.spec)
             await asyncio.sleep(0.5)
@@ -388,6 +388,64 @@ def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
         folder.rmdir()
     relative = "/" + str(folder.relative_to(mount))
     assert f"0::{relative}\n" in log_path.read_text()
+
+
+def test_v2_the_quota_goes_to_the_given_folder_and_a_start_without_it_never_runs(
+    tmp_path: Path,
+) -> None:
+    """On cgroup v2 the helper writes the attempt's quota to ``cpu.max`` of the folder it
+    starts the child into. Here no controller is enabled, so that file is missing: the
+    start fails at step "CPU quota", its child killed and reaped before it got on, and
+    the folder is left empty. (The write that succeeds needs a cgroup2 with the cpu
+    controller; v1's is in ``test_the_start_runs_on_the_slots_budget_...``.)"""
+    mount = _cgroup2_mount()
+    if mount is None:
+        pytest.skip("no writable cgroup2 mount")
+    binary = spawner.build(spawner.default_folders(tmp_path))
+    if binary is None:
+        pytest.skip("no C compiler for the spawn helper")
+    own = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n")[0]
+    folder = mount / own.lstrip("/") / f"cairn-test-quota-{os.getpid()}"
+    folder.mkdir()
+    mark = tmp_path / "ran"
+
+    async def scenario() -> spawner.SpawnFailed:
+        helper = spawner.Helper(binary)
+        log = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT, 0o600)
+        into = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            script = f"sleep 0.3; echo ran > {mark}"
+            launch = spawner.Launch(
+                "/bin/sh", ["sh", "-c", script], {}, str(tmp_path), cpu_quota="10000 1000000"
+            )
+            with pytest.raises(spawner.SpawnFailed) as failed:
+                await helper.spawn(launch, log, into)
+            await asyncio.sleep(0.5)
+            return failed.value
+        finally:
+            os.close(log)
+            os.close(into)
+            helper.close()
+
+    try:
+        failure = asyncio.run(scenario())
+        assert (folder / "cgroup.procs").read_text() == ""
+    finally:
+        folder.rmdir()
+    assert failure.step == 14 and "CPU quota" in str(failure) and "No such file" in str(failure)
+    assert not mark.exists()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(failure.pid, os.WNOHANG)  # reaped by the helper
+
+
+def test_a_quota_is_numbers_only() -> None:
+    for bad in ("max", "10000 max", "-1", "1 2 3", "10000\n", ""):
+        launch = spawner.Launch("/bin/true", ["true"], {}, "/", cpu_quota=bad)
+        with pytest.raises(ValueError, match="not a CPU quota"):
+            launch.encode(False)
+    assert b"\x00q10000 100000\x00" in spawner.Launch(
+        "/bin/true", ["true"], {}, "/", cpu_quota="10000 100000"
+    ).encode(True)
 
 
 def test_a_child_that_cannot_exec_is_reported_and_reaped(tmp_path: Path) -> None:
