@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -86,6 +87,10 @@ class CgroupPool:
         self._stuck: list[Slot] = []
         self._leftover: list[AttemptCgroup] = []
         self._names = itertools.count(1)
+        #: whether slots may hold ``start_budget_us`` while their helper starts (v1 refuses
+        #: a quota above a parent's: under an agent whose own cgroup has a lower one,
+        #: the attempt's quota is written before the start, as without the helper's)
+        self.start_budget = True
 
     async def take(self, memory_mb: int | None, cpu: float | None, pids_max: int) -> Slot:
         """A slot with these limits, its counters reset; raises ``OSError``."""
@@ -191,16 +196,7 @@ class CgroupPool:
                 slot.limits["memory"] = value
         cpu_folder = folders.get("cpu")
         if cpu_folder is not None:
-            quota, period = cpu_bandwidth(cpu) if cpu is not None else (UNLIMITED, None)
-            if period is not None and slot.limits.get("cpu_period") != str(period):
-                files.write(cpu_folder / "cpu.cfs_period_us", str(period))
-                slot.limits["cpu_period"] = str(period)
-            # Written every time: a write refills the period's budget, so an attempt
-            # never starts throttled for the CPU its slot's last attempt spent.
-            deferred = period is not None and slot.helper.sets_quota
-            start = start_budget_us(period) if deferred and period is not None else quota
-            files.write(slot.quota_file or cpu_folder / "cpu.cfs_quota_us", str(start))
-            slot.group.quota_at_exec = str(quota) if deferred else None
+            self._limit_cpu(slot, cpu_folder, files, cpu)
         pids = folders.get("pids")
         if pids is not None:
             value = str(pids_max + 1)  # and the resident helper
@@ -210,6 +206,28 @@ class CgroupPool:
         if cpu_folder is not None and slot.group.squeezed:  # an earlier attempt's
             files.write(cpu_folder / "cpu.shares", "1024")
             slot.group.squeezed = False
+
+    def _limit_cpu(self, slot: Slot, folder: Path, files: ControlFiles, cpu: float | None) -> None:
+        """The slot's CPU period, and its quota: written every time (a write refills the
+        period's budget, so an attempt never starts throttled for the CPU its slot's last
+        attempt spent); the start's budget until its helper writes the attempt's own."""
+        quota, period = cpu_bandwidth(cpu) if cpu is not None else (UNLIMITED, None)
+        if period is not None and slot.limits.get("cpu_period") != str(period):
+            files.write(folder / "cpu.cfs_period_us", str(period))
+            slot.limits["cpu_period"] = str(period)
+        quota_file = slot.quota_file or folder / "cpu.cfs_quota_us"
+        deferred = period is not None and self.start_budget and slot.helper.sets_quota
+        if deferred and period is not None:
+            try:
+                files.write(quota_file, str(start_budget_us(period)))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("slots' quota before a start: the attempt's (%s)", exc)
+                self.start_budget = deferred = False
+        if not deferred:
+            files.write(quota_file, str(quota))
+        slot.group.quota_at_exec = str(quota) if deferred else None
 
     def _reset(self, slot: Slot) -> None:
         group, files = slot.group, _files(slot)

@@ -262,6 +262,46 @@ def test_the_start_runs_on_the_slots_budget_and_the_task_on_its_own_quota(root: 
     assert result.log_tail.strip() == "10000" and after == "10000"
 
 
+def test_under_an_agent_with_a_cpu_quota_of_its_own_the_attempts_still_start(
+    root: Path,
+) -> None:
+    """cgroup v1 refuses a slot a quota above its parent's: under an agent whose own
+    cgroup holds one CPU, the start's budget (a period of every CPU) cannot be written,
+    and the slot holds the attempt's own quota before the start, as without it."""
+    host = _host(root)
+    if host.slots is None or host.cgroups is None:
+        pytest.skip("no cgroup v1 hierarchy to pool here")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the start's budget is one CPU's too")
+    parent = host.cgroups.bases["cpu"]
+    (parent / "cpu.cfs_period_us").write_text("100000")
+    (parent / "cpu.cfs_quota_us").write_text("100000")
+
+    async def scenario() -> list[tuple[str, AttemptResult]]:
+        seen = []
+        try:
+            for attempt_id in (1, 2):
+                cache = ArtifactCache(host.settings.home / "artifacts")
+                prepared = await host.prepare(_assignment(attempt_id, "true", cpu=0.5), cache)
+                assert prepared.cgroup is not None
+                before = (prepared.cgroup.folders["cpu"] / "cpu.cfs_quota_us").read_text()
+                handle = await start_attempt(prepared.spec)
+                seen.append((before.strip(), await handle.wait()))
+                await host.stop_leftovers(prepared)
+                await host.release(prepared)
+        finally:
+            (parent / "cpu.cfs_quota_us").write_text("-1")
+            await host.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert [(before, result.outcome) for before, result in seen] == [
+        ("50000", "succeeded"),
+        ("50000", "succeeded"),
+    ], seen
+    assert host.slots is not None and not host.slots.start_budget
+
+
 def test_a_quota_the_kernel_refuses_kills_the_attempt_before_it_runs(root: Path) -> None:
     """The helper cannot write the attempt's quota (below the kernel's 1 ms): the start
     fails at its step, the process is killed and reaped, and nothing of it ran on."""
