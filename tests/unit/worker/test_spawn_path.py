@@ -394,9 +394,9 @@ def test_the_uid_is_cleaned_up_by_the_helper_without_a_cgroup(
     assert _gone(stray)
 
 
-def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
-    """cgroup v2 with no controllers still shows where a process is: the helper's
-    ``CLONE_INTO_CGROUP`` puts the child into the folder it is given."""
+def _v2_folder(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
+    """A writable cgroup2 mount, the spawn helper built, and a new folder ``name-PID``
+    beside this process's own cgroup (skips where either is missing)."""
     mount = _cgroup2_mount()
     if mount is None:
         pytest.skip("no writable cgroup2 mount")
@@ -404,8 +404,15 @@ def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
     if binary is None:
         pytest.skip("no C compiler for the spawn helper")
     own = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n")[0]
-    folder = mount / own.lstrip("/") / f"cairn-test-{os.getpid()}"
+    folder = mount / own.lstrip("/") / f"{name}-{os.getpid()}"
     folder.mkdir()
+    return mount, binary, folder
+
+
+def test_v2_clone_into_cgroup_places_the_child_at_birth(tmp_path: Path) -> None:
+    """cgroup v2 with no controllers still shows where a process is: the helper's
+    ``CLONE_INTO_CGROUP`` puts the child into the folder it is given."""
+    mount, binary, folder = _v2_folder(tmp_path, "cairn-test")
     log_path = tmp_path / "log"
 
     async def scenario() -> int:
@@ -438,15 +445,7 @@ def test_v2_the_quota_goes_to_the_given_folder_and_a_start_without_it_never_runs
     start fails at step "CPU quota", its child killed and reaped before it got on, and
     the folder is left empty. (The write that succeeds needs a cgroup2 with the cpu
     controller; v1's is in ``test_the_start_runs_on_the_slots_budget_...``.)"""
-    mount = _cgroup2_mount()
-    if mount is None:
-        pytest.skip("no writable cgroup2 mount")
-    binary = spawner.build(spawner.default_folders(tmp_path))
-    if binary is None:
-        pytest.skip("no C compiler for the spawn helper")
-    own = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n")[0]
-    folder = mount / own.lstrip("/") / f"cairn-test-quota-{os.getpid()}"
-    folder.mkdir()
+    _, binary, folder = _v2_folder(tmp_path, "cairn-test-quota")
     mark = tmp_path / "ran"
 
     async def scenario() -> spawner.SpawnFailed:
