@@ -575,12 +575,14 @@ class Notifier:
                 self.line.wake_all()
                 await self._count_peers(conn, hello=True)
                 while True:
-                    timeout = None if self.alone else self.peers_check_s
-                    async for note in conn.notifies(timeout=timeout):
-                        if self._hear(note):
-                            break  # no longer alone: from now on, count again in time
-                    else:
-                        await self._count_peers(conn)  # notes meanwhile wait in order
+                    # Never left early: psycopg drops the rest of a packet's notes when
+                    # its generator is closed (a note from another session ends being
+                    # alone, and the due hints after it in the same packet were lost).
+                    # A window ends every peers_check_s, alone or not.
+                    async for note in conn.notifies(timeout=self.peers_check_s):
+                        self._hear(note)
+                    if not self.alone:  # notes meanwhile wait in order
+                        await self._count_peers(conn)
             finally:
                 self.alone = False  # not listening: tell, until it counts again
                 self._listener_pid = None
@@ -604,12 +606,12 @@ class Notifier:
         self._uncounted = False
         self.alone = row is not None and row[0] == 0
 
-    def _hear(self, note: psycopg.Notify) -> bool:
-        """Act on one note; True if it ended being alone."""
+    def _hear(self, note: psycopg.Notify) -> None:
+        """Act on one note (one from another session ends being alone)."""
         ours = note.pid in (self._sender_pid, self._listener_pid) or note.pid in self._telling_pids
-        was_alone, self.alone = self.alone, self.alone and ours
+        self.alone = self.alone and ours
         if note.channel in (CHANNEL, WORK_CHANNEL, PEERS_CHANNEL) and ours:
-            return False  # our own: its waiters were woken when it was announced
+            return  # our own: its waiters were woken when it was announced
         try:
             if note.channel == WORK_CHANNEL:
                 self.line.wake(Work.load(note.payload))
@@ -622,7 +624,6 @@ class Notifier:
                     self.on_due(float(note.payload))
         except Exception as exc:  # whatever the payload, the listener goes on
             self._lost(note, exc)
-        return was_alone and not self.alone
 
     def _lost(self, note: psycopg.Notify, exc: Exception) -> None:
         """A note that could not be read (any session of the database may NOTIFY these

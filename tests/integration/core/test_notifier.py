@@ -237,3 +237,31 @@ def test_a_listener_that_fails_once_connected_is_not_connected_again_at_once(
     failures = [r for r in caplog.records if r.getMessage().startswith("event listener")]
     # 0.1 + 0.2 + 0.4 + 0.8 s of pauses after the first four: at most five in 2 s.
     assert 1 <= len(failures) <= 6, len(failures)
+
+
+def test_notes_that_arrive_together_as_a_replica_stops_being_alone_are_all_heard(
+    db_url: str,
+) -> None:
+    """A replica alone hears another session's notes, several in one transaction (so in
+    one packet): the first ends its being alone, and every one of them is acted on. The
+    listener left psycopg's ``notifies()`` there to count its peers, which dropped the
+    rest of that packet: the due hints after the first were lost (and, on a loaded
+    machine, the notes after a bad one in test_a_note_that_cannot_be_read_...)."""
+
+    async def run() -> list[float]:
+        sender = await psycopg.AsyncConnection.connect(libpq_url(db_url), autocommit=True)
+        a = _Counted(db_url)
+        a.notifier.start()
+        try:
+            await _until(lambda: a.notifier._listener_pid and a.wakes)
+            await _until(lambda: a.notifier.alone)
+            calls = ", ".join(f"pg_notify('{DUE_CHANNEL}', '{n}.5')" for n in range(1, 6))
+            await sender.execute(f"SELECT {calls}")
+            await _until(lambda: len(a.dues) >= 5, timeout=3.0)
+            assert not a.notifier.alone  # another session spoke
+            return a.dues
+        finally:
+            await a.notifier.stop()
+            await sender.close()
+
+    assert asyncio.run(run()) == [1.5, 2.5, 3.5, 4.5, 5.5]
