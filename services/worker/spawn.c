@@ -893,9 +893,11 @@ static void join(char **procs, int count) {
  * agent wrote before the start (a period's worth of every CPU), not the attempt's. Charged
  * to a small quota (10 ms a second), a start held up there (a spin lock's holder preempted
  * on the host) overran it and held the attempt throttled for seconds before its first
- * instruction. The attempt runs on that budget only from its exec to this write, a few
- * microseconds. If the quota cannot be written the attempt is killed and reaped here
- * (errno kept): it never runs without its limit. */
+ * instruction. The attempt runs on that budget only from its exec until this process
+ * runs again (its exec closed the status pipe this process reads): microseconds on an idle
+ * host, up to a scheduler slice (milliseconds) on a busy one, and what it spends then is
+ * not charged (the write refills the period). If the quota cannot be written the attempt
+ * is killed and reaped here (errno kept): it never runs on without its limit. */
 static int apply_quota(pid_t pid, const struct request *r) {
     size_t length = strlen(r->quota);
     int fd = r->has_cgroup ? openat(r->cgroup_fd, "cpu.max", O_WRONLY | O_CLOEXEC) : quota_fd;
