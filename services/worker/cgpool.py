@@ -216,15 +216,16 @@ class CgroupPool:
             files.write(folder / "cpu.cfs_period_us", str(period))
             slot.limits["cpu_period"] = str(period)
         quota_file = slot.quota_file or folder / "cpu.cfs_quota_us"
-        deferred = period is not None and self.start_budget and slot.helper.sets_quota
-        if deferred and period is not None:
+        deferred = False
+        if period is not None and self.start_budget and slot.helper.sets_quota:
             try:
                 files.write(quota_file, str(start_budget_us(period)))
+                deferred = True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 log.info("slots' quota before a start: the attempt's (%s)", exc)
-                self.start_budget = deferred = False
+                self.start_budget = False
         if not deferred:
             files.write(quota_file, str(quota))
         slot.group.quota_at_exec = str(quota) if deferred else None

@@ -901,10 +901,12 @@ static void join(char **procs, int count) {
 static int apply_quota(pid_t pid, const struct request *r) {
     size_t length = strlen(r->quota);
     int fd = r->has_cgroup ? openat(r->cgroup_fd, "cpu.max", O_WRONLY | O_CLOEXEC) : quota_fd;
-    errno = fd < 0 && !r->has_cgroup ? ENOENT : errno;
-    ssize_t wrote = fd >= 0 ? pwrite(fd, r->quota, length, 0) : -1;
-    int err = wrote == (ssize_t)length ? 0 : wrote >= 0 || !errno ? EIO : errno;
-    if (r->has_cgroup && fd >= 0) close(fd);
+    int err = fd < 0 ? (r->has_cgroup ? errno : ENOENT) : 0;
+    if (fd >= 0) {
+        ssize_t wrote = pwrite(fd, r->quota, length, 0);
+        if (wrote != (ssize_t)length) err = wrote < 0 ? errno : EIO;
+        if (r->has_cgroup) close(fd);
+    }
     if (!err) return 0;
     kill(-pid, SIGKILL);
     kill(pid, SIGKILL);

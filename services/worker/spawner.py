@@ -559,7 +559,7 @@ class Helper:
         if self._ready_reply is None:  # the first to ask waits for its ready message
             self._ready_reply = self._replies[0] = loop.create_future()
         ready = await asyncio.shield(self._ready_reply)
-        flags = max(ready[3], 0)  # the ready message's last field (-1 before: none)
+        flags = ready[3]  # the ready message's last field
         self.counts, self.sets_quota = bool(flags & 1), bool(flags & 2)
         self._ready = True
 
