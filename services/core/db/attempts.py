@@ -40,7 +40,7 @@ from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.params import floats, ints, jsonb, words
 from services.core.db.secrets import mask_json, refers_to_secrets
-from services.core.db.tables import attempts, tasks
+from services.core.db.tables import attempts, found_by_id, tasks
 from services.core.domain import outcomes, selectors
 from services.core.domain.outcomes import Move
 from services.core.domain.placement import DECAY, ZERO, Amount, choose, claim_depth
@@ -82,6 +82,10 @@ _STARTABLE = "(t.start_by IS NULL OR t.start_by > now())"
 
 
 _WAITING = f"t.state = '{_FROM_WAITING}' AND t.run_at <= now() AND {_STARTABLE}"
+
+
+# The same, for work found by its ids (the reserved: ``found_by_id``).
+_WAITING_BY_ID = f"{found_by_id(S.WAITING)} AND t.run_at <= now() AND {_STARTABLE}"
 
 
 _READY = f"""t.state = '{_FROM_READY}' AND NOT t.deferred AND {_STARTABLE}
@@ -186,7 +190,7 @@ SELECT w.reserved_for FROM core.workers w WHERE w.id = :worker AND w.reserved_fo
 def _waiting_in(in_queues: str) -> TextClause:
     waiting = f"{_WAITING} AND {in_queues}"
     aged = f"{waiting} AND t.vtime < EXTRACT(EPOCH FROM now()) - :aging_s"
-    reserved = f"{_WAITING} AND t.id = ANY(ARRAY({_RESERVED}))"  # by id, not a scan
+    reserved = f"{_WAITING_BY_ID} AND t.id = ANY(ARRAY({_RESERVED}))"
     return text(f"""
 WITH reserved AS ({_pick(reserved, _BEST)}),
 best AS ({_pick(waiting, _BEST)}),
@@ -299,9 +303,9 @@ FROM moved ORDER BY priority DESC, id
 _RESEND = text(f"""
 WITH lost AS (
     SELECT a.id, replace(CAST(gen_random_uuid() AS text), '-', '') AS fence
-    FROM core.attempts a JOIN core.tasks t ON t.current_attempt_id = a.id
+    FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id AND t.current_attempt_id = a.id
     WHERE a.worker_id = :worker AND a.outcome IS NULL AND a.seen_at IS NULL
-      AND t.state = '{S.RUNNING}' AND NOT (a.id = ANY(CAST(:holding AS bigint[])))
+      AND {found_by_id(S.RUNNING)} AND NOT (a.id = ANY(CAST(:holding AS bigint[])))
     ORDER BY a.id LIMIT :most
     FOR UPDATE OF a
 ), again AS (
@@ -965,7 +969,7 @@ _CONFIRM_START = text(f"""
 UPDATE core.attempts a SET seen_at = COALESCE(a.seen_at, now())
 FROM core.tasks t
 WHERE a.id = :attempt AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING}'
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND {found_by_id(S.RUNNING)}
 RETURNING t.id
 """)
 
@@ -990,7 +994,7 @@ async def confirm_start(conn: AsyncConnection, attempt_id: int, worker_id: int) 
 _HELD_STARTS = text(f"""
 SELECT a.id FROM core.attempts a JOIN core.tasks t ON t.id = a.task_id
 WHERE a.id = ANY(CAST(:attempts AS bigint[])) AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING.value}'
+  AND t.current_attempt_id = a.id AND {found_by_id(S.RUNNING)}
 """)
 
 

@@ -22,7 +22,7 @@ from libs.common.models import (
     ServiceStep,
 )
 from libs.common.states import TaskState
-from services.core.db.tables import service_steps, services
+from services.core.db.tables import found_by_id, service_steps, services
 from services.core.domain.services import REVISION_LABEL, SERVICE_LABEL, Replica
 
 S = TaskState
@@ -39,7 +39,7 @@ FROM jsonb_to_recordset(CAST(:rows AS jsonb))
     AS r(attempt_id bigint, ready boolean, address text, ports jsonb),
     core.tasks t
 WHERE a.id = r.attempt_id AND a.worker_id = :worker AND a.outcome IS NULL
-  AND t.id = a.task_id AND t.current_attempt_id = a.id AND t.state = '{S.RUNNING}'
+  AND t.id = a.task_id AND t.current_attempt_id = a.id AND {found_by_id(S.RUNNING)}
 RETURNING a.id
 """)
 

@@ -17,8 +17,9 @@ from libs.common.states import TaskState
 from services.core.db import attempts as attempts_db
 from services.core.db import params as params_db
 from services.core.db import placement
+from services.core.db import services as services_db
 from services.core.domain.transitions import Op, sources
-from tests.support.plans import generic, nodes
+from tests.support.plans import analyzed, generic, nodes, rows_read
 
 BACKLOG = 5000
 MOVED = 64
@@ -123,3 +124,112 @@ def test_the_turns_generic_plans_read_tasks_by_key_on_a_young_unanalysed_table(d
         for name, clause in _TURN.items():
             seq = _task_scans(db, clause)
             assert not seq, (name, seq)
+
+
+FINISHED = 20_000
+
+
+def _analysed_before_the_backlog(db: DB) -> int:
+    """A table whose statistics were taken while nearly all its tasks were finished (a
+    month of retention, no work waiting), then a backlog that autoanalyze has not seen
+    yet (10 % of the table must change first): the worker's id."""
+    db.execute(
+        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
+               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
+               state, finished_at)
+           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
+                  0.01, 1, 1, 60, false, 3, 'succeeded', now() - interval '1 day'
+           FROM generate_series(1, %s)""",
+        (FINISHED,),
+    )
+    db.execute("ANALYZE core.tasks")
+    return _backlog(db)
+
+
+def _pick_params(worker: int) -> dict[str, Any]:
+    return {  # as ``attempts.Ask`` sends them for a worker of one queue, no labels
+        "worker": worker,
+        "cpu": 4000.0,
+        "memory_mb": 1_000_000.0,
+        "devices": "{}",
+        "facts": "[]",
+        "fact_names": "{}",
+        "defer_above": 0.8,
+        "defer_margin_s": 600.0,
+        "defer_max_s": 21600.0,
+        "limit": 96,
+        "queue": "default",
+        "aging_s": 60.0,
+        "aged_limit": 64,
+        "aging_max": 200,
+        "ahead_s": 0.0,
+    }
+
+
+def test_a_pick_reads_what_it_takes_when_the_statistics_predate_the_backlog(db: DB) -> None:
+    """The pick's generic plan behind 5,000 waiting tasks that the table's statistics do
+    not know of: its reserved work (none here) is found by ids, not by walking every
+    waiting task's index entry to test each against them (5,000 rows read a pick, 7.5 ms
+    at 20,000 waiting behind 1,000,000 finished: every turn's)."""
+    worker = _analysed_before_the_backlog(db)
+    with db.transaction(force_rollback=True):
+        db.execute(attempts_db._GENERIC.text)
+        plan = analyzed(db, attempts_db._WAITING_IN_QUEUE, _pick_params(worker), generic=True)
+    assert plan["Actual Rows"] == 96, json.dumps(plan)
+    # the best 96 found by the waiting index, then their details by the primary key
+    assert rows_read(plan, "tasks") <= 3 * 96, json.dumps(plan)
+
+
+RUNNING = 1000
+
+
+def _running(db: DB, worker: int, count: int = RUNNING) -> list[int]:
+    """``count`` tasks running on ``worker``, none of their starts seen yet: their
+    attempts' ids."""
+    db.execute(
+        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
+               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
+               state, current_attempt_id)
+           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
+                  0.01, 1, 1, 60, false, 3, 'running', nextval('core.attempts_id_seq')
+           FROM generate_series(1, %s)""",
+        (count,),
+    )
+    db.execute(
+        """INSERT INTO core.attempts (id, task_id, number, worker_id) OVERRIDING SYSTEM VALUE
+           SELECT current_attempt_id, id, 1, %s FROM core.tasks WHERE state = 'running'""",
+        (worker,),
+    )
+    return [
+        r[0]
+        for r in db.execute(
+            "SELECT current_attempt_id FROM core.tasks WHERE state = 'running' ORDER BY id"
+        )
+    ]
+
+
+def test_statements_by_attempt_read_their_tasks_by_key_when_the_statistics_predate(
+    db: DB,
+) -> None:
+    """Statements that reach running tasks through their attempts, planned on statistics
+    taken before the backlog and the running work: each reads the tasks it names, not
+    every live one for each attempt (the resend after a lost answer read 1,000,000 rows
+    at 1,000 running; a service's status report every running task). The bound is twice
+    what each reads by key."""
+    worker = _analysed_before_the_backlog(db)
+    ids = _running(db, worker)
+    statuses = [{"attempt_id": a, "ready": True, "address": None, "ports": None} for a in ids]
+    cases = {
+        # each of the worker's unseen attempts' task once, then the 256 it hands out again
+        "resend": (
+            attempts_db._RESEND, {"worker": worker, "holding": "{}", "most": 256}, RUNNING + 256
+        ),
+        "held": (attempts_db._HELD_STARTS, {"attempts": params_db.ints(ids[:64]), "worker": worker}, 64),
+        "confirm": (attempts_db._CONFIRM_START, {"attempt": ids[0], "worker": worker}, 1),
+        "status": (services_db._REPORT, {"worker": worker, "rows": json.dumps(statuses[:64])}, 64),
+    }  # fmt: skip
+    for name, (clause, params, by_key) in cases.items():
+        with db.transaction(force_rollback=True):
+            db.execute(attempts_db._GENERIC.text)
+            plan = analyzed(db, clause, params, generic=True)
+        assert rows_read(plan, "tasks") <= 2 * by_key, (name, json.dumps(plan))
