@@ -1,7 +1,7 @@
 """Dispatch benchmark: claim + report through core's HTTP API, no-op work.
 
     .venv/bin/python bench/dispatch.py [--tasks 20000] [--workers 4] [--max 64]
-                                       [--json results.json]
+                                       [--finished N] [--json results.json]
 
 A fresh embedded PostgreSQL (durable settings) and core as its own process
 (`bench/stack.py`). The tasks are submitted first, in batches. Then ``--workers``
@@ -20,6 +20,11 @@ Cairn / pgqueuer is printed: the design's bar is 1.0. ``--skip-pgqueuer`` leaves
 Beside it, both sides' steady rates (the middle 80% of completions) and their first and
 last quarters: pgqueuer's overall rate carries a start-up of about a second, which a run
 of 5,000 is mostly made of (docs/benchmarks.md, "Why the ratio falls").
+
+``--finished N`` puts N finished tasks in ``core.tasks`` first and analyses it, as a
+month of retention and a nightly autovacuum leave a deployment's table: the run's
+backlog then arrives on statistics that predate it (pgqueuer's queue holds no finished
+jobs: it moves them to its log).
 
 Also printed for the claim phase: the CPU per task of core and PostgreSQL against
 pgqueuer's (its process and PostgreSQL) per job (bar 1.25), the share of ``core.tasks``'
@@ -77,6 +82,24 @@ def rates(began: float, done: list[float]) -> dict[str, int]:
         "first_quarter": round(first),
         "last_quarter": round(last),
     }
+
+
+# Finished tasks as a month of retention leaves them (``--finished``), then the
+# statistics taken, as autovacuum takes them after a quiet night: the backlog the run
+# submits next is not in them (autoanalyze waits for a tenth of the table to change).
+_FINISHED = """
+INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256, cpu,
+    memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after, state, finished_at)
+SELECT 'alice', 'noop', 'default', 'task', 'file:///bin/true', %s, 0.01, 1, 1, 60, false, 3,
+       'succeeded', now() - interval '1 day' * random()
+FROM generate_series(1, %s)
+"""
+
+
+def prefill(database_url: str, finished: int) -> None:
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(_FINISHED, (TRUE_SHA, finished))
+        conn.execute("VACUUM ANALYZE core.tasks")
 
 
 async def submit_all(core_url: str, token: str, count: int) -> None:
@@ -214,6 +237,8 @@ async def pgqueuer_drain(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with core_stack("cairn-bench-dispatch-", CAIRN_HEARTBEAT_TIMEOUT_S="600") as stack:
         user = await asyncio.to_thread(admin.create_token, stack.database_url, "alice", "user")
+        if args.finished:
+            await asyncio.to_thread(prefill, stack.database_url, args.finished)
         submitted = time.perf_counter()
         await submit_all(stack.core_url, user, args.tasks)
         submit_s = time.perf_counter() - submitted
@@ -259,6 +284,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ).fetchone()
         return {
             "tasks": args.tasks,
+            "finished_before": args.finished,
             "workers": args.workers,
             "max": args.max,
             "submit_s": round(submit_s, 2),
@@ -299,6 +325,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--pgq-batch", type=int, default=64)
     parser.add_argument("--skip-pgqueuer", action="store_true")
+    parser.add_argument(
+        "--finished", type=int, default=0, help="finished tasks in core.tasks before the run"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
@@ -307,7 +336,8 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
     for r in results:
         print(
-            f"{r['reported']} tasks claimed and reported by {r['workers']} workers in "
+            f"{r['reported']} tasks claimed and reported by {r['workers']} workers"
+            f"{' behind ' + str(r['finished_before']) + ' finished' if r['finished_before'] else ''} in "
             f"{r['elapsed_s']} s: {r['tasks_per_s']} tasks/s overall, "
             f"{r['steady_tasks_per_s']} tasks/s steady (bar {BAR}); states {r['states']}; "
             f"attempts per task max/min {r['attempts_per_task']}"
