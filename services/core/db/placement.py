@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common import locks
 from libs.common.models import QueueSettings, Task, UsageRow
-from libs.common.states import TaskState, Workers
+from libs.common.states import TaskState, Workers, sql_in
 from services.core.db import sharing
 from services.core.db.tables import queues, workers
 from services.core.domain import pending, selectors
@@ -538,6 +538,9 @@ UPDATE core.queues SET utilisation = NULL
 WHERE utilisation IS NOT NULL AND NOT (name = ANY(CAST(:names AS text[])))
 """)
 
+# The deferrable waiting work of the hot pools, found by its own index
+# (``ix_tasks_deferrable``: a pool is hot during every backlog, and a scan of the waiting
+# read every waiting task of its queues at each pass).
 _DEFER = text(f"""
 WITH hot AS (
     SELECT q.name, q.utilisation, COALESCE(q.defer_above, :defer_above) AS above
@@ -546,7 +549,8 @@ WITH hot AS (
 ), picked AS (
     SELECT t.id, t.state, hot.utilisation, hot.above, {LATEST_START} AS latest
     FROM core.tasks t JOIN hot ON hot.name = t.queue
-    WHERE t.state = ANY(CAST(:sources AS text[])) AND {DEFERRABLE} AND {LATEST_START} > now()
+    WHERE {sql_in("t.state", sources(Op.DEFER, S.READY))} AND {DEFERRABLE}
+      AND {LATEST_START} > now()
     ORDER BY t.id
     LIMIT :limit
     FOR UPDATE OF t SKIP LOCKED
@@ -566,10 +570,12 @@ WITH hot AS (
 SELECT count(*) FROM moved
 """)
 
-_UNDEFER = text("""
+# Only what a deferral parked (a failed task waits out its own backoff), found by the
+# index of the deferred.
+_UNDEFER = text(f"""
 WITH picked AS (
     SELECT t.id, t.state, q.utilisation FROM core.tasks t LEFT JOIN core.queues q ON q.name = t.queue
-    WHERE t.state = ANY(CAST(:sources AS text[])) AND t.deferred
+    WHERE t.state = '{S.READY}' AND t.deferred
       AND NOT COALESCE(q.paused, false)
       AND COALESCE(q.utilisation, 0) <= COALESCE(q.defer_above, :defer_above)
     ORDER BY t.id
@@ -670,18 +676,13 @@ async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
         "defer_max_s": defaults.defer_max_s,
         "limit": PASS_BATCH,
     }
-    deferred = await conn.execute(
-        _DEFER,
-        {**params, "sources": sources(Op.DEFER, S.READY), "target": "ready", "op": Op.DEFER.value},
-    )
+    deferred = await conn.execute(_DEFER, {**params, "target": S.READY.value, "op": Op.DEFER.value})
     released = await conn.execute(
         _UNDEFER,
         {
             "defer_above": defaults.defer_above,
             "limit": PASS_BATCH,
-            # Only what a deferral parked: a failed task waits out its own backoff.
-            "sources": [S.READY.value],
-            "target": "waiting",
+            "target": S.WAITING.value,
             "op": Op.PROMOTE.value,
         },
     )

@@ -610,6 +610,14 @@ tasks = Table(
         ),
     ),
     Index("ix_tasks_finished_at", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
+    # The placement pass's deferral (``db.placement._DEFER``, ``_UNDEFER``): the deferrable
+    # waiting work, and the work a deferral parked (migration 0046_deferral_indexes).
+    Index(
+        "ix_tasks_deferrable",
+        "id",
+        postgresql_where=text(f"state = '{S.WAITING}' AND (defer_ok OR deadline IS NOT NULL)"),
+    ),
+    Index("ix_tasks_deferred", "id", postgresql_where=text(f"state = '{S.READY}' AND deferred")),
     Index(
         "ix_tasks_labels",
         "labels",
