@@ -343,10 +343,14 @@ WITH picked AS (
 SELECT count(*) FROM moved
 """)
 
-# Written as IN over the (few) paused queues, so that with none paused the park queries
-# cost nothing, and with some they walk the waiting index of those queues only.
+# The (few) paused queues. The park queries take their tasks by queue from the array of
+# them, an index condition: with none paused they read nothing, with some only those
+# queues' entries. Written as ``IN (SELECT ...)``, a table analysed before its backlog
+# had the waiting work parked by a walk of every waiting task's entry, tested against
+# the paused queues, at every promoter pass (5,000 rows at 5,000 waiting with none
+# paused; 37-162 ms a pass at 100,000 waiting behind 1,000,000 finished).
 _PAUSED_QUEUES = "(SELECT q.name FROM core.queues q WHERE q.paused)"
-_QUEUE_PAUSED = f"t.queue IN {_PAUSED_QUEUES}"
+_QUEUE_PAUSED = f"t.queue = ANY(ARRAY{_PAUSED_QUEUES})"
 _QUEUE_RUNS = f"t.queue NOT IN {_PAUSED_QUEUES}"
 
 

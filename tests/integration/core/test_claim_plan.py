@@ -18,6 +18,7 @@ from services.core.db import attempts as attempts_db
 from services.core.db import params as params_db
 from services.core.db import placement
 from services.core.db import services as services_db
+from services.core.db import tasks as tasks_db
 from services.core.domain.transitions import Op, sources
 from tests.support.plans import analyzed, generic, nodes, rows_read
 
@@ -233,3 +234,32 @@ def test_statements_by_attempt_read_their_tasks_by_key_when_the_statistics_preda
             db.execute(attempts_db._GENERIC.text)
             plan = analyzed(db, clause, params, generic=True)
         assert rows_read(plan, "tasks") <= 2 * by_key, (name, json.dumps(plan))
+
+
+def test_the_promoters_park_reads_the_paused_queues_work_only(db: DB) -> None:
+    """The promoter's park of waiting work in paused queues, once a second, planned on
+    statistics that predate the backlog: with no queue paused it reads nothing, with one
+    paused only that queue's waiting tasks (it read every waiting task's entry, 5,000
+    here, 37-162 ms a pass at 100,000 waiting behind 1,000,000 finished)."""
+    _analysed_before_the_backlog(db)
+    db.execute(
+        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
+               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
+               state)
+           SELECT 'alice', 'x', 'slow', 'task', 'file:///bin/true', repeat('0', 64),
+                  0.01, 1, 1, 60, false, 3, 'waiting'
+           FROM generate_series(1, 10)"""
+    )
+    db.execute("INSERT INTO core.queues (name) VALUES ('default'), ('slow')")
+    for paused, parked in ((None, 0), ("slow", 10)):
+        if paused:
+            db.execute("UPDATE core.queues SET paused = true WHERE name = %s", (paused,))
+        for on_generic in (True, False):
+            with db.transaction(force_rollback=True):
+                plan = analyzed(db, tasks_db.PARK_WAITING, {"limit": 1000}, generic=on_generic)
+                [[ready]] = db.execute(
+                    "SELECT count(*) FROM core.tasks WHERE queue = 'slow' AND state = 'ready'"
+                ).fetchall()
+            assert ready == parked
+            # each found by its queue's entry, locked, then moved by the primary key
+            assert rows_read(plan, "tasks") <= 3 * parked, (paused, on_generic, json.dumps(plan))
