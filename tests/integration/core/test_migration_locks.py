@@ -8,8 +8,9 @@ good, and neither outlive a killed run nor deadlock with a second one. Each run 
 ``core.tasks`` (ACCESS EXCLUSIVE); ``0035_feed_owner`` after it builds one more, and
 ``0036_audit_key`` adds a column to ``core.audit`` and builds its unique index, and
 ``0037_token_kid`` adds one to ``core.tokens`` and builds its index; ``0038_retired_teams``
-makes a table, ``0039_principal_disabled`` adds two columns to ``core.principals``, and
-``0040_deferral_indexes`` builds two indexes of ``core.tasks`` CONCURRENTLY."""
+makes a table, ``0039_principal_disabled`` adds two columns to ``core.principals``,
+``0040_deferral_indexes`` builds two indexes of ``core.tasks`` CONCURRENTLY, and
+``0041_tasks_analyze`` sets its autovacuum analysis threshold."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from tests.support.migration_locks import (
     waiting_on,
 )
 
-HEAD, BEFORE = "0040_deferral_indexes", "0033_task_domains"
+HEAD, BEFORE = "0041_tasks_analyze", "0033_task_domains"
 CORE = SCHEMAS["core"]
 INVALID = (
     "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"

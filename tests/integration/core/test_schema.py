@@ -31,7 +31,7 @@ from services.dag import tables as dag_tables
 # (schema, its tables, its migrate module, its newest revision)
 SERVICES = [
     pytest.param(
-        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0040_deferral_indexes", id="core"
+        core_tables.SCHEMA, core_tables.metadata, core_migrate, "0041_tasks_analyze", id="core"
     ),
     pytest.param(
         cron_tables.SCHEMA, cron_tables.metadata, cron_migrate, "cron_0004_changed_by", id="cron"
