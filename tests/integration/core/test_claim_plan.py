@@ -263,3 +263,22 @@ def test_the_promoters_park_reads_the_paused_queues_work_only(db: DB) -> None:
             assert ready == parked
             # each found by its queue's entry, locked, then moved by the primary key
             assert rows_read(plan, "tasks") <= 3 * parked, (paused, on_generic, json.dumps(plan))
+
+
+def test_the_park_reads_nothing_with_no_queue_paused_behind_an_analysed_backlog(db: DB) -> None:
+    """Planned on statistics that know the backlog (a quarter of 20,000 tasks waiting, all
+    in one queue), the park's walk of the primary key in id order looks cheap: with no
+    queue paused it read every task at every pass (354 ms a pass at 1,100,000 tasks).
+    The check for a paused queue runs first, once, whatever the plan."""
+    _backlog(db, 20_000)
+    db.execute(
+        "UPDATE core.tasks SET state = 'succeeded', finished_at = now()"
+        " WHERE id IN (SELECT id FROM core.tasks ORDER BY id LIMIT 15000)"
+    )
+    db.execute("INSERT INTO core.queues (name) VALUES ('default')")
+    db.execute("ANALYZE core.tasks")
+    for on_generic in (True, False):
+        with db.transaction(force_rollback=True):
+            plan = analyzed(db, tasks_db.PARK_WAITING, {"limit": 1000}, generic=on_generic)
+        # at most the one row a hash join of the move reads before it finds nothing to move
+        assert rows_read(plan, "tasks") <= 1, (on_generic, json.dumps(plan))
