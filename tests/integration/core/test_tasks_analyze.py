@@ -1,5 +1,5 @@
 """``core.tasks`` is analysed after 5,000 changed rows, however large (migration
-``0041_tasks_analyze``): a backlog that arrives on a table of finished tasks gets
+``0047_tasks_analyze``): a backlog that arrives on a table of finished tasks gets
 statistics that know of it at autovacuum's next look, not once a tenth of the table has
 changed. On a server of the test's own (autovacuum looks every second there), a table of
 100,000 finished tasks analysed, then 6,000 waiting: under PostgreSQL's default (10,050
