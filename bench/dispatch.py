@@ -335,9 +335,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     for r in results:
+        behind = f" behind {r['finished_before']} finished" if r["finished_before"] else ""
         print(
-            f"{r['reported']} tasks claimed and reported by {r['workers']} workers"
-            f"{' behind ' + str(r['finished_before']) + ' finished' if r['finished_before'] else ''} in "
+            f"{r['reported']} tasks claimed and reported by {r['workers']} workers{behind} in "
             f"{r['elapsed_s']} s: {r['tasks_per_s']} tasks/s overall, "
             f"{r['steady_tasks_per_s']} tasks/s steady (bar {BAR}); states {r['states']}; "
             f"attempts per task max/min {r['attempts_per_task']}"

@@ -1,6 +1,7 @@
 """The plans PostgreSQL makes for core's statements, read by the plan tests: the nodes of
 an ``EXPLAIN (FORMAT JSON)`` plan, and a statement's generic plan (its parameters unknown,
-as a prepared statement runs once PostgreSQL caches it)."""
+as a prepared statement runs once PostgreSQL caches it); and the rows they plan over
+(``insert_tasks``)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,37 @@ def indexes(plan: dict[str, Any], table: str) -> set[str]:
         if name is not None and (node.get("Relation Name") in (table, None)):
             found.add(name)
     return found
+
+
+_TASK = {  # a task's columns without defaults, as the plan tests fill them
+    "owner": "'alice'",
+    "name": "'x'",
+    "queue": "'default'",
+    "kind": "'task'",
+    "artifact_uri": "'file:///bin/true'",
+    "artifact_sha256": "repeat('0', 64)",
+    "cpu": "0.01",
+    "memory_mb": "1",
+    "max_attempts": "1",
+    "backoff_cap_s": "60",
+    "backoff_jitter": "false",
+    "poison_after": "3",
+}
+
+
+def insert_tasks(db: DB, count: int, state: str = "waiting", **columns: str) -> None:
+    """``count`` tasks in ``state`` (alice's, in the default queue, running ``/bin/true``);
+    ``columns``: other values, or other columns', as SQL expressions (``cpu="0.5"``,
+    ``finished_at="now()"``)."""
+    values = {**_TASK, **columns}
+    db.execute(
+        sql.SQL(
+            "INSERT INTO core.tasks ({names}, state) SELECT {exprs}, {state}"
+            " FROM generate_series(1, {count})"
+        ).format(
+            names=sql.SQL(", ").join(sql.Identifier(name) for name in values),
+            exprs=sql.SQL(", ").join(sql.SQL(expr) for expr in values.values()),  # type: ignore[arg-type]
+            state=sql.Literal(state),
+            count=sql.Literal(count),
+        )
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import select, text
+from sqlalchemy import TextClause, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -669,24 +669,26 @@ async def measure_pools(conn: AsyncConnection) -> dict[str, float]:
     return shares
 
 
-async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
-    params = {
-        "defer_above": defaults.defer_above,
+def deferral(defaults: Defaults) -> tuple[tuple[TextClause, dict[str, Any]], ...]:
+    """The placement pass's deferral, as it runs: the deferrable work of the hot pools
+    deferred, then what a deferral parked released where its pool has cooled."""
+    common = {"defer_above": defaults.defer_above, "limit": PASS_BATCH}
+    defer = {
+        **common,
         "defer_margin_s": defaults.defer_margin_s,
         "defer_max_s": defaults.defer_max_s,
-        "limit": PASS_BATCH,
+        "target": S.READY.value,
+        "op": Op.DEFER.value,
     }
-    deferred = await conn.execute(_DEFER, {**params, "target": S.READY.value, "op": Op.DEFER.value})
-    released = await conn.execute(
-        _UNDEFER,
-        {
-            "defer_above": defaults.defer_above,
-            "limit": PASS_BATCH,
-            "target": S.WAITING.value,
-            "op": Op.PROMOTE.value,
-        },
-    )
-    return int(deferred.scalar_one()) + int(released.scalar_one())
+    release = {**common, "target": S.WAITING.value, "op": Op.PROMOTE.value}
+    return (_DEFER, defer), (_UNDEFER, release)
+
+
+async def defer_and_release(conn: AsyncConnection, defaults: Defaults) -> int:
+    moved = 0
+    for statement, params in deferral(defaults):
+        moved += int((await conn.execute(statement, params)).scalar_one())
+    return moved
 
 
 async def make_room(conn: AsyncConnection, defaults: Defaults) -> int:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from libs.common import pipeline
 from services.core.db import placement
-from tests.support.plans import analyzed, nodes, rows_read
+from tests.support.plans import analyzed, insert_tasks, nodes, rows_read
 
 DB = psycopg.Connection[tuple[Any, ...]]
 LINE = placement.BLOCKED_LINE
@@ -142,15 +142,7 @@ def test_a_blocked_task_at_the_head_is_reserved_for_and_one_deep_in_line_waits(
 
 def _delayed(db: DB, count: int) -> None:
     """``count`` ready tasks due tomorrow (delayed submissions, retries in backoff)."""
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state, run_at)
-           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64), 0.5,
-                  1, 1, 60, false, 3, 'ready', now() + interval '1 day'
-           FROM generate_series(1, %s)""",
-        (count,),
-    )
+    insert_tasks(db, count, "ready", cpu="0.5", run_at="now() + interval '1 day'")
 
 
 def test_the_deferral_pass_reads_the_deferrable_and_the_deferred_not_the_backlog(
@@ -169,23 +161,15 @@ def test_the_deferral_pass_reads_the_deferrable_and_the_deferred_not_the_backlog
     )
     db.execute("INSERT INTO core.queues (name, utilisation) VALUES ('default', 0.95)")
     db.execute("ANALYZE core.tasks")
-    defaults = placement.Defaults()
-    base = {
-        "defer_above": defaults.defer_above,
-        "defer_margin_s": defaults.defer_margin_s,
-        "defer_max_s": defaults.defer_max_s,
-        "limit": placement.PASS_BATCH,
-    }
-    defer = {**base, "target": "ready", "op": "defer"}
-    release = {**base, "target": "waiting", "op": "promote"}
+    defer, release = placement.deferral(placement.Defaults())
     for generic in (True, False):
         with db.transaction(force_rollback=True):
-            plan = analyzed(db, placement._DEFER, defer, generic=generic)
+            plan = analyzed(db, *defer, generic=generic)
             # the three found by their index, then moved by the primary key: a handful
             assert rows_read(plan, "tasks") < 100, (generic, json.dumps(plan))
             [[moved]] = db.execute(
                 "SELECT count(*) FROM core.tasks WHERE deferred AND state = 'ready'"
             ).fetchall()
             assert moved == 3
-            plan = analyzed(db, placement._UNDEFER, release, generic=generic)
+            plan = analyzed(db, *release, generic=generic)
             assert rows_read(plan, "tasks") < 100, (generic, json.dumps(plan))

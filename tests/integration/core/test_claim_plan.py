@@ -20,7 +20,7 @@ from services.core.db import placement
 from services.core.db import services as services_db
 from services.core.db import tasks as tasks_db
 from services.core.domain.transitions import Op, sources
-from tests.support.plans import analyzed, generic, nodes, rows_read
+from tests.support.plans import analyzed, generic, insert_tasks, nodes, rows_read
 
 BACKLOG = 5000
 MOVED = 64
@@ -28,15 +28,7 @@ DB = psycopg.Connection[tuple[Any, ...]]
 
 
 def _backlog(db: DB, count: int = BACKLOG) -> int:
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state)
-           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
-                  0.01, 1, 1, 60, false, 3, 'waiting'
-           FROM generate_series(1, %s)""",
-        (count,),
-    )
+    insert_tasks(db, count)
     row = db.execute(
         "INSERT INTO core.workers (principal, hostname, queues, cpu, memory_mb)"
         " VALUES ('w', 'w', '{default}', 4000, 1000000) RETURNING id"
@@ -134,15 +126,7 @@ def _analysed_before_the_backlog(db: DB) -> int:
     """A table whose statistics were taken while nearly all its tasks were finished (a
     month of retention, no work waiting), then a backlog that autoanalyze has not seen
     yet (10 % of the table must change first): the worker's id."""
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state, finished_at)
-           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
-                  0.01, 1, 1, 60, false, 3, 'succeeded', now() - interval '1 day'
-           FROM generate_series(1, %s)""",
-        (FINISHED,),
-    )
+    insert_tasks(db, FINISHED, "succeeded", finished_at="now() - interval '1 day'")
     db.execute("ANALYZE core.tasks")
     return _backlog(db)
 
@@ -187,15 +171,7 @@ RUNNING = 1000
 def _running(db: DB, worker: int, count: int = RUNNING) -> list[int]:
     """``count`` tasks running on ``worker``, none of their starts seen yet: their
     attempts' ids."""
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state, current_attempt_id)
-           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
-                  0.01, 1, 1, 60, false, 3, 'running', nextval('core.attempts_id_seq')
-           FROM generate_series(1, %s)""",
-        (count,),
-    )
+    insert_tasks(db, count, "running", current_attempt_id="nextval('core.attempts_id_seq')")
     db.execute(
         """INSERT INTO core.attempts (id, task_id, number, worker_id) OVERRIDING SYSTEM VALUE
            SELECT current_attempt_id, id, 1, %s FROM core.tasks WHERE state = 'running'""",
@@ -242,14 +218,7 @@ def test_the_promoters_park_reads_the_paused_queues_work_only(db: DB) -> None:
     paused only that queue's waiting tasks (it read every waiting task's entry, 5,000
     here, 37-162 ms a pass at 100,000 waiting behind 1,000,000 finished)."""
     _analysed_before_the_backlog(db)
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state)
-           SELECT 'alice', 'x', 'slow', 'task', 'file:///bin/true', repeat('0', 64),
-                  0.01, 1, 1, 60, false, 3, 'waiting'
-           FROM generate_series(1, 10)"""
-    )
+    insert_tasks(db, 10, queue="'slow'")
     db.execute("INSERT INTO core.queues (name) VALUES ('default'), ('slow')")
     for paused, parked in ((None, 0), ("slow", 10)):
         if paused:

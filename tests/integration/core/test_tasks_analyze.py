@@ -22,7 +22,7 @@ from libs.common.embedded import EmbeddedPostgres
 from libs.common.settings import libpq_url
 from services.core import migrate
 from services.core.db import tasks as tasks_db
-from tests.support.plans import analyzed, rows_read
+from tests.support.plans import analyzed, insert_tasks, rows_read
 
 FINISHED, BACKLOG = 100_000, 6_000
 DB = psycopg.Connection[tuple[Any, ...]]
@@ -44,19 +44,6 @@ def db() -> Iterator[DB]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _tasks(db: DB, count: int, state: str) -> None:
-    db.execute(
-        """INSERT INTO core.tasks (owner, name, queue, kind, artifact_uri, artifact_sha256,
-               cpu, memory_mb, max_attempts, backoff_cap_s, backoff_jitter, poison_after,
-               state, finished_at)
-           SELECT 'alice', 'x', 'default', 'task', 'file:///bin/true', repeat('0', 64),
-                  0.01, 1, 1, 60, false, 3, %s,
-                  CASE WHEN %s = 'succeeded' THEN now() - interval '1 day' END
-           FROM generate_series(1, %s)""",
-        (state, state, count),
-    )
-
-
 def _analysed(db: DB) -> int:
     row = db.execute(
         "SELECT autoanalyze_count FROM pg_stat_user_tables"
@@ -75,11 +62,11 @@ def _analysed_again(db: DB, count: int, within_s: float) -> bool:
 
 
 def test_a_backlog_on_a_large_table_of_finished_tasks_is_analysed_at_once(db: DB) -> None:
-    _tasks(db, FINISHED, "succeeded")
+    insert_tasks(db, FINISHED, "succeeded", finished_at="now() - interval '1 day'")
     # autovacuum analyses the young table once (under any setting), then the backlog
     assert _analysed_again(db, 0, 30)
     before = _analysed(db)
-    _tasks(db, BACKLOG, "waiting")
+    insert_tasks(db, BACKLOG)
     assert _analysed_again(db, before, 15), "core.tasks was not analysed after its backlog"
     with db.transaction(force_rollback=True):
         plan = analyzed(db, tasks_db.NEXT_DUE, {"after_s": 0.5}, generic=False)
