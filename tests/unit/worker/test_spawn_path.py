@@ -233,7 +233,9 @@ def test_the_start_runs_on_the_slots_budget_and_the_task_on_its_own_quota(root: 
     """The start's own work (the helper's clone, the child's namespaces, keyrings and
     identity) is not charged to the attempt's quota: before the start the slot holds a
     period's worth of every CPU, and the helper writes the attempt's quota once it has
-    exec'd, so the task reads its own (10 ms a second at 0.01 CPU) from its first line."""
+    exec'd, so the task reads its own (10 ms a second at 0.01 CPU) once the helper has run
+    again: at once on an idle host, within a scheduler slice on a busy one (the task polls
+    for it, with builtins only, for up to 100,000 reads)."""
     host = _host(root)
     if host.slots is None:
         pytest.skip("no cgroup v1 hierarchy to pool here")
@@ -246,7 +248,11 @@ def test_the_start_runs_on_the_slots_budget_and_the_task_on_its_own_quota(root: 
             assert prepared.slot.helper.sets_quota
             quota_file = prepared.cgroup.folders["cpu"] / "cpu.cfs_quota_us"
             before = quota_file.read_text().strip()
-            prepared.spec = dataclasses.replace(prepared.spec, args=["-c", f"cat {quota_file}"])
+            poll = (
+                f"for i in {{1..100000}}; do read -r q < {quota_file};"
+                ' [ "$q" = 10000 ] && break; done; echo "$q"'
+            )
+            prepared.spec = dataclasses.replace(prepared.spec, args=["-c", poll])
             handle = await start_attempt(prepared.spec)
             result = await handle.wait()
             after = quota_file.read_text().strip()
