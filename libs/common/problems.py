@@ -8,10 +8,11 @@ from typing import Any
 import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from libs.common.errors import (
     DATABASE_UNAVAILABLE,
@@ -97,6 +98,14 @@ def install(app: FastAPI) -> None:
         response = problem_response(error, request)
         response.headers.update(exc.headers or {})
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The caller went before its body was whole (a killed agent or cron leader, a cut
+        # network), wherever the body is read (``deps.PlainRoute``, an endpoint reading it
+        # itself): nothing was done and nobody is there to answer; uvicorn would log it
+        # as an exception in the application. FastAPI's own body handling answers 400.
+        return Response(status_code=400)
 
     @app.exception_handler(PoolTimeout)
     async def _pool_exhausted(request: Request, exc: PoolTimeout) -> JSONResponse:

@@ -15,7 +15,6 @@ from fastapi import Depends, Path, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
-from starlette.requests import ClientDisconnect
 
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.client import ON_BEHALF_OF
@@ -289,13 +288,8 @@ class PlainRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             if self.takes(request):
-                try:
-                    answer = await self.plain(request)
-                except ClientDisconnect:
-                    # gone before its body was whole (a killed agent, a cut network):
-                    # nothing was done and there is no one to answer (FastAPI's own
-                    # handler answers such a read 400)
-                    return Response(status_code=400)
+                # a caller gone before its body was whole: problems.install lets it go
+                answer = await self.plain(request)
                 if answer is not None:
                     return answer
             return await standard(request)

@@ -365,22 +365,26 @@ def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_read(core: 
     assert PROBLEM_JSON in head
 
 
+@pytest.mark.parametrize("path", ["/v1/tasks", "/v1/tasks/batch"])
 def test_a_caller_gone_mid_body_is_let_go_without_a_traceback(
     core: Core,
     alice: httpx.Client,
     db: psycopg.Connection[tuple[Any, ...]],
     caplog: pytest.LogCaptureFixture,
+    path: str,
 ) -> None:
-    """A client that sends half its body and goes (a killed agent, a cut network): the
-    hot paths' own handling (``deps.PlainRoute``) let starlette's ClientDisconnect reach
-    uvicorn, which logged it as an exception in the application (an agent's turn goes the
-    same way); nothing is done."""
+    """A client that sends half its body and goes (a killed agent, a cut network, the
+    cron leader killed mid-batch): starlette's ClientDisconnect reached uvicorn, which
+    logged it as an exception in the application, from the hot paths' own reads
+    (``deps.PlainRoute``) and from every endpoint that reads its body itself (the batch);
+    ``problems.install`` lets it go (an agent's turn goes the same way); nothing is
+    done."""
     import socket
 
     host, port = core.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
-            "POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Authorization: {alice.headers['Authorization']}\r\n"
             "Content-Length: 200\r\n\r\n".encode()
             + b'{"name": "half'
