@@ -18,6 +18,9 @@ import pytest
 from tests.support import Core, TurnWorker, spec, start_core, stop_as_woken, wait_for
 
 POLL_S = 60.0  # far longer than any test waits: only the timer can be on time
+# On time: within this of its run_at, a twentieth of the poll. CI's loaded cores once
+# held a promotion 1.17 s (the bound was 0.5 s); the poll would be a minute late.
+ON_TIME_S = 3.0
 
 
 def _db_now_plus(db: psycopg.Connection[tuple[object, ...]], seconds: float) -> str:
@@ -64,7 +67,7 @@ def test_a_delayed_task_starts_at_its_run_at_not_at_the_next_poll(
         assert [task for task, _ in moved] == sorted(ids)  # each promoted exactly once
         lags = [lag for _, lag in moved]
         assert min(lags) >= 0, "promoted before its run_at"
-        assert max(lags) < 0.5, f"promoted late: {max(lags):.3f} s after run_at"
+        assert max(lags) < ON_TIME_S, f"promoted late: {max(lags):.3f} s after run_at"
         state = db.execute("SELECT state FROM core.tasks WHERE id = %s", (late["id"],)).fetchone()
         assert state == ("ready",)
     finally:
@@ -83,7 +86,7 @@ def test_another_replicas_submission_sets_the_timer_through_notify(
         a.stop()
         wait_for(lambda: _waiting(db, [task["id"]]), timeout=15)
         [(_, lag)] = _promotions(db, [task["id"]])
-        assert 0 <= lag < 0.5
+        assert 0 <= lag < ON_TIME_S
     finally:
         a.stop()
         b.stop()
