@@ -7,7 +7,6 @@ import base64
 import os
 import secrets
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -18,6 +17,7 @@ import httpx
 
 from tests.deploy import images
 from tests.deploy.engine import EngineError, PrivateEngine
+from tests.support import free_port
 
 COMPOSE_FILE = images.ROOT / "compose" / "docker-compose.yml"
 PORTS = ("CORE_1", "CORE_2", "CRON_1", "CRON_2", "DAG")
@@ -30,12 +30,6 @@ def _when(stamp: str) -> datetime:
     day, _, rest = stamp.rstrip("Z").partition("T")
     clock, _, fraction = rest.partition(".")
     return datetime.fromisoformat(f"{day}T{clock}.{(fraction + '000000')[:6]}+00:00")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -54,7 +48,7 @@ class Stack:
         return self.folder / "deploy.env"
 
     def write_env(self) -> None:
-        self.ports = {name: _free_port() for name in PORTS}
+        self.ports = {name: free_port() for name in PORTS}
         self.secrets = {
             name: secrets.token_hex(20)
             for name in ("DB_PASSWORD", "ADMIN_TOKEN", "CRON_TOKEN", "DAG_TOKEN", "WORKER_TOKEN")

@@ -32,6 +32,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
+from tests.support import free_port as support_free_port
 from tests.webhooks import Receiver, subscribe
 
 # Tests here queue several test deliveries of one owner at once; the per-owner limit on
@@ -135,9 +136,7 @@ def test_a_huge_answer_leaves_cores_memory_alone_and_only_an_excerpt_is_logged(
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return support_free_port()
 
 
 @pytest.fixture

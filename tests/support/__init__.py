@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import gc
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -51,8 +53,37 @@ SH = Path("/bin/sh")
 SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 
 
+# Where tests' servers listen: below the kernel's ephemeral range, from which every
+# outgoing connection takes its own port. A port picked there (bound to 0, closed) could
+# be taken by some client's connect before the test's server bound it: CI once met
+# "address already in use" starting a core.
+_LISTEN_PORTS = range(20000, 32768)
+_handed_out: collections.deque[int] = collections.deque(maxlen=512)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port nothing listens on, outside the ephemeral range where it can be
+    (random, checked by a bind; not one this process handed out lately)."""
+    top = min(_LISTEN_PORTS.stop, _ephemeral_low())
+    for _ in range(1000 if top > _LISTEN_PORTS.start else 0):
+        port = random.randrange(_LISTEN_PORTS.start, top)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.append(port)
+        return port
+    with socket.socket() as sock:  # no room below the ephemeral range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
