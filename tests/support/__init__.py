@@ -59,6 +59,9 @@ SH_SHA = hashlib.sha256(SH.read_bytes()).hexdigest()
 # "address already in use" starting a core.
 _LISTEN_PORTS = range(20000, 32768)
 _handed_out: collections.deque[int] = collections.deque(maxlen=512)
+# Its own source: a test that seeds the module's (hypothesis does) would give every test
+# process the same ports in the same order.
+_pick = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:
@@ -73,7 +76,7 @@ def free_port() -> int:
     (random, checked by a bind; not one this process handed out lately)."""
     top = min(_LISTEN_PORTS.stop, _ephemeral_low())
     for _ in range(1000 if top > _LISTEN_PORTS.start else 0):
-        port = random.randrange(_LISTEN_PORTS.start, top)
+        port = _pick.randrange(_LISTEN_PORTS.start, top)
         if port in _handed_out:
             continue
         with socket.socket() as sock:
