@@ -47,9 +47,10 @@ async def top_owners(
     half_life = _half_life(request)
     async with engine.connect() as conn:
         if principal.owner_filter is not None:
-            mine = await sharing.usage_of(conn, [principal.name], half_life)
-            teams = await sharing.team_usage_of(conn, sorted(principal.teams), half_life)
-            return OwnerList(items=mine + teams)
+            teams = sorted(principal.teams)
+            return OwnerList(
+                items=await sharing.caller_usage(conn, principal.name, teams, half_life)
+            )
         return OwnerList(items=await sharing.top_owners(conn, limit, half_life))
 
 

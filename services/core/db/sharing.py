@@ -498,26 +498,53 @@ SELECT owner FROM (
 """)
 
 
+#: the flows with work running or waiting (``_ACTIVE``): (is a team, name) -> weight
+Active = dict[tuple[bool, str], float]
+
+
+async def active_flows(conn: AsyncConnection) -> Active:
+    """``_ACTIVE``: it reads every running and waiting task (bench/dashboard_backlog.py),
+    so a caller that needs it for several answers reads it once."""
+    return {(r.is_team, r.name): float(r.weight) for r in await conn.execute(_ACTIVE)}
+
+
 async def usage_of(
-    conn: AsyncConnection, names: Sequence[str], half_life_s: float = HALF_LIFE_S
+    conn: AsyncConnection,
+    names: Sequence[str],
+    half_life_s: float = HALF_LIFE_S,
+    active: Active | None = None,
 ) -> list[OwnerUsage]:
     """Each owner's share, running use, waiting count and quotas (its use counts every
-    task it submitted, its teams' included), and its own flow's decayed usage."""
+    task it submitted, its teams' included), and its own flow's decayed usage; the
+    shares among ``active`` (read here if not given)."""
     use = await owner_use(conn, names)
     found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
     rows = {r.name: r for r in found}
-    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s)
+    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s, active)
 
 
 async def team_usage_of(
-    conn: AsyncConnection, names: Sequence[str], half_life_s: float = HALF_LIFE_S
+    conn: AsyncConnection,
+    names: Sequence[str],
+    half_life_s: float = HALF_LIFE_S,
+    active: Active | None = None,
 ) -> list[OwnerUsage]:
     """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
     owns, whoever of its members submitted them, and its decayed usage."""
     use = await team_use(conn, names)
     found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
     rows = {r.team: r for r in found}
-    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s)
+    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s, active)
+
+
+async def caller_usage(
+    conn: AsyncConnection, name: str, teams: Sequence[str], half_life_s: float = HALF_LIFE_S
+) -> list[OwnerUsage]:
+    """A user's own flow and each of their teams' (``GET /v1/owners`` for a user), the
+    active flows read once for all of them."""
+    active = await active_flows(conn)
+    mine = await usage_of(conn, [name], half_life_s, active)
+    return mine + (await team_usage_of(conn, teams, half_life_s, active) if teams else [])
 
 
 _FAIR_USAGE = text("""
@@ -534,8 +561,10 @@ async def _usage(
     rows: dict[str, Any],
     waiting_query: Any,
     half_life_s: float,
+    active: Active | None = None,
 ) -> list[OwnerUsage]:
-    active = {(r.is_team, r.name): float(r.weight) for r in await conn.execute(_ACTIVE)}
+    if active is None:
+        active = await active_flows(conn)
     counted = await conn.execute(waiting_query, {"owners": list(names)})
     waiting = {r.owner: int(r.n) for r in counted}
     kind = "team" if is_team else "owner"

@@ -5,7 +5,9 @@ teams' events and usage (outsiders do not), and members act in bulk on team task
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import event
 
+from services.core.db import sharing
 from tests.integration.core.test_dispatch import Agent
 from tests.support import Core, spec
 
@@ -117,6 +119,44 @@ def test_members_read_their_teams_events_and_usage_and_outsiders_do_not(core: Co
         with core.client("root", "admin") as root:
             assert root.patch("/v1/teams/nope/share", json={"weight": 2}).status_code == 404
             assert bob.patch("/v1/teams/sre/share", json={"weight": 2}).status_code == 403
+
+
+def test_a_users_owner_list_reads_the_active_flows_once(core: Core) -> None:
+    """``sharing._ACTIVE`` reads every running and waiting task (100,000 at a backlog of
+    that size: bench/dashboard_backlog.py); a user's list of their own flow and their
+    teams' read it once for each, twice in all. The answer is the same."""
+    _team(core, "sre", "alice", "bob")
+    _team(core, "ops", "bob")
+    ran: list[str] = []
+    engine = core.server.config.app.state.engine.sync_engine
+    active = str(sharing._ACTIVE)
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement == active:
+            ran.append(statement)
+
+    with core.client("alice") as alice, core.client("bob") as bob:
+        _submit(alice, 2, team="sre")
+        _submit(alice, 1)
+        _submit(bob, 1)
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            items = bob.get("/v1/owners").json()["items"]
+            alone = alice.get("/v1/owners").json()["items"]
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+    assert len(ran) == 2  # once for bob (his flow and two teams), once for alice
+    assert [(u["kind"], u["name"], u["waiting"]) for u in items] == [
+        ("owner", "bob", 1),
+        ("team", "ops", 0),
+        ("team", "sre", 2),
+    ]
+    # three active flows of weight 1 (alice's, bob's, sre's); ops would make a fourth
+    assert [u["share"] for u in items] == pytest.approx([1 / 3, 1 / 4, 1 / 3], abs=1e-5)
+    assert [(u["kind"], u["name"], u["waiting"]) for u in alone] == [
+        ("owner", "alice", 3),  # what she submitted, her team's included
+        ("team", "sre", 2),
+    ]
 
 
 def test_members_retry_and_cancel_their_teams_tasks_in_bulk(core: Core, db) -> None:
