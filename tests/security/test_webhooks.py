@@ -32,7 +32,7 @@ from tests.support import (
     stop_process,
     wait_for,
 )
-from tests.support import free_port as support_free_port
+from tests.support import free_port as pick_port
 from tests.webhooks import Receiver, subscribe
 
 # Tests here queue several test deliveries of one owner at once; the per-owner limit on
@@ -136,7 +136,7 @@ def test_a_huge_answer_leaves_cores_memory_alone_and_only_an_excerpt_is_logged(
 
 @pytest.fixture
 def free_port() -> int:
-    return support_free_port()
+    return pick_port()
 
 
 @pytest.fixture

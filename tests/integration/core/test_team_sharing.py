@@ -124,16 +124,17 @@ def test_members_read_their_teams_events_and_usage_and_outsiders_do_not(core: Co
 def test_a_users_owner_list_reads_the_active_flows_once(core: Core) -> None:
     """``sharing._ACTIVE`` reads every running and waiting task (100,000 at a backlog of
     that size: bench/dashboard_backlog.py); a user's list of their own flow and their
-    teams' read it once for each, twice in all. The answer is the same."""
+    teams' reads it once (bob's and alice's lists: twice in all), not once more for the
+    teams; the answer is what it was."""
     _team(core, "sre", "alice", "bob")
     _team(core, "ops", "bob")
-    ran: list[str] = []
+    ran = []
     engine = core.server.config.app.state.engine.sync_engine
     active = str(sharing._ACTIVE)
 
     def count(conn, cursor, statement, parameters, context, executemany) -> None:
         if statement == active:
-            ran.append(statement)
+            ran.append(1)
 
     with core.client("alice") as alice, core.client("bob") as bob:
         _submit(alice, 2, team="sre")
