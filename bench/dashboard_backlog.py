@@ -1,6 +1,7 @@
 """What the dashboard's Queues page costs while a backlog waits.
 
     .venv/bin/python bench/dashboard_backlog.py [--backlog 100000] [--owners 10] [--calls 6]
+        [--viewers 1,5] [--watch-s 30]
 
 A fresh embedded PostgreSQL (durable settings) and core (``bench/stack.py``). ``--backlog``
 tasks submitted in batches by ``--owners`` users, none claimed (no worker), then a wait for
@@ -10,7 +11,9 @@ and ``/v1/owners?limit=10``), ``--calls`` times in turn as an admin and as one o
 the median of its wall time and of PostgreSQL's CPU over the call (``/proc``: the
 postmaster and all its children, parallel workers included; whole clock ticks, so a
 single call's figure is coarse and the median is what to quote). Each open page adds the
-sum of its three calls every 2 s.
+sum of its three calls every 2 s. Then ``--viewers`` pages open at once for ``--watch-s``
+(``watching``), without a ``Cache-Control`` and with the dashboard's ``max-age=2``
+(``db.readings``): PostgreSQL's CPU a second while they watch.
 """
 
 from __future__ import annotations
@@ -66,6 +69,51 @@ async def run(args: argparse.Namespace) -> None:
                         f" PostgreSQL CPU p50 {statistics.median(pg):7.1f} ms"
                     )
                 print(f"  {who}: one open page costs PostgreSQL {page_pg / 2:.0f} ms a second")
+            for viewers in args.viewers:
+                for accepted in (None, 2):
+                    cost = await watching(
+                        client,
+                        stack.postmaster_pid,
+                        [root, *users],
+                        viewers,
+                        accepted,
+                        args.watch_s,
+                    )
+                    said = "without a max-age" if accepted is None else f"max-age={accepted}"
+                    print(
+                        f"  {viewers} pages open ({said}): PostgreSQL {cost:.0f} ms of CPU a second"
+                    )
+
+
+async def watching(
+    client: httpx.AsyncClient,
+    postmaster: int,
+    tokens: list[str],
+    viewers: int,
+    max_age: int | None,
+    seconds: float,
+) -> float:
+    """``viewers`` Queues pages open for ``seconds``, each asking its three calls every 2 s
+    as the dashboard does (``live``, ``queuesPage``), their turns spread over the 2 s, the
+    first an admin's, the rest users'; ``max_age``: their ``Cache-Control`` (the dashboard
+    sends 2). PostgreSQL's CPU a second over the time."""
+    stop = time.perf_counter() + seconds
+
+    async def page(i: int) -> None:
+        headers = {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}
+        if max_age is not None:
+            headers["Cache-Control"] = f"max-age={max_age}"
+        await asyncio.sleep(2.0 * i / viewers)
+        while time.perf_counter() < stop:
+            turn = time.perf_counter()
+            answers = await asyncio.gather(*(client.get(p, headers=headers) for p in PAGE))
+            for answer in answers:
+                answer.raise_for_status()
+            await asyncio.sleep(max(0.0, 2.0 - (time.perf_counter() - turn)))
+
+    pg0, began = pg_cpu_s(postmaster), time.perf_counter()
+    await asyncio.gather(*(page(i) for i in range(viewers)))
+    return 1000 * (pg_cpu_s(postmaster) - pg0) / (time.perf_counter() - began)
 
 
 def main() -> None:
@@ -73,6 +121,13 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=100_000)
     parser.add_argument("--owners", type=int, default=10)
     parser.add_argument("--calls", type=int, default=6)
+    parser.add_argument(
+        "--viewers",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 5],
+        help="pages open at once, each count a run of its own (comma-separated)",
+    )
+    parser.add_argument("--watch-s", type=float, default=30.0)
     asyncio.run(run(parser.parse_args()))
 
 

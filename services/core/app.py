@@ -33,7 +33,7 @@ from services.core.api import services as services_api
 from services.core.api import sharing as sharing_api
 from services.core.api.deps import LeaseCache, TokenCache
 from services.core.db import principals as principals_db
-from services.core.db import sharing
+from services.core.db import readings, sharing
 from services.core.db.feed import Notifier
 from services.core.domain.keys import key_list
 from services.core.identity.crypto import SecretBox, read_key_file
@@ -107,11 +107,22 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             max_overflow=0,
             pool_timeout=settings.db_pool_timeout_s,
         )
+        # the backlog's counts that callers share (db.readings): a pool of their own, so
+        # callers waiting for a reading, each holding a connection of the data path's
+        # pool, never hold up the reading itself
+        counts = database.pool(
+            database_url,
+            settings,
+            pool_size=2,
+            max_overflow=2,
+            pool_timeout=settings.db_pool_timeout_s,
+        )
         direct = settings.direct_url(database_url)
         notifier = Notifier(direct)
         notifier.start()
         app.state.engine = engine
         app.state.liveness_engine = liveness
+        app.state.readings = readings.Shared(counts)
         app.state.leases = LeaseCache(settings.lease_cache_s)
         app.state.settings = settings
         app.state.notifier = notifier
@@ -174,6 +185,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
             await notifier.stop()
             await engine.dispose()
             await liveness.dispose()
+            await counts.dispose()
             if app.state.log_objects is not None:
                 app.state.log_objects.close()
 

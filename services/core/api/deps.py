@@ -21,6 +21,7 @@ from libs.common.client import ON_BEHALF_OF
 from libs.common.errors import Forbidden, Unauthorized
 from libs.common.expiring import Expiring
 from libs.common.models import Task
+from services.core.db import readings
 from services.core.db import tasks as tasks_db
 from services.core.db import workers as workers_db
 from services.core.db.audit import Auditor
@@ -73,6 +74,32 @@ async def get_meter(request: Request) -> CoreMetrics:
 Engine = Annotated[AsyncEngine, Depends(get_engine)]
 Meter = Annotated[CoreMetrics, Depends(get_meter)]
 Announcer = Annotated[Notifier, Depends(get_notifier)]
+
+#: ``max-age=N`` among a request's ``Cache-Control`` directives (RFC 9111 5.2.1.1)
+_MAX_AGE = re.compile(r'(?:^|,)\s*max-age\s*=\s*"?([0-9]{1,9})"?\s*(?=,|$)', re.IGNORECASE)
+
+
+def max_age_of(request: Request) -> float:
+    """How old an answer the caller accepts, in seconds: its ``Cache-Control: max-age``,
+    else 0 (an answer read after it asked)."""
+    found = _MAX_AGE.search(request.headers.get("cache-control", ""))
+    return float(found.group(1)) if found else 0.0
+
+
+async def backlog_counts(request: Request) -> readings.Answer:
+    """The reader of the backlog's counts for this request: shared with this core's other
+    callers (``db.readings``), as old as its ``Cache-Control: max-age`` accepts. Its
+    handler says the age of what it gave in the ``Age`` header (``aged``)."""
+    shared: readings.Shared = request.app.state.readings
+    return shared.within(max_age_of(request))
+
+
+def aged(response: Response, answer: readings.Answer) -> None:
+    """The ``Age`` header: how old the oldest reading in the answer was, whole seconds."""
+    response.headers["Age"] = str(int(answer.age_s))
+
+
+BacklogCounts = Annotated[readings.Answer, Depends(backlog_counts)]
 
 
 class TokenCache:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
 from libs.common.problems import PROBLEMS
-from services.core.api.deps import AdminOnly, Announcer, Audit, Engine, Reader
-from services.core.db import placement
+from services.core.api.deps import (
+    AdminOnly,
+    Announcer,
+    Audit,
+    BacklogCounts,
+    Engine,
+    Reader,
+    aged,
+)
+from services.core.db import placement, readings
 from services.core.db import tasks as tasks_db
 from services.core.ops import queues as queues_ops
 
@@ -18,25 +26,42 @@ router = APIRouter(prefix="/v1/queues", tags=["queues"])
 
 
 @router.get("", response_model=QueueList, responses=PROBLEMS)
-async def list_queues(principal: Reader, engine: Engine, request: Request) -> QueueList:
+async def list_queues(
+    principal: Reader, engine: Engine, request: Request, response: Response, read: BacklogCounts
+) -> QueueList:
     """Every queue with live work or settings: depth per state, oldest waiting age, and
-    its placement settings and utilisation."""
+    its placement settings and utilisation. The depths count the whole backlog, once for
+    all of this core's callers at a time: with `Cache-Control: max-age=N` a request may
+    get a count up to N seconds old (the `Age` header says how old); without it, one
+    counted after it came."""
     async with engine.connect() as conn:
-        return QueueList(items=await _queues(conn, request))
+        items = await _queues(conn, request, read)
+    aged(response, read)
+    return QueueList(items=items)
 
 
 @router.get("/history", response_model=QueueHistory, responses=PROBLEMS)
 async def queue_history(
-    principal: Reader, engine: Engine, minutes: Annotated[int, Query(ge=1, le=180)] = 60
+    principal: Reader,
+    engine: Engine,
+    response: Response,
+    read: BacklogCounts,
+    minutes: Annotated[int, Query(ge=1, le=180)] = 60,
 ) -> QueueHistory:
-    """Each queue's last ``minutes``, a value a minute: tasks submitted and finished, and
-    the backlog of unfinished tasks (the dashboard's charts)."""
+    """Each queue's last `minutes`, a value a minute: tasks submitted and finished, and
+    the backlog of unfinished tasks (the dashboard's charts). Counted as the queues'
+    depths are (`Cache-Control: max-age`, `Age`); `until` is when."""
     async with engine.connect() as conn:
-        return await tasks_db.queue_history(conn, minutes)
+        history = await tasks_db.queue_history(conn, minutes, read)
+    aged(response, read)
+    return history
 
 
-async def _queues(conn: AsyncConnection, request: Request) -> list[QueueInfo]:
-    return await queues_ops.read(conn, placement.Defaults.of(request.app.state.settings))
+async def _queues(
+    conn: AsyncConnection, request: Request, read: readings.Reader = readings.DIRECT
+) -> list[QueueInfo]:
+    defaults = placement.Defaults.of(request.app.state.settings)
+    return await queues_ops.read(conn, defaults, read)
 
 
 async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:

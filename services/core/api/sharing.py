@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from libs.common.errors import NotFound
 from libs.common.models import (
@@ -20,7 +20,7 @@ from libs.common.models import (
 )
 from libs.common.problems import PROBLEMS
 from libs.common.stored import Stored
-from services.core.api.deps import AdminOnly, Audit, Engine, Reader
+from services.core.api.deps import AdminOnly, Audit, BacklogCounts, Engine, Reader, aged
 from services.core.db import sharing
 from services.core.ops import sharing as sharing_ops
 
@@ -40,18 +40,24 @@ async def top_owners(
     request: Request,
     principal: Reader,
     engine: Engine,
+    response: Response,
+    read: BacklogCounts,
     limit: Annotated[int, Query(ge=1, le=100)] = 10,
 ) -> OwnerList:
     """The owners with the most work running and waiting (users see only themselves and
-    their teams)."""
+    their teams). Which owners those are, and the flows their shares are among, count the
+    whole backlog, once for all of this core's callers at a time: with
+    `Cache-Control: max-age=N` a request may get a count up to N seconds old (the `Age`
+    header says how old); without it, one counted after it came."""
     half_life = _half_life(request)
     async with engine.connect() as conn:
         if principal.owner_filter is not None:
             teams = sorted(principal.teams)
-            return OwnerList(
-                items=await sharing.caller_usage(conn, principal.name, teams, half_life)
-            )
-        return OwnerList(items=await sharing.top_owners(conn, limit, half_life))
+            items = await sharing.caller_usage(conn, principal.name, teams, half_life, read)
+        else:
+            items = await sharing.top_owners(conn, limit, half_life, read)
+    aged(response, read)
+    return OwnerList(items=items)
 
 
 def _half_life(request: Request) -> float:

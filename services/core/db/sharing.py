@@ -29,6 +29,7 @@ from libs.common.models import (
 )
 from libs.common.states import TaskState
 from libs.common.stored import as_stored
+from services.core.db.readings import DIRECT, Reader
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.limits import LIMIT_COLUMNS, NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount, counts, summed
@@ -502,10 +503,11 @@ SELECT owner FROM (
 Active = dict[tuple[bool, str], float]
 
 
-async def active_flows(conn: AsyncConnection) -> Active:
+async def active_flows(conn: AsyncConnection, read: Reader = DIRECT) -> Active:
     """``_ACTIVE``: it reads every running and waiting task (bench/dashboard_backlog.py),
-    so a caller that needs it for several answers reads it once."""
-    return {(r.is_team, r.name): float(r.weight) for r in await conn.execute(_ACTIVE)}
+    so a caller that needs it for several answers reads it once, by ``read``
+    (``readings``)."""
+    return {(r.is_team, r.name): float(r.weight) for r in await read(conn, _ACTIVE)}
 
 
 async def usage_of(
@@ -538,11 +540,15 @@ async def team_usage_of(
 
 
 async def caller_usage(
-    conn: AsyncConnection, name: str, teams: Sequence[str], half_life_s: float = HALF_LIFE_S
+    conn: AsyncConnection,
+    name: str,
+    teams: Sequence[str],
+    half_life_s: float = HALF_LIFE_S,
+    read: Reader = DIRECT,
 ) -> list[OwnerUsage]:
     """A user's own flow and each of their teams' (``GET /v1/owners`` for a user), the
-    active flows read once for all of them."""
-    active = await active_flows(conn)
+    active flows read once for all of them, by ``read``."""
+    active = await active_flows(conn, read)
     mine = await usage_of(conn, [name], half_life_s, active)
     return mine + (await team_usage_of(conn, teams, half_life_s, active) if teams else [])
 
@@ -633,7 +639,9 @@ def at_quota(quota: Quotas, running: Use, waiting: int) -> list[str]:
 
 
 async def top_owners(
-    conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S
+    conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S, read: Reader = DIRECT
 ) -> list[OwnerUsage]:
-    names = [r.owner for r in await conn.execute(_TOP, {"limit": limit})]
-    return await usage_of(conn, names, half_life_s)
+    """The ``limit`` owners with the most work running and waiting, the backlog's counts
+    (``_TOP``, ``_ACTIVE``) read by ``read`` (``readings``)."""
+    names = [r.owner for r in await read(conn, _TOP, {"limit": limit})]
+    return await usage_of(conn, names, half_life_s, await active_flows(conn, read))

@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -49,6 +50,7 @@ from libs.common.states import FINAL, TaskState, Workers, sql_in
 from libs.common.stored import as_stored
 from services.core.db import accounting
 from services.core.db.params import jsonb
+from services.core.db.readings import DIRECT, Reader
 from services.core.db.tables import (
     LABELLED,
     attempts,
@@ -624,13 +626,15 @@ WITH recent AS (
     WHERE state IN ('{S.FAILED}', '{S.READY}', '{S.RUNNING}', '{S.WAITING}')
 )
 SELECT queue, 'submitted' AS kind,
-       floor(EXTRACT(EPOCH FROM now() - created_at) / 60)::int AS ago, count(*) AS n
+       floor(EXTRACT(EPOCH FROM now() - created_at) / 60)::int AS ago, count(*) AS n,
+       now() AS until
 FROM recent WHERE created_at > now() - make_interval(mins => :minutes) GROUP BY 1, 2, 3
 UNION ALL
-SELECT queue, 'finished', floor(EXTRACT(EPOCH FROM now() - finished_at) / 60)::int, count(*)
+SELECT queue, 'finished', floor(EXTRACT(EPOCH FROM now() - finished_at) / 60)::int, count(*),
+       now()
 FROM recent WHERE finished_at IS NOT NULL GROUP BY 1, 2, 3
 UNION ALL
-SELECT queue, 'live', 0, count(*) FROM recent WHERE finished_at IS NULL GROUP BY 1, 2, 3
+SELECT queue, 'live', 0, count(*), now() FROM recent WHERE finished_at IS NULL GROUP BY 1, 2, 3
 """)
 
 
@@ -1352,7 +1356,8 @@ async def set_paused(conn: AsyncConnection, name: str, paused: bool) -> None:
     await conn.execute(stmt)
 
 
-async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
+async def list_queues(conn: AsyncConnection, read: Reader = DIRECT) -> list[QueueInfo]:
+    """Every queue with live work or settings; its depth read by ``read`` (``readings``)."""
     infos: dict[str, QueueInfo] = {}
 
     def info(name: str) -> QueueInfo:
@@ -1360,7 +1365,7 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
             name, QueueInfo(name=name, paused=False, depth={}, oldest_waiting_age_s=None)
         )
 
-    for row in await conn.execute(QUEUE_DEPTHS):
+    for row in await read(conn, QUEUE_DEPTHS):
         entry = info(row.queue)
         entry.depth[TaskState(row.state)] = row.n
         if row.oldest is not None:
@@ -1382,12 +1387,18 @@ async def list_queues(conn: AsyncConnection) -> list[QueueInfo]:
     return sorted(infos.values(), key=lambda q: q.name)
 
 
-async def queue_history(conn: AsyncConnection, minutes: int) -> QueueHistory:
+async def queue_history(conn: AsyncConnection, minutes: int, read: Reader = DIRECT) -> QueueHistory:
     """Per queue and minute: tasks submitted, finished, and the backlog (unfinished tasks)
-    worked back from the backlog now."""
+    worked back from the backlog then; read by ``read`` (``readings``): ``until`` is the
+    time of the reading it gave."""
     counts: dict[str, dict[str, list[int]]] = {}
-    until = (await conn.execute(select(func.now()))).scalar_one()
-    for row in await conn.execute(QUEUE_HISTORY, {"minutes": minutes}):
+    rows = await read(conn, QUEUE_HISTORY, {"minutes": minutes})
+    if rows:
+        until = rows[0].until
+    else:  # nothing to chart: the reading's time as near as this connection tells it
+        now = (await conn.execute(select(func.now()))).scalar_one()
+        until = now - timedelta(seconds=read.age_s)
+    for row in rows:
         series = counts.setdefault(
             row.queue, {k: [0] * minutes for k in ("submitted", "finished", "live")}
         )

@@ -8,18 +8,21 @@ from dataclasses import asdict, replace
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.models import QueueInfo, QueueSettings
-from services.core.db import placement, sharing
+from services.core.db import placement, readings, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
 from services.core.domain import limits
 
 
-async def read(conn: AsyncConnection, defaults: placement.Defaults) -> list[QueueInfo]:
-    """Every queue with live work or settings: its depth, and its pool's placement
-    settings (the operator's defaults where it has none) and utilisation."""
+async def read(
+    conn: AsyncConnection, defaults: placement.Defaults, depths: readings.Reader = readings.DIRECT
+) -> list[QueueInfo]:
+    """Every queue with live work or settings: its depth (read by ``depths``:
+    ``db.readings``), and its pool's placement settings (the operator's defaults where it
+    has none) and utilisation."""
     pools = await placement.pools(conn, defaults)
-    items = await tasks_db.list_queues(conn)
+    items = await tasks_db.list_queues(conn, depths)
     for item in items:
         pool = pools.get(item.name)
         item.overcommit = pool.overcommit if pool else defaults.overcommit

@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import time
+
+import httpx
+from sqlalchemy import event
+
+from services.core.db import tasks as tasks_db
 from tests.support import Core, spec, wait_for
 
 
@@ -44,3 +50,45 @@ def test_queue_list_reports_depth_and_oldest_waiting_age(core: Core, db) -> None
     reports = queues["reports"]
     assert reports["depth"]["waiting"] == 3 and reports["depth"]["ready"] == 1
     assert 89 < reports["oldest_waiting_age_s"] < 300
+
+
+def test_the_backlogs_counts_are_shared_only_as_old_as_a_caller_accepts(core: Core) -> None:
+    """``/v1/queues``, its history and ``/v1/owners`` count the whole backlog
+    (``db.readings``): a caller that sends ``Cache-Control: max-age`` may get the last
+    count while it is that young, told its age; one that sends nothing gets a count made
+    after it asked, so it sees what was submitted just before."""
+    app = core.server.config.app
+    engine = app.state.readings.engine.sync_engine
+    depths = str(tasks_db.QUEUE_DEPTHS)
+    ran: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement == depths:
+            ran.append("depths")
+        elif statement.startswith("\nWITH recent AS"):  # QUEUE_HISTORY, its :minutes bound
+            ran.append("history")
+
+    shared = {"Cache-Control": "max-age=30"}
+    with core.client() as alice:
+        alice.post("/v1/tasks", json=spec(queue="counted"))
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            first = alice.get("/v1/queues", headers=shared)
+            time.sleep(1.1)
+            kept = alice.get("/v1/queues", headers=shared)
+            alice.post("/v1/tasks", json=spec(queue="counted"))
+            fresh = alice.get("/v1/queues")
+            charts = [alice.get("/v1/queues/history", headers=shared) for _ in range(2)]
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+
+    def waiting(answer: httpx.Response) -> int:
+        [counted] = [q for q in answer.json()["items"] if q["name"] == "counted"]
+        return int(counted["depth"]["waiting"])
+
+    assert ran == ["depths", "depths", "history"]
+    assert (waiting(first), first.headers["Age"]) == (1, "0")
+    assert waiting(kept) == 1 and int(kept.headers["Age"]) >= 1  # the first count, 1 s on
+    assert (waiting(fresh), fresh.headers["Age"]) == (2, "0")
+    assert charts[0].json() == charts[1].json()
+    assert charts[0].json()["items"][0]["backlog"][-1] == 2

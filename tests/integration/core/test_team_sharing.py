@@ -129,7 +129,8 @@ def test_a_users_owner_list_reads_the_active_flows_once(core: Core) -> None:
     _team(core, "sre", "alice", "bob")
     _team(core, "ops", "bob")
     ran = []
-    engine = core.server.config.app.state.engine.sync_engine
+    # the backlog's counts run on their own pool (db.readings)
+    engine = core.server.config.app.state.readings.engine.sync_engine
     active = str(sharing._ACTIVE)
 
     def count(conn, cursor, statement, parameters, context, executemany) -> None:

@@ -1,0 +1,164 @@
+"""The counts over the whole backlog that the dashboard and ``/metrics`` ask for, read once
+for all of one core's callers at a time.
+
+Each of these statements (``tasks.QUEUE_DEPTHS``, ``tasks.QUEUE_HISTORY``,
+``sharing._ACTIVE``, ``sharing._TOP``) reads every live task: at 100,000 waiting, 40 to
+150 ms of PostgreSQL's CPU a call (``bench/dashboard_backlog.py``). Every open Queues page
+asks for three of them every 2 s, so without sharing their cost grows with the backlog
+times the people watching it. ``Shared`` bounds it two ways:
+
+- **One reading in flight per statement and parameters.** A caller that comes while one
+  is read waits for it to end and then shares the next, which starts after it came: so
+  its answer is as fresh as a reading of its own, and however many callers come, this
+  core keeps at most one such reading running a statement (``Shared.rows``).
+- **A recent reading, to a caller that accepts one.** A caller that says how old an answer
+  it accepts (``Cache-Control: max-age=N`` on its request, as the dashboard's pages send
+  with their period) takes the last reading while it is younger than that, and is told its
+  age (the ``Age`` header). Callers that say nothing always get a reading that started
+  after they came.
+
+Each reading runs on a connection of its own from the engine, so a caller that goes away
+(its request cancelled) does not cancel it for the others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import Row
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql.elements import TextClause
+
+#: the most a caller may accept as an answer's age, whatever it asks
+MAX_AGE_S = 60.0
+#: readings kept (statement and parameters: ``QUEUE_HISTORY``'s minutes, ``_TOP``'s limit)
+_KEPT = 512
+
+Key = tuple[str, tuple[tuple[str, Any], ...]]
+
+
+class Reader(Protocol):
+    """How a ``db`` function reads one of the backlog's counts: on its caller's connection
+    (``DIRECT``) or through ``Shared`` (``Shared.within``); ``age_s`` is how old the oldest
+    reading it gave was when it gave it."""
+
+    age_s: float
+
+    async def __call__(
+        self,
+        conn: AsyncConnection,
+        statement: TextClause,
+        params: Mapping[str, Any] | None = None,
+    ) -> Sequence[Row[Any]]: ...
+
+
+class _Direct:
+    """The statement read on the caller's connection, within its transaction."""
+
+    age_s = 0.0
+
+    async def __call__(
+        self,
+        conn: AsyncConnection,
+        statement: TextClause,
+        params: Mapping[str, Any] | None = None,
+    ) -> Sequence[Row[Any]]:
+        return (await conn.execute(statement, dict(params or {}))).all()
+
+
+DIRECT: Reader = _Direct()
+
+
+@dataclass
+class _Reading:
+    started: float
+    task: asyncio.Task[Sequence[Row[Any]]]
+
+
+@dataclass
+class _Kept:
+    started: float
+    rows: Sequence[Row[Any]]
+
+
+class Shared:
+    """One core's readings of the backlog's counts (module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.clock = clock
+        self._flying: dict[Key, _Reading] = {}
+        self._kept: dict[Key, _Kept] = {}
+
+    def within(self, max_age_s: float = 0.0) -> Answer:
+        """A reader for one answer that accepts readings up to ``max_age_s`` old (0:
+        only one that starts after each read is asked for); it says the oldest it gave."""
+        return Answer(self, min(max(max_age_s, 0.0), MAX_AGE_S))
+
+    async def rows(
+        self, statement: TextClause, params: Mapping[str, Any] | None, max_age_s: float
+    ) -> tuple[Sequence[Row[Any]], float]:
+        """The statement's rows and their age in seconds: the last reading if it started
+        at most ``max_age_s`` ago, else one in flight that started since this call (or
+        within ``max_age_s``), else a new one once the one in flight, if any, ends."""
+        key: Key = (statement.text, tuple(sorted((params or {}).items())))
+        came = self.clock()
+        kept = self._kept.get(key)
+        if kept is not None and came - kept.started <= max_age_s:
+            return kept.rows, came - kept.started
+        while True:
+            reading = self._flying.get(key)
+            if reading is None:
+                reading = self._start(key, statement, params)
+            if reading.started >= came or came - reading.started <= max_age_s:
+                rows = await asyncio.shield(reading.task)
+                return rows, max(0.0, self.clock() - reading.started)
+            # Began before this call and is older than it accepts: wait for its end, then
+            # share the next (the first of those waiting starts it).
+            with contextlib.suppress(Exception):
+                await asyncio.shield(reading.task)
+
+    def _start(self, key: Key, statement: TextClause, params: Mapping[str, Any] | None) -> _Reading:
+        reading = _Reading(self.clock(), asyncio.ensure_future(self._read(statement, params)))
+        self._flying[key] = reading
+
+        def ended(task: asyncio.Task[Sequence[Row[Any]]]) -> None:
+            if self._flying.get(key) is reading:
+                del self._flying[key]
+            if task.cancelled() or task.exception() is not None:
+                return  # each waiter has it; the next call reads again
+            if len(self._kept) >= _KEPT and key not in self._kept:
+                self._kept.clear()
+            self._kept[key] = _Kept(reading.started, task.result())
+
+        reading.task.add_done_callback(ended)
+        return reading
+
+    async def _read(
+        self, statement: TextClause, params: Mapping[str, Any] | None
+    ) -> Sequence[Row[Any]]:
+        async with self.engine.connect() as conn:
+            return await DIRECT(conn, statement, params)
+
+
+@dataclass
+class Answer:
+    """``Shared``'s reader for one answer; ``age_s`` is the oldest reading it gave."""
+
+    shared: Shared
+    max_age_s: float
+    age_s: float = field(default=0.0)
+
+    async def __call__(
+        self,
+        conn: AsyncConnection,
+        statement: TextClause,
+        params: Mapping[str, Any] | None = None,
+    ) -> Sequence[Row[Any]]:
+        rows, age = await self.shared.rows(statement, params, self.max_age_s)
+        self.age_s = max(self.age_s, age)
+        return rows

@@ -1,0 +1,222 @@
+"""The backlog's counts shared by one core's callers (``db.readings.Shared``): how many
+readings run, which callers share which, and how old an answer each may get."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from starlette.requests import Request
+
+from services.core.api.deps import max_age_of
+from services.core.db import readings
+
+DEPTHS = text("SELECT 'depths'")
+HISTORY = text("SELECT 'history' WHERE :minutes > 0")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Database:
+    """An engine whose every statement waits for the test to end it (``finish``); each
+    reading's rows say which reading it was (its number)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, dict[str, Any]]] = []
+        self.gates: list[asyncio.Future[None]] = []
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[Database]:
+        yield self
+
+    async def execute(self, statement: Any, params: dict[str, Any]) -> Database._Result:
+        self.started.append((statement.text, params))
+        number = len(self.started)
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.gates.append(gate)
+        await gate
+        return Database._Result(number)
+
+    def finish(self, i: int, error: Exception | None = None) -> None:
+        if error is None:
+            self.gates[i].set_result(None)
+        else:
+            self.gates[i].set_exception(error)
+
+    class _Result:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def all(self) -> list[tuple[int]]:
+            return [(self.n,)]
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def shared() -> tuple[readings.Shared, Database, Clock]:
+    db, clock = Database(), Clock()
+    return readings.Shared(db, clock), db, clock  # type: ignore[arg-type]
+
+
+async def ask(
+    s: readings.Shared, max_age_s: float = 0.0, statement: Any = DEPTHS, **params: Any
+) -> tuple[int, float]:
+    answer = s.within(max_age_s)
+    rows = await answer(None, statement, params)  # type: ignore[arg-type]
+    return rows[0][0], answer.age_s
+
+
+def test_callers_that_come_during_a_reading_share_the_next_one_which_starts_after_them() -> None:
+    async def run() -> None:
+        s, db, clock = shared()
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        assert len(db.started) == 1
+        clock.now += 0.05
+        later = [asyncio.ensure_future(ask(s)) for _ in range(5)]
+        await settle()
+        assert len(db.started) == 1, "no second reading while one is in flight"
+        db.finish(0)
+        await settle()
+        assert (await first)[0] == 1
+        # the first reading began before they came: they share one new reading
+        assert len(db.started) == 2
+        assert not any(t.done() for t in later)
+        db.finish(1)
+        assert [(await t)[0] for t in later] == [2] * 5
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_accepts_an_age_gets_the_last_reading_while_it_is_that_young() -> None:
+    async def run() -> None:
+        s, db, clock = shared()
+        first = asyncio.ensure_future(ask(s, 2.0))
+        await settle()
+        db.finish(0)
+        assert await first == (1, 0.0)
+        clock.now += 1.5
+        assert await ask(s, 2.0) == (1, 1.5)
+        assert len(db.started) == 1
+        # one that accepts no age, or less than the reading's, gets a new one
+        fresh = asyncio.ensure_future(ask(s, 1.0))
+        await settle()
+        assert len(db.started) == 2
+        db.finish(1)
+        assert await fresh == (2, 0.0)
+        clock.now += 2.5
+        again = asyncio.ensure_future(ask(s, 2.0))
+        await settle()
+        assert len(db.started) == 3, "older than it accepts: read again"
+        db.finish(2)
+        assert (await again)[0] == 3
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_accepts_an_age_joins_a_reading_in_flight_that_young() -> None:
+    async def run() -> None:
+        s, db, clock = shared()
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        clock.now += 1.0
+        joining = asyncio.ensure_future(ask(s, 2.0))
+        await settle()
+        clock.now += 0.5
+        db.finish(0)
+        assert await first == (1, 1.5)
+        assert await joining == (1, 1.5)
+        assert len(db.started) == 1
+
+    asyncio.run(run())
+
+
+def test_a_failed_reading_fails_its_callers_and_the_next_call_reads_again() -> None:
+    async def run() -> None:
+        s, db, _ = shared()
+        callers = [asyncio.ensure_future(ask(s)) for _ in range(3)]
+        await settle()
+        db.finish(0, RuntimeError("connection lost"))
+        for caller in callers:
+            with pytest.raises(RuntimeError, match="connection lost"):
+                await caller
+        again = asyncio.ensure_future(ask(s, 60.0))
+        await settle()
+        assert len(db.started) == 2, "a failure is not kept"
+        db.finish(1)
+        assert (await again)[0] == 2
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_goes_away_does_not_cancel_the_reading_for_the_others() -> None:
+    async def run() -> None:
+        s, db, _ = shared()
+        gone, staying = asyncio.ensure_future(ask(s)), asyncio.ensure_future(ask(s))
+        await settle()
+        gone.cancel()
+        await settle()
+        assert gone.cancelled()
+        db.finish(0)
+        assert (await staying)[0] == 1
+        assert len(db.started) == 1
+
+    asyncio.run(run())
+
+
+def test_each_statement_and_its_parameters_are_read_on_their_own() -> None:
+    async def run() -> None:
+        s, db, _ = shared()
+        callers = [
+            asyncio.ensure_future(ask(s, 5.0)),
+            asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=60)),
+            asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=30)),
+            asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=60)),
+        ]
+        await settle()
+        assert sorted(p.get("minutes", 0) for _, p in db.started) == [0, 30, 60]
+        for i in range(3):
+            db.finish(i)
+        answers = [(await c)[0] for c in callers]
+        assert answers[1] == answers[3] != answers[2]
+
+    asyncio.run(run())
+
+
+def test_the_age_a_reader_gives_is_bounded() -> None:
+    s, _, _ = shared()
+    assert s.within(10**9).max_age_s == readings.MAX_AGE_S
+    assert s.within(-5).max_age_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        (None, 0.0),
+        ("max-age=2", 2.0),
+        ("no-cache, max-age=5", 5.0),
+        ('MAX-AGE="3"', 3.0),
+        ("max-age=2, must-revalidate", 2.0),
+        ("s-maxage=5", 0.0),
+        ("x-max-age=5", 0.0),
+        ("max-age=abc", 0.0),
+        ("max-age=1234567890123", 0.0),
+    ],
+)
+def test_what_age_a_request_accepts(header: str | None, accepted: float) -> None:
+    headers = [] if header is None else [(b"cache-control", header.encode())]
+    request = Request({"type": "http", "method": "GET", "path": "/", "headers": headers})
+    assert max_age_of(request) == accepted
