@@ -616,25 +616,33 @@ GROUP BY queue, state
 
 
 # The last hour of each queue, by minutes ago (0: this minute). Both halves use a partial
-# index: finished rows by ``ix_tasks_finished_at``, unfinished ones by the live index.
+# index: finished rows by ``ix_tasks_finished_at``, unfinished ones by the live index. One
+# pass over them counts each (queue, minute made, minute ended) at once, a few thousand
+# groups at most, which the three sums then read: reading the rows themselves three times
+# (a CTE of every row, spilled to disk at 100,000 live) took twice as long.
 QUEUE_HISTORY: TextClause = text(f"""
 WITH recent AS (
-    SELECT queue, created_at, finished_at FROM core.tasks
-    WHERE finished_at > now() - make_interval(mins => :minutes)
-    UNION ALL
-    SELECT queue, created_at, NULL FROM core.tasks
-    WHERE state IN ('{S.FAILED}', '{S.READY}', '{S.RUNNING}', '{S.WAITING}')
+    SELECT queue,
+           CASE WHEN created_at > now() - make_interval(mins => :minutes)
+                THEN floor(EXTRACT(EPOCH FROM now() - created_at) / 60)::int END AS made,
+           floor(EXTRACT(EPOCH FROM now() - finished_at) / 60)::int AS ended,
+           count(*) AS n
+    FROM (
+        SELECT queue, created_at, finished_at FROM core.tasks
+        WHERE finished_at > now() - make_interval(mins => :minutes)
+        UNION ALL
+        SELECT queue, created_at, NULL FROM core.tasks
+        WHERE state IN ('{S.FAILED}', '{S.READY}', '{S.RUNNING}', '{S.WAITING}')
+    ) t
+    GROUP BY 1, 2, 3
 )
-SELECT queue, 'submitted' AS kind,
-       floor(EXTRACT(EPOCH FROM now() - created_at) / 60)::int AS ago, count(*) AS n,
-       now() AS until
-FROM recent WHERE created_at > now() - make_interval(mins => :minutes) GROUP BY 1, 2, 3
+SELECT queue, 'submitted' AS kind, made AS ago, sum(n)::bigint AS n, now() AS until
+FROM recent WHERE made IS NOT NULL GROUP BY 1, 3
 UNION ALL
-SELECT queue, 'finished', floor(EXTRACT(EPOCH FROM now() - finished_at) / 60)::int, count(*),
-       now()
-FROM recent WHERE finished_at IS NOT NULL GROUP BY 1, 2, 3
+SELECT queue, 'finished', ended, sum(n)::bigint, now() FROM recent WHERE ended IS NOT NULL
+GROUP BY 1, 3
 UNION ALL
-SELECT queue, 'live', 0, count(*), now() FROM recent WHERE finished_at IS NULL GROUP BY 1, 2, 3
+SELECT queue, 'live', 0, sum(n)::bigint, now() FROM recent WHERE ended IS NULL GROUP BY 1
 """)
 
 
