@@ -1,11 +1,12 @@
-"""The counts over the whole backlog that the dashboard and ``/metrics`` ask for, read once
-for all of one core's callers at a time.
+"""The counts over the whole backlog that the dashboard asks for, read once for all of one
+core's callers at a time (``/metrics`` counts the queues' depths on its own, at a scrape).
 
 Each of these statements (``tasks.QUEUE_DEPTHS``, ``tasks.QUEUE_HISTORY``,
-``sharing._ACTIVE``, ``sharing._TOP``) reads every live task: at 100,000 waiting, 40 to
-150 ms of PostgreSQL's CPU a call (``bench/dashboard_backlog.py``). Every open Queues page
-asks for three of them every 2 s, so without sharing their cost grows with the backlog
-times the people watching it. ``Shared`` bounds it two ways:
+``sharing._ACTIVE``, ``sharing._TOP``, and ``sharing._WAITING_OF`` for the listed owners)
+reads every live task, or every one of those owners: at 100,000 waiting, 40 to 150 ms of
+PostgreSQL's CPU a call (``bench/dashboard_backlog.py``). Every open Queues page asks for
+them every 2 s, so without sharing their cost grows with the backlog times the people
+watching it. ``Shared`` bounds it two ways:
 
 - **One reading in flight per statement and parameters.** A caller that comes while one
   is read waits for it to end and then shares the next, which starts after it came: so
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +37,12 @@ from sqlalchemy.sql.elements import TextClause
 
 #: the most a caller may accept as an answer's age, whatever it asks
 MAX_AGE_S = 60.0
-#: readings kept (statement and parameters: ``QUEUE_HISTORY``'s minutes, ``_TOP``'s limit)
+#: readings kept (statement and parameters: ``QUEUE_HISTORY``'s minutes, ``_TOP``'s limit,
+#: the owners whose waiting work ``sharing._WAITING_OF`` counts)
 _KEPT = 512
 
-Key = tuple[str, tuple[tuple[str, Any], ...]]
+#: a reading's statement and its parameters (JSON: an owners' list among them)
+Key = tuple[str, str]
 
 
 class Reader(Protocol):
@@ -105,7 +109,7 @@ class Shared:
         """The statement's rows and their age in seconds: the last reading if it started
         at most ``max_age_s`` ago, else one in flight that started since this call (or
         within ``max_age_s``), else a new one once the one in flight, if any, ends."""
-        key: Key = (statement.text, tuple(sorted((params or {}).items())))
+        key: Key = (statement.text, json.dumps(params or {}, sort_keys=True))
         came = self.clock()
         kept = self._kept.get(key)
         if kept is not None and came - kept.started <= max_age_s:

@@ -515,14 +515,15 @@ async def usage_of(
     names: Sequence[str],
     half_life_s: float = HALF_LIFE_S,
     active: Active | None = None,
+    read: Reader = DIRECT,
 ) -> list[OwnerUsage]:
     """Each owner's share, running use, waiting count and quotas (its use counts every
     task it submitted, its teams' included), and its own flow's decayed usage; the
-    shares among ``active`` (read here if not given)."""
+    shares among ``active`` (read here if not given); the waiting counted by ``read``."""
     use = await owner_use(conn, names)
     found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
     rows = {r.name: r for r in found}
-    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s, active)
+    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s, active, read)
 
 
 async def team_usage_of(
@@ -530,13 +531,14 @@ async def team_usage_of(
     names: Sequence[str],
     half_life_s: float = HALF_LIFE_S,
     active: Active | None = None,
+    read: Reader = DIRECT,
 ) -> list[OwnerUsage]:
     """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
     owns, whoever of its members submitted them, and its decayed usage."""
     use = await team_use(conn, names)
     found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
     rows = {r.team: r for r in found}
-    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s, active)
+    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s, active, read)
 
 
 async def caller_usage(
@@ -549,8 +551,10 @@ async def caller_usage(
     """A user's own flow and each of their teams' (``GET /v1/owners`` for a user), the
     active flows read once for all of them, by ``read``."""
     active = await active_flows(conn, read)
-    mine = await usage_of(conn, [name], half_life_s, active)
-    return mine + (await team_usage_of(conn, teams, half_life_s, active) if teams else [])
+    mine = await usage_of(conn, [name], half_life_s, active, read)
+    if not teams:
+        return mine
+    return mine + await team_usage_of(conn, teams, half_life_s, active, read)
 
 
 _FAIR_USAGE = text("""
@@ -568,10 +572,11 @@ async def _usage(
     waiting_query: Any,
     half_life_s: float,
     active: Active | None = None,
+    read: Reader = DIRECT,
 ) -> list[OwnerUsage]:
     if active is None:
-        active = await active_flows(conn)
-    counted = await conn.execute(waiting_query, {"owners": list(names)})
+        active = await active_flows(conn, read)
+    counted = await read(conn, waiting_query, {"owners": list(names)})
     waiting = {r.owner: int(r.n) for r in counted}
     kind = "team" if is_team else "owner"
     used = {
@@ -644,4 +649,4 @@ async def top_owners(
     """The ``limit`` owners with the most work running and waiting, the backlog's counts
     (``_TOP``, ``_ACTIVE``) read by ``read`` (``readings``)."""
     names = [r.owner for r in await read(conn, _TOP, {"limit": limit})]
-    return await usage_of(conn, names, half_life_s, await active_flows(conn, read))
+    return await usage_of(conn, names, half_life_s, await active_flows(conn, read), read)

@@ -17,6 +17,7 @@ from services.core.db import readings
 
 DEPTHS = text("SELECT 'depths'")
 HISTORY = text("SELECT 'history' WHERE :minutes > 0")
+WAITING = text("SELECT 'waiting' WHERE :owners IS NOT NULL")
 
 
 class Clock:
@@ -185,13 +186,18 @@ def test_each_statement_and_its_parameters_are_read_on_their_own() -> None:
             asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=60)),
             asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=30)),
             asyncio.ensure_future(ask(s, 5.0, HISTORY, minutes=60)),
+            asyncio.ensure_future(ask(s, 5.0, WAITING, owners=["bob", "alice"])),
+            asyncio.ensure_future(ask(s, 5.0, WAITING, owners=["bob", "alice"])),
+            asyncio.ensure_future(ask(s, 5.0, WAITING, owners=["bob"])),
         ]
         await settle()
-        assert sorted(p.get("minutes", 0) for _, p in db.started) == [0, 30, 60]
-        for i in range(3):
+        assert sorted(p.get("minutes", 0) for _, p in db.started) == [0, 0, 0, 30, 60]
+        for i in range(5):
             db.finish(i)
         answers = [(await c)[0] for c in callers]
         assert answers[1] == answers[3] != answers[2]
+        assert answers[4] == answers[5] != answers[6]
+        assert len(set(answers)) == 5
 
     asyncio.run(run())
 
