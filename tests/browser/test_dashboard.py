@@ -105,7 +105,10 @@ def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
     with client(system, system.core.url, "alice") as alice:
         later = spec(name="later", queue="reports", run_at="2999-01-01T00:00:00Z")
         alice.post("/v1/tasks", json=later).raise_for_status()
-    page.goto(f"{system.core.url}/ui#/queues")
+    with page.expect_request(lambda r: r.url.endswith("/v1/queues")) as asked:
+        page.goto(f"{system.core.url}/ui#/queues")
+    # the backlog's counts, shared while at most one refresh old (db.readings)
+    assert asked.value.header_value("cache-control") == "max-age=2"
     expect(page.locator("tr[data-queue='reports'] td").nth(1)).to_have_text("1")
     expect(page.locator("svg.chart").first).to_be_visible()
     screenshot(page, "queues")
