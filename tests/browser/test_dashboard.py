@@ -4,9 +4,12 @@ and the queues, workers and schedules pages filled from the three services' APIs
 
 from __future__ import annotations
 
+import re
+import time
+
 import httpx
 import psycopg
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 
 from libs.common.settings import libpq_url
 from tests.browser.conftest import System, log_in, screenshot
@@ -119,6 +122,30 @@ def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
     expect(worker).to_contain_text("s ago")
     expect(worker.locator("td").nth(8)).to_contain_text("ago")  # the agent's last turn
     screenshot(page, "workers")
+
+
+def test_the_queues_page_accepts_older_counts_while_counting_is_slow(
+    page: Page, system: System
+) -> None:
+    """While its calls take long (here core's answers to ``/v1/queues`` held 0.25 s), the
+    Queues page asks for counts up to twenty times that old, and says they may be."""
+    asked: list[str | None] = []
+
+    def slow(route: Route) -> None:
+        asked.append(route.request.header_value("cache-control"))
+        time.sleep(0.25)
+        route.continue_()
+
+    log_in(page, system, "alice")
+    page.route("**/v1/queues", slow)
+    page.goto(f"{system.core.url}/ui#/queues")
+    note = page.locator("main p.muted", has_text="Counting the backlog takes long")
+    expect(note).to_have_text(re.compile(r"these counts may be up to [0-9]+ s old"))
+    said = re.search(r"up to ([0-9]+) s old", note.text_content() or "")
+    assert said is not None
+    assert 5 <= int(said.group(1)) <= 60  # twenty times the 0.25 s at least
+    assert asked[0] == "max-age=2"
+    assert f"max-age={said.group(1)}" in asked[1:]  # what the page says, it asked for
 
 
 def test_a_tasks_page_shows_its_policy(page: Page, system: System) -> None:

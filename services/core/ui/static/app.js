@@ -237,15 +237,20 @@ async function queuesPage(main) {
   // Each call counts the whole backlog. A count up to one refresh old (2 s), shared by
   // everyone watching through this core, does as well as one of this page's own; and
   // while counting takes long (a large backlog, a busy core), an older one, so that the
-  // page keeps its counting to about a twentieth of the time: at most 60 s old.
+  // page keeps its counting to about a twentieth of the time: at most 60 s old. What the
+  // calls took is the slowest of the last 60 turns (2 minutes), as the turns between two
+  // countings are quick (core answers them with the last count).
   let maxAge = 2;
+  const took = [];
   await live(box, async () => {
     const counted = { maxAge };
     const began = performance.now();
     const [queues, history, owners] = await Promise.all([api("core", "/v1/queues", counted),
       api("core", "/v1/queues/history?minutes=60", counted), api("core", "/v1/owners?limit=10", counted)]);
     const shared = maxAge;
-    maxAge = Math.min(60, Math.max(2, Math.ceil((20 * (performance.now() - began)) / 1000)));
+    took.push((performance.now() - began) / 1000);
+    if (took.length > 60) took.shift();
+    maxAge = Math.min(60, Math.max(2, Math.ceil(20 * Math.max(...took))));
     const rows = queues.items.map((q) => h("tr", { "data-queue": q.name },
       h("td", {}, q.name, q.paused ? " (paused)" : ""),
       ["ready", "waiting", "running", "failed"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
