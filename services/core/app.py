@@ -191,7 +191,7 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
 
     app = pages.service_app(
         title="Cairn core",
-        version="1.3.0",  # the API's: docs/api.md says when it moves
+        version="1.4.0",  # the API's: docs/api.md says when it moves
         summary="Single tasks: submit, follow, cancel, retry; the event feed; queues.",
         lifespan=lifespan,
     )
