@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from click.testing import Result
 
-from tests.support import Core, cairn_cli, start_core, wait_for
+from tests.support import Core, cairn_cli, start_core
 
 
 def _bearer(core: Core, token: str) -> httpx.Client:
@@ -135,15 +135,17 @@ def test_revocation_reaches_every_replica_within_the_token_cache_time(
             made = _create(alice).json()
             with _bearer(a, made["token"]) as on_a, _bearer(b, made["token"]) as on_b:
                 assert on_a.get("/v1/whoami").status_code == 200
-                assert on_b.get("/v1/whoami").status_code == 200  # now cached by b
-                revoked_at = time.monotonic()
+                assert on_b.get("/v1/whoami").status_code == 200  # now cached by b ...
+                cached_by = time.monotonic()  # ... before its answer came
                 assert alice.delete(f"/v1/tokens/{made['info']['id']}").status_code == 204
                 # The replica that revoked it forgets it at once ...
                 assert on_a.get("/v1/whoami").status_code == 401
-                # ... the other within its cache time.
-                wait_for(lambda: on_b.get("/v1/whoami").status_code == 401, timeout=5 * cache_s)
-                took = time.monotonic() - revoked_at
-        assert took <= cache_s + 0.5, f"revocation took {took:.2f} s on the other replica"
+                # ... the other within its cache time: any request that reaches b once
+                # that time has passed since b kept the token is refused, however long
+                # the requests themselves take (a bound on the wall time of a wait for
+                # the refusal failed on a loaded machine: 1.73 s for a cache time of 1 s).
+                time.sleep(max(0.0, cached_by + cache_s - time.monotonic()) + 0.05)
+                assert on_b.get("/v1/whoami").status_code == 401
     finally:
         a.stop()
         b.stop()
