@@ -109,12 +109,13 @@ def create_app(settings: CoreSettings, database_url: str) -> FastAPI:
         )
         # the backlog's counts that callers share (db.readings): a pool of their own, so
         # callers waiting for a reading, each holding a connection of the data path's
-        # pool, never hold up the reading itself
+        # pool, never hold up the reading itself; one connection for each statement the
+        # dashboard's Queues page reads at once (five), and room for other parameters
         counts = database.pool(
             database_url,
             settings,
             pool_size=2,
-            max_overflow=2,
+            max_overflow=6,
             pool_timeout=settings.db_pool_timeout_s,
         )
         direct = settings.direct_url(database_url)

@@ -75,15 +75,23 @@ Engine = Annotated[AsyncEngine, Depends(get_engine)]
 Meter = Annotated[CoreMetrics, Depends(get_meter)]
 Announcer = Annotated[Notifier, Depends(get_notifier)]
 
-#: ``max-age=N`` among a request's ``Cache-Control`` directives (RFC 9111 5.2.1.1)
-_MAX_AGE = re.compile(r'(?:^|,)\s*max-age\s*=\s*"?([0-9]{1,9})"?\s*(?=,|$)', re.IGNORECASE)
+#: ``max-age=N`` among a request's ``Cache-Control`` directives (RFC 9111 5.2.1.1), and
+#: those that ask for a fresh answer whatever its ``max-age`` says (5.2.1.4, 5.2.1.5)
+_MAX_AGE = re.compile(
+    r'(?:^|,)\s*max-age\s*=\s*(?:([0-9]{1,9})|"([0-9]{1,9})")\s*(?=,|$)', re.IGNORECASE
+)
+_FRESH = re.compile(r"(?:^|,)\s*(?:no-cache|no-store)\s*(?=,|$|=)", re.IGNORECASE)
 
 
 def max_age_of(request: Request) -> float:
-    """How old an answer the caller accepts, in seconds: its ``Cache-Control: max-age``,
-    else 0 (an answer read after it asked)."""
-    found = _MAX_AGE.search(request.headers.get("cache-control", ""))
-    return float(found.group(1)) if found else 0.0
+    """How old an answer the caller accepts, in seconds: its ``Cache-Control: max-age``
+    (over all its ``Cache-Control`` lines), else 0 (an answer read after it asked), as
+    with ``no-cache`` or ``no-store``."""
+    said = ",".join(request.headers.getlist("cache-control"))
+    found = _MAX_AGE.search(said)
+    if found is None or _FRESH.search(said):
+        return 0.0
+    return float(found.group(1) or found.group(2))
 
 
 async def backlog_counts(request: Request) -> readings.Answer:

@@ -80,7 +80,7 @@ DIRECT: Reader = _Direct()
 @dataclass
 class _Reading:
     started: float
-    task: asyncio.Task[Sequence[Row[Any]]]
+    task: asyncio.Future[Sequence[Row[Any]]]
 
 
 @dataclass
@@ -106,40 +106,54 @@ class Shared:
     async def rows(
         self, statement: TextClause, params: Mapping[str, Any] | None, max_age_s: float
     ) -> tuple[Sequence[Row[Any]], float]:
-        """The statement's rows and their age in seconds: the last reading if it started
-        at most ``max_age_s`` ago, else one in flight that started since this call (or
-        within ``max_age_s``), else a new one once the one in flight, if any, ends."""
+        """The statement's rows and their age in seconds (since their reading started):
+        the last reading while it started at most ``max_age_s`` ago; else the one in
+        flight if it started since this call, or a new one once the one in flight ends.
+        So an answer is at most ``max_age_s`` old when given, or began after the call."""
         key: Key = (statement.text, json.dumps(params or {}, sort_keys=True))
         came = self.clock()
-        kept = self._kept.get(key)
-        if kept is not None and came - kept.started <= max_age_s:
-            return kept.rows, came - kept.started
         while True:
+            now = self.clock()
+            kept = self._kept.get(key)
+            if kept is not None and now - kept.started <= max_age_s:
+                return kept.rows, now - kept.started
             reading = self._flying.get(key)
-            if reading is None:
+            if reading is None or reading.task.done():
                 reading = self._start(key, statement, params)
-            if reading.started >= came or came - reading.started <= max_age_s:
-                rows = await asyncio.shield(reading.task)
-                return rows, max(0.0, self.clock() - reading.started)
-            # Began before this call and is older than it accepts: wait for its end, then
-            # share the next (the first of those waiting starts it).
-            with contextlib.suppress(Exception):
-                await asyncio.shield(reading.task)
+            try:
+                if reading.started >= came:
+                    rows = await asyncio.shield(reading.task)
+                    return rows, max(0.0, self.clock() - reading.started)
+                # Began before this call: wait for its end, then take it if it is young
+                # enough, else share the next (the first of those waiting starts it).
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(reading.task)
+            except asyncio.CancelledError:
+                if _cancelled_itself() or not reading.task.cancelled():
+                    raise
+                # the reading was cancelled, not this call: read again
 
     def _start(self, key: Key, statement: TextClause, params: Mapping[str, Any] | None) -> _Reading:
-        reading = _Reading(self.clock(), asyncio.ensure_future(self._read(statement, params)))
-        self._flying[key] = reading
+        started = self.clock()
 
-        def ended(task: asyncio.Task[Sequence[Row[Any]]]) -> None:
-            if self._flying.get(key) is reading:
-                del self._flying[key]
-            if task.cancelled() or task.exception() is not None:
-                return  # each waiter has it; the next call reads again
+        async def read() -> Sequence[Row[Any]]:
+            # Kept, and let go of as the one in flight, before the task ends: a call that
+            # runs between its end and its done callbacks must not find it still flying
+            # (it would wait on a finished task, which does not yield, for ever).
+            try:
+                rows = await self._read(statement, params)
+            finally:
+                if self._flying.get(key) is reading:
+                    del self._flying[key]
             if len(self._kept) >= _KEPT and key not in self._kept:
                 self._kept.clear()
-            self._kept[key] = _Kept(reading.started, task.result())
+            self._kept[key] = _Kept(started, rows)
+            return rows
 
-        reading.task.add_done_callback(ended)
+        reading = _Reading(started, asyncio.ensure_future(read()))
+        self._flying[key] = reading
+        # a failure nobody waited for is not "never retrieved"
+        reading.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return reading
 
     async def _read(
@@ -147,6 +161,13 @@ class Shared:
     ) -> Sequence[Row[Any]]:
         async with self.engine.connect() as conn:
             return await DIRECT(conn, statement, params)
+
+
+def _cancelled_itself() -> bool:
+    """Whether the running task was asked to stop (``Task.cancel``), as opposed to a
+    shared reading it awaited being cancelled."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @dataclass

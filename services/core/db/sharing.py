@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, or_, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql.elements import TextClause
 
 from libs.common import locks
 from libs.common.errors import Forbidden, QuotaExceeded
@@ -519,11 +520,16 @@ async def usage_of(
 ) -> list[OwnerUsage]:
     """Each owner's share, running use, waiting count and quotas (its use counts every
     task it submitted, its teams' included), and its own flow's decayed usage; the
-    shares among ``active`` (read here if not given); the waiting counted by ``read``."""
+    shares among ``active`` (read here if not given). ``read`` counts the backlog (the
+    active flows, the waiting) before anything else is read on ``conn``: a caller that
+    waits for a shared reading (``readings``) holds no transaction open meanwhile."""
+    if active is None:
+        active = await active_flows(conn, read)
+    waiting = await _waiting(conn, _WAITING_OF, names, read)
     use = await owner_use(conn, names)
     found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
     rows = {r.name: r for r in found}
-    return await _usage(conn, False, names, use, rows, _WAITING_OF, half_life_s, active, read)
+    return await _usage(conn, False, names, use, rows, waiting, half_life_s, active)
 
 
 async def team_usage_of(
@@ -531,14 +537,24 @@ async def team_usage_of(
     names: Sequence[str],
     half_life_s: float = HALF_LIFE_S,
     active: Active | None = None,
-    read: Reader = DIRECT,
 ) -> list[OwnerUsage]:
     """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
     owns, whoever of its members submitted them, and its decayed usage."""
+    if active is None:
+        active = await active_flows(conn)
+    waiting = await _waiting(conn, _TEAM_WAITING_OF, names, DIRECT)
     use = await team_use(conn, names)
     found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
     rows = {r.team: r for r in found}
-    return await _usage(conn, True, names, use, rows, _TEAM_WAITING_OF, half_life_s, active, read)
+    return await _usage(conn, True, names, use, rows, waiting, half_life_s, active)
+
+
+async def _waiting(
+    conn: AsyncConnection, query: TextClause, names: Sequence[str], read: Reader
+) -> dict[str, int]:
+    """The waiting (and ready) tasks of each of ``names`` (``_WAITING_OF``, or
+    ``_TEAM_WAITING_OF`` for teams)."""
+    return {r.owner: int(r.n) for r in await read(conn, query, {"owners": list(names)})}
 
 
 async def caller_usage(
@@ -551,10 +567,12 @@ async def caller_usage(
     """A user's own flow and each of their teams' (``GET /v1/owners`` for a user), the
     active flows read once for all of them, by ``read``."""
     active = await active_flows(conn, read)
-    mine = await usage_of(conn, [name], half_life_s, active, read)
+    # their own waiting counts are read on their connection: a reading shared by one
+    # caller only would take a connection of the shared readings' small pool for nothing
+    mine = await usage_of(conn, [name], half_life_s, active)
     if not teams:
         return mine
-    return mine + await team_usage_of(conn, teams, half_life_s, active, read)
+    return mine + await team_usage_of(conn, teams, half_life_s, active)
 
 
 _FAIR_USAGE = text("""
@@ -569,15 +587,10 @@ async def _usage(
     names: Sequence[str],
     use: dict[str, Use],
     rows: dict[str, Any],
-    waiting_query: Any,
+    waiting: dict[str, int],
     half_life_s: float,
-    active: Active | None = None,
-    read: Reader = DIRECT,
+    active: Active,
 ) -> list[OwnerUsage]:
-    if active is None:
-        active = await active_flows(conn, read)
-    counted = await read(conn, waiting_query, {"owners": list(names)})
-    waiting = {r.owner: int(r.n) for r in counted}
     kind = "team" if is_team else "owner"
     used = {
         r.name: decayed(r.cpu_s, r.age_s, half_life_s)

@@ -19,10 +19,11 @@ async def read(
     conn: AsyncConnection, defaults: placement.Defaults, depths: readings.Reader = readings.DIRECT
 ) -> list[QueueInfo]:
     """Every queue with live work or settings: its depth (read by ``depths``:
-    ``db.readings``), and its pool's placement settings (the operator's defaults where it
-    has none) and utilisation."""
-    pools = await placement.pools(conn, defaults)
+    ``db.readings``, first, so that a caller waiting for a shared reading holds no
+    transaction open meanwhile), and its pool's placement settings (the operator's
+    defaults where it has none) and utilisation."""
     items = await tasks_db.list_queues(conn, depths)
+    pools = await placement.pools(conn, defaults)
     for item in items:
         pool = pools.get(item.name)
         item.overcommit = pool.overcommit if pool else defaults.overcommit

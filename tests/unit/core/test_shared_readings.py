@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -128,7 +129,7 @@ def test_a_caller_that_accepts_an_age_gets_the_last_reading_while_it_is_that_you
     asyncio.run(run())
 
 
-def test_a_caller_that_accepts_an_age_joins_a_reading_in_flight_that_young() -> None:
+def test_a_caller_that_accepts_an_age_takes_the_reading_in_flight_if_it_ends_that_young() -> None:
     async def run() -> None:
         s, db, clock = shared()
         first = asyncio.ensure_future(ask(s))
@@ -141,6 +142,69 @@ def test_a_caller_that_accepts_an_age_joins_a_reading_in_flight_that_young() -> 
         assert await first == (1, 1.5)
         assert await joining == (1, 1.5)
         assert len(db.started) == 1
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_accepts_an_age_is_not_given_an_older_reading_in_flight() -> None:
+    async def run() -> None:
+        s, db, clock = shared()
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        clock.now += 1.9
+        joining = asyncio.ensure_future(ask(s, 2.0))
+        await settle()
+        clock.now += 10.0  # the reading ends 11.9 s after it began
+        db.finish(0)
+        assert await first == (1, pytest.approx(11.9))
+        await settle()
+        assert len(db.started) == 2, "too old once it ended: a reading of its own"
+        db.finish(1)
+        assert (await joining)[0] == 2
+
+    asyncio.run(run())
+
+
+def test_a_call_that_comes_as_a_reading_ends_does_not_wait_on_it_for_ever() -> None:
+    """A call that runs after the reading's task ended but before its done callbacks
+    must not find it still in flight: waiting on a finished task does not yield, so it
+    would spin, and the whole event loop with it (the alarm turns that into a failure)."""
+
+    def spun(signum: int, frame: object) -> None:
+        raise TimeoutError("a call spun on a finished reading")
+
+    async def run() -> None:
+        s, db, clock = shared()
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        db.finish(0)  # the reading resumes next, then this call starts, then callbacks
+        clock.now += 0.01
+        racing = asyncio.ensure_future(ask(s))
+        assert (await first)[0] == 1
+        await settle()
+        assert len(db.started) == 2
+        db.finish(1)
+        assert (await racing)[0] == 2
+
+    previous = signal.signal(signal.SIGALRM, spun)
+    signal.alarm(5)
+    try:
+        asyncio.run(run())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_cancelled_reading_is_read_again_for_its_callers() -> None:
+    async def run() -> None:
+        s, db, _ = shared()
+        caller = asyncio.ensure_future(ask(s))
+        await settle()
+        s._flying[next(iter(s._flying))].task.cancel()
+        await settle()
+        assert len(db.started) == 2 and not caller.done()
+        db.finish(1)
+        assert (await caller)[0] == 2
 
     asyncio.run(run())
 
@@ -213,8 +277,13 @@ def test_the_age_a_reader_gives_is_bounded() -> None:
     [
         (None, 0.0),
         ("max-age=2", 2.0),
-        ("no-cache, max-age=5", 5.0),
+        ("max-age=5, no-cache", 0.0),
+        ('no-cache="x", max-age=5', 0.0),
+        ("no-store,max-age=5", 0.0),
+        ("no-cacher, max-age=5", 5.0),
         ('MAX-AGE="3"', 3.0),
+        ('max-age="3', 0.0),
+        ("max-age=3 5", 0.0),
         ("max-age=2, must-revalidate", 2.0),
         ("s-maxage=5", 0.0),
         ("x-max-age=5", 0.0),
@@ -226,3 +295,10 @@ def test_what_age_a_request_accepts(header: str | None, accepted: float) -> None
     headers = [] if header is None else [(b"cache-control", header.encode())]
     request = Request({"type": "http", "method": "GET", "path": "/", "headers": headers})
     assert max_age_of(request) == accepted
+
+
+def test_every_cache_control_line_counts() -> None:
+    lines = [(b"cache-control", b"private"), (b"cache-control", b"max-age=4")]
+    assert max_age_of(Request({"type": "http", "path": "/", "headers": lines})) == 4.0
+    lines.append((b"cache-control", b"no-cache"))
+    assert max_age_of(Request({"type": "http", "path": "/", "headers": lines})) == 0.0

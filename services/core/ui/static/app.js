@@ -238,19 +238,23 @@ async function queuesPage(main) {
   // everyone watching through this core, does as well as one of this page's own; and
   // while counting takes long (a large backlog, a busy core), an older one, so that the
   // page keeps its counting to about a twentieth of the time: at most 60 s old. What the
-  // calls took is the slowest of the last 60 turns (2 minutes), as the turns between two
-  // countings are quick (core answers them with the last count).
+  // calls took is the slowest of the last 60 turns (2 minutes), failed ones included, as
+  // the turns between two countings are quick (core answers them with the last count).
   let maxAge = 2;
   const took = [];
   await live(box, async () => {
-    const counted = { maxAge };
+    const counted = { maxAge };  // what this turn asks (turns overlap when calls are slow)
     const began = performance.now();
-    const [queues, history, owners] = await Promise.all([api("core", "/v1/queues", counted),
-      api("core", "/v1/queues/history?minutes=60", counted), api("core", "/v1/owners?limit=10", counted)]);
-    const shared = maxAge;
-    took.push((performance.now() - began) / 1000);
-    if (took.length > 60) took.shift();
-    maxAge = Math.min(60, Math.max(2, Math.ceil(20 * Math.max(...took))));
+    let queues, history, owners;
+    try {
+      [queues, history, owners] = await Promise.all([api("core", "/v1/queues", counted),
+        api("core", "/v1/queues/history?minutes=60", counted), api("core", "/v1/owners?limit=10", counted)]);
+    } finally {
+      took.push((performance.now() - began) / 1000);
+      if (took.length > 60) took.shift();
+      maxAge = Math.min(60, Math.max(2, Math.ceil(20 * Math.max(...took))));
+    }
+    const shared = counted.maxAge;
     const rows = queues.items.map((q) => h("tr", { "data-queue": q.name },
       h("td", {}, q.name, q.paused ? " (paused)" : ""),
       ["ready", "waiting", "running", "failed"].map((st) => h("td", { class: "num" }, q.depth[st] || 0)),
