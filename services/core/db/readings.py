@@ -79,12 +79,16 @@ DIRECT: Reader = _Direct()
 
 @dataclass
 class _Reading:
+    #: the order in which readings started (``Shared._started``): whether one started
+    #: after a call came is told by it, not by the clock, which may tick coarsely
+    number: int
     started: float
     task: asyncio.Future[Sequence[Row[Any]]]
 
 
 @dataclass
 class _Kept:
+    number: int
     started: float
     rows: Sequence[Row[Any]]
 
@@ -97,6 +101,7 @@ class Shared:
         self.clock = clock
         self._flying: dict[Key, _Reading] = {}
         self._kept: dict[Key, _Kept] = {}
+        self._started = 0  # readings started so far
 
     def within(self, max_age_s: float = 0.0) -> Answer:
         """A reader for one answer that accepts readings up to ``max_age_s`` old (0:
@@ -111,17 +116,19 @@ class Shared:
         flight if it started since this call, or a new one once the one in flight ends.
         So an answer is at most ``max_age_s`` old when given, or began after the call."""
         key: Key = (statement.text, json.dumps(params or {}, sort_keys=True))
-        came = self.clock()
+        came = self._started  # a reading numbered above it started after this call
         while True:
             now = self.clock()
             kept = self._kept.get(key)
-            if kept is not None and now - kept.started <= max_age_s:
-                return kept.rows, now - kept.started
+            if kept is not None and (
+                kept.number > came or (max_age_s > 0 and now - kept.started <= max_age_s)
+            ):
+                return kept.rows, max(0.0, now - kept.started)
             reading = self._flying.get(key)
             if reading is None or reading.task.done():
                 reading = self._start(key, statement, params)
             try:
-                if reading.started >= came:
+                if reading.number > came:
                     rows = await asyncio.shield(reading.task)
                     return rows, max(0.0, self.clock() - reading.started)
                 # Began before this call: wait for its end, then take it if it is young
@@ -134,7 +141,8 @@ class Shared:
                 # the reading was cancelled, not this call: read again
 
     def _start(self, key: Key, statement: TextClause, params: Mapping[str, Any] | None) -> _Reading:
-        started = self.clock()
+        self._started += 1
+        number, started = self._started, self.clock()
 
         async def read() -> Sequence[Row[Any]]:
             # Kept, and let go of as the one in flight, before the task ends: a call that
@@ -147,10 +155,10 @@ class Shared:
                     del self._flying[key]
             if len(self._kept) >= _KEPT and key not in self._kept:
                 self._kept.clear()
-            self._kept[key] = _Kept(started, rows)
+            self._kept[key] = _Kept(number, started, rows)
             return rows
 
-        reading = _Reading(started, asyncio.ensure_future(read()))
+        reading = _Reading(number, started, asyncio.ensure_future(read()))
         self._flying[key] = reading
         # a failure nobody waited for is not "never retrieved"
         reading.task.add_done_callback(lambda t: t.cancelled() or t.exception())

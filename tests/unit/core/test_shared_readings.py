@@ -103,6 +103,32 @@ def test_callers_that_come_during_a_reading_share_the_next_one_which_starts_afte
     asyncio.run(run())
 
 
+def test_with_a_clock_that_does_not_tick_a_caller_still_gets_a_reading_started_after_it() -> None:
+    """Whether a reading started after a call is told by the readings' order, not by the
+    clock: with a coarse clock, a reading started and ended in one tick is not one that
+    started after a call in that same tick."""
+
+    async def run() -> None:
+        s, db, _ = shared()  # the clock stays at 1000 throughout
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        db.finish(0)
+        assert (await first)[0] == 1
+        second = asyncio.ensure_future(ask(s))
+        await settle()
+        assert len(db.started) == 2, "the kept reading began before this call"
+        joining = asyncio.ensure_future(ask(s))
+        await settle()
+        db.finish(1)
+        assert (await second)[0] == 2
+        await settle()
+        assert len(db.started) == 3, "the one in flight began before this call too"
+        db.finish(2)
+        assert (await joining)[0] == 3
+
+    asyncio.run(run())
+
+
 def test_a_caller_that_accepts_an_age_gets_the_last_reading_while_it_is_that_young() -> None:
     async def run() -> None:
         s, db, clock = shared()
@@ -212,17 +238,25 @@ def test_a_cancelled_reading_is_read_again_for_its_callers() -> None:
 def test_a_failed_reading_fails_its_callers_and_the_next_call_reads_again() -> None:
     async def run() -> None:
         s, db, _ = shared()
-        callers = [asyncio.ensure_future(ask(s)) for _ in range(3)]
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        later = [asyncio.ensure_future(ask(s)) for _ in range(2)]
         await settle()
         db.finish(0, RuntimeError("connection lost"))
-        for caller in callers:
-            with pytest.raises(RuntimeError, match="connection lost"):
+        with pytest.raises(RuntimeError, match="connection lost"):
+            await first
+        await settle()
+        # the two that came during it share the next, which fails them both
+        assert len(db.started) == 2
+        db.finish(1, RuntimeError("connection lost again"))
+        for caller in later:
+            with pytest.raises(RuntimeError, match="connection lost again"):
                 await caller
         again = asyncio.ensure_future(ask(s, 60.0))
         await settle()
-        assert len(db.started) == 2, "a failure is not kept"
-        db.finish(1)
-        assert (await again)[0] == 2
+        assert len(db.started) == 3, "a failure is not kept"
+        db.finish(2)
+        assert (await again)[0] == 3
 
     asyncio.run(run())
 
@@ -230,14 +264,21 @@ def test_a_failed_reading_fails_its_callers_and_the_next_call_reads_again() -> N
 def test_a_caller_that_goes_away_does_not_cancel_the_reading_for_the_others() -> None:
     async def run() -> None:
         s, db, _ = shared()
+        first = asyncio.ensure_future(ask(s))
+        await settle()
+        # both come during the first reading, so they share the next: gone starts it
         gone, staying = asyncio.ensure_future(ask(s)), asyncio.ensure_future(ask(s))
         await settle()
+        db.finish(0)
+        assert (await first)[0] == 1
+        await settle()
+        assert len(db.started) == 2
         gone.cancel()
         await settle()
         assert gone.cancelled()
-        db.finish(0)
-        assert (await staying)[0] == 1
-        assert len(db.started) == 1
+        db.finish(1)
+        assert (await staying)[0] == 2
+        assert len(db.started) == 2
 
     asyncio.run(run())
 
