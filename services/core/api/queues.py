@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from libs.common.models import QueueHistory, QueueInfo, QueueList, QueueName, QueueSettings
@@ -18,7 +20,7 @@ from services.core.api.deps import (
     Reader,
     aged,
 )
-from services.core.db import placement, readings
+from services.core.db import placement
 from services.core.db import tasks as tasks_db
 from services.core.ops import queues as queues_ops
 
@@ -34,8 +36,9 @@ async def list_queues(
     all of this core's callers at a time: with `Cache-Control: max-age=N` a request may
     get a count up to N seconds old (the `Age` header says how old); without it, one
     counted after it came."""
+    depths = await tasks_db.queue_depths(read)  # before a connection of its own
     async with engine.connect() as conn:
-        items = await _queues(conn, request, read)
+        items = await _queues(conn, request, depths)
     aged(response, read)
     return QueueList(items=items)
 
@@ -51,17 +54,16 @@ async def queue_history(
     """Each queue's last `minutes`, a value a minute: tasks submitted and finished, and
     the backlog of unfinished tasks (the dashboard's charts). Counted as the queues'
     depths are (`Cache-Control: max-age`, `Age`); `until` is when."""
-    async with engine.connect() as conn:
-        history = await tasks_db.queue_history(conn, minutes, read)
+    history = await tasks_db.queue_history(read, minutes)
     aged(response, read)
     return history
 
 
 async def _queues(
-    conn: AsyncConnection, request: Request, read: readings.Reader = readings.DIRECT
+    conn: AsyncConnection, request: Request, depths: Sequence[Row[Any]] | None = None
 ) -> list[QueueInfo]:
     defaults = placement.Defaults.of(request.app.state.settings)
-    return await queues_ops.read(conn, defaults, read)
+    return await queues_ops.read(conn, defaults, depths)
 
 
 async def _one(engine: Engine, request: Request, name: str) -> QueueInfo:

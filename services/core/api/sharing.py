@@ -50,12 +50,16 @@ async def top_owners(
     `Cache-Control: max-age=N` a request may get a count up to N seconds old (the `Age`
     header says how old); without it, one counted after it came."""
     half_life = _half_life(request)
-    async with engine.connect() as conn:
-        if principal.owner_filter is not None:
+    # the backlog's counts first, before a connection of its own (db.readings)
+    if principal.owner_filter is not None:
+        active = await sharing.active_flows(read)
+        async with engine.connect() as conn:
             teams = sorted(principal.teams)
-            items = await sharing.caller_usage(conn, principal.name, teams, half_life, read)
-        else:
-            items = await sharing.top_owners(conn, limit, half_life, read)
+            items = await sharing.caller_usage(conn, principal.name, teams, half_life, active)
+    else:
+        top = await sharing.top_counts(read, limit)
+        async with engine.connect() as conn:
+            items = await sharing.top_owners(conn, top, half_life)
     aged(response, read)
     return OwnerList(items=items)
 

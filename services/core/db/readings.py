@@ -19,7 +19,10 @@ watching it. ``Shared`` bounds it two ways:
   after they came.
 
 Each reading runs on a connection of its own from the engine, so a caller that goes away
-(its request cancelled) does not cancel it for the others."""
+(its request cancelled) does not cancel it for the others, and a caller needs no
+connection to wait for one: the handlers read their shared counts first (``Count``,
+``tasks.queue_depths``, ``tasks.queue_history``, ``sharing.top_counts``,
+``sharing.active_flows``) and only then take a connection for their own statements."""
 
 from __future__ import annotations
 
@@ -45,36 +48,33 @@ _KEPT = 512
 Key = tuple[str, str]
 
 
-class Reader(Protocol):
-    """How a ``db`` function reads one of the backlog's counts: on its caller's connection
-    (``DIRECT``) or through ``Shared`` (``Shared.within``); ``age_s`` is how old the oldest
+class Count(Protocol):
+    """How a ``db`` function reads one of the backlog's counts: on a connection
+    (``on``) or through ``Shared`` (``Shared.within``), which needs none of its caller's,
+    so a handler reads its shared counts before it takes a connection of its own (a
+    caller waiting for a reading holds none meanwhile). ``age_s`` is how old the oldest
     reading it gave was when it gave it."""
 
     age_s: float
 
     async def __call__(
-        self,
-        conn: AsyncConnection,
-        statement: TextClause,
-        params: Mapping[str, Any] | None = None,
+        self, statement: TextClause, params: Mapping[str, Any] | None = None
     ) -> Sequence[Row[Any]]: ...
 
 
-class _Direct:
-    """The statement read on the caller's connection, within its transaction."""
+class on:
+    """The statements read on ``conn``, within its transaction: unshared, as fresh as
+    the connection's."""
 
     age_s = 0.0
 
+    def __init__(self, conn: AsyncConnection) -> None:
+        self.conn = conn
+
     async def __call__(
-        self,
-        conn: AsyncConnection,
-        statement: TextClause,
-        params: Mapping[str, Any] | None = None,
+        self, statement: TextClause, params: Mapping[str, Any] | None = None
     ) -> Sequence[Row[Any]]:
-        return (await conn.execute(statement, dict(params or {}))).all()
-
-
-DIRECT: Reader = _Direct()
+        return (await self.conn.execute(statement, dict(params or {}))).all()
 
 
 @dataclass
@@ -168,7 +168,7 @@ class Shared:
         self, statement: TextClause, params: Mapping[str, Any] | None
     ) -> Sequence[Row[Any]]:
         async with self.engine.connect() as conn:
-            return await DIRECT(conn, statement, params)
+            return await on(conn)(statement, params)
 
 
 def _cancelled_itself() -> bool:
@@ -187,10 +187,7 @@ class Answer:
     age_s: float = field(default=0.0)
 
     async def __call__(
-        self,
-        conn: AsyncConnection,
-        statement: TextClause,
-        params: Mapping[str, Any] | None = None,
+        self, statement: TextClause, params: Mapping[str, Any] | None = None
     ) -> Sequence[Row[Any]]:
         rows, age = await self.shared.rows(statement, params, self.max_age_s)
         self.age_s = max(self.age_s, age)

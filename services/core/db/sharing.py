@@ -30,7 +30,7 @@ from libs.common.models import (
 )
 from libs.common.states import TaskState
 from libs.common.stored import as_stored
-from services.core.db.readings import DIRECT, Reader
+from services.core.db import readings
 from services.core.db.tables import concurrency_limits, queues, shares, team_shares
 from services.core.domain.limits import LIMIT_COLUMNS, NO_LIMITS, QueueLimits
 from services.core.domain.placement import Amount, counts, summed
@@ -504,11 +504,11 @@ SELECT owner FROM (
 Active = dict[tuple[bool, str], float]
 
 
-async def active_flows(conn: AsyncConnection, read: Reader = DIRECT) -> Active:
+async def active_flows(count: readings.Count) -> Active:
     """``_ACTIVE``: it reads every running and waiting task (bench/dashboard_backlog.py),
-    so a caller that needs it for several answers reads it once, by ``read``
+    so a caller that needs it for several answers reads it once, by ``count``
     (``readings``)."""
-    return {(r.is_team, r.name): float(r.weight) for r in await read(conn, _ACTIVE)}
+    return {(r.is_team, r.name): float(r.weight) for r in await count(_ACTIVE)}
 
 
 async def usage_of(
@@ -516,16 +516,16 @@ async def usage_of(
     names: Sequence[str],
     half_life_s: float = HALF_LIFE_S,
     active: Active | None = None,
-    read: Reader = DIRECT,
+    waiting: dict[str, int] | None = None,
 ) -> list[OwnerUsage]:
     """Each owner's share, running use, waiting count and quotas (its use counts every
     task it submitted, its teams' included), and its own flow's decayed usage; the
-    shares among ``active`` (read here if not given). ``read`` counts the backlog (the
-    active flows, the waiting) before anything else is read on ``conn``: a caller that
-    waits for a shared reading (``readings``) holds no transaction open meanwhile."""
+    shares among ``active``; the active flows and the waiting counts read here on
+    ``conn`` if not given (``top_counts`` reads them before any connection)."""
     if active is None:
-        active = await active_flows(conn, read)
-    waiting = await _waiting(conn, _WAITING_OF, names, read)
+        active = await active_flows(readings.on(conn))
+    if waiting is None:
+        waiting = await _waiting(readings.on(conn), _WAITING_OF, names)
     use = await owner_use(conn, names)
     found = await conn.execute(select(shares).where(shares.c.name.in_(names)))
     rows = {r.name: r for r in found}
@@ -541,8 +541,8 @@ async def team_usage_of(
     """Each team's share (as one flow), the use, waiting count and quotas of the tasks it
     owns, whoever of its members submitted them, and its decayed usage."""
     if active is None:
-        active = await active_flows(conn)
-    waiting = await _waiting(conn, _TEAM_WAITING_OF, names, DIRECT)
+        active = await active_flows(readings.on(conn))
+    waiting = await _waiting(readings.on(conn), _TEAM_WAITING_OF, names)
     use = await team_use(conn, names)
     found = await conn.execute(select(team_shares).where(team_shares.c.team.in_(names)))
     rows = {r.team: r for r in found}
@@ -550,11 +550,11 @@ async def team_usage_of(
 
 
 async def _waiting(
-    conn: AsyncConnection, query: TextClause, names: Sequence[str], read: Reader
+    count: readings.Count, query: TextClause, names: Sequence[str]
 ) -> dict[str, int]:
     """The waiting (and ready) tasks of each of ``names`` (``_WAITING_OF``, or
     ``_TEAM_WAITING_OF`` for teams)."""
-    return {r.owner: int(r.n) for r in await read(conn, query, {"owners": list(names)})}
+    return {r.owner: int(r.n) for r in await count(query, {"owners": list(names)})}
 
 
 async def caller_usage(
@@ -562,13 +562,13 @@ async def caller_usage(
     name: str,
     teams: Sequence[str],
     half_life_s: float = HALF_LIFE_S,
-    read: Reader = DIRECT,
+    active: Active | None = None,
 ) -> list[OwnerUsage]:
     """A user's own flow and each of their teams' (``GET /v1/owners`` for a user), the
-    active flows read once for all of them, by ``read``."""
-    active = await active_flows(conn, read)
-    # their own waiting counts are read on their connection: a reading shared by one
-    # caller only would take a connection of the shared readings' small pool for nothing
+    active flows read once for all of them (here on ``conn`` if not given). Their own
+    waiting counts are read on ``conn``: no one else would share them."""
+    if active is None:
+        active = await active_flows(readings.on(conn))
     mine = await usage_of(conn, [name], half_life_s, active)
     if not teams:
         return mine
@@ -656,10 +656,25 @@ def at_quota(quota: Quotas, running: Use, waiting: int) -> list[str]:
     return held
 
 
+@dataclass(frozen=True)
+class Top:
+    """What ``top_owners`` counts over the backlog (``top_counts``): the owners with the
+    most work running and waiting, the active flows, and those owners' waiting counts."""
+
+    names: list[str]
+    active: Active
+    waiting: dict[str, int]
+
+
+async def top_counts(count: readings.Count, limit: int) -> Top:
+    """The backlog's counts for ``top_owners`` (``_TOP``, ``_ACTIVE``, ``_WAITING_OF``),
+    read by ``count`` (``readings``): none needs its caller's connection."""
+    names = [r.owner for r in await count(_TOP, {"limit": limit})]
+    return Top(names, await active_flows(count), await _waiting(count, _WAITING_OF, names))
+
+
 async def top_owners(
-    conn: AsyncConnection, limit: int, half_life_s: float = HALF_LIFE_S, read: Reader = DIRECT
+    conn: AsyncConnection, top: Top, half_life_s: float = HALF_LIFE_S
 ) -> list[OwnerUsage]:
-    """The ``limit`` owners with the most work running and waiting, the backlog's counts
-    (``_TOP``, ``_ACTIVE``) read by ``read`` (``readings``)."""
-    names = [r.owner for r in await read(conn, _TOP, {"limit": limit})]
-    return await usage_of(conn, names, half_life_s, await active_flows(conn, read), read)
+    """The usage of the owners ``top_counts`` found, in its order."""
+    return await usage_of(conn, top.names, half_life_s, top.active, top.waiting)

@@ -10,13 +10,14 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg.rows import namedtuple_row
 from sqlalchemy import (
     Boolean,
+    Row,
     TextClause,
     and_,
     bindparam,
@@ -48,9 +49,8 @@ from libs.common.models import (
 )
 from libs.common.states import FINAL, TaskState, Workers, sql_in
 from libs.common.stored import as_stored
-from services.core.db import accounting
+from services.core.db import accounting, readings
 from services.core.db.params import jsonb
-from services.core.db.readings import DIRECT, Reader
 from services.core.db.tables import (
     LABELLED,
     attempts,
@@ -1364,8 +1364,16 @@ async def set_paused(conn: AsyncConnection, name: str, paused: bool) -> None:
     await conn.execute(stmt)
 
 
-async def list_queues(conn: AsyncConnection, read: Reader = DIRECT) -> list[QueueInfo]:
-    """Every queue with live work or settings; its depth read by ``read`` (``readings``)."""
+async def queue_depths(count: readings.Count) -> Sequence[Row[Any]]:
+    """``QUEUE_DEPTHS``, read by ``count`` (``readings``): what ``list_queues`` takes."""
+    return await count(QUEUE_DEPTHS)
+
+
+async def list_queues(
+    conn: AsyncConnection, depths: Sequence[Row[Any]] | None = None
+) -> list[QueueInfo]:
+    """Every queue with live work or settings; its depths as ``queue_depths`` read them
+    (here on ``conn`` if not given)."""
     infos: dict[str, QueueInfo] = {}
 
     def info(name: str) -> QueueInfo:
@@ -1373,7 +1381,9 @@ async def list_queues(conn: AsyncConnection, read: Reader = DIRECT) -> list[Queu
             name, QueueInfo(name=name, paused=False, depth={}, oldest_waiting_age_s=None)
         )
 
-    for row in await read(conn, QUEUE_DEPTHS):
+    if depths is None:
+        depths = await queue_depths(readings.on(conn))
+    for row in depths:
         entry = info(row.queue)
         entry.depth[TaskState(row.state)] = row.n
         if row.oldest is not None:
@@ -1395,17 +1405,14 @@ async def list_queues(conn: AsyncConnection, read: Reader = DIRECT) -> list[Queu
     return sorted(infos.values(), key=lambda q: q.name)
 
 
-async def queue_history(conn: AsyncConnection, minutes: int, read: Reader = DIRECT) -> QueueHistory:
+async def queue_history(count: readings.Count, minutes: int) -> QueueHistory:
     """Per queue and minute: tasks submitted, finished, and the backlog (unfinished tasks)
-    worked back from the backlog then; read by ``read`` (``readings``): ``until`` is the
+    worked back from the backlog then; read by ``count`` (``readings``): ``until`` is the
     time of the reading it gave."""
     counts: dict[str, dict[str, list[int]]] = {}
-    rows = await read(conn, QUEUE_HISTORY, {"minutes": minutes})
-    if rows:
-        until = rows[0].until
-    else:  # nothing to chart: the reading's time as near as this connection tells it
-        now = (await conn.execute(select(func.now()))).scalar_one()
-        until = now - timedelta(seconds=read.age_s)
+    rows = await count(QUEUE_HISTORY, {"minutes": minutes})
+    # with nothing to chart, the reading's time by this host's clock
+    until = rows[0].until if rows else datetime.now(UTC) - timedelta(seconds=count.age_s)
     for row in rows:
         series = counts.setdefault(
             row.queue, {k: [0] * minutes for k in ("submitted", "finished", "live")}

@@ -3,12 +3,15 @@ resuming one, and setting its pool's placement, each audited in its transaction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, replace
+from typing import Any
 
+from sqlalchemy import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from libs.common.models import QueueInfo, QueueSettings
-from services.core.db import placement, readings, sharing
+from services.core.db import placement, sharing
 from services.core.db import tasks as tasks_db
 from services.core.db.audit import Auditor
 from services.core.db.feed import Notifier, Work
@@ -16,12 +19,13 @@ from services.core.domain import limits
 
 
 async def read(
-    conn: AsyncConnection, defaults: placement.Defaults, depths: readings.Reader = readings.DIRECT
+    conn: AsyncConnection,
+    defaults: placement.Defaults,
+    depths: Sequence[Row[Any]] | None = None,
 ) -> list[QueueInfo]:
-    """Every queue with live work or settings: its depth (read by ``depths``:
-    ``db.readings``, first, so that a caller waiting for a shared reading holds no
-    transaction open meanwhile), and its pool's placement settings (the operator's
-    defaults where it has none) and utilisation."""
+    """Every queue with live work or settings: its depth (``depths`` as
+    ``tasks.queue_depths`` read them, or read here on ``conn``), and its pool's placement
+    settings (the operator's defaults where it has none) and utilisation."""
     items = await tasks_db.list_queues(conn, depths)
     pools = await placement.pools(conn, defaults)
     for item in items:

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from sqlalchemy import event
@@ -92,3 +95,38 @@ def test_the_backlogs_counts_are_shared_only_as_old_as_a_caller_accepts(core: Co
     assert (waiting(fresh), fresh.headers["Age"]) == (2, "0")
     assert charts[0].json() == charts[1].json()
     assert charts[0].json()["items"][0]["backlog"][-1] == 2
+
+
+def test_a_caller_waiting_for_a_shared_count_holds_no_connection(core: Core) -> None:
+    """A handler reads its shared counts before it takes a connection of core's data pool
+    (``db.readings``): callers waiting for a slow count hold none of that pool, which
+    submissions and claims need. Here every count is held until the test lets it go."""
+    app = core.server.config.app
+    shared, pool = app.state.readings, app.state.engine.sync_engine.pool
+    entered, release = threading.Event(), threading.Event()
+    original = shared._read
+
+    async def held(statement, params):
+        entered.set()
+        await asyncio.to_thread(release.wait, 20)
+        return await original(statement, params)
+
+    shared._read = held
+    paths = ("/v1/queues", "/v1/queues/history", "/v1/owners")
+    try:
+        with core.client() as alice, ThreadPoolExecutor(len(paths)) as calls:
+            answers = [calls.submit(alice.get, path) for path in paths]
+            assert entered.wait(10)
+            time.sleep(0.5)  # each call now waits for its count
+            held_out = []
+            for _ in range(10):
+                held_out.append(pool.checkedout())
+                time.sleep(0.05)
+            release.set()
+            assert [a.result(20).status_code for a in answers] == [200, 200, 200]
+    finally:
+        release.set()
+        shared._read = original
+    # three waiting calls holding a connection each would keep at least three out; the
+    # core's own loops take one now and then
+    assert min(held_out) < len(paths), held_out

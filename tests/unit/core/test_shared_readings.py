@@ -77,7 +77,7 @@ async def ask(
     s: readings.Shared, max_age_s: float = 0.0, statement: Any = DEPTHS, **params: Any
 ) -> tuple[int, float]:
     answer = s.within(max_age_s)
-    rows = await answer(None, statement, params)  # type: ignore[arg-type]
+    rows = await answer(statement, params)
     return rows[0][0], answer.age_s
 
 
