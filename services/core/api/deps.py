@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from libs.common import cache_control
 from libs.common.auth import MAX_CREDENTIAL, OnBehalfOf, acting_owner, cache_for, looks_like_jwt
 from libs.common.client import ON_BEHALF_OF
 from libs.common.errors import Forbidden, Unauthorized
@@ -75,23 +76,12 @@ Engine = Annotated[AsyncEngine, Depends(get_engine)]
 Meter = Annotated[CoreMetrics, Depends(get_meter)]
 Announcer = Annotated[Notifier, Depends(get_notifier)]
 
-#: ``max-age=N`` among a request's ``Cache-Control`` directives (RFC 9111 5.2.1.1), and
-#: those that ask for a fresh answer whatever its ``max-age`` says (5.2.1.4, 5.2.1.5)
-_MAX_AGE = re.compile(
-    r'(?:^|,)\s*max-age\s*=\s*(?:([0-9]{1,9})|"([0-9]{1,9})")\s*(?=,|$)', re.IGNORECASE
-)
-_FRESH = re.compile(r"(?:^|,)\s*(?:no-cache|no-store)\s*(?=,|$|=)", re.IGNORECASE)
-
 
 def max_age_of(request: Request) -> float:
     """How old an answer the caller accepts, in seconds: its ``Cache-Control: max-age``
     (over all its ``Cache-Control`` lines), else 0 (an answer read after it asked), as
     with ``no-cache`` or ``no-store``."""
-    said = ",".join(request.headers.getlist("cache-control"))
-    found = _MAX_AGE.search(said)
-    if found is None or _FRESH.search(said):
-        return 0.0
-    return float(found.group(1) or found.group(2))
+    return cache_control.lifetime(",".join(request.headers.getlist("cache-control"))) or 0.0
 
 
 async def backlog_counts(request: Request) -> readings.Answer:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import jwt
 
+from libs.common import cache_control
 from libs.common.errors import Unauthorized, Unavailable
 from services.core.domain.principals import Principal
 from services.core.settings import CoreSettings
@@ -39,19 +40,6 @@ MAX_KEYSET_BYTES = 512 * 1024
 # The whole read, however slowly the provider drips its answer.
 READ_TIMEOUT_S = 10.0
 _NAME = re.compile(r"^[^\x00-\x1f\x7f]{1,100}$")
-_MAX_AGE = re.compile(r"(?:^|,)\s*max-age\s*=\s*\"?(\d{1,10})", re.IGNORECASE)
-_NO_CACHE = re.compile(r"(?:^|,)\s*(?:no-store|no-cache)\b", re.IGNORECASE)
-
-
-def cache_lifetime(header: str | None) -> float | None:
-    """The seconds a ``Cache-Control`` value lets an answer be kept (0 for ``no-store``
-    or ``no-cache``); None when it does not say."""
-    if header is None:
-        return None
-    if _NO_CACHE.search(header):
-        return 0.0
-    found = _MAX_AGE.search(header)
-    return float(found.group(1)) if found else None
 
 
 async def _read_bounded(answer: httpx.Response, limit: int) -> bytes:
@@ -150,7 +138,7 @@ class OidcVerifier:
         ):
             answer.raise_for_status()
             body = await _read_bounded(answer, MAX_KEYSET_BYTES)
-            kept = cache_lifetime(answer.headers.get("cache-control"))
+            kept = cache_control.lifetime(answer.headers.get("cache-control"))
         if kept is None:
             return _document(body), self.refresh_s
         return _document(body), min(max(kept, self.min_refresh_s), self.refresh_s)
