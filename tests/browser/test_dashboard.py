@@ -127,23 +127,23 @@ def test_queues_workers_and_schedules_pages(page: Page, system: System) -> None:
 def test_the_queues_page_accepts_older_counts_while_counting_is_slow(
     page: Page, system: System
 ) -> None:
-    """While its calls take long (here core's answers to ``/v1/queues`` held 0.25 s), the
+    """While its calls take long (here core's answers to ``/v1/queues`` held 1.1 s), the
     Queues page asks for counts up to twenty times that old, and says they may be."""
     asked: list[str | None] = []
 
     def slow(route: Route) -> None:
         asked.append(route.request.header_value("cache-control"))
-        time.sleep(0.25)
+        time.sleep(1.1)
         route.continue_()
 
     log_in(page, system, "alice")
     page.route("**/v1/queues", slow)
     page.goto(f"{system.core.url}/ui#/queues")
     note = page.locator("main p.muted", has_text="Counting the backlog takes long")
-    expect(note).to_have_text(re.compile(r"these counts may be up to [0-9]+ s old"))
+    expect(note).to_have_text(re.compile(r"these counts may be up to [0-9]+ s old"), timeout=15_000)
     said = re.search(r"up to ([0-9]+) s old", note.text_content() or "")
     assert said is not None
-    assert 5 <= int(said.group(1)) <= 60  # twenty times the 0.25 s at least
+    assert 22 <= int(said.group(1)) <= 60  # twenty times the 1.1 s at least
     assert asked[0] == "max-age=2"
     assert f"max-age={said.group(1)}" in asked[1:]  # what the page says, it asked for
 
