@@ -18,6 +18,11 @@ configuration:
   ``cairn-spawn`` helpers' own and the attempts they started and reaped (their exit
   records' rusage), over the configuration's attempts. Floor: the C loop's
   own + its reaped children's (the programs) rusage, over its spawns.
+- Issue 35's bar, for the fast path with every isolation (the last configuration): "the
+  agent and its helper, outside the task's own process" against the floor, so the agent
+  and its helpers' own CPU, the attempts' apart. Those three parts are printed: an
+  attempt's own process holds its sandbox's work, from its clone to its exec
+  (namespaces, mounts, uid, keyrings, limits), as the floor's child holds its own.
 - Wall per attempt: the p50 of prepare + spawn + exit + clean-up against the p50 of the
   floor's fork-to-reaped.
 
@@ -113,7 +118,7 @@ async def _one(host: Host, cache: ArtifactCache, attempt_id: int) -> tuple[float
 
 async def _case(
     name: str, n: int, root: Path, isolation: str, cgroups: bool, mounts: bool, fast: bool
-) -> tuple[list[float], list[float], float]:
+) -> tuple[list[float], list[float], tuple[float, ...]]:
     home = root / f"{name}-{fast}-{os.urandom(4).hex()}"
     settings = WorkerSettings(
         home=home,
@@ -133,24 +138,25 @@ async def _case(
         host.private_tmp = False
     cache = ArtifactCache(home / "artifacts")
     prepare, total = [], []
-    cpu = _cairn_cpu_s(host, start=True)
+    first = _cairn_cpu_s(host, start=True)
     for i in range(1, n + 1):
         p, t = await _one(host, cache, i)
         prepare.append(p * 1000)
         total.append(t * 1000)
-    cpu = _cairn_cpu_s(host) - cpu
+    last = _cairn_cpu_s(host)
     await host.close()
-    return prepare, total, cpu
+    return prepare, total, tuple(b - a for a, b in zip(first, last, strict=True))
 
 
-def _cairn_cpu_s(host: Host, start: bool = False) -> float:
-    """This process (the agent's code, all threads) and its reaped children (attempts it
-    forked itself, helpers that exited), user + system; the live resident spawn helpers'
-    own, and the attempts they reaped (the rusage of their exit records, to the
-    microsecond, where ``/proc``'s counts of reaped children are whole clock ticks).
-    The helpers are found by a walk of ``/proc`` (4 ms of this process's CPU), done
-    outside the window: before this process's own rusage at the ``start``, after it at
-    the end."""
+def _cairn_cpu_s(host: Host, start: bool = False) -> tuple[float, float, float]:
+    """Cairn's CPU seconds so far, in three parts. The agent: this process (the agent's
+    code, all threads) and its reaped children (attempts it forked itself, helpers that
+    exited), user + system. Its helpers: the live resident spawn helpers' own (with their
+    checkers'). The attempts: those the helpers reaped (the rusage of their exit records,
+    to the microsecond, where ``/proc``'s counts of reaped children are whole clock
+    ticks), each one's sandbox from its clone to its exec included. The helpers are found
+    by a walk of ``/proc`` (4 ms of this process's CPU), done outside the window: before
+    this process's own rusage at the ``start``, after it at the end."""
     helpers = [host.helper] if host.helper is not None else []
     if host.slots is not None:
         helpers += [slot.helper for slot in host.slots.slots()]
@@ -163,7 +169,7 @@ def _cairn_cpu_s(host: Host, start: bool = False) -> float:
     used = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
     if not start:
         live = helpers_cpu_s(os.getpid(), with_reaped=False)
-    return used + live + attempts
+    return used, live, attempts
 
 
 CASES = [
@@ -174,7 +180,11 @@ CASES = [
 ]
 
 
-Samples = dict[tuple[str, str, bool], tuple[list[float], list[float], list[float]]]
+#: each case's prepare and whole times (ms), and per round its CPU per attempt (ms) of the
+#: agent, its helpers and the attempts (``_cairn_cpu_s``)
+Samples = dict[
+    tuple[str, str, bool], tuple[list[float], list[float], list[tuple[float, float, float]]]
+]
 
 
 async def main(n: int, rounds: int, programs: list[str]) -> None:
@@ -223,7 +233,8 @@ async def _round(
             prepare, total, cpu = samples.setdefault((program, name, fast), ([], [], []))
             prepare += got[0]
             total += got[1]
-            cpu.append(got[2] * 1000 / n)
+            agent, helpers, attempts = (part * 1000 / n for part in got[2])
+            cpu.append((agent, helpers, attempts))
     _measure_floor(runner, program, n, floor)
 
 
@@ -261,13 +272,24 @@ def _report(
     for name, *_ in cases:
         for fast in (False, True):
             _, total, cpu = samples[(program, name, fast)]
-            cairn_cpu, wall = statistics.mean(cpu), statistics.median(total)
-            bar = " (bar 1.5x)" if fast and name == CASES[-1][0] else ""
+            cairn_cpu, wall = statistics.mean(map(sum, cpu)), statistics.median(total)
             print(
                 f"    Cairn/floor {name}, {'after' if fast else 'before'}: CPU per attempt "
-                f"{cairn_cpu:.2f} ms, {ratio(cairn_cpu, floor.cpu_ms)}{bar}; wall p50 "
+                f"{cairn_cpu:.2f} ms, {ratio(cairn_cpu, floor.cpu_ms)}; wall p50 "
                 f"{ratio(wall, floor.wall_p50_ms or 0)}"
             )
+    _, _, cpu = samples[(program, cases[-1][0], True)]
+    agent, helpers, attempts = (statistics.mean(part) for part in zip(*cpu, strict=True))
+    print(
+        f"    {cases[-1][0]}, after, in parts: the agent {agent:.3f} ms, its helpers "
+        f"{helpers:.3f} ms, the attempts' own processes (each one's sandbox from its clone "
+        f"to its exec, and the program) {attempts:.3f} ms"
+    )
+    print(
+        f"    agent + helpers / floor (issue 35's bar: the agent and its helper, outside "
+        f"the task's own process): CPU {ratio(agent + helpers, floor.cpu_ms)} (bar 1.5x); "
+        f"the attempts' own processes / floor {ratio(attempts, floor.cpu_ms)}"
+    )
 
 
 if __name__ == "__main__":

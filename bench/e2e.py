@@ -22,9 +22,13 @@ for ``--slots`` at once.
    ``--tasks`` tasks running that program as in 1, and beside them, before and after, the
    bare isolated spawn of the same program ``--tasks`` times (``bench/floor.c``, as many
    loops as the machine has cores); the ratios Cairn/floor of CPU per task and of wall
-   time per task. Cairn's CPU per task: the agent's own + its reaped children's (attempts
-   it forked itself, helpers that exited) + its live ``cairn-spawn`` helpers' own and
-   their reaped children's (the attempts they started), from ``/proc``; the floor's: its loops' and the programs' rusage. Wall per
+   time per task. Cairn's CPU per task, from ``/proc``, in three parts: the agent's own +
+   its reaped children's (attempts it forked itself, helpers that exited); its live
+   ``cairn-spawn`` helpers' own (with their source checkers'); and their reaped
+   children's, the attempts' own processes (each one's sandbox, from its clone to its
+   exec, then the program). Issue 35's bar is the first two against the floor ("the
+   agent and its helper, outside the task's own process"); all three against it are
+   printed too. The floor's: its loops' and the programs' rusage. Wall per
    task: first submission to last ``finished_at`` over the tasks, against the floor's
    elapsed time over its spawns. The machine's CPU per task (core, PostgreSQL and this
    script too) is put beside the same floor, which holds no core and no PostgreSQL, and
@@ -62,7 +66,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import PROGRAMS, Floor, Runner, describe, ratio
-from procstat import children_cpu_s, cpu_s, helpers_cpu_s, machine_busy_s, reaped_cpu_s
+from procstat import children_cpu_s, cpu_s, helpers_split_s, machine_busy_s, reaped_cpu_s
 from rawhttp import Conn, request_bytes
 from stack import Stack, core_stack, exit_on_sigterm, paused
 
@@ -312,10 +316,12 @@ def _cpu_counters(stack: Stack, agent_pid: int, *, end: bool = False) -> dict[st
         return {"bench": cpu_s(os.getpid()), "machine": machine_busy_s()}
 
     first = edges() if end else {}
+    helpers, attempts = helpers_split_s(agent_pid)
     counters = {
         "agent": cpu_s(agent_pid),
         "reaped": reaped_cpu_s(agent_pid),
-        "helpers": helpers_cpu_s(agent_pid),
+        "helpers": helpers,
+        "attempts": attempts,
         "core": cpu_s(stack.core_pid) + children_cpu_s(stack.core_pid),
         "postgres": cpu_s(stack.postmaster_pid) + children_cpu_s(stack.postmaster_pid),
     }
@@ -502,7 +508,9 @@ async def against_floor(
     created = _created(stack.database_url, first)
     ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
     cpu = {name: (after[name] - before[name]) * 1000 / count for name in after}
-    cairn_cpu = cpu["agent"] + cpu["reaped"] + cpu["helpers"]
+    # issue 35's bar: the agent and its helpers, outside the tasks' own processes
+    overhead = cpu["agent"] + cpu["reaped"] + cpu["helpers"]
+    cairn_cpu = overhead + cpu["attempts"]
     wall = (max(ended) - began) * 1000 / len(ended) if ended else 0.0
     with paused(stack.core_pid, agent_pid):  # their idle loops are not the floor's
         queue = await _queue_floor(stack, count)
@@ -511,6 +519,11 @@ async def against_floor(
         "program": " ".join(command),
         "succeeded": len(ended),
         "cairn_cpu_ms": round(cairn_cpu, 3),
+        "agent_cpu_ms": round(cpu["agent"] + cpu["reaped"], 3),
+        "helpers_cpu_ms": round(cpu["helpers"], 3),
+        "attempts_cpu_ms": round(cpu["attempts"], 3),
+        "overhead_ratio": ratio(overhead, floor.cpu_ms) if floor.spawns else None,
+        "attempts_ratio": ratio(cpu["attempts"], floor.cpu_ms) if floor.spawns else None,
         "machine_cpu_ms": round(cpu["machine"], 3),
         "cairn_wall_ms": round(wall, 3),
         "floor_cpu_ms": round(floor.cpu_ms, 3) if floor.spawns else None,
@@ -733,8 +746,15 @@ def _print_floor(f: dict[str, Any]) -> None:
         f"{f['floor_cpu_ms']} ms (its loops + the program), wall per spawn {f['floor_wall_ms']} ms"
     )
     print(
-        f"    Cairn/floor: CPU {f['cpu_ratio']} (bar 1.5x), wall {f['wall_ratio']}; "
-        f"machine/floor CPU {f['machine_ratio']} (that floor holds no core nor PostgreSQL)"
+        f"    of it: the agent {f['agent_cpu_ms']} ms, its helpers {f['helpers_cpu_ms']} ms, "
+        f"the attempts' own processes (their sandbox from clone to exec, and the program) "
+        f"{f['attempts_cpu_ms']} ms"
+    )
+    print(
+        f"    agent + helpers / floor: CPU {f['overhead_ratio']} (bar 1.5x); the attempts' "
+        f"own processes / floor {f['attempts_ratio']}; all of Cairn's / floor: CPU "
+        f"{f['cpu_ratio']}, wall {f['wall_ratio']}; machine/floor CPU {f['machine_ratio']} "
+        "(that floor holds no core nor PostgreSQL)"
     )
     print(f"    turns: {f['turns']}")
     q = f["queue_floor"]
