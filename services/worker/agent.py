@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 from pydantic_core import PydanticSerializationError
 
 from libs.common import logs, procs, tracing, waits
@@ -255,8 +254,9 @@ class Agent:
         self.held_devices: dict[int, Held] = {}
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
-        self.cgroups: dict[str, str] = {}  # attempt -> its folders, encoded once as JSON
-        self.uids: dict[str, int] = {}
+        # What the board says this agent holds: each attempt of ``running`` with its pid,
+        # the cgroup and uid of each (``_write_attempts``).
+        self.holdings = state.Holdings()
         self._beat = (60.0, 180.0)
         # core's hang bound and how far its stored liveness may lag a turn (registration)
         self.hang_s = 300.0
@@ -563,6 +563,7 @@ class Agent:
             if any(assignment.attempt_id in where for where in known):
                 continue  # handed out again (``Turn.holding``), and already here or run
             self.running[assignment.attempt_id] = (assignment, None)
+            self.holdings.hold(assignment.attempt_id)
             fresh.append(assignment)
         if fresh:
             self._publish()
@@ -1001,19 +1002,7 @@ class Agent:
         self._write_attempts()
 
     def _write_attempts(self) -> None:
-        # 0: claimed, still being prepared (artifact, workdir); the agent holds it.
-        # -1: its process is being started (the sidecar counts it as started).
-        pids = {str(a): h.pid if h else 0 for a, (_, h) in self.running.items()}
-        pids.update({str(a): -1 for a in self.starting})
-        # Encoded by hand around the attempts' cgroups, each list encoded once: the board
-        # is written a few times per attempt, and those paths are most of its bytes.
-        cgroups = ",".join(f'"{a}":{folders}' for a, folders in self.cgroups.items())
-        self.board.write_json(
-            (
-                f'{{"agent_pid":{os.getpid()},"seen":{self.seen},"attempts":{_compact(pids)},'
-                f'"cgroups":{{{cgroups}}},"uids":{_compact(self.uids)}}}'
-            ).encode()
-        )
+        self.board.write_json(self.holdings.encode(os.getpid(), self.seen, self.starting))
 
     # --- one attempt ---
 
@@ -1043,6 +1032,7 @@ class Agent:
             while len(self.ran) > RAN_KEPT:
                 self.ran.popitem(last=False)
             self.running.pop(attempt, None)
+            self.holdings.let_go(attempt)
             self.squeezed.discard(attempt)
             self._publish()
 
@@ -1093,8 +1083,7 @@ class Agent:
 
     def _unlist(self, attempt_id: int) -> None:
         """The attempt's cgroup and uid off the board: nothing of it is left to kill."""
-        self.cgroups.pop(str(attempt_id), None)
-        self.uids.pop(str(attempt_id), None)
+        self.holdings.unconfine(attempt_id)
 
     def _release(self, attempt_id: int, prepared: Prepared) -> None:
         """Remove the attempt's folders and hand back its slot and uid, after the report
@@ -1191,12 +1180,11 @@ class Agent:
         cleared, refusal = await self._cleared(assignment)
         if not cleared:
             return refusal
-        if prepared.cgroup is not None:
-            self.cgroups[str(attempt)] = _compact(
-                sorted(map(str, prepared.cgroup.folders.values()))
-            )
-        if prepared.identity is not None:
-            self.uids[str(attempt)] = prepared.identity.uid
+        self.holdings.confine(
+            attempt,
+            [str(f) for f in prepared.cgroup.folders.values()] if prepared.cgroup else None,
+            prepared.identity.uid if prepared.identity else None,
+        )
         # Recorded before exec: if the agent dies from here on, the sidecar tells core
         # the attempt had started, so it counts as a crash.
         self.timings.mark(attempt, "vouched")
@@ -1216,6 +1204,7 @@ class Agent:
         if attempt in self.held_devices:
             self.devices.started(self.held_devices[attempt], handle.pid)
         self.running[attempt] = (assignment, handle)
+        self.holdings.hold(attempt, handle.pid)
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, handle.log)
@@ -1230,6 +1219,7 @@ class Agent:
             # Still ours until core has the report: listed in every heartbeat (the sidecar
             # names all the board holds), its pid 0 now that the id may name another group.
             self.running[attempt] = (assignment, None)
+            self.holdings.hold(attempt)
             self._publish()
             late = await self.logs.finish(attempt)  # the rest of its log, before the report
         finally:
@@ -1460,12 +1450,6 @@ def _heard_of(turn: asyncio.Task[TurnAnswer | None]) -> bool:
 def _ring(wake: asyncio.Future[str], why: str) -> None:
     if not wake.done():
         wake.set_result(why)
-
-
-def _compact(value: object) -> str:
-    """Compact JSON (orjson: the board is written a few times an attempt, and the
-    standard encoder took two thirds of each write)."""
-    return orjson.dumps(value).decode()
 
 
 class Refused(Exception):

@@ -17,8 +17,11 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 ANSWER = "answer.json"
 #: its threads left to opens or reads of ``file://`` sources that did not answer
@@ -109,6 +112,54 @@ class Board:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class Holdings:
+    """What the board says the agent holds (``encode``): each attempt's pid (0 while it
+    has none: prepared, or ended and not yet reported; -1 while its process is being
+    started, which the sidecar counts as started), and the cgroup folders and uid of each
+    that has them, which the sidecar kills when the agent is gone. The board is written a
+    few times an attempt, each time whole: with 64 attempts held, building it from the
+    agent's attempts at each write cost 45 µs (their pids read one by one, their folders
+    joined with their keys); here each attempt's part is kept as it changes, its folders
+    encoded once, and a write costs about 20 µs."""
+
+    def __init__(self) -> None:
+        self._pids: dict[int, int] = {}
+        self._cgroups: dict[int, str] = {}  # its entry, encoded: ``"id":["folder",...]``
+        self._uids: dict[int, int] = {}
+
+    def hold(self, attempt: int, pid: int = 0) -> None:
+        """The attempt is held, with its process ``pid`` (0: none)."""
+        self._pids[attempt] = pid
+
+    def let_go(self, attempt: int) -> None:
+        self._pids.pop(attempt, None)
+
+    def confine(self, attempt: int, folders: Sequence[str] | None, uid: int | None) -> None:
+        """What kills what is left of the attempt: its cgroup's ``folders``, its ``uid``."""
+        if folders is not None:
+            self._cgroups[attempt] = f'"{attempt}":{orjson.dumps(sorted(folders)).decode()}'
+        if uid is not None:
+            self._uids[attempt] = uid
+
+    def unconfine(self, attempt: int) -> None:
+        """Nothing of the attempt is left to kill."""
+        self._cgroups.pop(attempt, None)
+        self._uids.pop(attempt, None)
+
+    def encode(self, agent_pid: int, seen: int, starting: Collection[int]) -> bytes:
+        """The board's value: the agent's pid, the highest attempt id a turn has handed
+        it (``seen``), and what it holds, those ``starting`` as -1."""
+        pids = {**self._pids, **dict.fromkeys(starting, -1)} if starting else self._pids
+        keyed = orjson.OPT_NON_STR_KEYS
+        attempts = orjson.dumps(pids, option=keyed).decode()
+        uids = orjson.dumps(self._uids, option=keyed).decode()
+        cgroups = ",".join(self._cgroups.values())
+        return (
+            f'{{"agent_pid":{agent_pid},"seen":{seen},"attempts":{attempts},'
+            f'"cgroups":{{{cgroups}}},"uids":{uids}}}'
+        ).encode()
 
 
 def write(path: Path, value: dict[str, Any]) -> None:

@@ -105,27 +105,37 @@ def test_the_opener_survives_a_name_it_cannot_open() -> None:
 
 
 def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:
-    from types import SimpleNamespace
-
-    from services.worker import agent, state
+    from services.worker import state
 
     board = state.Board.create()
     try:
-        held = SimpleNamespace(
-            running={7: (None, SimpleNamespace(pid=4321)), 8: (None, None)},
-            starting={9},
-            cgroups={"7": agent._compact(['/sys/fs/cgroup/odd "name"/s1', "/x"])},
-            uids={"7": 60001},
-            seen=9,
-            board=board,
-        )
-        agent.Agent._write_attempts(held)  # type: ignore[arg-type]
+        held = state.Holdings()
+        for attempt in (6, 7, 8, 9):
+            held.hold(attempt)
+        held.hold(7, 4321)
+        held.confine(7, ["/x", '/sys/fs/cgroup/odd "name"/s1'], 60001)
+        held.confine(8, None, 60002)
+        held.confine(6, ["/y"], None)
+        held.let_go(6)  # reported: off the board's attempts, its cgroup still to kill
+        held.hold(8, 99)
+        held.hold(8)  # ended: its pid may name another group now
+        board.write_json(held.encode(4242, 9, {9}))
         assert board.read() == {
-            "agent_pid": os.getpid(),
+            "agent_pid": 4242,
             "seen": 9,
             "attempts": {"7": 4321, "8": 0, "9": -1},
-            "cgroups": {"7": ['/sys/fs/cgroup/odd "name"/s1', "/x"]},
-            "uids": {"7": 60001},
+            "cgroups": {"7": ['/sys/fs/cgroup/odd "name"/s1', "/x"], "6": ["/y"]},
+            "uids": {"7": 60001, "8": 60002},
+        }
+        held.unconfine(6)
+        held.unconfine(7)
+        board.write_json(held.encode(4242, 10, ()))
+        assert board.read() == {
+            "agent_pid": 4242,
+            "seen": 10,
+            "attempts": {"7": 4321, "8": 0, "9": 0},
+            "cgroups": {},
+            "uids": {"8": 60002},
         }
     finally:
         board.close()
