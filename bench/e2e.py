@@ -608,8 +608,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "elapsed_s": round(max(ended) - began, 2) if ended else None,
                 "tasks_per_s": round(len(ended) / (max(ended) - began)) if ended else 0,
                 "held": _held(_leases(stack.database_url, first), _timings(timings)),
-                # Where the machine's CPU went, per task: the agent's own (its reaped
-                # attempts aside), its spawn helpers', core's, PostgreSQL's live
+                # Where the machine's CPU went, per task: the agent's own and its reaped
+                # children's, its spawn helpers' own, the attempts they reaped (until
+                # 2026-12-08 "helpers" held these too), core's, PostgreSQL's live
                 # processes', and the whole machine's (the tasks and this script too).
                 "cpu_ms_per_task": {
                     name: round((cpu_after[name] - cpu_before[name]) * 1000 / args.tasks, 2)
@@ -738,17 +739,18 @@ def main() -> None:
 def _print_floor(f: dict[str, Any]) -> None:
     print(
         f"{f['program']}: {f['succeeded']} tasks; load {f['load']}\n"
-        f"    Cairn CPU per task (agent + its reaped attempts + helpers) {f['cairn_cpu_ms']} ms, "
-        f"wall per task {f['cairn_wall_ms']} ms; machine CPU per task {f['machine_cpu_ms']} ms"
+        f"    Cairn CPU per task (the agent, its helpers and their attempts) "
+        f"{f['cairn_cpu_ms']} ms, wall per task {f['cairn_wall_ms']} ms; machine CPU per "
+        f"task {f['machine_cpu_ms']} ms"
+    )
+    print(
+        f"    of Cairn's: the agent {f['agent_cpu_ms']} ms, its helpers {f['helpers_cpu_ms']} "
+        f"ms, the attempts' own processes (their sandbox from clone to exec, and the "
+        f"program) {f['attempts_cpu_ms']} ms"
     )
     print(
         f"    floor ({f['floor']}; {f['floor_jobs']} loops): CPU per spawn "
         f"{f['floor_cpu_ms']} ms (its loops + the program), wall per spawn {f['floor_wall_ms']} ms"
-    )
-    print(
-        f"    of it: the agent {f['agent_cpu_ms']} ms, its helpers {f['helpers_cpu_ms']} ms, "
-        f"the attempts' own processes (their sandbox from clone to exec, and the program) "
-        f"{f['attempts_cpu_ms']} ms"
     )
     print(
         f"    agent + helpers / floor: CPU {f['overhead_ratio']} (bar 1.5x); the attempts' "

@@ -92,9 +92,11 @@ def helpers_cpu_s(agent_pid: int, with_reaped: bool = True) -> float:
 
 def helpers_split_s(agent_pid: int) -> tuple[float, float]:
     """``helpers_cpu_s`` in its two parts, from one walk of ``/proc``: the helpers' own
-    (with their checkers'), and the attempts they reaped. An attempt's work between its
-    clone and its exec (its sandbox: namespaces, mounts, uid, keyrings, limits) is its
-    own process's, so in the second."""
+    (with their resident checkers'), and the children they reaped: the attempts, and the
+    one-shot source checkers a helper makes while its resident one is busy or hung (rare:
+    their CPU then counts as the attempts'). An attempt's work between its clone and its
+    exec (its sandbox: namespaces, mounts, uid, keyrings, limits) is its own process's,
+    so in the second."""
     table = processes()
     kids: dict[int, list[int]] = {}
     for pid, (parent, _) in table.items():

@@ -111,6 +111,8 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                     board = agent.board.read()
                     assert board["uids"].get(str(assignment.attempt_id)) == uid, board
                     assert str(assignment.attempt_id) in board["cgroups"], board
+                    # the board's attempts are the agent's (``state.Holdings`` in step)
+                    assert set(board["attempts"]) == {str(a) for a in agent.running}, board
                 finally:
                     os.kill(helper.pid, signal.SIGCONT)
                 done, _ = await asyncio.wait(releasing, timeout=10)
@@ -119,6 +121,7 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                 assert agent._room()[2] == 1 and of_uid(uid) == []
                 board = agent.board.read()
                 assert not board["uids"] and not board["cgroups"], board
+                assert set(board["attempts"]) == {str(a) for a in agent.running}, board
         finally:
             await host.close()
 
