@@ -25,6 +25,8 @@ configuration:
   attempts' apart. Those three parts are printed: an attempt's own process holds its
   sandbox's work, from its clone to its exec (namespaces, mounts, uid, keyrings,
   limits), as the floor's child holds its own, which is less isolated than Cairn's.
+  Beside them (no bar) the attempts' own processes against the same C loop that also
+  gives each spawn the rest of an attempt's sandbox (``floor -s``, ``floor.SANDBOX``).
 - Wall per attempt: the p50 of prepare + spawn + exit + clean-up against the p50 of the
   floor's fork-to-reaped.
 
@@ -204,17 +206,17 @@ async def main(n: int, rounds: int, programs: list[str]) -> None:
     )
     cases = CASES if os.geteuid() == 0 else CASES[:1]
     samples: Samples = {}
-    floors = {program: Floor() for program in programs}
+    floors = {program: (Floor(), Floor()) for program in programs}
     try:
         with Runner() as floor:
             for _ in range(rounds):
                 for program in programs:
-                    await _round(program, n, root, cases, samples, floor, floors[program])
+                    await _round(program, n, root, cases, samples, floor, *floors[program])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     for program in programs:
-        _report(program, cases, samples, floors[program])
+        _report(program, cases, samples, *floors[program])
 
 
 async def _round(
@@ -225,10 +227,11 @@ async def _round(
     samples: Samples,
     runner: Runner,
     floor: Floor,
+    sandboxed: Floor,
 ) -> None:
-    """Every configuration once for ``program``, its floor before and after them."""
+    """Every configuration once for ``program``, its floors before and after them."""
     PROGRAM.path, PROGRAM.args = Path(PROGRAMS[program][0]), PROGRAMS[program][1:]
-    _measure_floor(runner, program, n, floor)
+    _measure_floor(runner, program, n, floor, sandboxed)
     for name, isolation, cgroups, mounts in cases:
         for fast in (False, True):
             got = await _case(name, n, root, isolation, cgroups, mounts, fast)
@@ -237,16 +240,24 @@ async def _round(
             total += got[1]
             agent, helpers, attempts = (part * 1000 / n for part in got[2])
             cpu.append((agent, helpers, attempts))
-    _measure_floor(runner, program, n, floor)
+    _measure_floor(runner, program, n, floor, sandboxed)
 
 
-def _measure_floor(runner: Runner, program: str, n: int, floor: Floor) -> None:
+def _measure_floor(runner: Runner, program: str, n: int, floor: Floor, sandboxed: Floor) -> None:
+    """The bare isolated spawn into ``floor``, then the same with the rest of an
+    attempt's sandbox into ``sandboxed`` (``floor.SANDBOX``)."""
     if (got := runner.run(PROGRAMS[program], n)) is not None:
         floor.add(got)
+    if (got := runner.run(PROGRAMS[program], n, sandbox=True)) is not None:
+        sandboxed.add(got)
 
 
 def _report(
-    program: str, cases: list[tuple[str, str, bool, bool]], samples: Samples, floor: Floor
+    program: str,
+    cases: list[tuple[str, str, bool, bool]],
+    samples: Samples,
+    floor: Floor,
+    sandboxed: Floor,
 ) -> None:
     print(f"\n{' '.join(PROGRAMS[program])}")
     print(f"{'configuration':<26} {'path':<7} {'prepare p50':>11} {'whole p50':>10} {'p99':>8}")
@@ -293,6 +304,11 @@ def _report(
         f"    agent + helpers / floor (the bar: the agent and its helper against a bare "
         f"isolated spawn): CPU {ratio(agent + helpers, floor.cpu_ms)} (bar 1.5x); "
         f"the attempts' own processes / floor {ratio(attempts, floor.cpu_ms)}"
+    )
+    print(
+        f"    the floor with the rest of an attempt's sandbox ({describe(sandboxed, True)}): "
+        f"CPU per spawn {sandboxed.cpu_ms:.3f} ms; the attempts' own processes / it "
+        f"{ratio(attempts, sandboxed.cpu_ms)} (no bar)"
     )
 
 

@@ -1,7 +1,7 @@
 /* The floor under an isolated attempt start: what a bare isolated spawn of a program
  * needs, done N times by a small C process, with none of Cairn's bookkeeping.
  *
- *   floor [-n N] [-j J] [-u UID] [-c CGROUP_PROCS_FILE]... -- PROGRAM [ARG]...
+ *   floor [-n N] [-j J] [-u UID] [-c CGROUP_PROCS_FILE]... [-s] -- PROGRAM [ARG]...
  *
  * Each spawn: a child sharing this process's memory until its exec (clone with CLONE_VM
  * | CLONE_VFORK on a stack of its own, as posix_spawn and Cairn's helper start attempts:
@@ -12,6 +12,16 @@
  * the caller) before the loop, so every spawn is born inside it, as Cairn's pool does.
  * -j runs J such loops at once (N spread over them), to fill the machine's cores.
  * Steps that need root are skipped without it and named on the "skipped" line.
+ *
+ * -s adds the parts of the sandbox Cairn's helper gives every attempt (spawn.c, become)
+ * that the bare spawn has not, so that the attempts' own processes can be put beside the
+ * same sandbox with none of Cairn's bookkeeping: a process group of its own; a tmpfs home
+ * (made in the child here, where Cairn's helper makes it before the clone), the program
+ * bound onto itself, /tmp bound onto /var/tmp and a fresh tmpfs on /dev/shm; an IPC
+ * namespace; RLIMIT_CORE 0; the uid's persistent keyring emptied as root through this
+ * process's sealed session keyring (made at its start, as the helper's) and its user and
+ * user-session keyrings as the uid; no_new_privs, umask 077, the home as the working
+ * folder, descriptors from 3 closed and the signal mask cleared.
  *
  * Prints key=value lines: spawns, cpu_us (its own and its reaped descendants' rusage,
  * user + system, over the loops), wall_us (the loops' elapsed time), skipped, and with
@@ -27,6 +37,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/resource.h>
 #include <sys/time.h>
 #include <sys/wait.h>
@@ -39,6 +52,18 @@ static const char *procs[MAX_CGROUPS];
 static int nprocs;
 static int as_root;
 static uid_t uid = 65534;
+static int sandbox, keyrings; /* -s; its keyrings' part (keyctl answered) */
+
+#define KEYCTL_JOIN 1
+#define KEYCTL_SETPERM 5
+#define KEYCTL_EMPTY 7
+#define KEYCTL_UNLINK 9
+#define KEYCTL_PERSISTENT 22
+#define KEYRING_SESSION (-3)
+#define KEYRING_USER (-4)
+#define KEYRING_USER_SESSION (-5)
+/* possessor view; owner (root) view, read, write, search, link: as spawn.c's SEALED */
+#define SEALED 0x011f0000
 
 static long long now_us(void) {
     struct timespec t;
@@ -68,17 +93,57 @@ static void join_slot(void) {
     }
 }
 
+/* -s, in the child before the uid is dropped: the rest of Cairn's sandbox. */
+static void sandbox_as_root(const char *program) {
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=16m") < 0)
+        _exit(126);
+    if (mkdir("/tmp/home", 0700) < 0 || mount("tmpfs", "/tmp/home", "tmpfs", MS_NOSUID | MS_NODEV,
+                                              "mode=0700,size=16m") < 0
+        || chown("/tmp/home", uid, uid) < 0)
+        _exit(126);
+    if (mount(program, program, NULL, MS_BIND, NULL) < 0) _exit(126);
+    if (mount("/tmp", "/var/tmp", NULL, MS_BIND, NULL) < 0) _exit(126);
+    if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m") < 0)
+        _exit(126);
+    if (unshare(CLONE_NEWIPC) < 0) _exit(127);
+    struct rlimit none = {0, 0};
+    if (setrlimit(RLIMIT_CORE, &none) < 0) _exit(127);
+    long persistent =
+        keyrings ? syscall(SYS_keyctl, KEYCTL_PERSISTENT, (long)uid, KEYRING_SESSION) : -1;
+    if (persistent >= 0) {
+        syscall(SYS_keyctl, KEYCTL_EMPTY, persistent);
+        syscall(SYS_keyctl, KEYCTL_UNLINK, persistent, KEYRING_SESSION);
+    }
+}
+
 /* In the child: isolate, drop to the uid, exec. Never returns. */
 static void become(char **argv, char **envp, int null) {
+    if (sandbox && setpgid(0, 0) < 0) _exit(126);
     if (as_root) {
         if (unshare(CLONE_NEWNS) < 0) _exit(120);
         if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) _exit(121);
-        if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=16m") < 0)
+        if (sandbox) sandbox_as_root(argv[0]);
+        else if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=16m") < 0)
             _exit(122);
         if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0)
             _exit(123);
+        if (keyrings) {
+            syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER);
+            syscall(SYS_keyctl, KEYCTL_EMPTY, KEYRING_USER_SESSION);
+        }
+    }
+    if (sandbox) {
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) _exit(127);
+        umask(077);
+        if (as_root && chdir("/tmp/home") < 0) _exit(127);
     }
     if (dup2(null, 0) < 0 || dup2(null, 1) < 0) _exit(124);
+    if (sandbox) {
+        syscall(SYS_close_range, 3, ~0U, 0);
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+    }
     execve(argv[0], argv, envp);
     _exit(125);
 }
@@ -115,7 +180,7 @@ static void loop(int n, char **argv, char **envp, int null, long long *walls) {
 
 int main(int argc, char **argv) {
     int n = 100, jobs = 1, opt;
-    while ((opt = getopt(argc, argv, "n:j:u:c:")) != -1) {
+    while ((opt = getopt(argc, argv, "n:j:u:c:s")) != -1) {
         switch (opt) {
         case 'n': n = atoi(optarg); break;
         case 'j': jobs = atoi(optarg); break;
@@ -124,11 +189,12 @@ int main(int argc, char **argv) {
             if (nprocs == MAX_CGROUPS) return 2;
             procs[nprocs++] = optarg;
             break;
+        case 's': sandbox = 1; break;
         default: return 2;
         }
     }
     if (optind >= argc || n < 1 || jobs < 1 || jobs > n) {
-        fprintf(stderr, "usage: floor [-n N] [-j J] [-u UID] [-c PROCS]... -- PROGRAM [ARG]...\n");
+        fprintf(stderr, "usage: floor [-n N] [-j J] [-u UID] [-c PROCS]... [-s] -- PROGRAM [ARG]...\n");
         return 2;
     }
     as_root = geteuid() == 0;
@@ -137,6 +203,8 @@ int main(int argc, char **argv) {
     if (null < 0) die("/dev/null");
     long long *walls = jobs == 1 ? calloc((size_t)n, sizeof *walls) : NULL;
     if (as_root && nprocs) join_slot();
+    keyrings = as_root && sandbox && syscall(SYS_keyctl, KEYCTL_JOIN, NULL) >= 0
+               && syscall(SYS_keyctl, KEYCTL_SETPERM, KEYRING_SESSION, SEALED) == 0;
 
     long long cpu0 = cpu_us(RUSAGE_SELF) + cpu_us(RUSAGE_CHILDREN), began = now_us();
     if (jobs == 1) {
@@ -163,7 +231,11 @@ int main(int argc, char **argv) {
         printf("mount namespace and /tmp tmpfs (not root); uid (not root)");
         sep = "; ";
     }
-    if (!as_root || !nprocs) printf("%scgroup slot (%s)", sep, as_root ? "no cgroup v1" : "not root");
+    if (!as_root || !nprocs) {
+        printf("%scgroup slot (%s)", sep, as_root ? "no cgroup v1" : "not root");
+        sep = "; ";
+    }
+    if (as_root && sandbox && !keyrings) printf("%skeyrings (keyctl refused)", sep);
     printf("\n");
     if (walls) {
         printf("walls_us=");

@@ -3,7 +3,9 @@ compiled with the host's ``cc`` into a temp folder, spawns a program N times wit
 what a bare isolated spawn needs (fork, a mount namespace with a fresh tmpfs on /tmp,
 setgroups/setgid/setuid to an unprivileged uid, a pooled cgroup v1 slot joined once,
 exec, wait4) and prints the CPU it used (its own and its reaped children's rusage) and
-the wall time. Used by bench/attempt_start.py and bench/e2e.py."""
+the wall time; with ``sandbox``, also the rest of the sandbox Cairn's helper gives an
+attempt (``SANDBOX``), to put the attempts' own processes beside. Used by
+bench/attempt_start.py and bench/e2e.py."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ HIERARCHIES = ("memory", "cpu", "cpuacct", "pids")
 #: an unprivileged uid for the spawned program
 NOBODY = 65534
 PROGRAMS = {"true": ("/bin/true",), "bash": ("/bin/bash", "-c", "true")}
+#: what ``floor -s`` adds to the bare spawn: the rest of an attempt's sandbox (spawn.c)
+SANDBOX = (
+    "+ a process group, a tmpfs home, the program bound, /tmp on /var/tmp, a tmpfs "
+    "/dev/shm, an IPC namespace, RLIMIT_CORE, the uid's keyrings emptied, no_new_privs"
+)
 
 
 @dataclass
@@ -121,13 +128,18 @@ class Runner:
         self.binary = build(self._folder)
         self.procs = self._stack.enter_context(slot()) if self.binary else []
 
-    def run(self, program: Sequence[str], n: int, jobs: int = 1) -> Floor | None:
-        """``n`` spawns of ``program`` over ``jobs`` loops; None without a compiler."""
+    def run(
+        self, program: Sequence[str], n: int, jobs: int = 1, sandbox: bool = False
+    ) -> Floor | None:
+        """``n`` spawns of ``program`` over ``jobs`` loops, with the rest of an attempt's
+        sandbox too when ``sandbox`` (``SANDBOX``); None without a compiler."""
         if self.binary is None:
             return None
         command = [str(self.binary), "-n", str(n), "-j", str(jobs), "-u", str(NOBODY)]
         for procs in self.procs:
             command += ["-c", str(procs)]
+        if sandbox:
+            command.append("-s")
         done = subprocess.run(
             [*command, "--", *program], check=True, capture_output=True, text=True
         )
@@ -143,7 +155,9 @@ class Runner:
         self.close()
 
 
-def describe(floor: Floor) -> str:
+def describe(floor: Floor, sandbox: bool = False) -> str:
     """What the floor did and did not do, for the benchmark's output."""
     did = "clone (vfork) + mount ns + tmpfs /tmp + uid + pooled cgroup v1 + exec + wait4"
+    if sandbox:
+        did = f"{did} {SANDBOX}"
     return f"{did}; skipped: {floor.skipped}" if floor.skipped else did

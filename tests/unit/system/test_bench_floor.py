@@ -34,6 +34,39 @@ def test_the_floor_spawns_the_program_and_reports_its_cost(floor: ModuleType) ->
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the floor is compiled with cc")
+def test_the_sandboxed_floor_gives_its_spawns_the_rest_of_an_attempts_sandbox(
+    floor: ModuleType,
+) -> None:
+    """``sandbox``: each spawn as unprivileged, with no_new_privs and umask 077, and as
+    root also in its own IPC namespace, in a tmpfs home, with a tmpfs /dev/shm and /tmp
+    bound onto /var/tmp (a file made in one is in the other); the bare spawn has none of
+    it (its program, the same checks, fails)."""
+    ipc = os.readlink("/proc/self/ns/ipc")
+    checks = [
+        "grep -q '^NoNewPrivs:[[:space:]]*1$' /proc/self/status",
+        '[ "$(umask)" = 0077 ]',
+    ]
+    if os.geteuid() == 0:
+        checks += [
+            '[ "$(id -u)" = 65534 ]',
+            f'[ "$(readlink /proc/self/ns/ipc)" != "{ipc}" ]',
+            '[ "$(pwd)" = /tmp/home ]',
+            "grep -q ' /dev/shm tmpfs ' /proc/self/mounts",
+            "grep -q ' /tmp/home tmpfs ' /proc/self/mounts",
+            ": > /tmp/seen && [ -e /var/tmp/seen ]",
+        ]
+    program = ["/bin/sh", "-c", " && ".join(checks)]
+    with floor.Runner() as runner:
+        got = runner.run(program, 3, sandbox=True)
+        with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
+            runner.run(program, 1)
+    assert got.spawns == 3
+    if os.geteuid() == 0 and runner.procs:
+        assert got.skipped == ""
+    assert "an IPC namespace" in floor.describe(got, sandbox=True)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the floor is compiled with cc")
 def test_a_failing_program_is_an_error_not_a_floor(floor: ModuleType) -> None:
     with (
         floor.Runner() as runner,
