@@ -25,8 +25,9 @@ configuration:
   attempts' apart. Those three parts are printed: an attempt's own process holds its
   sandbox's work, from its clone to its exec (namespaces, mounts, uid, keyrings,
   limits), as the floor's child holds its own, which is less isolated than Cairn's.
-  Beside them (no bar) the attempts' own processes against the same C loop that also
-  gives each spawn the rest of an attempt's sandbox (``floor -s``, ``floor.SANDBOX``).
+  Beside them (no bar) the attempts' own processes against the spawned processes of the
+  same C loop that also gives each spawn the rest of an attempt's sandbox (``floor -s``,
+  ``floor.SANDBOX``; its loop makes each tmpfs home, as Cairn's agent does).
 - Wall per attempt: the p50 of prepare + spawn + exit + clean-up against the p50 of the
   floor's fork-to-reaped.
 
@@ -305,10 +306,13 @@ def _report(
         f"isolated spawn): CPU {ratio(agent + helpers, floor.cpu_ms)} (bar 1.5x); "
         f"the attempts' own processes / floor {ratio(attempts, floor.cpu_ms)}"
     )
+    if not sandboxed.spawns:
+        return
     print(
         f"    the floor with the rest of an attempt's sandbox ({describe(sandboxed, True)}): "
-        f"CPU per spawn {sandboxed.cpu_ms:.3f} ms; the attempts' own processes / it "
-        f"{ratio(attempts, sandboxed.cpu_ms)} (no bar)"
+        f"CPU per spawn {sandboxed.cpu_ms:.3f} ms, its spawned processes' "
+        f"{sandboxed.child_cpu_ms:.3f} ms; the attempts' own processes / those "
+        f"{ratio(attempts, sandboxed.child_cpu_ms)} (no bar)"
     )
 
 

@@ -27,11 +27,15 @@ HIERARCHIES = ("memory", "cpu", "cpuacct", "pids")
 #: an unprivileged uid for the spawned program
 NOBODY = 65534
 PROGRAMS = {"true": ("/bin/true",), "bash": ("/bin/bash", "-c", "true")}
-#: what ``floor -s`` adds to the bare spawn: the rest of an attempt's sandbox (spawn.c)
+#: what ``floor -s`` adds to the bare spawn: the rest of an attempt's sandbox (floor.c)
 SANDBOX = (
-    "+ a process group, a tmpfs home, the program bound, /tmp on /var/tmp, a tmpfs "
-    "/dev/shm, an IPC namespace, RLIMIT_CORE, the uid's keyrings emptied, no_new_privs"
+    "+ a process group, a detached tmpfs home attached, the program bound, the home's tmp "
+    "bound on /tmp or /var/tmp, a tmpfs /dev/shm, an IPC namespace, RLIMIT_CORE, the uid's "
+    "keyrings emptied, no_new_privs"
 )
+#: where an attempt's tmp is bound, but the one that holds the floor's folder (as
+#: ``services.worker.host`` leaves the one that holds the agent's run folder)
+TMP_TARGETS = ("/tmp", "/var/tmp")
 
 
 @dataclass
@@ -41,6 +45,8 @@ class Floor:
     spawns: int = 0
     cpu_us: int = 0
     wall_us: int = 0
+    #: the spawned children's own CPU (each one's clone to its exec, and the program)
+    child_cpu_us: int = 0
     skipped: str = ""
     walls_us: list[int] = field(default_factory=list)
 
@@ -48,6 +54,11 @@ class Floor:
     def cpu_ms(self) -> float:
         """CPU per spawn: the floor's loop and the program, user + system."""
         return self.cpu_us / 1000 / self.spawns
+
+    @property
+    def child_cpu_ms(self) -> float:
+        """The children's CPU per spawn: each one's clone to its exec, and the program."""
+        return self.child_cpu_us / 1000 / self.spawns
 
     @property
     def wall_ms(self) -> float:
@@ -63,6 +74,7 @@ class Floor:
         self.spawns += other.spawns
         self.cpu_us += other.cpu_us
         self.wall_us += other.wall_us
+        self.child_cpu_us += other.child_cpu_us
         self.skipped = other.skipped
         self.walls_us += other.walls_us
 
@@ -75,6 +87,7 @@ def parse(text: str) -> Floor:
         spawns=int(values["spawns"]),
         cpu_us=int(values["cpu_us"]),
         wall_us=int(values["wall_us"]),
+        child_cpu_us=int(values.get("child_cpu_us", 0)),
         skipped=values.get("skipped", ""),
         walls_us=[int(w) for w in walls.split(",")] if walls else [],
     )
@@ -126,6 +139,15 @@ class Runner:
         self._stack = contextlib.ExitStack()
         self._folder = Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
         self.binary = build(self._folder)
+        # ``floor -s``'s folder: the home's mount point and the program's placeholder,
+        # reachable by the unprivileged uid
+        self._folder.chmod(0o711)
+        self._sandbox = self._folder / "sandbox"
+        (self._sandbox / "home").mkdir(parents=True)
+        (self._sandbox / "program").touch(mode=0o755)
+        self._sandbox.chmod(0o711)
+        here = self._folder.resolve()
+        self._targets = [t for t in TMP_TARGETS if not here.is_relative_to(Path(t).resolve())]
         self.procs = self._stack.enter_context(slot()) if self.binary else []
 
     def run(
@@ -139,7 +161,9 @@ class Runner:
         for procs in self.procs:
             command += ["-c", str(procs)]
         if sandbox:
-            command.append("-s")
+            command += ["-s", str(self._sandbox)]
+            for target in self._targets:
+                command += ["-t", target]
         done = subprocess.run(
             [*command, "--", *program], check=True, capture_output=True, text=True
         )
@@ -158,6 +182,6 @@ class Runner:
 def describe(floor: Floor, sandbox: bool = False) -> str:
     """What the floor did and did not do, for the benchmark's output."""
     did = "clone (vfork) + mount ns + tmpfs /tmp + uid + pooled cgroup v1 + exec + wait4"
-    if sandbox:
-        did = f"{did} {SANDBOX}"
+    if sandbox:  # its tmp is the home's, not a tmpfs of its own
+        did = f"{did.replace(' + tmpfs /tmp', '')} {SANDBOX}"
     return f"{did}; skipped: {floor.skipped}" if floor.skipped else did

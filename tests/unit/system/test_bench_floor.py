@@ -37,33 +37,43 @@ def test_the_floor_spawns_the_program_and_reports_its_cost(floor: ModuleType) ->
 def test_the_sandboxed_floor_gives_its_spawns_the_rest_of_an_attempts_sandbox(
     floor: ModuleType,
 ) -> None:
-    """``sandbox``: each spawn as unprivileged, with no_new_privs and umask 077, and as
-    root also in its own IPC namespace, in a tmpfs home, with a tmpfs /dev/shm and /tmp
-    bound onto /var/tmp (a file made in one is in the other); the bare spawn has none of
-    it (its program, the same checks, fails)."""
-    ipc = os.readlink("/proc/self/ns/ipc")
+    """``sandbox``: each spawn, seen from inside its program, has each part of the sandbox
+    the floor's description names, and the bare spawn lacks each part it cannot inherit
+    (each check on its own). As root it empties uid 65534's keyrings, as the bare floor's
+    spawns run as that uid anyway."""
     checks = [
         "grep -q '^NoNewPrivs:[[:space:]]*1$' /proc/self/status",
+        '[ "$(cut -d\' \' -f5 /proc/$$/stat)" = "$$" ]',  # a process group of its own
         '[ "$(umask)" = 0077 ]',
+        '[ "$(ulimit -c)" = 0 ]',
+        "grep -q '^SigBlk:[[:space:]]*0*$' /proc/self/status",
+        "[ ! -e /proc/$$/fd/3 ]",
     ]
-    if os.geteuid() == 0:
-        checks += [
-            '[ "$(id -u)" = 65534 ]',
-            f'[ "$(readlink /proc/self/ns/ipc)" != "{ipc}" ]',
-            '[ "$(pwd)" = /tmp/home ]',
-            "grep -q ' /dev/shm tmpfs ' /proc/self/mounts",
-            "grep -q ' /tmp/home tmpfs ' /proc/self/mounts",
-            ": > /tmp/seen && [ -e /var/tmp/seen ]",
-        ]
-    program = ["/bin/sh", "-c", " && ".join(checks)]
+    inherited = {2, 3, 4, 5}  # what a bare spawn may have from the test's own process
     with floor.Runner() as runner:
-        got = runner.run(program, 3, sandbox=True)
-        with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
-            runner.run(program, 1)
-    assert got.spawns == 3
+        if os.geteuid() == 0:
+            home, program = runner._sandbox / "home", runner._sandbox / "program"
+            ipc, shm = os.readlink("/proc/self/ns/ipc"), os.stat("/dev/shm").st_dev
+            checks += [
+                '[ "$(id -u)" = 65534 ]',
+                f'[ "$(readlink /proc/self/ns/ipc)" != "{ipc}" ]',
+                f'[ "$(pwd)" = {home} ]',
+                f"grep -q ' {home} tmpfs ' /proc/self/mounts",
+                f"grep -q ' {program} ' /proc/self/mounts",
+                f'[ "$(stat -c %d /dev/shm)" != {shm} ]',
+                ": > tmp/seen && [ -e /var/tmp/seen ]",  # the home's tmp on /var/tmp
+            ]
+            inherited |= {6, len(checks) - 1}  # the uid; a file the bare one would leave
+        for i, check in enumerate(checks):
+            got = runner.run(["/bin/sh", "-c", check], 2, sandbox=True)
+            assert got.spawns == 2 and 0 < got.child_cpu_us <= got.cpu_us, check
+            if i not in inherited:
+                with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
+                    runner.run(["/bin/sh", "-c", check], 1)
     if os.geteuid() == 0 and runner.procs:
         assert got.skipped == ""
-    assert "an IPC namespace" in floor.describe(got, sandbox=True)
+    elif os.geteuid() != 0:
+        assert "IPC namespace and keyrings (not root)" in got.skipped
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the floor is compiled with cc")
