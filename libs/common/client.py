@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import quote
@@ -201,6 +202,17 @@ class _Client(httpx.AsyncClient):
         self._kept = _Cookies(cookies)
 
 
+@dataclass(frozen=True)
+class _Joined:
+    """A call's path joined to each replica's base beforehand (its ``urls``, in the
+    order of ``ApiClient._clients``): a call that passes to the next replica goes to that
+    replica's URL, not to the first one's."""
+
+    urls: tuple[httpx.URL, ...]
+
+
+CallPath = str | httpx.URL | _Joined
+
 # Deprecated calls are warned of once per client each; a bound, as paths carry ids.
 WARNED_MAX = 64
 
@@ -266,10 +278,11 @@ class ApiClient:
         return all(client.is_closed for client in self._clients)
 
     async def _call(
-        self, method: str, path: str | httpx.URL, *, own_token: bool = True, **kwargs: Any
+        self, method: str, path: CallPath, *, own_token: bool = True, **kwargs: Any
     ) -> httpx.Response:
         """``own_token=False``: the call carries another caller's token (``whoami``), whose
-        refusal says nothing of this client's own (``token_refused``)."""
+        refusal says nothing of this client's own (``token_refused``). ``path``: one for
+        every replica, or a URL joined to each replica's base beforehand (``_Joined``)."""
         if "content" in kwargs:
             kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         if tracing.enabled():
@@ -282,13 +295,14 @@ class ApiClient:
         raise_for_problem(response)
         return response
 
-    async def _request(self, method: str, path: str | httpx.URL, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: CallPath, **kwargs: Any) -> httpx.Response:
         count, start = len(self._clients), self._at  # another call may move ``_at``
         for step in range(count):
             at = (start + step) % count
             last = step == count - 1
+            url = path.urls[at] if isinstance(path, _Joined) else path
             try:
-                response = await self._clients[at].request(method, path, **kwargs)
+                response = await self._clients[at].request(method, url, **kwargs)
             except httpx.TransportError as exc:
                 if last or not (method in SAFE or isinstance(exc, _NOTHING_SENT)):
                     if self._at == at:  # the next call (the caller's retry) to the next
@@ -435,7 +449,7 @@ class CoreClient(ApiClient):
     """An async client of core's API. Pass ``transport`` to test without a server."""
 
     #: the worker whose turns this client sends last, and their URL joined to the base
-    _turn_at: tuple[int, httpx.URL] | None = None
+    _turn_at: tuple[int, _Joined] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -632,7 +646,8 @@ class CoreClient(ApiClient):
             # Joined once: each turn's own join to the base and parse of the result cost
             # about as much as encoding its body.
             path = f"/v1/workers/{worker_id}/turn"
-            self._turn_at = (worker_id, self._http.build_request("POST", path).url)
+            urls = tuple(client.build_request("POST", path).url for client in self._clients)
+            self._turn_at = (worker_id, _Joined(urls))
         at = self._turn_at[1]
         response = await self.report_fields.send(
             lambda refused: self._call(

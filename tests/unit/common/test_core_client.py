@@ -272,6 +272,28 @@ def test_a_post_passes_to_the_next_core_only_when_nothing_of_it_was_sent() -> No
 
 
 @respx.mock
+def test_a_turn_that_cannot_reach_its_core_goes_to_the_next_ones_turn_path() -> None:
+    """The turn's URL, joined once per worker, is joined to each replica's base: a turn
+    whose core refuses its connection goes to the next core's path, and the turns after
+    it too."""
+    other = "http://core-2.test"
+    answer = {"state": "live", "reports": [], "attempts": []}
+    first = respx.post(f"{BASE}/v1/workers/5/turn")
+    first.side_effect = [httpx.Response(200, json=answer), httpx.ConnectError("refused")]
+    second = respx.post(f"{other}/v1/workers/5/turn").mock(
+        return_value=httpx.Response(200, json=answer)
+    )
+
+    async def turns() -> None:
+        async with CoreClient([BASE, other], "t") as core:
+            for _ in range(3):
+                await core.turn(5, Turn())
+
+    _run(turns())
+    assert (first.call_count, second.call_count) == (2, 2)
+
+
+@respx.mock
 def test_cookies_are_read_only_from_answers_that_set_one_and_still_sent_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
