@@ -241,16 +241,23 @@ async def _round(
             total += got[1]
             agent, helpers, attempts = (part * 1000 / n for part in got[2])
             cpu.append((agent, helpers, attempts))
-    _measure_floor(runner, program, n, floor, sandboxed)
+    _measure_floor(runner, program, n, floor, sandboxed, sandboxed_first=True)
 
 
-def _measure_floor(runner: Runner, program: str, n: int, floor: Floor, sandboxed: Floor) -> None:
-    """The bare isolated spawn into ``floor``, then the same with the rest of an
-    attempt's sandbox into ``sandboxed`` (``floor.SANDBOX``)."""
-    if (got := runner.run(PROGRAMS[program], n)) is not None:
-        floor.add(got)
-    if (got := runner.run(PROGRAMS[program], n, sandbox=True)) is not None:
-        sandboxed.add(got)
+def _measure_floor(
+    runner: Runner,
+    program: str,
+    n: int,
+    floor: Floor,
+    sandboxed: Floor,
+    sandboxed_first: bool = False,
+) -> None:
+    """The bare isolated spawn into ``floor`` and the same with the rest of an attempt's
+    sandbox into ``sandboxed`` (``floor.SANDBOX``), the bare first unless
+    ``sandboxed_first`` (a round alternates them)."""
+    for sandbox in (True, False) if sandboxed_first else (False, True):
+        if (got := runner.run(PROGRAMS[program], n, sandbox=sandbox)) is not None:
+            (sandboxed if sandbox else floor).add(got)
 
 
 def _report(

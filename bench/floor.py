@@ -3,8 +3,8 @@ compiled with the host's ``cc`` into a temp folder, spawns a program N times wit
 what a bare isolated spawn needs (fork, a mount namespace with a fresh tmpfs on /tmp,
 setgroups/setgid/setuid to an unprivileged uid, a pooled cgroup v1 slot joined once,
 exec, wait4) and prints the CPU it used (its own and its reaped children's rusage) and
-the wall time; with ``sandbox``, also the rest of the sandbox Cairn's helper gives an
-attempt (``SANDBOX``), to put the attempts' own processes beside. Used by
+the wall time; with ``sandbox``, also the rest of the sandbox Cairn's agent and helper
+give an attempt (``SANDBOX``), to put the attempts' own processes beside. Used by
 bench/attempt_start.py and bench/e2e.py."""
 
 from __future__ import annotations
