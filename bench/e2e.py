@@ -42,8 +42,9 @@ for ``--slots`` at once.
    tmpfs home, which Cairn's agent makes), and the machine against its whole plus the
    queue's floor, what Cairn adds to the sandbox it chose.
 
-The bars (`../shared/DESIGN.md`): >= 1,000 tasks/s; at 500/s p99 <= 50 ms; at 200/s p50
-<= 10 ms. Everything shares the machine's cores: core, PostgreSQL, the agent, its
+The bars (`../shared/DESIGN.md`): created -> process running p50 <= 10 ms at 200/s; per
+task, the agent and its helper at most 1.5x the floor and the machine at most 1.5x the
+whole floor (3). The batches' rate and the other rates' latencies have no bar. Everything shares the machine's cores: core, PostgreSQL, the agent, its
 processes and the load generator.
 """
 
@@ -83,7 +84,8 @@ from services.core import admin
 # a file per task cost each process an inode allocation, 0.5-0.7 ms of CPU here, which is
 # the bench's recording, not the task's start.
 SCRIPT = '#!/bin/bash\nprintf "%s %s\\n" "$CAIRN_TASK_ID" "$EPOCHREALTIME" >> "$E2E_DIR/starts"\n'
-BARS = {"throughput": 1000, "p99_ms_at_500": 50, "p50_ms_at_200": 10}
+#: ``../shared/DESIGN.md``'s bar on this script's figures (its others: the floor's lines)
+BARS = {"p50_ms_at_200": 10}
 
 
 def worker_module() -> str:
@@ -743,7 +745,7 @@ def main() -> None:
     print(f"states of the throughput tasks: {results['states']}; errors {results['errors']}")
     print(
         f"throughput: {t['succeeded']} of {t['tasks']} tasks succeeded in {t['elapsed_s']} s: "
-        f"{t['tasks_per_s']} tasks/s (bar {BARS['throughput']}); load {t['load']}"
+        f"{t['tasks_per_s']} tasks/s (no bar); load {t['load']}"
     )
     print(
         "    CPU ms per task: "
@@ -755,7 +757,9 @@ def main() -> None:
         if key.startswith("rate_"):
             print(
                 f"steady {r['rate']:g}/s (sent at {r['offered_per_s']}/s): {r['accepted']} accepted, {r['started']} started; "
-                f"created -> running p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms; load {r['load']}"
+                f"created -> running p50 {r['p50_ms']} ms"
+                + (f" (bar {BARS['p50_ms_at_200']} ms)" if r["rate"] == 200 else "")
+                + f", p99 {r['p99_ms']} ms, max {r['max_ms']} ms; load {r['load']}"
             )
             print(
                 f"    CPU ms per task over {r['window_s']} s: "
