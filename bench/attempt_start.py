@@ -232,7 +232,7 @@ async def _round(
 ) -> None:
     """Every configuration once for ``program``, its floors before and after them."""
     PROGRAM.path, PROGRAM.args = Path(PROGRAMS[program][0]), PROGRAMS[program][1:]
-    _measure_floor(runner, program, n, floor, sandboxed)
+    runner.run_both(PROGRAMS[program], n, floor, sandboxed)
     for name, isolation, cgroups, mounts in cases:
         for fast in (False, True):
             got = await _case(name, n, root, isolation, cgroups, mounts, fast)
@@ -241,23 +241,7 @@ async def _round(
             total += got[1]
             agent, helpers, attempts = (part * 1000 / n for part in got[2])
             cpu.append((agent, helpers, attempts))
-    _measure_floor(runner, program, n, floor, sandboxed, sandboxed_first=True)
-
-
-def _measure_floor(
-    runner: Runner,
-    program: str,
-    n: int,
-    floor: Floor,
-    sandboxed: Floor,
-    sandboxed_first: bool = False,
-) -> None:
-    """The bare isolated spawn into ``floor`` and the same with the rest of an attempt's
-    sandbox into ``sandboxed`` (``floor.SANDBOX``), the bare first unless
-    ``sandboxed_first`` (a round alternates them)."""
-    for sandbox in (True, False) if sandboxed_first else (False, True):
-        if (got := runner.run(PROGRAMS[program], n, sandbox=sandbox)) is not None:
-            (sandboxed if sandbox else floor).add(got)
+    runner.run_both(PROGRAMS[program], n, floor, sandboxed, sandboxed_first=True)
 
 
 def _report(

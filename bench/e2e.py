@@ -499,7 +499,7 @@ async def against_floor(
     await throughput(stack.core_url, token, artifact, records, 20, base, command[1:])
     _wait_final(stack.database_url, done + 20, 60)
     floor, sandboxed, jobs = Floor(), Floor(), os.cpu_count() or 1
-    _floors(runner, command, count, jobs, floor, sandboxed)
+    runner.run_both(command, count, floor, sandboxed, jobs)
     first = _max_id(stack.database_url) + 1
     before = _cpu_counters(stack, agent_pid)
     turns_before = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
@@ -509,7 +509,7 @@ async def against_floor(
     _wait_final(stack.database_url, done + 20 + count, 600)
     after = _cpu_counters(stack, agent_pid, end=True)
     turns = {**_claim_looks(stack.core_url), "xacts": _xacts(stack.database_url)}
-    _floors(runner, command, count, jobs, floor, sandboxed, sandboxed_first=True)
+    runner.run_both(command, count, floor, sandboxed, jobs, sandboxed_first=True)
     created = _created(stack.database_url, first)
     ended = [f for _, f, s in created.values() if f is not None and s == "succeeded"]
     cpu = {name: (after[name] - before[name]) * 1000 / count for name in after}
@@ -558,24 +558,6 @@ async def against_floor(
         "turns": _turn_counts(turns_before, turns, count),
         "load": _load(),
     }
-
-
-def _floors(
-    runner: Runner,
-    command: tuple[str, ...],
-    count: int,
-    jobs: int,
-    floor: Floor,
-    sandboxed: Floor,
-    sandboxed_first: bool = False,
-) -> None:
-    """``count`` bare isolated spawns of ``command`` into ``floor`` and as many with the
-    rest of an attempt's sandbox into ``sandboxed`` (``floor.SANDBOX``), the bare first
-    unless ``sandboxed_first`` (the caller alternates: neither always runs on the other's
-    warm caches)."""
-    for sandbox in (True, False) if sandboxed_first else (False, True):
-        if (got := runner.run(command, count, jobs, sandbox=sandbox)) is not None:
-            (sandboxed if sandbox else floor).add(got)
 
 
 async def _queue_floor(stack: Stack, count: int) -> dict[str, Any] | None:

@@ -223,8 +223,10 @@ static char child_stack[64 * 1024] __attribute__((aligned(16)));
 
 /* n spawns one after another; each one's wall time into walls (when not NULL), the
  * children's CPU added to *child_us. */
-static void loop(int n, char **argv, char **envp, int null, long long *walls, long long *child_us) {
-    if (keyrings && !seal_keyring()) die("the sealed session keyring");
+static void loop(int n, char **argv, char **envp, int null, long long *walls, long long *child_us,
+                 int forked) {
+    /* a forked loop seals a keyring of its own; the first was sealed by main */
+    if (keyrings && forked && !seal_keyring()) die("the sealed session keyring");
     for (int i = 0; i < n; i++) {
         long long began = now_us();
         struct child c = {argv, envp, null, sandbox && as_root ? make_home() : -1};
@@ -278,7 +280,8 @@ int main(int argc, char **argv) {
         snprintf(home, sizeof home, "%s/home", sandbox);
         snprintf(placeholder, sizeof placeholder, "%s/program", sandbox);
     }
-    /* Whether keyctl answers here; then each loop seals a keyring of its own. */
+    /* Whether keyctl answers here: this process's sealed keyring, the one loop's, or
+     * (-j) each forked loop seals one of its own. */
     keyrings = as_root && sandbox && seal_keyring();
     /* the children's CPU, a counter per loop, shared with the loops' processes */
     long long *child_us = mmap(NULL, (size_t)jobs * sizeof *child_us, PROT_READ | PROT_WRITE,
@@ -287,13 +290,13 @@ int main(int argc, char **argv) {
 
     long long cpu0 = cpu_us(RUSAGE_SELF) + cpu_us(RUSAGE_CHILDREN), began = now_us();
     if (jobs == 1) {
-        loop(n, argv + optind, envp, null, walls, child_us);
+        loop(n, argv + optind, envp, null, walls, child_us, 0);
     } else {
         for (int j = 0; j < jobs; j++) {
             pid_t pid = fork();
             if (pid < 0) die("fork");
             if (pid == 0) {
-                loop(n / jobs + (j < n % jobs), argv + optind, envp, null, NULL, child_us + j);
+                loop(n / jobs + (j < n % jobs), argv + optind, envp, null, NULL, child_us + j, 1);
                 _exit(0);
             }
         }

@@ -169,6 +169,22 @@ class Runner:
         )
         return parse(done.stdout)
 
+    def run_both(
+        self,
+        program: Sequence[str],
+        n: int,
+        floor: Floor,
+        sandboxed: Floor,
+        jobs: int = 1,
+        sandboxed_first: bool = False,
+    ) -> None:
+        """``n`` bare spawns of ``program`` added to ``floor`` and as many with the rest of
+        an attempt's sandbox to ``sandboxed``, the bare first unless ``sandboxed_first``
+        (callers alternate: neither always runs on the other's warm caches)."""
+        for sandbox in (True, False) if sandboxed_first else (False, True):
+            if (got := self.run(program, n, jobs, sandbox=sandbox)) is not None:
+                (sandboxed if sandbox else floor).add(got)
+
     def close(self) -> None:
         self._stack.close()
 

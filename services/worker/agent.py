@@ -254,8 +254,7 @@ class Agent:
         self.held_devices: dict[int, Held] = {}
         self.publishing: asyncio.Handle | None = None  # a write of the board is due
         self.preempt_reasons: dict[int, str] = {}
-        # What the board says this agent holds: each attempt of ``running`` with its pid,
-        # the cgroup and uid of each (``_write_attempts``).
+        # The cgroup and uid of each attempt, as the board says them (``_write_attempts``).
         self.holdings = state.Holdings()
         self._beat = (60.0, 180.0)
         # core's hang bound and how far its stored liveness may lag a turn (registration)
@@ -563,7 +562,6 @@ class Agent:
             if any(assignment.attempt_id in where for where in known):
                 continue  # handed out again (``Turn.holding``), and already here or run
             self.running[assignment.attempt_id] = (assignment, None)
-            self.holdings.hold(assignment.attempt_id)
             fresh.append(assignment)
         if fresh:
             self._publish()
@@ -1002,7 +1000,8 @@ class Agent:
         self._write_attempts()
 
     def _write_attempts(self) -> None:
-        self.board.write_json(self.holdings.encode(os.getpid(), self.seen, self.starting))
+        pids = {a: h.pid if h else 0 for a, (_, h) in self.running.items()}
+        self.board.write_json(self.holdings.encode(os.getpid(), self.seen, pids, self.starting))
 
     # --- one attempt ---
 
@@ -1032,7 +1031,6 @@ class Agent:
             while len(self.ran) > RAN_KEPT:
                 self.ran.popitem(last=False)
             self.running.pop(attempt, None)
-            self.holdings.let_go(attempt)
             self.squeezed.discard(attempt)
             self._publish()
 
@@ -1204,7 +1202,6 @@ class Agent:
         if attempt in self.held_devices:
             self.devices.started(self.held_devices[attempt], handle.pid)
         self.running[attempt] = (assignment, handle)
-        self.holdings.hold(attempt, handle.pid)
         self.started.add(attempt)
         self._publish()
         self.logs.register(self.worker_id, attempt, handle.log)
@@ -1219,7 +1216,6 @@ class Agent:
             # Still ours until core has the report: listed in every heartbeat (the sidecar
             # names all the board holds), its pid 0 now that the id may name another group.
             self.running[attempt] = (assignment, None)
-            self.holdings.hold(attempt)
             self._publish()
             late = await self.logs.finish(attempt)  # the rest of its log, before the report
         finally:

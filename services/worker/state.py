@@ -17,7 +17,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,26 +115,15 @@ class Board:
 
 
 class Holdings:
-    """What the board says the agent holds (``encode``): each attempt's pid (0 while it
-    has none: prepared, or ended and not yet reported; -1 while its process is being
-    started, which the sidecar counts as started), and the cgroup folders and uid of each
-    that has them, which the sidecar kills when the agent is gone. The board is written a
-    few times an attempt, each time whole: with 64 attempts held, building it from the
-    agent's attempts at each write cost 45 µs (their pids read one by one, their folders
-    joined with their keys); here each attempt's part is kept as it changes, its folders
-    encoded once, and a write costs about 20 µs."""
+    """What the board says kills what is left of the agent's attempts: the cgroup folders
+    and uid of each that has them, which the sidecar kills when the agent is gone, kept
+    as they change, each attempt's folders encoded once. The board is written a few
+    times an attempt, each time whole: with 64 attempts held, encoding their folders at
+    each write cost 45 µs; with them kept encoded a write costs about 10 µs (`timeit`, 2026-12-08)."""
 
     def __init__(self) -> None:
-        self._pids: dict[int, int] = {}
         self._cgroups: dict[int, str] = {}  # its entry, encoded: ``"id":["folder",...]``
         self._uids: dict[int, int] = {}
-
-    def hold(self, attempt: int, pid: int = 0) -> None:
-        """The attempt is held, with its process ``pid`` (0: none)."""
-        self._pids[attempt] = pid
-
-    def let_go(self, attempt: int) -> None:
-        self._pids.pop(attempt, None)
 
     def confine(self, attempt: int, folders: Sequence[str] | None, uid: int | None) -> None:
         """What kills what is left of the attempt: its cgroup's ``folders``, its ``uid``."""
@@ -148,10 +137,15 @@ class Holdings:
         self._cgroups.pop(attempt, None)
         self._uids.pop(attempt, None)
 
-    def encode(self, agent_pid: int, seen: int, starting: Collection[int]) -> bytes:
+    def encode(
+        self, agent_pid: int, seen: int, pids: Mapping[int, int], starting: Collection[int]
+    ) -> bytes:
         """The board's value: the agent's pid, the highest attempt id a turn has handed
-        it (``seen``), and what it holds, those ``starting`` as -1."""
-        pids = {**self._pids, **dict.fromkeys(starting, -1)} if starting else self._pids
+        it (``seen``), and each attempt it holds with its process's pid (0 while it has
+        none: prepared, or ended and not yet reported; those ``starting`` -1, which the
+        sidecar counts as started), the cgroups and uids kept here."""
+        if starting:
+            pids = {**pids, **dict.fromkeys(starting, -1)}
         keyed = orjson.OPT_NON_STR_KEYS
         attempts = orjson.dumps(pids, option=keyed).decode()
         uids = orjson.dumps(self._uids, option=keyed).decode()

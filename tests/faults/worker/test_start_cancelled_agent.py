@@ -111,7 +111,7 @@ def test_an_attempt_cancelled_during_its_start_holds_its_slot_and_uid_until_its_
                     board = agent.board.read()
                     assert board["uids"].get(str(assignment.attempt_id)) == uid, board
                     assert str(assignment.attempt_id) in board["cgroups"], board
-                    # the board's attempts are the agent's (``state.Holdings`` in step)
+                    # the board's attempts are the agent's
                     assert set(board["attempts"]) == {str(a) for a in agent.running}, board
                 finally:
                     os.kill(helper.pid, signal.SIGCONT)

@@ -110,16 +110,11 @@ def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:
     board = state.Board.create()
     try:
         held = state.Holdings()
-        for attempt in (6, 7, 8, 9):
-            held.hold(attempt)
-        held.hold(7, 4321)
         held.confine(7, ["/x", '/sys/fs/cgroup/odd "name"/s1'], 60001)
         held.confine(8, None, 60002)
-        held.confine(6, ["/y"], None)
-        held.let_go(6)  # reported: off the board's attempts, its cgroup still to kill
-        held.hold(8, 99)
-        held.hold(8)  # ended: its pid may name another group now
-        board.write_json(held.encode(4242, 9, {9}))
+        held.confine(6, ["/y"], None)  # reported: off the attempts, its cgroup still to kill
+        pids = {7: 4321, 8: 0, 9: 0}  # 8 ended: its pid may name another group now
+        board.write_json(held.encode(4242, 9, pids, {9}))
         assert board.read() == {
             "agent_pid": 4242,
             "seen": 9,
@@ -129,7 +124,7 @@ def test_the_agents_board_is_the_json_the_sidecar_reads() -> None:
         }
         held.unconfine(6)
         held.unconfine(7)
-        board.write_json(held.encode(4242, 10, ()))
+        board.write_json(held.encode(4242, 10, pids, ()))
         assert board.read() == {
             "agent_pid": 4242,
             "seen": 10,
